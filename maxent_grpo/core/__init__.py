@@ -1,0 +1,60 @@
+"""Pure MaxEnt-GRPO math on tensors (``../shared/ALGORITHM.md``).
+
+Everything here imports torch only: no Lightning, no transformers, no files. Shapes use
+one vocabulary: ``B`` prompts, ``G`` generations per prompt, ``T`` completion tokens,
+``V`` vocabulary size. Per-token tensors are ``(B*G, T)`` in prompt-major order.
+"""
+
+from maxent_grpo.core.advantages import group_advantages, zero_std_fraction
+from maxent_grpo.core.control import (
+    BetaUpdate,
+    MetaUpdate,
+    TauUpdate,
+    beta_update,
+    entropy_gate_multiplier,
+    entropy_target_at,
+    meta_update,
+    tau_update,
+)
+from maxent_grpo.core.divergence import clip_fractions, importance_ratio, kl_penalty
+from maxent_grpo.core.listwise import (
+    group_utility,
+    group_weights,
+    maxent_weights,
+    q_distribution,
+    weight_entropy,
+)
+from maxent_grpo.core.logprobs import selective_log_softmax, token_entropy
+from maxent_grpo.core.losses import (
+    clipped_surrogate,
+    listwise_loss,
+    reduce_token_loss,
+    sequence_clip_loss,
+)
+
+__all__ = [
+    "BetaUpdate",
+    "MetaUpdate",
+    "TauUpdate",
+    "beta_update",
+    "clip_fractions",
+    "clipped_surrogate",
+    "entropy_gate_multiplier",
+    "entropy_target_at",
+    "group_advantages",
+    "group_utility",
+    "group_weights",
+    "importance_ratio",
+    "kl_penalty",
+    "listwise_loss",
+    "maxent_weights",
+    "meta_update",
+    "q_distribution",
+    "reduce_token_loss",
+    "selective_log_softmax",
+    "sequence_clip_loss",
+    "tau_update",
+    "token_entropy",
+    "weight_entropy",
+    "zero_std_fraction",
+]

@@ -1,0 +1,1 @@
+"""Lightning-side training code: module, data, callbacks, metrics and types."""
