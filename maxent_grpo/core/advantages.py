@@ -1,0 +1,90 @@
+"""Group-relative advantages (ALGORITHM.md section 1).
+
+Rewards arrive as a ``(B, G)`` tensor: ``B`` prompts, ``G`` completions per prompt, in
+prompt-major order (row ``b`` holds the group of prompt ``b``). Everything is computed in
+the input's floating dtype (float32 or float64) on the input's device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Scale = Literal["group", "batch", "none"]
+_SCALES = ("group", "batch", "none")
+
+
+def check_rewards(rewards: torch.Tensor, *, name: str = "rewards", min_group: int = 1) -> None:
+    """Raise ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor (B >= 1).
+
+    ``min_group`` is the smallest allowed ``G``; ``name`` is the argument name used in the
+    messages. Shared by the listwise module, which validates rewards the same way.
+    """
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape (B, G); got {type(rewards)!r}")
+    if not rewards.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor; got dtype {rewards.dtype}")
+    if rewards.dim() != 2:
+        raise ValueError(f"{name} must have shape (B, G); got shape {tuple(rewards.shape)}")
+    if rewards.shape[0] < 1:
+        raise ValueError(
+            f"{name} must have shape (B, G) with B >= 1; got shape {tuple(rewards.shape)}"
+        )
+    if rewards.shape[1] < min_group:
+        raise ValueError(
+            f"{name} must have shape (B, G) with G >= {min_group}; got shape {tuple(rewards.shape)}"
+        )
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def constant_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """``(B, G) -> (B,)`` bool: True where every reward in the group is exactly equal."""
+    return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def group_advantages(
+    rewards: torch.Tensor, scale: Scale = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages ``(B, G) -> (B, G)``.
+
+    ``A[b, i] = r[b, i] - mean_i r[b, :]``, then by ``scale``:
+
+    - ``"group"``: ``A / (std_i r[b, :] + eps)`` with the unbiased std (ddof = 1) of the group;
+    - ``"batch"``: ``A / (std r + eps)`` with the unbiased std over all ``B*G`` rewards;
+    - ``"none"``: no division (Dr.GRPO).
+
+    A group whose rewards are all exactly equal gets ``A = 0`` exactly (set explicitly, so
+    rounding in the mean cannot leave a tiny residue, and ``eps = 0`` cannot give 0/0).
+
+    Example: ``r = [[1, 0, 0, 1]]`` gives ``±0.8658754297607016`` with ``"group"`` and
+    ``±0.5`` with ``"none"``.
+
+    Raises ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor with
+    ``G >= 2`` (the unbiased std needs two samples), ``scale`` is one of the three literals and
+    ``eps`` is finite and ``>= 0``.
+    """
+    check_rewards(rewards, min_group=2)
+    if scale not in _SCALES:
+        raise ValueError(f"scale must be one of 'group', 'batch', 'none'; got {scale!r}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0; got {eps!r}")
+
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centered = centered / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.std(correction=1) + eps)
+    return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(centered), centered)
+
+
+def zero_std_fraction(rewards: torch.Tensor) -> torch.Tensor:
+    """Fraction of groups whose rewards are all equal: ``(B, G) -> ()`` in the input dtype.
+
+    Such groups carry no learning signal (their advantages are 0); the trainer logs this
+    fraction as ``zero_std_frac``. A group of one completion (``G = 1``) counts as constant.
+    """
+    check_rewards(rewards, min_group=1)
+    return constant_groups(rewards).to(rewards.dtype).mean()

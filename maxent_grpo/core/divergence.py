@@ -1,0 +1,172 @@
+"""Per-token KL estimators, importance ratios and clip statistics (ALGORITHM §2).
+
+Per-token tensors are ``(N, T)`` with ``N = B*G`` prompt-major rows and ``T`` completion
+tokens; ``logps`` are the current policy's log-probabilities of the sampled tokens,
+``old_logps`` the behaviour policy's and ``ref_logps`` the frozen reference model's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["clip_fractions", "importance_ratio", "kl_penalty"]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check_tensor(value: object, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor; got dtype {value.dtype}")
+    return value
+
+
+def _check_same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{b_name} must have the same shape as {a_name} {tuple(a.shape)}; got {tuple(b.shape)}"
+        )
+
+
+def _check_clip_range(eps_low: float, eps_high: float | None) -> float:
+    """Validate ``0 <= eps_low < 1`` and ``eps_high >= 0``; return the effective ``eps_high``."""
+    if isinstance(eps_low, bool) or not isinstance(eps_low, (int, float)):
+        raise ValueError(f"eps_low must be a number in [0, 1); got {eps_low!r}")
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"eps_low must be in [0, 1); got {eps_low!r}")
+    if eps_high is None:
+        return float(eps_low)
+    if isinstance(eps_high, bool) or not isinstance(eps_high, (int, float)):
+        raise ValueError(f"eps_high must be a finite number >= 0 or None; got {eps_high!r}")
+    if not (math.isfinite(eps_high) and eps_high >= 0.0):
+        raise ValueError(f"eps_high must be a finite number >= 0 or None; got {eps_high!r}")
+    return float(eps_high)
+
+
+def _broadcast_advantages(advantages: object, like: torch.Tensor) -> torch.Tensor:
+    """Advantages ``(N,)`` (one per row) or ``(N, T)`` (per token) as an ``(N, T)`` view."""
+    advantages = _check_tensor(advantages, "advantages")
+    if like.dim() != 2:
+        raise ValueError(
+            f"ratio must have shape (N, T) (2 dimensions); got shape {tuple(like.shape)}"
+        )
+    if advantages.shape == like.shape[:1]:
+        return advantages.unsqueeze(-1).expand_as(like)
+    if advantages.shape == like.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must have shape (N,) = {tuple(like.shape[:1])} or (N, T) = "
+        f"{tuple(like.shape)}; got {tuple(advantages.shape)}"
+    )
+
+
+def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of ``KL(pi_theta || pi_ref)`` from sampled-token log-probabilities.
+
+    With ``d = ref_logps - logps`` (tokens sampled from ``pi_theta``):
+
+    - ``k1 = -d``                 (unbiased, can be negative),
+    - ``k2 = d**2 / 2``           (>= 0, biased),
+    - ``k3 = exp(d) - d - 1``     (>= 0, unbiased; the default).
+
+    ``k3`` is computed as ``expm1(d) - d`` for accuracy near ``d = 0``. No clamping is done: a
+    difference above ~88 overflows float32 to ``inf``, which signals a real divergence.
+
+    Args:
+        logps: ``(N, T)`` (any shape) policy log-probabilities, floating.
+        ref_logps: reference log-probabilities, same shape.
+        estimator: one of ``"k1"``, ``"k2"``, ``"k3"``.
+
+    Returns:
+        Tensor of the same shape, differentiable with respect to both inputs.
+    """
+    logps = _check_tensor(logps, "logps")
+    ref_logps = _check_tensor(ref_logps, "ref_logps")
+    _check_same_shape(logps, "logps", ref_logps, "ref_logps")
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of 'k1', 'k2', 'k3'; got {estimator!r}")
+    d = ref_logps - logps
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return torch.expm1(d) - d
+
+
+def importance_ratio(
+    logps: torch.Tensor, old_logps: torch.Tensor, max_log_ratio: float = 20.0
+) -> torch.Tensor:
+    """Importance ratio ``c = exp(clamp(logps - old_logps, -max_log_ratio, max_log_ratio))``.
+
+    The bound only guards ``exp`` against overflow: ``exp(20) ~ 4.9e8`` is far outside any clip
+    range, so for realistic ratios the result is the exact ``exp(logps - old_logps)``. Where the
+    clamp is active the gradient is zero. ``old_logps`` is the behaviour policy and is treated
+    as a constant (detached). With one optimisation pass per rollout
+    ``old_logps = logps.detach()``: the ratio is exactly 1 and its gradient is that of ``logps``.
+
+    Args:
+        logps: ``(N, T)`` (any shape) current-policy log-probabilities, floating.
+        old_logps: behaviour-policy log-probabilities, same shape.
+        max_log_ratio: finite bound ``> 0`` on ``|logps - old_logps|``.
+
+    Returns:
+        Tensor of the same shape.
+    """
+    logps = _check_tensor(logps, "logps")
+    old_logps = _check_tensor(old_logps, "old_logps")
+    _check_same_shape(logps, "logps", old_logps, "old_logps")
+    if (
+        isinstance(max_log_ratio, bool)
+        or not isinstance(max_log_ratio, (int, float))
+        or not math.isfinite(max_log_ratio)
+        or max_log_ratio <= 0
+    ):
+        raise ValueError(f"max_log_ratio must be a finite number > 0; got {max_log_ratio!r}")
+    log_ratio = (logps - old_logps.detach()).clamp(-max_log_ratio, max_log_ratio)
+    return torch.exp(log_ratio)
+
+
+@torch.no_grad()
+def clip_fractions(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fractions of completion tokens whose clipped surrogate is active (for logging).
+
+    Over the tokens with ``mask`` true:
+
+    - low:  ``ratio < 1 - eps_low``  and ``A < 0``;
+    - high: ``ratio > 1 + eps_high`` and ``A > 0``;
+    - total: low + high (the two sets are disjoint).
+
+    Each is ``count / max(mask.sum(), 1)``, so an empty mask gives 0.
+
+    Args:
+        ratio: ``(N, T)`` importance ratios.
+        advantages: ``(N,)`` per row or ``(N, T)`` per token.
+        mask: ``(N, T)`` bool completion mask.
+        eps_low: lower clip width, ``0 <= eps_low < 1``.
+        eps_high: upper clip width ``>= 0``; ``None`` means ``eps_low``.
+
+    Returns:
+        ``(low, high, total)``: three detached 0-d float32 tensors on ``ratio``'s device.
+    """
+    ratio = _check_tensor(ratio, "ratio")
+    adv = _broadcast_advantages(advantages, ratio)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor; got {got}")
+    _check_same_shape(ratio, "ratio", mask, "mask")
+    high_eps = _check_clip_range(eps_low, eps_high)
+    low = (ratio < 1.0 - eps_low) & (adv < 0) & mask
+    high = (ratio > 1.0 + high_eps) & (adv > 0) & mask
+    denom = mask.sum().clamp(min=1).to(torch.float32)
+    low_frac = low.sum().to(torch.float32) / denom
+    high_frac = high.sum().to(torch.float32) / denom
+    return low_frac, high_frac, low_frac + high_frac

@@ -1,0 +1,186 @@
+"""Listwise MaxEnt weights over a prompt group (ALGORITHM.md sections 4.3 and 4.4).
+
+All tensors are ``(B, G)``: ``B`` prompts, ``G`` candidates per prompt (prompt-major rows
+reshaped to one row per group); every softmax runs over ``G``. The weights returned here are
+targets, not functions of the policy: they are computed without autograd and detached.
+
+``ref_seq_logps`` is ``rho_i = sum_t m * logp_ref / max(T_i, 1)``, the length-normalised
+reference log-likelihood of each candidate; the caller computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from maxent_grpo.core.advantages import check_rewards, group_advantages
+
+
+def _check_scalar(name: str, value: float, *, positive: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number ``>= 0`` (``> 0`` if positive)."""
+    bound = "> 0" if positive else ">= 0"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
+
+
+def _check_ref(
+    ref_seq_logps: torch.Tensor | None, like: torch.Tensor, *, coef_name: str, coef: float
+) -> None:
+    """Check ``ref_seq_logps``: required when ``coef > 0``; if given, finite and like-shaped."""
+    if ref_seq_logps is None:
+        if coef > 0:
+            raise ValueError(
+                f"ref_seq_logps is required when {coef_name} > 0 (got {coef_name}={coef!r}); "
+                "pass the length-normalised reference log-likelihoods, shape (B, G)"
+            )
+        return
+    check_rewards(ref_seq_logps, name="ref_seq_logps")
+    if ref_seq_logps.shape != like.shape:
+        raise ValueError(
+            f"ref_seq_logps must have the same shape as the scores {tuple(like.shape)}; "
+            f"got {tuple(ref_seq_logps.shape)}"
+        )
+
+
+def q_distribution(
+    rewards: torch.Tensor, temperature: float = 1.0, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """Reward target over the candidates: ``(B, G) -> (B, G)``, rows summing to 1.
+
+    ``q = softmax_G(r / temperature)``, then the floor ``q <- q * (1 - G*eps') + eps'`` with
+    ``eps' = min(epsilon, 1/G - 1e-8)``, so every ``q >= eps' > 0`` and ``log q`` is finite.
+    Example: ``r = [[1000, 0, 0, 0]]``, ``epsilon = 1e-6`` gives
+    ``q = [1 - 3e-6, 1e-6, 1e-6, 1e-6]``.
+
+    Raises ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor and
+    ``temperature`` and ``epsilon`` are finite and ``> 0``.
+    """
+    check_rewards(rewards)
+    _check_scalar("temperature", temperature, positive=True)
+    _check_scalar("epsilon", epsilon, positive=True)
+    group = rewards.shape[1]
+    floor = min(epsilon, 1.0 / group - 1e-8)
+    q = torch.softmax(rewards / temperature, dim=1)
+    return q * (1.0 - group * floor) + floor
+
+
+def maxent_weights(
+    log_q: torch.Tensor,
+    tau: float,
+    beta: float = 0.0,
+    ref_seq_logps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Closed-form listwise MaxEnt weights: ``(B, G) -> (B, G)``, detached, rows sum to 1.
+
+    ``w = softmax_G((log_q + beta * rho) / (tau + beta))``, i.e.
+    ``w ∝ q^(1/(tau+beta)) * pi_ref^(beta/(tau+beta))`` with ``pi_ref = softmax_G(rho)``.
+    This is the unique maximiser over the simplex of
+    ``<w, log q> + tau * H(w) - beta * KL(w || pi_ref)`` (strictly concave when
+    ``tau + beta > 0``). An earlier public implementation divides by ``tau`` alone; the two
+    agree when ``beta = 0``.
+
+    Raises ``ValueError`` unless ``log_q`` is a finite floating ``(B, G)`` tensor,
+    ``tau >= 0``, ``beta >= 0``, ``tau + beta > 0``, and ``ref_seq_logps`` (``rho``) is given,
+    finite and shaped like ``log_q`` when ``beta > 0``. If given with ``beta = 0`` it is
+    validated but has no effect.
+    """
+    check_rewards(log_q, name="log_q")
+    _check_scalar("tau", tau)
+    _check_scalar("beta", beta)
+    if tau + beta <= 0:
+        raise ValueError(
+            f"tau + beta must be > 0 for the MaxEnt weights; got tau={tau!r}, beta={beta!r}"
+        )
+    _check_ref(ref_seq_logps, log_q, coef_name="beta", coef=beta)
+    with torch.no_grad():
+        logits = log_q.detach()
+        if beta > 0:
+            logits = logits + beta * ref_seq_logps.detach().to(log_q.dtype)
+        return torch.softmax(logits / (tau + beta), dim=1)
+
+
+def group_utility(
+    rewards: torch.Tensor, lengths: torch.Tensor, max_completion_length: int
+) -> torch.Tensor:
+    """Length-weighted group utility for group MaxEnt: ``(B, G) -> (B, G)``.
+
+    ``U_i = A_i * T_i / T_max`` with ``A_i = r_i - mean_group(r)`` (no std scaling; a group of
+    equal rewards gives exactly 0), ``T_i = lengths`` (completion tokens) and
+    ``T_max = max_completion_length``. Computed in the rewards' dtype.
+
+    Raises ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor with
+    ``G >= 2``, ``lengths`` has the same shape with finite values in
+    ``[0, max_completion_length]``, and ``max_completion_length`` is an integer ``>= 1``.
+    """
+    if (
+        not isinstance(max_completion_length, int)
+        or isinstance(max_completion_length, bool)
+        or max_completion_length < 1
+    ):
+        raise ValueError(
+            f"max_completion_length must be an integer >= 1; got {max_completion_length!r}"
+        )
+    advantages = group_advantages(rewards, scale="none")
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != rewards.shape:
+        shape = tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths)
+        raise ValueError(
+            f"lengths must be a tensor with the shape of rewards {tuple(rewards.shape)}; "
+            f"got {shape}"
+        )
+    lengths = lengths.to(rewards.dtype)
+    if not bool(((lengths >= 0) & (lengths <= max_completion_length)).all()):
+        raise ValueError(f"lengths must lie in [0, max_completion_length={max_completion_length}]")
+    return advantages * lengths / max_completion_length
+
+
+def group_weights(
+    utility: torch.Tensor,
+    tau: float,
+    lam: float = 0.0,
+    ref_seq_logps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group MaxEnt weights: ``(B, G) -> (B, G)``, detached, rows sum to 1.
+
+    ``kappa = tau + lam``; ``w = softmax_G((U + lam * rho) / kappa)``. When
+    ``tau = lam = 0`` the limit is taken exactly: ``w`` is uniform over the argmax set
+    ``{i : U_i == max_j U_j}`` of each row (exact float equality decides ties, matching the
+    ``tau -> 0`` limit of the softmax, where tied entries get equal weight). The loss scales
+    row ``i`` by ``G * w_i``; as ``tau -> inf`` this tends to 1 (Dr.GRPO).
+
+    Example: ``A = [.5, -.5, -.5, .5]``, ``T = [3, 2, 3, 1]``, ``T_max = 4``, ``tau = 0.5``,
+    ``lam = 0`` gives ``G * w = [1.8902112237, 0.5415545827, 0.4217631331, 1.1464710605]``.
+
+    Raises ``ValueError`` unless ``utility`` is a finite floating ``(B, G)`` tensor,
+    ``tau >= 0``, ``lam >= 0``, and ``ref_seq_logps`` (``rho``) is given, finite and shaped like
+    ``utility`` when ``lam > 0``.
+    """
+    check_rewards(utility, name="utility")
+    _check_scalar("tau", tau)
+    _check_scalar("lam", lam)
+    _check_ref(ref_seq_logps, utility, coef_name="lam", coef=lam)
+    with torch.no_grad():
+        utility = utility.detach()
+        kappa = tau + lam
+        if kappa == 0:
+            top = utility == utility.amax(dim=1, keepdim=True)
+            return top.to(utility.dtype) / top.sum(dim=1, keepdim=True).to(utility.dtype)
+        logits = utility
+        if lam > 0:
+            logits = logits + lam * ref_seq_logps.detach().to(utility.dtype)
+        return torch.softmax(logits / kappa, dim=1)
+
+
+def weight_entropy(weights: torch.Tensor) -> torch.Tensor:
+    """Entropy of each group's weights: ``(B, G) -> (B,)``, ``H = -sum_i w_i log w_i``.
+
+    Uses ``0 * log 0 = 0``. The tau controller targets the mean of this over groups.
+    Raises ``ValueError`` unless ``weights`` is a finite, non-negative floating ``(B, G)``
+    tensor.
+    """
+    check_rewards(weights, name="weights")
+    if bool((weights < 0).any()):
+        raise ValueError("weights must be non-negative")
+    return -torch.special.xlogy(weights, weights).sum(dim=1)

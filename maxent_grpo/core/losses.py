@@ -1,0 +1,236 @@
+"""Policy losses: clipped surrogate, token-loss reductions and listwise losses (ALGORITHM §2-4).
+
+Per-token tensors are ``(N, T)`` with ``N = B*G`` prompt-major rows and ``T`` completion
+tokens; masks are bool. Sequence-level tensors are ``(B, G)``: one row per prompt group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from maxent_grpo.core.divergence import (
+    _broadcast_advantages,
+    _check_clip_range,
+    _check_same_shape,
+    _check_tensor,
+    importance_ratio,
+)
+
+__all__ = ["clipped_surrogate", "listwise_loss", "reduce_token_loss", "sequence_clip_loss"]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+WEIGHT_SUM_TOL = 1e-4
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+) -> torch.Tensor:
+    """PPO clipped surrogate per token (to be maximised; the loss is its negative).
+
+    ``surr = min(c * A, clip(c, 1 - eps_low, 1 + eps_high) * A)``.
+
+    Args:
+        ratio: ``(N, T)`` importance ratios ``c``.
+        advantages: ``(N,)`` one per row (broadcast over tokens) or ``(N, T)``; used as given
+            (pass detached values).
+        eps_low: lower clip width, ``0 <= eps_low < 1``.
+        eps_high: upper clip width ``>= 0``; ``None`` means ``eps_low``.
+
+    Returns:
+        ``(N, T)`` surrogate, differentiable with respect to ``ratio``.
+    """
+    ratio = _check_tensor(ratio, "ratio")
+    adv = _broadcast_advantages(advantages, ratio)
+    high = _check_clip_range(eps_low, eps_high)
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + high)
+    return torch.minimum(ratio * adv, clipped * adv)
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+def reduce_token_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    max_completion_length: int | None = None,
+    num_global_tokens: int | torch.Tensor | None = None,
+    num_rows: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``L`` of one micro-batch to a scalar (ALGORITHM §3).
+
+    With ``m`` the mask, ``T_i = sum_t m[i, t]`` and ``N = num_rows``:
+
+    - ``"grpo"``:    ``(1/N) sum_i (sum_t m L) / max(T_i, 1)``  (mean of per-row token means);
+    - ``"bnpo"``:    ``sum m L / max(sum m, 1)`` over this tensor (token mean per micro-batch);
+    - ``"dr_grpo"``: ``sum m L / (N * max_completion_length)``;
+    - ``"dapo"``:    ``sum m L / num_global_tokens``.
+
+    ``N`` counts the rows of the whole optimizer-step batch on this rank; it defaults to the rows
+    of ``per_token_loss``. Passing it makes ``grpo``, ``dr_grpo`` and ``dapo`` additive: the sum
+    over micro-batches of their reductions (and of their gradients) equals the reduction of the
+    whole batch. ``bnpo`` is a mean of micro-batch means by definition and ignores ``num_rows``.
+
+    ``num_global_tokens`` is the completion-token count of the optimizer-step batch over all
+    ranks. Distributed data parallel *averages* gradients over ranks, so for the global token
+    mean the caller multiplies the ``dapo`` loss by the world size.
+
+    Masked-out positions are selected away (``where``), not multiplied by 0, so a non-finite
+    value there does not turn the sum into NaN. Keyword arguments a reduction does not use are
+    still validated, then ignored, so a caller may pass all of them.
+
+    Args:
+        per_token_loss: ``(N_mb, T)`` floating.
+        mask: ``(N_mb, T)`` bool completion mask (0/1 numbers are rejected, not converted).
+        loss_type: one of ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``.
+        max_completion_length: ``T_max >= T``; required for ``"dr_grpo"``.
+        num_global_tokens: positive int or 0-d tensor; required for ``"dapo"``. A tensor's value
+            is checked, which syncs with the device once.
+        num_rows: rows ``N >= N_mb`` in the optimizer-step batch.
+
+    Returns:
+        0-d tensor of ``per_token_loss``'s dtype.
+    """
+    loss = _check_tensor(per_token_loss, "per_token_loss")
+    if loss.dim() != 2:
+        raise ValueError(
+            f"per_token_loss must have shape (N, T) (2 dimensions); got shape {tuple(loss.shape)}"
+        )
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor; got {got}")
+    _check_same_shape(loss, "per_token_loss", mask, "mask")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'; got {loss_type!r}"
+        )
+    n_mb, n_tok = loss.shape
+    if num_rows is None:
+        n_rows = max(n_mb, 1)
+    else:
+        n_rows = _check_positive_int(num_rows, "num_rows")
+        if n_rows < n_mb:
+            raise ValueError(
+                f"num_rows must be >= the {n_mb} rows of per_token_loss; got {num_rows}"
+            )
+    if max_completion_length is not None:
+        _check_positive_int(max_completion_length, "max_completion_length")
+        if max_completion_length < n_tok:
+            raise ValueError(
+                f"max_completion_length must be >= the {n_tok} tokens of per_token_loss; "
+                f"got {max_completion_length}"
+            )
+    if num_global_tokens is not None:
+        if isinstance(num_global_tokens, torch.Tensor):
+            if num_global_tokens.dim() != 0 or num_global_tokens.dtype == torch.bool:
+                raise ValueError(
+                    "num_global_tokens must be a positive int or a 0-d numeric tensor; got a "
+                    f"tensor of shape {tuple(num_global_tokens.shape)}, "
+                    f"dtype {num_global_tokens.dtype}"
+                )
+            if not float(num_global_tokens) > 0:
+                raise ValueError(f"num_global_tokens must be > 0; got {float(num_global_tokens)}")
+        else:
+            _check_positive_int(num_global_tokens, "num_global_tokens")
+
+    masked = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    if loss_type == "grpo":
+        row_tokens = mask.sum(dim=-1).clamp(min=1).to(loss.dtype)
+        return (masked.sum(dim=-1) / row_tokens).sum() / n_rows
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1).to(loss.dtype)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("max_completion_length is required for loss_type 'dr_grpo'")
+        return masked.sum() / (n_rows * max_completion_length)
+    # dapo
+    if num_global_tokens is None:
+        raise ValueError("num_global_tokens is required for loss_type 'dapo'")
+    if isinstance(num_global_tokens, torch.Tensor):
+        return masked.sum() / num_global_tokens.to(device=loss.device, dtype=loss.dtype)
+    return masked.sum() / num_global_tokens
+
+
+def _check_group_weights(
+    seq_logps: object, weights: object, seq_name: str = "seq_logps"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(B, G)`` scores and weights on the simplex; return them (weights detached)."""
+    scores = _check_tensor(seq_logps, seq_name)
+    if scores.dim() != 2 or scores.shape[0] == 0 or scores.shape[1] == 0:
+        raise ValueError(
+            f"{seq_name} must have shape (B, G) with B, G >= 1; got shape {tuple(scores.shape)}"
+        )
+    w = _check_tensor(weights, "weights")
+    _check_same_shape(scores, seq_name, w, "weights")
+    w = w.detach()
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError("weights must be finite and non-negative")
+    row_sums = w.sum(dim=-1)
+    worst = float((row_sums - 1.0).abs().max())
+    if worst > WEIGHT_SUM_TOL:
+        raise ValueError(
+            f"weights must sum to 1 over each group (within {WEIGHT_SUM_TOL}); "
+            f"largest deviation {worst:.3g}"
+        )
+    return scores, w.to(scores.dtype)
+
+
+def listwise_loss(seq_logps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Listwise cross-entropy between target weights and the policy over each group's candidates.
+
+    ``loss = mean_b ( -sum_i w[b, i] * log_softmax_G(s)[b, i] )``, ``s = seq_logps``.
+
+    Per group the gradient on ``s`` is ``p - w`` with ``p = softmax_G(s)``, so the gradient of
+    the mean is ``(p - w) / B``. For the length-normalised variant pass ``s_i / T_i``.
+
+    Args:
+        seq_logps: ``(B, G)`` sequence log-probabilities ``s_i = sum_t m l``.
+        weights: ``(B, G)`` target weights, non-negative, each row summing to 1 (within 1e-4);
+            treated as constants (detached).
+
+    Returns:
+        0-d tensor, differentiable with respect to ``seq_logps``.
+    """
+    scores, w = _check_group_weights(seq_logps, weights)
+    return -(w * torch.log_softmax(scores, dim=-1)).sum(dim=-1).mean()
+
+
+def sequence_clip_loss(
+    seq_logps: torch.Tensor,
+    old_seq_logps: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    max_log_ratio: float = 20.0,
+) -> torch.Tensor:
+    """Optional sequence-level clipped term of listwise MaxEnt-GRPO (ALGORITHM §4.3 step 4).
+
+    ``a_hat = w - 1/G``, ``ratio = exp(clamp(s - s_old, -max_log_ratio, max_log_ratio))``,
+    ``term = -mean_b sum_i min(ratio * a_hat, clip(ratio, 1 - eps_low, 1 + eps_high) * a_hat)``.
+
+    At ``s_old = s`` the value is 0 (``a_hat`` sums to 0 per group) while the gradient on ``s``
+    is ``-a_hat / B``.
+
+    Args:
+        seq_logps: ``(B, G)`` current sequence log-probabilities.
+        old_seq_logps: ``(B, G)`` behaviour-policy sequence log-probabilities (detached).
+        weights: ``(B, G)`` target weights on the simplex (detached).
+        eps_low, eps_high: clip widths as in :func:`clipped_surrogate`.
+        max_log_ratio: overflow bound as in :func:`~maxent_grpo.core.divergence.importance_ratio`.
+
+    Returns:
+        0-d tensor.
+    """
+    scores, w = _check_group_weights(seq_logps, weights)
+    old = _check_tensor(old_seq_logps, "old_seq_logps")
+    _check_same_shape(scores, "seq_logps", old, "old_seq_logps")
+    a_hat = w - 1.0 / scores.shape[1]
+    ratio = importance_ratio(scores, old, max_log_ratio)
+    return -clipped_surrogate(ratio, a_hat, eps_low, eps_high).sum(dim=-1).mean()
