@@ -1,0 +1,61 @@
+"""The documented dataclasses of a training step: the data contract between components.
+
+Submodules:
+    :mod:`~maxent_grpo.training.types.rewards` — rollout, reward, target and scoring data
+    (``GenerationBatch``, ``SequenceScores``, ``RewardMoments``, …);
+    :mod:`~maxent_grpo.training.types.logging` — scalar bundles and the ``MetricWriter``
+    protocol; :mod:`~maxent_grpo.training.types.runtime` — job-long handles and grouped loop
+    settings (typed views of what Lightning owns).
+
+Importing this package loads torch but neither Lightning nor transformers.
+"""
+
+from __future__ import annotations
+
+from maxent_grpo.training.types.logging import (
+    LoggingConfigView,
+    LogStepArtifacts,
+    LossScalarBundle,
+    MetricWriter,
+    TokenUsageStats,
+    TrainingScalarStats,
+)
+from maxent_grpo.training.types.rewards import (
+    AdvantageStats,
+    BatchingSettings,
+    GenerationBatch,
+    PromptCacheEntry,
+    PromptCompletionBatch,
+    QDistribution,
+    RewardComponentStats,
+    RewardMoments,
+    SequenceScores,
+)
+from maxent_grpo.training.types.runtime import (
+    ControllerPaths,
+    LoopSettings,
+    OptimizationSettings,
+    RuntimeHandles,
+)
+
+__all__ = [
+    "AdvantageStats",
+    "BatchingSettings",
+    "ControllerPaths",
+    "GenerationBatch",
+    "LogStepArtifacts",
+    "LoggingConfigView",
+    "LoopSettings",
+    "LossScalarBundle",
+    "MetricWriter",
+    "OptimizationSettings",
+    "PromptCacheEntry",
+    "PromptCompletionBatch",
+    "QDistribution",
+    "RewardComponentStats",
+    "RewardMoments",
+    "RuntimeHandles",
+    "SequenceScores",
+    "TokenUsageStats",
+    "TrainingScalarStats",
+]

@@ -1,0 +1,246 @@
+"""Logging data of a training step: scalar bundles, their flat views and the writer protocol.
+
+The LightningModule builds these at the end of an optimizer step from values that are
+already reduced over micro-batches and ranks; the logger (``LightningModule.log_dict`` or a
+:class:`MetricWriter`) consumes their flat ``as_dict()`` views.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "LogStepArtifacts",
+    "LoggingConfigView",
+    "LossScalarBundle",
+    "MetricWriter",
+    "TokenUsageStats",
+    "TrainingScalarStats",
+]
+
+
+@dataclass
+class TokenUsageStats:
+    """Token counts of one optimizer step.
+
+    Computed by the ``TokenUsage`` torchmetric from the completion masks and prompt
+    attention masks; consumed by :class:`TrainingScalarStats` and logging.
+
+    Attributes:
+        avg_completion_tokens: mean completion length ``mean_i T_i`` over the B*G rows.
+        num_completion_tokens: total completion tokens ``sum_i T_i`` (all ranks).
+        num_input_tokens: total tokens fed to the model (prompt + completion, all ranks).
+
+    All three must be >= 0.
+    """
+
+    avg_completion_tokens: float
+    num_completion_tokens: float
+    num_input_tokens: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value < 0:
+                raise ValueError(f"{f.name} must be >= 0; got {value}")
+
+    def as_dict(self) -> dict[str, float]:
+        """``{"avg_completion_tokens": …, "num_completion_tokens": …, "num_input_tokens": …}``."""
+        return asdict(self)
+
+
+@dataclass
+class TrainingScalarStats:
+    """Step-level scalars that are not losses: reference log-prob, tokens, lr, grad norm, ….
+
+    Built by the LightningModule after each optimizer step (lr from the Lightning
+    scheduler, grad norm from the strategy's clipping); consumed by logging.
+
+    Attributes:
+        ref_logp_mean: mean length-normalised reference log-likelihood ``mean_i rho_i``.
+        tokens: the step's :class:`TokenUsageStats`.
+        current_lr: the learning rate used for this step.
+        grad_norm_scalar: total gradient norm before clipping, or ``None`` if not measured.
+        epoch_progress: fractional epoch, ``epoch + batch_idx / batches_per_epoch``.
+        vllm_latency_ms: the rollout engine's generation latency in ms (any engine, not only
+            vLLM), or ``None``.
+        policy_entropy: mean token entropy of the policy, if computed.
+        entropy_bonus_coef: the effective entropy coefficient ``alpha_eff``, if used.
+        entropy_bonus_reward_std: reward std seen by the entropy-bonus gate, if used.
+    """
+
+    ref_logp_mean: float
+    tokens: TokenUsageStats
+    current_lr: float
+    grad_norm_scalar: float | None
+    epoch_progress: float
+    vllm_latency_ms: float | None
+    policy_entropy: float | None = None
+    entropy_bonus_coef: float | None = None
+    entropy_bonus_reward_std: float | None = None
+
+    @property
+    def avg_completion_tokens(self) -> float:
+        """``tokens.avg_completion_tokens`` (read-only)."""
+        return self.tokens.avg_completion_tokens
+
+    @property
+    def num_completion_tokens(self) -> float:
+        """``tokens.num_completion_tokens`` (read-only)."""
+        return self.tokens.num_completion_tokens
+
+    @property
+    def num_input_tokens(self) -> float:
+        """``tokens.num_input_tokens`` (read-only)."""
+        return self.tokens.num_input_tokens
+
+
+@dataclass
+class LossScalarBundle:
+    """Scalar values of the loss terms of one optimizer step (detached floats).
+
+    Returned by the objective alongside the differentiable loss; consumed by logging via
+    :class:`LogStepArtifacts`.
+
+    Attributes:
+        total_loss: the optimised loss.
+        policy_loss: the policy (surrogate or listwise cross-entropy) term.
+        clip_loss: the sequence-level clip term, or ``None`` when the objective has none.
+        kl_loss: the token-mean KL to the reference (unweighted).
+        weighted_kl_loss: ``beta * kl_loss``, the KL term as it enters ``total_loss``.
+    """
+
+    total_loss: float
+    policy_loss: float
+    clip_loss: float | None
+    kl_loss: float
+    weighted_kl_loss: float
+
+    def as_dict(self) -> dict[str, float | None]:
+        """All five fields by name, in field order; ``clip_loss`` may be ``None``."""
+        return asdict(self)
+
+
+def _scalar(key: str, value: Any) -> float:
+    """``value`` as a Python float; a one-element tensor is read with ``.item()``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{key} must be a scalar; got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise ValueError(f"{key} must be a real number or a one-element tensor; got {value!r}")
+
+
+@dataclass
+class LogStepArtifacts:
+    """Everything the logger needs from one optimizer step, with a flat scalar view.
+
+    Built by the LightningModule after the optimizer step; :meth:`as_dict` feeds
+    ``LightningModule.log_dict`` or a :class:`MetricWriter`.
+
+    Attributes:
+        loss_outputs: a :class:`LossScalarBundle` or a mapping ``name -> scalar``.
+        diagnostics: mapping ``name -> scalar`` (nested mappings allowed), e.g. clip
+            fractions, KL, weight entropy; keys should already carry their namespace
+            (``"clip/low_frac"``).
+        grad_norm_scalar: total gradient norm, or ``None`` if not measured.
+        epoch_progress: fractional epoch.
+    """
+
+    loss_outputs: LossScalarBundle | Mapping[str, Any]
+    diagnostics: Mapping[str, Any]
+    grad_norm_scalar: float | None
+    epoch_progress: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.loss_outputs, LossScalarBundle | Mapping):
+            raise TypeError(
+                "loss_outputs must be a LossScalarBundle or a mapping; "
+                f"got {type(self.loss_outputs).__name__}"
+            )
+        if not isinstance(self.diagnostics, Mapping):
+            raise TypeError(f"diagnostics must be a mapping; got {type(self.diagnostics).__name__}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """One flat ``{key: float}`` dict; entries whose value is ``None`` are left out.
+
+        Keys:
+            - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed:
+              ``loss/total``, ``loss/policy``, ``loss/clip``, ``loss/kl``,
+              ``loss/weighted_kl`` for a :class:`LossScalarBundle`;
+            - each diagnostics key unchanged; a nested mapping is joined with ``"/"``
+              (``{"clip": {"low_frac": x}}`` -> ``"clip/low_frac"``);
+            - ``"grad_norm"`` and ``"epoch_progress"``.
+
+        Values are Python floats (one-element tensors are read with ``.item()``). A key
+        produced twice raises ValueError; a non-scalar value raises ValueError naming it.
+        """
+        out: dict[str, Any] = {}
+
+        def put(key: str, value: Any) -> None:
+            if value is None:
+                return
+            if key in out:
+                raise ValueError(f"LogStepArtifacts.as_dict: key {key!r} is produced twice")
+            out[key] = _scalar(key, value)
+
+        losses = self.loss_outputs
+        loss_items = losses.as_dict() if isinstance(losses, LossScalarBundle) else losses
+        for name, value in loss_items.items():
+            put("loss/" + name.removesuffix("_loss"), value)
+
+        def walk(prefix: str, mapping: Mapping[str, Any]) -> None:
+            for name, value in mapping.items():
+                key = f"{prefix}/{name}" if prefix else str(name)
+                if isinstance(value, Mapping):
+                    walk(key, value)
+                else:
+                    put(key, value)
+
+        walk("", self.diagnostics)
+        put("grad_norm", self.grad_norm_scalar)
+        put("epoch_progress", self.epoch_progress)
+        return out
+
+
+@dataclass
+class LoggingConfigView:
+    """The configuration the logger reads to label and gate metrics (a read-only view).
+
+    Built once by the LightningModule from the objective's hyper-parameters; consumed by
+    logging (e.g. to log tau/beta only when weighting uses them, clip fractions only when
+    clipping is on).
+
+    Attributes:
+        weighting: the objective's weighting settings (tau, beta, q temperature, …).
+        clipping: the clipping settings (epsilon low/high, sequence clip coefficient).
+        schedule: the optimisation schedule (lr, warm-up, total steps).
+    """
+
+    weighting: Any
+    clipping: Any
+    schedule: Any
+
+
+@runtime_checkable
+class MetricWriter(Protocol):
+    """Anything that accepts flat metric dicts; a TensorBoard-backed writer satisfies it.
+
+    Consumed by the LightningModule/callbacks to write :meth:`LogStepArtifacts.as_dict`
+    outside Lightning's own logger (e.g. evaluation scripts). ``isinstance(x, MetricWriter)``
+    checks only that ``log`` and ``flush`` exist.
+    """
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Record ``metrics`` (flat ``name -> scalar``) at global step ``step``."""
+        ...
+
+    def flush(self) -> None:
+        """Write buffered metrics to their destination."""
+        ...
