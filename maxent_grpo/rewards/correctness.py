@@ -1,0 +1,122 @@
+"""Correctness rewards: is the final answer right?
+
+Both read the final answer with :func:`~maxent_grpo.rewards.parsing.extract_answer` (last
+``<answer>...</answer>`` block, else last balanced ``\\boxed{...}``); a completion without
+one scores 0.0. A row whose reference columns hold ``None`` scores ``None`` (not
+applicable); a missing column raises ``ValueError`` (the reward does not fit the task).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from maxent_grpo.rewards.parsing import completion_text, extract_answer, require_column
+from maxent_grpo.rewards.registry import register_reward
+from maxent_grpo.tasks.countdown import check_countdown
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Per-call timeout of math-verify's parse/verify in the main thread. math-verify times out
+with ``signal.alarm``, which only works there; in other threads it runs without a timeout."""
+
+_SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
+
+
+def _collapse(text: str) -> str:
+    return " ".join(text.split())
+
+
+@register_reward("accuracy")
+def accuracy_reward(
+    prompts: list,
+    completions: list,
+    answer: list | None = None,
+    **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the final answer equals the ``answer`` column mathematically, else 0.0.
+
+    Both sides go through math-verify (``parse``, then ``verify(gold, prediction)``), so
+    ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. When math-verify extracts nothing from
+    either side (e.g. the reference is a word), the two strings are compared exactly after
+    collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
+
+    >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],
+    ...                 answer=["1/2"])
+    [1.0]
+    >>> accuracy_reward(["What is 1/2?"], ["<think>hmm</think><answer>2</answer>"],
+    ...                 answer=["1/2"])
+    [0.0]
+    """
+    from math_verify import parse, verify  # slow import, only when the reward is used
+
+    golds = require_column("accuracy", "answer", answer, len(completions))
+    timeout = (
+        MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    )
+    parsed_golds: dict[str, list] = {}
+    scores: list[float | None] = []
+    for completion, gold in zip(completions, golds, strict=True):
+        if gold is None or not str(gold).strip():
+            scores.append(None)
+            continue
+        gold = str(gold).strip()
+        prediction = extract_answer(completion_text(completion))
+        if prediction is None:
+            scores.append(0.0)
+            continue
+        if gold not in parsed_golds:
+            parsed_golds[gold] = parse(gold, parsing_timeout=timeout)
+        gold_parsed = parsed_golds[gold]
+        prediction_parsed = parse(prediction, parsing_timeout=timeout)
+        if gold_parsed and prediction_parsed:
+            correct = verify(gold_parsed, prediction_parsed, timeout_seconds=timeout)
+        else:
+            correct = _collapse(gold) == _collapse(prediction)
+        scores.append(1.0 if correct else 0.0)
+    return scores
+
+
+def _countdown_expression(answer: str, target: int) -> str | None:
+    """The expression part of a countdown answer, with ×, ÷, \\times, \\div, \\cdot
+    read as * and /; an ``expr = target`` answer keeps ``expr`` (None when the right-hand
+    side is not the target)."""
+    for symbol, op in _SYMBOLS.items():
+        answer = answer.replace(symbol, op)
+    if answer.count("=") == 1:
+        answer, rhs = answer.split("=")
+        if rhs.strip() != str(target):
+            return None
+    return answer
+
+
+@register_reward("countdown")
+def countdown_reward(
+    prompts: list,
+    completions: list,
+    numbers: list | None = None,
+    target: list | None = None,
+    **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the final answer is an expression that reaches ``target`` using each of
+    ``numbers`` at most once (:func:`maxent_grpo.tasks.countdown.check_countdown`), else
+    0.0; ``None`` for a row whose ``numbers`` or ``target`` is ``None``.
+
+    >>> countdown_reward(["..."], ["<think>8*2</think><answer>(3 + 5) * 2</answer>"],
+    ...                  numbers=[[2, 3, 5]], target=[16])
+    [1.0]
+    >>> countdown_reward(["..."], ["<think>5*3+3</think><answer>5 * 3 + 3</answer>"],
+    ...                  numbers=[[2, 3, 5]], target=[18])
+    [0.0]
+    """
+    n = len(completions)
+    all_numbers = require_column("countdown", "numbers", numbers, n)
+    targets = require_column("countdown", "target", target, n)
+    scores: list[float | None] = []
+    for completion, row_numbers, row_target in zip(completions, all_numbers, targets, strict=True):
+        if row_numbers is None or row_target is None:
+            scores.append(None)
+            continue
+        answer = extract_answer(completion_text(completion))
+        expression = None if answer is None else _countdown_expression(answer, row_target)
+        ok = expression is not None and check_countdown(expression, list(row_numbers), row_target)
+        scores.append(1.0 if ok else 0.0)
+    return scores

@@ -1,0 +1,89 @@
+"""Reading completions: the text of a completion and the final answer inside it."""
+
+from __future__ import annotations
+
+import re
+
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED_OPEN = re.compile(r"\\boxed\s*\{")
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of one completion: a plain string, or the ``"content"`` of the last message
+    of a TRL conversational completion (a list of ``{"role", "content"}`` dicts).
+
+    >>> completion_text([{"role": "assistant", "content": "hi"}])
+    'hi'
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        if isinstance(content, str):
+            return content
+    raise ValueError(
+        "completions must hold str or non-empty lists of message dicts whose last "
+        f"'content' is a str; got {completion!r:.200}"
+    )
+
+
+def prompt_opens_think(prompt: object) -> bool:
+    """True when a plain-string prompt ends with ``<think>`` (trailing whitespace aside), as
+    chat templates of reasoning models do; the completion then starts inside the block."""
+    return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` whose braces balance, or None.
+
+    >>> last_boxed(r"so \\boxed{\\frac{1}{2}}.")
+    '\\\\frac{1}{2}'
+    """
+    opens = {m.end() - 1 for m in _BOXED_OPEN.finditer(text)}  # positions of their "{"
+    stack: list[int] = []
+    found: tuple[int, int] | None = None  # (start, end) of the latest-starting closed box
+    for pos, char in enumerate(text):
+        if char == "{":
+            stack.append(pos)
+        elif char == "}" and stack:
+            start = stack.pop()
+            if start in opens and (found is None or start > found[0]):
+                found = (start + 1, pos)
+    return None if found is None else text[found[0] : found[1]]
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion, stripped, or None when it gives none.
+
+    The content of the last ``<answer>...</answer>`` block wins; otherwise the content of
+    the last balanced ``\\boxed{...}``. A ``\\boxed{...}`` inside the chosen answer block is
+    unwrapped.
+
+    >>> extract_answer("<think>2+2</think><answer> \\\\boxed{4} </answer>")
+    '4'
+    >>> extract_answer("no final answer") is None
+    True
+    """
+    blocks = _ANSWER_BLOCK.findall(text)
+    if blocks:
+        answer = blocks[-1]
+        boxed = last_boxed(answer)
+        return (boxed if boxed is not None else answer).strip()
+    boxed = last_boxed(text)
+    return None if boxed is None else boxed.strip()
+
+
+def require_column(reward: str, name: str, values: list | None, n: int) -> list:
+    """The column ``name`` for reward ``reward``; ValueError when it is absent or not one
+    value per completion (``n`` completions)."""
+    if values is None:
+        raise ValueError(
+            f"reward {reward!r} needs the dataset column {name!r}; the rows have no such column"
+        )
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(
+            f"reward {reward!r}: column {name!r} must be a list with one value per "
+            f"completion ({n}); got {got}"
+        )
+    return list(values)

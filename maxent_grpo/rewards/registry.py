@@ -1,0 +1,78 @@
+"""The reward registry: names (as written in configs) to reward functions.
+
+A reward function follows the TRL convention
+``fn(prompts, completions, **columns) -> list[float | None]``: one value per completion,
+``None`` meaning "does not apply to this row". ``columns`` are the dataset's other columns
+repeated per completion; a function takes the ones it needs by name and must accept and
+ignore the rest through ``**kwargs``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+RewardFn = Callable[..., list]
+
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a function to :data:`REWARDS` under ``name``.
+
+    A name already taken by another function raises ``ValueError`` (re-importing the same
+    module, e.g. ``importlib.reload``, replaces the entry).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str; got {name!r}")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} must be callable; got {type(fn)!r}")
+        old = REWARDS.get(name)
+        reloaded = old is not None and (old.__module__, old.__qualname__) == (
+            getattr(fn, "__module__", None),
+            getattr(fn, "__qualname__", None),
+        )
+        if old is not None and old is not fn and not reloaded:
+            raise ValueError(f"a reward named {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def list_rewards() -> list[str]:
+    """Registered reward names, sorted."""
+    return sorted(REWARDS)
+
+
+def get_reward(name_or_callable: str | RewardFn) -> RewardFn:
+    """The reward function for a registered name, a ``"package.module:function"`` path, or a
+    callable (returned unchanged).
+
+    >>> get_reward("format").__name__
+    'format_reward'
+    """
+    if callable(name_or_callable):
+        return name_or_callable
+    if not isinstance(name_or_callable, str):
+        raise ValueError(
+            f"reward must be a registered name, 'module:function' or a callable; "
+            f"got {name_or_callable!r}"
+        )
+    if name_or_callable in REWARDS:
+        return REWARDS[name_or_callable]
+    if ":" in name_or_callable:
+        module_name, _, attr = name_or_callable.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"cannot import reward {name_or_callable!r}: {err}") from err
+        if not callable(fn):
+            raise ValueError(f"reward {name_or_callable!r} is not callable")
+        return fn
+    raise ValueError(
+        f"reward must be one of {', '.join(map(repr, list_rewards()))} or a "
+        f"'module:function' path; got {name_or_callable!r}"
+    )

@@ -1,0 +1,180 @@
+"""Countdown: combine the given numbers with + - * / to reach a target.
+
+Generation builds the target *from* the numbers, so every prompt is solvable: a random
+binary expression tree over all the numbers (in random order, random operators) is
+evaluated with exact :class:`fractions.Fraction` arithmetic, and the draw is repeated
+until the value is a positive integer (no division by zero, no fraction, optional upper
+bound ``max_target``). The expression is the row's ``answer``; other solutions may exist
+and :func:`check_countdown` accepts any of them.
+
+Rules enforced by :func:`check_countdown` (the verifier shared with the ``countdown``
+reward):
+
+- the expression is parsed with :mod:`ast` (never ``eval``) and may contain only integer
+  literals, the binary operators ``+ - * /`` and parentheses; unary minus or plus,
+  ``**``, ``//``, floats, names, calls, ... make it invalid;
+- every literal must be one of the given numbers, each given number used **at most once**
+  (multiset inclusion; using all of them is not required);
+- the value, computed exactly with fractions, must equal the target; a division by zero
+  makes the expression invalid.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections import Counter
+from fractions import Fraction
+
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
+
+MAX_EXPRESSION_CHARS = 1000
+"""Longer answer strings are rejected before parsing (bounds the parser's work)."""
+
+_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_MAX_DRAWS = 10_000
+
+
+def _apply(op: str, left: Fraction, right: Fraction) -> Fraction:
+    if op == "+":
+        return left + right
+    if op == "-":
+        return left - right
+    if op == "*":
+        return left * right
+    return left / right  # ZeroDivisionError is handled by the callers
+
+
+def _literals(tree: ast.Expression) -> list[int] | None:
+    """The integer literals of ``tree``, or None when it contains any other kind of node."""
+    found: list[int] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, bool) or not isinstance(node.value, int):
+                return None
+            found.append(node.value)
+        elif isinstance(node, ast.BinOp):
+            if type(node.op) not in _OPERATORS:
+                return None
+        elif not isinstance(node, (ast.Expression, *_OPERATORS)):
+            return None
+    return found
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    assert isinstance(node, ast.BinOp)  # guaranteed by _literals
+    return _apply(_OPERATORS[type(node.op)], _evaluate(node.left), _evaluate(node.right))
+
+
+def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
+    """True when ``expression`` uses each of ``numbers`` at most once and equals ``target``.
+
+    Safe for any string: it is parsed with :mod:`ast` and only integer literals,
+    ``+ - * /`` and parentheses are accepted (no unary minus); nothing is executed.
+
+    >>> check_countdown("(3 + 5) * 2", [2, 3, 5], 16)
+    True
+    >>> check_countdown("3 * 5 + 3", [2, 3, 5], 18)  # 3 used twice
+    False
+    """
+    if isinstance(target, bool) or not isinstance(target, int):
+        raise ValueError(f"target must be an int; got {target!r}")
+    if not isinstance(numbers, (list, tuple)) or any(
+        isinstance(n, bool) or not isinstance(n, int) for n in numbers
+    ):
+        raise ValueError(f"numbers must be a list of ints; got {numbers!r}")
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+        return False
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    used = _literals(tree)
+    if used is None or not used:
+        return False
+    if Counter(used) - Counter(numbers):  # some literal is not available often enough
+        return False
+    try:
+        value = _evaluate(tree.body)
+    except ZeroDivisionError:
+        return False
+    return value == target
+
+
+def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fraction]:
+    """Combine all ``numbers`` pairwise in random order with random operators.
+
+    Raises ZeroDivisionError when a division by zero is drawn (the caller redraws).
+    """
+    items: list[tuple[str, Fraction, bool]] = [(str(n), Fraction(n), True) for n in numbers]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        (left, lval, lleaf), (right, rval, rleaf) = items[i], items[j]
+        op = rng.choice("+-*/")
+        value = _apply(op, lval, rval)
+        text = f"{left if lleaf else f'({left})'} {op} {right if rleaf else f'({right})'}"
+        items = [item for k, item in enumerate(items) if k not in (i, j)]
+        items.append((text, value, False))
+    return items[0][0], items[0][1]
+
+
+def countdown(
+    num_rows: int,
+    seed: int,
+    *,
+    num_numbers: int = 4,
+    min_value: int = 1,
+    max_value: int = 20,
+    max_target: int | None = None,
+) -> list[dict]:
+    """``num_rows`` countdown prompts drawn from ``random.Random(seed)``.
+
+    Each row: ``prompt`` (user message), ``answer`` (one valid expression), ``task``
+    (``"countdown"``), ``numbers`` (``num_numbers`` ints drawn uniformly from
+    ``[min_value, max_value]``, repeats possible) and ``target`` (positive int, at most
+    ``max_target`` when given). Row ``i`` depends only on the seed and ``i``, so a longer
+    list with the same seed starts with the shorter one.
+    """
+    check_int("num_rows", num_rows, minimum=1)
+    check_int("seed", seed, minimum=0)
+    check_int("num_numbers", num_numbers, minimum=2, maximum=6)
+    check_int("min_value", min_value, minimum=0)
+    check_int("max_value", max_value, minimum=max(min_value, 1))
+    if max_target is not None:
+        check_int("max_target", max_target, minimum=1)
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    for _ in range(num_rows):
+        for _ in range(_MAX_DRAWS):
+            numbers = [rng.randint(min_value, max_value) for _ in range(num_numbers)]
+            try:
+                expression, value = _random_expression(rng, numbers)
+            except ZeroDivisionError:
+                continue
+            if value.denominator == 1 and value > 0 and (max_target is None or value <= max_target):
+                break
+        else:
+            raise ValueError(
+                f"countdown could not draw a positive integer target <= {max_target} from "
+                f"numbers in [{min_value}, {max_value}] in {_MAX_DRAWS} tries; widen "
+                "max_target or the value range"
+            )
+        target = int(value)
+        prompt = (
+            f"Using the numbers {numbers}, write an arithmetic expression that equals "
+            f"{target}. You may use +, -, *, / and parentheses, and each number at most "
+            f"once. {ANSWER_INSTRUCTION} The answer is the expression only, for example "
+            "<answer>(1 + 2) * 3</answer>."
+        )
+        rows.append(
+            {
+                "prompt": prompt,
+                "answer": expression,
+                "task": "countdown",
+                "numbers": numbers,
+                "target": target,
+            }
+        )
+    return rows

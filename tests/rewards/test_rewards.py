@@ -1,0 +1,307 @@
+"""Reward functions, the registry and score_completions (ALGORITHM.md section 1)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import math
+
+import pytest
+import torch
+
+from maxent_grpo.rewards import (
+    REWARDS,
+    RewardFunctionError,
+    accuracy_reward,
+    answer_format_reward,
+    countdown_reward,
+    extract_answer,
+    format_reward,
+    get_reward,
+    list_rewards,
+    register_reward,
+    score_completions,
+    tag_count_reward,
+)
+
+REWARD_MODULES = [
+    "maxent_grpo.rewards.registry",
+    "maxent_grpo.rewards.parsing",
+    "maxent_grpo.rewards.correctness",
+    "maxent_grpo.rewards.shaping",
+    "maxent_grpo.rewards.scoring",
+]
+
+
+@pytest.mark.parametrize("module", REWARD_MODULES)
+def test_docstring_examples(module: str) -> None:
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_every_registered_reward_documents_a_pass_and_a_fail() -> None:
+    for name, fn in REWARDS.items():
+        examples = doctest.DocTestParser().get_examples(fn.__doc__ or "")
+        wants = [ex.want.strip() for ex in examples]
+        assert "[1.0]" in wants and "[0.0]" in wants, name
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry() -> None:
+    assert list_rewards() == ["accuracy", "answer_format", "countdown", "format", "tag_count"]
+    assert get_reward("format") is format_reward
+    assert get_reward(tag_count_reward) is tag_count_reward
+    assert get_reward("maxent_grpo.rewards.shaping:format_reward") is format_reward
+    with pytest.raises(ValueError, match=r"'accuracy'.*'tag_count'.*got 'acc'"):
+        get_reward("acc")
+    with pytest.raises(ValueError, match="cannot import reward 'no_such_module:f'"):
+        get_reward("no_such_module:f")
+
+
+def test_register_reward() -> None:
+    @register_reward("test_constant_half")
+    def half(prompts: list, completions: list, **kwargs: object) -> list[float]:
+        return [0.5] * len(completions)
+
+    try:
+        assert get_reward("test_constant_half") is half
+
+        def other(prompts: list, completions: list, **kwargs: object) -> list[float]:
+            return []
+
+        with pytest.raises(ValueError, match="'test_constant_half' is already registered"):
+            register_reward("test_constant_half")(other)
+    finally:
+        REWARDS.pop("test_constant_half")
+
+
+# ---------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<answer>1</answer> then <answer> 2 </answer>", "2"),
+        (r"\boxed{1} and \boxed{\frac{3}{4}}", r"\frac{3}{4}"),
+        (r"<answer>5</answer> \boxed{6}", "5"),  # answer tags win
+        (r"<answer>x = \boxed{7}</answer>", "7"),
+        (r"\boxed{2} then \boxed{3", "2"),  # the last balanced box
+        ("nothing here", None),
+    ],
+)
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("<think>.</think><answer>0.5</answer>", "1/2", 1.0),
+        ("<think>.</think><answer>1/2</answer>", "0.5", 1.0),
+        (r"so the answer is \boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"so the answer is \boxed{12}", "12", 1.0),
+        ("<answer>13</answer>", "12", 0.0),
+        ("12", "12", 0.0),  # no answer block, no box
+        ("<answer>Paris</answer>", "Paris", 1.0),  # exact-string fallback
+        ("<answer>paris</answer>", "Paris", 0.0),
+        ("<answer>7</answer>", None, None),
+        ("<answer>7</answer>", "  ", None),
+    ],
+)
+def test_accuracy(completion: str, answer: str | None, expected: float | None) -> None:
+    assert accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
+
+
+def test_accuracy_conversational_and_extra_columns() -> None:
+    completions = [
+        [{"role": "assistant", "content": "<answer>4</answer>"}],
+        [{"role": "assistant", "content": "<answer>5</answer>"}],
+    ]
+    scores = accuracy_reward(["q", "q"], completions, answer=["4", "4"], task=["a", "a"])
+    assert scores == [1.0, 0.0]
+
+
+def test_accuracy_needs_answer_column() -> None:
+    with pytest.raises(ValueError, match="needs the dataset column 'answer'"):
+        accuracy_reward(["q"], ["<answer>1</answer>"])
+    with pytest.raises(ValueError, match="column 'answer' must be a list with one value"):
+        accuracy_reward(["q"], ["<answer>1</answer>"], answer=["1", "2"])
+
+
+def test_bad_completion_structure() -> None:
+    with pytest.raises(ValueError, match="completions must hold str"):
+        format_reward(["q"], [[{"role": "assistant"}]])
+
+
+# ---------------------------------------------------------------- countdown
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ("(3 + 5) * 2", 1.0),
+        ("(3 + 5) × 2", 1.0),
+        (r"(3 + 5) \times 2", 1.0),
+        ("(3 + 5) * 2 = 16", 1.0),
+        ("(3 + 5) * 2 = 17", 0.0),
+        ("3 + 5 * 2", 0.0),  # 13
+        ("(3 + 3) * 2", 0.0),  # 3 reused
+        ("__import__('os')", 0.0),
+    ],
+)
+def test_countdown_reward(answer: str, expected: float) -> None:
+    completion = f"<think>try</think><answer>{answer}</answer>"
+    assert countdown_reward(["q"], [completion], numbers=[[2, 3, 5]], target=[16]) == [expected]
+
+
+def test_countdown_reward_not_applicable_and_missing() -> None:
+    scores = countdown_reward(
+        ["q", "q", "q"],
+        ["<answer>1 + 2</answer>", "<answer>3</answer>", "no answer"],
+        numbers=[[1, 2], None, [1, 2]],
+        target=[3, None, 3],
+    )
+    assert scores == [1.0, None, 0.0]
+    with pytest.raises(ValueError, match="needs the dataset column 'numbers'"):
+        countdown_reward(["q"], ["<answer>3</answer>"], target=[3])
+
+
+# ---------------------------------------------------------------- shaping
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion", "expected"),
+    [
+        ("Q", "<think>a</think><answer>1</answer>", 1.0),
+        ("Q", "  <think>\na\n</think>\n\n<answer>1</answer>\n", 1.0),
+        ("Q", "<think></think><answer>1</answer>", 1.0),  # empty reasoning allowed
+        ("Q", "<think>a</think><answer> </answer>", 0.0),  # blank answer
+        ("Q", "<think>a</think><answer>1</answer> more", 0.0),
+        ("Q", "x <think>a</think><answer>1</answer>", 0.0),
+        ("Q", "<think>a<answer>0</answer></think><answer>1</answer>", 0.0),
+        ("Q", "<answer>1</answer><think>a</think>", 0.0),
+        ("Q", "a</think><answer>1</answer>", 0.0),
+        ("Q <think>\n", "a</think><answer>1</answer>", 1.0),  # prompt opened the block
+        ("Q <think>\n", "<think>a</think><answer>1</answer>", 0.0),  # opened twice
+    ],
+)
+def test_format(prompt: str, completion: str, expected: float) -> None:
+    assert format_reward([prompt], [completion]) == [expected]
+
+
+def test_format_length_mismatch() -> None:
+    with pytest.raises(ValueError, match="prompts and completions must have the same length"):
+        format_reward(["a", "b"], ["x"])
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<think>a</think><answer>1</answer>", 1.0),
+        ("<think>a</think> 1", 0.5),
+        ("<think>a</think><answer>1", 0.75),
+        ("<think><think>a</think><answer>1</answer></answer>", 0.5),
+        ("1", 0.0),
+    ],
+)
+def test_tag_count(completion: str, expected: float) -> None:
+    assert tag_count_reward(["Q"], [completion]) == [expected]
+
+
+def test_answer_format() -> None:
+    completions = ["<answer></answer>", "<answer>\n3\n</answer> tail", "<answer>3", "3"]
+    assert answer_format_reward(["Q"] * 4, completions) == [1.0, 1.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- score_completions
+
+
+def const(values: list) -> object:
+    def fn(prompts: list, completions: list, **kwargs: object) -> list:
+        return list(values)
+
+    return fn
+
+
+def test_score_completions_weighted_sum_with_none() -> None:
+    funcs = [
+        ("a", const([1.0, None, 0.0, None]), 2.0),
+        ("b", const([0.5, 1.0, None, None]), -1.0),
+    ]
+    total, components = score_completions(funcs, ["p"] * 4, ["c"] * 4, {})
+    assert total.dtype == torch.float32 and total.shape == (4,)
+    assert components.dtype == torch.float32 and components.shape == (2, 4)
+    # by hand: 2*1 - 0.5, -1*1, 2*0, nothing applies -> 0
+    assert total.tolist() == [1.5, -1.0, 0.0, 0.0]
+    assert components[0, 0] == 1.0 and math.isnan(components[0, 1])
+    assert torch.isnan(components[:, 3]).all()
+
+
+def test_score_completions_passes_columns_and_real_rewards() -> None:
+    funcs = [("accuracy", accuracy_reward, 1.0), ("format", format_reward, 0.5)]
+    completions = ["<think>x</think><answer>1/2</answer>", "<answer>3</answer>"]
+    columns = {"answer": ["0.5", "4"], "task": ["t", "t"]}
+    total, components = score_completions(funcs, ["q", "q"], completions, columns)
+    assert components.tolist() == [[1.0, 0.0], [1.0, 0.0]]
+    assert total.tolist() == [1.5, 0.0]
+
+
+def test_score_completions_raising_function() -> None:
+    def broken(prompts: list, completions: list, **kwargs: object) -> list:
+        raise KeyError("boom")
+
+    funcs = [("ok", const([1.0]), 1.0), ("broken", broken, 1.0)]
+    with pytest.raises(RewardFunctionError, match=r"'broken' \(#1\) raised KeyError") as info:
+        score_completions(funcs, ["p"], ["c"], {})
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ((1.0 for _ in range(2)), r"'bad' \(#0\) must return a list of 2 values; got generator"),
+        ([1.0], r"'bad' \(#0\) returned 1 values; expected 2"),
+        ([1.0, "1"], r"'bad' \(#0\) returned a non-numeric value at row 1"),
+        ([1.0, torch.tensor(1.0)], r"non-numeric value at row 1"),
+        ([math.inf, 1.0], r"'bad' \(#0\) returned a non-finite value at row 0"),
+        ([1.0, math.nan], r"non-finite value at row 1"),
+    ],
+)
+def test_score_completions_bad_values(values: object, message: str) -> None:
+    def bad(prompts: list, completions: list, **kwargs: object) -> object:
+        return values
+
+    with pytest.raises(RewardFunctionError, match=message):
+        score_completions([("bad", bad, 1.0)], ["p", "p"], ["c", "c"], {})
+
+
+def test_score_completions_bad_inputs() -> None:
+    fn = const([1.0, 1.0])
+    with pytest.raises(ValueError, match="column 'answer' must be a list with one value per"):
+        score_completions([("f", fn, 1.0)], ["p", "p"], ["c", "c"], {"answer": ["1"]})
+    with pytest.raises(ValueError, match="prompts must have one entry per completion"):
+        score_completions([("f", fn, 1.0)], ["p"], ["c", "c"], {})
+    with pytest.raises(ValueError, match="funcs must hold at least one"):
+        score_completions([], ["p", "p"], ["c", "c"], {})
+    with pytest.raises(ValueError, match="reward 'f': weight must be a finite number"):
+        score_completions([("f", fn, math.inf)], ["p", "p"], ["c", "c"], {})
+    with pytest.raises(ValueError, match="column 'prompts' clashes"):
+        score_completions([("f", fn, 1.0)], ["p", "p"], ["c", "c"], {"prompts": [1, 2]})
+
+
+def test_accuracy_runs_outside_the_main_thread() -> None:
+    # math-verify's signal-based timeout only works in the main thread; elsewhere it is off
+    import threading
+
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.append(accuracy_reward(["q"], ["<answer>0.5</answer>"], answer=["1/2"]))
+    )
+    worker.start()
+    worker.join()
+    assert out == [[1.0]]

@@ -1,0 +1,172 @@
+"""Built-in tasks: determinism, solvable countdown rows, a safe verifier, exact arithmetic."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import re
+
+import pytest
+
+import maxent_grpo.tasks
+import maxent_grpo.tasks.countdown
+from maxent_grpo.tasks import TASKS, build_task, check_countdown, list_tasks, task_options
+
+
+def test_docstring_examples() -> None:
+    for module in (maxent_grpo.tasks, maxent_grpo.tasks.countdown):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0
+
+
+def test_registry_names_and_errors() -> None:
+    assert list_tasks() == ["arithmetic", "arithmetic_easy", "countdown"]
+    assert set(TASKS) == set(list_tasks())
+    with pytest.raises(ValueError, match=r"'arithmetic'.*'countdown'.*got 'sudoku'"):
+        build_task("sudoku", 3, 0)
+    with pytest.raises(ValueError, match=r"unknown option 'num_digits'.*'digits'"):
+        build_task("arithmetic", 3, 0, num_digits=2)
+    assert task_options("countdown") == {
+        "num_numbers": 4,
+        "min_value": 1,
+        "max_value": 20,
+        "max_target": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("countdown", {"num_numbers": 1}, "num_numbers must be >= 2"),
+        ("countdown", {"min_value": 5, "max_value": 4}, "max_value must be >= 5"),
+        ("arithmetic", {"ops": "+/"}, "ops must be distinct characters from '\\+-\\*'"),
+        ("arithmetic", {"ops": "++"}, "ops must be distinct"),
+        ("arithmetic", {"digits": 0}, "digits must be >= 1"),
+        ("arithmetic", {"num_operands": 1.5}, "num_operands must be an int"),
+    ],
+)
+def test_bad_option_values(name: str, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_task(name, 2, 0, **options)
+
+
+def test_bad_num_rows_and_seed() -> None:
+    with pytest.raises(ValueError, match="num_rows must be >= 1"):
+        build_task("countdown", 0, 0)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        build_task("countdown", 2, "0")
+
+
+@pytest.mark.parametrize("name", ["countdown", "arithmetic", "arithmetic_easy"])
+def test_deterministic_from_seed(name: str) -> None:
+    import random
+
+    random.seed(123)  # the global state must not matter
+    first = build_task(name, 20, seed=7)
+    random.seed(456)
+    assert build_task(name, 20, seed=7) == first
+    assert build_task(name, 20, seed=8) != first
+    assert build_task(name, 5, seed=7) == first[:5]  # a longer list extends a shorter one
+    for row in first:
+        assert isinstance(row["prompt"], str) and "<answer>" in row["prompt"]
+        assert isinstance(row["answer"], str) and row["task"] == name
+
+
+@pytest.mark.parametrize("num_numbers", [3, 4])
+def test_countdown_rows_verify_with_their_own_answer(num_numbers: int) -> None:
+    rows = build_task("countdown", 200, seed=1, num_numbers=num_numbers, min_value=1, max_value=9)
+    for row in rows:
+        numbers, target = row["numbers"], row["target"]
+        assert len(numbers) == num_numbers and all(1 <= n <= 9 for n in numbers)
+        assert isinstance(target, int) and target > 0
+        assert check_countdown(row["answer"], numbers, target), row
+        assert str(numbers) in row["prompt"] and str(target) in row["prompt"]
+        # independent check: the answer's literals are exactly the numbers, and Python's
+        # float evaluation of the answer agrees with the target
+        literals = sorted(int(tok) for tok in re.findall(r"\d+", row["answer"]))
+        assert literals == sorted(numbers)
+        assert abs(eval(row["answer"]) - target) < 1e-9  # our own generated digits and ops
+
+
+def test_countdown_max_target() -> None:
+    rows = build_task("countdown", 50, seed=3, max_target=30)
+    assert all(0 < row["target"] <= 30 for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        ("(3 + 5) * 2", True),
+        ("2 * (5 + 3)", True),
+        (" 3*5+2 - 1 ", False),  # 1 is not given
+        ("3 * 5 + 3 - 2", False),  # 3 used twice
+        ("3 + 5", False),  # 8, not 16
+        ("5 * 3 + 2 - 1", False),
+        ("16", False),
+        ("(5 - 5) / 2", False),  # 5 reused
+        ("3 / (5 - 5)", False),
+        ("-2 + 18", False),  # unary minus not allowed
+        ("2 ** 4", False),
+        ("2 // 1 * 8", False),
+        ("2.0 * 8", False),
+        ("True * 16", False),
+        ("__import__('os')", False),
+        ("__import__('os').system('echo hi')", False),
+        ("1e308**9", False),
+        ("(lambda: 16)()", False),
+        ("", False),
+        ("3 +", False),
+        ("(" * 500 + "2" + ")" * 500, False),
+        ("9" * 5000, False),
+        ("2 +" * 400 + "2", False),  # over MAX_EXPRESSION_CHARS
+        ("2+" * 300 + "2", False),  # parses, but 2 is given once
+    ],
+)
+def test_check_countdown(expression: str, expected: bool) -> None:
+    assert check_countdown(expression, [2, 3, 5], 16) is expected
+
+
+def test_check_countdown_division_and_multiset() -> None:
+    assert check_countdown("6 / 4 * 2", [6, 4, 2], 3)  # exact fractions: 1.5 * 2
+    assert check_countdown("7 / (1 - 5 / 6)", [7, 1, 5, 6], 42)
+    assert not check_countdown("1 / 3 * 3", [1, 3], 1)  # 3 needed twice
+    assert check_countdown("1 / 3 * 3", [1, 3, 3], 1)  # now given twice
+    assert not check_countdown("4 / (2 - 2)", [4, 2, 2], 1)  # division by zero
+
+
+def test_check_countdown_rejects_bad_reference() -> None:
+    with pytest.raises(ValueError, match="numbers must be a list of ints"):
+        check_countdown("1", [1.0], 1)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="target must be an int"):
+        check_countdown("1", [1], "1")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"digits": 1, "num_operands": 2, "ops": "+"}, {"digits": 3, "num_operands": 5}],
+)
+def test_arithmetic_answers_are_exact(options: dict) -> None:
+    rows = build_task("arithmetic", 100, seed=2, **options)
+    ops = options.get("ops", "+-*")
+    for row in rows:
+        expression = row["expression"]
+        assert re.fullmatch(r"\d+( [" + re.escape(ops) + r"] \d+)*", expression)
+        assert len(row["operands"]) == options.get("num_operands", 3)
+        # independent exact evaluation: Python ints via ast on a digits-and-operators string
+        assert int(row["answer"]) == eval(compile(ast.parse(expression, mode="eval"), "", "eval"))
+        assert expression in row["prompt"]
+
+
+def test_arithmetic_easy() -> None:
+    rows = build_task("arithmetic_easy", 100, seed=0)
+    for row in rows:
+        a, b = row["operands"]
+        assert 0 <= a <= 9 and 0 <= b <= 9
+        assert row["expression"] == f"{a} + {b}" and row["answer"] == str(a + b)
+        assert row["task"] == "arithmetic_easy"
+    assert len({row["expression"] for row in rows}) > 30  # not degenerate
+
+
+def test_arithmetic_digit_ranges() -> None:
+    rows = build_task("arithmetic", 50, seed=4, digits=2)
+    assert all(10 <= n <= 99 for row in rows for n in row["operands"])
