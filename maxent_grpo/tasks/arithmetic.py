@@ -36,8 +36,13 @@ def arithmetic(
     digits: int = 2,
     num_operands: int = 3,
     ops: str = "+-*",
+    bare: bool = False,
 ) -> list[dict]:
     """``num_rows`` arithmetic prompts drawn from ``random.Random(seed)``.
+
+    With ``bare=True`` the prompt is only ``"<expression> ="`` and the answer is expected
+    as a plain number (reward ``first_number``): the format a tiny model can learn within
+    minutes. Otherwise the prompt asks for ``<think>``/``<answer>`` tags.
 
     Each row: ``prompt``, ``answer`` (the exact integer as a string), ``task``
     (``"arithmetic"``), ``expression`` (e.g. ``"37 + 5 * 12"``) and ``operands``
@@ -56,6 +61,8 @@ def arithmetic(
         raise ValueError(f"ops must be distinct characters from {ALLOWED_OPS!r}; got {ops!r}")
     low = 0 if digits == 1 else 10 ** (digits - 1)
     high = 10**digits - 1
+    if not isinstance(bare, bool):
+        raise ValueError(f"bare must be a bool; got {bare!r}")
     rng = random.Random(seed)
     rows: list[dict] = []
     for _ in range(num_rows):
@@ -66,7 +73,9 @@ def arithmetic(
         )
         rows.append(
             {
-                "prompt": f"What is {expression}? {ANSWER_INSTRUCTION} The answer is an integer.",
+                "prompt": f"{expression} ="
+                if bare
+                else f"What is {expression}? {ANSWER_INSTRUCTION} The answer is an integer.",
                 "answer": str(_value(operands, chosen)),
                 "task": "arithmetic",
                 "expression": expression,
@@ -77,10 +86,18 @@ def arithmetic(
 
 
 def arithmetic_easy(
-    num_rows: int, seed: int, *, digits: int = 1, num_operands: int = 2, ops: str = "+"
+    num_rows: int,
+    seed: int,
+    *,
+    digits: int = 1,
+    num_operands: int = 2,
+    ops: str = "+",
+    bare: bool = False,
 ) -> list[dict]:
     """:func:`arithmetic` with easy defaults (``3 + 5``); rows labelled ``"arithmetic_easy"``."""
-    rows = arithmetic(num_rows, seed, digits=digits, num_operands=num_operands, ops=ops)
+    rows = arithmetic(
+        num_rows, seed, digits=digits, num_operands=num_operands, ops=ops, bare=bare
+    )
     for row in rows:
         row["task"] = "arithmetic_easy"
     return rows

@@ -50,7 +50,9 @@ def test_every_registered_reward_documents_a_pass_and_a_fail() -> None:
 
 
 def test_registry() -> None:
-    assert list_rewards() == ["accuracy", "answer_format", "countdown", "format", "tag_count"]
+    assert list_rewards() == [
+        "accuracy", "answer_format", "countdown", "first_number", "format", "tag_count",
+    ]
     assert get_reward("format") is format_reward
     assert get_reward(tag_count_reward) is tag_count_reward
     assert get_reward("maxent_grpo.rewards.shaping:format_reward") is format_reward
@@ -305,3 +307,16 @@ def test_accuracy_runs_outside_the_main_thread() -> None:
     worker.start()
     worker.join()
     assert out == [[1.0]]
+
+
+def test_first_number_reward_reads_the_first_integer_only():
+    from maxent_grpo.rewards import first_number_reward
+
+    completions = [" 8", "8 or 9", "9 then 8", "-3", "no number", "08"]
+    answers = ["8", "8", "8", "-3", "8", "8"]
+    assert first_number_reward([""] * 6, completions, answer=answers) == [
+        1.0, 1.0, 0.0, 1.0, 0.0, 1.0,
+    ]
+    assert first_number_reward(["q"], ["8"], answer=[None]) == [None]
+    with pytest.raises(ValueError, match="row 0 must be an integer"):
+        first_number_reward(["q"], ["8"], answer=["eight"])

@@ -170,3 +170,13 @@ def test_arithmetic_easy() -> None:
 def test_arithmetic_digit_ranges() -> None:
     rows = build_task("arithmetic", 50, seed=4, digits=2)
     assert all(10 <= n <= 99 for row in rows for n in row["operands"])
+
+
+def test_bare_arithmetic_prompt_is_the_expression_only():
+    rows = build_task("arithmetic_easy", 5, 3, bare=True)
+    for row in rows:
+        assert row["prompt"] == f"{row['expression']} ="
+        a, b = row["operands"]
+        assert int(row["answer"]) == a + b
+    with pytest.raises(ValueError, match="bare"):
+        build_task("arithmetic", 1, 0, bare="yes")

@@ -1,0 +1,252 @@
+"""Rollout with ``transformers``' ``model.generate``: plain sampling, rows prompt-major.
+
+For each call, with B prompts and G generations:
+
+1. tokenise the rendered prompts without adding special tokens (the chat template already
+   wrote them), keep the last ``max_prompt_length`` tokens of a longer prompt (truncation
+   from the left, so the generation prompt at the end survives), left-pad to ``P``;
+2. ``generate(do_sample=True, num_return_sequences=G)`` under ``torch.no_grad()`` with the
+   model in eval mode (its previous mode is restored afterwards); ``generate`` expands each
+   prompt G times in place, which gives the prompt-major order;
+3. cut the completion ``(B*G, T)`` off the output and build the mask: ``m[i,t]`` is True up to
+   and including the first stop token, all True for a row with none (truncated); ids
+   outside the mask are set to the pad id.
+
+Sampling distribution. The engine samples from ``softmax(logits / temperature)``,
+restricted by ``top_k`` (0 = off) and ``top_p`` (1 = off), and by nothing else: the model's
+own ``generation_config`` (hub defaults such as ``repetition_penalty`` or ``top_k=20``) is
+set aside for the call, so the behaviour policy is the one the trainer scores. With
+``top_k``/``top_p`` active the sampler is a truncated version of that distribution.
+
+Stop tokens are the tokenizer's eos id plus ``stop_token_ids``.
+
+Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
+or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.module``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from maxent_grpo.rollout.protocol import RolloutOutput
+from maxent_grpo.training.types import GenerationBatch
+
+
+def completion_mask_from_ids(
+    completion_ids: torch.Tensor, stop_token_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completion mask and truncation flags from sampled ids.
+
+    ``completion_ids`` is ``(N, T)``. Returns ``mask`` ``(N, T)`` bool with
+    ``mask[i, t] = t <= first_stop(i)`` (``first_stop = T`` when the row has no stop token,
+    so the whole row is kept) and ``truncated`` ``(N,)`` bool, True for rows with no stop
+    token.
+
+    Example: stop id 2, row ``[5, 2, 7, 2]`` → mask ``[1, 1, 0, 0]``, not truncated.
+    """
+    if completion_ids.dim() != 2:
+        raise ValueError(
+            f"completion_ids must be 2-D (N, T); got shape {tuple(completion_ids.shape)}"
+        )
+    if len(stop_token_ids) == 0:
+        raise ValueError("stop_token_ids must name at least one token id")
+    stops = torch.tensor(list(stop_token_ids), device=completion_ids.device)
+    is_stop = torch.isin(completion_ids, stops)  # (N, T)
+    has_stop = is_stop.any(dim=1)  # (N,)
+    num_tokens = completion_ids.shape[1]
+    # argmax returns the first maximal index, i.e. the first stop token.
+    first_stop = torch.where(has_stop, is_stop.int().argmax(dim=1), num_tokens)  # (N,)
+    positions = torch.arange(num_tokens, device=completion_ids.device)
+    mask = positions.unsqueeze(0) <= first_stop.unsqueeze(1)  # (N, T)
+    return mask, ~has_stop
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _isolated_generation(model: nn.Module) -> Iterator[None]:
+    """Eval mode and an empty ``generation_config`` for the call; both restored after."""
+    was_training = model.training
+    saved_config = getattr(model, "generation_config", None)
+    model.eval()
+    if saved_config is not None:
+        model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        if saved_config is not None:
+            model.generation_config = saved_config
+        model.train(was_training)
+
+
+class HFGenerateEngine:
+    """Rollout engine on ``model.generate`` (see the module docstring for the semantics).
+
+    Args:
+        model: a causal LM with ``.generate`` (see "Wrapped models" above).
+        tokenizer: its tokenizer; must have a pad token and an eos token (as
+            :func:`maxent_grpo.models.load_tokenizer` guarantees).
+        max_new_tokens: ``T_max``, the most tokens sampled per completion (>= 1).
+        temperature: sampling temperature (> 0); the trainer must score with the same one.
+        top_p: nucleus threshold in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        max_prompt_length: keep only the last this-many prompt tokens (>= 1), or None.
+        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_prompt_length: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if not callable(getattr(model, "generate", None)):
+            raise TypeError(
+                f"model must have a .generate method (a transformers causal LM); got "
+                f"{type(model).__name__} (for DDP pass ddp.module)"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+            max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be > 0; got {temperature!r}")
+        if not (0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1]; got {top_p!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off); got {top_k!r}")
+        if max_prompt_length is not None and (
+            not isinstance(max_prompt_length, int) or max_prompt_length < 1
+        ):
+            raise ValueError(
+                f"max_prompt_length must be None or an int >= 1; got {max_prompt_length!r}"
+            )
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                "tokenizer has no pad token; load it with maxent_grpo.models.load_tokenizer"
+            )
+        if tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer has no eos token; completions could never stop")
+        extra = list(stop_token_ids or [])
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in extra):
+            raise ValueError(f"stop_token_ids must be non-negative ints; got {extra!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.top_k = top_k
+        self.max_prompt_length = max_prompt_length
+        self.stop_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys([int(tokenizer.eos_token_id), *extra])
+        )
+
+    def _encode_prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ``(B, P)`` prompt ids and bool mask (left-truncated if configured)."""
+        encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        if self.max_prompt_length is not None:
+            encoded = [ids[-self.max_prompt_length :] for ids in encoded]
+        for index, ids in enumerate(encoded):
+            if len(ids) == 0:
+                raise ValueError(f"prompts[{index}] is empty after tokenisation")
+        length = max(len(ids) for ids in encoded)
+        prompt_ids = torch.full((len(encoded), length), self.tokenizer.pad_token_id)
+        prompt_mask = torch.zeros((len(encoded), length), dtype=torch.bool)
+        for row, ids in enumerate(encoded):
+            prompt_ids[row, length - len(ids) :] = torch.tensor(ids)
+            prompt_mask[row, length - len(ids) :] = True
+        return prompt_ids, prompt_mask
+
+    def generate(
+        self, prompts: list[str], answers: list[str], num_generations: int
+    ) -> RolloutOutput:
+        """Sample G = ``num_generations`` completions per prompt; see :class:`RolloutOutput`."""
+        if len(prompts) == 0:
+            raise ValueError("prompts must not be empty")
+        if len(answers) != len(prompts):
+            raise ValueError(
+                f"answers must have one entry per prompt; got {len(answers)} answers for "
+                f"{len(prompts)} prompts"
+            )
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
+            num_generations < 1
+        ):
+            raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
+        group = num_generations
+        device = _model_device(self.model)
+        prompt_ids, prompt_mask = self._encode_prompts(prompts)  # (B, P)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            num_return_sequences=group,
+            eos_token_id=list(self.stop_token_ids),
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+        )
+        start = time.perf_counter()
+        with torch.no_grad(), _isolated_generation(self.model):
+            output = self.model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config
+            )  # (B*G, P + T)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+
+        rows, length = len(prompts) * group, prompt_ids.shape[1]
+        if output.dim() != 2 or output.shape[0] != rows or output.shape[1] <= length:
+            raise RuntimeError(
+                f"model.generate returned shape {tuple(output.shape)}; "
+                f"expected ({rows}, > {length})"
+            )
+        completion_ids = output[:, length:].long()  # (B*G, T)
+        completion_mask, truncated = completion_mask_from_ids(completion_ids, self.stop_token_ids)
+        completion_ids = completion_ids.masked_fill(~completion_mask, self.tokenizer.pad_token_id)
+        num_tokens = completion_mask.sum(dim=1).tolist()
+        texts = self.tokenizer.batch_decode(
+            [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
+            skip_special_tokens=True,
+        )
+        flags = truncated.tolist()
+        batch = GenerationBatch(
+            prompts=list(prompts),
+            answers=list(answers),
+            grouped_completions=[texts[b * group : (b + 1) * group] for b in range(len(prompts))],
+            grouped_ref_meta=None,
+            grouped_completion_info=[
+                [
+                    {"num_tokens": int(num_tokens[i]), "truncated": bool(flags[i])}
+                    for i in range(b * group, (b + 1) * group)
+                ]
+                for b in range(len(prompts))
+            ],
+        )
+        return RolloutOutput(
+            batch=batch,
+            prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            truncated=truncated,
+            generate_seconds=seconds,
+        )

@@ -1,0 +1,562 @@
+"""The LightningModule: ``training_step`` = rollout -> rewards -> objective -> loss.
+
+Read top to bottom, one optimizer step does (ALGORITHM §0-§4)::
+
+    rollout   = engine.generate(prompts, G)                # no grad, eval mode
+    rewards   = sum_k w_k R_k(prompt, completion)          # (B, G)
+    ref       = log pi_ref(completion)  if needed          # (B*G, T), no grad
+    old       = log pi_old(completion)  if num_iterations>1 # (B*G, T), no grad
+    targets   = objective.prepare(rewards, lengths, rho)   # advantages / weights
+    repeat num_iterations times:
+        for each micro-batch of whole groups:
+            logps = log pi_theta(completion)               # (n, T), with grad
+            manual_backward(objective.loss(micro-batch))   # parts sum to the batch loss
+        clip gradients; optimizer.step(); scheduler.step()
+
+Optimisation is manual (``automatic_optimization = False``) because one rollout may feed
+several optimizer steps and the loss is accumulated over micro-batches that never split
+a prompt group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor
+
+from maxent_grpo.core import selective_log_softmax, token_entropy
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer
+from maxent_grpo.objectives import GRPO, MicroBatch, Objective, sequence_ref_loglik
+from maxent_grpo.rewards import get_reward, score_completions
+from maxent_grpo.rollout import HFGenerateEngine, RolloutOutput
+from maxent_grpo.training.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
+from maxent_grpo.training.types import (
+    LogStepArtifacts,
+    LossScalarBundle,
+    SequenceScores,
+    TrainingScalarStats,
+)
+
+log = logging.getLogger(__name__)
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine/linear/constant decay
+    to ``min_ratio`` at ``total`` steps."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def resolve_reward(name: str) -> Callable[..., list]:
+    """A registered reward name or an import path ``package.module:function``."""
+    try:
+        return get_reward(name)
+    except ValueError as err:
+        raise ValueError(f"model.rewards: {err}") from err
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after ``max_consecutive_nonfinite`` skipped updates in a row."""
+
+
+class MaxEntGRPOModule(L.LightningModule):
+    """GRPO / MaxEnt-GRPO fine-tuning of a causal language model.
+
+    Args:
+        model_name_or_path: a Hugging Face hub name (``Qwen/Qwen2.5-0.5B-Instruct``), a
+            local folder, or a built-in offline model (``builtin:tiny``,
+            ``builtin:smollm2-135m-instruct``).
+        objective: the training objective, chosen with ``class_path``
+            (``maxent_grpo.objectives.GRPO``, ``EntropyMaxEnt``, ``ListwiseMaxEnt``,
+            ``GroupMaxEnt``); ``None`` means ``GRPO()`` with its defaults.
+        rewards: reward function name (registry) or dotted import path -> weight.
+        num_generations: ``G``, completions sampled per prompt (>= 2).
+        max_completion_length: ``T_max``, maximum new tokens per completion.
+        max_prompt_length: prompts are left-truncated to this many tokens (linked from
+            ``data.max_prompt_length``).
+        temperature: sampling temperature; log-probs are computed at the same temperature.
+        top_p: nucleus sampling threshold in (0, 1].
+        top_k: top-k sampling (0 = off).
+        num_iterations: optimizer steps taken on each rollout (>= 1); behaviour log-probs
+            are computed only when > 1.
+        micro_batch_groups: prompt groups per micro-batch (``None`` = the whole batch).
+        mask_truncated_completions: zero the mask of completions that hit
+            ``max_completion_length`` without EOS.
+        gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
+        optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
+        lr_warmup_steps: linear warm-up steps of the learning rate.
+        lr_schedule: decay after warm-up: ``cosine``, ``linear`` or ``constant``.
+        min_lr_ratio: final learning rate as a fraction of the initial one.
+        dtype: parameter dtype of the policy and reference.
+        gradient_checkpointing: trade compute for memory in the policy forward.
+        model_cache_dir: where built-in models are materialised (default
+            ``~/.cache/maxent_grpo/models``).
+        max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
+            updates in a row.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "builtin:tiny",
+        objective: Objective | None = None,
+        rewards: dict[str, float] | None = None,
+        num_generations: int = 8,
+        max_completion_length: int = 16,
+        max_prompt_length: int | None = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        num_iterations: int = 1,
+        micro_batch_groups: int | None = None,
+        mask_truncated_completions: bool = False,
+        gradient_clip_val: float | None = 1.0,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_warmup_steps: int = 0,
+        lr_schedule: Literal["cosine", "linear", "constant"] = "cosine",
+        min_lr_ratio: float = 0.0,
+        dtype: Dtype = "float32",
+        gradient_checkpointing: bool = False,
+        model_cache_dir: str | None = None,
+        max_consecutive_nonfinite: int = 3,
+        eval_num_generations: int = 4,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        rewards = {"accuracy": 1.0} if rewards is None else dict(rewards)
+        objective = GRPO() if objective is None else objective
+        self._validate(
+            num_generations=num_generations,
+            max_completion_length=max_completion_length,
+            num_iterations=num_iterations,
+            micro_batch_groups=micro_batch_groups,
+            gradient_clip_val=gradient_clip_val,
+            lr_warmup_steps=lr_warmup_steps,
+            min_lr_ratio=min_lr_ratio,
+            max_consecutive_nonfinite=max_consecutive_nonfinite,
+            eval_num_generations=eval_num_generations,
+            rewards=rewards,
+            objective=objective,
+        )
+        self.save_hyperparameters(ignore=["objective", "optimizer"])
+        self.objective = objective
+        self.optimizer_factory = optimizer
+        self.reward_names = list(rewards)
+        self.reward_weights = [float(w) for w in rewards.values()]
+        self.reward_funcs = [resolve_reward(name) for name in self.reward_names]
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
+        self._frozen: dict[str, Any] = {}  # the reference model, kept out of state_dict
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        # per-step metrics, exact across micro-batches and ranks
+        self.reward_metric = RewardMoments()
+        self.component_metric = RewardComponents(self.reward_names)
+        self.token_metric = TokenUsage()
+        self.eval_reward = RewardMoments()
+        self.eval_components = RewardComponents(self.reward_names)
+        self.mean_metrics = torch.nn.ModuleDict()
+        self._updated: set[str] = set()  # names of mean_metrics updated this step
+
+    @staticmethod
+    def _validate(**kw: Any) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        G = kw["num_generations"]
+        need(G >= 2, f"model.num_generations must be >= 2 (a group needs two samples); got {G}")
+        need(kw["max_completion_length"] >= 1,
+             f"model.max_completion_length must be >= 1; got {kw['max_completion_length']}")
+        need(kw["num_iterations"] >= 1,
+             f"model.num_iterations must be >= 1; got {kw['num_iterations']}")
+        mbg = kw["micro_batch_groups"]
+        need(mbg is None or mbg >= 1, f"model.micro_batch_groups must be >= 1; got {mbg}")
+        clip = kw["gradient_clip_val"]
+        need(clip is None or clip > 0, f"model.gradient_clip_val must be > 0; got {clip}")
+        need(kw["lr_warmup_steps"] >= 0,
+             f"model.lr_warmup_steps must be >= 0; got {kw['lr_warmup_steps']}")
+        need(0.0 <= kw["min_lr_ratio"] <= 1.0,
+             f"model.min_lr_ratio must be in [0, 1]; got {kw['min_lr_ratio']}")
+        need(kw["max_consecutive_nonfinite"] >= 1,
+             "model.max_consecutive_nonfinite must be >= 1; "
+             f"got {kw['max_consecutive_nonfinite']}")
+        need(kw["eval_num_generations"] >= 1,
+             f"model.eval_num_generations must be >= 1; got {kw['eval_num_generations']}")
+        need(len(kw["rewards"]) > 0, "model.rewards must name at least one reward function")
+        for name, weight in kw["rewards"].items():
+            need(math.isfinite(float(weight)),
+                 f"model.rewards: the weight of {name!r} must be finite; got {weight}")
+        need(isinstance(kw["objective"], Objective),
+             "model.objective must be an Objective (class_path "
+             f"maxent_grpo.objectives.GRPO, ...); got {type(kw['objective']).__name__}")
+
+    # ------------------------------------------------------------------ model set-up
+    def configure_model(self) -> None:
+        """Load the policy (and the reference when the objective needs it) once."""
+        if self.policy is not None:
+            return
+        hp = self.hparams
+        kwargs = dict(dtype=hp.dtype, cache_dir=hp.model_cache_dir)
+        self.tokenizer = load_tokenizer(hp.model_name_or_path, cache_dir=hp.model_cache_dir)
+        self.policy = load_policy(
+            hp.model_name_or_path, gradient_checkpointing=hp.gradient_checkpointing, **kwargs
+        )
+        self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
+        if self.needs_reference:
+            self._frozen["ref"] = load_reference(hp.model_name_or_path, **kwargs)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the objective (or a controller that may raise beta) needs the reference."""
+        return bool(self.objective.needs_reference or self._frozen.get("force_reference"))
+
+    def require_reference(self) -> None:
+        """Called by controllers that can make beta > 0: load the reference from the start."""
+        self._frozen["force_reference"] = True
+        if self.policy is not None and "ref" not in self._frozen:
+            hp = self.hparams
+            self._frozen["ref"] = load_reference(
+                hp.model_name_or_path, dtype=hp.dtype, cache_dir=hp.model_cache_dir
+            ).to(self.device)
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self._frozen.get("ref")
+
+    def on_fit_start(self) -> None:
+        if self.reference is not None:
+            self.reference.to(self.device)
+
+    def engine(self) -> HFGenerateEngine:
+        hp = self.hparams
+        return HFGenerateEngine(
+            self.policy,
+            self.tokenizer,
+            max_new_tokens=hp.max_completion_length,
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            top_k=hp.top_k,
+            max_prompt_length=hp.max_prompt_length,
+        )
+
+    def configure_optimizers(self):
+        assert self.policy is not None, "configure_model() must run before the optimizer"
+        optimizer = self.optimizer_factory(self.policy.parameters())
+        hp = self.hparams
+        total = int(self.trainer.estimated_stepping_batches) * hp.num_iterations
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(
+                step, warmup=hp.lr_warmup_steps, total=total,
+                schedule=hp.lr_schedule, min_ratio=hp.min_lr_ratio,
+            ),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler}}
+
+    # ------------------------------------------------------------------ scoring
+    def _forward_logps(
+        self, model: torch.nn.Module, input_ids: Tensor, attention: Tensor, T: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Token log-probs ``(n, T)`` of the last ``T`` tokens, and their entropy.
+
+        Only the completion logits are materialised (``logits_to_keep=T+1``); position ids
+        follow the left padding exactly as in generation.
+        """
+        positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions,
+            logits_to_keep=T + 1, use_cache=False,
+        )
+        logits = out.logits[:, :-1, :] / self.hparams.temperature  # (n, T, V)
+        logps = selective_log_softmax(logits, input_ids[:, -T:])  # (n, T)
+        entropy = token_entropy(logits) if with_entropy else None
+        return logps, entropy
+
+    def _score(
+        self, input_ids: Tensor, attention: Tensor, mask: Tensor, old_logps: Tensor | None
+    ) -> tuple[SequenceScores, Tensor | None]:
+        """Policy scores of one micro-batch, with gradient: the documented
+        :class:`SequenceScores` plus the token entropy when the objective needs it."""
+        T = mask.shape[1]
+        logps, entropy = self._forward_logps(
+            self.policy, input_ids, attention, T, self.objective.needs_entropy
+        )
+        m = mask.to(logps.dtype)
+        cur = (logps.detach() * m).sum(-1)  # (n,)
+        behaviour = cur if old_logps is None else (old_logps * m).sum(-1)
+        scores = SequenceScores(
+            cur_logp_sum=cur,
+            behavior_logp_sum=behaviour,
+            log_ratio_train=cur - behaviour,
+            denom_tok_tensor=m.sum(-1),
+            policy_entropy_sum=None if entropy is None else (entropy.detach() * m).sum(-1),
+            token_logp=logps,
+            token_mask=mask,
+            old_token_logp=old_logps,
+        )
+        return scores, entropy
+
+    @torch.no_grad()
+    def _frozen_logps(self, model, input_ids, attention, T, chunks) -> Tensor:
+        return torch.cat([
+            self._forward_logps(model, input_ids[rows], attention[rows], T, False)[0]
+            for rows in chunks
+        ])
+
+    # ------------------------------------------------------------------ the step
+    def _rewards(self, batch: dict, rollout: RolloutOutput) -> tuple[Tensor, Tensor]:
+        gen = rollout.batch
+        G = self.hparams.num_generations
+        completions = [c for group in gen.grouped_completions for c in group]
+        prompts = [p for p in batch["raw_prompts"] for _ in range(G)]
+        columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch["columns"].items()}
+        funcs = list(zip(self.reward_names, self.reward_funcs, self.reward_weights, strict=True))
+        total, components = score_completions(funcs, prompts, completions, columns)
+        return total.to(self.device), components.to(self.device)
+
+    def _micro_batches(self, num_groups: int) -> list[slice]:
+        G = self.hparams.num_generations
+        per = self.hparams.micro_batch_groups or num_groups
+        return [slice(g * G, min(g + per, num_groups) * G) for g in range(0, num_groups, per)]
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        hp = self.hparams
+        G, T_max = hp.num_generations, hp.max_completion_length
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+
+        # 1. rollout (no grad, eval mode; the engine restores train mode)
+        rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
+        B = len(batch["prompts"])
+        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        attention = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).long()
+        T = rollout.completion_ids.shape[1]
+        mask = rollout.completion_mask.clone()  # (B*G, T) bool
+        if hp.mask_truncated_completions:
+            mask &= ~rollout.truncated[:, None]
+
+        # 2. rewards
+        rewards, components = self._rewards(batch, rollout)  # (B*G,), (K, B*G)
+        rewards = rewards.view(B, G)
+        lengths = mask.sum(-1).view(B, G).to(rewards.dtype)
+
+        # 3. frozen log-probs: reference only when needed, behaviour only when reused
+        chunks = self._micro_batches(B)
+        ref_logps = old_logps = None
+        if self.needs_reference:
+            ref_logps = self._frozen_logps(self.reference, input_ids, attention, T, chunks)
+        if hp.num_iterations > 1:
+            old_logps = self._frozen_logps(self.policy, input_ids, attention, T, chunks)
+        rho = sequence_ref_loglik(ref_logps, mask, G) if ref_logps is not None else None
+
+        # 4. advantages / weights (constants)
+        targets = self.objective.prepare(rewards, lengths, T_max, rho)
+
+        # 5. optimise
+        num_tokens = mask.sum()
+        global_tokens = self.all_gather(num_tokens).sum() if self.trainer.world_size > 1 \
+            else num_tokens
+        # DDP averages gradients over ranks; dapo already divides by the all-rank token
+        # count, so its loss is multiplied back by the world size.
+        loss_scale = self.trainer.world_size if getattr(self.objective, "loss_type", "") == "dapo" \
+            else 1
+        sums: dict[str, list[Tensor]] = defaultdict(lambda: [torch.zeros(()), torch.zeros(())])
+        t_score = time.perf_counter()
+        grad_norm = None
+        for _ in range(hp.num_iterations):
+            finite = True
+            for rows in chunks:
+                scores, entropy = self._score(
+                    input_ids[rows], attention[rows], mask[rows],
+                    None if old_logps is None else old_logps[rows],
+                )
+                w = targets.weights
+                mb = MicroBatch(
+                    token_logps=scores.token_logp,
+                    old_token_logps=scores.old_token_logp,
+                    ref_token_logps=None if ref_logps is None else ref_logps[rows],
+                    mask=scores.token_mask,
+                    entropy=entropy,
+                    advantages=None if targets.advantages is None else targets.advantages[rows],
+                    weights=None if w is None else w[rows.start // G: rows.stop // G],
+                    group_size=G,
+                    num_rows=B * G,
+                    num_micro_batches=len(chunks),
+                    max_completion_length=T_max,
+                    num_global_tokens=global_tokens,
+                )
+                out = self.objective.loss(mb)
+                if not torch.isfinite(out.loss):
+                    finite = False
+                    break
+                self.manual_backward(out.loss * loss_scale)
+                # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes
+                out.sums["loss/total"] = (out.loss.detach(), torch.tensor(1.0 / len(chunks)))
+                out.sums["logp/sequence"] = (
+                    scores.cur_logp_sum.detach().sum(), torch.tensor(float(scores.num_sequences))
+                )
+                for key, (value, count) in out.sums.items():
+                    sums[key][0] = sums[key][0] + value.detach().float().cpu()
+                    sums[key][1] = sums[key][1] + torch.as_tensor(count).float().cpu()
+            if finite:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.policy.parameters(), hp.gradient_clip_val or float("inf")
+                )
+                finite = bool(torch.isfinite(grad_norm))
+            if not finite:
+                self._skip_update(opt)
+                continue
+            self.nonfinite_in_a_row = 0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        score_seconds = time.perf_counter() - t_score
+
+        # 6. metrics, through the documented types
+        self.reward_metric.update(rewards)
+        self.component_metric.update(components)
+        self.token_metric.update(rollout.prompt_mask, mask, rollout.truncated)
+        for key, (value, count) in sums.items():
+            self._mean_metric(key).update_sum(value.to(self.device), count.to(self.device))
+        for key, value in targets.stats.items():
+            self._mean_metric(key).update_sum(value.detach(), torch.ones((), device=self.device))
+        self._log_step(rollout, grad_norm, score_seconds, batch_idx)
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, batch: dict) -> None:
+        """Sample ``eval_num_generations`` completions per prompt and score them with the
+        training rewards; the metrics accumulate over the whole evaluation epoch."""
+        G = self.hparams.eval_num_generations
+        rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
+        completions = [c for group in rollout.batch.grouped_completions for c in group]
+        prompts = [p for p in batch["raw_prompts"] for _ in range(G)]
+        columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch["columns"].items()}
+        funcs = list(zip(self.reward_names, self.reward_funcs, self.reward_weights, strict=True))
+        total, components = score_completions(funcs, prompts, completions, columns)
+        self.eval_reward.update(total.to(self.device).view(len(batch["prompts"]), G))
+        self.eval_components.update(components.to(self.device))
+
+    def _eval_epoch_end(self, prefix: str) -> None:
+        if self.eval_reward.update_count == 0:
+            return
+        values = {f"{prefix}/reward/{k}": v for k, v in self.eval_reward.compute().items()}
+        values.update(
+            {f"{prefix}/reward/{k}": v for k, v in self.eval_components.compute().items()}
+        )
+        self.log_dict({k: float(v) for k, v in values.items()}, sync_dist=False)
+        self.eval_reward.reset()
+        self.eval_components.reset()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def _mean_metric(self, key: str) -> TokenMean:
+        name = key.replace("/", "__")
+        self._updated.add(name)
+        if name not in self.mean_metrics:
+            self.mean_metrics[name] = TokenMean().to(self.device)
+        return self.mean_metrics[name]
+
+    def _skip_update(self, opt) -> None:
+        opt.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        log.warning(
+            "non-finite loss or gradient at step %d: update skipped (%d in a row, %d in all)",
+            self.global_step, self.nonfinite_in_a_row, self.nonfinite_total,
+        )
+        if self.nonfinite_in_a_row >= self.hparams.max_consecutive_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.nonfinite_in_a_row} non-finite updates in a row; stopping. Lower the "
+                "learning rate or check the rewards, or raise model.max_consecutive_nonfinite."
+            )
+
+    def _log_step(self, rollout: RolloutOutput, grad_norm, score_seconds: float, batch_idx):
+        reward = self.reward_metric.compute()
+        tokens = self.token_metric.summary()
+        means = {
+            k.replace("__", "/"): m.compute() for k, m in self.mean_metrics.items()
+            if k in self._updated
+        }
+
+        def value(key: str) -> float:
+            return float(means[key]) if key in means else float("nan")
+
+        losses = LossScalarBundle(
+            total_loss=value("loss/total"),
+            policy_loss=value("loss/policy"),
+            clip_loss=means.get("loss/clip") and float(means["loss/clip"]),
+            kl_loss=value("kl"),
+            weighted_kl_loss=value("kl") * self.objective.state().get("beta", 0.0),
+        )
+        scalars = TrainingScalarStats(
+            ref_logp_mean=float("nan"),
+            tokens=tokens,
+            current_lr=self.optimizers().param_groups[0]["lr"],
+            grad_norm_scalar=None if grad_norm is None else float(grad_norm),
+            epoch_progress=batch_idx / max(1, self.trainer.num_training_batches),
+            vllm_latency_ms=rollout.generate_seconds * 1000.0,
+            policy_entropy=value("entropy") if "entropy" in means else None,
+        )
+        diagnostics = {f"reward/{k}": float(v) for k, v in reward.items()}
+        diagnostics.update(
+            {f"reward/{k}": float(v) for k, v in self.component_metric.compute().items()}
+        )
+        diagnostics.update({k: float(v) for k, v in means.items() if not k.startswith("loss/")})
+        diagnostics.update({
+            "tokens/" + k: float(v) for k, v in self.token_metric.compute().items()
+        })
+        diagnostics.update(self.objective.state())
+        diagnostics["lr"] = scalars.current_lr
+        diagnostics["perf/generate_s"] = rollout.generate_seconds
+        diagnostics["perf/score_s"] = score_seconds
+        diagnostics["nonfinite_skips"] = float(self.nonfinite_total)
+        artifacts = LogStepArtifacts(
+            loss_outputs=losses,
+            diagnostics=diagnostics,
+            grad_norm_scalar=scalars.grad_norm_scalar,
+            epoch_progress=scalars.epoch_progress,
+        )
+        # NaN marks "not measured this step" (e.g. KL without a reference): not logged
+        metrics = {
+            f"train/{k}": v for k, v in artifacts.as_dict().items()
+            if isinstance(v, (int, float)) and not math.isnan(v)
+        }
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)
+        if "train/loss/total" in metrics:
+            self.log("loss", metrics["train/loss/total"], prog_bar=True, logger=False)
+        self.reward_metric.reset()
+        self.component_metric.reset()
+        self.token_metric.reset()
+        for m in self.mean_metrics.values():
+            m.reset()
+        self._updated.clear()

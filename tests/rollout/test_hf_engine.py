@@ -1,0 +1,296 @@
+"""HFGenerateEngine: shapes, prompt-major grouping, masks, truncation, texts, validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from maxent_grpo.models import builtin_tiny_model_and_tokenizer
+from maxent_grpo.rollout import (
+    HFGenerateEngine,
+    RolloutEngine,
+    RolloutOutput,
+    completion_mask_from_ids,
+)
+from maxent_grpo.training.types import GenerationBatch
+
+PAD, EOS = 0, 2  # ids of <|endoftext|> and <|im_end|> in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Any, Any]:
+    return builtin_tiny_model_and_tokenizer()
+
+
+def render(tokenizer: Any, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+
+
+# --------------------------------------------------------------------------- mask helper
+
+
+def test_completion_mask_by_hand() -> None:
+    ids = torch.tensor([[5, 2, 7, 2], [2, 0, 0, 0], [5, 5, 5, 5], [9, 9, 9, 2]])
+    mask, truncated = completion_mask_from_ids(ids, [2])
+    expected = [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert mask.tolist() == [[bool(v) for v in row] for row in expected]
+    assert truncated.tolist() == [False, False, True, False]
+    mask, truncated = completion_mask_from_ids(ids, [2, 9])  # two stop ids
+    assert mask[3].tolist() == [True, False, False, False] and not truncated[3]
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        completion_mask_from_ids(ids, [])
+    with pytest.raises(ValueError, match="2-D"):
+        completion_mask_from_ids(ids[0], [2])
+
+
+# --------------------------------------------------------------------------- tiny model
+
+
+def test_tiny_rollout_shapes_grouping_masks_and_texts(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    questions = ["What is 2+2?", "Hi", "Name a colour, please."]
+    prompts = [render(tokenizer, q) for q in questions]
+    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=12)
+    assert isinstance(engine, RolloutEngine)
+    torch.manual_seed(0)
+    out = engine.generate(prompts, ["4", "hello", "red"], num_generations=4)
+    B, G = 3, 4
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    P, T = max(lengths), out.completion_ids.shape[1]
+    assert out.prompt_ids.shape == out.prompt_mask.shape == (B * G, P)
+    assert out.completion_ids.shape == out.completion_mask.shape == (B * G, T)
+    assert T <= 12 and out.truncated.shape == (B * G,)
+    assert out.prompt_ids.dtype == out.completion_ids.dtype == torch.long
+    assert out.prompt_mask.dtype == out.completion_mask.dtype == out.truncated.dtype == torch.bool
+    assert out.num_generations == G and out.generate_seconds > 0
+
+    # Prompt-major rows, left padding.
+    for row in range(B * G):
+        b = row // G
+        real = tokenizer(prompts[b], add_special_tokens=False)["input_ids"]
+        assert out.prompt_mask[row].tolist() == [False] * (P - lengths[b]) + [True] * lengths[b]
+        assert out.prompt_ids[row, P - lengths[b] :].tolist() == real
+        assert (out.prompt_ids[row, : P - lengths[b]] == PAD).all()
+
+    # m[i,t] True up to and including the first EOS, False after; pad outside the mask.
+    for row in range(B * G):
+        ids = out.completion_ids[row].tolist()
+        mask = out.completion_mask[row].tolist()
+        first = ids.index(EOS) if EOS in ids else None
+        if first is None:
+            assert out.truncated[row] and all(mask) and T == 12
+        else:
+            assert not out.truncated[row]
+            assert mask == [t <= first for t in range(T)]
+            assert all(i == PAD for i in ids[first + 1 :])
+
+    # Texts and info agree with the ids, grouped per prompt.
+    batch = out.batch
+    assert isinstance(batch, GenerationBatch)
+    assert batch.prompts == prompts and batch.answers == ["4", "hello", "red"]
+    assert batch.grouped_ref_meta is None
+    for row in range(B * G):
+        b, g = divmod(row, G)
+        n = int(out.completion_mask[row].sum())
+        decoded = tokenizer.decode(out.completion_ids[row, :n], skip_special_tokens=True)
+        assert batch.grouped_completions[b][g] == decoded
+        info = batch.grouped_completion_info[b][g]
+        assert info == {"num_tokens": n, "truncated": bool(out.truncated[row])}
+
+
+def test_tiny_rollout_is_seeded_and_restores_mode(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=6, temperature=0.7, top_k=5)
+    prompts = [render(tokenizer, "abc")]
+    own_config = model.generation_config
+    for training in (True, False):
+        model.train(training)
+        torch.manual_seed(3)
+        first = engine.generate(prompts, ["x"], 3)
+        assert model.training is training
+        assert model.generation_config is own_config
+        torch.manual_seed(3)
+        second = engine.generate(prompts, ["x"], 3)
+        assert torch.equal(first.completion_ids, second.completion_ids)
+    model.eval()
+
+
+def test_model_generation_config_does_not_leak(tiny: tuple[Any, Any]) -> None:
+    """Hub defaults on the model must not change the sampling distribution."""
+    model, tokenizer = tiny
+    saved = model.generation_config
+    suppress_all_but_eos = [i for i in range(len(tokenizer)) if i != EOS]
+    model.generation_config = GenerationConfig(suppress_tokens=suppress_all_but_eos)
+    try:
+        engine = HFGenerateEngine(model, tokenizer, max_new_tokens=8)
+        torch.manual_seed(0)
+        out = engine.generate([render(tokenizer, "q")] * 2, ["a", "b"], 6)
+    finally:
+        model.generation_config = saved
+    # Had suppress_tokens leaked, every completion would be the single token EOS.
+    assert out.completion_mask.sum(dim=1).max() > 1
+
+
+def test_max_prompt_length_truncates_from_the_left(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=2, max_prompt_length=3)
+    out = engine.generate(["abcdefgh", "xy"], ["", ""], 2)
+    fgh = tokenizer("fgh", add_special_tokens=False)["input_ids"]
+    xy = tokenizer("xy", add_special_tokens=False)["input_ids"]
+    assert out.prompt_ids.tolist() == [fgh, fgh, [PAD, *xy], [PAD, *xy]]
+
+
+# --------------------------------------------------------------------------- fake model
+
+
+class FixedLM(nn.Module):
+    """``generate`` returns the prompt followed by hand-written completions."""
+
+    def __init__(self, completions: list[list[int]]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.completions = torch.tensor(completions)
+        self.generation_config = GenerationConfig(repetition_penalty=1.3)
+        self.seen: dict[str, Any] = {}
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 generation_config: GenerationConfig) -> torch.Tensor:
+        self.seen = {
+            "training": self.training,
+            "grad": torch.is_grad_enabled(),
+            "config": generation_config,
+            "model_config": self.generation_config,
+            "input_ids": input_ids,
+        }
+        expanded = input_ids.repeat_interleave(generation_config.num_return_sequences, dim=0)
+        return torch.cat([expanded, self.completions], dim=1)
+
+
+def test_fake_model_masks_truncation_and_texts(tiny: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny
+    a, b, c = (tokenizer(ch, add_special_tokens=False)["input_ids"][0] for ch in "abc")
+    completions = [
+        [a, b, EOS, PAD],  # stops at t=2
+        [EOS, PAD, PAD, PAD],  # empty answer
+        [a, a, a, a],  # truncated
+        [c, EOS, b, EOS],  # tokens after the first EOS are dropped
+    ]
+    model = FixedLM(completions).train()
+    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=4, temperature=0.5, top_p=0.9)
+    out = engine.generate(["p0", "p1"], ["x", "y"], 2)
+    assert out.completion_mask.int().tolist() == [
+        [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]
+    ]
+    assert out.truncated.tolist() == [False, False, True, False]
+    assert out.completion_ids.tolist() == [
+        [a, b, EOS, PAD], [EOS, PAD, PAD, PAD], [a, a, a, a], [c, EOS, PAD, PAD]
+    ]
+    assert out.batch.grouped_completions == [["ab", ""], ["aaaa", "c"]]
+    assert out.batch.grouped_completion_info == [
+        [{"num_tokens": 3, "truncated": False}, {"num_tokens": 1, "truncated": False}],
+        [{"num_tokens": 4, "truncated": True}, {"num_tokens": 2, "truncated": False}],
+    ]
+    # What generate saw: eval mode, no grad, our sampling settings, a clean model config.
+    seen = model.seen
+    assert seen["training"] is False and seen["grad"] is False
+    config = seen["config"]
+    assert (config.do_sample, config.temperature, config.top_p, config.top_k) == (True, 0.5, 0.9, 0)
+    assert (config.num_return_sequences, config.max_new_tokens) == (2, 4)
+    assert config.eos_token_id == [EOS] and config.pad_token_id == PAD
+    assert seen["model_config"].repetition_penalty is None
+    assert model.training and model.generation_config.repetition_penalty == 1.3  # restored
+
+
+def test_extra_stop_token_ids(tiny: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny
+    semicolon = tokenizer(";", add_special_tokens=False)["input_ids"][0]
+    model = FixedLM([[5, semicolon, 6, EOS]])
+    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=4, stop_token_ids=[semicolon])
+    out = engine.generate(["p"], ["x"], 1)
+    assert out.completion_mask.tolist() == [[True, True, False, False]]
+    assert model.seen["config"].eos_token_id == [EOS, semicolon]
+
+
+class PromptOnlyLM(FixedLM):
+    """A broken ``generate`` that returns the expanded prompt and nothing after it."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 generation_config: GenerationConfig) -> torch.Tensor:
+        return input_ids.repeat_interleave(generation_config.num_return_sequences, dim=0)
+
+
+def test_bad_generate_output_is_reported(tiny: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny
+    engine = HFGenerateEngine(PromptOnlyLM([[5, EOS]]), tokenizer, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="expected \\(2, > 1\\)"):
+        engine.generate(["p"], ["x"], 2)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"temperature": float("nan")}, "temperature must be > 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be an int >= 0"),
+        ({"max_prompt_length": 0}, "max_prompt_length must be None or an int >= 1"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids must be non-negative ints"),
+    ],
+)
+def test_constructor_validates(tiny: tuple[Any, Any], kwargs: dict, message: str) -> None:
+    model, tokenizer = tiny
+    arguments = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        HFGenerateEngine(model, tokenizer, **arguments)
+
+
+def test_model_without_generate_rejected(tiny: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny
+    with pytest.raises(TypeError, match="generate"):
+        HFGenerateEngine(nn.Linear(2, 2), tokenizer, max_new_tokens=4)
+
+
+def test_generate_validates_its_arguments(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_generations must be an int >= 1"):
+        engine.generate(["p"], ["a"], 0)
+    with pytest.raises(ValueError, match="answers must have one entry per prompt"):
+        engine.generate(["p", "q"], ["a"], 2)
+    with pytest.raises(ValueError, match="prompts must not be empty"):
+        engine.generate([], [], 2)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        engine.generate(["p", ""], ["a", "b"], 2)
+
+
+def test_rollout_output_checks_shapes() -> None:
+    batch = GenerationBatch(["p"], ["a"], [["x", "y"]], None)
+    ok = {
+        "prompt_ids": torch.zeros(2, 3, dtype=torch.long),
+        "prompt_mask": torch.ones(2, 3, dtype=torch.bool),
+        "completion_ids": torch.zeros(2, 4, dtype=torch.long),
+        "completion_mask": torch.ones(2, 4, dtype=torch.bool),
+        "truncated": torch.zeros(2, dtype=torch.bool),
+    }
+    assert RolloutOutput(batch=batch, generate_seconds=0.0, **ok).num_generations == 2
+    bad_rows = {**ok, "completion_ids": torch.zeros(3, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match="completion_ids must have 2 dims and 2 rows"):
+        RolloutOutput(batch=batch, generate_seconds=0.0, **bad_rows)
+    bad_mask = {**ok, "completion_mask": torch.ones(2, 5, dtype=torch.bool)}
+    with pytest.raises(ValueError, match="completion_mask shape"):
+        RolloutOutput(batch=batch, generate_seconds=0.0, **bad_mask)
+    bad_dtype = {**ok, "truncated": torch.zeros(2, dtype=torch.long)}
+    with pytest.raises(ValueError, match="truncated must be a bool tensor"):
+        RolloutOutput(batch=batch, generate_seconds=0.0, **bad_dtype)

