@@ -1,8 +1,7 @@
 """The command line: a LightningCLI with the trainer's argument links and defaults.
 
 ``python -m maxent_grpo fit --config configs/tiny.yaml`` trains; ``validate`` and
-``test`` evaluate. Without ``--config`` the constructor defaults apply, and they are the
-tiny offline CPU job of ``configs/tiny.yaml``. Options that several components share are given once and linked:
+``test`` evaluate. Options that several components share are given once and linked:
 
 - ``model.model_name_or_path`` -> ``data.tokenizer`` (the same tokenizer everywhere),
 - ``model.model_cache_dir`` -> ``data.tokenizer_cache_dir``,
@@ -20,6 +19,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
+
 
 class MaxEntGRPOCLI(LightningCLI):
     """LightningCLI wired for :class:`MaxEntGRPOModule` and :class:`PromptDataModule`."""

@@ -146,9 +146,12 @@ def test_grpo_validation(kwargs: dict, match: str) -> None:
         ({"alpha": -0.01}, r"objective\.alpha must be a finite number >= 0"),
         ({"alpha": math.inf}, r"objective\.alpha"),
         ({"kl_gate_threshold": 0.0}, r"objective\.kl_gate_threshold must be a finite number > 0"),
-        ({"kl_gate_threshold": -1.0}, r"objective\.kl_gate_threshold must be a finite number > 0"),
-        ({"kl_gate_threshold": 0.1, "kl_gate_gain": -1.0}, r"objective\.kl_gate_gain must be a finite number >= 0"),
-        ({"kl_gate_threshold": 0.1, "kl_gate_min_multiplier": -0.5}, r"objective\.kl_gate_min_multiplier must be a finite number >= 0"),
+        ({"kl_gate_threshold": -1.0}, r"objective\.kl_gate_threshold must be a finite number"),
+        ({"kl_gate_threshold": 0.1, "kl_gate_gain": -1.0}, r"objective\.kl_gate_gain must be"),
+        (
+            {"kl_gate_threshold": 0.1, "kl_gate_min_multiplier": -0.5},
+            r"objective\.kl_gate_min_multiplier must be a finite number >= 0",
+        ),
         (
             {"kl_gate_threshold": 0.1, "kl_gate_min_multiplier": 1.5,
              "kl_gate_max_multiplier": 1.0},

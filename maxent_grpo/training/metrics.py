@@ -392,11 +392,17 @@ class TokenMean(Metric):
         self.add_state("total", _float64(0.0), dist_reduce_fx="sum")
         self.add_state("weight", _float64(0.0), dist_reduce_fx="sum")
 
-    def update(self, values: Tensor, mask: Tensor | None = None) -> None:
+    def update(
+        self, values: Tensor, mask: Tensor | None = None, count: Tensor | float | None = None
+    ) -> None:
         """Add ``values`` (any shape) over the True entries of ``mask`` (same shape, bool).
 
-        ``mask=None`` counts every entry.
+        ``mask=None`` counts every entry. With ``count`` given, ``values`` is a precomputed
+        sum and ``count`` its weight (see :meth:`update_sum`).
         """
+        if count is not None:
+            self._add_sum(values, count)
+            return
         _check_tensor("values", values)
         _check_real("values", values)
         _check_float64_states(self, self._FLOAT_STATES)
@@ -419,8 +425,11 @@ class TokenMean(Metric):
         """Add a precomputed ``sum(value * weight)`` and ``sum(weight)`` (0-d or numbers).
 
         A numeric ``count`` must be >= 0 (a tensor ``count`` is not checked, to avoid a
-        device sync).
+        device sync). Goes through :meth:`update`, so torchmetrics counts the update.
         """
+        self.update(total, count=count)
+
+    def _add_sum(self, total: Tensor | float, count: Tensor | float) -> None:
         _check_float64_states(self, self._FLOAT_STATES)
         device = self.total.device
         total_t = _as_scalar("total", total, device)

@@ -366,7 +366,10 @@ class MaxEntGRPOModule(L.LightningModule):
             ref_logps = self._frozen_logps(self.reference, input_ids, attention, T, chunks)
         if hp.num_iterations > 1:
             old_logps = self._frozen_logps(self.policy, input_ids, attention, T, chunks)
-        rho = sequence_ref_loglik(ref_logps, mask, G) if ref_logps is not None else None
+        rho = None
+        if ref_logps is not None:
+            rho = sequence_ref_loglik(ref_logps, mask, G)  # (B, G)
+            self._mean_metric("logp/ref_token").update(ref_logps, mask)
 
         # 4. advantages / weights (constants)
         targets = self.objective.prepare(rewards, lengths, T_max, rho)
@@ -518,7 +521,7 @@ class MaxEntGRPOModule(L.LightningModule):
             weighted_kl_loss=value("kl") * self.objective.state().get("beta", 0.0),
         )
         scalars = TrainingScalarStats(
-            ref_logp_mean=float("nan"),
+            ref_logp_mean=value("logp/ref_token"),
             tokens=tokens,
             current_lr=self.optimizers().param_groups[0]["lr"],
             grad_norm_scalar=None if grad_norm is None else float(grad_norm),
@@ -526,10 +529,12 @@ class MaxEntGRPOModule(L.LightningModule):
             vllm_latency_ms=rollout.generate_seconds * 1000.0,
             policy_entropy=value("entropy") if "entropy" in means else None,
         )
+        moments = self.reward_metric.summary()  # the documented RewardMoments
         diagnostics = {f"reward/{k}": float(v) for k, v in reward.items()}
-        diagnostics.update(
-            {f"reward/{k}": float(v) for k, v in self.component_metric.compute().items()}
-        )
+        diagnostics.update({"reward/mean": moments.mean, "reward/std": moments.std})
+        for name, stats in self.component_metric.summaries().items():
+            diagnostics[f"reward/{name}/mean"] = stats.mean
+            diagnostics[f"reward/{name}/std"] = stats.std
         diagnostics.update({k: float(v) for k, v in means.items() if not k.startswith("loss/")})
         diagnostics.update({
             "tokens/" + k: float(v) for k, v in self.token_metric.compute().items()
