@@ -13,7 +13,6 @@ Unknown keys and wrong types are rejected by jsonargparse with the offending key
 from __future__ import annotations
 
 import os
-import sys
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -28,18 +27,19 @@ class MaxEntGRPOCLI(LightningCLI):
         parser.link_arguments("model.model_name_or_path", "data.tokenizer")
         parser.link_arguments("model.model_cache_dir", "data.tokenizer_cache_dir")
         parser.link_arguments("data.max_prompt_length", "model.max_prompt_length")
+        # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
+        parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
 
 
 def main(args: list[str] | None = None, run: bool = True) -> MaxEntGRPOCLI:
     """Entry point; ``args`` defaults to ``sys.argv[1:]``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv = list(sys.argv[1:] if args is None else args)
     return MaxEntGRPOCLI(
         MaxEntGRPOModule,
         PromptDataModule,
         seed_everything_default=0,
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        args=args,
         run=run,
     )

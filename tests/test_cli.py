@@ -1,0 +1,326 @@
+"""The command line: every shipped config parses and builds, the links hold, bad input is named.
+
+Configs are parsed with the real parser of :func:`maxent_grpo.cli.main`; the model and data
+classes are then built from the parsed values (cheap: construction loads no model and no
+dataset), and so is a Trainer with the config's settings on CPU (GPU configs cannot build
+their GPU Trainer here). Nothing trains in this file.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+import maxent_grpo.cli as cli_module
+from maxent_grpo import objectives
+from maxent_grpo.models import BUILTIN_MODELS, DEFAULT_CACHE_DIR
+from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.module import MaxEntGRPOModule
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+class ParseOnlyCLI(cli_module.MaxEntGRPOCLI):
+    """The project's CLI, stopped after parsing (no classes, no Trainer)."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    # LightningCLI warns when both ``args`` and a non-empty sys.argv (pytest's) are present.
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+
+
+def parse(monkeypatch, *args: str):
+    """``main(args, run=False)`` with the real parser, stopped before instantiation."""
+    monkeypatch.setattr(cli_module, "MaxEntGRPOCLI", ParseOnlyCLI)
+    return cli_module.main(list(args), run=False)
+
+
+def build(cli) -> Any:
+    """Instantiate every class in the parsed config (model, data, logger, callbacks)."""
+    return cli.parser.instantiate(cli.config)
+
+
+def read_yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+# ---------------------------------------------------------------------------- shipped configs
+
+
+def test_the_config_folder_is_covered():
+    names = {p.name for p in CONFIGS}
+    assert len(CONFIGS) >= 6, names
+    assert {
+        "tiny.yaml", "smollm2_countdown.yaml", "qwen2.5-0.5b_grpo.yaml",
+        "qwen2.5-0.5b_listwise.yaml", "qwen2.5-0.5b_entropy.yaml",
+        "qwen2.5-1.5b_math_listwise.yaml",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_parses_and_builds(path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # relative logger/checkpoint folders must land here, if anywhere
+    raw = read_yaml(path)
+    cli = parse(monkeypatch, "--config", str(path))
+    cfg = cli.config
+
+    # the YAML's values arrive, and the links fill the data side
+    assert cfg.model.model_name_or_path == raw["model"]["model_name_or_path"]
+    assert cfg.data.tokenizer == cfg.model.model_name_or_path
+    assert cfg.data.tokenizer_cache_dir == cfg.model.model_cache_dir
+    assert cfg.model.max_prompt_length == cfg.data.max_prompt_length
+    assert cfg.model.objective.class_path == raw["model"]["objective"]["class_path"]
+
+    # the constructors accept the values
+    init = build(cli)
+    model, data = init.model, init.data
+    assert isinstance(model, MaxEntGRPOModule) and isinstance(data, PromptDataModule)
+    assert model.policy is None and data.train_dataset is None  # nothing loaded yet
+    objective_cls = raw["model"]["objective"]["class_path"].rsplit(".", 1)[1]
+    assert type(model.objective) is getattr(objectives, objective_cls)
+    for key, value in raw["model"]["objective"].get("init_args", {}).items():
+        assert getattr(model.objective, key) == value, key
+    assert model.reward_names == list(raw["model"]["rewards"])
+    optimizer = model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    assert type(optimizer).__name__ == raw["model"]["optimizer"]["class_path"].rsplit(".", 1)[1]
+    assert optimizer.param_groups[0]["lr"] == raw["model"]["optimizer"]["init_args"]["lr"]
+
+    # the Trainer accepts the settings (on CPU: GPU configs cannot build their Trainer here)
+    trainer_kwargs = dict(init.trainer)
+    trainer_kwargs.update(accelerator="cpu", devices=1, default_root_dir=str(tmp_path))
+    trainer = L.Trainer(**trainer_kwargs)
+    assert trainer.max_steps == raw["trainer"]["max_steps"]
+
+
+GPU_CONFIGS = [p for p in CONFIGS if read_yaml(p)["trainer"].get("accelerator") == "gpu"]
+
+
+def test_there_are_gpu_configs():
+    assert len(GPU_CONFIGS) >= 4
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_gpu_configs_keep_float32_weights_under_bf16_autocast(path):
+    raw = read_yaml(path)
+    assert raw["trainer"]["precision"] == "bf16-mixed"
+    assert raw["trainer"]["devices"] == 1
+    # bf16 weights under bf16-mixed would also keep the AdamW state in bf16
+    assert raw["model"]["dtype"] == "float32"
+    if "1.5b" in path.name.lower():
+        assert raw["model"]["gradient_checkpointing"] is True
+
+
+def test_the_three_half_billion_configs_differ_only_in_the_objective():
+    """grpo / listwise / entropy on Qwen2.5-0.5B are a comparison: same everything else."""
+    stripped = []
+    for name in ("grpo", "listwise", "entropy"):
+        raw = read_yaml(ROOT / "configs" / f"qwen2.5-0.5b_{name}.yaml")
+        assert raw["trainer"]["logger"]["init_args"].pop("name") == f"qwen2.5-0.5b_{name}"
+        raw["model"].pop("objective")
+        stripped.append(raw)
+    assert stripped[0] == stripped[1] == stripped[2]
+
+
+def test_math_config_reads_one_hub_dataset_with_a_system_prompt(monkeypatch):
+    cfg = parse(monkeypatch, "--config", str(ROOT / "configs/qwen2.5-1.5b_math_listwise.yaml"))
+    data = cfg.config.data
+    assert data.task is None and data.data_files is None
+    assert (data.dataset_name, data.dataset_config) == ("openai/gsm8k", "main")
+    assert (data.prompt_column, data.answer_column) == ("question", "answer")
+    assert "<answer>" in data.system_prompt and "<think>" in data.system_prompt
+    assert "accuracy" in cfg.config.model.rewards
+
+
+def test_accuracy_reward_reads_the_number_after_hashes_in_a_gsm8k_style_answer():
+    """The math config feeds GSM8K's worked solutions to ``accuracy`` unchanged: the final
+    number (after ``####``) must count, not the intermediate ones."""
+    from maxent_grpo.rewards import get_reward
+
+    gold = (
+        "Each box holds 4 rows of 6 = <<4*6=24>>24 eggs.\n"
+        "Three boxes hold 3 * 24 = <<3*24=72>>72 eggs, and 72 - 5 = <<72-5=67>>67 are left.\n"
+        "#### 67"
+    )
+    completions = [f"<think>...</think><answer>{x}</answer>" for x in ("67", "72", "24", "6")]
+    scores = get_reward("accuracy")(["q"] * 4, completions, answer=[gold] * 4)
+    assert scores == [1.0, 0.0, 0.0, 0.0]
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_DIR = Path(DEFAULT_CACHE_DIR).expanduser() / f"{SMOLLM2}-v{BUILTIN_MODELS[SMOLLM2][0]}"
+
+
+@pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="SmolLM2 not converted (make setup-smollm2)")
+def test_smollm2_config_keeps_every_countdown_prompt(monkeypatch):
+    """``data.max_prompt_length`` must fit the countdown prompts as SmolLM2's chat template
+    renders them (it adds a default system message): no row may be dropped."""
+    config = str(ROOT / "configs/smollm2_countdown.yaml")
+    data = build(parse(monkeypatch, "--config", config, "--data.train_size", "400")).data
+    data.setup("fit")
+    assert data.dropped == {"train": 0, "val": 0}
+    assert len(data.train_dataset) > 0
+    assert data.train_dataset[0].prompt.startswith("<|im_start|>system")
+
+
+# ---------------------------------------------------------------------------- links
+
+
+def test_links_copy_model_name_cache_dir_and_prompt_length(monkeypatch):
+    cli = parse(
+        monkeypatch,
+        "--model.model_name_or_path", "builtin:smollm2-135m-instruct",
+        "--model.model_cache_dir", "/tmp/models",
+        "--data.max_prompt_length", "77",
+    )
+    cfg = cli.config
+    assert cfg.data.tokenizer == "builtin:smollm2-135m-instruct"
+    assert cfg.data.tokenizer_cache_dir == "/tmp/models"
+    assert cfg.model.max_prompt_length == 77
+
+
+def test_a_link_target_cannot_be_set_directly(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(monkeypatch, "--data.tokenizer", "gpt2")
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "data.tokenizer" in err and "model.model_name_or_path" in err
+
+
+def print_config(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["fit", *args, "--print_config"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_print_config_round_trips(capsys, tmp_path):
+    """``--print_config`` (also what a run saves as config.yaml) reads back to the same
+    config; objective and optimizer appear as ``class_path`` + ``init_args``."""
+    printed = print_config(capsys, "--config", str(ROOT / "configs/smollm2_countdown.yaml"))
+    dumped = yaml.safe_load(printed)
+    assert dumped["model"]["objective"]["class_path"] == "maxent_grpo.objectives.ListwiseMaxEnt"
+    assert dumped["model"]["optimizer"]["class_path"] == "torch.optim.AdamW"
+    assert dumped["model"]["optimizer"]["init_args"]["lr"] == 5e-6
+    assert "tokenizer" not in dumped["data"]  # a link target is derived, never written
+
+    copy = tmp_path / "printed.yaml"
+    copy.write_text(printed)
+    assert print_config(capsys, "--config", str(copy)) == printed
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def parse_error(monkeypatch, capsys, *args: str) -> str:
+    """Parse ``args``; return jsonargparse's error text (it exits with a non-zero code)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(monkeypatch, *args)
+    assert exit_info.value.code != 0
+    return capsys.readouterr().err.split("error:", 1)[-1]
+
+
+def test_unknown_key_on_the_command_line_is_named(monkeypatch, capsys):
+    err = parse_error(monkeypatch, capsys, "--model.bogus", "1")
+    assert "--model.bogus" in err
+
+
+def test_unknown_key_in_a_yaml_file_is_named(monkeypatch, capsys, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model:\n  num_generations: 4\n  bogus: 1\n")
+    err = parse_error(monkeypatch, capsys, "--config", str(config))
+    assert "bogus" in err
+
+
+def test_wrong_type_names_the_key_and_the_value(monkeypatch, capsys):
+    err = parse_error(monkeypatch, capsys, "--model.num_generations", "abc")
+    assert "model.num_generations" in err and "abc" in err
+
+
+def test_unknown_choice_lists_the_allowed_values(monkeypatch, capsys):
+    err = parse_error(
+        monkeypatch, capsys, "--model.objective", "GRPO", "--model.objective.loss_type", "foo"
+    )
+    assert "loss_type" in err and "foo" in err and "dr_grpo" in err
+
+
+def test_an_option_of_another_objective_is_named(monkeypatch, capsys):
+    err = parse_error(
+        monkeypatch, capsys, "--model.objective", "GRPO", "--model.objective.tau", "0.3"
+    )
+    assert "'tau'" in err and "GRPO" in err
+
+
+def built_error(monkeypatch, tmp_path, *args: str, exc: type[Exception] = ValueError) -> str:
+    """Run the real CLI (parse + build, no fit) and return the constructor's error text."""
+    monkeypatch.chdir(tmp_path)  # a Trainer that did get built must write nothing here
+    with pytest.raises(exc) as exc_info:
+        cli_module.main(list(args), run=False)
+    return str(exc_info.value)
+
+
+def test_one_generation_per_group_is_rejected_by_the_module(monkeypatch, tmp_path):
+    err = built_error(monkeypatch, tmp_path, "--model.num_generations", "1")
+    assert "model.num_generations" in err and ">= 2" in err
+
+
+def test_unknown_reward_name_lists_the_registered_ones(monkeypatch, tmp_path):
+    err = built_error(monkeypatch, tmp_path, "--model.rewards", "{nope: 1.0}")
+    assert "model.rewards" in err and "'nope'" in err and "'accuracy'" in err
+
+
+def test_objective_constructor_error_names_the_option(monkeypatch, tmp_path):
+    err = built_error(
+        monkeypatch, tmp_path,
+        "--model.objective", "ListwiseMaxEnt", "--model.objective.tau", "0.0",
+    )
+    assert "objective.tau" in err
+
+
+def test_unknown_task_lists_the_built_in_ones(monkeypatch, tmp_path):
+    err = built_error(monkeypatch, tmp_path, "--data.task", "sudoku")
+    assert "'sudoku'" in err and "'countdown'" in err
+
+
+def test_missing_data_file_is_named(monkeypatch, tmp_path):
+    err = built_error(
+        monkeypatch, tmp_path,
+        "--data.task", "null", "--data.data_files", "/no/such/file.jsonl",
+        exc=FileNotFoundError,
+    )
+    assert "/no/such/file.jsonl" in err and "data_files" in err
+
+
+def test_two_data_sources_are_rejected(monkeypatch, tmp_path):
+    err = built_error(monkeypatch, tmp_path, "--data.dataset_name", "openai/gsm8k")
+    assert "exactly one of" in err and "task: null" in err
+
+
+# ---------------------------------------------------------------------------- help
+
+
+def test_fit_help_lists_the_objective_and_the_task(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--model.objective", "--model.rewards", "--data.task", "--config"):
+        assert option in out, option
+
+
+def test_objective_help_lists_that_objectives_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["fit", "--model.objective.help", "ListwiseMaxEnt"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model.objective.tau" in out and "--model.objective.q_temperature" in out
