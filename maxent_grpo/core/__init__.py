@@ -17,6 +17,7 @@ from maxent_grpo.core.control import (
     tau_update,
 )
 from maxent_grpo.core.divergence import clip_fractions, importance_ratio, kl_penalty
+from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.listwise import (
     group_utility,
     group_weights,
@@ -39,6 +40,8 @@ __all__ = [
     "beta_update",
     "clip_fractions",
     "clipped_surrogate",
+    "coverage_at_k",
+    "distinct_at_k",
     "entropy_gate_multiplier",
     "entropy_target_at",
     "group_advantages",
@@ -48,7 +51,9 @@ __all__ = [
     "kl_penalty",
     "listwise_loss",
     "maxent_weights",
+    "mean_at_k",
     "meta_update",
+    "pass_at_k",
     "q_distribution",
     "reduce_token_loss",
     "selective_log_softmax",

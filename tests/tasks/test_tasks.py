@@ -20,7 +20,7 @@ def test_docstring_examples() -> None:
 
 
 def test_registry_names_and_errors() -> None:
-    assert list_tasks() == ["arithmetic", "arithmetic_easy", "countdown"]
+    assert list_tasks() == ["arithmetic", "arithmetic_easy", "countdown", "countdown_multi"]
     assert set(TASKS) == set(list_tasks())
     with pytest.raises(ValueError, match=r"'arithmetic'.*'countdown'.*got 'sudoku'"):
         build_task("sudoku", 3, 0)

@@ -1,0 +1,284 @@
+"""Countdown with a known answer set: every distinct solution is enumerated offline.
+
+``countdown_multi`` rows are countdown instances (same rules and verifier as
+:mod:`maxent_grpo.tasks.countdown`: ``+ - * /``, parentheses, each number at most once,
+not all numbers required, exact fractions) whose **complete** set of solutions, up to the
+equivalence below, is listed in ``valid_answers``, so the coverage of the solution set by
+``k`` samples (coverage@k, ALGORITHM.md section 6) is measurable offline.
+
+Equivalence (what counts as the same solution): two expressions are the same when they
+have the same canonical form, obtained bottom-up by
+
+- flattening chains of ``+``/``-`` into a sum of signed terms and chains of ``*``/``/``
+  into a product of factors with exponent ``+1`` or ``-1`` (so associativity, and
+  identities such as ``a - (b - c) = a - b + c`` and ``a / (b / c) = a * c / b``, are
+  absorbed);
+- sorting the positive and the negative terms (factors) separately (commutativity);
+- dropping redundant parentheses.
+
+The canonical form is rendered as ``t1 + t2 - t3`` / ``f1 * f2 / f3``, with parentheses
+only around a sum used as a factor, e.g. ``(2 + 3) * 4 / 5``. It has the value of the
+original, and denominators stay nonzero. Nothing else is identified: expressions using
+different numbers (``x * 1`` against ``x``), distributivity and cancellation
+(``a - a + b``) give different solutions. Canonical forms are computed with
+:func:`canonical_expression`; for any string ``e``,
+``check_countdown(e, numbers, target)`` holds exactly when
+``canonical_expression(e) in valid_answers`` (the enumeration covers every binary tree
+over every sub-multiset of the numbers, in every order, with every operator).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+
+from maxent_grpo.tasks.countdown import MAX_EXPRESSION_CHARS, _literals
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
+
+MAX_NUMBERS = 4
+"""Largest instance enumerated (4 numbers: about 10^4 trees; 5 would take ~100x longer)."""
+
+_MAX_DRAWS = 10_000
+
+
+@dataclass(frozen=True)
+class _Expr:
+    """A canonical expression: a leaf (``kind == "n"``), a sum (``"+"``: ``pos`` terms
+    added, ``neg`` subtracted) or a product (``"*"``: ``pos`` factors multiplied, ``neg``
+    divided). ``pos``/``neg`` are sorted; ``text`` is the rendering, ``value`` exact."""
+
+    kind: str
+    text: str
+    value: Fraction
+    pos: tuple[_Expr, ...] = ()
+    neg: tuple[_Expr, ...] = ()
+
+
+def _key(e: _Expr) -> tuple[int, Fraction, str]:
+    """Sort order inside a chain: numbers by value first, then compound parts by text."""
+    return (0, e.value, "") if e.kind == "n" else (1, Fraction(0), e.text)
+
+
+def _leaf(value: int) -> _Expr:
+    return _Expr("n", str(value), Fraction(value))
+
+
+def _combine(op: str, a: _Expr, b: _Expr) -> _Expr:
+    """The canonical form of ``a op b``; ZeroDivisionError for a division by zero."""
+    kind = "+" if op in "+-" else "*"
+    a_pos, a_neg = (a.pos, a.neg) if a.kind == kind else ((a,), ())
+    b_pos, b_neg = (b.pos, b.neg) if b.kind == kind else ((b,), ())
+    if op in "-/":
+        b_pos, b_neg = b_neg, b_pos
+    pos = tuple(sorted(a_pos + b_pos, key=_key))
+    neg = tuple(sorted(a_neg + b_neg, key=_key))
+    if op == "+":
+        value = a.value + b.value
+    elif op == "-":
+        value = a.value - b.value
+    elif op == "*":
+        value = a.value * b.value
+    else:
+        value = a.value / b.value
+    if kind == "+":
+        text = " + ".join(t.text for t in pos) + "".join(f" - {t.text}" for t in neg)
+    else:
+
+        def factor(t: _Expr) -> str:
+            return f"({t.text})" if t.kind == "+" else t.text
+
+        text = " * ".join(map(factor, pos)) + "".join(f" / {factor(t)}" for t in neg)
+    return _Expr(kind, text, value, pos, neg)
+
+
+def _from_ast(node: ast.AST) -> _Expr:
+    if isinstance(node, ast.Constant):
+        return _leaf(node.value)
+    assert isinstance(node, ast.BinOp)  # guaranteed by _literals
+    op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
+    return _combine(op, _from_ast(node.left), _from_ast(node.right))
+
+
+def canonical_expression(expr: str) -> str | None:
+    """The canonical form of a countdown expression (see the module docstring), or None
+    when :func:`~maxent_grpo.tasks.countdown.check_countdown` would reject it whatever the
+    numbers: not a string, too long, not only integer literals with ``+ - * /`` and
+    parentheses, or a division by zero.
+
+    >>> canonical_expression("5 + 3"), canonical_expression("(3 + 5)")
+    ('3 + 5', '3 + 5')
+    >>> canonical_expression("2 * (5 - (3 - 1))")
+    '2 * (1 + 5 - 3)'
+    >>> canonical_expression("4 / (2 - 2)") is None, canonical_expression("-3 + 5") is None
+    (True, True)
+    """
+    if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
+        return None
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    used = _literals(tree)
+    if not used:
+        return None
+    try:
+        return _from_ast(tree.body).text
+    except (ZeroDivisionError, RecursionError):
+        return None
+
+
+@lru_cache(maxsize=4096)
+def _expressions(values: tuple[int, ...]) -> tuple[_Expr, ...]:
+    """Canonical forms of all expressions using each of the sorted ``values`` exactly once
+    (all binary trees, leaf orders and operators; divisions by zero left out)."""
+    if len(values) == 1:
+        return (_leaf(values[0]),)
+    splits: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    for size in range(1, len(values)):
+        for chosen in itertools.combinations(range(len(values)), size):
+            left = tuple(values[i] for i in chosen)
+            right = tuple(values[i] for i in range(len(values)) if i not in chosen)
+            splits.add((left, right))
+    found: dict[str, _Expr] = {}
+    for left, right in sorted(splits):
+        for a in _expressions(left):
+            for b in _expressions(right):
+                # + and * are commutative: the split (right, left) gives the same forms
+                ops = "+-*/" if left <= right else "-/"
+                for op in ops:
+                    try:
+                        e = _combine(op, a, b)
+                    except ZeroDivisionError:
+                        continue
+                    found.setdefault(e.text, e)
+    return tuple(found.values())
+
+
+@lru_cache(maxsize=1024)
+def _solutions_by_target(numbers: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
+    """For sorted ``numbers``: every positive integer value reachable with each number used
+    at most once, mapped to its sorted canonical solutions."""
+    by_target: dict[int, set[str]] = {}
+    subsets = {
+        tuple(numbers[i] for i in chosen)
+        for size in range(1, len(numbers) + 1)
+        for chosen in itertools.combinations(range(len(numbers)), size)
+    }
+    for subset in subsets:
+        for e in _expressions(subset):
+            if e.value.denominator == 1 and e.value > 0:
+                by_target.setdefault(int(e.value), set()).add(e.text)
+    return {t: tuple(sorted(texts)) for t, texts in by_target.items()}
+
+
+def countdown_solutions(numbers: Sequence[int], target: int) -> list[str]:
+    """All canonical solutions of a countdown instance (each number at most once), sorted.
+
+    >>> countdown_solutions([2, 3, 5], 10)
+    ['2 * 5', '2 + 3 + 5']
+    """
+    if (
+        not isinstance(numbers, (list, tuple))
+        or not 1 <= len(numbers) <= MAX_NUMBERS
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers)
+    ):
+        raise ValueError(
+            f"numbers must be a list of 1 to {MAX_NUMBERS} non-negative ints; got {numbers!r}"
+        )
+    if isinstance(target, bool) or not isinstance(target, int):
+        raise ValueError(f"target must be an int; got {target!r}")
+    if target <= 0:  # the enumeration keeps positive targets only; do it directly
+        subsets = {
+            tuple(sorted(c))
+            for size in range(1, len(numbers) + 1)
+            for c in itertools.combinations(numbers, size)
+        }
+        return sorted({e.text for s in subsets for e in _expressions(s) if e.value == target})
+    return list(_solutions_by_target(tuple(sorted(numbers))).get(target, ()))
+
+
+def countdown_multi(
+    num_rows: int,
+    seed: int,
+    *,
+    num_numbers: int = 3,
+    min_value: int = 2,
+    max_value: int = 12,
+    max_target: int | None = None,
+    min_solutions: int = 2,
+    max_solutions: int = 20,
+) -> list[dict]:
+    """``num_rows`` countdown prompts with their full solution sets, from
+    ``random.Random(seed)``.
+
+    Per row: ``num_numbers`` numbers are drawn uniformly from ``[min_value, max_value]``
+    (repeats possible); the target is drawn uniformly among the positive integers (at most
+    ``max_target`` when given) that are not themselves one of the numbers and have between
+    ``min_solutions`` and ``max_solutions`` distinct canonical solutions; numbers without
+    such a target are redrawn. Row ``i`` depends only on the seed and ``i``. The default
+    ``min_value = 2`` keeps out the trivial variants a ``1`` allows (``x * 1``, ``x / 1``
+    next to ``x``); with the defaults most rows have 2 or 3 solutions (raise ``min_solutions``
+    for richer rows).
+    Enumeration is cached per number multiset: 100 rows take ~0.1 s with 3 numbers and
+    ~2 s with 4.
+
+    Each row: ``prompt``, ``answer`` (one solution), ``task`` (``"countdown_multi"``),
+    ``numbers``, ``target`` and ``valid_answers`` (the sorted canonical solutions; any
+    expression accepted by :func:`~maxent_grpo.tasks.countdown.check_countdown` has its
+    canonical form in this list). The ``countdown`` reward scores these rows.
+    """
+    check_int("num_rows", num_rows, minimum=1)
+    check_int("seed", seed, minimum=0)
+    check_int("num_numbers", num_numbers, minimum=2, maximum=MAX_NUMBERS)
+    check_int("min_value", min_value, minimum=0)
+    check_int("max_value", max_value, minimum=max(min_value, 1))
+    if max_target is not None:
+        check_int("max_target", max_target, minimum=1)
+    check_int("min_solutions", min_solutions, minimum=1)
+    check_int("max_solutions", max_solutions, minimum=min_solutions)
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    for _ in range(num_rows):
+        for _ in range(_MAX_DRAWS):
+            numbers = [rng.randint(min_value, max_value) for _ in range(num_numbers)]
+            by_target = _solutions_by_target(tuple(sorted(numbers)))
+            targets = [
+                t
+                for t in sorted(by_target)
+                if t not in numbers
+                and (max_target is None or t <= max_target)
+                and min_solutions <= len(by_target[t]) <= max_solutions
+            ]
+            if targets:
+                break
+        else:
+            raise ValueError(
+                f"countdown_multi found no target with {min_solutions} to {max_solutions} "
+                f"solutions in {_MAX_DRAWS} draws of numbers in [{min_value}, {max_value}]; "
+                "widen min_solutions/max_solutions, max_target or the value range"
+            )
+        target = rng.choice(targets)
+        valid = list(by_target[target])
+        prompt = (
+            f"Using the numbers {numbers}, write an arithmetic expression that equals "
+            f"{target}. You may use +, -, *, / and parentheses, and each number at most "
+            f"once (not every number has to be used); several expressions work, give one. "
+            f"{ANSWER_INSTRUCTION} The answer is the expression only, for example "
+            "<answer>(1 + 2) * 3</answer>."
+        )
+        rows.append(
+            {
+                "prompt": prompt,
+                "answer": rng.choice(valid),
+                "task": "countdown_multi",
+                "numbers": numbers,
+                "target": target,
+                "valid_answers": valid,
+            }
+        )
+    return rows
