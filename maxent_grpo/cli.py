@@ -8,6 +8,12 @@
 - ``data.max_prompt_length`` -> ``model.max_prompt_length``.
 
 Unknown keys and wrong types are rejected by jsonargparse with the offending key named.
+
+Resuming: ``fit --ckpt_path last`` loads the newest ``last.ckpt`` of the configured
+``ModelCheckpoint`` callbacks. Lightning looks for it before the logger opens its new
+version folder, so a ``ModelCheckpoint`` without an explicit ``dirpath`` (whose default is
+``<save_dir>/<name>/<new version>/checkpoints``) can never find the previous run's
+checkpoint; that combination is refused instead of silently starting afresh.
 """
 
 from __future__ import annotations
@@ -27,8 +33,22 @@ class MaxEntGRPOCLI(LightningCLI):
         parser.link_arguments("model.model_name_or_path", "data.tokenizer")
         parser.link_arguments("model.model_cache_dir", "data.tokenizer_cache_dir")
         parser.link_arguments("data.max_prompt_length", "model.max_prompt_length")
+
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
+
+    def before_fit(self) -> None:
+        """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``."""
+        if self.config.get(f"{self.subcommand}.ckpt_path") != "last":
+            return
+        if not any(getattr(cb, "dirpath", None) for cb in self.trainer.checkpoint_callbacks):
+            raise ValueError(
+                "--ckpt_path last needs a ModelCheckpoint with an explicit dirpath (the "
+                "default folder is inside the logger's new version folder, where the previous "
+                "run's last.ckpt is not); add to trainer.callbacks: class_path "
+                "lightning.pytorch.callbacks.ModelCheckpoint, init_args: {dirpath: ..., "
+                "save_last: true}, or pass --ckpt_path <file>"
+            )
 
 
 def main(args: list[str] | None = None, run: bool = True) -> MaxEntGRPOCLI:

@@ -30,6 +30,7 @@ def test_tiny_demo_trains_and_the_reward_rises(tmp_path):
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--model.model_cache_dir={tmp_path / 'models'}",
         "--trainer.enable_progress_bar=false",
+        f"--trainer.callbacks.dirpath={tmp_path / 'checkpoints'}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -51,4 +52,4 @@ def test_tiny_demo_trains_and_the_reward_rises(tmp_path):
     assert last > max(2 * first, first + 0.03), (
         f"reward did not rise: first 10 {first:.3f}, last 10 {last:.3f}"
     )
-    assert list((run_dir / "checkpoints").glob("*.ckpt")), "no checkpoint written"
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file(), "no last checkpoint written"

@@ -16,9 +16,13 @@ Sources, exactly one of: a built-in ``task`` (:mod:`maxent_grpo.tasks`), local
 ``data_files`` (.jsonl, .json, .csv, .parquet) or a ``datasets`` ``dataset_name``.
 
 Order: epoch ``e`` visits the training rows in ``torch.randperm(N, generator=seed + e)``
-order, so a run is reproducible from ``seed`` alone. Under DDP, Lightning wraps the
-sampler in its ``DistributedSamplerWrapper``, which shards this same global order across
-ranks (rank r takes positions r, r + W, ...) and forwards ``set_epoch``.
+order, so a run is reproducible from ``seed`` alone. Under DDP each of the W ranks takes
+positions r, r + W, ... of that global order (:class:`EpochShuffleSampler` is a
+``DistributedSampler``, so Lightning uses it as is and forwards ``set_epoch``).
+
+Resume: the module's :meth:`PromptDataModule.state_dict` travels in Lightning's checkpoint;
+``fit --ckpt_path`` continues mid-epoch with exactly the prompts the interrupted run had
+not reached yet, in the same order.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = [
     "EpochShuffleSampler",
     "PromptDataModule",
     "PromptDataset",
     "PromptExample",
+    "PromptLoader",
     "collate_prompts",
     "read_rows",
 ]
@@ -100,31 +105,80 @@ def collate_prompts(examples: Sequence[PromptExample]) -> dict[str, Any]:
     }
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """Positions ``0..N-1``; shuffled as ``torch.randperm(N)`` drawn from seed ``seed + epoch``.
+class EpochShuffleSampler(DistributedSampler):
+    """This rank's share of epoch ``e``'s order, optionally resuming mid-epoch.
 
-    Lightning calls :meth:`set_epoch` before every training epoch (also through its
-    ``DistributedSamplerWrapper`` under DDP). With ``shuffle=False`` the order is 0..N-1.
+    Order of epoch ``e``: ``order = torch.randperm(N, generator=seed + e)`` (``0..N-1`` with
+    ``shuffle=False``), cut to ``W * floor(N / W)`` positions so every rank gets the same
+    count; rank ``r`` of ``W`` takes ``order[r::W]``. This is exactly
+    ``torch.utils.data.DistributedSampler(shuffle=shuffle, drop_last=True)``; being one,
+    Lightning uses it as is under DDP instead of wrapping it, and calls :meth:`set_epoch`
+    before every training epoch.
+
+    Resume: :meth:`resume_at` makes epoch ``epoch`` skip its first ``consumed`` positions
+    (all ranks together; a multiple of ``W``), which is where the interrupted run stopped:
+    rank ``r`` then takes ``order[consumed:][r::W]``, the rest of what it would have taken.
+    Other epochs are untouched. ``len()`` stays the full epoch's count, as Lightning expects
+    (it counts the batches already done itself).
     """
 
-    def __init__(self, num_rows: int, seed: int, shuffle: bool = True, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        seed: int,
+        shuffle: bool = True,
+        epoch: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(
+            range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+            drop_last=True,
+        )
         self.num_rows = num_rows
-        self.seed = seed
-        self.shuffle = shuffle
         self.epoch = epoch
+        self.resume_epoch: int | None = None
+        self.resume_consumed = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of epoch ``epoch``."""
-        self.epoch = epoch
+    def resume_at(self, epoch: int, consumed: int) -> None:
+        """Skip the first ``consumed`` positions of epoch ``epoch`` (all ranks together)."""
+        if consumed % self.num_replicas:
+            raise ValueError(
+                f"consumed ({consumed}) must be a multiple of the number of ranks "
+                f"({self.num_replicas})"
+            )
+        self.resume_epoch, self.resume_consumed = epoch, consumed
 
     def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.num_rows))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_rows, generator=generator).tolist())
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=generator).tolist()
+        else:
+            order = list(range(self.num_rows))
+        order = order[: self.total_size]
+        if self.epoch == self.resume_epoch:
+            order = order[self.resume_consumed :]
+        return iter(order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return self.num_rows
+        return self.num_samples
+
+
+class PromptLoader(DataLoader):
+    """The training DataLoader, marked resumable for Lightning.
+
+    The position in the order is saved and restored by :meth:`PromptDataModule.state_dict`
+    / :meth:`PromptDataModule.load_state_dict` (the sampler then skips what was consumed).
+    These two methods only declare the loader resumable, so that Lightning does not warn on
+    a mid-epoch resume that the data order "can cause unreliable results"; they carry
+    nothing.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here: the DataModule restored the position."""
 
 
 def read_rows(path: str | Path, option: str = "data_files") -> list[dict[str, Any]]:
@@ -217,10 +271,10 @@ class PromptDataModule(pl.LightningDataModule):
     :meth:`setup`, the count is logged and kept in ``dropped``; dropping every row of a split
     raises ValueError.
 
-    Resume: :meth:`state_dict` records ``epoch``, ``seed`` and the number of training prompts
+    Resume: :meth:`state_dict` records ``epoch`` and the number of training prompts
     ``consumed`` in that epoch (over all ranks). The order depends only on seed and epoch, so
-    end-of-epoch checkpoints resume exactly; a mid-epoch checkpoint restarts its epoch's
-    order from the beginning (exact mid-epoch resume is future work).
+    after :meth:`load_state_dict` the sampler skips the consumed prompts of that epoch and the
+    run continues exactly where it stopped, mid-epoch or at an epoch's end.
 
     Args:
         task: built-in task name (see ``maxent_grpo.tasks.list_tasks()``), or None.
@@ -580,29 +634,42 @@ class PromptDataModule(pl.LightningDataModule):
             raise RuntimeError("PromptDataModule.setup() must run before its dataloaders")
         return dataset
 
-    def train_dataloader(self) -> DataLoader:
-        """B = ``batch_size`` prompts per batch, ``drop_last=True``, order from seed + epoch."""
+    def train_dataloader(self) -> PromptLoader:
+        """B = ``batch_size`` prompts per batch and rank, ``drop_last=True``, order from seed +
+        epoch (:class:`EpochShuffleSampler`), resuming mid-epoch after :meth:`load_state_dict`.
+
+        The loader draws its worker base seed from its own generator (seeded with ``seed``),
+        never from the global torch RNG, so building it does not shift the training's random
+        stream (which a resumed run restores exactly).
+        """
         dataset = self._require(self.train_dataset)
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         self._train_sampler = EpochShuffleSampler(
-            len(dataset), self.seed, self.shuffle, self._epoch
+            len(dataset), self.seed, self.shuffle, self._epoch, num_replicas=world, rank=rank
         )
-        return DataLoader(
+        if self._consumed:
+            self._train_sampler.resume_at(self._epoch, self._consumed)
+        return PromptLoader(
             dataset,
             batch_size=self.batch_size,
             sampler=self._train_sampler,
             drop_last=True,
             num_workers=self.num_workers,
             collate_fn=collate_prompts,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def val_dataloader(self) -> DataLoader:
-        """Validation rows in source order, ``val_batch_size`` per batch."""
+        """Validation rows in source order, ``val_batch_size`` per batch (its own generator,
+        like the training loader: validating never shifts the training's random stream)."""
         return DataLoader(
             self._require(self.val_dataset),
             batch_size=self.val_batch_size,
             shuffle=False,
             num_workers=self.num_workers,
             collate_fn=collate_prompts,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def test_dataloader(self) -> DataLoader:
@@ -611,32 +678,89 @@ class PromptDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ state
 
+    STATE_KEYS = ("epoch", "consumed", "seed", "shuffle", "num_rows", "batch_size", "world_size")
+
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Count training prompts consumed in the current epoch (all ranks)."""
+        """Remember the epoch whose order the training batches come from (see state_dict)."""
         trainer = self.trainer
-        if trainer is not None and trainer.training:
-            if trainer.current_epoch != self._epoch:
-                self._epoch, self._consumed = trainer.current_epoch, 0
-            self._consumed += len(batch["indices"]) * trainer.world_size
+        if trainer is not None and trainer.training and self._train_sampler is not None:
+            self._epoch = self._train_sampler.epoch
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "seed", "consumed"}``: the order's position (see class docstring)."""
-        epoch = self._train_sampler.epoch if self._train_sampler is not None else self._epoch
-        if epoch != self._epoch:
-            return {"epoch": epoch, "seed": self.seed, "consumed": 0}
-        return {"epoch": self._epoch, "seed": self.seed, "consumed": self._consumed}
+        """The position in the training order (see the class docstring, "Resume").
+
+        ``consumed`` (prompts of ``epoch`` already trained on, all ranks) is Lightning's own
+        count of the epoch's batches handed to ``training_step`` (its batch progress
+        ``ready``; a batch the loader merely pre-fetched is not counted) times
+        ``batch_size * world_size``. ``epoch`` is the sampler's epoch when the last training
+        batch arrived (Lightning's epoch counters move on at an epoch's end before that count
+        is reset, and differ after some restarts). The other keys
+        (``seed``, ``shuffle``, ``num_rows``, ``batch_size``, ``world_size``) let
+        :meth:`load_state_dict` refuse a checkpoint whose order does not match this run.
+        """
+        trainer = self.trainer
+        if trainer is not None:
+            world = trainer.world_size
+            epoch = self._epoch
+            ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            consumed = ready * self.batch_size * world
+        else:
+            world, epoch, consumed = 1, self._epoch, self._consumed
+        return {
+            "epoch": epoch,
+            "consumed": consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_rows": None if self.train_dataset is None else len(self.train_dataset),
+            "batch_size": self.batch_size,
+            "world_size": world,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a checkpoint made with another ``seed`` raises."""
-        missing = {"epoch", "seed", "consumed"} - set(state_dict)
+        """Resume at :meth:`state_dict`'s position: epoch ``epoch`` skips its first
+        ``consumed`` prompts.
+
+        Raises ValueError when a key is missing or when the checkpoint's order cannot be
+        continued: another ``seed``, ``shuffle`` or number of training prompts; or, for a
+        mid-epoch checkpoint, another ``batch_size`` or number of ranks.
+        """
+        missing = [k for k in self.STATE_KEYS if k not in state_dict]
         if missing:
-            raise ValueError(f"PromptDataModule state is missing keys {sorted(missing)}")
-        if state_dict["seed"] != self.seed:
             raise ValueError(
-                f"checkpoint was made with `seed` {state_dict['seed']}, but this run has "
-                f"seed {self.seed}; set data.seed to {state_dict['seed']} to resume"
+                f"PromptDataModule state in the checkpoint is missing keys {missing}; "
+                f"expected {list(self.STATE_KEYS)}"
             )
-        self._epoch, self._consumed = int(state_dict["epoch"]), int(state_dict["consumed"])
+        for key, option in (("seed", "data.seed"), ("shuffle", "data.shuffle")):
+            if state_dict[key] != getattr(self, key):
+                raise ValueError(
+                    f"the checkpoint was made with {option}={state_dict[key]!r}, but this run "
+                    f"has {option}={getattr(self, key)!r}; set {option}: {state_dict[key]!r} "
+                    "to resume"
+                )
+        if self.train_dataset is not None and state_dict["num_rows"] != len(self.train_dataset):
+            raise ValueError(
+                f"the checkpoint was made with {state_dict['num_rows']} training prompts, but "
+                f"this run has {len(self.train_dataset)}; resume with the same data source "
+                "and data.train_size / data.max_prompt_length"
+            )
+        consumed = int(state_dict["consumed"])
+        if consumed:
+            trainer = self.trainer
+            world = trainer.world_size if trainer is not None else 1
+            if state_dict["batch_size"] != self.batch_size:
+                raise ValueError(
+                    f"the checkpoint stopped mid-epoch with data.batch_size="
+                    f"{state_dict['batch_size']}, but this run has data.batch_size="
+                    f"{self.batch_size}; resume with the same batch size"
+                )
+            if state_dict["world_size"] != world:
+                raise ValueError(
+                    f"the checkpoint stopped mid-epoch on {state_dict['world_size']} "
+                    f"processes, but this run has {world} (trainer.devices x "
+                    "trainer.num_nodes); resume with the same number"
+                )
+        self._epoch, self._consumed = int(state_dict["epoch"]), consumed
         if self._train_sampler is not None:
             self._train_sampler.set_epoch(self._epoch)
+            self._train_sampler.resume_at(self._epoch, self._consumed)

@@ -16,12 +16,18 @@ Read top to bottom, one optimizer step does (ALGORITHM §0-§4)::
 Optimisation is manual (``automatic_optimization = False``) because one rollout may feed
 several optimizer steps and the loss is accumulated over micro-batches that never split
 a prompt group.
+
+Checkpoints: besides what Lightning saves (weights, optimizer, scheduler, loops, callback
+and DataModule states), ``on_save_checkpoint`` adds the objective's mutable state (tau,
+beta, the entropy gate's multiplier), the non-finite counters and every rank's random
+state, so ``fit --ckpt_path last`` continues exactly as if the run had never stopped.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,10 +36,11 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from maxent_grpo.core import selective_log_softmax, token_entropy
-from maxent_grpo.models import load_policy, load_reference, load_tokenizer
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.objectives import GRPO, MicroBatch, Objective, sequence_ref_loglik
 from maxent_grpo.rewards import get_reward, score_completions
 from maxent_grpo.rollout import HFGenerateEngine, RolloutOutput
@@ -71,6 +78,47 @@ def resolve_reward(name: str) -> Callable[..., list]:
         return get_reward(name)
     except ValueError as err:
         raise ValueError(f"model.rewards: {err}") from err
+
+
+#: Objective attributes that change during training (controllers, the entropy gate) and
+#: therefore travel in the checkpoint; the rest of an objective is configuration.
+MUTABLE_OBJECTIVE_STATE = ("tau", "beta", "alpha_multiplier")
+
+#: Key of this module's own entry in a Lightning checkpoint.
+CHECKPOINT_KEY = "maxent_grpo"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's random state: torch CPU (and CUDA when initialised), python, numpy.
+
+    Lightning restores none of these by default. Only plain types and tensors, so the
+    checkpoint still loads with ``torch.load(weights_only=True)``.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    else:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 class NonFiniteLossError(RuntimeError):
@@ -174,6 +222,10 @@ class MaxEntGRPOModule(L.LightningModule):
         self.eval_components = RewardComponents(self.reward_names)
         self.mean_metrics = torch.nn.ModuleDict()
         self._updated: set[str] = set()  # names of mean_metrics updated this step
+        #: the last training step's logged scalars (``train/...``), identical on every rank
+        self.step_stats: dict[str, float] = {}
+        self._lr_used = float("nan")  # learning rate of the last optimizer step
+        self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
 
     @staticmethod
     def _validate(**kw: Any) -> None:
@@ -209,6 +261,14 @@ class MaxEntGRPOModule(L.LightningModule):
              f"maxent_grpo.objectives.GRPO, ...); got {type(kw['objective']).__name__}")
 
     # ------------------------------------------------------------------ model set-up
+    def prepare_data(self) -> None:
+        """Materialise a ``builtin:`` model once, on local rank 0, before any rank loads it.
+
+        Under DDP, transformers' ``save_pretrained`` writes weights only on global rank 0,
+        so a built-in model first materialised by another rank would lack them.
+        """
+        resolve_model_path(self.hparams.model_name_or_path, self.hparams.model_cache_dir)
+
     def configure_model(self) -> None:
         """Load the policy (and the reference when the objective needs it) once."""
         if self.policy is not None:
@@ -244,6 +304,86 @@ class MaxEntGRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.reference is not None:
             self.reference.to(self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add what Lightning does not save itself (under ``checkpoint["maxent_grpo"]``).
+
+        - ``model_name_or_path`` and ``objective_class``: checked on load;
+        - ``objective_state``: the objective's mutable attributes
+          (:data:`MUTABLE_OBJECTIVE_STATE`: tau, beta, the entropy gate's multiplier);
+        - the non-finite update counters;
+        - ``rng``: every rank's random state (:func:`capture_rng_state`), one entry per
+          rank. Lightning calls this hook on every rank, so the states are gathered here.
+        """
+        rng = [capture_rng_state()]
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            rng = [None] * dist.get_world_size()
+            dist.all_gather_object(rng, capture_rng_state())
+        checkpoint[CHECKPOINT_KEY] = {
+            "model_name_or_path": self.hparams.model_name_or_path,
+            "objective_class": type(self.objective).__name__,
+            "objective_state": {
+                k: float(getattr(self.objective, k))
+                for k in MUTABLE_OBJECTIVE_STATE if hasattr(self.objective, k)
+            },
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_total": self.nonfinite_total,
+            "rng": rng,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Check the checkpoint fits this run, then restore :meth:`on_save_checkpoint`'s state.
+
+        Raises ValueError naming the option when the checkpoint was made with another
+        ``model.model_name_or_path`` or another objective class. The objective's tau / beta /
+        gate multiplier and the counters are restored at once (the checkpoint's values win
+        over the config's); the random state is restored just before the first training
+        batch, so nothing that runs in between (set-up, the sanity check) shifts it.
+        """
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "
+                "MaxEntGRPOModule.on_save_checkpoint, so the objective's state and the random "
+                "state cannot be restored; resume from a checkpoint of this trainer"
+            )
+        hp = self.hparams
+        if saved["model_name_or_path"] != hp.model_name_or_path:
+            raise ValueError(
+                "the checkpoint was made with model.model_name_or_path="
+                f"{saved['model_name_or_path']!r}, but this run has {hp.model_name_or_path!r}"
+            )
+        name = type(self.objective).__name__
+        if saved["objective_class"] != name:
+            raise ValueError(
+                f"the checkpoint was made with model.objective {saved['objective_class']}, "
+                f"but this run has {name}; resume with the same objective class_path"
+            )
+        for key, value in saved["objective_state"].items():
+            setattr(self.objective, key, float(value))
+        self.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
+        self.nonfinite_total = int(saved["nonfinite_total"])
+        states = saved["rng"]
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
+        rank = dist.get_rank() if distributed else 0
+        if len(states) != world:
+            rank_zero_warn(
+                f"the checkpoint holds the random state of {len(states)} processes, this run "
+                f"has {world}: every process continues from process 0's state, so sampling "
+                "will not repeat the interrupted run exactly"
+            )
+            rank = 0
+        self._rng_to_restore = states[rank]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.step_stats = {}
+        if self._rng_to_restore is not None:
+            restore_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
 
     def engine(self) -> HFGenerateEngine:
         hp = self.hparams
@@ -429,6 +569,7 @@ class MaxEntGRPOModule(L.LightningModule):
                 self._skip_update(opt)
                 continue
             self.nonfinite_in_a_row = 0
+            self._lr_used = opt.param_groups[0]["lr"]  # the rate of this update (logged)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
@@ -443,13 +584,21 @@ class MaxEntGRPOModule(L.LightningModule):
         for key, value in targets.stats.items():
             self._mean_metric(key).update_sum(value.detach(), torch.ones((), device=self.device))
         self._log_step(rollout, grad_norm, score_seconds, batch_idx)
+        # the entropy gate (EntropyMaxEnt) follows the KL measured over this step; an
+        # unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"
+        observe_kl = getattr(self.objective, "observe_kl", None)
+        if observe_kl is not None:
+            observe_kl(self.step_stats.get("train/kl", float("nan")))
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict) -> None:
         """Sample ``eval_num_generations`` completions per prompt and score them with the
         training rewards; the metrics accumulate over the whole evaluation epoch."""
         G = self.hparams.eval_num_generations
-        rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
+        # a forked random state: evaluation never shifts the training's random stream
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
         completions = [c for group in rollout.batch.grouped_completions for c in group]
         prompts = [p for p in batch["raw_prompts"] for _ in range(G)]
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch["columns"].items()}
@@ -523,7 +672,7 @@ class MaxEntGRPOModule(L.LightningModule):
         scalars = TrainingScalarStats(
             ref_logp_mean=value("logp/ref_token"),
             tokens=tokens,
-            current_lr=self.optimizers().param_groups[0]["lr"],
+            current_lr=self._lr_used,
             grad_norm_scalar=None if grad_norm is None else float(grad_norm),
             epoch_progress=batch_idx / max(1, self.trainer.num_training_batches),
             vllm_latency_ms=rollout.generate_seconds * 1000.0,
@@ -555,6 +704,7 @@ class MaxEntGRPOModule(L.LightningModule):
             f"train/{k}": v for k, v in artifacts.as_dict().items()
             if isinstance(v, (int, float)) and not math.isnan(v)
         }
+        self.step_stats = metrics  # reduced over micro-batches and ranks; read by callbacks
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)
         if "train/loss/total" in metrics:

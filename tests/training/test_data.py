@@ -375,49 +375,127 @@ def test_collate_keeps_lists():
     ]
 
 
-def test_state_dict_roundtrip():
-    dm = make(task="arithmetic", train_size=8, val_size=2, batch_size=2)
-    assert dm.state_dict() == {"epoch": 0, "seed": 0, "consumed": 0}
-    fresh = make(task="arithmetic", train_size=8, val_size=2, batch_size=2)
-    fresh.load_state_dict({"epoch": 3, "seed": 0, "consumed": 4})
-    assert fresh.state_dict() == {"epoch": 3, "seed": 0, "consumed": 4}
-    assert fresh.train_dataloader().sampler.epoch == 3
-    with pytest.raises(ValueError, match="seed"):
-        fresh.load_state_dict({"epoch": 0, "seed": 7, "consumed": 0})
+def test_sampler_shards_and_resumes_mid_epoch():
+    # W = 3 ranks over N = 10 rows: 9 usable positions, rank r takes order[r::3]
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(7 + 2)).tolist()[:9]
+    ranks = [EpochShuffleSampler(10, seed=7, epoch=2, num_replicas=3, rank=r) for r in range(3)]
+    assert [list(s) for s in ranks] == [order[0::3], order[1::3], order[2::3]]
+    assert [len(s) for s in ranks] == [3, 3, 3]
+    # resuming epoch 2 after 3 positions (one per rank): each rank continues its own share
+    for r, s in enumerate(ranks):
+        s.resume_at(2, 3)
+        assert list(s) == order[3:][r::3] == order[r::3][1:]
+        assert len(s) == 3  # Lightning counts the batches already done itself
+        s.set_epoch(3)  # other epochs are untouched
+        assert list(s) == torch.randperm(
+            10, generator=torch.Generator().manual_seed(7 + 3)
+        ).tolist()[:9][r::3]
+    with pytest.raises(ValueError, match="multiple of the number of ranks"):
+        ranks[0].resume_at(2, 4)
 
 
-def test_lightning_sets_epoch_and_counts(tmp_path):
+def test_state_dict_roundtrip_and_incompatible_checkpoints():
+    kwargs = {"task": "arithmetic", "train_size": 8, "val_size": 2, "batch_size": 2}
+    dm = make(**kwargs)
+    state = dm.state_dict()
+    assert state == {
+        "epoch": 0, "consumed": 0, "seed": 0, "shuffle": True, "num_rows": 8,
+        "batch_size": 2, "world_size": 1,
+    }
+    fresh = make(**kwargs)
+    fresh.load_state_dict({**state, "epoch": 3, "consumed": 4})
+    assert fresh.state_dict() == {**state, "epoch": 3, "consumed": 4}
+    sampler = fresh.train_dataloader().sampler
+    full = torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    assert sampler.epoch == 3 and list(sampler) == full[4:]
+    for change, option in (
+        ({"seed": 7}, "data.seed"),
+        ({"shuffle": False}, "data.shuffle"),
+        ({"num_rows": 9}, "training prompts"),
+        ({"consumed": 2, "batch_size": 4}, "data.batch_size"),
+        ({"consumed": 4, "world_size": 2}, "trainer.devices"),
+    ):
+        with pytest.raises(ValueError, match=option):
+            make(**kwargs).load_state_dict({**state, **change})
+    # at an epoch boundary (consumed 0) another batch size is fine
+    make(**kwargs).load_state_dict({**state, "epoch": 1, "batch_size": 4})
+    with pytest.raises(ValueError, match="missing keys"):
+        make(**kwargs).load_state_dict({"epoch": 0, "seed": 0, "consumed": 0})
+
+
+class Recorder:
+    """A LightningModule factory that records (epoch, indices) of every training batch."""
+
+    @staticmethod
+    def build():
+        import lightning.pytorch as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.zeros(1))
+                self.seen: list[tuple[int, list[int]]] = []
+
+            def training_step(self, batch, batch_idx):
+                assert set(batch) == BATCH_KEYS
+                self.seen.append((self.current_epoch, batch["indices"]))
+                return (self.weight**2).sum()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        return Module()
+
+
+def fit_recorder(tmp_path, max_steps: int, ckpt_path: str | None = None, **data_kw):
+    """Fit the recorder for ``max_steps`` (checkpoint every step); return its batches."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    class Recorder(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(1))
-            self.seen: list[tuple[int, list[int]]] = []
-
-        def training_step(self, batch, batch_idx):
-            assert set(batch) == BATCH_KEYS
-            self.seen.append((self.current_epoch, batch["indices"]))
-            return (self.weight**2).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    dm = PromptDataModule(task="arithmetic", train_size=6, val_size=2, batch_size=2, seed=4)
+    opts = {"task": "arithmetic", "train_size": 7, "val_size": 2, "batch_size": 2, "seed": 4}
+    opts.update(data_kw)
+    dm = PromptDataModule(**opts)
     dm.set_tokenizer(CharTokenizer())
-    model = Recorder()
+    model = Recorder.build()
     trainer = pl.Trainer(
-        max_epochs=2,
+        max_steps=max_steps,
         limit_val_batches=0,
         logger=False,
-        enable_checkpointing=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)],
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model.seen, dm, trainer
+
+
+def test_lightning_sets_epoch_and_counts(tmp_path):
+    seen, dm, _ = fit_recorder(tmp_path, max_steps=6)  # 3 batches per epoch (7 rows, B = 2)
     for epoch in (0, 1):
-        got = [i for e, idx in model.seen if e == epoch for i in idx]
-        perm = torch.randperm(6, generator=torch.Generator().manual_seed(4 + epoch)).tolist()
-        assert got == [dm.train_dataset.examples[p].index for p in perm]
-    assert dm.state_dict() == {"epoch": 1, "seed": 4, "consumed": 6}
+        got = [i for e, idx in seen if e == epoch for i in idx]
+        perm = torch.randperm(7, generator=torch.Generator().manual_seed(4 + epoch)).tolist()
+        assert got == [dm.train_dataset.examples[p].index for p in perm[:6]]
+    # the counters are Lightning's: stopped after epoch 1's last batch
+    assert dm.state_dict()["epoch"] == 1 and dm.state_dict()["consumed"] == 6
+
+
+@pytest.mark.parametrize("stop", [1, 3, 4])  # mid-epoch, at the end of epoch 0, mid-epoch 1
+def test_resume_continues_with_the_same_prompts(tmp_path, stop):
+    whole, _, _ = fit_recorder(tmp_path / "whole", max_steps=7)
+    first, _, _ = fit_recorder(tmp_path / "cut", max_steps=stop)
+    rest, dm, _ = fit_recorder(
+        tmp_path / "cut", max_steps=7, ckpt_path=str(tmp_path / "cut" / "last.ckpt")
+    )
+    assert [idx for _, idx in first + rest] == [idx for _, idx in whole]
+    assert [e for e, _ in first + rest] == [e for e, _ in whole]
+    assert dm.state_dict()["epoch"] == 2 and dm.state_dict()["consumed"] == 2
+
+
+def test_loaders_leave_the_global_random_state_alone():
+    """A resumed run restores the random state; iterating a loader must not move it."""
+    dm = make(task="arithmetic", train_size=8, val_size=2, batch_size=2)
+    before = torch.get_rng_state()
+    for loader in (dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader()):
+        all_batches(loader)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -220,3 +222,91 @@ def test_validation_logs_rewards(cache_dir):
     )
     out = trainer.validate(module, make_data(cache_dir))
     assert out[0]["val/reward/mean"] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ checkpoints and resume
+
+
+def test_checkpoint_restores_objective_state_counters_and_random_state(cache_dir, tmp_path):
+    objective = EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05, beta=0.1)
+    module = make_module(cache_dir, objective=objective)
+    objective.beta, objective.alpha_multiplier = 0.3, 1.7
+    module.nonfinite_in_a_row, module.nonfinite_total = 1, 4
+    torch.manual_seed(5)
+    random.seed(6)
+    np.random.seed(7)
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    # the checkpoint holds plain values only: it loads with weights_only=True
+    torch.save(checkpoint, tmp_path / "c.ckpt")
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=True)
+
+    fresh = make_module(cache_dir, objective=EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05))
+    fresh.on_load_checkpoint(checkpoint)
+    assert (fresh.objective.beta, fresh.objective.alpha_multiplier) == (0.3, 1.7)
+    assert (fresh.nonfinite_in_a_row, fresh.nonfinite_total) == (1, 4)
+    torch.manual_seed(0)  # whatever runs between the restore and the first batch ...
+    fresh.on_train_batch_start(None, 0)  # ... the random state is restored right here
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+    fresh.on_train_batch_start(None, 1)  # only once
+    assert not torch.equal(torch.rand(3), expected[0])
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"model_name_or_path": "builtin:smollm2-135m-instruct"}, "model.model_name_or_path"),
+        ({"objective": GRPO()}, "model.objective ListwiseMaxEnt, but this run has GRPO"),
+    ],
+)
+def test_a_checkpoint_of_another_config_is_refused(cache_dir, kw, match):
+    checkpoint: dict = {}
+    make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5)).on_save_checkpoint(checkpoint)
+    other = make_module(cache_dir, **{"objective": ListwiseMaxEnt(tau=0.9), **kw})
+    with pytest.raises(ValueError, match=match):
+        other.on_load_checkpoint(checkpoint)
+    assert other.objective.state().get("tau") != 0.5  # nothing was applied
+    with pytest.raises(ValueError, match="no 'maxent_grpo' entry"):
+        other.on_load_checkpoint({"state_dict": {}})
+
+
+def test_the_entropy_gate_follows_each_steps_kl(cache_dir):
+    from maxent_grpo.core import entropy_gate_multiplier
+
+    objective = EntropyMaxEnt(alpha=0.01, kl_gate_threshold=1e-6, kl_gate_gain=1.0)
+    module = make_module(
+        cache_dir, objective=objective, rewards={"tests.training.test_module:alternating": 1.0}
+    )
+    fit(module, make_data(cache_dir), steps=2)
+    kl = module.step_stats["train/kl"]
+    assert kl > 1e-6  # the policy moved away from the reference after one update
+    assert objective.alpha_multiplier == entropy_gate_multiplier(
+        kl, kappa=1e-6, gain=1.0, m_lo=0.0, m_hi=2.0
+    )
+    assert objective.alpha_multiplier < 1  # above the threshold: the bonus shrinks
+
+
+def test_evaluation_does_not_shift_the_training_random_stream(cache_dir):
+    from maxent_grpo.training.data import collate_prompts
+
+    module = make_module(cache_dir, eval_num_generations=2)
+    module.configure_model()
+    data = make_data(cache_dir)
+    data.setup("fit")
+    batch = collate_prompts(data.val_dataset.examples[:2])
+    torch.manual_seed(3)
+    module.validation_step(batch, 0)
+    after_eval = torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(2), after_eval)
+    assert module.eval_reward.update_count == 1
+
+
+def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
+    module = make_module(
+        cache_dir, lr_warmup_steps=2, rewards={"tests.training.test_module:alternating": 1.0}
+    )
+    fit(module, make_data(cache_dir), steps=1)
+    assert module.step_stats["train/lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2

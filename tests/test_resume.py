@@ -1,0 +1,187 @@
+"""Kill a run and resume it: the result equals a run that never stopped.
+
+Three ``python -m maxent_grpo fit`` processes on the tiny offline model (listwise MaxEnt
+with a TauController and a BetaController, a checkpoint every step, validation at every
+epoch end): A trains N = 6 steps; B trains the same config and is killed with SIGKILL as
+soon as the checkpoint of step N/2 = 3 is on disk; C continues B with ``--ckpt_path last``
+to step N. A and B+C must show the same prompts in the same order, the same per-step
+rewards, losses and KL (so the same sampled completions: the random state was restored),
+and end with the same tau, beta, parameters and optimizer state.
+
+An epoch is 3 batches (12 prompts, B = 4), so the kill falls at an epoch's end, the
+hardest point for the random state: A validates and starts a new epoch between steps 3
+and 4, and none of that may shift the training's random stream. Resuming mid-epoch (the
+hardest point for the data order) is tested in-process in ``tests/training/test_data.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, KILL_AFTER = 6, 3
+
+
+class RecordSteps(pl.Callback):
+    """Append one JSON line per training step: the prompt indices when the batch starts,
+    the step's reward / loss / KL / tau / beta when it ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._write({"step": trainer.global_step, "indices": batch["indices"]})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        keys = ("train/reward/mean", "train/loss/total", "train/kl", "train/tau", "train/beta")
+        self._write({"step": trainer.global_step, **{k: pl_module.step_stats[k] for k in keys}})
+
+
+class KillAt(pl.Callback):
+    """SIGKILL this process when step ``step + 1`` is about to start: the checkpoint of step
+    ``step`` was written at the end of that step, nothing of the next one has run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def config(run: Path, kill: bool) -> dict[str, Any]:
+    callbacks = [
+        {"class_path": "test_resume.KillAt", "init_args": {"step": KILL_AFTER}},
+        {"class_path": "test_resume.RecordSteps", "init_args": {"path": str(run / "steps.jsonl")}},
+        {"class_path": "maxent_grpo.training.callbacks.TauController",
+         "init_args": {"target_entropy": 1.0, "lr": 0.5, "warmup_steps": 1,
+                       "state_path": str(run / "controller_state.json")}},
+        {"class_path": "maxent_grpo.training.callbacks.BetaController",
+         "init_args": {"kl_target": 0.001, "horizon": 5.0, "step_bound": 0.5}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": str(run / "ckpt"), "save_last": True,
+                       "every_n_train_steps": 1, "save_top_k": 1}},
+    ]
+    return {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_steps": STEPS, "logger": False,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "num_sanity_val_steps": 1, "default_root_dir": str(run),
+            "callbacks": callbacks if kill else callbacks[1:],
+        },
+        "model": {
+            "model_name_or_path": "builtin:tiny",
+            "model_cache_dir": str(run.parent / "models"),
+            "objective": {"class_path": "maxent_grpo.objectives.ListwiseMaxEnt",
+                          "init_args": {"tau": 0.5, "beta": 0.05}},
+            "rewards": {"first_number": 1.0},
+            "num_generations": 4,
+            "max_completion_length": 4,
+            "eval_num_generations": 2,
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
+            "lr_warmup_steps": 2,
+        },
+        "data": {
+            "task": "arithmetic_easy", "task_options": {"bare": True},
+            "train_size": 13, "val_size": 2, "batch_size": 4, "max_prompt_length": 32,
+        },
+    }
+
+
+def fit(run: Path, kill: bool = False, *extra: str) -> subprocess.CompletedProcess:
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / ("config_kill.yaml" if kill else "config.yaml")
+    path.write_text(yaml.safe_dump(config(run, kill), sort_keys=False))
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(path), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def records(run: Path) -> tuple[list[tuple[int, list[int]]], list[dict[str, float]]]:
+    lines = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    prompts = [(r["step"], r["indices"]) for r in lines if "indices" in r]
+    stats = [r for r in lines if "indices" not in r]
+    return prompts, stats
+
+
+def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    whole = fit(tmp_path / "A")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    killed = fit(tmp_path / "B", True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (tmp_path / "B" / "ckpt" / "last.ckpt").is_file()
+    prompts_b, _ = records(tmp_path / "B")
+    assert [s for s, _ in prompts_b] == list(range(KILL_AFTER))
+
+    resumed = fit(tmp_path / "B", False, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states" in resumed.stderr
+
+    # the same prompts in the same order
+    prompts_a, stats_a = records(tmp_path / "A")
+    prompts_bc, stats_bc = records(tmp_path / "B")
+    assert len(prompts_a) == STEPS
+    assert prompts_bc == prompts_a
+    # the same completions: every step's reward, loss, KL, tau and beta agree
+    assert len(stats_bc) == len(stats_a) == STEPS
+    for a, b in zip(stats_a, stats_bc, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a, b)
+    taus = [s["train/tau"] for s in stats_a]
+    betas = [s["train/beta"] for s in stats_a]
+    assert len(set(taus)) > 2 and len(set(betas)) > 2, "the controllers did not move"
+
+    # the same final state: controllers, parameters, optimizer, global step
+    end_a = json.loads((tmp_path / "A" / "controller_state.json").read_text())
+    end_b = json.loads((tmp_path / "B" / "controller_state.json").read_text())
+    assert end_a["tau"] == end_b["tau"] and end_a["beta"] == end_b["beta"]
+    assert end_a["tau_entropy_ema"] == end_b["tau_entropy_ema"]
+    assert end_a["meta"] == end_b["meta"] and end_a["meta"]["tau_steps"] == STEPS
+    ckpt_a = torch.load(tmp_path / "A" / "ckpt" / "last.ckpt", weights_only=True)
+    ckpt_b = torch.load(tmp_path / "B" / "ckpt" / "last.ckpt", weights_only=True)
+    assert ckpt_a["global_step"] == ckpt_b["global_step"] == STEPS
+    assert ckpt_a["state_dict"].keys() == ckpt_b["state_dict"].keys()
+    for name, value in ckpt_a["state_dict"].items():
+        torch.testing.assert_close(ckpt_b["state_dict"][name], value, rtol=1e-5, atol=1e-6)
+    opt_a, opt_b = ckpt_a["optimizer_states"][0]["state"], ckpt_b["optimizer_states"][0]["state"]
+    for i, state in opt_a.items():
+        torch.testing.assert_close(opt_b[i]["exp_avg"], state["exp_avg"], rtol=1e-5, atol=1e-7)
+    assert ckpt_a["PromptDataModule"] == ckpt_b["PromptDataModule"]
+    for key in ("TauController", "BetaController"):
+        assert ckpt_a["callbacks"][key] == ckpt_b["callbacks"][key]
+
+
+def test_ckpt_path_last_needs_a_checkpoint_folder(tmp_path, monkeypatch):
+    """Without a ModelCheckpoint dirpath, `last` could never be found: refused, not ignored."""
+    from maxent_grpo.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    args = [
+        "fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--ckpt_path", "last",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--model.model_cache_dir={tmp_path / 'models'}",
+        "--trainer.callbacks=[]",  # only Lightning's default ModelCheckpoint, no dirpath
+    ]
+    with pytest.raises(ValueError, match="--ckpt_path last needs a ModelCheckpoint with an"):
+        main(args)

@@ -1,0 +1,384 @@
+"""The tau / beta / meta controllers and the HF export, on fake step statistics.
+
+Every expected value is computed by hand in the comments (or by a one-line float formula),
+independently of ``maxent_grpo.core.control``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt
+from maxent_grpo.training import callbacks as cb
+from maxent_grpo.training.callbacks import (
+    BetaController,
+    HFExport,
+    MetaController,
+    TauController,
+    read_controller_state,
+    write_controller_state,
+)
+
+
+class FakeModule:
+    """What the controllers use of MaxEntGRPOModule."""
+
+    def __init__(self, objective, num_generations: int = 8) -> None:
+        self.objective = objective
+        self.hparams = SimpleNamespace(num_generations=num_generations)
+        self.step_stats: dict[str, float] = {}
+        self.logged: list[dict[str, float]] = []
+        self.reference_required = False
+
+    def require_reference(self) -> None:
+        self.reference_required = True
+
+    def log_dict(self, values, **kw) -> None:
+        self.logged.append(dict(values))
+
+
+def fake_trainer(callbacks, log_dir: str = "logs", ckpt_path: str | None = None):
+    return SimpleNamespace(
+        callbacks=list(callbacks), log_dir=log_dir, default_root_dir=log_dir,
+        ckpt_path=ckpt_path, is_global_zero=True,
+    )
+
+
+def attach(objective, *controllers, **trainer_kw):
+    """``setup('fit')`` every controller on one fake trainer; return (trainer, module)."""
+    module = FakeModule(objective)
+    trainer = fake_trainer(controllers, **trainer_kw)
+    for c in controllers:
+        c.setup(trainer, module, "fit")
+    return trainer, module
+
+
+def step(trainer, module, **stats: float) -> dict[str, float]:
+    """One training step with the given ``train/<key>`` statistics."""
+    module.step_stats = {f"train/{k}": v for k, v in stats.items()}
+    module.logged.clear()
+    for c in trainer.callbacks:
+        c.on_train_batch_end(trainer, module, None, None, 0)
+    return {k: v for d in module.logged for k, v in d.items()}
+
+
+# ---------------------------------------------------------------------- tau
+
+
+def test_tau_controller_follows_the_entropy_ema_by_hand():
+    obj = ListwiseMaxEnt(tau=0.5)
+    tau = TauController(target_entropy=1.0, lr=0.5, tau_min=0.01, tau_max=10.0)
+    trainer, module = attach(obj, tau)
+    assert not module.reference_required  # tau alone never needs the reference
+
+    logs = step(trainer, module, weight_entropy=2.0)
+    # first observation initialises the EMA: 2.0; log tau = log .5 + .5 * (1 - 2)
+    assert tau.entropy_ema == 2.0
+    assert obj.tau == pytest.approx(0.5 * math.exp(-0.5), rel=1e-12)  # 0.30327
+    assert logs["train/delta_tau"] == pytest.approx(0.5 * math.exp(-0.5) - 0.5)
+    assert logs["train/tau_target_entropy"] == 1.0
+
+    step(trainer, module, weight_entropy=1.0)
+    # EMA = .9 * 2 + .1 * 1 = 1.9; log tau += .5 * (1 - 1.9) = -.45
+    assert tau.entropy_ema == pytest.approx(1.9)
+    assert obj.tau == pytest.approx(0.5 * math.exp(-0.95), rel=1e-12)  # 0.19338
+    assert tau.steps == 2
+
+    step(trainer, module, weight_entropy=0.1)
+    # too little entropy raises tau: EMA = .9 * 1.9 + .01 = 1.72 -> log tau += -.36 (still
+    # falls, the EMA lags); then a long run of low entropy turns it around
+    assert obj.tau == pytest.approx(0.5 * math.exp(-0.95 - 0.36), rel=1e-12)
+    for _ in range(30):
+        step(trainer, module, weight_entropy=0.1)
+    assert obj.tau > 0.5
+
+
+def test_tau_controller_warmup_clip_and_anneal():
+    obj = GroupMaxEnt(tau=1.0)
+    tau = TauController(
+        target_entropy=2.0, lr=10.0, tau_min=0.5, tau_max=2.0, warmup_steps=2,
+        target_entropy_final=1.0, target_entropy_horizon=4,
+    )
+    trainer, module = attach(obj, tau)
+    for _ in range(2):  # warmup: only the EMA moves
+        logs = step(trainer, module, weight_entropy=0.0)
+        assert obj.tau == pytest.approx(1.0) and logs["train/delta_tau"] == pytest.approx(0.0)
+    assert tau.entropy_ema == 0.0
+    step(trainer, module, weight_entropy=0.0)  # target 2 - 1 * 2/4 = 1.5: +15 in log -> clip
+    assert obj.tau == 2.0 and tau.tau_log == pytest.approx(math.log(2.0))
+    assert [tau.target_at(s) for s in (0, 2, 4, 9)] == [2.0, 1.5, 1.0, 1.0]
+
+
+def test_tau_controller_skips_a_step_without_weight_entropy():
+    obj = ListwiseMaxEnt(tau=0.5)
+    tau = TauController(target_entropy=1.0)
+    trainer, module = attach(obj, tau)
+    with pytest.warns(UserWarning, match="no finite train/weight_entropy"):
+        logs = step(trainer, module, kl=0.1)
+    assert logs == {} and obj.tau == 0.5 and tau.entropy_ema is None
+
+
+# ---------------------------------------------------------------------- beta
+
+
+def test_beta_controller_by_hand():
+    obj = GRPO(beta=0.1)
+    beta = BetaController(kl_target=0.02, horizon=10.0, step_bound=0.2)
+    trainer, module = attach(obj, beta)
+    assert module.reference_required  # beta can rise: the reference loads from the start
+
+    logs = step(trainer, module, kl=0.03)  # e = .03/.02 - 1 = .5 -> clipped to .2
+    assert obj.beta == pytest.approx(0.1 * 1.02)
+    assert logs["train/beta_kl_error"] == pytest.approx(0.2)
+    assert logs["train/delta_beta"] == pytest.approx(0.002)
+    step(trainer, module, kl=0.019)  # e = -.05 -> beta * (1 - .005)
+    assert obj.beta == pytest.approx(0.1 * 1.02 * 0.995)
+    step(trainer, module)  # no KL measured: counts as above the target, e = +.2
+    assert obj.beta == pytest.approx(0.1 * 1.02 * 0.995 * 1.02)
+    assert beta.steps == 3
+
+
+def test_beta_controller_moves_entropy_and_listwise_objectives():
+    for obj in (EntropyMaxEnt(beta=0.2), ListwiseMaxEnt(tau=0.0, beta=0.2)):
+        trainer, module = attach(obj, BetaController(kl_target=0.1, horizon=4.0, step_bound=1.0))
+        step(trainer, module, kl=0.0)  # e = -1 -> beta * (1 - 1/4)
+        assert obj.beta == pytest.approx(0.15)
+
+
+# ---------------------------------------------------------------------- meta
+
+
+def test_meta_controller_by_hand_every_two_steps():
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.0)
+    meta = MetaController(
+        target_entropy=1.0, kl_target=0.02, lr_tau=0.1, lr_beta=0.5, kl_clip=1.0,
+        every_n_steps=2,
+    )
+    trainer, module = attach(obj, meta)
+    assert module.reference_required
+    assert step(trainer, module, weight_entropy=1.2, kl=0.05) == {}  # step 1 of 2: nothing
+    assert (obj.tau, obj.beta) == (0.5, 0.0)
+    logs = step(trainer, module, weight_entropy=1.2, kl=0.05)
+    # tau_grad = 1.2 - 1 = .2 -> tau = .5 - .02; beta_grad = .03 -> beta = 0 + .015 (additive:
+    # beta rises from 0)
+    assert obj.tau == pytest.approx(0.48) and obj.beta == pytest.approx(0.015)
+    assert logs["train/meta/tau_grad"] == pytest.approx(0.2)
+    assert logs["train/meta/beta_grad"] == pytest.approx(0.03)
+    assert logs["train/delta_beta"] == pytest.approx(0.015)
+    step(trainer, module, weight_entropy=0.0, kl=5.0)
+    step(trainer, module, weight_entropy=0.0, kl=5.0)  # KL error clipped to c = 1
+    assert obj.tau == pytest.approx(0.48 + 0.1) and obj.beta == pytest.approx(0.515)
+
+
+# ---------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "objective, controllers, match",
+    [
+        (GRPO(), [TauController(1.0)], "TauController.*model.objective is GRPO"),
+        (EntropyMaxEnt(beta=0.1), [TauController(1.0)], "TauController.*EntropyMaxEnt"),
+        (GroupMaxEnt(), [BetaController(0.1)], "BetaController.*GroupMaxEnt"),
+        (GroupMaxEnt(), [MetaController(1.0, 0.1)], "MetaController.*GroupMaxEnt"),
+        (GRPO(beta=0.1), [MetaController(1.0, 0.1)], "MetaController.*GRPO"),
+        (GRPO(beta=0.0), [BetaController(0.1)], "beta is 0.*never raise"),
+        (ListwiseMaxEnt(tau=0.0, beta=0.1), [TauController(1.0)], "tau > 0"),
+        (ListwiseMaxEnt(tau=20.0), [TauController(1.0)], r"outside \[tau_min, tau_max\]"),
+        (ListwiseMaxEnt(tau=0.5), [TauController(2.5)], r"log G\] = \[0, 2.0794\]"),
+        (ListwiseMaxEnt(tau=0.5, beta=0.1), [TauController(1.0), MetaController(1.0, 0.1)],
+         "TauController and MetaController both move objective.tau"),
+        (ListwiseMaxEnt(tau=0.5, beta=0.1), [BetaController(0.1), BetaController(0.2)],
+         "two BetaControllers"),
+    ],
+)
+def test_setup_rejects_what_cannot_work(objective, controllers, match):
+    with pytest.raises(ValueError, match=match):
+        attach(objective, *controllers)
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: BetaController(0.1, horizon=1.0, step_bound=1.0), "step_bound.*< horizon"),
+        (lambda: BetaController(0.0), "kl_target must be a finite number > 0"),
+        (lambda: TauController(1.0, tau_min=0.0), "tau_min must be > 0"),
+        (lambda: TauController(1.0, ema_decay=1.0), r"ema_decay must be in \[0, 1\)"),
+        (lambda: TauController(-1.0), "target_entropy must be a finite number >= 0"),
+        (lambda: MetaController(1.0, 0.1, every_n_steps=0), "every_n_steps must be >= 1"),
+        (lambda: TauController(1.0, state_path=""), "state_path must be None or a non-empty"),
+        (lambda: HFExport(every_n_train_steps=0), "every_n_train_steps must be >= 1"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+# ---------------------------------------------------------------------- state
+
+
+def test_state_dict_round_trip_pushes_into_the_objective():
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    tau, beta = TauController(1.0, lr=0.3), BetaController(0.02)
+    trainer, module = attach(obj, tau, beta)
+    for h, kl in ((1.5, 0.01), (1.2, 0.05), (0.9, 0.03)):
+        step(trainer, module, weight_entropy=h, kl=kl)
+    saved = {c.state_key: c.state_dict() for c in (tau, beta)}
+    assert set(saved["TauController"]) == {"steps", "tau", "tau_log", "tau_entropy_ema"}
+    assert set(saved["BetaController"]) == {"steps", "beta", "kl_error"}
+    json.dumps(saved)  # plain values only
+
+    # a fresh run: set-up from the config, then Lightning restores the checkpoint
+    fresh_obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    tau2, beta2 = TauController(1.0, lr=0.3), BetaController(0.02)
+    attach(fresh_obj, tau2, beta2)
+    tau2.load_state_dict(saved["TauController"])
+    beta2.load_state_dict(saved["BetaController"])
+    assert (fresh_obj.tau, fresh_obj.beta) == (obj.tau, obj.beta)
+    assert tau2.state_dict() == saved["TauController"] and tau2.steps == 3
+    with pytest.raises(ValueError, match=r"TauController state .* missing keys \['tau_log'\]"):
+        tau2.load_state_dict({"steps": 1, "tau": 0.5, "tau_entropy_ema": None})
+
+
+def test_state_file_is_written_atomically_with_the_documented_schema(tmp_path):
+    path = tmp_path / "run" / cb.STATE_FILENAME
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    tau = TauController(1.0, state_path="{log_dir}/" + cb.STATE_FILENAME)
+    beta = BetaController(0.02, state_path=str(path))
+    trainer, module = attach(obj, tau, beta, log_dir=str(tmp_path / "run"))
+    step(trainer, module, weight_entropy=1.5, kl=0.03)
+    for c in (tau, beta):  # both name the same file: written once, with every field
+        c.on_save_checkpoint(trainer, module, {})
+    state = json.loads(path.read_text())
+    assert state.pop("tau_log") == pytest.approx(math.log(obj.tau), rel=1e-12)
+    assert state == {
+        "beta": obj.beta, "tau": obj.tau, "tau_entropy_ema": 1.5,
+        "meta": {"tau_steps": 1, "beta_steps": 1, "kl_error": 0.2},
+    }
+    assert read_controller_state(path)["meta"] == state["meta"]
+    assert os.listdir(path.parent) == [cb.STATE_FILENAME]  # no temporary file left
+
+
+def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    write_controller_state(path, {"a": 1})
+
+    def broken_dump(obj, f, **kw):
+        f.write('{"a": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cb.json, "dump", broken_dump)
+    with pytest.raises(OSError, match="disk full"):
+        write_controller_state(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert os.listdir(tmp_path) == ["state.json"]
+
+
+GOOD = {"beta": 0.1, "tau": 0.4, "tau_log": math.log(0.4), "tau_entropy_ema": 1.3,
+        "meta": {"tau_steps": 7, "beta_steps": 7, "kl_error": -0.1}}
+
+
+def test_resume_from_a_state_file(tmp_path):
+    path = tmp_path / "state.json"
+    write_controller_state(path, GOOD)
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.05)  # the config's values...
+    tau = TauController(1.0, resume_from=str(path))
+    beta = BetaController(0.02, resume_from=str(path))
+    attach(obj, tau, beta)
+    assert (obj.tau, obj.beta) == (0.4, 0.1)  # ... are replaced by the file's
+    assert tau.entropy_ema == 1.3 and tau.steps == 7 and beta.steps == 7
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (json.dumps(GOOD)[:40], r"not valid JSON \(truncated or corrupt"),
+        ("\x00\x01garbage", "not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        (json.dumps({k: v for k, v in GOOD.items() if k != "tau_log"}), "no key 'tau_log'"),
+        (json.dumps({**GOOD, "tau": "0.4"}), "'tau' must be a finite number or null"),
+        (json.dumps({**GOOD, "tau": None}), "'tau' must be a finite number; got None"),
+        (json.dumps({**GOOD, "meta": {}}), "no key 'meta.tau_steps'"),
+    ],
+)
+def test_a_bad_state_file_names_the_file_and_key(tmp_path, text, match):
+    path = tmp_path / "state.json"
+    path.write_text(text)
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.05)
+    with pytest.raises(ValueError, match=match) as err:
+        attach(obj, TauController(1.0, resume_from=str(path)))
+    assert str(path) in str(err.value)
+    assert obj.tau == 0.5  # nothing applied
+    with pytest.raises(FileNotFoundError, match="not found"):
+        attach(obj, TauController(1.0, resume_from=str(tmp_path / "missing.json")))
+
+
+def test_overwrite_existing(tmp_path):
+    path = tmp_path / "state.json"
+    write_controller_state(path, GOOD)
+
+    def start(**kw):
+        c = TauController(1.0, state_path=str(path), **kw.pop("args", {}))
+        trainer, module = attach(ListwiseMaxEnt(tau=0.5), c, **kw)
+        c.on_fit_start(trainer, module)
+
+    with pytest.raises(ValueError, match="already exists.*overwrite_existing: true"):
+        start()
+    start(args={"overwrite_existing": True})
+    start(ckpt_path="last.ckpt")  # a resumed run continues its own file
+    start(args={"resume_from": str(path)})  # so does one resuming from this very file
+
+
+# ---------------------------------------------------------------------- export
+
+
+class Saver:
+    def __init__(self) -> None:
+        self.saved: list[Path] = []
+
+    def save_pretrained(self, path) -> None:
+        self.saved.append(Path(path))
+
+
+def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
+    export = HFExport(every_n_train_steps=4)
+    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
+                              is_global_zero=True)
+    module = SimpleNamespace(policy=Saver(), tokenizer=Saver())
+    export.setup(trainer, module, "fit")
+    assert export.dirpath == str(tmp_path / "hf")
+    export.on_train_start(trainer, module)
+    for global_step in (2, 4, 6, 9, 10, 12):  # e.g. two optimizer steps per rollout
+        trainer.global_step = global_step
+        export.on_train_batch_end(trainer, module, None, None, 0)
+    export.on_train_end(trainer, module)
+    names = [p.name for p in module.policy.saved]
+    assert names == ["step-4", "step-9", "step-12", "final"]
+    assert module.tokenizer.saved == module.policy.saved
+
+
+def test_hf_export_writes_a_loadable_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from maxent_grpo.models import load_policy, load_tokenizer
+
+    cache = str(tmp_path / "models")
+    module = SimpleNamespace(
+        policy=load_policy("builtin:tiny", cache_dir=cache),
+        tokenizer=load_tokenizer("builtin:tiny", cache_dir=cache),
+    )
+    trainer = SimpleNamespace(is_global_zero=True)
+    out = HFExport(dirpath=str(tmp_path / "export")).export(trainer, module, "final")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("1+1")["input_ids"] == module.tokenizer("1+1")["input_ids"]
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), module.policy.named_parameters(), strict=True
+    ):
+        assert (p == q).all(), name
