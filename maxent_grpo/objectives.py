@@ -124,6 +124,13 @@ def sequence_ref_loglik(ref_token_logps: Tensor, mask: Tensor, group_size: int) 
     return rho.view(-1, group_size)
 
 
+def weight_stats(weights: Tensor) -> dict[str, Tensor]:
+    """Mean, min and max over groups of the weight entropy ``H(w)`` of ``(B, G)`` weights."""
+    h = weight_entropy(weights)  # (B,)
+    return {"weight_entropy": h.mean(), "weight_entropy_min": h.min(),
+            "weight_entropy_max": h.max()}
+
+
 class Objective:
     """Base class. Subclasses set hyper-parameters in ``__init__`` and validate them."""
 
@@ -435,12 +442,7 @@ class ListwiseMaxEnt(Objective):
         q = q_distribution(rewards, self.q_temperature, self.q_epsilon)  # (B, G)
         ref = ref_seq_logps if self.beta > 0 else None
         w = maxent_weights(q.log(), self.tau, self.beta, ref)  # (B, G), rows sum to 1
-        h = weight_entropy(w)  # (B,)
-        return Targets(
-            weights=w,
-            stats={"weight_entropy": h.mean(), "weight_entropy_min": h.min(),
-                   "weight_entropy_max": h.max()},
-        )
+        return Targets(weights=w, stats=weight_stats(w))
 
     def _seq_logps(self, token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
         m = mask.to(token_logps.dtype)
@@ -514,13 +516,7 @@ class GroupMaxEnt(GRPO):
         utility = group_utility(rewards, lengths, max_completion_length)  # (B, G)
         ref = ref_seq_logps if self.lam > 0 else None
         w = group_weights(utility, self.tau, self.lam, ref)  # (B, G)
-        h = weight_entropy(w)
-        return Targets(
-            advantages=adv.reshape(-1),
-            weights=w,
-            stats={"weight_entropy": h.mean(), "weight_entropy_min": h.min(),
-                   "weight_entropy_max": h.max()},
-        )
+        return Targets(advantages=adv.reshape(-1), weights=w, stats=weight_stats(w))
 
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.advantages is not None and mb.weights is not None
