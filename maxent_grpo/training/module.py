@@ -203,7 +203,10 @@ class MaxEntGRPOModule(L.LightningModule):
             rewards=rewards,
             objective=objective,
         )
-        self.save_hyperparameters(ignore=["objective", "optimizer"])
+        # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
+        # saving it twice makes Lightning refuse differing values in plain-Trainer use
+        self.save_hyperparameters(ignore=["objective", "optimizer", "max_prompt_length"])
+        self.max_prompt_length = max_prompt_length
         self.objective = objective
         self.optimizer_factory = optimizer
         self.reward_names = list(rewards)
@@ -225,6 +228,8 @@ class MaxEntGRPOModule(L.LightningModule):
         #: the last training step's logged scalars (``train/...``), identical on every rank
         self.step_stats: dict[str, float] = {}
         self._lr_used = float("nan")  # learning rate of the last optimizer step
+        #: the last training step's rollout and its scores (see ``_rollout_record``)
+        self.last_rollout: dict[str, Any] | None = None
         self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
 
     @staticmethod
@@ -394,7 +399,7 @@ class MaxEntGRPOModule(L.LightningModule):
             temperature=hp.temperature,
             top_p=hp.top_p,
             top_k=hp.top_k,
-            max_prompt_length=hp.max_prompt_length,
+            max_prompt_length=self.max_prompt_length,
         )
 
     def configure_optimizers(self):
@@ -513,6 +518,7 @@ class MaxEntGRPOModule(L.LightningModule):
 
         # 4. advantages / weights (constants)
         targets = self.objective.prepare(rewards, lengths, T_max, rho)
+        self.last_rollout = self._rollout_record(batch, rollout, rewards, components, targets)
 
         # 5. optimise
         num_tokens = mask.sum()
@@ -589,6 +595,25 @@ class MaxEntGRPOModule(L.LightningModule):
         observe_kl = getattr(self.objective, "observe_kl", None)
         if observe_kl is not None:
             observe_kl(self.step_stats.get("train/kl", float("nan")))
+
+    def _rollout_record(self, batch, rollout, rewards, components, targets) -> dict[str, Any]:
+        """What the step sampled and how it was scored, on the CPU, for callbacks that show
+        samples (``last_rollout``): prompts ``B``, completions ``B x G``, rewards, each
+        reward component, advantages and MaxEnt weights as ``(B, G)`` tensors (or None)."""
+        B, G = rewards.shape
+        adv = targets.advantages
+        return {
+            "step": self.global_step,
+            "prompts": list(batch["raw_prompts"]),
+            "completions": [list(group) for group in rollout.batch.grouped_completions],
+            "rewards": rewards.detach().cpu(),
+            "components": {
+                name: components[k].detach().cpu().view(B, G)
+                for k, name in enumerate(self.reward_names)
+            },
+            "advantages": None if adv is None else adv.detach().cpu().view(B, G),
+            "weights": None if targets.weights is None else targets.weights.detach().cpu(),
+        }
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict) -> None:

@@ -310,3 +310,33 @@ def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
     )
     fit(module, make_data(cache_dir), steps=1)
     assert module.step_stats["train/lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
+
+
+def test_last_rollout_records_what_the_step_scored(cache_dir):
+    module = make_module(
+        cache_dir, objective=ListwiseMaxEnt(tau=0.5),
+        rewards={"tests.training.test_module:alternating": 1.0},
+    )
+    fit(module, make_data(cache_dir), steps=1)
+    record = module.last_rollout
+    assert len(record["prompts"]) == 4 and all(len(g) == 4 for g in record["completions"])
+    assert record["rewards"].shape == (4, 4)
+    assert record["rewards"][0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    torch.testing.assert_close(record["components"]["tests.training.test_module:alternating"],
+                               record["rewards"])
+    torch.testing.assert_close(record["weights"].sum(-1), torch.ones(4))
+    assert record["advantages"] is None
+
+
+def test_module_and_data_may_differ_in_max_prompt_length_with_a_logger(cache_dir, tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    module = make_module(cache_dir, max_prompt_length=256,
+                         rewards={"tests.training.test_module:alternating": 1.0})
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path)),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, make_data(cache_dir, max_prompt_length=32))
+    assert trainer.global_step == 1

@@ -1,0 +1,277 @@
+"""Show what the policy samples: a TensorBoard table of rollouts, histograms, and a JSONL dump.
+
+After every training step the module leaves the step's rollout in ``pl_module.last_rollout``
+(see ``MaxEntGRPOModule._rollout_record``): ``step``, ``prompts`` (B), ``completions``
+(B x G), ``rewards`` (B, G), ``components`` {name: (B, G)}, ``advantages`` (B, G) or None,
+``weights`` (B, G) or None, all on the CPU. :class:`CompletionSamples` turns it into
+
+- a markdown table under the TensorBoard text tag ``samples/completions``: the first
+  ``max_prompts`` prompts, one row per completion, with the total reward, each reward
+  component and the advantage and/or MaxEnt weight (whichever the objective has);
+- histograms ``samples/reward``, ``samples/weight``, ``samples/advantage`` of the whole
+  (B, G) batch;
+- optionally, every step, one JSON line per completion appended to ``jsonl_path``.
+
+Steps: samples are keyed on the rollout's ``step`` (``trainer.global_step`` when the
+rollout was sampled, before its optimizer steps), which is the step at which the same
+training step's ``train/...`` scalars appear in TensorBoard. The table and histograms are
+written when that step is a multiple of ``every_n_steps`` (0, n, 2n, ...; with
+``num_iterations = k > 1`` a rollout covers k optimizer steps and is written when those
+contain a multiple of n).
+
+Hyper-parameters: Lightning already logs the module's and the DataModule's
+``save_hyperparameters`` (``hparams.yaml`` and TensorBoard's HPARAMS tab) at fit start; those
+leave out ``model.objective`` and ``model.optimizer``. So this callback only adds, once at
+fit start, the run's full ``config.yaml`` (written by ``LightningCLI`` into the logger's
+version folder) as the text tag ``hparams/config``, when that file exists.
+
+Only global rank 0 writes. The table needs a TensorBoard logger; with any other logger (or
+none) it is skipped with a single warning, while the JSONL dump works with any logger.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+__all__ = ["MAX_CELL_CHARS", "CompletionSamples", "escape_cell", "rollout_rows", "samples_table"]
+
+#: Texts longer than this many characters are cut in the table (not in the JSONL dump) and
+#: end with "…".
+MAX_CELL_CHARS = 400
+
+#: Characters that would otherwise be read as markdown (or end a table cell).
+_MARKDOWN_SPECIAL = "\\`*_[]|"
+
+
+def escape_cell(text: str, max_chars: int = MAX_CELL_CHARS) -> str:
+    """``text`` as the content of one markdown table cell, rendered literally.
+
+    Cut to ``max_chars`` characters (plus "…"), then markdown specials (backslash, backtick,
+    ``*``, ``_``, brackets, ``|``) are backslash-escaped, ``& < >`` become HTML entities and
+    line breaks become ``<br>``, so the cell never splits the row.
+    """
+    if len(text) > max_chars:
+        text = text[:max_chars] + "…"
+    text = "".join("\\" + c if c in _MARKDOWN_SPECIAL else c for c in text)
+    text = html.escape(text, quote=False)
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "<br>")
+
+
+def _number(value: float) -> float | None:
+    """A float for JSON; non-finite values (which strict JSON cannot hold) become None."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def rollout_rows(record: dict[str, Any], max_prompts: int | None = None) -> list[dict[str, Any]]:
+    """One dict per completion, prompt-major: ``{"step", "prompt_index", "prompt",
+    "completion", "reward", "components": {name: value}, "advantage", "weight"}`` (the last
+    two None when the objective has none; non-finite numbers become None).
+
+    ``record`` is ``pl_module.last_rollout``; ``max_prompts`` keeps the first prompts only.
+    """
+    prompts = record["prompts"]
+    completions = record["completions"]
+    rewards: Tensor = record["rewards"]
+    B, G = rewards.shape
+    if len(prompts) != B or len(completions) != B or any(len(g) != G for g in completions):
+        raise ValueError(
+            f"last_rollout: prompts ({len(prompts)}) and completions "
+            f"({[len(g) for g in completions]}) must match rewards of shape (B, G) = ({B}, {G})"
+        )
+    adv: Tensor | None = record.get("advantages")
+    weights: Tensor | None = record.get("weights")
+    components: dict[str, Tensor] = record.get("components") or {}
+    rows = []
+    for i in range(B if max_prompts is None else min(B, max_prompts)):
+        for j in range(G):
+            rows.append({
+                "step": int(record["step"]),
+                "prompt_index": i,
+                "prompt": prompts[i],
+                "completion": completions[i][j],
+                "reward": _number(rewards[i, j]),
+                "components": {name: _number(v[i, j]) for name, v in components.items()},
+                "advantage": None if adv is None else _number(adv[i, j]),
+                "weight": None if weights is None else _number(weights[i, j]),
+            })
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def samples_table(record: dict[str, Any], max_prompts: int) -> str:
+    """The markdown table of the first ``max_prompts`` prompts x G completions.
+
+    Columns: prompt (shown on the first row of its group), completion, reward, one column
+    per reward component, then ``advantage`` and/or ``weight`` when the record has them.
+    Numbers have 4 significant digits; texts go through :func:`escape_cell`.
+    """
+    rows = rollout_rows(record, max_prompts)
+    names = list(record.get("components") or {})
+    extra = [k for k, key in (("advantage", "advantages"), ("weight", "weights"))
+             if record.get(key) is not None]
+    header = ["prompt", "completion", "reward", *names, *extra]
+    lines = [
+        "| " + " | ".join(escape_cell(h) for h in header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    previous = None
+    for row in rows:
+        first, previous = row["prompt_index"] != previous, row["prompt_index"]
+        cells = [
+            escape_cell(row["prompt"]) if first else "",
+            escape_cell(row["completion"]),
+            _fmt(row["reward"]),
+            *(_fmt(row["components"][n]) for n in names),
+            *(_fmt(row[k]) for k in extra),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _finite(values: Tensor) -> Tensor:
+    flat = values.detach().float().flatten()
+    return flat[torch.isfinite(flat)]
+
+
+class CompletionSamples(Callback):
+    """Write sampled completions to TensorBoard (and optionally to JSONL) during ``fit``.
+
+    YAML::
+
+        trainer:
+          callbacks:
+            - class_path: maxent_grpo.training.samples.CompletionSamples
+              init_args: {every_n_steps: 50, jsonl_path: "{log_dir}/rollouts.jsonl"}
+
+    Args:
+        every_n_steps: write the table and histograms for rollouts sampled at multiples of
+            this step (>= 1).
+        max_prompts: prompts shown in the table (>= 1), each with all its G completions.
+        jsonl_path: when set, append every step's rollout here, one JSON object per
+            completion (see :func:`rollout_rows`), flushed after each step; ``{log_dir}``
+            expands to the logger's version folder. Parent folders are created. An
+            existing file is appended to (a resumed run continues it).
+        histograms: also write histograms of rewards, weights and advantages.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        max_prompts: int = 4,
+        jsonl_path: str | None = None,
+        histograms: bool = True,
+    ) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("max_prompts", max_prompts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CompletionSamples.{name} must be an int >= 1; got {value!r}")
+        if jsonl_path is not None and not str(jsonl_path).strip():
+            raise ValueError(
+                f"CompletionSamples.jsonl_path must be None or a non-empty path; got {jsonl_path!r}"
+            )
+        self.every_n_steps = every_n_steps
+        self.max_prompts = max_prompts
+        self.jsonl_path = jsonl_path
+        self.histograms = bool(histograms)
+        self._jsonl_file: Path | None = None
+        self._prev_step: int | None = None  # step of the last rollout seen
+        self._last_record: dict[str, Any] | None = None
+        self._warned = False
+
+    # ------------------------------------------------------------------ helpers
+    def _writer(self, trainer: pl.Trainer) -> Any | None:
+        """The first logger's ``SummaryWriter``, or None (with one warning)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        for logger in getattr(trainer, "loggers", None) or []:
+            experiment = getattr(logger, "experiment", None)
+            if isinstance(experiment, SummaryWriter):
+                return experiment
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                "CompletionSamples writes its table and histograms to TensorBoard, but the "
+                "trainer has no TensorBoardLogger; they are skipped"
+                + (" (the JSONL dump still runs)" if self.jsonl_path else "")
+            )
+        return None
+
+    def _resolve_jsonl(self, trainer: pl.Trainer) -> Path:
+        if self._jsonl_file is None:
+            assert self.jsonl_path is not None
+            log_dir = trainer.log_dir or trainer.default_root_dir
+            self._jsonl_file = Path(self.jsonl_path.replace("{log_dir}", str(log_dir)))
+            self._jsonl_file.parent.mkdir(parents=True, exist_ok=True)
+        return self._jsonl_file
+
+    # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the CLI's ``config.yaml`` (if any) as text: the hparams Lightning logs lack
+        the objective and the optimizer."""
+        if not trainer.is_global_zero or not trainer.log_dir:
+            return
+        config = Path(trainer.log_dir) / "config.yaml"
+        if not config.is_file():
+            return
+        writer = self._writer(trainer)
+        if writer is not None:
+            text = "\n".join("    " + line for line in config.read_text("utf-8").splitlines())
+            writer.add_text("hparams/config", text, trainer.global_step)
+            writer.flush()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prev_step = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        record = getattr(pl_module, "last_rollout", None)
+        if not trainer.is_global_zero or record is None or record is self._last_record:
+            return
+        self._last_record = record
+        step = int(record["step"])
+        prev = step - 1 if self._prev_step is None else self._prev_step
+        self._prev_step = step
+        if self.jsonl_path is not None:
+            self.append_jsonl(self._resolve_jsonl(trainer), record)
+        if step // self.every_n_steps > prev // self.every_n_steps:
+            writer = self._writer(trainer)
+            if writer is not None:
+                self.write_tensorboard(writer, record, step)
+
+    # ------------------------------------------------------------------ writers
+    def write_tensorboard(self, writer: Any, record: dict[str, Any], step: int) -> None:
+        """The table (``samples/completions``) and, with ``histograms``, the histograms."""
+        writer.add_text("samples/completions", samples_table(record, self.max_prompts), step)
+        if self.histograms:
+            for tag, key in (("reward", "rewards"), ("weight", "weights"),
+                             ("advantage", "advantages")):
+                values = record.get(key)
+                if values is None:
+                    continue
+                values = _finite(values)
+                if values.numel():
+                    writer.add_histogram(f"samples/{tag}", values, step)
+        writer.flush()
+
+    @staticmethod
+    def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+        """Append one line per completion of ``record`` to ``path`` and flush."""
+        with open(path, "a", encoding="utf-8") as f:
+            for row in rollout_rows(record):
+                f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+            f.flush()

@@ -1,0 +1,316 @@
+"""CompletionSamples: the TensorBoard table (read back and rendered as TensorBoard renders
+it), histograms, the every-n schedule, the JSONL dump, bad options, and one real fit."""
+
+from __future__ import annotations
+
+import json
+import math
+from html.parser import HTMLParser
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugin_util import markdown_to_safe_html
+from torch.utils.tensorboard import SummaryWriter
+
+from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.module import MaxEntGRPOModule
+from maxent_grpo.training.samples import MAX_CELL_CHARS, CompletionSamples, escape_cell
+
+TEXT_TAG = "samples/completions/text_summary"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def make_record(step: int = 0, *, weights: bool = True, advantages: bool = False) -> dict:
+    """B = 3 prompts, G = 2 completions, two reward components."""
+    acc = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    fmt = torch.tensor([[0.5, 0.5], [0.0, 0.5], [0.5, 0.0]])
+    return {
+        "step": step,
+        "prompts": ["a | b =", "line1\nline2", "x*y_z `q`"],
+        "completions": [["3 |", "<think>"], ["7\n8", "\\|"], ["42", "[x](y)"]],
+        "rewards": acc + fmt,
+        "components": {"accuracy": acc, "format": fmt},
+        "advantages": torch.tensor([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]])
+        if advantages else None,
+        "weights": torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]]) if weights else None,
+    }
+
+
+def fake(tmp_path: Path, logger=None, *, rank0: bool = True, record: dict | None = None):
+    """A trainer whose first logger holds a real SummaryWriter in ``tmp_path / "tb"``."""
+    if logger is None:
+        logger = SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")))
+    trainer = SimpleNamespace(
+        loggers=[logger], is_global_zero=rank0, global_step=0, log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+    )
+    return trainer, SimpleNamespace(last_rollout=record)
+
+
+def step(cb: CompletionSamples, trainer, module, record: dict) -> None:
+    module.last_rollout = record
+    trainer.global_step = record["step"] + 1  # after the step's optimizer step
+    cb.on_train_batch_end(trainer, module, None, None, 0)
+
+
+def events(path: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(path), size_guidance={"tensors": 0, "histograms": 0})
+    acc.Reload()
+    return acc
+
+
+def texts(acc: EventAccumulator, tag: str = TEXT_TAG) -> dict[int, str]:
+    if tag not in acc.Tags()["tensors"]:
+        return {}
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
+
+
+class Cells(HTMLParser):
+    """Rows of a rendered HTML table, as lists of cell texts (``<br>`` -> newline)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.rows: list[list[str]] = []
+        self.cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self.cell = []
+        elif tag == "br" and self.cell is not None:
+            self.cell.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.rows[-1].append("".join(self.cell).strip())
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+def render(markdown: str) -> list[list[str]]:
+    parser = Cells()
+    parser.feed(markdown_to_safe_html(markdown))
+    return parser.rows
+
+
+# ---------------------------------------------------------------------- the table
+
+
+def test_table_renders_every_text_literally_and_the_numbers(tmp_path):
+    record = make_record(step=0)
+    trainer, module = fake(tmp_path)
+    cb = CompletionSamples(every_n_steps=5, max_prompts=2)
+    step(cb, trainer, module, record)
+    table = texts(events(tmp_path / "tb"))[0]
+    rows = render(table)
+    assert rows[0] == ["prompt", "completion", "reward", "accuracy", "format", "weight"]
+    assert len(rows) == 1 + 2 * 2  # max_prompts x G, the third prompt is left out
+    assert all(len(r) == 6 for r in rows)  # no '|' or newline split a row
+    assert [r[0] for r in rows[1:]] == ["a | b =", "", "line1\nline2", ""]
+    assert [r[1] for r in rows[1:]] == ["3 |", "<think>", "7\n8", "\\|"]
+    assert [r[2:] for r in rows[1:]] == [
+        ["1.5", "1", "0.5", "0.6"], ["0.5", "0", "0.5", "0.4"],
+        ["0", "0", "0", "0.3"], ["0.5", "0", "0.5", "0.7"],
+    ]
+
+
+def test_table_shows_advantages_when_the_objective_has_them(tmp_path):
+    trainer, module = fake(tmp_path)
+    cb = CompletionSamples(every_n_steps=1, max_prompts=10)
+    step(cb, trainer, module, make_record(weights=False, advantages=True))
+    rows = render(texts(events(tmp_path / "tb"))[0])
+    assert rows[0][-1] == "advantage" and "weight" not in rows[0]
+    assert len(rows) == 1 + 3 * 2
+    assert [r[0] for r in rows[5:]] == ["x*y_z `q`", ""]  # markdown specials stay literal
+    assert rows[6][1] == "[x](y)"
+    assert [float(r[-1]) for r in rows[1:]] == [0.5, -0.5, -1.0, 1.0, 0.25, -0.25]
+
+
+def test_long_texts_are_cut():
+    text = "7" * (MAX_CELL_CHARS + 50)
+    assert escape_cell(text) == "7" * MAX_CELL_CHARS + "…"
+    assert escape_cell("short") == "short"
+    assert escape_cell("a\r\nb|c") == "a<br>b\\|c"
+
+
+def test_histograms_of_rewards_weights_and_advantages(tmp_path):
+    record = make_record(advantages=True)
+    record["rewards"][1, 1] = math.nan  # non-finite values are left out of the histogram
+    trainer, module = fake(tmp_path)
+    step(cb := CompletionSamples(every_n_steps=1), trainer, module, record)
+    acc = events(tmp_path / "tb")
+    assert set(acc.Tags()["histograms"]) == {"samples/reward", "samples/weight",
+                                             "samples/advantage"}
+    reward = acc.Histograms("samples/reward")[0].histogram_value
+    assert reward.num == 5 and reward.sum == pytest.approx(1.5 + 0.5 + 0.0 + 1.5 + 1.0)
+    assert (reward.min, reward.max) == (0.0, 1.5)
+    weight = acc.Histograms("samples/weight")[0].histogram_value
+    assert weight.num == 6 and weight.sum == pytest.approx(3.0)  # each group sums to 1
+    adv = acc.Histograms("samples/advantage")[0].histogram_value
+    assert (adv.min, adv.max) == (-1.0, 1.0)
+    assert cb.histograms
+
+
+def test_no_histograms_when_disabled(tmp_path):
+    trainer, module = fake(tmp_path)
+    step(CompletionSamples(every_n_steps=1, histograms=False), trainer, module, make_record())
+    acc = events(tmp_path / "tb")
+    assert acc.Tags()["histograms"] == [] and list(texts(acc)) == [0]
+
+
+# ---------------------------------------------------------------------- schedule and ranks
+
+
+def test_written_only_at_multiples_of_every_n_steps(tmp_path):
+    trainer, module = fake(tmp_path)
+    cb = CompletionSamples(every_n_steps=3)
+    for s in range(8):
+        step(cb, trainer, module, make_record(step=s))
+    cb.on_train_batch_end(trainer, module, None, None, 0)  # the same record again: ignored
+    acc = events(tmp_path / "tb")
+    assert sorted(texts(acc)) == [0, 3, 6]
+    assert [e.step for e in acc.Histograms("samples/reward")] == [0, 3, 6]
+
+
+def test_rollouts_spanning_several_steps_write_when_they_cross_a_multiple(tmp_path):
+    # num_iterations = 2: rollouts at steps 0, 2, 4, 6, 8; with n = 3 the multiples 0, 3, 6
+    # fall in the rollouts of steps 0, 4 (covers 3..4) and 6
+    trainer, module = fake(tmp_path)
+    cb = CompletionSamples(every_n_steps=3)
+    for s in range(0, 10, 2):
+        step(cb, trainer, module, make_record(step=s))
+    assert sorted(texts(events(tmp_path / "tb"))) == [0, 4, 6]
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    trainer, module = fake(tmp_path, rank0=False)
+    cb = CompletionSamples(every_n_steps=1, jsonl_path=str(tmp_path / "r.jsonl"))
+    step(cb, trainer, module, make_record())
+    assert texts(events(tmp_path / "tb")) == {}
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_other_loggers_warn_once_and_the_jsonl_dump_still_runs(tmp_path):
+    logger = CSVLogger(str(tmp_path / "csv"))
+    trainer, module = fake(tmp_path, logger=logger)
+    cb = CompletionSamples(every_n_steps=1, jsonl_path=str(tmp_path / "r.jsonl"))
+    with pytest.warns(UserWarning, match="no TensorBoardLogger") as caught:
+        step(cb, trainer, module, make_record(step=0))
+        step(cb, trainer, module, make_record(step=1))
+    assert len([w for w in caught if "TensorBoardLogger" in str(w.message)]) == 1
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2 * 6
+
+
+def test_the_cli_config_is_logged_once_at_fit_start(tmp_path):
+    (tmp_path / "config.yaml").write_text("model:\n  objective: ListwiseMaxEnt\n")
+    trainer, module = fake(tmp_path)
+    CompletionSamples().on_fit_start(trainer, module)
+    config = texts(events(tmp_path / "tb"), "hparams/config/text_summary")
+    assert config == {0: "    model:\n      objective: ListwiseMaxEnt"}
+
+
+# ---------------------------------------------------------------------- JSONL
+
+
+def test_jsonl_has_every_completion_of_every_step(tmp_path):
+    trainer, module = fake(tmp_path)
+    cb = CompletionSamples(every_n_steps=100, jsonl_path="{log_dir}/samples/run.jsonl")
+    path = tmp_path / "samples" / "run.jsonl"
+    first = make_record(step=0, weights=False, advantages=True)
+    first["rewards"][2, 1] = math.inf
+    step(cb, trainer, module, first)
+    assert len(path.read_text().splitlines()) == 3 * 2  # flushed after the step
+    step(cb, trainer, module, make_record(step=1))
+    step(cb, trainer, module, make_record(step=2))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3 * 3 * 2
+    assert [r["step"] for r in lines] == [0] * 6 + [1] * 6 + [2] * 6
+    assert [r["prompt_index"] for r in lines[:6]] == [0, 0, 1, 1, 2, 2]
+    assert lines[3] == {
+        "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "completion": "\\|",
+        "reward": 0.5, "components": {"accuracy": 0.0, "format": 0.5},
+        "advantage": 1.0, "weight": None,
+    }
+    assert lines[5]["reward"] is None  # inf is not JSON
+    assert lines[6]["weight"] == pytest.approx(0.6) and lines[6]["advantage"] is None
+    assert set(texts(events(tmp_path / "tb"))) == {0}  # the table stays every 100 steps
+
+
+# ---------------------------------------------------------------------- bad options
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps must be an int >= 1; got 0"),
+        ({"every_n_steps": 2.5}, "every_n_steps"),
+        ({"max_prompts": 0}, "max_prompts must be an int >= 1; got 0"),
+        ({"max_prompts": True}, "max_prompts"),
+        ({"jsonl_path": " "}, "jsonl_path must be None or a non-empty path"),
+    ],
+)
+def test_bad_options_name_the_option(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CompletionSamples(**kwargs)
+
+
+def test_a_record_whose_shapes_disagree_is_refused(tmp_path):
+    record = make_record()
+    record["completions"][1] = ["only one"]
+    trainer, module = fake(tmp_path)
+    with pytest.raises(ValueError, match="completions"):
+        step(CompletionSamples(every_n_steps=1), trainer, module, record)
+
+
+# ---------------------------------------------------------------------- a real fit
+
+
+def make_data(cache_dir: str) -> PromptDataModule:
+    return PromptDataModule(
+        task="arithmetic_easy", task_options={"bare": True}, train_size=64, val_size=8,
+        batch_size=4, max_prompt_length=32, tokenizer="builtin:tiny",
+        tokenizer_cache_dir=cache_dir,
+    )
+
+
+def make_module(cache_dir: str) -> MaxEntGRPOModule:
+    # max_prompt_length as the CLI links it (Lightning merges both hparams for the logger)
+    return MaxEntGRPOModule(
+        rewards={"first_number": 1.0}, num_generations=4, max_completion_length=4,
+        max_prompt_length=32, model_cache_dir=cache_dir,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5), lr_schedule="constant",
+    )
+
+
+def test_a_real_fit_writes_samples_at_the_steps_of_the_scalars(tmp_path, tmp_path_factory):
+    cache_dir = str(tmp_path_factory.mktemp("models"))
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    cb = CompletionSamples(every_n_steps=1, max_prompts=2, jsonl_path="{log_dir}/r.jsonl")
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=logger, callbacks=[cb],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, log_every_n_steps=1,
+    )
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+    acc = events(Path(logger.log_dir))
+    samples = texts(acc)
+    scalar_steps = [e.step for e in acc.Scalars("train/reward/mean")]
+    assert sorted(samples) == scalar_steps == [0, 1]
+    rows = render(samples[1])
+    assert rows[0] == ["prompt", "completion", "reward", "first_number", "advantage"]
+    assert len(rows) == 1 + 2 * 4  # max_prompts x G
+    lines = (Path(logger.log_dir) / "r.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 4 * 4  # steps x B x G
+    assert (Path(logger.log_dir) / "hparams.yaml").is_file()  # Lightning's own hparams
