@@ -18,6 +18,11 @@ own ``generation_config`` (hub defaults such as ``repetition_penalty`` or ``top_
 set aside for the call, so the behaviour policy is the one the trainer scores. With
 ``top_k``/``top_p`` active the sampler is a truncated version of that distribution.
 
+Greedy decoding. ``do_sample=False`` makes the engine decode greedily (``argmax`` of the
+logits at every step, ``num_beams=1``; temperature, ``top_p`` and ``top_k`` are not used):
+evaluation's greedy pass@1. The G completions of a prompt are then identical, so callers
+ask for ``num_generations=1``. Training always samples.
+
 Stop tokens are the tokenizer's eos id plus ``stop_token_ids``.
 
 Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
@@ -103,6 +108,8 @@ class HFGenerateEngine:
         top_k: keep the k most likely tokens; 0 = off.
         max_prompt_length: keep only the last this-many prompt tokens (>= 1), or None.
         stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+        do_sample: sample (True, the default) or decode greedily (False; see "Greedy
+            decoding" above).
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class HFGenerateEngine:
         top_k: int = 0,
         max_prompt_length: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        do_sample: bool = True,
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -147,6 +155,9 @@ class HFGenerateEngine:
         extra = list(stop_token_ids or [])
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in extra):
             raise ValueError(f"stop_token_ids must be non-negative ints; got {extra!r}")
+        if not isinstance(do_sample, bool):
+            raise ValueError(f"do_sample must be a bool; got {do_sample!r}")
+        self.do_sample = do_sample
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -193,11 +204,13 @@ class HFGenerateEngine:
         device = _model_device(self.model)
         prompt_ids, prompt_mask = self._encode_prompts(prompts)  # (B, P)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        sampling = (
+            dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+            if self.do_sample
+            else dict(do_sample=False, num_beams=1)
+        )
         config = GenerationConfig(
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            **sampling,
             max_new_tokens=self.max_new_tokens,
             num_return_sequences=group,
             eos_token_id=list(self.stop_token_ids),

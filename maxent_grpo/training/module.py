@@ -44,6 +44,7 @@ from maxent_grpo.models import load_policy, load_reference, load_tokenizer, reso
 from maxent_grpo.objectives import GRPO, MicroBatch, Objective, sequence_ref_loglik
 from maxent_grpo.rewards import get_reward, score_completions
 from maxent_grpo.rollout import HFGenerateEngine, RolloutOutput
+from maxent_grpo.training.evaluation import PromptRecord, evaluation_metrics, sample_answer
 from maxent_grpo.training.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
     LogStepArtifacts,
@@ -159,6 +160,13 @@ class MaxEntGRPOModule(L.LightningModule):
             ``~/.cache/maxent_grpo/models``).
         max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
             updates in a row.
+        eval_num_generations: ``n``, samples per prompt in validation and test.
+        eval_reward: the reward (a key of ``rewards``) whose value decides whether an
+            evaluation sample is correct; ``None`` = the first of ``rewards``.
+        eval_correct_threshold: a sample is correct when its ``eval_reward`` is >= this.
+        eval_k: the ``k`` of pass@k / mean@k / distinct@k / coverage@k, each in
+            ``[1, eval_num_generations]``; ``None`` = ``[1]``.
+        eval_greedy: also decode one greedy completion per prompt (``greedy_pass@1``).
     """
 
     def __init__(
@@ -185,11 +193,16 @@ class MaxEntGRPOModule(L.LightningModule):
         model_cache_dir: str | None = None,
         max_consecutive_nonfinite: int = 3,
         eval_num_generations: int = 4,
+        eval_reward: str | None = None,
+        eval_correct_threshold: float = 1.0,
+        eval_k: list[int] | None = None,
+        eval_greedy: bool = True,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         rewards = {"accuracy": 1.0} if rewards is None else dict(rewards)
         objective = GRPO() if objective is None else objective
+        eval_k = [1] if eval_k is None else list(eval_k)
         self._validate(
             num_generations=num_generations,
             max_completion_length=max_completion_length,
@@ -200,6 +213,9 @@ class MaxEntGRPOModule(L.LightningModule):
             min_lr_ratio=min_lr_ratio,
             max_consecutive_nonfinite=max_consecutive_nonfinite,
             eval_num_generations=eval_num_generations,
+            eval_reward=eval_reward,
+            eval_correct_threshold=eval_correct_threshold,
+            eval_k=eval_k,
             rewards=rewards,
             objective=objective,
         )
@@ -223,6 +239,12 @@ class MaxEntGRPOModule(L.LightningModule):
         self.token_metric = TokenUsage()
         self.eval_reward = RewardMoments()
         self.eval_components = RewardComponents(self.reward_names)
+        #: index in ``reward_names`` of the reward that decides evaluation correctness
+        self.eval_reward_index = (
+            0 if eval_reward is None else self.reward_names.index(eval_reward)
+        )
+        self.eval_k = eval_k  # the resolved list (hparams keep the argument as given)
+        self.eval_records: list[PromptRecord] = []  # this rank's prompts, this eval epoch
         self.mean_metrics = torch.nn.ModuleDict()
         self._updated: set[str] = set()  # names of mean_metrics updated this step
         #: the last training step's logged scalars (``train/...``), identical on every rank
@@ -258,6 +280,19 @@ class MaxEntGRPOModule(L.LightningModule):
         need(kw["eval_num_generations"] >= 1,
              f"model.eval_num_generations must be >= 1; got {kw['eval_num_generations']}")
         need(len(kw["rewards"]) > 0, "model.rewards must name at least one reward function")
+        er = kw["eval_reward"]
+        need(er is None or er in kw["rewards"],
+             f"model.eval_reward must be None or one of model.rewards {sorted(kw['rewards'])}; "
+             f"got {er!r}")
+        thr = kw["eval_correct_threshold"]
+        need(isinstance(thr, (int, float)) and math.isfinite(thr),
+             f"model.eval_correct_threshold must be a finite number; got {thr!r}")
+        n = kw["eval_num_generations"]
+        ks = kw["eval_k"]
+        need(len(ks) > 0 and all(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks
+        ), f"model.eval_k must hold ints k with 1 <= k <= model.eval_num_generations ({n}); "
+           f"got {ks!r}")
         for name, weight in kw["rewards"].items():
             need(math.isfinite(float(weight)),
                  f"model.rewards: the weight of {name!r} must be finite; got {weight}")
@@ -390,7 +425,8 @@ class MaxEntGRPOModule(L.LightningModule):
             restore_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
-    def engine(self) -> HFGenerateEngine:
+    def engine(self, do_sample: bool = True) -> HFGenerateEngine:
+        """The rollout engine; ``do_sample=False`` decodes greedily (evaluation only)."""
         hp = self.hparams
         return HFGenerateEngine(
             self.policy,
@@ -400,6 +436,7 @@ class MaxEntGRPOModule(L.LightningModule):
             top_p=hp.top_p,
             top_k=hp.top_k,
             max_prompt_length=self.max_prompt_length,
+            do_sample=do_sample,
         )
 
     def configure_optimizers(self):
@@ -617,31 +654,91 @@ class MaxEntGRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict) -> None:
-        """Sample ``eval_num_generations`` completions per prompt and score them with the
-        training rewards; the metrics accumulate over the whole evaluation epoch."""
-        G = self.hparams.eval_num_generations
+        """Sample ``n = eval_num_generations`` completions per prompt (and one greedy one
+        when ``eval_greedy``), score them with the training rewards, and keep one
+        :class:`~maxent_grpo.training.evaluation.PromptRecord` per prompt; the metrics are
+        computed over the whole evaluation epoch in :meth:`_eval_epoch_end`."""
+        hp = self.hparams
+        G = hp.eval_num_generations
+        B = len(batch["prompts"])
         # a forked random state: evaluation never shifts the training's random stream
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
+            greedy = (
+                self.engine(do_sample=False).generate(batch["prompts"], batch["answers"], 1)
+                if hp.eval_greedy else None
+            )
         completions = [c for group in rollout.batch.grouped_completions for c in group]
+        total, components = self._score_eval(batch, completions, G)
+        self.eval_reward.update(total.to(self.device).view(B, G))
+        self.eval_components.update(components.to(self.device))
+        correct = self._eval_correct(components[self.eval_reward_index], completions)
+        greedy_correct: list[float | None] = [None] * B
+        if greedy is not None:
+            texts = [group[0] for group in greedy.batch.grouped_completions]
+            _, greedy_components = self._score_eval(batch, texts, 1)
+            greedy_correct = self._eval_correct(greedy_components[self.eval_reward_index], texts)
+        columns = batch["columns"]
+        for b in range(B):
+            valid = columns.get("valid_answers", [None] * B)[b]
+            task = columns.get("task", [None] * B)[b]
+            self.eval_records.append(PromptRecord(
+                correct=tuple(correct[b * G:(b + 1) * G]),
+                answers=tuple(sample_answer(c) for c in completions[b * G:(b + 1) * G]),
+                valid_answers=None if valid is None else frozenset(valid),
+                task=None if task is None else str(task),
+                greedy_correct=greedy_correct[b],
+            ))
+
+    def _score_eval(self, batch: dict, completions: list, G: int) -> tuple[Tensor, Tensor]:
+        """``(total (B*G,), components (K, B*G))`` of ``G`` completions per prompt."""
         prompts = [p for p in batch["raw_prompts"] for _ in range(G)]
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch["columns"].items()}
         funcs = list(zip(self.reward_names, self.reward_funcs, self.reward_weights, strict=True))
-        total, components = score_completions(funcs, prompts, completions, columns)
-        self.eval_reward.update(total.to(self.device).view(len(batch["prompts"]), G))
-        self.eval_components.update(components.to(self.device))
+        return score_completions(funcs, prompts, completions, columns)
+
+    def _eval_correct(self, values: Tensor, completions: list) -> list[float]:
+        """0/1 correctness ``eval_reward >= eval_correct_threshold``; a ``None`` (NaN) value
+        means the reward could not grade the sample, which raises ValueError."""
+        missing = torch.isnan(values)
+        if bool(missing.any()):
+            name = self.reward_names[self.eval_reward_index]
+            raise ValueError(
+                f"model.eval_reward {name!r} returned None (not applicable) for "
+                f"{int(missing.sum())} of {len(completions)} evaluation completions, so their "
+                "correctness is unknown: the evaluation rows lack the reference it reads (an "
+                "empty 'answer' column? set data.answer_column to the column holding the "
+                "reference answers), or choose another model.eval_reward"
+            )
+        threshold = float(self.hparams.eval_correct_threshold)
+        return [1.0 if v >= threshold else 0.0 for v in values.tolist()]
 
     def _eval_epoch_end(self, prefix: str) -> None:
+        """Log ``{prefix}/reward/...`` and the @k metrics of the epoch.
+
+        The @k metrics are exact means over the epoch's prompts: under DDP every rank's
+        records are gathered with ``torch.distributed.all_gather_object`` and every rank
+        computes the same values (a DistributedSampler that pads the last batch repeats a
+        few prompts, which then count twice).
+        """
         if self.eval_reward.update_count == 0:
             return
         values = {f"{prefix}/reward/{k}": v for k, v in self.eval_reward.compute().items()}
         values.update(
             {f"{prefix}/reward/{k}": v for k, v in self.eval_components.compute().items()}
         )
+        records = self.eval_records
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, records)
+            records = [r for part in gathered for r in part]
+        values.update(evaluation_metrics(records, self.eval_k, prefix))
         self.log_dict({k: float(v) for k, v in values.items()}, sync_dist=False)
         self.eval_reward.reset()
         self.eval_components.reset()
+        self.eval_records = []
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch)

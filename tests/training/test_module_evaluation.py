@@ -1,0 +1,220 @@
+"""Evaluation in validate/test: pass@k, mean@k, distinct@k, coverage@k, greedy pass@1 and a
+per-task breakdown, from hand-made records and from ``trainer.validate`` on the tiny model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from maxent_grpo.rollout import HFGenerateEngine
+from maxent_grpo.training.data import collate_prompts
+from maxent_grpo.training.evaluation import (
+    PromptRecord,
+    coverage_answer,
+    evaluation_metrics,
+    sample_answer,
+)
+from tests.training.test_module import cache_dir, make_data, make_module  # noqa: F401
+
+
+def naive_pass(correct: list[float], k: int) -> float:
+    """Fraction of k-subsets holding a correct sample (float64, by enumeration)."""
+    subsets = list(itertools.combinations(correct, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def naive_distinct(answers: list[str | None], k: int) -> float:
+    subsets = list(itertools.combinations(answers, k))
+    return sum(len({a for a in s if a is not None}) for s in subsets) / len(subsets)
+
+
+def validate(module, data) -> dict[str, float]:
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return trainer.validate(module, data, verbose=False)[0]
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def test_sample_and_coverage_answers():
+    assert sample_answer("<think>x</think><answer> 3 + 5 </answer>") == "3 + 5"
+    assert sample_answer(r"so \boxed{8}") == "8"
+    assert sample_answer("  8 because  ") == "8 because"  # bare prompt: the whole text
+    assert sample_answer("   ") is None
+    assert coverage_answer("5 + 3 = 8") == coverage_answer("(3 + 5)") == "3 + 5"
+    assert coverage_answer("2 × 4") == coverage_answer("4 * 2")
+    assert coverage_answer(None) is None and coverage_answer("eight") is None
+
+
+def test_metric_dict_from_hand_made_records():
+    records = [
+        PromptRecord((1.0, 0.0, 1.0, 0.0), ("8", "8", "9", None), task="a", greedy_correct=1.0),
+        PromptRecord((0.0, 0.0, 0.0, 1.0), ("1", "2", "3", "4"), task="a", greedy_correct=0.0),
+        PromptRecord((0.0, 0.0, 0.0, 0.0), ("x", "x", "x", "x"), task="b", greedy_correct=0.0),
+    ]
+    m = evaluation_metrics(records, [1, 2], "val")
+    for k in (1, 2):
+        assert m[f"val/pass@{k}"] == pytest.approx(
+            sum(naive_pass(list(r.correct), k) for r in records) / 3
+        )
+        assert m[f"val/distinct@{k}"] == pytest.approx(
+            sum(naive_distinct(list(r.answers), k) for r in records) / 3
+        )
+        assert m[f"val/mean@{k}"] == pytest.approx(3 / 12)
+    assert m["val/pass@1"] == pytest.approx((0.5 + 0.25 + 0) / 3)
+    assert m["val/pass@2"] == pytest.approx((5 / 6 + 0.5 + 0) / 3)  # 1 - C(2,2)/C(4,2), ...
+    assert m["val/greedy_pass@1"] == pytest.approx(1 / 3)
+    # per task: the same formulas over each task's prompts
+    assert m["val/pass@1/a"] == pytest.approx((0.5 + 0.25) / 2)
+    assert m["val/pass@2/b"] == 0.0 and m["val/distinct@1/b"] == pytest.approx(1.0)
+    assert m["val/greedy_pass@1/a"] == pytest.approx(0.5)
+    assert not any("coverage" in k for k in m)  # no valid-answer sets
+    assert evaluation_metrics([], [1], "val") == {}
+
+
+def test_coverage_counts_distinct_correct_canonical_answers():
+    valid = frozenset({"3 + 5", "2 * 4", "10 - 2"})
+    records = [
+        # correct: "5 + 3" and "(3 + 5)" are the same solution, "2*4 = 8" a second one
+        PromptRecord((1.0, 1.0, 1.0, 0.0), ("5 + 3", "(3 + 5)", "2*4 = 8", "7"), valid),
+        PromptRecord((0.0, 0.0, 0.0, 0.0), ("1", "2", "3", "4")),  # no valid set: left out
+    ]
+    canon = ["3 + 5", "3 + 5", "2 * 4", None]
+    m = evaluation_metrics(records, [1, 2], "test")
+    for k in (1, 2):
+        assert m[f"test/coverage@{k}"] == pytest.approx(naive_distinct(canon, k) / 3)
+    assert evaluation_metrics(records[:1], [4], "t")["t/coverage@4"] == pytest.approx(2 / 3)
+
+
+# ------------------------------------------------------------------ greedy engine
+
+
+def test_greedy_engine_is_deterministic_argmax(cache_dir):  # noqa: F811
+    module = make_module(cache_dir)
+    module.configure_model()
+    engine = module.engine(do_sample=False)
+    prompts = ["3 + 5 =", "2 + 2 ="]
+    torch.manual_seed(0)
+    a = engine.generate(prompts, ["", ""], 1)
+    torch.manual_seed(1)
+    b = engine.generate(prompts, ["", ""], 1)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    # the first generated token is the argmax of the next-token logits
+    with torch.no_grad():
+        logits = module.policy(
+            input_ids=a.prompt_ids, attention_mask=a.prompt_mask.long(),
+            position_ids=(a.prompt_mask.long().cumsum(-1) - 1).clamp(min=0),
+        ).logits[:, -1]
+    assert torch.equal(a.completion_ids[:, 0], logits.argmax(-1))
+    with pytest.raises(ValueError, match="do_sample"):
+        HFGenerateEngine(module.policy, module.tokenizer, max_new_tokens=2, do_sample="no")
+
+
+# ------------------------------------------------------------------ trainer.validate
+
+
+def alternating(prompts, completions, **kw):
+    """Rewards 1, 0, 1, 0, ... over the flattened (prompt-major) completions."""
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+def half(prompts, completions, **kw):
+    return [0.5] * len(completions)
+
+
+ALT = "tests.training.test_module_evaluation:alternating"
+
+
+def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):  # noqa: F811
+    module = make_module(
+        cache_dir, eval_num_generations=4, eval_k=[1, 2, 4],
+        rewards={ALT: 1.0, "tests.training.test_module_evaluation:half": 1.0},
+    )
+    out = validate(module, make_data(cache_dir))
+    # every prompt: correctness [1, 0, 1, 0] -> c = 2 of n = 4
+    assert out["val/pass@1"] == pytest.approx(0.5)
+    assert out["val/pass@2"] == pytest.approx(1 - math.comb(2, 2) / math.comb(4, 2))
+    assert out["val/pass@4"] == pytest.approx(1.0)
+    assert out["val/mean@2"] == pytest.approx(0.5)
+    assert 0.0 <= out["val/distinct@1"] <= 1.0 and 1.0 <= out["val/distinct@4"] <= 4.0
+    # greedy: one completion per prompt, scored 1, 0, 1, 0 within each batch of 4
+    assert out["val/greedy_pass@1"] == pytest.approx(0.5)
+    # the tasks' "task" column gives a breakdown
+    assert out["val/pass@1/arithmetic_easy"] == pytest.approx(0.5)
+    assert out["val/greedy_pass@1/arithmetic_easy"] == pytest.approx(0.5)
+    assert out["val/reward/mean"] == pytest.approx(1.0)  # 0.5 + 0.5 on average
+    assert not any("coverage" in k for k in out)
+    assert module.eval_records == []  # reset for the next epoch
+
+
+def test_eval_reward_and_threshold_choose_correctness(cache_dir):  # noqa: F811
+    module = make_module(
+        cache_dir, eval_num_generations=2, eval_greedy=False,
+        rewards={ALT: 1.0, "tests.training.test_module_evaluation:half": 1.0},
+        eval_reward="tests.training.test_module_evaluation:half", eval_correct_threshold=0.5,
+    )
+    out = validate(module, make_data(cache_dir))
+    assert out["val/pass@1"] == 1.0 and "val/greedy_pass@1" not in out
+    module = make_module(
+        cache_dir, eval_num_generations=2, eval_greedy=False,
+        rewards={"tests.training.test_module_evaluation:half": 1.0}, eval_correct_threshold=0.6,
+    )
+    assert validate(module, make_data(cache_dir))["val/pass@1"] == 0.0
+
+
+def test_coverage_in_validate_with_a_fake_engine(cache_dir):  # noqa: F811
+    module = make_module(
+        cache_dir, eval_num_generations=2, eval_k=[1, 2], eval_greedy=False,
+        rewards={"countdown": 1.0},
+    )
+    module.configure_model()
+    data = make_data(cache_dir, task="countdown_multi", task_options={}, max_prompt_length=None)
+    data.setup("validate")
+    batch = collate_prompts(data.val_dataset.examples[:2])
+    first, second = (sorted(v) for v in batch["columns"]["valid_answers"])
+    completions = [[f"<answer>{first[0]}</answer>", f"<answer>{first[-1]}</answer>"],
+                   [f"<answer>{second[0]}</answer>", "<answer>1 + 1</answer>"]]
+    module.engine = lambda do_sample=True: SimpleNamespace(
+        generate=lambda prompts, answers, G: SimpleNamespace(
+            batch=SimpleNamespace(grouped_completions=completions)
+        )
+    )
+    module.validation_step(batch, 0)
+    logged: dict[str, float] = {}
+    module.log_dict = lambda values, **kw: logged.update(values)
+    module.on_validation_epoch_end()
+    cov0 = (1 if len(first) == 1 else 2) / len(first)  # two distinct solutions (or one)
+    assert logged["val/coverage@2"] == pytest.approx((cov0 + 1 / len(second)) / 2)
+    assert logged["val/pass@1"] == pytest.approx((1.0 + 0.5) / 2)
+    assert logged["val/pass@1/countdown_multi"] == logged["val/pass@1"]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(eval_num_generations=2, eval_k=[1, 3]), r"model\.eval_k .*model\.eval_num_gen"),
+        (dict(eval_k=[0]), r"model\.eval_k"),
+        (dict(eval_k=[]), r"model\.eval_k"),
+        (dict(eval_reward="accuracy"), r"model\.eval_reward .*first_number"),
+        (dict(eval_correct_threshold=float("nan")), r"model\.eval_correct_threshold"),
+    ],
+)
+def test_bad_eval_options_raise(cache_dir, kw, match):  # noqa: F811
+    with pytest.raises(ValueError, match=match):
+        make_module(cache_dir, **kw)
+
+
+def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):  # noqa: F811
+    module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False)
+    with pytest.raises(ValueError, match=r"model\.eval_reward 'first_number'.*answer_column"):
+        validate(module, make_data(cache_dir, answer_column=None))
