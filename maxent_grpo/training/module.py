@@ -506,13 +506,10 @@ class MaxEntGRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ the step
     def _rewards(self, batch: dict, rollout: RolloutOutput) -> tuple[Tensor, Tensor]:
-        gen = rollout.batch
-        G = self.hparams.num_generations
-        completions = [c for group in gen.grouped_completions for c in group]
-        prompts = [p for p in batch["raw_prompts"] for _ in range(G)]
-        columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch["columns"].items()}
-        funcs = list(zip(self.reward_names, self.reward_funcs, self.reward_weights, strict=True))
-        total, components = score_completions(funcs, prompts, completions, columns)
+        completions = [c for group in rollout.batch.grouped_completions for c in group]
+        total, components = self._score_completions(
+            batch, completions, self.hparams.num_generations
+        )
         return total.to(self.device), components.to(self.device)
 
     def _micro_batches(self, num_groups: int) -> list[slice]:
@@ -670,14 +667,14 @@ class MaxEntGRPOModule(L.LightningModule):
                 if hp.eval_greedy else None
             )
         completions = [c for group in rollout.batch.grouped_completions for c in group]
-        total, components = self._score_eval(batch, completions, G)
+        total, components = self._score_completions(batch, completions, G)
         self.eval_reward.update(total.to(self.device).view(B, G))
         self.eval_components.update(components.to(self.device))
         correct = self._eval_correct(components[self.eval_reward_index], completions)
         greedy_correct: list[float | None] = [None] * B
         if greedy is not None:
             texts = [group[0] for group in greedy.batch.grouped_completions]
-            _, greedy_components = self._score_eval(batch, texts, 1)
+            _, greedy_components = self._score_completions(batch, texts, 1)
             greedy_correct = self._eval_correct(greedy_components[self.eval_reward_index], texts)
         columns = batch["columns"]
         for b in range(B):
@@ -691,8 +688,11 @@ class MaxEntGRPOModule(L.LightningModule):
                 greedy_correct=greedy_correct[b],
             ))
 
-    def _score_eval(self, batch: dict, completions: list, G: int) -> tuple[Tensor, Tensor]:
-        """``(total (B*G,), components (K, B*G))`` of ``G`` completions per prompt."""
+    def _score_completions(
+        self, batch: dict, completions: list, G: int
+    ) -> tuple[Tensor, Tensor]:
+        """``(total (B*G,), components (K, B*G))`` of ``G`` completions per prompt, the
+        prompts and the dataset's other columns repeated per completion."""
         prompts = [p for p in batch["raw_prompts"] for _ in range(G)]
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch["columns"].items()}
         funcs = list(zip(self.reward_names, self.reward_funcs, self.reward_weights, strict=True))
