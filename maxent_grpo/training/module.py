@@ -562,11 +562,13 @@ class MaxEntGRPOModule(L.LightningModule):
         # count, so its loss is multiplied back by the world size.
         loss_scale = self.trainer.world_size if getattr(self.objective, "loss_type", "") == "dapo" \
             else 1
-        sums: dict[str, list[Tensor]] = defaultdict(lambda: [torch.zeros(()), torch.zeros(())])
+        # statistics stay on the device; one host sync per optimizer step (the finite check)
+        zero = torch.zeros((), device=self.device)
+        sums: dict[str, list[Tensor]] = defaultdict(lambda: [zero, zero])
         t_score = time.perf_counter()
         grad_norm = None
         for _ in range(hp.num_iterations):
-            finite = True
+            losses_finite = torch.ones((), dtype=torch.bool, device=self.device)
             for rows in chunks:
                 scores, entropy = self._score(
                     input_ids[rows], attention[rows], mask[rows],
@@ -588,9 +590,7 @@ class MaxEntGRPOModule(L.LightningModule):
                     num_global_tokens=global_tokens,
                 )
                 out = self.objective.loss(mb)
-                if not torch.isfinite(out.loss):
-                    finite = False
-                    break
+                losses_finite &= torch.isfinite(out.loss)
                 self.manual_backward(out.loss * loss_scale)
                 # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes
                 out.sums["loss/total"] = (out.loss.detach(), torch.tensor(1.0 / len(chunks)))
@@ -598,14 +598,14 @@ class MaxEntGRPOModule(L.LightningModule):
                     scores.cur_logp_sum.detach().sum(), torch.tensor(float(scores.num_sequences))
                 )
                 for key, (value, count) in out.sums.items():
-                    sums[key][0] = sums[key][0] + value.detach().float().cpu()
-                    sums[key][1] = sums[key][1] + torch.as_tensor(count).float().cpu()
-            if finite:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.policy.parameters(), hp.gradient_clip_val or float("inf")
-                )
-                finite = bool(torch.isfinite(grad_norm))
-            if not finite:
+                    sums[key][0] = sums[key][0] + value.detach().float().to(self.device)
+                    sums[key][1] = sums[key][1] + torch.as_tensor(count).float().to(self.device)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.policy.parameters(), hp.gradient_clip_val or float("inf")
+            )
+            # a non-finite loss or gradient skips the whole update (grads are zeroed)
+            if not bool(losses_finite & torch.isfinite(grad_norm)):
+                grad_norm = None
                 self._skip_update(opt)
                 continue
             self.nonfinite_in_a_row = 0
