@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Literal
@@ -46,6 +45,7 @@ from maxent_grpo.rewards import get_reward, score_completions
 from maxent_grpo.rollout import HFGenerateEngine, RolloutOutput
 from maxent_grpo.training.evaluation import PromptRecord, evaluation_metrics, sample_answer
 from maxent_grpo.training.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
+from maxent_grpo.training.timing import StepTimer
 from maxent_grpo.training.types import (
     LogStepArtifacts,
     LossScalarBundle,
@@ -524,6 +524,7 @@ class MaxEntGRPOModule(L.LightningModule):
         sched = self.lr_schedulers()
 
         # 1. rollout (no grad, eval mode; the engine restores train mode)
+        timer = StepTimer(self.device)
         rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
         B = len(batch["prompts"])
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
@@ -534,13 +535,16 @@ class MaxEntGRPOModule(L.LightningModule):
             mask &= ~rollout.truncated[:, None]
 
         # 2. rewards
+        timer.start()
         rewards, components = self._rewards(batch, rollout)  # (B*G,), (K, B*G)
+        timer.stop("reward")
         rewards = rewards.view(B, G)
         lengths = mask.sum(-1).view(B, G).to(rewards.dtype)
 
         # 3. frozen log-probs: reference only when needed, behaviour only when reused
         chunks = self._micro_batches(B)
         ref_logps = old_logps = None
+        timer.start()
         if self.needs_reference:
             ref_logps = self._frozen_logps(self.reference, input_ids, attention, T, chunks)
         if hp.num_iterations > 1:
@@ -549,6 +553,7 @@ class MaxEntGRPOModule(L.LightningModule):
         if ref_logps is not None:
             rho = sequence_ref_loglik(ref_logps, mask, G)  # (B, G)
             self._mean_metric("logp/ref_token").update(ref_logps, mask)
+        timer.stop("frozen")
 
         # 4. advantages / weights (constants)
         targets = self.objective.prepare(rewards, lengths, T_max, rho)
@@ -565,11 +570,11 @@ class MaxEntGRPOModule(L.LightningModule):
         # statistics stay on the device; one host sync per optimizer step (the finite check)
         zero = torch.zeros((), device=self.device)
         sums: dict[str, list[Tensor]] = defaultdict(lambda: [zero, zero])
-        t_score = time.perf_counter()
         grad_norm = None
         for _ in range(hp.num_iterations):
             losses_finite = torch.ones((), dtype=torch.bool, device=self.device)
             for rows in chunks:
+                timer.start()
                 scores, entropy = self._score(
                     input_ids[rows], attention[rows], mask[rows],
                     None if old_logps is None else old_logps[rows],
@@ -591,7 +596,9 @@ class MaxEntGRPOModule(L.LightningModule):
                 )
                 out = self.objective.loss(mb)
                 losses_finite &= torch.isfinite(out.loss)
+                timer.stop("forward")
                 self.manual_backward(out.loss * loss_scale)
+                timer.stop("backward")
                 # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes
                 out.sums["loss/total"] = (out.loss.detach(), torch.tensor(1.0 / len(chunks)))
                 out.sums["logp/sequence"] = (
@@ -600,6 +607,7 @@ class MaxEntGRPOModule(L.LightningModule):
                 for key, (value, count) in out.sums.items():
                     sums[key][0] = sums[key][0] + value.detach().float().to(self.device)
                     sums[key][1] = sums[key][1] + torch.as_tensor(count).float().to(self.device)
+            timer.start()
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.policy.parameters(), hp.gradient_clip_val or float("inf")
             )
@@ -613,7 +621,7 @@ class MaxEntGRPOModule(L.LightningModule):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-        score_seconds = time.perf_counter() - t_score
+            timer.stop("optimizer")
 
         # 6. metrics, through the documented types
         self.reward_metric.update(rewards)
@@ -623,7 +631,8 @@ class MaxEntGRPOModule(L.LightningModule):
             self._mean_metric(key).update_sum(value.to(self.device), count.to(self.device))
         for key, value in targets.stats.items():
             self._mean_metric(key).update_sum(value.detach(), torch.ones((), device=self.device))
-        self._log_step(rollout, grad_norm, score_seconds, batch_idx)
+        timings = timer.summary(rollout.generate_seconds, int(rollout.completion_mask.sum()))
+        self._log_step(rollout, grad_norm, timings, batch_idx)
         # the entropy gate (EntropyMaxEnt) follows the KL measured over this step; an
         # unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"
         observe_kl = getattr(self.objective, "observe_kl", None)
@@ -773,7 +782,7 @@ class MaxEntGRPOModule(L.LightningModule):
                 "learning rate or check the rewards, or raise model.max_consecutive_nonfinite."
             )
 
-    def _log_step(self, rollout: RolloutOutput, grad_norm, score_seconds: float, batch_idx):
+    def _log_step(self, rollout: RolloutOutput, grad_norm, timings: dict, batch_idx):
         reward = self.reward_metric.compute()
         tokens = self.token_metric.summary()
         means = {
@@ -812,8 +821,7 @@ class MaxEntGRPOModule(L.LightningModule):
         })
         diagnostics.update(self.objective.state())
         diagnostics["lr"] = scalars.current_lr
-        diagnostics["perf/generate_s"] = rollout.generate_seconds
-        diagnostics["perf/score_s"] = score_seconds
+        diagnostics.update({f"perf/{k}": v for k, v in timings.items()})
         diagnostics["nonfinite_skips"] = float(self.nonfinite_total)
         artifacts = LogStepArtifacts(
             loss_outputs=losses,

@@ -340,3 +340,20 @@ def test_module_and_data_may_differ_in_max_prompt_length_with_a_logger(cache_dir
     )
     trainer.fit(module, make_data(cache_dir, max_prompt_length=32))
     assert trainer.global_step == 1
+
+
+def test_step_timings_are_logged_and_add_up(cache_dir):
+    module = make_module(
+        cache_dir, objective=GRPO(beta=0.1),
+        rewards={"tests.training.test_module:alternating": 1.0},
+    )
+    fit(module, make_data(cache_dir), steps=1)
+    perf = {k[len("train/perf/"):]: v for k, v in module.step_stats.items() if "/perf/" in k}
+    assert set(perf) == {
+        "generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s"
+    }
+    parts = perf["generate_s"] + perf["reward_s"] + perf["score_s"] + perf["backward_s"]
+    assert all(perf[k] > 0 for k in ("generate_s", "score_s", "backward_s"))
+    assert parts <= perf["step_s"] + 1e-6  # phases are disjoint parts of the step
+    tokens = module.step_stats["train/tokens/completion_tokens"]
+    assert perf["tokens_per_s"] == pytest.approx(tokens / perf["step_s"], rel=1e-6)

@@ -1,0 +1,61 @@
+"""Per-step wall-clock timings (``perf/...`` metrics).
+
+A :class:`StepTimer` splits one training step into phases and reports seconds per phase:
+
+- ``generate_s``: the rollout (measured by the engine),
+- ``reward_s``: the reward functions,
+- ``score_s``: forward passes that produce log-probs (reference, behaviour and policy),
+- ``backward_s``: backward passes plus gradient clipping and the optimizer step,
+- ``step_s``: the whole step, and ``tokens_per_s``: completion tokens of this rank divided
+  by ``step_s``.
+
+On CUDA each boundary synchronises the device so that asynchronous kernels are charged to
+the phase that launched them; on the CPU the clock is read directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+
+class StepTimer:
+    """Accumulates seconds per named phase between :meth:`start` and :meth:`stop` calls.
+
+    ``stop(name)`` charges the time since the last ``start()`` or ``stop()`` to ``name``, so
+    consecutive phases can be timed with one ``start`` and several ``stop`` calls.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self._cuda = torch.device(device or "cpu").type == "cuda"
+        self._begin = self._now()
+        self._last = self._begin
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._last = self._now()
+
+    def stop(self, phase: str) -> None:
+        now = self._now()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+    def summary(self, generate_seconds: float, completion_tokens: int) -> dict[str, float]:
+        """The ``perf/...`` values of the step (keys without the prefix)."""
+        step = self._now() - self._begin
+        s = self.seconds
+        return {
+            "generate_s": float(generate_seconds),
+            "reward_s": s["reward"],
+            "score_s": s["frozen"] + s["forward"],
+            "backward_s": s["backward"] + s["optimizer"],
+            "step_s": step,
+            "tokens_per_s": completion_tokens / step if step > 0 else float("nan"),
+        }
