@@ -14,6 +14,12 @@ Resuming: ``fit --ckpt_path last`` loads the newest ``last.ckpt`` of the configu
 version folder, so a ``ModelCheckpoint`` without an explicit ``dirpath`` (whose default is
 ``<save_dir>/<name>/<new version>/checkpoints``) can never find the previous run's
 checkpoint; that combination is refused instead of silently starting afresh.
+
+The config and the command line decide every option, with or without ``--ckpt_path``:
+LightningCLI's default of overwriting the model options with the hyper-parameters saved in
+the checkpoint is turned off, so ``validate --ckpt_path x.ckpt --model.eval_k [1,8]`` does
+evaluate pass@8. A checkpoint of another model or objective is refused when it loads
+(``MaxEntGRPOModule.on_load_checkpoint`` names the option).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class MaxEntGRPOCLI(LightningCLI):
 
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the parsed config as it is (see the module docstring); Lightning's version
+        would silently replace command-line model options by the checkpoint's."""
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``."""

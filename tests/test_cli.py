@@ -324,3 +324,29 @@ def test_objective_help_lists_that_objectives_options(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--model.objective.tau" in out and "--model.objective.q_temperature" in out
+
+
+def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatch, tmp_path):
+    """Lightning's CLI would overwrite model options with the checkpoint's saved ones, so
+    `validate --ckpt_path x --model.eval_k [1,2]` would silently evaluate pass@1 only."""
+
+    class Parsed(Exception):
+        pass
+
+    class CaptureCLI(cli_module.MaxEntGRPOCLI):
+        def instantiate_classes(self) -> None:
+            raise Parsed(self.config)
+
+    ckpt = tmp_path / "x.ckpt"
+    torch.save({"hyper_parameters": {
+        "eval_k": [1], "eval_num_generations": 2, "model_name_or_path": "elsewhere",
+    }}, ckpt)
+    monkeypatch.setattr(cli_module, "MaxEntGRPOCLI", CaptureCLI)
+    with pytest.raises(Parsed) as caught:
+        cli_module.main([
+            "validate", "--ckpt_path", str(ckpt), "--model.eval_num_generations=4",
+            "--model.eval_k=[1,2]",
+        ])
+    model = caught.value.args[0].validate.model
+    assert model.eval_k == [1, 2] and model.eval_num_generations == 4
+    assert model.model_name_or_path == "builtin:tiny"  # a mismatch is refused at load time

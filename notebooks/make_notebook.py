@@ -1,0 +1,89 @@
+"""Writes analyse_runs.ipynb from the cells below (edit here, then run this file), so the
+notebook's source stays reviewable as plain Python. Outputs are not stored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+CELLS = [
+    ("markdown", """# Reading maxent-grpo runs
+
+Plots a run's TensorBoard scalars — reward, KL, entropy, τ, β, pass@k — and compares runs
+side by side (for example GRPO against listwise MaxEnt on the same task).
+
+Pick the runs with the environment variable `MAXENT_GRPO_RUNS` (run folders separated by
+`:`, e.g. `lightning_logs/tiny/version_0:lightning_logs/tiny_controllers/version_0`); without
+it the two most recent runs under `lightning_logs/` are shown. Two runs to compare, GRPO and
+listwise MaxEnt with the τ/β controllers, on the same task:
+
+```
+python -m maxent_grpo fit --config configs/tiny.yaml
+python -m maxent_grpo fit --config configs/tiny_controllers.yaml
+```"""),
+    ("code", """import os
+from pathlib import Path
+
+from IPython.display import Markdown, display
+
+from maxent_grpo.analysis import find_runs, load_run, plot_runs, summary_rows
+
+SMOOTH = 10  # moving-average window over training steps (1 = raw)
+if os.environ.get("MAXENT_GRPO_RUNS"):
+    RUN_DIRS = [Path(p) for p in os.environ["MAXENT_GRPO_RUNS"].split(os.pathsep) if p]
+else:
+    RUN_DIRS = find_runs("lightning_logs")[-2:]
+runs = [load_run(p) for p in RUN_DIRS]
+for run in runs:
+    print(f"{run.label}: {len(run.scalars)} scalar tags from {run.path}")"""),
+    ("markdown", """## Curves
+
+One panel per quantity, one line per run. Panels that no run logged are left out (KL needs
+a reference, i.e. `beta > 0` or a listwise objective; τ and β are the MaxEnt objectives'
+temperatures; pass@k comes from validation, `model.eval_k`)."""),
+    ("code", """import matplotlib.pyplot as plt
+
+fig = plot_runs(runs, smooth=SMOOTH)
+display(fig)
+plt.close(fig)"""),
+    ("markdown", "## Last values"),
+    ("code", """rows = summary_rows(runs)
+columns = list(rows[0])
+def cell(v):
+    return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+table += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+display(Markdown("\\n".join(table)))"""),
+    ("markdown", """## Any other tag
+
+Every scalar the trainer logs is in `run.scalars` (see the README's TensorBoard section for
+the list); for example the time each step spent generating versus scoring:"""),
+    ("code", """fig, ax = plt.subplots(figsize=(6, 3))
+for run in runs:
+    for tag in ("train/perf/generate_s", "train/perf/score_s", "train/perf/backward_s"):
+        if tag in run.scalars:
+            s = run.scalars[tag]
+            ax.plot(s.steps, s.values, label=f"{run.label} {tag.rsplit('/', 1)[1]}")
+ax.set_xlabel("step")
+ax.set_ylabel("seconds")
+ax.legend(fontsize=7)
+display(fig)
+plt.close(fig)"""),
+]
+
+
+def build() -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3", "display_name": "Python 3", "language": "python"
+    }
+    make = {"markdown": nbformat.v4.new_markdown_cell, "code": nbformat.v4.new_code_cell}
+    nb.cells = [make[kind](source) for kind, source in CELLS]
+    return nb
+
+
+if __name__ == "__main__":
+    path = Path(__file__).with_name("analyse_runs.ipynb")
+    nbformat.write(build(), path)
+    print(f"wrote {path}")
