@@ -25,6 +25,19 @@ ask for ``num_generations=1``. Training always samples.
 
 Stop tokens are the tokenizer's eos id plus ``stop_token_ids``.
 
+Shared prefill (``share_prefill=True``, the default). ``generate`` with
+``num_return_sequences=G`` copies each prompt G times *before* the prefill, so the prompt's
+forward pass runs G times. Instead the engine runs the first ``P - 1`` prompt tokens of the
+B distinct prompts once (``use_cache=True``, logits of the last position only), repeats the
+key/value cache G times along the batch (``Cache.batch_repeat_interleave``), and lets
+``generate`` continue from that cache over the prompt-major ``(B*G, P)`` ids: it runs only
+the last prompt token, then samples as before. The random draws are the same as the plain
+path's, so a fixed seed gives the same completions (tested); prefill work falls from
+``B*G*P`` to ``B*(P-1) + B*G`` tokens. Measured on SmolLM2-135M on 2 CPU cores, B=2, G=8,
+P=110: a 1-token generate took 8.6-10.1 s plain and 1.1-1.7 s shared. Models whose cache
+cannot be repeated that way, models that are not a ``PreTrainedModel``, one-token prompts
+and G = 1 use the plain path.
+
 Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
 or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.module``.
 """
@@ -38,7 +51,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from maxent_grpo.rollout.protocol import RolloutOutput
 from maxent_grpo.training.types import GenerationBatch
@@ -110,6 +123,8 @@ class HFGenerateEngine:
         stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
         do_sample: sample (True, the default) or decode greedily (False; see "Greedy
             decoding" above).
+        share_prefill: run each prompt's prefill once for its G samples (see "Shared
+            prefill" above).
     """
 
     def __init__(
@@ -124,6 +139,7 @@ class HFGenerateEngine:
         max_prompt_length: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         do_sample: bool = True,
+        share_prefill: bool = True,
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -158,6 +174,9 @@ class HFGenerateEngine:
         if not isinstance(do_sample, bool):
             raise ValueError(f"do_sample must be a bool; got {do_sample!r}")
         self.do_sample = do_sample
+        if not isinstance(share_prefill, bool):
+            raise ValueError(f"share_prefill must be a bool; got {share_prefill!r}")
+        self.share_prefill = share_prefill
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -184,6 +203,28 @@ class HFGenerateEngine:
             prompt_ids[row, length - len(ids) :] = torch.tensor(ids)
             prompt_mask[row, length - len(ids) :] = True
         return prompt_ids, prompt_mask
+
+    def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int):
+        """The key/value cache of the first ``P - 1`` tokens of each of the B prompts,
+        repeated ``group`` times along the batch (prompt-major), as the keyword argument
+        ``generate`` takes it; None when the model's output has no cache that can be
+        repeated (the caller then uses the plain path)."""
+        attention = prompt_mask.long()
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=prompt_ids[:, :-1], attention_mask=attention[:, :-1],
+            position_ids=positions[:, :-1], use_cache=True, logits_to_keep=1,
+        )
+        # transformers >= 5.2x names the cache "cache", earlier releases "past_key_values";
+        # generate takes it back under the same name
+        for key in ("cache", "past_key_values"):
+            cache = out.get(key, None) if hasattr(out, "get") else None
+            if cache is not None:
+                break
+        if cache is None or not callable(getattr(cache, "batch_repeat_interleave", None)):
+            return None
+        cache.batch_repeat_interleave(group)
+        return {key: cache}
 
     def generate(
         self, prompts: list[str], answers: list[str], num_generations: int
@@ -219,9 +260,24 @@ class HFGenerateEngine:
         )
         start = time.perf_counter()
         with torch.no_grad(), _isolated_generation(self.model):
-            output = self.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=config
-            )  # (B*G, P + T)
+            cache = None
+            if (
+                self.share_prefill and group > 1 and prompt_ids.shape[1] > 1
+                and isinstance(self.model, PreTrainedModel)
+            ):
+                cache = self._shared_prefill(prompt_ids, prompt_mask, group)
+            if cache is None:
+                output = self.model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+                    generation_config=config,
+                )  # (B*G, P + T)
+            else:
+                config.num_return_sequences = 1
+                output = self.model.generate(
+                    input_ids=prompt_ids.repeat_interleave(group, dim=0),
+                    attention_mask=prompt_mask.long().repeat_interleave(group, dim=0),
+                    **cache, generation_config=config,
+                )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start

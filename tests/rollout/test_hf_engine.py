@@ -121,6 +121,39 @@ def test_tiny_rollout_is_seeded_and_restores_mode(tiny: tuple[Any, Any]) -> None
     model.eval()
 
 
+def test_shared_prefill_samples_what_the_plain_path_samples(tiny: tuple[Any, Any]) -> None:
+    """Prompts of different lengths (left padding), G = 3: one prefill of the B prompts,
+    then the same completions as G separate prefills under the same seed."""
+    model, tokenizer = tiny
+    prompts = [render(tokenizer, "12+7"), render(tokenizer, "a much longer question 3*4")]
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    outs = {}
+    try:
+        for share in (False, True):
+            engine = HFGenerateEngine(
+                model, tokenizer, max_new_tokens=10, temperature=0.9, top_k=20,
+                share_prefill=share,
+            )
+            shapes.clear()
+            torch.manual_seed(11)
+            outs[share] = engine.generate(prompts, ["x", "y"], 3)
+            outs[share, "first"] = shapes[0]
+    finally:
+        hook.remove()
+    P = outs[False].prompt_ids.shape[1]
+    assert outs[False, "first"] == (6, P)  # plain: every copy of every prompt
+    assert outs[True, "first"] == (2, P - 1)  # shared: each prompt once, all but its last token
+    assert torch.equal(outs[True].completion_ids, outs[False].completion_ids)
+    assert torch.equal(outs[True].completion_mask, outs[False].completion_mask)
+    assert outs[True].batch.grouped_completions == outs[False].batch.grouped_completions
+    with pytest.raises(ValueError, match="share_prefill must be a bool"):
+        HFGenerateEngine(model, tokenizer, max_new_tokens=2, share_prefill=1)  # type: ignore
+
+
 def test_model_generation_config_does_not_leak(tiny: tuple[Any, Any]) -> None:
     """Hub defaults on the model must not change the sampling distribution."""
     model, tokenizer = tiny
