@@ -35,12 +35,13 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from maxent_grpo.core import selective_log_softmax, token_entropy
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
-from maxent_grpo.objectives import GRPO, MicroBatch, Objective, sequence_ref_loglik
+from maxent_grpo.objectives import GRPO, MicroBatch, Objective, Targets, sequence_ref_loglik
 from maxent_grpo.rewards import get_reward, score_completions
 from maxent_grpo.rollout import HFGenerateEngine, RolloutOutput
 from maxent_grpo.training.evaluation import PromptRecord, evaluation_metrics, sample_answer
@@ -309,8 +310,44 @@ class MaxEntGRPOModule(L.LightningModule):
         """
         resolve_model_path(self.hparams.model_name_or_path, self.hparams.model_cache_dir)
 
+    def setup(self, stage: str) -> None:
+        """Refuse strategies this module cannot run exactly (docs/SCALING.md).
+
+        - ``FSDPStrategy`` (FSDP1) runs ``training_step`` inside the root FSDP module's
+          forward, and FSDP1 does not support the backward passes this module makes there
+          (Lightning issue #19626): use ``ModelParallelStrategy`` (FSDP2), which
+          :meth:`configure_model` shards with ``fully_shard``.
+        - ``DeepSpeedStrategy`` clips inside the engine (gradients are partitioned):
+          ``model.gradient_clip_val`` becomes the DeepSpeed config's ``gradient_clipping``
+          (a different value already in that config raises).
+        """
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDPStrategy):
+            raise ValueError(
+                "trainer.strategy FSDPStrategy (FSDP1) cannot run MaxEntGRPOModule: its manual "
+                "backward passes run inside the root FSDP forward, which FSDP1 does not "
+                "support; use class_path lightning.pytorch.strategies.ModelParallelStrategy "
+                "with init_args {data_parallel_size: <number of processes>, "
+                "tensor_parallel_size: 1} (FSDP2, see configs/scaling/node8_fsdp_*.yaml)"
+            )
+        if isinstance(strategy, DeepSpeedStrategy):
+            clip = float(self.hparams.gradient_clip_val or 0.0)
+            config = strategy.config
+            if float(config.get("gradient_clipping", clip)) != clip:
+                raise ValueError(
+                    f"model.gradient_clip_val ({clip}) differs from the DeepSpeed config's "
+                    f"gradient_clipping ({config['gradient_clipping']}); set one of them"
+                )
+            config["gradient_clipping"] = clip
+
     def configure_model(self) -> None:
-        """Load the policy (and the reference when the objective needs it) once."""
+        """Load the policy (and the reference when the objective needs it) once.
+
+        Under ``ModelParallelStrategy`` (FSDP2) both are then sharded over the data-parallel
+        mesh with ``fully_shard``: each transformer block (the classes in the model's
+        ``_no_split_modules``) is one unit, the rest (embeddings, final norm, head) the root
+        unit. Tensor parallelism is not supported (``tensor_parallel_size`` must be 1).
+        """
         if self.policy is not None:
             return
         hp = self.hparams
@@ -322,6 +359,27 @@ class MaxEntGRPOModule(L.LightningModule):
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         if self.needs_reference:
             self._frozen["ref"] = load_reference(hp.model_name_or_path, **kwargs)
+        if self.device_mesh is not None:
+            self._fully_shard(self.device_mesh)
+
+    def _fully_shard(self, mesh: Any) -> None:
+        """FSDP2-shard the policy and the reference over ``mesh["data_parallel"]``."""
+        from torch.distributed.fsdp import fully_shard
+
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(
+                "ModelParallelStrategy: tensor_parallel_size must be 1 (MaxEntGRPOModule "
+                f"shards with FSDP2 only); got {mesh['tensor_parallel'].size()}"
+            )
+        data_parallel = mesh["data_parallel"]
+        for model in (self.policy, self.reference):
+            if model is None:
+                continue
+            blocks = set(getattr(model, "_no_split_modules", None) or ())
+            for module in model.modules():
+                if type(module).__name__ in blocks:
+                    fully_shard(module, mesh=data_parallel)
+            fully_shard(model, mesh=data_parallel)
 
     @property
     def needs_reference(self) -> bool:
@@ -517,6 +575,51 @@ class MaxEntGRPOModule(L.LightningModule):
         per = self.hparams.micro_batch_groups or num_groups
         return [slice(g * G, min(g + per, num_groups) * G) for g in range(0, num_groups, per)]
 
+    def _prepare_targets(
+        self, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None
+    ) -> Targets:
+        """``objective.prepare`` over the optimizer step's whole batch, all ranks together.
+
+        With W > 1 ranks the ``(B, G)`` rewards, lengths and ``rho`` of every rank are
+        gathered (every rank has the same B: the sampler drops the last partial batch), the
+        ``W*B`` groups are prepared at once and each rank keeps the rows of its own groups
+        (rank ``r`` holds groups ``r*B .. r*B + B - 1``). Per-group advantages and weights do
+        not change; ``scale_rewards="batch"`` then divides by the std of all ``W*B*G``
+        rewards, and ``targets.stats`` (e.g. ``weight_entropy_min``) describe all groups,
+        exactly as one process given the same prompts would.
+        """
+        world = self.trainer.world_size
+        if world == 1:
+            return self.objective.prepare(rewards, lengths, T_max, rho)
+        B = rewards.shape[0]
+        local = {"rewards": rewards, "lengths": lengths}
+        if rho is not None:
+            local["rho"] = rho
+        every = {k: v.reshape(world * B, -1) for k, v in self.all_gather(local).items()}
+        targets = self.objective.prepare(
+            every["rewards"], every["lengths"], T_max, every.get("rho")
+        )
+        mine = slice(self.trainer.global_rank * B, (self.trainer.global_rank + 1) * B)
+        adv, w = targets.advantages, targets.weights
+        return Targets(
+            advantages=None if adv is None else adv.view(world * B, -1)[mine].reshape(-1),
+            weights=None if w is None else w[mine],
+            stats=targets.stats,
+        )
+
+    def _clip_grad_norm(self, max_norm: float) -> Tensor | None:
+        """Clip the policy's gradients to global norm ``max_norm``; return that norm (the
+        same on every rank), or ``None`` where the strategy clips by itself (DeepSpeed: the
+        engine applies its config's ``gradient_clipping`` inside ``step``).
+
+        DDP: after the all-reduce every rank holds the full gradient. FSDP2: gradients are
+        DTensor shards, and ``clip_grad_norm_`` reduces their norms over the mesh.
+        """
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
     def training_step(self, batch: dict, batch_idx: int) -> None:
         hp = self.hparams
         G, T_max = hp.num_generations, hp.max_completion_length
@@ -543,6 +646,14 @@ class MaxEntGRPOModule(L.LightningModule):
 
         # 3. frozen log-probs: reference only when needed, behaviour only when reused
         chunks = self._micro_batches(B)
+        if len(chunks) > 1 and isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            # ZeRO-2 with gradient_accumulation_steps=1 keeps only the last backward's
+            # gradient when several backward passes precede one engine step
+            raise ValueError(
+                f"model.micro_batch_groups ({hp.micro_batch_groups}) splits the batch of {B} "
+                "prompts into several backward passes, which DeepSpeed does not accumulate "
+                "here; set model.micro_batch_groups: null under DeepSpeedStrategy"
+            )
         ref_logps = old_logps = None
         timer.start()
         if self.needs_reference:
@@ -555,8 +666,8 @@ class MaxEntGRPOModule(L.LightningModule):
             self._mean_metric("logp/ref_token").update(ref_logps, mask)
         timer.stop("frozen")
 
-        # 4. advantages / weights (constants)
-        targets = self.objective.prepare(rewards, lengths, T_max, rho)
+        # 4. advantages / weights (constants), over the whole batch of all ranks
+        targets = self._prepare_targets(rewards, lengths, T_max, rho)
         self.last_rollout = self._rollout_record(batch, rollout, rewards, components, targets)
 
         # 5. optimise
@@ -600,7 +711,11 @@ class MaxEntGRPOModule(L.LightningModule):
                 self.manual_backward(out.loss * loss_scale)
                 timer.stop("backward")
                 # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes
-                out.sums["loss/total"] = (out.loss.detach(), torch.tensor(1.0 / len(chunks)))
+                # and ranks (dapo's parts are scaled like its gradient: their mean over the
+                # ranks is then the loss of the whole batch)
+                out.sums["loss/total"] = (
+                    out.loss.detach() * loss_scale, torch.tensor(1.0 / len(chunks))
+                )
                 out.sums["logp/sequence"] = (
                     scores.cur_logp_sum.detach().sum(), torch.tensor(float(scores.num_sequences))
                 )
@@ -608,11 +723,13 @@ class MaxEntGRPOModule(L.LightningModule):
                     sums[key][0] = sums[key][0] + value.detach().float().to(self.device)
                     sums[key][1] = sums[key][1] + torch.as_tensor(count).float().to(self.device)
             timer.start()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.policy.parameters(), hp.gradient_clip_val or float("inf")
+            grad_norm = self._clip_grad_norm(hp.gradient_clip_val or float("inf"))
+            finite = losses_finite if grad_norm is None else losses_finite & torch.isfinite(
+                grad_norm
             )
-            # a non-finite loss or gradient skips the whole update (grads are zeroed)
-            if not bool(losses_finite & torch.isfinite(grad_norm)):
+            # a non-finite loss or gradient on any rank skips the whole update on every rank
+            # (grads are zeroed), so the replicas never diverge
+            if not self.trainer.strategy.reduce_boolean_decision(bool(finite), all=True):
                 grad_norm = None
                 self._skip_update(opt)
                 continue

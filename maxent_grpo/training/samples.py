@@ -166,6 +166,9 @@ class CompletionSamples(Callback):
             expands to the logger's version folder. Parent folders are created. An
             existing file is appended to (a resumed run continues it).
         histograms: also write histograms of rewards, weights and advantages.
+
+    With several processes (DDP, FSDP) only global rank 0 writes, so the table, the
+    histograms and the JSONL hold rank 0's share of each step's prompts.
     """
 
     def __init__(
@@ -220,10 +223,17 @@ class CompletionSamples(Callback):
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Log the CLI's ``config.yaml`` (if any) as text: the hparams Lightning logs lack
-        the objective and the optimizer."""
-        if not trainer.is_global_zero or not trainer.log_dir:
+        the objective and the optimizer.
+
+        ``trainer.log_dir`` is a broadcast from rank 0 under DDP, so every rank reads it
+        here (and resolves the JSONL path, which reads it too); reading it on rank 0 only
+        would leave rank 0 waiting for the others forever."""
+        log_dir = trainer.log_dir
+        if self.jsonl_path is not None:
+            self._resolve_jsonl(trainer)
+        if not trainer.is_global_zero or not log_dir:
             return
-        config = Path(trainer.log_dir) / "config.yaml"
+        config = Path(log_dir) / "config.yaml"
         if not config.is_file():
             return
         writer = self._writer(trainer)

@@ -499,3 +499,53 @@ def test_loaders_leave_the_global_random_state_alone():
     for loader in (dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader()):
         all_batches(loader)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# ------------------------------------------------------------------ distributed sampling
+
+
+def ranks_of(world: int, **kwargs: Any) -> list[PromptDataModule]:
+    """One DataModule per rank, each seeing a trainer of ``world`` processes."""
+    from types import SimpleNamespace
+
+    modules = [make(**kwargs) for _ in range(world)]
+    for rank, dm in enumerate(modules):
+        dm.trainer = SimpleNamespace(world_size=world, global_rank=rank)
+    return modules
+
+
+def test_two_ranks_split_each_one_rank_batch_without_overlap():
+    """W = 2 ranks with B = 2 prompts each take, at every step, disjoint halves of the 2B
+    prompts a single process with batch 2B takes at that step. A group (one prompt's G
+    completions) is built on the rank that holds its prompt, so no group is ever split."""
+    kwargs = {"task": "arithmetic", "train_size": 21, "val_size": 2, "seed": 5}
+    single = all_batches(make(**kwargs, batch_size=4).train_dataloader())
+    r0, r1 = (all_batches(dm.train_dataloader()) for dm in ranks_of(2, **kwargs, batch_size=2))
+    # 21 rows: one process drops the last partial batch (5 x 4); the sampler cuts the order
+    # to 2 * floor(21 / 2) = 20 positions, 10 per rank (5 x 2)
+    assert len(single) == len(r0) == len(r1) == 5
+    seen: list[int] = []
+    for a, b, both in zip(r0, r1, single, strict=True):
+        assert len(a["indices"]) == len(b["indices"]) == 2
+        assert not set(a["indices"]) & set(b["indices"])
+        assert sorted(a["indices"] + b["indices"]) == sorted(both["indices"])
+        assert a["prompts"] == [p for p, i in zip(both["prompts"], both["indices"], strict=True)
+                                if i in a["indices"]]
+        seen += a["indices"] + b["indices"]
+    assert len(seen) == len(set(seen)) == 20  # no prompt twice in the epoch, on any rank
+
+
+def test_two_ranks_resume_mid_epoch_on_their_own_shares():
+    kwargs = {"task": "arithmetic", "train_size": 21, "val_size": 2, "seed": 5, "batch_size": 2}
+    whole = [all_batches(dm.train_dataloader()) for dm in ranks_of(2, **kwargs)]
+    state = {
+        "epoch": 0, "consumed": 8, "seed": 5, "shuffle": True, "num_rows": 21,
+        "batch_size": 2, "world_size": 2,
+    }  # two steps of 2 ranks x 2 prompts done
+    resumed = ranks_of(2, **kwargs)
+    for rank, dm in enumerate(resumed):
+        dm.load_state_dict(state)
+        rest = all_batches(dm.train_dataloader())
+        assert [b["indices"] for b in rest] == [b["indices"] for b in whole[rank][2:]]
+    with pytest.raises(ValueError, match="on 2 processes, but this run has 4"):
+        ranks_of(4, **kwargs)[0].load_state_dict(state)
