@@ -44,6 +44,7 @@ from maxent_grpo.models import load_policy, load_reference, load_tokenizer, reso
 from maxent_grpo.objectives import GRPO, MicroBatch, Objective, Targets, sequence_ref_loglik
 from maxent_grpo.rewards import get_reward, score_completions
 from maxent_grpo.rollout import HFGenerateEngine, RolloutOutput
+from maxent_grpo.training.batching import MicroBatchPlan, plan_micro_batches
 from maxent_grpo.training.evaluation import PromptRecord, evaluation_metrics, sample_answer
 from maxent_grpo.training.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.timing import StepTimer
@@ -147,7 +148,12 @@ class MaxEntGRPOModule(L.LightningModule):
         top_k: top-k sampling (0 = off).
         num_iterations: optimizer steps taken on each rollout (>= 1); behaviour log-probs
             are computed only when > 1.
-        micro_batch_groups: prompt groups per micro-batch (``None`` = the whole batch).
+        micro_batch_groups: at most this many prompt groups per micro-batch (``None`` = no
+            limit).
+        micro_batch_tokens: at most this many padded tokens (rows x columns) per
+            micro-batch (``None`` = no limit). Micro-batches hold whole groups, packed by
+            length and trimmed to the columns they use (:mod:`maxent_grpo.training.batching`);
+            the update does not depend on the partition.
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
@@ -157,6 +163,8 @@ class MaxEntGRPOModule(L.LightningModule):
         min_lr_ratio: final learning rate as a fraction of the initial one.
         dtype: parameter dtype of the policy and reference.
         gradient_checkpointing: trade compute for memory in the policy forward.
+        share_prefill: in generation, run each prompt's prefill once for its G samples
+            (:class:`~maxent_grpo.rollout.HFGenerateEngine`); same samples, less work.
         model_cache_dir: where built-in models are materialised (default
             ``~/.cache/maxent_grpo/models``).
         max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
@@ -183,6 +191,7 @@ class MaxEntGRPOModule(L.LightningModule):
         top_k: int = 0,
         num_iterations: int = 1,
         micro_batch_groups: int | None = None,
+        micro_batch_tokens: int | None = None,
         mask_truncated_completions: bool = False,
         gradient_clip_val: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
@@ -191,6 +200,7 @@ class MaxEntGRPOModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         dtype: Dtype = "float32",
         gradient_checkpointing: bool = False,
+        share_prefill: bool = True,
         model_cache_dir: str | None = None,
         max_consecutive_nonfinite: int = 3,
         eval_num_generations: int = 4,
@@ -209,6 +219,7 @@ class MaxEntGRPOModule(L.LightningModule):
             max_completion_length=max_completion_length,
             num_iterations=num_iterations,
             micro_batch_groups=micro_batch_groups,
+            micro_batch_tokens=micro_batch_tokens,
             gradient_clip_val=gradient_clip_val,
             lr_warmup_steps=lr_warmup_steps,
             min_lr_ratio=min_lr_ratio,
@@ -269,6 +280,8 @@ class MaxEntGRPOModule(L.LightningModule):
              f"model.num_iterations must be >= 1; got {kw['num_iterations']}")
         mbg = kw["micro_batch_groups"]
         need(mbg is None or mbg >= 1, f"model.micro_batch_groups must be >= 1; got {mbg}")
+        mbt = kw["micro_batch_tokens"]
+        need(mbt is None or mbt >= 1, f"model.micro_batch_tokens must be >= 1; got {mbt}")
         clip = kw["gradient_clip_val"]
         need(clip is None or clip > 0, f"model.gradient_clip_val must be > 0; got {clip}")
         need(kw["lr_warmup_steps"] >= 0,
@@ -495,6 +508,7 @@ class MaxEntGRPOModule(L.LightningModule):
             top_k=hp.top_k,
             max_prompt_length=self.max_prompt_length,
             do_sample=do_sample,
+            share_prefill=self.hparams.share_prefill,
         )
 
     def configure_optimizers(self):
@@ -556,11 +570,24 @@ class MaxEntGRPOModule(L.LightningModule):
         return scores, entropy
 
     @torch.no_grad()
-    def _frozen_logps(self, model, input_ids, attention, T, chunks) -> Tensor:
-        return torch.cat([
-            self._forward_logps(model, input_ids[rows], attention[rows], T, False)[0]
-            for rows in chunks
-        ])
+    def _frozen_logps(
+        self, model, input_ids: Tensor, attention: Tensor, T: int, chunks: list[MicroBatchPlan]
+    ) -> Tensor:
+        """Token log-probs ``(B*G, T)`` of a frozen model, micro-batch by micro-batch
+        (columns a micro-batch does not keep are padding and hold 0)."""
+        P = input_ids.shape[1] - T
+        out: Tensor | None = None
+        for chunk in chunks:
+            rows, cols = chunk.rows.to(self.device), chunk.columns(P)
+            logps = self._forward_logps(
+                model, input_ids[rows][:, cols], attention[rows][:, cols], chunk.completion_len,
+                False,
+            )[0]
+            if out is None:
+                out = logps.new_zeros((input_ids.shape[0], T))
+            out[rows, : chunk.completion_len] = logps
+        assert out is not None
+        return out
 
     # ------------------------------------------------------------------ the step
     def _rewards(self, batch: dict, rollout: RolloutOutput) -> tuple[Tensor, Tensor]:
@@ -569,11 +596,6 @@ class MaxEntGRPOModule(L.LightningModule):
             batch, completions, self.hparams.num_generations
         )
         return total.to(self.device), components.to(self.device)
-
-    def _micro_batches(self, num_groups: int) -> list[slice]:
-        G = self.hparams.num_generations
-        per = self.hparams.micro_batch_groups or num_groups
-        return [slice(g * G, min(g + per, num_groups) * G) for g in range(0, num_groups, per)]
 
     def _prepare_targets(
         self, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None
@@ -632,7 +654,7 @@ class MaxEntGRPOModule(L.LightningModule):
         B = len(batch["prompts"])
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         attention = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).long()
-        T = rollout.completion_ids.shape[1]
+        T, P = rollout.completion_ids.shape[1], rollout.prompt_ids.shape[1]
         mask = rollout.completion_mask.clone()  # (B*G, T) bool
         if hp.mask_truncated_completions:
             mask &= ~rollout.truncated[:, None]
@@ -645,14 +667,18 @@ class MaxEntGRPOModule(L.LightningModule):
         lengths = mask.sum(-1).view(B, G).to(rewards.dtype)
 
         # 3. frozen log-probs: reference only when needed, behaviour only when reused
-        chunks = self._micro_batches(B)
+        chunks = plan_micro_batches(
+            rollout.prompt_mask, rollout.completion_mask, G,
+            hp.micro_batch_groups, hp.micro_batch_tokens,
+        )
         if len(chunks) > 1 and isinstance(self.trainer.strategy, DeepSpeedStrategy):
             # ZeRO-2 with gradient_accumulation_steps=1 keeps only the last backward's
             # gradient when several backward passes precede one engine step
             raise ValueError(
-                f"model.micro_batch_groups ({hp.micro_batch_groups}) splits the batch of {B} "
+                f"model.micro_batch_groups ({hp.micro_batch_groups}) / "
+                f"model.micro_batch_tokens ({hp.micro_batch_tokens}) split the batch of {B} "
                 "prompts into several backward passes, which DeepSpeed does not accumulate "
-                "here; set model.micro_batch_groups: null under DeepSpeedStrategy"
+                "here; set both to null under DeepSpeedStrategy"
             )
         ref_logps = old_logps = None
         timer.start()
@@ -684,21 +710,22 @@ class MaxEntGRPOModule(L.LightningModule):
         grad_norm = None
         for _ in range(hp.num_iterations):
             losses_finite = torch.ones((), dtype=torch.bool, device=self.device)
-            for rows in chunks:
+            for chunk in chunks:
                 timer.start()
+                rows, cols, Tc = chunk.rows.to(self.device), chunk.columns(P), chunk.completion_len
                 scores, entropy = self._score(
-                    input_ids[rows], attention[rows], mask[rows],
-                    None if old_logps is None else old_logps[rows],
+                    input_ids[rows][:, cols], attention[rows][:, cols], mask[rows][:, :Tc],
+                    None if old_logps is None else old_logps[rows][:, :Tc],
                 )
                 w = targets.weights
                 mb = MicroBatch(
                     token_logps=scores.token_logp,
                     old_token_logps=scores.old_token_logp,
-                    ref_token_logps=None if ref_logps is None else ref_logps[rows],
+                    ref_token_logps=None if ref_logps is None else ref_logps[rows][:, :Tc],
                     mask=scores.token_mask,
                     entropy=entropy,
                     advantages=None if targets.advantages is None else targets.advantages[rows],
-                    weights=None if w is None else w[rows.start // G: rows.stop // G],
+                    weights=None if w is None else w[chunk.groups.to(self.device)],
                     group_size=G,
                     num_rows=B * G,
                     num_micro_batches=len(chunks),

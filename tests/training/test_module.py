@@ -107,18 +107,33 @@ def test_every_objective_trains(cache_dir, objective, needs_ref):
     [GRPO(loss_type="dr_grpo"), GRPO(loss_type="grpo", beta=0.1), ListwiseMaxEnt(tau=0.3)],
     ids=["dr_grpo", "grpo+kl", "listwise"],
 )
-def test_micro_batches_do_not_change_the_update(cache_dir, objective):
-    """One step with the whole batch equals one step in micro-batches of one group."""
+def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatch):
+    """One step with the whole batch equals one step in micro-batches: one group each, or
+    packed by a token budget (groups re-ordered by length, columns trimmed)."""
+    import maxent_grpo.training.module as module_file
+
+    plans: list[int] = []
+    real_plan = module_file.plan_micro_batches
+
+    def spy(*args, **kwargs):
+        out = real_plan(*args, **kwargs)
+        plans.append(len(out))
+        return out
+
+    monkeypatch.setattr(module_file, "plan_micro_batches", spy)
     results = []
-    for groups in (None, 1):
+    for split in ({}, {"micro_batch_groups": 1}, {"micro_batch_tokens": 1},
+                  {"micro_batch_tokens": 300}):
         module = make_module(
-            cache_dir, objective=copy.deepcopy(objective), micro_batch_groups=groups,
-            rewards={"tests.training.test_module:alternating": 1.0},
+            cache_dir, objective=copy.deepcopy(objective),
+            rewards={"tests.training.test_module:alternating": 1.0}, **split,
         )
         fit(module, make_data(cache_dir), steps=1)
         results.append(params(module))
-    for key in results[0]:
-        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-5)
+    assert plans[:3] == [1, 4, 4] and 1 < plans[3] < 4  # 4 groups of 4 rows, ~45 columns
+    for other in results[1:]:
+        for key in results[0]:
+            torch.testing.assert_close(results[0][key], other[key], atol=1e-6, rtol=1e-5)
 
 
 def test_zero_advantage_groups_leave_the_policy_unchanged(cache_dir):

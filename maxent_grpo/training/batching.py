@@ -1,0 +1,111 @@
+"""Micro-batches of whole groups, packed by length under a token budget.
+
+The step's ``B*G`` rows (prompt-major: group ``b`` is rows ``b*G .. b*G + G-1``) are
+``[prompt (left-padded to P) | completion (right-padded to T)]``. A micro-batch takes whole
+groups only (the per-group targets and the loss reductions rely on it) and keeps only the
+columns some of its rows use: from its first real prompt column to its longest completion.
+
+Packing (:func:`plan_micro_batches`): groups are sorted by length (longest prompt plus
+longest completion of the group, longest first), so groups of similar length share a
+micro-batch and little padding is computed; then they are added in that order while
+
+- the micro-batch holds at most ``max_groups`` groups, and
+- its padded size, ``rows * (prompt columns + completion columns)``, is at most
+  ``max_tokens``.
+
+A group larger than ``max_tokens`` on its own forms a micro-batch alone. With neither limit
+the whole batch is one micro-batch (still trimmed to the columns in use).
+
+The loss is the same for any partition: every reduction counts rows and tokens of the
+whole batch (``num_rows``, ``num_global_tokens``, ``max_completion_length``), and padding
+columns are masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """One micro-batch: ``groups`` (group indices), ``rows`` ``(n,)`` (their rows, group by
+    group), and the kept columns: prompt columns from ``prompt_start`` and the first
+    ``completion_len`` completion columns."""
+
+    groups: Tensor
+    rows: Tensor
+    prompt_start: int
+    completion_len: int
+
+    def columns(self, prompt_len: int) -> slice:
+        """The kept columns of a ``[prompt | completion]`` row of prompt length ``P``."""
+        return slice(self.prompt_start, prompt_len + self.completion_len)
+
+
+def plan_micro_batches(
+    prompt_mask: Tensor,
+    completion_mask: Tensor,
+    group_size: int,
+    max_groups: int | None = None,
+    max_tokens: int | None = None,
+) -> list[MicroBatchPlan]:
+    """Partition the groups into micro-batches (see the module docstring).
+
+    Args:
+        prompt_mask: ``(B*G, P)`` bool, left-padded prompts.
+        completion_mask: ``(B*G, T)`` bool, each row True up to its last token (a prefix).
+        group_size: ``G``.
+        max_groups: at most this many groups per micro-batch (>= 1), or None.
+        max_tokens: at most this many padded tokens per micro-batch (>= 1), or None.
+    """
+    N, P = prompt_mask.shape
+    if completion_mask.shape[0] != N:
+        raise ValueError(
+            f"prompt_mask and completion_mask must have the same rows; got {N} and "
+            f"{completion_mask.shape[0]}"
+        )
+    if group_size < 1 or N % group_size:
+        raise ValueError(f"group_size must divide the {N} rows; got {group_size}")
+    if max_groups is not None and max_groups < 1:
+        raise ValueError(f"max_groups must be None or >= 1; got {max_groups}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be None or >= 1; got {max_tokens}")
+    B, G = N // group_size, group_size
+    prompt_len = prompt_mask.sum(-1).view(B, G).amax(-1)  # (B,)
+    completion_len = completion_mask.sum(-1).view(B, G).amax(-1)  # (B,)
+    prompt_len_list, completion_len_list = prompt_len.tolist(), completion_len.tolist()
+    order = sorted(range(B), key=lambda b: -(prompt_len_list[b] + completion_len_list[b]))
+
+    def size(groups: list[int]) -> int:
+        width = max(prompt_len_list[b] for b in groups) + max(
+            completion_len_list[b] for b in groups
+        )
+        return len(groups) * G * width
+
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    for b in order:
+        grown = current + [b]
+        fits = (max_groups is None or len(grown) <= max_groups) and (
+            max_tokens is None or size(grown) <= max_tokens
+        )
+        if current and not fits:
+            chunks.append(current)
+            grown = [b]
+        current = grown
+    chunks.append(current)
+
+    plans = []
+    for groups in chunks:
+        groups.sort()  # prompt-major inside the micro-batch
+        g = torch.tensor(groups, dtype=torch.long)
+        rows = (g[:, None] * G + torch.arange(G)).reshape(-1)
+        plans.append(MicroBatchPlan(
+            groups=g, rows=rows,
+            prompt_start=P - max(prompt_len_list[b] for b in groups),
+            completion_len=max(completion_len_list[b] for b in groups),
+        ))
+    return plans
