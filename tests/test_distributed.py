@@ -295,12 +295,18 @@ def test_two_ranks_equal_one_rank(runs, name):
         assert max(float(v.abs().max()) for v in g.values()) > 1e-4  # a real signal
         for key, value in g.items():
             assert torch.equal(g0[key], g1[key]), key
-            torch.testing.assert_close(g0[key], value, rtol=1e-4, atol=1e-6, msg=key)
+            torch.testing.assert_close(
+                g0[key], value, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+            )
 
     # parameters after the run
     for key, value in one["params"].items():
         assert torch.equal(r0["params"][key], r1["params"][key]), key
-        torch.testing.assert_close(r0["params"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(
+            # each rank pads and trims its own micro-batches, so matmul shapes (and float
+            # rounding) differ from the 1-rank run's: a few 1e-6 after the SGD steps
+            r0["params"][key], value, rtol=1e-5, atol=5e-6, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
     # every logged metric, and the objective state the controllers moved
     for step in range(STEPS):
