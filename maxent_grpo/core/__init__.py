@@ -25,7 +25,11 @@ from maxent_grpo.core.listwise import (
     q_distribution,
     weight_entropy,
 )
-from maxent_grpo.core.logprobs import selective_log_softmax, token_entropy
+from maxent_grpo.core.logprobs import (
+    selective_log_softmax,
+    selective_log_softmax_with_entropy,
+    token_entropy,
+)
 from maxent_grpo.core.losses import (
     clipped_surrogate,
     listwise_loss,
@@ -57,6 +61,7 @@ __all__ = [
     "q_distribution",
     "reduce_token_loss",
     "selective_log_softmax",
+    "selective_log_softmax_with_entropy",
     "sequence_clip_loss",
     "tau_update",
     "token_entropy",

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-__all__ = ["selective_log_softmax", "token_entropy"]
+__all__ = ["selective_log_softmax", "selective_log_softmax_with_entropy", "token_entropy"]
 
 BLOCK_ELEMENTS = 1 << 25
 """Logit values upcast at once (32 Mi, i.e. 128 MiB as float32) per block of one row."""
@@ -187,6 +187,54 @@ class _TokenEntropy(torch.autograd.Function):
         return grad
 
 
+class _LogProbsAndEntropy(torch.autograd.Function):
+    """Both of the above in one pass over the logits, with one gradient tensor.
+
+    Separately, each backward returns its own ``(N, T, V)`` gradient and autograd adds them
+    (three full-size tensors at the peak); here the two contributions are summed block by
+    block into a single one: ``d/dz_v = g_out ([v == y] - p_v) - g_ent p_v (log p_v + H)``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, logits: torch.Tensor, index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = _compute_dtype(logits.dtype)
+        n_rows, n_tok, _ = logits.shape
+        out = torch.empty(n_rows, n_tok, dtype=dtype, device=logits.device)
+        ent, shift, lse = torch.empty_like(out), torch.empty_like(out), torch.empty_like(out)
+        for n, t in _blocks(logits):
+            shifted = _shift_block(logits[n, t].to(dtype), shift[n, t], lse[n, t])
+            logp = shifted - lse[n, t].unsqueeze(-1)
+            out[n, t] = logp.gather(-1, index[n, t].unsqueeze(-1)).squeeze(-1)
+            plogp = torch.exp(logp) * logp
+            plogp = torch.where(torch.isneginf(logp), torch.zeros_like(plogp), plogp)
+            ent[n, t] = -plogp.sum(dim=-1)
+        ctx.save_for_backward(logits, index, shift, lse, ent)
+        return out, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad_out: torch.Tensor, grad_ent: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None]:
+        logits, index, shift, lse, ent = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for n, t in _blocks(logits):
+            logp = _block_log_probs(logits[n, t].to(lse.dtype), shift[n, t], lse[n, t])
+            p = torch.exp(logp)
+            g = grad_out[n, t].to(lse.dtype).unsqueeze(-1)  # (block, 1)
+            h = grad_ent[n, t].to(lse.dtype).unsqueeze(-1)
+            entropy_part = p * (logp + ent[n, t].unsqueeze(-1))
+            entropy_part = torch.where(torch.isneginf(logp), torch.zeros_like(p), entropy_part)
+            row = entropy_part.mul_(-h).sub_(p.mul_(g))  # -h p (log p + H) - g p
+            row.scatter_add_(-1, index[n, t].unsqueeze(-1), g)  # + g at the chosen token
+            grad[n, t] = row
+        return grad, None
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Log-probability of the chosen tokens: ``log_softmax(logits, -1)`` gathered at ``index``.
 
@@ -222,3 +270,25 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """
     _check_logits(logits)
     return _TokenEntropy.apply(logits)
+
+
+def selective_log_softmax_with_entropy(
+    logits: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(selective_log_softmax(logits, index), token_entropy(logits))`` in one pass.
+
+    Same values and gradients as the two calls, but the logits are read once per pass and
+    the backward pass returns a single ``(N, T, V)`` gradient (the two separate backward
+    passes return one each, which autograd then adds: three full-size tensors at the peak).
+
+    Args:
+        logits: ``(N, T, V)`` floating, already divided by the sampling temperature.
+        index: ``(N, T)`` integer token ids in ``[0, V)``, on the same device.
+
+    Returns:
+        ``(logp, entropy)``, both ``(N, T)`` float32 (float64 for float64 logits) and
+        differentiable with respect to ``logits``.
+    """
+    _check_logits(logits)
+    _check_index(index, logits)
+    return _LogProbsAndEntropy.apply(logits, index)

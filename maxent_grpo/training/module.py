@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from maxent_grpo.core import selective_log_softmax, token_entropy
+from maxent_grpo.core import selective_log_softmax, selective_log_softmax_with_entropy
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.objectives import GRPO, MicroBatch, Objective, Targets, sequence_ref_loglik
 from maxent_grpo.rewards import get_reward, score_completions
@@ -541,9 +541,10 @@ class MaxEntGRPOModule(L.LightningModule):
             logits_to_keep=T + 1, use_cache=False,
         )
         logits = out.logits[:, :-1, :] / self.hparams.temperature  # (n, T, V)
-        logps = selective_log_softmax(logits, input_ids[:, -T:])  # (n, T)
-        entropy = token_entropy(logits) if with_entropy else None
-        return logps, entropy
+        index = input_ids[:, -T:]
+        if with_entropy:  # one pass, one (n, T, V) gradient
+            return selective_log_softmax_with_entropy(logits, index)
+        return selective_log_softmax(logits, index), None  # (n, T)
 
     def _score(
         self, input_ids: Tensor, attention: Tensor, mask: Tensor, old_logps: Tensor | None

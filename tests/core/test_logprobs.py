@@ -195,3 +195,46 @@ def test_index_validation() -> None:
         selective_log_softmax(z, torch.full((2, 3), 4))
     with pytest.raises(ValueError, match="index"):
         selective_log_softmax(z, torch.full((2, 3), -1))
+
+
+# ---------------------------------------------------------------- the fused pass
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_fused_matches_naive_values_and_grads(
+    dtype: torch.dtype, tol: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logprobs, "BLOCK_ELEMENTS", 22)  # several blocks per row
+    logits, index = _inputs(dtype, seed=8)
+    logits[0, 0, 3] = -math.inf  # a zero-probability token
+    gen = torch.Generator().manual_seed(9)
+    up_logp = torch.randn(3, 5, dtype=torch.float64, generator=gen)
+    up_ent = torch.randn(3, 5, dtype=torch.float64, generator=gen)
+    mine_in = logits.clone().requires_grad_(True)
+    ref_in = logits.double().requires_grad_(True)
+    logp, ent = logprobs.selective_log_softmax_with_entropy(mine_in, index)
+    p = torch.softmax(ref_in, -1)
+    log_p = torch.log_softmax(ref_in, -1)
+    ref_logp = log_p.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+    assert torch.allclose(logp.double(), ref_logp, atol=tol, rtol=0)
+    assert torch.allclose(ent.double(), ref_ent, atol=tol, rtol=0)
+    ((logp.double() * up_logp).sum() + (ent.double() * up_ent).sum()).backward()
+    ((ref_logp * up_logp).sum() + (ref_ent * up_ent).sum()).backward()
+    assert mine_in.grad.dtype == dtype
+    assert torch.allclose(mine_in.grad.double(), ref_in.grad, atol=tol, rtol=0)
+
+
+def test_fused_with_one_output_unused_and_gradcheck() -> None:
+    logits, index = _inputs(torch.float64, seed=10)
+    x = logits.clone().requires_grad_(True)
+    logp, _ = logprobs.selective_log_softmax_with_entropy(x, index)
+    logp.sum().backward()  # the entropy output takes no part: its gradient is zero
+    y = logits.clone().requires_grad_(True)
+    selective_log_softmax(y, index).sum().backward()
+    assert torch.allclose(x.grad, y.grad, atol=1e-12, rtol=0)
+    z = logits[:2, :3, :6].clone().requires_grad_(True)
+    idx = index[:2, :3] % 6
+    assert torch.autograd.gradcheck(
+        lambda t: logprobs.selective_log_softmax_with_entropy(t, idx), (z,)
+    )
