@@ -540,7 +540,9 @@ class MaxEntGRPOModule(L.LightningModule):
             input_ids=input_ids, attention_mask=attention, position_ids=positions,
             logits_to_keep=T + 1, use_cache=False,
         )
-        logits = out.logits[:, :-1, :] / self.hparams.temperature  # (n, T, V)
+        logits = out.logits[:, :-1, :]  # (n, T, V), a view
+        if self.hparams.temperature != 1.0:  # a full (n, T, V) copy: only when it matters
+            logits = logits / self.hparams.temperature
         index = input_ids[:, -T:]
         if with_entropy:  # one pass, one (n, T, V) gradient
             return selective_log_softmax_with_entropy(logits, index)

@@ -95,10 +95,15 @@ def test_gradcheck_float64() -> None:
     assert torch.autograd.gradcheck(token_entropy, (x,))
 
 
-def test_blocks_within_a_row_give_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With a block of 2 tokens (22 values / V=11) every row is cut into 3 blocks of T=5.
+@pytest.mark.parametrize("block", [22, 110])
+def test_blocks_give_same_result(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    # 22 values / V=11: blocks of 2 tokens, every row of T=5 cut into 3 blocks;
+    # 110 values: 2 whole rows of 5 x 11 per block, so N=3 rows make blocks of 2 and 1.
     logits, index = _inputs(torch.float64, seed=5)
-    monkeypatch.setattr(logprobs, "BLOCK_ELEMENTS", 22)
+    monkeypatch.setattr(logprobs, "BLOCK_ELEMENTS", block)
+    expected = [(slice(0, 2), slice(0, 5)), (slice(2, 3), slice(0, 5))] if block == 110 else None
+    if expected is not None:
+        assert list(logprobs._blocks(logits)) == expected
     x = logits.clone().requires_grad_(True)
     (selective_log_softmax(x, index).sum() + token_entropy(x).sum()).backward()
     y = logits.clone().requires_grad_(True)
