@@ -723,8 +723,13 @@ class PromptDataModule(pl.LightningDataModule):
 
         Raises ValueError when a key is missing or when the checkpoint's order cannot be
         continued: another ``seed``, ``shuffle`` or number of training prompts; or, for a
-        mid-epoch checkpoint, another ``batch_size`` or number of ranks.
+        mid-epoch checkpoint, another ``batch_size`` or number of ranks. ``validate`` and
+        ``test`` use no training order, so there nothing is checked or restored (a checkpoint
+        may be evaluated on any data).
         """
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
+            return
         missing = [k for k in self.STATE_KEYS if k not in state_dict]
         if missing:
             raise ValueError(
@@ -746,7 +751,6 @@ class PromptDataModule(pl.LightningDataModule):
             )
         consumed = int(state_dict["consumed"])
         if consumed:
-            trainer = self.trainer
             world = trainer.world_size if trainer is not None else 1
             if state_dict["batch_size"] != self.batch_size:
                 raise ValueError(

@@ -423,6 +423,24 @@ def test_state_dict_roundtrip_and_incompatible_checkpoints():
         make(**kwargs).load_state_dict({"epoch": 0, "seed": 0, "consumed": 0})
 
 
+def test_evaluating_a_checkpoint_accepts_any_data():
+    """validate/test restore no prompt order: another data set is not an error there."""
+    import lightning as L
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    kwargs = {"task": "arithmetic", "train_size": 8, "val_size": 2, "batch_size": 2}
+    state = {**make(**kwargs).state_dict(), "num_rows": 9, "seed": 7}
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    dm = make(**kwargs)
+    dm.trainer = trainer
+    trainer.state.fn = TrainerFn.VALIDATING
+    dm.load_state_dict(state)  # nothing checked, nothing restored
+    assert dm.state_dict()["seed"] == 0
+    trainer.state.fn = TrainerFn.FITTING
+    with pytest.raises(ValueError, match="data.seed"):
+        dm.load_state_dict(state)
+
+
 class Recorder:
     """A LightningModule factory that records (epoch, indices) of every training batch."""
 

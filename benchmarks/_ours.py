@@ -1,0 +1,131 @@
+"""Worker: our trainer (Lightning ``Trainer`` + ``MaxEntGRPOModule`` + ``PromptDataModule``).
+
+Run with our environment (``.venv/bin/python``) on a workload prepared by
+``bench_common.prepare_workload``; prints one ``BENCH_RESULT {json}`` line::
+
+    python benchmarks/_ours.py --workload smollm2 --warmup 2 --steps 5
+
+One step is one ``training_step`` (rollout, rewards, scoring, backward, clip, AdamW): its wall
+time is taken by a callback from ``on_train_batch_start`` to ``on_train_batch_end`` (the
+module's own ``train/perf/*`` phases are recorded too). Settings mirror ``_trl.py``: GRPO with
+``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``beta=0`` (no reference model),
+``num_iterations=1``, one micro-batch, temperature 1 / top_p 1 / top_k 0, AdamW (weight decay
+0) at a constant learning rate, gradient clipping at 1.0, float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import bench_common as bc  # noqa: E402
+
+PERF_KEYS = ("generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s")
+
+
+def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
+          beta: float = 0.0, callbacks: list | None = None):
+    """The Lightning Trainer, module and DataModule of one run of ``total_steps`` steps."""
+    import lightning as L
+    import torch
+
+    from maxent_grpo.objectives import GRPO
+    from maxent_grpo.training.data import PromptDataModule
+    from maxent_grpo.training.module import MaxEntGRPOModule
+
+    L.seed_everything(seed, verbose=False)
+    model_dir = str(folder / "model")
+    prompts = str(folder / "prompts.jsonl")
+    module = MaxEntGRPOModule(
+        model_name_or_path=model_dir,
+        objective=GRPO(loss_type="dr_grpo", scale_rewards="none", beta=beta),
+        rewards={"bench_common:digit_fraction": 1.0},
+        num_generations=workload.num_generations,
+        max_completion_length=workload.max_completion_length,
+        max_prompt_length=1024,
+        temperature=1.0, top_p=1.0, top_k=0,
+        num_iterations=1,
+        micro_batch_groups=None,
+        gradient_clip_val=1.0,
+        optimizer=functools.partial(torch.optim.AdamW, lr=workload.learning_rate,
+                                    weight_decay=0.0),
+        lr_warmup_steps=0, lr_schedule="constant",
+        dtype="float32",
+    )
+    data = PromptDataModule(
+        task=None, data_files=prompts, val_files=prompts, answer_column="answer",
+        tokenizer=model_dir, max_prompt_length=1024, batch_size=workload.batch_prompts,
+        shuffle=False, apply_chat_template=False,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=total_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks or [],
+    )
+    return trainer, module, data
+
+
+def make_step_clock(gate: bc.LockstepGate | None = None):
+    """A callback that records each step's wall time, tokens and ``train/perf/*`` values
+    (and, with a lockstep ``gate``, waits for the driver before each step)."""
+    import lightning as L
+
+    gate = gate or bc.LockstepGate(False)
+
+    class StepClock(L.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+            self._t0 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            gate.wait()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            wall = time.perf_counter() - self._t0
+            stats = pl_module.step_stats
+            perf = {k: float(stats[f"train/perf/{k}"]) for k in PERF_KEYS}
+            tokens = round(perf["tokens_per_s"] * perf["step_s"])  # completion tokens
+            self.steps.append({"wall_s": wall, "completion_tokens": tokens, **perf})
+            gate.done()
+
+    return StepClock()
+
+
+def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int = 0,
+        beta: float = 0.0, extra_callbacks: list | None = None, lockstep: bool = False
+        ) -> dict[str, Any]:
+    import torch
+
+    clock = make_step_clock(bc.LockstepGate(lockstep))
+    start = time.perf_counter()
+    trainer, module, data = build(workload, folder, warmup + steps, seed, beta,
+                                  [clock, *(extra_callbacks or [])])
+    trainer.fit(module, data)
+    timed = clock.steps[warmup:]
+    if len(timed) != steps:
+        raise RuntimeError(f"expected {steps} timed steps, got {len(timed)}")
+    rollout = module.last_rollout
+    return {
+        "side": "ours",
+        "workload": workload.name,
+        "step_s": [s["wall_s"] for s in timed],
+        "completion_tokens": [s["completion_tokens"] for s in timed],
+        "phases": {k: [s[k] for s in timed] for k in PERF_KEYS},
+        "peak_rss_mib": bc.peak_rss_mib(),
+        "total_s": time.perf_counter() - start,
+        "threads": torch.get_num_threads(),
+        "versions": bc.versions("torch", "transformers", "lightning"),
+        "sample_completion": rollout["completions"][0][0] if rollout else None,
+    }
+
+
+if __name__ == "__main__":
+    bc.worker_main(run, __doc__.split("\n")[0])
