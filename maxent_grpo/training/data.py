@@ -728,7 +728,8 @@ class PromptDataModule(pl.LightningDataModule):
         may be evaluated on any data).
         """
         trainer = self.trainer
-        if trainer is not None and trainer.state.fn is not None and trainer.state.fn != "fit":
+        stage = getattr(getattr(trainer, "state", None), "fn", None)
+        if stage is not None and stage != "fit":
             return
         missing = [k for k in self.STATE_KEYS if k not in state_dict]
         if missing:
