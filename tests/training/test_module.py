@@ -199,6 +199,7 @@ def test_a_failing_reward_names_the_function_before_any_checkpoint(cache_dir, tm
         ({"max_completion_length": 0}, "model.max_completion_length"),
         ({"num_iterations": 0}, "model.num_iterations"),
         ({"micro_batch_groups": 0}, "model.micro_batch_groups"),
+        ({"micro_batch_tokens": 0}, "model.micro_batch_tokens"),
         ({"rewards": {}}, "model.rewards"),
         ({"rewards": {"no_such_reward": 1.0}}, "no_such_reward"),
         ({"rewards": {"first_number": float("nan")}}, "first_number"),
