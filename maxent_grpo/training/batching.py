@@ -32,8 +32,8 @@ from torch import Tensor
 @dataclass(frozen=True)
 class MicroBatchPlan:
     """One micro-batch: ``groups`` (group indices), ``rows`` ``(n,)`` (their rows, group by
-    group), and the kept columns: prompt columns from ``prompt_start`` and the first
-    ``completion_len`` completion columns."""
+    group), both on the masks' device, and the kept columns: prompt columns from
+    ``prompt_start`` and the first ``completion_len`` completion columns."""
 
     groups: Tensor
     rows: Tensor
@@ -101,8 +101,8 @@ def plan_micro_batches(
     plans = []
     for groups in chunks:
         groups.sort()  # prompt-major inside the micro-batch
-        g = torch.tensor(groups, dtype=torch.long)
-        rows = (g[:, None] * G + torch.arange(G)).reshape(-1)
+        g = torch.tensor(groups, dtype=torch.long, device=prompt_mask.device)
+        rows = (g[:, None] * G + torch.arange(G, device=prompt_mask.device)).reshape(-1)
         plans.append(MicroBatchPlan(
             groups=g, rows=rows,
             prompt_start=P - max(prompt_len_list[b] for b in groups),

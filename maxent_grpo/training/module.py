@@ -581,7 +581,7 @@ class MaxEntGRPOModule(L.LightningModule):
         P = input_ids.shape[1] - T
         out: Tensor | None = None
         for chunk in chunks:
-            rows, cols = chunk.rows.to(self.device), chunk.columns(P)
+            rows, cols = chunk.rows, chunk.columns(P)
             logps = self._forward_logps(
                 model, input_ids[rows][:, cols], attention[rows][:, cols], chunk.completion_len,
                 False,
@@ -715,7 +715,7 @@ class MaxEntGRPOModule(L.LightningModule):
             losses_finite = torch.ones((), dtype=torch.bool, device=self.device)
             for chunk in chunks:
                 timer.start()
-                rows, cols, Tc = chunk.rows.to(self.device), chunk.columns(P), chunk.completion_len
+                rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
                 scores, entropy = self._score(
                     input_ids[rows][:, cols], attention[rows][:, cols], mask[rows][:, :Tc],
                     None if old_logps is None else old_logps[rows][:, :Tc],
@@ -728,7 +728,7 @@ class MaxEntGRPOModule(L.LightningModule):
                     mask=scores.token_mask,
                     entropy=entropy,
                     advantages=None if targets.advantages is None else targets.advantages[rows],
-                    weights=None if w is None else w[chunk.groups.to(self.device)],
+                    weights=None if w is None else w[chunk.groups],
                     group_size=G,
                     num_rows=B * G,
                     num_micro_batches=len(chunks),
