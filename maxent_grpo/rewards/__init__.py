@@ -6,7 +6,8 @@ last message's ``"content"`` is read), ``columns`` are the dataset's other colum
 per completion, and ``None`` marks a row the reward does not apply to.
 
 Registered names: ``accuracy`` (math-verify equivalence with the ``answer`` column),
-``countdown`` (valid expression for ``numbers``/``target``), ``format`` (exact
+``countdown`` (valid expression for ``numbers``/``target``), ``first_number`` (the first
+integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``format`` (exact
 ``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once) and
 ``answer_format`` (an ``<answer>`` block exists). :func:`score_completions` combines
 weighted rewards into one reward per completion.
@@ -17,6 +18,7 @@ from __future__ import annotations
 from maxent_grpo.rewards.correctness import (
     accuracy_reward,
     countdown_reward,
+    digit_pair_reward,
     first_number_reward,
 )
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
@@ -31,6 +33,7 @@ __all__ = [
     "answer_format_reward",
     "completion_text",
     "countdown_reward",
+    "digit_pair_reward",
     "extract_answer",
     "first_number_reward",
     "format_reward",

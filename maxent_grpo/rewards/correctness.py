@@ -157,3 +157,40 @@ def first_number_reward(
         match = _FIRST_INT.search(completion_text(completion))
         scores.append(1.0 if match is not None and int(match.group()) == target else 0.0)
     return scores
+
+
+_DIGIT_PAIR = re.compile(r"\s*(\d)\s*\+\s*(\d)\s*")
+
+
+@register_reward("digit_pair")
+def digit_pair_reward(
+    prompts: list,
+    completions: list,
+    target: list | None = None,
+    **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the answer is exactly two digits ``a + b`` with ``a + b == target`` (the
+    ``digit_pairs`` task), else 0.0. The answer is the ``<answer>`` block when there is one,
+    else the whole completion (bare prompts); nothing but whitespace may surround the pair.
+    A ``target`` of ``None`` gives ``None``.
+
+    >>> digit_pair_reward(["? + ? = 9"], ["4 + 5"], target=[9])
+    [1.0]
+    >>> digit_pair_reward(["? + ? = 9"], ["4 + 4"], target=[9])
+    [0.0]
+    >>> digit_pair_reward(["q"] * 5, ["5+4", "<answer>0 + 9</answer>", "9", "4 + 5 = 9", "45 + 0"],
+    ...                   target=[9] * 5)
+    [1.0, 1.0, 0.0, 0.0, 0.0]
+    """
+    targets = require_column("digit_pair", "target", target, len(completions))
+    scores: list[float | None] = []
+    for completion, row_target in zip(completions, targets, strict=True):
+        if row_target is None:
+            scores.append(None)
+            continue
+        text = completion_text(completion)
+        answer = extract_answer(text)
+        match = _DIGIT_PAIR.fullmatch(text if answer is None else answer)
+        ok = match is not None and int(match[1]) + int(match[2]) == int(row_target)
+        scores.append(1.0 if ok else 0.0)
+    return scores

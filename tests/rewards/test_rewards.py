@@ -51,7 +51,8 @@ def test_every_registered_reward_documents_a_pass_and_a_fail() -> None:
 
 def test_registry() -> None:
     assert list_rewards() == [
-        "accuracy", "answer_format", "countdown", "first_number", "format", "tag_count",
+        "accuracy", "answer_format", "countdown", "digit_pair", "first_number", "format",
+        "tag_count",
     ]
     assert get_reward("format") is format_reward
     assert get_reward(tag_count_reward) is tag_count_reward
@@ -320,3 +321,19 @@ def test_first_number_reward_reads_the_first_integer_only():
     assert first_number_reward(["q"], ["8"], answer=[None]) == [None]
     with pytest.raises(ValueError, match="row 0 must be an integer"):
         first_number_reward(["q"], ["8"], answer=["eight"])
+
+
+def test_digit_pair_reward_agrees_with_the_answer_set() -> None:
+    from maxent_grpo.rewards import digit_pair_reward
+    from maxent_grpo.tasks import build_task
+
+    for row in build_task("digit_pairs", 9, 0, min_target=0, max_target=18):
+        candidates = [f"{a} + {b}" for a in range(10) for b in range(10)]
+        scores = digit_pair_reward(["q"] * 100, candidates, target=[row["target"]] * 100)
+        right = {c for c, s in zip(candidates, scores, strict=True) if s == 1.0}
+        assert len(right) == sum(1 + (a != b) for a, b in (
+            map(int, v.split(" + ")) for v in row["valid_answers"]
+        ))  # ordered pairs: "a + b" and "b + a"
+    assert digit_pair_reward(["q"], ["1 + 2"], target=[None]) == [None]
+    with pytest.raises(ValueError, match="reward 'digit_pair' needs the dataset column 'target'"):
+        digit_pair_reward(["q"], ["1 + 2"])

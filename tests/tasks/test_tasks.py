@@ -10,17 +10,20 @@ import pytest
 
 import maxent_grpo.tasks
 import maxent_grpo.tasks.countdown
+import maxent_grpo.tasks.digit_pairs as digit_pairs_module
 from maxent_grpo.tasks import TASKS, build_task, check_countdown, list_tasks, task_options
 
 
 def test_docstring_examples() -> None:
-    for module in (maxent_grpo.tasks, maxent_grpo.tasks.countdown):
+    for module in (maxent_grpo.tasks, maxent_grpo.tasks.countdown, digit_pairs_module):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0
 
 
 def test_registry_names_and_errors() -> None:
-    assert list_tasks() == ["arithmetic", "arithmetic_easy", "countdown", "countdown_multi"]
+    assert list_tasks() == [
+        "arithmetic", "arithmetic_easy", "countdown", "countdown_multi", "digit_pairs"
+    ]
     assert set(TASKS) == set(list_tasks())
     with pytest.raises(ValueError, match=r"'arithmetic'.*'countdown'.*got 'sudoku'"):
         build_task("sudoku", 3, 0)
@@ -43,6 +46,9 @@ def test_registry_names_and_errors() -> None:
         ("arithmetic", {"ops": "++"}, "ops must be distinct"),
         ("arithmetic", {"digits": 0}, "digits must be >= 1"),
         ("arithmetic", {"num_operands": 1.5}, "num_operands must be an int"),
+        ("digit_pairs", {"max_target": 19}, "max_target must be >= 5 and <= 18"),
+        ("digit_pairs", {"min_target": 9, "max_target": 8}, "max_target must be >= 9"),
+        ("digit_pairs", {"bare": "yes"}, "bare must be a bool"),
     ],
 )
 def test_bad_option_values(name: str, options: dict, message: str) -> None:
@@ -180,3 +186,20 @@ def test_bare_arithmetic_prompt_is_the_expression_only():
         assert int(row["answer"]) == a + b
     with pytest.raises(ValueError, match="bare"):
         build_task("arithmetic", 1, 0, bare="yes")
+
+
+def test_digit_pairs_answer_sets_are_complete_and_targets_cycle() -> None:
+    from maxent_grpo.tasks.multi_answer import canonical_expression
+
+    rows = build_task("digit_pairs", 27, 4, bare=True)
+    for block in (rows[:9], rows[9:18], rows[18:]):  # every target once per 9 rows
+        assert sorted(r["target"] for r in block) == list(range(5, 14))
+    for row in rows:
+        target = row["target"]
+        brute = {canonical_expression(f"{a} + {b}") for a in range(10) for b in range(10)
+                 if a + b == target}
+        assert set(row["valid_answers"]) == brute  # every solution, in canonical form
+        assert row["answer"] in row["valid_answers"] and row["prompt"] == f"? + ? = {target}"
+        assert 3 <= len(row["valid_answers"]) <= 5
+    assert build_task("digit_pairs", 27, 4, bare=True) == rows
+    assert "<answer>" in build_task("digit_pairs", 1, 0)[0]["prompt"]
