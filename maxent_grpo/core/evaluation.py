@@ -247,7 +247,8 @@ def aggregate(
 
     - ``"distinct@k"`` (:func:`expected_distinct_at_k`) when ``answers`` is given
       (``answers[p][i]`` is sample ``i``'s answer or ``None``, canonical where the task
-      has a canonical form);
+      has a canonical form), and ``"distinct_correct@k"``, the same count over the correct
+      samples only (the number of different right answers among ``k`` samples);
     - ``"coverage@k"`` (:func:`expected_coverage_at_k`) when ``answers`` and
       ``valid_answers`` are given: prompt ``p``'s correct answers are the ``answers[p][i]``
       with ``correct[p][i] == 1``; prompts whose ``valid_answers[p]`` is ``None`` are left
@@ -299,6 +300,10 @@ def aggregate(
         out[f"mean@{k}"] = mean([mean_at_k(r, k) for r in binary])
         if answers is not None:
             out[f"distinct@{k}"] = mean([expected_distinct_at_k(a, k) for a in answers])
+            out[f"distinct_correct@{k}"] = mean([
+                expected_distinct_at_k([x if ok else None for x, ok in zip(a, r, strict=True)], k)
+                for a, r in zip(answers, binary, strict=True)
+            ])
         if answers is not None and valid_answers is not None:
             covered = [
                 _prompt_coverage(p, answers[p], binary[p], valid, k)

@@ -8,6 +8,8 @@ into the logged dict through :func:`maxent_grpo.core.evaluation.aggregate`, so e
 is an exact mean over the epoch's prompts (not a mean of per-batch means):
 
 - ``{prefix}/pass@k``, ``{prefix}/mean@k``, ``{prefix}/distinct@k`` for every ``k``;
+- ``{prefix}/distinct_correct@k``: distinct correct answers among ``k`` samples (in the
+  canonical form where the prompts have a valid-answer set);
 - ``{prefix}/coverage@k`` over the prompts that have a valid-answer set;
 - ``{prefix}/greedy_pass@1``: the mean greedy correctness;
 - the same keys with ``/{task}`` appended, over the prompts of each task label.
@@ -95,7 +97,10 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
             for r in records
         ]
         coverage = aggregate(correct, ks, answers=canonical, valid_answers=valid)
-        out.update({k: v for k, v in coverage.items() if k.startswith("coverage@")})
+        # canonical forms: "5 + 4" and "4 + 5" are one correct answer
+        out.update({
+            k: v for k, v in coverage.items() if k.startswith(("coverage@", "distinct_correct@"))
+        })
     greedy = [r.greedy_correct for r in records if r.greedy_correct is not None]
     if greedy:
         out["greedy_pass@1"] = sum(greedy) / len(greedy)

@@ -183,9 +183,13 @@ def test_aggregate_hand_values() -> None:
     # coverage over prompts 0 and 2 only: k=4 -> mean(2/3, 1/2); k=1 -> mean(2/4/3, 3/4/2)
     assert out["coverage@4"] == pytest.approx((2 / 3 + 1 / 2) / 2)
     assert out["coverage@1"] == pytest.approx((0.5 / 3 + 0.75 / 2) / 2)
+    # distinct correct answers: prompt 0 has "3 + 5" and "2 * 4", prompt 1 none, prompt 2
+    # only "a" (3 of 4 samples); k=1: the chance the sample is correct
+    assert out["distinct_correct@4"] == pytest.approx((2 + 0 + 1) / 3)
+    assert out["distinct_correct@1"] == pytest.approx((0.5 + 0 + 0.75) / 3)
     assert set(aggregate(correct, [2])) == {"pass@2", "mean@2"}
     no_sets = aggregate(correct, [2], answers=answers, valid_answers=[None, None, None])
-    assert set(no_sets) == {"pass@2", "mean@2", "distinct@2"}
+    assert set(no_sets) == {"pass@2", "mean@2", "distinct@2", "distinct_correct@2"}
 
 
 def test_aggregate_errors() -> None:
