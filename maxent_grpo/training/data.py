@@ -255,9 +255,11 @@ class PromptDataModule(pl.LightningDataModule):
 
     Validation rows: ``task`` generates ``val_size`` separate rows (train from seed
     ``2*seed``, val from ``2*seed + 1``; training rows whose prompt also appears in the
-    validation rows are dropped, so the two never overlap). ``data_files`` / ``dataset_name``
-    use ``val_files`` / ``val_split`` when given, else ``val_size`` rows chosen by a
-    permutation seeded with ``seed`` are split off the training source.
+    validation rows are dropped, so the two never overlap, unless
+    ``holdout_val_prompts`` is False: a task with a small closed set of prompts, such as
+    ``digit_pairs``, then trains on the prompts it is evaluated on). ``data_files`` /
+    ``dataset_name`` use ``val_files`` / ``val_split`` when given, else ``val_size`` rows
+    chosen by a permutation seeded with ``seed`` are split off the training source.
 
     Rendering: with ``apply_chat_template`` the prompt becomes
     ``[system?] + [{"role": "user", "content": prompt}]`` (a list-of-messages prompt is used
@@ -283,6 +285,9 @@ class PromptDataModule(pl.LightningDataModule):
         val_size: number of validation rows generated for ``task``, or split off
             ``data_files`` / ``dataset_name`` when no ``val_files`` / ``val_split`` is given.
         seed: seed of task generation, the train/val split and the shuffle order.
+        holdout_val_prompts: with ``task``, drop the training rows whose prompt is also a
+            validation prompt (validation measures unseen prompts); False keeps them
+            (validation measures the prompts trained on).
         data_files: local .jsonl, .json, .csv or .parquet file of training rows, or None.
         val_files: local file of validation rows (only with ``data_files``).
         dataset_name: name or local path passed to ``datasets.load_dataset``, or None.
@@ -311,6 +316,7 @@ class PromptDataModule(pl.LightningDataModule):
         train_size: int = 2000,
         val_size: int = 64,
         seed: int = 0,
+        holdout_val_prompts: bool = True,
         data_files: str | None = None,
         val_files: str | None = None,
         dataset_name: str | None = None,
@@ -383,6 +389,11 @@ class PromptDataModule(pl.LightningDataModule):
 
         self.task, self.task_options = task, dict(task_options or {})
         self.train_size, self.val_size, self.seed = train_size, val_size, seed
+        if not isinstance(holdout_val_prompts, bool):
+            raise ValueError(
+                f"`holdout_val_prompts` must be true or false; got {holdout_val_prompts!r}"
+            )
+        self.holdout_val_prompts = holdout_val_prompts
         self.data_files, self.val_files = data_files, val_files
         self.dataset_name, self.dataset_config = dataset_name, dataset_config
         self.train_split, self.val_split = train_split, val_split
@@ -440,7 +451,8 @@ class PromptDataModule(pl.LightningDataModule):
             keep = [
                 i
                 for i, r in enumerate(train)
-                if json.dumps(r.get(self.prompt_column), sort_keys=True) not in val_prompts
+                if not self.holdout_val_prompts
+                or json.dumps(r.get(self.prompt_column), sort_keys=True) not in val_prompts
             ]
             if len(keep) < len(train):
                 log.info(

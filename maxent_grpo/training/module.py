@@ -156,6 +156,14 @@ class MaxEntGRPOModule(L.LightningModule):
             the update does not depend on the partition.
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
+        drop_constant_groups: leave out of the update the prompt groups whose G rewards
+            are all equal (DAPO's dynamic sampling, without refilling): they are neither
+            scored nor part of the targets, and every loss is normalised over the groups
+            kept, on all ranks (``train/dropped_groups`` counts them). GRPO gives such
+            groups zero advantage, so for GRPO only the normaliser changes; the listwise
+            objective would otherwise pull their completions towards equal probability
+            (uniform weights). A step where every group is constant changes no weight but
+            still counts as a step (``train/empty_steps`` counts them).
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
         lr_warmup_steps: linear warm-up steps of the learning rate.
@@ -193,6 +201,7 @@ class MaxEntGRPOModule(L.LightningModule):
         micro_batch_groups: int | None = None,
         micro_batch_tokens: int | None = None,
         mask_truncated_completions: bool = False,
+        drop_constant_groups: bool = False,
         gradient_clip_val: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_warmup_steps: int = 0,
@@ -218,6 +227,7 @@ class MaxEntGRPOModule(L.LightningModule):
             num_generations=num_generations,
             max_completion_length=max_completion_length,
             num_iterations=num_iterations,
+            drop_constant_groups=drop_constant_groups,
             micro_batch_groups=micro_batch_groups,
             micro_batch_tokens=micro_batch_tokens,
             gradient_clip_val=gradient_clip_val,
@@ -245,6 +255,8 @@ class MaxEntGRPOModule(L.LightningModule):
         self._frozen: dict[str, Any] = {}  # the reference model, kept out of state_dict
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        self.empty_steps = 0  # steps whose every group was dropped (drop_constant_groups)
+        self.dropped_groups = 0  # groups dropped in the last step, all ranks
         # per-step metrics, exact across micro-batches and ranks
         self.reward_metric = RewardMoments()
         self.component_metric = RewardComponents(self.reward_names)
@@ -278,6 +290,9 @@ class MaxEntGRPOModule(L.LightningModule):
              f"model.max_completion_length must be >= 1; got {kw['max_completion_length']}")
         need(kw["num_iterations"] >= 1,
              f"model.num_iterations must be >= 1; got {kw['num_iterations']}")
+        drop = kw["drop_constant_groups"]
+        need(isinstance(drop, bool),
+             f"model.drop_constant_groups must be true or false; got {drop!r}")
         mbg = kw["micro_batch_groups"]
         need(mbg is None or mbg >= 1, f"model.micro_batch_groups must be >= 1; got {mbg}")
         mbt = kw["micro_batch_tokens"]
@@ -441,6 +456,7 @@ class MaxEntGRPOModule(L.LightningModule):
             },
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total,
+            "empty_steps": self.empty_steps,
             "rng": rng,
         }
 
@@ -476,6 +492,7 @@ class MaxEntGRPOModule(L.LightningModule):
             setattr(self.objective, key, float(value))
         self.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
         self.nonfinite_total = int(saved["nonfinite_total"])
+        self.empty_steps = int(saved.get("empty_steps", 0))
         states = saved["rng"]
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
@@ -601,36 +618,51 @@ class MaxEntGRPOModule(L.LightningModule):
         return total.to(self.device), components.to(self.device)
 
     def _prepare_targets(
-        self, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None
-    ) -> Targets:
-        """``objective.prepare`` over the optimizer step's whole batch, all ranks together.
+        self, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None, keep: Tensor
+    ) -> tuple[Targets, int]:
+        """``objective.prepare`` over the kept groups of the optimizer step's whole batch, all
+        ranks together; returns this rank's kept groups' targets and the number of groups
+        kept on all ranks.
 
-        With W > 1 ranks the ``(B, G)`` rewards, lengths and ``rho`` of every rank are
-        gathered (every rank has the same B: the sampler drops the last partial batch), the
-        ``W*B`` groups are prepared at once and each rank keeps the rows of its own groups
-        (rank ``r`` holds groups ``r*B .. r*B + B - 1``). Per-group advantages and weights do
-        not change; ``scale_rewards="batch"`` then divides by the std of all ``W*B*G``
-        rewards, and ``targets.stats`` (e.g. ``weight_entropy_min``) describe all groups,
-        exactly as one process given the same prompts would.
+        ``rewards`` and ``lengths`` are this rank's ``(B, G)``; ``keep`` ``(B,)`` marks the
+        groups that take part (all of them unless ``drop_constant_groups``) and ``rho`` is
+        ``(kept, G)`` or None. With W > 1 ranks every rank's tensors are gathered (every
+        rank has the same B: the sampler drops the last partial batch), the kept groups of
+        all ``W*B`` are prepared at once and each rank keeps the targets of its own (rank
+        ``r``'s kept groups follow those of ranks ``0..r-1``). Per-group advantages and
+        weights do not change; ``scale_rewards="batch"`` then divides by the std of all
+        kept rewards, and ``targets.stats`` (e.g. ``weight_entropy_min``) describe all kept
+        groups, exactly as one process given the same prompts would.
         """
         world = self.trainer.world_size
-        if world == 1:
-            return self.objective.prepare(rewards, lengths, T_max, rho)
-        B = rewards.shape[0]
-        local = {"rewards": rewards, "lengths": lengths}
+        every = {"rewards": rewards, "lengths": lengths, "keep": keep}
         if rho is not None:
-            local["rho"] = rho
-        every = {k: v.reshape(world * B, -1) for k, v in self.all_gather(local).items()}
+            every["rho"] = rho.new_zeros(rewards.shape).index_copy_(0, keep.nonzero()[:, 0], rho)
+        start = 0
+        if world > 1:
+            B = rewards.shape[0]
+            every = {k: v.reshape(world * B, -1) for k, v in self.all_gather(every).items()}
+            every["keep"] = every["keep"].reshape(-1)
+            start = int(every["keep"][: self.trainer.global_rank * B].sum())
+        sel = every["keep"]
+        kept_total = int(sel.sum()) if self.hparams.drop_constant_groups else sel.numel()
+        if kept_total == 0:
+            return Targets(), 0
+        if kept_total < sel.numel():
+            every = {k: v[sel] for k, v in every.items()}
         targets = self.objective.prepare(
             every["rewards"], every["lengths"], T_max, every.get("rho")
         )
-        mine = slice(self.trainer.global_rank * B, (self.trainer.global_rank + 1) * B)
+        if world == 1:
+            return targets, kept_total
+        mine = slice(start, start + int(keep.sum()))
         adv, w = targets.advantages, targets.weights
+        G = rewards.shape[1]
         return Targets(
-            advantages=None if adv is None else adv.view(world * B, -1)[mine].reshape(-1),
+            advantages=None if adv is None else adv.view(kept_total, G)[mine].reshape(-1),
             weights=None if w is None else w[mine],
             stats=targets.stats,
-        )
+        ), kept_total
 
     def _clip_grad_norm(self, max_norm: float) -> Tensor | None:
         """Clip the policy's gradients to global norm ``max_norm``; return that norm (the
@@ -655,25 +687,35 @@ class MaxEntGRPOModule(L.LightningModule):
         timer = StepTimer(self.device)
         rollout = self.engine().generate(batch["prompts"], batch["answers"], G)
         B = len(batch["prompts"])
-        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
-        attention = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1).long()
-        T, P = rollout.completion_ids.shape[1], rollout.prompt_ids.shape[1]
-        mask = rollout.completion_mask.clone()  # (B*G, T) bool
+        full_mask = rollout.completion_mask.clone()  # (B*G, T) bool
         if hp.mask_truncated_completions:
-            mask &= ~rollout.truncated[:, None]
+            full_mask &= ~rollout.truncated[:, None]
 
         # 2. rewards
         timer.start()
         rewards, components = self._rewards(batch, rollout)  # (B*G,), (K, B*G)
         timer.stop("reward")
         rewards = rewards.view(B, G)
-        lengths = mask.sum(-1).view(B, G).to(rewards.dtype)
+        lengths = full_mask.sum(-1).view(B, G).to(rewards.dtype)
 
-        # 3. frozen log-probs: reference only when needed, behaviour only when reused
+        # 3. the groups that take part (drop_constant_groups) and their rows
+        keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
+        rows: Tensor | slice = slice(None)  # all rows, as views
+        if hp.drop_constant_groups:
+            keep = (rewards != rewards[:, :1]).any(-1)  # (B,) some reward differs
+            rows = keep.repeat_interleave(G)  # (B*G,)
+        prompt_ids, prompt_mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
+        completion_ids, mask = rollout.completion_ids[rows], full_mask[rows]
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention = torch.cat([prompt_mask, rollout.completion_mask[rows]], 1).long()
+        T, P = completion_ids.shape[1], prompt_ids.shape[1]
+        n_rows = input_ids.shape[0]  # this rank's kept rows
+
+        # 4. frozen log-probs: reference only when needed, behaviour only when reused
         chunks = plan_micro_batches(
-            rollout.prompt_mask, rollout.completion_mask, G,
+            prompt_mask, rollout.completion_mask[rows], G,
             hp.micro_batch_groups, hp.micro_batch_tokens,
-        )
+        ) if n_rows else []
         if len(chunks) > 1 and isinstance(self.trainer.strategy, DeepSpeedStrategy):
             # ZeRO-2 with gradient_accumulation_steps=1 keeps only the last backward's
             # gradient when several backward passes precede one engine step
@@ -683,36 +725,41 @@ class MaxEntGRPOModule(L.LightningModule):
                 "prompts into several backward passes, which DeepSpeed does not accumulate "
                 "here; set both to null under DeepSpeedStrategy"
             )
-        ref_logps = old_logps = None
+        ref_logps = old_logps = rho = None
         timer.start()
-        if self.needs_reference:
+        if self.needs_reference and n_rows:
             ref_logps = self._frozen_logps(self.reference, input_ids, attention, T, chunks)
-        if hp.num_iterations > 1:
-            old_logps = self._frozen_logps(self.policy, input_ids, attention, T, chunks)
-        rho = None
-        if ref_logps is not None:
-            rho = sequence_ref_loglik(ref_logps, mask, G)  # (B, G)
+            rho = sequence_ref_loglik(ref_logps, mask, G)  # (kept, G)
             self._mean_metric("logp/ref_token").update(ref_logps, mask)
+        if hp.num_iterations > 1 and n_rows:
+            old_logps = self._frozen_logps(self.policy, input_ids, attention, T, chunks)
         timer.stop("frozen")
 
-        # 4. advantages / weights (constants), over the whole batch of all ranks
-        targets = self._prepare_targets(rewards, lengths, T_max, rho)
-        self.last_rollout = self._rollout_record(batch, rollout, rewards, components, targets)
+        # 5. advantages / weights (constants), over the kept groups of all ranks
+        targets, kept_groups = self._prepare_targets(rewards, lengths, T_max, rho, keep)
+        self.last_rollout = self._rollout_record(
+            batch, rollout, rewards, components, targets, keep
+        )
+        world = self.trainer.world_size
+        self.dropped_groups = world * B - kept_groups
 
-        # 5. optimise
+        # 6. optimise
         num_tokens = mask.sum()
-        global_tokens = self.all_gather(num_tokens).sum() if self.trainer.world_size > 1 \
-            else num_tokens
-        # DDP averages gradients over ranks; dapo already divides by the all-rank token
-        # count, so its loss is multiplied back by the world size.
-        loss_scale = self.trainer.world_size if getattr(self.objective, "loss_type", "") == "dapo" \
-            else 1
+        global_tokens = self.all_gather(num_tokens).sum() if world > 1 else num_tokens
+        loss_scale = self._loss_scale(n_rows, kept_groups * G)
         # statistics stay on the device; one host sync per optimizer step (the finite check)
         zero = torch.zeros((), device=self.device)
         sums: dict[str, list[Tensor]] = defaultdict(lambda: [zero, zero])
         grad_norm = None
+        self.empty_steps += kept_groups == 0
         for _ in range(hp.num_iterations):
+            if kept_groups == 0:  # every group of every rank is constant: no gradient at all,
+                opt.step()  # but the step counts (parameters without a gradient stay put)
+                sched.step()
+                continue
             losses_finite = torch.ones((), dtype=torch.bool, device=self.device)
+            if not chunks:  # other ranks kept groups: take part in the gradient reduction
+                self._idle_backward(rollout)
             for chunk in chunks:
                 timer.start()
                 rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
@@ -730,7 +777,7 @@ class MaxEntGRPOModule(L.LightningModule):
                     advantages=None if targets.advantages is None else targets.advantages[rows],
                     weights=None if w is None else w[chunk.groups],
                     group_size=G,
-                    num_rows=B * G,
+                    num_rows=n_rows,
                     num_micro_batches=len(chunks),
                     max_completion_length=T_max,
                     num_global_tokens=global_tokens,
@@ -741,8 +788,8 @@ class MaxEntGRPOModule(L.LightningModule):
                 self.manual_backward(out.loss * loss_scale)
                 timer.stop("backward")
                 # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes
-                # and ranks (dapo's parts are scaled like its gradient: their mean over the
-                # ranks is then the loss of the whole batch)
+                # and ranks (parts are scaled like their gradient: their mean over the ranks
+                # is then the loss of the whole batch)
                 out.sums["loss/total"] = (
                     out.loss.detach() * loss_scale, torch.tensor(1.0 / len(chunks))
                 )
@@ -770,10 +817,10 @@ class MaxEntGRPOModule(L.LightningModule):
             sched.step()
             timer.stop("optimizer")
 
-        # 6. metrics, through the documented types
+        # 7. metrics, through the documented types
         self.reward_metric.update(rewards)
         self.component_metric.update(components)
-        self.token_metric.update(rollout.prompt_mask, mask, rollout.truncated)
+        self.token_metric.update(rollout.prompt_mask, full_mask, rollout.truncated)
         for key, (value, count) in sums.items():
             self._mean_metric(key).update_sum(value.to(self.device), count.to(self.device))
         for key, value in targets.stats.items():
@@ -786,12 +833,52 @@ class MaxEntGRPOModule(L.LightningModule):
         if observe_kl is not None:
             observe_kl(self.step_stats.get("train/kl", float("nan")))
 
-    def _rollout_record(self, batch, rollout, rewards, components, targets) -> dict[str, Any]:
+    def _loss_scale(self, rows: int, rows_all_ranks: int) -> float:
+        """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the
+        gradient of the formula over the whole batch of all ranks.
+
+        ``dapo`` divides by the all-rank token count, so it is multiplied back by the world
+        size W. ``bnpo`` is a mean of micro-batch means by definition (factor 1). The other
+        reductions divide by this rank's rows or groups; when ranks keep different numbers
+        of rows (``drop_constant_groups``) the factor ``W * rows / rows_all_ranks`` turns
+        that into the all-rank count (it is 1 when every rank keeps the same number).
+        """
+        world = self.trainer.world_size
+        loss_type = getattr(self.objective, "loss_type", "")
+        if loss_type == "dapo":
+            return float(world)
+        if loss_type == "bnpo" or rows_all_ranks == 0:
+            return 1.0
+        return world * rows / rows_all_ranks
+
+    def _idle_backward(self, rollout: RolloutOutput) -> None:
+        """A zero-weighted backward through the policy on this rank's first completion, for a
+        rank that kept no group while others did: every rank must take part in the gradient
+        reduction (DDP all-reduce, FSDP reduce-scatter)."""
+        ids = torch.cat([rollout.prompt_ids[:1], rollout.completion_ids[:1]], 1)
+        att = torch.cat([rollout.prompt_mask[:1], rollout.completion_mask[:1]], 1).long()
+        logps, _ = self._forward_logps(
+            self.policy, ids, att, rollout.completion_ids.shape[1], False
+        )
+        self.manual_backward(logps.sum() * 0.0)
+
+    def _rollout_record(
+        self, batch, rollout, rewards, components, targets, keep
+    ) -> dict[str, Any]:
         """What the step sampled and how it was scored, on the CPU, for callbacks that show
         samples (``last_rollout``): prompts ``B``, completions ``B x G``, rewards, each
-        reward component, advantages and MaxEnt weights as ``(B, G)`` tensors (or None)."""
+        reward component, advantages and MaxEnt weights as ``(B, G)`` tensors (or None;
+        NaN in the groups that ``drop_constant_groups`` left out)."""
         B, G = rewards.shape
-        adv = targets.advantages
+
+        def full(values: Tensor | None) -> Tensor | None:
+            if values is None:
+                return None
+            out = rewards.new_full((B, G), float("nan"))
+            out[keep] = values.detach().view(-1, G).to(out.dtype)
+            return out.cpu()
+
+        adv, weights = full(targets.advantages), full(targets.weights)  # None: empty step
         return {
             "step": self.global_step,
             "prompts": list(batch["raw_prompts"]),
@@ -801,8 +888,8 @@ class MaxEntGRPOModule(L.LightningModule):
                 name: components[k].detach().cpu().view(B, G)
                 for k, name in enumerate(self.reward_names)
             },
-            "advantages": None if adv is None else adv.detach().cpu().view(B, G),
-            "weights": None if targets.weights is None else targets.weights.detach().cpu(),
+            "advantages": adv,
+            "weights": weights,
         }
 
     # ------------------------------------------------------------------ evaluation
@@ -970,6 +1057,9 @@ class MaxEntGRPOModule(L.LightningModule):
         diagnostics["lr"] = scalars.current_lr
         diagnostics.update({f"perf/{k}": v for k, v in timings.items()})
         diagnostics["nonfinite_skips"] = float(self.nonfinite_total)
+        if self.hparams.drop_constant_groups:
+            diagnostics["dropped_groups"] = float(self.dropped_groups)
+            diagnostics["empty_steps"] = float(self.empty_steps)
         artifacts = LogStepArtifacts(
             loss_outputs=losses,
             diagnostics=diagnostics,

@@ -107,6 +107,13 @@ def test_builtin_task_train_val_disjoint():
     assert len(dm.val_dataset) == 30
     assert 0 < len(dm.train_dataset) < 200  # overlapping training rows were dropped
     assert not train & val
+    # a closed task evaluates the prompts it trains on when asked to
+    kept = make(task="arithmetic", task_options=opts, train_size=200, val_size=30, seed=3,
+                holdout_val_prompts=False)
+    assert len(kept.train_dataset) == 200
+    assert {ex.raw_prompt for ex in kept.train_dataset.examples} & val
+    with pytest.raises(ValueError, match="`holdout_val_prompts` must be true or false"):
+        make(task="arithmetic", holdout_val_prompts="no")
 
 
 def test_builtin_task_with_real_tokenizer():

@@ -199,6 +199,7 @@ def test_a_failing_reward_names_the_function_before_any_checkpoint(cache_dir, tm
         ({"max_completion_length": 0}, "model.max_completion_length"),
         ({"num_iterations": 0}, "model.num_iterations"),
         ({"micro_batch_groups": 0}, "model.micro_batch_groups"),
+        ({"drop_constant_groups": "yes"}, "model.drop_constant_groups"),
         ({"micro_batch_tokens": 0}, "model.micro_batch_tokens"),
         ({"rewards": {}}, "model.rewards"),
         ({"rewards": {"no_such_reward": 1.0}}, "no_such_reward"),
@@ -373,3 +374,63 @@ def test_step_timings_are_logged_and_add_up(cache_dir):
     assert parts <= perf["step_s"] + 1e-6  # phases are disjoint parts of the step
     tokens = module.step_stats["train/tokens/completion_tokens"]
     assert perf["tokens_per_s"] == pytest.approx(tokens / perf["step_s"], rel=1e-6)
+
+
+def half_constant(prompts, completions, **kw):
+    """Groups of 4: even groups all 1.0 (constant), odd groups 1, 0, 1, 0."""
+    return [1.0 if (i // 4) % 2 == 0 else float(i % 2 == 0) for i in range(len(completions))]
+
+
+def _sgd_delta(cache_dir, objective, reward, **kw) -> tuple[dict, MaxEntGRPOModule, L.Trainer]:
+    module = make_module(
+        cache_dir, objective=objective, rewards={f"tests.training.test_module:{reward}": 1.0},
+        gradient_clip_val=None, **kw,
+    )
+    module.configure_model()
+    before = params(module)
+    trainer = fit(module, make_data(cache_dir), steps=1)
+    return {k: v - before[k] for k, v in params(module).items()}, module, trainer
+
+
+def test_dropping_constant_groups_renormalises_grpo_over_the_kept_groups(cache_dir):
+    """GRPO gives constant groups zero advantage, so dropping them only changes the
+    normaliser: dr_grpo divides by the 8 kept rows instead of all 16, and the SGD update of
+    the same rollout doubles."""
+    kept, module, trainer = _sgd_delta(
+        cache_dir, GRPO(loss_type="dr_grpo"), "half_constant", drop_constant_groups=True
+    )
+    everything, _, _ = _sgd_delta(cache_dir, GRPO(loss_type="dr_grpo"), "half_constant")
+    assert trainer.callback_metrics["train/dropped_groups"] == 2
+    assert trainer.callback_metrics["train/empty_steps"] == 0
+    moved = [k for k in kept if everything[k].abs().max() > 0]
+    assert moved
+    for key in moved:
+        torch.testing.assert_close(kept[key], 2 * everything[key], atol=1e-6, rtol=1e-4)
+    record = module.last_rollout  # dropped groups have no target
+    assert torch.isnan(record["advantages"][0]).all() and torch.isnan(record["advantages"][2]).all()
+    assert not torch.isnan(record["advantages"][1]).any()
+
+
+def test_listwise_flattens_constant_groups_unless_they_are_dropped(cache_dir):
+    """A group whose rewards are all equal has uniform listwise weights: its loss pulls the
+    sampled completions towards equal probability. Dropped, an all-constant step changes no
+    weight but still counts as a step."""
+    pulled, _, _ = _sgd_delta(cache_dir, ListwiseMaxEnt(tau=0.5), "always_one")
+    assert max(float(d.abs().max()) for d in pulled.values()) > 0
+    still, module, trainer = _sgd_delta(
+        cache_dir, ListwiseMaxEnt(tau=0.5), "always_one", drop_constant_groups=True
+    )
+    assert all(float(d.abs().max()) == 0 for d in still.values())
+    assert trainer.global_step == 1 and module.empty_steps == 1
+    assert trainer.callback_metrics["train/dropped_groups"] == 4
+    assert module.last_rollout["weights"] is None
+
+
+def test_dropped_groups_do_not_depend_on_the_micro_batches(cache_dir):
+    results = [
+        _sgd_delta(cache_dir, ListwiseMaxEnt(tau=0.5, length_normalize=True), "half_constant",
+                   drop_constant_groups=True, **split)[0]
+        for split in ({}, {"micro_batch_groups": 1})
+    ]
+    for key in results[0]:
+        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-5)
