@@ -6,13 +6,20 @@ TensorBoardLogger. :func:`load_run` reads every scalar in it into :class:`Series
 entropy, τ, β, pass@k, ...) with one line per run, and :func:`summary_rows` gives the last
 value of each panel per run, for a table. ``notebooks/analyse_runs.ipynb`` uses all three.
 
+A *study* is the JSON that ``benchmarks/maxent_vs_grpo.py`` writes (objectives x seeds x
+tasks, each with a reward curve and pass@k-style metrics): :func:`load_study` reads it,
+:func:`study_table` / :func:`format_study_table` give mean ± sd over seeds per objective, and
+:func:`plot_study` draws the curves and metrics with one colour per objective.
+
 Only ``tensorboard`` is needed to read; plotting needs ``matplotlib`` (``pip install
 matplotlib``, included in the ``dev`` extra).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +29,14 @@ __all__ = [
     "PANELS",
     "Run",
     "Series",
+    "STUDY_FAMILIES",
     "find_runs",
+    "format_study_table",
     "load_run",
+    "load_study",
     "plot_runs",
+    "plot_study",
+    "study_table",
     "summary_rows",
 ]
 
@@ -144,6 +156,38 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def _colours(n: int) -> list[str]:
+    """The first ``n`` colours of matplotlib's default cycle (``C0``, ``C1``, ..., wrapping)."""
+    import matplotlib.pyplot as plt
+
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return [cycle[i % len(cycle)] for i in range(n)]
+
+
+# the k-th tag of a panel (e.g. val/pass@1, val/pass@4, ...) is drawn in style k, in every run
+_STYLES: tuple[tuple[str, str], ...] = (
+    ("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ("-", "v"), ("--", "P"), (":", "X"),
+)
+
+
+def _style(i: int) -> tuple[str, str]:
+    """``(linestyle, marker)`` of a panel's ``i``-th tag."""
+    return _STYLES[i % len(_STYLES)]
+
+
+def _panel_legend(ax: Any, runs: Sequence[tuple[str, str]], tags: Sequence[str]) -> None:
+    """A legend of one coloured entry per ``(label, colour)`` run plus, when the panel has
+    several tags, one grey entry per tag showing its line style and marker."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=colour, label=label) for label, colour in runs]
+    for i, tag in enumerate(tags if len(tags) > 1 else ()):
+        linestyle, marker = _style(i)
+        handles.append(Line2D([], [], color="0.4", linestyle=linestyle, marker=marker,
+                              label=tag.split("/", 1)[-1]))
+    ax.legend(handles=handles, fontsize=7)
+
+
 def plot_runs(
     runs: Sequence[Run],
     panels: Sequence[tuple[str, Sequence[str]]] = PANELS,
@@ -152,8 +196,11 @@ def plot_runs(
 ) -> Any:
     """One subplot per panel, one line per (run, tag); returns the matplotlib Figure.
 
-    Panels no run has are left out; ``smooth`` is a trailing moving-average window over
-    logged points (validation curves are never smoothed).
+    Run ``i`` has colour ``C{i}`` (matplotlib's default cycle) in every panel; a panel with
+    several tags (pass@1, pass@4, ...) tells them apart by line style and marker, and its
+    legend lists the runs (colours) and the tags (styles) once each. Panels no run has are
+    left out; ``smooth`` is a trailing moving-average window over logged points (validation
+    curves are never smoothed).
     """
     import matplotlib.pyplot as plt
 
@@ -162,21 +209,28 @@ def plot_runs(
     used = [(title, pats) for title, pats in panels if any(_panel_tags(r, pats) for r in runs)]
     if not used:
         raise ValueError("none of the runs logged any of the panels' tags")
+    colours = _colours(len(runs))
     rows = -(-len(used) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
     for ax, (title, patterns) in zip(axes.flat, used, strict=False):
-        for run in runs:
-            for tag in _panel_tags(run, patterns):
+        tags = list(dict.fromkeys(t for run in runs for t in _panel_tags(run, patterns)))
+        shown = []
+        for run, colour in zip(runs, colours, strict=True):
+            run_tags = _panel_tags(run, patterns)
+            for tag in run_tags:
                 series = run.scalars[tag]
                 window = 1 if tag.startswith(("val/", "test/")) else smooth
-                label = run.label if len(_panel_tags(run, patterns)) == 1 else \
-                    f"{run.label} {tag.split('/', 1)[1]}"
-                ax.plot(series.steps, _smooth(series.values, window), label=label,
-                        marker="o" if len(series.steps) < 20 else None)
+                linestyle, marker = _style(tags.index(tag))
+                ax.plot(series.steps, _smooth(series.values, window), color=colour,
+                        linestyle=linestyle, label=f"{run.label} {tag}",
+                        marker=marker if len(tags) > 1 or len(series.steps) < 20 else None,
+                        markevery=max(1, len(series.steps) // 10))
+            if run_tags:
+                shown.append((run.label, colour))
+        _panel_legend(ax, shown, tags)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(used):]:
         ax.set_visible(False)
     fig.tight_layout()
@@ -193,3 +247,173 @@ def summary_rows(
         | {tag: (run.scalars[tag].last if tag in run.scalars else None) for tag in tags}
         for run in runs
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Study results (benchmarks/maxent_vs_grpo.py): several objectives x seeds x tasks in one JSON
+
+STUDY_FAMILIES: tuple[str, ...] = ("pass", "mean", "coverage", "distinct_correct")
+_RUN_KEYS: tuple[str, ...] = ("task", "objective", "seed", "curve", "metrics")
+
+
+def load_study(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a study JSON (``{"meta": {...}, "runs": [{task, objective, seed, curve: {steps,
+    reward}, metrics: {"pass@1": ..., ...}}, ...]}``) and check that it has that shape.
+
+    Raises:
+        ValueError: naming the file, when it is not JSON, has no ``runs`` list, or a run
+            lacks one of ``task``, ``objective``, ``seed``, ``curve`` (with a non-empty
+            ``reward``), ``metrics``.
+    """
+    path = Path(path)
+    try:
+        study = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from err
+    if not isinstance(study, dict) or not isinstance(study.get("runs"), list):
+        raise ValueError(f"{path} has no 'runs' list (see benchmarks/maxent_vs_grpo.py)")
+    for i, run in enumerate(study["runs"]):
+        missing = [k for k in _RUN_KEYS if k not in run]
+        if "curve" in run and not run["curve"].get("reward"):
+            missing.append("curve.reward")  # absent or empty
+        if missing:
+            raise ValueError(f"{path}: runs[{i}] lacks {', '.join(missing)}")
+    return study
+
+
+def _in_order(runs: Iterable[Mapping[str, Any]], key: str) -> list[str]:
+    """The distinct values of ``run[key]`` in the order they first appear in ``runs``."""
+    return list(dict.fromkeys(run[key] for run in runs))
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation ``sqrt(sum (x - mean)^2 / (n - 1))``, 0 if n = 1."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
+    """One row per objective (display order) of ``task``, aggregated over its seeds.
+
+    A row holds ``objective``, ``seeds`` (how many runs) and, for every metric key ``m``
+    some seed reports, ``row[m]`` = mean and ``row[m + "_sd"]`` = sample sd (ddof=1) over the
+    seeds that report it; likewise ``reward_first20`` / ``reward_last20``, each seed's mean
+    reward over the first / last 20 points of its training curve.
+    """
+    runs = [run for run in study["runs"] if run["task"] == task]
+    if not runs:
+        raise ValueError(f"no runs of task {task!r}; tasks: {_in_order(study['runs'], 'task')}")
+    rows = []
+    for objective in _in_order(runs, "objective"):
+        mine = [run for run in runs if run["objective"] == objective]
+        samples: dict[str, list[float]] = {}
+        for run in mine:
+            reward = run["curve"]["reward"]
+            values = dict(run["metrics"]) | {
+                "reward_first20": statistics.fmean(reward[:20]),
+                "reward_last20": statistics.fmean(reward[-20:]),
+            }
+            for key, value in values.items():
+                samples.setdefault(key, []).append(float(value))
+        row: dict[str, Any] = {"objective": objective, "seeds": len(mine)}
+        for key, values in samples.items():
+            row[key], row[f"{key}_sd"] = _mean_sd(values)
+        rows.append(row)
+    return rows
+
+
+def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> str:
+    """A markdown table of :func:`study_table` rows: objective, seeds, then ``mean ± sd``
+    (3 decimals) per metric, ``-`` where the objective has no such metric."""
+
+    def cell(row: Mapping[str, Any], metric: str) -> str:
+        if metric not in row:
+            return "-"
+        return f"{row[metric]:.3f} ± {row[f'{metric}_sd']:.3f}"
+
+    lines = ["| objective | seeds | " + " | ".join(metrics) + " |",
+             "|---|---|" + "---|" * len(metrics)]
+    lines += [f"| {row['objective']} | {row['seeds']} | "
+              + " | ".join(cell(row, m) for m in metrics) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _reward_band(
+    runs: Sequence[Mapping[str, Any]], smooth: int
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, mean, min and max over seeds of the ``smooth``-point trailing averages of the
+    reward curves (cut to the shortest seed)."""
+    n = min(len(run["curve"]["reward"]) for run in runs)
+    curves = [_smooth(run["curve"]["reward"][:n], smooth) for run in runs]
+    steps = list(runs[0]["curve"].get("steps", range(n)))[:n]
+    by_step = list(zip(*curves, strict=True))
+    return (steps, [statistics.fmean(v) for v in by_step],
+            [min(v) for v in by_step], [max(v) for v in by_step])
+
+
+def _metric_ks(rows: Sequence[Mapping[str, Any]], family: str) -> list[int]:
+    """The ks of the ``family@k`` metrics (e.g. ``pass@4``) in the rows, ascending."""
+    prefix = f"{family}@"
+    return sorted({int(k[len(prefix):]) for row in rows for k in row
+                   if k.startswith(prefix) and k[len(prefix):].isdigit()})
+
+
+def _plot_family(ax: Any, rows: Sequence[Mapping[str, Any]], family: str,
+                 colour_of: Mapping[str, str]) -> None:
+    """``family@k`` against k: per objective a point at the mean over seeds with a ±1 sd
+    error bar, objectives shifted slightly apart along x so their bars do not overlap."""
+    ks = _metric_ks(rows, family)
+    if not ks:
+        ax.text(0.5, 0.5, f"no {family}@k for this task", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8)
+        ax.axis("off")
+        return
+    width = 0.6 / len(rows)
+    for i, row in enumerate(rows):
+        shown = [(j, k) for j, k in enumerate(ks) if f"{family}@{k}" in row]
+        ax.errorbar([j + (i - (len(rows) - 1) / 2) * width for j, _ in shown],
+                    [row[f"{family}@{k}"] for _, k in shown],
+                    yerr=[row[f"{family}@{k}_sd"] for _, k in shown],
+                    color=colour_of[row["objective"]], marker="o", markersize=4,
+                    linewidth=1, capsize=3, label=row["objective"])
+    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+    ax.set_xlabel("k")
+    ax.set_title(f"{family}@k")
+    ax.grid(alpha=0.3)
+
+
+def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
+    """One row of panels per task: the training reward per objective (mean over seeds of the
+    ``smooth``-point trailing average, shaded between the seeds' min and max), then one panel
+    per metric family (pass@k, mean@k, coverage@k, distinct_correct@k; those the study has)
+    with mean ± sd over seeds against k. Objective ``i`` (in order of first appearance in
+    ``runs``) has colour ``C{i}`` in every panel; returns the matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    tasks, objectives = _in_order(study["runs"], "task"), _in_order(study["runs"], "objective")
+    if not tasks:
+        raise ValueError("the study has no runs")
+    colour_of = dict(zip(objectives, _colours(len(objectives)), strict=True))
+    families = [f for f in STUDY_FAMILIES
+                if any(k.startswith(f"{f}@") for run in study["runs"] for k in run["metrics"])]
+    fig, axes = plt.subplots(len(tasks), 1 + len(families), squeeze=False, layout="constrained",
+                             figsize=(4.2 * (1 + len(families)), 3.2 * len(tasks) + 0.6))
+    for task, row_axes in zip(tasks, axes, strict=True):
+        runs = [run for run in study["runs"] if run["task"] == task]
+        ax = row_axes[0]
+        for objective in _in_order(runs, "objective"):
+            steps, mean, lo, hi = _reward_band(
+                [run for run in runs if run["objective"] == objective], smooth)
+            ax.fill_between(steps, lo, hi, color=colour_of[objective], alpha=0.2, linewidth=0)
+            ax.plot(steps, mean, color=colour_of[objective], label=objective)
+        ax.set_title(f"{runs[0].get('task_label', task)}: reward (train)")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        rows = study_table(study, task)
+        for ax, family in zip(row_axes[1:], families, strict=True):
+            _plot_family(ax, rows, family, colour_of)
+    handles = [Line2D([], [], color=colour_of[o], label=o) for o in objectives]
+    fig.legend(handles=handles, loc="outside upper center", ncol=min(len(objectives), 6),
+               fontsize=8)
+    return fig

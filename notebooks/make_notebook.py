@@ -70,6 +70,47 @@ ax.set_ylabel("seconds")
 ax.legend(fontsize=7)
 display(fig)
 plt.close(fig)"""),
+    ("markdown", """## GRPO against MaxEnt: the study
+
+`benchmarks/maxent_vs_grpo.py` trains every objective (GRPO, the MaxEnt variants) with
+several seeds on each task and writes `benchmarks/results/maxent_vs_grpo.json`; set
+`MAXENT_GRPO_STUDY` to read another file. Left: the training reward per objective, the mean
+over seeds with the seeds' range shaded; then pass@k, mean@k, coverage@k and
+distinct_correct@k against k, mean ± sd over seeds. One colour per objective throughout."""),
+    ("code", """import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from maxent_grpo.analysis import format_study_table, load_study, plot_study, study_table
+
+STUDY_FILE = "benchmarks/results/maxent_vs_grpo.json"  # relative to the repository root
+if os.environ.get("MAXENT_GRPO_STUDY"):
+    candidates = [Path(os.environ["MAXENT_GRPO_STUDY"])]
+else:  # the notebook runs from the repository root or from notebooks/
+    candidates = [Path(STUDY_FILE), Path("..") / STUDY_FILE]
+study_path = next((p for p in candidates if p.is_file()), None)
+study = load_study(study_path) if study_path else None
+if study is None:
+    print(f"no study at {candidates[0]}: produce it with python benchmarks/maxent_vs_grpo.py")
+else:
+    meta = study.get("meta", {})
+    print(f"{study_path}: {len(study['runs'])} runs, commit {meta.get('commit', '?')}, "
+          f"{meta.get('date', '?')}, seeds {meta.get('seeds', '?')}")
+    fig = plot_study(study, smooth=10)
+    display(fig)
+    plt.close(fig)"""),
+    ("code", """if study is not None:
+    ks = study.get("meta", {}).get("ks") or sorted(
+        {int(m.split("@")[1]) for run in study["runs"] for m in run["metrics"]})
+    metrics = [f"{family}@{k}" for family in ("pass", "mean", "distinct_correct", "coverage")
+               for k in ks]
+    labels = {run["task"]: run.get("task_label", run["task"]) for run in study["runs"]}
+    for task, label in labels.items():
+        rows = study_table(study, task)
+        shown = [m for m in metrics if any(m in row for row in rows)]
+        display(Markdown(f"### {label}\\n\\n" + format_study_table(rows, shown)))"""),
 ]
 
 
@@ -79,7 +120,8 @@ def build() -> nbformat.NotebookNode:
         "name": "python3", "display_name": "Python 3", "language": "python"
     }
     make = {"markdown": nbformat.v4.new_markdown_cell, "code": nbformat.v4.new_code_cell}
-    nb.cells = [make[kind](source) for kind, source in CELLS]
+    # fixed cell ids, so that regenerating an unchanged notebook leaves the file unchanged
+    nb.cells = [make[kind](source, id=f"cell-{i:02d}") for i, (kind, source) in enumerate(CELLS)]
     return nb
 
 

@@ -1,12 +1,42 @@
 """maxent_grpo.analysis reads back exactly what was logged, keeps the latest value of a step
-written twice (a resumed run), and draws only the panels some run has."""
+written twice (a resumed run), draws only the panels some run has with one colour per run, and
+summarises a study JSON (objectives x seeds x tasks) as mean ± sd tables and one figure."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from maxent_grpo.analysis import PANELS, _smooth, find_runs, load_run, plot_runs, summary_rows
+from maxent_grpo.analysis import (
+    PANELS,
+    Run,
+    Series,
+    _smooth,
+    find_runs,
+    format_study_table,
+    load_run,
+    load_study,
+    plot_runs,
+    plot_study,
+    study_table,
+    summary_rows,
+)
+
+
+@pytest.fixture
+def agg():
+    """matplotlib with the non-interactive backend; figures closed afterwards."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    yield plt
+    plt.close("all")
 
 
 def write_run(folder, scalars: dict[str, list[tuple[int, float]]]) -> None:
@@ -66,11 +96,7 @@ def test_smoothing_is_a_trailing_mean():
     assert _smooth([1.0, 3.0], 1) == [1.0, 3.0]
 
 
-def test_plot_draws_only_the_panels_some_run_logged(tmp_path):
-    pytest.importorskip("matplotlib")
-    import matplotlib
-
-    matplotlib.use("Agg")
+def test_plot_draws_only_the_panels_some_run_logged(tmp_path, agg):
     write_run(tmp_path / "a" / "version_0", {
         "train/reward/mean": [(s, s / 10) for s in range(5)], "train/tau": [(0, 0.5)],
     })
@@ -86,3 +112,136 @@ def test_plot_draws_only_the_panels_some_run_logged(tmp_path):
         plot_runs(runs, panels=[p for p in PANELS if p[0] == "beta"])
     with pytest.raises(ValueError, match="at least one Run"):
         plot_runs([])
+
+
+def test_plot_gives_each_run_one_colour_and_each_pass_at_k_tag_one_style(agg):
+    from matplotlib.colors import to_hex
+
+    def run(label: str, scale: float) -> Run:
+        series = {"train/reward/mean": Series(tuple(range(30)), tuple([scale] * 30)),
+                  "train/kl": Series((0, 10), (0.0, scale))}
+        series |= {f"val/pass@{k}": Series((10, 20), (scale, scale * k)) for k in (1, 4, 8)}
+        return Run(path=Path(label), label=label, scalars=series)
+
+    runs = [run("grpo", 0.1), run("maxent", 0.2)]
+    fig = plot_runs(runs)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["reward (train)", "pass@k (validation)", "KL to the reference"]
+    colours: dict[str, set[str]] = {"grpo": set(), "maxent": set()}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colours[line.get_label().split()[0]].add(to_hex(line.get_color()))
+    assert colours == {"grpo": {"#1f77b4"}, "maxent": {"#ff7f0e"}}  # C0, C1 everywhere
+    pass_ax = fig.axes[1]
+    assert len(pass_ax.get_lines()) == 6
+    styles = {(ln.get_label(), ln.get_linestyle(), ln.get_marker()) for ln in pass_ax.get_lines()}
+    by_tag = {label.split()[1]: (ls, m) for label, ls, m in styles}
+    assert len(set(by_tag.values())) == 3  # pass@1, pass@4, pass@8 drawn differently ...
+    assert len(styles) == 6  # ... and the same way in both runs
+    legend = [t.get_text() for t in pass_ax.get_legend().get_texts()]
+    assert legend == ["grpo", "maxent", "pass@1", "pass@4", "pass@8"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["grpo", "maxent"]
+
+
+OBJECTIVES = ("GRPO", "Listwise", "GroupMaxEnt(tau=0.5)")
+
+
+def synthetic_study() -> dict:
+    """Task "a" (no coverage): GRPO and Listwise with seeds 0-2; task "b": all three
+    objectives, GroupMaxEnt(tau=0.5) with seed 0 only. A metric is ``base + 0.1 (seed - 1)``,
+    so its sd over seeds 0-2 is 0.1; the reward of step t is ``0.1 i + 0.01 seed + 0.001 t``
+    over 30 steps for objective i."""
+    runs = []
+    for task, objectives in (("a", OBJECTIVES[:2]), ("b", OBJECTIVES)):
+        for i, objective in enumerate(objectives):
+            for seed in (0,) if i == 2 else (0, 1, 2):
+                base = {"mean": 0.3, "pass": 0.5, "distinct_correct": 0.4, "coverage": 0.2}
+                metrics = {f"{name}@{k}": value + 0.1 * (seed - 1) + 0.01 * k + 0.1 * i
+                           for name, value in base.items() if task == "b" or name != "coverage"
+                           for k in (1, 4)}
+                reward = [0.1 * i + 0.01 * seed + 0.001 * t for t in range(30)]
+                runs.append({"task": task, "task_label": f"task {task}", "objective": objective,
+                             "seed": seed, "curve": {"steps": list(range(30)), "reward": reward},
+                             "metrics": metrics, "seconds": 1.0})
+    return {"meta": {"seeds": [0, 1, 2], "ks": [1, 4]}, "runs": runs}
+
+
+def test_load_study_checks_the_shape_and_names_the_file(tmp_path):
+    good = tmp_path / "study.json"
+    good.write_text(json.dumps(synthetic_study()))
+    assert load_study(good) == synthetic_study()
+    bad = tmp_path / "no_runs.json"
+    bad.write_text(json.dumps({"meta": {}}))
+    with pytest.raises(ValueError, match=r"no_runs\.json has no 'runs'"):
+        load_study(bad)
+    study = synthetic_study()
+    del study["runs"][3]["metrics"], study["runs"][3]["curve"]["reward"]
+    good.write_text(json.dumps(study))
+    with pytest.raises(ValueError, match=r"study\.json: runs\[3\] lacks metrics, curve\.reward"):
+        load_study(good)
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="no_runs.json is not JSON"):
+        load_study(bad)
+
+
+def test_study_table_gives_mean_and_sample_sd_over_seeds():
+    rows = study_table(synthetic_study(), "b")
+    assert [(r["objective"], r["seeds"]) for r in rows] == [
+        ("GRPO", 3), ("Listwise", 3), ("GroupMaxEnt(tau=0.5)", 1)]
+    grpo, listwise, single = rows
+    # pass@1 of GRPO: 0.41, 0.51, 0.61 -> mean 0.51, sd sqrt((0.01 + 0 + 0.01) / 2) = 0.1
+    assert grpo["pass@1"] == pytest.approx(0.51) and grpo["pass@1_sd"] == pytest.approx(0.1)
+    assert listwise["coverage@4"] == pytest.approx(0.2 + 0.04 + 0.1)
+    assert single["pass@4"] == pytest.approx(0.4 + 0.04 + 0.2) and single["pass@4_sd"] == 0.0
+    # first 20 steps: 0.001 * mean(0..19) = 0.0095, last 20: 0.001 * mean(10..29) = 0.0195,
+    # plus 0.01 * mean seed (= 0.01) and 0.1 per objective index
+    assert grpo["reward_first20"] == pytest.approx(0.0195)
+    assert listwise["reward_last20"] == pytest.approx(0.1295)
+    assert grpo["reward_last20_sd"] == pytest.approx(0.01)
+    assert "coverage@1" not in study_table(synthetic_study(), "a")[0]
+    with pytest.raises(ValueError, match="no runs of task 'c'"):
+        study_table(synthetic_study(), "c")
+
+
+def test_format_study_table_writes_mean_plus_minus_sd():
+    study = synthetic_study()
+    for run in study["runs"]:
+        run["metrics"]["pass@1"] = 0.4 + 0.1 * run["seed"]  # 0.4, 0.5, 0.6
+    table = format_study_table(study_table(study, "a"), ["pass@1", "coverage@1"])
+    lines = table.splitlines()
+    assert lines[0] == "| objective | seeds | pass@1 | coverage@1 |"
+    assert lines[1] == "|---|---|---|---|"
+    assert lines[2] == "| GRPO | 3 | 0.500 ± 0.100 | - |"
+    assert len(lines) == 4
+
+
+def test_plot_study_keeps_one_colour_per_objective_in_every_panel(agg):
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_hex
+
+    fig = plot_study(synthetic_study(), smooth=5)
+    axes = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in axes] == [
+        "task a: reward (train)", "pass@k", "mean@k", "distinct_correct@k",
+        "task b: reward (train)", "pass@k", "mean@k", "coverage@k", "distinct_correct@k",
+    ]  # task a's coverage panel is blank
+    colours: dict[str, set[str]] = {o: set() for o in OBJECTIVES}
+    for ax in axes:
+        for line in ax.get_lines():
+            if line.get_label() in colours:
+                colours[line.get_label()].add(to_hex(line.get_color()))
+        for bars in ax.containers:  # errorbars: the points, the caps and the vertical bars
+            data, caps, columns = bars.lines
+            colours[bars.get_label()] |= {to_hex(x.get_color()) for x in (data, *caps)}
+            colours[bars.get_label()] |= {to_hex(c) for col in columns for c in col.get_colors()}
+    for ax, objectives in ((axes[0], OBJECTIVES[:2]), (axes[4], OBJECTIVES)):
+        bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+        assert len(bands) == len(objectives)  # one band (seeds' min-max) per objective
+        for band, objective in zip(bands, objectives, strict=True):
+            colours[objective] |= {to_hex(c) for c in band.get_facecolor()}
+    assert colours == {"GRPO": {"#1f77b4"}, "Listwise": {"#ff7f0e"},
+                       "GroupMaxEnt(tau=0.5)": {"#2ca02c"}}
+    grpo_mean = next(ln for ln in axes[0].get_lines() if ln.get_label() == "GRPO")
+    # mean over seeds 0-2 of the 5-point trailing average at step 10: 0.01 + 0.001 * 8
+    assert grpo_mean.get_ydata()[10] == pytest.approx(0.018)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(OBJECTIVES)
