@@ -54,11 +54,14 @@ class Targets:
         advantages: ``(B*G,)`` per-row advantages, or ``None`` (listwise).
         weights: ``(B, G)`` per-group weights summing to 1, or ``None`` (GRPO).
         stats: scalar diagnostics (0-d tensors) such as ``weight_entropy``.
+        candidates: ``(B, G)`` bool, the rows that are candidates of the listwise softmax
+            (its distinct completions), or ``None`` (every row).
     """
 
     advantages: Tensor | None = None
     weights: Tensor | None = None
     stats: dict[str, Tensor] = field(default_factory=dict)
+    candidates: Tensor | None = None
 
 
 @dataclass
@@ -79,6 +82,7 @@ class MicroBatch:
         num_micro_batches: how many micro-batches make up the optimizer step.
         max_completion_length: ``T_max``.
         num_global_tokens: completion tokens of the whole step, all ranks (``dapo``).
+        candidates: ``(n // G, G)`` slice of :attr:`Targets.candidates`, or ``None``.
     """
 
     token_logps: Tensor
@@ -93,6 +97,7 @@ class MicroBatch:
     num_micro_batches: int
     max_completion_length: int
     num_global_tokens: Tensor | float | None = None
+    candidates: Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -137,6 +142,10 @@ class Objective:
     #: Whether the loss needs exact token entropy with gradient.
     needs_entropy: bool = False
 
+    #: Whether :meth:`prepare` wants ``candidates``, the first occurrence of each distinct
+    #: completion of a group (:func:`maxent_grpo.core.distinct_candidates`).
+    needs_candidates: bool = False
+
     @property
     def needs_reference(self) -> bool:
         """Whether reference log-probs must be computed (and the reference loaded)."""
@@ -148,6 +157,7 @@ class Objective:
         lengths: Tensor,
         max_completion_length: int,
         ref_seq_logps: Tensor | None,
+        candidates: Tensor | None = None,
     ) -> Targets:
         raise NotImplementedError
 
@@ -226,7 +236,9 @@ class GRPO(Objective):
     def needs_reference(self) -> bool:
         return self.beta > 0
 
-    def prepare(self, rewards, lengths, max_completion_length, ref_seq_logps) -> Targets:
+    def prepare(
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+    ) -> Targets:
         adv = group_advantages(rewards, scale=self.scale_rewards)  # (B, G)
         return Targets(advantages=adv.reshape(-1))
 
@@ -391,7 +403,13 @@ class ListwiseMaxEnt(Objective):
         q_temperature: temperature ``T_q`` of the reward target.
         q_epsilon: floor ``eps`` of the reward target.
         length_normalize: use ``s_i / T_i`` instead of ``s_i``.
-        clip_coef: coefficient of the sequence-level clip term (0 = off).
+        distinct_candidates: the candidates of a group are its *distinct* completions: a
+            completion sampled m times is one candidate (its first row; the others get no
+            weight and leave the softmax), so ``softmax_G(s)`` is the policy restricted to
+            the candidate set and a frequent answer does not get m times the target of a
+            rare one that is as good.
+        clip_coef: coefficient of the sequence-level clip term (0 = off; not with
+            ``distinct_candidates``).
         epsilon: lower clip range of that term.
         epsilon_high: upper clip range; ``None`` means ``epsilon``.
     """
@@ -403,6 +421,7 @@ class ListwiseMaxEnt(Objective):
         q_temperature: float = 1.0,
         q_epsilon: float = 1e-6,
         length_normalize: bool = False,
+        distinct_candidates: bool = False,
         clip_coef: float = 0.0,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -422,8 +441,19 @@ class ListwiseMaxEnt(Objective):
         if not (clip_coef >= 0 and math.isfinite(clip_coef)):
             raise ValueError(f"objective.clip_coef must be >= 0 and finite; got {clip_coef}")
         _check_clip(epsilon, epsilon_high)
+        if not isinstance(distinct_candidates, bool):
+            raise ValueError(
+                f"objective.distinct_candidates must be true or false; got {distinct_candidates!r}"
+            )
+        if distinct_candidates and clip_coef > 0:
+            raise ValueError(
+                "objective.clip_coef must be 0 with objective.distinct_candidates: the "
+                "sequence-level clip term is defined over all G rows"
+            )
         self.tau = float(tau)
         self.beta = float(beta)
+        self.distinct_candidates = distinct_candidates
+        self.needs_candidates = distinct_candidates
         self.q_temperature = q_temperature
         self.q_epsilon = q_epsilon
         self.length_normalize = length_normalize
@@ -438,11 +468,13 @@ class ListwiseMaxEnt(Objective):
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "beta": self.beta}
 
-    def prepare(self, rewards, lengths, max_completion_length, ref_seq_logps) -> Targets:
-        q = q_distribution(rewards, self.q_temperature, self.q_epsilon)  # (B, G)
+    def prepare(
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+    ) -> Targets:
+        q = q_distribution(rewards, self.q_temperature, self.q_epsilon, candidates)  # (B, G)
         ref = ref_seq_logps if self.beta > 0 else None
-        w = maxent_weights(q.log(), self.tau, self.beta, ref)  # (B, G), rows sum to 1
-        return Targets(weights=w, stats=weight_stats(w))
+        w = maxent_weights(q.log(), self.tau, self.beta, ref, candidates)  # rows sum to 1
+        return Targets(weights=w, stats=weight_stats(w), candidates=candidates)
 
     def _seq_logps(self, token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
         m = mask.to(token_logps.dtype)
@@ -457,7 +489,7 @@ class ListwiseMaxEnt(Objective):
         total_groups = mb.num_rows // G
         scale = mb.num_groups / total_groups  # sum over micro-batches = mean over groups
         s = self._seq_logps(mb.token_logps, mb.mask, G)  # (b, G)
-        loss = listwise_loss(s, mb.weights) * scale
+        loss = listwise_loss(s, mb.weights, mb.candidates) * scale
         sums: dict[str, tuple[Tensor, Tensor]] = {}
         groups = torch.tensor(float(mb.num_groups))
         sums["loss/policy"] = (loss.detach() / scale * groups, groups)
@@ -511,7 +543,9 @@ class GroupMaxEnt(GRPO):
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "lam": self.lam}
 
-    def prepare(self, rewards, lengths, max_completion_length, ref_seq_logps) -> Targets:
+    def prepare(
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+    ) -> Targets:
         adv = group_advantages(rewards, scale="none")  # (B, G)
         utility = group_utility(rewards, lengths, max_completion_length)  # (B, G)
         ref = ref_seq_logps if self.lam > 0 else None

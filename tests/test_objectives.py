@@ -181,6 +181,9 @@ def test_entropy_gate_errors_name_the_objective_argument() -> None:
         ({"q_temperature": -1.0}, r"objective\.q_temperature must be > 0"),
         ({"q_epsilon": 0.0}, r"objective\.q_epsilon must be > 0"),
         ({"clip_coef": -0.5}, r"objective\.clip_coef must be >= 0"),
+        ({"distinct_candidates": 1}, r"objective\.distinct_candidates must be true or false"),
+        ({"distinct_candidates": True, "clip_coef": 0.1},
+         r"objective\.clip_coef must be 0 with objective\.distinct_candidates"),
         ({"epsilon": 1.0}, r"objective\.epsilon must be in \[0, 1\)"),
     ],
 )

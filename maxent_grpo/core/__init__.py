@@ -19,6 +19,7 @@ from maxent_grpo.core.control import (
 from maxent_grpo.core.divergence import clip_fractions, importance_ratio, kl_penalty
 from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.listwise import (
+    distinct_candidates,
     group_utility,
     group_weights,
     maxent_weights,
@@ -45,6 +46,7 @@ __all__ = [
     "clip_fractions",
     "clipped_surrogate",
     "coverage_at_k",
+    "distinct_candidates",
     "distinct_at_k",
     "entropy_gate_multiplier",
     "entropy_target_at",

@@ -45,8 +45,46 @@ def _check_ref(
         )
 
 
+def distinct_candidates(
+    completion_ids: torch.Tensor, mask: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Which rows are candidates when a group's candidates are its *distinct* completions:
+    ``(B*G, T), (B*G, T) -> (B, G)`` bool, True at the first occurrence of each completion.
+
+    Two rows are the same completion when their masked tokens are equal (tokens outside
+    ``mask`` are ignored). Example: completions ``[a, b, a, c]`` in one group give
+    ``[True, True, False, True]``.
+    """
+    if completion_ids.dim() != 2 or mask.shape != completion_ids.shape:
+        raise ValueError(
+            "completion_ids and mask must be (B*G, T) tensors of one shape; got "
+            f"{tuple(completion_ids.shape)} and {tuple(mask.shape)}"
+        )
+    if group_size < 1 or completion_ids.shape[0] % group_size:
+        raise ValueError(f"group_size must divide the {completion_ids.shape[0]} rows")
+    ids = torch.where(mask.bool(), completion_ids, -1).view(-1, group_size, mask.shape[1])
+    same = (ids[:, :, None, :] == ids[:, None, :, :]).all(-1)  # (B, G, G)
+    earlier = torch.ones(group_size, group_size, dtype=torch.bool, device=ids.device).tril(-1)
+    return ~(same & earlier).any(-1)
+
+
+def _masked_softmax(logits: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+    """``softmax_G`` over each row's candidates (0 elsewhere); all rows when None."""
+    if candidates is None:
+        return torch.softmax(logits, dim=1)
+    if candidates.shape != logits.shape or not bool(candidates.any(dim=1).all()):
+        raise ValueError(
+            f"candidates must be a bool tensor of shape {tuple(logits.shape)} with at least one "
+            "True per row"
+        )
+    return torch.softmax(logits.masked_fill(~candidates, float("-inf")), dim=1)
+
+
 def q_distribution(
-    rewards: torch.Tensor, temperature: float = 1.0, epsilon: float = 1e-6
+    rewards: torch.Tensor,
+    temperature: float = 1.0,
+    epsilon: float = 1e-6,
+    candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reward target over the candidates: ``(B, G) -> (B, G)``, rows summing to 1.
 
@@ -55,16 +93,24 @@ def q_distribution(
     Example: ``r = [[1000, 0, 0, 0]]``, ``epsilon = 1e-6`` gives
     ``q = [1 - 3e-6, 1e-6, 1e-6, 1e-6]``.
 
+    With ``candidates`` (``(B, G)`` bool, see :func:`distinct_candidates`) the softmax and
+    the floor run over each row's ``k`` candidates only (``G`` replaced by ``k``) and the
+    other entries are 0.
+
     Raises ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor and
     ``temperature`` and ``epsilon`` are finite and ``> 0``.
     """
     check_rewards(rewards)
     _check_scalar("temperature", temperature, positive=True)
     _check_scalar("epsilon", epsilon, positive=True)
-    group = rewards.shape[1]
-    floor = min(epsilon, 1.0 / group - 1e-8)
-    q = torch.softmax(rewards / temperature, dim=1)
-    return q * (1.0 - group * floor) + floor
+    q = _masked_softmax(rewards / temperature, candidates)
+    if candidates is None:
+        group = rewards.shape[1]
+        floor = min(epsilon, 1.0 / group - 1e-8)
+        return q * (1.0 - group * floor) + floor
+    k = candidates.sum(dim=1, keepdim=True).to(q.dtype)  # (B, 1)
+    floor = torch.clamp(1.0 / k - 1e-8, max=epsilon)
+    return torch.where(candidates, q * (1.0 - k * floor) + floor, torch.zeros_like(q))
 
 
 def maxent_weights(
@@ -72,6 +118,7 @@ def maxent_weights(
     tau: float,
     beta: float = 0.0,
     ref_seq_logps: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Closed-form listwise MaxEnt weights: ``(B, G) -> (B, G)``, detached, rows sum to 1.
 
@@ -85,8 +132,11 @@ def maxent_weights(
     Raises ``ValueError`` unless ``log_q`` is a finite floating ``(B, G)`` tensor,
     ``tau >= 0``, ``beta >= 0``, ``tau + beta > 0``, and ``ref_seq_logps`` (``rho``) is given,
     finite and shaped like ``log_q`` when ``beta > 0``. If given with ``beta = 0`` it is
-    validated but has no effect.
+    validated but has no effect. With ``candidates`` the softmax runs over each row's
+    candidates only (``log_q`` may then be ``-inf`` elsewhere) and the other weights are 0.
     """
+    if candidates is not None:  # entries outside the candidates are never read
+        log_q = log_q.masked_fill(~candidates, 0.0)
     check_rewards(log_q, name="log_q")
     _check_scalar("tau", tau)
     _check_scalar("beta", beta)
@@ -99,7 +149,7 @@ def maxent_weights(
         logits = log_q.detach()
         if beta > 0:
             logits = logits + beta * ref_seq_logps.detach().to(log_q.dtype)
-        return torch.softmax(logits / (tau + beta), dim=1)
+        return _masked_softmax(logits / (tau + beta), candidates)
 
 
 def group_utility(

@@ -182,7 +182,9 @@ def _check_group_weights(
     return scores, w.to(scores.dtype)
 
 
-def listwise_loss(seq_logps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def listwise_loss(
+    seq_logps: torch.Tensor, weights: torch.Tensor, candidates: torch.Tensor | None = None
+) -> torch.Tensor:
     """Listwise cross-entropy between target weights and the policy over each group's candidates.
 
     ``loss = mean_b ( -sum_i w[b, i] * log_softmax_G(s)[b, i] )``, ``s = seq_logps``.
@@ -194,12 +196,19 @@ def listwise_loss(seq_logps: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
         seq_logps: ``(B, G)`` sequence log-probabilities ``s_i = sum_t m l``.
         weights: ``(B, G)`` target weights, non-negative, each row summing to 1 (within 1e-4);
             treated as constants (detached).
+        candidates: ``(B, G)`` bool or None: the softmax runs over each group's candidates
+            only (e.g. its distinct completions, :func:`~maxent_grpo.core.distinct_candidates`);
+            weights outside them must be 0.
 
     Returns:
         0-d tensor, differentiable with respect to ``seq_logps``.
     """
     scores, w = _check_group_weights(seq_logps, weights)
-    return -(w * torch.log_softmax(scores, dim=-1)).sum(dim=-1).mean()
+    if candidates is None:
+        return -(w * torch.log_softmax(scores, dim=-1)).sum(dim=-1).mean()
+    _check_same_shape(scores, "seq_logps", candidates, "candidates")
+    logp = torch.log_softmax(scores.masked_fill(~candidates, float("-inf")), dim=-1)
+    return -torch.where(candidates, w * logp, torch.zeros_like(logp)).sum(dim=-1).mean()
 
 
 def sequence_clip_loss(

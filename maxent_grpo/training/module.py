@@ -39,7 +39,11 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from maxent_grpo.core import selective_log_softmax, selective_log_softmax_with_entropy
+from maxent_grpo.core import (
+    distinct_candidates,
+    selective_log_softmax,
+    selective_log_softmax_with_entropy,
+)
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.objectives import GRPO, MicroBatch, Objective, Targets, sequence_ref_loglik
 from maxent_grpo.rewards import get_reward, score_completions
@@ -618,7 +622,8 @@ class MaxEntGRPOModule(L.LightningModule):
         return total.to(self.device), components.to(self.device)
 
     def _prepare_targets(
-        self, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None, keep: Tensor
+        self, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None, keep: Tensor,
+        candidates: Tensor | None = None,
     ) -> tuple[Targets, int]:
         """``objective.prepare`` over the kept groups of the optimizer step's whole batch, all
         ranks together; returns this rank's kept groups' targets and the number of groups
@@ -632,10 +637,13 @@ class MaxEntGRPOModule(L.LightningModule):
         ``r``'s kept groups follow those of ranks ``0..r-1``). Per-group advantages and
         weights do not change; ``scale_rewards="batch"`` then divides by the std of all
         kept rewards, and ``targets.stats`` (e.g. ``weight_entropy_min``) describe all kept
-        groups, exactly as one process given the same prompts would.
+        groups, exactly as one process given the same prompts would. ``candidates`` (``(B, G)``
+        bool, for objectives that ask for them) travel with the rewards.
         """
         world = self.trainer.world_size
         every = {"rewards": rewards, "lengths": lengths, "keep": keep}
+        if candidates is not None:
+            every["candidates"] = candidates
         if rho is not None:
             every["rho"] = rho.new_zeros(rewards.shape).index_copy_(0, keep.nonzero()[:, 0], rho)
         start = 0
@@ -651,17 +659,18 @@ class MaxEntGRPOModule(L.LightningModule):
         if kept_total < sel.numel():
             every = {k: v[sel] for k, v in every.items()}
         targets = self.objective.prepare(
-            every["rewards"], every["lengths"], T_max, every.get("rho")
+            every["rewards"], every["lengths"], T_max, every.get("rho"), every.get("candidates")
         )
         if world == 1:
             return targets, kept_total
         mine = slice(start, start + int(keep.sum()))
-        adv, w = targets.advantages, targets.weights
+        adv, w, cand = targets.advantages, targets.weights, targets.candidates
         G = rewards.shape[1]
         return Targets(
             advantages=None if adv is None else adv.view(kept_total, G)[mine].reshape(-1),
             weights=None if w is None else w[mine],
             stats=targets.stats,
+            candidates=None if cand is None else cand[mine],
         ), kept_total
 
     def _clip_grad_norm(self, max_norm: float) -> Tensor | None:
@@ -736,7 +745,13 @@ class MaxEntGRPOModule(L.LightningModule):
         timer.stop("frozen")
 
         # 5. advantages / weights (constants), over the kept groups of all ranks
-        targets, kept_groups = self._prepare_targets(rewards, lengths, T_max, rho, keep)
+        candidates = None
+        if self.objective.needs_candidates:  # first occurrence of each distinct completion
+            candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
+            candidates[keep] = distinct_candidates(completion_ids, mask, G)
+        targets, kept_groups = self._prepare_targets(
+            rewards, lengths, T_max, rho, keep, candidates
+        )
         self.last_rollout = self._rollout_record(
             batch, rollout, rewards, components, targets, keep
         )
@@ -776,6 +791,8 @@ class MaxEntGRPOModule(L.LightningModule):
                     entropy=entropy,
                     advantages=None if targets.advantages is None else targets.advantages[rows],
                     weights=None if w is None else w[chunk.groups],
+                    candidates=None if targets.candidates is None
+                    else targets.candidates[chunk.groups],
                     group_size=G,
                     num_rows=n_rows,
                     num_micro_batches=len(chunks),

@@ -280,3 +280,51 @@ def test_weight_entropy_validation() -> None:
         weight_entropy(torch.tensor([[1.5, -0.5]]))
     with pytest.raises(ValueError, match="weights must be finite"):
         weight_entropy(torch.tensor([[float("nan"), 1.0]]))
+
+
+# ---------------------------------------------------------------- distinct candidates
+
+
+def test_distinct_candidates_mark_first_occurrences_ignoring_padding() -> None:
+    from maxent_grpo.core import distinct_candidates
+
+    ids = torch.tensor([[5, 6, 0], [7, 0, 0], [5, 6, 9], [7, 1, 1],   # group 0
+                        [1, 1, 1], [1, 1, 1], [1, 1, 2], [2, 2, 2]])  # group 1
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0],
+                         [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]]).bool()
+    # row 2 equals row 0 and row 3 equals row 1 on their masked tokens
+    assert distinct_candidates(ids, mask, 4).tolist() == [
+        [True, True, False, False], [True, False, True, True]
+    ]
+    assert distinct_candidates(ids[:0], mask[:0], 4).shape == (0, 4)  # every group dropped
+    with pytest.raises(ValueError, match="group_size must divide"):
+        distinct_candidates(ids, mask, 3)
+
+
+def test_candidates_restrict_q_weights_and_loss_to_the_distinct_completions() -> None:
+    """A group [a, b, a, c] with candidates [a, b, c] gives the targets and the loss of the
+    three-candidate group [a, b, c]: duplicates get no weight and leave the softmax."""
+    from maxent_grpo.core import listwise_loss
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.5]], dtype=F64)
+    cand = torch.tensor([[True, True, False, True]])
+    dedup = rewards[:, [0, 1, 3]]
+    q = q_distribution(rewards, 0.5, 1e-3, cand)
+    torch.testing.assert_close(q[:, [0, 1, 3]], q_distribution(dedup, 0.5, 1e-3))
+    assert q[0, 2] == 0
+    w = maxent_weights(q.log(), 0.7, candidates=cand)
+    torch.testing.assert_close(
+        w[:, [0, 1, 3]], maxent_weights(q_distribution(dedup, 0.5, 1e-3).log(), 0.7)
+    )
+    assert w[0, 2] == 0
+    s = torch.tensor([[-1.0, -2.0, -1.0, -3.0]], dtype=F64, requires_grad=True)
+    loss = listwise_loss(s, w, cand)
+    s_d = s.detach()[:, [0, 1, 3]].clone().requires_grad_(True)
+    expected = listwise_loss(s_d, w[:, [0, 1, 3]])
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert s.grad[0, 2] == 0  # the duplicate row gets no gradient
+    torch.testing.assert_close(s.grad[:, [0, 1, 3]], s_d.grad)
+    with pytest.raises(ValueError, match="at least one True per row"):
+        q_distribution(rewards, 1.0, 1e-6, torch.zeros_like(cand))

@@ -77,8 +77,9 @@ def alternating(prompts, completions, **kw):
         (EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05), True),
         (ListwiseMaxEnt(tau=0.5, beta=0.1, clip_coef=0.1), True),
         (GroupMaxEnt(tau=0.5), False),
+        (ListwiseMaxEnt(tau=0.5, length_normalize=True, distinct_candidates=True), False),
     ],
-    ids=["dr_grpo", "dapo+kl", "entropy", "listwise", "group"],
+    ids=["dr_grpo", "dapo+kl", "entropy", "listwise", "group", "listwise-distinct"],
 )
 def test_every_objective_trains(cache_dir, objective, needs_ref):
     module = make_module(
