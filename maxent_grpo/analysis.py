@@ -384,8 +384,9 @@ def _plot_family(ax: Any, rows: Sequence[Mapping[str, Any]], family: str,
 def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
     """One row of panels per task: the training reward per objective (mean over seeds of the
     ``smooth``-point trailing average, shaded between the seeds' min and max), then one panel
-    per metric family (pass@k, mean@k, coverage@k, distinct_correct@k; those the study has)
-    with mean ± sd over seeds against k. Objective ``i`` (in order of first appearance in
+    per metric family (pass@k, mean@k, coverage@k, distinct_correct@k; those the study has;
+    distinct_correct@k only for tasks with answer sets, where answers are canonical) with
+    mean ± sd over seeds against k. Objective ``i`` (in order of first appearance in
     ``runs``) has colour ``C{i}`` in every panel; returns the matplotlib Figure.
     """
     import matplotlib.pyplot as plt
@@ -411,8 +412,11 @@ def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         rows = study_table(study, task)
+        has_sets = bool(_metric_ks(rows, "coverage"))
         for ax, family in zip(row_axes[1:], families, strict=True):
-            _plot_family(ax, rows, family, colour_of)
+            # without answer sets, answers are compared as written ("8" vs "8 ok")
+            shown = rows if has_sets or family != "distinct_correct" else []
+            _plot_family(ax, shown, family, colour_of)
     handles = [Line2D([], [], color=colour_of[o], label=o) for o in objectives]
     fig.legend(handles=handles, loc="outside upper center", ncol=min(len(objectives), 6),
                fontsize=8)
