@@ -67,11 +67,12 @@ def test_tiny_demo_trains_and_the_reward_rises(demo):
     assert len(values["val/pass@4"]) >= 6  # every 50 training batches
 
     reward = values["train/reward/mean"]
-    assert len(reward) >= 300
-    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    # the demo reaches ~0.09 from ~0.02-0.03; a flat or falling reward fails both bounds
-    assert last > max(2 * first, first + 0.03), (
-        f"reward did not rise: first 10 {first:.3f}, last 10 {last:.3f}"
+    assert len(reward) == 500
+    first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
+    # the README's promise: right by chance at first (measured 0.080), mostly right at the
+    # end (measured 0.707); the warm start never saw a sum, so the rise is the rewards' doing
+    assert first <= 0.15 and last >= 0.6, (
+        f"reward did not rise as promised: first 20 {first:.3f}, last 20 {last:.3f}"
     )
     assert (demo / "lightning_logs/tiny/checkpoints/last.ckpt").is_file(), "no last checkpoint"
 
