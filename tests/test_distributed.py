@@ -122,6 +122,14 @@ class ScriptedModule(MaxEntGRPOModule):
         return ScriptedEngine(self)
 
 
+def odd_sums_score_zero(prompts, completions, answer, **columns):
+    """``first_number``, except that prompts with an odd sum score 0 (a constant group)."""
+    from maxent_grpo.rewards import first_number_reward
+
+    scores = first_number_reward(prompts, completions, answer=answer)
+    return [0.0 if int(a) % 2 else s for s, a in zip(scores, answer, strict=True)]
+
+
 # ---------------------------------------------------------------------- one run
 def full(t: torch.Tensor) -> torch.Tensor:
     """A plain CPU copy (FSDP2 parameters and gradients are DTensor shards)."""
@@ -138,6 +146,7 @@ class Probe(pl.Callback):
         self.grads: list[dict[str, torch.Tensor]] = []
         self.stats: list[dict[str, float]] = []
         self.state: list[dict[str, float]] = []
+        self.kept: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.indices.append(list(batch["indices"]))
@@ -147,6 +156,9 @@ class Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.stats.append(dict(pl_module.step_stats))
+        record = pl_module.last_rollout  # this rank's groups that took part
+        weights = record["weights"] if record["weights"] is not None else record["advantages"]
+        self.kept.append(0 if weights is None else int((~weights.isnan()).all(-1).sum()))
         self.state.append(dict(pl_module.objective.state()))
 
 
@@ -162,6 +174,12 @@ CASES: dict[str, dict[str, Any]] = {
     # listwise weights with the reference, and a controller moving tau between steps
     "listwise": {"objective": ("listwise", {"tau": 0.5, "beta": 0.05}),
                  "micro_batch_groups": 1, "tau_controller": True},
+    # constant groups dropped: the ranks keep different numbers of groups (one may keep
+    # none and only join the gradient reduction), and the losses are normalised over the
+    # groups kept on all ranks
+    "listwise_drop": {"objective": ("listwise", {"tau": 0.5, "length_normalize": True}),
+                      "drop_constant_groups": True,
+                      "rewards": {"tests.test_distributed:odd_sums_score_zero": 1.0}},
     # FSDP2 (fully_shard through ModelParallelStrategy): compared with the 1-rank dr_grpo
     "fsdp_dr_grpo": {"objective": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "group"}),
                      "micro_batch_groups": 1, "strategy": "fsdp", "reference": "dr_grpo"},
@@ -178,7 +196,8 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     module = ScriptedModule(
         model_name_or_path="builtin:tiny",
         objective=objective,
-        rewards={"first_number": 1.0},
+        rewards=case.get("rewards", {"first_number": 1.0}),
+        drop_constant_groups=case.get("drop_constant_groups", False),
         num_generations=G,
         max_completion_length=T_MAX,
         max_prompt_length=32,
@@ -216,7 +235,7 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     trainer.fit(module, datamodule=data)
     out = {
         "indices": probe.indices, "grads": probe.grads, "stats": probe.stats,
-        "state": probe.state,
+        "state": probe.state, "kept": probe.kept,
         "params": {n: full(p) for n, p in module.policy.named_parameters()},
     }
     if case.get("strategy") == "fsdp":
@@ -319,6 +338,11 @@ def test_two_ranks_equal_one_rank(runs, name):
         assert all(close(r0["state"][step][k], v) for k, v in one["state"][step].items())
     if CASES[name].get("tau_controller"):
         assert one["state"][0]["tau"] != 0.5  # the controller did move tau
+    if CASES[name].get("drop_constant_groups"):  # the ranks kept different numbers of groups
+        assert [a + b for a, b in zip(r0["kept"], r1["kept"], strict=True)] == one["kept"]
+        assert r0["kept"] != r1["kept"], (r0["kept"], r1["kept"])
+        # one rank kept no group at some step: it scored a ghost group at weight zero
+        assert 0 in r0["kept"] + r1["kept"], (r0["kept"], r1["kept"])
     if CASES[name].get("strategy") == "fsdp":
         assert r0["generated_rows"] == r1["generated_rows"] == 4
 

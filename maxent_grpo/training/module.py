@@ -710,21 +710,27 @@ class MaxEntGRPOModule(L.LightningModule):
         # 3. the groups that take part (drop_constant_groups) and their rows
         keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
         rows: Tensor | slice = slice(None)  # all rows, as views
+        # a rank that keeps no group scores its first group at weight zero ("ghost"), so
+        # that every rank makes the same backward passes and logs the same metrics
+        ghost = False
         if hp.drop_constant_groups:
             keep = (rewards != rewards[:, :1]).any(-1)  # (B,) some reward differs
-            rows = keep.repeat_interleave(G)  # (B*G,)
+            ghost = self.trainer.world_size > 1 and not bool(keep.any())
+            scored = keep.clone()
+            scored[0] |= ghost
+            rows = scored.repeat_interleave(G)  # (B*G,)
         prompt_ids, prompt_mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
         completion_ids, mask = rollout.completion_ids[rows], full_mask[rows]
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attention = torch.cat([prompt_mask, rollout.completion_mask[rows]], 1).long()
         T, P = completion_ids.shape[1], prompt_ids.shape[1]
-        n_rows = input_ids.shape[0]  # this rank's kept rows
+        n_rows = 0 if ghost else input_ids.shape[0]  # this rank's kept rows
 
         # 4. frozen log-probs: reference only when needed, behaviour only when reused
         chunks = plan_micro_batches(
             prompt_mask, rollout.completion_mask[rows], G,
             hp.micro_batch_groups, hp.micro_batch_tokens,
-        ) if n_rows else []
+        ) if input_ids.shape[0] else []
         if len(chunks) > 1 and isinstance(self.trainer.strategy, DeepSpeedStrategy):
             # ZeRO-2 with gradient_accumulation_steps=1 keeps only the last backward's
             # gradient when several backward passes precede one engine step
@@ -736,22 +742,30 @@ class MaxEntGRPOModule(L.LightningModule):
             )
         ref_logps = old_logps = rho = None
         timer.start()
-        if self.needs_reference and n_rows:
+        if self.needs_reference and chunks:
             ref_logps = self._frozen_logps(self.reference, input_ids, attention, T, chunks)
-            rho = sequence_ref_loglik(ref_logps, mask, G)  # (kept, G)
-            self._mean_metric("logp/ref_token").update(ref_logps, mask)
-        if hp.num_iterations > 1 and n_rows:
+            rho = sequence_ref_loglik(ref_logps, mask, G)[: n_rows // G]  # (kept, G)
+            self._mean_metric("logp/ref_token").update(
+                ref_logps, torch.zeros_like(mask) if ghost else mask
+            )
+        if hp.num_iterations > 1 and chunks:
             old_logps = self._frozen_logps(self.policy, input_ids, attention, T, chunks)
         timer.stop("frozen")
 
         # 5. advantages / weights (constants), over the kept groups of all ranks
         candidates = None
-        if self.objective.needs_candidates:  # first occurrence of each distinct completion
+        if self.objective.needs_candidates:  # the first occurrence of each distinct completion
             candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
-            candidates[keep] = distinct_candidates(completion_ids, mask, G)
+            candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_rows // G]
         targets, kept_groups = self._prepare_targets(
             rewards, lengths, T_max, rho, keep, candidates
         )
+        if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
+            targets = Targets(
+                advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
+                stats=targets.stats, candidates=torch.ones(1, G, dtype=torch.bool,
+                                                           device=rewards.device),
+            )
         self.last_rollout = self._rollout_record(
             batch, rollout, rewards, components, targets, keep
         )
@@ -759,9 +773,9 @@ class MaxEntGRPOModule(L.LightningModule):
         self.dropped_groups = world * B - kept_groups
 
         # 6. optimise
-        num_tokens = mask.sum()
+        num_tokens = mask.sum() * (not ghost)
         global_tokens = self.all_gather(num_tokens).sum() if world > 1 else num_tokens
-        loss_scale = self._loss_scale(n_rows, kept_groups * G)
+        loss_scale = 0.0 if ghost else self._loss_scale(n_rows, kept_groups * G)
         # statistics stay on the device; one host sync per optimizer step (the finite check)
         zero = torch.zeros((), device=self.device)
         sums: dict[str, list[Tensor]] = defaultdict(lambda: [zero, zero])
@@ -773,8 +787,6 @@ class MaxEntGRPOModule(L.LightningModule):
                 sched.step()
                 continue
             losses_finite = torch.ones((), dtype=torch.bool, device=self.device)
-            if not chunks:  # other ranks kept groups: take part in the gradient reduction
-                self._idle_backward(rollout)
             for chunk in chunks:
                 timer.start()
                 rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
@@ -794,7 +806,7 @@ class MaxEntGRPOModule(L.LightningModule):
                     candidates=None if targets.candidates is None
                     else targets.candidates[chunk.groups],
                     group_size=G,
-                    num_rows=n_rows,
+                    num_rows=input_ids.shape[0],
                     num_micro_batches=len(chunks),
                     max_completion_length=T_max,
                     num_global_tokens=global_tokens,
@@ -814,8 +826,10 @@ class MaxEntGRPOModule(L.LightningModule):
                     scores.cur_logp_sum.detach().sum(), torch.tensor(float(scores.num_sequences))
                 )
                 for key, (value, count) in out.sums.items():
-                    sums[key][0] = sums[key][0] + value.detach().float().to(self.device)
-                    sums[key][1] = sums[key][1] + torch.as_tensor(count).float().to(self.device)
+                    part = 0.0 if ghost and key != "loss/total" else 1.0  # keys, not values
+                    sums[key][0] = sums[key][0] + part * value.detach().float().to(self.device)
+                    sums[key][1] = sums[key][1] + part * torch.as_tensor(count).float().to(
+                        self.device)
             timer.start()
             grad_norm = self._clip_grad_norm(hp.gradient_clip_val or float("inf"))
             finite = losses_finite if grad_norm is None else losses_finite & torch.isfinite(
@@ -867,17 +881,6 @@ class MaxEntGRPOModule(L.LightningModule):
         if loss_type == "bnpo" or rows_all_ranks == 0:
             return 1.0
         return world * rows / rows_all_ranks
-
-    def _idle_backward(self, rollout: RolloutOutput) -> None:
-        """A zero-weighted backward through the policy on this rank's first completion, for a
-        rank that kept no group while others did: every rank must take part in the gradient
-        reduction (DDP all-reduce, FSDP reduce-scatter)."""
-        ids = torch.cat([rollout.prompt_ids[:1], rollout.completion_ids[:1]], 1)
-        att = torch.cat([rollout.prompt_mask[:1], rollout.completion_mask[:1]], 1).long()
-        logps, _ = self._forward_logps(
-            self.policy, ids, att, rollout.completion_ids.shape[1], False
-        )
-        self.manual_backward(logps.sum() * 0.0)
 
     def _rollout_record(
         self, batch, rollout, rewards, components, targets, keep
