@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(study, indent=1))
+    args.out.write_text(json.dumps(study))
     args.out.with_suffix(".md").write_text(report(args.out) + "\n")
     print(f"wrote {args.out} and its .md/.png in {study['meta']['minutes']} min", flush=True)
     return study
