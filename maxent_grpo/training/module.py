@@ -760,15 +760,15 @@ class MaxEntGRPOModule(L.LightningModule):
         targets, kept_groups = self._prepare_targets(
             rewards, lengths, T_max, rho, keep, candidates
         )
+        self.last_rollout = self._rollout_record(
+            batch, rollout, rewards, components, targets, keep
+        )
         if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
             targets = Targets(
                 advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
                 stats=targets.stats, candidates=torch.ones(1, G, dtype=torch.bool,
                                                            device=rewards.device),
             )
-        self.last_rollout = self._rollout_record(
-            batch, rollout, rewards, components, targets, keep
-        )
         world = self.trainer.world_size
         self.dropped_groups = world * B - kept_groups
 
