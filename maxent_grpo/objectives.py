@@ -142,13 +142,15 @@ class Objective:
     #: Whether the loss needs exact token entropy with gradient.
     needs_entropy: bool = False
 
-    #: Whether :meth:`prepare` wants ``candidates``, the first occurrence of each distinct
-    #: completion of a group (:func:`maxent_grpo.core.distinct_candidates`).
-    needs_candidates: bool = False
-
     @property
     def needs_reference(self) -> bool:
         """Whether reference log-probs must be computed (and the reference loaded)."""
+        return False
+
+    @property
+    def needs_candidates(self) -> bool:
+        """Whether :meth:`prepare` wants ``candidates``, the first occurrence of each distinct
+        completion of a group (:func:`maxent_grpo.core.distinct_candidates`)."""
         return False
 
     def prepare(
@@ -453,7 +455,6 @@ class ListwiseMaxEnt(Objective):
         self.tau = float(tau)
         self.beta = float(beta)
         self.distinct_candidates = distinct_candidates
-        self.needs_candidates = distinct_candidates
         self.q_temperature = q_temperature
         self.q_epsilon = q_epsilon
         self.length_normalize = length_normalize
@@ -464,6 +465,10 @@ class ListwiseMaxEnt(Objective):
     @property
     def needs_reference(self) -> bool:
         return self.beta > 0
+
+    @property
+    def needs_candidates(self) -> bool:
+        return self.distinct_candidates
 
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "beta": self.beta}

@@ -5,7 +5,7 @@ one vocabulary: ``B`` prompts, ``G`` generations per prompt, ``T`` completion to
 ``V`` vocabulary size. Per-token tensors are ``(B*G, T)`` in prompt-major order.
 """
 
-from maxent_grpo.core.advantages import group_advantages, zero_std_fraction
+from maxent_grpo.core.advantages import constant_groups, group_advantages, zero_std_fraction
 from maxent_grpo.core.control import (
     BetaUpdate,
     MetaUpdate,
@@ -45,6 +45,7 @@ __all__ = [
     "beta_update",
     "clip_fractions",
     "clipped_surrogate",
+    "constant_groups",
     "coverage_at_k",
     "distinct_candidates",
     "distinct_at_k",

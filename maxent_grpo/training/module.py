@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from maxent_grpo.core import (
+    constant_groups,
     distinct_candidates,
     selective_log_softmax,
     selective_log_softmax_with_entropy,
@@ -714,7 +715,7 @@ class MaxEntGRPOModule(L.LightningModule):
         # that every rank makes the same backward passes and logs the same metrics
         ghost = False
         if hp.drop_constant_groups:
-            keep = (rewards != rewards[:, :1]).any(-1)  # (B,) some reward differs
+            keep = ~constant_groups(rewards)  # (B,) some reward differs
             ghost = self.trainer.world_size > 1 and not bool(keep.any())
             scored = keep.clone()
             scored[0] |= ghost
