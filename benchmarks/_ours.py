@@ -90,8 +90,8 @@ def make_step_clock(gate: bc.LockstepGate | None = None):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             wall = time.perf_counter() - self._t0
-            stats = pl_module.step_stats
-            perf = {k: float(stats[f"train/perf/{k}"]) for k in PERF_KEYS}
+            stats = pl_module.step_log.as_dict()
+            perf = {k: float(stats[f"perf/{k}"]) for k in PERF_KEYS}
             tokens = round(perf["tokens_per_s"] * perf["step_s"])  # completion tokens
             self.steps.append({"wall_s": wall, "completion_tokens": tokens, **perf})
             gate.done()

@@ -134,7 +134,7 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
 
         def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
             self.steps.append(int(trainer.global_step))
-            self.reward.append(float(pl_module.step_stats["train/reward/mean"]))
+            self.reward.append(float(pl_module.step_log.as_dict()["reward/mean"]))
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as log_dir:

@@ -166,9 +166,46 @@ class Objective:
     def loss(self, mb: MicroBatch) -> LossOutput:
         raise NotImplementedError
 
+    #: attributes that the adaptive controllers may move (``tau``, ``beta``)
+    tunable: tuple[str, ...] = ()
+    #: attributes that change during training and travel in the checkpoint: the tunable
+    #: ones plus internal state such as the entropy gate's multiplier
+    mutable: tuple[str, ...] = ()
+
     def state(self) -> dict[str, float]:
-        """Scalars that controllers adjust and that are logged (e.g. ``tau``, ``beta``)."""
+        """Scalars logged every step (``train/tau``, ``train/beta``, ...)."""
         return {}
+
+    def state_dict(self) -> dict[str, float]:
+        """The :attr:`mutable` attributes: the one record of tau / beta in a checkpoint."""
+        return {name: float(getattr(self, name)) for name in self.mutable}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore :meth:`state_dict`; a key this objective does not have raises ValueError."""
+        unknown = sorted(set(state) - set(self.mutable))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} has no mutable state {unknown}; it keeps {list(self.mutable)}"
+            )
+        for name, value in state.items():
+            setattr(self, name, float(value))
+
+    def observe(self, stats: dict[str, float]) -> None:
+        """Called once per training step, after its optimizer step(s), with the step's logged
+        scalars (reduced over micro-batches and ranks, keys without ``train/``)."""
+
+    def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
+        """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the
+        gradient of the formula over the whole batch of all ranks.
+
+        The default suits losses normalised by this rank's rows or groups: when ranks keep
+        different numbers of rows (``drop_constant_groups``) the factor
+        ``W * rows / rows_all_ranks`` turns that normaliser into the all-rank count (it is
+        1 when every rank keeps the same number).
+        """
+        if rows_all_ranks == 0:
+            return 1.0
+        return world_size * rows / rows_all_ranks
 
 
 def _check_beta(beta: float, name: str = "beta") -> None:
@@ -234,9 +271,21 @@ class GRPO(Objective):
         self.beta = float(beta)
         self.kl_estimator = kl_estimator
 
+    tunable = ("beta",)
+    mutable = ("beta",)
+
     @property
     def needs_reference(self) -> bool:
         return self.beta > 0
+
+    def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
+        """``dapo`` divides by the all-rank token count, so it is multiplied back by the
+        world size W; ``bnpo`` is a mean of micro-batch means by definition (factor 1)."""
+        if self.loss_type == "dapo":
+            return float(world_size)
+        if self.loss_type == "bnpo":
+            return 1.0
+        return super().loss_scale(world_size, rows, rows_all_ranks)
 
     def prepare(
         self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
@@ -360,10 +409,14 @@ class EntropyMaxEnt(GRPO):
     def needs_reference(self) -> bool:
         return self.beta > 0 or self.kl_gate_threshold is not None
 
-    def observe_kl(self, kl: float) -> None:
-        """Update the gate from the step's measured token-mean KL (called after a step)."""
+    mutable = ("beta", "alpha_multiplier")
+
+    def observe(self, stats: dict[str, float]) -> None:
+        """Update the gate from the step's measured token-mean KL (``stats["kl"]``); an
+        unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"."""
         if self.kl_gate_threshold is None:
             return
+        kl = stats.get("kl", float("nan"))
         self.alpha_multiplier = entropy_gate_multiplier(
             kl,
             kappa=self.kl_gate_threshold,
@@ -466,6 +519,9 @@ class ListwiseMaxEnt(Objective):
     def needs_reference(self) -> bool:
         return self.beta > 0
 
+    tunable = ("tau", "beta")
+    mutable = ("tau", "beta")
+
     @property
     def needs_candidates(self) -> bool:
         return self.distinct_candidates
@@ -544,6 +600,9 @@ class GroupMaxEnt(GRPO):
     @property
     def needs_reference(self) -> bool:
         return self.lam > 0
+
+    tunable = ("tau",)
+    mutable = ("tau",)
 
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "lam": self.lam}

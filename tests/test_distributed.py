@@ -155,7 +155,7 @@ class Probe(pl.Callback):
         self.grads.append({n: full(p.grad) for n, p in pl_module.policy.named_parameters()})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.stats.append(dict(pl_module.step_stats))
+        self.stats.append({f"train/{k}": v for k, v in pl_module.step_log.as_dict().items()})
         record = pl_module.last_rollout  # this rank's groups that took part
         weights = record["weights"] if record["weights"] is not None else record["advantages"]
         self.kept.append(0 if weights is None else int((~weights.isnan()).all(-1).sum()))

@@ -253,7 +253,7 @@ def test_state_contents() -> None:
     assert GRPO(beta=0.1).state() == {"beta": 0.1}
     ent = EntropyMaxEnt(alpha=0.2, beta=0.1, kl_gate_threshold=0.1, kl_gate_gain=1.0)
     assert ent.state() == {"beta": 0.1, "alpha": 0.2}
-    ent.observe_kl(0.05)  # multiplier 1 + (0.1 - 0.05)/0.1 = 1.5
+    ent.observe({"kl": 0.05})  # multiplier 1 + (0.1 - 0.05)/0.1 = 1.5
     assert ent.state() == pytest.approx({"beta": 0.1, "alpha": 0.3})
     lw = ListwiseMaxEnt(tau=1, beta=0)
     assert lw.state() == {"tau": 1.0, "beta": 0.0}
@@ -443,31 +443,31 @@ def test_entropy_maxent_requires_entropy() -> None:
         EntropyMaxEnt().loss(_mb(logps, mask, G=G2, num_rows=6, t_max=T_MAX5, advantages=adv))
 
 
-def test_entropy_gate_observe_kl() -> None:
+def test_entropy_gate_observe() -> None:
     # kappa = 0.1, g = 1, bounds [0.25, 1.8]
     kw = dict(alpha=0.2, kl_gate_threshold=0.1, kl_gate_gain=1.0,
               kl_gate_min_multiplier=0.25, kl_gate_max_multiplier=1.8)
     obj = EntropyMaxEnt(**kw)
     assert obj.alpha_effective == 0.2  # first step: no gate
-    obj.observe_kl(0.05)  # below: 1 + (0.1 - 0.05)/0.1 = 1.5
+    obj.observe({"kl": 0.05})  # below: 1 + (0.1 - 0.05)/0.1 = 1.5
     assert obj.alpha_effective == pytest.approx(0.2 * 1.5)
-    obj.observe_kl(0.0)  # below: 2, clipped to m_hi = 1.8
+    obj.observe({"kl": 0.0})  # below: 2, clipped to m_hi = 1.8
     assert obj.alpha_effective == pytest.approx(0.2 * 1.8)
-    obj.observe_kl(0.2)  # above: 1 / (1 + (0.2 - 0.1)/0.1) = 0.5
+    obj.observe({"kl": 0.2})  # above: 1 / (1 + (0.2 - 0.1)/0.1) = 0.5
     assert obj.alpha_effective == pytest.approx(0.2 * 0.5)
-    obj.observe_kl(1.0)  # above: 1/10, clipped to m_lo = 0.25
+    obj.observe({"kl": 1.0})  # above: 1/10, clipped to m_lo = 0.25
     assert obj.alpha_effective == pytest.approx(0.2 * 0.25)
-    obj.observe_kl(math.nan)  # non-finite counts as above: 0 -> m_lo
+    obj.observe({"kl": math.nan})  # non-finite counts as above: 0 -> m_lo
     assert obj.alpha_effective == pytest.approx(0.2 * 0.25)
 
     off = EntropyMaxEnt(**kw, disable_outside_trust_zone=True)
-    off.observe_kl(0.2)
+    off.observe({"kl": 0.2})
     assert off.alpha_effective == 0.0
-    off.observe_kl(0.05)
+    off.observe({"kl": 0.05})
     assert off.alpha_effective == pytest.approx(0.3)
 
     ungated = EntropyMaxEnt(alpha=0.2)
-    ungated.observe_kl(5.0)  # no threshold: no-op
+    ungated.observe({"kl": 5.0})  # no threshold: no-op
     assert ungated.alpha_effective == 0.2
 
 
@@ -480,11 +480,11 @@ def test_entropy_gate_changes_the_loss() -> None:
     grpo = GRPO(loss_type="dr_grpo").loss(mb).loss.item()
     reduced_h = 0.7 * sum(LENGTHS) / (n * T_MAX5)
     assert obj.loss(mb).loss.item() == pytest.approx(grpo - 0.2 * reduced_h, rel=1e-12)
-    obj.observe_kl(0.2)  # multiplier 0.5
+    obj.observe({"kl": 0.2})  # multiplier 0.5
     assert obj.loss(mb).loss.item() == pytest.approx(grpo - 0.1 * reduced_h, rel=1e-12)
     off = EntropyMaxEnt(alpha=0.2, kl_gate_threshold=0.1, disable_outside_trust_zone=True,
                         loss_type="dr_grpo")
-    off.observe_kl(0.2)
+    off.observe({"kl": 0.2})
     assert off.loss(mb).loss.item() == pytest.approx(grpo, rel=1e-12)
 
 

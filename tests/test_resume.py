@@ -48,8 +48,9 @@ class RecordSteps(pl.Callback):
         self._write({"step": trainer.global_step, "indices": batch["indices"]})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        keys = ("train/reward/mean", "train/loss/total", "train/kl", "train/tau", "train/beta")
-        self._write({"step": trainer.global_step, **{k: pl_module.step_stats[k] for k in keys}})
+        keys = ("reward/mean", "loss/total", "kl", "tau", "beta")
+        stats = pl_module.step_log.as_dict()
+        self._write({"step": trainer.global_step, **{f"train/{k}": stats[k] for k in keys}})
 
 
 class KillAt(pl.Callback):

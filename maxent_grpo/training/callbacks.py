@@ -10,7 +10,7 @@ Controllers, added under ``trainer.callbacks`` in YAML::
           init_args: {kl_target: 0.02}
 
 When they act: once per training step (one rollout), in ``on_train_batch_end``, after the
-step's optimizer step(s), on ``pl_module.step_stats`` -- the step's logged ``train/...``
+step's optimizer step(s), on ``pl_module.step_log`` -- the step's logged ``train/...``
 scalars, already reduced over micro-batches and ranks, so every rank computes the same
 update. With ``model.num_iterations = 1`` that is once per optimizer step, as in §5; with
 ``num_iterations > 1`` a rollout feeds several optimizer steps and the controllers act once
@@ -270,7 +270,7 @@ class _Controller(Callback):
         batch_idx: int,
     ) -> None:
         """One update from the step's reduced statistics, pushed into the objective."""
-        logs = self._update(dict(pl_module.step_stats))
+        logs = self._update(pl_module.step_log.as_dict())
         self.steps += 1
         self._push(pl_module.objective)
         if logs:
@@ -480,7 +480,7 @@ class TauController(_Controller):
         )
 
     def _update(self, stats: dict[str, float]) -> dict[str, float]:
-        h = stats.get("train/weight_entropy", math.nan)
+        h = stats.get("weight_entropy", math.nan)
         if not _is_number(h):
             rank_zero_warn(f"TauController: no finite train/weight_entropy ({h}); tau unchanged")
             return {}
@@ -595,7 +595,7 @@ class BetaController(_Controller):
         self.error = None
 
     def _update(self, stats: dict[str, float]) -> dict[str, float]:
-        kl = stats.get("train/kl", math.nan)
+        kl = stats.get("kl", math.nan)
         old = self.beta
         new = beta_update(
             beta=self.beta, kl=kl, kl_target=self.kl_target, horizon=self.horizon,
@@ -716,14 +716,14 @@ class MetaController(_Controller):
     def _update(self, stats: dict[str, float]) -> dict[str, float]:
         if (self.steps + 1) % self.every_n_steps:
             return {}
-        h = stats.get("train/weight_entropy", math.nan)
+        h = stats.get("weight_entropy", math.nan)
         if not _is_number(h):
             rank_zero_warn(f"MetaController: no finite train/weight_entropy ({h}); step skipped")
             return {}
         old_tau, old_beta = self.tau, self.beta
         new = meta_update(
             tau=self.tau, beta=self.beta, weight_entropy=h,
-            kl=stats.get("train/kl", math.nan), target_entropy=self.target_entropy,
+            kl=stats.get("kl", math.nan), target_entropy=self.target_entropy,
             kl_target=self.kl_target, lr_tau=self.lr_tau, lr_beta=self.lr_beta,
             tau_min=self.tau_min, tau_max=self.tau_max, kl_clip=self.kl_clip,
         )

@@ -88,10 +88,6 @@ def resolve_reward(name: str) -> Callable[..., list]:
         raise ValueError(f"model.rewards: {err}") from err
 
 
-#: Objective attributes that change during training (controllers, the entropy gate) and
-#: therefore travel in the checkpoint; the rest of an objective is configuration.
-MUTABLE_OBJECTIVE_STATE = ("tau", "beta", "alpha_multiplier")
-
 #: Key of this module's own entry in a Lightning checkpoint.
 CHECKPOINT_KEY = "maxent_grpo"
 
@@ -276,8 +272,8 @@ class MaxEntGRPOModule(L.LightningModule):
         self.eval_records: list[PromptRecord] = []  # this rank's prompts, this eval epoch
         self.mean_metrics = torch.nn.ModuleDict()
         self._updated: set[str] = set()  # names of mean_metrics updated this step
-        #: the last training step's logged scalars (``train/...``), identical on every rank
-        self.step_stats: dict[str, float] = {}
+        #: the last training step's logged record, identical on every rank
+        self.step_log: LogStepArtifacts | None = None
         self._lr_used = float("nan")  # learning rate of the last optimizer step
         #: the last training step's rollout and its scores (see ``_rollout_record``)
         self.last_rollout: dict[str, Any] | None = None
@@ -455,10 +451,7 @@ class MaxEntGRPOModule(L.LightningModule):
         checkpoint[CHECKPOINT_KEY] = {
             "model_name_or_path": self.hparams.model_name_or_path,
             "objective_class": type(self.objective).__name__,
-            "objective_state": {
-                k: float(getattr(self.objective, k))
-                for k in MUTABLE_OBJECTIVE_STATE if hasattr(self.objective, k)
-            },
+            "objective_state": self.objective.state_dict(),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total,
             "empty_steps": self.empty_steps,
@@ -493,8 +486,7 @@ class MaxEntGRPOModule(L.LightningModule):
                 f"the checkpoint was made with model.objective {saved['objective_class']}, "
                 f"but this run has {name}; resume with the same objective class_path"
             )
-        for key, value in saved["objective_state"].items():
-            setattr(self.objective, key, float(value))
+        self.objective.load_state_dict(saved["objective_state"])
         self.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
         self.nonfinite_total = int(saved["nonfinite_total"])
         self.empty_steps = int(saved.get("empty_steps", 0))
@@ -513,7 +505,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self._rng_to_restore = states[rank]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.step_stats = {}
+        self.step_log = None
         if self._rng_to_restore is not None:
             restore_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
@@ -776,7 +768,7 @@ class MaxEntGRPOModule(L.LightningModule):
         # 6. optimise
         num_tokens = mask.sum() * (not ghost)
         global_tokens = self.all_gather(num_tokens).sum() if world > 1 else num_tokens
-        loss_scale = 0.0 if ghost else self._loss_scale(n_rows, kept_groups * G)
+        loss_scale = 0.0 if ghost else self.objective.loss_scale(world, n_rows, kept_groups * G)
         # statistics stay on the device; one host sync per optimizer step (the finite check)
         zero = torch.zeros((), device=self.device)
         sums: dict[str, list[Tensor]] = defaultdict(lambda: [zero, zero])
@@ -859,29 +851,7 @@ class MaxEntGRPOModule(L.LightningModule):
             self._mean_metric(key).update_sum(value.detach(), torch.ones((), device=self.device))
         timings = timer.summary(rollout.generate_seconds, int(rollout.completion_mask.sum()))
         self._log_step(rollout, grad_norm, timings, batch_idx)
-        # the entropy gate (EntropyMaxEnt) follows the KL measured over this step; an
-        # unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"
-        observe_kl = getattr(self.objective, "observe_kl", None)
-        if observe_kl is not None:
-            observe_kl(self.step_stats.get("train/kl", float("nan")))
-
-    def _loss_scale(self, rows: int, rows_all_ranks: int) -> float:
-        """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the
-        gradient of the formula over the whole batch of all ranks.
-
-        ``dapo`` divides by the all-rank token count, so it is multiplied back by the world
-        size W. ``bnpo`` is a mean of micro-batch means by definition (factor 1). The other
-        reductions divide by this rank's rows or groups; when ranks keep different numbers
-        of rows (``drop_constant_groups``) the factor ``W * rows / rows_all_ranks`` turns
-        that into the all-rank count (it is 1 when every rank keeps the same number).
-        """
-        world = self.trainer.world_size
-        loss_type = getattr(self.objective, "loss_type", "")
-        if loss_type == "dapo":
-            return float(world)
-        if loss_type == "bnpo" or rows_all_ranks == 0:
-            return 1.0
-        return world * rows / rows_all_ranks
+        self.objective.observe(self.step_log.as_dict())  # e.g. the entropy gate reads "kl"
 
     def _rollout_record(
         self, batch, rollout, rewards, components, targets, keep
@@ -1092,7 +1062,8 @@ class MaxEntGRPOModule(L.LightningModule):
             f"train/{k}": v for k, v in artifacts.as_dict().items()
             if isinstance(v, (int, float)) and not math.isnan(v)
         }
-        self.step_stats = metrics  # reduced over micro-batches and ranks; read by callbacks
+        #: the step's logged record, reduced over micro-batches and ranks (read by callbacks)
+        self.step_log = artifacts
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)
         if "train/loss/total" in metrics:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt
+from maxent_grpo.training.types import LogStepArtifacts
 from maxent_grpo.training import callbacks as cb
 from maxent_grpo.training.callbacks import (
     BetaController,
@@ -32,7 +33,7 @@ class FakeModule:
     def __init__(self, objective, num_generations: int = 8) -> None:
         self.objective = objective
         self.hparams = SimpleNamespace(num_generations=num_generations)
-        self.step_stats: dict[str, float] = {}
+        self.step_log: LogStepArtifacts | None = None
         self.logged: list[dict[str, float]] = []
         self.reference_required = False
 
@@ -61,7 +62,7 @@ def attach(objective, *controllers, **trainer_kw):
 
 def step(trainer, module, **stats: float) -> dict[str, float]:
     """One training step with the given ``train/<key>`` statistics."""
-    module.step_stats = {f"train/{k}": v for k, v in stats.items()}
+    module.step_log = LogStepArtifacts({}, stats, grad_norm_scalar=None, epoch_progress=0.0)
     module.logged.clear()
     for c in trainer.callbacks:
         c.on_train_batch_end(trainer, module, None, None, 0)

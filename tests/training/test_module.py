@@ -298,7 +298,7 @@ def test_the_entropy_gate_follows_each_steps_kl(cache_dir):
         cache_dir, objective=objective, rewards={"tests.training.test_module:alternating": 1.0}
     )
     fit(module, make_data(cache_dir), steps=2)
-    kl = module.step_stats["train/kl"]
+    kl = module.step_log.as_dict()["kl"]
     assert kl > 1e-6  # the policy moved away from the reference after one update
     assert objective.alpha_multiplier == entropy_gate_multiplier(
         kl, kappa=1e-6, gain=1.0, m_lo=0.0, m_hi=2.0
@@ -327,7 +327,7 @@ def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
         cache_dir, lr_warmup_steps=2, rewards={"tests.training.test_module:alternating": 1.0}
     )
     fit(module, make_data(cache_dir), steps=1)
-    assert module.step_stats["train/lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
+    assert module.step_log.as_dict()["lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
 
 
 def test_last_rollout_records_what_the_step_scored(cache_dir):
@@ -366,14 +366,14 @@ def test_step_timings_are_logged_and_add_up(cache_dir):
         rewards={"tests.training.test_module:alternating": 1.0},
     )
     fit(module, make_data(cache_dir), steps=1)
-    perf = {k[len("train/perf/"):]: v for k, v in module.step_stats.items() if "/perf/" in k}
+    perf = {k[len("perf/"):]: v for k, v in module.step_log.as_dict().items() if "perf/" in k}
     assert set(perf) == {
         "generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s"
     }
     parts = perf["generate_s"] + perf["reward_s"] + perf["score_s"] + perf["backward_s"]
     assert all(perf[k] > 0 for k in ("generate_s", "score_s", "backward_s"))
     assert parts <= perf["step_s"] + 1e-6  # phases are disjoint parts of the step
-    tokens = module.step_stats["train/tokens/completion_tokens"]
+    tokens = module.step_log.as_dict()["tokens/completion_tokens"]
     assert perf["tokens_per_s"] == pytest.approx(tokens / perf["step_s"], rel=1e-6)
 
 

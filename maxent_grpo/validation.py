@@ -1,0 +1,83 @@
+"""Option checks shared by every configurable class: one way to refuse a bad value.
+
+Each check raises ``ValueError`` with a message that names the option as the user writes
+it in YAML (``model.num_generations``, ``BetaController.kl_target``) and the value given,
+so a bad config fails when its object is built, never later in training::
+
+    check_int("model.num_generations", 1, minimum=2)
+    # ValueError: model.num_generations must be an int >= 2; got 1
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from numbers import Real
+from typing import Any
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_number", "is_number", "require"]
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``ok``."""
+    if not ok:
+        raise ValueError(message)
+
+
+def is_number(value: Any) -> bool:
+    """A finite real number (``bool`` is not a number here)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, allow_none: bool = False) -> None:
+    """``value`` is an int (not a bool) and ``>= minimum``; ``None`` passes with
+    ``allow_none``."""
+    if value is None and allow_none:
+        return
+    bound = "" if minimum is None else f" >= {minimum}"
+    none = " (or null)" if allow_none else ""
+    require(
+        isinstance(value, int) and not isinstance(value, bool)
+        and (minimum is None or value >= minimum),
+        f"{name} must be an int{bound}{none}; got {value!r}",
+    )
+
+
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    strict: bool = False,
+    allow_none: bool = False,
+) -> None:
+    """``value`` is a finite number in ``[minimum, maximum]`` (``(minimum, maximum]`` with
+    ``strict``; either bound may be None); ``None`` passes with ``allow_none``."""
+    if value is None and allow_none:
+        return
+    ok = is_number(value)
+    if ok and minimum is not None:
+        ok = value > minimum if strict else value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if minimum is not None and maximum is not None:
+        bound = f" in {'(' if strict else '['}{minimum}, {maximum}]"
+    elif minimum is not None:
+        bound = f" {'>' if strict else '>='} {minimum}"
+    elif maximum is not None:
+        bound = f" <= {maximum}"
+    else:
+        bound = ""
+    none = " (or null)" if allow_none else ""
+    require(ok, f"{name} must be a finite number{bound}{none}; got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """``value`` is ``True`` or ``False``."""
+    require(isinstance(value, bool), f"{name} must be true or false; got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
+    """``value`` is one of ``choices``."""
+    require(value in choices,
+            f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
