@@ -177,10 +177,10 @@ def test_entropy_gate_errors_name_the_objective_argument() -> None:
         ({"tau": math.nan}, r"objective\.tau"),
         ({"tau": math.inf}, r"objective\.tau"),
         ({"tau": 0.0, "beta": 0.0}, r"objective\.tau must be > 0 when objective\.beta = 0"),
-        ({"q_temperature": 0.0}, r"objective\.q_temperature must be > 0"),
-        ({"q_temperature": -1.0}, r"objective\.q_temperature must be > 0"),
-        ({"q_epsilon": 0.0}, r"objective\.q_epsilon must be > 0"),
-        ({"clip_coef": -0.5}, r"objective\.clip_coef must be >= 0"),
+        ({"q_temperature": 0.0}, r"objective\.q_temperature must be a finite number > 0"),
+        ({"q_temperature": -1.0}, r"objective\.q_temperature must be a finite number > 0"),
+        ({"q_epsilon": 0.0}, r"objective\.q_epsilon must be a finite number > 0"),
+        ({"clip_coef": -0.5}, r"objective\.clip_coef must be a finite number >= 0"),
         ({"distinct_candidates": 1}, r"objective\.distinct_candidates must be true or false"),
         ({"distinct_candidates": True, "clip_coef": 0.1},
          r"objective\.clip_coef must be 0 with objective\.distinct_candidates"),
@@ -261,6 +261,60 @@ def test_state_contents() -> None:
     lw.tau = 0.7  # as a controller would
     assert lw.state()["tau"] == 0.7
     assert GroupMaxEnt(tau=2.0, lam=0.5).state() == {"tau": 2.0, "lam": 0.5}
+
+
+def test_tunable_and_mutable_attributes() -> None:
+    assert GRPO.tunable == EntropyMaxEnt.tunable == ("beta",)
+    assert ListwiseMaxEnt.tunable == ("tau", "beta")
+    assert GroupMaxEnt.tunable == ("tau",)
+    for obj in (GRPO(), EntropyMaxEnt(), ListwiseMaxEnt(), GroupMaxEnt()):
+        assert set(obj.tunable) <= set(obj.mutable)
+        for name in obj.mutable:
+            assert isinstance(getattr(obj, name), float), (type(obj).__name__, name)
+    assert EntropyMaxEnt.mutable == ("beta", "alpha_multiplier")
+
+
+def test_group_maxent_has_no_beta_and_is_not_grpo() -> None:
+    obj = GroupMaxEnt(tau=0.5, lam=0.2)
+    assert not isinstance(obj, GRPO)
+    assert not hasattr(obj, "beta") and not hasattr(obj, "loss_type")
+    assert "beta" not in obj.state() and "beta" not in obj.state_dict()
+    # Dr.GRPO divides by this rank's rows: the base factor W * rows / rows_all_ranks
+    assert obj.loss_scale(2, 6, 8) == pytest.approx(1.5)
+    assert obj.loss_scale(2, 4, 0) == 1.0
+    assert obj.epsilon == obj.epsilon_high == 0.2
+    assert GroupMaxEnt(epsilon=0.1, epsilon_high=0.3).epsilon_high == 0.3
+
+
+@pytest.mark.parametrize(
+    ("make", "moved"),
+    [
+        (lambda: GRPO(beta=0.1), {"beta": 0.25}),
+        (lambda: EntropyMaxEnt(beta=0.1, kl_gate_threshold=0.1),
+         {"beta": 0.3, "alpha_multiplier": 1.5}),
+        (lambda: ListwiseMaxEnt(tau=0.5, beta=0.1), {"tau": 0.7, "beta": 0.02}),
+        (lambda: GroupMaxEnt(tau=2.0), {"tau": 0.4}),
+    ],
+)
+def test_state_dict_round_trip(make, moved: dict) -> None:
+    obj = make()
+    for name, value in moved.items():  # as a controller or the entropy gate would
+        setattr(obj, name, value)
+    saved = obj.state_dict()
+    assert saved == moved and set(saved) == set(obj.mutable)
+    fresh = make()
+    assert fresh.state_dict() != saved
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved and fresh.state() == obj.state()
+
+
+def test_load_state_dict_refuses_an_unknown_key() -> None:
+    obj = GroupMaxEnt(tau=1.0)
+    with pytest.raises(ValueError, match=r"GroupMaxEnt has no mutable state \['beta'\]"):
+        obj.load_state_dict({"tau": 0.5, "beta": 0.1})
+    assert obj.tau == 1.0  # nothing applied
+    with pytest.raises(ValueError, match=r"GRPO has no mutable state \['tau'\]"):
+        GRPO().load_state_dict({"tau": 0.5})
 
 
 # ------------------------------------------------------------------ GRPO
@@ -525,6 +579,23 @@ def test_listwise_prepare_weights_and_stats(tau: float, beta: float, tq: float) 
     assert targets.stats["weight_entropy"].item() == pytest.approx(sum(h) / 3, rel=1e-10)
     assert targets.stats["weight_entropy_min"].item() == pytest.approx(min(h), rel=1e-10)
     assert targets.stats["weight_entropy_max"].item() == pytest.approx(max(h), rel=1e-10)
+
+
+def test_listwise_targets_carry_q() -> None:
+    rewards = torch.tensor(LW_REWARDS, dtype=F64)
+    ones = torch.ones_like(rewards)
+    targets = ListwiseMaxEnt(tau=0.5, q_temperature=0.5).prepare(rewards, ones, 4, None)
+    assert torch.equal(targets.q, core.q_distribution(rewards, 0.5, 1e-6))
+    assert torch.allclose(targets.q.sum(-1), torch.ones(3, dtype=F64), atol=1e-12)
+    # with distinct candidates q lives on the candidates only
+    cand = torch.tensor([[True, True, False], [True, False, True], [True, True, True]])
+    obj = ListwiseMaxEnt(tau=0.5, distinct_candidates=True)
+    targets = obj.prepare(rewards, ones, 4, None, cand)
+    assert torch.equal(targets.q, core.q_distribution(rewards, 1.0, 1e-6, cand))
+    assert torch.equal(targets.candidates, cand)
+    # the other objectives have no target distribution
+    assert GRPO().prepare(rewards, ones, 4, None).q is None
+    assert GroupMaxEnt().prepare(rewards, ones, 4, None).q is None
 
 
 def test_listwise_prepare_ignores_reference_when_beta_zero() -> None:

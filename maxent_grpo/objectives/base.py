@@ -1,0 +1,197 @@
+"""The interface between the trainer and an objective, and the helpers objectives share.
+
+:class:`Targets` is what :meth:`Objective.prepare` derives from one rollout,
+:class:`MicroBatch` what :meth:`Objective.loss` sees, :class:`LossOutput` what it returns
+(``docs/ALGORITHM.md`` §0-4). The trainer (``maxent_grpo.training.module``) and the
+controllers (``maxent_grpo.training.callbacks``) need nothing from an objective beyond
+the members of :class:`Objective`:
+
+- ``prepare`` / ``loss``: the two phases of a rollout;
+- ``needs_reference``, ``needs_candidates``, ``needs_entropy``: what to compute for it;
+- ``loss_scale``: the factor that makes the ranks' mean gradient the all-rank gradient;
+- ``state``: scalars logged every step (``train/tau``, ``train/beta``, ...);
+- ``observe``: the step's logged statistics, once per training step (e.g. a KL gate);
+- ``tunable``: the attributes a controller may move (``tau``, ``beta``);
+- ``mutable`` with ``state_dict`` / ``load_state_dict``: what a checkpoint carries. The
+  objective is the one owner of tau and beta: controllers read and write them here, and
+  the checkpoint keeps them only in the module's entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from maxent_grpo.core import weight_entropy
+
+
+@dataclass
+class Targets:
+    """What an objective derives from one rollout before any gradient is taken.
+
+    Attributes:
+        advantages: ``(B*G,)`` per-row advantages, or ``None`` (listwise).
+        weights: ``(B, G)`` per-group weights summing to 1, or ``None`` (GRPO).
+        stats: scalar diagnostics (0-d tensors) such as ``weight_entropy``.
+        candidates: ``(B, G)`` bool, the rows that are candidates of the listwise softmax
+            (its distinct completions), or ``None`` (every row).
+        q: ``(B, G)`` the reward target distribution ``q`` (rows sum to 1 over the
+            candidates; :func:`maxent_grpo.core.q_distribution`) that ListwiseMaxEnt's
+            weights were built from, or ``None`` (the other objectives).
+    """
+
+    advantages: Tensor | None = None
+    weights: Tensor | None = None
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    candidates: Tensor | None = None
+    q: Tensor | None = None
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of whole prompt groups, as the objective's loss sees it.
+
+    Attributes:
+        token_logps: ``(n, T)`` policy log-probs at the sampling temperature, with grad.
+        old_token_logps: ``(n, T)`` behaviour log-probs (detached); ``None`` when
+            ``num_iterations == 1`` (the ratio is then exactly 1).
+        ref_token_logps: ``(n, T)`` reference log-probs, or ``None`` when not needed.
+        mask: ``(n, T)`` bool completion mask.
+        entropy: ``(n, T)`` exact token entropy with grad, or ``None``.
+        advantages: ``(n,)`` slice of :attr:`Targets.advantages`, or ``None``.
+        weights: ``(n // G, G)`` slice of :attr:`Targets.weights`, or ``None``.
+        group_size: ``G``.
+        num_rows: ``N``, rows in the whole optimizer-step batch (this rank).
+        num_micro_batches: how many micro-batches make up the optimizer step.
+        max_completion_length: ``T_max``.
+        num_global_tokens: completion tokens of the whole step, all ranks (``dapo``).
+        candidates: ``(n // G, G)`` slice of :attr:`Targets.candidates`, or ``None``.
+    """
+
+    token_logps: Tensor
+    old_token_logps: Tensor | None
+    ref_token_logps: Tensor | None
+    mask: Tensor
+    entropy: Tensor | None
+    advantages: Tensor | None
+    weights: Tensor | None
+    group_size: int
+    num_rows: int
+    num_micro_batches: int
+    max_completion_length: int
+    num_global_tokens: Tensor | float | None = None
+    candidates: Tensor | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return self.mask.shape[0] // self.group_size
+
+
+@dataclass
+class LossOutput:
+    """The loss of one micro-batch plus additive statistics for the step's metrics.
+
+    ``sums`` holds ``(value_sum, count)`` pairs so that means are exact over
+    micro-batches and ranks (token-weighted for token statistics).
+    """
+
+    loss: Tensor
+    sums: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+
+def token_sum(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum over the mask, number of masked tokens)``, both detached float32: one
+    token-weighted entry of :attr:`LossOutput.sums`."""
+    m = mask.to(values.dtype)
+    return (values.detach() * m).sum().float(), m.sum().float()
+
+
+def sequence_ref_loglik(ref_token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """``rho_i = sum_t m * l_ref / max(T_i, 1)`` reshaped to ``(B, G)`` (ALGORITHM §0)."""
+    m = mask.to(ref_token_logps.dtype)
+    rho = (ref_token_logps * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return rho.view(-1, group_size)
+
+
+def weight_stats(weights: Tensor) -> dict[str, Tensor]:
+    """Mean, min and max over groups of the weight entropy ``H(w)`` of ``(B, G)`` weights."""
+    h = weight_entropy(weights)  # (B,)
+    return {"weight_entropy": h.mean(), "weight_entropy_min": h.min(),
+            "weight_entropy_max": h.max()}
+
+
+class Objective:
+    """Base class. Subclasses set hyper-parameters in ``__init__`` and validate them with
+    :mod:`maxent_grpo.validation` (messages name ``objective.<option>``)."""
+
+    #: Whether the loss needs exact token entropy with gradient.
+    needs_entropy: bool = False
+    #: attributes that the adaptive controllers may move (``tau``, ``beta``); a controller
+    #: checks this, not the class, to know whether it can drive an objective
+    tunable: tuple[str, ...] = ()
+    #: attributes that change during training and travel in the checkpoint: the tunable
+    #: ones plus internal state such as the entropy gate's multiplier
+    mutable: tuple[str, ...] = ()
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference log-probs must be computed (and the reference loaded)."""
+        return False
+
+    @property
+    def needs_candidates(self) -> bool:
+        """Whether :meth:`prepare` wants ``candidates``, the first occurrence of each distinct
+        completion of a group (:func:`maxent_grpo.core.distinct_candidates`)."""
+        return False
+
+    def prepare(
+        self,
+        rewards: Tensor,
+        lengths: Tensor,
+        max_completion_length: int,
+        ref_seq_logps: Tensor | None,
+        candidates: Tensor | None = None,
+    ) -> Targets:
+        """The rollout's :class:`Targets` from ``(B, G)`` rewards, lengths and ``rho``."""
+        raise NotImplementedError
+
+    def loss(self, mb: MicroBatch) -> LossOutput:
+        """The loss of one micro-batch; the micro-batches of a step sum to the batch loss."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, float]:
+        """Scalars logged every step (``train/tau``, ``train/beta``, ...)."""
+        return {}
+
+    def state_dict(self) -> dict[str, float]:
+        """The :attr:`mutable` attributes: the one record of tau / beta in a checkpoint."""
+        return {name: float(getattr(self, name)) for name in self.mutable}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore :meth:`state_dict`; a key this objective does not have raises ValueError."""
+        unknown = sorted(set(state) - set(self.mutable))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} has no mutable state {unknown}; it keeps "
+                f"{list(self.mutable)}"
+            )
+        for name, value in state.items():
+            setattr(self, name, float(value))
+
+    def observe(self, stats: dict[str, float]) -> None:
+        """Called once per training step, after its optimizer step(s), with the step's logged
+        scalars (reduced over micro-batches and ranks, keys without ``train/``)."""
+
+    def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
+        """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the
+        gradient of the formula over the whole batch of all ranks.
+
+        The default suits losses normalised by this rank's rows or groups: when ranks keep
+        different numbers of rows (``drop_constant_groups``) the factor
+        ``W * rows / rows_all_ranks`` turns that normaliser into the all-rank count (it is
+        1 when every rank keeps the same number).
+        """
+        if rows_all_ranks == 0:
+            return 1.0
+        return world_size * rows / rows_all_ranks

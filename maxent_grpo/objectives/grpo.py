@@ -1,0 +1,196 @@
+"""GRPO with its Dr.GRPO / DAPO variants, and entropy-regularised GRPO (ALGORITHM §4.1-4.2).
+
+Both optimise the clipped surrogate (:mod:`maxent_grpo.objectives.surrogate`) on group
+advantages, plus ``beta`` times a per-token KL to the
+reference; :class:`EntropyMaxEnt` adds an exact token-entropy bonus.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from torch import Tensor
+
+from maxent_grpo.core import entropy_gate_multiplier, group_advantages, kl_penalty
+from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
+from maxent_grpo.objectives.surrogate import (
+    LossType,
+    clip_range,
+    clipped_token_loss,
+    reduce_tokens,
+)
+from maxent_grpo.validation import check_bool, check_choice, check_number, require
+
+ScaleRewards = Literal["group", "batch", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+class GRPO(Objective):
+    """GRPO with the Dr.GRPO / DAPO variants (ALGORITHM §4.1).
+
+    ``L[i,t] = -min(c*A, clip(c, 1-eps_low, 1+eps_high)*A) + beta*KL[i,t]`` reduced by
+    ``loss_type``; ``A`` from :func:`maxent_grpo.core.group_advantages` with
+    ``scale_rewards``. Dr.GRPO is ``loss_type="dr_grpo", scale_rewards="none"``; DAPO is
+    ``loss_type="dapo"`` with ``epsilon_high`` above ``epsilon``.
+
+    Args:
+        loss_type: token reduction: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``.
+        scale_rewards: advantage scaling: ``group``, ``batch`` or ``none``.
+        epsilon: lower clip range ``eps_low``.
+        epsilon_high: upper clip range; ``None`` means ``epsilon``.
+        beta: KL coefficient; 0 means the reference model is neither loaded nor run.
+        kl_estimator: per-token KL estimator ``k1``, ``k2`` or ``k3``.
+    """
+
+    tunable = ("beta",)
+    mutable = ("beta",)
+
+    def __init__(
+        self,
+        loss_type: LossType = "grpo",
+        scale_rewards: ScaleRewards = "group",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+    ) -> None:
+        check_choice("objective.loss_type", loss_type, get_args(LossType))
+        check_choice("objective.scale_rewards", scale_rewards, get_args(ScaleRewards))
+        self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
+        check_choice("objective.kl_estimator", kl_estimator, get_args(KLEstimator))
+        check_number("objective.beta", beta, minimum=0)
+        self.loss_type = loss_type
+        self.scale_rewards = scale_rewards
+        self.beta = float(beta)
+        self.kl_estimator = kl_estimator
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
+        """``dapo`` divides by the all-rank token count, so it is multiplied back by the
+        world size W; ``bnpo`` is a mean of micro-batch means by definition (factor 1)."""
+        if self.loss_type == "dapo":
+            return float(world_size)
+        if self.loss_type == "bnpo":
+            return 1.0
+        return super().loss_scale(world_size, rows, rows_all_ranks)
+
+    def prepare(
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+    ) -> Targets:
+        adv = group_advantages(rewards, scale=self.scale_rewards)  # (B, G)
+        return Targets(advantages=adv.reshape(-1))
+
+    def state(self) -> dict[str, float]:
+        return {"beta": self.beta}
+
+    def _reduce(self, per_token: Tensor, mb: MicroBatch) -> Tensor:
+        return reduce_tokens(per_token, mb, self.loss_type)
+
+    def loss(self, mb: MicroBatch) -> LossOutput:
+        assert mb.advantages is not None
+        per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high)
+        sums["loss/policy"] = token_sum(per_token, mb.mask)
+        if mb.ref_token_logps is not None:
+            kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
+            sums["kl"] = token_sum(kl, mb.mask)
+            if self.beta > 0:
+                per_token = per_token + self.beta * kl
+        return LossOutput(self._reduce(per_token, mb), sums)
+
+
+class EntropyMaxEnt(GRPO):
+    """Entropy-regularised GRPO, "token MaxEnt" (ALGORITHM §4.2).
+
+    ``L[i,t] = -surr + beta*KL - alpha_eff*H[i,t]`` with the exact, differentiable token
+    entropy at the sampling temperature. With ``kl_gate_threshold`` set, ``alpha_eff =
+    alpha * m(KL)`` where ``m`` is :func:`maxent_grpo.core.entropy_gate_multiplier`. The
+    KL that drives the gate is the token-mean KL measured over the *previous* optimizer
+    step (the current step's KL is only known after its backward pass); the first step
+    uses no gate (multiplier 1). Gating needs KL, so it loads the reference model.
+
+    Args:
+        alpha: entropy bonus coefficient (>= 0).
+        kl_gate_threshold: ``kappa``; ``None`` disables gating.
+        kl_gate_gain: gain ``g`` of the gate.
+        kl_gate_min_multiplier: lower bound ``m_lo`` of the multiplier.
+        kl_gate_max_multiplier: upper bound ``m_hi`` of the multiplier.
+        disable_outside_trust_zone: switch the bonus off while KL is above ``kappa``.
+        (other arguments as :class:`GRPO`)
+    """
+
+    needs_entropy = True
+    mutable = ("beta", "alpha_multiplier")
+
+    def __init__(
+        self,
+        alpha: float = 0.01,
+        kl_gate_threshold: float | None = None,
+        kl_gate_gain: float = 1.0,
+        kl_gate_min_multiplier: float = 0.0,
+        kl_gate_max_multiplier: float = 2.0,
+        disable_outside_trust_zone: bool = False,
+        loss_type: LossType = "grpo",
+        scale_rewards: ScaleRewards = "group",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+    ) -> None:
+        super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator)
+        check_number("objective.alpha", alpha, minimum=0)
+        check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
+                     allow_none=True)
+        check_number("objective.kl_gate_gain", kl_gate_gain, minimum=0)
+        check_number("objective.kl_gate_min_multiplier", kl_gate_min_multiplier, minimum=0)
+        check_number("objective.kl_gate_max_multiplier", kl_gate_max_multiplier, minimum=0)
+        require(
+            kl_gate_min_multiplier <= kl_gate_max_multiplier,
+            "objective.kl_gate_min_multiplier must be <= objective.kl_gate_max_multiplier; "
+            f"got {kl_gate_min_multiplier} > {kl_gate_max_multiplier}",
+        )
+        check_bool("objective.disable_outside_trust_zone", disable_outside_trust_zone)
+        self.alpha = float(alpha)
+        self.kl_gate_threshold = kl_gate_threshold
+        self.kl_gate_gain = kl_gate_gain
+        self.kl_gate_min_multiplier = kl_gate_min_multiplier
+        self.kl_gate_max_multiplier = kl_gate_max_multiplier
+        self.disable_outside_trust_zone = disable_outside_trust_zone
+        self.alpha_multiplier = 1.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0 or self.kl_gate_threshold is not None
+
+    def observe(self, stats: dict[str, float]) -> None:
+        """Update the gate from the step's measured token-mean KL (``stats["kl"]``); an
+        unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"."""
+        if self.kl_gate_threshold is None:
+            return
+        kl = stats.get("kl", float("nan"))
+        self.alpha_multiplier = entropy_gate_multiplier(
+            kl,
+            kappa=self.kl_gate_threshold,
+            gain=self.kl_gate_gain,
+            m_lo=self.kl_gate_min_multiplier,
+            m_hi=self.kl_gate_max_multiplier,
+            disable_outside_trust_zone=self.disable_outside_trust_zone,
+        )
+
+    @property
+    def alpha_effective(self) -> float:
+        return self.alpha * self.alpha_multiplier
+
+    def state(self) -> dict[str, float]:
+        return {"beta": self.beta, "alpha": self.alpha_effective}
+
+    def loss(self, mb: MicroBatch) -> LossOutput:
+        out = super().loss(mb)
+        if mb.entropy is None:
+            raise RuntimeError("EntropyMaxEnt needs token entropy; the module did not pass it")
+        out.sums["entropy"] = token_sum(mb.entropy, mb.mask)
+        if self.alpha_effective > 0:
+            out.loss = out.loss - self.alpha_effective * self._reduce(mb.entropy, mb)
+        return out

@@ -1,0 +1,213 @@
+"""MaxEnt objectives: listwise MaxEnt-GRPO and group MaxEnt weights on Dr.GRPO (§4.3-4.4).
+
+Both turn a group's rewards into weights ``w`` (rows sum to 1) with an entropy temperature
+``tau`` that :class:`~maxent_grpo.training.callbacks.TauController` may move;
+:class:`ListwiseMaxEnt` fits the policy's softmax over the group to ``w``, while
+:class:`GroupMaxEnt` scales the rows of the Dr.GRPO clipped surrogate by ``G*w``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from maxent_grpo.core import (
+    group_advantages,
+    group_utility,
+    group_weights,
+    kl_penalty,
+    listwise_loss,
+    maxent_weights,
+    q_distribution,
+    sequence_clip_loss,
+)
+from maxent_grpo.objectives.base import (
+    LossOutput,
+    MicroBatch,
+    Objective,
+    Targets,
+    token_sum,
+    weight_stats,
+)
+from maxent_grpo.objectives.surrogate import clip_range, clipped_token_loss, reduce_tokens
+from maxent_grpo.validation import check_bool, check_number, require
+
+
+class ListwiseMaxEnt(Objective):
+    """Listwise MaxEnt-GRPO (ALGORITHM §4.3).
+
+    Per group: ``q = softmax(r / q_temperature)`` floored by ``q_epsilon``;
+    ``w = softmax((log q + beta*rho) / (tau + beta))``; loss = mean over groups of
+    ``-sum_i w_i log softmax_G(s)_i`` with ``s_i`` the sequence log-prob (divided by the
+    length ``T_i`` when ``length_normalize``). Optional sequence-level clip term with
+    coefficient ``clip_coef``. :meth:`prepare` returns ``q`` with the weights
+    (:attr:`Targets.q`).
+
+    Args:
+        tau: entropy temperature of the weights; ``tau + beta`` must be > 0.
+        beta: trust-region weight towards the reference (loads it when > 0).
+        q_temperature: temperature ``T_q`` of the reward target.
+        q_epsilon: floor ``eps`` of the reward target.
+        length_normalize: use ``s_i / T_i`` instead of ``s_i``.
+        distinct_candidates: the candidates of a group are its *distinct* completions: a
+            completion sampled m times is one candidate (its first row; the others get no
+            weight and leave the softmax), so ``softmax_G(s)`` is the policy restricted to
+            the candidate set and a frequent answer does not get m times the target of a
+            rare one that is as good.
+        clip_coef: coefficient of the sequence-level clip term (0 = off; not with
+            ``distinct_candidates``).
+        epsilon: lower clip range of that term.
+        epsilon_high: upper clip range; ``None`` means ``epsilon``.
+    """
+
+    tunable = ("tau", "beta")
+    mutable = ("tau", "beta")
+
+    def __init__(
+        self,
+        tau: float = 0.5,
+        beta: float = 0.0,
+        q_temperature: float = 1.0,
+        q_epsilon: float = 1e-6,
+        length_normalize: bool = False,
+        distinct_candidates: bool = False,
+        clip_coef: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+    ) -> None:
+        check_number("objective.beta", beta, minimum=0)
+        check_number("objective.tau", tau, minimum=0)
+        require(
+            tau + beta > 0,
+            "objective.tau must be > 0 when objective.beta = 0 (the weights need "
+            f"tau + beta > 0); got tau={tau}, beta={beta}",
+        )
+        check_number("objective.q_temperature", q_temperature, minimum=0, strict=True)
+        check_number("objective.q_epsilon", q_epsilon, minimum=0, strict=True)
+        check_number("objective.clip_coef", clip_coef, minimum=0)
+        self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
+        check_bool("objective.length_normalize", length_normalize)
+        check_bool("objective.distinct_candidates", distinct_candidates)
+        require(
+            not (distinct_candidates and clip_coef > 0),
+            "objective.clip_coef must be 0 with objective.distinct_candidates: the "
+            "sequence-level clip term is defined over all G rows",
+        )
+        self.tau = float(tau)
+        self.beta = float(beta)
+        self.distinct_candidates = distinct_candidates
+        self.q_temperature = q_temperature
+        self.q_epsilon = q_epsilon
+        self.length_normalize = length_normalize
+        self.clip_coef = clip_coef
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    @property
+    def needs_candidates(self) -> bool:
+        return self.distinct_candidates
+
+    def state(self) -> dict[str, float]:
+        return {"tau": self.tau, "beta": self.beta}
+
+    def prepare(
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+    ) -> Targets:
+        q = q_distribution(rewards, self.q_temperature, self.q_epsilon, candidates)  # (B, G)
+        ref = ref_seq_logps if self.beta > 0 else None
+        w = maxent_weights(q.log(), self.tau, self.beta, ref, candidates)  # rows sum to 1
+        return Targets(weights=w, stats=weight_stats(w), candidates=candidates, q=q)
+
+    def _seq_logps(self, token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
+        m = mask.to(token_logps.dtype)
+        s = (token_logps * m).sum(-1)  # (n,)
+        if self.length_normalize:
+            s = s / m.sum(-1).clamp(min=1.0)
+        return s.view(-1, group_size)  # (n // G, G)
+
+    def loss(self, mb: MicroBatch) -> LossOutput:
+        assert mb.weights is not None
+        G = mb.group_size
+        total_groups = mb.num_rows // G
+        scale = mb.num_groups / total_groups  # sum over micro-batches = mean over groups
+        s = self._seq_logps(mb.token_logps, mb.mask, G)  # (b, G)
+        loss = listwise_loss(s, mb.weights, mb.candidates) * scale
+        sums: dict[str, tuple[Tensor, Tensor]] = {}
+        groups = torch.tensor(float(mb.num_groups))
+        sums["loss/policy"] = (loss.detach() / scale * groups, groups)
+        if self.clip_coef > 0:
+            old_tok = (
+                mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps.detach()
+            )
+            s_old = self._seq_logps(old_tok, mb.mask, G)
+            clip = sequence_clip_loss(s, s_old, mb.weights, self.epsilon, self.epsilon_high)
+            loss = loss + self.clip_coef * clip * scale
+            sums["loss/clip"] = (clip.detach() * groups, groups)
+        if mb.ref_token_logps is not None:
+            sums["kl"] = token_sum(kl_penalty(mb.token_logps, mb.ref_token_logps), mb.mask)
+        return LossOutput(loss, sums)
+
+
+class GroupMaxEnt(Objective):
+    """Group-level MaxEnt weights on Dr.GRPO, "xDr.GRPO" (ALGORITHM §4.4).
+
+    ``A_i = r_i - mean_group(r)``, ``U_i = A_i*T_i/T_max``,
+    ``w = softmax((U + lam*rho)/(tau + lam))`` (constants); the loss is the Dr.GRPO token
+    loss with row ``i`` scaled by ``G*w_i``:
+    ``sum_i G*w_i sum_t m*(-surr) / (N*T_max)``. ``tau = lam = 0`` puts uniform weight
+    on the argmax set; ``tau -> inf`` recovers Dr.GRPO.
+
+    It uses the clipped surrogate of :mod:`maxent_grpo.objectives.surrogate`, reduced
+    with ``dr_grpo``, without being a GRPO: it has no ``beta`` (the reference enters
+    through ``lam``, in the weights), so only ``tau`` is tunable. The reduction divides by
+    this rank's rows, so the base :meth:`Objective.loss_scale` applies.
+
+    Args:
+        tau: temperature of the group weights (>= 0).
+        lam: weight of the reference log-likelihood (>= 0; loads the reference when > 0).
+        epsilon: lower clip range.
+        epsilon_high: upper clip range; ``None`` means ``epsilon``.
+    """
+
+    tunable = ("tau",)
+    mutable = ("tau",)
+
+    def __init__(
+        self,
+        tau: float = 1.0,
+        lam: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+    ) -> None:
+        check_number("objective.tau", tau, minimum=0)
+        check_number("objective.lam", lam, minimum=0)
+        self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
+        self.tau = float(tau)
+        self.lam = float(lam)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.lam > 0
+
+    def state(self) -> dict[str, float]:
+        return {"tau": self.tau, "lam": self.lam}
+
+    def prepare(
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+    ) -> Targets:
+        adv = group_advantages(rewards, scale="none")  # (B, G)
+        utility = group_utility(rewards, lengths, max_completion_length)  # (B, G)
+        ref = ref_seq_logps if self.lam > 0 else None
+        w = group_weights(utility, self.tau, self.lam, ref)  # (B, G)
+        return Targets(advantages=adv.reshape(-1), weights=w, stats=weight_stats(w))
+
+    def loss(self, mb: MicroBatch) -> LossOutput:
+        assert mb.advantages is not None and mb.weights is not None
+        per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high)
+        row_scale = (mb.group_size * mb.weights).reshape(-1, 1)  # (n, 1)
+        sums["loss/policy"] = token_sum(per_token, mb.mask)
+        if mb.ref_token_logps is not None:
+            sums["kl"] = token_sum(kl_penalty(mb.token_logps, mb.ref_token_logps), mb.mask)
+        return LossOutput(reduce_tokens(per_token * row_scale, mb, "dr_grpo"), sums)

@@ -1,0 +1,65 @@
+"""The PPO clipped surrogate shared by GRPO, EntropyMaxEnt and GroupMaxEnt (ALGORITHM §2-3).
+
+A component, not a base class: an objective that optimises the clipped surrogate keeps its
+clip ranges (``epsilon`` / ``epsilon_high``, checked by :func:`clip_range`), takes the
+per-token loss from :func:`clipped_token_loss` and reduces it with :func:`reduce_tokens`
+(``dr_grpo`` for GroupMaxEnt), so it inherits no option it does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import Tensor
+
+from maxent_grpo.core import clip_fractions, clipped_surrogate, importance_ratio, reduce_token_loss
+from maxent_grpo.objectives.base import MicroBatch
+from maxent_grpo.validation import check_number, is_number, require
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+def clip_range(epsilon: float, epsilon_high: float | None) -> tuple[float, float]:
+    """Check ``objective.epsilon`` in [0, 1) and ``objective.epsilon_high`` >= 0 (or null);
+    return ``(eps_low, eps_high)`` with ``None`` meaning ``epsilon``."""
+    require(is_number(epsilon) and 0 <= epsilon < 1,
+            f"objective.epsilon must be in [0, 1); got {epsilon!r}")
+    check_number("objective.epsilon_high", epsilon_high, minimum=0, allow_none=True)
+    return float(epsilon), float(epsilon if epsilon_high is None else epsilon_high)
+
+
+def clipped_token_loss(
+    mb: MicroBatch, advantages: Tensor, epsilon: float, epsilon_high: float
+) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+    """Per-token loss ``-min(c*A, clip(c, 1-eps_low, 1+eps_high)*A)`` ``(n, T)`` of one
+    micro-batch, and the clip fractions ``clip/low``, ``clip/high``, ``clip/total`` as
+    token-weighted ``(sum, count)`` pairs. ``c`` is the ratio to the behaviour policy (1
+    when ``mb.old_token_logps`` is None)."""
+    old = mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps.detach()
+    ratio = importance_ratio(mb.token_logps, old)  # (n, T)
+    surr = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
+    low, high, total = clip_fractions(ratio.detach(), advantages, mb.mask, epsilon, epsilon_high)
+    n_tok = mb.mask.sum().float()
+    sums = {
+        "clip/low": (low * n_tok, n_tok),
+        "clip/high": (high * n_tok, n_tok),
+        "clip/total": (total * n_tok, n_tok),
+    }
+    return -surr, sums
+
+
+def reduce_tokens(per_token: Tensor, mb: MicroBatch, loss_type: LossType) -> Tensor:
+    """:func:`maxent_grpo.core.reduce_token_loss` of one micro-batch with the step's
+    normalisers, so that the micro-batches of a step sum to the batch's value (``bnpo``,
+    a token mean per micro-batch, is divided by their number: a mean of their means)."""
+    loss = reduce_token_loss(
+        per_token,
+        mb.mask,
+        loss_type,
+        max_completion_length=mb.max_completion_length,
+        num_global_tokens=mb.num_global_tokens if loss_type == "dapo" else None,
+        num_rows=mb.num_rows,
+    )
+    if loss_type == "bnpo":
+        loss = loss / mb.num_micro_batches
+    return loss
