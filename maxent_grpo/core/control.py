@@ -1,8 +1,9 @@
 """Pure update rules of the adaptive controllers (ALGORITHM.md sections 4.2 and 5).
 
-Every function takes and returns plain python floats: the Lightning callbacks own the
-state (tau, log tau, the entropy EMA, beta, last gradients), reduce the statistics over
-micro-batches and ranks, and call these rules once per optimizer step.
+Every function takes and returns plain python floats: the Lightning callbacks read tau
+and beta from the objective (their one owner; ``log tau`` is ``log(objective.tau)``), keep
+their own state (the entropy EMA, last error and gradients), take the statistics already
+reduced over micro-batches and ranks, and call these rules once per training step.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt
-from maxent_grpo.training.types import LogStepArtifacts
 from maxent_grpo.training import callbacks as cb
 from maxent_grpo.training.callbacks import (
     BetaController,
@@ -23,8 +22,10 @@ from maxent_grpo.training.callbacks import (
     MetaController,
     TauController,
     read_controller_state,
+    state_file,
     write_controller_state,
 )
+from maxent_grpo.training.types import LogStepArtifacts
 
 
 class FakeModule:
@@ -80,14 +81,14 @@ def test_tau_controller_follows_the_entropy_ema_by_hand():
 
     logs = step(trainer, module, weight_entropy=2.0)
     # first observation initialises the EMA: 2.0; log tau = log .5 + .5 * (1 - 2)
-    assert tau.entropy_ema == 2.0
+    assert tau.tau_entropy_ema == 2.0
     assert obj.tau == pytest.approx(0.5 * math.exp(-0.5), rel=1e-12)  # 0.30327
     assert logs["train/delta_tau"] == pytest.approx(0.5 * math.exp(-0.5) - 0.5)
     assert logs["train/tau_target_entropy"] == 1.0
 
     step(trainer, module, weight_entropy=1.0)
     # EMA = .9 * 2 + .1 * 1 = 1.9; log tau += .5 * (1 - 1.9) = -.45
-    assert tau.entropy_ema == pytest.approx(1.9)
+    assert tau.tau_entropy_ema == pytest.approx(1.9)
     assert obj.tau == pytest.approx(0.5 * math.exp(-0.95), rel=1e-12)  # 0.19338
     assert tau.steps == 2
 
@@ -110,9 +111,9 @@ def test_tau_controller_warmup_clip_and_anneal():
     for _ in range(2):  # warmup: only the EMA moves
         logs = step(trainer, module, weight_entropy=0.0)
         assert obj.tau == pytest.approx(1.0) and logs["train/delta_tau"] == pytest.approx(0.0)
-    assert tau.entropy_ema == 0.0
+    assert tau.tau_entropy_ema == 0.0
     step(trainer, module, weight_entropy=0.0)  # target 2 - 1 * 2/4 = 1.5: +15 in log -> clip
-    assert obj.tau == 2.0 and tau.tau_log == pytest.approx(math.log(2.0))
+    assert obj.tau == 2.0 and tau.state_dict() == {"steps": 3, "tau_entropy_ema": 0.0}
     assert [tau.target_at(s) for s in (0, 2, 4, 9)] == [2.0, 1.5, 1.0, 1.0]
 
 
@@ -122,7 +123,7 @@ def test_tau_controller_skips_a_step_without_weight_entropy():
     trainer, module = attach(obj, tau)
     with pytest.warns(UserWarning, match="no finite train/weight_entropy"):
         logs = step(trainer, module, kl=0.1)
-    assert logs == {} and obj.tau == 0.5 and tau.entropy_ema is None
+    assert logs == {} and obj.tau == 0.5 and tau.tau_entropy_ema is None
 
 
 # ---------------------------------------------------------------------- beta
@@ -188,7 +189,7 @@ def test_meta_controller_by_hand_every_two_steps():
         (GroupMaxEnt(), [BetaController(0.1)], "BetaController.*GroupMaxEnt"),
         (GroupMaxEnt(), [MetaController(1.0, 0.1)], "MetaController.*GroupMaxEnt"),
         (GRPO(beta=0.1), [MetaController(1.0, 0.1)], "MetaController.*GRPO"),
-        (GRPO(beta=0.0), [BetaController(0.1)], "beta is 0.*never raise"),
+        (GRPO(beta=0.0), [BetaController(0.1)], "beta is 0 in model.objective.*never raise"),
         (ListwiseMaxEnt(tau=0.0, beta=0.1), [TauController(1.0)], "tau > 0"),
         (ListwiseMaxEnt(tau=20.0), [TauController(1.0)], r"outside \[tau_min, tau_max\]"),
         (ListwiseMaxEnt(tau=0.5), [TauController(2.5)], r"log G\] = \[0, 2.0794\]"),
@@ -208,12 +209,12 @@ def test_setup_rejects_what_cannot_work(objective, controllers, match):
     [
         (lambda: BetaController(0.1, horizon=1.0, step_bound=1.0), "step_bound.*< horizon"),
         (lambda: BetaController(0.0), "kl_target must be a finite number > 0"),
-        (lambda: TauController(1.0, tau_min=0.0), "tau_min must be > 0"),
+        (lambda: TauController(1.0, tau_min=0.0), "tau_min must be a finite number > 0"),
         (lambda: TauController(1.0, ema_decay=1.0), r"ema_decay must be in \[0, 1\)"),
         (lambda: TauController(-1.0), "target_entropy must be a finite number >= 0"),
-        (lambda: MetaController(1.0, 0.1, every_n_steps=0), "every_n_steps must be >= 1"),
+        (lambda: MetaController(1.0, 0.1, every_n_steps=0), "every_n_steps must be an int >= 1"),
         (lambda: TauController(1.0, state_path=""), "state_path must be None or a non-empty"),
-        (lambda: HFExport(every_n_train_steps=0), "every_n_train_steps must be >= 1"),
+        (lambda: HFExport(every_n_train_steps=0), "every_n_train_steps must be an int >= 1"),
     ],
 )
 def test_bad_arguments_fail_at_construction(build, match):
@@ -224,27 +225,67 @@ def test_bad_arguments_fail_at_construction(build, match):
 # ---------------------------------------------------------------------- state
 
 
-def test_state_dict_round_trip_pushes_into_the_objective():
+def test_controller_state_has_no_tau_or_beta_and_the_module_entry_restores_them():
     obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
     tau, beta = TauController(1.0, lr=0.3), BetaController(0.02)
     trainer, module = attach(obj, tau, beta)
     for h, kl in ((1.5, 0.01), (1.2, 0.05), (0.9, 0.03)):
         step(trainer, module, weight_entropy=h, kl=kl)
+    # the checkpoint: the module's entry holds tau / beta, the controllers only their own
     saved = {c.state_key: c.state_dict() for c in (tau, beta)}
-    assert set(saved["TauController"]) == {"steps", "tau", "tau_log", "tau_entropy_ema"}
-    assert set(saved["BetaController"]) == {"steps", "beta", "kl_error"}
+    saved_objective = obj.state_dict()
+    assert saved["TauController"] == {"steps": 3, "tau_entropy_ema": tau.tau_entropy_ema}
+    assert saved["BetaController"] == {"steps": 3, "kl_error": beta.kl_error}
+    assert saved_objective == {"tau": obj.tau, "beta": obj.beta}
     json.dumps(saved)  # plain values only
 
-    # a fresh run: set-up from the config, then Lightning restores the checkpoint
+    # a fresh run: set-up from the config, then Lightning restores the checkpoint: the
+    # module's entry first, then the callbacks, which leave the objective alone
     fresh_obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
     tau2, beta2 = TauController(1.0, lr=0.3), BetaController(0.02)
-    attach(fresh_obj, tau2, beta2)
+    trainer2, module2 = attach(fresh_obj, tau2, beta2)
+    fresh_obj.load_state_dict(saved_objective)
     tau2.load_state_dict(saved["TauController"])
     beta2.load_state_dict(saved["BetaController"])
     assert (fresh_obj.tau, fresh_obj.beta) == (obj.tau, obj.beta)
     assert tau2.state_dict() == saved["TauController"] and tau2.steps == 3
-    with pytest.raises(ValueError, match=r"TauController state .* missing keys \['tau_log'\]"):
-        tau2.load_state_dict({"steps": 1, "tau": 0.5, "tau_entropy_ema": None})
+    assert beta2.state_dict() == saved["BetaController"]
+    # ... and both runs continue identically
+    assert step(trainer, module, weight_entropy=1.0, kl=0.02) == step(
+        trainer2, module2, weight_entropy=1.0, kl=0.02)
+    assert (fresh_obj.tau, fresh_obj.beta) == (obj.tau, obj.beta)
+
+
+def test_an_older_checkpoint_entry_with_tau_and_beta_is_accepted_and_ignored():
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    tau, beta = TauController(1.0), BetaController(0.02)
+    attach(obj, tau, beta)
+    obj.load_state_dict({"tau": 0.3, "beta": 0.2})  # the module's entry is authoritative
+    tau.load_state_dict({"steps": 4, "tau": 9.0, "tau_log": math.log(9.0),
+                         "tau_entropy_ema": 1.1})
+    beta.load_state_dict({"steps": 4, "beta": 9.0, "kl_error": 0.2})
+    assert (obj.tau, obj.beta) == (0.3, 0.2)
+    assert tau.state_dict() == {"steps": 4, "tau_entropy_ema": 1.1}
+    assert beta.state_dict() == {"steps": 4, "kl_error": 0.2}
+    with pytest.raises(ValueError, match=r"missing keys \['tau_entropy_ema'\]"):
+        tau.load_state_dict({"steps": 1, "tau": 0.5})
+    with pytest.raises(ValueError, match=r"BetaController state .* unknown keys \['bogus'\]"):
+        beta.load_state_dict({"steps": 1, "kl_error": None, "bogus": 1})
+
+
+def test_controllers_are_chosen_by_what_the_objective_lets_them_move():
+    class OnlyTau(GRPO):  # a GRPO whose beta is fixed and whose tau a controller may move
+        tunable = ("tau",)
+        mutable = ("beta", "tau")
+        tau = 0.5
+
+    obj = OnlyTau(beta=0.1)
+    trainer, module = attach(obj, TauController(1.0, lr=0.5))
+    step(trainer, module, weight_entropy=2.0)
+    assert obj.tau == pytest.approx(0.5 * math.exp(-0.5), rel=1e-12) and obj.beta == 0.1
+    with pytest.raises(ValueError, match=r"BetaController moves objective.beta, but "
+                       r"model.objective is OnlyTau, whose tunable attributes \['tau'\]"):
+        attach(OnlyTau(beta=0.1), BetaController(0.02))
 
 
 def test_state_file_is_written_atomically_with_the_documented_schema(tmp_path):
@@ -266,6 +307,18 @@ def test_state_file_is_written_atomically_with_the_documented_schema(tmp_path):
     assert os.listdir(path.parent) == [cb.STATE_FILENAME]  # no temporary file left
 
 
+def test_the_state_file_has_no_beta_for_an_objective_without_one(tmp_path):
+    path = tmp_path / "state.json"
+    obj = GroupMaxEnt(tau=1.0)
+    tau = TauController(1.0, state_path=str(path))
+    trainer, module = attach(obj, tau)
+    step(trainer, module, weight_entropy=0.5)
+    tau.on_train_end(trainer, module)
+    state = read_controller_state(path)
+    assert state["beta"] is None and state["tau"] == obj.tau
+    assert state["meta"] == {"tau_steps": 1}
+
+
 def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     write_controller_state(path, {"a": 1})
@@ -274,7 +327,7 @@ def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
         f.write('{"a": ')
         raise OSError("disk full")
 
-    monkeypatch.setattr(cb.json, "dump", broken_dump)
+    monkeypatch.setattr(state_file.json, "dump", broken_dump)
     with pytest.raises(OSError, match="disk full"):
         write_controller_state(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 1}
@@ -293,7 +346,22 @@ def test_resume_from_a_state_file(tmp_path):
     beta = BetaController(0.02, resume_from=str(path))
     attach(obj, tau, beta)
     assert (obj.tau, obj.beta) == (0.4, 0.1)  # ... are replaced by the file's
-    assert tau.entropy_ema == 1.3 and tau.steps == 7 and beta.steps == 7
+    assert tau.tau_entropy_ema == 1.3 and tau.steps == 7 and beta.steps == 7
+    assert beta.kl_error == -0.1
+
+
+def test_a_state_file_start_is_checked_like_the_config(tmp_path):
+    path = tmp_path / "state.json"
+    write_controller_state(path, {**GOOD, "beta": 0.0, "tau": 20.0, "tau_log": math.log(20.0)})
+    with pytest.raises(ValueError, match=r"beta is 0 in controller state file .*never raise"):
+        attach(ListwiseMaxEnt(tau=0.5, beta=0.05), BetaController(0.02, resume_from=str(path)))
+    with pytest.raises(ValueError, match=r"tau = 20.0 in controller state file .* outside"):
+        attach(ListwiseMaxEnt(tau=0.5), TauController(1.0, resume_from=str(path)))
+    # a config beta of 0 is fine when the file starts it above 0
+    obj = ListwiseMaxEnt(tau=0.5)
+    write_controller_state(path, GOOD)
+    attach(obj, BetaController(0.02, resume_from=str(path)))
+    assert obj.beta == 0.1
 
 
 @pytest.mark.parametrize(

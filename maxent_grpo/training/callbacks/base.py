@@ -1,0 +1,223 @@
+"""What the adaptive tau / beta controllers (ALGORITHM §5) share, as Lightning callbacks.
+
+Added under ``trainer.callbacks`` in YAML::
+
+    trainer:
+      callbacks:
+        - class_path: maxent_grpo.training.callbacks.TauController
+          init_args: {target_entropy: 1.2, lr: 0.2}
+        - class_path: maxent_grpo.training.callbacks.BetaController
+          init_args: {kl_target: 0.02}
+
+When they act: once per training step (one rollout), in ``on_train_batch_end``, after the
+step's optimizer step(s), on ``pl_module.step_log`` -- the step's logged ``train/...``
+scalars, already reduced over micro-batches and ranks, so every rank computes the same
+update. With ``model.num_iterations = 1`` that is once per optimizer step, as in §5; with
+``num_iterations > 1`` a rollout feeds several optimizer steps and the controllers act once
+per rollout, on the statistics reduced over all of its optimizer steps (the weight entropy
+is a property of the rollout anyway). The new value is used from the next rollout on.
+
+What they move: ``pl_module.objective.tau`` / ``.beta``. The objective is their one owner:
+a controller keeps no copy, it reads the current value from the objective at each update,
+computes the new one with the pure rules of :mod:`maxent_grpo.core.control` and writes it
+back. The module logs ``train/tau``, ``train/beta`` (the values the step used) and
+``train/weight_entropy`` (with ``_min`` / ``_max`` over groups) every step; the controllers
+add ``train/delta_tau``, ``train/delta_beta`` (new - old), their targets and
+``train/meta/tau_grad``, ``train/meta/beta_grad``.
+
+Checks at ``setup`` (ValueError naming the callback and the objective or the file): every
+attribute a controller moves is in ``objective.tunable`` (the table in
+:mod:`~maxent_grpo.training.callbacks.controllers`), no two controllers move the same one,
+and the start values (the config's, or the ``resume_from`` file's) suit the rule. Then a
+controller that can raise beta calls ``pl_module.require_reference()``, so the reference
+model is loaded from the start and ``train/kl`` is measured every step.
+
+State: a controller's ``state_dict`` holds only its own state (steps, the entropy EMA, the
+last KL error, the last gradients); tau and beta travel in the module's checkpoint entry
+(``objective.state_dict()``). Restore order on ``fit``: ``setup`` reads ``resume_from``
+(a ``controller_state.json``, :mod:`~maxent_grpo.training.callbacks.state_file`) into the
+objective and the controllers; then a ``--ckpt_path`` checkpoint, restored after
+``setup``, overrides both (the module's entry sets tau / beta, the controllers' entries
+their own state). ``state_path`` (may contain ``{log_dir}``, the logger's version folder)
+names the file written at every checkpoint save and at the end of training.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from maxent_grpo.objectives import Objective
+from maxent_grpo.training.callbacks.state_file import (
+    apply_snapshot,
+    build_snapshot,
+    read_controller_state,
+    write_controller_state,
+)
+from maxent_grpo.training.types import ControllerPaths
+from maxent_grpo.validation import check_bool, require
+
+__all__ = ["Controller"]
+
+log = logging.getLogger(__name__)
+
+#: keys of a controller's checkpoint entry written before the objective owned tau / beta;
+#: ignored on load (the module's entry is authoritative)
+LEGACY_KEYS = frozenset({"tau", "beta", "tau_log"})
+
+
+class Controller(Callback):
+    """Shared machinery: checks at ``setup``, the update hook, state and the side file.
+
+    Subclasses set :attr:`moves` and implement ``_check_start`` (values the controller
+    cannot start from), ``_update`` (one step: read the objective, write it back, return
+    the logs) and ``_own_state`` (their ``state_dict`` besides ``steps``; restored by
+    ``load_state_dict`` through ``setattr``).
+    """
+
+    #: objective attributes this controller moves (each must be in ``objective.tunable``)
+    moves: tuple[str, ...] = ()
+    #: whether it can raise beta (then the reference is loaded from the start)
+    can_raise_beta: bool = False
+
+    def __init__(
+        self, state_path: str | None, resume_from: str | None, overwrite_existing: bool
+    ) -> None:
+        check_bool(f"{self.name}.overwrite_existing", overwrite_existing)
+        self.paths = ControllerPaths(state_path, resume_from, overwrite_existing)
+        self.steps = 0  # training steps (rollouts) observed
+        self._state_file: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check the objective and the other controllers; read ``resume_from``."""
+        if stage != "fit":
+            return
+        objective = getattr(pl_module, "objective", None)
+        require(
+            isinstance(objective, Objective),
+            f"{self.name} needs a MaxEntGRPOModule with an objective; got "
+            f"{type(pl_module).__name__}",
+        )
+        missing = [name for name in self.moves if name not in objective.tunable]
+        require(
+            not missing,
+            f"{self.name} moves {' and '.join(f'objective.{n}' for n in self.moves)}, but "
+            f"model.objective is {type(objective).__name__}, whose tunable attributes "
+            f"{list(objective.tunable)} lack {missing}",
+        )
+        for other in trainer.callbacks:
+            if other is self or not isinstance(other, Controller):
+                continue
+            require(type(other) is not type(self),
+                    f"trainer.callbacks holds two {self.name}s; keep one")
+            shared = sorted(set(self.moves) & set(other.moves))
+            require(
+                not shared,
+                f"{self.name} and {other.name} both move objective.{shared[0] if shared else ''}"
+                "; use MetaController alone, or TauController and/or BetaController",
+            )
+        if self.paths.state_path is not None:
+            log_dir = trainer.log_dir or trainer.default_root_dir
+            self._state_file = Path(self.paths.state_path.replace("{log_dir}", log_dir))
+        origin = "model.objective"
+        if self.paths.resume_from is not None:
+            path = self.paths.resume_from
+            apply_snapshot(read_controller_state(path), path, objective, [self])
+            origin = f"controller state file {path!r}"
+            log.info("%s resumed from %s: %s", self.name, path, self.state_dict())
+        self._check_start(objective, origin, pl_module)
+        if self.can_raise_beta:
+            pl_module.require_reference()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse to overwrite another run's state file (``overwrite_existing=False``).
+
+        Checked here, not in ``setup``, because only now is it known whether the run
+        resumes from a checkpoint (``trainer.ckpt_path``): a resumed run continues its own
+        file, and so does a run whose ``resume_from`` is its ``state_path``.
+        """
+        path = self._state_file
+        if path is None or self.paths.overwrite_existing or not path.exists():
+            return
+        resume = self.paths.resume_from
+        if trainer.ckpt_path is not None or (resume is not None and Path(resume) == path):
+            return
+        raise ValueError(
+            f"{self.name}: the controller state file {str(path)!r} already exists (from an "
+            "earlier run?); set overwrite_existing: true to replace it, resume_from to "
+            "continue from it, or another state_path"
+        )
+
+    # ------------------------------------------------------------------ the update
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """One update of the objective from the step's reduced statistics."""
+        logs = self._update(pl_module.objective, pl_module.step_log.as_dict())
+        self.steps += 1
+        if logs:
+            pl_module.log_dict(logs, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """``steps`` and the controller's own state; never tau / beta (the objective's)."""
+        return {"steps": self.steps, **self._own_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. An older checkpoint's ``tau`` / ``beta`` /
+        ``tau_log`` keys are ignored: the module's entry restores the objective."""
+        expected = list(self.state_dict())
+        missing = [k for k in expected if k not in state_dict]
+        require(
+            not missing,
+            f"{self.name} state in the checkpoint is missing keys {missing}; expected {expected}",
+        )
+        unknown = sorted(set(state_dict) - set(expected) - LEGACY_KEYS)
+        require(not unknown, f"{self.name} state in the checkpoint has unknown keys {unknown}")
+        self.steps = int(state_dict["steps"])
+        for key in expected[1:]:
+            value = state_dict[key]
+            setattr(self, key, None if value is None else float(value))
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._write_file(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_file(trainer, pl_module)
+
+    def _write_file(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the joint snapshot of the objective and every controller (global rank 0;
+        once per file, by the first controller that names it)."""
+        if self._state_file is None or not trainer.is_global_zero:
+            return
+        controllers = [cb for cb in trainer.callbacks if isinstance(cb, Controller)]
+        writer = next(cb for cb in controllers if cb._state_file == self._state_file)
+        if writer is self:
+            write_controller_state(self._state_file, build_snapshot(pl_module.objective,
+                                                                    controllers))
+
+    # ------------------------------------------------------------------ for subclasses
+    def _check_start(
+        self, objective: Objective, origin: str, pl_module: pl.LightningModule
+    ) -> None:
+        """Refuse start values (from ``origin``: the config or a state file) the rule cannot
+        work from."""
+        raise NotImplementedError
+
+    def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _own_state(self) -> dict[str, float | None]:
+        raise NotImplementedError

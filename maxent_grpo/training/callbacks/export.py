@@ -1,0 +1,82 @@
+"""Hugging Face export of the trained policy, as a Lightning callback.
+
+Added under ``trainer.callbacks`` in YAML::
+
+    - class_path: maxent_grpo.training.callbacks.HFExport
+      init_args: {every_n_train_steps: 100}
+
+It reads ``pl_module.policy`` and ``pl_module.tokenizer`` and writes folders that
+``from_pretrained`` loads (global rank 0 only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from maxent_grpo.validation import check_int, require
+
+__all__ = ["HFExport"]
+
+log = logging.getLogger(__name__)
+
+
+class HFExport(Callback):
+    """Save the policy and its tokenizer with ``save_pretrained`` (global rank 0).
+
+    At the end of training into ``<dirpath>/final``, and, with ``every_n_train_steps``,
+    each time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
+    The folders load with ``AutoModelForCausalLM.from_pretrained`` /
+    ``AutoTokenizer.from_pretrained`` (or ``model.model_name_or_path``).
+
+    Args:
+        dirpath: output folder; None means ``<trainer.log_dir>/hf`` (the logger's version
+            folder, e.g. ``lightning_logs/tiny/version_0/hf``).
+        every_n_train_steps: also export every this many optimizer steps; None = only at
+            the end.
+    """
+
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None) -> None:
+        require(dirpath is None or bool(str(dirpath).strip()),
+                f"HFExport.dirpath must be None or a non-empty path; got {dirpath!r}")
+        check_int("HFExport.every_n_train_steps", every_n_train_steps, minimum=1, allow_none=True)
+        self.dirpath = dirpath
+        self.every_n_train_steps = every_n_train_steps
+        self._last_step = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # a resumed run does not re-export at once
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        n = self.every_n_train_steps
+        step = trainer.global_step
+        if n is not None and step // n > self._last_step // n:
+            self.export(trainer, pl_module, f"step-{step}")
+        self._last_step = step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.export(trainer, pl_module, "final")
+
+    def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
+        """``save_pretrained`` of ``pl_module.policy`` and ``.tokenizer`` into
+        ``<dirpath>/<name>``; returns the folder (None on other ranks)."""
+        if not trainer.is_global_zero:
+            return None
+        assert self.dirpath is not None, "HFExport.setup() sets dirpath"
+        out = Path(self.dirpath) / name
+        pl_module.policy.save_pretrained(out)
+        pl_module.tokenizer.save_pretrained(out)
+        log.info("exported the policy and tokenizer to %s", out)
+        return out

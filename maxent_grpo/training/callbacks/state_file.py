@@ -1,0 +1,192 @@
+"""``controller_state.json``: the controllers' side file, and its one mapping to the objective.
+
+Schema (every scalar a finite number or ``null``)::
+
+    {
+      "beta": 0.1,               # objective.beta  (null: the objective has no tunable beta)
+      "tau": 0.4,                # objective.tau   (null: the objective has no tunable tau)
+      "tau_log": -0.916,         # log(tau), for readers; tau is what is restored
+      "tau_entropy_ema": 1.3,    # TauController's entropy EMA (null: none, or no TauController)
+      "meta": {                  # each controller's own state, when it is in the run
+        "tau_steps": 7,                                 # TauController
+        "beta_steps": 7, "kl_error": -0.1,              # BetaController
+        "meta_steps": 7, "tau_grad": 0.2, "beta_grad": 0.03   # MetaController
+      }
+    }
+
+tau and beta have one owner, the objective: :func:`build_snapshot` reads them from it, and
+:func:`apply_snapshot` writes the values of the attributes a controller moves back into it
+(the controllers keep no copy). Everything else is a controller's own state, mapped by
+:data:`CONTROLLER_FIELDS` to and from the controller's ``state_dict``.
+
+When: the file is written atomically (:func:`write_controller_state`) at every checkpoint
+save and at the end of training, and read (:func:`read_controller_state`) at ``setup``
+from a controller's ``resume_from``. A ``fit --ckpt_path`` checkpoint is restored after
+``setup``, so its values (the module's objective entry and the controllers' own entries)
+then override the file's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from maxent_grpo.objectives import Objective
+from maxent_grpo.validation import is_number, require
+
+if TYPE_CHECKING:
+    from maxent_grpo.training.callbacks.base import Controller
+
+__all__ = [
+    "CONTROLLER_FIELDS",
+    "STATE_FILENAME",
+    "STATE_KEYS",
+    "apply_snapshot",
+    "build_snapshot",
+    "read_controller_state",
+    "write_controller_state",
+]
+
+STATE_FILENAME = "controller_state.json"
+STATE_KEYS = ("beta", "tau", "tau_log", "tau_entropy_ema", "meta")
+
+#: per controller class: its ``state_dict`` key -> where the value lives in the file
+#: (``meta.x`` is ``state["meta"]["x"]``); ``steps`` is required on read, the rest may be null
+CONTROLLER_FIELDS: dict[str, dict[str, str]] = {
+    "TauController": {"steps": "meta.tau_steps", "tau_entropy_ema": "tau_entropy_ema"},
+    "BetaController": {"steps": "meta.beta_steps", "kl_error": "meta.kl_error"},
+    "MetaController": {
+        "steps": "meta.meta_steps", "tau_grad": "meta.tau_grad", "beta_grad": "meta.beta_grad",
+    },
+}
+
+
+def write_controller_state(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` as JSON to ``path`` atomically: a temporary file in the same folder,
+    flushed to disk, then ``os.replace`` -- a reader sees the old file or the new one,
+    never half of one. Non-finite numbers are refused (``allow_nan=False``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=2, sort_keys=True, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_controller_state(path: str | Path) -> dict[str, Any]:
+    """Read ``controller_state.json`` and check its schema.
+
+    Returns ``{"beta", "tau", "tau_log", "tau_entropy_ema", "meta": {...}}`` where the four
+    scalars are finite numbers or ``null``. Raises FileNotFoundError for a missing file and
+    ValueError naming the file (and the key) for invalid JSON (a truncated or corrupt
+    file), a missing key or a value of the wrong type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"controller state file not found: {str(path)!r}")
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"controller state file {str(path)!r} is not valid JSON (truncated or corrupt?): "
+            f"{err}"
+        ) from err
+    require(isinstance(state, dict), f"controller state file {str(path)!r} must hold a JSON object")
+    for key in STATE_KEYS:
+        require(
+            key in state,
+            f"controller state file {str(path)!r} has no key {key!r}; expected keys "
+            f"{list(STATE_KEYS)}",
+        )
+    for key in STATE_KEYS[:-1]:
+        require(
+            state[key] is None or is_number(state[key]),
+            f"controller state file {str(path)!r}: {key!r} must be a finite number or null; "
+            f"got {state[key]!r}",
+        )
+    require(isinstance(state["meta"], dict),
+            f"controller state file {str(path)!r}: 'meta' must be an object")
+    return state
+
+
+def build_snapshot(objective: Objective, controllers: Sequence[Controller]) -> dict[str, Any]:
+    """The file's content: tau / beta from the objective (``null`` unless tunable), each
+    controller's own state through :data:`CONTROLLER_FIELDS`."""
+    tau = float(objective.tau) if "tau" in objective.tunable else None
+    beta = float(objective.beta) if "beta" in objective.tunable else None
+    snapshot: dict[str, Any] = {
+        "beta": beta,
+        "tau": tau,
+        "tau_log": math.log(tau) if tau else None,
+        "tau_entropy_ema": None,
+        "meta": {},
+    }
+    for controller in controllers:
+        fields = CONTROLLER_FIELDS[type(controller).__name__]
+        for key, value in controller.state_dict().items():
+            where, name = _location(snapshot, fields[key])
+            where[name] = value
+    return snapshot
+
+
+def apply_snapshot(
+    state: dict[str, Any], path: str, objective: Objective, controllers: Sequence[Controller]
+) -> None:
+    """Restore a :func:`read_controller_state` result: each controller's own state, and the
+    objective attributes it moves (``controller.moves``: ``tau`` / ``beta``).
+
+    Every value is checked before any is applied: a missing key, or a required value that
+    is not a finite number (``tau``, ``beta``, ``meta.<x>_steps``), raises ValueError
+    naming the file and the key, and leaves the objective and the controllers as they were.
+    """
+    moved: dict[str, float] = {}
+    own: list[tuple[Controller, dict[str, Any]]] = []
+    for controller in controllers:
+        for name in controller.moves:
+            moved[name] = _value(state, name, path, required=True)
+        fields = CONTROLLER_FIELDS[type(controller).__name__]
+        values = {key: _value(state, loc, path, required=key == "steps")
+                  for key, loc in fields.items()}
+        values["steps"] = int(values["steps"])
+        own.append((controller, values))
+    for name, value in moved.items():
+        setattr(objective, name, value)
+    for controller, values in own:
+        controller.load_state_dict(values)
+
+
+def _location(state: dict[str, Any], location: str) -> tuple[dict[str, Any], str]:
+    """The dict that holds ``location`` (``"tau"`` or ``"meta.tau_steps"``) and its key."""
+    if location.startswith("meta."):
+        return state["meta"], location.removeprefix("meta.")
+    return state, location
+
+
+def _value(state: dict[str, Any], location: str, path: str, required: bool) -> float | None:
+    """The number at ``location``: a finite number, or also ``null`` unless ``required``;
+    the key itself must be there."""
+    where, name = _location(state, location)
+    require(name in where, f"controller state file {path!r} has no key {location!r}")
+    value = where[name]
+    if value is None and not required:
+        return None
+    require(
+        is_number(value),
+        f"controller state file {path!r}: {location!r} must be a finite number"
+        f"{'' if required else ' or null'}; got {value!r}",
+    )
+    return float(value)
