@@ -11,8 +11,10 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from maxent_grpo.training.data import (  # noqa: E402
     EpochShuffleSampler,
@@ -515,6 +517,69 @@ def test_resume_continues_with_the_same_prompts(tmp_path, stop):
     assert [idx for _, idx in first + rest] == [idx for _, idx in whole]
     assert [e for e, _ in first + rest] == [e for e, _ in whole]
     assert dm.state_dict()["epoch"] == 2 and dm.state_dict()["consumed"] == 2
+
+
+def test_consumed_counts_training_batches_only(tmp_path):
+    """After N training batches of an epoch the saved ``consumed`` is N * batch_size * world,
+    whatever validation ran in between (sanity check, a validation after every step)."""
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.val_batches = 0
+
+        def training_step(self, batch, batch_idx):
+            return (self.weight**2).sum()
+
+        def validation_step(self, batch, batch_idx):
+            self.val_batches += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class CheckCount(pl.Callback):
+        """At every hook: consumed == this epoch's training batches so far x B x W."""
+
+        def __init__(self) -> None:
+            self.epoch, self.batches, self.checks = -1, 0, 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch != self.epoch:
+                self.epoch, self.batches = trainer.current_epoch, 0
+            self.batches += 1
+
+        def check(self, trainer, *args):
+            state = trainer.datamodule.state_dict()
+            assert state["consumed"] == self.batches * state["batch_size"] * state["world_size"]
+            self.checks += 1
+
+        on_train_batch_end = on_validation_batch_end = on_validation_end = check
+
+    dm = PromptDataModule(task="arithmetic", train_size=7, val_size=3, batch_size=2, seed=4,
+                          val_batch_size=1)
+    dm.set_tokenizer(CharTokenizer())
+    model, counter = Module(), CheckCount()
+    trainer = pl.Trainer(
+        max_steps=5, val_check_interval=1, check_val_every_n_epoch=None, num_sanity_val_steps=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[counter, ModelCheckpoint(dirpath=tmp_path, save_top_k=-1,
+                                            every_n_train_steps=1)],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert model.val_batches == 2 + 5 * 3  # the sanity check, then 3 batches after every step
+    assert counter.checks == 5 + model.val_batches + 6  # + 6 validation ends
+    per_epoch = len(dm.train_dataset) // 2
+    saved = {}
+    for path in tmp_path.glob("*.ckpt"):
+        state = torch.load(path, weights_only=True)
+        saved[state["global_step"]] = state["PromptDataModule"]
+    assert sorted(saved) == [1, 2, 3, 4, 5]
+    for step, state in saved.items():
+        n = (step - 1) % per_epoch + 1  # training batches of this step's epoch
+        assert state["epoch"] == (step - 1) // per_epoch
+        assert state["consumed"] == n * 2 * 1 and state["world_size"] == 1
 
 
 def test_loaders_leave_the_global_random_state_alone():

@@ -1,0 +1,132 @@
+"""From source rows to :class:`~maxent_grpo.training.sampler.PromptExample`: checks and
+rendering.
+
+A row's prompt (column ``prompt_column``) is a non-empty string or a non-empty list of chat
+messages (dicts with str ``role`` and ``content``); its answer (column ``answer_column``) is
+a string or a finite number, kept as a string ("" without an answer column). Every error
+names the source, the row and the ``data.`` option to fix.
+
+Rendering: with ``apply_chat_template`` the prompt becomes
+``[system?] + [{"role": "user", "content": prompt}]`` (a list-of-messages prompt is used as
+is, with the system message prepended unless its first message is a system one) and is
+rendered with ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``. Without it
+the text is the raw prompt, preceded by ``system_prompt + "\\n\\n"`` when set;
+list-of-messages prompts then raise ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from maxent_grpo.training.sampler import Prompt, PromptExample
+from maxent_grpo.training.sources import SplitRows
+from maxent_grpo.validation import is_number, require
+
+__all__ = ["PromptFormat"]
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """Which columns hold the prompt and answer, and how the prompt is rendered.
+
+    Attributes:
+        prompt_column: column holding the prompt text, or a list of chat messages.
+        answer_column: column holding the reference answer; None gives "" answers.
+        system_prompt: system message placed before every prompt, or None.
+        apply_chat_template: render prompts with the tokenizer's chat template.
+        tokenizer: returns the tokenizer (called only when a chat template is applied, so a
+            plain-text format never loads one).
+    """
+
+    prompt_column: str
+    answer_column: str | None
+    system_prompt: str | None
+    apply_chat_template: bool
+    tokenizer: Callable[[], Any]
+
+    def examples(self, split: SplitRows) -> list[PromptExample]:
+        """Check and render every row of ``split``, in order.
+
+        Each example keeps every column except the prompt column, plus ``"answer"`` (the
+        answer as a string). Raises ValueError naming the source (and row) when a column is
+        missing or a prompt or answer is malformed.
+        """
+        names: dict[str, None] = {}
+        for row in split.rows:
+            names.update(dict.fromkeys(row))
+        require(
+            not split.rows or self.prompt_column in names,
+            f"{split.source} has no prompt column {self.prompt_column!r} "
+            f"(data.prompt_column); columns: {sorted(names)}",
+        )
+        require(
+            not split.rows or self.answer_column is None or self.answer_column in names,
+            f"{split.source} has no answer column {self.answer_column!r} (data.answer_column, "
+            f"null allowed); columns: {sorted(names)}",
+        )
+        others = [n for n in names if n != self.prompt_column]
+        examples = []
+        for row, index in zip(split.rows, split.indices, strict=True):
+            raw = self._prompt(row.get(self.prompt_column), index, split.source)
+            answer = self._answer(row, index, split.source)
+            columns = {n: row.get(n) for n in others}
+            columns["answer"] = answer
+            examples.append(PromptExample(index, self.render(raw), raw, answer, columns))
+        return examples
+
+    def render(self, prompt: Prompt) -> str:
+        """The text fed to generation for ``prompt`` (see the module docstring)."""
+        if isinstance(prompt, str):
+            if not self.apply_chat_template:
+                if self.system_prompt is None:
+                    return prompt
+                return f"{self.system_prompt}\n\n{prompt}"
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return self.tokenizer().apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    def _prompt(self, value: Any, row: int, source: str) -> Prompt:
+        where = f"{source} row {row} column {self.prompt_column!r} (data.prompt_column)"
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError(f"{where} is an empty prompt")
+            return value
+        if not (isinstance(value, list) and value):
+            raise ValueError(
+                f"{where} must be a non-empty string or list of chat messages; got {value!r}"
+            )
+        for msg in value:
+            if not (
+                isinstance(msg, dict)
+                and isinstance(msg.get("role"), str)
+                and isinstance(msg.get("content"), str)
+            ):
+                raise ValueError(
+                    f"{where}: chat messages must be dicts with str 'role' and 'content'; "
+                    f"got {msg!r}"
+                )
+        if not self.apply_chat_template:
+            raise ValueError(
+                f"{where} holds chat messages, which need data.apply_chat_template: true"
+            )
+        return value
+
+    def _answer(self, row: dict[str, Any], index: int, source: str) -> str:
+        if self.answer_column is None:
+            return ""
+        value = row.get(self.answer_column)
+        if isinstance(value, str):
+            return value
+        if not is_number(value):
+            raise ValueError(
+                f"{source} row {index} column {self.answer_column!r} (data.answer_column) "
+                f"must be a string or a finite number; got {value!r}"
+            )
+        return str(value)

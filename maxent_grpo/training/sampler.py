@@ -1,0 +1,152 @@
+"""Prompt rows as a dataset, and the order in which training visits them.
+
+:class:`PromptExample` is one rendered prompt row, :class:`PromptDataset` a list of them and
+:func:`collate_prompts` stacks B of them into the batch dict described in
+:mod:`maxent_grpo.training.data`. :class:`EpochShuffleSampler` gives each rank its share of
+epoch ``e``'s order (``torch.randperm(N, generator=seed + e)``) and can skip the prompts an
+interrupted run already consumed; :class:`PromptLoader` is the training DataLoader, marked
+resumable for Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+__all__ = [
+    "EpochShuffleSampler",
+    "Prompt",
+    "PromptDataset",
+    "PromptExample",
+    "PromptLoader",
+    "collate_prompts",
+]
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """One prompt row, ready for generation.
+
+    Attributes:
+        index: row number in the source the row came from (before length filtering).
+        prompt: the rendered text fed to generation.
+        raw_prompt: the source prompt value (a string or a list of chat messages).
+        answer: the reference answer as a string ("" without an answer column).
+        columns: every column except the prompt column; ``columns["answer"] == answer``.
+    """
+
+    index: int
+    prompt: str
+    raw_prompt: Prompt
+    answer: str
+    columns: dict[str, Any]
+
+
+class PromptDataset(Dataset):
+    """A list of :class:`PromptExample`, indexed by position."""
+
+    def __init__(self, examples: Sequence[PromptExample]) -> None:
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, position: int) -> PromptExample:
+        return self.examples[position]
+
+
+def collate_prompts(examples: Sequence[PromptExample]) -> dict[str, Any]:
+    """Stack B examples into the batch dict of :mod:`maxent_grpo.training.data`.
+
+    Lists stay lists (torch's default collate would transpose or tensorize them).
+    """
+    names = list(examples[0].columns) if examples else []
+    return {
+        "prompts": [ex.prompt for ex in examples],
+        "raw_prompts": [ex.raw_prompt for ex in examples],
+        "answers": [ex.answer for ex in examples],
+        "columns": {name: [ex.columns[name] for ex in examples] for name in names},
+        "indices": [ex.index for ex in examples],
+    }
+
+
+class EpochShuffleSampler(DistributedSampler):
+    """This rank's share of epoch ``e``'s order, optionally resuming mid-epoch.
+
+    Order of epoch ``e``: ``order = torch.randperm(N, generator=seed + e)`` (``0..N-1`` with
+    ``shuffle=False``), cut to ``W * floor(N / W)`` positions so every rank gets the same
+    count; rank ``r`` of ``W`` takes ``order[r::W]``. This is exactly
+    ``torch.utils.data.DistributedSampler(shuffle=shuffle, drop_last=True)``; being one,
+    Lightning uses it as is under DDP instead of wrapping it, and calls :meth:`set_epoch`
+    before every training epoch.
+
+    Resume: :meth:`resume_at` makes epoch ``epoch`` skip its first ``consumed`` positions
+    (all ranks together; a multiple of ``W``), which is where the interrupted run stopped:
+    rank ``r`` then takes ``order[consumed:][r::W]``, the rest of what it would have taken.
+    Other epochs are untouched. ``len()`` stays the full epoch's count, as Lightning expects
+    (it counts the batches already done itself).
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        seed: int,
+        shuffle: bool = True,
+        epoch: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(
+            range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+            drop_last=True,
+        )
+        self.num_rows = num_rows
+        self.epoch = epoch
+        self.resume_epoch: int | None = None
+        self.resume_consumed = 0
+
+    def resume_at(self, epoch: int, consumed: int) -> None:
+        """Skip the first ``consumed`` positions of epoch ``epoch`` (all ranks together)."""
+        if consumed % self.num_replicas:
+            raise ValueError(
+                f"consumed ({consumed}) must be a multiple of the number of ranks "
+                f"({self.num_replicas})"
+            )
+        self.resume_epoch, self.resume_consumed = epoch, consumed
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=generator).tolist()
+        else:
+            order = list(range(self.num_rows))
+        order = order[: self.total_size]
+        if self.epoch == self.resume_epoch:
+            order = order[self.resume_consumed :]
+        return iter(order[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class PromptLoader(DataLoader):
+    """The training DataLoader, marked resumable for Lightning.
+
+    The position in the order is saved and restored by the DataModule's ``state_dict`` /
+    ``load_state_dict`` (:class:`maxent_grpo.training.data.PromptDataModule`; the sampler
+    then skips what was consumed). These two methods only declare the loader resumable, so
+    that Lightning does not warn on a mid-epoch resume that the data order "can cause
+    unreliable results"; they carry nothing.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here: the DataModule restored the position."""
