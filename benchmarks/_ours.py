@@ -112,7 +112,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
     timed = clock.steps[warmup:]
     if len(timed) != steps:
         raise RuntimeError(f"expected {steps} timed steps, got {len(timed)}")
-    rollout = module.last_rollout
+    samples = None if module.trajectory is None else module.trajectory.samples
     return {
         "side": "ours",
         "workload": workload.name,
@@ -123,7 +123,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "total_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "versions": bc.versions("torch", "transformers", "lightning"),
-        "sample_completion": rollout["completions"][0][0] if rollout else None,
+        "sample_completion": samples.generation.grouped_completions[0][0] if samples else None,
     }
 
 

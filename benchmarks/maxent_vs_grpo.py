@@ -154,7 +154,7 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
     return {
         "task": task, "task_label": TASKS[task]["label"], "objective": objective, "seed": seed,
         "curve": {"steps": curve.steps, "reward": curve.reward}, "metrics": metrics,
-        "empty_steps": int(cli.model.empty_steps), "seconds": time.perf_counter() - start,
+        "empty_steps": int(cli.model.counters.empty_steps), "seconds": time.perf_counter() - start,
     }
 
 

@@ -24,7 +24,9 @@ evaluate pass@8. A checkpoint of another model or objective is refused when it l
 
 from __future__ import annotations
 
+import copy
 import os
+from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -43,9 +45,16 @@ class MaxEntGRPOCLI(LightningCLI):
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
 
-    def _parse_ckpt_path(self) -> None:
-        """Keep the parsed config as it is (see the module docstring); Lightning's version
-        would silently replace command-line model options by the checkpoint's."""
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, and keep the parsed config: see :meth:`before_instantiate_classes`."""
+        super().parse_arguments(parser, args)
+        self._parsed_config = copy.deepcopy(self.config)
+
+    def before_instantiate_classes(self) -> None:
+        """Build from the config and the command line exactly as parsed: LightningCLI, when
+        given ``--ckpt_path``, replaces the model options by the checkpoint's saved
+        hyper-parameters between parsing and this hook; that replacement is undone here."""
+        self.config = self._parsed_config
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``."""

@@ -91,7 +91,7 @@ def test_config_parses_and_builds(path, monkeypatch, tmp_path):
     assert type(model.objective) is getattr(objectives, objective_cls)
     for key, value in raw["model"]["objective"].get("init_args", {}).items():
         assert getattr(model.objective, key) == value, key
-    assert model.reward_names == list(raw["model"]["rewards"])
+    assert model.rewards.names == list(raw["model"]["rewards"])
     optimizer = model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
     assert type(optimizer).__name__ == raw["model"]["optimizer"]["class_path"].rsplit(".", 1)[1]
     assert optimizer.param_groups[0]["lr"] == raw["model"]["optimizer"]["init_args"]["lr"]

@@ -40,10 +40,11 @@ from transformers import GenerationConfig  # noqa: E402
 
 from maxent_grpo.models import resolve_model_path  # noqa: E402
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt  # noqa: E402
-from maxent_grpo.rollout import HFGenerateEngine  # noqa: E402
+from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
 from maxent_grpo.training.callbacks import TauController  # noqa: E402
 from maxent_grpo.training.data import PromptDataModule  # noqa: E402
 from maxent_grpo.training.module import MaxEntGRPOModule  # noqa: E402
+from maxent_grpo.training.strategy import clip_gradients, fully_shard_models  # noqa: E402
 
 WORLD = 2
 B = 2  # prompts per rank and step; the 1-rank run takes WORLD * B
@@ -103,23 +104,16 @@ class ScriptedLM(torch.nn.Module):
 
 class ScriptedEngine:
     """The real :class:`HFGenerateEngine` around :class:`ScriptedLM` (masks, truncation
-    flags and texts come from the production code)."""
+    flags and texts come from the production code); a ``model.engine`` factory, so the
+    policy it is given is not used for sampling."""
 
-    def __init__(self, module: MaxEntGRPOModule) -> None:
-        self.lm = ScriptedLM(module.tokenizer)
-        self.inner = HFGenerateEngine(
-            self.lm, module.tokenizer, max_new_tokens=module.hparams.max_completion_length,
-            max_prompt_length=module.max_prompt_length,
-        )
+    def __init__(self, model, tokenizer, sampling: SamplingSettings) -> None:
+        self.lm = ScriptedLM(tokenizer)
+        self.inner = HFGenerateEngine(self.lm, tokenizer, sampling)
 
     def generate(self, prompts: list[str], answers: list[str], num_generations: int):
         self.lm.answers = list(answers)
         return self.inner.generate(prompts, answers, num_generations)
-
-
-class ScriptedModule(MaxEntGRPOModule):
-    def engine(self, do_sample: bool = True) -> ScriptedEngine:  # type: ignore[override]
-        return ScriptedEngine(self)
 
 
 def odd_sums_score_zero(prompts, completions, answer, **columns):
@@ -155,10 +149,12 @@ class Probe(pl.Callback):
         self.grads.append({n: full(p.grad) for n, p in pl_module.policy.named_parameters()})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.stats.append({f"train/{k}": v for k, v in pl_module.step_log.as_dict().items()})
-        record = pl_module.last_rollout  # this rank's groups that took part
-        weights = record["weights"] if record["weights"] is not None else record["advantages"]
-        self.kept.append(0 if weights is None else int((~weights.isnan()).all(-1).sum()))
+        self.stats.append({f"train/{k}": v for k, v in pl_module.step_log.as_dict().items()
+                           if not math.isnan(v)})  # NaN: not measured this step
+        targets = pl_module.trajectory.targets  # this rank's groups that took part
+        kept = 0 if pl_module.trajectory.ghost else int(pl_module.trajectory.keep.sum())
+        self.kept.append(kept if targets.weights is not None or targets.advantages is not None
+                         else 0)
         self.state.append(dict(pl_module.objective.state()))
 
 
@@ -193,8 +189,9 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     case = CASES[name]
     kind, kwargs = case["objective"]
     objective = GRPO(**kwargs) if kind == "grpo" else ListwiseMaxEnt(**kwargs)
-    module = ScriptedModule(
+    module = MaxEntGRPOModule(
         model_name_or_path="builtin:tiny",
+        engine=ScriptedEngine,
         objective=objective,
         rewards=case.get("rewards", {"first_number": 1.0}),
         drop_constant_groups=case.get("drop_constant_groups", False),
@@ -240,7 +237,8 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     }
     if case.get("strategy") == "fsdp":
         # the real engine generates with the sharded policy (both ranks take part)
-        rollout = MaxEntGRPOModule.engine(module).generate(["1 + 2 =", "3 + 4 ="], ["3", "7"], 2)
+        engine = HFGenerateEngine(module.policy, module.tokenizer, module.loop.generation.sampling)
+        rollout = engine.generate(["1 + 2 =", "3 + 4 ="], ["3", "7"], 2)
         out["generated_rows"] = int(rollout.completion_ids.shape[0])
     return out
 
@@ -371,7 +369,7 @@ def test_deepspeed_clips_with_the_module_value():
     module._trainer = SimpleNamespace(strategy=strategy)
     module.setup("fit")
     assert strategy.config["gradient_clipping"] == 0.5
-    assert module._clip_grad_norm(0.5) is None  # the engine clips inside its step
+    assert clip_gradients(strategy, [], 0.5) is None  # the engine clips inside its step
     strategy.config = {"gradient_clipping": 2.0}
     with pytest.raises(ValueError, match="gradient_clipping"):
         module.setup("fit")
@@ -383,7 +381,7 @@ def test_tensor_parallelism_is_refused():
     module = MaxEntGRPOModule()
     mesh = {"tensor_parallel": SimpleNamespace(size=lambda: 2)}
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        module._fully_shard(mesh)
+        fully_shard_models(mesh, [])
 
 
 # ---------------------------------------------------------------------- scaling configs

@@ -23,12 +23,13 @@ from maxent_grpo.rewards.correctness import (
 )
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
 from maxent_grpo.rewards.registry import REWARDS, get_reward, list_rewards, register_reward
-from maxent_grpo.rewards.scoring import RewardFunctionError, score_completions
+from maxent_grpo.rewards.scoring import RewardFunctionError, WeightedRewards, score_completions
 from maxent_grpo.rewards.shaping import answer_format_reward, format_reward, tag_count_reward
 
 __all__ = [
     "REWARDS",
     "RewardFunctionError",
+    "WeightedRewards",
     "accuracy_reward",
     "answer_format_reward",
     "completion_text",

@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from maxent_grpo.rewards.registry import get_reward
+from maxent_grpo.rollout.batch import PromptCompletionBatch
+
 
 class RewardFunctionError(Exception):
     """A reward function raised, or returned something other than one finite number or None
@@ -122,3 +125,36 @@ def score_completions(
     weights = torch.tensor([float(w) for _, _, w in funcs], dtype=torch.float64)  # (K,)
     total = torch.nansum(weights[:, None] * components, dim=0)  # (N,); NaN·w stays NaN
     return total.float(), components.float()
+
+
+class WeightedRewards:
+    """The trainer's reward: ``{name: weight}`` (``model.rewards``) resolved once.
+
+    Names are registered rewards or ``package.module:function`` paths
+    (:func:`~maxent_grpo.rewards.registry.get_reward`); weights must be finite. Called on the
+    flat prompt/completion pairs of ``B`` prompts x ``G`` completions, with the dataset's
+    other columns given once per prompt (they are repeated per completion here).
+    """
+
+    def __init__(self, rewards: dict[str, float]) -> None:
+        if not rewards:
+            raise ValueError("model.rewards must name at least one reward function")
+        self.names = list(rewards)
+        self.weights = [float(w) for w in rewards.values()]
+        for name, weight in zip(self.names, self.weights, strict=True):
+            if not math.isfinite(weight):
+                raise ValueError(f"model.rewards: the weight of {name!r} must be finite; "
+                                 f"got {weight}")
+        try:
+            self.funcs = [get_reward(name) for name in self.names]
+        except ValueError as err:
+            raise ValueError(f"model.rewards: {err}") from err
+
+    def __call__(
+        self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`;
+        ``columns`` hold one value per prompt."""
+        per_row = {k: [v for v in vals for _ in range(group_size)] for k, vals in columns.items()}
+        funcs = list(zip(self.names, self.funcs, self.weights, strict=True))
+        return score_completions(funcs, pairs.prompts, pairs.completions, per_row)

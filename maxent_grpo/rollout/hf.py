@@ -45,7 +45,6 @@ or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.m
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -53,8 +52,9 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from maxent_grpo.rollout.protocol import RolloutOutput
-from maxent_grpo.training.types import GenerationBatch
+from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
+from maxent_grpo.validation import check_bool, require
 
 
 def completion_mask_from_ids(
@@ -115,75 +115,41 @@ class HFGenerateEngine:
         model: a causal LM with ``.generate`` (see "Wrapped models" above).
         tokenizer: its tokenizer; must have a pad token and an eos token (as
             :func:`maxent_grpo.models.load_tokenizer` guarantees).
-        max_new_tokens: ``T_max``, the most tokens sampled per completion (>= 1).
-        temperature: sampling temperature (> 0); the trainer must score with the same one.
-        top_p: nucleus threshold in (0, 1]; 1 = off.
-        top_k: keep the k most likely tokens; 0 = off.
-        max_prompt_length: keep only the last this-many prompt tokens (>= 1), or None.
-        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
-        do_sample: sample (True, the default) or decode greedily (False; see "Greedy
-            decoding" above).
+        sampling: what to sample (:class:`~maxent_grpo.rollout.SamplingSettings`: ``T_max``,
+            temperature, top-p, top-k, prompt truncation, greedy or not); the trainer passes
+            the settings it scores with.
         share_prefill: run each prompt's prefill once for its G samples (see "Shared
             prefill" above).
+        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
     """
 
     def __init__(
         self,
         model: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_prompt_length: int | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        do_sample: bool = True,
+        sampling: SamplingSettings,
         share_prefill: bool = True,
+        stop_token_ids: list[int] | None = None,
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(
                 f"model must have a .generate method (a transformers causal LM); got "
                 f"{type(model).__name__} (for DDP pass ddp.module)"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-            max_new_tokens < 1
-        ):
-            raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be > 0; got {temperature!r}")
-        if not (0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1]; got {top_p!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off); got {top_k!r}")
-        if max_prompt_length is not None and (
-            not isinstance(max_prompt_length, int) or max_prompt_length < 1
-        ):
-            raise ValueError(
-                f"max_prompt_length must be None or an int >= 1; got {max_prompt_length!r}"
-            )
-        if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "tokenizer has no pad token; load it with maxent_grpo.models.load_tokenizer"
-            )
-        if tokenizer.eos_token_id is None:
-            raise ValueError("tokenizer has no eos token; completions could never stop")
+        if not isinstance(sampling, SamplingSettings):
+            raise TypeError(f"sampling must be a SamplingSettings; got {type(sampling).__name__}")
+        require(tokenizer.pad_token_id is not None,
+                "tokenizer has no pad token; load it with maxent_grpo.models.load_tokenizer")
+        require(tokenizer.eos_token_id is not None,
+                "tokenizer has no eos token; completions could never stop")
         extra = list(stop_token_ids or [])
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in extra):
-            raise ValueError(f"stop_token_ids must be non-negative ints; got {extra!r}")
-        if not isinstance(do_sample, bool):
-            raise ValueError(f"do_sample must be a bool; got {do_sample!r}")
-        self.do_sample = do_sample
-        if not isinstance(share_prefill, bool):
-            raise ValueError(f"share_prefill must be a bool; got {share_prefill!r}")
-        self.share_prefill = share_prefill
+        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+                f"HFGenerateEngine.stop_token_ids must be non-negative ints; got {extra!r}")
+        check_bool("HFGenerateEngine.share_prefill", share_prefill)
         self.model = model
         self.tokenizer = tokenizer
-        self.max_new_tokens = max_new_tokens
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.top_k = top_k
-        self.max_prompt_length = max_prompt_length
+        self.sampling = sampling
+        self.share_prefill = share_prefill
         self.stop_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([int(tokenizer.eos_token_id), *extra])
         )
@@ -191,8 +157,9 @@ class HFGenerateEngine:
     def _encode_prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ``(B, P)`` prompt ids and bool mask (left-truncated if configured)."""
         encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        if self.max_prompt_length is not None:
-            encoded = [ids[-self.max_prompt_length :] for ids in encoded]
+        limit = self.sampling.max_prompt_length
+        if limit is not None:
+            encoded = [ids[-limit:] for ids in encoded]
         for index, ids in enumerate(encoded):
             if len(ids) == 0:
                 raise ValueError(f"prompts[{index}] is empty after tokenisation")
@@ -245,14 +212,15 @@ class HFGenerateEngine:
         device = _model_device(self.model)
         prompt_ids, prompt_mask = self._encode_prompts(prompts)  # (B, P)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        s = self.sampling
         sampling = (
-            dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-            if self.do_sample
+            dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+            if s.do_sample
             else dict(do_sample=False, num_beams=1)
         )
         config = GenerationConfig(
             **sampling,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=s.max_new_tokens,
             num_return_sequences=group,
             eos_token_id=list(self.stop_token_ids),
             pad_token_id=self.tokenizer.pad_token_id,

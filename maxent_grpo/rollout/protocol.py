@@ -3,17 +3,62 @@
 An engine turns B rendered prompts into G sampled completions each. Rows of every tensor
 are prompt-major, ``[p0g0, p0g1, …, p0g(G-1), p1g0, …]``, so a ``(B*G, …)`` tensor
 reshapes to ``(B, G, …)``. The same completions appear as text in :attr:`RolloutOutput.batch`
-(a :class:`~maxent_grpo.training.types.GenerationBatch`), grouped per prompt.
+(a :class:`~maxent_grpo.rollout.batch.GenerationBatch`), grouped per prompt.
+
+Choosing an engine. The trainer builds its engine from a factory
+(:data:`EngineFactory`, ``model.engine`` in YAML, chosen with ``class_path``): a class whose
+constructor takes ``(model, tokenizer, sampling)`` first and its own options after, for
+example::
+
+    model:
+      engine:
+        class_path: maxent_grpo.rollout.HFGenerateEngine
+        init_args: {share_prefill: true}
+
+The trainer passes the policy, its tokenizer and the :class:`SamplingSettings` it scores
+with (the same temperature, top-p, top-k), so the behaviour policy is the scored one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from maxent_grpo.training.types import GenerationBatch
+from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.validation import check_bool, check_int, check_number
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The sampling distribution of a rollout, shared by the engine and the scorer.
+
+    Attributes:
+        max_new_tokens: ``T_max``, the most tokens sampled per completion (>= 1).
+        temperature: sampling temperature (> 0); log-probs are scored at the same one.
+        top_p: nucleus threshold in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        max_prompt_length: keep only the last this-many prompt tokens (>= 1), or None.
+        do_sample: sample (training) or decode greedily (``False``: evaluation's greedy
+            pass@1; temperature, top-p and top-k are then unused).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_prompt_length: int | None = None
+    do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        check_number("temperature", self.temperature, minimum=0, strict=True)
+        check_number("top_p", self.top_p, minimum=0, maximum=1, strict=True)
+        check_int("top_k", self.top_k, minimum=0)
+        check_int("max_prompt_length", self.max_prompt_length, minimum=1, allow_none=True)
+        check_bool("do_sample", self.do_sample)
 
 
 @dataclass
@@ -87,3 +132,7 @@ class RolloutEngine(Protocol):
     ) -> RolloutOutput:
         """Sample ``num_generations`` completions for each prompt; rows prompt-major."""
         ...
+
+
+#: What ``model.engine`` holds: called as ``factory(model, tokenizer, sampling)``.
+EngineFactory = Callable[[Any, Any, SamplingSettings], RolloutEngine]

@@ -1,6 +1,8 @@
-"""Evaluation records and the metric dict of an evaluation epoch (ALGORITHM.md section 6).
+"""Evaluation: sample, grade, and the metric dict of an epoch (docs/ALGORITHM.md §6).
 
-Lightning-free. For every evaluation prompt the module keeps one :class:`PromptRecord`:
+Lightning-free. The :class:`Evaluator` samples ``n`` completions per prompt (plus one
+greedy one), scores them with the training rewards and keeps one :class:`PromptRecord`
+per prompt:
 the 0/1 correctness of its ``n`` samples (``eval_reward >= eval_correct_threshold``), their
 answers, its valid-answer set (tasks such as ``countdown_multi``), its task label and the
 correctness of its greedy completion. :func:`evaluation_metrics` turns the epoch's records
@@ -24,14 +26,21 @@ of ``expr = target``, ``×``/``÷`` read as ``*``/``/``, then
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from maxent_grpo.core.evaluation import aggregate
+from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rewards.parsing import completion_text, extract_answer
+from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutEngine
 from maxent_grpo.tasks.multi_answer import canonical_expression
+from maxent_grpo.training.metrics import RewardComponents, RewardMoments
 
-__all__ = ["PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
+__all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
 _SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
 
@@ -128,3 +137,105 @@ def evaluation_metrics(
         subset = [r for r in records if r.task == task]
         out.update({f"{prefix}/{k}/{task}": v for k, v in _metrics(subset, ks).items()})
     return out
+
+
+class Evaluator(torch.nn.Module):
+    """Validation and test of the module: per batch :meth:`step`, per epoch :meth:`compute`.
+
+    Args:
+        rewards: the training rewards (they grade the samples).
+        settings: the module's ``EvaluationSettings`` (n, grading reward and threshold, k,
+            greedy).
+
+    The reward metrics are torchmetrics (exact across ranks); the @k metrics are exact means
+    over the epoch's prompts: under DDP every rank's records are gathered with
+    ``torch.distributed.all_gather_object`` and every rank computes the same values (a
+    DistributedSampler that pads the last batch repeats a few prompts, which then count
+    twice).
+    """
+
+    def __init__(self, rewards: WeightedRewards, settings: Any) -> None:
+        super().__init__()
+        self.rewards = rewards
+        self.settings = settings
+        self.reward = RewardMoments()
+        self.components = RewardComponents(rewards.names)
+        self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
+
+    def step(self, batch: dict[str, Any], engine: Callable[[bool], RolloutEngine]) -> None:
+        """Sample, grade and record one batch; ``engine(do_sample)`` builds the engine. The
+        random state is forked, so evaluation never shifts the training's random stream."""
+        n, B = self.settings.num_generations, len(batch["prompts"])
+        device = self.reward.total.device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            rollout = engine(True).generate(batch["prompts"], batch["answers"], n)
+            greedy = (engine(False).generate(batch["prompts"], batch["answers"], 1)
+                      if self.settings.greedy else None)
+        completions = [c for group in rollout.batch.grouped_completions for c in group]
+        total, components = self._score(batch, rollout.batch, n)
+        self.reward.update(total.to(device).view(B, n))
+        self.components.update(components.to(device))
+        correct = self._correct(components[self.settings.reward_index], completions)
+        greedy_correct: list[float | None] = [None] * B
+        if greedy is not None:
+            texts = [group[0] for group in greedy.batch.grouped_completions]
+            _, greedy_components = self._score(batch, greedy.batch, 1)
+            greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
+        columns = batch["columns"]
+        for b in range(B):
+            valid = columns.get("valid_answers", [None] * B)[b]
+            task = columns.get("task", [None] * B)[b]
+            self.records.append(PromptRecord(
+                correct=tuple(correct[b * n:(b + 1) * n]),
+                answers=tuple(sample_answer(c) for c in completions[b * n:(b + 1) * n]),
+                valid_answers=None if valid is None else frozenset(valid),
+                task=None if task is None else str(task),
+                greedy_correct=greedy_correct[b],
+            ))
+
+    def _score(
+        self, batch: dict[str, Any], generation: GenerationBatch, n: int
+    ) -> tuple[Tensor, Tensor]:
+        groups = generation.grouped_completions
+        pairs = PromptCompletionBatch(
+            prompts=[p for p, group in zip(batch["raw_prompts"], groups, strict=True)
+                     for _ in group],
+            completions=[c for group in groups for c in group],
+        )
+        return self.rewards(pairs, batch["columns"], n)
+
+    def _correct(self, values: Tensor, completions: list) -> list[float]:
+        """0/1 correctness ``eval_reward >= eval_correct_threshold``; a ``None`` (NaN) value
+        means the reward could not grade the sample, which raises ValueError."""
+        missing = torch.isnan(values)
+        if bool(missing.any()):
+            name = self.rewards.names[self.settings.reward_index]
+            raise ValueError(
+                f"model.eval_reward {name!r} returned None (not applicable) for "
+                f"{int(missing.sum())} of {len(completions)} evaluation completions, so their "
+                "correctness is unknown: the evaluation rows lack the reference it reads (an "
+                "empty 'answer' column? set data.answer_column to the column holding the "
+                "reference answers), or choose another model.eval_reward"
+            )
+        threshold = self.settings.correct_threshold
+        return [1.0 if v >= threshold else 0.0 for v in values.tolist()]
+
+    def compute(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
+        evaluated), then reset for the next epoch."""
+        if self.reward.update_count == 0:
+            return {}
+        values = {f"{prefix}/reward/{k}": v for k, v in self.reward.compute().items()}
+        values.update({f"{prefix}/reward/{k}": v for k, v in self.components.compute().items()})
+        records = self.records
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, records)
+            records = [r for part in gathered for r in part]
+        values.update(evaluation_metrics(records, self.settings.k, prefix))
+        self.reward.reset()
+        self.components.reset()
+        self.records = []
+        return {k: float(v) for k, v in values.items()}

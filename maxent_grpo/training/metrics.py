@@ -7,7 +7,7 @@ is an average, so nothing is ever an average of averages (which would weight a r
 micro-batch by 1/number-of-parts instead of by its number of samples).
 
 The arithmetic lives in small functions (:func:`mean_std_from_sums`, :func:`divide_or_nan`,
-:func:`count_constant_groups`); a ``Metric`` only keeps states and calls them.
+:func:`maxent_grpo.core.constant_groups`); a ``Metric`` only keeps states and calls them.
 
 Shape vocabulary: B prompts, G generations per prompt, N = B*G sequences (prompt-major rows),
 P prompt tokens, T completion tokens, K reward functions.
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from maxent_grpo.core import constant_groups
 from maxent_grpo.training.types import RewardComponentStats, TokenUsageStats
 from maxent_grpo.training.types import RewardMoments as RewardMomentsSummary
 
@@ -41,7 +42,6 @@ __all__ = [
     "RewardMoments",
     "TokenMean",
     "TokenUsage",
-    "count_constant_groups",
     "divide_or_nan",
     "mean_std_from_sums",
 ]
@@ -75,17 +75,6 @@ def mean_std_from_sums(total: Tensor, total_sq: Tensor, count: Tensor) -> tuple[
     centered = (s2 - torch.where(n > 0, s1 * mean, torch.zeros_like(s1))).clamp(min=0.0)
     var = divide_or_nan(centered, torch.where(n >= 2, n - 1, torch.zeros_like(n)))
     return mean, var.sqrt()
-
-
-def count_constant_groups(rewards: Tensor) -> Tensor:
-    """Number of groups (rows) of ``rewards`` (B, G) whose G values are all exactly equal.
-
-    Such a group has zero reward spread, hence zero group advantage for every member.
-    A group of G = 1 counts as constant. Returns a 0-d int64 tensor.
-    """
-    if rewards.shape[0] == 0:
-        return torch.zeros((), dtype=torch.int64, device=rewards.device)
-    return (rewards.amax(dim=1) == rewards.amin(dim=1)).sum()
 
 
 # -------------------------------------------------------------------------------- helpers
@@ -194,7 +183,7 @@ class RewardMoments(Metric):
         self.min_value = torch.minimum(self.min_value, r.min())
         self.max_value = torch.maximum(self.max_value, r.max())
         self.num_groups += r.shape[0]
-        self.num_constant_groups += count_constant_groups(r)
+        self.num_constant_groups += constant_groups(r).sum()
 
     def compute(self) -> dict[str, Tensor]:
         """``{"mean", "std", "min", "max", "zero_std_frac"}`` as 0-d float64 tensors."""

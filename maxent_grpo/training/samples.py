@@ -1,15 +1,18 @@
 """Show what the policy samples: a TensorBoard table of rollouts, histograms, and a JSONL dump.
 
-After every training step the module leaves the step's rollout in ``pl_module.last_rollout``
-(see ``MaxEntGRPOModule._rollout_record``): ``step``, ``prompts`` (B), ``completions``
-(B x G), ``rewards`` (B, G), ``components`` {name: (B, G)}, ``advantages`` (B, G) or None,
-``weights`` (B, G) or None, all on the CPU. :class:`CompletionSamples` turns it into
+After every training step the module leaves the step's typed trajectory in
+``pl_module.trajectory``; its ``samples`` (a
+:class:`~maxent_grpo.training.trajectory.RolloutSamples`, on the CPU) hold the step, the B
+prompts, the B x G completions, the (B, G) rewards and reward components, and the
+advantages (:class:`~maxent_grpo.training.types.AdvantageStats`), MaxEnt weights and
+target q (:class:`~maxent_grpo.training.types.QDistribution`) where the objective has them.
+:class:`CompletionSamples` turns them into
 
 - a markdown table under the TensorBoard text tag ``samples/completions``: the first
   ``max_prompts`` prompts, one row per completion, with the total reward, each reward
-  component and the advantage and/or MaxEnt weight (whichever the objective has);
-- histograms ``samples/reward``, ``samples/weight``, ``samples/advantage`` of the whole
-  (B, G) batch;
+  component and the advantage, MaxEnt weight and target q (whichever the objective has);
+- histograms ``samples/reward``, ``samples/weight``, ``samples/advantage``, ``samples/q``
+  of the whole (B, G) batch;
 - optionally, every step, one JSON line per completion appended to ``jsonl_path``.
 
 Steps: samples are keyed on the rollout's ``step`` (``trainer.global_step`` when the
@@ -43,6 +46,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from maxent_grpo.training.trajectory import RolloutSamples
+
 __all__ = ["MAX_CELL_CHARS", "CompletionSamples", "escape_cell", "rollout_rows", "samples_table"]
 
 #: Texts longer than this many characters are cut in the table (not in the JSONL dump) and
@@ -73,38 +78,46 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def rollout_rows(record: dict[str, Any], max_prompts: int | None = None) -> list[dict[str, Any]]:
-    """One dict per completion, prompt-major: ``{"step", "prompt_index", "prompt",
-    "completion", "reward", "components": {name: value}, "advantage", "weight"}`` (the last
-    two None when the objective has none; non-finite numbers become None).
+def _grouped(samples: RolloutSamples) -> dict[str, Tensor | None]:
+    """The optional per-completion columns as ``(B, G)`` tensors (None when absent)."""
+    adv, q = samples.advantages, samples.q
+    return {
+        "advantage": None if adv is None else torch.tensor(adv.grouped, dtype=torch.float64),
+        "weight": samples.weights,
+        "q": None if q is None else torch.tensor(q.grouped, dtype=torch.float64),
+    }
 
-    ``record`` is ``pl_module.last_rollout``; ``max_prompts`` keeps the first prompts only.
+
+def rollout_rows(samples: RolloutSamples, max_prompts: int | None = None) -> list[dict[str, Any]]:
+    """One dict per completion, prompt-major: ``{"step", "prompt_index", "prompt",
+    "completion", "reward", "components": {name: value}, "advantage", "weight", "q"}`` (the
+    last three None when the objective has none; non-finite numbers become None).
+
+    ``max_prompts`` keeps the first prompts only.
     """
-    prompts = record["prompts"]
-    completions = record["completions"]
-    rewards: Tensor = record["rewards"]
+    prompts = samples.prompts
+    completions = samples.generation.grouped_completions
+    rewards = samples.rewards
     B, G = rewards.shape
     if len(prompts) != B or len(completions) != B or any(len(g) != G for g in completions):
         raise ValueError(
-            f"last_rollout: prompts ({len(prompts)}) and completions "
+            f"trajectory samples: prompts ({len(prompts)}) and completions "
             f"({[len(g) for g in completions]}) must match rewards of shape (B, G) = ({B}, {G})"
         )
-    adv: Tensor | None = record.get("advantages")
-    weights: Tensor | None = record.get("weights")
-    components: dict[str, Tensor] = record.get("components") or {}
+    extra = _grouped(samples)
     rows = []
     for i in range(B if max_prompts is None else min(B, max_prompts)):
         for j in range(G):
-            rows.append({
-                "step": int(record["step"]),
+            row = {
+                "step": int(samples.step),
                 "prompt_index": i,
                 "prompt": prompts[i],
                 "completion": completions[i][j],
                 "reward": _number(rewards[i, j]),
-                "components": {name: _number(v[i, j]) for name, v in components.items()},
-                "advantage": None if adv is None else _number(adv[i, j]),
-                "weight": None if weights is None else _number(weights[i, j]),
-            })
+                "components": {n: _number(v[i, j]) for n, v in samples.components.items()},
+            }
+            row.update({k: None if v is None else _number(v[i, j]) for k, v in extra.items()})
+            rows.append(row)
     return rows
 
 
@@ -112,17 +125,16 @@ def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.4g}"
 
 
-def samples_table(record: dict[str, Any], max_prompts: int) -> str:
+def samples_table(samples: RolloutSamples, max_prompts: int) -> str:
     """The markdown table of the first ``max_prompts`` prompts x G completions.
 
     Columns: prompt (shown on the first row of its group), completion, reward, one column
-    per reward component, then ``advantage`` and/or ``weight`` when the record has them.
-    Numbers have 4 significant digits; texts go through :func:`escape_cell`.
+    per reward component, then ``advantage``, ``weight`` and ``q`` where the objective has
+    them. Numbers have 4 significant digits; texts go through :func:`escape_cell`.
     """
-    rows = rollout_rows(record, max_prompts)
-    names = list(record.get("components") or {})
-    extra = [k for k, key in (("advantage", "advantages"), ("weight", "weights"))
-             if record.get(key) is not None]
+    rows = rollout_rows(samples, max_prompts)
+    names = list(samples.components)
+    extra = [k for k, v in _grouped(samples).items() if v is not None]
     header = ["prompt", "completion", "reward", *names, *extra]
     lines = [
         "| " + " | ".join(escape_cell(h) for h in header) + " |",
@@ -191,7 +203,7 @@ class CompletionSamples(Callback):
         self.histograms = bool(histograms)
         self._jsonl_file: Path | None = None
         self._prev_step: int | None = None  # step of the last rollout seen
-        self._last_record: dict[str, Any] | None = None
+        self._last_record: RolloutSamples | None = None
         self._warned = False
 
     # ------------------------------------------------------------------ helpers
@@ -249,11 +261,12 @@ class CompletionSamples(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:
-        record = getattr(pl_module, "last_rollout", None)
+        trajectory = getattr(pl_module, "trajectory", None)
+        record = None if trajectory is None else trajectory.samples
         if not trainer.is_global_zero or record is None or record is self._last_record:
             return
         self._last_record = record
-        step = int(record["step"])
+        step = int(record.step)
         prev = step - 1 if self._prev_step is None else self._prev_step
         self._prev_step = step
         if self.jsonl_path is not None:
@@ -264,13 +277,11 @@ class CompletionSamples(Callback):
                 self.write_tensorboard(writer, record, step)
 
     # ------------------------------------------------------------------ writers
-    def write_tensorboard(self, writer: Any, record: dict[str, Any], step: int) -> None:
+    def write_tensorboard(self, writer: Any, record: RolloutSamples, step: int) -> None:
         """The table (``samples/completions``) and, with ``histograms``, the histograms."""
         writer.add_text("samples/completions", samples_table(record, self.max_prompts), step)
         if self.histograms:
-            for tag, key in (("reward", "rewards"), ("weight", "weights"),
-                             ("advantage", "advantages")):
-                values = record.get(key)
+            for tag, values in {"reward": record.rewards, **_grouped(record)}.items():
                 if values is None:
                     continue
                 values = _finite(values)
@@ -279,7 +290,7 @@ class CompletionSamples(Callback):
         writer.flush()
 
     @staticmethod
-    def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    def append_jsonl(path: Path, record: RolloutSamples) -> None:
         """Append one line per completion of ``record`` to ``path`` and flush."""
         with open(path, "a", encoding="utf-8") as f:
             for row in rollout_rows(record):

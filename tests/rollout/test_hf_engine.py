@@ -16,6 +16,7 @@ from maxent_grpo.rollout import (
     RolloutOutput,
     completion_mask_from_ids,
 )
+from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.training.types import GenerationBatch
 
 PAD, EOS = 0, 2  # ids of <|endoftext|> and <|im_end|> in the tiny tokenizer
@@ -52,11 +53,19 @@ def test_completion_mask_by_hand() -> None:
 # --------------------------------------------------------------------------- tiny model
 
 
+def make_engine(model, tokenizer, share_prefill=True, stop_token_ids=None, **sampling):
+    """An engine whose sampling settings are given as keywords."""
+    return HFGenerateEngine(
+        model, tokenizer, SamplingSettings(**sampling), share_prefill=share_prefill,
+        stop_token_ids=stop_token_ids,
+    )
+
+
 def test_tiny_rollout_shapes_grouping_masks_and_texts(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
     questions = ["What is 2+2?", "Hi", "Name a colour, please."]
     prompts = [render(tokenizer, q) for q in questions]
-    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=12)
+    engine = make_engine(model, tokenizer, max_new_tokens=12)
     assert isinstance(engine, RolloutEngine)
     torch.manual_seed(0)
     out = engine.generate(prompts, ["4", "hello", "red"], num_generations=4)
@@ -106,7 +115,7 @@ def test_tiny_rollout_shapes_grouping_masks_and_texts(tiny: tuple[Any, Any]) -> 
 
 def test_tiny_rollout_is_seeded_and_restores_mode(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=6, temperature=0.7, top_k=5)
+    engine = make_engine(model, tokenizer, max_new_tokens=6, temperature=0.7, top_k=5)
     prompts = [render(tokenizer, "abc")]
     own_config = model.generation_config
     for training in (True, False):
@@ -134,7 +143,7 @@ def test_shared_prefill_samples_what_the_plain_path_samples(tiny: tuple[Any, Any
     outs = {}
     try:
         for share in (False, True):
-            engine = HFGenerateEngine(
+            engine = make_engine(
                 model, tokenizer, max_new_tokens=10, temperature=0.9, top_k=20,
                 share_prefill=share,
             )
@@ -150,8 +159,8 @@ def test_shared_prefill_samples_what_the_plain_path_samples(tiny: tuple[Any, Any
     assert torch.equal(outs[True].completion_ids, outs[False].completion_ids)
     assert torch.equal(outs[True].completion_mask, outs[False].completion_mask)
     assert outs[True].batch.grouped_completions == outs[False].batch.grouped_completions
-    with pytest.raises(ValueError, match="share_prefill must be a bool"):
-        HFGenerateEngine(model, tokenizer, max_new_tokens=2, share_prefill=1)  # type: ignore
+    with pytest.raises(ValueError, match="share_prefill must be true or false"):
+        make_engine(model, tokenizer, max_new_tokens=2, share_prefill=1)  # type: ignore
 
 
 def test_model_generation_config_does_not_leak(tiny: tuple[Any, Any]) -> None:
@@ -161,7 +170,7 @@ def test_model_generation_config_does_not_leak(tiny: tuple[Any, Any]) -> None:
     suppress_all_but_eos = [i for i in range(len(tokenizer)) if i != EOS]
     model.generation_config = GenerationConfig(suppress_tokens=suppress_all_but_eos)
     try:
-        engine = HFGenerateEngine(model, tokenizer, max_new_tokens=8)
+        engine = make_engine(model, tokenizer, max_new_tokens=8)
         torch.manual_seed(0)
         out = engine.generate([render(tokenizer, "q")] * 2, ["a", "b"], 6)
     finally:
@@ -172,7 +181,7 @@ def test_model_generation_config_does_not_leak(tiny: tuple[Any, Any]) -> None:
 
 def test_max_prompt_length_truncates_from_the_left(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=2, max_prompt_length=3)
+    engine = make_engine(model, tokenizer, max_new_tokens=2, max_prompt_length=3)
     out = engine.generate(["abcdefgh", "xy"], ["", ""], 2)
     fgh = tokenizer("fgh", add_special_tokens=False)["input_ids"]
     xy = tokenizer("xy", add_special_tokens=False)["input_ids"]
@@ -215,7 +224,7 @@ def test_fake_model_masks_truncation_and_texts(tiny: tuple[Any, Any]) -> None:
         [c, EOS, b, EOS],  # tokens after the first EOS are dropped
     ]
     model = FixedLM(completions).train()
-    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=4, temperature=0.5, top_p=0.9)
+    engine = make_engine(model, tokenizer, max_new_tokens=4, temperature=0.5, top_p=0.9)
     out = engine.generate(["p0", "p1"], ["x", "y"], 2)
     assert out.completion_mask.int().tolist() == [
         [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]
@@ -244,7 +253,7 @@ def test_extra_stop_token_ids(tiny: tuple[Any, Any]) -> None:
     _, tokenizer = tiny
     semicolon = tokenizer(";", add_special_tokens=False)["input_ids"][0]
     model = FixedLM([[5, semicolon, 6, EOS]])
-    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=4, stop_token_ids=[semicolon])
+    engine = make_engine(model, tokenizer, max_new_tokens=4, stop_token_ids=[semicolon])
     out = engine.generate(["p"], ["x"], 1)
     assert out.completion_mask.tolist() == [[True, True, False, False]]
     assert model.seen["config"].eos_token_id == [EOS, semicolon]
@@ -260,7 +269,7 @@ class PromptOnlyLM(FixedLM):
 
 def test_bad_generate_output_is_reported(tiny: tuple[Any, Any]) -> None:
     _, tokenizer = tiny
-    engine = HFGenerateEngine(PromptOnlyLM([[5, EOS]]), tokenizer, max_new_tokens=2)
+    engine = make_engine(PromptOnlyLM([[5, EOS]]), tokenizer, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="expected \\(2, > 1\\)"):
         engine.generate(["p"], ["x"], 2)
 
@@ -273,12 +282,12 @@ def test_bad_generate_output_is_reported(tiny: tuple[Any, Any]) -> None:
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1"),
-        ({"temperature": 0.0}, "temperature must be > 0"),
-        ({"temperature": float("nan")}, "temperature must be > 0"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": 0.0}, "temperature must be a finite number > 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number > 0"),
+        ({"top_p": 0.0}, r"top_p must be a finite number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be a finite number in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an int >= 0"),
-        ({"max_prompt_length": 0}, "max_prompt_length must be None or an int >= 1"),
+        ({"max_prompt_length": 0}, "max_prompt_length must be an int >= 1 \\(or null\\)"),
         ({"stop_token_ids": [-3]}, "stop_token_ids must be non-negative ints"),
     ],
 )
@@ -286,18 +295,18 @@ def test_constructor_validates(tiny: tuple[Any, Any], kwargs: dict, message: str
     model, tokenizer = tiny
     arguments = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
-        HFGenerateEngine(model, tokenizer, **arguments)
+        make_engine(model, tokenizer, **arguments)
 
 
 def test_model_without_generate_rejected(tiny: tuple[Any, Any]) -> None:
     _, tokenizer = tiny
     with pytest.raises(TypeError, match="generate"):
-        HFGenerateEngine(nn.Linear(2, 2), tokenizer, max_new_tokens=4)
+        make_engine(nn.Linear(2, 2), tokenizer, max_new_tokens=4)
 
 
 def test_generate_validates_its_arguments(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
-    engine = HFGenerateEngine(model, tokenizer, max_new_tokens=2)
+    engine = make_engine(model, tokenizer, max_new_tokens=2)
     with pytest.raises(ValueError, match="num_generations must be an int >= 1"):
         engine.generate(["p"], ["a"], 0)
     with pytest.raises(ValueError, match="answers must have one entry per prompt"):

@@ -22,7 +22,6 @@ from maxent_grpo.training.metrics import (
     RewardMoments,
     TokenMean,
     TokenUsage,
-    count_constant_groups,
     divide_or_nan,
     mean_std_from_sums,
 )
@@ -99,13 +98,6 @@ def test_divide_or_nan() -> None:
     out = divide_or_nan(torch.tensor([1, 3, 0]), torch.tensor([2, 0, 0]))
     assert out.dtype == F64
     assert float(out[0]) == 0.5 and math.isnan(out[1]) and math.isnan(out[2])
-
-
-def test_count_constant_groups() -> None:
-    rewards = torch.tensor([[1.0, 1.0], [1.0, 0.0], [2.0, 2.0]])
-    assert int(count_constant_groups(rewards)) == 2
-    assert int(count_constant_groups(torch.tensor([[0.3], [0.7]]))) == 2  # G = 1: constant
-    assert int(count_constant_groups(torch.zeros(0, 4))) == 0
 
 
 # ------------------------------------------------------------------------------ RewardMoments

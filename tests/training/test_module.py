@@ -15,7 +15,8 @@ import torch
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt, LossOutput
 from maxent_grpo.rewards import RewardFunctionError
 from maxent_grpo.training.data import PromptDataModule
-from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError, warmup_cosine
+from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError
+from maxent_grpo.training.settings import warmup_cosine
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_every_objective_trains(cache_dir, objective, needs_ref):
 def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatch):
     """One step with the whole batch equals one step in micro-batches: one group each, or
     packed by a token budget (groups re-ordered by length, columns trimmed)."""
-    import maxent_grpo.training.module as module_file
+    import maxent_grpo.training.scoring as module_file
 
     plans: list[int] = []
     real_plan = module_file.plan_micro_batches
@@ -173,7 +174,7 @@ def test_non_finite_loss_skips_updates_then_stops(cache_dir):
     before = params(module)
     with pytest.raises(NonFiniteLossError, match="max_consecutive_nonfinite"):
         fit(module, make_data(cache_dir), steps=5)
-    assert module.nonfinite_total == 2
+    assert module.counters.nonfinite_total == 2
     for key, value in params(module).items():
         torch.testing.assert_close(value, before[key])
 
@@ -249,7 +250,7 @@ def test_checkpoint_restores_objective_state_counters_and_random_state(cache_dir
     objective = EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05, beta=0.1)
     module = make_module(cache_dir, objective=objective)
     objective.beta, objective.alpha_multiplier = 0.3, 1.7
-    module.nonfinite_in_a_row, module.nonfinite_total = 1, 4
+    module.counters.nonfinite_in_a_row, module.counters.nonfinite_total = 1, 4
     torch.manual_seed(5)
     random.seed(6)
     np.random.seed(7)
@@ -263,7 +264,7 @@ def test_checkpoint_restores_objective_state_counters_and_random_state(cache_dir
     fresh = make_module(cache_dir, objective=EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05))
     fresh.on_load_checkpoint(checkpoint)
     assert (fresh.objective.beta, fresh.objective.alpha_multiplier) == (0.3, 1.7)
-    assert (fresh.nonfinite_in_a_row, fresh.nonfinite_total) == (1, 4)
+    assert (fresh.counters.nonfinite_in_a_row, fresh.counters.nonfinite_total) == (1, 4)
     torch.manual_seed(0)  # whatever runs between the restore and the first batch ...
     fresh.on_train_batch_start(None, 0)  # ... the random state is restored right here
     got = (torch.rand(3), random.random(), np.random.rand())
@@ -319,7 +320,7 @@ def test_evaluation_does_not_shift_the_training_random_stream(cache_dir):
     after_eval = torch.rand(2)
     torch.manual_seed(3)
     assert torch.equal(torch.rand(2), after_eval)
-    assert module.eval_reward.update_count == 1
+    assert module.evaluator.reward.update_count == 1
 
 
 def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
@@ -330,20 +331,21 @@ def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
     assert module.step_log.as_dict()["lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
 
 
-def test_last_rollout_records_what_the_step_scored(cache_dir):
+def test_trajectory_samples_record_what_the_step_scored(cache_dir):
     module = make_module(
         cache_dir, objective=ListwiseMaxEnt(tau=0.5),
         rewards={"tests.training.test_module:alternating": 1.0},
     )
     fit(module, make_data(cache_dir), steps=1)
-    record = module.last_rollout
-    assert len(record["prompts"]) == 4 and all(len(g) == 4 for g in record["completions"])
-    assert record["rewards"].shape == (4, 4)
-    assert record["rewards"][0].tolist() == [1.0, 0.0, 1.0, 0.0]
-    torch.testing.assert_close(record["components"]["tests.training.test_module:alternating"],
-                               record["rewards"])
-    torch.testing.assert_close(record["weights"].sum(-1), torch.ones(4))
-    assert record["advantages"] is None
+    record = module.trajectory.samples
+    assert len(record.prompts) == 4
+    assert all(len(g) == 4 for g in record.generation.grouped_completions)
+    assert record.rewards.shape == (4, 4)
+    assert record.rewards[0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    torch.testing.assert_close(record.components["tests.training.test_module:alternating"],
+                               record.rewards)
+    torch.testing.assert_close(record.weights.sum(-1), torch.ones(4))
+    assert record.advantages is None
 
 
 def test_module_and_data_may_differ_in_max_prompt_length_with_a_logger(cache_dir, tmp_path):
@@ -407,9 +409,9 @@ def test_dropping_constant_groups_renormalises_grpo_over_the_kept_groups(cache_d
     assert moved
     for key in moved:
         torch.testing.assert_close(kept[key], 2 * everything[key], atol=1e-6, rtol=1e-4)
-    record = module.last_rollout  # dropped groups have no target
-    assert torch.isnan(record["advantages"][0]).all() and torch.isnan(record["advantages"][2]).all()
-    assert not torch.isnan(record["advantages"][1]).any()
+    advantages = torch.tensor(module.trajectory.samples.advantages.grouped)  # (B, G)
+    assert torch.isnan(advantages[0]).all() and torch.isnan(advantages[2]).all()  # dropped
+    assert not torch.isnan(advantages[1]).any()
 
 
 def test_listwise_flattens_constant_groups_unless_they_are_dropped(cache_dir):
@@ -422,9 +424,9 @@ def test_listwise_flattens_constant_groups_unless_they_are_dropped(cache_dir):
         cache_dir, ListwiseMaxEnt(tau=0.5), "always_one", drop_constant_groups=True
     )
     assert all(float(d.abs().max()) == 0 for d in still.values())
-    assert trainer.global_step == 1 and module.empty_steps == 1
+    assert trainer.global_step == 1 and module.counters.empty_steps == 1
     assert trainer.callback_metrics["train/dropped_groups"] == 4
-    assert module.last_rollout["weights"] is None
+    assert module.trajectory.samples.weights is None
 
 
 def test_dropped_groups_do_not_depend_on_the_micro_batches(cache_dir):

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from maxent_grpo.rollout import HFGenerateEngine
+from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.training.data import collate_prompts
 from maxent_grpo.training.evaluation import (
     PromptRecord,
@@ -114,7 +114,7 @@ def test_greedy_engine_is_deterministic_argmax(cache_dir):  # noqa: F811
         ).logits[:, -1]
     assert torch.equal(a.completion_ids[:, 0], logits.argmax(-1))
     with pytest.raises(ValueError, match="do_sample"):
-        HFGenerateEngine(module.policy, module.tokenizer, max_new_tokens=2, do_sample="no")
+        SamplingSettings(max_new_tokens=2, do_sample="no")
 
 
 # ------------------------------------------------------------------ trainer.validate
@@ -151,7 +151,7 @@ def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):  # noq
     assert out["val/greedy_pass@1/arithmetic_easy"] == pytest.approx(0.5)
     assert out["val/reward/mean"] == pytest.approx(1.0)  # 0.5 + 0.5 on average
     assert not any("coverage" in k for k in out)
-    assert module.eval_records == []  # reset for the next epoch
+    assert module.evaluator.records == []  # reset for the next epoch
 
 
 def test_eval_reward_and_threshold_choose_correctness(cache_dir):  # noqa: F811

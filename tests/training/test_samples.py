@@ -19,7 +19,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
+from maxent_grpo.rollout import GenerationBatch
 from maxent_grpo.training.samples import MAX_CELL_CHARS, CompletionSamples, escape_cell
+from maxent_grpo.training.trajectory import RolloutSamples
+from maxent_grpo.training.types import AdvantageStats
 
 TEXT_TAG = "samples/completions/text_summary"
 
@@ -27,23 +30,30 @@ TEXT_TAG = "samples/completions/text_summary"
 # ---------------------------------------------------------------------- helpers
 
 
-def make_record(step: int = 0, *, weights: bool = True, advantages: bool = False) -> dict:
+def make_record(step: int = 0, *, weights: bool = True, advantages: bool = False
+                ) -> RolloutSamples:
     """B = 3 prompts, G = 2 completions, two reward components."""
     acc = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
     fmt = torch.tensor([[0.5, 0.5], [0.0, 0.5], [0.5, 0.0]])
-    return {
-        "step": step,
-        "prompts": ["a | b =", "line1\nline2", "x*y_z `q`"],
-        "completions": [["3 |", "<think>"], ["7\n8", "\\|"], ["42", "[x](y)"]],
-        "rewards": acc + fmt,
-        "components": {"accuracy": acc, "format": fmt},
-        "advantages": torch.tensor([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]])
+    prompts = ["a | b =", "line1\nline2", "x*y_z `q`"]
+    return RolloutSamples(
+        step=step,
+        prompts=prompts,
+        generation=GenerationBatch(
+            prompts=prompts, answers=["", "", ""], grouped_ref_meta=None,
+            grouped_completions=[["3 |", "<think>"], ["7\n8", "\\|"], ["42", "[x](y)"]],
+        ),
+        rewards=acc + fmt,
+        components={"accuracy": acc, "format": fmt},
+        advantages=AdvantageStats.from_grouped([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]])
         if advantages else None,
-        "weights": torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]]) if weights else None,
-    }
+        weights=torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]]) if weights else None,
+        q=None,
+    )
 
 
-def fake(tmp_path: Path, logger=None, *, rank0: bool = True, record: dict | None = None):
+def fake(tmp_path: Path, logger=None, *, rank0: bool = True,
+         record: RolloutSamples | None = None):
     """A trainer whose first logger holds a real SummaryWriter in ``tmp_path / "tb"``."""
     if logger is None:
         logger = SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")))
@@ -51,12 +61,12 @@ def fake(tmp_path: Path, logger=None, *, rank0: bool = True, record: dict | None
         loggers=[logger], is_global_zero=rank0, global_step=0, log_dir=str(tmp_path),
         default_root_dir=str(tmp_path),
     )
-    return trainer, SimpleNamespace(last_rollout=record)
+    return trainer, SimpleNamespace(trajectory=SimpleNamespace(samples=record))
 
 
-def step(cb: CompletionSamples, trainer, module, record: dict) -> None:
-    module.last_rollout = record
-    trainer.global_step = record["step"] + 1  # after the step's optimizer step
+def step(cb: CompletionSamples, trainer, module, record: RolloutSamples) -> None:
+    module.trajectory = SimpleNamespace(samples=record)
+    trainer.global_step = record.step + 1  # after the step's optimizer step
     cb.on_train_batch_end(trainer, module, None, None, 0)
 
 
@@ -146,7 +156,7 @@ def test_long_texts_are_cut():
 
 def test_histograms_of_rewards_weights_and_advantages(tmp_path):
     record = make_record(advantages=True)
-    record["rewards"][1, 1] = math.nan  # non-finite values are left out of the histogram
+    record.rewards[1, 1] = math.nan  # non-finite values are left out of the histogram
     trainer, module = fake(tmp_path)
     step(cb := CompletionSamples(every_n_steps=1), trainer, module, record)
     acc = events(tmp_path / "tb")
@@ -228,7 +238,7 @@ def test_jsonl_has_every_completion_of_every_step(tmp_path):
     cb = CompletionSamples(every_n_steps=100, jsonl_path="{log_dir}/samples/run.jsonl")
     path = tmp_path / "samples" / "run.jsonl"
     first = make_record(step=0, weights=False, advantages=True)
-    first["rewards"][2, 1] = math.inf
+    first.rewards[2, 1] = math.inf
     step(cb, trainer, module, first)
     assert len(path.read_text().splitlines()) == 3 * 2  # flushed after the step
     step(cb, trainer, module, make_record(step=1))
@@ -240,7 +250,7 @@ def test_jsonl_has_every_completion_of_every_step(tmp_path):
     assert lines[3] == {
         "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "completion": "\\|",
         "reward": 0.5, "components": {"accuracy": 0.0, "format": 0.5},
-        "advantage": 1.0, "weight": None,
+        "advantage": 1.0, "weight": None, "q": None,
     }
     assert lines[5]["reward"] is None  # inf is not JSON
     assert lines[6]["weight"] == pytest.approx(0.6) and lines[6]["advantage"] is None
@@ -267,7 +277,7 @@ def test_bad_options_name_the_option(kwargs, match):
 
 def test_a_record_whose_shapes_disagree_is_refused(tmp_path):
     record = make_record()
-    record["completions"][1] = ["only one"]
+    record.generation.grouped_completions[1] = ["only one"]
     trainer, module = fake(tmp_path)
     with pytest.raises(ValueError, match="completions"):
         step(CompletionSamples(every_n_steps=1), trainer, module, record)

@@ -160,10 +160,17 @@ def test_submodule_placement_and_all() -> None:
         },
         "runtime": {"ControllerPaths", "OptimizationSettings", "LoopSettings", "RuntimeHandles"},
     }
+    # the rollout's own types are defined in the rollout layer (which must not import
+    # training) and re-exported by the documented submodule
+    defined_in_rollout = {"GenerationBatch", "PromptCompletionBatch"}
     for module, names in placement.items():
+        submodule = getattr(training_types, module)
         for name in names:
             cls = getattr(training_types, name)
-            assert cls.__module__ == f"maxent_grpo.training.types.{module}"
+            assert getattr(submodule, name) is cls
+            home = "maxent_grpo.rollout.batch" if name in defined_in_rollout else (
+                f"maxent_grpo.training.types.{module}")
+            assert cls.__module__ == home
     assert set(training_types.__all__) == set().union(*placement.values())
 
 

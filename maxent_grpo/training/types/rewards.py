@@ -13,11 +13,14 @@ Flow on the training path::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+# defined with the rollout layer that produces them; documented (and re-exported) here
+from maxent_grpo.rollout.batch import GenerationBatch, PromptCompletionBatch
+from maxent_grpo.validation import check_int
 
 __all__ = [
     "AdvantageStats",
@@ -30,132 +33,6 @@ __all__ = [
     "RewardMoments",
     "SequenceScores",
 ]
-
-
-def _check_group_shape(name: str, grouped: Sequence[Sequence[Any]], ref: list[list[str]]) -> None:
-    """Raise ValueError unless ``grouped`` has one group per prompt, each as long as ``ref``'s."""
-    if len(grouped) != len(ref):
-        raise ValueError(
-            f"{name} must have one group per prompt ({len(ref)}); got {len(grouped)} groups"
-        )
-    for i, (group, completions) in enumerate(zip(grouped, ref, strict=True)):
-        if len(group) != len(completions):
-            raise ValueError(
-                f"{name}[{i}] must have one entry per completion ({len(completions)}); "
-                f"got {len(group)}"
-            )
-
-
-# --------------------------------------------------------------------------- rollout and data
-
-
-@dataclass
-class PromptCompletionBatch:
-    """Flattened prompt/completion pairs, one row per sequence (B*G rows, prompt-major).
-
-    Produced by :meth:`GenerationBatch.flatten`; consumed by the reward functions, which
-    score each ``(prompts[i], completions[i])`` pair, and by the completion-sample logger.
-
-    Attributes:
-        prompts: the prompt of each row (each prompt repeated once per completion).
-        completions: the completion text of each row.
-        metadata: optional per-row dict (e.g. the rollout engine's token counts); same
-            length as ``completions`` when given.
-    """
-
-    prompts: list[str]
-    completions: list[str]
-    metadata: list[dict] | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.prompts) != len(self.completions):
-            raise ValueError(
-                f"prompts and completions must have the same length; "
-                f"got {len(self.prompts)} and {len(self.completions)}"
-            )
-        if self.metadata is not None and len(self.metadata) != len(self.completions):
-            raise ValueError(
-                f"metadata must have one entry per completion ({len(self.completions)}); "
-                f"got {len(self.metadata)}"
-            )
-
-
-@dataclass
-class GenerationBatch:
-    """Completions grouped per prompt, after filtering: the rollout engine's return value.
-
-    Produced by the rollout engine inside ``training_step``; consumed by the reward
-    functions (via :meth:`flatten`) and by scoring, which tokenises prompt + completion.
-
-    Attributes:
-        prompts: the B prompt strings.
-        answers: the B reference answers (what the reward functions check against).
-        grouped_completions: B groups; group ``b`` holds the completions of ``prompts[b]``.
-        grouped_ref_meta: per-completion data from the engine needed later to score
-            against the reference/behaviour policy (e.g. behaviour log-probs), or ``None``.
-        grouped_completion_info: per-completion dicts (token counts, finish reason, …) or
-            ``None``; becomes :attr:`PromptCompletionBatch.metadata` on flattening.
-
-    Groups may be ragged after filtering; :attr:`group_size` raises in that case.
-    """
-
-    prompts: list[str]
-    answers: list[str]
-    grouped_completions: list[list[str]]
-    grouped_ref_meta: list[list[Any | None]] | None
-    grouped_completion_info: list[list[dict]] | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.prompts)
-        if len(self.answers) != n or len(self.grouped_completions) != n:
-            raise ValueError(
-                "prompts, answers and grouped_completions must have the same length; got "
-                f"{n}, {len(self.answers)} and {len(self.grouped_completions)}"
-            )
-        if self.grouped_ref_meta is not None:
-            _check_group_shape("grouped_ref_meta", self.grouped_ref_meta, self.grouped_completions)
-        if self.grouped_completion_info is not None:
-            _check_group_shape(
-                "grouped_completion_info", self.grouped_completion_info, self.grouped_completions
-            )
-
-    @property
-    def num_groups(self) -> int:
-        """B, the number of prompts (one group each)."""
-        return len(self.prompts)
-
-    @property
-    def num_completions(self) -> int:
-        """Total number of completions over all groups (B*G when groups are even)."""
-        return sum(len(group) for group in self.grouped_completions)
-
-    @property
-    def group_size(self) -> int:
-        """G, the number of completions per prompt; ValueError if the batch is empty or ragged."""
-        sizes = {len(group) for group in self.grouped_completions}
-        if not sizes:
-            raise ValueError("group_size is undefined for a GenerationBatch with no prompts")
-        if len(sizes) > 1:
-            raise ValueError(
-                f"group_size is undefined: grouped_completions is ragged (sizes {sorted(sizes)})"
-            )
-        return sizes.pop()
-
-    def flatten(self) -> PromptCompletionBatch:
-        """Prompt-major flat pairs: each prompt repeated once per completion of its group.
-
-        ``metadata`` is the flattened ``grouped_completion_info`` (``None`` if absent).
-        """
-        prompts = [
-            prompt
-            for prompt, group in zip(self.prompts, self.grouped_completions, strict=True)
-            for _ in group
-        ]
-        completions = [c for group in self.grouped_completions for c in group]
-        metadata = None
-        if self.grouped_completion_info is not None:
-            metadata = [info for group in self.grouped_completion_info for info in group]
-        return PromptCompletionBatch(prompts=prompts, completions=completions, metadata=metadata)
 
 
 # --------------------------------------------------------------------- rewards and targets
@@ -365,38 +242,39 @@ class PromptCacheEntry:
 
 @dataclass
 class BatchingSettings:
-    """How scoring is chunked and cached; read by scoring on every training step.
+    """How scoring is chunked and cached; read by the scorer on every training step.
+
+    The trainer scores micro-batches of whole prompt groups
+    (:func:`maxent_grpo.training.batching.plan_micro_batches`), so the two sizes below bound
+    one micro-batch; ``None`` means no bound (the whole batch in one forward pass).
 
     Attributes:
-        logprob_chunk_size: sequences per forward pass when computing log-probs (>= 1).
-        score_slice: rows per slice when scoring a batch in slices (>= 1).
+        logprob_chunk_size: at most this many sequences per forward pass when computing
+            log-probs (>= 1; whole groups: ``G * model.micro_batch_groups``), or None.
+        score_slice: at most this many padded tokens (rows x columns) per scored slice
+            (>= 1; ``model.micro_batch_tokens``), or None.
         prompt_length_cache_get: lookup ``prompt -> PromptCacheEntry`` used to skip
-            re-tokenising prompts, or ``None`` to tokenise every time.
+            re-tokenising prompts, or ``None`` to tokenise every time (the trainer's engine
+            tokenises each batch once, so it uses None).
         score_tail_tokens: if set (>= 1), only the last this many completion tokens are
-            scored; ``None`` scores all T.
-        slice_prefetch: slices prepared ahead of the one being scored (>= 0).
+            scored; ``None`` scores all T (the trainer always scores all T).
+        slice_prefetch: slices prepared ahead of the one being scored (>= 0; the trainer
+            prepares none).
         prompt_cache_size: maximum number of cached prompts (>= 0; 0 disables the cache).
     """
 
-    logprob_chunk_size: int
-    score_slice: int
+    logprob_chunk_size: int | None
+    score_slice: int | None
     prompt_length_cache_get: Callable[[str], PromptCacheEntry] | None = None
     score_tail_tokens: int | None = None
     slice_prefetch: int = 0
     prompt_cache_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1; got {self.logprob_chunk_size}")
-        if self.score_slice < 1:
-            raise ValueError(f"score_slice must be >= 1; got {self.score_slice}")
-        if self.score_tail_tokens is not None and self.score_tail_tokens < 1:
-            raise ValueError(
-                f"score_tail_tokens must be None or >= 1; got {self.score_tail_tokens}"
-            )
-        if self.slice_prefetch < 0:
-            raise ValueError(f"slice_prefetch must be >= 0; got {self.slice_prefetch}")
-        if self.prompt_cache_size < 0:
-            raise ValueError(f"prompt_cache_size must be >= 0; got {self.prompt_cache_size}")
+        check_int("logprob_chunk_size", self.logprob_chunk_size, minimum=1, allow_none=True)
+        check_int("score_slice", self.score_slice, minimum=1, allow_none=True)
+        check_int("score_tail_tokens", self.score_tail_tokens, minimum=1, allow_none=True)
+        check_int("slice_prefetch", self.slice_prefetch, minimum=0)
+        check_int("prompt_cache_size", self.prompt_cache_size, minimum=0)
         if self.prompt_length_cache_get is not None and not callable(self.prompt_length_cache_get):
             raise TypeError("prompt_length_cache_get must be callable or None")

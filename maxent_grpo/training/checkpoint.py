@@ -1,0 +1,144 @@
+"""What a checkpoint carries besides Lightning's own state: exact resume of a training run.
+
+Lightning saves the weights, the optimizer, the scheduler, the loops and the callbacks' and
+DataModule's states. The module adds one entry, ``checkpoint["maxent_grpo"]``:
+
+- ``model_name_or_path`` and ``objective_class``, checked on load;
+- ``objective_state``: the objective's mutable state (``Objective.state_dict``: tau, beta,
+  the entropy gate's multiplier) -- the one record of tau/beta in a checkpoint;
+- the :class:`StepCounters` (non-finite updates, empty steps);
+- ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy).
+
+With it, ``fit --ckpt_path last`` continues exactly as if the run had never stopped.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from maxent_grpo.objectives import Objective
+
+#: Key of the module's own entry in a Lightning checkpoint.
+CHECKPOINT_KEY = "maxent_grpo"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's random state: torch CPU (and CUDA when initialised), python, numpy.
+
+    Lightning restores none of these by default. Only plain types and tensors, so the
+    checkpoint still loads with ``torch.load(weights_only=True)``.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = (kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+@dataclass
+class StepCounters:
+    """Counters of a run that travel in the checkpoint.
+
+    Attributes:
+        nonfinite_in_a_row: skipped (non-finite) updates since the last finite one.
+        nonfinite_total: skipped updates in the whole run.
+        empty_steps: steps whose every group was dropped (``drop_constant_groups``).
+    """
+
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    empty_steps: int = 0
+
+
+def _gather(value: Any) -> list[Any]:
+    """``[value of rank 0, rank 1, ...]`` (``[value]`` without a process group)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
+def save_state(
+    checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
+    counters: StepCounters,
+) -> None:
+    """Write the module's entry (see the module docstring). Lightning calls the module's
+    ``on_save_checkpoint`` on every rank, so the random states are gathered here."""
+    checkpoint[CHECKPOINT_KEY] = {
+        "model_name_or_path": model_name_or_path,
+        "objective_class": type(objective).__name__,
+        "objective_state": objective.state_dict(),
+        **asdict(counters),
+        "rng": _gather(capture_rng_state()),
+    }
+
+
+def load_state(
+    checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
+    counters: StepCounters,
+) -> dict[str, Any]:
+    """Check that the checkpoint fits this run, restore the objective's state and the
+    counters at once (the checkpoint's tau/beta win over the config's and over a
+    controller's JSON file), and return this rank's random state, which the caller
+    restores just before the first training batch (so set-up and the sanity check do not
+    shift it).
+
+    Raises ValueError naming the option when the checkpoint was made with another
+    ``model.model_name_or_path`` or another objective class.
+    """
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "
+            "MaxEntGRPOModule.on_save_checkpoint, so the objective's state and the random "
+            "state cannot be restored; resume from a checkpoint of this trainer"
+        )
+    if saved["model_name_or_path"] != model_name_or_path:
+        raise ValueError(
+            "the checkpoint was made with model.model_name_or_path="
+            f"{saved['model_name_or_path']!r}, but this run has {model_name_or_path!r}"
+        )
+    name = type(objective).__name__
+    if saved["objective_class"] != name:
+        raise ValueError(
+            f"the checkpoint was made with model.objective {saved['objective_class']}, "
+            f"but this run has {name}; resume with the same objective class_path"
+        )
+    objective.load_state_dict(saved["objective_state"])
+    counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
+    counters.nonfinite_total = int(saved["nonfinite_total"])
+    counters.empty_steps = int(saved.get("empty_steps", 0))
+    states = saved["rng"]
+    dist = torch.distributed
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    if len(states) != world:
+        rank_zero_warn(
+            f"the checkpoint holds the random state of {len(states)} processes, this run "
+            f"has {world}: every process continues from process 0's state, so sampling "
+            "will not repeat the interrupted run exactly"
+        )
+        rank = 0
+    return states[rank]

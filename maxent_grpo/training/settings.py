@@ -1,0 +1,198 @@
+"""The module's options in typed groups, checked once, when the module is built.
+
+:class:`~maxent_grpo.training.module.MaxEntGRPOModule` takes flat options (one YAML key
+each, documented by ``--help``) and groups them here into the documented
+:class:`~maxent_grpo.training.types.LoopSettings`::
+
+    LoopSettings(
+        generation   = GenerationSettings(G, SamplingSettings(T_max, temperature, ...), ...),
+        evaluation   = EvaluationSettings(n, reward, threshold, k, greedy),
+        optimization = OptimizationSettings(schedule=ScheduleSettings(...), handles=None),
+        scoring      = BatchingSettings(rows / tokens per forward pass),
+        controller   = ControllerPaths(None, None),   # filled from the controller callbacks
+    )
+
+``training_step``, the scorer, the evaluator and the controllers read these groups, never
+the untyped ``hparams``. A bad value raises ValueError naming ``model.<option>``
+(:mod:`maxent_grpo.validation`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.training.types import (
+    BatchingSettings,
+    ControllerPaths,
+    LoopSettings,
+    OptimizationSettings,
+)
+from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+
+LRSchedule = Literal["cosine", "linear", "constant"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Where the policy (and its frozen reference copy) come from.
+
+    Attributes:
+        name_or_path: hub name, local folder or ``builtin:`` model.
+        dtype: parameter dtype.
+        cache_dir: where built-in models are materialised, or None for the default.
+        gradient_checkpointing: recompute activations in the policy's backward pass.
+    """
+
+    name_or_path: str
+    dtype: Dtype
+    cache_dir: str | None
+    gradient_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How a training rollout is sampled and which of its rows take part in the update.
+
+    Attributes:
+        num_generations: ``G``, completions per prompt.
+        sampling: the sampling distribution (shared by the engine and the scorer).
+        mask_truncated_completions: zero the loss mask of rows without EOS.
+        drop_constant_groups: leave groups whose G rewards are equal out of the update.
+    """
+
+    num_generations: int
+    sampling: SamplingSettings
+    mask_truncated_completions: bool
+    drop_constant_groups: bool
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """How validation and test sample and grade (see ``MaxEntGRPOModule``'s ``eval_*``).
+
+    Attributes:
+        num_generations: ``n``, samples per prompt.
+        reward_index: index in the reward list of the reward that decides correctness.
+        correct_threshold: a sample is correct when that reward is >= this.
+        k: the ``k`` of the @k metrics.
+        greedy: also decode one greedy completion per prompt.
+    """
+
+    num_generations: int
+    reward_index: int
+    correct_threshold: float
+    k: tuple[int, ...]
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """The optimisation schedule (the ``schedule`` of the documented OptimizationSettings).
+
+    Attributes:
+        num_iterations: optimizer steps per rollout.
+        gradient_clip_val: global gradient-norm bound, or None.
+        lr_warmup_steps: linear warm-up steps.
+        lr_schedule: decay shape after warm-up.
+        min_lr_ratio: final learning rate / initial.
+        max_consecutive_nonfinite: stop after this many skipped updates in a row.
+    """
+
+    num_iterations: int
+    gradient_clip_val: float | None
+    lr_warmup_steps: int
+    lr_schedule: LRSchedule
+    min_lr_ratio: float
+    max_consecutive_nonfinite: int
+
+    def lr_factor(self, step: int, total: int) -> float:
+        """The learning-rate multiplier at optimizer step ``step`` of ``total``."""
+        return warmup_cosine(step, warmup=self.lr_warmup_steps, total=total,
+                             schedule=self.lr_schedule, min_ratio=self.min_lr_ratio)
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine/linear/constant decay
+    to ``min_ratio`` at ``total`` steps."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSettings:
+    """Check the module's constructor options ``o`` and group them (see the module
+    docstring); ``reward_names`` are the keys of ``model.rewards``."""
+    check_int("model.num_generations", o["num_generations"], minimum=2)
+    check_int("model.max_completion_length", o["max_completion_length"], minimum=1)
+    check_int("model.num_iterations", o["num_iterations"], minimum=1)
+    check_bool("model.drop_constant_groups", o["drop_constant_groups"])
+    check_bool("model.mask_truncated_completions", o["mask_truncated_completions"])
+    check_int("model.micro_batch_groups", o["micro_batch_groups"], minimum=1, allow_none=True)
+    check_int("model.micro_batch_tokens", o["micro_batch_tokens"], minimum=1, allow_none=True)
+    check_number("model.gradient_clip_val", o["gradient_clip_val"], minimum=0, strict=True,
+                 allow_none=True)
+    check_int("model.lr_warmup_steps", o["lr_warmup_steps"], minimum=0)
+    check_choice("model.lr_schedule", o["lr_schedule"], ("cosine", "linear", "constant"))
+    check_number("model.min_lr_ratio", o["min_lr_ratio"], minimum=0, maximum=1)
+    check_int("model.max_consecutive_nonfinite", o["max_consecutive_nonfinite"], minimum=1)
+    n = o["eval_num_generations"]
+    check_int("model.eval_num_generations", n, minimum=1)
+    require(len(reward_names) > 0, "model.rewards must name at least one reward function")
+    reward = o["eval_reward"]
+    require(reward is None or reward in reward_names,
+            f"model.eval_reward must be None or one of model.rewards {sorted(reward_names)}; "
+            f"got {reward!r}")
+    check_number("model.eval_correct_threshold", o["eval_correct_threshold"])
+    ks = [1] if o["eval_k"] is None else list(o["eval_k"])
+    require(len(ks) > 0 and all(
+        isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks
+    ), f"model.eval_k must hold ints k with 1 <= k <= model.eval_num_generations ({n}); "
+       f"got {ks!r}")
+    check_bool("model.eval_greedy", o["eval_greedy"])
+    try:
+        sampling = SamplingSettings(
+            max_new_tokens=o["max_completion_length"], temperature=o["temperature"],
+            top_p=o["top_p"], top_k=o["top_k"], max_prompt_length=o["max_prompt_length"],
+        )
+    except ValueError as err:
+        raise ValueError(f"model.{err}") from err
+    G = o["num_generations"]
+    groups = o["micro_batch_groups"]
+    return LoopSettings(
+        generation=GenerationSettings(
+            num_generations=G, sampling=sampling,
+            mask_truncated_completions=o["mask_truncated_completions"],
+            drop_constant_groups=o["drop_constant_groups"],
+        ),
+        evaluation=EvaluationSettings(
+            num_generations=n,
+            reward_index=0 if reward is None else reward_names.index(reward),
+            correct_threshold=float(o["eval_correct_threshold"]), k=tuple(ks),
+            greedy=o["eval_greedy"],
+        ),
+        optimization=OptimizationSettings(
+            schedule=ScheduleSettings(
+                num_iterations=o["num_iterations"], gradient_clip_val=o["gradient_clip_val"],
+                lr_warmup_steps=o["lr_warmup_steps"], lr_schedule=o["lr_schedule"],
+                min_lr_ratio=o["min_lr_ratio"],
+                max_consecutive_nonfinite=o["max_consecutive_nonfinite"],
+            ),
+            handles=None,  # Lightning's optimizer and scheduler, set when training starts
+        ),
+        scoring=BatchingSettings(
+            logprob_chunk_size=None if groups is None else groups * G,
+            score_slice=o["micro_batch_tokens"],
+        ),
+        controller=ControllerPaths(state_path=None, resume_from=None),
+    )

@@ -1,0 +1,172 @@
+"""The logged record of a training step: torchmetrics in, :class:`LogStepArtifacts` out.
+
+During a step, :class:`StepMetrics` accumulates the step's statistics in torchmetrics
+(sums, so exact over micro-batches and ranks): the rewards and their components, the token
+counts, and token-weighted means of everything the objective's loss reports (KL, entropy,
+clip fractions, loss parts). After the optimizer step(s) it builds the documented record::
+
+    TokenUsageStats  ─┐
+    TrainingScalarStats ──► LogStepArtifacts ──as_dict()──► MetricWriter (train/... keys)
+    LossScalarBundle ─┘
+
+and resets. What is logged is chosen by the :class:`LoggingConfigView` (the objective's
+weighting state, gradient clipping, the schedule). NaN means "not measured this step" and
+is not logged. Key names (``train/reward/mean``, ``train/kl``, ``train/perf/step_s``, ...)
+are listed in the README's metrics table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from maxent_grpo.training.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
+from maxent_grpo.training.types import (
+    LoggingConfigView,
+    LogStepArtifacts,
+    LossScalarBundle,
+    TrainingScalarStats,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from maxent_grpo.training.optimise import LossSums
+    from maxent_grpo.training.trajectory import Trajectory
+
+
+class LightningWriter:
+    """A :class:`~maxent_grpo.training.types.MetricWriter` that logs through the
+    LightningModule (``log_dict``), so every configured Lightning logger receives the
+    values and callbacks see them in ``trainer.callback_metrics``. Lightning stamps the
+    global step itself, so ``step`` is only checked."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if step != self.module.global_step:
+            raise ValueError(f"LightningWriter logs at the current step "
+                             f"{self.module.global_step}; got step={step}")
+        self.module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def flush(self) -> None:
+        """Lightning's loggers flush on their own schedule (``trainer.log_every_n_steps``)."""
+
+
+class StepMetrics(torch.nn.Module):
+    """The per-step torchmetrics and the record built from them (see the module docstring).
+
+    Args:
+        reward_names: the names of ``model.rewards``, in order.
+    """
+
+    def __init__(self, reward_names: list[str]) -> None:
+        super().__init__()
+        self.reward = RewardMoments()
+        self.components = RewardComponents(reward_names)
+        self.tokens = TokenUsage()
+        self.means = torch.nn.ModuleDict()  # token-weighted means, created on first use
+        self._updated: set[str] = set()
+
+    def mean(self, key: str) -> TokenMean:
+        """The :class:`TokenMean` logged as ``train/<key>`` (created on first use)."""
+        name = key.replace("/", "__")
+        self._updated.add(name)
+        if name not in self.means:
+            self.means[name] = TokenMean().to(self.reward.total.device)
+        return self.means[name]
+
+    def observe(self, trajectory: Trajectory, sums: LossSums) -> None:
+        """Add the step's rollout statistics and its losses' ``(sum, count)`` pairs."""
+        t = trajectory
+        rollout = t.rollout
+        self.reward.update(t.rewards)
+        self.components.update(t.components)
+        self.tokens.update(rollout.prompt_mask, t.loss_mask, rollout.truncated)
+        if t.ref_logps is not None:  # the ghost group's rows do not count
+            self.mean("logp/ref_token").update(
+                t.ref_logps, torch.zeros_like(t.mask) if t.ghost else t.mask)
+        device = self.reward.total.device
+        for key, (value, count) in sums.sums.items():
+            self.mean(key).update_sum(value.to(device), count.to(device))
+        for key, value in t.targets.stats.items():
+            self.mean(key).update_sum(value.detach(), torch.ones((), device=device))
+
+    def artifacts(
+        self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,
+        epoch_progress: float, extra: dict[str, float],
+    ) -> LogStepArtifacts:
+        """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset.
+
+        ``extra`` are further diagnostics (timings, counters) logged as they are."""
+        means = {k.replace("__", "/"): float(m.compute()) for k, m in self.means.items()
+                 if k in self._updated}
+        nan = math.nan
+        kl = means.pop("kl", nan)
+        beta = view.weighting.state().get("beta", 0.0)
+        losses = LossScalarBundle(
+            total_loss=means.pop("loss/total", nan),
+            policy_loss=means.pop("loss/policy", nan),
+            clip_loss=means.pop("loss/clip", None),
+            kl_loss=kl,
+            weighted_kl_loss=kl * beta,
+        )
+        scalars = TrainingScalarStats(
+            ref_logp_mean=means.pop("logp/ref_token", nan),
+            tokens=self.tokens.summary(),
+            current_lr=lr,
+            grad_norm_scalar=None if grad_norm is None else float(grad_norm),
+            epoch_progress=epoch_progress,
+            vllm_latency_ms=None,  # no vLLM engine: the rollout's time is perf/generate_s
+            policy_entropy=means.pop("entropy", None),
+        )
+        moments = self.reward.summary()  # the documented RewardMoments
+        diagnostics: dict[str, Any] = {f"reward/{k}": float(v)
+                                       for k, v in self.reward.compute().items()}
+        diagnostics.update({"reward/mean": moments.mean, "reward/std": moments.std})
+        for name, stats in self.components.summaries().items():  # RewardComponentStats
+            diagnostics[f"reward/{name}/mean"] = stats.mean
+            diagnostics[f"reward/{name}/std"] = stats.std
+        diagnostics.update(means)
+        diagnostics.update({"kl": kl, "logp/ref_token": scalars.ref_logp_mean,
+                            "entropy": scalars.policy_entropy})
+        diagnostics["tokens"] = {k: float(v) for k, v in self.tokens.compute().items()}
+        diagnostics.update(view.weighting.state())  # tau, beta, ... as the step used them
+        diagnostics["lr"] = scalars.current_lr
+        if view.clipping is not None and scalars.grad_norm_scalar is not None:
+            diagnostics["grad_clipped"] = float(scalars.grad_norm_scalar > view.clipping)
+        diagnostics.update(extra)
+        artifacts = LogStepArtifacts(
+            loss_outputs=losses,
+            diagnostics={k: v for k, v in diagnostics.items() if _measured(v)},
+            grad_norm_scalar=scalars.grad_norm_scalar,
+            epoch_progress=scalars.epoch_progress,
+        )
+        self.reset_step()
+        return artifacts
+
+    def reset_step(self) -> None:
+        self.reward.reset()
+        self.components.reset()
+        self.tokens.reset()
+        for m in self.means.values():
+            m.reset()
+        self._updated.clear()
+
+
+def _measured(value: Any) -> bool:
+    """False for None and NaN (not measured this step); nested dicts are kept."""
+    if isinstance(value, dict):
+        return True
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def log_step(writer: Any, artifacts: LogStepArtifacts, step: int) -> dict[str, float]:
+    """Write ``train/<key>`` for every measured value of ``artifacts``; returns them."""
+    metrics = {f"train/{k}": v for k, v in artifacts.as_dict().items() if not math.isnan(v)}
+    writer.log(metrics, step)
+    return metrics

@@ -1,0 +1,89 @@
+"""What differs between Lightning strategies, in one place (docs/SCALING.md).
+
+- ``FSDPStrategy`` (FSDP1) is refused: it runs ``training_step`` inside the root FSDP
+  module's forward, and FSDP1 does not support the backward passes the module makes there
+  (Lightning issue #19626). ``ModelParallelStrategy`` (FSDP2) is used instead, and
+  :func:`fully_shard_models` shards the policy and the reference with ``fully_shard``.
+- ``DeepSpeedStrategy`` clips inside the engine (gradients are partitioned):
+  ``model.gradient_clip_val`` becomes the DeepSpeed config's ``gradient_clipping``, and a
+  step must be one backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only
+  the last backward's gradient).
+- DDP needs nothing here: after each backward every rank holds the averaged gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+from torch import Tensor
+
+
+def check_strategy(strategy: Strategy, gradient_clip_val: float | None) -> None:
+    """Refuse FSDP1; hand the clipping norm to DeepSpeed (ValueError on a conflict)."""
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            "trainer.strategy FSDPStrategy (FSDP1) cannot run MaxEntGRPOModule: its manual "
+            "backward passes run inside the root FSDP forward, which FSDP1 does not "
+            "support; use class_path lightning.pytorch.strategies.ModelParallelStrategy "
+            "with init_args {data_parallel_size: <number of processes>, "
+            "tensor_parallel_size: 1} (FSDP2, see configs/scaling/node8_fsdp_*.yaml)"
+        )
+    if isinstance(strategy, DeepSpeedStrategy):
+        clip = float(gradient_clip_val or 0.0)
+        config = strategy.config
+        if float(config.get("gradient_clipping", clip)) != clip:
+            raise ValueError(
+                f"model.gradient_clip_val ({clip}) differs from the DeepSpeed config's "
+                f"gradient_clipping ({config['gradient_clipping']}); set one of them"
+            )
+        config["gradient_clipping"] = clip
+
+
+def check_micro_batches(strategy: Strategy, num_micro_batches: int, batch_size: int) -> None:
+    """Under DeepSpeed a step must be a single backward pass (see the module docstring)."""
+    if num_micro_batches > 1 and isinstance(strategy, DeepSpeedStrategy):
+        raise ValueError(
+            f"model.micro_batch_groups / model.micro_batch_tokens split the batch of "
+            f"{batch_size} prompts into {num_micro_batches} backward passes, which DeepSpeed "
+            "does not accumulate here; set both to null under DeepSpeedStrategy"
+        )
+
+
+def clip_gradients(
+    strategy: Strategy, parameters: Iterable[torch.nn.Parameter], max_norm: float
+) -> Tensor | None:
+    """Clip the gradients to global norm ``max_norm``; return that norm (the same on every
+    rank), or None where the strategy clips by itself (DeepSpeed, inside its ``step``).
+
+    DDP: after the all-reduce every rank holds the full gradient. FSDP2: gradients are
+    DTensor shards, and ``clip_grad_norm_`` reduces their norms over the mesh.
+    """
+    if isinstance(strategy, DeepSpeedStrategy):
+        return None
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def fully_shard_models(mesh: Any, models: Iterable[torch.nn.Module | None]) -> None:
+    """FSDP2-shard each model over ``mesh["data_parallel"]``: every transformer block (the
+    classes in the model's ``_no_split_modules``) is one unit, the rest (embeddings, final
+    norm, head) the root unit. Tensor parallelism is refused."""
+    from torch.distributed.fsdp import fully_shard  # needs a distributed build of torch
+
+    if mesh["tensor_parallel"].size() != 1:
+        raise ValueError(
+            "ModelParallelStrategy: tensor_parallel_size must be 1 (MaxEntGRPOModule "
+            f"shards with FSDP2 only); got {mesh['tensor_parallel'].size()}"
+        )
+    data_parallel = mesh["data_parallel"]
+    for model in models:
+        if model is None:
+            continue
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=data_parallel)
+        fully_shard(model, mesh=data_parallel)

@@ -1,0 +1,284 @@
+"""Collect: one rollout turned into a typed :class:`Trajectory`, ready to optimise over.
+
+``collect`` is the first half of a training step (docs/ALGORITHM.md §0-§4)::
+
+    rollout  = engine.generate(prompts, G)                 # GenerationBatch + ids, no grad
+    pairs    = rollout.batch.flatten()                     # PromptCompletionBatch
+    rewards  = sum_k w_k R_k(pairs)                        # (B, G)
+    keep     = groups that take part                       # (B,) (drop_constant_groups)
+    ref      = log pi_ref(completion)   if needed          # (N, T), no grad
+    old      = log pi_old(completion)   if num_iterations > 1
+    targets  = objective.prepare(rewards, lengths, rho)    # over the kept groups of all ranks
+
+``N`` counts the rows that take part on this rank: the ``G`` rows of every kept group, or,
+on a rank that keeps none while others do (DDP), one "ghost" group scored at weight zero so
+that every rank makes the same backward passes. Rows stay prompt-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from maxent_grpo.core import constant_groups, distinct_candidates
+from maxent_grpo.objectives import Targets, sequence_ref_loglik
+from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
+from maxent_grpo.training.batching import MicroBatchPlan
+from maxent_grpo.training.strategy import check_micro_batches
+from maxent_grpo.training.timing import StepTimer
+from maxent_grpo.training.types import AdvantageStats, QDistribution
+
+if TYPE_CHECKING:
+    from maxent_grpo.training.module import MaxEntGRPOModule
+
+
+@dataclass
+class RolloutSamples:
+    """What a step sampled and how it was scored, on the CPU, for display
+    (:class:`~maxent_grpo.training.samples.CompletionSamples`). Groups that
+    ``drop_constant_groups`` left out have NaN advantages, weights and q.
+
+    Attributes:
+        step: ``trainer.global_step`` when the rollout was sampled.
+        prompts: the ``B`` prompts as the dataset gave them.
+        generation: the completions, grouped per prompt.
+        rewards: ``(B, G)`` total rewards.
+        components: reward name -> ``(B, G)`` values (NaN where it returned None).
+        advantages: the per-row advantages, or None (listwise, or an empty step).
+        weights: ``(B, G)`` MaxEnt weights, or None (GRPO, or an empty step).
+        q: the listwise target distribution, or None.
+    """
+
+    step: int
+    prompts: list[Any]
+    generation: GenerationBatch
+    rewards: Tensor
+    components: dict[str, Tensor]
+    advantages: AdvantageStats | None
+    weights: Tensor | None
+    q: QDistribution | None
+
+
+@dataclass
+class Trajectory:
+    """One rollout of this rank, scored and with its targets: the hand-off from collecting
+    to optimising. ``B`` prompts, ``G`` completions, ``N`` rows taking part, ``P + T``
+    columns.
+
+    Attributes:
+        rollout: the engine's output: texts and ``(B*G, ...)`` ids and masks.
+        pairs: the flat prompt/completion pairs the rewards were computed on.
+        rewards: ``(B, G)`` total rewards; ``components`` ``(K, B*G)`` per reward.
+        loss_mask: ``(B*G, T)`` completion mask of the loss (truncated rows zeroed with
+            ``mask_truncated_completions``).
+        keep: ``(B,)`` bool, the groups that take part.
+        input_ids, attention: ``(N, P + T)`` rows ``[prompt | completion]`` taking part.
+        mask: ``(N, T)`` their loss mask.
+        ref_logps: ``(N, T)`` reference log-probs, or None when not needed.
+        old_logps: ``(N, T)`` behaviour log-probs, or None (``num_iterations = 1``).
+        targets: the objective's targets of the ``N`` rows.
+        chunks: micro-batches of whole groups over the ``N`` rows.
+        kept_groups: groups taking part on all ranks.
+        ghost: this rank scores a zero-weight ghost group.
+        num_global_tokens: completion tokens taking part on all ranks (``dapo``).
+        loss_scale: factor on this rank's loss (``Objective.loss_scale``; 0 for a ghost).
+        samples: the CPU record for display.
+    """
+
+    rollout: RolloutOutput
+    pairs: PromptCompletionBatch
+    rewards: Tensor
+    components: Tensor
+    loss_mask: Tensor
+    keep: Tensor
+    input_ids: Tensor
+    attention: Tensor
+    mask: Tensor
+    ref_logps: Tensor | None
+    old_logps: Tensor | None
+    targets: Targets
+    chunks: list[MicroBatchPlan]
+    kept_groups: int
+    ghost: bool
+    num_global_tokens: Tensor
+    loss_scale: float
+    samples: RolloutSamples
+
+    @property
+    def num_rows(self) -> int:
+        """``N``, the rows scored on this rank (the ghost group's included)."""
+        return self.input_ids.shape[0]
+
+    @property
+    def prompt_len(self) -> int:
+        """``P``, the prompt columns."""
+        return self.input_ids.shape[1] - self.mask.shape[1]
+
+
+def collect(module: MaxEntGRPOModule, batch: dict[str, Any], timer: StepTimer) -> Trajectory:
+    """Rollout, rewards, frozen log-probs and targets of one training batch (see the module
+    docstring)."""
+    gen = module.loop.generation
+    G, T_max = gen.num_generations, gen.sampling.max_new_tokens
+    trainer, world = module.trainer, module.trainer.world_size
+    B = len(batch["prompts"])
+    rollout = module.engine().generate(batch["prompts"], batch["answers"], G)
+    loss_mask = rollout.completion_mask.clone()  # (B*G, T) bool
+    if gen.mask_truncated_completions:
+        loss_mask &= ~rollout.truncated[:, None]
+
+    timer.start()
+    pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
+    total, components = module.rewards(pairs, batch["columns"], G)  # (B*G,), (K, B*G)
+    rewards, components = total.to(module.device).view(B, G), components.to(module.device)
+    timer.stop("reward")
+    lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
+
+    # the groups that take part; a rank that keeps none scores its first group at weight 0
+    keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
+    ghost = False
+    rows: Tensor | slice = slice(None)  # all rows, as views
+    if gen.drop_constant_groups:
+        keep = ~constant_groups(rewards)  # (B,) some reward differs
+        ghost = world > 1 and not bool(keep.any())
+        scored = keep.clone()
+        scored[0] |= ghost
+        rows = scored.repeat_interleave(G)  # (B*G,)
+    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
+    completion_ids, mask = rollout.completion_ids[rows], loss_mask[rows]
+    input_ids = torch.cat([rollout.prompt_ids[rows], completion_ids], 1)  # (N, P + T)
+    attention = torch.cat([prompt_mask, completion_mask], 1).long()
+    T = completion_ids.shape[1]
+    n_kept = 0 if ghost else input_ids.shape[0]  # this rank's kept rows
+
+    chunks = module.scorer.plan(prompt_mask, completion_mask, G)
+    check_micro_batches(trainer.strategy, len(chunks), B)
+    ref_logps = old_logps = rho = None
+    timer.start()
+    if module.needs_reference and chunks:
+        ref_logps = module.scorer.frozen_logps(module.reference, input_ids, attention, T, chunks)
+        rho = sequence_ref_loglik(ref_logps, mask, G)[: n_kept // G]  # (kept, G)
+    if module.loop.optimization.schedule.num_iterations > 1 and chunks:
+        old_logps = module.scorer.frozen_logps(module.policy, input_ids, attention, T, chunks)
+    timer.stop("frozen")
+
+    candidates = None
+    if module.objective.needs_candidates:  # the first occurrence of each distinct completion
+        candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
+        candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
+    targets, kept_groups = prepare_targets(module, rewards, lengths, T_max, rho, keep, candidates)
+    samples = rollout_samples(module, batch, rollout.batch, rewards, components, targets, keep)
+    if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
+        targets = Targets(
+            advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
+            stats=targets.stats,
+            candidates=torch.ones(1, G, dtype=torch.bool, device=rewards.device),
+        )
+    num_tokens = mask.sum() * (not ghost)
+    global_tokens = module.all_gather(num_tokens).sum() if world > 1 else num_tokens
+    return Trajectory(
+        rollout=rollout, pairs=pairs, rewards=rewards, components=components,
+        loss_mask=loss_mask, keep=keep, input_ids=input_ids, attention=attention, mask=mask,
+        ref_logps=ref_logps, old_logps=old_logps, targets=targets, chunks=chunks,
+        kept_groups=kept_groups, ghost=ghost, num_global_tokens=global_tokens,
+        loss_scale=0.0 if ghost else module.objective.loss_scale(world, n_kept, kept_groups * G),
+        samples=samples,
+    )
+
+
+def flat_pairs(generation: GenerationBatch, raw_prompts: list[Any]) -> PromptCompletionBatch:
+    """The flat pairs the reward functions read: each dataset prompt (a string or chat
+    messages, as the dataset gave it) repeated once per completion of its group."""
+    pairs = generation.flatten()
+    pairs.prompts = [
+        raw for raw, group in zip(raw_prompts, generation.grouped_completions, strict=True)
+        for _ in group
+    ]
+    return pairs
+
+
+def prepare_targets(
+    module: MaxEntGRPOModule, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None,
+    keep: Tensor, candidates: Tensor | None = None,
+) -> tuple[Targets, int]:
+    """``objective.prepare`` over the kept groups of the optimizer step's whole batch, all
+    ranks together; returns this rank's kept groups' targets and the number of groups kept
+    on all ranks.
+
+    ``rewards`` and ``lengths`` are this rank's ``(B, G)``; ``keep`` ``(B,)`` marks the
+    groups that take part (all of them unless ``drop_constant_groups``) and ``rho`` is
+    ``(kept, G)`` or None. With W > 1 ranks every rank's tensors are gathered (every rank
+    has the same B: the sampler drops the last partial batch), the kept groups of all
+    ``W*B`` are prepared at once and each rank keeps the targets of its own (rank ``r``'s
+    kept groups follow those of ranks ``0..r-1``). Per-group advantages and weights do not
+    change; ``scale_rewards="batch"`` then divides by the std of all kept rewards, and
+    ``targets.stats`` (e.g. ``weight_entropy_min``) describe all kept groups, exactly as one
+    process given the same prompts would. ``candidates`` (``(B, G)`` bool, for objectives
+    that ask for them) travel with the rewards.
+    """
+    world = module.trainer.world_size
+    every = {"rewards": rewards, "lengths": lengths, "keep": keep}
+    if candidates is not None:
+        every["candidates"] = candidates
+    if rho is not None:
+        every["rho"] = rho.new_zeros(rewards.shape).index_copy_(0, keep.nonzero()[:, 0], rho)
+    start = 0
+    if world > 1:
+        B = rewards.shape[0]
+        every = {k: v.reshape(world * B, -1) for k, v in module.all_gather(every).items()}
+        every["keep"] = every["keep"].reshape(-1)
+        start = int(every["keep"][: module.trainer.global_rank * B].sum())
+    sel = every["keep"]
+    kept_total = int(sel.sum()) if module.loop.generation.drop_constant_groups else sel.numel()
+    if kept_total == 0:
+        return Targets(), 0
+    if kept_total < sel.numel():
+        every = {k: v[sel] for k, v in every.items()}
+    targets = module.objective.prepare(
+        every["rewards"], every["lengths"], T_max, every.get("rho"), every.get("candidates")
+    )
+    if world == 1:
+        return targets, kept_total
+    mine = slice(start, start + int(keep.sum()))
+    adv, w, cand, q = targets.advantages, targets.weights, targets.candidates, targets.q
+    G = rewards.shape[1]
+    return Targets(
+        advantages=None if adv is None else adv.view(kept_total, G)[mine].reshape(-1),
+        weights=None if w is None else w[mine],
+        stats=targets.stats,
+        candidates=None if cand is None else cand[mine],
+        q=None if q is None else q[mine],
+    ), kept_total
+
+
+def rollout_samples(
+    module: MaxEntGRPOModule, batch: dict[str, Any], generation: GenerationBatch,
+    rewards: Tensor, components: Tensor, targets: Targets, keep: Tensor,
+) -> RolloutSamples:
+    """The CPU :class:`RolloutSamples` of a step (NaN in the groups left out)."""
+    B, G = rewards.shape
+
+    def full(values: Tensor | None) -> Tensor | None:
+        if values is None:
+            return None
+        out = rewards.new_full((B, G), float("nan"))
+        out[keep] = values.detach().view(-1, G).to(out.dtype)
+        return out.cpu()
+
+    adv, q = full(targets.advantages), full(targets.q)
+    return RolloutSamples(
+        step=module.global_step,
+        prompts=list(batch["raw_prompts"]),
+        generation=generation,
+        rewards=rewards.detach().cpu(),
+        components={
+            name: components[k].detach().cpu().view(B, G)
+            for k, name in enumerate(module.rewards.names)
+        },
+        advantages=None if adv is None else AdvantageStats.from_grouped(adv.tolist()),
+        weights=full(targets.weights),
+        q=None if q is None else QDistribution.from_grouped(q.tolist()),
+    )
