@@ -378,7 +378,6 @@ def test_deepspeed_clips_with_the_module_value():
 def test_tensor_parallelism_is_refused():
     from types import SimpleNamespace
 
-    module = MaxEntGRPOModule()
     mesh = {"tensor_parallel": SimpleNamespace(size=lambda: 2)}
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         fully_shard_models(mesh, [])

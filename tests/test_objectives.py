@@ -1,7 +1,7 @@
 """Tests for maxent_grpo.objectives: GRPO, EntropyMaxEnt, ListwiseMaxEnt, GroupMaxEnt.
 
 No model: every ``MicroBatch`` is built from small float64 tensors, and each loss is compared
-with a naive formula written out in plain Python floats (ALGORITHM §3-4).
+with a naive formula written out in plain Python floats (docs/ALGORITHM.md §3-4).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _naive_adv(rewards: list[list[float]], scale: str) -> list[float]:
 
 
 def _row_weight(loss_type: str, lengths: list[int], n_rows: int, t_max: int) -> list[float]:
-    """Factor each masked token of row i gets in the reduction (ALGORITHM §3)."""
+    """Factor each masked token of row i gets in the reduction (docs/ALGORITHM.md §3)."""
     total = sum(lengths)
     if loss_type == "grpo":
         return [1.0 / (n_rows * max(n, 1)) for n in lengths]
@@ -735,7 +735,7 @@ def test_listwise_logs_kl_when_reference_given() -> None:
 
 GM_REWARDS = [[1.0, 0.0, 0.0, 1.0]]
 GM_LENGTHS = [3, 2, 3, 1]
-GM_EXPECTED_GW = [1.8902112237, 0.5415545827, 0.4217631331, 1.1464710605]  # ALGORITHM §4.4
+GM_EXPECTED_GW = [1.8902112237, 0.5415545827, 0.4217631331, 1.1464710605]  # docs/ALGORITHM.md §4.4
 
 
 def _gm_prepare(obj: GroupMaxEnt, rho: torch.Tensor | None = None):

@@ -1,4 +1,4 @@
-"""Pure MaxEnt-GRPO math on tensors (``../shared/ALGORITHM.md``).
+"""Pure MaxEnt-GRPO math on tensors (``docs/ALGORITHM.md``).
 
 Everything here imports torch only: no Lightning, no transformers, no files. Shapes use
 one vocabulary: ``B`` prompts, ``G`` generations per prompt, ``T`` completion tokens,

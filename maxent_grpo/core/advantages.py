@@ -1,4 +1,4 @@
-"""Group-relative advantages (ALGORITHM.md section 1).
+"""Group-relative advantages (docs/ALGORITHM.md §1).
 
 Rewards arrive as a ``(B, G)`` tensor: ``B`` prompts, ``G`` completions per prompt, in
 prompt-major order (row ``b`` holds the group of prompt ``b``). Everything is computed in

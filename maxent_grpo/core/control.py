@@ -1,4 +1,4 @@
-"""Pure update rules of the adaptive controllers (ALGORITHM.md sections 4.2 and 5).
+"""Pure update rules of the adaptive controllers (docs/ALGORITHM.md §4.2 and §5).
 
 Every function takes and returns plain python floats: the Lightning callbacks read tau
 and beta from the objective (their one owner; ``log tau`` is ``log(objective.tau)``), keep

@@ -1,4 +1,4 @@
-"""Per-token KL estimators, importance ratios and clip statistics (ALGORITHM §2).
+"""Per-token KL estimators, importance ratios and clip statistics (docs/ALGORITHM.md §2).
 
 Per-token tensors are ``(N, T)`` with ``N = B*G`` prompt-major rows and ``T`` completion
 tokens; ``logps`` are the current policy's log-probabilities of the sampled tokens,

@@ -1,4 +1,4 @@
-"""Sampling-based evaluation metrics (ALGORITHM.md section 6).
+"""Sampling-based evaluation metrics (docs/ALGORITHM.md §6).
 
 For one prompt the evaluator draws ``n`` samples, of which ``c`` are correct. Every ``@k``
 metric describes ``k <= n`` samples. The samples are i.i.d. draws from the policy, hence

@@ -1,4 +1,4 @@
-"""Listwise MaxEnt weights over a prompt group (ALGORITHM.md sections 4.3 and 4.4).
+"""Listwise MaxEnt weights over a prompt group (docs/ALGORITHM.md §4.3 and §4.4).
 
 All tensors are ``(B, G)``: ``B`` prompts, ``G`` candidates per prompt (prompt-major rows
 reshaped to one row per group); every softmax runs over ``G``. The weights returned here are

@@ -1,4 +1,4 @@
-"""Token log-probabilities and exact token entropy from logits (ALGORITHM §0, §2).
+"""Token log-probabilities and exact token entropy from logits (docs/ALGORITHM.md §0, §2).
 
 Both functions take logits of shape ``(N, T, V)`` (``N = B*G`` rows, ``T`` completion tokens,
 ``V`` vocabulary) that the caller has already divided by the sampling temperature, and return

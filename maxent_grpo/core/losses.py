@@ -1,4 +1,5 @@
-"""Policy losses: clipped surrogate, token-loss reductions and listwise losses (ALGORITHM §2-4).
+"""Policy losses: clipped surrogate, token-loss reductions, listwise losses (docs/ALGORITHM.md
+§2-4).
 
 Per-token tensors are ``(N, T)`` with ``N = B*G`` prompt-major rows and ``T`` completion
 tokens; masks are bool. Sequence-level tensors are ``(B, G)``: one row per prompt group.
@@ -64,7 +65,7 @@ def reduce_token_loss(
     num_global_tokens: int | torch.Tensor | None = None,
     num_rows: int | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss ``L`` of one micro-batch to a scalar (ALGORITHM §3).
+    """Reduce a per-token loss ``L`` of one micro-batch to a scalar (docs/ALGORITHM.md §3).
 
     With ``m`` the mask, ``T_i = sum_t m[i, t]`` and ``N = num_rows``:
 
@@ -219,7 +220,7 @@ def sequence_clip_loss(
     eps_high: float | None = None,
     max_log_ratio: float = 20.0,
 ) -> torch.Tensor:
-    """Optional sequence-level clipped term of listwise MaxEnt-GRPO (ALGORITHM §4.3 step 4).
+    """Optional sequence-level clipped term of listwise MaxEnt-GRPO (docs/ALGORITHM.md §4.3 step 4).
 
     ``a_hat = w - 1/G``, ``ratio = exp(clamp(s - s_old, -max_log_ratio, max_log_ratio))``,
     ``term = -mean_b sum_i min(ratio * a_hat, clip(ratio, 1 - eps_low, 1 + eps_high) * a_hat)``.

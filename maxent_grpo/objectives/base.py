@@ -108,7 +108,7 @@ def token_sum(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def sequence_ref_loglik(ref_token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
-    """``rho_i = sum_t m * l_ref / max(T_i, 1)`` reshaped to ``(B, G)`` (ALGORITHM §0)."""
+    """``rho_i = sum_t m * l_ref / max(T_i, 1)`` reshaped to ``(B, G)`` (docs/ALGORITHM.md §0)."""
     m = mask.to(ref_token_logps.dtype)
     rho = (ref_token_logps * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     return rho.view(-1, group_size)

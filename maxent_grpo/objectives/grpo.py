@@ -1,4 +1,4 @@
-"""GRPO with its Dr.GRPO / DAPO variants, and entropy-regularised GRPO (ALGORITHM §4.1-4.2).
+"""GRPO with its Dr.GRPO / DAPO variants, and entropy-regularised GRPO (docs/ALGORITHM.md §4.1-4.2).
 
 Both optimise the clipped surrogate (:mod:`maxent_grpo.objectives.surrogate`) on group
 advantages, plus ``beta`` times a per-token KL to the
@@ -26,7 +26,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 
 
 class GRPO(Objective):
-    """GRPO with the Dr.GRPO / DAPO variants (ALGORITHM §4.1).
+    """GRPO with the Dr.GRPO / DAPO variants (docs/ALGORITHM.md §4.1).
 
     ``L[i,t] = -min(c*A, clip(c, 1-eps_low, 1+eps_high)*A) + beta*KL[i,t]`` reduced by
     ``loss_type``; ``A`` from :func:`maxent_grpo.core.group_advantages` with
@@ -102,7 +102,7 @@ class GRPO(Objective):
 
 
 class EntropyMaxEnt(GRPO):
-    """Entropy-regularised GRPO, "token MaxEnt" (ALGORITHM §4.2).
+    """Entropy-regularised GRPO, "token MaxEnt" (docs/ALGORITHM.md §4.2).
 
     ``L[i,t] = -surr + beta*KL - alpha_eff*H[i,t]`` with the exact, differentiable token
     entropy at the sampling temperature. With ``kl_gate_threshold`` set, ``alpha_eff =

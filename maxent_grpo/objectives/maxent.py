@@ -34,7 +34,7 @@ from maxent_grpo.validation import check_bool, check_number, require
 
 
 class ListwiseMaxEnt(Objective):
-    """Listwise MaxEnt-GRPO (ALGORITHM §4.3).
+    """Listwise MaxEnt-GRPO (docs/ALGORITHM.md §4.3).
 
     Per group: ``q = softmax(r / q_temperature)`` floored by ``q_epsilon``;
     ``w = softmax((log q + beta*rho) / (tau + beta))``; loss = mean over groups of
@@ -151,7 +151,7 @@ class ListwiseMaxEnt(Objective):
 
 
 class GroupMaxEnt(Objective):
-    """Group-level MaxEnt weights on Dr.GRPO, "xDr.GRPO" (ALGORITHM §4.4).
+    """Group-level MaxEnt weights on Dr.GRPO, "xDr.GRPO" (docs/ALGORITHM.md §4.4).
 
     ``A_i = r_i - mean_group(r)``, ``U_i = A_i*T_i/T_max``,
     ``w = softmax((U + lam*rho)/(tau + lam))`` (constants); the loss is the Dr.GRPO token

@@ -1,4 +1,4 @@
-"""The PPO clipped surrogate shared by GRPO, EntropyMaxEnt and GroupMaxEnt (ALGORITHM §2-3).
+"""The PPO clipped surrogate shared by GRPO, EntropyMaxEnt and GroupMaxEnt (docs/ALGORITHM.md §2-3).
 
 A component, not a base class: an objective that optimises the clipped surrogate keeps its
 clip ranges (``epsilon`` / ``epsilon_high``, checked by :func:`clip_range`), takes the

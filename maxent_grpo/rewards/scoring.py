@@ -1,4 +1,4 @@
-"""Combining reward functions into one reward per completion (ALGORITHM.md section 1).
+"""Combining reward functions into one reward per completion (docs/ALGORITHM.md §1).
 
 With ``K`` weighted reward functions and ``N`` completions (``N = B*G``, prompt-major):
 

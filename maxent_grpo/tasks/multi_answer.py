@@ -4,7 +4,7 @@
 :mod:`maxent_grpo.tasks.countdown`: ``+ - * /``, parentheses, each number at most once,
 not all numbers required, exact fractions) whose **complete** set of solutions, up to the
 equivalence below, is listed in ``valid_answers``, so the coverage of the solution set by
-``k`` samples (coverage@k, ALGORITHM.md section 6) is measurable offline.
+``k`` samples (coverage@k, docs/ALGORITHM.md §6) is measurable offline.
 
 Equivalence (what counts as the same solution): two expressions are the same when they
 have the same canonical form, obtained bottom-up by

@@ -1,4 +1,4 @@
-"""Group advantages (ALGORITHM.md section 1) against hand numbers and naive float64 loops."""
+"""Group advantages (docs/ALGORITHM.md §1) against hand numbers and naive float64 loops."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Controller update rules (ALGORITHM.md sections 4.2 and 5), steps computed by hand."""
+"""Controller update rules (docs/ALGORITHM.md §4.2 and §5), steps computed by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Listwise and group MaxEnt weights (ALGORITHM.md sections 4.3 and 4.4)."""
+"""Listwise and group MaxEnt weights (docs/ALGORITHM.md §4.3 and §4.4)."""
 
 from __future__ import annotations
 

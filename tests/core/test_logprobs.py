@@ -31,7 +31,7 @@ def _inputs(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
 
 
 def test_entropy_spec_example() -> None:
-    # p = e^[2,1,0] / (e^2 + e + 1); H = -sum p log p = 0.8323955818399389 (ALGORITHM §2).
+    # p = e^[2,1,0] / (e^2 + e + 1); H = -sum p log p = 0.8323955818399389 (docs/ALGORITHM.md §2).
     z = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=torch.float64)
     assert token_entropy(z).item() == pytest.approx(0.8323955818399389, abs=1e-15)
     assert token_entropy(z.float()).item() == pytest.approx(0.8323955818399389, abs=1e-6)

@@ -1,4 +1,4 @@
-"""Reward functions, the registry and score_completions (ALGORITHM.md section 1)."""
+"""Reward functions, the registry and score_completions (docs/ALGORITHM.md §1)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ from maxent_grpo.rollout import (
     HFGenerateEngine,
     RolloutEngine,
     RolloutOutput,
+    SamplingSettings,
     completion_mask_from_ids,
 )
-from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.training.types import GenerationBatch
 
 PAD, EOS = 0, 2  # ids of <|endoftext|> and <|im_end|> in the tiny tokenizer

@@ -419,7 +419,7 @@ def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
     export = HFExport(every_n_train_steps=4)
     trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
                               is_global_zero=True)
-    module = SimpleNamespace(policy=Saver(), tokenizer=Saver())
+    module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver()))
     export.setup(trainer, module, "fit")
     assert export.dirpath == str(tmp_path / "hf")
     export.on_train_start(trainer, module)
@@ -427,9 +427,9 @@ def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
         trainer.global_step = global_step
         export.on_train_batch_end(trainer, module, None, None, 0)
     export.on_train_end(trainer, module)
-    names = [p.name for p in module.policy.saved]
+    names = [p.name for p in module.runtime.model.saved]
     assert names == ["step-4", "step-9", "step-12", "final"]
-    assert module.tokenizer.saved == module.policy.saved
+    assert module.runtime.tokenizer.saved == module.runtime.model.saved
 
 
 def test_hf_export_writes_a_loadable_model(tmp_path):
@@ -438,16 +438,16 @@ def test_hf_export_writes_a_loadable_model(tmp_path):
     from maxent_grpo.models import load_policy, load_tokenizer
 
     cache = str(tmp_path / "models")
-    module = SimpleNamespace(
-        policy=load_policy("builtin:tiny", cache_dir=cache),
+    module = SimpleNamespace(runtime=SimpleNamespace(
+        model=load_policy("builtin:tiny", cache_dir=cache),
         tokenizer=load_tokenizer("builtin:tiny", cache_dir=cache),
-    )
+    ))
     trainer = SimpleNamespace(is_global_zero=True)
     out = HFExport(dirpath=str(tmp_path / "export")).export(trainer, module, "final")
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert tokenizer("1+1")["input_ids"] == module.tokenizer("1+1")["input_ids"]
+    assert tokenizer("1+1")["input_ids"] == module.runtime.tokenizer("1+1")["input_ids"]
     for (name, p), (_, q) in zip(
-        model.named_parameters(), module.policy.named_parameters(), strict=True
+        model.named_parameters(), module.runtime.model.named_parameters(), strict=True
     ):
         assert (p == q).all(), name

@@ -17,9 +17,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugin_util import markdown_to_safe_html
 from torch.utils.tensorboard import SummaryWriter
 
+from maxent_grpo.rollout import GenerationBatch
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
-from maxent_grpo.rollout import GenerationBatch
 from maxent_grpo.training.samples import MAX_CELL_CHARS, CompletionSamples, escape_cell
 from maxent_grpo.training.trajectory import RolloutSamples
 from maxent_grpo.training.types import AdvantageStats

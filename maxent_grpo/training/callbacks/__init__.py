@@ -1,4 +1,4 @@
-"""Lightning callbacks: the adaptive tau / beta controllers (ALGORITHM §5) and HF export.
+"""Lightning callbacks: the adaptive tau / beta controllers (docs/ALGORITHM.md §5) and HF export.
 
 Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauController``:
 

@@ -1,4 +1,4 @@
-"""What the adaptive tau / beta controllers (ALGORITHM §5) share, as Lightning callbacks.
+"""What the adaptive tau / beta controllers (docs/ALGORITHM.md §5) share, as Lightning callbacks.
 
 Added under ``trainer.callbacks`` in YAML::
 

@@ -1,4 +1,4 @@
-"""The tau / beta / meta controllers of ALGORITHM §5: their checks and update rules.
+"""The tau / beta / meta controllers of docs/ALGORITHM.md §5: their checks and update rules.
 
 Each is a :class:`~maxent_grpo.training.callbacks.base.Controller` (when they act, their
 state and the restore order are described there); the update rules are the pure functions
@@ -177,7 +177,7 @@ class TauController(Controller):
 
 
 class BetaController(Controller):
-    """Steer the measured KL to the reference towards ``kl_target`` (ALGORITHM §5).
+    """Steer the measured KL to the reference towards ``kl_target`` (docs/ALGORITHM.md §5).
 
     Per training step (:func:`maxent_grpo.core.control.beta_update`)::
 

@@ -5,8 +5,9 @@ Added under ``trainer.callbacks`` in YAML::
     - class_path: maxent_grpo.training.callbacks.HFExport
       init_args: {every_n_train_steps: 100}
 
-It reads ``pl_module.policy`` and ``pl_module.tokenizer`` and writes folders that
-``from_pretrained`` loads (global rank 0 only).
+It reads the job-long handles ``pl_module.runtime`` (a
+:class:`~maxent_grpo.training.types.RuntimeHandles`: ``model``, ``tokenizer``) and writes
+folders that ``from_pretrained`` loads (global rank 0 only).
 """
 
 from __future__ import annotations
@@ -70,13 +71,13 @@ class HFExport(Callback):
         self.export(trainer, pl_module, "final")
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
-        """``save_pretrained`` of ``pl_module.policy`` and ``.tokenizer`` into
+        """``save_pretrained`` of ``pl_module.runtime.model`` and ``.tokenizer`` into
         ``<dirpath>/<name>``; returns the folder (None on other ranks)."""
         if not trainer.is_global_zero:
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
         out = Path(self.dirpath) / name
-        pl_module.policy.save_pretrained(out)
-        pl_module.tokenizer.save_pretrained(out)
+        pl_module.runtime.model.save_pretrained(out)
+        pl_module.runtime.tokenizer.save_pretrained(out)
         log.info("exported the policy and tokenizer to %s", out)
         return out
