@@ -47,6 +47,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from maxent_grpo.training.trajectory import RolloutSamples
+from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = ["MAX_CELL_CHARS", "CompletionSamples", "escape_cell", "rollout_rows", "samples_table"]
 
@@ -190,17 +191,15 @@ class CompletionSamples(Callback):
         jsonl_path: str | None = None,
         histograms: bool = True,
     ) -> None:
-        for name, value in (("every_n_steps", every_n_steps), ("max_prompts", max_prompts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CompletionSamples.{name} must be an int >= 1; got {value!r}")
-        if jsonl_path is not None and not str(jsonl_path).strip():
-            raise ValueError(
-                f"CompletionSamples.jsonl_path must be None or a non-empty path; got {jsonl_path!r}"
-            )
+        check_int("CompletionSamples.every_n_steps", every_n_steps, minimum=1)
+        check_int("CompletionSamples.max_prompts", max_prompts, minimum=1)
+        require(jsonl_path is None or bool(str(jsonl_path).strip()),
+                f"CompletionSamples.jsonl_path must be None or a non-empty path; got {jsonl_path!r}")
+        check_bool("CompletionSamples.histograms", histograms)
         self.every_n_steps = every_n_steps
         self.max_prompts = max_prompts
         self.jsonl_path = jsonl_path
-        self.histograms = bool(histograms)
+        self.histograms = histograms
         self._jsonl_file: Path | None = None
         self._prev_step: int | None = None  # step of the last rollout seen
         self._last_record: RolloutSamples | None = None

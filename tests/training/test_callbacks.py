@@ -33,7 +33,7 @@ class FakeModule:
 
     def __init__(self, objective, num_generations: int = 8) -> None:
         self.objective = objective
-        self.hparams = SimpleNamespace(num_generations=num_generations)
+        self.loop = SimpleNamespace(generation=SimpleNamespace(num_generations=num_generations))
         self.step_log: LogStepArtifacts | None = None
         self.logged: list[dict[str, float]] = []
         self.reference_required = False

@@ -37,9 +37,9 @@ __all__ = ["BetaController", "MetaController", "TauController"]
 
 def _check_target_entropy(owner: str, value: float | None, pl_module: pl.LightningModule) -> None:
     """A weight entropy over G candidates lies in [0, log G]."""
-    G = getattr(getattr(pl_module, "hparams", None), "num_generations", None)
-    if value is None or G is None:
+    if value is None:
         return
+    G = pl_module.loop.generation.num_generations
     require(
         value <= math.log(G),
         f"{owner} must be in [0, log G] = [0, {math.log(G):.4f}] for "
