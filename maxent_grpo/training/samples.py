@@ -193,8 +193,10 @@ class CompletionSamples(Callback):
     ) -> None:
         check_int("CompletionSamples.every_n_steps", every_n_steps, minimum=1)
         check_int("CompletionSamples.max_prompts", max_prompts, minimum=1)
-        require(jsonl_path is None or bool(str(jsonl_path).strip()),
-                f"CompletionSamples.jsonl_path must be None or a non-empty path; got {jsonl_path!r}")
+        require(
+            jsonl_path is None or bool(str(jsonl_path).strip()),
+            f"CompletionSamples.jsonl_path must be None or a non-empty path; got {jsonl_path!r}",
+        )
         check_bool("CompletionSamples.histograms", histograms)
         self.every_n_steps = every_n_steps
         self.max_prompts = max_prompts
