@@ -195,18 +195,29 @@ class MaxEntGRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        """One rollout and ``num_iterations`` optimizer steps on it (module docstring)."""
+        """One rollout, then ``num_iterations`` optimizer steps on it::
+
+            trajectory = collect(batch)        # rollout -> rewards -> frozen log-probs
+                                               #   -> targets (advantages / MaxEnt weights)
+            repeat num_iterations times:
+                optimizer_step(trajectory)     # micro-batches -> loss -> backward -> step
+            log the step; objective.observe(the step's statistics)
+        """
         timer = StepTimer(self.device)
-        trajectory = collect(self, batch, timer)
-        self.trajectory = trajectory
-        self.dropped_groups = self.trainer.world_size * len(batch["prompts"]) - (
-            trajectory.kept_groups)
-        self.counters.empty_steps += trajectory.kept_groups == 0
+        self.trajectory = trajectory = collect(self, batch, timer)
         sums = LossSums(self.device)
         grad_norm = None
         for _ in range(self.loop.optimization.schedule.num_iterations):
             grad_norm = optimizer_step(self, trajectory, sums, timer)
+        self._log_step(trajectory, sums, grad_norm, timer, batch_idx)
+        self.objective.observe(self.step_log.as_dict())  # e.g. the entropy gate reads "kl"
 
+    def _log_step(self, trajectory: Trajectory, sums: LossSums, grad_norm: torch.Tensor | None,
+                  timer: StepTimer, batch_idx: int) -> None:
+        """Count, record (``step_log``) and log the step (``train/...``, progress bar)."""
+        self.dropped_groups = self.trainer.world_size * trajectory.keep.numel() - (
+            trajectory.kept_groups)
+        self.counters.empty_steps += trajectory.kept_groups == 0
         self.step_metrics.observe(trajectory, sums)
         rollout = trajectory.rollout
         timings = timer.summary(rollout.generate_seconds, int(rollout.completion_mask.sum()))
@@ -223,7 +234,6 @@ class MaxEntGRPOModule(L.LightningModule):
         self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)
         if "train/loss/total" in metrics:
             self.log("loss", metrics["train/loss/total"], prog_bar=True, logger=False)
-        self.objective.observe(self.step_log.as_dict())  # e.g. the entropy gate reads "kl"
 
     def engine(self, do_sample: bool = True) -> RolloutEngine:
         """The rollout engine on the policy; ``do_sample=False`` decodes greedily."""
