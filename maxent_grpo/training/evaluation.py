@@ -39,6 +39,7 @@ from maxent_grpo.rewards.parsing import completion_text, extract_answer
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutEngine
 from maxent_grpo.tasks.multi_answer import canonical_expression
 from maxent_grpo.training.metrics import RewardComponents, RewardMoments
+from maxent_grpo.training.settings import EvaluationSettings
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
@@ -154,7 +155,7 @@ class Evaluator(torch.nn.Module):
     twice).
     """
 
-    def __init__(self, rewards: WeightedRewards, settings: Any) -> None:
+    def __init__(self, rewards: WeightedRewards, settings: EvaluationSettings) -> None:
         super().__init__()
         self.rewards = rewards
         self.settings = settings

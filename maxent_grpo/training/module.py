@@ -16,9 +16,11 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
 
 Optimisation is manual (``automatic_optimization = False``) because one rollout may feed
 several optimizer steps and the loss is accumulated over micro-batches that never split
-a prompt group. Validation and test live in :class:`~maxent_grpo.training.evaluation.
-Evaluator`; what checkpoints add in :mod:`~maxent_grpo.training.checkpoint`; what differs
-between strategies in :mod:`~maxent_grpo.training.strategy`.
+a prompt group. Validation and test live in
+:class:`~maxent_grpo.training.evaluation.Evaluator`, what checkpoints add in
+:mod:`~maxent_grpo.training.checkpoint`, what differs between strategies in
+:mod:`~maxent_grpo.training.strategy`, and the options' typed groups in
+:mod:`~maxent_grpo.training.settings`.
 """
 
 from __future__ import annotations
