@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
 from maxent_grpo.training.data import collate_prompts
 from maxent_grpo.training.evaluation import (
     PromptRecord,
@@ -218,3 +218,24 @@ def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):  # 
     module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False)
     with pytest.raises(ValueError, match=r"model\.eval_reward 'first_number'.*answer_column"):
         validate(module, make_data(cache_dir, answer_column=None))
+
+
+def test_engine_is_chosen_by_class_path_and_share_prefill_is_deprecated(cache_dir):  # noqa: F811
+    """``model.engine`` builds the engine with the module's sampling settings; the old
+    ``model.share_prefill`` still works, with a deprecation warning."""
+    built = []
+
+    class Recording(HFGenerateEngine):
+        def __init__(self, model, tokenizer, sampling, share_prefill=True):
+            built.append((sampling, share_prefill))
+            super().__init__(model, tokenizer, sampling, share_prefill=share_prefill)
+
+    module = make_module(cache_dir, engine=Recording, temperature=0.7, top_k=3)
+    module.configure_model()
+    module.engine(do_sample=False)
+    assert built[-1][0] == SamplingSettings(max_new_tokens=4, temperature=0.7, top_k=3,
+                                            max_prompt_length=256, do_sample=False)
+    with pytest.warns(UserWarning, match="model.share_prefill is deprecated"):
+        old = make_module(cache_dir, share_prefill=False)
+    old.configure_model()
+    assert old.engine().share_prefill is False

@@ -213,14 +213,15 @@ class LogStepArtifacts:
 class LoggingConfigView:
     """The configuration the logger reads to label and gate metrics (a read-only view).
 
-    Built once by the LightningModule from the objective's hyper-parameters; consumed by
-    logging (e.g. to log tau/beta only when weighting uses them, clip fractions only when
-    clipping is on).
+    Built once by the LightningModule; consumed by the step's logging
+    (:mod:`maxent_grpo.training.step_log`).
 
     Attributes:
-        weighting: the objective's weighting settings (tau, beta, q temperature, …).
-        clipping: the clipping settings (epsilon low/high, sequence clip coefficient).
-        schedule: the optimisation schedule (lr, warm-up, total steps).
+        weighting: the objective, whose ``state()`` (tau, beta, lam, alpha: the weighting
+            values the step used) is logged, and whose beta weighs ``loss/weighted_kl``.
+        clipping: the gradient-clipping norm (``model.gradient_clip_val``) or None; when
+            set, ``grad_clipped`` records whether the step's norm exceeded it.
+        schedule: the optimisation schedule (the module's ``ScheduleSettings``).
     """
 
     weighting: Any
@@ -230,11 +231,12 @@ class LoggingConfigView:
 
 @runtime_checkable
 class MetricWriter(Protocol):
-    """Anything that accepts flat metric dicts; a TensorBoard-backed writer satisfies it.
+    """Anything that accepts flat metric dicts.
 
-    Consumed by the LightningModule/callbacks to write :meth:`LogStepArtifacts.as_dict`
-    outside Lightning's own logger (e.g. evaluation scripts). ``isinstance(x, MetricWriter)``
-    checks only that ``log`` and ``flush`` exist.
+    The LightningModule writes each step's :meth:`LogStepArtifacts.as_dict` through one:
+    :class:`~maxent_grpo.training.step_log.LightningWriter`, which hands them to every
+    configured Lightning logger (TensorBoard by default, CSV, W&B, ...).
+    ``isinstance(x, MetricWriter)`` checks only that ``log`` and ``flush`` exist.
     """
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
