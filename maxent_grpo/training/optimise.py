@@ -8,7 +8,10 @@ The second half of a training step, run ``num_iterations`` times per rollout::
     clip gradients; optimizer.step(); scheduler.step()
 
 ``s`` is the trajectory's ``loss_scale`` (``Objective.loss_scale``), which makes the ranks'
-averaged gradient the gradient of the formula over the whole batch of all ranks. A
+averaged gradient the gradient of the formula over the whole batch of all ranks. Under DDP
+every micro-batch but the last runs its backward without gradient synchronisation
+(``LightningOptimizer.toggle_model(sync_grad=False)``, DDP's ``no_sync``): the gradients
+accumulate locally and are all-reduced once per optimizer step. A
 non-finite loss or gradient on any rank skips the whole update on every rank (the
 gradients are zeroed), so the replicas never diverge; ``max_consecutive_nonfinite``
 skips in a row stop the run with :class:`NonFiniteLossError`.
@@ -67,7 +70,8 @@ def optimizer_step(
     t = trajectory
     G, P = module.loop.generation.num_generations, t.prompt_len
     finite = torch.ones((), dtype=torch.bool, device=module.device)
-    for chunk in t.chunks:
+    last = len(t.chunks) - 1
+    for i, chunk in enumerate(t.chunks):
         timer.start()
         rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
         scores, entropy = module.scorer.policy_scores(
@@ -93,7 +97,9 @@ def optimizer_step(
         ))
         finite &= torch.isfinite(out.loss)
         timer.stop("forward")
-        module.manual_backward(out.loss * t.loss_scale)
+        # DDP all-reduces the accumulated gradient once, in the last micro-batch's backward
+        with opt.toggle_model(sync_grad=i == last):
+            module.manual_backward(out.loss * t.loss_scale)
         timer.stop("backward")
         # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes and
         # ranks (scaled like their gradient, their mean over the ranks is the batch loss)
