@@ -81,15 +81,25 @@ def mean_std_from_sums(total: Tensor, total_sq: Tensor, count: Tensor) -> tuple[
 
 
 def _check_float64_states(metric: Metric, names: tuple[str, ...]) -> None:
-    """Raise RuntimeError if a float64 state was cast to a lower precision."""
+    """Keep the float states float64 under a module-wide ``.to(dtype)`` cast.
+
+    ``trainer.precision: bf16-true`` casts every floating tensor of the LightningModule,
+    metric states (and the defaults ``reset`` restores) included. A state that holds no
+    data yet (first update since a reset) holds a default, 0 or +-inf, which every float
+    dtype stores exactly: it is upcast back to float64 here. A state cast after it had
+    accumulated data has lost precision: RuntimeError.
+    """
     for name in names:
-        dtype = getattr(metric, name).dtype
-        if dtype != torch.float64:
-            raise RuntimeError(
-                f"{type(metric).__name__} state {name!r} is {dtype}, not torch.float64 "
-                "(a module-wide .to(dtype) cast it); call metric.set_dtype(torch.float64) "
-                "after the cast"
-            )
+        state = getattr(metric, name)
+        if state.dtype == torch.float64:
+            continue
+        if metric.update_count <= 1:  # this update is the first since reset
+            setattr(metric, name, state.to(torch.float64))
+            continue
+        raise RuntimeError(
+            f"{type(metric).__name__} state {name!r} is {state.dtype}, not torch.float64: a "
+            "module-wide .to(dtype) cast it after it had accumulated data"
+        )
 
 
 def _check_tensor(name: str, value: Any, dims: int | None = None) -> Tensor:

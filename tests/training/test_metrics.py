@@ -229,15 +229,24 @@ def test_reward_moments_rejects_bad_input(rewards: object, match: str) -> None:
         RewardMoments().update(rewards)  # type: ignore[arg-type]
 
 
-def test_low_precision_cast_is_refused_until_set_dtype() -> None:
+def test_a_bf16_cast_before_any_data_keeps_float64_sums() -> None:
+    """What ``bf16-true`` precision does to a whole module: the states (still defaults) are
+    upcast back at the first update, every step (reset restores cast defaults), so the
+    values equal float64 ones; a cast after data arrived is refused."""
     metric = RewardMoments()
-    metric.to(dtype=torch.bfloat16)  # what "bf16-true" precision does to a whole module
+    metric.to(dtype=torch.bfloat16)
     assert metric.total.dtype == torch.bfloat16
-    with pytest.raises(RuntimeError, match="set_dtype"):
-        metric.update(REWARDS_ALL)
-    metric.set_dtype(F64)
-    metric.update(REWARDS_ALL)
-    assert_same(values_of(metric.compute()), whole_reward_moments())
+    for _ in range(2):
+        metric.update(REWARDS_ALL[:2])
+        metric.update(REWARDS_ALL[2:])
+        assert metric.total.dtype == torch.float64
+        assert_same(values_of(metric.compute()), whole_reward_moments())
+        metric.reset()
+    mean = TokenMean().to(dtype=torch.bfloat16)
+    mean.update(torch.tensor([1.0, 2.0]))
+    mean.to(dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="after it had accumulated data"):
+        mean.update(torch.tensor([3.0]))
 
 
 # --------------------------------------------------------------------------- RewardComponents

@@ -437,3 +437,18 @@ def test_dropped_groups_do_not_depend_on_the_micro_batches(cache_dir):
     ]
     for key in results[0]:
         torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_true_precision_trains_and_validates(cache_dir):
+    """``trainer.precision: bf16-true`` casts the whole module, metric states included; the
+    metrics keep float64 sums and the step and validation run."""
+    module = make_module(cache_dir, rewards={"tests.training.test_module:alternating": 1.0})
+    before = params(module.configure_model() or module)
+    fit(module, make_data(cache_dir), steps=2, precision="bf16-true")
+    assert next(module.policy.parameters()).dtype == torch.bfloat16
+    assert module.step_log.as_dict()["reward/mean"] == 0.5  # alternating 1, 0: exact
+    assert any(not torch.equal(before[k], v.float()) for k, v in params(module).items())
+    evaluator = L.Trainer(accelerator="cpu", devices=1, logger=False, precision="bf16-true",
+                          limit_val_batches=1, enable_progress_bar=False)
+    metrics = evaluator.validate(module, make_data(cache_dir), verbose=False)[0]
+    assert metrics["val/reward/mean"] == 0.5
