@@ -27,6 +27,7 @@ import hashlib
 import math
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,9 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     if world == 1:
         strategy: Any = "auto"
     elif case.get("strategy") == "fsdp":
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        # a hang (a collective one rank never joins) fails after a minute instead
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                         timeout=timedelta(seconds=60))
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     trainer = pl.Trainer(
@@ -257,10 +260,19 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
         "params": {n: full(p) for n, p in module.policy.named_parameters()},
     }
     if case.get("strategy") == "fsdp":
-        # the real engine generates with the sharded policy (both ranks take part)
-        engine = HFGenerateEngine(module.policy, module.tokenizer, module.loop.generation.sampling)
+        # the real engine generates with the sharded policy (both ranks take part); rank 0's
+        # completions all stop at their first token (every id is a stop token there) while
+        # rank 1's go on: rank 0 must keep joining the forward passes (synced_gpus)
+        stop = list(range(len(module.tokenizer))) if trainer.global_rank == 0 else None
+        engine = HFGenerateEngine(module.policy, module.tokenizer, module.loop.generation.sampling,
+                                  stop_token_ids=stop)
+        calls = []
+        hook = module.policy.register_forward_pre_hook(lambda *_: calls.append(1))
         rollout = engine.generate(["1 + 2 =", "3 + 4 ="], ["3", "7"], 2)
+        hook.remove()
         out["generated_rows"] = int(rollout.completion_ids.shape[0])
+        out["generated_tokens"] = rollout.completion_mask.sum(-1).tolist()
+        out["generate_forwards"] = len(calls)  # collectives this rank joined
     return out
 
 
@@ -376,6 +388,10 @@ def test_two_ranks_equal_one_rank(runs, name):
         assert 0 in r0["kept"] + r1["kept"], (r0["kept"], r1["kept"])
     if CASES[name].get("strategy") == "fsdp":
         assert r0["generated_rows"] == r1["generated_rows"] == 4
+        assert r0["generated_tokens"] == [1] * 4 and max(r1["generated_tokens"]) > 1
+        # rank 0 kept joining rank 1's forward passes (without synced_gpus it stops after
+        # its first token and rank 1's all-gathers are left unmatched)
+        assert r0["generate_forwards"] == r1["generate_forwards"] > 2
 
 
 # ---------------------------------------------------------------------- strategy guards

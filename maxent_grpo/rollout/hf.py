@@ -40,6 +40,12 @@ and G = 1 use the plain path.
 
 Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
 or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.module``.
+When the parameters are sharded across ranks (FSDP2, DeepSpeed ZeRO-3), every forward pass
+is a collective, so generation runs with ``synced_gpus``: a rank whose completions have all
+stopped keeps joining the forward passes until every rank's have
+(:func:`sharded_across_ranks`). transformers detects FSDP2 by itself, but ZeRO-3 only when
+its own ``HfDeepSpeedConfig`` is alive, which Lightning's DeepSpeed strategy does not
+create; the engine therefore decides.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from maxent_grpo.rollout.batch import GenerationBatch
@@ -90,6 +97,18 @@ def _model_device(model: nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
     return torch.device("cpu")
+
+
+def sharded_across_ranks(model: nn.Module) -> bool:
+    """Whether each rank holds only a shard of ``model``'s parameters, so that every forward
+    pass is a collective all ranks must join: FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3
+    (partitioned parameters carry ``ds_id``), with more than one process."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if isinstance(model, FSDPModule):
+        return True
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -226,6 +245,9 @@ class HFGenerateEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
         )
+        # a sharded model's forward passes are collectives: a rank whose completions all
+        # stopped keeps stepping (without sampling) until every rank's have
+        synced = {"synced_gpus": True} if sharded_across_ranks(self.model) else {}
         start = time.perf_counter()
         with torch.no_grad(), _isolated_generation(self.model):
             cache = None
@@ -237,14 +259,14 @@ class HFGenerateEngine:
             if cache is None:
                 output = self.model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask.long(),
-                    generation_config=config,
+                    generation_config=config, **synced,
                 )  # (B*G, P + T)
             else:
                 config.num_return_sequences = 1
                 output = self.model.generate(
                     input_ids=prompt_ids.repeat_interleave(group, dim=0),
                     attention_mask=prompt_mask.long().repeat_interleave(group, dim=0),
-                    **cache, generation_config=config,
+                    **cache, generation_config=config, **synced,
                 )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

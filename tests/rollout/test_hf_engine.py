@@ -336,3 +336,32 @@ def test_rollout_output_checks_shapes() -> None:
     bad_dtype = {**ok, "truncated": torch.zeros(2, dtype=torch.long)}
     with pytest.raises(ValueError, match="truncated must be a bool tensor"):
         RolloutOutput(batch=batch, generate_seconds=0.0, **bad_dtype)
+
+
+def test_generation_is_synced_when_parameters_are_sharded(tiny, monkeypatch) -> None:
+    """With several ranks and ZeRO-3-partitioned parameters (``ds_id``), ``generate`` runs
+    with ``synced_gpus=True``; unsharded, or on one process, it does not."""
+    from maxent_grpo.rollout import hf
+
+    model, tokenizer = tiny
+    seen: list[dict] = []
+    real = model.generate
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording)
+    engine = make_engine(model, tokenizer, share_prefill=False, max_new_tokens=2)
+    engine.generate(["ab"], ["x"], 2)
+    assert not hf.sharded_across_ranks(model) and "synced_gpus" not in seen[-1]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert not hf.sharded_across_ranks(model)  # replicated (DDP): each rank runs alone
+    for p in model.parameters():
+        monkeypatch.setattr(p, "ds_id", 0, raising=False)
+    assert hf.sharded_across_ranks(model)
+    # one process stands in for two: the synced loop's all-reduce is a no-op sum here
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)
+    engine.generate(["ab"], ["x"], 2)
+    assert seen[-1]["synced_gpus"] is True
