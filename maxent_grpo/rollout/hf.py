@@ -38,6 +38,16 @@ P=110: a 1-token generate took 8.6-10.1 s plain and 1.1-1.7 s shared. Models who
 cannot be repeated that way, models that are not a ``PreTrainedModel``, one-token prompts
 and G = 1 use the plain path.
 
+Static cache (``cache="static"``). The key/value cache is preallocated for ``P + T_max``
+tokens instead of growing per step, so every decode step has the same shapes: on CUDA,
+transformers then compiles the decode step (the first call compiles, for each new shape).
+With shared prefill the repeated prefix is copied into the static cache; without it,
+``generate`` builds the static cache itself. ``prompt_bucket`` left-pads prompts to a
+multiple of that many tokens, so ``P`` takes few values and compiles are not repeated every
+step (the extra columns are masked: the same positions and samples). On the CPU nothing is
+compiled; the samples equal the dynamic cache's under a seed up to float rounding of the
+attention over the masked, preallocated positions (tested).
+
 Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
 or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.module``.
 When the parameters are sharded across ranks (FSDP2, DeepSpeed ZeRO-3), every forward pass
@@ -53,15 +63,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    Cache,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StaticCache,
+)
 
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
-from maxent_grpo.validation import check_bool, require
+from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
 
 def completion_mask_from_ids(
@@ -140,6 +157,11 @@ class HFGenerateEngine:
         share_prefill: run each prompt's prefill once for its G samples (see "Shared
             prefill" above).
         stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+        cache: the key/value cache of decoding: ``dynamic`` (grows per step) or ``static``
+            (preallocated for ``P + T_max`` tokens; on CUDA transformers then compiles the
+            decode step; see "Static cache" above).
+        prompt_bucket: left-pad prompts to a multiple of this many tokens (1 = off), so
+            that a static cache, and its compiled step, see few distinct shapes.
     """
 
     def __init__(
@@ -149,6 +171,8 @@ class HFGenerateEngine:
         sampling: SamplingSettings,
         share_prefill: bool = True,
         stop_token_ids: list[int] | None = None,
+        cache: Literal["dynamic", "static"] = "dynamic",
+        prompt_bucket: int = 1,
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -165,6 +189,10 @@ class HFGenerateEngine:
         require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
                 f"HFGenerateEngine.stop_token_ids must be non-negative ints; got {extra!r}")
         check_bool("HFGenerateEngine.share_prefill", share_prefill)
+        check_choice("HFGenerateEngine.cache", cache, ("dynamic", "static"))
+        check_int("HFGenerateEngine.prompt_bucket", prompt_bucket, minimum=1)
+        self.cache = cache
+        self.prompt_bucket = prompt_bucket
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -183,6 +211,7 @@ class HFGenerateEngine:
             if len(ids) == 0:
                 raise ValueError(f"prompts[{index}] is empty after tokenisation")
         length = max(len(ids) for ids in encoded)
+        length = -(-length // self.prompt_bucket) * self.prompt_bucket  # round up to a bucket
         prompt_ids = torch.full((len(encoded), length), self.tokenizer.pad_token_id)
         prompt_mask = torch.zeros((len(encoded), length), dtype=torch.bool)
         for row, ids in enumerate(encoded):
@@ -210,7 +239,21 @@ class HFGenerateEngine:
         if cache is None or not callable(getattr(cache, "batch_repeat_interleave", None)):
             return None
         cache.batch_repeat_interleave(group)
+        if self.cache == "static":  # copy the repeated prefix into a preallocated cache
+            cache = self._static_cache(prompt_ids.shape[1], prefix=cache)
         return {key: cache}
+
+    def _static_cache(self, prompt_len: int, prefix: Cache | None = None) -> StaticCache:
+        """A static cache for ``P + T_max`` tokens, holding ``prefix``'s keys and values
+        (the shared prefill, ``(B*G, heads, P - 1, dim)`` per layer) when given."""
+        cache = StaticCache(config=self.model.config,
+                            max_cache_len=prompt_len + self.sampling.max_new_tokens)
+        if prefix is not None:
+            P = prefix.layers[0].keys.shape[-2]
+            positions = torch.arange(P, device=prefix.layers[0].keys.device)
+            for index, layer in enumerate(prefix.layers):
+                cache.update(layer.keys, layer.values, index, {"cache_position": positions})
+        return cache
 
     def generate(
         self, prompts: list[str], answers: list[str], num_generations: int
@@ -257,6 +300,8 @@ class HFGenerateEngine:
             ):
                 cache = self._shared_prefill(prompt_ids, prompt_mask, group)
             if cache is None:
+                if self.cache == "static":
+                    config.cache_implementation = "static"
                 output = self.model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                     generation_config=config, **synced,

@@ -365,3 +365,53 @@ def test_generation_is_synced_when_parameters_are_sharded(tiny, monkeypatch) -> 
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)
     engine.generate(["ab"], ["x"], 2)
     assert seen[-1]["synced_gpus"] is True
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared"])
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_static_cache_and_prompt_buckets_sample_what_the_dynamic_cache_samples(
+    tiny, monkeypatch, share: bool, bucket: int
+) -> None:
+    """Same seed, same completions with a static cache (prefilled from the shared prefix, or
+    built by ``generate``) and with prompts padded to a bucket; the static cache is really
+    used, and the padded prompts are a multiple of the bucket wide."""
+    from transformers import StaticCache
+
+    model, tokenizer = tiny
+    prompts = [render(tokenizer, "12+7"), render(tokenizer, "a much longer question 3*4")]
+    sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20)
+    torch.manual_seed(5)
+    reference = make_engine(model, tokenizer, share_prefill=False, **sampling).generate(
+        prompts, ["19", "12"], 3)
+    seen: list[dict] = []
+    real = model.generate
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording)
+    engine = HFGenerateEngine(model, tokenizer, SamplingSettings(**sampling), share_prefill=share,
+                              cache="static", prompt_bucket=bucket)
+    torch.manual_seed(5)
+    out = engine.generate(prompts, ["19", "12"], 3)
+    assert torch.equal(out.completion_ids, reference.completion_ids)
+    assert out.batch.grouped_completions == reference.batch.grouped_completions
+    P = reference.prompt_ids.shape[1]
+    assert out.prompt_ids.shape[1] == (P if bucket == 1 else -(-P // bucket) * bucket)
+    real_tokens = out.prompt_ids[out.prompt_mask]
+    assert torch.equal(real_tokens, reference.prompt_ids[reference.prompt_mask])
+    if share:
+        caches = [v for v in seen[-1].values() if isinstance(v, StaticCache)]
+        assert len(caches) == 1
+        assert caches[0].layers[0].max_cache_len == out.prompt_ids.shape[1] + 10
+    else:
+        assert seen[-1]["generation_config"].cache_implementation == "static"
+
+
+def test_engine_cache_options_are_checked(tiny) -> None:
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="HFGenerateEngine.cache must be one of"):
+        HFGenerateEngine(model, tokenizer, SamplingSettings(max_new_tokens=2), cache="paged")
+    with pytest.raises(ValueError, match="HFGenerateEngine.prompt_bucket must be an int >= 1"):
+        HFGenerateEngine(model, tokenizer, SamplingSettings(max_new_tokens=2), prompt_bucket=0)

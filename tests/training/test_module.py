@@ -452,3 +452,21 @@ def test_bf16_true_precision_trains_and_validates(cache_dir):
                           limit_val_batches=1, enable_progress_bar=False)
     metrics = evaluator.validate(module, make_data(cache_dir), verbose=False)[0]
     assert metrics["val/reward/mean"] == 0.5
+
+
+def test_static_cache_engine_trains_exactly_like_the_default(cache_dir):
+    """``model.engine`` with a static cache and prompt buckets: same samples, and the extra
+    prompt padding is trimmed before scoring, so the update is the default engine's."""
+    import functools
+
+    from maxent_grpo.rollout import HFGenerateEngine
+
+    results = []
+    for engine in (HFGenerateEngine,
+                   functools.partial(HFGenerateEngine, cache="static", prompt_bucket=16)):
+        module = make_module(cache_dir, engine=engine,
+                             rewards={"tests.training.test_module:alternating": 1.0})
+        fit(module, make_data(cache_dir), steps=2)
+        results.append(params(module))
+    for key, value in results[0].items():
+        torch.testing.assert_close(results[1][key], value, rtol=0, atol=1e-6)
