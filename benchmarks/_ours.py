@@ -31,12 +31,14 @@ PERF_KEYS = ("generate_s", "reward_s", "score_s", "backward_s", "step_s", "token
 
 
 def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
-          beta: float = 0.0, callbacks: list | None = None):
-    """The Lightning Trainer, module and DataModule of one run of ``total_steps`` steps."""
+          beta: float = 0.0, callbacks: list | None = None, cache: str = "dynamic"):
+    """The Lightning Trainer, module and DataModule of one run of ``total_steps`` steps;
+    ``cache`` is the rollout engine's key/value cache (``static``: prompts bucketed by 64)."""
     import lightning as L
     import torch
 
     from maxent_grpo.objectives import GRPO
+    from maxent_grpo.rollout import HFGenerateEngine
     from maxent_grpo.training.data import PromptDataModule
     from maxent_grpo.training.module import MaxEntGRPOModule
 
@@ -47,6 +49,8 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
         model_name_or_path=model_dir,
         objective=GRPO(loss_type="dr_grpo", scale_rewards="none", beta=beta),
         rewards={"bench_common:digit_fraction": 1.0},
+        engine=functools.partial(HFGenerateEngine, cache=cache,
+                                 prompt_bucket=64 if cache == "static" else 1),
         num_generations=workload.num_generations,
         max_completion_length=workload.max_completion_length,
         max_prompt_length=1024,
@@ -65,7 +69,8 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
         shuffle=False, apply_chat_template=False,
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=total_steps, logger=False,
+        accelerator=workload.device, devices=1, precision=workload.precision,
+        max_steps=total_steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks or [],
     )
@@ -100,14 +105,14 @@ def make_step_clock(gate: bc.LockstepGate | None = None):
 
 
 def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int = 0,
-        beta: float = 0.0, extra_callbacks: list | None = None, lockstep: bool = False
-        ) -> dict[str, Any]:
+        beta: float = 0.0, extra_callbacks: list | None = None, lockstep: bool = False,
+        cache: str = "dynamic") -> dict[str, Any]:
     import torch
 
     clock = make_step_clock(bc.LockstepGate(lockstep))
     start = time.perf_counter()
     trainer, module, data = build(workload, folder, warmup + steps, seed, beta,
-                                  [clock, *(extra_callbacks or [])])
+                                  [clock, *(extra_callbacks or [])], cache=cache)
     trainer.fit(module, data)
     timed = clock.steps[warmup:]
     if len(timed) != steps:
@@ -120,6 +125,8 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "completion_tokens": [s["completion_tokens"] for s in timed],
         "phases": {k: [s[k] for s in timed] for k in PERF_KEYS},
         "peak_rss_mib": bc.peak_rss_mib(),
+        "peak_cuda_mib": bc.peak_cuda_mib(),
+        "cache": cache,
         "total_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "versions": bc.versions("torch", "transformers", "lightning"),

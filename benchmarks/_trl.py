@@ -16,10 +16,11 @@ clipping and the AdamW step fall inside).
 
 Settings chosen to match ours (TRL's default in brackets where it differs): ``loss_type=
 "dr_grpo"`` ["dapo"], ``scale_rewards="none"`` ["group"], ``beta=0.0`` (TRL then creates no
-reference model), ``bf16=False`` [True], ``gradient_checkpointing=False`` [True],
-``lr_scheduler_type="constant"`` ["linear"], ``optim="adamw_torch"``, ``weight_decay=0``,
-``max_grad_norm=1.0``, ``temperature=1``, ``top_p=1``, ``top_k=0``, ``shuffle_dataset=False``
-[True], ``logging_steps`` large (no per-step log line), ``report_to="none"``, no saving.
+reference model), ``bf16`` as the workload's precision (False on the CPU workloads)
+[True], ``gradient_checkpointing=False`` [True], ``lr_scheduler_type="constant"``
+["linear"], ``optim="adamw_torch"``, ``weight_decay=0``, ``max_grad_norm=1.0``,
+``temperature=1``, ``top_p=1``, ``top_k=0``, ``shuffle_dataset=False`` [True],
+``logging_steps`` large (no per-step log line), ``report_to="none"``, no saving.
 
 Phase breakdown (for the profile table): the worker wraps, without changing them,
 ``_generate_single_turn`` (generation), ``_calculate_rewards`` (rewards),
@@ -62,7 +63,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
     out_dir = tempfile.mkdtemp(prefix="bench-trl-")
     config = GRPOConfig(
         output_dir=out_dir,
-        use_cpu=True,
+        use_cpu=workload.device == "cpu",
         seed=seed,
         max_steps=warmup + steps,
         per_device_train_batch_size=B * G,
@@ -82,7 +83,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         weight_decay=0.0,
         optim="adamw_torch",
         max_grad_norm=1.0,
-        bf16=False, fp16=False,
+        bf16=workload.precision.startswith("bf16"), fp16=False,
         gradient_checkpointing=False,
         shuffle_dataset=False,
         remove_unused_columns=False,
@@ -149,6 +150,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "completion_tokens": [s["completion_tokens"] for s in timed],
         "phases": {k: [s[k] for s in timed] for k in keys},
         "peak_rss_mib": bc.peak_rss_mib(),
+        "peak_cuda_mib": bc.peak_cuda_mib(),
         "total_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "versions": bc.versions("torch", "transformers", "trl"),

@@ -54,6 +54,9 @@ class Workload:
     learning_rate: float = 1e-5
     warmup: int = 2
     steps: int = 5
+    device: str = "cpu"
+    precision: str = "32-true"  # Lightning's name; TRL gets bf16=True for "bf16-mixed"
+    prompt_tokens: int = 0  # > 0: synthetic prompts of exactly this many tokens (random:)
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -70,7 +73,35 @@ WORKLOADS: dict[str, Workload] = {
         task_options={"num_numbers": 3, "max_target": 100}, batch_prompts=2, num_generations=4,
         max_completion_length=48, learning_rate=5e-6, warmup=2, steps=5,
     ),
+    # The GPU workload of issue 13: a randomly initialised model shaped exactly like
+    # Qwen2.5-0.5B-Instruct, 8 prompts of 128 tokens x G = 8 x T = 256, bf16-mixed with
+    # float32 weights (benchmarks/gpu_step.py). No weights are downloaded.
+    "qwen0.5b-gpu": Workload(
+        name="qwen0.5b-gpu", model="random:qwen2.5-0.5b", task="synthetic",
+        batch_prompts=8, num_generations=8, max_completion_length=256, learning_rate=1e-6,
+        warmup=2, steps=6, device="cuda", precision="bf16-mixed", prompt_tokens=128,
+    ),
+    # the same pipeline at a tiny shape, on the CPU: every stage of gpu_step.py tested here
+    "qwen-tiny-cpu": Workload(
+        name="qwen-tiny-cpu", model="random:qwen-tiny", task="synthetic",
+        batch_prompts=2, num_generations=4, max_completion_length=8, learning_rate=1e-4,
+        warmup=1, steps=2, prompt_tokens=32,
+    ),
 }
+
+#: Random-init model shapes (``random:<name>``), Qwen2 architecture, tied embeddings.
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                         max_position_embeddings=32768, tie_word_embeddings=True),
+    "qwen-tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=151936,
+                      max_position_embeddings=1024, tie_word_embeddings=True),
+}
+#: The CPU comparisons (``--workload all`` of trl_vs_ours.py and step_overhead.py); the
+#: ``random:`` workloads belong to gpu_step.py.
+CPU_WORKLOADS = sorted(name for name, w in WORKLOADS.items()
+                       if w.device == "cpu" and not w.model.startswith("random:"))
 
 
 def workload_dir(name: str, fixed_length: bool = True) -> Path:
@@ -103,6 +134,10 @@ def prepare_workload(workload: Workload, fixed_length: bool = True) -> Path:
             "task_options": workload.task_options, "fixed_length": fixed_length,
             "num_prompts": NUM_PROMPTS}
     if stamp.is_file() and json.loads(stamp.read_text()) == meta:
+        return folder
+    if workload.model.startswith("random:"):
+        prepare_random(workload, folder)
+        stamp.write_text(json.dumps(meta, indent=1))
         return folder
     from transformers import AutoModelForCausalLM
 
@@ -141,6 +176,63 @@ def prepare_workload(workload: Workload, fixed_length: bool = True) -> Path:
     return folder
 
 
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def prepare_random(workload: Workload, folder: Path) -> None:
+    """A ``random:`` workload: a Qwen2 model of the named shape with seeded random weights,
+    a byte-level BPE tokenizer built here (one token per byte, ChatML specials; transformers
+    loads a qwen2 folder's tokenizer as a byte-level BPE), whose eos ``<|bench_no_eos|>`` has
+    an id outside the model's vocabulary (never sampled: every completion is exactly T
+    tokens), and ``NUM_PROMPTS`` chat prompts of exactly ``prompt_tokens`` tokens."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    shape = RANDOM_MODELS[workload.model.removeprefix("random:")]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for token in specials:
+        vocab[token] = len(vocab)
+    vocab[NO_EOS_TOKEN] = shape["vocab_size"]  # outside the embedding table
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([*specials, NO_EOS_TOKEN])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=NO_EOS_TOKEN, pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape, bos_token_id=vocab["<|im_start|>"],
+                         eos_token_id=vocab[NO_EOS_TOKEN], pad_token_id=vocab["<|endoftext|>"])
+    model = Qwen2ForCausalLM(config)
+    rng = random.Random(0)
+    empty = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
+                                          add_generation_prompt=True)
+    frame = len(tokenizer(empty, add_special_tokens=False)["input_ids"])
+    lines = []
+    for _ in range(NUM_PROMPTS):
+        content = "".join(rng.choice("0123456789abcdefghij +=") for _ in
+                          range(workload.prompt_tokens - frame))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                             tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != workload.prompt_tokens or tokenizer(text)["input_ids"] != ids:
+            raise RuntimeError(f"synthetic prompt of {len(ids)} tokens, expected "
+                               f"{workload.prompt_tokens} (and no added special tokens)")
+        lines.append(json.dumps({"prompt": text, "answer": "0"}))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+
+
 def read_prompts(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -152,6 +244,15 @@ def read_prompts(path: str | os.PathLike[str]) -> list[dict[str, str]]:
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (``ru_maxrss``, KiB on Linux), in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def peak_cuda_mib() -> float | None:
+    """``torch.cuda.max_memory_allocated()`` in MiB, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 RESULT_MARK = "BENCH_RESULT "
@@ -233,9 +334,12 @@ def worker_main(run: Any, description: str) -> None:
                         help="use the model's own eos (completion lengths then vary)")
     parser.add_argument("--lockstep", action="store_true",
                         help="wait for a line on stdin before each step (driver-paced)")
+    parser.add_argument("--cache", choices=("dynamic", "static"), default=None,
+                        help="ours only: the rollout engine's key/value cache")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     folder = workload_dir(workload.name, fixed_length=not args.allow_eos)
     warmup = workload.warmup if args.warmup is None else args.warmup
     steps = workload.steps if args.steps is None else args.steps
-    emit_result(run(workload, folder, warmup, steps, args.seed, lockstep=args.lockstep))
+    extra = {} if args.cache is None else {"cache": args.cache}
+    emit_result(run(workload, folder, warmup, steps, args.seed, lockstep=args.lockstep, **extra))

@@ -179,7 +179,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=[*sorted(bc.WORKLOADS), "all"], default="all")
+    parser.add_argument("--workload", choices=[*bc.CPU_WORKLOADS, "all"], default="all")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--beta", type=float, default=0.0,
@@ -192,7 +192,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    names = sorted(bc.WORKLOADS) if args.workload == "all" else [args.workload]
+    names = bc.CPU_WORKLOADS if args.workload == "all" else [args.workload]
     results = []
     for name in names:
         w = bc.WORKLOADS[name]

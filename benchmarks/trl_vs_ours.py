@@ -231,7 +231,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=[*sorted(bc.WORKLOADS), "all"], default="all")
+    parser.add_argument("--workload", choices=[*bc.CPU_WORKLOADS, "all"], default="all")
     parser.add_argument("--mode", choices=("lockstep", "sequential"), default="lockstep",
                         help="lockstep: both workers live, steps alternate one by one; "
                              "sequential: one worker after the other, order alternating")
@@ -255,7 +255,7 @@ def main() -> None:
             hint = "bash benchmarks/setup_trl_venv.sh" if side == "trl" else "make setup"
             raise FileNotFoundError(f"{side}: {python} not found; run {hint}")
 
-    names = sorted(bc.WORKLOADS) if args.workload == "all" else [args.workload]
+    names = bc.CPU_WORKLOADS if args.workload == "all" else [args.workload]
     log_dir = bc.CACHE_DIR / "logs"  # worker stdout/stderr (git-ignored)
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {

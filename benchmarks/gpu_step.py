@@ -1,0 +1,143 @@
+"""GPU benchmark: one training step of ours (dynamic and static key/value cache) vs TRL.
+
+The workload of issue 13, built offline (``bench_common.WORKLOADS["qwen0.5b-gpu"]``): a
+randomly initialised model shaped exactly like Qwen2.5-0.5B-Instruct (hidden 896, 24 layers,
+14 heads, 2 KV heads, intermediate 4864, V = 151,936, tied embeddings), a byte-level
+tokenizer whose eos id lies outside the vocabulary (every completion is exactly T tokens on
+both sides), 8 prompts of 128 tokens x G = 8 x T = 256, bf16-mixed with float32 weights,
+GRPO ``dr_grpo``, beta = 0, one optimizer step per rollout, AdamW, clip 1.0. One command::
+
+    python benchmarks/gpu_step.py                    # on a GPU machine, about 5 minutes
+    python benchmarks/gpu_step.py --shape tiny-cpu   # every stage at a tiny shape, on CPU
+
+Each side runs in its own process, one after the other (``_ours.py --cache dynamic``,
+``_ours.py --cache static``, ``_trl.py``): 2 warm-up and 6 timed steps. Printed per side:
+median step seconds, median generation seconds, everything else (step - generation),
+completion tokens per second and peak ``torch.cuda.max_memory_allocated``; then TRL's median
+step over each of ours. Results: ``benchmarks/results/gpu_step.json`` (``--out``).
+
+TRL runs with ``--trl-python`` (default ``benchmarks/.venv-trl/bin/python`` when it exists,
+else this interpreter, as on a GPU machine where trl is installed beside our dependencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import bench_common as bc  # noqa: E402
+
+SHAPES = {"gpu": "qwen0.5b-gpu", "tiny-cpu": "qwen-tiny-cpu"}
+DEFAULT_TRL_PYTHON = bc.BENCH_DIR / ".venv-trl" / "bin" / "python"
+
+
+def sides(trl_python: str) -> dict[str, list[str]]:
+    """Side name -> worker command (without the workload arguments)."""
+    ours = [sys.executable, str(bc.BENCH_DIR / "_ours.py")]
+    return {
+        "ours (dynamic cache)": [*ours, "--cache", "dynamic"],
+        "ours (static cache)": [*ours, "--cache", "static"],
+        "trl": [trl_python, str(bc.BENCH_DIR / "_trl.py")],
+    }
+
+
+def run_worker(command: list[str], workload: str, timeout: float, log: Path) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    start = time.perf_counter()
+    proc = subprocess.run([*command, "--workload", workload], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{command[1]} failed (exit {proc.returncode}); see {log}")
+    result = bc.parse_result(proc.stdout)
+    result["process_s"] = time.perf_counter() - start
+    return result
+
+
+def summary(result: dict[str, Any]) -> dict[str, float | None]:
+    steps, gen = result["step_s"], result["phases"]["generate_s"]
+    tokens = [t / s for t, s in zip(result["completion_tokens"], steps, strict=True)]
+    peak = result.get("peak_cuda_mib")
+    return {
+        "step_s": bc.median(steps),
+        "generate_s": bc.median(gen),
+        "other_s": bc.median([s - g for s, g in zip(steps, gen, strict=True)]),
+        "tokens_per_s": bc.median(tokens),
+        "peak_cuda_gib": None if peak is None else peak / 1024,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rows = ["| side | median step (s) | generate (s) | everything else (s) | completion tok/s "
+            "| peak max_memory_allocated (GiB) |", "|---|---:|---:|---:|---:|---:|"]
+    for side, s in report["summary"].items():
+        peak = "n/a" if s["peak_cuda_gib"] is None else f"{s['peak_cuda_gib']:.1f}"
+        rows.append(f"| {side} | {s['step_s']:.3f} | {s['generate_s']:.3f} | "
+                    f"{s['other_s']:.3f} | {s['tokens_per_s']:.0f} | {peak} |")
+    trl = report["summary"].get("trl")
+    if trl:
+        rows.append("")
+        for side, s in report["summary"].items():
+            if side != "trl":
+                rows.append(f"TRL step / {side} step: {trl['step_s'] / s['step_s']:.2f}x")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpu")
+    parser.add_argument("--trl-python", default=str(DEFAULT_TRL_PYTHON)
+                        if DEFAULT_TRL_PYTHON.exists() else sys.executable)
+    parser.add_argument("--skip", action="append", default=[],
+                        help="a side to leave out, e.g. --skip trl (repeatable)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker")
+    parser.add_argument("--out", type=Path, default=bc.BENCH_DIR / "results" / "gpu_step.json")
+    args = parser.parse_args()
+
+    workload = bc.WORKLOADS[SHAPES[args.shape]]
+    started = time.perf_counter()
+    print(f"preparing {workload.name} ...", flush=True)
+    bc.prepare_workload(workload)
+    log_dir = bc.CACHE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for side, command in sides(args.trl_python).items():
+        if any(skip in side for skip in args.skip):
+            continue
+        print(f"running {side} ...", flush=True)
+        log = log_dir / f"gpu_step-{workload.name}-{side.split()[0]}-{len(results)}.log"
+        results[side] = run_worker(command, workload.name, args.timeout, log)
+    report = {
+        "workload": workload.name,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                    "gpu": gpu_name()},
+        "results": results,
+        "summary": {side: summary(r) for side, r in results.items()},
+        "total_s": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(markdown(report))
+    print(f"\n{report['total_s']:.0f} s in all; JSON: {args.out}")
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+if __name__ == "__main__":
+    main()
