@@ -1,5 +1,7 @@
 """CompletionSamples: the TensorBoard table (read back and rendered as TensorBoard renders
-it), histograms, the every-n schedule, the JSONL dump, bad options, and one real fit."""
+it), histograms, the every-n schedule, the JSONL dump, the table through W&B (offline),
+MLflow (a local store) and any other logger (JSONL in its log folder), bad options, and real
+fits with TensorBoard, CSV, W&B and MLflow loggers."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugin_util import markdown_to_safe_html
 from torch.utils.tensorboard import SummaryWriter
@@ -52,13 +54,14 @@ def make_record(step: int = 0, *, weights: bool = True, advantages: bool = False
     )
 
 
-def fake(tmp_path: Path, logger=None, *, rank0: bool = True,
+def fake(tmp_path: Path, loggers: list | None = None, *, rank0: bool = True,
          record: RolloutSamples | None = None):
-    """A trainer whose first logger holds a real SummaryWriter in ``tmp_path / "tb"``."""
-    if logger is None:
-        logger = SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")))
+    """A trainer with ``loggers``, by default one holding a real SummaryWriter in
+    ``tmp_path / "tb"``; its run folder is ``tmp_path``."""
+    if loggers is None:
+        loggers = [SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")))]
     trainer = SimpleNamespace(
-        loggers=[logger], is_global_zero=rank0, global_step=0, log_dir=str(tmp_path),
+        loggers=loggers, is_global_zero=rank0, global_step=0, log_dir=str(tmp_path),
         default_root_dir=str(tmp_path),
     )
     return trainer, SimpleNamespace(trajectory=SimpleNamespace(samples=record))
@@ -211,17 +214,6 @@ def test_other_ranks_write_nothing(tmp_path):
     assert not (tmp_path / "r.jsonl").exists()
 
 
-def test_other_loggers_warn_once_and_the_jsonl_dump_still_runs(tmp_path):
-    logger = CSVLogger(str(tmp_path / "csv"))
-    trainer, module = fake(tmp_path, logger=logger)
-    cb = CompletionSamples(every_n_steps=1, jsonl_path=str(tmp_path / "r.jsonl"))
-    with pytest.warns(UserWarning, match="no TensorBoardLogger") as caught:
-        step(cb, trainer, module, make_record(step=0))
-        step(cb, trainer, module, make_record(step=1))
-    assert len([w for w in caught if "TensorBoardLogger" in str(w.message)]) == 1
-    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2 * 6
-
-
 def test_the_cli_config_is_logged_once_at_fit_start(tmp_path):
     (tmp_path / "config.yaml").write_text("model:\n  objective: ListwiseMaxEnt\n")
     trainer, module = fake(tmp_path)
@@ -255,6 +247,130 @@ def test_jsonl_has_every_completion_of_every_step(tmp_path):
     assert lines[5]["reward"] is None  # inf is not JSON
     assert lines[6]["weight"] == pytest.approx(0.6) and lines[6]["advantage"] is None
     assert set(texts(events(tmp_path / "tb"))) == {0}  # the table stays every 100 steps
+
+
+# ---------------------------------------------------------------------- other loggers
+
+COLUMNS = ["step", "prompt_index", "prompt", "completion", "reward", "reward/accuracy",
+           "reward/format", "advantage", "weight", "q"]
+
+
+def expected_table(step: int) -> list[list]:
+    """The first 2 prompts of :func:`make_record` (weights, no advantages) as table rows."""
+    return [
+        [step, 0, "a | b =", "3 |", 1.5, 1.0, 0.5, None, pytest.approx(0.6), None],
+        [step, 0, "a | b =", "<think>", 0.5, 0.0, 0.5, None, pytest.approx(0.4), None],
+        [step, 1, "line1\nline2", "7\n8", 0.0, 0.0, 0.0, None, pytest.approx(0.3), None],
+        [step, 1, "line1\nline2", "\\|", 0.5, 0.0, 0.5, None, pytest.approx(0.7), None],
+    ]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_other_loggers_get_the_table_as_jsonl_in_their_log_folder(tmp_path, recwarn):
+    csv = CSVLogger(str(tmp_path / "csv"))
+    trainer, module = fake(tmp_path, loggers=[csv])
+    cb = CompletionSamples(every_n_steps=2, max_prompts=2, jsonl_path=str(tmp_path / "r.jsonl"))
+    for s in range(4):
+        step(cb, trainer, module, make_record(step=s))
+    rows = read_jsonl(Path(csv.log_dir) / "samples" / "completions.jsonl")
+    assert [r["step"] for r in rows] == [0] * 4 + [2] * 4  # max_prompts x G per written step
+    assert rows[2] == {
+        "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "completion": "7\n8",
+        "reward": 0.0, "components": {"accuracy": 0.0, "format": 0.0},
+        "advantage": None, "weight": pytest.approx(0.3), "q": None,
+    }
+    assert len(read_jsonl(tmp_path / "r.jsonl")) == 4 * 6  # the dump: every row, every step
+    assert not [w for w in recwarn if "CompletionSamples" in str(w.message)]
+
+
+def test_without_a_logger_the_table_goes_to_the_run_folder(tmp_path):
+    trainer, module = fake(tmp_path, loggers=[])
+    step(CompletionSamples(every_n_steps=1, max_prompts=1), trainer, module, make_record())
+    rows = read_jsonl(tmp_path / "samples" / "completions.jsonl")
+    assert [(r["prompt_index"], r["completion"]) for r in rows] == [(0, "3 |"), (0, "<think>")]
+
+
+def test_every_logger_of_the_run_gets_the_table(tmp_path):
+    csv = CSVLogger(str(tmp_path / "csv"))
+    tb = SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")))
+    trainer, module = fake(tmp_path, loggers=[csv, tb])
+    step(CompletionSamples(every_n_steps=1, max_prompts=2), trainer, module, make_record())
+    assert list(texts(events(tmp_path / "tb"))) == [0]
+    assert len(read_jsonl(Path(csv.log_dir) / "samples" / "completions.jsonl")) == 2 * 2
+
+
+def test_a_jsonl_dump_at_the_table_file_is_not_written_twice(tmp_path):
+    trainer, module = fake(tmp_path, loggers=[])
+    cb = CompletionSamples(every_n_steps=1, max_prompts=1,
+                           jsonl_path="{log_dir}/samples/completions.jsonl")
+    step(cb, trainer, module, make_record(step=0))
+    step(cb, trainer, module, make_record(step=1))
+    rows = read_jsonl(tmp_path / "samples" / "completions.jsonl")
+    assert [(r["step"], r["prompt_index"]) for r in rows] == [
+        (s, i) for s in (0, 1) for i in (0, 0, 1, 1, 2, 2)
+    ]
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B in offline mode with every folder under ``tmp_path``; the run is finished after."""
+    wandb = pytest.importorskip("wandb")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    wandb.finish()
+
+
+def wandb_tables(logger: WandbLogger) -> list[dict]:
+    """The tables the offline run saved, in the order they were logged."""
+    files = Path(logger.experiment.dir).glob("media/table/samples/completions_*.table.json")
+    files = sorted(files, key=lambda f: int(f.name.split("_")[1]))  # completions_<_step>_
+    return [json.loads(f.read_text()) for f in files]
+
+
+def test_wandb_gets_a_table_per_written_step(tmp_path, wandb_offline):
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="samples")
+    trainer, module = fake(tmp_path, loggers=[logger])
+    cb = CompletionSamples(every_n_steps=2, max_prompts=2)
+    for s in range(4):
+        step(cb, trainer, module, make_record(step=s))
+    tables = wandb_tables(logger)
+    assert [t["columns"] for t in tables] == [COLUMNS, COLUMNS]
+    assert [t["data"] for t in tables] == [expected_table(0), expected_table(2)]
+    assert not (tmp_path / "samples").exists()  # no JSONL fallback for W&B
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A local MLflow file store (MLflow 3 refuses it unless allowed)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return str(tmp_path / "mlruns")
+
+
+def mlflow_table(logger: MLFlowLogger, step: int) -> dict:
+    path = logger.experiment.download_artifacts(logger.run_id, f"samples/step_{step}.json")
+    return json.loads(Path(path).read_text())
+
+
+def test_mlflow_gets_a_table_artifact_per_written_step(tmp_path, mlflow_store):
+    logger = MLFlowLogger(experiment_name="samples", save_dir=mlflow_store)
+    trainer, module = fake(tmp_path, loggers=[logger])
+    cb = CompletionSamples(every_n_steps=2, max_prompts=3)
+    for s in range(3):
+        step(cb, trainer, module, make_record(step=s))
+    names = [f.path for f in logger.experiment.list_artifacts(logger.run_id, "samples")]
+    assert names == ["samples/step_0.json", "samples/step_2.json"]
+    table = mlflow_table(logger, 2)
+    assert table["columns"] == COLUMNS
+    assert table["data"][:4] == expected_table(2)
+    assert [r[3] for r in table["data"][4:]] == ["42", "[x](y)"]  # texts stay texts
+    assert not (tmp_path / "samples").exists()
 
 
 # ---------------------------------------------------------------------- bad options
@@ -299,7 +415,7 @@ def make_module(cache_dir: str) -> MaxEntGRPOModule:
     return MaxEntGRPOModule(
         rewards={"first_number": 1.0}, num_generations=4, max_completion_length=4,
         max_prompt_length=32, model_cache_dir=cache_dir,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.5), lr_schedule="constant",
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
     )
 
 
@@ -324,3 +440,51 @@ def test_a_real_fit_writes_samples_at_the_steps_of_the_scalars(tmp_path, tmp_pat
     lines = (Path(logger.log_dir) / "r.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 4 * 4  # steps x B x G
     assert (Path(logger.log_dir) / "hparams.yaml").is_file()  # Lightning's own hparams
+
+
+def fit(tmp_path, tmp_path_factory, loggers, cb: CompletionSamples) -> None:
+    cache_dir = str(tmp_path_factory.mktemp("models"))
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=loggers, callbacks=[cb],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+
+
+def test_a_real_fit_with_a_csv_logger_writes_the_table_next_to_its_metrics(
+    tmp_path, tmp_path_factory
+):
+    logger = CSVLogger(str(tmp_path), name="run")
+    fit(tmp_path, tmp_path_factory, logger, CompletionSamples(every_n_steps=1, max_prompts=2))
+    rows = read_jsonl(Path(logger.log_dir) / "samples" / "completions.jsonl")
+    assert [r["step"] for r in rows] == [0] * 8 + [1] * 8  # steps x max_prompts x G
+    assert [r["prompt_index"] for r in rows[:8]] == [0] * 4 + [1] * 4
+    assert set(rows[0]["components"]) == {"first_number"}
+    assert all(isinstance(r["advantage"], float) and r["weight"] is None for r in rows)
+    metrics = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    steps = {
+        int(line.split(",")[header.index("step")]) for line in metrics[1:]
+        if line.split(",")[header.index("train/reward/mean")]
+    }
+    assert steps == {0, 1}  # the table's steps are those of the scalars
+
+
+def test_a_real_fit_with_wandb_and_mlflow_loggers_writes_both_tables(
+    tmp_path, tmp_path_factory, wandb_offline, mlflow_store
+):
+    wandb_logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="samples")
+    mlflow_logger = MLFlowLogger(experiment_name="samples", save_dir=mlflow_store)
+    cb = CompletionSamples(every_n_steps=1, max_prompts=1)
+    fit(tmp_path, tmp_path_factory, [wandb_logger, mlflow_logger], cb)
+    tables = wandb_tables(wandb_logger)
+    assert [[r[0] for r in t["data"]] for t in tables] == [[0] * 4, [1] * 4]
+    assert tables[0]["columns"] == ["step", "prompt_index", "prompt", "completion", "reward",
+                                    "reward/first_number", "advantage", "weight", "q"]
+    for s in (0, 1):
+        table = mlflow_table(mlflow_logger, s)
+        assert table["columns"] == tables[0]["columns"]
+        assert table["data"] == tables[s]["data"]  # the same rows in both loggers
+    assert not (tmp_path / "samples").exists()
