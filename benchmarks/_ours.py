@@ -60,7 +60,7 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
         gradient_clip_val=1.0,
         optimizer=functools.partial(torch.optim.AdamW, lr=workload.learning_rate,
                                     weight_decay=0.0),
-        lr_warmup_steps=0, lr_schedule="constant",
+        lr_warmup_steps=0,
         dtype="float32",
     )
     data = PromptDataModule(

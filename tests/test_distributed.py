@@ -224,7 +224,6 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
         micro_batch_groups=case.get("micro_batch_groups"),
         gradient_clip_val=case.get("gradient_clip_val"),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-        lr_schedule="constant",
         model_cache_dir=cache_dir,
     )
     data = PromptDataModule(

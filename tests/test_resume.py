@@ -97,6 +97,8 @@ def config(run: Path, kill: bool) -> dict[str, Any]:
             "eval_num_generations": 2,
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
             "lr_warmup_steps": 2,
+            "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.CosineAnnealingLR",
+                             "init_args": {"T_max": 8, "eta_min": 0.001}},
         },
         "data": {
             "task": "arithmetic_easy", "task_options": {"bare": True},

@@ -31,9 +31,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 
+from maxent_grpo.adapters import AdapterDisabledReference, PeftConfig
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
@@ -42,7 +43,13 @@ from maxent_grpo.training.checkpoint import StepCounters, load_state, restore_rn
 from maxent_grpo.training.evaluation import Evaluator
 from maxent_grpo.training.optimise import LossSums, NonFiniteLossError, optimizer_step
 from maxent_grpo.training.scoring import Scorer
-from maxent_grpo.training.settings import Dtype, LRSchedule, ModelSettings, build_loop_settings
+from maxent_grpo.training.settings import (
+    Dtype,
+    LegacySchedule,
+    ModelSettings,
+    build_loop_settings,
+    build_lr_scheduler,
+)
 from maxent_grpo.training.step_log import LightningWriter, StepMetrics, log_step
 from maxent_grpo.training.strategy import check_strategy, fully_shard_models
 from maxent_grpo.training.timing import StepTimer
@@ -68,7 +75,11 @@ class MaxEntGRPOModule(L.LightningModule):
         objective: the training objective, chosen with ``class_path``
             (``maxent_grpo.objectives.GRPO``, ``EntropyMaxEnt``, ``ListwiseMaxEnt``,
             ``GroupMaxEnt``); ``None`` means ``GRPO()`` with its defaults.
-        rewards: reward function name (registry) or dotted import path -> weight.
+        rewards: reward -> weight, or -> options ``{weight, timeout, fallback}`` (plus
+            ``batch_size``, ``dtype`` for reward models). A reward is a registered name, a
+            ``package.module:function`` path (called as TRL's ``GRPOTrainer`` calls reward
+            functions) or ``model:<hub name or folder>``, a sequence-classification reward
+            model (:mod:`maxent_grpo.rewards`; README "Rewards").
         engine: the rollout engine, chosen with ``class_path`` and built as
             ``engine(policy, tokenizer, sampling)`` (:mod:`maxent_grpo.rollout`); default
             :class:`~maxent_grpo.rollout.HFGenerateEngine` (``init_args: {share_prefill:
@@ -100,11 +111,21 @@ class MaxEntGRPOModule(L.LightningModule):
             still counts as a step (``train/empty_steps`` counts them).
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
-        lr_warmup_steps: linear warm-up steps of the learning rate.
-        lr_schedule: decay after warm-up: ``cosine``, ``linear`` or ``constant``.
-        min_lr_ratio: final learning rate as a fraction of the initial one.
+        lr_scheduler: learning-rate scheduler factory (``class_path`` + ``init_args``, any
+            ``torch.optim.lr_scheduler`` class, e.g. ``CosineAnnealingLR`` with ``T_max`` and
+            ``eta_min``), stepped once per optimizer step and checkpointed; it takes over
+            after the warm-up. ``None`` = constant after the warm-up.
+        lr_warmup_steps: linear warm-up steps of the learning rate (step t of the warm-up
+            uses ``lr * (t + 1) / lr_warmup_steps``).
+        lr_schedule: deprecated: ``cosine``/``linear``/``constant`` decay to
+            ``min_lr_ratio * lr`` over the run; use ``lr_scheduler``.
+        min_lr_ratio: deprecated, with ``lr_schedule``.
         dtype: parameter dtype of the policy and reference.
         gradient_checkpointing: trade compute for memory in the policy forward.
+        peft: train ``peft`` adapters instead of all weights (``class_path: peft.LoraConfig``
+            with ``r``, ``lora_alpha``, ``target_modules``; :mod:`maxent_grpo.adapters`):
+            the base weights are frozen and the reference is the policy with its adapters
+            disabled (no second copy). ``None`` = full fine-tuning.
         share_prefill: deprecated; use ``engine.init_args.share_prefill``.
         model_cache_dir: where built-in models are materialised (default
             ``~/.cache/maxent_grpo/models``).
@@ -123,7 +144,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self,
         model_name_or_path: str = "builtin:tiny",
         objective: Objective | None = None,
-        rewards: dict[str, float] | None = None,
+        rewards: dict[str, float | dict[str, Any]] | None = None,
         engine: EngineFactory = HFGenerateEngine,
         num_generations: int = 8,
         max_completion_length: int = 16,
@@ -138,11 +159,13 @@ class MaxEntGRPOModule(L.LightningModule):
         drop_constant_groups: bool = False,
         gradient_clip_val: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
         lr_warmup_steps: int = 0,
-        lr_schedule: LRSchedule = "cosine",
-        min_lr_ratio: float = 0.0,
+        lr_schedule: LegacySchedule | None = None,
+        min_lr_ratio: float | None = None,
         dtype: Dtype = "float32",
         gradient_checkpointing: bool = False,
+        peft: PeftConfig | None = None,
         share_prefill: bool | None = None,
         model_cache_dir: str | None = None,
         max_consecutive_nonfinite: int = 3,
@@ -159,8 +182,13 @@ class MaxEntGRPOModule(L.LightningModule):
         require(isinstance(objective, Objective),
                 "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
                 f"...); got {type(objective).__name__}")
-        self.rewards = WeightedRewards({"accuracy": 1.0} if rewards is None else dict(rewards))
+        self.rewards = WeightedRewards(
+            {"accuracy": 1.0} if rewards is None else dict(rewards), module=self)
         self.loop = build_loop_settings(options, self.rewards.names)
+        if lr_schedule is not None or min_lr_ratio is not None:
+            rank_zero_warn("model.lr_schedule / model.min_lr_ratio are deprecated: set "
+                           "model.lr_scheduler (class_path torch.optim.lr_scheduler."
+                           "CosineAnnealingLR, init_args: {T_max: ..., eta_min: ...})")
         if share_prefill is not None:
             rank_zero_warn("model.share_prefill is deprecated: set model.engine (class_path "
                            "maxent_grpo.rollout.HFGenerateEngine, init_args: {share_prefill: "
@@ -168,11 +196,14 @@ class MaxEntGRPOModule(L.LightningModule):
             engine = functools.partial(HFGenerateEngine, share_prefill=share_prefill)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
         # saving it twice makes Lightning refuse differing values in plain-Trainer use
-        self.save_hyperparameters(ignore=["objective", "optimizer", "engine", "max_prompt_length"])
+        self.save_hyperparameters(
+            ignore=["objective", "optimizer", "lr_scheduler", "engine", "max_prompt_length",
+                    "peft"])
         self.source = ModelSettings(model_name_or_path, dtype, model_cache_dir,
-                                    gradient_checkpointing)
+                                    gradient_checkpointing, peft)
         self.objective = objective
         self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
         self.engine_factory = engine
         self.scorer = Scorer(temperature, self.loop.scoring)
         self.step_metrics = StepMetrics(self.rewards.names)
@@ -287,13 +318,16 @@ class MaxEntGRPOModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Load the policy (and the reference when needed) once; under
-        ``ModelParallelStrategy`` (FSDP2) shard both over the data-parallel mesh."""
+        ``ModelParallelStrategy`` (FSDP2) shard both over the data-parallel mesh. With
+        ``model.peft`` the policy carries the adapters and the reference is the policy with
+        them disabled (nothing more is loaded or sharded)."""
         if self.policy is not None:
             return
         src = self.source
         self.tokenizer = load_tokenizer(src.name_or_path, cache_dir=src.cache_dir)
         self.policy = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir,
-                                  gradient_checkpointing=src.gradient_checkpointing)
+                                  gradient_checkpointing=src.gradient_checkpointing,
+                                  peft=src.peft)
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         self.runtime = RuntimeHandles(
             accelerator=None, model=self.policy, tokenizer=self.tokenizer, train_loader=None,
@@ -302,11 +336,20 @@ class MaxEntGRPOModule(L.LightningModule):
         if self.needs_reference:
             self.runtime.reference()
         if self.device_mesh is not None:
-            fully_shard_models(self.device_mesh, [self.policy, self.reference])
+            own = self.source.peft is None  # with adapters the reference has no weights
+            fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
 
     def _load_reference(self) -> torch.nn.Module:
         src = self.source
+        if src.peft is not None:
+            return AdapterDisabledReference(self.policy)
         return load_reference(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The policy's parameters that train (``requires_grad``), what the optimizer gets:
+        all of them, or only the adapters' with ``model.peft``."""
+        assert self.policy is not None, "configure_model() must run first"
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     @property
     def needs_reference(self) -> bool:
@@ -321,7 +364,9 @@ class MaxEntGRPOModule(L.LightningModule):
 
     @property
     def reference(self) -> torch.nn.Module | None:
-        """The frozen reference model once loaded (kept out of ``state_dict``), else None."""
+        """The frozen reference model once loaded (kept out of ``state_dict``), else None.
+        With ``model.peft`` it is an :class:`~maxent_grpo.adapters.AdapterDisabledReference`:
+        called like a model, it runs the policy with its adapters disabled."""
         return None if self.runtime is None else self.runtime.reference_model
 
     def on_fit_start(self) -> None:
@@ -338,12 +383,14 @@ class MaxEntGRPOModule(L.LightningModule):
         self.loop.optimization.handles = (self.optimizers(), self.lr_schedulers())
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """``model.optimizer`` over the policy's parameters, and the learning-rate scheduler
+        (:func:`~maxent_grpo.training.settings.build_lr_scheduler`), which the optimisation
+        loop steps once per optimizer step."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
         optimizer = self.optimizer_factory(self.policy.parameters())
         schedule = self.loop.optimization.schedule
         total = int(self.trainer.estimated_stepping_batches) * schedule.num_iterations
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: schedule.lr_factor(step, total))
+        scheduler = build_lr_scheduler(optimizer, schedule, self.lr_scheduler_factory, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler}}
 
     # ------------------------------------------------------------------ checkpoints

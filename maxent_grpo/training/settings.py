@@ -19,10 +19,13 @@ the untyped ``hparams``. A bad value raises ValueError naming ``model.<option>``
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
+from maxent_grpo.adapters import check_peft
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.training.types import (
     BatchingSettings,
@@ -32,7 +35,7 @@ from maxent_grpo.training.types import (
 )
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
-LRSchedule = Literal["cosine", "linear", "constant"]
+LegacySchedule = Literal["cosine", "linear", "constant"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -45,12 +48,20 @@ class ModelSettings:
         dtype: parameter dtype.
         cache_dir: where built-in models are materialised, or None for the default.
         gradient_checkpointing: recompute activations in the policy's backward pass.
+        peft: a ``peft`` config (``peft.LoraConfig``, ...): only its adapters train and the
+            reference is the policy with them disabled (:mod:`maxent_grpo.adapters`);
+            None = full fine-tuning.
     """
 
     name_or_path: str
     dtype: Dtype
     cache_dir: str | None
     gradient_checkpointing: bool
+    peft: Any = None
+
+    def __post_init__(self) -> None:
+        if self.peft is not None:
+            check_peft(self.peft)
 
 
 @dataclass(frozen=True)
@@ -96,38 +107,58 @@ class ScheduleSettings:
     Attributes:
         num_iterations: optimizer steps per rollout.
         gradient_clip_val: global gradient-norm bound, or None.
-        lr_warmup_steps: linear warm-up steps.
-        lr_schedule: decay shape after warm-up.
-        min_lr_ratio: final learning rate / initial.
+        lr_warmup_steps: linear warm-up steps before ``model.lr_scheduler`` takes over.
         max_consecutive_nonfinite: stop after this many skipped updates in a row.
+        legacy_decay: the deprecated ``model.lr_schedule`` / ``model.min_lr_ratio`` as
+            ``(shape, min_ratio)``, or None.
     """
 
     num_iterations: int
     gradient_clip_val: float | None
     lr_warmup_steps: int
-    lr_schedule: LRSchedule
-    min_lr_ratio: float
     max_consecutive_nonfinite: int
-
-    def lr_factor(self, step: int, total: int) -> float:
-        """The learning-rate multiplier at optimizer step ``step`` of ``total``."""
-        return warmup_cosine(step, warmup=self.lr_warmup_steps, total=total,
-                             schedule=self.lr_schedule, min_ratio=self.min_lr_ratio)
+    legacy_decay: tuple[LegacySchedule, float] | None = None
 
 
-def warmup_cosine(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine/linear/constant decay
-    to ``min_ratio`` at ``total`` steps."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "linear":
-        shape = 1.0 - progress
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
+    factory: Callable[[torch.optim.Optimizer], Any] | None, total_steps: int,
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The run's learning-rate scheduler, from standard ``torch.optim.lr_scheduler`` pieces,
+    stepped once per optimizer step (``total_steps`` of them):
+
+    - ``factory`` (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) after warm-up, or a
+      constant rate without one;
+    - with ``lr_warmup_steps = W > 1``, first ``LinearLR`` from ``lr / W`` to ``lr`` over W
+      steps (step t uses ``lr * (t + 1) / W``), then the factory's scheduler
+      (``SequentialLR``);
+    - the deprecated ``lr_schedule`` / ``min_lr_ratio``: ``CosineAnnealingLR`` or
+      ``LinearLR`` to ``min_lr_ratio * lr`` over the steps after warm-up.
+    """
+    sched = torch.optim.lr_scheduler
+    W = schedule.lr_warmup_steps
+    if schedule.legacy_decay is not None:
+        shape, ratio = schedule.legacy_decay
+        rest = max(1, total_steps - W)
+        if shape == "cosine":
+            lr = optimizer.param_groups[0]["lr"]
+            main = sched.CosineAnnealingLR(optimizer, T_max=rest, eta_min=ratio * lr)
+        elif shape == "linear":
+            main = sched.LinearLR(optimizer, 1.0, max(ratio, 1e-8), total_iters=rest)
+        else:
+            main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    elif factory is not None:
+        main = factory(optimizer)
+        require(isinstance(main, sched.LRScheduler) and not isinstance(
+            main, sched.ReduceLROnPlateau),
+            "model.lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped "
+            f"once per optimizer step (not ReduceLROnPlateau); got {type(main).__name__}")
     else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return min_ratio + (1.0 - min_ratio) * shape
+        main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if W <= 1:
+        return main
+    warmup = sched.LinearLR(optimizer, start_factor=1.0 / W, end_factor=1.0, total_iters=W - 1)
+    return sched.SequentialLR(optimizer, [warmup, main], milestones=[W])
 
 
 def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSettings:
@@ -143,8 +174,16 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     check_number("model.gradient_clip_val", o["gradient_clip_val"], minimum=0, strict=True,
                  allow_none=True)
     check_int("model.lr_warmup_steps", o["lr_warmup_steps"], minimum=0)
-    check_choice("model.lr_schedule", o["lr_schedule"], ("cosine", "linear", "constant"))
-    check_number("model.min_lr_ratio", o["min_lr_ratio"], minimum=0, maximum=1)
+    legacy = None
+    if o["lr_schedule"] is not None or o["min_lr_ratio"] is not None:
+        require(o["lr_scheduler"] is None,
+                "model.lr_schedule / model.min_lr_ratio (deprecated) and model.lr_scheduler "
+                "cannot both be set; keep model.lr_scheduler")
+        shape = "cosine" if o["lr_schedule"] is None else o["lr_schedule"]
+        ratio = 0.0 if o["min_lr_ratio"] is None else o["min_lr_ratio"]
+        check_choice("model.lr_schedule", shape, ("cosine", "linear", "constant"))
+        check_number("model.min_lr_ratio", ratio, minimum=0, maximum=1)
+        legacy = (shape, float(ratio))
     check_int("model.max_consecutive_nonfinite", o["max_consecutive_nonfinite"], minimum=1)
     n = o["eval_num_generations"]
     check_int("model.eval_num_generations", n, minimum=1)
@@ -184,9 +223,8 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
         optimization=OptimizationSettings(
             schedule=ScheduleSettings(
                 num_iterations=o["num_iterations"], gradient_clip_val=o["gradient_clip_val"],
-                lr_warmup_steps=o["lr_warmup_steps"], lr_schedule=o["lr_schedule"],
-                min_lr_ratio=o["min_lr_ratio"],
-                max_consecutive_nonfinite=o["max_consecutive_nonfinite"],
+                lr_warmup_steps=o["lr_warmup_steps"],
+                max_consecutive_nonfinite=o["max_consecutive_nonfinite"], legacy_decay=legacy,
             ),
             handles=None,  # Lightning's optimizer and scheduler, set when training starts
         ),

@@ -4,6 +4,7 @@ steps, micro-batching does not change the update, bad input stops the run clearl
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 
@@ -16,7 +17,7 @@ from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMax
 from maxent_grpo.rewards import RewardFunctionError
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError
-from maxent_grpo.training.settings import warmup_cosine
+from maxent_grpo.training.settings import ScheduleSettings, build_lr_scheduler
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,6 @@ def make_module(cache_dir: str, **kw) -> MaxEntGRPOModule:
         rewards={"first_number": 1.0}, num_generations=4, max_completion_length=4,
         model_cache_dir=cache_dir,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-        lr_schedule="constant",
     )
     opts.update(kw)
     return MaxEntGRPOModule(**opts)
@@ -220,15 +220,45 @@ def test_listwise_requires_positive_tau_without_beta():
         ListwiseMaxEnt(tau=0.0, beta=0.0)
 
 
-def test_warmup_cosine_schedule_by_hand():
-    f = dict(warmup=2, total=10, schedule="cosine", min_ratio=0.0)
-    assert warmup_cosine(0, **f) == 0.5 and warmup_cosine(1, **f) == 1.0
-    assert warmup_cosine(2, **f) == pytest.approx(1.0)
-    assert warmup_cosine(6, **f) == pytest.approx(0.5)  # half-way through the decay
-    assert warmup_cosine(10, **f) == pytest.approx(0.0)
-    assert warmup_cosine(6, **{**f, "schedule": "linear"}) == pytest.approx(0.5)
-    assert warmup_cosine(9, **{**f, "schedule": "constant"}) == 1.0
-    assert warmup_cosine(10, **{**f, "min_ratio": 0.1}) == pytest.approx(0.1)
+def lr_factors(steps: int, **kwargs) -> list[float]:
+    """The learning-rate multipliers of ``build_lr_scheduler`` at optimizer steps 0..steps-1."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    options = dict(num_iterations=1, gradient_clip_val=None, lr_warmup_steps=0,
+                   max_consecutive_nonfinite=3, legacy_decay=None)
+    factory = kwargs.pop("factory", None)
+    total = kwargs.pop("total", steps)
+    sched = build_lr_scheduler(opt, ScheduleSettings(**{**options, **kwargs}), factory, total)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_learning_rate_schedules_by_hand():
+    cosine = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=8)
+    f = lr_factors(11, lr_warmup_steps=2, factory=cosine)
+    assert f[0] == 0.5 and f[1] == 1.0 and f[2] == pytest.approx(1.0)  # (t + 1) / W, then 1
+    assert f[6] == pytest.approx(0.5) and f[10] == pytest.approx(0.0, abs=1e-12)  # cos half, end
+    assert lr_factors(4) == [1.0] * 4  # no scheduler, no warm-up: constant
+    assert lr_factors(4, lr_warmup_steps=4) == [0.25, 0.5, 0.75, 1.0]
+    # the deprecated lr_schedule / min_lr_ratio: the same values as before, over `total`
+    legacy = dict(lr_warmup_steps=2, total=10)
+    assert lr_factors(11, legacy_decay=("cosine", 0.0), **legacy)[6] == pytest.approx(0.5)
+    assert lr_factors(11, legacy_decay=("cosine", 0.1), **legacy)[10] == pytest.approx(0.1)
+    assert lr_factors(11, legacy_decay=("linear", 0.0), **legacy)[6] == pytest.approx(0.5)
+    assert lr_factors(10, legacy_decay=("constant", 0.0), **legacy)[9] == 1.0
+    with pytest.raises(ValueError, match="not ReduceLROnPlateau"):
+        lr_factors(1, factory=torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def test_deprecated_schedule_options_warn_and_conflict_with_lr_scheduler(cache_dir):
+    with pytest.warns(UserWarning, match="model.lr_schedule / model.min_lr_ratio are deprecated"):
+        make_module(cache_dir, lr_schedule="linear")
+    with pytest.raises(ValueError, match="cannot both be set"):
+        make_module(cache_dir, min_lr_ratio=0.1,
+                    lr_scheduler=torch.optim.lr_scheduler.CosineAnnealingLR)
 
 
 def test_validation_logs_rewards(cache_dir):
@@ -457,8 +487,6 @@ def test_bf16_true_precision_trains_and_validates(cache_dir):
 def test_static_cache_engine_trains_exactly_like_the_default(cache_dir):
     """``model.engine`` with a static cache and prompt buckets: same samples, and the extra
     prompt padding is trimmed before scoring, so the update is the default engine's."""
-    import functools
-
     from maxent_grpo.rollout import HFGenerateEngine
 
     results = []
