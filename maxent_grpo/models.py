@@ -61,6 +61,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from maxent_grpo.adapters import PeftConfig, apply_peft
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
@@ -376,12 +378,15 @@ def load_policy(
     attn_implementation: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     trust_remote_code: bool = False,
+    peft: PeftConfig | None = None,
 ) -> PreTrainedModel:
     """Load the trainable policy (a causal LM) on CPU.
 
     ``dtype="auto"`` keeps the checkpoint's dtype. ``gradient_checkpointing=True`` enables
-    non-reentrant activation checkpointing. The model comes back in the mode
-    ``from_pretrained`` leaves it (eval); the trainer switches modes.
+    non-reentrant activation checkpointing. With a ``peft`` config the model is wrapped by
+    :func:`~maxent_grpo.adapters.apply_peft` (a ``PeftModelForCausalLM``: only the adapters
+    train). The model comes back in the mode ``from_pretrained`` leaves it (eval); the
+    trainer switches modes.
     """
     path = resolve_model_path(name_or_path, cache_dir)
     kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
@@ -390,6 +395,8 @@ def load_policy(
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
+    if peft is not None:
+        model = apply_peft(model, peft)
     return model
 
 

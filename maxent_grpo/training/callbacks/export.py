@@ -7,7 +7,8 @@ Added under ``trainer.callbacks`` in YAML::
 
 It reads the job-long handles ``pl_module.runtime`` (a
 :class:`~maxent_grpo.training.types.RuntimeHandles`: ``model``, ``tokenizer``) and writes
-folders that ``from_pretrained`` loads (global rank 0 only).
+folders that ``from_pretrained`` loads (global rank 0 only). A policy with ``peft``
+adapters (``model.peft``) is written as its adapter; ``merged: true`` adds the merged model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from maxent_grpo.validation import check_int, require
+from maxent_grpo.adapters import has_adapters, merged_copy
+from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = ["HFExport"]
 
@@ -35,19 +37,31 @@ class HFExport(Callback):
     The folders load with ``AutoModelForCausalLM.from_pretrained`` /
     ``AutoTokenizer.from_pretrained`` (or ``model.model_name_or_path``).
 
+    With ``model.peft`` the folder holds the adapter (``save_pretrained`` of the
+    ``PeftModel``: ``adapter_config.json``, ``adapter_model.safetensors``), which
+    ``peft.AutoPeftModelForCausalLM.from_pretrained`` loads onto its base model; with
+    ``merged`` a second folder ``<name>-merged`` holds the plain model with the adapters
+    folded into the base weights (:func:`~maxent_grpo.adapters.merged_copy`: built on the
+    CPU from a fresh copy of the base, the training model is never changed).
+
     Args:
         dirpath: output folder; None means ``<trainer.log_dir>/hf`` (the logger's version
             folder, e.g. ``lightning_logs/tiny/version_0/hf``).
         every_n_train_steps: also export every this many optimizer steps; None = only at
             the end.
+        merged: with ``peft`` adapters, also write the merged model to ``<name>-merged``
+            (ignored without adapters: ``<name>`` is the whole model then).
     """
 
-    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None) -> None:
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None,
+                 merged: bool = False) -> None:
         require(dirpath is None or bool(str(dirpath).strip()),
                 f"HFExport.dirpath must be None or a non-empty path; got {dirpath!r}")
         check_int("HFExport.every_n_train_steps", every_n_train_steps, minimum=1, allow_none=True)
+        check_bool("HFExport.merged", merged)
         self.dirpath = dirpath
         self.every_n_train_steps = every_n_train_steps
+        self.merged = merged
         self._last_step = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -71,13 +85,25 @@ class HFExport(Callback):
         self.export(trainer, pl_module, "final")
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
-        """``save_pretrained`` of ``pl_module.runtime.model`` and ``.tokenizer`` into
-        ``<dirpath>/<name>``; returns the folder (None on other ranks)."""
+        """``save_pretrained`` of ``pl_module.runtime.model`` (with ``peft``: its adapter)
+        and ``.tokenizer`` into ``<dirpath>/<name>``, and with ``merged`` the merged model
+        into ``<dirpath>/<name>-merged``; returns ``<dirpath>/<name>`` (None on other
+        ranks)."""
         if not trainer.is_global_zero:
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
         out = Path(self.dirpath) / name
-        pl_module.runtime.model.save_pretrained(out)
-        pl_module.runtime.tokenizer.save_pretrained(out)
-        log.info("exported the policy and tokenizer to %s", out)
+        model, tokenizer = pl_module.runtime.model, pl_module.runtime.tokenizer
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        adapters = has_adapters(model)
+        log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "",
+                 out)
+        if self.merged and adapters:
+            src = pl_module.source
+            merged = merged_copy(model, src.name_or_path, dtype=src.dtype,
+                                 cache_dir=src.cache_dir)
+            merged.save_pretrained(out.with_name(f"{name}-merged"))
+            tokenizer.save_pretrained(out.with_name(f"{name}-merged"))
+            log.info("exported the merged model to %s-merged", out)
         return out

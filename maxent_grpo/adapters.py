@@ -1,0 +1,173 @@
+"""PEFT adapters (LoRA and the other ``peft`` tuners) on the policy: ``model.peft``.
+
+With ``model.peft`` set to a ``peft`` config (``class_path: peft.LoraConfig``), the policy is
+the base model wrapped by ``peft.get_peft_model``::
+
+    policy    = get_peft_model(base, config)     # base weights frozen, adapters trainable
+    optimizer = optimizer(adapter parameters)    # module.trainable_parameters()
+    reference = policy with its adapters off     # AdapterDisabledReference: the same
+                                                 #   network under policy.disable_adapter()
+    export    = the adapter (save_pretrained)    # and, on request, merged_copy(...)
+
+so the frozen reference costs no second copy of the weights: the base *is* the reference,
+and turning the adapters off gives its log-probs exactly. The ``peft`` package is an
+optional extra (``pip install maxent-grpo[peft]``); without it :data:`PeftConfig` is a
+stand-in and ``model.peft`` cannot be set.
+
+YAML (``jsonargparse`` builds the config from its signature)::
+
+    model:
+      peft:
+        class_path: peft.LoraConfig
+        init_args: {r: 16, lora_alpha: 32, target_modules: all-linear, loftq_config: null}
+
+``loftq_config: null`` only keeps a spurious warning away: jsonargparse fills LoraConfig's
+``Union[LoftQConfig, dict]`` default (``{}``) with a default ``LoftQConfig``, which peft then
+discards with the warning that it ignores ``loftq_config``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from maxent_grpo.validation import require
+
+try:  # the optional ``peft`` extra
+    from peft import PeftConfig
+except ImportError:  # pragma: no cover - only without the extra
+
+    class PeftConfig:  # type: ignore[no-redef]
+        """Stand-in for ``peft.PeftConfig`` when ``peft`` is not installed
+        (``pip install peft``); nothing can be an instance of it."""
+
+
+__all__ = ["AdapterDisabledReference", "PeftConfig", "apply_peft", "check_peft", "has_adapters",
+           "merged_copy"]
+
+logger = logging.getLogger(__name__)
+#: the seed of the adapters' initialisation (see :func:`apply_peft`)
+PEFT_INIT_SEED = 0
+
+
+def has_adapters(model: Any) -> bool:
+    """Whether ``model`` is a ``peft`` model (it has ``disable_adapter`` and ``peft_config``)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def check_peft(config: Any) -> None:
+    """Refuse (ValueError naming ``model.peft``) what cannot train here: a non-``peft``
+    object, a task type other than ``CAUSAL_LM`` (or None), prompt-learning methods (prefix /
+    prompt tuning: they change the sequence the scorer reads) and ``inference_mode`` (the
+    adapters would be frozen)."""
+    name = type(config).__name__
+    require(isinstance(config, PeftConfig),
+            f"model.peft must be a peft config (class_path peft.LoraConfig, ...); got {name}")
+    task = config.task_type
+    require(task is None or str(getattr(task, "value", task)) == "CAUSAL_LM",
+            f"model.peft.task_type must be CAUSAL_LM (or null); got {task!r}")
+    require(not config.is_prompt_learning,
+            f"model.peft: {name} is a prompt-learning method, which changes the sequence the "
+            "scorer reads; use an adapter method such as peft.LoraConfig")
+    require(not config.inference_mode, "model.peft.inference_mode must be false: with it "
+            "the adapters are frozen and nothing trains")
+
+
+def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
+    """``peft.get_peft_model(model, config)``: the base weights frozen, the adapters trainable.
+
+    ``config`` is checked (:func:`check_peft`); ``task_type`` None becomes ``CAUSAL_LM`` (on
+    a copy: the caller's config is never changed), so the result is a
+    ``PeftModelForCausalLM`` whose ``generate`` uses the adapters. The adapters are
+    initialised from ``torch.manual_seed(PEFT_INIT_SEED)`` inside a forked random state: every
+    rank and every run starts from the same adapters (FSDP2 shards each rank's own copy), and
+    the caller's random stream is neither read nor advanced. On a model with gradient
+    checkpointing, ``PeftModel`` calls ``enable_input_require_grads`` itself (needed by
+    reentrant checkpointing; the non-reentrant checkpointing of
+    :func:`~maxent_grpo.models.load_policy` works either way).
+    """
+    check_peft(config)
+    name = type(config).__name__
+    if config.task_type is None:
+        config = copy.deepcopy(config)
+        config.task_type = "CAUSAL_LM"
+    with torch.random.fork_rng(devices=[]):  # the model is on the CPU here
+        torch.manual_seed(PEFT_INIT_SEED)
+        peft_model = _get_peft_model(model, config)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    require(trainable > 0, f"model.peft: {name} left no parameter trainable (check "
+            "target_modules against the model's module names)")
+    logger.info("peft %s: %d of %d parameters train (%.3f%%)", name, trainable, total,
+                100.0 * trainable / total)
+    return peft_model
+
+
+def _get_peft_model(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():  # peft reads transformers' deprecated property name
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+class AdapterDisabledReference(torch.nn.Module):
+    """The frozen reference of a ``peft`` policy: the policy itself, called in eval mode,
+    without gradient and under ``policy.disable_adapter()``, i.e. the base model.
+
+    It holds no weights of its own: the policy is kept outside the module tree, so
+    ``parameters()``, ``state_dict()``, ``.to()``, ``.eval()`` and ``requires_grad_()`` see
+    nothing and can never touch the policy (or freeze its adapters). Its outputs equal those
+    of the base model loaded separately with :func:`~maxent_grpo.models.load_reference`.
+    """
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        require(has_adapters(policy), "AdapterDisabledReference needs a peft model")
+        object.__setattr__(self, "policy", policy)  # not a submodule (see above)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self.policy
+        was_training = policy.training
+        policy.eval()  # the reference runs in eval mode, as a loaded one does
+        try:
+            with torch.no_grad(), policy.disable_adapter():
+                return policy(*args, **kwargs)
+        finally:
+            policy.train(was_training)
+
+    def extra_repr(self) -> str:
+        return f"policy={type(self.policy).__name__} with its adapters disabled"
+
+
+def merged_copy(
+    policy: torch.nn.Module, name_or_path: str, *, dtype: str = "float32",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> torch.nn.Module:
+    """A plain ``transformers`` model (on the CPU) with ``policy``'s adapters merged into
+    its base weights; ``policy`` is left untouched.
+
+    The base weights are loaded afresh from ``name_or_path`` (as the policy was), the
+    policy's adapter weights copied onto a new ``peft`` model around them and
+    ``merge_and_unload`` folds them in: no second copy of the model on the accelerator, and
+    no in-place merge of the training model.
+    """
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from maxent_grpo.models import load_policy
+
+    require(has_adapters(policy), "merged_copy needs a peft model")
+    adapter = policy.active_adapter
+    base = load_policy(name_or_path, dtype=dtype, cache_dir=cache_dir)
+    fresh = _get_peft_model(base, copy.deepcopy(policy.peft_config[adapter]))
+    weights = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy).items()}
+    result = set_peft_model_state_dict(fresh, weights)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    require(not unexpected, f"merged_copy: adapter weights without a place: {unexpected[:5]}")
+    return fresh.merge_and_unload()
