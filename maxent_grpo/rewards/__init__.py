@@ -1,16 +1,21 @@
-"""Reward functions and their registry.
+"""Reward functions, reward models and their registry.
 
-Every reward follows the TRL convention ``fn(prompts, completions, **columns) ->
-list[float | None]``: ``completions`` are strings or TRL conversational message lists (the
-last message's ``"content"`` is read), ``columns`` are the dataset's other columns repeated
-per completion, and ``None`` marks a row the reward does not apply to.
+Every reward follows TRL's ``GRPOTrainer`` convention ``fn(prompts, completions,
+completion_ids, trainer_state, **columns) -> list[float | None]``: ``completions`` come in
+the form of their prompts (strings, or ``[{"role": "assistant", "content": ...}]`` for
+conversational prompts; :func:`completion_text` reads either), ``completion_ids`` are the
+sampled token ids, ``trainer_state`` a :class:`TrainerState`, ``columns`` the dataset's
+other columns repeated per completion, and ``None`` marks a row the reward does not apply
+to (:mod:`maxent_grpo.rewards.scoring`).
 
 Registered names: ``accuracy`` (math-verify equivalence with the ``answer`` column),
 ``countdown`` (valid expression for ``numbers``/``target``), ``first_number`` (the first
 integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``format`` (exact
 ``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once) and
-``answer_format`` (an ``<answer>`` block exists). :func:`score_completions` combines
-weighted rewards into one reward per completion.
+``answer_format`` (an ``<answer>`` block exists). ``model:<name_or_path>`` names a
+sequence-classification reward model (:class:`RewardModel`); per-reward options (weight,
+timeout, fallback) are described in :mod:`maxent_grpo.rewards.options`.
+:class:`WeightedRewards` combines weighted rewards into one reward per completion.
 """
 
 from __future__ import annotations
@@ -21,14 +26,28 @@ from maxent_grpo.rewards.correctness import (
     digit_pair_reward,
     first_number_reward,
 )
+from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
 from maxent_grpo.rewards.registry import REWARDS, get_reward, list_rewards, register_reward
-from maxent_grpo.rewards.scoring import RewardFunctionError, WeightedRewards, score_completions
+from maxent_grpo.rewards.reward_model import RewardModel
+from maxent_grpo.rewards.scoring import (
+    RewardFunctionError,
+    WeightedRewards,
+    score_completions,
+    trl_completions,
+)
 from maxent_grpo.rewards.shaping import answer_format_reward, format_reward, tag_count_reward
+from maxent_grpo.rewards.state import TrainerState
+from maxent_grpo.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [
     "REWARDS",
     "RewardFunctionError",
+    "RewardModel",
+    "RewardOptions",
+    "RewardTimeout",
+    "TimedReward",
+    "TrainerState",
     "WeightedRewards",
     "accuracy_reward",
     "answer_format_reward",
@@ -41,7 +60,9 @@ __all__ = [
     "get_reward",
     "last_boxed",
     "list_rewards",
+    "parse_reward_options",
     "register_reward",
     "score_completions",
     "tag_count_reward",
+    "trl_completions",
 ]

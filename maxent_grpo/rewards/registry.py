@@ -1,10 +1,10 @@
 """The reward registry: names (as written in configs) to reward functions.
 
-A reward function follows the TRL convention
-``fn(prompts, completions, **columns) -> list[float | None]``: one value per completion,
-``None`` meaning "does not apply to this row". ``columns`` are the dataset's other columns
-repeated per completion; a function takes the ones it needs by name and must accept and
-ignore the rest through ``**kwargs``.
+A reward function follows the TRL convention ``fn(prompts, completions, completion_ids,
+trainer_state, **columns) -> list[float | None]`` (:mod:`maxent_grpo.rewards.scoring`): one
+value per completion, ``None`` meaning "does not apply to this row". ``columns`` are the
+dataset's other columns repeated per completion; a function takes the arguments it needs
+by name and must accept and ignore the rest through ``**kwargs``.
 """
 
 from __future__ import annotations

@@ -7,18 +7,40 @@ With ``K`` weighted reward functions and ``N`` completions (``N = B*G``, prompt-
 
 A row where every component is ``None`` gets ``total = 0.0`` (as TRL's ``nansum``); its
 components stay NaN, so the logs show that nothing applied.
+
+Every function is called as TRL's ``GRPOTrainer`` calls it::
+
+    fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
+       trainer_state=trainer_state, **columns)
+
+``completions`` come in the form of their prompts: a string for a text prompt, and
+``[{"role": "assistant", "content": text}]`` for a conversational prompt (a list of
+messages; the prompt is passed as the dataset gave it, a trailing assistant message
+included, and the completion is the new assistant message that follows it, as in TRL).
+``completion_ids`` are the sampled token ids of each completion without padding (up to
+and including the stop token), ``trainer_state`` a
+:class:`~maxent_grpo.rewards.state.TrainerState`, and ``columns`` the dataset's other
+columns with one value per completion.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
 from maxent_grpo.rewards.registry import get_reward
+from maxent_grpo.rewards.reward_model import RewardModel
+from maxent_grpo.rewards.state import TrainerState
+from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.rollout.batch import PromptCompletionBatch
+
+#: reward arguments a dataset column may not be named after
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
 class RewardFunctionError(Exception):
@@ -50,8 +72,9 @@ def _check_inputs(
     if len(prompts) != n:
         raise ValueError(f"prompts must have one entry per completion ({n}); got {len(prompts)}")
     for key, values in columns.items():
-        if key in ("prompts", "completions"):
-            raise ValueError(f"column {key!r} clashes with the reward argument of that name")
+        if key in RESERVED:
+            raise ValueError(f"column {key!r} clashes with the reward argument of that name; "
+                             "rename the dataset column")
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise ValueError(
@@ -59,13 +82,38 @@ def _check_inputs(
             )
 
 
+def is_conversational(prompt: Any) -> bool:
+    """A prompt given as chat messages (TRL's test: a list whose first item is a dict with a
+    ``"role"``).
+
+    >>> is_conversational([{"role": "user", "content": "hi"}]), is_conversational("hi")
+    (True, False)
+    """
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and (
+        "role" in prompt[0])
+
+
+def trl_completions(prompts: list, completions: list) -> list:
+    """Completions in the form of their prompts: a text completion of a conversational
+    prompt becomes ``[{"role": "assistant", "content": text}]``; the rest are unchanged.
+
+    >>> trl_completions([[{"role": "user", "content": "2+2?"}], "2+2="], ["4", "4"])
+    [[{'role': 'assistant', 'content': '4'}], '4']
+    """
+    return [
+        [{"role": "assistant", "content": c}] if isinstance(c, str) and is_conversational(p)
+        else c
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+
+
 def _call(
-    k: int, name: str, fn: Callable, prompts: list, completions: list, columns: dict[str, list]
+    k: int, name: str, fn: Callable, prompts: list, completions: list, kwargs: dict[str, Any]
 ) -> list[float]:
     """Values of reward ``k`` as floats (NaN for None), checked."""
     label = f"reward function {name!r} (#{k})"
     try:
-        values = fn(prompts=prompts, completions=completions, **columns)
+        values = fn(prompts=prompts, completions=completions, **kwargs)
     except Exception as err:
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)
@@ -99,12 +147,16 @@ def score_completions(
     prompts: list,
     completions: list,
     columns: dict[str, list],
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerState | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score ``N`` completions with ``K`` weighted reward functions.
 
-    ``funcs`` holds ``(name, function, weight)``; each function is called as
-    ``fn(prompts=prompts, completions=completions, **columns)`` (the TRL convention) with
-    ``columns`` mapping each dataset column to its ``N`` per-completion values.
+    ``funcs`` holds ``(name, function, weight)``; each function is called the TRL way (see
+    the module docstring), with text completions of conversational prompts turned into
+    assistant messages (:func:`trl_completions`), ``completion_ids`` and ``trainer_state``
+    passed as given (None when the caller has none) and ``columns`` mapping each dataset
+    column to its ``N`` per-completion values.
 
     Returns ``(total, components)``: ``total`` float32 ``(N,)`` is the weighted sum skipping
     ``None`` (a row with no applicable reward gets 0.0); ``components`` float32 ``(K, N)``
@@ -116,10 +168,20 @@ def score_completions(
     ...     ["p", "p"], ["x", "y"], {})
     >>> total.tolist()
     [2.5, 1.0]
+    >>> short = ("c", lambda prompts, completions, **kw: [1.0], 1.0)
+    >>> score_completions([short], ["p", "p"], ["x", "y"], {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    maxent_grpo.rewards.scoring.RewardFunctionError: reward function 'c' (#0) returned 1 ...
     """
     _check_inputs(funcs, prompts, completions, columns)
+    if completion_ids is not None and len(completion_ids) != len(completions):
+        raise ValueError(f"completion_ids must have one entry per completion "
+                         f"({len(completions)}); got {len(completion_ids)}")
+    completions = trl_completions(prompts, completions)
+    kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state, **columns}
     rows = [
-        _call(k, name, fn, prompts, completions, columns) for k, (name, fn, _) in enumerate(funcs)
+        _call(k, name, fn, prompts, completions, kwargs) for k, (name, fn, _) in enumerate(funcs)
     ]
     components = torch.tensor(rows, dtype=torch.float64).reshape(len(funcs), len(completions))
     weights = torch.tensor([float(w) for _, _, w in funcs], dtype=torch.float64)  # (K,)
@@ -127,34 +189,87 @@ def score_completions(
     return total.float(), components.float()
 
 
-class WeightedRewards:
-    """The trainer's reward: ``{name: weight}`` (``model.rewards``) resolved once.
+def unpadded_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[list[int]]:
+    """The token ids of each row where ``completion_mask`` is True (the rollout's
+    ``(N, T)`` ids and mask), as TRL's ``completion_ids``.
 
-    Names are registered rewards or ``package.module:function`` paths
-    (:func:`~maxent_grpo.rewards.registry.get_reward`); weights must be finite. Called on the
-    flat prompt/completion pairs of ``B`` prompts x ``G`` completions, with the dataset's
-    other columns given once per prompt (they are repeated per completion here).
+    >>> unpadded_ids(torch.tensor([[5, 2, 0], [7, 8, 9]]),
+    ...              torch.tensor([[True, True, False], [True, True, True]]))
+    [[5, 2], [7, 8, 9]]
+    """
+    if completion_ids.shape != completion_mask.shape or completion_ids.dim() != 2:
+        raise ValueError(
+            "completion_ids and completion_mask must be (N, T) tensors of one shape; got "
+            f"{tuple(completion_ids.shape)} and {tuple(completion_mask.shape)}"
+        )
+    ids, mask = completion_ids.cpu(), completion_mask.cpu().bool()
+    return [row[keep].tolist() for row, keep in zip(ids, mask, strict=True)]
+
+
+class WeightedRewards:
+    """The trainer's reward: ``model.rewards`` resolved once (:mod:`~maxent_grpo.rewards.options`).
+
+    Keys are registered rewards, ``package.module:function`` paths
+    (:func:`~maxent_grpo.rewards.registry.get_reward`) or ``model:<name_or_path>`` reward
+    models (:class:`~maxent_grpo.rewards.reward_model.RewardModel`, loaded at their first
+    call); values are weights or option mappings (weight, timeout, fallback, and for reward
+    models batch_size and dtype). Called on the flat prompt/completion pairs of ``B``
+    prompts x ``G`` completions, with the dataset's other columns given once per prompt
+    (they are repeated per completion here) and the rollout's completion ids and mask.
+
+    Args:
+        rewards: ``model.rewards``.
+        module: the ``LightningModule`` being trained, read at each call for
+            ``trainer_state`` (:meth:`TrainerState.of`) and the device reward models run
+            on; None gives ``TrainerState()`` and the CPU.
+
+    >>> WeightedRewards({"format": 1.0, "tag_count": {"weight": 0.5, "timeout": 2}}).weights
+    [1.0, 0.5]
+    >>> WeightedRewards({"format": {"timeout": 0}})
+    Traceback (most recent call last):
+    ...
+    ValueError: model.rewards.format.timeout must be a finite number > 0.0 (or null); got 0
     """
 
-    def __init__(self, rewards: dict[str, float]) -> None:
-        if not rewards:
-            raise ValueError("model.rewards must name at least one reward function")
-        self.names = list(rewards)
-        self.weights = [float(w) for w in rewards.values()]
-        for name, weight in zip(self.names, self.weights, strict=True):
-            if not math.isfinite(weight):
-                raise ValueError(f"model.rewards: the weight of {name!r} must be finite; "
-                                 f"got {weight}")
-        try:
-            self.funcs = [get_reward(name) for name in self.names]
-        except ValueError as err:
-            raise ValueError(f"model.rewards: {err}") from err
+    def __init__(self, rewards: Mapping[str, Any], module: Any = None) -> None:
+        self.options: list[RewardOptions] = parse_reward_options(rewards)
+        self.names = [o.name for o in self.options]
+        self.weights = [o.weight for o in self.options]
+        self.module = module
+        self.funcs = [self._function(o) for o in self.options]
+
+    def _function(self, options: RewardOptions) -> Callable:
+        if options.model is not None:
+            fn: Callable = RewardModel(options.model, options.name, options.batch_size,
+                                       options.dtype, device=self.device)
+        else:
+            try:
+                fn = get_reward(options.name)
+            except ValueError as err:
+                raise ValueError(f"model.rewards: {err}") from err
+        if options.timeout is not None:
+            fn = TimedReward(options.name, fn, options.timeout, options.fallback,
+                             options.has_fallback)
+        return fn
+
+    def device(self) -> torch.device:
+        """Where reward models run: the module's device, else the CPU."""
+        device = getattr(self.module, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
 
     def __call__(
-        self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int
+        self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int,
+        completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`;
-        ``columns`` hold one value per prompt."""
+        ``columns`` hold one value per prompt; ``completion_ids`` and ``completion_mask``
+        are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``)."""
         per_row = {k: [v for v in vals for _ in range(group_size)] for k, vals in columns.items()}
         funcs = list(zip(self.names, self.funcs, self.weights, strict=True))
-        return score_completions(funcs, pairs.prompts, pairs.completions, per_row)
+        ids = None
+        if completion_ids is not None:
+            if completion_mask is None:
+                raise ValueError("completion_ids need their completion_mask")
+            ids = unpadded_ids(completion_ids, completion_mask)
+        return score_completions(funcs, pairs.prompts, pairs.completions, per_row,
+                                 completion_ids=ids, trainer_state=TrainerState.of(self.module))

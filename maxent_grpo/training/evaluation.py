@@ -36,7 +36,7 @@ from torch import Tensor
 from maxent_grpo.core.evaluation import aggregate
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rewards.parsing import completion_text, extract_answer
-from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutEngine
+from maxent_grpo.rollout import PromptCompletionBatch, RolloutEngine, RolloutOutput
 from maxent_grpo.tasks.multi_answer import canonical_expression
 from maxent_grpo.training.metrics import RewardComponents, RewardMoments
 from maxent_grpo.training.settings import EvaluationSettings
@@ -174,14 +174,14 @@ class Evaluator(torch.nn.Module):
             greedy = (engine(False).generate(batch["prompts"], batch["answers"], 1)
                       if self.settings.greedy else None)
         completions = [c for group in rollout.batch.grouped_completions for c in group]
-        total, components = self._score(batch, rollout.batch, n)
+        total, components = self._score(batch, rollout, n)
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))
         correct = self._correct(components[self.settings.reward_index], completions)
         greedy_correct: list[float | None] = [None] * B
         if greedy is not None:
             texts = [group[0] for group in greedy.batch.grouped_completions]
-            _, greedy_components = self._score(batch, greedy.batch, 1)
+            _, greedy_components = self._score(batch, greedy, 1)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
         columns = batch["columns"]
         for b in range(B):
@@ -196,15 +196,18 @@ class Evaluator(torch.nn.Module):
             ))
 
     def _score(
-        self, batch: dict[str, Any], generation: GenerationBatch, n: int
+        self, batch: dict[str, Any], rollout: RolloutOutput, n: int
     ) -> tuple[Tensor, Tensor]:
-        groups = generation.grouped_completions
+        """The training rewards of ``rollout`` (``n`` completions per prompt of ``batch``),
+        called as in training: dataset prompts, completion ids, trainer state."""
+        groups = rollout.batch.grouped_completions
         pairs = PromptCompletionBatch(
             prompts=[p for p, group in zip(batch["raw_prompts"], groups, strict=True)
                      for _ in group],
             completions=[c for group in groups for c in group],
         )
-        return self.rewards(pairs, batch["columns"], n)
+        return self.rewards(pairs, batch["columns"], n, rollout.completion_ids,
+                            rollout.completion_mask)
 
     def _correct(self, values: Tensor, completions: list) -> list[float]:
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; a ``None`` (NaN) value

@@ -132,7 +132,8 @@ def collect(module: MaxEntGRPOModule, batch: dict[str, Any], timer: StepTimer) -
 
     timer.start()
     pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
-    total, components = module.rewards(pairs, batch["columns"], G)  # (B*G,), (K, B*G)
+    total, components = module.rewards(  # (B*G,), (K, B*G)
+        pairs, batch["columns"], G, rollout.completion_ids, rollout.completion_mask)
     rewards, components = total.to(module.device).view(B, G), components.to(module.device)
     timer.stop("reward")
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
@@ -191,7 +192,9 @@ def collect(module: MaxEntGRPOModule, batch: dict[str, Any], timer: StepTimer) -
 
 def flat_pairs(generation: GenerationBatch, raw_prompts: list[Any]) -> PromptCompletionBatch:
     """The flat pairs the reward functions read: each dataset prompt (a string or chat
-    messages, as the dataset gave it) repeated once per completion of its group."""
+    messages, as the dataset gave it) repeated once per completion of its group, and the
+    completion texts (the rewards receive those of chat prompts as assistant messages,
+    :func:`~maxent_grpo.rewards.scoring.trl_completions`)."""
     pairs = generation.flatten()
     pairs.prompts = [
         raw for raw, group in zip(raw_prompts, generation.grouped_completions, strict=True)

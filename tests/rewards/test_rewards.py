@@ -30,6 +30,9 @@ REWARD_MODULES = [
     "maxent_grpo.rewards.correctness",
     "maxent_grpo.rewards.shaping",
     "maxent_grpo.rewards.scoring",
+    "maxent_grpo.rewards.options",
+    "maxent_grpo.rewards.state",
+    "maxent_grpo.rewards.timeout",
 ]
 
 

@@ -183,7 +183,9 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):  # noqa: F811
                    [f"<answer>{second[0]}</answer>", "<answer>1 + 1</answer>"]]
     module.engine = lambda do_sample=True: SimpleNamespace(
         generate=lambda prompts, answers, G: SimpleNamespace(
-            batch=SimpleNamespace(grouped_completions=completions)
+            batch=SimpleNamespace(grouped_completions=completions),
+            completion_ids=torch.ones(4, 1, dtype=torch.long),  # what rewards may read
+            completion_mask=torch.ones(4, 1, dtype=torch.bool),
         )
     )
     module.validation_step(batch, 0)

@@ -1,0 +1,114 @@
+"""The ``model.rewards`` option: reward names to weights, or to per-reward options.
+
+Each entry maps a reward to a weight, or to a mapping of options::
+
+    rewards:
+      accuracy: 1.0                                   # a weight (as before)
+      mypkg.code:execution_reward:                    # options
+        weight: 1.0
+        timeout: 5.0          # seconds; no result by then -> error, or the fallback
+        fallback: 0.0         # value of every row on a time-out (null = not applicable)
+      model:OpenAssistant/reward-model-deberta-v3-large-v2:
+        weight: 0.5
+        batch_size: 16        # rows per forward pass of the reward model
+        dtype: bfloat16
+
+A key is a registered reward name, a ``package.module:function`` path, or
+``model:<hub name or local folder>``: a sequence-classification reward model
+(:class:`~maxent_grpo.rewards.reward_model.RewardModel`). Every option is checked when the
+trainer is built; an error names the option (``model.rewards.<key>.timeout``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from maxent_grpo.validation import check_choice, check_int, check_number, is_number, require
+
+__all__ = ["MODEL_PREFIX", "RewardOptions", "parse_reward_options"]
+
+MODEL_PREFIX = "model:"
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+_COMMON_KEYS = ("weight", "timeout", "fallback")
+_MODEL_KEYS = ("batch_size", "dtype")
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """One entry of ``model.rewards``, checked.
+
+    Attributes:
+        name: the key as written (the reward's name in logs and in ``model.eval_reward``).
+        weight: ``w_k`` of the total ``Σ_k w_k R_k``.
+        timeout: seconds a call may take, or None (no limit).
+        fallback: the value of every row when a call times out (None = not applicable);
+            only used when ``has_fallback``.
+        has_fallback: a fallback was given; without one a time-out stops the step.
+        model: the reward model's hub name or folder (keys ``model:<...>``), else None.
+        batch_size: rows per forward pass of a reward model.
+        dtype: parameter dtype of a reward model.
+    """
+
+    name: str
+    weight: float = 1.0
+    timeout: float | None = None
+    fallback: float | None = None
+    has_fallback: bool = False
+    model: str | None = None
+    batch_size: int = 32
+    dtype: str = "float32"
+
+
+def parse_reward_options(rewards: Mapping[str, Any]) -> list[RewardOptions]:
+    """Check ``model.rewards`` and return one :class:`RewardOptions` per entry, in order.
+
+    >>> [o.weight for o in parse_reward_options({"format": 0.5, "accuracy": {"weight": 2}})]
+    [0.5, 2.0]
+    >>> parse_reward_options({"format": {"wieght": 1}})
+    Traceback (most recent call last):
+    ...
+    ValueError: model.rewards.format has no option 'wieght'; options: weight, timeout, fallback
+    """
+    require(isinstance(rewards, Mapping),
+            f"model.rewards must map reward names to weights or options; got {rewards!r}")
+    require(len(rewards) > 0, "model.rewards must name at least one reward function")
+    return [_entry(name, value) for name, value in rewards.items()]
+
+
+def _entry(name: Any, value: Any) -> RewardOptions:
+    require(isinstance(name, str) and name.strip() != "",
+            f"model.rewards keys must be non-empty reward names; got {name!r}")
+    where = f"model.rewards.{name}"
+    model = None
+    if name.startswith(MODEL_PREFIX):
+        model = name[len(MODEL_PREFIX):].strip()
+        require(model != "", f"{where}: 'model:' must be followed by a hub name or a folder "
+                             "of a sequence-classification model")
+    if not isinstance(value, Mapping):
+        check_number(where, value)
+        return RewardOptions(name=name, weight=float(value), model=model)
+    allowed = _COMMON_KEYS + (_MODEL_KEYS if model is not None else ())
+    for key in value:
+        require(key in allowed, f"{where} has no option {key!r}; options: {', '.join(allowed)}")
+    weight = value.get("weight", 1.0)
+    check_number(f"{where}.weight", weight)
+    timeout = value.get("timeout")
+    check_number(f"{where}.timeout", timeout, minimum=0.0, strict=True, allow_none=True)
+    has_fallback = "fallback" in value
+    fallback = value.get("fallback")
+    require(fallback is None or is_number(fallback),
+            f"{where}.fallback must be a finite number or null (not applicable); "
+            f"got {fallback!r}")
+    require(not has_fallback or timeout is not None,
+            f"{where}.fallback is the value on a time-out, so it needs {where}.timeout")
+    batch_size = value.get("batch_size", 32)
+    check_int(f"{where}.batch_size", batch_size, minimum=1)
+    dtype = value.get("dtype", "float32")
+    check_choice(f"{where}.dtype", dtype, MODEL_DTYPES)
+    return RewardOptions(
+        name=name, weight=float(weight), timeout=None if timeout is None else float(timeout),
+        fallback=None if fallback is None else float(fallback), has_fallback=has_fallback,
+        model=model, batch_size=batch_size, dtype=dtype,
+    )

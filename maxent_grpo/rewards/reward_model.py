@@ -1,0 +1,125 @@
+"""A sequence-classification model as a reward function (``model:<name_or_path>`` in
+``model.rewards``), scored as TRL's ``GRPOTrainer`` scores a reward model.
+
+The text of a row is ``prompt + completion`` for a text prompt, and the whole conversation
+(the prompt's messages, then the completion's assistant message) rendered with the reward
+model's own chat template (``apply_chat_template(..., tokenize=False)``) for a
+conversational one. Texts are tokenised with the reward model's tokenizer, right-padded,
+without added special tokens, and scored ``batch_size`` rows at a time on the policy's
+device, in eval mode under ``torch.inference_mode``; the reward is the single logit
+(``num_labels=1``) at the last non-pad token. The model and tokenizer are loaded on the
+first call, once, and never trained or checkpointed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["RewardModel"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+class RewardModel:
+    """Scores ``(prompt, completion)`` pairs with ``AutoModelForSequenceClassification``.
+
+    Args:
+        name_or_path: a hub name or a local folder holding the model and its tokenizer.
+        label: the reward's key in ``model.rewards`` (for messages).
+        batch_size: rows per forward pass.
+        dtype: parameter dtype (``float32``, ``bfloat16``, ``float16``).
+        device: returns the device to score on (the policy's), asked at every call.
+
+    Called as a reward function, ``rm(prompts=..., completions=..., **ignored)``: prompts
+    are strings or message lists, completions strings or ``[{"role": "assistant",
+    "content": ...}]``; returns one float per row. For example, with a model folder
+    saved by ``save_pretrained`` (model and tokenizer)::
+
+        rm = RewardModel("/models/rm", label="model:/models/rm")
+        rm(prompts=["2+2="], completions=["4"])          # [0.73]: its logit
+        rm(prompts=[[{"role": "user", "content": "2+2?"}]],
+           completions=[[{"role": "assistant", "content": "4"}]])   # chat-rendered
+        RewardModel("./missing", label="model:./missing")(prompts=["p"], completions=["c"])
+        # ValueError: reward 'model:./missing': cannot load './missing' as a ... model
+    """
+
+    def __init__(
+        self, name_or_path: str, label: str, batch_size: int = 32, dtype: str = "float32",
+        device: Callable[[], torch.device] = _cpu,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"{label}: dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+        self.name_or_path, self.label = name_or_path, label
+        self.batch_size, self.dtype, self.device = batch_size, dtype, device
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.__name__ = label
+
+    def load(self) -> None:
+        """Load the model and tokenizer (once); ValueError naming the reward if that fails."""
+        if self.model is not None:
+            return
+        # transformers (also behind maxent_grpo.models) imports in seconds: only a run with a
+        # reward model needs it, so importing maxent_grpo.rewards stays light
+        from transformers import AutoModelForSequenceClassification
+
+        from maxent_grpo.models import load_tokenizer, resolve_model_path
+
+        try:
+            path = resolve_model_path(self.name_or_path)
+            tokenizer = load_tokenizer(self.name_or_path, padding_side="right")
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=_DTYPES[self.dtype])
+        except (OSError, ValueError, RuntimeError) as err:
+            raise ValueError(
+                f"reward {self.label!r}: cannot load {self.name_or_path!r} as a "
+                f"sequence-classification model with one output (num_labels=1): {err}"
+            ) from err
+        # the score is read at the last token that is not padding, found by the pad id
+        model.config.pad_token_id = tokenizer.pad_token_id
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        """The text scored for each row (see the module docstring)."""
+        self.load()
+        out = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if isinstance(prompt, str):
+                if not isinstance(completion, str):
+                    raise ValueError(f"reward {self.label!r}: a text prompt needs a text "
+                                     f"completion; got {completion!r:.80}")
+                out.append(prompt + completion)
+                continue
+            if isinstance(completion, str):
+                completion = [{"role": "assistant", "content": completion}]
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(
+                    f"reward {self.label!r}: the prompts are conversations but the tokenizer "
+                    f"of {self.name_or_path!r} has no chat template to render them"
+                )
+            out.append(self.tokenizer.apply_chat_template(
+                list(prompt) + list(completion), tokenize=False))
+        return out
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        texts = self.texts(prompts, completions)
+        device = self.device()
+        if self.model.device != device:
+            self.model.to(device)
+        scores: list[float] = []
+        with torch.inference_mode():
+            for start in range(0, len(texts), self.batch_size):
+                inputs = self.tokenizer(
+                    texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                    add_special_tokens=False,
+                ).to(device)
+                logits = self.model(**inputs).logits  # (rows, 1)
+                scores.extend(logits[:, 0].float().tolist())
+        return scores

@@ -1,0 +1,88 @@
+"""A time limit on a reward function (``model.rewards.<name>.timeout``).
+
+The function runs in a daemon thread and the step waits at most ``timeout`` seconds for
+its values. Without a result by then the step either stops with :class:`RewardTimeout`
+(named by the caller as a :class:`~maxent_grpo.rewards.scoring.RewardFunctionError`), or,
+with a ``fallback``, every row of that call gets the fallback value and a warning is
+logged. Python cannot stop a thread: a call that never returns keeps its thread (and the
+CPU it uses) until the process ends, so a function that runs untrusted code should still
+run it in a subprocess it can kill; the limit here keeps training from hanging on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RewardTimeout", "TimedReward"]
+
+log = logging.getLogger(__name__)
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function gave no result within its ``timeout``."""
+
+
+class TimedReward:
+    """``fn`` with a time limit; called like ``fn``.
+
+    Args:
+        name: the reward's key in ``model.rewards`` (for messages).
+        fn: the reward function.
+        timeout: seconds to wait for one call.
+        fallback: the value of every row when a call times out (None = not applicable).
+        has_fallback: use ``fallback`` on a time-out; otherwise raise :class:`RewardTimeout`.
+
+    Attributes:
+        timeouts: how many calls timed out so far.
+
+    >>> import time
+    >>> slow = TimedReward("slow", lambda prompts, completions, **kw: time.sleep(1),
+    ...                    timeout=0.05, fallback=0.0, has_fallback=True)
+    >>> slow(prompts=["p", "p"], completions=["a", "b"]), slow.timeouts
+    ([0.0, 0.0], 1)
+    >>> stuck = TimedReward("slow", slow.fn, timeout=0.05)
+    >>> stuck(prompts=["p"], completions=["a"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    maxent_grpo.rewards.timeout.RewardTimeout: no result within model.rewards.slow.timeout = ...
+    """
+
+    def __init__(
+        self, name: str, fn: Callable[..., Any], timeout: float,
+        fallback: float | None = None, has_fallback: bool = False,
+    ) -> None:
+        self.name, self.fn, self.timeout = name, fn, timeout
+        self.fallback, self.has_fallback = fallback, has_fallback
+        self.timeouts = 0
+        self.__name__ = getattr(fn, "__name__", name)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["values"] = self.fn(**kwargs)
+            except BaseException as err:  # re-raised in the caller's thread
+                outcome["error"] = err
+
+        worker = threading.Thread(target=run, name=f"reward:{self.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            self.timeouts += 1
+            option = f"model.rewards.{self.name}"
+            if not self.has_fallback:
+                raise RewardTimeout(
+                    f"no result within {option}.timeout = {self.timeout:g} s (set "
+                    f"{option}.fallback to score such calls instead)"
+                )
+            log.warning("reward %r gave no result within %g s; its %d values are the "
+                        "fallback %r (%d time-outs so far)", self.name, self.timeout,
+                        len(kwargs.get("completions", ())), self.fallback, self.timeouts)
+            return [self.fallback] * len(kwargs.get("completions", ()))
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["values"]

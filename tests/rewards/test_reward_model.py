@@ -1,0 +1,118 @@
+"""``model:<folder>`` rewards: a sequence-classification model scores prompt + completion
+(chat-rendered for conversations) in batches, in eval mode, loaded once; inside a fit its
+logits are the step's rewards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from maxent_grpo.models import build_tiny_tokenizer
+from maxent_grpo.rewards import RewardFunctionError, RewardModel, WeightedRewards
+from maxent_grpo.rollout import PromptCompletionBatch
+from tests.rewards.test_trl_style import CHAT_ROWS
+from tests.training.test_module import cache_dir, fit, make_data, make_module  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def rm_folder(tmp_path_factory) -> str:
+    """A tiny random reward model (one logit) and the builtin tiny tokenizer, saved."""
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id, attention_dropout=0.5,  # only in train mode
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    folder = tmp_path_factory.mktemp("rm")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def one_by_one(folder: str, texts: list[str]) -> list[float]:
+    """Each text scored alone (no padding), by hand."""
+    model = LlamaForSequenceClassification.from_pretrained(folder).eval()
+    tok = build_tiny_tokenizer()
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+            out.append(float(model(input_ids=ids).logits[0, 0]))
+    return out
+
+
+def test_scores_in_padded_batches_equal_scores_one_by_one(rm_folder):
+    rm = RewardModel(rm_folder, label="model:rm", batch_size=2)
+    prompts = ["2+2=", "a much longer prompt here: ", "x", "y", "7*6="]
+    completions = ["4", "and its answer", "", "yy", "42<|im_end|>"]
+    scores = rm(prompts=prompts, completions=completions, completion_ids=None, answer=[0] * 5)
+    expected = one_by_one(rm_folder, [p + c for p, c in zip(prompts, completions, strict=True)])
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert len(set(scores)) == 5  # not a constant head
+    model = rm.model
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert rm(prompts=prompts, completions=completions) == pytest.approx(scores)  # eval mode
+    assert rm.model is model  # loaded once
+
+
+def test_conversations_are_rendered_with_the_chat_template(rm_folder):
+    rm = RewardModel(rm_folder, label="model:rm")
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "Say 7"}]
+    completion = [{"role": "assistant", "content": "7"}]
+    text = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nSay 7<|im_end|>\n"
+            "<|im_start|>assistant\n7<|im_end|>\n")
+    assert rm.texts([prompt], [completion]) == [text]
+    assert rm(prompts=[prompt], completions=[completion]) == pytest.approx(
+        one_by_one(rm_folder, [text]), abs=1e-5)
+
+
+def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
+    rewards = WeightedRewards({f"model:{tmp_path}/missing": 1.0})  # lazy: no error yet
+    pairs = PromptCompletionBatch(prompts=["p"], completions=["c"])
+    with pytest.raises(RewardFunctionError, match=r"'model:.*/missing'.*cannot load") as info:
+        rewards(pairs, {}, 1)
+    assert isinstance(info.value.__cause__, ValueError)
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    no_template = tmp_path / "no_template"
+    LlamaForSequenceClassification.from_pretrained(rm_folder).save_pretrained(no_template)
+    tok.save_pretrained(no_template)
+    rm = RewardModel(str(no_template), label="model:nt")
+    with pytest.raises(ValueError, match="'model:nt'.*conversations.*no chat template"):
+        rm(prompts=[[{"role": "user", "content": "hi"}]], completions=["yo"])
+    with pytest.raises(ValueError, match=r"model.rewards.model:x.dtype must be one of"):
+        WeightedRewards({"model:x": {"dtype": "int8"}})
+    with pytest.raises(ValueError, match=r"model.rewards.format has no option 'batch_size'"):
+        WeightedRewards({"format": {"batch_size": 4}})
+    with pytest.raises(ValueError, match="'model:' must be followed by"):
+        WeightedRewards({"model: ": 1.0})
+
+
+def test_reward_model_scores_a_chat_fit(cache_dir, rm_folder, tmp_path):  # noqa: F811
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS))
+    data = make_data(cache_dir, task=None, task_options=None, data_files=str(path),
+                     val_files=str(path), answer_column=None, max_prompt_length=96)
+    name = f"model:{rm_folder}"
+    module = make_module(cache_dir, rewards={name: {"weight": 2.0, "batch_size": 3},
+                                             "format": 1.0})
+    fit(module, data, steps=1)
+    t = module.trajectory
+    rm = module.rewards.funcs[0]
+    assert isinstance(rm, RewardModel) and rm.batch_size == 3 and rm.model is not None
+    assert rm.model.device == module.device
+    texts = [
+        "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in prompt)
+        + f"<|im_start|>assistant\n{completion}<|im_end|>\n"
+        for prompt, completion in zip(t.pairs.prompts, t.pairs.completions, strict=True)
+    ]
+    expected = torch.tensor(one_by_one(rm_folder, texts)).view(4, 4)
+    assert torch.allclose(t.samples.components[name], expected, atol=1e-5)
+    assert torch.allclose(t.samples.rewards, 2.0 * expected + t.samples.components["format"],
+                          atol=1e-5)
