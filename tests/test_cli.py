@@ -301,6 +301,25 @@ def test_missing_data_file_is_named(monkeypatch, tmp_path):
     assert "/no/such/file.jsonl" in err and "data_files" in err
 
 
+def test_data_files_take_a_list_or_a_glob(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the Trainer built here must write nothing elsewhere
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"prompt": "x", "answer": "1"}\n')
+    listed = cli_module.main(
+        ["--data.task", "null", "--data.data_files", f"[{tmp_path}/a.jsonl, {tmp_path}/b.jsonl]"],
+        run=False,
+    )
+    assert listed.datamodule.data_files == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl"]
+    globbed = cli_module.main(
+        ["--data.task", "null", "--data.data_files", "*.jsonl", "--data.val_files", "b.jsonl"],
+        run=False,
+    )
+    assert (globbed.datamodule.data_files, globbed.datamodule.val_files) == ("*.jsonl", "b.jsonl")
+    err = built_error(monkeypatch, tmp_path, "--data.task", "null", "--data.data_files", "c*.jsonl",
+                      exc=FileNotFoundError)
+    assert "data.data_files pattern matches no file: 'c*.jsonl'" in err
+
+
 def test_two_data_sources_are_rejected(monkeypatch, tmp_path):
     err = built_error(monkeypatch, tmp_path, "--data.dataset_name", "openai/gsm8k")
     assert "exactly one of" in err and "task: null" in err

@@ -13,7 +13,8 @@ completions for each. A batch is a plain dict of lists (no tensors)::
     }
 
 Sources, exactly one of: a built-in ``task`` (:mod:`maxent_grpo.tasks`), local
-``data_files`` (.jsonl, .json, .csv, .parquet) or a ``datasets`` ``dataset_name``
+``data_files`` (.jsonl, .json, .csv, .parquet; paths, globs or lists, read with ``datasets``:
+:mod:`maxent_grpo.training.files`) or a ``datasets`` ``dataset_name``
 (:mod:`maxent_grpo.training.sources`). Rows are checked and rendered by
 :mod:`maxent_grpo.training.prompts`.
 
@@ -53,14 +54,13 @@ from maxent_grpo.training.sources import (
     file_sources,
     hub_sources,
     load_hub_rows,
-    read_rows,
     task_sources,
 )
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = [  # the names other than PromptDataModule are re-exported
     "EpochShuffleSampler", "PromptDataModule", "PromptDataset", "PromptExample",
-    "PromptLoader", "collate_prompts", "read_rows",
+    "PromptLoader", "collate_prompts",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,13 +106,17 @@ class PromptDataModule(pl.LightningDataModule):
         holdout_val_prompts: with ``task``, drop the training rows whose prompt is also a
             validation prompt (validation measures unseen prompts); False keeps them
             (validation measures the prompts trained on).
-        data_files: local .jsonl, .json, .csv or .parquet file of training rows, or None.
-        val_files: local file of validation rows (only with ``data_files``).
+        data_files: local .jsonl, .json, .csv or .parquet files of training rows: a path, a
+            glob pattern (``data/train-*.jsonl``; ``**`` crosses folders) or a list of them;
+            files are read in that order (a pattern's matches sorted), each with
+            ``datasets.load_dataset``; or None.
+        val_files: validation rows, given like ``data_files`` (only with ``data_files``).
         dataset_name: name or local path passed to ``datasets.load_dataset``, or None.
         dataset_config: configuration name passed to ``datasets.load_dataset``.
         train_split: split of ``dataset_name`` used for training.
         val_split: split of ``dataset_name`` used for validation (only with ``dataset_name``).
-        dataset_cache_dir: ``cache_dir`` passed to ``datasets.load_dataset``.
+        dataset_cache_dir: ``cache_dir`` passed to ``datasets.load_dataset`` (also for
+            ``data_files`` / ``val_files``); None uses ``datasets``' default cache.
         prompt_column: column holding the prompt text, or a list of chat messages.
         answer_column: column holding the reference answer; None gives "" answers.
         system_prompt: system message placed before every prompt, or None.
@@ -135,8 +139,8 @@ class PromptDataModule(pl.LightningDataModule):
         val_size: int = 64,
         seed: int = 0,
         holdout_val_prompts: bool = True,
-        data_files: str | None = None,
-        val_files: str | None = None,
+        data_files: str | list[str] | None = None,
+        val_files: str | list[str] | None = None,
         dataset_name: str | None = None,
         dataset_config: str | None = None,
         train_split: str = "train",
@@ -232,7 +236,8 @@ class PromptDataModule(pl.LightningDataModule):
                 self.prompt_column, self.holdout_val_prompts,
             )
         if self.data_files is not None:
-            return file_sources(self.data_files, self.val_files, self.val_size, self.seed)
+            return file_sources(self.data_files, self.val_files, self.val_size, self.seed,
+                                self.dataset_cache_dir)
         return hub_sources(
             self.dataset_name, self.dataset_config, self.train_split, self.val_split,
             self.dataset_cache_dir, self.val_size, self.seed,

@@ -3,8 +3,10 @@ rendering.
 
 A row's prompt (column ``prompt_column``) is a non-empty string or a non-empty list of chat
 messages (dicts with str ``role`` and ``content``); its answer (column ``answer_column``) is
-a string or a finite number, kept as a string ("" without an answer column). Every error
-names the source, the row and the ``data.`` option to fix.
+a string or a finite number, kept as a string ("" without an answer column; an integral
+float without its ".0", so a JSON column of 3 and 2.5, which Arrow reads as 3.0 and 2.5,
+gives "3"). Every error names the source (for files, the file), the row and the ``data.``
+option to fix.
 
 Rendering: with ``apply_chat_template`` the prompt becomes
 ``[system?] + [{"role": "user", "content": prompt}]`` (a list-of-messages prompt is used as
@@ -50,27 +52,31 @@ class PromptFormat:
         """Check and render every row of ``split``, in order.
 
         Each example keeps every column except the prompt column, plus ``"answer"`` (the
-        answer as a string). Raises ValueError naming the source (and row) when a column is
-        missing or a prompt or answer is malformed.
+        answer as a string). Raises ValueError naming the source or file (and row) when a
+        column is missing or a prompt or answer is malformed.
         """
-        names: dict[str, None] = {}
-        for row in split.rows:
-            names.update(dict.fromkeys(row))
-        require(
-            not split.rows or self.prompt_column in names,
-            f"{split.source} has no prompt column {self.prompt_column!r} "
-            f"(data.prompt_column); columns: {sorted(names)}",
-        )
-        require(
-            not split.rows or self.answer_column is None or self.answer_column in names,
-            f"{split.source} has no answer column {self.answer_column!r} (data.answer_column, "
-            f"null allowed); columns: {sorted(names)}",
-        )
-        others = [n for n in names if n != self.prompt_column]
+        columns_of: dict[str, dict[str, None]] = {}  # the column names of each file (source)
+        for row, index in zip(split.rows, split.indices, strict=True):
+            columns_of.setdefault(split.where(index)[0], {}).update(dict.fromkeys(row))
+        for part, names in columns_of.items():
+            require(
+                self.prompt_column in names,
+                f"{part} has no prompt column {self.prompt_column!r} (data.prompt_column); "
+                f"columns: {sorted(names)}",
+            )
+            require(
+                self.answer_column is None or self.answer_column in names,
+                f"{part} has no answer column {self.answer_column!r} (data.answer_column, "
+                f"null allowed); columns: {sorted(names)}",
+            )
+        others = list({n: None for names in columns_of.values() for n in names
+                       if n != self.prompt_column})
         examples = []
         for row, index in zip(split.rows, split.indices, strict=True):
-            raw = self._prompt(row.get(self.prompt_column), index, split.source)
-            answer = self._answer(row, index, split.source)
+            part, number = split.where(index)
+            at = f"{part} row {number}"
+            raw = self._prompt(row.get(self.prompt_column), at)
+            answer = self._answer(row, at)
             columns = {n: row.get(n) for n in others}
             columns["answer"] = answer
             examples.append(PromptExample(index, self.render(raw), raw, answer, columns))
@@ -92,8 +98,8 @@ class PromptFormat:
             messages, tokenize=False, add_generation_prompt=True
         )
 
-    def _prompt(self, value: Any, row: int, source: str) -> Prompt:
-        where = f"{source} row {row} column {self.prompt_column!r} (data.prompt_column)"
+    def _prompt(self, value: Any, at: str) -> Prompt:
+        where = f"{at} column {self.prompt_column!r} (data.prompt_column)"
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError(f"{where} is an empty prompt")
@@ -118,7 +124,7 @@ class PromptFormat:
             )
         return value
 
-    def _answer(self, row: dict[str, Any], index: int, source: str) -> str:
+    def _answer(self, row: dict[str, Any], at: str) -> str:
         if self.answer_column is None:
             return ""
         value = row.get(self.answer_column)
@@ -126,7 +132,7 @@ class PromptFormat:
             return value
         if not is_number(value):
             raise ValueError(
-                f"{source} row {index} column {self.answer_column!r} (data.answer_column) "
-                f"must be a string or a finite number; got {value!r}"
+                f"{at} column {self.answer_column!r} (data.answer_column) must be a string "
+                f"or a finite number; got {value!r}"
             )
-        return str(value)
+        return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)

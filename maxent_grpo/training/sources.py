@@ -8,7 +8,8 @@ have in their source and the source's name for error messages:
   from seed ``2*seed`` and ``val_size`` separate rows from ``2*seed + 1``; training rows
   whose prompt is also a validation prompt are dropped unless ``holdout_val_prompts`` is
   False.
-- :func:`file_sources`: local .jsonl, .json, .csv or .parquet files (:func:`read_rows`).
+- :func:`file_sources`: local .jsonl, .json, .csv or .parquet files: paths, glob patterns or
+  lists of them, read with ``datasets.load_dataset`` (:mod:`maxent_grpo.training.files`).
 - :func:`hub_sources`: splits of a ``datasets.load_dataset`` dataset (:func:`load_hub_rows`).
 
 Without a separate validation file or split, ``val_size`` rows chosen by a permutation
@@ -17,36 +18,30 @@ seeded with ``seed`` are split off the training source.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import datasets
-import pyarrow.parquet as pq  # installed with datasets
 import torch
 
 from maxent_grpo.tasks import build_task, list_tasks
+from maxent_grpo.training.files import FileParts, expand_files, read_files
 from maxent_grpo.validation import check_choice, require
 
 __all__ = [
-    "FILE_SUFFIXES",
     "Sources",
     "SplitRows",
     "check_source_options",
     "file_sources",
     "hub_sources",
     "load_hub_rows",
-    "read_rows",
     "split_off_val",
     "task_sources",
 ]
 
 log = logging.getLogger(__name__)
-
-FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 Row = dict[str, Any]
 
@@ -59,16 +54,23 @@ class SplitRows:
         rows: the rows, every column kept.
         indices: each row's number in its source (rows split off or dropped leave gaps).
         source: the source's name, as error messages show it (``"task 'countdown' (val)"``).
+        files: for rows read from files, the file each row number comes from.
     """
 
     rows: list[Row]
     indices: list[int]
     source: str
+    files: FileParts | None = None
 
     @classmethod
-    def whole(cls, rows: list[Row], source: str) -> SplitRows:
+    def whole(cls, rows: list[Row], source: str, files: FileParts | None = None) -> SplitRows:
         """Every row of ``source``, numbered from 0."""
-        return cls(rows, list(range(len(rows))), source)
+        return cls(rows, list(range(len(rows))), source, files)
+
+    def where(self, index: int) -> tuple[str, int]:
+        """For error messages: the file (else the source) row number ``index`` comes from,
+        and the row's number there."""
+        return (self.source, index) if self.files is None else self.files.where(index)
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,8 @@ class Sources:
 def check_source_options(
     task: str | None,
     task_options: dict[str, Any] | None,
-    data_files: str | None,
-    val_files: str | None,
+    data_files: str | list[str] | None,
+    val_files: str | list[str] | None,
     dataset_name: str | None,
     dataset_config: str | None,
     val_split: str | None,
@@ -92,8 +94,8 @@ def check_source_options(
 
     Exactly one of ``task``, ``data_files``, ``dataset_name`` must be set; ``task`` must be
     a built-in task; ``task_options``, ``val_files`` and ``dataset_config`` / ``val_split``
-    need their own source; files must have a known suffix (ValueError) and exist
-    (FileNotFoundError).
+    need their own source; files must have a known suffix (ValueError) and exist, a pattern
+    must match a file (FileNotFoundError; see :func:`~maxent_grpo.training.files.expand_files`).
     """
     chosen = {"task": task, "data_files": data_files, "dataset_name": dataset_name}
     set_now = [f"{k}={v!r}" for k, v in chosen.items() if v is not None]
@@ -115,71 +117,9 @@ def check_source_options(
     ):
         require(value is None or needs is not None,
                 f"data.{name} needs data.{owner} to be set")
-    for name, path in (("data_files", data_files), ("val_files", val_files)):
-        if path is not None:
-            require(
-                Path(path).suffix.lower() in FILE_SUFFIXES,
-                f"data.{name} must end in one of {', '.join(FILE_SUFFIXES)}; got {path!r}",
-            )
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"data.{name} file not found: {path!r}")
-
-
-def read_rows(path: str | Path, option: str = "data_files") -> list[Row]:
-    """Read every row (all columns) of a local .jsonl, .json, .csv or .parquet file.
-
-    ``.json`` holds a list of row objects or an object of equal-length column lists; CSV
-    values stay strings. ``option`` names the argument in error messages.
-    """
-    path = Path(path)
-    where = f"{option} {str(path)!r}"
-    if not path.is_file():
-        raise FileNotFoundError(f"{option} file not found: {str(path)!r}")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{where} line {line_no} is not valid JSON: {err}") from err
-    elif suffix == ".json":
-        with path.open(encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{where} is not valid JSON ({err}); one object per line needs the .jsonl "
-                    "suffix"
-                ) from err
-        if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
-            require(len({len(v) for v in data.values()}) <= 1,
-                    f"{where}: column lists differ in length")
-            names = list(data)
-            rows = [
-                dict(zip(names, values, strict=True)) for values in zip(*data.values(), strict=True)
-            ]
-        elif isinstance(data, list):
-            rows = data
-        else:
-            raise ValueError(
-                f"{where} must hold a list of row objects or an object of column lists"
-            )
-    elif suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            rows = list(csv.DictReader(f))
-    elif suffix == ".parquet":
-        rows = pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(
-            f"{option} must end in one of {', '.join(FILE_SUFFIXES)}; got {str(path)!r}"
-        )
-    for i, row in enumerate(rows):
-        require(isinstance(row, dict), f"{where} row {i} is not an object: {row!r}")
-    return rows
+    for name, files in (("data_files", data_files), ("val_files", val_files)):
+        if files is not None:
+            expand_files(f"data.{name}", files)
 
 
 def load_hub_rows(
@@ -221,14 +161,22 @@ def task_sources(
     )
 
 
-def file_sources(data_files: str, val_files: str | None, val_size: int, seed: int) -> Sources:
+def file_sources(
+    data_files: str | list[str],
+    val_files: str | list[str] | None,
+    val_size: int,
+    seed: int,
+    cache_dir: str | None,
+) -> Sources:
     """The rows of ``data_files``; validation rows from ``val_files``, else ``val_size``
-    rows split off (see :func:`split_off_val`)."""
-    rows, name = read_rows(data_files, "data.data_files"), f"data_files {data_files!r}"
+    rows split off (see :func:`split_off_val`). Files are read with ``datasets`` and
+    ``cache_dir`` (:func:`~maxent_grpo.training.files.read_files`)."""
+    rows, files = read_files("data.data_files", data_files, cache_dir)
+    train = SplitRows.whole(rows, f"data.data_files {data_files!r}", files)
     if val_files is None:
-        return split_off_val(rows, name, val_size, seed)
-    val = read_rows(val_files, "data.val_files")
-    return Sources(SplitRows.whole(rows, name), SplitRows.whole(val, f"val_files {val_files!r}"))
+        return split_off_val(train, val_size, seed)
+    val_rows, val_parts = read_files("data.val_files", val_files, cache_dir)
+    return Sources(train, SplitRows.whole(val_rows, f"data.val_files {val_files!r}", val_parts))
 
 
 def hub_sources(
@@ -242,29 +190,30 @@ def hub_sources(
 ) -> Sources:
     """Split ``train_split`` of dataset ``name``; validation rows from ``val_split``, else
     ``val_size`` rows split off (see :func:`split_off_val`)."""
-    rows = load_hub_rows(name, config, train_split, cache_dir)
-    source = f"dataset_name {name!r} split {train_split!r}"
-    if val_split is None:
-        return split_off_val(rows, source, val_size, seed)
-    val = load_hub_rows(name, config, val_split, cache_dir)
-    return Sources(
-        SplitRows.whole(rows, source),
-        SplitRows.whole(val, f"dataset_name {name!r} split {val_split!r}"),
+    train = SplitRows.whole(
+        load_hub_rows(name, config, train_split, cache_dir),
+        f"dataset_name {name!r} split {train_split!r}",
     )
+    if val_split is None:
+        return split_off_val(train, val_size, seed)
+    val = load_hub_rows(name, config, val_split, cache_dir)
+    return Sources(train, SplitRows.whole(val, f"dataset_name {name!r} split {val_split!r}"))
 
 
-def split_off_val(rows: list[Row], source: str, val_size: int, seed: int) -> Sources:
-    """``val_size`` rows chosen by ``torch.randperm(len(rows), generator=seed)`` become the
-    validation rows, the rest the training rows, both in source order."""
+def split_off_val(whole: SplitRows, val_size: int, seed: int) -> Sources:
+    """``val_size`` rows of ``whole`` (every row of its source) chosen by
+    ``torch.randperm(len(rows), generator=seed)`` become the validation rows, the rest the
+    training rows, both in source order."""
+    rows = whole.rows
     require(
         val_size < len(rows),
-        f"data.val_size ({val_size}) must be smaller than the number of rows in {source} "
-        f"({len(rows)})",
+        f"data.val_size ({val_size}) must be smaller than the number of rows in "
+        f"{whole.source} ({len(rows)})",
     )
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
     val_idx = sorted(perm[:val_size].tolist())
     train_idx = sorted(perm[val_size:].tolist())
     return Sources(
-        SplitRows([rows[i] for i in train_idx], train_idx, source),
-        SplitRows([rows[i] for i in val_idx], val_idx, source),
+        replace(whole, rows=[rows[i] for i in train_idx], indices=train_idx),
+        replace(whole, rows=[rows[i] for i in val_idx], indices=val_idx),
     )

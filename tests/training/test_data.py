@@ -11,6 +11,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import datasets  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -20,10 +21,16 @@ from maxent_grpo.training.data import (  # noqa: E402
     EpochShuffleSampler,
     PromptDataModule,
     collate_prompts,
-    read_rows,
 )
+from maxent_grpo.training.files import read_files  # noqa: E402
 
 BATCH_KEYS = {"prompts", "raw_prompts", "answers", "columns", "indices"}
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """``datasets`` keeps its Arrow copies of the test files in the test's own folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
 class CharTokenizer:
@@ -195,6 +202,87 @@ def test_local_dataset_name(tmp_path):
     assert [ex.answer for ex in dm.val_dataset.examples] == ["36", "49", "64", "81"]
 
 
+# ------------------------------------------------------------------ several files, formats
+
+
+def test_glob_of_files_reads_the_matches_in_sorted_order(tmp_path):
+    folder = tmp_path / "data"
+    (folder / "more").mkdir(parents=True)
+    write(folder / "rows-1.jsonl", ROWS[4:8])  # written first, read second
+    write(folder / "rows-0.jsonl", ROWS[:4])
+    write(folder / "more" / "rows-2.jsonl", ROWS[8:])
+    dm = make(task=None, data_files=str(folder / "rows-*.jsonl"),
+              val_files=str(folder / "more" / "*.jsonl"), batch_size=2, max_prompt_length=None)
+    assert [ex.raw_prompt for ex in dm.train_dataset.examples] == [f"q{i}" for i in range(8)]
+    assert [ex.index for ex in dm.train_dataset.examples] == list(range(8))
+    assert [ex.raw_prompt for ex in dm.val_dataset.examples] == ["q8", "q9"]
+    # "**" crosses folders; "data/more/..." sorts before "data/rows-..."
+    deep = make(task=None, data_files=str(folder / "**" / "rows-*.jsonl"), val_size=2,
+                batch_size=2, max_prompt_length=None)
+    rows = {ex.index: ex.raw_prompt for ex in deep.train_dataset.examples
+            + deep.val_dataset.examples}
+    assert [rows[i] for i in range(10)] == [f"q{i}" for i in (8, 9, *range(8))]
+
+
+def test_list_of_files_with_other_formats_and_columns(tmp_path):
+    jsonl = write(tmp_path / "a.jsonl", [
+        {"prompt": "j0", "answer": "1", "level": 2}, {"prompt": "j1", "answer": "3"},
+    ])
+    csv_file = write(tmp_path / "b.csv", [{"prompt": "c0", "answer": "007", "note": ""}])
+    parquet = write(tmp_path / "c.parquet", [{"prompt": "p0", "answer": "4", "tags": [1, 2]}])
+    dm = make(task=None, data_files=[parquet, jsonl, csv_file], val_files=[csv_file],
+              batch_size=1, max_prompt_length=None)
+    none = {"tags": None, "level": None, "note": None}
+    got = [(ex.index, ex.raw_prompt, ex.answer, ex.columns) for ex in dm.train_dataset.examples]
+    assert got == [  # in the order given; a column a file (or row) lacks is None
+        (0, "p0", "4", {**none, "answer": "4", "tags": [1, 2]}),
+        (1, "j0", "1", {**none, "answer": "1", "level": 2}),
+        (2, "j1", "3", {**none, "answer": "3"}),
+        (3, "c0", "007", {**none, "answer": "007", "note": ""}),  # CSV cells stay strings
+    ]
+    assert [ex.columns for ex in dm.val_dataset.examples] == [{"answer": "007", "note": ""}]
+
+
+def test_json_file_forms(tmp_path):
+    columns = tmp_path / "columns.json"  # an object of column lists, as Dataset.to_dict()
+    columns.write_text(json.dumps({"prompt": ["a", "b", "c"], "answer": [1, 2.5, 3]}))
+    lines = tmp_path / "lines.json"
+    lines.write_text('{"prompt": "d", "answer": "4"}\n\n{"prompt": "e", "answer": "5"}\n')
+    dm = make(task=None, data_files=[str(columns), str(lines)], val_files=str(lines),
+              batch_size=1)
+    # Arrow reads 1, 2.5, 3 as floats; integral answers lose the ".0"
+    assert [(ex.raw_prompt, ex.answer) for ex in dm.train_dataset.examples] == [
+        ("a", "1"), ("b", "2.5"), ("c", "3"), ("d", "4"), ("e", "5"),
+    ]
+    # a list holding one row whose values are lists stays that row
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"prompt": [{"role": "user", "content": "hi"}], "tags": [1]}]))
+    dm = make(task=None, data_files=str(one), val_files=str(one), answer_column=None,
+              batch_size=1)
+    assert [ex.raw_prompt for ex in dm.train_dataset.examples] == [[{"role": "user",
+                                                                      "content": "hi"}]]
+    columns.write_text(json.dumps({"prompt": ["a", "b"], "answer": ["1"]}))
+    with pytest.raises(ValueError, match=r"data\.val_files file '.*columns\.json'.*differ"):
+        make(task=None, data_files=str(lines), val_files=str(columns), batch_size=1)
+
+
+def test_files_are_cached_by_datasets_and_read_again_when_changed(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    write(path, ROWS)
+    make(task=None, data_files=str(path), val_size=2)
+    assert list((tmp_path / "hf_cache" / "json").rglob("*.arrow"))  # the default cache
+    cache = tmp_path / "own_cache"
+    dm = make(task=None, data_files=str(path), val_files=str(path), dataset_cache_dir=str(cache))
+    assert list((cache / "json").rglob("*.arrow"))
+    assert len(dm.val_dataset) == 10
+    write(path, ROWS[:3])
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    dm = make(task=None, data_files=str(path), val_files=str(path), dataset_cache_dir=str(cache),
+              batch_size=1)
+    assert [ex.raw_prompt for ex in dm.val_dataset.examples] == ["q0", "q1", "q2"]
+
+
 # ------------------------------------------------------------------ rendering
 
 
@@ -285,8 +373,8 @@ def test_missing_file_names_path_and_option(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match=r"data_files.*nope\.jsonl"):
         PromptDataModule(task=None, data_files=missing)
-    with pytest.raises(FileNotFoundError, match="data_files"):
-        read_rows(missing)
+    with pytest.raises(FileNotFoundError, match=r"data\.val_files file not found.*nope\.jsonl"):
+        read_files("data.val_files", [missing], None)
 
 
 def test_missing_columns(tmp_path):
@@ -302,6 +390,73 @@ def test_missing_columns(tmp_path):
             val_size=1,
             batch_size=1,
         )
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "pattern"),
+    [
+        ([], ValueError, r"data\.data_files must be a file path or glob pattern, or a non-empty"),
+        (5, ValueError, r"data\.data_files must be a file path or glob pattern"),
+        (["{ok}", "rows.txt"], ValueError, r"data\.data_files must end in one of .*'rows\.txt'"),
+        ("{dir}/*.jsonl", FileNotFoundError, r"data\.data_files pattern matches no file: '.*'"),
+        (["{ok}", "{dir}/nope.csv"], FileNotFoundError, r"data_files file not found: '.*nope"),
+    ],
+)
+def test_file_option_errors(tmp_path, value, error, pattern):
+    ok = write(tmp_path / "ok.jsonl", ROWS)
+    folder = tmp_path / "empty"
+    folder.mkdir()
+
+    def fill(v):
+        return v.format(ok=ok, dir=folder) if isinstance(v, str) else v
+
+    value = [fill(v) for v in value] if isinstance(value, list) else fill(value)
+    with pytest.raises(error, match=pattern):
+        PromptDataModule(task=None, data_files=value)
+    with pytest.raises(error, match=pattern.replace("data_files", "val_files")):
+        PromptDataModule(task=None, data_files=ok, val_files=value)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "pattern"),
+    [
+        ("b.jsonl", '{"prompt": "x"}\n\n{"prompt": oops}\n',
+         r"read as JSON lines: line 3 is not valid JSON"),
+        ("b.jsonl", '{"prompt": "x"}\n["prompt"]\n',
+         "read as JSON lines: line 2 is not a JSON object"),
+        ("b.json", '[\n  {"prompt": "x"},\n  {"prompt": }\n]',
+         r"read as JSON: line 3 is not valid JSON"),
+        ("b.json", "5", "read as JSON: it holds neither a list of row objects nor an object"),
+        ("b.json", '[{"prompt": "x"}, 5]', "read as JSON: row 1 is not a JSON object"),
+        ("b.jsonl", "\n", "read as JSON lines: it holds no rows"),
+        ("b.csv", "prompt,answer\n", "read as CSV: it holds no rows"),
+        ("b.csv", "prompt,answer\na,1\nb,2,3\n", "read as CSV: .*line 3"),
+        ("b.parquet", "not parquet", "read as Parquet: "),
+    ],
+)
+def test_unreadable_file_names_option_file_and_line(tmp_path, name, text, pattern):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder / "a.jsonl", ROWS)
+    (folder / name).write_text(text)
+    where = rf"data\.data_files file '.*{name.replace('.', '[.]')}' could not be "
+    with pytest.raises(ValueError, match=where + pattern):
+        make(task=None, data_files=[str(folder / "a.jsonl"), f"{folder}/*{Path(name).suffix}"],
+             val_size=1)
+    with pytest.raises(ValueError, match=where.replace("data_files", "val_files") + pattern):
+        make(task=None, data_files=str(folder / "a.jsonl"), val_files=str(folder / name))
+
+
+def test_missing_column_and_bad_row_name_their_file(tmp_path):
+    good = write(tmp_path / "a.jsonl", ROWS)
+    other = write(tmp_path / "b.jsonl", [{"question": "x", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"data\.data_files file '.*b\.jsonl' has no prompt "
+                       r"column 'prompt' \(data\.prompt_column\); columns: \['answer', "):
+        make(task=None, data_files=[good, other], val_size=1)
+    bad = write(tmp_path / "c.jsonl", [{"prompt": "ok", "answer": "1"}, {"prompt": ""}])
+    with pytest.raises(ValueError, match=r"data\.val_files file '.*c\.jsonl' row 1 column "
+                       r"'prompt' \(data\.prompt_column\) is an empty prompt"):
+        make(task=None, data_files=good, val_files=[good, bad])
 
 
 @pytest.mark.parametrize("bad", ["", "   ", None, 5, [], [{"role": "user"}]])
