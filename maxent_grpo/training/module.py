@@ -383,11 +383,12 @@ class MaxEntGRPOModule(L.LightningModule):
         self.loop.optimization.handles = (self.optimizers(), self.lr_schedulers())
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """``model.optimizer`` over the policy's parameters, and the learning-rate scheduler
+        """``model.optimizer`` over the policy's trainable parameters (only the adapters with
+        ``model.peft``), and the learning-rate scheduler
         (:func:`~maxent_grpo.training.settings.build_lr_scheduler`), which the optimisation
         loop steps once per optimizer step."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
-        optimizer = self.optimizer_factory(self.policy.parameters())
+        optimizer = self.optimizer_factory(self.trainable_parameters())
         schedule = self.loop.optimization.schedule
         total = int(self.trainer.estimated_stepping_batches) * schedule.num_iterations
         scheduler = build_lr_scheduler(optimizer, schedule, self.lr_scheduler_factory, total)
