@@ -92,9 +92,6 @@ def test_adamw_keeps_state_for_the_adapters_only(cache_dir):
     assert {id(p) for p in optimizer.state} == adapters
 
 
-@pytest.mark.xfail(reason="configure_optimizers must build the optimizer from "
-                          "module.trainable_parameters() (being rewritten elsewhere)",
-                   strict=False)
 def test_the_optimizer_holds_only_the_adapters(cache_dir):
     module = lora_module(cache_dir)
     trainer = fit(module, make_data(cache_dir), steps=1)
