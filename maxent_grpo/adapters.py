@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - only without the extra
 
 
 __all__ = ["AdapterDisabledReference", "PeftConfig", "apply_peft", "check_peft", "has_adapters",
-           "merged_copy"]
+           "merged_copy", "register_sharded_generate"]
 
 logger = logging.getLogger(__name__)
 #: the seed of the adapters' initialisation (see :func:`apply_peft`)
@@ -106,6 +106,16 @@ def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
     logger.info("peft %s: %d of %d parameters train (%.3f%%)", name, trainable, total,
                 100.0 * trainable / total)
     return peft_model
+
+
+def register_sharded_generate(policy: torch.nn.Module) -> None:
+    """After FSDP2 ``fully_shard`` of a ``peft`` policy: make ``policy.generate`` gather the
+    root unit's parameters (embeddings, final norm, head). The root unit is the
+    ``PeftModel``, whose ``generate`` calls the inner ``transformers`` model directly, past
+    the root's forward hooks (``register_fsdp_forward_method``; a no-op when unsharded)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    register_fsdp_forward_method(policy, "generate")
 
 
 def _get_peft_model(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:

@@ -37,6 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from peft import LoraConfig  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
 from maxent_grpo.models import resolve_model_path  # noqa: E402
@@ -166,7 +167,8 @@ class Probe(pl.Callback):
         self.indices.append(list(batch["indices"]))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads.append({n: full(p.grad) for n, p in pl_module.policy.named_parameters()})
+        self.grads.append({n: full(p.grad) for n, p in pl_module.policy.named_parameters()
+                           if p.grad is not None})  # frozen weights (LoRA) have none
         self.allreduces.append(ALLREDUCES[0] - self._seen)
         self._seen = ALLREDUCES[0]
 
@@ -179,6 +181,9 @@ class Probe(pl.Callback):
                          else 0)
         self.state.append(dict(pl_module.objective.state()))
 
+
+#: the LoRA of the ``*lora*`` cases (``peft.LoraConfig`` arguments)
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.0}
 
 CASES: dict[str, dict[str, Any]] = {
     # several micro-batches (one group each) -> several backward passes per step
@@ -201,6 +206,13 @@ CASES: dict[str, dict[str, Any]] = {
     # FSDP2 (fully_shard through ModelParallelStrategy): compared with the 1-rank dr_grpo
     "fsdp_dr_grpo": {"objective": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "group"}),
                      "micro_batch_groups": 1, "strategy": "fsdp", "reference": "dr_grpo"},
+    # LoRA adapters (model.peft) with the KL to the reference, i.e. to the policy with its
+    # adapters disabled: under DDP, and under FSDP2 compared with the same 1-rank run
+    "lora_kl": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
+                "micro_batch_groups": 1, "peft": LORA},
+    "fsdp_lora_kl": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
+                     "micro_batch_groups": 1, "peft": LORA, "strategy": "fsdp",
+                     "reference": "lora_kl"},
 }
 
 
@@ -225,6 +237,7 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
         gradient_clip_val=case.get("gradient_clip_val"),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
         model_cache_dir=cache_dir,
+        peft=LoraConfig(**case["peft"]) if "peft" in case else None,
     )
     data = PromptDataModule(
         task="arithmetic_easy", task_options={"bare": True}, train_size=48, val_size=4,
@@ -266,7 +279,8 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
         engine = HFGenerateEngine(module.policy, module.tokenizer, module.loop.generation.sampling,
                                   stop_token_ids=stop)
         calls = []
-        hook = module.policy.register_forward_pre_hook(lambda *_: calls.append(1))
+        lm = module.policy.get_base_model() if "peft" in case else module.policy
+        hook = lm.register_forward_pre_hook(lambda *_: calls.append(1))
         rollout = engine.generate(["1 + 2 =", "3 + 4 ="], ["3", "7"], 2)
         hook.remove()
         out["generated_rows"] = int(rollout.completion_ids.shape[0])

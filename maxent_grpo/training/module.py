@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 
-from maxent_grpo.adapters import AdapterDisabledReference, PeftConfig
+from maxent_grpo.adapters import AdapterDisabledReference, PeftConfig, register_sharded_generate
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
@@ -338,6 +338,8 @@ class MaxEntGRPOModule(L.LightningModule):
         if self.device_mesh is not None:
             own = self.source.peft is None  # with adapters the reference has no weights
             fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
+            if not own:
+                register_sharded_generate(self.policy)
 
     def _load_reference(self) -> torch.nn.Module:
         src = self.source
