@@ -182,3 +182,46 @@ def test_merged_is_ignored_without_adapters(cache_dir, tmp_path):
     out = HFExport(dirpath=str(tmp_path / "hf"), merged=True).export(trainer, module, "final")
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final"]
+
+
+def test_a_controller_that_requires_the_reference_gets_the_adapter_free_one(cache_dir):
+    module = lora_module(cache_dir, objective=GRPO(beta=0.0))
+    module.configure_model()
+    assert module.reference is None  # beta = 0: nothing needs it
+    module.require_reference()  # what a BetaController does
+    assert isinstance(module.reference, AdapterDisabledReference)
+    assert len(adapter_names(module)) == 8  # .to() / eval() on it never touch the adapters
+
+
+def test_the_cli_builds_the_lora_config_from_yaml(monkeypatch, tmp_path, capsys):
+    """``configs/tiny_lora.yaml``: jsonargparse builds ``peft.LoraConfig`` from its
+    ``class_path``, without peft's loftq warning, and ``--print_config`` reads back."""
+    import sys
+    import warnings
+    from pathlib import Path
+
+    from maxent_grpo.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_lora.yaml"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main(["--config", str(config)], run=False)
+    assert not [w for w in caught if "loftq" in str(w.message)]
+    lora_config = cli.model.source.peft
+    assert isinstance(lora_config, peft.LoraConfig)
+    assert (lora_config.r, lora_config.lora_alpha, lora_config.target_modules) == (
+        8, 16, "all-linear")
+    assert lora_config.loftq_config is None and lora_config.task_type is None
+    assert "peft" not in cli.model.hparams  # a config object, kept out of the checkpoint
+
+    def printed(path) -> str:
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", str(path), "--print_config"])
+        return capsys.readouterr().out
+
+    first = printed(config)
+    assert "class_path: peft.LoraConfig" in first
+    (tmp_path / "printed.yaml").write_text(first)
+    assert printed(tmp_path / "printed.yaml") == first
