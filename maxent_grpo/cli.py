@@ -28,10 +28,13 @@ import copy
 import os
 from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
+from maxent_grpo.training.progress import ReadableProgressBar
 
 
 class MaxEntGRPOCLI(LightningCLI):
@@ -44,6 +47,23 @@ class MaxEntGRPOCLI(LightningCLI):
 
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Build the Trainer; its progress bar, when on and none is configured, is a
+        :class:`~maxent_grpo.training.progress.ReadableProgressBar` (smoothed reward,
+        step/max_steps, plain lines when stdout is not a terminal) instead of Lightning's
+        default ``TQDMProgressBar``. A progress bar named in ``trainer.callbacks`` is used as
+        is, and ``trainer.enable_progress_bar: false`` still shows none."""
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer_config = {**config.get("trainer", {}), **kwargs}
+        if trainer_config.get("enable_progress_bar") is not False:
+            callbacks = trainer_config.get("callbacks") or []
+            callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+            defaults = self.trainer_defaults.get("callbacks") or []
+            defaults = defaults if isinstance(defaults, list) else [defaults]
+            if not any(isinstance(cb, ProgressBar) for cb in [*callbacks, *defaults]):
+                kwargs["callbacks"] = [*callbacks, ReadableProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and keep the parsed config: see :meth:`before_instantiate_classes`."""

@@ -1,0 +1,232 @@
+"""Progress people can read: a smoothed reward and a step count, as a bar or as plain lines.
+
+:class:`ReadableProgressBar` is the command line's default progress bar
+(``MaxEntGRPOCLI.instantiate_trainer`` adds it when ``trainer.callbacks`` holds no progress
+bar and ``trainer.enable_progress_bar`` is not false). It is Lightning's
+:class:`~lightning.pytorch.callbacks.TQDMProgressBar` with these changes:
+
+- the reward shown is the **mean of the last** ``window`` **steps** (20 by default) of the
+  step's ``reward/mean`` (``train/reward/mean`` in TensorBoard), labelled
+  ``reward(avg20)``: one step's reward over a few prompts is too noisy to read a trend from.
+  ``loss`` stays the step's ``loss/total``;
+- ``v_num`` (the logger's version number, which says nothing about training) is not shown;
+- a step-based run (``trainer.max_steps > 0``) shows one bar ``Steps: 120/500`` over the whole
+  run (from the resumed step on a resume) instead of a bar per epoch.
+
+Where the stream is not a terminal (``python -m maxent_grpo fit ... > train.log``, a batch
+job), a redrawn bar is unreadable (one final frame, or carriage returns), so the bar is
+replaced by plain lines, written and flushed every ``every_n_steps`` steps, or sooner once
+``every_s`` seconds have passed since the last line, and once at the end::
+
+    step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
+
+``every_n_steps`` defaults to the smallest of 1, 2, 5, 10, 20, 50, 100, ... that gives at
+most 40 lines over ``max_steps`` (500 steps: every 20). ``tokens/s`` is the last step's
+``perf/tokens_per_s``; ``eta`` is the remaining steps times the mean wall-clock time per
+step of this run so far (validation included). The values come from the step's logged record,
+``pl_module.step_log.as_dict()`` (keys ``reward/mean``, ``loss/total``,
+``perf/tokens_per_s``). ``mode`` forces one display: ``"bar"`` or ``"lines"``; ``"auto"`` (the
+default) asks ``stream.isatty()`` (``stream`` defaults to ``sys.stdout``, where the bar is
+drawn). As with any Lightning progress bar, only global rank 0 shows anything.
+
+To configure it, name it in ``trainer.callbacks`` (then it is not added twice)::
+
+    - class_path: maxent_grpo.training.progress.ReadableProgressBar
+      init_args: {mode: lines, every_n_steps: 10}
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import sys
+import time
+from collections import deque
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+MODES = ("auto", "bar", "lines")
+_NICE_STEPS = (1, 2, 5)
+
+
+def line_interval(max_steps: int, max_lines: int = 40) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... giving at most ``max_lines`` lines over
+    ``max_steps`` steps (10 when the run's length is unknown, ``max_steps <= 0``)."""
+    if max_steps <= 0:
+        return 10
+    scale = 1
+    while True:
+        for nice in _NICE_STEPS:
+            if math.ceil(max_steps / (nice * scale)) <= max_lines:
+                return nice * scale
+        scale *= 10
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (False for files, pipes, closed streams)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (ValueError, OSError):  # a closed or detached stream
+        return False
+
+
+class ReadableProgressBar(TQDMProgressBar):
+    """TQDM bar with a smoothed reward and a step count, or plain lines when not in a terminal.
+
+    Args:
+        refresh_rate: redraw the bar every this many steps (0 shows nothing, bar or lines).
+        process_position, leave: as in :class:`TQDMProgressBar`.
+        mode: ``"auto"`` (bar in a terminal, lines otherwise), ``"bar"`` or ``"lines"``.
+        window: the shown reward is the mean of the last ``window`` steps' ``reward/mean``.
+        every_n_steps: a line every this many steps; ``None`` picks at most 40 lines a run
+            (:func:`line_interval`).
+        every_s: also write a line when this many seconds have passed since the last one
+            (slow steps); 0 or less turns that off.
+        stream: where lines go and what ``"auto"`` asks ``isatty()``; default ``sys.stdout``
+            (looked up when used).
+    """
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
+                 mode: Literal["auto", "bar", "lines"] = "auto", window: int = 20,
+                 every_n_steps: int | None = None, every_s: float = 30.0,
+                 stream: Any = None) -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position,
+                         leave=leave)
+        if mode not in MODES:
+            raise ValueError(f"ReadableProgressBar: mode must be one of {MODES}; got {mode!r}")
+        if window < 1:
+            raise ValueError(f"ReadableProgressBar: window must be >= 1; got {window}")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(
+                f"ReadableProgressBar: every_n_steps must be >= 1 or None; got {every_n_steps}")
+        self.mode = mode
+        self.window = window
+        self.every_n_steps = every_n_steps
+        self.every_s = every_s
+        self.stream = stream
+        self.rewards: deque[float] = deque(maxlen=window)
+        self.last_record: dict[str, float] = {}
+        self._start_step = 0
+        self._start_time = 0.0
+        self._last_line_step = -1
+        self._last_line_time = 0.0
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["stream"] = None  # a stream cannot be pickled (spawned processes, deepcopy)
+        return state
+
+    # ------------------------------------------------------------------ what is shown
+    @property
+    def plain_lines(self) -> bool:
+        """True when progress is written as plain lines (``mode``, else the stream's TTY)."""
+        if self.mode != "auto":
+            return self.mode == "lines"
+        return not is_terminal(self._out())
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether the tqdm bars draw: enabled (rank 0, ``refresh_rate > 0``) and not lines."""
+        return super().is_enabled and not self.plain_lines
+
+    @property
+    def reward_label(self) -> str:
+        return f"reward(avg{self.window})"
+
+    @property
+    def smoothed_reward(self) -> float | None:
+        """Mean ``reward/mean`` of the last ``window`` steps; None before the first step."""
+        return sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """The logged ``prog_bar`` metrics without ``v_num``, the step's ``reward`` replaced by
+        the smoothed one (``reward(avg20)``)."""
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        smoothed = self.smoothed_reward
+        if smoothed is None:
+            return items
+        items.pop("reward", None)
+        return {self.reward_label: smoothed, **items}
+
+    def progress_line(self, trainer: pl.Trainer) -> str:
+        """``step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10``."""
+        step, total = trainer.global_step, trainer.max_steps
+        parts = [f"step {step}/{total}" if total > 0
+                 else f"epoch {trainer.current_epoch}  step {step}"]
+        if self.smoothed_reward is not None:
+            parts.append(f"{self.reward_label} {self.smoothed_reward:.3f}")
+        loss = self.last_record.get("loss/total")
+        if loss is not None and math.isfinite(loss):
+            parts.append(f"loss {loss:.3g}")
+        tokens_per_s = self.last_record.get("perf/tokens_per_s")
+        if tokens_per_s is not None and math.isfinite(tokens_per_s):
+            parts.append(f"tokens/s {tokens_per_s:.0f}")
+        done = step - self._start_step
+        if total > 0 and done > 0:
+            per_step = (time.monotonic() - self._start_time) / done
+            eta = datetime.timedelta(seconds=round(per_step * max(0, total - step)))
+            parts.append(f"eta {eta}")
+        return "  ".join(parts)
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.rewards.clear()
+        self.last_record = {}
+        self._start_step = self._last_line_step = trainer.global_step
+        self._start_time = self._last_line_time = time.monotonic()
+        if trainer.max_steps > 0:  # one bar over the run's steps, not one per epoch
+            bar = self.train_progress_bar
+            bar.reset(total=trainer.max_steps)
+            bar.initial = bar.n = trainer.global_step  # resumed: count on, rate from here
+            bar.set_description("Steps")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.max_steps <= 0:
+            super().on_train_epoch_start(trainer, *args)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        step_log = getattr(pl_module, "step_log", None)
+        if step_log is not None:
+            self.last_record = step_log.as_dict()
+            reward = self.last_record.get("reward/mean")
+            if reward is not None and math.isfinite(reward):
+                self.rewards.append(reward)
+        if trainer.max_steps <= 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        else:
+            step, bar = trainer.global_step, self.train_progress_bar
+            if self.is_enabled and not bar.disable and (
+                    step % self.refresh_rate == 0 or step >= trainer.max_steps):
+                bar.n = step
+                bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
+        if self._writes_lines():
+            now, step = time.monotonic(), trainer.global_step
+            every = self.every_n_steps or line_interval(trainer.max_steps)
+            slow = self.every_s > 0 and now - self._last_line_time >= self.every_s
+            if step != self._last_line_step and (step % every == 0 or slow):
+                self._write_line(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self._writes_lines() and trainer.global_step != self._last_line_step:
+            self._write_line(trainer)
+
+    # ------------------------------------------------------------------ helpers
+    def _out(self) -> Any:
+        return self.stream if self.stream is not None else sys.stdout
+
+    def _writes_lines(self) -> bool:
+        # TQDMProgressBar.is_enabled: not disabled (other ranks are) and refresh_rate > 0
+        return super().is_enabled and self.plain_lines
+
+    def _write_line(self, trainer: pl.Trainer) -> None:
+        out = self._out()
+        print(self.progress_line(trainer), file=out, flush=True)
+        self._last_line_step = trainer.global_step
+        self._last_line_time = time.monotonic()

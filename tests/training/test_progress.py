@@ -1,0 +1,202 @@
+"""The progress bar people read: a smoothed reward, no v_num, steps out of max_steps, and
+plain lines instead of a bar when stdout is not a terminal."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from lightning.pytorch.loggers import CSVLogger
+
+import maxent_grpo.cli as cli_module
+from maxent_grpo.training.progress import ReadableProgressBar, is_terminal, line_interval
+from tests.training.test_module import make_data, make_module
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(
+    r"^step (\d+)/(\d+)  reward\(avg20\) (-?\d+\.\d{3})  loss \S+  tokens/s \d+  "
+    r"eta \d+:\d\d:\d\d$"
+)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def fake_trainer(step: int, max_steps: int = 500, **kw) -> SimpleNamespace:
+    opts = dict(global_step=step, max_steps=max_steps, current_epoch=0, loggers=[],
+                progress_bar_metrics={}, is_global_zero=True)
+    opts.update(kw)
+    return SimpleNamespace(**opts)
+
+
+def fake_step(bar: ReadableProgressBar, trainer, record: dict) -> None:
+    module = SimpleNamespace(step_log=SimpleNamespace(as_dict=lambda: dict(record)))
+    bar.on_train_batch_end(trainer, module, None, None, 0)
+
+
+def started(bar: ReadableProgressBar, trainer) -> ReadableProgressBar:
+    bar.train_progress_bar = Tqdm(disable=True)  # what on_train_start would have drawn
+    bar.on_train_start(trainer, None)
+    return bar
+
+
+# ---------------------------------------------------------------------------- what is shown
+
+
+def test_the_reward_shown_is_the_mean_of_the_last_20_steps_and_v_num_is_dropped():
+    bar = started(ReadableProgressBar(mode="lines", stream=io.StringIO()), fake_trainer(0))
+    rewards = [i / 100 for i in range(25)]  # 0.00 ... 0.24
+    for step, reward in enumerate(rewards, start=1):
+        fake_step(bar, fake_trainer(step), {"reward/mean": reward, "loss/total": 0.5})
+    assert bar.smoothed_reward == pytest.approx(sum(rewards[-20:]) / 20)  # 0.145, not 0.24
+
+    trainer = fake_trainer(25, loggers=[SimpleNamespace(version=7)],
+                           progress_bar_metrics={"reward": 0.24, "loss": 0.5})
+    assert TQDMProgressBar().get_metrics(trainer, None)["v_num"] == 7  # what Lightning shows
+    shown = bar.get_metrics(trainer, None)
+    assert shown == {"reward(avg20)": pytest.approx(0.145), "loss": 0.5}
+    assert ReadableProgressBar(window=5).reward_label == "reward(avg5)"
+
+
+def test_before_the_first_step_the_logged_metrics_are_shown_unchanged():
+    bar = ReadableProgressBar()
+    trainer = fake_trainer(0, progress_bar_metrics={"reward": 0.1})
+    assert bar.get_metrics(trainer, None) == {"reward": 0.1}
+
+
+def test_a_line_per_n_steps_with_the_step_out_of_max_steps():
+    out = io.StringIO()
+    bar = started(ReadableProgressBar(mode="lines", every_n_steps=4, every_s=0, stream=out),
+                  fake_trainer(0, max_steps=10))
+    for step in range(1, 11):
+        fake_step(bar, fake_trainer(step, max_steps=10),
+                  {"reward/mean": 0.5, "loss/total": 0.031, "perf/tokens_per_s": 1234.4})
+    bar.on_train_end(fake_trainer(10, max_steps=10), None)  # 10 is no multiple of 4: a last line
+    lines = out.getvalue().splitlines()
+    assert [LINE.match(line).group(1, 2) for line in lines] == [
+        ("4", "10"), ("8", "10"), ("10", "10")]
+    assert "reward(avg20) 0.500  loss 0.031  tokens/s 1234  eta 0:00:00" in lines[-1]
+
+
+def test_interval_gives_20_to_40_lines_a_run():
+    assert [line_interval(n) for n in (1, 7, 100, 200, 500, 1000, 5000)] == [
+        1, 1, 5, 5, 20, 50, 200]
+    assert line_interval(0) == line_interval(-1) == 10  # length unknown (epoch-based)
+
+
+# ---------------------------------------------------------------------------- terminal or not
+
+
+def test_bar_in_a_terminal_and_lines_elsewhere(monkeypatch):
+    tty, log = ReadableProgressBar(stream=Terminal()), ReadableProgressBar(stream=io.StringIO())
+    assert not tty.plain_lines and tty.is_enabled
+    assert log.plain_lines and not log.is_enabled  # no tqdm frames in a log file
+    assert ReadableProgressBar(mode="lines", stream=Terminal()).plain_lines
+    assert not ReadableProgressBar(mode="bar", stream=io.StringIO()).plain_lines
+
+    monkeypatch.setattr(sys, "stdout", Terminal())  # the default stream is sys.stdout, when used
+    assert not ReadableProgressBar().plain_lines
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert ReadableProgressBar().plain_lines
+
+    closed = io.StringIO()
+    closed.close()
+    assert not is_terminal(closed) and not is_terminal(object())
+    with pytest.raises(ValueError, match="mode"):
+        ReadableProgressBar(mode="fancy")
+
+
+def test_other_ranks_write_no_lines():
+    out = io.StringIO()
+    bar = started(ReadableProgressBar(mode="lines", every_n_steps=1, stream=out), fake_trainer(0))
+    bar.disable()  # what ProgressBar.setup does on a rank other than 0
+    fake_step(bar, fake_trainer(1), {"reward/mean": 1.0})
+    bar.on_train_end(fake_trainer(1), None)
+    assert out.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------- real fits
+
+
+class Rewards(Callback):
+    def __init__(self):
+        self.rewards = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.rewards.append(pl_module.step_log.as_dict()["reward/mean"])
+
+
+def fit_with(bar, cache_dir, tmp_path, steps: int):
+    L.seed_everything(0)
+    rewards = Rewards()
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False,
+        logger=CSVLogger(tmp_path), callbacks=[rewards, bar], enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path,
+    )
+    module = make_module(cache_dir)
+    trainer.fit(module, make_data(cache_dir))
+    return trainer, module, rewards.rewards
+
+
+def test_a_fit_in_a_log_file_writes_plain_lines(cache_dir, tmp_path, capsys):
+    out = io.StringIO()
+    bar = ReadableProgressBar(every_n_steps=4, every_s=0, stream=out)  # auto: not a TTY
+    trainer, module, rewards = fit_with(bar, cache_dir, tmp_path, steps=6)
+    lines = out.getvalue().splitlines()
+    assert [LINE.match(line).group(1, 2) for line in lines] == [("4", "6"), ("6", "6")], lines
+    assert float(LINE.match(lines[-1]).group(3)) == pytest.approx(sum(rewards) / 6, abs=5e-4)
+    assert "%|" not in capsys.readouterr().out  # no tqdm frame either
+    shown = bar.get_metrics(trainer, module)
+    assert "v_num" not in shown and "reward" not in shown
+    assert shown["reward(avg20)"] == pytest.approx(sum(rewards) / 6)
+
+
+def test_a_fit_in_a_terminal_counts_steps_out_of_max_steps(cache_dir, tmp_path, capsys):
+    bar = ReadableProgressBar(mode="bar", stream=io.StringIO())
+    trainer, module, rewards = fit_with(bar, cache_dir, tmp_path, steps=3)
+    drawn = capsys.readouterr().out  # tqdm draws on sys.stdout
+    assert "Steps" in drawn and "3/3" in drawn and "reward(avg20)" in drawn
+    assert "v_num" not in drawn and "Epoch" not in drawn
+    assert bar.train_progress_bar.total == 3 and bar.train_progress_bar.n == 3
+    assert bar.get_metrics(trainer, module)["reward(avg20)"] == pytest.approx(sum(rewards) / 3)
+
+
+# ---------------------------------------------------------------------------- the CLI default
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ([], ReadableProgressBar),
+    (["--trainer.enable_progress_bar=false"], type(None)),
+    (["--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], TQDMProgressBar),
+    (["--trainer.callbacks+=maxent_grpo.training.progress.ReadableProgressBar",
+      "--trainer.callbacks.mode=lines", "--trainer.callbacks.every_n_steps=10"],
+     ReadableProgressBar),
+])
+def test_the_cli_adds_the_readable_bar_unless_one_is_configured_or_bars_are_off(
+        extra, expected, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    cli = cli_module.main(
+        ["--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false",
+         *extra], run=False)
+    assert type(cli.trainer.progress_bar_callback) is expected
+    progress_bars = [c for c in cli.trainer.callbacks if isinstance(c, TQDMProgressBar)]
+    assert len(progress_bars) == (expected is not type(None))
+    assert cli.trainer.checkpoint_callback.dirpath.endswith("checkpoints")  # config kept
+    if "--trainer.callbacks.mode=lines" in extra:  # configured: used as given, not added twice
+        assert (progress_bars[0].mode, progress_bars[0].every_n_steps) == ("lines", 10)
