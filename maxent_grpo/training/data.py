@@ -71,7 +71,11 @@ class PromptDataModule(pl.LightningDataModule):
 
     Exactly one source must be set: ``task``, ``data_files`` or ``dataset_name``. ``task``
     defaults to ``"arithmetic"``, so a config that uses ``data_files`` or ``dataset_name``
-    sets ``task: null``.
+    sets ``task: null``. The options of a source that is not set (``task_options`` once the
+    command line says ``--data.task null --data.data_files my.jsonl``; ``val_files`` without
+    ``data_files``; ``dataset_config`` / ``val_split`` without ``dataset_name``) are dropped
+    with a logged warning (and set to None in ``hparams``); two sources set at once raise
+    ValueError giving the ``--data.<source> null`` flag that keeps the other.
 
     Validation rows: ``task`` generates ``val_size`` separate rows (train from seed
     ``2*seed``, val from ``2*seed + 1``; training rows whose prompt also appears in the
@@ -86,10 +90,15 @@ class PromptDataModule(pl.LightningDataModule):
     rendered with the tokenizer's chat template (``add_generation_prompt=True``); without it
     the text is the raw prompt, preceded by ``system_prompt + "\\n\\n"`` when set.
 
-    Length: rows whose rendered prompt is longer than ``max_prompt_length`` tokens (counted
-    with ``add_special_tokens=False``; the chat template already writes them) are dropped in
-    :meth:`setup`, the count is logged and kept in ``dropped``; dropping every row of a split
-    raises ValueError.
+    Length: :meth:`setup` tokenises every rendered prompt once (``add_special_tokens=False``;
+    the chat template already writes them). A prompt of no tokens raises ValueError naming
+    the tokenizer, the prompt column and the row (generation could not start from it). Rows
+    whose rendered prompt is longer than ``max_prompt_length`` tokens are dropped, the count
+    is logged and kept in ``dropped``; dropping every row of a split raises ValueError.
+
+    Sizes: when fitting, the rows left for training must fill one batch; when they do not
+    (``val_size`` rows split off a small file, rows held out or too long), the ValueError
+    names the ``--data.`` flags to change and the values that fit the data.
 
     Resume: :meth:`state_dict` records ``epoch`` and the number of training prompts
     ``consumed`` in that epoch (over all ranks). The order depends only on seed and epoch, so
@@ -160,9 +169,17 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        check_source_options(
+        # options of a source that is not set (a config's source switched on the command
+        # line) are dropped, logged; the hyper-parameters record what is used
+        dropped = check_source_options(
             task, task_options, data_files, val_files, dataset_name, dataset_config, val_split
         )
+        for name in dropped:
+            self.hparams[name] = None
+        task_options = None if "task_options" in dropped else task_options
+        val_files = None if "val_files" in dropped else val_files
+        dataset_config = None if "dataset_config" in dropped else dataset_config
+        val_split = None if "val_split" in dropped else val_split
         check_int("data.seed", seed)
         for name, value, minimum in (
             ("train_size", train_size, 1),
@@ -228,8 +245,10 @@ class PromptDataModule(pl.LightningDataModule):
                     load_hub_rows(self.dataset_name, self.dataset_config, split,
                                   self.dataset_cache_dir)
 
-    def _load_sources(self) -> Sources:
-        """The train and validation rows of the one source that is set."""
+    def _load_sources(self, fitting: bool) -> Sources:
+        """The train and validation rows of the one source that is set (when ``fitting``,
+        ``val_size`` rows split off must leave a batch of training rows)."""
+        batch_size = self.batch_size if fitting else None
         if self.task is not None:
             return task_sources(
                 self.task, self.task_options, self.train_size, self.val_size, self.seed,
@@ -237,10 +256,10 @@ class PromptDataModule(pl.LightningDataModule):
             )
         if self.data_files is not None:
             return file_sources(self.data_files, self.val_files, self.val_size, self.seed,
-                                self.dataset_cache_dir)
+                                self.dataset_cache_dir, batch_size)
         return hub_sources(
             self.dataset_name, self.dataset_config, self.train_split, self.val_split,
-            self.dataset_cache_dir, self.val_size, self.seed,
+            self.dataset_cache_dir, self.val_size, self.seed, batch_size,
         )
 
     def _get_tokenizer(self) -> Any:
@@ -253,14 +272,34 @@ class PromptDataModule(pl.LightningDataModule):
             )
         return self.tokenizer
 
+    def _tokenizer_label(self) -> str:
+        """The tokenizer as error messages name it: its name or path, and the option."""
+        name = getattr(self.tokenizer, "name_or_path", None) or self.tokenizer_name
+        return f"tokenizer {name!r} (data.tokenizer, linked to model.model_name_or_path)"
+
     def _build(self, fmt: PromptFormat, split: SplitRows, name: str) -> PromptDataset:
-        """Render ``split`` and drop its prompts longer than ``max_prompt_length`` tokens."""
+        """Render ``split``, refuse a prompt of no tokens and drop the prompts longer than
+        ``max_prompt_length`` tokens (every rendered prompt is tokenised once, here)."""
         examples = fmt.examples(split)
-        if self.max_prompt_length is None or not examples:
+        if not examples:
             return PromptDataset(examples)
         texts = [ex.prompt for ex in examples]
         lengths = [len(ids) for ids in
                    self._get_tokenizer()(texts, add_special_tokens=False)["input_ids"]]
+        empty = [ex for ex, n in zip(examples, lengths, strict=True) if n == 0]
+        if empty:
+            part, number = split.where(empty[0].index)
+            raise ValueError(
+                f"the {self._tokenizer_label()} turns {len(empty)} of the {len(examples)} "
+                f"{name} prompts into no tokens, first {part} row {number} (column "
+                f"{self.prompt_column!r}, data.prompt_column), rendered as "
+                f"{empty[0].prompt[:200]!r}; generation needs at least one prompt token: use "
+                "the tokenizer the model was trained with (its vocabulary must cover the "
+                "prompts' text), or render the prompts with its chat template, if it has one "
+                "(--data.apply_chat_template true)"
+            )
+        if self.max_prompt_length is None:
+            return PromptDataset(examples)
         kept = [ex for ex, n in zip(examples, lengths, strict=True)
                 if n <= self.max_prompt_length]
         self.dropped[name] = len(examples) - len(kept)
@@ -272,7 +311,9 @@ class PromptDataModule(pl.LightningDataModule):
         require(
             bool(kept),
             f"every {name} prompt of {split.source} is longer than data.max_prompt_length "
-            f"({self.max_prompt_length} tokens); raise it or set it to null",
+            f"({self.max_prompt_length} tokens; the shortest has {min(lengths)}); set "
+            f"--data.max_prompt_length {min(lengths)} or more (every prompt fits "
+            f"{max(lengths)}), or --data.max_prompt_length null to keep every row",
         )
         return PromptDataset(kept)
 
@@ -288,17 +329,56 @@ class PromptDataModule(pl.LightningDataModule):
                 self.prompt_column, self.answer_column, self.system_prompt,
                 self.apply_chat_template, self._get_tokenizer,
             )
-            sources = self._load_sources()
+            sources = self._load_sources(fitting=stage in (None, "fit"))
             self.train_dataset = self._build(fmt, sources.train, "train")
             self.val_dataset = self._build(fmt, sources.val, "val")
+            self._train_counts = self._count_train_rows(sources)
         if stage in (None, "fit"):
-            require(
-                len(self.train_dataset) >= self.batch_size,
-                f"data.batch_size ({self.batch_size}) exceeds the number of training prompts "
-                f"({len(self.train_dataset)}); lower it or add rows",
-            )
+            require(len(self.train_dataset) >= self.batch_size, self._too_few_train_prompts())
             if self.trainer is not None:
                 self._consumed = 0
+
+    def _count_train_rows(self, sources: Sources) -> dict[str, int]:
+        """Where the training rows went, for :meth:`_too_few_train_prompts`."""
+        counts = {"kept": len(self.train_dataset or []), "long": self.dropped.get("train", 0)}
+        if self.task is not None:
+            counts["heldout"] = self.train_size - len(sources.train.rows)
+        elif self.val_files is None and self.val_split is None:
+            counts["split_off"] = len(sources.val.rows)
+        return counts
+
+    def _too_few_train_prompts(self) -> str:
+        """Why the training prompts are fewer than ``batch_size``, and the flags that fix it
+        (the numbers are those of this data)."""
+        counts = getattr(self, "_train_counts", {})
+        kept = len(self.train_dataset or [])
+        why, fixes = [], []
+        if kept:
+            fixes.append(f"set --data.batch_size {kept} or less")
+        if self.task is not None:
+            why.append(f"{self.train_size} generated (data.train_size)")
+            if counts.get("heldout"):
+                why.append(f"{counts['heldout']} of them repeat a validation prompt "
+                           "(data.holdout_val_prompts)")
+                fixes += ["set --data.holdout_val_prompts false",
+                          f"lower --data.val_size (now {self.val_size})"]
+            if not counts.get("heldout") and not counts.get("long"):
+                fixes.append(f"set --data.train_size {self.batch_size} or more")
+            elif kept:
+                fixes.append(f"raise --data.train_size (now {self.train_size})")
+        elif counts.get("split_off"):
+            why.append(f"{counts['split_off']} rows split off for validation (data.val_size)")
+            fixes.append(f"lower --data.val_size (now {self.val_size})")
+        if counts.get("long"):
+            why.append(f"{counts['long']} dropped as longer than data.max_prompt_length "
+                       f"({self.max_prompt_length} tokens)")
+            fixes.append(f"raise --data.max_prompt_length (now {self.max_prompt_length})")
+        if self.task is None:
+            fixes.append("add rows")
+        return (
+            f"data.batch_size ({self.batch_size}) exceeds the number of training prompts "
+            f"({kept}{': ' + '; '.join(why) if why else ''}); {', or '.join(fixes)}"
+        )
 
     # ------------------------------------------------------------------ loaders
 

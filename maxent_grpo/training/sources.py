@@ -14,6 +14,13 @@ have in their source and the source's name for error messages:
 
 Without a separate validation file or split, ``val_size`` rows chosen by a permutation
 seeded with ``seed`` are split off the training source.
+
+A config names a source and its options, and the command line may switch the source
+(``--data.task null --data.data_files my.jsonl``): the options of a source that is no longer
+set (``task_options`` without ``task``, ``val_files`` without ``data_files``,
+``dataset_config`` / ``val_split`` without ``dataset_name``) are then dropped, with one
+logged warning (:func:`check_source_options`). Errors that remain (two sources set, options
+a task does not take, data too small for ``val_size``) say which flag to type.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import datasets
 import torch
 
 from maxent_grpo.tasks import build_task, list_tasks
+from maxent_grpo.tasks import task_options as task_option_names
 from maxent_grpo.training.files import FileParts, expand_files, read_files
 from maxent_grpo.validation import check_choice, require
 
@@ -81,6 +89,15 @@ class Sources:
     val: SplitRows
 
 
+# each source-specific option and the source it belongs to
+OPTION_OWNERS = {
+    "task_options": "task",
+    "val_files": "data_files",
+    "dataset_config": "dataset_name",
+    "val_split": "dataset_name",
+}
+
+
 def check_source_options(
     task: str | None,
     task_options: dict[str, Any] | None,
@@ -89,37 +106,72 @@ def check_source_options(
     dataset_name: str | None,
     dataset_config: str | None,
     val_split: str | None,
-) -> None:
-    """Refuse a choice of source the loaders cannot honour, naming the ``data.`` option.
+) -> dict[str, Any]:
+    """Refuse a choice of source the loaders cannot honour, naming the flag that fixes it;
+    return the options of the sources not used, which the caller drops.
 
-    Exactly one of ``task``, ``data_files``, ``dataset_name`` must be set; ``task`` must be
-    a built-in task; ``task_options``, ``val_files`` and ``dataset_config`` / ``val_split``
-    need their own source; files must have a known suffix (ValueError) and exist, a pattern
-    must match a file (FileNotFoundError; see :func:`~maxent_grpo.training.files.expand_files`).
+    Exactly one of ``task``, ``data_files``, ``dataset_name`` must be set (else ValueError
+    giving the ``--data.<source> null`` that keeps one); ``task`` must be a built-in task and
+    ``task_options`` options it takes; files must have a known suffix (ValueError) and exist,
+    a pattern must match a file (FileNotFoundError; see
+    :func:`~maxent_grpo.training.files.expand_files`).
+
+    ``task_options``, ``val_files`` and ``dataset_config`` / ``val_split`` belong to their own
+    source (:data:`OPTION_OWNERS`). When that source is not set (a config's source switched on
+    the command line), they are returned, ``{name: value}``, and one warning names them; an
+    empty ``task_options`` counts as unset.
     """
     chosen = {"task": task, "data_files": data_files, "dataset_name": dataset_name}
-    set_now = [f"{k}={v!r}" for k, v in chosen.items() if v is not None]
-    require(
-        len(set_now) == 1,
-        "exactly one of data.task, data.data_files, data.dataset_name must be set; got "
-        f"{', '.join(set_now) or 'none'} (data.task defaults to 'arithmetic': set "
-        "`task: null` to use data_files or dataset_name)",
-    )
+    set_now = [k for k, v in chosen.items() if v is not None]
+    if len(set_now) != 1:
+        got = ", ".join(f"data.{k}={chosen[k]!r}" for k in set_now) or "none"
+        if set_now:
+            keep = " or ".join(
+                f"add {' '.join(f'--data.{o} null' for o in set_now if o != k)} to use data.{k}"
+                for k in set_now
+            )
+        else:
+            keep = "set one, e.g. --data.task arithmetic or --data.data_files train.jsonl"
+        raise ValueError(
+            "exactly one of data.task, data.data_files, data.dataset_name must be set; got "
+            f"{got}: {keep} (data.task defaults to 'arithmetic': set `task: null` to use "
+            "data_files or dataset_name)"
+        )
     if task is not None:
         check_choice("data.task", task, list_tasks())
     require(task_options is None or isinstance(task_options, dict),
             f"data.task_options must be a mapping of option names to values; got {task_options!r}")
-    for name, value, owner, needs in (
-        ("task_options", task_options, "task", task),
-        ("val_files", val_files, "data_files", data_files),
-        ("dataset_config", dataset_config, "dataset_name", dataset_name),
-        ("val_split", val_split, "dataset_name", dataset_name),
-    ):
-        require(value is None or needs is not None,
-                f"data.{name} needs data.{owner} to be set")
+    if task is not None and task_options:
+        allowed = task_option_names(task)
+        unknown = [k for k in task_options if k not in allowed]
+        if allowed:
+            name, default = next(iter(allowed.items()))
+            own = (f"or pass only options of task {task!r} ({', '.join(map(repr, allowed))}), e.g. "
+                   f"--data.task_options '{{{name}: {default!r}}}'")
+        else:
+            own = f"task {task!r} takes no options"
+        require(
+            not unknown,
+            f"data.task_options {task_options!r} has {', '.join(map(repr, unknown))}, which "
+            f"task {task!r} does not take: drop them with --data.task_options null, {own}",
+        )
+    values = {"task_options": task_options or None, "val_files": val_files,
+              "dataset_config": dataset_config, "val_split": val_split}
+    dropped = {name: value for name, value in values.items()
+               if value is not None and chosen[OPTION_OWNERS[name]] is None}
+    if dropped:
+        owners = sorted({f"data.{OPTION_OWNERS[name]}" for name in dropped})
+        log.warning(
+            "dropped %s: %s only to %s, which %s null (the source is data.%s=%r)",
+            ", ".join(f"data.{name}={value!r}" for name, value in dropped.items()),
+            "it applies" if len(dropped) == 1 else "they apply",
+            " and ".join(owners), "is" if len(owners) == 1 else "are",
+            set_now[0], chosen[set_now[0]],
+        )
     for name, files in (("data_files", data_files), ("val_files", val_files)):
-        if files is not None:
+        if files is not None and name not in dropped:
             expand_files(f"data.{name}", files)
+    return dropped
 
 
 def load_hub_rows(
@@ -167,14 +219,15 @@ def file_sources(
     val_size: int,
     seed: int,
     cache_dir: str | None,
+    batch_size: int | None = None,
 ) -> Sources:
     """The rows of ``data_files``; validation rows from ``val_files``, else ``val_size``
-    rows split off (see :func:`split_off_val`). Files are read with ``datasets`` and
-    ``cache_dir`` (:func:`~maxent_grpo.training.files.read_files`)."""
+    rows split off (see :func:`split_off_val`, which gets ``batch_size``). Files are read
+    with ``datasets`` and ``cache_dir`` (:func:`~maxent_grpo.training.files.read_files`)."""
     rows, files = read_files("data.data_files", data_files, cache_dir)
     train = SplitRows.whole(rows, f"data.data_files {data_files!r}", files)
     if val_files is None:
-        return split_off_val(train, val_size, seed)
+        return split_off_val(train, val_size, seed, batch_size, "data.val_files")
     val_rows, val_parts = read_files("data.val_files", val_files, cache_dir)
     return Sources(train, SplitRows.whole(val_rows, f"data.val_files {val_files!r}", val_parts))
 
@@ -187,33 +240,73 @@ def hub_sources(
     cache_dir: str | None,
     val_size: int,
     seed: int,
+    batch_size: int | None = None,
 ) -> Sources:
     """Split ``train_split`` of dataset ``name``; validation rows from ``val_split``, else
-    ``val_size`` rows split off (see :func:`split_off_val`)."""
+    ``val_size`` rows split off (see :func:`split_off_val`, which gets ``batch_size``)."""
     train = SplitRows.whole(
         load_hub_rows(name, config, train_split, cache_dir),
         f"dataset_name {name!r} split {train_split!r}",
     )
     if val_split is None:
-        return split_off_val(train, val_size, seed)
+        return split_off_val(train, val_size, seed, batch_size, "data.val_split")
     val = load_hub_rows(name, config, val_split, cache_dir)
     return Sources(train, SplitRows.whole(val, f"dataset_name {name!r} split {val_split!r}"))
 
 
-def split_off_val(whole: SplitRows, val_size: int, seed: int) -> Sources:
+def split_off_val(
+    whole: SplitRows,
+    val_size: int,
+    seed: int,
+    batch_size: int | None = None,
+    val_option: str | None = None,
+) -> Sources:
     """``val_size`` rows of ``whole`` (every row of its source) chosen by
     ``torch.randperm(len(rows), generator=seed)`` become the validation rows, the rest the
-    training rows, both in source order."""
+    training rows, both in source order.
+
+    At least one training row must remain, or ``batch_size`` of them when given (training
+    needs a batch). Otherwise ValueError says which ``--data.`` flags to type, computed from
+    the numbers (``val_option``, the option giving separate validation rows, is named as the
+    other way out).
+    """
     rows = whole.rows
-    require(
-        val_size < len(rows),
-        f"data.val_size ({val_size}) must be smaller than the number of rows in "
-        f"{whole.source} ({len(rows)})",
-    )
+    total, need = len(rows), batch_size or 1
+    if total - val_size < need:
+        raise ValueError(_too_few_rows(whole.source, total, val_size, batch_size, val_option))
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
     val_idx = sorted(perm[:val_size].tolist())
     train_idx = sorted(perm[val_size:].tolist())
     return Sources(
         replace(whole, rows=[rows[i] for i in train_idx], indices=train_idx),
         replace(whole, rows=[rows[i] for i in val_idx], indices=val_idx),
+    )
+
+
+def _too_few_rows(
+    source: str, total: int, val_size: int, batch_size: int | None, val_option: str | None
+) -> str:
+    """Why ``total`` rows cannot give ``val_size`` validation rows and a batch of training
+    rows, and the flags that fix it."""
+    other = f", or give {val_option} for the validation rows" if val_option else ""
+    if total == 0:
+        return f"{source} holds no rows"
+    left = max(total - val_size, 0)
+    leaves = f"leaves only {left} training rows" if left else "leaves no training rows"
+    if batch_size is None:
+        return (f"data.val_size ({val_size}) {leaves} from the {total} rows of {source}; "
+                f"set --data.val_size {total - 1} or less{other}")
+    if total - batch_size >= 1:
+        return (
+            f"data.val_size ({val_size}) {leaves} from the {total} rows of {source}, fewer "
+            f"than one batch (data.batch_size {batch_size}); set --data.val_size "
+            f"{total - batch_size} or less{other}"
+        )
+    # val_size and batch_size must both come down: keep about a quarter for validation
+    val = min(val_size, max(1, total // 4)) if total >= 2 else 0
+    return (
+        f"the {total} rows of {source} cannot hold data.val_size ({val_size}) validation rows "
+        f"and a batch of data.batch_size ({batch_size}) training rows; set "
+        f"--data.val_size {val} --data.batch_size {total - val} (any val_size + batch_size "
+        f"up to {total}, batch_size at least 1){other}"
     )

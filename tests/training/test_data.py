@@ -354,9 +354,12 @@ def test_source_must_be_exactly_one(tmp_path):
     ("kwargs", "pattern"),
     [
         ({"task": "nope"}, "task must be one of 'arithmetic'"),
-        ({"task": None, "dataset_name": "x", "task_options": {"a": 1}}, "task_options.*task"),
-        ({"val_files": "v.jsonl"}, "val_files.*data_files"),
-        ({"val_split": "test"}, "val_split.*dataset_name"),
+        ({"task": "countdown", "task_options": {"bare": True}},
+         r"'bare', which task 'countdown' does not take: drop them with "
+         r"--data\.task_options null, or pass only options of task 'countdown' \("),
+        ({"task": "arithmetic_easy", "data_files": "x.jsonl"},
+         r"add --data\.data_files null to use data\.task or add --data\.task null to use "
+         r"data\.data_files"),
         ({"batch_size": 0}, "batch_size"),
         ({"val_size": -1}, "val_size"),
         ({"max_prompt_length": 0}, "max_prompt_length"),
@@ -488,6 +491,165 @@ def test_size_errors(tmp_path):
         make(task=None, data_files=path, val_size=2, batch_size=9)
     with pytest.raises(ValueError, match="max_prompt_length"):
         make(task=None, data_files=path, val_size=2, max_prompt_length=5)
+
+
+# ------------------------------------------------------------------ messages that say what to type
+
+
+def test_switching_the_source_on_the_command_line_drops_the_configs_task_options(
+    tmp_path, caplog
+):
+    # `fit --config configs/tiny.yaml --data.task null --data.data_files my.jsonl`: the config's
+    # task_options come along; the override wins, and one warning names what was dropped
+    path = write(tmp_path / "my.jsonl", ROWS)
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+        dm = make(task=None, data_files=path, task_options={"bare": True}, train_size=4000,
+                  val_size=2, batch_size=4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert lines[0].startswith("dropped data.task_options={'bare': True}: it applies only to "
+                               "data.task, which is null (the source is data.data_files=")
+    assert dm.task_options == {} and dm.hparams["task_options"] is None
+    assert len(dm.train_dataset) == 8 and len(dm.val_dataset) == 2
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+        make(task=None, data_files=path, task_options={}, val_size=2)  # empty: nothing to drop
+    assert not caplog.records
+
+
+def test_every_option_of_an_unused_source_is_dropped_in_one_line(tmp_path, caplog):
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+        dm = make(task=None, data_files=path, dataset_config="main", val_split="test",
+                  val_size=2)  # the config's dataset_name was switched to data_files
+        assert (dm.dataset_config, dm.val_split) == (None, None)
+        assert len(dm.train_dataset) == 8  # val_size rows split off, as without a val_split
+        dm = make(task="arithmetic", val_files=str(tmp_path / "gone.jsonl"), train_size=8,
+                  val_size=2, batch_size=2, max_prompt_length=None)
+        assert dm.val_files is None and len(dm.val_dataset) == 2  # not read: no such file
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("dropped data.dataset_config='main', data.val_split='test': "
+                               "they apply only to data.dataset_name, which is null")
+    assert lines[1].startswith("dropped data.val_files=")
+    assert "only to data.data_files, which is null (the source is data.task='arithmetic')" in (
+        lines[1])
+
+
+def test_the_cli_switch_to_a_file_proceeds(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from maxent_grpo import cli as cli_module
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    path = write(tmp_path / "my.jsonl", ROWS * 4)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+        cli = cli_module.main(
+            ["--config", str(config), "--data.task", "null", "--data.data_files", path,
+             "--model.model_name_or_path", "builtin:tiny", "--data.val_size", "4",
+             "--data.batch_size", "8"],
+            run=False,
+        )
+    dm = cli.datamodule
+    assert (dm.task, dm.data_files, dm.task_options) == (None, path, {})
+    assert "dropped data.task_options={'bare': True}" in caplog.text
+
+
+def test_a_small_file_names_the_val_size_that_fits(tmp_path):
+    path = write(tmp_path / "my.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)])
+    where = rf"the 20 rows of data\.data_files '{tmp_path}/my\.jsonl'"
+    # tiny.yaml's val_size 32 and batch_size 32: both must come down
+    with pytest.raises(ValueError, match=rf"{where} cannot hold data\.val_size \(32\) "
+                       r"validation rows and a batch of data\.batch_size \(32\) training rows; "
+                       r"set --data\.val_size 5 --data\.batch_size 15 \(any val_size \+ "
+                       r"batch_size up to 20, batch_size at least 1\), or give data\.val_files"):
+        make(task=None, data_files=path, val_size=32, batch_size=32)
+    dm = make(task=None, data_files=path, val_size=5, batch_size=15)  # as told: it fits
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (15, 5)
+    # the batch fits the rows: only val_size must come down, to rows - batch_size
+    with pytest.raises(ValueError, match=r"data\.val_size \(8\) leaves only 12 training rows "
+                       rf"from {where}, fewer than one batch \(data\.batch_size 16\); "
+                       r"set --data\.val_size 4 or less, or give data\.val_files"):
+        make(task=None, data_files=path, val_size=8, batch_size=16)
+    with pytest.raises(ValueError, match=r"data\.val_size \(32\) leaves no training rows"):
+        make(task=None, data_files=path, val_size=32, batch_size=16)
+    assert len(make(task=None, data_files=path, val_size=4, batch_size=16).train_dataset) == 16
+    # evaluating needs no batch of training rows, only one
+    dm = PromptDataModule(task=None, data_files=path, val_size=20, batch_size=16)
+    dm.set_tokenizer(CharTokenizer())
+    with pytest.raises(ValueError, match=r"data\.val_size \(20\) leaves no training rows "
+                       r"from the 20 rows .*; set --data\.val_size 19 or less"):
+        dm.setup("validate")
+
+
+def test_too_few_training_prompts_name_the_flags(tmp_path):
+    with pytest.raises(ValueError, match=r"data\.batch_size \(32\) exceeds the number of "
+                       r"training prompts \(10: 10 generated \(data\.train_size\)\); set "
+                       r"--data\.batch_size 10 or less, or set --data\.train_size 32 or more"):
+        make(task="arithmetic", train_size=10, val_size=2, batch_size=32, max_prompt_length=None)
+    # rendered "<user>" + p + "</user><assistant>" is 24 + len(p) tokens
+    rows = [{"prompt": "a" * (1 + i % 4), "answer": ""} for i in range(20)]
+    path = write(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError, match=r"exceeds the number of training prompts \(\d+: 4 rows "
+                       r"split off for validation \(data\.val_size\); \d+ dropped as longer than "
+                       r"data\.max_prompt_length \(26 tokens\)\); set --data\.batch_size \d+ or "
+                       r"less, or lower --data\.val_size \(now 4\), or raise "
+                       r"--data\.max_prompt_length \(now 26\), or add rows"):
+        make(task=None, data_files=path, val_size=4, batch_size=16, max_prompt_length=26)
+    with pytest.raises(ValueError, match=r"longer than data\.max_prompt_length \(5 tokens; the "
+                       r"shortest has 25\); set --data\.max_prompt_length 25 or more \(every "
+                       r"prompt fits 28\), or --data\.max_prompt_length null"):
+        make(task=None, data_files=path, val_size=4, max_prompt_length=5)
+
+
+class NamedTokenizer(CharTokenizer):
+    """The char tokenizer, except that it has no token for "?" (like a vocabulary that does
+    not cover the prompts' text)."""
+
+    name_or_path = "models/my-model"
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        return {"input_ids": [[ord(c) for c in t if c != "?"] for t in texts]}
+
+
+def test_prompts_of_no_tokens_are_refused_at_set_up(tmp_path):
+    rows = [{"question": "ok", "answer": "1"}] * 6 + [{"question": "??", "answer": "2"}]
+    path = write(tmp_path / "rows.jsonl", rows)
+    dm = PromptDataModule(task=None, data_files=path, val_files=path, prompt_column="question",
+                          apply_chat_template=False, max_prompt_length=None, batch_size=2)
+    dm.set_tokenizer(NamedTokenizer())
+    with pytest.raises(ValueError, match=r"the tokenizer 'models/my-model' \(data\.tokenizer, "
+                       r"linked to model\.model_name_or_path\) turns 1 of the 7 train prompts into "
+                       rf"no tokens, first data\.data_files file '{tmp_path}/rows\.jsonl' row 6 "
+                       r"\(column 'question', data\.prompt_column\), rendered as '\?\?'"):
+        dm.setup("fit")
+
+
+def test_a_model_folder_whose_tokenizer_empties_a_prompt_is_named(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    # a BPE vocabulary of digits and " +=" and no unknown token: other characters vanish
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate("0123456789+= ")}}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    folder = tmp_path / "my-model"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(folder)
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
+    rows[3]["prompt"] = "what?"
+    path = write(tmp_path / "rows.jsonl", rows)
+    dm = PromptDataModule(task=None, data_files=path, tokenizer=str(folder), val_size=2,
+                          batch_size=2, apply_chat_template=False)
+    with pytest.raises(ValueError, match=rf"the tokenizer '{folder}' \(data\.tokenizer.* into no "
+                       rf"tokens, first .*rows\.jsonl' row 3 \(column 'prompt'"):
+        dm.setup("fit")
+    rows[3]["prompt"] = "3 + 1 ="
+    path = write(tmp_path / "rows.jsonl", rows)
+    dm = PromptDataModule(task=None, data_files=path, tokenizer=str(folder), val_size=2,
+                          batch_size=2, apply_chat_template=False)
+    dm.setup("fit")  # a vocabulary that covers the prompts is accepted
+    assert len(dm.train_dataset) == 6
 
 
 # ------------------------------------------------------------------ order and state
