@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+import warnings
 from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from maxent_grpo import errors
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.progress import ReadableProgressBar
@@ -90,9 +93,40 @@ class MaxEntGRPOCLI(LightningCLI):
             )
 
 
-def main(args: list[str] | None = None, run: bool = True) -> MaxEntGRPOCLI:
-    """Entry point; ``args`` defaults to ``sys.argv[1:]``."""
+def main(
+    args: list[str] | None = None, run: bool = True, *, exit_on_error: bool | None = None
+) -> MaxEntGRPOCLI:
+    """Entry point; ``args`` defaults to ``sys.argv[1:]``.
+
+    ``--traceback`` anywhere in the arguments is removed before parsing. With
+    ``exit_on_error`` (the default when ``args`` is None, i.e. ``python -m maxent_grpo``) a
+    mistake of the user's (a bad option, file, model folder or reward function) is printed
+    as ``error: <message>`` plus a hint line on stderr and exits with code 1, without a
+    trace; ``--traceback`` prints the trace too, and a bug (an unexpected exception type)
+    always does (see :mod:`maxent_grpo.errors`). Called with a list of arguments the
+    exceptions propagate unchanged, unless ``exit_on_error=True``.
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from_argv = args is None
+    if exit_on_error is None:
+        exit_on_error = from_argv
+    show_trace = False
+    if isinstance(args, list) or (from_argv and errors.TRACEBACK_FLAG in sys.argv[1:]):
+        args, show_trace = errors.pop_traceback_flag(list(sys.argv[1:] if from_argv else args))
+    # with --traceback, jsonargparse raises its parse errors (printed with their trace by
+    # errors.report) instead of printing the usage and exiting 2
+    parser_kwargs = {"exit_on_error": False} if show_trace and exit_on_error else {}
+
+    def build() -> MaxEntGRPOCLI:
+        with warnings.catch_warnings():
+            if from_argv:  # args is sys.argv less --traceback (kept there for DDP's launcher)
+                warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
+            return _build_cli(args, run, parser_kwargs)
+
+    return errors.exit_on_error(build, show_trace) if exit_on_error else build()
+
+
+def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRPOCLI:
     return MaxEntGRPOCLI(
         MaxEntGRPOModule,
         PromptDataModule,
@@ -101,4 +135,5 @@ def main(args: list[str] | None = None, run: bool = True) -> MaxEntGRPOCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
+        parser_kwargs=parser_kwargs,
     )

@@ -1,0 +1,213 @@
+"""What the command line prints when a run fails: a short message for a user's mistake, the
+full trace for a bug.
+
+A *user error* is one the person running ``python -m maxent_grpo`` caused and can fix
+without reading our code: a bad option (the project's option checks raise ``ValueError``
+naming the option), a missing or unreadable file or model folder (``OSError``, also what
+``transformers`` and the Hugging Face Hub raise), a reward function that raised or returned
+something unusable (:class:`~maxent_grpo.rewards.RewardFunctionError`), a run whose loss kept
+being non-finite (:class:`~maxent_grpo.training.optimise.NonFiniteLossError`), a Trainer
+setting Lightning refuses (``MisconfigurationException``), a missing optional package named
+in a message, or any :class:`UserError` (the base class for new checks). It is printed as::
+
+    error: <the message: what is wrong, which option or file, what to do>
+    (run again with --traceback for the full trace)
+
+on stderr, and the process exits with :data:`USER_ERROR_EXIT_CODE`. Any other exception is
+a bug of ours (or a case without a clear message yet): its full trace is printed, then one
+line asking for a report. ``--traceback``, anywhere on the command line, prints the full
+trace for user errors too (including jsonargparse's parse errors).
+
+Errors that reach us wrapped are unwrapped first: an exception re-raised by PyTorch from a
+DataLoader worker or a spawned process carries the original trace as text (its last line,
+``ValueError: ...``, is the message shown), and a library exception raised ``from`` a user
+error (e.g. a ``datasets`` generation error caused by a bad file) is reported as the user
+error it wraps; so is a constructor's error that jsonargparse wraps in its summary of
+every type an option accepts. Lightning's ``trainer.fit`` re-raises the original exception
+unchanged.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+TRACEBACK_FLAG = "--traceback"
+HINT = f"(run again with {TRACEBACK_FLAG} for the full trace)"
+USER_ERROR_EXIT_CODE = 1
+BUG_EXIT_CODE = 1
+PARSE_ERROR_EXIT_CODE = 2  # jsonargparse's own code for a bad command line or config file
+
+
+class UserError(Exception):
+    """Base class for a mistake of the user's (configuration, data, model folder, reward
+    function) with a message that says what is wrong and what to do. The command line prints
+    only the message. Existing checks raise ``ValueError``, which counts the same."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exception types printed as a short message (imported lazily: this module is
+    imported by the command line before Lightning)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from maxent_grpo.rewards import RewardFunctionError
+    from maxent_grpo.training.optimise import NonFiniteLossError
+
+    return (
+        UserError,
+        ValueError,  # the project's option checks; also json.JSONDecodeError, UnicodeError
+        OSError,  # FileNotFoundError, PermissionError, transformers' missing model files
+        RewardFunctionError,
+        NonFiniteLossError,
+        MisconfigurationException,
+    )
+
+
+def is_user_error(error: BaseException) -> bool:
+    """True for an exception printed as a short message; see the module docstring."""
+    if isinstance(error, ImportError):
+        # `raise ModuleNotFoundError("X needs package Y: pip install Y")` has no `name`;
+        # a failing import statement (a broken install, a bug) has one
+        return error.name is None and bool(str(error))
+    return isinstance(error, user_error_types())
+
+
+# the trace a re-raised worker / spawned-process error carries as text ends in "Type: message"
+_TRACE_TEXT = re.compile(r"Traceback \(most recent call last\):$", re.MULTILINE)
+_LAST_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<type>[A-Za-z_]\w*): (?P<message>.*)", re.DOTALL)
+
+
+def _from_trace_text(error: BaseException) -> tuple[str, str] | None:
+    """``(type name, message)`` of the original error inside a re-raised one's message
+    (PyTorch's DataLoader workers, ``torch.multiprocessing.spawn``), else None."""
+    text = str(error)
+    found = list(_TRACE_TEXT.finditer(text))
+    if not found:
+        return None
+    tail = text[found[-1].end():]
+    # the trace's frames are indented; the exception line is the first unindented one
+    lines = tail.strip("\n").split("\n")
+    for i, line in enumerate(lines):
+        if line and not line[0].isspace():
+            match = _LAST_LINE.match("\n".join(lines[i:]).strip())
+            if match:
+                return match["type"], match["message"]
+            return None
+    return None
+
+
+_USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "NonFiniteLossError",
+                     "MisconfigurationException"}
+
+
+def _named_user_error(type_name: str) -> bool:
+    if type_name in _USER_ERROR_NAMES:
+        return True
+    cls = getattr(builtins, type_name, None)
+    return isinstance(cls, type) and issubclass(cls, (ValueError, OSError))
+
+
+def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
+    """``(the user error, its message)`` for an exception to report briefly, or None for a
+    bug. Follows explicit wrapping (``raise Wrapper(...) from user_error``) and PyTorch's
+    re-raised traces; never ``__context__`` (an error *while handling* a user error is a
+    bug)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        inner = _from_trace_text(current)
+        if inner is not None:
+            type_name, message = inner
+            if _named_user_error(type_name):
+                return current, message
+        elif is_user_error(current):
+            cause = current.__cause__
+            if not (_raised_in("jsonargparse", current) and cause is not None
+                    and is_user_error(cause)):
+                return current, message_of(current)
+            # jsonargparse wraps a constructor's error ("Does not validate against any of
+            # the Union subtypes ... Errors: - <ours> - <one per other subtype>"): ours is
+            # the cause, and says it alone
+        current = current.__cause__
+    return None
+
+
+def _raised_in(package: str, error: BaseException) -> bool:
+    """True when the innermost frame of ``error``'s own traceback is in ``package``."""
+    if error.__traceback__ is None:
+        return False
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{os.sep}{package}{os.sep}" in frame.filename
+
+
+def message_of(error: BaseException) -> str:
+    """The message shown for a user error: its text (the type's name when empty); for a
+    reward function that raised, where it raised (file and line of the innermost frame)."""
+    from maxent_grpo.rewards import RewardFunctionError
+
+    message = str(error).strip() or type(error).__name__
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
+        message = f"{message}: {error.filename!r}"
+    cause = error.__cause__
+    if isinstance(error, RewardFunctionError) and cause is not None and cause.__traceback__:
+        frame = traceback.extract_tb(cause.__traceback__)[-1]
+        message = f"{message} (at {frame.filename}:{frame.lineno})"
+    return message
+
+
+def pop_traceback_flag(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` without ``--traceback`` (anywhere), and whether it was there."""
+    kept = [a for a in args if a != TRACEBACK_FLAG]
+    return kept, len(kept) != len(args)
+
+
+def report(error: BaseException, show_trace: bool, file: Any = None) -> int:
+    """Print ``error`` for a person (see the module docstring); return the exit code."""
+    file = sys.stderr if file is None else file
+    from jsonargparse import ArgumentError
+
+    if isinstance(error, ArgumentError):  # only raised here when --traceback was given
+        traceback.print_exception(error, file=file)
+        print(f"error: {error}", file=file)
+        return PARSE_ERROR_EXIT_CODE
+    found = find_user_error(error)
+    if found is not None and not show_trace:
+        print(f"error: {found[1]}", file=file)
+        print(HINT, file=file)
+        return USER_ERROR_EXIT_CODE
+    traceback.print_exception(error, file=file)
+    if found is not None:
+        print(f"error: {found[1]}", file=file)
+        return USER_ERROR_EXIT_CODE
+    print(
+        f"error: unexpected {type(error).__name__}; this is a bug in maxent_grpo (or a mistake "
+        "without a clear message yet): please report it with the trace above",
+        file=file,
+    )
+    return BUG_EXIT_CODE
+
+
+def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
+    """``build()``; any exception is printed by :func:`report` and ends the process with
+    its exit code (``SystemExit``, e.g. jsonargparse's usage errors, passes through)."""
+    try:
+        return build()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        if show_trace:
+            raise
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as error:  # noqa: BLE001 - the command line's last stop
+        code = report(error, show_trace)
+        sys.stderr.flush()
+        raise SystemExit(code) from None

@@ -1,0 +1,318 @@
+"""Errors for people, traces for developers (:mod:`maxent_grpo.errors`).
+
+Every bad input of the table below goes through the real command line in this process
+(``main(args, exit_on_error=True)``, what ``python -m maxent_grpo`` runs): it must exit
+non-zero with a short ``error: ...`` message naming the problem and no trace; with
+``--traceback`` (anywhere on the line) the trace appears. A bug of ours (an unexpected
+exception type) always prints its trace. Runs that get as far as training use the random
+``builtin:tiny`` model (materialised once per module) for one step, on 8 prompts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import maxent_grpo.cli as cli_module
+from maxent_grpo import errors
+from maxent_grpo.rewards import RewardFunctionError
+from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.module import MaxEntGRPOModule
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+# one quick step of configs/tiny.yaml: random tiny model, no logger, checkpoint or validation
+QUICK = [
+    "--model.model_name_or_path", "builtin:tiny", "--trainer.max_steps", "1",
+    "--trainer.logger", "false", "--trainer.callbacks", "[]",
+    "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0",
+    "--data.train_size", "16", "--data.val_size", "4", "--data.batch_size", "4",
+]
+
+REWARDS_MODULE = "maxent_grpo_test_bad_rewards"
+REWARDS_SOURCE = '''
+def raises(prompts, completions, **kwargs):
+    return [1.0 / 0 for _ in completions]
+
+def wrong_count(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+def nan(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+'''
+
+TAU_CONTROLLER = "maxent_grpo.training.callbacks.TauController"
+
+# (id, extra arguments after `fit --config tiny.yaml <QUICK>`, exit code, substrings of
+# stderr); {tmp} is a folder with the bad files, {models} the shared model cache
+CASES = [
+    # parse errors: jsonargparse prints the usage line and exits 2
+    ("unknown key", ["--model.bogus", "1"], 2, ["unrecognized arguments", "--model.bogus"]),
+    ("unknown key in a config file", ["--config", "{tmp}/bogus.yaml"], 2, ["bogus"]),
+    ("wrong type", ["--model.num_generations", "abc"], 2, ["model.num_generations", "abc"]),
+    ("unknown choice", ["--model.objective.loss_type", "foo"], 2, ["loss_type", "foo", "dr_grpo"]),
+    ("unknown objective class", ["--model.objective", "NoSuchObjective"], 2,
+     ["model.objective", "NoSuchObjective"]),
+    ("missing config file", ["--config", "{tmp}/missing.yaml"], 2,
+     ["config", "does not exist", "missing.yaml"]),
+    # option checks when the classes are built: exit 1, a short message
+    ("out-of-range option", ["--model.num_generations", "1"], 1, ["model.num_generations", ">= 2"]),
+    ("unknown reward name", ["--model.rewards", "{nope: 1.0}"], 1,
+     ["model.rewards", "'nope'", "'accuracy'"]),
+    ("reward that cannot be imported", ["--model.rewards", "{no_such_module:fn: 1.0}"], 1,
+     ["cannot import reward", "no_such_module"]),
+    ("bad eval_k", ["--model.eval_k", "[1, 99]"], 1, ["model.eval_k", "99"]),
+    ("tau=0 without beta", ["--model.objective", "ListwiseMaxEnt",
+                            "--model.objective.tau", "0.0"], 1,
+     ["error: objective.tau must be > 0 when objective.beta = 0"]),
+    ("unknown task", ["--data.task", "sudoku"], 1, ["'sudoku'", "'countdown'"]),
+    ("missing data file", ["--data.task", "null", "--data.data_files", "{tmp}/nope.jsonl"], 1,
+     ["data.data_files", "nope.jsonl"]),
+    ("bad controller option",
+     ["--trainer.callbacks", f"[{{class_path: {TAU_CONTROLLER}, init_args: "
+      "{target_entropy: 1.0, tau_min: 0.0}}]"], 1,
+     ["error: TauController.tau_min must be a finite number > 0; got 0.0"]),
+    ("accelerator not available", ["--trainer.accelerator", "mps"], 1,
+     ["MPSAccelerator", "can not run on your system", "['cpu']"]),
+    ("optional package missing", ["--trainer.accelerator", "tpu"], 1,
+     ["torch_xla", "pip install"]),
+    # found while the run starts or trains, raised inside trainer.fit: exit 1, short message
+    ("empty data file", ["--data.task", "null", "--data.data_files", "{tmp}/empty.jsonl"], 1,
+     ["data.data_files", "empty.jsonl", "no rows"]),
+    ("broken data file", ["--data.task", "null", "--data.data_files", "{tmp}/broken.jsonl"], 1,
+     ["data.data_files", "broken.jsonl", "not valid JSON"]),
+    ("missing model folder", ["--model.model_name_or_path", "{tmp}/no_model"], 1,
+     ["model path", "no_model", "does not exist"]),
+    ("model folder without a model", ["--model.model_name_or_path", "{tmp}/empty_model"], 1,
+     ["tokenizer"]),
+    ("missing checkpoint", ["--ckpt_path", "{tmp}/nope.ckpt"], 1, ["nope.ckpt"]),
+    ("bad engine option", ["--model.engine", "maxent_grpo.rollout.HFGenerateEngine",
+                           "--model.engine.prompt_bucket", "0"], 1,
+     ["HFGenerateEngine.prompt_bucket"]),
+    ("controller on the wrong objective",
+     ["--trainer.callbacks", f"[{{class_path: {TAU_CONTROLLER}, init_args: "
+      "{target_entropy: 1.0}}]"], 1, ["TauController"]),
+    ("reward function raises", ["--model.rewards", f"{{{REWARDS_MODULE}:raises: 1.0}}"], 1,
+     ["raises", "raised ZeroDivisionError", "division by zero", f"{REWARDS_MODULE}.py:2"]),
+    ("reward returns the wrong count",
+     ["--model.rewards", f"{{{REWARDS_MODULE}:wrong_count: 1.0}}"], 1,
+     ["wrong_count", "returned 31 values; expected 32"]),
+    ("reward returns NaN", ["--model.rewards", f"{{{REWARDS_MODULE}:nan: 1.0}}"], 1,
+     ["nan", "non-finite value", "use None for 'not applicable'"]),
+]
+IDS = [case[0] for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def bad_inputs(tmp_path, monkeypatch) -> Path:
+    """A folder with the table's bad files; the bad reward functions importable."""
+    (tmp_path / "bogus.yaml").write_text("model:\n  num_generations: 4\n  bogus: 1\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\nnot json\n')
+    (tmp_path / "empty_model").mkdir()
+    (tmp_path / f"{REWARDS_MODULE}.py").write_text(REWARDS_SOURCE.lstrip("\n"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # whatever a run would write lands here
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])  # LightningCLI: args xor sys.argv
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path
+
+
+def run_cli(capsys, args: list[str]) -> tuple[int, str]:
+    """``main(args, exit_on_error=True)``; its exit code and stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(args, exit_on_error=True)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def case_args(extra: list[str], tmp: Path, models: str) -> list[str]:
+    extra = [a.format(tmp=tmp) if "{tmp}" in a else a for a in extra]
+    return ["fit", "--config", TINY, *QUICK, f"--model.model_cache_dir={models}", *extra]
+
+
+@pytest.mark.parametrize(("name", "extra", "code", "expected"), CASES, ids=IDS)
+def test_a_users_mistake_is_one_short_message(name, extra, code, expected, bad_inputs,
+                                              models, capsys):
+    exit_code, err = run_cli(capsys, case_args(extra, bad_inputs, models))
+    print(f"--- {name}: exit {exit_code}\n{err}", file=sys.__stdout__)  # for the README
+    assert exit_code == code, err
+    assert "Traceback" not in err, err
+    assert "\nerror: " in f"\n{err}", err
+    for text in expected:
+        assert text in err, (text, err)
+    if code == 1:
+        lines = err.rstrip("\n").split("\n")
+        assert lines[-1] == errors.HINT
+        message = err[err.rindex("error: "):]
+        assert len(message) < 1500, message  # a message, not a dump
+
+
+@pytest.mark.parametrize(("name", "extra", "code", "expected"), CASES, ids=IDS)
+def test_traceback_flag_shows_the_trace(name, extra, code, expected, bad_inputs, models, capsys):
+    args = case_args(extra, bad_inputs, models)
+    # anywhere on the command line: first, last, or between the subcommand's options
+    position = [0, len(args), 3][IDS.index(name) % 3]
+    args.insert(position, "--traceback")
+    exit_code, err = run_cli(capsys, args)
+    assert exit_code == code, err
+    assert "Traceback (most recent call last):" in err, err
+    assert errors.HINT not in err
+    for text in expected:
+        assert text in err, (text, err)
+
+
+# ---------------------------------------------------------------------------- bugs
+
+
+def test_a_bug_at_set_up_prints_its_trace(bad_inputs, models, capsys, monkeypatch):
+    def broken(self, stage):
+        return 1 / 0
+
+    monkeypatch.setattr(PromptDataModule, "setup", broken)
+    exit_code, err = run_cli(capsys, case_args([], bad_inputs, models))
+    assert exit_code == 1
+    assert "Traceback (most recent call last):" in err and "ZeroDivisionError" in err
+    assert "in broken" in err  # the frame that raised
+    assert "unexpected ZeroDivisionError" in err and "bug" in err
+    assert errors.HINT not in err
+
+
+def test_a_bug_in_a_training_step_prints_its_trace(bad_inputs, models, capsys, monkeypatch):
+    def broken(self, batch, batch_idx):
+        return {}["missing"]
+
+    monkeypatch.setattr(MaxEntGRPOModule, "training_step", broken)
+    exit_code, err = run_cli(capsys, case_args([], bad_inputs, models))
+    assert exit_code == 1
+    assert "Traceback (most recent call last):" in err and "KeyError: 'missing'" in err
+    assert "unexpected KeyError" in err
+
+
+def test_library_calls_still_raise(bad_inputs, models):
+    """``main(list)`` without exit_on_error (tests, scripts) gets the exception itself."""
+    with pytest.raises(ValueError, match="model.num_generations"):
+        cli_module.main(case_args(["--model.num_generations", "1", "--traceback"],
+                                  bad_inputs, models)[1:], run=False)  # no subcommand
+
+
+def test_sys_argv_is_read_and_keeps_the_flag(bad_inputs, models, capsys, monkeypatch):
+    """``main()`` reads sys.argv (less ``--traceback``) and exits on a user error; sys.argv
+    keeps the flag (Lightning's DDP launcher restarts the script with it)."""
+    argv = ["maxent_grpo", *case_args(["--model.num_generations", "1"], bad_inputs, models)]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err and errors.HINT in err
+    monkeypatch.setattr(sys, "argv", [*argv, "--traceback"])
+    with pytest.raises(SystemExit):
+        cli_module.main()
+    assert "Traceback (most recent call last):" in capsys.readouterr().err
+    assert sys.argv[-1] == "--traceback"
+
+
+def test_python_dash_m(bad_inputs, models):
+    """The real entry point, once: a user error is short, exit code 1."""
+    cmd = [sys.executable, "-m", "maxent_grpo",
+           *case_args(["--model.num_generations", "1"], bad_inputs, models)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip("\n").endswith(
+        "\nerror: model.num_generations must be an int >= 2; got 1\n" + errors.HINT
+    ), proc.stderr
+
+
+# ---------------------------------------------------------------------------- classification
+
+
+def test_user_error_classes():
+    for error in (ValueError("x"), FileNotFoundError(2, "No such file", "a.txt"),
+                  errors.UserError("x"), RewardFunctionError("x"),
+                  ModuleNotFoundError("feature X needs package y: pip install y")):
+        assert errors.is_user_error(error), error
+    for error in (ZeroDivisionError(), KeyError("k"), TypeError("t"), RuntimeError("r"),
+                  AttributeError("a"), ModuleNotFoundError("No module named 'y'", name="y")):
+        assert not errors.is_user_error(error), error
+    from maxent_grpo.training.optimise import NonFiniteLossError
+
+    assert errors.is_user_error(NonFiniteLossError("loss was NaN 3 times"))
+
+
+def test_messages():
+    assert errors.message_of(FileNotFoundError(2, "No such file or directory", "a.txt")) == (
+        "[Errno 2] No such file or directory: 'a.txt'")
+    assert errors.message_of(ValueError()) == "ValueError"
+
+
+def test_explicit_wrapping_is_unwrapped_but_not_an_error_while_handling():
+    class LibraryError(Exception):
+        pass
+
+    cause = ValueError("data.data_files 'x' is not valid JSON")
+    wrapped = LibraryError("could not generate the dataset")
+    wrapped.__cause__ = cause
+    assert errors.find_user_error(wrapped) == (cause, str(cause))
+
+    during = RuntimeError("teardown failed")
+    during.__context__ = cause  # a bug while handling a user error is still a bug
+    assert errors.find_user_error(during) is None
+
+
+def test_errors_re_raised_from_a_worker_show_the_original_message():
+    from torch._utils import ExceptionWrapper
+
+    def worker():
+        raise ValueError("data.data_files file 'a.jsonl' line 3 has no 'prompt'")
+
+    try:
+        worker()
+    except ValueError:
+        wrapper = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    re_raised = raised_by(wrapper.reraise)
+    assert "Traceback" in str(re_raised)
+    found = errors.find_user_error(re_raised)
+    assert found is not None
+    assert found[1] == "data.data_files file 'a.jsonl' line 3 has no 'prompt'"
+
+    try:
+        {}["x"]
+    except KeyError:
+        bug = raised_by(ExceptionWrapper(sys.exc_info(), where="in worker").reraise)
+    assert errors.find_user_error(bug) is None
+
+
+def raised_by(fn) -> BaseException:
+    try:
+        fn()
+    except BaseException as caught:  # noqa: BLE001
+        return caught
+    raise AssertionError("did not raise")
+
+
+def test_the_flag_is_removed_anywhere():
+    assert errors.pop_traceback_flag(["--traceback", "fit", "--a", "1", "--traceback"]) == (
+        ["fit", "--a", "1"], True)
+    assert errors.pop_traceback_flag(["fit"]) == (["fit"], False)
+
+
+def test_the_readme_documents_the_flag_and_the_messages():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
+    assert "--traceback" in section
+    assert section.count("error: ") >= 10
+    assert readme.index("## Troubleshooting") < readme.index("## The math core")
