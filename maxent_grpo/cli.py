@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from maxent_grpo import errors
+from maxent_grpo.training import checkpoint_io as ckpt_io
 from maxent_grpo.training.data import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.progress import ReadableProgressBar
@@ -78,12 +79,127 @@ class MaxEntGRPOCLI(LightningCLI):
         given ``--ckpt_path``, replaces the model options by the checkpoint's saved
         hyper-parameters between parsing and this hook; that replacement is undone here."""
         self.config = self._parsed_config
+        self._prepare_resume()
+
+    # ------------------------------------------------------------------ runs that stay whole
+
+    def _subconfig(self, config: Any) -> Any:
+        return config.get(str(self.subcommand), config) if self.subcommand else config
+
+    def _checkpoint_dirpaths(self) -> list[str]:
+        """The ``dirpath`` of every checkpoint callback (ModelCheckpoint, OnException...)
+        in the parsed ``trainer.callbacks``."""
+        from lightning.pytorch.callbacks import Checkpoint
+
+        callbacks = self._subconfig(self.config).get("trainer.callbacks") or []
+        dirpaths = []
+        for cb in callbacks if isinstance(callbacks, list) else [callbacks]:
+            cls = _import_class(cb.get("class_path")) if hasattr(cb, "get") else None
+            dirpath = cb.get("init_args.dirpath") if cls else None
+            if cls and issubclass(cls, Checkpoint) and dirpath:
+                dirpaths.append(str(dirpath))
+        return dirpaths
+
+    def _prepare_resume(self) -> None:
+        """Before anything is built: check the checkpoint to resume from, continue the
+        loggers' version folders, and decide where config.yaml goes.
+
+        - ``--ckpt_path last`` -> the newest usable ``*.ckpt`` of the checkpoint folders
+          (a truncated one is skipped with a warning naming it); a named file that is
+          truncated stops the run with a message naming it and the newest usable one
+          (:func:`maxent_grpo.training.checkpoint_io.resolve_checkpoint`).
+        - ``fit`` resuming: a TensorBoardLogger or CSVLogger (``trainer.logger``) without an
+          explicit ``version`` gets the version recorded in the checkpoint for the same
+          ``save_dir``/``name``, so the curves continue in the same folder; TensorBoard
+          purges the events that the previous run logged after the checkpoint
+          (``purge_step``), and the CSV rows after it are dropped (see :meth:`before_fit`).
+        - no logger and no ``trainer.default_root_dir``: config.yaml is not saved (it would
+          land in the current directory).
+        """
+        self._resume: ckpt_io.ResolvedCheckpoint | None = None
+        self._continued: list[tuple[Any, bool]] = []  # logger init_args set here, to undo
+        cfg = self._subconfig(self.config)
+        trainer = cfg.get("trainer") or {}
+        if self.save_config_callback and not trainer.get("logger") and not trainer.get(
+            "default_root_dir"
+        ):
+            self.save_config_callback = None  # no log folder chosen: write nothing to cwd
+        ckpt_path = cfg.get("ckpt_path") if self.subcommand else None
+        if not ckpt_path:
+            return
+        self._resume = ckpt_io.resolve_checkpoint(
+            str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit"
+        )
+        if self.subcommand == "fit" and self._resume is not None:
+            self._continue_logger_versions(trainer.get("logger"), self._resume)
+
+    def _continue_logger_versions(self, loggers: Any, resume: ckpt_io.ResolvedCheckpoint) -> None:
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        records = list(resume.loggers)
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            if not hasattr(logger, "get") or logger.get("init_args") is None:
+                continue
+            cls = _import_class(logger.get("class_path"))
+            if not (cls and issubclass(cls, (TensorBoardLogger, CSVLogger))):
+                continue
+            args = logger.init_args
+            if args.get("version") is not None:
+                continue  # the user's choice
+            for record in records:
+                if (
+                    record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
+                    and record.get("version") is not None
+                    and _same_dir(record.get("save_dir"), args.get("save_dir"))
+                    and record.get("name") == args.get("name")
+                ):
+                    args.version = record["version"]
+                    purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
+                    if purge:
+                        args.purge_step = resume.global_step  # None without a global_step
+                    self._continued.append((args, purge))
+                    records.remove(record)
+                    break
+
+    def after_instantiate_classes(self) -> None:
+        """Atomic checkpoint writes (:class:`~maxent_grpo.training.checkpoint_io.
+        AtomicCheckpointIO`) unless ``trainer.plugins`` or the strategy brought their own
+        CheckpointIO, and the loggers' versions recorded in every checkpoint. The logger
+        versions that :meth:`_prepare_resume` set are taken out of the config again."""
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        for args, purge in getattr(self, "_continued", []):
+            # the saved config.yaml shows the options as given (`--ckpt_path last` finds the
+            # version again), not this run's version and purge_step
+            args.version = None
+            if purge:
+                args.purge_step = None
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:  # a subclass that builds no Trainer
+            return
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = ckpt_io.AtomicCheckpointIO()
+        if not any(isinstance(cb, ckpt_io.LoggerVersions) for cb in trainer.callbacks):
+            trainer.callbacks.append(ckpt_io.LoggerVersions())
+
+    def _use_checked_checkpoint(self) -> None:
+        """Hand Lightning the checkpoint that :meth:`_prepare_resume` checked."""
+        if getattr(self, "_resume", None) is not None:
+            self.config_init[str(self.subcommand)]["ckpt_path"] = self._resume.path
+
+    def before_validate(self) -> None:
+        self._use_checked_checkpoint()
+
+    def before_test(self) -> None:
+        self._use_checked_checkpoint()
 
     def before_fit(self) -> None:
-        """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``."""
-        if self.config.get(f"{self.subcommand}.ckpt_path") != "last":
-            return
-        if not any(getattr(cb, "dirpath", None) for cb in self.trainer.checkpoint_callbacks):
+        """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``;
+        when resuming, resume from the checked checkpoint, remove the temporary files of a
+        killed checkpoint write and keep a continued CSVLogger's ``metrics.csv``."""
+        last = self.config.get(f"{self.subcommand}.ckpt_path") == "last"
+        callbacks = self.trainer.checkpoint_callbacks
+        if last and not any(getattr(cb, "dirpath", None) for cb in callbacks):
             raise ValueError(
                 "--ckpt_path last needs a ModelCheckpoint with an explicit dirpath (the "
                 "default folder is inside the logger's new version folder, where the previous "
@@ -91,6 +207,31 @@ class MaxEntGRPOCLI(LightningCLI):
                 "lightning.pytorch.callbacks.ModelCheckpoint, init_args: {dirpath: ..., "
                 "save_last: true}, or pass --ckpt_path <file>"
             )
+        self._use_checked_checkpoint()
+        if self._resume is None or not self.trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import CSVLogger
+
+        ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths())
+        for logger in self.trainer.loggers:
+            if isinstance(logger, CSVLogger):  # keep its metrics.csv (Lightning deletes it)
+                ckpt_io.continue_csv_log(logger, self._resume.global_step)
+
+
+def _import_class(class_path: Any) -> type | None:
+    import importlib
+
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _same_dir(a: Any, b: Any) -> bool:
+    return a is not None and b is not None and os.path.abspath(str(a)) == os.path.abspath(str(b))
 
 
 def main(

@@ -1,0 +1,323 @@
+"""Runs that stay whole: atomic checkpoint writes, corrupt-checkpoint recovery, resumed logs.
+
+- :class:`AtomicCheckpointIO` writes every checkpoint to a hidden temporary file in the
+  target folder, ``fsync``\\ s it and renames it over the target (``os.replace``), so a run
+  killed mid-write (SIGKILL, OOM killer, disk full) leaves the previous ``last.ckpt`` whole
+  and at worst a stale ``.<name>.<pid>.tmp`` (not a ``*.ckpt``, never picked up; removed
+  when the run resumes). The CLI registers it unless ``trainer.plugins`` has a CheckpointIO.
+- :func:`resolve_checkpoint` turns ``--ckpt_path last`` into the newest *usable* checkpoint
+  of the configured checkpoint folders (every ``*.ckpt``, newest first, a ``last*`` name
+  winning a tie; ``last.ckpt`` as a copy or as a symlink), skipping truncated or unreadable
+  files with a warning that names them. A checkpoint named explicitly is checked too; when
+  it is broken the run stops with a message naming it and the newest usable one next to it.
+- :class:`LoggerVersions` records the loggers' versions in every checkpoint
+  (``checkpoint["maxent_grpo_loggers"]``), so a resumed run logs into the version folder of
+  the run it continues (see ``maxent_grpo/cli.py``); :func:`continue_csv_log` keeps a
+  CSVLogger's ``metrics.csv`` (which Lightning deletes when it opens an existing version).
+
+"Usable" is checked without loading the tensors: the file must be a complete zip archive
+(``torch.save``'s format; the central directory is written last, so a truncated file has
+none) whose members all lie inside the file, and its pickled index must load (memory-
+mapped, so the tensors are not read). Bit rot inside a tensor's bytes is not detected.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import logging
+import os
+import zipfile
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
+
+log = logging.getLogger(__name__)
+
+#: Top-level checkpoint entry written by :class:`LoggerVersions`.
+LOGGERS_KEY = "maxent_grpo_loggers"
+#: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<pid>.tmp``.
+TMP_SUFFIX = ".tmp"
+
+
+def _is_local(path: str | os.PathLike) -> bool:
+    return "://" not in str(path) or str(path).startswith("file://")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local writes are atomic: temporary file, fsync, rename.
+
+    A reader (or a resumed run) sees either the previous complete file or the new complete
+    file, never a prefix. Remote paths (``s3://`` ...) use Lightning's own write.
+    """
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike,
+        storage_options: Any | None = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+                f" is not supported for `{type(self).__name__}`. Please implement your custom "
+                "`CheckpointIO` to define how you'd like to use `storage_options`."
+            )
+        if not _is_local(path):
+            super().save_checkpoint(checkpoint, path)
+            return
+        path = os.path.abspath(str(path).removeprefix("file://"))
+        folder, name = os.path.split(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                self.write(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic on POSIX and Windows, also over a symlink
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync_dir(folder)
+
+    def write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
+        """Serialise ``checkpoint`` into the open temporary file (tests override this)."""
+        torch.save(checkpoint, f)
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make the rename durable (POSIX); best effort where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be resumed from, or ``None`` when it looks complete.
+
+    A folder (a sharded checkpoint) is accepted as is; a file must be a complete
+    ``torch.save`` zip archive (see the module docstring).
+    """
+    path = str(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a symlink to a missing file ({os.readlink(path)})"
+    if os.path.isdir(path):
+        return None
+    try:
+        size = os.path.getsize(path)
+    except OSError as err:
+        return f"cannot be read ({err})"
+    if size == 0:
+        return "empty (0 bytes)"
+    if not zipfile.is_zipfile(path):
+        # torch.save's legacy (non-zip) format, or a truncated zip without its directory
+        try:
+            torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001 -- any failure means "not usable"
+            return f"truncated or corrupt ({size} bytes; {type(err).__name__}: {err})"
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+            if not any(i.filename.endswith("data.pkl") for i in infos):
+                return f"not a torch checkpoint ({size} bytes, no data.pkl)"
+            end = max(i.header_offset + len(i.FileHeader()) + i.compress_size for i in infos)
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        return f"truncated or corrupt ({size} bytes; {err})"
+    if end > size:
+        return f"truncated ({size} bytes, its index needs {end})"
+    return None
+
+
+def read_checkpoint_index(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The checkpoint's entries with the tensors memory-mapped (not read), or ``None`` when
+    it cannot be loaded that way (a folder, a legacy file)."""
+    if os.path.isdir(path) or not zipfile.is_zipfile(path):
+        return None
+    for weights_only in (True, False):
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except Exception:  # noqa: BLE001
+            continue
+    return None
+
+
+@dataclass
+class ResolvedCheckpoint:
+    """The checkpoint a run resumes from and what was skipped to find it."""
+
+    path: str
+    global_step: int | None = None
+    loggers: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, problem)
+
+
+def _candidates(dirpaths: list[str]) -> list[str]:
+    """Every ``*.ckpt`` of ``dirpaths``, newest first (a ``last*`` name wins a tie)."""
+    found: dict[str, tuple[float, bool]] = {}
+    for folder in dirpaths:
+        if not _is_local(folder) or not os.path.isdir(folder):
+            continue
+        for path in glob.glob(os.path.join(glob.escape(folder), "*.ckpt")):
+            try:
+                mtime = os.stat(path).st_mtime  # a symlink's target's time
+            except OSError:
+                mtime = os.lstat(path).st_mtime  # dangling: still listed, then skipped
+            found[os.path.abspath(path)] = (mtime, os.path.basename(path).startswith("last"))
+    return sorted(found, key=found.get, reverse=True)
+
+
+def _usable(path: str, need_training_state: bool) -> tuple[str | None, dict[str, Any] | None]:
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        return problem, None
+    index = read_checkpoint_index(path)
+    if index is None and not os.path.isdir(path):
+        if zipfile.is_zipfile(path):
+            return "its index cannot be loaded", None
+    if need_training_state and index is not None and "optimizer_states" not in index:
+        return "weights only (no optimizer or loop state to resume)", None
+    return None, index
+
+
+def _resolved(path: str, index: dict[str, Any] | None, skipped) -> ResolvedCheckpoint:
+    index = index or {}
+    step = index.get("global_step")
+    return ResolvedCheckpoint(
+        path=path,
+        global_step=int(step) if step is not None else None,
+        loggers=list(index.get(LOGGERS_KEY) or []),
+        skipped=skipped,
+    )
+
+
+def resolve_checkpoint(
+    ckpt_path: str, dirpaths: list[str], need_training_state: bool = True
+) -> ResolvedCheckpoint | None:
+    """The checkpoint ``ckpt_path`` stands for, checked.
+
+    ``"last"``: the newest usable ``*.ckpt`` of ``dirpaths``; unusable newer ones are
+    skipped with a warning that names them; ``None`` when there is none (a first run).
+    A local file path: itself when usable, else :class:`ValueError` naming it and the newest
+    usable checkpoint in its folder. Anything else (``"best"``, ``"hpc"``, a URL):
+    ``None``, left to Lightning.
+    """
+    if ckpt_path == "last":
+        skipped: list[tuple[str, str]] = []
+        for path in _candidates(dirpaths):
+            problem, index = _usable(path, need_training_state)
+            if problem is None:
+                found = _resolved(path, index, skipped)
+                if skipped:
+                    names = "; ".join(f"{p}: {why}" for p, why in skipped)
+                    rank_zero_warn(
+                        f"--ckpt_path last: skipped unusable checkpoint(s) ({names}); "
+                        f"resuming from the newest usable one, {path}"
+                    )
+                return found
+            skipped.append((path, problem))
+        if skipped:
+            names = "; ".join(f"{p}: {why}" for p, why in skipped)
+            raise ValueError(
+                f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
+                "move them to start afresh"
+            )
+        return None
+    if not _is_local(ckpt_path) or not os.path.lexists(ckpt_path):
+        return None
+    problem, index = _usable(ckpt_path, need_training_state)
+    if problem is None:
+        return _resolved(ckpt_path, index, [])
+    folder = os.path.dirname(os.path.abspath(ckpt_path))
+    other = None
+    for path in _candidates([folder]):
+        if os.path.abspath(path) != os.path.abspath(ckpt_path):
+            if _usable(path, need_training_state)[0] is None:
+                other = path
+                break
+    hint = f"; the newest usable checkpoint next to it is {other}" if other else ""
+    raise ValueError(f"--ckpt_path {ckpt_path} is not usable: {problem}{hint}")
+
+
+def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
+    """Delete the ``.<name>.<pid>.tmp`` files that a killed :class:`AtomicCheckpointIO`
+    write left in ``dirpaths`` (call before training writes again)."""
+    removed = []
+    for folder in dirpaths:
+        if not _is_local(folder):
+            continue
+        for path in glob.glob(os.path.join(glob.escape(folder), f".*.ckpt.*{TMP_SUFFIX}")):
+            try:
+                os.remove(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+class LoggerVersions(pl.Callback):
+    """Record every logger's class, ``save_dir``, ``name`` and ``version`` in each
+    checkpoint (``checkpoint["maxent_grpo_loggers"]``; no callback state of its own, so a
+    plain ``Trainer`` resumes such a checkpoint without warnings)."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        records = []
+        for logger in trainer.loggers:
+            try:
+                records.append({
+                    "class": f"{type(logger).__module__}.{type(logger).__qualname__}",
+                    "save_dir": logger.save_dir,
+                    "name": logger.name,
+                    "version": logger.version,
+                })
+            except Exception:  # noqa: BLE001 -- a logger without these: nothing to continue
+                records.append({"class": f"{type(logger).__module__}.{type(logger).__qualname__}"})
+        checkpoint[LOGGERS_KEY] = records
+
+
+def continue_csv_log(logger: Any, resume_step: int | None) -> int:
+    """Keep the existing ``metrics.csv`` of a CSVLogger that continues a version folder.
+
+    Lightning's CSV writer deletes ``metrics.csv`` when it opens a non-empty version folder.
+    This reads the rows first, opens the writer (``logger.experiment``), writes back the
+    rows logged before the checkpoint (``step < resume_step``; the resumed run logs the
+    later ones again) and gives the writer their columns, so its later saves append.
+    Returns the number of rows kept. Call on global rank zero, before training logs.
+    """
+    metrics = os.path.join(logger.log_dir, "metrics.csv")
+    if not os.path.isfile(metrics):
+        return 0
+    with open(metrics, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    if resume_step is not None:
+        def keep(row: dict[str, str]) -> bool:
+            try:
+                return float(row.get("step") or 0) < resume_step
+            except ValueError:
+                return True
+        rows = [r for r in rows if keep(r)]
+    writer = logger.experiment  # the CSV writer; removes metrics.csv
+    columns = sorted(set(writer.metrics_keys) | set(header))  # the writer's (sorted) order
+    with open(metrics, "w", newline="", encoding="utf-8") as f:
+        out = csv.DictWriter(f, fieldnames=columns)
+        out.writeheader()
+        out.writerows(rows)
+    writer.metrics_keys = columns
+    return len(rows)

@@ -1,0 +1,257 @@
+"""Runs that stay whole: atomic checkpoint writes, a broken last.ckpt skipped on resume, the
+resumed run logging into the same TensorBoard/CSV version folders, and no config.yaml in
+the current directory without a log folder.
+
+The unit tests build small checkpoints by hand; one test runs the CLI twice in subprocesses:
+a run SIGKILLed while writing last.ckpt (half of the temporary file on disk) and its resume.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+import yaml
+
+from maxent_grpo.training import checkpoint_io as ckpt_io
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def save(path: Path, step: int, mtime: float | None = None) -> Path:
+    torch.save({"global_step": step, "state_dict": {"w": torch.ones(64) * step},
+                "optimizer_states": [{}], ckpt_io.LOGGERS_KEY: []}, path)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+# ---------------------------------------------------------------------------- unit tests
+
+
+def test_a_truncated_last_ckpt_is_skipped_for_the_newest_good_one(tmp_path):
+    now = time.time()
+    save(tmp_path / "epoch=0-step=2.ckpt", 2, now - 20)
+    save(tmp_path / "epoch=0-step=4.ckpt", 4, now - 10)
+    last = save(tmp_path / "last.ckpt", 6, now)
+    truncate(last)
+    assert ckpt_io.checkpoint_problem(last) is not None
+    with pytest.warns(UserWarning, match=r"skipped unusable checkpoint\(s\) \(.*last\.ckpt: trunc"):
+        found = ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+    assert found.path == str(tmp_path / "epoch=0-step=4.ckpt") and found.global_step == 4
+    assert found.skipped[0][0] == str(last)
+
+
+def test_a_last_ckpt_symlink_to_a_broken_file_is_skipped(tmp_path):
+    now = time.time()
+    save(tmp_path / "epoch=0-step=2.ckpt", 2, now - 20)
+    target = save(tmp_path / "epoch=0-step=4.ckpt", 4, now - 10)
+    truncate(target)
+    os.utime(target, (now - 10, now - 10))
+    (tmp_path / "last.ckpt").symlink_to(target.name)  # save_last="link"
+    with pytest.warns(UserWarning, match="last.ckpt"):
+        found = ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+    assert found.global_step == 2
+    # a good symlink is followed; a dangling one is skipped
+    (tmp_path / "last.ckpt").unlink()
+    (tmp_path / "last.ckpt").symlink_to("missing.ckpt")
+    with pytest.warns(UserWarning, match="missing file"):
+        assert ckpt_io.resolve_checkpoint("last", [str(tmp_path)]).global_step == 2
+
+
+def test_last_prefers_the_newest_complete_checkpoint_and_a_last_name_on_a_tie(tmp_path):
+    now = time.time()
+    save(tmp_path / "epoch=0-step=3.ckpt", 3, now)
+    save(tmp_path / "last.ckpt", 3, now)
+    assert ckpt_io.resolve_checkpoint("last", [str(tmp_path)]).path.endswith("last.ckpt")
+    assert ckpt_io.resolve_checkpoint("last", [str(tmp_path / "none")]) is None  # first run
+
+
+def test_a_named_broken_checkpoint_stops_the_run_naming_it_and_a_good_one(tmp_path):
+    good = save(tmp_path / "epoch=0-step=2.ckpt", 2, time.time() - 10)
+    bad = save(tmp_path / "last.ckpt", 4)
+    truncate(bad)
+    with pytest.raises(ValueError, match=rf"--ckpt_path {bad} is not usable: trunc.*{good}"):
+        ckpt_io.resolve_checkpoint(str(bad), [])
+    bad.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        ckpt_io.resolve_checkpoint(str(bad), [])
+    assert ckpt_io.resolve_checkpoint(str(good), []).global_step == 2
+
+
+def test_nothing_usable_is_an_error_not_a_fresh_start(tmp_path):
+    truncate(save(tmp_path / "last.ckpt", 4))
+    with pytest.raises(ValueError, match="no usable checkpoint"):
+        ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+
+
+class FailingWrite(ckpt_io.AtomicCheckpointIO):
+    def write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
+        f.write(b"PK partial")
+        raise OSError(28, "No space left on device")
+
+
+def test_an_interrupted_write_keeps_the_previous_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "last.ckpt"
+    ckpt_io.AtomicCheckpointIO().save_checkpoint({"global_step": 1}, path)
+    assert torch.load(path)["global_step"] == 1
+    with pytest.raises(OSError, match="No space left"):
+        FailingWrite().save_checkpoint({"global_step": 2}, path)
+    assert torch.load(path)["global_step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # a symlinked last.ckpt is replaced by the file, its target untouched
+    target = save(tmp_path / "epoch=0-step=1.ckpt", 1)
+    path.unlink()
+    path.symlink_to(target.name)
+    ckpt_io.AtomicCheckpointIO().save_checkpoint({"global_step": 5}, path)
+    assert not path.is_symlink() and torch.load(path)["global_step"] == 5
+    assert torch.load(target)["global_step"] == 1
+
+
+def test_no_config_yaml_in_the_current_directory_without_a_log_folder(tmp_path, monkeypatch):
+    from lightning.pytorch.cli import SaveConfigCallback
+
+    from maxent_grpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    base = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.callbacks=[]",
+            f"--model.model_cache_dir={tmp_path / 'models'}"]
+    cli = main([*base, "--trainer.logger=false"], run=False)
+    assert not any(isinstance(cb, SaveConfigCallback) for cb in cli.trainer.callbacks)
+    assert isinstance(cli.trainer.strategy.checkpoint_io, ckpt_io.AtomicCheckpointIO)
+    assert any(isinstance(cb, ckpt_io.LoggerVersions) for cb in cli.trainer.callbacks)
+    cli = main([*base, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path / 'r'}"],
+               run=False)
+    assert any(isinstance(cb, SaveConfigCallback) for cb in cli.trainer.callbacks)
+    assert list(tmp_path.iterdir()) == []  # nothing written here
+
+
+# ---------------------------------------------------------------- killed mid-write and resumed
+
+KILL_STEP, STEPS = 3, 5
+
+
+class KillMidWrite(ckpt_io.AtomicCheckpointIO):
+    """Writes half of last.ckpt's temporary file at step ``step``, then SIGKILLs itself."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+        self.target = ""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.target = os.path.basename(str(path))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
+        if self.target == "last.ckpt" and checkpoint["global_step"] == self.step:
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            f.write(buffer.getvalue()[: buffer.tell() // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().write(checkpoint, f)
+
+
+def fit_config(run: Path, steps: int, kill: bool) -> dict[str, Any]:
+    logs = str(run / "logs")
+    trainer: dict[str, Any] = {
+        "accelerator": "cpu", "devices": 1, "max_steps": steps, "log_every_n_steps": 1,
+        "enable_progress_bar": False, "enable_model_summary": False,
+        "num_sanity_val_steps": 0, "limit_val_batches": 0,
+        "logger": [
+            {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+             "init_args": {"save_dir": logs, "name": "tb", "default_hp_metric": False}},
+            {"class_path": "lightning.pytorch.loggers.CSVLogger",
+             "init_args": {"save_dir": logs, "name": "csv", "flush_logs_every_n_steps": 1}},
+        ],
+        "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                       "init_args": {"dirpath": str(run / "ckpt"), "save_last": True,
+                                     "every_n_train_steps": 1, "save_top_k": 1}}],
+    }
+    if kill:
+        trainer["plugins"] = [{"class_path": "test_checkpoint_io.KillMidWrite",
+                               "init_args": {"step": KILL_STEP}}]
+    return {
+        "seed_everything": 0,
+        "trainer": trainer,
+        "model": {"model_name_or_path": "builtin:tiny", "model_cache_dir": str(run / "models"),
+                  "rewards": {"first_number": 1.0}, "num_generations": 4,
+                  "max_completion_length": 4,
+                  "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}}},
+        "data": {"task": "arithmetic_easy", "task_options": {"bare": True}, "train_size": 13,
+                 "val_size": 2, "batch_size": 4, "max_prompt_length": 32},
+    }
+
+
+def fit(run: Path, steps: int, kill: bool, *extra: str) -> subprocess.CompletedProcess:
+    path = run / f"config_{steps}.yaml"
+    path.write_text(yaml.safe_dump(fit_config(run, steps, kill), sort_keys=False))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(path), *extra]
+    return subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True, timeout=300)
+
+
+def tensorboard_steps(folder: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_in_its_log_folders(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    killed = fit(run, STEPS, True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpt = run / "ckpt"
+    # killed in last.ckpt's write: last.ckpt is still the whole step-2 file, step 3's top-k
+    # file is complete, the half-written temporary is not a *.ckpt
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == [f".last.ckpt.{names[0].split('.')[3]}.tmp", "epoch=0-step=3.ckpt",
+                     "last.ckpt"], names
+    assert torch.load(ckpt / "last.ckpt", weights_only=True)["global_step"] == KILL_STEP - 1
+
+    resumed = fit(run, STEPS, False, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {ckpt / 'epoch=0-step=3.ckpt'}" in (
+        resumed.stderr)
+    assert not any(p.name.endswith(".tmp") for p in ckpt.iterdir())
+    last = torch.load(ckpt / "last.ckpt", weights_only=True)
+    assert last["global_step"] == STEPS
+    assert [r["version"] for r in last[ckpt_io.LOGGERS_KEY]] == [0, 0]
+
+    # one version folder per logger; the curves continue in place, each step once
+    assert sorted(p.name for p in (run / "logs" / "tb").iterdir()) == ["version_0"]
+    assert sorted(p.name for p in (run / "logs" / "csv").iterdir()) == ["version_0"]
+    folder = run / "logs" / "tb" / "version_0"
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 2
+    # Lightning logs a step's metrics (at step - 1) after its checkpoint is saved, so the
+    # step killed in its checkpoint write (logged as 2) has no point; nothing is doubled
+    expected = [s for s in range(STEPS) if s != KILL_STEP - 1]
+    assert tensorboard_steps(folder, "train/reward/mean") == expected
+    with open(run / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/reward/mean")]
+    assert [int(r["step"]) for r in rows] == expected
+    assert not (run / "config.yaml").exists()  # the config went to the log folder
+    saved = yaml.safe_load((folder / "config.yaml").read_text())
+    assert saved["ckpt_path"] == "last"  # the options as given, not the version found
+    assert saved["trainer"]["logger"][0]["init_args"]["version"] is None
+    assert saved["trainer"]["logger"][0]["init_args"].get("purge_step") is None
