@@ -18,15 +18,9 @@ Sources, exactly one of: a built-in ``task`` (:mod:`maxent_grpo.tasks`), local
 (:mod:`maxent_grpo.training.sources`). Rows are checked and rendered by
 :mod:`maxent_grpo.training.prompts`.
 
-Order: epoch ``e`` visits the training rows in ``torch.randperm(N, generator=seed + e)``
-order, so a run is reproducible from ``seed`` alone. Under DDP each of the W ranks takes
-positions r, r + W, ... of that global order (:class:`EpochShuffleSampler`, in
-:mod:`maxent_grpo.training.sampler`, is a ``DistributedSampler``, so Lightning uses it as
-is and forwards ``set_epoch``).
-
-Resume: the module's :meth:`PromptDataModule.state_dict` travels in Lightning's checkpoint;
-``fit --ckpt_path`` continues mid-epoch with exactly the prompts the interrupted run had
-not reached yet, in the same order.
+Order and resume: a seeded order per epoch, split over the ranks
+(:class:`~maxent_grpo.training.sampler.EpochShuffleSampler`); ``fit --ckpt_path`` continues
+mid-epoch with exactly the prompts the interrupted run had not reached yet.
 """
 
 from __future__ import annotations
@@ -45,6 +39,7 @@ from maxent_grpo.training.sampler import (
     PromptDataset,
     PromptExample,
     PromptLoader,
+    check_resume_state,
     collate_prompts,
 )
 from maxent_grpo.training.sources import (
@@ -55,6 +50,7 @@ from maxent_grpo.training.sources import (
     hub_sources,
     load_hub_rows,
     task_sources,
+    too_few_train_prompts,
 )
 from maxent_grpo.validation import check_bool, check_int, require
 
@@ -169,17 +165,16 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        # options of a source that is not set (a config's source switched on the command
-        # line) are dropped, logged; the hyper-parameters record what is used
+        # options of a source that is not set are dropped, logged (see the class docstring)
         dropped = check_source_options(
             task, task_options, data_files, val_files, dataset_name, dataset_config, val_split
         )
         for name in dropped:
             self.hparams[name] = None
-        task_options = None if "task_options" in dropped else task_options
-        val_files = None if "val_files" in dropped else val_files
-        dataset_config = None if "dataset_config" in dropped else dataset_config
-        val_split = None if "val_split" in dropped else val_split
+        task_options, val_files, dataset_config, val_split = (
+            None if name in dropped else value for name, value in (
+                ("task_options", task_options), ("val_files", val_files),
+                ("dataset_config", dataset_config), ("val_split", val_split)))
         check_int("data.seed", seed)
         for name, value, minimum in (
             ("train_size", train_size, 1),
@@ -230,11 +225,8 @@ class PromptDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ loading
 
     def set_tokenizer(self, tokenizer: Any) -> None:
-        """Use an already-loaded tokenizer instead of loading ``tokenizer`` in :meth:`setup`.
-
-        It needs ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)``
-        and ``__call__(texts, add_special_tokens=False)["input_ids"]``.
-        """
+        """Use an already-loaded tokenizer (with ``apply_chat_template`` and ``__call__``)
+        instead of loading ``tokenizer`` in :meth:`setup`."""
         self.tokenizer = tokenizer
 
     def prepare_data(self) -> None:
@@ -272,11 +264,6 @@ class PromptDataModule(pl.LightningDataModule):
             )
         return self.tokenizer
 
-    def _tokenizer_label(self) -> str:
-        """The tokenizer as error messages name it: its name or path, and the option."""
-        name = getattr(self.tokenizer, "name_or_path", None) or self.tokenizer_name
-        return f"tokenizer {name!r} (data.tokenizer, linked to model.model_name_or_path)"
-
     def _build(self, fmt: PromptFormat, split: SplitRows, name: str) -> PromptDataset:
         """Render ``split``, refuse a prompt of no tokens and drop the prompts longer than
         ``max_prompt_length`` tokens (every rendered prompt is tokenised once, here)."""
@@ -289,8 +276,10 @@ class PromptDataModule(pl.LightningDataModule):
         empty = [ex for ex, n in zip(examples, lengths, strict=True) if n == 0]
         if empty:
             part, number = split.where(empty[0].index)
+            tokenizer = getattr(self.tokenizer, "name_or_path", None) or self.tokenizer_name
             raise ValueError(
-                f"the {self._tokenizer_label()} turns {len(empty)} of the {len(examples)} "
+                f"the tokenizer {tokenizer!r} (data.tokenizer, linked to "
+                f"model.model_name_or_path) turns {len(empty)} of the {len(examples)} "
                 f"{name} prompts into no tokens, first {part} row {number} (column "
                 f"{self.prompt_column!r}, data.prompt_column), rendered as "
                 f"{empty[0].prompt[:200]!r}; generation needs at least one prompt token: use "
@@ -332,53 +321,20 @@ class PromptDataModule(pl.LightningDataModule):
             sources = self._load_sources(fitting=stage in (None, "fit"))
             self.train_dataset = self._build(fmt, sources.train, "train")
             self.val_dataset = self._build(fmt, sources.val, "val")
-            self._train_counts = self._count_train_rows(sources)
+            self._train_counts = {
+                "kept": len(self.train_dataset), "long": self.dropped.get("train", 0),
+                "heldout": self.train_size - len(sources.train.rows) if self.task else 0,
+                "split_off": len(sources.val.rows) if self.task is None and self.val_files is None
+                and self.val_split is None else 0,
+            }
         if stage in (None, "fit"):
-            require(len(self.train_dataset) >= self.batch_size, self._too_few_train_prompts())
+            require(len(self.train_dataset) >= self.batch_size, too_few_train_prompts(
+                self._train_counts, task=self.task, train_size=self.train_size,
+                val_size=self.val_size, batch_size=self.batch_size,
+                max_prompt_length=self.max_prompt_length,
+            ))
             if self.trainer is not None:
                 self._consumed = 0
-
-    def _count_train_rows(self, sources: Sources) -> dict[str, int]:
-        """Where the training rows went, for :meth:`_too_few_train_prompts`."""
-        counts = {"kept": len(self.train_dataset or []), "long": self.dropped.get("train", 0)}
-        if self.task is not None:
-            counts["heldout"] = self.train_size - len(sources.train.rows)
-        elif self.val_files is None and self.val_split is None:
-            counts["split_off"] = len(sources.val.rows)
-        return counts
-
-    def _too_few_train_prompts(self) -> str:
-        """Why the training prompts are fewer than ``batch_size``, and the flags that fix it
-        (the numbers are those of this data)."""
-        counts = getattr(self, "_train_counts", {})
-        kept = len(self.train_dataset or [])
-        why, fixes = [], []
-        if kept:
-            fixes.append(f"set --data.batch_size {kept} or less")
-        if self.task is not None:
-            why.append(f"{self.train_size} generated (data.train_size)")
-            if counts.get("heldout"):
-                why.append(f"{counts['heldout']} of them repeat a validation prompt "
-                           "(data.holdout_val_prompts)")
-                fixes += ["set --data.holdout_val_prompts false",
-                          f"lower --data.val_size (now {self.val_size})"]
-            if not counts.get("heldout") and not counts.get("long"):
-                fixes.append(f"set --data.train_size {self.batch_size} or more")
-            elif kept:
-                fixes.append(f"raise --data.train_size (now {self.train_size})")
-        elif counts.get("split_off"):
-            why.append(f"{counts['split_off']} rows split off for validation (data.val_size)")
-            fixes.append(f"lower --data.val_size (now {self.val_size})")
-        if counts.get("long"):
-            why.append(f"{counts['long']} dropped as longer than data.max_prompt_length "
-                       f"({self.max_prompt_length} tokens)")
-            fixes.append(f"raise --data.max_prompt_length (now {self.max_prompt_length})")
-        if self.task is None:
-            fixes.append("add rows")
-        return (
-            f"data.batch_size ({self.batch_size}) exceeds the number of training prompts "
-            f"({kept}{': ' + '; '.join(why) if why else ''}); {', or '.join(fixes)}"
-        )
 
     # ------------------------------------------------------------------ loaders
 
@@ -431,8 +387,6 @@ class PromptDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ state
 
-    STATE_KEYS = ("epoch", "consumed", "seed", "shuffle", "num_rows", "batch_size", "world_size")
-
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count the training batch about to be passed to ``training_step`` (see
         :meth:`state_dict`); sanity-check, validation and test batches run under their own
@@ -474,50 +428,21 @@ class PromptDataModule(pl.LightningDataModule):
         """Resume at :meth:`state_dict`'s position: epoch ``epoch`` skips its first
         ``consumed`` prompts, and the count of consumed prompts continues from there.
 
-        Raises ValueError when a key is missing or when the checkpoint's order cannot be
-        continued: another ``seed``, ``shuffle`` or number of training prompts; or, for a
-        mid-epoch checkpoint, another ``batch_size`` or number of ranks. ``validate`` and
-        ``test`` use no training order, so there nothing is checked or restored (a checkpoint
+        Raises ValueError when the checkpoint's order cannot be continued
+        (:func:`~maxent_grpo.training.sampler.check_resume_state`). ``validate`` and ``test``
+        use no training order, so there nothing is checked or restored (a checkpoint
         may be evaluated on any data).
         """
         trainer = self.trainer
         stage = getattr(getattr(trainer, "state", None), "fn", None)
         if stage is not None and stage != "fit":
             return
-        missing = [k for k in self.STATE_KEYS if k not in state_dict]
-        require(
-            not missing,
-            f"PromptDataModule state in the checkpoint is missing keys {missing}; "
-            f"expected {list(self.STATE_KEYS)}",
+        check_resume_state(
+            state_dict, seed=self.seed, shuffle=self.shuffle,
+            num_rows=None if self.train_dataset is None else len(self.train_dataset),
+            batch_size=self.batch_size, world=trainer.world_size if trainer is not None else 1,
         )
-        for key in ("seed", "shuffle"):
-            saved, option = state_dict[key], f"data.{key}"
-            require(
-                saved == getattr(self, key),
-                f"the checkpoint was made with {option}={saved!r}, but this run has "
-                f"{option}={getattr(self, key)!r}; set {option}: {saved!r} to resume",
-            )
-        if self.train_dataset is not None and state_dict["num_rows"] != len(self.train_dataset):
-            raise ValueError(
-                f"the checkpoint was made with {state_dict['num_rows']} training prompts, but "
-                f"this run has {len(self.train_dataset)}; resume with the same data source "
-                "and data.train_size / data.max_prompt_length"
-            )
         consumed = int(state_dict["consumed"])
-        if consumed:
-            world = trainer.world_size if trainer is not None else 1
-            require(
-                state_dict["batch_size"] == self.batch_size,
-                f"the checkpoint stopped mid-epoch with data.batch_size="
-                f"{state_dict['batch_size']}, but this run has data.batch_size="
-                f"{self.batch_size}; resume with the same batch size",
-            )
-            require(
-                state_dict["world_size"] == world,
-                f"the checkpoint stopped mid-epoch on {state_dict['world_size']} processes, "
-                f"but this run has {world} (trainer.devices x trainer.num_nodes); resume with "
-                "the same number",
-            )
         self._epoch = int(state_dict["epoch"])
         self._consumed = self._resume_consumed = consumed
         if self._train_sampler is not None:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from maxent_grpo.validation import require
+
 __all__ = [
     "EpochShuffleSampler",
     "Prompt",
@@ -150,3 +152,37 @@ class PromptLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing to restore here: the DataModule restored the position."""
+
+
+#: the keys of ``PromptDataModule.state_dict``
+STATE_KEYS = ("epoch", "consumed", "seed", "shuffle", "num_rows", "batch_size", "world_size")
+
+
+def check_resume_state(
+    state: dict[str, Any], *, seed: int, shuffle: bool, num_rows: int | None, batch_size: int,
+    world: int,
+) -> None:
+    """Refuse (ValueError naming the option) a saved training position this run cannot
+    continue: a missing key, another ``seed``, ``shuffle`` or number of training prompts
+    (``num_rows``, None when not known yet); or, for a mid-epoch checkpoint, another
+    ``batch_size`` or number of ranks."""
+    missing = [k for k in STATE_KEYS if k not in state]
+    require(not missing, f"PromptDataModule state in the checkpoint is missing keys {missing}; "
+                         f"expected {list(STATE_KEYS)}")
+    for key, value in (("seed", seed), ("shuffle", shuffle)):
+        saved, option = state[key], f"data.{key}"
+        require(saved == value, f"the checkpoint was made with {option}={saved!r}, but this run "
+                                f"has {option}={value!r}; set {option}: {saved!r} to resume")
+    require(num_rows is None or state["num_rows"] == num_rows,
+            f"the checkpoint was made with {state['num_rows']} training prompts, but this run "
+            f"has {num_rows}; resume with the same data source and data.train_size / "
+            "data.max_prompt_length")
+    if int(state["consumed"]):
+        require(state["batch_size"] == batch_size,
+                f"the checkpoint stopped mid-epoch with data.batch_size={state['batch_size']}, "
+                f"but this run has data.batch_size={batch_size}; resume with the same batch size")
+        require(state["world_size"] == world,
+                f"the checkpoint stopped mid-epoch on {state['world_size']} processes, but this "
+                f"run has {world} (trainer.devices x trainer.num_nodes); resume with the same "
+                "number")
+

@@ -310,3 +310,42 @@ def _too_few_rows(
         f"--data.val_size {val} --data.batch_size {total - val} (any val_size + batch_size "
         f"up to {total}, batch_size at least 1){other}"
     )
+
+
+def too_few_train_prompts(
+    counts: dict[str, int], *, task: str | None, train_size: int, val_size: int,
+    batch_size: int, max_prompt_length: int | None,
+) -> str:
+    """Why the training prompts are fewer than ``batch_size``, and the flags that fix it, from
+    ``counts`` of where the rows went: ``kept``, ``long`` (over ``max_prompt_length``),
+    ``heldout`` (task rows repeating a validation prompt), ``split_off`` (file rows split off
+    for validation)."""
+    kept = counts["kept"]
+    why, fixes = [], []
+    if kept:
+        fixes.append(f"set --data.batch_size {kept} or less")
+    if task is not None:
+        why.append(f"{train_size} generated (data.train_size)")
+        if counts["heldout"]:
+            why.append(f"{counts['heldout']} of them repeat a validation prompt "
+                       "(data.holdout_val_prompts)")
+            fixes += ["set --data.holdout_val_prompts false",
+                      f"lower --data.val_size (now {val_size})"]
+        if not counts["heldout"] and not counts["long"]:
+            fixes.append(f"set --data.train_size {batch_size} or more")
+        elif kept:
+            fixes.append(f"raise --data.train_size (now {train_size})")
+    elif counts["split_off"]:
+        why.append(f"{counts['split_off']} rows split off for validation (data.val_size)")
+        fixes.append(f"lower --data.val_size (now {val_size})")
+    if counts["long"]:
+        why.append(f"{counts['long']} dropped as longer than data.max_prompt_length "
+                   f"({max_prompt_length} tokens)")
+        fixes.append(f"raise --data.max_prompt_length (now {max_prompt_length})")
+    if task is None:
+        fixes.append("add rows")
+    return (
+        f"data.batch_size ({batch_size}) exceeds the number of training prompts "
+        f"({kept}{': ' + '; '.join(why) if why else ''}); {', or '.join(fixes)}"
+    )
+
