@@ -6,8 +6,9 @@ one float per token, ``(N, T)``.
 
 Memory. A language model's logits are large (``N*T*V`` values) and usually bf16. Neither
 function builds a full ``(N, T, V)`` float32 tensor: the forward pass walks over blocks of
-at most ``BLOCK_ELEMENTS`` logit values (several short rows at once, a long row in runs of
-tokens), upcasting only that block, and keeps just ``(N, T)`` statistics. The backward pass
+at most ``BLOCK_ELEMENTS`` logit values on the CPU, a 32nd of the logits on CUDA
+(:func:`block_elements`; several short rows at once, a long row in runs of tokens),
+upcasting only that block, and keeps just ``(N, T)`` statistics. The backward pass
 is written out by hand and recomputes the softmax block by block from the saved logits, so
 autograd does not hold float32 copies either. The gradient returned for the logits has the
 logits' dtype. Second derivatives are not supported.
@@ -82,20 +83,40 @@ def _check_index(index: torch.Tensor, logits: torch.Tensor) -> None:
             )
 
 
+CUDA_BLOCK_FRACTION = 32
+"""On CUDA a block holds ``1/32`` of the logits (at least ``BLOCK_ELEMENTS`` values). There
+the fixed 2 Mi blocks cost time, not memory: at N=16, T=1024, V=151,936 they make ~1,200
+blocks of small kernels (issue 13 measured the fused function at 6x the plain formula's
+time on an H200). 32 blocks keep a float32 temporary at 1/16 of bf16 logits' bytes (about
++0.2x with the few temporaries alive at once, within the 1.2x target) while launching 40x
+fewer kernels. Chosen from that memory bound; the time is to be measured on a GPU
+(``benchmarks/gpu_scoring.py``)."""
+
+
+def block_elements(numel: int, device_type: str) -> int:
+    """Logit values upcast at once for logits of ``numel`` values on ``device_type``:
+    ``BLOCK_ELEMENTS`` on the CPU (measured there), ``max(BLOCK_ELEMENTS, numel //
+    CUDA_BLOCK_FRACTION)`` on CUDA."""
+    if device_type == "cuda":
+        return max(BLOCK_ELEMENTS, numel // CUDA_BLOCK_FRACTION)
+    return BLOCK_ELEMENTS
+
+
 def _blocks(logits: torch.Tensor) -> Iterator[tuple[slice, slice]]:
     """Yield ``(row_slice, token_slice)`` blocks covering ``(N, T)`` with at most about
-    ``BLOCK_ELEMENTS`` logit values each: several whole rows at once when a row is small,
-    otherwise one row in runs of at most ``BLOCK_ELEMENTS // V`` tokens (at least one). The
-    blocks are views (no copy even of non-contiguous logits), and a float32 temporary of
-    one block stays near ``BLOCK_ELEMENTS * 4`` bytes."""
+    ``E = block_elements(...)`` logit values each: several whole rows at once when a row is
+    small, otherwise one row in runs of at most ``E // V`` tokens (at least one). The blocks
+    are views (no copy even of non-contiguous logits), and a float32 temporary of one block
+    stays near ``E * 4`` bytes."""
     n_rows, n_tok, vocab = logits.shape
     per_row = n_tok * vocab
-    if 0 < per_row <= BLOCK_ELEMENTS:
-        rows = BLOCK_ELEMENTS // per_row
+    elements = block_elements(logits.numel(), logits.device.type)
+    if 0 < per_row <= elements:
+        rows = elements // per_row
         for start in range(0, n_rows, rows):
             yield slice(start, min(start + rows, n_rows)), slice(0, n_tok)
         return
-    step = max(1, BLOCK_ELEMENTS // vocab)
+    step = max(1, elements // vocab)
     for n in range(n_rows):
         for start in range(0, n_tok, step):
             yield slice(n, n + 1), slice(start, min(start + step, n_tok))

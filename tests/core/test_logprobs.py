@@ -243,3 +243,12 @@ def test_fused_with_one_output_unused_and_gradcheck() -> None:
     assert torch.autograd.gradcheck(
         lambda t: logprobs.selective_log_softmax_with_entropy(t, idx), (z,)
     )
+
+
+def test_block_size_by_device() -> None:
+    """CPU: the measured 2 Mi values; CUDA: a 32nd of the logits, never below that."""
+    issue13 = 16 * 1024 * 151936  # the GPU workload's policy logits
+    assert logprobs.block_elements(issue13, "cpu") == logprobs.BLOCK_ELEMENTS == 1 << 21
+    cuda = logprobs.block_elements(issue13, "cuda")
+    assert cuda == issue13 // 32 and 4 * cuda / (2 * issue13) == 1 / 16  # float32 vs bf16
+    assert logprobs.block_elements(1000, "cuda") == logprobs.BLOCK_ELEMENTS
