@@ -41,6 +41,14 @@ from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.progress import ReadableProgressBar
 
 
+class ShortUsageParser(LightningArgumentParser):
+    """The CLI's parser: a parse error prints one usage line (not the hundred-line list of
+    every option), the ``--help`` tip and the error."""
+
+    def print_usage(self, file: Any = None) -> None:
+        (file or sys.stderr).write(f"usage: {self.prog} [options]\n")
+
+
 class MaxEntGRPOCLI(LightningCLI):
     """LightningCLI wired for :class:`MaxEntGRPOModule` and :class:`PromptDataModule`."""
 
@@ -271,10 +279,11 @@ def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRP
     return MaxEntGRPOCLI(
         MaxEntGRPOModule,
         PromptDataModule,
+        parser_class=ShortUsageParser,
         seed_everything_default=0,
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
-        parser_kwargs=parser_kwargs,
+        parser_kwargs={"prog": "python -m maxent_grpo", **parser_kwargs},
     )

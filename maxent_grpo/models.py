@@ -310,12 +310,18 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
     """Call ``loader(path, **kwargs)``; name the model and the offline hub if it fails."""
     try:
         return loader(path, **kwargs)
-    except OSError as error:
-        if is_offline_mode() and not Path(path).is_dir():
+    except (OSError, ValueError) as error:
+        if is_offline_mode() and not Path(path).is_dir() and isinstance(error, OSError):
             raise OSError(
                 f"could not load model {name_or_path!r}: the Hugging Face Hub is offline "
                 "(HF_HUB_OFFLINE=1) and the model is not in the local hub cache; download it "
                 "while online, pass a local folder, or use a 'builtin:' model"
+            ) from error
+        if Path(path).is_dir():  # transformers' message does not name the folder
+            raise OSError(
+                f"could not load model.model_name_or_path {name_or_path!r} from the folder "
+                f"{str(path)!r}: {error}; the folder must hold a Hugging Face model "
+                "(config.json, the weights and the tokenizer files)"
             ) from error
         raise
 

@@ -153,6 +153,9 @@ def test_a_users_mistake_is_one_short_message(name, extra, code, expected, bad_i
     assert "\nerror: " in f"\n{err}", err
     for text in expected:
         assert text in err, (text, err)
+    if code == 2:  # a parse error: one usage line and the --help tip, not every option
+        assert err[: err.index("error: ")].count("\n") <= 2, err
+        assert "python -m maxent_grpo fit --help" in err, err
     if code == 1:
         lines = err.rstrip("\n").split("\n")
         assert lines[-1] == errors.HINT
