@@ -15,14 +15,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import yaml
+
+from tests.test_resume import launch
 
 pytest.importorskip("peft")
 
@@ -94,15 +94,7 @@ def config(run: Path, kill: bool) -> dict[str, Any]:
 
 
 def fit(run: Path, kill: bool = False, *extra: str) -> subprocess.CompletedProcess:
-    run.mkdir(parents=True, exist_ok=True)
-    path = run / ("config_kill.yaml" if kill else "config.yaml")
-    path.write_text(yaml.safe_dump(config(run, kill), sort_keys=False))
-    env = {
-        **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-    }
-    cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(path), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return launch(run, config(run, kill), kill, *extra)
 
 
 def steps(run: Path) -> list[dict[str, Any]]:

@@ -108,9 +108,15 @@ def config(run: Path, kill: bool) -> dict[str, Any]:
 
 
 def fit(run: Path, kill: bool = False, *extra: str) -> subprocess.CompletedProcess:
+    return launch(run, config(run, kill), kill, *extra)
+
+
+def launch(run: Path, cfg: dict[str, Any], kill: bool, *extra: str
+           ) -> subprocess.CompletedProcess:
+    """``python -m maxent_grpo fit`` on ``cfg`` (written into ``run``), offline."""
     run.mkdir(parents=True, exist_ok=True)
     path = run / ("config_kill.yaml" if kill else "config.yaml")
-    path.write_text(yaml.safe_dump(config(run, kill), sort_keys=False))
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {
         **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),

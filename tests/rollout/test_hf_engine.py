@@ -338,12 +338,8 @@ def test_rollout_output_checks_shapes() -> None:
         RolloutOutput(batch=batch, generate_seconds=0.0, **bad_dtype)
 
 
-def test_generation_is_synced_when_parameters_are_sharded(tiny, monkeypatch) -> None:
-    """With several ranks and ZeRO-3-partitioned parameters (``ds_id``), ``generate`` runs
-    with ``synced_gpus=True``; unsharded, or on one process, it does not."""
-    from maxent_grpo.rollout import hf
-
-    model, tokenizer = tiny
+def record_generate_calls(model, monkeypatch) -> list[dict]:
+    """The keyword arguments of every ``model.generate`` call from now on (it still runs)."""
     seen: list[dict] = []
     real = model.generate
 
@@ -352,6 +348,16 @@ def test_generation_is_synced_when_parameters_are_sharded(tiny, monkeypatch) -> 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", recording)
+    return seen
+
+
+def test_generation_is_synced_when_parameters_are_sharded(tiny, monkeypatch) -> None:
+    """With several ranks and ZeRO-3-partitioned parameters (``ds_id``), ``generate`` runs
+    with ``synced_gpus=True``; unsharded, or on one process, it does not."""
+    from maxent_grpo.rollout import hf
+
+    model, tokenizer = tiny
+    seen = record_generate_calls(model, monkeypatch)
     engine = make_engine(model, tokenizer, share_prefill=False, max_new_tokens=2)
     engine.generate(["ab"], ["x"], 2)
     assert not hf.sharded_across_ranks(model) and "synced_gpus" not in seen[-1]
@@ -383,14 +389,7 @@ def test_static_cache_and_prompt_buckets_sample_what_the_dynamic_cache_samples(
     torch.manual_seed(5)
     reference = make_engine(model, tokenizer, share_prefill=False, **sampling).generate(
         prompts, ["19", "12"], 3)
-    seen: list[dict] = []
-    real = model.generate
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(model, "generate", recording)
+    seen = record_generate_calls(model, monkeypatch)
     engine = HFGenerateEngine(model, tokenizer, SamplingSettings(**sampling), share_prefill=share,
                               cache="static", prompt_bucket=bucket)
     torch.manual_seed(5)
