@@ -48,6 +48,23 @@ step (the extra columns are masked: the same positions and samples). On the CPU 
 compiled; the samples equal the dynamic cache's under a seed up to float rounding of the
 attention over the masked, preallocated positions (tested).
 
+Generation copy (``generation_dtype``). With ``"bfloat16"`` or ``"float16"`` generation
+runs on a copy of the model whose floating parameters and buffers are in that dtype (what
+``model.to(dtype)`` gives), not on the model: under ``bf16-mixed`` the policy keeps float32
+weights and autocast casts them at every decode step, while the copy is cast once. It costs
+one more copy of the weights, 2 bytes per parameter (1 GB for a 0.5B model), and it is
+refreshed in place from the current weights at every rollout, i.e. after every optimizer
+step's rollout (``copy_`` per tensor; its seconds are in :attr:`HFGenerateEngine.refresh_seconds`
+and included in ``generate_seconds``). The copy is built once per model and kept outside it
+(never in its ``state_dict``, parameters, optimizer or checkpoints; see
+:mod:`maxent_grpo.rollout.generation_copy`), so the engine the trainer builds for each
+rollout reuses it. Generation on it runs with autocast off, so the same computation happens
+inside and outside the trainer's autocast region; the samples are the ``dtype`` model's,
+while the trainer still scores them with the policy itself. A model already in that dtype
+(``bf16-true``) generates as is. Refused (ValueError) where a copy cannot work: parameters
+sharded across ranks (FSDP2, ZeRO-3), or a model that is neither a ``PreTrainedModel`` nor a
+``peft`` model (LoRA: the copy carries the adapters, refreshed like the rest).
+
 Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
 or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.module``.
 When the parameters are sharded across ranks (FSDP2, DeepSpeed ZeRO-3), every forward pass
@@ -63,7 +80,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -77,6 +94,7 @@ from transformers import (
 )
 
 from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy
 from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
 from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
@@ -162,6 +180,10 @@ class HFGenerateEngine:
             decode step; see "Static cache" above).
         prompt_bucket: left-pad prompts to a multiple of this many tokens (1 = off), so
             that a static cache, and its compiled step, see few distinct shapes.
+        generation_dtype: ``model`` (generate on the model itself) or ``bfloat16`` /
+            ``float16``: generate on a copy of the weights in that dtype, refreshed at each
+            call (see "Generation copy" above); the refresh's seconds of the last call are
+            :attr:`refresh_seconds`.
     """
 
     def __init__(
@@ -173,6 +195,7 @@ class HFGenerateEngine:
         stop_token_ids: list[int] | None = None,
         cache: Literal["dynamic", "static"] = "dynamic",
         prompt_bucket: int = 1,
+        generation_dtype: Literal["model", "bfloat16", "float16"] = "model",
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -191,6 +214,12 @@ class HFGenerateEngine:
         check_bool("HFGenerateEngine.share_prefill", share_prefill)
         check_choice("HFGenerateEngine.cache", cache, ("dynamic", "static"))
         check_int("HFGenerateEngine.prompt_bucket", prompt_bucket, minimum=1)
+        check_choice("HFGenerateEngine.generation_dtype", generation_dtype,
+                     ("model", *DTYPES))
+        if generation_dtype != "model":
+            check_copyable(model, sharded_across_ranks(model))
+        self.generation_dtype = generation_dtype
+        self.refresh_seconds = 0.0  # the last call's refresh of the generation copy
         self.cache = cache
         self.prompt_bucket = prompt_bucket
         self.model = model
@@ -219,14 +248,15 @@ class HFGenerateEngine:
             prompt_mask[row, length - len(ids) :] = True
         return prompt_ids, prompt_mask
 
-    def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: int):
+    def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
+                        prompt_mask: torch.Tensor, group: int):
         """The key/value cache of the first ``P - 1`` tokens of each of the B prompts,
         repeated ``group`` times along the batch (prompt-major), as the keyword argument
         ``generate`` takes it; None when the model's output has no cache that can be
         repeated (the caller then uses the plain path)."""
         attention = prompt_mask.long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
+        out = model(
             input_ids=prompt_ids[:, :-1], attention_mask=attention[:, :-1],
             position_ids=positions[:, :-1], use_cache=True, logits_to_keep=1,
         )
@@ -254,6 +284,19 @@ class HFGenerateEngine:
             for index, layer in enumerate(prefix.layers):
                 cache.update(layer.keys, layer.values, index, {"cache_position": positions})
         return cache
+
+    def _generation_model(self, device: torch.device) -> tuple[nn.Module, Any]:
+        """The module to generate with, and the autocast context to run it in: the model
+        and no change (``generation_dtype: model``), else the refreshed generation copy (the
+        model itself when its weights already are in that dtype) with autocast off."""
+        self.refresh_seconds = 0.0
+        if self.generation_dtype == "model":
+            return self.model, contextlib.nullcontext()
+        dtype = DTYPES[self.generation_dtype]
+        model = self.model
+        if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
+            model, self.refresh_seconds = generation_copy(model, dtype)
+        return model, torch.autocast(device.type, enabled=False)
 
     def generate(
         self, prompts: list[str], answers: list[str], num_generations: int
@@ -292,23 +335,24 @@ class HFGenerateEngine:
         # stopped keeps stepping (without sampling) until every rank's have
         synced = {"synced_gpus": True} if sharded_across_ranks(self.model) else {}
         start = time.perf_counter()
-        with torch.no_grad(), _isolated_generation(self.model):
+        model, autocast = self._generation_model(device)
+        with torch.no_grad(), autocast, _isolated_generation(model):
             cache = None
             if (
                 self.share_prefill and group > 1 and prompt_ids.shape[1] > 1
-                and isinstance(self.model, PreTrainedModel)
+                and isinstance(model, PreTrainedModel)
             ):
-                cache = self._shared_prefill(prompt_ids, prompt_mask, group)
+                cache = self._shared_prefill(model, prompt_ids, prompt_mask, group)
             if cache is None:
                 if self.cache == "static":
                     config.cache_implementation = "static"
-                output = self.model.generate(
+                output = model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask.long(),
                     generation_config=config, **synced,
                 )  # (B*G, P + T)
             else:
                 config.num_return_sequences = 1
-                output = self.model.generate(
+                output = model.generate(
                     input_ids=prompt_ids.repeat_interleave(group, dim=0),
                     attention_mask=prompt_mask.long().repeat_interleave(group, dim=0),
                     **cache, generation_config=config, **synced,

@@ -1,0 +1,123 @@
+"""A low-precision copy of the policy's weights for generation (``generation_dtype``).
+
+Under ``bf16-mixed`` the policy keeps float32 weights and runs under autocast, which casts
+every weight at every decode step. :func:`generation_copy` instead keeps one copy of the
+model with its floating parameters and buffers in ``dtype`` (what ``model.to(dtype)`` would
+give) and refreshes it in place from the model's current weights at each call.
+
+Where the copy lives. Copies are held in a module-level ``weakref.WeakKeyDictionary`` keyed
+on the source model, not on the model: nothing is added to ``model.state_dict()``,
+``model.parameters()``, ``model.modules()``, the optimizer or a checkpoint, and the copy
+is dropped with its model. One copy per model: the trainer builds a new engine for every
+rollout, and all of them reuse it. The copy is rebuilt only when it no longer matches the
+model (another dtype, parameters or buffers renamed, reshaped or moved to another device).
+
+Building. ``copy.deepcopy`` with every floating parameter and buffer pre-cast in its memo,
+so the float32 weights are never duplicated on the way (peak extra memory: the copy
+itself); tied weights stay tied. The copy's parameters have ``requires_grad=False`` and the
+copy stays in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+#: source model -> its generation copy
+_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def check_copyable(model: nn.Module, sharded: bool) -> None:
+    """Refuse (ValueError naming the fix) a model a copy would be wrong for: parameters
+    sharded across ranks (``sharded``: a copy would hold one rank's shards), or neither a
+    ``PreTrainedModel`` nor a ``peft`` model wrapping one."""
+    if sharded:
+        raise ValueError(
+            "HFGenerateEngine.generation_dtype: the model's parameters are sharded across "
+            "ranks (FSDP2 / DeepSpeed ZeRO-3), and a copy of one rank's shards cannot "
+            "generate; use generation_dtype: model (or a strategy that replicates the weights, "
+            "such as DDP)"
+        )
+    if not isinstance(model, PreTrainedModel) and not _is_peft(model):
+        raise ValueError(
+            f"HFGenerateEngine.generation_dtype: a {type(model).__name__} cannot be copied "
+            "for generation (only a transformers PreTrainedModel or a peft model wrapping one "
+            "can); use generation_dtype: model"
+        )
+
+
+def _state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters, then the buffers, by name (each shared tensor once)."""
+    yield from model.named_parameters()
+    yield from (("buffer:" + name, b) for name, b in model.named_buffers())
+
+
+def _matches(source: nn.Module, target: nn.Module, dtype: torch.dtype) -> bool:
+    """``target`` has ``source``'s tensors (names, shapes, devices), floating ones in dtype."""
+    ours, theirs = list(_state(source)), list(_state(target))
+    return len(ours) == len(theirs) and all(
+        n == m and a.shape == b.shape and a.device == b.device
+        and b.dtype == (dtype if a.is_floating_point() else a.dtype)
+        for (n, a), (m, b) in zip(ours, theirs, strict=True)
+    )
+
+
+def build_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A deep copy of ``model`` whose floating parameters and buffers are in ``dtype``
+    (frozen, eval mode), built without a float32 duplicate."""
+    memo: dict[int, object] = {}
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and id(tensor) not in memo:
+                cast = tensor.detach().to(dtype=dtype, copy=True)
+                memo[id(tensor)] = (nn.Parameter(cast, requires_grad=False)
+                                    if isinstance(tensor, nn.Parameter) else cast)
+    duplicate = copy.deepcopy(model, memo)
+    duplicate.requires_grad_(False)
+    return duplicate.eval()
+
+
+def refresh_copy(source: nn.Module, target: nn.Module) -> None:
+    """Copy ``source``'s current parameters and buffers into ``target`` in place (cast to
+    ``target``'s dtypes); the two must match (:func:`_matches`)."""
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(_state(target), _state(source), strict=True):
+            mine.copy_(theirs)
+
+
+def generation_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, float]:
+    """``model``'s generation copy in ``dtype``, holding its current weights, and the
+    seconds the refresh took (0 when the copy was just built).
+
+    The cached copy is refreshed in place; a missing or mismatched one is (re)built."""
+    cached = _COPIES.get(model)
+    start = time.perf_counter()
+    if cached is not None and _matches(model, cached, dtype):
+        refresh_copy(model, cached)
+        if next(cached.parameters()).device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        logger.debug("generation copy refreshed in %.4f s", seconds)
+        return cached, seconds
+    _COPIES.pop(model, None)  # free a stale copy before building the new one
+    cached = _COPIES[model] = build_copy(model, dtype)
+    numel = sum(p.numel() for p in cached.parameters())
+    logger.info("generation copy of %s in %s: %.1f M parameters, %.0f MiB, built in %.3f s",
+                type(model).__name__, dtype, numel / 1e6,
+                numel * torch.finfo(dtype).bits / 8 / 2**20, time.perf_counter() - start)
+    return cached, 0.0
