@@ -18,6 +18,7 @@ from maxent_grpo.core.control import (
 )
 from maxent_grpo.core.divergence import clip_fractions, importance_ratio, kl_penalty
 from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
+from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.core.listwise import (
     distinct_candidates,
     group_utility,
@@ -51,6 +52,7 @@ __all__ = [
     "distinct_at_k",
     "entropy_gate_multiplier",
     "entropy_target_at",
+    "fused_head_log_softmax",
     "group_advantages",
     "group_utility",
     "group_weights",

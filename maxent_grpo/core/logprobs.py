@@ -140,6 +140,43 @@ def _block_log_probs(z: torch.Tensor, shift: torch.Tensor, lse: torch.Tensor) ->
     return (z - shift.unsqueeze(-1)) - lse.unsqueeze(-1)
 
 
+def block_forward(
+    z: torch.Tensor, index: torch.Tensor, out: torch.Tensor, shift: torch.Tensor,
+    lse: torch.Tensor, ent: torch.Tensor | None,
+) -> None:
+    """For one ``(tokens, V)`` block of logits ``z`` in the compute dtype: write the chosen
+    tokens' log-probs into ``out``, ``max_v z`` and ``logsumexp(z - max)`` into ``shift``
+    and ``lse``, and the exact entropy into ``ent`` unless it is None (all ``(tokens,)``)."""
+    shifted = _shift_block(z, shift, lse)
+    logp = shifted - lse.unsqueeze(-1)
+    out.copy_(logp.gather(-1, index.unsqueeze(-1)).squeeze(-1))
+    if ent is not None:
+        plogp = (torch.exp(logp) * logp).masked_fill_(torch.isneginf(logp), 0.0)
+        ent.copy_(-plogp.sum(dim=-1))
+
+
+def block_grad(
+    logp: torch.Tensor, index: torch.Tensor, grad_out: torch.Tensor,
+    grad_ent: torch.Tensor | None = None, ent: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient ``(tokens, V)`` with respect to one block's logits of
+    ``sum g * logp[y]`` (+ ``sum h * H`` when ``grad_ent`` is given), from the block's
+    log-probabilities ``logp`` (compute dtype) and, for the entropy, its ``H``::
+
+        d/dz_v = g ([v == y] - p_v) - h p_v (log p_v + H)
+    """
+    g = grad_out.to(logp.dtype).unsqueeze(-1)  # (tokens, 1)
+    p = torch.exp(logp)
+    if grad_ent is None:
+        row = p.mul_(-g)  # -g p
+    else:
+        h = grad_ent.to(logp.dtype).unsqueeze(-1)
+        entropy_part = (logp + ent.unsqueeze(-1)).mul_(p)
+        entropy_part.masked_fill_(torch.isneginf(logp), 0.0)
+        row = entropy_part.mul_(-h).sub_(p.mul_(g))  # -h p (log p + H) - g p
+    return row.scatter_add_(-1, index.unsqueeze(-1), g)  # + g at the chosen token
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """``out[n, t] = z[n, t, y] - logsumexp_v z[n, t, v]`` with ``y = index[n, t]``.
 
@@ -171,10 +208,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for n, t in _blocks(logits):
             logp = _block_log_probs(logits[n, t].to(lse.dtype), shift[n, t], lse[n, t])
-            g = grad_out[n, t].to(lse.dtype).unsqueeze(-1)  # (block, 1)
-            row = torch.exp(logp).mul_(-g)  # -g * p
-            row.scatter_add_(-1, index[n, t].unsqueeze(-1), g)  # + g at the chosen token
-            grad[n, t] = row
+            grad[n, t] = block_grad(logp, index[n, t], grad_out[n, t])
         return grad, None
 
 
@@ -236,11 +270,8 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         out = torch.empty(n_rows, n_tok, dtype=dtype, device=logits.device)
         ent, shift, lse = torch.empty_like(out), torch.empty_like(out), torch.empty_like(out)
         for n, t in _blocks(logits):
-            shifted = _shift_block(logits[n, t].to(dtype), shift[n, t], lse[n, t])
-            logp = shifted - lse[n, t].unsqueeze(-1)
-            out[n, t] = logp.gather(-1, index[n, t].unsqueeze(-1)).squeeze(-1)
-            plogp = (torch.exp(logp) * logp).masked_fill_(torch.isneginf(logp), 0.0)
-            ent[n, t] = -plogp.sum(dim=-1)
+            block_forward(logits[n, t].to(dtype), index[n, t], out[n, t], shift[n, t],
+                          lse[n, t], ent[n, t])
         ctx.save_for_backward(logits, index, shift, lse, ent)
         return out, ent
 
@@ -255,14 +286,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for n, t in _blocks(logits):
             logp = _block_log_probs(logits[n, t].to(lse.dtype), shift[n, t], lse[n, t])
-            p = torch.exp(logp)
-            g = grad_out[n, t].to(lse.dtype).unsqueeze(-1)  # (block, 1)
-            h = grad_ent[n, t].to(lse.dtype).unsqueeze(-1)
-            entropy_part = (logp + ent[n, t].unsqueeze(-1)).mul_(p)
-            entropy_part.masked_fill_(torch.isneginf(logp), 0.0)
-            row = entropy_part.mul_(-h).sub_(p.mul_(g))  # -h p (log p + H) - g p
-            row.scatter_add_(-1, index[n, t].unsqueeze(-1), g)  # + g at the chosen token
-            grad[n, t] = row
+            grad[n, t] = block_grad(logp, index[n, t], grad_out[n, t], grad_ent[n, t], ent[n, t])
         return grad, None
 
 

@@ -122,6 +122,11 @@ class MaxEntGRPOModule(L.LightningModule):
         min_lr_ratio: deprecated, with ``lr_schedule``.
         dtype: parameter dtype of the policy and reference.
         gradient_checkpointing: trade compute for memory in the policy forward.
+        fused_lm_head: score from the decoder's hidden states with the LM head fused into
+            the log-softmax, so the ``(n, T, V)`` logits and their gradient never exist
+            (:mod:`maxent_grpo.training.scoring`). ``None``: on CUDA for models that
+            qualify (a bias-free linear head, no logit transform, not sharded); ``true``:
+            required for the policy; ``false``: never.
         peft: train ``peft`` adapters instead of all weights (``class_path: peft.LoraConfig``
             with ``r``, ``lora_alpha``, ``target_modules``; :mod:`maxent_grpo.adapters`):
             the base weights are frozen and the reference is the policy with its adapters
@@ -165,6 +170,7 @@ class MaxEntGRPOModule(L.LightningModule):
         min_lr_ratio: float | None = None,
         dtype: Dtype = "float32",
         gradient_checkpointing: bool = False,
+        fused_lm_head: bool | None = None,
         peft: PeftConfig | None = None,
         share_prefill: bool | None = None,
         model_cache_dir: str | None = None,
@@ -205,7 +211,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.engine_factory = engine
-        self.scorer = Scorer(temperature, self.loop.scoring)
+        self.scorer = Scorer(temperature, self.loop.scoring, fused_lm_head)
         self.step_metrics = StepMetrics(self.rewards.names)
         self.evaluator = Evaluator(self.rewards, self.loop.evaluation)
         self.logging_view = LoggingConfigView(

@@ -9,6 +9,20 @@ of each completion token at the sampling temperature (docs/ALGORITHM.md §0)::
 
 Only the completion logits are materialised (``logits_to_keep = T + 1``), and the fused
 :func:`~maxent_grpo.core.selective_log_softmax` never builds a float32 ``(n, T, V)`` copy.
+
+Fused LM head (``model.fused_lm_head``). Where it is on, the logits are not materialised at
+all: the scorer runs the model's decoder (``get_decoder()``) for the hidden states and
+:func:`~maxent_grpo.core.fused_head.fused_head_log_softmax` forms the logits block by block
+from the head's weight, forward and backward. ``None`` (the default) turns it on on CUDA,
+where it saves the ``(n, T, V)`` logits and their gradient; the CPU keeps the logits path,
+whose memory and time benchmarks/RESULTS.md records. A model qualifies when its LM head is
+a bias-free ``nn.Linear`` (``get_output_embeddings()``), its config transforms no logits
+after the head (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``), and its
+parameters are not sharded across ranks (FSDP2 / ZeRO-3 gather them inside the full
+model's forward only); the first time a model is scored, one row's logits are formed both
+ways and a disagreement beyond bf16 rounding switches that model back to the logits path
+with a warning. ``True`` requires it for the policy (an error says why a model cannot); frozen
+models (reference, behaviour) use it where they qualify. ``False`` never uses it.
 Position ids follow the left padding exactly as in generation. The policy's scores, with
 gradient, come back as the documented :class:`~maxent_grpo.training.types.SequenceScores`;
 frozen models (reference, behaviour) are scored without gradient, micro-batch by
@@ -17,20 +31,139 @@ micro-batch.
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from maxent_grpo.core import selective_log_softmax, selective_log_softmax_with_entropy
+from maxent_grpo.core.fused_head import fused_head_log_softmax
+from maxent_grpo.rollout.hf import sharded_across_ranks
 from maxent_grpo.training.batching import MicroBatchPlan, plan_micro_batches
 from maxent_grpo.training.types import BatchingSettings, SequenceScores
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config fields of architectures that change the logits after the LM head (Gemma 2's
+soft-capping, Cohere's and Granite's scales): such models are never fused unless the value
+is neutral (None or 1)."""
+
+HEAD_CHECK_TOLERANCE = 0.02
+"""Largest relative difference ``|decoder(x) W^T - logits| / |logits|`` over one row for a
+model to keep the fused head: bf16 rounding is ~0.004, a logit transform the fused head
+would miss (a scale, a soft-cap on logits of trained size) is far larger."""
+
+
+def fused_head_parts(model: nn.Module) -> tuple[nn.Module, Tensor] | str:
+    """``(decoder, head weight)`` of a causal LM whose logits are ``decoder(...) @ W^T``,
+    or the reason the LM head cannot be fused for ``model``."""
+    if sharded_across_ranks(model):
+        return "its parameters are sharded across ranks (FSDP2 / DeepSpeed ZeRO-3)"
+    get_head = getattr(model, "get_output_embeddings", None)
+    get_decoder = getattr(model, "get_decoder", None)
+    if not (callable(get_head) and callable(get_decoder)):
+        return (f"{type(model).__name__} has no get_output_embeddings/get_decoder (not a "
+                f"transformers causal LM)")
+    head = get_head()
+    if type(head) is not nn.Linear or head.bias is not None:
+        return (f"its LM head is a {type(head).__name__}"
+                f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}, not a "
+                f"bias-free torch.nn.Linear (a LoRA adapter on lm_head, quantisation, ...)")
+    config = getattr(model, "config", None)
+    for name in LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1:
+            return f"its config sets {name} = {value!r}: the logits change after the head"
+    decoder = get_decoder()
+    if decoder is model or not isinstance(decoder, nn.Module):
+        return "get_decoder() does not return the decoder under the LM head"
+    return decoder, head.weight
+
 
 class Scorer:
-    """Log-probs of completions at ``temperature``, micro-batched per ``batching``."""
+    """Log-probs of completions at ``temperature``, micro-batched per ``batching``;
+    ``fused_head`` as ``model.fused_lm_head`` (see the module docstring)."""
 
-    def __init__(self, temperature: float, batching: BatchingSettings) -> None:
+    def __init__(
+        self, temperature: float, batching: BatchingSettings, fused_head: bool | None = None
+    ) -> None:
         self.temperature = float(temperature)
         self.batching = batching
+        self.fused_head = fused_head
+        # model -> (decoder, weight) once checked, or None for the logits path
+        self._heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _head(
+        self, model: nn.Module, input_ids: Tensor, attention: Tensor, positions: Tensor,
+        T: int, required: bool,
+    ) -> tuple[nn.Module, Tensor] | None:
+        """The fused head's parts for ``model``, or None for the logits path; decided on
+        the first call for each model (one row's logits formed both ways)."""
+        if model in self._heads:
+            return self._heads[model]
+        wanted = self.fused_head if self.fused_head is not None else (
+            input_ids.device.type == "cuda")
+        parts = fused_head_parts(model) if wanted else None
+        if isinstance(parts, str):
+            if required:
+                raise ValueError(f"model.fused_lm_head is true but the policy's LM head cannot "
+                                 f"be fused: {parts}; set model.fused_lm_head: null (or false)")
+            parts = None
+        if parts is not None:
+            gap = self._head_gap(model, parts, input_ids[:1], attention[:1], positions[:1], T)
+            if not gap <= HEAD_CHECK_TOLERANCE:
+                message = (f"decoder(...) @ W^T differs from {type(model).__name__}'s logits by "
+                           f"{gap:.3g} of their norm (more than {HEAD_CHECK_TOLERANCE}): the "
+                           f"model transforms its logits after the head")
+                if required:
+                    raise ValueError(f"model.fused_lm_head is true but {message}; set "
+                                     f"model.fused_lm_head: false")
+                warnings.warn(f"{message}; scoring this model through its logits", stacklevel=2)
+                parts = None
+        self._heads[model] = parts
+        return parts
+
+    @torch.no_grad()
+    def _head_gap(
+        self, model: nn.Module, parts: tuple[nn.Module, Tensor], input_ids: Tensor,
+        attention: Tensor, positions: Tensor, T: int,
+    ) -> float:
+        """``|decoder(x) W^T - logits| / |logits|`` over one row's last ``T`` logits."""
+        decoder, weight = parts
+        hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                         use_cache=False).last_hidden_state[:, -T - 1 : -1]
+        ours = torch.nn.functional.linear(hidden, weight).float()  # (1, T, V): one row
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1].float()
+        if ours.shape != logits.shape:
+            return float("inf")
+        return float((ours - logits).norm() / logits.norm().clamp(min=1e-12))
+
+    def _fused_logps(
+        self, parts: tuple[nn.Module, Tensor], input_ids: Tensor, attention: Tensor,
+        positions: Tensor, T: int, with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        decoder, weight = parts
+        hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                         use_cache=False).last_hidden_state  # (n, P+T, H)
+        return fused_head_log_softmax(hidden[:, -T - 1 : -1], weight, input_ids[:, -T:],
+                                      self.temperature, with_entropy)
+
+    def _logits_logps(
+        self, model: nn.Module, input_ids: Tensor, attention: Tensor, positions: Tensor,
+        T: int, with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        out = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions,
+            logits_to_keep=T + 1, use_cache=False,
+        )
+        logits = out.logits[:, :-1, :]  # (n, T, V), a view
+        if self.temperature != 1.0:  # a full (n, T, V) copy: only when it matters
+            logits = logits / self.temperature
+        index = input_ids[:, -T:]
+        if with_entropy:  # one pass, one (n, T, V) gradient
+            return selective_log_softmax_with_entropy(logits, index)
+        return selective_log_softmax(logits, index), None
 
     def plan(self, prompt_mask: Tensor, completion_mask: Tensor, G: int) -> list[MicroBatchPlan]:
         """The micro-batches of whole groups of a ``(N, P)`` / ``(N, T)`` batch within the
@@ -46,22 +179,17 @@ class Scorer:
 
     def token_logps(
         self, model: torch.nn.Module, input_ids: Tensor, attention: Tensor, T: int,
-        with_entropy: bool,
+        with_entropy: bool, policy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Token log-probs ``(n, T)`` of the last ``T`` tokens of ``input_ids`` ``(n, P+T)``,
-        and their exact entropy ``(n, T)`` when ``with_entropy`` (else None)."""
+        and their exact entropy ``(n, T)`` when ``with_entropy`` (else None); ``policy``:
+        ``model`` is the policy (``fused_lm_head: true`` then requires the fused head)."""
         positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
-        out = model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions,
-            logits_to_keep=T + 1, use_cache=False,
-        )
-        logits = out.logits[:, :-1, :]  # (n, T, V), a view
-        if self.temperature != 1.0:  # a full (n, T, V) copy: only when it matters
-            logits = logits / self.temperature
-        index = input_ids[:, -T:]
-        if with_entropy:  # one pass, one (n, T, V) gradient
-            return selective_log_softmax_with_entropy(logits, index)
-        return selective_log_softmax(logits, index), None
+        parts = None if self.fused_head is False else self._head(
+            model, input_ids, attention, positions, T, policy and self.fused_head is True)
+        if parts is not None:
+            return self._fused_logps(parts, input_ids, attention, positions, T, with_entropy)
+        return self._logits_logps(model, input_ids, attention, positions, T, with_entropy)
 
     def policy_scores(
         self, model: torch.nn.Module, input_ids: Tensor, attention: Tensor, mask: Tensor,
@@ -73,7 +201,7 @@ class Scorer:
         ``mask`` ``(n, T)`` is the loss mask; ``old_logps`` the behaviour log-probs (None
         when the behaviour policy is the current one, ``num_iterations = 1``)."""
         logps, entropy = self.token_logps(model, input_ids, attention, mask.shape[1],
-                                          with_entropy)
+                                          with_entropy, policy=True)
         m = mask.to(logps.dtype)
         cur = (logps.detach() * m).sum(-1)  # (n,)
         behaviour = cur if old_logps is None else (old_logps * m).sum(-1)

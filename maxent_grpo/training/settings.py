@@ -174,6 +174,8 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     check_number("model.gradient_clip_val", o["gradient_clip_val"], minimum=0, strict=True,
                  allow_none=True)
     check_int("model.lr_warmup_steps", o["lr_warmup_steps"], minimum=0)
+    if o["fused_lm_head"] is not None:
+        check_bool("model.fused_lm_head", o["fused_lm_head"])
     legacy = None
     if o["lr_schedule"] is not None or o["min_lr_ratio"] is not None:
         require(o["lr_scheduler"] is None,
