@@ -10,7 +10,9 @@ time is taken by a callback from ``on_train_batch_start`` to ``on_train_batch_en
 module's own ``train/perf/*`` phases are recorded too). Settings mirror ``_trl.py``: GRPO with
 ``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``beta=0`` (no reference model),
 ``num_iterations=1``, one micro-batch, temperature 1 / top_p 1 / top_k 0, AdamW (weight decay
-0) at a constant learning rate, gradient clipping at 1.0, float32.
+0) at a constant learning rate, gradient clipping at 1.0, float32. ``--cache`` and
+``--generation-dtype`` set the rollout engine's key/value cache and generation copy; with a
+copy, each step's ``refresh_s`` (the copy's refresh, part of ``generate_s``) is recorded.
 """
 
 from __future__ import annotations
@@ -30,15 +32,31 @@ import bench_common as bc  # noqa: E402
 PERF_KEYS = ("generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s")
 
 
+class RecordingEngines:
+    """The run's engine factory: ``HFGenerateEngine(model, tokenizer, sampling, **options)``,
+    keeping the last engine built so that the step clock can read its ``refresh_seconds``."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+        self.last: Any = None
+
+    def __call__(self, model: Any, tokenizer: Any, sampling: Any) -> Any:
+        from maxent_grpo.rollout import HFGenerateEngine
+
+        self.last = HFGenerateEngine(model, tokenizer, sampling, **self.options)
+        return self.last
+
+
 def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
-          beta: float = 0.0, callbacks: list | None = None, cache: str = "dynamic"):
+          beta: float = 0.0, callbacks: list | None = None, cache: str = "dynamic",
+          generation_dtype: str = "model"):
     """The Lightning Trainer, module and DataModule of one run of ``total_steps`` steps;
-    ``cache`` is the rollout engine's key/value cache (``static``: prompts bucketed by 64)."""
+    ``cache`` is the rollout engine's key/value cache (``static``: prompts bucketed by 64),
+    ``generation_dtype`` its generation copy (``model``: none)."""
     import lightning as L
     import torch
 
     from maxent_grpo.objectives import GRPO
-    from maxent_grpo.rollout import HFGenerateEngine
     from maxent_grpo.training.data import PromptDataModule
     from maxent_grpo.training.module import MaxEntGRPOModule
 
@@ -49,8 +67,8 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
         model_name_or_path=model_dir,
         objective=GRPO(loss_type="dr_grpo", scale_rewards="none", beta=beta),
         rewards={"bench_common:digit_fraction": 1.0},
-        engine=functools.partial(HFGenerateEngine, cache=cache,
-                                 prompt_bucket=64 if cache == "static" else 1),
+        engine=RecordingEngines(cache=cache, prompt_bucket=64 if cache == "static" else 1,
+                                generation_dtype=generation_dtype),
         num_generations=workload.num_generations,
         max_completion_length=workload.max_completion_length,
         max_prompt_length=1024,
@@ -97,6 +115,9 @@ def make_step_clock(gate: bc.LockstepGate | None = None):
             wall = time.perf_counter() - self._t0
             stats = pl_module.step_log.as_dict()
             perf = {k: float(stats[f"perf/{k}"]) for k in PERF_KEYS}
+            engine = getattr(pl_module.engine_factory, "last", None)
+            if getattr(engine, "generation_dtype", "model") != "model":
+                perf["refresh_s"] = engine.refresh_seconds
             tokens = round(perf["tokens_per_s"] * perf["step_s"])  # completion tokens
             self.steps.append({"wall_s": wall, "completion_tokens": tokens, **perf})
             gate.done()
@@ -106,13 +127,14 @@ def make_step_clock(gate: bc.LockstepGate | None = None):
 
 def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int = 0,
         beta: float = 0.0, extra_callbacks: list | None = None, lockstep: bool = False,
-        cache: str = "dynamic") -> dict[str, Any]:
+        cache: str = "dynamic", generation_dtype: str = "model") -> dict[str, Any]:
     import torch
 
     clock = make_step_clock(bc.LockstepGate(lockstep))
     start = time.perf_counter()
     trainer, module, data = build(workload, folder, warmup + steps, seed, beta,
-                                  [clock, *(extra_callbacks or [])], cache=cache)
+                                  [clock, *(extra_callbacks or [])], cache=cache,
+                                  generation_dtype=generation_dtype)
     trainer.fit(module, data)
     timed = clock.steps[warmup:]
     if len(timed) != steps:
@@ -123,10 +145,12 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "workload": workload.name,
         "step_s": [s["wall_s"] for s in timed],
         "completion_tokens": [s["completion_tokens"] for s in timed],
-        "phases": {k: [s[k] for s in timed] for k in PERF_KEYS},
+        "phases": {k: [s[k] for s in timed] for k in (*PERF_KEYS, "refresh_s")
+                   if k in timed[0]},
         "peak_rss_mib": bc.peak_rss_mib(),
         "peak_cuda_mib": bc.peak_cuda_mib(),
         "cache": cache,
+        "generation_dtype": generation_dtype,
         "total_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "versions": bc.versions("torch", "transformers", "lightning"),

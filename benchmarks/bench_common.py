@@ -336,10 +336,15 @@ def worker_main(run: Any, description: str) -> None:
                         help="wait for a line on stdin before each step (driver-paced)")
     parser.add_argument("--cache", choices=("dynamic", "static"), default=None,
                         help="ours only: the rollout engine's key/value cache")
+    parser.add_argument("--generation-dtype", choices=("model", "bfloat16", "float16"),
+                        default=None, help="ours only: generate on a copy of the weights "
+                        "in this dtype (HFGenerateEngine.generation_dtype)")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     folder = workload_dir(workload.name, fixed_length=not args.allow_eos)
     warmup = workload.warmup if args.warmup is None else args.warmup
     steps = workload.steps if args.steps is None else args.steps
     extra = {} if args.cache is None else {"cache": args.cache}
+    if args.generation_dtype is not None:
+        extra["generation_dtype"] = args.generation_dtype
     emit_result(run(workload, folder, warmup, steps, args.seed, lockstep=args.lockstep, **extra))

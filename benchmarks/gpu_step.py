@@ -1,4 +1,4 @@
-"""GPU benchmark: one training step of ours (dynamic and static key/value cache) vs TRL.
+"""GPU benchmark: one training step of ours (dynamic / static key/value cache, bf16 copy) vs TRL.
 
 The workload of issue 13, built offline (``bench_common.WORKLOADS["qwen0.5b-gpu"]``): a
 randomly initialised model shaped exactly like Qwen2.5-0.5B-Instruct (hidden 896, 24 layers,
@@ -11,10 +11,13 @@ GRPO ``dr_grpo``, beta = 0, one optimizer step per rollout, AdamW, clip 1.0. One
     python benchmarks/gpu_step.py --shape tiny-cpu   # every stage at a tiny shape, on CPU
 
 Each side runs in its own process, one after the other (``_ours.py --cache dynamic``,
-``_ours.py --cache static``, ``_trl.py``): 2 warm-up and 6 timed steps. Printed per side:
-median step seconds, median generation seconds, everything else (step - generation),
-completion tokens per second and peak ``torch.cuda.max_memory_allocated``; then TRL's median
-step over each of ours. Results: ``benchmarks/results/gpu_step.json`` (``--out``).
+``_ours.py --cache static``, ``_ours.py --cache static --generation-dtype bfloat16``: the
+rollout on a bf16 copy of the float32 weights, refreshed before each rollout, and
+``_trl.py``): 2 warm-up and 6 timed steps. Printed per side: median step seconds, median
+generation seconds, everything else (step - generation), completion tokens per second and
+peak ``torch.cuda.max_memory_allocated``; then TRL's median step over each of ours, and the
+median refresh of the bf16 copy (part of its generation seconds). Results:
+``benchmarks/results/gpu_step.json`` (``--out``).
 
 TRL runs with ``--trl-python`` (default ``benchmarks/.venv-trl/bin/python`` when it exists,
 else this interpreter, as on a GPU machine where trl is installed beside our dependencies).
@@ -48,6 +51,8 @@ def sides(trl_python: str) -> dict[str, list[str]]:
     return {
         "ours (dynamic cache)": [*ours, "--cache", "dynamic"],
         "ours (static cache)": [*ours, "--cache", "static"],
+        "ours (static cache, bf16 copy)": [*ours, "--cache", "static",
+                                           "--generation-dtype", "bfloat16"],
         "trl": [trl_python, str(bc.BENCH_DIR / "_trl.py")],
     }
 
@@ -75,6 +80,8 @@ def summary(result: dict[str, Any]) -> dict[str, float | None]:
         "other_s": bc.median([s - g for s, g in zip(steps, gen, strict=True)]),
         "tokens_per_s": bc.median(tokens),
         "peak_cuda_gib": None if peak is None else peak / 1024,
+        "refresh_s": bc.median(result["phases"]["refresh_s"])
+        if "refresh_s" in result["phases"] else None,
     }
 
 
@@ -91,6 +98,12 @@ def markdown(report: dict[str, Any]) -> str:
         for side, s in report["summary"].items():
             if side != "trl":
                 rows.append(f"TRL step / {side} step: {trl['step_s'] / s['step_s']:.2f}x")
+    refreshes = [(side, s["refresh_s"]) for side, s in report["summary"].items()
+                 if s.get("refresh_s") is not None]
+    if refreshes:
+        rows.append("")
+    for side, seconds in refreshes:
+        rows.append(f"{side}: weight-copy refresh {seconds:.4f} s per rollout (in generate)")
     return "\n".join(rows)
 
 
