@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,12 @@ def _is_peft(model: nn.Module) -> bool:
 
 def check_copyable(model: nn.Module, sharded: bool) -> None:
     """Refuse (ValueError naming the fix) a model a copy would be wrong for: parameters
-    sharded across ranks (``sharded``: a copy would hold one rank's shards), or neither a
-    ``PreTrainedModel`` nor a ``peft`` model wrapping one."""
-    if sharded:
+    sharded across ranks (``sharded``: a copy would hold one rank's shards; an FSDP2 or
+    ZeRO-3 model is refused even on one process), or neither a ``PreTrainedModel`` nor a
+    ``peft`` model wrapping one."""
+    if sharded or isinstance(model, FSDPModule) or any(
+        hasattr(p, "ds_id") for p in model.parameters()
+    ):
         raise ValueError(
             "HFGenerateEngine.generation_dtype: the model's parameters are sharded across "
             "ranks (FSDP2 / DeepSpeed ZeRO-3), and a copy of one rank's shards cannot "

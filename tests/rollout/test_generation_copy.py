@@ -158,6 +158,11 @@ def test_refused_where_a_copy_cannot_work(tiny, monkeypatch) -> None:
         engine(model, tokenizer, "fp8")
     with pytest.raises(ValueError, match="FixedLM cannot be copied.*generation_dtype: model"):
         engine(FixedLM([[5, 2]]), tokenizer)
+    monkeypatch.setattr(model.lm_head.weight, "ds_id", 0, raising=False)  # ZeRO-3, 1 process
+    with pytest.raises(ValueError, match="sharded across ranks.*generation_dtype: model"):
+        engine(model, tokenizer)
+    monkeypatch.delattr(model.lm_head.weight, "ds_id")
+    engine(model, tokenizer)
     monkeypatch.setattr(hf, "sharded_across_ranks", lambda m: True)
     with pytest.raises(ValueError, match="sharded across ranks.*generation_dtype: model"):
         engine(model, tokenizer)
