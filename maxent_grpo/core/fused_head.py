@@ -35,10 +35,15 @@ from maxent_grpo.core.logprobs import _block_log_probs, block_forward, block_gra
 
 __all__ = ["fused_head_log_softmax", "head_block_tokens"]
 
-HEAD_BLOCK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+HEAD_BLOCK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
 """Logit values formed at once (block tokens x V), by device type; other devices use the
-CPU's. On the CPU 4 Mi values (16 MiB as float32); on CUDA 64 Mi (256 MiB as float32,
-~440 tokens at V = 151,936), large enough for the block's matmul to run at full rate."""
+CPU's. Each block reads the whole weight four times (forward, recomputation and the two
+gradient products), so small blocks are bound by memory traffic. On the CPU 16 Mi values
+(64 MiB as float32, 110 tokens at V = 151,936): measured with entropy, forward and
+backward, at n=4, T=256, H=896 on one thread (benchmarks/gpu_scoring.py), blocks of 2^22
+values took 24.2 s, 2^24 17.6 s, 2^25 15.1 s and 2^26 16.5 s, with peaks growing from 1.2
+to 2.5 GB (the unfused formula: 9.8 s). On CUDA 64 Mi (256 MiB as float32, ~440 tokens),
+large enough for the block's matmul to run at full rate; to be measured on a GPU."""
 
 
 def head_block_tokens(vocab: int, device_type: str) -> int:
@@ -114,8 +119,12 @@ class _FusedHead(torch.autograd.Function):
                 dz = dz.to(mm)
                 if grad_h is not None:
                     grad_h[s] = dz @ w
-                if grad_w is not None:
-                    grad_w += (dz.T @ hb).to(grad_w.dtype)
+                if grad_w is None:
+                    continue
+                if dz.dtype == grad_w.dtype:  # float32/float64: in place, no (V, H) temporary
+                    grad_w.addmm_(dz.T, hb)
+                else:  # a bf16/fp16 (V, H) product, summed into the float32 accumulator
+                    grad_w += dz.T @ hb
         grad_hidden = None if grad_h is None else grad_h.view(ctx.shape)
         grad_weight = None if grad_w is None else grad_w.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

@@ -116,7 +116,7 @@ def test_no_tensor_of_the_logits_size_is_saved_for_backward():
 
 def test_block_size_defaults():
     assert head_block_tokens(151_936, "cuda") == (1 << 26) // 151_936
-    assert head_block_tokens(151_936, "cpu") == (1 << 22) // 151_936
+    assert head_block_tokens(151_936, "cpu") == (1 << 24) // 151_936
     assert head_block_tokens(1 << 30, "cpu") == 1
     assert head_block_tokens(1000, "mps") == head_block_tokens(1000, "cpu")
 
