@@ -1,78 +1,132 @@
-"""GPU scoring: time and peak memory of token log-probs (and exact entropy) with gradient.
+"""Scoring: time and peak memory of token log-probs (and exact entropy) with gradient, from
+the last hidden states through the LM head.
 
-The issue-13 shape by default: logits ``(16, 1024, 151936)`` bf16 that require grad (what
-the policy's LM head hands to scoring). Variants, each forward + backward of
-``sum(a * logp) [+ sum(b * H)]``:
+The issue-13 shape by default: hidden states ``(16, 1024, 896)`` that require grad and the
+LM head's weight ``(151936, 896)``, float32 under bf16 autocast on CUDA (``bf16-mixed``,
+whose logits ``(16, 1024, 151936)`` bf16 are what the unfused paths hand to scoring);
+float32 without autocast on the CPU. Variants, each forward + backward of
+``sum(a * logp) [+ sum(b * H)]``, gradients to the hidden states and the weight:
 
-- ``plain``: ``L = log_softmax(z.float())``, ``logp = L.gather(y)``, ``H = -(exp(L) * L).sum``;
-- ``ours``: :func:`maxent_grpo.core.selective_log_softmax` (``..._with_entropy``) with the
-  device's block size (:func:`maxent_grpo.core.logprobs.block_elements`: a 32nd of the
-  logits on CUDA);
-- ``ours-2Mi``: the same with the CPU's 2 Mi-value blocks (what issue 13 measured at 6x the
-  plain time).
+- ``plain``: ``z = h W^T``, ``L = log_softmax(z.float())``, ``logp = L.gather(y)``,
+  ``H = -(exp(L) * L).sum``;
+- ``blocks``: ``z = h W^T``, then :func:`maxent_grpo.core.selective_log_softmax`
+  (``..._with_entropy``) with the device's block size
+  (:func:`maxent_grpo.core.logprobs.block_elements`: a 32nd of the logits on CUDA);
+- ``blocks-2Mi``: the same with the CPU's 2 Mi-value blocks (what issue 13 measured at 6x
+  the plain time on the GPU);
+- ``fused-head``: :func:`maxent_grpo.core.fused_head.fused_head_log_softmax`, the head's
+  matmul inside the blocks: the logits never exist (``model.fused_lm_head``).
 
-Per variant: median seconds over ``--repeats`` runs after one warm-up, and on CUDA the peak
-``max_memory_allocated`` above the inputs, as a multiple of the logits' bytes (targets: time
-within 1.2x plain, memory at most 1.2x the logits)::
+Per variant: median seconds over ``--repeats`` runs after one warm-up, and the peak memory
+above the inputs (``max_memory_allocated`` on CUDA; on the CPU the largest sum of live
+tensors, counted by a ``TorchDispatchMode``), as a multiple of the bf16 logits' bytes
+(targets: time within 1.2x plain, memory at most 1.2x the logits)::
 
-    python benchmarks/gpu_scoring.py                        # on a GPU, about a minute
-    python benchmarks/gpu_scoring.py --n 2 --t 16 --v 1000  # every stage on the CPU
+    python benchmarks/gpu_scoring.py                             # on a GPU, about a minute
+    python benchmarks/gpu_scoring.py --n 2 --t 16 --v 1000 --h 64  # every stage on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from maxent_grpo.core import logprobs  # noqa: E402
+from maxent_grpo.core.fused_head import fused_head_log_softmax  # noqa: E402
 
 
-def plain(z: torch.Tensor, y: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, Any]:
-    log_p = torch.log_softmax(z.float(), dim=-1)
+def plain(h, w, y, entropy: bool):
+    log_p = torch.log_softmax(torch.nn.functional.linear(h, w).float(), dim=-1)
     logp = log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     return logp, (-(log_p.exp() * log_p).sum(-1) if entropy else None)
 
 
-def ours(z: torch.Tensor, y: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, Any]:
+def blocks(h, w, y, entropy: bool):
+    z = torch.nn.functional.linear(h, w)
     if entropy:
         return logprobs.selective_log_softmax_with_entropy(z, y)
     return logprobs.selective_log_softmax(z, y), None
 
 
-def measure(fn, z, y, a, b, entropy: bool, repeats: int) -> dict[str, float | None]:
-    cuda = z.device.type == "cuda"
+def fused(h, w, y, entropy: bool):
+    return fused_head_log_softmax(h, w, y, 1.0, entropy)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The CPU's stand-in for ``max_memory_allocated``: the peak of the bytes held by live
+    tensors that ops produced inside the mode (storages counted once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.seen: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.seen or storage.nbytes() == 0:
+                continue
+            self.seen.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> dict[str, Any]:
+    cuda = h.device.type == "cuda"
+    amp = torch.autocast(h.device.type, dtype=torch.bfloat16) if autocast \
+        else contextlib.nullcontext()
 
     def once() -> float:
-        z.grad = None
+        h.grad = w.grad = None
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logp, h = fn(z, y, entropy)
-        loss = (a * logp).sum() + ((b * h).sum() if h is not None else 0)
+        with amp:
+            logp, ent = fn(h, w, y, entropy)
+            loss = (a * logp).sum() + ((b * ent).sum() if ent is not None else 0)
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
     once()  # warm-up (allocator, kernels)
-    z.grad = None
-    base = torch.cuda.memory_allocated() if cuda else 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    h.grad = w.grad = None
     seconds = [once() for _ in range(repeats)]
-    peak = (torch.cuda.max_memory_allocated() - base) if cuda else None
-    logits_bytes = z.numel() * z.element_size()
-    return {"seconds": statistics.median(seconds),
-            "peak_over_logits": None if peak is None else peak / logits_bytes}
+    h.grad = w.grad = None
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        once()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:  # storages can be shared with the inputs' views; count what ops allocate
+        with LiveBytes() as counter:
+            once()
+        peak = counter.peak
+    logits_bytes = y.numel() * w.shape[0] * 2  # the bf16 logits the unfused paths build
+    return {"seconds": statistics.median(seconds), "peak_over_logits": peak / logits_bytes}
 
 
 def main() -> None:
@@ -80,40 +134,45 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--t", type=int, default=1024)
     parser.add_argument("--v", type=int, default=151936)
+    parser.add_argument("--h", type=int, default=896, help="hidden size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "gpu_scoring.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    autocast = device == "cuda"  # bf16-mixed on the GPU; float32 on the CPU
     torch.manual_seed(0)
-    z = torch.randn(args.n, args.t, args.v, device=device, dtype=dtype, requires_grad=True)
+    h = torch.randn(args.n, args.t, args.h, device=device, requires_grad=True)
+    w = (torch.randn(args.v, args.h, device=device) / args.h**0.5).requires_grad_()
     y = torch.randint(0, args.v, (args.n, args.t), device=device)
     a = torch.randn(args.n, args.t, device=device)
     b = torch.randn(args.n, args.t, device=device)
     results: dict[str, Any] = {}
+    variants = (("plain", plain), ("blocks", blocks), ("blocks-2Mi", blocks),
+                ("fused-head", fused))
     for entropy in (False, True):
-        for name, fn in (("plain", plain), ("ours", ours), ("ours-2Mi", ours)):
-            if name == "ours-2Mi":  # the CPU's block size, for comparison
-                original = logprobs.block_elements
+        for name, fn in variants:
+            original = logprobs.block_elements
+            if name == "blocks-2Mi":  # the CPU's block size, for comparison
                 logprobs.block_elements = lambda numel, device_type: logprobs.BLOCK_ELEMENTS
             try:
                 key = f"{name}{' +entropy' if entropy else ''}"
-                results[key] = measure(fn, z, y, a, b, entropy, args.repeats)
+                results[key] = measure(fn, h, w, y, a, b, entropy, args.repeats, autocast)
             finally:
-                if name == "ours-2Mi":
-                    logprobs.block_elements = original
-    report = {"shape": [args.n, args.t, args.v], "device": device, "dtype": str(dtype),
+                logprobs.block_elements = original
+    report = {"shape": {"n": args.n, "t": args.t, "v": args.v, "h": args.h}, "device": device,
+              "autocast_bf16": autocast,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "torch": torch.__version__, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"| variant | seconds | x plain | peak / logits bytes |  ({device}, {dtype})")
+    print(f"| variant | seconds | x plain | peak / bf16 logits bytes |  ({device}, "
+          f"{'bf16 autocast' if autocast else 'float32'})")
     print("|---|---:|---:|---:|")
     for key, r in results.items():
         base = results["plain +entropy" if "entropy" in key else "plain"]["seconds"]
-        peak = "n/a" if r["peak_over_logits"] is None else f"{r['peak_over_logits']:.2f}"
-        print(f"| {key} | {r['seconds']:.4f} | {r['seconds'] / base:.2f} | {peak} |")
+        print(f"| {key} | {r['seconds']:.4f} | {r['seconds'] / base:.2f} | "
+              f"{r['peak_over_logits']:.2f} |")
 
 
 if __name__ == "__main__":
