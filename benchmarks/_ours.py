@@ -13,6 +13,9 @@ module's own ``train/perf/*`` phases are recorded too). Settings mirror ``_trl.p
 0) at a constant learning rate, gradient clipping at 1.0, float32. ``--cache`` and
 ``--generation-dtype`` set the rollout engine's key/value cache and generation copy; with a
 copy, each step's ``refresh_s`` (the copy's refresh, part of ``generate_s``) is recorded.
+Peak memory per phase (``bench_common.PhaseMemory``: the engine's ``generate``, the
+scorer's ``policy_scores``, ``manual_backward``, the optimizer's ``step``) is recorded on
+CUDA, and on the CPU with ``--memory``.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ class RecordingEngines:
         self.options = options
         self.last: Any = None
 
+        self.memory: bc.PhaseMemory | None = None
+
     def __call__(self, model: Any, tokenizer: Any, sampling: Any) -> Any:
         from maxent_grpo.rollout import HFGenerateEngine
 
         self.last = HFGenerateEngine(model, tokenizer, sampling, **self.options)
+        if self.memory is not None:
+            self.memory.wrap(self.last, "generate", "generate")
         return self.last
 
 
@@ -95,24 +102,35 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
     return trainer, module, data
 
 
-def make_step_clock(gate: bc.LockstepGate | None = None):
+def make_step_clock(gate: bc.LockstepGate | None = None,
+                    memory: bc.PhaseMemory | None = None, warmup: int = 0):
     """A callback that records each step's wall time, tokens and ``train/perf/*`` values
-    (and, with a lockstep ``gate``, waits for the driver before each step)."""
+    (and, with a lockstep ``gate``, waits for the driver before each step); with
+    ``memory``, each phase's peak memory after ``warmup`` steps."""
     import lightning as L
 
     gate = gate or bc.LockstepGate(False)
+    memory = memory or bc.PhaseMemory("cpu", False)
 
     class StepClock(L.Callback):
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
             self._t0 = 0.0
 
+        def on_train_start(self, trainer, pl_module) -> None:
+            memory.wrap(pl_module.scorer, "policy_scores", "score")
+            memory.wrap(pl_module, "manual_backward", "backward")
+            memory.wrap(trainer.optimizers[0], "step", "optimizer")
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             gate.wait()
+            memory.recording = len(self.steps) >= warmup
+            memory.start_step()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             wall = time.perf_counter() - self._t0
+            memory.end_step()
             stats = pl_module.step_log.as_dict()
             perf = {k: float(stats[f"perf/{k}"]) for k in PERF_KEYS}
             engine = getattr(pl_module.engine_factory, "last", None)
@@ -127,14 +145,17 @@ def make_step_clock(gate: bc.LockstepGate | None = None):
 
 def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int = 0,
         beta: float = 0.0, extra_callbacks: list | None = None, lockstep: bool = False,
-        cache: str = "dynamic", generation_dtype: str = "model") -> dict[str, Any]:
+        cache: str = "dynamic", generation_dtype: str = "model",
+        memory: bool = False) -> dict[str, Any]:
     import torch
 
-    clock = make_step_clock(bc.LockstepGate(lockstep))
+    phases = bc.PhaseMemory(workload.device, memory)
+    clock = make_step_clock(bc.LockstepGate(lockstep), phases, warmup)
     start = time.perf_counter()
     trainer, module, data = build(workload, folder, warmup + steps, seed, beta,
                                   [clock, *(extra_callbacks or [])], cache=cache,
                                   generation_dtype=generation_dtype)
+    module.engine_factory.memory = phases
     trainer.fit(module, data)
     timed = clock.steps[warmup:]
     if len(timed) != steps:
@@ -149,6 +170,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
                    if k in timed[0]},
         "peak_rss_mib": bc.peak_rss_mib(),
         "peak_cuda_mib": bc.peak_cuda_mib(),
+        "phase_peak_mib": phases.result(),
         "cache": cache,
         "generation_dtype": generation_dtype,
         "total_s": time.perf_counter() - start,

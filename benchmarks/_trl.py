@@ -26,7 +26,9 @@ Phase breakdown (for the profile table): the worker wraps, without changing them
 ``_generate_single_turn`` (generation), ``_calculate_rewards`` (rewards),
 ``_get_per_token_logps_and_entropies`` (scoring forwards) and ``_prepare_inputs`` (the whole
 rollout-and-score stage); backward + optimizer = step - ``_prepare_inputs`` - scoring inside
-``compute_loss``.
+``compute_loss``. Peak memory per phase (``bench_common.PhaseMemory``: generation, the
+scoring forwards, ``accelerator.backward``, the optimizer's ``step``) is recorded on CUDA,
+and on the CPU with ``--memory``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import bench_common as bc  # noqa: E402
 
 
 def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int = 0,
-        lockstep: bool = False) -> dict[str, Any]:
+        lockstep: bool = False, memory: bool = False) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -96,6 +98,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
     )
 
     gate = bc.LockstepGate(lockstep)
+    phases = bc.PhaseMemory(workload.device, memory)
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -104,13 +107,19 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
             self.trainer: Any = None
             self.phase: dict[str, float] = defaultdict(float)
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            phases.wrap(kwargs["optimizer"], "step", "optimizer")
+
         def on_step_begin(self, args, state, control, **kwargs):
             gate.wait()
             self.phase.clear()
+            phases.recording = len(self.steps) >= warmup
+            phases.start_step()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             wall = time.perf_counter() - self.t0
+            phases.end_step()
             metrics = self.trainer._metrics["train"]
             mean_len = float(metrics["completions/mean_length"][-1])
             prepare = self.phase["prepare_inputs"]
@@ -137,6 +146,9 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
     )
     clock.trainer = trainer
     _wrap_phases(trainer, clock.phase)
+    phases.wrap(trainer, "_generate_single_turn", "generate")
+    phases.wrap(trainer, "_get_per_token_logps_and_entropies", "score")
+    phases.wrap(trainer.accelerator, "backward", "backward")
     trainer.train()
 
     timed = clock.steps[warmup:]
@@ -151,6 +163,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "phases": {k: [s[k] for s in timed] for k in keys},
         "peak_rss_mib": bc.peak_rss_mib(),
         "peak_cuda_mib": bc.peak_cuda_mib(),
+        "phase_peak_mib": phases.result(),
         "total_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "versions": bc.versions("torch", "transformers", "trl"),

@@ -81,6 +81,13 @@ WORKLOADS: dict[str, Workload] = {
         batch_prompts=8, num_generations=8, max_completion_length=256, learning_rate=1e-6,
         warmup=2, steps=6, device="cuda", precision="bf16-mixed", prompt_tokens=128,
     ),
+    # the issue-13 model and precision at a step small enough for the CPU: where each
+    # side's memory goes (gpu_step.py --shape 0.5b-cpu --memory)
+    "qwen0.5b-cpu": Workload(
+        name="qwen0.5b-cpu", model="random:qwen2.5-0.5b", task="synthetic",
+        batch_prompts=2, num_generations=4, max_completion_length=16, learning_rate=1e-6,
+        warmup=1, steps=1, precision="bf16-mixed", prompt_tokens=32,
+    ),
     # the same pipeline at a tiny shape, on the CPU: every stage of gpu_step.py tested here
     "qwen-tiny-cpu": Workload(
         name="qwen-tiny-cpu", model="random:qwen-tiny", task="synthetic",
@@ -255,6 +262,115 @@ def peak_cuda_mib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+class PhaseMemory:
+    """Peak memory of each phase of a training step, to say where a side's peak comes from.
+
+    Phases are marked by wrapping a side's functions (:meth:`wrap`): ``generate``,
+    ``score`` (the policy's scoring forward), ``backward``, ``optimizer``; time outside them
+    is ``other``. On CUDA a phase's figure is ``max_memory_allocated`` while it runs (the
+    peak counter is reset at each mark), so it includes the weights, gradients and
+    optimizer state. On the CPU, where there is no allocator counter, ``enabled`` counts
+    the bytes of the tensors that ops create during a step (a ``TorchDispatchMode``,
+    storages counted once until freed): the peak above what lived before the step (weights
+    and optimizer state), with some slowdown, so it is a separate run (``--memory``).
+    Figures in MiB, the maximum over the steps between :meth:`start_step` and
+    :meth:`end_step` once :attr:`recording` is set.
+    """
+
+    def __init__(self, device: str, enabled: bool) -> None:
+        self.cuda = device == "cuda"
+        self.enabled = enabled or self.cuda
+        self.recording = False
+        self.peaks: dict[str, float] = {}
+        self._phase = "other"
+        self._mode: Any = None
+        self._live = 0
+        self._phase_peak = 0
+
+    # -- CPU: live bytes of op outputs -----------------------------------------------------
+    def _make_mode(self) -> Any:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class LiveBytes(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                    if hasattr(tensor, "untyped_storage"):
+                        tracker._count(tensor.untyped_storage(), weakref)
+                return out
+
+        return LiveBytes()
+
+    def _count(self, storage: Any, weakref: Any) -> None:
+        size = storage.nbytes()
+        if size == 0 or getattr(storage, "_bench_counted", False):
+            return
+        storage._bench_counted = True
+        self._live += size
+        self._phase_peak = max(self._phase_peak, self._live)
+        weakref.finalize(storage, self._free, size)
+
+    def _free(self, size: int) -> None:
+        self._live -= size
+
+    # -- phases ------------------------------------------------------------------------------
+    def _close(self) -> None:
+        if self.cuda:
+            import torch
+
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            peak = self._phase_peak
+            self._phase_peak = self._live
+        if self.recording:
+            self.peaks[self._phase] = max(self.peaks.get(self._phase, 0.0), peak / 2**20)
+
+    def mark(self, phase: str) -> None:
+        """End the current phase and start ``phase``."""
+        if self.enabled:
+            self._close()
+            self._phase = phase
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        """Replace ``owner.name`` by a wrapper that runs it as ``phase`` (then ``other``)."""
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.mark(phase)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.mark("other")
+
+        setattr(owner, name, wrapper)
+
+    def start_step(self) -> None:
+        if not self.enabled:
+            return
+        if not self.cuda and self._mode is None:
+            self._mode = self._make_mode()
+            self._mode.__enter__()
+        self.mark("other")
+
+    def end_step(self) -> None:
+        if not self.enabled:
+            return
+        self.mark("other")
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+            self._live = self._phase_peak = 0
+
+    def result(self) -> dict[str, float] | None:
+        """``{phase: peak MiB}`` (None when not measured)."""
+        return dict(self.peaks) if self.enabled and self.peaks else None
+
+
 RESULT_MARK = "BENCH_RESULT "
 
 
@@ -339,6 +455,9 @@ def worker_main(run: Any, description: str) -> None:
     parser.add_argument("--generation-dtype", choices=("model", "bfloat16", "float16"),
                         default=None, help="ours only: generate on a copy of the weights "
                         "in this dtype (HFGenerateEngine.generation_dtype)")
+    parser.add_argument("--memory", action="store_true",
+                        help="CPU: count each phase's peak tensor bytes (PhaseMemory; "
+                        "slower, so not for timing); always on with CUDA")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     folder = workload_dir(workload.name, fixed_length=not args.allow_eos)
@@ -347,4 +466,6 @@ def worker_main(run: Any, description: str) -> None:
     extra = {} if args.cache is None else {"cache": args.cache}
     if args.generation_dtype is not None:
         extra["generation_dtype"] = args.generation_dtype
+    if args.memory:
+        extra["memory"] = True
     emit_result(run(workload, folder, warmup, steps, args.seed, lockstep=args.lockstep, **extra))

@@ -9,6 +9,7 @@ GRPO ``dr_grpo``, beta = 0, one optimizer step per rollout, AdamW, clip 1.0. One
 
     python benchmarks/gpu_step.py                    # on a GPU machine, about 5 minutes
     python benchmarks/gpu_step.py --shape tiny-cpu   # every stage at a tiny shape, on CPU
+    python benchmarks/gpu_step.py --shape 0.5b-cpu --memory --skip static  # where memory goes
 
 Each side runs in its own process, one after the other (``_ours.py --cache dynamic``,
 ``_ours.py --cache static``, ``_ours.py --cache static --generation-dtype bfloat16``: the
@@ -16,8 +17,12 @@ rollout on a bf16 copy of the float32 weights, refreshed before each rollout, an
 ``_trl.py``): 2 warm-up and 6 timed steps. Printed per side: median step seconds, median
 generation seconds, everything else (step - generation), completion tokens per second and
 peak ``torch.cuda.max_memory_allocated``; then TRL's median step over each of ours, and the
-median refresh of the bf16 copy (part of its generation seconds). Results:
-``benchmarks/results/gpu_step.json`` (``--out``).
+median refresh of the bf16 copy (part of its generation seconds); then each side's peak
+memory by phase (generate, score, backward, optimizer, other: ``bench_common.PhaseMemory``),
+always on CUDA and with ``--memory`` on the CPU. ``--shape 0.5b-cpu`` runs the issue's model
+and precision at a step small enough for the CPU (2 prompts of 32 tokens x 4 x 16), to see
+where each side's memory goes without a GPU. Results: ``benchmarks/results/gpu_step.json``
+(``--out``).
 
 TRL runs with ``--trl-python`` (default ``benchmarks/.venv-trl/bin/python`` when it exists,
 else this interpreter, as on a GPU machine where trl is installed beside our dependencies).
@@ -41,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import bench_common as bc  # noqa: E402
 
-SHAPES = {"gpu": "qwen0.5b-gpu", "tiny-cpu": "qwen-tiny-cpu"}
+SHAPES = {"gpu": "qwen0.5b-gpu", "tiny-cpu": "qwen-tiny-cpu", "0.5b-cpu": "qwen0.5b-cpu"}
 DEFAULT_TRL_PYTHON = bc.BENCH_DIR / ".venv-trl" / "bin" / "python"
 
 
@@ -57,11 +62,12 @@ def sides(trl_python: str) -> dict[str, list[str]]:
     }
 
 
-def run_worker(command: list[str], workload: str, timeout: float, log: Path) -> dict[str, Any]:
+def run_worker(command: list[str], workload: str, timeout: float, log: Path,
+               memory: bool = False) -> dict[str, Any]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
-    proc = subprocess.run([*command, "--workload", workload], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run([*command, "--workload", workload, *(["--memory"] if memory else [])],
+                          capture_output=True, text=True, timeout=timeout, env=env)
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{command[1]} failed (exit {proc.returncode}); see {log}")
@@ -104,7 +110,31 @@ def markdown(report: dict[str, Any]) -> str:
         rows.append("")
     for side, seconds in refreshes:
         rows.append(f"{side}: weight-copy refresh {seconds:.4f} s per rollout (in generate)")
+    rows.extend(phase_markdown(report))
     return "\n".join(rows)
+
+
+PHASES = ("generate", "score", "backward", "optimizer", "other")
+
+
+def phase_markdown(report: dict[str, Any]) -> list[str]:
+    """The phase-peak table (MiB) when the sides recorded one (CUDA, or ``--memory``)."""
+    results = report.get("results", {})
+    peaks = {side: r.get("phase_peak_mib") for side, r in results.items()}
+    peaks = {side: p for side, p in peaks.items() if p}
+    if not peaks:
+        return []
+    cuda = any(r.get("peak_cuda_mib") for r in results.values())
+    what = ("max_memory_allocated while the phase ran" if cuda else
+            "peak bytes of tensors created during the step, above the weights and "
+            "optimizer state")
+    rows = ["", f"Peak memory by phase (MiB; {what}):", "",
+            "| phase | " + " | ".join(peaks) + " |",
+            "|---|" + "---:|" * len(peaks)]
+    for phase in PHASES:
+        cells = [f"{p[phase]:.0f}" if phase in p else "-" for p in peaks.values()]
+        rows.append(f"| {phase} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def main() -> None:
@@ -115,6 +145,9 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[],
                         help="a side to leave out, e.g. --skip trl (repeatable)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker")
+    parser.add_argument("--memory", action="store_true",
+                        help="CPU: record each phase's peak tensor bytes (slower; on CUDA "
+                        "the phase peaks are always recorded)")
     parser.add_argument("--out", type=Path, default=bc.BENCH_DIR / "results" / "gpu_step.json")
     args = parser.parse_args()
 
@@ -130,7 +163,7 @@ def main() -> None:
             continue
         print(f"running {side} ...", flush=True)
         log = log_dir / f"gpu_step-{workload.name}-{side.split()[0]}-{len(results)}.log"
-        results[side] = run_worker(command, workload.name, args.timeout, log)
+        results[side] = run_worker(command, workload.name, args.timeout, log, args.memory)
     report = {
         "workload": workload.name,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),

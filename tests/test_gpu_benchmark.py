@@ -106,3 +106,50 @@ def test_ours_engine_factory_keeps_the_last_engine() -> None:
     assert factory.last is engine
     assert (engine.cache, engine.prompt_bucket, engine.generation_dtype) == (
         "static", 64, "bfloat16")
+
+
+def test_phase_memory_counts_each_phases_peak_on_the_cpu() -> None:
+    """PhaseMemory on the CPU: the peak of bytes that ops create, per marked phase, from
+    the step's start (weights made before it are not counted), only while recording."""
+    import torch
+
+    class Work:
+        def make(self, n):
+            return torch.ones(n, dtype=torch.float32)  # n * 4 bytes
+
+        def transient(self, n):
+            return float(torch.ones(n).sum())  # n * 4 bytes, freed before the return
+
+    weights = torch.zeros(1 << 20)  # made before the step: never counted
+    memory = bc.PhaseMemory("cpu", enabled=True)
+    work = Work()
+    memory.wrap(work, "make", "generate")
+    memory.wrap(work, "transient", "score")
+    memory.start_step()
+    kept = work.make(1000)  # 4,000 bytes live from here on
+    work.transient(250_000)  # 1,000,000 bytes at its peak, on top of `kept`
+    memory.end_step()  # not recording yet: a warm-up step
+    assert memory.result() is None
+    memory.recording = True
+    memory.start_step()
+    kept2 = work.make(1000)
+    work.transient(250_000)
+    memory.end_step()
+    peaks = memory.result()
+    MiB = 2**20
+    assert peaks["generate"] == pytest.approx(4_000 / MiB, rel=0.01)
+    assert peaks["score"] == pytest.approx(1_004_000 / MiB, rel=0.01)  # `kept2` + transient
+    assert peaks["other"] < peaks["score"]
+    assert weights.numel() and kept.numel() and kept2.numel()
+    assert bc.PhaseMemory("cpu", enabled=False).result() is None
+
+
+def test_phase_table_lists_every_side() -> None:
+    import gpu_step
+
+    report = {"results": {"ours": {"phase_peak_mib": {"generate": 10.0, "score": 30.4}},
+                          "trl": {"phase_peak_mib": {"backward": 50.0}}}}
+    table = "\n".join(gpu_step.phase_markdown(report))
+    assert "| phase | ours | trl |" in table and "above the weights" in table
+    assert "| score | 30 | - |" in table and "| backward | - | 50 |" in table
+    assert gpu_step.phase_markdown({"results": {"trl": {"phase_peak_mib": None}}}) == []
