@@ -128,6 +128,16 @@ def test_a_model_whose_logits_change_after_the_head_is_caught_by_the_check(model
     torch.testing.assert_close(got, want)  # scored through the (tripled) logits
 
 
+def test_a_decoder_that_cannot_run_alone_is_named(model):
+    def refuse(*args, **kwargs):
+        raise TypeError("unexpected keyword argument 'position_ids'")
+
+    model.model.forward = refuse  # calling the decoder fails
+    ids, attention, mask = batch(model)
+    with pytest.raises(ValueError, match="decoder could not be run on its own.*position_ids"):
+        Scorer(1.0, UNBOUNDED, True).policy_scores(model, ids, attention, mask, None, False)
+
+
 def test_heads_that_are_not_a_plain_linear_are_not_fused(model):
     other = copy.deepcopy(model)
     other.lm_head = torch.nn.Linear(64, model.config.vocab_size, bias=True)
