@@ -56,10 +56,11 @@ class RecordingEngines:
 
 def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
           beta: float = 0.0, callbacks: list | None = None, cache: str = "dynamic",
-          generation_dtype: str = "model"):
+          generation_dtype: str = "model", fused_lm_head: bool | None = None):
     """The Lightning Trainer, module and DataModule of one run of ``total_steps`` steps;
     ``cache`` is the rollout engine's key/value cache (``static``: prompts bucketed by 64),
-    ``generation_dtype`` its generation copy (``model``: none)."""
+    ``generation_dtype`` its generation copy (``model``: none), ``fused_lm_head`` the
+    scorer's (None: fused on CUDA)."""
     import lightning as L
     import torch
 
@@ -87,6 +88,7 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
                                     weight_decay=0.0),
         lr_warmup_steps=0,
         dtype="float32",
+        fused_lm_head=fused_lm_head,
     )
     data = PromptDataModule(
         task=None, data_files=prompts, val_files=prompts, answer_column="answer",
@@ -146,7 +148,7 @@ def make_step_clock(gate: bc.LockstepGate | None = None,
 def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int = 0,
         beta: float = 0.0, extra_callbacks: list | None = None, lockstep: bool = False,
         cache: str = "dynamic", generation_dtype: str = "model",
-        memory: bool = False) -> dict[str, Any]:
+        memory: bool = False, fused_lm_head: bool | None = None) -> dict[str, Any]:
     import torch
 
     phases = bc.PhaseMemory(workload.device, memory)
@@ -154,7 +156,8 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
     start = time.perf_counter()
     trainer, module, data = build(workload, folder, warmup + steps, seed, beta,
                                   [clock, *(extra_callbacks or [])], cache=cache,
-                                  generation_dtype=generation_dtype)
+                                  generation_dtype=generation_dtype,
+                                  fused_lm_head=fused_lm_head)
     module.engine_factory.memory = phases
     trainer.fit(module, data)
     timed = clock.steps[warmup:]
@@ -173,6 +176,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "phase_peak_mib": phases.result(),
         "cache": cache,
         "generation_dtype": generation_dtype,
+        "fused_lm_head": fused_lm_head,
         "total_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "versions": bc.versions("torch", "transformers", "lightning"),

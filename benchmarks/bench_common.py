@@ -455,6 +455,8 @@ def worker_main(run: Any, description: str) -> None:
     parser.add_argument("--generation-dtype", choices=("model", "bfloat16", "float16"),
                         default=None, help="ours only: generate on a copy of the weights "
                         "in this dtype (HFGenerateEngine.generation_dtype)")
+    parser.add_argument("--fused-lm-head", choices=("auto", "true", "false"), default=None,
+                        help="ours only: model.fused_lm_head (auto: fused on CUDA)")
     parser.add_argument("--memory", action="store_true",
                         help="CPU: count each phase's peak tensor bytes (PhaseMemory; "
                         "slower, so not for timing); always on with CUDA")
@@ -468,4 +470,6 @@ def worker_main(run: Any, description: str) -> None:
         extra["generation_dtype"] = args.generation_dtype
     if args.memory:
         extra["memory"] = True
+    if args.fused_lm_head not in (None, "auto"):
+        extra["fused_lm_head"] = args.fused_lm_head == "true"
     emit_result(run(workload, folder, warmup, steps, args.seed, lockstep=args.lockstep, **extra))

@@ -10,6 +10,7 @@ GRPO ``dr_grpo``, beta = 0, one optimizer step per rollout, AdamW, clip 1.0. One
     python benchmarks/gpu_step.py                    # on a GPU machine, about 5 minutes
     python benchmarks/gpu_step.py --shape tiny-cpu   # every stage at a tiny shape, on CPU
     python benchmarks/gpu_step.py --shape 0.5b-cpu --memory --skip static  # where memory goes
+    python benchmarks/gpu_step.py --scoring both     # + ours with the fused head on and off
 
 Each side runs in its own process, one after the other (``_ours.py --cache dynamic``,
 ``_ours.py --cache static``, ``_ours.py --cache static --generation-dtype bfloat16``: the
@@ -50,9 +51,19 @@ SHAPES = {"gpu": "qwen0.5b-gpu", "tiny-cpu": "qwen-tiny-cpu", "0.5b-cpu": "qwen0
 DEFAULT_TRL_PYTHON = bc.BENCH_DIR / ".venv-trl" / "bin" / "python"
 
 
-def sides(trl_python: str) -> dict[str, list[str]]:
-    """Side name -> worker command (without the workload arguments)."""
+def sides(trl_python: str, scoring: str = "auto") -> dict[str, list[str]]:
+    """Side name -> worker command (without the workload arguments); ``scoring`` is our
+    sides' ``model.fused_lm_head`` (``auto``: fused on CUDA), ``both`` adds a dynamic-cache
+    side for each of ``true`` and ``false``."""
     ours = [sys.executable, str(bc.BENCH_DIR / "_ours.py")]
+    if scoring == "both":
+        return {
+            "ours (dynamic cache, fused head)": [*ours, "--cache", "dynamic",
+                                                 "--fused-lm-head", "true"],
+            "ours (dynamic cache, logits)": [*ours, "--cache", "dynamic",
+                                             "--fused-lm-head", "false"],
+            **sides(trl_python),
+        }
     return {
         "ours (dynamic cache)": [*ours, "--cache", "dynamic"],
         "ours (static cache)": [*ours, "--cache", "static"],
@@ -145,6 +156,9 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[],
                         help="a side to leave out, e.g. --skip trl (repeatable)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker")
+    parser.add_argument("--scoring", choices=("auto", "both"), default="auto",
+                        help="both: also run ours with the fused LM head forced on and off "
+                        "(model.fused_lm_head true / false), to compare their time and memory")
     parser.add_argument("--memory", action="store_true",
                         help="CPU: record each phase's peak tensor bytes (slower; on CUDA "
                         "the phase peaks are always recorded)")
@@ -158,7 +172,7 @@ def main() -> None:
     log_dir = bc.CACHE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    for side, command in sides(args.trl_python).items():
+    for side, command in sides(args.trl_python, args.scoring).items():
         if any(skip in side for skip in args.skip):
             continue
         print(f"running {side} ...", flush=True)

@@ -91,6 +91,22 @@ def test_ours_worker_takes_the_generation_dtype(monkeypatch) -> None:
     monkeypatch.setattr(bc, "emit_result", lambda result: seen.update(result))
     bc.worker_main(lambda *args, **kw: {"args": args[2:], **kw}, "test")
     assert seen["cache"] == "static" and seen["generation_dtype"] == "bfloat16"
+    assert "fused_lm_head" not in seen and "memory" not in seen
+    for flag, value in (("true", True), ("false", False)):
+        monkeypatch.setattr(sys, "argv", ["_ours.py", "--workload", "qwen-tiny-cpu",
+                                          "--fused-lm-head", flag, "--memory"])
+        bc.worker_main(lambda *args, **kw: kw, "test")
+        assert seen["fused_lm_head"] is value and seen["memory"] is True
+
+
+def test_gpu_step_can_compare_the_fused_head_with_the_logits_path() -> None:
+    import gpu_step
+
+    sides = gpu_step.sides("trl-python", "both")
+    assert list(sides)[:2] == ["ours (dynamic cache, fused head)", "ours (dynamic cache, logits)"]
+    assert sides["ours (dynamic cache, fused head)"][-2:] == ["--fused-lm-head", "true"]
+    assert sides["ours (dynamic cache, logits)"][-2:] == ["--fused-lm-head", "false"]
+    assert list(sides)[2:] == list(gpu_step.sides("trl-python"))
 
 
 def test_ours_engine_factory_keeps_the_last_engine() -> None:
