@@ -8,32 +8,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import bench_common as bc  # benchmarks/ is on sys.path (tests/conftest.py)
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-import bench_common as bc  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    workload = bc.WORKLOADS["qwen-tiny-cpu"]
-    target = tmp_path_factory.mktemp("bench") / workload.name
-    bc.prepare_random(workload, target)
-    return target
-
-
-def test_random_workload_is_byte_level_with_an_unreachable_eos(folder: Path) -> None:
+def test_random_workload_is_byte_level_with_an_unreachable_eos(bench_folder: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     workload = bc.WORKLOADS["qwen-tiny-cpu"]
-    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
-    config = AutoConfig.from_pretrained(folder / "model")
+    tokenizer = AutoTokenizer.from_pretrained(bench_folder / "model")
+    config = AutoConfig.from_pretrained(bench_folder / "model")
     assert config.model_type == "qwen2" and config.vocab_size == 151936
     assert tokenizer.eos_token_id >= config.vocab_size  # outside the embedding table
     assert tokenizer.pad_token_id < config.vocab_size
-    rows = bc.read_prompts(folder / "prompts.jsonl")
+    rows = bc.read_prompts(bench_folder / "prompts.jsonl")
     assert len(rows) == bc.NUM_PROMPTS
     lengths = {len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows}
     assert lengths == {workload.prompt_tokens}

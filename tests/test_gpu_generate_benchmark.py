@@ -7,27 +7,13 @@ taken with ``python benchmarks/gpu_generate.py`` on a GPU.)"""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import bench_common as bc  # benchmarks/ is on sys.path (tests/conftest.py)
+import gpu_generate as gg
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-import bench_common as bc  # noqa: E402
-import gpu_generate as gg  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    workload = bc.WORKLOADS["qwen-tiny-cpu"]
-    target = tmp_path_factory.mktemp("bench") / workload.name
-    bc.prepare_random(workload, target)
-    return target
-
-
-def test_two_variants_make_every_token_and_failures_are_recorded(folder, tmp_path,
+def test_two_variants_make_every_token_and_failures_are_recorded(bench_folder, tmp_path,
                                                                    monkeypatch) -> None:
     def boom(bench, info):
         raise RuntimeError("broken on purpose")
@@ -39,7 +25,7 @@ def test_two_variants_make_every_token_and_failures_are_recorded(folder, tmp_pat
     monkeypatch.setattr(gg, "VARIANTS", [*gg.VARIANTS, *extra])
     monkeypatch.setattr(gg, "VARIANT_IDS", [*gg.VARIANT_IDS, "boom", "missing"])
     out = tmp_path / "gg.json"
-    gg.main(["--shape", "tiny-cpu", "--workload-dir", str(folder), "--repeats", "1",
+    gg.main(["--shape", "tiny-cpu", "--workload-dir", str(bench_folder), "--repeats", "1",
              "--variants", "hf-dynamic,boom,cb-persistent,missing", "--out", str(out)])
     report = json.loads(out.read_text())
     workload = bc.WORKLOADS["qwen-tiny-cpu"]
