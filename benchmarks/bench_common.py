@@ -337,7 +337,10 @@ class PhaseMemory:
             self._phase = phase
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
-        """Replace ``owner.name`` by a wrapper that runs it as ``phase`` (then ``other``)."""
+        """Replace ``owner.name`` by a wrapper that runs it as ``phase`` (then ``other``);
+        nothing when not :attr:`enabled` (timing runs keep the plain methods)."""
+        if not self.enabled:
+            return
         original = getattr(owner, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
