@@ -23,6 +23,7 @@ model's forward only); the first time a model is scored, one row's logits are fo
 ways and a disagreement beyond bf16 rounding switches that model back to the logits path
 with a warning. ``True`` requires it for the policy (an error says why a model cannot); frozen
 models (reference, behaviour) use it where they qualify. ``False`` never uses it.
+
 Position ids follow the left padding exactly as in generation. The policy's scores, with
 gradient, come back as the documented :class:`~maxent_grpo.training.types.SequenceScores`;
 frozen models (reference, behaviour) are scored without gradient, micro-batch by
@@ -90,7 +91,8 @@ class Scorer:
         self.temperature = float(temperature)
         self.batching = batching
         self.fused_head = fused_head
-        # model -> (decoder, weight) once checked, or None for the logits path
+        # model -> (decoder, weight), or the reason it is scored through its logits, or None
+        # (not wanted): decided once per model
         self._heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _head(
@@ -98,36 +100,42 @@ class Scorer:
         T: int, required: bool,
     ) -> tuple[nn.Module, Tensor] | None:
         """The fused head's parts for ``model``, or None for the logits path; decided on
-        the first call for each model (one row's logits formed both ways)."""
-        if model in self._heads:
-            return self._heads[model]
+        the first call for each model (one row's logits formed both ways). ``required``
+        raises, naming the reason, where the model is scored through its logits."""
+        if model not in self._heads:
+            self._heads[model] = self._decide(model, input_ids, attention, positions, T)
+        decision = self._heads[model]
+        if not isinstance(decision, str):
+            return decision
+        if required:
+            raise ValueError(f"model.fused_lm_head is true but the policy's LM head cannot be "
+                             f"fused: {decision}; set model.fused_lm_head: null (or false)")
+        return None
+
+    def _decide(
+        self, model: nn.Module, input_ids: Tensor, attention: Tensor, positions: Tensor, T: int,
+    ) -> tuple[nn.Module, Tensor] | str | None:
+        """See :meth:`_head`: the parts, the reason against them, or None (not wanted)."""
         wanted = self.fused_head if self.fused_head is not None else (
             input_ids.device.type == "cuda")
-        parts = fused_head_parts(model) if wanted else None
+        if not wanted:
+            return None
+        parts = fused_head_parts(model)
         if isinstance(parts, str):
-            if required:
-                raise ValueError(f"model.fused_lm_head is true but the policy's LM head cannot "
-                                 f"be fused: {parts}; set model.fused_lm_head: null (or false)")
-            parts = None
-        if parts is not None:
-            try:
-                gap = self._head_gap(model, parts, input_ids[:1], attention[:1], positions[:1],
-                                     T)
-                message = (f"decoder(...) @ W^T differs from {type(model).__name__}'s logits by "
-                           f"{gap:.3g} of their norm (more than {HEAD_CHECK_TOLERANCE}): the "
-                           f"model transforms its logits after the head")
-            except Exception as error:  # a decoder that cannot be called on its own
-                gap = float("inf")
-                message = (f"{type(model).__name__}'s decoder could not be run on its own "
-                           f"({type(error).__name__}: {error})")
-            if not gap <= HEAD_CHECK_TOLERANCE:
-                if required:
-                    raise ValueError(f"model.fused_lm_head is true but {message}; set "
-                                     f"model.fused_lm_head: false")
-                warnings.warn(f"{message}; scoring this model through its logits", stacklevel=2)
-                parts = None
-        self._heads[model] = parts
-        return parts
+            return parts
+        try:
+            gap = self._head_gap(model, parts, input_ids[:1], attention[:1], positions[:1], T)
+            reason = (f"decoder(...) @ W^T differs from {type(model).__name__}'s logits by "
+                      f"{gap:.3g} of their norm (more than {HEAD_CHECK_TOLERANCE}): the model "
+                      f"transforms its logits after the head")
+        except Exception as error:  # a decoder that cannot be called on its own
+            gap = float("inf")
+            reason = (f"{type(model).__name__}'s decoder could not be run on its own "
+                      f"({type(error).__name__}: {error})")
+        if gap <= HEAD_CHECK_TOLERANCE:
+            return parts
+        warnings.warn(f"{reason}; scoring this model through its logits", stacklevel=3)
+        return reason
 
     @torch.no_grad()
     def _head_gap(

@@ -17,6 +17,11 @@ from tests.training.test_module import fit, make_data, make_module, params
 UNBOUNDED = BatchingSettings(logprob_chunk_size=None, score_slice=None)
 
 
+def fused(scorer: Scorer, model) -> bool:
+    """Whether ``scorer`` decided to score ``model`` through the fused head."""
+    return isinstance(scorer._heads.get(model), tuple)
+
+
 @pytest.fixture()
 def model():
     torch.manual_seed(0)
@@ -49,11 +54,11 @@ def scores_and_grads(scorer, model, ids, attention, mask):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_policy_scores_and_gradients_equal_the_logits_path(model, temperature):
     ids, attention, mask = batch(model)
-    fused = Scorer(temperature, UNBOUNDED, fused_head=True)
+    scorer = Scorer(temperature, UNBOUNDED, fused_head=True)
     plain = Scorer(temperature, UNBOUNDED, fused_head=False)
-    got = scores_and_grads(fused, model, ids, attention, mask)
+    got = scores_and_grads(scorer, model, ids, attention, mask)
     want = scores_and_grads(plain, model, ids, attention, mask)
-    assert fused._heads[model] is not None  # the fused path ran
+    assert fused(scorer, model)  # the fused path ran
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     assert got[2].keys() == want[2].keys() and "model.embed_tokens.weight" in got[2]  # tied
@@ -65,11 +70,11 @@ def test_fused_policy_scores_and_gradients_equal_the_logits_path(model, temperat
 def test_frozen_log_probs_agree_over_micro_batches(model):
     ids, attention, mask = batch(model)
     T = mask.shape[1]
-    fused, plain = (Scorer(1.0, BatchingSettings(logprob_chunk_size=2, score_slice=None), f)
-                    for f in (True, False))
-    chunks = fused.plan(attention[:, :-T].bool(), mask, 2)
+    on, plain = (Scorer(1.0, BatchingSettings(logprob_chunk_size=2, score_slice=None), f)
+                 for f in (True, False))
+    chunks = on.plan(attention[:, :-T].bool(), mask, 2)
     assert len(chunks) == 2
-    torch.testing.assert_close(fused.frozen_logps(model, ids, attention, T, chunks),
+    torch.testing.assert_close(on.frozen_logps(model, ids, attention, T, chunks),
                                plain.frozen_logps(model, ids, attention, T, chunks),
                                rtol=1e-5, atol=1e-5)
 
@@ -77,11 +82,11 @@ def test_frozen_log_probs_agree_over_micro_batches(model):
 def test_under_bf16_autocast_the_check_keeps_the_fused_head(model):
     """bf16 rounding of the logits is well within the first-call check's tolerance."""
     ids, attention, mask = batch(model)
-    fused, plain = Scorer(0.7, UNBOUNDED, True), Scorer(0.7, UNBOUNDED, False)
+    on, plain = Scorer(0.7, UNBOUNDED, True), Scorer(0.7, UNBOUNDED, False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = fused.token_logps(model, ids, attention, mask.shape[1], True, policy=True)
+        got = on.token_logps(model, ids, attention, mask.shape[1], True, policy=True)
         want = plain.token_logps(model, ids, attention, mask.shape[1], True, policy=True)
-    assert fused._heads[model] is not None
+    assert fused(on, model)
     assert (got[0] - want[0]).abs().mean() < 0.1  # bf16 rounding of logits of ~10 nats
     assert (got[1] - want[1]).abs().mean() < 0.1
 
@@ -105,7 +110,10 @@ def test_a_logit_transform_in_the_config_is_never_fused(model):
         Scorer(1.0, UNBOUNDED, True).policy_scores(model, ids, attention, mask, None, False)
     scorer = Scorer(1.0, UNBOUNDED, True)  # a frozen model falls back quietly
     scorer.token_logps(model, ids, attention, mask.shape[1], False)
-    assert scorer._heads[model] is None
+    assert not fused(scorer, model)
+    # scored first as a frozen model (behaviour log-probs), the policy is still refused
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        scorer.policy_scores(model, ids, attention, mask, None, False)
 
 
 def test_a_model_whose_logits_change_after_the_head_is_caught_by_the_check(model):
@@ -167,7 +175,7 @@ def test_lora_policy_fuses_and_its_reference_uses_the_logits(model):
     scorer = Scorer(0.7, UNBOUNDED, True)
     scorer.frozen_logps(reference, ids, attention, mask.shape[1],
                         scorer.plan(attention[:, :-mask.shape[1]].bool(), mask, 4))
-    assert scorer._heads[reference] is None
+    assert not fused(scorer, reference) and "get_decoder" in scorer._heads[reference]
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +187,14 @@ def test_a_training_step_with_the_fused_head_equals_one_without(cache_dir):
     from maxent_grpo.objectives import GRPO
 
     results = []
-    for fused in (True, False):
-        module = make_module(cache_dir, fused_lm_head=fused, objective=GRPO(beta=0.1),
+    for on in (True, False):
+        module = make_module(cache_dir, fused_lm_head=on, objective=GRPO(beta=0.1),
                              rewards={"tests.training.test_module:alternating": 1.0})
         fit(module, make_data(cache_dir), steps=1)
         results.append(params(module))
-        assert (module.scorer._heads.get(module.policy) is not None) == fused
+        assert fused(module.scorer, module.policy) == on
         # the reference (a separate frozen copy) was scored through the fused head too
-        assert (module.scorer._heads.get(module.reference) is not None) == fused
+        assert fused(module.scorer, module.reference) == on
     for key in results[0]:
         torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-5)
     fresh = make_module(cache_dir)
