@@ -60,6 +60,14 @@ def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def _block_logits(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                  scale: float) -> torch.Tensor:
+    """``(h W^T) * scale`` for one block of tokens: the matmul in ``w``'s dtype, the result
+    in ``dtype``."""
+    z = (h.to(w.dtype) @ w.T).to(dtype)
+    return z.mul_(scale) if scale != 1.0 else z
+
+
 class _FusedHead(torch.autograd.Function):
     """``logp, H`` of ``z = h W^T * scale`` block by block; see the module docstring."""
 
@@ -80,9 +88,7 @@ class _FusedHead(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for start in range(0, h.shape[0], block):
                 s = slice(start, start + block)
-                z = (h[s].to(mm) @ w.T).to(dtype)
-                if scale != 1.0:
-                    z.mul_(scale)
+                z = _block_logits(h[s], w, dtype, scale)
                 block_forward(z, y[s], out[s], shift[s], lse[s], None if ent is None else ent[s])
         ctx.save_for_backward(h, weight, y, shift, lse, ent)
         ctx.mm, ctx.scale, ctx.block, ctx.shape = mm, scale, block, hidden.shape
@@ -108,10 +114,7 @@ class _FusedHead(torch.autograd.Function):
             for start in range(0, h.shape[0], block):
                 s = slice(start, start + block)
                 hb = h[s].to(mm)
-                z = (hb @ w.T).to(shift.dtype)
-                if scale != 1.0:
-                    z.mul_(scale)
-                logp = _block_log_probs(z, shift[s], lse[s])
+                logp = _block_log_probs(_block_logits(hb, w, shift.dtype, scale), shift[s], lse[s])
                 dz = block_grad(logp, y[s], g_out[s], None if g_ent is None else g_ent[s],
                                 None if g_ent is None else ent[s])
                 if scale != 1.0:
