@@ -24,6 +24,7 @@ import json
 import os
 import resource
 import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,8 +290,6 @@ class PhaseMemory:
 
     # -- CPU: live bytes of op outputs -----------------------------------------------------
     def _make_mode(self) -> Any:
-        import weakref
-
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
@@ -300,12 +299,12 @@ class PhaseMemory:
                 out = func(*args, **(kwargs or {}))
                 for tensor in out if isinstance(out, (tuple, list)) else (out,):
                     if hasattr(tensor, "untyped_storage"):
-                        tracker._count(tensor.untyped_storage(), weakref)
+                        tracker._count(tensor.untyped_storage())
                 return out
 
         return LiveBytes()
 
-    def _count(self, storage: Any, weakref: Any) -> None:
+    def _count(self, storage: Any) -> None:
         size = storage.nbytes()
         if size == 0 or getattr(storage, "_bench_counted", False):
             return

@@ -19,7 +19,7 @@ float32 without autocast on the CPU. Variants, each forward + backward of
 
 Per variant: median seconds over ``--repeats`` runs after one warm-up, and the peak memory
 above the inputs (``max_memory_allocated`` on CUDA; on the CPU the largest sum of live
-tensors, counted by a ``TorchDispatchMode``), as a multiple of the bf16 logits' bytes
+tensors, counted by ``bench_common.PhaseMemory``), as a multiple of the bf16 logits' bytes
 (targets: time within 1.2x plain, memory at most 1.2x the logits)::
 
     python benchmarks/gpu_scoring.py                             # on a GPU, about a minute
@@ -34,14 +34,15 @@ import json
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
 
 from maxent_grpo.core import logprobs  # noqa: E402
 from maxent_grpo.core.fused_head import fused_head_log_softmax  # noqa: E402
@@ -62,36 +63,6 @@ def blocks(h, w, y, entropy: bool):
 
 def fused(h, w, y, entropy: bool):
     return fused_head_log_softmax(h, w, y, 1.0, entropy)
-
-
-class LiveBytes(TorchDispatchMode):
-    """The CPU's stand-in for ``max_memory_allocated``: the peak of the bytes held by live
-    tensors that ops produced inside the mode (storages counted once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self.seen: set[int] = set()
-
-    def _free(self, key: int, size: int) -> None:
-        self.live -= size
-        self.seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key in self.seen or storage.nbytes() == 0:
-                continue
-            self.seen.add(key)
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
 
 
 def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> dict[str, Any]:
@@ -122,9 +93,12 @@ def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> d
         once()
         peak = torch.cuda.max_memory_allocated() - base
     else:  # storages can be shared with the inputs' views; count what ops allocate
-        with LiveBytes() as counter:
-            once()
-        peak = counter.peak
+        counter = bc.PhaseMemory("cpu", enabled=True)
+        counter.recording = True
+        counter.start_step()
+        once()
+        counter.end_step()
+        peak = counter.result()["other"] * 2**20
     logits_bytes = y.numel() * w.shape[0] * 2  # the bf16 logits the unfused paths build
     return {"seconds": statistics.median(seconds), "peak_over_logits": peak / logits_bytes}
 
