@@ -37,7 +37,7 @@ from maxent_grpo.training.types import (
 
 MISSING = dataclasses.MISSING
 
-# Written by hand from SEED_TYPES.md: (field name, default or MISSING), in order.
+# Written by hand from the types' specification: (field name, default or MISSING), in order.
 SPEC: dict[type, list[tuple[str, Any]]] = {
     GenerationBatch: [
         ("prompts", MISSING),
