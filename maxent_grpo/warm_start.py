@@ -18,11 +18,21 @@ a skill a pretrained model would bring, reading two digits and combining them, o
 question the tasks never ask; without them the tiny model learns to ignore the question
 and RL only finds the most frequent sum. The prompts are rendered with the ChatML template
 exactly as the DataModule renders them, from a seed of their own.
+
+The trained weights ship with the package (:data:`WEIGHTS`, 330 KB of float32), so
+``builtin:tiny-warm`` is the same model on every machine: the 600 steps are a chain of
+float operations whose last bits differ between CPU kernels (AVX2, AVX-512, thread
+counts), and two machines that each trained their own copy got models of different skill
+(the one-digit differences right 41 % against 51 % of the time) and demos of different
+outcomes. ``python -m maxent_grpo.warm_start`` retrains the file and prints its
+:func:`measure_skill`; the tests check the shipped file's skill, not its bits.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,6 +41,10 @@ from maxent_grpo.tasks import build_task
 
 WARM_START_SEED = 4321
 """Seed of the warm-start prompts, answers, batch order and (forked) torch state."""
+
+WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
+"""The shipped weights of ``builtin:tiny-warm``: :func:`warm_start` applied to
+``builtin:tiny`` (``python -m maxent_grpo.warm_start`` rewrites them)."""
 
 
 def format_examples(num_rows: int, seed: int = WARM_START_SEED) -> list[tuple[str, str]]:
@@ -108,3 +122,101 @@ def warm_start(
             loss.backward()
             optimizer.step()
     return model.eval()
+
+
+def load_shipped(model: PreTrainedModel, path: Path = WEIGHTS) -> PreTrainedModel:
+    """Load the shipped warm-start weights into ``model`` (``builtin:tiny``'s architecture)
+    and return it in eval mode. Raises ``FileNotFoundError`` naming the file when the
+    package was installed without it."""
+    from safetensors.torch import load_model
+
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the weights of builtin:tiny-warm are missing ({path}); reinstall maxent-grpo, "
+            "or rebuild them with: python -m maxent_grpo.warm_start"
+        )
+    missing, unexpected = load_model(model, str(path), strict=True)
+    if missing or unexpected:  # pragma: no cover - strict=True raises first
+        raise ValueError(f"{path} does not match builtin:tiny: {missing} {unexpected}")
+    return model.eval()
+
+
+@torch.no_grad()
+def _answer_probs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    answers: list[str],
+) -> torch.Tensor:
+    """``P[i, j]``: the model's probability of the completion ``answers[j]`` followed by
+    the end-of-turn token, given the chat-rendered ``prompts[i]`` (teacher forcing)."""
+    examples = [(p, a) for p in prompts for a in answers]
+    ids, att, lab = _encode(tokenizer, examples)
+    logps = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits.float(), -1)
+    targets = lab[:, 1:]
+    picked = logps[:, :-1].gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    seq = (picked * (targets != -100)).sum(-1)
+    return seq.exp().view(len(prompts), len(answers))
+
+
+def measure_skill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict[str, float]:
+    """What a warm start taught, exactly (no sampling), over all 100 one-digit prompts:
+
+    - ``sum_format``: probability mass of the answers ``"0"..."18"`` (then end of turn)
+      on the sum prompts ``"a + b ="``;
+    - ``sum_correct``: mean probability of the right sum, the answers renormalised to
+      ``0..18`` (chance: 1/19 = 0.053);
+    - ``sum_information``: mutual information, in nats, between the prompt and the
+      answer (0 when the answer ignores the question, as the warm start intends);
+    - ``difference_correct``: mean probability of the right difference on ``"a - b ="``
+      among ``-9..9`` (the skill the warm start does teach).
+    """
+    was_training = model.training
+    model.eval()
+    digits = [(a, b) for a in range(10) for b in range(10)]
+    sums = _answer_probs(model, tokenizer, [f"{a} + {b} =" for a, b in digits],
+                         [str(n) for n in range(19)])
+    diffs = _answer_probs(model, tokenizer, [f"{a} - {b} =" for a, b in digits],
+                          [str(n) for n in range(-9, 10)])
+    model.train(was_training)
+    mass = sums.sum(-1)
+    cond = sums / mass.unsqueeze(-1)
+    marginal = cond.mean(0)
+
+    def entropy(p: torch.Tensor) -> torch.Tensor:
+        return -(p * p.clamp_min(1e-30).log()).sum(-1)
+
+    diffs = diffs / diffs.sum(-1, keepdim=True)
+    rows = torch.arange(len(digits))
+    return {
+        "sum_format": float(mass.mean()),
+        "sum_correct": float(cond[rows, torch.tensor([a + b for a, b in digits])].mean()),
+        "sum_information": float(entropy(marginal) - entropy(cond).mean()),
+        "difference_correct": float(diffs[rows, torch.tensor([a - b + 9 for a, b in digits])]
+                                    .mean()),
+    }
+
+
+def _main(argv: list[str] | None = None) -> None:
+    from safetensors.torch import save_model
+
+    from maxent_grpo.models import builtin_tiny_model_and_tokenizer
+
+    parser = argparse.ArgumentParser(
+        prog="python -m maxent_grpo.warm_start",
+        description="Retrain the weights of builtin:tiny-warm and print their skill.",
+    )
+    parser.add_argument("--out", type=Path, default=WEIGHTS, help=f"default: {WEIGHTS}")
+    args = parser.parse_args(argv)
+    model, tokenizer = builtin_tiny_model_and_tokenizer()
+    warm_start(model, tokenizer)
+    skill = measure_skill(model, tokenizer)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(args.out))
+    print(f"wrote {args.out}")
+    for key, value in skill.items():
+        print(f"  {key}: {value:.4f}" + ("  (chance 0.0526)" if key == "sum_correct" else ""))
+
+
+if __name__ == "__main__":
+    _main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import re
 
+import pytest
 import torch
 
 import maxent_grpo.warm_start as warm
@@ -43,3 +44,43 @@ def test_warm_start_trains_in_place_without_touching_the_callers_random_state() 
     assert torch.equal(torch.rand(3), expected)
     assert not model.training
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_shipped_weights_are_builtin_tiny_warm_and_have_the_taught_skill(tmp_path) -> None:
+    from maxent_grpo.models import load_policy, load_tokenizer
+
+    model = load_policy("builtin:tiny-warm", cache_dir=tmp_path)
+    shipped, tokenizer = builtin_tiny_model_and_tokenizer()
+    warm.load_shipped(shipped)
+    for key, value in shipped.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    skill = warm.measure_skill(model, load_tokenizer("builtin:tiny-warm", cache_dir=tmp_path))
+    assert skill["sum_format"] > 0.95  # answers a sum prompt with a number in 0..18
+    assert 0.04 < skill["sum_correct"] < 0.07  # right by chance only (1/19 = 0.053)
+    assert skill["sum_information"] < 0.02  # the answer ignores the question
+    assert skill["difference_correct"] > 0.5  # but it reads two digits
+
+
+def test_measure_skill_tells_a_random_model_from_a_warm_one() -> None:
+    model, tokenizer = builtin_tiny_model_and_tokenizer()
+    skill = warm.measure_skill(model, tokenizer)
+    assert skill["sum_format"] < 0.01 and skill["difference_correct"] < 0.2
+
+
+def test_missing_shipped_weights_name_the_file_and_the_fix(tmp_path) -> None:
+    model, _ = builtin_tiny_model_and_tokenizer()
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors.*python -m maxent_grpo"):
+        warm.load_shipped(model, missing)
+
+
+@pytest.mark.slow
+def test_retraining_the_warm_start_reproduces_its_skill(tmp_path) -> None:
+    """``python -m maxent_grpo.warm_start`` rebuilds a model of the same kind (not the same
+    bits: the float rounding of 600 steps differs between CPU kernels)."""
+    out = tmp_path / "w.safetensors"
+    warm._main(["--out", str(out)])
+    model, tokenizer = builtin_tiny_model_and_tokenizer()
+    skill = warm.measure_skill(warm.load_shipped(model, out), tokenizer)
+    assert skill["sum_format"] > 0.95 and skill["sum_information"] < 0.05
+    assert 0.03 < skill["sum_correct"] < 0.08 and skill["difference_correct"] > 0.3
