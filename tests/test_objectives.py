@@ -591,7 +591,7 @@ def test_listwise_targets_carry_q() -> None:
     cand = torch.tensor([[True, True, False], [True, False, True], [True, True, True]])
     obj = ListwiseMaxEnt(tau=0.5, distinct_candidates=True)
     targets = obj.prepare(rewards, ones, 4, None, cand)
-    assert torch.equal(targets.q, core.q_distribution(rewards, 1.0, 1e-6, cand))
+    assert torch.equal(targets.q, core.q_distribution(rewards, obj.q_temperature, 1e-6, cand))
     assert torch.equal(targets.candidates, cand)
     # the other objectives have no target distribution
     assert GRPO().prepare(rewards, ones, 4, None).q is None
@@ -680,11 +680,12 @@ def test_listwise_clip_term_is_zero_at_old_equals_current() -> None:
     B = 3
     kw = dict(G=LW_G, num_rows=9, t_max=4, weights=w)
     x0 = logps.clone().requires_grad_(True)
-    plain = ListwiseMaxEnt(tau=0.5).loss(_mb(x0, mask, **kw)).loss
+    plain = ListwiseMaxEnt(tau=0.5, length_normalize=False).loss(_mb(x0, mask, **kw)).loss
     plain.backward()
     for old in (None, logps.clone()):
         x = logps.clone().requires_grad_(True)
-        out = ListwiseMaxEnt(tau=0.5, clip_coef=0.5).loss(_mb(x, mask, old=old, **kw))
+        out = ListwiseMaxEnt(tau=0.5, clip_coef=0.5, length_normalize=False).loss(
+            _mb(x, mask, old=old, **kw))
         # -mean_groups sum_i (w_i - 1/G) * 1 = 0, since each row of w sums to 1
         assert out.sums["loss/clip"][0].item() == pytest.approx(0.0, abs=1e-14)
         assert out.loss.item() == pytest.approx(plain.item(), rel=1e-12)
@@ -699,7 +700,8 @@ def test_listwise_clip_term_with_old_logps_matches_naive() -> None:
     logps, mask, w = _listwise_setup()
     gen = torch.Generator().manual_seed(4)
     old = logps + 0.3 * torch.randn(logps.shape, generator=gen, dtype=F64)
-    obj = ListwiseMaxEnt(tau=0.5, clip_coef=0.5, epsilon=0.2, epsilon_high=0.3)
+    obj = ListwiseMaxEnt(tau=0.5, clip_coef=0.5, epsilon=0.2, epsilon_high=0.3,
+                         length_normalize=False)
     out = obj.loss(_mb(logps, mask, G=LW_G, num_rows=9, t_max=4, weights=w, old=old))
     s = _naive_seq(logps, LW_LENGTHS, False)
     s_old = _naive_seq(old, LW_LENGTHS, False)

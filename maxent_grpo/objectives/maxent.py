@@ -46,9 +46,13 @@ class ListwiseMaxEnt(Objective):
     Args:
         tau: entropy temperature of the weights; ``tau + beta`` must be > 0.
         beta: trust-region weight towards the reference (loads it when > 0).
-        q_temperature: temperature ``T_q`` of the reward target.
+        q_temperature: temperature ``T_q`` of the reward target (default 0.2, was 1.0:
+            with T_q = 1 and tau = 0.5 a right answer's target is only e^2 times a wrong
+            one's, which caps a 0/1 reward near 0.3; benchmarks/MAXENT_VS_GRPO.md).
         q_epsilon: floor ``eps`` of the reward target.
-        length_normalize: use ``s_i / T_i`` instead of ``s_i``.
+        length_normalize: use ``s_i / T_i`` instead of ``s_i`` (default ``True``, was
+            ``False``: with summed log-probs long junk completions escape the push down and
+            the policy drifts to the length cap).
         distinct_candidates: the candidates of a group are its *distinct* completions: a
             completion sampled m times is one candidate (its first row; the others get no
             weight and leave the softmax), so ``softmax_G(s)`` is the policy restricted to
@@ -67,9 +71,9 @@ class ListwiseMaxEnt(Objective):
         self,
         tau: float = 0.5,
         beta: float = 0.0,
-        q_temperature: float = 1.0,
+        q_temperature: float = 0.2,
         q_epsilon: float = 1e-6,
-        length_normalize: bool = False,
+        length_normalize: bool = True,
         distinct_candidates: bool = False,
         clip_coef: float = 0.0,
         epsilon: float = 0.2,
