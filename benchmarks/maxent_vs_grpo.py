@@ -4,7 +4,9 @@
     python benchmarks/maxent_vs_grpo.py --steps 20 --seeds 0 --tasks b   # a quick look
 
 Every run is ``configs/tiny.yaml`` (the default demo: ``builtin:tiny-warm``, 32 prompts x
-8 samples per step, AdamW 1e-3) with ``model.drop_constant_groups: true`` for every
+8 samples per step, AdamW 1e-3, its cosine schedule stretched over ``--steps``) with
+no KL term (``beta`` 0: the study predates the demo's 0.04) and
+``model.drop_constant_groups: true`` for every
 objective (``ABLATIONS`` lists the listwise variants that show why; run them with
 ``--objectives``), the same prompts (``data.seed`` 0) and the same number of optimizer steps;
 only the objective and ``seed_everything`` (the sampling) change. The tasks:
@@ -57,6 +59,14 @@ TASKS: dict[str, dict[str, Any]] = {
 
 
 def _objective(name: str, **init_args: Any) -> str:
+    """An objective with every option the study varies written out: the demo config's
+    ``beta`` (0.04) would otherwise carry over to the objectives that have one, and the
+    listwise defaults changed after the study (now ``q_temperature`` 0.2, length-normalised)."""
+    if name in ("GRPO", "EntropyMaxEnt", "ListwiseMaxEnt"):
+        init_args.setdefault("beta", 0.0)
+    if name == "ListwiseMaxEnt":
+        init_args.setdefault("q_temperature", 1.0)
+        init_args.setdefault("length_normalize", False)
     return json.dumps({"class_path": f"maxent_grpo.objectives.{name}", "init_args": init_args})
 
 
@@ -108,6 +118,7 @@ def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> 
         "--config", str(ROOT / "configs/tiny.yaml"),
         "--seed_everything", str(seed),
         "--trainer.max_steps", str(steps),
+        "--model.lr_scheduler.init_args.T_max", str(max(1, steps - 5)),  # cosine over the run
         "--trainer.limit_val_batches", "0",
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
