@@ -93,7 +93,8 @@ def run_one(seed: int, sets: list[str], env: dict[str, str], threads: int,
             return {"seed": seed, "error": proc.stderr[-2000:], "seconds": seconds}
         rewards, val = read_rewards(Path(work) / "logs")
     return {
-        "seed": seed, "first20": sum(rewards[:20]) / 20, "last20": sum(rewards[-20:]) / 20,
+        "seed": seed, "first20": sum(rewards[:20]) / len(rewards[:20]),
+        "last20": sum(rewards[-20:]) / len(rewards[-20:]),
         "steps": len(rewards), "val": val, "seconds": round(seconds, 1),
         "curve50": [round(sum(rewards[i:i + 50]) / len(rewards[i:i + 50]), 4)
                     for i in range(0, len(rewards), 50)],
@@ -129,12 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--set", dest="sets", action="append", default=[],
-                        metavar="KEY=VALUE", help="a config override, e.g. model.num_generations=16")
+                        metavar="KEY=VALUE",
+                        help="a config override, e.g. model.num_generations=16")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--label", default="demo")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--model-cache-dir", help="where builtin models are built (default: the user cache)")
+    parser.add_argument("--model-cache-dir",
+                        help="where builtin models are built (default: the user cache)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args(argv)
