@@ -105,12 +105,15 @@ def report(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        key = (r["label"], json.dumps(r["env"], sort_keys=True), r["commit"], r["machine"])
+        key = (r["label"], json.dumps(r["env"], sort_keys=True), r["threads"], r["machine"],
+               json.dumps(r["sets"]))
         groups.setdefault(key, []).append(r)
     out = []
-    for (label, env, commit, machine), runs in groups.items():
+    for (label, env, threads, machine, sets), runs in groups.items():
         ok = [r for r in runs if "error" not in r]
-        out.append(f"\n{label} | env {env} | {commit} | {machine}")
+        commits = ", ".join(dict.fromkeys(r["commit"] for r in runs))
+        out.append(f"\n{label} | env {env} | {threads} thread(s) | sets {sets} | "
+                   f"commit {commits} | {machine}")
         for r in sorted(ok, key=lambda r: r["seed"]):
             out.append(f"  seed {r['seed']:3d}: {r['first20']:.3f} -> {r['last20']:.3f} "
                        f"(val pass@1 {r['val'].get('val/pass@1', float('nan')):.3f}, "

@@ -3,8 +3,10 @@ write TensorBoard events with the training metrics and a checkpoint, and raise t
 its checkpoint evaluates with one command; the analysis notebook renders its curves beside a
 second (listwise MaxEnt) run.
 
-The demo is the one long run of the fast suite (about a minute on 2 CPU cores, shared by the
-tests of this file): it is the product's promise, so it runs in CI.
+The demo is the one long run of the fast suite (about two and a half minutes on 2 CPU cores,
+shared by the tests of this file): it is the product's promise, so it runs in CI. Its time
+limit is an hour, only there to stop a hung run: a loaded machine may take several times the
+usual time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def demo(tmp_path_factory) -> Path:
         sys.executable, "-m", "maxent_grpo", "fit", "--config", str(ROOT / "configs/tiny.yaml"),
         f"--model.model_cache_dir={work / 'models'}", "--trainer.enable_progress_bar=false",
     ]
-    proc = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return work
 
@@ -67,14 +69,13 @@ def test_tiny_demo_trains_and_the_reward_rises(demo):
     assert len(values["val/pass@4"]) >= 6  # every 50 training batches
 
     reward = values["train/reward/mean"]
-    assert len(reward) == 500
+    assert len(reward) == 800
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
-    # the README's promise: right by chance at first (measured 0.060-0.080), several times
-    # more often at the end; the warm start never saw a sum, so the rise is the rewards'
-    # doing. How far it rises in 500 steps varies with the seed and, through float rounding,
-    # with the machine (seed 0: 0.707 on one machine, 0.591 on another; seeds 1 and 2 there:
-    # 0.443, 0.346), so the check is a rise well clear of chance, not one run's figure.
-    assert first <= 0.15 and last >= 0.3 and last >= 3 * first, (
+    # The README's promise: right by chance at first, several times more often at the end;
+    # the warm start never saw a sum, so the rise is the rewards' doing. The bounds are
+    # those every measured run cleared with margin (benchmarks/DEMO_SEEDS.md: 10 seeds
+    # here and seeds under other CPU-kernel settings), not one run's figure.
+    assert first <= 0.15 and last >= 0.45 and last >= 4 * first, (
         f"reward did not rise as promised: first 20 {first:.3f}, last 20 {last:.3f}"
     )
     assert (demo / "lightning_logs/tiny/checkpoints/last.ckpt").is_file(), "no last checkpoint"
