@@ -69,7 +69,7 @@ CASES = [
      ["cannot import reward", "no_such_module"]),
     ("bad eval_k", ["--model.eval_k", "[1, 99]"], 1, ["model.eval_k", "99"]),
     ("tau=0 without beta", ["--model.objective", "ListwiseMaxEnt",
-                            "--model.objective.tau", "0.0"], 1,
+                            "--model.objective.tau", "0.0", "--model.objective.beta", "0.0"], 1,
      ["error: objective.tau must be > 0 when objective.beta = 0"]),
     ("unknown task", ["--data.task", "sudoku"], 1, ["'sudoku'", "'countdown'"]),
     ("missing data file", ["--data.task", "null", "--data.data_files", "{tmp}/nope.jsonl"], 1,
