@@ -431,6 +431,21 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
+def git_commit(root: str | os.PathLike[str]) -> str:
+    """Short hash of ``HEAD`` in ``root``, with ``+dirty`` when tracked files have
+    uncommitted edits; ``"unknown"`` outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, text=True, capture_output=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out + ("+dirty" if dirty else "")
+
+
 def versions(*packages: str) -> dict[str, str]:
     """``{package: __version__}`` of the named (importable) packages."""
     import importlib

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_common import git_commit, median, versions  # noqa: E402
+
 DEFAULT_OUT = ROOT / "benchmarks/results/demo_seeds.jsonl"
 
 
@@ -46,26 +48,6 @@ def _cpu() -> str:
                   if line.startswith("flags")), [])
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no-avx2"
     return f"{name} ({isa}, {os.cpu_count()} cores)"
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, text=True, capture_output=True).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _torch_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def read_rewards(log_dir: Path) -> tuple[list[float], dict[str, float]]:
@@ -131,7 +113,7 @@ def report(path: Path) -> str:
         if ok:
             last = sorted(r["last20"] for r in ok)
             out.append(f"  {len(ok)} runs: last-20 min {last[0]:.3f}, median "
-                       f"{statistics.median(last):.3f}, max {last[-1]:.3f}; "
+                       f"{median(last):.3f}, max {last[-1]:.3f}; "
                        f">= 0.6: {sum(v >= 0.6 for v in last)}/{len(last)}")
         for r in runs:
             if "error" in r:
@@ -157,10 +139,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         print(report(args.out))
         return
+    if args.workers < 1 or args.threads < 1:
+        parser.error("--workers and --threads must be >= 1")
+    for flag, items in (("--set", args.sets), ("--env", args.env)):
+        bad = [item for item in items if "=" not in item or not item.partition("=")[0]]
+        if bad:
+            parser.error(f"{flag} takes NAME=VALUE; got {bad[0]!r}")
     env = dict(item.split("=", 1) for item in args.env)
     meta = {"label": args.label, "sets": args.sets, "env": env, "threads": args.threads,
-            "commit": _commit(), "machine": _cpu(), "date": time.strftime("%Y-%m-%d"),
-            "torch": _torch_version()}
+            "commit": git_commit(ROOT), "machine": _cpu(), "date": time.strftime("%Y-%m-%d"),
+            "torch": versions("torch")["torch"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def job(seed: int) -> dict[str, Any]:

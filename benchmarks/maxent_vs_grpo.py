@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_common import git_commit  # noqa: E402
+
 KS = (1, 4, 8)
 
 TASKS: dict[str, dict[str, Any]] = {
@@ -193,14 +196,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def report(study_path: Path) -> str:
     """Markdown of a study file: per task, mean ± sd over seeds of every metric, and the
     per-seed values of the headline ones; also saves the figure beside the file (PNG)."""
@@ -276,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records.sort(key=lambda r: (r["task"], order[r["objective"]], r["seed"]))
     study = {
         "meta": {
-            "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+            "date": time.strftime("%Y-%m-%d"), "commit": git_commit(ROOT),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
             "command": "python benchmarks/maxent_vs_grpo.py " + " ".join(argv or sys.argv[1:]),
             "steps": args.steps, "seeds": args.seeds, "ks": list(KS),

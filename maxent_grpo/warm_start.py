@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from maxent_grpo.core.logprobs import selective_log_softmax
 from maxent_grpo.tasks import build_task
 
 WARM_START_SEED = 4321
@@ -137,9 +138,7 @@ def load_shipped(model: PreTrainedModel, path: Path = WEIGHTS) -> PreTrainedMode
             f"the weights of builtin:tiny-warm are missing ({path}); reinstall maxent-grpo, "
             "or rebuild them with: python -m maxent_grpo.warm_start --retrain --out " + str(path)
         )
-    missing, unexpected = load_model(model, str(path), strict=True)
-    if missing or unexpected:  # pragma: no cover - strict=True raises first
-        raise ValueError(f"{path} does not match builtin:tiny: {missing} {unexpected}")
+    load_model(model, str(path), strict=True)  # raises on any missing or unexpected tensor
     return model.eval()
 
 
@@ -154,9 +153,9 @@ def _answer_probs(
     the end-of-turn token, given the chat-rendered ``prompts[i]`` (teacher forcing)."""
     examples = [(p, a) for p in prompts for a in answers]
     ids, att, lab = _encode(tokenizer, examples)
-    logps = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits.float(), -1)
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
     targets = lab[:, 1:]
-    picked = logps[:, :-1].gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    picked = selective_log_softmax(logits, targets.clamp_min(0))
     seq = (picked * (targets != -100)).sum(-1)
     return seq.exp().view(len(prompts), len(answers))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import demo_seeds
+import pytest
 
 
 def test_a_short_run_is_recorded_with_its_settings_and_reported(tmp_path) -> None:
@@ -32,3 +33,15 @@ def test_a_short_run_is_recorded_with_its_settings_and_reported(tmp_path) -> Non
     assert "\nshort |" in text and "\nother |" in text
     assert "seed   4: 0.100 -> 0.700" in text and "seed 5: FAILED boom" in text
     assert "1 runs: last-20 min 0.700" in text and ">= 0.6: 1/1" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--env", "ATEN_CPU_CAPABILITY"], "--env takes NAME=VALUE; got 'ATEN_CPU_CAPABILITY'"),
+    (["--set", "=3"], "--set takes NAME=VALUE; got '=3'"),
+    (["--workers", "0"], "--workers and --threads must be >= 1"),
+])
+def test_bad_arguments_are_refused_before_any_run(argv, message, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        demo_seeds.main([*argv, "--out", str(tmp_path / "runs.jsonl")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs.jsonl").exists()
