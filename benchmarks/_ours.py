@@ -65,7 +65,7 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
     import torch
 
     from maxent_grpo.objectives import GRPO
-    from maxent_grpo.training.data import PromptDataModule
+    from maxent_grpo.training.data.datamodule import PromptDataModule
     from maxent_grpo.training.module import MaxEntGRPOModule
 
     L.seed_everything(seed, verbose=False)

@@ -58,7 +58,7 @@ def worker(model: str, variant: str, steps: int, B: int, G: int, T: int) -> dict
     import torch
 
     from maxent_grpo.objectives import GRPO
-    from maxent_grpo.training.data import PromptDataModule
+    from maxent_grpo.training.data.datamodule import PromptDataModule
     from maxent_grpo.training.module import MaxEntGRPOModule
 
     torch.set_num_threads(1)

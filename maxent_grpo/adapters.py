@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import warnings
 from typing import Any
 
@@ -156,25 +155,15 @@ class AdapterDisabledReference(torch.nn.Module):
         return f"policy={type(self.policy).__name__} with its adapters disabled"
 
 
-def merged_copy(
-    policy: torch.nn.Module, name_or_path: str, *, dtype: str = "float32",
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> torch.nn.Module:
-    """A plain ``transformers`` model (on the CPU) with ``policy``'s adapters merged into
-    its base weights; ``policy`` is left untouched.
-
-    The base weights are loaded afresh from ``name_or_path`` (as the policy was), the
-    policy's adapter weights copied onto a new ``peft`` model around them and
-    ``merge_and_unload`` folds them in: no second copy of the model on the accelerator, and
-    no in-place merge of the training model.
-    """
+def merged_copy(policy: torch.nn.Module, base: torch.nn.Module) -> torch.nn.Module:
+    """``base`` (a fresh plain ``transformers`` model with the policy's base weights, e.g.
+    from :func:`~maxent_grpo.models.load_policy`) with ``policy``'s adapters merged into its
+    weights; ``policy`` is left untouched: no second copy of the model on the accelerator
+    and no in-place merge of the training model."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    from maxent_grpo.models import load_policy
 
     require(has_adapters(policy), "merged_copy needs a peft model")
     adapter = policy.active_adapter
-    base = load_policy(name_or_path, dtype=dtype, cache_dir=cache_dir)
     fresh = _get_peft_model(base, copy.deepcopy(policy.peft_config[adapter]))
     weights = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy).items()}
     result = set_peft_model_state_dict(fresh, weights)

@@ -35,10 +35,10 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from maxent_grpo import errors
-from maxent_grpo.training import checkpoint_io as ckpt_io
-from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.callbacks.progress import ReadableProgressBar
+from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
-from maxent_grpo.training.progress import ReadableProgressBar
+from maxent_grpo.training.run import checkpoint_io as ckpt_io
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -62,7 +62,7 @@ class MaxEntGRPOCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Build the Trainer; its progress bar, when on and none is configured, is a
-        :class:`~maxent_grpo.training.progress.ReadableProgressBar` (smoothed reward,
+        :class:`~maxent_grpo.training.callbacks.progress.ReadableProgressBar` (smoothed reward,
         step/max_steps, plain lines when stdout is not a terminal) instead of Lightning's
         default ``TQDMProgressBar``. A progress bar named in ``trainer.callbacks`` is used as
         is, and ``trainer.enable_progress_bar: false`` still shows none."""
@@ -115,7 +115,7 @@ class MaxEntGRPOCLI(LightningCLI):
         - ``--ckpt_path last`` -> the newest usable ``*.ckpt`` of the checkpoint folders
           (a truncated one is skipped with a warning naming it); a named file that is
           truncated stops the run with a message naming it and the newest usable one
-          (:func:`maxent_grpo.training.checkpoint_io.resolve_checkpoint`).
+          (:func:`maxent_grpo.training.run.checkpoint_io.resolve_checkpoint`).
         - ``fit`` resuming: a TensorBoardLogger or CSVLogger (``trainer.logger``) without an
           explicit ``version`` gets the version recorded in the checkpoint for the same
           ``save_dir``/``name``, so the curves continue in the same folder; TensorBoard
@@ -170,7 +170,7 @@ class MaxEntGRPOCLI(LightningCLI):
                     break
 
     def after_instantiate_classes(self) -> None:
-        """Atomic checkpoint writes (:class:`~maxent_grpo.training.checkpoint_io.
+        """Atomic checkpoint writes (:class:`~maxent_grpo.training.run.checkpoint_io.
         AtomicCheckpointIO`) unless ``trainer.plugins`` or the strategy brought their own
         CheckpointIO, and the loggers' versions recorded in every checkpoint. The logger
         versions that :meth:`_prepare_resume` set are taken out of the config again."""

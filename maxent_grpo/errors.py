@@ -1,30 +1,25 @@
 """What the command line prints when a run fails: a short message for a user's mistake, the
 full trace for a bug.
 
-A *user error* is one the person running ``python -m maxent_grpo`` caused and can fix
-without reading our code: a bad option (the project's option checks raise ``ValueError``
-naming the option), a missing or unreadable file or model folder (``OSError``, also what
-``transformers`` and the Hugging Face Hub raise), a reward function that raised or returned
-something unusable (:class:`~maxent_grpo.rewards.RewardFunctionError`), a run whose loss kept
-being non-finite (:class:`~maxent_grpo.training.optimise.NonFiniteLossError`), a Trainer
-setting Lightning refuses (``MisconfigurationException``), a missing optional package named
-in a message, or any :class:`UserError` (the base class for new checks). It is printed as::
+A *user error* is one the person running ``python -m maxent_grpo`` can fix without reading
+our code: a bad option (``ValueError`` naming the option), a missing or unreadable file or
+model folder (``OSError``), a reward function that raised or returned something unusable
+(:class:`~maxent_grpo.rewards.RewardFunctionError`), a loss that kept being non-finite
+(:class:`~maxent_grpo.training.optimise.NonFiniteLossError`), a Trainer setting Lightning
+refuses (``MisconfigurationException``), a missing optional package named in a message, or
+any :class:`UserError`. It is printed on stderr as::
 
     error: <the message: what is wrong, which option or file, what to do>
     (run again with --traceback for the full trace)
 
-on stderr, and the process exits with :data:`USER_ERROR_EXIT_CODE`. Any other exception is
-a bug of ours (or a case without a clear message yet): its full trace is printed, then one
-line asking for a report. ``--traceback``, anywhere on the command line, prints the full
-trace for user errors too (including jsonargparse's parse errors).
+and the process exits with :data:`USER_ERROR_EXIT_CODE`. Any other exception is a bug: its
+full trace is printed, then one line asking for a report. ``--traceback``, anywhere on the
+command line, prints the full trace for user errors too.
 
-Errors that reach us wrapped are unwrapped first: an exception re-raised by PyTorch from a
-DataLoader worker or a spawned process carries the original trace as text (its last line,
-``ValueError: ...``, is the message shown), and a library exception raised ``from`` a user
-error (e.g. a ``datasets`` generation error caused by a bad file) is reported as the user
-error it wraps; so is a constructor's error that jsonargparse wraps in its summary of
-every type an option accepts. Lightning's ``trainer.fit`` re-raises the original exception
-unchanged.
+Wrapped errors are unwrapped first: one re-raised by PyTorch from a DataLoader worker or a
+spawned process carries the original trace as text (its last line is the message shown),
+and an exception raised ``from`` a user error (e.g. by ``datasets``, or jsonargparse's
+summary of every type an option accepts) is reported as the user error it wraps.
 """
 
 from __future__ import annotations
@@ -47,9 +42,8 @@ PARSE_ERROR_EXIT_CODE = 2  # jsonargparse's own code for a bad command line or c
 
 
 class UserError(Exception):
-    """Base class for a mistake of the user's (configuration, data, model folder, reward
-    function) with a message that says what is wrong and what to do. The command line prints
-    only the message. Existing checks raise ``ValueError``, which counts the same."""
+    """A mistake of the user's with a message that says what is wrong and what to do; the
+    command line prints only the message (``ValueError`` counts the same)."""
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -58,7 +52,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from maxent_grpo.rewards import RewardFunctionError
-    from maxent_grpo.training.optimise import NonFiniteLossError
+    from maxent_grpo.training.step.optimise import NonFiniteLossError
 
     return (
         UserError,
@@ -91,16 +85,11 @@ def _from_trace_text(error: BaseException) -> tuple[str, str] | None:
     found = list(_TRACE_TEXT.finditer(text))
     if not found:
         return None
-    tail = text[found[-1].end():]
+    lines = text[found[-1].end():].strip("\n").split("\n")
     # the trace's frames are indented; the exception line is the first unindented one
-    lines = tail.strip("\n").split("\n")
-    for i, line in enumerate(lines):
-        if line and not line[0].isspace():
-            match = _LAST_LINE.match("\n".join(lines[i:]).strip())
-            if match:
-                return match["type"], match["message"]
-            return None
-    return None
+    first = next((i for i, line in enumerate(lines) if line and not line[0].isspace()), None)
+    match = None if first is None else _LAST_LINE.match("\n".join(lines[first:]).strip())
+    return (match["type"], match["message"]) if match else None
 
 
 _USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "NonFiniteLossError",

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from maxent_grpo.training import checkpoint_io as ckpt_io
+from maxent_grpo.training.run import checkpoint_io as ckpt_io
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ import yaml
 import maxent_grpo.cli as cli_module
 from maxent_grpo import objectives
 from maxent_grpo.models import BUILTIN_MODELS, DEFAULT_CACHE_DIR
-from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 
 ROOT = Path(__file__).resolve().parents[1]

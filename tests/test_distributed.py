@@ -44,9 +44,9 @@ from maxent_grpo.models import resolve_model_path  # noqa: E402
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt  # noqa: E402
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
 from maxent_grpo.training.callbacks import TauController  # noqa: E402
-from maxent_grpo.training.data import PromptDataModule  # noqa: E402
+from maxent_grpo.training.data.datamodule import PromptDataModule  # noqa: E402
 from maxent_grpo.training.module import MaxEntGRPOModule  # noqa: E402
-from maxent_grpo.training.strategy import clip_gradients, fully_shard_models  # noqa: E402
+from maxent_grpo.training.step.strategy import clip_gradients, fully_shard_models  # noqa: E402
 
 WORLD = 2
 B = 2  # prompts per rank and step; the 1-rank run takes WORLD * B
@@ -113,9 +113,13 @@ class ScriptedEngine:
         self.lm = ScriptedLM(tokenizer)
         self.inner = HFGenerateEngine(self.lm, tokenizer, sampling)
 
-    def generate(self, prompts: list[str], answers: list[str], num_generations: int):
+    def generate(self, prompts: list[str], answers: list[str], num_generations: int,
+                 sampling: SamplingSettings | None = None):
         self.lm.answers = list(answers)
-        return self.inner.generate(prompts, answers, num_generations)
+        return self.inner.generate(prompts, answers, num_generations, sampling)
+
+    def sync(self, model) -> None:
+        """The scripted model does not follow the policy's weights."""
 
 
 def odd_sums_score_zero(prompts, completions, answer, **columns):

@@ -20,7 +20,7 @@ import pytest
 import maxent_grpo.cli as cli_module
 from maxent_grpo import errors
 from maxent_grpo.rewards import RewardFunctionError
-from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,7 +251,7 @@ def test_user_error_classes():
     for error in (ZeroDivisionError(), KeyError("k"), TypeError("t"), RuntimeError("r"),
                   AttributeError("a"), ModuleNotFoundError("No module named 'y'", name="y")):
         assert not errors.is_user_error(error), error
-    from maxent_grpo.training.optimise import NonFiniteLossError
+    from maxent_grpo.training.step.optimise import NonFiniteLossError
 
     assert errors.is_user_error(NonFiniteLossError("loss was NaN 3 times"))
 

@@ -230,10 +230,15 @@ class HFGenerateEngine:
             dict.fromkeys([int(tokenizer.eos_token_id), *extra])
         )
 
-    def _encode_prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded ``(B, P)`` prompt ids and bool mask (left-truncated if configured)."""
+    def sync(self, model: nn.Module) -> None:
+        """Nothing to do: the engine samples from the model itself (a generation copy is
+        refreshed from it at every call)."""
+
+    def _encode_prompts(
+        self, prompts: list[str], limit: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ``(B, P)`` prompt ids and bool mask (the last ``limit`` tokens)."""
         encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        limit = self.sampling.max_prompt_length
         if limit is not None:
             encoded = [ids[-limit:] for ids in encoded]
         for index, ids in enumerate(encoded):
@@ -249,7 +254,7 @@ class HFGenerateEngine:
         return prompt_ids, prompt_mask
 
     def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
-                        prompt_mask: torch.Tensor, group: int):
+                        prompt_mask: torch.Tensor, group: int, max_new_tokens: int):
         """The key/value cache of the first ``P - 1`` tokens of each of the B prompts,
         repeated ``group`` times along the batch (prompt-major), as the keyword argument
         ``generate`` takes it; None when the model's output has no cache that can be
@@ -270,14 +275,13 @@ class HFGenerateEngine:
             return None
         cache.batch_repeat_interleave(group)
         if self.cache == "static":  # copy the repeated prefix into a preallocated cache
-            cache = self._static_cache(prompt_ids.shape[1], prefix=cache)
+            cache = self._static_cache(prompt_ids.shape[1] + max_new_tokens, prefix=cache)
         return {key: cache}
 
-    def _static_cache(self, prompt_len: int, prefix: Cache | None = None) -> StaticCache:
-        """A static cache for ``P + T_max`` tokens, holding ``prefix``'s keys and values
-        (the shared prefill, ``(B*G, heads, P - 1, dim)`` per layer) when given."""
-        cache = StaticCache(config=self.model.config,
-                            max_cache_len=prompt_len + self.sampling.max_new_tokens)
+    def _static_cache(self, length: int, prefix: Cache | None = None) -> StaticCache:
+        """A static cache for ``length = P + T_max`` tokens, holding ``prefix``'s keys and
+        values (the shared prefill, ``(B*G, heads, P - 1, dim)`` per layer) when given."""
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
         if prefix is not None:
             P = prefix.layers[0].keys.shape[-2]
             positions = torch.arange(P, device=prefix.layers[0].keys.device)
@@ -299,9 +303,14 @@ class HFGenerateEngine:
         return model, torch.autocast(device.type, enabled=False)
 
     def generate(
-        self, prompts: list[str], answers: list[str], num_generations: int
+        self, prompts: list[str], answers: list[str], num_generations: int,
+        sampling: SamplingSettings | None = None,
     ) -> RolloutOutput:
-        """Sample G = ``num_generations`` completions per prompt; see :class:`RolloutOutput`."""
+        """Sample G = ``num_generations`` completions per prompt from ``sampling`` (None:
+        the engine's own settings); see :class:`RolloutOutput`."""
+        s = self.sampling if sampling is None else sampling
+        if not isinstance(s, SamplingSettings):
+            raise TypeError(f"sampling must be a SamplingSettings; got {type(s).__name__}")
         if len(prompts) == 0:
             raise ValueError("prompts must not be empty")
         if len(answers) != len(prompts):
@@ -315,9 +324,8 @@ class HFGenerateEngine:
             raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
         group = num_generations
         device = _model_device(self.model)
-        prompt_ids, prompt_mask = self._encode_prompts(prompts)  # (B, P)
+        prompt_ids, prompt_mask = self._encode_prompts(prompts, s.max_prompt_length)  # (B, P)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        s = self.sampling
         sampling = (
             dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
             if s.do_sample
@@ -342,7 +350,8 @@ class HFGenerateEngine:
                 self.share_prefill and group > 1 and prompt_ids.shape[1] > 1
                 and isinstance(model, PreTrainedModel)
             ):
-                cache = self._shared_prefill(model, prompt_ids, prompt_mask, group)
+                cache = self._shared_prefill(model, prompt_ids, prompt_mask, group,
+                                             s.max_new_tokens)
             if cache is None:
                 if self.cache == "static":
                     config.cache_implementation = "static"

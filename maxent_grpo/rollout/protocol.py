@@ -17,6 +17,12 @@ example::
 
 The trainer passes the policy, its tokenizer and the :class:`SamplingSettings` it scores
 with (the same temperature, top-p, top-k), so the behaviour policy is the scored one.
+
+The engine lives for the whole run. Before a rollout that follows a change of the policy's
+weights (an optimizer step, a checkpoint loaded) the trainer calls ``engine.sync(policy)``:
+an engine that samples from its own copy of the weights refreshes it there; one that
+samples from the policy itself does nothing. Evaluation uses the same engine, passing other
+``sampling`` (greedy decoding) to ``generate``.
 """
 
 from __future__ import annotations
@@ -128,9 +134,15 @@ class RolloutEngine(Protocol):
     """Samples completions for already-rendered prompts (chat template applied)."""
 
     def generate(
-        self, prompts: list[str], answers: list[str], num_generations: int
+        self, prompts: list[str], answers: list[str], num_generations: int,
+        sampling: SamplingSettings | None = None,
     ) -> RolloutOutput:
-        """Sample ``num_generations`` completions for each prompt; rows prompt-major."""
+        """Sample ``num_generations`` completions for each prompt, rows prompt-major, from
+        ``sampling`` (None: the settings the engine was built with)."""
+        ...
+
+    def sync(self, model: Any) -> None:
+        """Take ``model``'s current weights for the rollouts that follow."""
         ...
 
 

@@ -2,58 +2,71 @@
 
 One training step (docs/ALGORITHM.md §0-§4), file by file::
 
-    trajectory = collect(batch)                    # training/trajectory.py
+    ctx = the step's parts                         # training/step/context.py
+    trajectory = collect(ctx, batch)               # training/step/trajectory.py
         rollout   = engine.generate(prompts, G)    #   rollout/ (model.engine)
         rewards   = sum_k w_k R_k(completions)     #   rewards/  -> (B, G)
-        ref, old  = frozen log-probs if needed     #   training/scoring.py
+        ref, old  = frozen log-probs if needed     #   training/step/scoring.py
         targets   = objective.prepare(rewards)     #   objectives/ (advantages / weights)
-    repeat num_iterations times:                   # training/optimise.py
+    repeat num_iterations times:                   # training/step/optimise.py
         for each micro-batch of whole groups:
             logps = log pi_theta(completion)       #   SequenceScores, with grad
             manual_backward(objective.loss(...))   #   parts sum to the batch loss
         clip gradients; optimizer.step(); scheduler.step()
-    log the step                                   # training/step_log.py
+    log the step                                   # training/step/step_log.py
 
 Optimisation is manual (``automatic_optimization = False``) because one rollout may feed
 several optimizer steps and the loss is accumulated over micro-batches that never split
-a prompt group. Validation and test live in
-:class:`~maxent_grpo.training.evaluation.Evaluator`, what checkpoints add in
-:mod:`~maxent_grpo.training.checkpoint`, what differs between strategies in
-:mod:`~maxent_grpo.training.strategy`, and the options' typed groups in
+a prompt group. ``collect`` and ``optimizer_step`` get a
+:class:`~maxent_grpo.training.step.context.StepContext` and never call back into the module.
+The rollout engine is built once per run and synced (``engine.sync(policy)``) before a
+rollout that follows a change of the weights. Validation and test live in
+:class:`~maxent_grpo.training.run.evaluation.Evaluator`, what checkpoints add in
+:mod:`~maxent_grpo.training.run.checkpoint`, what differs between strategies in
+:mod:`~maxent_grpo.training.step.strategy`, and the options' typed groups in
 :mod:`~maxent_grpo.training.settings`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.adapters import AdapterDisabledReference, PeftConfig, register_sharded_generate
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
-from maxent_grpo.training.checkpoint import StepCounters, load_state, restore_rng_state, save_state
-from maxent_grpo.training.evaluation import Evaluator
-from maxent_grpo.training.optimise import LossSums, NonFiniteLossError, optimizer_step
-from maxent_grpo.training.scoring import Scorer
+from maxent_grpo.training.run.checkpoint import (
+    StepCounters,
+    load_state,
+    restore_rng_state,
+    save_state,
+)
+from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.settings import (
     Dtype,
-    LegacySchedule,
     ModelSettings,
     build_loop_settings,
     build_lr_scheduler,
 )
-from maxent_grpo.training.step_log import LightningWriter, StepMetrics, log_step
-from maxent_grpo.training.strategy import check_strategy, fully_shard_models
-from maxent_grpo.training.timing import StepTimer
-from maxent_grpo.training.trajectory import Trajectory, collect
+from maxent_grpo.training.step.context import StepContext
+from maxent_grpo.training.step.optimise import (
+    LossSums,
+    NonFiniteLossError,
+    Update,
+    count_update,
+    optimizer_step,
+)
+from maxent_grpo.training.step.scoring import Scorer
+from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
+from maxent_grpo.training.step.strategy import check_strategy, fully_shard_models
+from maxent_grpo.training.step.timing import StepTimer
+from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import (
     ControllerPaths,
     LoggingConfigView,
@@ -80,7 +93,7 @@ class MaxEntGRPOModule(L.LightningModule):
             ``package.module:function`` path (called as TRL's ``GRPOTrainer`` calls reward
             functions) or ``model:<hub name or folder>``, a sequence-classification reward
             model (:mod:`maxent_grpo.rewards`; README "Rewards").
-        engine: the rollout engine, chosen with ``class_path`` and built as
+        engine: the rollout engine, chosen with ``class_path`` and built once per run as
             ``engine(policy, tokenizer, sampling)`` (:mod:`maxent_grpo.rollout`); default
             :class:`~maxent_grpo.rollout.HFGenerateEngine` (``init_args: {share_prefill:
             true}`` runs each prompt's prefill once for its G samples).
@@ -97,7 +110,7 @@ class MaxEntGRPOModule(L.LightningModule):
             limit).
         micro_batch_tokens: at most this many padded tokens (rows x columns) per
             micro-batch (``None`` = no limit). Micro-batches hold whole groups, packed by
-            length and trimmed to the columns they use (:mod:`maxent_grpo.training.batching`);
+            length and trimmed to the columns they use (:mod:`maxent_grpo.training.step.batching`);
             the update does not depend on the partition.
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
@@ -117,21 +130,17 @@ class MaxEntGRPOModule(L.LightningModule):
             after the warm-up. ``None`` = constant after the warm-up.
         lr_warmup_steps: linear warm-up steps of the learning rate (step t of the warm-up
             uses ``lr * (t + 1) / lr_warmup_steps``).
-        lr_schedule: deprecated: ``cosine``/``linear``/``constant`` decay to
-            ``min_lr_ratio * lr`` over the run; use ``lr_scheduler``.
-        min_lr_ratio: deprecated, with ``lr_schedule``.
         dtype: parameter dtype of the policy and reference.
         gradient_checkpointing: trade compute for memory in the policy forward.
         fused_lm_head: score from the decoder's hidden states with the LM head fused into
             the log-softmax, so the ``(n, T, V)`` logits and their gradient never exist
-            (:mod:`maxent_grpo.training.scoring`). ``None``: on CUDA for models that
+            (:mod:`maxent_grpo.training.step.scoring`). ``None``: on CUDA for models that
             qualify (a bias-free linear head, no logit transform, not sharded); ``true``:
             required for the policy; ``false``: never.
         peft: train ``peft`` adapters instead of all weights (``class_path: peft.LoraConfig``
             with ``r``, ``lora_alpha``, ``target_modules``; :mod:`maxent_grpo.adapters`):
             the base weights are frozen and the reference is the policy with its adapters
             disabled (no second copy). ``None`` = full fine-tuning.
-        share_prefill: deprecated; use ``engine.init_args.share_prefill``.
         model_cache_dir: where built-in models are materialised (default
             ``~/.cache/maxent_grpo/models``).
         max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
@@ -166,13 +175,10 @@ class MaxEntGRPOModule(L.LightningModule):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         lr_warmup_steps: int = 0,
-        lr_schedule: LegacySchedule | None = None,
-        min_lr_ratio: float | None = None,
         dtype: Dtype = "float32",
         gradient_checkpointing: bool = False,
         fused_lm_head: bool | None = None,
         peft: PeftConfig | None = None,
-        share_prefill: bool | None = None,
         model_cache_dir: str | None = None,
         max_consecutive_nonfinite: int = 3,
         eval_num_generations: int = 4,
@@ -191,15 +197,6 @@ class MaxEntGRPOModule(L.LightningModule):
         self.rewards = WeightedRewards(
             {"accuracy": 1.0} if rewards is None else dict(rewards), module=self)
         self.loop = build_loop_settings(options, self.rewards.names)
-        if lr_schedule is not None or min_lr_ratio is not None:
-            rank_zero_warn("model.lr_schedule / model.min_lr_ratio are deprecated: set "
-                           "model.lr_scheduler (class_path torch.optim.lr_scheduler."
-                           "CosineAnnealingLR, init_args: {T_max: ..., eta_min: ...})")
-        if share_prefill is not None:
-            rank_zero_warn("model.share_prefill is deprecated: set model.engine (class_path "
-                           "maxent_grpo.rollout.HFGenerateEngine, init_args: {share_prefill: "
-                           f"{str(share_prefill).lower()}}})")
-            engine = functools.partial(HFGenerateEngine, share_prefill=share_prefill)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
         # saving it twice makes Lightning refuse differing values in plain-Trainer use
         self.save_hyperparameters(
@@ -225,11 +222,14 @@ class MaxEntGRPOModule(L.LightningModule):
         #: the job-long handles (policy, tokenizer, reference, loader), set by configure_model
         self.runtime: RuntimeHandles | None = None
         self._reference_required = False  # a controller may raise beta (require_reference)
-        #: the last training step's trajectory and logged record (read by callbacks)
+        #: the last training step's trajectory, logged record and its flat view (``metrics``,
+        #: the ``step_log.as_dict()`` the callbacks read)
         self.trajectory: Trajectory | None = None
         self.step_log: LogStepArtifacts | None = None
-        self.lr_used = float("nan")  # learning rate of the last optimizer step
-        self.dropped_groups = 0  # groups dropped in the last step, all ranks
+        self.step_metrics_dict: dict[str, float] = {}
+        self._engine: RolloutEngine | None = None  # built once, on the first rollout
+        self._weights_version = 0  # +1 at every change of the policy's weights
+        self._engine_version = 0  # the weights the engine was last synced with
         self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
 
     # ------------------------------------------------------------------ the step
@@ -242,20 +242,32 @@ class MaxEntGRPOModule(L.LightningModule):
                 optimizer_step(trajectory)     # micro-batches -> loss -> backward -> step
             log the step; objective.observe(the step's statistics)
         """
-        timer = StepTimer(self.device)
-        self.trajectory = trajectory = collect(self, batch, timer)
-        sums = LossSums(self.device)
-        grad_norm = None
-        for _ in range(self.loop.optimization.schedule.num_iterations):
-            grad_norm = optimizer_step(self, trajectory, sums, timer)
-        self._log_step(trajectory, sums, grad_norm, timer, batch_idx)
-        self.objective.observe(self.step_log.as_dict())  # e.g. the entropy gate reads "kl"
+        timer, ctx = StepTimer(self.device), self.step_context()
+        self.trajectory = trajectory = collect(ctx, batch, timer)
+        sums, schedule = LossSums(self.device), self.loop.optimization.schedule
+        for _ in range(schedule.num_iterations):
+            update = optimizer_step(ctx, trajectory, sums, timer)
+            count_update(self.counters, update, self.global_step,
+                         schedule.max_consecutive_nonfinite)
+            self._weights_version += not update.skipped
+        self._log_step(trajectory, sums, update, timer, batch_idx)
+        self.objective.observe(self.step_metrics_dict)  # e.g. the entropy gate reads "kl"
 
-    def _log_step(self, trajectory: Trajectory, sums: LossSums, grad_norm: torch.Tensor | None,
+    def step_context(self) -> StepContext:
+        """The parts of this step (:class:`~maxent_grpo.training.step.context.StepContext`)."""
+        optimizer, scheduler = self.loop.optimization.handles
+        return StepContext(
+            engine=self.rollout_engine(), rewards=self.rewards, scorer=self.scorer,
+            objective=self.objective, policy=self.policy,
+            reference=self.reference if self.needs_reference else None,
+            generation=self.loop.generation, schedule=self.loop.optimization.schedule,
+            strategy=self.trainer.strategy, backward=self.manual_backward,
+            optimizer=optimizer, scheduler=scheduler, step=self.global_step,
+        )
+
+    def _log_step(self, trajectory: Trajectory, sums: LossSums, update: Update,
                   timer: StepTimer, batch_idx: int) -> None:
         """Count, record (``step_log``) and log the step (``train/...``, progress bar)."""
-        self.dropped_groups = self.trainer.world_size * trajectory.keep.numel() - (
-            trajectory.kept_groups)
         self.counters.empty_steps += trajectory.kept_groups == 0
         self.step_metrics.observe(trajectory, sums)
         rollout = trajectory.rollout
@@ -263,39 +275,51 @@ class MaxEntGRPOModule(L.LightningModule):
         extra = {f"perf/{k}": v for k, v in timings.items()}
         extra["nonfinite_skips"] = float(self.counters.nonfinite_total)
         if self.loop.generation.drop_constant_groups:
-            extra["dropped_groups"] = float(self.dropped_groups)
+            extra["dropped_groups"] = float(trajectory.dropped_groups)
             extra["empty_steps"] = float(self.counters.empty_steps)
         self.step_log = self.step_metrics.artifacts(
-            self.logging_view, lr=self.lr_used, grad_norm=grad_norm,
+            self.logging_view, lr=update.lr, grad_norm=update.grad_norm,
             epoch_progress=batch_idx / max(1, self.trainer.num_training_batches), extra=extra,
         )
-        metrics = log_step(self.writer, self.step_log, self.global_step)
+        self.step_metrics_dict = self.step_log.as_dict()
+        metrics = log_step(self.writer, self.step_metrics_dict, self.global_step)
         self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)
         if "train/loss/total" in metrics:
             self.log("loss", metrics["train/loss/total"], prog_bar=True, logger=False)
 
-    def engine(self, do_sample: bool = True) -> RolloutEngine:
-        """The rollout engine on the policy; ``do_sample=False`` decodes greedily."""
-        sampling = self.loop.generation.sampling
-        if not do_sample:
-            sampling = dataclasses.replace(sampling, do_sample=False)
-        return self.engine_factory(self.policy, self.tokenizer, sampling)
+    def rollout_engine(self) -> RolloutEngine:
+        """The run's rollout engine (``model.engine``), built on the first call and synced
+        with the policy (``engine.sync(policy)``) when its weights changed since the last
+        call: after an optimizer step, or a checkpoint's weights loaded."""
+        if self._engine is None:
+            self._engine = self.engine_factory(
+                self.policy, self.tokenizer, self.loop.generation.sampling)
+            self._engine_version = self._weights_version
+        if self._engine_version != self._weights_version:
+            self._engine.sync(self.policy)
+            self._engine_version = self._weights_version
+        return self._engine
+
+    def _evaluate(self, batch: dict) -> None:
+        greedy = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
+        self.evaluator.step(batch, self.rollout_engine(), greedy)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_log = self.trajectory = None  # free the last step's tensors first
+        self.step_metrics_dict = {}
         if self._rng_to_restore is not None:
             restore_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.evaluator.step(batch, self.engine)
+        self._evaluate(batch)
 
     def on_validation_epoch_end(self) -> None:
         self.log_dict(self.evaluator.compute("val"), sync_dist=False)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.evaluator.step(batch, self.engine)
+        self._evaluate(batch)
 
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.evaluator.compute("test"), sync_dist=False)
@@ -310,7 +334,7 @@ class MaxEntGRPOModule(L.LightningModule):
         resolve_model_path(self.source.name_or_path, self.source.cache_dir)
 
     def setup(self, stage: str) -> None:
-        """Check the strategy (:func:`~maxent_grpo.training.strategy.check_strategy`) and
+        """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`) and
         record where the controller callbacks keep their state (``loop.controller``)."""
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
         callbacks = getattr(self.trainer, "callbacks", None) or []
@@ -397,15 +421,14 @@ class MaxEntGRPOModule(L.LightningModule):
         loop steps once per optimizer step."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
         optimizer = self.optimizer_factory(self.trainable_parameters())
-        schedule = self.loop.optimization.schedule
-        total = int(self.trainer.estimated_stepping_batches) * schedule.num_iterations
-        scheduler = build_lr_scheduler(optimizer, schedule, self.lr_scheduler_factory, total)
+        scheduler = build_lr_scheduler(
+            optimizer, self.loop.optimization.schedule, self.lr_scheduler_factory)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler}}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the objective's state, the counters and every rank's random state
-        (:mod:`maxent_grpo.training.checkpoint`)."""
+        (:mod:`maxent_grpo.training.run.checkpoint`)."""
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -413,3 +436,4 @@ class MaxEntGRPOModule(L.LightningModule):
         the first training batch."""
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters)
+        self._weights_version += 1  # the engine syncs with the loaded weights

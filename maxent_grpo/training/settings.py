@@ -33,9 +33,8 @@ from maxent_grpo.training.types import (
     LoopSettings,
     OptimizationSettings,
 )
-from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+from maxent_grpo.validation import check_bool, check_int, check_number, require
 
-LegacySchedule = Literal["cosine", "linear", "constant"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -109,45 +108,30 @@ class ScheduleSettings:
         gradient_clip_val: global gradient-norm bound, or None.
         lr_warmup_steps: linear warm-up steps before ``model.lr_scheduler`` takes over.
         max_consecutive_nonfinite: stop after this many skipped updates in a row.
-        legacy_decay: the deprecated ``model.lr_schedule`` / ``model.min_lr_ratio`` as
-            ``(shape, min_ratio)``, or None.
     """
 
     num_iterations: int
     gradient_clip_val: float | None
     lr_warmup_steps: int
     max_consecutive_nonfinite: int
-    legacy_decay: tuple[LegacySchedule, float] | None = None
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
-    factory: Callable[[torch.optim.Optimizer], Any] | None, total_steps: int,
+    factory: Callable[[torch.optim.Optimizer], Any] | None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The run's learning-rate scheduler, from standard ``torch.optim.lr_scheduler`` pieces,
-    stepped once per optimizer step (``total_steps`` of them):
+    stepped once per optimizer step:
 
     - ``factory`` (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) after warm-up, or a
       constant rate without one;
     - with ``lr_warmup_steps = W > 1``, first ``LinearLR`` from ``lr / W`` to ``lr`` over W
       steps (step t uses ``lr * (t + 1) / W``), then the factory's scheduler
-      (``SequentialLR``);
-    - the deprecated ``lr_schedule`` / ``min_lr_ratio``: ``CosineAnnealingLR`` or
-      ``LinearLR`` to ``min_lr_ratio * lr`` over the steps after warm-up.
+      (``SequentialLR``).
     """
     sched = torch.optim.lr_scheduler
     W = schedule.lr_warmup_steps
-    if schedule.legacy_decay is not None:
-        shape, ratio = schedule.legacy_decay
-        rest = max(1, total_steps - W)
-        if shape == "cosine":
-            lr = optimizer.param_groups[0]["lr"]
-            main = sched.CosineAnnealingLR(optimizer, T_max=rest, eta_min=ratio * lr)
-        elif shape == "linear":
-            main = sched.LinearLR(optimizer, 1.0, max(ratio, 1e-8), total_iters=rest)
-        else:
-            main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
-    elif factory is not None:
+    if factory is not None:
         main = factory(optimizer)
         require(isinstance(main, sched.LRScheduler) and not isinstance(
             main, sched.ReduceLROnPlateau),
@@ -176,16 +160,6 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     check_int("model.lr_warmup_steps", o["lr_warmup_steps"], minimum=0)
     if o["fused_lm_head"] is not None:
         check_bool("model.fused_lm_head", o["fused_lm_head"])
-    legacy = None
-    if o["lr_schedule"] is not None or o["min_lr_ratio"] is not None:
-        require(o["lr_scheduler"] is None,
-                "model.lr_schedule / model.min_lr_ratio (deprecated) and model.lr_scheduler "
-                "cannot both be set; keep model.lr_scheduler")
-        shape = "cosine" if o["lr_schedule"] is None else o["lr_schedule"]
-        ratio = 0.0 if o["min_lr_ratio"] is None else o["min_lr_ratio"]
-        check_choice("model.lr_schedule", shape, ("cosine", "linear", "constant"))
-        check_number("model.min_lr_ratio", ratio, minimum=0, maximum=1)
-        legacy = (shape, float(ratio))
     check_int("model.max_consecutive_nonfinite", o["max_consecutive_nonfinite"], minimum=1)
     n = o["eval_num_generations"]
     check_int("model.eval_num_generations", n, minimum=1)
@@ -226,7 +200,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             schedule=ScheduleSettings(
                 num_iterations=o["num_iterations"], gradient_clip_val=o["gradient_clip_val"],
                 lr_warmup_steps=o["lr_warmup_steps"],
-                max_consecutive_nonfinite=o["max_consecutive_nonfinite"], legacy_decay=legacy,
+                max_consecutive_nonfinite=o["max_consecutive_nonfinite"],
             ),
             handles=None,  # Lightning's optimizer and scheduler, set when training starts
         ),

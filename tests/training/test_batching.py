@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maxent_grpo.training.batching import plan_micro_batches
+from maxent_grpo.training.step.batching import plan_micro_batches
 
 
 def masks(prompt_lens: list[int], completion_lens: list[int], P: int = 6, T: int = 5):

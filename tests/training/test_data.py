@@ -17,12 +17,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from maxent_grpo.training.data import (  # noqa: E402
+from maxent_grpo.training.data.datamodule import (  # noqa: E402
     EpochShuffleSampler,
     PromptDataModule,
     collate_prompts,
 )
-from maxent_grpo.training.files import read_files  # noqa: E402
+from maxent_grpo.training.data.files import read_files  # noqa: E402
 
 BATCH_KEYS = {"prompts", "raw_prompts", "answers", "columns", "indices"}
 
@@ -502,7 +502,7 @@ def test_switching_the_source_on_the_command_line_drops_the_configs_task_options
     # `fit --config configs/tiny.yaml --data.task null --data.data_files my.jsonl`: the config's
     # task_options come along; the override wins, and one warning names what was dropped
     path = write(tmp_path / "my.jsonl", ROWS)
-    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data.sources"):
         dm = make(task=None, data_files=path, task_options={"bare": True}, train_size=4000,
                   val_size=2, batch_size=4)
     lines = [r.getMessage() for r in caplog.records]
@@ -512,14 +512,14 @@ def test_switching_the_source_on_the_command_line_drops_the_configs_task_options
     assert dm.task_options == {} and dm.hparams["task_options"] is None
     assert len(dm.train_dataset) == 8 and len(dm.val_dataset) == 2
     caplog.clear()
-    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data.sources"):
         make(task=None, data_files=path, task_options={}, val_size=2)  # empty: nothing to drop
     assert not caplog.records
 
 
 def test_every_option_of_an_unused_source_is_dropped_in_one_line(tmp_path, caplog):
     path = write(tmp_path / "rows.jsonl", ROWS)
-    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data.sources"):
         dm = make(task=None, data_files=path, dataset_config="main", val_split="test",
                   val_size=2)  # the config's dataset_name was switched to data_files
         assert (dm.dataset_config, dm.val_split) == (None, None)
@@ -545,7 +545,7 @@ def test_the_cli_switch_to_a_file_proceeds(tmp_path, monkeypatch, caplog):
     path = write(tmp_path / "my.jsonl", ROWS * 4)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
-    with caplog.at_level("WARNING", logger="maxent_grpo.training.sources"):
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data.sources"):
         cli = cli_module.main(
             ["--config", str(config), "--data.task", "null", "--data.data_files", path,
              "--model.model_name_or_path", "builtin:tiny", "--data.val_size", "4",

@@ -1,4 +1,4 @@
-"""Tests for maxent_grpo.training.metrics: hand-checkable values and exact accumulation.
+"""Tests for maxent_grpo.training.step.metrics: hand-checkable values and exact accumulation.
 
 "Exact" here means: updating one metric with all the data gives the same numbers as
 splitting the data into uneven micro-batches, or across simulated ranks, and reducing the
@@ -17,7 +17,7 @@ import torch
 from torchmetrics import Metric
 
 from maxent_grpo.training import types
-from maxent_grpo.training.metrics import (
+from maxent_grpo.training.step.metrics import (
     RewardComponents,
     RewardMoments,
     TokenMean,

@@ -15,7 +15,7 @@ import torch
 
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt, LossOutput
 from maxent_grpo.rewards import RewardFunctionError
-from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError
 from maxent_grpo.training.settings import ScheduleSettings, build_lr_scheduler
 
@@ -47,11 +47,12 @@ def make_module(cache_dir: str, **kw) -> MaxEntGRPOModule:
 
 def fit(module, data, steps: int = 2, tmp_path=None, **trainer_kw) -> L.Trainer:
     L.seed_everything(0)
-    trainer = L.Trainer(
+    options = dict(
         max_steps=steps, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=tmp_path, **trainer_kw,
+        limit_val_batches=0, default_root_dir=tmp_path,
     )
+    trainer = L.Trainer(**(options | trainer_kw))
     trainer.fit(module, data)
     return trainer
 
@@ -112,7 +113,7 @@ def test_every_objective_trains(cache_dir, objective, needs_ref):
 def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatch):
     """One step with the whole batch equals one step in micro-batches: one group each, or
     packed by a token budget (groups re-ordered by length, columns trimmed)."""
-    import maxent_grpo.training.scoring as module_file
+    import maxent_grpo.training.step.scoring as module_file
 
     plans: list[int] = []
     real_plan = module_file.plan_micro_batches
@@ -224,10 +225,9 @@ def lr_factors(steps: int, **kwargs) -> list[float]:
     """The learning-rate multipliers of ``build_lr_scheduler`` at optimizer steps 0..steps-1."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     options = dict(num_iterations=1, gradient_clip_val=None, lr_warmup_steps=0,
-                   max_consecutive_nonfinite=3, legacy_decay=None)
+                   max_consecutive_nonfinite=3)
     factory = kwargs.pop("factory", None)
-    total = kwargs.pop("total", steps)
-    sched = build_lr_scheduler(opt, ScheduleSettings(**{**options, **kwargs}), factory, total)
+    sched = build_lr_scheduler(opt, ScheduleSettings(**{**options, **kwargs}), factory)
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -243,22 +243,8 @@ def test_learning_rate_schedules_by_hand():
     assert f[6] == pytest.approx(0.5) and f[10] == pytest.approx(0.0, abs=1e-12)  # cos half, end
     assert lr_factors(4) == [1.0] * 4  # no scheduler, no warm-up: constant
     assert lr_factors(4, lr_warmup_steps=4) == [0.25, 0.5, 0.75, 1.0]
-    # the deprecated lr_schedule / min_lr_ratio: the same values as before, over `total`
-    legacy = dict(lr_warmup_steps=2, total=10)
-    assert lr_factors(11, legacy_decay=("cosine", 0.0), **legacy)[6] == pytest.approx(0.5)
-    assert lr_factors(11, legacy_decay=("cosine", 0.1), **legacy)[10] == pytest.approx(0.1)
-    assert lr_factors(11, legacy_decay=("linear", 0.0), **legacy)[6] == pytest.approx(0.5)
-    assert lr_factors(10, legacy_decay=("constant", 0.0), **legacy)[9] == 1.0
     with pytest.raises(ValueError, match="not ReduceLROnPlateau"):
         lr_factors(1, factory=torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def test_deprecated_schedule_options_warn_and_conflict_with_lr_scheduler(cache_dir):
-    with pytest.warns(UserWarning, match="model.lr_schedule / model.min_lr_ratio are deprecated"):
-        make_module(cache_dir, lr_schedule="linear")
-    with pytest.raises(ValueError, match="cannot both be set"):
-        make_module(cache_dir, min_lr_ratio=0.1,
-                    lr_scheduler=torch.optim.lr_scheduler.CosineAnnealingLR)
 
 
 def test_validation_logs_rewards(cache_dir):
@@ -338,7 +324,7 @@ def test_the_entropy_gate_follows_each_steps_kl(cache_dir):
 
 
 def test_evaluation_does_not_shift_the_training_random_stream(cache_dir):
-    from maxent_grpo.training.data import collate_prompts
+    from maxent_grpo.training.data.datamodule import collate_prompts
 
     module = make_module(cache_dir, eval_num_generations=2)
     module.configure_model()

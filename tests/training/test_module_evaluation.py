@@ -3,6 +3,7 @@ per-task breakdown, from hand-made records and from ``trainer.validate`` on the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from types import SimpleNamespace
@@ -12,14 +13,14 @@ import pytest
 import torch
 
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
-from maxent_grpo.training.data import collate_prompts
-from maxent_grpo.training.evaluation import (
+from maxent_grpo.training.data.datamodule import collate_prompts
+from maxent_grpo.training.run.evaluation import (
     PromptRecord,
     coverage_answer,
     evaluation_metrics,
     sample_answer,
 )
-from tests.training.test_module import cache_dir, make_data, make_module  # noqa: F401
+from tests.training.test_module import cache_dir, fit, make_data, make_module  # noqa: F401
 
 
 def naive_pass(correct: list[float], k: int) -> float:
@@ -99,12 +100,13 @@ def test_coverage_counts_distinct_correct_canonical_answers():
 def test_greedy_engine_is_deterministic_argmax(cache_dir):  # noqa: F811
     module = make_module(cache_dir)
     module.configure_model()
-    engine = module.engine(do_sample=False)
+    engine = module.rollout_engine()
+    greedy = dataclasses.replace(module.loop.generation.sampling, do_sample=False)
     prompts = ["3 + 5 =", "2 + 2 ="]
     torch.manual_seed(0)
-    a = engine.generate(prompts, ["", ""], 1)
+    a = engine.generate(prompts, ["", ""], 1, greedy)
     torch.manual_seed(1)
-    b = engine.generate(prompts, ["", ""], 1)
+    b = engine.generate(prompts, ["", ""], 1, greedy)
     assert torch.equal(a.completion_ids, b.completion_ids)
     # the first generated token is the argmax of the next-token logits
     with torch.no_grad():
@@ -181,8 +183,8 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):  # noqa: F811
     first, second = (sorted(v) for v in batch["columns"]["valid_answers"])
     completions = [[f"<answer>{first[0]}</answer>", f"<answer>{first[-1]}</answer>"],
                    [f"<answer>{second[0]}</answer>", "<answer>1 + 1</answer>"]]
-    module.engine = lambda do_sample=True: SimpleNamespace(
-        generate=lambda prompts, answers, G: SimpleNamespace(
+    module.rollout_engine = lambda: SimpleNamespace(
+        generate=lambda prompts, answers, G, sampling=None: SimpleNamespace(
             batch=SimpleNamespace(grouped_completions=completions),
             completion_ids=torch.ones(4, 1, dtype=torch.long),  # what rewards may read
             completion_mask=torch.ones(4, 1, dtype=torch.bool),
@@ -222,22 +224,33 @@ def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):  # 
         validate(module, make_data(cache_dir, answer_column=None))
 
 
-def test_engine_is_chosen_by_class_path_and_share_prefill_is_deprecated(cache_dir):  # noqa: F811
-    """``model.engine`` builds the engine with the module's sampling settings; the old
-    ``model.share_prefill`` still works, with a deprecation warning."""
-    built = []
+def test_engine_is_chosen_by_class_path_built_once_and_synced(cache_dir, tmp_path):  # noqa: F811
+    """``model.engine`` builds the engine once per run with the module's sampling
+    settings; ``sync(policy)`` comes before each rollout that follows an optimizer step
+    (validation included), never twice for the same weights; evaluation's greedy pass uses
+    the same engine with ``do_sample=False``."""
+    built, events = [], []
 
     class Recording(HFGenerateEngine):
         def __init__(self, model, tokenizer, sampling, share_prefill=True):
-            built.append((sampling, share_prefill))
+            built.append(sampling)
             super().__init__(model, tokenizer, sampling, share_prefill=share_prefill)
 
-    module = make_module(cache_dir, engine=Recording, temperature=0.7, top_k=3)
-    module.configure_model()
-    module.engine(do_sample=False)
-    assert built[-1][0] == SamplingSettings(max_new_tokens=4, temperature=0.7, top_k=3,
-                                            max_prompt_length=256, do_sample=False)
-    with pytest.warns(UserWarning, match="model.share_prefill is deprecated"):
-        old = make_module(cache_dir, share_prefill=False)
-    old.configure_model()
-    assert old.engine().share_prefill is False
+        def sync(self, model):
+            assert model is module.policy
+            events.append("sync")
+
+        def generate(self, prompts, answers, num_generations, sampling=None):
+            events.append("greedy" if sampling is not None and not sampling.do_sample
+                          else "sample")
+            return super().generate(prompts, answers, num_generations, sampling)
+
+    module = make_module(cache_dir, engine=Recording, temperature=0.7, top_k=3,
+                         eval_num_generations=2)
+    fit(module, make_data(cache_dir, val_size=2), steps=2, tmp_path=tmp_path,
+        limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=1)
+    assert built == [SamplingSettings(max_new_tokens=4, temperature=0.7, top_k=3,
+                                      max_prompt_length=256)]
+    # sanity validation (sample + greedy), step 1, sync, step 2, sync, validation
+    assert events == ["sample", "greedy", "sample", "sync", "sample", "sync", "sample",
+                      "greedy"]

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import CSVLogger
 
 import maxent_grpo.cli as cli_module
-from maxent_grpo.training.progress import ReadableProgressBar, is_terminal, line_interval
+from maxent_grpo.training.callbacks.progress import ReadableProgressBar, is_terminal, line_interval
 from tests.training.test_module import make_data, make_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +183,7 @@ def test_a_fit_in_a_terminal_counts_steps_out_of_max_steps(cache_dir, tmp_path, 
     ([], ReadableProgressBar),
     (["--trainer.enable_progress_bar=false"], type(None)),
     (["--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], TQDMProgressBar),
-    (["--trainer.callbacks+=maxent_grpo.training.progress.ReadableProgressBar",
+    (["--trainer.callbacks+=maxent_grpo.training.callbacks.ReadableProgressBar",
       "--trainer.callbacks.mode=lines", "--trainer.callbacks.every_n_steps=10"],
      ReadableProgressBar),
 ])

@@ -20,10 +20,10 @@ from tensorboard.plugin_util import markdown_to_safe_html
 from torch.utils.tensorboard import SummaryWriter
 
 from maxent_grpo.rollout import GenerationBatch
-from maxent_grpo.training.data import PromptDataModule
+from maxent_grpo.training.callbacks.samples import MAX_CELL_CHARS, CompletionSamples, escape_cell
+from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
-from maxent_grpo.training.samples import MAX_CELL_CHARS, CompletionSamples, escape_cell
-from maxent_grpo.training.trajectory import RolloutSamples
+from maxent_grpo.training.step.trajectory import RolloutSamples
 from maxent_grpo.training.types import AdvantageStats
 
 TEXT_TAG = "samples/completions/text_summary"

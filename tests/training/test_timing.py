@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from maxent_grpo.training.timing import StepTimer
+from maxent_grpo.training.step.timing import StepTimer
 
 
 def test_phases_accumulate_and_step_covers_them():

@@ -10,7 +10,7 @@ import pytest
 
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt
 from maxent_grpo.training import types as documented
-from maxent_grpo.training.step_log import LightningWriter
+from maxent_grpo.training.step.step_log import LightningWriter
 from tests.training.test_module import alternating, cache_dir, fit, make_data, make_module  # noqa: F401
 
 DATACLASSES = [name for name in documented.__all__

@@ -9,14 +9,17 @@ Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauCo
   ``objective.tunable``) and their update rules;
 - :mod:`~maxent_grpo.training.callbacks.state_file`: ``controller_state.json``, its schema
   and the one mapping between it and the objective / controllers;
-- :mod:`~maxent_grpo.training.callbacks.export`: :class:`HFExport`.
-
-(``CompletionSamples`` lives in :mod:`maxent_grpo.training.samples`.)
+- :mod:`~maxent_grpo.training.callbacks.export`: :class:`HFExport`;
+- :mod:`~maxent_grpo.training.callbacks.samples`: :class:`CompletionSamples`, the step's
+  samples through every logger;
+- :mod:`~maxent_grpo.training.callbacks.progress`: :class:`ReadableProgressBar`.
 """
 
 from maxent_grpo.training.callbacks.base import Controller
 from maxent_grpo.training.callbacks.controllers import BetaController, MetaController, TauController
 from maxent_grpo.training.callbacks.export import HFExport
+from maxent_grpo.training.callbacks.progress import ReadableProgressBar
+from maxent_grpo.training.callbacks.samples import CompletionSamples
 from maxent_grpo.training.callbacks.state_file import (
     CONTROLLER_FIELDS,
     STATE_FILENAME,
@@ -32,9 +35,11 @@ __all__ = [
     "STATE_FILENAME",
     "STATE_KEYS",
     "BetaController",
+    "CompletionSamples",
     "Controller",
     "HFExport",
     "MetaController",
+    "ReadableProgressBar",
     "TauController",
     "apply_snapshot",
     "build_snapshot",

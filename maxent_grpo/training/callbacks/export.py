@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from maxent_grpo.adapters import has_adapters, merged_copy
+from maxent_grpo.models import load_policy
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = ["HFExport"]
@@ -101,8 +102,8 @@ class HFExport(Callback):
                  out)
         if self.merged and adapters:
             src = pl_module.source
-            merged = merged_copy(model, src.name_or_path, dtype=src.dtype,
-                                 cache_dir=src.cache_dir)
+            base = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
+            merged = merged_copy(model, base)
             merged.save_pretrained(out.with_name(f"{name}-merged"))
             tokenizer.save_pretrained(out.with_name(f"{name}-merged"))
             log.info("exported the merged model to %s-merged", out)

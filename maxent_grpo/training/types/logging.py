@@ -214,7 +214,7 @@ class LoggingConfigView:
     """The configuration the logger reads to label and gate metrics (a read-only view).
 
     Built once by the LightningModule; consumed by the step's logging
-    (:mod:`maxent_grpo.training.step_log`).
+    (:mod:`maxent_grpo.training.step.step_log`).
 
     Attributes:
         weighting: the objective, whose ``state()`` (tau, beta, lam, alpha: the weighting
@@ -234,7 +234,7 @@ class MetricWriter(Protocol):
     """Anything that accepts flat metric dicts.
 
     The LightningModule writes each step's :meth:`LogStepArtifacts.as_dict` through one:
-    :class:`~maxent_grpo.training.step_log.LightningWriter`, which hands them to every
+    :class:`~maxent_grpo.training.step.step_log.LightningWriter`, which hands them to every
     configured Lightning logger (TensorBoard by default, CSV, W&B, ...).
     ``isinstance(x, MetricWriter)`` checks only that ``log`` and ``flush`` exist.
     """

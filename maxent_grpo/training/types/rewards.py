@@ -245,7 +245,7 @@ class BatchingSettings:
     """How scoring is chunked and cached; read by the scorer on every training step.
 
     The trainer scores micro-batches of whole prompt groups
-    (:func:`maxent_grpo.training.batching.plan_micro_batches`), so the two sizes below bound
+    (:func:`maxent_grpo.training.step.batching.plan_micro_batches`), so the two sizes below bound
     one micro-batch; ``None`` means no bound (the whole batch in one forward pass).
 
     Attributes:

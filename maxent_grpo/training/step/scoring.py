@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from maxent_grpo.core import selective_log_softmax, selective_log_softmax_with_entropy
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.rollout.hf import sharded_across_ranks
-from maxent_grpo.training.batching import MicroBatchPlan, plan_micro_batches
+from maxent_grpo.training.step.batching import MicroBatchPlan, plan_micro_batches
 from maxent_grpo.training.types import BatchingSettings, SequenceScores
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")

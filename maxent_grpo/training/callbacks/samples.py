@@ -2,7 +2,7 @@
 
 After every training step the module leaves the step's typed trajectory in
 ``pl_module.trajectory``; its ``samples`` (a
-:class:`~maxent_grpo.training.trajectory.RolloutSamples`, on the CPU) hold the step, the B
+:class:`~maxent_grpo.training.step.trajectory.RolloutSamples`, on the CPU) hold the step, the B
 prompts, the B x G completions, the (B, G) rewards and reward components, and the
 advantages (:class:`~maxent_grpo.training.types.AdvantageStats`), MaxEnt weights and
 target q (:class:`~maxent_grpo.training.types.QDistribution`) where the objective has them.
@@ -59,7 +59,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
-from maxent_grpo.training.trajectory import RolloutSamples
+from maxent_grpo.training.step.trajectory import RolloutSamples
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = [
@@ -214,7 +214,7 @@ class CompletionSamples(Callback):
 
         trainer:
           callbacks:
-            - class_path: maxent_grpo.training.samples.CompletionSamples
+            - class_path: maxent_grpo.training.callbacks.samples.CompletionSamples
               init_args: {every_n_steps: 50, jsonl_path: "{log_dir}/rollouts.jsonl"}
 
     Args:

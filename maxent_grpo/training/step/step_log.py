@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from maxent_grpo.training.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
+from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
     LoggingConfigView,
     LogStepArtifacts,
@@ -34,8 +34,8 @@ from maxent_grpo.training.types import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from maxent_grpo.training.optimise import LossSums
-    from maxent_grpo.training.trajectory import Trajectory
+    from maxent_grpo.training.step.optimise import LossSums
+    from maxent_grpo.training.step.trajectory import Trajectory
 
 
 class LightningWriter:
@@ -165,8 +165,9 @@ def _measured(value: Any) -> bool:
     return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
-def log_step(writer: Any, artifacts: LogStepArtifacts, step: int) -> dict[str, float]:
-    """Write ``train/<key>`` for every measured value of ``artifacts``; returns them."""
-    metrics = {f"train/{k}": v for k, v in artifacts.as_dict().items() if not math.isnan(v)}
-    writer.log(metrics, step)
-    return metrics
+def log_step(writer: Any, metrics: dict[str, float], step: int) -> dict[str, float]:
+    """Write ``train/<key>`` for every measured value of ``metrics`` (a step's
+    ``LogStepArtifacts.as_dict()``); returns what was written."""
+    logged = {f"train/{k}": v for k, v in metrics.items() if not math.isnan(v)}
+    writer.log(logged, step)
+    return logged

@@ -26,19 +26,19 @@ from torch import Tensor
 from maxent_grpo.core import constant_groups, distinct_candidates
 from maxent_grpo.objectives import Targets, sequence_ref_loglik
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
-from maxent_grpo.training.batching import MicroBatchPlan
-from maxent_grpo.training.strategy import check_micro_batches
-from maxent_grpo.training.timing import StepTimer
+from maxent_grpo.training.step.batching import MicroBatchPlan
+from maxent_grpo.training.step.strategy import check_micro_batches
+from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.types import AdvantageStats, QDistribution
 
 if TYPE_CHECKING:
-    from maxent_grpo.training.module import MaxEntGRPOModule
+    from maxent_grpo.training.step.context import StepContext
 
 
 @dataclass
 class RolloutSamples:
     """What a step sampled and how it was scored, on the CPU, for display
-    (:class:`~maxent_grpo.training.samples.CompletionSamples`). Groups that
+    (:class:`~maxent_grpo.training.callbacks.samples.CompletionSamples`). Groups that
     ``drop_constant_groups`` left out have NaN advantages, weights and q.
 
     Attributes:
@@ -82,6 +82,7 @@ class Trajectory:
         targets: the objective's targets of the ``N`` rows.
         chunks: micro-batches of whole groups over the ``N`` rows.
         kept_groups: groups taking part on all ranks.
+        dropped_groups: groups left out on all ranks (``drop_constant_groups``).
         ghost: this rank scores a zero-weight ghost group.
         num_global_tokens: completion tokens taking part on all ranks (``dapo``).
         loss_scale: factor on this rank's loss (``Objective.loss_scale``; 0 for a ghost).
@@ -102,6 +103,7 @@ class Trajectory:
     targets: Targets
     chunks: list[MicroBatchPlan]
     kept_groups: int
+    dropped_groups: int
     ghost: bool
     num_global_tokens: Tensor
     loss_scale: float
@@ -118,23 +120,23 @@ class Trajectory:
         return self.input_ids.shape[1] - self.mask.shape[1]
 
 
-def collect(module: MaxEntGRPOModule, batch: dict[str, Any], timer: StepTimer) -> Trajectory:
+def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajectory:
     """Rollout, rewards, frozen log-probs and targets of one training batch (see the module
     docstring)."""
-    gen = module.loop.generation
+    gen = ctx.generation
     G, T_max = gen.num_generations, gen.sampling.max_new_tokens
-    trainer, world = module.trainer, module.trainer.world_size
+    world = ctx.world_size
     B = len(batch["prompts"])
-    rollout = module.engine().generate(batch["prompts"], batch["answers"], G)
+    rollout = ctx.engine.generate(batch["prompts"], batch["answers"], G)
     loss_mask = rollout.completion_mask.clone()  # (B*G, T) bool
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
 
     timer.start()
     pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
-    total, components = module.rewards(  # (B*G,), (K, B*G)
+    total, components = ctx.rewards(  # (B*G,), (K, B*G)
         pairs, batch["columns"], G, rollout.completion_ids, rollout.completion_mask)
-    rewards, components = total.to(module.device).view(B, G), components.to(module.device)
+    rewards, components = total.to(ctx.device).view(B, G), components.to(ctx.device)
     timer.stop("reward")
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
 
@@ -155,23 +157,23 @@ def collect(module: MaxEntGRPOModule, batch: dict[str, Any], timer: StepTimer) -
     T = completion_ids.shape[1]
     n_kept = 0 if ghost else input_ids.shape[0]  # this rank's kept rows
 
-    chunks = module.scorer.plan(prompt_mask, completion_mask, G)
-    check_micro_batches(trainer.strategy, len(chunks), B)
+    chunks = ctx.scorer.plan(prompt_mask, completion_mask, G)
+    check_micro_batches(ctx.strategy, len(chunks), B)
     ref_logps = old_logps = rho = None
     timer.start()
-    if module.needs_reference and chunks:
-        ref_logps = module.scorer.frozen_logps(module.reference, input_ids, attention, T, chunks)
+    if ctx.reference is not None and chunks:
+        ref_logps = ctx.scorer.frozen_logps(ctx.reference, input_ids, attention, T, chunks)
         rho = sequence_ref_loglik(ref_logps, mask, G)[: n_kept // G]  # (kept, G)
-    if module.loop.optimization.schedule.num_iterations > 1 and chunks:
-        old_logps = module.scorer.frozen_logps(module.policy, input_ids, attention, T, chunks)
+    if ctx.schedule.num_iterations > 1 and chunks:
+        old_logps = ctx.scorer.frozen_logps(ctx.policy, input_ids, attention, T, chunks)
     timer.stop("frozen")
 
     candidates = None
-    if module.objective.needs_candidates:  # the first occurrence of each distinct completion
+    if ctx.objective.needs_candidates:  # the first occurrence of each distinct completion
         candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
         candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
-    targets, kept_groups = prepare_targets(module, rewards, lengths, T_max, rho, keep, candidates)
-    samples = rollout_samples(module, batch, rollout.batch, rewards, components, targets, keep)
+    targets, kept_groups = prepare_targets(ctx, rewards, lengths, T_max, rho, keep, candidates)
+    samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)
     if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
         targets = Targets(
             advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
@@ -179,13 +181,14 @@ def collect(module: MaxEntGRPOModule, batch: dict[str, Any], timer: StepTimer) -
             candidates=torch.ones(1, G, dtype=torch.bool, device=rewards.device),
         )
     num_tokens = mask.sum() * (not ghost)
-    global_tokens = module.all_gather(num_tokens).sum() if world > 1 else num_tokens
+    global_tokens = ctx.gather(num_tokens).sum()
     return Trajectory(
         rollout=rollout, pairs=pairs, rewards=rewards, components=components,
         loss_mask=loss_mask, keep=keep, input_ids=input_ids, attention=attention, mask=mask,
         ref_logps=ref_logps, old_logps=old_logps, targets=targets, chunks=chunks,
-        kept_groups=kept_groups, ghost=ghost, num_global_tokens=global_tokens,
-        loss_scale=0.0 if ghost else module.objective.loss_scale(world, n_kept, kept_groups * G),
+        kept_groups=kept_groups, dropped_groups=world * B - kept_groups, ghost=ghost,
+        num_global_tokens=global_tokens,
+        loss_scale=0.0 if ghost else ctx.objective.loss_scale(world, n_kept, kept_groups * G),
         samples=samples,
     )
 
@@ -204,7 +207,7 @@ def flat_pairs(generation: GenerationBatch, raw_prompts: list[Any]) -> PromptCom
 
 
 def prepare_targets(
-    module: MaxEntGRPOModule, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None,
+    ctx: StepContext, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None,
     keep: Tensor, candidates: Tensor | None = None,
 ) -> tuple[Targets, int]:
     """``objective.prepare`` over the kept groups of the optimizer step's whole batch, all
@@ -222,7 +225,7 @@ def prepare_targets(
     process given the same prompts would. ``candidates`` (``(B, G)`` bool, for objectives
     that ask for them) travel with the rewards.
     """
-    world = module.trainer.world_size
+    world = ctx.world_size
     every = {"rewards": rewards, "lengths": lengths, "keep": keep}
     if candidates is not None:
         every["candidates"] = candidates
@@ -231,16 +234,16 @@ def prepare_targets(
     start = 0
     if world > 1:
         B = rewards.shape[0]
-        every = {k: v.reshape(world * B, -1) for k, v in module.all_gather(every).items()}
+        every = {k: v.reshape(world * B, -1) for k, v in ctx.gather(every).items()}
         every["keep"] = every["keep"].reshape(-1)
-        start = int(every["keep"][: module.trainer.global_rank * B].sum())
+        start = int(every["keep"][: ctx.rank * B].sum())
     sel = every["keep"]
-    kept_total = int(sel.sum()) if module.loop.generation.drop_constant_groups else sel.numel()
+    kept_total = int(sel.sum()) if ctx.generation.drop_constant_groups else sel.numel()
     if kept_total == 0:
         return Targets(), 0
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
-    targets = module.objective.prepare(
+    targets = ctx.objective.prepare(
         every["rewards"], every["lengths"], T_max, every.get("rho"), every.get("candidates")
     )
     if world == 1:
@@ -258,7 +261,7 @@ def prepare_targets(
 
 
 def rollout_samples(
-    module: MaxEntGRPOModule, batch: dict[str, Any], generation: GenerationBatch,
+    ctx: StepContext, batch: dict[str, Any], generation: GenerationBatch,
     rewards: Tensor, components: Tensor, targets: Targets, keep: Tensor,
 ) -> RolloutSamples:
     """The CPU :class:`RolloutSamples` of a step (NaN in the groups left out)."""
@@ -273,13 +276,13 @@ def rollout_samples(
 
     adv, q = full(targets.advantages), full(targets.q)
     return RolloutSamples(
-        step=module.global_step,
+        step=ctx.step,
         prompts=list(batch["raw_prompts"]),
         generation=generation,
         rewards=rewards.detach().cpu(),
         components={
             name: components[k].detach().cpu().view(B, G)
-            for k, name in enumerate(module.rewards.names)
+            for k, name in enumerate(ctx.rewards.names)
         },
         advantages=None if adv is None else AdvantageStats.from_grouped(adv.tolist()),
         weights=full(targets.weights),

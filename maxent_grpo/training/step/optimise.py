@@ -1,44 +1,63 @@
-"""Optimise: one optimizer step on a collected :class:`~maxent_grpo.training.trajectory.Trajectory`.
+"""Optimise: one optimizer step on a collected ``Trajectory``.
 
 The second half of a training step, run ``num_iterations`` times per rollout::
 
     for each micro-batch of whole groups:
         scores = log pi_theta(completion)                   # SequenceScores, with grad
-        manual_backward(objective.loss(micro-batch) * s)    # parts sum to the batch loss
-    clip gradients; optimizer.step(); scheduler.step()
+        backward(objective.loss(micro-batch) * s)           # parts sum to the batch loss
+    clip gradients; optimizer.step(); scheduler.step()     # -> Update(grad_norm, lr, skipped)
 
 ``s`` is the trajectory's ``loss_scale`` (``Objective.loss_scale``), which makes the ranks'
 averaged gradient the gradient of the formula over the whole batch of all ranks. Under DDP
 every micro-batch but the last runs its backward without gradient synchronisation
 (``LightningOptimizer.toggle_model(sync_grad=False)``, DDP's ``no_sync``): the gradients
-accumulate locally and are all-reduced once per optimizer step. A
-non-finite loss or gradient on any rank skips the whole update on every rank (the
-gradients are zeroed), so the replicas never diverge; ``max_consecutive_nonfinite``
-skips in a row stop the run with :class:`NonFiniteLossError`.
+accumulate locally and are all-reduced once per optimizer step. A non-finite loss or
+gradient on any rank skips the whole update on every rank (the gradients are zeroed), so
+the replicas never diverge; :func:`count_update` stops the run with
+:class:`NonFiniteLossError` after ``max_consecutive_nonfinite`` skips in a row.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from maxent_grpo.objectives import MicroBatch
-from maxent_grpo.training.strategy import clip_gradients
-from maxent_grpo.training.timing import StepTimer
-from maxent_grpo.training.trajectory import Trajectory
+from maxent_grpo.training.step.strategy import clip_gradients
+from maxent_grpo.training.step.timing import StepTimer
+from maxent_grpo.training.step.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from maxent_grpo.training.module import MaxEntGRPOModule
+    from maxent_grpo.training.run.checkpoint import StepCounters
+    from maxent_grpo.training.step.context import StepContext
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
     """Raised after ``max_consecutive_nonfinite`` skipped updates in a row."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one optimizer step did.
+
+    Attributes:
+        grad_norm: the gradient norm before clipping, or None (skipped, no gradient, or a
+            strategy that clips by itself).
+        lr: the learning rate of the update (NaN when it was skipped).
+        skipped: the loss or gradient was non-finite on some rank: nothing changed.
+    """
+
+    grad_norm: Tensor | None
+    lr: float
+    skipped: bool = False
 
 
 class LossSums:
@@ -57,30 +76,29 @@ class LossSums:
 
 
 def optimizer_step(
-    module: MaxEntGRPOModule, trajectory: Trajectory, sums: LossSums, timer: StepTimer
-) -> Tensor | None:
-    """One optimizer step over the trajectory's micro-batches; returns the gradient norm
-    (None when the update was skipped or the strategy clips by itself)."""
-    schedule = module.loop.optimization.schedule
-    opt, sched = module.loop.optimization.handles
+    ctx: StepContext, trajectory: Trajectory, sums: LossSums, timer: StepTimer
+) -> Update:
+    """One optimizer step over the trajectory's micro-batches."""
+    opt, sched = ctx.optimizer, ctx.scheduler
     if trajectory.kept_groups == 0:  # every group of every rank is constant: no gradient,
+        lr = opt.param_groups[0]["lr"]
         opt.step()  # but the step counts (parameters without a gradient stay put)
         sched.step()
-        return None
+        return Update(None, lr)
     t = trajectory
-    G, P = module.loop.generation.num_generations, t.prompt_len
-    finite = torch.ones((), dtype=torch.bool, device=module.device)
+    G, P = ctx.generation.num_generations, t.prompt_len
+    finite = torch.ones((), dtype=torch.bool, device=ctx.device)
     last = len(t.chunks) - 1
     for i, chunk in enumerate(t.chunks):
         timer.start()
         rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
-        scores, entropy = module.scorer.policy_scores(
-            module.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols],
+        scores, entropy = ctx.scorer.policy_scores(
+            ctx.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols],
             t.mask[rows][:, :Tc], None if t.old_logps is None else t.old_logps[rows][:, :Tc],
-            module.objective.needs_entropy,
+            ctx.objective.needs_entropy,
         )
         targets = t.targets
-        out = module.objective.loss(MicroBatch(
+        out = ctx.objective.loss(MicroBatch(
             token_logps=scores.token_logp,
             old_token_logps=scores.old_token_logp,
             ref_token_logps=None if t.ref_logps is None else t.ref_logps[rows][:, :Tc],
@@ -92,14 +110,14 @@ def optimizer_step(
             group_size=G,
             num_rows=t.num_rows,
             num_micro_batches=len(t.chunks),
-            max_completion_length=module.loop.generation.sampling.max_new_tokens,
+            max_completion_length=ctx.generation.sampling.max_new_tokens,
             num_global_tokens=t.num_global_tokens,
         ))
         finite &= torch.isfinite(out.loss)
         timer.stop("forward")
         # DDP all-reduces the accumulated gradient once, in the last micro-batch's backward
         with opt.toggle_model(sync_grad=i == last):
-            module.manual_backward(out.loss * t.loss_scale)
+            ctx.backward(out.loss * t.loss_scale)
         timer.stop("backward")
         # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes and
         # ranks (scaled like their gradient, their mean over the ranks is the batch loss)
@@ -109,33 +127,34 @@ def optimizer_step(
         for key, (value, count) in out.sums.items():
             sums.add(key, value, count, weight=0.0 if t.ghost else 1.0)
     timer.start()
-    grad_norm = clip_gradients(module.trainer.strategy, module.policy.parameters(),
-                               schedule.gradient_clip_val or float("inf"))
+    grad_norm = clip_gradients(ctx.strategy, ctx.policy.parameters(),
+                               ctx.schedule.gradient_clip_val or float("inf"))
     if grad_norm is not None:
         finite = finite & torch.isfinite(grad_norm)
-    if not module.trainer.strategy.reduce_boolean_decision(bool(finite), all=True):
-        skip_update(module, opt)
-        return None
-    module.counters.nonfinite_in_a_row = 0
-    module.lr_used = opt.param_groups[0]["lr"]  # the rate of this update (logged)
+    if not ctx.all_ranks(bool(finite)):
+        opt.zero_grad(set_to_none=True)  # the update is skipped on every rank
+        return Update(None, math.nan, skipped=True)
+    lr = opt.param_groups[0]["lr"]  # the rate of this update (logged)
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
     timer.stop("optimizer")
-    return grad_norm
+    return Update(grad_norm, lr)
 
 
-def skip_update(module: MaxEntGRPOModule, opt) -> None:
-    """Zero the gradients of a non-finite update and count it (raise after too many)."""
-    counters = module.counters
-    opt.zero_grad(set_to_none=True)
+def count_update(counters: StepCounters, update: Update, step: int, limit: int) -> None:
+    """Count a skipped update (warn; raise :class:`NonFiniteLossError` at ``limit`` in a
+    row) or reset the run of skips after one that was taken."""
+    if not update.skipped:
+        counters.nonfinite_in_a_row = 0
+        return
     counters.nonfinite_in_a_row += 1
     counters.nonfinite_total += 1
     log.warning(
         "non-finite loss or gradient at step %d: update skipped (%d in a row, %d in all)",
-        module.global_step, counters.nonfinite_in_a_row, counters.nonfinite_total,
+        step, counters.nonfinite_in_a_row, counters.nonfinite_total,
     )
-    if counters.nonfinite_in_a_row >= module.loop.optimization.schedule.max_consecutive_nonfinite:
+    if counters.nonfinite_in_a_row >= limit:
         raise NonFiniteLossError(
             f"{counters.nonfinite_in_a_row} non-finite updates in a row; stopping. Lower the "
             "learning rate or check the rewards, or raise model.max_consecutive_nonfinite."

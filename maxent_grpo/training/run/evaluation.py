@@ -26,7 +26,7 @@ of ``expr = target``, ``×``/``÷`` read as ``*``/``/``, then
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +36,15 @@ from torch import Tensor
 from maxent_grpo.core.evaluation import aggregate
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rewards.parsing import completion_text, extract_answer
-from maxent_grpo.rollout import PromptCompletionBatch, RolloutEngine, RolloutOutput
+from maxent_grpo.rollout import (
+    PromptCompletionBatch,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingSettings,
+)
 from maxent_grpo.tasks.multi_answer import canonical_expression
-from maxent_grpo.training.metrics import RewardComponents, RewardMoments
 from maxent_grpo.training.settings import EvaluationSettings
+from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
@@ -163,15 +168,18 @@ class Evaluator(torch.nn.Module):
         self.components = RewardComponents(rewards.names)
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
 
-    def step(self, batch: dict[str, Any], engine: Callable[[bool], RolloutEngine]) -> None:
-        """Sample, grade and record one batch; ``engine(do_sample)`` builds the engine. The
-        random state is forked, so evaluation never shifts the training's random stream."""
+    def step(self, batch: dict[str, Any], engine: RolloutEngine,
+             greedy_sampling: SamplingSettings) -> None:
+        """Sample (at the engine's own settings), grade and record one batch, plus one
+        ``greedy_sampling`` completion per prompt when ``settings.greedy``. The random
+        state is forked, so evaluation never shifts the training's random stream."""
         n, B = self.settings.num_generations, len(batch["prompts"])
         device = self.reward.total.device
         devices = [device] if device.type == "cuda" else []
+        prompts, answers = batch["prompts"], batch["answers"]
         with torch.random.fork_rng(devices=devices):
-            rollout = engine(True).generate(batch["prompts"], batch["answers"], n)
-            greedy = (engine(False).generate(batch["prompts"], batch["answers"], 1)
+            rollout = engine.generate(prompts, answers, n)
+            greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
                       if self.settings.greedy else None)
         completions = [c for group in rollout.batch.grouped_completions for c in group]
         total, components = self._score(batch, rollout, n)

@@ -1,4 +1,4 @@
-"""From source rows to :class:`~maxent_grpo.training.sampler.PromptExample`: checks and
+"""From source rows to :class:`~maxent_grpo.training.data.sampler.PromptExample`: checks and
 rendering.
 
 A row's prompt (column ``prompt_column``) is a non-empty string or a non-empty list of chat
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.training.sampler import Prompt, PromptExample
-from maxent_grpo.training.sources import SplitRows
+from maxent_grpo.training.data.sampler import Prompt, PromptExample
+from maxent_grpo.training.data.sources import SplitRows
 from maxent_grpo.validation import is_number, require
 
 __all__ = ["PromptFormat"]

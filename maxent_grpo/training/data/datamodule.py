@@ -14,12 +14,12 @@ completions for each. A batch is a plain dict of lists (no tensors)::
 
 Sources, exactly one of: a built-in ``task`` (:mod:`maxent_grpo.tasks`), local
 ``data_files`` (.jsonl, .json, .csv, .parquet; paths, globs or lists, read with ``datasets``:
-:mod:`maxent_grpo.training.files`) or a ``datasets`` ``dataset_name``
-(:mod:`maxent_grpo.training.sources`). Rows are checked and rendered by
-:mod:`maxent_grpo.training.prompts`.
+:mod:`maxent_grpo.training.data.files`) or a ``datasets`` ``dataset_name``
+(:mod:`maxent_grpo.training.data.sources`). Rows are checked and rendered by
+:mod:`maxent_grpo.training.data.prompts`.
 
 Order and resume: a seeded order per epoch, split over the ranks
-(:class:`~maxent_grpo.training.sampler.EpochShuffleSampler`); ``fit --ckpt_path`` continues
+(:class:`~maxent_grpo.training.data.sampler.EpochShuffleSampler`); ``fit --ckpt_path`` continues
 mid-epoch with exactly the prompts the interrupted run had not reached yet.
 """
 
@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from maxent_grpo.models import load_tokenizer
-from maxent_grpo.training.prompts import PromptFormat
-from maxent_grpo.training.sampler import (
+from maxent_grpo.training.data.prompts import PromptFormat
+from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
     PromptDataset,
     PromptExample,
@@ -42,7 +42,7 @@ from maxent_grpo.training.sampler import (
     check_resume_state,
     collate_prompts,
 )
-from maxent_grpo.training.sources import (
+from maxent_grpo.training.data.sources import (
     Sources,
     SplitRows,
     check_source_options,
@@ -81,7 +81,7 @@ class PromptDataModule(pl.LightningDataModule):
     ``dataset_name`` use ``val_files`` / ``val_split`` when given, else ``val_size`` rows
     chosen by a permutation seeded with ``seed`` are split off the training source.
 
-    Rendering (:class:`~maxent_grpo.training.prompts.PromptFormat`): with
+    Rendering (:class:`~maxent_grpo.training.data.prompts.PromptFormat`): with
     ``apply_chat_template`` the prompt, preceded by ``system_prompt`` as a system message, is
     rendered with the tokenizer's chat template (``add_generation_prompt=True``); without it
     the text is the raw prompt, preceded by ``system_prompt + "\\n\\n"`` when set.
@@ -429,7 +429,7 @@ class PromptDataModule(pl.LightningDataModule):
         ``consumed`` prompts, and the count of consumed prompts continues from there.
 
         Raises ValueError when the checkpoint's order cannot be continued
-        (:func:`~maxent_grpo.training.sampler.check_resume_state`). ``validate`` and ``test``
+        (:func:`~maxent_grpo.training.data.sampler.check_resume_state`). ``validate`` and ``test``
         use no training order, so there nothing is checked or restored (a checkpoint
         may be evaluated on any data).
         """

@@ -9,7 +9,7 @@ have in their source and the source's name for error messages:
   whose prompt is also a validation prompt are dropped unless ``holdout_val_prompts`` is
   False.
 - :func:`file_sources`: local .jsonl, .json, .csv or .parquet files: paths, glob patterns or
-  lists of them, read with ``datasets.load_dataset`` (:mod:`maxent_grpo.training.files`).
+  lists of them, read with ``datasets.load_dataset`` (:mod:`maxent_grpo.training.data.files`).
 - :func:`hub_sources`: splits of a ``datasets.load_dataset`` dataset (:func:`load_hub_rows`).
 
 Without a separate validation file or split, ``val_size`` rows chosen by a permutation
@@ -35,7 +35,7 @@ import torch
 
 from maxent_grpo.tasks import build_task, list_tasks
 from maxent_grpo.tasks import task_options as task_option_names
-from maxent_grpo.training.files import FileParts, expand_files, read_files
+from maxent_grpo.training.data.files import FileParts, expand_files, read_files
 from maxent_grpo.validation import check_choice, require
 
 __all__ = [
@@ -114,7 +114,7 @@ def check_source_options(
     giving the ``--data.<source> null`` that keeps one); ``task`` must be a built-in task and
     ``task_options`` options it takes; files must have a known suffix (ValueError) and exist,
     a pattern must match a file (FileNotFoundError; see
-    :func:`~maxent_grpo.training.files.expand_files`).
+    :func:`~maxent_grpo.training.data.files.expand_files`).
 
     ``task_options``, ``val_files`` and ``dataset_config`` / ``val_split`` belong to their own
     source (:data:`OPTION_OWNERS`). When that source is not set (a config's source switched on
@@ -223,7 +223,7 @@ def file_sources(
 ) -> Sources:
     """The rows of ``data_files``; validation rows from ``val_files``, else ``val_size``
     rows split off (see :func:`split_off_val`, which gets ``batch_size``). Files are read
-    with ``datasets`` and ``cache_dir`` (:func:`~maxent_grpo.training.files.read_files`)."""
+    with ``datasets`` and ``cache_dir`` (:func:`~maxent_grpo.training.data.files.read_files`)."""
     rows, files = read_files("data.data_files", data_files, cache_dir)
     train = SplitRows.whole(rows, f"data.data_files {data_files!r}", files)
     if val_files is None:

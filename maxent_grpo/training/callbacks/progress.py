@@ -31,7 +31,7 @@ drawn). As with any Lightning progress bar, only global rank 0 shows anything.
 
 To configure it, name it in ``trainer.callbacks`` (then it is not added twice)::
 
-    - class_path: maxent_grpo.training.progress.ReadableProgressBar
+    - class_path: maxent_grpo.training.callbacks.progress.ReadableProgressBar
       init_args: {mode: lines, every_n_steps: 10}
 """
 
