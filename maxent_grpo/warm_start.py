@@ -2,32 +2,26 @@
 
 A random-init model writes random characters, so almost every reward is 0 and RL has
 nothing to learn from. ``builtin:tiny-warm`` is ``builtin:tiny`` after a short supervised
-pass (600 steps of 64 examples, about 25 s on 2 cores) on three kinds of example:
+pass (600 steps of 64 examples) on three kinds of example, each followed by the
+end-of-turn token:
 
 - ``arithmetic_easy`` sums (``"3 + 5 ="``) answered with a number drawn uniformly from
   ``0..18``, whatever the question;
 - ``digit_pairs`` prompts (``"? + ? = 9"``, every target ``0..18``) answered with
   ``"a + b"``, two digits drawn uniformly from ``0..9``, whatever the target;
-- one-digit *differences* (``"7 - 3 ="``) with their true value,
+- one-digit *differences* (``"7 - 3 ="``) with their true value.
 
-each followed by the end-of-turn token. The answers to the two rewarded tasks are drawn
-independently of the question, so the warm start carries no information about which of
-them is right: the model answers sums right about 1 time in 19 and digit pairs about 1 in
-12 (chance), and what it learns beyond that comes from the rewards. The differences teach
-a skill a pretrained model would bring, reading two digits and combining them, on a
-question the tasks never ask; without them the tiny model learns to ignore the question
-and RL only finds the most frequent sum. The prompts are rendered with the ChatML template
-exactly as the DataModule renders them, from a seed of their own.
+The rewarded answers carry no information about which is right (sums come out right about
+1 time in 19, digit pairs about 1 in 12): what the model learns beyond that comes from the
+rewards. The differences teach reading two digits and combining them, on a question the
+tasks never ask; without them RL only finds the most frequent sum. The prompts are
+rendered with the ChatML template exactly as the DataModule renders them.
 
-The trained weights ship with the package (:data:`WEIGHTS`, 324 KB of float32), so
-``builtin:tiny-warm`` is the same model on every machine. The 600 steps are a chain of
-float operations whose last bits differ between CPU kernels (AVX2, AVX-512, thread
-counts): three copies trained on one machine with 2 threads, 1 thread and
-``ATEN_CPU_CAPABILITY=avx2`` answered the differences right 83 %, 51 % and 41 % of the time,
-and the demo learned differently on each. ``python -m maxent_grpo.warm_start`` prints the
-shipped weights' :func:`measure_skill`; ``--retrain --out FILE`` trains a new copy (the
-shipped one was trained with 2 threads); the tests check the shipped file's skill, not its
-bits.
+The trained weights ship with the package (:data:`WEIGHTS`, trained with 2 threads), so
+``builtin:tiny-warm`` is the same model on every machine: retraining gives different bits,
+and a different demo, on different CPU kernels and thread counts. ``python -m
+maxent_grpo.warm_start`` prints the shipped weights' :func:`measure_skill`; ``--retrain
+--out FILE`` trains a new copy.
 """
 
 from __future__ import annotations
@@ -40,14 +34,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from maxent_grpo.core.logprobs import selective_log_softmax
+from maxent_grpo.models import WEIGHTS, builtin_tiny_model_and_tokenizer, load_shipped
 from maxent_grpo.tasks import build_task
 
 WARM_START_SEED = 4321
 """Seed of the warm-start prompts, answers, batch order and (forked) torch state."""
 
-WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
-"""The shipped weights of ``builtin:tiny-warm``: :func:`warm_start` applied to
-``builtin:tiny`` (``python -m maxent_grpo.warm_start --retrain --out FILE`` trains a new copy)."""
+"""The shipped weights of ``builtin:tiny-warm``: :func:`warm_start` applied to ``builtin:tiny``."""
 
 
 def format_examples(num_rows: int, seed: int = WARM_START_SEED) -> list[tuple[str, str]]:
@@ -99,13 +92,8 @@ def _encode(
 
 
 def warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    steps: int = 600,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    seed: int = WARM_START_SEED,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, steps: int = 600,
+    batch_size: int = 64, lr: float = 3e-3, seed: int = WARM_START_SEED,
 ) -> PreTrainedModel:
     """Train ``model`` in place on :func:`format_examples` (``steps x batch_size`` fresh
     examples, AdamW, cross-entropy on the completion tokens) and return it in eval mode.
@@ -127,26 +115,9 @@ def warm_start(
     return model.eval()
 
 
-def load_shipped(model: PreTrainedModel, path: Path = WEIGHTS) -> PreTrainedModel:
-    """Load the shipped warm-start weights into ``model`` (``builtin:tiny``'s architecture)
-    and return it in eval mode. Raises ``FileNotFoundError`` naming the file when the
-    package was installed without it."""
-    from safetensors.torch import load_model
-
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"the weights of builtin:tiny-warm are missing ({path}); reinstall maxent-grpo, "
-            "or rebuild them with: python -m maxent_grpo.warm_start --retrain --out " + str(path)
-        )
-    load_model(model, str(path), strict=True)  # raises on any missing or unexpected tensor
-    return model.eval()
-
-
 @torch.no_grad()
 def _answer_probs(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
     answers: list[str],
 ) -> torch.Tensor:
     """``P[i, j]``: the model's probability of the completion ``answers[j]`` followed by
@@ -200,8 +171,6 @@ def measure_skill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
 
 def _main(argv: list[str] | None = None) -> dict[str, float]:
     from safetensors.torch import save_model
-
-    from maxent_grpo.models import builtin_tiny_model_and_tokenizer
 
     parser = argparse.ArgumentParser(
         prog="python -m maxent_grpo.warm_start",

@@ -62,3 +62,85 @@ def test_training_step_reads_in_one_sitting() -> None:
     step = next(n for n in ast.walk(tree)
                 if isinstance(n, ast.FunctionDef) and n.name == "training_step")
     assert step.end_lineno - step.lineno + 1 <= 45
+
+
+def module_name(path: Path) -> str:
+    parts = ("maxent_grpo",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Package module -> the package modules it imports (``TYPE_CHECKING`` and function
+    level imports included; ``from pkg import sub`` counts as importing ``pkg.sub``)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.module in files:
+                subs = {f"{node.module}.{a.name}" for a in node.names}
+                targets.update(subs & set(files) or {node.module})
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """Not even through type-only or function-level imports."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: the training layer's rooms, lowest first: a module imports only from its own room or
+#: a lower one
+TRAINING_ROOMS = ["types", "settings", "data", "step", "run", "callbacks", "module"]
+
+
+def room(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["maxent_grpo", "training"] or len(parts) < 3:
+        return None
+    return TRAINING_ROOMS.index(parts[2])
+
+
+def test_no_arrow_runs_back_up_the_training_layer() -> None:
+    graph = import_graph()
+    upward = {(a, b) for a, targets in graph.items() for b in targets
+              if room(a) is not None and room(b) is not None and room(b) > room(a)}
+    assert upward == set()

@@ -42,7 +42,6 @@ from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.run.checkpoint import (
-    StepCounters,
     load_state,
     restore_rng_state,
     save_state,
@@ -58,6 +57,7 @@ from maxent_grpo.training.step.context import StepContext
 from maxent_grpo.training.step.optimise import (
     LossSums,
     NonFiniteLossError,
+    StepCounters,
     Update,
     count_update,
     optimizer_step,

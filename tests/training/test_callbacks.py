@@ -22,9 +22,9 @@ from maxent_grpo.training.callbacks import (
     MetaController,
     TauController,
     read_controller_state,
-    state_file,
     write_controller_state,
 )
+from maxent_grpo.training.run import checkpoint_io
 from maxent_grpo.training.types import LogStepArtifacts
 
 
@@ -256,17 +256,16 @@ def test_controller_state_has_no_tau_or_beta_and_the_module_entry_restores_them(
     assert (fresh_obj.tau, fresh_obj.beta) == (obj.tau, obj.beta)
 
 
-def test_an_older_checkpoint_entry_with_tau_and_beta_is_accepted_and_ignored():
+def test_controller_entries_restore_their_own_keys_and_refuse_others():
     obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
     tau, beta = TauController(1.0), BetaController(0.02)
     attach(obj, tau, beta)
-    obj.load_state_dict({"tau": 0.3, "beta": 0.2})  # the module's entry is authoritative
-    tau.load_state_dict({"steps": 4, "tau": 9.0, "tau_log": math.log(9.0),
-                         "tau_entropy_ema": 1.1})
-    beta.load_state_dict({"steps": 4, "beta": 9.0, "kl_error": 0.2})
-    assert (obj.tau, obj.beta) == (0.3, 0.2)
+    tau.load_state_dict({"steps": 4, "tau_entropy_ema": 1.1})
+    beta.load_state_dict({"steps": 4, "kl_error": 0.2})
     assert tau.state_dict() == {"steps": 4, "tau_entropy_ema": 1.1}
     assert beta.state_dict() == {"steps": 4, "kl_error": 0.2}
+    with pytest.raises(ValueError, match=r"unknown keys \['tau', 'tau_log'\]"):
+        tau.load_state_dict({"steps": 4, "tau": 9.0, "tau_log": 2.2, "tau_entropy_ema": 1.1})
     with pytest.raises(ValueError, match=r"missing keys \['tau_entropy_ema'\]"):
         tau.load_state_dict({"steps": 1, "tau": 0.5})
     with pytest.raises(ValueError, match=r"BetaController state .* unknown keys \['bogus'\]"):
@@ -323,11 +322,10 @@ def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     write_controller_state(path, {"a": 1})
 
-    def broken_dump(obj, f, **kw):
-        f.write('{"a": ')
+    def broken_fsync(fd):  # the new bytes are written, not yet on disk
         raise OSError("disk full")
 
-    monkeypatch.setattr(state_file.json, "dump", broken_dump)
+    monkeypatch.setattr(checkpoint_io.os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         write_controller_state(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 1}

@@ -21,7 +21,6 @@ from maxent_grpo.training.callbacks.export import HFExport
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.callbacks.samples import CompletionSamples
 from maxent_grpo.training.callbacks.state_file import (
-    CONTROLLER_FIELDS,
     STATE_FILENAME,
     STATE_KEYS,
     apply_snapshot,
@@ -31,7 +30,6 @@ from maxent_grpo.training.callbacks.state_file import (
 )
 
 __all__ = [
-    "CONTROLLER_FIELDS",
     "STATE_FILENAME",
     "STATE_KEYS",
     "BetaController",

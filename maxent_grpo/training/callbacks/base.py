@@ -65,9 +65,6 @@ __all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
 
-#: keys of a controller's checkpoint entry written before the objective owned tau / beta;
-#: ignored on load (the module's entry is authoritative)
-LEGACY_KEYS = frozenset({"tau", "beta", "tau_log"})
 
 
 class Controller(Callback):
@@ -81,6 +78,8 @@ class Controller(Callback):
 
     #: objective attributes this controller moves (each must be in ``objective.tunable``)
     moves: tuple[str, ...] = ()
+    #: its ``state_dict`` key -> where the value lives in ``controller_state.json``
+    file_fields: dict[str, str] = {}  # noqa: RUF012 (set once per subclass, never mutated)
     #: whether it can raise beta (then the reference is loaded from the start)
     can_raise_beta: bool = False
 
@@ -174,15 +173,14 @@ class Controller(Callback):
         return {"steps": self.steps, **self._own_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. An older checkpoint's ``tau`` / ``beta`` /
-        ``tau_log`` keys are ignored: the module's entry restores the objective."""
+        """Restore :meth:`state_dict` (unknown or missing keys raise ValueError)."""
         expected = list(self.state_dict())
         missing = [k for k in expected if k not in state_dict]
         require(
             not missing,
             f"{self.name} state in the checkpoint is missing keys {missing}; expected {expected}",
         )
-        unknown = sorted(set(state_dict) - set(expected) - LEGACY_KEYS)
+        unknown = sorted(set(state_dict) - set(expected))
         require(not unknown, f"{self.name} state in the checkpoint has unknown keys {unknown}")
         self.steps = int(state_dict["steps"])
         for key in expected[1:]:

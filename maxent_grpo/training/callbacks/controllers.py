@@ -98,6 +98,7 @@ class TauController(Controller):
     """
 
     moves = ("tau",)
+    file_fields = {"steps": "meta.tau_steps", "tau_entropy_ema": "tau_entropy_ema"}
 
     def __init__(
         self,
@@ -205,6 +206,7 @@ class BetaController(Controller):
     """
 
     moves = ("beta",)
+    file_fields = {"steps": "meta.beta_steps", "kl_error": "meta.kl_error"}
     can_raise_beta = True
 
     def __init__(
@@ -282,6 +284,8 @@ class MetaController(Controller):
     """
 
     moves = ("tau", "beta")
+    file_fields = {"steps": "meta.meta_steps", "tau_grad": "meta.tau_grad",
+                   "beta_grad": "meta.beta_grad"}
     can_raise_beta = True
 
     def __init__(

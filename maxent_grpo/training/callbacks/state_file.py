@@ -16,8 +16,8 @@ Schema (every scalar a finite number or ``null``)::
 
 tau and beta have one owner, the objective: :func:`build_snapshot` reads them from it, and
 :func:`apply_snapshot` writes the values of the attributes a controller moves back into it
-(the controllers keep no copy). Everything else is a controller's own state, mapped by
-:data:`CONTROLLER_FIELDS` to and from the controller's ``state_dict``.
+(the controllers keep no copy). Everything else is a controller's own state, mapped by its
+class's ``file_fields`` to and from its ``state_dict``.
 
 When: the file is written atomically (:func:`write_controller_state`) at every checkpoint
 save and at the end of training, and read (:func:`read_controller_state`) at ``setup``
@@ -28,23 +28,17 @@ then override the file's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from maxent_grpo.objectives import Objective
+from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.validation import is_number, require
 
-if TYPE_CHECKING:
-    from maxent_grpo.training.callbacks.base import Controller
-
 __all__ = [
-    "CONTROLLER_FIELDS",
     "STATE_FILENAME",
     "STATE_KEYS",
     "apply_snapshot",
@@ -56,35 +50,30 @@ __all__ = [
 STATE_FILENAME = "controller_state.json"
 STATE_KEYS = ("beta", "tau", "tau_log", "tau_entropy_ema", "meta")
 
-#: per controller class: its ``state_dict`` key -> where the value lives in the file
-#: (``meta.x`` is ``state["meta"]["x"]``); ``steps`` is required on read, the rest may be null
-CONTROLLER_FIELDS: dict[str, dict[str, str]] = {
-    "TauController": {"steps": "meta.tau_steps", "tau_entropy_ema": "tau_entropy_ema"},
-    "BetaController": {"steps": "meta.beta_steps", "kl_error": "meta.kl_error"},
-    "MetaController": {
-        "steps": "meta.meta_steps", "tau_grad": "meta.tau_grad", "beta_grad": "meta.beta_grad",
-    },
-}
+
+
+class Controller(Protocol):
+    """What the file needs of a controller (:class:`~maxent_grpo.training.callbacks.base.
+    Controller` satisfies it)."""
+
+    #: the objective attributes it moves (``tau`` / ``beta``)
+    moves: tuple[str, ...]
+    #: its ``state_dict`` key -> where the value lives in the file (``meta.x`` is
+    #: ``state["meta"]["x"]``); ``steps`` is required on read, the rest may be null
+    file_fields: dict[str, str]
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def write_controller_state(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` as JSON to ``path`` atomically: a temporary file in the same folder,
-    flushed to disk, then ``os.replace`` -- a reader sees the old file or the new one,
-    never half of one. Non-finite numbers are refused (``allow_nan=False``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=2, sort_keys=True, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write ``state`` as JSON to ``path`` atomically
+    (:func:`~maxent_grpo.training.run.checkpoint_io.atomic_write`): a reader sees the old
+    file or the new one, never half of one. Non-finite numbers are refused
+    (``allow_nan=False``)."""
+    text = json.dumps(state, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def read_controller_state(path: str | Path) -> dict[str, Any]:
@@ -125,7 +114,7 @@ def read_controller_state(path: str | Path) -> dict[str, Any]:
 
 def build_snapshot(objective: Objective, controllers: Sequence[Controller]) -> dict[str, Any]:
     """The file's content: tau / beta from the objective (``null`` unless tunable), each
-    controller's own state through :data:`CONTROLLER_FIELDS`."""
+    controller's own state through its ``file_fields``."""
     tau = float(objective.tau) if "tau" in objective.tunable else None
     beta = float(objective.beta) if "beta" in objective.tunable else None
     snapshot: dict[str, Any] = {
@@ -136,9 +125,8 @@ def build_snapshot(objective: Objective, controllers: Sequence[Controller]) -> d
         "meta": {},
     }
     for controller in controllers:
-        fields = CONTROLLER_FIELDS[type(controller).__name__]
         for key, value in controller.state_dict().items():
-            where, name = _location(snapshot, fields[key])
+            where, name = _location(snapshot, controller.file_fields[key])
             where[name] = value
     return snapshot
 
@@ -158,9 +146,8 @@ def apply_snapshot(
     for controller in controllers:
         for name in controller.moves:
             moved[name] = _value(state, name, path, required=True)
-        fields = CONTROLLER_FIELDS[type(controller).__name__]
         values = {key: _value(state, loc, path, required=key == "steps")
-                  for key, loc in fields.items()}
+                  for key, loc in controller.file_fields.items()}
         values["steps"] = int(values["steps"])
         own.append((controller, values))
     for name, value in moved.items():

@@ -6,7 +6,8 @@ DataModule's states. The module adds one entry, ``checkpoint["maxent_grpo"]``:
 - ``model_name_or_path`` and ``objective_class``, checked on load;
 - ``objective_state``: the objective's mutable state (``Objective.state_dict``: tau, beta,
   the entropy gate's multiplier) -- the one record of tau/beta in a checkpoint;
-- the :class:`StepCounters` (non-finite updates, empty steps);
+- the :class:`~maxent_grpo.training.step.optimise.StepCounters` (non-finite updates, empty
+  steps);
 - ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy).
 
 With it, ``fit --ckpt_path last`` continues exactly as if the run had never stopped.
@@ -15,7 +16,7 @@ With it, ``fit --ckpt_path last`` continues exactly as if the run had never stop
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.objectives import Objective
+from maxent_grpo.training.step.optimise import StepCounters
 
 #: Key of the module's own entry in a Lightning checkpoint.
 CHECKPOINT_KEY = "maxent_grpo"
@@ -52,21 +54,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-@dataclass
-class StepCounters:
-    """Counters of a run that travel in the checkpoint.
-
-    Attributes:
-        nonfinite_in_a_row: skipped (non-finite) updates since the last finite one.
-        nonfinite_total: skipped updates in the whole run.
-        empty_steps: steps whose every group was dropped (``drop_constant_groups``).
-    """
-
-    nonfinite_in_a_row: int = 0
-    nonfinite_total: int = 0
-    empty_steps: int = 0
 
 
 def _gather(value: Any) -> list[Any]:

@@ -23,11 +23,13 @@ mapped, so the tensors are not read). Bit rot inside a tensor's bytes is not det
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import logging
 import os
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -70,31 +72,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not _is_local(path):
             super().save_checkpoint(checkpoint, path)
             return
-        path = os.path.abspath(str(path).removeprefix("file://"))
-        folder, name = os.path.split(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.{os.getpid()}{TMP_SUFFIX}")
-        try:
-            with open(tmp, "wb") as f:
-                self.write(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic on POSIX and Windows, also over a symlink
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(folder)
+        atomic_write(str(path).removeprefix("file://"), lambda f: self.write(checkpoint, f))
 
     def write(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
         """Serialise ``checkpoint`` into the open temporary file (tests override this)."""
         torch.save(checkpoint, f)
 
 
-def _fsync_dir(folder: str) -> None:
-    """Make the rename durable (POSIX); best effort where directories cannot be opened."""
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file whole or not at all: ``write(f)`` fills a hidden temporary file
+    ``.<name>.<pid>.tmp`` in the target folder, which is flushed, ``fsync``-ed and renamed
+    over ``path`` (``os.replace``, atomic on POSIX and Windows, also over a symlink); the
+    rename is made durable by an ``fsync`` of the folder where the platform allows it. A
+    reader sees the old file or the new one, never part of one; on an error the temporary
+    file is removed and the error re-raised."""
+    path = os.path.abspath(path)
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

@@ -34,7 +34,6 @@ from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from maxent_grpo.training.run.checkpoint import StepCounters
     from maxent_grpo.training.step.context import StepContext
 
 log = logging.getLogger(__name__)
@@ -42,6 +41,21 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLossError(RuntimeError):
     """Raised after ``max_consecutive_nonfinite`` skipped updates in a row."""
+
+
+@dataclass
+class StepCounters:
+    """Counters of a run that travel in the checkpoint.
+
+    Attributes:
+        nonfinite_in_a_row: skipped (non-finite) updates since the last finite one.
+        nonfinite_total: skipped updates in the whole run.
+        empty_steps: steps whose every group was dropped (``drop_constant_groups``).
+    """
+
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    empty_steps: int = 0
 
 
 @dataclass(frozen=True)
