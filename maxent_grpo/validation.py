@@ -44,12 +44,8 @@ def check_int(name: str, value: Any, minimum: int | None = None, allow_none: boo
 
 
 def check_number(
-    name: str,
-    value: Any,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    strict: bool = False,
-    allow_none: bool = False,
+    name: str, value: Any, minimum: float | None = None, maximum: float | None = None,
+    strict: bool = False, allow_none: bool = False,
 ) -> None:
     """``value`` is a finite number in ``[minimum, maximum]`` (``(minimum, maximum]`` with
     ``strict``; either bound may be None); ``None`` passes with ``allow_none``."""

@@ -1,8 +1,7 @@
 """Group-relative advantages (docs/ALGORITHM.md §1).
 
-Rewards arrive as a ``(B, G)`` tensor: ``B`` prompts, ``G`` completions per prompt, in
-prompt-major order (row ``b`` holds the group of prompt ``b``). Everything is computed in
-the input's floating dtype (float32 or float64) on the input's device.
+Rewards are ``(B, G)``: row ``b`` holds the ``G`` completions' rewards of prompt ``b``.
+Everything is computed in the input's floating dtype, on the input's device.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ _SCALES = ("group", "batch", "none")
 def check_rewards(rewards: torch.Tensor, *, name: str = "rewards", min_group: int = 1) -> None:
     """Raise ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor (B >= 1).
 
-    ``min_group`` is the smallest allowed ``G``; ``name`` is the argument name used in the
-    messages. Shared by the listwise module, which validates rewards the same way.
+    ``min_group`` is the smallest allowed ``G``; ``name`` names the argument in messages.
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of shape (B, G); got {type(rewards)!r}")
@@ -56,11 +54,8 @@ def group_advantages(
     - ``"batch"``: ``A / (std r + eps)`` with the unbiased std over all ``B*G`` rewards;
     - ``"none"``: no division (Dr.GRPO).
 
-    A group whose rewards are all exactly equal gets ``A = 0`` exactly (set explicitly, so
-    rounding in the mean cannot leave a tiny residue, and ``eps = 0`` cannot give 0/0).
-
-    Example: ``r = [[1, 0, 0, 1]]`` gives ``±0.8658754297607016`` with ``"group"`` and
-    ``±0.5`` with ``"none"``.
+    A group whose rewards are all exactly equal gets ``A = 0`` exactly (no rounding residue,
+    no 0/0 with ``eps = 0``).
 
     Raises ``ValueError`` unless ``rewards`` is a finite floating ``(B, G)`` tensor with
     ``G >= 2`` (the unbiased std needs two samples), ``scale`` is one of the three literals and
@@ -83,8 +78,8 @@ def group_advantages(
 def zero_std_fraction(rewards: torch.Tensor) -> torch.Tensor:
     """Fraction of groups whose rewards are all equal: ``(B, G) -> ()`` in the input dtype.
 
-    Such groups carry no learning signal (their advantages are 0); the trainer logs this
-    fraction as ``zero_std_frac``. A group of one completion (``G = 1``) counts as constant.
+    Such groups carry no learning signal (logged as ``zero_std_frac``); ``G = 1`` counts as
+    constant.
     """
     check_rewards(rewards, min_group=1)
     return constant_groups(rewards).to(rewards.dtype).mean()

@@ -1,9 +1,8 @@
 """Pure update rules of the adaptive controllers (docs/ALGORITHM.md §4.2 and §5).
 
-Every function takes and returns plain python floats: the Lightning callbacks read tau
-and beta from the objective (their one owner; ``log tau`` is ``log(objective.tau)``), keep
-their own state (the entropy EMA, last error and gradients), take the statistics already
-reduced over micro-batches and ranks, and call these rules once per training step.
+Every function takes and returns plain python floats. The Lightning callbacks read tau and
+beta from the objective (their one owner), keep their own state (the entropy EMA, ...) and
+call these rules once per training step on statistics reduced over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ class MetaUpdate:
 
 
 def _finite(name: str, value: float) -> float:
-    """Return ``float(value)``; raise ``ValueError`` naming ``name`` unless it is finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a finite number; got {value!r}")
     if not math.isfinite(value):
@@ -49,7 +47,6 @@ def _finite(name: str, value: float) -> float:
 
 
 def _at_least(name: str, value: float, bound: float, *, strict: bool = False) -> float:
-    """Return ``float(value)`` if finite and ``>= bound`` (``> bound`` when strict)."""
     value = _finite(name, value)
     if value < bound or (strict and value == bound):
         raise ValueError(f"{name} must be {'>' if strict else '>='} {bound:g}; got {value!r}")
@@ -57,7 +54,6 @@ def _at_least(name: str, value: float, bound: float, *, strict: bool = False) ->
 
 
 def _tau_bounds(tau_min: float, tau_max: float) -> tuple[float, float]:
-    """Validate ``0 < tau_min <= tau_max`` (both finite)."""
     tau_min = _at_least("tau_min", tau_min, 0.0, strict=True)
     tau_max = _finite("tau_max", tau_max)
     if tau_max < tau_min:
@@ -66,16 +62,8 @@ def _tau_bounds(tau_min: float, tau_max: float) -> tuple[float, float]:
 
 
 def tau_update(
-    *,
-    tau_log: float,
-    entropy_ema: float | None,
-    weight_entropy: float,
-    target_entropy: float,
-    lr: float,
-    tau_min: float,
-    tau_max: float,
-    ema_decay: float = 0.9,
-    in_warmup: bool = False,
+    *, tau_log: float, entropy_ema: float | None, weight_entropy: float, target_entropy: float,
+    lr: float, tau_min: float, tau_max: float, ema_decay: float = 0.9, in_warmup: bool = False,
 ) -> TauUpdate:
     """One step of the tau controller, which steers the weight entropy ``H_w`` to ``H*``.
 
@@ -84,10 +72,8 @@ def tau_update(
     2. Unless ``in_warmup``: ``log tau <- log tau + lr * (H* - EMA)`` with the new EMA, then
        ``tau = exp(log tau)`` clipped to ``[tau_min, tau_max]``. Too little entropy raises tau.
 
-    Choices: when the clip binds, ``tau_log`` is re-synced to ``log(tau)`` of the clipped
-    value, so log tau cannot wind up beyond a bound and tau leaves the bound as soon as the
-    error changes sign. During warmup the EMA still tracks ``H_w`` (so it is warm when
-    control starts) but tau does not move: ``tau = exp(tau_log)``, unclipped.
+    When the clip binds, ``tau_log`` is reset to the bound's log (no wind-up). During warmup
+    the EMA still tracks ``H_w`` but tau does not move: ``tau = exp(tau_log)``, unclipped.
 
     Raises ``ValueError`` for non-finite inputs (``weight_entropy`` included), ``lr < 0``,
     unless ``0 < tau_min <= tau_max`` and ``0 <= ema_decay < 1``.
@@ -148,8 +134,7 @@ def beta_update(
     """One step of the beta (KL) controller, which steers the measured KL to ``KL*``.
 
     ``e = clip(KL / KL* - 1, -s, s)``, ``beta <- max(0, beta * (1 + e / H))`` with horizon
-    ``H`` and step bound ``s``. A non-finite ``kl`` (NaN or inf) counts as above the target:
-    ``e = +s``, as for the entropy gate of section 4.2. The rule is multiplicative, so
+    ``H`` and step bound ``s``. A non-finite ``kl`` counts as above the target: ``e = +s``.
     ``beta = 0`` stays 0.
 
     Raises ``ValueError`` unless ``beta >= 0`` and ``kl_target``, ``horizon`` and
@@ -169,25 +154,15 @@ def beta_update(
 
 
 def meta_update(
-    *,
-    tau: float,
-    beta: float,
-    weight_entropy: float,
-    kl: float,
-    target_entropy: float,
-    kl_target: float,
-    lr_tau: float,
-    lr_beta: float,
-    tau_min: float,
-    tau_max: float,
-    kl_clip: float,
+    *, tau: float, beta: float, weight_entropy: float, kl: float, target_entropy: float,
+    kl_target: float, lr_tau: float, lr_beta: float, tau_min: float, tau_max: float, kl_clip: float,
 ) -> MetaUpdate:
     """One step of the meta controller (gradient of ``½(H_w - H*)² + ½(KL - KL*)²``).
 
     ``tau_grad = H_w - H*``, ``beta_grad = clip(KL - KL*, -c, c)``;
     ``tau <- clip(tau - lr_tau * tau_grad, tau_min, tau_max)`` (too little entropy raises tau),
     ``beta <- max(0, beta + lr_beta * beta_grad)``. A non-finite ``kl`` counts as above the
-    target: ``beta_grad = +c``. Calling it every ``k`` steps is the caller's business.
+    target: ``beta_grad = +c``.
 
     Raises ``ValueError`` for non-finite ``tau``, ``weight_entropy``, ``target_entropy`` or
     ``kl_target``, unless ``beta >= 0``, ``lr_tau >= 0``, ``lr_beta >= 0``, ``kl_clip > 0`` and
@@ -214,12 +189,7 @@ def meta_update(
 
 
 def entropy_gate_multiplier(
-    kl: float,
-    *,
-    kappa: float,
-    gain: float,
-    m_lo: float,
-    m_hi: float,
+    kl: float, *, kappa: float, gain: float, m_lo: float, m_hi: float,
     disable_outside_trust_zone: bool = False,
 ) -> float:
     """KL gate on the entropy coefficient: ``alpha_eff = alpha * multiplier`` (section 4.2).
@@ -230,10 +200,9 @@ def entropy_gate_multiplier(
     - ``KL > kappa``: ``1 / (1 + g * (KL - kappa) / kappa)``, or exactly ``0.0`` when
       ``disable_outside_trust_zone``;
 
-    then clipped to ``[m_lo, m_hi]``. Choices: the disabled ``0.0`` is returned as is, not
-    clipped up to ``m_lo`` (switching the bonus off is the point of that flag); ``KL == kappa``
-    counts as inside (both branches give 1 there). A non-finite KL counts as above: its
-    multiplier is the ``KL -> inf`` limit, 0 when ``g > 0`` and 1 when ``g = 0``, before the clip.
+    then clipped to ``[m_lo, m_hi]``, except the disabled ``0.0``, returned as is. A
+    non-finite KL counts as above: the ``KL -> inf`` limit, 0 when ``g > 0`` and 1 when
+    ``g = 0``, before the clip.
 
     Raises ``ValueError`` unless ``kappa > 0``, ``gain >= 0`` and ``0 <= m_lo <= m_hi``
     (all finite).

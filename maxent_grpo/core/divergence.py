@@ -1,8 +1,8 @@
 """Per-token KL estimators, importance ratios and clip statistics (docs/ALGORITHM.md §2).
 
-Per-token tensors are ``(N, T)`` with ``N = B*G`` prompt-major rows and ``T`` completion
-tokens; ``logps`` are the current policy's log-probabilities of the sampled tokens,
-``old_logps`` the behaviour policy's and ``ref_logps`` the frozen reference model's.
+Per-token tensors are ``(N, T)`` (``N = B*G`` prompt-major rows): ``logps`` the current
+policy's log-probabilities of the sampled tokens, ``old_logps`` the behaviour policy's,
+``ref_logps`` the frozen reference's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _check_same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str
 
 
 def _check_clip_range(eps_low: float, eps_high: float | None) -> float:
-    """Validate ``0 <= eps_low < 1`` and ``eps_high >= 0``; return the effective ``eps_high``."""
+    """The effective ``eps_high``, after checking ``0 <= eps_low < 1`` and ``eps_high >= 0``."""
     if isinstance(eps_low, bool) or not isinstance(eps_low, (int, float)):
         raise ValueError(f"eps_low must be a number in [0, 1); got {eps_low!r}")
     if not 0.0 <= eps_low < 1.0:
@@ -72,16 +72,9 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
     - ``k2 = d**2 / 2``           (>= 0, biased),
     - ``k3 = exp(d) - d - 1``     (>= 0, unbiased; the default).
 
-    ``k3`` is computed as ``expm1(d) - d`` for accuracy near ``d = 0``. No clamping is done: a
-    difference above ~88 overflows float32 to ``inf``, which signals a real divergence.
-
-    Args:
-        logps: ``(N, T)`` (any shape) policy log-probabilities, floating.
-        ref_logps: reference log-probabilities, same shape.
-        estimator: one of ``"k1"``, ``"k2"``, ``"k3"``.
-
-    Returns:
-        Tensor of the same shape, differentiable with respect to both inputs.
+    ``k3`` is computed as ``expm1(d) - d``. Nothing is clamped: ``d`` above ~88 overflows
+    float32 to ``inf``, a real divergence. ``logps`` and ``ref_logps`` are floating tensors
+    of one shape (any); the result has that shape and is differentiable in both.
     """
     logps = _check_tensor(logps, "logps")
     ref_logps = _check_tensor(ref_logps, "ref_logps")
@@ -101,19 +94,9 @@ def importance_ratio(
 ) -> torch.Tensor:
     """Importance ratio ``c = exp(clamp(logps - old_logps, -max_log_ratio, max_log_ratio))``.
 
-    The bound only guards ``exp`` against overflow: ``exp(20) ~ 4.9e8`` is far outside any clip
-    range, so for realistic ratios the result is the exact ``exp(logps - old_logps)``. Where the
-    clamp is active the gradient is zero. ``old_logps`` is the behaviour policy and is treated
-    as a constant (detached). With one optimisation pass per rollout
-    ``old_logps = logps.detach()``: the ratio is exactly 1 and its gradient is that of ``logps``.
-
-    Args:
-        logps: ``(N, T)`` (any shape) current-policy log-probabilities, floating.
-        old_logps: behaviour-policy log-probabilities, same shape.
-        max_log_ratio: finite bound ``> 0`` on ``|logps - old_logps|``.
-
-    Returns:
-        Tensor of the same shape.
+    The bound (finite, ``> 0``) only guards ``exp`` against overflow; where it is active the
+    gradient is zero. ``old_logps`` (same shape as ``logps``, any) is detached: with
+    ``old_logps = logps.detach()`` the ratio is exactly 1 and its gradient that of ``logps``.
     """
     logps = _check_tensor(logps, "logps")
     old_logps = _check_tensor(old_logps, "old_logps")
@@ -131,10 +114,7 @@ def importance_ratio(
 
 @torch.no_grad()
 def clip_fractions(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float = 0.2,
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float = 0.2,
     eps_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fractions of completion tokens whose clipped surrogate is active (for logging).
@@ -145,17 +125,10 @@ def clip_fractions(
     - high: ``ratio > 1 + eps_high`` and ``A > 0``;
     - total: low + high (the two sets are disjoint).
 
-    Each is ``count / max(mask.sum(), 1)``, so an empty mask gives 0.
-
-    Args:
-        ratio: ``(N, T)`` importance ratios.
-        advantages: ``(N,)`` per row or ``(N, T)`` per token.
-        mask: ``(N, T)`` bool completion mask.
-        eps_low: lower clip width, ``0 <= eps_low < 1``.
-        eps_high: upper clip width ``>= 0``; ``None`` means ``eps_low``.
-
-    Returns:
-        ``(low, high, total)``: three detached 0-d float32 tensors on ``ratio``'s device.
+    Each is ``count / max(mask.sum(), 1)``. ``ratio`` and the bool ``mask`` are ``(N, T)``,
+    ``advantages`` ``(N,)`` or ``(N, T)``, the clip widths as in
+    :func:`~maxent_grpo.core.losses.clipped_surrogate`. Returns ``(low, high, total)``,
+    detached 0-d float32 tensors on ``ratio``'s device.
     """
     ratio = _check_tensor(ratio, "ratio")
     adv = _broadcast_advantages(advantages, ratio)

@@ -1,23 +1,19 @@
 """Sampling-based evaluation metrics (docs/ALGORITHM.md §6).
 
-For one prompt the evaluator draws ``n`` samples, of which ``c`` are correct. Every ``@k``
-metric describes ``k <= n`` samples. The samples are i.i.d. draws from the policy, hence
-exchangeable, so any fixed choice of ``k`` of them (for example the first ``k``) is an
-unbiased sample of "k draws"; averaging the metric over *all* ``C(n, k)`` choices is also
-unbiased and has lower variance. The choices made here:
+For one prompt with ``n`` i.i.d. samples, ``c`` of them correct, every ``@k`` metric
+describes ``k <= n`` samples. The first ``k`` samples are an unbiased draw of ``k``; the
+average over all ``C(n, k)`` subsets is unbiased too, with lower variance:
 
 - ``pass@k`` (:func:`pass_at_k`): the all-subsets average, ``1 - C(n-c, k) / C(n, k)``;
-- ``mean@k`` (:func:`mean_at_k`): the all-subsets average of the mean correctness of
-  ``k`` samples, which by linearity is the mean over all ``n`` samples, whatever ``k``;
+- ``mean@k`` (:func:`mean_at_k`): the all-subsets average, i.e. the mean over all ``n``;
 - ``distinct@k`` / ``coverage@k``: :func:`distinct_at_k` and :func:`coverage_at_k` count
-  over the first ``k`` samples (an ``int`` / one fraction, as a person would read them off
-  a table); :func:`expected_distinct_at_k` and :func:`expected_coverage_at_k` give the
-  all-subsets averages in closed form, and :func:`aggregate` uses those.
+  over the first ``k`` samples; :func:`expected_distinct_at_k` and
+  :func:`expected_coverage_at_k` give the all-subsets averages in closed form, which
+  :func:`aggregate` uses.
 
-Answers are compared as strings. :func:`distinct_at_k` collapses runs of whitespace and
-treats ``None`` or an empty answer as "no answer"; callers with a task-specific canonical
-form (e.g. :func:`maxent_grpo.tasks.multi_answer.canonical_expression`) pass that form.
-Plain Python only (``math``), no tensors.
+Answers are compared as strings; callers with a task-specific canonical form (e.g.
+:func:`maxent_grpo.tasks.multi_answer.canonical_expression`) pass that form. Plain Python,
+no tensors.
 """
 
 from __future__ import annotations
@@ -27,14 +23,8 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 
 __all__ = [
-    "aggregate",
-    "coverage_at_k",
-    "distinct_at_k",
-    "expected_coverage_at_k",
-    "expected_distinct_at_k",
-    "mean_at_k",
-    "normalise_answer",
-    "pass_at_k",
+    "aggregate", "coverage_at_k", "distinct_at_k", "expected_coverage_at_k",
+    "expected_distinct_at_k", "mean_at_k", "normalise_answer", "pass_at_k",
 ]
 
 
@@ -61,13 +51,10 @@ def _check_sequence(name: str, values: object) -> Sequence:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples with ``c`` correct:
-    ``1 - C(n-c, k) / C(n, k)``.
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``.
 
-    The ratio is the probability that ``k`` samples drawn without replacement are all
-    wrong; it is computed as the product ``prod_{j=0}^{k-1} (n-c-j) / (n-j)`` (each
-    factor in ``[0, 1]``, no large binomials). When ``n - c < k`` every ``k``-subset holds
-    a correct sample and the result is exactly ``1.0``; ``c = 0`` gives exactly ``0.0``.
+    The ratio is computed as ``prod_{j=0}^{k-1} (n-c-j) / (n-j)`` (no large binomials);
+    ``n - c < k`` gives exactly ``1.0`` and ``c = 0`` exactly ``0.0``.
 
     >>> pass_at_k(5, 2, 1), round(pass_at_k(5, 2, 2), 12)
     (0.4, 0.7)
@@ -104,11 +91,8 @@ def mean_at_k(correct: Sequence[bool | float], k: int) -> float:
     """mean@k: the mean correctness of ``k`` samples, averaged over all ``k``-subsets of the
     ``n = len(correct)`` samples.
 
-    ``(1 / C(n, k)) * sum_{|S|=k} (1/k) sum_{i in S} correct[i] = (1/n) sum_i correct[i]``,
-    since each sample lies in the same number of subsets: the result is the mean of all
-    ``n`` values for every valid ``k`` (``k`` is only checked, ``1 <= k <= n``). This is the
-    lowest-variance unbiased estimate of a single sample's expected correctness; the mean
-    of the first ``k`` samples has the same expectation but more noise. Values are bools or
+    ``(1 / C(n, k)) * sum_{|S|=k} (1/k) sum_{i in S} correct[i] = (1/n) sum_i correct[i]``
+    for every valid ``k`` (``k`` is only checked, ``1 <= k <= n``). Values are bools or
     numbers in ``[0, 1]`` (partial credit allowed).
 
     >>> mean_at_k([True, False, True, True], 2)
@@ -145,11 +129,8 @@ def _normalised_answers(answers: object) -> list[str | None]:
 
 
 def distinct_at_k(answers: Sequence[str | None], k: int) -> int:
-    """distinct@k: the number of distinct answers among the first ``k`` samples.
-
-    Answers are compared after :func:`normalise_answer`; ``None`` (no answer extracted)
-    and empty answers are not counted. See :func:`expected_distinct_at_k` for the average
-    over all ``k``-subsets.
+    """distinct@k: the number of distinct answers among the first ``k`` samples, compared
+    after :func:`normalise_answer` (``None`` and empty answers are not counted).
 
     >>> distinct_at_k(["8", " 8", None, "9", "7"], 4)
     2
@@ -204,9 +185,8 @@ def coverage_at_k(
     """coverage@k: distinct correct answers among the first ``k`` samples / ``|valid|``.
 
     ``correct_answers[i]`` is the canonical form of sample ``i``'s answer when it is
-    correct and ``None`` otherwise; a string that is not in ``valid_answers`` raises
-    ``ValueError`` (it means the verifier and the canonical form disagree). Answers are
-    compared exactly (no normalisation), so both sides must use the same canonical form.
+    correct and ``None`` otherwise; a string not in ``valid_answers`` raises ``ValueError``
+    (the verifier and the canonical form disagree). Answers are compared exactly.
 
     >>> coverage_at_k(["3 + 5", None, "3 + 5", "2 * 4"], {"3 + 5", "2 * 4", "10 - 2"}, 3)
     0.3333333333333333
@@ -232,9 +212,7 @@ def expected_coverage_at_k(
 
 
 def aggregate(
-    correct: Sequence[Sequence[bool | float]],
-    ks: Sequence[int],
-    *,
+    correct: Sequence[Sequence[bool | float]], ks: Sequence[int], *,
     answers: Sequence[Sequence[str | None]] | None = None,
     valid_answers: Sequence[Collection[str] | None] | None = None,
 ) -> dict[str, float]:

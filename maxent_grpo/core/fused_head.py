@@ -8,22 +8,18 @@ tokens ``y`` ``(N, T)``::
     logp    = z[y] - logsumexp_v z                 # (N, T)
     entropy = -sum_v p_v log p_v,  p = softmax(z)  # (N, T), optional
 
-Forward: for each block of tokens, one matmul gives the block's logits; only ``(N, T)``
-statistics are kept (the maximum, the log-sum-exp and the entropy per token), as in
-:mod:`maxent_grpo.core.logprobs`. Backward: each block's logits are recomputed (one more
-matmul), the gradient with respect to them is formed in the block
-(:func:`~maxent_grpo.core.logprobs.block_grad`), and folded at once into the gradients of
-the hidden states (``dz W / temperature``) and of the weight (``dz^T h / temperature``,
-accumulated in float32). The LM head's arithmetic grows by a third (the recomputation);
-in exchange nothing of size ``N * T * V`` is stored: the peak above the inputs is the
-weight's float32 gradient accumulator plus a few block temporaries.
+Forward keeps only ``(N, T)`` statistics per block of tokens (maximum, log-sum-exp,
+entropy), as :mod:`maxent_grpo.core.logprobs` does. Backward recomputes each block's logits
+(one more matmul), forms their gradient (:func:`~maxent_grpo.core.logprobs.block_grad`)
+and folds it into the gradients of the hidden states (``dz W / temperature``) and of the
+weight (``dz^T h / temperature``, accumulated in float32). Nothing of size ``N * T * V``
+is stored: the peak above the inputs is the float32 weight gradient plus block temporaries.
 
-Precision. The matmul runs in the autocast dtype when autocast is on for the device (what
-``nn.Linear`` would do under ``bf16-mixed``), else in the weight's dtype; the softmax
-arithmetic in float32 (float64 for float64 weights), as in
-:mod:`maxent_grpo.core.logprobs`. The division by the temperature happens in float32 after
-the matmul, where the unfused path divides the bf16 logits, so under bf16 the two agree to
-bf16 rounding, not bit for bit. Second derivatives are not supported.
+Precision. The matmul runs in the autocast dtype when autocast is on for the device (as
+``nn.Linear`` would), else in the weight's dtype; the softmax in float32 (float64 for
+float64 weights). The temperature divides the float32 logits, where the unfused path
+divides the bf16 ones, so under bf16 the two agree to bf16 rounding. Second derivatives
+are not supported.
 """
 
 from __future__ import annotations
@@ -36,14 +32,8 @@ from maxent_grpo.core.logprobs import _block_log_probs, block_forward, block_gra
 __all__ = ["fused_head_log_softmax", "head_block_tokens"]
 
 HEAD_BLOCK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
-"""Logit values formed at once (block tokens x V), by device type; other devices use the
-CPU's. Each block reads the whole weight four times (forward, recomputation and the two
-gradient products), so small blocks are bound by memory traffic. On the CPU 16 Mi values
-(64 MiB as float32, 110 tokens at V = 151,936): measured with entropy, forward and
-backward, at n=4, T=256, H=896 on one thread (benchmarks/gpu_scoring.py), blocks of 2^22
-values took 24.2 s, 2^24 17.6 s, 2^25 15.1 s and 2^26 16.5 s, with peaks growing from 1.2
-to 2.5 GB (the unfused formula: 9.8 s). On CUDA 64 Mi (256 MiB as float32, ~440 tokens),
-large enough for the block's matmul to run at full rate; to be measured on a GPU."""
+"""Logit values formed at once (block tokens x V), by device type (others use the CPU's).
+Each block reads the whole weight four times, so small blocks are bound by memory traffic."""
 
 
 def head_block_tokens(vocab: int, device_type: str) -> int:
@@ -52,8 +42,8 @@ def head_block_tokens(vocab: int, device_type: str) -> int:
 
 
 def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype ``nn.Linear`` would multiply in: the autocast dtype when autocast is on for
-    the weight's device and the weight is floating, else the weight's own dtype."""
+    """The dtype ``nn.Linear`` would multiply in: the autocast dtype when autocast is on
+    (for a weight that is not float64), else the weight's."""
     device = weight.device.type
     if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
         return torch.get_autocast_dtype(device)
@@ -62,8 +52,7 @@ def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def _block_logits(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
                   scale: float) -> torch.Tensor:
-    """``(h W^T) * scale`` for one block of tokens: the matmul in ``w``'s dtype, the result
-    in ``dtype``."""
+    """``(h W^T) * scale`` for one block: the matmul in ``w``'s dtype, the result in ``dtype``."""
     z = (h.to(w.dtype) @ w.T).to(dtype)
     return z.mul_(scale) if scale != 1.0 else z
 

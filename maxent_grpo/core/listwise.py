@@ -1,8 +1,7 @@
 """Listwise MaxEnt weights over a prompt group (docs/ALGORITHM.md §4.3 and §4.4).
 
-All tensors are ``(B, G)``: ``B`` prompts, ``G`` candidates per prompt (prompt-major rows
-reshaped to one row per group); every softmax runs over ``G``. The weights returned here are
-targets, not functions of the policy: they are computed without autograd and detached.
+All tensors are ``(B, G)``: ``B`` prompts, ``G`` candidates per prompt; every softmax runs
+over ``G``. The weights are targets, computed without autograd and detached.
 
 ``ref_seq_logps`` is ``rho_i = sum_t m * logp_ref / max(T_i, 1)``, the length-normalised
 reference log-likelihood of each candidate; the caller computes it.
@@ -18,7 +17,6 @@ from maxent_grpo.core.advantages import check_rewards, group_advantages
 
 
 def _check_scalar(name: str, value: float, *, positive: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite number ``>= 0`` (``> 0`` if positive)."""
     bound = "> 0" if positive else ">= 0"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
@@ -81,9 +79,7 @@ def _masked_softmax(logits: torch.Tensor, candidates: torch.Tensor | None) -> to
 
 
 def q_distribution(
-    rewards: torch.Tensor,
-    temperature: float = 1.0,
-    epsilon: float = 1e-6,
+    rewards: torch.Tensor, temperature: float = 1.0, epsilon: float = 1e-6,
     candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reward target over the candidates: ``(B, G) -> (B, G)``, rows summing to 1.
@@ -114,10 +110,7 @@ def q_distribution(
 
 
 def maxent_weights(
-    log_q: torch.Tensor,
-    tau: float,
-    beta: float = 0.0,
-    ref_seq_logps: torch.Tensor | None = None,
+    log_q: torch.Tensor, tau: float, beta: float = 0.0, ref_seq_logps: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Closed-form listwise MaxEnt weights: ``(B, G) -> (B, G)``, detached, rows sum to 1.
@@ -126,8 +119,7 @@ def maxent_weights(
     ``w ∝ q^(1/(tau+beta)) * pi_ref^(beta/(tau+beta))`` with ``pi_ref = softmax_G(rho)``.
     This is the unique maximiser over the simplex of
     ``<w, log q> + tau * H(w) - beta * KL(w || pi_ref)`` (strictly concave when
-    ``tau + beta > 0``). An earlier public implementation divides by ``tau`` alone; the two
-    agree when ``beta = 0``.
+    ``tau + beta > 0``).
 
     Raises ``ValueError`` unless ``log_q`` is a finite floating ``(B, G)`` tensor,
     ``tau >= 0``, ``beta >= 0``, ``tau + beta > 0``, and ``ref_seq_logps`` (``rho``) is given,
@@ -187,21 +179,14 @@ def group_utility(
 
 
 def group_weights(
-    utility: torch.Tensor,
-    tau: float,
-    lam: float = 0.0,
-    ref_seq_logps: torch.Tensor | None = None,
+    utility: torch.Tensor, tau: float, lam: float = 0.0, ref_seq_logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group MaxEnt weights: ``(B, G) -> (B, G)``, detached, rows sum to 1.
 
     ``kappa = tau + lam``; ``w = softmax_G((U + lam * rho) / kappa)``. When
     ``tau = lam = 0`` the limit is taken exactly: ``w`` is uniform over the argmax set
-    ``{i : U_i == max_j U_j}`` of each row (exact float equality decides ties, matching the
-    ``tau -> 0`` limit of the softmax, where tied entries get equal weight). The loss scales
-    row ``i`` by ``G * w_i``; as ``tau -> inf`` this tends to 1 (Dr.GRPO).
-
-    Example: ``A = [.5, -.5, -.5, .5]``, ``T = [3, 2, 3, 1]``, ``T_max = 4``, ``tau = 0.5``,
-    ``lam = 0`` gives ``G * w = [1.8902112237, 0.5415545827, 0.4217631331, 1.1464710605]``.
+    ``{i : U_i == max_j U_j}`` of each row (exact float equality decides ties). The loss
+    scales row ``i`` by ``G * w_i``; as ``tau -> inf`` this tends to 1 (Dr.GRPO).
 
     Raises ``ValueError`` unless ``utility`` is a finite floating ``(B, G)`` tensor,
     ``tau >= 0``, ``lam >= 0``, and ``ref_seq_logps`` (``rho``) is given, finite and shaped like
@@ -226,9 +211,8 @@ def group_weights(
 def weight_entropy(weights: torch.Tensor) -> torch.Tensor:
     """Entropy of each group's weights: ``(B, G) -> (B,)``, ``H = -sum_i w_i log w_i``.
 
-    Uses ``0 * log 0 = 0``. The tau controller targets the mean of this over groups.
-    Raises ``ValueError`` unless ``weights`` is a finite, non-negative floating ``(B, G)``
-    tensor.
+    Uses ``0 * log 0 = 0``. Raises ``ValueError`` unless ``weights`` is a finite,
+    non-negative floating ``(B, G)`` tensor.
     """
     check_rewards(weights, name="weights")
     if bool((weights < 0).any()):

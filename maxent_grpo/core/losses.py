@@ -1,8 +1,7 @@
-"""Policy losses: clipped surrogate, token-loss reductions, listwise losses (docs/ALGORITHM.md
-§2-4).
+"""Policy losses: clipped surrogate, token-loss reductions, listwise losses (ALGORITHM.md §2-4).
 
-Per-token tensors are ``(N, T)`` with ``N = B*G`` prompt-major rows and ``T`` completion
-tokens; masks are bool. Sequence-level tensors are ``(B, G)``: one row per prompt group.
+Per-token tensors are ``(N, T)`` (``N = B*G`` prompt-major rows), masks bool; sequence-level
+tensors ``(B, G)``, one row per prompt group.
 """
 
 from __future__ import annotations
@@ -24,12 +23,11 @@ WEIGHT_SUM_TOL = 1e-4
 
 
 def clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_low: float = 0.2,
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float = 0.2,
     eps_high: float | None = None,
 ) -> torch.Tensor:
-    """PPO clipped surrogate per token (to be maximised; the loss is its negative).
+    """PPO clipped surrogate per token, ``(N, T)``, differentiable in ``ratio`` (to be
+    maximised; the loss is its negative).
 
     ``surr = min(c * A, clip(c, 1 - eps_low, 1 + eps_high) * A)``.
 
@@ -39,9 +37,6 @@ def clipped_surrogate(
             (pass detached values).
         eps_low: lower clip width, ``0 <= eps_low < 1``.
         eps_high: upper clip width ``>= 0``; ``None`` means ``eps_low``.
-
-    Returns:
-        ``(N, T)`` surrogate, differentiable with respect to ``ratio``.
     """
     ratio = _check_tensor(ratio, "ratio")
     adv = _broadcast_advantages(advantages, ratio)
@@ -57,12 +52,8 @@ def _check_positive_int(value: object, name: str) -> int:
 
 
 def reduce_token_loss(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    *,
-    max_completion_length: int | None = None,
-    num_global_tokens: int | torch.Tensor | None = None,
+    per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
+    max_completion_length: int | None = None, num_global_tokens: int | torch.Tensor | None = None,
     num_rows: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``L`` of one micro-batch to a scalar (docs/ALGORITHM.md §3).
@@ -74,30 +65,23 @@ def reduce_token_loss(
     - ``"dr_grpo"``: ``sum m L / (N * max_completion_length)``;
     - ``"dapo"``:    ``sum m L / num_global_tokens``.
 
-    ``N`` counts the rows of the whole optimizer-step batch on this rank; it defaults to the rows
-    of ``per_token_loss``. Passing it makes ``grpo``, ``dr_grpo`` and ``dapo`` additive: the sum
-    over micro-batches of their reductions (and of their gradients) equals the reduction of the
-    whole batch. ``bnpo`` is a mean of micro-batch means by definition and ignores ``num_rows``.
-
-    ``num_global_tokens`` is the completion-token count of the optimizer-step batch over all
-    ranks. Distributed data parallel *averages* gradients over ranks, so for the global token
-    mean the caller multiplies the ``dapo`` loss by the world size.
-
-    Masked-out positions are selected away (``where``), not multiplied by 0, so a non-finite
-    value there does not turn the sum into NaN. Keyword arguments a reduction does not use are
-    still validated, then ignored, so a caller may pass all of them.
+    With ``N`` the rows of the whole optimizer-step batch on this rank, ``grpo``, ``dr_grpo``
+    and ``dapo`` are additive over micro-batches (``bnpo``, a mean of micro-batch means,
+    ignores ``num_rows``). DDP averages gradients over ranks, so for the global token mean
+    the caller multiplies the ``dapo`` loss by the world size. Masked-out positions are
+    selected away (``where``), so a non-finite value there cannot make the sum NaN. Unused
+    keyword arguments are still validated.
 
     Args:
         per_token_loss: ``(N_mb, T)`` floating.
         mask: ``(N_mb, T)`` bool completion mask (0/1 numbers are rejected, not converted).
         loss_type: one of ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``.
         max_completion_length: ``T_max >= T``; required for ``"dr_grpo"``.
-        num_global_tokens: positive int or 0-d tensor; required for ``"dapo"``. A tensor's value
-            is checked, which syncs with the device once.
-        num_rows: rows ``N >= N_mb`` in the optimizer-step batch.
+        num_global_tokens: completion tokens of the optimizer-step batch over all ranks, a
+            positive int or 0-d tensor (checked: one device sync); required for ``"dapo"``.
+        num_rows: rows ``N >= N_mb`` in the optimizer-step batch (default: ``N_mb``).
 
-    Returns:
-        0-d tensor of ``per_token_loss``'s dtype.
+    Returns a 0-d tensor of ``per_token_loss``'s dtype.
     """
     loss = _check_tensor(per_token_loss, "per_token_loss")
     if loss.dim() != 2:
@@ -188,10 +172,9 @@ def listwise_loss(
 ) -> torch.Tensor:
     """Listwise cross-entropy between target weights and the policy over each group's candidates.
 
-    ``loss = mean_b ( -sum_i w[b, i] * log_softmax_G(s)[b, i] )``, ``s = seq_logps``.
-
-    Per group the gradient on ``s`` is ``p - w`` with ``p = softmax_G(s)``, so the gradient of
-    the mean is ``(p - w) / B``. For the length-normalised variant pass ``s_i / T_i``.
+    ``loss = mean_b ( -sum_i w[b, i] * log_softmax_G(s)[b, i] )``, ``s = seq_logps``, a 0-d
+    tensor with gradient ``(p - w) / B`` on ``s``, ``p = softmax_G(s)``. For the
+    length-normalised variant pass ``s_i / T_i``.
 
     Args:
         seq_logps: ``(B, G)`` sequence log-probabilities ``s_i = sum_t m l``.
@@ -200,9 +183,6 @@ def listwise_loss(
         candidates: ``(B, G)`` bool or None: the softmax runs over each group's candidates
             only (e.g. its distinct completions, :func:`~maxent_grpo.core.distinct_candidates`);
             weights outside them must be 0.
-
-    Returns:
-        0-d tensor, differentiable with respect to ``seq_logps``.
     """
     scores, w = _check_group_weights(seq_logps, weights)
     if candidates is None:
@@ -213,20 +193,14 @@ def listwise_loss(
 
 
 def sequence_clip_loss(
-    seq_logps: torch.Tensor,
-    old_seq_logps: torch.Tensor,
-    weights: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    max_log_ratio: float = 20.0,
+    seq_logps: torch.Tensor, old_seq_logps: torch.Tensor, weights: torch.Tensor,
+    eps_low: float = 0.2, eps_high: float | None = None, max_log_ratio: float = 20.0,
 ) -> torch.Tensor:
     """Optional sequence-level clipped term of listwise MaxEnt-GRPO (docs/ALGORITHM.md §4.3 step 4).
 
     ``a_hat = w - 1/G``, ``ratio = exp(clamp(s - s_old, -max_log_ratio, max_log_ratio))``,
-    ``term = -mean_b sum_i min(ratio * a_hat, clip(ratio, 1 - eps_low, 1 + eps_high) * a_hat)``.
-
-    At ``s_old = s`` the value is 0 (``a_hat`` sums to 0 per group) while the gradient on ``s``
-    is ``-a_hat / B``.
+    ``term = -mean_b sum_i min(ratio * a_hat, clip(ratio, 1 - eps_low, 1 + eps_high) * a_hat)``,
+    a 0-d tensor. At ``s_old = s`` the value is 0 and the gradient on ``s`` is ``-a_hat / B``.
 
     Args:
         seq_logps: ``(B, G)`` current sequence log-probabilities.
@@ -234,9 +208,6 @@ def sequence_clip_loss(
         weights: ``(B, G)`` target weights on the simplex (detached).
         eps_low, eps_high: clip widths as in :func:`clipped_surrogate`.
         max_log_ratio: overflow bound as in :func:`~maxent_grpo.core.divergence.importance_ratio`.
-
-    Returns:
-        0-d tensor.
     """
     scores, w = _check_group_weights(seq_logps, weights)
     old = _check_tensor(old_seq_logps, "old_seq_logps")

@@ -8,21 +8,14 @@ The LightningModule drives them in two phases per rollout:
    completion lengths ``(B, G)`` and, when :attr:`Objective.needs_reference`, the
    length-normalised reference log-likelihood ``rho`` ``(B, G)``. It returns
    :class:`Targets`: per-row advantages and/or per-group weights, all constants.
-2. :meth:`Objective.loss` once per micro-batch of whole groups (never a split group), on
-   token log-probs with gradient. The value is scaled so that the *sum* over the
-   micro-batches of one optimizer step equals the loss of the whole batch.
+2. :meth:`Objective.loss` once per micro-batch of whole groups, on token log-probs with
+   gradient, scaled so that the *sum* over the micro-batches of one optimizer step equals
+   the loss of the whole batch.
 
-Between rollouts the trainer and the controllers use only the members of
-:class:`Objective` (``tunable``, ``state_dict``, ``observe``, ``loss_scale``, ...).
-All mathematics is delegated to :mod:`maxent_grpo.core`.
-
-- :mod:`~maxent_grpo.objectives.base`: the interface (:class:`Targets`, :class:`MicroBatch`,
-  :class:`LossOutput`, :class:`Objective`) and small shared helpers;
-- :mod:`~maxent_grpo.objectives.surrogate`: the clipped surrogate and token reductions
-  that GRPO, EntropyMaxEnt and GroupMaxEnt share;
-- :mod:`~maxent_grpo.objectives.grpo`: :class:`GRPO` (§4.1), :class:`EntropyMaxEnt` (§4.2);
-- :mod:`~maxent_grpo.objectives.maxent`: :class:`ListwiseMaxEnt` (§4.3),
-  :class:`GroupMaxEnt` (§4.4).
+Modules: ``base`` (the interface), ``surrogate`` (the clipped surrogate shared by GRPO,
+EntropyMaxEnt and GroupMaxEnt), ``grpo`` (:class:`GRPO` §4.1, :class:`EntropyMaxEnt` §4.2)
+and ``maxent`` (:class:`ListwiseMaxEnt` §4.3, :class:`GroupMaxEnt` §4.4); the mathematics
+lives in :mod:`maxent_grpo.core`.
 """
 
 from maxent_grpo.objectives.base import (
@@ -38,17 +31,7 @@ from maxent_grpo.objectives.maxent import GroupMaxEnt, ListwiseMaxEnt
 from maxent_grpo.objectives.surrogate import LossType
 
 __all__ = [
-    "GRPO",
-    "EntropyMaxEnt",
-    "GroupMaxEnt",
-    "KLEstimator",
-    "ListwiseMaxEnt",
-    "LossOutput",
-    "LossType",
-    "MicroBatch",
-    "Objective",
-    "ScaleRewards",
-    "Targets",
-    "sequence_ref_loglik",
+    "GRPO", "EntropyMaxEnt", "GroupMaxEnt", "KLEstimator", "ListwiseMaxEnt", "LossOutput",
+    "LossType", "MicroBatch", "Objective", "ScaleRewards", "Targets", "sequence_ref_loglik",
     "weight_stats",
 ]

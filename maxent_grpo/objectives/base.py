@@ -2,19 +2,10 @@
 
 :class:`Targets` is what :meth:`Objective.prepare` derives from one rollout,
 :class:`MicroBatch` what :meth:`Objective.loss` sees, :class:`LossOutput` what it returns
-(``docs/ALGORITHM.md`` §0-4). The trainer (``maxent_grpo.training.module``) and the
-controllers (``maxent_grpo.training.callbacks``) need nothing from an objective beyond
-the members of :class:`Objective`:
-
-- ``prepare`` / ``loss``: the two phases of a rollout;
-- ``needs_reference``, ``needs_candidates``, ``needs_entropy``: what to compute for it;
-- ``loss_scale``: the factor that makes the ranks' mean gradient the all-rank gradient;
-- ``state``: scalars logged every step (``train/tau``, ``train/beta``, ...);
-- ``observe``: the step's logged statistics, once per training step (e.g. a KL gate);
-- ``tunable``: the attributes a controller may move (``tau``, ``beta``);
-- ``mutable`` with ``state_dict`` / ``load_state_dict``: what a checkpoint carries. The
-  objective is the one owner of tau and beta: controllers read and write them here, and
-  the checkpoint keeps them only in the module's entry.
+(``docs/ALGORITHM.md`` §0-4). The trainer and the controllers need nothing from an
+objective beyond the members of :class:`Objective`. The objective is the one owner of tau
+and beta: controllers read and write them there, and a checkpoint keeps them only in the
+module's entry (:meth:`Objective.state_dict`).
 """
 
 from __future__ import annotations
@@ -127,11 +118,10 @@ class Objective:
 
     #: Whether the loss needs exact token entropy with gradient.
     needs_entropy: bool = False
-    #: attributes that the adaptive controllers may move (``tau``, ``beta``); a controller
-    #: checks this, not the class, to know whether it can drive an objective
+    #: attributes that the adaptive controllers may move (``tau``, ``beta``)
     tunable: tuple[str, ...] = ()
-    #: attributes that change during training and travel in the checkpoint: the tunable
-    #: ones plus internal state such as the entropy gate's multiplier
+    #: attributes that change during training and travel in the checkpoint (the tunable
+    #: ones plus internal state such as the entropy gate's multiplier)
     mutable: tuple[str, ...] = ()
 
     @property
@@ -146,12 +136,8 @@ class Objective:
         return False
 
     def prepare(
-        self,
-        rewards: Tensor,
-        lengths: Tensor,
-        max_completion_length: int,
-        ref_seq_logps: Tensor | None,
-        candidates: Tensor | None = None,
+        self, rewards: Tensor, lengths: Tensor, max_completion_length: int,
+        ref_seq_logps: Tensor | None, candidates: Tensor | None = None,
     ) -> Targets:
         """The rollout's :class:`Targets` from ``(B, G)`` rewards, lengths and ``rho``."""
         raise NotImplementedError
@@ -187,10 +173,8 @@ class Objective:
         """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the
         gradient of the formula over the whole batch of all ranks.
 
-        The default suits losses normalised by this rank's rows or groups: when ranks keep
-        different numbers of rows (``drop_constant_groups``) the factor
-        ``W * rows / rows_all_ranks`` turns that normaliser into the all-rank count (it is
-        1 when every rank keeps the same number).
+        The default, ``W * rows / rows_all_ranks``, suits losses normalised by this rank's
+        rows or groups when ranks keep different numbers of rows (``drop_constant_groups``).
         """
         if rows_all_ranks == 0:
             return 1.0

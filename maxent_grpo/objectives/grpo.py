@@ -1,8 +1,7 @@
 """GRPO with its Dr.GRPO / DAPO variants, and entropy-regularised GRPO (docs/ALGORITHM.md §4.1-4.2).
 
-Both optimise the clipped surrogate (:mod:`maxent_grpo.objectives.surrogate`) on group
-advantages, plus ``beta`` times a per-token KL to the
-reference; :class:`EntropyMaxEnt` adds an exact token-entropy bonus.
+Both optimise the clipped surrogate on group advantages, plus ``beta`` times a per-token KL
+to the reference; :class:`EntropyMaxEnt` adds an exact token-entropy bonus.
 """
 
 from __future__ import annotations
@@ -46,12 +45,8 @@ class GRPO(Objective):
     mutable = ("beta",)
 
     def __init__(
-        self,
-        loss_type: LossType = "grpo",
-        scale_rewards: ScaleRewards = "group",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        beta: float = 0.0,
+        self, loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group",
+        epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
         kl_estimator: KLEstimator = "k3",
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
@@ -106,10 +101,9 @@ class EntropyMaxEnt(GRPO):
 
     ``L[i,t] = -surr + beta*KL - alpha_eff*H[i,t]`` with the exact, differentiable token
     entropy at the sampling temperature. With ``kl_gate_threshold`` set, ``alpha_eff =
-    alpha * m(KL)`` where ``m`` is :func:`maxent_grpo.core.entropy_gate_multiplier`. The
-    KL that drives the gate is the token-mean KL measured over the *previous* optimizer
-    step (the current step's KL is only known after its backward pass); the first step
-    uses no gate (multiplier 1). Gating needs KL, so it loads the reference model.
+    alpha * m(KL)`` (:func:`maxent_grpo.core.entropy_gate_multiplier`) with the token-mean
+    KL of the *previous* optimizer step (multiplier 1 at the first); gating loads the
+    reference model.
 
     Args:
         alpha: entropy bonus coefficient (>= 0).
@@ -125,19 +119,11 @@ class EntropyMaxEnt(GRPO):
     mutable = ("beta", "alpha_multiplier")
 
     def __init__(
-        self,
-        alpha: float = 0.01,
-        kl_gate_threshold: float | None = None,
-        kl_gate_gain: float = 1.0,
-        kl_gate_min_multiplier: float = 0.0,
-        kl_gate_max_multiplier: float = 2.0,
-        disable_outside_trust_zone: bool = False,
-        loss_type: LossType = "grpo",
-        scale_rewards: ScaleRewards = "group",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        beta: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
+        self, alpha: float = 0.01, kl_gate_threshold: float | None = None,
+        kl_gate_gain: float = 1.0, kl_gate_min_multiplier: float = 0.0,
+        kl_gate_max_multiplier: float = 2.0, disable_outside_trust_zone: bool = False,
+        loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group", epsilon: float = 0.2,
+        epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
     ) -> None:
         super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator)
         check_number("objective.alpha", alpha, minimum=0)

@@ -46,18 +46,14 @@ class ListwiseMaxEnt(Objective):
     Args:
         tau: entropy temperature of the weights; ``tau + beta`` must be > 0.
         beta: trust-region weight towards the reference (loads it when > 0).
-        q_temperature: temperature ``T_q`` of the reward target (default 0.2, was 1.0:
-            with T_q = 1 and tau = 0.5 a right answer's target is only e^2 times a wrong
-            one's, which caps a 0/1 reward near 0.3; benchmarks/MAXENT_VS_GRPO.md).
+        q_temperature: temperature ``T_q`` of the reward target (with 1.0 and tau = 0.5 a
+            right answer's target is only e^2 times a wrong one's).
         q_epsilon: floor ``eps`` of the reward target.
-        length_normalize: use ``s_i / T_i`` instead of ``s_i`` (default ``True``, was
-            ``False``: with summed log-probs long junk completions escape the push down and
-            the policy drifts to the length cap).
-        distinct_candidates: the candidates of a group are its *distinct* completions: a
-            completion sampled m times is one candidate (its first row; the others get no
-            weight and leave the softmax), so ``softmax_G(s)`` is the policy restricted to
-            the candidate set and a frequent answer does not get m times the target of a
-            rare one that is as good.
+        length_normalize: use ``s_i / T_i`` instead of ``s_i`` (with summed log-probs long
+            junk completions escape the push down).
+        distinct_candidates: the candidates of a group are its *distinct* completions (a
+            completion sampled m times is one candidate, its first row), so a frequent
+            answer does not get m times the target of a rare one that is as good.
         clip_coef: coefficient of the sequence-level clip term (0 = off; not with
             ``distinct_candidates``).
         epsilon: lower clip range of that term.
@@ -68,16 +64,9 @@ class ListwiseMaxEnt(Objective):
     mutable = ("tau", "beta")
 
     def __init__(
-        self,
-        tau: float = 0.5,
-        beta: float = 0.0,
-        q_temperature: float = 0.2,
-        q_epsilon: float = 1e-6,
-        length_normalize: bool = True,
-        distinct_candidates: bool = False,
-        clip_coef: float = 0.0,
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
+        self, tau: float = 0.5, beta: float = 0.0, q_temperature: float = 0.2,
+        q_epsilon: float = 1e-6, length_normalize: bool = True, distinct_candidates: bool = False,
+        clip_coef: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
     ) -> None:
         check_number("objective.beta", beta, minimum=0)
         check_number("objective.tau", tau, minimum=0)
@@ -161,12 +150,8 @@ class GroupMaxEnt(Objective):
     ``w = softmax((U + lam*rho)/(tau + lam))`` (constants); the loss is the Dr.GRPO token
     loss with row ``i`` scaled by ``G*w_i``:
     ``sum_i G*w_i sum_t m*(-surr) / (N*T_max)``. ``tau = lam = 0`` puts uniform weight
-    on the argmax set; ``tau -> inf`` recovers Dr.GRPO.
-
-    It uses the clipped surrogate of :mod:`maxent_grpo.objectives.surrogate`, reduced
-    with ``dr_grpo``, without being a GRPO: it has no ``beta`` (the reference enters
-    through ``lam``, in the weights), so only ``tau`` is tunable. The reduction divides by
-    this rank's rows, so the base :meth:`Objective.loss_scale` applies.
+    on the argmax set; ``tau -> inf`` recovers Dr.GRPO. There is no ``beta`` (the reference
+    enters through ``lam``, in the weights), so only ``tau`` is tunable.
 
     Args:
         tau: temperature of the group weights (>= 0).
@@ -179,10 +164,7 @@ class GroupMaxEnt(Objective):
     mutable = ("tau",)
 
     def __init__(
-        self,
-        tau: float = 1.0,
-        lam: float = 0.0,
-        epsilon: float = 0.2,
+        self, tau: float = 1.0, lam: float = 0.0, epsilon: float = 0.2,
         epsilon_high: float | None = None,
     ) -> None:
         check_number("objective.tau", tau, minimum=0)

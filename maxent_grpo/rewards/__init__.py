@@ -1,21 +1,16 @@
 """Reward functions, reward models and their registry.
 
-Every reward follows TRL's ``GRPOTrainer`` convention ``fn(prompts, completions,
-completion_ids, trainer_state, **columns) -> list[float | None]``: ``completions`` come in
-the form of their prompts (strings, or ``[{"role": "assistant", "content": ...}]`` for
-conversational prompts; :func:`completion_text` reads either), ``completion_ids`` are the
-sampled token ids, ``trainer_state`` a :class:`TrainerState`, ``columns`` the dataset's
-other columns repeated per completion, and ``None`` marks a row the reward does not apply
-to (:mod:`maxent_grpo.rewards.scoring`).
+Every reward follows TRL's ``GRPOTrainer`` convention (:mod:`maxent_grpo.rewards.scoring`),
+``fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]``,
+where ``None`` marks a row the reward does not apply to.
 
 Registered names: ``accuracy`` (math-verify equivalence with the ``answer`` column),
 ``countdown`` (valid expression for ``numbers``/``target``), ``first_number`` (the first
 integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``format`` (exact
 ``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once) and
 ``answer_format`` (an ``<answer>`` block exists). ``model:<name_or_path>`` names a
-sequence-classification reward model (:class:`RewardModel`); per-reward options (weight,
-timeout, fallback) are described in :mod:`maxent_grpo.rewards.options`.
-:class:`WeightedRewards` combines weighted rewards into one reward per completion.
+sequence-classification reward model (:class:`RewardModel`); per-reward options are in
+:mod:`maxent_grpo.rewards.options`. :class:`WeightedRewards` combines weighted rewards.
 """
 
 from __future__ import annotations
@@ -41,28 +36,10 @@ from maxent_grpo.rewards.state import TrainerState
 from maxent_grpo.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [
-    "REWARDS",
-    "RewardFunctionError",
-    "RewardModel",
-    "RewardOptions",
-    "RewardTimeout",
-    "TimedReward",
-    "TrainerState",
-    "WeightedRewards",
-    "accuracy_reward",
-    "answer_format_reward",
-    "completion_text",
-    "countdown_reward",
-    "digit_pair_reward",
-    "extract_answer",
-    "first_number_reward",
-    "format_reward",
-    "get_reward",
-    "last_boxed",
-    "list_rewards",
-    "parse_reward_options",
-    "register_reward",
-    "score_completions",
-    "tag_count_reward",
+    "REWARDS", "RewardFunctionError", "RewardModel", "RewardOptions", "RewardTimeout",
+    "TimedReward", "TrainerState", "WeightedRewards", "accuracy_reward", "answer_format_reward",
+    "completion_text", "countdown_reward", "digit_pair_reward", "extract_answer",
+    "first_number_reward", "format_reward", "get_reward", "last_boxed", "list_rewards",
+    "parse_reward_options", "register_reward", "score_completions", "tag_count_reward",
     "trl_completions",
 ]

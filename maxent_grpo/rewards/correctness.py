@@ -28,10 +28,7 @@ def _collapse(text: str) -> str:
 
 @register_reward("accuracy")
 def accuracy_reward(
-    prompts: list,
-    completions: list,
-    answer: list | None = None,
-    **kwargs: object,
+    prompts: list, completions: list, answer: list | None = None, **kwargs: object,
 ) -> list[float | None]:
     """1.0 when the final answer equals the ``answer`` column mathematically, else 0.0.
 
@@ -91,10 +88,7 @@ def _countdown_expression(answer: str, target: int) -> str | None:
 
 @register_reward("countdown")
 def countdown_reward(
-    prompts: list,
-    completions: list,
-    numbers: list | None = None,
-    target: list | None = None,
+    prompts: list, completions: list, numbers: list | None = None, target: list | None = None,
     **kwargs: object,
 ) -> list[float | None]:
     """1.0 when the final answer is an expression that reaches ``target`` using each of
@@ -128,10 +122,7 @@ _FIRST_INT = re.compile(r"-?\d+")
 
 @register_reward("first_number")
 def first_number_reward(
-    prompts: list,
-    completions: list,
-    answer: list | None = None,
-    **kwargs: object,
+    prompts: list, completions: list, answer: list | None = None, **kwargs: object,
 ) -> list[float | None]:
     """1.0 when the first integer in the completion equals the integer ``answer``, else
     0.0 (no tags needed: for bare prompts such as ``"3 + 5 ="``). A reference that is
@@ -164,10 +155,7 @@ _DIGIT_PAIR = re.compile(r"\s*(\d)\s*\+\s*(\d)\s*")
 
 @register_reward("digit_pair")
 def digit_pair_reward(
-    prompts: list,
-    completions: list,
-    target: list | None = None,
-    **kwargs: object,
+    prompts: list, completions: list, target: list | None = None, **kwargs: object,
 ) -> list[float | None]:
     """1.0 when the answer is exactly two digits ``a + b`` with ``a + b == target`` (the
     ``digit_pairs`` task), else 0.0. The answer is the ``<answer>`` block when there is one,

@@ -1,10 +1,8 @@
 """The reward registry: names (as written in configs) to reward functions.
 
-A reward function follows the TRL convention ``fn(prompts, completions, completion_ids,
-trainer_state, **columns) -> list[float | None]`` (:mod:`maxent_grpo.rewards.scoring`): one
-value per completion, ``None`` meaning "does not apply to this row". ``columns`` are the
-dataset's other columns repeated per completion; a function takes the arguments it needs
-by name and must accept and ignore the rest through ``**kwargs``.
+A reward function (TRL's convention, :mod:`maxent_grpo.rewards.scoring`) returns one value
+per completion, ``None`` meaning "does not apply to this row"; it takes the arguments it
+needs by name and must accept and ignore the rest through ``**kwargs``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """A sequence-classification model as a reward function (``model:<name_or_path>`` in
 ``model.rewards``), scored as TRL's ``GRPOTrainer`` scores a reward model.
 
-The text of a row is ``prompt + completion`` for a text prompt, and the whole conversation
-(the prompt's messages, then the completion's assistant message) rendered with the reward
-model's own chat template (``apply_chat_template(..., tokenize=False)``) for a
-conversational one. Texts are tokenised with the reward model's tokenizer, right-padded,
-without added special tokens, and scored ``batch_size`` rows at a time on the policy's
-device, in eval mode under ``torch.inference_mode``; the reward is the single logit
-(``num_labels=1``) at the last non-pad token. The model and tokenizer are loaded on the
-first call, once, and never trained or checkpointed.
+The text of a row is ``prompt + completion`` for a text prompt, and for a conversational
+one the whole conversation rendered with the reward model's own chat template. Texts are
+tokenised with its tokenizer (right-padded, no added special tokens) and scored
+``batch_size`` rows at a time on the policy's device under ``torch.inference_mode``; the
+reward is the single logit (``num_labels=1``) at the last non-pad token. The model is
+loaded on the first call and never trained or checkpointed.
 """
 
 from __future__ import annotations
@@ -37,17 +35,12 @@ class RewardModel:
         dtype: parameter dtype (``float32``, ``bfloat16``, ``float16``).
         device: returns the device to score on (the policy's), asked at every call.
 
-    Called as a reward function, ``rm(prompts=..., completions=..., **ignored)``: prompts
-    are strings or message lists, completions strings or ``[{"role": "assistant",
-    "content": ...}]``; returns one float per row. For example, with a model folder
-    saved by ``save_pretrained`` (model and tokenizer)::
+    Called as a reward function, ``rm(prompts=..., completions=..., **ignored)``, it returns
+    one float per row; a model that cannot be loaded raises ``ValueError`` naming the
+    reward::
 
         rm = RewardModel("/models/rm", label="model:/models/rm")
         rm(prompts=["2+2="], completions=["4"])          # [0.73]: its logit
-        rm(prompts=[[{"role": "user", "content": "2+2?"}]],
-           completions=[[{"role": "assistant", "content": "4"}]])   # chat-rendered
-        RewardModel("./missing", label="model:./missing")(prompts=["p"], completions=["c"])
-        # ValueError: reward 'model:./missing': cannot load './missing' as a ... model
     """
 
     def __init__(
@@ -66,8 +59,7 @@ class RewardModel:
         """Load the model and tokenizer (once); ValueError naming the reward if that fails."""
         if self.model is not None:
             return
-        # transformers (also behind maxent_grpo.models) imports in seconds: only a run with a
-        # reward model needs it, so importing maxent_grpo.rewards stays light
+        # imported here so that importing maxent_grpo.rewards stays light
         from transformers import AutoModelForSequenceClassification
 
         from maxent_grpo.models import load_tokenizer, resolve_model_path

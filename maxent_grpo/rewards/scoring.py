@@ -6,19 +6,15 @@ With ``K`` weighted reward functions and ``N`` completions (``N = B*G``, prompt-
     total[i]         = Σ_k w_k · R_k(i)        over the k with R_k(i) not None
 
 A row where every component is ``None`` gets ``total = 0.0`` (as TRL's ``nansum``); its
-components stay NaN, so the logs show that nothing applied.
-
-Every function is called as TRL's ``GRPOTrainer`` calls it::
+components stay NaN. Every function is called as TRL's ``GRPOTrainer`` calls it::
 
     fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
        trainer_state=trainer_state, **columns)
 
 ``completions`` come in the form of their prompts: a string for a text prompt, and
-``[{"role": "assistant", "content": text}]`` for a conversational prompt (a list of
-messages; the prompt is passed as the dataset gave it, a trailing assistant message
-included, and the completion is the new assistant message that follows it, as in TRL).
-``completion_ids`` are the sampled token ids of each completion without padding (up to
-and including the stop token), ``trainer_state`` a
+``[{"role": "assistant", "content": text}]`` for a conversational one (the prompt is passed
+as the dataset gave it). ``completion_ids`` are each completion's sampled token ids without
+padding (stop token included), ``trainer_state`` a
 :class:`~maxent_grpo.rewards.state.TrainerState`, and ``columns`` the dataset's other
 columns with one value per completion.
 """
@@ -39,6 +35,7 @@ from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.state import TrainerState
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.rollout.batch import PromptCompletionBatch
+from maxent_grpo.validation import is_number
 
 #: reward arguments a dataset column may not be named after
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -50,9 +47,7 @@ class RewardFunctionError(Exception):
 
 
 def _check_inputs(
-    funcs: Sequence[tuple[str, Callable, float]],
-    prompts: list,
-    completions: list,
+    funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
     columns: dict[str, list],
 ) -> None:
     if not funcs:
@@ -63,11 +58,7 @@ def _check_inputs(
         name, fn, weight = entry
         if not callable(fn):
             raise ValueError(f"reward {name!r}: function must be callable; got {fn!r}")
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, numbers.Real)
-            or not math.isfinite(weight)
-        ):
+        if not is_number(weight):
             raise ValueError(f"reward {name!r}: weight must be a finite number; got {weight!r}")
     n = len(completions)
     if len(prompts) != n:
@@ -144,20 +135,16 @@ def _call(
 
 
 def score_completions(
-    funcs: Sequence[tuple[str, Callable, float]],
-    prompts: list,
-    completions: list,
-    columns: dict[str, list],
-    completion_ids: list[list[int]] | None = None,
+    funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
+    columns: dict[str, list], completion_ids: list[list[int]] | None = None,
     trainer_state: TrainerState | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score ``N`` completions with ``K`` weighted reward functions.
 
     ``funcs`` holds ``(name, function, weight)``; each function is called the TRL way (see
-    the module docstring), with text completions of conversational prompts turned into
-    assistant messages (:func:`trl_completions`), ``completion_ids`` and ``trainer_state``
-    passed as given (None when the caller has none) and ``columns`` mapping each dataset
-    column to its ``N`` per-completion values.
+    the module docstring) on :func:`trl_completions`, with ``completion_ids`` and
+    ``trainer_state`` as given (None when the caller has none) and ``columns`` mapping each
+    dataset column to its ``N`` per-completion values.
 
     Returns ``(total, components)``: ``total`` float32 ``(N,)`` is the weighted sum skipping
     ``None`` (a row with no applicable reward gets 0.0); ``components`` float32 ``(K, N)``
@@ -169,11 +156,6 @@ def score_completions(
     ...     ["p", "p"], ["x", "y"], {})
     >>> total.tolist()
     [2.5, 1.0]
-    >>> short = ("c", lambda prompts, completions, **kw: [1.0], 1.0)
-    >>> score_completions([short], ["p", "p"], ["x", "y"], {})  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    maxent_grpo.rewards.scoring.RewardFunctionError: reward function 'c' (#0) returned 1 ...
     """
     _check_inputs(funcs, prompts, completions, columns)
     if completion_ids is not None and len(completion_ids) != len(completions):
@@ -203,7 +185,7 @@ def unpadded_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor) ->
             "completion_ids and completion_mask must be (N, T) tensors of one shape; got "
             f"{tuple(completion_ids.shape)} and {tuple(completion_mask.shape)}"
         )
-    # one transfer and plain lists: indexing 256 rows one by one took 2.0 ms a step, this 0.25
+    # one transfer and plain lists: far faster than indexing the rows one by one
     ids, mask = completion_ids.cpu().tolist(), completion_mask.cpu().bool().tolist()
     return [list(compress(row, keep)) for row, keep in zip(ids, mask, strict=True)]
 
@@ -211,13 +193,10 @@ def unpadded_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor) ->
 class WeightedRewards:
     """The trainer's reward: ``model.rewards`` resolved once (:mod:`~maxent_grpo.rewards.options`).
 
-    Keys are registered rewards, ``package.module:function`` paths
-    (:func:`~maxent_grpo.rewards.registry.get_reward`) or ``model:<name_or_path>`` reward
-    models (:class:`~maxent_grpo.rewards.reward_model.RewardModel`, loaded at their first
-    call); values are weights or option mappings (weight, timeout, fallback, and for reward
-    models batch_size and dtype). Called on the flat prompt/completion pairs of ``B``
-    prompts x ``G`` completions, with the dataset's other columns given once per prompt
-    (they are repeated per completion here) and the rollout's completion ids and mask.
+    Keys are registered rewards, ``package.module:function`` paths or ``model:<name_or_path>``
+    reward models (loaded at their first call). Called on the flat prompt/completion pairs
+    of ``B`` prompts x ``G`` completions, with the dataset's other columns once per prompt
+    (repeated per completion here) and the rollout's completion ids and mask.
 
     Args:
         rewards: ``model.rewards``.
@@ -227,10 +206,6 @@ class WeightedRewards:
 
     >>> WeightedRewards({"format": 1.0, "tag_count": {"weight": 0.5, "timeout": 2}}).weights
     [1.0, 0.5]
-    >>> WeightedRewards({"format": {"timeout": 0}})
-    Traceback (most recent call last):
-    ...
-    ValueError: model.rewards.format.timeout must be a finite number > 0.0 (or null); got 0
     """
 
     def __init__(self, rewards: Mapping[str, Any], module: Any = None) -> None:

@@ -1,9 +1,8 @@
 """``trainer_state``: the training progress every reward function is given.
 
-TRL passes its ``transformers.TrainerState`` to each reward function as ``trainer_state``,
-mostly for schedules (``trainer_state.global_step / trainer_state.max_steps``). Here it is
-a frozen :class:`TrainerState` with the fields such functions read, under TRL's names and
-meanings, built from the Lightning trainer at each call.
+As TRL's ``transformers.TrainerState`` (mostly read for schedules,
+``global_step / max_steps``): the fields such functions read, under TRL's names and
+meanings, frozen and built from the Lightning trainer at each call.
 """
 
 from __future__ import annotations
@@ -17,13 +16,11 @@ __all__ = ["TrainerState"]
 
 @dataclass(frozen=True)
 class TrainerState:
-    """Read-only training progress (the part of ``transformers.TrainerState`` reward
-    functions use).
+    """Read-only training progress.
 
     Attributes:
-        global_step: optimizer steps taken so far (Lightning's ``trainer.global_step``; with
-            ``num_iterations > 1`` a rollout is followed by several steps). 0 at the first
-            rollout.
+        global_step: optimizer steps taken so far (``trainer.global_step``; 0 at the first
+            rollout).
         max_steps: the optimizer steps the run will take (``trainer.max_steps``, or the
             epochs' batches times ``num_iterations``, whichever is smaller); -1 when unknown
             (no trainer, an endless loader).
@@ -36,10 +33,6 @@ class TrainerState:
     >>> state = TrainerState(global_step=30, max_steps=100)
     >>> state.global_step / state.max_steps
     0.3
-    >>> state.global_step = 31
-    Traceback (most recent call last):
-    ...
-    dataclasses.FrozenInstanceError: cannot assign to field 'global_step'
     """
 
     global_step: int = 0

@@ -1,11 +1,9 @@
 """Built-in prompt tasks, generated offline and deterministically from a seed.
 
 Every task is a function ``task(num_rows, seed, **options) -> list[dict]`` drawing from its
-own ``random.Random(seed)`` (never the global random state). Each row holds at least
-``prompt`` (the user-message text, asking for brief reasoning in ``<think>`` and the final
-answer in ``<answer>...</answer>``), ``answer`` (str) and ``task`` (the task's name), plus
-the task's own columns (``numbers``/``target`` for countdown, ``expression``/``operands``
-for arithmetic), which the reward functions receive as keyword columns.
+own ``random.Random(seed)``. Each row holds at least ``prompt`` (the user message),
+``answer`` (str) and ``task`` (its name), plus the task's own columns (``numbers``/``target``
+for countdown, ...), which the reward functions receive as keyword columns.
 
 >>> rows = build_task("arithmetic_easy", num_rows=2, seed=0)
 >>> sorted(rows[0])
@@ -67,10 +65,5 @@ def build_task(name: str, num_rows: int, seed: int, **options: object) -> list[d
 
 
 __all__ = [
-    "ANSWER_INSTRUCTION",
-    "TASKS",
-    "build_task",
-    "check_countdown",
-    "list_tasks",
-    "task_options",
+    "ANSWER_INSTRUCTION", "TASKS", "build_task", "check_countdown", "list_tasks", "task_options",
 ]

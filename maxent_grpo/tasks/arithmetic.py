@@ -30,19 +30,13 @@ def _value(operands: list[int], ops: list[str]) -> int:
 
 
 def arithmetic(
-    num_rows: int,
-    seed: int,
-    *,
-    digits: int = 2,
-    num_operands: int = 3,
-    ops: str = "+-*",
+    num_rows: int, seed: int, *, digits: int = 2, num_operands: int = 3, ops: str = "+-*",
     bare: bool = False,
 ) -> list[dict]:
     """``num_rows`` arithmetic prompts drawn from ``random.Random(seed)``.
 
-    With ``bare=True`` the prompt is only ``"<expression> ="`` and the answer is expected
-    as a plain number (reward ``first_number``): the format a tiny model can learn within
-    minutes. Otherwise the prompt asks for ``<think>``/``<answer>`` tags.
+    With ``bare=True`` the prompt is only ``"<expression> ="``, answered with a plain number
+    (reward ``first_number``); otherwise it asks for ``<think>``/``<answer>`` tags.
 
     Each row: ``prompt``, ``answer`` (the exact integer as a string), ``task``
     (``"arithmetic"``), ``expression`` (e.g. ``"37 + 5 * 12"``) and ``operands``
@@ -71,33 +65,21 @@ def arithmetic(
         expression = str(operands[0]) + "".join(
             f" {op} {operand}" for op, operand in zip(chosen, operands[1:], strict=True)
         )
-        rows.append(
-            {
-                "prompt": f"{expression} ="
-                if bare
-                else f"What is {expression}? {ANSWER_INSTRUCTION} The answer is an integer.",
-                "answer": str(_value(operands, chosen)),
-                "task": "arithmetic",
-                "expression": expression,
-                "operands": operands,
-            }
-        )
+        prompt = (f"{expression} =" if bare
+                  else f"What is {expression}? {ANSWER_INSTRUCTION} The answer is an integer.")
+        rows.append({
+            "prompt": prompt, "answer": str(_value(operands, chosen)), "task": "arithmetic",
+            "expression": expression, "operands": operands,
+        })
     return rows
 
 
 def arithmetic_easy(
-    num_rows: int,
-    seed: int,
-    *,
-    digits: int = 1,
-    num_operands: int = 2,
-    ops: str = "+",
+    num_rows: int, seed: int, *, digits: int = 1, num_operands: int = 2, ops: str = "+",
     bare: bool = False,
 ) -> list[dict]:
     """:func:`arithmetic` with easy defaults (``3 + 5``); rows labelled ``"arithmetic_easy"``."""
-    rows = arithmetic(
-        num_rows, seed, digits=digits, num_operands=num_operands, ops=ops, bare=bare
-    )
+    rows = arithmetic(num_rows, seed, digits=digits, num_operands=num_operands, ops=ops, bare=bare)
     for row in rows:
         row["task"] = "arithmetic_easy"
     return rows

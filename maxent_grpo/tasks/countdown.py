@@ -1,22 +1,14 @@
 """Countdown: combine the given numbers with + - * / to reach a target.
 
-Generation builds the target *from* the numbers, so every prompt is solvable: a random
-binary expression tree over all the numbers (in random order, random operators) is
-evaluated with exact :class:`fractions.Fraction` arithmetic, and the draw is repeated
-until the value is a positive integer (no division by zero, no fraction, optional upper
-bound ``max_target``). The expression is the row's ``answer``; other solutions may exist
-and :func:`check_countdown` accepts any of them.
+Every prompt is solvable: the target is the exact (:class:`fractions.Fraction`) value of a
+random expression tree over all the numbers, redrawn until it is a positive integer (at most
+``max_target``). That expression is the row's ``answer``; :func:`check_countdown` (also the
+``countdown`` reward's verifier) accepts any solution:
 
-Rules enforced by :func:`check_countdown` (the verifier shared with the ``countdown``
-reward):
-
-- the expression is parsed with :mod:`ast` (never ``eval``) and may contain only integer
-  literals, the binary operators ``+ - * /`` and parentheses; unary minus or plus,
-  ``**``, ``//``, floats, names, calls, ... make it invalid;
-- every literal must be one of the given numbers, each given number used **at most once**
-  (multiset inclusion; using all of them is not required);
-- the value, computed exactly with fractions, must equal the target; a division by zero
-  makes the expression invalid.
+- parsed with :mod:`ast` (never ``eval``): only integer literals, the binary operators
+  ``+ - * /`` and parentheses (no unary minus or plus, ``**``, ``//``, floats, names, ...);
+- each given number used **at most once** (multiset inclusion; not all are required);
+- the exact value must equal the target; a division by zero makes it invalid.
 """
 
 from __future__ import annotations
@@ -68,11 +60,22 @@ def _evaluate(node: ast.AST) -> Fraction:
     return _apply(_OPERATORS[type(node.op)], _evaluate(node.left), _evaluate(node.right))
 
 
-def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
-    """True when ``expression`` uses each of ``numbers`` at most once and equals ``target``.
+def _parse(expression: object) -> tuple[ast.Expression, list[int]] | None:
+    """The syntax tree and integer literals of an expression, or None when it is not a
+    string of at most ``MAX_EXPRESSION_CHARS`` with only literals, ``+ - * /`` and ``()``."""
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+        return None
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    used = _literals(tree)
+    return (tree, used) if used else None
 
-    Safe for any string: it is parsed with :mod:`ast` and only integer literals,
-    ``+ - * /`` and parentheses are accepted (no unary minus); nothing is executed.
+
+def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
+    """True when ``expression`` uses each of ``numbers`` at most once and equals ``target``
+    (the rules of the module docstring; safe for any string, nothing is executed).
 
     >>> check_countdown("(3 + 5) * 2", [2, 3, 5], 16)
     True
@@ -85,15 +88,10 @@ def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
         isinstance(n, bool) or not isinstance(n, int) for n in numbers
     ):
         raise ValueError(f"numbers must be a list of ints; got {numbers!r}")
-    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+    parsed = _parse(expression)
+    if parsed is None:
         return False
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return False
-    used = _literals(tree)
-    if used is None or not used:
-        return False
+    tree, used = parsed
     if Counter(used) - Counter(numbers):  # some literal is not available often enough
         return False
     try:
@@ -104,10 +102,8 @@ def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
 
 
 def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fraction]:
-    """Combine all ``numbers`` pairwise in random order with random operators.
-
-    Raises ZeroDivisionError when a division by zero is drawn (the caller redraws).
-    """
+    """Combine all ``numbers`` pairwise in random order with random operators;
+    ZeroDivisionError when a division by zero is drawn (the caller redraws)."""
     items: list[tuple[str, Fraction, bool]] = [(str(n), Fraction(n), True) for n in numbers]
     while len(items) > 1:
         i, j = rng.sample(range(len(items)), 2)
@@ -121,12 +117,7 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fra
 
 
 def countdown(
-    num_rows: int,
-    seed: int,
-    *,
-    num_numbers: int = 4,
-    min_value: int = 1,
-    max_value: int = 20,
+    num_rows: int, seed: int, *, num_numbers: int = 4, min_value: int = 1, max_value: int = 20,
     max_target: int | None = None,
 ) -> list[dict]:
     """``num_rows`` countdown prompts drawn from ``random.Random(seed)``.
@@ -134,8 +125,7 @@ def countdown(
     Each row: ``prompt`` (user message), ``answer`` (one valid expression), ``task``
     (``"countdown"``), ``numbers`` (``num_numbers`` ints drawn uniformly from
     ``[min_value, max_value]``, repeats possible) and ``target`` (positive int, at most
-    ``max_target`` when given). Row ``i`` depends only on the seed and ``i``, so a longer
-    list with the same seed starts with the shorter one.
+    ``max_target`` when given). A longer list with the same seed starts with the shorter one.
     """
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -168,13 +158,8 @@ def countdown(
             f"once. {ANSWER_INSTRUCTION} The answer is the expression only, for example "
             "<answer>(1 + 2) * 3</answer>."
         )
-        rows.append(
-            {
-                "prompt": prompt,
-                "answer": expression,
-                "task": "countdown",
-                "numbers": numbers,
-                "target": target,
-            }
-        )
+        rows.append({
+            "prompt": prompt, "answer": expression, "task": "countdown",
+            "numbers": numbers, "target": target,
+        })
     return rows

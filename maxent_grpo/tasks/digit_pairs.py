@@ -1,15 +1,11 @@
 """Digit pairs: write a target as the sum of two digits; several answers are right.
 
-A prompt asks for two digits ``a, b`` in ``0..9`` with ``a + b = target``. Every target in
-``[min_target, max_target]`` has ``min(target, 18 - target) // 2 + 1`` solutions up to
-order (``9``: ``0 + 9``, ``1 + 8``, ``2 + 7``, ``3 + 6``, ``4 + 5``), all listed in the row's
+A prompt asks for two digits ``a, b`` in ``0..9`` with ``a + b = target``. A target has
+``min(target, 18 - target) // 2 + 1`` solutions up to order, all listed in the row's
 ``valid_answers`` in the canonical form of
 :func:`~maxent_grpo.tasks.multi_answer.canonical_expression` (smaller digit first), so
-coverage@k is exact. ``a + b`` and ``b + a`` are the same solution.
-
-It is the multi-answer task a tiny model learns in minutes: the question is short, the
-answer is three characters, and a policy that keeps several solutions alive is visibly
-different from one that collapses onto a single one. The ``digit_pair`` reward checks it.
+coverage@k is exact. A multi-answer task a tiny model learns in minutes; the
+``digit_pair`` reward checks it.
 
 >>> row = digit_pairs(1, 0, min_target=9, max_target=9, bare=True)[0]
 >>> row["prompt"], row["valid_answers"]
@@ -33,22 +29,15 @@ def pair_solutions(target: int) -> list[str]:
 
 
 def digit_pairs(
-    num_rows: int,
-    seed: int,
-    *,
-    min_target: int = 5,
-    max_target: int = 13,
-    bare: bool = False,
+    num_rows: int, seed: int, *, min_target: int = 5, max_target: int = 13, bare: bool = False,
 ) -> list[dict]:
     """``num_rows`` digit-pair prompts from ``random.Random(seed)``.
 
     Targets cycle through ``[min_target, max_target]`` in a fresh random order every
-    ``max_target - min_target + 1`` rows, so any such block of rows holds every target
-    once (an evaluation set of a multiple of that size weighs every target equally). The
-    defaults (5..13) give every prompt 3 to 5 solutions.
-
-    With ``bare=True`` the prompt is ``"? + ? = <target>"`` and the answer is expected as
-    ``a + b`` alone; otherwise the prompt asks for ``<think>``/``<answer>`` tags.
+    ``max_target - min_target + 1`` rows, so each such block holds every target once. The
+    defaults (5..13) give every prompt 3 to 5 solutions. With ``bare=True`` the prompt is
+    ``"? + ? = <target>"`` (answer ``a + b`` alone); otherwise it asks for
+    ``<think>``/``<answer>`` tags.
 
     Each row: ``prompt``, ``answer`` (one solution), ``task`` (``"digit_pairs"``),
     ``target`` (int) and ``valid_answers`` (the sorted canonical solutions).
@@ -74,13 +63,8 @@ def digit_pairs(
             else f"Write {target} as the sum of two digits (0 to 9), as 'a + b'. "
             f"{ANSWER_INSTRUCTION}"
         )
-        rows.append(
-            {
-                "prompt": prompt,
-                "answer": rng.choice(valid),
-                "task": "digit_pairs",
-                "target": target,
-                "valid_answers": valid,
-            }
-        )
+        rows.append({
+            "prompt": prompt, "answer": rng.choice(valid), "task": "digit_pairs",
+            "target": target, "valid_answers": valid,
+        })
     return rows

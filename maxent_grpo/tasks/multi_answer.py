@@ -1,30 +1,20 @@
 """Countdown with a known answer set: every distinct solution is enumerated offline.
 
-``countdown_multi`` rows are countdown instances (same rules and verifier as
-:mod:`maxent_grpo.tasks.countdown`: ``+ - * /``, parentheses, each number at most once,
-not all numbers required, exact fractions) whose **complete** set of solutions, up to the
-equivalence below, is listed in ``valid_answers``, so the coverage of the solution set by
-``k`` samples (coverage@k, docs/ALGORITHM.md §6) is measurable offline.
+``countdown_multi`` rows are countdown instances (the rules and verifier of
+:mod:`maxent_grpo.tasks.countdown`) whose **complete** set of solutions, up to the
+equivalence below, is listed in ``valid_answers``, so coverage@k (docs/ALGORITHM.md §6) is
+measurable offline.
 
-Equivalence (what counts as the same solution): two expressions are the same when they
-have the same canonical form, obtained bottom-up by
-
-- flattening chains of ``+``/``-`` into a sum of signed terms and chains of ``*``/``/``
-  into a product of factors with exponent ``+1`` or ``-1`` (so associativity, and
-  identities such as ``a - (b - c) = a - b + c`` and ``a / (b / c) = a * c / b``, are
-  absorbed);
-- sorting the positive and the negative terms (factors) separately (commutativity);
-- dropping redundant parentheses.
-
-The canonical form is rendered as ``t1 + t2 - t3`` / ``f1 * f2 / f3``, with parentheses
-only around a sum used as a factor, e.g. ``(2 + 3) * 4 / 5``. It has the value of the
-original, and denominators stay nonzero. Nothing else is identified: expressions using
-different numbers (``x * 1`` against ``x``), distributivity and cancellation
-(``a - a + b``) give different solutions. Canonical forms are computed with
-:func:`canonical_expression`; for any string ``e``,
-``check_countdown(e, numbers, target)`` holds exactly when
-``canonical_expression(e) in valid_answers`` (the enumeration covers every binary tree
-over every sub-multiset of the numbers, in every order, with every operator).
+Two expressions are the same solution when they have the same canonical form
+(:func:`canonical_expression`), built bottom-up by flattening chains of ``+``/``-`` into
+signed terms and chains of ``*``/``/`` into factors with exponent ``+1`` or ``-1``
+(absorbing associativity and identities such as ``a - (b - c) = a - b + c``), sorting the
+positive and the negative parts separately (commutativity) and dropping redundant
+parentheses. It reads ``t1 + t2 - t3`` / ``f1 * f2 / f3``, with parentheses only around a
+sum used as a factor, e.g. ``(2 + 3) * 4 / 5``. Nothing else is identified: ``x * 1``
+against ``x``, distributivity and cancellation (``a - a + b``) give different solutions.
+For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
+``canonical_expression(e) in valid_answers``.
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from maxent_grpo.tasks.countdown import MAX_EXPRESSION_CHARS, _literals
+from maxent_grpo.tasks.countdown import _OPERATORS, _apply, _parse
 from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
 
 MAX_NUMBERS = 4
@@ -77,14 +67,7 @@ def _combine(op: str, a: _Expr, b: _Expr) -> _Expr:
         b_pos, b_neg = b_neg, b_pos
     pos = tuple(sorted(a_pos + b_pos, key=_key))
     neg = tuple(sorted(a_neg + b_neg, key=_key))
-    if op == "+":
-        value = a.value + b.value
-    elif op == "-":
-        value = a.value - b.value
-    elif op == "*":
-        value = a.value * b.value
-    else:
-        value = a.value / b.value
+    value = _apply(op, a.value, b.value)
     if kind == "+":
         text = " + ".join(t.text for t in pos) + "".join(f" - {t.text}" for t in neg)
     else:
@@ -99,9 +82,8 @@ def _combine(op: str, a: _Expr, b: _Expr) -> _Expr:
 def _from_ast(node: ast.AST) -> _Expr:
     if isinstance(node, ast.Constant):
         return _leaf(node.value)
-    assert isinstance(node, ast.BinOp)  # guaranteed by _literals
-    op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
-    return _combine(op, _from_ast(node.left), _from_ast(node.right))
+    assert isinstance(node, ast.BinOp)  # guaranteed by _parse
+    return _combine(_OPERATORS[type(node.op)], _from_ast(node.left), _from_ast(node.right))
 
 
 def canonical_expression(expr: str) -> str | None:
@@ -117,17 +99,11 @@ def canonical_expression(expr: str) -> str | None:
     >>> canonical_expression("4 / (2 - 2)") is None, canonical_expression("-3 + 5") is None
     (True, True)
     """
-    if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
+    parsed = _parse(expr)
+    if parsed is None:
         return None
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return None
-    used = _literals(tree)
-    if not used:
-        return None
-    try:
-        return _from_ast(tree.body).text
+        return _from_ast(parsed[0].body).text
     except (ZeroDivisionError, RecursionError):
         return None
 
@@ -203,34 +179,21 @@ def countdown_solutions(numbers: Sequence[int], target: int) -> list[str]:
 
 
 def countdown_multi(
-    num_rows: int,
-    seed: int,
-    *,
-    num_numbers: int = 3,
-    min_value: int = 2,
-    max_value: int = 12,
-    max_target: int | None = None,
-    min_solutions: int = 2,
-    max_solutions: int = 20,
+    num_rows: int, seed: int, *, num_numbers: int = 3, min_value: int = 2, max_value: int = 12,
+    max_target: int | None = None, min_solutions: int = 2, max_solutions: int = 20,
 ) -> list[dict]:
     """``num_rows`` countdown prompts with their full solution sets, from
     ``random.Random(seed)``.
 
-    Per row: ``num_numbers`` numbers are drawn uniformly from ``[min_value, max_value]``
-    (repeats possible); the target is drawn uniformly among the positive integers (at most
-    ``max_target`` when given) that are not themselves one of the numbers and have between
-    ``min_solutions`` and ``max_solutions`` distinct canonical solutions; numbers without
-    such a target are redrawn. Row ``i`` depends only on the seed and ``i``. The default
-    ``min_value = 2`` keeps out the trivial variants a ``1`` allows (``x * 1``, ``x / 1``
-    next to ``x``); with the defaults most rows have 2 or 3 solutions (raise ``min_solutions``
-    for richer rows).
-    Enumeration is cached per number multiset: 100 rows take ~0.1 s with 3 numbers and
-    ~2 s with 4.
+    Per row: ``num_numbers`` numbers drawn uniformly from ``[min_value, max_value]``
+    (repeats possible); the target drawn uniformly among the positive integers (at most
+    ``max_target``) that are not one of the numbers and have ``min_solutions`` to
+    ``max_solutions`` canonical solutions (else the numbers are redrawn). The default
+    ``min_value = 2`` keeps out ``x * 1``, ``x / 1`` next to ``x``.
 
     Each row: ``prompt``, ``answer`` (one solution), ``task`` (``"countdown_multi"``),
-    ``numbers``, ``target`` and ``valid_answers`` (the sorted canonical solutions; any
-    expression accepted by :func:`~maxent_grpo.tasks.countdown.check_countdown` has its
-    canonical form in this list). The ``countdown`` reward scores these rows.
+    ``numbers``, ``target`` and ``valid_answers`` (the sorted canonical solutions). The
+    ``countdown`` reward scores these rows.
     """
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -271,14 +234,8 @@ def countdown_multi(
             f"{ANSWER_INSTRUCTION} The answer is the expression only, for example "
             "<answer>(1 + 2) * 3</answer>."
         )
-        rows.append(
-            {
-                "prompt": prompt,
-                "answer": rng.choice(valid),
-                "task": "countdown_multi",
-                "numbers": numbers,
-                "target": target,
-                "valid_answers": valid,
-            }
-        )
+        rows.append({
+            "prompt": prompt, "answer": rng.choice(valid), "task": "countdown_multi",
+            "numbers": numbers, "target": target, "valid_answers": valid,
+        })
     return rows
