@@ -52,7 +52,7 @@ def _cpu() -> str:
 
 def read_rewards(log_dir: Path) -> tuple[list[float], dict[str, float]]:
     """``train/reward/mean`` per step and the last value of every ``val/`` scalar."""
-    from maxent_grpo.analysis import load_run
+    from maxent_grpo.tools.analysis import load_run
 
     run = load_run(next(log_dir.glob("**/version_0")))
     rewards = list(run.scalars["train/reward/mean"].values)

@@ -144,3 +144,11 @@ def test_no_arrow_runs_back_up_the_training_layer() -> None:
     upward = {(a, b) for a, targets in graph.items() for b in targets
               if room(a) is not None and room(b) is not None and room(b) > room(a)}
     assert upward == set()
+
+
+def test_the_runtime_package_never_imports_the_tools() -> None:
+    """``maxent_grpo/tools/`` (reading runs back) sits outside the runtime package."""
+    graph = import_graph()
+    users = {a for a, targets in graph.items() if not a.startswith("maxent_grpo.tools")
+             for b in targets if b.startswith("maxent_grpo.tools")}
+    assert users == set()
