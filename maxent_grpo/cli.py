@@ -1,25 +1,16 @@
 """The command line: a LightningCLI with the trainer's argument links and defaults.
 
 ``python -m maxent_grpo fit --config configs/tiny.yaml`` trains; ``validate`` and
-``test`` evaluate. Options that several components share are given once and linked:
+``test`` evaluate. Options that several components share are given once and linked
+(``model.model_name_or_path`` -> ``data.tokenizer``, see ``add_arguments_to_parser``).
 
-- ``model.model_name_or_path`` -> ``data.tokenizer`` (the same tokenizer everywhere),
-- ``model.model_cache_dir`` -> ``data.tokenizer_cache_dir``,
-- ``data.max_prompt_length`` -> ``model.max_prompt_length``.
+Resuming: ``fit --ckpt_path last`` loads the newest usable checkpoint of the configured
+``ModelCheckpoint`` callbacks; one without an explicit ``dirpath`` (default: inside the new
+version folder) could never find it, so that combination is refused.
 
-Unknown keys and wrong types are rejected by jsonargparse with the offending key named.
-
-Resuming: ``fit --ckpt_path last`` loads the newest ``last.ckpt`` of the configured
-``ModelCheckpoint`` callbacks. Lightning looks for it before the logger opens its new
-version folder, so a ``ModelCheckpoint`` without an explicit ``dirpath`` (whose default is
-``<save_dir>/<name>/<new version>/checkpoints``) can never find the previous run's
-checkpoint; that combination is refused instead of silently starting afresh.
-
-The config and the command line decide every option, with or without ``--ckpt_path``:
-LightningCLI's default of overwriting the model options with the hyper-parameters saved in
-the checkpoint is turned off, so ``validate --ckpt_path x.ckpt --model.eval_k [1,8]`` does
-evaluate pass@8. A checkpoint of another model or objective is refused when it loads
-(``MaxEntGRPOModule.on_load_checkpoint`` names the option).
+The config and the command line decide every option, also with ``--ckpt_path``:
+LightningCLI's overwriting of the model options with the checkpoint's hyper-parameters is
+undone, so ``validate --ckpt_path x.ckpt --model.eval_k [1,8]`` does evaluate pass@8.
 """
 
 from __future__ import annotations
@@ -61,11 +52,9 @@ class MaxEntGRPOCLI(LightningCLI):
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Build the Trainer; its progress bar, when on and none is configured, is a
-        :class:`~maxent_grpo.training.callbacks.progress.ReadableProgressBar` (smoothed reward,
-        step/max_steps, plain lines when stdout is not a terminal) instead of Lightning's
-        default ``TQDMProgressBar``. A progress bar named in ``trainer.callbacks`` is used as
-        is, and ``trainer.enable_progress_bar: false`` still shows none."""
+        """Build the Trainer with a
+        :class:`~maxent_grpo.training.callbacks.progress.ReadableProgressBar` unless
+        ``trainer.callbacks`` names a progress bar or ``trainer.enable_progress_bar`` is false."""
         config = self.config_init.get(str(self.subcommand), self.config_init)
         trainer_config = {**config.get("trainer", {}), **kwargs}
         if trainer_config.get("enable_progress_bar") is not False:
@@ -83,20 +72,16 @@ class MaxEntGRPOCLI(LightningCLI):
         self._parsed_config = copy.deepcopy(self.config)
 
     def before_instantiate_classes(self) -> None:
-        """Build from the config and the command line exactly as parsed: LightningCLI, when
-        given ``--ckpt_path``, replaces the model options by the checkpoint's saved
-        hyper-parameters between parsing and this hook; that replacement is undone here."""
+        """Build from the config as parsed, undoing LightningCLI's replacement of the model
+        options by a ``--ckpt_path`` checkpoint's saved hyper-parameters."""
         self.config = self._parsed_config
         self._prepare_resume()
-
-    # ------------------------------------------------------------------ runs that stay whole
 
     def _subconfig(self, config: Any) -> Any:
         return config.get(str(self.subcommand), config) if self.subcommand else config
 
     def _checkpoint_dirpaths(self) -> list[str]:
-        """The ``dirpath`` of every checkpoint callback (ModelCheckpoint, OnException...)
-        in the parsed ``trainer.callbacks``."""
+        """The ``dirpath`` of every checkpoint callback in the parsed ``trainer.callbacks``."""
         from lightning.pytorch.callbacks import Checkpoint
 
         callbacks = self._subconfig(self.config).get("trainer.callbacks") or []
@@ -109,20 +94,12 @@ class MaxEntGRPOCLI(LightningCLI):
         return dirpaths
 
     def _prepare_resume(self) -> None:
-        """Before anything is built: check the checkpoint to resume from, continue the
-        loggers' version folders, and decide where config.yaml goes.
-
-        - ``--ckpt_path last`` -> the newest usable ``*.ckpt`` of the checkpoint folders
-          (a truncated one is skipped with a warning naming it); a named file that is
-          truncated stops the run with a message naming it and the newest usable one
-          (:func:`maxent_grpo.training.run.checkpoint_io.resolve_checkpoint`).
-        - ``fit`` resuming: a TensorBoardLogger or CSVLogger (``trainer.logger``) without an
-          explicit ``version`` gets the version recorded in the checkpoint for the same
-          ``save_dir``/``name``, so the curves continue in the same folder; TensorBoard
-          purges the events that the previous run logged after the checkpoint
-          (``purge_step``), and the CSV rows after it are dropped (see :meth:`before_fit`).
-        - no logger and no ``trainer.default_root_dir``: config.yaml is not saved (it would
-          land in the current directory).
+        """Before anything is built: check the checkpoint to resume from
+        (:func:`~maxent_grpo.training.run.checkpoint_io.resolve_checkpoint`); when ``fit``
+        resumes, a TensorBoardLogger or CSVLogger without an explicit ``version`` gets the
+        checkpoint's version for the same ``save_dir``/``name`` (TensorBoard purges the later
+        events; :meth:`before_fit` drops the later CSV rows). Without a logger or
+        ``trainer.default_root_dir`` config.yaml is not saved (it would land in the cwd).
         """
         self._resume: ckpt_io.ResolvedCheckpoint | None = None
         self._continued: list[tuple[Any, bool]] = []  # logger init_args set here, to undo
@@ -170,15 +147,13 @@ class MaxEntGRPOCLI(LightningCLI):
                     break
 
     def after_instantiate_classes(self) -> None:
-        """Atomic checkpoint writes (:class:`~maxent_grpo.training.run.checkpoint_io.
-        AtomicCheckpointIO`) unless ``trainer.plugins`` or the strategy brought their own
-        CheckpointIO, and the loggers' versions recorded in every checkpoint. The logger
-        versions that :meth:`_prepare_resume` set are taken out of the config again."""
+        """Atomic checkpoint writes unless the plugins or strategy brought a CheckpointIO,
+        :class:`LoggerVersions` in every checkpoint, and the logger versions that
+        :meth:`_prepare_resume` set taken out of the config again."""
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
         for args, purge in getattr(self, "_continued", []):
-            # the saved config.yaml shows the options as given (`--ckpt_path last` finds the
-            # version again), not this run's version and purge_step
+            # config.yaml shows the options as given, not this run's version and purge_step
             args.version = None
             if purge:
                 args.purge_step = None
@@ -245,15 +220,11 @@ def _same_dir(a: Any, b: Any) -> bool:
 def main(
     args: list[str] | None = None, run: bool = True, *, exit_on_error: bool | None = None
 ) -> MaxEntGRPOCLI:
-    """Entry point; ``args`` defaults to ``sys.argv[1:]``.
+    """Entry point; ``args`` defaults to ``sys.argv[1:]``; ``--traceback`` is removed first.
 
-    ``--traceback`` anywhere in the arguments is removed before parsing. With
-    ``exit_on_error`` (the default when ``args`` is None, i.e. ``python -m maxent_grpo``) a
-    mistake of the user's (a bad option, file, model folder or reward function) is printed
-    as ``error: <message>`` plus a hint line on stderr and exits with code 1, without a
-    trace; ``--traceback`` prints the trace too, and a bug (an unexpected exception type)
-    always does (see :mod:`maxent_grpo.errors`). Called with a list of arguments the
-    exceptions propagate unchanged, unless ``exit_on_error=True``.
+    With ``exit_on_error`` (default when ``args`` is None) a user's mistake is printed as
+    ``error: <message>`` plus a hint on stderr and exits with code 1, with a trace only under
+    ``--traceback`` or for a bug (:mod:`maxent_grpo.errors`); otherwise exceptions propagate.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from_argv = args is None

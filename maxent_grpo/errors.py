@@ -5,7 +5,7 @@ A *user error* is one the person running ``python -m maxent_grpo`` can fix witho
 our code: a bad option (``ValueError`` naming the option), a missing or unreadable file or
 model folder (``OSError``), a reward function that raised or returned something unusable
 (:class:`~maxent_grpo.rewards.RewardFunctionError`), a loss that kept being non-finite
-(:class:`~maxent_grpo.training.optimise.NonFiniteLossError`), a Trainer setting Lightning
+(:class:`~maxent_grpo.training.step.optimise.NonFiniteLossError`), a Trainer setting Lightning
 refuses (``MisconfigurationException``), a missing optional package named in a message, or
 any :class:`UserError`. It is printed on stderr as::
 

@@ -11,7 +11,7 @@ and end with the same tau, beta, parameters and optimizer state.
 An epoch is 3 batches (12 prompts, B = 4), so the kill falls at an epoch's end, the
 hardest point for the random state: A validates and starts a new epoch between steps 3
 and 4, and none of that may shift the training's random stream. Resuming mid-epoch (the
-hardest point for the data order) is tested in-process in ``tests/training/test_data.py``.
+hardest point for the data order) is tested in-process in ``tests/training/data/test_data.py``.
 """
 
 from __future__ import annotations

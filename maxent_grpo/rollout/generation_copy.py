@@ -1,21 +1,16 @@
 """A low-precision copy of the policy's weights for generation (``generation_dtype``).
 
-Under ``bf16-mixed`` the policy keeps float32 weights and runs under autocast, which casts
-every weight at every decode step. :func:`generation_copy` instead keeps one copy of the
-model with its floating parameters and buffers in ``dtype`` (what ``model.to(dtype)`` would
-give) and refreshes it in place from the model's current weights at each call.
+Under ``bf16-mixed`` autocast casts every float32 weight at every decode step.
+:func:`generation_copy` instead keeps one copy of the model with its floating parameters and
+buffers in ``dtype`` (as ``model.to(dtype)``) and refreshes it in place at each call.
 
-Where the copy lives. Copies are held in a module-level ``weakref.WeakKeyDictionary`` keyed
-on the source model, not on the model: nothing is added to ``model.state_dict()``,
-``model.parameters()``, ``model.modules()``, the optimizer or a checkpoint, and the copy
-is dropped with its model. One copy per model: the trainer builds a new engine for every
-rollout, and all of them reuse it. The copy is rebuilt only when it no longer matches the
-model (another dtype, parameters or buffers renamed, reshaped or moved to another device).
+Copies live in a module-level ``weakref.WeakKeyDictionary`` keyed on the source model, so
+nothing is added to the model, the optimizer or a checkpoint, and a copy dies with its
+model. Every engine reuses it; it is rebuilt only when it no longer matches the model
+(dtype, tensor names, shapes or devices).
 
-Building. ``copy.deepcopy`` with every floating parameter and buffer pre-cast in its memo,
-so the float32 weights are never duplicated on the way (peak extra memory: the copy
-itself); tied weights stay tied. The copy's parameters have ``requires_grad=False`` and the
-copy stays in eval mode.
+Building: ``copy.deepcopy`` with every floating tensor pre-cast in its memo (no float32
+duplicate on the way; tied weights stay tied), frozen and in eval mode.
 """
 
 from __future__ import annotations
@@ -44,10 +39,9 @@ def _is_peft(model: nn.Module) -> bool:
 
 
 def check_copyable(model: nn.Module, sharded: bool) -> None:
-    """Refuse (ValueError naming the fix) a model a copy would be wrong for: parameters
-    sharded across ranks (``sharded``: a copy would hold one rank's shards; an FSDP2 or
-    ZeRO-3 model is refused even on one process), or neither a ``PreTrainedModel`` nor a
-    ``peft`` model wrapping one."""
+    """Refuse (ValueError naming the fix) a model with parameters sharded across ranks
+    (``sharded``, or FSDP2 / ZeRO-3 even on one process) or neither a ``PreTrainedModel``
+    nor a ``peft`` model wrapping one."""
     if sharded or isinstance(model, FSDPModule) or any(
         hasattr(p, "ds_id") for p in model.parameters()
     ):
@@ -105,10 +99,8 @@ def refresh_copy(source: nn.Module, target: nn.Module) -> None:
 
 
 def generation_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, float]:
-    """``model``'s generation copy in ``dtype``, holding its current weights, and the
-    seconds the refresh took (0 when the copy was just built).
-
-    The cached copy is refreshed in place; a missing or mismatched one is (re)built."""
+    """``model``'s generation copy in ``dtype`` with its current weights (refreshed in place,
+    or (re)built when missing or mismatched), and the refresh's seconds (0 when built)."""
     cached = _COPIES.get(model)
     start = time.perf_counter()
     if cached is not None and _matches(model, cached, dtype):

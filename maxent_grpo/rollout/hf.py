@@ -1,78 +1,34 @@
 """Rollout with ``transformers``' ``model.generate``: plain sampling, rows prompt-major.
 
-For each call, with B prompts and G generations:
+For B prompts and G generations: tokenise without special tokens, keep the last
+``max_prompt_length`` tokens, left-pad to ``P``; ``generate(num_return_sequences=G)`` under
+``no_grad`` in eval mode (restored after); cut the ``(B*G, T)`` completion off, its mask
+``m[i,t]`` True up to and including the first stop token (eos plus ``stop_token_ids``; all
+True when truncated), ids outside it set to the pad id.
 
-1. tokenise the rendered prompts without adding special tokens (the chat template already
-   wrote them), keep the last ``max_prompt_length`` tokens of a longer prompt (truncation
-   from the left, so the generation prompt at the end survives), left-pad to ``P``;
-2. ``generate(do_sample=True, num_return_sequences=G)`` under ``torch.no_grad()`` with the
-   model in eval mode (its previous mode is restored afterwards); ``generate`` expands each
-   prompt G times in place, which gives the prompt-major order;
-3. cut the completion ``(B*G, T)`` off the output and build the mask: ``m[i,t]`` is True up to
-   and including the first stop token, all True for a row with none (truncated); ids
-   outside the mask are set to the pad id.
+Sampling: ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off) and ``top_p``
+(1 = off) only (the model's ``generation_config`` is set aside), the distribution the trainer
+scores. ``do_sample=False`` decodes greedily (evaluation's greedy pass@1, G = 1).
 
-Sampling distribution. The engine samples from ``softmax(logits / temperature)``,
-restricted by ``top_k`` (0 = off) and ``top_p`` (1 = off), and by nothing else: the model's
-own ``generation_config`` (hub defaults such as ``repetition_penalty`` or ``top_k=20``) is
-set aside for the call, so the behaviour policy is the one the trainer scores. With
-``top_k``/``top_p`` active the sampler is a truncated version of that distribution.
+Shared prefill (``share_prefill=True``): the first ``P - 1`` tokens of the B prompts run
+once, their cache is repeated G times (``Cache.batch_repeat_interleave``) and ``generate``
+continues from it: prefill work falls from ``B*G*P`` to ``B*(P-1) + B*G`` tokens, with the
+same random draws. Caches that cannot be repeated, models not a ``PreTrainedModel``,
+one-token prompts and G = 1 use the plain path.
 
-Greedy decoding. ``do_sample=False`` makes the engine decode greedily (``argmax`` of the
-logits at every step, ``num_beams=1``; temperature, ``top_p`` and ``top_k`` are not used):
-evaluation's greedy pass@1. The G completions of a prompt are then identical, so callers
-ask for ``num_generations=1``. Training always samples.
+Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
+step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
+the shapes few; padding is masked). On the CPU samples match the dynamic cache's to rounding.
 
-Stop tokens are the tokenizer's eos id plus ``stop_token_ids``.
+Generation copy (``generation_dtype`` ``"bfloat16"`` / ``"float16"``): generate, autocast off,
+on a copy in that dtype (:mod:`maxent_grpo.rollout.generation_copy`; 2 bytes per parameter),
+refreshed at every rollout (:attr:`HFGenerateEngine.refresh_seconds`, in
+``generate_seconds``); a model already in that dtype generates as is. Refused (ValueError)
+for sharded parameters (FSDP2, ZeRO-3) or a model neither ``PreTrainedModel`` nor ``peft``.
 
-Shared prefill (``share_prefill=True``, the default). ``generate`` with
-``num_return_sequences=G`` copies each prompt G times *before* the prefill, so the prompt's
-forward pass runs G times. Instead the engine runs the first ``P - 1`` prompt tokens of the
-B distinct prompts once (``use_cache=True``, logits of the last position only), repeats the
-key/value cache G times along the batch (``Cache.batch_repeat_interleave``), and lets
-``generate`` continue from that cache over the prompt-major ``(B*G, P)`` ids: it runs only
-the last prompt token, then samples as before. The random draws are the same as the plain
-path's, so a fixed seed gives the same completions (tested); prefill work falls from
-``B*G*P`` to ``B*(P-1) + B*G`` tokens. Measured on SmolLM2-135M on 2 CPU cores, B=2, G=8,
-P=110: a 1-token generate took 8.6-10.1 s plain and 1.1-1.7 s shared. Models whose cache
-cannot be repeated that way, models that are not a ``PreTrainedModel``, one-token prompts
-and G = 1 use the plain path.
-
-Static cache (``cache="static"``). The key/value cache is preallocated for ``P + T_max``
-tokens instead of growing per step, so every decode step has the same shapes: on CUDA,
-transformers then compiles the decode step (the first call compiles, for each new shape).
-With shared prefill the repeated prefix is copied into the static cache; without it,
-``generate`` builds the static cache itself. ``prompt_bucket`` left-pads prompts to a
-multiple of that many tokens, so ``P`` takes few values and compiles are not repeated every
-step (the extra columns are masked: the same positions and samples). On the CPU nothing is
-compiled; the samples equal the dynamic cache's under a seed up to float rounding of the
-attention over the masked, preallocated positions (tested).
-
-Generation copy (``generation_dtype``). With ``"bfloat16"`` or ``"float16"`` generation
-runs on a copy of the model whose floating parameters and buffers are in that dtype (what
-``model.to(dtype)`` gives), not on the model: under ``bf16-mixed`` the policy keeps float32
-weights and autocast casts them at every decode step, while the copy is cast once. It costs
-one more copy of the weights, 2 bytes per parameter (1 GB for a 0.5B model), and it is
-refreshed in place from the current weights at every rollout, i.e. after every optimizer
-step's rollout (``copy_`` per tensor; its seconds are in :attr:`HFGenerateEngine.refresh_seconds`
-and included in ``generate_seconds``). The copy is built once per model and kept outside it
-(never in its ``state_dict``, parameters, optimizer or checkpoints; see
-:mod:`maxent_grpo.rollout.generation_copy`), so the engine the trainer builds for each
-rollout reuses it. Generation on it runs with autocast off, so the same computation happens
-inside and outside the trainer's autocast region; the samples are the ``dtype`` model's,
-while the trainer still scores them with the policy itself. A model already in that dtype
-(``bf16-true``) generates as is. Refused (ValueError) where a copy cannot work: parameters
-sharded across ranks (FSDP2, ZeRO-3), or a model that is neither a ``PreTrainedModel`` nor a
-``peft`` model (LoRA: the copy carries the adapters, refreshed like the rest).
-
-Wrapped models: ``model`` must be the module that has ``.generate`` (a ``PreTrainedModel``,
-or an FSDP2 ``fully_shard``-ed one, which keeps its class). For DDP pass ``ddp.module``.
-When the parameters are sharded across ranks (FSDP2, DeepSpeed ZeRO-3), every forward pass
-is a collective, so generation runs with ``synced_gpus``: a rank whose completions have all
-stopped keeps joining the forward passes until every rank's have
-(:func:`sharded_across_ranks`). transformers detects FSDP2 by itself, but ZeRO-3 only when
-its own ``HfDeepSpeedConfig`` is alive, which Lightning's DeepSpeed strategy does not
-create; the engine therefore decides.
+Wrapped models: ``model`` must have ``.generate`` (a ``PreTrainedModel``, also FSDP2
+``fully_shard``-ed; for DDP pass ``ddp.module``). Sharded parameters
+(:func:`sharded_across_ranks`, which also sees ZeRO-3) make generation use ``synced_gpus``.
 """
 
 from __future__ import annotations
@@ -102,12 +58,10 @@ from maxent_grpo.validation import check_bool, check_choice, check_int, require
 def completion_mask_from_ids(
     completion_ids: torch.Tensor, stop_token_ids: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completion mask and truncation flags from sampled ids.
+    """Completion mask and truncation flags from sampled ``(N, T)`` ids.
 
-    ``completion_ids`` is ``(N, T)``. Returns ``mask`` ``(N, T)`` bool with
-    ``mask[i, t] = t <= first_stop(i)`` (``first_stop = T`` when the row has no stop token,
-    so the whole row is kept) and ``truncated`` ``(N,)`` bool, True for rows with no stop
-    token.
+    Returns ``mask`` ``(N, T)`` bool, ``mask[i, t] = t <= first_stop(i)`` (``first_stop = T``
+    without a stop token), and ``truncated`` ``(N,)`` bool, True for rows with no stop token.
 
     Example: stop id 2, row ``[5, 2, 7, 2]`` → mask ``[1, 1, 0, 0]``, not truncated.
     """
@@ -135,9 +89,8 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def sharded_across_ranks(model: nn.Module) -> bool:
-    """Whether each rank holds only a shard of ``model``'s parameters, so that every forward
-    pass is a collective all ranks must join: FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3
-    (partitioned parameters carry ``ds_id``), with more than one process."""
+    """Whether every forward pass is a collective: parameters sharded over several processes
+    by FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3 (parameters carry ``ds_id``)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
@@ -163,27 +116,20 @@ def _isolated_generation(model: nn.Module) -> Iterator[None]:
 
 
 class HFGenerateEngine:
-    """Rollout engine on ``model.generate`` (see the module docstring for the semantics).
+    """Rollout engine on ``model.generate`` (see the module docstring).
 
     Args:
         model: a causal LM with ``.generate`` (see "Wrapped models" above).
-        tokenizer: its tokenizer; must have a pad token and an eos token (as
-            :func:`maxent_grpo.models.load_tokenizer` guarantees).
+        tokenizer: its tokenizer, with a pad and an eos token (see ``load_tokenizer``).
         sampling: what to sample (:class:`~maxent_grpo.rollout.SamplingSettings`: ``T_max``,
-            temperature, top-p, top-k, prompt truncation, greedy or not); the trainer passes
-            the settings it scores with.
-        share_prefill: run each prompt's prefill once for its G samples (see "Shared
-            prefill" above).
+            temperature, top-p, top-k, prompt truncation, greedy or not).
+        share_prefill: run each prompt's prefill once for its G samples ("Shared prefill").
         stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
-        cache: the key/value cache of decoding: ``dynamic`` (grows per step) or ``static``
-            (preallocated for ``P + T_max`` tokens; on CUDA transformers then compiles the
-            decode step; see "Static cache" above).
-        prompt_bucket: left-pad prompts to a multiple of this many tokens (1 = off), so
-            that a static cache, and its compiled step, see few distinct shapes.
+        cache: ``dynamic`` (grows per step) or ``static`` (see "Static cache" above).
+        prompt_bucket: left-pad prompts to a multiple of this many tokens (1 = off).
         generation_dtype: ``model`` (generate on the model itself) or ``bfloat16`` /
-            ``float16``: generate on a copy of the weights in that dtype, refreshed at each
-            call (see "Generation copy" above); the refresh's seconds of the last call are
-            :attr:`refresh_seconds`.
+            ``float16``: generate on a copy in that dtype, refreshed at each call (see
+            "Generation copy" above; the last refresh's seconds: :attr:`refresh_seconds`).
     """
 
     def __init__(
@@ -214,8 +160,7 @@ class HFGenerateEngine:
         check_bool("HFGenerateEngine.share_prefill", share_prefill)
         check_choice("HFGenerateEngine.cache", cache, ("dynamic", "static"))
         check_int("HFGenerateEngine.prompt_bucket", prompt_bucket, minimum=1)
-        check_choice("HFGenerateEngine.generation_dtype", generation_dtype,
-                     ("model", *DTYPES))
+        check_choice("HFGenerateEngine.generation_dtype", generation_dtype, ("model", *DTYPES))
         if generation_dtype != "model":
             check_copyable(model, sharded_across_ranks(model))
         self.generation_dtype = generation_dtype
@@ -231,8 +176,7 @@ class HFGenerateEngine:
         )
 
     def sync(self, model: nn.Module) -> None:
-        """Nothing to do: the engine samples from the model itself (a generation copy is
-        refreshed from it at every call)."""
+        """Nothing to do: the engine samples from the model itself."""
 
     def _encode_prompts(
         self, prompts: list[str], limit: int | None
@@ -255,18 +199,15 @@ class HFGenerateEngine:
 
     def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
                         prompt_mask: torch.Tensor, group: int, max_new_tokens: int):
-        """The key/value cache of the first ``P - 1`` tokens of each of the B prompts,
-        repeated ``group`` times along the batch (prompt-major), as the keyword argument
-        ``generate`` takes it; None when the model's output has no cache that can be
-        repeated (the caller then uses the plain path)."""
+        """The cache of the first ``P - 1`` tokens of the B prompts repeated ``group`` times
+        (prompt-major), as ``generate``'s keyword argument; None when it cannot be repeated."""
         attention = prompt_mask.long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         out = model(
             input_ids=prompt_ids[:, :-1], attention_mask=attention[:, :-1],
             position_ids=positions[:, :-1], use_cache=True, logits_to_keep=1,
         )
-        # transformers >= 5.2x names the cache "cache", earlier releases "past_key_values";
-        # generate takes it back under the same name
+        # "cache" in transformers >= 5.2x, "past_key_values" before; generate takes either
         for key in ("cache", "past_key_values"):
             cache = out.get(key, None) if hasattr(out, "get") else None
             if cache is not None:
@@ -278,21 +219,19 @@ class HFGenerateEngine:
             cache = self._static_cache(prompt_ids.shape[1] + max_new_tokens, prefix=cache)
         return {key: cache}
 
-    def _static_cache(self, length: int, prefix: Cache | None = None) -> StaticCache:
+    def _static_cache(self, length: int, prefix: Cache) -> StaticCache:
         """A static cache for ``length = P + T_max`` tokens, holding ``prefix``'s keys and
-        values (the shared prefill, ``(B*G, heads, P - 1, dim)`` per layer) when given."""
+        values (the shared prefill, ``(B*G, heads, P - 1, dim)`` per layer)."""
         cache = StaticCache(config=self.model.config, max_cache_len=length)
-        if prefix is not None:
-            P = prefix.layers[0].keys.shape[-2]
-            positions = torch.arange(P, device=prefix.layers[0].keys.device)
-            for index, layer in enumerate(prefix.layers):
-                cache.update(layer.keys, layer.values, index, {"cache_position": positions})
+        P = prefix.layers[0].keys.shape[-2]
+        positions = torch.arange(P, device=prefix.layers[0].keys.device)
+        for index, layer in enumerate(prefix.layers):
+            cache.update(layer.keys, layer.values, index, {"cache_position": positions})
         return cache
 
     def _generation_model(self, device: torch.device) -> tuple[nn.Module, Any]:
-        """The module to generate with, and the autocast context to run it in: the model
-        and no change (``generation_dtype: model``), else the refreshed generation copy (the
-        model itself when its weights already are in that dtype) with autocast off."""
+        """The module to generate with and its autocast context: the model as is, or the
+        refreshed generation copy (the model when already in that dtype) with autocast off."""
         self.refresh_seconds = 0.0
         if self.generation_dtype == "model":
             return self.model, contextlib.nullcontext()
@@ -326,11 +265,8 @@ class HFGenerateEngine:
         device = _model_device(self.model)
         prompt_ids, prompt_mask = self._encode_prompts(prompts, s.max_prompt_length)  # (B, P)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        sampling = (
-            dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-            if s.do_sample
-            else dict(do_sample=False, num_beams=1)
-        )
+        sampling = (dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                    if s.do_sample else dict(do_sample=False, num_beams=1))
         config = GenerationConfig(
             **sampling,
             max_new_tokens=s.max_new_tokens,
@@ -339,8 +275,7 @@ class HFGenerateEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
         )
-        # a sharded model's forward passes are collectives: a rank whose completions all
-        # stopped keeps stepping (without sampling) until every rank's have
+        # collectives: a rank whose completions all stopped steps on until every rank's have
         synced = {"synced_gpus": True} if sharded_across_ranks(self.model) else {}
         start = time.perf_counter()
         model, autocast = self._generation_model(device)
@@ -384,19 +319,9 @@ class HFGenerateEngine:
             [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
             skip_special_tokens=True,
         )
-        flags = truncated.tolist()
         batch = GenerationBatch(
             prompts=list(prompts),
-            answers=list(answers),
             grouped_completions=[texts[b * group : (b + 1) * group] for b in range(len(prompts))],
-            grouped_ref_meta=None,
-            grouped_completion_info=[
-                [
-                    {"num_tokens": int(num_tokens[i]), "truncated": bool(flags[i])}
-                    for i in range(b * group, (b + 1) * group)
-                ]
-                for b in range(len(prompts))
-            ],
         )
         return RolloutOutput(
             batch=batch,

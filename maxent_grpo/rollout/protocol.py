@@ -73,8 +73,7 @@ class RolloutOutput:
 
     Attributes:
         batch: the texts; ``batch.grouped_completions[b][g]`` is row ``b*G + g`` decoded
-            with ``skip_special_tokens=True`` (masked tokens only), and
-            ``batch.grouped_completion_info[b][g] = {"num_tokens": T_i, "truncated": bool}``.
+            with ``skip_special_tokens=True`` (masked tokens only).
         prompt_ids: ``(B*G, P)`` long, left-padded with the pad id.
         prompt_mask: ``(B*G, P)`` bool, True on real prompt tokens.
         completion_ids: ``(B*G, T)`` long, pad id wherever ``completion_mask`` is False.
@@ -122,11 +121,6 @@ class RolloutOutput:
         for name in ("prompt_mask", "completion_mask", "truncated"):
             if getattr(self, name).dtype != torch.bool:
                 raise ValueError(f"{name} must be a bool tensor; got {getattr(self, name).dtype}")
-
-    @property
-    def num_generations(self) -> int:
-        """G, the completions per prompt (raises if the groups are ragged)."""
-        return self.batch.group_size
 
 
 @runtime_checkable

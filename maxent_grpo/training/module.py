@@ -55,7 +55,6 @@ from maxent_grpo.training.settings import (
 )
 from maxent_grpo.training.step.context import StepContext
 from maxent_grpo.training.step.optimise import (
-    LossSums,
     NonFiniteLossError,
     StepCounters,
     Update,
@@ -68,7 +67,6 @@ from maxent_grpo.training.step.strategy import check_strategy, fully_shard_model
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import (
-    ControllerPaths,
     LoggingConfigView,
     LogStepArtifacts,
     RuntimeHandles,
@@ -211,10 +209,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self.scorer = Scorer(temperature, self.loop.scoring, fused_lm_head)
         self.step_metrics = StepMetrics(self.rewards.names)
         self.evaluator = Evaluator(self.rewards, self.loop.evaluation)
-        self.logging_view = LoggingConfigView(
-            weighting=objective, clipping=gradient_clip_val,
-            schedule=self.loop.optimization.schedule,
-        )
+        self.logging_view = LoggingConfigView(weighting=objective, clipping=gradient_clip_val)
         self.writer = LightningWriter(self)
         self.counters = StepCounters()
         self.policy: torch.nn.Module | None = None
@@ -244,13 +239,13 @@ class MaxEntGRPOModule(L.LightningModule):
         """
         timer, ctx = StepTimer(self.device), self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
-        sums, schedule = LossSums(self.device), self.loop.optimization.schedule
+        schedule = self.loop.optimization.schedule
         for _ in range(schedule.num_iterations):
-            update = optimizer_step(ctx, trajectory, sums, timer)
+            update = optimizer_step(ctx, trajectory, self.step_metrics, timer)
             count_update(self.counters, update, self.global_step,
                          schedule.max_consecutive_nonfinite)
             self._weights_version += not update.skipped
-        self._log_step(trajectory, sums, update, timer, batch_idx)
+        self._log_step(trajectory, update, timer, batch_idx)
         self.objective.observe(self.step_metrics_dict)  # e.g. the entropy gate reads "kl"
 
     def step_context(self) -> StepContext:
@@ -265,11 +260,11 @@ class MaxEntGRPOModule(L.LightningModule):
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
         )
 
-    def _log_step(self, trajectory: Trajectory, sums: LossSums, update: Update,
-                  timer: StepTimer, batch_idx: int) -> None:
+    def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
+                  batch_idx: int) -> None:
         """Count, record (``step_log``) and log the step (``train/...``, progress bar)."""
         self.counters.empty_steps += trajectory.kept_groups == 0
-        self.step_metrics.observe(trajectory, sums)
+        self.step_metrics.observe(trajectory)
         rollout = trajectory.rollout
         timings = timer.summary(rollout.generate_seconds, int(rollout.completion_mask.sum()))
         extra = {f"perf/{k}": v for k, v in timings.items()}
@@ -334,17 +329,8 @@ class MaxEntGRPOModule(L.LightningModule):
         resolve_model_path(self.source.name_or_path, self.source.cache_dir)
 
     def setup(self, stage: str) -> None:
-        """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`) and
-        record where the controller callbacks keep their state (``loop.controller``)."""
+        """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)."""
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
-        callbacks = getattr(self.trainer, "callbacks", None) or []
-        controllers = [cb for cb in callbacks if isinstance(getattr(cb, "paths", None),
-                                                            ControllerPaths)]
-        if controllers:
-            self.loop.controller = controllers[0].paths
-            self.loop.controller_objective = self.objective
-            self.loop.controller_meta_manager = next(
-                (cb for cb in controllers if {"tau", "beta"} <= set(cb.moves)), None)
 
     def configure_model(self) -> None:
         """Load the policy (and the reference when needed) once; under
@@ -359,10 +345,8 @@ class MaxEntGRPOModule(L.LightningModule):
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
-        self.runtime = RuntimeHandles(
-            accelerator=None, model=self.policy, tokenizer=self.tokenizer, train_loader=None,
-            train_sampler=None, device=self.device, get_ref_model=self._load_reference,
-        )
+        self.runtime = RuntimeHandles(model=self.policy, tokenizer=self.tokenizer,
+                                      get_ref_model=self._load_reference)
         if self.needs_reference:
             self.runtime.reference()
         if self.device_mesh is not None:
@@ -406,12 +390,7 @@ class MaxEntGRPOModule(L.LightningModule):
             self.reference.to(self.device)
 
     def on_train_start(self) -> None:
-        """Complete the job-long views with what Lightning built for training."""
-        assert self.runtime is not None, "configure_model() runs before training"
-        reference = self.runtime.reference_model
-        self.runtime = RuntimeHandles.from_trainer(
-            self.trainer, self.policy, self.tokenizer, get_ref_model=self._load_reference)
-        self.runtime.reference_model = reference
+        """Hand the optimizer and scheduler Lightning built to the step."""
         self.loop.optimization.handles = (self.optimizers(), self.lr_schedulers())
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -9,7 +9,6 @@ each, documented by ``--help``) and groups them here into the documented
         evaluation   = EvaluationSettings(n, reward, threshold, k, greedy),
         optimization = OptimizationSettings(schedule=ScheduleSettings(...), handles=None),
         scoring      = BatchingSettings(rows / tokens per forward pass),
-        controller   = ControllerPaths(None, None),   # filled from the controller callbacks
     )
 
 ``training_step``, the scorer, the evaluator and the controllers read these groups, never
@@ -29,7 +28,6 @@ from maxent_grpo.adapters import check_peft
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.training.types import (
     BatchingSettings,
-    ControllerPaths,
     LoopSettings,
     OptimizationSettings,
 )
@@ -208,5 +206,4 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             logprob_chunk_size=None if groups is None else groups * G,
             score_slice=o["micro_batch_tokens"],
         ),
-        controller=ControllerPaths(state_path=None, resume_from=None),
     )

@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 from maxent_grpo.models import build_tiny_tokenizer
 from maxent_grpo.rewards import RewardFunctionError, RewardModel, WeightedRewards
 from maxent_grpo.rollout import PromptCompletionBatch
+from tests.conftest import cache_dir, fit, make_data, make_module  # noqa: F401
 from tests.rewards.test_trl_style import CHAT_ROWS
-from tests.training.test_module import cache_dir, fit, make_data, make_module  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 
 from maxent_grpo.models import build_tiny_tokenizer
 from maxent_grpo.rewards import TrainerState
-from tests.training.test_module import cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import cache_dir, fit, make_data, make_module  # noqa: F401
 
 HERE = "tests.rewards.test_trl_style"
 # the trainer imports the functions as HERE, pytest this file under its own name: both

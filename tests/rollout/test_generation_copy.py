@@ -201,14 +201,14 @@ def test_bf16_mixed_training_generates_on_the_copy(tmp_path) -> None:
     """Under Lightning's ``bf16-mixed`` (generation inside autocast), two steps with a bf16
     generation copy: the copy is built once and refreshed at each rollout, the policy stays
     float32, and nothing of the copy reaches the module's state or its checkpoint."""
-    from tests.training.test_module import fit, make_data, make_module
+    from tests.conftest import fit, make_data, make_module
 
     cache_dir = str(tmp_path / "models")
     builds: list[torch.dtype] = []
     real_build = gcopy.build_copy
     factory = functools.partial(HFGenerateEngine, generation_dtype="bfloat16")
     module = make_module(cache_dir, engine=factory,
-                         rewards={"tests.training.test_module:alternating": 1.0})
+                         rewards={"tests.conftest:alternating": 1.0})
     module.configure_model()
     keys = list(module.state_dict())
     refreshed: list[float] = []

@@ -16,9 +16,9 @@ from maxent_grpo.adapters import AdapterDisabledReference  # noqa: E402
 from maxent_grpo.models import load_reference  # noqa: E402
 from maxent_grpo.objectives import GRPO  # noqa: E402
 from maxent_grpo.training.callbacks import HFExport  # noqa: E402
-from tests.training.test_module import fit, make_data, make_module, params  # noqa: E402
+from tests.conftest import fit, make_data, make_module, params  # noqa: E402
 
-ALTERNATING = {"tests.training.test_module:alternating": 1.0}
+ALTERNATING = {"tests.conftest:alternating": 1.0}
 
 
 @pytest.fixture(scope="module")

@@ -15,60 +15,9 @@ import torch
 
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt, LossOutput
 from maxent_grpo.rewards import RewardFunctionError
-from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError
 from maxent_grpo.training.settings import ScheduleSettings, build_lr_scheduler
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("models"))
-
-
-def make_data(cache_dir: str, **kw) -> PromptDataModule:
-    opts = dict(
-        task="arithmetic_easy", task_options={"bare": True}, train_size=64, val_size=8,
-        batch_size=4, max_prompt_length=32, tokenizer="builtin:tiny",
-        tokenizer_cache_dir=cache_dir,
-    )
-    opts.update(kw)
-    return PromptDataModule(**opts)
-
-
-def make_module(cache_dir: str, **kw) -> MaxEntGRPOModule:
-    opts = dict(
-        rewards={"first_number": 1.0}, num_generations=4, max_completion_length=4,
-        model_cache_dir=cache_dir,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-    )
-    opts.update(kw)
-    return MaxEntGRPOModule(**opts)
-
-
-def fit(module, data, steps: int = 2, tmp_path=None, **trainer_kw) -> L.Trainer:
-    L.seed_everything(0)
-    options = dict(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=tmp_path,
-    )
-    trainer = L.Trainer(**(options | trainer_kw))
-    trainer.fit(module, data)
-    return trainer
-
-
-def params(module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.policy.named_parameters()}
-
-
-def always_one(prompts, completions, **kw):
-    """A reward that makes every group constant (zero advantages)."""
-    return [1.0] * len(completions)
-
-
-def alternating(prompts, completions, **kw):
-    """Rewards 1, 0, 1, 0, ... so every group has a non-zero spread."""
-    return [float(i % 2 == 0) for i in range(len(completions))]
+from tests.conftest import alternating, always_one, fit, make_data, make_module, params  # noqa: F401
 
 
 @pytest.mark.parametrize(
@@ -86,7 +35,7 @@ def alternating(prompts, completions, **kw):
 def test_every_objective_trains(cache_dir, objective, needs_ref):
     module = make_module(
         cache_dir, objective=objective,
-        rewards={"tests.training.test_module:alternating": 1.0},
+        rewards={"tests.conftest:alternating": 1.0},
     )
     module.configure_model()
     before = params(module)
@@ -129,7 +78,7 @@ def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatc
                   {"micro_batch_tokens": 300}):
         module = make_module(
             cache_dir, objective=copy.deepcopy(objective),
-            rewards={"tests.training.test_module:alternating": 1.0}, **split,
+            rewards={"tests.conftest:alternating": 1.0}, **split,
         )
         fit(module, make_data(cache_dir), steps=1)
         results.append(params(module))
@@ -141,7 +90,7 @@ def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatc
 
 def test_zero_advantage_groups_leave_the_policy_unchanged(cache_dir):
     module = make_module(
-        cache_dir, objective=GRPO(), rewards={"tests.training.test_module:always_one": 1.0}
+        cache_dir, objective=GRPO(), rewards={"tests.conftest:always_one": 1.0}
     )
     module.configure_model()
     before = params(module)
@@ -154,7 +103,7 @@ def test_zero_advantage_groups_leave_the_policy_unchanged(cache_dir):
 def test_several_iterations_per_rollout(cache_dir):
     module = make_module(
         cache_dir, objective=GRPO(), num_iterations=2, micro_batch_groups=2,
-        rewards={"tests.training.test_module:alternating": 1.0},
+        rewards={"tests.conftest:alternating": 1.0},
     )
     trainer = fit(module, make_data(cache_dir), steps=4)
     assert trainer.global_step == 4  # two rollouts, two optimizer steps each
@@ -169,7 +118,7 @@ class NaNObjective(GRPO):
 def test_non_finite_loss_skips_updates_then_stops(cache_dir):
     module = make_module(
         cache_dir, objective=NaNObjective(), max_consecutive_nonfinite=2,
-        rewards={"tests.training.test_module:alternating": 1.0},
+        rewards={"tests.conftest:alternating": 1.0},
     )
     module.configure_model()
     before = params(module)
@@ -250,7 +199,7 @@ def test_learning_rate_schedules_by_hand():
 def test_validation_logs_rewards(cache_dir):
     module = make_module(
         cache_dir, eval_num_generations=2,
-        rewards={"tests.training.test_module:alternating": 1.0},
+        rewards={"tests.conftest:alternating": 1.0},
     )
     trainer = L.Trainer(
         accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
@@ -312,7 +261,7 @@ def test_the_entropy_gate_follows_each_steps_kl(cache_dir):
 
     objective = EntropyMaxEnt(alpha=0.01, kl_gate_threshold=1e-6, kl_gate_gain=1.0)
     module = make_module(
-        cache_dir, objective=objective, rewards={"tests.training.test_module:alternating": 1.0}
+        cache_dir, objective=objective, rewards={"tests.conftest:alternating": 1.0}
     )
     fit(module, make_data(cache_dir), steps=2)
     kl = module.step_log.as_dict()["kl"]
@@ -341,7 +290,7 @@ def test_evaluation_does_not_shift_the_training_random_stream(cache_dir):
 
 def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
     module = make_module(
-        cache_dir, lr_warmup_steps=2, rewards={"tests.training.test_module:alternating": 1.0}
+        cache_dir, lr_warmup_steps=2, rewards={"tests.conftest:alternating": 1.0}
     )
     fit(module, make_data(cache_dir), steps=1)
     assert module.step_log.as_dict()["lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
@@ -350,7 +299,7 @@ def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
 def test_trajectory_samples_record_what_the_step_scored(cache_dir):
     module = make_module(
         cache_dir, objective=ListwiseMaxEnt(tau=0.5),
-        rewards={"tests.training.test_module:alternating": 1.0},
+        rewards={"tests.conftest:alternating": 1.0},
     )
     fit(module, make_data(cache_dir), steps=1)
     record = module.trajectory.samples
@@ -358,7 +307,7 @@ def test_trajectory_samples_record_what_the_step_scored(cache_dir):
     assert all(len(g) == 4 for g in record.generation.grouped_completions)
     assert record.rewards.shape == (4, 4)
     assert record.rewards[0].tolist() == [1.0, 0.0, 1.0, 0.0]
-    torch.testing.assert_close(record.components["tests.training.test_module:alternating"],
+    torch.testing.assert_close(record.components["tests.conftest:alternating"],
                                record.rewards)
     torch.testing.assert_close(record.weights.sum(-1), torch.ones(4))
     assert record.advantages is None
@@ -368,7 +317,7 @@ def test_module_and_data_may_differ_in_max_prompt_length_with_a_logger(cache_dir
     from lightning.pytorch.loggers import TensorBoardLogger
 
     module = make_module(cache_dir, max_prompt_length=256,
-                         rewards={"tests.training.test_module:alternating": 1.0})
+                         rewards={"tests.conftest:alternating": 1.0})
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path)),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -381,7 +330,7 @@ def test_module_and_data_may_differ_in_max_prompt_length_with_a_logger(cache_dir
 def test_step_timings_are_logged_and_add_up(cache_dir):
     module = make_module(
         cache_dir, objective=GRPO(beta=0.1),
-        rewards={"tests.training.test_module:alternating": 1.0},
+        rewards={"tests.conftest:alternating": 1.0},
     )
     fit(module, make_data(cache_dir), steps=1)
     perf = {k[len("perf/"):]: v for k, v in module.step_log.as_dict().items() if "perf/" in k}
@@ -458,7 +407,7 @@ def test_dropped_groups_do_not_depend_on_the_micro_batches(cache_dir):
 def test_bf16_true_precision_trains_and_validates(cache_dir):
     """``trainer.precision: bf16-true`` casts the whole module, metric states included; the
     metrics keep float64 sums and the step and validation run."""
-    module = make_module(cache_dir, rewards={"tests.training.test_module:alternating": 1.0})
+    module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0})
     before = params(module.configure_model() or module)
     fit(module, make_data(cache_dir), steps=2, precision="bf16-true")
     assert next(module.policy.parameters()).dtype == torch.bfloat16
@@ -479,7 +428,7 @@ def test_static_cache_engine_trains_exactly_like_the_default(cache_dir):
     for engine in (HFGenerateEngine,
                    functools.partial(HFGenerateEngine, cache="static", prompt_bucket=16)):
         module = make_module(cache_dir, engine=engine,
-                             rewards={"tests.training.test_module:alternating": 1.0})
+                             rewards={"tests.conftest:alternating": 1.0})
         fit(module, make_data(cache_dir), steps=2)
         results.append(params(module))
     for key, value in results[0].items():

@@ -6,7 +6,6 @@ import dataclasses
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from maxent_grpo.training.types import (
     LossScalarBundle,
     MetricWriter,
     OptimizationSettings,
-    PromptCacheEntry,
     PromptCompletionBatch,
     QDistribution,
     RewardComponentStats,
@@ -39,37 +37,19 @@ MISSING = dataclasses.MISSING
 
 # Written by hand from the types' specification: (field name, default or MISSING), in order.
 SPEC: dict[type, list[tuple[str, Any]]] = {
-    GenerationBatch: [
-        ("prompts", MISSING),
-        ("answers", MISSING),
-        ("grouped_completions", MISSING),
-        ("grouped_ref_meta", MISSING),
-        ("grouped_completion_info", None),
-    ],
-    PromptCompletionBatch: [("prompts", MISSING), ("completions", MISSING), ("metadata", None)],
+    GenerationBatch: [("prompts", MISSING), ("grouped_completions", MISSING)],
+    PromptCompletionBatch: [("prompts", MISSING), ("completions", MISSING)],
     RewardComponentStats: [("mean", MISSING), ("std", MISSING)],
     RewardMoments: [("mean", MISSING), ("std", MISSING)],
-    AdvantageStats: [("grouped", MISSING), ("samples", MISSING)],
-    QDistribution: [("grouped", MISSING), ("samples", MISSING)],
+    AdvantageStats: [("grouped", MISSING)],
+    QDistribution: [("grouped", MISSING)],
     SequenceScores: [
         ("cur_logp_sum", MISSING),
-        ("behavior_logp_sum", MISSING),
-        ("log_ratio_train", MISSING),
-        ("denom_tok_tensor", MISSING),
-        ("pooled_hidden", None),
-        ("policy_entropy_sum", None),
-        ("token_logp", None),
-        ("token_mask", None),
+        ("token_logp", MISSING),
+        ("token_mask", MISSING),
         ("old_token_logp", None),
     ],
-    BatchingSettings: [
-        ("logprob_chunk_size", MISSING),
-        ("score_slice", MISSING),
-        ("prompt_length_cache_get", None),
-        ("score_tail_tokens", None),
-        ("slice_prefetch", 0),
-        ("prompt_cache_size", 0),
-    ],
+    BatchingSettings: [("logprob_chunk_size", MISSING), ("score_slice", MISSING)],
     TokenUsageStats: [
         ("avg_completion_tokens", MISSING),
         ("num_completion_tokens", MISSING),
@@ -79,12 +59,7 @@ SPEC: dict[type, list[tuple[str, Any]]] = {
         ("ref_logp_mean", MISSING),
         ("tokens", MISSING),
         ("current_lr", MISSING),
-        ("grad_norm_scalar", MISSING),
-        ("epoch_progress", MISSING),
-        ("vllm_latency_ms", MISSING),
         ("policy_entropy", None),
-        ("entropy_bonus_coef", None),
-        ("entropy_bonus_reward_std", None),
     ],
     LossScalarBundle: [
         ("total_loss", MISSING),
@@ -98,8 +73,9 @@ SPEC: dict[type, list[tuple[str, Any]]] = {
         ("diagnostics", MISSING),
         ("grad_norm_scalar", MISSING),
         ("epoch_progress", MISSING),
+        ("scalars", None),
     ],
-    LoggingConfigView: [("weighting", MISSING), ("clipping", MISSING), ("schedule", MISSING)],
+    LoggingConfigView: [("weighting", MISSING), ("clipping", MISSING)],
     ControllerPaths: [
         ("state_path", MISSING),
         ("resume_from", MISSING),
@@ -111,20 +87,12 @@ SPEC: dict[type, list[tuple[str, Any]]] = {
         ("evaluation", MISSING),
         ("optimization", MISSING),
         ("scoring", MISSING),
-        ("controller", MISSING),
-        ("controller_objective", None),
-        ("controller_meta_manager", None),
     ],
     RuntimeHandles: [
-        ("accelerator", MISSING),
         ("model", MISSING),
         ("tokenizer", MISSING),
-        ("train_loader", MISSING),
-        ("train_sampler", MISSING),
-        ("device", MISSING),
         ("get_ref_model", MISSING),
         ("reference_model", None),
-        ("prompt_cache_get", None),
     ],
 }
 
@@ -148,7 +116,6 @@ def test_submodule_placement_and_all() -> None:
             "QDistribution",
             "SequenceScores",
             "BatchingSettings",
-            "PromptCacheEntry",
         },
         "logging": {
             "TokenUsageStats",
@@ -193,56 +160,27 @@ def test_import_loads_neither_lightning_nor_transformers() -> None:
 def _batch(**overrides: Any) -> GenerationBatch:
     kwargs: dict[str, Any] = {
         "prompts": ["p0", "p1"],
-        "answers": ["a0", "a1"],
         "grouped_completions": [["c00", "c01", "c02"], ["c10", "c11", "c12"]],
-        "grouped_ref_meta": None,
     }
     kwargs.update(overrides)
     return GenerationBatch(**kwargs)
 
 
 def test_generation_batch_counts_and_flatten() -> None:
-    info = [[{"n": 0}, {"n": 1}, {"n": 2}], [{"n": 3}, {"n": 4}, {"n": 5}]]
-    batch = _batch(grouped_completion_info=info)
-    assert (batch.num_groups, batch.group_size, batch.num_completions) == (2, 3, 6)
+    batch = _batch()
+    assert batch.num_completions == 6
     flat = batch.flatten()
     assert isinstance(flat, PromptCompletionBatch)
     assert flat.prompts == ["p0", "p0", "p0", "p1", "p1", "p1"]
     assert flat.completions == ["c00", "c01", "c02", "c10", "c11", "c12"]
-    assert flat.metadata is not None and [m["n"] for m in flat.metadata] == [0, 1, 2, 3, 4, 5]
-    assert _batch().flatten().metadata is None
-
-
-def test_generation_batch_ragged_groups() -> None:
-    batch = _batch(grouped_completions=[["x"], ["y", "z"]])
-    assert batch.num_completions == 3
-    assert batch.flatten().prompts == ["p0", "p1", "p1"]
-    with pytest.raises(ValueError, match="group_size.*ragged"):
-        _ = batch.group_size
-    empty = GenerationBatch([], [], [], None)
-    with pytest.raises(ValueError, match="group_size"):
-        _ = empty.group_size
-
-
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [
-        ({"answers": ["a0"]}, "answers"),
-        ({"grouped_completions": [["c"]]}, "grouped_completions"),
-        ({"grouped_ref_meta": [[None, None, None]]}, "grouped_ref_meta"),
-        ({"grouped_ref_meta": [[None] * 3, [None] * 2]}, r"grouped_ref_meta\[1\]"),
-        ({"grouped_completion_info": [[{}] * 3, [{}] * 4]}, r"grouped_completion_info\[1\]"),
-    ],
-)
-def test_generation_batch_validation(overrides: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        _batch(**overrides)
+    ragged = _batch(grouped_completions=[["x"], ["y", "z"]])
+    assert ragged.num_completions == 3 and ragged.flatten().prompts == ["p0", "p1", "p1"]
+    with pytest.raises(ValueError, match="grouped_completions"):
+        _batch(grouped_completions=[["c"]])
 
 
 def test_prompt_completion_batch_validation() -> None:
-    PromptCompletionBatch(["p"], ["c"], [{"k": 1}])
-    with pytest.raises(ValueError, match="metadata"):
-        PromptCompletionBatch(["p", "p"], ["c", "d"], [{}])
+    PromptCompletionBatch(["p"], ["c"])
     with pytest.raises(ValueError, match="completions"):
         PromptCompletionBatch(["p", "p"], ["c"])
 
@@ -258,55 +196,31 @@ def test_reward_stats_std(cls: type) -> None:
         cls(mean=0.5, std=-0.1)
 
 
-@pytest.mark.parametrize("cls", [AdvantageStats, QDistribution])
-def test_grouped_and_samples(cls: type) -> None:
-    stats = cls.from_grouped([[0.5, -0.5], [0.25, 0.75, 0.0]])
-    assert stats.samples == [0.5, -0.5, 0.25, 0.75, 0.0]
-    with pytest.raises(ValueError, match="samples"):
-        cls(grouped=[[1.0, 2.0]], samples=[1.0])
-
-
 # ---------------------------------------------------------------------------- scoring
 
 
 def _scores(n: int = 4, t: int = 5, **overrides: Any) -> SequenceScores:
-    cur, old = torch.randn(n), torch.randn(n)
     kwargs: dict[str, Any] = {
-        "cur_logp_sum": cur,
-        "behavior_logp_sum": old,
-        "log_ratio_train": cur - old,
-        "denom_tok_tensor": torch.full((n,), float(t)),
+        "cur_logp_sum": torch.randn(n),
+        "token_logp": torch.zeros(n, t),
+        "token_mask": torch.ones(n, t, dtype=torch.bool),
     }
     kwargs.update(overrides)
     return SequenceScores(**kwargs)
 
 
 def test_sequence_scores_shapes() -> None:
-    scores = _scores(
-        pooled_hidden=torch.zeros(4, 8),
-        policy_entropy_sum=torch.zeros(4),
-        token_logp=torch.zeros(4, 5),
-        token_mask=torch.ones(4, 5, dtype=torch.bool),
-        old_token_logp=torch.zeros(4, 5),
-    )
-    assert scores.num_sequences == 4
-    assert _scores().token_logp is None
+    assert _scores(old_token_logp=torch.zeros(4, 5)).num_sequences == 4
+    assert _scores().old_token_logp is None
 
 
 @pytest.mark.parametrize(
     ("overrides", "field", "error"),
     [
-        ({"behavior_logp_sum": torch.zeros(3)}, "behavior_logp_sum", ValueError),
-        ({"denom_tok_tensor": torch.zeros(4, 1)}, "denom_tok_tensor", ValueError),
-        ({"cur_logp_sum": [0.0] * 4}, "cur_logp_sum", TypeError),
-        ({"pooled_hidden": torch.zeros(4)}, "pooled_hidden", ValueError),
-        ({"policy_entropy_sum": torch.zeros(5)}, "policy_entropy_sum", ValueError),
+        ({"cur_logp_sum": [0.0] * 4}, "cur_logp_sum", ValueError),
         ({"token_logp": torch.zeros(3, 5)}, "token_logp", ValueError),
-        (
-            {"token_logp": torch.zeros(4, 5), "token_mask": torch.ones(4, 6, dtype=torch.bool)},
-            "token_mask",
-            ValueError,
-        ),
+        ({"token_mask": torch.ones(4, 6, dtype=torch.bool)}, "token_mask", ValueError),
+        ({"old_token_logp": [0.0]}, "old_token_logp", TypeError),
     ],
 )
 def test_sequence_scores_validation(overrides: dict[str, Any], field: str, error: type) -> None:
@@ -314,31 +228,13 @@ def test_sequence_scores_validation(overrides: dict[str, Any], field: str, error
         _scores(**overrides)
 
 
-def test_prompt_cache_entry() -> None:
-    entry = PromptCacheEntry(input_ids=[5, 6, 7], attention_mask=[1, 1, 1])
-    assert entry.length == 3
-    with pytest.raises(ValueError, match="attention_mask"):
-        PromptCacheEntry(input_ids=[5, 6], attention_mask=[1])
-
-
-def test_batching_settings_defaults_and_validation() -> None:
-    settings = BatchingSettings(logprob_chunk_size=8, score_slice=4)
-    assert (settings.slice_prefetch, settings.prompt_cache_size) == (0, 0)
-    assert settings.score_tail_tokens is None and settings.prompt_length_cache_get is None
-    BatchingSettings(1, 1, prompt_length_cache_get=lambda p: PromptCacheEntry([1], [1]))
-    bad = [
-        ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
-        ({"score_slice": 0}, "score_slice"),
-        ({"score_tail_tokens": 0}, "score_tail_tokens"),
-        ({"slice_prefetch": -1}, "slice_prefetch"),
-        ({"prompt_cache_size": -1}, "prompt_cache_size"),
-    ]
-    for overrides, field in bad:
+def test_batching_settings_validation() -> None:
+    BatchingSettings(logprob_chunk_size=8, score_slice=None)
+    for overrides, field in [({"logprob_chunk_size": 0}, "logprob_chunk_size"),
+                             ({"score_slice": 0}, "score_slice")]:
         kwargs: dict[str, Any] = {"logprob_chunk_size": 2, "score_slice": 2} | overrides
         with pytest.raises(ValueError, match=field):
             BatchingSettings(**kwargs)
-    with pytest.raises(TypeError, match="prompt_length_cache_get"):
-        BatchingSettings(1, 1, prompt_length_cache_get="not callable")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- logging
@@ -347,9 +243,9 @@ def test_batching_settings_defaults_and_validation() -> None:
 def test_token_usage_as_dict_and_validation() -> None:
     tokens = TokenUsageStats(12.5, 50.0, 90.0)
     assert tokens.as_dict() == {
-        "avg_completion_tokens": 12.5,
-        "num_completion_tokens": 50.0,
-        "num_input_tokens": 90.0,
+        "completion_length/mean": 12.5,
+        "completion_tokens": 50.0,
+        "input_tokens": 90.0,
     }
     names = ["avg_completion_tokens", "num_completion_tokens", "num_input_tokens"]
     for i, name in enumerate(names):
@@ -359,25 +255,18 @@ def test_token_usage_as_dict_and_validation() -> None:
             TokenUsageStats(*values)
 
 
-def test_training_scalar_stats_forwards_tokens() -> None:
-    stats = TrainingScalarStats(
-        ref_logp_mean=-1.5,
-        tokens=TokenUsageStats(12.5, 50.0, 90.0),
-        current_lr=1e-6,
-        grad_norm_scalar=None,
-        epoch_progress=0.25,
-        vllm_latency_ms=None,
-    )
-    assert stats.avg_completion_tokens == 12.5
-    assert stats.num_completion_tokens == 50.0
-    assert stats.num_input_tokens == 90.0
-    with pytest.raises(AttributeError):
-        stats.num_input_tokens = 1.0  # type: ignore[misc]
-    assert (stats.policy_entropy, stats.entropy_bonus_coef, stats.entropy_bonus_reward_std) == (
-        None,
-        None,
-        None,
-    )
+def test_training_scalar_stats_as_dict_leaves_out_what_was_not_measured() -> None:
+    stats = TrainingScalarStats(ref_logp_mean=float("nan"),
+                                tokens=TokenUsageStats(12.5, 50.0, 90.0), current_lr=1e-6)
+    assert stats.as_dict() == {
+        "lr": 1e-6, "tokens/completion_length/mean": 12.5, "tokens/completion_tokens": 50.0,
+        "tokens/input_tokens": 90.0,
+    }
+    artifacts = LogStepArtifacts(LossScalarBundle(1.0, 1.0, None, 0.0, 0.0), {"kl": 0.1},
+                                 None, 0.0, scalars=stats)
+    assert artifacts.as_dict()["tokens/input_tokens"] == 90.0
+    with pytest.raises(ValueError, match="produced twice"):
+        LogStepArtifacts({}, {"lr": 1.0}, None, 0.0, scalars=stats).as_dict()
 
 
 def test_loss_bundle_as_dict() -> None:
@@ -482,19 +371,6 @@ def test_controller_paths() -> None:
         ControllerPaths(state_path=None, resume_from="  ")
 
 
-def test_loop_settings() -> None:
-    loop = LoopSettings(
-        generation={"G": 4},
-        evaluation=None,
-        optimization=OptimizationSettings(schedule={"lr": 1e-6}, handles=None),
-        scoring=BatchingSettings(4, 4),
-        controller=ControllerPaths(None, None),
-    )
-    assert loop.controller_objective is None and loop.controller_meta_manager is None
-    with pytest.raises(TypeError, match="controller"):
-        LoopSettings(None, None, loop.optimization, loop.scoring, controller="path.json")
-
-
 def test_runtime_handles_lazy_reference() -> None:
     calls: list[int] = []
     ref = torch.nn.Linear(2, 2)
@@ -503,43 +379,9 @@ def test_runtime_handles_lazy_reference() -> None:
         calls.append(1)
         return ref
 
-    handles = RuntimeHandles(
-        accelerator=None,
-        model=torch.nn.Linear(2, 2),
-        tokenizer=None,
-        train_loader=None,
-        train_sampler=None,
-        device=torch.device("cpu"),
-        get_ref_model=load,
-    )
+    handles = RuntimeHandles(model=torch.nn.Linear(2, 2), tokenizer=None, get_ref_model=load)
     assert handles.reference_model is None and calls == []
     assert handles.reference() is ref and handles.reference() is ref
     assert calls == [1] and handles.reference_model is ref
     with pytest.raises(TypeError, match="get_ref_model"):
-        RuntimeHandles(None, None, None, None, None, torch.device("cpu"), None)  # type: ignore[arg-type]
-
-
-def test_runtime_handles_from_trainer() -> None:
-    # A stand-in with the Trainer attributes read (trainer.accelerator, .train_dataloader,
-    # .strategy.root_device); a real Trainer is not built here because importing Lightning
-    # alone takes seconds.
-    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2, shuffle=True)
-    trainer = SimpleNamespace(
-        accelerator=object(),
-        train_dataloader=loader,
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-    )
-    model = torch.nn.Linear(2, 2)
-    handles = RuntimeHandles.from_trainer(
-        trainer,
-        model,
-        tokenizer=None,
-        get_ref_model=lambda: model,  # type: ignore[arg-type]
-    )
-    assert handles.accelerator is trainer.accelerator
-    assert handles.device == torch.device("cpu")
-    assert handles.train_loader is loader and handles.train_sampler is loader.sampler
-    assert handles.model is model and handles.reference_model is None
-    trainer.train_dataloader = None
-    before_fit = RuntimeHandles.from_trainer(trainer, model, None, lambda: model)  # type: ignore[arg-type]
-    assert before_fit.train_loader is None and before_fit.train_sampler is None
+        RuntimeHandles(None, None, None)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import Counter
 
 import pytest
@@ -11,14 +12,14 @@ import pytest
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt
 from maxent_grpo.training import types as documented
 from maxent_grpo.training.step.step_log import LightningWriter
-from tests.training.test_module import alternating, cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import alternating, cache_dir, fit, make_data, make_module  # noqa: F401
 
 DATACLASSES = [name for name in documented.__all__
                if dataclasses.is_dataclass(getattr(documented, name))]
 
 
 def test_the_documented_api_has_18_types_and_17_are_dataclasses() -> None:
-    listed = set(documented.__all__) - {"PromptCacheEntry"}  # a field type, not a step type
+    listed = set(documented.__all__)
     assert len(listed) == 18
     assert set(listed) - set(DATACLASSES) == {"MetricWriter"}  # the one Protocol
 
@@ -54,13 +55,66 @@ def constructed(monkeypatch) -> Counter:
 )
 def test_one_fit_step_builds_every_documented_type(cache_dir, constructed, objective, own):  # noqa: F811
     module = make_module(cache_dir, objective=objective,
-                         rewards={"tests.training.test_module:alternating": 1.0})
-    fit(module, make_data(cache_dir), steps=1)
+                         rewards={"tests.conftest:alternating": 1.0})
+    from maxent_grpo.training.callbacks import TauController
+
+    # the controllers own their ControllerPaths: a run without one builds none
+    controllers = [TauController(1.0)] if own == "QDistribution" else []
+    fit(module, make_data(cache_dir), steps=1, callbacks=controllers)
     other = {"AdvantageStats", "QDistribution"} - {own}  # GRPO has no q, listwise no advantages
-    expected = set(documented.__all__) - {"PromptCacheEntry"} - other
+    other |= set() if controllers else {"ControllerPaths"}
+    expected = set(documented.__all__) - other
     assert expected <= set(constructed), sorted(expected - set(constructed))
     assert constructed[own] >= 1
     # the step's values travel in them, e.g. the samples' targets and the logged record
     samples = module.trajectory.samples
     assert (samples.advantages if own == "AdvantageStats" else samples.q) is not None
     assert module.step_log.as_dict()["reward/mean"] == pytest.approx(0.5)  # alternating 1, 0
+
+
+@pytest.fixture
+def field_reads(monkeypatch) -> set[tuple[str, str]]:
+    """``(type, field)`` of every documented dataclass field read outside the type's own
+    checks (``__post_init__``) while the test runs."""
+    reads: set[tuple[str, str]] = set()
+    for name in DATACLASSES:
+        cls = getattr(documented, name)
+        names = {f.name for f in dataclasses.fields(cls)}
+
+        def getattribute(self, attr, __names=names, __name=name):
+            if attr in __names and sys._getframe(1).f_code.co_name not in (
+                    "__post_init__", "__repr__", "__eq__"):
+                reads.add((__name, attr))
+            return object.__getattribute__(self, attr)
+
+        monkeypatch.setattr(cls, "__getattribute__", getattribute)
+    return reads
+
+
+def test_no_documented_field_is_write_only(cache_dir, field_reads, tmp_path):  # noqa: F811
+    """Two real fits (GRPO; listwise MaxEnt with beta > 0, the tau / beta controllers
+    writing their state file, two optimizer steps per rollout), with the samples and export
+    callbacks: every field of every documented dataclass is read by the trainer."""
+    from maxent_grpo.training.callbacks import (
+        BetaController,
+        CompletionSamples,
+        HFExport,
+        TauController,
+    )
+
+    def callbacks(name: str) -> list:
+        return [CompletionSamples(every_n_steps=1, jsonl_path=str(tmp_path / f"{name}.jsonl")),
+                HFExport(dirpath=str(tmp_path / name))]
+
+    rewards = {"tests.conftest:alternating": 1.0}
+    fit(make_module(cache_dir, objective=GRPO(), rewards=rewards, gradient_clip_val=1.0),
+        make_data(cache_dir), steps=1, callbacks=callbacks("grpo"))
+    state = str(tmp_path / "controller_state.json")
+    fit(make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, beta=0.1), rewards=rewards,
+                    num_iterations=2, micro_batch_groups=1),
+        make_data(cache_dir), steps=2,
+        callbacks=[*callbacks("listwise"), TauController(1.0, state_path=state),
+                   BetaController(0.01, state_path=state)])
+    every = {(name, f.name) for name in DATACLASSES
+             for f in dataclasses.fields(getattr(documented, name))}
+    assert sorted(every - field_reads) == []

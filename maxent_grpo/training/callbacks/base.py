@@ -2,44 +2,24 @@
 
 Added under ``trainer.callbacks`` in YAML::
 
-    trainer:
-      callbacks:
-        - class_path: maxent_grpo.training.callbacks.TauController
-          init_args: {target_entropy: 1.2, lr: 0.2}
-        - class_path: maxent_grpo.training.callbacks.BetaController
-          init_args: {kl_target: 0.02}
+    - class_path: maxent_grpo.training.callbacks.TauController
+      init_args: {target_entropy: 1.2, lr: 0.2}
 
-When they act: once per training step (one rollout), in ``on_train_batch_end``, after the
-step's optimizer step(s), on ``pl_module.step_log`` -- the step's logged ``train/...``
-scalars, already reduced over micro-batches and ranks, so every rank computes the same
-update. With ``model.num_iterations = 1`` that is once per optimizer step, as in §5; with
-``num_iterations > 1`` a rollout feeds several optimizer steps and the controllers act once
-per rollout, on the statistics reduced over all of its optimizer steps (the weight entropy
-is a property of the rollout anyway). The new value is used from the next rollout on.
-
-What they move: ``pl_module.objective.tau`` / ``.beta``. The objective is their one owner:
-a controller keeps no copy, it reads the current value from the objective at each update,
-computes the new one with the pure rules of :mod:`maxent_grpo.core.control` and writes it
-back. The module logs ``train/tau``, ``train/beta`` (the values the step used) and
-``train/weight_entropy`` (with ``_min`` / ``_max`` over groups) every step; the controllers
-add ``train/delta_tau``, ``train/delta_beta`` (new - old), their targets and
-``train/meta/tau_grad``, ``train/meta/beta_grad``.
+Once per training step (one rollout, also with ``num_iterations > 1``), in
+``on_train_batch_end``, a controller reads ``pl_module.step_log`` (reduced over micro-batches
+and ranks, so every rank computes the same update) and writes the new
+``pl_module.objective.tau`` / ``.beta`` (kept nowhere else), used from the next rollout on.
+They log ``train/delta_tau``, ``train/delta_beta``, their targets and ``train/meta/...``.
 
 Checks at ``setup`` (ValueError naming the callback and the objective or the file): every
-attribute a controller moves is in ``objective.tunable`` (the table in
-:mod:`~maxent_grpo.training.callbacks.controllers`), no two controllers move the same one,
-and the start values (the config's, or the ``resume_from`` file's) suit the rule. Then a
-controller that can raise beta calls ``pl_module.require_reference()``, so the reference
-model is loaded from the start and ``train/kl`` is measured every step.
+moved attribute is in ``objective.tunable``, no two controllers move the same one, and the
+start values suit the rule. One that can raise beta calls ``pl_module.require_reference()``.
 
-State: a controller's ``state_dict`` holds only its own state (steps, the entropy EMA, the
-last KL error, the last gradients); tau and beta travel in the module's checkpoint entry
-(``objective.state_dict()``). Restore order on ``fit``: ``setup`` reads ``resume_from``
-(a ``controller_state.json``, :mod:`~maxent_grpo.training.callbacks.state_file`) into the
-objective and the controllers; then a ``--ckpt_path`` checkpoint, restored after
-``setup``, overrides both (the module's entry sets tau / beta, the controllers' entries
-their own state). ``state_path`` (may contain ``{log_dir}``, the logger's version folder)
-names the file written at every checkpoint save and at the end of training.
+State: ``state_dict`` holds only the controller's own state (tau and beta are in the
+module's checkpoint entry). ``setup`` reads ``resume_from`` (a ``controller_state.json``,
+:mod:`~maxent_grpo.training.callbacks.state_file`); a ``--ckpt_path`` checkpoint then
+overrides both. ``state_path`` (``{log_dir}``: the logger's version folder) is written at
+every checkpoint save and at the end of training.
 """
 
 from __future__ import annotations
@@ -66,14 +46,12 @@ __all__ = ["Controller"]
 log = logging.getLogger(__name__)
 
 
-
 class Controller(Callback):
     """Shared machinery: checks at ``setup``, the update hook, state and the side file.
 
-    Subclasses set :attr:`moves` and implement ``_check_start`` (values the controller
-    cannot start from), ``_update`` (one step: read the objective, write it back, return
-    the logs) and ``_own_state`` (their ``state_dict`` besides ``steps``; restored by
-    ``load_state_dict`` through ``setattr``).
+    Subclasses set :attr:`moves` and implement ``_check_start`` (refuse start values),
+    ``_update`` (one step: update the objective, return the logs) and ``_own_state`` (their
+    ``state_dict`` besides ``steps``, restored through ``setattr``).
     """
 
     #: objective attributes this controller moves (each must be in ``objective.tunable``)
@@ -95,7 +73,6 @@ class Controller(Callback):
     def name(self) -> str:
         return type(self).__name__
 
-    # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check the objective and the other controllers; read ``resume_from``."""
         if stage != "fit":
@@ -138,12 +115,8 @@ class Controller(Callback):
             pl_module.require_reference()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse to overwrite another run's state file (``overwrite_existing=False``).
-
-        Checked here, not in ``setup``, because only now is it known whether the run
-        resumes from a checkpoint (``trainer.ckpt_path``): a resumed run continues its own
-        file, and so does a run whose ``resume_from`` is its ``state_path``.
-        """
+        """Refuse to overwrite another run's state file (``overwrite_existing=False``); a run
+        resuming a checkpoint (known only now) or from its ``state_path`` continues it."""
         path = self._state_file
         if path is None or self.paths.overwrite_existing or not path.exists():
             return
@@ -156,7 +129,6 @@ class Controller(Callback):
             "continue from it, or another state_path"
         )
 
-    # ------------------------------------------------------------------ the update
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
@@ -167,7 +139,6 @@ class Controller(Callback):
         if logs:
             pl_module.log_dict(logs, on_step=True, on_epoch=False, batch_size=1)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """``steps`` and the controller's own state; never tau / beta (the objective's)."""
         return {"steps": self.steps, **self._own_state()}
@@ -196,8 +167,8 @@ class Controller(Callback):
         self._write_file(trainer, pl_module)
 
     def _write_file(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the joint snapshot of the objective and every controller (global rank 0;
-        once per file, by the first controller that names it)."""
+        """Write the snapshot of the objective and every controller (global rank 0; once per
+        file, by the first controller naming it)."""
         if self._state_file is None or not trainer.is_global_zero:
             return
         controllers = [cb for cb in trainer.callbacks if isinstance(cb, Controller)]
@@ -206,12 +177,9 @@ class Controller(Callback):
             write_controller_state(self._state_file, build_snapshot(pl_module.objective,
                                                                     controllers))
 
-    # ------------------------------------------------------------------ for subclasses
-    def _check_start(
-        self, objective: Objective, origin: str, pl_module: pl.LightningModule
-    ) -> None:
-        """Refuse start values (from ``origin``: the config or a state file) the rule cannot
-        work from."""
+    def _check_start(self, objective: Objective, origin: str,
+                     pl_module: pl.LightningModule) -> None:
+        """Refuse start values (from ``origin``) the rule cannot work from."""
         raise NotImplementedError
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:

@@ -1,10 +1,8 @@
 """The tau / beta / meta controllers of docs/ALGORITHM.md §5: their checks and update rules.
 
-Each is a :class:`~maxent_grpo.training.callbacks.base.Controller` (when they act, their
-state and the restore order are described there); the update rules are the pure functions
-of :mod:`maxent_grpo.core.control`.
-
-Which objectives: chosen by capability, :attr:`~maxent_grpo.objectives.Objective.tunable`:
+Each is a :class:`~maxent_grpo.training.callbacks.base.Controller` (timing, state, restore
+order); the rules are :mod:`maxent_grpo.core.control`'s. Which objectives: by
+:attr:`~maxent_grpo.objectives.Objective.tunable`:
 
 =================  ======================  =====================================
 controller         needs in ``tunable``    reads
@@ -14,10 +12,7 @@ BetaController     ``beta`` (beta > 0)     ``train/kl`` (loads the reference)
 MetaController     ``tau`` and ``beta``    both
 =================  ======================  =====================================
 
-(today: Tau with ListwiseMaxEnt and GroupMaxEnt, Beta with GRPO, EntropyMaxEnt and
-ListwiseMaxEnt, Meta with ListwiseMaxEnt). Anything else fails at ``setup`` with a
-ValueError naming the callback and the objective. Beta and Meta can raise beta, so they
-load the reference model from the start.
+Anything else fails at ``setup`` with a ValueError naming the callback and the objective.
 """
 
 from __future__ import annotations
@@ -72,15 +67,8 @@ class TauController(Controller):
         log t <- log t + lr * (H*(step) - EMA)                (not during warmup_steps)
         tau    = clip(exp(log t), tau_min, tau_max)
 
-    with ``log t = log(objective.tau)``. Too little weight entropy raises tau (flatter
-    weights). ``H*`` is ``target_entropy``, or anneals linearly to ``target_entropy_final``
-    over ``target_entropy_horizon`` steps (:func:`~maxent_grpo.core.control.
-    entropy_target_at`). It must lie in ``[0, log G]``. A step without a finite
-    ``train/weight_entropy`` leaves tau unchanged (with a warning).
-
-    Works with objectives whose ``tunable`` has ``tau`` (ListwiseMaxEnt, GroupMaxEnt),
-    starting from ``model.objective.tau`` (> 0, inside ``[tau_min, tau_max]``). Its own
-    state: ``steps`` and the entropy EMA (``tau_entropy_ema``).
+    with ``log t = log(objective.tau)`` (> 0, in ``[tau_min, tau_max]``) and ``H*`` in
+    ``[0, log G]``. A non-finite ``train/weight_entropy`` leaves tau unchanged (a warning).
 
     Args:
         target_entropy: ``H*`` in nats (``log G`` is uniform weights), at step 0.
@@ -89,10 +77,9 @@ class TauController(Controller):
         tau_max: upper bound of tau.
         ema_decay: decay of the entropy EMA, in [0, 1).
         warmup_steps: training steps during which only the EMA moves.
-        target_entropy_final: ``H*`` at the end of the anneal, or None (constant target).
+        target_entropy_final: ``H*`` at the end of a linear anneal, or None (constant).
         target_entropy_horizon: steps of the linear anneal (0 = constant target).
-        state_path: where to write ``controller_state.json`` (may contain ``{log_dir}``,
-            the logger's version folder), or None.
+        state_path: where to write ``controller_state.json`` (may hold ``{log_dir}``), or None.
         resume_from: a ``controller_state.json`` to start from, or None.
         overwrite_existing: allow a fresh run to replace an existing ``state_path``.
     """
@@ -133,9 +120,8 @@ class TauController(Controller):
         self.target_entropy_horizon = target_entropy_horizon
         self.tau_entropy_ema: float | None = None
 
-    def _check_start(
-        self, objective: Objective, origin: str, pl_module: pl.LightningModule
-    ) -> None:
+    def _check_start(self, objective: Objective, origin: str,
+                     pl_module: pl.LightningModule) -> None:
         require(
             objective.tau > 0,
             f"TauController moves log tau, so it needs tau > 0; {origin} has tau = "
@@ -185,22 +171,14 @@ class BetaController(Controller):
         e    = clip(KL / kl_target - 1, -step_bound, step_bound)
         beta <- max(0, beta * (1 + e / horizon))
 
-    ``KL`` is ``train/kl``, the token-mean KL of the step. A step whose KL is missing or
-    non-finite counts as above the target (``e = +step_bound``), as in the core rule.
-
-    The rule is multiplicative: ``beta = 0`` can never rise. So ``model.objective.beta``
-    must start > 0 (use :class:`MetaController`, whose beta step is additive, to start from
-    0), and ``step_bound < horizon`` keeps every factor ``1 + e/H`` positive, so beta never
-    reaches 0 either. Works with objectives whose ``tunable`` has ``beta`` (GRPO,
-    EntropyMaxEnt, ListwiseMaxEnt); loads the reference model from the start. Its own
-    state: ``steps`` and the last clipped error ``kl_error``.
+    ``KL`` is ``train/kl`` (token mean; missing or non-finite: ``e = +step_bound``). The rule
+    is multiplicative: beta must start > 0 (:class:`MetaController` can start from 0).
 
     Args:
         kl_target: ``KL*`` (> 0), in nats per token.
         horizon: ``H`` (> 0): steps over which beta moves by about ``e``; larger is slower.
         step_bound: ``s`` (> 0, < horizon): bound of the relative KL error per step.
-        state_path: where to write ``controller_state.json`` (may contain ``{log_dir}``),
-            or None.
+        state_path: where to write ``controller_state.json`` (may hold ``{log_dir}``), or None.
         resume_from: a ``controller_state.json`` to start from, or None.
         overwrite_existing: allow a fresh run to replace an existing ``state_path``.
     """
@@ -229,9 +207,8 @@ class BetaController(Controller):
         self.step_bound = float(step_bound)
         self.kl_error: float | None = None
 
-    def _check_start(
-        self, objective: Objective, origin: str, pl_module: pl.LightningModule
-    ) -> None:
+    def _check_start(self, objective: Objective, origin: str,
+                     pl_module: pl.LightningModule) -> None:
         require(
             objective.beta > 0,
             f"BetaController: beta is 0 in {origin}, and its multiplicative rule "
@@ -261,12 +238,8 @@ class MetaController(Controller):
         tau  <- clip(tau - lr_tau * tau_grad, tau_min, tau_max)
         beta <- max(0, beta + lr_beta * beta_grad)
 
-    on the latest step's ``train/weight_entropy`` and ``train/kl`` (a missing or
-    non-finite KL counts as above the target, ``beta_grad = +c``; a step without a finite
-    weight entropy is skipped with a warning). The beta step is additive, so beta may
-    start at 0 and rise; the reference model is loaded from the start. Needs both ``tau``
-    and ``beta`` in the objective's ``tunable`` (ListwiseMaxEnt); use it instead of, not
-    with, Tau/BetaController. Its own state: ``steps`` and the last two gradients.
+    on ``train/weight_entropy`` and ``train/kl`` (a non-finite KL gives ``beta_grad = +c``; a
+    non-finite entropy skips the step, warning). Use it instead of Tau/BetaController.
 
     Args:
         target_entropy: ``H*`` in nats, in [0, log G].
@@ -277,8 +250,7 @@ class MetaController(Controller):
         tau_max: upper bound of tau.
         kl_clip: ``c`` (> 0), bound of the KL error.
         every_n_steps: act on every n-th training step.
-        state_path: where to write ``controller_state.json`` (may contain ``{log_dir}``),
-            or None.
+        state_path: where to write ``controller_state.json`` (may hold ``{log_dir}``), or None.
         resume_from: a ``controller_state.json`` to start from, or None.
         overwrite_existing: allow a fresh run to replace an existing ``state_path``.
     """
@@ -319,9 +291,8 @@ class MetaController(Controller):
         self.tau_grad: float | None = None
         self.beta_grad: float | None = None
 
-    def _check_start(
-        self, objective: Objective, origin: str, pl_module: pl.LightningModule
-    ) -> None:
+    def _check_start(self, objective: Objective, origin: str,
+                     pl_module: pl.LightningModule) -> None:
         _check_tau_start("MetaController", objective.tau, origin, self.tau_min, self.tau_max)
         _check_target_entropy("MetaController.target_entropy", self.target_entropy, pl_module)
 

@@ -4,11 +4,6 @@ Added under ``trainer.callbacks`` in YAML::
 
     - class_path: maxent_grpo.training.callbacks.HFExport
       init_args: {every_n_train_steps: 100}
-
-It reads the job-long handles ``pl_module.runtime`` (a
-:class:`~maxent_grpo.training.types.RuntimeHandles`: ``model``, ``tokenizer``) and writes
-folders that ``from_pretrained`` loads (global rank 0 only). A policy with ``peft``
-adapters (``model.peft``) is written as its adapter; ``merged: true`` adds the merged model.
 """
 
 from __future__ import annotations
@@ -31,25 +26,19 @@ log = logging.getLogger(__name__)
 
 
 class HFExport(Callback):
-    """Save the policy and its tokenizer with ``save_pretrained`` (global rank 0).
+    """Save ``pl_module.runtime``'s model and tokenizer with ``save_pretrained`` (rank 0).
 
-    At the end of training into ``<dirpath>/final``, and, with ``every_n_train_steps``,
-    each time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
-    The folders load with ``AutoModelForCausalLM.from_pretrained`` /
-    ``AutoTokenizer.from_pretrained`` (or ``model.model_name_or_path``).
+    At the end of training into ``<dirpath>/final`` and, with ``every_n_train_steps``, each
+    time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
 
-    With ``model.peft`` the folder holds the adapter (``save_pretrained`` of the
-    ``PeftModel``: ``adapter_config.json``, ``adapter_model.safetensors``), which
-    ``peft.AutoPeftModelForCausalLM.from_pretrained`` loads onto its base model; with
-    ``merged`` a second folder ``<name>-merged`` holds the plain model with the adapters
-    folded into the base weights (:func:`~maxent_grpo.adapters.merged_copy`: built on the
-    CPU from a fresh copy of the base, the training model is never changed).
+    With ``model.peft`` the folder holds the adapter (loaded by
+    ``peft.AutoPeftModelForCausalLM.from_pretrained``); with ``merged`` a second folder
+    ``<name>-merged`` holds the plain model with the adapters folded in
+    (:func:`~maxent_grpo.adapters.merged_copy`, from a fresh copy of the base).
 
     Args:
-        dirpath: output folder; None means ``<trainer.log_dir>/hf`` (the logger's version
-            folder, e.g. ``lightning_logs/tiny/version_0/hf``).
-        every_n_train_steps: also export every this many optimizer steps; None = only at
-            the end.
+        dirpath: output folder; None means ``<trainer.log_dir>/hf`` (the logger's version folder).
+        every_n_train_steps: also export every this many optimizer steps; None: only at the end.
         merged: with ``peft`` adapters, also write the merged model to ``<name>-merged``
             (ignored without adapters: ``<name>`` is the whole model then).
     """
@@ -86,10 +75,8 @@ class HFExport(Callback):
         self.export(trainer, pl_module, "final")
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
-        """``save_pretrained`` of ``pl_module.runtime.model`` (with ``peft``: its adapter)
-        and ``.tokenizer`` into ``<dirpath>/<name>``, and with ``merged`` the merged model
-        into ``<dirpath>/<name>-merged``; returns ``<dirpath>/<name>`` (None on other
-        ranks)."""
+        """``save_pretrained`` of the model (or adapter) and tokenizer into ``<dirpath>/<name>``
+        (with ``merged`` also ``<name>-merged``); returns that path (None on other ranks)."""
         if not trainer.is_global_zero:
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"

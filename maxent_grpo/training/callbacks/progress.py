@@ -1,35 +1,21 @@
 """Progress people can read: a smoothed reward and a step count, as a bar or as plain lines.
 
-:class:`ReadableProgressBar` is the command line's default progress bar
-(``MaxEntGRPOCLI.instantiate_trainer`` adds it when ``trainer.callbacks`` holds no progress
-bar and ``trainer.enable_progress_bar`` is not false). It is Lightning's
-:class:`~lightning.pytorch.callbacks.TQDMProgressBar` with these changes:
+:class:`ReadableProgressBar` is the command line's default progress bar (added unless
+``trainer.callbacks`` holds one or ``trainer.enable_progress_bar`` is false). It is
+:class:`~lightning.pytorch.callbacks.TQDMProgressBar`, except that:
 
-- the reward shown is the **mean of the last** ``window`` **steps** (20 by default) of the
-  step's ``reward/mean`` (``train/reward/mean`` in TensorBoard), labelled
-  ``reward(avg20)``: one step's reward over a few prompts is too noisy to read a trend from.
-  ``loss`` stays the step's ``loss/total``;
-- ``v_num`` (the logger's version number, which says nothing about training) is not shown;
-- a step-based run (``trainer.max_steps > 0``) shows one bar ``Steps: 120/500`` over the whole
-  run (from the resumed step on a resume) instead of a bar per epoch.
-
-Where the stream is not a terminal (``python -m maxent_grpo fit ... > train.log``, a batch
-job), a redrawn bar is unreadable (one final frame, or carriage returns), so the bar is
-replaced by plain lines, written and flushed every ``every_n_steps`` steps, or sooner once
-``every_s`` seconds have passed since the last line, and once at the end::
+- the reward shown, ``reward(avg20)``, is the mean of the last ``window`` steps'
+  ``reward/mean`` (one step's is too noisy); ``v_num`` is not shown;
+- a step-based run (``trainer.max_steps > 0``) shows one bar ``Steps: 120/500`` over the
+  whole run (from the resumed step on a resume) instead of a bar per epoch;
+- where the stream is not a terminal (a log file, a batch job), plain lines are written
+  every ``every_n_steps`` steps, or once ``every_s`` seconds have passed, and at the end::
 
     step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
 
-``every_n_steps`` defaults to the smallest of 1, 2, 5, 10, 20, 50, 100, ... that gives at
-most 40 lines over ``max_steps`` (500 steps: every 20). ``tokens/s`` is the last step's
-``perf/tokens_per_s``; ``eta`` is the remaining steps times the mean wall-clock time per
-step of this run so far (validation included). The values come from the step's logged record,
-``pl_module.step_log.as_dict()`` (keys ``reward/mean``, ``loss/total``,
-``perf/tokens_per_s``). ``mode`` forces one display: ``"bar"`` or ``"lines"``; ``"auto"`` (the
-default) asks ``stream.isatty()`` (``stream`` defaults to ``sys.stdout``, where the bar is
-drawn). As with any Lightning progress bar, only global rank 0 shows anything.
-
-To configure it, name it in ``trainer.callbacks`` (then it is not added twice)::
+``tokens/s`` is the last step's ``perf/tokens_per_s``; ``eta`` is the remaining steps times
+this run's mean time per step. Values come from ``pl_module.step_log.as_dict()``. Only
+global rank 0 shows anything. To configure it, name it in ``trainer.callbacks``::
 
     - class_path: maxent_grpo.training.callbacks.progress.ReadableProgressBar
       init_args: {mode: lines, every_n_steps: 10}
@@ -53,7 +39,7 @@ _NICE_STEPS = (1, 2, 5)
 
 def line_interval(max_steps: int, max_lines: int = 40) -> int:
     """The smallest of 1, 2, 5, 10, 20, 50, ... giving at most ``max_lines`` lines over
-    ``max_steps`` steps (10 when the run's length is unknown, ``max_steps <= 0``)."""
+    ``max_steps`` steps (10 when ``max_steps <= 0``)."""
     if max_steps <= 0:
         return 10
     scale = 1
@@ -81,12 +67,9 @@ class ReadableProgressBar(TQDMProgressBar):
         process_position, leave: as in :class:`TQDMProgressBar`.
         mode: ``"auto"`` (bar in a terminal, lines otherwise), ``"bar"`` or ``"lines"``.
         window: the shown reward is the mean of the last ``window`` steps' ``reward/mean``.
-        every_n_steps: a line every this many steps; ``None`` picks at most 40 lines a run
-            (:func:`line_interval`).
-        every_s: also write a line when this many seconds have passed since the last one
-            (slow steps); 0 or less turns that off.
-        stream: where lines go and what ``"auto"`` asks ``isatty()``; default ``sys.stdout``
-            (looked up when used).
+        every_n_steps: a line every this many steps; ``None``: :func:`line_interval`.
+        every_s: also write a line after this many seconds without one; 0 or less: off.
+        stream: where lines go and what ``"auto"`` asks ``isatty()``; default ``sys.stdout``.
     """
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
@@ -119,7 +102,6 @@ class ReadableProgressBar(TQDMProgressBar):
         state["stream"] = None  # a stream cannot be pickled (spawned processes, deepcopy)
         return state
 
-    # ------------------------------------------------------------------ what is shown
     @property
     def plain_lines(self) -> bool:
         """True when progress is written as plain lines (``mode``, else the stream's TTY)."""
@@ -142,8 +124,7 @@ class ReadableProgressBar(TQDMProgressBar):
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """The logged ``prog_bar`` metrics without ``v_num``, the step's ``reward`` replaced by
-        the smoothed one (``reward(avg20)``)."""
+        """The ``prog_bar`` metrics without ``v_num``, ``reward`` replaced by the smoothed one."""
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         smoothed = self.smoothed_reward
@@ -172,7 +153,6 @@ class ReadableProgressBar(TQDMProgressBar):
             parts.append(f"eta {eta}")
         return "  ".join(parts)
 
-    # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self.rewards.clear()
@@ -217,7 +197,6 @@ class ReadableProgressBar(TQDMProgressBar):
         if self._writes_lines() and trainer.global_step != self._last_line_step:
             self._write_line(trainer)
 
-    # ------------------------------------------------------------------ helpers
     def _out(self) -> Any:
         return self.stream if self.stream is not None else sys.stdout
 

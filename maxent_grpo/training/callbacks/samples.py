@@ -1,46 +1,24 @@
 """Show what the policy samples: a table of rollouts in every logger, histograms, a JSONL dump.
 
-After every training step the module leaves the step's typed trajectory in
-``pl_module.trajectory``; its ``samples`` (a
-:class:`~maxent_grpo.training.step.trajectory.RolloutSamples`, on the CPU) hold the step, the B
-prompts, the B x G completions, the (B, G) rewards and reward components, and the
-advantages (:class:`~maxent_grpo.training.types.AdvantageStats`), MaxEnt weights and
-target q (:class:`~maxent_grpo.training.types.QDistribution`) where the objective has them.
-:class:`CompletionSamples` writes the first ``max_prompts`` prompts, one row per completion,
-through every logger of the run:
+After every training step ``pl_module.trajectory.samples`` (a
+:class:`~maxent_grpo.training.step.trajectory.RolloutSamples`) holds the step's prompts,
+completions, rewards and, where the objective has them, advantages, weights and target q.
+:class:`CompletionSamples` writes the first ``max_prompts`` prompts, one row per completion:
 
-- TensorBoard (any logger whose ``experiment`` is a ``SummaryWriter``): a markdown table
-  under the text tag ``samples/completions`` (total reward, each reward component and the
-  advantage, MaxEnt weight and target q, whichever the objective has) and histograms
-  ``samples/reward``, ``samples/weight``, ``samples/advantage``, ``samples/q`` of the whole
-  (B, G) batch;
-- W&B (``WandbLogger``): a ``wandb.Table`` under ``samples/completions`` per written step,
-  with the columns of :func:`flat_table`;
-- MLflow (``MLFlowLogger``): the same table as the JSON artifact ``samples/step_<n>.json``
-  (``{"columns": [...], "data": [...]}``, the layout ``MlflowClient.log_table`` writes; one
-  file per step, as appending to one table would make MLflow re-read and re-type it);
-- any other logger (``CSVLogger``, a custom one), or none: the rows of
-  :func:`rollout_rows` appended to ``<log_dir>/samples/completions.jsonl``, ``log_dir``
-  being the logger's ``log_dir`` (else its ``save_dir``, else the run's folder).
+- TensorBoard: a markdown table under the text tag ``samples/completions`` and histograms
+  ``samples/reward``, ``samples/weight``, ``samples/advantage``, ``samples/q`` of the batch;
+- W&B: a ``wandb.Table`` under ``samples/completions`` (columns of :func:`flat_table`);
+- MLflow: the same table as the artifact ``samples/step_<n>.json`` (the layout of
+  ``MlflowClient.log_table``);
+- any other logger, or none: :func:`rollout_rows` appended to
+  ``<log_dir>/samples/completions.jsonl`` (the logger's ``log_dir`` or ``save_dir``, else the
+  run's folder).
 
-Optionally, every step, one JSON line per completion of the whole batch is appended to
-``jsonl_path``, whatever the loggers.
-
-Steps: samples are keyed on the rollout's ``step`` (``trainer.global_step`` when the
-rollout was sampled, before its optimizer steps), which is the step at which the same
-training step's ``train/...`` scalars are logged. The tables and histograms are written
-when that step is a multiple of ``every_n_steps`` (0, n, 2n, ...; with
-``num_iterations = k > 1`` a rollout covers k optimizer steps and is written when those
-contain a multiple of n).
-
-Hyper-parameters: Lightning already logs the module's and the DataModule's
-``save_hyperparameters`` (``hparams.yaml`` and TensorBoard's HPARAMS tab) at fit start; those
-leave out ``model.objective`` and ``model.optimizer``. So this callback also adds, once at
-fit start, the run's full ``config.yaml`` (written by ``LightningCLI`` into the run's folder)
-as the TensorBoard text tag ``hparams/config``, when that file exists (other loggers have the
-file itself).
-
-Only global rank 0 writes.
+Samples are keyed on the rollout's ``step``, that of the step's ``train/...`` scalars, and
+written when a multiple of ``every_n_steps`` falls in the rollout's optimizer steps. At fit
+start the run's ``config.yaml`` (holding ``model.objective`` and ``model.optimizer``, which
+Lightning's hparams lack) becomes the TensorBoard text ``hparams/config``. Only global rank
+0 writes (its share of each step's prompts).
 """
 
 from __future__ import annotations
@@ -72,8 +50,7 @@ __all__ = [
     "samples_table",
 ]
 
-#: Texts longer than this many characters are cut in the table (not in the JSONL dump) and
-#: end with "…".
+#: Texts longer than this are cut in the table (not in the JSONL dump) and end with "…".
 MAX_CELL_CHARS = 400
 
 #: Characters that would otherwise be read as markdown (or end a table cell).
@@ -111,12 +88,10 @@ def _grouped(samples: RolloutSamples) -> dict[str, Tensor | None]:
 
 
 def rollout_rows(samples: RolloutSamples, max_prompts: int | None = None) -> list[dict[str, Any]]:
-    """One dict per completion, prompt-major: ``{"step", "prompt_index", "prompt",
-    "completion", "reward", "components": {name: value}, "advantage", "weight", "q"}`` (the
-    last three None when the objective has none; non-finite numbers become None).
-
-    ``max_prompts`` keeps the first prompts only.
-    """
+    """One dict per completion of the first ``max_prompts`` prompts, prompt-major:
+    ``{"step", "prompt_index", "prompt", "completion", "reward", "components": {name: value},
+    "advantage", "weight", "q"}`` (the last three None when the objective has none;
+    non-finite numbers become None)."""
     prompts = samples.prompts
     completions = samples.generation.grouped_completions
     rewards = samples.rewards
@@ -177,10 +152,9 @@ def samples_table(samples: RolloutSamples, max_prompts: int) -> str:
 
 
 def flat_table(samples: RolloutSamples, max_prompts: int) -> tuple[list[str], list[list]]:
-    """The rows of :func:`rollout_rows` (first ``max_prompts`` prompts) as a flat table:
-    ``(columns, data)`` with columns ``step, prompt_index, prompt, completion, reward``, one
-    ``reward/<component>`` per reward component, then ``advantage, weight, q`` (None where the
-    objective has none). Texts are whole (not cut as in the markdown table)."""
+    """The rows of :func:`rollout_rows` as ``(columns, data)``: ``step, prompt_index, prompt,
+    completion, reward``, one ``reward/<component>`` each, then ``advantage, weight, q``
+    (None where absent). Texts are whole (not cut as in the markdown table)."""
     names = list(samples.components)
     columns = ["step", "prompt_index", "prompt", "completion", "reward",
                *(f"reward/{n}" for n in names), "advantage", "weight", "q"]
@@ -206,29 +180,19 @@ def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 class CompletionSamples(Callback):
-    """Write sampled completions through every logger of the run (and optionally to JSONL)
-    during ``fit``: TensorBoard text and histograms, a W&B table, an MLflow artifact, or a
-    JSONL file in the log folder of any other logger (see the module docstring).
+    """Write sampled completions through every logger during ``fit`` (see the module docstring).
 
     YAML::
 
-        trainer:
-          callbacks:
-            - class_path: maxent_grpo.training.callbacks.samples.CompletionSamples
-              init_args: {every_n_steps: 50, jsonl_path: "{log_dir}/rollouts.jsonl"}
+        - class_path: maxent_grpo.training.callbacks.CompletionSamples
+          init_args: {every_n_steps: 50, jsonl_path: "{log_dir}/rollouts.jsonl"}
 
     Args:
-        every_n_steps: write the tables and histograms for rollouts sampled at multiples of
-            this step (>= 1).
+        every_n_steps: write tables and histograms for rollouts at multiples of this step.
         max_prompts: prompts in the tables (>= 1), each with all its G completions.
         jsonl_path: when set, append every step's rollout here, one JSON object per
-            completion (see :func:`rollout_rows`), flushed after each step; ``{log_dir}``
-            expands to the logger's version folder. Parent folders are created. An
-            existing file is appended to (a resumed run continues it).
+            completion (:func:`rollout_rows`); ``{log_dir}`` is the logger's version folder.
         histograms: also write (TensorBoard) histograms of rewards, weights and advantages.
-
-    With several processes (DDP, FSDP) only global rank 0 writes, so the tables, the
-    histograms and the JSONL hold rank 0's share of each step's prompts.
     """
 
     def __init__(
@@ -254,7 +218,6 @@ class CompletionSamples(Callback):
         self._prev_step: int | None = None  # step of the last rollout seen
         self._last_record: RolloutSamples | None = None
 
-    # ------------------------------------------------------------------ helpers
     def _log_dir(self, trainer: pl.Trainer) -> str:
         """The run's folder: ``trainer.log_dir`` (else ``default_root_dir``), read once."""
         if self._run_dir is None:
@@ -273,14 +236,11 @@ class CompletionSamples(Callback):
         log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
         return Path(log_dir or self._log_dir(trainer)) / "samples" / "completions.jsonl"
 
-    # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log the CLI's ``config.yaml`` (if any) as TensorBoard text: the hparams Lightning
-        logs lack the objective and the optimizer.
+        """Log the CLI's ``config.yaml`` (if any) as TensorBoard text.
 
-        ``trainer.log_dir`` is a broadcast from rank 0 under DDP, so every rank reads it
-        here (and resolves the JSONL path, which reads it too); reading it on rank 0 only
-        would leave rank 0 waiting for the others forever."""
+        Every rank reads ``trainer.log_dir`` here (a broadcast from rank 0 under DDP, which
+        would hang if only rank 0 read it)."""
         config = Path(self._log_dir(trainer)) / "config.yaml"
         if self.jsonl_path is not None:
             self._resolve_jsonl(trainer)
@@ -313,12 +273,9 @@ class CompletionSamples(Callback):
         if step // self.every_n_steps > prev // self.every_n_steps:
             self.write_loggers(trainer, record, step)
 
-    # ------------------------------------------------------------------ writers
     def write_loggers(self, trainer: pl.Trainer, record: RolloutSamples, step: int) -> None:
-        """The table (and TensorBoard histograms) of ``record`` through every logger; loggers
-        without a table of their own (and a run without loggers) get the rows as JSONL in
-        their log folder, once per folder, unless that file is ``jsonl_path`` (which
-        already holds every row)."""
+        """The table (and histograms) of ``record`` through every logger; the others (or no
+        logger) get JSONL rows in their log folder, once per folder, unless it is ``jsonl_path``."""
         loggers = list(getattr(trainer, "loggers", None) or [])
         files: dict[Path, None] = {}  # ordered, each file once
         for logger in loggers:
@@ -354,8 +311,7 @@ class CompletionSamples(Callback):
         writer.flush()
 
     def write_wandb(self, logger: WandbLogger, record: RolloutSamples, step: int) -> None:
-        """The table as a ``wandb.Table`` under ``samples/completions`` (x-axis
-        ``trainer/global_step``, as Lightning logs the scalars)."""
+        """The table as a ``wandb.Table`` under ``samples/completions``."""
         columns, data = flat_table(record, self.max_prompts)
         logger.log_table("samples/completions", columns=columns, data=data, step=step)
 

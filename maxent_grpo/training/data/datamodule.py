@@ -1,7 +1,6 @@
 """Prompts for GRPO training: the :class:`PromptDataModule`.
 
-One batch is B prompts (``batch_size`` per rank and optimizer step); the module samples G
-completions for each. A batch is a plain dict of lists (no tensors)::
+A batch is B prompts (``batch_size`` per rank and optimizer step), a dict of lists::
 
     {
         "prompts":     list[str],        # (B,) rendered text fed to generation
@@ -12,15 +11,9 @@ completions for each. A batch is a plain dict of lists (no tensors)::
         "indices":     list[int],        # (B,) row number in the source the row came from
     }
 
-Sources, exactly one of: a built-in ``task`` (:mod:`maxent_grpo.tasks`), local
-``data_files`` (.jsonl, .json, .csv, .parquet; paths, globs or lists, read with ``datasets``:
-:mod:`maxent_grpo.training.data.files`) or a ``datasets`` ``dataset_name``
-(:mod:`maxent_grpo.training.data.sources`). Rows are checked and rendered by
-:mod:`maxent_grpo.training.data.prompts`.
-
-Order and resume: a seeded order per epoch, split over the ranks
-(:class:`~maxent_grpo.training.data.sampler.EpochShuffleSampler`); ``fit --ckpt_path`` continues
-mid-epoch with exactly the prompts the interrupted run had not reached yet.
+Sources: :mod:`~maxent_grpo.training.data.sources`; row checks and rendering:
+:mod:`~maxent_grpo.training.data.prompts`; the seeded, resumable order:
+:mod:`~maxent_grpo.training.data.sampler`.
 """
 
 from __future__ import annotations
@@ -65,70 +58,39 @@ log = logging.getLogger(__name__)
 class PromptDataModule(pl.LightningDataModule):
     """Prompt rows for GRPO: loads, renders, length-filters and batches them.
 
-    Exactly one source must be set: ``task``, ``data_files`` or ``dataset_name``. ``task``
-    defaults to ``"arithmetic"``, so a config that uses ``data_files`` or ``dataset_name``
-    sets ``task: null``. The options of a source that is not set (``task_options`` once the
-    command line says ``--data.task null --data.data_files my.jsonl``; ``val_files`` without
-    ``data_files``; ``dataset_config`` / ``val_split`` without ``dataset_name``) are dropped
-    with a logged warning (and set to None in ``hparams``); two sources set at once raise
-    ValueError giving the ``--data.<source> null`` flag that keeps the other.
+    Exactly one source must be set, ``task``, ``data_files`` or ``dataset_name`` (``task``
+    defaults to ``"arithmetic"``: set ``task: null`` for another); two raise ValueError. The
+    options of a source not set are dropped with a warning (None in ``hparams``).
 
-    Validation rows: ``task`` generates ``val_size`` separate rows (train from seed
-    ``2*seed``, val from ``2*seed + 1``; training rows whose prompt also appears in the
-    validation rows are dropped, so the two never overlap, unless
-    ``holdout_val_prompts`` is False: a task with a small closed set of prompts, such as
-    ``digit_pairs``, then trains on the prompts it is evaluated on). ``data_files`` /
-    ``dataset_name`` use ``val_files`` / ``val_split`` when given, else ``val_size`` rows
-    chosen by a permutation seeded with ``seed`` are split off the training source.
-
-    Rendering (:class:`~maxent_grpo.training.data.prompts.PromptFormat`): with
-    ``apply_chat_template`` the prompt, preceded by ``system_prompt`` as a system message, is
-    rendered with the tokenizer's chat template (``add_generation_prompt=True``); without it
-    the text is the raw prompt, preceded by ``system_prompt + "\\n\\n"`` when set.
-
-    Length: :meth:`setup` tokenises every rendered prompt once (``add_special_tokens=False``;
-    the chat template already writes them). A prompt of no tokens raises ValueError naming
-    the tokenizer, the prompt column and the row (generation could not start from it). Rows
-    whose rendered prompt is longer than ``max_prompt_length`` tokens are dropped, the count
-    is logged and kept in ``dropped``; dropping every row of a split raises ValueError.
-
-    Sizes: when fitting, the rows left for training must fill one batch; when they do not
-    (``val_size`` rows split off a small file, rows held out or too long), the ValueError
-    names the ``--data.`` flags to change and the values that fit the data.
-
-    Resume: :meth:`state_dict` records ``epoch`` and the number of training prompts
-    ``consumed`` in that epoch (over all ranks). The order depends only on seed and epoch, so
-    after :meth:`load_state_dict` the sampler skips the consumed prompts of that epoch and the
-    run continues exactly where it stopped, mid-epoch or at an epoch's end.
+    :meth:`setup` renders (:class:`~maxent_grpo.training.data.prompts.PromptFormat`) and
+    tokenises each prompt once and drops those over ``max_prompt_length`` (counted in
+    ``dropped``); a prompt of no tokens, an emptied split or, when fitting, fewer training
+    rows than a batch raise ValueError naming the ``--data.`` flags to fix. :meth:`state_dict`
+    records the position in the seeded order, so a resumed run continues mid-epoch.
 
     Args:
         task: built-in task name (see ``maxent_grpo.tasks.list_tasks()``), or None.
         task_options: keyword options for the built-in task (e.g. ``{"digits": 3}``).
         train_size: number of training rows generated for ``task``.
-        val_size: number of validation rows generated for ``task``, or split off
-            ``data_files`` / ``dataset_name`` when no ``val_files`` / ``val_split`` is given.
+        val_size: validation rows generated for ``task``, or split off the training rows
+            when no ``val_files`` / ``val_split`` is given.
         seed: seed of task generation, the train/val split and the shuffle order.
         holdout_val_prompts: with ``task``, drop the training rows whose prompt is also a
-            validation prompt (validation measures unseen prompts); False keeps them
-            (validation measures the prompts trained on).
-        data_files: local .jsonl, .json, .csv or .parquet files of training rows: a path, a
-            glob pattern (``data/train-*.jsonl``; ``**`` crosses folders) or a list of them;
-            files are read in that order (a pattern's matches sorted), each with
-            ``datasets.load_dataset``; or None.
+            validation prompt; False keeps them (a small closed task such as ``digit_pairs``).
+        data_files: local .jsonl, .json, .csv or .parquet training files: a path, a glob
+            pattern (``**`` crosses folders) or a list of them; or None.
         val_files: validation rows, given like ``data_files`` (only with ``data_files``).
         dataset_name: name or local path passed to ``datasets.load_dataset``, or None.
         dataset_config: configuration name passed to ``datasets.load_dataset``.
         train_split: split of ``dataset_name`` used for training.
         val_split: split of ``dataset_name`` used for validation (only with ``dataset_name``).
-        dataset_cache_dir: ``cache_dir`` passed to ``datasets.load_dataset`` (also for
-            ``data_files`` / ``val_files``); None uses ``datasets``' default cache.
+        dataset_cache_dir: ``cache_dir`` of ``datasets.load_dataset`` (also for files), or None.
         prompt_column: column holding the prompt text, or a list of chat messages.
         answer_column: column holding the reference answer; None gives "" answers.
         system_prompt: system message placed before every prompt, or None.
         tokenizer: tokenizer name or path, loaded with ``maxent_grpo.models.load_tokenizer``.
         tokenizer_cache_dir: cache directory for the tokenizer download.
-        max_prompt_length: rows whose rendered prompt exceeds this many tokens are dropped;
-            None keeps every row.
+        max_prompt_length: drop rows whose rendered prompt exceeds this many tokens; or None.
         batch_size: prompts per optimizer step per rank (B).
         val_batch_size: prompts per validation/test batch; None uses ``batch_size``.
         num_workers: DataLoader worker processes.
@@ -165,7 +127,6 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        # options of a source that is not set are dropped, logged (see the class docstring)
         dropped = check_source_options(
             task, task_options, data_files, val_files, dataset_name, dataset_config, val_split
         )
@@ -176,13 +137,10 @@ class PromptDataModule(pl.LightningDataModule):
                 ("task_options", task_options), ("val_files", val_files),
                 ("dataset_config", dataset_config), ("val_split", val_split)))
         check_int("data.seed", seed)
-        for name, value, minimum in (
-            ("train_size", train_size, 1),
-            ("val_size", val_size, 0),
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-        ):
-            check_int(f"data.{name}", value, minimum)
+        check_int("data.train_size", train_size, 1)
+        check_int("data.val_size", val_size, 0)
+        check_int("data.batch_size", batch_size, 1)
+        check_int("data.num_workers", num_workers, 0)
         check_int("data.val_batch_size", val_batch_size, 1, allow_none=True)
         check_int("data.max_prompt_length", max_prompt_length, 1, allow_none=True)
         require(isinstance(prompt_column, str) and bool(prompt_column),
@@ -215,18 +173,12 @@ class PromptDataModule(pl.LightningDataModule):
         self.val_dataset: PromptDataset | None = None
         self.dropped: dict[str, int] = {}
         self._train_sampler: EpochShuffleSampler | None = None
-        # the position in the training order (see state_dict): the epoch whose order the
-        # training batches come from, and the prompts of it handed to training_step so far
-        self._epoch = 0
+        self._epoch = 0  # the position in the training order (see state_dict)
         self._consumed = 0
-        # the prompts of epoch `_epoch` that the sampler skips (set by load_state_dict)
-        self._resume_consumed = 0
-
-    # ------------------------------------------------------------------ loading
+        self._resume_consumed = 0  # prompts of `_epoch` the sampler skips (load_state_dict)
 
     def set_tokenizer(self, tokenizer: Any) -> None:
-        """Use an already-loaded tokenizer (with ``apply_chat_template`` and ``__call__``)
-        instead of loading ``tokenizer`` in :meth:`setup`."""
+        """Use an already-loaded tokenizer instead of loading ``tokenizer`` in :meth:`setup`."""
         self.tokenizer = tokenizer
 
     def prepare_data(self) -> None:
@@ -238,8 +190,8 @@ class PromptDataModule(pl.LightningDataModule):
                                   self.dataset_cache_dir)
 
     def _load_sources(self, fitting: bool) -> Sources:
-        """The train and validation rows of the one source that is set (when ``fitting``,
-        ``val_size`` rows split off must leave a batch of training rows)."""
+        """The rows of the source that is set (when ``fitting``, a split-off ``val_size`` must
+        leave a batch of training rows)."""
         batch_size = self.batch_size if fitting else None
         if self.task is not None:
             return task_sources(
@@ -265,8 +217,7 @@ class PromptDataModule(pl.LightningDataModule):
         return self.tokenizer
 
     def _build(self, fmt: PromptFormat, split: SplitRows, name: str) -> PromptDataset:
-        """Render ``split``, refuse a prompt of no tokens and drop the prompts longer than
-        ``max_prompt_length`` tokens (every rendered prompt is tokenised once, here)."""
+        """Render ``split``, refuse a prompt of no tokens, drop those over ``max_prompt_length``."""
         examples = fmt.examples(split)
         if not examples:
             return PromptDataset(examples)
@@ -307,12 +258,8 @@ class PromptDataModule(pl.LightningDataModule):
         return PromptDataset(kept)
 
     def setup(self, stage: str | None = None) -> None:
-        """Load, check, render and length-filter the train and validation rows (once).
-
-        When a trainer's ``fit`` calls it, the count of consumed prompts starts again from
-        zero (a checkpoint's count, if any, is restored after this, by
-        :meth:`load_state_dict`).
-        """
+        """Load, check, render and length-filter the rows (once); under a trainer's ``fit``
+        the consumed count restarts at zero (:meth:`load_state_dict` restores it later)."""
         if self.train_dataset is None:
             fmt = PromptFormat(
                 self.prompt_column, self.answer_column, self.system_prompt,
@@ -336,21 +283,14 @@ class PromptDataModule(pl.LightningDataModule):
             if self.trainer is not None:
                 self._consumed = 0
 
-    # ------------------------------------------------------------------ loaders
-
     def _require(self, dataset: PromptDataset | None) -> PromptDataset:
         if dataset is None:
             raise RuntimeError("PromptDataModule.setup() must run before its dataloaders")
         return dataset
 
     def train_dataloader(self) -> PromptLoader:
-        """B = ``batch_size`` prompts per batch and rank, ``drop_last=True``, order from seed +
-        epoch (:class:`EpochShuffleSampler`), resuming mid-epoch after :meth:`load_state_dict`.
-
-        The loader draws its worker base seed from its own generator (seeded with ``seed``),
-        never from the global torch RNG, so building it does not shift the training's random
-        stream (which a resumed run restores exactly).
-        """
+        """``batch_size`` prompts per batch and rank, ``drop_last=True``, ordered by
+        :class:`EpochShuffleSampler`. Its own seeded generator keeps the global RNG untouched."""
         dataset = self._require(self.train_dataset)
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
@@ -370,8 +310,7 @@ class PromptDataModule(pl.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        """Validation rows in source order, ``val_batch_size`` per batch (its own generator,
-        like the training loader: validating never shifts the training's random stream)."""
+        """Validation rows in source order, ``val_batch_size`` per batch (own generator)."""
         return DataLoader(
             self._require(self.val_dataset),
             batch_size=self.val_batch_size,
@@ -385,14 +324,9 @@ class PromptDataModule(pl.LightningDataModule):
         """The validation rows again."""
         return self.val_dataloader()
 
-    # ------------------------------------------------------------------ state
-
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Count the training batch about to be passed to ``training_step`` (see
-        :meth:`state_dict`); sanity-check, validation and test batches run under their own
-        stage and are not counted. The count starts again at the first batch of a new
-        epoch's order (the sampler's epoch, which Lightning sets, differs from the counted
-        one)."""
+        """Count a training batch about to reach ``training_step`` (other stages are not
+        counted); the count restarts at the first batch of a new sampler epoch."""
         trainer = self.trainer
         if trainer is not None and trainer.training and self._train_sampler is not None:
             if self._train_sampler.epoch != self._epoch:
@@ -401,18 +335,10 @@ class PromptDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The position in the training order (see the class docstring, "Resume").
-
-        ``consumed`` (prompts of ``epoch`` already trained on, all ranks) is the number of
-        that epoch's batches handed to ``training_step`` (counted by
-        :meth:`on_after_batch_transfer`; a batch the loader merely pre-fetched is not
-        counted, and a resumed run continues the checkpoint's count) times
-        ``batch_size * world_size``. ``epoch`` is the sampler's epoch when the last training
-        batch arrived; after an epoch's last batch both stay until the next epoch's first
-        batch, so an end-of-epoch checkpoint records the whole epoch as consumed. The other
-        keys (``seed``, ``shuffle``, ``num_rows``, ``batch_size``, ``world_size``) let
-        :meth:`load_state_dict` refuse a checkpoint whose order does not match this run.
-        """
+        """The position in the training order: ``consumed`` = batches of ``epoch`` handed to
+        ``training_step`` (pre-fetched ones not counted) x ``batch_size * world_size``; an
+        end-of-epoch checkpoint records the whole epoch. ``seed``, ``shuffle``, ``num_rows``,
+        ``batch_size``, ``world_size`` let :meth:`load_state_dict` refuse a mismatched run."""
         trainer = self.trainer
         return {
             "epoch": self._epoch,
@@ -425,13 +351,11 @@ class PromptDataModule(pl.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at :meth:`state_dict`'s position: epoch ``epoch`` skips its first
-        ``consumed`` prompts, and the count of consumed prompts continues from there.
+        """Resume at :meth:`state_dict`'s position (epoch ``epoch`` skips ``consumed`` prompts).
 
-        Raises ValueError when the checkpoint's order cannot be continued
-        (:func:`~maxent_grpo.training.data.sampler.check_resume_state`). ``validate`` and ``test``
-        use no training order, so there nothing is checked or restored (a checkpoint
-        may be evaluated on any data).
+        Raises ValueError when the order cannot be continued
+        (:func:`~maxent_grpo.training.data.sampler.check_resume_state`); outside ``fit``
+        nothing is checked or restored.
         """
         trainer = self.trainer
         stage = getattr(getattr(trainer, "state", None), "fn", None)

@@ -1,24 +1,19 @@
 """Local data files (``data.data_files``, ``data.val_files``) read with ``datasets.load_dataset``.
 
-An option holds a path or a glob pattern, or a list of them (``"data/train-*.jsonl"``,
-``["a.jsonl", "more/*.parquet"]``). Every entry ends in one of :data:`FILE_SUFFIXES`; a path
-must exist, a pattern must match at least one file (``glob.glob(recursive=True)``, so ``**``
-crosses folders; the matches are taken in sorted order). The rows are those of the files in
-that order (entries in the order given), each file's rows in file order.
+An option holds a path or a glob pattern, or a list of them (``"data/train-*.jsonl"``). Every
+entry ends in one of :data:`FILE_SUFFIXES`; a path must exist, a pattern must match a file
+(``recursive=True``: ``**`` crosses folders; matches sorted). Rows come in that order.
 
-Each file is read on its own by the ``datasets`` builder of its suffix, so files may differ in
-their columns (a file's rows have only its columns) and every error names the file:
+Each file is read on its own by the builder of its suffix, so files may differ in their
+columns and every error names the file:
 
 - ``.jsonl``: one JSON object per line; ``.json``: a list of row objects, one object of
-  equal-length column lists (as ``Dataset.to_dict()`` writes) or JSON lines. A key a row
-  lacks is None there. Arrow gives a column one type: a column of integers and decimals
-  is read as decimals (3 becomes 3.0).
-- ``.csv``: a header row, then rows whose cells are all kept as strings ("" when empty).
+  equal-length column lists or JSON lines. A missing key is None; a column of integers and
+  decimals is read as decimals (Arrow).
+- ``.csv``: a header row, then cells all kept as strings ("" when empty).
 - ``.parquet``: the file's own types.
 
-``datasets`` keeps an Arrow copy of each file in its cache (``cache_dir``, by default
-``HF_DATASETS_CACHE``), keyed on the file's path and modification time: a file changed since
-is read again.
+``datasets`` caches an Arrow copy (``cache_dir``) keyed on path and modification time.
 """
 
 from __future__ import annotations
@@ -70,11 +65,11 @@ class FileParts:
 
 
 def expand_files(option: str, value: Any) -> list[str]:
-    """The files ``value`` names (see the module docstring), in reading order.
+    """The files ``value`` names, in reading order.
 
-    Raises ValueError naming ``option`` unless ``value`` is a non-empty path or pattern, or a
-    non-empty list of them, each ending in one of :data:`FILE_SUFFIXES`; FileNotFoundError when
-    a path does not exist or a pattern matches no file.
+    Raises ValueError naming ``option`` unless ``value`` is a path or pattern, or a non-empty
+    list of them, ending in one of :data:`FILE_SUFFIXES`; FileNotFoundError for a missing
+    path or a pattern matching no file.
     """
     entries = [value] if isinstance(value, str) else value
     require(
@@ -113,11 +108,10 @@ def read_files(option: str, value: Any, cache_dir: str | None) -> tuple[list[Row
 
 
 def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
-    """Every row (all columns) of one local file, read by ``datasets.load_dataset`` with
-    ``cache_dir`` (see the module docstring for the formats).
+    """Every row (all columns) of one local file, read by ``datasets.load_dataset``.
 
-    Raises ValueError naming ``option`` and ``path`` when the file cannot be read: with the
-    first line that is not a JSON object for JSON, else with the reader's own reason.
+    Raises ValueError naming ``option`` and ``path`` when the file cannot be read (for JSON
+    with the first bad line, else with the reader's reason).
     """
     suffix = Path(path).suffix.lower()
     builder, kind = _FORMATS[suffix]
@@ -170,9 +164,8 @@ def _reason(err: BaseException) -> str:
 
 
 def _json_problem(path: str) -> str | None:
-    """Why ``path`` is not JSON rows, with the line: the first line of JSON lines that is not
-    a JSON object, or where a JSON document breaks; None when Python's ``json`` finds nothing
-    wrong (only called after ``datasets`` failed)."""
+    """Why ``path`` is not JSON rows, with the line; None when Python's ``json`` finds nothing
+    wrong."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         return "it holds no rows"

@@ -1,19 +1,15 @@
 """From source rows to :class:`~maxent_grpo.training.data.sampler.PromptExample`: checks and
 rendering.
 
-A row's prompt (column ``prompt_column``) is a non-empty string or a non-empty list of chat
-messages (dicts with str ``role`` and ``content``); its answer (column ``answer_column``) is
-a string or a finite number, kept as a string ("" without an answer column; an integral
-float without its ".0", so a JSON column of 3 and 2.5, which Arrow reads as 3.0 and 2.5,
-gives "3"). Every error names the source (for files, the file), the row and the ``data.``
-option to fix.
+A prompt is a non-empty string or list of chat messages (dicts with str ``role`` and
+``content``); an answer is a string or a finite number, kept as a string ("" without an answer
+column; an integral float without its ".0", as Arrow reads 3 as 3.0). Errors name the source
+(or file), the row and the ``data.`` option to fix.
 
-Rendering: with ``apply_chat_template`` the prompt becomes
-``[system?] + [{"role": "user", "content": prompt}]`` (a list-of-messages prompt is used as
-is, with the system message prepended unless its first message is a system one) and is
-rendered with ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``. Without it
-the text is the raw prompt, preceded by ``system_prompt + "\\n\\n"`` when set;
-list-of-messages prompts then raise ValueError.
+Rendering: with ``apply_chat_template``, ``[system?] + [{"role": "user", "content": prompt}]``
+(a message list as is, the system message prepended unless it starts with one) through
+``tokenizer.apply_chat_template(..., add_generation_prompt=True)``; without it the raw prompt,
+preceded by ``system_prompt + "\\n\\n"`` when set (message lists then raise ValueError).
 """
 
 from __future__ import annotations
@@ -31,16 +27,9 @@ __all__ = ["PromptFormat"]
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """Which columns hold the prompt and answer, and how the prompt is rendered.
-
-    Attributes:
-        prompt_column: column holding the prompt text, or a list of chat messages.
-        answer_column: column holding the reference answer; None gives "" answers.
-        system_prompt: system message placed before every prompt, or None.
-        apply_chat_template: render prompts with the tokenizer's chat template.
-        tokenizer: returns the tokenizer (called only when a chat template is applied, so a
-            plain-text format never loads one).
-    """
+    """Which columns hold the prompt and answer, and how the prompt is rendered (the first
+    four as the ``PromptDataModule`` options of the same names; ``tokenizer`` returns the
+    tokenizer, called only when a chat template is applied)."""
 
     prompt_column: str
     answer_column: str | None
@@ -49,12 +38,9 @@ class PromptFormat:
     tokenizer: Callable[[], Any]
 
     def examples(self, split: SplitRows) -> list[PromptExample]:
-        """Check and render every row of ``split``, in order.
-
-        Each example keeps every column except the prompt column, plus ``"answer"`` (the
-        answer as a string). Raises ValueError naming the source or file (and row) when a
-        column is missing or a prompt or answer is malformed.
-        """
+        """Check and render every row of ``split``, in order; each example keeps every column
+        but the prompt, plus ``"answer"``. Raises ValueError for a missing column or a
+        malformed prompt or answer."""
         columns_of: dict[str, dict[str, None]] = {}  # the column names of each file (source)
         for row, index in zip(split.rows, split.indices, strict=True):
             columns_of.setdefault(split.where(index)[0], {}).update(dict.fromkeys(row))

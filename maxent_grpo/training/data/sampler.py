@@ -1,11 +1,8 @@
 """Prompt rows as a dataset, and the order in which training visits them.
 
-:class:`PromptExample` is one rendered prompt row, :class:`PromptDataset` a list of them and
-:func:`collate_prompts` stacks B of them into the batch dict described in
-:mod:`maxent_grpo.training.data`. :class:`EpochShuffleSampler` gives each rank its share of
-epoch ``e``'s order (``torch.randperm(N, generator=seed + e)``) and can skip the prompts an
-interrupted run already consumed; :class:`PromptLoader` is the training DataLoader, marked
-resumable for Lightning.
+:func:`collate_prompts` stacks B :class:`PromptExample` into the batch dict of
+:mod:`~maxent_grpo.training.data.datamodule`; :class:`EpochShuffleSampler` gives each rank its
+share of a seeded per-epoch order, resumable mid-epoch.
 """
 
 from __future__ import annotations
@@ -64,10 +61,7 @@ class PromptDataset(Dataset):
 
 
 def collate_prompts(examples: Sequence[PromptExample]) -> dict[str, Any]:
-    """Stack B examples into the batch dict of :mod:`maxent_grpo.training.data`.
-
-    Lists stay lists (torch's default collate would transpose or tensorize them).
-    """
+    """Stack B examples into the batch dict, lists kept as lists (unlike torch's collate)."""
     names = list(examples[0].columns) if examples else []
     return {
         "prompts": [ex.prompt for ex in examples],
@@ -82,17 +76,13 @@ class EpochShuffleSampler(DistributedSampler):
     """This rank's share of epoch ``e``'s order, optionally resuming mid-epoch.
 
     Order of epoch ``e``: ``order = torch.randperm(N, generator=seed + e)`` (``0..N-1`` with
-    ``shuffle=False``), cut to ``W * floor(N / W)`` positions so every rank gets the same
-    count; rank ``r`` of ``W`` takes ``order[r::W]``. This is exactly
-    ``torch.utils.data.DistributedSampler(shuffle=shuffle, drop_last=True)``; being one,
-    Lightning uses it as is under DDP instead of wrapping it, and calls :meth:`set_epoch`
-    before every training epoch.
+    ``shuffle=False``), cut to ``W * floor(N / W)`` positions; rank ``r`` of ``W`` takes
+    ``order[r::W]``, exactly as ``DistributedSampler(shuffle=shuffle, drop_last=True)``
+    (so Lightning uses it as is under DDP and calls :meth:`set_epoch`).
 
-    Resume: :meth:`resume_at` makes epoch ``epoch`` skip its first ``consumed`` positions
-    (all ranks together; a multiple of ``W``), which is where the interrupted run stopped:
-    rank ``r`` then takes ``order[consumed:][r::W]``, the rest of what it would have taken.
-    Other epochs are untouched. ``len()`` stays the full epoch's count, as Lightning expects
-    (it counts the batches already done itself).
+    Resume: after :meth:`resume_at`, epoch ``epoch`` skips its first ``consumed`` positions
+    (all ranks; a multiple of ``W``): rank ``r`` takes ``order[consumed:][r::W]``. ``len()``
+    stays the full epoch's count, as Lightning expects.
     """
 
     def __init__(
@@ -133,19 +123,10 @@ class EpochShuffleSampler(DistributedSampler):
             order = order[self.resume_consumed :]
         return iter(order[self.rank :: self.num_replicas])
 
-    def __len__(self) -> int:
-        return self.num_samples
-
 
 class PromptLoader(DataLoader):
-    """The training DataLoader, marked resumable for Lightning.
-
-    The position in the order is saved and restored by the DataModule's ``state_dict`` /
-    ``load_state_dict`` (:class:`maxent_grpo.training.data.PromptDataModule`; the sampler
-    then skips what was consumed). These two methods only declare the loader resumable, so
-    that Lightning does not warn on a mid-epoch resume that the data order "can cause
-    unreliable results"; they carry nothing.
-    """
+    """The training DataLoader, marked resumable so Lightning does not warn on a mid-epoch
+    resume; the position itself is the DataModule's ``state_dict``."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -162,10 +143,9 @@ def check_resume_state(
     state: dict[str, Any], *, seed: int, shuffle: bool, num_rows: int | None, batch_size: int,
     world: int,
 ) -> None:
-    """Refuse (ValueError naming the option) a saved training position this run cannot
-    continue: a missing key, another ``seed``, ``shuffle`` or number of training prompts
-    (``num_rows``, None when not known yet); or, for a mid-epoch checkpoint, another
-    ``batch_size`` or number of ranks."""
+    """Refuse (ValueError naming the option) a saved position this run cannot continue: a
+    missing key, another ``seed``, ``shuffle`` or ``num_rows`` (None: not known yet), or, in
+    mid-epoch, another ``batch_size`` or number of ranks."""
     missing = [k for k in STATE_KEYS if k not in state]
     require(not missing, f"PromptDataModule state in the checkpoint is missing keys {missing}; "
                          f"expected {list(STATE_KEYS)}")

@@ -1,26 +1,11 @@
 """Where the prompt rows come from: a built-in task, local files or a ``datasets`` dataset.
 
-Exactly one source is used (:func:`check_source_options` refuses any other choice); each
-loader returns :class:`Sources`, the train and validation rows with the row numbers they
-have in their source and the source's name for error messages:
-
-- :func:`task_sources`: ``train_size`` rows of a built-in task (:mod:`maxent_grpo.tasks`)
-  from seed ``2*seed`` and ``val_size`` separate rows from ``2*seed + 1``; training rows
-  whose prompt is also a validation prompt are dropped unless ``holdout_val_prompts`` is
-  False.
-- :func:`file_sources`: local .jsonl, .json, .csv or .parquet files: paths, glob patterns or
-  lists of them, read with ``datasets.load_dataset`` (:mod:`maxent_grpo.training.data.files`).
-- :func:`hub_sources`: splits of a ``datasets.load_dataset`` dataset (:func:`load_hub_rows`).
-
-Without a separate validation file or split, ``val_size`` rows chosen by a permutation
-seeded with ``seed`` are split off the training source.
-
-A config names a source and its options, and the command line may switch the source
-(``--data.task null --data.data_files my.jsonl``): the options of a source that is no longer
-set (``task_options`` without ``task``, ``val_files`` without ``data_files``,
-``dataset_config`` / ``val_split`` without ``dataset_name``) are then dropped, with one
-logged warning (:func:`check_source_options`). Errors that remain (two sources set, options
-a task does not take, data too small for ``val_size``) say which flag to type.
+Exactly one source is used (:func:`check_source_options`); each loader returns
+:class:`Sources`, the train and validation rows with their row numbers in the source:
+:func:`task_sources` (:mod:`maxent_grpo.tasks`), :func:`file_sources` (local .jsonl, .json,
+.csv, .parquet: :mod:`maxent_grpo.training.data.files`) and :func:`hub_sources`
+(:func:`load_hub_rows`). Without a separate validation file or split, ``val_size`` rows are
+split off the training source (:func:`split_off_val`). Errors say which flag to type.
 """
 
 from __future__ import annotations
@@ -108,18 +93,12 @@ def check_source_options(
     val_split: str | None,
 ) -> dict[str, Any]:
     """Refuse a choice of source the loaders cannot honour, naming the flag that fixes it;
-    return the options of the sources not used, which the caller drops.
+    return ``{name: value}`` of the options whose source (:data:`OPTION_OWNERS`) is not set,
+    which the caller drops (one warning names them; an empty ``task_options`` is unset).
 
-    Exactly one of ``task``, ``data_files``, ``dataset_name`` must be set (else ValueError
-    giving the ``--data.<source> null`` that keeps one); ``task`` must be a built-in task and
-    ``task_options`` options it takes; files must have a known suffix (ValueError) and exist,
-    a pattern must match a file (FileNotFoundError; see
-    :func:`~maxent_grpo.training.data.files.expand_files`).
-
-    ``task_options``, ``val_files`` and ``dataset_config`` / ``val_split`` belong to their own
-    source (:data:`OPTION_OWNERS`). When that source is not set (a config's source switched on
-    the command line), they are returned, ``{name: value}``, and one warning names them; an
-    empty ``task_options`` counts as unset.
+    Raises ValueError unless exactly one of ``task``, ``data_files``, ``dataset_name`` is set,
+    ``task`` is a built-in task taking ``task_options`` and files have a known suffix;
+    FileNotFoundError for a missing file (:func:`~maxent_grpo.training.data.files.expand_files`).
     """
     chosen = {"task": task, "data_files": data_files, "dataset_name": dataset_name}
     set_now = [k for k, v in chosen.items() if v is not None]
@@ -174,11 +153,8 @@ def check_source_options(
     return dropped
 
 
-def load_hub_rows(
-    name: str, config: str | None, split: str, cache_dir: str | None
-) -> list[Row]:
-    """Every row of split ``split`` of ``datasets.load_dataset(name, config)`` (a hub id or
-    a local path; downloaded into ``cache_dir`` on first use)."""
+def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | None) -> list[Row]:
+    """Every row of split ``split`` of ``datasets.load_dataset(name, config)`` (hub id or path)."""
     data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     return data.to_list()
 
@@ -222,8 +198,7 @@ def file_sources(
     batch_size: int | None = None,
 ) -> Sources:
     """The rows of ``data_files``; validation rows from ``val_files``, else ``val_size``
-    rows split off (see :func:`split_off_val`, which gets ``batch_size``). Files are read
-    with ``datasets`` and ``cache_dir`` (:func:`~maxent_grpo.training.data.files.read_files`)."""
+    rows split off (:func:`split_off_val`, which gets ``batch_size``)."""
     rows, files = read_files("data.data_files", data_files, cache_dir)
     train = SplitRows.whole(rows, f"data.data_files {data_files!r}", files)
     if val_files is None:
@@ -261,14 +236,11 @@ def split_off_val(
     batch_size: int | None = None,
     val_option: str | None = None,
 ) -> Sources:
-    """``val_size`` rows of ``whole`` (every row of its source) chosen by
-    ``torch.randperm(len(rows), generator=seed)`` become the validation rows, the rest the
-    training rows, both in source order.
+    """``val_size`` rows of ``whole`` chosen by ``torch.randperm(len(rows), generator=seed)``
+    become the validation rows, the rest the training rows, both in source order.
 
-    At least one training row must remain, or ``batch_size`` of them when given (training
-    needs a batch). Otherwise ValueError says which ``--data.`` flags to type, computed from
-    the numbers (``val_option``, the option giving separate validation rows, is named as the
-    other way out).
+    Raises ValueError naming the ``--data.`` flags to type (and ``val_option``, the option
+    giving separate validation rows) unless at least ``batch_size`` (or 1) training rows remain.
     """
     rows = whole.rows
     total, need = len(rows), batch_size or 1
@@ -286,8 +258,7 @@ def split_off_val(
 def _too_few_rows(
     source: str, total: int, val_size: int, batch_size: int | None, val_option: str | None
 ) -> str:
-    """Why ``total`` rows cannot give ``val_size`` validation rows and a batch of training
-    rows, and the flags that fix it."""
+    """Why ``total`` rows cannot hold ``val_size`` and a batch, and the flags that fix it."""
     other = f", or give {val_option} for the validation rows" if val_option else ""
     if total == 0:
         return f"{source} holds no rows"

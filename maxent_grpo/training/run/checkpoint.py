@@ -1,16 +1,11 @@
 """What a checkpoint carries besides Lightning's own state: exact resume of a training run.
 
-Lightning saves the weights, the optimizer, the scheduler, the loops and the callbacks' and
-DataModule's states. The module adds one entry, ``checkpoint["maxent_grpo"]``:
+The module adds one entry, ``checkpoint["maxent_grpo"]``:
 
 - ``model_name_or_path`` and ``objective_class``, checked on load;
-- ``objective_state``: the objective's mutable state (``Objective.state_dict``: tau, beta,
-  the entropy gate's multiplier) -- the one record of tau/beta in a checkpoint;
-- the :class:`~maxent_grpo.training.step.optimise.StepCounters` (non-finite updates, empty
-  steps);
+- ``objective_state``: ``Objective.state_dict`` (tau, beta, the entropy gate's multiplier);
+- the :class:`~maxent_grpo.training.step.optimise.StepCounters`;
 - ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy).
-
-With it, ``fit --ckpt_path last`` continues exactly as if the run had never stopped.
 """
 
 from __future__ import annotations
@@ -31,11 +26,8 @@ CHECKPOINT_KEY = "maxent_grpo"
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """This process's random state: torch CPU (and CUDA when initialised), python, numpy.
-
-    Lightning restores none of these by default. Only plain types and tensors, so the
-    checkpoint still loads with ``torch.load(weights_only=True)``.
-    """
+    """This process's random state: torch CPU (and CUDA when initialised), python, numpy, as
+    plain types and tensors (loadable with ``torch.load(weights_only=True)``)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -85,11 +77,9 @@ def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters,
 ) -> dict[str, Any]:
-    """Check that the checkpoint fits this run, restore the objective's state and the
-    counters at once (the checkpoint's tau/beta win over the config's and over a
-    controller's JSON file), and return this rank's random state, which the caller
-    restores just before the first training batch (so set-up and the sanity check do not
-    shift it).
+    """Check that the checkpoint fits this run, restore the objective's state (winning over
+    the config and a controller's file) and the counters, and return this rank's random
+    state (the caller restores it just before the first training batch).
 
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path`` or another objective class.

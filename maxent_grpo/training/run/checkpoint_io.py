@@ -1,24 +1,19 @@
 """Runs that stay whole: atomic checkpoint writes, corrupt-checkpoint recovery, resumed logs.
 
-- :class:`AtomicCheckpointIO` writes every checkpoint to a hidden temporary file in the
-  target folder, ``fsync``\\ s it and renames it over the target (``os.replace``), so a run
-  killed mid-write (SIGKILL, OOM killer, disk full) leaves the previous ``last.ckpt`` whole
-  and at worst a stale ``.<name>.<pid>.tmp`` (not a ``*.ckpt``, never picked up; removed
-  when the run resumes). The CLI registers it unless ``trainer.plugins`` has a CheckpointIO.
-- :func:`resolve_checkpoint` turns ``--ckpt_path last`` into the newest *usable* checkpoint
-  of the configured checkpoint folders (every ``*.ckpt``, newest first, a ``last*`` name
-  winning a tie; ``last.ckpt`` as a copy or as a symlink), skipping truncated or unreadable
-  files with a warning that names them. A checkpoint named explicitly is checked too; when
-  it is broken the run stops with a message naming it and the newest usable one next to it.
-- :class:`LoggerVersions` records the loggers' versions in every checkpoint
-  (``checkpoint["maxent_grpo_loggers"]``), so a resumed run logs into the version folder of
-  the run it continues (see ``maxent_grpo/cli.py``); :func:`continue_csv_log` keeps a
-  CSVLogger's ``metrics.csv`` (which Lightning deletes when it opens an existing version).
+- :class:`AtomicCheckpointIO` writes each checkpoint to a hidden ``.<name>.<pid>.tmp`` in the
+  target folder, ``fsync``\\ s it and renames it over the target, so a run killed mid-write
+  leaves the previous ``last.ckpt`` whole (the CLI registers it unless ``trainer.plugins``
+  has a CheckpointIO).
+- :func:`resolve_checkpoint` turns ``--ckpt_path last`` into the newest *usable* ``*.ckpt``
+  of the checkpoint folders, skipping broken files with a warning that names them; a broken
+  checkpoint named explicitly stops the run, naming the newest usable one next to it.
+- :class:`LoggerVersions` records the loggers' versions in every checkpoint, so a resumed run
+  logs into the version folder it continues; :func:`continue_csv_log` keeps a CSVLogger's
+  ``metrics.csv``.
 
-"Usable" is checked without loading the tensors: the file must be a complete zip archive
-(``torch.save``'s format; the central directory is written last, so a truncated file has
-none) whose members all lie inside the file, and its pickled index must load (memory-
-mapped, so the tensors are not read). Bit rot inside a tensor's bytes is not detected.
+"Usable" is checked without loading the tensors: a complete zip archive (``torch.save``'s
+format, whose central directory is written last) whose members lie inside the file, with a
+loadable pickled index (memory-mapped). Bit rot inside a tensor's bytes is not detected.
 """
 
 from __future__ import annotations
@@ -51,11 +46,8 @@ def _is_local(path: str | os.PathLike) -> bool:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local writes are atomic: temporary file, fsync, rename.
-
-    A reader (or a resumed run) sees either the previous complete file or the new complete
-    file, never a prefix. Remote paths (``s3://`` ...) use Lightning's own write.
-    """
+    """``TorchCheckpointIO`` whose local writes are atomic (:func:`atomic_write`); remote
+    paths (``s3://`` ...) use Lightning's own write."""
 
     def save_checkpoint(
         self,
@@ -80,12 +72,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file whole or not at all: ``write(f)`` fills a hidden temporary file
-    ``.<name>.<pid>.tmp`` in the target folder, which is flushed, ``fsync``-ed and renamed
-    over ``path`` (``os.replace``, atomic on POSIX and Windows, also over a symlink); the
-    rename is made durable by an ``fsync`` of the folder where the platform allows it. A
-    reader sees the old file or the new one, never part of one; on an error the temporary
-    file is removed and the error re-raised."""
+    """Write a file whole or not at all: ``write(f)`` fills ``.<name>.<pid>.tmp`` in the
+    target folder, which is fsync-ed and renamed over ``path`` (``os.replace``), then the
+    folder is fsync-ed where possible. On an error the temporary file is removed."""
     path = os.path.abspath(path)
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
@@ -105,19 +94,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be resumed from, or ``None`` when it looks complete.
-
-    A folder (a sharded checkpoint) is accepted as is; a file must be a complete
-    ``torch.save`` zip archive (see the module docstring).
-    """
+    """Why ``path`` cannot be resumed from, or ``None`` when it looks complete (a folder, a
+    sharded checkpoint, is accepted as is)."""
     path = str(path)
     if os.path.islink(path) and not os.path.exists(path):
         return f"a symlink to a missing file ({os.readlink(path)})"
@@ -192,9 +177,8 @@ def _usable(path: str, need_training_state: bool) -> tuple[str | None, dict[str,
     if problem is not None:
         return problem, None
     index = read_checkpoint_index(path)
-    if index is None and not os.path.isdir(path):
-        if zipfile.is_zipfile(path):
-            return "its index cannot be loaded", None
+    if index is None and not os.path.isdir(path) and zipfile.is_zipfile(path):
+        return "its index cannot be loaded", None
     if need_training_state and index is not None and "optimizer_states" not in index:
         return "weights only (no optimizer or loop state to resume)", None
     return None, index
@@ -216,11 +200,10 @@ def resolve_checkpoint(
 ) -> ResolvedCheckpoint | None:
     """The checkpoint ``ckpt_path`` stands for, checked.
 
-    ``"last"``: the newest usable ``*.ckpt`` of ``dirpaths``; unusable newer ones are
-    skipped with a warning that names them; ``None`` when there is none (a first run).
-    A local file path: itself when usable, else :class:`ValueError` naming it and the newest
-    usable checkpoint in its folder. Anything else (``"best"``, ``"hpc"``, a URL):
-    ``None``, left to Lightning.
+    ``"last"``: the newest usable ``*.ckpt`` of ``dirpaths`` (unusable newer ones skipped
+    with a warning; ``None`` when there is none; ValueError when none is usable). A local
+    file: itself when usable, else ValueError naming the newest usable one in its folder.
+    Anything else (``"best"``, a URL): ``None``, left to Lightning.
     """
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
@@ -260,25 +243,21 @@ def resolve_checkpoint(
 
 
 def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
-    """Delete the ``.<name>.<pid>.tmp`` files that a killed :class:`AtomicCheckpointIO`
-    write left in ``dirpaths`` (call before training writes again)."""
+    """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths``."""
     removed = []
     for folder in dirpaths:
         if not _is_local(folder):
             continue
         for path in glob.glob(os.path.join(glob.escape(folder), f".*.ckpt.*{TMP_SUFFIX}")):
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(path)
                 removed.append(path)
-            except OSError:
-                pass
     return removed
 
 
 class LoggerVersions(pl.Callback):
     """Record every logger's class, ``save_dir``, ``name`` and ``version`` in each
-    checkpoint (``checkpoint["maxent_grpo_loggers"]``; no callback state of its own, so a
-    plain ``Trainer`` resumes such a checkpoint without warnings)."""
+    checkpoint (``checkpoint["maxent_grpo_loggers"]``; no callback state of its own)."""
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         records = []
@@ -296,13 +275,9 @@ class LoggerVersions(pl.Callback):
 
 
 def continue_csv_log(logger: Any, resume_step: int | None) -> int:
-    """Keep the existing ``metrics.csv`` of a CSVLogger that continues a version folder.
-
-    Lightning's CSV writer deletes ``metrics.csv`` when it opens a non-empty version folder.
-    This reads the rows first, opens the writer (``logger.experiment``), writes back the
-    rows logged before the checkpoint (``step < resume_step``; the resumed run logs the
-    later ones again) and gives the writer their columns, so its later saves append.
-    Returns the number of rows kept. Call on global rank zero, before training logs.
+    """Keep the ``metrics.csv`` of a CSVLogger that continues a version folder (Lightning's
+    writer deletes it): rows with ``step < resume_step`` are written back and the writer
+    takes their columns. Returns the rows kept. Call on global rank zero, before logging.
     """
     metrics = os.path.join(logger.log_dir, "metrics.csv")
     if not os.path.isfile(metrics):

@@ -1,13 +1,9 @@
 """Evaluation: sample, grade, and the metric dict of an epoch (docs/ALGORITHM.md §6).
 
 Lightning-free. The :class:`Evaluator` samples ``n`` completions per prompt (plus one
-greedy one), scores them with the training rewards and keeps one :class:`PromptRecord`
-per prompt:
-the 0/1 correctness of its ``n`` samples (``eval_reward >= eval_correct_threshold``), their
-answers, its valid-answer set (tasks such as ``countdown_multi``), its task label and the
-correctness of its greedy completion. :func:`evaluation_metrics` turns the epoch's records
-into the logged dict through :func:`maxent_grpo.core.evaluation.aggregate`, so every value
-is an exact mean over the epoch's prompts (not a mean of per-batch means):
+greedy one), grades them with the training rewards and keeps one :class:`PromptRecord` per
+prompt; :func:`evaluation_metrics` turns the epoch's records into exact means over its
+prompts (:func:`maxent_grpo.core.evaluation.aggregate`):
 
 - ``{prefix}/pass@k``, ``{prefix}/mean@k``, ``{prefix}/distinct@k`` for every ``k``;
 - ``{prefix}/distinct_correct@k``: distinct correct answers among ``k`` samples (in the
@@ -16,12 +12,8 @@ is an exact mean over the epoch's prompts (not a mean of per-batch means):
 - ``{prefix}/greedy_pass@1``: the mean greedy correctness;
 - the same keys with ``/{task}`` appended, over the prompts of each task label.
 
-Answers. A sample's answer is :func:`~maxent_grpo.rewards.parsing.extract_answer` of the
-completion (``<answer>`` block, else ``\\boxed{}``), falling back to the stripped completion
-for bare prompts; ``distinct@k`` compares answers with whitespace collapsed. For coverage a
-correct answer is put in the task's canonical form (:func:`coverage_answer`: the left side
-of ``expr = target``, ``×``/``÷`` read as ``*``/``/``, then
-:func:`~maxent_grpo.tasks.multi_answer.canonical_expression`).
+Answers: :func:`sample_answer`; ``distinct@k`` compares them with whitespace collapsed;
+coverage compares their canonical forms (:func:`coverage_answer`).
 """
 
 from __future__ import annotations
@@ -106,13 +98,12 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
     out = aggregate(correct, ks, answers=[list(r.answers) for r in records])
     valid = [r.valid_answers for r in records]
     if any(v is not None for v in valid):
-        # coverage compares the canonical forms of the correct answers with the valid set
         canonical = [
             [coverage_answer(a) if ok else None for a, ok in zip(r.answers, r.correct, strict=True)]
             for r in records
         ]
         coverage = aggregate(correct, ks, answers=canonical, valid_answers=valid)
-        # canonical forms: "5 + 4" and "4 + 5" are one correct answer
+        # in canonical form "5 + 4" and "4 + 5" are one correct answer
         out.update({
             k: v for k, v in coverage.items() if k.startswith(("coverage@", "distinct_correct@"))
         })
@@ -153,11 +144,8 @@ class Evaluator(torch.nn.Module):
         settings: the module's ``EvaluationSettings`` (n, grading reward and threshold, k,
             greedy).
 
-    The reward metrics are torchmetrics (exact across ranks); the @k metrics are exact means
-    over the epoch's prompts: under DDP every rank's records are gathered with
-    ``torch.distributed.all_gather_object`` and every rank computes the same values (a
-    DistributedSampler that pads the last batch repeats a few prompts, which then count
-    twice).
+    Under DDP the records of every rank are gathered (``all_gather_object``), so every rank
+    computes the same @k values (prompts a padding sampler repeats count twice).
     """
 
     def __init__(self, rewards: WeightedRewards, settings: EvaluationSettings) -> None:
@@ -170,9 +158,8 @@ class Evaluator(torch.nn.Module):
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
              greedy_sampling: SamplingSettings) -> None:
-        """Sample (at the engine's own settings), grade and record one batch, plus one
-        ``greedy_sampling`` completion per prompt when ``settings.greedy``. The random
-        state is forked, so evaluation never shifts the training's random stream."""
+        """Sample, grade and record one batch (plus one ``greedy_sampling`` completion per
+        prompt when ``settings.greedy``), in a forked random state."""
         n, B = self.settings.num_generations, len(batch["prompts"])
         device = self.reward.total.device
         devices = [device] if device.type == "cuda" else []
@@ -206,8 +193,7 @@ class Evaluator(torch.nn.Module):
     def _score(
         self, batch: dict[str, Any], rollout: RolloutOutput, n: int
     ) -> tuple[Tensor, Tensor]:
-        """The training rewards of ``rollout`` (``n`` completions per prompt of ``batch``),
-        called as in training: dataset prompts, completion ids, trainer state."""
+        """The training rewards of ``rollout`` (``n`` completions per prompt), as in training."""
         groups = rollout.batch.grouped_completions
         pairs = PromptCompletionBatch(
             prompts=[p for p, group in zip(batch["raw_prompts"], groups, strict=True)
@@ -218,8 +204,8 @@ class Evaluator(torch.nn.Module):
                             rollout.completion_mask)
 
     def _correct(self, values: Tensor, completions: list) -> list[float]:
-        """0/1 correctness ``eval_reward >= eval_correct_threshold``; a ``None`` (NaN) value
-        means the reward could not grade the sample, which raises ValueError."""
+        """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN) value
+        raises ValueError."""
         missing = torch.isnan(values)
         if bool(missing.any()):
             name = self.rewards.names[self.settings.reward_index]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.aggregation import MeanMetric
 
 from maxent_grpo.core import constant_groups
 from maxent_grpo.training.types import RewardComponentStats, TokenUsageStats
@@ -368,8 +369,12 @@ class TokenUsage(Metric):
         )
 
 
-class TokenMean(Metric):
-    """Weighted mean ``sum(value * weight) / sum(weight)`` kept as its two sums.
+class TokenMean(MeanMetric):
+    """Weighted mean ``sum(value * weight) / sum(weight)``: torchmetrics' ``MeanMetric``
+    (its states, ``mean_value`` the weighted sum and ``weight`` the weights, their sum
+    reduction across ranks and its ``compute``) in float64. The sums are added here, not by
+    ``MeanMetric.update``: its ``nan_strategy="disable"`` drops the weights (torchmetrics
+    1.9) and every other strategy syncs the host at each update.
 
     For token-level diagnostics (KL, entropy, clip fractions, loss parts) pass per-token
     values, e.g. (N, T), and the bool mask of real tokens to :meth:`update`: the result is
@@ -384,12 +389,11 @@ class TokenMean(Metric):
     is_differentiable = False
     higher_is_better = None
 
-    _FLOAT_STATES = ("total", "weight")
+    _FLOAT_STATES = ("mean_value", "weight")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.add_state("total", _float64(0.0), dist_reduce_fx="sum")
-        self.add_state("weight", _float64(0.0), dist_reduce_fx="sum")
+        self.set_dtype(torch.float64)
 
     def update(
         self, values: Tensor, mask: Tensor | None = None, count: Tensor | float | None = None
@@ -399,15 +403,21 @@ class TokenMean(Metric):
         ``mask=None`` counts every entry. With ``count`` given, ``values`` is a precomputed
         sum and ``count`` its weight (see :meth:`update_sum`).
         """
+        _check_float64_states(self, self._FLOAT_STATES)
         if count is not None:
-            self._add_sum(values, count)
+            device = self.mean_value.device
+            total_t, count_t = _as_scalar("total", values, device), _as_scalar("count", count,
+                                                                             device)
+            if not isinstance(count, Tensor) and count < 0:
+                raise ValueError(f"count must be >= 0; got {count}")
+            self.mean_value += total_t
+            self.weight += count_t
             return
         _check_tensor("values", values)
         _check_real("values", values)
-        _check_float64_states(self, self._FLOAT_STATES)
-        v = values.detach().to(device=self.total.device, dtype=torch.float64)
+        v = values.detach().to(device=self.mean_value.device, dtype=torch.float64)
         if mask is None:
-            self.total += v.sum()
+            self.mean_value += v.sum()
             self.weight += v.numel()
             return
         _check_tensor("mask", mask)
@@ -416,8 +426,8 @@ class TokenMean(Metric):
             raise ValueError(
                 f"mask must have the shape of values {tuple(values.shape)}; got {tuple(mask.shape)}"
             )
-        m = mask.to(self.total.device)
-        self.total += torch.where(m, v, torch.zeros_like(v)).sum()
+        m = mask.to(self.mean_value.device)
+        self.mean_value += torch.where(m, v, torch.zeros_like(v)).sum()
         self.weight += m.sum()
 
     def update_sum(self, total: Tensor | float, count: Tensor | float) -> None:
@@ -428,16 +438,6 @@ class TokenMean(Metric):
         """
         self.update(total, count=count)
 
-    def _add_sum(self, total: Tensor | float, count: Tensor | float) -> None:
-        _check_float64_states(self, self._FLOAT_STATES)
-        device = self.total.device
-        total_t = _as_scalar("total", total, device)
-        count_t = _as_scalar("count", count, device)
-        if not isinstance(count, Tensor) and count < 0:
-            raise ValueError(f"count must be >= 0; got {count}")
-        self.total += total_t
-        self.weight += count_t
-
     def compute(self) -> Tensor:
-        """``total / weight`` as a 0-d float64 tensor; NaN when ``weight == 0``."""
-        return divide_or_nan(self.total, self.weight)
+        """``mean_value / weight`` as a 0-d float64 tensor; NaN when ``weight == 0``."""
+        return divide_or_nan(self.mean_value, self.weight)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +34,7 @@ from maxent_grpo.training.step.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from maxent_grpo.training.step.context import StepContext
+    from maxent_grpo.training.step.step_log import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +74,12 @@ class Update:
     skipped: bool = False
 
 
-class LossSums:
-    """``(value_sum, count)`` pairs of the losses' statistics over micro-batches and
-    iterations, kept on the device (one host sync per optimizer step: the finite check)."""
-
-    def __init__(self, device: torch.device) -> None:
-        zero = torch.zeros((), device=device)
-        self.device = device
-        self.sums: dict[str, list[Tensor]] = defaultdict(lambda: [zero, zero])
-
-    def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
-        entry = self.sums[key]
-        entry[0] = entry[0] + weight * value.detach().float().to(self.device)
-        entry[1] = entry[1] + weight * torch.as_tensor(count).float().to(self.device)
-
-
 def optimizer_step(
-    ctx: StepContext, trajectory: Trajectory, sums: LossSums, timer: StepTimer
+    ctx: StepContext, trajectory: Trajectory, sums: StepMetrics, timer: StepTimer
 ) -> Update:
-    """One optimizer step over the trajectory's micro-batches."""
+    """One optimizer step over the trajectory's micro-batches; the losses' statistics go
+    to ``sums`` (the step's torchmetrics, on the device: one host sync per optimizer step,
+    the finite check)."""
     opt, sched = ctx.optimizer, ctx.scheduler
     if trajectory.kept_groups == 0:  # every group of every rank is constant: no gradient,
         lr = opt.param_groups[0]["lr"]

@@ -216,15 +216,8 @@ class Scorer:
         when the behaviour policy is the current one, ``num_iterations = 1``)."""
         logps, entropy = self.token_logps(model, input_ids, attention, mask.shape[1],
                                           with_entropy, policy=True)
-        m = mask.to(logps.dtype)
-        cur = (logps.detach() * m).sum(-1)  # (n,)
-        behaviour = cur if old_logps is None else (old_logps * m).sum(-1)
         scores = SequenceScores(
-            cur_logp_sum=cur,
-            behavior_logp_sum=behaviour,
-            log_ratio_train=cur - behaviour,
-            denom_tok_tensor=m.sum(-1),
-            policy_entropy_sum=None if entropy is None else (entropy.detach() * m).sum(-1),
+            cur_logp_sum=(logps.detach() * mask.to(logps.dtype)).sum(-1),  # (n,)
             token_logp=logps,
             token_mask=mask,
             old_token_logp=old_logps,

@@ -34,7 +34,6 @@ from maxent_grpo.training.types import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from maxent_grpo.training.step.optimise import LossSums
     from maxent_grpo.training.step.trajectory import Trajectory
 
 
@@ -80,8 +79,14 @@ class StepMetrics(torch.nn.Module):
             self.means[name] = TokenMean().to(self.reward.total.device)
         return self.means[name]
 
-    def observe(self, trajectory: Trajectory, sums: LossSums) -> None:
-        """Add the step's rollout statistics and its losses' ``(sum, count)`` pairs."""
+    def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
+        """Add a loss statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost
+        group), to ``train/<key>``."""
+        self.mean(key).update_sum(weight * value.detach().double(),
+                                  weight * torch.as_tensor(count, dtype=torch.float64))
+
+    def observe(self, trajectory: Trajectory) -> None:
+        """Add the step's rollout statistics (its losses came through :meth:`add`)."""
         t = trajectory
         rollout = t.rollout
         self.reward.update(t.rewards)
@@ -91,8 +96,6 @@ class StepMetrics(torch.nn.Module):
             self.mean("logp/ref_token").update(
                 t.ref_logps, torch.zeros_like(t.mask) if t.ghost else t.mask)
         device = self.reward.total.device
-        for key, (value, count) in sums.sums.items():
-            self.mean(key).update_sum(value.to(device), count.to(device))
         for key, value in t.targets.stats.items():
             self.mean(key).update_sum(value.detach(), torch.ones((), device=device))
 
@@ -107,44 +110,43 @@ class StepMetrics(torch.nn.Module):
                  if k in self._updated}
         nan = math.nan
         kl = means.pop("kl", nan)
-        beta = view.weighting.state().get("beta", 0.0)
+        weighting = view.weighting.state()  # tau, beta, ... as the step used them
         losses = LossScalarBundle(
             total_loss=means.pop("loss/total", nan),
             policy_loss=means.pop("loss/policy", nan),
             clip_loss=means.pop("loss/clip", None),
             kl_loss=kl,
-            weighted_kl_loss=kl * beta,
+            weighted_kl_loss=kl * weighting.get("beta", 0.0),
         )
         scalars = TrainingScalarStats(
             ref_logp_mean=means.pop("logp/ref_token", nan),
             tokens=self.tokens.summary(),
             current_lr=lr,
-            grad_norm_scalar=None if grad_norm is None else float(grad_norm),
-            epoch_progress=epoch_progress,
-            vllm_latency_ms=None,  # no vLLM engine: the rollout's time is perf/generate_s
             policy_entropy=means.pop("entropy", None),
         )
         moments = self.reward.summary()  # the documented RewardMoments
-        diagnostics: dict[str, Any] = {f"reward/{k}": float(v)
-                                       for k, v in self.reward.compute().items()}
-        diagnostics.update({"reward/mean": moments.mean, "reward/std": moments.std})
+        diagnostics: dict[str, Any] = {"reward/mean": moments.mean, "reward/std": moments.std}
+        diagnostics.update({f"reward/{k}": float(v) for k, v in self.reward.compute().items()
+                            if f"reward/{k}" not in diagnostics})
         for name, stats in self.components.summaries().items():  # RewardComponentStats
             diagnostics[f"reward/{name}/mean"] = stats.mean
             diagnostics[f"reward/{name}/std"] = stats.std
         diagnostics.update(means)
-        diagnostics.update({"kl": kl, "logp/ref_token": scalars.ref_logp_mean,
-                            "entropy": scalars.policy_entropy})
-        diagnostics["tokens"] = {k: float(v) for k, v in self.tokens.compute().items()}
-        diagnostics.update(view.weighting.state())  # tau, beta, ... as the step used them
-        diagnostics["lr"] = scalars.current_lr
-        if view.clipping is not None and scalars.grad_norm_scalar is not None:
-            diagnostics["grad_clipped"] = float(scalars.grad_norm_scalar > view.clipping)
+        diagnostics["kl"] = kl
+        tokens = {k: float(v) for k, v in self.tokens.compute().items()}
+        diagnostics["tokens"] = {k: v for k, v in tokens.items()  # the rest of the counts
+                                 if f"tokens/{k}" not in scalars.as_dict()}
+        diagnostics.update(weighting)
+        grad_norm_value = None if grad_norm is None else float(grad_norm)
+        if view.clipping is not None and grad_norm_value is not None:
+            diagnostics["grad_clipped"] = float(grad_norm_value > view.clipping)
         diagnostics.update(extra)
         artifacts = LogStepArtifacts(
             loss_outputs=losses,
             diagnostics={k: v for k, v in diagnostics.items() if _measured(v)},
-            grad_norm_scalar=scalars.grad_norm_scalar,
-            epoch_progress=scalars.epoch_progress,
+            grad_norm_scalar=grad_norm_value,
+            epoch_progress=epoch_progress,
+            scalars=scalars,
         )
         self.reset_step()
         return artifacts

@@ -284,7 +284,7 @@ def rollout_samples(
             name: components[k].detach().cpu().view(B, G)
             for k, name in enumerate(ctx.rewards.names)
         },
-        advantages=None if adv is None else AdvantageStats.from_grouped(adv.tolist()),
+        advantages=None if adv is None else AdvantageStats(adv.tolist()),
         weights=full(targets.weights),
-        q=None if q is None else QDistribution.from_grouped(q.tolist()),
+        q=None if q is None else QDistribution(q.tolist()),
     )

@@ -7,6 +7,7 @@ already reduced over micro-batches and ranks; the logger (``LightningModule.log_
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -29,7 +30,7 @@ class TokenUsageStats:
     """Token counts of one optimizer step.
 
     Computed by the ``TokenUsage`` torchmetric from the completion masks and prompt
-    attention masks; consumed by :class:`TrainingScalarStats` and logging.
+    attention masks; logged through :meth:`TrainingScalarStats.as_dict`.
 
     Attributes:
         avg_completion_tokens: mean completion length ``mean_i T_i`` over the B*G rows.
@@ -50,54 +51,44 @@ class TokenUsageStats:
                 raise ValueError(f"{f.name} must be >= 0; got {value}")
 
     def as_dict(self) -> dict[str, float]:
-        """``{"avg_completion_tokens": …, "num_completion_tokens": …, "num_input_tokens": …}``."""
-        return asdict(self)
+        """The logged names: ``completion_length/mean``, ``completion_tokens``,
+        ``input_tokens``."""
+        return {"completion_length/mean": self.avg_completion_tokens,
+                "completion_tokens": self.num_completion_tokens,
+                "input_tokens": self.num_input_tokens}
 
 
 @dataclass
 class TrainingScalarStats:
-    """Step-level scalars that are not losses: reference log-prob, tokens, lr, grad norm, ….
+    """Step-level scalars that are not losses: reference log-prob, tokens, lr, entropy
+    (the rollout engine's time is ``perf/generate_s``, from the step's timer).
 
-    Built by the LightningModule after each optimizer step (lr from the Lightning
-    scheduler, grad norm from the strategy's clipping); consumed by logging.
+    Built by :meth:`~maxent_grpo.training.step.step_log.StepMetrics.artifacts` after the
+    optimizer step(s) and logged through :meth:`as_dict` (the step's gradient norm and
+    epoch progress travel in :class:`LogStepArtifacts` itself).
 
     Attributes:
-        ref_logp_mean: mean length-normalised reference log-likelihood ``mean_i rho_i``.
+        ref_logp_mean: mean reference log-prob per completion token (NaN: not measured).
         tokens: the step's :class:`TokenUsageStats`.
-        current_lr: the learning rate used for this step.
-        grad_norm_scalar: total gradient norm before clipping, or ``None`` if not measured.
-        epoch_progress: fractional epoch, ``epoch + batch_idx / batches_per_epoch``.
-        vllm_latency_ms: the rollout engine's generation latency in ms (any engine, not only
-            vLLM), or ``None``.
+        current_lr: the learning rate used for this step (NaN: the update was skipped).
         policy_entropy: mean token entropy of the policy, if computed.
-        entropy_bonus_coef: the effective entropy coefficient ``alpha_eff``, if used.
-        entropy_bonus_reward_std: reward std seen by the entropy-bonus gate, if used.
     """
 
     ref_logp_mean: float
     tokens: TokenUsageStats
     current_lr: float
-    grad_norm_scalar: float | None
-    epoch_progress: float
-    vllm_latency_ms: float | None
     policy_entropy: float | None = None
-    entropy_bonus_coef: float | None = None
-    entropy_bonus_reward_std: float | None = None
 
-    @property
-    def avg_completion_tokens(self) -> float:
-        """``tokens.avg_completion_tokens`` (read-only)."""
-        return self.tokens.avg_completion_tokens
-
-    @property
-    def num_completion_tokens(self) -> float:
-        """``tokens.num_completion_tokens`` (read-only)."""
-        return self.tokens.num_completion_tokens
-
-    @property
-    def num_input_tokens(self) -> float:
-        """``tokens.num_input_tokens`` (read-only)."""
-        return self.tokens.num_input_tokens
+    def as_dict(self) -> dict[str, float | None]:
+        """``logp/ref_token``, ``lr``, ``entropy`` and the token counts as
+        ``tokens/<name>`` (see :meth:`TokenUsageStats.as_dict`); values not measured
+        (None, NaN) are left out."""
+        out: dict[str, float | None] = {
+            "logp/ref_token": self.ref_logp_mean, "lr": self.current_lr,
+            "entropy": self.policy_entropy,
+        }
+        out.update({f"tokens/{k}": v for k, v in self.tokens.as_dict().items()})
+        return {k: v for k, v in out.items() if v is not None and not math.isnan(v)}
 
 
 @dataclass
@@ -150,13 +141,15 @@ class LogStepArtifacts:
             fractions, KL, weight entropy; keys should already carry their namespace
             (``"clip/low_frac"``).
         grad_norm_scalar: total gradient norm, or ``None`` if not measured.
-        epoch_progress: fractional epoch.
+        epoch_progress: fractional epoch (``batch_idx / batches per epoch``).
+        scalars: the step's :class:`TrainingScalarStats`, or None.
     """
 
     loss_outputs: LossScalarBundle | Mapping[str, Any]
     diagnostics: Mapping[str, Any]
     grad_norm_scalar: float | None
     epoch_progress: float
+    scalars: TrainingScalarStats | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.loss_outputs, LossScalarBundle | Mapping):
@@ -174,6 +167,7 @@ class LogStepArtifacts:
             - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed:
               ``loss/total``, ``loss/policy``, ``loss/clip``, ``loss/kl``,
               ``loss/weighted_kl`` for a :class:`LossScalarBundle`;
+            - the keys of :meth:`TrainingScalarStats.as_dict` (``lr``, ``tokens/...``);
             - each diagnostics key unchanged; a nested mapping is joined with ``"/"``
               (``{"clip": {"low_frac": x}}`` -> ``"clip/low_frac"``);
             - ``"grad_norm"`` and ``"epoch_progress"``.
@@ -203,6 +197,9 @@ class LogStepArtifacts:
                 else:
                     put(key, value)
 
+        if self.scalars is not None:
+            for key, value in self.scalars.as_dict().items():
+                put(key, value)
         walk("", self.diagnostics)
         put("grad_norm", self.grad_norm_scalar)
         put("epoch_progress", self.epoch_progress)
@@ -221,12 +218,10 @@ class LoggingConfigView:
             values the step used) is logged, and whose beta weighs ``loss/weighted_kl``.
         clipping: the gradient-clipping norm (``model.gradient_clip_val``) or None; when
             set, ``grad_clipped`` records whether the step's norm exceeded it.
-        schedule: the optimisation schedule (the module's ``ScheduleSettings``).
     """
 
     weighting: Any
     clipping: Any
-    schedule: Any
 
 
 @runtime_checkable

@@ -13,7 +13,6 @@ Flow on the training path::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,6 @@ __all__ = [
     "AdvantageStats",
     "BatchingSettings",
     "GenerationBatch",
-    "PromptCacheEntry",
     "PromptCompletionBatch",
     "QDistribution",
     "RewardComponentStats",
@@ -75,37 +73,18 @@ class RewardMoments:
         _check_std(self.std)
 
 
-def _check_flat_matches(name: str, grouped: list[list[float]], samples: list[float]) -> None:
-    total = sum(len(group) for group in grouped)
-    if len(samples) != total:
-        raise ValueError(
-            f"{name}.samples must be the prompt-major flattening of {name}.grouped "
-            f"({total} values); got {len(samples)}"
-        )
-
-
 @dataclass
 class AdvantageStats:
     """Advantages per group and flattened (prompt-major), as plain floats.
 
-    Produced by the objective from the grouped rewards (``core.advantages``); consumed by
-    the loss (via ``samples``, aligned with SequenceScores rows) and by logging.
+    Built from the objective's targets for display (the loss reads the tensors);
+    consumed by :class:`~maxent_grpo.training.callbacks.CompletionSamples`.
 
     Attributes:
         grouped: B lists; ``grouped[b][g]`` is the advantage of completion g of prompt b.
-        samples: the same values flattened prompt-major (length B*G).
     """
 
     grouped: list[list[float]]
-    samples: list[float]
-
-    def __post_init__(self) -> None:
-        _check_flat_matches("AdvantageStats", self.grouped, self.samples)
-
-    @classmethod
-    def from_grouped(cls, grouped: list[list[float]]) -> AdvantageStats:
-        """Build from grouped values, flattening them prompt-major into ``samples``."""
-        return cls(grouped=grouped, samples=[v for group in grouped for v in group])
 
 
 @dataclass
@@ -114,24 +93,15 @@ class QDistribution:
 
     Produced by the listwise objective (``core.listwise``): per group,
     ``q = softmax_G(r / T_q)`` followed by the floor ``q <- q * (1 - G * eps') + eps'``;
-    consumed by the closed-form MaxEnt weights and by logging. Each group of ``grouped``
-    is a probability vector (positive, sums to 1); this is documented, not re-checked.
+    shown by :class:`~maxent_grpo.training.callbacks.CompletionSamples`. Each group of
+    ``grouped`` is a probability vector (positive, sums to 1); this is documented, not
+    re-checked.
 
     Attributes:
         grouped: B lists of G probabilities.
-        samples: the same values flattened prompt-major (length B*G).
     """
 
     grouped: list[list[float]]
-    samples: list[float]
-
-    def __post_init__(self) -> None:
-        _check_flat_matches("QDistribution", self.grouped, self.samples)
-
-    @classmethod
-    def from_grouped(cls, grouped: list[list[float]]) -> QDistribution:
-        """Build from grouped probabilities, flattening them prompt-major into ``samples``."""
-        return cls(grouped=grouped, samples=[v for group in grouped for v in group])
 
 
 # ---------------------------------------------------------------------------------- scoring
@@ -139,71 +109,44 @@ class QDistribution:
 
 @dataclass
 class SequenceScores:
-    """Log-probability scores of the B*G completions under the current and behaviour policy.
+    """Log-probability scores of N scored completions under the current policy, with
+    gradient, and the behaviour policy's per-token log-probs they are compared with.
 
-    Produced by scoring (a teacher-forced forward pass over prompt + completion, chunked per
-    :class:`BatchingSettings`); consumed by the objective's loss and by logging. Rows are
-    prompt-major sequences (N = B*G).
+    Produced by :meth:`~maxent_grpo.training.step.scoring.Scorer.policy_scores` (a
+    teacher-forced forward pass over prompt + completion, one micro-batch of whole groups
+    within :class:`BatchingSettings`); consumed by the objective's loss (the per-token
+    tensors) and by logging (``logp/sequence`` from ``cur_logp_sum``). Rows are prompt-major.
 
     Attributes:
         cur_logp_sum: (N,) sum over completion tokens of log pi_theta(y_t | x, y_<t).
-        behavior_logp_sum: (N,) the same sum under the behaviour policy that generated the
-            completions (detached).
-        log_ratio_train: (N,) ``cur_logp_sum - behavior_logp_sum``, the sequence log-ratio
-            used by the loss.
-        denom_tok_tensor: (N,) number of completion tokens of each sequence (the
-            normaliser of per-token means).
-        pooled_hidden: optional (N, H) pooled final hidden state of each sequence.
-        policy_entropy_sum: optional (N,) sum over tokens of the policy's exact entropy.
-        token_logp: optional (N, T) per-token log-probs under the current policy.
-        token_mask: optional (N, T) bool mask of real (non-padding) completion tokens.
-        old_token_logp: optional (N, T) per-token log-probs under the behaviour policy.
+        token_logp: (N, T) per-token log-probs under the current policy.
+        token_mask: (N, T) bool mask of real (non-padding) completion tokens.
+        old_token_logp: (N, T) per-token log-probs under the behaviour policy (detached),
+            or None when the behaviour policy is the current one (``num_iterations = 1``).
     """
 
     cur_logp_sum: torch.Tensor
-    behavior_logp_sum: torch.Tensor
-    log_ratio_train: torch.Tensor
-    denom_tok_tensor: torch.Tensor
-    pooled_hidden: torch.Tensor | None = None
-    policy_entropy_sum: torch.Tensor | None = None
-    token_logp: torch.Tensor | None = None
-    token_mask: torch.Tensor | None = None
+    token_logp: torch.Tensor
+    token_mask: torch.Tensor
     old_token_logp: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        for name in ("cur_logp_sum", "behavior_logp_sum", "log_ratio_train", "denom_tok_tensor"):
-            value = getattr(self, name)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
-            if value.dim() != 1:
-                raise ValueError(f"{name} must have shape (N,); got {tuple(value.shape)}")
+        if not isinstance(self.cur_logp_sum, torch.Tensor) or self.cur_logp_sum.dim() != 1:
+            raise ValueError(f"cur_logp_sum must be a (N,) tensor; got {self.cur_logp_sum!r}")
         n = self.cur_logp_sum.shape[0]
-        for name in ("behavior_logp_sum", "log_ratio_train", "denom_tok_tensor"):
-            if getattr(self, name).shape[0] != n:
-                raise ValueError(
-                    f"{name} must have shape ({n},) like cur_logp_sum; "
-                    f"got {tuple(getattr(self, name).shape)}"
-                )
-        # optional tensors: name -> number of dims; all share N rows, per-token ones share T
-        optional = {"pooled_hidden": 2, "policy_entropy_sum": 1}
-        optional |= {"token_logp": 2, "token_mask": 2, "old_token_logp": 2}
-        token_shape: tuple[int, ...] | None = None
-        for name, dims in optional.items():
+        for name in ("token_logp", "token_mask", "old_token_logp"):
             value = getattr(self, name)
-            if value is None:
+            if value is None and name == "old_token_logp":
                 continue
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None; got {type(value)}")
-            if value.dim() != dims or value.shape[0] != n:
-                want = f"({n},)" if dims == 1 else f"({n}, …)"
-                raise ValueError(f"{name} must have shape {want}; got {tuple(value.shape)}")
-            if name.startswith(("token_", "old_token_")):
-                if token_shape is not None and tuple(value.shape) != token_shape:
-                    raise ValueError(
-                        f"{name} must have the same (N, T) shape as the other per-token "
-                        f"tensors {token_shape}; got {tuple(value.shape)}"
-                    )
-                token_shape = tuple(value.shape)
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+            if value.dim() != 2 or value.shape[0] != n:
+                raise ValueError(f"{name} must have shape ({n}, T); got {tuple(value.shape)}")
+            if value.shape != self.token_logp.shape:
+                raise ValueError(
+                    f"{name} must have the same (N, T) shape as token_logp "
+                    f"{tuple(self.token_logp.shape)}; got {tuple(value.shape)}"
+                )
 
     @property
     def num_sequences(self) -> int:
@@ -212,37 +155,8 @@ class SequenceScores:
 
 
 @dataclass
-class PromptCacheEntry:
-    """A tokenised prompt kept in the prompt cache so scoring does not re-tokenise it.
-
-    Produced by the prompt-cache lookup (``BatchingSettings.prompt_length_cache_get`` /
-    ``RuntimeHandles.prompt_cache_get``); consumed by scoring when it builds prompt +
-    completion inputs.
-
-    Attributes:
-        input_ids: the prompt's P token ids.
-        attention_mask: the prompt's P mask values (1 for real tokens).
-    """
-
-    input_ids: list[int]
-    attention_mask: list[int]
-
-    def __post_init__(self) -> None:
-        if len(self.attention_mask) != len(self.input_ids):
-            raise ValueError(
-                f"attention_mask must have one value per input id ({len(self.input_ids)}); "
-                f"got {len(self.attention_mask)}"
-            )
-
-    @property
-    def length(self) -> int:
-        """P, the number of prompt tokens."""
-        return len(self.input_ids)
-
-
-@dataclass
 class BatchingSettings:
-    """How scoring is chunked and cached; read by the scorer on every training step.
+    """How scoring is chunked; read by the scorer on every training step.
 
     The trainer scores micro-batches of whole prompt groups
     (:func:`maxent_grpo.training.step.batching.plan_micro_batches`), so the two sizes below bound
@@ -253,28 +167,11 @@ class BatchingSettings:
             log-probs (>= 1; whole groups: ``G * model.micro_batch_groups``), or None.
         score_slice: at most this many padded tokens (rows x columns) per scored slice
             (>= 1; ``model.micro_batch_tokens``), or None.
-        prompt_length_cache_get: lookup ``prompt -> PromptCacheEntry`` used to skip
-            re-tokenising prompts, or ``None`` to tokenise every time (the trainer's engine
-            tokenises each batch once, so it uses None).
-        score_tail_tokens: if set (>= 1), only the last this many completion tokens are
-            scored; ``None`` scores all T (the trainer always scores all T).
-        slice_prefetch: slices prepared ahead of the one being scored (>= 0; the trainer
-            prepares none).
-        prompt_cache_size: maximum number of cached prompts (>= 0; 0 disables the cache).
     """
 
     logprob_chunk_size: int | None
     score_slice: int | None
-    prompt_length_cache_get: Callable[[str], PromptCacheEntry] | None = None
-    score_tail_tokens: int | None = None
-    slice_prefetch: int = 0
-    prompt_cache_size: int = 0
 
     def __post_init__(self) -> None:
         check_int("logprob_chunk_size", self.logprob_chunk_size, minimum=1, allow_none=True)
         check_int("score_slice", self.score_slice, minimum=1, allow_none=True)
-        check_int("score_tail_tokens", self.score_tail_tokens, minimum=1, allow_none=True)
-        check_int("slice_prefetch", self.slice_prefetch, minimum=0)
-        check_int("prompt_cache_size", self.prompt_cache_size, minimum=0)
-        if self.prompt_length_cache_get is not None and not callable(self.prompt_length_cache_get):
-            raise TypeError("prompt_length_cache_get must be callable or None")

@@ -12,13 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from maxent_grpo.training.types.rewards import BatchingSettings, PromptCacheEntry
+from maxent_grpo.training.types.rewards import BatchingSettings
 
 if TYPE_CHECKING:
     import torch
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.accelerators import Accelerator
-    from torch.utils.data import DataLoader, Sampler
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["ControllerPaths", "LoopSettings", "OptimizationSettings", "RuntimeHandles"]
@@ -74,99 +71,49 @@ class OptimizationSettings:
 class LoopSettings:
     """The training loop's configuration, grouped by concern.
 
-    Built once by the LightningModule from its constructor arguments; read by
-    ``training_step`` (generation, scoring), the validation hooks (evaluation) and the
-    controller callbacks (controller, controller_objective, controller_meta_manager).
-    Lightning's ``Trainer`` owns the loop itself; this is the view of its settings.
+    Built once by the LightningModule from its constructor arguments
+    (:func:`~maxent_grpo.training.settings.build_loop_settings`); read by ``training_step``
+    (generation, optimization, scoring) and the evaluator (evaluation). Lightning's
+    ``Trainer`` owns the loop itself; this is the view of its settings. The controllers'
+    paths (:class:`ControllerPaths`) are their own (``Controller.paths``).
 
     Attributes:
         generation: rollout settings (G, max completion length, temperature, …).
         evaluation: evaluation settings (k for pass@k, number of samples, …).
         optimization: the :class:`OptimizationSettings`.
-        scoring: how scoring is chunked and cached (:class:`BatchingSettings`).
-        controller: where controller state is written and read.
-        controller_objective: the objective instance the controllers adjust, or ``None``.
-        controller_meta_manager: the meta controller (joint tau/beta), or ``None``.
+        scoring: how scoring is chunked (:class:`BatchingSettings`).
     """
 
     generation: Any
     evaluation: Any
     optimization: OptimizationSettings
     scoring: BatchingSettings
-    controller: ControllerPaths
-    controller_objective: Any = None
-    controller_meta_manager: Any = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.controller, ControllerPaths):
-            raise TypeError(
-                f"controller must be a ControllerPaths; got {type(self.controller).__name__}"
-            )
 
 
 @dataclass
 class RuntimeHandles:
-    """Objects that live for the whole job: a typed view of what Lightning set up.
+    """The models of the whole job: a typed view of what the module loaded.
 
-    Built by the LightningModule in ``setup``/``on_fit_start`` (see :meth:`from_trainer`);
-    read by the rollout engine (model, tokenizer, device), scoring (reference model,
-    prompt cache) and logging. ``get_ref_model`` loads the frozen reference lazily, so a
-    run that never needs it (beta = 0 and no controller can raise beta) never loads it.
+    Built by the LightningModule in ``configure_model``; read by the step (policy,
+    reference), the export callback (model, tokenizer). ``get_ref_model`` loads the frozen
+    reference lazily, so a run that never needs it (beta = 0 and no controller can raise
+    beta) never loads it.
 
     Attributes:
-        accelerator: Lightning's accelerator (``trainer.accelerator``).
         model: the policy being trained.
         tokenizer: the policy's tokenizer.
-        train_loader: the training DataLoader (``trainer.train_dataloader``), or ``None``
-            before Lightning has built it.
-        train_sampler: the loader's sampler, or ``None``.
-        device: the device the model runs on (``trainer.strategy.root_device``).
         get_ref_model: zero-argument callable returning the reference model.
         reference_model: the reference model once loaded, else ``None``.
-        prompt_cache_get: lookup ``prompt -> PromptCacheEntry``, or ``None``.
     """
 
-    accelerator: Accelerator
     model: PreTrainedModel | torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
-    train_loader: DataLoader | None
-    train_sampler: Sampler | None
-    device: torch.device
     get_ref_model: Callable[[], PreTrainedModel]
     reference_model: PreTrainedModel | None = None
-    prompt_cache_get: Callable[[str], PromptCacheEntry] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.get_ref_model):
             raise TypeError("get_ref_model must be a zero-argument callable")
-        if self.prompt_cache_get is not None and not callable(self.prompt_cache_get):
-            raise TypeError("prompt_cache_get must be callable or None")
-
-    @classmethod
-    def from_trainer(
-        cls,
-        trainer: Trainer,
-        model: PreTrainedModel | torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        get_ref_model: Callable[[], PreTrainedModel],
-        prompt_cache_get: Callable[[str], PromptCacheEntry] | None = None,
-    ) -> RuntimeHandles:
-        """Read accelerator, device, loader and sampler from a Lightning ``Trainer``.
-
-        ``trainer.train_dataloader`` may still be ``None`` (before the fit loop builds it);
-        then ``train_loader`` and ``train_sampler`` are ``None``.
-        """
-        loader = trainer.train_dataloader
-        return cls(
-            accelerator=trainer.accelerator,
-            model=model,
-            tokenizer=tokenizer,
-            train_loader=loader,
-            train_sampler=getattr(loader, "sampler", None) if loader is not None else None,
-            device=trainer.strategy.root_device,
-            get_ref_model=get_ref_model,
-            prompt_cache_get=prompt_cache_get,
-        )
 
     def reference(self) -> PreTrainedModel:
         """The reference model, loading it with ``get_ref_model`` on first use."""

@@ -541,7 +541,7 @@ def test_the_cli_switch_to_a_file_proceeds(tmp_path, monkeypatch, caplog):
 
     from maxent_grpo import cli as cli_module
 
-    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    config = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
     path = write(tmp_path / "my.jsonl", ROWS * 4)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["maxent_grpo"])

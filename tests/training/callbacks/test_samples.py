@@ -42,12 +42,12 @@ def make_record(step: int = 0, *, weights: bool = True, advantages: bool = False
         step=step,
         prompts=prompts,
         generation=GenerationBatch(
-            prompts=prompts, answers=["", "", ""], grouped_ref_meta=None,
+            prompts=prompts,
             grouped_completions=[["3 |", "<think>"], ["7\n8", "\\|"], ["42", "[x](y)"]],
         ),
         rewards=acc + fmt,
         components={"accuracy": acc, "format": fmt},
-        advantages=AdvantageStats.from_grouped([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]])
+        advantages=AdvantageStats([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]])
         if advantages else None,
         weights=torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]]) if weights else None,
         q=None,

@@ -12,7 +12,7 @@ import torch
 from maxent_grpo.models import builtin_tiny_model_and_tokenizer
 from maxent_grpo.training.step.scoring import Scorer, fused_head_parts
 from maxent_grpo.training.types import BatchingSettings
-from tests.training.test_module import fit, make_data, make_module, params
+from tests.conftest import fit, make_data, make_module, params
 
 UNBOUNDED = BatchingSettings(logprob_chunk_size=None, score_slice=None)
 
@@ -189,7 +189,7 @@ def test_a_training_step_with_the_fused_head_equals_one_without(cache_dir):
     results = []
     for on in (True, False):
         module = make_module(cache_dir, fused_lm_head=on, objective=GRPO(beta=0.1),
-                             rewards={"tests.training.test_module:alternating": 1.0})
+                             rewards={"tests.conftest:alternating": 1.0})
         fit(module, make_data(cache_dir), steps=1)
         results.append(params(module))
         assert fused(module.scorer, module.policy) == on

@@ -24,7 +24,7 @@ import yaml
 
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def save(path: Path, step: int, mtime: float | None = None) -> Path:
@@ -203,7 +203,7 @@ def fit(run: Path, steps: int, kill: bool, *extra: str) -> subprocess.CompletedP
     path = run / f"config_{steps}.yaml"
     path.write_text(yaml.safe_dump(fit_config(run, steps, kill), sort_keys=False))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(ROOT)])}
     cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(path), *extra]
     return subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True, timeout=300)
 

@@ -20,7 +20,7 @@ from maxent_grpo.training.run.evaluation import (
     evaluation_metrics,
     sample_answer,
 )
-from tests.training.test_module import cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import cache_dir, fit, make_data, make_module  # noqa: F401
 
 
 def naive_pass(correct: list[float], k: int) -> float:
@@ -131,13 +131,13 @@ def half(prompts, completions, **kw):
     return [0.5] * len(completions)
 
 
-ALT = "tests.training.test_module_evaluation:alternating"
+ALT = "tests.training.run.test_module_evaluation:alternating"
 
 
 def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):  # noqa: F811
     module = make_module(
         cache_dir, eval_num_generations=4, eval_k=[1, 2, 4],
-        rewards={ALT: 1.0, "tests.training.test_module_evaluation:half": 1.0},
+        rewards={ALT: 1.0, "tests.training.run.test_module_evaluation:half": 1.0},
     )
     out = validate(module, make_data(cache_dir))
     # every prompt: correctness [1, 0, 1, 0] -> c = 2 of n = 4
@@ -159,14 +159,14 @@ def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):  # noq
 def test_eval_reward_and_threshold_choose_correctness(cache_dir):  # noqa: F811
     module = make_module(
         cache_dir, eval_num_generations=2, eval_greedy=False,
-        rewards={ALT: 1.0, "tests.training.test_module_evaluation:half": 1.0},
-        eval_reward="tests.training.test_module_evaluation:half", eval_correct_threshold=0.5,
+        rewards={ALT: 1.0, "tests.training.run.test_module_evaluation:half": 1.0},
+        eval_reward="tests.training.run.test_module_evaluation:half", eval_correct_threshold=0.5,
     )
     out = validate(module, make_data(cache_dir))
     assert out["val/pass@1"] == 1.0 and "val/greedy_pass@1" not in out
     module = make_module(
         cache_dir, eval_num_generations=2, eval_greedy=False,
-        rewards={"tests.training.test_module_evaluation:half": 1.0}, eval_correct_threshold=0.6,
+        rewards={"tests.training.run.test_module_evaluation:half": 1.0}, eval_correct_threshold=0.6,
     )
     assert validate(module, make_data(cache_dir))["val/pass@1"] == 0.0
 

@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 import maxent_grpo.cli as cli_module
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar, is_terminal, line_interval
-from tests.training.test_module import make_data, make_module
+from tests.conftest import make_data, make_module
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LINE = re.compile(
     r"^step (\d+)/(\d+)  reward\(avg20\) (-?\d+\.\d{3})  loss \S+  tokens/s \d+  "
     r"eta \d+:\d\d:\d\d$"

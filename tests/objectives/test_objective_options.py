@@ -1,0 +1,228 @@
+"""The objectives' options, flags and checkpointed state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt
+from tests.objectives.conftest import (  # noqa: F401
+    F64,
+    G2,
+    LENGTHS,
+    LOSS_TYPES,
+    REWARDS,
+    T4,
+    T_MAX5,
+    _grpo_setup,
+    _k3,
+    _logps,
+    _mask,
+    _mb,
+    _naive_adv,
+    _old_or_none,
+    _row_weight,
+    _softmax,
+)
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"loss_type": "ppo"}, r"objective\.loss_type.*'grpo', 'bnpo', 'dr_grpo', 'dapo'"),
+        ({"scale_rewards": "std"}, r"objective\.scale_rewards.*'group', 'batch', 'none'"),
+        ({"epsilon": 1.0}, r"objective\.epsilon must be in \[0, 1\)"),
+        ({"epsilon": -0.1}, r"objective\.epsilon must be in \[0, 1\)"),
+        ({"epsilon_high": -0.1}, r"objective\.epsilon_high must be a finite number >= 0"),
+        ({"kl_estimator": "k4"}, r"objective\.kl_estimator.*'k1', 'k2', 'k3'"),
+        ({"beta": -0.1}, r"objective\.beta must be a finite number >= 0"),
+        ({"beta": math.nan}, r"objective\.beta"),
+        ({"beta": math.inf}, r"objective\.beta"),
+    ],
+)
+def test_grpo_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GRPO(**kwargs)
+    # EntropyMaxEnt inherits every GRPO check.
+    with pytest.raises(ValueError, match=match):
+        EntropyMaxEnt(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"alpha": -0.01}, r"objective\.alpha must be a finite number >= 0"),
+        ({"alpha": math.inf}, r"objective\.alpha"),
+        ({"kl_gate_threshold": 0.0}, r"objective\.kl_gate_threshold must be a finite number > 0"),
+        ({"kl_gate_threshold": -1.0}, r"objective\.kl_gate_threshold must be a finite number"),
+        ({"kl_gate_threshold": 0.1, "kl_gate_gain": -1.0}, r"objective\.kl_gate_gain must be"),
+        (
+            {"kl_gate_threshold": 0.1, "kl_gate_min_multiplier": -0.5},
+            r"objective\.kl_gate_min_multiplier must be a finite number >= 0",
+        ),
+        (
+            {"kl_gate_threshold": 0.1, "kl_gate_min_multiplier": 1.5,
+             "kl_gate_max_multiplier": 1.0},
+            r"objective\.kl_gate_min_multiplier must be <= objective\.kl_gate_max_multiplier",
+        ),
+    ],
+)
+def test_entropy_maxent_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EntropyMaxEnt(**kwargs)
+
+
+def test_entropy_gate_errors_name_the_objective_argument() -> None:
+    with pytest.raises(ValueError, match=r"objective\.kl_gate_threshold"):
+        EntropyMaxEnt(kl_gate_threshold=0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"beta": -0.1}, r"objective\.beta must be a finite number >= 0"),
+        ({"tau": -0.1}, r"objective\.tau must be a finite number >= 0"),
+        ({"tau": math.nan}, r"objective\.tau"),
+        ({"tau": math.inf}, r"objective\.tau"),
+        ({"tau": 0.0, "beta": 0.0}, r"objective\.tau must be > 0 when objective\.beta = 0"),
+        ({"q_temperature": 0.0}, r"objective\.q_temperature must be a finite number > 0"),
+        ({"q_temperature": -1.0}, r"objective\.q_temperature must be a finite number > 0"),
+        ({"q_epsilon": 0.0}, r"objective\.q_epsilon must be a finite number > 0"),
+        ({"clip_coef": -0.5}, r"objective\.clip_coef must be a finite number >= 0"),
+        ({"distinct_candidates": 1}, r"objective\.distinct_candidates must be true or false"),
+        ({"distinct_candidates": True, "clip_coef": 0.1},
+         r"objective\.clip_coef must be 0 with objective\.distinct_candidates"),
+        ({"epsilon": 1.0}, r"objective\.epsilon must be in \[0, 1\)"),
+    ],
+)
+def test_listwise_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ListwiseMaxEnt(**kwargs)
+
+
+def test_listwise_tau_zero_allowed_with_beta() -> None:
+    obj = ListwiseMaxEnt(tau=0.0, beta=0.1)
+    assert obj.tau == 0.0 and obj.beta == 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tau": -1.0}, r"objective\.tau must be a finite number >= 0"),
+        ({"tau": math.inf}, r"objective\.tau"),
+        ({"lam": -0.1}, r"objective\.lam must be a finite number >= 0"),
+        ({"epsilon": 1.0}, r"objective\.epsilon must be in \[0, 1\)"),
+        ({"epsilon_high": -0.1}, r"objective\.epsilon_high must be a finite number >= 0"),
+    ],
+)
+def test_group_maxent_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GroupMaxEnt(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        pytest.param(ListwiseMaxEnt, {"epsilon_high": -0.1}, r"objective\.epsilon_high"),
+        pytest.param(ListwiseMaxEnt, {"clip_coef": math.nan}, r"objective\.clip_coef",
+                     ),
+        pytest.param(ListwiseMaxEnt, {"q_temperature": math.inf}, r"objective\.q_temperature"),
+        pytest.param(GRPO, {"epsilon_high": math.nan}, r"objective\.epsilon_high"),
+        pytest.param(GRPO, {"epsilon_high": math.inf}, r"objective\.epsilon_high"),
+    ],
+)
+def test_non_finite_or_negative_hyperparameters_rejected_at_construction(
+    cls: type, kwargs: dict, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+# ------------------------------------------------------------------ flags and state
+
+
+def test_needs_reference_and_entropy_flags() -> None:
+    assert not GRPO().needs_reference and not GRPO().needs_entropy
+    assert GRPO(beta=0.04).needs_reference
+    assert EntropyMaxEnt().needs_entropy and not EntropyMaxEnt().needs_reference
+    assert EntropyMaxEnt(beta=0.1).needs_reference
+    assert EntropyMaxEnt(kl_gate_threshold=0.05).needs_reference  # the gate needs KL
+    assert not ListwiseMaxEnt().needs_reference and not ListwiseMaxEnt().needs_entropy
+    assert ListwiseMaxEnt(beta=0.2).needs_reference
+    assert not GroupMaxEnt().needs_reference and not GroupMaxEnt().needs_entropy
+    assert GroupMaxEnt(lam=0.3).needs_reference
+    # Flags follow attributes that controllers change.
+    obj = GRPO()
+    obj.beta = 0.5
+    assert obj.needs_reference
+
+
+def test_state_contents() -> None:
+    assert GRPO(beta=0.1).state() == {"beta": 0.1}
+    ent = EntropyMaxEnt(alpha=0.2, beta=0.1, kl_gate_threshold=0.1, kl_gate_gain=1.0)
+    assert ent.state() == {"beta": 0.1, "alpha": 0.2}
+    ent.observe({"kl": 0.05})  # multiplier 1 + (0.1 - 0.05)/0.1 = 1.5
+    assert ent.state() == pytest.approx({"beta": 0.1, "alpha": 0.3})
+    lw = ListwiseMaxEnt(tau=1, beta=0)
+    assert lw.state() == {"tau": 1.0, "beta": 0.0}
+    assert all(isinstance(v, float) for v in lw.state().values())
+    lw.tau = 0.7  # as a controller would
+    assert lw.state()["tau"] == 0.7
+    assert GroupMaxEnt(tau=2.0, lam=0.5).state() == {"tau": 2.0, "lam": 0.5}
+
+
+def test_tunable_and_mutable_attributes() -> None:
+    assert GRPO.tunable == EntropyMaxEnt.tunable == ("beta",)
+    assert ListwiseMaxEnt.tunable == ("tau", "beta")
+    assert GroupMaxEnt.tunable == ("tau",)
+    for obj in (GRPO(), EntropyMaxEnt(), ListwiseMaxEnt(), GroupMaxEnt()):
+        assert set(obj.tunable) <= set(obj.mutable)
+        for name in obj.mutable:
+            assert isinstance(getattr(obj, name), float), (type(obj).__name__, name)
+    assert EntropyMaxEnt.mutable == ("beta", "alpha_multiplier")
+
+
+def test_group_maxent_has_no_beta_and_is_not_grpo() -> None:
+    obj = GroupMaxEnt(tau=0.5, lam=0.2)
+    assert not isinstance(obj, GRPO)
+    assert not hasattr(obj, "beta") and not hasattr(obj, "loss_type")
+    assert "beta" not in obj.state() and "beta" not in obj.state_dict()
+    # Dr.GRPO divides by this rank's rows: the base factor W * rows / rows_all_ranks
+    assert obj.loss_scale(2, 6, 8) == pytest.approx(1.5)
+    assert obj.loss_scale(2, 4, 0) == 1.0
+    assert obj.epsilon == obj.epsilon_high == 0.2
+    assert GroupMaxEnt(epsilon=0.1, epsilon_high=0.3).epsilon_high == 0.3
+
+
+@pytest.mark.parametrize(
+    ("make", "moved"),
+    [
+        (lambda: GRPO(beta=0.1), {"beta": 0.25}),
+        (lambda: EntropyMaxEnt(beta=0.1, kl_gate_threshold=0.1),
+         {"beta": 0.3, "alpha_multiplier": 1.5}),
+        (lambda: ListwiseMaxEnt(tau=0.5, beta=0.1), {"tau": 0.7, "beta": 0.02}),
+        (lambda: GroupMaxEnt(tau=2.0), {"tau": 0.4}),
+    ],
+)
+def test_state_dict_round_trip(make, moved: dict) -> None:
+    obj = make()
+    for name, value in moved.items():  # as a controller or the entropy gate would
+        setattr(obj, name, value)
+    saved = obj.state_dict()
+    assert saved == moved and set(saved) == set(obj.mutable)
+    fresh = make()
+    assert fresh.state_dict() != saved
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved and fresh.state() == obj.state()
+
+
+def test_load_state_dict_refuses_an_unknown_key() -> None:
+    obj = GroupMaxEnt(tau=1.0)
+    with pytest.raises(ValueError, match=r"GroupMaxEnt has no mutable state \['beta'\]"):
+        obj.load_state_dict({"tau": 0.5, "beta": 0.1})
+    assert obj.tau == 1.0  # nothing applied
+    with pytest.raises(ValueError, match=r"GRPO has no mutable state \['tau'\]"):
+        GRPO().load_state_dict({"tau": 0.5})
