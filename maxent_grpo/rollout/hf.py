@@ -55,6 +55,28 @@ from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
 from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
 
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], limit: int | None, bucket: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(B, P)`` prompt ids and bool mask: each prompt tokenised without
+    special tokens, its last ``limit`` tokens kept, ``P`` rounded up to a multiple of
+    ``bucket``. ValueError names a prompt that is empty after tokenisation."""
+    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    if limit is not None:
+        encoded = [ids[-limit:] for ids in encoded]
+    for index, ids in enumerate(encoded):
+        if len(ids) == 0:
+            raise ValueError(f"prompts[{index}] is empty after tokenisation")
+    length = max(len(ids) for ids in encoded)
+    length = -(-length // bucket) * bucket  # round up to a bucket
+    prompt_ids = torch.full((len(encoded), length), tokenizer.pad_token_id)
+    prompt_mask = torch.zeros((len(encoded), length), dtype=torch.bool)
+    for row, ids in enumerate(encoded):
+        prompt_ids[row, length - len(ids) :] = torch.tensor(ids)
+        prompt_mask[row, length - len(ids) :] = True
+    return prompt_ids, prompt_mask
+
+
 def completion_mask_from_ids(
     completion_ids: torch.Tensor, stop_token_ids: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,25 +200,6 @@ class HFGenerateEngine:
     def sync(self, model: nn.Module) -> None:
         """Nothing to do: the engine samples from the model itself."""
 
-    def _encode_prompts(
-        self, prompts: list[str], limit: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded ``(B, P)`` prompt ids and bool mask (the last ``limit`` tokens)."""
-        encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        if limit is not None:
-            encoded = [ids[-limit:] for ids in encoded]
-        for index, ids in enumerate(encoded):
-            if len(ids) == 0:
-                raise ValueError(f"prompts[{index}] is empty after tokenisation")
-        length = max(len(ids) for ids in encoded)
-        length = -(-length // self.prompt_bucket) * self.prompt_bucket  # round up to a bucket
-        prompt_ids = torch.full((len(encoded), length), self.tokenizer.pad_token_id)
-        prompt_mask = torch.zeros((len(encoded), length), dtype=torch.bool)
-        for row, ids in enumerate(encoded):
-            prompt_ids[row, length - len(ids) :] = torch.tensor(ids)
-            prompt_mask[row, length - len(ids) :] = True
-        return prompt_ids, prompt_mask
-
     def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
                         prompt_mask: torch.Tensor, group: int, max_new_tokens: int):
         """The cache of the first ``P - 1`` tokens of the B prompts repeated ``group`` times
@@ -263,7 +266,8 @@ class HFGenerateEngine:
             raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
         group = num_generations
         device = _model_device(self.model)
-        prompt_ids, prompt_mask = self._encode_prompts(prompts, s.max_prompt_length)  # (B, P)
+        prompt_ids, prompt_mask = encode_prompts(  # (B, P)
+            self.tokenizer, prompts, s.max_prompt_length, self.prompt_bucket)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         sampling = (dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
                     if s.do_sample else dict(do_sample=False, num_beams=1))

@@ -83,6 +83,9 @@ class RolloutOutput:
         truncated: ``(B*G,)`` bool, True when the row has no stop token (it hit
             ``max_new_tokens``). ``T_i = completion_mask[i].sum()``.
         generate_seconds: wall-clock time of the generation call.
+        sampler_logps: ``(B*G, T)`` float, the sampler's own log-probability of each
+            completion token at the sampling temperature (0 outside ``completion_mask``),
+            or None when the engine does not report them (the Hugging Face engine).
     """
 
     batch: GenerationBatch
@@ -92,6 +95,7 @@ class RolloutOutput:
     completion_mask: torch.Tensor
     truncated: torch.Tensor
     generate_seconds: float
+    sampler_logps: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.batch.num_completions
@@ -116,6 +120,11 @@ class RolloutOutput:
         if self.completion_mask.shape != self.completion_ids.shape:
             raise ValueError(
                 f"completion_mask shape {tuple(self.completion_mask.shape)} must equal "
+                f"completion_ids shape {tuple(self.completion_ids.shape)}"
+            )
+        if self.sampler_logps is not None and self.sampler_logps.shape != self.completion_ids.shape:
+            raise ValueError(
+                f"sampler_logps shape {tuple(self.sampler_logps.shape)} must equal "
                 f"completion_ids shape {tuple(self.completion_ids.shape)}"
             )
         for name in ("prompt_mask", "completion_mask", "truncated"):

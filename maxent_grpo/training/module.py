@@ -30,6 +30,7 @@ rollout that follows a change of the weights. Validation and test live in
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import lightning as L
@@ -225,6 +226,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self._engine: RolloutEngine | None = None  # built once, on the first rollout
         self._weights_version = 0  # +1 at every change of the policy's weights
         self._engine_version = 0  # the weights the engine was last synced with
+        self.sync_seconds = 0.0  # the last rollout's engine.sync (perf/sync_seconds)
         self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
 
     # ------------------------------------------------------------------ the step
@@ -240,8 +242,8 @@ class MaxEntGRPOModule(L.LightningModule):
         timer, ctx = StepTimer(self.device), self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
         schedule = self.loop.optimization.schedule
-        for _ in range(schedule.num_iterations):
-            update = optimizer_step(ctx, trajectory, self.step_metrics, timer)
+        for i in range(schedule.num_iterations):
+            update = optimizer_step(ctx, trajectory, self.step_metrics, timer, first=i == 0)
             count_update(self.counters, update, self.global_step,
                          schedule.max_consecutive_nonfinite)
             self._weights_version += not update.skipped
@@ -268,6 +270,7 @@ class MaxEntGRPOModule(L.LightningModule):
         rollout = trajectory.rollout
         timings = timer.summary(rollout.generate_seconds, int(rollout.completion_mask.sum()))
         extra = {f"perf/{k}": v for k, v in timings.items()}
+        extra["perf/sync_seconds"] = self.sync_seconds
         extra["nonfinite_skips"] = float(self.counters.nonfinite_total)
         if self.loop.generation.drop_constant_groups:
             extra["dropped_groups"] = float(trajectory.dropped_groups)
@@ -290,8 +293,11 @@ class MaxEntGRPOModule(L.LightningModule):
             self._engine = self.engine_factory(
                 self.policy, self.tokenizer, self.loop.generation.sampling)
             self._engine_version = self._weights_version
+        self.sync_seconds = 0.0
         if self._engine_version != self._weights_version:
+            start = time.perf_counter()
             self._engine.sync(self.policy)
+            self.sync_seconds = time.perf_counter() - start
             self._engine_version = self._weights_version
         return self._engine
 

@@ -2,18 +2,8 @@
 
 :class:`~maxent_grpo.training.module.MaxEntGRPOModule` takes flat options (one YAML key
 each, documented by ``--help``) and groups them here into the documented
-:class:`~maxent_grpo.training.types.LoopSettings`::
-
-    LoopSettings(
-        generation   = GenerationSettings(G, SamplingSettings(T_max, temperature, ...), ...),
-        evaluation   = EvaluationSettings(n, reward, threshold, k, greedy),
-        optimization = OptimizationSettings(schedule=ScheduleSettings(...), handles=None),
-        scoring      = BatchingSettings(rows / tokens per forward pass),
-    )
-
-``training_step``, the scorer, the evaluator and the controllers read these groups, never
-the untyped ``hparams``. A bad value raises ValueError naming ``model.<option>``
-(:mod:`maxent_grpo.validation`).
+:class:`~maxent_grpo.training.types.LoopSettings` (:func:`build_loop_settings`). A bad value
+raises ValueError naming ``model.<option>`` (:mod:`maxent_grpo.validation`).
 """
 
 from __future__ import annotations
@@ -118,15 +108,10 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
     factory: Callable[[torch.optim.Optimizer], Any] | None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """The run's learning-rate scheduler, from standard ``torch.optim.lr_scheduler`` pieces,
-    stepped once per optimizer step:
-
-    - ``factory`` (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) after warm-up, or a
-      constant rate without one;
-    - with ``lr_warmup_steps = W > 1``, first ``LinearLR`` from ``lr / W`` to ``lr`` over W
-      steps (step t uses ``lr * (t + 1) / W``), then the factory's scheduler
-      (``SequentialLR``).
-    """
+    """The run's learning-rate scheduler, stepped once per optimizer step: ``factory``
+    (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) or a constant rate, preceded with
+    ``lr_warmup_steps = W > 1`` by ``LinearLR`` from ``lr / W`` to ``lr`` over W steps
+    (step t uses ``lr * (t + 1) / W``; ``SequentialLR``)."""
     sched = torch.optim.lr_scheduler
     W = schedule.lr_warmup_steps
     if factory is not None:

@@ -335,8 +335,10 @@ def test_step_timings_are_logged_and_add_up(cache_dir):
     fit(module, make_data(cache_dir), steps=1)
     perf = {k[len("perf/"):]: v for k, v in module.step_log.as_dict().items() if "perf/" in k}
     assert set(perf) == {
-        "generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s"
+        "generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s",
+        "sync_seconds",
     }
+    assert perf["sync_seconds"] == 0.0  # the first rollout needs no sync
     parts = perf["generate_s"] + perf["reward_s"] + perf["score_s"] + perf["backward_s"]
     assert all(perf[k] > 0 for k in ("generate_s", "score_s", "backward_s"))
     assert parts <= perf["step_s"] + 1e-6  # phases are disjoint parts of the step

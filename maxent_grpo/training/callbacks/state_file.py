@@ -14,16 +14,12 @@ Schema (every scalar a finite number or ``null``)::
       }
     }
 
-tau and beta have one owner, the objective: :func:`build_snapshot` reads them from it, and
-:func:`apply_snapshot` writes the values of the attributes a controller moves back into it
-(the controllers keep no copy). Everything else is a controller's own state, mapped by its
-class's ``file_fields`` to and from its ``state_dict``.
+tau and beta belong to the objective (the controllers keep no copy); everything else is a
+controller's own state, mapped by its class's ``file_fields`` to and from its ``state_dict``.
 
-When: the file is written atomically (:func:`write_controller_state`) at every checkpoint
-save and at the end of training, and read (:func:`read_controller_state`) at ``setup``
-from a controller's ``resume_from``. A ``fit --ckpt_path`` checkpoint is restored after
-``setup``, so its values (the module's objective entry and the controllers' own entries)
-then override the file's.
+The file is written at every checkpoint save and at the end of training, and read at
+``setup`` from a controller's ``resume_from``; a ``fit --ckpt_path`` checkpoint, restored
+after ``setup``, then overrides the file's values.
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ STATE_FILENAME = "controller_state.json"
 STATE_KEYS = ("beta", "tau", "tau_log", "tau_entropy_ema", "meta")
 
 
-
 class Controller(Protocol):
     """What the file needs of a controller (:class:`~maxent_grpo.training.callbacks.base.
     Controller` satisfies it)."""
@@ -68,21 +63,17 @@ class Controller(Protocol):
 
 
 def write_controller_state(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` as JSON to ``path`` atomically
-    (:func:`~maxent_grpo.training.run.checkpoint_io.atomic_write`): a reader sees the old
-    file or the new one, never half of one. Non-finite numbers are refused
-    (``allow_nan=False``)."""
+    """Write ``state`` as JSON to ``path`` atomically (a reader sees the old file or the new
+    one, never half of one); non-finite numbers are refused (``allow_nan=False``)."""
     text = json.dumps(state, indent=2, sort_keys=True, allow_nan=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def read_controller_state(path: str | Path) -> dict[str, Any]:
-    """Read ``controller_state.json`` and check its schema.
+    """Read ``controller_state.json`` and check its schema (see the module docstring).
 
-    Returns ``{"beta", "tau", "tau_log", "tau_entropy_ema", "meta": {...}}`` where the four
-    scalars are finite numbers or ``null``. Raises FileNotFoundError for a missing file and
-    ValueError naming the file (and the key) for invalid JSON (a truncated or corrupt
-    file), a missing key or a value of the wrong type.
+    Raises FileNotFoundError for a missing file and ValueError naming the file (and the key)
+    for invalid JSON (a truncated or corrupt file), a missing key or a value of the wrong type.
     """
     path = Path(path)
     if not path.is_file():

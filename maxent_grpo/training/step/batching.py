@@ -4,18 +4,6 @@ The step's ``B*G`` rows (prompt-major: group ``b`` is rows ``b*G .. b*G + G-1``)
 ``[prompt (left-padded to P) | completion (right-padded to T)]``. A micro-batch takes whole
 groups only (the per-group targets and the loss reductions rely on it) and keeps only the
 columns some of its rows use: from its first real prompt column to its longest completion.
-
-Packing (:func:`plan_micro_batches`): groups are sorted by length (longest prompt plus
-longest completion of the group, longest first), so groups of similar length share a
-micro-batch and little padding is computed; then they are added in that order while
-
-- the micro-batch holds at most ``max_groups`` groups, and
-- its padded size, ``rows * (prompt columns + completion columns)``, is at most
-  ``max_tokens``.
-
-A group larger than ``max_tokens`` on its own forms a micro-batch alone. With neither limit
-the whole batch is one micro-batch (still trimmed to the columns in use).
-
 The loss is the same for any partition: every reduction counts rows and tokens of the
 whole batch (``num_rows``, ``num_global_tokens``, ``max_completion_length``), and padding
 columns are masked.
@@ -52,14 +40,14 @@ def plan_micro_batches(
     max_groups: int | None = None,
     max_tokens: int | None = None,
 ) -> list[MicroBatchPlan]:
-    """Partition the groups into micro-batches (see the module docstring).
+    """Partition the groups into micro-batches: sorted by length (longest prompt plus
+    longest completion of the group, longest first), groups are added in that order while
+    the micro-batch holds at most ``max_groups`` groups and its padded size,
+    ``rows * (prompt columns + completion columns)``, is at most ``max_tokens`` (each >= 1,
+    or None: no limit). A group larger than ``max_tokens`` alone forms a micro-batch.
 
-    Args:
-        prompt_mask: ``(B*G, P)`` bool, left-padded prompts.
-        completion_mask: ``(B*G, T)`` bool, each row True up to its last token (a prefix).
-        group_size: ``G``.
-        max_groups: at most this many groups per micro-batch (>= 1), or None.
-        max_tokens: at most this many padded tokens per micro-batch (>= 1), or None.
+    ``prompt_mask`` is ``(B*G, P)`` bool (left-padded prompts), ``completion_mask``
+    ``(B*G, T)`` bool, each row True up to its last token (a prefix).
     """
     N, P = prompt_mask.shape
     if completion_mask.shape[0] != N:

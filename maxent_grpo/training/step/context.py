@@ -1,10 +1,8 @@
 """What one training step uses, handed to its two halves as one typed object.
 
-``collect`` and ``optimizer_step`` never see the LightningModule: the module builds a
-:class:`StepContext` once per step and the halves *return* what they produce (a
-``Trajectory``, an :class:`~maxent_grpo.training.step.optimise.Update`). Both can be run
-without a ``Trainer``: give them a context built from the pieces (a Lightning ``Strategy``
-such as ``SingleDeviceStrategy`` stands in for the ranks).
+``collect`` and ``optimizer_step`` never see the LightningModule and *return* what they
+produce, so both run without a ``Trainer`` (a Lightning ``Strategy`` such as
+``SingleDeviceStrategy`` stands in for the ranks).
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ class StepContext:
         reference: the frozen reference when the step needs it, else None.
         generation: ``G``, the sampling settings, the row filters.
         schedule: iterations per rollout, clipping, the non-finite limit.
-        strategy: Lightning's strategy: this rank's place among the ranks, their
-            collectives (``all_gather``, ``reduce_boolean_decision``) and what differs
-            between DDP, FSDP2 and DeepSpeed (:mod:`~maxent_grpo.training.step.strategy`).
+        strategy: Lightning's strategy: the ranks and their collectives (``all_gather``,
+            ``reduce_boolean_decision``; :mod:`~maxent_grpo.training.step.strategy`).
         backward: ``loss -> None``, the strategy's backward (``manual_backward``).
         optimizer: the optimizer (Lightning's ``LightningOptimizer``, whose
             ``toggle_model(sync_grad=...)`` defers DDP's all-reduce to the last micro-batch).

@@ -2,12 +2,8 @@
 
 Every state is reduced across ranks with ``dist_reduce_fx`` "sum", "min" or "max", and a
 micro-batch update only adds to those states, so a value computed after any number of
-updates on any number of ranks equals the value computed once over all the data. No state
-is an average, so nothing is ever an average of averages (which would weight a rank or a
-micro-batch by 1/number-of-parts instead of by its number of samples).
-
-The arithmetic lives in small functions (:func:`mean_std_from_sums`, :func:`divide_or_nan`,
-:func:`maxent_grpo.core.constant_groups`); a ``Metric`` only keeps states and calls them.
+updates on any number of ranks equals the value computed once over all the data (never an
+average of averages).
 
 Shape vocabulary: B prompts, G generations per prompt, N = B*G sequences (prompt-major rows),
 P prompt tokens, T completion tokens, K reward functions.
@@ -17,8 +13,7 @@ Conventions:
 * Floating-point states are float64 and counters are int64, so sums of many micro-batches
   stay exact to float64 rounding. ``compute()`` returns 0-d float64 tensors.
 * A metric that has seen no data computes NaN for every mean, std, min, max and fraction
-  (and 0 for plain token sums); it does not raise. torchmetrics warns when ``compute`` runs
-  before any ``update``.
+  (and 0 for plain token sums); it does not raise.
 * ``module.to(torch.bfloat16)`` (what Lightning's "bf16-true"/"16-true" precision does)
   casts float64 metric states too. ``update`` then raises RuntimeError rather than summing
   in low precision; call ``metric.set_dtype(torch.float64)`` after such a cast.
@@ -49,14 +44,10 @@ __all__ = [
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
-# ------------------------------------------------------------------------------ pure math
-
 
 def divide_or_nan(numerator: Tensor, denominator: Tensor) -> Tensor:
-    """``numerator / denominator`` in float64, NaN wherever ``denominator == 0``.
-
-    Elementwise; the arguments broadcast like ``torch.div``.
-    """
+    """``numerator / denominator`` in float64 (broadcast like ``torch.div``), NaN wherever
+    ``denominator == 0``."""
     den = denominator.to(torch.float64)
     quotient = numerator.to(torch.float64) / den
     return torch.where(den != 0, quotient, torch.full_like(quotient, math.nan))
@@ -65,9 +56,8 @@ def divide_or_nan(numerator: Tensor, denominator: Tensor) -> Tensor:
 def mean_std_from_sums(total: Tensor, total_sq: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
     """Mean and unbiased (ddof=1) standard deviation from ``sum x``, ``sum x^2`` and ``n``.
 
-    ``mean = S1 / n`` and ``std = sqrt((S2 - S1^2 / n) / (n - 1))``, computed in float64;
-    tiny negative variances from rounding are clamped to 0. Elementwise over same-shape
-    tensors. ``mean`` is NaN where ``n == 0`` and ``std`` is NaN where ``n < 2``.
+    ``mean = S1 / n`` and ``std = sqrt((S2 - S1^2 / n) / (n - 1))``, elementwise in float64
+    (rounding's tiny negative variances clamped to 0); NaN where ``n == 0`` / ``n < 2``.
     """
     s1 = total.to(torch.float64)
     s2 = total_sq.to(torch.float64)
@@ -78,17 +68,10 @@ def mean_std_from_sums(total: Tensor, total_sq: Tensor, count: Tensor) -> tuple[
     return mean, var.sqrt()
 
 
-# -------------------------------------------------------------------------------- helpers
-
-
 def _check_float64_states(metric: Metric, names: tuple[str, ...]) -> None:
-    """Keep the float states float64 under a module-wide ``.to(dtype)`` cast.
-
-    ``trainer.precision: bf16-true`` casts every floating tensor of the LightningModule,
-    metric states (and the defaults ``reset`` restores) included. A state that holds no
-    data yet (first update since a reset) holds a default, 0 or +-inf, which every float
-    dtype stores exactly: it is upcast back to float64 here. A state cast after it had
-    accumulated data has lost precision: RuntimeError.
+    """Keep the float states float64 under a module-wide ``.to(dtype)`` cast (such as
+    ``trainer.precision: bf16-true``): a state with no data yet (0 or +-inf, exact in every
+    float dtype) is upcast back; one cast after it had accumulated data raises RuntimeError.
     """
     for name in names:
         state = getattr(metric, name)
@@ -103,12 +86,11 @@ def _check_float64_states(metric: Metric, names: tuple[str, ...]) -> None:
         )
 
 
-def _check_tensor(name: str, value: Any, dims: int | None = None) -> Tensor:
+def _check_tensor(name: str, value: Any, dims: int | None = None) -> None:
     if not isinstance(value, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     if dims is not None and value.dim() != dims:
         raise ValueError(f"{name} must have {dims} dimensions; got shape {tuple(value.shape)}")
-    return value
 
 
 def _check_bool(name: str, value: Tensor) -> None:
@@ -140,9 +122,6 @@ def _int64(value: int) -> Tensor:
     return torch.tensor(value, dtype=torch.int64)
 
 
-# ------------------------------------------------------------------------------- metrics
-
-
 class RewardMoments(Metric):
     """Moments of the total sequence reward over every (prompt, generation) seen.
 
@@ -150,14 +129,11 @@ class RewardMoments(Metric):
     returns 0-d float64 tensors:
 
     * ``mean``: ``sum r / n`` over all n rewards seen;
-    * ``std``: unbiased (ddof=1) std over all n rewards pooled (not a mean of per-group or
-      per-batch stds); NaN when n < 2;
+    * ``std``: unbiased (ddof=1) std over all n rewards pooled; NaN when n < 2;
     * ``min``, ``max``: extreme rewards;
-    * ``zero_std_frac``: fraction of groups whose G rewards are all exactly equal (groups
-      that carry no learning signal under group-normalised advantages).
+    * ``zero_std_frac``: fraction of groups whose G rewards are all exactly equal.
 
-    All are NaN before any data. :meth:`summary` gives the
-    :class:`maxent_grpo.training.types.RewardMoments` dataclass.
+    All are NaN before any data.
     """
 
     full_state_update = False
@@ -223,7 +199,6 @@ class RewardComponents(Metric):
     sequence (it is then left out of that component's count). ``compute()`` returns
     ``{f"{name}/mean", f"{name}/std"}`` per component (0-d float64; std unbiased, ddof=1,
     over the component's applicable values); NaN where a component has too few values.
-    :meth:`summaries` gives one :class:`RewardComponentStats` per name.
     """
 
     full_state_update = False
@@ -296,9 +271,7 @@ class TokenUsage(Metric):
     * ``completion_length/mean``: ``completion_tokens / N``; ``/min``, ``/max`` over rows;
     * ``truncated_frac``: truncated rows / N.
 
-    Means, extremes and the fraction are NaN before any row is seen. :meth:`summary`
-    gives :class:`TokenUsageStats`, whose ``num_input_tokens`` counts every token fed to
-    the model: ``prompt_tokens + completion_tokens``.
+    Means, extremes and the fraction are NaN before any row is seen.
     """
 
     full_state_update = False
@@ -319,12 +292,9 @@ class TokenUsage(Metric):
         _check_tensor("prompt_mask", prompt_mask, dims=2)
         _check_tensor("completion_mask", completion_mask, dims=2)
         _check_tensor("truncated", truncated, dims=1)
-        for name, value in (
-            ("prompt_mask", prompt_mask),
-            ("completion_mask", completion_mask),
-            ("truncated", truncated),
-        ):
-            _check_bool(name, value)
+        _check_bool("prompt_mask", prompt_mask)
+        _check_bool("completion_mask", completion_mask)
+        _check_bool("truncated", truncated)
         n = prompt_mask.shape[0]
         if completion_mask.shape[0] != n or truncated.shape[0] != n:
             raise ValueError(
@@ -356,11 +326,8 @@ class TokenUsage(Metric):
         }
 
     def summary(self) -> TokenUsageStats:
-        """:class:`TokenUsageStats` (mean completion length, completion tokens, all tokens).
-
-        ``num_input_tokens = prompt_tokens + completion_tokens``, the tokens of the
-        teacher-forced forward pass.
-        """
+        """:class:`TokenUsageStats`; ``num_input_tokens = prompt_tokens + completion_tokens``,
+        the tokens of the teacher-forced forward pass."""
         values = self.compute()
         return TokenUsageStats(
             avg_completion_tokens=float(values["completion_length/mean"]),
@@ -371,18 +338,14 @@ class TokenUsage(Metric):
 
 class TokenMean(MeanMetric):
     """Weighted mean ``sum(value * weight) / sum(weight)``: torchmetrics' ``MeanMetric``
-    (its states, ``mean_value`` the weighted sum and ``weight`` the weights, their sum
-    reduction across ranks and its ``compute``) in float64. The sums are added here, not by
-    ``MeanMetric.update``: its ``nan_strategy="disable"`` drops the weights (torchmetrics
-    1.9) and every other strategy syncs the host at each update.
+    states (``mean_value`` the weighted sum, ``weight`` the weights) in float64. The sums
+    are added here, not by ``MeanMetric.update``: its ``nan_strategy="disable"`` drops the
+    weights (torchmetrics 1.9) and its other strategies sync the host at each update.
 
-    For token-level diagnostics (KL, entropy, clip fractions, loss parts) pass per-token
-    values, e.g. (N, T), and the bool mask of real tokens to :meth:`update`: the result is
-    the mean over every real token seen, on every rank and micro-batch (not a mean of
-    per-sequence or per-batch means). Values under a False mask are ignored even if they
-    are NaN or inf. :meth:`update_sum` adds a precomputed ``(sum, count)`` pair instead.
-    ``compute()`` returns a 0-d float64 tensor, NaN while the total weight is 0, so the
-    metric can be passed straight to ``LightningModule.log``.
+    Given per-token values, e.g. (N, T), and the bool mask of real tokens, the result is
+    the mean over every real token seen, on every rank and micro-batch. Values under a
+    False mask are ignored even if they are NaN or inf. ``compute()`` returns a 0-d
+    float64 tensor, NaN while the total weight is 0.
     """
 
     full_state_update = False
@@ -431,11 +394,8 @@ class TokenMean(MeanMetric):
         self.weight += m.sum()
 
     def update_sum(self, total: Tensor | float, count: Tensor | float) -> None:
-        """Add a precomputed ``sum(value * weight)`` and ``sum(weight)`` (0-d or numbers).
-
-        A numeric ``count`` must be >= 0 (a tensor ``count`` is not checked, to avoid a
-        device sync). Goes through :meth:`update`, so torchmetrics counts the update.
-        """
+        """Add a precomputed ``sum(value * weight)`` and ``sum(weight)`` (0-d or numbers);
+        a numeric ``count`` must be >= 0 (a tensor one is not checked: no device sync)."""
         self.update(total, count=count)
 
     def compute(self) -> Tensor:

@@ -8,12 +8,9 @@ The second half of a training step, run ``num_iterations`` times per rollout::
     clip gradients; optimizer.step(); scheduler.step()     # -> Update(grad_norm, lr, skipped)
 
 ``s`` is the trajectory's ``loss_scale`` (``Objective.loss_scale``), which makes the ranks'
-averaged gradient the gradient of the formula over the whole batch of all ranks. Under DDP
-every micro-batch but the last runs its backward without gradient synchronisation
-(``LightningOptimizer.toggle_model(sync_grad=False)``, DDP's ``no_sync``): the gradients
-accumulate locally and are all-reduced once per optimizer step. A non-finite loss or
-gradient on any rank skips the whole update on every rank (the gradients are zeroed), so
-the replicas never diverge; :func:`count_update` stops the run with
+averaged gradient the gradient of the formula over the whole batch of all ranks. A
+non-finite loss or gradient on any rank skips the whole update on every rank (the gradients
+are zeroed), so the replicas never diverge; :func:`count_update` stops the run with
 :class:`NonFiniteLossError` after ``max_consecutive_nonfinite`` skips in a row.
 """
 
@@ -75,11 +72,14 @@ class Update:
 
 
 def optimizer_step(
-    ctx: StepContext, trajectory: Trajectory, sums: StepMetrics, timer: StepTimer
+    ctx: StepContext, trajectory: Trajectory, sums: StepMetrics, timer: StepTimer,
+    first: bool = True,
 ) -> Update:
     """One optimizer step over the trajectory's micro-batches; the losses' statistics go
     to ``sums`` (the step's torchmetrics, on the device: one host sync per optimizer step,
-    the finite check)."""
+    the finite check). On the ``first`` step of a rollout, where the policy is still the
+    one that sampled, an engine's own log-probs are compared with the scored ones:
+    ``rollout/logp_gap/{mean,max}`` of ``|log pi_sampler - log pi_theta|`` per token."""
     opt, sched = ctx.optimizer, ctx.scheduler
     if trajectory.kept_groups == 0:  # every group of every rank is constant: no gradient,
         lr = opt.param_groups[0]["lr"]
@@ -115,6 +115,10 @@ def optimizer_step(
             num_global_tokens=t.num_global_tokens,
         ))
         finite &= torch.isfinite(out.loss)
+        if first and t.sampler_logps is not None and not t.ghost:
+            gap = (scores.token_logp.detach() - t.sampler_logps[rows][:, :Tc]).abs()
+            sums.mean("rollout/logp_gap/mean").update(gap, scores.token_mask)
+            sums.maximum("rollout/logp_gap/max").update(gap[scores.token_mask])
         timer.stop("forward")
         # DDP all-reduces the accumulated gradient once, in the last micro-batch's backward
         with opt.toggle_model(sync_grad=i == last):

@@ -10,24 +10,19 @@ of each completion token at the sampling temperature (docs/ALGORITHM.md §0)::
 Only the completion logits are materialised (``logits_to_keep = T + 1``), and the fused
 :func:`~maxent_grpo.core.selective_log_softmax` never builds a float32 ``(n, T, V)`` copy.
 
-Fused LM head (``model.fused_lm_head``). Where it is on, the logits are not materialised at
-all: the scorer runs the model's decoder (``get_decoder()``) for the hidden states and
+Fused LM head (``model.fused_lm_head``): the scorer runs the model's decoder
+(``get_decoder()``) for the hidden states and
 :func:`~maxent_grpo.core.fused_head.fused_head_log_softmax` forms the logits block by block
-from the head's weight, forward and backward. ``None`` (the default) turns it on on CUDA,
-where it saves the ``(n, T, V)`` logits and their gradient; the CPU keeps the logits path,
-whose memory and time benchmarks/RESULTS.md records. A model qualifies when its LM head is
-a bias-free ``nn.Linear`` (``get_output_embeddings()``), its config transforms no logits
-after the head (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``), and its
-parameters are not sharded across ranks (FSDP2 / ZeRO-3 gather them inside the full
-model's forward only); the first time a model is scored, one row's logits are formed both
-ways and a disagreement beyond bf16 rounding switches that model back to the logits path
-with a warning. ``True`` requires it for the policy (an error says why a model cannot); frozen
-models (reference, behaviour) use it where they qualify. ``False`` never uses it.
+from the head's weight, forward and backward, so the ``(n, T, V)`` logits and their
+gradient never exist. ``None`` (the default) uses it on CUDA only, ``True`` requires it for
+the policy (an error says why a model cannot), ``False`` never uses it; frozen models use it
+where they qualify (:func:`fused_head_parts`). The first time a model is scored, one row's
+logits are formed both ways and a disagreement beyond bf16 rounding switches that model
+back to the logits path with a warning.
 
-Position ids follow the left padding exactly as in generation. The policy's scores, with
-gradient, come back as the documented :class:`~maxent_grpo.training.types.SequenceScores`;
-frozen models (reference, behaviour) are scored without gradient, micro-batch by
-micro-batch.
+Position ids follow the left padding exactly as in generation. The policy is scored with
+gradient (:class:`~maxent_grpo.training.types.SequenceScores`), frozen models (reference,
+behaviour) without, micro-batch by micro-batch.
 """
 
 from __future__ import annotations
@@ -45,19 +40,18 @@ from maxent_grpo.training.step.batching import MicroBatchPlan, plan_micro_batche
 from maxent_grpo.training.types import BatchingSettings, SequenceScores
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-"""Config fields of architectures that change the logits after the LM head (Gemma 2's
-soft-capping, Cohere's and Granite's scales): such models are never fused unless the value
-is neutral (None or 1)."""
+"""Config fields that change the logits after the LM head (Gemma 2's soft-capping, Cohere's
+and Granite's scales): a model that sets one (not None or 1) is never fused."""
 
 HEAD_CHECK_TOLERANCE = 0.02
 """Largest relative difference ``|decoder(x) W^T - logits| / |logits|`` over one row for a
-model to keep the fused head: bf16 rounding is ~0.004, a logit transform the fused head
-would miss (a scale, a soft-cap on logits of trained size) is far larger."""
+model to keep the fused head: above bf16 rounding, below a missed logit transform."""
 
 
 def fused_head_parts(model: nn.Module) -> tuple[nn.Module, Tensor] | str:
-    """``(decoder, head weight)`` of a causal LM whose logits are ``decoder(...) @ W^T``,
-    or the reason the LM head cannot be fused for ``model``."""
+    """``(decoder, head weight)`` of a causal LM whose logits are ``decoder(...) @ W^T``
+    (a bias-free ``nn.Linear`` head, no :data:`LOGIT_TRANSFORMS`, parameters not sharded
+    across ranks), or the reason the LM head cannot be fused for ``model``."""
     if sharded_across_ranks(model):
         return "its parameters are sharded across ranks (FSDP2 / DeepSpeed ZeRO-3)"
     get_head = getattr(model, "get_output_embeddings", None)
@@ -99,9 +93,8 @@ class Scorer:
         self, model: nn.Module, input_ids: Tensor, attention: Tensor, positions: Tensor,
         T: int, required: bool,
     ) -> tuple[nn.Module, Tensor] | None:
-        """The fused head's parts for ``model``, or None for the logits path; decided on
-        the first call for each model (one row's logits formed both ways). ``required``
-        raises, naming the reason, where the model is scored through its logits."""
+        """The fused head's parts for ``model`` (decided on its first call), or None for
+        the logits path, which ``required`` refuses with a ValueError naming the reason."""
         if model not in self._heads:
             self._heads[model] = self._decide(model, input_ids, attention, positions, T)
         decision = self._heads[model]
@@ -210,8 +203,7 @@ class Scorer:
         old_logps: Tensor | None, with_entropy: bool,
     ) -> tuple[SequenceScores, Tensor | None]:
         """The policy's scores of one micro-batch, with gradient: :class:`SequenceScores`
-        (``token_logp`` carries the gradient) and the token entropy ``(n, T)`` or None.
-
+        (``token_logp`` carries the gradient) and the token entropy ``(n, T)`` or None;
         ``mask`` ``(n, T)`` is the loss mask; ``old_logps`` the behaviour log-probs (None
         when the behaviour policy is the current one, ``num_iterations = 1``)."""
         logps, entropy = self.token_logps(model, input_ids, attention, mask.shape[1],

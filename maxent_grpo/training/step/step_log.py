@@ -3,16 +3,10 @@
 During a step, :class:`StepMetrics` accumulates the step's statistics in torchmetrics
 (sums, so exact over micro-batches and ranks): the rewards and their components, the token
 counts, and token-weighted means of everything the objective's loss reports (KL, entropy,
-clip fractions, loss parts). After the optimizer step(s) it builds the documented record::
-
-    TokenUsageStats  ─┐
-    TrainingScalarStats ──► LogStepArtifacts ──as_dict()──► MetricWriter (train/... keys)
-    LossScalarBundle ─┘
-
-and resets. What is logged is chosen by the :class:`LoggingConfigView` (the objective's
-weighting state, gradient clipping, the schedule). NaN means "not measured this step" and
-is not logged. Key names (``train/reward/mean``, ``train/kl``, ``train/perf/step_s``, ...)
-are listed in the README's metrics table.
+clip fractions, loss parts). After the optimizer step(s) it builds the documented
+:class:`LogStepArtifacts`, whose ``as_dict()`` a ``MetricWriter`` logs as ``train/...``
+keys (listed in the README), and resets. NaN means "not measured this step" and is not
+logged.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torchmetrics.aggregation import MaxMetric
 
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
@@ -39,9 +34,8 @@ if TYPE_CHECKING:
 
 class LightningWriter:
     """A :class:`~maxent_grpo.training.types.MetricWriter` that logs through the
-    LightningModule (``log_dict``), so every configured Lightning logger receives the
-    values and callbacks see them in ``trainer.callback_metrics``. Lightning stamps the
-    global step itself, so ``step`` is only checked."""
+    LightningModule (``log_dict``) to every configured Lightning logger and
+    ``trainer.callback_metrics``; Lightning stamps the step itself, so ``step`` is checked."""
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
@@ -57,11 +51,8 @@ class LightningWriter:
 
 
 class StepMetrics(torch.nn.Module):
-    """The per-step torchmetrics and the record built from them (see the module docstring).
-
-    Args:
-        reward_names: the names of ``model.rewards``, in order.
-    """
+    """The per-step torchmetrics and the record built from them; ``reward_names`` are the
+    names of ``model.rewards``, in order."""
 
     def __init__(self, reward_names: list[str]) -> None:
         super().__init__()
@@ -69,6 +60,7 @@ class StepMetrics(torch.nn.Module):
         self.components = RewardComponents(reward_names)
         self.tokens = TokenUsage()
         self.means = torch.nn.ModuleDict()  # token-weighted means, created on first use
+        self.maxima = torch.nn.ModuleDict()  # maxima, created on first use
         self._updated: set[str] = set()
 
     def mean(self, key: str) -> TokenMean:
@@ -78,6 +70,14 @@ class StepMetrics(torch.nn.Module):
         if name not in self.means:
             self.means[name] = TokenMean().to(self.reward.total.device)
         return self.means[name]
+
+    def maximum(self, key: str) -> MaxMetric:
+        """The ``MaxMetric`` logged as ``train/<key>`` (created on first use)."""
+        name = key.replace("/", "__")
+        self._updated.add(name)
+        if name not in self.maxima:
+            self.maxima[name] = MaxMetric().to(self.reward.total.device)
+        return self.maxima[name]
 
     def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
         """Add a loss statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost
@@ -103,11 +103,12 @@ class StepMetrics(torch.nn.Module):
         self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,
         epoch_progress: float, extra: dict[str, float],
     ) -> LogStepArtifacts:
-        """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset.
-
+        """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset;
         ``extra`` are further diagnostics (timings, counters) logged as they are."""
         means = {k.replace("__", "/"): float(m.compute()) for k, m in self.means.items()
                  if k in self._updated}
+        means |= {k.replace("__", "/"): float(m.compute()) for k, m in self.maxima.items()
+                  if k in self._updated and m.update_count}
         nan = math.nan
         kl = means.pop("kl", nan)
         weighting = view.weighting.state()  # tau, beta, ... as the step used them
@@ -155,7 +156,7 @@ class StepMetrics(torch.nn.Module):
         self.reward.reset()
         self.components.reset()
         self.tokens.reset()
-        for m in self.means.values():
+        for m in [*self.means.values(), *self.maxima.values()]:
             m.reset()
         self._updated.clear()
 

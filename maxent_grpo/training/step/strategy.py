@@ -1,9 +1,8 @@
 """What differs between Lightning strategies, in one place (docs/SCALING.md).
 
-- ``FSDPStrategy`` (FSDP1) is refused: it runs ``training_step`` inside the root FSDP
-  module's forward, and FSDP1 does not support the backward passes the module makes there
-  (Lightning issue #19626). ``ModelParallelStrategy`` (FSDP2) is used instead, and
-  :func:`fully_shard_models` shards the policy and the reference with ``fully_shard``.
+- ``FSDPStrategy`` (FSDP1) is refused (it cannot run the module's backward passes inside
+  the root FSDP forward, Lightning issue #19626); under ``ModelParallelStrategy`` (FSDP2)
+  :func:`fully_shard_models` shards the policy and the reference.
 - ``DeepSpeedStrategy`` clips inside the engine (gradients are partitioned):
   ``model.gradient_clip_val`` becomes the DeepSpeed config's ``gradient_clipping``, and a
   step must be one backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only
@@ -56,11 +55,8 @@ def clip_gradients(
     strategy: Strategy, parameters: Iterable[torch.nn.Parameter], max_norm: float
 ) -> Tensor | None:
     """Clip the gradients to global norm ``max_norm``; return that norm (the same on every
-    rank), or None where the strategy clips by itself (DeepSpeed, inside its ``step``).
-
-    DDP: after the all-reduce every rank holds the full gradient. FSDP2: gradients are
-    DTensor shards, and ``clip_grad_norm_`` reduces their norms over the mesh.
-    """
+    rank: FSDP2's ``clip_grad_norm_`` reduces the DTensor shards' norms over the mesh), or
+    None where the strategy clips by itself (DeepSpeed, inside its ``step``)."""
     if isinstance(strategy, DeepSpeedStrategy):
         return None
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)

@@ -22,11 +22,8 @@ import torch
 
 
 class StepTimer:
-    """Accumulates seconds per named phase between :meth:`start` and :meth:`stop` calls.
-
-    ``stop(name)`` charges the time since the last ``start()`` or ``stop()`` to ``name``, so
-    consecutive phases can be timed with one ``start`` and several ``stop`` calls.
-    """
+    """Seconds per named phase: ``stop(name)`` charges the time since the last ``start()``
+    or ``stop()`` to ``name`` (consecutive phases: one ``start``, several ``stop`` calls)."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self._cuda = torch.device(device or "cpu").type == "cuda"

@@ -79,6 +79,7 @@ class Trajectory:
         mask: ``(N, T)`` their loss mask.
         ref_logps: ``(N, T)`` reference log-probs, or None when not needed.
         old_logps: ``(N, T)`` behaviour log-probs, or None (``num_iterations = 1``).
+        sampler_logps: ``(N, T)`` the rollout engine's own log-probs, or None.
         targets: the objective's targets of the ``N`` rows.
         chunks: micro-batches of whole groups over the ``N`` rows.
         kept_groups: groups taking part on all ranks.
@@ -100,6 +101,7 @@ class Trajectory:
     mask: Tensor
     ref_logps: Tensor | None
     old_logps: Tensor | None
+    sampler_logps: Tensor | None
     targets: Targets
     chunks: list[MicroBatchPlan]
     kept_groups: int
@@ -186,6 +188,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         rollout=rollout, pairs=pairs, rewards=rewards, components=components,
         loss_mask=loss_mask, keep=keep, input_ids=input_ids, attention=attention, mask=mask,
         ref_logps=ref_logps, old_logps=old_logps, targets=targets, chunks=chunks,
+        sampler_logps=None if rollout.sampler_logps is None else rollout.sampler_logps[rows],
         kept_groups=kept_groups, dropped_groups=world * B - kept_groups, ghost=ghost,
         num_global_tokens=global_tokens,
         loss_scale=0.0 if ghost else ctx.objective.loss_scale(world, n_kept, kept_groups * G),
@@ -215,15 +218,12 @@ def prepare_targets(
     on all ranks.
 
     ``rewards`` and ``lengths`` are this rank's ``(B, G)``; ``keep`` ``(B,)`` marks the
-    groups that take part (all of them unless ``drop_constant_groups``) and ``rho`` is
-    ``(kept, G)`` or None. With W > 1 ranks every rank's tensors are gathered (every rank
-    has the same B: the sampler drops the last partial batch), the kept groups of all
-    ``W*B`` are prepared at once and each rank keeps the targets of its own (rank ``r``'s
-    kept groups follow those of ranks ``0..r-1``). Per-group advantages and weights do not
-    change; ``scale_rewards="batch"`` then divides by the std of all kept rewards, and
-    ``targets.stats`` (e.g. ``weight_entropy_min``) describe all kept groups, exactly as one
-    process given the same prompts would. ``candidates`` (``(B, G)`` bool, for objectives
-    that ask for them) travel with the rewards.
+    groups that take part and ``rho`` is ``(kept, G)`` or None; ``candidates`` (``(B, G)``
+    bool, for objectives that ask for them) travel with the rewards. With W > 1 ranks every
+    rank's tensors are gathered (every rank has the same B), the kept groups of all ``W*B``
+    are prepared at once, exactly as one process given the same prompts would
+    (``scale_rewards="batch"``, ``targets.stats``), and each rank keeps the targets of its
+    own (rank ``r``'s kept groups follow those of ranks ``0..r-1``).
     """
     world = ctx.world_size
     every = {"rewards": rewards, "lengths": lengths, "keep": keep}

@@ -1,12 +1,6 @@
-"""The documented dataclasses of a training step: the data contract between components.
-
-Submodules:
-    :mod:`~maxent_grpo.training.types.rewards` — rollout, reward, target and scoring data
-    (``GenerationBatch``, ``SequenceScores``, ``RewardMoments``, …);
-    :mod:`~maxent_grpo.training.types.logging` — scalar bundles and the ``MetricWriter``
-    protocol; :mod:`~maxent_grpo.training.types.runtime` — job-long handles and grouped loop
-    settings (typed views of what Lightning owns).
-
+"""The documented dataclasses of a training step: the data contract between components
+(:mod:`.rewards`: rollout, reward, target and scoring data; :mod:`.logging`: scalar bundles
+and the ``MetricWriter`` protocol; :mod:`.runtime`: job-long handles and loop settings).
 Importing this package loads torch but neither Lightning nor transformers.
 """
 

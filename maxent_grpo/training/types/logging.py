@@ -1,8 +1,6 @@
 """Logging data of a training step: scalar bundles, their flat views and the writer protocol.
 
-The LightningModule builds these at the end of an optimizer step from values that are
-already reduced over micro-batches and ranks; the logger (``LightningModule.log_dict`` or a
-:class:`MetricWriter`) consumes their flat ``as_dict()`` views.
+Their values are already reduced over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -27,17 +25,12 @@ __all__ = [
 
 @dataclass
 class TokenUsageStats:
-    """Token counts of one optimizer step.
-
-    Computed by the ``TokenUsage`` torchmetric from the completion masks and prompt
-    attention masks; logged through :meth:`TrainingScalarStats.as_dict`.
+    """Token counts of one optimizer step (all three must be >= 0).
 
     Attributes:
         avg_completion_tokens: mean completion length ``mean_i T_i`` over the B*G rows.
         num_completion_tokens: total completion tokens ``sum_i T_i`` (all ranks).
         num_input_tokens: total tokens fed to the model (prompt + completion, all ranks).
-
-    All three must be >= 0.
     """
 
     avg_completion_tokens: float
@@ -60,12 +53,7 @@ class TokenUsageStats:
 
 @dataclass
 class TrainingScalarStats:
-    """Step-level scalars that are not losses: reference log-prob, tokens, lr, entropy
-    (the rollout engine's time is ``perf/generate_s``, from the step's timer).
-
-    Built by :meth:`~maxent_grpo.training.step.step_log.StepMetrics.artifacts` after the
-    optimizer step(s) and logged through :meth:`as_dict` (the step's gradient norm and
-    epoch progress travel in :class:`LogStepArtifacts` itself).
+    """Step-level scalars that are not losses: reference log-prob, tokens, lr, entropy.
 
     Attributes:
         ref_logp_mean: mean reference log-prob per completion token (NaN: not measured).
@@ -80,9 +68,8 @@ class TrainingScalarStats:
     policy_entropy: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
-        """``logp/ref_token``, ``lr``, ``entropy`` and the token counts as
-        ``tokens/<name>`` (see :meth:`TokenUsageStats.as_dict`); values not measured
-        (None, NaN) are left out."""
+        """``logp/ref_token``, ``lr``, ``entropy`` and ``tokens/<name>`` (see
+        :meth:`TokenUsageStats.as_dict`); values not measured (None, NaN) are left out."""
         out: dict[str, float | None] = {
             "logp/ref_token": self.ref_logp_mean, "lr": self.current_lr,
             "entropy": self.policy_entropy,
@@ -94,9 +81,6 @@ class TrainingScalarStats:
 @dataclass
 class LossScalarBundle:
     """Scalar values of the loss terms of one optimizer step (detached floats).
-
-    Returned by the objective alongside the differentiable loss; consumed by logging via
-    :class:`LogStepArtifacts`.
 
     Attributes:
         total_loss: the optimised loss.
@@ -132,14 +116,10 @@ def _scalar(key: str, value: Any) -> float:
 class LogStepArtifacts:
     """Everything the logger needs from one optimizer step, with a flat scalar view.
 
-    Built by the LightningModule after the optimizer step; :meth:`as_dict` feeds
-    ``LightningModule.log_dict`` or a :class:`MetricWriter`.
-
     Attributes:
         loss_outputs: a :class:`LossScalarBundle` or a mapping ``name -> scalar``.
-        diagnostics: mapping ``name -> scalar`` (nested mappings allowed), e.g. clip
-            fractions, KL, weight entropy; keys should already carry their namespace
-            (``"clip/low_frac"``).
+        diagnostics: mapping ``name -> scalar`` (nested mappings allowed), keys already
+            namespaced (``"clip/low_frac"``).
         grad_norm_scalar: total gradient norm, or ``None`` if not measured.
         epoch_progress: fractional epoch (``batch_idx / batches per epoch``).
         scalars: the step's :class:`TrainingScalarStats`, or None.
@@ -164,9 +144,8 @@ class LogStepArtifacts:
         """One flat ``{key: float}`` dict; entries whose value is ``None`` are left out.
 
         Keys:
-            - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed:
-              ``loss/total``, ``loss/policy``, ``loss/clip``, ``loss/kl``,
-              ``loss/weighted_kl`` for a :class:`LossScalarBundle`;
+            - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed
+              (``loss/total``, ...);
             - the keys of :meth:`TrainingScalarStats.as_dict` (``lr``, ``tokens/...``);
             - each diagnostics key unchanged; a nested mapping is joined with ``"/"``
               (``{"clip": {"low_frac": x}}`` -> ``"clip/low_frac"``);
@@ -210,9 +189,6 @@ class LogStepArtifacts:
 class LoggingConfigView:
     """The configuration the logger reads to label and gate metrics (a read-only view).
 
-    Built once by the LightningModule; consumed by the step's logging
-    (:mod:`maxent_grpo.training.step.step_log`).
-
     Attributes:
         weighting: the objective, whose ``state()`` (tau, beta, lam, alpha: the weighting
             values the step used) is logged, and whose beta weighs ``loss/weighted_kl``.
@@ -226,18 +202,13 @@ class LoggingConfigView:
 
 @runtime_checkable
 class MetricWriter(Protocol):
-    """Anything that accepts flat metric dicts.
-
-    The LightningModule writes each step's :meth:`LogStepArtifacts.as_dict` through one:
-    :class:`~maxent_grpo.training.step.step_log.LightningWriter`, which hands them to every
-    configured Lightning logger (TensorBoard by default, CSV, W&B, ...).
+    """Anything that accepts flat metric dicts, such as
+    :class:`~maxent_grpo.training.step.step_log.LightningWriter`.
     ``isinstance(x, MetricWriter)`` checks only that ``log`` and ``flush`` exist.
     """
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record ``metrics`` (flat ``name -> scalar``) at global step ``step``."""
-        ...
 
     def flush(self) -> None:
         """Write buffered metrics to their destination."""
-        ...

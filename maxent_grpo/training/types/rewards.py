@@ -2,13 +2,6 @@
 
 Shape vocabulary: B prompts, G completions per prompt, T completion tokens. Flattened
 sequences are prompt-major: row ``b * G + g`` is completion ``g`` of prompt ``b``.
-
-Flow on the training path::
-
-    rollout engine ──► GenerationBatch ──flatten()──► PromptCompletionBatch ──► reward fns
-    reward fns ──► RewardComponentStats (per function), RewardMoments (total reward)
-    objective  ──► AdvantageStats, QDistribution
-    scoring    ──► SequenceScores  (chunked according to BatchingSettings)
 """
 
 from __future__ import annotations
@@ -33,9 +26,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------- rewards and targets
-
-
 def _check_std(std: float) -> None:
     if std < 0:  # NaN passes on purpose: an empty or single-sample batch has no spread
         raise ValueError(f"std must be >= 0 (NaN allowed); got {std}")
@@ -43,11 +33,12 @@ def _check_std(std: float) -> None:
 
 @dataclass
 class RewardComponentStats:
-    """Mean and standard deviation of one reward function over the batch's B*G completions.
+    """Mean and standard deviation of one reward function over the batch's B*G completions
+    (logged as ``reward/<name>/mean`` and ``…/std``).
 
-    Produced by the reward metric for each registered reward function; consumed by logging
-    (one ``reward/<name>/mean``, ``…/std`` pair per function). ``std`` must be >= 0; NaN is
-    allowed (undefined spread).
+    Attributes:
+        mean: the mean of the function's values.
+        std: their std, >= 0 or NaN (undefined spread).
     """
 
     mean: float
@@ -59,11 +50,11 @@ class RewardComponentStats:
 
 @dataclass
 class RewardMoments:
-    """Mean and standard deviation of the total (weighted-sum) sequence reward.
+    """Mean and standard deviation of the B*G total (weighted-sum) sequence rewards.
 
-    Computed by the ``RewardMoments`` torchmetric from the B*G total rewards; consumed by
-    logging and by controllers that react to the reward's spread. ``std`` must be >= 0;
-    NaN is allowed (undefined spread).
+    Attributes:
+        mean: the mean total reward.
+        std: its std, >= 0 or NaN (undefined spread).
     """
 
     mean: float
@@ -75,10 +66,8 @@ class RewardMoments:
 
 @dataclass
 class AdvantageStats:
-    """Advantages per group and flattened (prompt-major), as plain floats.
-
-    Built from the objective's targets for display (the loss reads the tensors);
-    consumed by :class:`~maxent_grpo.training.callbacks.CompletionSamples`.
+    """Advantages per group, as plain floats for display
+    (:class:`~maxent_grpo.training.callbacks.CompletionSamples`; the loss reads the tensors).
 
     Attributes:
         grouped: B lists; ``grouped[b][g]`` is the advantage of completion g of prompt b.
@@ -92,10 +81,8 @@ class QDistribution:
     """The sequence-level target distribution q over each prompt's group.
 
     Produced by the listwise objective (``core.listwise``): per group,
-    ``q = softmax_G(r / T_q)`` followed by the floor ``q <- q * (1 - G * eps') + eps'``;
-    shown by :class:`~maxent_grpo.training.callbacks.CompletionSamples`. Each group of
-    ``grouped`` is a probability vector (positive, sums to 1); this is documented, not
-    re-checked.
+    ``q = softmax_G(r / T_q)`` followed by the floor ``q <- q * (1 - G * eps') + eps'``.
+    Each group of ``grouped`` is a probability vector (positive, sums to 1; not re-checked).
 
     Attributes:
         grouped: B lists of G probabilities.
@@ -104,18 +91,11 @@ class QDistribution:
     grouped: list[list[float]]
 
 
-# ---------------------------------------------------------------------------------- scoring
-
-
 @dataclass
 class SequenceScores:
-    """Log-probability scores of N scored completions under the current policy, with
-    gradient, and the behaviour policy's per-token log-probs they are compared with.
-
-    Produced by :meth:`~maxent_grpo.training.step.scoring.Scorer.policy_scores` (a
-    teacher-forced forward pass over prompt + completion, one micro-batch of whole groups
-    within :class:`BatchingSettings`); consumed by the objective's loss (the per-token
-    tensors) and by logging (``logp/sequence`` from ``cur_logp_sum``). Rows are prompt-major.
+    """Log-probability scores of N scored completions (one micro-batch of whole groups,
+    prompt-major) under the current policy, with gradient, and the behaviour policy's
+    per-token log-probs they are compared with.
 
     Attributes:
         cur_logp_sum: (N,) sum over completion tokens of log pi_theta(y_t | x, y_<t).
@@ -156,17 +136,12 @@ class SequenceScores:
 
 @dataclass
 class BatchingSettings:
-    """How scoring is chunked; read by the scorer on every training step.
-
-    The trainer scores micro-batches of whole prompt groups
-    (:func:`maxent_grpo.training.step.batching.plan_micro_batches`), so the two sizes below bound
-    one micro-batch; ``None`` means no bound (the whole batch in one forward pass).
+    """How scoring is chunked: the two sizes (>= 1, or None: no bound) bound one micro-batch
+    of whole prompt groups (:func:`maxent_grpo.training.step.batching.plan_micro_batches`).
 
     Attributes:
-        logprob_chunk_size: at most this many sequences per forward pass when computing
-            log-probs (>= 1; whole groups: ``G * model.micro_batch_groups``), or None.
-        score_slice: at most this many padded tokens (rows x columns) per scored slice
-            (>= 1; ``model.micro_batch_tokens``), or None.
+        logprob_chunk_size: sequences per forward pass, ``G * model.micro_batch_groups``.
+        score_slice: padded tokens (rows x columns) per forward pass, ``model.micro_batch_tokens``.
     """
 
     logprob_chunk_size: int | None

@@ -1,9 +1,6 @@
-"""Runtime handles and grouped loop settings: what lives for the whole training job.
-
-Lightning owns the accelerator, the loop and the optimizer; the types here are typed views
-built from those Lightning objects so that the training code can name what it uses.
-Lightning and transformers types are imported for type checking only: importing this
-module loads neither library.
+"""Runtime handles and grouped loop settings: what lives for the whole training job, as
+typed views of what Lightning owns. Importing this module loads neither Lightning nor
+transformers.
 """
 
 from __future__ import annotations
@@ -23,19 +20,14 @@ __all__ = ["ControllerPaths", "LoopSettings", "OptimizationSettings", "RuntimeHa
 
 @dataclass
 class ControllerPaths:
-    """Where the tau/beta/meta controllers write and read ``controller_state.json``.
-
-    Consumed by the controller callbacks. The controllers' state also travels in the
-    Lightning checkpoint (callback ``state_dict``); these paths add a side file that is
-    written atomically after each update and read on resume.
+    """Where the tau/beta/meta controllers write and read ``controller_state.json`` (a side
+    file to the state in the Lightning checkpoint); paths are None or non-empty strings.
 
     Attributes:
         state_path: file the state is written to, or ``None`` for no side file.
         resume_from: file the state is loaded from at start, or ``None``.
         overwrite_existing: allow replacing an existing ``state_path`` at the start of a
             fresh run (otherwise the callback refuses, to protect an earlier run's state).
-
-    Paths must be ``None`` or non-empty strings.
     """
 
     state_path: str | None
@@ -53,14 +45,10 @@ class ControllerPaths:
 class OptimizationSettings:
     """The optimisation schedule plus the optimizer/scheduler handles it drives.
 
-    A typed view built from Lightning: ``schedule`` comes from the module's constructor
-    arguments (lr, warm-up, total steps, gradient accumulation, clipping norm) and
-    ``handles`` from ``LightningModule.optimizers()`` / ``lr_schedulers()``; Lightning
-    still owns stepping them. Consumed by logging (current lr) and the controllers.
-
     Attributes:
         schedule: the schedule settings object.
-        handles: the optimizer and lr-scheduler objects (or Lightning's wrappers of them).
+        handles: the optimizer and lr-scheduler objects (or Lightning's wrappers of them),
+            from ``LightningModule.optimizers()`` / ``lr_schedulers()``.
     """
 
     schedule: Any
@@ -69,13 +57,8 @@ class OptimizationSettings:
 
 @dataclass
 class LoopSettings:
-    """The training loop's configuration, grouped by concern.
-
-    Built once by the LightningModule from its constructor arguments
-    (:func:`~maxent_grpo.training.settings.build_loop_settings`); read by ``training_step``
-    (generation, optimization, scoring) and the evaluator (evaluation). Lightning's
-    ``Trainer`` owns the loop itself; this is the view of its settings. The controllers'
-    paths (:class:`ControllerPaths`) are their own (``Controller.paths``).
+    """The training loop's configuration, grouped by concern
+    (:func:`~maxent_grpo.training.settings.build_loop_settings`).
 
     Attributes:
         generation: rollout settings (G, max completion length, temperature, …).
@@ -92,12 +75,8 @@ class LoopSettings:
 
 @dataclass
 class RuntimeHandles:
-    """The models of the whole job: a typed view of what the module loaded.
-
-    Built by the LightningModule in ``configure_model``; read by the step (policy,
-    reference), the export callback (model, tokenizer). ``get_ref_model`` loads the frozen
-    reference lazily, so a run that never needs it (beta = 0 and no controller can raise
-    beta) never loads it.
+    """The models of the whole job. ``get_ref_model`` loads the frozen reference lazily, so
+    a run that never needs it (beta = 0 and no controller can raise beta) never loads it.
 
     Attributes:
         model: the policy being trained.

