@@ -62,7 +62,7 @@ def make_module(cache_dir: str, **kw):
     return MaxEntGRPOModule(**opts)
 
 
-def fit(module, data, steps: int = 2, tmp_path=None, **trainer_kw):
+def fit(module, data, steps: int = 2, tmp_path=None, ckpt_path=None, **trainer_kw):
     """``L.Trainer(...).fit`` on the CPU, quiet, seeded; ``trainer_kw`` override."""
     import lightning as L
 
@@ -73,7 +73,7 @@ def fit(module, data, steps: int = 2, tmp_path=None, **trainer_kw):
         limit_val_batches=0, default_root_dir=tmp_path,
     )
     trainer = L.Trainer(**(options | trainer_kw))
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer
 
 

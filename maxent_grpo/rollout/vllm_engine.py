@@ -29,12 +29,16 @@ or ``tensor_parallel_size > 1`` on the CPU, and a head size vLLM's attention can
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -61,6 +65,23 @@ def require_vllm() -> Any:
             f"its own environment, `make setup-vllm` (README, 'vLLM'). ({err})"
         ) from err
     return vllm
+
+
+@contextlib.contextmanager
+def _kept_random_state() -> Iterator[None]:
+    """Restore python's, numpy's and torch's random states afterwards, so that building
+    the engine (whenever the first rollout comes, at step 0 or after a resume) never moves
+    the training's random stream."""
+    state = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        if state[3] is not None:
+            torch.cuda.set_rng_state_all(state[3])
 
 
 def _rank() -> int:
@@ -156,8 +177,9 @@ class VLLMEngine:
             self.model.save_pretrained(folder)
             self.tokenizer.save_pretrained(folder)
             try:
-                return self.vllm.LLM(model=folder, seed=0, logprobs_mode="processed_logprobs",
-                                     **options)
+                with _kept_random_state():  # vLLM seeds python, numpy and torch at start
+                    return self.vllm.LLM(model=folder, seed=0,
+                                         logprobs_mode="processed_logprobs", **options)
             except Exception as err:  # vLLM refuses a head size, an architecture, ...
                 config = getattr(self.model, "config", None)
                 raise RuntimeError(
@@ -168,11 +190,13 @@ class VLLMEngine:
             shutil.rmtree(folder, ignore_errors=True)
 
     def sync(self, model: nn.Module) -> None:
-        """Load ``model``'s current weights into vLLM, in place (``reload_weights``)."""
+        """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
+        drop its prefix cache (keys and values computed with the old weights)."""
         start = time.perf_counter()
         weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights
         self.sync_seconds = time.perf_counter() - start
 
     def _params(self, s: SamplingSettings, n: int, seed: int) -> Any:

@@ -134,3 +134,33 @@ def test_refused_settings_name_the_option(trained):
         VLLMEngine(module.policy, module.tokenizer, sampling, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         VLLMEngine(module.policy, module.tokenizer, sampling, gpu_memory_utilization=1.5)
+
+
+def test_kill_and_resume_continues_exactly(tmp_path):
+    """Three steps straight, or two, a checkpoint and a fresh module resumed from it for the
+    third: the same weights (the vLLM engine rebuilt from the restored policy, its seeds
+    from the restored random state)."""
+    import lightning as L
+
+    cache = str(tmp_path / "models")
+
+    def module():
+        return make_module(
+            cache, model_name_or_path=MODEL, max_completion_length=8,
+            engine=functools.partial(VLLMEngine, gpu_memory_utilization=0.2),
+            rewards={"tests.conftest:alternating": 1.0},
+        )
+
+    straight = module()
+    fit(straight, make_data(cache, tokenizer=MODEL), steps=3, tmp_path=tmp_path / "a")
+    first = module()
+    fit(first, make_data(cache, tokenizer=MODEL), steps=2, tmp_path=tmp_path / "b",
+        enable_checkpointing=True,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)])
+    resumed = module()
+    fit(resumed, make_data(cache, tokenizer=MODEL), steps=3, tmp_path=tmp_path / "c",
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    for (name, a), (_, b) in zip(straight.policy.named_parameters(),
+                                 resumed.policy.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
