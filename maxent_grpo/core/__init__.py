@@ -16,7 +16,13 @@ from maxent_grpo.core.control import (
     meta_update,
     tau_update,
 )
-from maxent_grpo.core.divergence import clip_fractions, importance_ratio, kl_penalty
+from maxent_grpo.core.divergence import (
+    CORRECTIONS,
+    clip_fractions,
+    importance_ratio,
+    kl_penalty,
+    sampler_correction_weights,
+)
 from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.core.listwise import (
@@ -45,6 +51,7 @@ __all__ = [
     "entropy_gate_multiplier", "entropy_target_at", "fused_head_log_softmax", "group_advantages",
     "group_utility", "group_weights", "importance_ratio", "kl_penalty", "listwise_loss",
     "maxent_weights", "mean_at_k", "meta_update", "pass_at_k", "q_distribution",
-    "reduce_token_loss", "selective_log_softmax", "selective_log_softmax_with_entropy",
+    "reduce_token_loss", "sampler_correction_weights", "selective_log_softmax",
+    "selective_log_softmax_with_entropy", "CORRECTIONS",
     "sequence_clip_loss", "tau_update", "token_entropy", "weight_entropy", "zero_std_fraction",
 ]

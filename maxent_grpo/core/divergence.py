@@ -11,7 +11,8 @@ import math
 
 import torch
 
-__all__ = ["clip_fractions", "importance_ratio", "kl_penalty"]
+__all__ = ["CORRECTIONS", "clip_fractions", "importance_ratio", "kl_penalty",
+           "sampler_correction_weights"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -143,3 +144,41 @@ def clip_fractions(
     low_frac = low.sum().to(torch.float32) / denom
     high_frac = high.sum().to(torch.float32) / denom
     return low_frac, high_frac, low_frac + high_frac
+
+
+#: the sampler-correction modes of :func:`sampler_correction_weights`
+CORRECTIONS = ("token_tis", "token_mis", "sequence_tis", "sequence_mis")
+
+
+def sampler_correction_weights(
+    logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+    cap: float,
+) -> torch.Tensor:
+    """Detached importance weights ``w`` ``(N, T)`` that correct for sampling from an engine
+    whose distribution ``pi_s`` differs from the trainer's ``pi`` (docs/ALGORITHM.md §2).
+
+    With ``d[i,t] = logps - sampler_logps`` (both ``(N, T)``, the trainer's behaviour
+    log-probs and the sampler's own) and the ratio ``rho = exp(d)``:
+
+    - ``token_tis``: ``w = min(rho, cap)`` per token (truncated IS);
+    - ``token_mis``: ``w = rho`` where ``rho <= cap``, else 0 (masked IS);
+    - ``sequence_tis``: ``w_i = min(exp(sum_t m d), cap)`` for every token of row ``i``;
+    - ``sequence_mis``: ``w_i = exp(sum_t m d)`` where that is ``<= cap``, else 0.
+
+    ``mask`` ``(N, T)`` bool; weights outside it are 0. ``cap > 0``. The exponent is clamped
+    to ``[-20, 20]`` against overflow, as in :func:`importance_ratio`.
+    """
+    logps, sampler_logps = _check_tensor(logps, "logps"), _check_tensor(sampler_logps,
+                                                                         "sampler_logps")
+    _check_same_shape(logps, "logps", sampler_logps, "sampler_logps")
+    if mode not in CORRECTIONS:
+        raise ValueError(f"mode must be one of {CORRECTIONS}; got {mode!r}")
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0; got {cap!r}")
+    m = mask.to(logps.dtype)
+    d = (logps.detach() - sampler_logps.detach()) * m
+    if mode.startswith("sequence"):
+        d = d.sum(-1, keepdim=True).expand_as(m)
+    rho = torch.exp(d.clamp(-20.0, 20.0))
+    w = rho.clamp(max=cap) if mode.endswith("tis") else torch.where(rho <= cap, rho, 0.0)
+    return w * m

@@ -58,6 +58,9 @@ class MicroBatch:
         max_completion_length: ``T_max``.
         num_global_tokens: completion tokens of the whole step, all ranks (``dapo``).
         candidates: ``(n // G, G)`` slice of :attr:`Targets.candidates`, or ``None``.
+        correction: ``(n, T)`` detached importance weights for the sampler / trainer gap
+            (``model.sampler_correction``), or ``None``; the clipped surrogate multiplies
+            its per-token loss by them.
     """
 
     token_logps: Tensor
@@ -73,6 +76,7 @@ class MicroBatch:
     max_completion_length: int
     num_global_tokens: Tensor | float | None = None
     candidates: Tensor | None = None
+    correction: Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -118,6 +122,8 @@ class Objective:
 
     #: Whether the loss needs exact token entropy with gradient.
     needs_entropy: bool = False
+    #: Whether the loss applies ``MicroBatch.correction`` (``model.sampler_correction``)
+    supports_sampler_correction: bool = False
     #: attributes that the adaptive controllers may move (``tau``, ``beta``)
     tunable: tuple[str, ...] = ()
     #: attributes that change during training and travel in the checkpoint (the tunable

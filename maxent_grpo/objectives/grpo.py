@@ -63,6 +63,8 @@ class GRPO(Objective):
     def needs_reference(self) -> bool:
         return self.beta > 0
 
+    supports_sampler_correction = True  # through the clipped surrogate
+
     def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
         """``dapo`` divides by the all-rank token count, so it is multiplied back by the
         world size W; ``bnpo`` is a mean of micro-batch means by definition (factor 1)."""

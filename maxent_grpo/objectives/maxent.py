@@ -163,6 +163,8 @@ class GroupMaxEnt(Objective):
     tunable = ("tau",)
     mutable = ("tau",)
 
+    supports_sampler_correction = True  # through the clipped surrogate
+
     def __init__(
         self, tau: float = 1.0, lam: float = 0.0, epsilon: float = 0.2,
         epsilon_high: float | None = None,

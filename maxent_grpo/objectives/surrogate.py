@@ -34,7 +34,8 @@ def clipped_token_loss(
     """Per-token loss ``-min(c*A, clip(c, 1-eps_low, 1+eps_high)*A)`` ``(n, T)`` of one
     micro-batch, and the clip fractions ``clip/low``, ``clip/high``, ``clip/total`` as
     token-weighted ``(sum, count)`` pairs. ``c`` is the ratio to the behaviour policy (1
-    when ``mb.old_token_logps`` is None)."""
+    when ``mb.old_token_logps`` is None); with ``mb.correction`` each token's loss is
+    multiplied by its importance weight ``w``."""
     old = mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps.detach()
     ratio = importance_ratio(mb.token_logps, old)  # (n, T)
     surr = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
@@ -45,6 +46,8 @@ def clipped_token_loss(
         "clip/high": (high * n_tok, n_tok),
         "clip/total": (total * n_tok, n_tok),
     }
+    if mb.correction is not None:  # the sampler correction (docs/ALGORITHM.md §2)
+        return -surr * mb.correction, sums
     return -surr, sums
 
 

@@ -51,7 +51,7 @@ from transformers import (
 
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy
-from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
+from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings, check_request
 from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
 
@@ -250,20 +250,7 @@ class HFGenerateEngine:
     ) -> RolloutOutput:
         """Sample G = ``num_generations`` completions per prompt from ``sampling`` (None:
         the engine's own settings); see :class:`RolloutOutput`."""
-        s = self.sampling if sampling is None else sampling
-        if not isinstance(s, SamplingSettings):
-            raise TypeError(f"sampling must be a SamplingSettings; got {type(s).__name__}")
-        if len(prompts) == 0:
-            raise ValueError("prompts must not be empty")
-        if len(answers) != len(prompts):
-            raise ValueError(
-                f"answers must have one entry per prompt; got {len(answers)} answers for "
-                f"{len(prompts)} prompts"
-            )
-        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
-            num_generations < 1
-        ):
-            raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
+        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
         group = num_generations
         device = _model_device(self.model)
         prompt_ids, prompt_mask = encode_prompts(  # (B, P)

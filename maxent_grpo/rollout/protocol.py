@@ -132,6 +132,29 @@ class RolloutOutput:
                 raise ValueError(f"{name} must be a bool tensor; got {getattr(self, name).dtype}")
 
 
+def check_request(
+    prompts: list[str], answers: list[str], num_generations: int,
+    sampling: SamplingSettings | None, default: SamplingSettings,
+) -> SamplingSettings:
+    """Check a ``generate`` call's arguments (ValueError / TypeError naming the argument)
+    and return the sampling settings it uses (``sampling``, or the engine's ``default``)."""
+    s = default if sampling is None else sampling
+    if not isinstance(s, SamplingSettings):
+        raise TypeError(f"sampling must be a SamplingSettings; got {type(s).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts must not be empty")
+    if len(answers) != len(prompts):
+        raise ValueError(
+            f"answers must have one entry per prompt; got {len(answers)} answers for "
+            f"{len(prompts)} prompts"
+        )
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
+        num_generations < 1
+    ):
+        raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
+    return s
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Samples completions for already-rendered prompts (chat template applied)."""

@@ -45,7 +45,7 @@ from transformers import PreTrainedTokenizerBase
 
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts, sharded_across_ranks
-from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings
+from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings, check_request
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
 __all__ = ["VLLMEngine", "require_vllm"]
@@ -215,12 +215,7 @@ class VLLMEngine:
     ) -> RolloutOutput:
         """Sample G = ``num_generations`` completions per prompt from ``sampling`` (None:
         the engine's own settings); see :class:`RolloutOutput`."""
-        s = self.sampling if sampling is None else sampling
-        require(len(prompts) > 0, "prompts must not be empty")
-        require(len(answers) == len(prompts),
-                f"answers must have one entry per prompt; got {len(answers)} answers for "
-                f"{len(prompts)} prompts")
-        check_int("num_generations", num_generations, minimum=1)
+        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
         G, B = num_generations, len(prompts)
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         requests = [{"prompt_token_ids": ids[mask].tolist()}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -121,6 +121,14 @@ class MaxEntGRPOModule(L.LightningModule):
             objective would otherwise pull their completions towards equal probability
             (uniform weights). A step where every group is constant changes no weight but
             still counts as a step (``train/empty_steps`` counts them).
+        sampler_correction: correct the clipped surrogate for an engine that samples from a
+            slightly different distribution than the trainer scores (vLLM in bf16, other
+            kernels): per-token (``token_*``) or per-sequence (``sequence_*``) importance
+            weights ``pi / pi_sampler``, truncated at the cap (``*_tis``) or masked above it
+            (``*_mis``; docs/ALGORITHM.md §2). Needs an engine that reports its log-probs
+            (``VLLMEngine``) and an objective with the clipped surrogate (GRPO,
+            EntropyMaxEnt, GroupMaxEnt). ``None`` = off.
+        sampler_correction_cap: the cap ``C`` of those weights (> 0).
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
         lr_scheduler: learning-rate scheduler factory (``class_path`` + ``init_args``, any
@@ -170,6 +178,9 @@ class MaxEntGRPOModule(L.LightningModule):
         micro_batch_tokens: int | None = None,
         mask_truncated_completions: bool = False,
         drop_constant_groups: bool = False,
+        sampler_correction: Literal["token_tis", "token_mis", "sequence_tis",
+                                    "sequence_mis"] | None = None,
+        sampler_correction_cap: float = 2.0,
         gradient_clip_val: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -193,6 +204,9 @@ class MaxEntGRPOModule(L.LightningModule):
         require(isinstance(objective, Objective),
                 "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
                 f"...); got {type(objective).__name__}")
+        require(sampler_correction is None or objective.supports_sampler_correction,
+                f"model.sampler_correction needs an objective with the clipped surrogate "
+                f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
         self.rewards = WeightedRewards(
             {"accuracy": 1.0} if rewards is None else dict(rewards), module=self)
         self.loop = build_loop_settings(options, self.rewards.names)

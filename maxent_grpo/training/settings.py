@@ -15,13 +15,14 @@ from typing import Any, Literal
 import torch
 
 from maxent_grpo.adapters import check_peft
+from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.training.types import (
     BatchingSettings,
     LoopSettings,
     OptimizationSettings,
 )
-from maxent_grpo.validation import check_bool, check_int, check_number, require
+from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -60,12 +61,17 @@ class GenerationSettings:
         sampling: the sampling distribution (shared by the engine and the scorer).
         mask_truncated_completions: zero the loss mask of rows without EOS.
         drop_constant_groups: leave groups whose G rewards are equal out of the update.
+        sampler_correction: the importance-weight mode for the sampler / trainer gap
+            (``core.CORRECTIONS``), or None.
+        sampler_correction_cap: its cap ``C``.
     """
 
     num_generations: int
     sampling: SamplingSettings
     mask_truncated_completions: bool
     drop_constant_groups: bool
+    sampler_correction: str | None = None
+    sampler_correction_cap: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,10 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     if o["fused_lm_head"] is not None:
         check_bool("model.fused_lm_head", o["fused_lm_head"])
     check_int("model.max_consecutive_nonfinite", o["max_consecutive_nonfinite"], minimum=1)
+    if o["sampler_correction"] is not None:
+        check_choice("model.sampler_correction", o["sampler_correction"], CORRECTIONS)
+    check_number("model.sampler_correction_cap", o["sampler_correction_cap"], minimum=0,
+                 strict=True)
     n = o["eval_num_generations"]
     check_int("model.eval_num_generations", n, minimum=1)
     require(len(reward_names) > 0, "model.rewards must name at least one reward function")
@@ -172,6 +182,8 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             num_generations=G, sampling=sampling,
             mask_truncated_completions=o["mask_truncated_completions"],
             drop_constant_groups=o["drop_constant_groups"],
+            sampler_correction=o["sampler_correction"],
+            sampler_correction_cap=float(o["sampler_correction_cap"]),
         ),
         evaluation=EvaluationSettings(
             num_generations=n,

@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from maxent_grpo.core.divergence import clip_fractions, importance_ratio, kl_penalty
+from maxent_grpo.core.divergence import (
+    clip_fractions,
+    importance_ratio,
+    kl_penalty,
+    sampler_correction_weights,
+)
 
 LN2 = math.log(2.0)
 
@@ -172,3 +177,32 @@ def test_clip_fractions_validation() -> None:
         clip_fractions(ratio, torch.ones(2), mask, eps_low=-0.1)
     with pytest.raises(ValueError, match="eps_high"):
         clip_fractions(ratio, torch.ones(2), mask, eps_high=-0.1)
+
+
+# sampler correction (docs/ALGORITHM.md §2): d = logps - sampler_logps = [0.5, -1.0, masked]
+LOGPS = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+SAMPLER = torch.tensor([[-1.5, -1.0, 7.0]], dtype=torch.float64)  # garbage under the mask
+MASK3 = torch.tensor([[True, True, False]])
+E_HALF, E_MINUS1, E_MINUS_HALF = math.exp(0.5), math.exp(-1.0), math.exp(-0.5)
+
+
+@pytest.mark.parametrize(("mode", "cap", "expected"), [
+    ("token_tis", 1.5, [1.5, E_MINUS1, 0.0]),  # e^0.5 = 1.649 truncated at 1.5
+    ("token_mis", 1.5, [0.0, E_MINUS1, 0.0]),  # e^0.5 > 1.5 is masked
+    ("token_tis", 2.0, [E_HALF, E_MINUS1, 0.0]),
+    ("sequence_tis", 1.5, [E_MINUS_HALF] * 2 + [0.0]),  # exp(0.5 - 1.0) for every token
+    ("sequence_tis", 0.5, [0.5, 0.5, 0.0]),
+    ("sequence_mis", 1.5, [E_MINUS_HALF] * 2 + [0.0]),
+    ("sequence_mis", 0.5, [0.0, 0.0, 0.0]),
+])
+def test_sampler_correction_weights_by_hand(mode: str, cap: float, expected: list[float]) -> None:
+    w = sampler_correction_weights(LOGPS.requires_grad_(), SAMPLER, MASK3, mode, cap)
+    assert w.requires_grad is False
+    assert w[0].tolist() == pytest.approx(expected, rel=1e-15, abs=0.0)
+
+
+def test_sampler_correction_weights_refuse_bad_modes_and_caps() -> None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+        sampler_correction_weights(LOGPS, SAMPLER, MASK3, "tis", 2.0)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        sampler_correction_weights(LOGPS, SAMPLER, MASK3, "token_tis", 0.0)

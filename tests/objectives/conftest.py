@@ -51,6 +51,7 @@ def _mb(
     entropy: torch.Tensor | None = None,
     num_micro_batches: int = 1,
     num_global_tokens: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
 ) -> MicroBatch:
     return MicroBatch(
         token_logps=logps,
@@ -65,6 +66,7 @@ def _mb(
         num_micro_batches=num_micro_batches,
         max_completion_length=t_max,
         num_global_tokens=num_global_tokens,
+        correction=correction,
     )
 
 

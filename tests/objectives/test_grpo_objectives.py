@@ -72,6 +72,30 @@ def test_grpo_loss_matches_naive_at_ratio_one(loss_type: str, beta: float) -> No
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_sampler_correction_weights_each_tokens_policy_loss(loss_type: str) -> None:
+    """With ``MicroBatch.correction`` w the per-token policy loss is ``-w*A`` (ratio 1), the
+    KL term unweighted; value and gradient against the naive float64 sum."""
+    beta = 0.3
+    logps, ref, mask, adv = _grpo_setup(beta)
+    n = logps.shape[0]
+    w = torch.rand(n, T4, dtype=F64, generator=torch.Generator().manual_seed(3)) * 2
+    x = logps.clone().requires_grad_(True)
+    out = GRPO(loss_type=loss_type, beta=beta).loss(_mb(
+        x, mask, G=G2, num_rows=n, t_max=T_MAX5, advantages=adv, ref=ref,
+        num_global_tokens=mask.sum(), correction=w))
+    out.loss.backward()
+    lp, rf, A, W = logps.tolist(), ref.tolist(), adv.tolist(), w.tolist()
+    rw = _row_weight(loss_type, LENGTHS, n, T_MAX5)
+    value, grad = 0.0, torch.zeros_like(logps)
+    for i in range(n):
+        for t in range(LENGTHS[i]):
+            value += rw[i] * (-W[i][t] * A[i] + beta * _k3(lp[i][t], rf[i][t]))
+            grad[i, t] = rw[i] * (-W[i][t] * A[i] + beta * (1.0 - math.exp(rf[i][t] - lp[i][t])))
+    assert out.loss.item() == pytest.approx(value, rel=1e-12, abs=1e-14)
+    assert torch.allclose(x.grad, grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_grpo_beta_adds_beta_times_reduced_k3(loss_type: str) -> None:
     logps, ref, mask, adv = _grpo_setup(0.3)
     n = logps.shape[0]

@@ -435,3 +435,18 @@ def test_static_cache_engine_trains_exactly_like_the_default(cache_dir):
         results.append(params(module))
     for key, value in results[0].items():
         torch.testing.assert_close(results[1][key], value, rtol=0, atol=1e-6)
+
+
+def test_sampler_correction_names_what_it_needs(cache_dir):
+    """The correction needs an objective with the clipped surrogate, and an engine that
+    reports its log-probs: the Hugging Face engine samples from the scored policy."""
+    with pytest.raises(ValueError, match="needs an objective with the clipped surrogate"):
+        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5), sampler_correction="token_tis")
+    with pytest.raises(ValueError, match=r"model\.sampler_correction must be one of"):
+        make_module(cache_dir, sampler_correction="tis")
+    with pytest.raises(ValueError, match=r"model\.sampler_correction_cap"):
+        make_module(cache_dir, sampler_correction_cap=0.0)
+    module = make_module(cache_dir, sampler_correction="token_tis",
+                         rewards={"tests.conftest:alternating": 1.0})
+    with pytest.raises(ValueError, match="reports its log-probs"):
+        fit(module, make_data(cache_dir), steps=1)

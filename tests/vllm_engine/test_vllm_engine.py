@@ -164,3 +164,17 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     for (name, a), (_, b) in zip(straight.policy.named_parameters(),
                                  resumed.policy.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_sampler_correction_runs_on_vllm_and_is_one_on_the_same_weights(tmp_path):
+    """``model.sampler_correction: token_tis`` with the vLLM engine in float32: the
+    sampler is the scored policy up to rounding, so every weight is 1 within 1e-4."""
+    cache = str(tmp_path / "models")
+    module = make_module(
+        cache, model_name_or_path=MODEL, max_completion_length=8,
+        engine=functools.partial(VLLMEngine, gpu_memory_utilization=0.2),
+        rewards={"tests.conftest:alternating": 1.0}, sampler_correction="token_tis",
+    )
+    trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=2, tmp_path=tmp_path)
+    assert trainer.global_step == 2
+    assert abs(float(trainer.callback_metrics["train/rollout/correction/mean"]) - 1.0) < 1e-4

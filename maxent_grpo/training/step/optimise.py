@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import MicroBatch
 from maxent_grpo.training.step.strategy import clip_gradients
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory
+from maxent_grpo.validation import require
 
 if TYPE_CHECKING:
     from maxent_grpo.training.step.context import StepContext
@@ -99,6 +101,18 @@ def optimizer_step(
             ctx.objective.needs_entropy,
         )
         targets = t.targets
+        correction = None
+        if ctx.generation.sampler_correction is not None:
+            require(t.sampler_logps is not None,
+                    "model.sampler_correction needs a rollout engine that reports its "
+                    "log-probs (maxent_grpo.rollout.VLLMEngine); the Hugging Face engine "
+                    "samples from the scored policy itself: set it to null")
+            behaviour = (scores.token_logp.detach() if t.old_logps is None
+                         else t.old_logps[rows][:, :Tc])
+            correction = sampler_correction_weights(
+                behaviour, t.sampler_logps[rows][:, :Tc], scores.token_mask,
+                ctx.generation.sampler_correction, ctx.generation.sampler_correction_cap)
+            sums.mean("rollout/correction/mean").update(correction, scores.token_mask)
         out = ctx.objective.loss(MicroBatch(
             token_logps=scores.token_logp,
             old_token_logps=scores.old_token_logp,
@@ -113,6 +127,7 @@ def optimizer_step(
             num_micro_batches=len(t.chunks),
             max_completion_length=ctx.generation.sampling.max_new_tokens,
             num_global_tokens=t.num_global_tokens,
+            correction=correction,
         ))
         finite &= torch.isfinite(out.loss)
         if first and t.sampler_logps is not None and not t.ghost:
