@@ -52,7 +52,8 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
         gradient_clip_val=1.0, lr_warmup_steps=0, fused_lm_head=None,
         max_consecutive_nonfinite=3, eval_num_generations=2, eval_reward=None,
         eval_correct_threshold=1.0, eval_k=None, eval_greedy=False, temperature=1.0,
-        top_p=1.0, top_k=0, max_prompt_length=32, lr_scheduler=None,
+        top_p=1.0, top_k=0, max_prompt_length=32, lr_scheduler=None, sampler_correction=None,
+        sampler_correction_cap=2.0,
     )
     rewards = WeightedRewards({"tests.training.step.test_step_parts:alternating": 1.0})
     loop = build_loop_settings(options, rewards.names)
