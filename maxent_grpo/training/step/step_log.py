@@ -65,19 +65,18 @@ class StepMetrics(torch.nn.Module):
 
     def mean(self, key: str) -> TokenMean:
         """The :class:`TokenMean` logged as ``train/<key>`` (created on first use)."""
-        name = key.replace("/", "__")
-        self._updated.add(name)
-        if name not in self.means:
-            self.means[name] = TokenMean().to(self.reward.total.device)
-        return self.means[name]
+        return self._metric(self.means, key, TokenMean)
 
     def maximum(self, key: str) -> MaxMetric:
         """The ``MaxMetric`` logged as ``train/<key>`` (created on first use)."""
-        name = key.replace("/", "__")
+        return self._metric(self.maxima, key, MaxMetric)
+
+    def _metric(self, table: torch.nn.ModuleDict, key: str, make: type) -> Any:
+        name = key.replace("/", "__")  # ModuleDict keys may not hold "/"
         self._updated.add(name)
-        if name not in self.maxima:
-            self.maxima[name] = MaxMetric().to(self.reward.total.device)
-        return self.maxima[name]
+        if name not in table:
+            table[name] = make().to(self.reward.total.device)
+        return table[name]
 
     def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
         """Add a loss statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost
