@@ -2,12 +2,12 @@
 
 ``model.engine: {class_path: maxent_grpo.rollout.VLLMEngine, init_args: {...}}``. The
 engine is built once, when the trainer's first rollout needs it, from the policy as it is
-then: its weights and tokenizer are written to a temporary folder (``save_pretrained``),
-so a hub name, a local folder and a ``builtin:`` model take the same path, and vLLM starts
-on exactly the weights the trainer holds (a resumed run's included). After every change of
-the policy's weights the trainer calls :meth:`VLLMEngine.sync`, which hands the current
-tensors to vLLM's in-place weight reload (``collective_rpc("reload_weights")``, the path
-vLLM supports on the CPU and on GPUs, where weights are repacked after loading).
+then: its config, weights and tokenizer are written to a temporary folder, so a hub name,
+a local folder and a ``builtin:`` model take the same path, and vLLM starts on exactly the
+weights the trainer holds (a resumed run's included). After every change of the policy's
+weights the trainer calls :meth:`VLLMEngine.sync`, which hands the current tensors to
+vLLM's in-place weight reload (``collective_rpc("reload_weights")``, the path vLLM
+supports on the CPU and on GPUs, where weights are repacked after loading).
 
 Sampling is the trainer's :class:`~maxent_grpo.rollout.SamplingSettings`: ``n = G``
 completions per prompt, the same temperature, top-p, top-k and maximum new tokens; the
@@ -157,7 +157,6 @@ class VLLMEngine:
         self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
         if max_model_len is None and sampling.max_prompt_length is not None:
             max_model_len = sampling.max_prompt_length + sampling.max_new_tokens
-        self.sync_seconds = 0.0  # the last sync's seconds (logged as perf/sync_seconds)
         if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.llm = self._start(dict(
@@ -218,12 +217,9 @@ class VLLMEngine:
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
         drop its prefix cache (keys and values computed with the old weights)."""
-        start = time.perf_counter()
-        weights = self._weights(model)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": self._weights(model), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights
-        self.sync_seconds = time.perf_counter() - start
 
     def _params(self, s: SamplingSettings, n: int, seed: int) -> Any:
         # only our stop ids end a completion (the tokenizer's eos and stop_token_ids), as in

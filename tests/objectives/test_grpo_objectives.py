@@ -9,7 +9,7 @@ import torch
 
 from maxent_grpo import core
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, MicroBatch
-from tests.objectives.conftest import (  # noqa: F401
+from tests.objectives.conftest import (
     F64,
     G2,
     LENGTHS,
@@ -19,13 +19,10 @@ from tests.objectives.conftest import (  # noqa: F401
     T_MAX5,
     _grpo_setup,
     _k3,
-    _logps,
-    _mask,
     _mb,
     _naive_adv,
     _old_or_none,
     _row_weight,
-    _softmax,
 )
 
 # ------------------------------------------------------------------ GRPO

@@ -10,22 +10,18 @@ import torch
 
 from maxent_grpo import core
 from maxent_grpo.objectives import GRPO, GroupMaxEnt, ListwiseMaxEnt, MicroBatch
-from tests.objectives.conftest import (  # noqa: F401
+from tests.objectives.conftest import (
     F64,
     G2,
     LENGTHS,
-    LOSS_TYPES,
     REWARDS,
-    T4,
     T_MAX5,
     _grpo_setup,
     _k3,
     _logps,
     _mask,
     _mb,
-    _naive_adv,
     _old_or_none,
-    _row_weight,
     _softmax,
 )
 

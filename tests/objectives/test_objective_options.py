@@ -7,24 +7,6 @@ import math
 import pytest
 
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt
-from tests.objectives.conftest import (  # noqa: F401
-    F64,
-    G2,
-    LENGTHS,
-    LOSS_TYPES,
-    REWARDS,
-    T4,
-    T_MAX5,
-    _grpo_setup,
-    _k3,
-    _logps,
-    _mask,
-    _mb,
-    _naive_adv,
-    _old_or_none,
-    _row_weight,
-    _softmax,
-)
 
 # ------------------------------------------------------------------ validation
 

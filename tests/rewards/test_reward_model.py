@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 from maxent_grpo.models import build_tiny_tokenizer
 from maxent_grpo.rewards import RewardFunctionError, RewardModel, WeightedRewards
 from maxent_grpo.rollout import PromptCompletionBatch
-from tests.conftest import cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import fit, make_data, make_module
 from tests.rewards.test_trl_style import CHAT_ROWS
 
 
@@ -94,7 +94,7 @@ def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
         WeightedRewards({"model: ": 1.0})
 
 
-def test_reward_model_scores_a_chat_fit(cache_dir, rm_folder, tmp_path):  # noqa: F811
+def test_reward_model_scores_a_chat_fit(cache_dir, rm_folder, tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS))
     data = make_data(cache_dir, task=None, task_options=None, data_files=str(path),

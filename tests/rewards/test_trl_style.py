@@ -16,7 +16,7 @@ import torch
 
 from maxent_grpo.models import build_tiny_tokenizer
 from maxent_grpo.rewards import TrainerState
-from tests.conftest import cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import fit, make_data, make_module
 
 HERE = "tests.rewards.test_trl_style"
 # the trainer imports the functions as HERE, pytest this file under its own name: both
@@ -81,7 +81,7 @@ CHAT_ROWS = [
 
 
 @pytest.fixture
-def chat_data(cache_dir, tmp_path):  # noqa: F811
+def chat_data(cache_dir, tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS))
     return make_data(
@@ -90,7 +90,7 @@ def chat_data(cache_dir, tmp_path):  # noqa: F811
     )
 
 
-def test_trl_reward_module_drops_in_with_chat_prompts(cache_dir, chat_data):  # noqa: F811
+def test_trl_reward_module_drops_in_with_chat_prompts(cache_dir, chat_data):
     CALLS.clear()
     names = [f"{HERE}:{f}" for f in (
         "format_reward_func", "reward_num_tokens", "curriculum_reward", "reference_reward")]
@@ -150,7 +150,7 @@ def test_trl_reward_module_drops_in_with_chat_prompts(cache_dir, chat_data):  # 
     assert torch.equal(comps["format"], comps[names[0]])
 
 
-def test_trl_rewards_on_text_prompts_get_strings_and_run_in_validation(cache_dir):  # noqa: F811
+def test_trl_rewards_on_text_prompts_get_strings_and_run_in_validation(cache_dir):
     CALLS.clear()
     module = make_module(cache_dir, eval_num_generations=2, rewards={
         f"{HERE}:reward_len": 1.0, f"{HERE}:reward_num_tokens": 1.0, "first_number": 1.0,

@@ -12,7 +12,7 @@ import pytest
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt
 from maxent_grpo.training import types as documented
 from maxent_grpo.training.step.step_log import LightningWriter
-from tests.conftest import alternating, cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import fit, make_data, make_module
 
 DATACLASSES = [name for name in documented.__all__
                if dataclasses.is_dataclass(getattr(documented, name))]
@@ -53,7 +53,7 @@ def constructed(monkeypatch) -> Counter:
     [(GRPO(loss_type="dr_grpo"), "AdvantageStats"), (ListwiseMaxEnt(tau=0.5), "QDistribution")],
     ids=["grpo", "listwise"],
 )
-def test_one_fit_step_builds_every_documented_type(cache_dir, constructed, objective, own):  # noqa: F811
+def test_one_fit_step_builds_every_documented_type(cache_dir, constructed, objective, own):
     module = make_module(cache_dir, objective=objective,
                          rewards={"tests.conftest:alternating": 1.0})
     from maxent_grpo.training.callbacks import TauController
@@ -91,7 +91,7 @@ def field_reads(monkeypatch) -> set[tuple[str, str]]:
     return reads
 
 
-def test_no_documented_field_is_write_only(cache_dir, field_reads, tmp_path):  # noqa: F811
+def test_no_documented_field_is_write_only(cache_dir, field_reads, tmp_path):
     """Two real fits (GRPO; listwise MaxEnt with beta > 0, the tau / beta controllers
     writing their state file, two optimizer steps per rollout), with the samples and export
     callbacks: every field of every documented dataclass is read by the trainer."""

@@ -14,10 +14,11 @@
     step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
 
 ``tokens/s`` is the last step's ``perf/tokens_per_s``; ``eta`` is the remaining steps times
-this run's mean time per step. Values come from ``pl_module.step_log.as_dict()``. Only
-global rank 0 shows anything. To configure it, name it in ``trainer.callbacks``::
+this run's mean time per step. Values come from ``pl_module.step_metrics_dict`` (the
+step's ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
+To configure it, name it in ``trainer.callbacks``::
 
-    - class_path: maxent_grpo.training.callbacks.progress.ReadableProgressBar
+    - class_path: maxent_grpo.training.callbacks.ReadableProgressBar
       init_args: {mode: lines, every_n_steps: 10}
 """
 
@@ -171,9 +172,9 @@ class ReadableProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        step_log = getattr(pl_module, "step_log", None)
-        if step_log is not None:
-            self.last_record = step_log.as_dict()
+        record = getattr(pl_module, "step_metrics_dict", None)
+        if record:
+            self.last_record = record
             reward = self.last_record.get("reward/mean")
             if reward is not None and math.isfinite(reward):
                 self.rewards.append(reward)

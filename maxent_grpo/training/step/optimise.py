@@ -133,7 +133,9 @@ def optimizer_step(
         if first and t.sampler_logps is not None and not t.ghost:
             gap = (scores.token_logp.detach() - t.sampler_logps[rows][:, :Tc]).abs()
             sums.mean("rollout/logp_gap/mean").update(gap, scores.token_mask)
-            sums.maximum("rollout/logp_gap/max").update(gap[scores.token_mask])
+            # gap >= 0: the masked maximum without a boolean index (no host sync)
+            sums.maximum("rollout/logp_gap/max").update(
+                torch.where(scores.token_mask, gap, 0.0).amax())
         timer.stop("forward")
         # DDP all-reduces the accumulated gradient once, in the last micro-batch's backward
         with opt.toggle_model(sync_grad=i == last):

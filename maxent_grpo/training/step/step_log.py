@@ -11,6 +11,7 @@ logged.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +70,10 @@ class StepMetrics(torch.nn.Module):
 
     def maximum(self, key: str) -> MaxMetric:
         """The ``MaxMetric`` logged as ``train/<key>`` (created on first use)."""
-        return self._metric(self.maxima, key, MaxMetric)
+        return self._metric(self.maxima, key, functools.partial(
+            MaxMetric, nan_strategy="disable"))  # the NaN check would sync the host
 
-    def _metric(self, table: torch.nn.ModuleDict, key: str, make: type) -> Any:
+    def _metric(self, table: torch.nn.ModuleDict, key: str, make: Any) -> Any:
         name = key.replace("/", "__")  # ModuleDict keys may not hold "/"
         self._updated.add(name)
         if name not in table:

@@ -34,7 +34,7 @@ class FakeModule:
     def __init__(self, objective, num_generations: int = 8) -> None:
         self.objective = objective
         self.loop = SimpleNamespace(generation=SimpleNamespace(num_generations=num_generations))
-        self.step_log: LogStepArtifacts | None = None
+        self.step_metrics_dict: dict[str, float] = {}
         self.logged: list[dict[str, float]] = []
         self.reference_required = False
 
@@ -63,7 +63,8 @@ def attach(objective, *controllers, **trainer_kw):
 
 def step(trainer, module, **stats: float) -> dict[str, float]:
     """One training step with the given ``train/<key>`` statistics."""
-    module.step_log = LogStepArtifacts({}, stats, grad_norm_scalar=None, epoch_progress=0.0)
+    module.step_metrics_dict = LogStepArtifacts(
+        {}, stats, grad_norm_scalar=None, epoch_progress=0.0).as_dict()
     module.logged.clear()
     for c in trainer.callbacks:
         c.on_train_batch_end(trainer, module, None, None, 0)

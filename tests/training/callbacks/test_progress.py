@@ -44,7 +44,7 @@ def fake_trainer(step: int, max_steps: int = 500, **kw) -> SimpleNamespace:
 
 
 def fake_step(bar: ReadableProgressBar, trainer, record: dict) -> None:
-    module = SimpleNamespace(step_log=SimpleNamespace(as_dict=lambda: dict(record)))
+    module = SimpleNamespace(step_metrics_dict=dict(record))
     bar.on_train_batch_end(trainer, module, None, None, 0)
 
 

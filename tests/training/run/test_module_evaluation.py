@@ -20,7 +20,7 @@ from maxent_grpo.training.run.evaluation import (
     evaluation_metrics,
     sample_answer,
 )
-from tests.conftest import cache_dir, fit, make_data, make_module  # noqa: F401
+from tests.conftest import fit, make_data, make_module
 
 
 def naive_pass(correct: list[float], k: int) -> float:
@@ -97,7 +97,7 @@ def test_coverage_counts_distinct_correct_canonical_answers():
 # ------------------------------------------------------------------ greedy engine
 
 
-def test_greedy_engine_is_deterministic_argmax(cache_dir):  # noqa: F811
+def test_greedy_engine_is_deterministic_argmax(cache_dir):
     module = make_module(cache_dir)
     module.configure_model()
     engine = module.rollout_engine()
@@ -134,7 +134,7 @@ def half(prompts, completions, **kw):
 ALT = "tests.training.run.test_module_evaluation:alternating"
 
 
-def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):  # noqa: F811
+def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):
     module = make_module(
         cache_dir, eval_num_generations=4, eval_k=[1, 2, 4],
         rewards={ALT: 1.0, "tests.training.run.test_module_evaluation:half": 1.0},
@@ -156,7 +156,7 @@ def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):  # noq
     assert module.evaluator.records == []  # reset for the next epoch
 
 
-def test_eval_reward_and_threshold_choose_correctness(cache_dir):  # noqa: F811
+def test_eval_reward_and_threshold_choose_correctness(cache_dir):
     module = make_module(
         cache_dir, eval_num_generations=2, eval_greedy=False,
         rewards={ALT: 1.0, "tests.training.run.test_module_evaluation:half": 1.0},
@@ -171,7 +171,7 @@ def test_eval_reward_and_threshold_choose_correctness(cache_dir):  # noqa: F811
     assert validate(module, make_data(cache_dir))["val/pass@1"] == 0.0
 
 
-def test_coverage_in_validate_with_a_fake_engine(cache_dir):  # noqa: F811
+def test_coverage_in_validate_with_a_fake_engine(cache_dir):
     module = make_module(
         cache_dir, eval_num_generations=2, eval_k=[1, 2], eval_greedy=False,
         rewards={"countdown": 1.0},
@@ -213,18 +213,18 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):  # noqa: F811
         (dict(eval_correct_threshold=float("nan")), r"model\.eval_correct_threshold"),
     ],
 )
-def test_bad_eval_options_raise(cache_dir, kw, match):  # noqa: F811
+def test_bad_eval_options_raise(cache_dir, kw, match):
     with pytest.raises(ValueError, match=match):
         make_module(cache_dir, **kw)
 
 
-def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):  # noqa: F811
+def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):
     module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False)
     with pytest.raises(ValueError, match=r"model\.eval_reward 'first_number'.*answer_column"):
         validate(module, make_data(cache_dir, answer_column=None))
 
 
-def test_engine_is_chosen_by_class_path_built_once_and_synced(cache_dir, tmp_path):  # noqa: F811
+def test_engine_is_chosen_by_class_path_built_once_and_synced(cache_dir, tmp_path):
     """``model.engine`` builds the engine once per run with the module's sampling
     settings; ``sync(policy)`` comes before each rollout that follows an optimizer step
     (validation included), never twice for the same weights; evaluation's greedy pass uses
