@@ -1,0 +1,45 @@
+"""``VLLMEngine``'s options are checked before vLLM is imported, so they are tested here,
+in the main environment, where vLLM is absent; the engine itself is tested with real vLLM
+in ``tests/vllm_engine`` (``make test-vllm``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from maxent_grpo.models import build_tiny_model, build_tiny_tokenizer
+from maxent_grpo.rollout import SamplingSettings, VLLMEngine
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tiny_tokenizer()
+    return build_tiny_model(tokenizer, head_dim=64), tokenizer
+
+
+def test_builtin_tiny_h64_has_the_head_size_vllm_accepts(tiny):
+    config = tiny[0].config
+    assert config.hidden_size // config.num_attention_heads == 64
+    assert build_tiny_model().config.hidden_size // 4 == 16  # builtin:tiny unchanged
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"gpu_memory_utilization": 0.0}, "VLLMEngine.gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "VLLMEngine.gpu_memory_utilization"),
+    ({"tensor_parallel_size": 0}, "VLLMEngine.tensor_parallel_size"),
+    ({"max_model_len": 1}, "VLLMEngine.max_model_len"),
+    ({"dtype": "int8"}, "VLLMEngine.dtype"),
+    ({"enforce_eager": "yes"}, "VLLMEngine.enforce_eager"),
+    ({"enable_sleep_mode": 1}, "VLLMEngine.enable_sleep_mode"),
+    ({"stop_token_ids": [-1]}, "VLLMEngine.stop_token_ids"),
+])
+def test_bad_options_name_themselves(tiny, options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4), **options)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_the_error_says_how_to_install_it(tiny):
+    with pytest.raises(ImportError, match=r"pip install vllm.*make setup-vllm"):
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
