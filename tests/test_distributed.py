@@ -43,6 +43,7 @@ from transformers import GenerationConfig  # noqa: E402
 from maxent_grpo.models import resolve_model_path  # noqa: E402
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt  # noqa: E402
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
+from maxent_grpo.rollout.weights import checkpoint_weights  # noqa: E402
 from maxent_grpo.training.callbacks import TauController  # noqa: E402
 from maxent_grpo.training.data.datamodule import PromptDataModule  # noqa: E402
 from maxent_grpo.training.module import MaxEntGRPOModule  # noqa: E402
@@ -274,6 +275,8 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
         "indices": probe.indices, "grads": probe.grads, "stats": probe.stats,
         "state": probe.state, "kept": probe.kept, "allreduces": probe.allreduces,
         "params": {n: full(p) for n, p in module.policy.named_parameters()},
+        # what the vLLM engine would load: FSDP2 shards gathered, adapters merged
+        "checkpoint": {n: t.clone() for n, t in checkpoint_weights(module.policy)},
     }
     if case.get("strategy") == "fsdp":
         # the real engine generates with the sharded policy (both ranks take part); rank 0's
@@ -386,6 +389,16 @@ def test_two_ranks_equal_one_rank(runs, name):
             # rounding) differ from the 1-rank run's: a few 1e-6 after the SGD steps
             r0["params"][key], value, rtol=1e-5, atol=5e-6, msg=lambda m, k=key: f"{k}: {m}"
         )
+
+    # the weights a vLLM engine on each rank would load: whole (gathered under FSDP2), the
+    # plain model's names, adapters merged; the same on both ranks and as on one rank
+    assert list(r0["checkpoint"]) == list(one["checkpoint"])
+    assert not any("lora_" in key or "base_layer" in key for key in one["checkpoint"])
+    for key, value in one["checkpoint"].items():
+        assert r0["checkpoint"][key].shape == value.shape, key
+        assert torch.equal(r0["checkpoint"][key], r1["checkpoint"][key]), key
+        torch.testing.assert_close(r0["checkpoint"][key], value, rtol=1e-5, atol=5e-6,
+                                   msg=lambda m, k=key: f"{k}: {m}")
 
     # every logged metric, and the objective state the controllers moved
     for step in range(STEPS):

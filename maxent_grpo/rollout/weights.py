@@ -1,0 +1,134 @@
+"""The policy's weights as a plain checkpoint: what a second copy of the model (the vLLM
+engine) loads after every optimizer step.
+
+:func:`checkpoint_weights` returns ``(name, tensor)`` pairs under the names of the plain
+``transformers`` model, whole on every rank, with ``peft`` adapters merged in, and leaves the
+training model exactly as it was:
+
+- **FSDP2** (``fully_shard``): each sharded tensor (a ``DTensor``) is all-gathered with
+  ``full_tensor()``; every rank must call this at the same point, as the trainer does (before
+  the rollout that follows an optimizer step).
+- **LoRA** (``peft`` LoRA on linear layers): the merged weight ``W + s · B A`` (``s`` the
+  adapter's scaling, transposed for ``fan_in_fan_out``) is computed from the tensors, for
+  every active adapter; the ``lora_*`` tensors are dropped and the ``base_model.model.`` and
+  ``.base_layer`` parts of the names removed. The model itself is never merged: peft's
+  ``merge_adapter`` / ``unmerge_adapter`` round trip moves the frozen base weights (the
+  reference model) by rounding, a little on every call.
+- **other peft tuners** (IA3, LoHa, DoRA, ...) on a model that is not sharded: merged with
+  ``merge_adapter``, read, and unmerged, after which the base weights are restored from a
+  copy, bit for bit. Sharded, they are refused (:func:`check_mergeable`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from maxent_grpo.adapters import has_adapters
+from maxent_grpo.validation import require
+
+__all__ = ["check_mergeable", "checkpoint_weights"]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a ``DTensor`` shard all-gathered (a collective), else itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if callable(full) else tensor).detach()
+
+
+def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:
+    """``{module name: layer}`` of the peft model's tuner layers when all are LoRA on linear
+    layers without DoRA (None otherwise: another tuner, DoRA, LoRA on embeddings or convs)."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - has_adapters implies peft
+        return None
+    base = model.get_base_model()
+    layers = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if type(module) is not LoraLinear or any(module.use_dora.values()):
+            return None
+        layers[name] = module
+    return layers
+
+
+def check_mergeable(model: nn.Module, sharded: bool) -> None:
+    """Refuse (ValueError naming ``model.peft``) adapters that :func:`checkpoint_weights`
+    cannot merge: ``modules_to_save`` (trained copies of whole modules), and a tuner other
+    than LoRA on linear layers on a sharded model."""
+    if not has_adapters(model):
+        return
+    for name, config in model.peft_config.items():
+        require(not getattr(config, "modules_to_save", None),
+                f"model.peft: modules_to_save ({config.modules_to_save}, adapter {name!r}) "
+                "cannot be handed to the vLLM engine; leave it unset, or use HFGenerateEngine")
+    if sharded:
+        require(_lora_linear_layers(model) is not None,
+                "model.peft: with the vLLM engine and a sharded policy (FSDP2), only LoRA "
+                "on linear layers (no DoRA) can be merged for vLLM; use DDP, or LoRA")
+
+
+def _merged_lora(model: nn.Module, layers: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    state = {name: _full(t) for name, t in model.get_base_model().state_dict().items()}
+    out = []
+    for name, tensor in state.items():
+        if "lora_" in name:
+            continue
+        if ".base_layer." in name:
+            prefix, leaf = name.split(".base_layer.", 1)
+            layer = layers[prefix]
+            if leaf == "weight":
+                tensor = tensor.clone()
+                for adapter in layer.active_adapters:
+                    if adapter not in layer.lora_A or adapter in layer.merged_adapters:
+                        continue
+                    a = state[f"{prefix}.lora_A.{adapter}.weight"]
+                    b = state[f"{prefix}.lora_B.{adapter}.weight"]
+                    delta = (b.float() @ a.float()) * layer.scaling[adapter]
+                    if layer.fan_in_fan_out:
+                        delta = delta.T
+                    tensor += delta.to(tensor.dtype)
+            name = f"{prefix}.{leaf}"
+        out.append((name, tensor))
+    return out
+
+
+def _merged_by_peft(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = model.get_base_model()
+    adapter_names = {f".{part}." for m in base.modules() if isinstance(m, BaseTunerLayer)
+                     for part in m.adapter_layer_names}
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
+    with warnings.catch_warnings():  # "unmerge can be inaccurate": the base is restored
+        warnings.simplefilter("ignore", UserWarning)
+        model.merge_adapter()
+    try:
+        return [(name.replace(".base_layer.", "."), t.detach().clone())
+                for name, t in base.state_dict().items()
+                if not any(part in name for part in adapter_names)]
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            model.unmerge_adapter()
+        with torch.no_grad():  # undo the rounding of the merge / unmerge round trip
+            for n, p in base.named_parameters():
+                if n in frozen:
+                    p.copy_(frozen[n])
+
+
+def checkpoint_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s weights under the plain model's names (see the module docstring). Tied
+    tensors appear once, as in ``state_dict``."""
+    if not has_adapters(model):
+        return [(name, _full(t)) for name, t in model.state_dict().items()]
+    layers = _lora_linear_layers(model)
+    if layers is not None:
+        return _merged_lora(model, layers)
+    return _merged_by_peft(model)

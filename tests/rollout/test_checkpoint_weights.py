@@ -1,0 +1,85 @@
+"""``rollout.weights.checkpoint_weights``: what the vLLM engine loads after every optimizer
+step. No vLLM needed: the tensors are compared with peft's own merge of a copy, and the
+training model must come out bit for bit as it went in (peft's merge / unmerge round trip
+does not: it moves the frozen base weights, which are the reference model)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, get_peft_model
+
+from maxent_grpo.models import build_tiny_model
+from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
+
+
+def _moved(model: torch.nn.Module) -> torch.nn.Module:
+    """The adapters' trainable tensors set to random values (LoRA's B starts at zero)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def test_a_plain_model_is_its_state_dict():
+    model = build_tiny_model()
+    weights = checkpoint_weights(model)
+    state = model.state_dict()
+    assert [n for n, _ in weights] == list(state)
+    assert all(torch.equal(t, state[n]) for n, t in weights)
+
+
+@pytest.mark.parametrize("config", [
+    LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_rslora=True),
+    IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+], ids=["lora", "rslora", "ia3"])
+def test_adapters_are_merged_as_peft_merges_them_and_the_model_is_left_untouched(config):
+    policy = _moved(get_peft_model(build_tiny_model(), config))
+    before = _state(policy)
+    expected = copy.deepcopy(policy).merge_and_unload().state_dict()
+    for _ in range(5):  # as after five optimizer steps
+        weights = dict(checkpoint_weights(policy))
+    assert list(weights) == list(expected)  # the plain model's names, no adapter tensors
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-6, atol=1e-6, msg=name)
+    # the merged weights differ from the base: the adapters count
+    assert any(not torch.equal(weights[n], t) for n, t in build_tiny_model().state_dict().items())
+    after = policy.state_dict()
+    changed = [n for n, t in before.items() if not torch.equal(t, after[n])]
+    assert changed == [], changed  # bit for bit, base weights included
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
+
+
+def test_the_merge_and_unmerge_round_trip_would_have_moved_the_base():
+    """Why checkpoint_weights does not call merge_adapter / unmerge_adapter on LoRA."""
+    policy = _moved(get_peft_model(
+        build_tiny_model(), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"])))
+    before = _state(policy)
+    for _ in range(5):
+        policy.merge_adapter()
+        policy.unmerge_adapter()
+    after = policy.state_dict()
+    assert any(not torch.equal(t, after[n]) for n, t in before.items() if "base_layer" in n)
+
+
+def test_what_cannot_be_merged_is_refused_naming_model_peft():
+    saved = get_peft_model(build_tiny_model(), LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError, match="model.peft: modules_to_save"):
+        check_mergeable(saved, sharded=False)
+    ia3 = get_peft_model(build_tiny_model(), IA3Config(target_modules=["k_proj"],
+                                                       feedforward_modules=[]))
+    check_mergeable(ia3, sharded=False)  # merged by peft, the base restored
+    with pytest.raises(ValueError, match="model.peft: with the vLLM engine and a sharded"):
+        check_mergeable(ia3, sharded=True)
+    lora = get_peft_model(build_tiny_model(), LoraConfig(r=4, target_modules=["q_proj"]))
+    check_mergeable(lora, sharded=True)
