@@ -18,6 +18,8 @@ Every model goes through one code path::
     template. V = 100.
   * ``builtin:tiny-h64`` — ``builtin:tiny`` with a head size vLLM's CPU attention accepts
     (hidden 128, 2 heads and 2 KV heads of 64, MLP 256); the vLLM engine's tests use it.
+  * ``builtin:tiny-h64-warm`` — ``builtin:tiny-h64`` after the same warm start as
+    ``builtin:tiny-warm`` (its own shipped weights): the demo on the vLLM engine.
   * ``builtin:tiny-warm`` — ``builtin:tiny`` with the shipped warm-start weights
     (:mod:`maxent_grpo.warm_start`): it answers ``arithmetic_easy`` and ``digit_pairs``
     prompts in the right shape, right only by chance.
@@ -156,6 +158,8 @@ def builtin_tiny_model_and_tokenizer() -> tuple[LlamaForCausalLM, PreTrainedToke
 
 #: the shipped weights of ``builtin:tiny-warm`` (:mod:`maxent_grpo.warm_start` makes them)
 WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
+#: the shipped weights of ``builtin:tiny-h64-warm``, the same warm start of ``builtin:tiny-h64``
+WEIGHTS_H64 = Path(__file__).with_name("assets") / "tiny_h64_warm.safetensors"
 
 
 def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedModel:
@@ -177,7 +181,7 @@ def _write_tiny(folder: Path, warm: bool = False, head_dim: int = 16) -> None:
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, head_dim=head_dim)
     if warm:
-        load_shipped(model)
+        load_shipped(model, WEIGHTS_H64 if head_dim == 64 else WEIGHTS)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -229,6 +233,7 @@ BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     "tiny": (1, _write_tiny),
     "tiny-warm": (2, lambda folder: _write_tiny(folder, warm=True)),  # v2: shipped weights
     "tiny-h64": (1, lambda folder: _write_tiny(folder, head_dim=64)),
+    "tiny-h64-warm": (1, lambda folder: _write_tiny(folder, warm=True, head_dim=64)),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 

@@ -46,16 +46,21 @@ def test_warm_start_trains_in_place_without_touching_the_callers_random_state() 
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_the_shipped_weights_are_builtin_tiny_warm_and_have_the_taught_skill(tmp_path) -> None:
+@pytest.mark.parametrize("name, weights", [
+    ("tiny-warm", warm.WEIGHTS), ("tiny-h64-warm", warm.WEIGHTS_H64),
+])
+def test_the_shipped_weights_are_the_builtin_and_have_the_taught_skill(
+    tmp_path, name, weights,
+) -> None:
     from maxent_grpo.models import load_policy, load_tokenizer
 
-    model = load_policy("builtin:tiny-warm", cache_dir=tmp_path)
+    model = load_policy(f"builtin:{name}", cache_dir=tmp_path)
     from safetensors.torch import load_file
 
-    raw = load_file(str(warm.WEIGHTS))  # the file's own tensors, read without load_shipped
+    raw = load_file(str(weights))  # the file's own tensors, read without load_shipped
     state = model.state_dict()
     assert raw and all(torch.equal(state[key], value) for key, value in raw.items())
-    skill = warm.measure_skill(model, load_tokenizer("builtin:tiny-warm", cache_dir=tmp_path))
+    skill = warm.measure_skill(model, load_tokenizer(f"builtin:{name}", cache_dir=tmp_path))
     assert skill["sum_format"] > 0.95  # answers a sum prompt with a number in 0..18
     assert 0.04 < skill["sum_correct"] < 0.07  # right by chance only (1/19 = 0.053)
     assert skill["sum_information"] < 0.02  # the answer ignores the question
@@ -81,6 +86,8 @@ def test_the_command_prints_the_shipped_skill_and_refuses_to_retrain_over_nothin
     with pytest.raises(SystemExit):
         warm._main(["--retrain"])  # no --out: the shipped file is never overwritten by default
     assert "--retrain needs --out" in capsys.readouterr().err
+    skill = warm._main(["--head-dim", "64"])
+    assert skill["sum_format"] > 0.95 and str(warm.WEIGHTS_H64) in capsys.readouterr().out
 
 
 @pytest.mark.slow
