@@ -11,7 +11,8 @@ module's own ``train/perf/*`` phases are recorded too). Settings mirror ``_trl.p
 ``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``beta=0`` (no reference model),
 ``num_iterations=1``, one micro-batch, temperature 1 / top_p 1 / top_k 0, AdamW (weight decay
 0) at a constant learning rate, gradient clipping at 1.0, float32. ``--cache`` and
-``--generation-dtype`` set the rollout engine's key/value cache and generation copy; with a
+``--generation-dtype`` set the rollout engine's key/value cache and generation copy
+(``--cache vllm``: ``VLLMEngine`` instead, run with the vLLM environment's python); with a
 copy, each step's ``refresh_s`` (the copy's refresh, part of ``generate_s``) is recorded.
 Peak memory per phase (``bench_common.PhaseMemory``: the engine's ``generate``, the
 scorer's ``policy_scores``, ``manual_backward``, the optimizer's ``step``) is recorded on
@@ -48,7 +49,13 @@ class RecordingEngines:
     def __call__(self, model: Any, tokenizer: Any, sampling: Any) -> Any:
         from maxent_grpo.rollout import HFGenerateEngine
 
-        self.last = HFGenerateEngine(model, tokenizer, sampling, **self.options)
+        if self.options.get("cache") == "vllm":
+            from maxent_grpo.rollout.vllm_engine import VLLMEngine
+
+            self.last = VLLMEngine(model, tokenizer, sampling, gpu_memory_utilization=0.2,
+                                   dtype=self.options.get("dtype", "auto"))
+        else:
+            self.last = HFGenerateEngine(model, tokenizer, sampling, **self.options)
         if self.memory is not None:
             self.memory.wrap(self.last, "generate", "generate")
         return self.last
@@ -75,8 +82,11 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
         model_name_or_path=model_dir,
         objective=GRPO(loss_type="dr_grpo", scale_rewards="none", beta=beta),
         rewards={"bench_common:digit_fraction": 1.0},
-        engine=RecordingEngines(cache=cache, prompt_bucket=64 if cache == "static" else 1,
-                                generation_dtype=generation_dtype),
+        # vLLM generates in bfloat16 under bf16-mixed, as the autocast forward passes compute
+        engine=RecordingEngines(cache="vllm", dtype="bfloat16" if workload.precision ==
+                                "bf16-mixed" else "auto") if cache == "vllm" else
+        RecordingEngines(cache=cache, prompt_bucket=64 if cache == "static" else 1,
+                         generation_dtype=generation_dtype),
         num_generations=workload.num_generations,
         max_completion_length=workload.max_completion_length,
         max_prompt_length=1024,
@@ -138,6 +148,8 @@ def make_step_clock(gate: bc.LockstepGate | None = None,
             engine = getattr(pl_module.engine_factory, "last", None)
             if getattr(engine, "generation_dtype", "model") != "model":
                 perf["refresh_s"] = engine.refresh_seconds
+            if "perf/sync_seconds" in stats:  # VLLMEngine: the weight reload before the rollout
+                perf["sync_s"] = float(stats["perf/sync_seconds"])
             tokens = round(perf["tokens_per_s"] * perf["step_s"])  # completion tokens
             self.steps.append({"wall_s": wall, "completion_tokens": tokens, **perf})
             gate.done()
@@ -169,7 +181,7 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         "workload": workload.name,
         "step_s": [s["wall_s"] for s in timed],
         "completion_tokens": [s["completion_tokens"] for s in timed],
-        "phases": {k: [s[k] for s in timed] for k in (*PERF_KEYS, "refresh_s")
+        "phases": {k: [s[k] for s in timed] for k in (*PERF_KEYS, "refresh_s", "sync_s")
                    if k in timed[0]},
         "peak_rss_mib": bc.peak_rss_mib(),
         "peak_cuda_mib": bc.peak_cuda_mib(),

@@ -58,6 +58,7 @@ class Workload:
     device: str = "cpu"
     precision: str = "32-true"  # Lightning's name; TRL gets bf16=True for "bf16-mixed"
     prompt_tokens: int = 0  # > 0: synthetic prompts of exactly this many tokens (random:)
+    in_all: bool = True  # part of ``--workload all``
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -73,6 +74,13 @@ WORKLOADS: dict[str, Workload] = {
         name="smollm2", model="builtin:smollm2-135m-instruct", task="countdown",
         task_options={"num_numbers": 3, "max_target": 100}, batch_prompts=2, num_generations=4,
         max_completion_length=48, learning_rate=5e-6, warmup=2, steps=5,
+    ),
+    # smollm2 at the vLLM issue's generation shape (8 prompts x G 8 x 128 new tokens):
+    # generation-dominated, where a faster engine shows in the whole step
+    "smollm2-gen": Workload(
+        name="smollm2-gen", model="builtin:smollm2-135m-instruct", task="countdown",
+        task_options={"num_numbers": 3, "max_target": 100}, batch_prompts=8, num_generations=8,
+        max_completion_length=128, learning_rate=5e-6, warmup=1, steps=3, in_all=False,
     ),
     # The GPU workload of issue 13: a randomly initialised model shaped exactly like
     # Qwen2.5-0.5B-Instruct, 8 prompts of 128 tokens x G = 8 x T = 256, bf16-mixed with
@@ -109,7 +117,10 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
 #: The CPU comparisons (``--workload all`` of trl_vs_ours.py and step_overhead.py); the
 #: ``random:`` workloads belong to gpu_step.py.
 CPU_WORKLOADS = sorted(name for name, w in WORKLOADS.items()
-                       if w.device == "cpu" and not w.model.startswith("random:"))
+                       if w.device == "cpu" and not w.model.startswith("random:") and w.in_all)
+#: every CPU workload one can name (``smollm2-gen`` too: minutes a step)
+CPU_CHOICES = sorted(name for name, w in WORKLOADS.items()
+                     if w.device == "cpu" and not w.model.startswith("random:"))
 
 
 def workload_dir(name: str, fixed_length: bool = True) -> Path:
@@ -467,8 +478,9 @@ def worker_main(run: Any, description: str) -> None:
                         help="use the model's own eos (completion lengths then vary)")
     parser.add_argument("--lockstep", action="store_true",
                         help="wait for a line on stdin before each step (driver-paced)")
-    parser.add_argument("--cache", choices=("dynamic", "static"), default=None,
-                        help="ours only: the rollout engine's key/value cache")
+    parser.add_argument("--cache", choices=("dynamic", "static", "vllm"), default=None,
+                        help="ours only: the rollout engine (HFGenerateEngine's dynamic or "
+                        "static key/value cache, or VLLMEngine, in the vLLM environment)")
     parser.add_argument("--generation-dtype", choices=("model", "bfloat16", "float16"),
                         default=None, help="ours only: generate on a copy of the weights "
                         "in this dtype (HFGenerateEngine.generation_dtype)")

@@ -15,7 +15,8 @@ GRPO ``dr_grpo``, beta = 0, one optimizer step per rollout, AdamW, clip 1.0. One
 Each side runs in its own process, one after the other (``_ours.py --cache dynamic``,
 ``_ours.py --cache static``, ``_ours.py --cache static --generation-dtype bfloat16``: the
 rollout on a bf16 copy of the float32 weights, refreshed before each rollout, and
-``_trl.py``): 2 warm-up and 6 timed steps. Printed per side: median step seconds, median
+``_trl.py``; and ``_ours.py --cache vllm``, the rollout on ``VLLMEngine``, where ``vllm``
+is installed): 2 warm-up and 6 timed steps. Printed per side: median step seconds, median
 generation seconds, everything else (step - generation), completion tokens per second and
 peak ``torch.cuda.max_memory_allocated``; then TRL's median step over each of ours, and the
 median refresh of the bf16 copy (part of its generation seconds); then each side's peak
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -64,13 +66,17 @@ def sides(trl_python: str, scoring: str = "auto") -> dict[str, list[str]]:
                                              "--fused-lm-head", "false"],
             **sides(trl_python),
         }
-    return {
+    found = {
         "ours (dynamic cache)": [*ours, "--cache", "dynamic"],
         "ours (static cache)": [*ours, "--cache", "static"],
         "ours (static cache, bf16 copy)": [*ours, "--cache", "static",
                                            "--generation-dtype", "bfloat16"],
-        "trl": [trl_python, str(bc.BENCH_DIR / "_trl.py")],
     }
+    if importlib.util.find_spec("vllm") is not None:  # pip install vllm on the GPU machine
+        found["ours (vLLM)"] = [*ours, "--cache", "vllm"]
+    else:
+        print("vllm is not installed here: the VLLMEngine side is left out", flush=True)
+    return {**found, "trl": [trl_python, str(bc.BENCH_DIR / "_trl.py")]}
 
 
 def run_worker(command: list[str], workload: str, timeout: float, log: Path,

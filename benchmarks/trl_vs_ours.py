@@ -44,6 +44,7 @@ import bench_common as bc  # noqa: E402
 
 OURS_PYTHON = bc.REPO_DIR / ".venv" / "bin" / "python"
 TRL_PYTHON = bc.BENCH_DIR / ".venv-trl" / "bin" / "python"
+VLLM_PYTHON = bc.REPO_DIR / ".venv-vllm" / "bin" / "python"  # make setup-vllm
 WORKERS = {"ours": (OURS_PYTHON, bc.BENCH_DIR / "_ours.py"),
            "trl": (TRL_PYTHON, bc.BENCH_DIR / "_trl.py")}
 PHASES = ("generate_s", "reward_s", "score_s", "backward_s")
@@ -67,6 +68,9 @@ def worker_command(side: str, workload: str, args: argparse.Namespace
                    ) -> tuple[list[str], dict[str, str]]:
     python, script = WORKERS[side]
     cmd = [str(python), str(script), "--workload", workload, "--seed", str(args.seed)]
+    if side == "ours" and args.ours_engine == "vllm":
+        cmd[0] = str(VLLM_PYTHON)
+        cmd += ["--cache", "vllm"]
     if args.warmup is not None:
         cmd += ["--warmup", str(args.warmup)]
     if args.steps is not None:
@@ -231,7 +235,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=[*bc.CPU_WORKLOADS, "all"], default="all")
+    parser.add_argument("--workload", choices=[*bc.CPU_CHOICES, "all"], default="all")
+    parser.add_argument("--ours-engine", choices=("hf", "vllm"), default="hf",
+                        help="our rollout engine: HFGenerateEngine (our environment) or "
+                        "VLLMEngine (the vLLM environment, make setup-vllm)")
     parser.add_argument("--mode", choices=("lockstep", "sequential"), default="lockstep",
                         help="lockstep: both workers live, steps alternate one by one; "
                              "sequential: one worker after the other, order alternating")
