@@ -174,6 +174,10 @@ class VLLMEngine:
         self.vllm = require_vllm()
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
+        # an id past the model's output vocabulary is never sampled, and vLLM refuses it as a
+        # stop id (a tokenizer whose eos was added after the model's vocabulary was fixed)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._vllm_stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
         if max_model_len is None and sampling.max_prompt_length is not None:
             max_model_len = sampling.max_prompt_length + sampling.max_new_tokens
         if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU
@@ -231,7 +235,7 @@ class VLLMEngine:
         # only our stop ids end a completion (the tokenizer's eos and stop_token_ids), as in
         # the Hugging Face engine: vLLM's own eos (the model's generation config) is ignored
         common = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
-                      stop_token_ids=list(self.stop_token_ids), skip_special_tokens=True)
+                      stop_token_ids=self._vllm_stop_ids, skip_special_tokens=True)
         if not s.do_sample:
             return self.vllm.SamplingParams(temperature=0.0, **common)
         return self.vllm.SamplingParams(temperature=s.temperature, top_p=s.top_p,

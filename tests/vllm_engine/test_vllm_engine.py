@@ -136,6 +136,19 @@ def test_refused_settings_name_the_option(trained):
         VLLMEngine(module.policy, module.tokenizer, sampling, gpu_memory_utilization=1.5)
 
 
+def test_a_stop_id_past_the_vocabulary_is_kept_from_vllm(trained):
+    """A tokenizer whose eos was added after the model's vocabulary was fixed (an id vLLM
+    refuses as a stop id, and that is never sampled): the engine still samples, and the
+    id still counts as a stop for the masks."""
+    module, _ = trained
+    vocab = module.policy.config.vocab_size
+    engine = VLLMEngine(module.policy, module.tokenizer, SamplingSettings(max_new_tokens=4),
+                        gpu_memory_utilization=0.2, stop_token_ids=[vocab + 3])
+    assert vocab + 3 in engine.stop_token_ids
+    out = engine.generate(PROMPTS, ["", ""], 2)
+    assert out.completion_ids.shape[0] == 4 and int(out.completion_ids.max()) < vocab
+
+
 def test_kill_and_resume_continues_exactly(tmp_path):
     """Three steps straight, or two, a checkpoint and a fresh module resumed from it for the
     third: the same weights (the vLLM engine rebuilt from the restored policy, its seeds
