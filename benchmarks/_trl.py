@@ -68,9 +68,11 @@ def run(workload: bc.Workload, folder: Path, warmup: int, steps: int, seed: int 
         use_cpu=workload.device == "cpu",
         seed=seed,
         max_steps=warmup + steps,
-        per_device_train_batch_size=B * G,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        # one generation of B x G per optimizer step, in B / k forward/backward passes of k
+        # groups with micro_batch_groups = k (ours: model.micro_batch_groups = k)
+        per_device_train_batch_size=(workload.micro_batch_groups or B) * G,
+        gradient_accumulation_steps=B // (workload.micro_batch_groups or B),
+        steps_per_generation=B // (workload.micro_batch_groups or B),
         num_generations=G,
         num_iterations=1,
         max_completion_length=T,

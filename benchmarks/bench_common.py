@@ -59,6 +59,9 @@ class Workload:
     precision: str = "32-true"  # Lightning's name; TRL gets bf16=True for "bf16-mixed"
     prompt_tokens: int = 0  # > 0: synthetic prompts of exactly this many tokens (random:)
     in_all: bool = True  # part of ``--workload all``
+    #: groups per forward/backward (None: all B at once); TRL gets the same split as
+    #: per_device_train_batch_size = k * G over B / k accumulation steps of one generation
+    micro_batch_groups: int | None = None
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -81,6 +84,7 @@ WORKLOADS: dict[str, Workload] = {
         name="smollm2-gen", model="builtin:smollm2-135m-instruct", task="countdown",
         task_options={"num_numbers": 3, "max_target": 100}, batch_prompts=8, num_generations=8,
         max_completion_length=128, learning_rate=5e-6, warmup=1, steps=3, in_all=False,
+        micro_batch_groups=1,  # 64 sequences at once need more than 24 GB on either side
     ),
     # The GPU workload of issue 13: a randomly initialised model shaped exactly like
     # Qwen2.5-0.5B-Instruct, 8 prompts of 128 tokens x G = 8 x T = 256, bf16-mixed with
