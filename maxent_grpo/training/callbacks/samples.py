@@ -10,9 +10,9 @@ completions, rewards and, where the objective has them, advantages, weights and 
 - W&B: a ``wandb.Table`` under ``samples/completions`` (columns of :func:`flat_table`);
 - MLflow: the same table as the artifact ``samples/step_<n>.json`` (the layout of
   ``MlflowClient.log_table``);
-- any other logger, or none: :func:`rollout_rows` appended to
-  ``<log_dir>/samples/completions.jsonl`` (the logger's ``log_dir`` or ``save_dir``, else the
-  run's folder).
+- any other logger: :func:`rollout_rows` appended to ``<log_dir>/samples/completions.jsonl``
+  (the logger's ``log_dir`` or ``save_dir``, else the run's folder);
+- no logger (``--trainer.logger=false``): nothing, unless ``jsonl_path`` asks for a file.
 
 Samples are keyed on the rollout's ``step``, that of the step's ``train/...`` scalars, and
 written when a multiple of ``every_n_steps`` falls in the rollout's optimizer steps. At fit
@@ -217,6 +217,7 @@ class CompletionSamples(Callback):
         self._jsonl_file: Path | None = None
         self._prev_step: int | None = None  # step of the last rollout seen
         self._last_record: RolloutSamples | None = None
+        self._told_no_logger = False
 
     def _log_dir(self, trainer: pl.Trainer) -> str:
         """The run's folder: ``trainer.log_dir`` (else ``default_root_dir``), read once."""
@@ -231,7 +232,7 @@ class CompletionSamples(Callback):
             self._jsonl_file.parent.mkdir(parents=True, exist_ok=True)
         return self._jsonl_file
 
-    def _table_file(self, trainer: pl.Trainer, logger: Logger | None) -> Path:
+    def _table_file(self, trainer: pl.Trainer, logger: Logger) -> Path:
         """``<log_dir>/samples/completions.jsonl`` for a logger without a table of its own."""
         log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
         return Path(log_dir or self._log_dir(trainer)) / "samples" / "completions.jsonl"
@@ -287,8 +288,11 @@ class CompletionSamples(Callback):
                 self.write_tensorboard(logger.experiment, record, step)
             else:
                 files[self._table_file(trainer, logger)] = None
-        if not loggers:
-            files[self._table_file(trainer, None)] = None
+        if not loggers and not self._told_no_logger:
+            # nothing is written where nothing was asked for (no logger: not the cwd)
+            self._told_no_logger = True
+            rank_zero_info("CompletionSamples: the run has no logger, so no samples table is "
+                           "written; set CompletionSamples.jsonl_path to keep the rollouts")
         dump = None if self._jsonl_file is None else self._jsonl_file.resolve()
         for path in files:
             if path.resolve() == dump:

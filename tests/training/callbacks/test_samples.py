@@ -286,11 +286,17 @@ def test_other_loggers_get_the_table_as_jsonl_in_their_log_folder(tmp_path, recw
     assert not [w for w in recwarn if "CompletionSamples" in str(w.message)]
 
 
-def test_without_a_logger_the_table_goes_to_the_run_folder(tmp_path):
+def test_without_a_logger_nothing_is_written_and_the_log_says_how_to_keep_samples(
+    tmp_path, caplog,
+):
     trainer, module = fake(tmp_path, loggers=[])
-    step(CompletionSamples(every_n_steps=1, max_prompts=1), trainer, module, make_record())
-    rows = read_jsonl(tmp_path / "samples" / "completions.jsonl")
-    assert [(r["prompt_index"], r["completion"]) for r in rows] == [(0, "3 |"), (0, "<think>")]
+    cb = CompletionSamples(every_n_steps=1, max_prompts=1)
+    with caplog.at_level("INFO"):
+        step(cb, trainer, module, make_record(step=0))
+        step(cb, trainer, module, make_record(step=1))
+    assert list(tmp_path.iterdir()) == []  # not the run folder, not the cwd
+    told = [r for r in caplog.records if "no samples table" in r.getMessage()]
+    assert len(told) == 1 and "jsonl_path" in told[0].getMessage()
 
 
 def test_every_logger_of_the_run_gets_the_table(tmp_path):
