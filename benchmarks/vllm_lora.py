@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
+from vllm_generate import prompts_for  # noqa: E402
 
 from maxent_grpo.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
 from maxent_grpo.rollout import SamplingSettings  # noqa: E402
-from vllm_generate import prompts_for  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
