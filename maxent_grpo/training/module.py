@@ -64,7 +64,11 @@ from maxent_grpo.training.step.optimise import (
 )
 from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
-from maxent_grpo.training.step.strategy import check_strategy, fully_shard_models
+from maxent_grpo.training.step.strategy import (
+    check_strategy,
+    check_trainer_flags,
+    fully_shard_models,
+)
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import (
@@ -338,6 +342,14 @@ class MaxEntGRPOModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.evaluator.compute("test"), sync_dist=False)
+
+    def _attach(self, trainer: L.Trainer | None) -> None:
+        """``fit`` attaches the trainer before Lightning checks its flags: ours come first."""
+        if trainer is not None and getattr(trainer.state, "fn", None) == "fit":
+            check_trainer_flags(trainer, self.loop.optimization.schedule.gradient_clip_val)
+        L.LightningModule.trainer.fset(self, trainer)
+
+    trainer = property(L.LightningModule.trainer.fget, _attach)
 
     # ------------------------------------------------------------------ models
     def prepare_data(self) -> None:

@@ -41,6 +41,30 @@ def check_strategy(strategy: Strategy, gradient_clip_val: float | None) -> None:
         config["gradient_clipping"] = clip
 
 
+def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
+    """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
+    optimisation would honour and this module's own optimizer step cannot: Lightning's
+    message ("switch to automatic optimization") names nothing a user of this trainer can
+    do. Checked when a ``fit`` attaches the module, before Lightning's own check."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip is not None and clip > 0:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={clip}): this trainer clips in its own optimizer "
+            f"step; set --model.gradient_clip_val={clip} (now {gradient_clip_val}; the "
+            "default 1.0 already clips) and leave --trainer.gradient_clip_val unset"
+        )
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={accumulate}): one training step here is one "
+            "rollout of data.batch_size prompts, whose micro-batches already accumulate "
+            f"before one optimizer step; for {accumulate}x the prompts per update set "
+            f"--data.batch_size to {accumulate}x its value, and bound the memory with "
+            "--model.micro_batch_groups (groups per forward/backward) or "
+            "--model.micro_batch_tokens; leave --trainer.accumulate_grad_batches at 1"
+        )
+
+
 def check_micro_batches(strategy: Strategy, num_micro_batches: int, batch_size: int) -> None:
     """Under DeepSpeed a step must be a single backward pass (see the module docstring)."""
     if num_micro_batches > 1 and isinstance(strategy, DeepSpeedStrategy):
