@@ -345,8 +345,7 @@ class MaxEntGRPOModule(L.LightningModule):
 
     def _attach(self, trainer: L.Trainer | None) -> None:
         """``fit`` attaches the trainer before Lightning checks its flags: ours come first."""
-        if trainer is not None and getattr(trainer.state, "fn", None) == "fit":
-            check_trainer_flags(trainer, self.loop.optimization.schedule.gradient_clip_val)
+        check_trainer_flags(trainer, self.loop.optimization.schedule.gradient_clip_val)
         L.LightningModule.trainer.fset(self, trainer)
 
     trainer = property(L.LightningModule.trainer.fget, _attach)
@@ -429,12 +428,13 @@ class MaxEntGRPOModule(L.LightningModule):
         """``model.optimizer`` over the policy's trainable parameters (only the adapters with
         ``model.peft``), and the learning-rate scheduler
         (:func:`~maxent_grpo.training.settings.build_lr_scheduler`), which the optimisation
-        loop steps once per optimizer step."""
+        loop steps once per optimizer step (declared ``"step"`` for ``LearningRateMonitor``)."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
         optimizer = self.optimizer_factory(self.trainable_parameters())
-        scheduler = build_lr_scheduler(
-            optimizer, self.loop.optimization.schedule, self.lr_scheduler_factory)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler}}
+        scheduler = build_lr_scheduler(optimizer, self.loop.optimization.schedule,
+                                       self.lr_scheduler_factory)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
+                                                         "interval": "step"}}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -45,7 +45,10 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
     """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
     optimisation would honour and this module's own optimizer step cannot: Lightning's
     message ("switch to automatic optimization") names nothing a user of this trainer can
-    do. Checked when a ``fit`` attaches the module, before Lightning's own check."""
+    do. Checked when a ``fit`` attaches the module, before Lightning's own check (other
+    stages, and ``trainer=None`` at detachment, pass)."""
+    if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
+        return
     clip = getattr(trainer, "gradient_clip_val", None)
     if clip is not None and clip > 0:
         raise ValueError(

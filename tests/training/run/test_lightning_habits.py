@@ -1,0 +1,57 @@
+"""Lightning habits that meet this trainer's own optimisation loop.
+
+Trainer flags that automatic optimisation honours and this trainer's optimizer step cannot
+stop ``fit`` before any work with a message naming the option to use instead (Lightning's
+own "switch to automatic optimization" names nothing a user here can do); the learning-rate
+scheduler, stepped by our loop, is read by ``LearningRateMonitor`` at every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import fit, make_data, make_module
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"gradient_clip_val": 0.5}, r"--model.gradient_clip_val=0.5 \(now 1.0"),
+    ({"accumulate_grad_batches": 2},
+     r"--data.batch_size to 2x its value.*--model.micro_batch_groups"),
+])
+def test_trainer_flags_we_cannot_honour_name_our_option(cache_dir, tmp_path, flags, expected):
+    module = make_module(cache_dir)
+    with pytest.raises(ValueError, match=expected):
+        fit(module, make_data(cache_dir), tmp_path=tmp_path, **flags)
+    assert module.policy is None  # stopped before the model was even loaded
+
+
+def test_validate_with_the_same_flags_is_not_refused(cache_dir, tmp_path):
+    """The check is for ``fit``: a config shared with ``validate`` still evaluates."""
+    import lightning as L
+
+    module = make_module(cache_dir)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1,
+                        gradient_clip_val=0.5, default_root_dir=tmp_path)
+    trainer.validate(module, make_data(cache_dir))
+    assert "val/pass@1" in trainer.callback_metrics
+
+
+def test_learning_rate_monitor_logs_every_optimizer_step(cache_dir, tmp_path):
+    """The scheduler is stepped by this trainer's own loop; declared per step, Lightning's
+    LearningRateMonitor reads it at every step (it logged step 0 only) and agrees with
+    ``train/lr``."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="run")
+    fit(make_module(cache_dir, lr_warmup_steps=3), make_data(cache_dir), steps=4,
+        tmp_path=tmp_path, logger=logger, callbacks=[LearningRateMonitor()],
+        log_every_n_steps=1)
+    rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+    monitor = {int(r["step"]): float(r["lr-SGD"]) for r in rows if r.get("lr-SGD")}
+    ours = {int(r["step"]): float(r["train/lr"]) for r in rows if r.get("train/lr")}
+    assert sorted(monitor) == [0, 1, 2, 3]
+    assert len(set(monitor.values())) > 1  # the warm-up moved it
+    assert all(abs(monitor[s] - ours[s]) < 1e-6 for s in monitor)
