@@ -8,6 +8,10 @@
   ``reward/mean`` (one step's is too noisy); ``v_num`` is not shown;
 - a step-based run (``trainer.max_steps > 0``) shows one bar ``Steps: 120/500`` over the
   whole run (from the resumed step on a resume) instead of a bar per epoch;
+- during ``fit`` each validation prints one line of its ``val/`` metrics, and the end of the
+  fit a short summary: steps, wall time, first and last 20 rewards, the best
+  ``val/pass@1``, what stopped it early, where the logs and checkpoints are
+  (:mod:`~maxent_grpo.training.callbacks.run_report`);
 - where the stream is not a terminal (a log file, a batch job), plain lines are written
   every ``every_n_steps`` steps, or once ``every_s`` seconds have passed, and at the end::
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -33,6 +38,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
 
 MODES = ("auto", "bar", "lines")
 _NICE_STEPS = (1, 2, 5)
@@ -49,6 +56,14 @@ def line_interval(max_steps: int, max_lines: int = 40) -> int:
             if math.ceil(max_steps / (nice * scale)) <= max_lines:
                 return nice * scale
         scale *= 10
+
+
+def _shown(path: str | None) -> str | None:
+    """``path`` relative to the working folder when it lies inside it."""
+    if not path:
+        return path
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def is_terminal(stream: Any) -> bool:
@@ -93,6 +108,7 @@ class ReadableProgressBar(TQDMProgressBar):
         self.stream = stream
         self.rewards: deque[float] = deque(maxlen=window)
         self.last_record: dict[str, float] = {}
+        self.report = RewardRecord()
         self._start_step = 0
         self._start_time = 0.0
         self._last_line_step = -1
@@ -158,6 +174,7 @@ class ReadableProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         self.rewards.clear()
         self.last_record = {}
+        self.report = RewardRecord()
         self._start_step = self._last_line_step = trainer.global_step
         self._start_time = self._last_line_time = time.monotonic()
         if trainer.max_steps > 0:  # one bar over the run's steps, not one per epoch
@@ -178,6 +195,7 @@ class ReadableProgressBar(TQDMProgressBar):
             reward = self.last_record.get("reward/mean")
             if reward is not None and math.isfinite(reward):
                 self.rewards.append(reward)
+                self.report.add_reward(reward)
         if trainer.max_steps <= 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         else:
@@ -193,10 +211,42 @@ class ReadableProgressBar(TQDMProgressBar):
             if step != self._last_line_step and (step % every == 0 or slow):
                 self._write_line(trainer)
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """During ``fit``: one line of the ``val/`` metrics (``run_report.validation_line``)."""
+        super().on_validation_end(trainer, pl_module)
+        if trainer.sanity_checking or getattr(trainer.state, "fn", None) != "fit":
+            return
+        self.report.add_validation(trainer.global_step, trainer.callback_metrics)
+        line = validation_line(trainer.global_step, trainer.callback_metrics)
+        if line is not None:
+            self._print(line)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         if self._writes_lines() and trainer.global_step != self._last_line_step:
             self._write_line(trainer)
+        stopped = [f"EarlyStopping: {cb.stopping_reason_message}"
+                   for cb in getattr(trainer, "early_stopping_callbacks", [])
+                   if getattr(cb, "stopping_reason_message", None)]
+        saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
+                 if cb.dirpath and (cb.last_model_path or cb.best_model_path)]
+        log_dir = getattr(trainer, "log_dir", None) if getattr(trainer, "loggers", None) else None
+        lines = fit_summary(
+            trainer.global_step - self._start_step, time.monotonic() - self._start_time,
+            self.report, _shown(log_dir), list(dict.fromkeys(saved)), stopped)
+        for line in lines:
+            self._print(line)
+
+    def _print(self, text: str) -> None:
+        """A line on the console (rank 0, unless ``refresh_rate`` is 0), above a live bar."""
+        if not TQDMProgressBar.is_enabled.fget(self):
+            return
+        if self.plain_lines:
+            print(text, file=self._out(), flush=True)
+        else:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self._out())
 
     def _out(self) -> Any:
         return self.stream if self.stream is not None else sys.stdout

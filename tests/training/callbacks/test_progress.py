@@ -87,9 +87,12 @@ def test_a_line_per_n_steps_with_the_step_out_of_max_steps():
                   {"reward/mean": 0.5, "loss/total": 0.031, "perf/tokens_per_s": 1234.4})
     bar.on_train_end(fake_trainer(10, max_steps=10), None)  # 10 is no multiple of 4: a last line
     lines = out.getvalue().splitlines()
-    assert [LINE.match(line).group(1, 2) for line in lines] == [
+    progress, summary = lines[:3], lines[3:]
+    assert [LINE.match(line).group(1, 2) for line in progress] == [
         ("4", "10"), ("8", "10"), ("10", "10")]
-    assert "reward(avg20) 0.500  loss 0.031  tokens/s 1234  eta 0:00:00" in lines[-1]
+    assert "reward(avg20) 0.500  loss 0.031  tokens/s 1234  eta 0:00:00" in progress[-1]
+    assert summary[0].startswith("fit done: 10 steps in ") and summary[0].endswith(
+        "reward first 10 0.500, last 10 0.500")
 
 
 def test_interval_gives_20_to_40_lines_a_run():
@@ -157,7 +160,7 @@ def test_a_fit_in_a_log_file_writes_plain_lines(cache_dir, tmp_path, capsys):
     out = io.StringIO()
     bar = ReadableProgressBar(every_n_steps=4, every_s=0, stream=out)  # auto: not a TTY
     trainer, module, rewards = fit_with(bar, cache_dir, tmp_path, steps=6)
-    lines = out.getvalue().splitlines()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
     assert [LINE.match(line).group(1, 2) for line in lines] == [("4", "6"), ("6", "6")], lines
     assert float(LINE.match(lines[-1]).group(3)) == pytest.approx(sum(rewards) / 6, abs=5e-4)
     assert "%|" not in capsys.readouterr().out  # no tqdm frame either
@@ -174,6 +177,62 @@ def test_a_fit_in_a_terminal_counts_steps_out_of_max_steps(cache_dir, tmp_path, 
     assert "v_num" not in drawn and "Epoch" not in drawn
     assert bar.train_progress_bar.total == 3 and bar.train_progress_bar.n == 3
     assert bar.get_metrics(trainer, module)["reward(avg20)"] == pytest.approx(sum(rewards) / 3)
+
+
+def test_validation_lines_and_the_end_summary_say_what_happened(cache_dir, tmp_path):
+    """A fit with validation every 2 steps, EarlyStopping on ``val/pass@1`` and a
+    checkpoint: each validation prints one line; the end says the steps, the first and
+    last rewards, the best ``val/pass@1``, that EarlyStopping stopped it and why, and where
+    the logs and checkpoints are."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    out = io.StringIO()
+    bar = ReadableProgressBar(mode="lines", every_n_steps=100, stream=out)
+    stop = EarlyStopping(monitor="val/pass@1", mode="max", patience=0,
+                         stopping_threshold=-1.0)  # any value passes: stops at the first
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    rewards = Rewards()
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_steps=6, accelerator="cpu", logger=CSVLogger(tmp_path), enable_model_summary=False,
+        callbacks=[rewards, bar, stop, ckpt], val_check_interval=2, check_val_every_n_epoch=None,
+        limit_val_batches=1, num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+    text = out.getvalue()
+    vals = [line for line in text.splitlines() if line.startswith("val @ step")]
+    assert vals and vals[0].startswith("val @ step 2: pass@1 ")
+    assert trainer.global_step == 2  # stopped at the first validation
+    summary = text[text.index("fit done: 2 steps"):]
+    mean = sum(rewards.rewards) / len(rewards.rewards)
+    assert f"reward first 2 {mean:.3f}, last 2 {mean:.3f}" in summary
+    pass1 = float(trainer.callback_metrics["val/pass@1"])
+    assert f"best val/pass@1 {pass1:.3f} at step 2" in summary
+    assert "stopped by EarlyStopping: " in summary and "val/pass@1" in summary
+    assert "logs: " in summary and f"checkpoints: {tmp_path / 'ckpt'}" in summary
+
+
+def test_the_report_lines_read_as_documented():
+    from maxent_grpo.training.callbacks.run_report import (
+        RewardRecord,
+        fit_summary,
+        validation_line,
+    )
+
+    assert validation_line(50, {"train/x": 1.0}) is None
+    line = validation_line(50, {"val/reward/mean": 0.28, "val/zeta": 2.0, "val/pass@4": 0.5625,
+                                "val/pass@1": 0.3125, "val/bad": float("nan")})
+    assert line == "val @ step 50: pass@1 0.312  pass@4 0.562  reward/mean 0.28  zeta 2"
+    record = RewardRecord(n=2)
+    for r in (0.0, 0.1, 0.5, 0.9):
+        record.add_reward(r)
+    for step, v in ((10, 0.2), (20, 0.6), (30, 0.4)):
+        record.add_validation(step, {"val/pass@1": v})
+    assert fit_summary(4, 125.0, record, "logs/x", ["ckpt"]) == [
+        "fit done: 4 steps in 0:02:05 (31.25 s/step); reward first 2 0.050, last 2 0.700",
+        "  best val/pass@1 0.600 at step 20",
+        "  logs: logs/x  checkpoints: ckpt",
+    ]
 
 
 # ---------------------------------------------------------------------------- the CLI default

@@ -1,0 +1,95 @@
+"""What the console says besides progress: one line after each validation during ``fit`` and
+a short summary when the fit ends (:class:`~maxent_grpo.training.callbacks.ReadableProgressBar`
+prints both)::
+
+    val @ step 50: pass@1 0.312  pass@4 0.562  mean@4 0.281  distinct@4 2.41  reward/mean 0.28
+    fit done: 800 steps in 0:02:25 (0.18 s/step); reward first 20 0.078, last 20 0.920;
+      best val/pass@1 0.812 at step 750
+      stopped by EarlyStopping: Monitored metric val/pass@1 did not improve in the last 3 ...
+      logs: lightning_logs/tiny/version_0  checkpoints: lightning_logs/tiny/checkpoints
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["RewardRecord", "fit_summary", "validation_line"]
+
+#: the validation metrics that lead the line, in this order; the others follow by name
+_FIRST = ("pass@", "mean@", "distinct@", "distinct_correct@", "reward/mean")
+_MAX_ITEMS = 10
+
+
+def _float(value: Any) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError, RuntimeError):  # a tensor of several values, a string
+        return None
+    return out if math.isfinite(out) else None
+
+
+def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
+    """``val @ step 50: pass@1 0.312 ...`` from the ``val/...`` scalars of ``metrics`` (at
+    most 10, the pass@k / mean@k / distinct@k / reward first); None when there are none."""
+    values = {k.removeprefix("val/"): v for k, v in metrics.items() if k.startswith("val/")}
+    values = {k: f for k, v in values.items() if (f := _float(v)) is not None}
+    if not values:
+        return None
+
+    def order(name: str) -> tuple[int, str]:
+        rank = next((i for i, p in enumerate(_FIRST) if name.startswith(p)), len(_FIRST))
+        return rank, name
+
+    names = sorted(values, key=order)[:_MAX_ITEMS]
+    return f"val @ step {step}: " + "  ".join(f"{n} {values[n]:.3g}" for n in names)
+
+
+class RewardRecord:
+    """The first 20 steps' ``reward/mean``, the last 20, and the best ``val/pass@1``."""
+
+    def __init__(self, n: int = 20) -> None:
+        self.n = n
+        self.first: list[float] = []
+        self.last: list[float] = []
+        self.best: tuple[float, int] | None = None
+
+    def add_reward(self, reward: float) -> None:
+        if len(self.first) < self.n:
+            self.first.append(reward)
+        self.last = [*self.last[-(self.n - 1):], reward]
+
+    def add_validation(self, step: int, metrics: Mapping[str, Any]) -> None:
+        value = _float(metrics.get("val/pass@1"))
+        if value is not None and (self.best is None or value > self.best[0]):
+            self.best = (value, step)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def fit_summary(steps: int, seconds: float, record: RewardRecord, log_dir: str | None,
+                checkpoint_dirs: Sequence[str], stopped_by: Sequence[str] = ()) -> list[str]:
+    """The lines printed when a fit ends (see the module docstring)."""
+    wall = datetime.timedelta(seconds=round(seconds))
+    head = f"fit done: {steps} steps in {wall}"
+    if steps > 0:
+        head += f" ({seconds / steps:.2f} s/step)"
+    if record.first:
+        head += (f"; reward first {len(record.first)} {_mean(record.first):.3f}, "
+                 f"last {len(record.last)} {_mean(record.last):.3f}")
+    lines = [head]
+    if record.best is not None:
+        lines.append(f"  best val/pass@1 {record.best[0]:.3f} at step {record.best[1]}")
+    lines.extend(f"  stopped by {why}" for why in stopped_by)
+    where = []
+    if log_dir:
+        where.append(f"logs: {log_dir}")
+    if checkpoint_dirs:
+        where.append("checkpoints: " + ", ".join(checkpoint_dirs))
+    if where:
+        lines.append("  " + "  ".join(where))
+    return lines
