@@ -15,10 +15,13 @@ undone, so ``validate --ckpt_path x.ckpt --model.eval_k [1,8]`` does evaluate pa
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -191,6 +194,12 @@ class MaxEntGRPOCLI(LightningCLI):
                 "save_last: true}, or pass --ckpt_path <file>"
             )
         self._use_checked_checkpoint()
+        if self._resume is None and self.trainer.is_global_zero:
+            for folder in dict.fromkeys(str(cb.dirpath) for cb in callbacks if cb.dirpath):
+                if os.path.isdir(folder) and any(n.endswith(".ckpt") for n in os.listdir(folder)):
+                    logging.getLogger(__name__).warning(
+                        "checkpoints go to %s, which holds an earlier run's: same names are "
+                        "overwritten (to continue that run instead: --ckpt_path last)", folder)
         if self._resume is None or not self.trainer.is_global_zero:
             return
         from lightning.pytorch.loggers import CSVLogger
@@ -217,6 +226,40 @@ def _same_dir(a: Any, b: Any) -> bool:
     return a is not None and b is not None and os.path.abspath(str(a)) == os.path.abspath(str(b))
 
 
+#: warnings a command-line run does not print: nothing the user can act on, each caused by
+#: Lightning meeting this trainer's design or by Lightning meeting torch (checked by
+#: message; every other warning is printed)
+QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # our loop steps the optimizer itself; the checkpoint after the step is the one a
+    # resume needs (the resume tests check it), so Lightning's 14-line advice does not apply
+    ("Using ModelCheckpoint with manual optimization and every_n_train_steps", UserWarning),
+    # the shipped configs fix ModelCheckpoint.dirpath so that --ckpt_path last finds it:
+    # before_fit says instead what is in the folder and how to resume from it
+    ("Checkpoint directory .* exists and is not empty", UserWarning),
+    # Lightning 2.6's own use of a class torch 2.13 deprecated
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+)
+#: info lines a command-line run does not print (Lightning's advertisement for litlogger)
+QUIET_INFO = ("💡 Tip: For seamless cloud logging",)
+
+
+class _DropInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(QUIET_INFO)
+
+
+@contextlib.contextmanager
+def _without_tips() -> Iterator[None]:
+    """Lightning's rank-zero logger without the :data:`QUIET_INFO` lines, for the call."""
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    drop = _DropInfo()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
 def main(
     args: list[str] | None = None, run: bool = True, *, exit_on_error: bool | None = None
 ) -> MaxEntGRPOCLI:
@@ -238,9 +281,11 @@ def main(
     parser_kwargs = {"exit_on_error": False} if show_trace and exit_on_error else {}
 
     def build() -> MaxEntGRPOCLI:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _without_tips():
             if from_argv:  # args is sys.argv less --traceback (kept there for DDP's launcher)
                 warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
+            for message, category in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message, category)
             return _build_cli(args, run, parser_kwargs)
 
     return errors.exit_on_error(build, show_trace) if exit_on_error else build()

@@ -311,10 +311,34 @@ def resolve_model_path(
     return name_or_path
 
 
+#: local weights below this many bytes load in seconds: without transformers' progress bar
+QUIET_LOAD_BYTES = 2 * 1024**3
+
+
+@contextlib.contextmanager
+def _quiet_load(path: str) -> Iterator[None]:
+    """transformers' "Loading weights" bar off while a small local model loads."""
+    from transformers.utils import logging as hf_logging
+
+    folder = Path(path)
+    small = folder.is_dir() and sum(
+        f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin")
+    ) < QUIET_LOAD_BYTES
+    shown = hf_logging.is_progress_bar_enabled()
+    if small and shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if small and shown:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, **kwargs: Any):
     """Call ``loader(path, **kwargs)``; name the model and the offline hub if it fails."""
     try:
-        return loader(path, **kwargs)
+        with _quiet_load(path):
+            return loader(path, **kwargs)
     except (OSError, ValueError) as error:
         if is_offline_mode() and not Path(path).is_dir() and isinstance(error, OSError):
             raise OSError(

@@ -37,6 +37,7 @@ def demo(tmp_path_factory) -> Path:
     ]
     proc = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (work / "console.txt").write_text(proc.stdout + proc.stderr)
     return work
 
 
@@ -84,6 +85,18 @@ def test_tiny_demo_trains_and_the_reward_rises(demo):
     acc.Reload()
     assert "samples/completions/text_summary" in acc.Tags()["tensors"]  # the samples table
     assert "samples/reward" in acc.Tags()["histograms"]
+
+
+def test_the_demo_prints_no_warning_a_user_cannot_act_on(demo):
+    """Lightning's litlogger tip, its 14-line advice on ModelCheckpoint under manual
+    optimisation (our loop steps the optimizer; the checkpoint after the step is the one to
+    resume from), its use of torch's deprecated LeafSpec, transformers' bar for a model that
+    loads in a second: none of them reaches the console of a command-line run."""
+    console = (demo / "console.txt").read_text()
+    for noise in ("Tip: For seamless cloud logging", "ModelCheckpoint with manual optimization",
+                  "LeafSpec", "Loading weights"):
+        assert noise not in console, noise
+    assert "`Trainer.fit` stopped: `max_steps=800` reached." in console  # output is there
 
 
 def test_the_demo_checkpoint_evaluates_with_one_command(demo):

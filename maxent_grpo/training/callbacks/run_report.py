@@ -32,9 +32,12 @@ def _float(value: Any) -> float | None:
 
 
 def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
-    """``val @ step 50: pass@1 0.312 ...`` from the ``val/...`` scalars of ``metrics`` (at
-    most 10, the pass@k / mean@k / distinct@k / reward first); None when there are none."""
+    """``val @ step 50: pass@1 0.312 ...`` from the run-wide ``val/...`` scalars of
+    ``metrics`` (at most 10, the pass@k / mean@k / distinct@k / reward first; no per-task
+    breakdown); None when there are none."""
     values = {k.removeprefix("val/"): v for k, v in metrics.items() if k.startswith("val/")}
+    # the run-wide figures: a per-task or per-reward breakdown (pass@1/<task>) stays in the logs
+    values = {k: v for k, v in values.items() if "/" not in k or k == "reward/mean"}
     values = {k: f for k, v in values.items() if (f := _float(v)) is not None}
     if not values:
         return None

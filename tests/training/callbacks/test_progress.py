@@ -221,7 +221,8 @@ def test_the_report_lines_read_as_documented():
 
     assert validation_line(50, {"train/x": 1.0}) is None
     line = validation_line(50, {"val/reward/mean": 0.28, "val/zeta": 2.0, "val/pass@4": 0.5625,
-                                "val/pass@1": 0.3125, "val/bad": float("nan")})
+                                "val/pass@1": 0.3125, "val/bad": float("nan"),
+                                "val/pass@1/sums": 0.5})
     assert line == "val @ step 50: pass@1 0.312  pass@4 0.562  reward/mean 0.28  zeta 2"
     record = RewardRecord(n=2)
     for r in (0.0, 0.1, 0.5, 0.9):
