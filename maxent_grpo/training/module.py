@@ -42,11 +42,8 @@ from maxent_grpo.models import load_policy, load_reference, load_tokenizer, reso
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
-from maxent_grpo.training.run.checkpoint import (
-    load_state,
-    restore_rng_state,
-    save_state,
-)
+from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
+from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.settings import (
     Dtype,
@@ -71,11 +68,7 @@ from maxent_grpo.training.step.strategy import (
 )
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
-from maxent_grpo.training.types import (
-    LoggingConfigView,
-    LogStepArtifacts,
-    RuntimeHandles,
-)
+from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
 from maxent_grpo.validation import require
 
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
@@ -277,8 +270,7 @@ class MaxEntGRPOModule(L.LightningModule):
             reference=self.reference if self.needs_reference else None,
             generation=self.loop.generation, schedule=self.loop.optimization.schedule,
             strategy=self.trainer.strategy, backward=self.manual_backward,
-            optimizer=optimizer, scheduler=scheduler, step=self.global_step,
-        )
+            optimizer=optimizer, scheduler=scheduler, step=self.global_step)
 
     def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
                   batch_idx: int) -> None:
@@ -423,6 +415,12 @@ class MaxEntGRPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         """Hand the optimizer and scheduler Lightning built to the step."""
         self.loop.optimization.handles = (self.optimizers(), self.lr_schedulers())
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Lightning's default progress bar gives way to the command line's, for L.Trainer."""
+        bars = [c for c in self.trainer.callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
+        self.trainer.callbacks[:] = [c for c in self.trainer.callbacks if c not in bars]
+        return [ReadableProgressBar()] if bars else []
 
     def configure_optimizers(self) -> dict[str, Any]:
         """``model.optimizer`` over the policy's trainable parameters (only the adapters with

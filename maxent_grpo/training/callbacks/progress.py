@@ -20,7 +20,8 @@
 ``tokens/s`` is the last step's ``perf/tokens_per_s``; ``eta`` is the remaining steps times
 this run's mean time per step. Values come from ``pl_module.step_metrics_dict`` (the
 step's ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
-To configure it, name it in ``trainer.callbacks``::
+A plain ``L.Trainer`` gets it too, in place of Lightning's own default bar
+(``MaxEntGRPOModule.configure_callbacks``). To configure it, name it in ``trainer.callbacks``::
 
     - class_path: maxent_grpo.training.callbacks.ReadableProgressBar
       init_args: {mode: lines, every_n_steps: 10}
@@ -37,11 +38,15 @@ from collections import deque
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
 
 MODES = ("auto", "bar", "lines")
+#: the bar a plain ``L.Trainer`` adds by itself; the module replaces it with this one (a bar
+#: of another type, or a subclass, given to the Trainer stays)
+LIGHTNING_DEFAULT_BAR = RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar
 _NICE_STEPS = (1, 2, 5)
 
 

@@ -260,3 +260,20 @@ def test_the_cli_adds_the_readable_bar_unless_one_is_configured_or_bars_are_off(
     assert cli.trainer.checkpoint_callback.dirpath.endswith("checkpoints")  # config kept
     if "--trainer.callbacks.mode=lines" in extra:  # configured: used as given, not added twice
         assert (progress_bars[0].mode, progress_bars[0].every_n_steps) == ("lines", 10)
+
+
+def test_a_plain_trainer_gets_the_readable_bar_and_a_bar_of_ones_own_stays(cache_dir, tmp_path):
+    from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR
+
+    class Own(LIGHTNING_DEFAULT_BAR):
+        """A bar the user chose (a subclass of Lightning's default)."""
+
+    def bar_of(callbacks: list) -> type:
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=callbacks,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            limit_val_batches=0, default_root_dir=tmp_path)
+        trainer.fit(make_module(cache_dir), make_data(cache_dir))
+        return type(trainer.progress_bar_callback)
+
+    assert bar_of([]) is ReadableProgressBar  # Lightning's own default gave way
+    assert bar_of([Own()]) is Own
