@@ -46,6 +46,13 @@ class ShortUsageParser(LightningArgumentParser):
 class MaxEntGRPOCLI(LightningCLI):
     """LightningCLI wired for :class:`MaxEntGRPOModule` and :class:`PromptDataModule`."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test``. Lightning's ``predict`` is left out: it needs a
+        ``forward`` this module has not (it failed as if the user had erred); a checkpoint
+        is evaluated with ``validate`` (pass@k, README "Evaluating a checkpoint")."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model_name_or_path", "data.tokenizer")
         parser.link_arguments("model.model_cache_dir", "data.tokenizer_cache_dir")

@@ -369,3 +369,12 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
     model = caught.value.args[0].validate.model
     assert model.eval_k == [1, 2] and model.eval_num_generations == 4
     assert model.model_name_or_path == "builtin:tiny"  # a mismatch is refused at load time
+
+
+def test_the_subcommands_are_fit_validate_and_test(capsys):
+    """Lightning's ``predict`` needs a ``forward`` the module has not: it is not offered."""
+    assert set(cli_module.MaxEntGRPOCLI.subcommands()) == {"fit", "validate", "test"}
+    with pytest.raises(SystemExit):
+        cli_module.main(["predict"], exit_on_error=True)
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in (
+        capsys.readouterr().err)
