@@ -91,6 +91,23 @@ def test_find_runs_and_missing_folders(tmp_path):
         load_run(tmp_path)
 
 
+def test_relative_run_paths_mean_the_same_from_the_root_and_from_notebooks(
+    tmp_path, monkeypatch,
+):
+    """The notebook runs from ``notebooks/``, the README's commands from the repository
+    root: ``lightning_logs/...`` is found from both (looked up from the working folder
+    upwards), and a folder that is nowhere says where it was looked for."""
+    write_run(tmp_path / "lightning_logs" / "tiny" / "version_0", {"x": [(0, 1.0)]})
+    (tmp_path / "notebooks").mkdir()
+    for cwd in (tmp_path, tmp_path / "notebooks"):
+        monkeypatch.chdir(cwd)
+        assert load_run("lightning_logs/tiny/version_0").scalars["x"].values == (1.0,)
+        assert [p.name for p in find_runs("lightning_logs")] == ["version_0"]
+    with pytest.raises(FileNotFoundError, match=r"no folder lightning_logs/nope in the working "
+                       r"folder .*notebooks or any folder above it"):
+        load_run("lightning_logs/nope")
+
+
 def test_smoothing_is_a_trailing_mean():
     assert _smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert _smooth([1.0, 3.0], 1) == [1.0, 3.0]

@@ -81,11 +81,34 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def locate(path: str | os.PathLike) -> Path:
+    """``path`` as given when it exists (or is absolute), else under the nearest parent of
+    the working folder that holds it: a notebook runs from ``notebooks/``, the commands
+    from the repository root, and relative run paths mean the same from both.
+
+    Raises:
+        FileNotFoundError: naming every folder that was looked in.
+    """
+    path = Path(path).expanduser()
+    if path.is_absolute() or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"no folder {path}")
+        return path
+    looked = [Path.cwd(), *Path.cwd().parents]
+    for folder in looked:
+        if (folder / path).exists():
+            return folder / path
+    raise FileNotFoundError(
+        f"no folder {path} in the working folder {looked[0]} or any folder above it")
+
+
 def find_runs(root: str | os.PathLike = "lightning_logs") -> list[Path]:
-    """Every folder under ``root`` holding TensorBoard event files, oldest first."""
-    root = Path(root)
-    if not root.exists():
-        raise FileNotFoundError(f"no run folder {root}: train first (python -m maxent_grpo fit)")
+    """Every folder under ``root`` (found by :func:`locate`) holding TensorBoard event
+    files, oldest first."""
+    try:
+        root = locate(root)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err}: train first (python -m maxent_grpo fit)") from None
     runs = {p.parent for p in root.rglob("events.out.tfevents.*")}
     return sorted(runs, key=lambda p: min(f.stat().st_mtime for f in p.glob("events.*")))
 
@@ -110,12 +133,14 @@ def _label(path: Path) -> str:
 def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     """Read all scalars of one run folder (every event file in it, e.g. after a resume).
 
+    ``path`` may be relative to the working folder or to a folder above it (:func:`locate`).
+
     Raises:
-        FileNotFoundError: the folder has no event files.
+        FileNotFoundError: no such folder, or it has no event files.
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    path = Path(path)
+    path = locate(path)
     if not any(path.glob("events.out.tfevents.*")):
         raise FileNotFoundError(
             f"{path} has no TensorBoard event files; pass a lightning_logs/<name>/version_N folder"
