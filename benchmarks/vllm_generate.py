@@ -59,13 +59,19 @@ def run(engine, prompts: list[str], G: int, calls: int) -> dict[str, float]:
             "first_tokens": int(first.completion_mask.sum())}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def shape_arguments(description: str) -> argparse.ArgumentParser:
+    """The options the vLLM benchmarks share: the model and the rollout's shape."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="builtin:tiny-h64")
     parser.add_argument("--model-cache-dir", default=None)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = shape_arguments(__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--engines", default="hf-dynamic,hf-static,vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /

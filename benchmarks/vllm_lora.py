@@ -22,7 +22,6 @@ second over the rollout, and the sum. Appended to ``benchmarks/results/vllm_lora
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from vllm_generate import prompts_for  # noqa: E402
+from vllm_generate import prompts_for, shape_arguments  # noqa: E402
 
 from maxent_grpo.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
 from maxent_grpo.rollout import SamplingSettings  # noqa: E402
@@ -118,12 +117,7 @@ def summary(hand: list[float], roll: list[float], tokens: list[int]) -> dict[str
 def main(argv: list[str] | None = None) -> None:
     from peft import LoraConfig, get_peft_model
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="builtin:tiny-h64")
-    parser.add_argument("--model-cache-dir", default=None)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser = shape_arguments(__doc__.split("\n")[0])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--syncs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /
