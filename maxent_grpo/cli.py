@@ -252,7 +252,7 @@ QUIET_INFO = ("💡 Tip: For seamless cloud logging",)
 
 class _DropInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(QUIET_INFO)
+        return not record.getMessage().startswith(QUIET_INFO)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedTokenizerBase
 
 from maxent_grpo.adapters import has_adapters
@@ -158,7 +159,7 @@ class VLLMEngine:
                 "tokenizer needs a pad and an eos token; load it with "
                 "maxent_grpo.models.load_tokenizer")
         sharded = sharded_across_ranks(model)
-        require(not (sharded and any(hasattr(p, "ds_id") for p in model.parameters())),
+        require(not sharded or isinstance(model, FSDPModule),  # sharded otherwise: ZeRO-3
                 "model.engine VLLMEngine: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
                 "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
         check_mergeable(model, sharded)

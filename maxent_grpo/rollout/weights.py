@@ -109,23 +109,21 @@ def _merged_by_peft(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     with warnings.catch_warnings():  # "unmerge can be inaccurate": the base is restored
         warnings.simplefilter("ignore", UserWarning)
         model.merge_adapter()
-    try:
-        return [(name.replace(".base_layer.", "."), t.detach().clone())
-                for name, t in base.state_dict().items()
-                if not any(part in name for part in adapter_names)]
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
+        try:
+            return [(name.replace(".base_layer.", "."), t.detach().clone())
+                    for name, t in base.state_dict().items()
+                    if not any(part in name for part in adapter_names)]
+        finally:
             model.unmerge_adapter()
-        with torch.no_grad():  # undo the rounding of the merge / unmerge round trip
-            for n, p in base.named_parameters():
-                if n in frozen:
-                    p.copy_(frozen[n])
+            with torch.no_grad():  # undo the rounding of the merge / unmerge round trip
+                for n, p in base.named_parameters():
+                    if n in frozen:
+                        p.copy_(frozen[n])
 
 
 def checkpoint_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``model``'s weights under the plain model's names (see the module docstring). Tied
-    tensors appear once, as in ``state_dict``."""
+    """``model``'s weights under the plain model's names (see the module docstring); tied
+    tensors appear under each of their names, as in ``state_dict``."""
     if not has_adapters(model):
         return [(name, _full(t)) for name, t in model.state_dict().items()]
     layers = _lora_linear_layers(model)
