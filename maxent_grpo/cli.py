@@ -28,7 +28,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from maxent_grpo import errors
+from maxent_grpo import cli_help, errors
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
@@ -41,6 +41,19 @@ class ShortUsageParser(LightningArgumentParser):
 
     def print_usage(self, file: Any = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [options]\n")
+
+    def format_help(self) -> str:
+        """The short page (:mod:`maxent_grpo.cli_help`): our options before Lightning's
+        Trainer options; jsonargparse's page as it is under ``--help-all``."""
+        if cli_help.FULL_HELP.get():
+            return super().format_help()
+        groups = self._action_groups
+        self._action_groups = cli_help.ordered_groups(groups)
+        try:
+            return super().format_help()
+        finally:
+            cli_help.restore_titles(groups)
+            self._action_groups = groups
 
 
 class MaxEntGRPOCLI(LightningCLI):
@@ -278,27 +291,48 @@ def main(
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from_argv = args is None
+    quick = cli_help.quick_help(list(sys.argv[1:] if from_argv else args or []))
+    if quick is not None:  # the top-level page: nothing to build
+        (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
+        raise SystemExit(quick[1])
     if exit_on_error is None:
         exit_on_error = from_argv
     show_trace = False
     if isinstance(args, list) or (from_argv and errors.TRACEBACK_FLAG in sys.argv[1:]):
         args, show_trace = errors.pop_traceback_flag(list(sys.argv[1:] if from_argv else args))
+    full_help = False
+    if cli_help.HELP_ALL_FLAG in (sys.argv[1:] if args is None else args):
+        args, full_help = cli_help.pop_help_all(list(sys.argv[1:] if args is None else args))
     # with --traceback, jsonargparse raises its parse errors (printed with their trace by
     # errors.report) instead of printing the usage and exiting 2
     parser_kwargs = {"exit_on_error": False} if show_trace and exit_on_error else {}
 
     def build() -> MaxEntGRPOCLI:
-        with warnings.catch_warnings(), _without_tips():
-            if from_argv:  # args is sys.argv less --traceback (kept there for DDP's launcher)
-                warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
-            for message, category in QUIET_WARNINGS:
-                warnings.filterwarnings("ignore", message, category)
-            return _build_cli(args, run, parser_kwargs)
+        token = cli_help.FULL_HELP.set(full_help)
+        try:
+            return _build(args, run, parser_kwargs, from_argv)
+        finally:
+            cli_help.FULL_HELP.reset(token)
 
     return errors.exit_on_error(build, show_trace) if exit_on_error else build()
 
 
+def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool) -> MaxEntGRPOCLI:
+    """:func:`_build_cli` with the :data:`QUIET_WARNINGS` and :data:`QUIET_INFO` filters."""
+    with warnings.catch_warnings(), _without_tips():
+        if from_argv:  # args is sys.argv less --traceback (kept there for DDP's launcher)
+            warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
+        for message, category in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message, category)
+        return _build_cli(args, run, parser_kwargs)
+
+
 def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRPOCLI:
+    formatter = cli_help.help_formatter_class()
+    commands = {
+        name: {"formatter_class": formatter, "description": f"{name}: {text}."}
+        for name, text in cli_help.SUBCOMMANDS.items()
+    }
     return MaxEntGRPOCLI(
         MaxEntGRPOModule,
         PromptDataModule,
@@ -308,5 +342,6 @@ def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRP
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
-        parser_kwargs={"prog": "python -m maxent_grpo", **parser_kwargs},
+        parser_kwargs={"prog": cli_help.PROG, "formatter_class": formatter, **parser_kwargs,
+                       **commands},
     )

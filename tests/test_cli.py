@@ -8,6 +8,7 @@ their GPU Trainer here). Nothing trains in this file.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 import yaml
 
 import maxent_grpo.cli as cli_module
-from maxent_grpo import objectives
+from maxent_grpo import cli_help, objectives
 from maxent_grpo.models import BUILTIN_MODELS, DEFAULT_CACHE_DIR
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
@@ -335,6 +336,58 @@ def test_fit_help_lists_the_objective_and_the_task(capsys):
     out = capsys.readouterr().out
     for option in ("--model.objective", "--model.rewards", "--data.task", "--config"):
         assert option in out, option
+
+
+def _help_page(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(list(args))
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_fit_help_is_one_sentence_per_option_and_help_all_is_whole(capsys):
+    short = _help_page(capsys, "fit", "--help")
+    whole = _help_page(capsys, "fit", "--help-all")
+    assert len(short.splitlines()) < 0.5 * len(whole.splitlines())
+    # our options come before Lightning's Trainer options on the short page only
+    assert short.index("--model.objective") < short.index("--trainer.max_steps")
+    assert whole.index("--trainer.max_steps") < whole.index("--model.objective")
+    assert "lightning.pytorch.accelerators.CPUAccelerator" in whole
+    assert "CPUAccelerator" not in short
+    assert "--model.objective.help" in whole and "--model.objective.help " not in short
+    assert cli_help.TRAINER_TITLE in short and cli_help.TRAINER_TITLE not in whole
+    # a short default is shown, the first sentence of a long description is kept
+    assert "--model.num_generations" in short and "(default: 8)" in short
+    assert "Stop training after this number of steps." in short
+    assert "``" not in short  # reStructuredText markup is cleaned up
+
+
+def test_first_sentence_keeps_abbreviations_and_cuts_long_text():
+    assert cli_help.first_sentence("Clip, e.g. at 1.0. More here.") == "Clip, e.g. at 1.0."
+    assert cli_help.first_sentence("one; two") == "one"
+    assert cli_help.first_sentence(":class:`~a.B` and ``x``.") == "`a.B` and `x`."
+    cut = cli_help.first_sentence("word " * 100, limit=30)
+    assert cut.endswith(" ...") and len(cut) <= 34
+
+
+def test_the_top_level_page_lists_the_cli_commands_without_importing_lightning(capsys):
+    assert list(cli_help.SUBCOMMANDS) == list(cli_module.MaxEntGRPOCLI.subcommands())
+    page = _help_page(capsys, "--help")
+    for name in cli_help.SUBCOMMANDS:
+        assert f"\n  {name} " in page
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main([])
+    assert exit_info.value.code == 2 and "commands:" in capsys.readouterr().err
+    probe = (  # `python -m maxent_grpo --help`, then: was Lightning imported?
+        "import runpy, sys; sys.argv = ['maxent_grpo', '--help']\n"
+        "try:\n    runpy.run_module('maxent_grpo', run_name='__main__')\n"
+        "except SystemExit as e:\n    code = e.code\n"
+        "print('CODE', code, 'lightning' in sys.modules, 'torch' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert run.stdout.strip().splitlines()[-1] == "CODE 0 False False", run.stdout + run.stderr
+    assert "commands:" in run.stdout
 
 
 def test_objective_help_lists_that_objectives_options(capsys):

@@ -1,0 +1,150 @@
+"""The command line's help: a quick top-level page and a short ``fit --help``.
+
+``python -m maxent_grpo --help`` is answered here, before Lightning is imported (building
+the full parser costs several seconds of imports for a page that lists three commands).
+``<command> --help`` prints each option with the first sentence of its description and a
+short default, model and data options first, Lightning's Trainer options after them;
+``<command> --help-all`` prints jsonargparse's full page (whole docstrings, types, the known
+subclasses). This module imports neither Lightning nor torch at module level.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from typing import Any
+
+PROG = "python -m maxent_grpo"
+HELP_ALL_FLAG = "--help-all"
+
+#: the commands and what each does (``MaxEntGRPOCLI.subcommands`` has the same names, tested)
+SUBCOMMANDS: dict[str, str] = {
+    "fit": "train: rollout -> score -> loss each step, with validation and checkpoints",
+    "validate": "evaluate pass@k on the validation prompts (a checkpoint: --ckpt_path FILE)",
+    "test": "evaluate pass@k on the test prompts (a checkpoint: --ckpt_path FILE)",
+}
+
+#: whether the page being printed is the full one (``--help-all``)
+FULL_HELP: contextvars.ContextVar[bool] = contextvars.ContextVar("full_help", default=False)
+
+_SHORT_DEFAULT = 40  # a longer default is left to --help-all and --print_config
+_DEFAULT_MARK = "\x00"
+
+
+def top_level_help() -> str:
+    """The page for ``python -m maxent_grpo --help`` (and for no arguments at all)."""
+    commands = "\n".join(f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items())
+    return (
+        f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [--config FILE] [--<group>.<option> VALUE ...]\n"
+        "\nGRPO and MaxEnt-GRPO fine-tuning of language models (PyTorch Lightning).\n"
+        f"\ncommands:\n{commands}\n"
+        "\nexamples:\n"
+        f"  {PROG} fit --config configs/tiny.yaml\n"
+        f"  {PROG} fit --config configs/tiny.yaml --trainer.max_steps 50 --print_config\n"
+        f"  {PROG} fit --help          options, one line each ({HELP_ALL_FLAG}: in full)\n"
+        f"  {PROG} fit --model.objective.help ListwiseMaxEnt   one objective's options\n"
+        "\nA mistake in a config or the data prints `error: ...`; --traceback adds the trace.\n"
+    )
+
+
+def quick_help(args: list[str]) -> tuple[str, int] | None:
+    """``(page, exit code)`` when ``args`` ask for the top-level page: ``-h``/``--help``
+    alone (code 0) or nothing at all (code 2, the page is the usage); else ``None``."""
+    if args in (["-h"], ["--help"], [HELP_ALL_FLAG]):
+        return top_level_help(), 0
+    if not args:
+        return top_level_help(), 2
+    return None
+
+
+def pop_help_all(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` with ``--help-all`` turned into ``--help``, and whether it was there."""
+    if HELP_ALL_FLAG not in args:
+        return args, False
+    return ["--help" if a == HELP_ALL_FLAG else a for a in args], True
+
+
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bie)(?<!\bvs)[.;:](?=\s|$)")
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :class:`~a.B` -> `a.B`
+
+
+def first_sentence(text: str, limit: int = 160) -> str:
+    """The first sentence of ``text`` on one line (a ``;`` or ``:`` ends it too), cut at a
+    word near ``limit`` characters with ``...``."""
+    text = _ROLE.sub(r"`\1`", " ".join(text.split())).replace("``", "`")
+    match = _SENTENCE_END.search(text)
+    if match:
+        text = text[: match.start() + (1 if text[match.start()] == "." else 0)]
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return text
+
+
+def _is_trainer_group(group: Any) -> bool:
+    return any(str(getattr(a, "dest", "")).startswith("trainer.") for a in group._group_actions)
+
+
+TRAINER_TITLE = "Lightning's Trainer (the shipped configs set the ones a run needs)"
+
+
+def ordered_groups(groups: list[Any]) -> list[Any]:
+    """The parser's option groups for the short page: ours first, then Lightning's
+    Trainer options (titled :data:`TRAINER_TITLE`), then the linked arguments."""
+    def rank(group: Any) -> int:
+        title = str(group.title or "")
+        if title.startswith("Linked arguments"):
+            return 2
+        return 1 if _is_trainer_group(group) else 0
+
+    ordered = sorted(groups, key=rank)
+    for group in ordered:
+        if _is_trainer_group(group) and group.title != TRAINER_TITLE:
+            group._full_title, group.title = group.title, TRAINER_TITLE
+    return ordered
+
+
+def restore_titles(groups: list[Any]) -> None:
+    """Undo :func:`ordered_groups`' change of the Trainer group's title."""
+    for group in groups:
+        if hasattr(group, "_full_title"):
+            group.title = group._full_title
+            del group._full_title
+
+
+def help_formatter_class() -> type:
+    """The formatter of every parser of the CLI (built on jsonargparse's, imported here so
+    that :func:`quick_help` stays free of it)."""
+    from jsonargparse import DefaultHelpFormatter
+    from jsonargparse._actions import _ActionHelpClassPath
+
+    class ShortHelpFormatter(DefaultHelpFormatter):
+        """jsonargparse's page with :data:`FULL_HELP`; otherwise one sentence per option."""
+
+        def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+            if FULL_HELP.get() or prefix == "":  # "": argparse naming a subcommand's parser
+                return super()._format_usage(usage, actions, groups, prefix)
+            return (f"usage: {self._prog} [--config FILE] [--<group>.<option> VALUE ...]\n"
+                    f"       ({HELP_ALL_FLAG}: every option's whole description, type and "
+                    "known subclasses)\n\n")
+
+        def _format_action(self, action: Any) -> str:
+            if not FULL_HELP.get() and isinstance(action, _ActionHelpClassPath):
+                return ""  # --x.help CLASS lines: named once in the usage and the README
+            return super()._format_action(action)
+
+        def _get_help_string(self, action: Any) -> str:
+            if FULL_HELP.get() or getattr(action, "_jsonargparse_preexpanded_help", False):
+                return super()._get_help_string(action)
+            return first_sentence(action.help or "") + _DEFAULT_MARK + "(default: %(default)s)"
+
+        def _expand_help(self, action: Any) -> str:
+            text = super()._expand_help(action)
+            if FULL_HELP.get() or _DEFAULT_MARK not in text:
+                return text
+            text, default = text.split(_DEFAULT_MARK, 1)
+            shown = default[len("(default: "):-1]
+            if "%(default)" in default or shown == "null" or len(shown) > _SHORT_DEFAULT:
+                return text  # no default, or one too long for a line: --help-all shows it
+            return f"{text} {default}" if text else default
+
+    return ShortHelpFormatter
