@@ -62,8 +62,8 @@ from maxent_grpo.training.step.optimise import (
 from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
 from maxent_grpo.training.step.strategy import (
+    attach_for_fit,
     check_strategy,
-    check_trainer_flags,
     fully_shard_models,
 )
 from maxent_grpo.training.step.timing import StepTimer
@@ -336,8 +336,9 @@ class MaxEntGRPOModule(L.LightningModule):
         self.log_dict(self.evaluator.compute("test"), sync_dist=False)
 
     def _attach(self, trainer: L.Trainer | None) -> None:
-        """``fit`` attaches the trainer before Lightning checks its flags: ours come first."""
-        check_trainer_flags(trainer, self.loop.optimization.schedule.gradient_clip_val)
+        """``fit`` attaches the trainer before Lightning checks its flags: ours come first
+        (:func:`~maxent_grpo.training.step.strategy.attach_for_fit`)."""
+        attach_for_fit(trainer, self.loop.optimization.schedule.gradient_clip_val)
         L.LightningModule.trainer.fset(self, trainer)
 
     trainer = property(L.LightningModule.trainer.fget, _attach)

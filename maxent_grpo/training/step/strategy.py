@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,6 +68,36 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
             "--model.micro_batch_groups (groups per forward/backward) or "
             "--model.micro_batch_tokens; leave --trainer.accumulate_grad_batches at 1"
         )
+
+
+def attach_for_fit(trainer: Any, gradient_clip_val: float | None) -> None:
+    """What a ``fit`` checks as it attaches the module: :func:`check_trainer_flags`, then
+    :func:`drop_unasked_checkpoints`."""
+    check_trainer_flags(trainer, gradient_clip_val)
+    drop_unasked_checkpoints(trainer)
+
+
+def drop_unasked_checkpoints(trainer: Any) -> list[Any]:
+    """With no logger and no ``default_root_dir``, Lightning would write the checkpoints of
+    every ModelCheckpoint without a ``dirpath`` (its default one included) to
+    ``./checkpoints``, a folder nobody named: those callbacks are removed, with one line
+    saying how to keep checkpoints. Returns the removed callbacks (at ``fit`` only)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
+        return []
+    if trainer.loggers or os.path.abspath(trainer.default_root_dir) != os.getcwd():
+        return []
+    unasked = [cb for cb in trainer.callbacks
+               if isinstance(cb, ModelCheckpoint) and cb.dirpath is None]
+    for cb in unasked:
+        trainer.callbacks.remove(cb)
+    if unasked and trainer.is_global_zero:
+        logging.getLogger(__name__).warning(
+            "no checkpoints are saved: there is no logger and no trainer.default_root_dir, "
+            "so they would land in ./checkpoints; to keep them pass "
+            "--trainer.default_root_dir DIR or give the ModelCheckpoint a dirpath")
+    return unasked
 
 
 def check_micro_batches(strategy: Strategy, num_micro_batches: int, batch_size: int) -> None:

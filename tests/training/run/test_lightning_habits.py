@@ -55,3 +55,37 @@ def test_learning_rate_monitor_logs_every_optimizer_step(cache_dir, tmp_path):
     assert sorted(monitor) == [0, 1, 2, 3]
     assert len(set(monitor.values())) > 1  # the warm-up moved it
     assert all(abs(monitor[s] - ours[s]) < 1e-6 for s in monitor)
+
+
+def test_no_logger_and_no_root_dir_write_nothing_in_the_working_folder(
+        cache_dir, tmp_path, monkeypatch, caplog):
+    """Lightning's default ModelCheckpoint would write ./checkpoints (nobody named it): it is
+    removed with one line saying how to keep checkpoints; with default_root_dir it saves."""
+    import logging
+    import os
+
+    import lightning as L
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    def run(**kwargs):
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, max_steps=1, limit_val_batches=0,
+                            **kwargs)
+        trainer.fit(make_module(cache_dir), make_data(cache_dir))
+        return trainer
+
+    with caplog.at_level(logging.WARNING):
+        trainer = run()
+    assert os.listdir(work) == []
+    assert trainer.checkpoint_callbacks == []
+    assert "no checkpoints are saved" in caplog.text
+    assert "--trainer.default_root_dir" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run(default_root_dir=str(tmp_path / "root"))
+    assert os.listdir(work) == []
+    assert os.listdir(tmp_path / "root" / "checkpoints")  # asked for: saved
+    assert "no checkpoints are saved" not in caplog.text
