@@ -35,7 +35,8 @@ def top_level_help() -> str:
     """The page for ``python -m maxent_grpo --help`` (and for no arguments at all)."""
     commands = "\n".join(f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items())
     return (
-        f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [--config FILE] [--<group>.<option> VALUE ...]\n"
+        f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [--config FILE] "
+        "[--<group>.<option> VALUE ...]\n"
         "\nGRPO and MaxEnt-GRPO fine-tuning of language models (PyTorch Lightning).\n"
         f"\ncommands:\n{commands}\n"
         "\nexamples:\n"

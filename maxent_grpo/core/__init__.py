@@ -5,7 +5,15 @@ one vocabulary: ``B`` prompts, ``G`` generations per prompt, ``T`` completion to
 ``V`` vocabulary size. Per-token tensors are ``(B*G, T)`` in prompt-major order.
 """
 
-from maxent_grpo.core.advantages import constant_groups, group_advantages, zero_std_fraction
+from maxent_grpo.core.advantages import (
+    ESTIMATORS,
+    batch_normalised,
+    constant_groups,
+    estimate_advantages,
+    group_advantages,
+    leave_one_out_advantages,
+    zero_std_fraction,
+)
 from maxent_grpo.core.control import (
     BetaUpdate,
     MetaUpdate,
@@ -18,8 +26,10 @@ from maxent_grpo.core.control import (
 )
 from maxent_grpo.core.divergence import (
     CORRECTIONS,
+    RATIO_LEVELS,
     clip_fractions,
     importance_ratio,
+    importance_ratio_at,
     kl_penalty,
     sampler_correction_weights,
 )
@@ -39,6 +49,7 @@ from maxent_grpo.core.logprobs import (
     token_entropy,
 )
 from maxent_grpo.core.losses import (
+    cispo_surrogate,
     clipped_surrogate,
     listwise_loss,
     reduce_token_loss,
@@ -46,6 +57,8 @@ from maxent_grpo.core.losses import (
 )
 
 __all__ = [
+    "ESTIMATORS", "RATIO_LEVELS", "batch_normalised", "cispo_surrogate", "estimate_advantages",
+    "importance_ratio_at", "leave_one_out_advantages",
     "BetaUpdate", "MetaUpdate", "TauUpdate", "beta_update", "clip_fractions", "clipped_surrogate",
     "constant_groups", "coverage_at_k", "distinct_candidates", "distinct_at_k",
     "entropy_gate_multiplier", "entropy_target_at", "fused_head_log_softmax", "group_advantages",

@@ -83,3 +83,75 @@ def zero_std_fraction(rewards: torch.Tensor) -> torch.Tensor:
     """
     check_rewards(rewards, min_group=1)
     return constant_groups(rewards).to(rewards.dtype).mean()
+
+
+def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO advantages ``(B, G) -> (B, G)`` (Ahmadian et al. 2024; TRL's ``RLOOTrainer``).
+
+    ``A[b, i] = r[b, i] - (sum_j r[b, j] - r[b, i]) / (G - 1)``: each sample's baseline is
+    the mean of the *other* samples of its group, so it does not depend on the sample.
+    It equals ``G / (G - 1)`` times the centred reward ``r - mean(r)``; a group's
+    advantages sum to 0, and a constant group gets exactly 0. ``G >= 2``.
+    """
+    check_rewards(rewards, min_group=2)
+    G = rewards.shape[1]
+    baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)
+    adv = rewards - baseline
+    return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(adv), adv)
+
+
+def batch_normalised(advantages: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """``(A - mean(A)) / (std(A) + eps)`` over every entry of ``advantages`` (unbiased std):
+    REINFORCE++'s global-batch normalisation, and TRL's ``RLOOTrainer``
+    ``normalize_advantages``. One entry (no std) gives ``A - mean(A) = 0``."""
+    check_rewards(advantages, name="advantages")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0; got {eps!r}")
+    centred = advantages - advantages.mean()
+    if advantages.numel() < 2:
+        return centred
+    return centred / (advantages.std(correction=1) + eps)
+
+
+#: the estimators of :func:`estimate_advantages`
+ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def estimate_advantages(
+    rewards: torch.Tensor, estimator: str = "group", scale: Scale = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Advantages ``(B, G) -> (B, G)`` by one of :data:`ESTIMATORS` (docs/ALGORITHM.md §1).
+
+    - ``group``: GRPO's :func:`group_advantages` with ``scale``;
+    - ``rloo``: :func:`leave_one_out_advantages`, then by ``scale``: ``"group"`` divides by
+      the group's reward std ``+ eps``, ``"batch"`` is :func:`batch_normalised` (TRL's RLOO
+      ``normalize_advantages``), ``"none"`` leaves them (RLOO's default);
+    - ``reinforce_pp``: REINFORCE++ (Hu 2025) for outcome rewards, no group baseline:
+      ``batch_normalised(r)``;
+    - ``reinforce_pp_baseline``: REINFORCE++-baseline: ``batch_normalised(r - mean_group(r))``.
+
+    The batch is the optimizer step's whole batch, all ranks (the caller's ``rewards``).
+    The two REINFORCE++ estimators normalise by themselves: ``scale`` must be ``"group"``
+    (the option's default), any other value is refused.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}; got {estimator!r}")
+    if estimator == "group":
+        return group_advantages(rewards, scale=scale, eps=eps)
+    if scale not in _SCALES:
+        raise ValueError(f"scale must be one of 'group', 'batch', 'none'; got {scale!r}")
+    if estimator == "rloo":
+        adv = leave_one_out_advantages(rewards)
+        if scale == "group":
+            adv = adv / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
+            return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(adv), adv)
+        return batch_normalised(adv, eps) if scale == "batch" else adv
+    if scale != "group":
+        raise ValueError(
+            f"scale {scale!r} does not apply to {estimator}: it normalises over the whole "
+            "batch by itself (leave the scale at its default 'group')"
+        )
+    check_rewards(rewards, min_group=2)
+    if estimator == "reinforce_pp":
+        return batch_normalised(rewards, eps)
+    return batch_normalised(rewards - rewards.mean(dim=1, keepdim=True), eps)

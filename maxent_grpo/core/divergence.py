@@ -11,8 +11,8 @@ import math
 
 import torch
 
-__all__ = ["CORRECTIONS", "clip_fractions", "importance_ratio", "kl_penalty",
-           "sampler_correction_weights"]
+__all__ = ["CORRECTIONS", "RATIO_LEVELS", "clip_fractions", "importance_ratio",
+           "importance_ratio_at", "kl_penalty", "sampler_correction_weights"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -111,6 +111,47 @@ def importance_ratio(
         raise ValueError(f"max_log_ratio must be a finite number > 0; got {max_log_ratio!r}")
     log_ratio = (logps - old_logps.detach()).clamp(-max_log_ratio, max_log_ratio)
     return torch.exp(log_ratio)
+
+
+#: the levels of :func:`importance_ratio_at`
+RATIO_LEVELS = ("token", "sequence", "sequence_token")
+
+
+def importance_ratio_at(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str = "token",
+    max_log_ratio: float = 20.0,
+) -> torch.Tensor:
+    """The importance ratio ``(N, T)`` at one of :data:`RATIO_LEVELS` (docs/ALGORITHM.md §2).
+
+    With ``d[i,t] = logps - old_logps`` (old detached), ``T_i = sum_t m[i,t]`` and
+    ``s_i = exp(sum_t m d / max(T_i, 1))``, the length-normalised sequence ratio of GSPO:
+
+    - ``token``: ``c[i,t] = exp(d[i,t])`` (PPO, GRPO; :func:`importance_ratio`);
+    - ``sequence``: ``c[i,t] = s_i`` for every token (GSPO; TRL's
+      ``importance_sampling_level="sequence"``), gradient ``s_i / T_i * sum_t m grad l``;
+    - ``sequence_token``: ``c[i,t] = sg(s_i) * exp(l[i,t] - sg(l[i,t]))``: the value of
+      ``s_i``, the gradient of one token, ``s_i * grad l[i,t]`` (GSPO-token).
+
+    Every exponent is clamped to ``[-max_log_ratio, max_log_ratio]`` as in
+    :func:`importance_ratio`. ``mask`` ``(N, T)`` bool; values outside it are not used.
+    """
+    if level not in RATIO_LEVELS:
+        raise ValueError(f"level must be one of {RATIO_LEVELS}; got {level!r}")
+    if level == "token":
+        return importance_ratio(logps, old_logps, max_log_ratio)
+    logps = _check_tensor(logps, "logps")
+    old_logps = _check_tensor(old_logps, "old_logps")
+    _check_same_shape(logps, "logps", old_logps, "old_logps")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError("mask must be a bool tensor")
+    _check_same_shape(logps, "logps", mask, "mask")
+    m = mask.to(logps.dtype)
+    d = torch.where(mask, logps - old_logps.detach(), torch.zeros((), dtype=logps.dtype))
+    seq = (d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).clamp(
+        -max_log_ratio, max_log_ratio)  # (N, 1)
+    if level == "sequence":
+        return torch.exp(seq).expand_as(logps)
+    return torch.exp(seq.detach() + logps - logps.detach())
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ from maxent_grpo.core.divergence import (
     importance_ratio,
 )
 
-__all__ = ["clipped_surrogate", "listwise_loss", "reduce_token_loss", "sequence_clip_loss"]
+__all__ = ["cispo_surrogate", "clipped_surrogate", "listwise_loss", "reduce_token_loss",
+           "sequence_clip_loss"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 WEIGHT_SUM_TOL = 1e-4
@@ -43,6 +44,30 @@ def clipped_surrogate(
     high = _check_clip_range(eps_low, eps_high)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + high)
     return torch.minimum(ratio * adv, clipped * adv)
+
+
+def cispo_surrogate(
+    ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, eps_high: float,
+) -> torch.Tensor:
+    """CISPO's surrogate per token, ``(N, T)``, to be maximised (MiniMax-M1, 2025).
+
+    ``surr = sg(min(c, 1 + eps_high)) * A * l``: the importance weight is clipped and its
+    gradient stopped, so every token keeps the REINFORCE gradient ``w * A * grad l`` (the
+    PPO clip zeroes the gradient of a clipped token instead). As in the paper's runs there
+    is no lower bound on the weight. TRL's ``loss_type="cispo"`` is this with its
+    ``epsilon_high`` equal to ``1 + eps_high``.
+
+    Args:
+        ratio: ``(N, T)`` importance ratios ``c`` (any level; used detached).
+        logps: ``(N, T)`` the policy's token log-probs ``l``, with gradient.
+        advantages: ``(N,)`` or ``(N, T)``, used as given.
+        eps_high: the weight's cap is ``1 + eps_high``, ``eps_high >= 0``.
+    """
+    ratio = _check_tensor(ratio, "ratio")
+    _check_same_shape(ratio, "ratio", _check_tensor(logps, "logps"), "logps")
+    adv = _broadcast_advantages(advantages, ratio)
+    high = _check_clip_range(0.0, eps_high)
+    return ratio.detach().clamp(max=1.0 + high) * adv * logps
 
 
 def _check_positive_int(value: object, name: str) -> int:

@@ -10,18 +10,22 @@ from typing import Literal, get_args
 
 from torch import Tensor
 
-from maxent_grpo.core import entropy_gate_multiplier, group_advantages, kl_penalty
+from maxent_grpo.core import entropy_gate_multiplier, estimate_advantages, kl_penalty
 from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
 from maxent_grpo.objectives.surrogate import (
+    ClipRule,
     LossType,
+    RatioLevel,
     clip_range,
     clipped_token_loss,
     reduce_tokens,
+    surrogate_parts,
 )
 from maxent_grpo.validation import check_bool, check_choice, check_number, require
 
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
+Advantage = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
 
 class GRPO(Objective):
@@ -30,7 +34,9 @@ class GRPO(Objective):
     ``L[i,t] = -min(c*A, clip(c, 1-eps_low, 1+eps_high)*A) + beta*KL[i,t]`` reduced by
     ``loss_type``; ``A`` from :func:`maxent_grpo.core.group_advantages` with
     ``scale_rewards``. Dr.GRPO is ``loss_type="dr_grpo", scale_rewards="none"``; DAPO is
-    ``loss_type="dapo"`` with ``epsilon_high`` above ``epsilon``.
+    ``loss_type="dapo"`` with ``epsilon_high`` above ``epsilon``. The parts of
+    docs/ALGORITHM.md §4.5 compose with all of these: ``advantage="rloo"`` is RLOO,
+    ``ratio_level="sequence"`` GSPO, ``clip_rule="cispo"`` CISPO.
 
     Args:
         loss_type: token reduction: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``.
@@ -39,6 +45,13 @@ class GRPO(Objective):
         epsilon_high: upper clip range; ``None`` means ``epsilon``.
         beta: KL coefficient; 0 means the reference model is neither loaded nor run.
         kl_estimator: per-token KL estimator ``k1``, ``k2`` or ``k3``.
+        advantage: the advantage estimator: ``group`` (GRPO), ``rloo`` (leave-one-out),
+            ``reinforce_pp`` or ``reinforce_pp_baseline`` (REINFORCE++, normalised over the
+            whole batch; ``scale_rewards`` stays ``group``).
+        ratio_level: the importance ratio: ``token``, ``sequence`` (GSPO) or
+            ``sequence_token`` (GSPO-token).
+        clip_rule: ``ppo`` (the clipped surrogate) or ``cispo`` (clipped, stop-gradient
+            importance weight on every token's REINFORCE gradient; cap ``1 + epsilon_high``).
     """
 
     tunable = ("beta",)
@@ -47,10 +60,20 @@ class GRPO(Objective):
     def __init__(
         self, loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group",
         epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
+        kl_estimator: KLEstimator = "k3", advantage: Advantage = "group",
+        ratio_level: RatioLevel = "token", clip_rule: ClipRule = "ppo",
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
         check_choice("objective.scale_rewards", scale_rewards, get_args(ScaleRewards))
+        check_choice("objective.advantage", advantage, get_args(Advantage))
+        require(
+            not advantage.startswith("reinforce_pp") or scale_rewards == "group",
+            f"objective.scale_rewards={scale_rewards!r} does not apply to objective.advantage="
+            f"{advantage!r}: REINFORCE++ normalises over the whole batch by itself; leave "
+            "objective.scale_rewards at its default",
+        )
+        self.ratio_level, self.clip_rule = surrogate_parts(ratio_level, clip_rule)
+        self.advantage = advantage
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
         check_choice("objective.kl_estimator", kl_estimator, get_args(KLEstimator))
         check_number("objective.beta", beta, minimum=0)
@@ -77,7 +100,7 @@ class GRPO(Objective):
     def prepare(
         self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
     ) -> Targets:
-        adv = group_advantages(rewards, scale=self.scale_rewards)  # (B, G)
+        adv = estimate_advantages(rewards, self.advantage, self.scale_rewards)  # (B, G)
         return Targets(advantages=adv.reshape(-1))
 
     def state(self) -> dict[str, float]:
@@ -88,7 +111,8 @@ class GRPO(Objective):
 
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.advantages is not None
-        per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high)
+        per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high,
+                                             self.ratio_level, self.clip_rule)
         sums["loss/policy"] = token_sum(per_token, mb.mask)
         if mb.ref_token_logps is not None:
             kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
@@ -126,8 +150,11 @@ class EntropyMaxEnt(GRPO):
         kl_gate_max_multiplier: float = 2.0, disable_outside_trust_zone: bool = False,
         loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group", epsilon: float = 0.2,
         epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
+        advantage: Advantage = "group", ratio_level: RatioLevel = "token",
+        clip_rule: ClipRule = "ppo",
     ) -> None:
-        super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator)
+        super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator,
+                         advantage, ratio_level, clip_rule)
         check_number("objective.alpha", alpha, minimum=0)
         check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
                      allow_none=True)

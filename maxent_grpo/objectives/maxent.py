@@ -29,7 +29,14 @@ from maxent_grpo.objectives.base import (
     token_sum,
     weight_stats,
 )
-from maxent_grpo.objectives.surrogate import clip_range, clipped_token_loss, reduce_tokens
+from maxent_grpo.objectives.surrogate import (
+    ClipRule,
+    RatioLevel,
+    clip_range,
+    clipped_token_loss,
+    reduce_tokens,
+    surrogate_parts,
+)
 from maxent_grpo.validation import check_bool, check_number, require
 
 
@@ -158,6 +165,9 @@ class GroupMaxEnt(Objective):
         lam: weight of the reference log-likelihood (>= 0; loads the reference when > 0).
         epsilon: lower clip range.
         epsilon_high: upper clip range; ``None`` means ``epsilon``.
+        ratio_level: the importance ratio: ``token``, ``sequence`` (GSPO) or
+            ``sequence_token`` (GSPO-token) (docs/ALGORITHM.md §4.5).
+        clip_rule: ``ppo`` or ``cispo`` (as :class:`~maxent_grpo.objectives.GRPO`).
     """
 
     tunable = ("tau",)
@@ -167,8 +177,10 @@ class GroupMaxEnt(Objective):
 
     def __init__(
         self, tau: float = 1.0, lam: float = 0.0, epsilon: float = 0.2,
-        epsilon_high: float | None = None,
+        epsilon_high: float | None = None, ratio_level: RatioLevel = "token",
+        clip_rule: ClipRule = "ppo",
     ) -> None:
+        self.ratio_level, self.clip_rule = surrogate_parts(ratio_level, clip_rule)
         check_number("objective.tau", tau, minimum=0)
         check_number("objective.lam", lam, minimum=0)
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
@@ -193,7 +205,8 @@ class GroupMaxEnt(Objective):
 
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.advantages is not None and mb.weights is not None
-        per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high)
+        per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high,
+                                             self.ratio_level, self.clip_rule)
         row_scale = (mb.group_size * mb.weights).reshape(-1, 1)  # (n, 1)
         sums["loss/policy"] = token_sum(per_token, mb.mask)
         if mb.ref_token_logps is not None:

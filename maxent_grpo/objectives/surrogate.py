@@ -1,22 +1,34 @@
-"""The PPO clipped surrogate shared by GRPO, EntropyMaxEnt and GroupMaxEnt (docs/ALGORITHM.md §2-3).
+"""The surrogate shared by GRPO, EntropyMaxEnt and GroupMaxEnt (docs/ALGORITHM.md §2-3, §4.5).
 
-A component, not a base class: an objective that optimises the clipped surrogate keeps its
-clip ranges (``epsilon`` / ``epsilon_high``, checked by :func:`clip_range`), takes the
-per-token loss from :func:`clipped_token_loss` and reduces it with :func:`reduce_tokens`
-(``dr_grpo`` for GroupMaxEnt), so it inherits no option it does not use.
+A component, not a base class: an objective that optimises the surrogate keeps its clip
+ranges (``epsilon`` / ``epsilon_high``, checked by :func:`clip_range`) and two parts,
+checked by :func:`surrogate_parts`: the ratio's level (``ratio_level``: token, GSPO's
+sequence, GSPO-token) and the clipping rule (``clip_rule``: PPO's clip or CISPO's clipped,
+stop-gradient weight). It takes the per-token loss from :func:`clipped_token_loss` and
+reduces it with :func:`reduce_tokens` (``dr_grpo`` for GroupMaxEnt), so it inherits no
+option it does not use.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
+import torch
 from torch import Tensor
 
-from maxent_grpo.core import clip_fractions, clipped_surrogate, importance_ratio, reduce_token_loss
+from maxent_grpo.core import (
+    cispo_surrogate,
+    clip_fractions,
+    clipped_surrogate,
+    importance_ratio_at,
+    reduce_token_loss,
+)
 from maxent_grpo.objectives.base import MicroBatch
-from maxent_grpo.validation import check_number, is_number, require
+from maxent_grpo.validation import check_choice, check_number, is_number, require
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]
+ClipRule = Literal["ppo", "cispo"]
 
 
 def clip_range(epsilon: float, epsilon_high: float | None) -> tuple[float, float]:
@@ -28,18 +40,37 @@ def clip_range(epsilon: float, epsilon_high: float | None) -> tuple[float, float
     return float(epsilon), float(epsilon if epsilon_high is None else epsilon_high)
 
 
+def surrogate_parts(ratio_level: str, clip_rule: str) -> tuple[str, str]:
+    """Check ``objective.ratio_level`` and ``objective.clip_rule``; return them."""
+    check_choice("objective.ratio_level", ratio_level, get_args(RatioLevel))
+    check_choice("objective.clip_rule", clip_rule, get_args(ClipRule))
+    return ratio_level, clip_rule
+
+
 def clipped_token_loss(
-    mb: MicroBatch, advantages: Tensor, epsilon: float, epsilon_high: float
+    mb: MicroBatch, advantages: Tensor, epsilon: float, epsilon_high: float,
+    ratio_level: str = "token", clip_rule: str = "ppo",
 ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
-    """Per-token loss ``-min(c*A, clip(c, 1-eps_low, 1+eps_high)*A)`` ``(n, T)`` of one
-    micro-batch, and the clip fractions ``clip/low``, ``clip/high``, ``clip/total`` as
-    token-weighted ``(sum, count)`` pairs. ``c`` is the ratio to the behaviour policy (1
-    when ``mb.old_token_logps`` is None); with ``mb.correction`` each token's loss is
+    """Per-token loss ``(n, T)`` of one micro-batch, and the clip fractions ``clip/low``,
+    ``clip/high``, ``clip/total`` as token-weighted ``(sum, count)`` pairs.
+
+    ``c`` is the ratio to the behaviour policy at ``ratio_level``
+    (:func:`~maxent_grpo.core.importance_ratio_at`; 1 when ``mb.old_token_logps`` is None).
+    ``clip_rule="ppo"``: ``-min(c*A, clip(c, 1-eps_low, 1+eps_high)*A)``;
+    ``"cispo"``: ``-sg(min(c, 1+eps_high)) * A * l`` (:func:`~maxent_grpo.core.cispo_surrogate`;
+    ``clip/high`` counts the capped tokens). With ``mb.correction`` each token's loss is
     multiplied by its importance weight ``w``."""
     old = mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps.detach()
-    ratio = importance_ratio(mb.token_logps, old)  # (n, T)
-    surr = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
-    low, high, total = clip_fractions(ratio.detach(), advantages, mb.mask, epsilon, epsilon_high)
+    ratio = importance_ratio_at(mb.token_logps, old, mb.mask, ratio_level)  # (n, T)
+    if clip_rule == "cispo":
+        surr = cispo_surrogate(ratio, mb.token_logps, advantages, epsilon_high)
+        capped = (ratio.detach() > 1.0 + epsilon_high) & mb.mask
+        high = capped.sum().float() / mb.mask.sum().clamp(min=1).float()
+        low, total = torch.zeros_like(high), high
+    else:
+        surr = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
+        low, high, total = clip_fractions(ratio.detach(), advantages, mb.mask, epsilon,
+                                          epsilon_high)
     n_tok = mb.mask.sum().float()
     sums = {
         "clip/low": (low * n_tok, n_tok),

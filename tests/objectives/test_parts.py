@@ -1,0 +1,234 @@
+"""The policy-gradient parts (docs/ALGORITHM.md §4.5), each against a float64 hand computation.
+
+Advantage estimators (RLOO, REINFORCE++ and its baseline variant), the ratio's level
+(GSPO's sequence ratio and GSPO-token), the clipping rule (CISPO), and their composition
+with GRPO and GroupMaxEnt. Every expected number is written out in plain Python floats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from maxent_grpo.core import (
+    cispo_surrogate,
+    estimate_advantages,
+    importance_ratio_at,
+    leave_one_out_advantages,
+)
+from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt
+from tests.objectives.conftest import F64, _logps, _mask, _mb
+
+EPS = 1e-4
+
+
+def _std(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+# ------------------------------------------------------------------ advantage estimators
+
+
+def test_rloo_is_the_reward_minus_the_mean_of_the_others():
+    rewards = [[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0], [5.0, 5.0, 5.0, 5.0]]
+    got = leave_one_out_advantages(torch.tensor(rewards, dtype=F64))
+    for b, group in enumerate(rewards):
+        for i, r in enumerate(group):
+            others = [x for j, x in enumerate(group) if j != i]
+            assert got[b, i].item() == pytest.approx(r - sum(others) / 3, abs=1e-12)
+    assert got[2].abs().max().item() == 0.0  # a constant group: exactly 0
+
+
+@pytest.mark.parametrize("scale", ["none", "group", "batch"])
+def test_rloo_scales(scale):
+    rewards = [[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 0.5]]
+    loo = [[r - (sum(g) - r) / 3 for r in g] for g in rewards]
+    flat = [a for g in loo for a in g]
+    if scale == "none":
+        expected = flat
+    elif scale == "group":
+        expected = [a / (_std(g) + EPS) for g, row in zip(rewards, loo, strict=True) for a in row]
+    else:  # TRL's normalize_advantages: (A - mean A) / (std A + 1e-4), over the batch
+        mean = sum(flat) / len(flat)
+        expected = [(a - mean) / (_std(flat) + EPS) for a in flat]
+    got = estimate_advantages(torch.tensor(rewards, dtype=F64), "rloo", scale).reshape(-1)
+    assert got.tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_reinforce_pp_normalises_the_rewards_over_the_batch():
+    rewards = [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    flat = [r for g in rewards for r in g]
+    mean = sum(flat) / len(flat)
+    expected = [(r - mean) / (_std(flat) + EPS) for r in flat]
+    got = estimate_advantages(torch.tensor(rewards, dtype=F64), "reinforce_pp")
+    assert got.reshape(-1).tolist() == pytest.approx(expected, abs=1e-12)
+    assert got[1, 0] > 0  # no group baseline: an all-correct group is pushed up
+
+
+def test_reinforce_pp_baseline_centres_each_group_then_normalises_the_batch():
+    rewards = [[1.0, 0.0, 0.0], [2.0, 2.0, 5.0]]
+    centred = [r - sum(g) / len(g) for g in rewards for r in g]
+    mean = sum(centred) / len(centred)
+    expected = [(a - mean) / (_std(centred) + EPS) for a in centred]
+    got = estimate_advantages(torch.tensor(rewards, dtype=F64), "reinforce_pp_baseline")
+    assert got.reshape(-1).tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_batch_scaled_rloo_is_reinforce_pp_baseline_up_to_the_epsilon():
+    """docs/ALGORITHM.md §4.5: the G/(G-1) factor of RLOO cancels in the normalisation."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 0.5]], dtype=F64)
+    rloo = estimate_advantages(rewards, "rloo", "batch")
+    baseline = estimate_advantages(rewards, "reinforce_pp_baseline")
+    assert torch.allclose(rloo, baseline, rtol=1e-3) and not torch.equal(rloo, baseline)
+    assert torch.allclose(estimate_advantages(rewards, "rloo", "batch", eps=0.0),
+                          estimate_advantages(rewards, "reinforce_pp_baseline", eps=0.0),
+                          rtol=1e-12)
+
+
+def test_reinforce_pp_refuses_a_scale_it_would_ignore():
+    with pytest.raises(ValueError, match="objective.scale_rewards='none' does not apply"):
+        GRPO(advantage="reinforce_pp", scale_rewards="none")
+    with pytest.raises(ValueError, match="objective.advantage"):
+        GRPO(advantage="ppo")
+    with pytest.raises(ValueError, match="objective.ratio_level"):
+        GroupMaxEnt(ratio_level="seq")
+    with pytest.raises(ValueError, match="objective.clip_rule"):
+        EntropyMaxEnt(clip_rule="sapo")
+
+
+# ------------------------------------------------------------------ ratio levels
+
+
+def _pair(seed: int = 0):
+    lengths = [3, 1, 0, 2]
+    mask = _mask(lengths, 4)
+    logps = _logps(seed, 4, 4).requires_grad_(True)
+    old = (logps.detach() + 0.3 * _logps(seed + 1, 4, 4) + 0.6)
+    return lengths, mask, logps, old
+
+
+def test_sequence_ratio_is_gspos_length_normalised_ratio_and_its_gradient():
+    lengths, mask, logps, old = _pair()
+    c = importance_ratio_at(logps, old, mask, "sequence")
+    g = torch.linspace(0.5, 2.0, 16, dtype=F64).view(4, 4)
+    (c * g * mask).sum().backward()
+    lp, old_lp = logps.detach().tolist(), old.tolist()
+    for i, n in enumerate(lengths):
+        d = sum(lp[i][t] - old_lp[i][t] for t in range(n))
+        s = math.exp(d / max(n, 1))
+        assert c[i].tolist() == pytest.approx([s] * 4, rel=1e-12)
+        row_g = sum(g[i, t].item() for t in range(n))
+        for t in range(4):  # d/dl_t sum_u c_u g_u = s / T_i * sum_u g_u on the mask
+            want = s / n * row_g if t < n else 0.0
+            assert logps.grad[i, t].item() == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_sequence_token_ratio_has_the_sequence_value_and_a_tokens_gradient():
+    lengths, mask, logps, old = _pair(3)
+    c = importance_ratio_at(logps, old, mask, "sequence_token")
+    seq = importance_ratio_at(logps.detach(), old, mask, "sequence")
+    assert torch.allclose(c.detach(), seq, rtol=1e-12)
+    g = torch.linspace(-1.0, 1.0, 16, dtype=F64).view(4, 4)
+    (c * g * mask).sum().backward()
+    want = seq * g * mask  # d c[i,t] / d l[i,t] = s_i, no cross-token terms
+    assert torch.allclose(logps.grad, want, rtol=1e-12, atol=1e-15)
+
+
+def test_token_level_is_the_plain_ratio():
+    _, mask, logps, old = _pair(5)
+    c = importance_ratio_at(logps, old, mask, "token")
+    assert torch.allclose(c, torch.exp(logps - old), rtol=1e-12)
+
+
+# ------------------------------------------------------------------ CISPO
+
+
+def test_cispo_keeps_the_gradient_of_capped_tokens():
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64, requires_grad=True)
+    ratio = torch.tensor([[0.5, 1.1, 3.0]], dtype=F64)  # the last is above 1 + 0.28
+    adv = torch.tensor([2.0], dtype=F64)
+    surr = cispo_surrogate(ratio, logps, adv, eps_high=0.28)
+    weights = [0.5, 1.1, 1.28]  # min(c, 1 + eps_high); no lower bound
+    assert surr[0].tolist() == pytest.approx(
+        [w * 2.0 * lp for w, lp in zip(weights, [-1.0, -2.0, -0.5], strict=True)], rel=1e-12)
+    surr.sum().backward()
+    assert logps.grad[0].tolist() == pytest.approx([w * 2.0 for w in weights], rel=1e-12)
+
+
+def test_grpo_cispo_loss_and_clip_count_match_a_hand_computation():
+    lengths = [3, 2]
+    mask = _mask(lengths, 3)
+    logps = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.5, -9.0]], dtype=F64,
+                         requires_grad=True)
+    old = torch.tensor([[-1.5, -0.4, -2.0], [-0.3, -0.2, -1.0]], dtype=F64)
+    adv = torch.tensor([1.0, -0.5], dtype=F64)
+    objective = GRPO(loss_type="dapo", clip_rule="cispo", epsilon_high=0.2)
+    mb = _mb(logps, mask, G=2, num_rows=2, t_max=3, advantages=adv, old=old,
+             num_global_tokens=torch.tensor(5.0, dtype=F64))
+    out = objective.loss(mb)
+    lp, old_lp = logps.detach().tolist(), old.tolist()
+    total, grads, capped = 0.0, [[0.0] * 3 for _ in range(2)], 0
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            c = math.exp(lp[i][t] - old_lp[i][t])
+            w = min(c, 1.2)
+            capped += c > 1.2
+            total += -w * adv[i].item() * lp[i][t]
+            grads[i][t] = -w * adv[i].item() / 5
+    assert out.loss.item() == pytest.approx(total / 5, rel=1e-12)
+    out.loss.backward()
+    assert logps.grad.tolist() == [pytest.approx(row, abs=1e-15) for row in grads]
+    high, count = out.sums["clip/high"]
+    assert (high / count).item() == pytest.approx(capped / 5)
+
+
+# ------------------------------------------------------------------ composition
+
+
+@pytest.mark.parametrize("objective_cls", [GRPO, GroupMaxEnt])
+def test_a_sequence_ratio_composes_with_the_objectives_clipped_surrogate(objective_cls):
+    """GSPO's ratio inside GRPO (grpo reduction) and inside GroupMaxEnt (its weights, the
+    Dr.GRPO reduction), against the formula: -min(s A, clip(s) A) per token."""
+    lengths = [3, 2, 1, 3]
+    mask = _mask(lengths, 3)
+    logps = _logps(7, 4, 3).requires_grad_(True)
+    old = logps.detach() + torch.tensor([[0.3], [-0.4], [0.05], [0.0]], dtype=F64)
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=F64)
+    objective = objective_cls(ratio_level="sequence")
+    targets = objective.prepare(rewards, torch.tensor([[3.0, 2.0], [1.0, 3.0]], dtype=F64),
+                                3, None)
+    mb = _mb(logps, mask, G=2, num_rows=4, t_max=3, advantages=targets.advantages,
+             weights=targets.weights, old=old)
+    loss = objective.loss(mb).loss
+    lp, old_lp = logps.detach().tolist(), old.tolist()
+    adv = targets.advantages.tolist()
+    w = None if targets.weights is None else targets.weights.reshape(-1).tolist()
+    expected = 0.0
+    for i, n in enumerate(lengths):
+        s = math.exp(sum(lp[i][t] - old_lp[i][t] for t in range(n)) / n)
+        per_token = -min(s * adv[i], min(max(s, 0.8), 1.2) * adv[i])
+        if objective_cls is GRPO:  # mean of the row's token means over the 4 rows
+            expected += per_token / 4
+        else:  # row scaled by G * w_i, summed over tokens / (N * T_max)
+            expected += 2 * w[i] * per_token * n / (4 * 3)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_default_parts_are_todays_objective():
+    """advantage=group, ratio_level=token, clip_rule=ppo give the same loss and gradient
+    as GRPO built without naming them."""
+    mask = _mask([3, 2, 3, 1], 3)
+    old = _logps(2, 4, 3)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=F64)
+    losses, grads = [], []
+    for objective in (GRPO(), GRPO(advantage="group", ratio_level="token", clip_rule="ppo")):
+        logps = _logps(1, 4, 3).requires_grad_(True)
+        loss = objective.loss(_mb(logps, mask, G=2, num_rows=4, t_max=3, advantages=adv,
+                                  old=old)).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(logps.grad)
+    assert losses[0] == losses[1] and torch.equal(grads[0], grads[1])
