@@ -7,9 +7,10 @@ Run with a Python that has TRL (``benchmarks/.venv-trl``, made by ``setup_trl_ve
 ``cases.pt`` holds a list of cases, each a dict of float64 tensors (``logps``, ``old``,
 ``ref`` or None, ``mask``, ``advantages``) and TRL options (``loss_type``,
 ``importance_sampling_level``, ``beta``, ``epsilon_low``, ``epsilon_high``,
-``max_completion_length``). For each case this calls ``GRPOTrainer._compute_loss`` itself,
-on a trainer shell whose log-prob method returns the case's ``logps`` (so no model and no
-generation run), and writes ``[{"loss": float, "grad": (N, T) tensor}, ...]``.
+``max_completion_length``, ``use_bias_correction_kl``: TRL's default True when absent).
+For each case this calls ``GRPOTrainer._compute_loss`` itself, on a trainer shell whose
+log-prob method returns the case's ``logps`` (so no model and no generation run), and
+writes ``[{"loss": float, "grad": (N, T) tensor}, ...]``.
 """
 
 from __future__ import annotations
@@ -69,15 +70,18 @@ def trl_loss(case: dict) -> dict:
     }
     for name, value in options.items():
         setattr(trainer, name, value)
-    trainer.__dict__["args"] = _args(epsilon=options["epsilon_low"],
+    correction = case.get("use_bias_correction_kl", True)
+    trainer.__dict__["args"] = _args(use_bias_correction_kl=correction,
+                                     epsilon=options["epsilon_low"],
                                      epsilon_high=options["epsilon_high"],
-                                     beta=options["beta"], loss_type=options["loss_type"])
+                                     beta=options["beta"], loss_type=options["loss_type"],
+                                     steps_per_generation=1, gradient_accumulation_steps=1)
     trainer.__dict__["accelerator"] = _Accelerator()
     trainer.__dict__["model"] = SimpleNamespace(training=True)
     trainer.__dict__["_metrics"] = {"train": defaultdict(list), "eval": defaultdict(list)}
     entropies = torch.zeros_like(logps)
     trainer._get_per_token_logps_and_entropies = (  # the model's forward, replaced
-        lambda *a, **k: (logps, entropies, None) if _wants_aux(a, k) else (logps, entropies))
+        lambda *a, **k: (logps, entropies, None))
     mask = case["mask"].to(torch.int64)
     inputs = {
         "prompt_ids": torch.zeros(n, 1, dtype=torch.int64),
@@ -93,17 +97,6 @@ def trl_loss(case: dict) -> dict:
     loss = trainer._compute_loss(None, inputs)
     loss.backward()
     return {"loss": float(loss), "grad": logps.grad.detach().clone()}
-
-
-def _wants_aux(args, kwargs) -> bool:
-    """TRL releases differ in whether the log-prob method returns an auxiliary loss."""
-    import inspect
-
-    from trl import GRPOTrainer
-
-    source = inspect.getsource(GRPOTrainer._compute_loss)
-    return "aux_loss = self._get_per_token_logps_and_entropies" in source or (
-        "entropies, aux_loss" in source)
 
 
 def main() -> None:

@@ -10,7 +10,12 @@ from typing import Literal, get_args
 
 from torch import Tensor
 
-from maxent_grpo.core import entropy_gate_multiplier, estimate_advantages, kl_penalty
+from maxent_grpo.core import (
+    entropy_gate_multiplier,
+    estimate_advantages,
+    importance_ratio_at,
+    kl_penalty,
+)
 from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
 from maxent_grpo.objectives.surrogate import (
     ClipRule,
@@ -52,6 +57,10 @@ class GRPO(Objective):
             ``sequence_token`` (GSPO-token).
         clip_rule: ``ppo`` (the clipped surrogate) or ``cispo`` (clipped, stop-gradient
             importance weight on every token's REINFORCE gradient; cap ``1 + epsilon_high``).
+        kl_bias_correction: multiply the per-token KL by the importance ratio (with its
+            gradient), which makes the KL term's gradient the unbiased gradient of
+            ``KL(pi_theta || pi_ref)`` (DeepSeek-V3.2; TRL 1.16's ``use_bias_correction_kl``,
+            on by default there). It changes the gradient even at ratio 1.
     """
 
     tunable = ("beta",)
@@ -62,8 +71,11 @@ class GRPO(Objective):
         epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
         kl_estimator: KLEstimator = "k3", advantage: Advantage = "group",
         ratio_level: RatioLevel = "token", clip_rule: ClipRule = "ppo",
+        kl_bias_correction: bool = False,
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
+        check_bool("objective.kl_bias_correction", kl_bias_correction)
+        self.kl_bias_correction = kl_bias_correction
         check_choice("objective.scale_rewards", scale_rewards, get_args(ScaleRewards))
         check_choice("objective.advantage", advantage, get_args(Advantage))
         require(
@@ -117,6 +129,9 @@ class GRPO(Objective):
         if mb.ref_token_logps is not None:
             kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
             sums["kl"] = token_sum(kl, mb.mask)
+            if self.beta > 0 and self.kl_bias_correction:
+                old = mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps
+                kl = kl * importance_ratio_at(mb.token_logps, old, mb.mask, self.ratio_level)
             if self.beta > 0:
                 per_token = per_token + self.beta * kl
         return LossOutput(self._reduce(per_token, mb), sums)
@@ -151,10 +166,10 @@ class EntropyMaxEnt(GRPO):
         loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group", epsilon: float = 0.2,
         epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
         advantage: Advantage = "group", ratio_level: RatioLevel = "token",
-        clip_rule: ClipRule = "ppo",
+        clip_rule: ClipRule = "ppo", kl_bias_correction: bool = False,
     ) -> None:
         super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator,
-                         advantage, ratio_level, clip_rule)
+                         advantage, ratio_level, clip_rule, kl_bias_correction)
         check_number("objective.alpha", alpha, minimum=0)
         check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
                      allow_none=True)

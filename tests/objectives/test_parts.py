@@ -232,3 +232,29 @@ def test_the_default_parts_are_todays_objective():
         losses.append(loss.item())
         grads.append(logps.grad)
     assert losses[0] == losses[1] and torch.equal(grads[0], grads[1])
+
+
+def test_kl_bias_correction_makes_the_kl_gradient_log_pi_over_pi_ref():
+    """At ratio 1 the value is unchanged and d(c * k3)/dl = k3' + k3 = l - l_ref per token
+    (the unbiased KL(pi || pi_ref) gradient); without it the gradient is 1 - exp(l_ref - l)."""
+    lengths = [3, 1, 2, 2]
+    mask = _mask(lengths, 3)
+    ref = _logps(4, 4, 3)
+    zero = torch.zeros(4, dtype=F64)  # no policy term: the KL alone
+    results = {}
+    for corrected in (False, True):
+        logps = _logps(9, 4, 3).requires_grad_(True)
+        objective = GRPO(beta=0.1, kl_bias_correction=corrected)
+        loss = objective.loss(_mb(logps, mask, G=2, num_rows=4, t_max=3, advantages=zero,
+                                  ref=ref)).loss
+        loss.backward()
+        results[corrected] = (loss.item(), logps.grad, logps.detach())
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-12)
+    lp = results[True][2]
+    for i, n in enumerate(lengths):
+        for t in range(3):
+            d = lp[i, t].item() - ref[i, t].item()
+            scale = 0.1 / n / 4 if t < n else 0.0  # beta, the row's token mean, 4 rows
+            assert results[True][1][i, t].item() == pytest.approx(scale * d, abs=1e-15)
+            assert results[False][1][i, t].item() == pytest.approx(
+                scale * (1 - math.exp(-d)), abs=1e-15)
