@@ -50,15 +50,24 @@ def _cpu() -> str:
     return f"{name} ({isa}, {os.cpu_count()} cores)"
 
 
-def read_rewards(log_dir: Path) -> tuple[list[float], dict[str, float]]:
-    """``train/reward/mean`` per step and the last value of every ``val/`` scalar."""
+def read_rewards(log_dir: Path) -> tuple[list[float], dict[str, float], dict[str, list]]:
+    """``train/reward/mean`` per step, the last value of every ``val/`` scalar, and each
+    reward component's first-20 and last-20 means (``train/reward/<name>/mean``)."""
     from maxent_grpo.tools.analysis import load_run
 
     run = load_run(next(log_dir.glob("**/version_0")))
     rewards = list(run.scalars["train/reward/mean"].values)
     val = {tag: float(s.values[-1]) for tag, s in run.scalars.items()
            if tag.startswith("val/") and len(s.values)}
-    return rewards, val
+    parts = {}
+    for tag, series in run.scalars.items():
+        name = tag[len("train/reward/"):-len("/mean")]
+        if tag.startswith("train/reward/") and tag.endswith("/mean") and name and len(
+                series.values):
+            values = list(series.values)
+            parts[name] = [round(sum(values[:20]) / len(values[:20]), 4),
+                           round(sum(values[-20:]) / len(values[-20:]), 4)]
+    return rewards, val, parts
 
 
 def run_one(seed: int, sets: list[str], env: dict[str, str], threads: int,
@@ -83,11 +92,12 @@ def run_one(seed: int, sets: list[str], env: dict[str, str], threads: int,
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             return {"seed": seed, "error": proc.stderr[-2000:], "seconds": seconds}
-        rewards, val = read_rewards(Path(work) / "logs")
+        rewards, val, components = read_rewards(Path(work) / "logs")
     return {
         "seed": seed, "first20": sum(rewards[:20]) / len(rewards[:20]),
         "last20": sum(rewards[-20:]) / len(rewards[-20:]),
         "steps": len(rewards), "val": val, "seconds": round(seconds, 1),
+        "components": components,
         "curve50": [round(sum(rewards[i:i + 50]) / len(rewards[i:i + 50]), 4)
                     for i in range(0, len(rewards), 50)],
     }

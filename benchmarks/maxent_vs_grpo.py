@@ -111,7 +111,26 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "EntropyMaxEnt(alpha=0.05)": {"objective": _objective(
         "EntropyMaxEnt", alpha=0.05, loss_type="dr_grpo", scale_rewards="group")},
 }
-RUNS = {**OBJECTIVES, **ABLATIONS}
+_TWO_STEPS = ["--model.num_iterations", "2"]  # the ratio leaves 1 only on a reused rollout
+#: The peers' algorithms as parts (docs/ALGORITHM.md §4.5), alone and combined with a MaxEnt
+#: objective (not part of the default study; ``--objectives`` picks them).
+PARTS: dict[str, dict[str, Any]] = {
+    "RLOO": {"objective": _objective("GRPO", loss_type="dr_grpo", advantage="rloo",
+                                     scale_rewards="none")},
+    "REINFORCE++": {"objective": _objective("GRPO", loss_type="dr_grpo",
+                                            advantage="reinforce_pp_baseline")},
+    "GSPO": {"objective": _objective("GRPO", loss_type="grpo", ratio_level="sequence",
+                                     epsilon=3e-4, epsilon_high=4e-4), "args": _TWO_STEPS},
+    "CISPO": {"objective": _objective("GRPO", loss_type="dapo", clip_rule="cispo",
+                                      epsilon_high=4.0), "args": _TWO_STEPS},
+    "GroupMaxEnt(tau=0.5)+GSPO": {"objective": _objective(
+        "GroupMaxEnt", tau=0.5, ratio_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+        "args": _TWO_STEPS},
+    "EntropyMaxEnt+RLOO": {"objective": _objective(
+        "EntropyMaxEnt", alpha=0.01, loss_type="dr_grpo", advantage="rloo",
+        scale_rewards="none")},
+}
+RUNS = {**OBJECTIVES, **ABLATIONS, **PARTS}
 
 
 def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> list[str]:
@@ -132,6 +151,7 @@ def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> 
         "--model.eval_num_generations", str(max(KS)),
         "--model.eval_k", json.dumps(list(KS)),
         *TASKS[task]["args"],
+        *spec.get("args", []),
     ]
 
 

@@ -52,3 +52,22 @@ def test_the_study_arguments_differ_only_in_the_objective(study):
         callbacks = rest.index("--trainer.callbacks") + 1
         del rest[callbacks], base[callbacks]
         assert rest == base, name
+
+
+def test_the_study_accepts_the_parts(study, monkeypatch, tmp_path):
+    """Each run of ``PARTS`` (docs/ALGORITHM.md §4.5) builds through the CLI with its parts."""
+    import maxent_grpo.cli as cli_module
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    monkeypatch.chdir(tmp_path)
+    for name in study.PARTS:
+        cli = cli_module.main(study.run_args("a", name, 0, 2, str(tmp_path)),
+                              run=False)
+        objective = cli.model.objective
+        spec = json.loads(study.RUNS[name]["objective"])["init_args"]
+        for option in ("advantage", "ratio_level", "clip_rule"):
+            if option in spec:
+                assert getattr(objective, option) == spec[option], (name, option)
+        expected_iterations = 2 if "ratio_level" in spec or "clip_rule" in spec else 1
+        assert cli.model.loop.optimization.schedule.num_iterations == expected_iterations

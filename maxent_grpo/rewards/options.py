@@ -32,6 +32,8 @@ MODEL_PREFIX = "model:"
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 _COMMON_KEYS = ("weight", "timeout", "fallback")
 _MODEL_KEYS = ("batch_size", "dtype")
+#: the reward whose options include ``buffer`` (DAPO's overlong shaping, ``rewards.shaping``)
+OVERLONG = "overlong"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class RewardOptions:
         model: the reward model's hub name or folder (keys ``model:<...>``), else None.
         batch_size: rows per forward pass of a reward model.
         dtype: parameter dtype of a reward model.
+        buffer: the ``overlong`` reward's ``L_cache`` (None: a quarter of
+            ``max_completion_length``).
     """
 
     name: str
@@ -58,6 +62,7 @@ class RewardOptions:
     model: str | None = None
     batch_size: int = 32
     dtype: str = "float32"
+    buffer: int | None = None
 
 
 def parse_reward_options(rewards: Mapping[str, Any]) -> list[RewardOptions]:
@@ -84,7 +89,8 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     if not isinstance(value, Mapping):
         check_number(where, value)
         return RewardOptions(name=name, weight=float(value), model=model)
-    allowed = _COMMON_KEYS + (_MODEL_KEYS if model is not None else ())
+    allowed = _COMMON_KEYS + (_MODEL_KEYS if model is not None else ()) + (
+        ("buffer",) if name == OVERLONG else ())
     for key in value:
         require(key in allowed, f"{where} has no option {key!r}; options: {', '.join(allowed)}")
     weight = value.get("weight", 1.0)
@@ -102,8 +108,10 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     check_int(f"{where}.batch_size", batch_size, minimum=1)
     dtype = value.get("dtype", "float32")
     check_choice(f"{where}.dtype", dtype, MODEL_DTYPES)
+    buffer = value.get("buffer")
+    check_int(f"{where}.buffer", buffer, minimum=1, allow_none=True)
     return RewardOptions(
         name=name, weight=float(weight), timeout=None if timeout is None else float(timeout),
         fallback=None if fallback is None else float(fallback), has_fallback=has_fallback,
-        model=model, batch_size=batch_size, dtype=dtype,
+        model=model, batch_size=batch_size, dtype=dtype, buffer=buffer,
     )

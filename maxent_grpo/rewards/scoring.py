@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
+from maxent_grpo.rewards.options import OVERLONG, RewardOptions, parse_reward_options
 from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.state import TrainerState
@@ -224,10 +224,21 @@ class WeightedRewards:
                 fn = get_reward(options.name)
             except ValueError as err:
                 raise ValueError(f"model.rewards: {err}") from err
+        if options.name == OVERLONG:
+            fn = _Overlong(fn, options.buffer, self)
         if options.timeout is not None:
             fn = TimedReward(options.name, fn, options.timeout, options.fallback,
                              options.has_fallback)
         return fn
+
+    def max_completion_length(self) -> int:
+        """The module's ``max_completion_length`` (what the ``overlong`` reward measures
+        against)."""
+        loop = getattr(self.module, "loop", None)
+        if loop is None:
+            raise ValueError("model.rewards.overlong needs the trainer's max_completion_length;"
+                             " it is only available inside MaxEntGRPOModule")
+        return int(loop.generation.sampling.max_new_tokens)
 
     def device(self) -> torch.device:
         """Where reward models run: the module's device, else the CPU."""
@@ -250,3 +261,16 @@ class WeightedRewards:
             ids = unpadded_ids(completion_ids, completion_mask)
         return score_completions(funcs, pairs.prompts, pairs.completions, per_row,
                                  completion_ids=ids, trainer_state=TrainerState.of(self.module))
+
+
+class _Overlong:
+    """The ``overlong`` reward with the trainer's ``max_completion_length`` and the entry's
+    ``buffer`` (:func:`~maxent_grpo.rewards.shaping.overlong_reward`)."""
+
+    def __init__(self, fn: Callable, buffer: int | None, rewards: WeightedRewards) -> None:
+        self.fn, self.buffer, self.rewards = fn, buffer, rewards
+        self.__name__ = getattr(fn, "__name__", OVERLONG)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list:
+        return self.fn(*args, max_completion_length=self.rewards.max_completion_length(),
+                       overlong_buffer=self.buffer, **kwargs)

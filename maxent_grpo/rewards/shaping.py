@@ -81,3 +81,53 @@ def answer_format_reward(prompts: list, completions: list, **kwargs: object) -> 
     [0.0]
     """
     return [1.0 if _ANSWER_BLOCK.search(completion_text(c)) else 0.0 for c in completions]
+
+
+@register_reward("overlong")
+def overlong_reward(
+    prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
+    max_completion_length: int | None = None, overlong_buffer: int | None = None,
+    **kwargs: object,
+) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) as a reward in ``[-1, 0]``.
+
+    With ``L = len(completion_ids[i])`` (the generated tokens, stop token included),
+    ``L_max = max_completion_length`` and ``L_c = overlong_buffer``::
+
+        0                          if L <= L_max - L_c
+        ((L_max - L_c) - L) / L_c  if L_max - L_c < L <= L_max
+        -1                         if L > L_max
+
+    so a completion is pushed down linearly over the last ``L_c`` tokens of the budget and a
+    truncated one (``L = L_max``) gets -1. In ``model.rewards`` the trainer passes
+    ``max_completion_length`` and ``buffer`` (default a quarter of it)::
+
+        rewards: {accuracy: 1.0, overlong: {weight: 1.0, buffer: 64}}
+
+    >>> overlong_reward(["Q"], ["a"], completion_ids=[[1] * 4], max_completion_length=8,
+    ...                 overlong_buffer=4)
+    [0.0]
+    >>> overlong_reward(["Q"], ["b"], completion_ids=[[1] * 7], max_completion_length=8,
+    ...                 overlong_buffer=4)
+    [-0.75]
+    >>> overlong_reward(["Q"], ["c"], completion_ids=[[1] * 8], max_completion_length=8,
+    ...                 overlong_buffer=4)
+    [-1.0]
+    """
+    if completion_ids is None or max_completion_length is None:
+        raise ValueError("the overlong reward needs completion_ids and max_completion_length "
+                         "(the trainer passes both; call it with them)")
+    buffer = overlong_buffer if overlong_buffer is not None else max(1, max_completion_length // 4)
+    if not 1 <= buffer <= max_completion_length:
+        raise ValueError(f"overlong buffer must be in [1, max_completion_length="
+                         f"{max_completion_length}]; got {buffer}")
+    if len(completion_ids) != len(completions):
+        raise ValueError(f"completion_ids must have one entry per completion "
+                         f"({len(completions)}); got {len(completion_ids)}")
+    start = max_completion_length - buffer
+    scores = []
+    for ids in completion_ids:
+        n = len(ids)
+        scores.append(0.0 if n <= start else -1.0 if n > max_completion_length
+                      else (start - n) / buffer)
+    return scores

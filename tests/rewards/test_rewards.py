@@ -42,11 +42,15 @@ def test_docstring_examples(module: str) -> None:
     assert result.failed == 0 and result.attempted > 0
 
 
+PENALTIES = {"overlong"}  # rewards in [-1, 0]: 0 is the pass, -1 the fail
+
+
 def test_every_registered_reward_documents_a_pass_and_a_fail() -> None:
     for name, fn in REWARDS.items():
         examples = doctest.DocTestParser().get_examples(fn.__doc__ or "")
         wants = [ex.want.strip() for ex in examples]
-        assert "[1.0]" in wants and "[0.0]" in wants, name
+        passing, failing = ("[0.0]", "[-1.0]") if name in PENALTIES else ("[1.0]", "[0.0]")
+        assert passing in wants and failing in wants, name
 
 
 # ---------------------------------------------------------------- registry
@@ -55,7 +59,7 @@ def test_every_registered_reward_documents_a_pass_and_a_fail() -> None:
 def test_registry() -> None:
     assert list_rewards() == [
         "accuracy", "answer_format", "countdown", "digit_pair", "first_number", "format",
-        "tag_count",
+        "overlong", "tag_count",
     ]
     assert get_reward("format") is format_reward
     assert get_reward(tag_count_reward) is tag_count_reward
