@@ -22,8 +22,10 @@ declare -A parts=(
   [reinforce_pp_baseline]="$obj.advantage=reinforce_pp_baseline"
   [kl_bias_correction]="$obj.kl_bias_correction=true"
   [overlong]="model.rewards={first_number: 1.0, overlong: {weight: 1.0, buffer: 2}}"
+  [refill]="model.drop_constant_groups=true;model.refill_rounds=2"
 )
-order=(gspo gspo_token cispo rloo reinforce_pp reinforce_pp_baseline kl_bias_correction overlong)
+order=(gspo gspo_token cispo rloo reinforce_pp reinforce_pp_baseline kl_bias_correction overlong
+       refill)
 chosen=("${@:-${order[@]}}")
 for name in "${chosen[@]}"; do
   sets=()

@@ -15,16 +15,13 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
         clip gradients; optimizer.step(); scheduler.step()
     log the step                                   # training/step/step_log.py
 
-Optimisation is manual (``automatic_optimization = False``) because one rollout may feed
-several optimizer steps and the loss is accumulated over micro-batches that never split
-a prompt group. ``collect`` and ``optimizer_step`` get a
-:class:`~maxent_grpo.training.step.context.StepContext` and never call back into the module.
-The rollout engine is built once per run and synced (``engine.sync(policy)``) before a
-rollout that follows a change of the weights. Validation and test live in
-:class:`~maxent_grpo.training.run.evaluation.Evaluator`, what checkpoints add in
-:mod:`~maxent_grpo.training.run.checkpoint`, what differs between strategies in
-:mod:`~maxent_grpo.training.step.strategy`, and the options' typed groups in
-:mod:`~maxent_grpo.training.settings`.
+Optimisation is manual: one rollout may feed several optimizer steps, and the loss is
+accumulated over micro-batches that never split a prompt group. ``collect`` and
+``optimizer_step`` get a :class:`~maxent_grpo.training.step.context.StepContext` and never
+call back into the module. The rollout engine is built once per run and synced
+(``engine.sync(policy)``) after the weights changed. Elsewhere: validation and test
+(``run/evaluation.py``), checkpoints (``run/checkpoint.py``), strategies
+(``step/strategy.py``), the options' typed groups (``settings.py``).
 """
 
 from __future__ import annotations
@@ -59,13 +56,10 @@ from maxent_grpo.training.step.optimise import (
     count_update,
     optimizer_step,
 )
+from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
-from maxent_grpo.training.step.strategy import (
-    attach_for_fit,
-    check_strategy,
-    fully_shard_models,
-)
+from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy, fully_shard_models
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
@@ -118,6 +112,10 @@ class MaxEntGRPOModule(L.LightningModule):
             objective would otherwise pull their completions towards equal probability
             (uniform weights). A step where every group is constant changes no weight but
             still counts as a step (``train/empty_steps`` counts them).
+        refill_rounds: with ``drop_constant_groups``, draw ``data.batch_size`` new prompts
+            up to this many times per step while fewer than that many groups have rewards
+            that differ (DAPO's dynamic sampling with refill; ``train/refill_rounds``;
+            :mod:`~maxent_grpo.training.step.refill`). Needs the PromptDataModule.
         sampler_correction: correct the clipped surrogate for an engine that samples from a
             slightly different distribution than the trainer scores (vLLM in bf16, other
             kernels): per-token (``token_*``) or per-sequence (``sequence_*``) importance
@@ -175,6 +173,7 @@ class MaxEntGRPOModule(L.LightningModule):
         micro_batch_tokens: int | None = None,
         mask_truncated_completions: bool = False,
         drop_constant_groups: bool = False,
+        refill_rounds: int = 0,
         sampler_correction: Literal["token_tis", "token_mis", "sequence_tis",
                                     "sequence_mis"] | None = None,
         sampler_correction_cap: float = 2.0,
@@ -270,7 +269,8 @@ class MaxEntGRPOModule(L.LightningModule):
             reference=self.reference if self.needs_reference else None,
             generation=self.loop.generation, schedule=self.loop.optimization.schedule,
             strategy=self.trainer.strategy, backward=self.manual_backward,
-            optimizer=optimizer, scheduler=scheduler, step=self.global_step)
+            optimizer=optimizer, scheduler=scheduler, step=self.global_step,
+            refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None)
 
     def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
                   batch_idx: int) -> None:
@@ -285,6 +285,7 @@ class MaxEntGRPOModule(L.LightningModule):
         if self.loop.generation.drop_constant_groups:
             extra["dropped_groups"] = float(trajectory.dropped_groups)
             extra["empty_steps"] = float(self.counters.empty_steps)
+            extra["refill_rounds"] = float(trajectory.refill_rounds)
         self.step_log = self.step_metrics.artifacts(
             self.logging_view, lr=update.lr, grad_norm=update.grad_norm,
             epoch_progress=batch_idx / max(1, self.trainer.num_training_batches), extra=extra,

@@ -64,6 +64,8 @@ class GenerationSettings:
         sampler_correction: the importance-weight mode for the sampler / trainer gap
             (``core.CORRECTIONS``), or None.
         sampler_correction_cap: its cap ``C``.
+        refill_rounds: at most this many extra rollouts of ``B`` new prompts per step while
+            fewer than ``B`` groups have rewards that differ (dynamic sampling with refill).
     """
 
     num_generations: int
@@ -72,6 +74,7 @@ class GenerationSettings:
     drop_constant_groups: bool
     sampler_correction: str | None = None
     sampler_correction_cap: float = 2.0
+    refill_rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,10 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     check_int("model.max_completion_length", o["max_completion_length"], minimum=1)
     check_int("model.num_iterations", o["num_iterations"], minimum=1)
     check_bool("model.drop_constant_groups", o["drop_constant_groups"])
+    check_int("model.refill_rounds", o["refill_rounds"], minimum=0)
+    require(o["refill_rounds"] == 0 or o["drop_constant_groups"],
+            "model.refill_rounds refills the groups that model.drop_constant_groups drops; "
+            "set model.drop_constant_groups: true with it (or model.refill_rounds: 0)")
     check_bool("model.mask_truncated_completions", o["mask_truncated_completions"])
     check_int("model.micro_batch_groups", o["micro_batch_groups"], minimum=1, allow_none=True)
     check_int("model.micro_batch_tokens", o["micro_batch_tokens"], minimum=1, allow_none=True)
@@ -184,6 +191,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             drop_constant_groups=o["drop_constant_groups"],
             sampler_correction=o["sampler_correction"],
             sampler_correction_cap=float(o["sampler_correction_cap"]),
+            refill_rounds=o["refill_rounds"],
         ),
         evaluation=EvaluationSettings(
             num_generations=n,

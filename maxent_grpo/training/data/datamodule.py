@@ -54,6 +54,9 @@ __all__ = [  # the names other than PromptDataModule are re-exported
 
 log = logging.getLogger(__name__)
 
+#: the refill stream's seed offset from ``data.seed`` (:meth:`PromptDataModule.refill_batch`)
+REFILL_SEED = 7919
+
 
 class PromptDataModule(pl.LightningDataModule):
     """Prompt rows for GRPO: loads, renders, length-filters and batches them.
@@ -176,6 +179,7 @@ class PromptDataModule(pl.LightningDataModule):
         self._epoch = 0  # the position in the training order (see state_dict)
         self._consumed = 0
         self._resume_consumed = 0  # prompts of `_epoch` the sampler skips (load_state_dict)
+        self._refill_drawn = 0  # prompts this rank drew from the refill stream (refill_batch)
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Use an already-loaded tokenizer instead of loading ``tokenizer`` in :meth:`setup`."""
@@ -309,6 +313,31 @@ class PromptDataModule(pl.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def refill_batch(self, n: int) -> dict[str, Any]:
+        """The next ``n`` prompts of this rank's refill stream, collated as a training batch
+        (``model.refill_rounds``: dynamic sampling draws them when too few groups of a step
+        have rewards that differ).
+
+        The stream is the training rows in orders of their own, independent of the
+        batches: pass ``k`` is ``torch.randperm(N)`` seeded ``data.seed + REFILL_SEED +
+        k`` (``0..N-1`` without ``shuffle``), cut and dealt to the ranks as an epoch is.
+        Its position (``refill_drawn``) is in :meth:`state_dict`, so a resumed run draws
+        the same prompts.
+        """
+        dataset = self._require(self.train_dataset)
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        per_pass = len(dataset) // world
+        require(per_pass > 0, f"the refill stream needs at least {world} training prompts")
+        rows = []
+        for position in range(self._refill_drawn, self._refill_drawn + n):
+            pass_, i = divmod(position, per_pass)
+            order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
+                self.seed + REFILL_SEED + pass_)) if self.shuffle else torch.arange(len(dataset)))
+            rows.append(int(order[: per_pass * world][rank::world][i]))
+        self._refill_drawn += n
+        return collate_prompts([dataset[i] for i in rows])
+
     def val_dataloader(self) -> DataLoader:
         """Validation rows in source order, ``val_batch_size`` per batch (own generator)."""
         return DataLoader(
@@ -348,6 +377,7 @@ class PromptDataModule(pl.LightningDataModule):
             "num_rows": None if self.train_dataset is None else len(self.train_dataset),
             "batch_size": self.batch_size,
             "world_size": trainer.world_size if trainer is not None else 1,
+            "refill_drawn": self._refill_drawn,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -369,6 +399,7 @@ class PromptDataModule(pl.LightningDataModule):
         consumed = int(state_dict["consumed"])
         self._epoch = int(state_dict["epoch"])
         self._consumed = self._resume_consumed = consumed
+        self._refill_drawn = int(state_dict.get("refill_drawn", 0))  # absent before refill
         if self._train_sampler is not None:
             self._train_sampler.set_epoch(self._epoch)
             self._train_sampler.resume_at(self._epoch, self._resume_consumed)

@@ -44,6 +44,9 @@ class StepContext:
             ``toggle_model(sync_grad=...)`` defers DDP's all-reduce to the last micro-batch).
         scheduler: the learning-rate scheduler, stepped once per optimizer step.
         step: the global step (the optimizer steps taken so far).
+        refill: ``n -> batch``, the next ``n`` prompts of the DataModule's refill stream
+            (:meth:`~maxent_grpo.training.data.datamodule.PromptDataModule.refill_batch`),
+            when ``generation.refill_rounds > 0``; else None.
     """
 
     engine: RolloutEngine
@@ -59,6 +62,7 @@ class StepContext:
     optimizer: Any
     scheduler: Any
     step: int
+    refill: Callable[[int], dict[str, Any]] | None = None
 
     @property
     def world_size(self) -> int:
@@ -87,3 +91,7 @@ class StepContext:
     def all_ranks(self, flag: bool) -> bool:
         """True when ``flag`` is True on every rank."""
         return bool(self.strategy.reduce_boolean_decision(flag, all=True))
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when ``flag`` is True on some rank."""
+        return bool(self.strategy.reduce_boolean_decision(flag, all=False))

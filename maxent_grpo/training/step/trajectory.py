@@ -5,6 +5,7 @@
     rollout  = engine.generate(prompts, G)                 # GenerationBatch + ids, no grad
     pairs    = rollout.batch.flatten()                     # PromptCompletionBatch
     rewards  = sum_k w_k R_k(pairs)                        # (B, G)
+    refill   = more prompts while too few groups vary      # (refill_rounds; step/refill.py)
     keep     = groups that take part                       # (B,) (drop_constant_groups)
     ref      = log pi_ref(completion)   if needed          # (N, T), no grad
     old      = log pi_old(completion)   if num_iterations > 1
@@ -27,6 +28,7 @@ from maxent_grpo.core import constant_groups, distinct_candidates
 from maxent_grpo.objectives import Targets, sequence_ref_loglik
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
 from maxent_grpo.training.step.batching import MicroBatchPlan
+from maxent_grpo.training.step.refill import Scored, refill
 from maxent_grpo.training.step.strategy import check_micro_batches
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.types import AdvantageStats, QDistribution
@@ -88,6 +90,8 @@ class Trajectory:
         num_global_tokens: completion tokens taking part on all ranks (``dapo``).
         loss_scale: factor on this rank's loss (``Objective.loss_scale``; 0 for a ghost).
         samples: the CPU record for display.
+        refill_rounds: extra rollouts of ``B`` prompts this step drew
+            (``model.refill_rounds``; the same on every rank).
     """
 
     rollout: RolloutOutput
@@ -110,6 +114,7 @@ class Trajectory:
     num_global_tokens: Tensor
     loss_scale: float
     samples: RolloutSamples
+    refill_rounds: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -129,17 +134,26 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     G, T_max = gen.num_generations, gen.sampling.max_new_tokens
     world = ctx.world_size
     B = len(batch["prompts"])
-    rollout = ctx.engine.generate(batch["prompts"], batch["answers"], G)
+
+    def roll_out(prompts: dict[str, Any]) -> Scored:
+        out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
+        timer.start()
+        total, parts = ctx.rewards(  # (B*G,), (K, B*G)
+            flat_pairs(out.batch, prompts["raw_prompts"]), prompts["columns"], G,
+            out.completion_ids, out.completion_mask)
+        timer.stop("reward")
+        return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
+
+    scored, rounds = roll_out(batch), 0
+    if gen.refill_rounds and ctx.refill is not None:
+        pad = getattr(getattr(ctx.engine, "tokenizer", None), "pad_token_id", None) or 0
+        scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
+                                pad)
+    batch, rollout, rewards, components = scored
+    pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
     loss_mask = rollout.completion_mask.clone()  # (B*G, T) bool
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
-
-    timer.start()
-    pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
-    total, components = ctx.rewards(  # (B*G,), (K, B*G)
-        pairs, batch["columns"], G, rollout.completion_ids, rollout.completion_mask)
-    rewards, components = total.to(ctx.device).view(B, G), components.to(ctx.device)
-    timer.stop("reward")
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
 
     # the groups that take part; a rank that keeps none scores its first group at weight 0
@@ -192,7 +206,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         kept_groups=kept_groups, dropped_groups=world * B - kept_groups, ghost=ghost,
         num_global_tokens=global_tokens,
         loss_scale=0.0 if ghost else ctx.objective.loss_scale(world, n_kept, kept_groups * G),
-        samples=samples,
+        samples=samples, refill_rounds=rounds,
     )
 
 
