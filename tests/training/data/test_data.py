@@ -726,7 +726,7 @@ def test_state_dict_roundtrip_and_incompatible_checkpoints():
     state = dm.state_dict()
     assert state == {
         "epoch": 0, "consumed": 0, "seed": 0, "shuffle": True, "num_rows": 8,
-        "batch_size": 2, "world_size": 1,
+        "batch_size": 2, "world_size": 1, "refill_drawn": 0,
     }
     fresh = make(**kwargs)
     fresh.load_state_dict({**state, "epoch": 3, "consumed": 4})

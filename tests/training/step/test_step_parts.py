@@ -48,6 +48,7 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     policy = load_policy("builtin:tiny", cache_dir=cache_dir).train()
     options = dict(
         num_generations=4, max_completion_length=4, num_iterations=1, drop_constant_groups=False,
+        refill_rounds=0,
         mask_truncated_completions=False, micro_batch_groups=1, micro_batch_tokens=None,
         gradient_clip_val=1.0, lr_warmup_steps=0, fused_lm_head=None,
         max_consecutive_nonfinite=3, eval_num_generations=2, eval_reward=None,
