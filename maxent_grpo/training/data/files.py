@@ -25,10 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import datasets
-import pandas as pd  # installed with datasets
-import pyarrow as pa  # installed with datasets
-
 from maxent_grpo.validation import require
 
 __all__ = ["FILE_SUFFIXES", "FileParts", "expand_files", "read_file", "read_files"]
@@ -108,11 +104,16 @@ def read_files(option: str, value: Any, cache_dir: str | None) -> tuple[list[Row
 
 
 def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
-    """Every row (all columns) of one local file, read by ``datasets.load_dataset``.
+    """Every row (all columns) of one local file, read by ``datasets.load_dataset``
+    (imported here: a run on a built-in task never loads datasets, pandas or pyarrow).
 
     Raises ValueError naming ``option`` and ``path`` when the file cannot be read (for JSON
     with the first bad line, else with the reader's reason).
     """
+    import datasets
+    import pandas as pd  # installed with datasets
+    import pyarrow as pa  # installed with datasets
+
     suffix = Path(path).suffix.lower()
     builder, kind = _FORMATS[suffix]
     try:

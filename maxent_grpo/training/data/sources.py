@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-import datasets
 import torch
 
 from maxent_grpo.tasks import build_task, list_tasks
@@ -155,6 +154,8 @@ def check_source_options(
 
 def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | None) -> list[Row]:
     """Every row of split ``split`` of ``datasets.load_dataset(name, config)`` (hub id or path)."""
+    import datasets  # only for a hub dataset: a built-in task never loads it
+
     data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     return data.to_list()
 
