@@ -4,6 +4,8 @@
 # benchmarks/results/parts_demo.jsonl (first-20 and last-20 mean reward, val pass@1, time).
 # The GSPO and CISPO runs take two optimizer steps per rollout (num_iterations 2) so that the
 # ratio leaves 1 and their clip rules act (at one step per rollout the ratio is exactly 1).
+# The overlong run's buffer is 1 token of the demo's 4: only a completion that hits the
+# budget is punished (with 2, a right two-digit answer, 3 tokens with its stop, would be).
 #   bash benchmarks/parts_demo.sh            # all parts, about 25 minutes on 2 cores
 #   bash benchmarks/parts_demo.sh rloo cispo # some of them
 #   python benchmarks/demo_seeds.py --report --out benchmarks/results/parts_demo.jsonl
@@ -21,7 +23,7 @@ declare -A parts=(
   [reinforce_pp]="$obj.advantage=reinforce_pp"
   [reinforce_pp_baseline]="$obj.advantage=reinforce_pp_baseline"
   [kl_bias_correction]="$obj.kl_bias_correction=true"
-  [overlong]="model.rewards={first_number: 1.0, overlong: {weight: 1.0, buffer: 2}}"
+  [overlong]="model.rewards={first_number: 1.0, overlong: {weight: 1.0, buffer: 1}}"
   [refill]="model.drop_constant_groups=true;model.refill_rounds=2"
 )
 order=(gspo gspo_token cispo rloo reinforce_pp reinforce_pp_baseline kl_bias_correction overlong
