@@ -12,6 +12,8 @@ from maxent_grpo.core.advantages import (
     estimate_advantages,
     group_advantages,
     leave_one_out_advantages,
+    passk_advantages,
+    pkpo_advantages,
     zero_std_fraction,
 )
 from maxent_grpo.core.control import (
@@ -50,15 +52,19 @@ from maxent_grpo.core.logprobs import (
 )
 from maxent_grpo.core.losses import (
     cispo_surrogate,
+    clip_cov_surrogate,
     clipped_surrogate,
+    kl_cov_surrogate,
     listwise_loss,
     reduce_token_loss,
     sequence_clip_loss,
+    token_covariance,
 )
 
 __all__ = [
-    "ESTIMATORS", "RATIO_LEVELS", "batch_normalised", "cispo_surrogate", "estimate_advantages",
-    "importance_ratio_at", "leave_one_out_advantages",
+    "ESTIMATORS", "RATIO_LEVELS", "batch_normalised", "cispo_surrogate", "clip_cov_surrogate",
+    "estimate_advantages", "kl_cov_surrogate", "token_covariance",
+    "importance_ratio_at", "leave_one_out_advantages", "passk_advantages", "pkpo_advantages",
     "BetaUpdate", "MetaUpdate", "TauUpdate", "beta_update", "clip_fractions", "clipped_surrogate",
     "constant_groups", "coverage_at_k", "distinct_candidates", "distinct_at_k",
     "entropy_gate_multiplier", "entropy_target_at", "fused_head_log_softmax", "group_advantages",

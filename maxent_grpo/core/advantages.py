@@ -113,12 +113,75 @@ def batch_normalised(advantages: torch.Tensor, eps: float = 1e-4) -> torch.Tenso
     return centred / (advantages.std(correction=1) + eps)
 
 
+def passk_advantages(rewards: torch.Tensor, k: int, eps: float = 1e-6) -> torch.Tensor:
+    """Pass@k Training's closed-form group advantages (Chen et al. 2025), ``(B, G) -> (B, G)``.
+
+    For binary rewards, a group of ``n = G`` samples with ``c`` correct has the mean pass@k
+    over its size-``k`` subsets ``R = 1 - C(n - c, k) / C(n, k)`` and their std
+    ``s = sqrt(R (1 - R))``. A correct sample gets ``(1 - R) / (s + eps)``, a wrong one
+    ``(1 - R - C(n - c - 1, k - 1) / C(n - 1, k - 1)) / (s + eps)``: the mean over the subsets
+    that hold the sample of ``(max(subset) - R) / s``. A group all right or all wrong gets 0.
+    ``1 <= k <= G``; with ``k = 1`` this is GRPO's advantage with the population std.
+    """
+    check_rewards(rewards, min_group=2)
+    G = rewards.shape[1]
+    _check_k(k, G)
+    if not bool(((rewards == 0) | (rewards == 1)).all()):
+        raise ValueError("pass@k advantages need rewards that are exactly 0 or 1 (a right "
+                         "answer or not); use advantage pkpo for other rewards")
+    out = torch.zeros_like(rewards)
+    for b, c in enumerate(rewards.sum(dim=1).round().long().tolist()):
+        R = 1.0 - math.comb(G - c, k) / math.comb(G, k)
+        s = math.sqrt(R * (1.0 - R))
+        if s == 0.0:
+            continue
+        right = (1.0 - R) / (s + eps)
+        wrong = (1.0 - R - math.comb(G - c - 1, k - 1) / math.comb(G - 1, k - 1)) / (s + eps)
+        out[b] = torch.where(rewards[b] == 1, right, wrong)
+    return out
+
+
+def pkpo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """PKPO's unbiased pass@k advantages with the leave-one-out-minus-one baseline (Walder
+    and Karkhanis 2025, "loo-1"), ``(B, G) -> (B, G)``, for any rewards.
+
+    ``A_i = (1 / C(n, k)) sum over the size-k subsets I holding i of (max_I r - max_{I - i} r)``:
+    the sample's share of the group's pass@k estimate less what its subsets reach without
+    it, so only a sample that is its subset's best gets credit. With the group sorted
+    ascending and ``i`` at 1-based position ``p``:
+    ``A = (C(p - 1, k - 1) r_(p) - sum_{q < p} C(q - 1, k - 2) r_(q)) / C(n, k)`` (ties
+    give equal values). For 0/1 rewards a right sample gets ``C(n - c, k - 1) / C(n, k)`` and
+    a wrong one 0. ``2 <= k <= G`` (``k = 1`` has no "best without it": use ``rloo``).
+    """
+    check_rewards(rewards, min_group=2)
+    G = rewards.shape[1]
+    _check_k(k, G)
+    if k < 2:
+        raise ValueError("pkpo needs k >= 2 (with k = 1 its baseline is RLOO's: advantage rloo)")
+    out = torch.zeros_like(rewards)
+    norm = math.comb(G, k)
+    for b in range(rewards.shape[0]):
+        values, order = torch.sort(rewards[b], stable=True)
+        g = values.tolist()
+        below = 0.0  # sum_{q < p} C(q - 1, k - 2) r_(q)
+        for p, index in enumerate(order.tolist(), start=1):
+            out[b, index] = (math.comb(p - 1, k - 1) * g[p - 1] - below) / norm
+            below += math.comb(p - 1, k - 2) * g[p - 1]
+    return out
+
+
+def _check_k(k: object, G: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= G:
+        raise ValueError(f"k must be an int in [1, G = {G}]; got {k!r}")
+
+
 #: the estimators of :func:`estimate_advantages`
-ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo")
 
 
 def estimate_advantages(
-    rewards: torch.Tensor, estimator: str = "group", scale: Scale = "group", eps: float = 1e-4
+    rewards: torch.Tensor, estimator: str = "group", scale: Scale = "group", eps: float = 1e-4,
+    k: int = 4,
 ) -> torch.Tensor:
     """Advantages ``(B, G) -> (B, G)`` by one of :data:`ESTIMATORS` (docs/ALGORITHM.md §1).
 
@@ -128,11 +191,13 @@ def estimate_advantages(
       ``normalize_advantages``), ``"none"`` leaves them (RLOO's default);
     - ``reinforce_pp``: REINFORCE++ (Hu 2025) for outcome rewards, no group baseline:
       ``batch_normalised(r)``;
-    - ``reinforce_pp_baseline``: REINFORCE++-baseline: ``batch_normalised(r - mean_group(r))``.
+    - ``reinforce_pp_baseline``: REINFORCE++-baseline: ``batch_normalised(r - mean_group(r))``;
+    - ``passk``: :func:`passk_advantages` with ``k`` (0/1 rewards);
+    - ``pkpo``: :func:`pkpo_advantages` with ``k``.
 
     The batch is the optimizer step's whole batch, all ranks (the caller's ``rewards``).
-    The two REINFORCE++ estimators normalise by themselves: ``scale`` must be ``"group"``
-    (the option's default), any other value is refused.
+    The REINFORCE++ and pass@k estimators scale by themselves: ``scale`` must be
+    ``"group"`` (the option's default), any other value is refused.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}; got {estimator!r}")
@@ -148,9 +213,13 @@ def estimate_advantages(
         return batch_normalised(adv, eps) if scale == "batch" else adv
     if scale != "group":
         raise ValueError(
-            f"scale {scale!r} does not apply to {estimator}: it normalises over the whole "
-            "batch by itself (leave the scale at its default 'group')"
+            f"scale {scale!r} does not apply to {estimator}: it scales its advantages by "
+            "itself (leave the scale at its default 'group')"
         )
+    if estimator == "passk":
+        return passk_advantages(rewards, k)
+    if estimator == "pkpo":
+        return pkpo_advantages(rewards, k)
     check_rewards(rewards, min_group=2)
     if estimator == "reinforce_pp":
         return batch_normalised(rewards, eps)

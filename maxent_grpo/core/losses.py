@@ -6,6 +6,8 @@ tensors ``(B, G)``, one row per prompt group.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from maxent_grpo.core.divergence import (
@@ -16,8 +18,8 @@ from maxent_grpo.core.divergence import (
     importance_ratio,
 )
 
-__all__ = ["cispo_surrogate", "clipped_surrogate", "listwise_loss", "reduce_token_loss",
-           "sequence_clip_loss"]
+__all__ = ["cispo_surrogate", "clip_cov_surrogate", "clipped_surrogate", "kl_cov_surrogate",
+           "listwise_loss", "reduce_token_loss", "sequence_clip_loss", "token_covariance"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 WEIGHT_SUM_TOL = 1e-4
@@ -68,6 +70,68 @@ def cispo_surrogate(
     adv = _broadcast_advantages(advantages, ratio)
     high = _check_clip_range(0.0, eps_high)
     return ratio.detach().clamp(max=1.0 + high) * adv * logps
+
+
+def token_covariance(logps: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """``cov[i,t] = (A - mean_m A) * (l - mean_m l)`` ``(N, T)``, detached, the means over the
+    masked tokens of this tensor (Cui et al. 2025: the tokens whose log-prob moves with the
+    advantage drive the entropy down). ``-inf`` outside the mask."""
+    adv = _broadcast_advantages(advantages, logps).detach()
+    lp = logps.detach()
+    m = mask.to(lp.dtype)
+    count = m.sum().clamp(min=1.0)
+    cov = (adv - (adv * m).sum() / count) * (lp - (lp * m).sum() / count)
+    return torch.where(mask, cov, torch.full_like(cov, -math.inf))
+
+
+def _how_many(fraction: float, mask: torch.Tensor) -> int:
+    return max(int(fraction * int(mask.sum())), 1)
+
+
+def clip_cov_surrogate(
+    ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    eps_low: float, eps_high: float, fraction: float, bounds: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip-Cov (Cui et al. 2025, verl's ``clip_cov``): PPO's clipped surrogate with a few
+    high-covariance tokens taken out of the gradient. Returns ``(surr, chosen)``, both
+    ``(N, T)``.
+
+    Among the masked tokens that PPO's clip does not already hold and whose
+    :func:`token_covariance` lies strictly between ``bounds = (lo, hi)``,
+    ``max(1, int(fraction * tokens))`` are drawn uniformly at random (the global generator)
+    and their surrogate is multiplied by 0; they stay in every token count.
+    """
+    surr = clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    adv = _broadcast_advantages(advantages, ratio)
+    unclipped = ratio * adv
+    held = (surr.detach() < unclipped.detach()) & mask  # PPO's clip is active
+    cov = token_covariance(logps, advantages, mask)
+    eligible = (cov > bounds[0]) & (cov < bounds[1]) & mask & ~held
+    where = eligible.nonzero()
+    chosen = torch.zeros_like(mask)
+    if len(where):
+        pick = where[torch.randperm(len(where))[: _how_many(fraction, mask)]]
+        chosen[pick[:, 0], pick[:, 1]] = True
+    return torch.where(chosen, torch.zeros_like(surr), surr), chosen
+
+
+def kl_cov_surrogate(
+    ratio: torch.Tensor, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+    mask: torch.Tensor, fraction: float, coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL-Cov (Cui et al. 2025, verl's ``kl_cov``): the unclipped surrogate ``c * A``, with
+    ``coef * |l - l_old|`` subtracted on the ``max(1, int(fraction * tokens))`` masked tokens
+    of largest :func:`token_covariance`. Returns ``(surr, chosen)``, both ``(N, T)``."""
+    adv = _broadcast_advantages(advantages, ratio)
+    surr = ratio * adv
+    cov = token_covariance(logps, advantages, mask).reshape(-1)
+    top = torch.topk(cov, min(_how_many(fraction, mask), int(mask.sum()) or 1)).indices
+    chosen = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    chosen[top] = True
+    chosen = chosen.view_as(mask) & mask
+    penalty = coef * (logps - old_logps.detach()).abs()
+    return torch.where(chosen, surr - penalty, surr), chosen
 
 
 def _check_positive_int(value: object, name: str) -> int:

@@ -19,6 +19,7 @@ from maxent_grpo.core import (
 from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
 from maxent_grpo.objectives.surrogate import (
     ClipRule,
+    CovSettings,
     LossType,
     RatioLevel,
     clip_range,
@@ -26,11 +27,13 @@ from maxent_grpo.objectives.surrogate import (
     reduce_tokens,
     surrogate_parts,
 )
-from maxent_grpo.validation import check_bool, check_choice, check_number, require
+from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Advantage = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Advantage = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo"]
+#: the estimators that scale by themselves (``scale_rewards`` stays at its default)
+SELF_SCALED = ("reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo")
 
 
 class GRPO(Objective):
@@ -52,11 +55,22 @@ class GRPO(Objective):
         kl_estimator: per-token KL estimator ``k1``, ``k2`` or ``k3``.
         advantage: the advantage estimator: ``group`` (GRPO), ``rloo`` (leave-one-out),
             ``reinforce_pp`` or ``reinforce_pp_baseline`` (REINFORCE++, normalised over the
-            whole batch; ``scale_rewards`` stays ``group``).
+            whole batch), ``passk`` (Pass@k Training's closed form, 0/1 rewards) or ``pkpo``
+            (PKPO's unbiased pass@k, any rewards); the last four leave ``scale_rewards`` at
+            its default.
+        pass_k: the ``k`` of ``passk`` and ``pkpo`` (``1 <= k <= G``; ``pkpo`` needs 2).
         ratio_level: the importance ratio: ``token``, ``sequence`` (GSPO) or
             ``sequence_token`` (GSPO-token).
-        clip_rule: ``ppo`` (the clipped surrogate) or ``cispo`` (clipped, stop-gradient
-            importance weight on every token's REINFORCE gradient; cap ``1 + epsilon_high``).
+        clip_rule: ``ppo`` (the clipped surrogate), ``cispo`` (clipped, stop-gradient
+            importance weight on every token's REINFORCE gradient; cap ``1 + epsilon_high``),
+            ``clip_cov`` (PPO's clip, and a few tokens of high log-prob/advantage covariance
+            out of the gradient) or ``kl_cov`` (no clip; ``kl_cov_coef * |l - l_old|`` on the
+            highest-covariance tokens), both after Cui et al. 2025.
+        cov_fraction: the share of a micro-batch's tokens ``clip_cov`` / ``kl_cov`` choose
+            (at least one; verl's default 2e-4).
+        clip_cov_bounds: ``[low, high]``: ``clip_cov`` chooses among tokens whose
+            covariance lies strictly between them.
+        kl_cov_coef: ``kl_cov``'s coefficient.
         kl_bias_correction: multiply the per-token KL by the importance ratio (with its
             gradient), which makes the KL term's gradient the unbiased gradient of
             ``KL(pi_theta || pi_ref)`` (DeepSeek-V3.2; TRL 1.16's ``use_bias_correction_kl``,
@@ -71,17 +85,24 @@ class GRPO(Objective):
         epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
         kl_estimator: KLEstimator = "k3", advantage: Advantage = "group",
         ratio_level: RatioLevel = "token", clip_rule: ClipRule = "ppo",
-        kl_bias_correction: bool = False,
+        kl_bias_correction: bool = False, pass_k: int = 4, cov_fraction: float = 2e-4,
+        clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 1.0,
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
+        self.cov = CovSettings.checked(cov_fraction, clip_cov_bounds, kl_cov_coef)
+        check_int("objective.pass_k", pass_k, minimum=1)
+        require(advantage != "pkpo" or pass_k >= 2,
+                "objective.pass_k must be >= 2 with objective.advantage pkpo (at k = 1 its "
+                f"baseline is RLOO's: advantage rloo); got {pass_k}")
+        self.pass_k = pass_k
         check_bool("objective.kl_bias_correction", kl_bias_correction)
         self.kl_bias_correction = kl_bias_correction
         check_choice("objective.scale_rewards", scale_rewards, get_args(ScaleRewards))
         check_choice("objective.advantage", advantage, get_args(Advantage))
         require(
-            not advantage.startswith("reinforce_pp") or scale_rewards == "group",
+            advantage not in SELF_SCALED or scale_rewards == "group",
             f"objective.scale_rewards={scale_rewards!r} does not apply to objective.advantage="
-            f"{advantage!r}: REINFORCE++ normalises over the whole batch by itself; leave "
+            f"{advantage!r}, which scales its advantages by itself; leave "
             "objective.scale_rewards at its default",
         )
         self.ratio_level, self.clip_rule = surrogate_parts(ratio_level, clip_rule)
@@ -112,7 +133,11 @@ class GRPO(Objective):
     def prepare(
         self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
     ) -> Targets:
-        adv = estimate_advantages(rewards, self.advantage, self.scale_rewards)  # (B, G)
+        require(self.advantage not in ("passk", "pkpo") or self.pass_k <= rewards.shape[1],
+                f"objective.pass_k ({self.pass_k}) must be at most model.num_generations "
+                f"({rewards.shape[1]}): pass@k is over subsets of a group")
+        adv = estimate_advantages(rewards, self.advantage, self.scale_rewards,
+                                  k=self.pass_k)  # (B, G)
         return Targets(advantages=adv.reshape(-1))
 
     def state(self) -> dict[str, float]:
@@ -124,7 +149,7 @@ class GRPO(Objective):
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.advantages is not None
         per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high,
-                                             self.ratio_level, self.clip_rule)
+                                             self.ratio_level, self.clip_rule, self.cov)
         sums["loss/policy"] = token_sum(per_token, mb.mask)
         if mb.ref_token_logps is not None:
             kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
@@ -166,10 +191,13 @@ class EntropyMaxEnt(GRPO):
         loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group", epsilon: float = 0.2,
         epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
         advantage: Advantage = "group", ratio_level: RatioLevel = "token",
-        clip_rule: ClipRule = "ppo", kl_bias_correction: bool = False,
+        clip_rule: ClipRule = "ppo", kl_bias_correction: bool = False, pass_k: int = 4,
+        cov_fraction: float = 2e-4, clip_cov_bounds: tuple[float, float] = (1.0, 5.0),
+        kl_cov_coef: float = 1.0,
     ) -> None:
         super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator,
-                         advantage, ratio_level, clip_rule, kl_bias_correction)
+                         advantage, ratio_level, clip_rule, kl_bias_correction, pass_k,
+                         cov_fraction, clip_cov_bounds, kl_cov_coef)
         check_number("objective.alpha", alpha, minimum=0)
         check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
                      allow_none=True)

@@ -167,7 +167,8 @@ class GroupMaxEnt(Objective):
         epsilon_high: upper clip range; ``None`` means ``epsilon``.
         ratio_level: the importance ratio: ``token``, ``sequence`` (GSPO) or
             ``sequence_token`` (GSPO-token) (docs/ALGORITHM.md §4.5).
-        clip_rule: ``ppo`` or ``cispo`` (as :class:`~maxent_grpo.objectives.GRPO`).
+        clip_rule: ``ppo``, ``cispo``, ``clip_cov`` or ``kl_cov`` (as
+            :class:`~maxent_grpo.objectives.GRPO`, the last two with its default options).
     """
 
     tunable = ("tau",)

@@ -258,3 +258,145 @@ def test_kl_bias_correction_makes_the_kl_gradient_log_pi_over_pi_ref():
             assert results[True][1][i, t].item() == pytest.approx(scale * d, abs=1e-15)
             assert results[False][1][i, t].item() == pytest.approx(
                 scale * (1 - math.exp(-d)), abs=1e-15)
+
+
+# ------------------------------------------------------------------ pass@k estimators
+
+
+def _brute_passk(r: list[float], k: int) -> list[float]:
+    """Chen et al.: the mean over the size-k subsets holding i of (max - mean) / std."""
+    import itertools
+
+    subsets = list(itertools.combinations(range(len(r)), k))
+    best = [max(r[j] for j in s) for s in subsets]
+    mean = sum(best) / len(best)
+    std = math.sqrt(sum((v - mean) ** 2 for v in best) / len(best))
+    if std == 0:  # every subset reaches the same pass@k: no signal
+        return [0.0] * len(r)
+    return [sum((best[n] - mean) / std for n, s in enumerate(subsets) if i in s)
+            / sum(1 for s in subsets if i in s) for i in range(len(r))]
+
+
+def _brute_pkpo(g: list[float], k: int) -> list[float]:
+    """PKPO loo-1: sum over the size-k subsets holding i of (max - max without i) / C(n, k)."""
+    import itertools
+
+    out = []
+    for i in range(len(g)):
+        total = 0.0
+        for s in itertools.combinations(range(len(g)), k):
+            if i in s:
+                total += max(g[j] for j in s) - max(g[j] for j in s if j != i)
+        out.append(total / math.comb(len(g), k))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_passk_advantages_are_the_subset_means(k):
+    rows = [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0],
+            [1.0] * 6, [0.0] * 6]
+    got = estimate_advantages(torch.tensor(rows, dtype=F64), "passk", k=k)
+    for b, r in enumerate(rows):
+        expected = _brute_passk(r, k)
+        assert got[b].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("k", [2, 3, 6])
+def test_pkpo_advantages_are_the_loo_minus_one_estimator(k):
+    rows = [[0.3, 0.9, 0.1, 0.5, 0.9, 0.0], [1.0, 0.0, 0.0, 1.0, 0.0, 0.0],
+            [2.0, -1.0, 0.5, 0.5, 3.0, 1.0]]
+    got = estimate_advantages(torch.tensor(rows, dtype=F64), "pkpo", k=k)
+    for b, g in enumerate(rows):
+        assert got[b].tolist() == pytest.approx(_brute_pkpo(g, k), abs=1e-12)
+    # binary closed form: a right sample gets C(n - c, k - 1) / C(n, k), a wrong one 0
+    c = 2
+    assert got[1].tolist() == pytest.approx(
+        [math.comb(6 - c, k - 1) / math.comb(6, k) if r else 0.0 for r in rows[1]])
+
+
+def test_the_pass_at_k_options_are_checked():
+    with pytest.raises(ValueError, match="exactly 0 or 1"):
+        estimate_advantages(torch.tensor([[0.5, 1.0]], dtype=F64), "passk", k=2)
+    with pytest.raises(ValueError, match="objective.pass_k must be >= 2"):
+        GRPO(advantage="pkpo", pass_k=1)
+    with pytest.raises(ValueError, match="scales its advantages by itself"):
+        GRPO(advantage="passk", scale_rewards="none")
+    objective = GRPO(advantage="passk", pass_k=8)
+    with pytest.raises(ValueError, match=r"objective.pass_k \(8\) must be at most"):
+        objective.prepare(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), torch.ones(1, 4), 4, None)
+
+
+# ------------------------------------------------------------------ Clip-Cov and KL-Cov
+
+
+def _cov_case():
+    logps = torch.tensor([[-1.0, -0.2, -3.0, -0.5], [-2.0, -0.1, -0.4, -9.0]], dtype=F64,
+                         requires_grad=True)
+    old = torch.tensor([[-1.1, -0.2, -2.0, -0.6], [-2.0, -0.3, -0.4, -1.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]).bool()
+    adv = torch.tensor([2.0, -1.0], dtype=F64)
+    return logps, old, mask, adv
+
+
+def _covariance(lp, adv, mask):
+    cells = [(i, t) for i in range(2) for t in range(4) if mask[i, t]]
+    a_mean = sum(adv[i] for i, _ in cells) / len(cells)
+    l_mean = sum(lp[i][t] for i, t in cells) / len(cells)
+    return {(i, t): (adv[i] - a_mean) * (lp[i][t] - l_mean) for i, t in cells}
+
+
+def test_token_covariance_is_centred_over_the_masked_tokens():
+    from maxent_grpo.core import token_covariance
+
+    logps, _, mask, adv = _cov_case()
+    got = token_covariance(logps, adv, mask)
+    for (i, t), want in _covariance(logps.detach().tolist(), adv.tolist(), mask).items():
+        assert got[i, t].item() == pytest.approx(want, rel=1e-12)
+    assert got[1, 3].item() == -math.inf
+
+
+def test_kl_cov_penalises_the_highest_covariance_token_and_does_not_clip():
+    logps, old, mask, adv = _cov_case()
+    objective = GRPO(loss_type="dapo", clip_rule="kl_cov", cov_fraction=0.2, kl_cov_coef=0.5)
+    out = objective.loss(_mb(logps, mask, G=2, num_rows=2, t_max=4, advantages=adv, old=old,
+                             num_global_tokens=torch.tensor(7.0, dtype=F64)))
+    cov = _covariance(logps.detach().tolist(), adv.tolist(), mask)
+    top = max(cov, key=cov.get)  # int(0.2 * 7) = 1 token
+    lp, o = logps.detach().tolist(), old.tolist()
+    total = 0.0
+    for (i, t) in cov:
+        c = math.exp(lp[i][t] - o[i][t])
+        term = -c * adv[i].item()  # no clip, however far the ratio is from 1
+        if (i, t) == top:
+            term += 0.5 * abs(lp[i][t] - o[i][t])
+        total += term
+    assert out.loss.item() == pytest.approx(total / 7, rel=1e-12)
+    assert out.sums["clip/cov"][0].item() == 1
+
+
+def test_clip_cov_zeroes_a_chosen_tokens_gradient_and_keeps_the_rest():
+    logps, old, mask, adv = _cov_case()
+    torch.manual_seed(0)
+    wide = GRPO(loss_type="dapo", clip_rule="clip_cov", cov_fraction=1.0, epsilon=0.9,
+                epsilon_high=5.0, clip_cov_bounds=(-100.0, 100.0))  # every token eligible
+    out = wide.loss(_mb(logps, mask, G=2, num_rows=2, t_max=4, advantages=adv, old=old,
+                        num_global_tokens=torch.tensor(7.0, dtype=F64)))
+    assert out.loss.item() == 0.0 and out.sums["clip/cov"][0].item() == 7
+    narrow = GRPO(loss_type="dapo", clip_rule="clip_cov", epsilon=0.9, epsilon_high=5.0,
+                  clip_cov_bounds=(-100.0, 100.0))  # one token of seven
+    plain = GRPO(loss_type="dapo", epsilon=0.9, epsilon_high=5.0)
+    grads = []
+    for objective in (narrow, plain):
+        lp = logps.detach().clone().requires_grad_(True)
+        objective.loss(_mb(lp, mask, G=2, num_rows=2, t_max=4, advantages=adv, old=old,
+                           num_global_tokens=torch.tensor(7.0, dtype=F64))).loss.backward()
+        grads.append(lp.grad)
+    differs = (grads[0] != grads[1])
+    assert int(differs.sum()) == 1 and grads[0][differs].item() == 0.0
+
+
+def test_the_cov_options_are_checked():
+    with pytest.raises(ValueError, match="objective.clip_cov_bounds"):
+        GRPO(clip_rule="clip_cov", clip_cov_bounds=(5.0, 1.0))
+    with pytest.raises(ValueError, match="objective.cov_fraction"):
+        GRPO(clip_rule="kl_cov", cov_fraction=0.0)
