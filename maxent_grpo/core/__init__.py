@@ -59,11 +59,12 @@ from maxent_grpo.core.losses import (
     reduce_token_loss,
     sequence_clip_loss,
     token_covariance,
+    top_entropy_mask,
 )
 
 __all__ = [
     "ESTIMATORS", "RATIO_LEVELS", "batch_normalised", "cispo_surrogate", "clip_cov_surrogate",
-    "estimate_advantages", "kl_cov_surrogate", "token_covariance",
+    "estimate_advantages", "kl_cov_surrogate", "token_covariance", "top_entropy_mask",
     "importance_ratio_at", "leave_one_out_advantages", "passk_advantages", "pkpo_advantages",
     "BetaUpdate", "MetaUpdate", "TauUpdate", "beta_update", "clip_fractions", "clipped_surrogate",
     "constant_groups", "coverage_at_k", "distinct_candidates", "distinct_at_k",

@@ -19,7 +19,8 @@ from maxent_grpo.core.divergence import (
 )
 
 __all__ = ["cispo_surrogate", "clip_cov_surrogate", "clipped_surrogate", "kl_cov_surrogate",
-           "listwise_loss", "reduce_token_loss", "sequence_clip_loss", "token_covariance"]
+           "listwise_loss", "reduce_token_loss", "sequence_clip_loss", "token_covariance",
+           "top_entropy_mask"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 WEIGHT_SUM_TOL = 1e-4
@@ -83,6 +84,17 @@ def token_covariance(logps: torch.Tensor, advantages: torch.Tensor,
     count = m.sum().clamp(min=1.0)
     cov = (adv - (adv * m).sum() / count) * (lp - (lp * m).sum() / count)
     return torch.where(mask, cov, torch.full_like(cov, -math.inf))
+
+
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
+    """``(N, T)`` bool: the masked tokens whose entropy is ``>=`` the ``1 - rho`` quantile
+    (``torch.quantile``, linear interpolation) of the masked tokens' entropies, as TRL's
+    ``top_entropy_quantile``; no token when the mask is empty. ``entropy`` is used detached."""
+    values = entropy.detach()[mask].float()
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1.0 - rho).to(entropy.dtype)
+    return (entropy.detach() >= threshold) & mask
 
 
 def _how_many(fraction: float, mask: torch.Tensor) -> int:

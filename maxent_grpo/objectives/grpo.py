@@ -15,6 +15,7 @@ from maxent_grpo.core import (
     estimate_advantages,
     importance_ratio_at,
     kl_penalty,
+    top_entropy_mask,
 )
 from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
 from maxent_grpo.objectives.surrogate import (
@@ -71,6 +72,10 @@ class GRPO(Objective):
         clip_cov_bounds: ``[low, high]``: ``clip_cov`` chooses among tokens whose
             covariance lies strictly between them.
         kl_cov_coef: ``kl_cov``'s coefficient.
+        top_entropy_quantile: ``rho``: only the tokens whose entropy is at least the
+            ``1 - rho`` quantile of the micro-batch's completion tokens keep their policy
+            term (TRL's option, after "Beyond the 80/20 rule"; the KL term keeps every
+            token); 1 = every token (off). Needs the token entropy (computed when < 1).
         kl_bias_correction: multiply the per-token KL by the importance ratio (with its
             gradient), which makes the KL term's gradient the unbiased gradient of
             ``KL(pi_theta || pi_ref)`` (DeepSeek-V3.2; TRL 1.16's ``use_bias_correction_kl``,
@@ -87,8 +92,14 @@ class GRPO(Objective):
         ratio_level: RatioLevel = "token", clip_rule: ClipRule = "ppo",
         kl_bias_correction: bool = False, pass_k: int = 4, cov_fraction: float = 2e-4,
         clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 1.0,
+        top_entropy_quantile: float = 1.0,
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
+        check_number("objective.top_entropy_quantile", top_entropy_quantile, minimum=0,
+                     maximum=1)
+        self.top_entropy_quantile = float(top_entropy_quantile)
+        if self.top_entropy_quantile < 1.0:
+            self.needs_entropy = True
         self.cov = CovSettings.checked(cov_fraction, clip_cov_bounds, kl_cov_coef)
         check_int("objective.pass_k", pass_k, minimum=1)
         require(advantage != "pkpo" or pass_k >= 2,
@@ -150,6 +161,12 @@ class GRPO(Objective):
         assert mb.advantages is not None
         per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high,
                                              self.ratio_level, self.clip_rule, self.cov)
+        if self.top_entropy_quantile < 1.0:
+            if mb.entropy is None:
+                raise RuntimeError("top_entropy_quantile needs token entropy; none was passed")
+            keep = top_entropy_mask(mb.entropy, mb.mask, self.top_entropy_quantile)
+            per_token = per_token * keep
+            sums["entropy_mask"] = (keep.sum().float(), mb.mask.sum().float())
         sums["loss/policy"] = token_sum(per_token, mb.mask)
         if mb.ref_token_logps is not None:
             kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
@@ -193,11 +210,11 @@ class EntropyMaxEnt(GRPO):
         advantage: Advantage = "group", ratio_level: RatioLevel = "token",
         clip_rule: ClipRule = "ppo", kl_bias_correction: bool = False, pass_k: int = 4,
         cov_fraction: float = 2e-4, clip_cov_bounds: tuple[float, float] = (1.0, 5.0),
-        kl_cov_coef: float = 1.0,
+        kl_cov_coef: float = 1.0, top_entropy_quantile: float = 1.0,
     ) -> None:
         super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator,
                          advantage, ratio_level, clip_rule, kl_bias_correction, pass_k,
-                         cov_fraction, clip_cov_bounds, kl_cov_coef)
+                         cov_fraction, clip_cov_bounds, kl_cov_coef, top_entropy_quantile)
         check_number("objective.alpha", alpha, minimum=0)
         check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
                      allow_none=True)

@@ -400,3 +400,41 @@ def test_the_cov_options_are_checked():
         GRPO(clip_rule="clip_cov", clip_cov_bounds=(5.0, 1.0))
     with pytest.raises(ValueError, match="objective.cov_fraction"):
         GRPO(clip_rule="kl_cov", cov_fraction=0.0)
+
+
+# ------------------------------------------------------------------ top-entropy token mask
+
+
+def _quantile(values: list[float], p: float) -> float:
+    """Linear interpolation between the sorted values (torch.quantile's default)."""
+    v = sorted(values)
+    pos = p * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def test_only_the_high_entropy_tokens_keep_their_policy_term():
+    lengths = [3, 2, 4, 1]
+    mask = _mask(lengths, 4)
+    logps = _logps(11, 4, 4).requires_grad_(True)
+    entropy = torch.linspace(0.1, 2.5, 16, dtype=F64).view(4, 4).flip(1)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=F64)
+    objective = GRPO(loss_type="dapo", top_entropy_quantile=0.25)
+    assert objective.needs_entropy and not GRPO().needs_entropy
+    assert EntropyMaxEnt(top_entropy_quantile=1.0).needs_entropy  # still its own
+    out = objective.loss(_mb(logps, mask, G=2, num_rows=4, t_max=4, advantages=adv,
+                             entropy=entropy, num_global_tokens=torch.tensor(10.0, dtype=F64)))
+    values = [entropy[i, t].item() for i, n in enumerate(lengths) for t in range(n)]
+    threshold = _quantile(values, 0.75)
+    kept = [(i, t) for i, n in enumerate(lengths) for t in range(n)
+            if entropy[i, t].item() >= threshold]
+    # at ratio 1 the policy term of a kept token is -A (value), gradient -A / 10
+    assert out.loss.item() == pytest.approx(sum(-adv[i].item() for i, _ in kept) / 10,
+                                            rel=1e-12)
+    out.loss.backward()
+    for i in range(4):
+        for t in range(4):
+            want = -adv[i].item() / 10 if (i, t) in kept else 0.0
+            assert logps.grad[i, t].item() == pytest.approx(want, abs=1e-15)
+    assert out.sums["entropy_mask"][0].item() == len(kept)
