@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from maxent_grpo.tasks.multi_answer import canonical_expression
+
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 
@@ -87,3 +89,37 @@ def require_column(reward: str, name: str, values: list | None, n: int) -> list:
             f"completion ({n}); got {got}"
         )
     return list(values)
+
+
+_SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
+
+
+def sample_answer(completion: str | list[dict]) -> str | None:
+    """The answer of one sample: :func:`extract_answer`, else the stripped completion
+    (``None`` when that is empty).
+
+    >>> sample_answer("<answer> 8 </answer>"), sample_answer(" 8 because "), sample_answer(" ")
+    ('8', '8 because', None)
+    """
+    text = completion_text(completion)
+    answer = extract_answer(text)
+    if answer is None:
+        answer = text.strip()
+    return answer or None
+
+
+def coverage_answer(answer: str | None) -> str | None:
+    """The canonical form of an expression answer, for coverage@k: ``×``, ``÷``,
+    ``\\times``, ``\\div``, ``\\cdot`` read as ``*`` and ``/``, the left side of one
+    ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression).
+
+    >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello") is None
+    ('1 + 3 * 5', True)
+    """
+    if answer is None:
+        return None
+    for symbol, op in _SYMBOLS.items():
+        answer = answer.replace(symbol, op)
+    if answer.count("=") == 1:
+        answer = answer.split("=")[0]
+    return canonical_expression(answer)

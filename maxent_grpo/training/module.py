@@ -218,7 +218,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.engine_factory = engine
         self.scorer = Scorer(temperature, self.loop.scoring, fused_lm_head)
-        self.step_metrics = StepMetrics(self.rewards.names)
+        self.step_metrics = StepMetrics(self.rewards.names, self.loop.evaluation)
         self.evaluator = Evaluator(self.rewards, self.loop.evaluation)
         self.logging_view = LoggingConfigView(weighting=objective, clipping=gradient_clip_val)
         self.writer = LightningWriter(self)

@@ -27,51 +27,17 @@ from torch import Tensor
 
 from maxent_grpo.core.evaluation import aggregate
 from maxent_grpo.rewards import WeightedRewards
-from maxent_grpo.rewards.parsing import completion_text, extract_answer
+from maxent_grpo.rewards.parsing import coverage_answer, sample_answer
 from maxent_grpo.rollout import (
     PromptCompletionBatch,
     RolloutEngine,
     RolloutOutput,
     SamplingSettings,
 )
-from maxent_grpo.tasks.multi_answer import canonical_expression
 from maxent_grpo.training.settings import EvaluationSettings
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
-
-_SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
-
-
-def sample_answer(completion: str | list[dict]) -> str | None:
-    """The answer of one sample: :func:`extract_answer`, else the stripped completion
-    (``None`` when that is empty).
-
-    >>> sample_answer("<answer> 8 </answer>"), sample_answer(" 8 because "), sample_answer(" ")
-    ('8', '8 because', None)
-    """
-    text = completion_text(completion)
-    answer = extract_answer(text)
-    if answer is None:
-        answer = text.strip()
-    return answer or None
-
-
-def coverage_answer(answer: str | None) -> str | None:
-    """The canonical form of an expression answer, for coverage@k: ``×``, ``÷``,
-    ``\\times``, ``\\div``, ``\\cdot`` read as ``*`` and ``/``, the left side of one
-    ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression).
-
-    >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello") is None
-    ('1 + 3 * 5', True)
-    """
-    if answer is None:
-        return None
-    for symbol, op in _SYMBOLS.items():
-        answer = answer.replace(symbol, op)
-    if answer.count("=") == 1:
-        answer = answer.split("=")[0]
-    return canonical_expression(answer)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 
+from maxent_grpo.core.evaluation import normalise_answer
+from maxent_grpo.rewards.parsing import coverage_answer, sample_answer
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
     LoggingConfigView,
@@ -31,6 +34,13 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from maxent_grpo.training.step.trajectory import Trajectory
+
+
+def answer_key(completion: Any) -> str | None:
+    """A sample's answer as the answer statistics compare them: canonical as coverage@k
+    reads an expression, else with whitespace collapsed (``None``: no answer)."""
+    answer = sample_answer(completion)
+    return coverage_answer(answer) or normalise_answer(answer)
 
 
 class LightningWriter:
@@ -53,10 +63,12 @@ class LightningWriter:
 
 class StepMetrics(torch.nn.Module):
     """The per-step torchmetrics and the record built from them; ``reward_names`` are the
-    names of ``model.rewards``, in order."""
+    names of ``model.rewards``, in order; with ``evaluation`` (which reward and threshold
+    make a sample correct) the step also logs its answers' spread (:meth:`observe_answers`)."""
 
-    def __init__(self, reward_names: list[str]) -> None:
+    def __init__(self, reward_names: list[str], evaluation: Any = None) -> None:
         super().__init__()
+        self.evaluation = evaluation
         self.reward = RewardMoments()
         self.components = RewardComponents(reward_names)
         self.tokens = TokenUsage()
@@ -86,9 +98,34 @@ class StepMetrics(torch.nn.Module):
         self.mean(key).update_sum(weight * value.detach().double(),
                                   weight * torch.as_tensor(count, dtype=torch.float64))
 
+    def observe_answers(self, trajectory: Trajectory) -> None:
+        """``train/answer_entropy``: per group, the entropy (nats) of its G samples' answers
+        (:func:`~maxent_grpo.rewards.parsing.sample_answer`, canonical as coverage@k reads
+        them, else with whitespace collapsed; no answer is one more value), and
+        ``train/distinct_correct``: per group, the distinct correct answers (eval reward >=
+        the threshold); both means over every group of the step, dropped ones included."""
+        t, ev = trajectory, self.evaluation
+        G = t.rewards.shape[1]
+        answers = [answer_key(c) for c in t.pairs.completions]
+        correct = (t.components[ev.reward_index] >= ev.correct_threshold).tolist()
+        entropy = distinct = 0.0
+        groups = len(answers) // G
+        for b in range(groups):
+            group = answers[b * G:(b + 1) * G]
+            entropy -= sum(n / G * math.log(n / G) for n in Counter(group).values())
+            distinct += len({a for a, ok in zip(group, correct[b * G:(b + 1) * G], strict=True)
+                             if ok and a is not None})
+        device = self.reward.total.device
+        count = torch.tensor(float(groups), dtype=torch.float64, device=device)
+        for key, total in (("answer_entropy", entropy), ("distinct_correct", distinct)):
+            self.mean(key).update_sum(torch.tensor(total, dtype=torch.float64, device=device),
+                                      count)
+
     def observe(self, trajectory: Trajectory) -> None:
         """Add the step's rollout statistics (its losses came through :meth:`add`)."""
         t = trajectory
+        if self.evaluation is not None:
+            self.observe_answers(t)
         rollout = t.rollout
         self.reward.update(t.rewards)
         self.components.update(t.components)
