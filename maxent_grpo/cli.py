@@ -87,7 +87,10 @@ class MaxEntGRPOCLI(LightningCLI):
             defaults = defaults if isinstance(defaults, list) else [defaults]
             if not any(isinstance(cb, ProgressBar) for cb in [*callbacks, *defaults]):
                 kwargs["callbacks"] = [*callbacks, ReadableProgressBar()]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        # a default_root_dir given as the working folder is a folder asked for
+        trainer.default_root_dir_given = bool(trainer_config.get("default_root_dir"))
+        return trainer
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and keep the parsed config: see :meth:`before_instantiate_classes`."""
@@ -291,8 +294,8 @@ def main(
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from_argv = args is None
-    quick = cli_help.quick_help(list(sys.argv[1:] if from_argv else args or []))
-    if quick is not None:  # the top-level page: nothing to build
+    quick = cli_help.quick_help(list(sys.argv[1:] if from_argv else args or [])) if run else None
+    if quick is not None:  # the top-level page of the subcommands: nothing to build
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
         raise SystemExit(quick[1])
     if exit_on_error is None:

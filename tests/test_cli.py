@@ -362,6 +362,19 @@ def test_fit_help_is_one_sentence_per_option_and_help_all_is_whole(capsys):
     assert "``" not in short  # reStructuredText markup is cleaned up
 
 
+def test_without_run_the_parser_answers_help_itself(capsys):
+    """``main(..., run=False)`` has no subcommands: ``--help`` is the parser's own page."""
+    page = _help_page_run_false(capsys)
+    assert "--model.objective" in page and "commands:" not in page
+
+
+def _help_page_run_false(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["--help"], run=False)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
 def test_first_sentence_keeps_abbreviations_and_cuts_long_text():
     assert cli_help.first_sentence("Clip, e.g. at 1.0. More here.") == "Clip, e.g. at 1.0."
     assert cli_help.first_sentence("one; two") == "one"

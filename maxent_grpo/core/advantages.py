@@ -128,7 +128,7 @@ def passk_advantages(rewards: torch.Tensor, k: int, eps: float = 1e-6) -> torch.
     _check_k(k, G)
     if not bool(((rewards == 0) | (rewards == 1)).all()):
         raise ValueError("pass@k advantages need rewards that are exactly 0 or 1 (a right "
-                         "answer or not); use advantage pkpo for other rewards")
+                         "answer or not); for other rewards use objective.advantage: pkpo")
     out = torch.zeros_like(rewards)
     for b, c in enumerate(rewards.sum(dim=1).round().long().tolist()):
         R = 1.0 - math.comb(G - c, k) / math.comb(G, k)

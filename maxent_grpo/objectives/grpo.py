@@ -96,7 +96,7 @@ class GRPO(Objective):
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
         check_number("objective.top_entropy_quantile", top_entropy_quantile, minimum=0,
-                     maximum=1)
+                     maximum=1, strict=True)
         self.top_entropy_quantile = float(top_entropy_quantile)
         if self.top_entropy_quantile < 1.0:
             self.needs_entropy = True

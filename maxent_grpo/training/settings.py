@@ -142,6 +142,12 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     docstring); ``reward_names`` are the keys of ``model.rewards``."""
     check_int("model.num_generations", o["num_generations"], minimum=2)
     check_int("model.max_completion_length", o["max_completion_length"], minimum=1)
+    overlong = (o.get("rewards") or {}).get("overlong")
+    buffer = overlong.get("buffer") if isinstance(overlong, dict) else None
+    require(not isinstance(buffer, int) or buffer <= o["max_completion_length"],
+            f"model.rewards.overlong.buffer ({buffer}) must be at most "
+            f"model.max_completion_length ({o['max_completion_length']}): the penalty ramps "
+            "over the last buffer tokens of the budget")
     check_int("model.num_iterations", o["num_iterations"], minimum=1)
     check_bool("model.drop_constant_groups", o["drop_constant_groups"])
     check_int("model.refill_rounds", o["refill_rounds"], minimum=0)

@@ -54,3 +54,9 @@ def test_outside_the_trainer_the_length_is_asked_for():
     pairs = PromptCompletionBatch(prompts=["q"], completions=["a"])
     with pytest.raises(RewardFunctionError, match="needs the trainer.s max_completion_length"):
         rewards(pairs, {}, 1, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2).bool())
+
+
+def test_a_buffer_longer_than_the_budget_stops_the_build():
+    with pytest.raises(ValueError, match=r"model.rewards.overlong.buffer \(9\) must be at most "
+                                         r"model.max_completion_length \(4\)"):
+        MaxEntGRPOModule(rewards={"overlong": {"buffer": 9}}, max_completion_length=4)

@@ -180,6 +180,7 @@ class PromptDataModule(pl.LightningDataModule):
         self._consumed = 0
         self._resume_consumed = 0  # prompts of `_epoch` the sampler skips (load_state_dict)
         self._refill_drawn = 0  # prompts this rank drew from the refill stream (refill_batch)
+        self._refill_order: tuple[int, list[int]] = (-1, [])  # (pass, its order) of the stream
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Use an already-loaded tokenizer instead of loading ``tokenizer`` in :meth:`setup`."""
@@ -332,9 +333,12 @@ class PromptDataModule(pl.LightningDataModule):
         rows = []
         for position in range(self._refill_drawn, self._refill_drawn + n):
             pass_, i = divmod(position, per_pass)
-            order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
-                self.seed + REFILL_SEED + pass_)) if self.shuffle else torch.arange(len(dataset)))
-            rows.append(int(order[: per_pass * world][rank::world][i]))
+            if self._refill_order[0] != pass_:  # this rank's order of the pass, made once
+                order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
+                    self.seed + REFILL_SEED + pass_)) if self.shuffle
+                    else torch.arange(len(dataset)))
+                self._refill_order = (pass_, order[: per_pass * world][rank::world].tolist())
+            rows.append(self._refill_order[1][i])
         self._refill_drawn += n
         return collate_prompts([dataset[i] for i in rows])
 

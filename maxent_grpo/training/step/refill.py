@@ -28,6 +28,18 @@ from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 Scored = tuple[dict[str, Any], RolloutOutput, Tensor, Tensor]
 
 
+def pad_id(rollout: RolloutOutput, engine: Any) -> int:
+    """The pad id a rollout already uses (a masked completion or prompt position), else the
+    engine's tokenizer's, else 0."""
+    for ids, mask in ((rollout.completion_ids, rollout.completion_mask),
+                      (rollout.prompt_ids, rollout.prompt_mask)):
+        padded = ids[~mask]
+        if padded.numel():
+            return int(padded[0])
+    pad = getattr(getattr(engine, "tokenizer", None), "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
 def refill_source(trainer: Any) -> Callable[[int], dict[str, Any]]:
     """The trainer's DataModule's ``refill_batch``; a ValueError naming the fix without one."""
     draw = getattr(getattr(trainer, "datamodule", None), "refill_batch", None)

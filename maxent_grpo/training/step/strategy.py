@@ -78,26 +78,41 @@ def attach_for_fit(trainer: Any, gradient_clip_val: float | None) -> None:
 
 
 def drop_unasked_checkpoints(trainer: Any) -> list[Any]:
-    """With no logger and no ``default_root_dir``, Lightning would write the checkpoints of
-    every ModelCheckpoint without a ``dirpath`` (its default one included) to
-    ``./checkpoints``, a folder nobody named: those callbacks are removed, with one line
-    saying how to keep checkpoints. Returns the removed callbacks (at ``fit`` only)."""
+    """With no logger and no ``default_root_dir``, Lightning's own checkpoint callback (the
+    ``ModelCheckpoint()`` it adds when ``trainer.callbacks`` has none) would write to
+    ``./checkpoints``, a folder nobody named: it is removed, with one line saying how to
+    keep checkpoints. A ModelCheckpoint the user configured stays. From the command line a
+    ``default_root_dir`` given as the working folder counts as given; a Trainer built in
+    Python cannot tell it from none. Returns the removed callbacks (at ``fit`` only)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return []
-    if trainer.loggers or os.path.abspath(trainer.default_root_dir) != os.getcwd():
+    if trainer.loggers or getattr(trainer, "default_root_dir_given", False) or (
+            os.path.abspath(trainer.default_root_dir) != os.getcwd()):
         return []
-    unasked = [cb for cb in trainer.callbacks
-               if isinstance(cb, ModelCheckpoint) and cb.dirpath is None]
+    unasked = [cb for cb in trainer.callbacks if _is_lightning_default(cb, ModelCheckpoint)]
     for cb in unasked:
         trainer.callbacks.remove(cb)
     if unasked and trainer.is_global_zero:
         logging.getLogger(__name__).warning(
             "no checkpoints are saved: there is no logger and no trainer.default_root_dir, "
-            "so they would land in ./checkpoints; to keep them pass "
-            "--trainer.default_root_dir DIR or give the ModelCheckpoint a dirpath")
+            "so Lightning's default checkpoint would land in ./checkpoints; to keep them pass "
+            "--trainer.default_root_dir DIR or add a ModelCheckpoint to trainer.callbacks")
     return unasked
+
+
+#: the attributes that tell Lightning's default ``ModelCheckpoint()`` from a configured one
+_CHECKPOINT_OPTIONS = ("dirpath", "filename", "monitor", "save_last", "save_top_k",
+                       "_every_n_train_steps", "_every_n_epochs", "_train_time_interval")
+
+
+def _is_lightning_default(cb: Any, model_checkpoint: type) -> bool:
+    if type(cb) is not model_checkpoint:
+        return False
+    default = model_checkpoint()
+    return all(getattr(cb, name, None) == getattr(default, name, None)
+               for name in _CHECKPOINT_OPTIONS)
 
 
 def check_micro_batches(strategy: Strategy, num_micro_batches: int, batch_size: int) -> None:

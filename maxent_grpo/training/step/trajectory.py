@@ -28,7 +28,7 @@ from maxent_grpo.core import constant_groups, distinct_candidates
 from maxent_grpo.objectives import Targets, sequence_ref_loglik
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
 from maxent_grpo.training.step.batching import MicroBatchPlan
-from maxent_grpo.training.step.refill import Scored, refill
+from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.strategy import check_micro_batches
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.types import AdvantageStats, QDistribution
@@ -146,9 +146,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
 
     scored, rounds = roll_out(batch), 0
     if gen.refill_rounds and ctx.refill is not None:
-        pad = getattr(getattr(ctx.engine, "tokenizer", None), "pad_token_id", None) or 0
         scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
-                                pad)
+                                pad_id(scored[1], ctx.engine))
     batch, rollout, rewards, components = scored
     pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
     loss_mask = rollout.completion_mask.clone()  # (B*G, T) bool

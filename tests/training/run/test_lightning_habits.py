@@ -89,3 +89,8 @@ def test_no_logger_and_no_root_dir_write_nothing_in_the_working_folder(
     assert os.listdir(work) == []
     assert os.listdir(tmp_path / "root" / "checkpoints")  # asked for: saved
     assert "no checkpoints are saved" not in caplog.text
+    # a ModelCheckpoint the user configured is kept, wherever Lightning puts it
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = run(callbacks=[ModelCheckpoint(save_last=True)])
+    assert len(trainer.checkpoint_callbacks) == 1 and os.listdir(work) == ["checkpoints"]

@@ -141,3 +141,16 @@ def test_refill_without_the_datamodule_says_what_to_pass():
 
     with pytest.raises(ValueError, match="pass datamodule=PromptDataModule"):
         refill_source(SimpleNamespace(datamodule=None))
+
+
+def test_the_pad_id_is_the_one_the_rollout_uses():
+    from types import SimpleNamespace
+
+    from maxent_grpo.training.step.refill import pad_id
+
+    _, rollout, _, _ = _scored("x", [[0.0, 1.0]], 2, 3)  # masked completion cells hold 0
+    rollout.completion_ids[~rollout.completion_mask] = 7
+    assert pad_id(rollout, None) == 7
+    _, full, _, _ = _scored("x", [[0.0, 1.0]], 2, 3)
+    full.completion_mask[:] = True
+    assert pad_id(full, SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=3))) == 3
