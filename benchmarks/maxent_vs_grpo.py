@@ -130,7 +130,20 @@ PARTS: dict[str, dict[str, Any]] = {
         "EntropyMaxEnt", alpha=0.01, loss_type="dr_grpo", advantage="rloo",
         scale_rewards="none")},
 }
-RUNS = {**OBJECTIVES, **ABLATIONS, **PARTS}
+#: Issue 24's literature baselines for diversity, each GRPO (the study's settings) with one
+#: part (docs/ALGORITHM.md §4.5); not part of the default study (``--objectives``).
+_GRPO = {"loss_type": "dr_grpo", "scale_rewards": "group"}
+BASELINES: dict[str, dict[str, Any]] = {
+    "GRPO+passk(k=4)": {"objective": _objective("GRPO", loss_type="dr_grpo",
+                                                advantage="passk", pass_k=4)},
+    "GRPO+pkpo(k=4)": {"objective": _objective("GRPO", loss_type="dr_grpo",
+                                               advantage="pkpo", pass_k=4)},
+    "GRPO+clip_cov": {"objective": _objective("GRPO", clip_rule="clip_cov", **_GRPO)},
+    "GRPO+kl_cov": {"objective": _objective("GRPO", clip_rule="kl_cov", **_GRPO)},
+    "GRPO+top_entropy(0.2)": {"objective": _objective("GRPO", top_entropy_quantile=0.2,
+                                                      **_GRPO)},
+}
+RUNS = {**OBJECTIVES, **ABLATIONS, **PARTS, **BASELINES}
 
 
 def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> list[str]:

@@ -55,19 +55,22 @@ def test_the_study_arguments_differ_only_in_the_objective(study):
 
 
 def test_the_study_accepts_the_parts(study, monkeypatch, tmp_path):
-    """Each run of ``PARTS`` (docs/ALGORITHM.md §4.5) builds through the CLI with its parts."""
+    """Each run of ``PARTS`` and ``BASELINES`` (docs/ALGORITHM.md §4.5) builds through the
+    CLI with its parts."""
     import maxent_grpo.cli as cli_module
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
     monkeypatch.chdir(tmp_path)
-    for name in study.PARTS:
+    for name in [*study.PARTS, *study.BASELINES]:
         cli = cli_module.main(study.run_args("a", name, 0, 2, str(tmp_path)),
                               run=False)
         objective = cli.model.objective
         spec = json.loads(study.RUNS[name]["objective"])["init_args"]
-        for option in ("advantage", "ratio_level", "clip_rule"):
+        for option in ("advantage", "ratio_level", "clip_rule", "pass_k",
+                       "top_entropy_quantile"):
             if option in spec:
                 assert getattr(objective, option) == spec[option], (name, option)
-        expected_iterations = 2 if "ratio_level" in spec or "clip_rule" in spec else 1
+        expected_iterations = 2 if "--model.num_iterations" in study.RUNS[name].get("args",
+                                                                                  []) else 1
         assert cli.model.loop.optimization.schedule.num_iterations == expected_iterations
