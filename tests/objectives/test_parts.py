@@ -400,6 +400,12 @@ def test_the_cov_options_are_checked():
         GRPO(clip_rule="clip_cov", clip_cov_bounds=(5.0, 1.0))
     with pytest.raises(ValueError, match="objective.cov_fraction"):
         GRPO(clip_rule="kl_cov", cov_fraction=0.0)
+    with pytest.raises(ValueError, match="objective.kl_cov_coef"):
+        GRPO(clip_rule="kl_cov", kl_cov_coef=-1.0)
+    with pytest.raises(ValueError, match="objective.top_entropy_quantile"):
+        GRPO(top_entropy_quantile=0.0)
+    with pytest.raises(ValueError, match="objective.kl_bias_correction"):
+        GRPO(kl_bias_correction="yes")
 
 
 # ------------------------------------------------------------------ top-entropy token mask

@@ -61,19 +61,16 @@ def refill(
     ``rounds`` rounds ran, ``roll_out(draw(B))`` another ``B`` prompts (see the module
     docstring). ``first`` itself is returned when no round runs."""
     B, G = first[2].shape
-    pools, ran = [first], 0
-    varied = int((~constant_groups(first[2])).sum())
-    while ran < rounds and any_rank(varied < B):
-        scored = roll_out(draw(B))
-        pools.append(scored)
-        varied += int((~constant_groups(scored[2])).sum())
-        ran += 1
-    if ran == 0:
+    pools = [first]
+    constant = [constant_groups(first[2]).tolist()]  # per pool, per group
+    while len(pools) <= rounds and any_rank(sum(not c for cs in constant for c in cs) < B):
+        pools.append(roll_out(draw(B)))
+        constant.append(constant_groups(pools[-1][2]).tolist())
+    if len(pools) == 1:
         return first, 0
-    ranked = sorted(
-        ((bool(constant_groups(p[2])[g]), k, g) for k, p in enumerate(pools) for g in range(B)))
+    ranked = sorted((c, k, g) for k, cs in enumerate(constant) for g, c in enumerate(cs))
     chosen = sorted((k, g) for _, k, g in ranked[:B])
-    return concat_groups(pools, chosen, G, pad_id), ran
+    return concat_groups(pools, chosen, G, pad_id), len(pools) - 1
 
 
 def concat_groups(pools: list[Scored], chosen: list[tuple[int, int]], G: int,
@@ -81,62 +78,58 @@ def concat_groups(pools: list[Scored], chosen: list[tuple[int, int]], G: int,
     """The groups ``chosen`` (``(pool, group)`` pairs, in that order) of several scored
     rollouts as one: prompts re-padded on the left, completions on the right, both cut to
     the columns the chosen rows use."""
-    rows: dict[int, list[int]] = {}
+    picked: dict[int, list[int]] = {}
     for k, g in chosen:
-        rows.setdefault(k, []).extend(range(g * G, (g + 1) * G))
-    parts = [(pools[k], idx) for k, idx in rows.items()]
-    batch = _take_batch([(p[0], sorted({i // G for i in idx})) for p, idx in parts])
-    rollouts = [p[1] for p, _ in parts]
+        picked.setdefault(k, []).append(g)
+    parts = [(pools[k], groups, [g * G + j for g in groups for j in range(G)])
+             for k, groups in picked.items()]
+    rollouts = [scored[1] for scored, _, _ in parts]
     P = max(r.prompt_ids.shape[1] for r in rollouts)
     T = max(r.completion_ids.shape[1] for r in rollouts)
-    prompt_ids = torch.cat([_pad(r.prompt_ids[i], P, pad_id, left=True) for (_, i), r in
-                            zip(parts, rollouts, strict=True)])
-    prompt_mask = torch.cat([_pad(r.prompt_mask[i], P, False, left=True) for (_, i), r in
-                             zip(parts, rollouts, strict=True)])
-    completion_ids = torch.cat([_pad(r.completion_ids[i], T, pad_id) for (_, i), r in
-                                zip(parts, rollouts, strict=True)])
-    completion_mask = torch.cat([_pad(r.completion_mask[i], T, False) for (_, i), r in
-                                 zip(parts, rollouts, strict=True)])
+
+    def rows_of(name: str, width: int | None = None, value: Any = None,
+                left: bool = False) -> Tensor:
+        return torch.cat([_pad(getattr(scored[1], name)[rows], width, value, left)
+                          for scored, _, rows in parts])
+
+    prompt_mask = rows_of("prompt_mask", P, False, left=True)
+    completion_mask = rows_of("completion_mask", T, False)
+    used_p = prompt_mask.any(0).nonzero()
+    used_t = completion_mask.any(0).nonzero()
+    p0 = int(used_p[0]) if len(used_p) else P
+    t1 = int(used_t[-1]) + 1 if len(used_t) else 1
     sampler = None
     if all(r.sampler_logps is not None for r in rollouts):
-        sampler = torch.cat([_pad(r.sampler_logps[i], T, 0.0) for (_, i), r in
-                             zip(parts, rollouts, strict=True)])
-    keep_p = prompt_mask.any(0).nonzero()
-    keep_t = completion_mask.any(0).nonzero()
-    p0 = int(keep_p[0]) if len(keep_p) else P
-    t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
+        sampler = rows_of("sampler_logps", T, 0.0)[:, :t1]
     texts = GenerationBatch(
-        prompts=[t for r, (_, i) in zip(rollouts, parts, strict=True)
-                 for t in _groups(r.batch.prompts, i, G)],
-        grouped_completions=[c for r, (_, i) in zip(rollouts, parts, strict=True)
-                             for c in _groups(r.batch.grouped_completions, i, G)])
+        prompts=[scored[1].batch.prompts[g] for scored, groups, _ in parts for g in groups],
+        grouped_completions=[scored[1].batch.grouped_completions[g]
+                             for scored, groups, _ in parts for g in groups])
     rollout = RolloutOutput(
-        batch=texts, prompt_ids=prompt_ids[:, p0:], prompt_mask=prompt_mask[:, p0:],
-        completion_ids=completion_ids[:, :t1], completion_mask=completion_mask[:, :t1],
-        truncated=torch.cat([r.truncated[i] for (_, i), r in zip(parts, rollouts,
-                                                                  strict=True)]),
-        generate_seconds=sum(p[1].generate_seconds for p in pools),
-        sampler_logps=None if sampler is None else sampler[:, :t1],
+        batch=texts, prompt_ids=rows_of("prompt_ids", P, pad_id, left=True)[:, p0:],
+        prompt_mask=prompt_mask[:, p0:],
+        completion_ids=rows_of("completion_ids", T, pad_id)[:, :t1],
+        completion_mask=completion_mask[:, :t1], truncated=rows_of("truncated"),
+        generate_seconds=sum(scored[1].generate_seconds for scored in pools),
+        sampler_logps=sampler,
     )
-    rewards = torch.cat([p[2][sorted({j // G for j in i})] for p, i in parts])
-    components = torch.cat([p[3][:, i] for p, i in parts], dim=1)
+    batch = _take_batch([(scored[0], groups) for scored, groups, _ in parts])
+    rewards = torch.cat([scored[2][groups] for scored, groups, _ in parts])
+    components = torch.cat([scored[3][:, rows] for scored, _, rows in parts], dim=1)
     return batch, rollout, rewards, components
 
 
-def _groups(items: list, rows: list[int], G: int) -> list:
-    return [items[g] for g in sorted({i // G for i in rows})]
-
-
-def _pad(t: Tensor, width: int, value: Any, left: bool = False) -> Tensor:
-    missing = width - t.shape[1]
-    if missing == 0:
+def _pad(t: Tensor, width: int | None, value: Any, left: bool = False) -> Tensor:
+    """``t`` ``(n, w)`` padded with ``value`` to ``width`` columns (None: ``t`` as it is)."""
+    if width is None or width == t.shape[1]:
         return t
+    missing = width - t.shape[1]
     fill = torch.full((t.shape[0], missing), value, dtype=t.dtype, device=t.device)
     return torch.cat([fill, t] if left else [t, fill], dim=1)
 
 
 def _take_batch(parts: list[tuple[dict[str, Any], list[int]]]) -> dict[str, Any]:
-    """The rows ``groups`` of each batch dict (``collate_prompts``' keys), concatenated."""
+    """The groups of each batch dict (``collate_prompts``' keys), concatenated."""
     out: dict[str, Any] = {}
     for key in parts[0][0]:
         if key == "columns":

@@ -68,6 +68,7 @@ class StepMetrics(torch.nn.Module):
 
     def __init__(self, reward_names: list[str], evaluation: Any = None) -> None:
         super().__init__()
+        self.reward_names = list(reward_names)
         self.evaluation = evaluation
         self.reward = RewardMoments()
         self.components = RewardComponents(reward_names)
@@ -107,7 +108,9 @@ class StepMetrics(torch.nn.Module):
         t, ev = trajectory, self.evaluation
         G = t.rewards.shape[1]
         answers = [answer_key(c) for c in t.pairs.completions]
-        correct = (t.components[ev.reward_index] >= ev.correct_threshold).tolist()
+        # the rollout's record on the CPU (already copied there): no second device sync
+        judged = t.samples.components[self.reward_names[ev.reward_index]].reshape(-1)
+        correct = (judged >= ev.correct_threshold).tolist()
         entropy = distinct = 0.0
         groups = len(answers) // G
         for b in range(groups):

@@ -32,6 +32,7 @@ from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.strategy import check_micro_batches
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.types import AdvantageStats, QDistribution
+from maxent_grpo.validation import require
 
 if TYPE_CHECKING:
     from maxent_grpo.training.step.context import StepContext
@@ -145,7 +146,9 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
 
     scored, rounds = roll_out(batch), 0
-    if gen.refill_rounds and ctx.refill is not None:
+    if gen.refill_rounds:
+        require(ctx.refill is not None, "model.refill_rounds needs StepContext.refill, the "
+                "DataModule's refill_batch (the module passes it; see step/refill.py)")
         scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
                                 pad_id(scored[1], ctx.engine))
     batch, rollout, rewards, components = scored

@@ -24,7 +24,7 @@ def test_answer_entropy_and_distinct_correct_per_group():
     trajectory = SimpleNamespace(
         rewards=torch.zeros(2, 4),
         pairs=PromptCompletionBatch(prompts=["p"] * 8, completions=completions),
-        components=torch.tensor([correct]),
+        samples=SimpleNamespace(components={"r": torch.tensor(correct).view(2, 4)}),
     )
     metrics = StepMetrics(["r"], SimpleNamespace(reward_index=0, correct_threshold=1.0))
     metrics.observe_answers(trajectory)
