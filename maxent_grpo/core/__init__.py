@@ -9,11 +9,14 @@ from maxent_grpo.core.advantages import (
     ESTIMATORS,
     batch_normalised,
     constant_groups,
+    droppable_groups,
     estimate_advantages,
     group_advantages,
     leave_one_out_advantages,
     passk_advantages,
     pkpo_advantages,
+    repetition_penalty,
+    unlikeliness_rewards,
     zero_std_fraction,
 )
 from maxent_grpo.core.control import (
@@ -38,6 +41,10 @@ from maxent_grpo.core.divergence import (
 from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.core.listwise import (
+    answer_classes,
+    answer_maxent_weights,
+    check_answer_classes,
+    class_logsumexp,
     distinct_candidates,
     group_utility,
     group_weights,
@@ -55,6 +62,7 @@ from maxent_grpo.core.losses import (
     clip_cov_surrogate,
     clipped_surrogate,
     kl_cov_surrogate,
+    answer_listwise_loss,
     listwise_loss,
     reduce_token_loss,
     sequence_clip_loss,
@@ -63,11 +71,13 @@ from maxent_grpo.core.losses import (
 )
 
 __all__ = [
+    "answer_classes", "answer_listwise_loss", "answer_maxent_weights", "check_answer_classes",
+    "class_logsumexp", "repetition_penalty", "unlikeliness_rewards",
     "ESTIMATORS", "RATIO_LEVELS", "batch_normalised", "cispo_surrogate", "clip_cov_surrogate",
     "estimate_advantages", "kl_cov_surrogate", "token_covariance", "top_entropy_mask",
     "importance_ratio_at", "leave_one_out_advantages", "passk_advantages", "pkpo_advantages",
     "BetaUpdate", "MetaUpdate", "TauUpdate", "beta_update", "clip_fractions", "clipped_surrogate",
-    "constant_groups", "coverage_at_k", "distinct_candidates", "distinct_at_k",
+    "constant_groups", "droppable_groups", "coverage_at_k", "distinct_candidates", "distinct_at_k",
     "entropy_gate_multiplier", "entropy_target_at", "fused_head_log_softmax", "group_advantages",
     "group_utility", "group_weights", "importance_ratio", "kl_penalty", "listwise_loss",
     "maxent_weights", "mean_at_k", "meta_update", "pass_at_k", "q_distribution",

@@ -43,6 +43,21 @@ def constant_groups(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards == rewards[:, :1]).all(dim=1)
 
 
+def droppable_groups(rewards: torch.Tensor, solved_reward: float | None = None) -> torch.Tensor:
+    """``(B, G) -> (B,)`` bool: the groups ``drop_constant_groups`` leaves out: constant
+    groups (:func:`constant_groups`), less the *solved* ones, whose common reward is at
+    least ``solved_reward`` (``None``: every constant group is dropped).
+
+    >>> r = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 1.0]])
+    >>> droppable_groups(r).tolist(), droppable_groups(r, 1.0).tolist()
+    ([True, True, False], [False, True, False])
+    """
+    constant = constant_groups(rewards)
+    if solved_reward is None:
+        return constant
+    return constant & (rewards[:, 0] < solved_reward)
+
+
 def group_advantages(
     rewards: torch.Tensor, scale: Scale = "group", eps: float = 1e-4
 ) -> torch.Tensor:
@@ -224,3 +239,49 @@ def estimate_advantages(
     if estimator == "reinforce_pp":
         return batch_normalised(rewards, eps)
     return batch_normalised(rewards - rewards.mean(dim=1, keepdim=True), eps)
+
+
+def unlikeliness_rewards(
+    rewards: torch.Tensor, seq_logps: torch.Tensor, penalty: float = 0.25
+) -> torch.Tensor:
+    """The unlikeliness reward (He, Fried and Welleck 2025, "Rewarding the Unlikely"),
+    ``(B, G) -> (B, G)``: ``r_i * (1 - penalty * rank_i / G)``, where ``rank_i`` in
+    ``0..G-1`` ranks sample ``i`` of its group by ``seq_logps`` (0 the least likely, ties
+    broken by row order). Among right answers the one the policy finds most likely is paid
+    least, so the gradient stops sharpening the policy onto its favourite; a reward of 0
+    stays 0. ``seq_logps``: the samples' mean token log-probs under the behaviour policy
+    (the authors' code ranks by those). ``0 <= penalty <= 1``; the authors used 0.25.
+
+    >>> unlikeliness_rewards(torch.tensor([[1.0, 1.0, 0.0, 1.0]]),
+    ...                      torch.tensor([[-0.1, -2.0, -0.5, -1.0]]), 0.25).tolist()
+    [[0.8125, 1.0, 0.0, 0.9375]]
+    """
+    check_rewards(rewards)
+    check_rewards(seq_logps, name="seq_logps")
+    if seq_logps.shape != rewards.shape:
+        raise ValueError(f"seq_logps must have the shape of rewards {tuple(rewards.shape)}; "
+                         f"got {tuple(seq_logps.shape)}")
+    if not (isinstance(penalty, (int, float)) and 0 <= penalty <= 1):
+        raise ValueError(f"penalty must be a number in [0, 1]; got {penalty!r}")
+    G = rewards.shape[1]
+    order = torch.argsort(seq_logps.detach(), dim=1, stable=True)
+    rank = torch.argsort(order, dim=1, stable=True).to(rewards.dtype)  # 0 = least likely
+    return rewards * (1.0 - penalty * rank / G)
+
+
+def repetition_penalty(answers: torch.Tensor) -> torch.Tensor:
+    """The within-group repetition penalty of outcome-based exploration (Song, Kempe and
+    Munos 2025, "batch exploration"), ``(B, G) -> (B, G)``:
+    ``b_i = -(1/G) * #{j != i : a_j = a_i}``, with ``answers`` the group's answer classes
+    (:func:`~maxent_grpo.core.answer_classes`; a sample with no answer is its own class).
+    It applies to right and wrong answers alike; the objective adds ``c * b`` to the
+    advantages.
+
+    >>> repetition_penalty(torch.tensor([[0, 0, 2, 0]])).tolist()
+    [[-0.5, -0.5, 0.0, -0.5]]
+    """
+    if answers.dim() != 2:
+        raise ValueError(f"answers must be (B, G); got {tuple(answers.shape)}")
+    G = answers.shape[1]
+    same = (answers[:, :, None] == answers[:, None, :]).sum(-1)  # (B, G), self included
+    return -(same - 1).to(torch.get_default_dtype()) / G

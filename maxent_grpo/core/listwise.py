@@ -218,3 +218,85 @@ def weight_entropy(weights: torch.Tensor) -> torch.Tensor:
     if bool((weights < 0).any()):
         raise ValueError("weights must be non-negative")
     return -torch.special.xlogy(weights, weights).sum(dim=1)
+
+
+def check_answer_classes(answers: torch.Tensor, candidates: torch.Tensor | None = None) -> None:
+    """Check ``(B, G)`` answer classes: ``answers[b, i]`` is the index of the first row of
+    group ``b`` with the same answer as row ``i`` (so ``answers[b, i] <= i`` and every class
+    is named by its first row), and that first row is a candidate."""
+    if answers.dim() != 2 or answers.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"answers must be a (B, G) integer tensor; got {answers.dtype} "
+                         f"{tuple(answers.shape)}")
+    index = torch.arange(answers.shape[1], device=answers.device).expand_as(answers)
+    if bool(((answers < 0) | (answers > index)).any()) or not bool(
+            (answers.gather(1, answers.long()) == answers).all()):
+        raise ValueError("answers[b, i] must be the index of the first row of group b with "
+                         "row i's answer (answer_classes builds them)")
+    if candidates is not None and not bool(candidates[answers == index].all()):
+        raise ValueError("the first row of every answer class must be a candidate")
+
+
+def answer_classes(keys: list, group_size: int) -> torch.Tensor:
+    """``(B, G)`` answer classes from ``B * G`` hashable answer keys (prompt-major): each row
+    gets the index, inside its group, of the group's first row with an equal key.
+
+    >>> answer_classes(["4 + 5", "2 + 7", "4 + 5", "x", "1", "1", "1", "1"], 4).tolist()
+    [[0, 1, 0, 3], [0, 0, 0, 0]]
+    """
+    if group_size < 1 or len(keys) % group_size:
+        raise ValueError(f"group_size must divide the {len(keys)} keys")
+    rows = []
+    for b in range(len(keys) // group_size):
+        first: dict = {}
+        group = keys[b * group_size:(b + 1) * group_size]
+        rows.append([first.setdefault(key, i) for i, key in enumerate(group)])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def class_logsumexp(
+    values: torch.Tensor, answers: torch.Tensor, candidates: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, G) -> (B, G)``: for every row, ``logsumexp`` of ``values`` over the candidate
+    rows of its answer class (differentiable). With ``values = s`` this is the log of the
+    policy mass of the row's answer among the sampled completions (up to the group's
+    normaliser); with ``values = rho``, the reference's."""
+    same = answers[:, :, None] == answers[:, None, :]  # (B, G, G)
+    if candidates is not None:
+        same = same & candidates[:, None, :]
+    spread = values[:, None, :].expand(-1, values.shape[1], -1)
+    return torch.logsumexp(spread.masked_fill(~same, float("-inf")), dim=-1)
+
+
+def answer_maxent_weights(
+    rewards: torch.Tensor, answers: torch.Tensor, tau: float, beta: float = 0.0,
+    ref_seq_logps: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+    q_temperature: float = 1.0, q_epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Listwise MaxEnt weights over a group's distinct *answers* (docs/ALGORITHM.md §4.3,
+    answer level): ``(q, w)``, both ``(B, G)``, non-zero only on the first row of each
+    answer class (:func:`answer_classes`), rows summing to 1.
+
+    With ``K`` classes per group: the class reward ``r_C`` is the mean reward of its rows,
+    ``q = softmax_K(r_C / q_temperature)`` floored by ``q_epsilon`` over the ``K`` classes
+    (:func:`q_distribution`), the class reference ``rho_C = logsumexp`` of ``rho`` over the
+    class's candidate rows (:func:`class_logsumexp`), and
+    ``w_C = softmax_K((log q_C + beta * rho_C) / (tau + beta))`` (:func:`maxent_weights`
+    over the classes). When every class is one candidate row this is the listwise target
+    over distinct candidates exactly.
+    """
+    check_rewards(rewards)
+    check_answer_classes(answers, candidates)
+    if rewards.shape != answers.shape:
+        raise ValueError(f"answers must have the shape of rewards {tuple(rewards.shape)}; "
+                         f"got {tuple(answers.shape)}")
+    first = answers == torch.arange(answers.shape[1], device=answers.device)  # (B, G)
+    with torch.no_grad():
+        same = (answers[:, :, None] == answers[:, None, :]).to(rewards.dtype)  # (B, G, G)
+        class_reward = (same * rewards[:, None, :]).sum(-1) / same.sum(-1)  # (B, G)
+        q = q_distribution(class_reward, q_temperature, q_epsilon, first)
+        ref = None
+        if beta > 0:
+            _check_ref(ref_seq_logps, rewards, coef_name="beta", coef=beta)
+            ref = class_logsumexp(ref_seq_logps.detach().to(rewards.dtype), answers, candidates)
+        w = maxent_weights(q.log(), tau, beta, ref, first)
+    return q, w

@@ -293,6 +293,36 @@ def listwise_loss(
     return -torch.where(candidates, w * logp, torch.zeros_like(logp)).sum(dim=-1).mean()
 
 
+def answer_listwise_loss(
+    seq_logps: torch.Tensor, weights: torch.Tensor, answers: torch.Tensor,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Listwise cross-entropy over each group's distinct *answers* (docs/ALGORITHM.md §4.3,
+    answer level): ``loss = mean_b ( -sum_C w_C * log P(C) )`` with
+    ``P(C) = sum_{i in C} e^{s_i} / sum_j e^{s_j}`` over the candidate rows, the policy
+    restricted to the sampled completions and summed over the completions of one answer.
+
+    ``weights`` ``(B, G)`` holds ``w_C`` on the first row of each class (0 elsewhere,
+    :func:`~maxent_grpo.core.answer_maxent_weights`); ``answers`` the classes
+    (:func:`~maxent_grpo.core.answer_classes`). The gradient on ``s_i`` of row ``i`` in
+    class ``C`` is ``p_i (1 - w_C / P(C)) / B``: the class's mass moves towards ``w_C`` and
+    is shared among its completions in proportion to the policy. With one candidate row
+    per class it is :func:`listwise_loss` over the candidates.
+    """
+    from maxent_grpo.core.listwise import check_answer_classes, class_logsumexp
+
+    scores, w = _check_group_weights(seq_logps, weights)
+    check_answer_classes(answers, candidates)
+    _check_same_shape(scores, "seq_logps", answers, "answers")
+    first = answers == torch.arange(answers.shape[1], device=answers.device)
+    if bool((w[~first] != 0).any()):
+        raise ValueError("answer-level weights must be 0 outside the first row of each class")
+    masked = scores if candidates is None else scores.masked_fill(~candidates, float("-inf"))
+    log_class = class_logsumexp(scores, answers, candidates) - torch.logsumexp(
+        masked, dim=-1, keepdim=True)  # (B, G): log P(class of row i)
+    return -torch.where(first, w * log_class, torch.zeros_like(log_class)).sum(dim=-1).mean()
+
+
 def sequence_clip_loss(
     seq_logps: torch.Tensor, old_seq_logps: torch.Tensor, weights: torch.Tensor,
     eps_low: float = 0.2, eps_high: float | None = None, max_log_ratio: float = 20.0,

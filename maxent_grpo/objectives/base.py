@@ -30,6 +30,8 @@ class Targets:
         q: ``(B, G)`` the reward target distribution ``q`` (rows sum to 1 over the
             candidates; :func:`maxent_grpo.core.q_distribution`) that ListwiseMaxEnt's
             weights were built from, or ``None`` (the other objectives).
+        answers: ``(B, G)`` answer classes (:func:`maxent_grpo.core.answer_classes`) for
+            a loss over distinct answers, or ``None``.
     """
 
     advantages: Tensor | None = None
@@ -37,6 +39,7 @@ class Targets:
     stats: dict[str, Tensor] = field(default_factory=dict)
     candidates: Tensor | None = None
     q: Tensor | None = None
+    answers: Tensor | None = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ class MicroBatch:
         correction: ``(n, T)`` detached importance weights for the sampler / trainer gap
             (``model.sampler_correction``), or ``None``; the clipped surrogate multiplies
             its per-token loss by them.
+        answers: ``(n // G, G)`` slice of :attr:`Targets.answers`, or ``None``.
     """
 
     token_logps: Tensor
@@ -77,6 +81,7 @@ class MicroBatch:
     num_global_tokens: Tensor | float | None = None
     candidates: Tensor | None = None
     correction: Tensor | None = None
+    answers: Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -141,11 +146,25 @@ class Objective:
         completion of a group (:func:`maxent_grpo.core.distinct_candidates`)."""
         return False
 
+    @property
+    def needs_answers(self) -> bool:
+        """Whether :meth:`prepare` wants ``answers=``, the ``(B, G)`` answer classes of the
+        group's samples (:func:`maxent_grpo.core.answer_classes`, canonical answers as the
+        task's verifier reads them), passed as a keyword."""
+        return False
+
+    @property
+    def needs_sequence_logps(self) -> bool:
+        """Whether :meth:`prepare` wants ``seq_logps=``, the ``(B, G)`` summed log-probs of
+        the samples under the behaviour policy (no gradient), passed as a keyword."""
+        return False
+
     def prepare(
         self, rewards: Tensor, lengths: Tensor, max_completion_length: int,
         ref_seq_logps: Tensor | None, candidates: Tensor | None = None,
     ) -> Targets:
-        """The rollout's :class:`Targets` from ``(B, G)`` rewards, lengths and ``rho``."""
+        """The rollout's :class:`Targets` from ``(B, G)`` rewards, lengths and ``rho``
+        (and ``answers=`` / ``seq_logps=`` for objectives that ask for them)."""
         raise NotImplementedError
 
     def loss(self, mb: MicroBatch) -> LossOutput:

@@ -13,6 +13,8 @@ from torch import Tensor
 from maxent_grpo.core import (
     entropy_gate_multiplier,
     estimate_advantages,
+    repetition_penalty,
+    unlikeliness_rewards,
     importance_ratio_at,
     kl_penalty,
     top_entropy_mask,
@@ -35,6 +37,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 Advantage = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo"]
 #: the estimators that scale by themselves (``scale_rewards`` stays at its default)
 SELF_SCALED = ("reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo")
+Shaping = Literal["none", "unlikeliness", "repetition"]
 
 
 class GRPO(Objective):
@@ -80,6 +83,15 @@ class GRPO(Objective):
             gradient), which makes the KL term's gradient the unbiased gradient of
             ``KL(pi_theta || pi_ref)`` (DeepSeek-V3.2; TRL 1.16's ``use_bias_correction_kl``,
             on by default there). It changes the gradient even at ratio 1.
+        answer_shaping: a diversity term on the group's answers (docs/ALGORITHM.md §4.5):
+            ``unlikeliness`` multiplies each reward by ``1 - rank_penalty * rank / G``
+            before the advantage, ``rank`` ordering the group by the samples' mean token
+            log-prob under the behaviour policy (0 the least likely; "Rewarding the
+            Unlikely", He et al. 2025); ``repetition`` adds ``repetition_coef * b_i`` to
+            the advantages, ``b_i = -#(other samples with the same answer) / G``
+            (outcome-based exploration's batch penalty, Song et al. 2025); ``none``: off.
+        rank_penalty: the unlikeliness penalty in ``[0, 1]`` (the authors' 0.25).
+        repetition_coef: the repetition penalty's coefficient ``c >= 0`` (0.2).
     """
 
     tunable = ("beta",)
@@ -92,9 +104,16 @@ class GRPO(Objective):
         ratio_level: RatioLevel = "token", clip_rule: ClipRule = "ppo",
         kl_bias_correction: bool = False, pass_k: int = 4, cov_fraction: float = 2e-4,
         clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 1.0,
-        top_entropy_quantile: float = 1.0,
+        top_entropy_quantile: float = 1.0, answer_shaping: Shaping = "none",
+        rank_penalty: float = 0.25, repetition_coef: float = 0.2,
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
+        check_choice("objective.answer_shaping", answer_shaping, get_args(Shaping))
+        check_number("objective.rank_penalty", rank_penalty, minimum=0, maximum=1)
+        check_number("objective.repetition_coef", repetition_coef, minimum=0)
+        self.answer_shaping = answer_shaping
+        self.rank_penalty = float(rank_penalty)
+        self.repetition_coef = float(repetition_coef)
         check_number("objective.top_entropy_quantile", top_entropy_quantile, minimum=0,
                      maximum=1, strict=True)
         self.top_entropy_quantile = float(top_entropy_quantile)
@@ -141,14 +160,31 @@ class GRPO(Objective):
             return 1.0
         return super().loss_scale(world_size, rows, rows_all_ranks)
 
+    @property
+    def needs_answers(self) -> bool:
+        return self.answer_shaping == "repetition"
+
+    @property
+    def needs_sequence_logps(self) -> bool:
+        return self.answer_shaping == "unlikeliness"
+
     def prepare(
-        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None,
+        answers=None, seq_logps=None,
     ) -> Targets:
         require(self.advantage not in ("passk", "pkpo") or self.pass_k <= rewards.shape[1],
                 f"objective.pass_k ({self.pass_k}) must be at most model.num_generations "
                 f"({rewards.shape[1]}): pass@k is over subsets of a group")
+        if self.answer_shaping == "unlikeliness":
+            require(seq_logps is not None, "objective.answer_shaping unlikeliness needs the "
+                    "samples' log-probs; the trainer passes them (prepare(..., seq_logps=...))")
+            rewards = unlikeliness_rewards(rewards, seq_logps, self.rank_penalty)
         adv = estimate_advantages(rewards, self.advantage, self.scale_rewards,
                                   k=self.pass_k)  # (B, G)
+        if self.answer_shaping == "repetition":
+            require(answers is not None, "objective.answer_shaping repetition needs the answer "
+                    "classes; the trainer passes them (prepare(..., answers=...))")
+            adv = adv + self.repetition_coef * repetition_penalty(answers).to(adv.dtype)
         return Targets(advantages=adv.reshape(-1))
 
     def state(self) -> dict[str, float]:
@@ -211,10 +247,13 @@ class EntropyMaxEnt(GRPO):
         clip_rule: ClipRule = "ppo", kl_bias_correction: bool = False, pass_k: int = 4,
         cov_fraction: float = 2e-4, clip_cov_bounds: tuple[float, float] = (1.0, 5.0),
         kl_cov_coef: float = 1.0, top_entropy_quantile: float = 1.0,
+        answer_shaping: Shaping = "none", rank_penalty: float = 0.25,
+        repetition_coef: float = 0.2,
     ) -> None:
         super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator,
                          advantage, ratio_level, clip_rule, kl_bias_correction, pass_k,
-                         cov_fraction, clip_cov_bounds, kl_cov_coef, top_entropy_quantile)
+                         cov_fraction, clip_cov_bounds, kl_cov_coef, top_entropy_quantile,
+                         answer_shaping, rank_penalty, repetition_coef)
         check_number("objective.alpha", alpha, minimum=0)
         check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
                      allow_none=True)

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 from maxent_grpo.core import (
+    answer_listwise_loss,
+    answer_maxent_weights,
     group_advantages,
     group_utility,
     group_weights,
@@ -61,8 +63,13 @@ class ListwiseMaxEnt(Objective):
         distinct_candidates: the candidates of a group are its *distinct* completions (a
             completion sampled m times is one candidate, its first row), so a frequent
             answer does not get m times the target of a rare one that is as good.
+        answer_level: the entropy and the target are over the group's distinct *answers*
+            (canonical as the task's verifier reads them), not its completions: ``q`` and
+            ``w`` have one entry per answer, and the loss fits the policy's mass on each
+            answer, summed over the distinct completions that give it
+            (docs/ALGORITHM.md §4.3, answer level). Implies ``distinct_candidates``.
         clip_coef: coefficient of the sequence-level clip term (0 = off; not with
-            ``distinct_candidates``).
+            ``distinct_candidates`` or ``answer_level``).
         epsilon: lower clip range of that term.
         epsilon_high: upper clip range; ``None`` means ``epsilon``.
     """
@@ -74,6 +81,7 @@ class ListwiseMaxEnt(Objective):
         self, tau: float = 0.5, beta: float = 0.0, q_temperature: float = 0.2,
         q_epsilon: float = 1e-6, length_normalize: bool = True, distinct_candidates: bool = False,
         clip_coef: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+        answer_level: bool = False,
     ) -> None:
         check_number("objective.beta", beta, minimum=0)
         check_number("objective.tau", tau, minimum=0)
@@ -88,11 +96,13 @@ class ListwiseMaxEnt(Objective):
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
         check_bool("objective.length_normalize", length_normalize)
         check_bool("objective.distinct_candidates", distinct_candidates)
+        check_bool("objective.answer_level", answer_level)
         require(
-            not (distinct_candidates and clip_coef > 0),
-            "objective.clip_coef must be 0 with objective.distinct_candidates: the "
-            "sequence-level clip term is defined over all G rows",
+            not ((distinct_candidates or answer_level) and clip_coef > 0),
+            "objective.clip_coef must be 0 with objective.distinct_candidates or "
+            "objective.answer_level: the sequence-level clip term is defined over all G rows",
         )
+        self.answer_level = answer_level
         self.tau = float(tau)
         self.beta = float(beta)
         self.distinct_candidates = distinct_candidates
@@ -107,14 +117,27 @@ class ListwiseMaxEnt(Objective):
 
     @property
     def needs_candidates(self) -> bool:
-        return self.distinct_candidates
+        return self.distinct_candidates or self.answer_level
+
+    @property
+    def needs_answers(self) -> bool:
+        return self.answer_level
 
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "beta": self.beta}
 
     def prepare(
-        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
+        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None,
+        answers=None,
     ) -> Targets:
+        if self.answer_level:
+            require(answers is not None, "objective.answer_level needs the answer classes; "
+                    "the trainer passes them (prepare(..., answers=...))")
+            ref = ref_seq_logps if self.beta > 0 else None
+            q, w = answer_maxent_weights(rewards, answers, self.tau, self.beta, ref, candidates,
+                                         self.q_temperature, self.q_epsilon)
+            return Targets(weights=w, stats=weight_stats(w), candidates=candidates, q=q,
+                           answers=answers)
         q = q_distribution(rewards, self.q_temperature, self.q_epsilon, candidates)  # (B, G)
         ref = ref_seq_logps if self.beta > 0 else None
         w = maxent_weights(q.log(), self.tau, self.beta, ref, candidates)  # rows sum to 1
@@ -133,7 +156,10 @@ class ListwiseMaxEnt(Objective):
         total_groups = mb.num_rows // G
         scale = mb.num_groups / total_groups  # sum over micro-batches = mean over groups
         s = self._seq_logps(mb.token_logps, mb.mask, G)  # (b, G)
-        loss = listwise_loss(s, mb.weights, mb.candidates) * scale
+        if mb.answers is not None:
+            loss = answer_listwise_loss(s, mb.weights, mb.answers, mb.candidates) * scale
+        else:
+            loss = listwise_loss(s, mb.weights, mb.candidates) * scale
         sums: dict[str, tuple[Tensor, Tensor]] = {}
         groups = torch.tensor(float(mb.num_groups))
         sums["loss/policy"] = (loss.detach() / scale * groups, groups)

@@ -123,3 +123,39 @@ def coverage_answer(answer: str | None) -> str | None:
     if answer.count("=") == 1:
         answer = answer.split("=")[0]
     return canonical_expression(answer)
+
+
+#: how a task's answers are compared (the rows' ``answer_form`` column; absent: ``expression``)
+ANSWER_FORMS = ("expression", "ordered")
+
+
+def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
+    """An answer's canonical form under a task's ``answer_form``: ``"expression"`` (the
+    default, ``None``) is :func:`coverage_answer`, where ``"5 + 4"`` and ``"4 + 5"`` are one
+    answer; ``"ordered"`` keeps the order and removes the whitespace only, so they are two
+    (the ``digit_pairs`` task with ``ordered=True``). ``None`` when there is no answer (or,
+    for expressions, when it is not one).
+
+    >>> canonical_answer("5 + 4"), canonical_answer("5 + 4", "ordered"), canonical_answer(None)
+    ('4 + 5', '5+4', None)
+    """
+    if form in (None, "expression"):
+        return coverage_answer(answer)
+    if form == "ordered":
+        return None if answer is None else ("".join(answer.split()) or None)
+    raise ValueError(f"answer_form must be one of {ANSWER_FORMS}; got {form!r}")
+
+
+def answer_key(completion: str | list[dict], form: str | None = None) -> str | None:
+    """A sample's answer as the answer statistics and the answer-level objectives compare
+    them: :func:`canonical_answer` of :func:`sample_answer`, else (not an expression) the
+    answer with whitespace collapsed; ``None``: no answer.
+
+    >>> answer_key("4 + 5") == answer_key(" 5+4"), answer_key(" 8 "), answer_key("  ")
+    (True, '8', None)
+    """
+    answer = sample_answer(completion)
+    key = canonical_answer(answer, form)
+    if key is not None or answer is None:
+        return key
+    return " ".join(answer.split())

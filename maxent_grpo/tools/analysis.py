@@ -283,12 +283,14 @@ _RUN_KEYS: tuple[str, ...] = ("task", "objective", "seed", "curve", "metrics")
 
 def load_study(path: str | os.PathLike) -> dict[str, Any]:
     """Read a study JSON (``{"meta": {...}, "runs": [{task, objective, seed, curve: {steps,
-    reward}, metrics: {"pass@1": ..., ...}}, ...]}``) and check that it has that shape.
+    reward}, metrics: {"pass@1": ..., ...}}, ...]}``) and check that it has that shape. A run
+    with ``"trained": false`` (the starting model, evaluated without training) has an empty
+    curve; the curve may also hold ``answer_entropy`` and ``distinct_correct`` per step.
 
     Raises:
         ValueError: naming the file, when it is not JSON, has no ``runs`` list, or a run
             lacks one of ``task``, ``objective``, ``seed``, ``curve`` (with a non-empty
-            ``reward``), ``metrics``.
+            ``reward`` unless it was not trained), ``metrics``.
     """
     path = Path(path)
     try:
@@ -299,7 +301,7 @@ def load_study(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} has no 'runs' list (see benchmarks/maxent_vs_grpo.py)")
     for i, run in enumerate(study["runs"]):
         missing = [k for k in _RUN_KEYS if k not in run]
-        if "curve" in run and not run["curve"].get("reward"):
+        if "curve" in run and not run["curve"].get("reward") and run.get("trained", True):
             missing.append("curve.reward")  # absent or empty
         if missing:
             raise ValueError(f"{path}: runs[{i}] lacks {', '.join(missing)}")
@@ -333,10 +335,10 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
         samples: dict[str, list[float]] = {}
         for run in mine:
             reward = run["curve"]["reward"]
-            values = dict(run["metrics"]) | {
-                "reward_first20": statistics.fmean(reward[:20]),
-                "reward_last20": statistics.fmean(reward[-20:]),
-            }
+            values = dict(run["metrics"])
+            if reward:  # the starting model has no training curve
+                values |= {"reward_first20": statistics.fmean(reward[:20]),
+                           "reward_last20": statistics.fmean(reward[-20:])}
             for key, value in values.items():
                 samples.setdefault(key, []).append(float(value))
         row: dict[str, Any] = {"objective": objective, "seeds": len(mine)}
@@ -363,12 +365,12 @@ def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]
 
 
 def _reward_band(
-    runs: Sequence[Mapping[str, Any]], smooth: int
+    runs: Sequence[Mapping[str, Any]], smooth: int, key: str = "reward"
 ) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps, mean, min and max over seeds of the ``smooth``-point trailing averages of the
-    reward curves (cut to the shortest seed)."""
-    n = min(len(run["curve"]["reward"]) for run in runs)
-    curves = [_smooth(run["curve"]["reward"][:n], smooth) for run in runs]
+    ``key`` curves (cut to the shortest seed)."""
+    n = min(len(run["curve"][key]) for run in runs)
+    curves = [_smooth(run["curve"][key][:n], smooth) for run in runs]
     steps = list(runs[0]["curve"].get("steps", range(n)))[:n]
     by_step = list(zip(*curves, strict=True))
     return (steps, [statistics.fmean(v) for v in by_step],
@@ -423,22 +425,31 @@ def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
     colour_of = dict(zip(objectives, _colours(len(objectives)), strict=True))
     families = [f for f in STUDY_FAMILIES
                 if any(k.startswith(f"{f}@") for run in study["runs"] for k in run["metrics"])]
-    fig, axes = plt.subplots(len(tasks), 1 + len(families), squeeze=False, layout="constrained",
-                             figsize=(4.2 * (1 + len(families)), 3.2 * len(tasks) + 0.6))
+    curves = ["reward"] + [k for k in ("answer_entropy",) if any(
+        run["curve"].get(k) for run in study["runs"])]
+    fig, axes = plt.subplots(len(tasks), len(curves) + len(families), squeeze=False,
+                             layout="constrained",
+                             figsize=(4.2 * (len(curves) + len(families)),
+                                      3.2 * len(tasks) + 0.6))
     for task, row_axes in zip(tasks, axes, strict=True):
         runs = [run for run in study["runs"] if run["task"] == task]
-        ax = row_axes[0]
-        for objective in _in_order(runs, "objective"):
-            steps, mean, lo, hi = _reward_band(
-                [run for run in runs if run["objective"] == objective], smooth)
-            ax.fill_between(steps, lo, hi, color=colour_of[objective], alpha=0.2, linewidth=0)
-            ax.plot(steps, mean, color=colour_of[objective], label=objective)
-        ax.set_title(f"{runs[0].get('task_label', task)}: reward (train)")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
+        for ax, key in zip(row_axes, curves, strict=False):
+            for objective in _in_order(runs, "objective"):
+                mine = [run for run in runs
+                        if run["objective"] == objective and run["curve"].get(key)]
+                if not mine:  # the starting model: no training curve
+                    continue
+                steps, mean, lo, hi = _reward_band(mine, smooth, key)
+                ax.fill_between(steps, lo, hi, color=colour_of[objective], alpha=0.2,
+                                linewidth=0)
+                ax.plot(steps, mean, color=colour_of[objective], label=objective)
+            what = key.replace("_", " ") + (" (nats)" if key == "answer_entropy" else "")
+            ax.set_title(f"{runs[0].get('task_label', task)}: {what} (train)", fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
         rows = study_table(study, task)
         has_sets = bool(_metric_ks(rows, "coverage"))
-        for ax, family in zip(row_axes[1:], families, strict=True):
+        for ax, family in zip(row_axes[len(curves):], families, strict=True):
             # without answer sets, answers are compared as written ("8" vs "8 ok")
             shown = rows if has_sets or family != "distinct_correct" else []
             _plot_family(ax, shown, family, colour_of)

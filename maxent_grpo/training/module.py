@@ -116,6 +116,13 @@ class MaxEntGRPOModule(L.LightningModule):
             up to this many times per step while fewer than that many groups have rewards
             that differ (DAPO's dynamic sampling with refill; ``train/refill_rounds``;
             :mod:`~maxent_grpo.training.step.refill`). Needs the PromptDataModule.
+        solved_reward: with ``drop_constant_groups``, keep the constant groups whose G
+            rewards are all at least this value (*solved* groups, e.g. 1.0 for a 0/1
+            correctness reward) and drop only the others. GRPO gives a solved group zero
+            advantage (only the normaliser changes); for the MaxEnt objectives over answers
+            (``ListwiseMaxEnt(answer_level=true)``) a solved group with several right answers
+            is where the target spreads weight evenly among them. ``None``: drop every
+            constant group.
         sampler_correction: correct the clipped surrogate for an engine that samples from a
             slightly different distribution than the trainer scores (vLLM in bf16, other
             kernels): per-token (``token_*``) or per-sequence (``sequence_*``) importance
@@ -174,6 +181,7 @@ class MaxEntGRPOModule(L.LightningModule):
         mask_truncated_completions: bool = False,
         drop_constant_groups: bool = False,
         refill_rounds: int = 0,
+        solved_reward: float | None = None,
         sampler_correction: Literal["token_tis", "token_mis", "sequence_tis",
                                     "sequence_mis"] | None = None,
         sampler_correction_cap: float = 2.0,

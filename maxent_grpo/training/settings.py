@@ -66,6 +66,8 @@ class GenerationSettings:
         sampler_correction_cap: its cap ``C``.
         refill_rounds: at most this many extra rollouts of ``B`` new prompts per step while
             fewer than ``B`` groups have rewards that differ (dynamic sampling with refill).
+        solved_reward: with ``drop_constant_groups``, a constant group whose rewards are all
+            at least this value is *solved* and stays in the update; ``None``: none stays.
     """
 
     num_generations: int
@@ -75,6 +77,7 @@ class GenerationSettings:
     sampler_correction: str | None = None
     sampler_correction_cap: float = 2.0
     refill_rounds: int = 0
+    solved_reward: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,10 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     require(o["refill_rounds"] == 0 or o["drop_constant_groups"],
             "model.refill_rounds refills the groups that model.drop_constant_groups drops; "
             "set model.drop_constant_groups: true with it (or model.refill_rounds: 0)")
+    check_number("model.solved_reward", o["solved_reward"], allow_none=True)
+    require(o["solved_reward"] is None or o["drop_constant_groups"],
+            "model.solved_reward keeps some of the groups that model.drop_constant_groups "
+            "drops; set model.drop_constant_groups: true with it (or leave it None)")
     check_bool("model.mask_truncated_completions", o["mask_truncated_completions"])
     check_int("model.micro_batch_groups", o["micro_batch_groups"], minimum=1, allow_none=True)
     check_int("model.micro_batch_tokens", o["micro_batch_tokens"], minimum=1, allow_none=True)
@@ -198,6 +205,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             sampler_correction=o["sampler_correction"],
             sampler_correction_cap=float(o["sampler_correction_cap"]),
             refill_rounds=o["refill_rounds"],
+            solved_reward=None if o["solved_reward"] is None else float(o["solved_reward"]),
         ),
         evaluation=EvaluationSettings(
             num_generations=n,

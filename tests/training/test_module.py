@@ -29,8 +29,12 @@ from tests.conftest import alternating, always_one, fit, make_data, make_module,
         (ListwiseMaxEnt(tau=0.5, beta=0.1, clip_coef=0.1), True),
         (GroupMaxEnt(tau=0.5), False),
         (ListwiseMaxEnt(tau=0.5, length_normalize=True, distinct_candidates=True), False),
+        (ListwiseMaxEnt(tau=0.5, beta=0.1, answer_level=True), True),
+        (GRPO(answer_shaping="unlikeliness"), False),
+        (GRPO(answer_shaping="repetition"), False),
     ],
-    ids=["dr_grpo", "dapo+kl", "entropy", "listwise", "group", "listwise-distinct"],
+    ids=["dr_grpo", "dapo+kl", "entropy", "listwise", "group", "listwise-distinct",
+         "listwise-answers", "unlikeliness", "repetition"],
 )
 def test_every_objective_trains(cache_dir, objective, needs_ref):
     module = make_module(
@@ -394,6 +398,27 @@ def test_listwise_flattens_constant_groups_unless_they_are_dropped(cache_dir):
     assert trainer.global_step == 1 and module.counters.empty_steps == 1
     assert trainer.callback_metrics["train/dropped_groups"] == 4
     assert module.trajectory.samples.weights is None
+
+
+def test_solved_groups_stay_for_the_answer_level_target(cache_dir):
+    """With ``solved_reward`` the all-right groups stay in the update: their answer-level
+    listwise target spreads weight over the different answers they hold, so the weights
+    move where plain dropping leaves them still."""
+    moved, module, trainer = _sgd_delta(
+        cache_dir, ListwiseMaxEnt(tau=0.5, answer_level=True), "always_one",
+        drop_constant_groups=True, solved_reward=1.0)
+    assert trainer.callback_metrics["train/dropped_groups"] == 0
+    assert max(float(d.abs().max()) for d in moved.values()) > 0
+    answers = module.trajectory.targets.answers
+    weights = module.trajectory.targets.weights
+    assert answers is not None and bool((weights[answers != torch.arange(4)] == 0).all())
+    still, _, trainer = _sgd_delta(
+        cache_dir, ListwiseMaxEnt(tau=0.5, answer_level=True), "always_one",
+        drop_constant_groups=True, solved_reward=2.0)
+    assert trainer.callback_metrics["train/dropped_groups"] == 4
+    assert all(float(d.abs().max()) == 0 for d in still.values())
+    with pytest.raises(ValueError, match="solved_reward"):
+        make_module(cache_dir, solved_reward=1.0)
 
 
 def test_dropped_groups_do_not_depend_on_the_micro_batches(cache_dir):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from maxent_grpo.core.evaluation import aggregate
 from maxent_grpo.rewards import WeightedRewards
-from maxent_grpo.rewards.parsing import coverage_answer, sample_answer
+from maxent_grpo.rewards.parsing import canonical_answer, coverage_answer, sample_answer
 from maxent_grpo.rollout import (
     PromptCompletionBatch,
     RolloutEngine,
@@ -50,6 +50,8 @@ class PromptRecord:
         valid_answers: the prompt's full set of canonical correct answers, or ``None``.
         task: the prompt's task label (the ``task`` column), or ``None``.
         greedy_correct: 1.0 / 0.0 for the greedy completion, ``None`` without greedy.
+        answer_form: how answers are compared (the ``answer_form`` column,
+            :func:`~maxent_grpo.rewards.parsing.canonical_answer`); ``None``: expressions.
     """
 
     correct: tuple[float, ...]
@@ -57,6 +59,7 @@ class PromptRecord:
     valid_answers: frozenset[str] | None = None
     task: str | None = None
     greedy_correct: float | None = None
+    answer_form: str | None = None
 
 
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
@@ -65,9 +68,14 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
     valid = [r.valid_answers for r in records]
     if any(v is not None for v in valid):
         canonical = [
-            [coverage_answer(a) if ok else None for a, ok in zip(r.answers, r.correct, strict=True)]
+            [canonical_answer(a, r.answer_form) if ok else None
+             for a, ok in zip(r.answers, r.correct, strict=True)]
             for r in records
         ]
+        valid = [  # an answer set of another form is compared in that form
+            v if v is None or r.answer_form in (None, "expression")
+            else frozenset(canonical_answer(a, r.answer_form) for a in v)
+            for v, r in zip(valid, records, strict=True)]
         coverage = aggregate(correct, ks, answers=canonical, valid_answers=valid)
         # in canonical form "5 + 4" and "4 + 5" are one correct answer
         out.update({
@@ -148,12 +156,14 @@ class Evaluator(torch.nn.Module):
         for b in range(B):
             valid = columns.get("valid_answers", [None] * B)[b]
             task = columns.get("task", [None] * B)[b]
+            form = columns.get("answer_form", [None] * B)[b]
             self.records.append(PromptRecord(
                 correct=tuple(correct[b * n:(b + 1) * n]),
                 answers=tuple(sample_answer(c) for c in completions[b * n:(b + 1) * n]),
                 valid_answers=None if valid is None else frozenset(valid),
                 task=None if task is None else str(task),
                 greedy_correct=greedy_correct[b],
+                answer_form=None if form is None else str(form),
             ))
 
     def _score(

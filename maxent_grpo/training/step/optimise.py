@@ -122,6 +122,7 @@ def optimizer_step(
             advantages=None if targets.advantages is None else targets.advantages[rows],
             weights=None if targets.weights is None else targets.weights[chunk.groups],
             candidates=None if targets.candidates is None else targets.candidates[chunk.groups],
+            answers=None if targets.answers is None else targets.answers[chunk.groups],
             group_size=G,
             num_rows=t.num_rows,
             num_micro_batches=len(t.chunks),

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from maxent_grpo.core import constant_groups
+from maxent_grpo.core import droppable_groups
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 
 #: one scored rollout: (batch dict, rollout, rewards (B, G), components (K, B*G))
@@ -54,18 +54,19 @@ def refill_source(trainer: Any) -> Callable[[int], dict[str, Any]]:
 def refill(
     first: Scored, draw: Callable[[int], dict[str, Any]],
     roll_out: Callable[[dict[str, Any]], Scored], rounds: int, any_rank: Callable[[bool], bool],
-    pad_id: int,
+    pad_id: int, solved_reward: float | None = None,
 ) -> tuple[Scored, int]:
     """``(the step's B groups, rounds run)`` from the scored batch ``first``: while fewer
     than ``B`` groups have differing rewards on some rank (``any_rank``) and fewer than
     ``rounds`` rounds ran, ``roll_out(draw(B))`` another ``B`` prompts (see the module
-    docstring). ``first`` itself is returned when no round runs."""
+    docstring); a solved group (``model.solved_reward``) counts as one that varies.
+    ``first`` itself is returned when no round runs."""
     B, G = first[2].shape
     pools = [first]
-    constant = [constant_groups(first[2]).tolist()]  # per pool, per group
+    constant = [droppable_groups(first[2], solved_reward).tolist()]  # per pool, per group
     while len(pools) <= rounds and any_rank(sum(not c for cs in constant for c in cs) < B):
         pools.append(roll_out(draw(B)))
-        constant.append(constant_groups(pools[-1][2]).tolist())
+        constant.append(droppable_groups(pools[-1][2], solved_reward).tolist())
     if len(pools) == 1:
         return first, 0
     ranked = sorted((c, k, g) for k, cs in enumerate(constant) for g, c in enumerate(cs))

@@ -20,8 +20,7 @@ import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 
-from maxent_grpo.core.evaluation import normalise_answer
-from maxent_grpo.rewards.parsing import coverage_answer, sample_answer
+from maxent_grpo.rewards.parsing import answer_key  # noqa: F401  (its home before)
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
     LoggingConfigView,
@@ -34,13 +33,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from maxent_grpo.training.step.trajectory import Trajectory
-
-
-def answer_key(completion: Any) -> str | None:
-    """A sample's answer as the answer statistics compare them: canonical as coverage@k
-    reads an expression, else with whitespace collapsed (``None``: no answer)."""
-    answer = sample_answer(completion)
-    return coverage_answer(answer) or normalise_answer(answer)
 
 
 class LightningWriter:
@@ -107,7 +99,7 @@ class StepMetrics(torch.nn.Module):
         the threshold); both means over every group of the step, dropped ones included."""
         t, ev = trajectory, self.evaluation
         G = t.rewards.shape[1]
-        answers = [answer_key(c) for c in t.pairs.completions]
+        answers = t.answer_keys
         # the rollout's record on the CPU (already copied there): no second device sync
         judged = t.samples.components[self.reward_names[ev.reward_index]].reshape(-1)
         correct = (judged >= ev.correct_threshold).tolist()

@@ -7,6 +7,7 @@
     rewards  = sum_k w_k R_k(pairs)                        # (B, G)
     refill   = more prompts while too few groups vary      # (refill_rounds; step/refill.py)
     keep     = groups that take part                       # (B,) (drop_constant_groups)
+    answers  = canonical answers, their classes per group  # answer statistics, answer_level
     ref      = log pi_ref(completion)   if needed          # (N, T), no grad
     old      = log pi_old(completion)   if num_iterations > 1
     targets  = objective.prepare(rewards, lengths, rho)    # over the kept groups of all ranks
@@ -18,14 +19,15 @@ that every rank makes the same backward passes. Rows stay prompt-major.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from maxent_grpo.core import constant_groups, distinct_candidates
+from maxent_grpo.core import answer_classes, distinct_candidates, droppable_groups
 from maxent_grpo.objectives import Targets, sequence_ref_loglik
+from maxent_grpo.rewards.parsing import answer_key
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
 from maxent_grpo.training.step.batching import MicroBatchPlan
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
@@ -93,6 +95,9 @@ class Trajectory:
         samples: the CPU record for display.
         refill_rounds: extra rollouts of ``B`` prompts this step drew
             (``model.refill_rounds``; the same on every rank).
+        answer_keys: the ``B*G`` samples' answers as the answer statistics and the
+            answer-level objectives compare them (:func:`~maxent_grpo.rewards.parsing.answer_key`
+            under each row's ``answer_form``; ``None``: no answer).
     """
 
     rollout: RolloutOutput
@@ -116,6 +121,7 @@ class Trajectory:
     loss_scale: float
     samples: RolloutSamples
     refill_rounds: int = 0
+    answer_keys: list[str | None] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -150,20 +156,22 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         require(ctx.refill is not None, "model.refill_rounds needs StepContext.refill, the "
                 "DataModule's refill_batch (the module passes it; see step/refill.py)")
         scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
-                                pad_id(scored[1], ctx.engine))
+                                pad_id(scored[1], ctx.engine), gen.solved_reward)
     batch, rollout, rewards, components = scored
     pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
     loss_mask = rollout.completion_mask.clone()  # (B*G, T) bool
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
+    forms = batch["columns"].get("answer_form") or [None] * B
+    keys = [answer_key(c, forms[i // G]) for i, c in enumerate(pairs.completions)]
 
     # the groups that take part; a rank that keeps none scores its first group at weight 0
     keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
     ghost = False
     rows: Tensor | slice = slice(None)  # all rows, as views
     if gen.drop_constant_groups:
-        keep = ~constant_groups(rewards)  # (B,) some reward differs
+        keep = ~droppable_groups(rewards, gen.solved_reward)  # (B,) varies, or solved
         ghost = world > 1 and not bool(keep.any())
         scored = keep.clone()
         scored[0] |= ghost
@@ -184,19 +192,32 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         rho = sequence_ref_loglik(ref_logps, mask, G)[: n_kept // G]  # (kept, G)
     if ctx.schedule.num_iterations > 1 and chunks:
         old_logps = ctx.scorer.frozen_logps(ctx.policy, input_ids, attention, T, chunks)
+    seq_logps = None
+    if ctx.objective.needs_sequence_logps and chunks:  # mean token log-prob, behaviour policy
+        behaviour = old_logps if old_logps is not None else ctx.scorer.frozen_logps(
+            ctx.policy, input_ids, attention, T, chunks)
+        seq_logps = sequence_ref_loglik(behaviour, mask, G)[: n_kept // G]  # (kept, G)
     timer.stop("frozen")
 
     candidates = None
     if ctx.objective.needs_candidates:  # the first occurrence of each distinct completion
         candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
         candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
-    targets, kept_groups = prepare_targets(ctx, rewards, lengths, T_max, rho, keep, candidates)
+    answers = None
+    if ctx.objective.needs_answers:  # a sample with no answer is its own completion's class
+        answers = answer_classes(
+            [k if k is not None else ("", c) for k, c in zip(keys, pairs.completions,
+                                                             strict=True)], G
+        ).to(rewards.device)  # (B, G)
+    targets, kept_groups = prepare_targets(ctx, rewards, lengths, T_max, rho, keep, candidates,
+                                           answers, seq_logps)
     samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)
     if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
         targets = Targets(
             advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
             stats=targets.stats,
             candidates=torch.ones(1, G, dtype=torch.bool, device=rewards.device),
+            answers=None if answers is None else torch.arange(G, device=rewards.device)[None],
         )
     num_tokens = mask.sum() * (not ghost)
     global_tokens = ctx.gather(num_tokens).sum()
@@ -208,7 +229,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         kept_groups=kept_groups, dropped_groups=world * B - kept_groups, ghost=ghost,
         num_global_tokens=global_tokens,
         loss_scale=0.0 if ghost else ctx.objective.loss_scale(world, n_kept, kept_groups * G),
-        samples=samples, refill_rounds=rounds,
+        samples=samples, refill_rounds=rounds, answer_keys=keys,
     )
 
 
@@ -227,7 +248,8 @@ def flat_pairs(generation: GenerationBatch, raw_prompts: list[Any]) -> PromptCom
 
 def prepare_targets(
     ctx: StepContext, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None,
-    keep: Tensor, candidates: Tensor | None = None,
+    keep: Tensor, candidates: Tensor | None = None, answers: Tensor | None = None,
+    seq_logps: Tensor | None = None,
 ) -> tuple[Targets, int]:
     """``objective.prepare`` over the kept groups of the optimizer step's whole batch, all
     ranks together; returns this rank's kept groups' targets and the number of groups kept
@@ -235,7 +257,9 @@ def prepare_targets(
 
     ``rewards`` and ``lengths`` are this rank's ``(B, G)``; ``keep`` ``(B,)`` marks the
     groups that take part and ``rho`` is ``(kept, G)`` or None; ``candidates`` (``(B, G)``
-    bool, for objectives that ask for them) travel with the rewards. With W > 1 ranks every
+    bool) and ``answers`` (``(B, G)`` answer classes), for objectives that ask for them,
+    travel with the rewards; ``seq_logps`` (``(kept, G)``, the behaviour policy's mean token
+    log-probs) like ``rho``. With W > 1 ranks every
     rank's tensors are gathered (every rank has the same B), the kept groups of all ``W*B``
     are prepared at once, exactly as one process given the same prompts would
     (``scale_rewards="batch"``, ``targets.stats``), and each rank keeps the targets of its
@@ -245,8 +269,12 @@ def prepare_targets(
     every = {"rewards": rewards, "lengths": lengths, "keep": keep}
     if candidates is not None:
         every["candidates"] = candidates
-    if rho is not None:
-        every["rho"] = rho.new_zeros(rewards.shape).index_copy_(0, keep.nonzero()[:, 0], rho)
+    if answers is not None:
+        every["answers"] = answers
+    for name, kept_only in (("rho", rho), ("seq_logps", seq_logps)):
+        if kept_only is not None:
+            every[name] = kept_only.new_zeros(rewards.shape).index_copy_(
+                0, keep.nonzero()[:, 0], kept_only)
     start = 0
     if world > 1:
         B = rewards.shape[0]
@@ -259,9 +287,10 @@ def prepare_targets(
         return Targets(), 0
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
+    extra = {name: every[name] for name in ("answers", "seq_logps") if name in every}
     targets = ctx.objective.prepare(
-        every["rewards"], every["lengths"], T_max, every.get("rho"), every.get("candidates")
-    )
+        every["rewards"], every["lengths"], T_max, every.get("rho"), every.get("candidates"),
+        **extra)
     if world == 1:
         return targets, kept_total
     mine = slice(start, start + int(keep.sum()))
@@ -273,6 +302,7 @@ def prepare_targets(
         stats=targets.stats,
         candidates=None if cand is None else cand[mine],
         q=None if q is None else q[mine],
+        answers=None if targets.answers is None else targets.answers[mine],
     ), kept_total
 
 

@@ -1,0 +1,167 @@
+"""Issue 24's mechanisms on answers: listwise MaxEnt over distinct answers (§4.3, answer
+level), the unlikeliness reward and the repetition penalty (§4.5), in float64 against hand
+computations (docs/ALGORITHM.md §8, "answer level")."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from maxent_grpo.core import (
+    answer_classes,
+    answer_listwise_loss,
+    answer_maxent_weights,
+    droppable_groups,
+    listwise_loss,
+    maxent_weights,
+    q_distribution,
+    repetition_penalty,
+    unlikeliness_rewards,
+)
+from maxent_grpo.objectives import GRPO, ListwiseMaxEnt
+
+F64 = torch.float64
+
+# the worked example: "4 + 5" twice as two completions (4 + 5, 5 + 4), "3 + 6", and a wrong "1 + 1"
+KEYS = ["4 + 5", "4 + 5", "3 + 6", "1 + 1"]
+REWARDS = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=F64)
+S = torch.tensor([[-1.0, -2.0, -1.5, -3.0]], dtype=F64)
+
+
+def test_answer_classes_name_each_class_by_its_first_row():
+    assert answer_classes(KEYS, 4).tolist() == [[0, 0, 2, 3]]
+    assert answer_classes(["a", "b", "b", "a", "c", "c", "c", "c"], 4).tolist() == [
+        [0, 1, 1, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="group_size"):
+        answer_classes(["a"] * 3, 2)
+
+
+def test_answer_weights_by_hand():
+    """Three answers, two right: each right answer gets half the target, however many of
+    the sampled completions give it (the sequence-level target gives "4 + 5" two thirds)."""
+    answers = answer_classes(KEYS, 4)
+    eps, tau, tq = 1e-6, 0.5, 0.2
+    q, w = answer_maxent_weights(REWARDS, answers, tau, q_temperature=tq, q_epsilon=eps)
+    z = 2 * math.exp(1 / tq) + 1
+    q_hand = [math.exp(1 / tq) / z, math.exp(1 / tq) / z, 1 / z]
+    q_hand = [v * (1 - 3 * eps) + eps for v in q_hand]
+    w_hand = [v ** (1 / tau) for v in q_hand]
+    w_hand = [v / sum(w_hand) for v in w_hand]
+    torch.testing.assert_close(q, torch.tensor([[q_hand[0], 0, q_hand[1], q_hand[2]]], dtype=F64),
+                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(w, torch.tensor([[w_hand[0], 0, w_hand[1], w_hand[2]]], dtype=F64),
+                               rtol=1e-12, atol=0)
+    assert w[0, 0] == pytest.approx(0.5, abs=1e-4) and w[0, 2] == pytest.approx(0.5, abs=1e-4)
+    sequence_level = maxent_weights(q_distribution(REWARDS, tq, eps).log(), tau)
+    assert float(sequence_level[0, :2].sum()) == pytest.approx(2 / 3, abs=1e-4)
+
+
+def test_answer_loss_and_gradient_by_hand():
+    answers = answer_classes(KEYS, 4)
+    _, w = answer_maxent_weights(REWARDS, answers, 0.5, q_temperature=0.2)
+    s = S.clone().requires_grad_(True)
+    loss = answer_listwise_loss(s, w, answers)
+    loss.backward()
+    e = [math.exp(v) for v in S[0].tolist()]
+    Z = sum(e)
+    P = {0: (e[0] + e[1]) / Z, 2: e[2] / Z, 3: e[3] / Z}
+    W = {0: float(w[0, 0]), 2: float(w[0, 2]), 3: float(w[0, 3])}
+    assert float(loss.detach()) == pytest.approx(-sum(W[c] * math.log(P[c]) for c in P), rel=1e-12)
+    cls = [0, 0, 2, 3]
+    grad = [e[i] / Z * (1 - W[cls[i]] / P[cls[i]]) for i in range(4)]
+    torch.testing.assert_close(s.grad, torch.tensor([grad], dtype=F64), rtol=1e-10, atol=1e-14)
+
+
+def test_one_completion_per_answer_is_the_distinct_candidates_listwise_exactly():
+    """The seed's closed form is the special case: when every answer class is one candidate,
+    weights and loss equal the listwise target over distinct candidates."""
+    torch.manual_seed(0)
+    rewards = torch.rand(3, 5, dtype=F64)
+    rho = torch.randn(3, 5, dtype=F64)
+    s = torch.randn(3, 5, dtype=F64)
+    keys = ["a", "b", "a", "c", "d", "e", "f", "g", "h", "e", "x", "x", "x", "y", "z"]
+    answers = answer_classes(keys, 5)
+    cand = answers == torch.arange(5)  # duplicates of an answer are duplicate completions
+    rewards = torch.gather(rewards, 1, answers)  # a duplicate has its first row's reward
+    _, w = answer_maxent_weights(rewards, answers, 0.3, 0.2, rho, cand, 0.5, 1e-4)
+    q = q_distribution(rewards, 0.5, 1e-4, cand)
+    w_seq = maxent_weights(q.log(), 0.3, 0.2, rho, cand)
+    torch.testing.assert_close(w, w_seq, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(answer_listwise_loss(s, w, answers, cand),
+                               listwise_loss(s, w_seq, cand), rtol=1e-12, atol=0)
+
+
+def test_answer_level_beta_uses_each_answers_reference_mass():
+    answers = answer_classes(KEYS, 4)
+    rho = torch.tensor([[-1.0, -3.0, -2.0, -0.5]], dtype=F64)
+    tau, beta, eps, tq = 0.5, 0.25, 1e-6, 0.2
+    q, w = answer_maxent_weights(REWARDS, answers, tau, beta, rho, None, tq, eps)
+    rho_c = [math.log(math.exp(-1) + math.exp(-3)), -2.0, -0.5]
+    logits = [(math.log(float(q[0, i])) + beta * r) / (tau + beta)
+              for i, r in zip((0, 2, 3), rho_c, strict=True)]
+    hand = [math.exp(v) for v in logits]
+    hand = [v / sum(hand) for v in hand]
+    torch.testing.assert_close(w[0, [0, 2, 3]], torch.tensor(hand, dtype=F64), rtol=1e-12, atol=0)
+
+
+def test_answer_classes_are_checked():
+    with pytest.raises(ValueError, match="first row"):
+        answer_maxent_weights(REWARDS, torch.tensor([[0, 0, 1, 3]]), 0.5)
+    with pytest.raises(ValueError, match="candidate"):
+        answer_maxent_weights(REWARDS, torch.tensor([[0, 0, 2, 3]]), 0.5,
+                              candidates=torch.tensor([[False, True, True, True]]))
+    with pytest.raises(ValueError, match="0 outside"):
+        answer_listwise_loss(S, torch.full((1, 4), 0.25, dtype=F64), torch.tensor([[0, 0, 2, 3]]))
+
+
+def test_listwise_objective_answer_level_prepares_answer_targets():
+    objective = ListwiseMaxEnt(tau=0.5, answer_level=True)
+    assert objective.needs_answers and objective.needs_candidates
+    answers = answer_classes(KEYS, 4)
+    targets = objective.prepare(REWARDS, torch.ones(1, 4), 4, None,
+                                torch.ones(1, 4, dtype=torch.bool), answers=answers)
+    assert targets.answers is answers and targets.weights[0, 1] == 0
+    with pytest.raises(ValueError, match="answer classes"):
+        objective.prepare(REWARDS, torch.ones(1, 4), 4, None, None)
+    with pytest.raises(ValueError, match="clip_coef"):
+        ListwiseMaxEnt(answer_level=True, clip_coef=0.1)
+
+
+def test_unlikeliness_by_hand():
+    """The most likely right sample is paid least: ranks by mean token log-prob (0 = least
+    likely), reward times 1 - 0.25 * rank / G; wrong samples stay at 0."""
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=F64)
+    logps = torch.tensor([[-0.2, -0.1, -3.0, -1.0], [-1.0, -2.0, -3.0, -4.0]], dtype=F64)
+    out = unlikeliness_rewards(rewards, logps, 0.25)
+    # row 0 ranks: -3.0 -> 0, -1.0 -> 1, -0.2 -> 2, -0.1 -> 3
+    torch.testing.assert_close(out, torch.tensor(
+        [[1 - 0.25 * 2 / 4, 0.0, 1.0, 1 - 0.25 / 4], [0.0] * 4], dtype=F64))
+    objective = GRPO(answer_shaping="unlikeliness", scale_rewards="none")
+    assert objective.needs_sequence_logps and not objective.needs_answers
+    adv = objective.prepare(rewards, torch.ones(2, 4), 4, None, seq_logps=logps).advantages
+    torch.testing.assert_close(adv.view(2, 4), out - out.mean(1, keepdim=True))
+    with pytest.raises(ValueError, match="log-probs"):
+        objective.prepare(rewards, torch.ones(2, 4), 4, None)
+    with pytest.raises(ValueError, match="rank_penalty"):
+        GRPO(rank_penalty=1.5)
+
+
+def test_repetition_penalty_by_hand():
+    answers = torch.tensor([[0, 0, 0, 3], [0, 1, 2, 3]])
+    torch.testing.assert_close(repetition_penalty(answers).double(), torch.tensor(
+        [[-0.5, -0.5, -0.5, 0.0], [0.0] * 4], dtype=F64))
+    rewards = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=F64)
+    objective = GRPO(answer_shaping="repetition", repetition_coef=0.2, scale_rewards="none")
+    assert objective.needs_answers
+    adv = objective.prepare(rewards, torch.ones(2, 4), 4, None, answers=answers).advantages
+    torch.testing.assert_close(adv.view(2, 4), torch.tensor(
+        [[0.25 - 0.1, 0.25 - 0.1, 0.25 - 0.1, -0.75], [0.0] * 4], dtype=F64))
+
+
+def test_solved_groups_are_not_droppable():
+    r = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.5, 0.5], [1.0, 0.0]])
+    assert droppable_groups(r).tolist() == [True, True, True, False]
+    assert droppable_groups(r, 1.0).tolist() == [False, True, True, False]
+    assert droppable_groups(r, 0.5).tolist() == [False, True, False, False]
