@@ -1,29 +1,40 @@
-"""GRPO against the MaxEnt objectives on two offline tasks, several seeds, one command.
+"""GRPO against the MaxEnt objectives and the literature's diversity methods, several seeds,
+one command.
 
-    python benchmarks/maxent_vs_grpo.py                # the whole study (~35 min, 2 cores)
+    python benchmarks/maxent_vs_grpo.py                # the default study (~40 min, 2 cores)
     python benchmarks/maxent_vs_grpo.py --steps 20 --seeds 0 --tasks b   # a quick look
+    python benchmarks/maxent_vs_grpo.py --tasks s --steps 100 --seeds 0 1 \
+        --objectives start GRPO "Listwise(answers)" --out benchmarks/results/smollm2_sets.json
 
-Every run is ``configs/tiny.yaml`` (the default demo: ``builtin:tiny-warm``, 32 prompts x
-8 samples per step, AdamW 1e-3, its cosine schedule stretched over ``--steps``) with
-no KL term (``beta`` 0: the study predates the demo's 0.04) and
-``model.drop_constant_groups: true`` for every
-objective (``ABLATIONS`` lists the listwise variants that show why; run them with
-``--objectives``), the same prompts (``data.seed`` 0) and the same number of optimizer steps;
-only the objective and ``seed_everything`` (the sampling) change. The tasks:
+Every tiny-model run is ``configs/tiny.yaml`` (the default demo: ``builtin:tiny-warm``, 32
+prompts x 8 samples per step, AdamW 1e-3, its cosine schedule stretched over ``--steps``)
+with no KL term (``beta`` 0: the study predates the demo's 0.04) and
+``model.drop_constant_groups: true`` for every objective (``ABLATIONS`` lists the listwise
+variants that show why; run them with ``--objectives``), the same prompts (``data.seed`` 0)
+and the same number of optimizer steps; only the objective (and, for the runs that say so,
+``model.solved_reward``) and ``seed_everything`` (the sampling) change. The tasks:
 
 - ``a``: the demo task, one-digit sums ``"3 + 5 ="`` (``first_number`` reward); evaluated
   on 32 held-out prompts.
 - ``b``: ``digit_pairs``, ``"? + ? = 9"`` answered by any two digits with that sum (3 to 5
-  solutions per target, ``digit_pair`` reward); evaluated on the 9 targets it trains on,
-  twice each, so coverage@k (distinct correct answers / all answers) is exact.
+  solutions per target up to order, ``digit_pair`` reward); evaluated on the 9 targets it
+  trains on, twice each, so coverage@k (distinct correct answers / all answers) is exact.
+- ``c``: the same prompts with the order of the digits counted (``ordered: true``: 6 to 10
+  answers per target).
+- ``s``: ``number_sets`` on SmolLM2-135M-Instruct (``configs/smollm2_sets.yaml``, its own
+  settings; ``make setup-smollm2``), 7 sets of 8 to 10 integers, evaluated on each set twice.
 
-After training each run samples n = 8 completions per evaluation prompt and records
-mean@k, pass@k (unbiased), distinct_correct@k and coverage@k for k = 1, 4, 8, and its
-reward curve. The results go to ``benchmarks/results/maxent_vs_grpo.json`` (read by
+The default study is tasks b and c, seeds 0, 1, 2 and the runs of ``DEFAULT``: the starting
+model (``start``: evaluated, not trained), GRPO, the listwise target over completions and
+over answers, and four literature baselines. After training each run samples n = 32
+completions per evaluation prompt and records mean@k, pass@k (unbiased), distinct_correct@k
+and coverage@k for k = 1, 4, 8, 16, 32, its reward curve and its answer-spread curves
+(``train/answer_entropy``, ``train/distinct_correct``). The results go to
+``benchmarks/results/maxent_vs_grpo.json`` (read by
 ``maxent_grpo.tools.analysis.load_study`` and the analysis notebook), the tables to
 ``benchmarks/results/maxent_vs_grpo.md`` and the figure to ``.png`` beside them
-(``--report`` rewrites those two from the JSON). Runs are shared among ``--workers`` processes
-(one thread each).
+(``--report`` rewrites those two from the JSON). Runs are shared among ``--workers``
+processes (one thread each).
 """
 
 from __future__ import annotations
@@ -68,6 +79,12 @@ TASKS: dict[str, dict[str, Any]] = {
             "--model.rewards", json.dumps({"digit_pair": 1.0}),
             "--model.max_completion_length", "6",
         ],
+    },
+    # a real model: configs/smollm2_sets.yaml (make setup-smollm2), its own settings
+    "s": {
+        "label": "number sets, SmolLM2-135M (number_sets)",
+        "config": "configs/smollm2_sets.yaml",
+        "args": [],
     },
 }
 
@@ -192,11 +209,14 @@ DEFAULT = ("start", "GRPO", "Listwise", "Listwise(answers)", "GRPO+passk(k=4)",
 def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> list[str]:
     """The ``fit`` arguments of one run (training only; evaluation follows in-process)."""
     spec = RUNS[objective]
+    config = TASKS[task].get("config", "configs/tiny.yaml")
+    schedule = (["--model.lr_scheduler.init_args.T_max", str(max(1, steps - 5))]  # cosine
+                if config == "configs/tiny.yaml" else [])
     return [
-        "--config", str(ROOT / "configs/tiny.yaml"),
+        "--config", str(ROOT / config),
         "--seed_everything", str(seed),
         "--trainer.max_steps", str(steps),
-        "--model.lr_scheduler.init_args.T_max", str(max(1, steps - 5)),  # cosine over the run
+        *schedule,
         "--trainer.limit_val_batches", "0",
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
@@ -204,6 +224,7 @@ def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> 
         "--trainer.callbacks", json.dumps(spec.get("callbacks", [])),
         *(["--model.objective", spec["objective"]] if spec["objective"] else []),
         "--model.drop_constant_groups", json.dumps(spec.get("drop", True)),
+        "--model.solved_reward", "null",  # a run's own args may keep solved groups
         "--model.eval_num_generations", str(max(KS)),
         "--model.eval_k", json.dumps(list(KS)),
         *TASKS[task]["args"],
@@ -283,6 +304,34 @@ def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
 
+def _dynamics(study: dict[str, Any], task: str, window: int = 20) -> list[str]:
+    """Markdown: per objective, the mean over seeds of ``train/distinct_correct`` (distinct
+    right answers per group of G samples) and ``train/answer_entropy`` (nats) over
+    ``window``-step windows spread over the run: where the second answer dies."""
+    runs = [r for r in study["runs"]
+            if r["task"] == task and r["curve"].get("distinct_correct")]
+    if not runs:
+        return []
+    n = min(len(r["curve"]["distinct_correct"]) for r in runs)
+    window = min(window, n)
+    starts = sorted({min(n - window, max(0, round(f * n) - window)) for f in
+                     (0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)})
+    head = [f"{a + 1}-{a + window}" for a in starts]
+    out = ["During training, per group of G = 8 samples: distinct right answers / answer "
+           f"entropy (nats), mean over seeds of each {window}-step window:\n",
+           "| objective | " + " | ".join(f"steps {h}" for h in head) + " |",
+           "|---|" + "---|" * len(head)]
+    for objective in dict.fromkeys(r["objective"] for r in runs):
+        mine = [r for r in runs if r["objective"] == objective]
+        cells = []
+        for a in starts:
+            dc = _mean([_mean(r["curve"]["distinct_correct"][a:a + window]) for r in mine])
+            h = _mean([_mean(r["curve"]["answer_entropy"][a:a + window]) for r in mine])
+            cells.append(f"{dc:.2f} / {h:.2f}")
+        out.append(f"| {objective} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def report(study_path: Path) -> str:
     """Markdown of a study file: per task, mean ± sd over seeds of every metric, and the
     per-seed values of the headline ones; also saves the figure beside the file (PNG)."""
@@ -304,6 +353,7 @@ def report(study_path: Path) -> str:
         if any(f"coverage@{k}" in row for row in rows for k in ks):  # answer sets: exact
             out += [format_study_table(rows, [f"distinct_correct@{k}" for k in ks]
                                        + [f"coverage@{k}" for k in ks]), ""]
+        out += _dynamics(study, task)
         top = max(ks)
         out += [f"Per seed (pass@8 / mean@8 / coverage@8 / pass@{top}):\n"]
         for r in study["runs"]:

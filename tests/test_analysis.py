@@ -262,3 +262,32 @@ def test_plot_study_keeps_one_colour_per_objective_in_every_panel(agg):
     # mean over seeds 0-2 of the 5-point trailing average at step 10: 0.01 + 0.001 * 8
     assert grpo_mean.get_ydata()[10] == pytest.approx(0.018)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == list(OBJECTIVES)
+
+
+def test_the_starting_model_and_answer_entropy_curves_are_plotted(agg, tmp_path):
+    """An untrained run (the starting model) has no curve: it gets no reward band and no
+    reward columns, but its metrics are plotted; answer-entropy curves get a panel."""
+    study = synthetic_study()
+    for run in study["runs"]:
+        run["curve"]["answer_entropy"] = [1.0 - 0.01 * t for t in range(30)]
+    study["runs"].append({"task": "b", "task_label": "task b", "objective": "start", "seed": 0,
+                          "trained": False, "curve": {"steps": [], "reward": []},
+                          "metrics": {"pass@1": 0.1, "pass@4": 0.3}})
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(study))
+    loaded = load_study(path)
+    start = study_table(loaded, "b")[-1]
+    assert start["objective"] == "start" and "reward_first20" not in start
+    fig = plot_study(loaded, smooth=5)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles[:3] == ["task a: reward (train)", "task a: answer entropy (nats) (train)",
+                          "pass@k"]
+    entropy_b = next(ax for ax in fig.axes
+                     if ax.get_title() == "task b: answer entropy (nats) (train)")
+    assert {ln.get_label() for ln in entropy_b.get_lines()} == set(OBJECTIVES)
+    pass_b = [ax for ax in fig.axes if ax.get_title() == "pass@k"][1]
+    assert "start" in {bars.get_label() for bars in pass_b.containers}
+    study["runs"][-1]["trained"] = True
+    path.write_text(json.dumps(study))
+    with pytest.raises(ValueError, match="curve.reward"):
+        load_study(path)

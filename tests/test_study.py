@@ -35,12 +35,38 @@ def test_every_objective_runs_the_multi_answer_task_and_reports_the_metrics(
         assert len(record["curve"]["reward"]) == len(record["curve"]["steps"]) >= 2
         assert set(record["metrics"]) == {
             f"{name}@{k}" for name in ("mean", "pass", "distinct_correct", "coverage")
-            for k in (1, 4, 8)
+            for k in study.KS
         }
         m = record["metrics"]
-        assert 0 <= m["coverage@1"] <= m["coverage@8"] <= 1
-        assert m["pass@1"] <= m["pass@8"] and m["distinct_correct@1"] <= m["distinct_correct@8"]
+        assert 0 <= m["coverage@1"] <= m["coverage@8"] <= m["coverage@32"] <= 1
+        assert m["pass@1"] <= m["pass@8"] <= m["pass@32"]
+        assert m["distinct_correct@1"] <= m["distinct_correct@8"]
+        assert len(record["curve"]["answer_entropy"]) == len(record["curve"]["reward"])
         json.dumps(record)  # the study writes it as JSON
+
+
+def test_the_default_study_runs_the_starting_model_and_the_answer_mechanisms(
+    study, monkeypatch, tmp_path
+):
+    """The starting model is evaluated untrained (no curve); the answer-level listwise run
+    on the ordered task keeps its solved groups and scores answers in order."""
+    from maxent_grpo.tools.analysis import load_study, study_table
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    assert set(study.DEFAULT) <= set(study.RUNS) and "start" in study.DEFAULT
+    start = study.run_one("c", "start", seed=0, steps=2)
+    assert start["trained"] is False and start["curve"]["reward"] == []
+    answers = study.run_one("c", "Listwise(answers)", seed=0, steps=2)
+    assert answers["trained"] and len(answers["curve"]["reward"]) == 2
+    # a closed task of 9 targets x 6-10 ordered answers: one right answer covers 1/6 at most
+    assert 0 <= start["metrics"]["coverage@32"] <= 1
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"meta": {}, "runs": [start, answers]}))
+    rows = study_table(load_study(path), "c")
+    assert "reward_last20" not in rows[0] and "reward_last20" in rows[1]
+    args = study.run_args("c", "Listwise(answers)", 0, 2, str(tmp_path))
+    assert args[args.index("--model.solved_reward") + 1] == "1.0"
 
 
 def test_the_study_arguments_differ_only_in_the_objective(study):
@@ -62,15 +88,36 @@ def test_the_study_accepts_the_parts(study, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
     monkeypatch.chdir(tmp_path)
-    for name in [*study.PARTS, *study.BASELINES]:
+    for name in [*study.PARTS, *study.BASELINES, *study.ANSWERS]:
         cli = cli_module.main(study.run_args("a", name, 0, 2, str(tmp_path)),
                               run=False)
         objective = cli.model.objective
         spec = json.loads(study.RUNS[name]["objective"])["init_args"]
         for option in ("advantage", "ratio_level", "clip_rule", "pass_k",
-                       "top_entropy_quantile"):
+                       "top_entropy_quantile", "answer_shaping", "answer_level"):
             if option in spec:
                 assert getattr(objective, option) == spec[option], (name, option)
         expected_iterations = 2 if "--model.num_iterations" in study.RUNS[name].get("args",
                                                                                   []) else 1
         assert cli.model.loop.optimization.schedule.num_iterations == expected_iterations
+
+
+def test_the_smollm2_task_keeps_its_config_and_each_runs_group_filter(study, monkeypatch,
+                                                                    tmp_path):
+    """Task ``s`` runs configs/smollm2_sets.yaml (no tiny-config schedule); GRPO drops every
+    constant group there, the answer-level run keeps the solved ones."""
+    import maxent_grpo.cli as cli_module
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    monkeypatch.chdir(tmp_path)
+    solved = {}
+    for name in ("GRPO", "Listwise(answers)"):
+        argv = study.run_args("s", name, 0, 2, str(tmp_path))
+        assert "configs/smollm2_sets.yaml" in argv[1] and "--model.lr_scheduler" not in " ".join(
+            argv)
+        cli = cli_module.main(argv, run=False)
+        assert cli.datamodule.hparams.task == "number_sets"
+        assert cli.model.rewards.names == ["in_set"]
+        solved[name] = cli.model.loop.generation.solved_reward
+    assert solved == {"GRPO": None, "Listwise(answers)": 1.0}

@@ -58,11 +58,11 @@ from maxent_grpo.core.logprobs import (
     token_entropy,
 )
 from maxent_grpo.core.losses import (
+    answer_listwise_loss,
     cispo_surrogate,
     clip_cov_surrogate,
     clipped_surrogate,
     kl_cov_surrogate,
-    answer_listwise_loss,
     listwise_loss,
     reduce_token_loss,
     sequence_clip_loss,

@@ -13,11 +13,11 @@ from torch import Tensor
 from maxent_grpo.core import (
     entropy_gate_multiplier,
     estimate_advantages,
-    repetition_penalty,
-    unlikeliness_rewards,
     importance_ratio_at,
     kl_penalty,
+    repetition_penalty,
     top_entropy_mask,
+    unlikeliness_rewards,
 )
 from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
 from maxent_grpo.objectives.surrogate import (

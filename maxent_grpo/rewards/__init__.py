@@ -6,7 +6,8 @@ where ``None`` marks a row the reward does not apply to.
 
 Registered names: ``accuracy`` (math-verify equivalence with the ``answer`` column),
 ``countdown`` (valid expression for ``numbers``/``target``), ``first_number`` (the first
-integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``format`` (exact
+integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``in_set`` (the first
+integer is one of ``valid_answers``), ``format`` (exact
 ``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once) and
 ``answer_format`` (an ``<answer>`` block exists). ``model:<name_or_path>`` names a
 sequence-classification reward model (:class:`RewardModel`); per-reward options are in
@@ -20,6 +21,7 @@ from maxent_grpo.rewards.correctness import (
     countdown_reward,
     digit_pair_reward,
     first_number_reward,
+    in_set_reward,
 )
 from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
@@ -39,7 +41,8 @@ __all__ = [
     "REWARDS", "RewardFunctionError", "RewardModel", "RewardOptions", "RewardTimeout",
     "TimedReward", "TrainerState", "WeightedRewards", "accuracy_reward", "answer_format_reward",
     "completion_text", "countdown_reward", "digit_pair_reward", "extract_answer",
-    "first_number_reward", "format_reward", "get_reward", "last_boxed", "list_rewards",
+    "first_number_reward", "format_reward", "in_set_reward", "get_reward", "last_boxed",
+    "list_rewards",
     "parse_reward_options", "register_reward", "score_completions", "tag_count_reward",
     "trl_completions",
 ]

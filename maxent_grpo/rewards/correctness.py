@@ -182,3 +182,31 @@ def digit_pair_reward(
         ok = match is not None and int(match[1]) + int(match[2]) == int(row_target)
         scores.append(1.0 if ok else 0.0)
     return scores
+
+
+@register_reward("in_set")
+def in_set_reward(
+    prompts: list, completions: list, valid_answers: list | None = None, **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the first integer of the answer is one of the row's ``valid_answers``
+    (integers written as strings; the ``number_sets`` task), else 0.0. The answer is the
+    ``<answer>`` block when there is one, else the whole completion. ``valid_answers`` of
+    ``None`` gives ``None``.
+
+    >>> in_set_reward(["A prime number less than 20:"], [" 7, 11"], valid_answers=[["7", "11"]])
+    [1.0]
+    >>> in_set_reward(["A prime number less than 20:"], [" 8"], valid_answers=[["7", "11"]])
+    [0.0]
+    """
+    sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
+    scores: list[float | None] = []
+    for completion, members in zip(completions, sets, strict=True):
+        if members is None:
+            scores.append(None)
+            continue
+        text = completion_text(completion)
+        answer = extract_answer(text)
+        match = _FIRST_INT.search(text if answer is None else answer)
+        valid = {int(str(m).strip()) for m in members}
+        scores.append(1.0 if match is not None and int(match.group()) in valid else 0.0)
+    return scores

@@ -126,23 +126,30 @@ def coverage_answer(answer: str | None) -> str | None:
 
 
 #: how a task's answers are compared (the rows' ``answer_form`` column; absent: ``expression``)
-ANSWER_FORMS = ("expression", "ordered")
+ANSWER_FORMS = ("expression", "ordered", "first_number")
+_INTEGER = re.compile(r"-?\d+")
 
 
 def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     """An answer's canonical form under a task's ``answer_form``: ``"expression"`` (the
     default, ``None``) is :func:`coverage_answer`, where ``"5 + 4"`` and ``"4 + 5"`` are one
     answer; ``"ordered"`` keeps the order and removes the whitespace only, so they are two
-    (the ``digit_pairs`` task with ``ordered=True``). ``None`` when there is no answer (or,
-    for expressions, when it is not one).
+    (the ``digit_pairs`` task with ``ordered=True``); ``"first_number"`` is the first
+    integer of the answer (the ``number_sets`` task). ``None`` when there is no answer (or
+    it is not of the form: not an expression, no integer).
 
     >>> canonical_answer("5 + 4"), canonical_answer("5 + 4", "ordered"), canonical_answer(None)
     ('4 + 5', '5+4', None)
+    >>> canonical_answer(" 07, 11", "first_number"), canonical_answer("none", "first_number")
+    ('7', None)
     """
     if form in (None, "expression"):
         return coverage_answer(answer)
     if form == "ordered":
         return None if answer is None else ("".join(answer.split()) or None)
+    if form == "first_number":
+        match = None if answer is None else _INTEGER.search(answer)
+        return None if match is None else str(int(match.group()))
     raise ValueError(f"answer_form must be one of {ANSWER_FORMS}; got {form!r}")
 
 

@@ -59,7 +59,7 @@ def test_every_registered_reward_documents_a_pass_and_a_fail() -> None:
 def test_registry() -> None:
     assert list_rewards() == [
         "accuracy", "answer_format", "countdown", "digit_pair", "first_number", "format",
-        "overlong", "tag_count",
+        "in_set", "overlong", "tag_count",
     ]
     assert get_reward("format") is format_reward
     assert get_reward(tag_count_reward) is tag_count_reward

@@ -11,18 +11,21 @@ import pytest
 import maxent_grpo.tasks
 import maxent_grpo.tasks.countdown
 import maxent_grpo.tasks.digit_pairs as digit_pairs_module
+import maxent_grpo.tasks.number_sets as number_sets_module
 from maxent_grpo.tasks import TASKS, build_task, check_countdown, list_tasks, task_options
 
 
 def test_docstring_examples() -> None:
-    for module in (maxent_grpo.tasks, maxent_grpo.tasks.countdown, digit_pairs_module):
+    for module in (maxent_grpo.tasks, maxent_grpo.tasks.countdown, digit_pairs_module,
+                   number_sets_module):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0
 
 
 def test_registry_names_and_errors() -> None:
     assert list_tasks() == [
-        "arithmetic", "arithmetic_easy", "countdown", "countdown_multi", "digit_pairs"
+        "arithmetic", "arithmetic_easy", "countdown", "countdown_multi", "digit_pairs",
+        "number_sets",
     ]
     assert set(TASKS) == set(list_tasks())
     with pytest.raises(ValueError, match=r"'arithmetic'.*'countdown'.*got 'sudoku'"):
@@ -203,3 +206,47 @@ def test_digit_pairs_answer_sets_are_complete_and_targets_cycle() -> None:
         assert 3 <= len(row["valid_answers"]) <= 5
     assert build_task("digit_pairs", 27, 4, bare=True) == rows
     assert "<answer>" in build_task("digit_pairs", 1, 0)[0]["prompt"]
+
+
+def test_ordered_digit_pairs_have_six_to_ten_answers_and_say_how_to_compare_them():
+    from maxent_grpo.rewards import digit_pair_reward
+    from maxent_grpo.rewards.parsing import answer_key, canonical_answer
+
+    rows = build_task("digit_pairs", 18, 0, bare=True, ordered=True)
+    assert {r["target"] for r in rows} == set(range(5, 14))
+    for row in rows:
+        t, valid = row["target"], row["valid_answers"]
+        assert len(valid) == min(t, 18 - t) + 1 >= 6 and row["answer_form"] == "ordered"
+        assert row["task"] == "digit_pairs_ordered" and row["prompt"] == f"? + ? = {t}"
+        assert digit_pair_reward([row["prompt"]] * len(valid), valid,
+                                 target=[t] * len(valid)) == [1.0] * len(valid)
+        assert len({canonical_answer(v, "ordered") for v in valid}) == len(valid)
+    plain = build_task("digit_pairs", 1, 0, bare=True)[0]
+    assert "answer_form" not in plain and plain["task"] == "digit_pairs"
+    assert answer_key("4 + 5", "ordered") != answer_key("5+4", "ordered")
+    assert answer_key("4 + 5", "ordered") == answer_key(" 4+5", "ordered") == "4+5"
+    with pytest.raises(ValueError, match="answer_form"):
+        canonical_answer("1", "sorted")
+    with pytest.raises(ValueError, match="ordered must be a bool"):
+        build_task("digit_pairs", 1, 0, ordered="yes")
+
+
+def test_number_sets_list_every_member_and_are_graded_by_the_first_integer():
+    from maxent_grpo.rewards import in_set_reward
+    from maxent_grpo.rewards.parsing import answer_key
+
+    rows = build_task("number_sets", 14, 3)
+    assert sorted(r["set"] for r in rows[:7]) == sorted(number_sets_module.SETS)
+    for row in rows:
+        valid = row["valid_answers"]
+        assert len(valid) >= 8 and row["answer_form"] == "first_number"
+        assert row["answer"] in valid
+        assert in_set_reward([row["prompt"]] * len(valid), [f" {v}, and" for v in valid],
+                             valid_answers=[valid] * len(valid)) == [1.0] * len(valid)
+    primes = number_sets_module.SETS["prime"][1]
+    assert all(all(p % d for d in range(2, p)) for p in primes) and len(primes) == 8
+    assert answer_key(" 7, 11", "first_number") == answer_key("7.", "first_number") == "7"
+    assert in_set_reward(["q"], ["<answer>4</answer> 7"], valid_answers=[["7"]]) == [0.0]
+    assert in_set_reward(["q"], ["7"], valid_answers=[None]) == [None]
+    with pytest.raises(ValueError, match="sets must name"):
+        build_task("number_sets", 1, 0, sets=["cubes"])

@@ -10,6 +10,8 @@ prompts (:func:`maxent_grpo.core.evaluation.aggregate`):
   canonical form where the prompts have a valid-answer set);
 - ``{prefix}/coverage@k`` over the prompts that have a valid-answer set;
 - ``{prefix}/greedy_pass@1``: the mean greedy correctness;
+- ``{prefix}/answer_entropy``: the mean over prompts of the entropy (nats) of its ``n``
+  answers, canonical as ``train/answer_entropy`` reads them;
 - the same keys with ``/{task}`` appended, over the prompts of each task label.
 
 Answers: :func:`sample_answer`; ``distinct@k`` compares them with whitespace collapsed;
@@ -18,6 +20,8 @@ coverage compares their canonical forms (:func:`coverage_answer`).
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +66,18 @@ class PromptRecord:
     answer_form: str | None = None
 
 
+def _answer_entropy(record: PromptRecord) -> float:
+    """The entropy (nats) of one prompt's ``n`` answers, compared as the training step's
+    ``train/answer_entropy`` compares them (canonical under the prompt's ``answer_form``,
+    else with whitespace collapsed; no answer is one more value)."""
+    keys = []
+    for answer in record.answers:
+        key = canonical_answer(answer, record.answer_form)
+        keys.append(key if key is not None or answer is None else " ".join(answer.split()))
+    n = len(keys)
+    return -sum(c / n * math.log(c / n) for c in Counter(keys).values()) if n else 0.0
+
+
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
     correct = [list(r.correct) for r in records]
     out = aggregate(correct, ks, answers=[list(r.answers) for r in records])
@@ -81,6 +97,7 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
         out.update({
             k: v for k, v in coverage.items() if k.startswith(("coverage@", "distinct_correct@"))
         })
+    out["answer_entropy"] = sum(_answer_entropy(r) for r in records) / len(records)
     greedy = [r.greedy_correct for r in records if r.greedy_correct is not None]
     if greedy:
         out["greedy_pass@1"] = sum(greedy) / len(greedy)

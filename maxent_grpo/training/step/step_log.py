@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 
-from maxent_grpo.rewards.parsing import answer_key  # noqa: F401  (its home before)
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
     LoggingConfigView,

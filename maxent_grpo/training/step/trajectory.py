@@ -209,6 +209,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
             [k if k is not None else ("", c) for k, c in zip(keys, pairs.completions,
                                                              strict=True)], G
         ).to(rewards.device)  # (B, G)
+        if candidates is not None:  # rows masked out whole look alike; a class's first row
+            candidates |= answers == torch.arange(G, device=answers.device)  # stays one
     targets, kept_groups = prepare_targets(ctx, rewards, lengths, T_max, rho, keep, candidates,
                                            answers, seq_logps)
     samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)

@@ -254,3 +254,25 @@ def test_engine_is_chosen_by_class_path_built_once_and_synced(cache_dir, tmp_pat
     # sanity validation (sample + greedy), step 1, sync, step 2, sync, validation
     assert events == ["sample", "greedy", "sample", "sync", "sample", "sync", "sample",
                       "greedy"]
+
+
+def test_ordered_answers_count_each_order_once():
+    """Under ``answer_form: ordered`` "4 + 5" and "5 + 4" are two of target 9's ten answers:
+    coverage counts both, where the expression form counts them as one of five."""
+    from maxent_grpo.tasks.digit_pairs import pair_solutions
+
+    answers = ("4 + 5", "5+4", " 4 + 5 ", "1 + 1")
+    correct = (1.0, 1.0, 1.0, 0.0)
+    ordered = PromptRecord(correct, answers, frozenset(pair_solutions(9, ordered=True)),
+                           answer_form="ordered")
+    plain = PromptRecord(correct, answers, frozenset(pair_solutions(9)))
+    m_ordered = evaluation_metrics([ordered], [4], "val")
+    m_plain = evaluation_metrics([plain], [4], "val")
+    assert m_ordered["val/distinct_correct@4"] == 2 and m_plain["val/distinct_correct@4"] == 1
+    assert m_ordered["val/coverage@4"] == pytest.approx(2 / 10)
+    assert m_plain["val/coverage@4"] == pytest.approx(1 / 5)
+    # the answers' spread, as train/answer_entropy reads it: 2-1-1 ordered, 3-1 as sums
+    assert m_ordered["val/answer_entropy"] == pytest.approx(
+        -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
+    assert m_plain["val/answer_entropy"] == pytest.approx(
+        -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from maxent_grpo.rewards.parsing import answer_key
 from maxent_grpo.rollout import PromptCompletionBatch
-from maxent_grpo.training.step.step_log import StepMetrics, answer_key
+from maxent_grpo.training.step.step_log import StepMetrics
 
 
 def test_answers_are_compared_as_coverage_reads_them():
@@ -25,6 +26,7 @@ def test_answer_entropy_and_distinct_correct_per_group():
         rewards=torch.zeros(2, 4),
         pairs=PromptCompletionBatch(prompts=["p"] * 8, completions=completions),
         samples=SimpleNamespace(components={"r": torch.tensor(correct).view(2, 4)}),
+        answer_keys=[answer_key(c) for c in completions],
     )
     metrics = StepMetrics(["r"], SimpleNamespace(reward_index=0, correct_threshold=1.0))
     metrics.observe_answers(trajectory)

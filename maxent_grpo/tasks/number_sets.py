@@ -1,0 +1,66 @@
+"""Number sets: name one member of a small set of integers; every prompt has 8 to 10 right
+answers, all listed.
+
+A prompt names a set (``"A prime number less than 20:"``) and a completion is right when its
+first integer is a member (the ``in_set`` reward). The rows carry the whole set as
+``valid_answers`` and ``answer_form: "first_number"``, so coverage@k and the answer
+statistics compare the first integers of the samples (``"7, 11"`` and ``" 7."`` are one
+answer). Written for a small pretrained model without a chat template: SmolLM2-135M-Instruct
+names a member about 1 time in 6 at temperature 0.7 (measured in
+``benchmarks/MAXENT_VS_GRPO.md``), so the task is partly solved at the start and its answer
+spread can be watched. The tiny built-in model was never taught it.
+
+>>> [len(s) for _, s in SETS.values()]
+[8, 9, 10, 9, 9, 9, 9]
+>>> row = number_sets(1, 0, sets=["prime"])[0]
+>>> row["prompt"], row["valid_answers"][:4], row["answer_form"]
+('A prime number less than 20:', ['2', '3', '5', '7'], 'first_number')
+"""
+
+from __future__ import annotations
+
+import random
+
+from maxent_grpo.tasks.spec import check_int
+
+#: name -> (prompt, members)
+SETS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "prime": ("A prime number less than 20:", (2, 3, 5, 7, 11, 13, 17, 19)),
+    "even": ("An even number between 1 and 19:", tuple(range(2, 19, 2))),
+    "odd": ("An odd number between 0 and 20:", tuple(range(1, 20, 2))),
+    "multiple_of_3": ("A multiple of 3 between 1 and 29:", tuple(range(3, 30, 3))),
+    "multiple_of_5": ("A multiple of 5 less than 50:", tuple(range(5, 50, 5))),
+    "square": ("A perfect square less than 100:", tuple(n * n for n in range(1, 10))),
+    "between_10_and_20": ("A number between 10 and 20:", tuple(range(11, 20))),
+}
+
+
+def number_sets(num_rows: int, seed: int, *, sets: list[str] | None = None) -> list[dict]:
+    """``num_rows`` prompts from ``random.Random(seed)``: the chosen ``sets`` (default all of
+    :data:`SETS`) in a fresh random order every ``len(sets)`` rows, so each block asks each
+    set once.
+
+    Each row: ``prompt``, ``answer`` (one member), ``task`` (``"number_sets"``), ``set``
+    (its name), ``valid_answers`` (the members as strings, ascending) and ``answer_form``
+    (``"first_number"``).
+    """
+    check_int("num_rows", num_rows, minimum=1)
+    check_int("seed", seed, minimum=0)
+    names = list(SETS) if sets is None else list(sets)
+    unknown = [n for n in names if n not in SETS]
+    if not names or unknown:
+        raise ValueError(f"sets must name some of {', '.join(SETS)}; got {sets!r}")
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    order: list[str] = []
+    for _ in range(num_rows):
+        if not order:
+            order = rng.sample(names, len(names))
+        name = order.pop()
+        prompt, members = SETS[name]
+        valid = [str(m) for m in members]
+        rows.append({
+            "prompt": prompt, "answer": rng.choice(valid), "task": "number_sets", "set": name,
+            "valid_answers": valid, "answer_form": "first_number",
+        })
+    return rows
