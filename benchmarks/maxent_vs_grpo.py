@@ -192,6 +192,12 @@ ANSWERS: dict[str, dict[str, Any]] = {
     "Listwise(answers,beta=0.04)": {"objective": _objective(
         "ListwiseMaxEnt", tau=0.5, beta=0.04, q_temperature=0.2, length_normalize=True,
         answer_level=True), "args": _SOLVED},
+    "Listwise(answers,kl=0.04)": {"objective": _objective(
+        "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
+        answer_level=True, kl_coef=0.04), "args": _SOLVED},
+    "Listwise(answers,kl=0.1)": {"objective": _objective(
+        "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
+        answer_level=True, kl_coef=0.1), "args": _SOLVED},
     "GRPO(beta=0.04)": {"objective": _objective("GRPO", beta=0.04, **_GRPO)},
 }
 #: the starting model, evaluated without training (pass@k's reasoning boundary)

@@ -72,11 +72,13 @@ display(fig)
 plt.close(fig)"""),
     ("markdown", """## GRPO against MaxEnt: the study
 
-`benchmarks/maxent_vs_grpo.py` trains every objective (GRPO, the MaxEnt variants) with
-several seeds on each task and writes `benchmarks/results/maxent_vs_grpo.json`; set
-`MAXENT_GRPO_STUDY` to read another file. Left: the training reward per objective, the mean
-over seeds with the seeds' range shaded; then pass@k, mean@k, coverage@k and
-distinct_correct@k against k, mean ± sd over seeds. One colour per objective throughout."""),
+`benchmarks/maxent_vs_grpo.py` trains GRPO, the MaxEnt objectives and the literature's
+diversity methods with several seeds on each task, evaluates the starting model too, and
+writes `benchmarks/results/maxent_vs_grpo.json` (the earlier study is
+`maxent_vs_grpo_2026-12-01.json`); set `MAXENT_GRPO_STUDY` to read another file. Left: the
+training reward and the answer entropy per method, the mean over seeds with the seeds'
+range shaded; then pass@k, mean@k, coverage@k and distinct_correct@k against k, mean ± sd
+over seeds. One colour per method throughout."""),
     ("code", """import os
 from pathlib import Path
 

@@ -149,14 +149,15 @@ class Objective:
     @property
     def needs_answers(self) -> bool:
         """Whether :meth:`prepare` wants ``answers=``, the ``(B, G)`` answer classes of the
-        group's samples (:func:`maxent_grpo.core.answer_classes`, canonical answers as the
-        task's verifier reads them), passed as a keyword."""
+        group's samples (:func:`maxent_grpo.core.answer_classes`; answers canonical under the
+        rows' ``answer_form``, :func:`maxent_grpo.rewards.parsing.answer_key`), passed as a
+        keyword."""
         return False
 
     @property
     def needs_sequence_logps(self) -> bool:
-        """Whether :meth:`prepare` wants ``seq_logps=``, the ``(B, G)`` summed log-probs of
-        the samples under the behaviour policy (no gradient), passed as a keyword."""
+        """Whether :meth:`prepare` wants ``seq_logps=``, the ``(B, G)`` mean token log-probs
+        of the samples under the behaviour policy (no gradient), passed as a keyword."""
         return False
 
     def prepare(

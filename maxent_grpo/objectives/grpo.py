@@ -11,6 +11,7 @@ from typing import Literal, get_args
 from torch import Tensor
 
 from maxent_grpo.core import (
+    constant_groups,
     entropy_gate_multiplier,
     estimate_advantages,
     importance_ratio_at,
@@ -87,7 +88,8 @@ class GRPO(Objective):
             ``unlikeliness`` multiplies each reward by ``1 - rank_penalty * rank / G``
             before the advantage, ``rank`` ordering the group by the samples' mean token
             log-prob under the behaviour policy (0 the least likely; "Rewarding the
-            Unlikely", He et al. 2025); ``repetition`` adds ``repetition_coef * b_i`` to
+            Unlikely", He et al. 2025); a group whose raw rewards are all equal keeps zero
+            advantages, as the authors skip such groups; ``repetition`` adds ``repetition_coef * b_i`` to
             the advantages, ``b_i = -#(other samples with the same answer) / G``
             (outcome-based exploration's batch penalty, Song et al. 2025); ``none``: off.
         rank_penalty: the unlikeliness penalty in ``[0, 1]`` (the authors' 0.25).
@@ -111,6 +113,10 @@ class GRPO(Objective):
         check_choice("objective.answer_shaping", answer_shaping, get_args(Shaping))
         check_number("objective.rank_penalty", rank_penalty, minimum=0, maximum=1)
         check_number("objective.repetition_coef", repetition_coef, minimum=0)
+        require(answer_shaping != "unlikeliness" or advantage != "passk",
+                "objective.answer_shaping unlikeliness makes the rewards fractional, and "
+                "objective.advantage passk needs 0/1 rewards; use advantage pkpo (any rewards) "
+                "or group")
         self.answer_shaping = answer_shaping
         self.rank_penalty = float(rank_penalty)
         self.repetition_coef = float(repetition_coef)
@@ -178,9 +184,12 @@ class GRPO(Objective):
         if self.answer_shaping == "unlikeliness":
             require(seq_logps is not None, "objective.answer_shaping unlikeliness needs the "
                     "samples' log-probs; the trainer passes them (prepare(..., seq_logps=...))")
+            solved_or_failed = constant_groups(rewards)  # as the authors, no push there
             rewards = unlikeliness_rewards(rewards, seq_logps, self.rank_penalty)
         adv = estimate_advantages(rewards, self.advantage, self.scale_rewards,
                                   k=self.pass_k)  # (B, G)
+        if self.answer_shaping == "unlikeliness":
+            adv = adv.masked_fill(solved_or_failed[:, None], 0.0)
         if self.answer_shaping == "repetition":
             require(answers is not None, "objective.answer_shaping repetition needs the answer "
                     "classes; the trainer passes them (prepare(..., answers=...))")

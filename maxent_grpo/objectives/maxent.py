@@ -64,10 +64,17 @@ class ListwiseMaxEnt(Objective):
             completion sampled m times is one candidate, its first row), so a frequent
             answer does not get m times the target of a rare one that is as good.
         answer_level: the entropy and the target are over the group's distinct *answers*
-            (canonical as the task's verifier reads them), not its completions: ``q`` and
+            (canonical under the rows' ``answer_form``: expressions up to order by default,
+            digit pairs in order, first integers; else the answer text), not its completions: ``q`` and
             ``w`` have one entry per answer, and the loss fits the policy's mass on each
             answer, summed over the distinct completions that give it
             (docs/ALGORITHM.md §4.3, answer level). Implies ``distinct_candidates``.
+        kl_coef: a per-token ``KL(pi || pi_ref)`` penalty in the loss (``k3``, each
+            completion's token mean, mean over rows: ``kl_coef * reduce_grpo(k3)``; loads the
+            reference when > 0). Unlike ``beta``, which only tilts the target among the
+            sampled completions, it acts on every token of every sample, so it also holds
+            the mass of answers that are no longer sampled near the reference's (with a
+            warm start that answers uniformly, the starting model's spread is the prior).
         clip_coef: coefficient of the sequence-level clip term (0 = off; not with
             ``distinct_candidates`` or ``answer_level``).
         epsilon: lower clip range of that term.
@@ -81,7 +88,7 @@ class ListwiseMaxEnt(Objective):
         self, tau: float = 0.5, beta: float = 0.0, q_temperature: float = 0.2,
         q_epsilon: float = 1e-6, length_normalize: bool = True, distinct_candidates: bool = False,
         clip_coef: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-        answer_level: bool = False,
+        answer_level: bool = False, kl_coef: float = 0.0,
     ) -> None:
         check_number("objective.beta", beta, minimum=0)
         check_number("objective.tau", tau, minimum=0)
@@ -103,6 +110,8 @@ class ListwiseMaxEnt(Objective):
             "objective.answer_level: the sequence-level clip term is defined over all G rows",
         )
         self.answer_level = answer_level
+        check_number("objective.kl_coef", kl_coef, minimum=0)
+        self.kl_coef = float(kl_coef)
         self.tau = float(tau)
         self.beta = float(beta)
         self.distinct_candidates = distinct_candidates
@@ -113,7 +122,7 @@ class ListwiseMaxEnt(Objective):
 
     @property
     def needs_reference(self) -> bool:
-        return self.beta > 0
+        return self.beta > 0 or self.kl_coef > 0
 
     @property
     def needs_candidates(self) -> bool:
@@ -172,7 +181,10 @@ class ListwiseMaxEnt(Objective):
             loss = loss + self.clip_coef * clip * scale
             sums["loss/clip"] = (clip.detach() * groups, groups)
         if mb.ref_token_logps is not None:
-            sums["kl"] = token_sum(kl_penalty(mb.token_logps, mb.ref_token_logps), mb.mask)
+            kl = kl_penalty(mb.token_logps, mb.ref_token_logps)  # (n, T), k3
+            sums["kl"] = token_sum(kl, mb.mask)
+            if self.kl_coef > 0:
+                loss = loss + self.kl_coef * reduce_tokens(kl, mb, "grpo")
         return LossOutput(loss, sums)
 
 

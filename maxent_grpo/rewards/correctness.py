@@ -207,6 +207,9 @@ def in_set_reward(
         text = completion_text(completion)
         answer = extract_answer(text)
         match = _FIRST_INT.search(text if answer is None else answer)
-        valid = {int(str(m).strip()) for m in members}
+        try:
+            valid = {int(str(m).strip()) for m in members}
+        except ValueError:
+            raise ValueError(f"in_set: valid_answers must hold integers; got {members!r}") from None
         scores.append(1.0 if match is not None and int(match.group()) in valid else 0.0)
     return scores

@@ -118,8 +118,8 @@ class MaxEntGRPOModule(L.LightningModule):
             :mod:`~maxent_grpo.training.step.refill`). Needs the PromptDataModule.
         solved_reward: with ``drop_constant_groups``, keep the constant groups whose G
             rewards are all at least this value (*solved* groups, e.g. 1.0 for a 0/1
-            correctness reward) and drop only the others. GRPO gives a solved group zero
-            advantage (only the normaliser changes); for the MaxEnt objectives over answers
+            correctness reward) and drop only the others. GRPO's group advantages are zero
+            there (only the normaliser changes); for the MaxEnt objectives over answers
             (``ListwiseMaxEnt(answer_level=true)``) a solved group with several right answers
             is where the target spreads weight evenly among them. ``None``: drop every
             constant group.
@@ -208,6 +208,11 @@ class MaxEntGRPOModule(L.LightningModule):
         require(isinstance(objective, Objective),
                 "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
                 f"...); got {type(objective).__name__}")
+        require(not (mask_truncated_completions and getattr(objective, "answer_level", False)),
+                "model.mask_truncated_completions hides whole rows from the loss, and "
+                "objective.answer_level compares the policy's mass on each answer over every "
+                "sampled completion; set model.mask_truncated_completions: false (or give "
+                "the completions room to end: model.max_completion_length)")
         require(sampler_correction is None or objective.supports_sampler_correction,
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")

@@ -146,6 +146,13 @@ def test_unlikeliness_by_hand():
         objective.prepare(rewards, torch.ones(2, 4), 4, None)
     with pytest.raises(ValueError, match="rank_penalty"):
         GRPO(rank_penalty=1.5)
+    with pytest.raises(ValueError, match="pkpo"):
+        GRPO(answer_shaping="unlikeliness", advantage="passk")
+    # as the authors: a group whose raw rewards are all equal (all right) gets no push
+    solved = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=F64)
+    adv = GRPO(answer_shaping="unlikeliness").prepare(solved, torch.ones(1, 4), 4, None,
+                                                      seq_logps=logps[:1]).advantages
+    assert bool((adv == 0).all())
 
 
 def test_repetition_penalty_by_hand():
@@ -165,3 +172,27 @@ def test_solved_groups_are_not_droppable():
     assert droppable_groups(r).tolist() == [True, True, True, False]
     assert droppable_groups(r, 1.0).tolist() == [False, True, True, False]
     assert droppable_groups(r, 0.5).tolist() == [False, True, False, False]
+
+
+def test_listwise_kl_coef_adds_the_per_token_kl_by_hand():
+    """``kl_coef`` adds ``kl_coef * (1/N) sum_i mean_t k3`` to the listwise loss; its
+    gradient reaches every token (the listwise term alone moves only sequence scores)."""
+    from tests.objectives.conftest import _logps, _mask, _mb
+
+    mask = _mask([3, 2, 4, 1], 4)
+    logps = _logps(0, 4, 4).requires_grad_(True)
+    ref = _logps(1, 4, 4)
+    w = torch.tensor([[0.7, 0.3], [0.5, 0.5]], dtype=F64)
+    plain = ListwiseMaxEnt(tau=0.5).loss(_mb(logps, mask, G=2, num_rows=4, t_max=4,
+                                            weights=w, ref=ref)).loss
+    objective = ListwiseMaxEnt(tau=0.5, kl_coef=0.1)
+    assert objective.needs_reference and not ListwiseMaxEnt(tau=0.5).needs_reference
+    with_kl = objective.loss(_mb(logps, mask, G=2, num_rows=4, t_max=4, weights=w,
+                                 ref=ref)).loss
+    d = (ref - logps).detach()
+    k3 = torch.expm1(d) - d
+    m = mask.to(F64)
+    hand = sum(float((k3[i] * m[i]).sum() / m[i].sum()) for i in range(4)) / 4
+    assert float((with_kl - plain).detach()) == pytest.approx(0.1 * hand, rel=1e-12)
+    with pytest.raises(ValueError, match="kl_coef"):
+        ListwiseMaxEnt(kl_coef=-1.0)

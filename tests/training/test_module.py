@@ -477,14 +477,9 @@ def test_sampler_correction_names_what_it_needs(cache_dir):
         fit(module, make_data(cache_dir), steps=1)
 
 
-def test_answer_level_with_truncated_rows_masked_out(cache_dir):
-    """Rows masked out whole (``mask_truncated_completions``) look alike token-wise, but each
-    answer class keeps its first row as a candidate: the step trains without error."""
-    module = make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, answer_level=True),
-                         rewards={"tests.conftest:alternating": 1.0},
-                         mask_truncated_completions=True)
-    trainer = fit(module, make_data(cache_dir), steps=1)
-    assert trainer.global_step == 1
-    t = module.trajectory
-    first = t.targets.answers == torch.arange(4)
-    assert bool(t.targets.candidates[first].all())
+def test_answer_level_refuses_rows_masked_out_whole(cache_dir):
+    """``mask_truncated_completions`` hides whole rows, which the answer-level target would
+    count as completions of log-prob 0: refused at build, naming the option."""
+    with pytest.raises(ValueError, match="mask_truncated_completions: false"):
+        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, answer_level=True),
+                    mask_truncated_completions=True)

@@ -15,7 +15,8 @@ prompts (:func:`maxent_grpo.core.evaluation.aggregate`):
 - the same keys with ``/{task}`` appended, over the prompts of each task label.
 
 Answers: :func:`sample_answer`; ``distinct@k`` compares them with whitespace collapsed;
-coverage compares their canonical forms (:func:`coverage_answer`).
+coverage compares their canonical forms under the prompt's ``answer_form``
+(:func:`~maxent_grpo.rewards.parsing.canonical_answer`; expressions by default).
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ class StepMetrics(torch.nn.Module):
 
     def observe_answers(self, trajectory: Trajectory) -> None:
         """``train/answer_entropy``: per group, the entropy (nats) of its G samples' answers
-        (:func:`~maxent_grpo.rewards.parsing.sample_answer`, canonical as coverage@k reads
-        them, else with whitespace collapsed; no answer is one more value), and
+        (``Trajectory.answer_keys``: canonical under the rows' ``answer_form`` as coverage@k
+        reads them, else with whitespace collapsed; no answer is one more value), and
         ``train/distinct_correct``: per group, the distinct correct answers (eval reward >=
         the threshold); both means over every group of the step, dropped ones included."""
         t, ev = trajectory, self.evaluation

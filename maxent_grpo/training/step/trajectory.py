@@ -196,7 +196,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     if ctx.objective.needs_sequence_logps and chunks:  # mean token log-prob, behaviour policy
         behaviour = old_logps if old_logps is not None else ctx.scorer.frozen_logps(
             ctx.policy, input_ids, attention, T, chunks)
-        seq_logps = sequence_ref_loglik(behaviour, mask, G)[: n_kept // G]  # (kept, G)
+        # ranked over the sampled tokens (a row the loss mask hides whole still ranks)
+        seq_logps = sequence_ref_loglik(behaviour, completion_mask, G)[: n_kept // G]
     timer.stop("frozen")
 
     candidates = None
@@ -209,8 +210,6 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
             [k if k is not None else ("", c) for k, c in zip(keys, pairs.completions,
                                                              strict=True)], G
         ).to(rewards.device)  # (B, G)
-        if candidates is not None:  # rows masked out whole look alike; a class's first row
-            candidates |= answers == torch.arange(G, device=answers.device)  # stays one
     targets, kept_groups = prepare_targets(ctx, rewards, lengths, T_max, rho, keep, candidates,
                                            answers, seq_logps)
     samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)
