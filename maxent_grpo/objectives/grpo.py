@@ -89,8 +89,9 @@ class GRPO(Objective):
             before the advantage, ``rank`` ordering the group by the samples' mean token
             log-prob under the behaviour policy (0 the least likely; "Rewarding the
             Unlikely", He et al. 2025); a group whose raw rewards are all equal keeps zero
-            advantages, as the authors skip such groups; ``repetition`` adds ``repetition_coef * b_i`` to
-            the advantages, ``b_i = -#(other samples with the same answer) / G``
+            advantages, as the authors skip such groups; ``repetition`` adds
+            ``repetition_coef * b_i`` to the advantages,
+            ``b_i = -#(other samples with the same answer) / G``
             (outcome-based exploration's batch penalty, Song et al. 2025); ``none``: off.
         rank_penalty: the unlikeliness penalty in ``[0, 1]`` (the authors' 0.25).
         repetition_coef: the repetition penalty's coefficient ``c >= 0`` (0.2).

@@ -65,9 +65,9 @@ class ListwiseMaxEnt(Objective):
             answer does not get m times the target of a rare one that is as good.
         answer_level: the entropy and the target are over the group's distinct *answers*
             (canonical under the rows' ``answer_form``: expressions up to order by default,
-            digit pairs in order, first integers; else the answer text), not its completions: ``q`` and
-            ``w`` have one entry per answer, and the loss fits the policy's mass on each
-            answer, summed over the distinct completions that give it
+            digit pairs in order, first integers; else the answer text), not its
+            completions: ``q`` and ``w`` have one entry per answer, and the loss fits the
+            policy's mass on each answer, summed over the distinct completions that give it
             (docs/ALGORITHM.md §4.3, answer level). Implies ``distinct_candidates``.
         kl_coef: a per-token ``KL(pi || pi_ref)`` penalty in the loss (``k3``, each
             completion's token mean, mean over rows: ``kl_coef * reduce_grpo(k3)``; loads the
