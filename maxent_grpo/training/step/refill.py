@@ -8,9 +8,10 @@ out and scores them, up to ``R`` times, until it holds ``B`` such groups. The st
 trains on exactly ``B`` groups: the first ``B`` with differing rewards (or solved,
 ``model.solved_reward``) in the order drawn (the batch's own first), completed with
 constant groups (dropped as before) when ``R`` rounds were not enough. Under several ranks
-a round runs while *some* rank needs one, so every rank generates as often (FSDP2's sharded generate needs all of them); a rank that is
-already full keeps its first ``B``. The rounds are logged (``train/refill_rounds``) and the
-stream's position is in the checkpoint, so a resumed run draws the same prompts.
+a round runs while *some* rank needs one, so every rank generates as often (FSDP2's
+sharded generate needs all of them); a rank that is already full keeps its first ``B``.
+The rounds are logged (``train/refill_rounds``) and the stream's position is in the
+checkpoint, so a resumed run draws the same prompts.
 """
 
 from __future__ import annotations
