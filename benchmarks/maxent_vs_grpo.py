@@ -198,18 +198,22 @@ ANSWERS: dict[str, dict[str, Any]] = {
     "Listwise(answers,kl=0.1)": {"objective": _objective(
         "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
         answer_level=True, kl_coef=0.1), "args": _SOLVED},
+    "Listwise(answers,kl=1)": {"objective": _objective(
+        "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
+        answer_level=True, kl_coef=1.0), "args": _SOLVED},
     "GRPO(beta=0.04)": {"objective": _objective("GRPO", beta=0.04, **_GRPO)},
 }
 #: the starting model, evaluated without training (pass@k's reasoning boundary)
 START = "start"
 RUNS = {START: {"objective": ""}, **OBJECTIVES, **ANSWERS, **BASELINES, **ABLATIONS, **PARTS}
-#: the default study (issue 24): the diversity tasks b and c, 3 seeds. Left out of it, for
-#: time, with their one-seed results in MAXENT_VS_GRPO.md: Clip-Cov (one answer per target,
-#: as GRPO), KL-Cov (GRPO exactly on-policy), the top-entropy mask (learns slowly with
-#: 4-token answers), and the other MaxEnt objectives (one answer per target in the study
-#: of 2026-12-01).
+#: the default study (issue 24): the diversity tasks b and c, 3 seeds, under 40 minutes on
+#: 2 cores. Left out of it for time, their results in MAXENT_VS_GRPO.md: the unlikeliness
+#: and repetition shaping (3 seeds each on b and c: one answer per target, as GRPO),
+#: Clip-Cov (one seed: one answer per target), KL-Cov (GRPO exactly on-policy), the
+#: top-entropy mask (one seed: learns slowly with 4-token answers), the listwise KL variants
+#: and the other MaxEnt objectives (one answer per target in the study of 2026-12-01).
 DEFAULT = ("start", "GRPO", "Listwise", "Listwise(answers)", "GRPO+passk(k=4)",
-           "GRPO+pkpo(k=4)", "GRPO+unlikeliness", "GRPO+repetition")
+           "GRPO+pkpo(k=4)")
 
 
 def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> list[str]:
@@ -349,6 +353,9 @@ def report(study_path: Path) -> str:
     out = [f"Study of {meta['date']}, commit {meta['commit']}, {meta['machine']}; "
            f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['minutes']} min: "
            f"`{meta['command']}`."]
+    for part in meta.get("parts", []):
+        out.append(f"\n- joined from `{part['file']}`: commit {part['commit']}, "
+                   f"{part['minutes']} min, `{part['command']}`")
     for task in dict.fromkeys(r["task"] for r in study["runs"]):
         label = next(r["task_label"] for r in study["runs"] if r["task"] == task)
         rows = study_table(study, task)
@@ -385,6 +392,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/maxent_vs_grpo.json")
     parser.add_argument("--report", action="store_true",
                         help="only write the markdown tables and figure of an existing --out")
+    parser.add_argument("--merge", type=Path, nargs="+",
+                        help="only join these study files' runs into --out (with its tables "
+                        "and figure; a task/objective/seed found twice is taken from the "
+                        "first file); each file's meta is kept under meta.parts")
     parser.add_argument("--worker-jobs", help=argparse.SUPPRESS)  # internal: a worker's share
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -393,6 +404,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker_jobs:
         _worker(json.loads(args.worker_jobs), args.steps, args.worker_dir)
         return {}
+    if args.merge:
+        parts = [json.loads(p.read_text()) for p in args.merge]
+        order = {name: i for i, name in enumerate(RUNS)}
+        unique: dict[tuple[str, str, int], dict[str, Any]] = {}
+        for r in (r for part in parts for r in part["runs"]):  # a rerun: the first file's
+            unique.setdefault((r["task"], r["objective"], r["seed"]), r)
+        runs = sorted(unique.values(),
+                      key=lambda r: (r["task"], order.get(r["objective"], len(order)),
+                                     r["seed"]))
+        first = parts[0]["meta"]
+        meta = dict(first, parts=[dict(part["meta"], file=str(p))
+                                  for part, p in zip(parts, args.merge, strict=True)])
+        meta["command"] = "python benchmarks/maxent_vs_grpo.py " + " ".join(
+            argv or sys.argv[1:])
+        meta["minutes"] = round(sum(part["meta"]["minutes"] for part in parts), 1)
+        meta["seeds"] = sorted({r["seed"] for r in runs})
+        args.out.write_text(json.dumps({"meta": meta, "runs": runs}))
+        args.report = True
     if args.report:
         args.out.with_suffix(".md").write_text(report(args.out) + "\n")
         print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")

@@ -6,7 +6,7 @@ first integer is a member (the ``in_set`` reward). The rows carry the whole set 
 ``valid_answers`` and ``answer_form: "first_number"``, so coverage@k and the answer
 statistics compare the first integers of the samples (``"7, 11"`` and ``" 7."`` are one
 answer). Written for a small pretrained model without a chat template: SmolLM2-135M-Instruct
-names a member about 1 time in 6 at temperature 0.7 (measured in
+names a member about 1 time in 5 at temperature 0.7 (measured in
 ``benchmarks/MAXENT_VS_GRPO.md``), so the task is partly solved at the start and its answer
 spread can be watched. The tiny built-in model was never taught it.
 

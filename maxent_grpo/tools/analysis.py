@@ -283,14 +283,13 @@ _RUN_KEYS: tuple[str, ...] = ("task", "objective", "seed", "curve", "metrics")
 
 def load_study(path: str | os.PathLike) -> dict[str, Any]:
     """Read a study JSON (``{"meta": {...}, "runs": [{task, objective, seed, curve: {steps,
-    reward}, metrics: {"pass@1": ..., ...}}, ...]}``) and check that it has that shape. A run
-    with ``"trained": false`` (the starting model, evaluated without training) has an empty
-    curve; the curve may also hold ``answer_entropy`` and ``distinct_correct`` per step.
+    reward[, answer_entropy, distinct_correct]}, metrics: {"pass@1": ...}}, ...]}``; a run
+    with ``"trained": false``, the starting model, has an empty curve) and check its shape.
 
     Raises:
         ValueError: naming the file, when it is not JSON, has no ``runs`` list, or a run
-            lacks one of ``task``, ``objective``, ``seed``, ``curve`` (with a non-empty
-            ``reward`` unless it was not trained), ``metrics``.
+            lacks ``task``, ``objective``, ``seed``, ``curve`` (a non-empty ``reward``
+            unless not trained) or ``metrics``.
     """
     path = Path(path)
     try:
@@ -335,10 +334,9 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
         samples: dict[str, list[float]] = {}
         for run in mine:
             reward = run["curve"]["reward"]
-            values = dict(run["metrics"])
-            if reward:  # the starting model has no training curve
-                values |= {"reward_first20": statistics.fmean(reward[:20]),
-                           "reward_last20": statistics.fmean(reward[-20:])}
+            values = dict(run["metrics"]) | ({  # the starting model has no training curve
+                "reward_first20": statistics.fmean(reward[:20]),
+                "reward_last20": statistics.fmean(reward[-20:])} if reward else {})
             for key, value in values.items():
                 samples.setdefault(key, []).append(float(value))
         row: dict[str, Any] = {"objective": objective, "seeds": len(mine)}
@@ -409,13 +407,11 @@ def _plot_family(ax: Any, rows: Sequence[Mapping[str, Any]], family: str,
 
 
 def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
-    """One row of panels per task: the training reward per objective (mean over seeds of the
-    ``smooth``-point trailing average, shaded between the seeds' min and max), then one panel
-    per metric family (pass@k, mean@k, coverage@k, distinct_correct@k; those the study has;
-    distinct_correct@k only for tasks with answer sets, where answers are canonical) with
-    mean ± sd over seeds against k. Objective ``i`` (in order of first appearance in
-    ``runs``) has colour ``C{i}`` in every panel; returns the matplotlib Figure.
-    """
+    """One row of panels per task: the training reward and (when recorded) answer entropy
+    per objective (mean over seeds of the ``smooth``-point trailing average, shaded between
+    the seeds' min and max), then per metric family (pass@k, mean@k, coverage@k,
+    distinct_correct@k, the last only with answer sets) mean ± sd over seeds against k.
+    Objective ``i`` (first appearance in ``runs``) has colour ``C{i}`` in every panel."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
@@ -425,27 +421,22 @@ def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
     colour_of = dict(zip(objectives, _colours(len(objectives)), strict=True))
     families = [f for f in STUDY_FAMILIES
                 if any(k.startswith(f"{f}@") for run in study["runs"] for k in run["metrics"])]
-    curves = ["reward"] + [k for k in ("answer_entropy",) if any(
-        run["curve"].get(k) for run in study["runs"])]
-    fig, axes = plt.subplots(len(tasks), len(curves) + len(families), squeeze=False,
-                             layout="constrained",
-                             figsize=(4.2 * (len(curves) + len(families)),
-                                      3.2 * len(tasks) + 0.6))
+    curves = ["reward"] + ["answer_entropy"] * any(
+        run["curve"].get("answer_entropy") for run in study["runs"])
+    ncols = len(curves) + len(families)
+    fig, axes = plt.subplots(len(tasks), ncols, squeeze=False, layout="constrained",
+                             figsize=(4.2 * ncols, 3.2 * len(tasks) + 0.6))
     for task, row_axes in zip(tasks, axes, strict=True):
         runs = [run for run in study["runs"] if run["task"] == task]
         for ax, key in zip(row_axes, curves, strict=False):
-            for objective in _in_order(runs, "objective"):
-                mine = [run for run in runs
-                        if run["objective"] == objective and run["curve"].get(key)]
-                if not mine:  # the starting model: no training curve
-                    continue
-                steps, mean, lo, hi = _reward_band(mine, smooth, key)
-                ax.fill_between(steps, lo, hi, color=colour_of[objective], alpha=0.2,
-                                linewidth=0)
-                ax.plot(steps, mean, color=colour_of[objective], label=objective)
-            what = key.replace("_", " ") + (" (nats)" if key == "answer_entropy" else "")
-            ax.set_title(f"{runs[0].get('task_label', task)}: {what} (train)", fontsize=9)
-            ax.set_xlabel("step")
+            for name in _in_order(runs, "objective"):  # the starting model has no curve
+                if mine := [r for r in runs if r["objective"] == name and r["curve"].get(key)]:
+                    steps, mean, lo, hi = _reward_band(mine, smooth, key)
+                    ax.fill_between(steps, lo, hi, color=colour_of[name], alpha=0.2, lw=0)
+                    ax.plot(steps, mean, color=colour_of[name], label=name)
+            what = key.replace("_", " ") + " (nats)" * (key == "answer_entropy")
+            ax.set(title=f"{runs[0].get('task_label', task)}: {what} (train)", xlabel="step")
+            ax.title.set_fontsize(9)
             ax.grid(alpha=0.3)
         rows = study_table(study, task)
         has_sets = bool(_metric_ks(rows, "coverage"))

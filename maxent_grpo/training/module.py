@@ -105,24 +105,16 @@ class MaxEntGRPOModule(L.LightningModule):
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
         drop_constant_groups: leave out of the update the prompt groups whose G rewards
-            are all equal (DAPO's dynamic sampling, without refilling): they are neither
-            scored nor part of the targets, and every loss is normalised over the groups
-            kept, on all ranks (``train/dropped_groups`` counts them). GRPO gives such
-            groups zero advantage, so for GRPO only the normaliser changes; the listwise
-            objective would otherwise pull their completions towards equal probability
-            (uniform weights). A step where every group is constant changes no weight but
-            still counts as a step (``train/empty_steps`` counts them).
+            are all equal (DAPO's dynamic sampling, without refilling; docs/ALGORITHM.md
+            §7): they are neither scored nor part of the targets, every loss is normalised
+            over the groups kept on all ranks (``train/dropped_groups``); for GRPO only the
+            normaliser changes, the listwise target would pull them towards uniform.
         refill_rounds: with ``drop_constant_groups``, draw ``data.batch_size`` new prompts
             up to this many times per step while fewer than that many groups have rewards
             that differ (DAPO's dynamic sampling with refill; ``train/refill_rounds``;
             :mod:`~maxent_grpo.training.step.refill`). Needs the PromptDataModule.
         solved_reward: with ``drop_constant_groups``, keep the constant groups whose G
-            rewards are all at least this value (*solved* groups, e.g. 1.0 for a 0/1
-            correctness reward) and drop only the others. GRPO's group advantages are zero
-            there (only the normaliser changes); for the MaxEnt objectives over answers
-            (``ListwiseMaxEnt(answer_level=true)``) a solved group with several right answers
-            is where the target spreads weight evenly among them. ``None``: drop every
-            constant group.
+            rewards are all at least this value (solved; ALGORITHM §7). ``None``: none.
         sampler_correction: correct the clipped surrogate for an engine that samples from a
             slightly different distribution than the trainer scores (vLLM in bf16, other
             kernels): per-token (``token_*``) or per-sequence (``sequence_*``) importance
@@ -208,11 +200,6 @@ class MaxEntGRPOModule(L.LightningModule):
         require(isinstance(objective, Objective),
                 "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
                 f"...); got {type(objective).__name__}")
-        require(not (mask_truncated_completions and getattr(objective, "answer_level", False)),
-                "model.mask_truncated_completions hides whole rows from the loss, and "
-                "objective.answer_level compares the policy's mass on each answer over every "
-                "sampled completion; set model.mask_truncated_completions: false (or give "
-                "the completions room to end: model.max_completion_length)")
         require(sampler_correction is None or objective.supports_sampler_correction,
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")

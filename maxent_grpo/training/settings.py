@@ -157,8 +157,15 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     require(o["refill_rounds"] == 0 or o["drop_constant_groups"],
             "model.refill_rounds refills the groups that model.drop_constant_groups drops; "
             "set model.drop_constant_groups: true with it (or model.refill_rounds: 0)")
-    check_number("model.solved_reward", o["solved_reward"], allow_none=True)
-    require(o["solved_reward"] is None or o["drop_constant_groups"],
+    solved = o.get("solved_reward")
+    check_number("model.solved_reward", solved, allow_none=True)
+    require(not (o["mask_truncated_completions"]
+                 and getattr(o.get("objective"), "answer_level", False)),
+            "model.mask_truncated_completions hides whole rows from the loss, and "
+            "objective.answer_level compares the policy's mass on each answer over every "
+            "sampled completion; set model.mask_truncated_completions: false (or give "
+            "the completions room to end: model.max_completion_length)")
+    require(solved is None or o["drop_constant_groups"],
             "model.solved_reward keeps some of the groups that model.drop_constant_groups "
             "drops; set model.drop_constant_groups: true with it (or leave it None)")
     check_bool("model.mask_truncated_completions", o["mask_truncated_completions"])
@@ -205,7 +212,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             sampler_correction=o["sampler_correction"],
             sampler_correction_cap=float(o["sampler_correction_cap"]),
             refill_rounds=o["refill_rounds"],
-            solved_reward=None if o["solved_reward"] is None else float(o["solved_reward"]),
+            solved_reward=None if solved is None else float(solved),
         ),
         evaluation=EvaluationSettings(
             num_generations=n,
