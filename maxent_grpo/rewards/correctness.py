@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, require_column
 from maxent_grpo.rewards.registry import register_reward
@@ -170,17 +172,27 @@ def digit_pair_reward(
     ...                   target=[9] * 5)
     [1.0, 1.0, 0.0, 0.0, 0.0]
     """
+    def right(answer: str, row_target: object) -> bool:
+        match = _DIGIT_PAIR.fullmatch(answer)
+        return match is not None and int(match[1]) + int(match[2]) == int(row_target)
+
     targets = require_column("digit_pair", "target", target, len(completions))
+    return _graded(completions, targets, right)
+
+
+def _graded(completions: list, references: list, right: Callable[[str, Any], bool],
+            ) -> list[float | None]:
+    """Per row ``1.0 if right(answer, reference) else 0.0``, the answer being the
+    ``<answer>`` block when there is one, else the whole completion; ``None`` where the
+    reference is ``None``."""
     scores: list[float | None] = []
-    for completion, row_target in zip(completions, targets, strict=True):
-        if row_target is None:
+    for completion, reference in zip(completions, references, strict=True):
+        if reference is None:
             scores.append(None)
             continue
         text = completion_text(completion)
         answer = extract_answer(text)
-        match = _DIGIT_PAIR.fullmatch(text if answer is None else answer)
-        ok = match is not None and int(match[1]) + int(match[2]) == int(row_target)
-        scores.append(1.0 if ok else 0.0)
+        scores.append(1.0 if right(text if answer is None else answer, reference) else 0.0)
     return scores
 
 
@@ -198,18 +210,13 @@ def in_set_reward(
     >>> in_set_reward(["A prime number less than 20:"], [" 8"], valid_answers=[["7", "11"]])
     [0.0]
     """
-    sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
-    scores: list[float | None] = []
-    for completion, members in zip(completions, sets, strict=True):
-        if members is None:
-            scores.append(None)
-            continue
-        text = completion_text(completion)
-        answer = extract_answer(text)
-        match = _FIRST_INT.search(text if answer is None else answer)
+    def right(answer: str, members: Any) -> bool:
         try:
             valid = {int(str(m).strip()) for m in members}
         except ValueError:
             raise ValueError(f"in_set: valid_answers must hold integers; got {members!r}") from None
-        scores.append(1.0 if match is not None and int(match.group()) in valid else 0.0)
-    return scores
+        match = _FIRST_INT.search(answer)
+        return match is not None and int(match.group()) in valid
+
+    sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
+    return _graded(completions, sets, right)
