@@ -1,7 +1,7 @@
 """GRPO against the MaxEnt objectives and the literature's diversity methods, several seeds,
 one command.
 
-    python benchmarks/maxent_vs_grpo.py                # the default study (~40 min, 2 cores)
+    python benchmarks/maxent_vs_grpo.py                # the default study (31 min, 2 cores)
     python benchmarks/maxent_vs_grpo.py --steps 20 --seeds 0 --tasks b   # a quick look
     python benchmarks/maxent_vs_grpo.py --tasks s --steps 100 --seeds 0 1 \
         --objectives start GRPO "Listwise(answers)" --out benchmarks/results/smollm2_sets.json
