@@ -161,8 +161,11 @@ def answer_key(completion: str | list[dict], form: str | None = None) -> str | N
     >>> answer_key("4 + 5") == answer_key(" 5+4"), answer_key(" 8 "), answer_key("  ")
     (True, '8', None)
     """
-    answer = sample_answer(completion)
+    return compared_answer(sample_answer(completion), form)
+
+
+def compared_answer(answer: str | None, form: str | None = None) -> str | None:
+    """An extracted answer as :func:`answer_key` compares it: :func:`canonical_answer`,
+    else the answer with whitespace collapsed (``None``: no answer)."""
     key = canonical_answer(answer, form)
-    if key is not None or answer is None:
-        return key
-    return " ".join(answer.split())
+    return key if key is not None or answer is None else " ".join(answer.split())

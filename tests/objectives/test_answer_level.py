@@ -148,6 +148,12 @@ def test_unlikeliness_by_hand():
         GRPO(rank_penalty=1.5)
     with pytest.raises(ValueError, match="pkpo"):
         GRPO(answer_shaping="unlikeliness", advantage="passk")
+    with pytest.raises(ValueError, match="objective.answer_shaping"):
+        GRPO(answer_shaping="rarity")
+    with pytest.raises(ValueError, match="objective.repetition_coef"):
+        GRPO(repetition_coef=-0.1)
+    with pytest.raises(ValueError, match="objective.answer_level"):
+        ListwiseMaxEnt(answer_level="yes")
     # as the authors: a group whose raw rewards are all equal (all right) gets no push
     solved = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=F64)
     adv = GRPO(answer_shaping="unlikeliness").prepare(solved, torch.ones(1, 4), 4, None,

@@ -21,8 +21,6 @@ coverage compares their canonical forms under the prompt's ``answer_form``
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from maxent_grpo.core.evaluation import aggregate
+from maxent_grpo.core.evaluation import aggregate, answer_entropy
 from maxent_grpo.rewards import WeightedRewards
-from maxent_grpo.rewards.parsing import canonical_answer, coverage_answer, sample_answer
+from maxent_grpo.rewards.parsing import (
+    canonical_answer,
+    compared_answer,
+    coverage_answer,
+    sample_answer,
+)
 from maxent_grpo.rollout import (
     PromptCompletionBatch,
     RolloutEngine,
@@ -67,18 +70,6 @@ class PromptRecord:
     answer_form: str | None = None
 
 
-def _answer_entropy(record: PromptRecord) -> float:
-    """The entropy (nats) of one prompt's ``n`` answers, compared as the training step's
-    ``train/answer_entropy`` compares them (canonical under the prompt's ``answer_form``,
-    else with whitespace collapsed; no answer is one more value)."""
-    keys = []
-    for answer in record.answers:
-        key = canonical_answer(answer, record.answer_form)
-        keys.append(key if key is not None or answer is None else " ".join(answer.split()))
-    n = len(keys)
-    return -sum(c / n * math.log(c / n) for c in Counter(keys).values()) if n else 0.0
-
-
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
     correct = [list(r.correct) for r in records]
     out = aggregate(correct, ks, answers=[list(r.answers) for r in records])
@@ -98,7 +89,9 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
         out.update({
             k: v for k, v in coverage.items() if k.startswith(("coverage@", "distinct_correct@"))
         })
-    out["answer_entropy"] = sum(_answer_entropy(r) for r in records) / len(records)
+    out["answer_entropy"] = sum(  # as train/answer_entropy compares them
+        answer_entropy([compared_answer(a, r.answer_form) for a in r.answers])
+        for r in records) / len(records)
     greedy = [r.greedy_correct for r in records if r.greedy_correct is not None]
     if greedy:
         out["greedy_pass@1"] = sum(greedy) / len(greedy)

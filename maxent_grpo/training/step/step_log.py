@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 
+from maxent_grpo.core.evaluation import answer_entropy
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
 from maxent_grpo.training.types import (
     LoggingConfigView,
@@ -106,7 +106,7 @@ class StepMetrics(torch.nn.Module):
         groups = len(answers) // G
         for b in range(groups):
             group = answers[b * G:(b + 1) * G]
-            entropy -= sum(n / G * math.log(n / G) for n in Counter(group).values())
+            entropy += answer_entropy(group)
             distinct += len({a for a, ok in zip(group, correct[b * G:(b + 1) * G], strict=True)
                              if ok and a is not None})
         device = self.reward.total.device
