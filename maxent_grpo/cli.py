@@ -70,6 +70,7 @@ class MaxEntGRPOCLI(LightningCLI):
         parser.link_arguments("model.model_name_or_path", "data.tokenizer")
         parser.link_arguments("model.model_cache_dir", "data.tokenizer_cache_dir")
         parser.link_arguments("data.max_prompt_length", "model.max_prompt_length")
+        parser.link_arguments("model.tools", "data.tools")
 
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})

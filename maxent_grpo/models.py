@@ -75,12 +75,35 @@ _DTYPES: dict[str, torch.dtype | str] = {
 }
 
 # ChatML, as used by Qwen2 and SmolLM2: one block per message, and an open assistant block
-# when ``add_generation_prompt=True``.
+# when ``add_generation_prompt=True``. With ``tools=`` (schemas) a system block lists them
+# compactly (``name(arg: type): description``; after a system message's text) and says how
+# to call one; tool messages go back in one user block of ``<tool_response>`` blocks, as
+# Qwen2.5's template writes them.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- 'Tools:' }}{%- for tool in tools %}"
+    "{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- '\n' + f['name'] + '(' }}"
+    "{%- set props = f.get('parameters', {}).get('properties', {}) %}"
+    "{%- for name, p in props.items() %}"
+    "{{- (', ' if not loop.first else '') + name + ': ' + (p.get('type', 'any') | string) }}"
+    "{%- endfor %}{{- '): ' + f.get('description', '') }}{%- endfor %}"
+    "{{- '\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
+    "<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>")
 TINY_CHARS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
@@ -160,6 +183,8 @@ def builtin_tiny_model_and_tokenizer() -> tuple[LlamaForCausalLM, PreTrainedToke
 WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
 #: the shipped weights of ``builtin:tiny-h64-warm``, the same warm start of ``builtin:tiny-h64``
 WEIGHTS_H64 = Path(__file__).with_name("assets") / "tiny_h64_warm.safetensors"
+#: the shipped weights of ``builtin:tiny-tools-warm`` (:mod:`maxent_grpo.tool_warm_start`)
+WEIGHTS_TOOLS = Path(__file__).with_name("assets") / "tiny_tools_warm.safetensors"
 
 
 def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedModel:
@@ -177,11 +202,12 @@ def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedMode
     return model.eval()
 
 
-def _write_tiny(folder: Path, warm: bool = False, head_dim: int = 16) -> None:
+def _write_tiny(folder: Path, warm: bool = False, head_dim: int = 16,
+                weights: Path | None = None) -> None:
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, head_dim=head_dim)
     if warm:
-        load_shipped(model, WEIGHTS_H64 if head_dim == 64 else WEIGHTS)
+        load_shipped(model, weights or (WEIGHTS_H64 if head_dim == 64 else WEIGHTS))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -230,10 +256,13 @@ def _write_smollm2(folder: Path) -> None:
 
 # name -> (version, writer). Bump the version when a writer's output changes.
 BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
-    "tiny": (1, _write_tiny),
-    "tiny-warm": (2, lambda folder: _write_tiny(folder, warm=True)),  # v2: shipped weights
-    "tiny-h64": (1, lambda folder: _write_tiny(folder, head_dim=64)),
-    "tiny-h64-warm": (1, lambda folder: _write_tiny(folder, warm=True, head_dim=64)),
+    # v2 / v3: the chat template renders tools (unchanged without them)
+    "tiny": (2, _write_tiny),
+    "tiny-warm": (3, lambda folder: _write_tiny(folder, warm=True)),  # v2: shipped weights
+    "tiny-h64": (2, lambda folder: _write_tiny(folder, head_dim=64)),
+    "tiny-h64-warm": (2, lambda folder: _write_tiny(folder, warm=True, head_dim=64)),
+    "tiny-tools-warm": (1, lambda folder: _write_tiny(folder, warm=True,
+                                                      weights=WEIGHTS_TOOLS)),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 

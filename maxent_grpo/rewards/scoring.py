@@ -248,11 +248,19 @@ class WeightedRewards:
     def __call__(
         self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int,
         completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
+        per_completion: dict[str, list] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`;
         ``columns`` hold one value per prompt; ``completion_ids`` and ``completion_mask``
-        are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``)."""
+        are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``);
+        ``per_completion`` adds keyword columns with one value per completion (a multi-turn
+        rollout's ``tool_calls``, ``tool_failures``, ``environments``)."""
         per_row = {k: [v for v in vals for _ in range(group_size)] for k, vals in columns.items()}
+        for key, values in (per_completion or {}).items():
+            if key in per_row:
+                raise ValueError(f"the dataset column {key!r} clashes with the multi-turn "
+                                 "rollout's reward argument of that name; rename the column")
+            per_row[key] = values
         funcs = list(zip(self.names, self.funcs, self.weights, strict=True))
         ids = None
         if completion_ids is not None:

@@ -21,7 +21,8 @@ class PromptCompletionBatch:
 
     Attributes:
         prompts: the prompt of each row (each prompt repeated once per completion).
-        completions: the completion text of each row.
+        completions: the completion text of each row (for the rewards of a multi-turn
+            rollout, its messages: :meth:`RolloutOutput.reward_completions`).
     """
 
     prompts: list[str]

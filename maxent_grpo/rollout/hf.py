@@ -51,7 +51,12 @@ from transformers import (
 
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy
-from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings, check_request
+from maxent_grpo.rollout.protocol import (
+    Continuation,
+    RolloutOutput,
+    SamplingSettings,
+    check_request,
+)
 from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
 
@@ -200,6 +205,54 @@ class HFGenerateEngine:
     def sync(self, model: nn.Module) -> None:
         """Nothing to do: the engine samples from the model itself."""
 
+    @property
+    def collective(self) -> bool:
+        """Whether every ``generate`` is a collective over the ranks (sharded parameters):
+        then every rank must call it as often (multi-turn rollouts see to it)."""
+        return sharded_across_ranks(self.model)
+
+    def _config(self, s: SamplingSettings, max_new_tokens: int, group: int) -> GenerationConfig:
+        sampling = (dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                    if s.do_sample else dict(do_sample=False, num_beams=1))
+        return GenerationConfig(
+            **sampling, max_new_tokens=max_new_tokens, num_return_sequences=group,
+            eos_token_id=list(self.stop_token_ids), pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+        )
+
+    def continue_ids(
+        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
+    ) -> list[Continuation]:
+        """One continuation of each token sequence (left-padded into one batch, sampled
+        from ``sampling`` for ``max(budgets)`` tokens, row ``i`` cut at ``budgets[i]``):
+        the next turn of a multi-turn rollout. No shared prefill; the static cache when the
+        engine uses it."""
+        require(len(sequences) == len(budgets) and len(sequences) > 0,
+                "continue_ids needs one budget per sequence and at least one sequence")
+        require(all(len(q) > 0 for q in sequences) and all(b >= 1 for b in budgets),
+                "continue_ids needs non-empty sequences and budgets >= 1")
+        device = _model_device(self.model)
+        width, pad = max(len(q) for q in sequences), self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(q)) + list(q) for q in sequences],
+                           device=device)
+        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences],
+                            device=device)
+        config = self._config(sampling, max(budgets), 1)
+        if self.cache == "static":
+            config.cache_implementation = "static"
+        synced = {"synced_gpus": True} if self.collective else {}
+        model, autocast = self._generation_model(device)
+        with torch.no_grad(), autocast, _isolated_generation(model):
+            output = model.generate(input_ids=ids, attention_mask=mask,
+                                    generation_config=config, **synced)
+        new = output[:, width:].long()
+        out = []
+        for row, budget in zip(new.tolist(), budgets, strict=True):
+            row = row[:budget]
+            stops = [t for t, token in enumerate(row) if token in self.stop_token_ids]
+            out.append(Continuation(row[: stops[0] + 1] if stops else row, bool(stops)))
+        return out
+
     def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
                         prompt_mask: torch.Tensor, group: int, max_new_tokens: int):
         """The cache of the first ``P - 1`` tokens of the B prompts repeated ``group`` times
@@ -256,18 +309,9 @@ class HFGenerateEngine:
         prompt_ids, prompt_mask = encode_prompts(  # (B, P)
             self.tokenizer, prompts, s.max_prompt_length, self.prompt_bucket)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        sampling = (dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-                    if s.do_sample else dict(do_sample=False, num_beams=1))
-        config = GenerationConfig(
-            **sampling,
-            max_new_tokens=s.max_new_tokens,
-            num_return_sequences=group,
-            eos_token_id=list(self.stop_token_ids),
-            pad_token_id=self.tokenizer.pad_token_id,
-            use_cache=True,
-        )
+        config = self._config(s, s.max_new_tokens, group)
         # collectives: a rank whose completions all stopped steps on until every rank's have
-        synced = {"synced_gpus": True} if sharded_across_ranks(self.model) else {}
+        synced = {"synced_gpus": True} if self.collective else {}
         start = time.perf_counter()
         model, autocast = self._generation_model(device)
         with torch.no_grad(), autocast, _isolated_generation(model):

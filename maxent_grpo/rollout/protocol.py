@@ -68,6 +68,60 @@ class SamplingSettings:
 
 
 @dataclass
+class ToolUsage:
+    """What the tools or the environment did in a multi-turn rollout, per row (``N = B*G``,
+    prompt-major; :mod:`maxent_grpo.rollout.multiturn`).
+
+    Attributes:
+        messages: each row's exchange as chat messages, ``assistant`` turns and the tool
+            (or environment) messages between them; the last message is always the
+            model's (empty when the row ended inside a tool message).
+        turns: ``(N,)`` long, the model's turns.
+        calls: ``(N,)`` long, the tool calls run (or environment steps taken).
+        failures: failure kind (:data:`~maxent_grpo.rollout.toolcall.FAILURE_KINDS`) ->
+            ``(N,)`` long, the calls of each row that failed so.
+        environments: each row's environment after the rollout, or None (tools).
+    """
+
+    messages: list[list[dict[str, str]]]
+    turns: torch.Tensor
+    calls: torch.Tensor
+    failures: dict[str, torch.Tensor]
+    environments: list[Any] | None = None
+
+    def rows(self, index: list[int]) -> ToolUsage:
+        """The rows ``index``, in that order."""
+        at = torch.tensor(index, dtype=torch.long)
+        return ToolUsage(
+            messages=[self.messages[i] for i in index], turns=self.turns[at],
+            calls=self.calls[at], failures={k: v[at] for k, v in self.failures.items()},
+            environments=None if self.environments is None
+            else [self.environments[i] for i in index])
+
+    @staticmethod
+    def cat(parts: list[ToolUsage]) -> ToolUsage:
+        """The rows of ``parts`` one after another."""
+        envs = [p.environments for p in parts]
+        return ToolUsage(
+            messages=[m for p in parts for m in p.messages],
+            turns=torch.cat([p.turns for p in parts]), calls=torch.cat([p.calls for p in parts]),
+            failures={k: torch.cat([p.failures[k] for p in parts]) for k in parts[0].failures},
+            environments=None if any(e is None for e in envs) else [x for e in envs for x in e])
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One row continued by :meth:`ContinuableEngine.continue_ids`: the new token ids (up to
+    and including the first stop token), whether a stop token came (False: the budget ran
+    out), and the sampler's log-probs of the ids (None when the engine does not report
+    them)."""
+
+    ids: list[int]
+    stopped: bool
+    logps: list[float] | None = None
+
+
+@dataclass
 class RolloutOutput:
     """B prompts × G completions, as text and as token ids.
 
@@ -86,6 +140,11 @@ class RolloutOutput:
         sampler_logps: ``(B*G, T)`` float, the sampler's own log-probability of each
             completion token at the sampling temperature (0 outside ``completion_mask``),
             or None when the engine does not report them (the Hugging Face engine).
+        tool_mask: ``(B*G, T)`` bool, True on the completion's tokens the model did not
+            write (tool and environment messages, with the chat template's text around
+            them; always inside ``completion_mask``), or None for a single-turn rollout.
+            The policy conditions on them; the loss and every token count leave them out.
+        tools: the multi-turn rollout's per-row record (:class:`ToolUsage`), or None.
     """
 
     batch: GenerationBatch
@@ -96,6 +155,8 @@ class RolloutOutput:
     truncated: torch.Tensor
     generate_seconds: float
     sampler_logps: torch.Tensor | None = None
+    tool_mask: torch.Tensor | None = None
+    tools: ToolUsage | None = None
 
     def __post_init__(self) -> None:
         rows = self.batch.num_completions
@@ -127,9 +188,45 @@ class RolloutOutput:
                 f"sampler_logps shape {tuple(self.sampler_logps.shape)} must equal "
                 f"completion_ids shape {tuple(self.completion_ids.shape)}"
             )
-        for name in ("prompt_mask", "completion_mask", "truncated"):
+        if self.tool_mask is not None and (
+            self.tool_mask.shape != self.completion_mask.shape
+            or bool((self.tool_mask & ~self.completion_mask).any())
+        ):
+            raise ValueError("tool_mask must have completion_mask's shape and lie inside it")
+        names = ("prompt_mask", "completion_mask", "truncated") + (
+            ("tool_mask",) if self.tool_mask is not None else ())
+        for name in names:
             if getattr(self, name).dtype != torch.bool:
                 raise ValueError(f"{name} must be a bool tensor; got {getattr(self, name).dtype}")
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """``(B*G, T)`` bool, the completion tokens the model wrote: ``completion_mask``
+        without ``tool_mask``."""
+        if self.tool_mask is None:
+            return self.completion_mask
+        return self.completion_mask & ~self.tool_mask
+
+    def reward_completions(self) -> list[Any]:
+        """The ``B*G`` completions as the reward functions get them, prompt-major: the texts,
+        or, for a multi-turn rollout, each exchange's messages (so a reward reads the
+        model's last turn as the last message's content)."""
+        if self.tools is not None:
+            return list(self.tools.messages)
+        return [c for group in self.batch.grouped_completions for c in group]
+
+    def reward_columns(self) -> dict[str, list[Any]]:
+        """The per-completion keyword arguments a multi-turn rollout adds to every reward
+        call: ``tool_calls`` and ``tool_failures`` (ints) and, with an environment,
+        ``environments`` (each row's environment after the rollout); ``{}`` otherwise."""
+        if self.tools is None:
+            return {}
+        failed = sum(self.tools.failures.values(), torch.zeros_like(self.tools.calls))
+        columns: dict[str, list[Any]] = {"tool_calls": self.tools.calls.tolist(),
+                                         "tool_failures": failed.tolist()}
+        if self.tools.environments is not None:
+            columns["environments"] = list(self.tools.environments)
+        return columns
 
 
 def check_request(
@@ -169,6 +266,19 @@ class RolloutEngine(Protocol):
 
     def sync(self, model: Any) -> None:
         """Take ``model``'s current weights for the rollouts that follow."""
+        ...
+
+
+@runtime_checkable
+class ContinuableEngine(RolloutEngine, Protocol):
+    """An engine that can also continue given token sequences, which multi-turn rollouts
+    (:class:`~maxent_grpo.rollout.multiturn.MultiTurnEngine`) need."""
+
+    def continue_ids(
+        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
+    ) -> list[Continuation]:
+        """Sample one continuation of each token sequence (prompt and completion so far),
+        row ``i`` at most ``budgets[i]`` new tokens, stopping at the engine's stop ids."""
         ...
 
 

@@ -34,6 +34,7 @@ the model named).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -52,7 +53,12 @@ from transformers import PreTrainedTokenizerBase
 from maxent_grpo.adapters import has_adapters
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts, sharded_across_ranks
-from maxent_grpo.rollout.protocol import RolloutOutput, SamplingSettings, check_request
+from maxent_grpo.rollout.protocol import (
+    Continuation,
+    RolloutOutput,
+    SamplingSettings,
+    check_request,
+)
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
@@ -242,6 +248,30 @@ class VLLMEngine:
             return self.vllm.SamplingParams(temperature=0.0, **common)
         return self.vllm.SamplingParams(temperature=s.temperature, top_p=s.top_p,
                                         top_k=s.top_k if s.top_k > 0 else -1, **common)
+
+    def continue_ids(
+        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
+    ) -> list[Continuation]:
+        """One continuation of each token sequence, row ``i`` at most ``budgets[i]`` new
+        tokens, with the sampler's log-probs: the next turn of a multi-turn rollout. The
+        request seeds come from torch's random stream, as in :meth:`generate`."""
+        require(len(sequences) == len(budgets) and len(sequences) > 0,
+                "continue_ids needs one budget per sequence and at least one sequence")
+        base = int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+        params = [dataclasses.replace(sampling, max_new_tokens=int(b)) for b in budgets]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(q)} for q in sequences],
+            [self._params(p, 1, base + i) for i, p in enumerate(params)], use_tqdm=False)
+        out = []
+        for result in outputs:
+            c = result.outputs[0]
+            ids = list(c.token_ids)
+            stops = [t for t, token in enumerate(ids) if token in self.stop_token_ids]
+            ids = ids[: stops[0] + 1] if stops else ids
+            logps = ([step[token].logprob for step, token in zip(c.logprobs, ids, strict=False)]
+                     if c.logprobs else None)
+            out.append(Continuation(ids, bool(stops), logps))
+        return out
 
     def generate(
         self, prompts: list[str], answers: list[str], num_generations: int,

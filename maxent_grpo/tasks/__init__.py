@@ -15,7 +15,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from maxent_grpo.tasks import arithmetic, countdown, digit_pairs, multi_answer, number_sets
+from maxent_grpo.tasks import (
+    arithmetic,
+    calculator,
+    countdown,
+    digit_pairs,
+    multi_answer,
+    number_sets,
+)
 from maxent_grpo.tasks.countdown import check_countdown
 from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
 
@@ -28,6 +35,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "countdown_multi": multi_answer.countdown_multi,
     "digit_pairs": digit_pairs.digit_pairs,
     "number_sets": number_sets.number_sets,
+    "tool_arithmetic": calculator.tool_arithmetic,
 }
 
 

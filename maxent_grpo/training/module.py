@@ -96,19 +96,14 @@ class MaxEntGRPOModule(L.LightningModule):
         top_k: top-k sampling (0 = off).
         num_iterations: optimizer steps taken on each rollout (>= 1); behaviour log-probs
             are computed only when > 1.
-        micro_batch_groups: at most this many prompt groups per micro-batch (``None`` = no
-            limit).
-        micro_batch_tokens: at most this many padded tokens (rows x columns) per
-            micro-batch (``None`` = no limit). Micro-batches hold whole groups, packed by
-            length and trimmed to the columns they use (:mod:`maxent_grpo.training.step.batching`);
-            the update does not depend on the partition.
+        micro_batch_groups, micro_batch_tokens: at most this many prompt groups, padded
+            tokens, per micro-batch (``None`` = no limit); micro-batches hold whole groups
+            (:mod:`maxent_grpo.training.step.batching`); the update does not depend on them.
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
-        drop_constant_groups: leave out of the update the prompt groups whose G rewards
-            are all equal (DAPO's dynamic sampling, without refilling; docs/ALGORITHM.md
-            §7): they are neither scored nor part of the targets, every loss is normalised
-            over the groups kept on all ranks (``train/dropped_groups``); for GRPO only the
-            normaliser changes, the listwise target would pull them towards uniform.
+        drop_constant_groups: leave the prompt groups whose G rewards are all equal out of
+            the update (DAPO's dynamic sampling; docs/ALGORITHM.md §7; losses normalised
+            over the groups kept on all ranks; ``train/dropped_groups``).
         refill_rounds: with ``drop_constant_groups``, draw ``data.batch_size`` new prompts
             up to this many times per step while fewer than that many groups have rewards
             that differ (DAPO's dynamic sampling with refill; ``train/refill_rounds``;
@@ -123,27 +118,30 @@ class MaxEntGRPOModule(L.LightningModule):
             (``VLLMEngine``) and an objective with the clipped surrogate (GRPO,
             EntropyMaxEnt, GroupMaxEnt). ``None`` = off.
         sampler_correction_cap: the cap ``C`` of those weights (> 0).
+        tools: tools the model may call (``package.module:function`` or ``calculate``):
+            multi-turn rollouts, tool messages out of the loss
+            (:mod:`maxent_grpo.rollout.multiturn`; linked to ``data.tools``). ``None``: off.
+        environment: instead, ``{class_path, init_args}`` of an environment with
+            ``reset(prompt, answer)`` and ``step(action) -> (observation, done)``.
+        max_tool_calls, tool_timeout: the most calls (or environment steps) per sample;
+            the seconds one may take.
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
-        lr_scheduler: learning-rate scheduler factory (``class_path`` + ``init_args``, any
-            ``torch.optim.lr_scheduler`` class, e.g. ``CosineAnnealingLR`` with ``T_max`` and
-            ``eta_min``), stepped once per optimizer step and checkpointed; it takes over
-            after the warm-up. ``None`` = constant after the warm-up.
+        lr_scheduler: learning-rate scheduler factory (any ``torch.optim.lr_scheduler``
+            class, e.g. ``CosineAnnealingLR``), stepped once per optimizer step and
+            checkpointed; it takes over after the warm-up. ``None`` = constant after it.
         lr_warmup_steps: linear warm-up steps of the learning rate (step t of the warm-up
             uses ``lr * (t + 1) / lr_warmup_steps``).
         dtype: parameter dtype of the policy and reference.
         gradient_checkpointing: trade compute for memory in the policy forward.
-        fused_lm_head: score from the decoder's hidden states with the LM head fused into
-            the log-softmax, so the ``(n, T, V)`` logits and their gradient never exist
-            (:mod:`maxent_grpo.training.step.scoring`). ``None``: on CUDA for models that
-            qualify (a bias-free linear head, no logit transform, not sharded); ``true``:
-            required for the policy; ``false``: never.
+        fused_lm_head: the LM head fused into the log-softmax, so the ``(n, T, V)`` logits
+            never exist (:mod:`maxent_grpo.training.step.scoring`). ``None``: on CUDA for
+            models that qualify; ``true``: required; ``false``: never.
         peft: train ``peft`` adapters instead of all weights (``class_path: peft.LoraConfig``
             with ``r``, ``lora_alpha``, ``target_modules``; :mod:`maxent_grpo.adapters`):
             the base weights are frozen and the reference is the policy with its adapters
             disabled (no second copy). ``None`` = full fine-tuning.
-        model_cache_dir: where built-in models are materialised (default
-            ``~/.cache/maxent_grpo/models``).
+        model_cache_dir: where built-in models are materialised (None: the default).
         max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
             updates in a row.
         eval_num_generations: ``n``, samples per prompt in validation and test.
@@ -177,6 +175,10 @@ class MaxEntGRPOModule(L.LightningModule):
         sampler_correction: Literal["token_tis", "token_mis", "sequence_tis",
                                     "sequence_mis"] | None = None,
         sampler_correction_cap: float = 2.0,
+        tools: list[str] | None = None,
+        environment: dict[str, Any] | None = None,
+        max_tool_calls: int = 4,
+        tool_timeout: float = 10.0,
         gradient_clip_val: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -234,21 +236,15 @@ class MaxEntGRPOModule(L.LightningModule):
         self.step_log: LogStepArtifacts | None = None
         self.step_metrics_dict: dict[str, float] = {}
         self._engine: RolloutEngine | None = None  # built once, on the first rollout
-        self._weights_version = 0  # +1 at every change of the policy's weights
-        self._engine_version = 0  # the weights the engine was last synced with
+        # +1 at every change of the policy's weights; the weights the engine last synced with
+        self._weights_version = self._engine_version = 0
         self.sync_seconds = 0.0  # the last rollout's engine.sync (perf/sync_seconds)
         self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        """One rollout, then ``num_iterations`` optimizer steps on it::
-
-            trajectory = collect(batch)        # rollout -> rewards -> frozen log-probs
-                                               #   -> targets (advantages / MaxEnt weights)
-            repeat num_iterations times:
-                optimizer_step(trajectory)     # micro-batches -> loss -> backward -> step
-            log the step; objective.observe(the step's statistics)
-        """
+        """One rollout, then ``num_iterations`` optimizer steps on it (the module docstring);
+        the step is logged and ``objective.observe`` reads its statistics."""
         timer, ctx = StepTimer(self.device), self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
         schedule = self.loop.optimization.schedule
@@ -301,8 +297,10 @@ class MaxEntGRPOModule(L.LightningModule):
         with the policy (``engine.sync(policy)``) when its weights changed since the last
         call: after an optimizer step, or a checkpoint's weights loaded."""
         if self._engine is None:
-            self._engine = self.engine_factory(
-                self.policy, self.tokenizer, self.loop.generation.sampling)
+            gen = self.loop.generation
+            self._engine = self.engine_factory(self.policy, self.tokenizer, gen.sampling)
+            if gen.tools is not None:  # multi-turn rollouts (model.tools / environment)
+                self._engine = gen.tools.engine(self._engine, self.tokenizer, gen.sampling)
             self._engine_version = self._weights_version
         self.sync_seconds = 0.0
         if self._engine_version != self._weights_version:

@@ -17,6 +17,8 @@ import torch
 from maxent_grpo.adapters import check_peft
 from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
+from maxent_grpo.rollout.toolcall import Toolbox
 from maxent_grpo.training.types import (
     BatchingSettings,
     LoopSettings,
@@ -53,6 +55,46 @@ class ModelSettings:
 
 
 @dataclass(frozen=True)
+class ToolSettings:
+    """Multi-turn rollouts (``model.tools`` or ``model.environment``;
+    :mod:`maxent_grpo.rollout.multiturn`).
+
+    Attributes:
+        toolbox: the tools, or None.
+        environment: the zero-argument environment factory, or None.
+        max_tool_calls: the most tool calls (or environment steps) per sample.
+        timeout: seconds a tool call or environment step may take.
+    """
+
+    toolbox: Toolbox | None
+    environment: Callable[[], Any] | None
+    max_tool_calls: int
+    timeout: float
+
+    def engine(self, engine: Any, tokenizer: Any, sampling: SamplingSettings) -> Any:
+        """``engine`` wrapped in the multi-turn loop."""
+        return MultiTurnEngine(engine, tokenizer, sampling, self.toolbox, self.environment,
+                               self.max_tool_calls, self.timeout)
+
+
+def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
+    """The checked ``model.tools`` / ``model.environment`` options (tools imported, their
+    schemas built), or None when neither is set."""
+    tools, env = o.get("tools"), o.get("environment")
+    check_int("model.max_tool_calls", o.get("max_tool_calls", 4), minimum=1)
+    check_number("model.tool_timeout", o.get("tool_timeout", 10.0), minimum=0, strict=True)
+    if not tools and env is None:
+        return None
+    require(not (tools and env is not None),
+            "model.tools and model.environment are two kinds of multi-turn rollout; set one "
+            "of them (an environment can call tools itself)")
+    return ToolSettings(
+        toolbox=Toolbox(list(tools), o.get("tool_timeout", 10.0)) if tools else None,
+        environment=environment_factory(env) if env is not None else None,
+        max_tool_calls=o.get("max_tool_calls", 4), timeout=float(o.get("tool_timeout", 10.0)))
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     """How a training rollout is sampled and which of its rows take part in the update.
 
@@ -68,6 +110,7 @@ class GenerationSettings:
             fewer than ``B`` groups have rewards that differ (dynamic sampling with refill).
         solved_reward: with ``drop_constant_groups``, a constant group whose rewards are all
             at least this value is *solved* and stays in the update; ``None``: none stays.
+        tools: multi-turn rollouts with tools or an environment, or None (one turn).
     """
 
     num_generations: int
@@ -78,6 +121,7 @@ class GenerationSettings:
     sampler_correction_cap: float = 2.0
     refill_rounds: int = 0
     solved_reward: float | None = None
+    tools: ToolSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +257,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             sampler_correction_cap=float(o["sampler_correction_cap"]),
             refill_rounds=o["refill_rounds"],
             solved_reward=None if solved is None else float(solved),
+            tools=build_tool_settings(o),
         ),
         evaluation=EvaluationSettings(
             num_generations=n,

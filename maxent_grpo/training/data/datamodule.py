@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from maxent_grpo.models import load_tokenizer
+from maxent_grpo.rollout.toolcall import resolve_tool
 from maxent_grpo.training.data.prompts import PromptFormat
 from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
@@ -99,6 +100,8 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         shuffle: shuffle the training rows each epoch (deterministically from ``seed``).
         apply_chat_template: render prompts with the tokenizer's chat template.
+        tools: the tools whose schemas the chat template shows (``tools=``), linked from
+            ``model.tools`` on the command line; None: none.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         shuffle: bool = True,
         apply_chat_template: bool = True,
+        tools: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -154,6 +158,9 @@ class PromptDataModule(pl.LightningDataModule):
         check_bool("data.`holdout_val_prompts`", holdout_val_prompts)
         check_bool("data.shuffle", shuffle)
         check_bool("data.apply_chat_template", apply_chat_template)
+        require(not tools or apply_chat_template,
+                "data.tools (model.tools) are shown to the model by the chat template; set "
+                "data.apply_chat_template: true")
 
         self.task, self.task_options = task, dict(task_options or {})
         self.train_size, self.val_size, self.seed = train_size, val_size, seed
@@ -170,6 +177,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
         self.num_workers, self.shuffle = num_workers, shuffle
         self.apply_chat_template = apply_chat_template
+        self.tools = tuple(resolve_tool(t) for t in tools or ())
 
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
         self.train_dataset: PromptDataset | None = None
@@ -268,7 +276,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             fmt = PromptFormat(
                 self.prompt_column, self.answer_column, self.system_prompt,
-                self.apply_chat_template, self._get_tokenizer,
+                self.apply_chat_template, self._get_tokenizer, self.tools,
             )
             sources = self._load_sources(fitting=stage in (None, "fit"))
             self.train_dataset = self._build(fmt, sources.train, "train")

@@ -29,13 +29,15 @@ __all__ = ["PromptFormat"]
 class PromptFormat:
     """Which columns hold the prompt and answer, and how the prompt is rendered (the first
     four as the ``PromptDataModule`` options of the same names; ``tokenizer`` returns the
-    tokenizer, called only when a chat template is applied)."""
+    tokenizer, called only when a chat template is applied; ``tools``: the functions whose
+    schemas the template shows, ``data.tools``)."""
 
     prompt_column: str
     answer_column: str | None
     system_prompt: str | None
     apply_chat_template: bool
     tokenizer: Callable[[], Any]
+    tools: tuple[Callable[..., Any], ...] = ()
 
     def examples(self, split: SplitRows) -> list[PromptExample]:
         """Check and render every row of ``split``, in order; each example keeps every column
@@ -80,9 +82,14 @@ class PromptFormat:
             messages = list(prompt)
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self.tokenizer().apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        tools = {"tools": list(self.tools)} if self.tools else {}
+        text = self.tokenizer().apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **tools)
+        names = [getattr(fn, "__name__", "") for fn in self.tools]
+        require(all(name in text for name in names),
+                f"the tokenizer's chat template does not show the tools {names} (data.tools) "
+                "to the model; use a model whose template renders tools=")
+        return text
 
     def _prompt(self, value: Any, at: str) -> Prompt:
         where = f"{at} column {self.prompt_column!r} (data.prompt_column)"

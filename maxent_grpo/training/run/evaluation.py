@@ -153,14 +153,14 @@ class Evaluator(torch.nn.Module):
             rollout = engine.generate(prompts, answers, n)
             greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
                       if self.settings.greedy else None)
-        completions = [c for group in rollout.batch.grouped_completions for c in group]
+        completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
         total, components = self._score(batch, rollout, n)
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))
         correct = self._correct(components[self.settings.reward_index], completions)
         greedy_correct: list[float | None] = [None] * B
         if greedy is not None:
-            texts = [group[0] for group in greedy.batch.grouped_completions]
+            texts = greedy.reward_completions()
             _, greedy_components = self._score(batch, greedy, 1)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
         columns = batch["columns"]
@@ -181,14 +181,12 @@ class Evaluator(torch.nn.Module):
         self, batch: dict[str, Any], rollout: RolloutOutput, n: int
     ) -> tuple[Tensor, Tensor]:
         """The training rewards of ``rollout`` (``n`` completions per prompt), as in training."""
-        groups = rollout.batch.grouped_completions
         pairs = PromptCompletionBatch(
-            prompts=[p for p, group in zip(batch["raw_prompts"], groups, strict=True)
-                     for _ in group],
-            completions=[c for group in groups for c in group],
+            prompts=[p for p in batch["raw_prompts"] for _ in range(n)],
+            completions=rollout.reward_completions(),
         )
         return self.rewards(pairs, batch["columns"], n, rollout.completion_ids,
-                            rollout.completion_mask)
+                            rollout.model_mask, rollout.reward_columns())
 
     def _correct(self, values: Tensor, completions: list) -> list[float]:
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN) value

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from maxent_grpo.core import droppable_groups
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
+from maxent_grpo.rollout.protocol import ToolUsage
 
 #: one scored rollout: (batch dict, rollout, rewards (B, G), components (K, B*G))
 Scored = tuple[dict[str, Any], RolloutOutput, Tensor, Tensor]
@@ -100,9 +101,12 @@ def concat_groups(pools: list[Scored], chosen: list[tuple[int, int]], G: int,
     used_t = completion_mask.any(0).nonzero()
     p0 = int(used_p[0]) if len(used_p) else P
     t1 = int(used_t[-1]) + 1 if len(used_t) else 1
-    sampler = None
+    sampler = tool_mask = tools = None
     if all(r.sampler_logps is not None for r in rollouts):
         sampler = rows_of("sampler_logps", T, 0.0)[:, :t1]
+    if all(r.tools is not None for r in rollouts):  # multi-turn rollouts
+        tool_mask = rows_of("tool_mask", T, False)[:, :t1]
+        tools = ToolUsage.cat([scored[1].tools.rows(rows) for scored, _, rows in parts])
     texts = GenerationBatch(
         prompts=[scored[1].batch.prompts[g] for scored, groups, _ in parts for g in groups],
         grouped_completions=[scored[1].batch.grouped_completions[g]
@@ -113,7 +117,7 @@ def concat_groups(pools: list[Scored], chosen: list[tuple[int, int]], G: int,
         completion_ids=rows_of("completion_ids", T, pad_id)[:, :t1],
         completion_mask=completion_mask[:, :t1], truncated=rows_of("truncated"),
         generate_seconds=sum(scored[1].generate_seconds for scored in pools),
-        sampler_logps=sampler,
+        sampler_logps=sampler, tool_mask=tool_mask, tools=tools,
     )
     batch = _take_batch([(scored[0], groups) for scored, groups, _ in parts])
     rewards = torch.cat([scored[2][groups] for scored, groups, _ in parts])

@@ -31,6 +31,7 @@ from maxent_grpo.training.types import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from maxent_grpo.rollout import RolloutOutput
     from maxent_grpo.training.step.trajectory import Trajectory
 
 
@@ -115,6 +116,29 @@ class StepMetrics(torch.nn.Module):
             self.mean(key).update_sum(torch.tensor(total, dtype=torch.float64, device=device),
                                       count)
 
+    def observe_tools(self, rollout: RolloutOutput) -> None:
+        """A multi-turn rollout's ``train/tools/...``, over its ``N`` samples (all rows, the
+        dropped groups' included): ``calls_per_sample``, ``turns_per_sample``,
+        ``message_tokens_per_sample`` (tokens the model did not write), ``success_rate``
+        (samples with at least one call that returned), ``failure_rate`` (failed calls /
+        calls) and ``failures/<kind>`` (calls failed so / calls)."""
+        tools, device = rollout.tools, self.reward.total.device
+        failed = sum(tools.failures.values(), torch.zeros_like(tools.calls))
+
+        def add(key: str, total: Tensor, count: Tensor | int) -> None:
+            self.mean(f"tools/{key}").update_sum(
+                total.to(device, torch.float64), torch.as_tensor(count, dtype=torch.float64,
+                                                                 device=device))
+
+        n, calls = len(tools.messages), tools.calls.sum()
+        add("calls_per_sample", calls, n)
+        add("turns_per_sample", tools.turns.sum(), n)
+        add("message_tokens_per_sample", rollout.tool_mask.sum(), n)
+        add("success_rate", (tools.calls > failed).sum(), n)
+        add("failure_rate", failed.sum(), calls)
+        for kind, counts in tools.failures.items():
+            add(f"failures/{kind}", counts.sum(), calls)
+
     def observe(self, trajectory: Trajectory) -> None:
         """Add the step's rollout statistics (its losses came through :meth:`add`)."""
         t = trajectory
@@ -128,6 +152,8 @@ class StepMetrics(torch.nn.Module):
             self.mean("logp/ref_token").update(
                 t.ref_logps, torch.zeros_like(t.mask) if t.ghost else t.mask)
         device = self.reward.total.device
+        if rollout.tools is not None:
+            self.observe_tools(rollout)
         for key, value in t.targets.stats.items():
             self.mean(key).update_sum(value.detach(), torch.ones((), device=device))
 

@@ -77,8 +77,9 @@ class Trajectory:
         rollout: the engine's output: texts and ``(B*G, ...)`` ids and masks.
         pairs: the flat prompt/completion pairs the rewards were computed on.
         rewards: ``(B, G)`` total rewards; ``components`` ``(K, B*G)`` per reward.
-        loss_mask: ``(B*G, T)`` completion mask of the loss (truncated rows zeroed with
-            ``mask_truncated_completions``).
+        loss_mask: ``(B*G, T)`` completion mask of the loss: the tokens the model wrote
+            (a multi-turn rollout's tool messages left out), truncated rows zeroed with
+            ``mask_truncated_completions``.
         keep: ``(B,)`` bool, the groups that take part.
         input_ids, attention: ``(N, P + T)`` rows ``[prompt | completion]`` taking part.
         mask: ``(N, T)`` their loss mask.
@@ -145,9 +146,11 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     def roll_out(prompts: dict[str, Any]) -> Scored:
         out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
         timer.start()
+        pairs = flat_pairs(out.batch, prompts["raw_prompts"])
+        pairs.completions = out.reward_completions()  # a multi-turn rollout's messages
         total, parts = ctx.rewards(  # (B*G,), (K, B*G)
-            flat_pairs(out.batch, prompts["raw_prompts"]), prompts["columns"], G,
-            out.completion_ids, out.completion_mask)
+            pairs, prompts["columns"], G, out.completion_ids, out.model_mask,
+            out.reward_columns())
         timer.stop("reward")
         return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
 
@@ -159,12 +162,12 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
                                 pad_id(scored[1], ctx.engine), gen.solved_reward)
     batch, rollout, rewards, components = scored
     pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
-    loss_mask = rollout.completion_mask.clone()  # (B*G, T) bool
+    loss_mask = rollout.model_mask.clone()  # (B*G, T) bool: the tokens the model wrote
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
     forms = batch["columns"].get("answer_form") or [None] * B
-    keys = [answer_key(c, forms[i // G]) for i, c in enumerate(pairs.completions)]
+    keys = [answer_key(c, forms[i // G]) for i, c in enumerate(rollout.reward_completions())]
 
     # the groups that take part; a rank that keeps none scores its first group at weight 0
     keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
@@ -197,7 +200,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         behaviour = old_logps if old_logps is not None else ctx.scorer.frozen_logps(
             ctx.policy, input_ids, attention, T, chunks)
         # ranked over the sampled tokens (a row the loss mask hides whole still ranks)
-        seq_logps = sequence_ref_loglik(behaviour, completion_mask, G)[: n_kept // G]
+        seq_logps = sequence_ref_loglik(behaviour, rollout.model_mask[rows], G)[: n_kept // G]
     timer.stop("frozen")
 
     candidates = None

@@ -1,0 +1,301 @@
+"""Multi-turn rollouts: the model writes, a tool or an environment answers, the model goes on.
+
+:class:`MultiTurnEngine` wraps a rollout engine that can continue token sequences
+(``continue_ids``: :class:`~maxent_grpo.rollout.HFGenerateEngine` and
+:class:`~maxent_grpo.rollout.VLLMEngine`), so both run this one loop. Per sample:
+
+1. the first turn is the inner engine's ``generate`` (G samples per prompt, as always);
+2. while the turn ended with a stop token and fewer than ``max_tool_calls`` calls ran:
+
+   - **tools** (``model.tools``): the calls in the turn's text
+     (:func:`~maxent_grpo.rollout.toolcall.parse_tool_calls`) run, each within the time
+     limit (:class:`~maxent_grpo.rollout.toolcall.Toolbox`); a turn without a call ends
+     the sample; every fault is a tool message the model reads;
+   - **an environment** (``model.environment``): ``observation, done =
+     env.step(turn_text)``; ``done`` ends the sample, else the observation is a message
+     (role ``env.role``, default ``"user"``). One environment per sample, built by the
+     factory and ``reset(prompt, answer)`` before the first turn;
+
+   the messages are rendered by the tokenizer's chat template (the text that follows the
+   model's stop token up to the opening of the next assistant turn) and tokenised; the
+   model continues from ``prompt + completion so far``.
+3. **Budget**: the whole completion, the model's tokens and the messages, holds at most
+   ``max_new_tokens``; a message that leaves the model no room is cut and the row is
+   truncated (and ends with an empty assistant message for the rewards).
+
+The output is one :class:`~maxent_grpo.rollout.RolloutOutput` whose ``tool_mask`` marks the
+tokens the model did not write (out of the loss and of every token count) and whose
+``tools`` (:class:`~maxent_grpo.rollout.protocol.ToolUsage`) holds each row's messages,
+turns, calls and failures. Its texts keep the chat template's special tokens, so logged
+samples show the turns. With sharded parameters (FSDP2, ZeRO-3), where every generate is a
+collective, the ranks continue together: a rank with nothing left generates one token of a
+placeholder row while others go on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.rollout.protocol import (
+    Continuation,
+    RolloutOutput,
+    SamplingSettings,
+    ToolUsage,
+    check_request,
+)
+from maxent_grpo.rollout.toolcall import FAILURE_KINDS, Toolbox, parse_tool_calls, timed_call
+from maxent_grpo.validation import check_int, check_number, require
+
+__all__ = ["MultiTurnEngine", "environment_factory"]
+
+_MARK = "\x00assistant-turn\x00"  # stands for the model's turn when the template is diffed
+
+
+def environment_factory(spec: dict[str, Any]) -> Callable[[], Any]:
+    """A zero-argument factory from ``model.environment``: ``{class_path: "pkg.mod.Class",
+    init_args: {...}}`` (``pkg.mod:Class`` also accepted). The class must have
+    ``reset(prompt, answer)`` and ``step(action) -> (observation, done)``; ValueError names
+    what is missing."""
+    require(isinstance(spec, dict) and isinstance(spec.get("class_path"), str),
+            "model.environment must be {class_path: 'package.module.Class', init_args: {...}}; "
+            f"got {spec!r}")
+    unknown = set(spec) - {"class_path", "init_args"}
+    require(not unknown, f"model.environment: unknown keys {sorted(unknown)}; "
+            "only class_path and init_args")
+    path, args = spec["class_path"], spec.get("init_args") or {}
+    require(isinstance(args, dict), f"model.environment.init_args must be a mapping; got {args!r}")
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"model.environment: cannot import {path!r} ({err})") from err
+    for method in ("reset", "step"):
+        require(callable(getattr(cls, method, None)),
+                f"model.environment: {path} has no {method}() method; an environment needs "
+                "reset(prompt, answer) and step(action) -> (observation, done)")
+    return lambda: cls(**args)
+
+
+class MultiTurnEngine:
+    """A rollout engine whose samples are multi-turn exchanges (see the module docstring).
+
+    Args:
+        engine: the inner engine; it must have ``continue_ids``.
+        tokenizer: the policy's tokenizer, with the chat template that renders the messages.
+        sampling: the default sampling settings (the inner engine's).
+        toolbox: the tools, or None.
+        environment: a zero-argument environment factory, or None (exactly one of the two).
+        max_tool_calls: the most tool calls (or environment steps) per sample (>= 1).
+        timeout: seconds an environment's ``step`` may take (the tools have the toolbox's).
+    """
+
+    def __init__(
+        self, engine: Any, tokenizer: Any, sampling: SamplingSettings,
+        toolbox: Toolbox | None = None, environment: Callable[[], Any] | None = None,
+        max_tool_calls: int = 4, timeout: float = 10.0,
+    ) -> None:
+        require(callable(getattr(engine, "continue_ids", None)),
+                f"model.tools / model.environment need an engine that continues token "
+                f"sequences (HFGenerateEngine, VLLMEngine); {type(engine).__name__} has no "
+                "continue_ids")
+        require((toolbox is None) != (environment is None),
+                "a multi-turn rollout takes model.tools or model.environment, not both")
+        check_int("model.max_tool_calls", max_tool_calls, minimum=1)
+        check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.toolbox, self.environment = toolbox, environment
+        self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
+        self._template_tools = {"tools": toolbox.schemas} if toolbox is not None else {}
+        self._segment("user", "ok")  # a template that cannot render the messages fails now
+
+    def sync(self, model: Any) -> None:
+        """The inner engine's ``sync``."""
+        self.engine.sync(model)
+
+    # ------------------------------------------------------------------ messages
+    def _segment(self, *replies: str) -> str:
+        """The text after the model's stop token that hands ``replies`` (pairs of role and
+        content flattened: ``role, content, role, content, ...``) to the model and opens its
+        next turn, as the chat template writes it."""
+        messages = [{"role": r, "content": c} for r, c in zip(replies[::2], replies[1::2],
+                                                              strict=True)]
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        render = self.tokenizer.apply_chat_template
+        before = render(base, tokenize=False, **self._template_tools)
+        after = render(base + messages, tokenize=False, add_generation_prompt=True,
+                       **self._template_tools)
+        require(_MARK in before and after.startswith(before),
+                "multi-turn rollouts need a chat template that renders a conversation by "
+                "appending each message; this tokenizer's template rewrites earlier turns")
+        tail = before[before.rindex(_MARK) + len(_MARK):]
+        eos = self.tokenizer.eos_token or ""
+        if eos and tail.startswith(eos):  # the model's own stop token ends its turn
+            tail = tail[len(eos):]
+        return tail + after[len(before):]
+
+    def _replies(self, row: int, text: str, calls: list[int], failures: dict[str, list[int]],
+                 envs: list[Any] | None) -> list[str] | None:
+        """The messages (role, content, ...) answering the model's turn ``text``, or None
+        when the sample ends."""
+        left = self.max_tool_calls - calls[row]
+        if envs is not None:
+            if left <= 0:
+                return None
+            calls[row] += 1
+            value, error = timed_call(lambda: envs[row].step(text), self.timeout, "environment")
+            if error is not None:
+                kind = "timeout" if error == "timeout" else "error"
+                failures[kind][row] += 1
+                message = (f"Error: the environment gave no result within {self.timeout:g} s"
+                           if kind == "timeout" else f"Error: {error}")
+                return [getattr(envs[row], "role", "user"), message]
+            if not (isinstance(value, tuple) and len(value) == 2
+                    and isinstance(value[0], str) and isinstance(value[1], bool)):
+                raise TypeError(f"{type(envs[row]).__name__}.step must return (observation: "
+                                f"str, done: bool); got {value!r:.200}")
+            observation, done = value
+            return None if done else [getattr(envs[row], "role", "user"), observation]
+        parsed = parse_tool_calls(text)
+        if not parsed or left <= 0:
+            return None
+        out: list[str] = []
+        for call in parsed[:left]:
+            result = self.toolbox.run(call)
+            calls[row] += 1
+            if result.failure is not None:
+                failures[result.failure][row] += 1
+            out += ["tool", result.text]
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def _continue_together(self, go: bool) -> bool:
+        """Whether any rank continues (every rank when the inner engine's generate is a
+        collective), else this rank's ``go``."""
+        dist = torch.distributed
+        if not (getattr(self.engine, "collective", False) and dist.is_available()
+                and dist.is_initialized()):
+            return go
+        flag = torch.tensor([int(go)], device=_device(self.engine))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def generate(
+        self, prompts: list[str], answers: list[str], num_generations: int,
+        sampling: SamplingSettings | None = None,
+    ) -> RolloutOutput:
+        """G = ``num_generations`` multi-turn samples per prompt (see the module docstring)."""
+        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
+        start, G = time.perf_counter(), num_generations
+        first = self.engine.generate(prompts, answers, G, s)
+        N, budget, tok = first.completion_ids.shape[0], s.max_new_tokens, self.tokenizer
+        lengths = first.completion_mask.sum(1).tolist()
+        ids = [first.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
+        tool = [[False] * n for n in lengths]
+        logps = None if first.sampler_logps is None else [
+            first.sampler_logps[i, :n].tolist() for i, n in enumerate(lengths)]
+        truncated = first.truncated.tolist()
+        heads = [first.prompt_ids[i][first.prompt_mask[i]].tolist() for i in range(N)]
+        turns, calls = [1] * N, [0] * N
+        failures = {kind: [0] * N for kind in FAILURE_KINDS}
+        envs = None
+        if self.environment is not None:
+            envs = [self.environment() for _ in range(N)]
+            for i, env in enumerate(envs):
+                env.reset(prompts[i // G], answers[i // G])
+        messages = [[{"role": "assistant", "content": tok.decode(x, skip_special_tokens=True)}]
+                    for x in ids]
+
+        def extend(i: int, new: list[int], is_tool: bool, new_logps: list[float] | None) -> None:
+            ids[i] += new
+            tool[i] += [is_tool] * len(new)
+            if logps is not None:
+                logps[i] += new_logps if new_logps is not None else [0.0] * len(new)
+
+        active = [i for i in range(N) if not truncated[i]]
+        while True:
+            go = []
+            for i in active:
+                replies = self._replies(i, messages[i][-1]["content"], calls, failures, envs)
+                if replies is None:
+                    continue
+                messages[i] += [{"role": r, "content": c}
+                                for r, c in zip(replies[::2], replies[1::2], strict=True)]
+                segment = tok(self._segment(*replies), add_special_tokens=False)["input_ids"]
+                room = budget - len(ids[i])
+                extend(i, segment[:room], True, None)
+                if len(segment) >= room:  # no room left for the model to answer
+                    truncated[i] = True
+                    messages[i].append({"role": "assistant", "content": ""})
+                else:
+                    go.append(i)
+            if not self._continue_together(bool(go)):
+                break
+            rows = go or [0]  # a placeholder row keeps a collective generate in step
+            outs: list[Continuation] = self.engine.continue_ids(
+                [heads[i] + ids[i] for i in rows],
+                [budget - len(ids[i]) if go else 1 for i in rows], s)
+            active = []
+            for i, out in zip(go, outs, strict=False):
+                extend(i, out.ids, False, out.logps)
+                turns[i] += 1
+                messages[i].append({"role": "assistant",
+                                    "content": tok.decode(out.ids, skip_special_tokens=True)})
+                if out.stopped:
+                    active.append(i)
+                else:
+                    truncated[i] = True
+        return self._output(first, prompts, G, ids, tool, logps, truncated, messages,
+                            turns, calls, failures, envs, time.perf_counter() - start)
+
+    def _output(self, first: RolloutOutput, prompts: list[str], G: int, ids: list[list[int]],
+                tool: list[list[bool]], logps: list[list[float]] | None, truncated: list[bool],
+                messages: list[list[dict[str, str]]], turns: list[int], calls: list[int],
+                failures: dict[str, list[int]], envs: list[Any] | None,
+                seconds: float) -> RolloutOutput:
+        """The rows as one :class:`RolloutOutput` (right-padded to the longest)."""
+        N, T = len(ids), max(1, max(len(x) for x in ids))
+        device, pad = first.completion_ids.device, self.tokenizer.pad_token_id
+        completion_ids = torch.full((N, T), pad, dtype=torch.long)
+        completion_mask = torch.zeros(N, T, dtype=torch.bool)
+        tool_mask = torch.zeros(N, T, dtype=torch.bool)
+        sampler = None if logps is None else torch.zeros(N, T)
+        for i, row in enumerate(ids):
+            completion_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            completion_mask[i, :len(row)] = True
+            tool_mask[i, :len(row)] = torch.tensor(tool[i], dtype=torch.bool)
+            if sampler is not None:
+                sampler[i, :len(row)] = torch.tensor(logps[i])
+        eos = self.tokenizer.eos_token or ""
+        texts = [self.tokenizer.decode(row, skip_special_tokens=False) for row in ids]
+        texts = [t[: -len(eos)] if eos and t.endswith(eos) else t for t in texts]
+        long = torch.long
+        return RolloutOutput(
+            batch=GenerationBatch(prompts=list(prompts), grouped_completions=[
+                texts[b * G:(b + 1) * G] for b in range(len(prompts))]),
+            prompt_ids=first.prompt_ids, prompt_mask=first.prompt_mask,
+            completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
+            truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
+            generate_seconds=seconds,
+            sampler_logps=None if sampler is None else sampler.to(device),
+            tool_mask=tool_mask.to(device),
+            tools=ToolUsage(
+                messages=messages, turns=torch.tensor(turns, dtype=long),
+                calls=torch.tensor(calls, dtype=long),
+                failures={k: torch.tensor(v, dtype=long) for k, v in failures.items()},
+                environments=envs),
+        )
+
+
+def _device(engine: Any) -> torch.device:
+    model = getattr(engine, "model", None)
+    for parameter in (model.parameters() if model is not None else ()):
+        return parameter.device
+    return torch.device("cpu")

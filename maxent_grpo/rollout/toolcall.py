@@ -1,0 +1,262 @@
+"""Tools the policy may call in a rollout: their schemas, the calls parsed from its text, and
+running a call so that no fault of the tool or of the call stops training.
+
+A tool is a plain Python function with typed arguments and a Google-style docstring, as
+TRL users write them; its JSON schema (``transformers.utils.get_json_schema``) is what the
+chat template shows the model (``apply_chat_template(..., tools=...)``)::
+
+    def calculate(expression: str) -> str:
+        \"\"\"Evaluate an arithmetic expression.
+
+        Args:
+            expression: the expression, e.g. "12 * (3 + 4)".
+        \"\"\"
+
+``model.tools`` names tools by import path (``package.module:function`` or
+``package.module.function``) or by a built-in name (:data:`BUILTIN_TOOLS`).
+
+Call format (:func:`parse_tool_calls`): the Hermes format of Qwen2.5's chat template, also
+the built-in models' one: each call a JSON object between tags,
+``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``.
+
+Faults. :meth:`Toolbox.run` never raises; each fault becomes the text the model reads as
+the tool's answer and a kind counted in ``train/tools/failures/<kind>``:
+
+==================  ===========================================================  ==========
+fault               what the model reads                                         kind
+==================  ===========================================================  ==========
+not JSON, no name,  ``Error: malformed tool call (<reason>)``                      malformed
+unclosed tag
+unknown name        ``Error: unknown tool 'x'; the tools are: calculate``         unknown_tool
+missing, extra or   ``Error: bad arguments for calculate: <reason>``              bad_arguments
+mistyped argument
+the tool raises     ``Error: <ExceptionType>: <message>``                         error
+over the time limit ``Error: calculate gave no result within <t> s``              timeout
+==================  ===========================================================  ==========
+
+A tool runs in a daemon thread, in this process, never through a shell; the rollout waits
+at most ``timeout`` seconds. Python cannot stop a thread, so a call that never returns keeps
+its thread until the process ends: run untrusted code in a subprocess the tool can kill.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from maxent_grpo.validation import check_number, require
+
+__all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ToolCall", "ToolResult", "Toolbox",
+           "parse_tool_calls", "resolve_tool", "timed_call"]
+
+#: built-in tool name -> import path
+BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate"}
+
+#: the kinds of failed call, in the order they are logged
+FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout")
+
+_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "array": (list,), "object": (dict,), "null": (type(None),),
+}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call parsed from the model's text.
+
+    Attributes:
+        name: the tool's name ("" when malformed).
+        arguments: the keyword arguments (empty when malformed).
+        malformed: why the call could not be read, or None.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    malformed: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call gave: ``text`` (the tool message the model reads) and ``failure``, one of
+    :data:`FAILURE_KINDS`, or None when the tool returned."""
+
+    text: str
+    failure: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The calls in ``text``, in order: every ``<tool_call>...</tool_call>`` block (an
+    opening tag never closed runs to the end of the text and is malformed).
+
+    >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    [ToolCall(name='f', arguments={'x': 1}, malformed=None)]
+    >>> parse_tool_calls("<tool_call>{oops</tool_call>")[0].malformed
+    'not a JSON object'
+    """
+    calls = []
+    for match in _CALL.finditer(text):
+        body, closed = match.group(1).strip(), bool(match.group(2))
+        if not closed:
+            calls.append(ToolCall("", {}, "no closing </tool_call>"))
+            continue
+        try:
+            call = json.loads(body)
+        except ValueError:
+            call = None
+        if not isinstance(call, dict):
+            calls.append(ToolCall("", {}, "not a JSON object"))
+            continue
+        name, arguments = call.get("name"), call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if not isinstance(name, str) or not name:
+            calls.append(ToolCall("", {}, 'no "name" string'))
+        elif not isinstance(arguments, dict):
+            calls.append(ToolCall(name, {}, '"arguments" is not an object'))
+        else:
+            calls.append(ToolCall(name, arguments))
+    return calls
+
+
+def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The function ``spec`` names: a built-in name (:data:`BUILTIN_TOOLS`), an import path
+    ``package.module:function`` or ``package.module.function``, or a callable itself.
+    ValueError names the entry of ``model.tools`` that cannot be found."""
+    if callable(spec):
+        return spec
+    require(isinstance(spec, str) and spec.strip(),
+            f"model.tools entries must be import paths or built-in names; got {spec!r}")
+    path = BUILTIN_TOOLS.get(spec, spec)
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"model.tools: cannot import {spec!r} ({err}); give 'package.module:function' or "
+            f"one of the built-in tools {sorted(BUILTIN_TOOLS)}") from err
+    require(callable(fn), f"model.tools: {spec!r} is not a function; give "
+            f"'package.module:function' or one of {sorted(BUILTIN_TOOLS)}")
+    return fn
+
+
+def timed_call(fn: Callable[[], Any], timeout: float, name: str) -> tuple[Any, str | None]:
+    """``(value, None)`` when ``fn()`` returns within ``timeout`` seconds (run in a daemon
+    thread), ``(None, "timeout")`` when it does not, ``(None, "<Type>: <message>")`` when it
+    raises an ``Exception``."""
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = fn()
+        except Exception as err:
+            outcome["error"] = f"{type(err).__name__}: {err}"
+
+    worker = threading.Thread(target=work, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return None, "timeout"
+    return outcome.get("value"), outcome.get("error")
+
+
+def _schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as err:  # no docstring, an argument without a type or description
+        raise ValueError(
+            f"model.tools: the tool {getattr(fn, '__name__', fn)!r} needs type hints on every "
+            f"argument and a docstring with an Args section describing each ({err})") from err
+
+
+class Toolbox:
+    """The run's tools, by name, with their schemas and a time limit per call.
+
+    Args:
+        tools: functions or the names :func:`resolve_tool` accepts.
+        timeout: seconds one call may take (> 0).
+
+    >>> def add(a: int, b: int) -> int:
+    ...     '''Add.
+    ...
+    ...     Args:
+    ...         a: first.
+    ...         b: second.
+    ...     '''
+    ...     return a + b
+    >>> box = Toolbox([add], timeout=1.0)
+    >>> box.run(ToolCall("add", {"a": 2, "b": 3})), box.run(ToolCall("add", {"a": "2"})).failure
+    (ToolResult(text='5', failure=None), 'bad_arguments')
+    """
+
+    def __init__(self, tools: Sequence[str | Callable[..., Any]], timeout: float = 10.0) -> None:
+        require(isinstance(tools, (list, tuple)) and len(tools) > 0,
+                f"model.tools must be a non-empty list of tools; got {tools!r}")
+        check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+        self.timeout = float(timeout)
+        self.functions: dict[str, Callable[..., Any]] = {}
+        self.schemas: list[dict[str, Any]] = []
+        for spec in tools:
+            fn = resolve_tool(spec)
+            schema = _schema(fn)
+            name = schema["function"]["name"]
+            require(name not in self.functions, f"model.tools names the tool {name!r} twice")
+            self.functions[name] = fn
+            self.schemas.append(schema)
+
+    def _check_arguments(self, name: str, arguments: dict[str, Any]) -> str | None:
+        """Why ``arguments`` do not fit tool ``name``'s signature and schema, or None."""
+        fn = self.functions[name]
+        try:
+            inspect.signature(fn).bind(**arguments)
+        except TypeError as err:
+            return str(err)
+        properties = next(s for s in self.schemas if s["function"]["name"] == name)[
+            "function"]["parameters"].get("properties", {})
+        for key, value in arguments.items():
+            kinds = properties.get(key, {}).get("type")
+            allowed = tuple(t for k in ([kinds] if isinstance(kinds, str) else kinds or [])
+                            for t in _JSON_TYPES.get(k, (object,)))
+            wrong_bool = isinstance(value, bool) and bool not in allowed and object not in allowed
+            if allowed and (not isinstance(value, allowed) or wrong_bool):
+                return f"{key!r} must be {kinds}; got {json.dumps(value)}"
+        return None
+
+    def run(self, call: ToolCall) -> ToolResult:
+        """Run one call within the time limit; every fault is a :class:`ToolResult` with its
+        kind (see the module docstring), never an exception."""
+        if call.malformed is not None:
+            return ToolResult(f"Error: malformed tool call ({call.malformed})", "malformed")
+        if call.name not in self.functions:
+            return ToolResult(f"Error: unknown tool {call.name!r}; the tools are: "
+                              f"{', '.join(self.functions)}", "unknown_tool")
+        problem = self._check_arguments(call.name, call.arguments)
+        if problem is not None:
+            return ToolResult(f"Error: bad arguments for {call.name}: {problem}", "bad_arguments")
+        value, error = timed_call(lambda: self.functions[call.name](**call.arguments),
+                                  self.timeout, f"tool:{call.name}")
+        if error == "timeout":
+            return ToolResult(f"Error: {call.name} gave no result within {self.timeout:g} s",
+                              "timeout")
+        if error is not None:
+            return ToolResult(f"Error: {error}", "error")
+        if isinstance(value, str):
+            return ToolResult(value)
+        try:
+            return ToolResult(json.dumps(value))
+        except (TypeError, ValueError):
+            return ToolResult(str(value))

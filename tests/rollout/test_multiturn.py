@@ -1,0 +1,211 @@
+"""Multi-turn rollouts (:mod:`maxent_grpo.rollout.multiturn`) on a scripted inner engine and
+the tiny model's tokenizer: what the completion holds token by token, which tokens the
+model wrote, the budget, the call limit, faults and environments; and the Hugging Face
+engine's ``continue_ids`` against its own ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from maxent_grpo.models import build_tiny_model, build_tiny_tokenizer
+from maxent_grpo.rollout import GenerationBatch, HFGenerateEngine, RolloutOutput, SamplingSettings
+from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts
+from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
+from maxent_grpo.rollout.protocol import Continuation
+from maxent_grpo.rollout.toolcall import Toolbox
+
+TOK = build_tiny_tokenizer()
+CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "6 * 7"}}</tool_call>'
+SEGMENT = ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+           "<|im_start|>assistant\n")
+
+
+def ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+class Scripted:
+    """An inner engine whose turns are scripted: turn ``k`` of every sample (counted by the
+    assistant turns opened after the prompt's) is ``turns[k]``; ``stop`` ends it with EOS."""
+
+    def __init__(self, turns: list[str], stop: bool = True) -> None:
+        self.turns, self.stop, self.tokenizer = turns, stop, TOK
+        self.sequences: list[list[int]] = []
+
+    def sync(self, model) -> None:
+        pass
+
+    def _turn(self, k: int, budget: int) -> tuple[list[int], bool]:
+        row = ids(self.turns[min(k, len(self.turns) - 1)]) + ([TOK.eos_token_id] * self.stop)
+        return row[:budget], self.stop and len(row) <= budget
+
+    def generate(self, prompts, answers, G, sampling=None):
+        s = sampling or SamplingSettings(max_new_tokens=200)
+        self.base = prompts[0].count("<|im_start|>assistant")
+        p_ids, p_mask = encode_prompts(TOK, prompts, None)
+        rows = [self._turn(0, s.max_new_tokens)[0] for _ in range(len(prompts) * G)]
+        T = max(map(len, rows))
+        c_ids = torch.full((len(rows), T), TOK.pad_token_id)
+        for i, r in enumerate(rows):
+            c_ids[i, :len(r)] = torch.tensor(r)
+        mask, truncated = completion_mask_from_ids(c_ids, [TOK.eos_token_id])
+        texts = [TOK.decode(r, skip_special_tokens=True) for r in rows]
+        return RolloutOutput(
+            GenerationBatch(list(prompts), [texts[b * G:(b + 1) * G] for b in range(len(prompts))]),
+            p_ids.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0), c_ids, mask,
+            truncated, 0.0)
+
+    def continue_ids(self, sequences, budgets, sampling):
+        self.sequences += sequences
+        out = []
+        for seq, budget in zip(sequences, budgets, strict=True):
+            k = TOK.decode(seq).count("<|im_start|>assistant") - self.base
+            row, stopped = self._turn(k, budget)
+            out.append(Continuation(row, stopped))
+        return out
+
+
+def engine(turns, budget=200, max_calls=4, stop=True, tools=("calculate",), env=None):
+    s = SamplingSettings(max_new_tokens=budget)
+    box = Toolbox(list(tools), timeout=2.0) if env is None else None
+    return MultiTurnEngine(Scripted(turns, stop), TOK, s, toolbox=box, environment=env,
+                           max_tool_calls=max_calls)
+
+
+def test_a_tool_exchange_token_by_token():
+    mt = engine([CALL, "42"])
+    assert mt._segment("tool", "42") == SEGMENT
+    out = mt.generate(["What is 6 * 7?"], ["42"], 2)
+    eos = [TOK.eos_token_id]
+    expected = ids(CALL) + eos + ids(SEGMENT) + ids("42") + eos
+    assert out.completion_ids.tolist() == [expected, expected]
+    assert out.completion_mask.all() and not out.truncated.any()
+    start = len(ids(CALL)) + 1
+    tool = [start <= t < start + len(ids(SEGMENT)) for t in range(len(expected))]
+    assert out.tool_mask.tolist() == [tool, tool]  # exactly the template's tool message
+    assert out.model_mask.sum(1).tolist() == [len(expected) - len(ids(SEGMENT))] * 2
+    assert out.tools.turns.tolist() == [2, 2] and out.tools.calls.tolist() == [1, 1]
+    assert all(int(v.sum()) == 0 for v in out.tools.failures.values())
+    assert out.reward_completions()[0] == [
+        {"role": "assistant", "content": CALL}, {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "42"}]
+    assert out.reward_columns() == {"tool_calls": [1, 1], "tool_failures": [0, 0]}
+    # the text shows the turns; the model continued from prompt + completion so far
+    assert out.batch.grouped_completions[0][0] == CALL + "<|im_end|>" + SEGMENT + "42"
+    assert TOK.decode(mt.engine.sequences[0]) == "What is 6 * 7?" + CALL + "<|im_end|>" + SEGMENT
+
+
+def test_a_turn_without_a_call_ends_the_sample():
+    out = engine(["41"]).generate(["q"], ["42"], 3)
+    assert out.tool_mask.sum() == 0 and out.tools.turns.tolist() == [1, 1, 1]
+    assert out.tools.calls.tolist() == [0, 0, 0]
+    assert out.reward_completions()[0] == [{"role": "assistant", "content": "41"}]
+
+
+def test_the_budget_holds_the_whole_exchange():
+    n_call = len(ids(CALL)) + 1
+    # the tool message does not leave the model a token: cut, truncated, empty last turn
+    out = engine([CALL, "42"], budget=n_call + 10).generate(["q"], ["42"], 1)
+    assert out.completion_ids.shape[1] == n_call + 10 and bool(out.truncated[0])
+    assert out.tool_mask[0].tolist() == [False] * n_call + [True] * 10
+    assert out.reward_completions()[0][-1] == {"role": "assistant", "content": ""}
+    # room for one token after the message: the model's turn is cut there
+    budget = n_call + len(ids(SEGMENT)) + 1
+    out = engine([CALL, "42"], budget=budget).generate(["q"], ["42"], 1)
+    assert out.completion_ids.shape[1] == budget and bool(out.truncated[0])
+    assert out.reward_completions()[0][-1] == {"role": "assistant", "content": "4"}
+    assert out.tools.turns.tolist() == [2]
+
+
+def test_the_call_limit_ends_the_sample():
+    out = engine([CALL], budget=500, max_calls=2).generate(["q"], ["42"], 1)  # calls on every turn
+    assert out.tools.calls.tolist() == [2] and out.tools.turns.tolist() == [3]
+    assert not out.truncated[0] and out.reward_completions()[0][-1]["content"] == CALL
+
+
+def test_faults_are_messages_the_model_reads():
+    bad = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+    out = engine([bad, "no idea"]).generate(["q"], ["42"], 1)
+    messages = out.reward_completions()[0]
+    assert messages[1] == {"role": "tool",
+                           "content": "Error: unknown tool 'search'; the tools are: calculate"}
+    assert out.tools.failures["unknown_tool"].tolist() == [1]
+    assert out.reward_columns()["tool_failures"] == [1]
+    assert "Error: unknown tool" in out.batch.grouped_completions[0][0]
+
+
+class Guess:
+    """Guess the answer: "higher" / "lower" until right."""
+
+    role = "user"
+
+    def __init__(self, limit: int = 100) -> None:
+        self.limit, self.guesses, self.target = limit, [], None
+
+    def reset(self, prompt: str, answer: str) -> None:
+        self.prompt, self.target = prompt, int(answer)
+
+    def step(self, action: str) -> tuple[str, bool]:
+        if action == "boom":
+            raise RuntimeError("the environment broke")
+        if action == "odd":
+            return "not a pair"  # type: ignore[return-value]
+        guess = int(action)
+        self.guesses.append(guess)
+        if guess == self.target:
+            return "right", True
+        return ("higher" if guess < self.target else "lower"), False
+
+
+def test_an_environment_steps_until_done():
+    factory = environment_factory({"class_path": "tests.rollout.test_multiturn.Guess"})
+    out = engine(["40", "42"], env=factory).generate(["guess"], ["42"], 2)
+    env = out.tools.environments[0]
+    assert env.prompt == "guess" and env.guesses == [40, 42]
+    assert out.tools.calls.tolist() == [2, 2] and out.tools.turns.tolist() == [2, 2]
+    assert [m["content"] for m in out.reward_completions()[0]] == ["40", "higher", "42"]
+    assert out.reward_columns()["environments"] == out.tools.environments
+    assert out.tool_mask.sum(1).tolist() == [len(ids("\n<|im_start|>user\nhigher<|im_end|>\n"
+                                                     "<|im_start|>assistant\n"))] * 2
+    # an error in step is a message the model reads, counted; a wrong return type is a bug
+    out = engine(["boom", "42"], env=factory).generate(["guess"], ["42"], 1)
+    assert out.reward_completions()[0][1]["content"] == "Error: RuntimeError: the environment broke"
+    assert out.tools.failures["error"].tolist() == [1]
+    with pytest.raises(TypeError, match=r"Guess.step must return \(observation: str, done"):
+        engine(["odd"], env=factory).generate(["guess"], ["42"], 1)
+
+
+def test_environment_and_tool_options_are_checked():
+    with pytest.raises(ValueError, match="class_path"):
+        environment_factory({"init_args": {}})
+    with pytest.raises(ValueError, match="cannot import"):
+        environment_factory({"class_path": "tests.rollout.test_multiturn.Missing"})
+    with pytest.raises(ValueError, match="has no reset"):
+        environment_factory({"class_path": "tests.rollout.test_multiturn.Scripted"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        environment_factory({"class_path": "tests.rollout.test_multiturn.Guess", "args": {}})
+    s = SamplingSettings(max_new_tokens=8)
+    with pytest.raises(ValueError, match="not both"):
+        MultiTurnEngine(Scripted(["x"]), TOK, s, toolbox=Toolbox(["calculate"]),
+                        environment=Guess)
+    with pytest.raises(ValueError, match="has no continue_ids"):
+        MultiTurnEngine(object(), TOK, s, toolbox=Toolbox(["calculate"]))
+
+
+def test_hf_continue_ids_continues_as_generate_does():
+    """Greedy: continuing a greedy completion's first tokens gives the rest of it."""
+    model = build_tiny_model(TOK)
+    s = SamplingSettings(max_new_tokens=12, do_sample=False)
+    hf = HFGenerateEngine(model, TOK, s, share_prefill=False)
+    prompts = ["3 + 5 =", "What is 6 * 7?"]
+    out = hf.generate(prompts, ["8", "42"], 1)
+    n = out.completion_mask.sum(1).tolist()
+    heads = [out.prompt_ids[i][out.prompt_mask[i]].tolist() + out.completion_ids[i, :3].tolist()
+             for i in range(2)]
+    cont = hf.continue_ids(heads, [12 - 3, 4], s)
+    assert cont[0].ids == out.completion_ids[0, 3:n[0]].tolist()[:9]
+    assert cont[1].ids == out.completion_ids[1, 3:n[1]].tolist()[:4]
+    assert len(cont[1].ids) <= 4 and all(c.logps is None for c in cont)
+    for c in cont:  # stopped exactly when the ids end with the stop token
+        assert c.stopped == (TOK.eos_token_id in c.ids)

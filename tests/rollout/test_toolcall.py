@@ -1,0 +1,152 @@
+"""Tools: calls parsed from the model's text, and every fault of a call turned into a tool
+message and a counted kind, never an exception (the fault table of
+:mod:`maxent_grpo.rollout.toolcall`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from maxent_grpo.rollout.toolcall import (
+    FAILURE_KINDS,
+    Toolbox,
+    ToolCall,
+    parse_tool_calls,
+    resolve_tool,
+)
+from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
+
+
+def divide(a: int, b: int) -> float:
+    """Divide a by b.
+
+    Args:
+        a: the dividend.
+        b: the divisor.
+    """
+    return a / b
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long to sleep.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def listing(n: int) -> list:
+    """The numbers below n.
+
+    Args:
+        n: the bound.
+    """
+    return list(range(n))
+
+
+def no_docs(x: int) -> int:
+    return x
+
+
+def test_calls_are_parsed_in_the_hermes_format():
+    text = ('I will compute. <tool_call>{"name": "calculate", "arguments": {"expression": '
+            '"2 + 3"}}</tool_call> and <tool_call>\n{"name": "divide", "arguments": '
+            '"{\\"a\\": 6, \\"b\\": 3}"}\n</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls == [ToolCall("calculate", {"expression": "2 + 3"}),
+                     ToolCall("divide", {"a": 6, "b": 3})]  # arguments as a JSON string too
+    assert parse_tool_calls("no call here") == []
+    assert parse_tool_calls("<tool_call>{oops}</tool_call>")[0].malformed == "not a JSON object"
+    assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[0].malformed == (
+        'no "name" string')
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>')[0] \
+        .malformed == '"arguments" is not an object'
+    unclosed = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
+    assert unclosed[0].malformed == "no closing </tool_call>"
+    # a call without arguments is a call with none
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == [ToolCall("f", {})]
+
+
+@pytest.mark.parametrize(("call", "kind", "text"), [
+    (ToolCall("", {}, "not a JSON object"), "malformed",
+     "Error: malformed tool call (not a JSON object)"),
+    (ToolCall("search", {"q": "x"}), "unknown_tool",
+     "Error: unknown tool 'search'; the tools are: divide, nap, listing, calculate"),
+    (ToolCall("divide", {"a": 1}), "bad_arguments",
+     "Error: bad arguments for divide: missing a required argument: 'b'"),
+    (ToolCall("divide", {"a": 1, "b": 2, "c": 3}), "bad_arguments",
+     "Error: bad arguments for divide: got an unexpected keyword argument 'c'"),
+    (ToolCall("divide", {"a": "1", "b": 2}), "bad_arguments",
+     "Error: bad arguments for divide: 'a' must be integer; got \"1\""),
+    (ToolCall("divide", {"a": True, "b": 2}), "bad_arguments",
+     "Error: bad arguments for divide: 'a' must be integer; got true"),
+    (ToolCall("divide", {"a": 1, "b": 0}), "error",
+     "Error: ZeroDivisionError: division by zero"),
+    (ToolCall("calculate", {"expression": "__import__('os').system('ls')"}), "error",
+     "Error: ValueError: unsupported Call; use integers, + - * / // % and parentheses"),
+    (ToolCall("nap", {"seconds": 5}), "timeout", "Error: nap gave no result within 0.2 s"),
+])
+def test_every_fault_becomes_a_message_and_a_kind(call, kind, text):
+    box = Toolbox([divide, nap, "tests.rollout.test_toolcall:listing", "calculate"],
+                  timeout=0.2)
+    start = time.perf_counter()
+    result = box.run(call)
+    assert (result.failure, result.text) == (kind, text)
+    assert kind in FAILURE_KINDS
+    assert time.perf_counter() - start < 2  # the time-out does not wait for the tool
+
+
+def test_results_are_text_and_json():
+    box = Toolbox([divide, listing, nap, "calculate"], timeout=5)
+    assert box.run(ToolCall("divide", {"a": 6, "b": 4})).text == "1.5"
+    assert box.run(ToolCall("listing", {"n": 3})).text == "[0, 1, 2]"
+    assert box.run(ToolCall("nap", {"seconds": 0})) == box.run(ToolCall("nap", {"seconds": 0.0}))
+    assert box.run(ToolCall("calculate", {"expression": "37 * 84"})).text == "3108"
+    assert [s["function"]["name"] for s in box.schemas] == ["divide", "listing", "nap",
+                                                           "calculate"]
+
+
+def test_tools_are_named_by_import_path_or_builtin_name():
+    assert resolve_tool("calculate") is calculate
+    assert resolve_tool("maxent_grpo.tasks.calculator:calculate") is calculate
+    assert resolve_tool("maxent_grpo.tasks.calculator.calculate") is calculate
+    with pytest.raises(ValueError, match="cannot import 'nowhere:fn'"):
+        resolve_tool("nowhere:fn")
+    with pytest.raises(ValueError, match="is not a function"):
+        resolve_tool("maxent_grpo.tasks.calculator:MAX_DIGITS")
+    with pytest.raises(ValueError, match="needs type hints on every argument and a docstring"):
+        Toolbox([no_docs])
+    with pytest.raises(ValueError, match="names the tool 'divide' twice"):
+        Toolbox([divide, divide])
+    with pytest.raises(ValueError, match="non-empty list"):
+        Toolbox([])
+    with pytest.raises(ValueError, match="model.tool_timeout"):
+        Toolbox([divide], timeout=0)
+
+
+def test_the_calculator_runs_no_code():
+    assert calculate("12 * (3 + 4) - 6 / 2") == "81"
+    assert calculate("-7 // 2") == "-4" and calculate("7 % 3") == "1"
+    for bad in ("2 ** 10", "x + 1", "open('f')", "(1).real", "[1, 2]", "1.5 * 2", ""):
+        with pytest.raises(ValueError):
+            calculate(bad)
+    with pytest.raises(ValueError, match="not a whole number"):
+        calculate("7 / 2")
+    with pytest.raises(ValueError, match="longer than 60 digits"):
+        calculate("9" * 40 + " * " + "9" * 40)
+
+
+def test_the_task_needs_the_tool():
+    rows = tool_arithmetic(50, seed=3)
+    assert {r["task"] for r in rows} == {"tool_arithmetic"}
+    for row in rows:
+        a, op, b = row["expression"].split()
+        assert op == "*" and len(a) == len(b) == 2
+        assert row["prompt"] == f"What is {row['expression']}?"
+        assert row["answer"] == str(int(a) * int(b))
+    assert tool_arithmetic(5, seed=3) == rows[:5]
+    with pytest.raises(ValueError, match="ops"):
+        tool_arithmetic(1, seed=0, ops="/")
