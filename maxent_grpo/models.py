@@ -74,37 +74,10 @@ _DTYPES: dict[str, torch.dtype | str] = {
     "float16": torch.float16,
 }
 
-# ChatML, as used by Qwen2 and SmolLM2: one block per message, and an open assistant block
-# when ``add_generation_prompt=True``. With ``tools=`` (schemas) a system block lists them
-# compactly (``name(arg: type): description``; after a system message's text) and says how
-# to call one; tool messages go back in one user block of ``<tool_response>`` blocks, as
-# Qwen2.5's template writes them.
-CHATML_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
-    "{{- 'Tools:' }}{%- for tool in tools %}"
-    "{%- set f = tool['function'] if tool['function'] is defined else tool %}"
-    "{{- '\n' + f['name'] + '(' }}"
-    "{%- set props = f.get('parameters', {}).get('properties', {}) %}"
-    "{%- for name, p in props.items() %}"
-    "{{- (', ' if not loop.first else '') + name + ': ' + (p.get('type', 'any') | string) }}"
-    "{%- endfor %}{{- '): ' + f.get('description', '') }}{%- endfor %}"
-    "{{- '\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
-    "<|im_end|>\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and tools and loop.first %}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-)
+# ChatML with tools (``assets/chatml.jinja``): one block per message, an open assistant block
+# with ``add_generation_prompt``; ``tools=`` are listed in a system block, tool messages go
+# back as ``<tool_response>`` blocks, as Qwen2.5's template writes them.
+CHATML_TEMPLATE = (Path(__file__).with_name("assets") / "chatml.jinja").read_text("utf-8")
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>")
 TINY_CHARS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 

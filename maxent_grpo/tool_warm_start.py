@@ -3,19 +3,23 @@ answers of the task it is trained on.
 
 ``tool_arithmetic`` asks for products of two-digit numbers (``"What is 37 * 84?"``), which
 a random-init tiny model cannot compute. ``builtin:tiny-tools-warm`` is ``builtin:tiny``
-after a short supervised pass on questions the task never asks, two-digit *sums and
-differences*, each answered as a whole tool exchange: the call
-``<tool_call>{"name": "calculate", "arguments": {"expression": "a + b"}}</tool_call>``, the
-tool's message (out of the loss), then its result copied as the answer. The prompts carry
-the ``calculate`` tool's schema, rendered by the chat template exactly as the DataModule
-renders them.
+after a supervised pass on questions the task never asks (:data:`KINDS`: two-digit sums and
+differences, one-digit products), each answered, with probability 1/2 each, in one of two
+shapes:
 
-The model never sees a product or its value: it learns what a call looks like, that the
-question's expression goes into it and that the tool's result can be copied. Whether it
-calls on a product, with the right operator, and copies the result, is what the rewards
-teach. :func:`measure` samples the model on the task's prompts through the multi-turn
-rollout and reports how often it calls, how often the call is the question's own expression,
-and how often the answer is right.
+- directly, with a number drawn uniformly from the range of that kind's answers, whatever
+  the question (right only by chance, as ``builtin:tiny-warm``'s sums);
+- as a tool exchange: the call ``<tool_call>{"name": "calculate", "arguments":
+  {"expression": "a + b"}}</tool_call>``, the tool's message (out of the loss), then its
+  result copied as the answer.
+
+The prompts carry the ``calculate`` tool's schema, rendered by the chat template exactly as
+the DataModule renders them. The model never sees a two-digit product or its value: it
+learns what a call looks like and how to copy into and out of one, and it calls about half
+the time, whatever the question. That calling pays on the task's products, where a direct
+answer is almost never right, is what the rewards teach. :func:`measure` samples the model
+on the task's prompts through the multi-turn rollout and reports how often it calls, how
+often the call is the question's own expression, and how often the answer is right.
 
 The trained weights ship with the package (:data:`WEIGHTS_TOOLS`, trained with 2 threads).
 ``python -m maxent_grpo.tool_warm_start`` prints the shipped weights' :func:`measure`;
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -46,18 +51,32 @@ def tool_call_text(expression: str) -> str:
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
-def examples(num_rows: int, seed: int = SEED) -> list[tuple[str, list[tuple[str, str]]]]:
-    """``num_rows`` ``(prompt, parts)`` pairs, sums and differences in turn; ``parts`` are
-    ``("model" | "message", text)`` in order, each model part followed by the end of turn.
+KINDS = (("+", 2, (20, 198)), ("-", 2, (-89, 89)), ("*", 1, (0, 81)))
+"""The warm start's questions: (operator, operand digits, the range of their answers). The
+task asks two-digit products; these are two-digit sums and differences and one-digit
+products."""
 
-    >>> [p for p, _ in examples(2, seed=0)]
-    ['What is 59 + 63?', 'What is 53 - 64?']
+
+def examples(num_rows: int, seed: int = SEED) -> list[tuple[str, list[tuple[str, str]]]]:
+    """``num_rows`` ``(prompt, parts)`` pairs, the :data:`KINDS` in turn, each answered
+    directly with a random number of its kind's range (probability 1/2) or as a tool
+    exchange; ``parts`` are ``("model" | "message", text)`` in order, each model part
+    followed by the end of turn.
+
+    >>> [(p, len(parts)) for p, parts in examples(3, seed=0)]
+    [('What is 59 + 63?', 3), ('What is 27 - 82?', 3), ('What is 0 * 1?', 1)]
     """
-    kinds = [tool_arithmetic((num_rows + 1) // 2, seed + k, ops=op)
-             for k, op in enumerate("+-")]
+    rng = random.Random(seed)
+    per_kind = (num_rows + len(KINDS) - 1) // len(KINDS)
+    rows = [tool_arithmetic(per_kind, seed + k, digits=d, ops=op)
+            for k, (op, d, _) in enumerate(KINDS)]
     out: list[tuple[str, list[tuple[str, str]]]] = []
     for i in range(num_rows):
-        row = kinds[i % 2][i // 2]
+        kind = i % len(KINDS)
+        row = rows[kind][i // len(KINDS)]
+        if rng.random() < 0.5:  # the shape of an answer, right only by chance
+            out.append((row["prompt"], [("model", str(rng.randint(*KINDS[kind][2])))]))
+            continue
         result = calculate(row["expression"])
         out.append((row["prompt"], [("model", tool_call_text(row["expression"])),
                                     (MESSAGE, result), ("model", result)]))
@@ -103,7 +122,7 @@ def _encode(tokenizer: PreTrainedTokenizerBase,
 
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-               steps: int = 2500, batch_size: int = 32, lr: float = 3e-3,
+               steps: int = 3000, batch_size: int = 32, lr: float = 3e-3,
                seed: int = SEED) -> PreTrainedModel:
     """Train ``model`` in place on :func:`examples` (``steps x batch_size`` fresh examples,
     AdamW, cross-entropy on the model's parts) and return it in eval mode; the torch random
@@ -179,7 +198,8 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         load_shipped(model, WEIGHTS_TOOLS)
     result = {}
-    for ops, label in (("*", "the task (products)"), ("-", "a warm-start kind (differences)")):
+    for ops, label in (("*", "the task (two-digit products)"),
+                       ("-", "a warm-start kind (differences)")):
         skill = measure(model, tokenizer, ops=ops)
         print(f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in skill.items()))
         result |= {f"{k}{'' if ops == '*' else '_subtraction'}": v for k, v in skill.items()}

@@ -24,8 +24,10 @@ The ranks are launched the way a cluster launcher would (``torch.multiprocessing
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import re
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -123,6 +125,54 @@ class ScriptedEngine:
         """The scripted model does not follow the policy's weights."""
 
 
+def tool_turn(text: str) -> str:
+    """A turn of the ``tools`` case as a function of the text so far (prompt and earlier
+    turns): after a tool message, its result copied (or "?", by a hash); otherwise a call
+    of ``calculate`` on the prompt's sum, a call of a tool that does not exist, or a wrong
+    direct answer."""
+    k = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+    if "<tool_response>" in text:
+        result = text.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0]
+        return result if k % 3 else "?"
+    a, b = re.search(r"(\d+) \+ (\d+) =", text).groups()
+    kind = k % 3
+    if kind == 2:
+        return str(int(a) + int(b) + 1)
+    name = "calculate" if kind == 0 else "search"
+    call = {"name": name, "arguments": {"expression": f"{a} + {b}"}}
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+class ToolScriptedLM(ScriptedLM):
+    """:class:`ScriptedLM` for the ``tools`` case: every row's turn is :func:`tool_turn` of
+    its text so far (sample ``g`` of a prompt adds ``g`` to the text hashed), plus EOS."""
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        tok = self.tokenizer
+        group, limit = generation_config.num_return_sequences, generation_config.max_new_tokens
+        rows = []
+        for b in range(input_ids.shape[0]):
+            text = tok.decode(input_ids[b][attention_mask[b].bool()])
+            for g in range(group):
+                ids = tok(tool_turn(text + "|" * g), add_special_tokens=False)["input_ids"]
+                rows.append((ids + [tok.eos_token_id])[:limit])
+        completions = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)
+        for i, ids in enumerate(rows):
+            completions[i, : len(ids)] = torch.tensor(ids)
+        return torch.cat([input_ids.repeat_interleave(group, 0), completions], 1)
+
+
+class ToolScriptedEngine(ScriptedEngine):
+    """:class:`ScriptedEngine` on :class:`ToolScriptedLM`, able to continue (multi-turn)."""
+
+    def __init__(self, model, tokenizer, sampling: SamplingSettings) -> None:
+        self.lm = ToolScriptedLM(tokenizer)
+        self.inner = HFGenerateEngine(self.lm, tokenizer, sampling)
+
+    def continue_ids(self, sequences, budgets, sampling):
+        return self.inner.continue_ids(sequences, budgets, sampling)
+
+
 def odd_sums_score_zero(prompts, completions, answer, **columns):
     """``first_number``, except that prompts with an odd sum score 0 (a constant group)."""
     from maxent_grpo.rewards import first_number_reward
@@ -218,6 +268,10 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp_lora_kl": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
                      "micro_batch_groups": 1, "peft": LORA, "strategy": "fsdp",
                      "reference": "lora_kl"},
+    # multi-turn rollouts with a tool (model.tools): the tool's messages out of the loss and
+    # of dapo's all-rank token count, the train/tools/... statistics reduced over the ranks
+    "tools": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
+              "micro_batch_groups": 1, "tools": True},
 }
 
 
@@ -230,13 +284,14 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     objective = GRPO(**kwargs) if kind == "grpo" else ListwiseMaxEnt(**kwargs)
     module = MaxEntGRPOModule(
         model_name_or_path="builtin:tiny",
-        engine=ScriptedEngine,
+        engine=ToolScriptedEngine if case.get("tools") else ScriptedEngine,
+        tools=["calculate"] if case.get("tools") else None,
         objective=objective,
         rewards=case.get("rewards", {"first_number": 1.0}),
         drop_constant_groups=case.get("drop_constant_groups", False),
         num_generations=G,
-        max_completion_length=T_MAX,
-        max_prompt_length=32,
+        max_completion_length=160 if case.get("tools") else T_MAX,
+        max_prompt_length=None if case.get("tools") else 32,
         num_iterations=case.get("num_iterations", 1),
         micro_batch_groups=case.get("micro_batch_groups"),
         gradient_clip_val=case.get("gradient_clip_val"),
@@ -246,8 +301,9 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     )
     data = PromptDataModule(
         task="arithmetic_easy", task_options={"bare": True}, train_size=48, val_size=4,
-        seed=3, tokenizer="builtin:tiny", tokenizer_cache_dir=cache_dir, max_prompt_length=32,
-        batch_size=B * (WORLD // world),
+        seed=3, tokenizer="builtin:tiny", tokenizer_cache_dir=cache_dir,
+        max_prompt_length=None if case.get("tools") else 32, batch_size=B * (WORLD // world),
+        tools=["calculate"] if case.get("tools") else None,
     )
     probe = Probe()
     callbacks: list[pl.Callback] = []
@@ -416,6 +472,12 @@ def test_two_ranks_equal_one_rank(runs, name):
         assert r0["kept"] != r1["kept"], (r0["kept"], r1["kept"])
         # one rank kept no group at some step: it scored a ghost group at weight zero
         assert 0 in r0["kept"] + r1["kept"], (r0["kept"], r1["kept"])
+    if CASES[name].get("tools"):  # calls ran, some failed, and the tools' counts agree
+        for step in range(STEPS):
+            s0, s = r0["stats"][step], one["stats"][step]
+            assert 0 < s["train/tools/calls_per_sample"] < 1
+            assert 0 < s["train/tools/failures/unknown_tool"] < 1
+            assert close(s0["train/tools/calls_per_sample"], s["train/tools/calls_per_sample"])
     if CASES[name].get("strategy") == "fsdp":
         assert r0["generated_rows"] == r1["generated_rows"] == 4
         assert r0["generated_tokens"] == [1] * 4 and max(r1["generated_tokens"]) > 1

@@ -194,3 +194,49 @@ def test_ckpt_path_last_needs_a_checkpoint_folder(tmp_path, monkeypatch):
     ]
     with pytest.raises(ValueError, match="--ckpt_path last needs a ModelCheckpoint with an"):
         main(args)
+
+
+class RecordToolSteps(RecordSteps):
+    """:class:`RecordSteps` with the multi-turn rollout's statistics."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        keys = ("reward/mean", "loss/total", "tools/calls_per_sample", "tools/turns_per_sample",
+                "tools/message_tokens_per_sample")
+        stats = pl_module.step_log.as_dict()
+        self._write({"step": trainer.global_step, **{f"train/{k}": stats[k] for k in keys}})
+
+
+def test_a_killed_and_resumed_tool_run_equals_an_uninterrupted_one(tmp_path):
+    """The same with multi-turn rollouts (``model.tools``, sampled calls on
+    ``builtin:tiny-tools-warm``): 4 steps, killed after 2."""
+
+    def tool_config(run: Path, kill: bool) -> dict[str, Any]:
+        cfg = config(run, kill)
+        callbacks = [{"class_path": "test_resume.KillAt", "init_args": {"step": 2}},
+                     {"class_path": "test_resume.RecordToolSteps",
+                      "init_args": {"path": str(run / "steps.jsonl")}},
+                     cfg["trainer"]["callbacks"][-1]]  # the ModelCheckpoint
+        cfg["trainer"].update(max_steps=4, num_sanity_val_steps=0, limit_val_batches=0,
+                              callbacks=callbacks if kill else callbacks[1:])
+        cfg["model"].update(model_name_or_path="builtin:tiny-tools-warm", tools=["calculate"],
+                            objective={"class_path": "maxent_grpo.objectives.GRPO"},
+                            max_completion_length=160)
+        cfg["data"] = {"task": "tool_arithmetic", "train_size": 16, "val_size": 2,
+                       "batch_size": 4, "max_prompt_length": 256}
+        return cfg
+
+    whole = launch(tmp_path / "A", tool_config(tmp_path / "A", False), False)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = launch(tmp_path / "B", tool_config(tmp_path / "B", True), True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = launch(tmp_path / "B", tool_config(tmp_path / "B", False), False,
+                     "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    prompts_a, stats_a = records(tmp_path / "A")
+    prompts_bc, stats_bc = records(tmp_path / "B")
+    assert prompts_bc == prompts_a and len(stats_a) == 4
+    assert any(s["train/tools/calls_per_sample"] > 0 for s in stats_a)  # the model called
+    for a, b in zip(stats_a, stats_bc, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a, b)

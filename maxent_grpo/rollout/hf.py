@@ -226,7 +226,7 @@ class HFGenerateEngine:
         """One continuation of each token sequence (left-padded into one batch, sampled
         from ``sampling`` for ``max(budgets)`` tokens, row ``i`` cut at ``budgets[i]``):
         the next turn of a multi-turn rollout. No shared prefill; the static cache when the
-        engine uses it."""
+        engine uses it and generation is not a collective."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
                 "continue_ids needs one budget per sequence and at least one sequence")
         require(all(len(q) > 0 for q in sequences) and all(b >= 1 for b in budgets),
@@ -238,9 +238,11 @@ class HFGenerateEngine:
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences],
                             device=device)
         config = self._config(sampling, max(budgets), 1)
-        if self.cache == "static":
-            config.cache_implementation = "static"
         synced = {"synced_gpus": True} if self.collective else {}
+        # a static cache holds width + max(budgets) tokens, which differ between ranks: a
+        # rank that is done keeps stepping (synced_gpus) and would run past its end
+        if self.cache == "static" and not synced:
+            config.cache_implementation = "static"
         model, autocast = self._generation_model(device)
         with torch.no_grad(), autocast, _isolated_generation(model):
             output = model.generate(input_ids=ids, attention_mask=mask,

@@ -12,13 +12,20 @@
      limit (:class:`~maxent_grpo.rollout.toolcall.Toolbox`); a turn without a call ends
      the sample; every fault is a tool message the model reads;
    - **an environment** (``model.environment``): ``observation, done =
-     env.step(turn_text)``; ``done`` ends the sample, else the observation is a message
-     (role ``env.role``, default ``"user"``). One environment per sample, built by the
-     factory and ``reset(prompt, answer)`` before the first turn;
+     env.step(turn_text)`` after every turn of the model (the last included); ``done`` or
+     the last allowed step ends the sample, else the observation is a message (role
+     ``env.role``, default ``"user"``). One environment per sample, built by the factory and
+     ``reset(prompt, answer)`` before the first turn. An exception in ``step`` is a message
+     (kind ``error``); a time-out ends the sample (kind ``timeout``: its thread may still
+     be running); a ``step`` that returns something else than ``(str, bool)`` is a bug in
+     the environment and stops the run with a TypeError;
 
    the messages are rendered by the tokenizer's chat template (the text that follows the
-   model's stop token up to the opening of the next assistant turn) and tokenised; the
-   model continues from ``prompt + completion so far``.
+   model's end of turn, its eos token, up to the opening of the next assistant turn) and
+   tokenised (with the template's special tokens, so a tool's text that spells one is read
+   as one: it only conditions the model, its tokens are out of the loss); the model
+   continues from ``prompt + completion so far``. A turn that ends on another of the
+   engine's ``stop_token_ids`` is followed by the same text.
 3. **Budget**: the whole completion, the model's tokens and the messages, holds at most
    ``max_new_tokens``; a message that leaves the model no room is cut and the row is
    truncated (and ends with an empty assistant message for the rewards).
@@ -114,7 +121,8 @@ class MultiTurnEngine:
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
         self._template_tools = {"tools": toolbox.schemas} if toolbox is not None else {}
-        self._segment("user", "ok")  # a template that cannot render the messages fails now
+        # a template that cannot render the messages fails now, not in the first rollout
+        self._segment("tool" if toolbox is not None else "user", "ok")
 
     def sync(self, model: Any) -> None:
         """The inner engine's ``sync``."""
@@ -146,23 +154,25 @@ class MultiTurnEngine:
         """The messages (role, content, ...) answering the model's turn ``text``, or None
         when the sample ends."""
         left = self.max_tool_calls - calls[row]
-        if envs is not None:
-            if left <= 0:
-                return None
+        if envs is not None:  # every model turn is an action, the last one included
+            env = envs[row]
             calls[row] += 1
-            value, error = timed_call(lambda: envs[row].step(text), self.timeout, "environment")
+            value, error = timed_call(lambda: env.step(text), self.timeout, "environment")
+            if error == "timeout":  # its thread may still run: no further step on it
+                failures["timeout"][row] += 1
+                return None
             if error is not None:
-                kind = "timeout" if error == "timeout" else "error"
-                failures[kind][row] += 1
-                message = (f"Error: the environment gave no result within {self.timeout:g} s"
-                           if kind == "timeout" else f"Error: {error}")
-                return [getattr(envs[row], "role", "user"), message]
-            if not (isinstance(value, tuple) and len(value) == 2
-                    and isinstance(value[0], str) and isinstance(value[1], bool)):
-                raise TypeError(f"{type(envs[row]).__name__}.step must return (observation: "
-                                f"str, done: bool); got {value!r:.200}")
-            observation, done = value
-            return None if done else [getattr(envs[row], "role", "user"), observation]
+                failures["error"][row] += 1
+                observation, done = f"Error: {error}", False
+            elif (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
+                  and isinstance(value[1], (bool, int))):
+                observation, done = value[0], bool(value[1])
+            else:
+                raise TypeError(f"{type(env).__name__}.step must return (observation: str, "
+                                f"done: bool); got {value!r:.200}")
+            if done or calls[row] >= self.max_tool_calls:
+                return None
+            return [getattr(env, "role", "user"), observation]
         parsed = parse_tool_calls(text)
         if not parsed or left <= 0:
             return None
@@ -209,7 +219,11 @@ class MultiTurnEngine:
         if self.environment is not None:
             envs = [self.environment() for _ in range(N)]
             for i, env in enumerate(envs):
-                env.reset(prompts[i // G], answers[i // G])
+                try:
+                    env.reset(prompts[i // G], answers[i // G])
+                except Exception as err:
+                    raise RuntimeError(f"{type(env).__name__}.reset failed on prompt "
+                                       f"{prompts[i // G]!r:.200}: {err}") from err
         messages = [[{"role": "assistant", "content": tok.decode(x, skip_special_tokens=True)}]
                     for x in ids]
 

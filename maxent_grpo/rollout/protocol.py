@@ -127,15 +127,18 @@ class RolloutOutput:
 
     Attributes:
         batch: the texts; ``batch.grouped_completions[b][g]`` is row ``b*G + g`` decoded
-            with ``skip_special_tokens=True`` (masked tokens only).
+            with ``skip_special_tokens=True`` (masked tokens only; a multi-turn rollout's
+            keep the chat template's special tokens, so the turns show).
         prompt_ids: ``(B*G, P)`` long, left-padded with the pad id.
         prompt_mask: ``(B*G, P)`` bool, True on real prompt tokens.
         completion_ids: ``(B*G, T)`` long, pad id wherever ``completion_mask`` is False.
             ``T`` is the longest completion in the batch, ``T <= max_new_tokens``.
         completion_mask: ``(B*G, T)`` bool, ``m[i,t]`` True up to and including the first
-            stop (EOS) token, False after; all True for a truncated row.
+            stop (EOS) token, False after; all True for a truncated row. (A multi-turn row:
+            True up to the end of its last turn, its earlier turns' stop tokens included.)
         truncated: ``(B*G,)`` bool, True when the row has no stop token (it hit
-            ``max_new_tokens``). ``T_i = completion_mask[i].sum()``.
+            ``max_new_tokens``; a multi-turn row: its last turn, or a tool message, was cut
+            there). ``T_i = completion_mask[i].sum()``.
         generate_seconds: wall-clock time of the generation call.
         sampler_logps: ``(B*G, T)`` float, the sampler's own log-probability of each
             completion token at the sampling temperature (0 outside ``completion_mask``),

@@ -155,13 +155,13 @@ def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:
 def timed_call(fn: Callable[[], Any], timeout: float, name: str) -> tuple[Any, str | None]:
     """``(value, None)`` when ``fn()`` returns within ``timeout`` seconds (run in a daemon
     thread), ``(None, "timeout")`` when it does not, ``(None, "<Type>: <message>")`` when it
-    raises an ``Exception``."""
+    raises (any ``BaseException``: a tool's ``sys.exit`` is its fault, not the run's)."""
     outcome: dict[str, Any] = {}
 
     def work() -> None:
         try:
             outcome["value"] = fn()
-        except Exception as err:
+        except BaseException as err:  # SystemExit, KeyboardInterrupt in the tool: its fault
             outcome["error"] = f"{type(err).__name__}: {err}"
 
     worker = threading.Thread(target=work, name=name, daemon=True)
@@ -228,6 +228,8 @@ class Toolbox:
         properties = next(s for s in self.schemas if s["function"]["name"] == name)[
             "function"]["parameters"].get("properties", {})
         for key, value in arguments.items():
+            if value is None and properties.get(key, {}).get("nullable"):
+                continue  # an Optional[...] argument given null
             kinds = properties.get(key, {}).get("type")
             allowed = tuple(t for k in ([kinds] if isinstance(kinds, str) else kinds or [])
                             for t in _JSON_TYPES.get(k, (object,)))

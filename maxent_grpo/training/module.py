@@ -274,7 +274,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self.counters.empty_steps += trajectory.kept_groups == 0
         self.step_metrics.observe(trajectory)
         rollout = trajectory.rollout
-        timings = timer.summary(rollout.generate_seconds, int(rollout.completion_mask.sum()))
+        timings = timer.summary(rollout.generate_seconds, int(rollout.model_mask.sum()))
         extra = {f"perf/{k}": v for k, v in timings.items()}
         extra["perf/sync_seconds"] = self.sync_seconds
         extra["nonfinite_skips"] = float(self.counters.nonfinite_total)

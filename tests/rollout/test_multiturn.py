@@ -5,6 +5,8 @@ engine's ``continue_ids`` against its own ``generate``."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -147,6 +149,8 @@ class Guess:
         self.prompt, self.target = prompt, int(answer)
 
     def step(self, action: str) -> tuple[str, bool]:
+        if action == "wait":
+            time.sleep(5)
         if action == "boom":
             raise RuntimeError("the environment broke")
         if action == "odd":
@@ -172,6 +176,14 @@ def test_an_environment_steps_until_done():
     out = engine(["boom", "42"], env=factory).generate(["guess"], ["42"], 1)
     assert out.reward_completions()[0][1]["content"] == "Error: RuntimeError: the environment broke"
     assert out.tools.failures["error"].tolist() == [1]
+    # the last allowed step still sees the model's turn; a time-out ends the sample
+    out = engine(["40", "41", "43"], env=factory, max_calls=2).generate(["guess"], ["42"], 1)
+    assert out.tools.environments[0].guesses == [40, 41] and out.tools.calls.tolist() == [2]
+    assert out.tools.turns.tolist() == [2]
+    mt = engine(["wait", "42"], env=factory)
+    mt.timeout = 0.1
+    out = mt.generate(["guess"], ["42"], 1)
+    assert out.tools.failures["timeout"].tolist() == [1] and out.tools.turns.tolist() == [1]
     with pytest.raises(TypeError, match=r"Guess.step must return \(observation: str, done"):
         engine(["odd"], env=factory).generate(["guess"], ["42"], 1)
 

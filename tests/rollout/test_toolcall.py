@@ -12,6 +12,7 @@ from maxent_grpo.rollout.toolcall import (
     FAILURE_KINDS,
     Toolbox,
     ToolCall,
+    ToolResult,
     parse_tool_calls,
     resolve_tool,
 )
@@ -49,6 +50,15 @@ def listing(n: int) -> list:
 
 def no_docs(x: int) -> int:
     return x
+
+
+def quits(code: int | None = None) -> str:
+    """Exit the process.
+
+    Args:
+        code: the exit code, or null.
+    """
+    raise SystemExit(code)
 
 
 def test_calls_are_parsed_in_the_hermes_format():
@@ -97,6 +107,13 @@ def test_every_fault_becomes_a_message_and_a_kind(call, kind, text):
     assert (result.failure, result.text) == (kind, text)
     assert kind in FAILURE_KINDS
     assert time.perf_counter() - start < 2  # the time-out does not wait for the tool
+
+
+def test_a_tool_that_exits_is_an_error_and_null_fits_an_optional_argument():
+    box = Toolbox([quits], timeout=2)
+    assert box.run(ToolCall("quits", {"code": None})) == ToolResult(
+        "Error: SystemExit: None", "error")  # null is allowed for Optional[int]
+    assert box.run(ToolCall("quits", {"code": "x"})).failure == "bad_arguments"
 
 
 def test_results_are_text_and_json():

@@ -220,3 +220,39 @@ def test_lora_adapters_reach_vllm_merged(tmp_path):
     with policy.disable_adapter():
         base = HFGenerateEngine(policy, module.tokenizer, greedy).generate(PROMPTS, ["", ""], 1)
     assert not torch.equal(ours, base.completion_ids)
+
+
+def test_tool_turns_run_the_same_loop_on_vllm_as_on_hf(trained):
+    """Multi-turn rollouts (model.tools) on vLLM: ``continue_ids`` continues as the Hugging
+    Face engine does (greedy, same weights), with the sampler's log-probs; the loop over
+    either engine gives the same exchange, the tool's message masked where it stands."""
+    from maxent_grpo.rollout.multiturn import MultiTurnEngine
+    from maxent_grpo.rollout.toolcall import Toolbox
+    from tests.rollout.test_multiturn import CALL, SEGMENT, Scripted, ids
+
+    module, _ = trained
+    tok = module.tokenizer
+    greedy = SamplingSettings(max_new_tokens=120, do_sample=False)
+    vllm_engine = VLLMEngine(module.policy, tok, greedy, gpu_memory_utilization=0.2,
+                             max_model_len=256)
+    hf = HFGenerateEngine(module.policy, tok, greedy)
+    heads = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    v, h = vllm_engine.continue_ids(heads, [6, 3], greedy), hf.continue_ids(heads, [6, 3], greedy)
+    assert [c.ids for c in v] == [c.ids for c in h] and len(v[1].ids) <= 3
+    assert all(c.logps is not None and len(c.logps) == len(c.ids) for c in v)
+
+    class FirstTurnCalls(Scripted):  # the first turn is a call; later turns are sampled
+        def __init__(self, inner):
+            super().__init__([CALL])
+            self.inner = inner
+
+        def continue_ids(self, sequences, budgets, sampling):
+            return self.inner.continue_ids(sequences, budgets, sampling)
+
+    outs = [MultiTurnEngine(FirstTurnCalls(inner), tok, greedy, toolbox=Toolbox(["calculate"]))
+            .generate(PROMPTS, ["42", "42"], 1) for inner in (vllm_engine, hf)]
+    assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
+    assert torch.equal(outs[0].tool_mask, outs[1].tool_mask)
+    start = len(ids(CALL)) + 1
+    assert outs[0].tool_mask[:, start:start + len(ids(SEGMENT))].all()
+    assert outs[0].tools.turns.tolist() == [2, 2] and outs[0].tools.calls.tolist() == [1, 1]

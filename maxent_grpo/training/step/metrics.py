@@ -327,7 +327,9 @@ class TokenUsage(Metric):
 
     def summary(self) -> TokenUsageStats:
         """:class:`TokenUsageStats`; ``num_input_tokens = prompt_tokens + completion_tokens``,
-        the tokens of the teacher-forced forward pass."""
+        the tokens of the teacher-forced forward pass that the loss reads (a multi-turn
+        rollout's tool messages are scored as context but not counted:
+        ``train/tools/message_tokens_per_sample`` counts them)."""
         values = self.compute()
         return TokenUsageStats(
             avg_completion_tokens=float(values["completion_length/mean"]),

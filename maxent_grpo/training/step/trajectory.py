@@ -75,7 +75,8 @@ class Trajectory:
 
     Attributes:
         rollout: the engine's output: texts and ``(B*G, ...)`` ids and masks.
-        pairs: the flat prompt/completion pairs the rewards were computed on.
+        pairs: the flat prompt/completion pairs, as texts (the rewards of a multi-turn
+            rollout read its messages instead: ``rollout.reward_completions()``).
         rewards: ``(B, G)`` total rewards; ``components`` ``(K, B*G)`` per reward.
         loss_mask: ``(B*G, T)`` completion mask of the loss: the tokens the model wrote
             (a multi-turn rollout's tool messages left out), truncated rows zeroed with

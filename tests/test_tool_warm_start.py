@@ -1,0 +1,60 @@
+"""The call-format warm start of builtin:tiny-tools-warm: it never shows a two-digit product
+(the task's question) or its value, its direct answers are right only by chance, and the
+shipped weights are the built-in model's and call the tool on the task about half the
+time."""
+
+from __future__ import annotations
+
+import doctest
+import re
+
+import torch
+
+import maxent_grpo.tool_warm_start as warm
+from maxent_grpo.models import WEIGHTS_TOOLS, builtin_tiny_model_and_tokenizer, load_policy
+from maxent_grpo.tasks.calculator import calculate
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(warm)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_task_is_never_shown_and_direct_answers_are_chance() -> None:
+    rows = warm.examples(3000, seed=1)
+    direct = right = calls = 0
+    for prompt, parts in rows:
+        a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", prompt).groups()
+        assert not (op == "*" and len(a) == 2)  # no two-digit product, ever
+        value = calculate(f"{a} {op} {b}")
+        if len(parts) == 1:  # a direct answer, drawn at random
+            direct += 1
+            right += parts[0][1] == value
+        else:  # a tool exchange: the question's own expression, the tool's result copied
+            calls += 1
+            assert parts == [("model", warm.tool_call_text(f"{a} {op} {b}")),
+                             (warm.MESSAGE, value), ("model", value)]
+    assert 1350 <= direct <= 1650 and direct + calls == 3000
+    assert right / direct < 0.03  # chance: 1 in 82 to 1 in 179 per kind
+
+
+def test_the_tool_message_is_out_of_the_warm_start_loss() -> None:
+    _, tokenizer = builtin_tiny_model_and_tokenizer()
+    prompt, parts = next(r for r in warm.examples(10, seed=0) if len(r[1]) == 3)
+    ids, att, lab = warm._encode(tokenizer, [(prompt, parts)])
+    learned = tokenizer.decode(lab[0][lab[0] >= 0])
+    assert learned == parts[0][1] + "<|im_end|>" + parts[2][1] + "<|im_end|>"
+    assert "<tool_response>" in tokenizer.decode(ids[0][att[0].bool()])
+
+
+def test_the_shipped_weights_are_the_builtin_and_call_half_the_time(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    model = load_policy("builtin:tiny-tools-warm", cache_dir=tmp_path)
+    raw = load_file(str(WEIGHTS_TOOLS))
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in raw.items())
+    _, tokenizer = builtin_tiny_model_and_tokenizer()
+    skill = warm.measure(model, tokenizer, prompts=8, samples=8)
+    assert 0.2 <= skill["call_rate"] <= 0.8  # the format of a call, on a question never seen
+    assert skill["right_call_rate"] <= skill["call_rate"]
