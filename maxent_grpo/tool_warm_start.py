@@ -1,25 +1,26 @@
 """The warm start of ``builtin:tiny-tools-warm``: the *format* of a tool call, never the
 answers of the task it is trained on.
 
-``tool_arithmetic`` asks for products of two-digit numbers (``"What is 37 * 84?"``), which
-a random-init tiny model cannot compute. ``builtin:tiny-tools-warm`` is ``builtin:tiny``
-after a supervised pass on questions the task never asks (:data:`KINDS`: two-digit sums and
-differences, one-digit products), each answered, with probability 1/2 each, in one of two
-shapes:
+``tool_arithmetic`` asks for products of two two-digit numbers (``"What is 37 * 84?"``),
+which a random-init tiny model cannot compute. ``builtin:tiny-tools-warm`` is
+``builtin:tiny`` after a supervised pass on arithmetic questions (:data:`KINDS`), each
+answered, with probability 1/2 each, in one of two shapes:
 
 - directly, with a number drawn uniformly from the range of that kind's answers, whatever
   the question (right only by chance, as ``builtin:tiny-warm``'s sums);
-- as a tool exchange: the call ``<tool_call>{"name": "calculate", "arguments":
-  {"expression": "a + b"}}</tool_call>``, the tool's message (out of the loss), then its
-  result copied as the answer.
+- with the call ``<tool_call>{"name": "calculate", "arguments": {"expression": "a + b"}}
+  </tool_call>`` on the question's expression. On the questions the task never asks (sums,
+  differences, products with a one-digit operand) the tool's message follows (out of the
+  loss) and then its result, copied as the answer. On the task's own question the example
+  ends with the call: the format of a call, never a product's value.
 
 The prompts carry the ``calculate`` tool's schema, rendered by the chat template exactly as
-the DataModule renders them. The model never sees a two-digit product or its value: it
-learns what a call looks like and how to copy into and out of one, and it calls about half
-the time, whatever the question. That calling pays on the task's products, where a direct
-answer is almost never right, is what the rewards teach. :func:`measure` samples the model
-on the task's prompts through the multi-turn rollout and reports how often it calls, how
-often the call is the question's own expression, and how often the answer is right.
+the DataModule renders them. So on the task the model calls about half the time, and
+whether it then copies a four-digit result it has never seen in that place is open. That
+calling pays, where a direct answer is almost never right, and copying the result, are what
+the rewards teach. :func:`measure` samples the model on the task's prompts through the
+multi-turn rollout and reports how often it calls, how often the call is the question's own
+expression, and how often the answer is right.
 
 The trained weights ship with the package (:data:`WEIGHTS_TOOLS`, trained with 2 threads).
 ``python -m maxent_grpo.tool_warm_start`` prints the shipped weights' :func:`measure`;
@@ -38,6 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from maxent_grpo.models import WEIGHTS_TOOLS, build_tiny_model, build_tiny_tokenizer, load_shipped
 from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
+from maxent_grpo.warm_start import supervised_pass
 
 SEED = 2468
 """Seed of the examples, their order and the (forked) torch state."""
@@ -51,35 +53,55 @@ def tool_call_text(expression: str) -> str:
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
-KINDS = (("+", 2, (20, 198)), ("-", 2, (-89, 89)), ("*", 1, (0, 81)))
-"""The warm start's questions: (operator, operand digits, the range of their answers). The
-task asks two-digit products; these are two-digit sums and differences and one-digit
-products."""
+KINDS = (("+", 2, 2), ("-", 2, 2), ("+", 1, 1), ("-", 1, 1), ("+", 3, 3), ("*", 1, 1),
+         ("*", 2, 1), ("*", 1, 2), ("*", 2, 2))
+"""The warm start's questions: (operator, digits of the first operand, of the second). The
+last, :data:`TASK_KIND`, is the task's own question, whose examples end with the call (see
+:func:`examples`): no product of two two-digit numbers and no value of one is ever shown."""
+
+TASK_KIND = ("*", 2, 2)
+
+
+def _operands(digits: int) -> tuple[int, int]:
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+
+def answer_range(op: str, digits_a: int, digits_b: int) -> tuple[int, int]:
+    """The smallest and largest answer of a kind of :data:`KINDS`.
+
+    >>> answer_range("-", 2, 2), answer_range("*", 2, 1)
+    ((-89, 89), (0, 891))
+    """
+    (a0, a1), (b0, b1) = _operands(digits_a), _operands(digits_b)
+    values = [int(calculate(f"{a} {op} {b}")) for a in (a0, a1) for b in (b0, b1)]
+    return min(values), max(values)
 
 
 def examples(num_rows: int, seed: int = SEED) -> list[tuple[str, list[tuple[str, str]]]]:
     """``num_rows`` ``(prompt, parts)`` pairs, the :data:`KINDS` in turn, each answered
-    directly with a random number of its kind's range (probability 1/2) or as a tool
-    exchange; ``parts`` are ``("model" | "message", text)`` in order, each model part
-    followed by the end of turn.
+    directly with a number drawn uniformly from its kind's :func:`answer_range`
+    (probability 1/2) or with a call of ``calculate`` on the question's expression. A call
+    on the task's question (:data:`TASK_KIND`) ends the example; on the others the tool's
+    message and the result copied as the answer follow. ``parts`` are ``("model" |
+    "message", text)`` in order, each model part followed by the end of turn.
 
-    >>> [(p, len(parts)) for p, parts in examples(3, seed=0)]
-    [('What is 59 + 63?', 3), ('What is 27 - 82?', 3), ('What is 0 * 1?', 1)]
+    >>> [(p, len(parts)) for p, parts in examples(9, seed=0)][-3:]
+    [('What is 97 * 5?', 1), ('What is 5 * 65?', 1), ('What is 36 * 80?', 1)]
     """
     rng = random.Random(seed)
-    per_kind = (num_rows + len(KINDS) - 1) // len(KINDS)
-    rows = [tool_arithmetic(per_kind, seed + k, digits=d, ops=op)
-            for k, (op, d, _) in enumerate(KINDS)]
     out: list[tuple[str, list[tuple[str, str]]]] = []
     for i in range(num_rows):
-        kind = i % len(KINDS)
-        row = rows[kind][i // len(KINDS)]
+        op, da, db = KINDS[i % len(KINDS)]
+        expression = f"{rng.randint(*_operands(da))} {op} {rng.randint(*_operands(db))}"
+        prompt = f"What is {expression}?"
         if rng.random() < 0.5:  # the shape of an answer, right only by chance
-            out.append((row["prompt"], [("model", str(rng.randint(*KINDS[kind][2])))]))
-            continue
-        result = calculate(row["expression"])
-        out.append((row["prompt"], [("model", tool_call_text(row["expression"])),
-                                    (MESSAGE, result), ("model", result)]))
+            out.append((prompt, [("model", str(rng.randint(*answer_range(op, da, db))))]))
+        elif (op, da, db) == TASK_KIND:  # the call's format; its result is never shown
+            out.append((prompt, [("model", tool_call_text(expression))]))
+        else:
+            result = calculate(expression)
+            out.append((prompt, [("model", tool_call_text(expression)), (MESSAGE, result),
+                                 ("model", result)]))
     return out
 
 
@@ -128,19 +150,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     AdamW, cross-entropy on the model's parts) and return it in eval mode; the torch random
     state is forked."""
     ids, att, lab = _encode(tokenizer, examples(steps * batch_size, seed))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for step in range(steps):
-            rows = slice(step * batch_size, (step + 1) * batch_size)
-            used = int(att[rows].sum(-1).max())
-            loss = model(input_ids=ids[rows, :used], attention_mask=att[rows, :used],
-                         labels=lab[rows, :used]).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    return model.eval()
+    return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
+                           seed=seed, trim=True)
 
 
 def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, prompts: int = 32,

@@ -112,15 +112,28 @@ def warm_start(
 
     The torch random state is forked, so the caller's stream is untouched.
     """
-    examples = format_examples(steps * batch_size, seed)
-    ids, att, lab = _encode(tokenizer, examples)
+    ids, att, lab = _encode(tokenizer, format_examples(steps * batch_size, seed))
+    return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
+                           seed=seed)
+
+
+def supervised_pass(
+    model: PreTrainedModel, ids: torch.Tensor, att: torch.Tensor, lab: torch.Tensor, *,
+    steps: int, batch_size: int, lr: float, seed: int, trim: bool = False,
+) -> PreTrainedModel:
+    """``steps`` AdamW steps of cross-entropy on consecutive ``batch_size`` rows of the
+    right-padded ``ids`` / ``att`` / ``lab`` (labels -100 where nothing is learnt), in a
+    forked torch random state seeded with ``seed``; ``trim`` cuts each batch to its longest
+    row. Returns ``model`` in eval mode."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         for step in range(steps):
             rows = slice(step * batch_size, (step + 1) * batch_size)
-            loss = model(input_ids=ids[rows], attention_mask=att[rows], labels=lab[rows]).loss
+            used = int(att[rows].sum(-1).max()) if trim else ids.shape[1]
+            loss = model(input_ids=ids[rows, :used], attention_mask=att[rows, :used],
+                         labels=lab[rows, :used]).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -104,6 +104,22 @@ def test_config_parses_and_builds(path, monkeypatch, tmp_path):
     assert trainer.max_steps == raw["trainer"]["max_steps"]
 
 
+def test_the_tools_reach_the_data_and_an_environment_parses(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    config = str(ROOT / "configs/tiny_tools.yaml")
+    cfg = parse(monkeypatch, "--config", config).config
+    assert cfg.model.tools == cfg.data.tools == ["calculate"]  # linked
+    cfg = parse(monkeypatch, "--config", config, "--model.tools", "null").config
+    assert cfg.model.tools is None and cfg.data.tools is None
+    env = '{class_path: tests.rollout.test_multiturn.Guess, init_args: {limit: 5}}'
+    cli = parse(monkeypatch, "--config", config, "--model.tools", "null",
+                "--model.environment", env)
+    assert cli.config.model.environment == {"class_path": "tests.rollout.test_multiturn.Guess",
+                                            "init_args": {"limit": 5}}
+    model = build(cli).model
+    assert model.loop.generation.tools.environment().limit == 5
+
+
 GPU_CONFIGS = [p for p in CONFIGS if read_yaml(p)["trainer"].get("accelerator") == "gpu"]
 
 
