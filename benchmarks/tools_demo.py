@@ -44,8 +44,7 @@ def run_one(seed: int, tool: bool, cache_dir: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
         cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config",
                str(ROOT / "configs/tiny_tools.yaml"), "--seed_everything", str(seed),
-               "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing",
-               "false"]
+               "--trainer.enable_progress_bar", "false"]
         if not tool:
             cmd += ["--model.tools", "null"]
         if cache_dir:
