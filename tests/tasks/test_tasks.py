@@ -25,7 +25,7 @@ def test_docstring_examples() -> None:
 def test_registry_names_and_errors() -> None:
     assert list_tasks() == [
         "arithmetic", "arithmetic_easy", "countdown", "countdown_multi", "digit_pairs",
-        "number_sets",
+        "number_sets", "tool_arithmetic",
     ]
     assert set(TASKS) == set(list_tasks())
     with pytest.raises(ValueError, match=r"'arithmetic'.*'countdown'.*got 'sudoku'"):

@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
+from maxent_grpo.rollout import GenerationBatch, HFGenerateEngine, RolloutOutput, SamplingSettings
 from maxent_grpo.training.data.datamodule import collate_prompts
 from maxent_grpo.training.run.evaluation import (
     PromptRecord,
@@ -184,10 +184,13 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):
     completions = [[f"<answer>{first[0]}</answer>", f"<answer>{first[-1]}</answer>"],
                    [f"<answer>{second[0]}</answer>", "<answer>1 + 1</answer>"]]
     module.rollout_engine = lambda: SimpleNamespace(
-        generate=lambda prompts, answers, G, sampling=None: SimpleNamespace(
-            batch=SimpleNamespace(grouped_completions=completions),
+        generate=lambda prompts, answers, G, sampling=None: RolloutOutput(
+            batch=GenerationBatch(list(prompts), completions),
+            prompt_ids=torch.ones(4, 1, dtype=torch.long),
+            prompt_mask=torch.ones(4, 1, dtype=torch.bool),
             completion_ids=torch.ones(4, 1, dtype=torch.long),  # what rewards may read
             completion_mask=torch.ones(4, 1, dtype=torch.bool),
+            truncated=torch.zeros(4, dtype=torch.bool), generate_seconds=0.0,
         )
     )
     module.validation_step(batch, 0)
