@@ -232,7 +232,7 @@ def test_tool_turns_run_the_same_loop_on_vllm_as_on_hf(trained):
 
     module, _ = trained
     tok = module.tokenizer
-    greedy = SamplingSettings(max_new_tokens=120, do_sample=False)
+    greedy = SamplingSettings(max_new_tokens=180, do_sample=False)
     vllm_engine = VLLMEngine(module.policy, tok, greedy, gpu_memory_utilization=0.2,
                              max_model_len=256)
     hf = HFGenerateEngine(module.policy, tok, greedy)
