@@ -90,16 +90,17 @@ class ScriptedLM(torch.nn.Module):
         self.generation_config = GenerationConfig()
         self.answers: list[str] = []
 
+    def row(self, text: str, b: int, g: int, limit: int) -> list[int]:
+        """The ids of sample ``g`` of input row ``b`` (decoded: ``text``)."""
+        completion, stops = scripted_text(text, self.answers[b], g, limit)
+        ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
+        return ids + [self.tokenizer.eos_token_id] if stops else ids
+
     def generate(self, input_ids, attention_mask, generation_config):
         tok = self.tokenizer
         group, limit = generation_config.num_return_sequences, generation_config.max_new_tokens
-        rows = []
-        for b in range(input_ids.shape[0]):
-            prompt = tok.decode(input_ids[b][attention_mask[b].bool()])
-            for g in range(group):
-                text, stops = scripted_text(prompt, self.answers[b], g, limit)
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-                rows.append(ids + [tok.eos_token_id] if stops else ids)
+        rows = [self.row(tok.decode(input_ids[b][attention_mask[b].bool()]), b, g, limit)
+                for b in range(input_ids.shape[0]) for g in range(group)]
         assert all(len(r) <= limit for r in rows)
         completions = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)
         for i, ids in enumerate(rows):
@@ -147,19 +148,9 @@ class ToolScriptedLM(ScriptedLM):
     """:class:`ScriptedLM` for the ``tools`` case: every row's turn is :func:`tool_turn` of
     its text so far (sample ``g`` of a prompt adds ``g`` to the text hashed), plus EOS."""
 
-    def generate(self, input_ids, attention_mask, generation_config):
-        tok = self.tokenizer
-        group, limit = generation_config.num_return_sequences, generation_config.max_new_tokens
-        rows = []
-        for b in range(input_ids.shape[0]):
-            text = tok.decode(input_ids[b][attention_mask[b].bool()])
-            for g in range(group):
-                ids = tok(tool_turn(text + "|" * g), add_special_tokens=False)["input_ids"]
-                rows.append((ids + [tok.eos_token_id])[:limit])
-        completions = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)
-        for i, ids in enumerate(rows):
-            completions[i, : len(ids)] = torch.tensor(ids)
-        return torch.cat([input_ids.repeat_interleave(group, 0), completions], 1)
+    def row(self, text: str, b: int, g: int, limit: int) -> list[int]:
+        ids = self.tokenizer(tool_turn(text + "|" * g), add_special_tokens=False)["input_ids"]
+        return (ids + [self.tokenizer.eos_token_id])[:limit]
 
 
 class ToolScriptedEngine(ScriptedEngine):
