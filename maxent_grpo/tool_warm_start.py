@@ -38,8 +38,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from maxent_grpo.models import WEIGHTS_TOOLS, build_tiny_model, build_tiny_tokenizer, load_shipped
+from maxent_grpo.rollout.multiturn import message_segment
 from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
-from maxent_grpo.warm_start import supervised_pass
+from maxent_grpo.warm_start import pad_right, supervised_pass
 
 SEED = 2468
 """Seed of the examples, their order and the (forked) torch state."""
@@ -110,37 +111,26 @@ def _encode(tokenizer: PreTrainedTokenizerBase,
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside the
     model's parts and their end-of-turn tokens): each message part rendered by the chat
     template between the model's turns, as the multi-turn rollout renders it."""
-    schema = [calculate]
-    eos = tokenizer.eos_token
-    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
-    before = tokenizer.apply_chat_template(base, tokenize=False, tools=schema)
     ids_rows, label_rows = [], []
     for prompt, parts in rows:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                              tokenize=False, add_generation_prompt=True,
-                                             tools=schema)
+                                             tools=[calculate])
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         labels = [-100] * len(ids)
         for kind, part in parts:
-            if kind == MESSAGE:
-                after = tokenizer.apply_chat_template(
-                    base + [{"role": "tool", "content": part}], tokenize=False,
-                    add_generation_prompt=True, tools=schema)
-                tail = before[before.rindex("\x00") + 1:].removeprefix(eos)
-                piece = tokenizer(tail + after[len(before):], add_special_tokens=False)
-                ids += piece["input_ids"]
-                labels += [-100] * len(piece["input_ids"])
+            if kind == MESSAGE:  # out of the loss
+                segment = message_segment(tokenizer, [{"role": "tool", "content": part}],
+                                          [calculate])
+                piece = tokenizer(segment, add_special_tokens=False)["input_ids"]
+                ids, labels = ids + piece, labels + [-100] * len(piece)
             else:
                 piece = tokenizer(part, add_special_tokens=False)["input_ids"]
                 piece += [tokenizer.eos_token_id]
-                ids += piece
-                labels += piece
+                ids, labels = ids + piece, labels + piece
         ids_rows.append(ids)
         label_rows.append(labels)
-    width, pad = max(len(r) for r in ids_rows), tokenizer.pad_token_id
-    return (torch.tensor([r + [pad] * (width - len(r)) for r in ids_rows]),
-            torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids_rows]),
-            torch.tensor([r + [-100] * (width - len(r)) for r in label_rows]))
+    return pad_right(ids_rows, label_rows, tokenizer.pad_token_id)
 
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,

@@ -95,8 +95,14 @@ def _encode(
         c_ids = c_ids + [tokenizer.eos_token_id]
         rows.append(p_ids + c_ids)
         labels.append([-100] * len(p_ids) + c_ids)
+    return pad_right(rows, labels, tokenizer.pad_token_id)
+
+
+def pad_right(rows: list[list[int]], labels: list[list[int]],
+              pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)``: the rows right-padded to the longest with
+    ``pad`` (ids), 0 (mask) and -100 (labels)."""
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
     att = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])

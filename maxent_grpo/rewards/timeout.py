@@ -10,9 +10,10 @@ subprocess that can be killed).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from maxent_grpo.rollout.toolcall import timed_call
 
 __all__ = ["RewardTimeout", "TimedReward"]
 
@@ -53,18 +54,9 @@ class TimedReward:
         self.__name__ = getattr(fn, "__name__", name)
 
     def __call__(self, **kwargs: Any) -> Any:
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["values"] = self.fn(**kwargs)
-            except BaseException as err:  # re-raised in the caller's thread
-                outcome["error"] = err
-
-        worker = threading.Thread(target=run, name=f"reward:{self.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout)
-        if worker.is_alive():
+        finished, values, error = timed_call(lambda: self.fn(**kwargs), self.timeout,
+                                             f"reward:{self.name}")
+        if not finished:
             self.timeouts += 1
             option = f"model.rewards.{self.name}"
             if not self.has_fallback:
@@ -76,6 +68,6 @@ class TimedReward:
                         "fallback %r (%d time-outs so far)", self.name, self.timeout,
                         len(kwargs.get("completions", ())), self.fallback, self.timeouts)
             return [self.fallback] * len(kwargs.get("completions", ()))
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["values"]
+        if error is not None:  # re-raised in the caller's thread
+            raise error
+        return values

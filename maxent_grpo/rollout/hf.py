@@ -247,13 +247,8 @@ class HFGenerateEngine:
         with torch.no_grad(), autocast, _isolated_generation(model):
             output = model.generate(input_ids=ids, attention_mask=mask,
                                     generation_config=config, **synced)
-        new = output[:, width:].long()
-        out = []
-        for row, budget in zip(new.tolist(), budgets, strict=True):
-            row = row[:budget]
-            stops = [t for t, token in enumerate(row) if token in self.stop_token_ids]
-            out.append(Continuation(row[: stops[0] + 1] if stops else row, bool(stops)))
-        return out
+        return [Continuation.cut(row[:budget], self.stop_token_ids)
+                for row, budget in zip(output[:, width:].tolist(), budgets, strict=True)]
 
     def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
                         prompt_mask: torch.Tensor, group: int, max_new_tokens: int):

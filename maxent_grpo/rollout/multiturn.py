@@ -50,6 +50,7 @@ import torch
 
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.protocol import (
+    ContinuableEngine,
     Continuation,
     RolloutOutput,
     SamplingSettings,
@@ -59,9 +60,35 @@ from maxent_grpo.rollout.protocol import (
 from maxent_grpo.rollout.toolcall import FAILURE_KINDS, Toolbox, parse_tool_calls, timed_call
 from maxent_grpo.validation import check_int, check_number, require
 
-__all__ = ["MultiTurnEngine", "environment_factory"]
+__all__ = ["MultiTurnEngine", "environment_factory", "message_segment"]
 
 _MARK = "\x00assistant-turn\x00"  # stands for the model's turn when the template is diffed
+_BASE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+
+
+def message_segment(tokenizer: Any, messages: list[dict[str, str]],
+                    tools: list[Any] | None = None) -> str:
+    r"""The text that follows the model's end of turn (its eos token) to hand ``messages``
+    (tool or user messages) to it and open its next turn, as the tokenizer's chat template
+    writes it (with ``tools=`` when given). ValueError for a template that rewrites earlier
+    turns when a message is added.
+
+    >>> from maxent_grpo.models import build_tiny_tokenizer
+    >>> message_segment(build_tiny_tokenizer(), [{"role": "tool", "content": "42"}])
+    '\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+    """
+    extra = {"tools": tools} if tools else {}
+    before = tokenizer.apply_chat_template(_BASE, tokenize=False, **extra)
+    after = tokenizer.apply_chat_template(_BASE + messages, tokenize=False,
+                                          add_generation_prompt=True, **extra)
+    require(_MARK in before and after.startswith(before),
+            "multi-turn rollouts need a chat template that renders a conversation by "
+            "appending each message; this tokenizer's template rewrites earlier turns")
+    tail = before[before.rindex(_MARK) + len(_MARK):]
+    eos = tokenizer.eos_token or ""
+    if eos and tail.startswith(eos):  # the model's own stop token ends its turn
+        tail = tail[len(eos):]
+    return tail + after[len(before):]
 
 
 def environment_factory(spec: dict[str, Any]) -> Callable[[], Any]:
@@ -105,7 +132,7 @@ class MultiTurnEngine:
     """
 
     def __init__(
-        self, engine: Any, tokenizer: Any, sampling: SamplingSettings,
+        self, engine: ContinuableEngine, tokenizer: Any, sampling: SamplingSettings,
         toolbox: Toolbox | None = None, environment: Callable[[], Any] | None = None,
         max_tool_calls: int = 4, timeout: float = 10.0,
     ) -> None:
@@ -120,50 +147,30 @@ class MultiTurnEngine:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
-        self._template_tools = {"tools": toolbox.schemas} if toolbox is not None else {}
+        self._schemas = toolbox.schemas if toolbox is not None else None
         # a template that cannot render the messages fails now, not in the first rollout
-        self._segment("tool" if toolbox is not None else "user", "ok")
+        message_segment(tokenizer, [{"role": "tool" if toolbox else "user", "content": "ok"}],
+                        self._schemas)
 
     def sync(self, model: Any) -> None:
         """The inner engine's ``sync``."""
         self.engine.sync(model)
 
     # ------------------------------------------------------------------ messages
-    def _segment(self, *replies: str) -> str:
-        """The text after the model's stop token that hands ``replies`` (pairs of role and
-        content flattened: ``role, content, role, content, ...``) to the model and opens its
-        next turn, as the chat template writes it."""
-        messages = [{"role": r, "content": c} for r, c in zip(replies[::2], replies[1::2],
-                                                              strict=True)]
-        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        render = self.tokenizer.apply_chat_template
-        before = render(base, tokenize=False, **self._template_tools)
-        after = render(base + messages, tokenize=False, add_generation_prompt=True,
-                       **self._template_tools)
-        require(_MARK in before and after.startswith(before),
-                "multi-turn rollouts need a chat template that renders a conversation by "
-                "appending each message; this tokenizer's template rewrites earlier turns")
-        tail = before[before.rindex(_MARK) + len(_MARK):]
-        eos = self.tokenizer.eos_token or ""
-        if eos and tail.startswith(eos):  # the model's own stop token ends its turn
-            tail = tail[len(eos):]
-        return tail + after[len(before):]
-
     def _replies(self, row: int, text: str, calls: list[int], failures: dict[str, list[int]],
-                 envs: list[Any] | None) -> list[str] | None:
-        """The messages (role, content, ...) answering the model's turn ``text``, or None
-        when the sample ends."""
-        left = self.max_tool_calls - calls[row]
+                 envs: list[Any] | None) -> list[dict[str, str]] | None:
+        """The messages answering the model's turn ``text``, or None when the sample ends."""
         if envs is not None:  # every model turn is an action, the last one included
             env = envs[row]
             calls[row] += 1
-            value, error = timed_call(lambda: env.step(text), self.timeout, "environment")
-            if error == "timeout":  # its thread may still run: no further step on it
+            finished, value, error = timed_call(lambda: env.step(text), self.timeout,
+                                                "environment")
+            if not finished:  # its thread may still run: no further step on it
                 failures["timeout"][row] += 1
                 return None
             if error is not None:
                 failures["error"][row] += 1
-                observation, done = f"Error: {error}", False
+                observation, done = f"Error: {type(error).__name__}: {error}", False
             elif (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
                   and isinstance(value[1], (bool, int))):
                 observation, done = value[0], bool(value[1])
@@ -172,17 +179,18 @@ class MultiTurnEngine:
                                 f"done: bool); got {value!r:.200}")
             if done or calls[row] >= self.max_tool_calls:
                 return None
-            return [getattr(env, "role", "user"), observation]
+            return [{"role": getattr(env, "role", "user"), "content": observation}]
         parsed = parse_tool_calls(text)
+        left = self.max_tool_calls - calls[row]
         if not parsed or left <= 0:
             return None
-        out: list[str] = []
+        out = []
         for call in parsed[:left]:
             result = self.toolbox.run(call)
             calls[row] += 1
             if result.failure is not None:
                 failures[result.failure][row] += 1
-            out += ["tool", result.text]
+            out.append({"role": "tool", "content": result.text})
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -240,9 +248,9 @@ class MultiTurnEngine:
                 replies = self._replies(i, messages[i][-1]["content"], calls, failures, envs)
                 if replies is None:
                     continue
-                messages[i] += [{"role": r, "content": c}
-                                for r, c in zip(replies[::2], replies[1::2], strict=True)]
-                segment = tok(self._segment(*replies), add_special_tokens=False)["input_ids"]
+                messages[i] += replies
+                segment = tok(message_segment(tok, replies, self._schemas),
+                              add_special_tokens=False)["input_ids"]
                 room = budget - len(ids[i])
                 extend(i, segment[:room], True, None)
                 if len(segment) >= room:  # no room left for the model to answer

@@ -89,6 +89,11 @@ class ToolUsage:
     failures: dict[str, torch.Tensor]
     environments: list[Any] | None = None
 
+    @property
+    def failed(self) -> torch.Tensor:
+        """``(N,)`` long, each row's failed calls, all kinds together."""
+        return sum(self.failures.values(), torch.zeros_like(self.calls))
+
     def rows(self, index: list[int]) -> ToolUsage:
         """The rows ``index``, in that order."""
         at = torch.tensor(index, dtype=torch.long)
@@ -119,6 +124,19 @@ class Continuation:
     ids: list[int]
     stopped: bool
     logps: list[float] | None = None
+
+    @classmethod
+    def cut(cls, ids: list[int], stop_ids: tuple[int, ...],
+            logps: list[float] | None = None) -> Continuation:
+        """``ids`` cut after their first stop token (``stopped`` True), or whole (False).
+
+        >>> Continuation.cut([5, 2, 7], (2,))
+        Continuation(ids=[5, 2], stopped=True, logps=None)
+        """
+        first = next((t for t, token in enumerate(ids) if token in stop_ids), None)
+        if first is None:
+            return cls(list(ids), False, logps)
+        return cls(list(ids[: first + 1]), True, None if logps is None else logps[: first + 1])
 
 
 @dataclass
@@ -224,9 +242,8 @@ class RolloutOutput:
         ``environments`` (each row's environment after the rollout); ``{}`` otherwise."""
         if self.tools is None:
             return {}
-        failed = sum(self.tools.failures.values(), torch.zeros_like(self.tools.calls))
         columns: dict[str, list[Any]] = {"tool_calls": self.tools.calls.tolist(),
-                                         "tool_failures": failed.tolist()}
+                                         "tool_failures": self.tools.failed.tolist()}
         if self.tools.environments is not None:
             columns["environments"] = list(self.tools.environments)
         return columns

@@ -152,24 +152,30 @@ def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def timed_call(fn: Callable[[], Any], timeout: float, name: str) -> tuple[Any, str | None]:
-    """``(value, None)`` when ``fn()`` returns within ``timeout`` seconds (run in a daemon
-    thread), ``(None, "timeout")`` when it does not, ``(None, "<Type>: <message>")`` when it
-    raises (any ``BaseException``: a tool's ``sys.exit`` is its fault, not the run's)."""
+def timed_call(fn: Callable[[], Any], timeout: float,
+               name: str) -> tuple[bool, Any, BaseException | None]:
+    """``fn()`` in a daemon thread named ``name``, waited for at most ``timeout`` seconds:
+    ``(finished, value, error)``, ``finished`` False when it is still running (Python cannot
+    stop it), else its return value or what it raised (any ``BaseException``: a
+    ``sys.exit`` inside it is its fault, not the caller's).
+
+    >>> timed_call(lambda: 1 / 0, 1.0, "demo")[::2]
+    (True, ZeroDivisionError('division by zero'))
+    """
     outcome: dict[str, Any] = {}
 
     def work() -> None:
         try:
             outcome["value"] = fn()
-        except BaseException as err:  # SystemExit, KeyboardInterrupt in the tool: its fault
-            outcome["error"] = f"{type(err).__name__}: {err}"
+        except BaseException as err:
+            outcome["error"] = err
 
     worker = threading.Thread(target=work, name=name, daemon=True)
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        return None, "timeout"
-    return outcome.get("value"), outcome.get("error")
+        return False, None, None
+    return True, outcome.get("value"), outcome.get("error")
 
 
 def _schema(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -209,7 +215,8 @@ class Toolbox:
         check_number("model.tool_timeout", timeout, minimum=0, strict=True)
         self.timeout = float(timeout)
         self.functions: dict[str, Callable[..., Any]] = {}
-        self.schemas: list[dict[str, Any]] = []
+        self.schemas: list[dict[str, Any]] = []  # what the chat template shows, in order
+        self._properties: dict[str, dict[str, Any]] = {}  # name -> its arguments' schemas
         for spec in tools:
             fn = resolve_tool(spec)
             schema = _schema(fn)
@@ -217,6 +224,7 @@ class Toolbox:
             require(name not in self.functions, f"model.tools names the tool {name!r} twice")
             self.functions[name] = fn
             self.schemas.append(schema)
+            self._properties[name] = schema["function"]["parameters"].get("properties", {})
 
     def _check_arguments(self, name: str, arguments: dict[str, Any]) -> str | None:
         """Why ``arguments`` do not fit tool ``name``'s signature and schema, or None."""
@@ -225,8 +233,7 @@ class Toolbox:
             inspect.signature(fn).bind(**arguments)
         except TypeError as err:
             return str(err)
-        properties = next(s for s in self.schemas if s["function"]["name"] == name)[
-            "function"]["parameters"].get("properties", {})
+        properties = self._properties[name]
         for key, value in arguments.items():
             if value is None and properties.get(key, {}).get("nullable"):
                 continue  # an Optional[...] argument given null
@@ -249,13 +256,14 @@ class Toolbox:
         problem = self._check_arguments(call.name, call.arguments)
         if problem is not None:
             return ToolResult(f"Error: bad arguments for {call.name}: {problem}", "bad_arguments")
-        value, error = timed_call(lambda: self.functions[call.name](**call.arguments),
-                                  self.timeout, f"tool:{call.name}")
-        if error == "timeout":
+        finished, value, error = timed_call(
+            lambda: self.functions[call.name](**call.arguments), self.timeout,
+            f"tool:{call.name}")
+        if not finished:
             return ToolResult(f"Error: {call.name} gave no result within {self.timeout:g} s",
                               "timeout")
         if error is not None:
-            return ToolResult(f"Error: {error}", "error")
+            return ToolResult(f"Error: {type(error).__name__}: {error}", "error")
         if isinstance(value, str):
             return ToolResult(value)
         try:

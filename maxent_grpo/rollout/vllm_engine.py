@@ -265,12 +265,10 @@ class VLLMEngine:
         out = []
         for result in outputs:
             c = result.outputs[0]
-            ids = list(c.token_ids)
-            stops = [t for t, token in enumerate(ids) if token in self.stop_token_ids]
-            ids = ids[: stops[0] + 1] if stops else ids
-            logps = ([step[token].logprob for step, token in zip(c.logprobs, ids, strict=False)]
+            logps = ([step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
+                                                                 strict=True)]
                      if c.logprobs else None)
-            out.append(Continuation(ids, bool(stops), logps))
+            out.append(Continuation.cut(list(c.token_ids), self.stop_token_ids, logps))
         return out
 
     def generate(

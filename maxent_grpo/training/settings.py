@@ -81,17 +81,18 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
     """The checked ``model.tools`` / ``model.environment`` options (tools imported, their
     schemas built), or None when neither is set."""
     tools, env = o.get("tools"), o.get("environment")
-    check_int("model.max_tool_calls", o.get("max_tool_calls", 4), minimum=1)
-    check_number("model.tool_timeout", o.get("tool_timeout", 10.0), minimum=0, strict=True)
+    calls, timeout = o.get("max_tool_calls", 4), o.get("tool_timeout", 10.0)
+    check_int("model.max_tool_calls", calls, minimum=1)
+    check_number("model.tool_timeout", timeout, minimum=0, strict=True)
     if not tools and env is None:
         return None
     require(not (tools and env is not None),
             "model.tools and model.environment are two kinds of multi-turn rollout; set one "
             "of them (an environment can call tools itself)")
     return ToolSettings(
-        toolbox=Toolbox(list(tools), o.get("tool_timeout", 10.0)) if tools else None,
+        toolbox=Toolbox(list(tools), timeout) if tools else None,
         environment=environment_factory(env) if env is not None else None,
-        max_tool_calls=o.get("max_tool_calls", 4), timeout=float(o.get("tool_timeout", 10.0)))
+        max_tool_calls=calls, timeout=float(timeout))
 
 
 @dataclass(frozen=True)

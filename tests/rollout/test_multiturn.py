@@ -13,7 +13,7 @@ import torch
 from maxent_grpo.models import build_tiny_model, build_tiny_tokenizer
 from maxent_grpo.rollout import GenerationBatch, HFGenerateEngine, RolloutOutput, SamplingSettings
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts
-from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
+from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory, message_segment
 from maxent_grpo.rollout.protocol import Continuation
 from maxent_grpo.rollout.toolcall import Toolbox
 
@@ -77,7 +77,7 @@ def engine(turns, budget=200, max_calls=4, stop=True, tools=("calculate",), env=
 
 def test_a_tool_exchange_token_by_token():
     mt = engine([CALL, "42"])
-    assert mt._segment("tool", "42") == SEGMENT
+    assert message_segment(TOK, [{"role": "tool", "content": "42"}]) == SEGMENT
     out = mt.generate(["What is 6 * 7?"], ["42"], 2)
     eos = [TOK.eos_token_id]
     expected = ids(CALL) + eos + ids(SEGMENT) + ids("42") + eos

@@ -4,10 +4,12 @@ message and a counted kind, never an exception (the fault table of
 
 from __future__ import annotations
 
+import doctest
 import time
 
 import pytest
 
+from maxent_grpo.rollout import multiturn, protocol, toolcall
 from maxent_grpo.rollout.toolcall import (
     FAILURE_KINDS,
     Toolbox,
@@ -16,6 +18,7 @@ from maxent_grpo.rollout.toolcall import (
     parse_tool_calls,
     resolve_tool,
 )
+from maxent_grpo.tasks import calculator
 from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
 
 
@@ -59,6 +62,12 @@ def quits(code: int | None = None) -> str:
         code: the exit code, or null.
     """
     raise SystemExit(code)
+
+
+@pytest.mark.parametrize("module", [toolcall, multiturn, protocol, calculator])
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0
 
 
 def test_calls_are_parsed_in_the_hermes_format():

@@ -123,7 +123,7 @@ class StepMetrics(torch.nn.Module):
         (samples with at least one call that returned), ``failure_rate`` (failed calls /
         calls) and ``failures/<kind>`` (calls failed so / calls)."""
         tools, device = rollout.tools, self.reward.total.device
-        failed = sum(tools.failures.values(), torch.zeros_like(tools.calls))
+        failed = tools.failed
 
         def add(key: str, total: Tensor, count: Tensor | int) -> None:
             self.mean(f"tools/{key}").update_sum(
