@@ -111,6 +111,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             call = json.loads(body)
         except ValueError:
             call = None
+        except RecursionError:  # model-written text may nest brackets at any depth
+            calls.append(ToolCall("", {}, "JSON nested too deeply"))
+            continue
         if not isinstance(call, dict):
             calls.append(ToolCall("", {}, "not a JSON object"))
             continue
@@ -118,7 +121,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # left a string: refused below
                 pass
         if not isinstance(name, str) or not name:
             calls.append(ToolCall("", {}, 'no "name" string'))
@@ -242,7 +245,7 @@ class Toolbox:
                             for t in _JSON_TYPES.get(k, (object,)))
             wrong_bool = isinstance(value, bool) and bool not in allowed and object not in allowed
             if allowed and (not isinstance(value, allowed) or wrong_bool):
-                return f"{key!r} must be {kinds}; got {json.dumps(value)}"
+                return f"{key!r} must be {kinds}; got {_shown(value)}"
         return None
 
     def run(self, call: ToolCall) -> ToolResult:
@@ -266,7 +269,17 @@ class Toolbox:
             return ToolResult(f"Error: {type(error).__name__}: {error}", "error")
         if isinstance(value, str):
             return ToolResult(value)
+        return ToolResult(_shown(value, limit=None))
+
+
+def _shown(value: Any, limit: int | None = 200) -> str:
+    """``value`` as JSON (else ``str``), for a message the model reads; a value too deep to
+    encode (model-written arguments can nest a thousand levels) is named, never raised."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
         try:
-            return ToolResult(json.dumps(value))
-        except (TypeError, ValueError):
-            return ToolResult(str(value))
+            text = str(value)
+        except RecursionError:
+            return f"<a {type(value).__name__} nested too deeply to show>"
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."

@@ -137,6 +137,21 @@ def test_faults_are_messages_the_model_reads():
     assert "Error: unknown tool" in out.batch.grouped_completions[0][0]
 
 
+@pytest.mark.parametrize("text", [
+    "<tool_call>" + "[" * 5000 + "</tool_call>",
+    '<tool_call>{"name": "calculate", "arguments": "' + "[" * 5000 + '"}</tool_call>',
+    '<tool_call>{"name": "calculate", "arguments": {"expression": ' + "[" * 5000 + "]" * 5000
+    + "}}</tool_call>",
+])
+def test_model_text_nested_at_any_depth_is_a_fault_not_a_crash(text):
+    """Brackets nested past Python's recursion limit (the JSON decoder raises RecursionError,
+    not ValueError): a malformed call the model reads and a counted kind, in the loop."""
+    out = engine([text, "done"], budget=12_000).generate(["q"], ["42"], 1)
+    message = out.reward_completions()[0][1]
+    assert message["role"] == "tool" and message["content"].startswith("Error: malformed")
+    assert out.tools.failures["malformed"].tolist() == [1]
+
+
 class Guess:
     """Guess the answer: "higher" / "lower" until right."""
 

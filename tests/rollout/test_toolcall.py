@@ -176,3 +176,25 @@ def test_the_task_needs_the_tool():
     assert tool_arithmetic(5, seed=3) == rows[:5]
     with pytest.raises(ValueError, match="ops"):
         tool_arithmetic(1, seed=0, ops="/")
+
+
+def test_deeply_nested_values_are_named_not_raised():
+    """A value the JSON encoder cannot write (too deep for the recursion limit) in a bad
+    argument's message, or as a tool's result, is named in the message, never raised."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+
+    def nested(x: int) -> list:
+        """Return a deep list.
+
+        Args:
+            x: ignored.
+        """
+        return deep
+
+    box = Toolbox([nested, divide], timeout=5)
+    bad = box.run(ToolCall("divide", {"a": deep, "b": 1}))
+    assert bad.failure == "bad_arguments" and "nested too deeply" in bad.text
+    result = box.run(ToolCall("nested", {"x": 1}))
+    assert result.failure is None and "nested too deeply" in result.text
