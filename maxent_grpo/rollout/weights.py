@@ -10,8 +10,9 @@ training model exactly as it was:
   the rollout that follows an optimizer step).
 - **LoRA** (``peft`` LoRA on linear layers): the merged weight ``W + s · B A`` (``s`` the
   adapter's scaling, transposed for ``fan_in_fan_out``) is computed from the tensors, for
-  every active adapter; the ``lora_*`` tensors are dropped and the ``base_model.model.`` and
-  ``.base_layer`` parts of the names removed. The model itself is never merged: peft's
+  every active adapter, and with ``LoraConfig(lora_bias=True)`` the bias ``b + s · b_B``
+  (``b_B`` the bias of ``lora_B``); the ``lora_*`` tensors are dropped and the
+  ``base_model.model.`` and ``.base_layer`` parts of the names removed. The model itself is never merged: peft's
   ``merge_adapter`` / ``unmerge_adapter`` round trip moves the frozen base weights (the
   reference model) by rounding, a little on every call.
 - **other peft tuners** (IA3, LoHa, DoRA, ...) on a model that is not sharded: merged with
@@ -60,10 +61,25 @@ def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:
 
 def check_mergeable(model: nn.Module, sharded: bool) -> None:
     """Refuse (ValueError naming ``model.peft``) adapters that :func:`checkpoint_weights`
-    cannot merge: ``modules_to_save`` (trained copies of whole modules), and a tuner other
-    than LoRA on linear layers on a sharded model."""
+    cannot hand to vLLM: ``modules_to_save`` (trained copies of whole modules), adapters on
+    the output layer of a model with tied embeddings (vLLM loads only the input
+    embeddings then, so the head's adapter would be lost), and a tuner other than LoRA on
+    linear layers on a sharded model."""
     if not has_adapters(model):
         return
+    base = model.get_base_model()
+    if getattr(getattr(base, "config", None), "tie_word_embeddings", False):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        embeddings = base.get_input_embeddings()
+        tied = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(), "weight",
+                       None)  # the one tensor behind both embeddings
+        tuned = [name for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)
+                 and getattr(m.get_base_layer(), "weight", None) is tied]
+        require(not tuned, f"model.peft: adapters on the tied embeddings ({', '.join(tuned)}) "
+                "cannot be handed to vLLM: it loads one tensor for both the input embeddings "
+                "and the output layer, while the adapter changes only one of them; leave "
+                "lm_head and embed_tokens out of target_modules, or use HFGenerateEngine")
     for name, config in model.peft_config.items():
         require(not getattr(config, "modules_to_save", None),
                 f"model.peft: modules_to_save ({config.modules_to_save}, adapter {name!r}) "
@@ -83,14 +99,19 @@ def _merged_lora(model: nn.Module, layers: dict[str, Any]) -> list[tuple[str, to
         if ".base_layer." in name:
             prefix, leaf = name.split(".base_layer.", 1)
             layer = layers[prefix]
-            if leaf == "weight":
+            if leaf in ("weight", "bias"):
                 tensor = tensor.clone()
                 for adapter in layer.active_adapters:
                     if adapter not in layer.lora_A or adapter in layer.merged_adapters:
                         continue
+                    b_name = f"{prefix}.lora_B.{adapter}.{leaf}"
+                    if leaf == "bias":  # LoraConfig(lora_bias=True): B's bias, scaled
+                        if b_name in state:
+                            tensor += (state[b_name].float()
+                                       * layer.scaling[adapter]).to(tensor.dtype)
+                        continue
                     a = state[f"{prefix}.lora_A.{adapter}.weight"]
-                    b = state[f"{prefix}.lora_B.{adapter}.weight"]
-                    delta = (b.float() @ a.float()) * layer.scaling[adapter]
+                    delta = (state[b_name].float() @ a.float()) * layer.scaling[adapter]
                     if layer.fan_in_fan_out:
                         delta = delta.T
                     tensor += delta.to(tensor.dtype)

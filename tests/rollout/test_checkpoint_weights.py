@@ -83,3 +83,41 @@ def test_what_cannot_be_merged_is_refused_naming_model_peft():
         check_mergeable(ia3, sharded=True)
     lora = get_peft_model(build_tiny_model(), LoraConfig(r=4, target_modules=["q_proj"]))
     check_mergeable(lora, sharded=True)
+
+
+def _biased_model() -> torch.nn.Module:
+    """The tiny model with biases on its attention projections (as Qwen2 has)."""
+    from transformers import LlamaForCausalLM
+
+    tiny = build_tiny_model()
+    config = copy.deepcopy(tiny.config)
+    config.attention_bias = True
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_lora_bias_is_folded_into_the_base_bias():
+    """``LoraConfig(lora_bias=True)`` trains a bias on ``lora_B``: the plain model loaded
+    with the checkpoint gives the policy's logits (dropping it measured a gap of 10.6)."""
+    from transformers import LlamaForCausalLM
+
+    policy = _moved(get_peft_model(_biased_model(), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True)))
+    assert any("lora_B" in n and n.endswith(".bias") for n, _ in policy.named_parameters())
+    weights = dict(checkpoint_weights(policy))
+    plain = LlamaForCausalLM(policy.get_base_model().config).eval()
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, policy(ids).logits, rtol=1e-4, atol=1e-4)
+        expected = copy.deepcopy(policy).merge_and_unload().state_dict()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_adapters_on_tied_embeddings_are_refused(target):
+    policy = get_peft_model(build_tiny_model(), LoraConfig(r=4, target_modules=[target]))
+    with pytest.raises(ValueError, match="model.peft: adapters on the tied embeddings"):
+        check_mergeable(policy, sharded=False)
