@@ -126,6 +126,19 @@ class ScriptedEngine:
         """The scripted model does not follow the policy's weights."""
 
 
+class SamplerScriptedEngine(ScriptedEngine):
+    """:class:`ScriptedEngine` that also reports the sampler's log-probs (as vLLM does): a
+    function of the completion's tokens only, so every run agrees on them; the step then
+    logs ``rollout/logp_gap/...`` and can correct for the gap (``sampler_correction``)."""
+
+    def generate(self, prompts, answers, num_generations, sampling=None):
+        import dataclasses
+
+        out = super().generate(prompts, answers, num_generations, sampling)
+        logps = -0.1 - (out.completion_ids % 7).float() * 0.3
+        return dataclasses.replace(out, sampler_logps=logps.masked_fill(~out.completion_mask, 0))
+
+
 def tool_turn(text: str) -> str:
     """A turn of the ``tools`` case as a function of the text so far (prompt and earlier
     turns): after a tool message, its result copied (or "?", by a hash); otherwise a call
@@ -202,6 +215,7 @@ class Probe(pl.Callback):
         self.state: list[dict[str, float]] = []
         self.kept: list[int] = []
         self.allreduces: list[int] = []  # per optimizer step
+        self.passes: list[tuple[int, int]] = []  # (micro-batches, of which padding) per step
         self._seen = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -225,6 +239,8 @@ class Probe(pl.Callback):
         kept = 0 if pl_module.trajectory.ghost else int(pl_module.trajectory.keep.sum())
         self.kept.append(kept if targets.weights is not None or targets.advantages is not None
                          else 0)
+        chunks = pl_module.trajectory.chunks
+        self.passes.append((len(chunks), sum(getattr(c, "padding", False) for c in chunks)))
         self.state.append(dict(pl_module.objective.state()))
 
 
@@ -259,6 +275,20 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp_lora_kl": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
                      "micro_batch_groups": 1, "peft": LORA, "strategy": "fsdp",
                      "reference": "lora_kl"},
+    # issue 36: a rank that keeps no group (a ghost) while the sampler reports log-probs:
+    # every rank must hold and reduce the same metrics (rollout/logp_gap/..., the sampler
+    # correction) in the same order; one group per micro-batch, so the ranks plan different
+    # numbers of passes, and FSDP2 (a collective in every forward and backward) must pad
+    "ghost_gap": {"objective": ("grpo", {"loss_type": "dr_grpo", "scale_rewards": "group"}),
+                  "drop_constant_groups": True, "micro_batch_groups": 1, "sampler": True,
+                  "sampler_correction": "token_tis",
+                  "rewards": {"tests.test_distributed:odd_sums_score_zero": 1.0}},
+    "fsdp_ghost_gap": {"objective": ("grpo", {"loss_type": "dr_grpo",
+                                              "scale_rewards": "group"}),
+                       "drop_constant_groups": True, "micro_batch_groups": 1, "sampler": True,
+                       "sampler_correction": "token_tis", "strategy": "fsdp",
+                       "rewards": {"tests.test_distributed:odd_sums_score_zero": 1.0},
+                       "reference": "ghost_gap"},
     # multi-turn rollouts with a tool (model.tools): the tool's messages out of the loss and
     # of dapo's all-rank token count, the train/tools/... statistics reduced over the ranks
     "tools": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
@@ -275,7 +305,9 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     objective = GRPO(**kwargs) if kind == "grpo" else ListwiseMaxEnt(**kwargs)
     module = MaxEntGRPOModule(
         model_name_or_path="builtin:tiny",
-        engine=ToolScriptedEngine if case.get("tools") else ScriptedEngine,
+        engine=(ToolScriptedEngine if case.get("tools") else
+                SamplerScriptedEngine if case.get("sampler") else ScriptedEngine),
+        sampler_correction=case.get("sampler_correction"),
         tools=["calculate"] if case.get("tools") else None,
         objective=objective,
         rewards=case.get("rewards", {"first_number": 1.0}),
@@ -321,6 +353,7 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     out = {
         "indices": probe.indices, "grads": probe.grads, "stats": probe.stats,
         "state": probe.state, "kept": probe.kept, "allreduces": probe.allreduces,
+        "passes": probe.passes,
         "params": {n: full(p) for n, p in module.policy.named_parameters()},
         # what the vLLM engine would load: FSDP2 shards gathered, adapters merged
         "checkpoint": {n: t.clone() for n, t in checkpoint_weights(module.policy)},
@@ -463,6 +496,16 @@ def test_two_ranks_equal_one_rank(runs, name):
         assert r0["kept"] != r1["kept"], (r0["kept"], r1["kept"])
         # one rank kept no group at some step: it scored a ghost group at weight zero
         assert 0 in r0["kept"] + r1["kept"], (r0["kept"], r1["kept"])
+    if CASES[name].get("sampler"):  # the gap and the correction are logged on both ranks
+        for step in range(STEPS):
+            assert {"train/rollout/logp_gap/mean", "train/rollout/logp_gap/max",
+                    "train/rollout/correction/mean"} <= set(r0["stats"][step])
+    if CASES[name].get("drop_constant_groups") and CASES[name].get("micro_batch_groups"):
+        # one micro-batch per kept group: the ranks planned different numbers of passes at
+        # some step, and the one with fewer ran padding passes up to the other's count
+        p0, p1 = r0["passes"], r1["passes"]
+        assert [a[0] for a in p0] == [b[0] for b in p1], (p0, p1)
+        assert any(a[1] != b[1] for a, b in zip(p0, p1, strict=True)), (p0, p1)
     if CASES[name].get("tools"):  # calls ran, some failed, and the tools' counts agree
         for step in range(STEPS):
             s0, s = r0["stats"][step], one["stats"][step]

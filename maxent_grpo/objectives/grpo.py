@@ -80,6 +80,9 @@ class GRPO(Objective):
             ``1 - rho`` quantile of the micro-batch's completion tokens keep their policy
             term (TRL's option, after "Beyond the 80/20 rule"; the KL term keeps every
             token); 1 = every token (off). Needs the token entropy (computed when < 1).
+            The quantile is this rank's micro-batch's, with no collective: TRL gathers the
+            micro-batch's entropies from every process first, so on several ranks (or
+            micro-batches) the threshold differs from TRL's and from a 1-rank run's.
         kl_bias_correction: multiply the per-token KL by the importance ratio (with its
             gradient), which makes the KL term's gradient the unbiased gradient of
             ``KL(pi_theta || pi_ref)`` (DeepSeek-V3.2; TRL 1.16's ``use_bias_correction_kl``,

@@ -207,13 +207,19 @@ class Evaluator(torch.nn.Module):
     def compute(self, prefix: str) -> dict[str, float]:
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
         evaluated), then reset for the next epoch."""
-        if self.reward.update_count == 0:
+        seen = self.reward.update_count
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:  # decided together: a rank that saw no batch still joins the gathers
+            count = torch.tensor(seen, dtype=torch.long, device=self.reward.total.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            seen = int(count)
+        if seen == 0:
             return {}
         values = {f"{prefix}/reward/{k}": v for k, v in self.reward.compute().items()}
         values.update({f"{prefix}/reward/{k}": v for k, v in self.components.compute().items()})
         records = self.records
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, records)
             records = [r for part in gathered for r in part]

@@ -21,12 +21,15 @@ from torch import Tensor
 class MicroBatchPlan:
     """One micro-batch: ``groups`` (group indices), ``rows`` ``(n,)`` (their rows, group by
     group), both on the masks' device, and the kept columns: prompt columns from
-    ``prompt_start`` and the first ``completion_len`` completion columns."""
+    ``prompt_start`` and the first ``completion_len`` completion columns. A ``padding``
+    micro-batch is a pass that only keeps the ranks in step (:func:`equal_passes`): it runs
+    its forward and backward at weight zero and counts nowhere."""
 
     groups: Tensor
     rows: Tensor
     prompt_start: int
     completion_len: int
+    padding: bool = False
 
     def columns(self, prompt_len: int) -> slice:
         """The kept columns of a ``[prompt | completion]`` row of prompt length ``P``."""
@@ -97,3 +100,22 @@ def plan_micro_batches(
             completion_len=max(completion_len_list[b] for b in groups),
         ))
     return plans
+
+
+def equal_passes(plans: list[MicroBatchPlan], passes: int) -> list[MicroBatchPlan]:
+    """``plans`` followed by padding micro-batches up to ``passes`` in all: each the first
+    group of the last plan with one completion column, marked ``padding``.
+
+    Every rank must run as many forward and backward passes as the others: under FSDP2 each
+    forward all-gathers the parameters and each backward reduce-scatters the gradients, so
+    a rank that planned fewer micro-batches (``drop_constant_groups``, a token budget) would
+    leave the others waiting in a collective. ``passes`` is the most any rank planned."""
+    if len(plans) >= passes:
+        return plans
+    if not plans:
+        raise ValueError("equal_passes needs at least one micro-batch to pad with")
+    last = plans[-1]
+    G = last.rows.numel() // last.groups.numel()
+    pad = MicroBatchPlan(groups=last.groups[:1], rows=last.rows[:G],
+                         prompt_start=last.prompt_start, completion_len=1, padding=True)
+    return plans + [pad] * (passes - len(plans))

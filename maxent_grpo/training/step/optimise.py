@@ -92,6 +92,7 @@ def optimizer_step(
     G, P = ctx.generation.num_generations, t.prompt_len
     finite = torch.ones((), dtype=torch.bool, device=ctx.device)
     last = len(t.chunks) - 1
+    real = sum(not chunk.padding for chunk in t.chunks)  # the step's own micro-batches
     for i, chunk in enumerate(t.chunks):
         timer.start()
         rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
@@ -100,6 +101,14 @@ def optimizer_step(
             t.mask[rows][:, :Tc], None if t.old_logps is None else t.old_logps[rows][:, :Tc],
             ctx.objective.needs_entropy,
         )
+        if chunk.padding:  # only keeps the ranks' collectives in step: weight zero
+            timer.stop("forward")
+            with opt.toggle_model(sync_grad=i == last):
+                ctx.backward(scores.token_logp.nan_to_num(0.0, 0.0, 0.0).sum() * 0.0)
+            timer.stop("backward")
+            continue
+        # the ghost group's tokens count in no statistic
+        counted = torch.zeros_like(scores.token_mask) if t.ghost else scores.token_mask
         targets = t.targets
         correction = None
         if ctx.generation.sampler_correction is not None:
@@ -112,7 +121,7 @@ def optimizer_step(
             correction = sampler_correction_weights(
                 behaviour, t.sampler_logps[rows][:, :Tc], scores.token_mask,
                 ctx.generation.sampler_correction, ctx.generation.sampler_correction_cap)
-            sums.mean("rollout/correction/mean").update(correction, scores.token_mask)
+            sums.mean("rollout/correction/mean").update(correction, counted)
         out = ctx.objective.loss(MicroBatch(
             token_logps=scores.token_logp,
             old_token_logps=scores.old_token_logp,
@@ -125,26 +134,27 @@ def optimizer_step(
             answers=None if targets.answers is None else targets.answers[chunk.groups],
             group_size=G,
             num_rows=t.num_rows,
-            num_micro_batches=len(t.chunks),
+            num_micro_batches=real,
             max_completion_length=ctx.generation.sampling.max_new_tokens,
             num_global_tokens=t.num_global_tokens,
             correction=correction,
         ))
         finite &= torch.isfinite(out.loss)
-        if first and t.sampler_logps is not None and not t.ghost:
+        if first and t.sampler_logps is not None:
             gap = (scores.token_logp.detach() - t.sampler_logps[rows][:, :Tc]).abs()
-            sums.mean("rollout/logp_gap/mean").update(gap, scores.token_mask)
-            # gap >= 0: the masked maximum without a boolean index (no host sync)
+            sums.mean("rollout/logp_gap/mean").update(gap, counted)
+            # the masked maximum without a boolean index (no host sync); no counted token
+            # (a ghost rank) adds -inf, which no maximum keeps
             sums.maximum("rollout/logp_gap/max").update(
-                torch.where(scores.token_mask, gap, 0.0).amax())
+                torch.where(counted, gap, -math.inf).amax())
         timer.stop("forward")
         # DDP all-reduces the accumulated gradient once, in the last micro-batch's backward
         with opt.toggle_model(sync_grad=i == last):
             ctx.backward(out.loss * t.loss_scale)
         timer.stop("backward")
-        # parts sum to the step's loss: count 1/len(chunks) each -> mean over passes and
+        # parts sum to the step's loss: count 1/real each -> mean over passes and
         # ranks (scaled like their gradient, their mean over the ranks is the batch loss)
-        sums.add("loss/total", out.loss * t.loss_scale, 1.0 / len(t.chunks))
+        sums.add("loss/total", out.loss * t.loss_scale, 1.0 / real)
         sums.add("logp/sequence", scores.cur_logp_sum.sum(), float(scores.num_sequences),
                  weight=0.0 if t.ghost else 1.0)
         for key, (value, count) in out.sums.items():

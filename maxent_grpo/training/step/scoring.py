@@ -233,6 +233,7 @@ class Scorer:
             )[0]
             if out is None:
                 out = logps.new_zeros((input_ids.shape[0], T))
-            out[rows, : chunk.completion_len] = logps
+            if not chunk.padding:  # a padding pass only keeps the ranks in step
+                out[rows, : chunk.completion_len] = logps
         assert out is not None, "frozen_logps needs at least one micro-batch"
         return out

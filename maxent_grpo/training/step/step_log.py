@@ -67,23 +67,48 @@ class StepMetrics(torch.nn.Module):
         self.tokens = TokenUsage()
         self.means = torch.nn.ModuleDict()  # token-weighted means, created on first use
         self.maxima = torch.nn.ModuleDict()  # maxima, created on first use
-        self._updated: set[str] = set()
+        self._updated: set[tuple[str, str]] = set()  # ("mean" | "max", key) of this step
 
     def mean(self, key: str) -> TokenMean:
         """The :class:`TokenMean` logged as ``train/<key>`` (created on first use)."""
+        self._updated.add(("mean", key))
         return self._metric(self.means, key, TokenMean)
 
     def maximum(self, key: str) -> MaxMetric:
         """The ``MaxMetric`` logged as ``train/<key>`` (created on first use)."""
+        self._updated.add(("max", key))
         return self._metric(self.maxima, key, functools.partial(
             MaxMetric, nan_strategy="disable"))  # the NaN check would sync the host
 
     def _metric(self, table: torch.nn.ModuleDict, key: str, make: Any) -> Any:
         name = key.replace("/", "__")  # ModuleDict keys may not hold "/"
-        self._updated.add(name)
         if name not in table:
             table[name] = make().to(self.reward.total.device)
         return table[name]
+
+    def _aligned(self) -> list[tuple[str, str]]:
+        """The metrics this step updated on *any* rank, in one order on every rank.
+
+        ``compute()`` all-gathers a metric's states, and the gathers pair up by call order
+        only; a metric that some rank never touched this step (a ghost rank's log-prob gap,
+        a key an objective reports only for some data) would pair one rank's metric with
+        another's. So the ranks exchange the names (one small all-gather), each creates and
+        zero-updates the metrics it lacks (no data: they add nothing), and all compute the
+        union in sorted order."""
+        names = set(self._updated)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, sorted(names))
+            names = {tuple(n) for part in gathered for n in part}
+        device = self.reward.total.device
+        for kind, key in sorted(names - self._updated):
+            if kind == "mean":
+                self.mean(key).update_sum(torch.zeros((), dtype=torch.float64, device=device),
+                                          torch.zeros((), dtype=torch.float64, device=device))
+            else:
+                self.maximum(key).update(torch.tensor(-math.inf, device=device))
+        return sorted(names)
 
     def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
         """Add a loss statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost
@@ -163,10 +188,12 @@ class StepMetrics(torch.nn.Module):
     ) -> LogStepArtifacts:
         """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset;
         ``extra`` are further diagnostics (timings, counters) logged as they are."""
-        means = {k.replace("__", "/"): float(m.compute()) for k, m in self.means.items()
-                 if k in self._updated}
-        means |= {k.replace("__", "/"): float(m.compute()) for k, m in self.maxima.items()
-                  if k in self._updated and m.update_count}
+        means: dict[str, float] = {}
+        for kind, key in self._aligned():  # every rank, the same metrics in the same order
+            value = float(self.mean(key).compute() if kind == "mean"
+                          else self.maximum(key).compute())
+            if kind == "mean" or value > -math.inf:  # a maximum of no data is not logged
+                means[key] = value
         nan = math.nan
         kl = means.pop("kl", nan)
         weighting = view.weighting.state()  # tau, beta, ... as the step used them

@@ -29,7 +29,7 @@ from maxent_grpo.core import answer_classes, distinct_candidates, droppable_grou
 from maxent_grpo.objectives import Targets, sequence_ref_loglik
 from maxent_grpo.rewards.parsing import answer_key
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
-from maxent_grpo.training.step.batching import MicroBatchPlan
+from maxent_grpo.training.step.batching import MicroBatchPlan, equal_passes
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.strategy import check_micro_batches
 from maxent_grpo.training.step.timing import StepTimer
@@ -189,6 +189,9 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
 
     chunks = ctx.scorer.plan(prompt_mask, completion_mask, G)
     check_micro_batches(ctx.strategy, len(chunks), B)
+    if world > 1:  # as many passes as the rank that planned the most (FSDP2 collectives)
+        passes = ctx.gather(torch.tensor(len(chunks), device=ctx.device))
+        chunks = equal_passes(chunks, int(passes.max()))
     ref_logps = old_logps = rho = None
     timer.start()
     if ctx.reference is not None and chunks:

@@ -77,3 +77,22 @@ def test_the_kept_columns_hold_every_real_token():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_micro_batches(*masks(PROMPT, COMPLETION), **kwargs)
+
+
+def test_equal_passes_pads_with_zero_weight_passes_of_one_group():
+    from maxent_grpo.training.step.batching import equal_passes
+
+    G = 2
+    prompt_mask = torch.ones(6, 3, dtype=torch.bool)
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0]] * 3, dtype=torch.bool)
+    plans = plan_micro_batches(prompt_mask, completion_mask, G, max_groups=2)
+    assert len(plans) == 2
+    padded = equal_passes(plans, 4)
+    assert padded[:2] == plans and len(padded) == 4
+    for pad in padded[2:]:
+        assert pad.padding and pad.completion_len == 1 and pad.groups.tolist() == [
+            plans[-1].groups[0].item()]
+        assert pad.rows.tolist() == plans[-1].rows[:G].tolist()
+    assert equal_passes(plans, 2) is plans
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        equal_passes([], 1)
