@@ -15,7 +15,7 @@ components stay NaN. Every function is called as TRL's ``GRPOTrainer`` calls it:
 ``[{"role": "assistant", "content": text}]`` for a conversational one (the prompt is passed
 as the dataset gave it); a multi-turn rollout's (``model.tools``) are their messages, the
 model's turns and the tool messages, the last always the model's, with the keywords
-``tool_calls``, ``tool_failures`` (and ``environments``) added. ``completion_ids`` are each
+``tool_calls``, ``tool_failures``, ``exchange_lengths`` (and ``environments``) added. ``completion_ids`` are each
 completion's sampled token ids without padding (stop token included; the model's own
 tokens only), ``trainer_state`` a
 :class:`~maxent_grpo.rewards.state.TrainerState`, and ``columns`` the dataset's other
@@ -257,7 +257,7 @@ class WeightedRewards:
         ``columns`` hold one value per prompt; ``completion_ids`` and ``completion_mask``
         are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``);
         ``per_completion`` adds keyword columns with one value per completion (a multi-turn
-        rollout's ``tool_calls``, ``tool_failures``, ``environments``)."""
+        rollout's ``tool_calls``, ``tool_failures``, ``exchange_lengths``, ``environments``)."""
         per_row = {k: [v for v in vals for _ in range(group_size)] for k, vals in columns.items()}
         for key, values in (per_completion or {}).items():
             if key in per_row:

@@ -87,11 +87,13 @@ def answer_format_reward(prompts: list, completions: list, **kwargs: object) -> 
 def overlong_reward(
     prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
     max_completion_length: int | None = None, overlong_buffer: int | None = None,
-    **kwargs: object,
+    exchange_lengths: list[int] | None = None, **kwargs: object,
 ) -> list[float]:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) as a reward in ``[-1, 0]``.
 
-    With ``L = len(completion_ids[i])`` (the generated tokens, stop token included),
+    With ``L = len(completion_ids[i])`` (the generated tokens, stop token included; for a
+    multi-turn row ``exchange_lengths[i]``, the whole exchange's tokens, tool messages
+    included, since that is what the budget bounds and where a row is cut),
     ``L_max = max_completion_length`` and ``L_c = overlong_buffer``::
 
         0                          if L <= L_max - L_c
@@ -124,10 +126,14 @@ def overlong_reward(
     if len(completion_ids) != len(completions):
         raise ValueError(f"completion_ids must have one entry per completion "
                          f"({len(completions)}); got {len(completion_ids)}")
+    lengths = ([len(ids) for ids in completion_ids] if exchange_lengths is None
+               else [int(n) for n in exchange_lengths])
+    if len(lengths) != len(completions):
+        raise ValueError(f"exchange_lengths must have one entry per completion "
+                         f"({len(completions)}); got {len(lengths)}")
     start = max_completion_length - buffer
     scores = []
-    for ids in completion_ids:
-        n = len(ids)
+    for n in lengths:
         scores.append(0.0 if n <= start else -1.0 if n > max_completion_length
                       else (start - n) / buffer)
     return scores

@@ -92,10 +92,32 @@ def test_a_tool_exchange_token_by_token():
     assert out.reward_completions()[0] == [
         {"role": "assistant", "content": CALL}, {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "42"}]
-    assert out.reward_columns() == {"tool_calls": [1, 1], "tool_failures": [0, 0]}
+    assert out.reward_columns() == {"tool_calls": [1, 1], "tool_failures": [0, 0],
+                                    "exchange_lengths": [len(expected)] * 2}
     # the text shows the turns; the model continued from prompt + completion so far
     assert out.batch.grouped_completions[0][0] == CALL + "<|im_end|>" + SEGMENT + "42"
     assert TOK.decode(mt.engine.sequences[0]) == "What is 6 * 7?" + CALL + "<|im_end|>" + SEGMENT
+
+
+def test_overlong_measures_a_multi_turn_row_as_the_budget_does():
+    """A row cut at the budget gets -1 from ``overlong`` as a cut single-turn row does: it
+    measures the whole exchange (``exchange_lengths``), not the model's tokens alone (which
+    are fewer than the budget whenever a tool answered); a short exchange gets 0."""
+    from maxent_grpo.rollout import PromptCompletionBatch
+    from maxent_grpo.training.module import MaxEntGRPOModule
+
+    budget = len(ids(CALL)) + 1 + len(ids(SEGMENT)) + 1  # one model token after the message
+    module = MaxEntGRPOModule(rewards={"overlong": {"buffer": 4}},
+                              max_completion_length=budget)
+    for turns, expected in (([CALL, "42"], -1.0), (["7"], 0.0)):
+        out = engine(turns, budget=budget).generate(["q"], ["42"], 1)
+        assert bool(out.truncated[0]) == (expected == -1.0)
+        pairs = PromptCompletionBatch(prompts=["q"], completions=out.reward_completions())
+        total, _ = module.rewards(pairs, {"answer": ["42"]}, 1, out.completion_ids,
+                                  out.model_mask, out.reward_columns())
+        assert total.tolist() == [expected]
+        if expected == -1.0:  # the model's own tokens alone would not have been overlong
+            assert int(out.model_mask.sum()) < budget - 4
 
 
 def test_a_turn_without_a_call_ends_the_sample():
