@@ -293,6 +293,11 @@ CASES: dict[str, dict[str, Any]] = {
     # of dapo's all-rank token count, the train/tools/... statistics reduced over the ranks
     "tools": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
               "micro_batch_groups": 1, "tools": True},
+    # the same under FSDP2: the ranks' multi-turn loops continue together (a rank with
+    # nothing left runs a placeholder token so the sharded forwards stay paired)
+    "fsdp_tools": {"objective": ("grpo", {"loss_type": "dapo", "beta": 0.1}),
+                   "micro_batch_groups": 1, "tools": True, "strategy": "fsdp",
+                   "reference": "tools"},
 }
 
 
