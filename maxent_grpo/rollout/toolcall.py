@@ -34,9 +34,16 @@ the tool raises     ``Error: <ExceptionType>: <message>``                       
 over the time limit ``Error: calculate gave no result within <t> s``              timeout
 ==================  ===========================================================  ==========
 
-A tool runs in a daemon thread, in this process, never through a shell; the rollout waits
-at most ``timeout`` seconds. Python cannot stop a thread, so a call that never returns keeps
-its thread until the process ends: run untrusted code in a subprocess the tool can kill.
+Where a call runs (``isolation``, ``model.tool_isolation``): ``"thread"`` (the default), a
+daemon thread of this process, never through a shell; the rollout waits at most ``timeout``
+seconds, but Python cannot stop a thread, so a call that never returns keeps its thread
+until the process ends. ``"process"``: a fresh sandboxed process per call
+(:mod:`maxent_grpo.rollout.sandbox`: rlimits, its own uid as root, no network, killed with
+everything it started at the time limit), so a hung tool is killed; the tool must be a
+module-level function, and what it returns comes back as text. The built-in ``python``
+tool (:func:`~maxent_grpo.rollout.sandbox.python`, model-written code) always runs in the
+sandbox, whatever the isolation, with the toolbox's time limit; its faults are in the
+sandbox module's table (an exception, an exit status or a signal is ``error``).
 """
 
 from __future__ import annotations
@@ -50,13 +57,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.validation import check_number, require
+from maxent_grpo.rollout import sandbox
+from maxent_grpo.validation import check_choice, check_number, require
 
-__all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ToolCall", "ToolResult", "Toolbox",
-           "parse_tool_calls", "resolve_tool", "timed_call"]
+__all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
+           "Toolbox", "parse_tool_calls", "resolve_tool", "timed_call"]
 
 #: built-in tool name -> import path
-BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate"}
+BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate",
+                 "python": "maxent_grpo.rollout.sandbox:python"}
+
+#: where a tool call runs (``model.tool_isolation``; the module docstring)
+ISOLATIONS = ("thread", "process")
+_POOL_LOCK = threading.Lock()
 
 #: the kinds of failed call, in the order they are logged
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout")
@@ -198,6 +211,7 @@ class Toolbox:
     Args:
         tools: functions or the names :func:`resolve_tool` accepts.
         timeout: seconds one call may take (> 0).
+        isolation: ``"thread"`` or ``"process"`` (:data:`ISOLATIONS`; the module docstring).
 
     >>> def add(a: int, b: int) -> int:
     ...     '''Add.
@@ -212,11 +226,14 @@ class Toolbox:
     (ToolResult(text='5', failure=None), 'bad_arguments')
     """
 
-    def __init__(self, tools: Sequence[str | Callable[..., Any]], timeout: float = 10.0) -> None:
+    def __init__(self, tools: Sequence[str | Callable[..., Any]], timeout: float = 10.0,
+                 isolation: str = "thread") -> None:
         require(isinstance(tools, (list, tuple)) and len(tools) > 0,
                 f"model.tools must be a non-empty list of tools; got {tools!r}")
         check_number("model.tool_timeout", timeout, minimum=0, strict=True)
-        self.timeout = float(timeout)
+        check_choice("model.tool_isolation", isolation, ISOLATIONS)
+        self.timeout, self.isolation = float(timeout), isolation
+        self._sandbox: sandbox.Sandbox | None = None  # the process-isolation pool, on first use
         self.functions: dict[str, Callable[..., Any]] = {}
         self.schemas: list[dict[str, Any]] = []  # what the chat template shows, in order
         self._properties: dict[str, dict[str, Any]] = {}  # name -> its arguments' schemas
@@ -228,6 +245,8 @@ class Toolbox:
             self.functions[name] = fn
             self.schemas.append(schema)
             self._properties[name] = schema["function"]["parameters"].get("properties", {})
+            if isolation == "process" and fn is not sandbox.python:
+                sandbox.tool_reference(fn)  # importable by a fresh process, or ValueError
 
     def _check_arguments(self, name: str, arguments: dict[str, Any]) -> str | None:
         """Why ``arguments`` do not fit tool ``name``'s signature and schema, or None."""
@@ -259,9 +278,15 @@ class Toolbox:
         problem = self._check_arguments(call.name, call.arguments)
         if problem is not None:
             return ToolResult(f"Error: bad arguments for {call.name}: {problem}", "bad_arguments")
-        finished, value, error = timed_call(
-            lambda: self.functions[call.name](**call.arguments), self.timeout,
-            f"tool:{call.name}")
+        fn = self.functions[call.name]
+        if fn is sandbox.python:
+            ran = sandbox.shared_sandbox().run(call.arguments["code"], self.timeout)
+            return ToolResult(ran.message(call.name), ran.failure)
+        if self.isolation == "process":
+            ran = self._pool().call(fn, call.arguments, self.timeout)
+            return ToolResult(ran.message(call.name), ran.failure)
+        finished, value, error = timed_call(lambda: fn(**call.arguments), self.timeout,
+                                            f"tool:{call.name}")
         if not finished:
             return ToolResult(f"Error: {call.name} gave no result within {self.timeout:g} s",
                               "timeout")
@@ -270,6 +295,22 @@ class Toolbox:
         if isinstance(value, str):
             return ToolResult(value)
         return ToolResult(_shown(value, limit=None))
+
+    def _pool(self) -> sandbox.Sandbox:
+        with _POOL_LOCK:
+            if self._sandbox is None:
+                self._sandbox = sandbox.Sandbox(self.timeout, tools=[
+                    f for f in self.functions.values() if f is not sandbox.python])
+            return self._sandbox
+
+    def close(self) -> None:
+        """Stop the process-isolation pool, if one started (a later call starts another)."""
+        pool, self._sandbox = self._sandbox, None
+        if pool is not None:
+            pool.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_sandbox": None}  # a copy starts its own pool
 
 
 def _shown(value: Any, limit: int | None = 200) -> str:

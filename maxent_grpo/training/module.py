@@ -124,7 +124,8 @@ class MaxEntGRPOModule(L.LightningModule):
         environment: instead, ``{class_path, init_args}`` of an environment with
             ``reset(prompt, answer)`` and ``step(action) -> (observation, done)``.
         max_tool_calls, tool_timeout: the most calls (or environment steps) per sample;
-            the seconds one may take.
+            the seconds one may take. tool_isolation: ``thread`` or ``process`` (each call
+            in a fresh sandboxed process, killed at the limit; :mod:`~maxent_grpo.rollout.sandbox`).
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
         lr_scheduler: learning-rate scheduler factory (any ``torch.optim.lr_scheduler``
@@ -179,6 +180,7 @@ class MaxEntGRPOModule(L.LightningModule):
         environment: dict[str, Any] | None = None,
         max_tool_calls: int = 4,
         tool_timeout: float = 10.0,
+        tool_isolation: Literal["thread", "process"] = "thread",
         gradient_clip_val: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,

@@ -18,7 +18,7 @@ from maxent_grpo.adapters import check_peft
 from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
-from maxent_grpo.rollout.toolcall import Toolbox
+from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
 from maxent_grpo.training.types import (
     BatchingSettings,
     LoopSettings,
@@ -82,15 +82,17 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
     schemas built), or None when neither is set."""
     tools, env = o.get("tools"), o.get("environment")
     calls, timeout = o.get("max_tool_calls", 4), o.get("tool_timeout", 10.0)
+    isolation = o.get("tool_isolation", "thread")
     check_int("model.max_tool_calls", calls, minimum=1)
     check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+    check_choice("model.tool_isolation", isolation, ISOLATIONS)
     if not tools and env is None:
         return None
     require(not (tools and env is not None),
             "model.tools and model.environment are two kinds of multi-turn rollout; set one "
             "of them (an environment can call tools itself)")
     return ToolSettings(
-        toolbox=Toolbox(list(tools), timeout) if tools else None,
+        toolbox=Toolbox(list(tools), timeout, isolation) if tools else None,
         environment=environment_factory(env) if env is not None else None,
         max_tool_calls=calls, timeout=float(timeout))
 
