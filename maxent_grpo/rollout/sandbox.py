@@ -2,58 +2,98 @@
 process per call, with limits, and kill everything the call started when it ends.
 
 It is not a container: a best-effort sandbox of rlimits, an unprivileged uid and Linux
-namespaces, with no seccomp filter and no cgroup; the host's files stay readable wherever
-their modes let the call's uid read them. Linux only.
+namespaces, with no seccomp filter and no cgroup (what that leaves open is listed below).
+Linux only.
 
 How a call runs. A :class:`Sandbox` starts on first use one zygote, ``python -I -S``
 (isolated: no ``PYTHON*`` variables, no user or site packages; for tools ``-I`` with the
 trainer's ``sys.path``), under a minimal environment (``PATH``, ``LANG``, ``LC_ALL``,
-``PYTHONHASHSEED``, ...: none of the trainer's variables) and imports common standard-library
-modules once. It keeps ``spares`` supervisors ready, each in its own session and namespaces
-with the call's process already forked, limited, unprivileged and waiting for its one
-request: a call pays for its code, not for an interpreter (milliseconds). The call's
-process runs that one call, then exits: stdin ``/dev/null``, stdout and stderr one pipe, no
-other inherited descriptor, ``no_new_privs``, an empty working folder of its own (also
+``PYTHONHASHSEED``, ...: none of the trainer's variables), its output discarded, and imports
+common standard-library modules once. It keeps ``spares`` supervisors ready, each in its own
+session and namespaces with the call's process already forked, limited, unprivileged and
+waiting for its one request: a call pays for its code, not for an interpreter
+(milliseconds). The call's process runs that one call, then exits: stdin ``/dev/null``,
+stdout and stderr one pipe, no other inherited descriptor, ``no_new_privs``, the parent-death
+signal (set after the uid change, which clears it), an empty working folder of its own (also
 ``HOME`` and ``TMPDIR``). Its supervisor reads the output as it comes (the head and the last
 quarter of ``output_bytes`` kept, the rest counted and marked ``[... N bytes of output cut
 ...]``: 100 MB of output neither blocks nor fills memory), kills the call at the wall clock,
 then every process it left (a daemon never outlives its call: the pid namespace ends with
-the call, else its uid's processes and the supervisor's orphans are killed), and removes
-its folder, whatever modes the code left on it.
+the call, else its uid's processes and the supervisor's orphans are killed), removes its
+folder, whatever modes the code left on it, never following a link, and, where the call
+could write the host's shared folders, what its uid left there, all before it answers.
+:meth:`Sandbox.close` (also at exit) lets a call in flight end for 3 s, then kills it, its
+supervisor and (as root) every process of its uid. Every wait of the trainer is bounded.
 
 What holds (``Sandbox.protections`` reports it for this machine; a protection that could
 not be set up is False there, never claimed):
 
-============================  ==================================  ============================
-protection                    as root (this trainer's case)       as a plain user
-============================  ==================================  ============================
-fresh process; the call and   yes                                 yes
+==============================  =================================  ========================
+protection                      as root (this trainer's case)      as a plain user
+==============================  =================================  ========================
+fresh process; the call and     yes                                yes
 all it started killed at the
 limit and after it returns
-rlimits: CPU seconds, address yes                                 yes
-space, file size, no core
-``max_processes`` (NPROC)     yes, counted for the call's own uid with a user namespace; else
-                                                                  added to the user's count
-own uid: cannot signal or     yes: uid = gid = ``uid_base`` + the no: the trainer's uid
-trace the trainer, nor read   supervisor's pid, no groups
+rlimits per process: CPU        yes                                yes
+seconds, address space, file
+size, 64 open files, no core
+``max_processes`` (NPROC)       yes, counted for the call's own    with a user namespace;
+                                uid                                else added to the user's
+                                                                   count
+the OOM killer takes the call   yes (``oom_score_adj`` 1000)       yes
+first, never the trainer
+own uid: cannot signal or       yes: uid = gid = ``uid_base`` +    no: the trainer's uid
+trace the trainer, nor read     the supervisor's pid, no groups
 its /proc or root's files
-no network (own network       yes                                 with a user namespace
+no network (own network         yes                                with a user namespace
 namespace, loopback down)
-own pid namespace (the        yes                                 with a user namespace
-trainer cannot be named)
-own /tmp, /var/tmp, /dev/shm  yes                                 with a user namespace
+own pid namespace (the          yes; and a /proc of its own        with a user namespace
+trainer cannot be named)        (``hidepid=2`` where the kernel
+                                accepts it): ``own_proc``
+own IPC namespace: SysV and     yes; SysV memory at most           with a user namespace
+POSIX queues die with the call  ``disk_mb``: ``own_ipc``
+own /tmp, /var/tmp, /dev/shm    yes                                with a user namespace
 (one ``disk_mb`` tmpfs)
-============================  ==================================  ============================
+every other mount read-only     yes: ``read_only``                 with a user namespace
+and nosuid (nothing it writes
+outlives it)
+without those namespaces: what  yes                                no
+its uid left in the shared
+world-writable folders and its
+SysV objects removed
+==============================  =================================  ========================
+
+Memory. The address-space limit is per process: ``memory_mb`` beyond what the process starts
+with, times ``max_processes`` processes: 512 MB x 8, about 4 GB by default, plus its tmpfs
+(``disk_mb``, 64 MB) and SysV memory (at most ``disk_mb``). Memory the kernel holds outside
+every address space is not capped: ``memfd`` files (each up to ``file_size_mb``, one per open
+descriptor), pipe and socket buffers; the OOM killer then takes the call first.
 
 As root, a folder other users cannot enter (``/root``) on the way to the Python
 installation is masked in the call's mount namespace by an empty tmpfs, and the folders
 Python needs are bound back read-only at their own paths. Root without namespaces keeps the
 uid, NPROC and the rlimits, but then the call imports only the zygote's preloaded modules if
-the installation lies in such a folder. A plain user without user namespaces gets the
-rlimits, the fresh process, the minimal environment and the cleanup only: the code can
+the installation lies in such a folder; its working folder is ``<tmp_root>/maxent-sandbox-
+XXXX/<pid>`` (the zygote's folder, root's, mode 0711: the call cannot rename or replace its
+own folder); it may write any world-writable folder, and the cleanup removes what its uid
+owns in ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``, ``/var/lock``, ``/var/crash``,
+``/dev/mqueue`` and ``tmp_root``, not in a world-writable folder elsewhere. As root in a
+user namespace that does not map ``uid_base`` + every pid, each call fails at once with
+``the sandbox cannot run on this machine`` naming ``uid_base`` (the zygote is not started
+again). A plain user without user namespaces gets the rlimits, the fresh process, the
+minimal environment and the cleanup of its process tree and folder only: the code can
 signal the user's processes (``os.kill(-1, 9)`` too), read their ``/proc`` and the user's
-files, and use the network. Without a private /tmp the world-writable folders stay shared
-and the working folder is ``maxent-sandbox-<pid>`` in ``tmp_root``.
+files, write wherever the user may, and use the network.
+
+What does not hold, anywhere: there is no seccomp filter, so the whole system-call interface
+is reachable: a call may create nested user namespaces (where the kernel allows unprivileged
+ones) and be root inside them, which gives it no power over the host's objects but reaches
+kernel code an unprivileged process otherwise cannot (a kernel bug there is an escape). The
+host's files stay readable wherever their modes let the call's uid read them, and a Unix
+socket on the host whose mode lets any uid connect stays reachable (a read-only mount does
+not stop ``connect``). The CPU limit is per process (the wall clock bounds the sum). A zygote
+killed with SIGKILL does not sweep its calls in flight (their supervisors still do, when
+their calls end).
 
 Faults (:attr:`SandboxResult.failure`, kinds of
 :data:`~maxent_grpo.rollout.toolcall.FAILURE_KINDS`):
@@ -62,16 +102,19 @@ Faults (:attr:`SandboxResult.failure`, kinds of
 what happened                         what the model reads                      kind
 ====================================  ========================================  =========
 exit status 0                         the output                                (none)
-more output than ``output_bytes``     head, ``[... N bytes of output cut ...]``, (none)
-                                      tail
+more output than ``output_bytes``     its head, ``[... N bytes of output        (none)
+                                      cut ...]``, its tail
 an exception, ``sys.exit(3)``         ``Error: python exited with status 1``,   error
-                                      then the output (the traceback)
+                                      then the output (the traceback, also
+                                      when the code closed ``sys.stderr``)
 a signal (a segfault, ...)            ``Error: python was killed by signal      error
                                       SIGSEGV (Segmentation fault)``, output
 past the wall clock                   ``Error: python gave no result within     timeout
                                       2 s``, then the output so far
-past the CPU time (threads add up)    ``Error: python used up its 3 s of CPU    timeout
-                                      time``, output
+killed at its CPU limit (threads      ``Error: python used up its 3 s of CPU    timeout
+add up)                               time``, output
+its init killed before it reported    ``Error: python ended without its status  error
+                                      reaching the sandbox``, output
 the sandbox itself failed             ``Error: the sandbox could not run        error
                                       python (<why>)``
 ====================================  ========================================  =========
@@ -79,17 +122,21 @@ the sandbox itself failed             ``Error: the sandbox could not run        
 A tool run here (``model.tool_isolation: process``) is named by module and name, imported
 by the zygote, called in the call's process with the same limits; its answer comes back as
 text (a string, else JSON, else ``str``), never pickled; what it raises reads
-``Error: <ExceptionType>: <message>``, as in a thread.
+``Error: <ExceptionType>: <message>``, as in a thread. A tool whose module the zygote cannot
+import is named in a warning when the pool starts, and each of its calls fails with
+``model.tool_isolation: process: it could not import <module.tool> (<why>)``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,8 +162,9 @@ class SandboxResult:
     """How one call ended.
 
     Attributes:
-        status: ``exit``, ``signal``, ``timeout`` (wall clock), ``cpu`` (CPU time) or
-            ``failed`` (the sandbox could not run it).
+        status: ``exit``, ``signal``, ``timeout`` (wall clock), ``cpu`` (killed by its CPU
+            limit), ``lost`` (no status came back: its init was killed) or ``failed`` (the
+            sandbox could not run it).
         output: stdout and stderr, interleaved as written, cut to ``output_bytes``.
         code: the exit status (``exit``); signal: the signal's number (``signal``).
         value: a tool's answer, ``{"text": ...}`` or ``{"error": ...}``; None for code.
@@ -163,6 +211,8 @@ class SandboxResult:
             head = f"{name} was killed by signal {_signal_name(self.signal)}"
         elif self.status == "failed":
             head = f"the sandbox could not run {name} ({self.reason})"
+        elif self.status == "lost":
+            head = f"{name} ended without its status reaching the sandbox"
         else:
             head = f"{name} exited with status {self.code}"
         more = f"\n{self.output}" if self.output and not self.tool else ""
@@ -210,9 +260,11 @@ class Sandbox:
 
     Args:
         timeout: default wall-clock seconds per call (> 0); the CPU limit is its ceiling + 1.
-        memory_mb: address space a call may map beyond what it starts with.
-        file_size_mb: the largest file it may write; disk_mb: its /tmp (a tmpfs).
-        max_processes: processes and threads of its uid (RLIMIT_NPROC).
+        memory_mb: address space each process of a call may map beyond what it starts with.
+        file_size_mb: the largest file it may write; disk_mb: its /tmp (a tmpfs), and the
+            cap of its SysV shared memory.
+        max_processes: processes and threads of its uid (RLIMIT_NPROC); the call's memory
+            is up to ``memory_mb`` times this.
         output_bytes: stdout + stderr kept per call.
         spares: processes kept ready.
         namespaces: use the namespaces this machine allows (False: rlimits, uid and
@@ -225,14 +277,15 @@ class Sandbox:
     """
 
     def __init__(self, timeout: float = 10.0, *, memory_mb: int = 512, file_size_mb: int = 16,
-                 disk_mb: int = 64, max_processes: int = 32, output_bytes: int = 16384,
+                 disk_mb: int = 64, max_processes: int = 8, output_bytes: int = 16384,
                  spares: int = 2, namespaces: bool = True,
                  tools: Sequence[Callable[..., Any]] = (), uid_base: int = UID_BASE,
                  tmp_root: str | None = None) -> None:
         check_number("sandbox timeout", timeout, minimum=0, strict=True)
         for name, value in (("memory_mb", memory_mb), ("file_size_mb", file_size_mb),
                             ("disk_mb", disk_mb), ("max_processes", max_processes),
-                            ("output_bytes", output_bytes), ("spares", spares)):
+                            ("output_bytes", output_bytes), ("spares", spares),
+                            ("uid_base", uid_base)):
             check_int(f"sandbox {name}", value, minimum=0 if name == "spares" else 1)
         self.timeout = float(timeout)
         self.references = {fn: tool_reference(fn) for fn in tools}
@@ -243,7 +296,10 @@ class Sandbox:
                   "sys_path": [os.path.abspath(p or ".") for p in sys.path] if tools else None,
                   "preload": sorted({m for m, _ in self.references.values()})}
         command = [sys.executable, "-I"] + ([] if tools else ["-S"]) + [WORKER]
-        self._pool = Pool(command, config, spares)
+        names: dict[str, list[str]] = {}
+        for module, qualname in self.references.values():
+            names.setdefault(module, []).append(qualname)
+        self._pool = Pool(command, config, spares, names)
         self._finalizer = weakref.finalize(self, self._pool.close)
 
     @property
@@ -274,30 +330,37 @@ class Sandbox:
         timeout = self.timeout if timeout is None else float(timeout)
         check_number("sandbox timeout", timeout, minimum=0, strict=True)
         request.update(timeout=timeout, cpu_seconds=cpu_seconds(timeout))
+        deadline = time.monotonic() + timeout + GRACE  # the waits for a spare end by then
+        failed = functools.partial(SandboxResult, "failed", tool=tool, timeout=timeout)
         try:
-            spare = self._pool.take()
-            ready = spare.ready()
+            spare = self._pool.take(deadline)
         except (OSError, ValueError) as err:
-            return SandboxResult("failed", tool=tool, timeout=timeout, reason=str(err))
+            return failed(reason=str(err))
         from maxent_grpo.rollout import sandbox_worker as wire
 
         reply: Any = None
         try:
+            broken = self._pool.errors.get(request["tool"][0]) if tool else None
+            if broken is not None:
+                return failed(reason=f"model.tool_isolation: process: it could not import "
+                                     f"{'.'.join(request['tool'])} ({broken})")
+            ready = spare.ready(max(deadline - time.monotonic(), 1.0))
             wire.send(spare.sock, request)
             spare.sock.settimeout(timeout + GRACE)
             reply = wire.receive(spare.sock)
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError) as err:
+            if spare.info is None:
+                return failed(reason=str(err))
         finally:
             spare.sock.close()
             try:
                 self._pool.refill()
             except OSError:
                 pass  # the next call starts the pool again
-        if not isinstance(reply, dict):
+        if not isinstance(reply, dict) or "status" not in reply:
             killpg(ready["pid"])  # its supervisor is stuck or gone; the call dies with it
-            return SandboxResult("failed", tool=tool, timeout=timeout, uid=ready["uid"],
-                                 reason="no answer from its supervisor")
+            return failed(uid=ready["uid"], reason=reply.get("failed") if isinstance(
+                reply, dict) else "no answer from its supervisor")
         return SandboxResult(
             reply["status"], reply["output"], reply.get("code"), reply.get("signal"),
             reply.get("value"), tool, reply["cut"], reply["seconds"], timeout, reply["uid"],
@@ -317,6 +380,14 @@ class Sandbox:
 
 _shared: Sandbox | None = None
 _shared_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()  # a forked child never waits on its parent's threads
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def shared_sandbox() -> Sandbox:

@@ -1,9 +1,12 @@
-"""The two processes of one sandboxed call (:mod:`maxent_grpo.rollout.sandbox_worker`
-forks them while its spare waits, so a call only pays for running its code):
+"""The call's side of :mod:`maxent_grpo.rollout.sandbox_worker`: the files a call sees (its
+mount namespace, laid out by its supervisor S), the removal of what it leaves where the host
+would keep it, and the two processes of one call, which S forks while its spare waits, so a
+call only pays for running its code:
 
     C  the call's init: its own session (pid 1 of the spare's pid namespace when there is
-       one); forks D, waits for it and writes D's wait status and CPU seconds to S; when C
-       exits, the kernel kills whatever is left in the namespace
+       one, with a /proc of that namespace only); forks D, waits for it and writes D's wait
+       status and CPU seconds to S; when C exits, the kernel kills whatever is left in the
+       namespace
     D  sets its limits, drops to the call's uid, then blocks reading its one request;
        runs the code (``python -c`` semantics) or the tool, and exits
 
@@ -13,31 +16,226 @@ Standard library only: the zygote loads this file from its own folder.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import importlib
 import json
 import os
+import re
 import resource
+import shutil
 import signal
+import stat
 import struct
 import sys
 import traceback
 import types
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+CLONE_NEWNS = 0x00020000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+#: per-mount options a read-only remount keeps (a user namespace may not drop them)
+KEPT = {"nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
+        "relatime": 1 << 21}
+#: the world-writable folders a call gets its own (size-capped) copy of
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+#: world-writable folders where a call that sees the host's files writable may leave some
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/var/crash",
+               "/dev/mqueue")
+OPEN_FILES = 64  # RLIMIT_NOFILE of a call's processes
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def _sys(name: str, *args: object) -> bool:
+    """A libc call; True when it returned 0."""
+    return getattr(_libc, name)(*args) == 0
+
+
+# ---------------------------------------------------------------- the call's files (S)
+def layout(disk_mb: int, uid: int | None, guard: dict) -> None:
+    """In S's new mount namespace: own /tmp (shared by /var/tmp and /dev/shm) of
+    ``disk_mb``; with a uid of its own, the folders that hide the Python installation from
+    that uid masked and the paths Python needs bound back at their own places; then every
+    other mount read-only and nosuid. ``guard`` records what holds."""
+    needed = _python_paths()
+    hidden = {}
+    if uid is not None:
+        for path in needed:
+            top = _hidden_below(path)
+            if top is not None and not _under(path, PRIVATE_DIRS):
+                hidden.setdefault(top, []).append(path)
+    keep = [p for p in needed if _under(p, PRIVATE_DIRS) or any(p in v for v in hidden.values())]
+    handles = {p: os.open(p, os.O_PATH) for p in keep}
+    ok = _sys("mount", None, b"/", None, MS_REC | MS_PRIVATE, None) and _sys(
+        "mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
+        f"size={disk_mb}m,nr_inodes=16384,mode=1777".encode())
+    if not ok:
+        guard["private_tmp"] = False
+        return
+    for folder in PRIVATE_DIRS[1:]:
+        if os.path.isdir(folder):
+            _sys("mount", b"/tmp", folder.encode(), None, MS_BIND, None)
+    for top in hidden:
+        _sys("mount", b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+             b"size=1m,mode=755")
+    for path, fd in handles.items():
+        os.makedirs(path, 0o755, exist_ok=True)
+        if _sys("mount", f"/proc/self/fd/{fd}".encode(), path.encode(), None,
+                MS_BIND | MS_REC, None):
+            _sys("mount", None, path.encode(), None,
+                 MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        os.close(fd)
+    guard["read_only"] = _read_only()
+
+
+def _read_only() -> bool:
+    """Remount every mount but the private folders and /proc read-only and nosuid (this
+    namespace's copies: the host's mounts are untouched); True when each one reachable is."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        mounts = [line.split() for line in f]
+    ok = True
+    for fields in mounts:
+        point = os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4]))
+        if _under(point, PRIVATE_DIRS + ("/proc",)):
+            continue
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID
+        for option in fields[5].decode().split(","):
+            flags |= KEPT.get(option, 0)
+        if not _sys("mount", None, os.fsencode(point), None, flags, None):
+            # a mount hidden under another one cannot be reached, so needs nothing
+            ok = ok and point != "/" and ctypes.get_errno() in (errno.ENOENT, errno.EINVAL)
+    return ok
+
+
+def own_proc() -> bool:
+    """In C (pid 1 of its pid namespace): a mount namespace of its own with a fresh /proc,
+    which shows only that namespace's processes (and, where accepted, only the uid's own)."""
+    if not (_sys("unshare", CLONE_NEWNS)
+            and _sys("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)):
+        return False
+    return any(_sys("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                    option) for option in (b"hidepid=2", None))
+
+
+def _python_paths() -> list[str]:
+    """The folders this Python reads from, outermost only."""
+    found = {os.path.realpath(p) for p in [sys.base_prefix, sys.base_exec_prefix, sys.prefix,
+                                           os.path.dirname(sys.executable)] + sys.path
+             if p and os.path.isdir(p)}
+    return sorted(p for p in found if not any(_under(p, [q]) for q in found if q != p))
+
+
+def _under(path: str, folders: list[str] | tuple[str, ...]) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def _hidden_below(path: str) -> str | None:
+    """The outermost folder on ``path`` that other users cannot enter, or None."""
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts) + 1):
+        prefix = "/" + "/".join(parts[:i])
+        if not os.stat(prefix).st_mode & 0o001:
+            return prefix
+    return None
+
+
+# ---------------------------------------------------------------- what a call leaves (S, Z)
+def kill_uid(uid: int) -> None:
+    """SIGKILL to every process ``uid`` may signal (from a child that becomes ``uid``)."""
+    reaper = os.fork()
+    if reaper == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(reaper, 0)
+
+
+def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
+    """Remove what ``uid`` owns in the world-writable folders at and below ``tops`` (the only
+    folders it could write; never following a link), and, with ``ipc``, its SysV objects."""
+    stack = sorted({os.path.realpath(t) for t in tops})
+    while stack:
+        folder = stack.pop()
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            entries = list(os.scandir(fd)) if os.fstat(fd).st_mode & 0o002 else []
+        except OSError:
+            entries = []
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+                path = os.path.join(folder, entry.name)
+                if info.st_uid == uid and stat.S_ISDIR(info.st_mode):
+                    remove_tree(path)
+                elif info.st_uid == uid:
+                    os.unlink(entry.name, dir_fd=fd)
+                elif stat.S_ISDIR(info.st_mode):
+                    stack.append(path)
+            except OSError:
+                pass
+        os.close(fd)
+    for kind, call in (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl")) if ipc else ():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                head, *rows = [line.split() for line in f]
+            for row in rows:
+                if int(row[head.index("uid")]) == uid:
+                    getattr(_libc, call)(int(row[1]), 0, None)  # IPC_RMID
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` whatever modes the call left on it, never following a link and never
+    raising: root removes it as it is; a uid without that power first makes each real
+    folder in it writable and searchable."""
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            os.chmod(path, 0o700)
+            for folder, dirs, _ in os.walk(path):  # each folder's children, then down
+                for name in dirs:
+                    child = os.path.join(folder, name)
+                    try:
+                        if not os.path.islink(child):
+                            os.chmod(child, 0o700)
+                    except OSError:
+                        pass
+            shutil.rmtree(path, ignore_errors=True)
+    except Exception:  # noqa: BLE001 - a cleanup never stops the supervisor
+        pass
+
+
+# ---------------------------------------------------------------- C and D
 def start(config: dict, uid: int | None, workdir: str, guard: dict,
           pipes: dict[str, tuple[int, int]]) -> int:
     """Fork C (which forks D); C's pid. ``pipes``: ``request`` (S to D), ``out`` (D's
-    stdout and stderr), ``result`` (a tool's answer), ``status`` (C to S)."""
+    stdout and stderr), ``result`` (a tool's answer), ``status`` (C to S: first one byte,
+    ``P`` when C has its own /proc, then D's end)."""
     init = os.fork()
     if init:
         return init
     try:
         os.setsid()
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        try:  # the OOM killer takes the call first, never the trainer; D inherits it
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        mounted = guard["pid_namespace"] and guard["private_tmp"] and own_proc()
+        os.write(pipes["status"][1], b"P" if mounted else b"-")
         for name in ("out", "status", "result"):
             os.close(pipes[name][0])
         os.close(pipes["request"][1])
@@ -59,6 +257,7 @@ def start(config: dict, uid: int | None, workdir: str, guard: dict,
 def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
             pipes: dict[str, tuple[int, int]]) -> None:
     """D: become the sandboxed process, wait for the request, run it (never returns)."""
+    parent = os.getppid()
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # fd 0 /dev/null, 1 and 2 the output, 3 the result, 4 the request; nothing else
     sources = [os.open("/dev/null", os.O_RDONLY), pipes["out"][1], pipes["out"][1],
@@ -76,6 +275,7 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
     for which, value in ((resource.RLIMIT_CORE, 0),
                          (resource.RLIMIT_AS, mapped + limits["memory_mb"] * mb),
                          (resource.RLIMIT_FSIZE, limits["file_size_mb"] * mb),
+                         (resource.RLIMIT_NOFILE, OPEN_FILES),
                          (resource.RLIMIT_NPROC, processes)):
         _limit(which, value, value)
     os.chdir(workdir)
@@ -89,6 +289,9 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
         os.setresuid(uid, uid, uid)
     elif guard["user_namespace"]:
         _drop_capabilities()
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a new uid cleared it
+    if os.getppid() != parent:  # C died before it was set
+        os._exit(112)
     chunks = []
     while chunk := os.read(4, 1 << 16):
         chunks.append(chunk)
@@ -135,6 +338,24 @@ def _drop_capabilities() -> None:
     _libc.capset(header, (ctypes.c_uint32 * 6)())
 
 
+def _write_stderr(text: str) -> None:
+    """Straight to fd 2: the code may have closed or replaced ``sys.stderr``."""
+    try:
+        data = text.encode("utf-8", "backslashreplace")
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # closed or replaced by the code
+            pass
+
+
 def _run_code(source: str) -> None:
     import linecache
 
@@ -148,9 +369,12 @@ def _run_code(source: str) -> None:
     except SystemExit as stop:
         status = _exit_status(stop.code)
     except BaseException as err:  # noqa: B036 - the code's error, reported as Python does
-        sys.stdout.flush()
+        _flush()
         inner = err.__traceback__.tb_next if err.__traceback__ else None
-        traceback.print_exception(type(err), err, inner)
+        try:
+            _write_stderr("".join(traceback.format_exception(type(err), err, inner)))
+        except BaseException:  # noqa: B036 - an exception whose text itself fails
+            _write_stderr(f"{type(err).__name__} (its message could not be shown)\n")
         status = 1
     try:
         if "threading" in sys.modules:
@@ -159,11 +383,7 @@ def _run_code(source: str) -> None:
 
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        _flush()
         os._exit(status)
 
 
@@ -173,7 +393,11 @@ def _exit_status(code: object) -> int:
         return 0
     if isinstance(code, int):
         return code & 0xFF
-    print(code, file=sys.stderr)
+    _flush()
+    try:
+        _write_stderr(f"{code}\n")
+    except BaseException:  # noqa: B036 - a code whose str() fails
+        pass
     return 1
 
 
@@ -197,6 +421,6 @@ def _run_tool(request: dict) -> None:
     try:
         while data:
             data = data[os.write(3, data):]
-        sys.stdout.flush()
+        _flush()
     finally:
         os._exit(0)

@@ -3,12 +3,13 @@
 
     T  the trainer: starts this script, then talks to it over the control socket FD
     Z  this script's loop (the zygote): reads the config, imports the preloads, then
-       forks one S for each socket T passes over the control socket
+       forks one S for each socket T passes over the control socket; kills (with every
+       process of its call's uid) a spare that is still there when T closes
     S  a spare, later the call's supervisor: its own session, the subreaper of what the
-       call leaves behind; makes its namespaces and private /tmp and forks C and D
-       (:mod:`~maxent_grpo.rollout.sandbox_call`) while it waits; then hands D the one
-       request, enforces the wall clock and the output cap, kills what is left, answers
-       T and exits
+       call leaves behind; makes its namespaces and the call's files
+       (:mod:`~maxent_grpo.rollout.sandbox_call`) and forks C and D while it waits; then
+       hands D the one request, enforces the wall clock and the output cap, kills what is
+       left, removes what the call left where the host would keep it, answers T and exits
     C  the call's init (pid 1 of its own pid namespace when there is one)
     D  the call's process: limits set and uid dropped before the request comes
 
@@ -26,19 +27,16 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import time
-import traceback
 from importlib import util
 
-CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x10000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_CHILD_SUBREAPER = 36
-#: the world-writable folders a call gets its own (size-capped) copy of
-PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WORKDIR = "/tmp/sandbox"
 RESULT_CAP = 1 << 20  # bytes of a tool's JSON result
+CLOSE_WAIT = 3.0  # seconds Z lets calls in flight end once T closes, before it kills them
 #: standard-library modules imported once in the zygote, so a call does not pay for them
 PRELOAD = ("collections", "datetime", "decimal", "fractions", "functools", "heapq",
            "itertools", "json", "math", "random", "re", "statistics", "string", "textwrap")
@@ -48,11 +46,7 @@ _spec = util.spec_from_file_location(
     "sandbox_call", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_call.py"))
 CALL = util.module_from_spec(_spec)
 _spec.loader.exec_module(CALL)
-
-
-def _sys(name: str, *args: object) -> bool:
-    """A libc call; True when it returned 0."""
-    return getattr(_libc, name)(*args) == 0
+_sys = CALL._sys
 
 
 def send(sock: socket.socket, obj: object) -> None:
@@ -120,42 +114,81 @@ def main() -> None:
     config = json.loads(control.recv(1 << 22))
     if config["sys_path"] is not None:  # a tool's modules import as they do in the trainer
         sys.path[:] = config["sys_path"] + [p for p in sys.path if p not in config["sys_path"]]
-    errors = []
+    errors = {}
     for name in list(PRELOAD) + config["preload"]:
         try:
             importlib.import_module(name)
         except BaseException as err:  # noqa: B036 - a preload may fail in any way
-            errors.append(f"{name}: {type(err).__name__}: {err}")
-    control.send(json.dumps({"pid": os.getpid(), "errors": errors}).encode())
-    spares: set[int] = set()
-    while True:
-        ready, _, _ = select.select([control], [], [], 0.5)
-        _reap(spares)
-        if not ready:
-            continue
-        try:
-            msg, fds, _, _ = socket.recv_fds(control, 16, 4)
-        except OSError:
-            msg, fds = b"", []
-        if msg != b"S":  # end of stream or b"Q": T is closing
+            errors[name] = f"{type(err).__name__}: {err}"
+    root = os.geteuid() == 0
+    fatal = _unmapped(config["uid_base"]) if root else None
+    try:  # the parent of the working folders of calls without a private /tmp
+        config["base"] = tempfile.mkdtemp(prefix="maxent-sandbox-", dir=config["tmp_root"])
+        os.chmod(config["base"], 0o711)  # the calls' uids pass, but cannot rename or list
+    except OSError as err:
+        fatal = fatal or f"tmp_root {config['tmp_root']!r}: {err}"
+    control.send(json.dumps({"pid": os.getpid(), "errors": errors, "fatal": fatal,
+                             "base": config.get("base")}).encode())
+    spares: dict[int, int | None] = {}  # pid -> the uid its call runs as
+    try:
+        while fatal is None:
+            ready, _, _ = select.select([control], [], [], 0.5)
+            _reap(spares, config)
+            if not ready:
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(control, 16, 4)
+            except OSError:
+                msg, fds = b"", []
+            if msg != b"S":  # end of stream or b"Q": T is closing
+                for fd in fds:
+                    os.close(fd)
+                break
             for fd in fds:
-                os.close(fd)
-            break
-        for fd in fds:
-            spares.add(_fork_spare(control, fd, config))
-    deadline = time.monotonic() + 5.0  # spares see T's sockets close and leave
-    while spares and time.monotonic() < deadline:
-        _reap(spares)
-        time.sleep(0.01)
-    for pid in spares:
-        _kill(pid, group=True)
-        os.waitpid(pid, 0)
+                pid = _fork_spare(control, fd, config)
+                spares[pid] = config["uid_base"] + pid if root else None
+    finally:
+        deadline = time.monotonic() + CLOSE_WAIT  # spares see T's sockets close and leave
+        while spares and time.monotonic() < deadline:
+            _reap(spares, config)
+            time.sleep(0.01)
+        for pid in list(spares):  # a call still in flight: killed, and all it started
+            _kill(pid, group=True)
+            os.waitpid(pid, 0)
+            _after_spare(spares.pop(pid), config)
+        if "base" in config:
+            CALL.remove_tree(config["base"])
 
 
-def _reap(children: set[int]) -> None:
-    for pid in list(children):
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            children.discard(pid)
+def _unmapped(uid_base: int) -> str | None:
+    """Why the calls' uids (``uid_base`` + a pid) cannot be used here, or None."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        high = uid_base + int(f.read())
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/self/{name}") as f:
+            ranges = [tuple(int(n) for n in line.split()[::2]) for line in f]
+        if not any(inside <= uid_base and high < inside + count for inside, count in ranges):
+            return (f"it runs each call as uid uid_base + a pid, but this user namespace's "
+                    f"/proc/self/{name} does not map {uid_base + 1}..{high}; give "
+                    f"Sandbox(uid_base=...) the start of a mapped range")
+    return None
+
+
+def _reap(spares: dict[int, int | None], config: dict) -> None:
+    for pid in list(spares):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            uid = spares.pop(pid)
+            if status != 0:  # it died before its own cleanup
+                _after_spare(uid, config)
+
+
+def _after_spare(uid: int | None, config: dict) -> None:
+    """What a spare that did not finish its call leaves: every process of the call's uid
+    (a daemon outside a pid namespace), its files in the shared folders, its IPC objects."""
+    if uid is not None:
+        CALL.kill_uid(uid)
+        CALL.leftovers(uid, CALL.SHARED_DIRS + (config["tmp_root"],), ipc=True)
 
 
 def _kill(pid: int, group: bool = False) -> None:
@@ -170,14 +203,18 @@ def _fork_spare(control: socket.socket, fd: int, config: dict) -> int:
     if pid:
         os.close(fd)
         return pid
-    status = 1
+    status, sock = 1, None
     try:
         control.detach()
         _close_fds_except(fd)
-        spare(socket.socket(fileno=fd), config)
+        sock = socket.socket(fileno=fd)
+        spare(sock, config)
         status = 0
-    except BaseException:  # noqa: B036 - a spare reports and leaves, whatever happened
-        traceback.print_exc()
+    except BaseException as err:  # noqa: B036 - a spare reports and leaves, whatever happened
+        try:
+            send(sock, {"failed": f"its supervisor failed: {type(err).__name__}: {err}"})
+        except BaseException:  # noqa: B036
+            pass
     finally:
         os._exit(status)
 
@@ -191,13 +228,14 @@ def spare(sock: socket.socket, config: dict) -> None:
     uid = config["uid_base"] + os.getpid() if root else None
     guard = {"fresh_process": True, "rlimits": True, "own_uid": uid is not None,
              "user_namespace": False, "no_network": False, "pid_namespace": False,
-             "private_tmp": False}
+             "private_tmp": False, "own_ipc": False, "read_only": False, "own_proc": False}
+    disk_mb = config["limits"]["disk_mb"]
     if config["namespaces"]:
-        _namespaces(root, guard)
+        _namespaces(root, guard, disk_mb)
     if guard["private_tmp"]:
-        _private_dirs(config["limits"]["disk_mb"], uid, guard)
+        CALL.layout(disk_mb, uid, guard)
     workdir = (WORKDIR if guard["private_tmp"] else
-               os.path.join(config["tmp_root"], f"maxent-sandbox-{os.getpid()}"))
+               os.path.join(config["base"], str(os.getpid())))
     os.mkdir(workdir, 0o700)
     if uid is not None:
         os.chown(workdir, uid, uid)
@@ -207,6 +245,7 @@ def spare(sock: socket.socket, config: dict) -> None:
     os.close(pipes["request"][0])
     for name in ("out", "result", "status"):
         os.close(pipes[name][1])
+    guard["own_proc"] = os.read(pipes["status"][0], 1) == b"P"
     try:
         send(sock, {"pid": os.getpid(), "uid": uid, "protections": guard})
         request = receive(sock)
@@ -215,20 +254,25 @@ def spare(sock: socket.socket, config: dict) -> None:
     fds = {name: pipes[name][0] for name in ("out", "result", "status")}
     fds["request"] = pipes["request"][1]
     reply = supervise(init, fds, request, config, uid, guard)
+    if not guard["private_tmp"]:  # a private /tmp goes with the mount namespace
+        CALL.remove_tree(workdir)
+    if uid is not None:  # before the answer: what the call did is undone when T reads it
+        tops = () if guard["read_only"] else [
+            t for t in CALL.SHARED_DIRS + (config["tmp_root"],)
+            if not (guard["private_tmp"] and CALL._under(os.path.realpath(t), CALL.PRIVATE_DIRS))]
+        CALL.leftovers(uid, tops, ipc=not guard["own_ipc"])
     if request is not None:
         try:
             send(sock, reply)
         except OSError:
             pass
     sock.close()
-    if not guard["private_tmp"]:  # a private /tmp goes with the mount namespace
-        _remove_tree(workdir)
 
 
-def _namespaces(root: bool, guard: dict) -> None:
+def _namespaces(root: bool, guard: dict, disk_mb: int) -> None:
     """Unshare what this machine allows; ``guard`` records what holds."""
     flags = {"private_tmp": CLONE_NEWNS, "no_network": CLONE_NEWNET,
-             "pid_namespace": CLONE_NEWPID}
+             "pid_namespace": CLONE_NEWPID, "own_ipc": CLONE_NEWIPC}
     if not root:  # a plain user needs a user namespace for any other
         uid, gid = os.getuid(), os.getgid()
         if not _sys("unshare", CLONE_NEWUSER | sum(flags.values())):
@@ -238,68 +282,20 @@ def _namespaces(root: bool, guard: dict) -> None:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         guard.update(dict.fromkeys(flags, True), user_namespace=True)
-        return
-    if _sys("unshare", sum(flags.values())):
+    elif _sys("unshare", sum(flags.values())):
         guard.update(dict.fromkeys(flags, True))
-        return
-    for name, flag in flags.items():
-        guard[name] = _sys("unshare", flag)
-
-
-def _private_dirs(disk_mb: int, uid: int | None, guard: dict) -> None:
-    """Own /tmp (shared by /var/tmp and /dev/shm) of ``disk_mb``; with a uid of its own,
-    the folders that hide the Python installation from that uid are masked and the paths
-    Python needs are bound back, read-only, at their own places."""
-    needed = _python_paths()
-    hidden = {}
-    if uid is not None:
-        for path in needed:
-            top = _hidden_below(path)
-            if top is not None and not _under(path, PRIVATE_DIRS):
-                hidden.setdefault(top, []).append(path)
-    keep = [p for p in needed if _under(p, PRIVATE_DIRS) or any(p in v for v in hidden.values())]
-    handles = {p: os.open(p, os.O_PATH) for p in keep}
-    ok = _sys("mount", None, b"/", None, MS_REC | MS_PRIVATE, None) and _sys(
-        "mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
-        f"size={disk_mb}m,nr_inodes=16384,mode=1777".encode())
-    if not ok:
-        guard["private_tmp"] = False
-        return
-    for folder in PRIVATE_DIRS[1:]:
-        if os.path.isdir(folder):
-            _sys("mount", b"/tmp", folder.encode(), None, MS_BIND, None)
-    for top in hidden:
-        _sys("mount", b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
-             b"size=1m,mode=755")
-    for path, fd in handles.items():
-        os.makedirs(path, 0o755, exist_ok=True)
-        target = path.encode()
-        if _sys("mount", f"/proc/self/fd/{fd}".encode(), target, None, MS_BIND | MS_REC, None):
-            _sys("mount", None, target, None,
-                 MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
-        os.close(fd)
-
-
-def _python_paths() -> list[str]:
-    """The folders this Python reads from, outermost only."""
-    found = {os.path.realpath(p) for p in [sys.base_prefix, sys.base_exec_prefix, sys.prefix,
-                                           os.path.dirname(sys.executable)] + sys.path
-             if p and os.path.isdir(p)}
-    return sorted(p for p in found if not any(_under(p, [q]) for q in found if q != p))
-
-
-def _under(path: str, folders: list[str] | tuple[str, ...]) -> bool:
-    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
-
-
-def _hidden_below(path: str) -> str | None:
-    """The outermost folder on ``path`` that other users cannot enter, or None."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts) + 1):
-        prefix = "/" + "/".join(parts[:i])
-        if not os.stat(prefix).st_mode & 0o001:
-            return prefix
-    return None
+    else:
+        for name, flag in flags.items():
+            guard[name] = _sys("unshare", flag)
+    if guard["own_ipc"]:  # SysV memory of the call's IPC namespace: at most disk_mb in all
+        page = os.sysconf("SC_PAGE_SIZE")
+        for name, value in (("shmmax", disk_mb << 20), ("shmall", (disk_mb << 20) // page),
+                            ("msgmni", 16)):
+            try:
+                with open(f"/proc/sys/kernel/{name}", "w") as f:
+                    f.write(str(value))
+            except OSError:
+                pass
 
 
 def supervise(init: int, fds: dict[str, int], request: dict | None, config: dict,
@@ -354,13 +350,7 @@ def supervise(init: int, fds: dict[str, int], request: dict | None, config: dict
     reply = {"output": output, "cut": cut, "seconds": seconds, "session": init, "uid": uid,
              "clean": clean, "status": "timeout" if timed_out else "lost"}
     if not timed_out and len(status) == 12:
-        wait, cpu = struct.unpack("<id", status)
-        if cpu >= request["cpu_seconds"]:
-            reply["status"] = "cpu"
-        elif os.WIFSIGNALED(wait):
-            reply.update(status="signal", signal=os.WTERMSIG(wait))
-        else:
-            reply.update(status="exit", code=os.WEXITSTATUS(wait))
+        reply.update(ending(*struct.unpack("<id", status), request["cpu_seconds"]))
     if result:
         try:
             value = json.loads(result) if len(result) <= RESULT_CAP else None
@@ -371,20 +361,23 @@ def supervise(init: int, fds: dict[str, int], request: dict | None, config: dict
     return reply
 
 
+def ending(wait: int, cpu: float, limit: int) -> dict:
+    """How D ended, from its wait status and the CPU seconds of it and the children it
+    waited for: ``cpu`` only when its CPU limit killed it (SIGXCPU at the soft limit, SIGKILL
+    at the hard one), not when it exited after its children used that much."""
+    if os.WIFSIGNALED(wait):
+        number = os.WTERMSIG(wait)
+        if number in (signal.SIGXCPU, signal.SIGKILL) and cpu >= limit - 0.25:
+            return {"status": "cpu"}
+        return {"status": "signal", "signal": number}
+    return {"status": "exit", "code": os.WEXITSTATUS(wait)}
+
+
 def _sweep(uid: int | None, pid_namespace: bool) -> bool:
     """Kill what the call left: every process of its uid (without a pid namespace, whose
     end already did), then every child of this subreaper; True when none is left."""
     if uid is not None and not pid_namespace:
-        reaper = os.fork()
-        if reaper == 0:
-            try:
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)  # every process this uid may signal
-            finally:
-                os._exit(0)
-        os.waitpid(reaper, 0)
+        CALL.kill_uid(uid)
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
         try:
@@ -409,20 +402,6 @@ def _children(parent: int) -> list[int]:
         if int(fields[1]) == parent:
             found.append(int(name))
     return found
-
-
-def _remove_tree(path: str) -> None:
-    """Remove ``path`` whatever modes the call left on it."""
-    for folder, dirs, _ in os.walk(path):
-        for d in dirs:
-            try:
-                os.chmod(os.path.join(folder, d), 0o700, follow_symlinks=False)
-            except OSError:
-                pass
-    import shutil
-
-    os.chmod(path, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":

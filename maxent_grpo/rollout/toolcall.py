@@ -38,9 +38,10 @@ Where a call runs (``isolation``, ``model.tool_isolation``): ``"thread"`` (the d
 daemon thread of this process, never through a shell; the rollout waits at most ``timeout``
 seconds, but Python cannot stop a thread, so a call that never returns keeps its thread
 until the process ends. ``"process"``: a fresh sandboxed process per call
-(:mod:`maxent_grpo.rollout.sandbox`: rlimits, its own uid as root, no network, killed with
-everything it started at the time limit), so a hung tool is killed; the tool must be a
-module-level function, and what it returns comes back as text. The built-in ``python``
+(:mod:`maxent_grpo.rollout.sandbox`: rlimits, its own uid as root, no network, the host's
+files read-only, killed with everything it started at the time limit), so a hung tool is
+killed; the tool must be a module-level function, and what it returns comes back as text; a
+failure of the sandbox itself is an ``error`` message too. The built-in ``python``
 tool (:func:`~maxent_grpo.rollout.sandbox.python`, model-written code) always runs in the
 sandbox, whatever the isolation, with the toolbox's time limit; its faults are in the
 sandbox module's table (an exception, an exit status or a signal is ``error``).
@@ -51,6 +52,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -70,6 +72,14 @@ BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate",
 #: where a tool call runs (``model.tool_isolation``; the module docstring)
 ISOLATIONS = ("thread", "process")
 _POOL_LOCK = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()  # a forked child never waits on its parent's threads
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 #: the kinds of failed call, in the order they are logged
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout")
@@ -279,12 +289,16 @@ class Toolbox:
         if problem is not None:
             return ToolResult(f"Error: bad arguments for {call.name}: {problem}", "bad_arguments")
         fn = self.functions[call.name]
-        if fn is sandbox.python:
-            ran = sandbox.shared_sandbox().run(call.arguments["code"], self.timeout)
-            return ToolResult(ran.message(call.name), ran.failure)
-        if self.isolation == "process":
-            ran = self._pool().call(fn, call.arguments, self.timeout)
-            return ToolResult(ran.message(call.name), ran.failure)
+        if fn is sandbox.python or self.isolation == "process":
+            try:
+                if fn is sandbox.python:
+                    ran = sandbox.shared_sandbox().run(call.arguments["code"], self.timeout)
+                else:
+                    ran = self._pool().call(fn, call.arguments, self.timeout)
+                return ToolResult(ran.message(call.name), ran.failure)
+            except Exception as err:  # the sandbox's own fault: still only a message
+                return ToolResult(f"Error: the sandbox could not run {call.name} "
+                                  f"({type(err).__name__}: {err})", "error")
         finished, value, error = timed_call(lambda: fn(**call.arguments), self.timeout,
                                             f"tool:{call.name}")
         if not finished:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -96,10 +98,33 @@ def boxes():
     return {"quick": Toolbox(["python"], timeout=1.0), "patient": Toolbox(["python"], 60.0)}
 
 
+def world_writable(*folders: str) -> list[str]:
+    """Those of ``folders`` that any uid may write (mode 1777), as real paths."""
+    return [os.path.realpath(f) for f in folders
+            if os.path.isdir(f) and os.stat(f).st_mode & 0o1002 == 0o1002]
+
+
+def lock_folder() -> str | None:
+    """A world-writable folder outside /tmp, if the host has one."""
+    found = world_writable("/run/lock", "/var/lock", "/var/crash", "/dev/mqueue")
+    return found[0] if found else None
+
+
+def of_uid(uid: int | None) -> list[int]:
+    return [pid for pid, (owner, _) in processes().items() if uid is not None and owner == uid]
+
+
+def shm_segments_of(uid: int | None) -> list[str]:
+    """The host's SysV shared-memory segments of ``uid``."""
+    with open("/proc/sysvipc/shm") as f:
+        head, *rows = [line.split() for line in f]
+    return [row[1] for row in rows if uid is not None and int(row[head.index("uid")]) == uid]
+
+
 @pytest.fixture
-def world(tmp_path, request, monkeypatch):
+def world(tmp_path, monkeypatch):
     """What the hostile code aims at: a secret in the environment and in a canary process's,
-    a listening socket, a sentinel file, a folder outside /tmp that any uid may write."""
+    a listening socket, a sentinel file, a path in a world-writable folder outside /tmp."""
     monkeypatch.setenv("MAXENT_SANDBOX_SECRET", SECRET)
     canary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                               env={"MAXENT_SANDBOX_SECRET": SECRET})
@@ -109,84 +134,118 @@ def world(tmp_path, request, monkeypatch):
     listener.settimeout(0.2)
     sentinel = tmp_path / "sentinel"
     sentinel.write_text("keep")
-    cache = getattr(request.config, "cache", None)  # a folder outside /tmp, if any
-    shared = (Path(cache.mkdir(f"sandbox-{uuid.uuid4().hex}")) if cache is not None
-              else tmp_path / "shared")
-    shared.mkdir(exist_ok=True)
-    shared.chmod(0o777)
     outside_root = Path("/root") / f"maxent-sandbox-{uuid.uuid4().hex}"
+    folder = lock_folder()
+    lock = Path(folder) / f"maxent-sandbox-{uuid.uuid4().hex}" if folder else None
     yield {"TRAINER": os.getpid(), "CANARY": canary.pid, "PORT": listener.getsockname()[1],
            "SENTINEL": str(sentinel), "OUTSIDE": str(tmp_path / "written"),
-           "ROOT_FILE": str(outside_root), "SHARED": str(shared), "listener": listener}
+           "ROOT_FILE": str(outside_root), "LOCK": str(lock), "listener": listener}
     canary.kill()
     canary.wait()
     listener.close()
-    for path in [*shared.iterdir(), shared, outside_root]:
-        try:
-            path.unlink() if path.is_file() else path.rmdir()
-        except OSError:
-            pass
+    for path in (outside_root, lock):
+        if path is not None and path.exists():
+            path.unlink()
 
 
-def no_connection(world, result):
+def no_connection(world, result, last):
     with pytest.raises(socket.timeout):
         world["listener"].accept()
     assert "connected" not in result.text
 
 
-def daemon_never_writes(world, result):
-    shared = Path(world["SHARED"])
-    if not (shared / "early").exists():
-        pytest.skip("no folder outside /tmp the sandbox's uid can write (the control write)")
-    time.sleep(1.5)  # the daemon would have written by now
-    assert not (shared / "late").exists()
+def shm_dies_with_the_call(world, result, last):
+    small, big = map(int, result.text.split())
+    assert small >= 0 and big == -1  # made one; one over the cap refused
+    assert shm_segments_of(last.uid) == []
+
+
+def printed(*names):
+    """The call ran and printed (one of) ``names``: what the kernel answered it."""
+    return lambda w, r, last: any(n in r.text for n in names)
 
 
 #: id -> (code, limit, kind, what must hold after, protections of which one is needed)
 CASES = {
     "normal": ("print(37 * 84)", "patient", None,
-               lambda w, r: r.text.strip() == "3108", ()),
+               lambda w, r, _: r.text.strip() == "3108", ()),
     "infinite_loop": ("while True:\n    pass", "quick", "timeout", None, ()),
     "sleep_past_the_limit": ("import time\ntime.sleep(60)", "quick", "timeout", None, ()),
     "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n"
                   "    except OSError:\n        pass", "quick", "timeout", None, ()),
     "memory_bomb": ("a = []\nwhile True:\n    a.append(bytearray(10**7))", "patient",
-                    "error", lambda w, r: "MemoryError" in r.text, ()),
+                    "error", printed("MemoryError"), ()),
     "100_MB_of_output": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 10**6)\n"
                          "print('END')", "patient", None,
-                         lambda w, r: ("bytes of output cut" in r.text and len(r.text) < 20000
-                                       and r.text.endswith("END\n")), ()),
+                         lambda w, r, _: ("bytes of output cut" in r.text and len(r.text) < 20000
+                                          and r.text.endswith("END\n")), ()),
     "write_outside_its_folder": (
         "for path in ['{OUTSIDE}', '{ROOT_FILE}']:\n    try:\n        open(path, 'w').write('x')\n"
         "        print('wrote', path)\n    except OSError as err:\n        print(err)",
-        "patient", None, lambda w, r: not any(os.path.exists(w[k]) for k in
-                                             ("OUTSIDE", "ROOT_FILE")),
+        "patient", None, lambda w, r, _: not any(os.path.exists(w[k]) for k in
+                                                ("OUTSIDE", "ROOT_FILE")),
         ("own_uid", "private_tmp")),
+    "write_where_any_uid_may": (
+        "try:\n    open('{LOCK}', 'w').write('x')\n    print('wrote')\n"
+        "except OSError as err:\n    print(type(err).__name__)", "patient", None,
+        lambda w, r, _: not os.path.exists(w["LOCK"]), ("own_uid",)),
     "delete_a_file_by_its_path": ("import os\nos.remove('{SENTINEL}')", "patient", "error",
-                                  lambda w, r: Path(w["SENTINEL"]).read_text() == "keep",
+                                  lambda w, r, _: Path(w["SENTINEL"]).read_text() == "keep",
                                   ("own_uid", "private_tmp")),
     "read_the_trainer_environment": (
         "import os\nprint(dict(os.environ))\nfor pid in ({TRAINER}, {CANARY}):\n    try:\n"
         "        print(open(f'/proc/{{pid}}/environ').read())\n"
         "    except OSError as err:\n        print(err)",
-        "patient", None, lambda w, r: SECRET not in r.text and "HOME" in r.text, ("own_uid",)),
+        "patient", None, lambda w, r, _: SECRET not in r.text and "HOME" in r.text, ("own_uid",)),
+    "read_the_trainer_command_line": (
+        "import os\ntry:\n    print(open('/proc/{TRAINER}/cmdline').read())\n"
+        "except OSError as err:\n    print(type(err).__name__)\n"
+        "print('pids', sum(name.isdigit() for name in os.listdir('/proc')))", "patient", None,
+        lambda w, r, _: "FileNotFoundError" in r.text and int(r.text.split()[-1]) <= 3,
+        ("pid_namespace",)),
     "open_a_socket": ("import socket\nsocket.create_connection(('127.0.0.1', {PORT}), 2)\n"
                       "print('connected')", "patient", "error", no_connection, ("no_network",)),
-    "kill_its_parent": ("import os\nos.kill(os.getppid(), 9)\nprint('still here')", "patient",
-                        (None, "error"), None, ()),
-    "kill_the_trainer": ("import os\nos.kill({TRAINER}, 9)", "patient", "error", None,
+    "kill_its_parent": ("import os\ntry:\n    os.kill(os.getppid(), 9)\n    print('sent')\n"
+                        "except OSError as err:\n    print(type(err).__name__)\n"
+                        "print('still here')", "patient", None,
+                        lambda w, r, _: "still here" in r.text and (
+                            "sent" in r.text or "PermissionError" in r.text), ()),
+    "kill_the_trainer": ("import os\nos.kill({TRAINER}, 9)", "patient", "error",
+                         printed("PermissionError", "ProcessLookupError"),
                          ("own_uid", "pid_namespace")),
-    "kill_every_process_it_may": ("import os\nos.kill(-1, 9)", "patient", "error", None,
+    "kill_every_process_it_may": ("import os\nos.kill(-1, 9)", "patient", "error",
+                                  printed("PermissionError", "ProcessLookupError"),
                                   ("own_uid", "pid_namespace")),
     "segfault": ("import ctypes\nctypes.string_at(0)", "patient", "error",
-                 lambda w, r: "SIGSEGV" in r.text, ()),
-    "daemon_outliving_the_call": (
-        "import os, time\nopen('{SHARED}/early', 'w').write('x')\nif os.fork() == 0:\n"
-        "    os.setsid()\n    if os.fork() == 0:\n        time.sleep(0.5)\n"
-        "        open('{SHARED}/late', 'w').write('x')\n    os._exit(0)\nprint('parent done')",
-        "patient", None, daemon_never_writes, ()),
+                 printed("SIGSEGV"), ()),
+    "daemon_outliving_the_call": (  # (b) checks that it is gone
+        "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+        "    if os.fork() == 0:\n        os.write(w, b'up')\n        time.sleep(60)\n"
+        "    os._exit(0)\nos.close(w)\nprint('daemon', os.read(r, 2).decode())",
+        "patient", None, printed("daemon up"), ()),
+    "sysv_shared_memory": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]\n"
+        "print(libc.shmget(0, 4096, 0o1600), libc.shmget(0, 1 << 30, 0o1600))",
+        "patient", None, shm_dies_with_the_call, ("own_uid",)),
+    "too_many_open_files": (
+        "import os\nfds = []\ntry:\n    while len(fds) < 1000:\n"
+        "        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+        "except OSError as err:\n    print(err.errno, len(fds))", "patient", None,
+        lambda w, r, _: r.text.split()[0] == "24" and int(r.text.split()[1]) < 100, ()),
+    "the_oom_killer_takes_it_first": ("print(open('/proc/self/oom_score_adj').read())",
+                                      "patient", None, lambda w, r, _: r.text.strip() == "1000",
+                                      ()),
+    "its_parent_death_signal": (  # set after the uid changed, which clears it
+        "import ctypes\nvalue = ctypes.c_int()\nctypes.CDLL(None).prctl(2, ctypes.byref(value), "
+        "0, 0, 0)\nprint(value.value)", "patient", None,
+        lambda w, r, _: r.text.strip() == str(int(signal.SIGKILL)), ()),
+    "close_stdout_and_raise": (
+        "import sys\nprint('before')\nsys.stdout.close()\nsys.stderr.close()\n"
+        "raise ValueError('gone')", "patient", "error",
+        lambda w, r, last: "ValueError: gone" in r.text and last.code == 1, ()),
     "sys_exit_3": ("import sys\nsys.exit(3)", "patient", "error",
-                   lambda w, r: r.text.startswith("Error: python exited with status 3"), ()),
+                   lambda w, r, _: r.text.startswith("Error: python exited with status 3"), ()),
 }
 
 
@@ -195,17 +254,21 @@ def test_a_hostile_call_harms_nothing_and_leaves_nothing(case, pool, boxes, worl
     code, limit, kind, holds, needs = CASES[case]
     if needs and not any(pool.protections.get(n) for n in needs):
         pytest.skip(f"needs one of {needs}: {pool.protections}")
+    if "{LOCK}" in code and world["LOCK"] == "None":
+        pytest.skip("no world-writable folder outside /tmp on this machine")
     text = code.format(**{k: v for k, v in world.items() if k.isupper()})
     result = boxes[limit].run(ToolCall("python", {"code": text}))
-    # (a) the trainer (and a process it started) lives, and reads a ToolResult
+    # (a) the trainer (and a process it started) lives, and reads a ToolResult; the sandbox
+    # did run the code (a sandbox that fails to run anything would pass every other check)
     assert alive(os.getpid()) and alive(world["CANARY"])
     kinds = kind if isinstance(kind, tuple) else (kind,)
     assert isinstance(result, ToolResult) and result.failure in kinds, result.text[-600:]
+    assert pool.last is not None and pool.last.status != "failed", pool.last
     # (b) nothing of the call is left: no process of its uid or session
-    assert pool.last is not None and left_behind(pool.last) == []
+    assert left_behind(pool.last) == []
     # (c) what it tried did not happen
     if holds is not None:
-        assert holds(world, result) is not False, result.text[-600:]
+        assert holds(world, result, pool.last) is not False, result.text[-600:]
 
 
 def test_the_python_tool_is_built_in_and_raises_on_failure(pool):
@@ -232,52 +295,86 @@ def test_what_holds_is_reported(pool):
     guard = pool.protections
     assert guard["fresh_process"] and guard["rlimits"]
     assert guard["own_uid"] == (os.geteuid() == 0)
+    assert not guard["read_only"] or guard["private_tmp"]
+    assert not guard["own_proc"] or guard["pid_namespace"]
     if guard["own_uid"]:
         result = pool.run("import os; print(os.getuid(), os.getgid(), os.getgroups())")
         uid = result.uid
         assert uid >= UID_BASE and result.output == f"{uid} {uid} []\n"
 
 
-TOOLS = '''
+def test_how_a_call_ended_reads_right():
+    """``cpu`` only when the CPU limit killed the call, not when it exited after its
+    children used that much; a call whose status never came back never reads 'None'."""
+    from maxent_grpo.rollout.sandbox_worker import ending
+
+    assert ending(0, 10.0, 3) == {"status": "exit", "code": 0}
+    assert ending(signal.SIGXCPU, 3.0, 3) == {"status": "cpu"}
+    assert ending(signal.SIGKILL, 4.0, 3) == {"status": "cpu"}
+    assert ending(signal.SIGKILL, 0.1, 3) == {"status": "signal", "signal": signal.SIGKILL}
+    lost = sandbox.SandboxResult("lost", timeout=2.0)
+    assert lost.failure == "error" and "None" not in lost.message("python")
+
+
+TOOLS = """
 import time
 
 
 def hang(seconds: float) -> str:
-    """Sleep, then answer.
+    \"\"\"Sleep, then answer.
 
     Args:
         seconds: how long to sleep.
-    """
+    \"\"\"
     time.sleep(seconds)
     return "awake"
 
 
 def total(values: list) -> dict:
-    """Add the values.
+    \"\"\"Add the values.
 
     Args:
         values: numbers.
-    """
+    \"\"\"
     return {"total": sum(values), "pid_is_not_the_trainer": __import__("os").getpid()}
-'''
+"""
+
+NEEDS_THE_SECRET = """
+import os
+
+if "MAXENT_SANDBOX_SECRET" not in os.environ:  # so it imports in the trainer only
+    raise RuntimeError("this module needs the secret")
+
+
+def probe(x: int) -> int:
+    \"\"\"Answer x.
+
+    Args:
+        x: a number.
+    \"\"\"
+    return x
+"""
 
 
 @pytest.fixture
 def user_tools(tmp_path, monkeypatch):
-    """Two ordinary tools in a module of their own (importable by a fresh process)."""
-    name = f"sandbox_tools_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(TOOLS))
+    """Ordinary tools in modules of their own (importable by a fresh process)."""
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sandbox, "Sandbox", Recording)  # the toolbox's pool records too
-    module = __import__(name)
+    monkeypatch.setenv("MAXENT_SANDBOX_SECRET", SECRET)
+    modules = []
+    for source in (TOOLS, NEEDS_THE_SECRET):
+        name = f"sandbox_tools_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        modules.append(__import__(name))
     boxes = []
-    yield module, boxes
+    yield modules, boxes
     for box in boxes:
         box.close()
 
 
 def test_process_isolation_kills_a_hung_tool_and_returns_values(user_tools):
-    module, boxes = user_tools
+    (module, _), boxes = user_tools
     box = Toolbox([module.hang, module.total, "python"], timeout=1.0, isolation="process")
     boxes.append(box)
     threads = threading.active_count()
@@ -291,6 +388,27 @@ def test_process_isolation_kills_a_hung_tool_and_returns_values(user_tools):
     assert json.loads(answer.text)["pid_is_not_the_trainer"] != os.getpid()
     assert box.run(ToolCall("hang", {"seconds": 0})) == ToolResult("awake")
     assert left_behind(box._sandbox.last) == []
+
+
+def test_a_tool_the_sandbox_cannot_import_is_named(user_tools, caplog):
+    (_, module), boxes = user_tools
+    box = Toolbox([module.probe], timeout=30.0, isolation="process")
+    boxes.append(box)
+    with caplog.at_level("WARNING"):
+        result = box.run(ToolCall("probe", {"x": 1}))
+    assert result.failure == "error" and "model.tool_isolation" in result.text, result.text
+    assert "probe" in result.text and "needs the secret" in result.text
+    assert any("model.tool_isolation" in r.message and "probe" in r.message
+               for r in caplog.records)
+
+
+def test_a_failing_sandbox_is_a_message_not_an_exception(monkeypatch):
+    def broken():
+        raise RuntimeError("no sandbox today")
+
+    monkeypatch.setattr(sandbox, "shared_sandbox", broken)
+    result = Toolbox(["python"], timeout=5.0).run(ToolCall("python", {"code": "print(1)"}))
+    assert result.failure == "error" and "no sandbox today" in result.text
 
 
 def test_isolation_is_checked():
@@ -310,39 +428,171 @@ def test_isolation_is_checked():
     assert Toolbox([local]).isolation == "thread"  # the default keeps threads
 
 
-def test_without_namespaces_the_folder_goes_and_the_daemon_dies(tmp_path):
+@pytest.fixture
+def tmp_root():
+    """A folder for working folders: any uid may pass, only root may write."""
+    root = Path(tempfile.mkdtemp(prefix="maxent-test-", dir="/tmp"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_without_namespaces_the_call_leaves_nothing(tmp_root):
     """The fallback: no namespace, only rlimits, the uid and the cleanup; the working
-    folder, made read-only, is removed all the same."""
-    with Recording(timeout=30.0, spares=0, namespaces=False) as bare:
+    folder, made read-only, is removed all the same, the daemon dies, and what the call put
+    in the shared world-writable folders and SysV memory is gone when the answer comes."""
+    name = f"maxent-sandbox-test-{uuid.uuid4().hex}"
+    shared = [f"{folder}/{name}" for folder in world_writable("/tmp", "/var/tmp")]
+    if lock_folder():
+        shared.append(f"{lock_folder()}/{name}")
+    with Recording(timeout=30.0, spares=0, namespaces=False, tmp_root=str(tmp_root)) as bare:
         guard = bare.protections
-        assert not (guard["no_network"] or guard["pid_namespace"] or guard["private_tmp"])
+        assert not (guard["no_network"] or guard["pid_namespace"] or guard["private_tmp"]
+                    or guard["own_ipc"] or guard["read_only"] or guard["own_proc"])
         result = bare.run(
-            "import os, time\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\n"
+            "import ctypes, os, time\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\n"
             "os.chmod('a/b', 0o500)\nos.chmod('a', 0o500)\nprint(os.getcwd())\n"
+            f"for path in {shared!r}:\n    open(path, 'w').write('x')\n"
+            f"os.makedirs('/tmp/{name}-d/e')\n"
+            "print(ctypes.CDLL(None).shmget(0, 4096, 0o1600))\n"
             "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             "        time.sleep(30)\n    os._exit(0)")
         assert result.failure is None, result.output
-        folder = Path(result.output.strip())
-        assert folder.name.startswith("maxent-sandbox-")
+        folder, segment = result.output.split()
+        assert Path(folder).parent.parent == tmp_root and int(segment) >= 0
         assert left_behind(result) == []
+        if os.geteuid() == 0:  # the call had its own uid, so what it owns can be told
+            assert [p for p in shared + [f"/tmp/{name}-d"] if os.path.exists(p)] == []
+            assert shm_segments_of(result.uid) == []
+        for path in shared + [f"/tmp/{name}-d/e", f"/tmp/{name}-d"]:  # a plain user's stay
+            if os.path.exists(path):
+                os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
+        assert not os.path.exists(folder)
+    assert list(tmp_root.iterdir()) == []  # the zygote's folder goes with it
+
+
+def test_the_fallback_cleanup_never_follows_a_link(tmp_path):
+    """Without a private /tmp the call cannot swap its working folder for a link to a
+    folder of the trainer's, and a link inside it is removed, never followed."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    (victim / "file").write_text("keep")
+    (victim / "file").chmod(0o644)
+    code = (f"import os\nhere = os.getcwd()\nos.symlink({str(victim)!r}, 'inner')\n"
+            f"os.chdir('/')\ntry:\n    os.rename(here, here + '-moved')\n"
+            f"    os.symlink({str(victim)!r}, here)\n    print('replaced')\n"
+            f"except OSError as err:\n    print(type(err).__name__)\nprint(here)")
+    with Recording(timeout=30.0, spares=0, namespaces=False) as bare:
+        result = bare.run(code)
+    assert result.failure is None, result.output
+    here = result.output.split()[-1]
+    assert (victim.stat().st_mode & 0o7777, (victim / "file").stat().st_mode & 0o7777) == (
+        0o755, 0o644)
+    assert (victim / "file").read_text() == "keep"
+    assert not os.path.lexists(here) and not os.path.lexists(here + "-moved")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the call needs a uid of its own")
+def test_closing_during_a_call_kills_it_and_all_it_started(tmp_root):
+    """Even without a pid namespace (where the daemon would outlive its supervisor)."""
+    box = Recording(timeout=60.0, spares=1, namespaces=False, tmp_root=str(tmp_root))
+    uid = box._pool.peek()["uid"]  # the spare the call will take
+    results = []
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        time.sleep(60)\n    os._exit(0)\ntime.sleep(60)")
+    thread = threading.Thread(target=lambda: results.append(box.run(code)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(of_uid(uid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(of_uid(uid)) >= 2  # the call and its daemon run
+    zygote = box.pid
+    box.close()
+    thread.join(30)
+    assert not thread.is_alive() and results[0].failure is not None
+    deadline = time.monotonic() + 10
+    while (of_uid(uid) or alive(zygote)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert of_uid(uid) == [] and not alive(zygote)
+    assert list(tmp_root.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uid_base is for root")
+def test_unmapped_uids_fail_once_and_clearly():
+    with Sandbox(timeout=30.0, spares=0, uid_base=2**32 - 100) as box:
+        first = box.run("print(1)")
+        assert first.status == "failed" and "uid_base" in first.reason, first
+        second = box.run("print(1)")
+        assert second.status == "failed" and second.reason == first.reason
+        assert box.pid is None  # no zygote started again for it
+
+
+def test_a_killed_zygote_is_replaced():
+    with Recording(timeout=30.0, spares=1) as box:
+        assert box.run("print(1)").output == "1\n"
+        zygote, base = box.pid, box._pool.base
+        old = [pid for pid, (_, session) in processes().items() if session == pid
+               and _parent(pid) == zygote]
+        os.kill(zygote, signal.SIGKILL)
+        box._pool.proc.wait(timeout=30)
+        results = []
+        thread = threading.Thread(target=lambda: results.append(box.run("print(2)")),
+                                  daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the call after a killed zygote hung"
+        assert results[0].failure is None and results[0].output == "2\n", results[0]
+        assert box.pid not in (None, zygote)
         deadline = time.monotonic() + 10
-        while folder.exists() and time.monotonic() < deadline:
+        while any(alive(pid) for pid in old) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not folder.exists()
+        assert not any(alive(pid) for pid in old)  # its spares left
+        assert not os.path.exists(base)  # and its folder went
+
+
+def test_a_forked_child_starts_its_own_pool(pool):
+    """A child forked while another thread held the pool's lock neither waits for it nor
+    touches the parent's processes."""
+    assert pool.run("print(1)").output == "1\n"
+    with pool._pool.lock:
+        child = os.fork()
+        if child == 0:
+            status = 1
+            try:
+                status = 0 if pool.run("print(2)").output == "2\n" else 3
+                pool.close()
+            finally:
+                os._exit(status)
+    deadline = time.monotonic() + 60
+    while not os.waitpid(child, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child hung on its parent's pool")
+        time.sleep(0.05)
+    assert pool.run("print(3)").output == "3\n"  # the parent's pool is untouched
 
 
 def test_closing_and_exiting_leave_no_process(tmp_path):
     with Sandbox(timeout=30.0, spares=2) as pool:
         assert pool.run("print(1)").output == "1\n"
         zygote = pool.pid
-        spares = [pid for pid, (_, session) in processes().items() if session == pid
-                  and _parent(pid) == zygote]
-        assert len(spares) >= 1
-    ours = {UID_BASE + pid for pid in spares}  # the uids of their calls' processes
+
+        def spares():
+            return [pid for pid, (_, session) in processes().items() if session == pid
+                    and _parent(pid) == zygote]
+
+        deadline = time.monotonic() + 30  # the refill runs after the call returned
+        while len(spares()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = spares()
+        assert len(started) >= 1
+    ours = {UID_BASE + pid for pid in started}  # the uids of their calls' processes
 
     def remaining():
         return [pid for pid, (uid, _) in processes().items()
-                if pid == zygote or pid in spares or uid in ours]
+                if pid == zygote or pid in started or uid in ours]
 
     deadline = time.monotonic() + 10
     while remaining() and time.monotonic() < deadline:
@@ -375,5 +625,6 @@ def test_the_trainer_survives_a_signal_storm(pool):
                       f"        os.kill({os.getpid()}, s)\n    except OSError as e:\n"
                       f"        print(type(e).__name__)")
     assert alive(os.getpid()) and signal.getsignal(signal.SIGTERM) == handler
+    assert result.status == "exit", result
     if pool.protections["own_uid"] or pool.protections["pid_namespace"]:
         assert result.output.count("Error") == 3
