@@ -2,6 +2,8 @@
 
     python benchmarks/tools_demo.py                 # seed 0, both runs
     python benchmarks/tools_demo.py --seeds 0 1 2
+    python benchmarks/tools_demo.py --config configs/tiny_python.yaml --only tool \
+        --seeds 0 1 2 --out benchmarks/results/python_demo.json   # the python tool
 
 Each run is ``python -m maxent_grpo fit --config configs/tiny_tools.yaml
 --seed_everything N`` in its own process; the run without the tool adds ``--model.tools
@@ -38,12 +40,13 @@ def _window(values: list[float], first: bool) -> float | None:
     return round(sum(part) / len(part), 4) if part else None
 
 
-def run_one(seed: int, tool: bool, cache_dir: str | None) -> dict[str, Any]:
+def run_one(seed: int, tool: bool, cache_dir: str | None,
+            config: Path = ROOT / "configs/tiny_tools.yaml") -> dict[str, Any]:
     from maxent_grpo.tools.analysis import load_run
 
     with tempfile.TemporaryDirectory() as work:
         cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config",
-               str(ROOT / "configs/tiny_tools.yaml"), "--seed_everything", str(seed),
+               str(config), "--seed_everything", str(seed),
                "--trainer.enable_progress_bar", "false"]
         if not tool:
             cmd += ["--model.tools", "null"]
@@ -55,7 +58,7 @@ def run_one(seed: int, tool: bool, cache_dir: str | None) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"run failed (seed {seed}, tool {tool}):\n{proc.stderr[-3000:]}")
-        run = load_run(next(Path(work).glob("lightning_logs/tiny_tools/version_0")))
+        run = load_run(next(Path(work).glob("lightning_logs/*/version_0")))
     series = {tag: list(s.values) for tag, s in run.scalars.items()}
     train = {tag.removeprefix("train/"): [_window(v, True), _window(v, False)]
              for tag, v in series.items()
@@ -93,22 +96,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--cache-dir", default=None, help="model.model_cache_dir of the runs")
     parser.add_argument("--only", choices=("tool", "no-tool"), default=None)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/tiny_tools.yaml",
+                        help="the demo's config (configs/tiny_python.yaml: the python tool)")
     parser.add_argument("--report", action="store_true", help="print the table of --out")
     args = parser.parse_args(argv)
     if args.report:
         print(report(args.out))
         return
-    runs = []
+    runs: list[dict[str, Any]] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"commit": git_commit(ROOT), "machine": _cpu(),
+              "versions": versions("torch", "transformers"),
+              "config": str(args.config.resolve().relative_to(ROOT)), "runs": runs}
     for seed in args.seeds:
         for tool in (True, False):
             if args.only and args.only != ("tool" if tool else "no-tool"):
                 continue
-            runs.append(run_one(seed, tool, args.cache_dir))
+            runs.append(run_one(seed, tool, args.cache_dir, args.config))
             print(json.dumps(runs[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"commit": git_commit(ROOT), "machine": _cpu(),
-              "versions": versions("torch", "transformers"), "runs": runs}
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+            args.out.write_text(json.dumps(record, indent=1) + "\n")  # kept run by run
     print(report(args.out))
 
 

@@ -158,6 +158,8 @@ WEIGHTS = Path(__file__).with_name("assets") / "tiny_warm.safetensors"
 WEIGHTS_H64 = Path(__file__).with_name("assets") / "tiny_h64_warm.safetensors"
 #: the shipped weights of ``builtin:tiny-tools-warm`` (:mod:`maxent_grpo.tool_warm_start`)
 WEIGHTS_TOOLS = Path(__file__).with_name("assets") / "tiny_tools_warm.safetensors"
+#: the shipped weights of ``builtin:tiny-python-warm`` (the same, for the ``python`` tool)
+WEIGHTS_PYTHON = Path(__file__).with_name("assets") / "tiny_python_warm.safetensors"
 
 
 def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedModel:
@@ -236,6 +238,8 @@ BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     "tiny-h64-warm": (2, lambda folder: _write_tiny(folder, warm=True, head_dim=64)),
     "tiny-tools-warm": (1, lambda folder: _write_tiny(folder, warm=True,
                                                       weights=WEIGHTS_TOOLS)),
+    "tiny-python-warm": (1, lambda folder: _write_tiny(folder, warm=True,
+                                                       weights=WEIGHTS_PYTHON)),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 

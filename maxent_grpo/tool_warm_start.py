@@ -25,6 +25,11 @@ expression, and how often the answer is right.
 The trained weights ship with the package (:data:`WEIGHTS_TOOLS`, trained with 2 threads).
 ``python -m maxent_grpo.tool_warm_start`` prints the shipped weights' :func:`measure`;
 ``--retrain --out FILE`` trains a new copy.
+
+``builtin:tiny-python-warm`` (:data:`WEIGHTS_PYTHON`) is the same warm start for the
+built-in ``python`` tool (``--tool python``): the call is
+``<tool_call>{"name": "python", "arguments": {"code": "print(37 * 84)"}}</tool_call>`` and
+the tool's message is what that prints (the value and a newline).
 """
 
 from __future__ import annotations
@@ -37,8 +42,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from maxent_grpo.models import WEIGHTS_TOOLS, build_tiny_model, build_tiny_tokenizer, load_shipped
+from maxent_grpo.models import (
+    WEIGHTS_PYTHON,
+    WEIGHTS_TOOLS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    load_shipped,
+)
 from maxent_grpo.rollout.multiturn import message_segment
+from maxent_grpo.rollout.sandbox import python
 from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
 from maxent_grpo.warm_start import pad_right, supervised_pass
 
@@ -47,11 +59,27 @@ SEED = 2468
 
 MESSAGE = "message"  # a completion part the loss leaves out (the tool's message)
 
+#: the tools a warm start can teach: name -> (function, its shipped weights)
+TOOLS = {"calculate": (calculate, WEIGHTS_TOOLS), "python": (python, WEIGHTS_PYTHON)}
 
-def tool_call_text(expression: str) -> str:
-    """The call the built-in chat template asks for (Hermes format)."""
-    call = {"name": "calculate", "arguments": {"expression": expression}}
-    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+def tool_call_text(expression: str, tool: str = "calculate") -> str:
+    """The call the built-in chat template asks for (Hermes format): ``calculate`` on the
+    expression, or ``python`` on the code that prints it.
+
+    >>> tool_call_text("2 * 3", "python")
+    '<tool_call>{"name": "python", "arguments": {"code": "print(2 * 3)"}}</tool_call>'
+    """
+    arguments = ({"expression": expression} if tool == "calculate"
+                 else {"code": f"print({expression})"})
+    return f"<tool_call>{json.dumps({'name': tool, 'arguments': arguments})}</tool_call>"
+
+
+def tool_message(expression: str, tool: str = "calculate") -> str:
+    """What the tool answers to :func:`tool_call_text`: ``calculate``'s result, or what
+    ``python``'s ``print`` writes (the value and a newline)."""
+    value = calculate(expression)
+    return value if tool == "calculate" else value + "\n"
 
 
 KINDS = (("+", 2, 2), ("-", 2, 2), ("+", 1, 1), ("-", 1, 1), ("+", 3, 3), ("*", 1, 1),
@@ -78,13 +106,15 @@ def answer_range(op: str, digits_a: int, digits_b: int) -> tuple[int, int]:
     return min(values), max(values)
 
 
-def examples(num_rows: int, seed: int = SEED) -> list[tuple[str, list[tuple[str, str]]]]:
+def examples(num_rows: int, seed: int = SEED,
+             tool: str = "calculate") -> list[tuple[str, list[tuple[str, str]]]]:
     """``num_rows`` ``(prompt, parts)`` pairs, the :data:`KINDS` in turn, each answered
     directly with a number drawn uniformly from its kind's :func:`answer_range`
     (probability 1/2) or with a call of ``calculate`` on the question's expression. A call
     on the task's question (:data:`TASK_KIND`) ends the example; on the others the tool's
     message and the result copied as the answer follow. ``parts`` are ``("model" |
-    "message", text)`` in order, each model part followed by the end of turn.
+    "message", text)`` in order, each model part followed by the end of turn. ``tool``
+    (:data:`TOOLS`) changes only the call's text and the message, never the draws.
 
     >>> [(p, len(parts)) for p, parts in examples(9, seed=0)][-3:]
     [('What is 97 * 5?', 1), ('What is 5 * 65?', 1), ('What is 36 * 80?', 1)]
@@ -98,30 +128,31 @@ def examples(num_rows: int, seed: int = SEED) -> list[tuple[str, list[tuple[str,
         if rng.random() < 0.5:  # the shape of an answer, right only by chance
             out.append((prompt, [("model", str(rng.randint(*answer_range(op, da, db))))]))
         elif (op, da, db) == TASK_KIND:  # the call's format; its result is never shown
-            out.append((prompt, [("model", tool_call_text(expression))]))
+            out.append((prompt, [("model", tool_call_text(expression, tool))]))
         else:
-            result = calculate(expression)
-            out.append((prompt, [("model", tool_call_text(expression)), (MESSAGE, result),
-                                 ("model", result)]))
+            out.append((prompt, [("model", tool_call_text(expression, tool)),
+                                 (MESSAGE, tool_message(expression, tool)),
+                                 ("model", calculate(expression))]))
     return out
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase,
-            rows: list[tuple[str, list[tuple[str, str]]]]) -> tuple[torch.Tensor, ...]:
+def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[tuple[str, list[tuple[str, str]]]],
+            tool: str = "calculate") -> tuple[torch.Tensor, ...]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside the
     model's parts and their end-of-turn tokens): each message part rendered by the chat
     template between the model's turns, as the multi-turn rollout renders it."""
+    fn = TOOLS[tool][0]
     ids_rows, label_rows = [], []
     for prompt, parts in rows:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                              tokenize=False, add_generation_prompt=True,
-                                             tools=[calculate])
+                                             tools=[fn])
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         labels = [-100] * len(ids)
         for kind, part in parts:
             if kind == MESSAGE:  # out of the loss
                 segment = message_segment(tokenizer, [{"role": "tool", "content": part}],
-                                          [calculate])
+                                          [fn])
                 piece = tokenizer(segment, add_special_tokens=False)["input_ids"]
                 ids, labels = ids + piece, labels + [-100] * len(piece)
             else:
@@ -135,40 +166,43 @@ def _encode(tokenizer: PreTrainedTokenizerBase,
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                steps: int = 3000, batch_size: int = 32, lr: float = 3e-3,
-               seed: int = SEED) -> PreTrainedModel:
+               seed: int = SEED, tool: str = "calculate") -> PreTrainedModel:
     """Train ``model`` in place on :func:`examples` (``steps x batch_size`` fresh examples,
     AdamW, cross-entropy on the model's parts) and return it in eval mode; the torch random
     state is forked."""
-    ids, att, lab = _encode(tokenizer, examples(steps * batch_size, seed))
+    ids, att, lab = _encode(tokenizer, examples(steps * batch_size, seed, tool), tool)
     return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
                            seed=seed, trim=True)
 
 
 def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, prompts: int = 32,
-            samples: int = 8, seed: int = 0, ops: str = "*") -> dict[str, float]:
+            samples: int = 8, seed: int = 0, ops: str = "*",
+            tool: str = "calculate") -> dict[str, float]:
     """Sample ``samples`` completions (temperature 1, 160 tokens, tools on) for ``prompts``
     task prompts of ``tool_arithmetic`` (``ops``, rows from ``seed``) and report the shares
     of samples that call the tool (``call_rate``), whose first call is the question's own
-    expression (``right_call_rate``), and whose last turn's first number is the answer
-    (``correct``)."""
+    expression (``right_call_rate``; for ``python``, the code printing it), and whose last
+    turn's first number is the answer (``correct``)."""
     from maxent_grpo.rewards.correctness import first_number_reward
     from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
     from maxent_grpo.rollout.multiturn import MultiTurnEngine
     from maxent_grpo.rollout.toolcall import Toolbox, parse_tool_calls
 
+    fn = TOOLS[tool][0]
     rows = tool_arithmetic(prompts, seed, ops=ops)
     rendered = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
                                               tokenize=False, add_generation_prompt=True,
-                                              tools=[calculate]) for r in rows]
+                                              tools=[fn]) for r in rows]
     sampling = SamplingSettings(max_new_tokens=160)
     engine = MultiTurnEngine(HFGenerateEngine(model, tokenizer, sampling), tokenizer, sampling,
-                             toolbox=Toolbox([calculate]), max_tool_calls=2)
+                             toolbox=Toolbox([fn]), max_tool_calls=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = engine.generate(rendered, [r["answer"] for r in rows], samples)
     firsts = [parse_tool_calls(m[0]["content"]) for m in out.tools.messages]
     expressions = [r["expression"] for r in rows for _ in range(samples)]
-    right = [bool(c) and c[0].arguments.get("expression") == e
+    key = "expression" if tool == "calculate" else "code"
+    right = [bool(c) and c[0].arguments.get(key) == (e if tool == "calculate" else f"print({e})")
              for c, e in zip(firsts, expressions, strict=True)]
     correct = first_number_reward(rendered, out.reward_completions(),
                                   answer=[r["answer"] for r in rows for _ in range(samples)])
@@ -186,22 +220,25 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--retrain", action="store_true",
                         help="train a new copy from builtin:tiny and write it to --out")
     parser.add_argument("--out", type=Path, help="where --retrain writes the weights")
+    parser.add_argument("--tool", choices=sorted(TOOLS), default="calculate",
+                        help="the tool whose calls it teaches (default calculate)")
     args = parser.parse_args(argv)
+    weights = TOOLS[args.tool][1]
     if args.retrain and args.out is None:
-        parser.error(f"--retrain needs --out FILE (the shipped weights are {WEIGHTS_TOOLS})")
+        parser.error(f"--retrain needs --out FILE (the shipped weights are {weights})")
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer)
     if args.retrain:
-        warm_start(model, tokenizer)
+        warm_start(model, tokenizer, tool=args.tool)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_model(model, str(args.out))
         print(f"wrote {args.out} (trained with {torch.get_num_threads()} threads)")
     else:
-        load_shipped(model, WEIGHTS_TOOLS)
+        load_shipped(model, weights)
     result = {}
     for ops, label in (("*", "the task (two-digit products)"),
                        ("-", "a warm-start kind (differences)")):
-        skill = measure(model, tokenizer, ops=ops)
+        skill = measure(model, tokenizer, ops=ops, tool=args.tool)
         print(f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in skill.items()))
         result |= {f"{k}{'' if ops == '*' else '_subtraction'}": v for k, v in skill.items()}
     return result

@@ -64,3 +64,41 @@ def test_the_shipped_weights_are_the_builtin_and_call_half_the_time(tmp_path) ->
     skill = warm.measure(model, tokenizer, prompts=8, samples=8)
     assert 0.2 <= skill["call_rate"] <= 0.8  # the format of a call, on a question never seen
     assert skill["right_call_rate"] <= skill["call_rate"]
+
+
+def test_the_python_warm_start_differs_only_in_the_call_and_the_message() -> None:
+    """``--tool python``: the same draws; the call prints the expression and the message is
+    what ``print`` writes, which the python tool itself returns."""
+    from maxent_grpo.rollout.toolcall import ToolCall, Toolbox
+
+    plain, python = warm.examples(90, seed=3), warm.examples(90, seed=3, tool="python")
+    assert [p for p, _ in plain] == [p for p, _ in python]
+    box = Toolbox(["python"], timeout=30)
+    checked = 0
+    for (_, a), (prompt, b) in zip(plain, python, strict=True):
+        expression = prompt.removeprefix("What is ").removesuffix("?")
+        if len(a) == 1 and a[0][1] != warm.tool_call_text(expression):
+            assert a == b  # a direct answer is the same
+            continue
+        assert b[0] == ("model", warm.tool_call_text(expression, "python"))
+        if len(a) == 3:
+            assert b[1:] == [(warm.MESSAGE, a[1][1] + "\n"), a[2]]
+            if checked < 3:  # the message is what the real tool answers
+                result = box.run(ToolCall("python", {"code": f"print({expression})"}))
+                assert (result.failure, result.text) == (None, b[1][1])
+                checked += 1
+    assert checked == 3
+
+
+def test_the_shipped_python_weights_are_the_builtin_and_call_python(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from maxent_grpo.models import WEIGHTS_PYTHON
+
+    model = load_policy("builtin:tiny-python-warm", cache_dir=tmp_path)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in load_file(str(WEIGHTS_PYTHON)).items())
+    _, tokenizer = builtin_tiny_model_and_tokenizer()
+    skill = warm.measure(model, tokenizer, prompts=8, samples=8, tool="python")
+    assert 0.2 <= skill["call_rate"] <= 0.8
+    assert skill["right_call_rate"] <= skill["call_rate"]
