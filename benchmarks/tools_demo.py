@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the demo's config (configs/tiny_python.yaml: the python tool)")
     parser.add_argument("--report", action="store_true", help="print the table of --out")
     args = parser.parse_args(argv)
+    args.config = args.config.resolve()  # the runs start in a folder of their own
     if args.report:
         print(report(args.out))
         return
