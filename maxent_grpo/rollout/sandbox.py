@@ -44,14 +44,17 @@ the OOM killer takes the call   yes (``oom_score_adj`` 1000)       yes
 first, never the trainer
 own uid: cannot signal or       yes: uid = gid = ``uid_base`` +    no: the trainer's uid
 trace the trainer, nor read     the supervisor's pid, no groups
-its /proc or root's files
+root's files that are not
+world-readable
 no network (own network         yes                                with a user namespace
 namespace, loopback down)
 own pid namespace (the          yes; and a /proc of its own        with a user namespace
 trainer cannot be named)        (``hidepid=2`` where the kernel
                                 accepts it): ``own_proc``
 own IPC namespace: SysV and     yes; SysV memory at most           with a user namespace
-POSIX queues die with the call  ``disk_mb``: ``own_ipc``
+POSIX queues die with the call  ``disk_mb``: ``own_ipc``           (not capped: only root
+                                                                   sets the namespace's
+                                                                   limits)
 own /tmp, /var/tmp, /dev/shm    yes                                with a user namespace
 (one ``disk_mb`` tmpfs)
 every other mount read-only     yes: ``read_only``                 with a user namespace

@@ -157,14 +157,17 @@ def kill_uid(uid: int) -> None:
 
 def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
     """Remove what ``uid`` owns in the world-writable folders at and below ``tops`` (the only
-    folders it could write; never following a link), and, with ``ipc``, its SysV objects."""
-    stack = sorted({os.path.realpath(t) for t in tops})
-    while stack:
-        folder = stack.pop()
+    folders it could write), and, with ``ipc``, its SysV objects. Every step goes through
+    a folder's descriptor (``O_NOFOLLOW``, ``rmtree(..., dir_fd=)``), never a path, so a
+    link swapped in mid-way by another call leads nowhere."""
+    pending: list[int] = []
+    for top in sorted({os.path.realpath(t) for t in tops}):
         try:
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            pending.append(os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
         except OSError:
             continue
+    while pending:
+        fd = pending.pop()
         try:
             entries = list(os.scandir(fd)) if os.fstat(fd).st_mode & 0o002 else []
         except OSError:
@@ -172,13 +175,13 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
         for entry in entries:
             try:
                 info = entry.stat(follow_symlinks=False)
-                path = os.path.join(folder, entry.name)
                 if info.st_uid == uid and stat.S_ISDIR(info.st_mode):
-                    remove_tree(path)
+                    shutil.rmtree(entry.name, dir_fd=fd, ignore_errors=True)
                 elif info.st_uid == uid:
                     os.unlink(entry.name, dir_fd=fd)
                 elif stat.S_ISDIR(info.st_mode):
-                    stack.append(path)
+                    pending.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY
+                                           | os.O_NOFOLLOW, dir_fd=fd))
             except OSError:
                 pass
         os.close(fd)
@@ -202,7 +205,7 @@ def remove_tree(path: str) -> None:
             os.unlink(path)
             return
         shutil.rmtree(path, ignore_errors=True)
-        if os.path.lexists(path):
+        if os.path.lexists(path) and os.geteuid() != 0:  # root needs (and does) no chmod
             os.chmod(path, 0o700)
             for folder, dirs, _ in os.walk(path):  # each folder's children, then down
                 for name in dirs:

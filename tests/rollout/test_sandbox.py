@@ -202,7 +202,7 @@ CASES = {
         "except OSError as err:\n    print(type(err).__name__)\n"
         "print('pids', sum(name.isdigit() for name in os.listdir('/proc')))", "patient", None,
         lambda w, r, _: "FileNotFoundError" in r.text and int(r.text.split()[-1]) <= 3,
-        ("pid_namespace",)),
+        ("own_proc",)),
     "open_a_socket": ("import socket\nsocket.create_connection(('127.0.0.1', {PORT}), 2)\n"
                       "print('connected')", "patient", "error", no_connection, ("no_network",)),
     "kill_its_parent": ("import os\ntry:\n    os.kill(os.getppid(), 9)\n    print('sent')\n"
@@ -227,7 +227,7 @@ CASES = {
         "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
         "libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]\n"
         "print(libc.shmget(0, 4096, 0o1600), libc.shmget(0, 1 << 30, 0o1600))",
-        "patient", None, shm_dies_with_the_call, ("own_uid",)),
+        "patient", None, shm_dies_with_the_call, ("own_ipc",)),
     "too_many_open_files": (
         "import os\nfds = []\ntry:\n    while len(fds) < 1000:\n"
         "        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
@@ -257,6 +257,7 @@ def test_a_hostile_call_harms_nothing_and_leaves_nothing(case, pool, boxes, worl
     if "{LOCK}" in code and world["LOCK"] == "None":
         pytest.skip("no world-writable folder outside /tmp on this machine")
     text = code.format(**{k: v for k, v in world.items() if k.isupper()})
+    pool.last = None  # this case's own result, never the previous one's
     result = boxes[limit].run(ToolCall("python", {"code": text}))
     # (a) the trainer (and a process it started) lives, and reads a ToolResult; the sandbox
     # did run the code (a sandbox that fails to run anything would pass every other check)
@@ -555,6 +556,7 @@ def test_a_forked_child_starts_its_own_pool(pool):
     """A child forked while another thread held the pool's lock neither waits for it nor
     touches the parent's processes."""
     assert pool.run("print(1)").output == "1\n"
+    zygote = pool.pid
     with pool._pool.lock:
         child = os.fork()
         if child == 0:
@@ -565,13 +567,15 @@ def test_a_forked_child_starts_its_own_pool(pool):
             finally:
                 os._exit(status)
     deadline = time.monotonic() + 60
-    while not os.waitpid(child, os.WNOHANG)[0]:
+    while not (done := os.waitpid(child, os.WNOHANG))[0]:
         if time.monotonic() > deadline:
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
             pytest.fail("the forked child hung on its parent's pool")
         time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0  # its own call ran and answered
     assert pool.run("print(3)").output == "3\n"  # the parent's pool is untouched
+    assert pool.pid == zygote  # the child neither stopped nor replaced the parent's
 
 
 def test_closing_and_exiting_leave_no_process(tmp_path):
