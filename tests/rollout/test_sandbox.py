@@ -307,7 +307,7 @@ def test_what_holds_is_reported(pool):
 def test_how_a_call_ended_reads_right():
     """``cpu`` only when the CPU limit killed the call, not when it exited after its
     children used that much; a call whose status never came back never reads 'None'."""
-    from maxent_grpo.rollout.sandbox_worker import ending
+    from maxent_grpo.rollout.sandbox.worker import ending
 
     assert ending(0, 10.0, 3) == {"status": "exit", "code": 0}
     assert ending(signal.SIGXCPU, 3.0, 3) == {"status": "cpu"}

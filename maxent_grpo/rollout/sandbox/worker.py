@@ -1,5 +1,5 @@
 """The processes behind :mod:`maxent_grpo.rollout.sandbox`, run as a script
-(``python -I [-S] sandbox_worker.py FD``); standard library only, since it runs isolated.
+(``python -I [-S] sandbox/worker.py FD``); standard library only, since it runs isolated.
 
     T  the trainer: starts this script, then talks to it over the control socket FD
     Z  this script's loop (the zygote): reads the config, imports the preloads, then
@@ -7,7 +7,7 @@
        process of its call's uid) a spare that is still there when T closes
     S  a spare, later the call's supervisor: its own session, the subreaper of what the
        call leaves behind; makes its namespaces and the call's files
-       (:mod:`~maxent_grpo.rollout.sandbox_call`) and forks C and D while it waits; then
+       (:mod:`~maxent_grpo.rollout.sandbox.call`) and forks C and D while it waits; then
        hands D the one request, enforces the wall clock and the output cap, kills what is
        left, removes what the call left where the host would keep it, answers T and exits
     C  the call's init (pid 1 of its own pid namespace when there is one)
@@ -43,7 +43,7 @@ PRELOAD = ("collections", "datetime", "decimal", "fractions", "functools", "heap
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _spec = util.spec_from_file_location(
-    "sandbox_call", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_call.py"))
+    "sandbox_call", os.path.join(os.path.dirname(os.path.abspath(__file__)), "call.py"))
 CALL = util.module_from_spec(_spec)
 _spec.loader.exec_module(CALL)
 _sys = CALL._sys

@@ -1,5 +1,5 @@
 """The trainer's side of :mod:`maxent_grpo.rollout.sandbox`: the zygote process
-(:mod:`~maxent_grpo.rollout.sandbox_worker`, started on first use) and the sockets of its
+(:mod:`~maxent_grpo.rollout.sandbox.worker`, started on first use) and the sockets of its
 ready spares. Everything here is what :meth:`Pool.close` (also the sandbox's finaliser, at
 exit) stops; a pool inherited by a forked child is never stopped from the child: right
 after the fork the child forgets it (its lock new, its sockets closed) and starts its own on
@@ -27,7 +27,7 @@ __all__ = ["START_WAIT", "WORKER", "Pool", "Spare", "killpg"]
 START_WAIT = 120.0  # seconds for the zygote (and its preloads) or a spare to be ready
 CONTROL_WAIT = 30.0  # seconds a message to the zygote may wait
 #: the zygote's script
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
 def killpg(pid: int) -> None:
@@ -47,7 +47,7 @@ class Spare:
     def ready(self, wait: float = START_WAIT) -> dict[str, Any]:
         """What the spare reports once ready (OSError when it is not within ``wait`` s)."""
         if self.info is None:
-            from maxent_grpo.rollout import sandbox_worker as wire
+            from maxent_grpo.rollout.sandbox import worker as wire
 
             self.sock.settimeout(wait)
             try:

@@ -145,7 +145,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.rollout.sandbox_pool import WORKER, Pool, killpg
+from maxent_grpo.rollout.sandbox.pool import WORKER, Pool, killpg
 from maxent_grpo.validation import check_int, check_number, require
 
 __all__ = ["UID_BASE", "Sandbox", "SandboxError", "SandboxResult", "close_shared_sandbox",
@@ -339,7 +339,7 @@ class Sandbox:
             spare = self._pool.take(deadline)
         except (OSError, ValueError) as err:
             return failed(reason=str(err))
-        from maxent_grpo.rollout import sandbox_worker as wire
+        from maxent_grpo.rollout.sandbox import worker as wire
 
         reply: Any = None
         try:

@@ -1,4 +1,4 @@
-"""The call's side of :mod:`maxent_grpo.rollout.sandbox_worker`: the files a call sees (its
+"""The call's side of :mod:`maxent_grpo.rollout.sandbox.worker`: the files a call sees (its
 mount namespace, laid out by its supervisor S), the removal of what it leaves where the host
 would keep it, and the two processes of one call, which S forks while its spare waits, so a
 call only pays for running its code:
