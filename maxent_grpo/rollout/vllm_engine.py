@@ -13,9 +13,8 @@ Sampling is the trainer's :class:`~maxent_grpo.rollout.SamplingSettings`: ``n = 
 completions per prompt, the same temperature, top-p, top-k and maximum new tokens; the
 prompts are tokenised by the policy's tokenizer exactly as the Hugging Face engine does
 (left truncation to ``max_prompt_length``) and given to vLLM as token ids, so both engines
-see the same prompt tokens. Every sample draws its own random stream: the seeds come from
-torch's random stream (:func:`request_seeds`: one base per call, a span per rank, ``G``
-seeds per prompt), so ``seed_everything`` reproduces the samples and an exact resume (which
+see the same prompt tokens. Every request gets a seed drawn from torch's random stream
+plus the rank, so ``seed_everything`` reproduces the samples and an exact resume (which
 restores torch's random state) continues them. vLLM reports the log-probability of each
 sampled token after temperature (``logprobs_mode="processed_logprobs"``): it comes back as
 :attr:`RolloutOutput.sampler_logps`.
@@ -115,36 +114,6 @@ def _quiet_vllm() -> Iterator[None]:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-#: seeds a rank may use in one call: rank r draws from [base + r * SEED_SPAN, ... + SEED_SPAN)
-SEED_SPAN = 2**20
-
-
-def request_seeds(base: int, rank: int, num_requests: int, group: int) -> list[int]:
-    """The seed of each of ``num_requests`` requests of ``group`` samples, such that no two
-    samples of a call on any rank share a stream.
-
-    vLLM seeds the ``g``-th sample of a request with seed ``s`` as ``s + g`` (``g < n``), so
-    request ``i`` gets ``base + rank * SEED_SPAN + i * group``: its samples take the
-    ``group`` seeds after it, and the ranks (which draw the same ``base`` from the same
-    torch stream) take disjoint spans. A seed per prompt of ``base + i`` gave sample
-    ``(i, g)`` the seed of ``(i + 1, g - 1)``.
-
-    >>> request_seeds(100, 0, 3, 2), request_seeds(100, 1, 1, 2)
-    ([100, 102, 104], [1048676])
-    """
-    require(num_requests * group <= SEED_SPAN,
-            f"{num_requests} requests of {group} samples exceed the {SEED_SPAN} seeds a rank "
-            "may use in one call")
-    return [base + rank * SEED_SPAN + i * group for i in range(num_requests)]
-
-
-def _base_seed() -> int:
-    """A base seed from torch's random stream (so ``seed_everything`` and an exact resume
-    reproduce the samples); with the ranks' spans the seeds stay below 2**31 up to 1024
-    ranks."""
-    return int(torch.randint(0, 2**30, (1,)))
 
 
 class VLLMEngine:
@@ -288,12 +257,11 @@ class VLLMEngine:
         request seeds come from torch's random stream, as in :meth:`generate`."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
                 "continue_ids needs one budget per sequence and at least one sequence")
-        seeds = request_seeds(_base_seed(), _rank(), len(sequences), 1)
+        base = int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
         params = [dataclasses.replace(sampling, max_new_tokens=int(b)) for b in budgets]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(q)} for q in sequences],
-            [self._params(p, 1, seed) for p, seed in zip(params, seeds, strict=True)],
-            use_tqdm=False)
+            [self._params(p, 1, base + i) for i, p in enumerate(params)], use_tqdm=False)
         out = []
         for result in outputs:
             c = result.outputs[0]
@@ -314,7 +282,8 @@ class VLLMEngine:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         requests = [{"prompt_token_ids": ids[mask].tolist()}
                     for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        params = [self._params(s, G, seed) for seed in request_seeds(_base_seed(), _rank(), B, G)]
+        base = int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+        params = [self._params(s, G, base + b) for b in range(B)]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - start
