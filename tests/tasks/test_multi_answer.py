@@ -159,12 +159,14 @@ def test_deterministic_from_the_seed() -> None:
     assert build_task("countdown_multi", 20, 7) == countdown_multi(20, 7)  # cold cache too
 
 
-def test_generation_is_fast() -> None:
+def test_generation_does_not_hang() -> None:
+    # Only a hang is caught here (about 0.5 s cold on a 2-core CPU; the bound is 100x that),
+    # so that a loaded machine cannot fail it.
     multi_answer._expressions.cache_clear()
     multi_answer._solutions_by_target.cache_clear()
     start = time.perf_counter()
-    countdown_multi(100, 11)
-    assert time.perf_counter() - start < 2.0
+    assert len(countdown_multi(100, 11)) == 100
+    assert time.perf_counter() - start < 60.0
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,9 @@ class StepTimer:
     """Seconds per named phase: ``stop(name)`` charges the time since the last ``start()``
     or ``stop()`` to ``name`` (consecutive phases: one ``start``, several ``stop`` calls)."""
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, clock=time.perf_counter) -> None:
         self._cuda = torch.device(device or "cpu").type == "cuda"
+        self._clock = clock  # seconds; injectable so that tests need no real sleeps
         self._begin = self._now()
         self._last = self._begin
         self.seconds: dict[str, float] = defaultdict(float)
@@ -34,7 +35,7 @@ class StepTimer:
     def _now(self) -> float:
         if self._cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self._clock()
 
     def start(self) -> None:
         self._last = self._now()
