@@ -3,10 +3,10 @@ write TensorBoard events with the training metrics and a checkpoint, and raise t
 its checkpoint evaluates with one command; the analysis notebook renders its curves beside a
 second (listwise MaxEnt) run.
 
-The demo is the one long run of the fast suite (about two and a half minutes on 2 CPU cores,
-shared by the tests of this file): it is the product's promise, so it runs in CI. Its time
-limit is an hour, only there to stop a hung run: a loaded machine may take several times the
-usual time.
+The demo is a long run (800 steps, three to five minutes on 2 CPU cores, shared by the
+tests of this file), so the file is marked slow: ``make test`` leaves it out and ``.ci/run``
+runs it after the main suite, since it is the product's promise. Its time limit is an hour,
+only there to stop a hung run: a loaded machine may take several times the usual time.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxent_grpo.tools.analysis import load_run
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -73,10 +75,12 @@ def test_tiny_demo_trains_and_the_reward_rises(demo):
     assert len(reward) == 800
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
     # The README's promise: right by chance at first, several times more often at the end;
-    # the warm start never saw a sum, so the rise is the rewards' doing. The bounds are
-    # those every measured run cleared with margin (benchmarks/DEMO_SEEDS.md: 10 seeds
-    # here and seeds under other CPU-kernel settings), not one run's figure.
-    assert first <= 0.15 and last >= 0.45 and last >= 4 * first, (
+    # the warm start never saw a sum, so the rise is the rewards' doing. The bounds come
+    # from the recorded runs of this config (benchmarks/results/demo_seeds.jsonl, 19 runs,
+    # 10 seeds, 1 and 2 threads): first 20 steps 0.054-0.069, last 20 0.662-0.943 (seed 0,
+    # the config's: 0.901-0.942). The same demo without the KL anchor, the collapse the
+    # anchor fixed, reached 0.598 and 0.390 (seeds 0 and 1): the last-20 bound fails it.
+    assert first <= 0.15 and last >= 0.62 and last >= 4 * first, (
         f"reward did not rise as promised: first 20 {first:.3f}, last 20 {last:.3f}"
     )
     assert (demo / "lightning_logs/tiny/checkpoints/last.ckpt").is_file(), "no last checkpoint"
@@ -109,8 +113,10 @@ def test_the_demo_checkpoint_evaluates_with_one_command(demo):
     assert 0 <= metrics["val/pass@1"] <= metrics["val/pass@8"] <= 1
     assert metrics["val/pass@1"] == pytest.approx(metrics["val/mean@1"])
     assert 1 <= metrics["val/distinct@8"] <= 8
-    # the policy learnt something: a random-init model almost never answers a sum right
-    assert metrics["val/pass@8"] > 0
+    # the checkpoint's policy, not the warm start: the warm start measured val/mean@8
+    # 0.035-0.063 (seeds 0-2 of this command without --ckpt_path); every recorded demo run
+    # ended at val/pass@1 0.227-0.797 (benchmarks/results/demo_seeds.jsonl)
+    assert metrics["val/mean@8"] >= 0.15, metrics["val/mean@8"]
 
 
 def test_a_checkpoint_of_another_objective_is_refused_naming_the_option(demo):
