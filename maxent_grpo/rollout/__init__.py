@@ -3,7 +3,8 @@
 :class:`RolloutEngine` is the interface, :class:`RolloutOutput` its result (its texts a
 :class:`GenerationBatch`), :class:`SamplingSettings` the distribution it samples, and
 a :class:`HFGenerateEngine` the default engine, built on ``transformers``' ``generate``, and
-:class:`VLLMEngine` the engine on a colocated ``vllm.LLM`` (vLLM installed separately).
+:class:`VLLMEngine` the engine on a colocated ``vllm.LLM`` (vLLM installed separately), and
+:class:`VLLMServerEngine` the engine on ``vllm serve`` processes.
 
 ``HFGenerateEngine`` is imported on first use (PEP 562), so that the data types here load
 without transformers.
@@ -30,6 +31,7 @@ __all__ = [
     "RolloutOutput",
     "SamplingSettings",
     "VLLMEngine",
+    "VLLMServerEngine",
     "completion_mask_from_ids",
 ]
 
@@ -43,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from maxent_grpo.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine
+    if name == "VLLMServerEngine":
+        from maxent_grpo.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine
     raise AttributeError(f"module 'maxent_grpo.rollout' has no attribute {name!r}")

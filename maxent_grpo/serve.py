@@ -1,0 +1,116 @@
+"""Start a local ``vllm serve`` for :class:`~maxent_grpo.rollout.VLLMServerEngine` and,
+optionally, run a training command against it, stopping the server afterwards.
+
+    python -m maxent_grpo.serve --model builtin:tiny-h64-warm
+        serves until Ctrl-C (printing the URL and the key to give the trainer);
+    python -m maxent_grpo.serve --model builtin:tiny-h64-warm -- fit --config CONFIG
+        starts the server on a free localhost port, runs ``python -m maxent_grpo fit ...``
+        with ``--model.engine.init_args.urls`` set to it and the key in ``VLLM_API_KEY``,
+        then stops the server (also when the training fails or is interrupted).
+
+Run it with the Python of an environment that has vLLM (``make setup-vllm`` on a CPU:
+``.venv-vllm/bin/python``). The server listens on 127.0.0.1 only and requires a fresh random
+API key on its ``/v1`` routes; its weight-update routes have no key in vLLM, so the port
+must not be reachable from other machines (README, "vLLM servers").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float) -> None:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited with {proc.returncode} before it answered; "
+                             f"its log ({log}) ends:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        print(f"\rwaiting for vllm serve at {url} ... {time.monotonic() - start:.0f} s",
+              end="", file=sys.stderr, flush=True)
+        time.sleep(1)
+    raise SystemExit(f"vllm serve did not answer at {url} within {seconds:g} s; log: {log}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from maxent_grpo.models import resolve_model_path
+    from maxent_grpo.rollout.vllm_server import server_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="python -m maxent_grpo.serve",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True,
+                        help="the model to serve: a builtin: name, a folder or a hub name")
+    parser.add_argument("--port", type=int, default=None, help="default: a free port")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model-cache-dir", default=None,
+                        help="where builtin: models are written (default: the trainer's)")
+    parser.add_argument("--start-seconds", type=float, default=600.0,
+                        help="how long to wait for the server to answer")
+    args = parser.parse_args(argv)
+    folder = resolve_model_path(args.model, args.model_cache_dir)
+    port = args.port or _free_port()
+    url = f"http://127.0.0.1:{port}"
+    key = os.environ.get("VLLM_API_KEY") or secrets.token_hex(16)
+    work = Path(tempfile.mkdtemp(prefix="maxent_grpo_serve_"))
+    log = work / "vllm_serve.log"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with open(log, "wb") as out:
+        # started outside the current folder: a stale *.egg-info there would hide the
+        # installed package's entry points (the maxent_file backend)
+        proc = subprocess.Popen(server_args(folder, port, key, args.dtype, sys.executable),
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                start_new_session=True)
+    try:
+        _wait_healthy(url, proc, log, args.start_seconds)
+        print(f"\rvllm serve is up at {url} (log: {log})", file=sys.stderr, flush=True)
+        if not command:
+            print(f"give the trainer: --model.engine.init_args.urls=[{url}] with "
+                  f"VLLM_API_KEY={key}; Ctrl-C stops the server", file=sys.stderr, flush=True)
+            proc.wait()
+            return proc.returncode or 0
+        train = [sys.executable, "-m", "maxent_grpo", *command,
+                 f"--model.engine.init_args.urls=[{url}]"]
+        return subprocess.run(train, env={**os.environ, "VLLM_API_KEY": key}).returncode
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print("vllm serve stopped", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

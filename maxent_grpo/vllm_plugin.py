@@ -1,0 +1,109 @@
+"""A weight-transfer backend for ``vllm serve`` that moves weights through a file: the way
+:class:`~maxent_grpo.rollout.vllm_server.VLLMServerEngine` updates a server on a machine
+without a GPU (vLLM's own backends, NCCL and CUDA IPC, need one).
+
+vLLM loads this module in each of its processes through the ``vllm.general_plugins`` entry
+point that ``pip install maxent-grpo`` declares (``pyproject.toml``); :func:`register` adds
+the backend ``maxent_file`` to vLLM's registry, and a server started with
+``--weight-transfer-config '{"backend": "maxent_file"}'`` uses it. The protocol is vLLM's
+own, driven over HTTP by the trainer:
+
+1. ``POST /init_weight_transfer_engine {"init_info": {}}`` once;
+2. per update: ``/start_weight_update``; ``/update_weights {"update_info": {"path": F,
+   "num_tensors": n, "num_bytes": b}}`` for a safetensors file ``F`` the trainer wrote
+   where the server can read it (``/dev/shm`` on one machine, a shared file system across
+   machines); ``/finish_weight_update {"weight_version": v}``.
+
+The update checks the file against what the trainer says it wrote (the tensor count and
+the file's size) before loading a single tensor, so a file cut short is refused whole; the
+trainer then repeats the transfer from the start. The module imports nothing heavy at the
+top: vLLM's processes import it at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BACKEND = "maxent_file"
+
+
+def register() -> None:
+    """Add the ``maxent_file`` backend to vLLM's weight-transfer registry (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "FileWeightTransfer")
+
+
+def _engine_class():
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @dataclass
+    class FileInitInfo(WeightTransferInitInfo):
+        """No settings: the file's path comes with each update."""
+
+    @dataclass
+    class FileUpdateInfo(WeightTransferUpdateInfo):
+        """One safetensors file holding every tensor of the model (checkpoint names)."""
+
+        path: str
+        num_tensors: int
+        num_bytes: int
+
+    class FileWeightTransfer(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
+        """Loads a whole checkpoint from one safetensors file, through vLLM's layer-wise
+        reload (the path its NCCL backend takes), after checking the file is complete."""
+
+        init_info_cls = FileInitInfo
+        update_info_cls = FileUpdateInfo
+        supports_draft_weight_update = False
+
+        def init_transfer_engine(self, init_info: FileInitInfo) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: FileUpdateInfo) -> None:
+            from safetensors import safe_open
+
+            path = update_info.path
+            if not os.path.isfile(path):
+                raise ValueError(f"maxent_file: no weights file at {path}")
+            size = os.path.getsize(path)
+            if size != update_info.num_bytes:
+                raise ValueError(f"maxent_file: {path} has {size} bytes; the trainer wrote "
+                                 f"{update_info.num_bytes} (a file cut short?)")
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                if len(names) != update_info.num_tensors:
+                    raise ValueError(f"maxent_file: {path} holds {len(names)} tensors; the "
+                                     f"trainer wrote {update_info.num_tensors}")
+                self.model.load_weights((name, f.get_tensor(name)) for name in names)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            pass
+
+    return FileWeightTransfer
+
+
+def __getattr__(name: str):
+    # vLLM's registry imports ``FileWeightTransfer`` from this module by name; the class is
+    # built on first use so that importing the module never imports vLLM.
+    if name == "FileWeightTransfer":
+        cls = _engine_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

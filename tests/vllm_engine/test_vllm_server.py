@@ -1,0 +1,203 @@
+"""``VLLMServerEngine`` against real ``vllm serve`` processes (``make test-vllm``).
+
+One server for the module (a free localhost port, an API key, the file weight-transfer
+backend), started once and stopped however the tests end; the fault tests that kill a server
+start their own. Skipped where vLLM is not installed (the main suite's environment).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import httpx
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+pytest.importorskip("vllm.entrypoints.llm")
+
+from maxent_grpo.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from maxent_grpo.rollout import SamplingSettings  # noqa: E402
+from maxent_grpo.rollout.vllm_server import ServerError, VLLMServerEngine  # noqa: E402
+from tests.conftest import fit, make_data, make_module  # noqa: E402
+from tests.vllm_engine.servers import Server, free_port, running  # noqa: E402
+
+MODEL = "builtin:tiny-h64"
+KEY = "test-key"
+PROMPTS = ["<|im_start|>user\n3 + 5 =<|im_end|>\n<|im_start|>assistant\n", "hello there"]
+SAMPLING = SamplingSettings(max_new_tokens=8, max_prompt_length=64)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def server(cache, tmp_path_factory):
+    folder = resolve_model_path(MODEL, cache)
+    with running(folder, tmp_path_factory.mktemp("logs") / "server.log", KEY) as s:
+        yield s
+
+
+def policy_and_tokenizer(cache):
+    return (load_policy(MODEL, cache_dir=cache), load_tokenizer(MODEL, cache_dir=cache))
+
+
+def engine_on(server, cache, **kw):
+    policy, tokenizer = policy_and_tokenizer(cache)
+    return VLLMServerEngine(policy, tokenizer, SAMPLING, urls=[server.url], api_key=KEY, **kw)
+
+
+def test_a_rollout_follows_the_contract_with_the_policys_logps(server, cache):
+    from maxent_grpo.training.step.scoring import Scorer
+    from maxent_grpo.training.types import BatchingSettings
+
+    engine = engine_on(server, cache, probe_tolerance=1e-4)
+    G = 4
+    out = engine.generate(PROMPTS, ["", ""], G)
+    B, T = len(PROMPTS), out.completion_ids.shape[1]
+    assert out.completion_ids.shape == (B * G, T) and T <= 8
+    assert out.prompt_ids.shape[0] == B * G
+    assert len({tuple(r) for r in out.completion_ids[:G].tolist()}) > 1  # G samples differ
+    scorer = Scorer(1.0, BatchingSettings(None, None), False)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    attention = torch.cat([out.prompt_mask, out.completion_mask], 1).long()
+    with torch.no_grad():
+        ours, _ = scorer.token_logps(engine.model, ids, attention, T, with_entropy=False)
+    assert float((ours - out.sampler_logps).abs()[out.completion_mask].max()) < 1e-4
+    engine.close()
+
+
+def test_the_same_seed_samples_what_the_colocated_engine_samples(server, cache):
+    from maxent_grpo.rollout.vllm_engine import VLLMEngine
+
+    engine = engine_on(server, cache)
+    colocated = VLLMEngine(engine.model, engine.tokenizer, SAMPLING, gpu_memory_utilization=0.1)
+    torch.manual_seed(3)
+    a = engine.generate(PROMPTS, ["", ""], 4)
+    torch.manual_seed(3)
+    b = colocated.generate(PROMPTS, ["", ""], 4)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(a.sampler_logps, b.sampler_logps, atol=1e-4, rtol=0)
+    torch.manual_seed(3)
+    c = engine.continue_ids([[5, 6, 7], [8, 9]], [4, 3], SAMPLING)
+    torch.manual_seed(3)
+    d = colocated.continue_ids([[5, 6, 7], [8, 9]], [4, 3], SAMPLING)
+    assert [x.ids for x in c] == [x.ids for x in d] and len(c[1].ids) <= 3
+    engine.close()
+
+
+def test_new_weights_reach_the_server_with_their_version(server, cache):
+    engine = engine_on(server, cache, probe_tolerance=1e-4)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    with pytest.raises(ServerError, match="probe log-probabilities"):
+        engine._check_probe()  # the server still holds the old weights
+    engine.sync(engine.model)
+    engine._check_probe()
+    held = httpx.get(server.url + "/weight_info").json()["weight_version"]
+    assert held == str(engine.version) and engine.sync_bytes > 0
+    engine.close()
+
+
+def test_a_transfer_cut_short_is_repeated_whole_or_leaves_the_server_paused(server, cache):
+    engine = engine_on(server, cache, probe_tolerance=1e-4)
+    real = engine._write_weights
+    cuts = {"left": 1}
+
+    def cut_short(weights):
+        path, info = real(weights)
+        if cuts["left"] > 0:
+            cuts["left"] -= 1
+            with open(path, "r+b") as f:
+                f.truncate(info["num_bytes"] // 2)
+        return path, info
+
+    engine._write_weights = cut_short
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.mul_(1.01)
+    engine.sync(engine.model)  # the first file is cut; the second attempt lands
+    engine._check_probe()
+    before = httpx.get(server.url + "/weight_info").json()["weight_version"]
+    cuts["left"] = 99
+    with pytest.raises(ServerError, match="left paused"):
+        engine.sync(engine.model)
+    assert httpx.get(server.url + "/is_paused").json()["is_paused"] is True
+    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == before
+    httpx.post(server.url + "/resume")  # leave the shared server usable
+    engine.close()
+
+
+def test_a_request_without_the_key_is_refused(server, cache):
+    body = {"model": "x", "prompt": [1, 2], "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
+    policy, tokenizer = policy_and_tokenizer(cache)
+    with pytest.raises(ServerError, match="api_key or VLLM_API_KEY"):
+        VLLMServerEngine(policy, tokenizer, SAMPLING, urls=[server.url], api_key="wrong")
+
+
+def test_no_server_names_the_url_and_the_command(cache):
+    policy, tokenizer = policy_and_tokenizer(cache)
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match="no vLLM server answers at " + url) as err:
+        VLLMServerEngine(policy, tokenizer, SAMPLING, urls=[url], connect_seconds=0)
+    assert "vllm.entrypoints.openai.api_server" in str(err.value)
+
+
+def test_a_fit_trains_on_the_server(server, cache, tmp_path):
+    from maxent_grpo.rollout.vllm_server import VLLMServerEngine as Engine
+
+    module = make_module(
+        cache, model_name_or_path=MODEL, max_completion_length=8,
+        engine=functools.partial(Engine, urls=[server.url], api_key=KEY),
+        rewards={"tests.conftest:alternating": 1.0})
+    trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=3, tmp_path=tmp_path)
+    assert trainer.global_step == 3 and isinstance(module._engine, Engine)
+    logged = trainer.callback_metrics
+    assert float(logged["train/perf/sync_seconds"]) > 0
+    assert 0 <= float(logged["train/rollout/logp_gap/mean"]) < 1e-5  # the server has our weights
+    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == str(
+        module._engine.version)
+    module._engine.close()
+
+
+def test_a_server_that_dies_is_replaced_then_revived_with_the_current_weights(cache, tmp_path):
+    """Two servers; one is killed: the other takes the load; restarted on its port (with the
+    weights it started with), it gets the current weights before it is used again. With
+    both gone the rollout fails after ``retry_seconds``, naming the servers and the resume."""
+    folder = resolve_model_path(MODEL, cache)
+    a, b = Server(folder, KEY, tmp_path / "a.log"), Server(folder, KEY, tmp_path / "b.log")
+    try:
+        a.start(wait=False)  # both start at once
+        b.start(wait=False)
+        a.wait_healthy()
+        b.wait_healthy()
+        engine = VLLMServerEngine(*policy_and_tokenizer(cache), SAMPLING, urls=[a.url, b.url],
+                                  api_key=KEY, retry_seconds=20)
+        with torch.no_grad():
+            for p in engine.model.parameters():
+                p.mul_(0.99)
+        engine.sync(engine.model)
+        a.kill()
+        out = engine.generate(PROMPTS * 2, [""] * 4, 2)
+        assert out.completion_ids.shape[0] == 8
+        assert not engine.servers[0].healthy
+        a.start()  # holds the weights it started with: version "default"
+        assert httpx.get(a.url + "/weight_info").json()["weight_version"] != str(engine.version)
+        assert engine._revive(engine.servers[0])
+        assert httpx.get(a.url + "/weight_info").json()["weight_version"] == str(engine.version)
+        engine._check_probe()
+        a.kill()
+        b.kill()
+        engine.retry_seconds = 2
+        with pytest.raises(ServerError, match="--ckpt_path last"):
+            engine.generate(PROMPTS, ["", ""], 2)
+        engine.close()
+    finally:
+        a.kill()
+        b.kill()
