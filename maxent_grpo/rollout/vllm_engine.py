@@ -40,6 +40,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -62,7 +63,8 @@ from maxent_grpo.rollout.protocol import (
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
-__all__ = ["VLLMEngine", "assemble_rollout", "request_seed_base", "require_vllm"]
+__all__ = ["VLLMEngine", "assemble_rollout", "request_seed_base", "request_seeds_from",
+           "require_vllm"]
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -297,12 +299,30 @@ class VLLMEngine:
                                 next(self.model.parameters()).device)
 
 
+_SEEDS = threading.local()
+
+
+@contextlib.contextmanager
+def request_seeds_from(seed: int) -> Iterator[None]:
+    """In this thread, draw the request seeds from a generator seeded with ``seed`` instead
+    of torch's global stream: a rollout made in a background thread
+    (:mod:`~maxent_grpo.training.step.pipeline`) is then reproducible whatever the main
+    thread draws meanwhile."""
+    _SEEDS.generator = torch.Generator().manual_seed(int(seed))
+    try:
+        yield
+    finally:
+        _SEEDS.generator = None
+
+
 def request_seed_base() -> int:
     """The first request seed of a rollout, drawn from torch's random stream (so that
-    ``seed_everything`` reproduces the samples and an exact resume continues them) and
-    offset by the rank; request ``b`` uses ``base + b``. Shared by the colocated and the
-    server engine, so that both sample alike from the same seed."""
-    return int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * _rank()
+    ``seed_everything`` reproduces the samples and an exact resume continues them; in a
+    :func:`request_seeds_from` block, from its generator) and offset by the rank; request
+    ``b`` uses ``base + b``. Shared by the colocated and the server engine, so that both
+    sample alike from the same seed."""
+    generator = getattr(_SEEDS, "generator", None)
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) + 7919 * _rank()
 
 
 def assemble_rollout(

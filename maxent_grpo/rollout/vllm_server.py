@@ -138,6 +138,10 @@ class VLLMServerEngine:
         stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
     """
 
+    #: generation runs in the servers' processes: ``model.max_staleness >= 1`` overlaps it
+    #: with training
+    generates_elsewhere = True
+
     def __init__(
         self,
         model: nn.Module,

@@ -49,6 +49,7 @@ from maxent_grpo.training.settings import (
     build_lr_scheduler,
 )
 from maxent_grpo.training.step.context import StepContext
+from maxent_grpo.training.step.pipeline import Prefetched, RolloutPipeline
 from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
@@ -118,6 +119,12 @@ class MaxEntGRPOModule(L.LightningModule):
             (``VLLMEngine``) and an objective with the clipped surrogate (GRPO,
             EntropyMaxEnt, GroupMaxEnt). ``None`` = off.
         sampler_correction_cap: the cap ``C`` of those weights (> 0).
+        max_staleness: ``k``: 0 = each step trains on the rollout of its own batch; ``k >= 1``
+            = asynchronous: step ``t`` trains on the rollout of batch ``t - k``, generated in
+            the background from weights ``k`` optimizer steps old while the trainer computes
+            (:mod:`~maxent_grpo.training.step.pipeline`; ``train/rollout/staleness``). Needs an
+            engine that generates elsewhere (``VLLMServerEngine``) and
+            ``sampler_correction`` (docs/ALGORITHM.md §2.3).
         tools: tools the model may call (``package.module:function`` or ``calculate``):
             multi-turn rollouts, tool messages out of the loss
             (:mod:`maxent_grpo.rollout.multiturn`; linked to ``data.tools``). ``None``: off.
@@ -176,6 +183,7 @@ class MaxEntGRPOModule(L.LightningModule):
         sampler_correction: Literal["token_tis", "token_mis", "sequence_tis",
                                     "sequence_mis"] | None = None,
         sampler_correction_cap: float = 2.0,
+        max_staleness: int = 0,
         tools: list[str] | None = None,
         environment: dict[str, Any] | None = None,
         max_tool_calls: int = 4,
@@ -207,6 +215,15 @@ class MaxEntGRPOModule(L.LightningModule):
         require(sampler_correction is None or objective.supports_sampler_correction,
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
+        require(isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
+                and max_staleness >= 0,
+                f"model.max_staleness must be an int >= 0; got {max_staleness!r}")
+        require(max_staleness == 0 or sampler_correction is not None,
+                "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
+                "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2.3)")
+        require(max_staleness == 0 or environment is None,
+                "model.max_staleness >= 1 cannot store an environment's rollouts in a "
+                "checkpoint; use max_staleness 0 with model.environment")
         self.rewards = WeightedRewards(
             {"accuracy": 1.0} if rewards is None else dict(rewards), module=self)
         self.loop = build_loop_settings(options, self.rewards.names)
@@ -242,12 +259,33 @@ class MaxEntGRPOModule(L.LightningModule):
         self._weights_version = self._engine_version = 0
         self.sync_seconds = 0.0  # the last rollout's engine.sync (perf/sync_seconds)
         self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
+        #: the rollouts in flight of an asynchronous run (model.max_staleness >= 1)
+        self.pipeline = RolloutPipeline(max_staleness) if max_staleness else None
+        self.staleness = 0  # optimizer steps between the rollout's weights and the update
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
         """One rollout, then ``num_iterations`` optimizer steps on it (the module docstring);
         the step is logged and ``objective.observe`` reads its statistics."""
-        timer, ctx = StepTimer(self.device), self.step_context()
+        timer = StepTimer(self.device)
+        if self.pipeline is not None:  # asynchronous: train on the rollout of batch t - k
+            self.pipeline.wait()  # the rollout in flight ends on its weights before the sync
+            ctx = self.step_context()
+            inner = getattr(ctx.engine, "engine", ctx.engine)  # a multi-turn engine's own
+            require(getattr(inner, "generates_elsewhere", False),
+                    "model.max_staleness >= 1 needs an engine that generates outside the "
+                    "trainer's process (maxent_grpo.rollout.VLLMServerEngine); "
+                    f"{type(inner).__name__} samples here, so nothing would overlap: set "
+                    "max_staleness 0")
+            self.pipeline.submit(ctx.engine, batch, self.loop.generation.num_generations,
+                                 self.global_step)
+            ready = self.pipeline.ready()
+            if ready is None:  # the first k steps only start rollouts
+                return
+            batch, self.staleness = ready.batch, self.global_step - ready.version
+            ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, ready.result()))
+        else:
+            ctx = self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
         schedule = self.loop.optimization.schedule
         for i in range(schedule.num_iterations):
@@ -279,6 +317,8 @@ class MaxEntGRPOModule(L.LightningModule):
         timings = timer.summary(rollout.generate_seconds, int(rollout.model_mask.sum()))
         extra = {f"perf/{k}": v for k, v in timings.items()}
         extra["perf/sync_seconds"] = self.sync_seconds
+        if self.pipeline is not None:
+            extra["rollout/staleness"] = float(self.staleness)
         sent = getattr(self._engine, "sync_bytes", None)  # the server engine's weight file
         if sent is not None:
             extra["perf/sync_bytes"] = float(sent)
@@ -325,6 +365,14 @@ class MaxEntGRPOModule(L.LightningModule):
         if self._rng_to_restore is not None:
             restore_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
+
+    def on_validation_start(self) -> None:
+        if self.pipeline is not None:  # no weight update while a rollout is in flight
+            self.pipeline.wait()
+
+    def on_train_end(self) -> None:
+        if self.pipeline is not None:  # the last k rollouts are never trained on
+            self.pipeline.close()
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -444,6 +492,8 @@ class MaxEntGRPOModule(L.LightningModule):
         """Add the objective's state, the counters and every rank's random state
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters)
+        if self.pipeline is not None:  # the rollouts in flight, so a resume trains on them
+            checkpoint["maxent_grpo_rollouts"] = self.pipeline.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for
@@ -451,3 +501,7 @@ class MaxEntGRPOModule(L.LightningModule):
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters)
         self._weights_version += 1  # the engine syncs with the loaded weights
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline.load_state_dict(checkpoint.get("maxent_grpo_rollouts", []),
+                                          self.device)

@@ -201,3 +201,23 @@ def test_a_server_that_dies_is_replaced_then_revived_with_the_current_weights(ca
     finally:
         a.kill()
         b.kill()
+
+
+def test_an_asynchronous_fit_trains_one_step_behind(server, cache, tmp_path):
+    """``max_staleness = 1``: the first step only starts a rollout; every later step trains
+    on the rollout made from the weights one optimizer step old, which the sampler
+    correction sees as a gap between the sampler's and the trainer's log-probs."""
+    from maxent_grpo.rollout.vllm_server import VLLMServerEngine as Engine
+
+    module = make_module(
+        cache, model_name_or_path=MODEL, max_completion_length=8, max_staleness=1,
+        sampler_correction="token_tis",
+        engine=functools.partial(Engine, urls=[server.url], api_key=KEY),
+        rewards={"tests.conftest:alternating": 1.0})
+    trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=3, tmp_path=tmp_path)
+    assert trainer.global_step == 3
+    logged = trainer.callback_metrics
+    assert float(logged["train/rollout/staleness"]) == 1.0
+    assert float(logged["train/rollout/logp_gap/mean"]) > 1e-4  # sampled by older weights
+    assert float(logged["train/rollout/correction/mean"]) != 1.0
+    module._engine.close()

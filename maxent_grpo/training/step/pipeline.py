@@ -1,0 +1,167 @@
+"""Asynchronous rollouts with bounded staleness (``model.max_staleness = k``).
+
+With ``k = 0`` (the default) a step rolls out its own batch and trains on it. With ``k >= 1``
+step ``t`` hands its batch to a background thread, which asks the engine for the rollout
+(a server engine: the servers generate while the trainer computes), and trains on the
+rollout of batch ``t - k``, generated from the weights of ``k`` optimizer steps before (one
+per step with ``num_iterations = 1``). The first ``k`` steps only start rollouts and do not
+train; the last ``k`` rollouts of a run are never trained on.
+
+Per step, in the main thread::
+
+    wait for the rollout in flight          # its requests finish on the weights they began on
+    engine.sync(policy)                     # the new weights go to the servers
+    submit rollout(batch_t), seeded here    # generates in the background
+    train on rollout(batch_{t-k})           # staleness = weights version now - then
+
+So each rollout is sampled from one weights version: no rollout spans an update. One
+rollout is generated at a time, so ``k = 1`` already overlaps generation with training
+fully; a larger ``k`` only makes the batch older. The request seeds are drawn in the main
+thread from torch's random stream, so a run is reproducible and an exact resume continues
+it: a checkpoint waits for the rollouts in flight and stores them
+(:meth:`RolloutPipeline.state_dict`), and the resumed run trains on them as the
+uninterrupted run does.
+
+The policy-gradient correction for the stale sampler is ``model.sampler_correction``
+(required with ``k >= 1``): docs/ALGORITHM.md §2.3.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections import deque
+from typing import Any
+
+import torch
+
+from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.rollout.protocol import RolloutOutput, ToolUsage
+from maxent_grpo.rollout.vllm_engine import request_seeds_from
+
+__all__ = ["Prefetched", "RolloutPipeline"]
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    """One batch's rollout: submitted after ``version`` optimizer steps; ``rollout`` once
+    done."""
+
+    batch: dict[str, Any]
+    version: int
+    future: concurrent.futures.Future | None = None
+    rollout: RolloutOutput | None = None
+
+    def result(self) -> RolloutOutput:
+        if self.rollout is None:
+            assert self.future is not None
+            self.rollout, self.future = self.future.result(), None
+        return self.rollout
+
+
+class RolloutPipeline:
+    """The rollouts in flight of an asynchronous run (see the module docstring)."""
+
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+        self.queue: deque[PendingRollout] = deque()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def wait(self) -> None:
+        """Until every submitted rollout is done (before a weight update or a checkpoint)."""
+        for pending in self.queue:
+            pending.result()
+
+    def submit(self, engine: Any, batch: dict[str, Any], num_generations: int,
+               version: int) -> None:
+        """Start the rollout of ``batch`` in the background, its seeds drawn here."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "maxent-grpo-rollout")
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
+
+        def run() -> RolloutOutput:
+            with request_seeds_from(seed):
+                return engine.generate(batch["prompts"], batch["answers"], num_generations)
+
+        self.queue.append(PendingRollout(batch, version, self._pool.submit(run)))
+
+    def ready(self) -> PendingRollout | None:
+        """The oldest rollout once ``max_staleness`` newer ones were submitted, done; None
+        during the first ``max_staleness`` steps."""
+        if len(self.queue) <= self.max_staleness:
+            return None
+        pending = self.queue.popleft()
+        pending.result()
+        return pending
+
+    def close(self) -> None:
+        """Finish what is in flight (its rollouts are dropped) and stop the thread."""
+        for pending in self.queue:
+            if pending.future is not None:
+                pending.future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.queue.clear()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The rollouts in flight, done, as plain tensors, lists and strings."""
+        self.wait()
+        return [{"batch": p.batch, "version": p.version, "rollout": _rollout_state(p.result())}
+                for p in self.queue]
+
+    def load_state_dict(self, state: list[dict[str, Any]], device: torch.device) -> None:
+        self.queue = deque(PendingRollout(s["batch"], s["version"],
+                                          rollout=_rollout_from_state(s["rollout"], device))
+                           for s in state)
+
+
+class Prefetched:
+    """The step's engine with its rollout already made: the first ``generate`` for these
+    prompts returns it; anything else (a refill round, evaluation) goes to the engine."""
+
+    def __init__(self, engine: Any, rollout: RolloutOutput) -> None:
+        self._engine, self._rollout = engine, rollout
+
+    def generate(self, prompts: list[str], answers: list[str], num_generations: int,
+                 sampling: Any = None) -> RolloutOutput:
+        out = self._rollout
+        if (out is not None and sampling is None and list(prompts) == out.batch.prompts
+                and out.batch.num_completions == len(prompts) * num_generations):
+            self._rollout = None
+            return out
+        return self._engine.generate(prompts, answers, num_generations, sampling)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
+            "sampler_logps", "tool_mask")
+
+
+def _rollout_state(out: RolloutOutput) -> dict[str, Any]:
+    state: dict[str, Any] = {name: None if getattr(out, name) is None
+                             else getattr(out, name).detach().cpu() for name in _TENSORS}
+    state.update(prompts=list(out.batch.prompts),
+                 grouped_completions=[list(g) for g in out.batch.grouped_completions],
+                 generate_seconds=float(out.generate_seconds), tools=None)
+    if out.tools is not None:
+        if out.tools.environments is not None:
+            raise ValueError("model.max_staleness >= 1 cannot store an environment's rollouts "
+                             "in a checkpoint; use max_staleness 0 with model.environment")
+        state["tools"] = {"messages": out.tools.messages, "turns": out.tools.turns.cpu(),
+                          "calls": out.tools.calls.cpu(),
+                          "failures": {k: v.cpu() for k, v in out.tools.failures.items()}}
+    return state
+
+
+def _rollout_from_state(state: dict[str, Any], device: torch.device) -> RolloutOutput:
+    tools = state.get("tools")
+    return RolloutOutput(
+        batch=GenerationBatch(prompts=state["prompts"],
+                              grouped_completions=state["grouped_completions"]),
+        generate_seconds=state["generate_seconds"],
+        tools=None if tools is None else ToolUsage(**tools),
+        **{name: None if state[name] is None else state[name].to(device) for name in _TENSORS})

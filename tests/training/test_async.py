@@ -1,0 +1,128 @@
+"""Asynchronous rollouts (``model.max_staleness``) through the LightningModule, on a sampler
+that holds its own copy of the weights as a vLLM server does (the real servers:
+``tests/vllm_engine/test_vllm_server.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.rollout.hf import encode_prompts
+from maxent_grpo.rollout.vllm_engine import assemble_rollout, request_seed_base
+from tests.conftest import fit, make_data, make_module, params
+
+
+class RemoteCopy:
+    """Samples from its own copy of the policy, refreshed by ``sync``: a stand-in for a
+    server. Seeds come from :func:`request_seed_base`, as the real engines' do."""
+
+    generates_elsewhere = True
+
+    def __init__(self, model, tokenizer, sampling: SamplingSettings) -> None:
+        self.copy = copy.deepcopy(model).eval()
+        self.tokenizer, self.sampling = tokenizer, sampling
+        self.stop_token_ids = (tokenizer.eos_token_id,)
+
+    def sync(self, model) -> None:
+        self.copy.load_state_dict(model.state_dict())
+
+    @torch.no_grad()
+    def generate(self, prompts, answers, num_generations, sampling=None):
+        s = sampling or self.sampling
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        generator = torch.Generator().manual_seed(request_seed_base())
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
+            for _ in range(num_generations):
+                seq, out, logps = ids[mask].tolist(), [], []
+                for _ in range(s.max_new_tokens):
+                    logits = self.copy(input_ids=torch.tensor([seq])).logits[0, -1].float()
+                    lp = torch.log_softmax(logits / s.temperature, -1)
+                    token = (int(torch.multinomial(lp.exp(), 1, generator=generator))
+                             if s.do_sample else int(lp.argmax()))
+                    seq.append(token)
+                    out.append(token)
+                    logps.append(float(lp[token]))
+                    if token in self.stop_token_ids:
+                        break
+                rows.append((out, logps))
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, prompt_ids,
+                                prompt_mask, rows, num_generations, 0.0, torch.device("cpu"))
+
+
+class Batches(L.Callback):
+    """The prompts of every batch handed to training_step, and of every trajectory trained."""
+
+    def __init__(self) -> None:
+        self.given, self.trained = [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.given.append(list(batch["prompts"]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        t = module.trajectory
+        self.trained.append(None if t is None else list(t.rollout.batch.prompts))
+
+
+def async_module(cache_dir, k, **kw):
+    return make_module(cache_dir, engine=RemoteCopy, max_staleness=k,
+                       sampler_correction="token_tis",
+                       rewards={"tests.conftest:alternating": 1.0},
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **kw)
+
+
+def test_step_t_trains_on_the_rollout_of_batch_t_minus_k(cache_dir):
+    for k in (1, 2):
+        seen = Batches()
+        module = async_module(cache_dir, k)
+        trainer = fit(module, make_data(cache_dir), steps=3, callbacks=[seen])
+        assert trainer.global_step == 3
+        assert seen.trained[:k] == [None] * k  # the first k steps only start rollouts
+        assert seen.trained[k:] == seen.given[:-k] and len(seen.given) == 3 + k
+        logged = trainer.callback_metrics
+        assert float(logged["train/rollout/staleness"]) == k
+        # the copy that sampled is k steps older than the policy that scores
+        assert float(logged["train/rollout/logp_gap/mean"]) > 1e-4
+        assert module.pipeline.queue == type(module.pipeline.queue)()  # closed at the end
+
+
+def test_staleness_zero_is_the_synchronous_step(cache_dir):
+    seen = Batches()
+    module = make_module(cache_dir, engine=RemoteCopy, sampler_correction="token_tis",
+                         rewards={"tests.conftest:alternating": 1.0})
+    trainer = fit(module, make_data(cache_dir), steps=2, callbacks=[seen])
+    assert seen.trained == seen.given and module.pipeline is None
+    assert float(trainer.callback_metrics["train/rollout/logp_gap/max"]) < 1e-5
+    assert "train/rollout/staleness" not in trainer.callback_metrics
+
+
+def test_a_resumed_asynchronous_run_continues_exactly(cache_dir, tmp_path):
+    """A checkpoint after step 2 stores the rollout in flight; the run resumed from it ends
+    with the uninterrupted run's weights, bit for bit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole = async_module(cache_dir, 1)
+    fit(whole, make_data(cache_dir), steps=4)
+    first = async_module(cache_dir, 1)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit(first, make_data(cache_dir), steps=2, tmp_path=tmp_path, enable_checkpointing=True,
+        callbacks=[saver])
+    ckpt = tmp_path / "epoch=0-step=2.ckpt"
+    assert len(torch.load(ckpt, weights_only=False)["maxent_grpo_rollouts"]) == 1
+    resumed = async_module(cache_dir, 1)
+    fit(resumed, make_data(cache_dir), steps=4, ckpt_path=str(ckpt))
+    a, b = params(whole), params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
+    with pytest.raises(ValueError, match="model.sampler_correction"):
+        make_module(cache_dir, max_staleness=1)
+    module = make_module(cache_dir, max_staleness=1, sampler_correction="token_tis",
+                         rewards={"tests.conftest:alternating": 1.0})
+    with pytest.raises(ValueError, match="VLLMServerEngine"):
+        fit(module, make_data(cache_dir), steps=1)
