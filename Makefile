@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup setup-smollm2 setup-vllm demo test test-vllm test-all lint clean
+.PHONY: setup setup-smollm2 setup-vllm demo demo-vllm-server test test-vllm test-vllm-all test-all lint clean
 
 setup: $(VENV)/.installed
 
@@ -46,7 +46,16 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: setup-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -m "not slow" tests/vllm_engine
+
+# the vLLM tests with the 800-step vLLM demo (slow)
+test-vllm-all: setup-vllm
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm_engine
+
+# the demo on a local vLLM server: starts `vllm serve` on a free localhost port, trains
+# configs/tiny_vllm_server.yaml against it, stops the server (README, "vLLM servers")
+demo-vllm-server: setup-vllm
+	$(VLLM_PY) -m maxent_grpo.serve --model builtin:tiny-h64-warm -- fit --config configs/tiny_vllm_server.yaml
 
 demo: setup
 	$(PY) -m maxent_grpo fit --config configs/tiny.yaml

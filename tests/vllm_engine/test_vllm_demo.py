@@ -3,7 +3,8 @@ configs/tiny_vllm.yaml`` (the default demo's task, objective and schedule on
 ``builtin:tiny-h64-warm``, rolled out by one in-process vLLM engine synced after every
 optimizer step) must finish and raise the reward as the Hugging Face engine's demo does.
 
-The one long run of the vLLM tests: about five minutes on 2 CPU cores. Its time limit (an
+A long run (800 steps: five to twelve minutes on 2 CPU cores), so it is marked slow:
+``make test-vllm`` (and CI) leave it out, ``make test-vllm-all`` runs it. Its time limit (an
 hour) only stops a hung run.
 """
 
@@ -21,6 +22,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 from maxent_grpo.tools.analysis import load_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def test_the_demo_learns_on_the_vllm_engine(tmp_path):
