@@ -69,7 +69,7 @@ def test_the_shipped_weights_are_the_builtin_and_call_half_the_time(tmp_path) ->
 def test_the_python_warm_start_differs_only_in_the_call_and_the_message() -> None:
     """``--tool python``: the same draws; the call prints the expression and the message is
     what ``print`` writes, which the python tool itself returns."""
-    from maxent_grpo.rollout.toolcall import ToolCall, Toolbox
+    from maxent_grpo.rollout.toolcall import Toolbox, ToolCall
 
     plain, python = warm.examples(90, seed=3), warm.examples(90, seed=3, tool="python")
     assert [p for p, _ in plain] == [p for p, _ in python]

@@ -15,7 +15,8 @@ components stay NaN. Every function is called as TRL's ``GRPOTrainer`` calls it:
 ``[{"role": "assistant", "content": text}]`` for a conversational one (the prompt is passed
 as the dataset gave it); a multi-turn rollout's (``model.tools``) are their messages, the
 model's turns and the tool messages, the last always the model's, with the keywords
-``tool_calls``, ``tool_failures``, ``exchange_lengths`` (and ``environments``) added. ``completion_ids`` are each
+``tool_calls``, ``tool_failures``, ``exchange_lengths`` (and ``environments``) added.
+``completion_ids`` are each
 completion's sampled token ids without padding (stop token included; the model's own
 tokens only), ``trainer_state`` a
 :class:`~maxent_grpo.rewards.state.TrainerState`, and ``columns`` the dataset's other

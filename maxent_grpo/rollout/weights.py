@@ -12,7 +12,8 @@ training model exactly as it was:
   adapter's scaling, transposed for ``fan_in_fan_out``) is computed from the tensors, for
   every active adapter, and with ``LoraConfig(lora_bias=True)`` the bias ``b + s · b_B``
   (``b_B`` the bias of ``lora_B``); the ``lora_*`` tensors are dropped and the
-  ``base_model.model.`` and ``.base_layer`` parts of the names removed. The model itself is never merged: peft's
+  ``base_model.model.`` and ``.base_layer`` parts of the names removed. The model itself is never
+  merged: peft's
   ``merge_adapter`` / ``unmerge_adapter`` round trip moves the frozen base weights (the
   reference model) by rounding, a little on every call.
 - **other peft tuners** (IA3, LoHa, DoRA, ...) on a model that is not sharded: merged with

@@ -12,7 +12,8 @@ trainer's ``sys.path``), under a minimal environment (``PATH``, ``LANG``, ``LC_A
 common standard-library modules once. It keeps ``spares`` supervisors ready, each in its own
 session and namespaces with the call's process already forked, limited, unprivileged and
 waiting for its one request: a call pays for its code and its isolation's set-up and
-tear-down, not for an interpreter with site packages (about 15 ms for ``print(1)``). The call's process runs that one call, then exits: stdin ``/dev/null``,
+tear-down, not for an interpreter with site packages (about 15 ms for ``print(1)``). The call's
+process runs that one call, then exits: stdin ``/dev/null``,
 stdout and stderr one pipe, no other inherited descriptor, ``no_new_privs``, the parent-death
 signal (set after the uid change, which clears it), an empty working folder of its own (also
 ``HOME`` and ``TMPDIR``). Its supervisor reads the output as it comes (the head and the last
