@@ -34,6 +34,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _cpus(spec: str) -> set[int]:
+    """``"1"``, ``"2-3"``, ``"0,2"`` -> the CPU numbers."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float) -> None:
     import httpx
 
@@ -72,7 +85,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="where builtin: models are written (default: the trainer's)")
     parser.add_argument("--start-seconds", type=float, default=600.0,
                         help="how long to wait for the server to answer")
+    parser.add_argument("--server-cpus", default=None,
+                        help="pin the server to these CPUs (e.g. 1 or 2-3), and the training "
+                             "to the others: on a small machine the two sides then do not "
+                             "fight over cores")
     args = parser.parse_args(argv)
+    server_cpus = _cpus(args.server_cpus) if args.server_cpus else None
+    trainer_cpus = (sorted(os.sched_getaffinity(0) - server_cpus) if server_cpus else None)
+    if server_cpus is not None and not trainer_cpus:
+        raise SystemExit(f"--server-cpus {args.server_cpus} leaves no CPU for the training")
+    # a SIGTERM (a scheduler's stop, `kill`) stops the server too, as Ctrl-C does
+    signal.signal(signal.SIGTERM, _interrupt)
     folder = resolve_model_path(args.model, args.model_cache_dir)
     port = args.port or _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -81,12 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     log = work / "vllm_serve.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if server_cpus is not None:
+        cpus = ",".join(map(str, sorted(server_cpus)))
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cpus, OMP_NUM_THREADS=str(len(server_cpus)))
     with open(log, "wb") as out:
         # started outside the current folder: a stale *.egg-info there would hide the
         # installed package's entry points (the maxent_file backend)
         proc = subprocess.Popen(server_args(folder, port, key, args.dtype, sys.executable),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=None if server_cpus is None
+                                else lambda: os.sched_setaffinity(0, server_cpus))
+    training: subprocess.Popen | None = None
     try:
         _wait_healthy(url, proc, log, args.start_seconds)
         print(f"\rvllm serve is up at {url} (log: {log})", file=sys.stderr, flush=True)
@@ -97,8 +125,19 @@ def main(argv: list[str] | None = None) -> int:
             return proc.returncode or 0
         train = [sys.executable, "-m", "maxent_grpo", *command,
                  f"--model.engine.init_args.urls=[{url}]"]
-        return subprocess.run(train, env={**os.environ, "VLLM_API_KEY": key}).returncode
+        train_env = {**os.environ, "VLLM_API_KEY": key}
+        if trainer_cpus is not None:
+            train_env["OMP_NUM_THREADS"] = str(len(trainer_cpus))
+        training = subprocess.Popen(train, env=train_env, preexec_fn=None if trainer_cpus is None
+                                    else lambda: os.sched_setaffinity(0, trainer_cpus))
+        return training.wait()
     except KeyboardInterrupt:
+        if training is not None and training.poll() is None:
+            training.send_signal(signal.SIGINT)  # Lightning stops it, as Ctrl-C does
+            try:
+                training.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                training.kill()
         return 130
     finally:
         try:

@@ -14,10 +14,11 @@ weights), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update
 new version, the prefix cache reset, ``/resume``. The transport is the ``maxent_file``
 backend (:mod:`maxent_grpo.vllm_plugin`): the trainer writes one safetensors file where the
 server can read it (``transfer_dir``: ``/dev/shm`` by default) and the server checks it is
-complete before loading it. A transfer that fails is repeated whole (a server never serves a
-mix of two versions: vLLM's layer-wise reload only swaps the weights in at the end); one that
-keeps failing leaves that server paused and out of use, and the step fails with the
-server's message when no server holds the new weights.
+complete before loading it. The server stays paused from before the transfer until it has
+finished, so it never samples from a mix of two versions; a transfer that fails is repeated
+whole, and one that keeps failing leaves that server paused and out of use (restart it: it
+may hold a half-loaded model), and the step fails with the server's message when no server
+holds the new weights.
 
 At start the engine checks, for every server, that it answers (waiting ``connect_seconds``
 for one that is still starting; otherwise the error names the URL and the command that
@@ -26,10 +27,11 @@ splits a probe text as ours does, and, after sending the policy's weights, that 
 probe sequence the policy's log-probabilities (``probe_tolerance``).
 
 Faults while running: a request that fails to connect, times out (``request_timeout``) or
-comes back aborted is sent again, to another server when there is one, with back-off, for at
-most ``retry_seconds``; then the step fails with an error naming the servers. A server that
-comes back after a restart holds the weights it started with: the engine sees its version
-and sends it the current weights before using it again.
+comes back aborted is sent again, to another server when there is one, and with back-off
+once none is left, for at most ``retry_seconds`` after the first failure; then the step
+fails with an error naming the servers. Before every rollout the engine asks each server
+which weights it holds: one that came back after a restart (holding the weights it started
+with) gets the current weights before it is used again.
 
 Security. The update routes change what the server computes, and vLLM's ``--api-key``
 guards only the ``/v1`` routes (not ``/pause``, the weight routes or ``/collective_rpc``):
@@ -48,7 +50,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -75,7 +77,16 @@ PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
 
 
 class ServerError(RuntimeError):
-    """A vLLM server refused, failed or could not be reached; the message names it."""
+    """A vLLM server refused, failed or could not be reached; the message names it.
+    ``status`` is the HTTP status of a refusal (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+#: statuses worth sending a request again for (overload, the server's own failure)
+RETRYABLE = (408, 429, 500, 502, 503, 504)
 
 
 def server_args(model: str, port: int | str = 8000, api_key: str | None = None,
@@ -112,7 +123,8 @@ class _Server:
     url: str
     version: str | None = None  # the weight version it holds, as far as we know
     healthy: bool = True
-    paused_by_failure: bool = False
+    paused_by_failure: bool = False  # a transfer kept failing: out of use for good
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one transfer at a time
 
 
 class VLLMServerEngine:
@@ -208,9 +220,15 @@ class VLLMServerEngine:
         self._last_weights: list[tuple[str, torch.Tensor]] | None = None
         self._transfer_dir = transfer_dir
         self.model_name = ""
-        for server in self.servers:
-            self._wait_until_up(server, float(connect_seconds))
-            self.model_name = self._check_server(server)
+        error = None
+        try:  # every rank checks; all fail together, so none waits in a collective
+            for server in self.servers:
+                self._wait_until_up(server, float(connect_seconds))
+                self.model_name = self._check_server(server)
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error = err
+        _all_ok(error is None, next(model.parameters()).device, error,
+                "another rank could not reach the vLLM servers (its error is in its log)")
         self.sync(model)
         self._check_probe()
 
@@ -228,10 +246,11 @@ class VLLMServerEngine:
         if response.status_code == 401:
             raise ServerError(
                 f"{server.url}{path} refused the request (401): the server was started with "
-                "--api-key; give the same key as model.engine.init_args.api_key or VLLM_API_KEY")
+                "--api-key; give the same key as model.engine.init_args.api_key or "
+                "VLLM_API_KEY", 401)
         if response.status_code >= 400:
             raise ServerError(f"{server.url}{path} answered {response.status_code}: "
-                              f"{response.text[:2000]}")
+                              f"{response.text[:2000]}", response.status_code)
         try:
             return response.json() if response.content else None
         except ValueError:
@@ -260,11 +279,15 @@ class VLLMServerEngine:
         require(len(names) == 1, f"{server.url} serves {names!r}; the engine needs one model")
         try:
             self._call(server, "GET", "/weight_info", timeout=30.0)
+            self._call(server, "POST", "/init_weight_transfer_engine", json={"init_info": {}},
+                       timeout=60.0)
         except ServerError as err:
             raise ServerError(
-                f"{server.url} has no weight-update routes ({err}): start it with "
+                f"{server.url} cannot take weight updates ({err}): start it with "
                 "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                "'{\"backend\": \"maxent_file\"}', as in:\n  " + server_command()) from None
+                "'{\"backend\": \"maxent_file\"}' (and maxent-grpo installed in its "
+                "environment, which registers that backend), as in:\n  "
+                + server_command()) from None
         ours = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
         theirs = self._call(server, "POST", "/tokenize", json={
             "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
@@ -316,78 +339,109 @@ class VLLMServerEngine:
 
     def _transfer(self, server: _Server, path: str, info: dict, version: str,
                   attempts: int = 3) -> None:
-        """The whole update protocol on one server, repeated whole on failure."""
-        error: Exception | None = None
-        self._call(server, "POST", "/pause", params={"mode": "wait"})
-        for attempt in range(attempts):
-            try:
-                self._call(server, "POST", "/start_weight_update")
-                self._call(server, "POST", "/update_weights",
-                           json={"update_info": {"path": path, **info}})
-                self._call(server, "POST", "/finish_weight_update",
-                           json={"weight_version": version})
-                self._call(server, "POST", "/reset_prefix_cache")
-                self._call(server, "POST", "/resume")
-                server.version, server.paused_by_failure = version, False
-                return
-            except ServerError as err:
-                error = err
-                log.warning("weight transfer to %s failed (attempt %d of %d): %s",
-                            server.url, attempt + 1, attempts, err)
-                try:  # close a half-done update so the next attempt can start
-                    self._call(server, "POST", "/finish_weight_update", json={})
-                except ServerError:
-                    pass
-                if self._last_weights is not None:  # a fresh file: the old may be cut short
-                    path, info = self._write_weights(self._last_weights)
-        server.paused_by_failure = True  # left paused: it never serves a mix of versions
-        raise ServerError(f"weights version {version} could not be sent to {server.url} after "
-                          f"{attempts} attempts; the server is left paused: {error}")
+        """The whole update protocol on one server, repeated whole on failure; one transfer
+        per server at a time. A server that keeps failing is left paused and out of use:
+        vLLM's layer-wise reload writes each layer as it arrives, so after a failure the
+        server may hold a broken model until a transfer completes (restart it otherwise)."""
+        with server.lock:
+            if server.version == version and server.healthy:
+                return  # another thread sent it meanwhile
+            error: Exception | None = None
+            for attempt in range(attempts):
+                started = False
+                try:
+                    self._call(server, "POST", "/pause", params={"mode": "wait"})
+                    self._call(server, "POST", "/start_weight_update")
+                    started = True
+                    self._call(server, "POST", "/update_weights",
+                               json={"update_info": {"path": path, **info}})
+                    self._call(server, "POST", "/finish_weight_update",
+                               json={"weight_version": version})
+                    started = False
+                    self._call(server, "POST", "/reset_prefix_cache")
+                    self._call(server, "POST", "/resume")
+                    server.version, server.healthy, server.paused_by_failure = version, True, False
+                    return
+                except ServerError as err:
+                    error = err
+                    server.healthy = False  # not used until a transfer succeeds
+                    log.warning("weight transfer to %s failed (attempt %d of %d): %s",
+                                server.url, attempt + 1, attempts, err)
+                    if started:  # close this attempt's update so the next one can start
+                        try:
+                            self._call(server, "POST", "/finish_weight_update", json={})
+                        except ServerError:
+                            pass
+                    if self._last_weights is not None:  # a fresh file: the old may be cut
+                        old, (path, info) = path, self._write_weights(self._last_weights)
+                        if old != self._file and os.path.exists(old):
+                            os.remove(old)
+            server.paused_by_failure = True
+            raise ServerError(
+                f"weights version {version} could not be sent to {server.url} after "
+                f"{attempts} attempts; the server is left paused and out of use (restart "
+                f"it): {error}")
 
     def sync(self, model: nn.Module) -> None:
-        """Send ``model``'s current weights to every server (rank 0 sends; every rank waits
-        for the outcome, so no rank samples from old weights and none hangs on a failure)."""
+        """Send ``model``'s current weights to every server: every rank takes part (the
+        FSDP2 gather, and a barrier so that no rank is still generating), rank 0 sends, and
+        every rank learns which servers now hold the weights, so none samples from old
+        weights and none hangs on a failure."""
+        device = next(model.parameters()).device
         weights = checkpoint_weights(model)  # a collective for FSDP2: every rank takes part
+        dist = torch.distributed
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
+            dist.barrier()  # every rank's rollouts are done before the weights change
         self.version += 1
-        error = None
+        version = str(self.version)
+        error, sent = None, [False] * len(self.servers)
         if _rank() == 0:
             try:
                 self._last_weights = weights
-                path, info = self._write_weights(weights)
                 old = self._file
-                self._file, self._file_info = path, info
+                self._file, self._file_info = self._write_weights(weights)
                 failures = []
-                for server in self.servers:
+                for i, server in enumerate(self.servers):
                     try:
-                        self._transfer(server, path, info, str(self.version))
+                        self._transfer(server, self._file, self._file_info, version)
+                        sent[i] = True
                     except ServerError as err:
                         failures.append(err)
-                if len(failures) == len(self.servers):
+                if not any(sent):
                     raise failures[0]
                 for err in failures:
                     log.warning("%s", err)
-                self.sync_bytes = info["num_bytes"]
-                if old is not None and os.path.exists(old):
+                self.sync_bytes = self._file_info["num_bytes"]
+                if old is not None and old != self._file and os.path.exists(old):
                     os.remove(old)
             except Exception as err:  # noqa: BLE001 - reported to every rank below
                 error = err
             finally:
                 self._last_weights = None
-        ok = torch.tensor([0 if error else 1])
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        shared = [error is None, sent, self._file, self._file_info, self.sync_bytes]
+        if multi:  # rank 0's outcome, for every rank
+            box = [shared]
+            dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda"
+                                       else None)
+            shared = box[0]
+        ok, sent, self._file, self._file_info, self.sync_bytes = shared
+        for server, got in zip(self.servers, sent, strict=True):
+            if got:
+                server.version, server.healthy, server.paused_by_failure = version, True, False
+            else:
+                server.healthy = False
         if error is not None:
             raise error
-        if not bool(ok):
+        if not ok:
             raise ServerError("rank 0 could not send the weights to the vLLM servers (its "
                               "error is in rank 0's log)")
-        for server in self.servers:
-            server.version = str(self.version)
 
     def _revive(self, server: _Server) -> bool:
         """Whether ``server`` answers and holds the current weights (sending them when it
         came back holding others and the weights file is at hand)."""
+        if server.paused_by_failure:
+            return False
         try:
             self._call(server, "GET", "/health", timeout=5.0)
             held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
@@ -397,11 +451,32 @@ class VLLMServerEngine:
             if self._file is None or not os.path.exists(self._file):
                 return False
             try:
+                with server.lock:  # a restarted server needs the transfer engine again
+                    if server.version != str(self.version):
+                        self._call(server, "POST", "/init_weight_transfer_engine",
+                                   json={"init_info": {}}, timeout=60.0)
+                        server.version = None
                 self._transfer(server, self._file, self._file_info, str(self.version))
             except ServerError:
                 return False
         server.version, server.healthy = str(self.version), True
         return True
+
+    def _refresh(self) -> None:
+        """Before a rollout: every server that is in use must hold the current weights (a
+        server restarted between steps answers with the weights it started with), and one
+        that was out of use comes back once it holds them."""
+        for server in self.servers:
+            if server.paused_by_failure:
+                continue
+            try:
+                held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
+            except ServerError:
+                server.healthy = False
+                continue
+            if held != str(self.version) or not server.healthy:
+                server.healthy = False
+                self._revive(server)
 
     # ------------------------------------------------------------------ sampling
     def _body(self, ids: list[int], n: int, s: SamplingSettings, seed: int) -> dict:
@@ -424,9 +499,9 @@ class VLLMServerEngine:
             return live[index % len(live)]
 
     def _complete(self, body: dict, index: int) -> list[tuple[list[int], list[float] | None]]:
-        """One completion request, retried (another server first) until it succeeds or
-        ``retry_seconds`` have passed."""
-        deadline, delay, last = time.monotonic() + self.retry_seconds, 0.5, None
+        """One completion request, sent again (another server first) after a failure until
+        it succeeds or ``retry_seconds`` have passed since the first failure."""
+        deadline, delay, last = None, 0.5, None
         attempt = index
         while True:
             try:
@@ -443,10 +518,10 @@ class VLLMServerEngine:
                              (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
                 except ServerError as err:
                     last = err
-                    if "answered 4" in str(err) and "429" not in str(err):
+                    if err.status is not None and err.status not in RETRYABLE:
                         raise  # a refused request (bad argument, key): retrying cannot help
-                    with self._lock:
-                        server.healthy = False
+                    server.healthy = False
+            deadline = deadline or time.monotonic() + self.retry_seconds
             if time.monotonic() >= deadline:
                 urls = ", ".join(s.url for s in self.servers)
                 raise ServerError(
@@ -454,13 +529,15 @@ class VLLMServerEngine:
                     f"({self.retry_seconds:g} s); servers: {urls}; last error: {last}. The "
                     "last checkpoint is kept: restart the servers and resume with "
                     "--ckpt_path last")
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
             attempt += 1
             with self._lock:
-                dead = [s for s in self.servers if not s.healthy and not s.paused_by_failure]
-            for s in dead:
-                self._revive(s)
+                live = any(s.healthy and not s.paused_by_failure for s in self.servers)
+            if not live:  # wait, then try to bring the servers back
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                for s in self.servers:
+                    if not s.healthy:
+                        self._revive(s)
 
     def _run_all(self, bodies: list[dict]) -> list[list[tuple[list[int], list[float] | None]]]:
         start = next(self._round_robin)
@@ -478,6 +555,7 @@ class VLLMServerEngine:
         s = check_request(prompts, answers, num_generations, sampling, self.sampling)
         G = num_generations
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        self._refresh()
         base = request_seed_base()
         bodies = [self._body(ids[mask].tolist(), G, s, base + b)
                   for b, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True))]
@@ -520,3 +598,16 @@ class VLLMServerEngine:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_ok(ok: bool, device: torch.device, error: Exception | None, other: str) -> None:
+    """Raise on every rank when any rank failed: ``error`` where it happened, ``other``
+    elsewhere."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not bool(flag):
+        raise ServerError(other)

@@ -40,7 +40,12 @@ from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
-from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
+from maxent_grpo.training.run.checkpoint import (
+    gather_ranks,
+    load_state,
+    restore_rng_state,
+    save_state,
+)
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.settings import (
     Dtype,
@@ -49,7 +54,6 @@ from maxent_grpo.training.settings import (
     build_lr_scheduler,
 )
 from maxent_grpo.training.step.context import StepContext
-from maxent_grpo.training.step.pipeline import Prefetched, RolloutPipeline
 from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
@@ -57,6 +61,7 @@ from maxent_grpo.training.step.optimise import (
     count_update,
     optimizer_step,
 )
+from maxent_grpo.training.step.pipeline import Prefetched, RolloutPipeline, moved_to
 from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
@@ -283,7 +288,8 @@ class MaxEntGRPOModule(L.LightningModule):
             if ready is None:  # the first k steps only start rollouts
                 return
             batch, self.staleness = ready.batch, self.global_step - ready.version
-            ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, ready.result()))
+            rollout = moved_to(ready.result(), self.device)  # restored ones are on the CPU
+            ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
         else:
             ctx = self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
@@ -373,6 +379,15 @@ class MaxEntGRPOModule(L.LightningModule):
     def on_train_end(self) -> None:
         if self.pipeline is not None:  # the last k rollouts are never trained on
             self.pipeline.close()
+
+    def teardown(self, stage: str) -> None:
+        """After any run, failed ones included: no rollout thread or server file is left."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+        close = getattr(getattr(self._engine, "engine", self._engine), "close", None)
+        if close is not None and stage == "fit":
+            close()
+            self._engine = None
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -492,8 +507,8 @@ class MaxEntGRPOModule(L.LightningModule):
         """Add the objective's state, the counters and every rank's random state
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters)
-        if self.pipeline is not None:  # the rollouts in flight, so a resume trains on them
-            checkpoint["maxent_grpo_rollouts"] = self.pipeline.state_dict()
+        if self.pipeline is not None:  # every rank's rollouts in flight, for the resume
+            checkpoint["maxent_grpo_rollouts"] = gather_ranks(self.pipeline.state_dict())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for
@@ -503,5 +518,11 @@ class MaxEntGRPOModule(L.LightningModule):
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self.pipeline is not None:
             self.pipeline.close()
-            self.pipeline.load_state_dict(checkpoint.get("maxent_grpo_rollouts", []),
-                                          self.device)
+            fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+            per_rank = checkpoint.get("maxent_grpo_rollouts")
+            if fitting and per_rank is not None:
+                rank, world = self.global_rank, self.trainer.world_size
+                require(len(per_rank) == world,
+                        f"this checkpoint holds the rollouts in flight of {len(per_rank)} "
+                        f"processes; this run has {world}: resume with as many processes")
+                self.pipeline.load_state_dict(per_rank[rank])

@@ -134,7 +134,10 @@ class Controller(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:
-        """One update of the objective from the step's reduced statistics."""
+        """One update of the objective from the step's reduced statistics (none on a step
+        that trained nothing: the first ``model.max_staleness`` steps only start rollouts)."""
+        if getattr(pl_module, "step_log", True) is None:
+            return
         logs = self._update(pl_module.objective, pl_module.step_metrics_dict)
         self.steps += 1
         if logs:

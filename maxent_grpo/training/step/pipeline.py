@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from collections import deque
 from typing import Any
 
@@ -39,7 +40,7 @@ from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.protocol import RolloutOutput, ToolUsage
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
 
-__all__ = ["Prefetched", "RolloutPipeline"]
+__all__ = ["Prefetched", "RolloutPipeline", "moved_to"]
 
 
 @dataclasses.dataclass
@@ -65,7 +66,6 @@ class RolloutPipeline:
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
         self.queue: deque[PendingRollout] = deque()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def wait(self) -> None:
         """Until every submitted rollout is done (before a weight update or a checkpoint)."""
@@ -75,15 +75,22 @@ class RolloutPipeline:
     def submit(self, engine: Any, batch: dict[str, Any], num_generations: int,
                version: int) -> None:
         """Start the rollout of ``batch`` in the background, its seeds drawn here."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "maxent-grpo-rollout")
         seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        future: concurrent.futures.Future = concurrent.futures.Future()
 
-        def run() -> RolloutOutput:
-            with request_seeds_from(seed):
-                return engine.generate(batch["prompts"], batch["answers"], num_generations)
+        def run() -> None:  # a daemon thread: a failed run's exit never waits for it
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                with request_seeds_from(seed):
+                    future.set_result(engine.generate(batch["prompts"], batch["answers"],
+                                                      num_generations))
+            except BaseException as err:  # noqa: BLE001 - raised in the main thread
+                future.set_exception(err)
 
-        self.queue.append(PendingRollout(batch, version, self._pool.submit(run)))
+        self.wait()  # one rollout in flight at a time
+        threading.Thread(target=run, name="maxent-grpo-rollout", daemon=True).start()
+        self.queue.append(PendingRollout(batch, version, future))
 
     def ready(self) -> PendingRollout | None:
         """The oldest rollout once ``max_staleness`` newer ones were submitted, done; None
@@ -95,13 +102,8 @@ class RolloutPipeline:
         return pending
 
     def close(self) -> None:
-        """Finish what is in flight (its rollouts are dropped) and stop the thread."""
-        for pending in self.queue:
-            if pending.future is not None:
-                pending.future.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Drop the rollouts in flight (a rollout still running ends in its daemon thread;
+        its result is discarded)."""
         self.queue.clear()
 
     # ------------------------------------------------------------------ checkpoints
@@ -111,9 +113,12 @@ class RolloutPipeline:
         return [{"batch": p.batch, "version": p.version, "rollout": _rollout_state(p.result())}
                 for p in self.queue]
 
-    def load_state_dict(self, state: list[dict[str, Any]], device: torch.device) -> None:
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict` (on the CPU; :func:`moved_to` at training time). A
+        checkpoint of another ``max_staleness`` keeps its newest rollouts that fit."""
+        state = state[-self.max_staleness:]
         self.queue = deque(PendingRollout(s["batch"], s["version"],
-                                          rollout=_rollout_from_state(s["rollout"], device))
+                                          rollout=_rollout_from_state(s["rollout"]))
                            for s in state)
 
 
@@ -157,11 +162,19 @@ def _rollout_state(out: RolloutOutput) -> dict[str, Any]:
     return state
 
 
-def _rollout_from_state(state: dict[str, Any], device: torch.device) -> RolloutOutput:
+def moved_to(out: RolloutOutput, device: torch.device) -> RolloutOutput:
+    """``out`` with its tensors on ``device`` (itself when they are there already)."""
+    if out.completion_ids.device == torch.device(device):
+        return out
+    return dataclasses.replace(out, **{name: getattr(out, name).to(device) for name in _TENSORS
+                                       if getattr(out, name) is not None})
+
+
+def _rollout_from_state(state: dict[str, Any]) -> RolloutOutput:
     tools = state.get("tools")
     return RolloutOutput(
         batch=GenerationBatch(prompts=state["prompts"],
                               grouped_completions=state["grouped_completions"]),
         generate_seconds=state["generate_seconds"],
         tools=None if tools is None else ToolUsage(**tools),
-        **{name: None if state[name] is None else state[name].to(device) for name in _TENSORS})
+        **{name: state[name] for name in _TENSORS})
