@@ -52,10 +52,13 @@ test-vllm: setup-vllm
 test-vllm-all: setup-vllm
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm_engine
 
-# the demo on a local vLLM server: starts `vllm serve` on a free localhost port, trains
-# configs/tiny_vllm_server.yaml against it, stops the server (README, "vLLM servers")
+# the demo on a local vLLM server: starts `vllm serve` on a free localhost port, pinned to
+# CPU $(SERVER_CPUS) and the training to the others (unpinned, the two fight over 2 cores:
+# benchmarks/RESULTS.md §11), trains configs/tiny_vllm_server.yaml against it one step
+# behind, stops the server (README, "vLLM servers")
+SERVER_CPUS ?= 1
 demo-vllm-server: setup-vllm
-	$(VLLM_PY) -m maxent_grpo.serve --model builtin:tiny-h64-warm -- fit --config configs/tiny_vllm_server.yaml
+	$(VLLM_PY) -m maxent_grpo.serve --model builtin:tiny-h64-warm --server-cpus $(SERVER_CPUS) -- fit --config configs/tiny_vllm_server.yaml
 
 demo: setup
 	$(PY) -m maxent_grpo fit --config configs/tiny.yaml
