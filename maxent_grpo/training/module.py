@@ -34,19 +34,14 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from maxent_grpo.adapters import AdapterDisabledReference, PeftConfig, register_sharded_generate
-from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
+from maxent_grpo.adapters import PeftConfig
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
-from maxent_grpo.training.run.checkpoint import (
-    gather_ranks,
-    load_state,
-    restore_rng_state,
-    save_state,
-)
+from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
 from maxent_grpo.training.run.evaluation import Evaluator
+from maxent_grpo.training.run.policy_models import PolicyModels
 from maxent_grpo.training.settings import (
     Dtype,
     ModelSettings,
@@ -61,11 +56,14 @@ from maxent_grpo.training.step.optimise import (
     count_update,
     optimizer_step,
 )
-from maxent_grpo.training.step.pipeline import Prefetched, RolloutPipeline, moved_to
+from maxent_grpo.training.step.pipeline import (
+    RolloutPipeline,
+    check_staleness,
+)
 from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
-from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy, fully_shard_models
+from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
@@ -74,7 +72,7 @@ from maxent_grpo.validation import require
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
 
 
-class MaxEntGRPOModule(L.LightningModule):
+class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     """GRPO / MaxEnt-GRPO fine-tuning of a causal language model.
 
     Args:
@@ -129,7 +127,7 @@ class MaxEntGRPOModule(L.LightningModule):
             the background from weights ``k`` optimizer steps old while the trainer computes
             (:mod:`~maxent_grpo.training.step.pipeline`; ``train/rollout/staleness``). Needs an
             engine that generates elsewhere (``VLLMServerEngine``) and
-            ``sampler_correction`` (docs/ALGORITHM.md §2.3).
+            ``sampler_correction`` (docs/ALGORITHM.md §2, "Stale rollouts").
         tools: tools the model may call (``package.module:function`` or ``calculate``):
             multi-turn rollouts, tool messages out of the loss
             (:mod:`maxent_grpo.rollout.multiturn`; linked to ``data.tools``). ``None``: off.
@@ -220,15 +218,7 @@ class MaxEntGRPOModule(L.LightningModule):
         require(sampler_correction is None or objective.supports_sampler_correction,
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
-        require(isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
-                and max_staleness >= 0,
-                f"model.max_staleness must be an int >= 0; got {max_staleness!r}")
-        require(max_staleness == 0 or sampler_correction is not None,
-                "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
-                "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2.3)")
-        require(max_staleness == 0 or environment is None,
-                "model.max_staleness >= 1 cannot store an environment's rollouts in a "
-                "checkpoint; use max_staleness 0 with model.environment")
+        check_staleness(max_staleness, sampler_correction, environment)
         self.rewards = WeightedRewards(
             {"accuracy": 1.0} if rewards is None else dict(rewards), module=self)
         self.loop = build_loop_settings(options, self.rewards.names)
@@ -274,22 +264,10 @@ class MaxEntGRPOModule(L.LightningModule):
         the step is logged and ``objective.observe`` reads its statistics."""
         timer = StepTimer(self.device)
         if self.pipeline is not None:  # asynchronous: train on the rollout of batch t - k
-            self.pipeline.wait()  # the rollout in flight ends on its weights before the sync
-            ctx = self.step_context()
-            inner = getattr(ctx.engine, "engine", ctx.engine)  # a multi-turn engine's own
-            require(getattr(inner, "generates_elsewhere", False),
-                    "model.max_staleness >= 1 needs an engine that generates outside the "
-                    "trainer's process (maxent_grpo.rollout.VLLMServerEngine); "
-                    f"{type(inner).__name__} samples here, so nothing would overlap: set "
-                    "max_staleness 0")
-            self.pipeline.submit(ctx.engine, batch, self.loop.generation.num_generations,
-                                 self.global_step)
-            ready = self.pipeline.ready()
-            if ready is None:  # the first k steps only start rollouts
+            step = self.pipeline.next(self.step_context, batch, self.global_step, self.device)
+            if step is None:  # the first k steps only start rollouts
                 return
-            batch, self.staleness = ready.batch, self.global_step - ready.version
-            rollout = moved_to(ready.result(), self.device)  # restored ones are on the CPU
-            ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
+            ctx, batch, self.staleness = step
         else:
             ctx = self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
@@ -325,8 +303,7 @@ class MaxEntGRPOModule(L.LightningModule):
         extra["perf/sync_seconds"] = self.sync_seconds
         if self.pipeline is not None:
             extra["rollout/staleness"] = float(self.staleness)
-        sent = getattr(self._engine, "sync_bytes", None)  # the server engine's weight file
-        if sent is not None:
+        if (sent := getattr(self._engine, "sync_bytes", None)) is not None:  # server engine
             extra["perf/sync_bytes"] = float(sent)
         extra["nonfinite_skips"] = float(self.counters.nonfinite_total)
         if self.loop.generation.drop_constant_groups:
@@ -376,10 +353,6 @@ class MaxEntGRPOModule(L.LightningModule):
         if self.pipeline is not None:  # no weight update while a rollout is in flight
             self.pipeline.wait()
 
-    def on_train_end(self) -> None:
-        if self.pipeline is not None:  # the last k rollouts are never trained on
-            self.pipeline.close()
-
     def teardown(self, stage: str) -> None:
         """After any run, failed ones included: no rollout thread or server file is left."""
         if self.pipeline is not None:
@@ -410,75 +383,9 @@ class MaxEntGRPOModule(L.LightningModule):
 
     trainer = property(L.LightningModule.trainer.fget, _attach)
 
-    # ------------------------------------------------------------------ models
-    def prepare_data(self) -> None:
-        """Materialise a ``builtin:`` model once, on local rank 0, before any rank loads it.
-
-        Under DDP, transformers' ``save_pretrained`` writes weights only on global rank 0,
-        so a built-in model first materialised by another rank would lack them.
-        """
-        resolve_model_path(self.source.name_or_path, self.source.cache_dir)
-
     def setup(self, stage: str) -> None:
         """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)."""
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
-
-    def configure_model(self) -> None:
-        """Load the policy (and the reference when needed) once; under
-        ``ModelParallelStrategy`` (FSDP2) shard both over the data-parallel mesh. With
-        ``model.peft`` the policy carries the adapters and the reference is the policy with
-        them disabled (nothing more is loaded or sharded)."""
-        if self.policy is not None:
-            return
-        src = self.source
-        self.tokenizer = load_tokenizer(src.name_or_path, cache_dir=src.cache_dir)
-        self.policy = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir,
-                                  gradient_checkpointing=src.gradient_checkpointing,
-                                  peft=src.peft)
-        self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
-        self.runtime = RuntimeHandles(model=self.policy, tokenizer=self.tokenizer,
-                                      get_ref_model=self._load_reference)
-        if self.needs_reference:
-            self.runtime.reference()
-        if self.device_mesh is not None:
-            own = self.source.peft is None  # with adapters the reference has no weights
-            fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
-            if not own:
-                register_sharded_generate(self.policy)
-
-    def _load_reference(self) -> torch.nn.Module:
-        src = self.source
-        if src.peft is not None:
-            return AdapterDisabledReference(self.policy)
-        return load_reference(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The policy's parameters that train (``requires_grad``), what the optimizer gets:
-        all of them, or only the adapters' with ``model.peft``."""
-        assert self.policy is not None, "configure_model() must run first"
-        return [p for p in self.policy.parameters() if p.requires_grad]
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the objective (or a controller that may raise beta) needs the reference."""
-        return self.objective.needs_reference or self._reference_required
-
-    def require_reference(self) -> None:
-        """Called by controllers that can make beta > 0: load the reference from the start."""
-        self._reference_required = True
-        if self.runtime is not None and self.runtime.reference_model is None:
-            self.runtime.reference().to(self.device)
-
-    @property
-    def reference(self) -> torch.nn.Module | None:
-        """The frozen reference model once loaded (kept out of ``state_dict``), else None.
-        With ``model.peft`` it is an :class:`~maxent_grpo.adapters.AdapterDisabledReference`:
-        called like a model, it runs the policy with its adapters disabled."""
-        return None if self.runtime is None else self.runtime.reference_model
-
-    def on_fit_start(self) -> None:
-        if self.reference is not None:
-            self.reference.to(self.device)
 
     def on_train_start(self) -> None:
         """Hand the optimizer and scheduler Lightning built to the step."""
@@ -508,7 +415,7 @@ class MaxEntGRPOModule(L.LightningModule):
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters)
         if self.pipeline is not None:  # every rank's rollouts in flight, for the resume
-            checkpoint["maxent_grpo_rollouts"] = gather_ranks(self.pipeline.state_dict())
+            self.pipeline.save(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for
@@ -516,13 +423,6 @@ class MaxEntGRPOModule(L.LightningModule):
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters)
         self._weights_version += 1  # the engine syncs with the loaded weights
-        if self.pipeline is not None:
-            self.pipeline.close()
-            fitting = self._trainer is not None and self.trainer.state.fn == "fit"
-            per_rank = checkpoint.get("maxent_grpo_rollouts")
-            if fitting and per_rank is not None:
-                rank, world = self.global_rank, self.trainer.world_size
-                require(len(per_rank) == world,
-                        f"this checkpoint holds the rollouts in flight of {len(per_rank)} "
-                        f"processes; this run has {world}: resume with as many processes")
-                self.pipeline.load_state_dict(per_rank[rank])
+        if self.pipeline is not None and self._trainer is not None:
+            self.pipeline.restore(checkpoint, self.trainer.state.fn == "fit", self.global_rank,
+                                  self.trainer.world_size)

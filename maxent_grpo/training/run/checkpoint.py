@@ -48,7 +48,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def gather_ranks(value: Any) -> list[Any]:
+def _gather(value: Any) -> list[Any]:
     """``[value of rank 0, rank 1, ...]`` (``[value]`` without a process group)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -69,7 +69,7 @@ def save_state(
         "objective_class": type(objective).__name__,
         "objective_state": objective.state_dict(),
         **asdict(counters),
-        "rng": gather_ranks(capture_rng_state()),
+        "rng": _gather(capture_rng_state()),
     }
 
 

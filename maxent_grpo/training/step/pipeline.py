@@ -23,7 +23,7 @@ it: a checkpoint waits for the rollouts in flight and stores them
 uninterrupted run does.
 
 The policy-gradient correction for the stale sampler is ``model.sampler_correction``
-(required with ``k >= 1``): docs/ALGORITHM.md §2.3.
+(required with ``k >= 1``): docs/ALGORITHM.md §2, "Stale rollouts".
 """
 
 from __future__ import annotations
@@ -39,8 +39,25 @@ import torch
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.protocol import RolloutOutput, ToolUsage
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
+from maxent_grpo.validation import require
 
-__all__ = ["Prefetched", "RolloutPipeline", "moved_to"]
+__all__ = ["Prefetched", "RolloutPipeline", "check_staleness", "moved_to"]
+
+CHECKPOINT_KEY = "maxent_grpo_rollouts"
+
+
+def check_staleness(max_staleness: Any, sampler_correction: str | None,
+                    environment: Any) -> None:
+    """``model.max_staleness`` and what it needs (ValueError naming the option)."""
+    require(isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
+            and max_staleness >= 0,
+            f"model.max_staleness must be an int >= 0; got {max_staleness!r}")
+    require(max_staleness == 0 or sampler_correction is not None,
+            "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
+            "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2)")
+    require(max_staleness == 0 or environment is None,
+            "model.max_staleness >= 1 cannot store an environment's rollouts in a "
+            "checkpoint; use max_staleness 0 with model.environment")
 
 
 @dataclasses.dataclass
@@ -92,6 +109,34 @@ class RolloutPipeline:
         threading.Thread(target=run, name="maxent-grpo-rollout", daemon=True).start()
         self.queue.append(PendingRollout(batch, version, future))
 
+    def next(self, step_context: Any, batch: dict[str, Any], version: int,
+             device: torch.device) -> tuple[Any, dict[str, Any], int] | None:
+        """One asynchronous step (the module docstring): wait for the rollout in flight,
+        ``step_context()`` (which syncs the engine), start ``batch``'s rollout, and return
+        the step's context with the rollout to train on, its batch and its staleness; None
+        in the first ``max_staleness`` steps."""
+        self.wait()  # the rollout in flight ends on its weights before the sync
+        ctx = step_context()
+        ready = self.advance(ctx.engine, batch, ctx.generation.num_generations, version)
+        if ready is None:
+            return None
+        rollout = moved_to(ready.result(), device)  # restored ones are on the CPU
+        ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
+        return ctx, ready.batch, version - ready.version
+
+    def advance(self, engine: Any, batch: dict[str, Any], num_generations: int,
+                version: int) -> PendingRollout | None:
+        """Start ``batch``'s rollout and return the one to train on, or None in the first
+        ``max_staleness`` steps. The engine must generate elsewhere (a server)."""
+        inner = getattr(engine, "engine", engine)  # a multi-turn engine's own
+        require(getattr(inner, "generates_elsewhere", False),
+                "model.max_staleness >= 1 needs an engine that generates outside the "
+                "trainer's process (maxent_grpo.rollout.VLLMServerEngine); "
+                f"{type(inner).__name__} samples here, so nothing would overlap: set "
+                "max_staleness 0")
+        self.submit(engine, batch, num_generations, version)
+        return self.ready()
+
     def ready(self) -> PendingRollout | None:
         """The oldest rollout once ``max_staleness`` newer ones were submitted, done; None
         during the first ``max_staleness`` steps."""
@@ -112,6 +157,27 @@ class RolloutPipeline:
         self.wait()
         return [{"batch": p.batch, "version": p.version, "rollout": _rollout_state(p.result())}
                 for p in self.queue]
+
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's rollouts in flight into ``checkpoint`` (a collective)."""
+        state, dist = self.state_dict(), torch.distributed
+        per_rank: list[Any] = [state]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, state)
+        checkpoint[CHECKPOINT_KEY] = per_rank
+
+    def restore(self, checkpoint: dict[str, Any], fitting: bool, rank: int, world: int) -> None:
+        """This rank's rollouts from :meth:`save`'s ``checkpoint``, when the checkpoint is
+        loaded to continue training (not to validate or test)."""
+        self.close()
+        per_rank = checkpoint.get(CHECKPOINT_KEY)
+        if not fitting or per_rank is None:
+            return
+        require(len(per_rank) == world,
+                f"this checkpoint holds the rollouts in flight of {len(per_rank)} processes; "
+                f"this run has {world}: resume with as many processes")
+        self.load_state_dict(per_rank[rank])
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         """Restore :meth:`state_dict` (on the CPU; :func:`moved_to` at training time). A

