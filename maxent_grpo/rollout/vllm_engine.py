@@ -160,17 +160,7 @@ class VLLMEngine:
         check_int("VLLMEngine.max_model_len", max_model_len, minimum=2, allow_none=True)
         check_choice("VLLMEngine.dtype", dtype, VLLM_DTYPES)
         check_bool("VLLMEngine.enforce_eager", enforce_eager)
-        extra = list(stop_token_ids or [])
-        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
-                f"VLLMEngine.stop_token_ids must be non-negative ints; got {extra!r}")
-        require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
-                "tokenizer needs a pad and an eos token; load it with "
-                "maxent_grpo.models.load_tokenizer")
-        sharded = sharded_across_ranks(model)
-        require(not sharded or isinstance(model, FSDPModule),  # sharded otherwise: ZeRO-3
-                "model.engine VLLMEngine: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
-                "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
-        check_mergeable(model, sharded)
+        extra = check_policy_for_vllm("VLLMEngine", model, tokenizer, stop_token_ids)
         cuda = torch.cuda.is_available()
         require(cuda or not enable_sleep_mode,
                 "VLLMEngine.enable_sleep_mode needs a GPU; set it to false on the CPU")
@@ -313,6 +303,25 @@ def request_seeds_from(seed: int) -> Iterator[None]:
         yield
     finally:
         _SEEDS.generator = None
+
+
+def check_policy_for_vllm(engine: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
+                          stop_token_ids: list[int] | None) -> list[int]:
+    """What a vLLM engine needs of the policy (ValueError naming the option): stop ids that
+    are non-negative ints (returned), a tokenizer with pad and eos tokens, whole or FSDP2
+    parameters (not ZeRO-3 shards), adapters vLLM can get merged."""
+    extra = list(stop_token_ids or [])
+    require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+            f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
+    require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
+            "tokenizer needs a pad and an eos token; load it with "
+            "maxent_grpo.models.load_tokenizer")
+    sharded = sharded_across_ranks(model)
+    require(not sharded or isinstance(model, FSDPModule),  # sharded otherwise: ZeRO-3
+            f"model.engine {engine}: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
+            "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
+    check_mergeable(model, sharded)
+    return extra
 
 
 def request_seed_base() -> int:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from maxent_grpo.rollout.hf import encode_prompts, sharded_across_ranks
+from maxent_grpo.rollout.hf import encode_prompts
 from maxent_grpo.rollout.protocol import (
     Continuation,
     RolloutOutput,
@@ -71,8 +71,11 @@ from maxent_grpo.rollout.server_weights import (
     server_args,
     server_command,
 )
-from maxent_grpo.rollout.vllm_engine import assemble_rollout, request_seed_base
-from maxent_grpo.rollout.weights import check_mergeable
+from maxent_grpo.rollout.vllm_engine import (
+    assemble_rollout,
+    check_policy_for_vllm,
+    request_seed_base,
+)
 from maxent_grpo.validation import check_number, require
 
 __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
@@ -142,17 +145,7 @@ class VLLMServerEngine(ServerWeights):
         require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
                 f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
                 f"got {max_parallel_requests!r}")
-        extra = list(stop_token_ids or [])
-        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
-                f"VLLMServerEngine.stop_token_ids must be non-negative ints; got {extra!r}")
-        require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
-                "tokenizer needs a pad and an eos token; load it with "
-                "maxent_grpo.models.load_tokenizer")
-        sharded = sharded_across_ranks(model)
-        require(not sharded or type(model).__name__.startswith("FSDP"),
-                "model.engine VLLMServerEngine: DeepSpeed ZeRO-3 shards are not gathered for "
-                "vLLM; use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP")
-        check_mergeable(model, sharded)
+        extra = check_policy_for_vllm("VLLMServerEngine", model, tokenizer, stop_token_ids)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
