@@ -8,7 +8,11 @@ start their own. Skipped where vLLM is not installed (the main suite's environme
 from __future__ import annotations
 
 import functools
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +28,7 @@ from maxent_grpo.rollout.vllm_server import ServerError, VLLMServerEngine  # noq
 from tests.conftest import fit, make_data, make_module  # noqa: E402
 from tests.vllm_engine.servers import Server, free_port, running  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "builtin:tiny-h64"
 KEY = "test-key"
 PROMPTS = ["<|im_start|>user\n3 + 5 =<|im_end|>\n<|im_start|>assistant\n", "hello there"]
@@ -71,23 +76,39 @@ def test_a_rollout_follows_the_contract_with_the_policys_logps(server, cache):
     engine.close()
 
 
-def test_the_same_seed_samples_what_the_colocated_engine_samples(server, cache):
-    from maxent_grpo.rollout.vllm_engine import VLLMEngine
+@pytest.fixture(scope="module")
+def twin(server, cache, tmp_path_factory):
+    """The colocated engine's side of the comparisons, from a fresh interpreter
+    (``tests/vllm_engine/colocated_twin.py``)."""
+    out = tmp_path_factory.mktemp("twin") / "twin.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm_engine.colocated_twin", server.url,
+                           KEY, cache, str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
 
-    engine = engine_on(server, cache)
-    colocated = VLLMEngine(engine.model, engine.tokenizer, SAMPLING, gpu_memory_utilization=0.1)
-    torch.manual_seed(3)
-    a = engine.generate(PROMPTS, ["", ""], 4)
-    torch.manual_seed(3)
-    b = colocated.generate(PROMPTS, ["", ""], 4)
-    assert torch.equal(a.completion_ids, b.completion_ids)
-    torch.testing.assert_close(a.sampler_logps, b.sampler_logps, atol=1e-4, rtol=0)
-    torch.manual_seed(3)
-    c = engine.continue_ids([[5, 6, 7], [8, 9]], [4, 3], SAMPLING)
-    torch.manual_seed(3)
-    d = colocated.continue_ids([[5, 6, 7], [8, 9]], [4, 3], SAMPLING)
-    assert [x.ids for x in c] == [x.ids for x in d] and len(c[1].ids) <= 3
-    engine.close()
+
+def test_the_same_seed_samples_what_the_colocated_engine_samples(twin):
+    server, colocated = twin["samples"]["server"], twin["samples"]["colocated"]
+    assert server["ids"] == colocated["ids"]
+    torch.testing.assert_close(torch.tensor(server["logps"]), torch.tensor(colocated["logps"]),
+                               atol=1e-4, rtol=0)
+    assert server["continued"] == colocated["continued"]
+    assert len(server["continued"][1]) <= 3
+
+
+def test_a_synchronous_fit_on_the_server_equals_the_colocated_fit(twin):
+    """``max_staleness = 0``: the same seed gives the same prompts and samples, hence the
+    same loss and update, as the colocated engine (float32 on the CPU: the weights agree to
+    rounding). One step: the colocated engine's in-process vLLM draws from the trainer's
+    torch random stream while it generates (the server's runs in its own process), so the
+    next step's request seeds differ between the two."""
+    a, b = twin["step"]["server"], twin["step"]["colocated"]
+    assert a["ids"] == b["ids"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    for key in a["params"]:
+        torch.testing.assert_close(torch.tensor(a["params"][key]), torch.tensor(b["params"][key]),
+                                   rtol=1e-4, atol=1e-5)
 
 
 def test_new_weights_reach_the_server_with_their_version(server, cache):
@@ -221,27 +242,3 @@ def test_an_asynchronous_fit_trains_one_step_behind(server, cache, tmp_path):
     assert float(logged["train/rollout/logp_gap/mean"]) > 1e-4  # sampled by older weights
     assert float(logged["train/rollout/correction/mean"]) != 1.0
 
-
-def test_a_synchronous_fit_on_the_server_equals_the_colocated_fit(server, cache, tmp_path):
-    """``max_staleness = 0``: the same seed gives the same prompts and samples, hence the
-    same loss and update, as the colocated engine (float32 on the CPU: the weights agree to
-    rounding). One step: the colocated engine's in-process vLLM draws from the trainer's
-    torch random stream while it generates (the server's runs in its own process), so the
-    next step's request seeds differ between the two."""
-    from maxent_grpo.rollout.vllm_engine import VLLMEngine
-    from maxent_grpo.rollout.vllm_server import VLLMServerEngine as Engine
-    from tests.conftest import params
-
-    runs = []
-    for engine in (functools.partial(Engine, urls=[server.url], api_key=KEY),
-                   functools.partial(VLLMEngine, gpu_memory_utilization=0.1)):
-        module = make_module(cache, model_name_or_path=MODEL, max_completion_length=8,
-                             engine=engine, rewards={"tests.conftest:alternating": 1.0})
-        trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=1, tmp_path=tmp_path)
-        runs.append((params(module), float(trainer.callback_metrics["train/loss/total"]),
-                     module.trajectory.rollout.completion_ids.clone()))
-    (a, loss_a, ids_a), (b, loss_b, ids_b) = runs
-    assert torch.equal(ids_a, ids_b)
-    assert loss_a == pytest.approx(loss_b, rel=1e-4, abs=1e-6)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
