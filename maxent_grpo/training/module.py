@@ -72,6 +72,14 @@ from maxent_grpo.validation import require
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
 
 
+class _CleanUp(L.Callback):
+    """A failed run calls no module teardown in Lightning: this does it."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        pl_module.teardown("fit")
+
+
 class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     """GRPO / MaxEnt-GRPO fine-tuning of a causal language model.
 
@@ -354,7 +362,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After any run, failed ones included: no rollout thread or server file is left."""
+        """After a fit (a failed one too, through :class:`_CleanUp`): no rollout in flight,
+        and a server engine's connections and weights file closed (rebuilt if needed)."""
         if self.pipeline is not None:
             self.pipeline.close()
         close = getattr(getattr(self._engine, "engine", self._engine), "close", None)
@@ -395,7 +404,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         """Lightning's default progress bar gives way to the command line's, for L.Trainer."""
         bars = [c for c in self.trainer.callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
         self.trainer.callbacks[:] = [c for c in self.trainer.callbacks if c not in bars]
-        return [ReadableProgressBar()] if bars else []
+        return [_CleanUp(), *([ReadableProgressBar()] if bars else [])]
 
     def configure_optimizers(self) -> dict[str, Any]:
         """``model.optimizer`` over the policy's trainable parameters (only the adapters with
