@@ -22,11 +22,13 @@ tf_version="${tf_version:-5.24.0}"
 if [[ ! -x "$venv/bin/python" ]]; then
     "$python" -m venv "$venv"
 fi
-pip="$venv/bin/pip"
+rm -f "$venv/.installed"  # the mark of a finished install; tests wait for it
+pip=("$venv/bin/python" -m pip)
 
-"$pip" install "torch==2.13.0"
-"$pip" install "transformers==$tf_version" "trl==${TRL_VERSION:-1.16.0}"
+"${pip[@]}" install "torch==2.13.0"
+"${pip[@]}" install "transformers==$tf_version" "trl==${TRL_VERSION:-1.16.0}"
 "$venv/bin/python" - <<'PY'
 import torch, transformers, trl
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
 PY
+touch "$venv/.installed"
