@@ -3,8 +3,11 @@
     python benchmarks/demo_seeds.py --seeds 0 1 2 3 4 5 6 7 8 9
     python benchmarks/demo_seeds.py --seeds 0 1 2 --env ATEN_CPU_CAPABILITY=avx2
     python benchmarks/demo_seeds.py --seeds 0 --set model.objective=... --label my-variant
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/demo_seeds.py \
+        --config configs/tiny_vllm.yaml --seeds 0 1 2 --workers 1 --threads 2 --label vllm
 
 Each run is ``python -m maxent_grpo fit --config configs/tiny.yaml --seed_everything N``
+(``--config`` picks another; the interpreter is the one running this script)
 with the given ``--set`` overrides (``key=value``, passed as ``--key value``), in its own
 process with the given ``--env`` variables (the kernel choices: ``ATEN_CPU_CAPABILITY``,
 ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, thread counts, ...). It records the mean
@@ -71,10 +74,10 @@ def read_rewards(log_dir: Path) -> tuple[list[float], dict[str, float], dict[str
 
 
 def run_one(seed: int, sets: list[str], env: dict[str, str], threads: int,
-            cache_dir: str | None) -> dict[str, Any]:
+            cache_dir: str | None, config: str = "configs/tiny.yaml") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
         cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config",
-               str(ROOT / "configs/tiny.yaml"), "--seed_everything", str(seed),
+               str(ROOT / config), "--seed_everything", str(seed),
                "--trainer.enable_progress_bar", "false",
                "--trainer.enable_model_summary", "false",
                "--trainer.enable_checkpointing", "false",
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a config override, e.g. model.num_generations=16")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--label", default="demo")
+    parser.add_argument("--config", default="configs/tiny.yaml",
+                        help="the config to run, relative to the repository")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-cache-dir",
@@ -156,13 +161,15 @@ def main(argv: list[str] | None = None) -> None:
         if bad:
             parser.error(f"{flag} takes NAME=VALUE; got {bad[0]!r}")
     env = dict(item.split("=", 1) for item in args.env)
-    meta = {"label": args.label, "sets": args.sets, "env": env, "threads": args.threads,
+    meta = {"label": args.label, "config": args.config, "sets": args.sets, "env": env,
+            "threads": args.threads,
             "commit": git_commit(ROOT), "machine": _cpu(), "date": time.strftime("%Y-%m-%d"),
             "torch": versions("torch")["torch"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def job(seed: int) -> dict[str, Any]:
-        record = {**meta, **run_one(seed, args.sets, env, args.threads, args.model_cache_dir)}
+        record = {**meta, **run_one(seed, args.sets, env, args.threads, args.model_cache_dir,
+                                    args.config)}
         with args.out.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         if "error" in record:

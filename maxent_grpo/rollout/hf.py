@@ -351,10 +351,8 @@ class HFGenerateEngine:
             [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
             skip_special_tokens=True,
         )
-        batch = GenerationBatch(
-            prompts=list(prompts),
-            grouped_completions=[texts[b * group : (b + 1) * group] for b in range(len(prompts))],
-        )
+        # it samples from the scored policy itself: no sampler log-probs (grouped_ref_meta)
+        batch = GenerationBatch.of_rows(prompts, answers, texts)
         return RolloutOutput(
             batch=batch,
             prompt_ids=prompt_ids.repeat_interleave(group, dim=0),

@@ -299,9 +299,14 @@ class MultiTurnEngine:
         texts = [self.tokenizer.decode(row, skip_special_tokens=False) for row in ids]
         texts = [t[: -len(eos)] if eos and t.endswith(eos) else t for t in texts]
         long = torch.long
+        info = [{"tool_calls": calls[i],  # what every reward call receives per completion
+                 "tool_failures": sum(counts[i] for counts in failures.values()),
+                 "exchange_lengths": len(ids[i]),
+                 **({} if envs is None else {"environments": envs[i]})} for i in range(N)]
         return RolloutOutput(
-            batch=GenerationBatch(prompts=list(prompts), grouped_completions=[
-                texts[b * G:(b + 1) * G] for b in range(len(prompts))]),
+            batch=GenerationBatch.of_rows(
+                prompts, first.batch.answers, texts,
+                None if sampler is None else sampler.sum(-1).tolist(), info),
             prompt_ids=first.prompt_ids, prompt_mask=first.prompt_mask,
             completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
             truncated=torch.tensor(truncated, dtype=torch.bool, device=device),

@@ -236,22 +236,6 @@ class RolloutOutput:
             return list(self.tools.messages)
         return [c for group in self.batch.grouped_completions for c in group]
 
-    def reward_columns(self) -> dict[str, list[Any]]:
-        """The per-completion keyword arguments a multi-turn rollout adds to every reward
-        call: ``tool_calls`` and ``tool_failures`` (ints), ``exchange_lengths`` (each row's
-        tokens, the model's and the tool messages': what ``max_completion_length`` bounds,
-        and what the ``overlong`` reward measures) and, with an environment,
-        ``environments`` (each row's environment after the rollout); ``{}`` otherwise."""
-        if self.tools is None:
-            return {}
-        columns: dict[str, list[Any]] = {
-            "tool_calls": self.tools.calls.tolist(),
-            "tool_failures": self.tools.failed.tolist(),
-            "exchange_lengths": self.completion_mask.sum(-1).tolist()}
-        if self.tools.environments is not None:
-            columns["environments"] = list(self.tools.environments)
-        return columns
-
 
 def check_request(
     prompts: list[str], answers: list[str], num_generations: int,

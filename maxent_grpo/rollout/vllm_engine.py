@@ -284,7 +284,7 @@ class VLLMEngine:
                     [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
                                                                 strict=True)]
                     if c.logprobs else None) for c in rows]
-        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, prompt_ids,
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, answers, prompt_ids,
                                 prompt_mask, sampled, G, seconds,
                                 next(self.model.parameters()).device)
 
@@ -336,12 +336,14 @@ def request_seed_base() -> int:
 
 def assemble_rollout(
     tokenizer: PreTrainedTokenizerBase, stop_token_ids: tuple[int, ...], prompts: list[str],
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    answers: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     rows: list[tuple[list[int], list[float] | None]], G: int, seconds: float,
     device: torch.device,
 ) -> RolloutOutput:
     """The :class:`RolloutOutput` of ``B * G`` sampled rows (prompt-major ``(token ids,
-    sampler log-probs or None)``): cut at the first stop id, padded, decoded."""
+    sampler log-probs or None)``): cut at the first stop id, padded, decoded; each
+    completion's sampler log-prob sum is its ``grouped_ref_meta`` (None when vLLM reported
+    no log-probs)."""
     B = len(prompts)
     require(len(rows) == B * G, f"vLLM returned {len(rows)} completions; expected {B * G}")
     T = max(1, max(len(ids) for ids, _ in rows))
@@ -361,16 +363,16 @@ def assemble_rollout(
         [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
         skip_special_tokens=True,
     )
+    logps = logps.masked_fill(~completion_mask, 0.0)
+    reported = any(lps for _, lps in rows)
     return RolloutOutput(
-        batch=GenerationBatch(
-            prompts=list(prompts),
-            grouped_completions=[texts[b * G:(b + 1) * G] for b in range(B)],
-        ),
+        batch=GenerationBatch.of_rows(prompts, answers, texts,
+                                      logps.sum(-1).tolist() if reported else None),
         prompt_ids=prompt_ids.repeat_interleave(G, dim=0).to(device),
         prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),
         completion_ids=completion_ids.to(device),
         completion_mask=completion_mask.to(device),
         truncated=truncated.to(device),
         generate_seconds=seconds,
-        sampler_logps=logps.masked_fill(~completion_mask, 0.0).to(device),
+        sampler_logps=logps.to(device),
     )

@@ -358,7 +358,7 @@ class VLLMServerEngine(ServerWeights):
         results = self._run_all(bodies)
         seconds = time.perf_counter() - start
         rows = [row for result in results for row in result]
-        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, prompt_ids,
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, answers, prompt_ids,
                                 prompt_mask, rows, G, seconds,
                                 next(self.model.parameters()).device)
 

@@ -244,7 +244,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.scorer = Scorer(temperature, self.loop.scoring, fused_lm_head)
         self.step_metrics = StepMetrics(self.rewards.names, self.loop.evaluation)
         self.evaluator = Evaluator(self.rewards, self.loop.evaluation)
-        self.logging_view = LoggingConfigView(weighting=objective, clipping=gradient_clip_val)
+        self.logging_view = LoggingConfigView(weighting=objective, clipping=gradient_clip_val,
+                                              schedule=self.loop.optimization.schedule)
         self.writer = LightningWriter(self)
         self.counters = StepCounters()
         self.policy: torch.nn.Module | None = None
@@ -270,9 +271,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         """One rollout, then ``num_iterations`` optimizer steps on it (the module docstring);
         the step is logged and ``objective.observe`` reads its statistics."""
-        timer = StepTimer(self.device)
+        timer = StepTimer(self.runtime.device)
         if self.pipeline is not None:  # asynchronous: train on the rollout of batch t - k
-            step = self.pipeline.next(self.step_context, batch, self.global_step, self.device)
+            step = self.pipeline.next(self.step_context, batch, self.global_step,
+                                      self.runtime.device)
             if step is None:  # the first k steps only start rollouts
                 return
             ctx, batch, self.staleness = step
@@ -296,7 +298,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             objective=self.objective, policy=self.policy,
             reference=self.reference if self.needs_reference else None,
             generation=self.loop.generation, schedule=self.loop.optimization.schedule,
-            strategy=self.trainer.strategy, backward=self.manual_backward,
+            strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
             refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None)
 
@@ -306,7 +308,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.counters.empty_steps += trajectory.kept_groups == 0
         self.step_metrics.observe(trajectory)
         rollout = trajectory.rollout
-        timings = timer.summary(rollout.generate_seconds, int(rollout.model_mask.sum()))
+        timings = timer.summary(int(rollout.model_mask.sum()))
         extra = {f"perf/{k}": v for k, v in timings.items()}
         extra["perf/sync_seconds"] = self.sync_seconds
         if self.pipeline is not None:
@@ -320,7 +322,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             extra["refill_rounds"] = float(trajectory.refill_rounds)
         self.step_log = self.step_metrics.artifacts(
             self.logging_view, lr=update.lr, grad_norm=update.grad_norm,
-            epoch_progress=batch_idx / max(1, self.trainer.num_training_batches), extra=extra,
+            epoch_progress=batch_idx / max(1, self.trainer.num_training_batches),
+            latency_ms=1000.0 * rollout.generate_seconds, step=self.global_step, extra=extra,
         )
         self.step_metrics_dict = self.step_log.as_dict()
         metrics = log_step(self.writer, self.step_metrics_dict, self.global_step)
@@ -397,8 +400,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
 
     def on_train_start(self) -> None:
-        """Hand the optimizer and scheduler Lightning built to the step."""
+        """Hand the optimizer and scheduler Lightning built to the step, and the trainer's
+        loader to the runtime handles."""
         self.loop.optimization.handles = (self.optimizers(), self.lr_schedulers())
+        self.attach_training_data()
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Lightning's default progress bar gives way to the command line's, for L.Trainer."""
@@ -422,7 +427,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the objective's state, the counters and every rank's random state
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
-        save_state(checkpoint, self.source.name_or_path, self.objective, self.counters)
+        save_state(checkpoint, self.source.name_or_path, self.objective, self.counters,
+                   self.loop)
         if self.pipeline is not None:  # every rank's rollouts in flight, for the resume
             self.pipeline.save(checkpoint)
 
@@ -430,7 +436,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for
         the first training batch."""
         self._rng_to_restore = load_state(
-            checkpoint, self.source.name_or_path, self.objective, self.counters)
+            checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop)
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self.pipeline is not None and self._trainer is not None:
             self.pipeline.restore(checkpoint, self.trainer.state.fn == "fit", self.global_rank,

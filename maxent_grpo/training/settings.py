@@ -21,6 +21,7 @@ from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
 from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
 from maxent_grpo.training.types import (
     BatchingSettings,
+    ControllerPaths,
     LoopSettings,
     OptimizationSettings,
 )
@@ -280,4 +281,5 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             logprob_chunk_size=None if groups is None else groups * G,
             score_slice=o["micro_batch_tokens"],
         ),
+        controller=ControllerPaths(None, None),  # the controllers attach at setup
     )

@@ -313,7 +313,7 @@ def test_generate_validates_its_arguments(tiny: tuple[Any, Any]) -> None:
 
 
 def test_rollout_output_checks_shapes() -> None:
-    batch = GenerationBatch(["p"], [["x", "y"]])
+    batch = GenerationBatch(["p"], ["a"], [["x", "y"]], None)
     ok = {
         "prompt_ids": torch.zeros(2, 3, dtype=torch.long),
         "prompt_mask": torch.ones(2, 3, dtype=torch.bool),

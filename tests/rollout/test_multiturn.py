@@ -54,7 +54,7 @@ class Scripted:
         mask, truncated = completion_mask_from_ids(c_ids, [TOK.eos_token_id])
         texts = [TOK.decode(r, skip_special_tokens=True) for r in rows]
         return RolloutOutput(
-            GenerationBatch(list(prompts), [texts[b * G:(b + 1) * G] for b in range(len(prompts))]),
+            GenerationBatch.of_rows(prompts, answers, texts),
             p_ids.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0), c_ids, mask,
             truncated, 0.0)
 
@@ -92,7 +92,7 @@ def test_a_tool_exchange_token_by_token():
     assert out.reward_completions()[0] == [
         {"role": "assistant", "content": CALL}, {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "42"}]
-    assert out.reward_columns() == {"tool_calls": [1, 1], "tool_failures": [0, 0],
+    assert out.batch.flatten().reward_columns() == {"tool_calls": [1, 1], "tool_failures": [0, 0],
                                     "exchange_lengths": [len(expected)] * 2}
     # the text shows the turns; the model continued from prompt + completion so far
     assert out.batch.grouped_completions[0][0] == CALL + "<|im_end|>" + SEGMENT + "42"
@@ -114,7 +114,7 @@ def test_overlong_measures_a_multi_turn_row_as_the_budget_does():
         assert bool(out.truncated[0]) == (expected == -1.0)
         pairs = PromptCompletionBatch(prompts=["q"], completions=out.reward_completions())
         total, _ = module.rewards(pairs, {"answer": ["42"]}, 1, out.completion_ids,
-                                  out.model_mask, out.reward_columns())
+                                  out.model_mask, out.batch.flatten().reward_columns())
         assert total.tolist() == [expected]
         if expected == -1.0:  # the model's own tokens alone would not have been overlong
             assert int(out.model_mask.sum()) < budget - 4
@@ -155,7 +155,7 @@ def test_faults_are_messages_the_model_reads():
     assert messages[1] == {"role": "tool",
                            "content": "Error: unknown tool 'search'; the tools are: calculate"}
     assert out.tools.failures["unknown_tool"].tolist() == [1]
-    assert out.reward_columns()["tool_failures"] == [1]
+    assert out.batch.flatten().reward_columns()["tool_failures"] == [1]
     assert "Error: unknown tool" in out.batch.grouped_completions[0][0]
 
 
@@ -206,7 +206,7 @@ def test_an_environment_steps_until_done():
     assert env.prompt == "guess" and env.guesses == [40, 42]
     assert out.tools.calls.tolist() == [2, 2] and out.tools.turns.tolist() == [2, 2]
     assert [m["content"] for m in out.reward_completions()[0]] == ["40", "higher", "42"]
-    assert out.reward_columns()["environments"] == out.tools.environments
+    assert out.batch.flatten().reward_columns()["environments"] == out.tools.environments
     assert out.tool_mask.sum(1).tolist() == [len(ids("\n<|im_start|>user\nhigher<|im_end|>\n"
                                                      "<|im_start|>assistant\n"))] * 2
     # an error in step is a message the model reads, counted; a wrong return type is a bug

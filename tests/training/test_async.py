@@ -50,8 +50,9 @@ class RemoteCopy:
                     if token in self.stop_token_ids:
                         break
                 rows.append((out, logps))
-        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, prompt_ids,
-                                prompt_mask, rows, num_generations, 0.0, torch.device("cpu"))
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, answers,
+                                prompt_ids, prompt_mask, rows, num_generations, 0.0,
+                                torch.device("cpu"))
 
 
 class Batches(L.Callback):

@@ -35,31 +35,36 @@ from maxent_grpo.training.types import (
 
 MISSING = dataclasses.MISSING
 
-# Written by hand from the types' specification: (field name, default or MISSING), in order.
+# The documented contract, written by hand from the project's starting document: (field
+# name, default or MISSING), in order; nothing more and nothing less.
 SPEC: dict[type, list[tuple[str, Any]]] = {
-    GenerationBatch: [("prompts", MISSING), ("grouped_completions", MISSING)],
-    PromptCompletionBatch: [("prompts", MISSING), ("completions", MISSING)],
+    GenerationBatch: [("prompts", MISSING), ("answers", MISSING),
+                      ("grouped_completions", MISSING), ("grouped_ref_meta", MISSING),
+                      ("grouped_completion_info", None)],
+    PromptCompletionBatch: [("prompts", MISSING), ("completions", MISSING), ("metadata", None)],
     RewardComponentStats: [("mean", MISSING), ("std", MISSING)],
     RewardMoments: [("mean", MISSING), ("std", MISSING)],
-    AdvantageStats: [("grouped", MISSING)],
-    QDistribution: [("grouped", MISSING)],
+    AdvantageStats: [("grouped", MISSING), ("samples", MISSING)],
+    QDistribution: [("grouped", MISSING), ("samples", MISSING)],
     SequenceScores: [
-        ("cur_logp_sum", MISSING),
-        ("token_logp", MISSING),
-        ("token_mask", MISSING),
+        ("cur_logp_sum", MISSING), ("behavior_logp_sum", MISSING),
+        ("log_ratio_train", MISSING), ("denom_tok_tensor", MISSING), ("pooled_hidden", None),
+        ("policy_entropy_sum", None), ("token_logp", None), ("token_mask", None),
         ("old_token_logp", None),
     ],
-    BatchingSettings: [("logprob_chunk_size", MISSING), ("score_slice", MISSING)],
+    BatchingSettings: [("logprob_chunk_size", MISSING), ("score_slice", MISSING),
+                       ("prompt_length_cache_get", None), ("score_tail_tokens", None),
+                       ("slice_prefetch", 0), ("prompt_cache_size", 0)],
     TokenUsageStats: [
         ("avg_completion_tokens", MISSING),
         ("num_completion_tokens", MISSING),
         ("num_input_tokens", MISSING),
     ],
     TrainingScalarStats: [
-        ("ref_logp_mean", MISSING),
-        ("tokens", MISSING),
-        ("current_lr", MISSING),
-        ("policy_entropy", None),
+        ("ref_logp_mean", MISSING), ("tokens", MISSING), ("current_lr", MISSING),
+        ("grad_norm_scalar", MISSING), ("epoch_progress", MISSING),
+        ("vllm_latency_ms", MISSING), ("policy_entropy", None),
+        ("entropy_bonus_coef", None), ("entropy_bonus_reward_std", None),
     ],
     LossScalarBundle: [
         ("total_loss", MISSING),
@@ -73,9 +78,8 @@ SPEC: dict[type, list[tuple[str, Any]]] = {
         ("diagnostics", MISSING),
         ("grad_norm_scalar", MISSING),
         ("epoch_progress", MISSING),
-        ("scalars", None),
     ],
-    LoggingConfigView: [("weighting", MISSING), ("clipping", MISSING)],
+    LoggingConfigView: [("weighting", MISSING), ("clipping", MISSING), ("schedule", MISSING)],
     ControllerPaths: [
         ("state_path", MISSING),
         ("resume_from", MISSING),
@@ -83,16 +87,14 @@ SPEC: dict[type, list[tuple[str, Any]]] = {
     ],
     OptimizationSettings: [("schedule", MISSING), ("handles", MISSING)],
     LoopSettings: [
-        ("generation", MISSING),
-        ("evaluation", MISSING),
-        ("optimization", MISSING),
-        ("scoring", MISSING),
+        ("generation", MISSING), ("evaluation", MISSING), ("optimization", MISSING),
+        ("scoring", MISSING), ("controller", MISSING), ("controller_objective", None),
+        ("controller_meta_manager", None),
     ],
     RuntimeHandles: [
-        ("model", MISSING),
-        ("tokenizer", MISSING),
-        ("get_ref_model", MISSING),
-        ("reference_model", None),
+        ("accelerator", MISSING), ("model", MISSING), ("tokenizer", MISSING),
+        ("train_loader", MISSING), ("train_sampler", MISSING), ("device", MISSING),
+        ("get_ref_model", MISSING), ("reference_model", None), ("prompt_cache_get", None),
     ],
 }
 
@@ -160,7 +162,9 @@ def test_import_loads_neither_lightning_nor_transformers() -> None:
 def _batch(**overrides: Any) -> GenerationBatch:
     kwargs: dict[str, Any] = {
         "prompts": ["p0", "p1"],
+        "answers": ["a0", "a1"],
         "grouped_completions": [["c00", "c01", "c02"], ["c10", "c11", "c12"]],
+        "grouped_ref_meta": None,
     }
     kwargs.update(overrides)
     return GenerationBatch(**kwargs)
@@ -173,16 +177,46 @@ def test_generation_batch_counts_and_flatten() -> None:
     assert isinstance(flat, PromptCompletionBatch)
     assert flat.prompts == ["p0", "p0", "p0", "p1", "p1", "p1"]
     assert flat.completions == ["c00", "c01", "c02", "c10", "c11", "c12"]
+    assert flat.metadata is None and flat.reward_columns() == {}
     ragged = _batch(grouped_completions=[["x"], ["y", "z"]])
     assert ragged.num_completions == 3 and ragged.flatten().prompts == ["p0", "p1", "p1"]
     with pytest.raises(ValueError, match="grouped_completions"):
         _batch(grouped_completions=[["c"]])
+    with pytest.raises(ValueError, match="answers"):
+        _batch(answers=["a0"])
+
+
+def test_generation_batch_per_completion_fields_follow_their_completions() -> None:
+    info = [{"tool_calls": 10 * b + g} for b in range(2) for g in range(3)]
+    batch = GenerationBatch.of_rows(["p0", "p1"], ["a0", "a1"],
+                                    ["c00", "c01", "c02", "c10", "c11", "c12"],
+                                    ref_meta=[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0], info=info)
+    assert batch.grouped_ref_meta == [[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]]
+    flat = batch.flatten()
+    assert flat.metadata == info
+    assert flat.reward_columns() == {"tool_calls": [0, 1, 2, 10, 11, 12]}
+    picked = GenerationBatch.cat([batch.select([1]), batch.select([0])])
+    assert picked.prompts == ["p1", "p0"] and picked.answers == ["a1", "a0"]
+    assert picked.grouped_ref_meta == [[-4.0, -5.0, -6.0], [-1.0, -2.0, -3.0]]
+    assert picked.grouped_completion_info[0][2] == {"tool_calls": 12}
+    # a part without sampler log-probs: the joined batch has none
+    assert GenerationBatch.cat([batch, _batch()]).grouped_ref_meta is None
+    with pytest.raises(ValueError, match=r"grouped_ref_meta\[1\]"):
+        _batch(grouped_ref_meta=[[0.0] * 3, [0.0] * 2])
+    with pytest.raises(ValueError, match="grouped_completion_info"):
+        _batch(grouped_completion_info=[[{}] * 3])
+    with pytest.raises(ValueError, match="equal groups"):
+        GenerationBatch.of_rows(["p0", "p1"], ["a0", "a1"], ["c"] * 5)
 
 
 def test_prompt_completion_batch_validation() -> None:
     PromptCompletionBatch(["p"], ["c"])
     with pytest.raises(ValueError, match="completions"):
         PromptCompletionBatch(["p", "p"], ["c"])
+    with pytest.raises(ValueError, match="metadata"):
+        PromptCompletionBatch(["p"], ["c"], metadata=[{}, {}])
+    with pytest.raises(ValueError, match=r"metadata\[1\]"):
+        PromptCompletionBatch(["p", "p"], ["c", "d"], [{"a": 1}, {"b": 2}]).reward_columns()
 
 
 # ------------------------------------------------------------------ rewards and targets
@@ -201,7 +235,8 @@ def test_reward_stats_std(cls: type) -> None:
 
 def _scores(n: int = 4, t: int = 5, **overrides: Any) -> SequenceScores:
     kwargs: dict[str, Any] = {
-        "cur_logp_sum": torch.randn(n),
+        "cur_logp_sum": torch.randn(n), "behavior_logp_sum": torch.randn(n),
+        "log_ratio_train": torch.zeros(n), "denom_tok_tensor": torch.full((n,), float(t)),
         "token_logp": torch.zeros(n, t),
         "token_mask": torch.ones(n, t, dtype=torch.bool),
     }
@@ -218,6 +253,9 @@ def test_sequence_scores_shapes() -> None:
     ("overrides", "field", "error"),
     [
         ({"cur_logp_sum": [0.0] * 4}, "cur_logp_sum", ValueError),
+        ({"behavior_logp_sum": torch.zeros(3)}, "behavior_logp_sum", ValueError),
+        ({"denom_tok_tensor": None}, "denom_tok_tensor", ValueError),
+        ({"policy_entropy_sum": torch.zeros(4, 1)}, "policy_entropy_sum", ValueError),
         ({"token_logp": torch.zeros(3, 5)}, "token_logp", ValueError),
         ({"token_mask": torch.ones(4, 6, dtype=torch.bool)}, "token_mask", ValueError),
         ({"old_token_logp": [0.0]}, "old_token_logp", TypeError),
@@ -228,13 +266,51 @@ def test_sequence_scores_validation(overrides: dict[str, Any], field: str, error
         _scores(**overrides)
 
 
+def test_sequence_scores_of_sums_over_the_mask_against_the_sampling_policy() -> None:
+    current = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    old = torch.full((2, 3), -1.0)
+    sampler = torch.full((2, 3), -2.0)
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [0.5, 0.5, 0.5]])
+    plain = SequenceScores.of(current, mask)  # the current policy sampled: ratio 1
+    assert plain.cur_logp_sum.tolist() == [-3.0, -1.5] and not plain.cur_logp_sum.requires_grad
+    assert plain.behavior_logp_sum.tolist() == [-3.0, -1.5]
+    assert plain.log_ratio_train.tolist() == [0.0, 0.0]
+    assert plain.denom_tok_tensor.tolist() == [2.0, 3.0] and plain.policy_entropy_sum is None
+    assert plain.token_logp is current and plain.pooled_hidden is None
+    later = SequenceScores.of(current, mask, old_token_logp=old, entropy=entropy)
+    assert later.behavior_logp_sum.tolist() == [-2.0, -3.0]
+    assert later.log_ratio_train.tolist() == [-1.0, 1.5]
+    assert later.policy_entropy_sum.tolist() == [3.0, 1.5]
+    # an engine's own log-probs are the behaviour policy's, before the old policy's
+    sampled = SequenceScores.of(current, mask, old_token_logp=old, sampler_token_logp=sampler)
+    assert sampled.behavior_logp_sum.tolist() == [-4.0, -6.0]
+    assert sampled.old_token_logp is old
+
+
 def test_batching_settings_validation() -> None:
-    BatchingSettings(logprob_chunk_size=8, score_slice=None)
+    settings = BatchingSettings(logprob_chunk_size=8, score_slice=None)
+    assert settings.unsupported() == []
     for overrides, field in [({"logprob_chunk_size": 0}, "logprob_chunk_size"),
-                             ({"score_slice": 0}, "score_slice")]:
+                             ({"score_slice": 0}, "score_slice"),
+                             ({"score_tail_tokens": 0}, "score_tail_tokens"),
+                             ({"slice_prefetch": -1}, "slice_prefetch"),
+                             ({"prompt_cache_size": -1}, "prompt_cache_size")]:
         kwargs: dict[str, Any] = {"logprob_chunk_size": 2, "score_slice": 2} | overrides
         with pytest.raises(ValueError, match=field):
             BatchingSettings(**kwargs)
+    with pytest.raises(TypeError, match="prompt_length_cache_get"):
+        BatchingSettings(2, 2, prompt_length_cache_get="cache")  # type: ignore[arg-type]
+
+
+def test_the_scorer_refuses_the_batching_it_does_not_have() -> None:
+    from maxent_grpo.training.step.scoring import Scorer
+
+    Scorer(1.0, BatchingSettings(None, None))
+    for overrides in ({"slice_prefetch": 2}, {"prompt_cache_size": 8},
+                      {"score_tail_tokens": 4}, {"prompt_length_cache_get": len}):
+        with pytest.raises(ValueError, match=next(iter(overrides))):
+            Scorer(1.0, BatchingSettings(None, None, **overrides))
 
 
 # ---------------------------------------------------------------------------- logging
@@ -256,17 +332,28 @@ def test_token_usage_as_dict_and_validation() -> None:
 
 
 def test_training_scalar_stats_as_dict_leaves_out_what_was_not_measured() -> None:
-    stats = TrainingScalarStats(ref_logp_mean=float("nan"),
-                                tokens=TokenUsageStats(12.5, 50.0, 90.0), current_lr=1e-6)
+    tokens = TokenUsageStats(12.5, 50.0, 90.0)
+    stats = TrainingScalarStats(ref_logp_mean=float("nan"), tokens=tokens, current_lr=1e-6,
+                                grad_norm_scalar=None, epoch_progress=0.25,
+                                vllm_latency_ms=None)
     assert stats.as_dict() == {
         "lr": 1e-6, "tokens/completion_length/mean": 12.5, "tokens/completion_tokens": 50.0,
         "tokens/input_tokens": 90.0,
     }
-    artifacts = LogStepArtifacts(LossScalarBundle(1.0, 1.0, None, 0.0, 0.0), {"kl": 0.1},
-                                 None, 0.0, scalars=stats)
-    assert artifacts.as_dict()["tokens/input_tokens"] == 90.0
-    with pytest.raises(ValueError, match="produced twice"):
-        LogStepArtifacts({}, {"lr": 1.0}, None, 0.0, scalars=stats).as_dict()
+    assert (stats.avg_completion_tokens, stats.num_completion_tokens,
+            stats.num_input_tokens) == (12.5, 50.0, 90.0)
+    measured = TrainingScalarStats(-1.5, tokens, 1e-6, 2.0, 0.25, 1250.0, policy_entropy=0.7,
+                                   entropy_bonus_coef=0.01, entropy_bonus_reward_std=0.002)
+    out = measured.as_dict()
+    assert out["perf/generate_s"] == 1.25 and out["logp/ref_token"] == -1.5
+    assert out["entropy_bonus/coef"] == 0.01 and out["entropy_bonus/reward_std"] == 0.002
+    assert "grad_norm" not in out and "epoch_progress" not in out  # LogStepArtifacts' own
+    artifacts = LogStepArtifacts(LossScalarBundle(1.0, 1.0, None, 0.0, 0.0),
+                                 {"kl": 0.1, **out}, measured.grad_norm_scalar,
+                                 measured.epoch_progress)
+    flat = artifacts.as_dict()
+    assert flat["tokens/input_tokens"] == 90.0
+    assert flat["grad_norm"] == 2.0 and flat["epoch_progress"] == 0.25
 
 
 def test_loss_bundle_as_dict() -> None:
@@ -379,9 +466,24 @@ def test_runtime_handles_lazy_reference() -> None:
         calls.append(1)
         return ref
 
-    handles = RuntimeHandles(model=torch.nn.Linear(2, 2), tokenizer=None, get_ref_model=load)
+    handles = RuntimeHandles(None, torch.nn.Linear(2, 2), None, None, None,
+                             torch.device("cpu"), load)
     assert handles.reference_model is None and calls == []
     assert handles.reference() is ref and handles.reference() is ref
     assert calls == [1] and handles.reference_model is ref
+    assert handles.prompt_cache_get is None
     with pytest.raises(TypeError, match="get_ref_model"):
-        RuntimeHandles(None, None, None)  # type: ignore[arg-type]
+        RuntimeHandles(None, None, None, None, None, None, None)  # type: ignore[arg-type]
+
+
+def test_loop_settings_take_each_controller_without_being_mutated() -> None:
+    loop = LoopSettings(None, None, OptimizationSettings(None, None),
+                        BatchingSettings(None, None), ControllerPaths(None, None))
+    objective, meta = object(), object()
+    first = loop.with_controller(ControllerPaths(None, "old.json"), objective)
+    assert loop.controller == ControllerPaths(None, None) and loop.controller_objective is None
+    both = first.with_controller(ControllerPaths("state.json", "other.json", True), objective,
+                                 meta)
+    assert both.controller == ControllerPaths("state.json", "old.json", True)
+    assert both.controller_objective is objective and both.controller_meta_manager is meta
+    assert first.controller_meta_manager is None

@@ -39,7 +39,7 @@ from maxent_grpo.training.callbacks.state_file import (
     read_controller_state,
     write_controller_state,
 )
-from maxent_grpo.training.types import ControllerPaths
+from maxent_grpo.training.types import ControllerPaths, LoopSettings
 from maxent_grpo.validation import check_bool, require
 
 __all__ = ["Controller"]
@@ -61,6 +61,8 @@ class Controller(Callback):
     file_fields: dict[str, str] = {}  # noqa: RUF012 (set once per subclass, never mutated)
     #: whether it can raise beta (then the reference is loaded from the start)
     can_raise_beta: bool = False
+    #: whether it is the meta-controller (``LoopSettings.controller_meta_manager``)
+    is_meta: bool = False
 
     def __init__(
         self, state_path: str | None, resume_from: str | None, overwrite_existing: bool
@@ -114,6 +116,10 @@ class Controller(Callback):
         self._check_start(objective, origin, pl_module)
         if self.can_raise_beta:
             pl_module.require_reference()
+        loop = getattr(pl_module, "loop", None)
+        if isinstance(loop, LoopSettings):  # the module's loop settings name its controllers
+            pl_module.loop = loop.with_controller(self.paths, objective,
+                                                  self if self.is_meta else None)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse to overwrite another run's state file (``overwrite_existing=False``); a run
@@ -138,7 +144,10 @@ class Controller(Callback):
         that trained nothing: the first ``model.max_staleness`` steps only start rollouts)."""
         if getattr(pl_module, "step_log", True) is None:
             return
-        logs = self._update(pl_module.objective, pl_module.step_metrics_dict)
+        loop = getattr(pl_module, "loop", None)
+        attached = isinstance(loop, LoopSettings) and loop.controller_objective is not None
+        objective = loop.controller_objective if attached else pl_module.objective
+        logs = self._update(objective, pl_module.step_metrics_dict)
         self.steps += 1
         if logs:
             pl_module.log_dict(logs, on_step=True, on_epoch=False, batch_size=1)

@@ -259,6 +259,7 @@ class MetaController(Controller):
     file_fields = {"steps": "meta.meta_steps", "tau_grad": "meta.tau_grad",
                    "beta_grad": "meta.beta_grad"}
     can_raise_beta = True
+    is_meta = True
 
     def __init__(
         self,

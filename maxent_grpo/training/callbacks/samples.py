@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
 from maxent_grpo.training.step.trajectory import RolloutSamples
+from maxent_grpo.training.types import AdvantageStats, QDistribution
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = [
@@ -79,21 +80,29 @@ def _number(value: float) -> float | None:
 
 def _grouped(samples: RolloutSamples) -> dict[str, Tensor | None]:
     """The optional per-completion columns as ``(B, G)`` tensors (None when absent)."""
-    adv, q = samples.advantages, samples.q
-    return {
-        "advantage": None if adv is None else torch.tensor(adv.grouped, dtype=torch.float64),
-        "weight": samples.weights,
-        "q": None if q is None else torch.tensor(q.grouped, dtype=torch.float64),
-    }
+    B = samples.rewards.shape[0]
+
+    def table(stats: AdvantageStats | QDistribution | None) -> Tensor | None:
+        if stats is None:
+            return None
+        if len(stats.grouped) != B:
+            raise ValueError(f"trajectory samples: {len(stats.grouped)} groups of "
+                             f"{type(stats).__name__} for {B} prompts")
+        return torch.tensor(stats.samples, dtype=torch.float64).view(B, -1)
+
+    return {"advantage": table(samples.advantages), "weight": samples.weights,
+            "q": table(samples.q)}
 
 
 def rollout_rows(samples: RolloutSamples, max_prompts: int | None = None) -> list[dict[str, Any]]:
     """One dict per completion of the first ``max_prompts`` prompts, prompt-major:
-    ``{"step", "prompt_index", "prompt", "completion", "reward", "components": {name: value},
-    "advantage", "weight", "q"}`` (the last three None when the objective has none;
-    non-finite numbers become None)."""
+    ``{"step", "prompt_index", "prompt", "answer", "completion", "reward", "components":
+    {name: value}, "advantage", "weight", "q"}`` (the last three None when the objective has
+    none; non-finite numbers become None), and ``"sampler_logp"``, the completion's log-prob
+    under the sampler, where the engine reports it (``grouped_ref_meta``)."""
     prompts = samples.prompts
-    completions = samples.generation.grouped_completions
+    generation = samples.generation
+    completions, sampler = generation.grouped_completions, generation.grouped_ref_meta
     rewards = samples.rewards
     B, G = rewards.shape
     if len(prompts) != B or len(completions) != B or any(len(g) != G for g in completions):
@@ -109,11 +118,14 @@ def rollout_rows(samples: RolloutSamples, max_prompts: int | None = None) -> lis
                 "step": int(samples.step),
                 "prompt_index": i,
                 "prompt": prompts[i],
+                "answer": generation.answers[i],
                 "completion": completions[i][j],
                 "reward": _number(rewards[i, j]),
                 "components": {n: _number(v[i, j]) for n, v in samples.components.items()},
             }
             row.update({k: None if v is None else _number(v[i, j]) for k, v in extra.items()})
+            if sampler is not None:
+                row["sampler_logp"] = _number(sampler[i][j])
             rows.append(row)
     return rows
 

@@ -5,7 +5,10 @@ The module adds one entry, ``checkpoint["maxent_grpo"]``:
 - ``model_name_or_path`` and ``objective_class``, checked on load;
 - ``objective_state``: ``Objective.state_dict`` (tau, beta, the entropy gate's multiplier);
 - the :class:`~maxent_grpo.training.step.optimise.StepCounters`;
-- ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy).
+- ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy);
+- ``controllers``: the run's controller state file and meta-controller
+  (``LoopSettings.controller`` and ``controller_meta_manager``), so that a resume without
+  the controllers that moved tau and beta is warned about.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.step.optimise import StepCounters
+from maxent_grpo.training.types import LoopSettings
 
 #: Key of the module's own entry in a Lightning checkpoint.
 CHECKPOINT_KEY = "maxent_grpo"
@@ -58,9 +62,18 @@ def _gather(value: Any) -> list[Any]:
     return [value]
 
 
+def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
+    """The record of the run's controllers (all None without any)."""
+    paths = None if loop is None else loop.controller
+    meta = None if loop is None else loop.controller_meta_manager
+    return {"state_path": None if paths is None else paths.state_path,
+            "attached": loop is not None and loop.controller_objective is not None,
+            "meta_manager": None if meta is None else type(meta).__name__}
+
+
 def save_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
-    counters: StepCounters,
+    counters: StepCounters, loop: LoopSettings | None = None,
 ) -> None:
     """Write the module's entry (see the module docstring). Lightning calls the module's
     ``on_save_checkpoint`` on every rank, so the random states are gathered here."""
@@ -70,12 +83,13 @@ def save_state(
         "objective_state": objective.state_dict(),
         **asdict(counters),
         "rng": _gather(capture_rng_state()),
+        "controllers": _controllers(loop),
     }
 
 
 def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
-    counters: StepCounters,
+    counters: StepCounters, loop: LoopSettings | None = None,
 ) -> dict[str, Any]:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
@@ -102,6 +116,13 @@ def load_state(
             f"the checkpoint was made with model.objective {saved['objective_class']}, "
             f"but this run has {name}; resume with the same objective class_path"
         )
+    before, now = saved.get("controllers") or {}, _controllers(loop)
+    if before.get("attached") and not now["attached"]:
+        rank_zero_warn(
+            f"the checkpoint was trained with tau/beta controllers "
+            f"({before.get('meta_manager') or 'TauController/BetaController'}, state file "
+            f"{before.get('state_path')!r}); this run has none, so tau and beta stay at the "
+            "checkpoint's values: add the same trainer.callbacks to keep them moving")
     objective.load_state_dict(saved["objective_state"])
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])

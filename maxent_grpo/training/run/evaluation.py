@@ -37,13 +37,13 @@ from maxent_grpo.rewards.parsing import (
     sample_answer,
 )
 from maxent_grpo.rollout import (
-    PromptCompletionBatch,
     RolloutEngine,
     RolloutOutput,
     SamplingSettings,
 )
 from maxent_grpo.training.settings import EvaluationSettings
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments
+from maxent_grpo.training.step.trajectory import flat_pairs
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
@@ -181,12 +181,10 @@ class Evaluator(torch.nn.Module):
         self, batch: dict[str, Any], rollout: RolloutOutput, n: int
     ) -> tuple[Tensor, Tensor]:
         """The training rewards of ``rollout`` (``n`` completions per prompt), as in training."""
-        pairs = PromptCompletionBatch(
-            prompts=[p for p in batch["raw_prompts"] for _ in range(n)],
-            completions=rollout.reward_completions(),
-        )
+        pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
+        pairs.completions = rollout.reward_completions()  # a multi-turn rollout's messages
         return self.rewards(pairs, batch["columns"], n, rollout.completion_ids,
-                            rollout.model_mask, rollout.reward_columns())
+                            rollout.model_mask, pairs.reward_columns())
 
     def _correct(self, values: Tensor, completions: list) -> list[float]:
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN) value

@@ -6,7 +6,10 @@ which holds ``source`` (:class:`~maxent_grpo.training.settings.ModelSettings`), 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.adapters import AdapterDisabledReference, register_sharded_generate
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
@@ -41,8 +44,11 @@ class PolicyModels:
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
-        self.runtime = RuntimeHandles(model=self.policy, tokenizer=self.tokenizer,
-                                      get_ref_model=self._load_reference)
+        trainer = self._trainer  # None outside a trainer (a module used on its own)
+        self.runtime = RuntimeHandles(
+            accelerator=None if trainer is None else trainer.strategy, model=self.policy,
+            tokenizer=self.tokenizer, train_loader=None, train_sampler=None,
+            device=self.device, get_ref_model=self._load_reference)
         if self.needs_reference:
             self.runtime.reference()
         if self.device_mesh is not None:
@@ -85,3 +91,18 @@ class PolicyModels:
         if self.reference is not None:
             self.reference.to(self.device)
 
+    def attach_training_data(self) -> None:
+        """At the start of training: the handles take the trainer's strategy, loader and
+        sampler (:class:`~maxent_grpo.training.types.RuntimeHandles`); a sampler whose order
+        a checkpoint cannot continue is warned about once."""
+        runtime = dataclasses.replace(
+            self.runtime, accelerator=self.trainer.strategy,
+            train_loader=self.trainer.train_dataloader, device=self.device)
+        sampler = getattr(runtime.train_loader, "sampler", None)
+        self.runtime = dataclasses.replace(runtime, train_sampler=sampler)
+        if self.runtime.train_sampler is not None and not hasattr(
+                self.runtime.train_sampler, "resume_at"):
+            rank_zero_warn(
+                f"the training loader's sampler ({type(sampler).__name__}) is not the "
+                "PromptDataModule's EpochShuffleSampler: a run resumed from a checkpoint "
+                "will not continue with the prompts the interrupted run would have drawn")

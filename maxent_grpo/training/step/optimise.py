@@ -100,6 +100,7 @@ def optimizer_step(
             ctx.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols],
             t.mask[rows][:, :Tc], None if t.old_logps is None else t.old_logps[rows][:, :Tc],
             ctx.objective.needs_entropy,
+            None if t.sampler_logps is None else t.sampler_logps[rows][:, :Tc],
         )
         if chunk.padding:  # only keeps the ranks' collectives in step: weight zero
             timer.stop("forward")
@@ -155,8 +156,19 @@ def optimizer_step(
         # parts sum to the step's loss: count 1/real each -> mean over passes and
         # ranks (scaled like their gradient, their mean over the ranks is the batch loss)
         sums.add("loss/total", out.loss * t.loss_scale, 1.0 / real)
+        weight = 0.0 if t.ghost else 1.0
         sums.add("logp/sequence", scores.cur_logp_sum.sum(), float(scores.num_sequences),
-                 weight=0.0 if t.ghost else 1.0)
+                 weight=weight)
+        sums.add("logp/behavior_sequence", scores.behavior_logp_sum.sum(),
+                 float(scores.num_sequences), weight=weight)
+        # the trained policy against the one that sampled, per token (0 on a rollout's
+        # first update from the policy itself)
+        sums.add("logp/log_ratio", scores.log_ratio_train.sum(), scores.denom_tok_tensor.sum(),
+                 weight=weight)
+        if scores.policy_entropy_sum is not None:  # each sequence's mean token entropy
+            h = scores.policy_entropy_sum / scores.denom_tok_tensor.clamp(min=1)
+            sums.add("entropy/sequence", h.sum(), float(h.numel()), weight=weight)
+            sums.add("entropy/sequence_sq", h.square().sum(), float(h.numel()), weight=weight)
         for key, (value, count) in out.sums.items():
             sums.add(key, value, count, weight=0.0 if t.ghost else 1.0)
     timer.start()

@@ -29,6 +29,7 @@ The policy-gradient correction for the stale sampler is ``model.sampler_correcti
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import threading
 from collections import deque
@@ -215,8 +216,7 @@ _TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "t
 def _rollout_state(out: RolloutOutput) -> dict[str, Any]:
     state: dict[str, Any] = {name: None if getattr(out, name) is None
                              else getattr(out, name).detach().cpu() for name in _TENSORS}
-    state.update(prompts=list(out.batch.prompts),
-                 grouped_completions=[list(g) for g in out.batch.grouped_completions],
+    state.update(batch=copy.deepcopy(dataclasses.asdict(out.batch)),  # texts, answers, meta
                  generate_seconds=float(out.generate_seconds), tools=None)
     if out.tools is not None:
         if out.tools.environments is not None:
@@ -239,8 +239,7 @@ def moved_to(out: RolloutOutput, device: torch.device) -> RolloutOutput:
 def _rollout_from_state(state: dict[str, Any]) -> RolloutOutput:
     tools = state.get("tools")
     return RolloutOutput(
-        batch=GenerationBatch(prompts=state["prompts"],
-                              grouped_completions=state["grouped_completions"]),
+        batch=GenerationBatch(**state["batch"]),
         generate_seconds=state["generate_seconds"],
         tools=None if tools is None else ToolUsage(**tools),
         **{name: state[name] for name in _TENSORS})

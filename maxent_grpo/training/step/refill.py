@@ -107,10 +107,7 @@ def concat_groups(pools: list[Scored], chosen: list[tuple[int, int]], G: int,
     if all(r.tools is not None for r in rollouts):  # multi-turn rollouts
         tool_mask = rows_of("tool_mask", T, False)[:, :t1]
         tools = ToolUsage.cat([scored[1].tools.rows(rows) for scored, _, rows in parts])
-    texts = GenerationBatch(
-        prompts=[scored[1].batch.prompts[g] for scored, groups, _ in parts for g in groups],
-        grouped_completions=[scored[1].batch.grouped_completions[g]
-                             for scored, groups, _ in parts for g in groups])
+    texts = GenerationBatch.cat([scored[1].batch.select(groups) for scored, groups, _ in parts])
     rollout = RolloutOutput(
         batch=texts, prompt_ids=rows_of("prompt_ids", P, pad_id, left=True)[:, p0:],
         prompt_mask=prompt_mask[:, p0:],

@@ -82,6 +82,10 @@ class Scorer:
     def __init__(
         self, temperature: float, batching: BatchingSettings, fused_head: bool | None = None
     ) -> None:
+        unsupported = batching.unsupported()
+        if unsupported:
+            raise ValueError(f"BatchingSettings {unsupported}: this trainer has no prompt cache, "
+                             "scored tail or prefetching; leave them at their defaults")
         self.temperature = float(temperature)
         self.batching = batching
         self.fused_head = fused_head
@@ -200,21 +204,16 @@ class Scorer:
 
     def policy_scores(
         self, model: torch.nn.Module, input_ids: Tensor, attention: Tensor, mask: Tensor,
-        old_logps: Tensor | None, with_entropy: bool,
+        old_logps: Tensor | None, with_entropy: bool, sampler_logps: Tensor | None = None,
     ) -> tuple[SequenceScores, Tensor | None]:
         """The policy's scores of one micro-batch, with gradient: :class:`SequenceScores`
         (``token_logp`` carries the gradient) and the token entropy ``(n, T)`` or None;
-        ``mask`` ``(n, T)`` is the loss mask; ``old_logps`` the behaviour log-probs (None
-        when the behaviour policy is the current one, ``num_iterations = 1``)."""
+        ``mask`` ``(n, T)`` is the loss mask; ``old_logps`` the log-probs before the
+        rollout's first update (None when ``num_iterations = 1``), ``sampler_logps`` the
+        engine's own (None when it reports none)."""
         logps, entropy = self.token_logps(model, input_ids, attention, mask.shape[1],
                                           with_entropy, policy=True)
-        scores = SequenceScores(
-            cur_logp_sum=(logps.detach() * mask.to(logps.dtype)).sum(-1),  # (n,)
-            token_logp=logps,
-            token_mask=mask,
-            old_token_logp=old_logps,
-        )
-        return scores, entropy
+        return SequenceScores.of(logps, mask, old_logps, sampler_logps, entropy), entropy
 
     @torch.no_grad()
     def frozen_logps(

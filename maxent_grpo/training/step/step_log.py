@@ -184,10 +184,12 @@ class StepMetrics(torch.nn.Module):
 
     def artifacts(
         self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,
-        epoch_progress: float, extra: dict[str, float],
+        epoch_progress: float, latency_ms: float | None, step: int, extra: dict[str, float],
     ) -> LogStepArtifacts:
         """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset;
-        ``extra`` are further diagnostics (timings, counters) logged as they are."""
+        ``latency_ms`` is the rollout engine's, ``step`` the optimizer steps taken so far
+        (``lr_warmup``, the warm-up's progress, while ``view.schedule.lr_warmup_steps``
+        runs); ``extra`` are further diagnostics (timings, counters) logged as they are."""
         means: dict[str, float] = {}
         for kind, key in self._aligned():  # every rank, the same metrics in the same order
             value = float(self.mean(key).compute() if kind == "mean"
@@ -204,11 +206,22 @@ class StepMetrics(torch.nn.Module):
             kl_loss=kl,
             weighted_kl_loss=kl * weighting.get("beta", 0.0),
         )
+        grad_norm_value = None if grad_norm is None else float(grad_norm)
+        h, h2 = means.pop("entropy/sequence", None), means.pop("entropy/sequence_sq", None)
+        alpha = weighting.get("alpha")  # the entropy bonus of EntropyMaxEnt
+        bonus_std = None
+        if alpha is not None and h is not None and h2 is not None:
+            bonus_std = alpha * math.sqrt(max(h2 - h * h, 0.0))
         scalars = TrainingScalarStats(
             ref_logp_mean=means.pop("logp/ref_token", nan),
             tokens=self.tokens.summary(),
             current_lr=lr,
+            grad_norm_scalar=grad_norm_value,
+            epoch_progress=epoch_progress,
+            vllm_latency_ms=latency_ms,
             policy_entropy=means.pop("entropy", None),
+            entropy_bonus_coef=alpha,
+            entropy_bonus_reward_std=bonus_std,
         )
         moments = self.reward.summary()  # the documented RewardMoments
         diagnostics: dict[str, Any] = {"reward/mean": moments.mean, "reward/std": moments.std}
@@ -220,19 +233,21 @@ class StepMetrics(torch.nn.Module):
         diagnostics.update(means)
         diagnostics["kl"] = kl
         tokens = {k: float(v) for k, v in self.tokens.compute().items()}
+        logged = scalars.as_dict()
         diagnostics["tokens"] = {k: v for k, v in tokens.items()  # the rest of the counts
-                                 if f"tokens/{k}" not in scalars.as_dict()}
+                                 if f"tokens/{k}" not in logged}
+        diagnostics.update(logged)
         diagnostics.update(weighting)
-        grad_norm_value = None if grad_norm is None else float(grad_norm)
-        if view.clipping is not None and grad_norm_value is not None:
-            diagnostics["grad_clipped"] = float(grad_norm_value > view.clipping)
+        if view.clipping is not None and scalars.grad_norm_scalar is not None:
+            diagnostics["grad_clipped"] = float(scalars.grad_norm_scalar > view.clipping)
+        if view.schedule.lr_warmup_steps:
+            diagnostics["lr_warmup"] = min(1.0, step / view.schedule.lr_warmup_steps)
         diagnostics.update(extra)
         artifacts = LogStepArtifacts(
             loss_outputs=losses,
             diagnostics={k: v for k, v in diagnostics.items() if _measured(v)},
-            grad_norm_scalar=grad_norm_value,
-            epoch_progress=epoch_progress,
-            scalars=scalars,
+            grad_norm_scalar=scalars.grad_norm_scalar,
+            epoch_progress=scalars.epoch_progress,
         )
         self.reset_step()
         return artifacts

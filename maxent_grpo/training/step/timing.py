@@ -1,8 +1,9 @@
 """Per-step wall-clock timings (``perf/...`` metrics).
 
-A :class:`StepTimer` splits one training step into phases and reports seconds per phase:
+A :class:`StepTimer` splits one training step into phases and reports seconds per phase
+(the rollout's own time, measured by the engine, is logged as ``perf/generate_s`` through
+:attr:`~maxent_grpo.training.types.TrainingScalarStats.vllm_latency_ms`):
 
-- ``generate_s``: the rollout (measured by the engine),
 - ``reward_s``: the reward functions,
 - ``score_s``: forward passes that produce log-probs (reference, behaviour and policy),
 - ``backward_s``: backward passes plus gradient clipping and the optimizer step,
@@ -45,12 +46,11 @@ class StepTimer:
         self.seconds[phase] += now - self._last
         self._last = now
 
-    def summary(self, generate_seconds: float, completion_tokens: int) -> dict[str, float]:
+    def summary(self, completion_tokens: int) -> dict[str, float]:
         """The ``perf/...`` values of the step (keys without the prefix)."""
         step = self._now() - self._begin
         s = self.seconds
         return {
-            "generate_s": float(generate_seconds),
             "reward_s": s["reward"],
             "score_s": s["frozen"] + s["forward"],
             "backward_s": s["backward"] + s["optimizer"],

@@ -151,7 +151,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         pairs.completions = out.reward_completions()  # a multi-turn rollout's messages
         total, parts = ctx.rewards(  # (B*G,), (K, B*G)
             pairs, prompts["columns"], G, out.completion_ids, out.model_mask,
-            out.reward_columns())
+            pairs.reward_columns())
         timer.stop("reward")
         return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
 
@@ -338,7 +338,7 @@ def rollout_samples(
             name: components[k].detach().cpu().view(B, G)
             for k, name in enumerate(ctx.rewards.names)
         },
-        advantages=None if adv is None else AdvantageStats(adv.tolist()),
+        advantages=None if adv is None else AdvantageStats.of(adv),
         weights=full(targets.weights),
-        q=None if q is None else QDistribution(q.tolist()),
+        q=None if q is None else QDistribution.of(q),
     )

@@ -53,26 +53,65 @@ class TokenUsageStats:
 
 @dataclass
 class TrainingScalarStats:
-    """Step-level scalars that are not losses: reference log-prob, tokens, lr, entropy.
+    """Step-level scalars that are not losses: reference log-prob, tokens, lr, gradient
+    norm, progress, rollout latency, entropy and the entropy bonus.
 
     Attributes:
         ref_logp_mean: mean reference log-prob per completion token (NaN: not measured).
         tokens: the step's :class:`TokenUsageStats`.
         current_lr: the learning rate used for this step (NaN: the update was skipped).
+        grad_norm_scalar: the total gradient norm before clipping, or None (not measured:
+            no update, or a strategy that reports none).
+        epoch_progress: fractional epoch (``batch_idx / batches per epoch``).
+        vllm_latency_ms: the rollout engine's generation time for this step, in
+            milliseconds (any engine: vLLM's, a server's or the Hugging Face one), or None.
         policy_entropy: mean token entropy of the policy, if computed.
+        entropy_bonus_coef: the entropy bonus coefficient the step used (``alpha`` of
+            :class:`~maxent_grpo.objectives.EntropyMaxEnt`, after its KL gate), or None
+            (an objective without one).
+        entropy_bonus_reward_std: the std over the step's sequences of the bonus in reward
+            units, ``alpha * mean_t H`` per sequence: how much the bonus separates a
+            group's completions, to compare with ``reward/std``; None without a bonus.
     """
 
     ref_logp_mean: float
     tokens: TokenUsageStats
     current_lr: float
+    grad_norm_scalar: float | None
+    epoch_progress: float
+    vllm_latency_ms: float | None
     policy_entropy: float | None = None
+    entropy_bonus_coef: float | None = None
+    entropy_bonus_reward_std: float | None = None
+
+    @property
+    def avg_completion_tokens(self) -> float:
+        """:attr:`TokenUsageStats.avg_completion_tokens` of :attr:`tokens`."""
+        return self.tokens.avg_completion_tokens
+
+    @property
+    def num_completion_tokens(self) -> float:
+        """:attr:`TokenUsageStats.num_completion_tokens` of :attr:`tokens`."""
+        return self.tokens.num_completion_tokens
+
+    @property
+    def num_input_tokens(self) -> float:
+        """:attr:`TokenUsageStats.num_input_tokens` of :attr:`tokens`."""
+        return self.tokens.num_input_tokens
 
     def as_dict(self) -> dict[str, float | None]:
-        """``logp/ref_token``, ``lr``, ``entropy`` and ``tokens/<name>`` (see
-        :meth:`TokenUsageStats.as_dict`); values not measured (None, NaN) are left out."""
+        """``logp/ref_token``, ``lr``, ``entropy``, ``perf/generate_s`` (the latency in
+        seconds),
+        ``entropy_bonus/{coef,reward_std}`` and ``tokens/<name>`` (see
+        :meth:`TokenUsageStats.as_dict`); values not measured (None, NaN) are left out. The
+        gradient norm and the progress are logged by :class:`LogStepArtifacts`, which
+        carries them."""
         out: dict[str, float | None] = {
             "logp/ref_token": self.ref_logp_mean, "lr": self.current_lr,
-            "entropy": self.policy_entropy,
+            "entropy": self.policy_entropy, "perf/generate_s": None if self.vllm_latency_ms is None
+            else self.vllm_latency_ms / 1000.0,
+            "entropy_bonus/coef": self.entropy_bonus_coef,
+            "entropy_bonus/reward_std": self.entropy_bonus_reward_std,
         }
         out.update({f"tokens/{k}": v for k, v in self.tokens.as_dict().items()})
         return {k: v for k, v in out.items() if v is not None and not math.isnan(v)}
@@ -122,14 +161,16 @@ class LogStepArtifacts:
             namespaced (``"clip/low_frac"``).
         grad_norm_scalar: total gradient norm, or ``None`` if not measured.
         epoch_progress: fractional epoch (``batch_idx / batches per epoch``).
-        scalars: the step's :class:`TrainingScalarStats`, or None.
+
+    The step (:meth:`~maxent_grpo.training.step.step_log.StepMetrics.artifacts`) puts its
+    :class:`TrainingScalarStats` into ``diagnostics`` (:meth:`TrainingScalarStats.as_dict`)
+    and its gradient norm and progress into the two fields.
     """
 
     loss_outputs: LossScalarBundle | Mapping[str, Any]
     diagnostics: Mapping[str, Any]
     grad_norm_scalar: float | None
     epoch_progress: float
-    scalars: TrainingScalarStats | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.loss_outputs, LossScalarBundle | Mapping):
@@ -146,7 +187,6 @@ class LogStepArtifacts:
         Keys:
             - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed
               (``loss/total``, ...);
-            - the keys of :meth:`TrainingScalarStats.as_dict` (``lr``, ``tokens/...``);
             - each diagnostics key unchanged; a nested mapping is joined with ``"/"``
               (``{"clip": {"low_frac": x}}`` -> ``"clip/low_frac"``);
             - ``"grad_norm"`` and ``"epoch_progress"``.
@@ -176,9 +216,6 @@ class LogStepArtifacts:
                 else:
                     put(key, value)
 
-        if self.scalars is not None:
-            for key, value in self.scalars.as_dict().items():
-                put(key, value)
         walk("", self.diagnostics)
         put("grad_norm", self.grad_norm_scalar)
         put("epoch_progress", self.epoch_progress)
@@ -194,10 +231,14 @@ class LoggingConfigView:
             values the step used) is logged, and whose beta weighs ``loss/weighted_kl``.
         clipping: the gradient-clipping norm (``model.gradient_clip_val``) or None; when
             set, ``grad_clipped`` records whether the step's norm exceeded it.
+        schedule: the optimisation schedule
+            (:class:`~maxent_grpo.training.settings.ScheduleSettings`); while its
+            ``lr_warmup_steps`` run, ``lr_warmup`` records the warm-up's progress.
     """
 
     weighting: Any
     clipping: Any
+    schedule: Any
 
 
 @runtime_checkable

@@ -6,6 +6,7 @@ sequences are prompt-major: row ``b * G + g`` is completion ``g`` of prompt ``b`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,21 +65,40 @@ class RewardMoments:
         _check_std(self.std)
 
 
+def _check_flat(name: str, grouped: list[list[float]], samples: list[float]) -> None:
+    flat = [x for group in grouped for x in group]
+    if len(flat) != len(samples):
+        raise ValueError(f"{name}.samples must hold the {len(flat)} values of grouped, "
+                         f"prompt-major; got {len(samples)}")
+
+
 @dataclass
 class AdvantageStats:
-    """Advantages per group, as plain floats for display
+    """Advantages per group and flattened, as plain floats for display
     (:class:`~maxent_grpo.training.callbacks.CompletionSamples`; the loss reads the tensors).
+    Groups that ``drop_constant_groups`` left out hold NaN.
 
     Attributes:
         grouped: B lists; ``grouped[b][g]`` is the advantage of completion g of prompt b.
+        samples: the same B*G values flattened prompt-major (row ``b * G + g``).
     """
 
     grouped: list[list[float]]
+    samples: list[float]
+
+    def __post_init__(self) -> None:
+        _check_flat("AdvantageStats", self.grouped, self.samples)
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> AdvantageStats:
+        """From a ``(B, G)`` tensor."""
+        return cls(values.tolist(), values.reshape(-1).tolist())
 
 
 @dataclass
 class QDistribution:
-    """The sequence-level target distribution q over each prompt's group.
+    """The sequence-level target distribution q over each prompt's group, per group and
+    flattened.
 
     Produced by the listwise objective (``core.listwise``): per group,
     ``q = softmax_G(r / T_q)`` followed by the floor ``q <- q * (1 - G * eps') + eps'``.
@@ -86,47 +106,111 @@ class QDistribution:
 
     Attributes:
         grouped: B lists of G probabilities.
+        samples: the same B*G values flattened prompt-major (row ``b * G + g``).
     """
 
     grouped: list[list[float]]
+    samples: list[float]
+
+    def __post_init__(self) -> None:
+        _check_flat("QDistribution", self.grouped, self.samples)
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> QDistribution:
+        """From a ``(B, G)`` tensor."""
+        return cls(values.tolist(), values.reshape(-1).tolist())
 
 
 @dataclass
 class SequenceScores:
     """Log-probability scores of N scored completions (one micro-batch of whole groups,
-    prompt-major) under the current policy, with gradient, and the behaviour policy's
-    per-token log-probs they are compared with.
+    prompt-major) under the current policy, and the behaviour policy's they are compared
+    with. Built by :meth:`of` in the optimiser's forward pass
+    (:meth:`~maxent_grpo.training.step.scoring.Scorer.policy_scores`).
+
+    The behaviour policy is the one that sampled the completions: the engine's own sampler
+    where it reports its log-probs (the vLLM engines), else the policy as it was when it
+    sampled (``old_token_logp`` when ``num_iterations > 1``, the current policy itself
+    otherwise). Sums run over ``token_mask``, the loss mask.
 
     Attributes:
-        cur_logp_sum: (N,) sum over completion tokens of log pi_theta(y_t | x, y_<t).
-        token_logp: (N, T) per-token log-probs under the current policy.
-        token_mask: (N, T) bool mask of real (non-padding) completion tokens.
-        old_token_logp: (N, T) per-token log-probs under the behaviour policy (detached),
-            or None when the behaviour policy is the current one (``num_iterations = 1``).
+        cur_logp_sum: (N,) sum over completion tokens of log pi_theta(y_t | x, y_<t)
+            (detached).
+        behavior_logp_sum: (N,) the same sum under the behaviour policy.
+        log_ratio_train: (N,) ``cur_logp_sum - behavior_logp_sum``, the sequence's log
+            importance ratio of the trained policy against the one that sampled (logged as
+            the token mean ``logp/log_ratio``).
+        denom_tok_tensor: (N,) float, each sequence's tokens in the loss mask: the token
+            normaliser of its per-sequence means.
+        pooled_hidden: pooled hidden states per sequence; always None here (no objective of
+            this trainer reads hidden states, and scoring computes none).
+        policy_entropy_sum: (N,) sum of the policy's exact token entropies, where the
+            objective needs the entropy (``needs_entropy``), else None.
+        token_logp: (N, T) per-token log-probs under the current policy, with gradient.
+        token_mask: (N, T) bool mask of the tokens in the loss.
+        old_token_logp: (N, T) per-token log-probs under the policy before this rollout's
+            first update (detached), or None when it is the current one
+            (``num_iterations = 1``).
     """
 
     cur_logp_sum: torch.Tensor
-    token_logp: torch.Tensor
-    token_mask: torch.Tensor
+    behavior_logp_sum: torch.Tensor
+    log_ratio_train: torch.Tensor
+    denom_tok_tensor: torch.Tensor
+    pooled_hidden: torch.Tensor | None = None
+    policy_entropy_sum: torch.Tensor | None = None
+    token_logp: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
     old_token_logp: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cur_logp_sum, torch.Tensor) or self.cur_logp_sum.dim() != 1:
             raise ValueError(f"cur_logp_sum must be a (N,) tensor; got {self.cur_logp_sum!r}")
         n = self.cur_logp_sum.shape[0]
+        for name in ("behavior_logp_sum", "log_ratio_train", "denom_tok_tensor",
+                     "policy_entropy_sum"):
+            value = getattr(self, name)
+            if value is None and name == "policy_entropy_sum":
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (n,):
+                raise ValueError(f"{name} must be a ({n},) tensor; got {value!r:.80}")
+        if self.pooled_hidden is not None and (
+                not isinstance(self.pooled_hidden, torch.Tensor)
+                or self.pooled_hidden.shape[0] != n):
+            raise ValueError(f"pooled_hidden must be None or a ({n}, H) tensor")
         for name in ("token_logp", "token_mask", "old_token_logp"):
             value = getattr(self, name)
-            if value is None and name == "old_token_logp":
+            if value is None:
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
             if value.dim() != 2 or value.shape[0] != n:
                 raise ValueError(f"{name} must have shape ({n}, T); got {tuple(value.shape)}")
-            if value.shape != self.token_logp.shape:
+            if self.token_logp is not None and value.shape != self.token_logp.shape:
                 raise ValueError(
                     f"{name} must have the same (N, T) shape as token_logp "
                     f"{tuple(self.token_logp.shape)}; got {tuple(value.shape)}"
                 )
+
+    @classmethod
+    def of(cls, token_logp: torch.Tensor, token_mask: torch.Tensor,
+           old_token_logp: torch.Tensor | None = None,
+           sampler_token_logp: torch.Tensor | None = None,
+           entropy: torch.Tensor | None = None) -> SequenceScores:
+        """The scores of ``(N, T)`` current log-probs over ``token_mask``; the behaviour
+        policy's per-token log-probs are ``sampler_token_logp`` (an engine's own), else
+        ``old_token_logp``, else the current ones; ``entropy`` ``(N, T)`` or None."""
+        weight = token_mask.to(token_logp.dtype)
+        current = token_logp.detach()
+        behaviour = next(x for x in (sampler_token_logp, old_token_logp, current)
+                         if x is not None)
+        cur_sum = (current * weight).sum(-1)
+        behaviour_sum = (behaviour.to(current.dtype) * weight).sum(-1)
+        return cls(
+            cur_logp_sum=cur_sum, behavior_logp_sum=behaviour_sum,
+            log_ratio_train=cur_sum - behaviour_sum, denom_tok_tensor=weight.sum(-1),
+            policy_entropy_sum=None if entropy is None else (entropy.detach() * weight).sum(-1),
+            token_logp=token_logp, token_mask=token_mask, old_token_logp=old_token_logp)
 
     @property
     def num_sequences(self) -> int:
@@ -134,19 +218,64 @@ class SequenceScores:
         return int(self.cur_logp_sum.shape[0])
 
 
+@dataclass(frozen=True)
+class PromptCacheEntry:
+    """A prompt's tokenization as a prompt cache would hold it (the value type of
+    :attr:`BatchingSettings.prompt_length_cache_get`).
+
+    Attributes:
+        input_ids: the prompt's token ids.
+        attention_mask: 1 on each of them.
+    """
+
+    input_ids: list[int]
+    attention_mask: list[int]
+
+    @property
+    def length(self) -> int:
+        """The prompt's tokens."""
+        return len(self.input_ids)
+
+
 @dataclass
 class BatchingSettings:
     """How scoring is chunked: the two sizes (>= 1, or None: no bound) bound one micro-batch
     of whole prompt groups (:func:`maxent_grpo.training.step.batching.plan_micro_batches`).
 
+    The last four fields describe a prompt cache, a scored tail and prefetching that this
+    trainer does not have: it scores each micro-batch's ``[prompt | completion]`` rows as
+    the rollout tokenized them, cut to the micro-batch's own longest prompt and
+    completion. They hold their defaults; the scorer refuses other values
+    (:class:`~maxent_grpo.training.step.scoring.Scorer`) rather than ignore them.
+
     Attributes:
         logprob_chunk_size: sequences per forward pass, ``G * model.micro_batch_groups``.
         score_slice: padded tokens (rows x columns) per forward pass, ``model.micro_batch_tokens``.
+        prompt_length_cache_get: a prompt's cached tokenization, or None (no cache).
+        score_tail_tokens: score only the last this-many completion tokens, or None (all).
+        slice_prefetch: micro-batches prepared ahead of the forward pass (0: none).
+        prompt_cache_size: prompts a tokenization cache keeps (0: no cache).
     """
 
     logprob_chunk_size: int | None
     score_slice: int | None
+    prompt_length_cache_get: Callable[[str], PromptCacheEntry] | None = None
+    score_tail_tokens: int | None = None
+    slice_prefetch: int = 0
+    prompt_cache_size: int = 0
 
     def __post_init__(self) -> None:
         check_int("logprob_chunk_size", self.logprob_chunk_size, minimum=1, allow_none=True)
         check_int("score_slice", self.score_slice, minimum=1, allow_none=True)
+        check_int("score_tail_tokens", self.score_tail_tokens, minimum=1, allow_none=True)
+        check_int("slice_prefetch", self.slice_prefetch, minimum=0)
+        check_int("prompt_cache_size", self.prompt_cache_size, minimum=0)
+        if self.prompt_length_cache_get is not None and not callable(
+                self.prompt_length_cache_get):
+            raise TypeError("prompt_length_cache_get must be None or a callable")
+
+    def unsupported(self) -> list[str]:
+        """The fields set away from their defaults that this trainer has no use for."""
+        defaults = {"prompt_length_cache_get": None, "score_tail_tokens": None,
+                    "slice_prefetch": 0, "prompt_cache_size": 0}
+        return [name for name, value in defaults.items() if getattr(self, name) != value]

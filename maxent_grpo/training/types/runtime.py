@@ -5,6 +5,7 @@ transformers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,37 +59,82 @@ class OptimizationSettings:
 @dataclass
 class LoopSettings:
     """The training loop's configuration, grouped by concern
-    (:func:`~maxent_grpo.training.settings.build_loop_settings`).
+    (:func:`~maxent_grpo.training.settings.build_loop_settings`). The three controller fields
+    describe the tau / beta controllers (Lightning callbacks): built without any, and
+    rebuilt (:meth:`with_controller`, never mutated) as each controller attaches to the
+    module at ``setup``.
 
     Attributes:
         generation: rollout settings (G, max completion length, temperature, …).
         evaluation: evaluation settings (k for pass@k, number of samples, …).
         optimization: the :class:`OptimizationSettings`.
         scoring: how scoring is chunked (:class:`BatchingSettings`).
+        controller: where the controllers' state file is written and read (the first
+            path any of them names; both None without one). A checkpoint records it, so
+            a resume without the controllers that wrote it is warned about.
+        controller_objective: the objective the controllers move (the module's), read by
+            each controller at every step; None without a controller.
+        controller_meta_manager: the :class:`~maxent_grpo.training.callbacks.MetaController`
+            when one runs, else None (recorded in the checkpoint like ``controller``).
     """
 
     generation: Any
     evaluation: Any
     optimization: OptimizationSettings
     scoring: BatchingSettings
+    controller: ControllerPaths
+    controller_objective: Any = None
+    controller_meta_manager: Any = None
+
+    def with_controller(self, paths: ControllerPaths, objective: Any,
+                        meta_manager: Any = None) -> LoopSettings:
+        """These settings with one more controller attached: its ``paths`` fill the ones
+        not yet named, ``objective`` is the one it moves, ``meta_manager`` the
+        MetaController (None keeps the current one)."""
+        mine = self.controller
+        return dataclasses.replace(
+            self,
+            controller=ControllerPaths(mine.state_path or paths.state_path,
+                                       mine.resume_from or paths.resume_from,
+                                       mine.overwrite_existing or paths.overwrite_existing),
+            controller_objective=objective,
+            controller_meta_manager=meta_manager or self.controller_meta_manager)
 
 
 @dataclass
 class RuntimeHandles:
-    """The models of the whole job. ``get_ref_model`` loads the frozen reference lazily, so
-    a run that never needs it (beta = 0 and no controller can raise beta) never loads it.
+    """The objects of the whole job, as Lightning holds them. ``get_ref_model`` loads the
+    frozen reference lazily, so a run that never needs it (beta = 0 and no controller can
+    raise beta) never loads it. Built when the module loads its models, with the trainer's
+    loader and sampler filled in when training starts.
 
     Attributes:
+        accelerator: Lightning's ``Strategy`` (``trainer.strategy``: devices, collectives,
+            gradient clipping; what an HF Accelerate ``Accelerator`` does elsewhere), or
+            None outside a trainer.
         model: the policy being trained.
         tokenizer: the policy's tokenizer.
+        train_loader: the trainer's training ``DataLoader`` (the PromptDataModule's), or
+            None before training starts.
+        train_sampler: that loader's sampler (the PromptDataModule's
+            :class:`~maxent_grpo.training.data.EpochShuffleSampler`, whose order an exact
+            resume continues), or None before training starts.
+        device: the device this process computes on.
         get_ref_model: zero-argument callable returning the reference model.
         reference_model: the reference model once loaded, else ``None``.
+        prompt_cache_get: a prompt-tokenization lookup; always None here (no prompt cache:
+            the engines tokenize each rollout's prompts).
     """
 
+    accelerator: Any
     model: PreTrainedModel | torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
+    train_loader: Any
+    train_sampler: Any
+    device: torch.device
     get_ref_model: Callable[[], PreTrainedModel]
     reference_model: PreTrainedModel | None = None
+    prompt_cache_get: Callable[[str], Any] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.get_ref_model):

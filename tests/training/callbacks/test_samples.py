@@ -42,12 +42,13 @@ def make_record(step: int = 0, *, weights: bool = True, advantages: bool = False
         step=step,
         prompts=prompts,
         generation=GenerationBatch(
-            prompts=prompts,
+            prompts=prompts, answers=["1", "2", "3"],
             grouped_completions=[["3 |", "<think>"], ["7\n8", "\\|"], ["42", "[x](y)"]],
+            grouped_ref_meta=None,
         ),
         rewards=acc + fmt,
         components={"accuracy": acc, "format": fmt},
-        advantages=AdvantageStats([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]])
+        advantages=AdvantageStats.of(torch.tensor([[0.5, -0.5], [-1.0, 1.0], [0.25, -0.25]]))
         if advantages else None,
         weights=torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]]) if weights else None,
         q=None,
@@ -240,7 +241,8 @@ def test_jsonl_has_every_completion_of_every_step(tmp_path):
     assert [r["step"] for r in lines] == [0] * 6 + [1] * 6 + [2] * 6
     assert [r["prompt_index"] for r in lines[:6]] == [0, 0, 1, 1, 2, 2]
     assert lines[3] == {
-        "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "completion": "\\|",
+        "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "answer": "2",
+        "completion": "\\|",
         "reward": 0.5, "components": {"accuracy": 0.0, "format": 0.5},
         "advantage": 1.0, "weight": None, "q": None,
     }
@@ -278,7 +280,8 @@ def test_other_loggers_get_the_table_as_jsonl_in_their_log_folder(tmp_path, recw
     rows = read_jsonl(Path(csv.log_dir) / "samples" / "completions.jsonl")
     assert [r["step"] for r in rows] == [0] * 4 + [2] * 4  # max_prompts x G per written step
     assert rows[2] == {
-        "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "completion": "7\n8",
+        "step": 0, "prompt_index": 1, "prompt": "line1\nline2", "answer": "2",
+        "completion": "7\n8",
         "reward": 0.0, "components": {"accuracy": 0.0, "format": 0.0},
         "advantage": None, "weight": pytest.approx(0.3), "q": None,
     }

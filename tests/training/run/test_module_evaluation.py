@@ -185,7 +185,7 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):
                    [f"<answer>{second[0]}</answer>", "<answer>1 + 1</answer>"]]
     module.rollout_engine = lambda: SimpleNamespace(
         generate=lambda prompts, answers, G, sampling=None: RolloutOutput(
-            batch=GenerationBatch(list(prompts), completions),
+            batch=GenerationBatch(list(prompts), list(answers), completions, None),
             prompt_ids=torch.ones(4, 1, dtype=torch.long),
             prompt_mask=torch.ones(4, 1, dtype=torch.bool),
             completion_ids=torch.ones(4, 1, dtype=torch.long),  # what rewards may read

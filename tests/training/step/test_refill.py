@@ -27,9 +27,9 @@ def _scored(tag: str, rewards: list[list[float]], prompt_len: int, completion_le
              "raw_prompts": [f"{tag}{b}" for b in range(B)], "indices": list(range(B)),
              "columns": {"answer": [f"{tag}{b}" for b in range(B)]}}
     rollout = RolloutOutput(
-        batch=GenerationBatch(prompts=batch["prompts"],
+        batch=GenerationBatch(prompts=batch["prompts"], answers=batch["answers"],
                               grouped_completions=[[f"{tag}{b}c{g}" for g in range(G)]
-                                                   for b in range(B)]),
+                                                   for b in range(B)], grouped_ref_meta=None),
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
         completion_mask=completion_mask, truncated=~completion_mask[:, -1],
         generate_seconds=1.0)

@@ -84,8 +84,9 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     count_update(counters, update, step=0, limit=3)
     assert counters.nonfinite_in_a_row == 0  # a taken update ends a run of skips
     metrics.observe(trajectory)
-    logged = metrics.artifacts(LoggingConfigView(weighting=ctx.objective, clipping=1.0),
-                               lr=update.lr, grad_norm=update.grad_norm, epoch_progress=0.0,
-                               extra={}).as_dict()
+    view = LoggingConfigView(weighting=ctx.objective, clipping=1.0, schedule=ctx.schedule)
+    logged = metrics.artifacts(view, lr=update.lr, grad_norm=update.grad_norm,
+                               epoch_progress=0.0, latency_ms=2.0, step=1, extra={}).as_dict()
+    assert logged["perf/generate_s"] == 0.002
     assert logged["reward/mean"] == 0.5 and logged["lr"] == 0.5
     assert logged["grad_norm"] == float(update.grad_norm)
