@@ -18,28 +18,30 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "maxent_grpo"
 TRACED_STEPS = (1, 2, 3)  # batch indices: steps 2-4
 
 
 def trace(config: str = "configs/tiny.yaml", steps: tuple[int, ...] = TRACED_STEPS
           ) -> Counter:
     """``{package file (relative to the repository): calls}`` inside the traced steps."""
+    import maxent_grpo  # where the package is imported from, as its files are named
     from maxent_grpo.cli import main
     from maxent_grpo.training.module import MaxEntGRPOModule
 
     calls: Counter = Counter()
-    package = str(PACKAGE) + os.sep
+    imported = os.path.dirname(maxent_grpo.__file__)
+    real = os.path.realpath(imported)
 
     def profile(frame, event, arg):  # noqa: ARG001 (sys.setprofile's signature)
         if event == "call":
             name = frame.f_code.co_filename
-            if name.startswith(package):
-                calls[str(Path(name).relative_to(ROOT))] += 1
+            if name.startswith(imported + os.sep) or name.startswith(real + os.sep):
+                calls["maxent_grpo/" + os.path.relpath(os.path.realpath(name), real)] += 1
 
     original = MaxEntGRPOModule.training_step
 
@@ -47,10 +49,12 @@ def trace(config: str = "configs/tiny.yaml", steps: tuple[int, ...] = TRACED_STE
         if batch_idx not in steps:
             return original(self, batch, batch_idx)
         sys.setprofile(profile)
+        threading.setprofile(profile)  # threads the step starts (reward time-outs, ...)
         try:
             return original(self, batch, batch_idx)
         finally:
             sys.setprofile(None)
+            threading.setprofile(None)
 
     MaxEntGRPOModule.training_step = training_step
     try:

@@ -21,7 +21,9 @@ def test_one_demo_step_runs_no_more_package_files_than_the_budget(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "trace_step.py"), "--json"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "HF_HUB_OFFLINE": "1",
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                          os.environ.get("PYTHONPATH")]))},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     traced = json.loads(run.stdout.strip().splitlines()[-1])

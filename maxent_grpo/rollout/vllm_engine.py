@@ -13,8 +13,9 @@ Sampling is the trainer's :class:`~maxent_grpo.rollout.SamplingSettings`: ``n = 
 completions per prompt, the same temperature, top-p, top-k and maximum new tokens; the
 prompts are tokenised by the policy's tokenizer exactly as the Hugging Face engine does
 (left truncation to ``max_prompt_length``) and given to vLLM as token ids, so both engines
-see the same prompt tokens. Every request gets a seed drawn from torch's random stream
-plus the rank, so ``seed_everything`` reproduces the samples and an exact resume (which
+see the same prompt tokens. Every sample draws its own random stream: the seeds come from
+torch's random stream (:func:`request_seeds`: one base per call, a span per rank, ``G``
+seeds per prompt), so ``seed_everything`` reproduces the samples and an exact resume (which
 restores torch's random state) continues them. vLLM reports the log-probability of each
 sampled token after temperature (``logprobs_mode="processed_logprobs"``): it comes back as
 :attr:`RolloutOutput.sampler_logps`.
@@ -63,8 +64,8 @@ from maxent_grpo.rollout.protocol import (
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
-__all__ = ["VLLMEngine", "assemble_rollout", "request_seed_base", "request_seeds_from",
-           "require_vllm"]
+__all__ = ["VLLMEngine", "assemble_rollout", "request_seed_base", "request_seeds",
+           "request_seeds_from", "require_vllm"]
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -249,11 +250,13 @@ class VLLMEngine:
         request seeds come from torch's random stream, as in :meth:`generate`."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
                 "continue_ids needs one budget per sequence and at least one sequence")
-        base = request_seed_base()
+        seeds = request_seeds(request_seed_base(), _rank(), len(sequences), 1)
         params = [dataclasses.replace(sampling, max_new_tokens=int(b)) for b in budgets]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(q)} for q in sequences],
-            [self._params(p, 1, base + i) for i, p in enumerate(params)], use_tqdm=False)
+        with _kept_random_state():  # vLLM's sampler must not move the training's stream
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(q)} for q in sequences],
+                [self._params(p, 1, seed) for p, seed in zip(params, seeds, strict=True)],
+                use_tqdm=False)
         out = []
         for result in outputs:
             c = result.outputs[0]
@@ -274,10 +277,11 @@ class VLLMEngine:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         requests = [{"prompt_token_ids": ids[mask].tolist()}
                     for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        base = request_seed_base()
-        params = [self._params(s, G, base + b) for b in range(B)]
+        params = [self._params(s, G, seed)
+                  for seed in request_seeds(request_seed_base(), _rank(), B, G)]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with _kept_random_state():  # vLLM's sampler must not move the training's stream
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         rows = [c for out in outputs for c in out.outputs]  # prompt-major, G per prompt
         sampled = [(list(c.token_ids),
@@ -324,14 +328,37 @@ def check_policy_for_vllm(engine: str, model: nn.Module, tokenizer: PreTrainedTo
     return extra
 
 
+#: seeds a rank may use in one call: rank r draws from [base + r * SEED_SPAN, ... + SEED_SPAN)
+SEED_SPAN = 2**20
+
+
+def request_seeds(base: int, rank: int, num_requests: int, group: int) -> list[int]:
+    """The seed of each of ``num_requests`` requests of ``group`` samples, such that no two
+    samples of a call on any rank share a random stream.
+
+    vLLM seeds the ``g``-th sample of a request with seed ``s`` as ``s + g`` (``g < n``), so
+    request ``i`` gets ``base + rank * SEED_SPAN + i * group``: its samples take the
+    ``group`` seeds from there, and the ranks (which draw the same ``base`` from the same
+    torch stream) take disjoint spans. (A seed ``base + i`` per request gave sample
+    ``(i, g)`` the stream of ``(i + 1, g - 1)``.)
+
+    >>> request_seeds(100, 0, 3, 2), request_seeds(100, 1, 1, 2)
+    ([100, 102, 104], [1048676])
+    """
+    require(num_requests * group <= SEED_SPAN,
+            f"{num_requests} requests of {group} samples exceed the {SEED_SPAN} seeds a rank "
+            "may use in one call")
+    return [base + rank * SEED_SPAN + i * group for i in range(num_requests)]
+
+
 def request_seed_base() -> int:
-    """The first request seed of a rollout, drawn from torch's random stream (so that
-    ``seed_everything`` reproduces the samples and an exact resume continues them; in a
-    :func:`request_seeds_from` block, from its generator) and offset by the rank; request
-    ``b`` uses ``base + b``. Shared by the colocated and the server engine, so that both
-    sample alike from the same seed."""
+    """The base of a call's request seeds (:func:`request_seeds`), drawn from torch's random
+    stream (so that ``seed_everything`` reproduces the samples and an exact resume continues
+    them; in a :func:`request_seeds_from` block, from its generator). Shared by the
+    colocated and the server engine, so that both sample alike from the same seed; with
+    the ranks' spans the seeds stay below 2**31 up to 1024 ranks."""
     generator = getattr(_SEEDS, "generator", None)
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) + 7919 * _rank()
+    return int(torch.randint(0, 2**30, (1,), generator=generator))
 
 
 def assemble_rollout(
@@ -374,5 +401,5 @@ def assemble_rollout(
         completion_mask=completion_mask.to(device),
         truncated=truncated.to(device),
         generate_seconds=seconds,
-        sampler_logps=logps.to(device),
+        sampler_logps=logps.to(device) if reported else None,
     )

@@ -72,9 +72,11 @@ from maxent_grpo.rollout.server_weights import (
     server_command,
 )
 from maxent_grpo.rollout.vllm_engine import (
+    _rank,
     assemble_rollout,
     check_policy_for_vllm,
     request_seed_base,
+    request_seeds,
 )
 from maxent_grpo.validation import check_number, require
 
@@ -351,9 +353,9 @@ class VLLMServerEngine(ServerWeights):
         G = num_generations
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
         self._refresh()
-        base = request_seed_base()
-        bodies = [self._body(ids[mask].tolist(), G, s, base + b)
-                  for b, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True))]
+        seeds = request_seeds(request_seed_base(), _rank(), len(prompts), G)
+        bodies = [self._body(ids[mask].tolist(), G, s, seed)
+                  for seed, ids, mask in zip(seeds, prompt_ids, prompt_mask, strict=True)]
         start = time.perf_counter()
         results = self._run_all(bodies)
         seconds = time.perf_counter() - start
@@ -369,9 +371,9 @@ class VLLMServerEngine(ServerWeights):
         rollout), with the sampler's log-probs; seeds as in :meth:`generate`."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
                 "continue_ids needs one budget per sequence and at least one sequence")
-        base = request_seed_base()
-        bodies = [self._body(q, 1, replace(sampling, max_new_tokens=int(b)), base + i)
-                  for i, (q, b) in enumerate(zip(sequences, budgets, strict=True))]
+        seeds = request_seeds(request_seed_base(), _rank(), len(sequences), 1)
+        bodies = [self._body(q, 1, replace(sampling, max_new_tokens=int(b)), seed)
+                  for seed, q, b in zip(seeds, sequences, budgets, strict=True)]
         return [Continuation.cut(result[0][0], self.stop_token_ids, result[0][1])
                 for result in self._run_all(bodies)]
 

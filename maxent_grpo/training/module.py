@@ -67,6 +67,7 @@ from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
+from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
@@ -366,9 +367,12 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def teardown(self, stage: str) -> None:
         """After a fit (a failed one too, through :class:`_CleanUp`): no rollout in flight,
-        and a server engine's connections and weights file closed (rebuilt if needed)."""
+        no controllers attached, and a server engine's connections and weights file closed
+        (rebuilt if needed)."""
         if self.pipeline is not None:
             self.pipeline.close()
+        if stage == "fit":  # the next fit's controllers attach afresh
+            self.loop = detached_controllers(self.loop)
         close = getattr(getattr(self._engine, "engine", self._engine), "close", None)
         if close is not None and stage == "fit":
             close()
@@ -436,7 +440,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for
         the first training batch."""
         self._rng_to_restore = load_state(
-            checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop)
+            checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
+            fitting=self._trainer is not None and self.trainer.state.fn == "fit")
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self.pipeline is not None and self._trainer is not None:
             self.pipeline.restore(checkpoint, self.trainer.state.fn == "fit", self.global_rank,

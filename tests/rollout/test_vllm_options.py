@@ -43,3 +43,18 @@ def test_bad_options_name_themselves(tiny, options, match):
 def test_without_vllm_the_error_says_how_to_install_it(tiny):
     with pytest.raises(ImportError, match=r"pip install vllm.*make setup-vllm"):
         VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
+
+
+def test_no_two_samples_of_a_call_share_a_seed():
+    """vLLM seeds sample ``g`` of a request seeded ``s`` with ``s + g``: with the seeds of
+    :func:`request_seeds`, every sample of every prompt on every rank has its own stream
+    (a seed per prompt of ``base + b`` gave (0, 2), (1, 1) and (2, 0) one stream)."""
+    from maxent_grpo.rollout.vllm_engine import SEED_SPAN, request_seeds
+
+    for B, G in [(3, 3), (16, 8), (1, 1), (7, 1)]:
+        streams = [seed + g for rank in range(4) for seed in request_seeds(12345, rank, B, G)
+                   for g in range(G)]
+        assert len(streams) == len(set(streams)) == 4 * B * G
+        assert max(streams) < 12345 + 4 * SEED_SPAN < 2**31
+    with pytest.raises(ValueError, match="exceed"):
+        request_seeds(0, 0, SEED_SPAN, 2)

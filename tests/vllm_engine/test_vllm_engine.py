@@ -8,6 +8,7 @@ is not installed (the main suite's environment).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -99,6 +100,31 @@ def test_a_seed_reproduces_the_samples(trained):
     c = engine.generate(PROMPTS, ["", ""], 4)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_a_repeated_prompt_gets_independent_samples(trained):
+    """The same prompt three times in one call, 4 samples each: 12 distinct completions
+    (with one seed per prompt of ``base + b``, sample (b, g) shared its stream with
+    (b + 1, g - 1): copies of one completion across the repeats)."""
+    engine = trained[0].rollout_engine()
+    torch.manual_seed(0)
+    out = engine.generate([PROMPTS[1]] * 3, [""] * 3, 4,
+                          dataclasses.replace(engine.sampling, temperature=1.5, max_new_tokens=8))
+    rows = [tuple(r) for r in out.completion_ids.tolist()]
+    assert len(set(rows)) == len(rows) == 12, rows
+
+
+def test_sampling_leaves_the_training_random_stream_where_it_was(trained):
+    """A rollout draws one base seed from torch's stream and nothing more: vLLM's own
+    sampler runs in a kept random state (otherwise a colocated run and a server run of the
+    same seed part ways after the first step)."""
+    engine = trained[0].rollout_engine()
+    torch.manual_seed(1)
+    engine.generate([PROMPTS[0]], [""], 2)
+    after_rollout = torch.rand(3)
+    torch.manual_seed(1)
+    torch.randint(0, 2**30, (1,))  # the base seed, and only it
+    assert torch.equal(torch.rand(3), after_rollout)
 
 
 def test_after_training_and_after_any_change_greedy_vllm_equals_greedy_hf(trained):

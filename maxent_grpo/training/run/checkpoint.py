@@ -89,14 +89,15 @@ def save_state(
 
 def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
-    counters: StepCounters, loop: LoopSettings | None = None,
+    counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
 ) -> dict[str, Any]:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
     state (the caller restores it just before the first training batch).
 
     Raises ValueError naming the option when the checkpoint was made with another
-    ``model.model_name_or_path`` or another objective class.
+    ``model.model_name_or_path`` or another objective class. When ``fitting``, a
+    checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
     if not isinstance(saved, dict):
@@ -117,7 +118,7 @@ def load_state(
             f"but this run has {name}; resume with the same objective class_path"
         )
     before, now = saved.get("controllers") or {}, _controllers(loop)
-    if before.get("attached") and not now["attached"]:
+    if fitting and before.get("attached") and not now["attached"]:
         rank_zero_warn(
             f"the checkpoint was trained with tau/beta controllers "
             f"({before.get('meta_manager') or 'TauController/BetaController'}, state file "

@@ -166,9 +166,10 @@ def optimizer_step(
         sums.add("logp/log_ratio", scores.log_ratio_train.sum(), scores.denom_tok_tensor.sum(),
                  weight=weight)
         if scores.policy_entropy_sum is not None:  # each sequence's mean token entropy
-            h = scores.policy_entropy_sum / scores.denom_tok_tensor.clamp(min=1)
-            sums.add("entropy/sequence", h.sum(), float(h.numel()), weight=weight)
-            sums.add("entropy/sequence_sq", h.square().sum(), float(h.numel()), weight=weight)
+            rows_in = scores.denom_tok_tensor > 0  # rows the loss hides whole do not count
+            h = scores.policy_entropy_sum / scores.denom_tok_tensor.clamp(min=1) * rows_in
+            sums.add("entropy/sequence", h.sum(), rows_in.sum(), weight=weight)
+            sums.add("entropy/sequence_sq", h.square().sum(), rows_in.sum(), weight=weight)
         for key, (value, count) in out.sums.items():
             sums.add(key, value, count, weight=0.0 if t.ghost else 1.0)
     timer.start()

@@ -29,7 +29,6 @@ The policy-gradient correction for the stale sampler is ``model.sampler_correcti
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import dataclasses
 import threading
 from collections import deque
@@ -216,7 +215,7 @@ _TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "t
 def _rollout_state(out: RolloutOutput) -> dict[str, Any]:
     state: dict[str, Any] = {name: None if getattr(out, name) is None
                              else getattr(out, name).detach().cpu() for name in _TENSORS}
-    state.update(batch=copy.deepcopy(dataclasses.asdict(out.batch)),  # texts, answers, meta
+    state.update(batch=dataclasses.asdict(out.batch),  # texts, answers, per-completion meta
                  generate_seconds=float(out.generate_seconds), tools=None)
     if out.tools is not None:
         if out.tools.environments is not None:

@@ -240,8 +240,9 @@ class StepMetrics(torch.nn.Module):
         diagnostics.update(weighting)
         if view.clipping is not None and scalars.grad_norm_scalar is not None:
             diagnostics["grad_clipped"] = float(scalars.grad_norm_scalar > view.clipping)
-        if view.schedule.lr_warmup_steps:
-            diagnostics["lr_warmup"] = min(1.0, step / view.schedule.lr_warmup_steps)
+        warmup = view.schedule.lr_warmup_steps
+        if warmup and step <= warmup:  # the warm-up's progress, while it runs
+            diagnostics["lr_warmup"] = step / warmup
         diagnostics.update(extra)
         artifacts = LogStepArtifacts(
             loss_outputs=losses,

@@ -101,6 +101,12 @@ class LoopSettings:
             controller_meta_manager=meta_manager or self.controller_meta_manager)
 
 
+def detached_controllers(loop: LoopSettings) -> LoopSettings:
+    """``loop`` without controllers (what a fit starts from: each attaches at ``setup``)."""
+    return dataclasses.replace(loop, controller=ControllerPaths(None, None),
+                               controller_objective=None, controller_meta_manager=None)
+
+
 @dataclass
 class RuntimeHandles:
     """The objects of the whole job, as Lightning holds them. ``get_ref_model`` loads the
@@ -119,7 +125,8 @@ class RuntimeHandles:
         train_sampler: that loader's sampler (the PromptDataModule's
             :class:`~maxent_grpo.training.data.EpochShuffleSampler`, whose order an exact
             resume continues), or None before training starts.
-        device: the device this process computes on.
+        device: the device this process computes on (the module's device when the models
+            load, then, when training starts, the one Lightning moved it to).
         get_ref_model: zero-argument callable returning the reference model.
         reference_model: the reference model once loaded, else ``None``.
         prompt_cache_get: a prompt-tokenization lookup; always None here (no prompt cache:
