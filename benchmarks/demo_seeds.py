@@ -56,7 +56,7 @@ def _cpu() -> str:
 def read_rewards(log_dir: Path) -> tuple[list[float], dict[str, float], dict[str, list]]:
     """``train/reward/mean`` per step, the last value of every ``val/`` scalar, and each
     reward component's first-20 and last-20 means (``train/reward/<name>/mean``)."""
-    from maxent_grpo.tools.analysis import load_run
+    from maxent_grpo.analysis import load_run
 
     run = load_run(next(log_dir.glob("**/version_0")))
     rewards = list(run.scalars["train/reward/mean"].values)

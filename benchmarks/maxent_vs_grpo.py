@@ -31,7 +31,7 @@ completions per evaluation prompt and records mean@k, pass@k (unbiased), distinc
 and coverage@k for k = 1, 4, 8, 16, 32, its reward curve and its answer-spread curves
 (``train/answer_entropy``, ``train/distinct_correct``). The results go to
 ``benchmarks/results/maxent_vs_grpo.json`` (read by
-``maxent_grpo.tools.analysis.load_study`` and the analysis notebook), the tables to
+``maxent_grpo.analysis.load_study`` and the analysis notebook), the tables to
 ``benchmarks/results/maxent_vs_grpo.md`` and the figure to ``.png`` beside them
 (``--report`` rewrites those two from the JSON). Runs are shared among ``--workers``
 processes (one thread each).
@@ -345,7 +345,7 @@ def _dynamics(study: dict[str, Any], task: str, window: int = 20) -> list[str]:
 def report(study_path: Path) -> str:
     """Markdown of a study file: per task, mean ± sd over seeds of every metric, and the
     per-seed values of the headline ones; also saves the figure beside the file (PNG)."""
-    from maxent_grpo.tools.analysis import format_study_table, load_study, plot_study, study_table
+    from maxent_grpo.analysis import format_study_table, load_study, plot_study, study_table
 
     study = load_study(study_path)
     meta = study["meta"]

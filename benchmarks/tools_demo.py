@@ -42,7 +42,7 @@ def _window(values: list[float], first: bool) -> float | None:
 
 def run_one(seed: int, tool: bool, cache_dir: str | None,
             config: Path = ROOT / "configs/tiny_tools.yaml") -> dict[str, Any]:
-    from maxent_grpo.tools.analysis import load_run
+    from maxent_grpo.analysis import load_run
 
     with tempfile.TemporaryDirectory() as work:
         cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config",

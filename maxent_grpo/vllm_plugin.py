@@ -16,7 +16,10 @@ own, driven over HTTP by the trainer:
 
 The update checks the file against what the trainer says it wrote (the tensor count and
 the file's size) before loading a single tensor, so a file cut short is refused whole; the
-trainer then repeats the transfer from the start. The module imports nothing heavy at the
+trainer then repeats the transfer from the start. After loading, every parameter of the
+served model must have received a tensor (the names vLLM's model loader reports), or the
+update fails naming the parameters left out: a model would otherwise keep old weights in
+them with nothing but a log line. The module imports nothing heavy at the
 top: vLLM's processes import it at start-up.
 """
 
@@ -86,7 +89,14 @@ def _engine_class():
                 if len(names) != update_info.num_tensors:
                     raise ValueError(f"maxent_file: {path} holds {len(names)} tensors; the "
                                      f"trainer wrote {update_info.num_tensors}")
-                self.model.load_weights((name, f.get_tensor(name)) for name in names)
+                loaded = self.model.load_weights((name, f.get_tensor(name)) for name in names)
+            if loaded is not None:  # the model's own names, as vLLM's loaders check them
+                missing = sorted({n for n, _ in self.model.named_parameters()} - set(loaded))
+                if missing:
+                    raise ValueError(
+                        f"maxent_file: {path} left {len(missing)} parameters of the served "
+                        f"model without new weights ({', '.join(missing[:4])}, ...): the "
+                        "trainer's tensor names do not cover this model's")
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-from maxent_grpo.tools.analysis import find_runs, load_run, plot_runs, summary_rows
+from maxent_grpo.analysis import find_runs, load_run, plot_runs, summary_rows
 
 SMOOTH = 10  # moving-average window over training steps (1 = raw)
 if os.environ.get("MAXENT_GRPO_RUNS"):
@@ -85,7 +85,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from maxent_grpo.tools.analysis import format_study_table, load_study, plot_study, study_table
+from maxent_grpo.analysis import format_study_table, load_study, plot_study, study_table
 
 STUDY_FILE = "benchmarks/results/maxent_vs_grpo.json"  # relative to the repository root
 if os.environ.get("MAXENT_GRPO_STUDY"):

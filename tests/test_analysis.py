@@ -1,4 +1,4 @@
-"""maxent_grpo.tools.analysis reads back exactly what was logged, keeps the latest value of a step
+"""maxent_grpo.analysis reads back exactly what was logged, keeps the latest value of a step
 written twice (a resumed run), draws only the panels some run has with one colour per run, and
 summarises a study JSON (objectives x seeds x tasks) as mean ± sd tables and one figure."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from maxent_grpo.tools.analysis import (
+from maxent_grpo.analysis.runs import (
     PANELS,
     Run,
     Series,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from maxent_grpo.tools.analysis import load_run
+from maxent_grpo.analysis import load_run
 
 pytestmark = pytest.mark.slow
 

@@ -146,9 +146,9 @@ def test_no_arrow_runs_back_up_the_training_layer() -> None:
     assert upward == set()
 
 
-def test_the_runtime_package_never_imports_the_tools() -> None:
-    """``maxent_grpo/tools/`` (reading runs back) sits outside the runtime package."""
+def test_the_runtime_package_never_imports_the_analysis() -> None:
+    """``maxent_grpo/analysis/`` (reading runs back) sits outside the runtime package."""
     graph = import_graph()
-    users = {a for a, targets in graph.items() if not a.startswith("maxent_grpo.tools")
-             for b in targets if b.startswith("maxent_grpo.tools")}
+    users = {a for a, targets in graph.items() if not a.startswith("maxent_grpo.analysis")
+             for b in targets if b.startswith("maxent_grpo.analysis")}
     assert users == set()

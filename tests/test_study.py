@@ -50,7 +50,7 @@ def test_the_default_study_runs_the_starting_model_and_the_answer_mechanisms(
 ):
     """The starting model is evaluated untrained (no curve); the answer-level listwise run
     on the ordered task keeps its solved groups and scores answers in order."""
-    from maxent_grpo.tools.analysis import load_study, study_table
+    from maxent_grpo.analysis import load_study, study_table
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", sys.argv[:1])

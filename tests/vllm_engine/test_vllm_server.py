@@ -154,6 +154,29 @@ def test_a_transfer_cut_short_is_repeated_whole_or_leaves_the_server_paused(serv
     engine.close()
 
 
+def test_a_weights_file_that_leaves_out_a_layer_is_refused(server, cache):
+    """A file whose names do not cover the served model (here one MLP weight left out, the
+    count and size consistent) fails the update naming the parameter, instead of the model
+    silently keeping that layer's old weights."""
+    engine = engine_on(server, cache, probe_tolerance=1e-4)
+    real = engine._write_weights
+
+    def without_one(weights):
+        kept = [(n, t) for n, t in weights if not n.endswith("layers.0.mlp.down_proj.weight")]
+        assert len(kept) == len(weights) - 1
+        return real(kept)
+
+    engine._write_weights = without_one
+    before = httpx.get(server.url + "/weight_info").json()["weight_version"]
+    with pytest.raises(ServerError, match="down_proj"):
+        engine.sync(engine.model)
+    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == before
+    engine._write_weights = real
+    engine.sync(engine.model)  # a whole file repairs the server
+    engine._check_probe()
+    engine.close()
+
+
 def test_a_request_without_the_key_is_refused(server, cache):
     body = {"model": "x", "prompt": [1, 2], "max_tokens": 1}
     assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -65,15 +66,26 @@ class RewardMoments:
         _check_std(self.std)
 
 
-def _check_flat(name: str, grouped: list[list[float]], samples: list[float]) -> None:
-    flat = [x for group in grouped for x in group]
-    if len(flat) != len(samples):
-        raise ValueError(f"{name}.samples must hold the {len(flat)} values of grouped, "
-                         f"prompt-major; got {len(samples)}")
+class _PerGroup:
+    """What the two per-group records share: ``samples`` is ``grouped`` flattened."""
+
+    grouped: list[list[float]]
+    samples: list[float]
+
+    def __post_init__(self) -> None:
+        flat = [x for group in self.grouped for x in group]
+        if len(flat) != len(self.samples):
+            raise ValueError(f"{type(self).__name__}.samples must hold the {len(flat)} values "
+                             f"of grouped, prompt-major; got {len(self.samples)}")
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> Self:
+        """From a ``(B, G)`` tensor."""
+        return cls(values.tolist(), values.reshape(-1).tolist())
 
 
 @dataclass
-class AdvantageStats:
+class AdvantageStats(_PerGroup):
     """Advantages per group and flattened, as plain floats for display
     (:class:`~maxent_grpo.training.callbacks.CompletionSamples`; the loss reads the tensors).
     Groups that ``drop_constant_groups`` left out hold NaN.
@@ -86,17 +98,9 @@ class AdvantageStats:
     grouped: list[list[float]]
     samples: list[float]
 
-    def __post_init__(self) -> None:
-        _check_flat("AdvantageStats", self.grouped, self.samples)
-
-    @classmethod
-    def of(cls, values: torch.Tensor) -> AdvantageStats:
-        """From a ``(B, G)`` tensor."""
-        return cls(values.tolist(), values.reshape(-1).tolist())
-
 
 @dataclass
-class QDistribution:
+class QDistribution(_PerGroup):
     """The sequence-level target distribution q over each prompt's group, per group and
     flattened.
 
@@ -111,14 +115,6 @@ class QDistribution:
 
     grouped: list[list[float]]
     samples: list[float]
-
-    def __post_init__(self) -> None:
-        _check_flat("QDistribution", self.grouped, self.samples)
-
-    @classmethod
-    def of(cls, values: torch.Tensor) -> QDistribution:
-        """From a ``(B, G)`` tensor."""
-        return cls(values.tolist(), values.reshape(-1).tolist())
 
 
 @dataclass
