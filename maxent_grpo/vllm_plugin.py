@@ -17,10 +17,11 @@ own, driven over HTTP by the trainer:
 The update checks the file against what the trainer says it wrote (the tensor count and
 the file's size) before loading a single tensor, so a file cut short is refused whole; the
 trainer then repeats the transfer from the start. After loading, every parameter of the
-served model must have received a tensor (the names vLLM's model loader reports), or the
-update fails naming the parameters left out: a model would otherwise keep old weights in
-them with nothing but a log line. The module imports nothing heavy at the
-top: vLLM's processes import it at start-up.
+served model as it was built must have received a tensor (the names vLLM's model loader
+reports), or the update fails naming the parameters left out: a model would otherwise keep
+old weights in them with nothing but a log line. The check is per parameter: a stacked
+parameter (``qkv_proj``, ``gate_up_proj``) counts as received when any of its shards came.
+The module imports nothing heavy at the top: vLLM's processes import it at start-up.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def _engine_class():
             from safetensors import safe_open
 
             path = update_info.path
+            # the parameters as the model was built (later processing, e.g. online
+            # quantization, adds its own): each must receive a tensor from the file
+            expected = {n for n, _ in self.model.named_parameters()}
             if not os.path.isfile(path):
                 raise ValueError(f"maxent_file: no weights file at {path}")
             size = os.path.getsize(path)
@@ -91,12 +95,19 @@ def _engine_class():
                                      f"trainer wrote {update_info.num_tensors}")
                 loaded = self.model.load_weights((name, f.get_tensor(name)) for name in names)
             if loaded is not None:  # the model's own names, as vLLM's loaders check them
-                missing = sorted({n for n, _ in self.model.named_parameters()} - set(loaded))
+                missing = sorted(expected - set(loaded))
                 if missing:
+                    # close the reload (the server stays out of use until a whole update
+                    # lands; the next one starts from finished layers)
+                    try:
+                        self.finish_weight_update()
+                    except Exception:  # noqa: BLE001, S110 -- the names are the error to report
+                        pass
+                    shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
                     raise ValueError(
                         f"maxent_file: {path} left {len(missing)} parameters of the served "
-                        f"model without new weights ({', '.join(missing[:4])}, ...): the "
-                        "trainer's tensor names do not cover this model's")
+                        f"model without new weights ({shown}): the trainer's tensor names do "
+                        "not cover this model's")
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -87,8 +87,8 @@ def require_vllm() -> Any:
 @contextlib.contextmanager
 def _kept_random_state() -> Iterator[None]:
     """Restore python's, numpy's and torch's random states afterwards, so that building
-    the engine (whenever the first rollout comes, at step 0 or after a resume) never moves
-    the training's random stream."""
+    the engine (whenever the first rollout comes, at step 0 or after a resume) and vLLM's
+    sampling never move the training's random stream."""
     state = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
              torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
     try:

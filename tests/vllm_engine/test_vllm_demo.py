@@ -3,7 +3,7 @@ configs/tiny_vllm.yaml`` (the default demo's task, objective and schedule on
 ``builtin:tiny-h64-warm``, rolled out by one in-process vLLM engine synced after every
 optimizer step) must finish and raise the reward as the Hugging Face engine's demo does.
 
-A long run (800 steps: five to twelve minutes on 2 CPU cores), so it is marked slow:
+A long run (800 steps: five to fourteen minutes on 2 CPU cores), so it is marked slow:
 ``make test-vllm`` (and CI) leave it out, ``make test-vllm-all`` runs it. Its time limit (an
 hour) only stops a hung run.
 """
