@@ -123,8 +123,7 @@ class GenerationBatch:
         def grouped(rows: Sequence[Any] | None) -> list[list[Any]] | None:
             return None if rows is None else [list(rows[b * G:(b + 1) * G]) for b in range(B)]
 
-        return cls(list(prompts), list(answers), grouped(texts) or [], grouped(ref_meta),
-                   grouped(info))
+        return cls(list(prompts), list(answers), grouped(texts), grouped(ref_meta), grouped(info))
 
     def select(self, groups: Sequence[int]) -> GenerationBatch:
         """The groups ``groups`` (indices of prompts), in that order, with all their fields."""

@@ -63,7 +63,7 @@ def _gather(value: Any) -> list[Any]:
 
 
 def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
-    """The record of the run's controllers (all None without any)."""
+    """The record of the run's controllers (None paths and ``attached`` False without any)."""
     paths = None if loop is None else loop.controller
     meta = None if loop is None else loop.controller_meta_manager
     return {"state_path": None if paths is None else paths.state_path,
