@@ -218,12 +218,15 @@ class MaxEntGRPOCLI(LightningCLI):
                 "save_last: true}, or pass --ckpt_path <file>"
             )
         self._use_checked_checkpoint()
-        if self._resume is None and self.trainer.is_global_zero:
+        if self._resume is None and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
             for folder in dict.fromkeys(str(cb.dirpath) for cb in callbacks if cb.dirpath):
                 if os.path.isdir(folder) and any(n.endswith(".ckpt") for n in os.listdir(folder)):
                     logging.getLogger(__name__).warning(
-                        "checkpoints go to %s, which holds an earlier run's: same names are "
-                        "overwritten (to continue that run instead: --ckpt_path last)", folder)
+                        "checkpoints go to %s, which holds an earlier run's: this run's are "
+                        "written beside them (a name already taken gets -v1, -v2, ...), and "
+                        "--ckpt_path last will then stop and ask which run to continue. To "
+                        "continue the earlier run instead: --ckpt_path last; to keep runs "
+                        "apart: another ModelCheckpoint dirpath", folder)
         if self._resume is None or not self.trainer.is_global_zero:
             return
         from lightning.pytorch.loggers import CSVLogger

@@ -4,12 +4,14 @@
   target folder, ``fsync``\\ s it and renames it over the target, so a run killed mid-write
   leaves the previous ``last.ckpt`` whole (the CLI registers it unless ``trainer.plugins``
   has a CheckpointIO).
-- :func:`resolve_checkpoint` turns ``--ckpt_path last`` into the newest *usable* ``*.ckpt``
-  of the checkpoint folders, skipping broken files with a warning that names them; a broken
-  checkpoint named explicitly stops the run, naming the newest usable one next to it.
-- :class:`LoggerVersions` records the loggers' versions in every checkpoint, so a resumed run
-  logs into the version folder it continues; :func:`continue_csv_log` keeps a CSVLogger's
-  ``metrics.csv``.
+- :func:`resolve_checkpoint` turns ``--ckpt_path last`` into the latest step of the run
+  whose *usable* ``*.ckpt`` files are in the checkpoint folders, skipping broken files with
+  a warning that names them; when the folders hold the checkpoints of more than one run it
+  stops and names them. A broken checkpoint named explicitly stops the run, naming the
+  newest usable one next to it.
+- :class:`LoggerVersions` records the run's identity and the loggers' versions in every
+  checkpoint, so a resumed run logs into the version folder it continues (and stays the same
+  run); :func:`continue_csv_log` keeps a CSVLogger's ``metrics.csv``.
 
 "Usable" is checked without loading the tensors: a complete zip archive (``torch.save``'s
 format, whose central directory is written last) whose members lie inside the file, with a
@@ -35,8 +37,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 log = logging.getLogger(__name__)
 
-#: Top-level checkpoint entry written by :class:`LoggerVersions`.
+#: Top-level checkpoint entries written by :class:`LoggerVersions`.
 LOGGERS_KEY = "maxent_grpo_loggers"
+RUN_KEY = "maxent_grpo_run"
 #: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<pid>.tmp``.
 TMP_SUFFIX = ".tmp"
 
@@ -155,6 +158,7 @@ class ResolvedCheckpoint:
     global_step: int | None = None
     loggers: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, problem)
+    run: str | None = None  # LoggerVersions' run identity; None before it was recorded
 
 
 def _candidates(dirpaths: list[str]) -> list[str]:
@@ -192,7 +196,30 @@ def _resolved(path: str, index: dict[str, Any] | None, skipped) -> ResolvedCheck
         global_step=int(step) if step is not None else None,
         loggers=list(index.get(LOGGERS_KEY) or []),
         skipped=skipped,
+        run=index.get(RUN_KEY),
     )
+
+
+def _describe(found: ResolvedCheckpoint) -> str:
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(os.stat(found.path).st_mtime)
+    return (f"{found.path} (run {found.run or 'unrecorded'}, step {found.global_step}, "
+            f"written {when:%Y-%m-%d %H:%M:%S})")
+
+
+def _latest_of_one_run(usable: list[ResolvedCheckpoint], dirpaths: list[str]) -> ResolvedCheckpoint:
+    """The checkpoint of the highest step among ``usable`` (newest first), which must all
+    belong to one run; ValueError naming them all otherwise."""
+    runs = {found.run for found in usable}
+    if len(runs) > 1:
+        listing = "; ".join(_describe(found) for found in usable)
+        raise ValueError(
+            f"--ckpt_path last: {dirpaths} hold the checkpoints of {len(runs)} different runs, "
+            f"so which one to continue is ambiguous: {listing}. Pass the file to resume "
+            "(--ckpt_path <file>), or move the other runs' checkpoints away")
+    steps = [-1 if found.global_step is None else found.global_step for found in usable]
+    return usable[steps.index(max(steps))]  # the newest of the highest step
 
 
 def resolve_checkpoint(
@@ -200,25 +227,32 @@ def resolve_checkpoint(
 ) -> ResolvedCheckpoint | None:
     """The checkpoint ``ckpt_path`` stands for, checked.
 
-    ``"last"``: the newest usable ``*.ckpt`` of ``dirpaths`` (unusable newer ones skipped
-    with a warning; ``None`` when there is none; ValueError when none is usable). A local
-    file: itself when usable, else ValueError naming the newest usable one in its folder.
-    Anything else (``"best"``, a URL): ``None``, left to Lightning.
+    ``"last"``: the usable ``*.ckpt`` of ``dirpaths`` with the highest global step (the
+    newest among equals), when they all belong to one run (:class:`LoggerVersions`' record);
+    ValueError naming every candidate when they belong to several (a smoke test or a second
+    run into the same folder: which one to continue is the user's choice). Unusable files
+    are skipped with a warning; ``None`` when there is none; ValueError when none is
+    usable. A local file: itself when usable, else ValueError naming the newest usable one
+    in its folder. Anything else (``"best"``, a URL): ``None``, left to Lightning.
     """
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
+        usable: list[ResolvedCheckpoint] = []
         for path in _candidates(dirpaths):
             problem, index = _usable(path, need_training_state)
             if problem is None:
-                found = _resolved(path, index, skipped)
-                if skipped:
-                    names = "; ".join(f"{p}: {why}" for p, why in skipped)
-                    rank_zero_warn(
-                        f"--ckpt_path last: skipped unusable checkpoint(s) ({names}); "
-                        f"resuming from the newest usable one, {path}"
-                    )
-                return found
-            skipped.append((path, problem))
+                usable.append(_resolved(path, index, skipped))
+            else:
+                skipped.append((path, problem))
+        if usable:
+            found = _latest_of_one_run(usable, dirpaths)
+            if skipped:
+                names = "; ".join(f"{p}: {why}" for p, why in skipped)
+                rank_zero_warn(
+                    f"--ckpt_path last: skipped unusable checkpoint(s) ({names}); "
+                    f"resuming from the latest usable one, {found.path}"
+                )
+            return found
         if skipped:
             names = "; ".join(f"{p}: {why}" for p, why in skipped)
             raise ValueError(
@@ -256,10 +290,21 @@ def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
 
 
 class LoggerVersions(pl.Callback):
-    """Record every logger's class, ``save_dir``, ``name`` and ``version`` in each
-    checkpoint (``checkpoint["maxent_grpo_loggers"]``; no callback state of its own)."""
+    """Record the run's identity (``checkpoint["maxent_grpo_run"]``: a random id drawn when
+    a fit starts afresh, kept when it resumes) and every logger's class, ``save_dir``,
+    ``name`` and ``version`` (``checkpoint["maxent_grpo_loggers"]``) in each checkpoint."""
+
+    def __init__(self) -> None:
+        import uuid
+
+        self.run = uuid.uuid4().hex[:12]
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == "fit" and checkpoint.get(RUN_KEY):
+            self.run = str(checkpoint[RUN_KEY])  # a resumed run stays the same run
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RUN_KEY] = self.run
         records = []
         for logger in trainer.loggers:
             try:

@@ -72,9 +72,26 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
 
 def attach_for_fit(trainer: Any, gradient_clip_val: float | None) -> None:
     """What a ``fit`` checks as it attaches the module: :func:`check_trainer_flags`, then
-    :func:`drop_unasked_checkpoints`."""
+    :func:`drop_unasked_checkpoints` and :func:`no_checkpoints_in_smoke_runs`."""
     check_trainer_flags(trainer, gradient_clip_val)
     drop_unasked_checkpoints(trainer)
+    no_checkpoints_in_smoke_runs(trainer)
+
+
+def no_checkpoints_in_smoke_runs(trainer: Any) -> list[Any]:
+    """A ``fast_dev_run`` writes no checkpoint: Lightning skips every save of its
+    ModelCheckpoints then except ``save_last`` at the end of training, which would leave a
+    one-step ``last*.ckpt`` for ``--ckpt_path last`` to find; that save is switched off for
+    the run. Returns the callbacks changed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if trainer is None or not getattr(trainer, "fast_dev_run", False):
+        return []
+    changed = [cb for cb in getattr(trainer, "callbacks", [])
+               if isinstance(cb, ModelCheckpoint) and cb.save_last]
+    for cb in changed:
+        cb.save_last = False
+    return changed
 
 
 def drop_unasked_checkpoints(trainer: Any) -> list[Any]:

@@ -234,8 +234,10 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_in_its_log_folders(tmp_
     assert f"Restored all states from the checkpoint at {ckpt / 'epoch=0-step=3.ckpt'}" in (
         resumed.stderr)
     assert not any(p.name.endswith(".tmp") for p in ckpt.iterdir())
+    before = torch.load(ckpt / "epoch=0-step=3.ckpt", weights_only=True)[ckpt_io.RUN_KEY]
     last = torch.load(ckpt / "last.ckpt", weights_only=True)
     assert last["global_step"] == STEPS
+    assert last[ckpt_io.RUN_KEY] == before  # the resumed run is the same run
     assert [r["version"] for r in last[ckpt_io.LOGGERS_KEY]] == [0, 0]
 
     # one version folder per logger; the curves continue in place, each step once
@@ -255,3 +257,49 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_in_its_log_folders(tmp_
     assert saved["ckpt_path"] == "last"  # the options as given, not the version found
     assert saved["trainer"]["logger"][0]["init_args"]["version"] is None
     assert saved["trainer"]["logger"][0]["init_args"].get("purge_step") is None
+
+
+def test_last_is_the_highest_step_of_the_run_and_two_runs_are_named_not_guessed(tmp_path):
+    now = time.time()
+
+    def save_run(name: str, step: int, run: str | None, mtime: float) -> Path:
+        path = save(tmp_path / name, step, mtime)
+        if run is not None:
+            data = torch.load(path)
+            data[ckpt_io.RUN_KEY] = run
+            torch.save(data, path)
+            os.utime(path, (mtime, mtime))
+        return path
+
+    # one run: its highest step wins, even when a file of a lower step is newer
+    save_run("last.ckpt", 9, "aaa", now - 30)
+    save_run("epoch=0-step=5.ckpt", 5, "aaa", now)
+    assert ckpt_io.resolve_checkpoint("last", [str(tmp_path)]).global_step == 9
+    # a second run beside it (a smoke test's last-v1.ckpt at step 1): stop, naming both
+    save_run("last-v1.ckpt", 1, "bbb", now + 10)
+    with pytest.raises(ValueError, match=r"2 different runs.*last-v1\.ckpt \(run bbb, step 1, "
+                       r"written .*last\.ckpt \(run aaa, step 9.*--ckpt_path <file>"):
+        ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+    # the file named explicitly is taken as it is
+    assert ckpt_io.resolve_checkpoint(str(tmp_path / "last-v1.ckpt"), []).run == "bbb"
+
+
+def test_a_smoke_run_leaves_no_checkpoint_and_a_second_run_makes_last_ask(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    smoke = fit(run, 2, False, "--trainer.fast_dev_run", "true")
+    assert smoke.returncode == 0, smoke.stderr[-3000:]
+    assert not list((run / "ckpt").glob("*.ckpt")) if (run / "ckpt").exists() else True
+    first = fit(run, 2, False)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "holds an earlier run's" not in first.stderr  # the smoke test left nothing
+    second = fit(run, 1, False)  # a fresh run into the same folder
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "holds an earlier run's: this run's are written beside them" in second.stderr
+    names = sorted(p.name for p in (run / "ckpt").glob("last*.ckpt"))
+    assert names == ["last-v1.ckpt", "last.ckpt"], names
+    runs = {torch.load(run / "ckpt" / n, weights_only=True)[ckpt_io.RUN_KEY] for n in names}
+    assert len(runs) == 2
+    resumed = fit(run, 3, False, "--ckpt_path", "last")
+    assert resumed.returncode == 1
+    assert "2 different runs" in resumed.stderr and "last-v1.ckpt (run" in resumed.stderr
