@@ -4,4 +4,4 @@ Importing the top-level package is cheap on purpose: it pulls in neither Lightni
 transformers. The pure math lives in :mod:`maxent_grpo.core`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,20 +1,33 @@
-"""``python -m maxent_grpo fit|validate|test --config configs/x.yaml [--traceback]``.
+"""``maxent-grpo fit|validate|test|predict --config FILE|NAME [--traceback]`` (also
+``python -m maxent_grpo ...``), ``maxent-grpo export CHECKPOINT``, ``maxent-grpo --version``.
 
 A mistake in the configuration, the data, a model folder or a reward function prints a
 short ``error: ...`` line and exits with code 1 (parse errors: usage and code 2);
-``--traceback`` adds the full trace (see :mod:`maxent_grpo.errors`). ``--help`` alone is
-answered before Lightning is imported (:mod:`maxent_grpo.cli_help`).
+``--traceback`` adds the full trace (see :mod:`maxent_grpo.errors`). ``--help`` alone and
+``--version`` are answered before Lightning is imported (:mod:`maxent_grpo.cli_help`).
 """
 
 import sys
 
-from maxent_grpo.cli_help import quick_help
+from maxent_grpo import cli_help
 
-if __name__ == "__main__":
-    quick = quick_help(sys.argv[1:])
+
+def console(prog: str = "maxent-grpo") -> None:
+    """The console command (``[project.scripts]``): the CLI of :mod:`maxent_grpo.cli`."""
+    cli_help.PROG = prog
+    args = sys.argv[1:]
+    quick = cli_help.quick_help(args)
     if quick is not None:
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
         sys.exit(quick[1])
+    if args[:1] == ["export"]:
+        from maxent_grpo.export import main as export
+
+        sys.exit(export(args[1:]))
     from maxent_grpo.cli import main
 
     main(exit_on_error=True)
+
+
+if __name__ == "__main__":
+    console(prog="python -m maxent_grpo")

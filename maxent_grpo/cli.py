@@ -61,10 +61,26 @@ class MaxEntGRPOCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit``, ``validate`` and ``test``. Lightning's ``predict`` is left out: it needs a
-        ``forward`` this module has not (it failed as if the user had erred); a checkpoint
-        is evaluated with ``validate`` (pass@k, README "Evaluating a checkpoint")."""
-        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+        """``fit``, ``validate``, ``test`` and ``predict`` (which keeps no predictions in
+        memory: its :class:`~maxent_grpo.training.run.callbacks.CompletionWriter` writes them)."""
+        commands = LightningCLI.subcommands()
+        commands["predict"] = {*commands["predict"], "return_predictions"}
+        return commands
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        """``predict`` also takes ``--output``: the JSONL file (or folder) to write."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            parser.add_argument(
+                "--output", type=str | None, default=None,
+                help="the JSONL file to write the graded completions to (replaced when it "
+                     "exists), or a folder to write predictions.jsonl into; default: "
+                     "predictions.jsonl in the run's log folder")
+        return parser
+
+    def predict(self, **kwargs: Any) -> None:
+        """``trainer.predict`` without holding the predictions in memory."""
+        self.trainer.predict(**kwargs, return_predictions=False)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model_name_or_path", "data.tokenizer")
@@ -88,6 +104,13 @@ class MaxEntGRPOCLI(LightningCLI):
             defaults = defaults if isinstance(defaults, list) else [defaults]
             if not any(isinstance(cb, ProgressBar) for cb in [*callbacks, *defaults]):
                 kwargs["callbacks"] = [*callbacks, ReadableProgressBar()]
+        if self.subcommand == "predict":  # the writer of --output, unless one is configured
+            from maxent_grpo.training.run.callbacks import CompletionWriter
+
+            callbacks = kwargs.get("callbacks") or trainer_config.get("callbacks") or []
+            callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+            if not any(isinstance(cb, CompletionWriter) for cb in callbacks):
+                kwargs["callbacks"] = [*callbacks, CompletionWriter(config.get("output"))]
         trainer = super().instantiate_trainer(**kwargs)
         # a default_root_dir given as the working folder is a folder asked for
         trainer.default_root_dir_given = bool(trainer_config.get("default_root_dir"))
@@ -201,6 +224,9 @@ class MaxEntGRPOCLI(LightningCLI):
         self._use_checked_checkpoint()
 
     def before_test(self) -> None:
+        self._use_checked_checkpoint()
+
+    def before_predict(self) -> None:
         self._use_checked_checkpoint()
 
     def before_fit(self) -> None:
@@ -317,11 +343,20 @@ def main(
     def build() -> MaxEntGRPOCLI:
         token = cli_help.FULL_HELP.set(full_help)
         try:
-            return _build(args, run, parser_kwargs, from_argv)
+            return _build(_named_configs(args), run, parser_kwargs, from_argv)
         finally:
             cli_help.FULL_HELP.reset(token)
 
     return errors.exit_on_error(build, show_trace) if exit_on_error else build()
+
+
+def _named_configs(args: Any) -> Any:
+    """``--config NAME`` -> the shipped config's path (:func:`cli_help.resolve_config_names`);
+    with ``args`` None in ``sys.argv`` itself, which DDP's launcher runs again."""
+    if args is None:
+        sys.argv[1:] = cli_help.resolve_config_names(sys.argv[1:])
+        return None
+    return cli_help.resolve_config_names(args) if isinstance(args, list) else args
 
 
 def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool) -> MaxEntGRPOCLI:

@@ -1,4 +1,8 @@
-"""The command line's help: a quick top-level page and a short ``fit --help``.
+"""The command line before Lightning: the help pages, ``--version``, config names.
+
+``--config tiny`` names a config shipped in the package (:func:`resolve_config_names`): a
+wheel's user has no repository, and a named config is one command away from an editable
+file (``--print_config > my.yaml``), so no separate "write a config" command is needed.
 
 ``python -m maxent_grpo --help`` is answered here, before Lightning is imported (building
 the full parser costs several seconds of imports for a page that lists three commands).
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import re
+from pathlib import Path
 from typing import Any
 
 PROG = "python -m maxent_grpo"
@@ -22,6 +27,12 @@ SUBCOMMANDS: dict[str, str] = {
     "fit": "train: rollout -> score -> loss each step, with validation and checkpoints",
     "validate": "evaluate pass@k on the validation prompts (a checkpoint: --ckpt_path FILE)",
     "test": "evaluate pass@k on the test prompts (a checkpoint: --ckpt_path FILE)",
+    "predict": "sample completions of the validation prompts into a JSONL file, graded "
+               "(--ckpt_path FILE or any --model.model_name_or_path; --output FILE)",
+}
+#: commands outside LightningCLI: ``maxent-grpo export`` (:mod:`maxent_grpo.export`)
+OTHER_COMMANDS: dict[str, str] = {
+    "export": "write a checkpoint's model (or adapter) and tokenizer as a Hugging Face folder",
 }
 
 #: whether the page being printed is the full one (``--help-all``)
@@ -31,17 +42,68 @@ _SHORT_DEFAULT = 40  # a longer default is left to --help-all and --print_config
 _DEFAULT_MARK = "\x00"
 
 
+def version() -> str:
+    """``maxent-grpo <version>``: the installed distribution's version."""
+    from maxent_grpo import __version__
+
+    return f"maxent-grpo {__version__}"
+
+
+def configs_folder() -> Path:
+    """The configs shipped inside the package (``configs/`` of the repository links here)."""
+    return Path(__file__).resolve().parent / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """The names ``--config`` accepts besides a path: ``tiny``, ``scaling/ddp_cpu_tiny``, ..."""
+    folder = configs_folder()
+    return sorted(str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml"))
+
+
+def resolve_config_names(args: list[str]) -> list[str]:
+    """``args`` with each ``--config NAME`` that is not an existing file replaced by the
+    shipped config of that name (``tiny`` or ``tiny.yaml`` -> ``<package>/configs/tiny.yaml``).
+
+    A value that is neither an existing file nor a shipped name raises ValueError naming the
+    shipped configs; a path that exists always wins over a name.
+    """
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            out[i + 1] = _config_path(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + _config_path(arg.split("=", 1)[1])
+    return out
+
+
+def _config_path(value: str) -> str:
+    if Path(value).exists() or value.lstrip().startswith(("{", "[")):  # a file, or inline YAML
+        return value
+    name = value.removesuffix(".yaml").removesuffix(".yml")
+    path = configs_folder() / f"{name}.yaml"
+    if name in shipped_configs() and path.is_file():
+        return str(path)
+    names = ", ".join(shipped_configs())
+    raise ValueError(
+        f"--config {value}: there is no such file (from the folder {Path.cwd()}) and no "
+        f"shipped config of that name; the shipped configs are: {names} (e.g. --config "
+        "tiny; to edit one, write it out with --print_config > my.yaml)")
+
+
 def top_level_help() -> str:
     """The page for ``python -m maxent_grpo --help`` (and for no arguments at all)."""
-    commands = "\n".join(f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items())
+    commands = "\n".join(f"  {name:<10} {text}"
+                         for name, text in {**SUBCOMMANDS, **OTHER_COMMANDS}.items())
     return (
-        f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [--config FILE] "
+        f"usage: {PROG} {{{','.join([*SUBCOMMANDS, *OTHER_COMMANDS])}}} [--config FILE|NAME] "
         "[--<group>.<option> VALUE ...]\n"
         "\nGRPO and MaxEnt-GRPO fine-tuning of language models (PyTorch Lightning).\n"
         f"\ncommands:\n{commands}\n"
+        f"\nshipped configs (--config NAME): {', '.join(shipped_configs())}\n"
         "\nexamples:\n"
-        f"  {PROG} fit --config configs/tiny.yaml\n"
-        f"  {PROG} fit --config configs/tiny.yaml --trainer.max_steps 50 --print_config\n"
+        f"  {PROG} fit --config tiny\n"
+        f"  {PROG} fit --config tiny --trainer.max_steps 50 --print_config > my.yaml\n"
+        f"  {PROG} predict --config tiny --ckpt_path lightning_logs/tiny/checkpoints/last.ckpt\n"
         f"  {PROG} fit --help          options, one line each ({HELP_ALL_FLAG}: in full)\n"
         f"  {PROG} fit --model.objective.help ListwiseMaxEnt   one objective's options\n"
         "\nA mistake in a config or the data prints `error: ...`; --traceback adds the trace.\n"
@@ -50,9 +112,12 @@ def top_level_help() -> str:
 
 def quick_help(args: list[str]) -> tuple[str, int] | None:
     """``(page, exit code)`` when ``args`` ask for the top-level page: ``-h``/``--help``
-    alone (code 0) or nothing at all (code 2, the page is the usage); else ``None``."""
+    alone (code 0) or nothing at all (code 2, the page is the usage); for ``--version`` the
+    version line (code 0); else ``None``."""
     if args in (["-h"], ["--help"], [HELP_ALL_FLAG]):
         return top_level_help(), 0
+    if args == ["--version"]:
+        return version() + "\n", 0
     if not args:
         return top_level_help(), 2
     return None

@@ -453,10 +453,11 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
     assert model.model_name_or_path == "builtin:tiny"  # a mismatch is refused at load time
 
 
-def test_the_subcommands_are_fit_validate_and_test(capsys):
-    """Lightning's ``predict`` needs a ``forward`` the module has not: it is not offered."""
-    assert set(cli_module.MaxEntGRPOCLI.subcommands()) == {"fit", "validate", "test"}
+def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
+    """``predict`` writes graded completions (tests/test_predict.py); a command that does not
+    exist is refused, naming the four."""
+    assert set(cli_module.MaxEntGRPOCLI.subcommands()) == {"fit", "validate", "test", "predict"}
     with pytest.raises(SystemExit):
-        cli_module.main(["predict"], exit_on_error=True)
-    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in (
+        cli_module.main(["sample"], exit_on_error=True)
+    assert "invalid choice: 'sample' (choose from 'fit', 'validate', 'test', 'predict')" in (
         capsys.readouterr().err)

@@ -39,6 +39,7 @@ from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
+from maxent_grpo.training.run.callbacks import CleanUp, CompletionWriter
 from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
@@ -56,10 +57,7 @@ from maxent_grpo.training.step.optimise import (
     count_update,
     optimizer_step,
 )
-from maxent_grpo.training.step.pipeline import (
-    RolloutPipeline,
-    check_staleness,
-)
+from maxent_grpo.training.step.pipeline import RolloutPipeline, check_staleness
 from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
@@ -71,14 +69,6 @@ from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
-
-
-class _CleanUp(L.Callback):
-    """A failed run calls no module teardown in Lightning: this does it."""
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                     exception: BaseException) -> None:
-        pl_module.teardown("fit")
 
 
 class MaxEntGRPOModule(PolicyModels, L.LightningModule):
@@ -164,7 +154,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         model_cache_dir: where built-in models are materialised (None: the default).
         max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
             updates in a row.
-        eval_num_generations: ``n``, samples per prompt in validation and test.
+        eval_num_generations: ``n``, samples per prompt in validation, test and predict.
         eval_reward: the reward (a key of ``rewards``) whose value decides whether an
             evaluation sample is correct; ``None`` = the first of ``rewards``.
         eval_correct_threshold: a sample is correct when its ``eval_reward`` is >= this.
@@ -350,9 +340,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self._engine_version = self._weights_version
         return self._engine
 
-    def _evaluate(self, batch: dict) -> None:
-        greedy = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
-        self.evaluator.step(batch, self.rollout_engine(), greedy)
+    def _evaluate(self, batch: dict, greedy: bool = True) -> list[dict]:
+        sampling = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
+        return self.evaluator.step(batch, self.rollout_engine(), sampling if greedy else None)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_log = self.trajectory = None  # free the last step's tensors first
@@ -366,9 +356,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After a fit (a failed one too, through :class:`_CleanUp`): no rollout in flight,
-        no controllers attached, and a server engine's connections and weights file closed
-        (rebuilt if needed)."""
+        """After a fit (a failed one too, through ``run/callbacks.py``'s ``CleanUp``): no
+        rollout in flight, no controllers attached, and a server engine's connections and
+        weights file closed (rebuilt if needed)."""
         if self.pipeline is not None:
             self.pipeline.close()
         if stage == "fit":  # the next fit's controllers attach afresh
@@ -391,6 +381,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.evaluator.compute("test"), sync_dist=False)
 
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        """One graded row per completion (``run/prediction.py`` writes and sums them up)."""
+        return self._evaluate(batch, greedy=False)
+
     def _attach(self, trainer: L.Trainer | None) -> None:
         """``fit`` attaches the trainer before Lightning checks its flags: ours come first
         (:func:`~maxent_grpo.training.step.strategy.attach_for_fit`)."""
@@ -410,10 +404,13 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.attach_training_data()
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Lightning's default progress bar gives way to the command line's, for L.Trainer."""
+        """Lightning's default progress bar gives way to the command line's, for L.Trainer;
+        ``predict`` gets a :class:`CompletionWriter` unless the trainer has one."""
         bars = [c for c in self.trainer.callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
         self.trainer.callbacks[:] = [c for c in self.trainer.callbacks if c not in bars]
-        return [_CleanUp(), *([ReadableProgressBar()] if bars else [])]
+        writer = not any(isinstance(c, CompletionWriter) for c in self.trainer.callbacks)
+        return [CleanUp(), *([ReadableProgressBar()] if bars else []),
+                *([CompletionWriter()] if writer and self.trainer.predicting else [])]
 
     def configure_optimizers(self) -> dict[str, Any]:
         """``model.optimizer`` over the policy's trainable parameters (only the adapters with

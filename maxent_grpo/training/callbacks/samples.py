@@ -33,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
@@ -289,7 +290,9 @@ class CompletionSamples(Callback):
     def write_loggers(self, trainer: pl.Trainer, record: RolloutSamples, step: int) -> None:
         """The table (and histograms) of ``record`` through every logger; the others (or no
         logger) get JSONL rows in their log folder, once per folder, unless it is ``jsonl_path``."""
-        loggers = list(getattr(trainer, "loggers", None) or [])
+        # a fast_dev_run's DummyLogger is no logger: a smoke run leaves no samples file behind
+        loggers = [lg for lg in getattr(trainer, "loggers", None) or []
+                   if not isinstance(lg, DummyLogger)]
         files: dict[Path, None] = {}  # ordered, each file once
         for logger in loggers:
             if isinstance(logger, WandbLogger):

@@ -365,6 +365,11 @@ class PromptDataModule(pl.LightningDataModule):
         """The validation rows again."""
         return self.val_dataloader()
 
+    def predict_dataloader(self) -> DataLoader:
+        """The validation rows again (``predict`` samples them; another file to sample:
+        ``data.val_files``)."""
+        return self.val_dataloader()
+
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count a training batch about to reach ``training_step`` (other stages are not
         counted); the count restarts at the first batch of a new sampler epoch."""

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 #: Top-level checkpoint entries written by :class:`LoggerVersions`.
 LOGGERS_KEY = "maxent_grpo_loggers"
 RUN_KEY = "maxent_grpo_run"
+#: ``--ckpt_path`` values that Lightning resolves itself (not file names)
+LIGHTNING_NAMES = ("best", "hpc", "registry")
 #: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<pid>.tmp``.
 TMP_SUFFIX = ".tmp"
 
@@ -233,7 +235,8 @@ def resolve_checkpoint(
     run into the same folder: which one to continue is the user's choice). Unusable files
     are skipped with a warning; ``None`` when there is none; ValueError when none is
     usable. A local file: itself when usable, else ValueError naming the newest usable one
-    in its folder. Anything else (``"best"``, a URL): ``None``, left to Lightning.
+    in its folder; a missing local file: ValueError. Anything else (``"best"``, a URL):
+    ``None``, left to Lightning.
     """
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
@@ -260,8 +263,17 @@ def resolve_checkpoint(
                 "move them to start afresh"
             )
         return None
-    if not _is_local(ckpt_path) or not os.path.lexists(ckpt_path):
+    if not _is_local(ckpt_path) or ckpt_path in LIGHTNING_NAMES or ckpt_path.startswith(
+            "registry:"):
         return None
+    if not os.path.lexists(ckpt_path):
+        near = _candidates([os.path.dirname(os.path.abspath(ckpt_path))])[:3]
+        hint = f" (checkpoints in that folder: {', '.join(near)})" if near else ""
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: no such file, from the folder {os.getcwd()}{hint}; pass "
+            "a .ckpt file written by fit (the shipped configs write lightning_logs/<name>/"
+            "checkpoints/last.ckpt), or 'last' to take the newest run of the configured "
+            "ModelCheckpoint folder")
     problem, index = _usable(ckpt_path, need_training_state)
     if problem is None:
         return _resolved(ckpt_path, index, [])

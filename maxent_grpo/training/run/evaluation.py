@@ -121,6 +121,27 @@ def evaluation_metrics(
     return out
 
 
+def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total: Tensor,
+                   components: Tensor, names: Sequence[str], correct: float) -> dict[str, Any]:
+    """One graded completion as ``predict`` writes it: the prompt's source ``row`` index,
+    ``sample`` ``j``, the ``prompt`` (text or messages), the reference ``answer``, the
+    ``completion`` (text) or, for a multi-turn rollout, its ``messages``, ``rewards`` (each
+    reward function's value, ``None`` where it gave none), the weighted ``reward``, the
+    parsed ``parsed_answer`` (:func:`sample_answer`) and ``correct``."""
+    def value(x: Tensor) -> float | None:
+        return None if bool(torch.isnan(x)) else float(x)
+
+    key = "completion" if isinstance(completion, str) else "messages"
+    task = batch["columns"].get("task", [None] * len(batch["prompts"]))[b]
+    return {
+        "row": batch["indices"][b], "sample": j, "prompt": batch["raw_prompts"][b],
+        "answer": batch["answers"][b], key: completion,
+        "rewards": {name: value(v) for name, v in zip(names, components, strict=True)},
+        "reward": value(total), "parsed_answer": sample_answer(completion),
+        "correct": bool(correct), **({"task": task} if task is not None else {}),
+    }
+
+
 class Evaluator(torch.nn.Module):
     """Validation and test of the module: per batch :meth:`step`, per epoch :meth:`compute`.
 
@@ -142,9 +163,10 @@ class Evaluator(torch.nn.Module):
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
-             greedy_sampling: SamplingSettings) -> None:
+             greedy_sampling: SamplingSettings | None) -> list[dict[str, Any]]:
         """Sample, grade and record one batch (plus one ``greedy_sampling`` completion per
-        prompt when ``settings.greedy``), in a forked random state."""
+        prompt when ``settings.greedy`` and ``greedy_sampling`` is given), in a forked random
+        state. Returns one :func:`prediction_row` per completion."""
         n, B = self.settings.num_generations, len(batch["prompts"])
         device = self.reward.total.device
         devices = [device] if device.type == "cuda" else []
@@ -152,7 +174,7 @@ class Evaluator(torch.nn.Module):
         with torch.random.fork_rng(devices=devices):
             rollout = engine.generate(prompts, answers, n)
             greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
-                      if self.settings.greedy else None)
+                      if self.settings.greedy and greedy_sampling is not None else None)
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
         total, components = self._score(batch, rollout, n)
         self.reward.update(total.to(device).view(B, n))
@@ -164,6 +186,7 @@ class Evaluator(torch.nn.Module):
             _, greedy_components = self._score(batch, greedy, 1)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
         columns = batch["columns"]
+        rows = []
         for b in range(B):
             valid = columns.get("valid_answers", [None] * B)[b]
             task = columns.get("task", [None] * B)[b]
@@ -176,6 +199,10 @@ class Evaluator(torch.nn.Module):
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),
             ))
+            rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
+                                    components[:, b * n + j], self.rewards.names,
+                                    correct[b * n + j]) for j in range(n)]
+        return rows
 
     def _score(
         self, batch: dict[str, Any], rollout: RolloutOutput, n: int

@@ -1,0 +1,113 @@
+"""``predict``: graded completions of a checkpoint in a JSONL file; config names; errors.
+
+One in-process fit of the demo config (2 small steps) writes a checkpoint; ``predict`` on it
+must write ``val_size x eval_num_generations`` rows whose reward values are what the reward
+functions give for those completions, in prompt order, and print the @k summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import maxent_grpo.cli as cli_module
+from maxent_grpo import cli_help
+from maxent_grpo.rewards.registry import get_reward
+
+SMALL = ["--config", "tiny", "--data.train_size", "64", "--data.val_size", "4",
+         "--data.batch_size", "4", "--model.num_generations", "4",
+         "--trainer.enable_progress_bar=false"]
+
+
+@pytest.fixture
+def demo_checkpoint(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cli_module.main(["fit", *SMALL, "--trainer.max_steps", "2",
+                     f"--model.model_cache_dir={tmp_path / 'models'}"])
+    path = tmp_path / "lightning_logs/tiny/checkpoints/last.ckpt"
+    assert path.is_file()
+    return path
+
+
+def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
+        demo_checkpoint, tmp_path, caplog):
+    caplog.clear()
+    caplog.set_level("INFO")
+    cli_module.main(["predict", *SMALL, "--ckpt_path", str(demo_checkpoint),
+                     f"--model.model_cache_dir={tmp_path / 'models'}",
+                     "--model.rewards", "{first_number: 0.5}", "--model.eval_num_generations", "3",
+                     "--model.eval_k", "[1, 3]"])
+    assert "Loaded model weights from the checkpoint" in caplog.text
+    # the run's folder: fit wrote version_0, predict is version_1
+    path = tmp_path / "lightning_logs/tiny/version_1/predictions.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 4 * 3  # val_size prompts x eval_num_generations
+    assert [(r["row"], r["sample"]) for r in rows] == sorted((r["row"], r["sample"]) for r in rows)
+    assert len({r["row"] for r in rows}) == 4
+    reward = get_reward("first_number")
+    for row in rows:
+        expected = reward([row["prompt"]], [row["completion"]], answer=[row["answer"]])[0]
+        assert row["rewards"] == {"first_number": expected}
+        assert row["reward"] == pytest.approx(0.5 * expected)
+        assert row["correct"] == (expected >= 1.0)
+        assert row["parsed_answer"] == row["completion"].strip()
+    passed = [any(r["correct"] for r in rows if r["row"] == i) for i in {r["row"] for r in rows}]
+    summary = caplog.text
+    assert f"predict: 12 completions of 4 prompts written to {path}" in summary
+    assert f"pass@3 {sum(passed) / 4:.3g}" in summary
+    assert not list(path.parent.glob(".*.part"))  # the rank's part file is gone
+
+    # --output: a named file, or a folder to write predictions.jsonl into
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    cli_module.main(["predict", *SMALL, "--ckpt_path", str(demo_checkpoint),
+                     f"--model.model_cache_dir={tmp_path / 'models'}", "--output", str(out_dir),
+                     "--trainer.logger=false"])
+    again = [json.loads(line) for line in (out_dir / "predictions.jsonl").read_text().splitlines()]
+    assert len(again) == 4 * 4  # the default eval_num_generations
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ckpt_path", "nosuch.ckpt"], r"--ckpt_path nosuch\.ckpt: no such file, from the folder"),
+    (["--output", "/proc/no/such/predictions.jsonl"],
+     r"predict cannot write /proc/no/such/predictions\.jsonl .*pass --output"),
+])
+def test_predict_errors_name_what_to_fix(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli_module.main(["predict", *SMALL, f"--model.model_cache_dir={tmp_path / 'models'}",
+                         "--trainer.logger=false", *args], exit_on_error=True)
+    assert stop.value.code == 1
+    import re
+
+    assert re.search("error: " + message, capsys.readouterr().err)
+
+
+def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = cli_help.shipped_configs()
+    assert {"tiny", "tiny_vllm", "scaling/ddp_cpu_tiny"} <= set(names)
+    packaged = str(cli_help.configs_folder() / "tiny.yaml")
+    assert cli_help.resolve_config_names(["fit", "--config", "tiny"])[2] == packaged
+    assert cli_help.resolve_config_names(["fit", "--config=tiny.yaml"])[1] == f"--config={packaged}"
+    (tmp_path / "tiny").write_text("trainer: {}\n")  # an existing file wins over a name
+    assert cli_help.resolve_config_names(["--config", "tiny"]) == ["--config", "tiny"]
+    with pytest.raises(ValueError, match=r"--config tinyy: there is no such file .* the shipped "
+                                         r"configs are: .*tiny, tiny_controllers"):
+        cli_help.resolve_config_names(["fit", "--config", "tinyy"])
+    (tmp_path / "tiny").unlink()
+    cli = cli_module.main(["--config", "tiny", "--trainer.logger=false",
+                           f"--model.model_cache_dir={tmp_path / 'models'}"], run=False)
+    assert cli.config["model"]["model_name_or_path"] == "builtin:tiny-warm"
+
+
+def test_version_and_the_top_level_page_are_answered_without_lightning():
+    from maxent_grpo import __version__
+
+    assert cli_help.quick_help(["--version"]) == (f"maxent-grpo {__version__}\n", 0)
+    page, code = cli_help.quick_help(["--help"])
+    assert code == 0 and "predict" in page and "export" in page and "tiny_vllm" in page
