@@ -30,13 +30,20 @@ the CPU, benchmarks/RESULTS.md §7). Refused at construction, naming the option:
 shards, ``peft``'s ``modules_to_save``, ``enable_sleep_mode`` or ``tensor_parallel_size > 1``
 on the CPU, and a head size vLLM's attention cannot run (vLLM's own error, re-raised with
 the model named).
+
+Logs. vLLM prints its warnings and errors, not its INFO lines: unless ``VLLM_LOGGING_LEVEL``,
+``VLLM_LOGGING_CONFIG_PATH`` or ``VLLM_CONFIGURE_LOGGING`` is set in the environment, the
+engine sets ``VLLM_LOGGING_LEVEL=WARNING`` before vLLM is imported, drops the warnings that
+come on every run and that no one can act on (the list, and why each:
+:mod:`~maxent_grpo.rollout.vllm_logs`), shows no progress bar of weight loading and keeps
+the weight reloads silent below ERROR. A variable the user sets wins:
+``VLLM_LOGGING_LEVEL=INFO`` brings every line back (``DEBUG``: more).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import random
 import shutil
@@ -61,6 +68,7 @@ from maxent_grpo.rollout.protocol import (
     SamplingSettings,
     check_request,
 )
+from maxent_grpo.rollout.vllm_logs import quiet_during, quiet_vllm_logs, quieted
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
@@ -71,8 +79,10 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def require_vllm() -> Any:
-    """Import vLLM, or raise ImportError saying how to install it."""
+    """Import vLLM, or raise ImportError saying how to install it; its logging quiet first,
+    unless the user configured it (:func:`~maxent_grpo.rollout.vllm_logs.quiet_vllm_logs`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process
+    quiet_vllm_logs()  # before the import: older vLLM releases read the level then
     try:
         import vllm
     except ImportError as err:
@@ -99,19 +109,6 @@ def _kept_random_state() -> Iterator[None]:
         torch.random.set_rng_state(state[2])
         if state[3] is not None:
             torch.cuda.set_rng_state_all(state[3])
-
-
-@contextlib.contextmanager
-def _quiet_vllm() -> Iterator[None]:
-    """Hold vLLM's log lines below ERROR: a weight reload logs three lines (one a benign
-    warning that rotary embeddings have no weights to load) after every optimizer step."""
-    log = logging.getLogger("vllm")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def _rank() -> int:
@@ -187,6 +184,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
             max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager or not cuda,
+            use_tqdm_on_load=not quieted(),  # the weight-loading bar: back with the INFO lines
             # a chunked prefill discards its partial samples by rewinding the request's
             # seeded generator, which CPU generators cannot do (vLLM 0.32): prefill whole
             **({} if cuda else {"enable_chunked_prefill": False,
@@ -227,7 +225,7 @@ class VLLMEngine:
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
         drop its prefix cache (keys and values computed with the old weights)."""
-        with _quiet_vllm():
+        with quiet_during():
             self.llm.collective_rpc("reload_weights", kwargs={
                 "weights_iterator": self._weights(model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights

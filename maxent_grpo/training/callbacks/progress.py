@@ -18,8 +18,12 @@
     step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
 
 ``tokens/s`` is the last step's ``perf/tokens_per_s``; ``eta`` is the remaining steps times
-this run's mean time per step. Values come from ``pl_module.step_metrics_dict`` (the
-step's ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
+this run's mean time per step. With tools or an environment (multi-turn rollouts) the line,
+and the bar, also show ``tool success 75%``: the last step's ``tools/success_rate`` (the
+share of samples with at least one call that returned), so that calls that all fail show at
+once (the warning that names how they fail is :mod:`~maxent_grpo.training.step.tool_watch`'s);
+without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
+``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
 A plain ``L.Trainer`` gets it too, in place of Lightning's own default bar
 (``MaxEntGRPOModule.configure_callbacks``). To configure it, name it in ``trainer.callbacks``::
 
@@ -145,23 +149,35 @@ class ReadableProgressBar(TQDMProgressBar):
         """Mean ``reward/mean`` of the last ``window`` steps; None before the first step."""
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
+    @property
+    def tool_success(self) -> float | None:
+        """The last step's ``tools/success_rate``; None without tools (or before a step)."""
+        rate = self.last_record.get("tools/success_rate")
+        return rate if rate is not None and math.isfinite(rate) else None
+
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """The ``prog_bar`` metrics without ``v_num``, ``reward`` replaced by the smoothed one."""
+        """The ``prog_bar`` metrics without ``v_num``, ``reward`` replaced by the smoothed one,
+        then ``tool success`` with tools."""
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         smoothed = self.smoothed_reward
-        if smoothed is None:
-            return items
-        items.pop("reward", None)
-        return {self.reward_label: smoothed, **items}
+        if smoothed is not None:
+            items.pop("reward", None)
+            items = {self.reward_label: smoothed, **items}
+        if self.tool_success is not None:
+            items["tool success"] = f"{self.tool_success:.0%}"
+        return items
 
     def progress_line(self, trainer: pl.Trainer) -> str:
-        """``step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10``."""
+        """``step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10``,
+        with ``tool success 75%`` after the reward when the step used tools."""
         step, total = trainer.global_step, trainer.max_steps
         parts = [f"step {step}/{total}" if total > 0
                  else f"epoch {trainer.current_epoch}  step {step}"]
         if self.smoothed_reward is not None:
             parts.append(f"{self.reward_label} {self.smoothed_reward:.3f}")
+        if self.tool_success is not None:
+            parts.append(f"tool success {self.tool_success:.0%}")
         loss = self.last_record.get("loss/total")
         if loss is not None and math.isfinite(loss):
             parts.append(f"loss {loss:.3g}")

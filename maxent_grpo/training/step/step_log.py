@@ -21,6 +21,7 @@ from torchmetrics.aggregation import MaxMetric
 
 from maxent_grpo.core.evaluation import answer_entropy
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
+from maxent_grpo.training.step.tool_watch import ToolFailureWatch
 from maxent_grpo.training.types import (
     LoggingConfigView,
     LogStepArtifacts,
@@ -56,7 +57,9 @@ class LightningWriter:
 class StepMetrics(torch.nn.Module):
     """The per-step torchmetrics and the record built from them; ``reward_names`` are the
     names of ``model.rewards``, in order; with ``evaluation`` (which reward and threshold
-    make a sample correct) the step also logs its answers' spread (:meth:`observe_answers`)."""
+    make a sample correct) the step also logs its answers' spread (:meth:`observe_answers`).
+    ``tool_watch`` (:class:`~maxent_grpo.training.step.tool_watch.ToolFailureWatch`) warns
+    on the console when most recent tool calls fail; :meth:`artifacts` ends its steps."""
 
     def __init__(self, reward_names: list[str], evaluation: Any = None) -> None:
         super().__init__()
@@ -68,6 +71,7 @@ class StepMetrics(torch.nn.Module):
         self.means = torch.nn.ModuleDict()  # token-weighted means, created on first use
         self.maxima = torch.nn.ModuleDict()  # maxima, created on first use
         self._updated: set[tuple[str, str]] = set()  # ("mean" | "max", key) of this step
+        self.tool_watch = ToolFailureWatch()
 
     def mean(self, key: str) -> TokenMean:
         """The :class:`TokenMean` logged as ``train/<key>`` (created on first use)."""
@@ -146,8 +150,10 @@ class StepMetrics(torch.nn.Module):
         dropped groups' included): ``calls_per_sample``, ``turns_per_sample``,
         ``message_tokens_per_sample`` (tokens the model did not write), ``success_rate``
         (samples with at least one call that returned), ``failure_rate`` (failed calls /
-        calls) and ``failures/<kind>`` (calls failed so / calls)."""
+        calls) and ``failures/<kind>`` (calls failed so / calls); ``tool_watch`` counts
+        them too."""
         tools, device = rollout.tools, self.reward.total.device
+        self.tool_watch.add(tools)
         failed = tools.failed
 
         def add(key: str, total: Tensor, count: Tensor | int) -> None:
@@ -189,7 +195,9 @@ class StepMetrics(torch.nn.Module):
         """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset;
         ``latency_ms`` is the rollout engine's, ``step`` the optimizer steps taken so far
         (``lr_warmup``, the warm-up's progress, while ``view.schedule.lr_warmup_steps``
-        runs); ``extra`` are further diagnostics (timings, counters) logged as they are."""
+        runs); ``extra`` are further diagnostics (timings, counters) logged as they are.
+        Ends the step of ``tool_watch`` (its warning, if any, comes from global rank 0)."""
+        self.tool_watch.end_step(step, rank_zero=_global_rank() == 0)
         means: dict[str, float] = {}
         for kind, key in self._aligned():  # every rank, the same metrics in the same order
             value = float(self.mean(key).compute() if kind == "mean"
@@ -260,6 +268,11 @@ class StepMetrics(torch.nn.Module):
         for m in [*self.means.values(), *self.maxima.values()]:
             m.reset()
         self._updated.clear()
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _measured(value: Any) -> bool:

@@ -95,6 +95,28 @@ def test_a_line_per_n_steps_with_the_step_out_of_max_steps():
         "reward first 10 0.500, last 10 0.500")
 
 
+def test_the_tool_success_rate_is_shown_only_when_the_step_used_tools():
+    """With ``tools/success_rate`` in the step's record (a multi-turn rollout) the line shows
+    ``tool success`` after the reward and the bar shows it too; without it, neither does."""
+    record = {"reward/mean": 0.0, "loss/total": 0.5, "perf/tokens_per_s": 10.0}
+    for tools, expected in (({"tools/success_rate": 0.0}, "0%"),
+                            ({"tools/success_rate": 0.75}, "75%"), ({}, None)):
+        out = io.StringIO()
+        bar = started(ReadableProgressBar(mode="lines", every_n_steps=1, every_s=0, stream=out),
+                      fake_trainer(0, max_steps=2))
+        trainer = fake_trainer(1, max_steps=2, progress_bar_metrics={"reward": 0.0})
+        fake_step(bar, trainer, record | tools)
+        line = out.getvalue().splitlines()[0]
+        shown = bar.get_metrics(trainer, None)
+        if expected is None:
+            assert "tool" not in line and "tool success" not in shown
+            assert LINE.match(line), line  # the line without tools is unchanged
+        else:
+            assert f"reward(avg20) 0.000  tool success {expected}  loss 0.5" in line, line
+            assert shown["tool success"] == expected
+            assert LINE.match(line.replace(f"  tool success {expected}", "")), line
+
+
 def test_interval_gives_20_to_40_lines_a_run():
     assert [line_interval(n) for n in (1, 7, 100, 200, 500, 1000, 5000)] == [
         1, 1, 5, 5, 20, 50, 200]
