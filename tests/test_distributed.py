@@ -657,3 +657,24 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
                        weights_only=True, map_location="cpu")
     assert len(saved["maxent_grpo"]["rng"]) == 2  # both ranks' random states
     assert saved["global_step"] == 3
+
+    # predict on the 2 processes: each rank samples its share, one file in prompt order
+    predict = [*command[:3], "predict", *command[4:], "--ckpt_path",
+               "lightning_logs/tiny/checkpoints/last.ckpt", "--data.val_size=6",
+               "--output=out/predictions.jsonl"]
+    predict = [a for a in predict if not a.startswith("--trainer.max_steps")]
+    proc = subprocess.Popen(predict, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        pytest.fail("the 2-process predict hung:\n" + output[-3000:])
+    assert proc.returncode == 0, output[-3000:]
+    rows = [json.loads(line)
+            for line in (tmp_path / "out/predictions.jsonl").read_text().splitlines()]
+    keys = [(r["row"], r["sample"]) for r in rows]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys) == 6 * 4
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["predictions.jsonl"]
+    assert "predict: 24 completions of 6 prompts written to" in output

@@ -21,7 +21,7 @@
 this run's mean time per step. With tools or an environment (multi-turn rollouts) the line,
 and the bar, also show ``tool success 75%``: the last step's ``tools/success_rate`` (the
 share of samples with at least one call that returned), so that calls that all fail show at
-once (the warning that names how they fail is :mod:`~maxent_grpo.training.step.tool_watch`'s);
+once (``step_log.ToolFailureWatch`` warns, naming how they fail);
 without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
 ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
 A plain ``L.Trainer`` gets it too, in place of Lightning's own default bar

@@ -1,5 +1,5 @@
-"""The warning when most tool calls fail (:mod:`maxent_grpo.training.step.tool_watch`): one
-per failure kind, naming it, on multi-turn rollouts whose calls all time out (the component)
+"""The warning when most tool calls fail (``step_log.ToolFailureWatch``): one per failure
+kind, naming it, on multi-turn rollouts whose calls all time out (the component)
 and in a fit whose calls are all malformed (the whole step path)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.rollout.multiturn import MultiTurnEngine
 from maxent_grpo.rollout.protocol import ToolUsage
 from maxent_grpo.rollout.toolcall import FAILURE_KINDS, Toolbox
-from maxent_grpo.training.step.tool_watch import ToolFailureWatch
+from maxent_grpo.training.step.step_log import ToolFailureWatch
 from tests.conftest import fit, make_data, make_module
 from tests.rollout.test_multiturn import TOK, Scripted
 
-WATCH = "maxent_grpo.training.step.tool_watch"
+WATCH = "maxent_grpo.training.step.step_log"
 SLOW_CALL = '<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>'
 MALFORMED = "<tool_call>calculate 6 * 7</tool_call>"
 
