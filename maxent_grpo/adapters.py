@@ -8,11 +8,19 @@ the base model wrapped by ``peft.get_peft_model``::
     reference = policy with its adapters off     # AdapterDisabledReference: the same
                                                  #   network under policy.disable_adapter()
     export    = the adapter (save_pretrained)    # and, on request, merged_copy(...)
+    load      = base + adapter folder, merged    # merge_adapter: what load_policy does
+                                                 #   with a folder that holds an adapter
 
 so the frozen reference costs no second copy of the weights: the base *is* the reference,
 and turning the adapters off gives its log-probs exactly. The ``peft`` package is an
 optional extra (``pip install maxent-grpo[peft]``); without it :data:`PeftConfig` is a
 stand-in and ``model.peft`` cannot be set.
+
+An exported adapter's ``adapter_config.json`` names its base as the user gave it
+(``base_model_name_or_path: builtin:tiny-warm``, :func:`name_base`), not this machine's
+cache folder of the built-in model, so it loads anywhere this package is installed; peft's
+``AutoPeftModelForCausalLM`` knows no ``builtin:`` names, ``load_policy`` does. A checkpoint
+records the config (:func:`peft_record`), so an adapter can be exported from it later.
 
 ``loftq_config: null`` in the YAML's ``init_args`` only keeps a spurious warning away:
 jsonargparse fills LoraConfig's ``Union[LoftQConfig, dict]`` default (``{}``) with a default
@@ -22,8 +30,11 @@ jsonargparse fills LoraConfig's ``Union[LoftQConfig, dict]`` default (``{}``) wi
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,12 +49,15 @@ except ImportError:  # pragma: no cover - only without the extra
         """Stand-in for ``peft.PeftConfig`` without ``peft``: nothing is an instance of it."""
 
 
-__all__ = ["AdapterDisabledReference", "PeftConfig", "apply_peft", "check_peft", "has_adapters",
-           "merged_copy", "register_sharded_generate"]
+__all__ = ["ADAPTER_CONFIG", "AdapterDisabledReference", "PeftConfig", "adapter_base",
+           "apply_peft", "check_peft", "has_adapters", "merge_adapter", "merged_copy",
+           "name_base", "peft_from_record", "peft_record", "register_sharded_generate"]
 
 logger = logging.getLogger(__name__)
 #: the seed of the adapters' initialisation (see :func:`apply_peft`)
 PEFT_INIT_SEED = 0
+#: the file that makes a folder an adapter folder (``save_pretrained`` of a ``peft`` model)
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def has_adapters(model: Any) -> bool:
@@ -155,3 +169,74 @@ def merged_copy(policy: torch.nn.Module, base: torch.nn.Module) -> torch.nn.Modu
     unexpected = list(getattr(result, "unexpected_keys", []))
     require(not unexpected, f"merged_copy: adapter weights without a place: {unexpected[:5]}")
     return fresh.merge_and_unload()
+
+
+def name_base(folder: str | os.PathLike[str], name: str) -> None:
+    """Make the adapter saved in ``folder`` name its base ``name``: ``adapter_config.json``'s
+    ``base_model_name_or_path``, and the base's folder wherever peft's model card
+    (``README.md``) names it. Done after ``save_pretrained``, whose own checks read the base
+    folder it recorded."""
+    file = Path(folder) / ADAPTER_CONFIG
+    config = json.loads(file.read_text("utf-8"))
+    before = config.get("base_model_name_or_path")
+    config["base_model_name_or_path"] = name
+    file.write_text(json.dumps(config, indent=2, sort_keys=True), "utf-8")
+    card = Path(folder) / "README.md"
+    if before and card.is_file():
+        card.write_text(card.read_text("utf-8").replace(before, name), "utf-8")
+
+
+def adapter_base(folder: str | os.PathLike[str]) -> str | None:
+    """The base model an adapter folder names (its ``adapter_config.json``'s
+    ``base_model_name_or_path``: a ``builtin:`` name, hub id or folder); None when
+    ``folder`` holds no ``adapter_config.json``. ValueError when the file names none."""
+    file = Path(folder) / ADAPTER_CONFIG
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text("utf-8"))
+    base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
+    require(isinstance(base, str) and bool(base.strip()),
+            f"{file} names no base model: set its base_model_name_or_path to the base's "
+            "'builtin:' name, hub id or folder")
+    return base
+
+
+def merge_adapter(model: torch.nn.Module, folder: str | os.PathLike[str]) -> torch.nn.Module:
+    """``model`` (the adapter's base, loaded) with the adapter saved in ``folder`` merged
+    into its weights: a plain ``transformers`` model whose ``name_or_path`` is ``folder``
+    (so an adapter trained on top of it names ``folder`` as its base)."""
+    try:
+        from peft import PeftModel
+    except ImportError as error:  # pragma: no cover - only without the extra
+        raise ModuleNotFoundError(
+            f"{folder} holds a peft adapter; loading it needs the peft package: "
+            "pip install 'maxent-grpo[peft]'") from error
+    with warnings.catch_warnings():  # peft reads transformers' deprecated property name
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    merged.name_or_path = merged.config._name_or_path = str(folder)
+    return merged
+
+
+def peft_record(config: PeftConfig | None) -> dict[str, Any] | None:
+    """``config`` as plain JSON values (sets as sorted lists), for a checkpoint; without
+    ``base_model_name_or_path`` (set again by whoever applies it). None for None."""
+    if config is None:
+        return None
+    record = json.loads(json.dumps(config.to_dict(), default=_sorted_set))
+    record.pop("base_model_name_or_path", None)
+    return record
+
+
+def _sorted_set(value: Any) -> list[Any]:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    raise TypeError(f"a peft config value that JSON cannot hold: {value!r}")
+
+
+def peft_from_record(record: dict[str, Any]) -> PeftConfig:
+    """The ``peft`` config :func:`peft_record` wrote (its ``peft_type`` picks the class)."""
+    require(isinstance(record, dict) and "peft_type" in record,
+            f"not a recorded peft config (no peft_type): {record!r}")
+    return PeftConfig.from_peft_type(**record)

@@ -28,7 +28,9 @@ Every model goes through one code path::
     gguf``, plus ``accelerate``); about a minute, once.
 
 - a **local folder**: names starting with ``/``, ``./``, ``../`` or ``~`` must exist, and so
-  must any other name that is an existing directory;
+  must any other name that is an existing directory. An *adapter folder* (one with
+  ``adapter_config.json``, e.g. ``HFExport``'s output of a ``model.peft`` run) loads as its
+  base model (``base_model_name_or_path``, any kind of name here) with the adapter merged in;
 - anything else is a **Hugging Face Hub id**. With ``HF_HUB_OFFLINE=1`` and the model not
   cached, the error names the model and says that the hub is offline.
 """
@@ -58,7 +60,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from maxent_grpo.adapters import PeftConfig, apply_peft
+from maxent_grpo.adapters import PeftConfig, adapter_base, apply_peft, merge_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,8 @@ DEFAULT_CACHE_DIR = "~/.cache/maxent_grpo/models"
 TINY_SEED = 1234
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-_DTYPES: dict[str, torch.dtype | str] = {
-    "auto": "auto",
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+_DTYPES: dict[str, torch.dtype | str] = {"auto": "auto", "float32": torch.float32,
+                                         "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ChatML with tools (``assets/chatml.jinja``): one block per message, an open assistant block
 # with ``add_generation_prompt``; ``tools=`` are listed in a system block, tool messages go
@@ -294,9 +292,8 @@ def _materialise_builtin(name: str, cache_dir: str | os.PathLike[str] | None) ->
 # --------------------------------------------------------------------------- public loaders
 
 
-def resolve_model_path(
-    name_or_path: str, cache_dir: str | os.PathLike[str] | None = None
-) -> str:
+def resolve_model_path(name_or_path: str,
+                       cache_dir: str | os.PathLike[str] | None = None) -> str:
     """Turn a model name into something ``from_pretrained`` accepts.
 
     Built-in names are materialised (once) under ``cache_dir`` and their folder returned;
@@ -376,15 +373,13 @@ def load_tokenizer(
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be one of 'left', 'right'; got {padding_side!r}")
     path = resolve_model_path(name_or_path, cache_dir)
-    tokenizer = _from_pretrained(
-        AutoTokenizer.from_pretrained, name_or_path, path, trust_remote_code=trust_remote_code
-    )
+    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, path,
+                                 trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(
-                f"tokenizer of {name_or_path!r} has neither a pad token nor an eos token"
-            )
+            raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad token nor an "
+                             "eos token")
         logger.info("tokenizer of %s has no pad token; using eos %r", name_or_path,
                     tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
@@ -396,9 +391,8 @@ def load_tokenizer(
     return tokenizer
 
 
-def _model_kwargs(
-    dtype: str, attn_implementation: str | None, trust_remote_code: bool
-) -> dict[str, Any]:
+def _model_kwargs(dtype: str, attn_implementation: str | None,
+                  trust_remote_code: bool) -> dict[str, Any]:
     if dtype not in _DTYPES:
         allowed = ", ".join(repr(key) for key in _DTYPES)
         raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
@@ -406,6 +400,16 @@ def _model_kwargs(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return kwargs
+
+
+def _load_causal_lm(name_or_path: str, cache_dir: Any, kwargs: dict[str, Any]) -> Any:
+    """``from_pretrained`` of the causal LM ``name_or_path`` names; an adapter folder loads as
+    its base with the adapter merged (:func:`~maxent_grpo.adapters.merge_adapter`)."""
+    path = resolve_model_path(name_or_path, cache_dir)
+    base = adapter_base(path)
+    if base is None:
+        return _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, path, **kwargs)
+    return merge_adapter(_load_causal_lm(base, cache_dir, kwargs), path)
 
 
 def load_policy(
@@ -418,16 +422,15 @@ def load_policy(
     ``dtype="auto"`` keeps the checkpoint's dtype. ``gradient_checkpointing=True`` enables
     non-reentrant activation checkpointing. With a ``peft`` config the model is wrapped by
     :func:`~maxent_grpo.adapters.apply_peft` (a ``PeftModelForCausalLM``: only the adapters
-    train). The model comes back in the mode ``from_pretrained`` leaves it (eval); the
-    trainer switches modes.
+    train). An adapter folder's adapter is merged into its base first (the module docstring).
+    The model comes back in the mode ``from_pretrained`` leaves it (eval); the trainer
+    switches modes.
     """
-    path = resolve_model_path(name_or_path, cache_dir)
     kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
-    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, path, **kwargs)
+    model = _load_causal_lm(name_or_path, cache_dir, kwargs)
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+            "use_reentrant": False})
     if peft is not None:
         model = apply_peft(model, peft)
     return model
@@ -442,9 +445,6 @@ def load_reference(
     Same arguments as :func:`load_policy` except ``gradient_checkpointing`` (nothing is
     back-propagated through the reference).
     """
-    path = resolve_model_path(name_or_path, cache_dir)
     kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
-    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, path, **kwargs)
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    model = _load_causal_lm(name_or_path, cache_dir, kwargs)
+    return model.eval().requires_grad_(False)

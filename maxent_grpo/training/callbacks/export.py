@@ -4,6 +4,9 @@ Added under ``trainer.callbacks`` in YAML::
 
     - class_path: maxent_grpo.training.callbacks.HFExport
       init_args: {every_n_train_steps: 100}
+
+:func:`export_policy` writes the folders; ``python -m maxent_grpo.export`` uses it to export
+a checkpoint without a fit.
 """
 
 from __future__ import annotations
@@ -16,23 +19,70 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from maxent_grpo.adapters import has_adapters, merged_copy
-from maxent_grpo.models import load_policy
+from maxent_grpo.adapters import has_adapters, merged_copy, name_base
+from maxent_grpo.models import is_builtin, load_policy
 from maxent_grpo.validation import check_bool, check_int, require
 
-__all__ = ["HFExport"]
+__all__ = ["EXPORT_COMMAND", "HFExport", "export_policy"]
 
 log = logging.getLogger(__name__)
 
+#: the command that exports a checkpoint without a fit (:mod:`maxent_grpo.export`)
+EXPORT_COMMAND = "python -m maxent_grpo.export <checkpoint.ckpt> --output <folder>"
+
+
+def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], source: Any = None,
+                  merged: bool = False) -> list[Path]:
+    """``save_pretrained`` of ``model`` and ``tokenizer`` into ``out``; returns the folders
+    written.
+
+    For a ``peft`` model the folder holds the adapter, whose ``adapter_config.json`` names
+    its base ``source.name_or_path`` when that is a ``builtin:`` name (else what peft
+    records: the hub id or the folder's absolute path); it loads with
+    :func:`~maxent_grpo.models.load_policy` or as ``model.model_name_or_path`` (adapter
+    merged into the base). With ``merged`` a second folder ``<out>-merged`` holds the plain
+    model with the adapters folded in (:func:`~maxent_grpo.adapters.merged_copy`, from a
+    fresh copy of the base that ``source`` names: ``name_or_path``, ``dtype``,
+    ``cache_dir``); ``merged`` is ignored without adapters.
+    """
+    out = Path(out)
+    adapters = has_adapters(model)
+    name = getattr(source, "name_or_path", None)
+    model.save_pretrained(out)
+    if adapters and name and is_builtin(name):
+        name_base(out, name)
+    tokenizer.save_pretrained(out)
+    log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "", out)
+    written = [out]
+    if merged and adapters:
+        require(source is not None, "export_policy(merged=True) needs the model's source")
+        base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
+        target = out.with_name(f"{out.name}-merged")
+        merged_copy(model, base).save_pretrained(target)
+        tokenizer.save_pretrained(target)
+        log.info("exported the merged model to %s", target)
+        written.append(target)
+    return written
+
 
 class HFExport(Callback):
-    """Save ``pl_module.runtime``'s model and tokenizer with ``save_pretrained`` (rank 0).
+    """Save ``pl_module.runtime``'s model and tokenizer with ``save_pretrained`` (rank 0;
+    :func:`export_policy`).
 
     At the end of training into ``<dirpath>/final`` and, with ``every_n_train_steps``, each
     time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
 
-    With ``model.peft`` the folder holds the adapter (loaded by
-    ``peft.AutoPeftModelForCausalLM.from_pretrained``); with ``merged`` a second folder
+    A fit that runs no training step (``fit --ckpt_path`` of a run that already reached
+    ``trainer.max_steps`` or ``max_epochs``, or no training batches) never reaches the end
+    of training in Lightning: then, at the end of the fit, the weights a checkpoint loaded
+    are exported to ``final`` anyway, and a warning says that nothing trained and why
+    (without a checkpoint nothing is exported, and the warning says so).
+
+    With ``model.peft`` the folder holds the adapter, whose ``base_model_name_or_path``
+    is the model's name as given (a ``builtin:`` name is kept, not this machine's cache
+    folder); it loads with :func:`~maxent_grpo.models.load_policy` or as
+    ``model.model_name_or_path`` (merged into its base), and, for a hub base, with
+    ``peft.AutoPeftModelForCausalLM.from_pretrained``. With ``merged`` a second folder
     ``<name>-merged`` holds the plain model with the adapters folded in
     (:func:`~maxent_grpo.adapters.merged_copy`, from a fresh copy of the base).
 
@@ -53,10 +103,12 @@ class HFExport(Callback):
         self.every_n_train_steps = every_n_train_steps
         self.merged = merged
         self._last_step = 0
+        self._training_ended = False  # on_train_end ran in this fit
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
+        self._training_ended = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once
@@ -72,26 +124,43 @@ class HFExport(Callback):
         self._last_step = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training_ended = True
         self.export(trainer, pl_module, "final")
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a fit whose training loop Lightning skipped (see the class docstring)."""
+        if self._training_ended:
+            return
+        loaded = trainer.ckpt_path
+        out = self.export(trainer, pl_module, "final") if loaded is not None else None
+        if not trainer.is_global_zero:
+            return
+        done = (f"exported the weights loaded from {loaded} to {out}" if out is not None
+                else "nothing was exported (no checkpoint was loaded)")
+        log.warning("HFExport: this fit ran no training step (%s): %s. To train on, raise "
+                    "trainer.max_steps / max_epochs; to export a checkpoint without a fit: %s",
+                    _why_no_training(trainer), done, EXPORT_COMMAND)
+
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
-        """``save_pretrained`` of the model (or adapter) and tokenizer into ``<dirpath>/<name>``
-        (with ``merged`` also ``<name>-merged``); returns that path (None on other ranks)."""
+        """:func:`export_policy` of ``pl_module.runtime``'s model and tokenizer into
+        ``<dirpath>/<name>`` (with ``merged`` also ``<name>-merged``); returns that path
+        (None on other ranks)."""
         if not trainer.is_global_zero:
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
         out = Path(self.dirpath) / name
-        model, tokenizer = pl_module.runtime.model, pl_module.runtime.tokenizer
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        adapters = has_adapters(model)
-        log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "",
-                 out)
-        if self.merged and adapters:
-            src = pl_module.source
-            base = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
-            merged = merged_copy(model, base)
-            merged.save_pretrained(out.with_name(f"{name}-merged"))
-            tokenizer.save_pretrained(out.with_name(f"{name}-merged"))
-            log.info("exported the merged model to %s-merged", out)
+        runtime = pl_module.runtime
+        export_policy(runtime.model, runtime.tokenizer, out,
+                      source=getattr(pl_module, "source", None), merged=self.merged)
         return out
+
+
+def _why_no_training(trainer: pl.Trainer) -> str:
+    """Why Lightning's training loop ended before its first step, in words."""
+    step, max_steps = trainer.global_step, trainer.max_steps
+    if max_steps is not None and max_steps != -1 and step >= max_steps:
+        return f"the global step, {step}, had already reached trainer.max_steps={max_steps}"
+    epoch, max_epochs = trainer.current_epoch, trainer.max_epochs
+    if max_epochs is not None and max_epochs != -1 and epoch >= max_epochs:
+        return f"the epoch, {epoch}, had already reached trainer.max_epochs={max_epochs}"
+    return "there were no training batches: trainer.limit_train_batches, or empty data"

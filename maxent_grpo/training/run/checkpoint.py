@@ -3,6 +3,9 @@
 The module adds one entry, ``checkpoint["maxent_grpo"]``:
 
 - ``model_name_or_path`` and ``objective_class``, checked on load;
+- ``peft``: the ``model.peft`` config as plain values (:func:`~maxent_grpo.adapters.peft_record`;
+  None without adapters), which the saved hyper-parameters leave out: ``python -m
+  maxent_grpo.export`` rebuilds the adapters from it;
 - ``objective_state``: ``Objective.state_dict`` (tau, beta, the entropy gate's multiplier);
 - the :class:`~maxent_grpo.training.step.optimise.StepCounters`;
 - ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy);
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.step.optimise import StepCounters
 from maxent_grpo.training.types import LoopSettings
@@ -73,13 +77,15 @@ def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
 
 def save_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
-    counters: StepCounters, loop: LoopSettings | None = None,
+    counters: StepCounters, loop: LoopSettings | None = None, peft: Any = None,
 ) -> None:
-    """Write the module's entry (see the module docstring). Lightning calls the module's
-    ``on_save_checkpoint`` on every rank, so the random states are gathered here."""
+    """Write the module's entry (see the module docstring); ``peft`` is ``model.peft``.
+    Lightning calls the module's ``on_save_checkpoint`` on every rank, so the random states
+    are gathered here."""
     checkpoint[CHECKPOINT_KEY] = {
         "model_name_or_path": model_name_or_path,
         "objective_class": type(objective).__name__,
+        "peft": peft_record(peft),
         "objective_state": objective.state_dict(),
         **asdict(counters),
         "rng": _gather(capture_rng_state()),

@@ -11,7 +11,11 @@ import dataclasses
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from maxent_grpo.adapters import AdapterDisabledReference, register_sharded_generate
+from maxent_grpo.adapters import (
+    AdapterDisabledReference,
+    adapter_base,
+    register_sharded_generate,
+)
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
@@ -24,12 +28,15 @@ class PolicyModels:
     ``LightningModule``)."""
 
     def prepare_data(self) -> None:
-        """Materialise a ``builtin:`` model once, on local rank 0, before any rank loads it.
+        """Materialise a ``builtin:`` model once, on local rank 0, before any rank loads it
+        (also one that an adapter folder names as its base).
 
         Under DDP, transformers' ``save_pretrained`` writes weights only on global rank 0,
         so a built-in model first materialised by another rank would lack them.
         """
-        resolve_model_path(self.source.name_or_path, self.source.cache_dir)
+        name = self.source.name_or_path
+        while name is not None:  # an adapter folder's base may be an adapter folder too
+            name = adapter_base(resolve_model_path(name, self.source.cache_dir))
 
     def configure_model(self) -> None:
         """Load the policy (and the reference when needed) once; under

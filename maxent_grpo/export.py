@@ -1,0 +1,229 @@
+"""Export a training checkpoint as a Hugging Face folder, without a fit::
+
+    python -m maxent_grpo.export lightning_logs/tiny/checkpoints/last.ckpt \\
+        [--output FOLDER] [--merged] [--config RUN_CONFIG.yaml] [--traceback]
+
+The checkpoint is a ``.ckpt`` file written by a fit of
+:class:`~maxent_grpo.training.module.MaxEntGRPOModule`. The policy is rebuilt from what the
+checkpoint saved: the model's name, ``dtype`` and ``model_cache_dir`` from its
+hyper-parameters, the ``model.peft`` config from its ``maxent_grpo`` entry, then its weights
+(the ``policy.*`` tensors of the state dict). Only the policy is rebuilt, not the whole
+module: the rewards, the objective and the engine play no part in an export, and a reward
+function or reward model missing where the export runs does not stop it.
+
+The folder is written like :class:`~maxent_grpo.training.callbacks.HFExport` writes one
+(:func:`~maxent_grpo.training.callbacks.export.export_policy`): the model (or, with
+``model.peft``, the adapter, whose base is named as the run named it, e.g.
+``builtin:tiny-warm``) and the tokenizer; ``--merged`` adds ``<output>-merged`` with the
+adapters folded into the base. ``--output`` defaults to ``<checkpoint folder>/../hf/<checkpoint
+name>``: ``lightning_logs/tiny/checkpoints/last.ckpt`` -> ``lightning_logs/tiny/hf/last``.
+Output folders must be new or empty.
+
+A checkpoint written before the ``model.peft`` config was recorded in it needs the run's
+config file (``--config``: the ``config.yaml`` the command line saves in the version folder,
+or the YAML the run was started with), whose ``model.peft`` is read.
+
+A mistake (a missing or unreadable checkpoint, one not written by this trainer, an output
+folder that is not empty or cannot be written) prints ``error: ...`` naming what to fix
+and returns 1 (:mod:`maxent_grpo.errors`); a bad command line prints the usage and
+returns 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from maxent_grpo import errors
+from maxent_grpo.errors import UserError
+
+PROG = "maxent-grpo export"
+#: the state dict's prefix of the policy's tensors, and of a ``peft`` policy's
+POLICY_PREFIX, PEFT_PREFIX = "policy.", "policy.base_model.model."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main` (``prog`` is ``maxent-grpo export``)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Write the policy (or its peft adapter) and tokenizer of a "
+        "training checkpoint as a Hugging Face folder (save_pretrained).")
+    parser.add_argument("checkpoint", help="a .ckpt file written by a maxent-grpo fit")
+    parser.add_argument("--output", default=None, help="the folder to write (new or empty); "
+                        "default: <checkpoint folder>/../hf/<checkpoint name>")
+    parser.add_argument("--merged", action="store_true", help="with peft adapters, also "
+                        "write the merged model to <output>-merged")
+    parser.add_argument("--config", default=None, help="the run's config.yaml, read for "
+                        "model.peft when the checkpoint does not record it (older checkpoints)")
+    parser.add_argument(errors.TRACEBACK_FLAG, action="store_true",
+                        help="print the full trace of an error")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default ``sys.argv[1:]``); return the exit code: 0 done,
+    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exit_:  # --help, or argparse's usage error (already printed)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        written = export_checkpoint(args.checkpoint, args.output, merged=args.merged,
+                                    config=args.config)
+    except Exception as error:  # noqa: BLE001 - the command's last stop (errors.report)
+        code = errors.report(error, args.traceback)
+        sys.stderr.flush()
+        return code
+    for folder in written:
+        print(f"exported {folder}")
+    return 0
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = None,
+                      merged: bool = False, config: str | None = None) -> list[Path]:
+    """Export ``checkpoint`` (see the module docstring) into ``output``; returns the folders
+    written. :class:`~maxent_grpo.errors.UserError` for the mistakes the docstring names."""
+    path = Path(checkpoint).expanduser()
+    saved = _read_checkpoint(path)
+    out = Path(output).expanduser() if output else path.parent.parent / "hf" / path.stem
+    weights = {k[len(POLICY_PREFIX):]: v for k, v in saved["state_dict"].items()
+               if k.startswith(POLICY_PREFIX)}
+    peft = _peft_config(saved, path, config) if any(
+        k.startswith(PEFT_PREFIX) for k in saved["state_dict"]) else None
+    targets = [out] + ([out.with_name(f"{out.name}-merged")] if merged and peft else [])
+    if merged and peft is None:
+        print("note: --merged ignored: the checkpoint holds the whole model (no adapters)",
+              file=sys.stderr)
+    for target in targets:
+        _check_output(target)
+
+    from maxent_grpo.models import load_policy, load_tokenizer
+    from maxent_grpo.training.callbacks.export import export_policy
+    from maxent_grpo.training.settings import ModelSettings
+
+    hparams = saved.get("hyper_parameters") or {}
+    source = ModelSettings(name_or_path=saved["maxent_grpo"]["model_name_or_path"],
+                           dtype=hparams.get("dtype", "float32"),
+                           cache_dir=hparams.get("model_cache_dir"),
+                           gradient_checkpointing=False, peft=peft)
+    model = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir,
+                        peft=peft)
+    result = model.load_state_dict(weights, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise UserError(
+            f"the weights in {path} do not fit the model {source.name_or_path!r} it names: "
+            f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[:3]}), "
+            f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[:3]}); "
+            "was the model folder changed since the run?")
+    tokenizer = load_tokenizer(source.name_or_path, cache_dir=source.cache_dir)
+    return export_policy(model, tokenizer, out, source=source, merged=merged)
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint's contents (memory-mapped); UserError when it is missing, a folder,
+    unreadable, or not written by a fit of MaxEntGRPOModule."""
+    import torch
+
+    from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY
+
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.ckpt"))
+        raise UserError(
+            f"checkpoint {str(path)!r} is a folder: " + (
+                f"give one of its .ckpt files ({', '.join(found[:3])})" if found else
+                "if it is a sharded checkpoint, consolidate it into one file first (python -m "
+                f"lightning.pytorch.utilities.consolidate_checkpoint {path} --output_file "
+                "<file>.ckpt) and export that file"))
+    if not path.is_file():
+        raise UserError(f"checkpoint {str(path)!r} does not exist: give the path of a .ckpt file "
+                        "written by a fit, e.g. lightning_logs/tiny/checkpoints/last.ckpt")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"{str(path)!r} is not a PyTorch checkpoint (not the zip archive "
+                        "torch.save writes): give a .ckpt file written by a maxent-grpo fit")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 - any failure to read it is the file's
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot read checkpoint {str(path)!r} ({reason}): give a .ckpt file "
+                        "written by a maxent-grpo fit") from error
+    entry = saved.get(CHECKPOINT_KEY) if isinstance(saved, dict) else None
+    state = saved.get("state_dict") if isinstance(saved, dict) else None
+    if not (isinstance(entry, dict) and "model_name_or_path" in entry and isinstance(state, dict)
+            and any(k.startswith(POLICY_PREFIX) for k in state)):
+        raise UserError(
+            f"{str(path)!r} is not a checkpoint of a maxent-grpo fit (it lacks the "
+            f"{CHECKPOINT_KEY!r} entry or the policy's weights): give a .ckpt file that "
+            "MaxEntGRPOModule's fit wrote (a ModelCheckpoint's, e.g. last.ckpt)")
+    return saved
+
+
+def _peft_config(saved: dict[str, Any], path: Path, config: str | None) -> Any:
+    """The ``model.peft`` config of a checkpoint whose policy has adapters: its record, else
+    the ``--config`` file's ``model.peft``."""
+    from maxent_grpo.adapters import peft_from_record
+
+    if importlib.util.find_spec("peft") is None:
+        raise ModuleNotFoundError(f"{str(path)!r} holds peft adapters: exporting them needs "
+                                  "the peft package: pip install 'maxent-grpo[peft]'")
+    record = saved["maxent_grpo"].get("peft")
+    if record is not None:
+        return peft_from_record(record)
+    if config is None:
+        raise UserError(
+            f"{str(path)!r} holds peft adapters but not their config (it predates "
+            "checkpoints recording model.peft): pass the run's config file, --config "
+            "<version folder>/config.yaml (or the YAML the run was started with)")
+    return _peft_from_config_file(Path(config).expanduser())
+
+
+def _peft_from_config_file(file: Path) -> Any:
+    """``model.peft`` (``class_path``, ``init_args``) of a run's YAML config, built."""
+    import yaml
+
+    from maxent_grpo.adapters import PeftConfig
+
+    if not file.is_file():
+        raise UserError(f"--config {str(file)!r} does not exist: give the run's config.yaml")
+    data = yaml.safe_load(file.read_text("utf-8"))
+    model = data.get("model") if isinstance(data, dict) else None
+    peft = model.get("peft") if isinstance(model, dict) else None
+    if not (isinstance(peft, dict) and isinstance(peft.get("class_path"), str)):
+        raise UserError(f"--config {str(file)!r} has no model.peft with a class_path: give "
+                        "the config of the run that wrote the checkpoint")
+    module, _, name = peft["class_path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, PeftConfig)):
+        raise UserError(f"--config {str(file)!r}: model.peft.class_path "
+                        f"{peft['class_path']!r} is not a peft config class")
+    return cls(**(peft.get("init_args") or {}))
+
+
+def _check_output(folder: Path) -> None:
+    """Create ``folder`` (and its parents); UserError when it is a file, holds anything, or
+    cannot be created or written."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output {str(folder)!r} is a file: give a new or empty folder")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise UserError(f"--output {str(folder)!r} is not empty: give a new or empty folder "
+                        "(or delete this one)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create --output {str(folder)!r} ({error.strerror or error}): "
+                        "give a folder you can write to") from error
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--output {str(folder)!r} is not writable: give a folder you can "
+                        "write to")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Hugging Face export: ``HFExport`` when a fit trains nothing, the export command
+(``python -m maxent_grpo.export``, :mod:`maxent_grpo.export`) on real checkpoints of the tiny
+model and on every kind of bad input, and exported adapters that name their ``builtin:``
+base and load back through the project's loaders on a machine without that base's cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from maxent_grpo.adapters import peft_from_record, peft_record
+from maxent_grpo.export import main
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer
+from maxent_grpo.objectives import GRPO
+from maxent_grpo.training.callbacks import HFExport
+from tests.conftest import fit, make_data, make_module, params
+
+try:  # the optional extra: the adapter tests need it
+    import peft
+except ImportError:  # pragma: no cover - only without the extra
+    peft = None
+needs_peft = pytest.mark.skipif(peft is None, reason="needs the peft extra")
+EXPORT_LOG = "maxent_grpo.training.callbacks.export"
+PROMPT = "12+30=4"
+
+
+def checkpointed_fit(run: Path, module, cache_dir: str, **kw):
+    """Two steps of ``module``; ``last.ckpt`` in ``run/checkpoints``."""
+    callbacks = [ModelCheckpoint(dirpath=str(run / "checkpoints"), save_last=True),
+                 *kw.pop("callbacks", [])]
+    fit(module, make_data(cache_dir), steps=2, enable_checkpointing=True, callbacks=callbacks,
+        **kw)
+    return run / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, cache_dir):
+    """A full fine-tuning run's checkpoint and its trained weights."""
+    module = make_module(cache_dir)
+    ckpt = checkpointed_fit(tmp_path_factory.mktemp("full"), module, cache_dir)
+    return ckpt, params(module)
+
+
+def same_weights(model, expected: dict[str, torch.Tensor]) -> None:
+    got = dict(model.named_parameters())
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name].detach(), value), name
+
+
+def logits(model, tokenizer) -> torch.Tensor:
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+# ------------------------------------------------------------------ HFExport, nothing trained
+
+
+def test_a_resumed_finished_run_exports_the_loaded_weights_and_says_so(
+        full_run, cache_dir, tmp_path, caplog):
+    """Lightning skips on_train_start/on_train_end when the checkpoint already reached
+    max_steps: HFExport exports at the fit's end instead, with a warning."""
+    ckpt, trained = full_run
+    module = make_module(cache_dir)
+    with caplog.at_level(logging.WARNING, logger=EXPORT_LOG):
+        trainer = fit(module, make_data(cache_dir), steps=2, ckpt_path=str(ckpt),
+                      callbacks=[HFExport(dirpath=str(tmp_path / "hf"))])
+    assert trainer.global_step == 2  # nothing trained
+    [message] = [r.getMessage() for r in caplog.records if r.name == EXPORT_LOG]
+    assert "ran no training step" in message and "trainer.max_steps=2" in message
+    assert f"loaded from {ckpt}" in message and "python -m maxent_grpo.export" in message
+
+    from transformers import AutoModelForCausalLM
+
+    same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "final"), trained)
+
+
+def test_a_fit_without_batches_or_checkpoint_exports_nothing_and_says_so(
+        cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=EXPORT_LOG):
+        fit(make_module(cache_dir), make_data(cache_dir), limit_train_batches=0,
+            callbacks=[HFExport(dirpath=str(tmp_path / "hf"))])
+    [message] = [r.getMessage() for r in caplog.records if r.name == EXPORT_LOG]
+    assert "no training batches" in message and "nothing was exported" in message
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_fit_that_trains_exports_once_without_a_warning(cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=EXPORT_LOG):
+        fit(make_module(cache_dir), make_data(cache_dir), steps=1,
+            callbacks=[HFExport(dirpath=str(tmp_path / "hf"))])
+    assert not [r for r in caplog.records if r.name == EXPORT_LOG]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final"]
+
+
+# ------------------------------------------------------------------ the export command
+
+
+def test_the_command_exports_a_checkpoint_that_loads(full_run, cache_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, trained = full_run
+    out = tmp_path / "out"
+    assert main([str(ckpt), "--output", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"exported {out}"
+    same_weights(AutoModelForCausalLM.from_pretrained(out), trained)
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=cache_dir)
+    assert AutoTokenizer.from_pretrained(out)(PROMPT) == tokenizer(PROMPT)
+
+
+def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_path):
+    ckpt, trained = full_run
+    copy = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(ckpt, copy)
+    assert main([str(copy)]) == 0
+    assert (tmp_path / "run" / "hf" / "last" / "model.safetensors").is_file()
+
+
+def test_rewards_and_objective_play_no_part_in_an_export(full_run, tmp_path):
+    """Only the policy is rebuilt: a reward that cannot be imported here and another
+    objective class (which load_from_checkpoint's GRPO default would refuse) do not matter."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt, trained = full_run
+    saved = torch.load(ckpt, weights_only=True)
+    saved["hyper_parameters"]["rewards"] = {"no_such_package.rewards:score": 1.0}
+    saved["maxent_grpo"]["objective_class"] = "ListwiseMaxEnt"
+    torch.save(saved, tmp_path / "other.ckpt")
+    assert main([str(tmp_path / "other.ckpt"), "--output", str(tmp_path / "out")]) == 0
+    same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), trained)
+
+
+def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp / "folder").mkdir()
+    shutil.copy(ckpt, tmp / "folder" / "last.ckpt")
+    (tmp / "garbage.ckpt").write_text("not a checkpoint")
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp / "foreign.ckpt")
+    (tmp / "full").mkdir()
+    (tmp / "full" / "x.txt").write_text("taken")
+    (tmp / "a_file").write_text("")
+    return {
+        "missing": ([str(tmp / "nope.ckpt")], "does not exist"),
+        "folder": ([str(tmp / "folder")], "is a folder: give one of its .ckpt files (last.ckpt)"),
+        "garbage": ([str(tmp / "garbage.ckpt")], "is not a PyTorch checkpoint"),
+        "foreign": ([str(tmp / "foreign.ckpt")], "is not a checkpoint of a maxent-grpo fit"),
+        "not_empty": ([str(ckpt), "--output", str(tmp / "full")], "is not empty"),
+        "is_a_file": ([str(ckpt), "--output", str(tmp / "a_file")], "is a file"),
+        "unwritable": ([str(ckpt), "--output", str(tmp / "a_file" / "out")],
+                       "cannot create --output"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "garbage", "foreign", "not_empty",
+                                  "is_a_file", "unwritable"])
+def test_a_mistake_prints_one_error_line_and_returns_1(full_run, tmp_path, capsys, case):
+    argv, expected = _bad_inputs(tmp_path, full_run[0])[case]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    first = captured.err.splitlines()[0]
+    assert first.startswith("error: ") and expected in first, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_a_bad_command_line_returns_2(capsys):
+    assert main([]) == 2
+    assert "usage: maxent-grpo export" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ adapters
+
+
+def lora() -> peft.LoraConfig:
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           lora_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, cache_dir):
+    """A LoRA run (beta > 0) with HFExport: the module, its checkpoint and run folder."""
+    run = tmp_path_factory.mktemp("lora")
+    module = make_module(cache_dir, objective=GRPO(beta=0.1), peft=lora(),
+                         rewards={"tests.conftest:alternating": 1.0})
+    ckpt = checkpointed_fit(run, module, cache_dir, callbacks=[HFExport(str(run / "hf"))])
+    return module, ckpt, run
+
+
+def same_adapter(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(f / "adapter_model.safetensors") for f in (a, b))
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def base_name(folder: Path) -> str:
+    return json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+@needs_peft
+def test_an_exported_adapter_names_its_builtin_base_and_loads_anywhere(
+        lora_run, tmp_path, cache_dir):
+    """``builtin:tiny``, not this machine's cache folder: with a fresh cache (as on another
+    machine) load_policy, load_reference and a module built on the folder resolve it and
+    merge the adapter into it."""
+    module, _, run = lora_run
+    adapter = run / "hf" / "final"
+    assert base_name(adapter) == "builtin:tiny"
+    card = (adapter / "README.md").read_text()  # peft's model card
+    assert "base_model: builtin:tiny" in card and "base_model:adapter:builtin:tiny" in card
+    assert cache_dir not in card and cache_dir not in (adapter / "adapter_config.json").read_text()
+
+    elsewhere = str(tmp_path / "fresh-cache")
+    tokenizer = load_tokenizer(str(adapter), cache_dir=elsewhere)
+    expected = logits(module.policy, tokenizer)
+    for loader in (load_policy, load_reference):
+        loaded = loader(str(adapter), cache_dir=elsewhere)
+        assert not any("lora" in n for n, _ in loaded.named_parameters())  # merged
+        torch.testing.assert_close(logits(loaded, tokenizer), expected, rtol=0, atol=1e-5)
+    assert sorted(p.name for p in Path(elsewhere).iterdir() if not p.name.startswith(".")) == [
+        "tiny-v2"]
+
+    # as model.model_name_or_path (e.g. validate --model.model_name_or_path <folder>)
+    other = str(tmp_path / "other-cache")
+    started = make_module(other, model_name_or_path=str(adapter))
+    started.prepare_data()
+    assert (Path(other) / "tiny-v2" / "model.safetensors").is_file()
+    started.configure_model()
+    torch.testing.assert_close(logits(started.policy, tokenizer), expected, rtol=0, atol=1e-5)
+
+
+@needs_peft
+def test_the_peft_record_survives_a_weights_only_checkpoint(tmp_path):
+    torch.save({"peft": peft_record(lora())}, tmp_path / "x.pt")
+    record = torch.load(tmp_path / "x.pt", weights_only=True)["peft"]
+    config = peft_from_record(record)
+    assert isinstance(config, peft.LoraConfig)
+    assert (config.r, config.lora_alpha, config.target_modules) == (4, 8, {"q_proj", "v_proj"})
+    assert peft_record(None) is None
+
+
+@needs_peft
+def test_a_lora_fit_records_its_peft_config_in_the_checkpoint(lora_run):
+    module, ckpt, _ = lora_run
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["maxent_grpo"]["peft"] == peft_record(module.source.peft)
+
+
+def _lora_checkpoint(ckpt: Path, target: Path, record) -> Path:
+    """``ckpt`` with the ``model.peft`` record replaced (None: an older checkpoint)."""
+    saved = torch.load(ckpt, weights_only=True)
+    saved["maxent_grpo"]["peft"] = record
+    torch.save(saved, target)
+    return target
+
+
+@needs_peft
+def test_the_command_exports_the_adapter_and_the_merged_model(lora_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    module, ckpt, run = lora_run
+    ckpt = _lora_checkpoint(ckpt, tmp_path / "lora.ckpt", peft_record(lora()))
+    out = tmp_path / "adapter"
+    assert main([str(ckpt), "--output", str(out), "--merged"]) == 0
+    assert capsys.readouterr().out.split() == ["exported", str(out), "exported",
+                                               f"{out}-merged"]
+    assert base_name(out) == "builtin:tiny"
+    # the same adapter HFExport wrote at the end of the run
+    assert same_adapter(out, run / "hf" / "final")
+    tokenizer = load_tokenizer(str(out))
+    merged = AutoModelForCausalLM.from_pretrained(f"{out}-merged")
+    torch.testing.assert_close(logits(merged, tokenizer), logits(module.policy, tokenizer),
+                               rtol=0, atol=1e-5)
+
+
+@needs_peft
+def test_an_older_lora_checkpoint_needs_the_run_config(lora_run, tmp_path, capsys):
+    import yaml
+
+    _, ckpt, run = lora_run
+    older = _lora_checkpoint(ckpt, tmp_path / "older.ckpt", None)
+    assert main([str(older), "--output", str(tmp_path / "a")]) == 1
+    assert "pass the run's config file, --config" in capsys.readouterr().err
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"model": {"peft": {
+        "class_path": "peft.LoraConfig", "init_args": {
+            "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+            "lora_dropout": 0.0, "loftq_config": None}}}}))
+    assert main([str(older), "--output", str(tmp_path / "a"), "--config", str(config)]) == 0
+    assert same_adapter(tmp_path / "a", run / "hf" / "final")
