@@ -37,10 +37,21 @@ from maxent_grpo.training.run import checkpoint_io as ckpt_io
 
 class ShortUsageParser(LightningArgumentParser):
     """The CLI's parser: a parse error prints one usage line (not the hundred-line list of
-    every option), the ``--help`` tip and the error."""
+    every option), the ``--help`` tip and the error, which for an unknown option (also a
+    prefix of one: no abbreviations) names the closest known ones."""
 
     def print_usage(self, file: Any = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [options]\n")
+
+    def error(self, message: str, ex: Exception | None = None) -> None:  # NoReturn
+        """jsonargparse's error, ``; did you mean --x?`` added (:func:`errors.did_you_mean`)
+        from this parser's options and its subcommands' (a config file's keys are checked
+        by the parser above the subcommand's)."""
+        parsers = [self]
+        if self._subcommands_action is not None:
+            parsers += self._subcommands_action._name_parser_map.values()
+        options = [o for parser in parsers for o in parser._option_string_actions]
+        super().error(errors.did_you_mean(message, options), ex)
 
     def format_help(self) -> str:
         """The short page (:mod:`maxent_grpo.cli_help`): our options before Lightning's
@@ -372,7 +383,8 @@ def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool)
 def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRPOCLI:
     formatter = cli_help.help_formatter_class()
     commands = {
-        name: {"formatter_class": formatter, "description": f"{name}: {text}."}
+        name: {"formatter_class": formatter, "description": f"{name}: {text}.",
+               "allow_abbrev": False}  # --trainer.max_step: an error, not max_steps
         for name, text in cli_help.SUBCOMMANDS.items()
     }
     return MaxEntGRPOCLI(
@@ -384,6 +396,6 @@ def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRP
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
-        parser_kwargs={"prog": cli_help.PROG, "formatter_class": formatter, **parser_kwargs,
-                       **commands},
+        parser_kwargs={"prog": cli_help.PROG, "formatter_class": formatter,
+                       "allow_abbrev": False, **parser_kwargs, **commands},
     )

@@ -15,7 +15,9 @@ subclasses). This module imports neither Lightning nor torch at module level.
 from __future__ import annotations
 
 import contextvars
+import os
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ SUBCOMMANDS: dict[str, str] = {
     "fit": "train: rollout -> score -> loss each step, with validation and checkpoints",
     "validate": "evaluate pass@k on the validation prompts (a checkpoint: --ckpt_path FILE)",
     "test": "evaluate pass@k on the test prompts (a checkpoint: --ckpt_path FILE)",
-    "predict": "sample completions of the validation prompts into a JSONL file, graded "
-               "(--ckpt_path FILE or any --model.model_name_or_path; --output FILE)",
+    "predict": "sample graded completions of the validation prompts into a JSONL file "
+               "(--ckpt_path FILE, --output FILE)",
 }
 #: commands outside LightningCLI: ``maxent-grpo export`` (:mod:`maxent_grpo.export`)
 OTHER_COMMANDS: dict[str, str] = {
@@ -64,8 +66,9 @@ def resolve_config_names(args: list[str]) -> list[str]:
     """``args`` with each ``--config NAME`` that is not an existing file replaced by the
     shipped config of that name (``tiny`` or ``tiny.yaml`` -> ``<package>/configs/tiny.yaml``).
 
-    A value that is neither an existing file nor a shipped name raises ValueError naming the
-    shipped configs; a path that exists always wins over a name.
+    A name (no folder in it) that is neither an existing file nor a shipped config raises
+    ValueError naming the shipped configs; a path that exists always wins over a name, and a
+    missing path is left to the parser.
     """
     out = list(args)
     for i, arg in enumerate(out):
@@ -78,6 +81,8 @@ def resolve_config_names(args: list[str]) -> list[str]:
 
 def _config_path(value: str) -> str:
     if Path(value).exists() or value.lstrip().startswith(("{", "[")):  # a file, or inline YAML
+        return value
+    if "/" in value or os.sep in value:  # a path: the parser says it does not exist (code 2)
         return value
     name = value.removesuffix(".yaml").removesuffix(".yml")
     path = configs_folder() / f"{name}.yaml"
@@ -99,7 +104,9 @@ def top_level_help() -> str:
         "[--<group>.<option> VALUE ...]\n"
         "\nGRPO and MaxEnt-GRPO fine-tuning of language models (PyTorch Lightning).\n"
         f"\ncommands:\n{commands}\n"
-        f"\nshipped configs (--config NAME): {', '.join(shipped_configs())}\n"
+        "\nshipped configs (--config NAME):\n"
+        + textwrap.fill(", ".join(shipped_configs()), 88, initial_indent="  ",
+                        subsequent_indent="  ") + "\n"
         "\nexamples:\n"
         f"  {PROG} fit --config tiny\n"
         f"  {PROG} fit --config tiny --trainer.max_steps 50 --print_config > my.yaml\n"
@@ -130,19 +137,33 @@ def pop_help_all(args: list[str]) -> tuple[list[str], bool]:
     return ["--help" if a == HELP_ALL_FLAG else a for a in args], True
 
 
-_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bie)(?<!\bvs)[.;:](?=\s|$)")
+_ABBREVIATION = re.compile(r"\b(?:e\.g|i\.e|ie|vs|cf)$")  # "e.g." ends no sentence
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :class:`~a.B` -> `a.B`
 
 
-def first_sentence(text: str, limit: int = 160) -> str:
-    """The first sentence of ``text`` on one line (a ``;`` or ``:`` ends it too), cut at a
-    word near ``limit`` characters with ``...``."""
-    text = _ROLE.sub(r"`\1`", " ".join(text.split())).replace("``", "`")
-    match = _SENTENCE_END.search(text)
-    if match:
-        text = text[: match.start() + (1 if text[match.start()] == "." else 0)]
-    if len(text) > limit:
-        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+def plain(text: str) -> str:
+    """``text`` on one line, reStructuredText roles and double backticks as single ones."""
+    return _ROLE.sub(r"`\1`", " ".join(text.split())).replace("``", "`")
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of :func:`plain` ``text``: up to the first ``.``, ``;`` or ``:``
+    (the ``.`` kept) that a space or the end follows, outside brackets and inline code and
+    not of an abbreviation (``e.g.``); the whole text when there is none. Never cut
+    elsewhere: a docstring whose first sentence is long is reworded, not truncated."""
+    text, depth, code = plain(text), 0, False
+    for i, char in enumerate(text):
+        if char == "`":
+            code = not code
+        elif code:
+            continue
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+        elif (depth == 0 and char in ".;:" and text[i + 1:i + 2] in ("", " ")
+              and not _ABBREVIATION.search(text[:i])):
+            return text[: i + (char == ".")]
     return text
 
 

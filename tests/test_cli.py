@@ -391,14 +391,6 @@ def _help_page_run_false(capsys):
     return capsys.readouterr().out
 
 
-def test_first_sentence_keeps_abbreviations_and_cuts_long_text():
-    assert cli_help.first_sentence("Clip, e.g. at 1.0. More here.") == "Clip, e.g. at 1.0."
-    assert cli_help.first_sentence("one; two") == "one"
-    assert cli_help.first_sentence(":class:`~a.B` and ``x``.") == "`a.B` and `x`."
-    cut = cli_help.first_sentence("word " * 100, limit=30)
-    assert cut.endswith(" ...") and len(cut) <= 34
-
-
 def test_the_top_level_page_lists_the_cli_commands_without_importing_lightning(capsys):
     assert list(cli_help.SUBCOMMANDS) == list(cli_module.MaxEntGRPOCLI.subcommands())
     page = _help_page(capsys, "--help")

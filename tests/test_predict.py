@@ -33,7 +33,7 @@ def demo_checkpoint(tmp_path, monkeypatch) -> Path:
 
 
 def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
-        demo_checkpoint, tmp_path, caplog):
+        demo_checkpoint, tmp_path, caplog, capsys):
     caplog.clear()
     caplog.set_level("INFO")
     cli_module.main(["predict", *SMALL, "--ckpt_path", str(demo_checkpoint),
@@ -63,9 +63,13 @@ def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
     # --output: a named file, or a folder to write predictions.jsonl into
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    cli_module.main(["predict", *SMALL, "--ckpt_path", str(demo_checkpoint),
+    capsys.readouterr()
+    shown = [a for a in SMALL if a != "--trainer.enable_progress_bar=false"]  # plain lines
+    cli_module.main(["predict", *shown, "--ckpt_path", str(demo_checkpoint),
                      f"--model.model_cache_dir={tmp_path / 'models'}", "--output", str(out_dir),
-                     "--trainer.logger=false"])
+                     "--trainer.logger=false", "--data.val_batch_size", "2"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("predict:")]
+    assert lines == ["predict: batch 1/2", "predict: batch 2/2"]
     again = [json.loads(line) for line in (out_dir / "predictions.jsonl").read_text().splitlines()]
     assert len(again) == 4 * 4  # the default eval_num_generations
 

@@ -97,20 +97,20 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         temperature: sampling temperature; log-probs are computed at the same temperature.
         top_p: nucleus sampling threshold in (0, 1].
         top_k: top-k sampling (0 = off).
-        num_iterations: optimizer steps taken on each rollout (>= 1); behaviour log-probs
-            are computed only when > 1.
-        micro_batch_groups, micro_batch_tokens: at most this many prompt groups, padded
-            tokens, per micro-batch (``None`` = no limit); micro-batches hold whole groups
-            (:mod:`maxent_grpo.training.step.batching`); the update does not depend on them.
+        num_iterations: optimizer steps on each rollout (>= 1; behaviour log-probs if > 1).
+        micro_batch_groups: at most this many prompt groups per micro-batch (``None`` = no
+            limit); micro-batches hold whole groups (:mod:`maxent_grpo.training.step.batching`).
+        micro_batch_tokens: at most this many padded tokens per micro-batch (``None`` = no
+            limit); the update depends on neither.
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
         drop_constant_groups: leave the prompt groups whose G rewards are all equal out of
-            the update (DAPO's dynamic sampling; docs/ALGORITHM.md §7; losses normalised
-            over the groups kept on all ranks; ``train/dropped_groups``).
+            the update. DAPO's dynamic sampling (docs/ALGORITHM.md §7); losses normalised
+            over the groups kept on all ranks; ``train/dropped_groups``.
         refill_rounds: with ``drop_constant_groups``, draw ``data.batch_size`` new prompts
             up to this many times per step while fewer than that many groups have rewards
-            that differ (DAPO's dynamic sampling with refill; ``train/refill_rounds``;
-            :mod:`~maxent_grpo.training.step.refill`). Needs the PromptDataModule.
+            that differ. DAPO's dynamic sampling with refill (``train/refill_rounds``;
+            :mod:`~maxent_grpo.training.step.refill`); needs the PromptDataModule.
         solved_reward: with ``drop_constant_groups``, keep the constant groups whose G
             rewards are all at least this value (solved; ALGORITHM §7). ``None``: none.
         sampler_correction: correct the clipped surrogate for an engine that samples from a
@@ -121,9 +121,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             (``VLLMEngine``) and an objective with the clipped surrogate (GRPO,
             EntropyMaxEnt, GroupMaxEnt). ``None`` = off.
         sampler_correction_cap: the cap ``C`` of those weights (> 0).
-        max_staleness: ``k``: 0 = each step trains on the rollout of its own batch; ``k >= 1``
-            = asynchronous: step ``t`` trains on the rollout of batch ``t - k``, generated in
-            the background from weights ``k`` optimizer steps old while the trainer computes
+        max_staleness: how many optimizer steps old the rollout's weights may be (``k``).
+            0 = each step trains on the rollout of its own batch; ``k >= 1`` = asynchronous:
+            step ``t`` trains on the rollout of batch ``t - k``, generated meanwhile
             (:mod:`~maxent_grpo.training.step.pipeline`; ``train/rollout/staleness``). Needs an
             engine that generates elsewhere (``VLLMServerEngine``) and
             ``sampler_correction`` (docs/ALGORITHM.md §2, "Stale rollouts").
@@ -132,9 +132,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             (:mod:`maxent_grpo.rollout.multiturn`; linked to ``data.tools``). ``None``: off.
         environment: instead, ``{class_path, init_args}`` of an environment with
             ``reset(prompt, answer)`` and ``step(action) -> (observation, done)``.
-        max_tool_calls, tool_timeout: the most calls (or environment steps) per sample;
-            the seconds one may take. tool_isolation: ``thread`` or ``process`` (each call
-            in a fresh sandboxed process, killed at the limit; :mod:`~maxent_grpo.rollout.sandbox`).
+        max_tool_calls: the most tool calls (or environment steps) per sample.
+        tool_timeout: the seconds one tool call (or environment step) may take.
+        tool_isolation: ``thread`` or ``process`` (each call in a fresh sandboxed process,
+            killed at the limit; :mod:`~maxent_grpo.rollout.sandbox`).
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
         lr_scheduler: learning-rate scheduler factory (any ``torch.optim.lr_scheduler``
@@ -152,8 +153,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             the base weights are frozen and the reference is the policy with its adapters
             disabled (no second copy). ``None`` = full fine-tuning.
         model_cache_dir: where built-in models are materialised (None: the default).
-        max_consecutive_nonfinite: stop the run after this many skipped (non-finite)
-            updates in a row.
+        max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
         eval_num_generations: ``n``, samples per prompt in validation, test and predict.
         eval_reward: the reward (a key of ``rewards``) whose value decides whether an
             evaluation sample is correct; ``None`` = the first of ``rewards``.
@@ -429,7 +429,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         """Add the objective's state, the counters and every rank's random state
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters,
-                   self.loop)
+                   self.loop, peft=self.source.peft)
         if self.pipeline is not None:  # every rank's rollouts in flight, for the resume
             self.pipeline.save(checkpoint)
 

@@ -242,6 +242,22 @@ class ReadableProgressBar(TQDMProgressBar):
         if line is not None:
             self._print(line)
 
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        """``predict`` as plain lines: ``predict: batch 3/10`` at each tenth, at the end and
+        after ``every_s`` seconds without a line (the bar mode has tqdm's predict bar)."""
+        super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx,
+                                     dataloader_idx)
+        if not self._writes_lines():
+            return
+        done, total = batch_idx + 1, trainer.num_predict_batches[dataloader_idx]
+        now = time.monotonic()
+        slow = self.every_s > 0 and now - self._last_line_time >= self.every_s
+        if done == total or done % max(1, int(total) // 10) == 0 or slow:
+            print(f"predict: batch {done}/{total}", file=self._out(), flush=True)
+            self._last_line_time = now
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         if self._writes_lines() and trainer.global_step != self._last_line_step:
