@@ -269,6 +269,16 @@ class MaxEntGRPOCLI(LightningCLI):
         from lightning.pytorch.loggers import CSVLogger
 
         ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths())
+        later = ([] if self.config.get(f"{self.subcommand}.ckpt_path") == "last" else
+                 ckpt_io.later_steps_of_run(self._checkpoint_dirpaths(), self._resume))
+        if later:  # a rollback: the run goes on as a branch, which `last` will not mistake
+            for cb in self.trainer.callbacks:
+                if isinstance(cb, ckpt_io.LoggerVersions):
+                    cb.fork = True
+            logging.getLogger(__name__).warning(
+                "resuming %s at step %s while the same run has later checkpoints (%s): this "
+                "run goes on as a branch of its own, so --ckpt_path last will ask which to "
+                "continue", self._resume.path, self._resume.global_step, ", ".join(later))
         for logger in self.trainer.loggers:
             if isinstance(logger, CSVLogger):  # keep its metrics.csv (Lightning deletes it)
                 ckpt_io.continue_csv_log(logger, self._resume.global_step)

@@ -80,7 +80,8 @@ def resolve_config_names(args: list[str]) -> list[str]:
 
 
 def _config_path(value: str) -> str:
-    if Path(value).exists() or value.lstrip().startswith(("{", "[")):  # a file, or inline YAML
+    if Path(value).exists() or value.lstrip().startswith(("{", "[")) or ":" in value or (
+            "\n" in value):  # a file, or inline YAML (jsonargparse reads both)
         return value
     if "/" in value or os.sep in value:  # a path: the parser says it does not exist (code 2)
         return value

@@ -660,8 +660,8 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
 
     # predict on the 2 processes: each rank samples its share, one file in prompt order
     predict = [*command[:3], "predict", *command[4:], "--ckpt_path",
-               "lightning_logs/tiny/checkpoints/last.ckpt", "--data.val_size=6",
-               "--output=out/predictions.jsonl"]
+               "lightning_logs/tiny/checkpoints/last.ckpt", "--data.val_size=5",
+               "--data.val_batch_size=1", "--output=out/predictions.jsonl"]
     predict = [a for a in predict if not a.startswith("--trainer.max_steps")]
     proc = subprocess.Popen(predict, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -675,6 +675,7 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
     rows = [json.loads(line)
             for line in (tmp_path / "out/predictions.jsonl").read_text().splitlines()]
     keys = [(r["row"], r["sample"]) for r in rows]
-    assert keys == sorted(keys) and len(set(keys)) == len(keys) == 6 * 4
+    # 5 prompts on 2 ranks: 3 batches each (one prompt repeated to pad), written once
+    assert keys == sorted(keys) and len(set(keys)) == len(keys) == 5 * 4
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["predictions.jsonl"]
-    assert "predict: 24 completions of 6 prompts written to" in output
+    assert "predict: 20 completions of 5 prompts written to" in output

@@ -58,15 +58,14 @@ def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
     summary = caplog.text
     assert f"predict: 12 completions of 4 prompts written to {path}" in summary
     assert f"pass@3 {sum(passed) / 4:.3g}" in summary
-    assert not list(path.parent.glob(".*.part"))  # the rank's part file is gone
+    assert sorted(p.name for p in path.parent.glob(".predictions*")) == []  # no leftovers
 
     # --output: a named file, or a folder to write predictions.jsonl into
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
+    out_dir = tmp_path / "out"  # a path ending in / is a folder, made when missing
     capsys.readouterr()
     shown = [a for a in SMALL if a != "--trainer.enable_progress_bar=false"]  # plain lines
     cli_module.main(["predict", *shown, "--ckpt_path", str(demo_checkpoint),
-                     f"--model.model_cache_dir={tmp_path / 'models'}", "--output", str(out_dir),
+                     f"--model.model_cache_dir={tmp_path / 'models'}", "--output", f"{out_dir}/",
                      "--trainer.logger=false", "--data.val_batch_size", "2"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("predict:")]
     assert lines == ["predict: batch 1/2", "predict: batch 2/2"]
@@ -98,6 +97,8 @@ def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tm
     packaged = str(cli_help.configs_folder() / "tiny.yaml")
     assert cli_help.resolve_config_names(["fit", "--config", "tiny"])[2] == packaged
     assert cli_help.resolve_config_names(["fit", "--config=tiny.yaml"])[1] == f"--config={packaged}"
+    inline = ["--config", "trainer: {max_steps: 2}"]  # inline YAML, as jsonargparse reads it
+    assert cli_help.resolve_config_names(inline) == inline
     (tmp_path / "tiny").write_text("trainer: {}\n")  # an existing file wins over a name
     assert cli_help.resolve_config_names(["--config", "tiny"]) == ["--config", "tiny"]
     with pytest.raises(ValueError, match=r"--config tinyy: there is no such file .* the shipped "
@@ -115,3 +116,12 @@ def test_version_and_the_top_level_page_are_answered_without_lightning():
     assert cli_help.quick_help(["--version"]) == (f"maxent-grpo {__version__}\n", 0)
     page, code = cli_help.quick_help(["--help"])
     assert code == 0 and "predict" in page and "export" in page and "tiny_vllm" in page
+
+
+def test_predict_that_runs_no_batch_says_nothing_was_written(tmp_path, monkeypatch, recwarn):
+    monkeypatch.chdir(tmp_path)
+    cli_module.main(["predict", *SMALL, f"--model.model_cache_dir={tmp_path / 'models'}",
+                     "--trainer.logger=false", "--trainer.limit_predict_batches=0",
+                     "--output", "p.jsonl"])
+    assert not (tmp_path / "p.jsonl").exists()
+    assert any("predict ran no batch" in str(w.message) for w in recwarn)

@@ -98,7 +98,7 @@ class ServerWeights:
         with server.lock:
             if server.version == version and server.healthy:
                 return  # another thread sent it meanwhile
-            error: Exception | None = None
+            errors: list[str] = []  # each attempt's, so that the first cause is not lost
             for attempt in range(attempts):
                 started = False
                 try:
@@ -115,7 +115,7 @@ class ServerWeights:
                     server.version, server.healthy, server.paused_by_failure = version, True, False
                     return
                 except ServerError as err:
-                    error = err
+                    errors.append(str(err))
                     server.healthy = False  # not used until a transfer succeeds
                     log.warning("weight transfer to %s failed (attempt %d of %d): %s",
                                 server.url, attempt + 1, attempts, err)
@@ -129,10 +129,13 @@ class ServerWeights:
                         if old != self._file and os.path.exists(old):
                             os.remove(old)
             server.paused_by_failure = True
+            seen = "; ".join(
+                f"attempt {', '.join(str(i + 1) for i, e in enumerate(errors) if e == m)}: {m}"
+                for m in dict.fromkeys(errors))
             raise ServerError(
                 f"weights version {version} could not be sent to {server.url} after "
                 f"{attempts} attempts; the server is left paused and out of use (restart "
-                f"it): {error}")
+                f"it): {seen}")
 
     def sync(self, model: nn.Module) -> None:
         """Send ``model``'s current weights to every server: every rank takes part (the

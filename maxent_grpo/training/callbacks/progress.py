@@ -254,7 +254,8 @@ class ReadableProgressBar(TQDMProgressBar):
         done, total = batch_idx + 1, trainer.num_predict_batches[dataloader_idx]
         now = time.monotonic()
         slow = self.every_s > 0 and now - self._last_line_time >= self.every_s
-        if done == total or done % max(1, int(total) // 10) == 0 or slow:
+        tenth = max(1, int(total) // 10) if math.isfinite(total) else 10
+        if done == total or done % tenth == 0 or slow:
             print(f"predict: batch {done}/{total}", file=self._out(), flush=True)
             self._last_line_time = now
 

@@ -367,8 +367,20 @@ class PromptDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """The validation rows again (``predict`` samples them; another file to sample:
-        ``data.val_files``)."""
-        return self.val_dataloader()
+        ``data.val_files``). On several processes every rank gets as many batches (a padded
+        ``DistributedSampler``; Lightning's predict sampler would give some ranks one batch
+        fewer, and a sharded model's ``generate`` is a collective); the writer keeps one copy
+        of a repeated prompt."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return self.val_dataloader()
+        from torch.utils.data import DistributedSampler
+
+        dataset = self._require(self.val_dataset)
+        sampler = DistributedSampler(dataset, num_replicas=trainer.world_size,
+                                     rank=trainer.global_rank, shuffle=False, drop_last=False)
+        return DataLoader(dataset, batch_size=self.val_batch_size, sampler=sampler,
+                          num_workers=self.num_workers, collate_fn=collate_prompts)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count a training batch about to reach ``training_step`` (other stages are not

@@ -4,8 +4,8 @@
 - :class:`CompletionWriter`: ``predict`` writes one JSON line per sampled completion
   (:func:`~maxent_grpo.training.run.evaluation.prediction_row`: the prompt, the completion or
   a multi-turn rollout's messages, each reward function's value, the parsed answer, right
-  or not) and prints the @k summary at the end. Every rank writes its share to a part file
-  beside the output; rank 0 joins them, in the order of the rows, into the one file.
+  or not) and prints the @k summary at the end. Rank 0 gathers every rank's rows and writes
+  the one file, in the order of the prompts' rows.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 
@@ -38,14 +39,19 @@ class CompletionWriter(L.Callback):
     """Write ``predict``'s graded completions to a JSONL file, one line per completion.
 
     Args:
-        output: the file to write (replaced when it exists), or an existing folder to write
-            ``predictions.jsonl`` into; ``None``: ``predictions.jsonl`` in the run's folder
-            (the logger's version folder, else ``trainer.default_root_dir``).
+        output: the file to write (replaced when it exists), or a folder (an existing one,
+            or a path ending in ``/``) to write ``predictions.jsonl`` into; ``None``:
+            ``predictions.jsonl`` in the run's folder (the logger's version folder, else
+            ``trainer.default_root_dir``).
 
-    The rows of one prompt are consecutive and the prompts are in the order of their source
-    rows (the ``row`` field), on any number of processes. At the end the ``predict/...``
-    @k metrics of all ranks (``Evaluator.compute``) are printed and kept in :attr:`metrics`.
-    A path that cannot be written stops ``predict`` before any sampling, naming it.
+    Every rank keeps the rows of its share; at the end rank 0 gathers them
+    (``gather_object``), keeps one copy of each ``(row, sample)`` (a padding sampler repeats
+    prompts to give every rank as many batches) and writes them atomically in the order of
+    the prompts' source rows, so the file does not depend on the number of processes or on
+    a file system they share. The ``predict/...`` @k metrics (``Evaluator.compute``, over
+    the same unique prompts) are printed and kept in :attr:`metrics`. A path that cannot be
+    written stops ``predict`` on every rank before any sampling, naming it; a ``predict``
+    that ran no batch says that nothing was written.
     """
 
     def __init__(self, output: str | None = None) -> None:
@@ -54,12 +60,8 @@ class CompletionWriter(L.Callback):
         self.output = output
         self.path: Path | None = None
         self.metrics: dict[str, float] = {}
-        self.rows = 0
-        self._part: Any = None
-
-    def _part_path(self, rank: int) -> Path:
-        assert self.path is not None
-        return self.path.with_name(f".{self.path.name}.rank{rank}.part")
+        self.rows: list[dict[str, Any]] = []
+        self.written: bool | None = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "predict":
@@ -68,52 +70,58 @@ class CompletionWriter(L.Callback):
             path = Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PREDICTIONS
         else:
             path = Path(self.output).expanduser()
-            path = path / DEFAULT_PREDICTIONS if path.is_dir() else path
+            folder = path.is_dir() or str(self.output).endswith(("/", os.sep))
+            path = path / DEFAULT_PREDICTIONS if folder else path
         self.path = path.absolute()
-        try:  # every rank checks its own part file: fail before sampling, not after
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._part = open(self._part_path(trainer.global_rank), "w", encoding="utf-8")
-        except OSError as err:
-            raise ValueError(
-                f"predict cannot write {self.path} ({err.strerror or err}); pass --output with "
-                "a file in a folder you can write to") from err
-        self.rows, self.metrics = 0, {}
+        problem = None
+        if trainer.is_global_zero:  # the one writer checks, before any sampling
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path.with_name(f".{self.path.name}.check"), "w"):
+                    pass
+                os.remove(self.path.with_name(f".{self.path.name}.check"))
+            except OSError as err:
+                problem = err.strerror or str(err)
+        if not trainer.strategy.reduce_boolean_decision(problem is None, all=True):
+            raise ValueError(  # on every rank, so that none waits for the others
+                f"predict cannot write {self.path} ({problem or 'see global rank 0'}); pass "
+                "--output with a file in a folder you can write to")
+        self.rows, self.metrics, self.written = [], {}, False
 
     def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              outputs: Any, batch: Any, batch_idx: int,
                              dataloader_idx: int = 0) -> None:
-        for row in outputs or []:
-            self._part.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-        self._part.flush()
-        self.rows += len(outputs or [])
+        self.rows.extend(outputs or [])
 
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.metrics = pl_module.evaluator.compute("predict")  # every rank: it gathers
-
-    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._part.close()
-        trainer.strategy.barrier()  # every part is whole before rank 0 reads it
-        if trainer.is_global_zero:
-            parts = [self._part_path(r) for r in range(trainer.world_size)]
-            rows = [json.loads(line) for part in parts
-                    for line in part.read_text(encoding="utf-8").splitlines()]
-            rows.sort(key=lambda r: (r["row"], r["sample"]))
-            atomic_write(self.path, lambda f: f.writelines(
-                (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in rows))
-            for part in parts:
-                part.unlink()
-            prompts = len({r["row"] for r in rows})
-            at_k = "  ".join(f"{k.removeprefix('predict/')} {v:.3g}"
-                             for k, v in self.metrics.items() if "@" in k and k.count("/") == 1)
-            rank_zero_info(f"predict: {len(rows)} completions of {prompts} prompts written to "
-                           f"{self.path}\n  {at_k}")
-        trainer.strategy.barrier()
+        rows = self.rows
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list[Any] = [None] * dist.get_world_size() if trainer.is_global_zero else []
+            dist.gather_object(rows, parts if trainer.is_global_zero else None, dst=0)
+            rows = [row for part in parts or [] for row in part]
+        if not trainer.is_global_zero:
+            return
+        unique = {(r["row"], r["sample"]): r for r in reversed(rows)}  # the first copy
+        rows = [unique[k] for k in sorted(unique)]
+        assert self.path is not None
+        atomic_write(self.path, lambda f: f.writelines(
+            (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+            for r in rows))
+        self.written = True
+        prompts = len({r["row"] for r in rows})
+        at_k = "  ".join(f"{k.removeprefix('predict/')} {v:.3g}"
+                         for k, v in self.metrics.items() if "@" in k and k.count("/") == 1)
+        rank_zero_info(f"predict: {len(rows)} completions of {prompts} prompts written to "
+                       f"{self.path}\n  {at_k}")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        if self._part is not None and not self._part.closed:
-            self._part.close()
-        if self.path is not None:
-            with_suffix = self._part_path(trainer.global_rank)
-            if with_suffix.exists():
-                os.remove(with_suffix)
+        self.written = None  # failed: the error says why, not teardown
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "predict" and trainer.is_global_zero and self.written is False:
+            rank_zero_warn(f"predict ran no batch (trainer.limit_predict_batches, or no "
+                           f"validation rows): nothing was written to {self.path}")
+        self.rows = []

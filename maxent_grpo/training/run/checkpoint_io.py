@@ -213,7 +213,7 @@ def _describe(found: ResolvedCheckpoint) -> str:
 def _latest_of_one_run(usable: list[ResolvedCheckpoint], dirpaths: list[str]) -> ResolvedCheckpoint:
     """The checkpoint of the highest step among ``usable`` (newest first), which must all
     belong to one run; ValueError naming them all otherwise."""
-    runs = {found.run for found in usable}
+    runs = {found.run for found in usable if found.run is not None}  # unrecorded: any run
     if len(runs) > 1:
         listing = "; ".join(_describe(found) for found in usable)
         raise ValueError(
@@ -288,6 +288,22 @@ def resolve_checkpoint(
     raise ValueError(f"--ckpt_path {ckpt_path} is not usable: {problem}{hint}")
 
 
+def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list[str]:
+    """The usable checkpoints of ``dirpaths`` from ``resumed``'s run at a higher step: a fit
+    resumed from ``resumed`` then forks that run (:class:`LoggerVersions` gives it an id of
+    its own), so that ``--ckpt_path last`` does not later take the abandoned branch."""
+    if resumed.run is None or resumed.global_step is None:
+        return []
+    later = []
+    for path in _candidates(dirpaths):
+        problem, index = _usable(path, False)
+        found = None if problem is not None else _resolved(path, index, [])
+        if found is not None and found.run == resumed.run and (
+                found.global_step or 0) > resumed.global_step:
+            later.append(path)
+    return later
+
+
 def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
     """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths``."""
     removed = []
@@ -310,10 +326,13 @@ class LoggerVersions(pl.Callback):
         import uuid
 
         self.run = uuid.uuid4().hex[:12]
+        self.fork = False  # set when the resumed run has later checkpoints (a rollback)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn == "fit" and checkpoint.get(RUN_KEY):
-            self.run = str(checkpoint[RUN_KEY])  # a resumed run stays the same run
+            run = str(checkpoint[RUN_KEY])  # a resumed run stays the same run, ...
+            # ... unless it goes on from an earlier step than its latest: a branch of its own
+            self.run = f"{run}@{checkpoint.get('global_step')}" if self.fork else run
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_KEY] = self.run

@@ -60,6 +60,8 @@ class PromptRecord:
         greedy_correct: 1.0 / 0.0 for the greedy completion, ``None`` without greedy.
         answer_form: how answers are compared (the ``answer_form`` column,
             :func:`~maxent_grpo.rewards.parsing.canonical_answer`); ``None``: expressions.
+        row: the prompt's row in its split (``None`` when unknown): a prompt a padding
+            sampler repeats on another rank is counted once.
     """
 
     correct: tuple[float, ...]
@@ -68,6 +70,7 @@ class PromptRecord:
     task: str | None = None
     greedy_correct: float | None = None
     answer_form: str | None = None
+    row: int | None = None
 
 
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
@@ -151,7 +154,7 @@ class Evaluator(torch.nn.Module):
             greedy).
 
     Under DDP the records of every rank are gathered (``all_gather_object``), so every rank
-    computes the same @k values (prompts a padding sampler repeats count twice).
+    computes the same @k values (a prompt a padding sampler repeats counts once).
     """
 
     def __init__(self, rewards: WeightedRewards, settings: EvaluationSettings) -> None:
@@ -198,6 +201,7 @@ class Evaluator(torch.nn.Module):
                 task=None if task is None else str(task),
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),
+                row=batch["indices"][b] if "indices" in batch else None,
             ))
             rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
                                     components[:, b * n + j], self.rewards.names,
@@ -248,6 +252,9 @@ class Evaluator(torch.nn.Module):
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, records)
             records = [r for part in gathered for r in part]
+            seen: set[int] = set()  # a row a padding sampler repeated counts once
+            records = [r for r in records
+                       if r.row is None or not (r.row in seen or seen.add(r.row))]
         values.update(evaluation_metrics(records, self.settings.k, prefix))
         self.reward.reset()
         self.components.reset()

@@ -282,6 +282,23 @@ def test_last_is_the_highest_step_of_the_run_and_two_runs_are_named_not_guessed(
         ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
     # the file named explicitly is taken as it is
     assert ckpt_io.resolve_checkpoint(str(tmp_path / "last-v1.ckpt"), []).run == "bbb"
+    (tmp_path / "last-v1.ckpt").unlink()
+    # a checkpoint from before runs were recorded belongs to any one run: no false ambiguity
+    save_run("epoch=0-step=3.ckpt", 3, None, now + 20)
+    assert ckpt_io.resolve_checkpoint("last", [str(tmp_path)]).global_step == 9
+
+    # resuming step 5 while step 9 of the same run is there: a rollback, a branch of its own
+    resumed = ckpt_io.resolve_checkpoint(str(tmp_path / "epoch=0-step=5.ckpt"), [])
+    assert ckpt_io.later_steps_of_run([str(tmp_path)], resumed) == [str(tmp_path / "last.ckpt")]
+    assert ckpt_io.later_steps_of_run(
+        [str(tmp_path)], ckpt_io.resolve_checkpoint(str(tmp_path / "last.ckpt"), [])) == []
+    versions = ckpt_io.LoggerVersions()
+    fitting = type("T", (), {"state": type("S", (), {"fn": "fit"})()})()
+    versions.on_load_checkpoint(fitting, None, {ckpt_io.RUN_KEY: "aaa", "global_step": 5})
+    assert versions.run == "aaa"
+    versions.fork = True
+    versions.on_load_checkpoint(fitting, None, {ckpt_io.RUN_KEY: "aaa", "global_step": 5})
+    assert versions.run == "aaa@5"
 
 
 def test_a_smoke_run_leaves_no_checkpoint_and_a_second_run_makes_last_ask(tmp_path):
