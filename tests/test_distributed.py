@@ -639,18 +639,22 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
         "--trainer.max_steps=3", f"--model.model_cache_dir={tmp_path / 'models'}",
         "--trainer.enable_progress_bar=false",
     ]
-    # its own process group, so that a hung run (a collective reached by one rank only)
-    # is killed with the process Lightning launched for rank 1
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        pytest.fail("the 2-process run hung (a collective reached by one rank only?):\n"
-                    + output[-3000:])
-    assert proc.returncode == 0, output[-3000:]
+    def run(cmd: list[str]) -> str:
+        # its own process group, so that a hung run (a collective reached by one rank only)
+        # is killed with the process Lightning launched for rank 1
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            output, _ = proc.communicate()
+            pytest.fail(f"the 2-process {cmd[3]} hung (a collective reached by one rank "
+                        "only?):\n" + output[-3000:])
+        assert proc.returncode == 0, output[-3000:]
+        return output
+
+    output = run(command)
     assert "`max_steps=3` reached" in output
     assert (tmp_path / "lightning_logs/tiny/checkpoints/last.ckpt").is_file()
     saved = torch.load(tmp_path / "lightning_logs/tiny/checkpoints/last.ckpt",
@@ -663,15 +667,7 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
                "lightning_logs/tiny/checkpoints/last.ckpt", "--data.val_size=5",
                "--data.val_batch_size=1", "--output=out/predictions.jsonl"]
     predict = [a for a in predict if not a.startswith("--trainer.max_steps")]
-    proc = subprocess.Popen(predict, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        pytest.fail("the 2-process predict hung:\n" + output[-3000:])
-    assert proc.returncode == 0, output[-3000:]
+    output = run(predict)
     rows = [json.loads(line)
             for line in (tmp_path / "out/predictions.jsonl").read_text().splitlines()]
     keys = [(r["row"], r["sample"]) for r in rows]
