@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup setup-smollm2 setup-vllm demo demo-vllm-server test test-vllm test-vllm-all test-all lint clean
+.PHONY: setup setup-smollm2 setup-vllm demo demo-vllm-server test test-vllm test-vllm-all test-all lint docs clean
 
 setup: $(VENV)/.installed
 
@@ -55,7 +55,7 @@ test-vllm-all: setup-vllm
 # the demo on a local vLLM server: starts `vllm serve` on a free localhost port, pinned to
 # CPU $(SERVER_CPUS) and the training to the others (unpinned, the two fight over 2 cores:
 # benchmarks/RESULTS.md §11), trains configs/tiny_vllm_server.yaml against it one step
-# behind, stops the server (README, "vLLM servers")
+# behind, stops the server (docs/VLLM.md, "vLLM servers")
 SERVER_CPUS ?= 1
 demo-vllm-server: setup-vllm
 	$(VLLM_PY) -m maxent_grpo.serve --model builtin:tiny-h64-warm --server-cpus $(SERVER_CPUS) -- fit --config configs/tiny_vllm_server.yaml
@@ -72,5 +72,10 @@ test-all: setup
 lint: setup
 	$(VENV)/bin/ruff check maxent_grpo tests
 
+# the pages of docs/ as a static site in site/ (mkdocs.yml); --strict: a broken link or a page
+# left out of the navigation fails the build
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) lightning_logs .pytest_cache site

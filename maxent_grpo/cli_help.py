@@ -217,7 +217,7 @@ def help_formatter_class() -> type:
 
         def _format_action(self, action: Any) -> str:
             if not FULL_HELP.get() and isinstance(action, _ActionHelpClassPath):
-                return ""  # --x.help CLASS lines: named once in the usage and the README
+                return ""  # --x.help CLASS lines: named once in the usage and the docs
             return super()._format_action(action)
 
         def _get_help_string(self, action: Any) -> str:

@@ -11,7 +11,7 @@ optionally, run a training command against it, stopping the server afterwards.
 Run it with the Python of an environment that has vLLM (``make setup-vllm`` on a CPU:
 ``.venv-vllm/bin/python``). The server listens on 127.0.0.1 only and requires a fresh random
 API key on its ``/v1`` routes; its weight-update routes have no key in vLLM, so the port
-must not be reachable from other machines (README, "vLLM servers").
+must not be reachable from other machines (docs/VLLM.md, "vLLM servers").
 """
 
 from __future__ import annotations

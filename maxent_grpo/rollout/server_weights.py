@@ -55,7 +55,7 @@ def server_args(model: str, port: int | str = 8000, api_key: str | None = None,
 
 
 def server_command(model: str = "FOLDER", port: int | str = 8000, api_key: bool = True) -> str:
-    """:func:`server_args` as one shell line, with ``VLLM_SERVER_DEV_MODE=1`` (README,
+    """:func:`server_args` as one shell line, with ``VLLM_SERVER_DEV_MODE=1`` (docs/VLLM.md,
     "vLLM servers")."""
     import shlex
 

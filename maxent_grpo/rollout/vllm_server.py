@@ -35,7 +35,7 @@ with) gets the current weights before it is used again.
 
 Security. The update routes change what the server computes, and vLLM's ``--api-key``
 guards only the ``/v1`` routes (not ``/pause``, the weight routes or ``/collective_rpc``):
-keep the servers' ports on a private network or on localhost (README, "vLLM servers"). The
+keep the servers' ports on a private network or on localhost (docs/VLLM.md, "vLLM servers"). The
 engine sends ``api_key`` (or ``VLLM_API_KEY``) on every request.
 """
 
@@ -219,7 +219,7 @@ class VLLMServerEngine(ServerWeights):
                         f"model.engine VLLMServerEngine: no vLLM server answers at {server.url} "
                         f"({err}). Start one, for example:\n  "
                         f"{server_command(port=server.url.rsplit(':', 1)[-1].split('/')[0])}\n"
-                        "(README, 'vLLM servers'; `make demo-vllm-server` starts one for the "
+                        "(docs/VLLM.md, 'vLLM servers'; `make demo-vllm-server` starts one for the "
                         "demo)") from None
                 time.sleep(1.0)
 

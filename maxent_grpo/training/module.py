@@ -85,7 +85,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             ``batch_size``, ``dtype`` for reward models). A reward is a registered name, a
             ``package.module:function`` path (called as TRL's ``GRPOTrainer`` calls reward
             functions) or ``model:<hub name or folder>``, a sequence-classification reward
-            model (:mod:`maxent_grpo.rewards`; README "Rewards").
+            model (:mod:`maxent_grpo.rewards`; docs/REWARDS.md).
         engine: the rollout engine, chosen with ``class_path`` and built once per run as
             ``engine(policy, tokenizer, sampling)`` (:mod:`maxent_grpo.rollout`); default
             :class:`~maxent_grpo.rollout.HFGenerateEngine` (``init_args: {share_prefill:

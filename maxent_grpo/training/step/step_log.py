@@ -5,7 +5,7 @@ During a step, :class:`StepMetrics` accumulates the step's statistics in torchme
 counts, and token-weighted means of everything the objective's loss reports (KL, entropy,
 clip fractions, loss parts). After the optimizer step(s) it builds the documented
 :class:`LogStepArtifacts`, whose ``as_dict()`` a ``MetricWriter`` logs as ``train/...``
-keys (listed in the README), and resets. NaN means "not measured this step" and is not
+keys (listed in docs/LOGGING.md), and resets. NaN means "not measured this step" and is not
 logged.
 """
 

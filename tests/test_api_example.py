@@ -1,4 +1,4 @@
-"""The README's Python API example, run as written (its code block is read from the README,
+"""The Python API example of docs/TRAINING.md, run as written (its code block is read from the page,
 so the two cannot drift apart): it trains, prints a reward, and shows the command line's
 progress display."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_example() -> str:
-    text = (ROOT / "README.md").read_text("utf-8")
-    section = text[text.index("### The Python API"):text.index("### Configs")]
+def api_example() -> str:
+    text = (ROOT / "docs" / "TRAINING.md").read_text("utf-8")
+    section = text[text.index("## The Python API"):text.index("## Configs")]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -24,7 +24,7 @@ def test_the_python_api_example_trains_with_the_cli_progress_display(
     monkeypatch.setattr("maxent_grpo.models.DEFAULT_CACHE_DIR", str(tmp_path / "models"),
                         raising=False)
     namespace: dict = {}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(api_example(), "docs/TRAINING.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.global_step == 20
     printed = capsys.readouterr().out

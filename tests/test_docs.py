@@ -1,0 +1,147 @@
+"""The README and the pages of ``docs/`` stay true: the README is a front page, every
+relative link and every repository path they name exists, every command line in their
+``bash`` blocks names a make target, file or module that exists and parses with the real
+command line (an option renamed or a config moved fails here), and the site builds strictly.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+# datasets' log handler keeps the sys.stderr of its import: imported here, not first under a
+# test's capsys (closed after that test)
+import datasets  # noqa: F401
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: the written pages outside docs/ that the README and docs link to
+LINKED = sorted((ROOT / "benchmarks").glob("*.md"))
+#: sample values for the shell variables of the SLURM examples (docs/SCALING.md)
+SHELL_VALUES = {"$SLURM_NNODES": "4", "$SLURM_NTASKS": "32", "$SLURM_JOB_ID": "1",
+                "${urls%,}": "http://10.0.0.5:8000"}
+CLI = re.compile(r"(?:python -m maxent_grpo|maxent-grpo) (fit|validate|test|predict)\b(.*)")
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def without_code(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs' toc both make it (for the headings here)."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(h) for h in re.findall(r"^#+ (.*)$", without_code(path.read_text()), re.M)}
+
+
+def links(path: Path) -> list[str]:
+    found = re.findall(r"\]\(([^)\s]+)\)", without_code(path.read_text()))
+    return [t for t in found if not re.match(r"[a-z]+:", t)]  # https:, mailto:
+
+
+def command_lines(path: Path) -> list[str]:
+    lines = []
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", path.read_text(), re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.split(r"\s#", line)[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def test_the_readme_is_a_front_page_and_every_page_is_in_the_site():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in (ROOT / "docs").glob("*.md"):
+        assert f": {page.name}" in nav, f"{page.name} is not in mkdocs.yml's nav"
+        assert f"docs/{page.name}" in (ROOT / "README.md").read_text() or page.name == \
+            "index.md", f"the README's table of pages lacks docs/{page.name}"
+
+
+@pytest.mark.parametrize("page", PAGES + LINKED, ids=rel)
+def test_every_relative_link_reaches_a_file_and_heading(page):
+    broken = []
+    for target in links(page):
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if not path.exists():
+            broken.append(f"{target}: no file {path}")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target}: no heading #{anchor} in {rel(path)}")
+    assert not broken, f"{rel(page)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_repository_path_named_in_code_exists(page):
+    """``maxent_grpo/...``, ``benchmarks/...``, ``configs/...``, ``tests/...`` in code spans
+    (not the environments a set-up makes, not patterns)."""
+    named = re.findall(r"`((?:maxent_grpo|benchmarks|configs|tests|docs|notebooks)/"
+                       r"[\w./-]*[\w/])`", page.read_text())
+    missing = sorted({p for p in named if not (ROOT / p).exists()
+                      and not re.search(r"/\.", p)})  # .venv-trl & co.: made by set-ups
+    assert not missing, f"{rel(page)} names paths that do not exist: {missing}"
+
+
+def test_every_command_line_names_what_exists(monkeypatch):
+    """``make X`` is a target, ``python -m maxent_grpo.X`` a module, ``python X.py`` a file."""
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    wrong = []
+    for page in PAGES:
+        for line in command_lines(page):
+            for target in re.findall(r"(?:^|\s)make ([\w-]+)", line):
+                if target not in targets:
+                    wrong.append(f"{rel(page)}: make {target}")
+            for module in re.findall(r"python -m (maxent_grpo\.[\w.]+)", line):
+                if not (ROOT / (module.replace(".", "/") + ".py")).exists():
+                    wrong.append(f"{rel(page)}: {module}")
+            for script in re.findall(r"python ([\w/]+\.py)", line):
+                if not (ROOT / script).exists():
+                    wrong.append(f"{rel(page)}: {script}")
+    assert not wrong
+
+
+def cli_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for page in PAGES:
+        for line in command_lines(page):
+            match = CLI.search(line)
+            if match is None:
+                continue
+            rest = match.group(2).split(" > ")[0].split(" &")[0]
+            for name, value in SHELL_VALUES.items():
+                rest = rest.replace(name, value)
+            found.append((rel(page), [match.group(1), *shlex.split(rest)]))
+    return found
+
+
+@pytest.mark.parametrize("args", [a for _, a in cli_commands()],
+                         ids=[f"{p}: {' '.join(a)}"[:90] for p, a in cli_commands()])
+def test_every_command_line_parses(args, capsys, monkeypatch):
+    """Parsed by the real command line with ``--print_config`` (``--help`` as written):
+    nothing is trained, every option and config file must exist and type-check."""
+    from maxent_grpo import cli as cli_module
+
+    monkeypatch.chdir(ROOT)
+    if not any(a.startswith("--help") or a == "--print_config" for a in args):
+        args = [*args, "--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(args)
+    assert exit_info.value.code == 0, capsys.readouterr().err[-2000:]
+
+
+def test_the_site_builds_strictly(tmp_path):
+    mkdocs = pytest.importorskip("mkdocs.commands.build", reason="the docs extra (mkdocs)")
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"))
+    mkdocs.build(config)  # strict (mkdocs.yml): a warning raises
+    assert (tmp_path / "site" / "TRAINING" / "index.html").is_file()
