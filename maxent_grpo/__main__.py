@@ -3,13 +3,13 @@
 
 A mistake in the configuration, the data, a model folder or a reward function prints a
 short ``error: ...`` line and exits with code 1 (parse errors: usage and code 2);
-``--traceback`` adds the full trace (see :mod:`maxent_grpo.errors`). ``--help`` alone and
-``--version`` are answered before Lightning is imported (:mod:`maxent_grpo.cli_help`).
+``--traceback`` adds the full trace (see :mod:`maxent_grpo.cli.errors`). ``--help`` alone and
+``--version`` are answered before Lightning is imported (:mod:`maxent_grpo.cli.help`).
 """
 
 import sys
 
-from maxent_grpo import cli_help
+from maxent_grpo.cli import help as cli_help
 
 
 def console(prog: str = "maxent-grpo") -> None:
@@ -21,7 +21,7 @@ def console(prog: str = "maxent-grpo") -> None:
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
         sys.exit(quick[1])
     if args[:1] == ["export"]:
-        from maxent_grpo.export import main as export
+        from maxent_grpo.cli.export import main as export
 
         sys.exit(export(args[1:]))
     from maxent_grpo.cli import main

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from jsonargparse import ArgumentParser
 
-import maxent_grpo.cli as cli_module
-from maxent_grpo import cli_help, errors, objectives
+import maxent_grpo.cli.parser as cli_module
+from maxent_grpo import objectives
+from maxent_grpo.cli import errors
+from maxent_grpo.cli import help as cli_help
 
 HELP_COLUMN = 24  # argparse's help position: where a description starts on the page
 DEFAULT = re.compile(r"\s*\(default: .*\)$")  # the short default after a description

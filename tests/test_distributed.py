@@ -587,7 +587,7 @@ def test_scaling_configs_exist():
 def test_scaling_config_parses_and_is_consistent(path, monkeypatch, tmp_path):
     import sys
 
-    import maxent_grpo.cli as cli_module
+    import maxent_grpo.cli.parser as cli_module
 
     class ParseOnly(cli_module.MaxEntGRPOCLI):
         def instantiate_classes(self) -> None:

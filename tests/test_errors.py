@@ -1,4 +1,4 @@
-"""Errors for people, traces for developers (:mod:`maxent_grpo.errors`).
+"""Errors for people, traces for developers (:mod:`maxent_grpo.cli.errors`).
 
 Every bad input of the table below goes through the real command line in this process
 (``main(args, exit_on_error=True)``, what ``python -m maxent_grpo`` runs): it must exit
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import maxent_grpo.cli as cli_module
-from maxent_grpo import errors
+import maxent_grpo.cli.parser as cli_module
+from maxent_grpo.cli import errors
 from maxent_grpo.rewards import RewardFunctionError
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import maxent_grpo.cli as cli_module
-from maxent_grpo import cli_help
+import maxent_grpo.cli.parser as cli_module
+from maxent_grpo.cli import help as cli_help
 from maxent_grpo.rewards.registry import get_reward
 
 SMALL = ["--config", "tiny", "--data.train_size", "64", "--data.val_size", "4",

@@ -84,7 +84,7 @@ def test_the_study_arguments_differ_only_in_the_objective(study):
 def test_the_study_accepts_the_parts(study, monkeypatch, tmp_path):
     """Each run of ``PARTS`` and ``BASELINES`` (docs/ALGORITHM.md §4.5) builds through the
     CLI with its parts."""
-    import maxent_grpo.cli as cli_module
+    import maxent_grpo.cli.parser as cli_module
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
@@ -107,7 +107,7 @@ def test_the_smollm2_task_keeps_its_config_and_each_runs_group_filter(study, mon
                                                                     tmp_path):
     """Task ``s`` runs configs/smollm2_sets.yaml (no tiny-config schedule); GRPO drops every
     constant group there, the answer-level run keeps the solved ones."""
-    import maxent_grpo.cli as cli_module
+    import maxent_grpo.cli.parser as cli_module
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", sys.argv[:1])

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import maxent_grpo.cli as cli_module
+import maxent_grpo.cli.parser as cli_module
 from maxent_grpo.rewards import (
     RewardFunctionError,
     TrainerState,

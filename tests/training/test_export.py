@@ -1,5 +1,5 @@
 """Hugging Face export: ``HFExport`` when a fit trains nothing, the export command
-(``python -m maxent_grpo.export``, :mod:`maxent_grpo.export`) on real checkpoints of the tiny
+(``maxent-grpo export``, :mod:`maxent_grpo.cli.export`) on real checkpoints of the tiny
 model and on every kind of bad input, and exported adapters that name their ``builtin:``
 base and load back through the project's loaders on a machine without that base's cache."""
 
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from maxent_grpo.adapters import peft_from_record, peft_record
-from maxent_grpo.export import main
+from maxent_grpo.cli.export import main
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer
 from maxent_grpo.objectives import GRPO
 from maxent_grpo.training.callbacks import HFExport
@@ -75,7 +75,7 @@ def test_a_resumed_finished_run_exports_the_loaded_weights_and_says_so(
     assert trainer.global_step == 2  # nothing trained
     [message] = [r.getMessage() for r in caplog.records if r.name == EXPORT_LOG]
     assert "ran no training step" in message and "trainer.max_steps=2" in message
-    assert f"loaded from {ckpt}" in message and "python -m maxent_grpo.export" in message
+    assert f"loaded from {ckpt}" in message and "python -m maxent_grpo.cli.export" in message
 
     from transformers import AutoModelForCausalLM
 

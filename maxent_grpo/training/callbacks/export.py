@@ -5,7 +5,7 @@ Added under ``trainer.callbacks`` in YAML::
     - class_path: maxent_grpo.training.callbacks.HFExport
       init_args: {every_n_train_steps: 100}
 
-:func:`export_policy` writes the folders; ``python -m maxent_grpo.export`` uses it to export
+:func:`export_policy` writes the folders; ``python -m maxent_grpo.cli.export`` uses it to export
 a checkpoint without a fit.
 """
 
@@ -27,8 +27,8 @@ __all__ = ["EXPORT_COMMAND", "HFExport", "export_policy"]
 
 log = logging.getLogger(__name__)
 
-#: the command that exports a checkpoint without a fit (:mod:`maxent_grpo.export`)
-EXPORT_COMMAND = "python -m maxent_grpo.export <checkpoint.ckpt> --output <folder>"
+#: the command that exports a checkpoint without a fit (:mod:`maxent_grpo.cli.export`)
+EXPORT_COMMAND = "python -m maxent_grpo.cli.export <checkpoint.ckpt> --output <folder>"
 
 
 def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], source: Any = None,

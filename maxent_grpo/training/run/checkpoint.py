@@ -5,7 +5,7 @@ The module adds one entry, ``checkpoint["maxent_grpo"]``:
 - ``model_name_or_path`` and ``objective_class``, checked on load;
 - ``peft``: the ``model.peft`` config as plain values (:func:`~maxent_grpo.adapters.peft_record`;
   None without adapters), which the saved hyper-parameters leave out: ``python -m
-  maxent_grpo.export`` rebuilds the adapters from it;
+  maxent_grpo.cli.export`` rebuilds the adapters from it;
 - ``objective_state``: ``Objective.state_dict`` (tau, beta, the entropy gate's multiplier);
 - the :class:`~maxent_grpo.training.step.optimise.StepCounters`;
 - ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy);

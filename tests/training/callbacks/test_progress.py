@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import CSVLogger
 
-import maxent_grpo.cli as cli_module
+import maxent_grpo.cli.parser as cli_module
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar, is_terminal, line_interval
 from tests.conftest import make_data, make_module
 

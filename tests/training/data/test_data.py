@@ -539,7 +539,7 @@ def test_every_option_of_an_unused_source_is_dropped_in_one_line(tmp_path, caplo
 def test_the_cli_switch_to_a_file_proceeds(tmp_path, monkeypatch, caplog):
     import sys
 
-    from maxent_grpo import cli as cli_module
+    from maxent_grpo.cli import parser as cli_module
 
     config = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
     path = write(tmp_path / "my.jsonl", ROWS * 4)

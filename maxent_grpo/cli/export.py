@@ -1,6 +1,6 @@
 """Export a training checkpoint as a Hugging Face folder, without a fit::
 
-    python -m maxent_grpo.export lightning_logs/tiny/checkpoints/last.ckpt \\
+    python -m maxent_grpo.cli.export lightning_logs/tiny/checkpoints/last.ckpt \\
         [--output FOLDER] [--merged] [--config RUN_CONFIG.yaml] [--traceback]
 
 The checkpoint is a ``.ckpt`` file written by a fit of
@@ -25,7 +25,7 @@ or the YAML the run was started with), whose ``model.peft`` is read.
 
 A mistake (a missing or unreadable checkpoint, one not written by this trainer, an output
 folder that is not empty or cannot be written) prints ``error: ...`` naming what to fix
-and returns 1 (:mod:`maxent_grpo.errors`); a bad command line prints the usage and
+and returns 1 (:mod:`maxent_grpo.cli.errors`); a bad command line prints the usage and
 returns 2.
 """
 
@@ -40,8 +40,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from maxent_grpo import errors
-from maxent_grpo.errors import UserError
+from maxent_grpo.cli import errors
+from maxent_grpo.cli.errors import UserError
 
 PROG = "maxent-grpo export"
 #: the state dict's prefix of the policy's tensors, and of a ``peft`` policy's
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = None,
                       merged: bool = False, config: str | None = None) -> list[Path]:
     """Export ``checkpoint`` (see the module docstring) into ``output``; returns the folders
-    written. :class:`~maxent_grpo.errors.UserError` for the mistakes the docstring names."""
+    written. :class:`~maxent_grpo.cli.errors.UserError` for the mistakes the docstring names."""
     path = Path(checkpoint).expanduser()
     saved = _read_checkpoint(path)
     out = Path(output).expanduser() if output else path.parent.parent / "hf" / path.stem

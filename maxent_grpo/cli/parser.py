@@ -28,7 +28,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from maxent_grpo import cli_help, errors
+from maxent_grpo.cli import errors
+from maxent_grpo.cli import help as cli_help
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
@@ -54,7 +55,7 @@ class ShortUsageParser(LightningArgumentParser):
         super().error(errors.did_you_mean(message, options), ex)
 
     def format_help(self) -> str:
-        """The short page (:mod:`maxent_grpo.cli_help`): our options before Lightning's
+        """The short page (:mod:`maxent_grpo.cli.help`): our options before Lightning's
         Trainer options; jsonargparse's page as it is under ``--help-all``."""
         if cli_help.FULL_HELP.get():
             return super().format_help()
@@ -341,7 +342,7 @@ def main(
 
     With ``exit_on_error`` (default when ``args`` is None) a user's mistake is printed as
     ``error: <message>`` plus a hint on stderr and exits with code 1, with a trace only under
-    ``--traceback`` or for a bug (:mod:`maxent_grpo.errors`); otherwise exceptions propagate.
+    ``--traceback`` or for a bug (:mod:`maxent_grpo.cli.errors`); otherwise exceptions propagate.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from_argv = args is None

@@ -32,7 +32,7 @@ SUBCOMMANDS: dict[str, str] = {
     "predict": "sample graded completions of the validation prompts into a JSONL file "
                "(--ckpt_path FILE, --output FILE)",
 }
-#: commands outside LightningCLI: ``maxent-grpo export`` (:mod:`maxent_grpo.export`)
+#: commands outside LightningCLI: ``maxent-grpo export`` (:mod:`maxent_grpo.cli.export`)
 OTHER_COMMANDS: dict[str, str] = {
     "export": "write a checkpoint's model (or adapter) and tokenizer as a Hugging Face folder",
 }
@@ -53,7 +53,7 @@ def version() -> str:
 
 def configs_folder() -> Path:
     """The configs shipped inside the package (``configs/`` of the repository links here)."""
-    return Path(__file__).resolve().parent / "configs"
+    return Path(__file__).resolve().parent.parent / "configs"
 
 
 def shipped_configs() -> list[str]:
