@@ -57,7 +57,7 @@ table += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in row
 display(Markdown("\\n".join(table)))"""),
     ("markdown", """## Any other tag
 
-Every scalar the trainer logs is in `run.scalars` (see the README's TensorBoard section for
+Every scalar the trainer logs is in `run.scalars` (see docs/LOGGING.md, "TensorBoard" for
 the list); for example the time each step spent generating versus scoring:"""),
     ("code", """fig, ax = plt.subplots(figsize=(6, 3))
 for run in runs:

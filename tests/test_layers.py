@@ -10,8 +10,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "maxent_grpo"
 #: the layers below ``training/`` (and the top-level modules they are made of)
-LOWER = ["core", "rollout", "rewards", "tasks", "objectives", "models.py", "adapters.py",
-         "validation.py", "warm_start.py"]
+LOWER = ["core", "rollout", "rewards", "tasks", "objectives", "builtin", "models.py", "adapters.py",
+         "validation.py"]
 
 
 def imported_modules(path: Path) -> set[str]:

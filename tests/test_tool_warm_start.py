@@ -10,8 +10,9 @@ import re
 
 import torch
 
-import maxent_grpo.tool_warm_start as warm
-from maxent_grpo.models import WEIGHTS_TOOLS, builtin_tiny_model_and_tokenizer, load_policy
+import maxent_grpo.builtin.tool_warm_start as warm
+from maxent_grpo.builtin.models import WEIGHTS_TOOLS, builtin_tiny_model_and_tokenizer
+from maxent_grpo.models import load_policy
 from maxent_grpo.tasks.calculator import calculate
 
 
@@ -93,7 +94,7 @@ def test_the_python_warm_start_differs_only_in_the_call_and_the_message() -> Non
 def test_the_shipped_python_weights_are_the_builtin_and_call_python(tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from maxent_grpo.models import WEIGHTS_PYTHON
+    from maxent_grpo.builtin.models import WEIGHTS_PYTHON
 
     model = load_policy("builtin:tiny-python-warm", cache_dir=tmp_path)
     state = model.state_dict()

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-import maxent_grpo.warm_start as warm
-from maxent_grpo.models import builtin_tiny_model_and_tokenizer
+import maxent_grpo.builtin.warm_start as warm
+from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
 
 
 def test_docstring_examples() -> None:
@@ -92,7 +92,7 @@ def test_the_command_prints_the_shipped_skill_and_refuses_to_retrain_over_nothin
 
 @pytest.mark.slow
 def test_retraining_the_warm_start_reproduces_its_skill(tmp_path) -> None:
-    """``python -m maxent_grpo.warm_start --retrain`` builds a model of the same kind (not
+    """``python -m maxent_grpo.builtin.warm_start --retrain`` builds a model of the same kind (not
     the same bits: the float rounding of 600 steps differs between CPU kernels)."""
     out = tmp_path / "w.safetensors"
     warm._main(["--retrain", "--out", str(out)])

@@ -23,7 +23,7 @@ multi-turn rollout and reports how often it calls, how often the call is the que
 expression, and how often the answer is right.
 
 The trained weights ship with the package (:data:`WEIGHTS_TOOLS`, trained with 2 threads).
-``python -m maxent_grpo.tool_warm_start`` prints the shipped weights' :func:`measure`;
+``python -m maxent_grpo.builtin.tool_warm_start`` prints the shipped weights' :func:`measure`;
 ``--retrain --out FILE`` trains a new copy.
 
 ``builtin:tiny-python-warm`` (:data:`WEIGHTS_PYTHON`) is the same warm start for the
@@ -42,17 +42,17 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from maxent_grpo.models import (
+from maxent_grpo.builtin.models import (
     WEIGHTS_PYTHON,
     WEIGHTS_TOOLS,
     build_tiny_model,
     build_tiny_tokenizer,
     load_shipped,
 )
+from maxent_grpo.builtin.warm_start import pad_right, supervised_pass
 from maxent_grpo.rollout.multiturn import message_segment
 from maxent_grpo.rollout.sandbox import python
 from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
-from maxent_grpo.warm_start import pad_right, supervised_pass
 
 SEED = 2468
 """Seed of the examples, their order and the (forked) torch state."""
@@ -215,7 +215,7 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     from safetensors.torch import save_model
 
     parser = argparse.ArgumentParser(
-        prog="python -m maxent_grpo.tool_warm_start",
+        prog="python -m maxent_grpo.builtin.tool_warm_start",
         description="Measure builtin:tiny-tools-warm's shipped weights, or train a new copy.")
     parser.add_argument("--retrain", action="store_true",
                         help="train a new copy from builtin:tiny and write it to --out")

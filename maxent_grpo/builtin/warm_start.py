@@ -20,7 +20,7 @@ rendered with the ChatML template exactly as the DataModule renders them.
 The trained weights ship with the package (:data:`WEIGHTS`, trained with 2 threads), so
 ``builtin:tiny-warm`` is the same model on every machine: retraining gives different bits,
 and a different demo, on different CPU kernels and thread counts. ``python -m
-maxent_grpo.warm_start`` prints the shipped weights' :func:`measure_skill`; ``--retrain
+maxent_grpo.builtin.warm_start`` prints the shipped weights' :func:`measure_skill`; ``--retrain
 --out FILE`` trains a new copy; ``--head-dim 64`` does either for ``builtin:tiny-h64-warm``,
 the same warm start of the head-size-64 model that vLLM's CPU attention accepts (shipped as
 :data:`WEIGHTS_H64`).
@@ -35,14 +35,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from maxent_grpo.core.logprobs import selective_log_softmax
-from maxent_grpo.models import (
+from maxent_grpo.builtin.models import (
     WEIGHTS,
     WEIGHTS_H64,
     build_tiny_model,
     build_tiny_tokenizer,
     load_shipped,
 )
+from maxent_grpo.core.logprobs import selective_log_softmax
 from maxent_grpo.tasks import build_task
 
 WARM_START_SEED = 4321
@@ -204,7 +204,7 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     from safetensors.torch import save_model
 
     parser = argparse.ArgumentParser(
-        prog="python -m maxent_grpo.warm_start",
+        prog="python -m maxent_grpo.builtin.warm_start",
         description="Print the skill of builtin:tiny-warm's shipped weights, or of a new copy.",
     )
     parser.add_argument("--retrain", action="store_true",
