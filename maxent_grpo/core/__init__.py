@@ -7,8 +7,11 @@ one vocabulary: ``B`` prompts, ``G`` generations per prompt, ``T`` completion to
 
 from maxent_grpo.core.advantages import (
     ESTIMATORS,
+    answer_classes,
     batch_normalised,
+    check_answer_classes,
     constant_groups,
+    distinct_candidates,
     droppable_groups,
     estimate_advantages,
     group_advantages,
@@ -41,11 +44,8 @@ from maxent_grpo.core.divergence import (
 from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.core.listwise import (
-    answer_classes,
     answer_maxent_weights,
-    check_answer_classes,
     class_logsumexp,
-    distinct_candidates,
     group_utility,
     group_weights,
     maxent_weights,

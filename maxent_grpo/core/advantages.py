@@ -1,4 +1,6 @@
-"""Group-relative advantages (docs/ALGORITHM.md §1).
+"""Group-relative advantages (docs/ALGORITHM.md §1), and the structure of a group that
+objectives read besides its rewards: its constant groups, its distinct completions and
+its answer classes.
 
 Rewards are ``(B, G)``: row ``b`` holds the ``G`` completions' rewards of prompt ``b``.
 Everything is computed in the input's floating dtype, on the input's device.
@@ -285,3 +287,62 @@ def repetition_penalty(answers: torch.Tensor) -> torch.Tensor:
     G = answers.shape[1]
     same = (answers[:, :, None] == answers[:, None, :]).sum(-1)  # (B, G), self included
     return -(same - 1).to(torch.get_default_dtype()) / G
+
+
+# ----------------------------------------------------------- the structure of a group
+
+
+def distinct_candidates(
+    completion_ids: torch.Tensor, mask: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Which rows are candidates when a group's candidates are its *distinct* completions:
+    ``(B*G, T), (B*G, T) -> (B, G)`` bool, True at the first occurrence of each completion.
+
+    Two rows are the same completion when their masked tokens are equal (tokens outside
+    ``mask`` are ignored). Example: completions ``[a, b, a, c]`` in one group give
+    ``[True, True, False, True]``.
+    """
+    if completion_ids.dim() != 2 or mask.shape != completion_ids.shape:
+        raise ValueError(
+            "completion_ids and mask must be (B*G, T) tensors of one shape; got "
+            f"{tuple(completion_ids.shape)} and {tuple(mask.shape)}"
+        )
+    if group_size < 1 or completion_ids.shape[0] % group_size:
+        raise ValueError(f"group_size must divide the {completion_ids.shape[0]} rows")
+    ids = torch.where(mask.bool(), completion_ids, -1).view(-1, group_size, mask.shape[1])
+    same = (ids[:, :, None, :] == ids[:, None, :, :]).all(-1)  # (B, G, G)
+    earlier = torch.ones(group_size, group_size, dtype=torch.bool, device=ids.device).tril(-1)
+    return ~(same & earlier).any(-1)
+
+
+def check_answer_classes(answers: torch.Tensor, candidates: torch.Tensor | None = None) -> None:
+    """Check ``(B, G)`` answer classes: ``answers[b, i]`` is the index of the first row of
+    group ``b`` with the same answer as row ``i`` (so ``answers[b, i] <= i`` and every class
+    is named by its first row), and that first row is a candidate."""
+    if answers.dim() != 2 or answers.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"answers must be a (B, G) integer tensor; got {answers.dtype} "
+                         f"{tuple(answers.shape)}")
+    index = torch.arange(answers.shape[1], device=answers.device).expand_as(answers)
+    if bool(((answers < 0) | (answers > index)).any()) or not bool(
+            (answers.gather(1, answers.long()) == answers).all()):
+        raise ValueError("answers[b, i] must be the index of the first row of group b with "
+                         "row i's answer (answer_classes builds them)")
+    if candidates is not None and not bool(candidates[answers == index].all()):
+        raise ValueError("the first row of every answer class must be a candidate")
+
+
+def answer_classes(keys: list, group_size: int) -> torch.Tensor:
+    """``(B, G)`` answer classes from ``B * G`` hashable answer keys (prompt-major): each row
+    gets the index, inside its group, of the group's first row with an equal key.
+
+    >>> answer_classes(["4 + 5", "2 + 7", "4 + 5", "x", "1", "1", "1", "1"], 4).tolist()
+    [[0, 1, 0, 3], [0, 0, 0, 0]]
+    """
+    if group_size < 1 or len(keys) % group_size:
+        raise ValueError(f"group_size must divide the {len(keys)} keys")
+    rows = []
+    for b in range(len(keys) // group_size):
+        first: dict = {}
+        group = keys[b * group_size:(b + 1) * group_size]
+        rows.append([first.setdefault(key, i) for i, key in enumerate(group)])
+    return torch.tensor(rows, dtype=torch.long)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from maxent_grpo.core.advantages import check_rewards, group_advantages
+from maxent_grpo.core.advantages import check_answer_classes, check_rewards, group_advantages
 
 
 def _check_scalar(name: str, value: float, *, positive: bool = False) -> None:
@@ -41,29 +41,6 @@ def _check_ref(
             f"ref_seq_logps must have the same shape as the scores {tuple(like.shape)}; "
             f"got {tuple(ref_seq_logps.shape)}"
         )
-
-
-def distinct_candidates(
-    completion_ids: torch.Tensor, mask: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """Which rows are candidates when a group's candidates are its *distinct* completions:
-    ``(B*G, T), (B*G, T) -> (B, G)`` bool, True at the first occurrence of each completion.
-
-    Two rows are the same completion when their masked tokens are equal (tokens outside
-    ``mask`` are ignored). Example: completions ``[a, b, a, c]`` in one group give
-    ``[True, True, False, True]``.
-    """
-    if completion_ids.dim() != 2 or mask.shape != completion_ids.shape:
-        raise ValueError(
-            "completion_ids and mask must be (B*G, T) tensors of one shape; got "
-            f"{tuple(completion_ids.shape)} and {tuple(mask.shape)}"
-        )
-    if group_size < 1 or completion_ids.shape[0] % group_size:
-        raise ValueError(f"group_size must divide the {completion_ids.shape[0]} rows")
-    ids = torch.where(mask.bool(), completion_ids, -1).view(-1, group_size, mask.shape[1])
-    same = (ids[:, :, None, :] == ids[:, None, :, :]).all(-1)  # (B, G, G)
-    earlier = torch.ones(group_size, group_size, dtype=torch.bool, device=ids.device).tril(-1)
-    return ~(same & earlier).any(-1)
 
 
 def _masked_softmax(logits: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
@@ -218,39 +195,6 @@ def weight_entropy(weights: torch.Tensor) -> torch.Tensor:
     if bool((weights < 0).any()):
         raise ValueError("weights must be non-negative")
     return -torch.special.xlogy(weights, weights).sum(dim=1)
-
-
-def check_answer_classes(answers: torch.Tensor, candidates: torch.Tensor | None = None) -> None:
-    """Check ``(B, G)`` answer classes: ``answers[b, i]`` is the index of the first row of
-    group ``b`` with the same answer as row ``i`` (so ``answers[b, i] <= i`` and every class
-    is named by its first row), and that first row is a candidate."""
-    if answers.dim() != 2 or answers.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"answers must be a (B, G) integer tensor; got {answers.dtype} "
-                         f"{tuple(answers.shape)}")
-    index = torch.arange(answers.shape[1], device=answers.device).expand_as(answers)
-    if bool(((answers < 0) | (answers > index)).any()) or not bool(
-            (answers.gather(1, answers.long()) == answers).all()):
-        raise ValueError("answers[b, i] must be the index of the first row of group b with "
-                         "row i's answer (answer_classes builds them)")
-    if candidates is not None and not bool(candidates[answers == index].all()):
-        raise ValueError("the first row of every answer class must be a candidate")
-
-
-def answer_classes(keys: list, group_size: int) -> torch.Tensor:
-    """``(B, G)`` answer classes from ``B * G`` hashable answer keys (prompt-major): each row
-    gets the index, inside its group, of the group's first row with an equal key.
-
-    >>> answer_classes(["4 + 5", "2 + 7", "4 + 5", "x", "1", "1", "1", "1"], 4).tolist()
-    [[0, 1, 0, 3], [0, 0, 0, 0]]
-    """
-    if group_size < 1 or len(keys) % group_size:
-        raise ValueError(f"group_size must divide the {len(keys)} keys")
-    rows = []
-    for b in range(len(keys) // group_size):
-        first: dict = {}
-        group = keys[b * group_size:(b + 1) * group_size]
-        rows.append([first.setdefault(key, i) for i, key in enumerate(group)])
-    return torch.tensor(rows, dtype=torch.long)
 
 
 def class_logsumexp(

@@ -4,10 +4,11 @@ Each objective is a small class with validated hyper-parameters, chosen in YAML 
 ``class_path`` (``docs/ALGORITHM.md`` §4), e.g. ``maxent_grpo.objectives.ListwiseMaxEnt``.
 The LightningModule drives them in two phases per rollout:
 
-1. :meth:`Objective.prepare` once per rollout, on whole groups: rewards ``(B, G)``,
-   completion lengths ``(B, G)`` and, when :attr:`Objective.needs_reference`, the
-   length-normalised reference log-likelihood ``rho`` ``(B, G)``. It returns
-   :class:`Targets`: per-row advantages and/or per-group weights, all constants.
+1. :meth:`Objective.prepare` once per rollout, on whole groups: a :class:`GroupInputs`
+   of ``(B, G)`` tensors (rewards, completion lengths, the distinct completions, the answer
+   classes, and, when :attr:`Objective.needs_reference`, the length-normalised reference
+   log-likelihood ``rho``). It returns :class:`Targets`: per-row advantages and/or
+   per-group weights, all constants.
 2. :meth:`Objective.loss` once per micro-batch of whole groups, on token log-probs with
    gradient, scaled so that the *sum* over the micro-batches of one optimizer step equals
    the loss of the whole batch.
@@ -19,6 +20,7 @@ lives in :mod:`maxent_grpo.core`.
 """
 
 from maxent_grpo.objectives.base import (
+    GroupInputs,
     LossOutput,
     MicroBatch,
     Objective,
@@ -31,7 +33,7 @@ from maxent_grpo.objectives.maxent import GroupMaxEnt, ListwiseMaxEnt
 from maxent_grpo.objectives.surrogate import LossType
 
 __all__ = [
-    "GRPO", "EntropyMaxEnt", "GroupMaxEnt", "KLEstimator", "ListwiseMaxEnt", "LossOutput",
-    "LossType", "MicroBatch", "Objective", "ScaleRewards", "Targets", "sequence_ref_loglik",
-    "weight_stats",
+    "GRPO", "EntropyMaxEnt", "GroupInputs", "GroupMaxEnt", "KLEstimator", "ListwiseMaxEnt",
+    "LossOutput", "LossType", "MicroBatch", "Objective", "ScaleRewards", "Targets",
+    "sequence_ref_loglik", "weight_stats",
 ]

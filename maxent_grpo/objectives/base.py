@@ -1,6 +1,7 @@
 """The interface between the trainer and an objective, and the helpers objectives share.
 
-:class:`Targets` is what :meth:`Objective.prepare` derives from one rollout,
+:class:`GroupInputs` is what :meth:`Objective.prepare` reads of one rollout,
+:class:`Targets` what it derives from it,
 :class:`MicroBatch` what :meth:`Objective.loss` sees, :class:`LossOutput` what it returns
 (``docs/ALGORITHM.md`` §0-4). The trainer and the controllers need nothing from an
 objective beyond the members of :class:`Objective`. The objective is the one owner of tau
@@ -10,11 +11,51 @@ module's entry (:meth:`Objective.state_dict`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from torch import Tensor
 
 from maxent_grpo.core import weight_entropy
+
+
+@dataclass
+class GroupInputs:
+    """Everything an objective's :meth:`Objective.prepare` may read of one rollout: one row
+    per prompt group, one column per sample, ``(B, G)``. The trainer builds it once per step
+    and gathers it across ranks in one place, so ``B`` is the kept groups of every rank and
+    every objective sees exactly what one process given all the prompts would.
+
+    Attributes:
+        rewards: ``(B, G)`` float rewards (the weighted sum of ``model.rewards``).
+        lengths: ``(B, G)`` completion lengths ``T_i`` in tokens.
+        max_completion_length: ``T_max``.
+        ref_seq_logps: ``(B, G)`` ``rho``, the reference's mean token log-prob of each
+            sample, or ``None`` when no reference is loaded (:attr:`Objective.needs_reference`).
+        candidates: ``(B, G)`` bool, the first occurrence of each distinct completion of a
+            group (:func:`maxent_grpo.core.distinct_candidates`), or ``None`` (every row).
+        answers: ``(B, G)`` answer classes (:func:`maxent_grpo.core.answer_classes`; answers
+            canonical under the rows' ``answer_form``, a sample without an answer its own
+            completion's class), or ``None``.
+        seq_logps: ``(B, G)`` mean token log-prob of each sample under the behaviour policy
+            (no gradient), or ``None`` unless :attr:`Objective.needs_sequence_logps` (it
+            costs a forward pass of the policy).
+    """
+
+    rewards: Tensor
+    lengths: Tensor
+    max_completion_length: int
+    ref_seq_logps: Tensor | None = None
+    candidates: Tensor | None = None
+    answers: Tensor | None = None
+    seq_logps: Tensor | None = None
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The ``(B, G)`` fields that are set, by name (what travels between ranks)."""
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
+
+    def with_tensors(self, tensors: dict[str, Tensor]) -> GroupInputs:
+        """A copy with these fields replaced (the gathered or kept groups)."""
+        return replace(self, **tensors)
 
 
 @dataclass
@@ -40,6 +81,20 @@ class Targets:
     candidates: Tensor | None = None
     q: Tensor | None = None
     answers: Tensor | None = None
+
+    def of_groups(self, groups: Tensor | slice, group_size: int) -> Targets:
+        """The targets of these groups only (indices or a slice of the ``B`` groups): the
+        one selection used for a rank's share of the batch and for a micro-batch."""
+
+        def pick(values: Tensor | None) -> Tensor | None:
+            return None if values is None else values[groups]
+
+        adv = self.advantages
+        return Targets(
+            advantages=None if adv is None else adv.view(-1, group_size)[groups].reshape(-1),
+            weights=pick(self.weights), stats=self.stats, candidates=pick(self.candidates),
+            q=pick(self.q), answers=pick(self.answers),
+        )
 
 
 @dataclass
@@ -141,31 +196,14 @@ class Objective:
         return False
 
     @property
-    def needs_candidates(self) -> bool:
-        """Whether :meth:`prepare` wants ``candidates``, the first occurrence of each distinct
-        completion of a group (:func:`maxent_grpo.core.distinct_candidates`)."""
-        return False
-
-    @property
-    def needs_answers(self) -> bool:
-        """Whether :meth:`prepare` wants ``answers=``, the ``(B, G)`` answer classes of the
-        group's samples (:func:`maxent_grpo.core.answer_classes`; answers canonical under the
-        rows' ``answer_form``, :func:`maxent_grpo.rewards.parsing.answer_key`), passed as a
-        keyword."""
-        return False
-
-    @property
     def needs_sequence_logps(self) -> bool:
-        """Whether :meth:`prepare` wants ``seq_logps=``, the ``(B, G)`` mean token log-probs
-        of the samples under the behaviour policy (no gradient), passed as a keyword."""
+        """Whether :attr:`GroupInputs.seq_logps` must be computed: the samples' mean token
+        log-probs under the behaviour policy, which cost a forward pass when the rollout is
+        used once (``num_iterations == 1``). The cheap inputs are always there."""
         return False
 
-    def prepare(
-        self, rewards: Tensor, lengths: Tensor, max_completion_length: int,
-        ref_seq_logps: Tensor | None, candidates: Tensor | None = None,
-    ) -> Targets:
-        """The rollout's :class:`Targets` from ``(B, G)`` rewards, lengths and ``rho``
-        (and ``answers=`` / ``seq_logps=`` for objectives that ask for them)."""
+    def prepare(self, inputs: GroupInputs) -> Targets:
+        """The rollout's :class:`Targets` from its :class:`GroupInputs`."""
         raise NotImplementedError
 
     def loss(self, mb: MicroBatch) -> LossOutput:

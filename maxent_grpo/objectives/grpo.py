@@ -6,7 +6,7 @@ to the reference; :class:`EntropyMaxEnt` adds an exact token-entropy bonus.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from torch import Tensor
 
@@ -20,7 +20,14 @@ from maxent_grpo.core import (
     top_entropy_mask,
     unlikeliness_rewards,
 )
-from maxent_grpo.objectives.base import LossOutput, MicroBatch, Objective, Targets, token_sum
+from maxent_grpo.objectives.base import (
+    GroupInputs,
+    LossOutput,
+    MicroBatch,
+    Objective,
+    Targets,
+    token_sum,
+)
 from maxent_grpo.objectives.surrogate import (
     ClipRule,
     CovSettings,
@@ -171,33 +178,28 @@ class GRPO(Objective):
         return super().loss_scale(world_size, rows, rows_all_ranks)
 
     @property
-    def needs_answers(self) -> bool:
-        return self.answer_shaping == "repetition"
-
-    @property
     def needs_sequence_logps(self) -> bool:
         return self.answer_shaping == "unlikeliness"
 
-    def prepare(
-        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None,
-        answers=None, seq_logps=None,
-    ) -> Targets:
+    def prepare(self, inputs: GroupInputs) -> Targets:
+        rewards = inputs.rewards
         require(self.advantage not in ("passk", "pkpo") or self.pass_k <= rewards.shape[1],
                 f"objective.pass_k ({self.pass_k}) must be at most model.num_generations "
                 f"({rewards.shape[1]}): pass@k is over subsets of a group")
         if self.answer_shaping == "unlikeliness":
-            require(seq_logps is not None, "objective.answer_shaping unlikeliness needs the "
-                    "samples' log-probs; the trainer passes them (prepare(..., seq_logps=...))")
+            require(inputs.seq_logps is not None, "objective.answer_shaping unlikeliness "
+                    "needs the samples' log-probs (GroupInputs.seq_logps); the trainer passes "
+                    "them")
             solved_or_failed = constant_groups(rewards)  # as the authors, no push there
-            rewards = unlikeliness_rewards(rewards, seq_logps, self.rank_penalty)
+            rewards = unlikeliness_rewards(rewards, inputs.seq_logps, self.rank_penalty)
         adv = estimate_advantages(rewards, self.advantage, self.scale_rewards,
                                   k=self.pass_k)  # (B, G)
         if self.answer_shaping == "unlikeliness":
             adv = adv.masked_fill(solved_or_failed[:, None], 0.0)
         if self.answer_shaping == "repetition":
-            require(answers is not None, "objective.answer_shaping repetition needs the answer "
-                    "classes; the trainer passes them (prepare(..., answers=...))")
-            adv = adv + self.repetition_coef * repetition_penalty(answers).to(adv.dtype)
+            require(inputs.answers is not None, "objective.answer_shaping repetition needs "
+                    "the answer classes (GroupInputs.answers); the trainer passes them")
+            adv = adv + self.repetition_coef * repetition_penalty(inputs.answers).to(adv.dtype)
         return Targets(advantages=adv.reshape(-1))
 
     def state(self) -> dict[str, float]:
@@ -244,7 +246,7 @@ class EntropyMaxEnt(GRPO):
         kl_gate_min_multiplier: lower bound ``m_lo`` of the multiplier.
         kl_gate_max_multiplier: upper bound ``m_hi`` of the multiplier.
         disable_outside_trust_zone: switch the bonus off while KL is above ``kappa``.
-        (other arguments as :class:`GRPO`)
+        grpo_options: every option of :class:`GRPO`, by name.
     """
 
     needs_entropy = True
@@ -254,19 +256,9 @@ class EntropyMaxEnt(GRPO):
         self, alpha: float = 0.01, kl_gate_threshold: float | None = None,
         kl_gate_gain: float = 1.0, kl_gate_min_multiplier: float = 0.0,
         kl_gate_max_multiplier: float = 2.0, disable_outside_trust_zone: bool = False,
-        loss_type: LossType = "grpo", scale_rewards: ScaleRewards = "group", epsilon: float = 0.2,
-        epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
-        advantage: Advantage = "group", ratio_level: RatioLevel = "token",
-        clip_rule: ClipRule = "ppo", kl_bias_correction: bool = False, pass_k: int = 4,
-        cov_fraction: float = 2e-4, clip_cov_bounds: tuple[float, float] = (1.0, 5.0),
-        kl_cov_coef: float = 1.0, top_entropy_quantile: float = 1.0,
-        answer_shaping: Shaping = "none", rank_penalty: float = 0.25,
-        repetition_coef: float = 0.2,
+        **grpo_options: Any,
     ) -> None:
-        super().__init__(loss_type, scale_rewards, epsilon, epsilon_high, beta, kl_estimator,
-                         advantage, ratio_level, clip_rule, kl_bias_correction, pass_k,
-                         cov_fraction, clip_cov_bounds, kl_cov_coef, top_entropy_quantile,
-                         answer_shaping, rank_penalty, repetition_coef)
+        super().__init__(**grpo_options)
         check_number("objective.alpha", alpha, minimum=0)
         check_number("objective.kl_gate_threshold", kl_gate_threshold, minimum=0, strict=True,
                      allow_none=True)

@@ -24,6 +24,7 @@ from maxent_grpo.core import (
     sequence_clip_loss,
 )
 from maxent_grpo.objectives.base import (
+    GroupInputs,
     LossOutput,
     MicroBatch,
     Objective,
@@ -124,31 +125,23 @@ class ListwiseMaxEnt(Objective):
     def needs_reference(self) -> bool:
         return self.beta > 0 or self.kl_coef > 0
 
-    @property
-    def needs_candidates(self) -> bool:
-        return self.distinct_candidates or self.answer_level
-
-    @property
-    def needs_answers(self) -> bool:
-        return self.answer_level
-
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "beta": self.beta}
 
-    def prepare(
-        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None,
-        answers=None,
-    ) -> Targets:
+    def prepare(self, inputs: GroupInputs) -> Targets:
+        rewards = inputs.rewards
+        distinct = self.distinct_candidates or self.answer_level
+        candidates = inputs.candidates if distinct else None
+        ref = inputs.ref_seq_logps if self.beta > 0 else None
         if self.answer_level:
-            require(answers is not None, "objective.answer_level needs the answer classes; "
-                    "the trainer passes them (prepare(..., answers=...))")
-            ref = ref_seq_logps if self.beta > 0 else None
+            answers = inputs.answers
+            require(answers is not None, "objective.answer_level needs the answer classes "
+                    "(GroupInputs.answers); the trainer passes them")
             q, w = answer_maxent_weights(rewards, answers, self.tau, self.beta, ref, candidates,
                                          self.q_temperature, self.q_epsilon)
             return Targets(weights=w, stats=weight_stats(w), candidates=candidates, q=q,
                            answers=answers)
         q = q_distribution(rewards, self.q_temperature, self.q_epsilon, candidates)  # (B, G)
-        ref = ref_seq_logps if self.beta > 0 else None
         w = maxent_weights(q.log(), self.tau, self.beta, ref, candidates)  # rows sum to 1
         return Targets(weights=w, stats=weight_stats(w), candidates=candidates, q=q)
 
@@ -233,12 +226,11 @@ class GroupMaxEnt(Objective):
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "lam": self.lam}
 
-    def prepare(
-        self, rewards, lengths, max_completion_length, ref_seq_logps, candidates=None
-    ) -> Targets:
+    def prepare(self, inputs: GroupInputs) -> Targets:
+        rewards = inputs.rewards
         adv = group_advantages(rewards, scale="none")  # (B, G)
-        utility = group_utility(rewards, lengths, max_completion_length)  # (B, G)
-        ref = ref_seq_logps if self.lam > 0 else None
+        utility = group_utility(rewards, inputs.lengths, inputs.max_completion_length)  # (B, G)
+        ref = inputs.ref_seq_logps if self.lam > 0 else None
         w = group_weights(utility, self.tau, self.lam, ref)  # (B, G)
         return Targets(advantages=adv.reshape(-1), weights=w, stats=weight_stats(w))
 

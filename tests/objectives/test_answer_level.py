@@ -20,7 +20,7 @@ from maxent_grpo.core import (
     repetition_penalty,
     unlikeliness_rewards,
 )
-from maxent_grpo.objectives import GRPO, ListwiseMaxEnt
+from maxent_grpo.objectives import GRPO, GroupInputs, ListwiseMaxEnt
 
 F64 = torch.float64
 
@@ -118,13 +118,12 @@ def test_answer_classes_are_checked():
 
 def test_listwise_objective_answer_level_prepares_answer_targets():
     objective = ListwiseMaxEnt(tau=0.5, answer_level=True)
-    assert objective.needs_answers and objective.needs_candidates
     answers = answer_classes(KEYS, 4)
-    targets = objective.prepare(REWARDS, torch.ones(1, 4), 4, None,
-                                torch.ones(1, 4, dtype=torch.bool), answers=answers)
+    targets = objective.prepare(GroupInputs(REWARDS, torch.ones(1, 4), 4, None,
+                                torch.ones(1, 4, dtype=torch.bool), answers=answers))
     assert targets.answers is answers and targets.weights[0, 1] == 0
     with pytest.raises(ValueError, match="answer classes"):
-        objective.prepare(REWARDS, torch.ones(1, 4), 4, None, None)
+        objective.prepare(GroupInputs(REWARDS, torch.ones(1, 4), 4, None, None))
     with pytest.raises(ValueError, match="clip_coef"):
         ListwiseMaxEnt(answer_level=True, clip_coef=0.1)
 
@@ -139,11 +138,12 @@ def test_unlikeliness_by_hand():
     torch.testing.assert_close(out, torch.tensor(
         [[1 - 0.25 * 2 / 4, 0.0, 1.0, 1 - 0.25 / 4], [0.0] * 4], dtype=F64))
     objective = GRPO(answer_shaping="unlikeliness", scale_rewards="none")
-    assert objective.needs_sequence_logps and not objective.needs_answers
-    adv = objective.prepare(rewards, torch.ones(2, 4), 4, None, seq_logps=logps).advantages
+    assert objective.needs_sequence_logps and not GRPO().needs_sequence_logps
+    adv = objective.prepare(
+        GroupInputs(rewards, torch.ones(2, 4), 4, None, seq_logps=logps)).advantages
     torch.testing.assert_close(adv.view(2, 4), out - out.mean(1, keepdim=True))
     with pytest.raises(ValueError, match="log-probs"):
-        objective.prepare(rewards, torch.ones(2, 4), 4, None)
+        objective.prepare(GroupInputs(rewards, torch.ones(2, 4), 4, None))
     with pytest.raises(ValueError, match="rank_penalty"):
         GRPO(rank_penalty=1.5)
     with pytest.raises(ValueError, match="pkpo"):
@@ -156,8 +156,8 @@ def test_unlikeliness_by_hand():
         ListwiseMaxEnt(answer_level="yes")
     # as the authors: a group whose raw rewards are all equal (all right) gets no push
     solved = torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=F64)
-    adv = GRPO(answer_shaping="unlikeliness").prepare(solved, torch.ones(1, 4), 4, None,
-                                                      seq_logps=logps[:1]).advantages
+    adv = GRPO(answer_shaping="unlikeliness").prepare(
+        GroupInputs(solved, torch.ones(1, 4), 4, None, seq_logps=logps[:1])).advantages
     assert bool((adv == 0).all())
 
 
@@ -167,8 +167,8 @@ def test_repetition_penalty_by_hand():
         [[-0.5, -0.5, -0.5, 0.0], [0.0] * 4], dtype=F64))
     rewards = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=F64)
     objective = GRPO(answer_shaping="repetition", repetition_coef=0.2, scale_rewards="none")
-    assert objective.needs_answers
-    adv = objective.prepare(rewards, torch.ones(2, 4), 4, None, answers=answers).advantages
+    adv = objective.prepare(
+        GroupInputs(rewards, torch.ones(2, 4), 4, None, answers=answers)).advantages
     torch.testing.assert_close(adv.view(2, 4), torch.tensor(
         [[0.25 - 0.1, 0.25 - 0.1, 0.25 - 0.1, -0.75], [0.0] * 4], dtype=F64))
 

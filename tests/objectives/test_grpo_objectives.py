@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from maxent_grpo import core
-from maxent_grpo.objectives import GRPO, EntropyMaxEnt, MicroBatch
+from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupInputs, MicroBatch
 from tests.objectives.conftest import (
     F64,
     G2,
@@ -31,7 +31,8 @@ from tests.objectives.conftest import (
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_grpo_prepare_is_flat_group_advantages(scale: str) -> None:
     rewards = torch.tensor(REWARDS, dtype=F64)
-    targets = GRPO(scale_rewards=scale).prepare(rewards, torch.ones_like(rewards), T_MAX5, None)
+    targets = GRPO(scale_rewards=scale).prepare(
+        GroupInputs(rewards, torch.ones_like(rewards), T_MAX5, None))
     assert targets.weights is None
     assert torch.equal(targets.advantages, core.group_advantages(rewards, scale=scale).reshape(-1))
     assert targets.advantages.tolist() == pytest.approx(_naive_adv(REWARDS, scale), abs=1e-12)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from maxent_grpo import core
-from maxent_grpo.objectives import GRPO, GroupMaxEnt, ListwiseMaxEnt, MicroBatch
+from maxent_grpo.objectives import GRPO, GroupInputs, GroupMaxEnt, ListwiseMaxEnt, MicroBatch
 from tests.objectives.conftest import (
     F64,
     G2,
@@ -50,7 +50,7 @@ def test_listwise_prepare_weights_and_stats(tau: float, beta: float, tq: float) 
     obj = ListwiseMaxEnt(tau=tau, beta=beta, q_temperature=tq)
     rewards = torch.tensor(LW_REWARDS, dtype=F64)
     rho = torch.tensor(LW_RHO, dtype=F64)
-    targets = obj.prepare(rewards, torch.ones_like(rewards), 4, rho)
+    targets = obj.prepare(GroupInputs(rewards, torch.ones_like(rewards), 4, rho))
     w = targets.weights
     assert targets.advantages is None
     q = core.q_distribution(rewards, tq, 1e-6)
@@ -67,32 +67,34 @@ def test_listwise_prepare_weights_and_stats(tau: float, beta: float, tq: float) 
 def test_listwise_targets_carry_q() -> None:
     rewards = torch.tensor(LW_REWARDS, dtype=F64)
     ones = torch.ones_like(rewards)
-    targets = ListwiseMaxEnt(tau=0.5, q_temperature=0.5).prepare(rewards, ones, 4, None)
+    targets = ListwiseMaxEnt(tau=0.5, q_temperature=0.5).prepare(
+        GroupInputs(rewards, ones, 4, None))
     assert torch.equal(targets.q, core.q_distribution(rewards, 0.5, 1e-6))
     assert torch.allclose(targets.q.sum(-1), torch.ones(3, dtype=F64), atol=1e-12)
     # with distinct candidates q lives on the candidates only
     cand = torch.tensor([[True, True, False], [True, False, True], [True, True, True]])
     obj = ListwiseMaxEnt(tau=0.5, distinct_candidates=True)
-    targets = obj.prepare(rewards, ones, 4, None, cand)
+    targets = obj.prepare(GroupInputs(rewards, ones, 4, None, cand))
     assert torch.equal(targets.q, core.q_distribution(rewards, obj.q_temperature, 1e-6, cand))
     assert torch.equal(targets.candidates, cand)
     # the other objectives have no target distribution
-    assert GRPO().prepare(rewards, ones, 4, None).q is None
-    assert GroupMaxEnt().prepare(rewards, ones, 4, None).q is None
+    assert GRPO().prepare(GroupInputs(rewards, ones, 4, None)).q is None
+    assert GroupMaxEnt().prepare(GroupInputs(rewards, ones, 4, None)).q is None
 
 
 def test_listwise_prepare_ignores_reference_when_beta_zero() -> None:
     obj = ListwiseMaxEnt(tau=0.5)
     rewards = torch.tensor(LW_REWARDS, dtype=F64)
-    with_rho = obj.prepare(rewards, torch.ones_like(rewards), 4, torch.tensor(LW_RHO, dtype=F64))
-    without = obj.prepare(rewards, torch.ones_like(rewards), 4, None)
+    with_rho = obj.prepare(
+        GroupInputs(rewards, torch.ones_like(rewards), 4, torch.tensor(LW_RHO, dtype=F64)))
+    without = obj.prepare(GroupInputs(rewards, torch.ones_like(rewards), 4, None))
     assert torch.equal(with_rho.weights, without.weights)
 
 
 def _listwise_setup(seed: int = 5):
-    obj_w = ListwiseMaxEnt(tau=0.5).prepare(
+    obj_w = ListwiseMaxEnt(tau=0.5).prepare(GroupInputs(
         torch.tensor(LW_REWARDS, dtype=F64), torch.ones(3, 3, dtype=F64), 4, None
-    ).weights
+    )).weights
     return _logps(seed, 9, 4), _mask(LW_LENGTHS, 4), obj_w
 
 
@@ -226,7 +228,7 @@ GM_EXPECTED_GW = [1.8902112237, 0.5415545827, 0.4217631331, 1.1464710605]  # doc
 def _gm_prepare(obj: GroupMaxEnt, rho: torch.Tensor | None = None):
     rewards = torch.tensor(GM_REWARDS, dtype=F64)
     lengths = torch.tensor([GM_LENGTHS], dtype=F64)
-    return obj.prepare(rewards, lengths, 4, rho)
+    return obj.prepare(GroupInputs(rewards, lengths, 4, rho))
 
 
 def test_group_maxent_prepare_reproduces_spec_example() -> None:
@@ -271,7 +273,8 @@ def test_group_maxent_micro_batches_sum_to_whole() -> None:
     obj = GroupMaxEnt(tau=0.5)
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 2.0, 1.0, 0.5]], dtype=F64)
     lengths_l = [3, 2, 3, 1, 4, 1, 2, 4]
-    targets = obj.prepare(rewards, torch.tensor(lengths_l, dtype=F64).view(2, 4), 4, None)
+    lengths = torch.tensor(lengths_l, dtype=F64).view(2, 4)
+    targets = obj.prepare(GroupInputs(rewards, lengths, 4, None))
     logps = _logps(8, 8, 4)
     gen = torch.Generator().manual_seed(8)
     old = logps + 0.4 * torch.randn(logps.shape, generator=gen, dtype=F64)
@@ -300,9 +303,9 @@ def test_group_maxent_large_tau_is_dr_grpo(old_kind: str) -> None:
     logps, _, mask, _ = _grpo_setup(0.0)
     old = _old_or_none(old_kind, logps)
     gm = GroupMaxEnt(tau=1e6)
-    gm_t = gm.prepare(rewards, lengths, T_MAX5, None)
+    gm_t = gm.prepare(GroupInputs(rewards, lengths, T_MAX5, None))
     dr = GRPO(loss_type="dr_grpo", scale_rewards="none")
-    dr_t = dr.prepare(rewards, lengths, T_MAX5, None)
+    dr_t = dr.prepare(GroupInputs(rewards, lengths, T_MAX5, None))
     assert torch.equal(gm_t.advantages, dr_t.advantages)
     assert torch.allclose(G2 * gm_t.weights, torch.ones(3, 2, dtype=F64), atol=1e-5)
     kw = dict(G=G2, num_rows=6, t_max=T_MAX5, old=old)

@@ -18,7 +18,7 @@ from maxent_grpo.core import (
     importance_ratio_at,
     leave_one_out_advantages,
 )
-from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt
+from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupInputs, GroupMaxEnt
 from tests.objectives.conftest import F64, _logps, _mask, _mb
 
 EPS = 1e-4
@@ -198,8 +198,8 @@ def test_a_sequence_ratio_composes_with_the_objectives_clipped_surrogate(objecti
     old = logps.detach() + torch.tensor([[0.3], [-0.4], [0.05], [0.0]], dtype=F64)
     rewards = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=F64)
     objective = objective_cls(ratio_level="sequence")
-    targets = objective.prepare(rewards, torch.tensor([[3.0, 2.0], [1.0, 3.0]], dtype=F64),
-                                3, None)
+    group_lengths = torch.tensor([[3.0, 2.0], [1.0, 3.0]], dtype=F64)
+    targets = objective.prepare(GroupInputs(rewards, group_lengths, 3, None))
     mb = _mb(logps, mask, G=2, num_rows=4, t_max=3, advantages=targets.advantages,
              weights=targets.weights, old=old)
     loss = objective.loss(mb).loss
@@ -323,7 +323,8 @@ def test_the_pass_at_k_options_are_checked():
         GRPO(advantage="passk", scale_rewards="none")
     objective = GRPO(advantage="passk", pass_k=8)
     with pytest.raises(ValueError, match=r"objective.pass_k \(8\) must be at most"):
-        objective.prepare(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), torch.ones(1, 4), 4, None)
+        objective.prepare(
+            GroupInputs(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), torch.ones(1, 4), 4, None))
 
 
 # ------------------------------------------------------------------ Clip-Cov and KL-Cov

@@ -110,7 +110,7 @@ def optimizer_step(
             continue
         # the ghost group's tokens count in no statistic
         counted = torch.zeros_like(scores.token_mask) if t.ghost else scores.token_mask
-        targets = t.targets
+        mine = t.targets.of_groups(chunk.groups, G)  # this micro-batch's groups
         correction = None
         if ctx.generation.sampler_correction is not None:
             require(t.sampler_logps is not None,
@@ -129,10 +129,8 @@ def optimizer_step(
             ref_token_logps=None if t.ref_logps is None else t.ref_logps[rows][:, :Tc],
             mask=scores.token_mask,
             entropy=entropy,
-            advantages=None if targets.advantages is None else targets.advantages[rows],
-            weights=None if targets.weights is None else targets.weights[chunk.groups],
-            candidates=None if targets.candidates is None else targets.candidates[chunk.groups],
-            answers=None if targets.answers is None else targets.answers[chunk.groups],
+            advantages=mine.advantages, weights=mine.weights, candidates=mine.candidates,
+            answers=mine.answers,
             group_size=G,
             num_rows=t.num_rows,
             num_micro_batches=real,

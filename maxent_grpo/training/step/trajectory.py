@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from maxent_grpo.core import answer_classes, distinct_candidates, droppable_groups
-from maxent_grpo.objectives import Targets, sequence_ref_loglik
+from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
 from maxent_grpo.rewards.parsing import answer_key
 from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
 from maxent_grpo.training.step.batching import MicroBatchPlan, equal_passes
@@ -207,25 +207,24 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         seq_logps = sequence_ref_loglik(behaviour, rollout.model_mask[rows], G)[: n_kept // G]
     timer.stop("frozen")
 
-    candidates = None
-    if ctx.objective.needs_candidates:  # the first occurrence of each distinct completion
-        candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
-        candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
-    answers = None
-    if ctx.objective.needs_answers:  # a sample with no answer is its own completion's class
-        answers = answer_classes(
-            [k if k is not None else ("", c) for k, c in zip(keys, pairs.completions,
-                                                             strict=True)], G
-        ).to(rewards.device)  # (B, G)
-    targets, kept_groups = prepare_targets(ctx, rewards, lengths, T_max, rho, keep, candidates,
-                                           answers, seq_logps)
+    # the first occurrence of each distinct completion; a sample with no answer is its own
+    # completion's class
+    candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
+    candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
+    answers = answer_classes(
+        [k if k is not None else ("", c) for k, c in zip(keys, pairs.completions, strict=True)],
+        G).to(rewards.device)  # (B, G)
+    inputs = GroupInputs(rewards, lengths, T_max, kept_rows(rho, keep), candidates, answers,
+                         kept_rows(seq_logps, keep))
+    targets, kept_groups = prepare_targets(ctx, inputs, keep)
     samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)
     if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
         targets = Targets(
             advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
             stats=targets.stats,
             candidates=torch.ones(1, G, dtype=torch.bool, device=rewards.device),
-            answers=None if answers is None else torch.arange(G, device=rewards.device)[None],
+            answers=None if targets.answers is None
+            else torch.arange(G, device=rewards.device)[None],
         )
     num_tokens = mask.sum() * (not ghost)
     global_tokens = ctx.gather(num_tokens).sum()
@@ -254,64 +253,44 @@ def flat_pairs(generation: GenerationBatch, raw_prompts: list[Any]) -> PromptCom
     return pairs
 
 
-def prepare_targets(
-    ctx: StepContext, rewards: Tensor, lengths: Tensor, T_max: int, rho: Tensor | None,
-    keep: Tensor, candidates: Tensor | None = None, answers: Tensor | None = None,
-    seq_logps: Tensor | None = None,
-) -> tuple[Targets, int]:
+def kept_rows(values: Tensor | None, keep: Tensor) -> Tensor | None:
+    """``(kept, G)`` values of the kept groups as ``(B, G)``, zeros in the groups left out."""
+    if values is None:
+        return None
+    return values.new_zeros((keep.shape[0], values.shape[1])).index_copy_(
+        0, keep.nonzero()[:, 0], values)
+
+
+def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tuple[Targets, int]:
     """``objective.prepare`` over the kept groups of the optimizer step's whole batch, all
     ranks together; returns this rank's kept groups' targets and the number of groups kept
     on all ranks.
 
-    ``rewards`` and ``lengths`` are this rank's ``(B, G)``; ``keep`` ``(B,)`` marks the
-    groups that take part and ``rho`` is ``(kept, G)`` or None; ``candidates`` (``(B, G)``
-    bool) and ``answers`` (``(B, G)`` answer classes), for objectives that ask for them,
-    travel with the rewards; ``seq_logps`` (``(kept, G)``, the behaviour policy's mean token
-    log-probs) like ``rho``. With W > 1 ranks every
-    rank's tensors are gathered (every rank has the same B), the kept groups of all ``W*B``
-    are prepared at once, exactly as one process given the same prompts would
-    (``scale_rewards="batch"``, ``targets.stats``), and each rank keeps the targets of its
-    own (rank ``r``'s kept groups follow those of ranks ``0..r-1``).
+    ``inputs`` holds this rank's ``(B, G)`` tensors and ``keep`` ``(B,)`` marks the groups
+    that take part. With W > 1 ranks every rank's inputs are gathered (every rank has the
+    same B), the kept groups of all ``W*B`` are prepared at once, exactly as one process
+    given the same prompts would (``scale_rewards="batch"``, ``targets.stats``), and each
+    rank keeps the targets of its own (rank ``r``'s kept groups follow those of ranks
+    ``0..r-1``).
     """
-    world = ctx.world_size
-    every = {"rewards": rewards, "lengths": lengths, "keep": keep}
-    if candidates is not None:
-        every["candidates"] = candidates
-    if answers is not None:
-        every["answers"] = answers
-    for name, kept_only in (("rho", rho), ("seq_logps", seq_logps)):
-        if kept_only is not None:
-            every[name] = kept_only.new_zeros(rewards.shape).index_copy_(
-                0, keep.nonzero()[:, 0], kept_only)
+    world, B = ctx.world_size, keep.shape[0]
+    every = {**inputs.tensors(), "keep": keep}
     start = 0
     if world > 1:
-        B = rewards.shape[0]
         every = {k: v.reshape(world * B, -1) for k, v in ctx.gather(every).items()}
         every["keep"] = every["keep"].reshape(-1)
         start = int(every["keep"][: ctx.rank * B].sum())
-    sel = every["keep"]
+    sel = every.pop("keep")
     kept_total = int(sel.sum()) if ctx.generation.drop_constant_groups else sel.numel()
     if kept_total == 0:
         return Targets(), 0
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
-    extra = {name: every[name] for name in ("answers", "seq_logps") if name in every}
-    targets = ctx.objective.prepare(
-        every["rewards"], every["lengths"], T_max, every.get("rho"), every.get("candidates"),
-        **extra)
+    targets = ctx.objective.prepare(inputs.with_tensors(every))
     if world == 1:
         return targets, kept_total
     mine = slice(start, start + int(keep.sum()))
-    adv, w, cand, q = targets.advantages, targets.weights, targets.candidates, targets.q
-    G = rewards.shape[1]
-    return Targets(
-        advantages=None if adv is None else adv.view(kept_total, G)[mine].reshape(-1),
-        weights=None if w is None else w[mine],
-        stats=targets.stats,
-        candidates=None if cand is None else cand[mine],
-        q=None if q is None else q[mine],
-        answers=None if targets.answers is None else targets.answers[mine],
-    ), kept_total
+    return targets.of_groups(mine, inputs.rewards.shape[1]), kept_total
 
 
 def rollout_samples(
