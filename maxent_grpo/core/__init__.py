@@ -22,6 +22,7 @@ from maxent_grpo.core.advantages import (
     unlikeliness_rewards,
     zero_std_fraction,
 )
+from maxent_grpo.core.at_k import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.control import (
     BetaUpdate,
     MetaUpdate,
@@ -41,7 +42,6 @@ from maxent_grpo.core.divergence import (
     kl_penalty,
     sampler_correction_weights,
 )
-from maxent_grpo.core.evaluation import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.core.listwise import (
     answer_maxent_weights,

@@ -6,7 +6,7 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
     trajectory = collect(ctx, batch)               # training/step/trajectory.py
         rollout   = engine.generate(prompts, G)    #   rollout/ (model.engine)
         rewards   = sum_k w_k R_k(completions)     #   rewards/  -> (B, G)
-        ref, old  = frozen log-probs if needed     #   training/step/scoring.py
+        ref, old  = frozen log-probs if needed     #   training/step/token_logps.py
         targets   = objective.prepare(rewards)     #   objectives/ (advantages / weights)
     repeat num_iterations times:                   # training/step/optimise.py
         for each micro-batch of whole groups:
@@ -59,10 +59,10 @@ from maxent_grpo.training.step.optimise import (
 )
 from maxent_grpo.training.step.pipeline import RolloutPipeline, check_staleness
 from maxent_grpo.training.step.refill import refill_source
-from maxent_grpo.training.step.scoring import Scorer
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
 from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.timing import StepTimer
+from maxent_grpo.training.step.token_logps import Scorer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
 from maxent_grpo.training.types.runtime import detached_controllers
@@ -146,7 +146,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         dtype: parameter dtype of the policy and reference.
         gradient_checkpointing: trade compute for memory in the policy forward.
         fused_lm_head: the LM head fused into the log-softmax, so the ``(n, T, V)`` logits
-            never exist (:mod:`maxent_grpo.training.step.scoring`). ``None``: on CUDA for
+            never exist (:mod:`maxent_grpo.training.step.token_logps`). ``None``: on CUDA for
             models that qualify; ``true``: required; ``false``: never.
         peft: train ``peft`` adapters instead of all weights (``class_path: peft.LoraConfig``
             with ``r``, ``lora_alpha``, ``target_modules``; :mod:`maxent_grpo.adapters`):

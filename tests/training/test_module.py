@@ -66,7 +66,7 @@ def test_every_objective_trains(cache_dir, objective, needs_ref):
 def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatch):
     """One step with the whole batch equals one step in micro-batches: one group each, or
     packed by a token budget (groups re-ordered by length, columns trimmed)."""
-    import maxent_grpo.training.step.scoring as module_file
+    import maxent_grpo.training.step.token_logps as module_file
 
     plans: list[int] = []
     real_plan = module_file.plan_micro_batches

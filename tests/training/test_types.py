@@ -304,7 +304,7 @@ def test_batching_settings_validation() -> None:
 
 
 def test_the_scorer_refuses_the_batching_it_does_not_have() -> None:
-    from maxent_grpo.training.step.scoring import Scorer
+    from maxent_grpo.training.step.token_logps import Scorer
 
     Scorer(1.0, BatchingSettings(None, None))
     for overrides in ({"slice_prefetch": 2}, {"prompt_cache_size": 8},

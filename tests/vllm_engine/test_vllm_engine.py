@@ -21,7 +21,7 @@ pytest.importorskip("vllm.entrypoints.llm")  # the real package, not a folder na
 
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
 from maxent_grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from maxent_grpo.training.step.scoring import Scorer  # noqa: E402
+from maxent_grpo.training.step.token_logps import Scorer  # noqa: E402
 from maxent_grpo.training.types import BatchingSettings  # noqa: E402
 from tests.conftest import fit, make_data, make_module  # noqa: E402
 

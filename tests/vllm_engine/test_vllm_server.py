@@ -57,7 +57,7 @@ def engine_on(server, cache, **kw):
 
 
 def test_a_rollout_follows_the_contract_with_the_policys_logps(server, cache):
-    from maxent_grpo.training.step.scoring import Scorer
+    from maxent_grpo.training.step.token_logps import Scorer
     from maxent_grpo.training.types import BatchingSettings
 
     engine = engine_on(server, cache, probe_tolerance=1e-4)

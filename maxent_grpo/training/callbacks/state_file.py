@@ -47,7 +47,7 @@ STATE_FILENAME = "controller_state.json"
 STATE_KEYS = ("beta", "tau", "tau_log", "tau_entropy_ema", "meta")
 
 
-class Controller(Protocol):
+class FileBackedController(Protocol):
     """What the file needs of a controller (:class:`~maxent_grpo.training.callbacks.base.
     Controller` satisfies it)."""
 
@@ -103,7 +103,9 @@ def read_controller_state(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def build_snapshot(objective: Objective, controllers: Sequence[Controller]) -> dict[str, Any]:
+def build_snapshot(
+    objective: Objective, controllers: Sequence[FileBackedController]
+) -> dict[str, Any]:
     """The file's content: tau / beta from the objective (``null`` unless tunable), each
     controller's own state through its ``file_fields``."""
     tau = float(objective.tau) if "tau" in objective.tunable else None
@@ -123,7 +125,8 @@ def build_snapshot(objective: Objective, controllers: Sequence[Controller]) -> d
 
 
 def apply_snapshot(
-    state: dict[str, Any], path: str, objective: Objective, controllers: Sequence[Controller]
+    state: dict[str, Any], path: str, objective: Objective,
+    controllers: Sequence[FileBackedController],
 ) -> None:
     """Restore a :func:`read_controller_state` result: each controller's own state, and the
     objective attributes it moves (``controller.moves``: ``tau`` / ``beta``).
@@ -133,7 +136,7 @@ def apply_snapshot(
     naming the file and the key, and leaves the objective and the controllers as they were.
     """
     moved: dict[str, float] = {}
-    own: list[tuple[Controller, dict[str, Any]]] = []
+    own: list[tuple[FileBackedController, dict[str, Any]]] = []
     for controller in controllers:
         for name in controller.moves:
             moved[name] = _value(state, name, path, required=True)

@@ -3,7 +3,7 @@
 Lightning-free. The :class:`Evaluator` samples ``n`` completions per prompt (plus one
 greedy one), grades them with the training rewards and keeps one :class:`PromptRecord` per
 prompt; :func:`evaluation_metrics` turns the epoch's records into exact means over its
-prompts (:func:`maxent_grpo.core.evaluation.aggregate`):
+prompts (:func:`maxent_grpo.core.at_k.aggregate`):
 
 - ``{prefix}/pass@k``, ``{prefix}/mean@k``, ``{prefix}/distinct@k`` for every ``k``;
 - ``{prefix}/distinct_correct@k``: distinct correct answers among ``k`` samples (in the
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from maxent_grpo.core.evaluation import aggregate, answer_entropy
+from maxent_grpo.core.at_k import aggregate, answer_entropy
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rewards.parsing import (
     canonical_answer,
@@ -42,7 +42,7 @@ from maxent_grpo.rollout import (
     SamplingSettings,
 )
 from maxent_grpo.training.settings import EvaluationSettings
-from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments
+from maxent_grpo.training.step.metrics import RewardComponents, RewardMomentsMetric
 from maxent_grpo.training.step.trajectory import flat_pairs
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
@@ -161,7 +161,7 @@ class Evaluator(torch.nn.Module):
         super().__init__()
         self.rewards = rewards
         self.settings = settings
-        self.reward = RewardMoments()
+        self.reward = RewardMomentsMetric()
         self.components = RewardComponents(rewards.names)
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
 

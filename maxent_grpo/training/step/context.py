@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from maxent_grpo.rewards import WeightedRewards
     from maxent_grpo.rollout import RolloutEngine
     from maxent_grpo.training.settings import GenerationSettings, ScheduleSettings
-    from maxent_grpo.training.step.scoring import Scorer
+    from maxent_grpo.training.step.token_logps import Scorer
 
 
 @dataclass

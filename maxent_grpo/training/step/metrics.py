@@ -30,12 +30,11 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric
 
 from maxent_grpo.core import constant_groups
-from maxent_grpo.training.types import RewardComponentStats, TokenUsageStats
-from maxent_grpo.training.types import RewardMoments as RewardMomentsSummary
+from maxent_grpo.training.types import RewardComponentStats, RewardMoments, TokenUsageStats
 
 __all__ = [
     "RewardComponents",
-    "RewardMoments",
+    "RewardMomentsMetric",
     "TokenMean",
     "TokenUsage",
     "divide_or_nan",
@@ -122,7 +121,7 @@ def _int64(value: int) -> Tensor:
     return torch.tensor(value, dtype=torch.int64)
 
 
-class RewardMoments(Metric):
+class RewardMomentsMetric(Metric):
     """Moments of the total sequence reward over every (prompt, generation) seen.
 
     ``update(rewards)`` takes the (B, G) total rewards of one micro-batch. ``compute()``
@@ -185,10 +184,10 @@ class RewardMoments(Metric):
             "zero_std_frac": divide_or_nan(self.num_constant_groups, self.num_groups),
         }
 
-    def summary(self) -> RewardMomentsSummary:
+    def summary(self) -> RewardMoments:
         """The :class:`maxent_grpo.training.types.RewardMoments` (mean, std) of :meth:`compute`."""
         values = self.compute()
-        return RewardMomentsSummary(mean=float(values["mean"]), std=float(values["std"]))
+        return RewardMoments(mean=float(values["mean"]), std=float(values["std"]))
 
 
 class RewardComponents(Metric):

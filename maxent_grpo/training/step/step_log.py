@@ -21,9 +21,14 @@ import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 
-from maxent_grpo.core.evaluation import answer_entropy
+from maxent_grpo.core.at_k import answer_entropy
 from maxent_grpo.rollout.toolcall import FAILURE_KINDS
-from maxent_grpo.training.step.metrics import RewardComponents, RewardMoments, TokenMean, TokenUsage
+from maxent_grpo.training.step.metrics import (
+    RewardComponents,
+    RewardMomentsMetric,
+    TokenMean,
+    TokenUsage,
+)
 from maxent_grpo.training.types import (
     LoggingConfigView,
     LogStepArtifacts,
@@ -69,7 +74,7 @@ class StepMetrics(torch.nn.Module):
         super().__init__()
         self.reward_names = list(reward_names)
         self.evaluation = evaluation
-        self.reward = RewardMoments()
+        self.reward = RewardMomentsMetric()
         self.components = RewardComponents(reward_names)
         self.tokens = TokenUsage()
         self.means = torch.nn.ModuleDict()  # token-weighted means, created on first use

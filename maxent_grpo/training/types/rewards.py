@@ -122,7 +122,7 @@ class SequenceScores:
     """Log-probability scores of N scored completions (one micro-batch of whole groups,
     prompt-major) under the current policy, and the behaviour policy's they are compared
     with. Built by :meth:`of` in the optimiser's forward pass
-    (:meth:`~maxent_grpo.training.step.scoring.Scorer.policy_scores`).
+    (:meth:`~maxent_grpo.training.step.token_logps.Scorer.policy_scores`).
 
     The behaviour policy is the one that sampled the completions: the engine's own sampler
     where it reports its log-probs (the vLLM engines), else the policy as it was when it
@@ -242,7 +242,7 @@ class BatchingSettings:
     trainer does not have: it scores each micro-batch's ``[prompt | completion]`` rows as
     the rollout tokenized them, cut to the micro-batch's own longest prompt and
     completion. They hold their defaults; the scorer refuses other values
-    (:class:`~maxent_grpo.training.step.scoring.Scorer`) rather than ignore them.
+    (:class:`~maxent_grpo.training.step.token_logps.Scorer`) rather than ignore them.
 
     Attributes:
         logprob_chunk_size: sequences per forward pass, ``G * model.micro_batch_groups``.

@@ -19,7 +19,7 @@ from torchmetrics import Metric
 from maxent_grpo.training import types
 from maxent_grpo.training.step.metrics import (
     RewardComponents,
-    RewardMoments,
+    RewardMomentsMetric,
     TokenMean,
     TokenUsage,
     divide_or_nan,
@@ -100,13 +100,13 @@ def test_divide_or_nan() -> None:
     assert float(out[0]) == 0.5 and math.isnan(out[1]) and math.isnan(out[2])
 
 
-# ------------------------------------------------------------------------------ RewardMoments
+# ------------------------------------------------------------------------------ RewardMomentsMetric
 
 
 def test_reward_moments_hand_values() -> None:
     # rewards 0, 1, 1, 1: mean 3/4; squared deviations 9/16 + 3 * 1/16 = 3/4; / (n-1) = 1/4
     rewards = torch.tensor([[0.0, 1.0], [1.0, 1.0]])
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     metric.update(rewards)
     out = values_of(metric.compute())
     assert out == {"mean": 0.75, "std": 0.5, "min": 0.0, "max": 1.0, "zero_std_frac": 0.5}
@@ -115,7 +115,7 @@ def test_reward_moments_hand_values() -> None:
 
 
 def test_reward_moments_summary_dataclass() -> None:
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     metric.update(torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
     summary = metric.summary()
     assert isinstance(summary, types.RewardMoments)
@@ -129,7 +129,7 @@ REWARDS_ALL = torch.cat([REWARDS_A, REWARDS_B])
 
 
 def whole_reward_moments() -> dict[str, float]:
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     metric.update(REWARDS_ALL)
     return values_of(metric.compute())
 
@@ -148,7 +148,7 @@ def test_reward_moments_whole_matches_naive_formulas() -> None:
 
 
 def test_reward_moments_micro_batches_are_exact_not_average_of_averages() -> None:
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     metric.update(REWARDS_A)
     metric.update(REWARDS_B)
     whole = whole_reward_moments()
@@ -160,7 +160,7 @@ def test_reward_moments_micro_batches_are_exact_not_average_of_averages() -> Non
 
 
 def test_reward_moments_merge_state_across_ranks() -> None:
-    rank0, rank1 = RewardMoments(), RewardMoments()
+    rank0, rank1 = RewardMomentsMetric(), RewardMomentsMetric()
     rank0.update(REWARDS_A)
     rank1.update(REWARDS_B)
     rank0.merge_state(rank1)
@@ -168,7 +168,7 @@ def test_reward_moments_merge_state_across_ranks() -> None:
 
 
 def test_reward_moments_simulated_ddp_sync() -> None:
-    rank0, rank1 = two_ranks(RewardMoments)
+    rank0, rank1 = two_ranks(RewardMomentsMetric)
     rank0.update(REWARDS_A)
     rank1.update(REWARDS_B)
     assert_same(values_of(rank0.compute()), whole_reward_moments())
@@ -177,7 +177,7 @@ def test_reward_moments_simulated_ddp_sync() -> None:
 
 
 def test_reward_moments_rank_without_data_does_not_disturb_min_max() -> None:
-    rank0, rank1 = two_ranks(RewardMoments)
+    rank0, rank1 = two_ranks(RewardMomentsMetric)
     rank0.update(REWARDS_B)
     out = values_of(rank0.compute())
     assert (out["min"], out["max"]) == (0.0, 1.0)  # rank 1's +inf / -inf sentinels ignored
@@ -185,7 +185,7 @@ def test_reward_moments_rank_without_data_does_not_disturb_min_max() -> None:
 
 
 def test_reward_moments_forward_returns_batch_value_and_accumulates() -> None:
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     batch_a = values_of(metric(REWARDS_A))
     assert batch_a["mean"] == 0.0
     batch_b = values_of(metric(REWARDS_B))
@@ -194,7 +194,7 @@ def test_reward_moments_forward_returns_batch_value_and_accumulates() -> None:
 
 
 def test_reward_moments_empty_is_nan() -> None:
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     out = quiet_compute(metric)
     assert all(math.isnan(v) for v in out.values()), out
     metric.update(torch.zeros(0, 4))  # zero groups: no-op
@@ -206,7 +206,7 @@ def test_reward_moments_empty_is_nan() -> None:
 
 
 def test_reward_moments_single_reward_has_nan_std() -> None:
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     metric.update(torch.tensor([[0.25]]))
     out = values_of(metric.compute())
     assert out["mean"] == 0.25 and math.isnan(out["std"])
@@ -226,14 +226,14 @@ def test_reward_moments_single_reward_has_nan_std() -> None:
 )
 def test_reward_moments_rejects_bad_input(rewards: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RewardMoments().update(rewards)  # type: ignore[arg-type]
+        RewardMomentsMetric().update(rewards)  # type: ignore[arg-type]
 
 
 def test_a_bf16_cast_before_any_data_keeps_float64_sums() -> None:
     """What ``bf16-true`` precision does to a whole module: the states (still defaults) are
     upcast back at the first update, every step (reset restores cast defaults), so the
     values equal float64 ones; a cast after data arrived is refused."""
-    metric = RewardMoments()
+    metric = RewardMomentsMetric()
     metric.to(dtype=torch.bfloat16)
     assert metric.total.dtype == torch.bfloat16
     for _ in range(2):
@@ -484,7 +484,7 @@ def test_token_mean_rejects_bad_input(call: Callable[[TokenMean], None], match: 
 @pytest.mark.parametrize(
     ("make", "higher_is_better"),
     [
-        (RewardMoments, True),
+        (RewardMomentsMetric, True),
         (lambda: RewardComponents(["a"]), True),
         (TokenUsage, None),
         (TokenMean, None),

@@ -10,8 +10,8 @@ from fractions import Fraction
 
 import pytest
 
-import maxent_grpo.core.evaluation as evaluation
-from maxent_grpo.core.evaluation import (
+import maxent_grpo.core.at_k as at_k
+from maxent_grpo.core.at_k import (
     aggregate,
     coverage_at_k,
     distinct_at_k,
@@ -30,7 +30,7 @@ def _subsets_mean(values: list, k: int, metric) -> float:
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(evaluation)
+    result = doctest.testmod(at_k)
     assert result.failed == 0 and result.attempted > 0
 
 
