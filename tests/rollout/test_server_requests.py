@@ -1,0 +1,153 @@
+"""The server engine's request faults against real HTTP servers on free localhost ports
+(stand-ins for ``vllm serve`` that answer only the routes a request uses): a generation
+request that takes longer than ``request_timeout`` is given up and sent to another server;
+when every server keeps timing out the step stops after ``retry_seconds`` with the
+time-out named; a refused request (400) is not retried. The tests with real vLLM servers
+are in ``tests/vllm_engine/test_vllm_server.py``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from maxent_grpo.rollout.server_weights import ServerError, _Server  # noqa: E402
+from maxent_grpo.rollout.vllm_server import VLLMServerEngine  # noqa: E402
+
+TOKENS, LOGPS = [5, 6, 7], [-0.5, -0.25, -1.0]
+
+
+class StandIn:
+    """One stand-in server: ``/health``, ``/weight_info`` (version 0) and
+    ``/v1/completions``, which waits ``hold`` seconds (until released) or answers
+    ``status`` at once."""
+
+    def __init__(self, hold: float = 0.0, status: int = 200) -> None:
+        self.hold, self.status, self.calls = hold, status, []
+        self.release = threading.Event()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up
+                    pass
+
+            def do_GET(self) -> None:
+                stand_in.calls.append(self.path)
+                if self.path == "/weight_info":
+                    self.answer(200, {"weight_version": "0"})
+                else:
+                    self.answer(200, {})
+
+            def do_POST(self) -> None:
+                stand_in.calls.append(self.path)
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if stand_in.hold:
+                    stand_in.release.wait(stand_in.hold)
+                if stand_in.status != 200:
+                    self.answer(stand_in.status, {"error": "bad request"})
+                    return
+                self.answer(200, {"choices": [{"token_ids": TOKENS, "finish_reason": "length",
+                                               "logprobs": {"token_logprobs": LOGPS}}]})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # a free port
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def stand_ins():
+    made: list[StandIn] = []
+
+    def make(**kwargs) -> StandIn:
+        made.append(StandIn(**kwargs))
+        return made[-1]
+
+    yield make
+    for stand_in in made:
+        stand_in.close()
+
+
+@pytest.fixture
+def engine_on():
+    """The engine's request path over these servers (``__init__``'s checks of a real vLLM
+    server, its model and its weights left out)."""
+    made: list[VLLMServerEngine] = []
+
+    def make(servers: list[StandIn], request_timeout: float, retry_seconds: float):
+        engine = object.__new__(VLLMServerEngine)
+        engine.servers = [_Server(s.url) for s in servers]
+        engine.request_timeout, engine.retry_seconds = request_timeout, retry_seconds
+        engine._http = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=5.0))
+        engine._lock, engine._round_robin = threading.Lock(), itertools.count()
+        engine.version, engine._file, engine._file_info = 0, None, None
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine._http.close()
+
+
+BODY = {"model": "m", "prompt": [1, 2], "n": 1, "max_tokens": 3}
+
+
+def test_a_request_past_its_time_out_goes_to_another_server(stand_ins, engine_on):
+    slow, fast = stand_ins(hold=30.0), stand_ins()
+    engine = engine_on([slow, fast], request_timeout=0.5, retry_seconds=30.0)
+    start = time.monotonic()
+    out = engine._complete(dict(BODY), index=0)  # index 0: the slow server first
+    elapsed = time.monotonic() - start
+    assert out == [(TOKENS, LOGPS)]
+    assert slow.calls == ["/v1/completions"] and fast.calls == ["/v1/completions"]
+    assert not engine.servers[0].healthy and engine.servers[1].healthy
+    assert elapsed < 15.0  # given up after its time-out, not after the server's 30 s
+
+
+def test_a_request_that_always_times_out_stops_after_retry_seconds(stand_ins, engine_on):
+    slow = stand_ins(hold=30.0)
+    engine = engine_on([slow], request_timeout=0.3, retry_seconds=1.0)
+    start = time.monotonic()
+    with pytest.raises(ServerError) as caught:
+        engine._complete(dict(BODY), index=0)
+    elapsed = time.monotonic() - start
+    message = str(caught.value)
+    assert "within retry_seconds (1 s)" in message and slow.url in message
+    assert "ReadTimeout" in message  # the cause is named, not only "failed"
+    assert "--ckpt_path last" in message
+    # after the first time-out the server answered /health again and was tried again
+    assert slow.calls.count("/v1/completions") >= 2 and "/health" in slow.calls
+    assert elapsed < 20.0
+
+
+def test_a_refused_request_is_not_sent_again(stand_ins, engine_on):
+    refusing, fast = stand_ins(status=400), stand_ins()
+    engine = engine_on([refusing, fast], request_timeout=5.0, retry_seconds=30.0)
+    with pytest.raises(ServerError, match="answered 400") as caught:
+        engine._complete(dict(BODY), index=0)
+    assert caught.value.status == 400
+    assert fast.calls == []  # retrying a bad request elsewhere cannot help
