@@ -2,8 +2,10 @@
 (stand-ins for ``vllm serve`` that answer only the routes a request uses): a generation
 request that takes longer than ``request_timeout`` is given up and sent to another server;
 when every server keeps timing out the step stops after ``retry_seconds`` with the
-time-out named; a refused request (400) is not retried. The tests with real vLLM servers
-are in ``tests/vllm_engine/test_vllm_server.py``."""
+time-out named; a refused request (400) is not retried; a restarted server that several
+threads revive at once gets the weights once, and a rank without the weights file (every
+rank but 0) leaves the revival to rank 0. The tests with real vLLM servers are in
+``tests/vllm_engine/test_vllm_server.py``."""
 
 from __future__ import annotations
 
@@ -24,12 +26,15 @@ TOKENS, LOGPS = [5, 6, 7], [-0.5, -0.25, -1.0]
 
 
 class StandIn:
-    """One stand-in server: ``/health``, ``/weight_info`` (version 0) and
-    ``/v1/completions``, which waits ``hold`` seconds (until released) or answers
-    ``status`` at once."""
+    """One stand-in server: ``/health``, ``/weight_info`` (``version``), the weight-update
+    routes (``/finish_weight_update`` sets the version, after ``update_seconds``) and
+    ``/v1/completions``, which waits ``hold`` seconds (until released) or answers ``status``
+    at once."""
 
-    def __init__(self, hold: float = 0.0, status: int = 200) -> None:
+    def __init__(self, hold: float = 0.0, status: int = 200, version: str = "0",
+                 update_seconds: float = 0.0) -> None:
         self.hold, self.status, self.calls = hold, status, []
+        self.version, self.update_seconds = version, update_seconds
         self.release = threading.Event()
         stand_in = self
 
@@ -51,13 +56,22 @@ class StandIn:
             def do_GET(self) -> None:
                 stand_in.calls.append(self.path)
                 if self.path == "/weight_info":
-                    self.answer(200, {"weight_version": "0"})
+                    self.answer(200, {"weight_version": stand_in.version})
                 else:
                     self.answer(200, {})
 
             def do_POST(self) -> None:
-                stand_in.calls.append(self.path)
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                path = self.path.split("?")[0]
+                stand_in.calls.append(path)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                                  or b"{}")
+                if path == "/update_weights":
+                    time.sleep(stand_in.update_seconds)  # a transfer takes a while
+                if path == "/finish_weight_update" and "weight_version" in body:
+                    stand_in.version = body["weight_version"]
+                if path != "/v1/completions":
+                    self.answer(200, {})
+                    return
                 if stand_in.hold:
                     stand_in.release.wait(stand_in.hold)
                 if stand_in.status != 200:
@@ -105,6 +119,7 @@ def engine_on():
         engine._http = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=5.0))
         engine._lock, engine._round_robin = threading.Lock(), itertools.count()
         engine.version, engine._file, engine._file_info = 0, None, None
+        engine._last_weights = None
         made.append(engine)
         return engine
 
@@ -151,3 +166,38 @@ def test_a_refused_request_is_not_sent_again(stand_ins, engine_on):
         engine._complete(dict(BODY), index=0)
     assert caught.value.status == 400
     assert fast.calls == []  # retrying a bad request elsewhere cannot help
+
+
+def test_a_restarted_server_revived_by_several_threads_gets_the_weights_once(
+    stand_ins, engine_on, tmp_path,
+):
+    """Rank 0's request threads find the same restarted server (it holds the weights it
+    started with) and revive it at once: one transfer, and every thread sees it live."""
+    restarted = stand_ins(version="default", update_seconds=0.5)
+    engine = engine_on([restarted], request_timeout=10.0, retry_seconds=30.0)
+    engine.version = 3
+    engine._file = str(tmp_path / "v3.safetensors")
+    open(engine._file, "wb").close()
+    engine._file_info = {"num_tensors": 1, "num_bytes": 0}
+    engine.servers[0].healthy, engine.servers[0].version = False, "3"  # as it died
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(
+        engine._revive(engine.servers[0]))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == [True] * 4
+    assert restarted.calls.count("/update_weights") == 1
+    assert restarted.version == "3" and engine.servers[0].healthy
+
+
+def test_a_rank_without_the_weights_file_leaves_the_revival_to_rank_0(stand_ins, engine_on):
+    restarted = stand_ins(version="default")
+    engine = engine_on([restarted], request_timeout=10.0, retry_seconds=30.0)
+    engine.version = 3  # _file is None: only rank 0 writes it
+    engine.servers[0].healthy = False
+    assert not engine._revive(engine.servers[0])
+    assert "/update_weights" not in restarted.calls and not engine.servers[0].healthy
+    restarted.version = "3"  # rank 0 sent them meanwhile
+    assert engine._revive(engine.servers[0]) and engine.servers[0].healthy
