@@ -202,8 +202,8 @@ class ServerWeights:
             held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
         except ServerError:
             return False
-        if held != str(self.version):
-            if self._file is None or not os.path.exists(self._file):
+        if held != str(self.version):  # rank 0 alone sends (one transfer per server)
+            if _rank() != 0 or self._file is None or not os.path.exists(self._file):
                 return False
             try:
                 with server.lock:  # a restarted server needs the transfer engine again

@@ -3,8 +3,8 @@
 request that takes longer than ``request_timeout`` is given up and sent to another server;
 when every server keeps timing out the step stops after ``retry_seconds`` with the
 time-out named; a refused request (400) is not retried; a restarted server that several
-threads revive at once gets the weights once, and a rank without the weights file (every
-rank but 0) leaves the revival to rank 0. The tests with real vLLM servers are in
+threads revive at once gets the weights once, and every rank but 0 leaves the
+revival to rank 0. The tests with real vLLM servers are in
 ``tests/vllm_engine/test_vllm_server.py``."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ BODY = {"model": "m", "prompt": [1, 2], "n": 1, "max_tokens": 3}
 
 def test_a_request_past_its_time_out_goes_to_another_server(stand_ins, engine_on):
     slow, fast = stand_ins(hold=30.0), stand_ins()
-    engine = engine_on([slow, fast], request_timeout=0.5, retry_seconds=30.0)
+    engine = engine_on([slow, fast], request_timeout=2.0, retry_seconds=30.0)
     start = time.monotonic()
     out = engine._complete(dict(BODY), index=0)  # index 0: the slow server first
     elapsed = time.monotonic() - start
@@ -192,12 +192,22 @@ def test_a_restarted_server_revived_by_several_threads_gets_the_weights_once(
     assert restarted.version == "3" and engine.servers[0].healthy
 
 
-def test_a_rank_without_the_weights_file_leaves_the_revival_to_rank_0(stand_ins, engine_on):
+def test_a_rank_other_than_0_leaves_the_revival_to_rank_0(stand_ins, engine_on, tmp_path,
+                                                          monkeypatch):
+    """Every rank knows rank 0's weights file (a shared /dev/shm), but only rank 0 sends:
+    two processes updating one server at once would collide."""
+    from maxent_grpo.rollout import server_weights
+
     restarted = stand_ins(version="default")
     engine = engine_on([restarted], request_timeout=10.0, retry_seconds=30.0)
-    engine.version = 3  # _file is None: only rank 0 writes it
+    engine.version = 3
+    engine._file = str(tmp_path / "v3.safetensors")
+    open(engine._file, "wb").close()
+    engine._file_info = {"num_tensors": 1, "num_bytes": 0}
     engine.servers[0].healthy = False
+    monkeypatch.setattr(server_weights, "_rank", lambda: 1)
     assert not engine._revive(engine.servers[0])
-    assert "/update_weights" not in restarted.calls and not engine.servers[0].healthy
+    assert not {"/pause", "/update_weights"} & set(restarted.calls)
+    assert not engine.servers[0].healthy
     restarted.version = "3"  # rank 0 sent them meanwhile
     assert engine._revive(engine.servers[0]) and engine.servers[0].healthy
