@@ -309,7 +309,8 @@ def answer_listwise_loss(
     is shared among its completions in proportion to the policy. With one candidate row
     per class it is :func:`listwise_loss` over the candidates.
     """
-    from maxent_grpo.core.listwise import check_answer_classes, class_logsumexp
+    from maxent_grpo.core.advantages import check_answer_classes
+    from maxent_grpo.core.listwise import class_logsumexp
 
     scores, w = _check_group_weights(seq_logps, weights)
     check_answer_classes(answers, candidates)

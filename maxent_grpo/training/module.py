@@ -7,7 +7,7 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
         rollout   = engine.generate(prompts, G)    #   rollout/ (model.engine)
         rewards   = sum_k w_k R_k(completions)     #   rewards/  -> (B, G)
         ref, old  = frozen log-probs if needed     #   training/step/token_logps.py
-        targets   = objective.prepare(rewards)     #   objectives/ (advantages / weights)
+        targets   = objective.prepare(inputs)      #   objectives/ (advantages / weights)
     repeat num_iterations times:                   # training/step/optimise.py
         for each micro-batch of whole groups:
             logps = log pi_theta(completion)       #   SequenceScores, with grad

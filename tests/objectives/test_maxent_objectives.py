@@ -77,6 +77,11 @@ def test_listwise_targets_carry_q() -> None:
     targets = obj.prepare(GroupInputs(rewards, ones, 4, None, cand))
     assert torch.equal(targets.q, core.q_distribution(rewards, obj.q_temperature, 1e-6, cand))
     assert torch.equal(targets.candidates, cand)
+    # the trainer always gives the candidates: without distinct_candidates they are ignored
+    plain = ListwiseMaxEnt(tau=0.5)
+    given = plain.prepare(GroupInputs(rewards, ones, 4, None, cand))
+    assert given.candidates is None
+    assert torch.equal(given.weights, plain.prepare(GroupInputs(rewards, ones, 4, None)).weights)
     # the other objectives have no target distribution
     assert GRPO().prepare(GroupInputs(rewards, ones, 4, None)).q is None
     assert GroupMaxEnt().prepare(GroupInputs(rewards, ones, 4, None)).q is None

@@ -10,7 +10,7 @@
     answers  = canonical answers, their classes per group  # answer statistics, answer_level
     ref      = log pi_ref(completion)   if needed          # (N, T), no grad
     old      = log pi_old(completion)   if num_iterations > 1
-    targets  = objective.prepare(rewards, lengths, rho)    # over the kept groups of all ranks
+    targets  = objective.prepare(GroupInputs(...))         # over the kept groups of all ranks
 
 ``N`` counts the rows that take part on this rank: the ``G`` rows of every kept group, or,
 on a rank that keeps none while others do (DDP), one "ghost" group scored at weight zero so
