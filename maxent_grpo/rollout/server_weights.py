@@ -83,16 +83,7 @@ class ServerWeights:
         if self._folder is None:
             base = self._transfer_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
             self._folder = tempfile.mkdtemp(prefix="maxent_grpo_weights_", dir=base)
-        tensors, seen = {}, set()
-        for name, t in weights:
-            # a tied tensor once (the embedding, not again as the output layer): the served
-            # model ties it too, and vLLM skips the second name; the server checks that every
-            # parameter of its model received a tensor
-            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-            if t.numel() and key in seen:
-                continue
-            seen.add(key)
-            tensors[name] = t.detach().to("cpu").contiguous().clone()
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in weights}
         path = os.path.join(self._folder, f"v{self.version}-{uuid.uuid4().hex[:8]}.safetensors")
         save_file(tensors, path + ".part")
         os.replace(path + ".part", path)

@@ -16,7 +16,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 
@@ -212,26 +211,3 @@ def test_a_rank_other_than_0_leaves_the_revival_to_rank_0(stand_ins, engine_on, 
     assert not engine.servers[0].healthy
     restarted.version = "3"  # rank 0 sent them meanwhile
     assert engine._revive(engine.servers[0]) and engine.servers[0].healthy
-
-
-def test_the_weights_file_holds_a_tied_tensor_once(tmp_path) -> None:
-    """The tied output layer is not written a second time (the served model ties it too;
-    SmolLM2-135M's file was 651 MB with it written twice); every other tensor is written,
-    with its values, and an untied copy of the same values is kept."""
-    from types import SimpleNamespace
-
-    from safetensors.torch import load_file
-
-    from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
-    from maxent_grpo.rollout.server_weights import ServerWeights
-
-    model, _ = builtin_tiny_model_and_tokenizer()
-    state = model.state_dict()
-    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
-    weights = [*state.items(), ("extra.copy", state["model.embed_tokens.weight"].clone())]
-    holder = SimpleNamespace(_folder=None, _transfer_dir=str(tmp_path), version=3)
-    path, info = ServerWeights._write_weights(holder, weights)
-    written = load_file(path)
-    assert set(written) == set(state) - {"lm_head.weight"} | {"extra.copy"}
-    assert info["num_tensors"] == len(written)
-    assert all(torch.equal(written[n], t) for n, t in weights if n in written)
