@@ -7,13 +7,14 @@ same shape. Writes the per-step means over the last ``--window`` steps.
         --out benchmarks/results/server_overlap.json
     .venv-vllm/bin/python benchmarks/server_overlap.py --model builtin:smollm2-135m-instruct \
         --steps 5 --window 3 --pinning pinned --colocated \
-        --set data.task=countdown data.batch_size=8 model.num_generations=4 \
-              model.max_completion_length=64 data.max_prompt_length=128 \
+        --set data.batch_size=8 model.num_generations=4 model.max_completion_length=64 \
+              data.max_prompt_length=128 \
         --out benchmarks/results/server_overlap_smollm2.json
 
 The shape is ``configs/tiny_vllm_server.yaml``'s unless ``--set`` changes it (each
 ``KEY=VALUE`` becomes ``--KEY=VALUE`` on the ``fit`` command line; the colocated run uses
-``configs/tiny_vllm.yaml``, which differs only in its engine). ``train`` is a synchronous
+``configs/tiny_vllm.yaml``, which differs in its engine and has no ``max_staleness`` or
+``sampler_correction``). ``train`` is a synchronous
 step's time less its generation and weight sync: what the trainer computes. The ideal
 asynchronous step is ``max(generate, train + sync)``. ``sync_s`` is the weight sync of each
 step (``train/perf/sync_seconds``) and ``sync_bytes`` what it sent (server runs).
@@ -96,6 +97,12 @@ def main() -> None:
                         help="also run the colocated engine (first, unpinned)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    if subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                      capture_output=True, text=True).stdout.strip():
+        commit += " (with uncommitted changes)"
     runs = []
     plan = [(None, False)] if args.colocated else []
     plan += [(k, pin == "pinned") for pin in args.pinning for k in (0, 1)]  # alternated
@@ -103,8 +110,6 @@ def main() -> None:
         runs.append(run(k, args.steps, pin, args.window, args.model, args.set))
         print(json.dumps(runs[-1]), flush=True)
     summary = {pin: summarise(runs, pin == "pinned") for pin in args.pinning}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
     args.out.write_text(json.dumps({"commit": commit, "model": args.model, "set": args.set,
                                     "runs": runs, "summary": summary}, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
