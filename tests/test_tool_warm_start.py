@@ -11,7 +11,12 @@ import re
 import torch
 
 import maxent_grpo.builtin.tool_warm_start as warm
-from maxent_grpo.builtin.models import WEIGHTS_TOOLS, builtin_tiny_model_and_tokenizer
+from maxent_grpo.builtin.models import (
+    WEIGHTS_TOOLS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    builtin_tiny_model_and_tokenizer,
+)
 from maxent_grpo.models import load_policy
 from maxent_grpo.tasks.calculator import calculate
 
@@ -103,3 +108,21 @@ def test_the_shipped_python_weights_are_the_builtin_and_call_python(tmp_path) ->
     skill = warm.measure(model, tokenizer, prompts=8, samples=8, tool="python")
     assert 0.2 <= skill["call_rate"] <= 0.8
     assert skill["right_call_rate"] <= skill["call_rate"]
+
+
+def test_the_python_warm_start_continues_from_the_calculate_weights(capsys) -> None:
+    """``--retrain --tool python`` starts from ``builtin:tiny-tools-warm``'s shipped weights
+    (one AdamW step away from them afterwards), not from a fresh ``builtin:tiny``, and
+    reports its progress."""
+    from safetensors.torch import load_file
+
+    tokenizer = build_tiny_tokenizer()
+    model = warm.retrain(build_tiny_model(tokenizer), tokenizer, "python", steps=1,
+                         report=True)
+    assert re.fullmatch(r"step 1/1: loss \d+\.\d{4}, \d+ s\n", capsys.readouterr().out)
+    start = load_file(str(WEIGHTS_TOOLS))
+    state = model.state_dict()
+    moved = max(float((state[k] - v).abs().max()) for k, v in start.items())
+    assert 0 < moved <= 2 * 3e-3  # one step of lr 3e-3 (Adam's step is at most ~lr)
+    fresh = build_tiny_model(tokenizer).state_dict()
+    assert max(float((state[k] - fresh[k]).abs().max()) for k in start) > 0.1

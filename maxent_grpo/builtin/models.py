@@ -201,7 +201,8 @@ BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     "tiny-h64-warm": (2, lambda folder: _write_tiny(folder, warm=True, head_dim=64)),
     "tiny-tools-warm": (1, lambda folder: _write_tiny(folder, warm=True,
                                                       weights=WEIGHTS_TOOLS)),
-    "tiny-python-warm": (1, lambda folder: _write_tiny(folder, warm=True,
+    # tiny-python-warm v2: continued from tiny-tools-warm (copies the printed value)
+    "tiny-python-warm": (2, lambda folder: _write_tiny(folder, warm=True,
                                                        weights=WEIGHTS_PYTHON)),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }

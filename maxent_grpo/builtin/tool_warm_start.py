@@ -29,7 +29,14 @@ The trained weights ship with the package (:data:`WEIGHTS_TOOLS`, trained with 2
 ``builtin:tiny-python-warm`` (:data:`WEIGHTS_PYTHON`) is the same warm start for the
 built-in ``python`` tool (``--tool python``): the call is
 ``<tool_call>{"name": "python", "arguments": {"code": "print(37 * 84)"}}</tool_call>`` and
-the tool's message is what that prints (the value and a newline).
+the tool's message is what that prints (the value and a newline). It continues from
+``builtin:tiny-tools-warm``'s shipped weights for :data:`CONTINUE_STEPS` steps on the same
+draws written with ``python`` calls (:data:`CONTINUES_FROM`; 13 min with 2 threads).
+Trained from ``builtin:tiny`` alone (its first version), the longer ``python`` schema in the
+prompt left a model that called right but never copied the printed value: after the message
+it wrote a two-digit number, and 0 of 256 samples on the task were right. Continued, on the
+task it calls 0.465 of the time, always on the question's own code, and 0.059 of the samples
+are right; on differences (a warm-start kind) every call's value is copied.
 """
 
 from __future__ import annotations
@@ -61,6 +68,11 @@ MESSAGE = "message"  # a completion part the loss leaves out (the tool's message
 
 #: the tools a warm start can teach: name -> (function, its shipped weights)
 TOOLS = {"calculate": (calculate, WEIGHTS_TOOLS), "python": (python, WEIGHTS_PYTHON)}
+
+#: a warm start that continues from another's shipped weights: tool -> those weights
+CONTINUES_FROM = {"python": WEIGHTS_TOOLS}
+#: the steps of a continued warm start (a warm start from ``builtin:tiny`` takes 3000)
+CONTINUE_STEPS = 1000
 
 
 def tool_call_text(expression: str, tool: str = "calculate") -> str:
@@ -166,13 +178,14 @@ def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[tuple[str, list[tuple
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                steps: int = 3000, batch_size: int = 32, lr: float = 3e-3,
-               seed: int = SEED, tool: str = "calculate") -> PreTrainedModel:
+               seed: int = SEED, tool: str = "calculate",
+               report: bool = False) -> PreTrainedModel:
     """Train ``model`` in place on :func:`examples` (``steps x batch_size`` fresh examples,
     AdamW, cross-entropy on the model's parts) and return it in eval mode; the torch random
-    state is forked."""
+    state is forked; ``report`` prints the progress."""
     ids, att, lab = _encode(tokenizer, examples(steps * batch_size, seed, tool), tool)
     return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
-                           seed=seed, trim=True)
+                           seed=seed, trim=True, report=report)
 
 
 def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, prompts: int = 32,
@@ -211,25 +224,46 @@ def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, promp
             "right_call_rate": sum(right) / n, "correct": sum(correct) / n}
 
 
+def retrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tool: str,
+            steps: int | None = None, report: bool = False) -> PreTrainedModel:
+    """The warm start of ``tool``'s shipped weights, trained anew into ``model`` (a fresh
+    ``builtin:tiny``): from the weights it continues from (:data:`CONTINUES_FROM`, then
+    ``steps`` or :data:`CONTINUE_STEPS` steps), else from ``model`` itself (``steps`` or
+    3000)."""
+    if tool in CONTINUES_FROM:  # the calculate warm start, then python's call format
+        load_shipped(model, CONTINUES_FROM[tool])
+        return warm_start(model, tokenizer, tool=tool, report=report,
+                          steps=CONTINUE_STEPS if steps is None else steps)
+    return warm_start(model, tokenizer, tool=tool, report=report,
+                      steps=3000 if steps is None else steps)
+
+
 def _main(argv: list[str] | None = None) -> dict[str, float]:
     from safetensors.torch import save_model
 
     parser = argparse.ArgumentParser(
         prog="python -m maxent_grpo.builtin.tool_warm_start",
-        description="Measure builtin:tiny-tools-warm's shipped weights, or train a new copy.")
+        description="Measure the shipped weights of builtin:tiny-tools-warm (--tool python: "
+                    "builtin:tiny-python-warm), or train a new copy.")
     parser.add_argument("--retrain", action="store_true",
-                        help="train a new copy from builtin:tiny and write it to --out")
+                        help="train a new copy (from builtin:tiny; --tool python: from "
+                             "builtin:tiny-tools-warm's shipped weights) and write it to --out")
     parser.add_argument("--out", type=Path, help="where --retrain writes the weights")
     parser.add_argument("--tool", choices=sorted(TOOLS), default="calculate",
                         help="the tool whose calls it teaches (default calculate)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"training steps (default 3000; {CONTINUE_STEPS} for a warm start "
+                             "that continues from another's weights)")
     args = parser.parse_args(argv)
     weights = TOOLS[args.tool][1]
     if args.retrain and args.out is None:
         parser.error(f"--retrain needs --out FILE (the shipped weights are {weights})")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1; got {args.steps}")
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer)
     if args.retrain:
-        warm_start(model, tokenizer, tool=args.tool)
+        retrain(model, tokenizer, args.tool, args.steps, report=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_model(model, str(args.out))
         print(f"wrote {args.out} (trained with {torch.get_num_threads()} threads)")

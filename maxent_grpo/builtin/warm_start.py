@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -111,7 +112,7 @@ def pad_right(rows: list[list[int]], labels: list[list[int]],
 
 def warm_start(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, steps: int = 600,
-    batch_size: int = 64, lr: float = 3e-3, seed: int = WARM_START_SEED,
+    batch_size: int = 64, lr: float = 3e-3, seed: int = WARM_START_SEED, report: bool = False,
 ) -> PreTrainedModel:
     """Train ``model`` in place on :func:`format_examples` (``steps x batch_size`` fresh
     examples, AdamW, cross-entropy on the completion tokens) and return it in eval mode.
@@ -120,17 +121,21 @@ def warm_start(
     """
     ids, att, lab = _encode(tokenizer, format_examples(steps * batch_size, seed))
     return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
-                           seed=seed)
+                           seed=seed, report=report)
 
 
 def supervised_pass(
     model: PreTrainedModel, ids: torch.Tensor, att: torch.Tensor, lab: torch.Tensor, *,
     steps: int, batch_size: int, lr: float, seed: int, trim: bool = False,
+    report: bool = False,
 ) -> PreTrainedModel:
     """``steps`` AdamW steps of cross-entropy on consecutive ``batch_size`` rows of the
     right-padded ``ids`` / ``att`` / ``lab`` (labels -100 where nothing is learnt), in a
     forked torch random state seeded with ``seed``; ``trim`` cuts each batch to its longest
-    row. Returns ``model`` in eval mode."""
+    row; ``report`` prints the step, the loss and the seconds every ``steps // 20`` steps
+    (every step below 40) and at the end.
+    Returns ``model`` in eval mode."""
+    start, every = time.perf_counter(), max(1, steps // 20)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.train()
@@ -143,6 +148,9 @@ def supervised_pass(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if report and ((step + 1) % every == 0 or step + 1 == steps):
+                print(f"step {step + 1}/{steps}: loss {loss.item():.4f}, "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
     return model.eval()
 
 
@@ -219,7 +227,7 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, head_dim=args.head_dim)
     if args.retrain:
-        warm_start(model, tokenizer, lr=WARM_START_LR[args.head_dim])
+        warm_start(model, tokenizer, lr=WARM_START_LR[args.head_dim], report=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_model(model, str(args.out))
         name = "tiny-h64-warm" if args.head_dim == 64 else "tiny-warm"
