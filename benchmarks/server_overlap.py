@@ -14,10 +14,10 @@ same shape. Writes the per-step means over the last ``--window`` steps.
 The shape is ``configs/tiny_vllm_server.yaml``'s unless ``--set`` changes it (each
 ``KEY=VALUE`` becomes ``--KEY=VALUE`` on the ``fit`` command line; the colocated run uses
 ``configs/tiny_vllm.yaml``, which differs in its engine and has no ``max_staleness`` or
-``sampler_correction``). ``train`` is a synchronous
-step's time less its generation and weight sync: what the trainer computes. The ideal
-asynchronous step is ``max(generate, train + sync)``. ``sync_s`` is the weight sync of each
-step (``train/perf/sync_seconds``) and ``sync_bytes`` what it sent (server runs).
+``sampler_correction``). ``train`` is a synchronous step's time less its generation and
+weight sync: what the trainer computes. The ideal asynchronous step is
+``max(generate, train + sync)``. ``sync_s`` is the weight sync of each step
+(``train/perf/sync_seconds``) and ``sync_bytes`` what it sent (server runs).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import doctest
 import re
 
+import pytest
 import torch
 
 import maxent_grpo.builtin.tool_warm_start as warm
@@ -126,3 +127,9 @@ def test_the_python_warm_start_continues_from_the_calculate_weights(capsys) -> N
     assert 0 < moved <= 2 * 3e-3  # one step of lr 3e-3 (Adam's step is at most ~lr)
     fresh = build_tiny_model(tokenizer).state_dict()
     assert max(float((state[k] - fresh[k]).abs().max()) for k in start) > 0.1
+
+
+def test_the_script_refuses_a_step_count_below_one(capsys) -> None:
+    with pytest.raises(SystemExit):
+        warm._main(["--retrain", "--out", "x.safetensors", "--steps", "0"])
+    assert "--steps must be at least 1; got 0" in capsys.readouterr().err

@@ -31,7 +31,7 @@ built-in ``python`` tool (``--tool python``): the call is
 ``<tool_call>{"name": "python", "arguments": {"code": "print(37 * 84)"}}</tool_call>`` and
 the tool's message is what that prints (the value and a newline). It continues from
 ``builtin:tiny-tools-warm``'s shipped weights for :data:`CONTINUE_STEPS` steps on the same
-draws written with ``python`` calls (:data:`CONTINUES_FROM`; 13 min with 2 threads).
+draws written with ``python`` calls (:data:`CONTINUES_FROM`; 12 min with 2 threads).
 Trained from ``builtin:tiny`` alone (its first version), the longer ``python`` schema in the
 prompt left a model that called right but never copied the printed value: after the message
 it wrote a two-digit number, and 0 of 256 samples on the task were right. Continued, on the
@@ -71,8 +71,8 @@ TOOLS = {"calculate": (calculate, WEIGHTS_TOOLS), "python": (python, WEIGHTS_PYT
 
 #: a warm start that continues from another's shipped weights: tool -> those weights
 CONTINUES_FROM = {"python": WEIGHTS_TOOLS}
-#: the steps of a continued warm start (a warm start from ``builtin:tiny`` takes 3000)
-CONTINUE_STEPS = 1000
+#: the steps of a warm start from ``builtin:tiny``, and of one that continues another's
+STEPS, CONTINUE_STEPS = 3000, 1000
 
 
 def tool_call_text(expression: str, tool: str = "calculate") -> str:
@@ -177,7 +177,7 @@ def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[tuple[str, list[tuple
 
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-               steps: int = 3000, batch_size: int = 32, lr: float = 3e-3,
+               steps: int = STEPS, batch_size: int = 32, lr: float = 3e-3,
                seed: int = SEED, tool: str = "calculate",
                report: bool = False) -> PreTrainedModel:
     """Train ``model`` in place on :func:`examples` (``steps x batch_size`` fresh examples,
@@ -229,13 +229,13 @@ def retrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tool: st
     """The warm start of ``tool``'s shipped weights, trained anew into ``model`` (a fresh
     ``builtin:tiny``): from the weights it continues from (:data:`CONTINUES_FROM`, then
     ``steps`` or :data:`CONTINUE_STEPS` steps), else from ``model`` itself (``steps`` or
-    3000)."""
+    :data:`STEPS`)."""
+    default = STEPS
     if tool in CONTINUES_FROM:  # the calculate warm start, then python's call format
         load_shipped(model, CONTINUES_FROM[tool])
-        return warm_start(model, tokenizer, tool=tool, report=report,
-                          steps=CONTINUE_STEPS if steps is None else steps)
+        default = CONTINUE_STEPS
     return warm_start(model, tokenizer, tool=tool, report=report,
-                      steps=3000 if steps is None else steps)
+                      steps=default if steps is None else steps)
 
 
 def _main(argv: list[str] | None = None) -> dict[str, float]:
@@ -252,7 +252,7 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--tool", choices=sorted(TOOLS), default="calculate",
                         help="the tool whose calls it teaches (default calculate)")
     parser.add_argument("--steps", type=int, default=None,
-                        help=f"training steps (default 3000; {CONTINUE_STEPS} for a warm start "
+                        help=f"training steps (default {STEPS}; {CONTINUE_STEPS} for a warm start "
                              "that continues from another's weights)")
     args = parser.parse_args(argv)
     weights = TOOLS[args.tool][1]
