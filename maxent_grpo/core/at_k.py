@@ -12,7 +12,7 @@ average over all ``C(n, k)`` subsets is unbiased too, with lower variance:
   :func:`aggregate` uses.
 
 Answers are compared as strings; callers with a task-specific canonical form (e.g.
-:func:`maxent_grpo.tasks.multi_answer.canonical_expression`) pass that form. Plain Python,
+:func:`maxent_grpo.tasks.expressions.canonical_expression`) pass that form. Plain Python,
 no tensors.
 """
 

@@ -22,6 +22,7 @@ lives in :mod:`maxent_grpo.core`.
 from maxent_grpo.objectives.base import (
     GroupInputs,
     LossOutput,
+    LossType,
     MicroBatch,
     Objective,
     Targets,
@@ -30,7 +31,6 @@ from maxent_grpo.objectives.base import (
 )
 from maxent_grpo.objectives.grpo import GRPO, EntropyMaxEnt, KLEstimator, ScaleRewards
 from maxent_grpo.objectives.maxent import GroupMaxEnt, ListwiseMaxEnt
-from maxent_grpo.objectives.surrogate import LossType
 
 __all__ = [
     "GRPO", "EntropyMaxEnt", "GroupInputs", "GroupMaxEnt", "KLEstimator", "ListwiseMaxEnt",

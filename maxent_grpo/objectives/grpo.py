@@ -21,22 +21,20 @@ from maxent_grpo.core import (
     unlikeliness_rewards,
 )
 from maxent_grpo.objectives.base import (
-    GroupInputs,
-    LossOutput,
-    MicroBatch,
-    Objective,
-    Targets,
-    token_sum,
-)
-from maxent_grpo.objectives.surrogate import (
     ClipRule,
     CovSettings,
+    GroupInputs,
+    LossOutput,
     LossType,
+    MicroBatch,
+    Objective,
     RatioLevel,
+    Targets,
     clip_range,
     clipped_token_loss,
     reduce_tokens,
     surrogate_parts,
+    token_sum,
 )
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 

@@ -24,21 +24,19 @@ from maxent_grpo.core import (
     sequence_clip_loss,
 )
 from maxent_grpo.objectives.base import (
+    ClipRule,
     GroupInputs,
     LossOutput,
     MicroBatch,
     Objective,
-    Targets,
-    token_sum,
-    weight_stats,
-)
-from maxent_grpo.objectives.surrogate import (
-    ClipRule,
     RatioLevel,
+    Targets,
     clip_range,
     clipped_token_loss,
     reduce_tokens,
     surrogate_parts,
+    token_sum,
+    weight_stats,
 )
 from maxent_grpo.validation import check_bool, check_number, require
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from maxent_grpo.tasks.multi_answer import canonical_expression
+from maxent_grpo.tasks.expressions import canonical_expression
 
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")

@@ -29,7 +29,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.state import TrainerState
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.rollout.batch import PromptCompletionBatch
+
+if TYPE_CHECKING:
+    from maxent_grpo.rollout.protocol import RolloutOutput
 from maxent_grpo.validation import is_number
 
 #: reward arguments a dataset column may not be named after
@@ -204,19 +207,22 @@ class WeightedRewards:
 
     Args:
         rewards: ``model.rewards``.
-        module: the ``LightningModule`` being trained, read at each call for
-            ``trainer_state`` (:meth:`TrainerState.of`) and the device reward models run
-            on; None gives ``TrainerState()`` and the CPU.
+        max_completion_length: the trainer's ``T_max``, what the ``overlong`` reward
+            measures against (None: that reward is refused at its first call).
+        device: where reward models run, or a function returning it when they load (the
+            module's device, known only once the trainer has placed it); None: the CPU.
 
     >>> WeightedRewards({"format": 1.0, "tag_count": {"weight": 0.5, "timeout": 2}}).weights
     [1.0, 0.5]
     """
 
-    def __init__(self, rewards: Mapping[str, Any], module: Any = None) -> None:
+    def __init__(self, rewards: Mapping[str, Any], max_completion_length: int | None = None,
+                 device: torch.device | Callable[[], torch.device] | None = None) -> None:
         self.options: list[RewardOptions] = parse_reward_options(rewards)
         self.names = [o.name for o in self.options]
         self.weights = [o.weight for o in self.options]
-        self.module = module
+        self._max_completion_length = max_completion_length
+        self._device = device
         self.funcs = [self._function(o) for o in self.options]
 
     def _function(self, options: RewardOptions) -> Callable:
@@ -236,29 +242,29 @@ class WeightedRewards:
         return fn
 
     def max_completion_length(self) -> int:
-        """The module's ``max_completion_length`` (what the ``overlong`` reward measures
+        """The trainer's ``max_completion_length`` (what the ``overlong`` reward measures
         against)."""
-        loop = getattr(self.module, "loop", None)
-        if loop is None:
+        if self._max_completion_length is None:
             raise ValueError("model.rewards.overlong needs the trainer's max_completion_length;"
                              " it is only available inside MaxEntGRPOModule")
-        return int(loop.generation.sampling.max_new_tokens)
+        return int(self._max_completion_length)
 
     def device(self) -> torch.device:
-        """Where reward models run: the module's device, else the CPU."""
-        device = getattr(self.module, "device", None)
+        """Where reward models run (the CPU unless given)."""
+        device = self._device() if callable(self._device) else self._device
         return device if isinstance(device, torch.device) else torch.device("cpu")
 
     def __call__(
         self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int,
         completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
-        per_completion: dict[str, list] | None = None,
+        per_completion: dict[str, list] | None = None, trainer_state: TrainerState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`;
         ``columns`` hold one value per prompt; ``completion_ids`` and ``completion_mask``
         are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``);
         ``per_completion`` adds keyword columns with one value per completion (a multi-turn
-        rollout's ``tool_calls``, ``tool_failures``, ``exchange_lengths``, ``environments``)."""
+        rollout's ``tool_calls``, ``tool_failures``, ``exchange_lengths``, ``environments``);
+        ``trainer_state`` is what the step gives (None: ``TrainerState()``)."""
         per_row = {k: [v for v in vals for _ in range(group_size)] for k, vals in columns.items()}
         for key, values in (per_completion or {}).items():
             if key in per_row:
@@ -272,7 +278,27 @@ class WeightedRewards:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
         return score_completions(funcs, pairs.prompts, pairs.completions, per_row,
-                                 completion_ids=ids, trainer_state=TrainerState.of(self.module))
+                                 completion_ids=ids,
+                                 trainer_state=trainer_state or TrainerState())
+
+    def score_rollout(
+        self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],
+        trainer_state: TrainerState | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(total (B*G,), components (K, B*G))`` of one rollout of ``B`` prompts, as
+        training and evaluation score it: each dataset prompt (``raw_prompts``: a string or
+        chat messages, as the dataset gave it) repeated once per completion of its group, the
+        completions as :meth:`RolloutOutput.reward_completions` gives them (a multi-turn
+        rollout's messages, with its per-completion columns), and the rollout's ids and
+        model mask."""
+        generation = rollout.batch
+        pairs = generation.flatten()
+        pairs.prompts = [raw for raw, group in zip(raw_prompts, generation.grouped_completions,
+                                                   strict=True) for _ in group]
+        pairs.completions = rollout.reward_completions()
+        G = len(generation.grouped_completions[0]) if generation.grouped_completions else 0
+        return self(pairs, columns, G, rollout.completion_ids, rollout.model_mask,
+                    pairs.reward_columns(), trainer_state)
 
 
 class _Overlong:

@@ -13,64 +13,14 @@ random expression tree over all the numbers, redrawn until it is a positive inte
 
 from __future__ import annotations
 
-import ast
 import random
 from collections import Counter
 from fractions import Fraction
 
+from maxent_grpo.tasks.expressions import _apply, _evaluate, _parse
 from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
 
-MAX_EXPRESSION_CHARS = 1000
-"""Longer answer strings are rejected before parsing (bounds the parser's work)."""
-
-_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _MAX_DRAWS = 10_000
-
-
-def _apply(op: str, left: Fraction, right: Fraction) -> Fraction:
-    if op == "+":
-        return left + right
-    if op == "-":
-        return left - right
-    if op == "*":
-        return left * right
-    return left / right  # ZeroDivisionError is handled by the callers
-
-
-def _literals(tree: ast.Expression) -> list[int] | None:
-    """The integer literals of ``tree``, or None when it contains any other kind of node."""
-    found: list[int] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant):
-            if isinstance(node.value, bool) or not isinstance(node.value, int):
-                return None
-            found.append(node.value)
-        elif isinstance(node, ast.BinOp):
-            if type(node.op) not in _OPERATORS:
-                return None
-        elif not isinstance(node, (ast.Expression, *_OPERATORS)):
-            return None
-    return found
-
-
-def _evaluate(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant):
-        return Fraction(node.value)
-    assert isinstance(node, ast.BinOp)  # guaranteed by _literals
-    return _apply(_OPERATORS[type(node.op)], _evaluate(node.left), _evaluate(node.right))
-
-
-def _parse(expression: object) -> tuple[ast.Expression, list[int]] | None:
-    """The syntax tree and integer literals of an expression, or None when it is not a
-    string of at most ``MAX_EXPRESSION_CHARS`` with only literals, ``+ - * /`` and ``()``."""
-    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
-        return None
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return None
-    used = _literals(tree)
-    return (tree, used) if used else None
 
 
 def check_countdown(expression: str, numbers: list[int], target: int) -> bool:

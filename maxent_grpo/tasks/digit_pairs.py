@@ -3,7 +3,7 @@
 A prompt asks for two digits ``a, b`` in ``0..9`` with ``a + b = target``. A target has
 ``min(target, 18 - target) // 2 + 1`` solutions up to order, all listed in the row's
 ``valid_answers`` in the canonical form of
-:func:`~maxent_grpo.tasks.multi_answer.canonical_expression` (smaller digit first), so
+:func:`~maxent_grpo.tasks.expressions.canonical_expression` (smaller digit first), so
 coverage@k is exact. A multi-answer task a tiny model learns in minutes; the
 ``digit_pair`` reward checks it.
 

@@ -19,93 +19,18 @@ For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
 
 from __future__ import annotations
 
-import ast
 import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
-from fractions import Fraction
 from functools import lru_cache
 
-from maxent_grpo.tasks.countdown import _OPERATORS, _apply, _parse
+from maxent_grpo.tasks.expressions import _combine, _Expr, _leaf
 from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
 
 MAX_NUMBERS = 4
 """Largest instance enumerated (4 numbers: about 10^4 trees; 5 would take ~100x longer)."""
 
 _MAX_DRAWS = 10_000
-
-
-@dataclass(frozen=True)
-class _Expr:
-    """A canonical expression: a leaf (``kind == "n"``), a sum (``"+"``: ``pos`` terms
-    added, ``neg`` subtracted) or a product (``"*"``: ``pos`` factors multiplied, ``neg``
-    divided). ``pos``/``neg`` are sorted; ``text`` is the rendering, ``value`` exact."""
-
-    kind: str
-    text: str
-    value: Fraction
-    pos: tuple[_Expr, ...] = ()
-    neg: tuple[_Expr, ...] = ()
-
-
-def _key(e: _Expr) -> tuple[int, Fraction, str]:
-    """Sort order inside a chain: numbers by value first, then compound parts by text."""
-    return (0, e.value, "") if e.kind == "n" else (1, Fraction(0), e.text)
-
-
-def _leaf(value: int) -> _Expr:
-    return _Expr("n", str(value), Fraction(value))
-
-
-def _combine(op: str, a: _Expr, b: _Expr) -> _Expr:
-    """The canonical form of ``a op b``; ZeroDivisionError for a division by zero."""
-    kind = "+" if op in "+-" else "*"
-    a_pos, a_neg = (a.pos, a.neg) if a.kind == kind else ((a,), ())
-    b_pos, b_neg = (b.pos, b.neg) if b.kind == kind else ((b,), ())
-    if op in "-/":
-        b_pos, b_neg = b_neg, b_pos
-    pos = tuple(sorted(a_pos + b_pos, key=_key))
-    neg = tuple(sorted(a_neg + b_neg, key=_key))
-    value = _apply(op, a.value, b.value)
-    if kind == "+":
-        text = " + ".join(t.text for t in pos) + "".join(f" - {t.text}" for t in neg)
-    else:
-
-        def factor(t: _Expr) -> str:
-            return f"({t.text})" if t.kind == "+" else t.text
-
-        text = " * ".join(map(factor, pos)) + "".join(f" / {factor(t)}" for t in neg)
-    return _Expr(kind, text, value, pos, neg)
-
-
-def _from_ast(node: ast.AST) -> _Expr:
-    if isinstance(node, ast.Constant):
-        return _leaf(node.value)
-    assert isinstance(node, ast.BinOp)  # guaranteed by _parse
-    return _combine(_OPERATORS[type(node.op)], _from_ast(node.left), _from_ast(node.right))
-
-
-def canonical_expression(expr: str) -> str | None:
-    """The canonical form of a countdown expression (see the module docstring), or None
-    when :func:`~maxent_grpo.tasks.countdown.check_countdown` would reject it whatever the
-    numbers: not a string, too long, not only integer literals with ``+ - * /`` and
-    parentheses, or a division by zero.
-
-    >>> canonical_expression("5 + 3"), canonical_expression("(3 + 5)")
-    ('3 + 5', '3 + 5')
-    >>> canonical_expression("2 * (5 - (3 - 1))")
-    '2 * (1 + 5 - 3)'
-    >>> canonical_expression("4 / (2 - 2)") is None, canonical_expression("-3 + 5") is None
-    (True, True)
-    """
-    parsed = _parse(expr)
-    if parsed is None:
-        return None
-    try:
-        return _from_ast(parsed[0].body).text
-    except (ZeroDivisionError, RecursionError):
-        return None
 
 
 @lru_cache(maxsize=4096)

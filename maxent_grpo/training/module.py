@@ -49,7 +49,7 @@ from maxent_grpo.training.settings import (
     build_loop_settings,
     build_lr_scheduler,
 )
-from maxent_grpo.training.step.context import StepContext
+from maxent_grpo.training.step.context import StepContext, StepTimer, trainer_state
 from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
@@ -61,7 +61,6 @@ from maxent_grpo.training.step.pipeline import RolloutPipeline, check_staleness
 from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
 from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
-from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.token_logps import Scorer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
@@ -218,8 +217,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
         check_staleness(max_staleness, sampler_correction, environment)
-        self.rewards = WeightedRewards(
-            {"accuracy": 1.0} if rewards is None else dict(rewards), module=self)
+        self.rewards = WeightedRewards(  # reward models load on the module's device
+            {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length,
+            device=lambda: self.device)
         self.loop = build_loop_settings(options, self.rewards.names)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
         # saving it twice makes Lightning refuse differing values in plain-Trainer use
@@ -284,14 +284,16 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def step_context(self) -> StepContext:
         """The parts of this step (:class:`~maxent_grpo.training.step.context.StepContext`)."""
         optimizer, scheduler = self.loop.optimization.handles
+        schedule = self.loop.optimization.schedule
         return StepContext(
             engine=self.rollout_engine(), rewards=self.rewards, scorer=self.scorer,
             objective=self.objective, policy=self.policy,
             reference=self.reference if self.needs_reference else None,
-            generation=self.loop.generation, schedule=self.loop.optimization.schedule,
+            generation=self.loop.generation, schedule=schedule,
             strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
-            refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None)
+            refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None,
+            trainer_state=trainer_state(self._trainer, schedule.num_iterations))
 
     def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
                   batch_idx: int) -> None:
@@ -342,7 +344,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def _evaluate(self, batch: dict, greedy: bool = True) -> list[dict]:
         sampling = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
-        return self.evaluator.step(batch, self.rollout_engine(), sampling if greedy else None)
+        return self.evaluator.step(batch, self.rollout_engine(), sampling if greedy else None,
+                                   trainer_state(self._trainer,
+                                                 self.loop.optimization.schedule.num_iterations))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_log = self.trajectory = None  # free the last step's tensors first

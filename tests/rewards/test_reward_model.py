@@ -110,7 +110,8 @@ def test_reward_model_scores_a_chat_fit(cache_dir, rm_folder, tmp_path):
     texts = [
         "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in prompt)
         + f"<|im_start|>assistant\n{completion}<|im_end|>\n"
-        for prompt, completion in zip(t.pairs.prompts, t.pairs.completions, strict=True)
+        for prompt, group in zip(t.samples.prompts, t.samples.generation.grouped_completions,
+                                 strict=True) for completion in group
     ]
     expected = torch.tensor(one_by_one(rm_folder, texts)).view(4, 4)
     assert torch.allclose(t.samples.components[name], expected, atol=1e-5)

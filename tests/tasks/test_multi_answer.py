@@ -12,11 +12,8 @@ import pytest
 import maxent_grpo.tasks.multi_answer as multi_answer
 from maxent_grpo.rewards import countdown_reward
 from maxent_grpo.tasks import build_task, check_countdown, task_options
-from maxent_grpo.tasks.multi_answer import (
-    canonical_expression,
-    countdown_multi,
-    countdown_solutions,
-)
+from maxent_grpo.tasks.expressions import canonical_expression
+from maxent_grpo.tasks.multi_answer import countdown_multi, countdown_solutions
 
 
 def _all_expressions(numbers: list[int]) -> dict[str, Fraction | None]:

@@ -192,7 +192,7 @@ def test_bare_arithmetic_prompt_is_the_expression_only():
 
 
 def test_digit_pairs_answer_sets_are_complete_and_targets_cycle() -> None:
-    from maxent_grpo.tasks.multi_answer import canonical_expression
+    from maxent_grpo.tasks.expressions import canonical_expression
 
     rows = build_task("digit_pairs", 27, 4, bare=True)
     for block in (rows[:9], rows[9:18], rows[18:]):  # every target once per 9 rows

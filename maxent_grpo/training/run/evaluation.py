@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from maxent_grpo.core.at_k import aggregate, answer_entropy
-from maxent_grpo.rewards import WeightedRewards
+from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.parsing import (
     canonical_answer,
     compared_answer,
@@ -38,12 +38,10 @@ from maxent_grpo.rewards.parsing import (
 )
 from maxent_grpo.rollout import (
     RolloutEngine,
-    RolloutOutput,
     SamplingSettings,
 )
 from maxent_grpo.training.settings import EvaluationSettings
 from maxent_grpo.training.step.metrics import RewardComponents, RewardMomentsMetric
-from maxent_grpo.training.step.trajectory import flat_pairs
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
@@ -166,10 +164,12 @@ class Evaluator(torch.nn.Module):
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
-             greedy_sampling: SamplingSettings | None) -> list[dict[str, Any]]:
+             greedy_sampling: SamplingSettings | None,
+             trainer_state: TrainerState | None = None) -> list[dict[str, Any]]:
         """Sample, grade and record one batch (plus one ``greedy_sampling`` completion per
         prompt when ``settings.greedy`` and ``greedy_sampling`` is given), in a forked random
-        state. Returns one :func:`prediction_row` per completion."""
+        state; the rewards get ``trainer_state``. Returns one :func:`prediction_row` per
+        completion."""
         n, B = self.settings.num_generations, len(batch["prompts"])
         device = self.reward.total.device
         devices = [device] if device.type == "cuda" else []
@@ -179,14 +179,16 @@ class Evaluator(torch.nn.Module):
             greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
                       if self.settings.greedy and greedy_sampling is not None else None)
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
-        total, components = self._score(batch, rollout, n)
+        total, components = self.rewards.score_rollout(
+            rollout, batch["raw_prompts"], batch["columns"], trainer_state)
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))
         correct = self._correct(components[self.settings.reward_index], completions)
         greedy_correct: list[float | None] = [None] * B
         if greedy is not None:
             texts = greedy.reward_completions()
-            _, greedy_components = self._score(batch, greedy, 1)
+            _, greedy_components = self.rewards.score_rollout(
+                greedy, batch["raw_prompts"], batch["columns"], trainer_state)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
         columns = batch["columns"]
         rows = []
@@ -207,15 +209,6 @@ class Evaluator(torch.nn.Module):
                                     components[:, b * n + j], self.rewards.names,
                                     correct[b * n + j]) for j in range(n)]
         return rows
-
-    def _score(
-        self, batch: dict[str, Any], rollout: RolloutOutput, n: int
-    ) -> tuple[Tensor, Tensor]:
-        """The training rewards of ``rollout`` (``n`` completions per prompt), as in training."""
-        pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
-        pairs.completions = rollout.reward_completions()  # a multi-turn rollout's messages
-        return self.rewards(pairs, batch["columns"], n, rollout.completion_ids,
-                            rollout.model_mask, pairs.reward_columns())
 
     def _correct(self, values: Tensor, completions: list) -> list[float]:
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN) value

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import MicroBatch
+from maxent_grpo.training.step.context import StepTimer
 from maxent_grpo.training.step.strategy import clip_gradients
-from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.step.trajectory import Trajectory
 from maxent_grpo.validation import require
 

@@ -3,8 +3,8 @@
 ``collect`` is the first half of a training step (docs/ALGORITHM.md §0-§4)::
 
     rollout  = engine.generate(prompts, G)                 # GenerationBatch + ids, no grad
-    pairs    = rollout.batch.flatten()                     # PromptCompletionBatch
-    rewards  = sum_k w_k R_k(pairs)                        # (B, G)
+    rewards  = sum_k w_k R_k(pairs)                        # (B, G), on the flat pairs
+                                                           # (PromptCompletionBatch)
     refill   = more prompts while too few groups vary      # (refill_rounds; step/refill.py)
     keep     = groups that take part                       # (B,) (drop_constant_groups)
     answers  = canonical answers, their classes per group  # answer statistics, answer_level
@@ -28,11 +28,11 @@ from torch import Tensor
 from maxent_grpo.core import answer_classes, distinct_candidates, droppable_groups
 from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
 from maxent_grpo.rewards.parsing import answer_key
-from maxent_grpo.rollout import GenerationBatch, PromptCompletionBatch, RolloutOutput
+from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.training.step.batching import MicroBatchPlan, equal_passes
+from maxent_grpo.training.step.context import StepTimer
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.strategy import check_micro_batches
-from maxent_grpo.training.step.timing import StepTimer
 from maxent_grpo.training.types import AdvantageStats, QDistribution
 from maxent_grpo.validation import require
 
@@ -75,8 +75,6 @@ class Trajectory:
 
     Attributes:
         rollout: the engine's output: texts and ``(B*G, ...)`` ids and masks.
-        pairs: the flat prompt/completion pairs, as texts (the rewards of a multi-turn
-            rollout read its messages instead: ``rollout.reward_completions()``).
         rewards: ``(B, G)`` total rewards; ``components`` ``(K, B*G)`` per reward.
         loss_mask: ``(B*G, T)`` completion mask of the loss: the tokens the model wrote
             (a multi-turn rollout's tool messages left out), truncated rows zeroed with
@@ -103,7 +101,6 @@ class Trajectory:
     """
 
     rollout: RolloutOutput
-    pairs: PromptCompletionBatch
     rewards: Tensor
     components: Tensor
     loss_mask: Tensor
@@ -147,11 +144,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     def roll_out(prompts: dict[str, Any]) -> Scored:
         out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
         timer.start()
-        pairs = flat_pairs(out.batch, prompts["raw_prompts"])
-        pairs.completions = out.reward_completions()  # a multi-turn rollout's messages
-        total, parts = ctx.rewards(  # (B*G,), (K, B*G)
-            pairs, prompts["columns"], G, out.completion_ids, out.model_mask,
-            pairs.reward_columns())
+        total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G)
+            out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state)
         timer.stop("reward")
         return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
 
@@ -162,13 +156,13 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
                                 pad_id(scored[1], ctx.engine), gen.solved_reward)
     batch, rollout, rewards, components = scored
-    pairs = flat_pairs(rollout.batch, batch["raw_prompts"])
     loss_mask = rollout.model_mask.clone()  # (B*G, T) bool: the tokens the model wrote
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
     forms = batch["columns"].get("answer_form") or [None] * B
     keys = [answer_key(c, forms[i // G]) for i, c in enumerate(rollout.reward_completions())]
+    texts = [c for group in rollout.batch.grouped_completions for c in group]
 
     # the groups that take part; a rank that keeps none scores its first group at weight 0
     keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
@@ -212,7 +206,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
     candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
     answers = answer_classes(
-        [k if k is not None else ("", c) for k, c in zip(keys, pairs.completions, strict=True)],
+        [k if k is not None else ("", c) for k, c in zip(keys, texts, strict=True)],
         G).to(rewards.device)  # (B, G)
     inputs = GroupInputs(rewards, lengths, T_max, kept_rows(rho, keep), candidates, answers,
                          kept_rows(seq_logps, keep))
@@ -229,7 +223,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     num_tokens = mask.sum() * (not ghost)
     global_tokens = ctx.gather(num_tokens).sum()
     return Trajectory(
-        rollout=rollout, pairs=pairs, rewards=rewards, components=components,
+        rollout=rollout, rewards=rewards, components=components,
         loss_mask=loss_mask, keep=keep, input_ids=input_ids, attention=attention, mask=mask,
         ref_logps=ref_logps, old_logps=old_logps, targets=targets, chunks=chunks,
         sampler_logps=None if rollout.sampler_logps is None else rollout.sampler_logps[rows],
@@ -238,19 +232,6 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         loss_scale=0.0 if ghost else ctx.objective.loss_scale(world, n_kept, kept_groups * G),
         samples=samples, refill_rounds=rounds, answer_keys=keys,
     )
-
-
-def flat_pairs(generation: GenerationBatch, raw_prompts: list[Any]) -> PromptCompletionBatch:
-    """The flat pairs the reward functions read: each dataset prompt (a string or chat
-    messages, as the dataset gave it) repeated once per completion of its group, and the
-    completion texts (the rewards receive those of chat prompts as assistant messages,
-    :func:`~maxent_grpo.rewards.scoring.trl_completions`)."""
-    pairs = generation.flatten()
-    pairs.prompts = [
-        raw for raw, group in zip(raw_prompts, generation.grouped_completions, strict=True)
-        for _ in group
-    ]
-    return pairs
 
 
 def kept_rows(values: Tensor | None, keep: Tensor) -> Tensor | None:

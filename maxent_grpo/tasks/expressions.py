@@ -1,0 +1,149 @@
+"""Arithmetic answers: parsed safely, evaluated exactly, and put in one canonical form.
+
+An expression here is a string of integer literals, the binary operators ``+ - * /`` and
+parentheses, parsed with :mod:`ast` (never ``eval``) and evaluated with
+:class:`fractions.Fraction`. The countdown tasks (:mod:`maxent_grpo.tasks.countdown`,
+:mod:`maxent_grpo.tasks.multi_answer`) check and enumerate solutions with it, and the answer
+statistics compare the samples' answers in its canonical form
+(:func:`maxent_grpo.rewards.parsing.coverage_answer`).
+
+Two expressions are the same solution when they have the same canonical form
+(:func:`canonical_expression`), built bottom-up by flattening chains of ``+``/``-`` into
+signed terms and chains of ``*``/``/`` into factors with exponent ``+1`` or ``-1``
+(absorbing associativity and identities such as ``a - (b - c) = a - b + c``), sorting the
+positive and the negative parts separately (commutativity) and dropping redundant
+parentheses. It reads ``t1 + t2 - t3`` / ``f1 * f2 / f3``, with parentheses only around a
+sum used as a factor, e.g. ``(2 + 3) * 4 / 5``. Nothing else is identified: ``x * 1``
+against ``x``, distributivity and cancellation (``a - a + b``) give different solutions.
+For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
+``canonical_expression(e) in valid_answers``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from fractions import Fraction
+
+MAX_EXPRESSION_CHARS = 1000
+"""Longer answer strings are rejected before parsing (bounds the parser's work)."""
+
+_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def _apply(op: str, left: Fraction, right: Fraction) -> Fraction:
+    if op == "+":
+        return left + right
+    if op == "-":
+        return left - right
+    if op == "*":
+        return left * right
+    return left / right  # ZeroDivisionError is handled by the callers
+
+
+def _literals(tree: ast.Expression) -> list[int] | None:
+    """The integer literals of ``tree``, or None when it contains any other kind of node."""
+    found: list[int] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, bool) or not isinstance(node.value, int):
+                return None
+            found.append(node.value)
+        elif isinstance(node, ast.BinOp):
+            if type(node.op) not in _OPERATORS:
+                return None
+        elif not isinstance(node, (ast.Expression, *_OPERATORS)):
+            return None
+    return found
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    assert isinstance(node, ast.BinOp)  # guaranteed by _literals
+    return _apply(_OPERATORS[type(node.op)], _evaluate(node.left), _evaluate(node.right))
+
+
+def _parse(expression: object) -> tuple[ast.Expression, list[int]] | None:
+    """The syntax tree and integer literals of an expression, or None when it is not a
+    string of at most ``MAX_EXPRESSION_CHARS`` with only literals, ``+ - * /`` and ``()``."""
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+        return None
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    used = _literals(tree)
+    return (tree, used) if used else None
+
+
+@dataclass(frozen=True)
+class _Expr:
+    """A canonical expression: a leaf (``kind == "n"``), a sum (``"+"``: ``pos`` terms
+    added, ``neg`` subtracted) or a product (``"*"``: ``pos`` factors multiplied, ``neg``
+    divided). ``pos``/``neg`` are sorted; ``text`` is the rendering, ``value`` exact."""
+
+    kind: str
+    text: str
+    value: Fraction
+    pos: tuple[_Expr, ...] = ()
+    neg: tuple[_Expr, ...] = ()
+
+
+def _key(e: _Expr) -> tuple[int, Fraction, str]:
+    """Sort order inside a chain: numbers by value first, then compound parts by text."""
+    return (0, e.value, "") if e.kind == "n" else (1, Fraction(0), e.text)
+
+
+def _leaf(value: int) -> _Expr:
+    return _Expr("n", str(value), Fraction(value))
+
+
+def _combine(op: str, a: _Expr, b: _Expr) -> _Expr:
+    """The canonical form of ``a op b``; ZeroDivisionError for a division by zero."""
+    kind = "+" if op in "+-" else "*"
+    a_pos, a_neg = (a.pos, a.neg) if a.kind == kind else ((a,), ())
+    b_pos, b_neg = (b.pos, b.neg) if b.kind == kind else ((b,), ())
+    if op in "-/":
+        b_pos, b_neg = b_neg, b_pos
+    pos = tuple(sorted(a_pos + b_pos, key=_key))
+    neg = tuple(sorted(a_neg + b_neg, key=_key))
+    value = _apply(op, a.value, b.value)
+    if kind == "+":
+        text = " + ".join(t.text for t in pos) + "".join(f" - {t.text}" for t in neg)
+    else:
+
+        def factor(t: _Expr) -> str:
+            return f"({t.text})" if t.kind == "+" else t.text
+
+        text = " * ".join(map(factor, pos)) + "".join(f" / {factor(t)}" for t in neg)
+    return _Expr(kind, text, value, pos, neg)
+
+
+def _from_ast(node: ast.AST) -> _Expr:
+    if isinstance(node, ast.Constant):
+        return _leaf(node.value)
+    assert isinstance(node, ast.BinOp)  # guaranteed by _parse
+    return _combine(_OPERATORS[type(node.op)], _from_ast(node.left), _from_ast(node.right))
+
+
+def canonical_expression(expr: str) -> str | None:
+    """The canonical form of a countdown expression (see the module docstring), or None
+    when :func:`~maxent_grpo.tasks.countdown.check_countdown` would reject it whatever the
+    numbers: not a string, too long, not only integer literals with ``+ - * /`` and
+    parentheses, or a division by zero.
+
+    >>> canonical_expression("5 + 3"), canonical_expression("(3 + 5)")
+    ('3 + 5', '3 + 5')
+    >>> canonical_expression("2 * (5 - (3 - 1))")
+    '2 * (1 + 5 - 3)'
+    >>> canonical_expression("4 / (2 - 2)") is None, canonical_expression("-3 + 5") is None
+    (True, True)
+    """
+    parsed = _parse(expr)
+    if parsed is None:
+        return None
+    try:
+        return _from_ast(parsed[0].body).text
+    except (ZeroDivisionError, RecursionError):
+        return None
