@@ -9,6 +9,8 @@ Everything is computed in the input's floating dtype, on the input's device.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -346,3 +348,14 @@ def answer_classes(keys: list, group_size: int) -> torch.Tensor:
         group = keys[b * group_size:(b + 1) * group_size]
         rows.append([first.setdefault(key, i) for i, key in enumerate(group)])
     return torch.tensor(rows, dtype=torch.long)
+
+
+def answer_entropy(keys: Sequence[object]) -> float:
+    """The entropy (nats) of the empirical distribution of ``keys`` (one answer per sample,
+    ``None`` counting as one more value); 0 for no keys.
+
+    >>> round(answer_entropy(["8", "8", "7", None]), 6)
+    1.039721
+    """
+    n = len(keys)
+    return -sum(c / n * math.log(c / n) for c in Counter(keys).values()) if n else 0.0

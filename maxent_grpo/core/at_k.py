@@ -103,17 +103,6 @@ def mean_at_k(correct: Sequence[bool | float], k: int) -> float:
     return math.fsum(values) / len(values)
 
 
-def answer_entropy(keys: Sequence[object]) -> float:
-    """The entropy (nats) of the empirical distribution of ``keys`` (one answer per sample,
-    ``None`` counting as one more value); 0 for no keys.
-
-    >>> round(answer_entropy(["8", "8", "7", None]), 6)
-    1.039721
-    """
-    n = len(keys)
-    return -sum(c / n * math.log(c / n) for c in Counter(keys).values()) if n else 0.0
-
-
 def normalise_answer(answer: str | None) -> str | None:
     """``answer`` with runs of whitespace collapsed to one space and ends stripped; ``None``
     for ``None`` or an answer that is empty after stripping.

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from maxent_grpo.core.at_k import aggregate, answer_entropy
+from maxent_grpo.core.advantages import answer_entropy
+from maxent_grpo.core.at_k import aggregate
 from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.parsing import (
     canonical_answer,

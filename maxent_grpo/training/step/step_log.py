@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 
-from maxent_grpo.core.at_k import answer_entropy
+from maxent_grpo.core.advantages import answer_entropy
 from maxent_grpo.rollout.toolcall import FAILURE_KINDS
 from maxent_grpo.training.step.metrics import (
     RewardComponents,
