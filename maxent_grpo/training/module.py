@@ -98,7 +98,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         top_k: top-k sampling (0 = off).
         num_iterations: optimizer steps on each rollout (>= 1; behaviour log-probs if > 1).
         micro_batch_groups: at most this many prompt groups per micro-batch (``None`` = no
-            limit); micro-batches hold whole groups (:mod:`maxent_grpo.training.step.batching`).
+            limit); micro-batches hold whole groups
+            (:func:`~maxent_grpo.training.step.token_logps.plan_micro_batches`).
         micro_batch_tokens: at most this many padded tokens per micro-batch (``None`` = no
             limit); the update depends on neither.
         mask_truncated_completions: zero the mask of completions that hit
@@ -402,9 +403,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
 
     def on_train_start(self) -> None:
-        """Hand the optimizer and scheduler Lightning built to the step, and the trainer's
-        loader to the runtime handles."""
-        self.loop.optimization.handles = (self.optimizers(), self.lr_schedulers())
+        """The loop settings rebuilt with Lightning's optimizer and scheduler (each step's
+        context reads them); the trainer's loader to the runtime handles."""
+        self.loop = self.loop.with_handles(self.optimizers(), self.lr_schedulers())
         self.attach_training_data()
 
     def configure_callbacks(self) -> list[L.Callback]:

@@ -275,7 +275,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
                 lr_warmup_steps=o["lr_warmup_steps"],
                 max_consecutive_nonfinite=o["max_consecutive_nonfinite"],
             ),
-            handles=None,  # Lightning's optimizer and scheduler, set when training starts
+            handles=None,  # Lightning's optimizer and scheduler: rebuilt when training starts
         ),
         scoring=BatchingSettings(
             logprob_chunk_size=None if groups is None else groups * G,

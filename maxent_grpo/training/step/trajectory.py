@@ -29,10 +29,10 @@ from maxent_grpo.core import answer_classes, distinct_candidates, droppable_grou
 from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
 from maxent_grpo.rewards.parsing import answer_key
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
-from maxent_grpo.training.step.batching import MicroBatchPlan, equal_passes
 from maxent_grpo.training.step.context import StepTimer
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.strategy import check_micro_batches
+from maxent_grpo.training.step.token_logps import MicroBatchPlan, equal_passes
 from maxent_grpo.training.types import AdvantageStats, QDistribution
 from maxent_grpo.validation import require
 

@@ -236,7 +236,7 @@ class PromptCacheEntry:
 @dataclass
 class BatchingSettings:
     """How scoring is chunked: the two sizes (>= 1, or None: no bound) bound one micro-batch
-    of whole prompt groups (:func:`maxent_grpo.training.step.batching.plan_micro_batches`).
+    of whole prompt groups (:func:`maxent_grpo.training.step.token_logps.plan_micro_batches`).
 
     The last four fields describe a prompt cache, a scored tail and prefetching that this
     trainer does not have: it scores each micro-batch's ``[prompt | completion]`` rows as

@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from maxent_grpo.training.settings import (
+        EvaluationSettings,
+        GenerationSettings,
+        ScheduleSettings,
+    )
+
 __all__ = ["ControllerPaths", "LoopSettings", "OptimizationSettings", "RuntimeHandles"]
 
 
@@ -47,13 +53,15 @@ class OptimizationSettings:
     """The optimisation schedule plus the optimizer/scheduler handles it drives.
 
     Attributes:
-        schedule: the schedule settings object.
-        handles: the optimizer and lr-scheduler objects (or Lightning's wrappers of them),
-            from ``LightningModule.optimizers()`` / ``lr_schedulers()``.
+        schedule: the schedule settings (iterations per rollout, clipping, warm-up, ...).
+        handles: ``(optimizer, lr_scheduler)``, Lightning's wrappers of them from
+            ``LightningModule.optimizers()`` / ``lr_schedulers()``; None until training
+            starts, when the module builds these settings again with them (never set in
+            place).
     """
 
-    schedule: Any
-    handles: Any
+    schedule: ScheduleSettings
+    handles: tuple[Any, Any] | None
 
 
 @dataclass
@@ -78,8 +86,8 @@ class LoopSettings:
             when one runs, else None (recorded in the checkpoint like ``controller``).
     """
 
-    generation: Any
-    evaluation: Any
+    generation: GenerationSettings
+    evaluation: EvaluationSettings
     optimization: OptimizationSettings
     scoring: BatchingSettings
     controller: ControllerPaths
@@ -99,6 +107,12 @@ class LoopSettings:
                                        mine.overwrite_existing or paths.overwrite_existing),
             controller_objective=objective,
             controller_meta_manager=meta_manager or self.controller_meta_manager)
+
+    def with_handles(self, optimizer: Any, scheduler: Any) -> LoopSettings:
+        """These settings with the optimizer and scheduler Lightning built for training
+        (:attr:`OptimizationSettings.handles`), as new settings."""
+        return dataclasses.replace(self, optimization=OptimizationSettings(
+            self.optimization.schedule, (optimizer, scheduler)))
 
 
 def detached_controllers(loop: LoopSettings) -> LoopSettings:

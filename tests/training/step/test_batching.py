@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maxent_grpo.training.step.batching import plan_micro_batches
+from maxent_grpo.training.step.token_logps import plan_micro_batches
 
 
 def masks(prompt_lens: list[int], completion_lens: list[int], P: int = 6, T: int = 5):
@@ -30,8 +30,9 @@ def test_no_limit_is_one_trimmed_micro_batch():
     assert plan.columns(6) == slice(0, 11)
 
 
-def test_max_groups_takes_the_longest_groups_first():
-    plans = plan_micro_batches(*masks(PROMPT, COMPLETION), group_size=2, max_groups=2)
+@pytest.mark.parametrize("max_rows", [4, 5])  # whole groups of 2: 5 rows hold 2 groups
+def test_max_rows_takes_the_longest_groups_first(max_rows):
+    plans = plan_micro_batches(*masks(PROMPT, COMPLETION), group_size=2, max_rows=max_rows)
     # lengths 5, 11, 5: group 1 first, then 0 (ties keep their order), then 2
     assert [p.groups.tolist() for p in plans] == [[0, 1], [2]]
     assert [p.rows.tolist() for p in plans] == [[0, 1, 2, 3], [4, 5]]
@@ -70,7 +71,7 @@ def test_the_kept_columns_hold_every_real_token():
     "kwargs, match",
     [
         ({"group_size": 4}, "group_size must divide the 6 rows"),
-        ({"group_size": 2, "max_groups": 0}, "max_groups must be None or >= 1"),
+        ({"group_size": 2, "max_rows": 0}, "max_rows must be None or >= 1"),
         ({"group_size": 2, "max_tokens": 0}, "max_tokens must be None or >= 1"),
     ],
 )
@@ -80,12 +81,12 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_equal_passes_pads_with_zero_weight_passes_of_one_group():
-    from maxent_grpo.training.step.batching import equal_passes
+    from maxent_grpo.training.step.token_logps import equal_passes
 
     G = 2
     prompt_mask = torch.ones(6, 3, dtype=torch.bool)
     completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0]] * 3, dtype=torch.bool)
-    plans = plan_micro_batches(prompt_mask, completion_mask, G, max_groups=2)
+    plans = plan_micro_batches(prompt_mask, completion_mask, G, max_rows=2 * G)
     assert len(plans) == 2
     padded = equal_passes(plans, 4)
     assert padded[:2] == plans and len(padded) == 4
