@@ -12,9 +12,10 @@ Rows are prompt-major: flat row ``b * G + g`` is completion ``g`` of prompt ``b`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -339,6 +340,45 @@ class RolloutOutput:
         if self.tool_mask is None:
             return self.completion_mask
         return self.completion_mask & ~self.tool_mask
+
+    #: the tensor fields (the last two may be None)
+    TENSORS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_mask", "completion_ids",
+                                          "completion_mask", "truncated", "sampler_logps",
+                                          "tool_mask")
+
+    def to(self, device: torch.device | str) -> RolloutOutput:
+        """This rollout with its tensors on ``device`` (itself when they are there already)."""
+        if self.completion_ids.device == torch.device(device):
+            return self
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device)
+                                            for name in self.TENSORS
+                                            if getattr(self, name) is not None})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything of this rollout as plain data and CPU tensors (:meth:`from_state`
+        rebuilds it), for a checkpoint. An environment's rollout cannot be stored."""
+        state: dict[str, Any] = {name: None if getattr(self, name) is None
+                                 else getattr(self, name).detach().cpu() for name in self.TENSORS}
+        state.update(batch=dataclasses.asdict(self.batch),  # texts, answers, per-completion meta
+                     generate_seconds=float(self.generate_seconds), tools=None)
+        if self.tools is not None:
+            if self.tools.environments is not None:
+                raise ValueError("model.max_staleness >= 1 cannot store an environment's "
+                                 "rollouts in a checkpoint; use max_staleness 0 with "
+                                 "model.environment")
+            state["tools"] = {"messages": self.tools.messages, "turns": self.tools.turns.cpu(),
+                              "calls": self.tools.calls.cpu(),
+                              "failures": {k: v.cpu() for k, v in self.tools.failures.items()}}
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RolloutOutput:
+        """The rollout :meth:`state_dict` stored."""
+        tools = state.get("tools")
+        return cls(batch=GenerationBatch(**state["batch"]),
+                   generate_seconds=state["generate_seconds"],
+                   tools=None if tools is None else ToolUsage(**tools),
+                   **{name: state[name] for name in cls.TENSORS})
 
     def reward_completions(self) -> list[Any]:
         """The ``B*G`` completions as the reward functions get them, prompt-major: the texts,

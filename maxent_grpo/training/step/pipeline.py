@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 
-from maxent_grpo.rollout.batch import GenerationBatch
-from maxent_grpo.rollout.protocol import RolloutOutput, ToolUsage
+from maxent_grpo.rollout.protocol import RolloutOutput
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
 from maxent_grpo.validation import require
 
-__all__ = ["Prefetched", "RolloutPipeline", "check_staleness", "moved_to"]
+__all__ = ["Prefetched", "RolloutPipeline", "check_staleness"]
 
 CHECKPOINT_KEY = "maxent_grpo_rollouts"
 
@@ -120,7 +119,7 @@ class RolloutPipeline:
         ready = self.advance(ctx.engine, batch, ctx.generation.num_generations, version)
         if ready is None:
             return None
-        rollout = moved_to(ready.result(), device)  # restored ones are on the CPU
+        rollout = ready.result().to(device)  # restored ones are on the CPU
         ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
         return ctx, ready.batch, version - ready.version
 
@@ -155,7 +154,7 @@ class RolloutPipeline:
     def state_dict(self) -> list[dict[str, Any]]:
         """The rollouts in flight, done, as plain tensors, lists and strings."""
         self.wait()
-        return [{"batch": p.batch, "version": p.version, "rollout": _rollout_state(p.result())}
+        return [{"batch": p.batch, "version": p.version, "rollout": p.result().state_dict()}
                 for p in self.queue]
 
     def save(self, checkpoint: dict[str, Any]) -> None:
@@ -180,11 +179,11 @@ class RolloutPipeline:
         self.load_state_dict(per_rank[rank])
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        """Restore :meth:`state_dict` (on the CPU; :func:`moved_to` at training time). A
+        """Restore :meth:`state_dict` (on the CPU; :meth:`RolloutOutput.to` at training time). A
         checkpoint of another ``max_staleness`` keeps its newest rollouts that fit."""
         state = state[-self.max_staleness:]
         self.queue = deque(PendingRollout(s["batch"], s["version"],
-                                          rollout=_rollout_from_state(s["rollout"]))
+                                          rollout=RolloutOutput.from_state(s["rollout"]))
                            for s in state)
 
 
@@ -206,39 +205,3 @@ class Prefetched:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
-
-
-_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
-            "sampler_logps", "tool_mask")
-
-
-def _rollout_state(out: RolloutOutput) -> dict[str, Any]:
-    state: dict[str, Any] = {name: None if getattr(out, name) is None
-                             else getattr(out, name).detach().cpu() for name in _TENSORS}
-    state.update(batch=dataclasses.asdict(out.batch),  # texts, answers, per-completion meta
-                 generate_seconds=float(out.generate_seconds), tools=None)
-    if out.tools is not None:
-        if out.tools.environments is not None:
-            raise ValueError("model.max_staleness >= 1 cannot store an environment's rollouts "
-                             "in a checkpoint; use max_staleness 0 with model.environment")
-        state["tools"] = {"messages": out.tools.messages, "turns": out.tools.turns.cpu(),
-                          "calls": out.tools.calls.cpu(),
-                          "failures": {k: v.cpu() for k, v in out.tools.failures.items()}}
-    return state
-
-
-def moved_to(out: RolloutOutput, device: torch.device) -> RolloutOutput:
-    """``out`` with its tensors on ``device`` (itself when they are there already)."""
-    if out.completion_ids.device == torch.device(device):
-        return out
-    return dataclasses.replace(out, **{name: getattr(out, name).to(device) for name in _TENSORS
-                                       if getattr(out, name) is not None})
-
-
-def _rollout_from_state(state: dict[str, Any]) -> RolloutOutput:
-    tools = state.get("tools")
-    return RolloutOutput(
-        batch=GenerationBatch(**state["batch"]),
-        generate_seconds=state["generate_seconds"],
-        tools=None if tools is None else ToolUsage(**tools),
-        **{name: state[name] for name in _TENSORS})
