@@ -179,6 +179,13 @@ BASELINES.update({
                         "args": ["--model.solved_reward", "1.0"]},
     "GRPO+repetition(dropped)": {"objective": _objective(
         "GRPO", answer_shaping="repetition", **_GRPO)},
+    # issue 38's two: W-REINFORCE pushes constant groups too (no baseline), so all stay
+    "W-REINFORCE(0.1)": {"objective": _objective(
+        "GRPO", loss_type="dr_grpo", advantage="wreinforce", positive_weight=0.1),
+        "drop": False},
+    "GRPO+set_diversity": {"objective": _objective(
+        "GRPO", answer_shaping="set_diversity", set_diversity_coef=0.5, **_GRPO),
+        "args": ["--model.solved_reward", "1.0"]},
 })
 _SOLVED = ["--model.solved_reward", "1.0"]  # all-right groups stay in the update
 #: Issue 24's MaxEnt mechanisms on answers (docs/ALGORITHM.md §4.3, answer level).

@@ -19,7 +19,9 @@ from maxent_grpo.core.advantages import (
     passk_advantages,
     pkpo_advantages,
     repetition_penalty,
+    set_diversity_bonus,
     unlikeliness_rewards,
+    wreinforce_advantages,
     zero_std_fraction,
 )
 from maxent_grpo.core.at_k import coverage_at_k, distinct_at_k, mean_at_k, pass_at_k
@@ -72,7 +74,8 @@ from maxent_grpo.core.losses import (
 
 __all__ = [
     "answer_classes", "answer_listwise_loss", "answer_maxent_weights", "check_answer_classes",
-    "class_logsumexp", "repetition_penalty", "unlikeliness_rewards",
+    "class_logsumexp", "repetition_penalty", "set_diversity_bonus", "unlikeliness_rewards",
+    "wreinforce_advantages",
     "ESTIMATORS", "RATIO_LEVELS", "batch_normalised", "cispo_surrogate", "clip_cov_surrogate",
     "estimate_advantages", "kl_cov_surrogate", "token_covariance", "top_entropy_mask",
     "importance_ratio_at", "leave_one_out_advantages", "passk_advantages", "pkpo_advantages",

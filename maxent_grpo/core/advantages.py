@@ -194,13 +194,35 @@ def _check_k(k: object, G: int) -> None:
         raise ValueError(f"k must be an int in [1, G = {G}]; got {k!r}")
 
 
+def wreinforce_advantages(rewards: torch.Tensor, positive_weight: float = 0.1) -> torch.Tensor:
+    """W-REINFORCE (Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement
+    in LLM Reasoning"), ``(B, G) -> (B, G)``: REINFORCE on the reward ``+1`` (right) / ``-1``
+    (wrong) with no baseline, its positive part weighted by ``positive_weight`` (``lambda``,
+    the authors' 0.1): ``A_i = lambda * r_i - (1 - r_i)`` for rewards in ``[0, 1]`` (0/1:
+    ``lambda`` for a right sample, ``-1`` for a wrong one). Wrong samples are pushed down
+    at full strength, right ones pulled up only a little, so the mass a wrong answer loses
+    goes where the model already puts it, keeping its other right answers.
+
+    >>> wreinforce_advantages(torch.tensor([[1.0, 0.0, 0.5]]), 0.1).tolist()
+    [[0.10000000149011612, -1.0, -0.44999998807907104]]
+    """
+    check_rewards(rewards)
+    if not bool(((rewards >= 0) & (rewards <= 1)).all()):
+        raise ValueError("W-REINFORCE needs rewards in [0, 1] (1 right, 0 wrong); rescale the "
+                         "rewards or use another objective.advantage")
+    if not (isinstance(positive_weight, (int, float)) and 0 <= positive_weight <= 1):
+        raise ValueError(f"positive_weight must be a number in [0, 1]; got {positive_weight!r}")
+    return positive_weight * rewards - (1.0 - rewards)
+
+
 #: the estimators of :func:`estimate_advantages`
-ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo")
+ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo",
+              "wreinforce")
 
 
 def estimate_advantages(
     rewards: torch.Tensor, estimator: str = "group", scale: Scale = "group", eps: float = 1e-4,
-    k: int = 4,
+    k: int = 4, positive_weight: float = 0.1,
 ) -> torch.Tensor:
     """Advantages ``(B, G) -> (B, G)`` by one of :data:`ESTIMATORS` (docs/ALGORITHM.md §1).
 
@@ -212,10 +234,11 @@ def estimate_advantages(
       ``batch_normalised(r)``;
     - ``reinforce_pp_baseline``: REINFORCE++-baseline: ``batch_normalised(r - mean_group(r))``;
     - ``passk``: :func:`passk_advantages` with ``k`` (0/1 rewards);
-    - ``pkpo``: :func:`pkpo_advantages` with ``k``.
+    - ``pkpo``: :func:`pkpo_advantages` with ``k``;
+    - ``wreinforce``: :func:`wreinforce_advantages` with ``positive_weight``.
 
     The batch is the optimizer step's whole batch, all ranks (the caller's ``rewards``).
-    The REINFORCE++ and pass@k estimators scale by themselves: ``scale`` must be
+    The REINFORCE++, pass@k and W-REINFORCE estimators scale by themselves: ``scale`` must be
     ``"group"`` (the option's default), any other value is refused.
     """
     if estimator not in ESTIMATORS:
@@ -239,6 +262,8 @@ def estimate_advantages(
         return passk_advantages(rewards, k)
     if estimator == "pkpo":
         return pkpo_advantages(rewards, k)
+    if estimator == "wreinforce":
+        return wreinforce_advantages(rewards, positive_weight)
     check_rewards(rewards, min_group=2)
     if estimator == "reinforce_pp":
         return batch_normalised(rewards, eps)
@@ -282,13 +307,42 @@ def repetition_penalty(answers: torch.Tensor) -> torch.Tensor:
     advantages.
 
     >>> repetition_penalty(torch.tensor([[0, 0, 2, 0]])).tolist()
-    [[-0.5, -0.5, 0.0, -0.5]]
+    [[-0.5, -0.5, -0.0, -0.5]]
     """
     if answers.dim() != 2:
         raise ValueError(f"answers must be (B, G); got {tuple(answers.shape)}")
     G = answers.shape[1]
     same = (answers[:, :, None] == answers[:, None, :]).sum(-1)  # (B, G), self included
     return -(same - 1).to(torch.get_default_dtype()) / G
+
+
+def set_diversity_bonus(rewards: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """A set-level diversity bonus in the manner of SetPO (a sample's leave-one-out marginal
+    contribution to its group's diversity), ``(B, G) -> (B, G)``. A group's diversity is
+    ``D(S) = sum over its answers a of max_{i in S, a_i = a} r_i`` (for 0/1 rewards: its
+    distinct right answers); sample ``i`` contributes ``m_i = D(S) - D(S - {i})``, which is
+    ``r_i`` less the best other reward of its answer when ``i`` is its answer's best (ties:
+    both 0), else 0. The bonus is ``m_i - mean_G m``, so a group's bonuses sum to 0 and a
+    group of only distinct right answers, or only one answer, gets none. ``answers``: the
+    group's answer classes (:func:`answer_classes`); the objective adds ``c * bonus`` to the
+    advantages.
+
+    >>> set_diversity_bonus(torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+    ...                     torch.tensor([[0, 0, 2, 3]])).tolist()
+    [[-0.25, -0.25, 0.75, -0.25]]
+    """
+    check_rewards(rewards)
+    if answers.shape != rewards.shape:
+        raise ValueError(f"answers must have the shape of rewards {tuple(rewards.shape)}; "
+                         f"got {tuple(answers.shape)}")
+    same = answers[:, :, None] == answers[:, None, :]  # (B, G, G): j has i's answer
+    G = rewards.shape[1]
+    others = same & ~torch.eye(G, dtype=torch.bool, device=rewards.device)
+    lowest = torch.finfo(rewards.dtype).min
+    best_other = torch.where(others, rewards[:, None, :], torch.full_like(
+        others, lowest, dtype=rewards.dtype)).amax(-1)  # (B, G); lowest: alone in its answer
+    margin = torch.where(best_other == lowest, rewards, (rewards - best_other).clamp(min=0))
+    return margin - margin.mean(dim=1, keepdim=True)
 
 
 # ----------------------------------------------------------- the structure of a group

@@ -17,6 +17,7 @@ from maxent_grpo.core import (
     importance_ratio_at,
     kl_penalty,
     repetition_penalty,
+    set_diversity_bonus,
     top_entropy_mask,
     unlikeliness_rewards,
 )
@@ -40,10 +41,11 @@ from maxent_grpo.validation import check_bool, check_choice, check_int, check_nu
 
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Advantage = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo"]
+Advantage = Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo",
+                    "wreinforce"]
 #: the estimators that scale by themselves (``scale_rewards`` stays at its default)
-SELF_SCALED = ("reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo")
-Shaping = Literal["none", "unlikeliness", "repetition"]
+SELF_SCALED = ("reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo", "wreinforce")
+Shaping = Literal["none", "unlikeliness", "repetition", "set_diversity"]
 
 
 class GRPO(Objective):
@@ -65,9 +67,10 @@ class GRPO(Objective):
         kl_estimator: per-token KL estimator ``k1``, ``k2`` or ``k3``.
         advantage: the advantage estimator: ``group`` (GRPO), ``rloo`` (leave-one-out),
             ``reinforce_pp`` or ``reinforce_pp_baseline`` (REINFORCE++, normalised over the
-            whole batch), ``passk`` (Pass@k Training's closed form, 0/1 rewards) or ``pkpo``
-            (PKPO's unbiased pass@k, any rewards); the last four leave ``scale_rewards`` at
-            its default.
+            whole batch), ``passk`` (Pass@k Training's closed form, 0/1 rewards), ``pkpo``
+            (PKPO's unbiased pass@k, any rewards) or ``wreinforce`` (W-REINFORCE: right
+            samples ``+positive_weight``, wrong ones ``-1``, no baseline; rewards in [0, 1]);
+            the last five leave ``scale_rewards`` at its default.
         pass_k: the ``k`` of ``passk`` and ``pkpo`` (``1 <= k <= G``; ``pkpo`` needs 2).
         ratio_level: the importance ratio: ``token``, ``sequence`` (GSPO) or
             ``sequence_token`` (GSPO-token).
@@ -100,9 +103,16 @@ class GRPO(Objective):
             advantages, as the authors skip such groups; ``repetition`` adds
             ``repetition_coef * b_i`` to the advantages,
             ``b_i = -#(other samples with the same answer) / G``
-            (outcome-based exploration's batch penalty, Song et al. 2025); ``none``: off.
+            (outcome-based exploration's batch penalty, Song et al. 2025);
+            ``set_diversity`` adds ``set_diversity_coef * (m_i - mean m)``, ``m_i`` the
+            sample's leave-one-out contribution to the group's distinct right answers
+            (:func:`~maxent_grpo.core.set_diversity_bonus`, in the manner of SetPO);
+            ``none``: off.
         rank_penalty: the unlikeliness penalty in ``[0, 1]`` (the authors' 0.25).
         repetition_coef: the repetition penalty's coefficient ``c >= 0`` (0.2).
+        set_diversity_coef: the set-diversity bonus's coefficient ``c >= 0`` (0.5).
+        positive_weight: W-REINFORCE's weight ``lambda`` in ``[0, 1]`` on right samples
+            (the authors' 0.1).
     """
 
     tunable = ("beta",)
@@ -117,6 +127,7 @@ class GRPO(Objective):
         clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 1.0,
         top_entropy_quantile: float = 1.0, answer_shaping: Shaping = "none",
         rank_penalty: float = 0.25, repetition_coef: float = 0.2,
+        set_diversity_coef: float = 0.5, positive_weight: float = 0.1,
     ) -> None:
         check_choice("objective.loss_type", loss_type, get_args(LossType))
         check_choice("objective.answer_shaping", answer_shaping, get_args(Shaping))
@@ -129,6 +140,10 @@ class GRPO(Objective):
         self.answer_shaping = answer_shaping
         self.rank_penalty = float(rank_penalty)
         self.repetition_coef = float(repetition_coef)
+        check_number("objective.set_diversity_coef", set_diversity_coef, minimum=0)
+        self.set_diversity_coef = float(set_diversity_coef)
+        check_number("objective.positive_weight", positive_weight, minimum=0, maximum=1)
+        self.positive_weight = float(positive_weight)
         check_number("objective.top_entropy_quantile", top_entropy_quantile, minimum=0,
                      maximum=1, strict=True)
         self.top_entropy_quantile = float(top_entropy_quantile)
@@ -191,13 +206,18 @@ class GRPO(Objective):
             solved_or_failed = constant_groups(rewards)  # as the authors, no push there
             rewards = unlikeliness_rewards(rewards, inputs.seq_logps, self.rank_penalty)
         adv = estimate_advantages(rewards, self.advantage, self.scale_rewards,
-                                  k=self.pass_k)  # (B, G)
+                                  k=self.pass_k, positive_weight=self.positive_weight)  # (B, G)
         if self.answer_shaping == "unlikeliness":
             adv = adv.masked_fill(solved_or_failed[:, None], 0.0)
         if self.answer_shaping == "repetition":
             require(inputs.answers is not None, "objective.answer_shaping repetition needs "
                     "the answer classes (GroupInputs.answers); the trainer passes them")
             adv = adv + self.repetition_coef * repetition_penalty(inputs.answers).to(adv.dtype)
+        if self.answer_shaping == "set_diversity":
+            require(inputs.answers is not None, "objective.answer_shaping set_diversity needs "
+                    "the answer classes (GroupInputs.answers); the trainer passes them")
+            adv = adv + self.set_diversity_coef * set_diversity_bonus(inputs.rewards,
+                                                                      inputs.answers)
         return Targets(advantages=adv.reshape(-1))
 
     def state(self) -> dict[str, float]:

@@ -202,3 +202,66 @@ def test_listwise_kl_coef_adds_the_per_token_kl_by_hand():
     assert float((with_kl - plain).detach()) == pytest.approx(0.1 * hand, rel=1e-12)
     with pytest.raises(ValueError, match="kl_coef"):
         ListwiseMaxEnt(kl_coef=-1.0)
+
+
+def test_wreinforce_by_hand():
+    """W-REINFORCE: right samples +lambda, wrong -1, no baseline (an all-right group keeps
+    its +lambda); fractional rewards interpolate; rewards outside [0, 1] are refused."""
+    from maxent_grpo.core import wreinforce_advantages
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.25, 1.0]],
+                           dtype=F64)
+    expected = torch.tensor([[0.1, -1.0, 0.1, -1.0], [0.1] * 4,
+                             [0.05 - 0.5, -1.0, 0.025 - 0.75, 0.1]], dtype=F64)
+    torch.testing.assert_close(wreinforce_advantages(rewards, 0.1), expected)
+    adv = GRPO(advantage="wreinforce", positive_weight=0.1).prepare(
+        GroupInputs(rewards, torch.ones(3, 4), 4, None)).advantages
+    torch.testing.assert_close(adv.view(3, 4), expected)
+    torch.testing.assert_close(wreinforce_advantages(rewards[:1], 1.0),
+                               2 * rewards[:1] - 1)  # lambda 1: plain REINFORCE on +-1
+    with pytest.raises(ValueError, match="rewards in \\[0, 1\\]"):
+        wreinforce_advantages(torch.tensor([[2.0, 0.0]], dtype=F64))
+    with pytest.raises(ValueError, match="objective.scale_rewards"):
+        GRPO(advantage="wreinforce", scale_rewards="none")
+    with pytest.raises(ValueError, match="objective.positive_weight"):
+        GRPO(positive_weight=1.5)
+
+
+def _diversity(rewards: list[float], answers: list[int]) -> float:
+    """D(S): per answer, the best reward among the samples that gave it, summed."""
+    best: dict[int, float] = {}
+    for r, a in zip(rewards, answers, strict=True):
+        best[a] = max(best.get(a, r), r)
+    return sum(best.values())
+
+
+def test_set_diversity_bonus_by_hand_and_as_leave_one_out():
+    from maxent_grpo.core import set_diversity_bonus
+
+    rewards = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.5, 1.0, 0.0, 0.2]], dtype=F64)
+    answers = torch.tensor([[0, 0, 2, 3], [0, 0, 2, 3]])
+    # group 0: only "2" is a right answer no other sample gives: m = [0, 0, 1, 0]
+    # group 1: sample 1 is answer 0's best by 0.5, sample 3 alone with 0.2: m = [0, .5, 0, .2]
+    torch.testing.assert_close(set_diversity_bonus(rewards, answers), torch.tensor(
+        [[-0.25, -0.25, 0.75, -0.25], [-0.175, 0.325, -0.175, 0.025]], dtype=F64))
+    # the definition itself, D(S) - D(S - {i}) centred, on random groups with ties
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 3, (20, 6), generator=gen).to(F64) / 2
+    a = torch.randint(0, 3, (20, 6), generator=gen)
+    bonus = set_diversity_bonus(r, a)
+    for b in range(20):
+        rs, ans = r[b].tolist(), a[b].tolist()
+        m = [_diversity(rs, ans) - _diversity(rs[:i] + rs[i + 1:], ans[:i] + ans[i + 1:])
+             for i in range(6)]
+        mean = sum(m) / 6
+        torch.testing.assert_close(bonus[b], torch.tensor([x - mean for x in m], dtype=F64))
+    # as an answer shaping of GRPO: c * bonus added to the advantages
+    plain = GRPO(scale_rewards="none").prepare(
+        GroupInputs(rewards, torch.ones(2, 4), 4, None, answers=answers)).advantages
+    shaped = GRPO(scale_rewards="none", answer_shaping="set_diversity",
+                  set_diversity_coef=0.5).prepare(
+        GroupInputs(rewards, torch.ones(2, 4), 4, None, answers=answers)).advantages
+    torch.testing.assert_close(shaped - plain,
+                               0.5 * set_diversity_bonus(rewards, answers).reshape(-1))
+    with pytest.raises(ValueError, match="objective.set_diversity_coef"):
+        GRPO(set_diversity_coef=-1.0)
