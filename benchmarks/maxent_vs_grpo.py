@@ -209,6 +209,20 @@ ANSWERS: dict[str, dict[str, Any]] = {
         "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
         answer_level=True, kl_coef=1.0), "args": _SOLVED},
     "GRPO(beta=0.04)": {"objective": _objective("GRPO", beta=0.04, **_GRPO)},
+    # issue 38's mechanisms aimed at the accuracy gap (docs/ALGORITHM.md §4.3, §5)
+    "Listwise(answers,right,beta=0.04)": {"objective": _objective(
+        "ListwiseMaxEnt", tau=0.5, beta=0.04, q_temperature=0.2, length_normalize=True,
+        answer_level=True, right_only=True), "args": _SOLVED},
+    "Listwise(answers)+TauAnneal": {"objective": _objective(
+        "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
+        answer_level=True), "args": _SOLVED, "callbacks": [{
+            "class_path": "maxent_grpo.training.callbacks.TauController",
+            "init_args": {"target_entropy": 1.0, "target_entropy_final": 0.2,
+                          "target_entropy_horizon": "STEPS", "lr": 0.5, "tau_min": 0.05,
+                          "tau_max": 5.0, "warmup_steps": 5}}]},
+    "Listwise(answers,G=16)": {"objective": _objective(
+        "ListwiseMaxEnt", tau=0.5, q_temperature=0.2, length_normalize=True,
+        answer_level=True), "args": [*_SOLVED, "--model.num_generations", "16"]},
 }
 #: the starting model, evaluated without training (pass@k's reasoning boundary)
 START = "start"
@@ -238,7 +252,9 @@ def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> 
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
         "--trainer.logger.init_args.save_dir", log_dir,
-        "--trainer.callbacks", json.dumps(spec.get("callbacks", [])),
+        # "STEPS" in a callback's options: the run's steps (a schedule over the whole run)
+        "--trainer.callbacks", json.dumps(spec.get("callbacks", [])).replace('"STEPS"',
+                                                                             str(steps)),
         *(["--model.objective", spec["objective"]] if spec["objective"] else []),
         "--model.drop_constant_groups", json.dumps(spec.get("drop", True)),
         "--model.solved_reward", "null",  # a run's own args may keep solved groups

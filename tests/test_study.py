@@ -122,3 +122,23 @@ def test_the_smollm2_task_keeps_its_config_and_each_runs_group_filter(study, mon
         assert cli.model.rewards.names == ["in_set"]
         solved[name] = cli.model.loop.generation.solved_reward
     assert solved == {"GRPO": None, "Listwise(answers)": 1.0}
+
+
+def test_the_issue_38_runs_are_valid(study, monkeypatch):
+    """The baselines and mechanisms added for the real-model study are well-formed runs (a
+    schedule over the run gets the run's steps); the one with a callback trains two steps
+    (the objectives' options are checked by their own tests)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    from maxent_grpo import objectives
+
+    for objective in ("W-REINFORCE(0.1)", "GRPO+set_diversity",
+                      "Listwise(answers,right,beta=0.04)", "Listwise(answers,G=16)"):
+        args = study.run_args("b", objective, 0, 7, "/tmp/x")
+        spec = json.loads(args[args.index("--model.objective") + 1])  # builds as given
+        getattr(objectives, spec["class_path"].rsplit(".", 1)[1])(**spec["init_args"])
+    args = study.run_args("b", "Listwise(answers)+TauAnneal", 0, 7, "/tmp/x")
+    callbacks = json.loads(args[args.index("--trainer.callbacks") + 1])
+    assert callbacks[0]["init_args"]["target_entropy_horizon"] == 7
+    record = study.run_one("b", "Listwise(answers)+TauAnneal", seed=0, steps=2)
+    assert record["trained"] and len(record["curve"]["reward"]) == 2

@@ -214,7 +214,7 @@ def class_logsumexp(
 def answer_maxent_weights(
     rewards: torch.Tensor, answers: torch.Tensor, tau: float, beta: float = 0.0,
     ref_seq_logps: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-    q_temperature: float = 1.0, q_epsilon: float = 1e-6,
+    q_temperature: float = 1.0, q_epsilon: float = 1e-6, right_reward: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Listwise MaxEnt weights over a group's distinct *answers* (docs/ALGORITHM.md §4.3,
     answer level): ``(q, w)``, both ``(B, G)``, non-zero only on the first row of each
@@ -227,6 +227,12 @@ def answer_maxent_weights(
     ``w_C = softmax_K((log q_C + beta * rho_C) / (tau + beta))`` (:func:`maxent_weights`
     over the classes). When every class is one candidate row this is the listwise target
     over distinct candidates exactly.
+
+    With ``right_reward`` the weights live on the group's *right* answers only (``r_C >=
+    right_reward``): the maximiser of the same objective with the reference restricted to
+    them, ``w_C ∝ q_C^(1/(tau+beta)) * pi_ref(C | right)^(beta/(tau+beta))`` on the right
+    classes and 0 on the others, so the reference's mass on wrong answers is not held up.
+    A group with no right answer keeps the target over all its answers. ``q`` is unchanged.
     """
     check_rewards(rewards)
     check_answer_classes(answers, candidates)
@@ -242,5 +248,9 @@ def answer_maxent_weights(
         if beta > 0:
             _check_ref(ref_seq_logps, rewards, coef_name="beta", coef=beta)
             ref = class_logsumexp(ref_seq_logps.detach().to(rewards.dtype), answers, candidates)
-        w = maxent_weights(q.log(), tau, beta, ref, first)
+        support = first
+        if right_reward is not None:
+            right = first & (class_reward >= right_reward)
+            support = torch.where(right.any(-1, keepdim=True), right, first)
+        w = maxent_weights(q.log(), tau, beta, ref, support)
     return q, w

@@ -74,6 +74,12 @@ class ListwiseMaxEnt(Objective):
             sampled completions, it acts on every token of every sample, so it also holds
             the mass of answers that are no longer sampled near the reference's (with a
             warm start that answers uniformly, the starting model's spread is the prior).
+        right_only: with ``answer_level``, the target lives on the group's right answers
+            only (mean reward at least ``right_reward``), and ``beta``'s reference is
+            restricted to them: the maximiser over right answers, so neither the reward
+            target's floor nor the reference's mass on wrong answers holds those up. A group
+            with no right answer keeps the target over all its answers.
+        right_reward: the mean reward at which an answer counts as right (``right_only``).
         clip_coef: coefficient of the sequence-level clip term (0 = off; not with
             ``distinct_candidates`` or ``answer_level``).
         epsilon: lower clip range of that term.
@@ -87,7 +93,8 @@ class ListwiseMaxEnt(Objective):
         self, tau: float = 0.5, beta: float = 0.0, q_temperature: float = 0.2,
         q_epsilon: float = 1e-6, length_normalize: bool = True, distinct_candidates: bool = False,
         clip_coef: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-        answer_level: bool = False, kl_coef: float = 0.0,
+        answer_level: bool = False, kl_coef: float = 0.0, right_only: bool = False,
+        right_reward: float = 1.0,
     ) -> None:
         check_number("objective.beta", beta, minimum=0)
         check_number("objective.tau", tau, minimum=0)
@@ -109,6 +116,12 @@ class ListwiseMaxEnt(Objective):
             "objective.answer_level: the sequence-level clip term is defined over all G rows",
         )
         self.answer_level = answer_level
+        check_bool("objective.right_only", right_only)
+        check_number("objective.right_reward", right_reward)
+        require(not right_only or answer_level,
+                "objective.right_only needs objective.answer_level: true (it restricts the "
+                "target over answers)")
+        self.right_only, self.right_reward = right_only, float(right_reward)
         check_number("objective.kl_coef", kl_coef, minimum=0)
         self.kl_coef = float(kl_coef)
         self.tau = float(tau)
@@ -136,7 +149,8 @@ class ListwiseMaxEnt(Objective):
             require(answers is not None, "objective.answer_level needs the answer classes "
                     "(GroupInputs.answers); the trainer passes them")
             q, w = answer_maxent_weights(rewards, answers, self.tau, self.beta, ref, candidates,
-                                         self.q_temperature, self.q_epsilon)
+                                         self.q_temperature, self.q_epsilon,
+                                         self.right_reward if self.right_only else None)
             return Targets(weights=w, stats=weight_stats(w), candidates=candidates, q=q,
                            answers=answers)
         q = q_distribution(rewards, self.q_temperature, self.q_epsilon, candidates)  # (B, G)

@@ -265,3 +265,36 @@ def test_set_diversity_bonus_by_hand_and_as_leave_one_out():
                                0.5 * set_diversity_bonus(rewards, answers).reshape(-1))
     with pytest.raises(ValueError, match="objective.set_diversity_coef"):
         GRPO(set_diversity_coef=-1.0)
+
+
+def test_right_only_target_restricts_the_weights_and_the_reference_to_right_answers():
+    """``right_only``: w_C ∝ q_C^(1/(tau+beta)) pi_ref(C | right)^(beta/(tau+beta)) on the
+    right answers, 0 on the wrong one; a group with no right answer keeps the full target."""
+    answers = answer_classes(KEYS, 4)  # classes [0, 0, 2, 3]; "1 + 1" (class 3) is wrong
+    tau, beta, tq, eps = 0.5, 0.3, 0.2, 1e-6
+    rho = torch.tensor([[-1.0, -2.0, -1.5, -0.1]], dtype=F64)  # the wrong answer likeliest
+    q, w = answer_maxent_weights(REWARDS, answers, tau, beta, rho, q_temperature=tq,
+                                 q_epsilon=eps, right_reward=1.0)
+    rho_c = {0: math.log(math.exp(-1.0) + math.exp(-2.0)), 2: -1.5}
+    logits = {c: (math.log(float(q[0, c])) + beta * rho_c[c]) / (tau + beta) for c in rho_c}
+    z = sum(math.exp(v) for v in logits.values())
+    torch.testing.assert_close(w, torch.tensor(
+        [[math.exp(logits[0]) / z, 0.0, math.exp(logits[2]) / z, 0.0]], dtype=F64),
+        rtol=1e-12, atol=0)
+    _, full = answer_maxent_weights(REWARDS, answers, tau, beta, rho, q_temperature=tq,
+                                    q_epsilon=eps)
+    assert float(full[0, 3]) > 1e-3  # without it the reference holds the wrong answer up
+    # no right answer in the group: the target over all answers, as without the option
+    wrong = torch.zeros(1, 4, dtype=F64)
+    torch.testing.assert_close(
+        answer_maxent_weights(wrong, answers, tau, beta, rho, q_temperature=tq,
+                              right_reward=1.0)[1],
+        answer_maxent_weights(wrong, answers, tau, beta, rho, q_temperature=tq)[1])
+    # through the objective
+    objective = ListwiseMaxEnt(tau=tau, beta=beta, q_temperature=tq, answer_level=True,
+                               right_only=True)
+    targets = objective.prepare(GroupInputs(REWARDS, torch.ones(1, 4), 4, rho,
+                                            answers=answers))
+    torch.testing.assert_close(targets.weights, w)
+    with pytest.raises(ValueError, match="objective.right_only needs objective.answer_level"):
+        ListwiseMaxEnt(right_only=True)
