@@ -322,8 +322,9 @@ def set_diversity_bonus(rewards: torch.Tensor, answers: torch.Tensor) -> torch.T
     ``D(S) = sum over its answers a of max_{i in S, a_i = a} r_i`` (for 0/1 rewards: its
     distinct right answers); sample ``i`` contributes ``m_i = D(S) - D(S - {i})``, which is
     ``r_i`` less the best other reward of its answer when ``i`` is its answer's best (ties:
-    both 0), else 0. The bonus is ``m_i - mean_G m``, so a group's bonuses sum to 0 and a
-    group of only distinct right answers, or only one answer, gets none. ``answers``: the
+    both 0), else 0. The bonus is ``m_i - mean_G m``, so a group's bonuses sum to 0, and a
+    group of only distinct answers with equal rewards, or of one answer with one reward,
+    gets none (within one answer, mixed rewards credit its best sample). ``answers``: the
     group's answer classes (:func:`answer_classes`); the objective adds ``c * bonus`` to the
     advantages.
 

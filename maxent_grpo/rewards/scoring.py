@@ -297,6 +297,10 @@ class WeightedRewards:
                                                    strict=True) for _ in group]
         pairs.completions = rollout.reward_completions()
         G = len(generation.grouped_completions[0]) if generation.grouped_completions else 0
+        if any(len(group) != G for group in generation.grouped_completions):
+            raise ValueError("score_rollout needs groups of equal size (G completions per "
+                             "prompt); got sizes "
+                             f"{sorted({len(g) for g in generation.grouped_completions})}")
         return self(pairs, columns, G, rollout.completion_ids, rollout.model_mask,
                     pairs.reward_columns(), trainer_state)
 

@@ -32,7 +32,7 @@
 
 The output is one :class:`~maxent_grpo.rollout.RolloutOutput` whose ``tool_mask`` marks the
 tokens the model did not write (out of the loss and of every token count) and whose
-``tools`` (:class:`~maxent_grpo.rollout.protocol.ToolUsage`) holds each row's messages,
+``tools`` (:class:`~maxent_grpo.rollout.batch.ToolUsage`) holds each row's messages,
 turns, calls and failures. Its texts keep the chat template's special tokens, so logged
 samples show the turns. With sharded parameters (FSDP2, ZeRO-3), where every generate is a
 collective, the ranks continue together: a rank with nothing left generates one token of a

@@ -6,15 +6,9 @@ equivalence below, is listed in ``valid_answers``, so coverage@k (docs/ALGORITHM
 measurable offline.
 
 Two expressions are the same solution when they have the same canonical form
-(:func:`canonical_expression`), built bottom-up by flattening chains of ``+``/``-`` into
-signed terms and chains of ``*``/``/`` into factors with exponent ``+1`` or ``-1``
-(absorbing associativity and identities such as ``a - (b - c) = a - b + c``), sorting the
-positive and the negative parts separately (commutativity) and dropping redundant
-parentheses. It reads ``t1 + t2 - t3`` / ``f1 * f2 / f3``, with parentheses only around a
-sum used as a factor, e.g. ``(2 + 3) * 4 / 5``. Nothing else is identified: ``x * 1``
-against ``x``, distributivity and cancellation (``a - a + b``) give different solutions.
-For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
-``canonical_expression(e) in valid_answers``.
+(:func:`maxent_grpo.tasks.expressions.canonical_expression`, which says what it
+identifies). For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly
+when ``canonical_expression(e) in valid_answers``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ call back into the module. The rollout engine is built once per run and synced
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Literal
 
@@ -220,7 +221,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         check_staleness(max_staleness, sampler_correction, environment)
         self.rewards = WeightedRewards(  # reward models load on the module's device
             {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length,
-            device=lambda: self.device)
+            device=functools.partial(getattr, self, "device"))  # picklable, unlike a lambda
         self.loop = build_loop_settings(options, self.rewards.names)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
         # saving it twice makes Lightning refuse differing values in plain-Trainer use
@@ -302,8 +303,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.counters.empty_steps += trajectory.kept_groups == 0
         self.step_metrics.observe(trajectory)
         rollout = trajectory.rollout
-        timings = timer.summary(int(rollout.model_mask.sum()))
-        extra = {f"perf/{k}": v for k, v in timings.items()}
+        extra = {f"perf/{k}": v for k, v in timer.summary(int(rollout.model_mask.sum())).items()}
         extra["perf/sync_seconds"] = self.sync_seconds
         if self.pipeline is not None:
             extra["rollout/staleness"] = float(self.staleness)

@@ -63,7 +63,7 @@ def test_weighted_rewards_unpad_the_rollout_ids_and_give_a_state():
     call = SEEN[-1]
     assert call["completion_ids"] == [[5, 2], [6], [7, 8, 9], [4, 2]]
     assert call["task"] == ["t1", "t1", "t2", "t2"]
-    assert call["trainer_state"] == TrainerState()  # no module: step 0, unknown length
+    assert call["trainer_state"] == TrainerState()  # none given: step 0, unknown length
     with pytest.raises(ValueError, match="completion_ids and completion_mask must be"):
         rewards(pairs, {}, 2, ids, mask[:, :2])
     with pytest.raises(ValueError, match="column 'trainer_state' clashes"):

@@ -344,7 +344,7 @@ class ToolFailureWatch:
     malformed) hears about the second: each kind has its own remedy. The counts are this
     process's own rollouts (on several ranks, rank 0's calls are a sample of all of them);
     only global rank 0 warns. :class:`~maxent_grpo.training.step.step_log.StepMetrics` feeds
-    it each step's :class:`~maxent_grpo.rollout.protocol.ToolUsage` and ends its steps.
+    it each step's :class:`~maxent_grpo.rollout.batch.ToolUsage` and ends its steps.
 
     Args:
         window: the steps whose calls are added up (>= 1).

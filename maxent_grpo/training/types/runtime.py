@@ -16,12 +16,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from maxent_grpo.training.settings import (
-        EvaluationSettings,
-        GenerationSettings,
-        ScheduleSettings,
-    )
-
 __all__ = ["ControllerPaths", "LoopSettings", "OptimizationSettings", "RuntimeHandles"]
 
 
@@ -60,7 +54,7 @@ class OptimizationSettings:
             place).
     """
 
-    schedule: ScheduleSettings
+    schedule: Any  # training.settings.ScheduleSettings (types/ sits below settings.py)
     handles: tuple[Any, Any] | None
 
 
@@ -86,8 +80,8 @@ class LoopSettings:
             when one runs, else None (recorded in the checkpoint like ``controller``).
     """
 
-    generation: GenerationSettings
-    evaluation: EvaluationSettings
+    generation: Any  # training.settings.GenerationSettings (types/ sits below settings.py)
+    evaluation: Any  # training.settings.EvaluationSettings
     optimization: OptimizationSettings
     scoring: BatchingSettings
     controller: ControllerPaths
