@@ -285,6 +285,12 @@ def test_the_starting_model_and_answer_entropy_curves_are_plotted(agg, tmp_path)
     entropy_b = next(ax for ax in fig.axes
                      if ax.get_title() == "task b: answer entropy (nats) (train)")
     assert {ln.get_label() for ln in entropy_b.get_lines()} == set(OBJECTIVES)
+    for run in study["runs"][:-1]:  # right answers per group over steps: one more panel
+        run["curve"]["distinct_correct"] = [1.0 + 0.01 * t for t in range(30)]
+    path.write_text(json.dumps(study))
+    right_b = next(ax for ax in plot_study(load_study(path), smooth=5).axes
+                   if ax.get_title() == "task b: right answers per group (train)")
+    assert {ln.get_label() for ln in right_b.get_lines()} == set(OBJECTIVES)
     pass_b = [ax for ax in fig.axes if ax.get_title() == "pass@k"][1]
     assert "start" in {bars.get_label() for bars in pass_b.containers}
     study["runs"][-1]["trained"] = True

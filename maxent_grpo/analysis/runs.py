@@ -407,11 +407,12 @@ def _plot_family(ax: Any, rows: Sequence[Mapping[str, Any]], family: str,
 
 
 def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
-    """One row of panels per task: the training reward and (when recorded) answer entropy
-    per objective (mean over seeds of the ``smooth``-point trailing average, shaded between
-    the seeds' min and max), then per metric family (pass@k, mean@k, coverage@k,
-    distinct_correct@k, the last only with answer sets) mean ± sd over seeds against k.
-    Objective ``i`` (first appearance in ``runs``) has colour ``C{i}`` in every panel."""
+    """One row of panels per task: the training reward and, when recorded, the answer
+    entropy and the right answers per group (``distinct_correct``) per objective (mean over
+    seeds of the ``smooth``-point trailing average, shaded between the seeds' min and max),
+    then per metric family (pass@k, mean@k, coverage@k, distinct_correct@k, the last only
+    with answer sets) mean ± sd over seeds against k. Objective ``i`` (first appearance in
+    ``runs``) has colour ``C{i}`` in every panel."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
@@ -421,8 +422,8 @@ def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
     colour_of = dict(zip(objectives, _colours(len(objectives)), strict=True))
     families = [f for f in STUDY_FAMILIES
                 if any(k.startswith(f"{f}@") for run in study["runs"] for k in run["metrics"])]
-    curves = ["reward"] + ["answer_entropy"] * any(
-        run["curve"].get("answer_entropy") for run in study["runs"])
+    curves = ["reward"] + [key for key in ("answer_entropy", "distinct_correct")
+                           if any(run["curve"].get(key) for run in study["runs"])]
     ncols = len(curves) + len(families)
     fig, axes = plt.subplots(len(tasks), ncols, squeeze=False, layout="constrained",
                              figsize=(4.2 * ncols, 3.2 * len(tasks) + 0.6))
@@ -434,7 +435,8 @@ def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
                     steps, mean, lo, hi = _reward_band(mine, smooth, key)
                     ax.fill_between(steps, lo, hi, color=colour_of[name], alpha=0.2, lw=0)
                     ax.plot(steps, mean, color=colour_of[name], label=name)
-            what = key.replace("_", " ") + " (nats)" * (key == "answer_entropy")
+            what = {"answer_entropy": "answer entropy (nats)",
+                    "distinct_correct": "right answers per group"}.get(key, key)
             ax.set(title=f"{runs[0].get('task_label', task)}: {what} (train)", xlabel="step")
             ax.title.set_fontsize(9)
             ax.grid(alpha=0.3)
