@@ -407,12 +407,10 @@ def _plot_family(ax: Any, rows: Sequence[Mapping[str, Any]], family: str,
 
 
 def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
-    """One row of panels per task: the training reward and, when recorded, the answer
-    entropy and the right answers per group (``distinct_correct``) per objective (mean over
-    seeds of the ``smooth``-point trailing average, shaded between the seeds' min and max),
-    then per metric family (pass@k, mean@k, coverage@k, distinct_correct@k, the last only
-    with answer sets) mean ± sd over seeds against k. Objective ``i`` (first appearance in
-    ``runs``) has colour ``C{i}`` in every panel."""
+    """Per task, one row: the training reward, answer entropy and right answers per group
+    (the last two when recorded; mean over seeds of a ``smooth``-point trailing average,
+    shaded over the seeds' range), then mean ± sd over seeds against k per metric family
+    (pass, mean, coverage, distinct_correct@k). Objective ``i`` has colour ``C{i}``."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
