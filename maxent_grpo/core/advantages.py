@@ -339,10 +339,8 @@ def set_diversity_bonus(rewards: torch.Tensor, answers: torch.Tensor) -> torch.T
     same = answers[:, :, None] == answers[:, None, :]  # (B, G, G): j has i's answer
     G = rewards.shape[1]
     others = same & ~torch.eye(G, dtype=torch.bool, device=rewards.device)
-    lowest = torch.finfo(rewards.dtype).min
-    best_other = torch.where(others, rewards[:, None, :], torch.full_like(
-        others, lowest, dtype=rewards.dtype)).amax(-1)  # (B, G); lowest: alone in its answer
-    margin = torch.where(best_other == lowest, rewards, (rewards - best_other).clamp(min=0))
+    best_other = rewards[:, None, :].masked_fill(~others, -math.inf).amax(-1)  # (B, G)
+    margin = torch.where(others.any(-1), (rewards - best_other).clamp(min=0), rewards)
     return margin - margin.mean(dim=1, keepdim=True)
 
 

@@ -39,10 +39,10 @@ from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.state import TrainerState
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.rollout.batch import PromptCompletionBatch
+from maxent_grpo.validation import is_number
 
 if TYPE_CHECKING:
-    from maxent_grpo.rollout.protocol import RolloutOutput
-from maxent_grpo.validation import is_number
+    from maxent_grpo.rollout.batch import RolloutOutput
 
 #: reward arguments a dataset column may not be named after
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
