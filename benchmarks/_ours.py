@@ -143,13 +143,13 @@ def make_step_clock(gate: bc.LockstepGate | None = None,
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             wall = time.perf_counter() - self._t0
             memory.end_step()
-            stats = pl_module.step_log.as_dict()
-            perf = {k: float(stats[f"perf/{k}"]) for k in PERF_KEYS}
+            stats = pl_module.step_metrics_dict
+            perf = {k: float(stats[f"train/perf/{k}"]) for k in PERF_KEYS}
             engine = getattr(pl_module.engine_factory, "last", None)
             if getattr(engine, "generation_dtype", "model") != "model":
                 perf["refresh_s"] = engine.refresh_seconds
-            if "perf/sync_seconds" in stats:  # VLLMEngine: the weight reload before the rollout
-                perf["sync_s"] = float(stats["perf/sync_seconds"])
+            if "train/perf/sync_seconds" in stats:  # VLLMEngine: the weight reload first
+                perf["sync_s"] = float(stats["train/perf/sync_seconds"])
             tokens = round(perf["tokens_per_s"] * perf["step_s"])  # completion tokens
             self.steps.append({"wall_s": wall, "completion_tokens": tokens, **perf})
             gate.done()

@@ -108,7 +108,7 @@ def worker(model: str, variant: str, steps: int, B: int, G: int, T: int) -> dict
             p.numel() for p in reference.parameters()),
         "reference": None if reference is None else type(reference).__name__,
         "step_s": step_times,
-        "kl_last": float(module.step_log.as_dict().get("kl", float("nan"))),
+        "kl_last": float(module.step_metrics_dict.get("train/kl", float("nan"))),
     }
 
 

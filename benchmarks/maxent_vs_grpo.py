@@ -280,11 +280,12 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
             self.distinct_correct: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
-            logged = pl_module.step_log.as_dict()
+            logged = pl_module.step_metrics_dict
             self.steps.append(int(trainer.global_step))
-            self.reward.append(float(logged["reward/mean"]))
-            self.answer_entropy.append(float(logged.get("answer_entropy", float("nan"))))
-            self.distinct_correct.append(float(logged.get("distinct_correct", float("nan"))))
+            self.reward.append(float(logged["train/reward/mean"]))
+            self.answer_entropy.append(float(logged.get("train/answer_entropy", float("nan"))))
+            self.distinct_correct.append(float(logged.get("train/distinct_correct",
+                                                          float("nan"))))
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as log_dir:

@@ -233,8 +233,7 @@ class Probe(pl.Callback):
         self._seen = ALLREDUCES[0]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.stats.append({f"train/{k}": v for k, v in pl_module.step_log.as_dict().items()
-                           if not math.isnan(v)})  # NaN: not measured this step
+        self.stats.append(dict(pl_module.step_metrics_dict))  # the step's logged dict
         targets = pl_module.trajectory.targets  # this rank's groups that took part
         kept = 0 if pl_module.trajectory.ghost else int(pl_module.trajectory.keep.sum())
         self.kept.append(kept if targets.weights is not None or targets.advantages is not None

@@ -37,9 +37,9 @@ class StepStats(pl.Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stats = pl_module.step_log.as_dict()
+        stats = pl_module.step_metrics_dict
         record = {"step": trainer.global_step, "indices": batch["indices"],
-                  **{k: stats[k] for k in ("reward/mean", "loss/total", "kl")}}
+                  **{k: stats[f"train/{k}"] for k in ("reward/mean", "loss/total", "kl")}}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 

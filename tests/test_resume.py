@@ -49,8 +49,9 @@ class RecordSteps(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         keys = ("reward/mean", "loss/total", "kl", "tau", "beta")
-        stats = pl_module.step_log.as_dict()
-        self._write({"step": trainer.global_step, **{f"train/{k}": stats[k] for k in keys}})
+        stats = pl_module.step_metrics_dict
+        self._write({"step": trainer.global_step, **{f"train/{k}": stats[f"train/{k}"]
+                                                     for k in keys}})
 
 
 class KillAt(pl.Callback):
@@ -202,8 +203,9 @@ class RecordToolSteps(RecordSteps):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         keys = ("reward/mean", "loss/total", "tools/calls_per_sample", "tools/turns_per_sample",
                 "tools/message_tokens_per_sample")
-        stats = pl_module.step_log.as_dict()
-        self._write({"step": trainer.global_step, **{f"train/{k}": stats[k] for k in keys}})
+        stats = pl_module.step_metrics_dict
+        self._write({"step": trainer.global_step, **{f"train/{k}": stats[f"train/{k}"]
+                                                     for k in keys}})
 
 
 def test_a_killed_and_resumed_tool_run_equals_an_uninterrupted_one(tmp_path):

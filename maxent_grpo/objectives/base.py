@@ -245,7 +245,7 @@ class Objective:
 
     def observe(self, stats: dict[str, float]) -> None:
         """Called once per training step, after its optimizer step(s), with the step's logged
-        scalars (reduced over micro-batches and ranks, keys without ``train/``)."""
+        dict (``train/...`` names, reduced over micro-batches and ranks)."""
 
     def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
         """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the

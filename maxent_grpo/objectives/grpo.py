@@ -302,11 +302,11 @@ class EntropyMaxEnt(GRPO):
         return self.beta > 0 or self.kl_gate_threshold is not None
 
     def observe(self, stats: dict[str, float]) -> None:
-        """Update the gate from the step's measured token-mean KL (``stats["kl"]``); an
+        """Update the gate from the step's measured token-mean KL (``stats["train/kl"]``); an
         unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"."""
         if self.kl_gate_threshold is None:
             return
-        kl = stats.get("kl", float("nan"))
+        kl = stats.get("train/kl", float("nan"))
         self.alpha_multiplier = entropy_gate_multiplier(
             kl,
             kappa=self.kl_gate_threshold,

@@ -60,7 +60,7 @@ from maxent_grpo.training.step.optimise import (
 )
 from maxent_grpo.training.step.pipeline import RolloutPipeline, check_staleness
 from maxent_grpo.training.step.refill import refill_source
-from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics, log_step
+from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics
 from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.token_logps import Scorer
 from maxent_grpo.training.step.trajectory import Trajectory, collect
@@ -246,8 +246,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         #: the job-long handles (policy, tokenizer, reference, loader), set by configure_model
         self.runtime: RuntimeHandles | None = None
         self._reference_required = False  # a controller may raise beta (require_reference)
-        #: the last training step's trajectory, logged record and its flat view (``metrics``,
-        #: the ``step_log.as_dict()`` the callbacks read)
+        #: the last training step's trajectory, its record and the record's flat view (the
+        #: logged dict, ``step_log.as_dict()``, that the callbacks read)
         self.trajectory: Trajectory | None = None
         self.step_log: LogStepArtifacts | None = None
         self.step_metrics_dict: dict[str, float] = {}
@@ -281,7 +281,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                          schedule.max_consecutive_nonfinite)
             self._weights_version += not update.skipped
         self._log_step(trajectory, update, timer, batch_idx)
-        self.objective.observe(self.step_metrics_dict)  # e.g. the entropy gate reads "kl"
+        self.objective.observe(self.step_metrics_dict)  # the entropy gate reads train/kl
 
     def step_context(self) -> StepContext:
         """The parts of this step (:class:`~maxent_grpo.training.step.context.StepContext`)."""
@@ -319,8 +319,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             epoch_progress=batch_idx / max(1, self.trainer.num_training_batches),
             latency_ms=1000.0 * rollout.generate_seconds, step=self.global_step, extra=extra,
         )
-        self.step_metrics_dict = self.step_log.as_dict()
-        metrics = log_step(self.writer, self.step_metrics_dict, self.global_step)
+        self.step_metrics_dict = metrics = self.step_log.as_dict()
+        self.writer.log(metrics, self.global_step)
         self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)
         if "train/loss/total" in metrics:
             self.log("loss", metrics["train/loss/total"], prog_bar=True, logger=False)

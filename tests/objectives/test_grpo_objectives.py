@@ -220,25 +220,25 @@ def test_entropy_gate_observe() -> None:
               kl_gate_min_multiplier=0.25, kl_gate_max_multiplier=1.8)
     obj = EntropyMaxEnt(**kw)
     assert obj.alpha_effective == 0.2  # first step: no gate
-    obj.observe({"kl": 0.05})  # below: 1 + (0.1 - 0.05)/0.1 = 1.5
+    obj.observe({"train/kl": 0.05})  # below: 1 + (0.1 - 0.05)/0.1 = 1.5
     assert obj.alpha_effective == pytest.approx(0.2 * 1.5)
-    obj.observe({"kl": 0.0})  # below: 2, clipped to m_hi = 1.8
+    obj.observe({"train/kl": 0.0})  # below: 2, clipped to m_hi = 1.8
     assert obj.alpha_effective == pytest.approx(0.2 * 1.8)
-    obj.observe({"kl": 0.2})  # above: 1 / (1 + (0.2 - 0.1)/0.1) = 0.5
+    obj.observe({"train/kl": 0.2})  # above: 1 / (1 + (0.2 - 0.1)/0.1) = 0.5
     assert obj.alpha_effective == pytest.approx(0.2 * 0.5)
-    obj.observe({"kl": 1.0})  # above: 1/10, clipped to m_lo = 0.25
+    obj.observe({"train/kl": 1.0})  # above: 1/10, clipped to m_lo = 0.25
     assert obj.alpha_effective == pytest.approx(0.2 * 0.25)
-    obj.observe({"kl": math.nan})  # non-finite counts as above: 0 -> m_lo
+    obj.observe({"train/kl": math.nan})  # non-finite counts as above: 0 -> m_lo
     assert obj.alpha_effective == pytest.approx(0.2 * 0.25)
 
     off = EntropyMaxEnt(**kw, disable_outside_trust_zone=True)
-    off.observe({"kl": 0.2})
+    off.observe({"train/kl": 0.2})
     assert off.alpha_effective == 0.0
-    off.observe({"kl": 0.05})
+    off.observe({"train/kl": 0.05})
     assert off.alpha_effective == pytest.approx(0.3)
 
     ungated = EntropyMaxEnt(alpha=0.2)
-    ungated.observe({"kl": 5.0})  # no threshold: no-op
+    ungated.observe({"train/kl": 5.0})  # no threshold: no-op
     assert ungated.alpha_effective == 0.2
 
 
@@ -251,9 +251,9 @@ def test_entropy_gate_changes_the_loss() -> None:
     grpo = GRPO(loss_type="dr_grpo").loss(mb).loss.item()
     reduced_h = 0.7 * sum(LENGTHS) / (n * T_MAX5)
     assert obj.loss(mb).loss.item() == pytest.approx(grpo - 0.2 * reduced_h, rel=1e-12)
-    obj.observe({"kl": 0.2})  # multiplier 0.5
+    obj.observe({"train/kl": 0.2})  # multiplier 0.5
     assert obj.loss(mb).loss.item() == pytest.approx(grpo - 0.1 * reduced_h, rel=1e-12)
     off = EntropyMaxEnt(alpha=0.2, kl_gate_threshold=0.1, disable_outside_trust_zone=True,
                         loss_type="dr_grpo")
-    off.observe({"kl": 0.2})
+    off.observe({"train/kl": 0.2})
     assert off.loss(mb).loss.item() == pytest.approx(grpo, rel=1e-12)

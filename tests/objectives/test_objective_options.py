@@ -146,7 +146,7 @@ def test_state_contents() -> None:
     assert GRPO(beta=0.1).state() == {"beta": 0.1}
     ent = EntropyMaxEnt(alpha=0.2, beta=0.1, kl_gate_threshold=0.1, kl_gate_gain=1.0)
     assert ent.state() == {"beta": 0.1, "alpha": 0.2}
-    ent.observe({"kl": 0.05})  # multiplier 1 + (0.1 - 0.05)/0.1 = 1.5
+    ent.observe({"train/kl": 0.05})  # multiplier 1 + (0.1 - 0.05)/0.1 = 1.5
     assert ent.state() == pytest.approx({"beta": 0.1, "alpha": 0.3})
     lw = ListwiseMaxEnt(tau=1, beta=0)
     assert lw.state() == {"tau": 1.0, "beta": 0.0}

@@ -268,7 +268,7 @@ def test_the_entropy_gate_follows_each_steps_kl(cache_dir):
         cache_dir, objective=objective, rewards={"tests.conftest:alternating": 1.0}
     )
     fit(module, make_data(cache_dir), steps=2)
-    kl = module.step_log.as_dict()["kl"]
+    kl = module.step_metrics_dict["train/kl"]
     assert kl > 1e-6  # the policy moved away from the reference after one update
     assert objective.alpha_multiplier == entropy_gate_multiplier(
         kl, kappa=1e-6, gain=1.0, m_lo=0.0, m_hi=2.0
@@ -297,7 +297,7 @@ def test_logged_learning_rate_is_the_one_the_update_used(cache_dir):
         cache_dir, lr_warmup_steps=2, rewards={"tests.conftest:alternating": 1.0}
     )
     fit(module, make_data(cache_dir), steps=1)
-    assert module.step_log.as_dict()["lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
+    assert module.step_metrics_dict["train/lr"] == pytest.approx(0.25)  # 0.5 * (0 + 1) / 2
 
 
 def test_trajectory_samples_record_what_the_step_scored(cache_dir):
@@ -337,7 +337,8 @@ def test_step_timings_are_logged_and_add_up(cache_dir):
         rewards={"tests.conftest:alternating": 1.0},
     )
     fit(module, make_data(cache_dir), steps=1)
-    perf = {k[len("perf/"):]: v for k, v in module.step_log.as_dict().items() if "perf/" in k}
+    perf = {k.removeprefix("train/perf/"): v for k, v in module.step_metrics_dict.items()
+            if k.startswith("train/perf/")}
     assert set(perf) == {
         "generate_s", "reward_s", "score_s", "backward_s", "step_s", "tokens_per_s",
         "sync_seconds",
@@ -346,7 +347,7 @@ def test_step_timings_are_logged_and_add_up(cache_dir):
     parts = perf["generate_s"] + perf["reward_s"] + perf["score_s"] + perf["backward_s"]
     assert all(perf[k] > 0 for k in ("generate_s", "score_s", "backward_s"))
     assert parts <= perf["step_s"] + 1e-6  # phases are disjoint parts of the step
-    tokens = module.step_log.as_dict()["tokens/completion_tokens"]
+    tokens = module.step_metrics_dict["train/tokens/completion_tokens"]
     assert perf["tokens_per_s"] == pytest.approx(tokens / perf["step_s"], rel=1e-6)
 
 
@@ -438,7 +439,7 @@ def test_bf16_true_precision_trains_and_validates(cache_dir):
     before = params(module.configure_model() or module)
     fit(module, make_data(cache_dir), steps=2, precision="bf16-true")
     assert next(module.policy.parameters()).dtype == torch.bfloat16
-    assert module.step_log.as_dict()["reward/mean"] == 0.5  # alternating 1, 0: exact
+    assert module.step_metrics_dict["train/reward/mean"] == 0.5  # alternating 1, 0: exact
     assert any(not torch.equal(before[k], v.float()) for k, v in params(module).items())
     evaluator = L.Trainer(accelerator="cpu", devices=1, logger=False, precision="bf16-true",
                           limit_val_batches=1, enable_progress_bar=False)

@@ -352,8 +352,8 @@ def test_training_scalar_stats_as_dict_leaves_out_what_was_not_measured() -> Non
                                  {"kl": 0.1, **out}, measured.grad_norm_scalar,
                                  measured.epoch_progress)
     flat = artifacts.as_dict()
-    assert flat["tokens/input_tokens"] == 90.0
-    assert flat["grad_norm"] == 2.0 and flat["epoch_progress"] == 0.25
+    assert flat["train/tokens/input_tokens"] == 90.0
+    assert flat["train/grad_norm"] == 2.0 and flat["train/epoch_progress"] == 0.25
 
 
 def test_loss_bundle_as_dict() -> None:
@@ -377,30 +377,31 @@ def test_log_step_artifacts_as_dict_from_bundle() -> None:
     )
     out = artifacts.as_dict()
     assert out == {
-        "loss/total": 1.0,
-        "loss/policy": 0.75,
-        "loss/clip": 0.125,
-        "loss/kl": 2.5,
-        "loss/weighted_kl": 0.25,
-        "kl/mean": 0.5,
-        "clip/low_frac": 0.1,
-        "clip/high_frac": 0.0,
-        "grad_norm": 3.0,
-        "epoch_progress": 0.5,
+        "train/loss/total": 1.0,
+        "train/loss/policy": 0.75,
+        "train/loss/clip": 0.125,
+        "train/loss/kl": 2.5,
+        "train/loss/weighted_kl": 0.25,
+        "train/kl/mean": 0.5,
+        "train/clip/low_frac": 0.1,
+        "train/clip/high_frac": 0.0,
+        "train/grad_norm": 3.0,
+        "train/epoch_progress": 0.5,
     }
     assert all(type(v) is float for v in out.values())
 
 
-def test_log_step_artifacts_drops_none_and_accepts_dict() -> None:
+def test_log_step_artifacts_drops_none_and_nan_and_accepts_dict() -> None:
     artifacts = LogStepArtifacts(
         loss_outputs={"total_loss": 2.0, "clip_loss": None, "entropy": -0.5},
-        diagnostics={},
+        diagnostics={"kl": float("nan"), "reward": {"std": torch.tensor(float("nan"))}},
         grad_norm_scalar=None,
         epoch_progress=1.0,
-    )
-    assert artifacts.as_dict() == {"loss/total": 2.0, "loss/entropy": -0.5, "epoch_progress": 1.0}
+    )  # None and NaN: not measured this step, so not logged
+    assert artifacts.as_dict() == {"train/loss/total": 2.0, "train/loss/entropy": -0.5,
+                                   "train/epoch_progress": 1.0}
     no_clip = LogStepArtifacts(LossScalarBundle(1.0, 1.0, None, 0.0, 0.0), {}, None, 0.0)
-    assert "loss/clip" not in no_clip.as_dict()
+    assert "train/loss/clip" not in no_clip.as_dict()
 
 
 def test_log_step_artifacts_errors() -> None:
@@ -441,7 +442,7 @@ def test_metric_writer_protocol() -> None:
     assert not isinstance(object(), MetricWriter)
     writer.log(LogStepArtifacts({"total_loss": 1.0}, {}, None, 0.5).as_dict(), step=3)
     writer.flush()
-    assert writer.rows == [(3, {"loss/total": 1.0, "epoch_progress": 0.5})]
+    assert writer.rows == [(3, {"train/loss/total": 1.0, "train/epoch_progress": 0.5})]
     assert writer.flushed == 1
 
 

@@ -69,7 +69,7 @@ def test_one_fit_step_builds_every_documented_type(cache_dir, constructed, objec
     # the step's values travel in them, e.g. the samples' targets and the logged record
     samples = module.trajectory.samples
     assert (samples.advantages if own == "AdvantageStats" else samples.q) is not None
-    assert module.step_log.as_dict()["reward/mean"] == pytest.approx(0.5)  # alternating 1, 0
+    assert module.step_metrics_dict["train/reward/mean"] == pytest.approx(0.5)  # alternating 1, 0
 
 
 #: functions whose reads of a field are no use of it: the type's own checks and

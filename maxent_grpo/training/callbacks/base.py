@@ -6,9 +6,9 @@ Added under ``trainer.callbacks`` in YAML::
       init_args: {target_entropy: 1.2, lr: 0.2}
 
 Once per training step (one rollout, also with ``num_iterations > 1``), in
-``on_train_batch_end``, a controller reads ``pl_module.step_metrics_dict`` (the flat
-``step_log``, reduced over micro-batches and ranks, so every rank computes the same
-update) and writes the new
+``on_train_batch_end``, a controller reads ``pl_module.step_metrics_dict`` (the step's logged
+dict, ``train/...`` names, reduced over micro-batches and ranks, so every rank computes the
+same update) and writes the new
 ``pl_module.objective.tau`` / ``.beta`` (kept nowhere else), used from the next rollout on.
 They log ``train/delta_tau``, ``train/delta_beta``, their targets and ``train/meta/...``.
 

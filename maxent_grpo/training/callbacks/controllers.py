@@ -141,7 +141,7 @@ class TauController(Controller):
         )
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
-        h = stats.get("weight_entropy", math.nan)
+        h = stats.get("train/weight_entropy", math.nan)
         if not is_number(h):
             rank_zero_warn(f"TauController: no finite train/weight_entropy ({h}); tau unchanged")
             return {}
@@ -219,7 +219,7 @@ class BetaController(Controller):
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
         old = objective.beta
         new = beta_update(
-            beta=old, kl=stats.get("kl", math.nan), kl_target=self.kl_target,
+            beta=old, kl=stats.get("train/kl", math.nan), kl_target=self.kl_target,
             horizon=self.horizon, step_bound=self.step_bound,
         )
         objective.beta, self.kl_error = new.beta, new.error
@@ -300,14 +300,14 @@ class MetaController(Controller):
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
         if (self.steps + 1) % self.every_n_steps:
             return {}
-        h = stats.get("weight_entropy", math.nan)
+        h = stats.get("train/weight_entropy", math.nan)
         if not is_number(h):
             rank_zero_warn(f"MetaController: no finite train/weight_entropy ({h}); step skipped")
             return {}
         old_tau, old_beta = objective.tau, objective.beta
         new = meta_update(
             tau=old_tau, beta=old_beta, weight_entropy=h,
-            kl=stats.get("kl", math.nan), target_entropy=self.target_entropy,
+            kl=stats.get("train/kl", math.nan), target_entropy=self.target_entropy,
             kl_target=self.kl_target, lr_tau=self.lr_tau, lr_beta=self.lr_beta,
             tau_min=self.tau_min, tau_max=self.tau_max, kl_clip=self.kl_clip,
         )

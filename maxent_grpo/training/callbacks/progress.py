@@ -23,7 +23,7 @@ and the bar, also show ``tool success 75%``: the last step's ``tools/success_rat
 share of samples with at least one call that returned), so that calls that all fail show at
 once (``step_log.ToolFailureWatch`` warns, naming how they fail);
 without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
-``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
+logged dict, ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
 A plain ``L.Trainer`` gets it too, in place of Lightning's own default bar
 (``MaxEntGRPOModule.configure_callbacks``). To configure it, name it in ``trainer.callbacks``::
 
@@ -152,7 +152,7 @@ class ReadableProgressBar(TQDMProgressBar):
     @property
     def tool_success(self) -> float | None:
         """The last step's ``tools/success_rate``; None without tools (or before a step)."""
-        rate = self.last_record.get("tools/success_rate")
+        rate = self.last_record.get("train/tools/success_rate")
         return rate if rate is not None and math.isfinite(rate) else None
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -178,10 +178,10 @@ class ReadableProgressBar(TQDMProgressBar):
             parts.append(f"{self.reward_label} {self.smoothed_reward:.3f}")
         if self.tool_success is not None:
             parts.append(f"tool success {self.tool_success:.0%}")
-        loss = self.last_record.get("loss/total")
+        loss = self.last_record.get("train/loss/total")
         if loss is not None and math.isfinite(loss):
             parts.append(f"loss {loss:.3g}")
-        tokens_per_s = self.last_record.get("perf/tokens_per_s")
+        tokens_per_s = self.last_record.get("train/perf/tokens_per_s")
         if tokens_per_s is not None and math.isfinite(tokens_per_s):
             parts.append(f"tokens/s {tokens_per_s:.0f}")
         done = step - self._start_step
@@ -213,7 +213,7 @@ class ReadableProgressBar(TQDMProgressBar):
         record = getattr(pl_module, "step_metrics_dict", None)
         if record:
             self.last_record = record
-            reward = self.last_record.get("reward/mean")
+            reward = self.last_record.get("train/reward/mean")
             if reward is not None and math.isfinite(reward):
                 self.rewards.append(reward)
                 self.report.add_reward(reward)

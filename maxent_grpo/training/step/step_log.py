@@ -4,9 +4,9 @@ During a step, :class:`StepMetrics` accumulates the step's statistics in torchme
 (sums, so exact over micro-batches and ranks): the rewards and their components, the token
 counts, and token-weighted means of everything the objective's loss reports (KL, entropy,
 clip fractions, loss parts). After the optimizer step(s) it builds the documented
-:class:`LogStepArtifacts`, whose ``as_dict()`` a ``MetricWriter`` logs as ``train/...``
-keys (listed in docs/LOGGING.md), and resets. NaN means "not measured this step" and is not
-logged.
+:class:`LogStepArtifacts`, whose ``as_dict()`` (``train/...`` names, listed in
+docs/LOGGING.md) a ``MetricWriter`` logs, and resets. NaN means "not measured this step"
+and is not logged.
 """
 
 from __future__ import annotations
@@ -289,14 +289,6 @@ def _measured(value: Any) -> bool:
     if isinstance(value, dict):
         return True
     return value is not None and not (isinstance(value, float) and math.isnan(value))
-
-
-def log_step(writer: Any, metrics: dict[str, float], step: int) -> dict[str, float]:
-    """Write ``train/<key>`` for every measured value of ``metrics`` (a step's
-    ``LogStepArtifacts.as_dict()``); returns what was written."""
-    logged = {f"train/{k}": v for k, v in metrics.items() if not math.isnan(v)}
-    writer.log(logged, step)
-    return logged
 
 
 log = logging.getLogger(__name__)

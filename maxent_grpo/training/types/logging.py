@@ -182,16 +182,18 @@ class LogStepArtifacts:
             raise TypeError(f"diagnostics must be a mapping; got {type(self.diagnostics).__name__}")
 
     def as_dict(self) -> dict[str, Any]:
-        """One flat ``{key: float}`` dict; entries whose value is ``None`` are left out.
+        """The step's logged dict: one flat ``{"train/<name>": float}``, the names TensorBoard,
+        ``trainer.callback_metrics``, the controllers and the progress bar all use; a value
+        not measured this step (None or NaN) is left out.
 
-        Keys:
+        Names, each under ``train/``:
             - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed
-              (``loss/total``, ...);
-            - each diagnostics key unchanged; a nested mapping is joined with ``"/"``
-              (``{"clip": {"low_frac": x}}`` -> ``"clip/low_frac"``);
+              (``train/loss/total``, ...);
+            - each diagnostics key (``"clip/low_frac"``); a nested mapping is joined with
+              ``"/"`` (``{"clip": {"low_frac": x}}`` -> ``"train/clip/low_frac"``);
             - ``"grad_norm"`` and ``"epoch_progress"``.
 
-        Values are Python floats (one-element tensors are read with ``.item()``). A key
+        Values are Python floats (one-element tensors are read with ``.item()``). A name
         produced twice raises ValueError; a non-scalar value raises ValueError naming it.
         """
         out: dict[str, Any] = {}
@@ -199,9 +201,12 @@ class LogStepArtifacts:
         def put(key: str, value: Any) -> None:
             if value is None:
                 return
+            key = "train/" + key
             if key in out:
                 raise ValueError(f"LogStepArtifacts.as_dict: key {key!r} is produced twice")
-            out[key] = _scalar(key, value)
+            value = _scalar(key, value)
+            if not math.isnan(value):
+                out[key] = value
 
         losses = self.loss_outputs
         loss_items = losses.as_dict() if isinstance(losses, LossScalarBundle) else losses

@@ -44,7 +44,8 @@ def fake_trainer(step: int, max_steps: int = 500, **kw) -> SimpleNamespace:
 
 
 def fake_step(bar: ReadableProgressBar, trainer, record: dict) -> None:
-    module = SimpleNamespace(step_metrics_dict=dict(record))
+    """One step whose logged dict holds ``record`` (names without ``train/``)."""
+    module = SimpleNamespace(step_metrics_dict={f"train/{k}": v for k, v in record.items()})
     bar.on_train_batch_end(trainer, module, None, None, 0)
 
 
@@ -162,7 +163,7 @@ class Rewards(Callback):
         self.rewards = []
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        self.rewards.append(pl_module.step_log.as_dict()["reward/mean"])
+        self.rewards.append(pl_module.step_metrics_dict["train/reward/mean"])
 
 
 def fit_with(bar, cache_dir, tmp_path, steps: int):

@@ -86,6 +86,6 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     view = LoggingConfigView(weighting=ctx.objective, clipping=1.0, schedule=ctx.schedule)
     logged = metrics.artifacts(view, lr=update.lr, grad_norm=update.grad_norm,
                                epoch_progress=0.0, latency_ms=2.0, step=1, extra={}).as_dict()
-    assert logged["perf/generate_s"] == 0.002
-    assert logged["reward/mean"] == 0.5 and logged["lr"] == 0.5
-    assert logged["grad_norm"] == float(update.grad_norm)
+    assert logged["train/perf/generate_s"] == 0.002
+    assert logged["train/reward/mean"] == 0.5 and logged["train/lr"] == 0.5
+    assert logged["train/grad_norm"] == float(update.grad_norm)
