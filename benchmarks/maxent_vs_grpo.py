@@ -86,6 +86,17 @@ TASKS: dict[str, dict[str, Any]] = {
         "config": "configs/smollm2_sets.yaml",
         "args": [],
     },
+    # task c's question on the real model (arithmetic, not recall), with task s's settings
+    "d": {
+        "label": "ordered digit pairs, SmolLM2-135M (digit_pairs, ordered)",
+        "config": "configs/smollm2_sets.yaml",
+        "args": [
+            "--data.task", "digit_pairs",
+            "--data.task_options", json.dumps({"bare": True, "ordered": True}),
+            "--data.val_size", "18",
+            "--model.rewards", json.dumps({"digit_pair": 1.0}),
+        ],
+    },
 }
 
 

@@ -34,6 +34,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "countdown": countdown.countdown,
     "countdown_multi": multi_answer.countdown_multi,
     "digit_pairs": digit_pairs.digit_pairs,
+    "divisors": number_sets.divisors,
     "number_sets": number_sets.number_sets,
     "tool_arithmetic": calculator.tool_arithmetic,
 }

@@ -10,11 +10,19 @@ names a member about 1 time in 5 at temperature 0.7 (measured in
 ``benchmarks/MAXENT_VS_GRPO.md``), so the task is partly solved at the start and its answer
 spread can be watched. The tiny built-in model was never taught it.
 
+``divisors`` asks the same way for arithmetic instead of a remembered list: ``"A divisor of
+36:"``, right when the first integer is a proper divisor (neither 1 nor the number itself,
+which the model can copy from the prompt): 6 to 10 answers per number. SmolLM2-135M names one
+about 1 time in 3 at first (0.16 to 0.59 per number, 32 samples each at temperature 0.7).
+
 >>> [len(s) for _, s in SETS.values()]
 [8, 9, 10, 9, 9, 9, 9]
 >>> row = number_sets(1, 0, sets=["prime"])[0]
 >>> row["prompt"], row["valid_answers"][:4], row["answer_form"]
 ('A prime number less than 20:', ['2', '3', '5', '7'], 'first_number')
+>>> row = divisors(1, 0, numbers=[36])[0]
+>>> row["prompt"], row["valid_answers"]
+('A divisor of 36:', ['2', '3', '4', '6', '9', '12', '18'])
 """
 
 from __future__ import annotations
@@ -62,5 +70,45 @@ def number_sets(num_rows: int, seed: int, *, sets: list[str] | None = None) -> l
         rows.append({
             "prompt": prompt, "answer": rng.choice(valid), "task": "number_sets", "set": name,
             "valid_answers": valid, "answer_form": "first_number",
+        })
+    return rows
+
+
+#: the numbers ``divisors`` asks about: 24 to 96, each with 6 to 10 proper divisors
+DIVISOR_NUMBERS = (24, 30, 36, 40, 48, 60, 72, 84, 90, 96)
+
+
+def divisors(num_rows: int, seed: int, *, numbers: list[int] | None = None) -> list[dict]:
+    """``num_rows`` prompts ``"A divisor of <n>:"`` from ``random.Random(seed)``, for the
+    ``numbers`` (default :data:`DIVISOR_NUMBERS`; each a composite >= 4) in a fresh random
+    order every ``len(numbers)`` rows.
+
+    Each row: ``prompt``, ``answer`` (one proper divisor), ``task`` (``"divisors"``),
+    ``number``, ``valid_answers`` (its divisors other than 1 and itself, as strings,
+    ascending: the ``in_set`` reward reads them) and ``answer_form`` (``"first_number"``).
+    """
+    check_int("num_rows", num_rows, minimum=1)
+    check_int("seed", seed, minimum=0)
+    chosen = list(DIVISOR_NUMBERS if numbers is None else numbers)
+    if not chosen:
+        raise ValueError("numbers must name at least one number")
+    table: dict[int, list[str]] = {}
+    for n in chosen:
+        check_int("each of numbers", n, minimum=4)
+        table[n] = [str(d) for d in range(2, n // 2 + 1) if n % d == 0]
+        if not table[n]:
+            raise ValueError(f"numbers must be composite (a divisor besides 1 and itself); "
+                             f"got the prime {n}")
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    order: list[int] = []
+    for _ in range(num_rows):
+        if not order:
+            order = rng.sample(chosen, len(chosen))
+        n = order.pop()
+        valid = table[n]
+        rows.append({
+            "prompt": f"A divisor of {n}:", "answer": rng.choice(valid), "task": "divisors",
+            "number": n, "valid_answers": valid, "answer_form": "first_number",
         })
     return rows

@@ -25,7 +25,7 @@ def test_docstring_examples() -> None:
 def test_registry_names_and_errors() -> None:
     assert list_tasks() == [
         "arithmetic", "arithmetic_easy", "countdown", "countdown_multi", "digit_pairs",
-        "number_sets", "tool_arithmetic",
+        "divisors", "number_sets", "tool_arithmetic",
     ]
     assert set(TASKS) == set(list_tasks())
     with pytest.raises(ValueError, match=r"'arithmetic'.*'countdown'.*got 'sudoku'"):
@@ -250,3 +250,26 @@ def test_number_sets_list_every_member_and_are_graded_by_the_first_integer():
     assert in_set_reward(["q"], ["7"], valid_answers=[None]) == [None]
     with pytest.raises(ValueError, match="sets must name"):
         build_task("number_sets", 1, 0, sets=["cubes"])
+
+
+def test_divisors_list_every_proper_divisor_and_refuse_primes():
+    from maxent_grpo.rewards import in_set_reward
+
+    rows = build_task("divisors", 20, 1)
+    numbers = number_sets_module.DIVISOR_NUMBERS
+    assert sorted(r["number"] for r in rows[:10]) == sorted(numbers)  # each once per block
+    for row in rows:
+        n, valid = row["number"], row["valid_answers"]
+        assert row["prompt"] == f"A divisor of {n}:" and row["answer"] in valid
+        assert valid == [str(d) for d in range(2, n) if n % d == 0]  # neither 1 nor n
+        assert 6 <= len(valid) <= 10 and row["answer_form"] == "first_number"
+    row = rows[0]
+    n = row["number"]
+    graded = in_set_reward([row["prompt"]] * 4, [" 1", f" {n}", f" {row['answer']}.", " 7"],
+                           valid_answers=[row["valid_answers"]] * 4)
+    assert graded[:3] == [0.0, 0.0, 1.0] and graded[3] == float(n % 7 == 0)
+    assert build_task("divisors", 3, 0, numbers=[15])[0]["valid_answers"] == ["3", "5"]
+    with pytest.raises(ValueError, match="composite.*prime 13"):
+        build_task("divisors", 1, 0, numbers=[12, 13])
+    with pytest.raises(ValueError, match="numbers"):
+        build_task("divisors", 1, 0, numbers=[2])
