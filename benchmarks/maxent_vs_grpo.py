@@ -23,6 +23,8 @@ and the same number of optimizer steps; only the objective (and, for the runs th
   answers per target).
 - ``s``: ``number_sets`` on SmolLM2-135M-Instruct (``configs/smollm2_sets.yaml``, its own
   settings; ``make setup-smollm2``), 7 sets of 8 to 10 integers, evaluated on each set twice.
+- ``v``: ``divisors`` on SmolLM2 with task s's settings: ``"A divisor of 36:"`` for 10
+  numbers with 6 to 10 proper divisors each, evaluated on each number twice.
 
 The default study is tasks b and c, seeds 0, 1, 2 and the runs of ``DEFAULT``: the starting
 model (``start``: evaluated, not trained), GRPO, the listwise target over completions and
@@ -86,16 +88,11 @@ TASKS: dict[str, dict[str, Any]] = {
         "config": "configs/smollm2_sets.yaml",
         "args": [],
     },
-    # task c's question on the real model (arithmetic, not recall), with task s's settings
-    "d": {
-        "label": "ordered digit pairs, SmolLM2-135M (digit_pairs, ordered)",
+    # arithmetic on the real model: name a proper divisor, with task s's settings
+    "v": {
+        "label": "divisors, SmolLM2-135M (divisors)",
         "config": "configs/smollm2_sets.yaml",
-        "args": [
-            "--data.task", "digit_pairs",
-            "--data.task_options", json.dumps({"bare": True, "ordered": True}),
-            "--data.val_size", "18",
-            "--model.rewards", json.dumps({"digit_pair": 1.0}),
-        ],
+        "args": ["--data.task", "divisors", "--data.val_size", "20"],
     },
 }
 
