@@ -122,6 +122,9 @@ def test_the_smollm2_task_keeps_its_config_and_each_runs_group_filter(study, mon
         assert cli.model.rewards.names == ["in_set"]
         solved[name] = cli.model.loop.generation.solved_reward
     assert solved == {"GRPO": None, "Listwise(answers)": 1.0}
+    cli = cli_module.main(study.run_args("v", "GRPO", 0, 2, str(tmp_path)), run=False)
+    data = cli.datamodule.hparams  # task v: the same config, another task
+    assert (data.task, data.val_size, cli.model.rewards.names) == ("divisors", 20, ["in_set"])
 
 
 def test_the_issue_38_runs_are_valid(study, monkeypatch):

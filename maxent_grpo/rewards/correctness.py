@@ -201,9 +201,9 @@ def in_set_reward(
     prompts: list, completions: list, valid_answers: list | None = None, **kwargs: object,
 ) -> list[float | None]:
     """1.0 when the first integer of the answer is one of the row's ``valid_answers``
-    (integers written as strings; the ``number_sets`` task), else 0.0. The answer is the
-    ``<answer>`` block when there is one, else the whole completion. ``valid_answers`` of
-    ``None`` gives ``None``.
+    (integers written as strings; the ``number_sets`` and ``divisors`` tasks), else 0.0.
+    The answer is the ``<answer>`` block when there is one, else the whole completion.
+    ``valid_answers`` of ``None`` gives ``None``.
 
     >>> in_set_reward(["A prime number less than 20:"], [" 7, 11"], valid_answers=[["7", "11"]])
     [1.0]

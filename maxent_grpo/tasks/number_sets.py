@@ -13,7 +13,8 @@ spread can be watched. The tiny built-in model was never taught it.
 ``divisors`` asks the same way for arithmetic instead of a remembered list: ``"A divisor of
 36:"``, right when the first integer is a proper divisor (neither 1 nor the number itself,
 which the model can copy from the prompt): 6 to 10 answers per number. SmolLM2-135M names one
-about 1 time in 3 at first (0.16 to 0.59 per number, 32 samples each at temperature 0.7).
+about 2 times in 5 at first (mean@8 0.40 and 0.43 on the study's seeds 0 and 1, task v of
+``benchmarks/maxent_vs_grpo.py``; 0.16 to 0.59 per number).
 
 >>> [len(s) for _, s in SETS.values()]
 [8, 9, 10, 9, 9, 9, 9]
@@ -90,8 +91,8 @@ def divisors(num_rows: int, seed: int, *, numbers: list[int] | None = None) -> l
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
     chosen = list(DIVISOR_NUMBERS if numbers is None else numbers)
-    if not chosen:
-        raise ValueError("numbers must name at least one number")
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise ValueError(f"numbers must name distinct numbers, at least one; got {numbers!r}")
     table: dict[int, list[str]] = {}
     for n in chosen:
         check_int("each of numbers", n, minimum=4)

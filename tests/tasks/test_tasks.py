@@ -273,3 +273,5 @@ def test_divisors_list_every_proper_divisor_and_refuse_primes():
         build_task("divisors", 1, 0, numbers=[12, 13])
     with pytest.raises(ValueError, match="numbers"):
         build_task("divisors", 1, 0, numbers=[2])
+    with pytest.raises(ValueError, match="distinct"):
+        build_task("divisors", 1, 0, numbers=[12, 12])

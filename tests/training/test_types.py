@@ -408,6 +408,9 @@ def test_log_step_artifacts_errors() -> None:
     bundle = LossScalarBundle(1.0, 1.0, None, 0.0, 0.0)
     with pytest.raises(ValueError, match="grad_norm"):
         LogStepArtifacts(bundle, {"grad_norm": 1.0}, 2.0, 0.0).as_dict()
+    with pytest.raises(ValueError, match="loss/kl.*twice"):  # a NaN value is a name too
+        LogStepArtifacts(LossScalarBundle(1.0, 1.0, None, float("nan"), 0.0),
+                         {"loss": {"kl": 0.5}}, None, 0.0).as_dict()
     with pytest.raises(ValueError, match="kl/per_token"):
         LogStepArtifacts(bundle, {"kl": {"per_token": torch.zeros(3)}}, None, 0.0).as_dict()
     with pytest.raises(ValueError, match="note"):

@@ -5,7 +5,7 @@
 :class:`~lightning.pytorch.callbacks.TQDMProgressBar`, except that:
 
 - the reward shown, ``reward(avg20)``, is the mean of the last ``window`` steps'
-  ``reward/mean`` (one step's is too noisy); ``v_num`` is not shown;
+  ``train/reward/mean`` (one step's is too noisy); ``v_num`` is not shown;
 - a step-based run (``trainer.max_steps > 0``) shows one bar ``Steps: 120/500`` over the
   whole run (from the resumed step on a resume) instead of a bar per epoch;
 - during ``fit`` each validation prints one line of its ``val/`` metrics, and the end of the
@@ -17,9 +17,9 @@
 
     step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
 
-``tokens/s`` is the last step's ``perf/tokens_per_s``; ``eta`` is the remaining steps times
+``tokens/s`` is the last step's ``train/perf/tokens_per_s``; ``eta`` is the remaining steps times
 this run's mean time per step. With tools or an environment (multi-turn rollouts) the line,
-and the bar, also show ``tool success 75%``: the last step's ``tools/success_rate`` (the
+and the bar, also show ``tool success 75%``: the last step's ``train/tools/success_rate`` (the
 share of samples with at least one call that returned), so that calls that all fail show at
 once (``step_log.ToolFailureWatch`` warns, naming how they fail);
 without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
@@ -91,7 +91,7 @@ class ReadableProgressBar(TQDMProgressBar):
         refresh_rate: redraw the bar every this many steps (0 shows nothing, bar or lines).
         process_position, leave: as in :class:`TQDMProgressBar`.
         mode: ``"auto"`` (bar in a terminal, lines otherwise), ``"bar"`` or ``"lines"``.
-        window: the shown reward is the mean of the last ``window`` steps' ``reward/mean``.
+        window: the shown reward is the mean of the last ``window`` steps' ``train/reward/mean``.
         every_n_steps: a line every this many steps; ``None``: :func:`line_interval`.
         every_s: also write a line after this many seconds without one; 0 or less: off.
         stream: where lines go and what ``"auto"`` asks ``isatty()``; default ``sys.stdout``.
@@ -146,12 +146,12 @@ class ReadableProgressBar(TQDMProgressBar):
 
     @property
     def smoothed_reward(self) -> float | None:
-        """Mean ``reward/mean`` of the last ``window`` steps; None before the first step."""
+        """Mean ``train/reward/mean`` of the last ``window`` steps; None before the first step."""
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
     @property
     def tool_success(self) -> float | None:
-        """The last step's ``tools/success_rate``; None without tools (or before a step)."""
+        """The last step's ``train/tools/success_rate``; None without tools (or before a step)."""
         rate = self.last_record.get("train/tools/success_rate")
         return rate if rate is not None and math.isfinite(rate) else None
 

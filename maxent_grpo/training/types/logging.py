@@ -197,13 +197,15 @@ class LogStepArtifacts:
         produced twice raises ValueError; a non-scalar value raises ValueError naming it.
         """
         out: dict[str, Any] = {}
+        seen: set[str] = set()  # a name given twice is refused even when one value is NaN
 
         def put(key: str, value: Any) -> None:
             if value is None:
                 return
             key = "train/" + key
-            if key in out:
+            if key in seen:
                 raise ValueError(f"LogStepArtifacts.as_dict: key {key!r} is produced twice")
+            seen.add(key)
             value = _scalar(key, value)
             if not math.isnan(value):
                 out[key] = value
