@@ -129,7 +129,8 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 #: the training layer's rooms, lowest first: a module imports only from its own room or
 #: a lower one
-TRAINING_ROOMS = ["types", "settings", "data", "step", "run", "callbacks", "module"]
+TRAINING_ROOMS = ["settings", "types", "options", "data", "step", "run", "callbacks",
+                  "module"]
 
 
 def room(module: str) -> int | None:

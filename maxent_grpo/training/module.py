@@ -40,16 +40,12 @@ from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
+from maxent_grpo.training.options import build_loop_settings
 from maxent_grpo.training.run.callbacks import CleanUp, CompletionWriter
 from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
-from maxent_grpo.training.settings import (
-    Dtype,
-    ModelSettings,
-    build_loop_settings,
-    build_lr_scheduler,
-)
+from maxent_grpo.training.settings import Dtype, ModelSettings, build_lr_scheduler
 from maxent_grpo.training.step.context import StepContext, StepTimer, trainer_state
 from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,

@@ -1,9 +1,11 @@
-"""The module's options in typed groups, checked once, when the module is built.
+"""The typed groups of the module's options (frozen records, built once) and the
+learning-rate scheduler.
 
 :class:`~maxent_grpo.training.module.MaxEntGRPOModule` takes flat options (one YAML key
-each, documented by ``--help``) and groups them here into the documented
-:class:`~maxent_grpo.training.types.LoopSettings` (:func:`build_loop_settings`). A bad value
-raises ValueError naming ``model.<option>`` (:mod:`maxent_grpo.validation`).
+each, documented by ``--help``); :func:`~maxent_grpo.training.options.build_loop_settings`
+checks them and builds these records into the documented
+:class:`~maxent_grpo.training.types.LoopSettings`, whose fields they type. This module sits
+below :mod:`maxent_grpo.training.types` (it never imports it).
 """
 
 from __future__ import annotations
@@ -15,17 +17,10 @@ from typing import Any, Literal
 import torch
 
 from maxent_grpo.adapters import check_peft
-from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
 from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
-from maxent_grpo.training.types import (
-    BatchingSettings,
-    ControllerPaths,
-    LoopSettings,
-    OptimizationSettings,
-)
-from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+from maxent_grpo.validation import check_choice, check_int, check_number, require
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -186,100 +181,3 @@ def build_lr_scheduler(
         return main
     warmup = sched.LinearLR(optimizer, start_factor=1.0 / W, end_factor=1.0, total_iters=W - 1)
     return sched.SequentialLR(optimizer, [warmup, main], milestones=[W])
-
-
-def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSettings:
-    """Check the module's constructor options ``o`` and group them (see the module
-    docstring); ``reward_names`` are the keys of ``model.rewards``."""
-    check_int("model.num_generations", o["num_generations"], minimum=2)
-    check_int("model.max_completion_length", o["max_completion_length"], minimum=1)
-    overlong = (o.get("rewards") or {}).get("overlong")
-    buffer = overlong.get("buffer") if isinstance(overlong, dict) else None
-    require(not isinstance(buffer, int) or buffer <= o["max_completion_length"],
-            f"model.rewards.overlong.buffer ({buffer}) must be at most "
-            f"model.max_completion_length ({o['max_completion_length']}): the penalty ramps "
-            "over the last buffer tokens of the budget")
-    check_int("model.num_iterations", o["num_iterations"], minimum=1)
-    check_bool("model.drop_constant_groups", o["drop_constant_groups"])
-    check_int("model.refill_rounds", o["refill_rounds"], minimum=0)
-    require(o["refill_rounds"] == 0 or o["drop_constant_groups"],
-            "model.refill_rounds refills the groups that model.drop_constant_groups drops; "
-            "set model.drop_constant_groups: true with it (or model.refill_rounds: 0)")
-    solved = o.get("solved_reward")
-    check_number("model.solved_reward", solved, allow_none=True)
-    require(not (o["mask_truncated_completions"]
-                 and getattr(o.get("objective"), "answer_level", False)),
-            "model.mask_truncated_completions hides whole rows from the loss, and "
-            "objective.answer_level compares the policy's mass on each answer over every "
-            "sampled completion; set model.mask_truncated_completions: false (or give "
-            "the completions room to end: model.max_completion_length)")
-    require(solved is None or o["drop_constant_groups"],
-            "model.solved_reward keeps some of the groups that model.drop_constant_groups "
-            "drops; set model.drop_constant_groups: true with it (or leave it None)")
-    check_bool("model.mask_truncated_completions", o["mask_truncated_completions"])
-    check_int("model.micro_batch_groups", o["micro_batch_groups"], minimum=1, allow_none=True)
-    check_int("model.micro_batch_tokens", o["micro_batch_tokens"], minimum=1, allow_none=True)
-    check_number("model.gradient_clip_val", o["gradient_clip_val"], minimum=0, strict=True,
-                 allow_none=True)
-    check_int("model.lr_warmup_steps", o["lr_warmup_steps"], minimum=0)
-    if o["fused_lm_head"] is not None:
-        check_bool("model.fused_lm_head", o["fused_lm_head"])
-    check_int("model.max_consecutive_nonfinite", o["max_consecutive_nonfinite"], minimum=1)
-    if o["sampler_correction"] is not None:
-        check_choice("model.sampler_correction", o["sampler_correction"], CORRECTIONS)
-    check_number("model.sampler_correction_cap", o["sampler_correction_cap"], minimum=0,
-                 strict=True)
-    n = o["eval_num_generations"]
-    check_int("model.eval_num_generations", n, minimum=1)
-    require(len(reward_names) > 0, "model.rewards must name at least one reward function")
-    reward = o["eval_reward"]
-    require(reward is None or reward in reward_names,
-            f"model.eval_reward must be None or one of model.rewards {sorted(reward_names)}; "
-            f"got {reward!r}")
-    check_number("model.eval_correct_threshold", o["eval_correct_threshold"])
-    ks = [1] if o["eval_k"] is None else list(o["eval_k"])
-    require(len(ks) > 0 and all(
-        isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks
-    ), f"model.eval_k must hold ints k with 1 <= k <= model.eval_num_generations ({n}); "
-       f"got {ks!r}")
-    check_bool("model.eval_greedy", o["eval_greedy"])
-    try:
-        sampling = SamplingSettings(
-            max_new_tokens=o["max_completion_length"], temperature=o["temperature"],
-            top_p=o["top_p"], top_k=o["top_k"], max_prompt_length=o["max_prompt_length"],
-        )
-    except ValueError as err:
-        raise ValueError(f"model.{err}") from err
-    G = o["num_generations"]
-    groups = o["micro_batch_groups"]
-    return LoopSettings(
-        generation=GenerationSettings(
-            num_generations=G, sampling=sampling,
-            mask_truncated_completions=o["mask_truncated_completions"],
-            drop_constant_groups=o["drop_constant_groups"],
-            sampler_correction=o["sampler_correction"],
-            sampler_correction_cap=float(o["sampler_correction_cap"]),
-            refill_rounds=o["refill_rounds"],
-            solved_reward=None if solved is None else float(solved),
-            tools=build_tool_settings(o),
-        ),
-        evaluation=EvaluationSettings(
-            num_generations=n,
-            reward_index=0 if reward is None else reward_names.index(reward),
-            correct_threshold=float(o["eval_correct_threshold"]), k=tuple(ks),
-            greedy=o["eval_greedy"],
-        ),
-        optimization=OptimizationSettings(
-            schedule=ScheduleSettings(
-                num_iterations=o["num_iterations"], gradient_clip_val=o["gradient_clip_val"],
-                lr_warmup_steps=o["lr_warmup_steps"],
-                max_consecutive_nonfinite=o["max_consecutive_nonfinite"],
-            ),
-            handles=None,  # Lightning's optimizer and scheduler: rebuilt when training starts
-        ),
-        scoring=BatchingSettings(
-            logprob_chunk_size=None if groups is None else groups * G,
-            score_slice=o["micro_batch_tokens"],
-        ),
-        controller=ControllerPaths(None, None),  # the controllers attach at setup
-    )

@@ -9,9 +9,13 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from maxent_grpo.objectives import Objective
+    from maxent_grpo.training.settings import ScheduleSettings
 
 __all__ = [
     "LogStepArtifacts",
@@ -243,9 +247,9 @@ class LoggingConfigView:
             ``lr_warmup_steps`` run, ``lr_warmup`` records the warm-up's progress.
     """
 
-    weighting: Any
-    clipping: Any
-    schedule: Any
+    weighting: Objective
+    clipping: float | None
+    schedule: ScheduleSettings
 
 
 @runtime_checkable

@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from maxent_grpo.objectives import Objective
+    from maxent_grpo.training.settings import (
+        EvaluationSettings,
+        GenerationSettings,
+        ScheduleSettings,
+    )
+
 __all__ = ["ControllerPaths", "LoopSettings", "OptimizationSettings", "RuntimeHandles"]
 
 
@@ -54,14 +61,14 @@ class OptimizationSettings:
             place).
     """
 
-    schedule: Any  # training.settings.ScheduleSettings (types/ sits below settings.py)
+    schedule: ScheduleSettings
     handles: tuple[Any, Any] | None
 
 
 @dataclass
 class LoopSettings:
     """The training loop's configuration, grouped by concern
-    (:func:`~maxent_grpo.training.settings.build_loop_settings`). The three controller fields
+    (:func:`~maxent_grpo.training.options.build_loop_settings`). The three controller fields
     describe the tau / beta controllers (Lightning callbacks): built without any, and
     rebuilt (:meth:`with_controller`, never mutated) as each controller attaches to the
     module at ``setup``.
@@ -80,15 +87,15 @@ class LoopSettings:
             when one runs, else None (recorded in the checkpoint like ``controller``).
     """
 
-    generation: Any  # training.settings.GenerationSettings (types/ sits below settings.py)
-    evaluation: Any  # training.settings.EvaluationSettings
+    generation: GenerationSettings
+    evaluation: EvaluationSettings
     optimization: OptimizationSettings
     scoring: BatchingSettings
     controller: ControllerPaths
-    controller_objective: Any = None
-    controller_meta_manager: Any = None
+    controller_objective: Objective | None = None
+    controller_meta_manager: Any = None  # a training.callbacks.MetaController (above types/)
 
-    def with_controller(self, paths: ControllerPaths, objective: Any,
+    def with_controller(self, paths: ControllerPaths, objective: Objective,
                         meta_manager: Any = None) -> LoopSettings:
         """These settings with one more controller attached: its ``paths`` fill the ones
         not yet named, ``objective`` is the one it moves, ``meta_manager`` the
