@@ -21,7 +21,8 @@ accumulated over micro-batches that never split a prompt group. ``collect`` and
 call back into the module. The rollout engine is built once per run and synced
 (``engine.sync(policy)``) after the weights changed. Elsewhere: validation and test
 (``run/evaluation.py``), checkpoints (``run/checkpoint.py``), strategies
-(``step/strategy.py``), the options' typed groups (``settings.py``).
+(``step/strategy.py``), the options' typed groups (``settings.py``, built by
+``options.py``).
 """
 
 from __future__ import annotations

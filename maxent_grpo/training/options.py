@@ -10,11 +10,13 @@ from typing import Any
 
 from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.rollout.multiturn import environment_factory
+from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
 from maxent_grpo.training.settings import (
     EvaluationSettings,
     GenerationSettings,
     ScheduleSettings,
-    build_tool_settings,
+    ToolSettings,
 )
 from maxent_grpo.training.types import (
     BatchingSettings,
@@ -23,6 +25,26 @@ from maxent_grpo.training.types import (
     OptimizationSettings,
 )
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+
+
+def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
+    """The checked ``model.tools`` / ``model.environment`` options (tools imported, their
+    schemas built), or None when neither is set."""
+    tools, env = o.get("tools"), o.get("environment")
+    calls, timeout = o.get("max_tool_calls", 4), o.get("tool_timeout", 10.0)
+    isolation = o.get("tool_isolation", "thread")
+    check_int("model.max_tool_calls", calls, minimum=1)
+    check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+    check_choice("model.tool_isolation", isolation, ISOLATIONS)
+    if not tools and env is None:
+        return None
+    require(not (tools and env is not None),
+            "model.tools and model.environment are two kinds of multi-turn rollout; set one "
+            "of them (an environment can call tools itself)")
+    return ToolSettings(
+        toolbox=Toolbox(list(tools), timeout, isolation) if tools else None,
+        environment=environment_factory(env) if env is not None else None,
+        max_tool_calls=calls, timeout=float(timeout))
 
 
 def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSettings:

@@ -18,9 +18,9 @@ import torch
 
 from maxent_grpo.adapters import check_peft
 from maxent_grpo.rollout import SamplingSettings
-from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory
-from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
-from maxent_grpo.validation import check_choice, check_int, check_number, require
+from maxent_grpo.rollout.multiturn import MultiTurnEngine
+from maxent_grpo.rollout.toolcall import Toolbox
+from maxent_grpo.validation import require
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -71,26 +71,6 @@ class ToolSettings:
         """``engine`` wrapped in the multi-turn loop."""
         return MultiTurnEngine(engine, tokenizer, sampling, self.toolbox, self.environment,
                                self.max_tool_calls, self.timeout)
-
-
-def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
-    """The checked ``model.tools`` / ``model.environment`` options (tools imported, their
-    schemas built), or None when neither is set."""
-    tools, env = o.get("tools"), o.get("environment")
-    calls, timeout = o.get("max_tool_calls", 4), o.get("tool_timeout", 10.0)
-    isolation = o.get("tool_isolation", "thread")
-    check_int("model.max_tool_calls", calls, minimum=1)
-    check_number("model.tool_timeout", timeout, minimum=0, strict=True)
-    check_choice("model.tool_isolation", isolation, ISOLATIONS)
-    if not tools and env is None:
-        return None
-    require(not (tools and env is not None),
-            "model.tools and model.environment are two kinds of multi-turn rollout; set one "
-            "of them (an environment can call tools itself)")
-    return ToolSettings(
-        toolbox=Toolbox(list(tools), timeout, isolation) if tools else None,
-        environment=environment_factory(env) if env is not None else None,
-        max_tool_calls=calls, timeout=float(timeout))
 
 
 @dataclass(frozen=True)
