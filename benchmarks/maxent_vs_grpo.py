@@ -273,6 +273,13 @@ def run_args(task: str, objective: str, seed: int, steps: int, log_dir: str) -> 
     ]
 
 
+#: a run record's curves: name -> the logged value read at every step
+CURVES = {"reward": "train/reward/mean", "answer_entropy": "train/answer_entropy",
+          "distinct_correct": "train/distinct_correct", "tau": "train/tau",
+          "weight_entropy": "train/weight_entropy",
+          "completion_length": "train/tokens/completion_length/mean"}
+
+
 def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
     """Train and evaluate one (task, objective, seed); return its record."""
     import lightning as L
@@ -280,20 +287,18 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
     from maxent_grpo.cli import main
 
     class RewardCurve(L.Callback):
+        """Per step (``steps``: the optimizer steps taken, from 1): the reward, the answer
+        spread and what moves the target (``CURVES``; NaN where a step did not log it)."""
+
         def __init__(self) -> None:
             self.steps: list[int] = []
-            self.reward: list[float] = []
-
-            self.answer_entropy: list[float] = []
-            self.distinct_correct: list[float] = []
+            self.values: dict[str, list[float]] = {key: [] for key in CURVES}
 
         def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
             logged = pl_module.step_metrics_dict
             self.steps.append(int(trainer.global_step))
-            self.reward.append(float(logged["train/reward/mean"]))
-            self.answer_entropy.append(float(logged.get("train/answer_entropy", float("nan"))))
-            self.distinct_correct.append(float(logged.get("train/distinct_correct",
-                                                          float("nan"))))
+            for key, name in CURVES.items():
+                self.values[key].append(float(logged.get(name, float("nan"))))
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as log_dir:
@@ -314,9 +319,7 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
     return {
         "task": task, "task_label": TASKS[task]["label"], "objective": objective, "seed": seed,
         "trained": objective != START,
-        "curve": {"steps": curve.steps, "reward": curve.reward,
-                  "answer_entropy": curve.answer_entropy,
-                  "distinct_correct": curve.distinct_correct},
+        "curve": {"steps": curve.steps, **curve.values},
         "metrics": metrics,
         "empty_steps": int(cli.model.counters.empty_steps), "seconds": time.perf_counter() - start,
     }
