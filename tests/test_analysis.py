@@ -69,6 +69,13 @@ def test_a_resumed_run_keeps_the_latest_value_of_each_step(tmp_path):
     write_run(run_dir, {"train/reward/mean": [(2, 30.0), (3, 40.0)]})  # after a resume
     series = load_run(run_dir).scalars["train/reward/mean"]
     assert series.steps == (0, 1, 2, 3) and series.values == (1.0, 2.0, 30.0, 40.0)
+    # written in the same second, the names order by a counter ("....9" after "....10"):
+    # the order that counts is the write order
+    first, second = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    first.rename(run_dir / "events.out.tfevents.1.host.1.9")
+    second.rename(run_dir / "events.out.tfevents.1.host.1.10")
+    series = load_run(run_dir).scalars["train/reward/mean"]
+    assert series.values == (1.0, 2.0, 30.0, 40.0)
 
 
 def test_label_names_the_objective_from_the_saved_config(tmp_path):

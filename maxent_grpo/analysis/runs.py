@@ -25,20 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "PANELS",
-    "Run",
-    "Series",
-    "STUDY_FAMILIES",
-    "find_runs",
-    "format_study_table",
-    "load_run",
-    "load_study",
-    "plot_runs",
-    "plot_study",
-    "study_table",
-    "summary_rows",
-]
+__all__ = ["PANELS", "Run", "Series", "STUDY_FAMILIES", "find_runs", "format_study_table",
+           "load_run", "load_study", "plot_runs", "plot_study", "study_table", "summary_rows"]
 
 
 @dataclass(frozen=True)
@@ -145,12 +133,17 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         raise FileNotFoundError(
             f"{path} has no TensorBoard event files; pass a lightning_logs/<name>/version_N folder"
         )
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-    acc.Reload()
+    # a resumed run rewrites steps after the checkpoint: keep each step's last value by wall
+    # time (file names order by second, then by a counter that sorts "10" before "9")
+    events: dict[str, list[Any]] = {}
+    for file in path.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(file), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            events.setdefault(tag, []).extend(acc.Scalars(tag))
     scalars: dict[str, Series] = {}
-    for tag in acc.Tags()["scalars"]:
-        # a resumed run rewrites steps after the checkpoint: keep the latest value per step
-        by_step = {e.step: e.value for e in acc.Scalars(tag)}
+    for tag, written in events.items():
+        by_step = {e.step: e.value for e in sorted(written, key=lambda e: e.wall_time)}
         steps = tuple(sorted(by_step))
         scalars[tag] = Series(steps, tuple(float(by_step[s]) for s in steps))
     return Run(path=path, label=label or _label(path), scalars=scalars)
