@@ -129,7 +129,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 #: the training layer's rooms, lowest first: a module imports only from its own room or
 #: a lower one
-TRAINING_ROOMS = ["settings", "types", "options", "data", "step", "run", "callbacks",
+TRAINING_ROOMS = ["settings", "types", "option_groups", "data", "step", "run", "callbacks",
                   "module"]
 
 

@@ -22,7 +22,7 @@ call back into the module. The rollout engine is built once per run and synced
 (``engine.sync(policy)``) after the weights changed. Elsewhere: validation and test
 (``run/evaluation.py``), checkpoints (``run/checkpoint.py``), strategies
 (``step/strategy.py``), the options' typed groups (``settings.py``, built by
-``options.py``).
+``option_groups.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
-from maxent_grpo.training.options import build_loop_settings
+from maxent_grpo.training.option_groups import build_loop_settings
 from maxent_grpo.training.run.callbacks import CleanUp, CompletionWriter
 from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
 from maxent_grpo.training.run.evaluation import Evaluator

@@ -2,7 +2,7 @@
 learning-rate scheduler.
 
 :class:`~maxent_grpo.training.module.MaxEntGRPOModule` takes flat options (one YAML key
-each, documented by ``--help``); :func:`~maxent_grpo.training.options.build_loop_settings`
+each, documented by ``--help``); :func:`~maxent_grpo.training.option_groups.build_loop_settings`
 checks them and builds these records into the documented
 :class:`~maxent_grpo.training.types.LoopSettings`, whose fields they type. This module sits
 below :mod:`maxent_grpo.training.types` (it never imports it).

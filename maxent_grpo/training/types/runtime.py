@@ -68,7 +68,7 @@ class OptimizationSettings:
 @dataclass
 class LoopSettings:
     """The training loop's configuration, grouped by concern
-    (:func:`~maxent_grpo.training.options.build_loop_settings`). The three controller fields
+    (:func:`~maxent_grpo.training.option_groups.build_loop_settings`). The three controller fields
     describe the tau / beta controllers (Lightning callbacks): built without any, and
     rebuilt (:meth:`with_controller`, never mutated) as each controller attaches to the
     module at ``setup``.

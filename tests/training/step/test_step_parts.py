@@ -14,7 +14,7 @@ from maxent_grpo.objectives import GRPO
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import HFGenerateEngine
 from maxent_grpo.training.data import collate_prompts
-from maxent_grpo.training.options import build_loop_settings
+from maxent_grpo.training.option_groups import build_loop_settings
 from maxent_grpo.training.step.context import StepContext, StepTimer
 from maxent_grpo.training.step.optimise import StepCounters, count_update, optimizer_step
 from maxent_grpo.training.step.step_log import StepMetrics
