@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int, in_blocks
 
 
 def pair_solutions(target: int, ordered: bool = False) -> list[str]:
@@ -68,11 +68,7 @@ def digit_pairs(
     rng = random.Random(seed)
     targets = list(range(min_target, max_target + 1))
     rows: list[dict] = []
-    order: list[int] = []
-    for _ in range(num_rows):
-        if not order:
-            order = rng.sample(targets, len(targets))
-        target = order.pop()
+    for target in in_blocks(rng, targets, num_rows):
         valid = pair_solutions(target, ordered)
         prompt = (
             f"? + ? = {target}"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 
-from maxent_grpo.tasks.spec import check_int
+from maxent_grpo.tasks.spec import check_int, in_blocks
 
 #: name -> (prompt, members)
 SETS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -61,11 +61,7 @@ def number_sets(num_rows: int, seed: int, *, sets: list[str] | None = None) -> l
         raise ValueError(f"sets must name some of {', '.join(SETS)}; got {sets!r}")
     rng = random.Random(seed)
     rows: list[dict] = []
-    order: list[str] = []
-    for _ in range(num_rows):
-        if not order:
-            order = rng.sample(names, len(names))
-        name = order.pop()
+    for name in in_blocks(rng, names, num_rows):
         prompt, members = SETS[name]
         valid = [str(m) for m in members]
         rows.append({
@@ -102,11 +98,7 @@ def divisors(num_rows: int, seed: int, *, numbers: list[int] | None = None) -> l
                              f"got the prime {n}")
     rng = random.Random(seed)
     rows: list[dict] = []
-    order: list[int] = []
-    for _ in range(num_rows):
-        if not order:
-            order = rng.sample(chosen, len(chosen))
-        n = order.pop()
+    for n in in_blocks(rng, chosen, num_rows):
         valid = table[n]
         rows.append({
             "prompt": f"A divisor of {n}:", "answer": rng.choice(valid), "task": "divisors",

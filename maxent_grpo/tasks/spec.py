@@ -1,6 +1,13 @@
-"""What every built-in task shares: the answer instruction and the argument checks."""
+"""What every built-in task shares: the answer instruction, the argument checks and the
+order of a closed task's prompts."""
 
 from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 ANSWER_INSTRUCTION = (
     "Reason briefly inside <think> </think>, then give only the final answer inside "
@@ -16,3 +23,13 @@ def check_int(name: str, value: object, *, minimum: int, maximum: int | None = N
     if value < minimum or (maximum is not None and value > maximum):
         upper = "" if maximum is None else f" and <= {maximum}"
         raise ValueError(f"{name} must be >= {minimum}{upper}; got {value}")
+
+
+def in_blocks(rng: random.Random, keys: Sequence[T], num_rows: int) -> Iterator[T]:
+    """``num_rows`` of ``keys``, in a fresh order (``rng.sample``) every ``len(keys)`` rows,
+    so each such block holds every key once; drawn lazily, between the caller's own draws."""
+    order: list[T] = []
+    for _ in range(num_rows):
+        if not order:
+            order = rng.sample(list(keys), len(keys))
+        yield order.pop()
