@@ -263,7 +263,7 @@ class StepMetrics(torch.nn.Module):
         diagnostics.update(extra)
         artifacts = LogStepArtifacts(
             loss_outputs=losses,
-            diagnostics={k: v for k, v in diagnostics.items() if _measured(v)},
+            diagnostics=diagnostics,  # as_dict leaves out what was not measured
             grad_norm_scalar=scalars.grad_norm_scalar,
             epoch_progress=scalars.epoch_progress,
         )
@@ -282,13 +282,6 @@ class StepMetrics(torch.nn.Module):
 def _global_rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _measured(value: Any) -> bool:
-    """False for None and NaN (not measured this step); nested dicts are kept."""
-    if isinstance(value, dict):
-        return True
-    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 log = logging.getLogger(__name__)
