@@ -29,16 +29,19 @@ def is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_int(name: str, value: Any, minimum: int | None = None, allow_none: bool = False) -> None:
-    """``value`` is an int (not a bool) and ``>= minimum``; ``None`` passes with
-    ``allow_none``."""
+def check_int(name: str, value: Any, minimum: int | None = None, allow_none: bool = False,
+              maximum: int | None = None) -> None:
+    """``value`` is an int (not a bool) in ``[minimum, maximum]`` (either bound optional);
+    ``None`` passes with ``allow_none``."""
     if value is None and allow_none:
         return
     bound = "" if minimum is None else f" >= {minimum}"
+    if maximum is not None:
+        bound += f"{' and' if bound else ''} <= {maximum}"
     none = " (or null)" if allow_none else ""
     require(
         isinstance(value, int) and not isinstance(value, bool)
-        and (minimum is None or value >= minimum),
+        and (minimum is None or value >= minimum) and (maximum is None or value <= maximum),
         f"{name} must be an int{bound}{none}; got {value!r}",
     )
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
+from maxent_grpo.validation import check_int
 
 ALLOWED_OPS = "+-*"
 

@@ -22,7 +22,7 @@ import operator
 import random
 from collections.abc import Callable
 
-from maxent_grpo.tasks.spec import check_int
+from maxent_grpo.validation import check_int
 
 __all__ = ["calculate", "tool_arithmetic"]
 

@@ -18,7 +18,8 @@ from collections import Counter
 from fractions import Fraction
 
 from maxent_grpo.tasks.expressions import _apply, _evaluate, _parse
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
+from maxent_grpo.validation import check_int
 
 _MAX_DRAWS = 10_000
 

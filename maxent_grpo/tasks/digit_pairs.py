@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import random
 
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int, in_blocks
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, in_blocks
+from maxent_grpo.validation import check_int
 
 
 def pair_solutions(target: int, ordered: bool = False) -> list[str]:

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from maxent_grpo.tasks.expressions import _combine, _Expr, _leaf
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, check_int
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
+from maxent_grpo.validation import check_int
 
 MAX_NUMBERS = 4
 """Largest instance enumerated (4 numbers: about 10^4 trees; 5 would take ~100x longer)."""

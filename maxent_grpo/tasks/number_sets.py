@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import random
 
-from maxent_grpo.tasks.spec import check_int, in_blocks
+from maxent_grpo.tasks.spec import in_blocks
+from maxent_grpo.validation import check_int
 
 #: name -> (prompt, members)
 SETS: dict[str, tuple[str, tuple[int, ...]]] = {

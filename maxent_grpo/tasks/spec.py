@@ -1,4 +1,4 @@
-"""What every built-in task shares: the answer instruction, the argument checks and the
+"""What every built-in task shares: the answer instruction and the
 order of a closed task's prompts."""
 
 from __future__ import annotations
@@ -14,15 +14,6 @@ ANSWER_INSTRUCTION = (
     "<answer> </answer>."
 )
 """Appended to every built-in prompt; matches the ``format`` and ``accuracy`` rewards."""
-
-
-def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``value`` is an ``int`` (not ``bool``) in the closed range."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int; got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"{name} must be >= {minimum}{upper}; got {value}")
 
 
 def in_blocks(rng: random.Random, keys: Sequence[T], num_rows: int) -> Iterator[T]:

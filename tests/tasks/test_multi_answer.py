@@ -169,12 +169,12 @@ def test_generation_does_not_hang() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"num_numbers": 1}, "num_numbers must be >= 2"),
-        ({"num_numbers": 5}, "num_numbers must be >= 2 and <= 4"),
-        ({"min_value": 5, "max_value": 4}, "max_value must be >= 5"),
-        ({"min_solutions": 0}, "min_solutions must be >= 1"),
-        ({"min_solutions": 5, "max_solutions": 4}, "max_solutions must be >= 5"),
-        ({"max_target": 0}, "max_target must be >= 1"),
+        ({"num_numbers": 1}, "num_numbers must be an int >= 2"),
+        ({"num_numbers": 5}, "num_numbers must be an int >= 2 and <= 4"),
+        ({"min_value": 5, "max_value": 4}, "max_value must be an int >= 5"),
+        ({"min_solutions": 0}, "min_solutions must be an int >= 1"),
+        ({"min_solutions": 5, "max_solutions": 4}, "max_solutions must be an int >= 5"),
+        ({"max_target": 0}, "max_target must be an int >= 1"),
         ({"min_value": 2, "max_value": 3, "min_solutions": 1000, "max_solutions": 1000},
          "found no target with 1000 to 1000 solutions"),
     ],

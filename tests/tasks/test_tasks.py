@@ -43,14 +43,14 @@ def test_registry_names_and_errors() -> None:
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("countdown", {"num_numbers": 1}, "num_numbers must be >= 2"),
-        ("countdown", {"min_value": 5, "max_value": 4}, "max_value must be >= 5"),
+        ("countdown", {"num_numbers": 1}, "num_numbers must be an int >= 2"),
+        ("countdown", {"min_value": 5, "max_value": 4}, "max_value must be an int >= 5"),
         ("arithmetic", {"ops": "+/"}, "ops must be distinct characters from '\\+-\\*'"),
         ("arithmetic", {"ops": "++"}, "ops must be distinct"),
-        ("arithmetic", {"digits": 0}, "digits must be >= 1"),
+        ("arithmetic", {"digits": 0}, "digits must be an int >= 1"),
         ("arithmetic", {"num_operands": 1.5}, "num_operands must be an int"),
-        ("digit_pairs", {"max_target": 19}, "max_target must be >= 5 and <= 18"),
-        ("digit_pairs", {"min_target": 9, "max_target": 8}, "max_target must be >= 9"),
+        ("digit_pairs", {"max_target": 19}, "max_target must be an int >= 5 and <= 18"),
+        ("digit_pairs", {"min_target": 9, "max_target": 8}, "max_target must be an int >= 9"),
         ("digit_pairs", {"bare": "yes"}, "bare must be a bool"),
     ],
 )
@@ -60,10 +60,25 @@ def test_bad_option_values(name: str, options: dict, message: str) -> None:
 
 
 def test_bad_num_rows_and_seed() -> None:
-    with pytest.raises(ValueError, match="num_rows must be >= 1"):
+    with pytest.raises(ValueError, match="num_rows must be an int >= 1"):
         build_task("countdown", 0, 0)
     with pytest.raises(ValueError, match="seed must be an int"):
         build_task("countdown", 2, "0")
+
+
+def test_check_int_bounds_and_message() -> None:
+    """The one int check of the package (tasks and options alike): both bounds, a bool
+    refused, the message naming the option, its bounds and the value."""
+    from maxent_grpo.validation import check_int
+
+    check_int("x", 4, minimum=2, maximum=4)
+    check_int("x", None, minimum=1, allow_none=True)
+    for value in (1, 5, True, 3.0):
+        with pytest.raises(ValueError) as err:
+            check_int("x", value, minimum=2, maximum=4)
+        assert str(err.value) == f"x must be an int >= 2 and <= 4; got {value!r}"
+    with pytest.raises(ValueError, match=r"^x must be an int <= 4; got 9$"):
+        check_int("x", 9, maximum=4)
 
 
 @pytest.mark.parametrize("name", ["countdown", "arithmetic", "arithmetic_easy"])
