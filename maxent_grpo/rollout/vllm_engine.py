@@ -116,6 +116,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+
+def _memory_hint(err: Exception) -> str:
+    """What to change when vLLM on the CPU finds no room for its key/value cache: there the
+    share counts this whole process (the policy, its optimizer, the reference), not only
+    vLLM, so "reduce the memory of other processes" is the wrong advice."""
+    if torch.cuda.is_available() or "requested memory for kv" not in str(err):
+        return ""
+    return ("\nOn the CPU the engine runs inside the training process and its share "
+            "(model.engine.init_args.gpu_memory_utilization) must cover that whole process "
+            "as well as the key/value cache: raise it (SmolLM2-135M trains with 0.25 on a "
+            "20 GiB machine).")
+
+
 class VLLMEngine:
     """Rollout engine on a colocated ``vllm.LLM`` (see the module docstring).
 
@@ -211,7 +224,7 @@ class VLLMEngine:
                 config = getattr(self.model, "config", None)
                 raise RuntimeError(
                     f"vLLM could not start on this policy ({type(self.model).__name__}, "
-                    f"{getattr(config, 'model_type', '?')}): {err}"
+                    f"{getattr(config, 'model_type', '?')}): {err}{_memory_hint(err)}"
                 ) from err
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -58,3 +58,35 @@ def test_no_two_samples_of_a_call_share_a_seed():
         assert max(streams) < 12345 + 4 * SEED_SPAN < 2**31
     with pytest.raises(ValueError, match="exceed"):
         request_seeds(0, 0, SEED_SPAN, 2)
+
+
+def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monkeypatch):
+    """vLLM's own advice ("reduce CPU memory used by other processes") is wrong for the
+    in-process engine, whose share counts the training process itself: the error names the
+    option to raise instead. vLLM is replaced by its refusal, as 0.32 words it."""
+    import types
+
+    import maxent_grpo.rollout.vllm_engine as engine
+
+    refusal = ("Available memory on node 0 (15.02/20.46 GiB) on kv cache allocation is less "
+               "than requested memory for kv (-0.74/2.05 GiB). Reduce CPU memory used by "
+               "other processes.")
+
+    def llm(**_):
+        raise ValueError(refusal)
+
+    monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(LLM=llm))
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError) as err:
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
+    message = str(err.value)
+    assert refusal in message
+    assert "model.engine.init_args.gpu_memory_utilization" in message
+
+    def other(**_):
+        raise ValueError("head size 16 is not supported")
+
+    monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(LLM=other))
+    with pytest.raises(RuntimeError) as err:
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
+    assert "gpu_memory_utilization" not in str(err.value)
