@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,15 @@ def fit_command(config: str, steps: int, engine: str, log_dir: Path) -> list[str
     if engine == "vllm":
         command += ["--model.engine", json.dumps(VLLM_ENGINE)]
     return command
+
+
+def cpu_ids(cpus: str) -> list[int]:
+    """The CPU ids of a ``taskset`` list: ``"1"``, ``"0,2"``, ``"0-3"``."""
+    ids: list[int] = []
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        ids += range(int(first), int(last or first) + 1)
+    return ids
 
 
 def summarise(log_dir: Path, skip: int) -> dict[str, float]:
@@ -67,7 +77,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["vllm", "hf"], choices=["hf", "vllm"])
     parser.add_argument("--logs", nargs="+", metavar="ENGINE=DIR",
                         help="summarise these runs instead of training")
-    parser.add_argument("--work-dir", default="engine_step_speed_logs")
+    parser.add_argument("--work-dir", default="engine_step_speed_logs",
+                        help="training logs, relative to the repository root")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     parser.add_argument("--note", default="", help="how the runs were made, kept in --out")
     args = parser.parse_args()
@@ -75,15 +86,19 @@ def main() -> None:
     results: dict[str, dict] = {}
     if args.logs:
         for item in args.logs:
-            engine, _, folder = item.partition("=")
+            engine, sep, folder = item.partition("=")
+            if not sep or not engine or not folder:
+                parser.error(f"--logs takes ENGINE=DIR items; got {item!r}")
             results[engine] = {"log_dir": folder, "perf": summarise(Path(folder), args.skip)}
     else:
-        threads = len(args.cpus.replace("-", ",").split(","))
+        threads = len(cpu_ids(args.cpus))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                    VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.cpus)
         for engine in args.engines:
-            log_dir = Path(args.work_dir) / engine
+            log_dir = (ROOT / args.work_dir / engine).resolve()
+            if log_dir.exists():
+                raise SystemExit(f"{log_dir} exists: name a fresh --work-dir")
             command = ["taskset", "-c", args.cpus,
                        *fit_command(args.config, args.steps, engine, log_dir)]
             print("$", " ".join(command), flush=True)
@@ -99,7 +114,7 @@ def main() -> None:
         print(f"| {part} | " + " | ".join(f"{r['perf'].get(part, float('nan')):.3f}"
                                           for r in results.values()) + " |")
     if args.out:
-        record = {"command": " ".join(sys.argv), "config": args.config, "steps": args.steps,
+        record = {"command": shlex.join(sys.argv), "config": args.config, "steps": args.steps,
                   "skip": args.skip, "cpus": args.cpus, "machine": platform.machine(),
                   "cores": os.cpu_count(), "note": args.note, "results": results}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import shutil
 import tempfile
 import threading
@@ -116,12 +117,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-
 def _memory_hint(err: Exception) -> str:
-    """What to change when vLLM on the CPU finds no room for its key/value cache: there the
-    share counts this whole process (the policy, its optimizer, the reference), not only
-    vLLM, so "reduce the memory of other processes" is the wrong advice."""
-    if torch.cuda.is_available() or "requested memory for kv" not in str(err):
+    """What to change when vLLM on the CPU finds no room for its key/value cache because its
+    share is used up before the cache: there the share counts this whole process (the policy,
+    its optimizer, the reference), so vLLM's advice to shrink other processes is wrong. Only
+    for a cache asked of a size <= 0 (vLLM words it ``requested memory for kv (-0.74/2.05
+    GiB)``); a cache set explicitly, or one larger than the free memory, is not this."""
+    asked = re.search(r"requested memory for kv \((-?[\d.]+)/", str(err))
+    if torch.cuda.is_available() or asked is None or float(asked.group(1)) > 0:
         return ""
     return ("\nOn the CPU the engine runs inside the training process and its share "
             "(model.engine.init_args.gpu_memory_utilization) must cover that whole process "

@@ -83,10 +83,21 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
     assert refusal in message
     assert "model.engine.init_args.gpu_memory_utilization" in message
 
-    def other(**_):
-        raise ValueError("head size 16 is not supported")
+    # a cache larger than the free memory, one set explicitly, another refusal: raising
+    # the share would not help, so no hint
+    for other in (
+        "Available memory on node 0 (1.50/20.46 GiB) on kv cache allocation is less than "
+        "requested memory for kv (2.10/6.00 GiB). Reduce CPU memory used by other processes.",
+        "Available memory on node 0 (1.50/20.46 GiB) on kv cache allocation is less than "
+        "requested memory for kv (4.00 GiB). Decrease --kv-cache-memory-bytes, "
+        "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes.",
+        "head size 16 is not supported",
+    ):
+        def refuse(message=other, **_):
+            raise ValueError(message)
 
-    monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(LLM=other))
-    with pytest.raises(RuntimeError) as err:
-        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
-    assert "gpu_memory_utilization" not in str(err.value)
+        monkeypatch.setattr(engine, "require_vllm", lambda f=refuse: types.SimpleNamespace(LLM=f))
+        with pytest.raises(RuntimeError) as err:
+            VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
+        assert other in str(err.value)
+        assert "gpu_memory_utilization" not in str(err.value)
