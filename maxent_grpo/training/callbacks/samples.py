@@ -288,8 +288,9 @@ class CompletionSamples(Callback):
             self.write_loggers(trainer, record, step)
 
     def write_loggers(self, trainer: pl.Trainer, record: RolloutSamples, step: int) -> None:
-        """The table (and histograms) of ``record`` through every logger; the others (or no
-        logger) get JSONL rows in their log folder, once per folder, unless it is ``jsonl_path``."""
+        """The table (and histograms) of ``record`` through every logger; the others get
+        JSONL rows in their log folder, once per folder, unless it is ``jsonl_path``; without
+        a logger nothing is written here (``jsonl_path`` is written by the caller)."""
         # a fast_dev_run's DummyLogger is no logger: a smoke run leaves no samples file behind
         loggers = [lg for lg in getattr(trainer, "loggers", None) or []
                    if not isinstance(lg, DummyLogger)]

@@ -162,7 +162,7 @@ class LogStepArtifacts:
     Attributes:
         loss_outputs: a :class:`LossScalarBundle` or a mapping ``name -> scalar``.
         diagnostics: mapping ``name -> scalar`` (nested mappings allowed), keys already
-            namespaced (``"clip/low_frac"``).
+            namespaced (``"clip/low"``).
         grad_norm_scalar: total gradient norm, or ``None`` if not measured.
         epoch_progress: fractional epoch (``batch_idx / batches per epoch``).
 
@@ -193,8 +193,8 @@ class LogStepArtifacts:
         Names, each under ``train/``:
             - ``"loss/<name>"`` for each loss output, with a trailing ``"_loss"`` removed
               (``train/loss/total``, ...);
-            - each diagnostics key (``"clip/low_frac"``); a nested mapping is joined with
-              ``"/"`` (``{"clip": {"low_frac": x}}`` -> ``"train/clip/low_frac"``);
+            - each diagnostics key (``"clip/low"``); a nested mapping is joined with
+              ``"/"`` (``{"clip": {"low": x}}`` -> ``"train/clip/low"``);
             - ``"grad_norm"`` and ``"epoch_progress"``.
 
         Values are Python floats (one-element tensors are read with ``.item()``). A name
