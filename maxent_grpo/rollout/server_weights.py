@@ -89,6 +89,24 @@ class ServerWeights:
         os.replace(path + ".part", path)
         return path, {"num_tensors": len(tensors), "num_bytes": os.path.getsize(path)}
 
+    def _rewrite_weights(self) -> tuple[str, dict]:
+        """Write the step's weights to a new file that replaces the current one (a transfer
+        failed while the server read it: it may be cut), and remove the old one."""
+        old = self._file
+        self._file, self._file_info = self._write_weights(self._last_weights)
+        if old is not None and os.path.exists(old):
+            os.remove(old)
+        return self._file, self._file_info
+
+    def _answers(self, server: _Server) -> bool:
+        """Whether ``server`` answers ``/health`` (a short check before a transfer to a
+        server that is out of use: a dead one costs no retries)."""
+        try:
+            self._call(server, "GET", "/health", timeout=5.0)
+            return True
+        except ServerError:
+            return False
+
     def _transfer(self, server: _Server, path: str, info: dict, version: str,
                   attempts: int = 3) -> None:
         """The whole update protocol on one server, repeated whole on failure; one transfer
@@ -100,13 +118,14 @@ class ServerWeights:
                 return  # another thread sent it meanwhile
             errors: list[str] = []  # each attempt's, so that the first cause is not lost
             for attempt in range(attempts):
-                started = False
+                started = loading = False
                 try:
                     self._call(server, "POST", "/pause", params={"mode": "wait"})
                     self._call(server, "POST", "/start_weight_update")
-                    started = True
+                    started = loading = True
                     self._call(server, "POST", "/update_weights",
                                json={"update_info": {"path": path, **info}})
+                    loading = False
                     self._call(server, "POST", "/finish_weight_update",
                                json={"weight_version": version})
                     started = False
@@ -124,10 +143,8 @@ class ServerWeights:
                             self._call(server, "POST", "/finish_weight_update", json={})
                         except ServerError:
                             pass
-                    if self._last_weights is not None:  # a fresh file: the old may be cut
-                        old, (path, info) = path, self._write_weights(self._last_weights)
-                        if old != self._file and os.path.exists(old):
-                            os.remove(old)
+                    if loading and path == self._file and self._last_weights is not None:
+                        path, info = self._rewrite_weights()  # the file may be the cause
             server.paused_by_failure = True
             seen = "; ".join(
                 f"attempt {', '.join(str(i + 1) for i, e in enumerate(errors) if e == m)}: {m}"
@@ -156,8 +173,17 @@ class ServerWeights:
                 self._last_weights = weights
                 old = self._file
                 self._file, self._file_info = self._write_weights(weights)
+                if old is not None and os.path.exists(old):  # one file at a time
+                    os.remove(old)
                 failures = []
                 for i, server in enumerate(self.servers):
+                    if (not server.healthy or server.paused_by_failure) \
+                            and not self._answers(server):
+                        server.healthy = False
+                        failures.append(ServerError(
+                            f"{server.url} does not answer; weights version {version} not "
+                            "sent (it gets them once it answers again)"))
+                        continue
                     try:
                         self._transfer(server, self._file, self._file_info, version)
                         sent[i] = True
@@ -168,24 +194,23 @@ class ServerWeights:
                 for err in failures:
                     log.warning("%s", err)
                 self.sync_bytes = self._file_info["num_bytes"]
-                if old is not None and old != self._file and os.path.exists(old):
-                    os.remove(old)
             except Exception as err:  # noqa: BLE001 - reported to every rank below
                 error = err
             finally:
                 self._last_weights = None
-        shared = [error is None, sent, self._file, self._file_info, self.sync_bytes]
+        paused = [s.paused_by_failure for s in self.servers]
+        shared = [error is None, sent, paused, self._file, self._file_info, self.sync_bytes]
         if multi:  # rank 0's outcome, for every rank
             box = [shared]
             dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda"
                                        else None)
             shared = box[0]
-        ok, sent, self._file, self._file_info, self.sync_bytes = shared
-        for server, got in zip(self.servers, sent, strict=True):
+        ok, sent, paused, self._file, self._file_info, self.sync_bytes = shared
+        for server, got, out in zip(self.servers, sent, paused, strict=True):
             if got:
                 server.version, server.healthy, server.paused_by_failure = version, True, False
-            else:
-                server.healthy = False
+            else:  # as on rank 0: a server left paused is not revived by another rank
+                server.healthy, server.paused_by_failure = False, out
         if error is not None:
             raise error
         if not ok:

@@ -162,6 +162,7 @@ class VLLMServerEngine(ServerWeights):
             self.request_timeout, connect=10.0), limits=httpx.Limits(
                 max_connections=max_parallel_requests + 8))
         self._lock = threading.Lock()
+        self._closed = False  # after close(): no request is sent or retried
         self._round_robin = itertools.count()
         self.version = 0  # the weight version the servers should hold
         self.sync_bytes = 0
@@ -189,9 +190,13 @@ class VLLMServerEngine(ServerWeights):
         """One request; ServerError naming the server and route on any failure."""
         import httpx
 
+        if self._closed:
+            raise ServerError(f"{server.url}{path}: the engine is closed")
+        seconds = timeout or self.request_timeout  # a dead host is found in 10 s at most
         try:
             response = self._http.request(method, server.url + path, json=json, params=params,
-                                          timeout=timeout or self.request_timeout)
+                                          timeout=httpx.Timeout(seconds,
+                                                                connect=min(seconds, 10.0)))
         except httpx.HTTPError as err:
             raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}") from err
         if response.status_code == 401:
@@ -258,6 +263,8 @@ class VLLMServerEngine(ServerWeights):
             ours = torch.log_softmax(logits[0, :-1], dim=-1).gather(
                 -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
         for server in self.servers:
+            if server.paused_by_failure or not server.healthy:
+                continue  # the first sync failed there (logged); the others serve
             out = self._call(server, "POST", "/v1/completions", json={
                 "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0, "return_token_ids": True})
@@ -305,6 +312,8 @@ class VLLMServerEngine(ServerWeights):
                 server = self._pick(attempt)
             except ServerError:
                 server = None
+            if self._closed:
+                raise ServerError("the engine was closed while a request was pending")
             if server is not None:
                 try:
                     out = self._call(server, "POST", "/v1/completions", json=body)
@@ -378,7 +387,9 @@ class VLLMServerEngine(ServerWeights):
                 for result in self._run_all(bodies)]
 
     def close(self) -> None:
-        """Close the connections and remove the weights file."""
+        """Close the connections and remove the weights file; a request still pending in
+        another thread is not sent again."""
+        self._closed = True
         self._http.close()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)

@@ -4,18 +4,23 @@ request that takes longer than ``request_timeout`` is given up and sent to anoth
 when every server keeps timing out the step stops after ``retry_seconds`` with the
 time-out named; a refused request (400) is not retried; a restarted server that several
 threads revive at once gets the weights once, and every rank but 0 leaves the
-revival to rank 0. The tests with real vLLM servers are in
+revival to rank 0; a dead server costs the weight transfer no retries and no weights files;
+a connection is given up after 10 s whatever the request's time-out; a closed engine sends
+nothing more. The tests with real vLLM servers are in
 ``tests/vllm_engine/test_vllm_server.py``."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 
@@ -119,13 +124,14 @@ def engine_on():
         engine._http = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=5.0))
         engine._lock, engine._round_robin = threading.Lock(), itertools.count()
         engine.version, engine._file, engine._file_info = 0, None, None
-        engine._last_weights = None
+        engine._last_weights, engine._closed, engine.sync_bytes = None, False, 0
+        engine._folder, engine._transfer_dir = None, None
         made.append(engine)
         return engine
 
     yield make
     for engine in made:
-        engine._http.close()
+        engine.close()
 
 
 BODY = {"model": "m", "prompt": [1, 2], "n": 1, "max_tokens": 3}
@@ -211,3 +217,97 @@ def test_a_rank_other_than_0_leaves_the_revival_to_rank_0(stand_ins, engine_on, 
     assert not engine.servers[0].healthy
     restarted.version = "3"  # rank 0 sent them meanwhile
     assert engine._revive(engine.servers[0]) and engine.servers[0].healthy
+
+
+def _dead_url() -> str:
+    """A localhost URL nothing listens on (a free port, closed again): refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _recording(engine) -> list[tuple[str, str]]:
+    """Record every request of ``engine`` as (url, route)."""
+    calls: list[tuple[str, str]] = []
+    real = engine._call
+
+    def call(server, method, path, **kwargs):
+        calls.append((server.url, path))
+        return real(server, method, path, **kwargs)
+
+    engine._call = call
+    return calls
+
+
+def test_a_dead_server_costs_the_transfer_no_retries_and_no_weights_files(
+    stand_ins, engine_on, tmp_path,
+):
+    """One of two servers dies: the first sync gives it its 3 attempts and leaves it out
+    of use; later syncs only ask its /health. The live server gets every version, and one
+    weights file is kept, not one more per failed attempt."""
+    from maxent_grpo.rollout.server_weights import _Server
+
+    live = stand_ins()
+    engine = engine_on([live], request_timeout=5.0, retry_seconds=5.0)
+    dead = _Server(_dead_url())
+    engine.servers.append(dead)
+    engine._transfer_dir = str(tmp_path)
+    calls = _recording(engine)
+    model = torch.nn.Linear(3, 2)
+    engine.sync(model)  # the live server takes the load; the dead one is left out
+    assert live.version == "1" and dead.paused_by_failure and not dead.healthy
+    assert [p for u, p in calls if u == dead.url] == ["/pause"] * 3
+    calls.clear()
+    for version in ("2", "3"):
+        engine.sync(model)
+        assert live.version == version
+    assert [p for u, p in calls if u == dead.url] == ["/health", "/health"]
+    assert os.listdir(engine._folder) == [os.path.basename(engine._file)]
+
+
+def test_a_failed_read_of_the_weights_file_writes_a_fresh_one_in_its_place(
+    stand_ins, engine_on, tmp_path,
+):
+    """The server fails while reading the file (it may be cut): the next attempt reads a
+    new file, which replaces the old one (no copy left behind), and later servers and
+    revivals use it."""
+    server = stand_ins()
+    engine = engine_on([server], request_timeout=5.0, retry_seconds=5.0)
+    engine._transfer_dir = str(tmp_path)
+    real, sent = engine._call, []
+
+    def call(srv, method, path, **kwargs):
+        if path == "/update_weights":
+            sent.append(kwargs["json"]["update_info"]["path"])
+            if len(sent) == 1:
+                raise ServerError(f"{srv.url}{path} answered 500: cut", 500)
+        return real(srv, method, path, **kwargs)
+
+    engine._call = call
+    engine.sync(torch.nn.Linear(3, 2))
+    assert len(sent) == 2 and sent[0] != sent[1] and server.version == "1"
+    assert engine._file == sent[1] and os.listdir(engine._folder) == [os.path.basename(sent[1])]
+
+
+def test_a_connection_is_given_up_after_10_s_and_a_closed_engine_sends_nothing(
+    stand_ins, engine_on,
+):
+    """The request's time-out bounds the reply; the connection itself is bounded by 10 s
+    (a powered-off host would otherwise hold every route for ``request_timeout``)."""
+    server = stand_ins()
+    engine = engine_on([server], request_timeout=600.0, retry_seconds=5.0)
+    seen = []
+    real = engine._http.request
+
+    def request(*args, **kwargs):
+        seen.append(kwargs["timeout"])
+        return real(*args, **kwargs)
+
+    engine._http.request = request
+    engine._call(engine.servers[0], "GET", "/health")
+    engine._call(engine.servers[0], "GET", "/health", timeout=5.0)
+    assert [(t.read, t.connect) for t in seen] == [(600.0, 10.0), (5.0, 5.0)]
+    engine.close()
+    with pytest.raises(ServerError, match="closed"):
+        engine._complete(dict(BODY), index=0)
+    assert server.calls == ["/health", "/health"]
