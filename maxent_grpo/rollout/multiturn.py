@@ -57,7 +57,13 @@ from maxent_grpo.rollout.protocol import (
     ToolUsage,
     check_request,
 )
-from maxent_grpo.rollout.toolcall import FAILURE_KINDS, Toolbox, parse_tool_calls, timed_call
+from maxent_grpo.rollout.toolcall import (
+    FAILURE_KINDS,
+    Toolbox,
+    parse_tool_calls,
+    timed_call,
+    valid_text,
+)
 from maxent_grpo.validation import check_int, check_number, require
 
 __all__ = ["MultiTurnEngine", "environment_factory", "message_segment"]
@@ -170,10 +176,10 @@ class MultiTurnEngine:
                 return None
             if error is not None:
                 failures["error"][row] += 1
-                observation, done = f"Error: {type(error).__name__}: {error}", False
+                observation, done = valid_text(f"Error: {type(error).__name__}: {error}"), False
             elif (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
                   and isinstance(value[1], (bool, int))):
-                observation, done = value[0], bool(value[1])
+                observation, done = valid_text(value[0]), bool(value[1])
             else:
                 raise TypeError(f"{type(env).__name__}.step must return (observation: str, "
                                 f"done: bool); got {value!r:.200}")

@@ -114,6 +114,16 @@ class ToolResult:
     text: str
     failure: str | None = None
 
+    def __post_init__(self) -> None:  # a text the tokenizer and the JSONL files can take
+        object.__setattr__(self, "text", valid_text(self.text))
+
+
+def valid_text(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate: a model-written
+    ``"\\ud800"`` in a call's JSON, echoed by a tool) replaced by ``?``; the tokenizer would
+    refuse it and stop the rollout."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The calls in ``text``, in order: every ``<tool_call>...</tool_call>`` block (an

@@ -5,6 +5,7 @@ engine's ``continue_ids`` against its own ``generate``."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -223,6 +224,46 @@ def test_an_environment_steps_until_done():
     assert out.tools.failures["timeout"].tolist() == [1] and out.tools.turns.tolist() == [1]
     with pytest.raises(TypeError, match=r"Guess.step must return \(observation: str, done"):
         engine(["odd"], env=factory).generate(["guess"], ["42"], 1)
+
+
+def echo(query: str) -> str:
+    """A tool that repeats what the model wrote (a search tool's "no results for ...").
+
+    Args:
+        query: what to look up.
+    """
+    return f"no results for {query}"
+
+
+def test_a_lone_surrogate_the_model_wrote_and_a_tool_echoed_is_a_message():
+    """JSON lets the model write ``"\\ud800"``, which decodes to a lone surrogate that the
+    tokenizer and the samples' UTF-8 files refuse: the tool's message (returned or raised)
+    carries ``?`` instead, and the rollout goes on."""
+    def bad(query: str) -> str:
+        """A tool whose error repeats what the model wrote.
+
+        Args:
+            query: what to look up.
+        """
+        raise ValueError(f"bad query {query}")
+
+    for tool, text in ((echo, "no results for ?x"), (bad, "Error: ValueError: bad query ?x")):
+        call = f'<tool_call>{{"name": "{tool.__name__}", "arguments": {{"query": "\\ud800x"}}}}</tool_call>'
+        mt = MultiTurnEngine(Scripted([call, "42"]), TOK, SamplingSettings(max_new_tokens=200),
+                             toolbox=Toolbox([tool], timeout=2.0), max_tool_calls=4)
+        out = mt.generate(["Look it up"], ["42"], 1)
+        message = out.reward_completions()[0][1]
+        assert message == {"role": "tool", "content": text}
+        message["content"].encode("utf-8")  # a samples file can hold it
+    # an environment's observation and error text likewise
+    factory = environment_factory({"class_path": "tests.rollout.test_multiturn.Echo"})
+    out = engine(["\\ud800", "42"], env=factory).generate(["guess"], ["42"], 1)
+    assert out.reward_completions()[0][1]["content"] == "heard ?"
+
+
+class Echo(Guess):
+    def step(self, action: str) -> tuple[str, bool]:
+        return f"heard {json.loads(chr(34) + action + chr(34))}", False
 
 
 def test_environment_and_tool_options_are_checked():

@@ -281,6 +281,15 @@ def test_the_python_tool_is_built_in_and_raises_on_failure(pool):
         sandbox.python("1 / 0")
 
 
+def test_what_was_printed_before_a_kill_reaches_the_model(pool, boxes):
+    """Output goes out line by line: a call killed at its time limit still shows the lines
+    it printed (a block buffer lost them with the process)."""
+    result = boxes["quick"].run(ToolCall("python", {
+        "code": "print('partial result 42')\nwhile True:\n    pass"}))
+    assert result.failure == "timeout"
+    assert result.text == "Error: python gave no result within 1 s\npartial result 42\n"
+
+
 def test_calls_per_second_and_no_hang(pool):
     """Loosely measured (printed); the bound only catches a hang."""
     pool.run("print(1)")

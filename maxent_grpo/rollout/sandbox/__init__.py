@@ -8,7 +8,9 @@ Linux only.
 How a call runs. A :class:`Sandbox` starts on first use one zygote, ``python -I -S``
 (isolated: no ``PYTHON*`` variables, no user or site packages; for tools ``-I`` with the
 trainer's ``sys.path``), under a minimal environment (``PATH``, ``LANG``, ``LC_ALL``,
-``PYTHONHASHSEED``, ...: none of the trainer's variables), its output discarded, and imports
+``PYTHONHASHSEED``, ...: none of the trainer's variables; ``-I`` ignores the hash seed for the
+zygote itself, so a call's string hashes and set order follow its zygote's random secret,
+while a Python the call starts uses seed 0), its output discarded, and imports
 common standard-library modules once. It keeps ``spares`` supervisors ready, each in its own
 session and namespaces with the call's process already forked, limited, unprivileged and
 waiting for its one request: a call pays for its code and its isolation's set-up and

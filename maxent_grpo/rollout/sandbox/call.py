@@ -304,7 +304,8 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
     _limit(resource.RLIMIT_CPU, cpu, cpu + 1)
     sys.dont_write_bytecode = True
     sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
+                      buffering=1)  # by lines: what was printed before a kill is kept
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
                       buffering=1)
     if "tool" in request:
