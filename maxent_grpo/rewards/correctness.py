@@ -13,7 +13,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from maxent_grpo.rewards.parsing import completion_text, extract_answer, require_column
+from maxent_grpo.rewards.parsing import (
+    completion_text,
+    extract_answer,
+    parse_int,
+    require_column,
+)
 from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.tasks.countdown import check_countdown
 
@@ -28,6 +33,11 @@ def _collapse(text: str) -> str:
     return " ".join(text.split())
 
 
+#: a power of a power, or an exponent of 4 or more digits: what math-verify (sympy) may
+#: take minutes to evaluate, compared as strings where no time limit can stop it
+_EXPLOSIVE = re.compile(r"(\*\*|\^).*(\*\*|\^)|(\*\*|\^)\s*[{(]?\s*\d{4,}", re.DOTALL)
+
+
 @register_reward("accuracy")
 def accuracy_reward(
     prompts: list, completions: list, answer: list | None = None, **kwargs: object,
@@ -38,6 +48,9 @@ def accuracy_reward(
     ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. When math-verify extracts nothing from
     either side (e.g. the reference is a word), the two strings are compared exactly after
     collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
+    Off the main thread (a reward ``timeout``, a worker thread) math-verify has no time
+    limit, so there a prediction with a power of a power or an exponent of 4 or more digits
+    (``9**9**9``) is compared as a string instead of being evaluated.
 
     >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],
     ...                 answer=["1/2"])
@@ -66,7 +79,10 @@ def accuracy_reward(
         if gold not in parsed_golds:
             parsed_golds[gold] = parse(gold, parsing_timeout=timeout)
         gold_parsed = parsed_golds[gold]
-        prediction_parsed = parse(prediction, parsing_timeout=timeout)
+        if timeout is None and _EXPLOSIVE.search(prediction):
+            prediction_parsed = None  # no time limit here: 9**9**9 would never end
+        else:
+            prediction_parsed = parse(prediction, parsing_timeout=timeout)
         if gold_parsed and prediction_parsed:
             correct = verify(gold_parsed, prediction_parsed, timeout_seconds=timeout)
         else:
@@ -148,7 +164,7 @@ def first_number_reward(
                 f"first_number: the answer of row {row} must be an integer; got {gold!r}"
             ) from None
         match = _FIRST_INT.search(completion_text(completion))
-        scores.append(1.0 if match is not None and int(match.group()) == target else 0.0)
+        scores.append(1.0 if match is not None and parse_int(match.group()) == target else 0.0)
     return scores
 
 
@@ -216,7 +232,7 @@ def in_set_reward(
         except ValueError:
             raise ValueError(f"in_set: valid_answers must hold integers; got {members!r}") from None
         match = _FIRST_INT.search(answer)
-        return match is not None and int(match.group()) in valid
+        return match is not None and parse_int(match.group()) in valid
 
     sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
     return _graded(completions, sets, right)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 
-from maxent_grpo.rewards.parsing import completion_text, prompt_opens_think
+from maxent_grpo.rewards.parsing import answer_blocks, completion_text, prompt_opens_think
 from maxent_grpo.rewards.registry import register_reward
 
-_LAYOUT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
-_TAG = re.compile(r"</?(?:think|answer)>")
-_ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+#: a block's text holds no tag (a tempered group: linear, where a lazy one backtracked over
+#: every later tag, 2 s on 100k characters of repeated blocks)
+_PLAIN = r"((?:(?!</?(?:think|answer)>).)*)"
+_LAYOUT = re.compile(rf"\s*<think>{_PLAIN}</think>\s*<answer>{_PLAIN}</answer>\s*", re.DOTALL)
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
@@ -45,12 +46,7 @@ def format_reward(prompts: list, completions: list, **kwargs: object) -> list[fl
     scores = []
     for text in _texts(prompts, completions):
         match = _LAYOUT.fullmatch(text)
-        ok = (
-            match is not None
-            and not _TAG.search(match.group(1))
-            and not _TAG.search(match.group(2))
-            and match.group(2).strip() != ""
-        )
+        ok = match is not None and match.group(2).strip() != ""
         scores.append(1.0 if ok else 0.0)
     return scores
 
@@ -80,7 +76,7 @@ def answer_format_reward(prompts: list, completions: list, **kwargs: object) -> 
     >>> answer_format_reward(["Q"], ["it is 7"])
     [0.0]
     """
-    return [1.0 if _ANSWER_BLOCK.search(completion_text(c)) else 0.0 for c in completions]
+    return [1.0 if answer_blocks(completion_text(c)) else 0.0 for c in completions]
 
 
 @register_reward("overlong")

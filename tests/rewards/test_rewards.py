@@ -344,3 +344,57 @@ def test_digit_pair_reward_agrees_with_the_answer_set() -> None:
     assert digit_pair_reward(["q"], ["1 + 2"], target=[None]) == [None]
     with pytest.raises(ValueError, match="reward 'digit_pair' needs the dataset column 'target'"):
         digit_pair_reward(["q"], ["1 + 2"])
+
+
+def test_a_number_longer_than_int_takes_is_a_wrong_answer_not_a_crash():
+    """A model repeating a digit writes more than the 4300 digits ``int`` converts: the
+    integer rewards score it 0 and its answer key is its digits."""
+    from maxent_grpo.rewards import first_number_reward, in_set_reward
+    from maxent_grpo.rewards.parsing import canonical_answer
+
+    long = " " + "1" * 4301
+    assert first_number_reward(["q"], [long], answer=["7"]) == [0.0]
+    assert in_set_reward(["q"], [long], valid_answers=[["7", "11"]]) == [0.0]
+    assert canonical_answer(long, "first_number") == "1" * 4301
+    assert canonical_answer("-000" + "2" * 4400, "first_number") == "-" + "2" * 4400
+    assert canonical_answer("0" * 4400, "first_number") == "0"
+    assert canonical_answer("-007", "first_number") == "-7"  # short ones as before
+
+
+def test_answer_blocks_read_as_the_lazy_pattern_does_in_linear_time():
+    """The answer blocks are the lazy regex's matches on every arrangement of tags; and
+    text that made the regexes quadratic (unclosed tags, repeated blocks: seconds at 100k
+    characters) is read in a fraction of that (a loose bound: it only catches the old
+    behaviour)."""
+    import itertools
+    import re
+    import time
+
+    from maxent_grpo.rewards.parsing import answer_blocks
+
+    lazy = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    parts = ["<answer>", "</answer>", "7", " ", "<think>", "</think>"]
+    for n in range(1, 6):
+        for combo in itertools.product(parts, repeat=n):
+            text = "".join(combo)
+            assert answer_blocks(text) == lazy.findall(text), text
+            assert answer_format_reward(["q"], [text]) == [1.0 if lazy.search(text) else 0.0]
+    start = time.perf_counter()
+    extract_answer("<answer>7\n" * 30000)
+    answer_format_reward(["q"], ["<answer>7\n" * 30000])
+    format_reward(["q"], ["<think>" + "</think>\n<answer>7</answer>\n<think>" * 10000])
+    assert time.perf_counter() - start < 10.0  # about 0.05 s; the regexes took minutes
+
+
+def test_accuracy_off_the_main_thread_does_not_evaluate_a_tower_of_powers():
+    """Without math-verify's time limit (off the main thread) ``9**9**9`` would be computed
+    in full (the GIL held for minutes); it is compared as a string and is wrong."""
+    import threading
+
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(accuracy_reward(
+        ["q"] * 3, ["<answer>9**9**9</answer>", "<answer>2^{10000}</answer>",
+                    "<answer>2^3</answer>"], answer=["7", "7", "8"])), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert out == [[0.0, 0.0, 1.0]]
