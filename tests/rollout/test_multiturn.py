@@ -248,7 +248,8 @@ def test_a_lone_surrogate_the_model_wrote_and_a_tool_echoed_is_a_message():
         raise ValueError(f"bad query {query}")
 
     for tool, text in ((echo, "no results for ?x"), (bad, "Error: ValueError: bad query ?x")):
-        call = f'<tool_call>{{"name": "{tool.__name__}", "arguments": {{"query": "\\ud800x"}}}}</tool_call>'
+        call = (f'<tool_call>{{"name": "{tool.__name__}", '
+                '"arguments": {"query": "\\ud800x"}}</tool_call>')
         mt = MultiTurnEngine(Scripted([call, "42"]), TOK, SamplingSettings(max_new_tokens=200),
                              toolbox=Toolbox([tool], timeout=2.0), max_tool_calls=4)
         out = mt.generate(["Look it up"], ["42"], 1)
