@@ -41,7 +41,6 @@ engine sends ``api_key`` (or ``VLLM_API_KEY``) on every request.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -346,11 +345,36 @@ class VLLMServerEngine(ServerWeights):
                         self._revive(s)
 
     def _run_all(self, bodies: list[dict]) -> list[list[tuple[list[int], list[float] | None]]]:
+        """Every request, ``max_parallel_requests`` at a time, on daemon threads: a run that
+        fails while a request waits on a server exits at once (an executor's threads are
+        joined at exit, up to ``request_timeout``). After a failure no new request starts."""
         start = next(self._round_robin)
-        workers = min(self.max_parallel_requests, len(bodies))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self._complete, b, start + i) for i, b in enumerate(bodies)]
-            return [f.result() for f in futures]
+        results: list[Any] = [None] * len(bodies)
+        errors: list[BaseException] = []
+        todo, lock = iter(range(len(bodies))), threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = None if errors else next(todo, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = self._complete(bodies[i], start + i)
+                except BaseException as err:  # noqa: BLE001 - raised by the caller below
+                    with lock:
+                        errors.append(err)
+                    return
+
+        threads = [threading.Thread(target=work, daemon=True, name=f"vllm-request-{k}")
+                   for k in range(min(self.max_parallel_requests, len(bodies)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
 
     def generate(
         self, prompts: list[str], answers: list[str], num_generations: int,

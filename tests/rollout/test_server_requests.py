@@ -6,7 +6,7 @@ time-out named; a refused request (400) is not retried; a restarted server that 
 threads revive at once gets the weights once, and every rank but 0 leaves the
 revival to rank 0; a dead server costs the weight transfer no retries and no weights files;
 a connection is given up after 10 s whatever the request's time-out; a closed engine sends
-nothing more. The tests with real vLLM servers are in
+nothing more; a failed run exits without waiting for the requests in flight. The tests with real vLLM servers are in
 ``tests/vllm_engine/test_vllm_server.py``."""
 
 from __future__ import annotations
@@ -111,23 +111,30 @@ def stand_ins():
         stand_in.close()
 
 
+def _bare_engine(urls: list[str], request_timeout: float, retry_seconds: float = 30.0,
+                 max_parallel_requests: int = 8) -> VLLMServerEngine:
+    """The engine's request path over ``urls`` (``__init__``'s checks of a real vLLM
+    server, its model and its weights left out)."""
+    engine = object.__new__(VLLMServerEngine)
+    engine.servers = [_Server(url) for url in urls]
+    engine.request_timeout, engine.retry_seconds = request_timeout, retry_seconds
+    engine.max_parallel_requests = max_parallel_requests
+    engine._http = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=5.0))
+    engine._lock, engine._round_robin = threading.Lock(), itertools.count()
+    engine.version, engine._file, engine._file_info = 0, None, None
+    engine._last_weights, engine._closed, engine.sync_bytes = None, False, 0
+    engine._folder, engine._transfer_dir = None, None
+    return engine
+
+
 @pytest.fixture
 def engine_on():
-    """The engine's request path over these servers (``__init__``'s checks of a real vLLM
-    server, its model and its weights left out)."""
+    """:func:`_bare_engine` over these stand-ins, closed at the end."""
     made: list[VLLMServerEngine] = []
 
     def make(servers: list[StandIn], request_timeout: float, retry_seconds: float):
-        engine = object.__new__(VLLMServerEngine)
-        engine.servers = [_Server(s.url) for s in servers]
-        engine.request_timeout, engine.retry_seconds = request_timeout, retry_seconds
-        engine._http = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=5.0))
-        engine._lock, engine._round_robin = threading.Lock(), itertools.count()
-        engine.version, engine._file, engine._file_info = 0, None, None
-        engine._last_weights, engine._closed, engine.sync_bytes = None, False, 0
-        engine._folder, engine._transfer_dir = None, None
-        made.append(engine)
-        return engine
+        made.append(_bare_engine([s.url for s in servers], request_timeout, retry_seconds))
+        return made[-1]
 
     yield make
     for engine in made:
@@ -311,3 +318,29 @@ def test_a_connection_is_given_up_after_10_s_and_a_closed_engine_sends_nothing(
     with pytest.raises(ServerError, match="closed"):
         engine._complete(dict(BODY), index=0)
     assert server.calls == ["/health", "/health"]
+
+
+EXIT_SCRIPT = """
+import sys, threading, time
+from tests.rollout.test_server_requests import BODY, StandIn, _bare_engine
+held = StandIn(hold=float(sys.argv[1]))
+engine = _bare_engine([held.url], request_timeout=120.0)
+threading.Thread(target=engine._run_all, args=([dict(BODY)] * 2,), daemon=True).start()
+while len(held.calls) < 2:
+    time.sleep(0.05)
+raise RuntimeError("the training step failed")
+"""
+
+
+def test_a_failed_run_exits_without_waiting_for_its_requests(tmp_path):
+    """The run fails while its background rollout waits on a server: the process exits at
+    once instead of joining the request threads (up to ``request_timeout``)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, "90"], cwd=root, timeout=180,
+                          capture_output=True, text=True)
+    assert "the training step failed" in done.stderr and done.returncode == 1
+    assert time.monotonic() - start < 60  # the server holds the requests for 90 s
