@@ -33,9 +33,12 @@ def _collapse(text: str) -> str:
     return " ".join(text.split())
 
 
-#: a power of a power, or an exponent of 4 or more digits: what math-verify (sympy) may
-#: take minutes to evaluate, compared as strings where no time limit can stop it
-_EXPLOSIVE = re.compile(r"(\*\*|\^).*(\*\*|\^)|(\*\*|\^)\s*[{(]?\s*\d{4,}", re.DOTALL)
+#: a power whose exponent holds a power (``9**9**9``, ``9^9^9``, ``10^{10^{7}}``) or has 6 or
+#: more digits: what math-verify (sympy) may take minutes to evaluate, compared as strings
+#: where no time limit can stop it; separate powers (``x^2 + y^2``) are not matched
+_POW = r"(?:\*\*|\^)"
+_EXPLOSIVE = re.compile(
+    rf"{_POW}\s*[({{]?\s*[\w.]+\s*[)}}]?\s*{_POW}|\^\s*\{{[^{{}}]*\^|{_POW}\s*[({{]?\s*\d{{6,}}")
 
 
 @register_reward("accuracy")
@@ -49,7 +52,7 @@ def accuracy_reward(
     either side (e.g. the reference is a word), the two strings are compared exactly after
     collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
     Off the main thread (a reward ``timeout``, a worker thread) math-verify has no time
-    limit, so there a prediction with a power of a power or an exponent of 4 or more digits
+    limit, so there a prediction with a power of a power or an exponent of 6 or more digits
     (``9**9**9``) is compared as a string instead of being evaluated.
 
     >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 from maxent_grpo.tasks.expressions import canonical_expression
 
@@ -28,9 +29,14 @@ def answer_blocks(text: str) -> list[str]:
 
 
 def parse_int(text: str) -> int | None:
-    """``int(text)`` for an integer's digits (``-?\\d+``), None when it is too long for
-    ``int`` (Python refuses more than 4300 digits: a model repeating a digit writes them)."""
-    return int(text) if len(text) <= 4000 else None
+    """``int(text)`` for an integer's digits (``-?\\d+``), None when it has more digits
+    (leading zeros aside) than ``int`` converts (4300 by default: a model repeating a digit
+    writes them)."""
+    digits = text.lstrip("-").lstrip("0") or "0"  # int counts leading zeros too
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    if limit and len(digits) > limit:
+        return None
+    return -int(digits) if text.startswith("-") else int(digits)
 
 
 def completion_text(completion: str | list[dict]) -> str:

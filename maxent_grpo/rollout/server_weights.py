@@ -143,7 +143,8 @@ class ServerWeights:
                             self._call(server, "POST", "/finish_weight_update", json={})
                         except ServerError:
                             pass
-                    if loading and path == self._file and self._last_weights is not None:
+                    if (loading and attempt + 1 < attempts and path == self._file
+                            and self._last_weights is not None):
                         path, info = self._rewrite_weights()  # the file may be the cause
             server.paused_by_failure = True
             seen = "; ".join(

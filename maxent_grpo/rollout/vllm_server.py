@@ -198,6 +198,10 @@ class VLLMServerEngine(ServerWeights):
                                                                 connect=min(seconds, 10.0)))
         except httpx.HTTPError as err:
             raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}") from err
+        except RuntimeError as err:  # closed by another thread since the check above
+            if not self._closed:
+                raise
+            raise ServerError(f"{server.url}{path}: the engine is closed") from err
         if response.status_code == 401:
             raise ServerError(
                 f"{server.url}{path} refused the request (401): the server was started with "
@@ -370,8 +374,13 @@ class VLLMServerEngine(ServerWeights):
                    for k in range(min(self.max_parallel_requests, len(bodies)))]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException as err:  # Ctrl-C in the waiting thread: start no more requests
+            with lock:
+                errors.append(err)
+            raise
         if errors:
             raise errors[0]
         return results

@@ -359,6 +359,10 @@ def test_a_number_longer_than_int_takes_is_a_wrong_answer_not_a_crash():
     assert canonical_answer("-000" + "2" * 4400, "first_number") == "-" + "2" * 4400
     assert canonical_answer("0" * 4400, "first_number") == "0"
     assert canonical_answer("-007", "first_number") == "-7"  # short ones as before
+    # leading zeros do not count (int counts them): the reward and the key agree
+    padded = "0" * 4400 + "7"
+    assert first_number_reward(["q"], [padded], answer=["7"]) == [1.0]
+    assert canonical_answer(padded, "first_number") == "7"
 
 
 def test_answer_blocks_read_as_the_lazy_pattern_does_in_linear_time():
@@ -388,13 +392,15 @@ def test_answer_blocks_read_as_the_lazy_pattern_does_in_linear_time():
 
 def test_accuracy_off_the_main_thread_does_not_evaluate_a_tower_of_powers():
     """Without math-verify's time limit (off the main thread) ``9**9**9`` would be computed
-    in full (the GIL held for minutes); it is compared as a string and is wrong."""
+    in full (the GIL held for minutes); it is compared as a string and is wrong. Answers
+    with separate powers are still compared mathematically there."""
     import threading
 
     out: list = []
     worker = threading.Thread(target=lambda: out.append(accuracy_reward(
-        ["q"] * 3, ["<answer>9**9**9</answer>", "<answer>2^{10000}</answer>",
-                    "<answer>2^3</answer>"], answer=["7", "7", "8"])), daemon=True)
+        ["q"] * 4, ["<answer>9**9**9</answer>", "<answer>2^3</answer>",
+                    "<answer>$y^2+x^2$</answer>", "<answer>30^{\\circ}, 60^{\\circ}</answer>"],
+        answer=["7", "8", "$x^2 + y^2$", "30^\\circ, 60^\\circ"])), daemon=True)
     worker.start()
     worker.join(timeout=120)
-    assert out == [[0.0, 0.0, 1.0]]
+    assert out == [[0.0, 1.0, 1.0, 1.0]]

@@ -6,8 +6,8 @@ time-out named; a refused request (400) is not retried; a restarted server that 
 threads revive at once gets the weights once, and every rank but 0 leaves the
 revival to rank 0; a dead server costs the weight transfer no retries and no weights files;
 a connection is given up after 10 s whatever the request's time-out; a closed engine sends
-nothing more; a failed run exits without waiting for the requests in flight. The tests with real vLLM servers are in
-``tests/vllm_engine/test_vllm_server.py``."""
+nothing more; a failed run exits without waiting for the requests in flight. The tests
+with real vLLM servers are in ``tests/vllm_engine/test_vllm_server.py``."""
 
 from __future__ import annotations
 
