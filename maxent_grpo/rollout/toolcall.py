@@ -328,10 +328,13 @@ class Toolbox:
             return self._sandbox
 
     def close(self) -> None:
-        """Stop the process-isolation pool, if one started (a later call starts another)."""
+        """Stop the process-isolation pool, if one started, and the shared sandbox of the
+        ``python`` tool, if this toolbox has it (a later call starts them again)."""
         pool, self._sandbox = self._sandbox, None
         if pool is not None:
             pool.close()
+        if sandbox.python in self.functions.values():
+            sandbox.close_shared_sandbox()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_sandbox": None}  # a copy starts its own pool

@@ -358,15 +358,18 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After a fit (a failed one too, through ``run/callbacks.py``'s ``CleanUp``): no
-        rollout in flight, no controllers attached, and a server engine's connections and
-        weights file closed (rebuilt if needed)."""
+        """After ``fit``, ``validate`` or ``predict`` (a failed fit too, through
+        ``run/callbacks.py``'s ``CleanUp``): no rollout in flight, no controllers attached
+        after a fit, the tools' sandbox processes stopped (started again on the next call),
+        a server engine closed (rebuilt if the module runs again)."""
         if self.pipeline is not None:
             self.pipeline.close()
         if stage == "fit":  # the next fit's controllers attach afresh
             self.loop = detached_controllers(self.loop)
+        if (toolbox := getattr(self._engine, "toolbox", None)) is not None:
+            toolbox.close()
         close = getattr(getattr(self._engine, "engine", self._engine), "close", None)
-        if close is not None and stage == "fit":
+        if close is not None:
             close()
             self._engine = None
 

@@ -201,3 +201,17 @@ def test_deeply_nested_values_are_named_not_raised():
     assert bad.failure == "bad_arguments" and "nested too deeply" in bad.text
     result = box.run(ToolCall("nested", {"x": 1}))
     assert result.failure is None and "nested too deeply" in result.text
+
+
+def test_closing_a_toolbox_stops_the_python_tools_shared_sandbox(monkeypatch):
+    """The module's teardown closes the toolbox: a toolbox with the ``python`` tool stops the
+    shared sandbox's processes (a later call starts them again); one without it leaves the
+    shared sandbox to whoever else uses it."""
+    from maxent_grpo.rollout import sandbox
+
+    stopped: list[bool] = []
+    monkeypatch.setattr(sandbox, "close_shared_sandbox", lambda: stopped.append(True))
+    Toolbox([divide]).close()
+    assert stopped == []
+    Toolbox([divide, "python"]).close()
+    assert stopped == [True]

@@ -279,3 +279,38 @@ def test_ordered_answers_count_each_order_once():
         -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
     assert m_plain["val/answer_entropy"] == pytest.approx(
         -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+
+
+@pytest.mark.parametrize("stage", ["validate", "predict"])
+def test_validate_and_predict_close_the_engine_and_the_tools_sandbox(cache_dir, tmp_path,
+                                                                      stage):
+    """A server engine's connections and weights file, and the tools' sandbox processes,
+    are closed after ``validate`` and ``predict`` as after ``fit`` (they were left to the
+    garbage collector); the module builds its engine again when it runs again."""
+    closed: list[str] = []
+
+    class Closing:
+        """The built engine with the two ``close`` methods of a server engine with tools."""
+
+        def __init__(self, inner):
+            self.engine, self.toolbox = inner, SimpleNamespace(
+                close=lambda: closed.append("toolbox"))
+            inner.close = lambda: closed.append("engine")
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+    module = make_module(cache_dir, eval_num_generations=2, eval_k=[1, 2])
+    built = module.engine_factory
+    module.engine_factory = lambda *a: Closing(built(*a))
+    data = make_data(cache_dir)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1,
+                        limit_predict_batches=1, default_root_dir=tmp_path)
+    if stage == "validate":
+        trainer.validate(module, data, verbose=False)
+    else:
+        trainer.predict(module, data)
+    assert closed == ["toolbox", "engine"]
+    assert module._engine is None
+    assert isinstance(module.rollout_engine(), Closing)  # built again on the next use
