@@ -21,6 +21,14 @@ served model as it was built must have received a tensor (the names vLLM's model
 reports), or the update fails naming the parameters left out: a model would otherwise keep
 old weights in them with nothing but a log line. The check is per parameter: a stacked
 parameter (``qkv_proj``, ``gate_up_proj``) counts as received when any of its shards came.
+It also registers ``maxent_gloo``: the same protocol as vLLM's NCCL backend over a gloo
+process group on the CPU (the server's workers join the trainer's rank 0 at
+``/init_weight_transfer_engine {"init_info": {"master_address", "master_port",
+"rank_offset", "world_size", "timeout_seconds"}}``; an update's ``/update_weights`` names
+every tensor, ``{"names", "dtype_names", "shapes"}``, and receives them by broadcast, in
+that order; :mod:`maxent_grpo.rollout.server_transfer` is the trainer's side). The same
+completeness check applies.
+
 The module imports nothing heavy at the top: vLLM's processes import it at start-up.
 """
 
@@ -30,14 +38,35 @@ import os
 from dataclasses import dataclass
 
 BACKEND = "maxent_file"
+GLOO_BACKEND = "maxent_gloo"
 
 
 def register() -> None:
-    """Add the ``maxent_file`` backend to vLLM's weight-transfer registry (idempotent)."""
+    """Add the ``maxent_file`` and ``maxent_gloo`` backends to vLLM's weight-transfer
+    registry (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "FileWeightTransfer")
+    for name, cls in ((BACKEND, "FileWeightTransfer"), (GLOO_BACKEND, "GlooWeightTransfer")):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, __name__, cls)
+
+
+def _check_loaded(engine, expected: set[str], loaded, source: str) -> None:
+    """Every parameter of the served model as it was built received a tensor, else the
+    reload is closed (the server stays out of use until a whole update lands) and the
+    update fails naming the parameters left out."""
+    if loaded is None:  # a model that does not report the names it loaded
+        return
+    missing = sorted(expected - set(loaded))
+    if missing:
+        try:
+            engine.finish_weight_update()
+        except Exception:  # noqa: BLE001, S110 -- the names are the error to report
+            pass
+        shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise ValueError(
+            f"{source} left {len(missing)} parameters of the served model without new "
+            f"weights ({shown}): the trainer's tensor names do not cover this model's")
 
 
 def _engine_class():
@@ -94,20 +123,7 @@ def _engine_class():
                     raise ValueError(f"maxent_file: {path} holds {len(names)} tensors; the "
                                      f"trainer wrote {update_info.num_tensors}")
                 loaded = self.model.load_weights((name, f.get_tensor(name)) for name in names)
-            if loaded is not None:  # the model's own names, as vLLM's loaders check them
-                missing = sorted(expected - set(loaded))
-                if missing:
-                    # close the reload (the server stays out of use until a whole update
-                    # lands; the next one starts from finished layers)
-                    try:
-                        self.finish_weight_update()
-                    except Exception:  # noqa: BLE001, S110 -- the names are the error to report
-                        pass
-                    shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
-                    raise ValueError(
-                        f"maxent_file: {path} left {len(missing)} parameters of the served "
-                        f"model without new weights ({shown}): the trainer's tensor names do "
-                        "not cover this model's")
+            _check_loaded(self, expected, loaded, f"maxent_file: {path}")
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -117,14 +133,73 @@ def _engine_class():
         def shutdown(self) -> None:
             pass
 
-    return FileWeightTransfer
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        """Where the trainer's rank 0 waits, and this server's first rank in the group."""
+
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+        timeout_seconds: float = 300.0
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        """Every tensor of the update, in the order they are broadcast."""
+
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+
+        def __post_init__(self) -> None:
+            if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+                raise ValueError("maxent_gloo: names, dtype_names and shapes differ in length")
+
+    class GlooWeightTransfer(FileWeightTransfer):
+        """Receives every tensor by broadcast from the trainer's rank 0 over gloo, through
+        the same layer-wise reload and completeness check as ``maxent_file``."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+        group = None
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            import torch
+
+            from maxent_grpo.rollout.server_transfer import gloo_group
+
+            parallel = self.parallel_config  # this worker's place, as vLLM's NCCL backend
+            rank = (parallel.data_parallel_index * parallel.world_size + parallel.rank
+                    + init_info.rank_offset)
+            self.group = gloo_group(init_info.master_address, init_info.master_port, rank,
+                                    init_info.world_size, init_info.timeout_seconds)
+            self._torch = torch
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            if self.group is None:
+                raise RuntimeError("maxent_gloo: /init_weight_transfer_engine first")
+            torch = self._torch
+            expected = {n for n, _ in self.model.named_parameters()}
+            loaded: set[str] | None = set()
+            for name, dtype, shape in zip(update_info.names, update_info.dtype_names,
+                                          update_info.shapes, strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast(tensor, 0).wait()
+                names = self.model.load_weights([(name, tensor.to(self.device))])
+                loaded = None if names is None or loaded is None else loaded | set(names)
+            _check_loaded(self, expected, loaded, "maxent_gloo: the update")
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    return {"FileWeightTransfer": FileWeightTransfer, "GlooWeightTransfer": GlooWeightTransfer}
 
 
 def __getattr__(name: str):
-    # vLLM's registry imports ``FileWeightTransfer`` from this module by name; the class is
-    # built on first use so that importing the module never imports vLLM.
-    if name == "FileWeightTransfer":
-        cls = _engine_class()
-        globals()[name] = cls
-        return cls
+    # vLLM's registry imports ``FileWeightTransfer`` (``GlooWeightTransfer``) from this module
+    # by name; the classes are built on first use so that importing the module never imports vLLM.
+    if name in ("FileWeightTransfer", "GlooWeightTransfer"):
+        classes = _engine_class()
+        globals().update(classes)
+        return classes[name]
     raise AttributeError(name)

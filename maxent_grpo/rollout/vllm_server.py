@@ -14,7 +14,10 @@ weights), ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update
 new version, the prefix cache reset, ``/resume``. The transport is the ``maxent_file``
 backend (:mod:`maxent_grpo.vllm_plugin`): the trainer writes one safetensors file where the
 server can read it (``transfer_dir``: ``/dev/shm`` by default) and the server checks it is
-complete before loading it. The server stays paused from before the transfer until it has
+complete before loading it. ``weight_transfer="nccl"`` broadcasts the tensors instead,
+through vLLM's own NCCL backend (GPU servers), and ``"gloo"`` through this package's
+``maxent_gloo`` (CPU servers without a shared file system): :mod:`.server_transfer`.
+The server stays paused from before the transfer until it has
 finished, so it never samples from a mix of two versions; a transfer that fails is repeated
 whole, and one that keeps failing leaves that server paused and out of use (restart it: it
 may hold a half-loaded model), and the step fails with the server's message when no server
@@ -61,7 +64,15 @@ from maxent_grpo.rollout.protocol import (
     SamplingSettings,
     check_request,
 )
+from maxent_grpo.rollout.server_transfer import (
+    TRANSFERS,
+    WeightList,
+    check_transfer,
+    local_address,
+    source_device,
+)
 from maxent_grpo.rollout.server_weights import (
+    PROBE_TEXT,
     RETRYABLE,
     ServerError,
     ServerWeights,
@@ -83,9 +94,6 @@ __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
 
 log = logging.getLogger(__name__)
 
-#: the probe text of the start-up checks: letters, digits, spaces and punctuation
-PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
-
 
 class VLLMServerEngine(ServerWeights):
     """Rollout engine on ``vllm serve`` processes (see the module docstring).
@@ -99,6 +107,14 @@ class VLLMServerEngine(ServerWeights):
         api_key: sent as a bearer token on every request; None: ``VLLM_API_KEY`` if set.
         transfer_dir: where the weights file is written for the servers to read (a folder
             the servers see at the same path); None: ``/dev/shm`` when there is one.
+        weight_transfer: how the weights travel: ``"file"`` (a file in ``transfer_dir``,
+            servers started with the ``maxent_file`` backend), ``"nccl"`` (broadcast from
+            rank 0's GPU, servers started with vLLM's ``nccl`` backend; needs ``vllm`` in the
+            training environment) or ``"gloo"`` (broadcast over TCP from the CPU, servers
+            started with ``maxent_gloo``).
+        transfer_address: for ``nccl`` and ``gloo``, the address of rank 0's machine that
+            the servers reach (each server's group meets at a free port of it); None: this
+            machine's name resolved (``127.0.0.1`` when every URL is local).
         request_timeout: seconds one generation request may take before it is sent again.
         retry_seconds: how long failing requests and unreachable servers are retried, with
             back-off, before the step fails.
@@ -122,6 +138,8 @@ class VLLMServerEngine(ServerWeights):
         urls: list[str] | str = "http://127.0.0.1:8000",
         api_key: str | None = None,
         transfer_dir: str | None = None,
+        weight_transfer: str = "file",
+        transfer_address: str | None = None,
         request_timeout: float = 600.0,
         retry_seconds: float = 120.0,
         connect_seconds: float = 60.0,
@@ -146,6 +164,7 @@ class VLLMServerEngine(ServerWeights):
         require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
                 f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
                 f"got {max_parallel_requests!r}")
+        check_transfer(weight_transfer, sender=_rank() == 0)
         extra = check_policy_for_vllm("VLLMServerEngine", model, tokenizer, stop_token_ids)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
@@ -170,6 +189,11 @@ class VLLMServerEngine(ServerWeights):
         self._file_info: dict[str, int] | None = None
         self._last_weights: list[tuple[str, torch.Tensor]] | None = None
         self._transfer_dir = transfer_dir
+        self.weight_transfer = weight_transfer
+        self._transfer_address = transfer_address or local_address(urls)
+        self._join_seconds = max(60.0, float(connect_seconds))
+        self._source = WeightList(source_device(weight_transfer) if _rank() == 0
+                                  and weight_transfer != "file" else torch.device("cpu"))
         self.model_name = ""
         error = None
         try:  # every rank checks; all fail together, so none waits in a collective
@@ -236,17 +260,20 @@ class VLLMServerEngine(ServerWeights):
         models = self._call(server, "GET", "/v1/models")
         names = [m["id"] for m in models.get("data", [])]
         require(len(names) == 1, f"{server.url} serves {names!r}; the engine needs one model")
+        backend = TRANSFERS[self.weight_transfer]
         try:
             self._call(server, "GET", "/weight_info", timeout=30.0)
-            self._call(server, "POST", "/init_weight_transfer_engine", json={"init_info": {}},
-                       timeout=60.0)
+            if self.weight_transfer == "file":  # a collective's group forms at the first sync
+                self._call(server, "POST", "/init_weight_transfer_engine",
+                           json={"init_info": {}}, timeout=60.0)
         except ServerError as err:
             raise ServerError(
                 f"{server.url} cannot take weight updates ({err}): start it with "
                 "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                "'{\"backend\": \"maxent_file\"}' (and maxent-grpo installed in its "
-                "environment, which registers that backend), as in:\n  "
-                + server_command()) from None
+                f"'{{\"backend\": \"{backend}\"}}'"
+                + (" (and maxent-grpo installed in its environment, which registers that "
+                   "backend)" if backend.startswith("maxent_") else "") + ", as in:\n  "
+                + server_command(transfer=self.weight_transfer)) from None
         ours = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
         theirs = self._call(server, "POST", "/tokenize", json={
             "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
@@ -256,34 +283,6 @@ class VLLMServerEngine(ServerWeights):
                 f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
                 "server on the policy's model")
         return names[0]
-
-    def _check_probe(self) -> None:
-        """The servers give a probe sequence the policy's log-probabilities."""
-        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            device = next(self.model.parameters()).device
-            logits = self.model(input_ids=torch.tensor([ids], device=device)).logits.float()
-            ours = torch.log_softmax(logits[0, :-1], dim=-1).gather(
-                -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
-        for server in self.servers:
-            if server.paused_by_failure or not server.healthy:
-                continue  # the first sync failed there (logged); the others serve
-            out = self._call(server, "POST", "/v1/completions", json={
-                "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0, "return_token_ids": True})
-            rows = out["choices"][0]["prompt_logprobs"][1:]
-            theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:],
-                                                                            strict=True)])
-            gap = float((theirs - ours).abs().max())
-            if gap > self.probe_tolerance:
-                raise ServerError(
-                    f"{server.url} serves {self.model_name!r}, which gives the probe "
-                    f"log-probabilities up to {gap:.3g} away from the policy's "
-                    f"({type(self.model).__name__}, "
-                    f"{getattr(getattr(self.model, 'config', None), '_name_or_path', '?')}) "
-                    f"after the weights were sent (probe_tolerance {self.probe_tolerance}): "
-                    "a different model, dtype or sampler setting (start the server with "
-                    "--logprobs-mode processed_logprobs and the policy's --dtype)")
 
     # ------------------------------------------------------------------ sampling
     def _body(self, ids: list[int], n: int, s: SamplingSettings, seed: int) -> dict:
@@ -423,6 +422,10 @@ class VLLMServerEngine(ServerWeights):
         """Close the connections and remove the weights file; a request still pending in
         another thread is not sent again."""
         self._closed = True
+        for server in self.servers:
+            sender, server.sender = server.sender, None
+            if sender is not None:
+                sender.shutdown()
         self._http.close()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
@@ -434,3 +437,4 @@ class VLLMServerEngine(ServerWeights):
                 shutil.rmtree(self._folder, ignore_errors=True)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+

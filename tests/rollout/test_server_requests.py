@@ -24,6 +24,7 @@ import torch
 
 httpx = pytest.importorskip("httpx")
 
+from maxent_grpo.rollout.server_transfer import WeightList  # noqa: E402
 from maxent_grpo.rollout.server_weights import ServerError, _Server  # noqa: E402
 from maxent_grpo.rollout.vllm_server import VLLMServerEngine  # noqa: E402
 
@@ -124,6 +125,7 @@ def _bare_engine(urls: list[str], request_timeout: float, retry_seconds: float =
     engine.version, engine._file, engine._file_info = 0, None, None
     engine._last_weights, engine._closed, engine.sync_bytes = None, False, 0
     engine._folder, engine._transfer_dir = None, None
+    engine.weight_transfer, engine._source = "file", WeightList(torch.device("cpu"))
     return engine
 
 

@@ -31,8 +31,9 @@ class Server:
     current folder would hide the installed package's entry points, and with them the
     ``maxent_file`` weight-transfer backend."""
 
-    def __init__(self, model: str | Path, api_key: str | None, log: Path) -> None:
-        self.model, self.api_key, self.log = model, api_key, log
+    def __init__(self, model: str | Path, api_key: str | None, log: Path,
+                 transfer: str = "file") -> None:
+        self.model, self.api_key, self.log, self.transfer = model, api_key, log, transfer
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -42,7 +43,8 @@ class Server:
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine apart
         out = open(self.log, "ab")  # noqa: SIM115 - the process writes it while it runs
-        args = server_args(self.model, self.port, self.api_key, python=sys.executable)
+        args = server_args(self.model, self.port, self.api_key, python=sys.executable,
+                           transfer=self.transfer)
         self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=self.log.parent)
         out.close()
@@ -74,8 +76,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(model: str | Path, log: Path, api_key: str | None = "test-key") -> Iterator[Server]:
-    server = Server(model, api_key, log)
+def running(model: str | Path, log: Path, api_key: str | None = "test-key",
+            transfer: str = "file") -> Iterator[Server]:
+    server = Server(model, api_key, log, transfer)
     try:
         server.start()
         yield server

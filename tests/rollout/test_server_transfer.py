@@ -1,0 +1,115 @@
+"""The server engine's collective weight transfer (``weight_transfer="gloo"``), on the CPU
+without vLLM: a stand-in server whose worker joins the trainer's gloo group in its
+``/init_weight_transfer_engine`` and receives the tensors in its ``/update_weights``, as
+this package's ``maxent_gloo`` backend does in a real server (``make test-vllm`` runs that).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from maxent_grpo.rollout.server_transfer import (
+    TRANSFERS,
+    WeightList,
+    check_transfer,
+    gloo_group,
+    local_address,
+)
+from maxent_grpo.rollout.server_weights import ServerError, ServerWeights, _Server, server_args
+
+
+class StandIn(ServerWeights):
+    """The weights side of the engine with its HTTP calls answered here, by a server whose
+    one worker is a gloo rank of this process (``fail``: the route that answers 500)."""
+
+    def __init__(self, fail: str | None = None, join_seconds: float = 30.0) -> None:
+        self.servers = [_Server("http://stand-in:1")]
+        self.version, self.sync_bytes, self.weight_transfer = 0, 0, "gloo"
+        self._source = WeightList(torch.device("cpu"))
+        self._transfer_address, self._join_seconds = "127.0.0.1", join_seconds
+        self._file = self._file_info = self._last_weights = None
+        self.fail, self.calls, self.received = fail, [], []
+        self.group = None
+        self.lock = threading.Lock()
+
+    def _call(self, server, method, path, *, json=None, params=None, timeout=None):
+        with self.lock:
+            self.calls.append(path)
+        if path == self.fail:
+            raise ServerError(f"{server.url}{path} answered 500: refused", 500)
+        if path == "/get_world_size":
+            return {"world_size": 1}
+        if path == "/init_weight_transfer_engine":
+            info = json["init_info"]
+            assert info["rank_offset"] == 1 and info["world_size"] == 2
+            self.group = gloo_group(info["master_address"], info["master_port"], 1, 2,
+                                    info["timeout_seconds"])
+        if path == "/update_weights":
+            info = json["update_info"]
+            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"],
+                                          strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast(tensor, 0).wait()
+                self.received.append((name, tensor))
+        if path == "/finish_weight_update":
+            self.finished = json.get("weight_version")
+        return {}
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    square = torch.randn(4, 6, generator=g)
+    return [("embed.weight", torch.randn(10, 4, generator=g)),
+            ("proj.weight", square.t()),  # not contiguous: sent as its values
+            ("norm.weight", torch.randn(6, generator=g).to(torch.bfloat16))]
+
+
+def test_gloo_sends_every_tensor_exactly_and_reuses_its_group():
+    engine = StandIn()
+    server = engine.servers[0]
+    for version, seed in (("1", 0), ("2", 1)):
+        engine.received.clear()
+        engine._source.set(weights(seed))
+        engine._broadcast(server, version)
+        sent = weights(seed)
+        assert [n for n, _ in engine.received] == [n for n, _ in sent]
+        for (_, got), (_, want) in zip(engine.received, sent, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert engine.finished == version and server.version == version and server.healthy
+    # one group for both updates; each update paused the server, then resumed it
+    update = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+              "/reset_prefix_cache", "/resume"]
+    assert engine.calls == ["/get_world_size", "/init_weight_transfer_engine", *update, *update]
+
+
+@pytest.mark.parametrize("route", ["/init_weight_transfer_engine", "/update_weights"])
+def test_a_refused_collective_fails_at_once_and_leaves_the_server_out_of_use(route):
+    """A server that refuses to join (started with another backend) or refuses the update
+    fails the transfer at once, not after the group's time-out (the trainer's half would
+    wait for a peer that never comes), and is out of use until a new group forms."""
+    engine = StandIn(fail=route, join_seconds=120.0)
+    server = engine.servers[0]
+    engine._source.set([("big.weight", torch.ones(4096, 4096))])  # 64 MiB: not buffered
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=r"stand-in:1 over gloo; the server is left paused"):
+        engine._broadcast(server, "1")
+    assert time.monotonic() - start < 20.0
+    assert not server.healthy and server.paused_by_failure and server.sender is None
+    assert "/resume" not in engine.calls
+
+
+def test_the_transfer_names_its_backend_and_refuses_what_it_cannot_do():
+    assert TRANSFERS == {"file": "maxent_file", "gloo": "maxent_gloo", "nccl": "nccl"}
+    line = " ".join(server_args("FOLDER", 8000, transfer="gloo"))
+    assert '--weight-transfer-config {"backend": "maxent_gloo"}' in line
+    with pytest.raises(ValueError, match="weight_transfer must be one of"):
+        check_transfer("shm", sender=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'nccl' broadcasts from rank 0's GPU"):
+            check_transfer("nccl", sender=True)
+    check_transfer("nccl", sender=False)  # other ranks send nothing
+    assert local_address(["http://127.0.0.1:8000", "http://localhost:8001"]) == "127.0.0.1"
