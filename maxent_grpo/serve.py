@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model to serve: a builtin: name, a folder or a hub name")
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weight-transfer", choices=["file", "gloo"], default="file",
+                        help="the server's weight-transfer backend (maxent_file or "
+                             "maxent_gloo); a training command gets the same "
+                             "model.engine.init_args.weight_transfer")
     parser.add_argument("--model-cache-dir", default=None,
                         help="where builtin: models are written (default: the trainer's)")
     parser.add_argument("--start-seconds", type=float, default=600.0,
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "wb") as out:
         # started outside the current folder: a stale *.egg-info there would hide the
         # installed package's entry points (the maxent_file backend)
-        proc = subprocess.Popen(server_args(folder, port, key, args.dtype, sys.executable),
+        proc = subprocess.Popen(server_args(folder, port, key, args.dtype, sys.executable,
+                                            args.weight_transfer),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work,
                                 start_new_session=True, preexec_fn=None if server_cpus is None
                                 else lambda: os.sched_setaffinity(0, server_cpus))
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait()
             return proc.returncode or 0
         train = [sys.executable, "-m", "maxent_grpo", *command,
-                 f"--model.engine.init_args.urls=[{url}]"]
+                 f"--model.engine.init_args.urls=[{url}]",
+                 f"--model.engine.init_args.weight_transfer={args.weight_transfer}"]
         train_env = {**os.environ, "VLLM_API_KEY": key}
         if trainer_cpus is not None:
             train_env["OMP_NUM_THREADS"] = str(len(trainer_cpus))
