@@ -1,8 +1,8 @@
 """Run model-written Python (the built-in ``python`` tool), or any tool, in a fresh
 process per call, with limits, and kill everything the call started when it ends.
 
-It is not a container: a best-effort sandbox of rlimits, an unprivileged uid and Linux
-namespaces, with no seccomp filter and no cgroup (what that leaves open is listed below).
+It is not a container: a best-effort sandbox of rlimits, an unprivileged uid, Linux
+namespaces and a seccomp filter, with no cgroup (what that leaves open is listed below).
 Linux only.
 
 How a call runs. A :class:`Sandbox` starts on first use one zygote, ``python -I -S``
@@ -67,6 +67,10 @@ without those namespaces: what  yes                                no
 its uid left in the shared
 world-writable folders and its
 SysV objects removed
+system-call filter (seccomp,    yes: ``syscall_filter``            yes
+:mod:`.seccomp`): no new        (x86-64, AArch64)                  (x86-64, AArch64)
+namespaces, mounts, ptrace,
+bpf, io_uring, keyring
 ==============================  =================================  ========================
 
 Memory. The address-space limit is per process: ``memory_mb`` beyond what the process starts
@@ -91,10 +95,8 @@ minimal environment and the cleanup of its process tree and folder only: the cod
 signal the user's processes (``os.kill(-1, 9)`` too), read their ``/proc`` and the user's
 files, write wherever the user may, and use the network.
 
-What does not hold, anywhere: there is no seccomp filter, so the whole system-call interface
-is reachable: a call may create nested user namespaces (where the kernel allows unprivileged
-ones) and be root inside them, which gives it no power over the host's objects but reaches
-kernel code an unprivileged process otherwise cannot (a kernel bug there is an escape). The
+What does not hold, anywhere: the filter refuses only the calls :mod:`.seccomp` lists; the
+rest of the system-call interface is reachable (a kernel bug there is an escape). The
 host's files stay readable wherever their modes let the call's uid read them, and a Unix
 socket on the host whose mode lets any uid connect stays reachable (a read-only mount does
 not stop ``connect``). The CPU limit is per process (the wall clock bounds the sum). A zygote

@@ -240,6 +240,7 @@ def spare(sock: socket.socket, config: dict) -> None:
     if uid is not None:
         os.chown(workdir, uid, uid)
     guard["nproc_limit"] = uid is not None or guard["user_namespace"]
+    guard["syscall_filter"] = CALL.SECCOMP.supported()
     pipes = {name: os.pipe() for name in ("request", "out", "result", "status")}
     init = CALL.start(config, uid, workdir, guard, pipes)  # C and D, ready for the request
     os.close(pipes["request"][0])
