@@ -181,12 +181,22 @@ def _engine_class():
             torch = self._torch
             expected = {n for n, _ in self.model.named_parameters()}
             loaded: set[str] | None = set()
-            for name, dtype, shape in zip(update_info.names, update_info.dtype_names,
-                                          update_info.shapes, strict=True):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                self.group.broadcast(tensor, 0).wait()
-                names = self.model.load_weights([(name, tensor.to(self.device))])
-                loaded = None if names is None or loaded is None else loaded | set(names)
+            try:
+                for name, dtype, shape in zip(update_info.names, update_info.dtype_names,
+                                              update_info.shapes, strict=True):
+                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                    self.group.broadcast(tensor, 0).wait()
+                    names = self.model.load_weights([(name, tensor.to(self.device))])
+                    loaded = None if names is None or loaded is None else loaded | set(names)
+            except BaseException:
+                # a broadcast cut short: close the reload, so that no half-received layer
+                # is carried into the next update (the server stays out of use until then)
+                self.group = None
+                try:
+                    self.finish_weight_update()
+                except Exception:  # noqa: BLE001, S110 - the broadcast's error is the one
+                    pass
+                raise
             _check_loaded(self, expected, loaded, "maxent_gloo: the update")
 
         def shutdown(self) -> None:

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["GlooSender", "HTTPControl", "TRANSFERS", "WeightList", "check_transfer",
-           "free_port", "gloo_group", "local_address", "open_sender", "source_device"]
+__all__ = ["GlooSender", "HTTPControl", "TRANSFERS", "WeightList", "address_towards",
+           "check_transfer", "free_port", "gloo_group", "local_address", "open_sender",
+           "source_device"]
 
 #: ``weight_transfer`` value -> the backend name a server is started with
 TRANSFERS = {"file": "maxent_file", "gloo": "maxent_gloo", "nccl": "nccl"}
@@ -61,14 +62,31 @@ def check_transfer(kind: str, sender: bool) -> None:
                               f"vllm in the training environment ({err})") from None
 
 
+def address_towards(host: str, port: int = 9) -> str:
+    """This machine's address on the route to ``host`` (a UDP socket's local end after
+    ``connect``, which sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return str(s.getsockname()[0])
+
+
 def local_address(urls: list[str]) -> str:
     """Where the servers reach this machine: ``127.0.0.1`` when every server is local,
-    else this machine's name resolved."""
+    else the address of the interface on the route to the first remote server (refused
+    when that is a loopback address: pass ``transfer_address``)."""
     from urllib.parse import urlsplit
 
-    if {urlsplit(u).hostname for u in urls} <= {"127.0.0.1", "localhost", "::1"}:
+    from maxent_grpo.validation import require
+
+    hosts = [urlsplit(u).hostname or "" for u in urls]
+    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1")]
+    if not remote:
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    address = address_towards(remote[0])
+    require(not address.startswith("127."), f"VLLMServerEngine: this machine's address "
+            f"towards {remote[0]} is {address}, a loopback address the servers cannot reach; "
+            "set model.engine.init_args.transfer_address to one they can")
+    return address
 
 
 def free_port() -> int:
@@ -81,14 +99,20 @@ def free_port() -> int:
 
 def gloo_group(address: str, port: int, rank: int, world_size: int, seconds: float) -> Any:
     """A gloo process group of its own (not torch's default group): rank 0 hosts the
-    rendezvous at ``address:port``; every rank waits ``seconds`` at most for the others."""
+    rendezvous at ``address:port``; every rank talks from its interface on the route to
+    ``address`` (not the one its host name resolves to, often a loopback address) and waits
+    ``seconds`` at most for the others in any operation."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=seconds)
     store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout,
                           wait_for_workers=False)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(
+        hostname=address_towards(address, port))]
     return dist.ProcessGroupGloo(dist.PrefixStore("maxent_gloo", store), rank, world_size,
-                                 timeout)
+                                 options)
 
 
 @dataclass(frozen=True)
@@ -208,7 +232,12 @@ class GlooSender:
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
-        self.group = None
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001, S110 - a group whose peer died: nothing to free
+                pass
 
 
 def source_device(kind: str) -> torch.device:

@@ -117,27 +117,46 @@ class ServerWeights:
         except ServerError:
             return False
 
+    def _leave(self, server: _Server) -> None:
+        """Drop ``server``'s collective group on both sides (best effort: the server may be
+        gone), so that a new one can form without the old one's buffers."""
+        sender, server.sender = server.sender, None
+        if sender is None:
+            return
+        sender.shutdown()
+        try:
+            self._call(server, "POST", "/shutdown_weight_transfer_engine", timeout=10.0)
+        except ServerError:
+            pass
+
     def _broadcast(self, server: _Server, version: str) -> None:
         """A collective transfer (``gloo``, ``nccl``; :mod:`.server_transfer`) to one server:
-        joined first when the server is new, restarted or failed; paused for the whole update.
-        A failure is not repeated: the group is unusable and the server may be half-updated,
-        so it is left paused and out of use until it answers again and a new group forms."""
+        joined first when the server is new, restarted (it holds another version than the
+        one last sent) or failed; paused for the whole update. A failure is not repeated:
+        the group is unusable and the server may be half-updated, so it is left paused and
+        out of use until it answers again and a new group forms."""
         with server.lock:
             if server.version == version and server.healthy:
                 return
             try:
-                if server.sender is None or not server.healthy:
-                    server.sender = None
-                    server.sender, _ = open_sender(
-                        self.weight_transfer, self, server, self._source,
-                        self._transfer_address, self._join_seconds)
-                server.sender.client.version = version
+                sender = server.sender
+                if sender is not None and self._call(
+                        server, "GET", "/weight_info", timeout=10.0)["weight_version"] \
+                        != server.version:  # restarted since: its workers left the group
+                    self._leave(server)
+                    sender = None
+                if sender is None:
+                    sender, _ = open_sender(self.weight_transfer, self, server, self._source,
+                                            self._transfer_address, self._join_seconds)
+                    server.sender = sender
+                sender.client.version = version
                 self._call(server, "POST", "/pause", params={"mode": "wait"})
-                server.sender.send_weights()
+                sender.send_weights()
                 self._call(server, "POST", "/reset_prefix_cache")
                 self._call(server, "POST", "/resume")
             except Exception as err:  # noqa: BLE001 - a ServerError naming the server
-                server.healthy, server.paused_by_failure, server.sender = False, True, None
+                server.healthy, server.paused_by_failure = False, True
+                server.sender = None  # unusable: not shut down (a peer may still wait in it)
                 raise ServerError(
                     f"weights version {version} could not be sent to {server.url} over "
                     f"{self.weight_transfer}; the server is left paused and out of use (it "
@@ -277,7 +296,6 @@ class ServerWeights:
             return False
         if held != str(self.version):  # rank 0 alone sends (one transfer per server)
             if self.weight_transfer != "file":  # the next sync joins it afresh and sends
-                server.sender = None
                 return False
             if _rank() != 0 or self._file is None or not os.path.exists(self._file):
                 return False

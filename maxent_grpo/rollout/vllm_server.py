@@ -113,8 +113,9 @@ class VLLMServerEngine(ServerWeights):
             training environment) or ``"gloo"`` (broadcast over TCP from the CPU, servers
             started with ``maxent_gloo``).
         transfer_address: for ``nccl`` and ``gloo``, the address of rank 0's machine that
-            the servers reach (each server's group meets at a free port of it); None: this
-            machine's name resolved (``127.0.0.1`` when every URL is local).
+            the servers reach (each server's group meets at a free port of it); None:
+            ``127.0.0.1`` when every URL is local, else this machine's address on the route
+            to the first server.
         request_timeout: seconds one generation request may take before it is sent again.
         retry_seconds: how long failing requests and unreachable servers are retried, with
             back-off, before the step fails.
@@ -190,8 +191,9 @@ class VLLMServerEngine(ServerWeights):
         self._last_weights: list[tuple[str, torch.Tensor]] | None = None
         self._transfer_dir = transfer_dir
         self.weight_transfer = weight_transfer
-        self._transfer_address = transfer_address or local_address(urls)
-        self._join_seconds = max(60.0, float(connect_seconds))
+        self._transfer_address = transfer_address or (
+            local_address(urls) if weight_transfer != "file" and _rank() == 0 else None)
+        self._join_seconds = max(15.0, float(connect_seconds))
         self._source = WeightList(source_device(weight_transfer) if _rank() == 0
                                   and weight_transfer != "file" else torch.device("cpu"))
         self.model_name = ""
@@ -421,11 +423,9 @@ class VLLMServerEngine(ServerWeights):
     def close(self) -> None:
         """Close the connections and remove the weights file; a request still pending in
         another thread is not sent again."""
-        self._closed = True
         for server in self.servers:
-            sender, server.sender = server.sender, None
-            if sender is not None:
-                sender.shutdown()
+            self._leave(server)
+        self._closed = True
         self._http.close()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)

@@ -33,7 +33,7 @@ class StandIn(ServerWeights):
         self._transfer_address, self._join_seconds = "127.0.0.1", join_seconds
         self._file = self._file_info = self._last_weights = None
         self.fail, self.calls, self.received = fail, [], []
-        self.group = None
+        self.group, self.finished, self.restarted = None, None, False
         self.lock = threading.Lock()
 
     def _call(self, server, method, path, *, json=None, params=None, timeout=None):
@@ -43,6 +43,8 @@ class StandIn(ServerWeights):
             raise ServerError(f"{server.url}{path} answered 500: refused", 500)
         if path == "/get_world_size":
             return {"world_size": 1}
+        if path == "/weight_info":  # a restarted server holds the weights it started with
+            return {"weight_version": None if self.restarted else self.finished}
         if path == "/init_weight_transfer_engine":
             info = json["init_info"]
             assert info["rank_offset"] == 1 and info["world_size"] == 2
@@ -80,10 +82,20 @@ def test_gloo_sends_every_tensor_exactly_and_reuses_its_group():
         for (_, got), (_, want) in zip(engine.received, sent, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want)
         assert engine.finished == version and server.version == version and server.healthy
-    # one group for both updates; each update paused the server, then resumed it
+    # one group for both updates (the server still held the last one sent); each update
+    # paused the server, then resumed it
     update = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
               "/reset_prefix_cache", "/resume"]
-    assert engine.calls == ["/get_world_size", "/init_weight_transfer_engine", *update, *update]
+    join = ["/get_world_size", "/init_weight_transfer_engine"]
+    assert engine.calls == [*join, *update, "/weight_info", *update]
+    # a server restarted since holds other weights: the old group is left, a new one formed
+    engine.calls.clear()
+    engine.restarted = True
+    engine._source.set(weights(2))
+    engine._broadcast(server, "3")
+    engine.restarted = False
+    assert engine.calls == ["/weight_info", "/shutdown_weight_transfer_engine", *join, *update]
+    assert torch.equal(engine.received[-1][1], weights(2)[-1][1]) and server.version == "3"
 
 
 @pytest.mark.parametrize("route", ["/init_weight_transfer_engine", "/update_weights"])

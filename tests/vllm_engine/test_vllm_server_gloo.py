@@ -8,6 +8,7 @@ module, on a free localhost port, stopped however the tests end.
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import pytest
@@ -71,6 +72,42 @@ def test_an_update_that_leaves_out_a_layer_is_refused_and_repaired(server, cache
     assert httpx.get(server.url + "/weight_info").json()["weight_version"] == before
     engine._source.set = real
     engine.sync(engine.model)  # a new group, a whole update
+    engine._check_probe()
+    engine.close()
+
+
+def test_a_broadcast_cut_short_leaves_no_half_layer_behind(server, cache):  # noqa: F811
+    """The trainer stops half-way through an update: the step fails at once, the server's
+    worker gives up at the group's time-out and closes its reload, and the next update
+    (a new group) leaves it serving exactly the policy's weights, with no layer half-loaded
+    from the cut one."""
+    engine = engine_on(server, cache, weight_transfer="gloo", probe_tolerance=1e-4,
+                       connect_seconds=15.0)
+    source, real = engine._source, engine._source.set
+
+    class Cut(list):  # stops inside a layer: after q_proj, before k_proj and v_proj
+        def __iter__(self):
+            names = [n for n, _ in list.__iter__(self)]
+            stop = next(i for i, n in enumerate(names)
+                        if i >= len(names) // 2 and n.endswith("q_proj.weight"))
+            yield from list.__iter__(self[: stop + 1])
+            raise RuntimeError("the trainer stopped half-way")
+
+    source.set = lambda weights: (real(weights), setattr(source, "weights",
+                                                         Cut(source.weights)))
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    start = time.monotonic()
+    with pytest.raises(ServerError, match="half-way"):
+        engine.sync(engine.model)
+    assert time.monotonic() - start < 10.0
+    source.set = real
+    time.sleep(engine._join_seconds + 5.0)  # the worker's broadcast times out meanwhile
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.sync(engine.model)
     engine._check_probe()
     engine.close()
 
