@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -246,14 +247,23 @@ CASES = {
         "raise ValueError('gone')", "patient", "error",
         lambda w, r, last: "ValueError: gone" in r.text and last.code == 1, ()),
     "new_namespaces_and_mounts": (  # the kernel code behind them is out of its reach
-        "import ctypes, errno, os, subprocess\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-        "for name, flags in (('user', 0x10000000), ('mount', 0x20000), ('net', 0x40000000)):\n"
-        "    print(name, libc.unshare(flags), errno.errorcode[ctypes.get_errno()])\n"
-        "print('mount', libc.mount(b'none', b'.', b'tmpfs', 0, None),"
-        " errno.errorcode[ctypes.get_errno()])\n"
-        "print('thread', __import__('threading').Thread(target=print).start())\n"
+        "import ctypes, errno, os, platform, subprocess\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def show(name, r):\n"
+        "    print(name, r, errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'ok')\n"
+        "show('unshare_nothing', libc.unshare(0))\n"
+        "show('unshare_user', libc.unshare(0x10000000))\n"
+        "clone = {{'x86_64': 56, 'aarch64': 220}}[platform.machine()]\n"
+        "r = libc.syscall(clone, 0x10000000 | 17, 0, 0, 0, 0)\n"
+        "if r == 0:\n    os._exit(0)\n"
+        "if r > 0:\n    os.waitpid(r, 0)\n"
+        "show('clone_user', r)\n"
+        "show('clone3', libc.syscall(435, 0, 0))\n"
+        "show('mount', libc.mount(b'none', b'.', b'tmpfs', 0, None))\n"
         "print('child', subprocess.run(['/bin/true']).returncode)",
-        "patient", None, lambda w, r, _: r.text.count("-1 EPERM") == 4 and "child 0" in r.text,
+        "patient", None, lambda w, r, _: all(f"{name} -1 {code}" in r.text for name, code in (
+            ("unshare_nothing", "EPERM"), ("unshare_user", "EPERM"), ("clone_user", "EPERM"),
+            ("clone3", "ENOSYS"), ("mount", "EPERM"))) and "child 0" in r.text,
         ("syscall_filter",)),
     "trace_bpf_io_uring_keyring": (
         "import ctypes, errno, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
@@ -668,7 +678,15 @@ def test_the_syscall_filter_knows_every_refused_call_on_both_architectures():
     range (a BPF jump is at most 255 instructions ahead, and every path ends in a return)."""
     from maxent_grpo.rollout.sandbox import seccomp
 
+    headers = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h",
+               "aarch64": "/usr/include/asm-generic/unistd.h"}
     for machine in ("x86_64", "aarch64"):
+        numbers = seccomp._TABLES[machine][1]
+        if os.path.exists(headers[machine]):  # the numbers are the kernel's
+            text = Path(headers[machine]).read_text()
+            for name, number in numbers.items():
+                found = re.search(rf"#define __NR(?:3264)?_{name}\s+(\d+)", text)
+                assert found is not None and int(found.group(1)) == number, name
         code = seccomp.program(machine)
         numbers = [k for c, _, _, k in code if c == seccomp.JEQ][1:]  # the first is the arch
         assert len(set(numbers)) == len(numbers) == len(seccomp.REFUSED) + 2

@@ -96,7 +96,10 @@ signal the user's processes (``os.kill(-1, 9)`` too), read their ``/proc`` and t
 files, write wherever the user may, and use the network.
 
 What does not hold, anywhere: the filter refuses only the calls :mod:`.seccomp` lists; the
-rest of the system-call interface is reachable (a kernel bug there is an escape). The
+rest of the system-call interface is reachable (a kernel bug there is an escape). Without
+the filter (another architecture, or a kernel that refuses it: ``syscall_filter`` False) a
+call may also create nested user namespaces and be root in them, reaching kernel code an
+unprivileged process otherwise cannot, and mount a tmpfs there of a size it chooses. The
 host's files stay readable wherever their modes let the call's uid read them, and a Unix
 socket on the host whose mode lets any uid connect stays reachable (a read-only mount does
 not stop ``connect``). The CPU limit is per process (the wall clock bounds the sum). A zygote

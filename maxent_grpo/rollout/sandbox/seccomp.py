@@ -3,10 +3,12 @@ just before the code runs (and inherited by everything it starts), that refuses 
 calls sandboxed code has no use for and that reach kernel code an unprivileged process
 otherwise cannot.
 
-Refused with ``EPERM``: new namespaces (``unshare``, ``setns``, ``clone`` with any
-``CLONE_NEW*`` flag), mounts of every kind (``mount``, ``umount2``, ``pivot_root``,
-``chroot``, the new mount API: ``open_tree`` ... ``mount_setattr``), tracing and reading
-other processes (``ptrace``, ``process_vm_readv``/``writev``), ``bpf``,
+Refused with ``EPERM``: new namespaces (``unshare``, whatever its flags, ``setns``,
+``clone`` with any ``CLONE_NEW*`` flag), mounts of every kind (``mount``, ``umount2``,
+``pivot_root``, ``chroot``, the new mount API: ``open_tree`` ... ``mount_setattr``),
+reaching into other processes (``ptrace``, ``process_vm_readv``/``writev``,
+``pidfd_getfd``, ``kcmp``, ``process_madvise``; ``/proc/<pid>/mem`` stays open to the
+same uid, which matters only for a plain user without a user namespace), ``bpf``,
 ``perf_event_open``, ``userfaultfd``, ``io_uring``, the kernel keyring (``add_key``,
 ``request_key``, ``keyctl``), file handles (``name_to_handle_at``, ``open_by_handle_at``),
 kernel modules, ``kexec``, swap, ``reboot``, ``acct`` and ``syslog``. ``clone3`` answers
@@ -21,12 +23,13 @@ reported absent (``Sandbox.protections["syscall_filter"]``).
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import struct
 
 __all__ = ["REFUSED", "install", "program", "supported"]
 
-PR_GET_SECCOMP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 21, 22, 2
+PR_GET_SECCOMP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_NO_NEW_PRIVS = 21, 22, 2, 38
 RET_KILL_PROCESS, RET_ERRNO, RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 EPERM, ENOSYS = 1, 38
 LD_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|.., BPF_RET|K
@@ -42,7 +45,7 @@ REFUSED = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open
            "io_uring_setup", "io_uring_enter", "io_uring_register", "add_key", "request_key",
            "keyctl", "name_to_handle_at", "open_by_handle_at", "init_module", "finit_module",
            "delete_module", "kexec_load", "kexec_file_load", "swapon", "swapoff", "reboot",
-           "acct", "syslog")
+           "acct", "syslog", "pidfd_getfd", "kcmp", "process_madvise")
 
 #: (audit architecture, numbers of the calls above + clone and clone3, x32 bit or None)
 _TABLES = {
@@ -54,7 +57,8 @@ _TABLES = {
         io_uring_register=427, add_key=248, request_key=249, keyctl=250,
         name_to_handle_at=303, open_by_handle_at=304, init_module=175, finit_module=313,
         delete_module=176, kexec_load=246, kexec_file_load=320, swapon=167, swapoff=168,
-        reboot=169, acct=163, syslog=103, clone=56, clone3=435), 0x40000000),
+        reboot=169, acct=163, syslog=103, pidfd_getfd=438, kcmp=312, process_madvise=440,
+        clone=56, clone3=435), 0x40000000),
     "aarch64": (0xC00000B7, dict(
         unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, chroot=51,
         open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
@@ -63,7 +67,8 @@ _TABLES = {
         io_uring_register=427, add_key=217, request_key=218, keyctl=219,
         name_to_handle_at=264, open_by_handle_at=265, init_module=105, finit_module=273,
         delete_module=106, kexec_load=104, kexec_file_load=294, swapon=224, swapoff=225,
-        reboot=142, acct=89, syslog=116, clone=220, clone3=435), None),
+        reboot=142, acct=89, syslog=116, pidfd_getfd=438, kcmp=272, process_madvise=440,
+        clone=220, clone3=435), None),
 }
 
 
@@ -91,11 +96,23 @@ def program(machine: str | None = None) -> list[tuple[int, int, int, int]]:
 
 
 def supported() -> bool:
-    """Whether this machine's architecture is known and its kernel has seccomp filters."""
+    """Whether the filter installs here: the architecture is known and a forked child
+    (with ``no_new_privs``, as a call has) installs it (a kernel without filters, or an
+    outer profile that refuses ``PR_SET_SECCOMP``, says no)."""
     if _machine() not in _TABLES:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0) >= 0
+    if libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0) < 0:
+        return False
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            os._exit(0 if install() else 1)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def install() -> bool:

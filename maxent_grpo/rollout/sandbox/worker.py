@@ -122,6 +122,7 @@ def main() -> None:
             errors[name] = f"{type(err).__name__}: {err}"
     root = os.geteuid() == 0
     fatal = _unmapped(config["uid_base"]) if root else None
+    config["syscall_filter"] = CALL.SECCOMP.supported()  # tried once, in a child
     try:  # the parent of the working folders of calls without a private /tmp
         config["base"] = tempfile.mkdtemp(prefix="maxent-sandbox-", dir=config["tmp_root"])
         os.chmod(config["base"], 0o711)  # the calls' uids pass, but cannot rename or list
@@ -240,7 +241,7 @@ def spare(sock: socket.socket, config: dict) -> None:
     if uid is not None:
         os.chown(workdir, uid, uid)
     guard["nproc_limit"] = uid is not None or guard["user_namespace"]
-    guard["syscall_filter"] = CALL.SECCOMP.supported()
+    guard["syscall_filter"] = config["syscall_filter"]
     pipes = {name: os.pipe() for name in ("request", "out", "result", "status")}
     init = CALL.start(config, uid, workdir, guard, pipes)  # C and D, ready for the request
     os.close(pipes["request"][0])
