@@ -111,8 +111,9 @@ def test_a_synchronous_fit_on_the_server_equals_the_colocated_fit(twin):
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_new_weights_reach_the_server_with_their_version(server, cache):
-    engine = engine_on(server, cache, probe_tolerance=1e-4)
+def new_weights_land(engine, server) -> None:
+    """Change the policy's weights: the server differs from it until a sync, then holds
+    exactly them (the probe within 1e-4) under the new version."""
     with torch.no_grad():
         for p in engine.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -122,6 +123,11 @@ def test_new_weights_reach_the_server_with_their_version(server, cache):
     engine._check_probe()
     held = httpx.get(server.url + "/weight_info").json()["weight_version"]
     assert held == str(engine.version) and engine.sync_bytes > 0
+
+
+def test_new_weights_reach_the_server_with_their_version(server, cache):
+    engine = engine_on(server, cache, probe_tolerance=1e-4)
+    new_weights_land(engine, server)
     engine.close()
 
 

@@ -27,6 +27,7 @@ from tests.vllm_engine.test_vllm_server import (  # noqa: E402
     PROMPTS,
     cache,  # noqa: F401 - the module's model folder
     engine_on,
+    new_weights_land,
 )
 
 
@@ -42,15 +43,7 @@ def test_weights_broadcast_over_gloo_reach_the_server_with_their_version(server,
     engine = engine_on(server, cache, weight_transfer="gloo", probe_tolerance=1e-4)
     assert engine._folder is None  # no file was written
     for _ in range(2):  # the second update goes over the same group
-        with torch.no_grad():
-            for p in engine.model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        with pytest.raises(ServerError, match="probe log-probabilities"):
-            engine._check_probe()  # the server still holds the old weights
-        engine.sync(engine.model)
-        engine._check_probe()
-        held = httpx.get(server.url + "/weight_info").json()["weight_version"]
-        assert held == str(engine.version)
+        new_weights_land(engine, server)
     size = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
     assert engine.sync_bytes == size
     out = engine.generate(PROMPTS, [None, None], 2)
