@@ -7,6 +7,7 @@ module, on a free localhost port, stopped however the tests end.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -20,6 +21,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 
 from maxent_grpo.models import resolve_model_path  # noqa: E402
 from maxent_grpo.rollout.vllm_server import ServerError  # noqa: E402
+from tests.conftest import fit, make_data, make_module  # noqa: E402
 from tests.vllm_engine.servers import running  # noqa: E402
 from tests.vllm_engine.test_vllm_server import (  # noqa: E402
     KEY,
@@ -103,6 +105,27 @@ def test_a_broadcast_cut_short_leaves_no_half_layer_behind(server, cache):  # no
     engine.sync(engine.model)
     engine._check_probe()
     engine.close()
+
+
+def test_an_asynchronous_fit_sends_its_weights_over_gloo(server, cache, tmp_path):  # noqa: F811
+    """A whole fit, one step behind, with the weights broadcast after every step while the
+    next rollout waits (the rollout thread asks the server for its version meanwhile)."""
+    from maxent_grpo.rollout.vllm_server import VLLMServerEngine as Engine
+
+    module = make_module(
+        cache, model_name_or_path=MODEL, max_completion_length=8, max_staleness=1,
+        sampler_correction="token_tis",
+        engine=functools.partial(Engine, urls=[server.url], api_key=KEY,
+                                 weight_transfer="gloo"),
+        rewards={"tests.conftest:alternating": 1.0})
+    trainer = fit(module, make_data(cache, tokenizer=MODEL), steps=3, tmp_path=tmp_path)
+    assert trainer.global_step == 3
+    logged = trainer.callback_metrics
+    assert float(logged["train/rollout/staleness"]) == 1.0
+    assert float(logged["train/perf/sync_bytes"]) > 0
+    # a new engine starts at version 1: sent at the start and after steps 1 and 2
+    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "3"
+    assert module._engine is None
 
 
 def test_a_file_engine_on_a_gloo_server_names_the_backend(server, cache):  # noqa: F811
