@@ -56,9 +56,11 @@ test-vllm-all: setup-vllm
 # CPU $(SERVER_CPUS) and the training to the others (unpinned, the two fight over 2 cores:
 # benchmarks/RESULTS.md §11), trains configs/tiny_vllm_server.yaml against it one step
 # behind, stops the server (docs/VLLM.md, "vLLM servers")
+# (WEIGHT_TRANSFER=gloo: the weights by broadcast instead of a file, docs/VLLM.md)
 SERVER_CPUS ?= 1
+WEIGHT_TRANSFER ?= file
 demo-vllm-server: setup-vllm
-	$(VLLM_PY) -m maxent_grpo.serve --model builtin:tiny-h64-warm --server-cpus $(SERVER_CPUS) -- fit --config configs/tiny_vllm_server.yaml
+	$(VLLM_PY) -m maxent_grpo.serve --model builtin:tiny-h64-warm --server-cpus $(SERVER_CPUS) --weight-transfer $(WEIGHT_TRANSFER) -- fit --config configs/tiny_vllm_server.yaml
 
 demo: setup
 	$(PY) -m maxent_grpo fit --config configs/tiny.yaml
