@@ -29,6 +29,7 @@ when it does not).
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -63,30 +64,31 @@ def check_transfer(kind: str, sender: bool) -> None:
 
 
 def address_towards(host: str, port: int = 9) -> str:
-    """This machine's address on the route to ``host`` (a UDP socket's local end after
+    """This machine's IPv4 address on the route to ``host`` (a UDP socket's local end after
     ``connect``, which sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return str(s.getsockname()[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError as err:
+        raise ValueError(f"VLLMServerEngine: no IPv4 route from this machine to {host!r} "
+                         f"({err}); the collective transfers meet over IPv4: set "
+                         "model.engine.init_args.transfer_address") from None
 
 
 def local_address(urls: list[str]) -> str:
-    """Where the servers reach this machine: ``127.0.0.1`` when every server is local,
-    else the address of the interface on the route to the first remote server (refused
-    when that is a loopback address: pass ``transfer_address``)."""
+    """Where the servers reach this machine: the address of the interface on the route to
+    the first server that is not on this machine, else ``127.0.0.1`` (every server local:
+    a loopback name or address, ``0.0.0.0``, or a name of this machine)."""
     from urllib.parse import urlsplit
 
-    from maxent_grpo.validation import require
-
-    hosts = [urlsplit(u).hostname or "" for u in urls]
-    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1")]
-    if not remote:
-        return "127.0.0.1"
-    address = address_towards(remote[0])
-    require(not address.startswith("127."), f"VLLMServerEngine: this machine's address "
-            f"towards {remote[0]} is {address}, a loopback address the servers cannot reach; "
-            "set model.engine.init_args.transfer_address to one they can")
-    return address
+    for host in (urlsplit(u).hostname or "127.0.0.1" for u in urls):
+        if host in ("localhost", "0.0.0.0") or host.startswith("127."):  # noqa: S104
+            continue
+        address = address_towards(host)
+        if not address.startswith("127."):  # a loopback route: the host is this machine
+            return address
+    return "127.0.0.1"
 
 
 def free_port() -> int:
@@ -109,8 +111,10 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, seconds: flo
                           wait_for_workers=False)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(
-        hostname=address_towards(address, port))]
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, as torch's
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+                        if interface else dist.ProcessGroupGloo.create_device(
+                            hostname=address_towards(address, port))]
     return dist.ProcessGroupGloo(dist.PrefixStore("maxent_gloo", store), rank, world_size,
                                  options)
 

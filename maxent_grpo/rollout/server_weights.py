@@ -125,7 +125,7 @@ class ServerWeights:
             return
         sender.shutdown()
         try:
-            self._call(server, "POST", "/shutdown_weight_transfer_engine", timeout=10.0)
+            self._call(server, "POST", "/shutdown_weight_transfer_engine", timeout=3.0)
         except ServerError:
             pass
 
@@ -145,6 +145,12 @@ class ServerWeights:
                         != server.version:  # restarted since: its workers left the group
                     self._leave(server)
                     sender = None
+                if sender is None and server.paused_by_failure:  # best effort: end the
+                    for route in ("/finish_weight_update", "/shutdown_weight_transfer_engine"):
+                        try:  # failed update and drop the old group, so the server can rejoin
+                            self._call(server, "POST", route, json={}, timeout=10.0)
+                        except ServerError:
+                            pass
                 if sender is None:
                     sender, _ = open_sender(self.weight_transfer, self, server, self._source,
                                             self._transfer_address, self._join_seconds)

@@ -6,6 +6,7 @@ this package's ``maxent_gloo`` backend does in a real server (``make test-vllm``
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -15,6 +16,7 @@ import torch
 from maxent_grpo.rollout.server_transfer import (
     TRANSFERS,
     WeightList,
+    address_towards,
     check_transfer,
     gloo_group,
     local_address,
@@ -124,4 +126,10 @@ def test_the_transfer_names_its_backend_and_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match="'nccl' broadcasts from rank 0's GPU"):
             check_transfer("nccl", sender=True)
     check_transfer("nccl", sender=False)  # other ranks send nothing
-    assert local_address(["http://127.0.0.1:8000", "http://localhost:8001"]) == "127.0.0.1"
+    # servers on this machine, however named (vLLM prints 0.0.0.0), meet on loopback
+    assert local_address(["http://127.0.0.1:8000", "http://localhost:8001",
+                          "http://0.0.0.0:8002"]) == "127.0.0.1"
+    here = local_address([f"http://{socket.gethostname()}:8000"])
+    assert here == "127.0.0.1" or not here.startswith("127.")
+    with pytest.raises(ValueError, match="no IPv4 route"):
+        address_towards("::1")
