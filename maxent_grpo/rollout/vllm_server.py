@@ -113,9 +113,9 @@ class VLLMServerEngine(ServerWeights):
             training environment) or ``"gloo"`` (broadcast over TCP from the CPU, servers
             started with ``maxent_gloo``).
         transfer_address: for ``nccl`` and ``gloo``, the address of rank 0's machine that
-            the servers reach (each server's group meets at a free port of it); None:
-            ``127.0.0.1`` when every URL is local, else this machine's address on the route
-            to the first server.
+            the servers reach (each server's group meets at a free port of it); None: this
+            machine's IPv4 address on the route to the first server on another machine
+            (``127.0.0.1`` when every server is on this one).
         request_timeout: seconds one generation request may take before it is sent again.
         retry_seconds: how long failing requests and unreachable servers are retried, with
             back-off, before the step fails.
