@@ -1,4 +1,5 @@
-"""A weight-transfer backend for ``vllm serve`` that moves weights through a file: the way
+"""Two weight-transfer backends for ``vllm serve``, ``maxent_file`` (the weights through a
+file) and ``maxent_gloo`` (by broadcast over TCP): the ways
 :class:`~maxent_grpo.rollout.vllm_server.VLLMServerEngine` updates a server on a machine
 without a GPU (vLLM's own backends, NCCL and CUDA IPC, need one).
 

@@ -83,7 +83,7 @@ def local_address(urls: list[str]) -> str:
     from urllib.parse import urlsplit
 
     for host in (urlsplit(u).hostname or "127.0.0.1" for u in urls):
-        if host in ("localhost", "0.0.0.0") or host.startswith("127."):  # noqa: S104
+        if host in ("localhost", "0.0.0.0", "::1") or host.startswith("127."):  # noqa: S104
             continue
         address = address_towards(host)
         if not address.startswith("127."):  # a loopback route: the host is this machine

@@ -18,10 +18,10 @@ complete before loading it. ``weight_transfer="nccl"`` broadcasts the tensors in
 through vLLM's own NCCL backend (GPU servers), and ``"gloo"`` through this package's
 ``maxent_gloo`` (CPU servers without a shared file system): :mod:`.server_transfer`.
 The server stays paused from before the transfer until it has
-finished, so it never samples from a mix of two versions; a transfer that fails is repeated
-whole, and one that keeps failing leaves that server paused and out of use (restart it: it
-may hold a half-loaded model), and the step fails with the server's message when no server
-holds the new weights.
+finished, so it never samples from a mix of two versions; a file transfer that fails is
+repeated whole (a collective one is not), and one that keeps failing leaves that server
+paused and out of use (restart it: it may hold a half-loaded model), and the step fails
+with the server's message when no server holds the new weights.
 
 At start the engine checks, for every server, that it answers (waiting ``connect_seconds``
 for one that is still starting; otherwise the error names the URL and the command that
@@ -34,7 +34,8 @@ comes back aborted is sent again, to another server when there is one, and with 
 once none is left, for at most ``retry_seconds`` after the first failure; then the step
 fails with an error naming the servers. Before every rollout the engine asks each server
 which weights it holds: one that came back after a restart (holding the weights it started
-with) gets the current weights before it is used again.
+with) is not used until it holds the current ones, which it gets at once from the weights
+file, or at the next sync with ``gloo`` and ``nccl``.
 
 Security. The update routes change what the server computes, and vLLM's ``--api-key``
 guards only the ``/v1`` routes (not ``/pause``, the weight routes or ``/collective_rpc``):
