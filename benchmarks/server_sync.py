@@ -65,11 +65,11 @@ def measure(model: str, transfer: str, syncs: int) -> dict:
 
     from maxent_grpo.models import load_policy, load_tokenizer, resolve_model_path
     from maxent_grpo.rollout import SamplingSettings
+    from maxent_grpo.rollout.server_transfer import free_port
     from maxent_grpo.rollout.vllm_server import VLLMServerEngine
-    from maxent_grpo.serve import _free_port
 
     folder = resolve_model_path(model, None)
-    port, key = _free_port(), "bench-key"
+    port, key = free_port(), "bench-key"
     log = Path(tempfile.mkdtemp(prefix="server_sync_")) / "server.log"
     proc = start_server(folder, transfer, port, key, log)
     try:

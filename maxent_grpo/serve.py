@@ -20,18 +20,11 @@ import argparse
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -68,6 +61,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float) -
 
 def main(argv: list[str] | None = None) -> int:
     from maxent_grpo.models import resolve_model_path
+    from maxent_grpo.rollout.server_transfer import free_port
     from maxent_grpo.rollout.vllm_server import server_args
 
     argv = sys.argv[1:] if argv is None else argv
@@ -101,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (a scheduler's stop, `kill`) stops the server too, as Ctrl-C does
     signal.signal(signal.SIGTERM, _interrupt)
     folder = resolve_model_path(args.model, args.model_cache_dir)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     key = os.environ.get("VLLM_API_KEY") or secrets.token_hex(16)
     work = Path(tempfile.mkdtemp(prefix="maxent_grpo_serve_"))

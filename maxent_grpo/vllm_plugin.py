@@ -165,8 +165,6 @@ def _engine_class():
         group = None
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-            import torch
-
             from maxent_grpo.rollout.server_transfer import gloo_group
 
             parallel = self.parallel_config  # this worker's place, as vLLM's NCCL backend
@@ -174,12 +172,12 @@ def _engine_class():
                     + init_info.rank_offset)
             self.group = gloo_group(init_info.master_address, init_info.master_port, rank,
                                     init_info.world_size, init_info.timeout_seconds)
-            self._torch = torch
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            import torch
+
             if self.group is None:
                 raise RuntimeError("maxent_gloo: /init_weight_transfer_engine first")
-            torch = self._torch
             expected = {n for n, _ in self.model.named_parameters()}
             loaded: set[str] | None = set()
             try:

@@ -45,13 +45,16 @@ __all__ = ["GlooSender", "HTTPControl", "TRANSFERS", "WeightList", "address_towa
 TRANSFERS = {"file": "maxent_file", "gloo": "maxent_gloo", "nccl": "nccl"}
 
 
-def check_transfer(kind: str, sender: bool) -> None:
-    """The engine's ``weight_transfer``; for ``nccl`` on the sending rank, a GPU and vLLM's
-    trainer side."""
+def check_transfer(kind: str, address: str | None, sender: bool) -> None:
+    """The engine's ``weight_transfer`` and ``transfer_address``; for ``nccl`` on the
+    sending rank, a GPU and vLLM's trainer side."""
     from maxent_grpo.validation import require
 
     require(kind in TRANSFERS, f"VLLMServerEngine.weight_transfer must be one of "
             f"{sorted(TRANSFERS)}; got {kind!r}")
+    require(address is None or (isinstance(address, str) and address.strip() != ""),
+            f"VLLMServerEngine.transfer_address must be a host name or address (or None: "
+            f"found on the route to the servers); got {address!r}")
     if kind == "nccl" and sender:
         require(torch.cuda.is_available(), "VLLMServerEngine.weight_transfer 'nccl' broadcasts "
                 "from rank 0's GPU and this process has none: use 'gloo' or 'file'")

@@ -117,17 +117,19 @@ class ServerWeights:
         except ServerError:
             return False
 
-    def _leave(self, server: _Server) -> None:
-        """Drop ``server``'s collective group on both sides (best effort: the server may be
-        gone), so that a new one can form without the old one's buffers."""
+    def _leave(self, server: _Server, routes: tuple[str, ...] = (
+            "/shutdown_weight_transfer_engine",), timeout: float = 3.0) -> None:
+        """Drop ``server``'s collective group on both sides, so that a new one can form
+        without the old one's buffers: ours shut down, then ``routes`` asked of the server
+        (best effort: it may be gone)."""
         sender, server.sender = server.sender, None
-        if sender is None:
-            return
-        sender.shutdown()
-        try:
-            self._call(server, "POST", "/shutdown_weight_transfer_engine", timeout=3.0)
-        except ServerError:
-            pass
+        if sender is not None:
+            sender.shutdown()
+        for route in routes:
+            try:
+                self._call(server, "POST", route, json={}, timeout=timeout)
+            except ServerError:
+                pass
 
     def _broadcast(self, server: _Server, version: str) -> None:
         """A collective transfer (``gloo``, ``nccl``; :mod:`.server_transfer`) to one server:
@@ -145,12 +147,9 @@ class ServerWeights:
                         != server.version:  # restarted since: its workers left the group
                     self._leave(server)
                     sender = None
-                if sender is None and server.paused_by_failure:  # best effort: end the
-                    for route in ("/finish_weight_update", "/shutdown_weight_transfer_engine"):
-                        try:  # failed update and drop the old group, so the server can rejoin
-                            self._call(server, "POST", route, json={}, timeout=10.0)
-                        except ServerError:
-                            pass
+                if sender is None and server.paused_by_failure:  # end its failed update too
+                    self._leave(server, ("/finish_weight_update",
+                                         "/shutdown_weight_transfer_engine"), 10.0)
                 if sender is None:
                     sender, _ = open_sender(self.weight_transfer, self, server, self._source,
                                             self._transfer_address, self._join_seconds)

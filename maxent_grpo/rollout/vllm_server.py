@@ -166,7 +166,6 @@ class VLLMServerEngine(ServerWeights):
         require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
                 f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
                 f"got {max_parallel_requests!r}")
-        check_transfer(weight_transfer, sender=_rank() == 0)
         extra = check_policy_for_vllm("VLLMServerEngine", model, tokenizer, stop_token_ids)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
@@ -192,14 +191,17 @@ class VLLMServerEngine(ServerWeights):
         self._last_weights: list[tuple[str, torch.Tensor]] | None = None
         self._transfer_dir = transfer_dir
         self.weight_transfer = weight_transfer
-        self._transfer_address = transfer_address or (
-            local_address(urls) if weight_transfer != "file" and _rank() == 0 else None)
+        self._transfer_address = transfer_address
         self._join_seconds = max(15.0, float(connect_seconds))
-        self._source = WeightList(source_device(weight_transfer) if _rank() == 0
-                                  and weight_transfer != "file" else torch.device("cpu"))
+        self._source = WeightList(torch.device("cpu"))
         self.model_name = ""
         error = None
         try:  # every rank checks; all fail together, so none waits in a collective
+            sender = _rank() == 0  # only rank 0 needs a GPU for nccl and an address
+            check_transfer(weight_transfer, transfer_address, sender)
+            if sender and weight_transfer != "file":
+                self._transfer_address = transfer_address or local_address(urls)
+                self._source = WeightList(source_device(weight_transfer))
             for server in self.servers:
                 self._wait_until_up(server, float(connect_seconds))
                 self.model_name = self._check_server(server)
@@ -425,7 +427,8 @@ class VLLMServerEngine(ServerWeights):
         """Close the connections and remove the weights file; a request still pending in
         another thread is not sent again."""
         for server in self.servers:
-            self._leave(server)
+            if server.sender is not None:  # a collective transfer's group
+                self._leave(server)
         self._closed = True
         self._http.close()
         if self._folder is not None:
@@ -438,4 +441,3 @@ class VLLMServerEngine(ServerWeights):
                 shutil.rmtree(self._folder, ignore_errors=True)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-

@@ -121,11 +121,13 @@ def test_the_transfer_names_its_backend_and_refuses_what_it_cannot_do():
     line = " ".join(server_args("FOLDER", 8000, transfer="gloo"))
     assert '--weight-transfer-config {"backend": "maxent_gloo"}' in line
     with pytest.raises(ValueError, match="weight_transfer must be one of"):
-        check_transfer("shm", sender=True)
+        check_transfer("shm", None, sender=True)
+    with pytest.raises(ValueError, match="transfer_address must be a host name"):
+        check_transfer("gloo", " ", sender=True)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'nccl' broadcasts from rank 0's GPU"):
-            check_transfer("nccl", sender=True)
-    check_transfer("nccl", sender=False)  # other ranks send nothing
+            check_transfer("nccl", None, sender=True)
+    check_transfer("nccl", "10.0.0.1", sender=False)  # other ranks send nothing
     # servers on this machine, however named (vLLM prints 0.0.0.0), meet on loopback
     assert local_address(["http://127.0.0.1:8000", "http://localhost:8001",
                           "http://0.0.0.0:8002"]) == "127.0.0.1"
@@ -133,3 +135,25 @@ def test_the_transfer_names_its_backend_and_refuses_what_it_cannot_do():
     assert here == "127.0.0.1" or not here.startswith("127.")
     with pytest.raises(ValueError, match="no IPv4 route"):
         address_towards("::1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_an_engine_refused_for_its_transfer_fails_through_the_shared_check(cache_dir,
+                                                                           monkeypatch):
+    """The transfer's checks run inside the start-up checks every rank agrees on (so a
+    refusal on rank 0 alone cannot leave the other ranks waiting in a collective), and
+    before any server is waited for."""
+    from maxent_grpo.models import load_policy, load_tokenizer
+    from maxent_grpo.rollout import SamplingSettings, vllm_server
+
+    policy = load_policy("builtin:tiny", cache_dir=cache_dir)
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=cache_dir)
+    seen: list[bool] = []
+    real = vllm_server._all_ok
+    monkeypatch.setattr(vllm_server, "_all_ok", lambda ok, *a: (seen.append(ok), real(ok, *a)))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="'nccl' broadcasts from rank 0's GPU"):
+        vllm_server.VLLMServerEngine(policy, tokenizer, SamplingSettings(max_new_tokens=2),
+                                     urls=["http://127.0.0.1:9"], weight_transfer="nccl",
+                                     connect_seconds=60.0)
+    assert time.monotonic() - start < 10.0 and seen == [False]

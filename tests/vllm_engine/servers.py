@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from maxent_grpo.rollout.server_transfer import free_port
 from maxent_grpo.rollout.vllm_server import server_args
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Server", "free_port", "running"]
 
 
 class Server:
