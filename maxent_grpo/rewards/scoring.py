@@ -209,15 +209,16 @@ class WeightedRewards:
         rewards: ``model.rewards``.
         max_completion_length: the trainer's ``T_max``, what the ``overlong`` reward
             measures against (None: that reward is refused at its first call).
-        device: where reward models run, or a function returning it when they load (the
-            module's device, known only once the trainer has placed it); None: the CPU.
+        device: where reward models run (None: the CPU); the step's device replaces it at
+            each :meth:`score_rollout`, as the trainer places the module only after building
+            it.
 
     >>> WeightedRewards({"format": 1.0, "tag_count": {"weight": 0.5, "timeout": 2}}).weights
     [1.0, 0.5]
     """
 
     def __init__(self, rewards: Mapping[str, Any], max_completion_length: int | None = None,
-                 device: torch.device | Callable[[], torch.device] | None = None) -> None:
+                 device: torch.device | None = None) -> None:
         self.options: list[RewardOptions] = parse_reward_options(rewards)
         self.names = [o.name for o in self.options]
         self.weights = [o.weight for o in self.options]
@@ -251,8 +252,7 @@ class WeightedRewards:
 
     def device(self) -> torch.device:
         """Where reward models run (the CPU unless given)."""
-        device = self._device() if callable(self._device) else self._device
-        return device if isinstance(device, torch.device) else torch.device("cpu")
+        return torch.device("cpu") if self._device is None else torch.device(self._device)
 
     def __call__(
         self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int,
@@ -283,26 +283,18 @@ class WeightedRewards:
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],
-        trainer_state: TrainerState | None = None,
+        trainer_state: TrainerState | None = None, device: torch.device | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total (B*G,), components (K, B*G))`` of one rollout of ``B`` prompts, as
-        training and evaluation score it: each dataset prompt (``raw_prompts``: a string or
-        chat messages, as the dataset gave it) repeated once per completion of its group, the
-        completions as :meth:`RolloutOutput.reward_completions` gives them (a multi-turn
-        rollout's messages, with its per-completion columns), and the rollout's ids and
-        model mask."""
-        generation = rollout.batch
-        pairs = generation.flatten()
-        pairs.prompts = [raw for raw, group in zip(raw_prompts, generation.grouped_completions,
-                                                   strict=True) for _ in group]
-        pairs.completions = rollout.reward_completions()
-        G = len(generation.grouped_completions[0]) if generation.grouped_completions else 0
-        if any(len(group) != G for group in generation.grouped_completions):
-            raise ValueError("score_rollout needs groups of equal size (G completions per "
-                             "prompt); got sizes "
-                             f"{sorted({len(g) for g in generation.grouped_completions})}")
-        return self(pairs, columns, G, rollout.completion_ids, rollout.model_mask,
-                    pairs.reward_columns(), trainer_state)
+        training and evaluation score it: the rollout's :meth:`~RolloutOutput.pairs` with
+        each dataset prompt (``raw_prompts``: a string or chat messages, as the dataset gave
+        it), its per-completion columns, and its ids and model mask. ``device`` is where
+        the step runs: reward models run there from now on (None: unchanged)."""
+        if device is not None:
+            self._device = device
+        pairs = rollout.pairs(raw_prompts)
+        return self(pairs, columns, rollout.group_size, rollout.completion_ids,
+                    rollout.model_mask, pairs.reward_columns(), trainer_state)
 
 
 class _Overlong:

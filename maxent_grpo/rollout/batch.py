@@ -161,18 +161,27 @@ class GenerationBatch:
         """Total number of completions over all groups (B*G when groups are even)."""
         return sum(len(group) for group in self.grouped_completions)
 
-    def flatten(self) -> PromptCompletionBatch:
-        """Prompt-major flat pairs: each prompt repeated once per completion of its group;
-        ``metadata`` is the flattened ``grouped_completion_info`` (None if absent)."""
-        prompts = [
-            prompt
-            for prompt, group in zip(self.prompts, self.grouped_completions, strict=True)
-            for _ in group
-        ]
-        completions = [c for group in self.grouped_completions for c in group]
+    def flatten(self, prompts: Sequence[Any] | None = None,
+                completions: Sequence[Any] | None = None) -> PromptCompletionBatch:
+        """Prompt-major flat pairs: each group's prompt repeated once per completion of the
+        group; ``metadata`` is the flattened ``grouped_completion_info`` (None if absent).
+
+        ``prompts`` (one per group) replaces :attr:`prompts` as what each row carries (the
+        dataset's own prompt, a string or chat messages); ``completions`` (one per row)
+        replaces the texts (a multi-turn rollout's messages)."""
+        if prompts is None:
+            prompts = self.prompts
+        elif len(prompts) != len(self.prompts):
+            raise ValueError(f"prompts must have one entry per prompt of the batch "
+                             f"({len(self.prompts)}); got {len(prompts)}")
+        rows = [prompt for prompt, group in zip(prompts, self.grouped_completions, strict=True)
+                for _ in group]
+        if completions is None:
+            completions = [c for group in self.grouped_completions for c in group]
         info = self.grouped_completion_info
         metadata = None if info is None else [i for group in info for i in group]
-        return PromptCompletionBatch(prompts=prompts, completions=completions, metadata=metadata)
+        return PromptCompletionBatch(prompts=rows, completions=list(completions),
+                                     metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -294,6 +303,10 @@ class RolloutOutput:
 
     def __post_init__(self) -> None:
         rows = self.batch.num_completions
+        sizes = {len(group) for group in self.batch.grouped_completions}
+        if len(sizes) > 1:
+            raise ValueError(f"a rollout has G completions for every prompt; got group sizes "
+                             f"{sorted(sizes)}")
         checks = {
             "prompt_ids": (self.prompt_ids, 2),
             "prompt_mask": (self.prompt_mask, 2),
@@ -380,13 +393,31 @@ class RolloutOutput:
                    tools=None if tools is None else ToolUsage(**tools),
                    **{name: state[name] for name in cls.TENSORS})
 
+    @property
+    def group_size(self) -> int:
+        """``G``, the completions of every prompt (0 for an empty rollout)."""
+        groups = self.batch.grouped_completions
+        return len(groups[0]) if groups else 0
+
+    @property
+    def texts(self) -> list[str]:
+        """The ``B*G`` decoded completions, prompt-major (row ``b*G + g``)."""
+        return [c for group in self.batch.grouped_completions for c in group]
+
     def reward_completions(self) -> list[Any]:
         """The ``B*G`` completions as the reward functions get them, prompt-major: the texts,
         or, for a multi-turn rollout, each exchange's messages (so a reward reads the
         model's last turn as the last message's content)."""
         if self.tools is not None:
             return list(self.tools.messages)
-        return [c for group in self.batch.grouped_completions for c in group]
+        return self.texts
+
+    def pairs(self, prompts: Sequence[Any] | None = None) -> PromptCompletionBatch:
+        """The rollout as the reward functions score it: each prompt (``prompts``: the
+        dataset's, one per group, a string or chat messages; default: the rendered ones)
+        once per completion, the completions as :meth:`reward_completions` gives them, and
+        the per-completion keyword columns as ``metadata``."""
+        return self.batch.flatten(prompts, self.reward_completions())
 
 
 def check_request(

@@ -28,7 +28,6 @@ call back into the module. The rollout engine is built once per run and synced
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Literal
 
@@ -216,9 +215,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
         check_staleness(max_staleness, sampler_correction, environment)
-        self.rewards = WeightedRewards(  # reward models load on the module's device
-            {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length,
-            device=functools.partial(getattr, self, "device"))  # picklable, unlike a lambda
+        self.rewards = WeightedRewards(  # reward models run on the step's device
+            {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length)
         self.loop = build_loop_settings(options, self.rewards.names)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
         # saving it twice makes Lightning refuse differing values in plain-Trainer use

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import maxent_grpo.training.types as training_types
+from maxent_grpo.rollout import RolloutOutput
+from maxent_grpo.rollout.batch import ToolUsage
 from maxent_grpo.training.types import (
     AdvantageStats,
     BatchingSettings,
@@ -491,3 +493,47 @@ def test_loop_settings_take_each_controller_without_being_mutated() -> None:
     assert both.controller == ControllerPaths("state.json", "old.json", True)
     assert both.controller_objective is objective and both.controller_meta_manager is meta
     assert first.controller_meta_manager is None
+
+
+def _rollout(batch: GenerationBatch, tools: ToolUsage | None = None) -> RolloutOutput:
+    rows = batch.num_completions
+    ones = torch.ones(rows, 2, dtype=torch.bool)
+    return RolloutOutput(batch=batch, prompt_ids=torch.ones(rows, 2, dtype=torch.long),
+                         prompt_mask=ones, completion_ids=torch.ones(rows, 2, dtype=torch.long),
+                         completion_mask=ones, truncated=torch.zeros(rows, dtype=torch.bool),
+                         generate_seconds=0.0, tools=tools)
+
+
+def test_the_rollout_record_gives_its_group_size_texts_and_reward_pairs_once() -> None:
+    info = [{"tool_calls": i} for i in range(6)]
+    batch = GenerationBatch.of_rows(["p0", "p1"], ["a0", "a1"],
+                                    ["c00", "c01", "c02", "c10", "c11", "c12"], info=info)
+    rollout = _rollout(batch)
+    assert rollout.group_size == 3
+    assert rollout.texts == ["c00", "c01", "c02", "c10", "c11", "c12"]
+    raw = [[{"role": "user", "content": "q0"}], "q1"]  # the dataset's prompts, any form
+    pairs = rollout.pairs(raw)
+    assert pairs.prompts == [raw[0]] * 3 + ["q1"] * 3
+    assert pairs.completions == rollout.texts and pairs.metadata == info
+    assert rollout.pairs().prompts == ["p0"] * 3 + ["p1"] * 3  # the rendered ones
+    with pytest.raises(ValueError, match="one entry per prompt of the batch"):
+        rollout.pairs(["only one"])
+    # a multi-turn rollout's rewards read its messages, the texts stay the decoded rows
+    messages = [[{"role": "assistant", "content": f"m{i}"}] for i in range(6)]
+    zeros = torch.zeros(6, dtype=torch.long)
+    tools = ToolUsage(messages=messages, turns=zeros, calls=zeros, failures={})
+    turns = _rollout(batch, tools)
+    assert turns.pairs(raw).completions == messages and turns.texts == rollout.texts
+    with pytest.raises(ValueError, match="G completions for every prompt"):
+        _rollout(GenerationBatch(["p0", "p1"], ["a", "a"], [["x"], ["y", "z"]], None))
+
+
+def test_score_rollout_runs_reward_models_on_the_steps_device() -> None:
+    from maxent_grpo.rewards import WeightedRewards
+
+    rewards = WeightedRewards({"format": 1.0})
+    assert rewards.device() == torch.device("cpu")
+    batch = GenerationBatch.of_rows(["p"], ["a"], ["<think>x</think><answer>1</answer>", "y"])
+    total, parts = rewards.score_rollout(_rollout(batch), ["p"], {}, device=torch.device("meta"))
+    assert total.shape == (2,) and parts.shape == (1, 2) and total[0] > total[1]
+    assert rewards.device() == torch.device("meta")  # what a reward model asks at its call

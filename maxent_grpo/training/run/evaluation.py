@@ -181,7 +181,7 @@ class Evaluator(torch.nn.Module):
                       if self.settings.greedy and greedy_sampling is not None else None)
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
         total, components = self.rewards.score_rollout(
-            rollout, batch["raw_prompts"], batch["columns"], trainer_state)
+            rollout, batch["raw_prompts"], batch["columns"], trainer_state, device)
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))
         correct = self._correct(components[self.settings.reward_index], completions)
@@ -189,7 +189,7 @@ class Evaluator(torch.nn.Module):
         if greedy is not None:
             texts = greedy.reward_completions()
             _, greedy_components = self.rewards.score_rollout(
-                greedy, batch["raw_prompts"], batch["columns"], trainer_state)
+                greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
         columns = batch["columns"]
         rows = []

@@ -145,7 +145,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
         timer.start()
         total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G)
-            out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state)
+            out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device)
         timer.stop("reward")
         return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
 
@@ -162,7 +162,6 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
     forms = batch["columns"].get("answer_form") or [None] * B
     keys = [answer_key(c, forms[i // G]) for i, c in enumerate(rollout.reward_completions())]
-    texts = [c for group in rollout.batch.grouped_completions for c in group]
 
     # the groups that take part; a rank that keeps none scores its first group at weight 0
     keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
@@ -206,7 +205,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
     candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
     answers = answer_classes(
-        [k if k is not None else ("", c) for k, c in zip(keys, texts, strict=True)],
+        [k if k is not None else ("", c) for k, c in zip(keys, rollout.texts, strict=True)],
         G).to(rewards.device)  # (B, G)
     inputs = GroupInputs(rewards, lengths, T_max, kept_rows(rho, keep), candidates, answers,
                          kept_rows(seq_logps, keep))
