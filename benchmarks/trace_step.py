@@ -40,6 +40,8 @@ def trace(config: str = "configs/tiny.yaml", steps: tuple[int, ...] = TRACED_STE
     def profile(frame, event, arg):  # noqa: ARG001 (sys.setprofile's signature)
         if event == "call":
             name = frame.f_code.co_filename
+            if not os.path.isabs(name):  # made by exec (a dataclass's __init__): its module's
+                name = frame.f_globals.get("__file__") or name
             if name.startswith(imported + os.sep) or name.startswith(real + os.sep):
                 calls["maxent_grpo/" + os.path.relpath(os.path.realpath(name), real)] += 1
 

@@ -7,7 +7,7 @@ Every model goes through one code path::
 ``resolve_model_path`` accepts three kinds of names:
 
 - a **built-in** name, ``"builtin:<name>"``
-  (:data:`maxent_grpo.builtin.models.BUILTIN_MODELS`), materialised on first use into
+  (:data:`maxent_grpo.builtin.catalog.BUILTIN_MODELS`), materialised on first use into
   ``<cache_dir>/<name>-v<version>`` (default ``~/.cache/maxent_grpo/models``); it is built
   in a temporary sibling and renamed into place under a lock file, so neither an
   interrupted conversion nor concurrent first calls leave a half-written model.
@@ -55,7 +55,7 @@ from transformers import (
 )
 
 from maxent_grpo.adapters import PeftConfig, adapter_base, apply_peft, merge_adapter
-from maxent_grpo.builtin.models import is_builtin, materialise
+from maxent_grpo.builtin.catalog import is_builtin, materialise
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ def test_the_python_api_example_trains_with_the_cli_progress_display(
 ):
     monkeypatch.chdir(tmp_path)  # nothing is written: no logger, no checkpoints
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("maxent_grpo.builtin.models.DEFAULT_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr("maxent_grpo.builtin.catalog.DEFAULT_CACHE_DIR", str(tmp_path / "models"))
     namespace: dict = {}
     exec(compile(api_example(), "docs/TRAINING.md", "exec"), namespace)
     trainer = namespace["trainer"]

@@ -20,7 +20,7 @@ import yaml
 
 import maxent_grpo.cli.parser as cli_module
 from maxent_grpo import objectives
-from maxent_grpo.builtin.models import BUILTIN_MODELS, DEFAULT_CACHE_DIR
+from maxent_grpo.builtin.catalog import BUILTIN_MODELS, DEFAULT_CACHE_DIR
 from maxent_grpo.cli import help as cli_help
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule

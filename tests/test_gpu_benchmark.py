@@ -100,7 +100,7 @@ def test_gpu_step_can_compare_the_fused_head_with_the_logits_path() -> None:
 def test_ours_engine_factory_keeps_the_last_engine() -> None:
     import _ours
 
-    from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
+    from maxent_grpo.builtin.catalog import builtin_tiny_model_and_tokenizer
     from maxent_grpo.rollout import SamplingSettings
 
     model, tokenizer = builtin_tiny_model_and_tokenizer()

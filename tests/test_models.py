@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from maxent_grpo import models
-from maxent_grpo.builtin import models as builtin_models
-from maxent_grpo.builtin.models import (
+from maxent_grpo.builtin import catalog as builtin_models
+from maxent_grpo.builtin.catalog import (
     build_tiny_tokenizer,
     builtin_tiny_model_and_tokenizer,
     is_builtin,

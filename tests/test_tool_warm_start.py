@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import maxent_grpo.builtin.tool_warm_start as warm
-from maxent_grpo.builtin.models import (
+from maxent_grpo.builtin.catalog import (
     WEIGHTS_TOOLS,
     build_tiny_model,
     build_tiny_tokenizer,
@@ -100,7 +100,7 @@ def test_the_python_warm_start_differs_only_in_the_call_and_the_message() -> Non
 def test_the_shipped_python_weights_are_the_builtin_and_call_python(tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from maxent_grpo.builtin.models import WEIGHTS_PYTHON
+    from maxent_grpo.builtin.catalog import WEIGHTS_PYTHON
 
     model = load_policy("builtin:tiny-python-warm", cache_dir=tmp_path)
     state = model.state_dict()

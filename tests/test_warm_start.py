@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import maxent_grpo.builtin.warm_start as warm
-from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
+from maxent_grpo.builtin.catalog import builtin_tiny_model_and_tokenizer
 
 
 def test_docstring_examples() -> None:

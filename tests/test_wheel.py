@@ -89,7 +89,7 @@ def test_the_installed_command_trains_the_packaged_demo_and_predicts(wheel, tmp_
     assert "predict" in run([command, "--help"], cwd=work).stdout
     assert "--model.num_generations" in run([command, "fit", "--help"], cwd=work).stdout
     # every built-in model that needs no extra package loads from the installed files
-    load = ("from maxent_grpo.builtin.models import BUILTIN_MODELS\n"
+    load = ("from maxent_grpo.builtin.catalog import BUILTIN_MODELS\n"
             "from maxent_grpo.models import load_policy\n"
             "for name in BUILTIN_MODELS:\n"
             "    if 'smollm2' not in name:\n"

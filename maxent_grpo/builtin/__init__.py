@@ -1,6 +1,6 @@
 """The built-in offline models and the warm starts that made their shipped weights.
 
-- :mod:`~maxent_grpo.builtin.models`: ``builtin:tiny`` and its variants, SmolLM2-135M from
+- :mod:`~maxent_grpo.builtin.catalog`: ``builtin:tiny`` and its variants, SmolLM2-135M from
   its GGUF file; written once into a cache folder on first use;
 - :mod:`~maxent_grpo.builtin.warm_start`: the answer-format warm start of
   ``builtin:tiny-warm`` (``python -m maxent_grpo.builtin.warm_start``);

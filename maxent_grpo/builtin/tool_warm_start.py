@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from maxent_grpo.builtin.models import (
+from maxent_grpo.builtin.catalog import (
     WEIGHTS_PYTHON,
     WEIGHTS_TOOLS,
     build_tiny_model,

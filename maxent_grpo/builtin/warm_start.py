@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from maxent_grpo.builtin.models import (
+from maxent_grpo.builtin.catalog import (
     WEIGHTS,
     WEIGHTS_H64,
     build_tiny_model,

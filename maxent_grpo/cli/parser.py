@@ -74,7 +74,8 @@ class MaxEntGRPOCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """``fit``, ``validate``, ``test`` and ``predict`` (which keeps no predictions in
-        memory: its :class:`~maxent_grpo.training.run.callbacks.CompletionWriter` writes them)."""
+        memory: its
+        :class:`~maxent_grpo.training.callbacks.module_own.CompletionWriter` writes them)."""
         commands = LightningCLI.subcommands()
         commands["predict"] = {*commands["predict"], "return_predictions"}
         return commands
@@ -117,7 +118,7 @@ class MaxEntGRPOCLI(LightningCLI):
             if not any(isinstance(cb, ProgressBar) for cb in [*callbacks, *defaults]):
                 kwargs["callbacks"] = [*callbacks, ReadableProgressBar()]
         if self.subcommand == "predict":  # the writer of --output, unless one is configured
-            from maxent_grpo.training.run.callbacks import CompletionWriter
+            from maxent_grpo.training.callbacks.module_own import CompletionWriter
 
             callbacks = kwargs.get("callbacks") or trainer_config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]

@@ -1,6 +1,6 @@
 """Reward functions, reward models and their registry.
 
-Every reward follows TRL's ``GRPOTrainer`` convention (:mod:`maxent_grpo.rewards.scoring`),
+Every reward follows TRL's ``GRPOTrainer`` convention (:mod:`maxent_grpo.rewards.combine`),
 ``fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]``,
 where ``None`` marks a row the reward does not apply to.
 
@@ -16,6 +16,13 @@ sequence-classification reward model (:class:`RewardModel`); per-reward options 
 
 from __future__ import annotations
 
+from maxent_grpo.rewards.combine import (
+    RewardFunctionError,
+    TrainerState,
+    WeightedRewards,
+    score_completions,
+    trl_completions,
+)
 from maxent_grpo.rewards.correctness import (
     accuracy_reward,
     countdown_reward,
@@ -27,14 +34,7 @@ from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
 from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
 from maxent_grpo.rewards.registry import REWARDS, get_reward, list_rewards, register_reward
 from maxent_grpo.rewards.reward_model import RewardModel
-from maxent_grpo.rewards.scoring import (
-    RewardFunctionError,
-    WeightedRewards,
-    score_completions,
-    trl_completions,
-)
 from maxent_grpo.rewards.shaping import answer_format_reward, format_reward, tag_count_reward
-from maxent_grpo.rewards.state import TrainerState
 from maxent_grpo.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [

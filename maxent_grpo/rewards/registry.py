@@ -1,6 +1,6 @@
 """The reward registry: names (as written in configs) to reward functions.
 
-A reward function (TRL's convention, :mod:`maxent_grpo.rewards.scoring`) returns one value
+A reward function (TRL's convention, :mod:`maxent_grpo.rewards.combine`) returns one value
 per completion, ``None`` meaning "does not apply to this row"; it takes the arguments it
 needs by name and must accept and ignore the rest through ``**kwargs``.
 """

@@ -79,7 +79,7 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     writes it (with ``tools=`` when given). ValueError for a template that rewrites earlier
     turns when a message is added.
 
-    >>> from maxent_grpo.builtin.models import build_tiny_tokenizer
+    >>> from maxent_grpo.builtin.catalog import build_tiny_tokenizer
     >>> message_segment(build_tiny_tokenizer(), [{"role": "tool", "content": "42"}])
     '\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
     """

@@ -39,9 +39,9 @@ from maxent_grpo.adapters import PeftConfig
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
+from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
 from maxent_grpo.training.option_groups import build_loop_settings
-from maxent_grpo.training.run.callbacks import CleanUp, CompletionWriter
 from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
@@ -357,7 +357,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def teardown(self, stage: str) -> None:
         """After ``fit``, ``validate`` or ``predict`` (a failed fit too, through
-        ``run/callbacks.py``'s ``CleanUp``): no rollout in flight, no controllers attached
+        ``callbacks/module_own.py``'s ``CleanUp``): no rollout in flight, no controllers attached
         after a fit, the tools' sandbox processes stopped (started again on the next call),
         a server engine closed (rebuilt if the module runs again)."""
         if self.pipeline is not None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from maxent_grpo.rewards import WeightedRewards, get_reward
-from maxent_grpo.rewards.scoring import RewardFunctionError
+from maxent_grpo.rewards.combine import RewardFunctionError
 from maxent_grpo.rollout import PromptCompletionBatch
 from maxent_grpo.training.module import MaxEntGRPOModule
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from maxent_grpo.builtin.models import build_tiny_tokenizer
+from maxent_grpo.builtin.catalog import build_tiny_tokenizer
 from maxent_grpo.rewards import RewardFunctionError, RewardModel, WeightedRewards
 from maxent_grpo.rollout import PromptCompletionBatch
 from tests.conftest import fit, make_data, make_module

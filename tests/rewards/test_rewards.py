@@ -29,9 +29,8 @@ REWARD_MODULES = [
     "maxent_grpo.rewards.parsing",
     "maxent_grpo.rewards.correctness",
     "maxent_grpo.rewards.shaping",
-    "maxent_grpo.rewards.scoring",
+    "maxent_grpo.rewards.combine",
     "maxent_grpo.rewards.options",
-    "maxent_grpo.rewards.state",
     "maxent_grpo.rewards.timeout",
 ]
 

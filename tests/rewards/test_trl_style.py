@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from maxent_grpo.builtin.models import build_tiny_tokenizer
+from maxent_grpo.builtin.catalog import build_tiny_tokenizer
 from maxent_grpo.rewards import TrainerState
 from tests.conftest import fit, make_data, make_module
 

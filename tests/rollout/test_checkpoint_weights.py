@@ -11,7 +11,7 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 
-from maxent_grpo.builtin.models import build_tiny_model
+from maxent_grpo.builtin.catalog import build_tiny_model
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 
 

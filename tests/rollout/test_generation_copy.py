@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
+from maxent_grpo.builtin.catalog import builtin_tiny_model_and_tokenizer
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings, hf
 from maxent_grpo.rollout import generation_copy as gcopy
 from tests.rollout.test_hf_engine import FixedLM, render

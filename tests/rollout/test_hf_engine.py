@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
+from maxent_grpo.builtin.catalog import builtin_tiny_model_and_tokenizer
 from maxent_grpo.rollout import (
     HFGenerateEngine,
     RolloutEngine,

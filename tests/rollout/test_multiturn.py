@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from maxent_grpo.builtin.models import build_tiny_model, build_tiny_tokenizer
+from maxent_grpo.builtin.catalog import build_tiny_model, build_tiny_tokenizer
 from maxent_grpo.rollout import GenerationBatch, HFGenerateEngine, RolloutOutput, SamplingSettings
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts
 from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory, message_segment

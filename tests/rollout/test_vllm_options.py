@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from maxent_grpo.builtin.models import build_tiny_model, build_tiny_tokenizer
+from maxent_grpo.builtin.catalog import build_tiny_model, build_tiny_tokenizer
 from maxent_grpo.rollout import SamplingSettings, VLLMEngine
 
 

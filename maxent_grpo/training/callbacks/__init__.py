@@ -1,4 +1,5 @@
-"""Lightning callbacks: the adaptive tau / beta controllers (docs/ALGORITHM.md §5) and HF export.
+"""Lightning callbacks: the adaptive tau / beta controllers (docs/ALGORITHM.md §5), HF export,
+the samples, the progress bar and the module's own.
 
 Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauController``:
 
@@ -12,7 +13,11 @@ Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauCo
 - :mod:`~maxent_grpo.training.callbacks.export`: :class:`HFExport`;
 - :mod:`~maxent_grpo.training.callbacks.samples`: :class:`CompletionSamples`, the step's
   samples through every logger;
-- :mod:`~maxent_grpo.training.callbacks.progress`: :class:`ReadableProgressBar`.
+- :mod:`~maxent_grpo.training.callbacks.progress`: :class:`ReadableProgressBar`, with
+  :mod:`~maxent_grpo.training.callbacks.run_report`, what it prints after a validation and
+  at the end of a fit;
+- :mod:`~maxent_grpo.training.callbacks.module_own`: the callbacks the module adds itself
+  (``CleanUp`` after a failed run, ``predict``'s ``CompletionWriter``).
 """
 
 from maxent_grpo.training.callbacks.base import Controller

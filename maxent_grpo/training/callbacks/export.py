@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from maxent_grpo.adapters import has_adapters, merged_copy, name_base
-from maxent_grpo.builtin.models import is_builtin
+from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy
 from maxent_grpo.validation import check_bool, check_int, require
 

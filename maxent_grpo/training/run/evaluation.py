@@ -42,7 +42,7 @@ from maxent_grpo.rollout import (
     SamplingSettings,
 )
 from maxent_grpo.training.settings import EvaluationSettings
-from maxent_grpo.training.step.metrics import RewardComponents, RewardMomentsMetric
+from maxent_grpo.training.step.metrics import RewardComponentsMetric, RewardMomentsMetric
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
@@ -161,7 +161,7 @@ class Evaluator(torch.nn.Module):
         self.rewards = rewards
         self.settings = settings
         self.reward = RewardMomentsMetric()
-        self.components = RewardComponents(rewards.names)
+        self.components = RewardComponentsMetric(rewards.names)
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from maxent_grpo.rewards.state import TrainerState
+from maxent_grpo.rewards.combine import TrainerState
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -108,7 +108,7 @@ class StepContext:
 
 def trainer_state(trainer: Any, num_iterations: int = 1) -> TrainerState:
     """The progress of a Lightning ``trainer`` as the reward functions get it
-    (:class:`~maxent_grpo.rewards.state.TrainerState`); ``TrainerState()`` (step 0, unknown
+    (:class:`~maxent_grpo.rewards.combine.TrainerState`); ``TrainerState()`` (step 0, unknown
     length) without one. ``num_iterations`` optimizer steps are taken per batch."""
     if trainer is None:
         return TrainerState()

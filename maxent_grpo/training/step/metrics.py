@@ -33,10 +33,10 @@ from maxent_grpo.core import constant_groups
 from maxent_grpo.training.types import RewardComponentStats, RewardMoments, TokenUsageStats
 
 __all__ = [
-    "RewardComponents",
+    "RewardComponentsMetric",
     "RewardMomentsMetric",
     "TokenMean",
-    "TokenUsage",
+    "TokenUsageMetric",
     "divide_or_nan",
     "mean_std_from_sums",
 ]
@@ -190,7 +190,7 @@ class RewardMomentsMetric(Metric):
         return RewardMoments(mean=float(values["mean"]), std=float(values["std"]))
 
 
-class RewardComponents(Metric):
+class RewardComponentsMetric(Metric):
     """Mean and std of each reward function's values, skipping "not applicable" entries.
 
     ``update(components)`` takes a (K, N) tensor: row k holds reward function ``names[k]``
@@ -259,7 +259,7 @@ class RewardComponents(Metric):
         }
 
 
-class TokenUsage(Metric):
+class TokenUsageMetric(Metric):
     """Prompt and completion token counts, completion lengths and the truncation rate.
 
     ``update(prompt_mask, completion_mask, truncated)`` takes bool masks (N, P) and (N, T)

@@ -24,10 +24,10 @@ from torchmetrics.aggregation import MaxMetric
 from maxent_grpo.core.advantages import answer_entropy
 from maxent_grpo.rollout.toolcall import FAILURE_KINDS
 from maxent_grpo.training.step.metrics import (
-    RewardComponents,
+    RewardComponentsMetric,
     RewardMomentsMetric,
     TokenMean,
-    TokenUsage,
+    TokenUsageMetric,
 )
 from maxent_grpo.training.types import (
     LoggingConfigView,
@@ -75,8 +75,8 @@ class StepMetrics(torch.nn.Module):
         self.reward_names = list(reward_names)
         self.evaluation = evaluation
         self.reward = RewardMomentsMetric()
-        self.components = RewardComponents(reward_names)
-        self.tokens = TokenUsage()
+        self.components = RewardComponentsMetric(reward_names)
+        self.tokens = TokenUsageMetric()
         self.means = torch.nn.ModuleDict()  # token-weighted means, created on first use
         self.maxima = torch.nn.ModuleDict()  # maxima, created on first use
         self._updated: set[tuple[str, str]] = set()  # ("mean" | "max", key) of this step

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from maxent_grpo.builtin.models import builtin_tiny_model_and_tokenizer
+from maxent_grpo.builtin.catalog import builtin_tiny_model_and_tokenizer
 from maxent_grpo.training.step.token_logps import Scorer, fused_head_parts
 from maxent_grpo.training.types import BatchingSettings
 from tests.conftest import fit, make_data, make_module, params

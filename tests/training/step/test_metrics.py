@@ -18,10 +18,10 @@ from torchmetrics import Metric
 
 from maxent_grpo.training import types
 from maxent_grpo.training.step.metrics import (
-    RewardComponents,
+    RewardComponentsMetric,
     RewardMomentsMetric,
     TokenMean,
-    TokenUsage,
+    TokenUsageMetric,
     divide_or_nan,
     mean_std_from_sums,
 )
@@ -249,7 +249,7 @@ def test_a_bf16_cast_before_any_data_keeps_float64_sums() -> None:
         mean.update(torch.tensor([3.0]))
 
 
-# --------------------------------------------------------------------------- RewardComponents
+# --------------------------------------------------------------------------- RewardComponentsMetric
 
 COMPONENTS = torch.tensor(
     [
@@ -260,7 +260,7 @@ COMPONENTS = torch.tensor(
 
 
 def test_reward_components_skip_nan_hand_values() -> None:
-    metric = RewardComponents(["accuracy", "format"])
+    metric = RewardComponentsMetric(["accuracy", "format"])
     metric.update(COMPONENTS)
     out = values_of(metric.compute())
     # accuracy 1, 0, 1: mean 2/3; deviations 1/3, -2/3, 1/3 -> (1/9 + 4/9 + 1/9) / 2 = 1/3
@@ -275,7 +275,7 @@ def test_reward_components_skip_nan_hand_values() -> None:
 
 
 def test_reward_components_summaries() -> None:
-    metric = RewardComponents(["accuracy", "format"])
+    metric = RewardComponentsMetric(["accuracy", "format"])
     metric.update(COMPONENTS)
     summaries = metric.summaries()
     assert list(summaries) == ["accuracy", "format"]
@@ -285,15 +285,15 @@ def test_reward_components_summaries() -> None:
 
 
 def test_reward_components_split_is_exact_not_average_of_averages() -> None:
-    whole = RewardComponents(["accuracy", "format"])
+    whole = RewardComponentsMetric(["accuracy", "format"])
     whole.update(COMPONENTS)
     part_a, part_b = COMPONENTS[:, :1], COMPONENTS[:, 1:]  # accuracy: [1] | [0, nan, 1]
-    rank0, rank1 = two_ranks(lambda **kw: RewardComponents(["accuracy", "format"], **kw))
+    rank0, rank1 = two_ranks(lambda **kw: RewardComponentsMetric(["accuracy", "format"], **kw))
     rank0.update(part_a)
     rank1.update(part_b)
     merged = values_of(rank0.compute())
     assert_same(merged, values_of(whole.compute()))
-    micro = RewardComponents(["accuracy", "format"])
+    micro = RewardComponentsMetric(["accuracy", "format"])
     micro.update(part_a)
     micro.update(part_b)
     assert_same(values_of(micro.compute()), merged)
@@ -302,7 +302,7 @@ def test_reward_components_split_is_exact_not_average_of_averages() -> None:
 
 
 def test_reward_components_all_nan_component_is_nan() -> None:
-    metric = RewardComponents(["accuracy", "format"])
+    metric = RewardComponentsMetric(["accuracy", "format"])
     metric.update(torch.tensor([[1.0, 3.0], [NAN, NAN]]))
     out = values_of(metric.compute())
     assert (out["accuracy/mean"], out["accuracy/std"]) == (2.0, pytest.approx(math.sqrt(2)))
@@ -315,7 +315,7 @@ def test_reward_components_all_nan_component_is_nan() -> None:
 )
 def test_reward_components_rejects_bad_names(names: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RewardComponents(names)
+        RewardComponentsMetric(names)
 
 
 @pytest.mark.parametrize(
@@ -329,10 +329,10 @@ def test_reward_components_rejects_bad_names(names: list[str], match: str) -> No
 )
 def test_reward_components_rejects_bad_input(components: torch.Tensor, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RewardComponents(["accuracy", "format"]).update(components)
+        RewardComponentsMetric(["accuracy", "format"]).update(components)
 
 
-# --------------------------------------------------------------------------------- TokenUsage
+# --------------------------------------------------------------------------------- TokenUsageMetric
 
 T, F = True, False
 PROMPT_MASK = torch.tensor([[F, T, T], [T, T, T], [F, F, T]])  # left-padded: 2 + 3 + 1 = 6
@@ -342,8 +342,8 @@ COMPLETION_MASK = torch.tensor(  # lengths 4, 1, 2 -> 7 tokens
 TRUNCATED = torch.tensor([T, F, F])
 
 
-def whole_token_usage() -> TokenUsage:
-    metric = TokenUsage()
+def whole_token_usage() -> TokenUsageMetric:
+    metric = TokenUsageMetric()
     metric.update(PROMPT_MASK, COMPLETION_MASK, TRUNCATED)
     return metric
 
@@ -369,7 +369,7 @@ def test_token_usage_summary_dataclass() -> None:
 
 
 def test_token_usage_split_is_exact_not_average_of_averages() -> None:
-    rank0, rank1 = two_ranks(TokenUsage)
+    rank0, rank1 = two_ranks(TokenUsageMetric)
     rank0.update(PROMPT_MASK[:1], COMPLETION_MASK[:1], TRUNCATED[:1])  # 1 row, length 4
     rank1.update(PROMPT_MASK[1:], COMPLETION_MASK[1:], TRUNCATED[1:])  # 2 rows, lengths 1, 2
     merged = values_of(rank0.compute())
@@ -379,7 +379,7 @@ def test_token_usage_split_is_exact_not_average_of_averages() -> None:
 
 
 def test_token_usage_empty() -> None:
-    metric = TokenUsage()
+    metric = TokenUsageMetric()
     metric.update(
         torch.zeros(0, 3, dtype=torch.bool),
         torch.zeros(0, 4, dtype=torch.bool),
@@ -410,7 +410,7 @@ def test_token_usage_empty() -> None:
 )
 def test_token_usage_rejects_bad_input(args: tuple[torch.Tensor, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        TokenUsage().update(*args)
+        TokenUsageMetric().update(*args)
 
 
 # ---------------------------------------------------------------------------------- TokenMean
@@ -485,8 +485,8 @@ def test_token_mean_rejects_bad_input(call: Callable[[TokenMean], None], match: 
     ("make", "higher_is_better"),
     [
         (RewardMomentsMetric, True),
-        (lambda: RewardComponents(["a"]), True),
-        (TokenUsage, None),
+        (lambda: RewardComponentsMetric(["a"]), True),
+        (TokenUsageMetric, None),
         (TokenMean, None),
     ],
 )

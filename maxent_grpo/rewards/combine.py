@@ -19,7 +19,7 @@ model's turns and the tool messages, the last always the model's, with the keywo
 ``completion_ids`` are each
 completion's sampled token ids without padding (stop token included; the model's own
 tokens only), ``trainer_state`` a
-:class:`~maxent_grpo.rewards.state.TrainerState`, and ``columns`` the dataset's other
+:class:`TrainerState`, and ``columns`` the dataset's other
 columns with one value per completion.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import compress
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,6 @@ import torch
 from maxent_grpo.rewards.options import OVERLONG, RewardOptions, parse_reward_options
 from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.rewards.reward_model import RewardModel
-from maxent_grpo.rewards.state import TrainerState
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.rollout.batch import PromptCompletionBatch
 from maxent_grpo.validation import is_number
@@ -46,6 +46,35 @@ if TYPE_CHECKING:
 
 #: reward arguments a dataset column may not be named after
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Read-only training progress.
+
+    Attributes:
+        global_step: optimizer steps taken so far (``trainer.global_step``; 0 at the first
+            rollout).
+        max_steps: the optimizer steps the run will take (``trainer.max_steps``, or the
+            epochs' batches times ``num_iterations``, whichever is smaller); -1 when unknown
+            (no trainer, an endless loader).
+        epoch: epochs done, with the fraction of the current one (``2.25`` = a quarter into
+            the third epoch), as TRL's ``state.epoch``.
+        num_train_epochs: epochs the run goes through (-1 when unknown).
+        is_world_process_zero: this process is global rank 0.
+        is_local_process_zero: this process is rank 0 of its node.
+
+    >>> state = TrainerState(global_step=30, max_steps=100)
+    >>> state.global_step / state.max_steps
+    0.3
+    """
+
+    global_step: int = 0
+    max_steps: int = -1
+    epoch: float = 0.0
+    num_train_epochs: int = -1
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
 
 
 class RewardFunctionError(Exception):
