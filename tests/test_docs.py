@@ -49,14 +49,44 @@ def links(path: Path) -> list[str]:
     return [t for t in found if not re.match(r"[a-z]+:", t)]  # https:, mailto:
 
 
-def command_lines(path: Path) -> list[str]:
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of every fenced block, read fence by fence (an indented fence in
+    a list item included): a closing fence never opens the next block."""
+    blocks, language, body = [], None, []
+    for line in text.splitlines():
+        fence = re.match(r"\s*```(\w*)", line)
+        if fence is None:
+            if language is not None:
+                body.append(line.strip())
+        elif language is None:
+            language, body = fence.group(1), []
+        else:
+            blocks.append((language, "\n".join(body) + "\n"))
+            language = None
+    return blocks
+
+
+def command_lines(text: str) -> list[str]:
+    """The command lines of the shell blocks (``bash``, ``sh``, ``console`` or no language),
+    continuation lines joined, comments dropped."""
     lines = []
-    for block in re.findall(r"```(?:bash|sh|)\n(.*?)```", path.read_text(), re.S):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+    for language, block in code_blocks(text):
+        if language not in ("bash", "sh", "console", ""):
+            continue
+        for line in re.sub(r"\s*\\\n\s*", " ", block).splitlines():
             line = re.split(r"\s#", line)[0].strip()
             if line and not line.startswith("#"):
                 lines.append(line)
     return lines
+
+
+def test_command_lines_are_read_from_shell_blocks_only():
+    text = ("Prose naming `python -m maxent_grpo fit --no_such_option`.\n\n```yaml\n"
+            "model:\n  lr: 1\n```\n\nMore prose: make nothing\n\n1. A step:\n\n"
+            "   ```bash\n   python -m maxent_grpo validate \\\n     --config a.yaml  # why\n"
+            "   ```\n\n```\nmake test\n```\n")
+    assert command_lines(text) == ["python -m maxent_grpo validate --config a.yaml",
+                                   "make test"]
 
 
 def test_the_readme_is_a_front_page_and_every_page_is_in_the_site():
@@ -95,12 +125,31 @@ def test_every_repository_path_named_in_code_exists(page):
     assert not missing, f"{rel(page)} names paths that do not exist: {missing}"
 
 
+#: every Python file of the repository, as paths relative to it
+PY_FILES = [rel(f) for top in ("maxent_grpo", "benchmarks", "tests", "notebooks")
+            for f in (ROOT / top).rglob("*.py")]
+
+
+#: files of the user's in the pages' examples
+USERS_FILES = {"my_rewards.py"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_python_file_named_in_code_exists(page):
+    """A ``.py`` file in a code span by its path inside a package (``step/context.py``,
+    ``hf.py``) is a file of the repository: renamed or moved modules fail here."""
+    named = set(re.findall(r"`([\w/-]+\.py)(?:::\w+)?`", without_code(page.read_text())))
+    missing = sorted(n for n in named - USERS_FILES
+                     if not any(f == n or f.endswith("/" + n) for f in PY_FILES))
+    assert not missing, f"{rel(page)} names Python files that do not exist: {missing}"
+
+
 def test_every_command_line_names_what_exists(monkeypatch):
     """``make X`` is a target, ``python -m maxent_grpo.X`` a module, ``python X.py`` a file."""
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     wrong = []
     for page in PAGES:
-        for line in command_lines(page):
+        for line in command_lines(page.read_text()):
             for target in re.findall(r"(?:^|\s)make ([\w-]+)", line):
                 if target not in targets:
                     wrong.append(f"{rel(page)}: make {target}")
@@ -116,7 +165,7 @@ def test_every_command_line_names_what_exists(monkeypatch):
 def cli_commands() -> list[tuple[str, list[str]]]:
     found = []
     for page in PAGES:
-        for line in command_lines(page):
+        for line in command_lines(page.read_text()):
             match = CLI.search(line)
             if match is None:
                 continue

@@ -34,6 +34,12 @@ def test_one_demo_step_runs_no_more_package_files_than_the_budget(tmp_path):
         assert f"maxent_grpo/training/{part}" in files
     assert len(files) <= BUDGET, sorted(files)
     # the architecture document quotes the figure the script prints
-    quoted = re.search(r"\*\*(\d+) package files\*\*", (ROOT / "docs" / "ARCHITECTURE.md")
-                       .read_text())
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    quoted = re.search(r"\*\*(\d+) package files\*\*", text)
     assert quoted is not None and int(quoted.group(1)) == len(files)
+    # ... and names every file: in bold in the walk, or in the paragraph that quotes it
+    walk = text[text.index("## One prompt through"):text.index("\n\n", quoted.end())]
+    named = set(re.findall(r"`([\w/.]+\.py)`", walk))
+    unnamed = [f for f in files if not any(f.endswith("/" + n) for n in named)]
+    assert not unnamed, f"docs/ARCHITECTURE.md's walk does not name {unnamed}"
+
