@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 import torch
 
-from maxent_grpo.adapters import check_peft
-from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.adapters import PeftConfig, check_peft
+from maxent_grpo.rollout import RolloutEngine, SamplingSettings
 from maxent_grpo.rollout.multiturn import MultiTurnEngine
+from maxent_grpo.rollout.protocol import ContinuableEngine
 from maxent_grpo.rollout.toolcall import Toolbox
 from maxent_grpo.validation import require
 
@@ -43,7 +44,7 @@ class ModelSettings:
     dtype: Dtype
     cache_dir: str | None
     gradient_checkpointing: bool
-    peft: Any = None
+    peft: PeftConfig | None = None
 
     def __post_init__(self) -> None:
         if self.peft is not None:
@@ -67,7 +68,8 @@ class ToolSettings:
     max_tool_calls: int
     timeout: float
 
-    def engine(self, engine: Any, tokenizer: Any, sampling: SamplingSettings) -> Any:
+    def engine(self, engine: ContinuableEngine, tokenizer: Any,
+               sampling: SamplingSettings) -> RolloutEngine:
         """``engine`` wrapped in the multi-turn loop."""
         return MultiTurnEngine(engine, tokenizer, sampling, self.toolbox, self.environment,
                                self.max_tool_calls, self.timeout)

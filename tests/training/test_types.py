@@ -475,8 +475,11 @@ def test_runtime_handles_lazy_reference() -> None:
     handles = RuntimeHandles(None, torch.nn.Linear(2, 2), None, None, None,
                              torch.device("cpu"), load)
     assert handles.reference_model is None and calls == []
-    assert handles.reference() is ref and handles.reference() is ref
-    assert calls == [1] and handles.reference_model is ref
+    loaded = handles.with_reference()
+    assert loaded.with_reference() is loaded and loaded.reference_model is ref
+    assert calls == [1] and handles.reference_model is None  # new handles, never changed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        loaded.reference_model = None  # type: ignore[misc]
     assert handles.prompt_cache_get is None
     with pytest.raises(TypeError, match="get_ref_model"):
         RuntimeHandles(None, None, None, None, None, None, None)  # type: ignore[arg-type]

@@ -57,7 +57,7 @@ class PolicyModels:
             tokenizer=self.tokenizer, train_loader=None, train_sampler=None,
             device=self.device, get_ref_model=self._load_reference)
         if self.needs_reference:
-            self.runtime.reference()
+            self.runtime = self.runtime.with_reference()
         if self.device_mesh is not None:
             own = self.source.peft is None  # with adapters the reference has no weights
             fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
@@ -85,7 +85,8 @@ class PolicyModels:
         """Called by controllers that can make beta > 0: load the reference from the start."""
         self._reference_required = True
         if self.runtime is not None and self.runtime.reference_model is None:
-            self.runtime.reference().to(self.device)
+            self.runtime = self.runtime.with_reference()
+            self.runtime.reference_model.to(self.device)
 
     @property
     def reference(self) -> torch.nn.Module | None:

@@ -21,7 +21,9 @@ from torch import Tensor
 from maxent_grpo.rewards.combine import TrainerState
 
 if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.strategies import Strategy
+    from torch.optim.lr_scheduler import LRScheduler
 
     from maxent_grpo.objectives import Objective
     from maxent_grpo.rewards import WeightedRewards
@@ -67,8 +69,8 @@ class StepContext:
     schedule: ScheduleSettings
     strategy: Strategy
     backward: Callable[[Tensor], None]
-    optimizer: Any
-    scheduler: Any
+    optimizer: LightningOptimizer
+    scheduler: LRScheduler | None
     step: int
     refill: Callable[[int], dict[str, Any]] | None = None
     trainer_state: TrainerState = TrainerState()

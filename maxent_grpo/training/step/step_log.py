@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from maxent_grpo.rollout import RolloutOutput
     from maxent_grpo.rollout.protocol import ToolUsage
+    from maxent_grpo.training.settings import EvaluationSettings
     from maxent_grpo.training.step.trajectory import Trajectory
 
 
@@ -70,7 +71,8 @@ class StepMetrics(torch.nn.Module):
     ``tool_watch`` (:class:`ToolFailureWatch`) warns
     on the console when most recent tool calls fail; :meth:`artifacts` ends its steps."""
 
-    def __init__(self, reward_names: list[str], evaluation: Any = None) -> None:
+    def __init__(self, reward_names: list[str],
+                 evaluation: EvaluationSettings | None = None) -> None:
         super().__init__()
         self.reward_names = list(reward_names)
         self.evaluation = evaluation

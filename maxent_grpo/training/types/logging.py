@@ -233,7 +233,7 @@ class LogStepArtifacts:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfigView:
     """The configuration the logger reads to label and gate metrics (a read-only view).
 

@@ -233,10 +233,12 @@ class PromptCacheEntry:
         return len(self.input_ids)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchingSettings:
     """How scoring is chunked: the two sizes (>= 1, or None: no bound) bound one micro-batch
     of whole prompt groups (:func:`maxent_grpo.training.step.token_logps.plan_micro_batches`).
+    The starting document types both as ``int``; None, the options' default, is this
+    trainer's addition.
 
     The last four fields describe a prompt cache, a scored tail and prefetching that this
     trainer does not have: it scores each micro-batch's ``[prompt | completion]`` rows as

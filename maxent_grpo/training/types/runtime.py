@@ -14,6 +14,10 @@ from maxent_grpo.training.types.rewards import BatchingSettings
 
 if TYPE_CHECKING:
     import torch
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.strategies import Strategy
+    from torch.optim.lr_scheduler import LRScheduler
+    from torch.utils.data import DataLoader, Sampler
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from maxent_grpo.objectives import Objective
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["ControllerPaths", "LoopSettings", "OptimizationSettings", "RuntimeHandles"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControllerPaths:
     """Where the tau/beta/meta controllers write and read ``controller_state.json`` (a side
     file to the state in the Lightning checkpoint); paths are None or non-empty strings.
@@ -49,7 +53,7 @@ class ControllerPaths:
                 raise ValueError(f"{name} must be None or a non-empty string; got {value!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizationSettings:
     """The optimisation schedule plus the optimizer/scheduler handles it drives.
 
@@ -62,10 +66,10 @@ class OptimizationSettings:
     """
 
     schedule: ScheduleSettings
-    handles: tuple[Any, Any] | None
+    handles: tuple[LightningOptimizer, LRScheduler | None] | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopSettings:
     """The training loop's configuration, grouped by concern
     (:func:`~maxent_grpo.training.option_groups.build_loop_settings`). The three controller fields
@@ -109,7 +113,8 @@ class LoopSettings:
             controller_objective=objective,
             controller_meta_manager=meta_manager or self.controller_meta_manager)
 
-    def with_handles(self, optimizer: Any, scheduler: Any) -> LoopSettings:
+    def with_handles(self, optimizer: LightningOptimizer,
+                     scheduler: LRScheduler | None) -> LoopSettings:
         """These settings with the optimizer and scheduler Lightning built for training
         (:attr:`OptimizationSettings.handles`), as new settings."""
         return dataclasses.replace(self, optimization=OptimizationSettings(
@@ -122,12 +127,13 @@ def detached_controllers(loop: LoopSettings) -> LoopSettings:
                                controller_objective=None, controller_meta_manager=None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeHandles:
     """The objects of the whole job, as Lightning holds them. ``get_ref_model`` loads the
     frozen reference lazily, so a run that never needs it (beta = 0 and no controller can
-    raise beta) never loads it. Built when the module loads its models, with the trainer's
-    loader and sampler filled in when training starts.
+    raise beta) never loads it. Built when the module loads its models, and built again
+    (never changed in place) with the reference once loaded and with the trainer's loader
+    and sampler when training starts.
 
     Attributes:
         accelerator: Lightning's ``Strategy`` (``trainer.strategy``: devices, collectives,
@@ -148,11 +154,11 @@ class RuntimeHandles:
             the engines tokenize each rollout's prompts).
     """
 
-    accelerator: Any
+    accelerator: Strategy | None
     model: PreTrainedModel | torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
-    train_loader: Any
-    train_sampler: Any
+    train_loader: DataLoader | None
+    train_sampler: Sampler | None
     device: torch.device
     get_ref_model: Callable[[], PreTrainedModel]
     reference_model: PreTrainedModel | None = None
@@ -162,8 +168,9 @@ class RuntimeHandles:
         if not callable(self.get_ref_model):
             raise TypeError("get_ref_model must be a zero-argument callable")
 
-    def reference(self) -> PreTrainedModel:
-        """The reference model, loading it with ``get_ref_model`` on first use."""
-        if self.reference_model is None:
-            self.reference_model = self.get_ref_model()
-        return self.reference_model
+    def with_reference(self) -> RuntimeHandles:
+        """These handles with the reference model loaded (``get_ref_model`` runs only when it
+        is not loaded yet), as new handles."""
+        if self.reference_model is not None:
+            return self
+        return dataclasses.replace(self, reference_model=self.get_ref_model())
