@@ -110,6 +110,19 @@ class Targets:
             q=pick(self.q), answers=pick(self.answers),
         )
 
+    def neutral(self, group_size: int, like: Tensor) -> Targets:
+        """Targets for one group whose loss counts for nothing (a rank's ghost group, scored
+        at weight 0 so that every rank makes the same backward passes): zero advantages,
+        uniform weights, every row a candidate and, where these targets have answer
+        classes, every answer its own; the step's ``stats`` kept. Values take ``like``'s
+        dtype and device (the rewards')."""
+        G, device = group_size, like.device
+        return Targets(
+            advantages=like.new_zeros(G), weights=like.new_full((1, G), 1.0 / G),
+            stats=self.stats,
+            candidates=torch.ones(1, G, dtype=torch.bool, device=device),
+            answers=None if self.answers is None else torch.arange(G, device=device)[None])
+
 
 @dataclass
 class MicroBatch:

@@ -445,3 +445,17 @@ def test_only_the_high_entropy_tokens_keep_their_policy_term():
             want = -adv[i].item() / 10 if (i, t) in kept else 0.0
             assert logps.grad[i, t].item() == pytest.approx(want, abs=1e-15)
     assert out.sums["entropy_mask"][0].item() == len(kept)
+
+
+def test_a_ghost_group_gets_neutral_targets_of_the_same_kinds() -> None:
+    from maxent_grpo.objectives import Targets
+
+    stats = {"weight_entropy": torch.tensor(0.5)}
+    with_answers = Targets(advantages=torch.ones(6), stats=stats,
+                           answers=torch.zeros(2, 3, dtype=torch.long))
+    like = torch.zeros(2, 3, dtype=torch.float64)
+    ghost = with_answers.neutral(3, like)
+    assert ghost.advantages.dtype == torch.float64 and ghost.advantages.tolist() == [0.0] * 3
+    assert ghost.weights.tolist() == [[1 / 3] * 3] and ghost.candidates.all()
+    assert ghost.answers.tolist() == [[0, 1, 2]] and ghost.stats is stats and ghost.q is None
+    assert Targets(stats=stats).neutral(3, like).answers is None  # no answer classes asked

@@ -211,14 +211,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
                          kept_rows(seq_logps, keep))
     targets, kept_groups = prepare_targets(ctx, inputs, keep)
     samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)
-    if ghost:  # neutral targets for the ghost group (its loss is multiplied by 0)
-        targets = Targets(
-            advantages=rewards.new_zeros(G), weights=rewards.new_full((1, G), 1.0 / G),
-            stats=targets.stats,
-            candidates=torch.ones(1, G, dtype=torch.bool, device=rewards.device),
-            answers=None if targets.answers is None
-            else torch.arange(G, device=rewards.device)[None],
-        )
+    if ghost:  # its loss is multiplied by 0
+        targets = targets.neutral(G, rewards)
     num_tokens = mask.sum() * (not ghost)
     global_tokens = ctx.gather(num_tokens).sum()
     return Trajectory(
