@@ -229,6 +229,11 @@ class Objective:
         used once (``num_iterations == 1``). The cheap inputs are always there."""
         return False
 
+    def check_group_size(self, group_size: int) -> None:
+        """Refuse options that cannot work with ``G = group_size`` completions per prompt
+        (ValueError naming the option); the module calls it when it is built, before any
+        model loads."""
+
     def prepare(self, inputs: GroupInputs) -> Targets:
         """The rollout's :class:`Targets` from its :class:`GroupInputs`."""
         raise NotImplementedError

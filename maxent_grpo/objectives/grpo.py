@@ -194,11 +194,14 @@ class GRPO(Objective):
     def needs_sequence_logps(self) -> bool:
         return self.answer_shaping == "unlikeliness"
 
+    def check_group_size(self, group_size: int) -> None:
+        require(self.advantage not in ("passk", "pkpo") or self.pass_k <= group_size,
+                f"objective.pass_k ({self.pass_k}) must be at most model.num_generations "
+                f"({group_size}): pass@k is over subsets of a group")
+
     def prepare(self, inputs: GroupInputs) -> Targets:
         rewards = inputs.rewards
-        require(self.advantage not in ("passk", "pkpo") or self.pass_k <= rewards.shape[1],
-                f"objective.pass_k ({self.pass_k}) must be at most model.num_generations "
-                f"({rewards.shape[1]}): pass@k is over subsets of a group")
+        self.check_group_size(rewards.shape[1])
         if self.answer_shaping == "unlikeliness":
             require(inputs.seq_logps is not None, "objective.answer_shaping unlikeliness "
                     "needs the samples' log-probs (GroupInputs.seq_logps); the trainer passes "

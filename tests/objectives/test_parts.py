@@ -325,6 +325,13 @@ def test_the_pass_at_k_options_are_checked():
     with pytest.raises(ValueError, match=r"objective.pass_k \(8\) must be at most"):
         objective.prepare(
             GroupInputs(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), torch.ones(1, 4), 4, None))
+    # and when the module is built, before any model loads (the name is never loaded)
+    from maxent_grpo.training.module import MaxEntGRPOModule
+
+    with pytest.raises(ValueError, match=r"objective.pass_k \(8\) must be at most model."
+                                         r"num_generations \(4\)"):
+        MaxEntGRPOModule(model_name_or_path="no/such-model", objective=objective,
+                         num_generations=4)
 
 
 # ------------------------------------------------------------------ Clip-Cov and KL-Cov
