@@ -125,9 +125,11 @@ def test_every_repository_path_named_in_code_exists(page):
     assert not missing, f"{rel(page)} names paths that do not exist: {missing}"
 
 
-#: every Python file of the repository, as paths relative to it
+#: every Python file of the repository, as paths relative to it (not the environments a
+#: set-up makes inside it, such as benchmarks/.venv-trl)
 PY_FILES = [rel(f) for top in ("maxent_grpo", "benchmarks", "tests", "notebooks")
-            for f in (ROOT / top).rglob("*.py")]
+            for f in (ROOT / top).rglob("*.py")
+            if not any(part.startswith(".") for part in f.relative_to(ROOT).parts)]
 
 
 #: files of the user's in the pages' examples

@@ -42,4 +42,3 @@ def test_one_demo_step_runs_no_more_package_files_than_the_budget(tmp_path):
     named = set(re.findall(r"`([\w/.]+\.py)`", walk))
     unnamed = [f for f in files if not any(f.endswith("/" + n) for n in named)]
     assert not unnamed, f"docs/ARCHITECTURE.md's walk does not name {unnamed}"
-

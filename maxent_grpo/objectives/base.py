@@ -112,9 +112,10 @@ class Targets:
 
     def neutral(self, group_size: int, like: Tensor) -> Targets:
         """Targets for one group whose loss counts for nothing (a rank's ghost group, scored
-        at weight 0 so that every rank makes the same backward passes): zero advantages,
-        uniform weights, every row a candidate and, where these targets have answer
-        classes, every answer its own; the step's ``stats`` kept. Values take ``like``'s
+        at weight 0 so that every rank makes the same backward passes), whatever the
+        objective: zero advantages, uniform weights, every row a candidate, no ``q`` and,
+        where these targets have answer classes, every answer its own; the step's
+        ``stats`` kept. Values take ``like``'s
         dtype and device (the rewards')."""
         G, device = group_size, like.device
         return Targets(

@@ -252,6 +252,10 @@ class WeightedRewards:
         self.names = [o.name for o in self.options]
         self.weights = [o.weight for o in self.options]
         self._max_completion_length = max_completion_length
+        if device is not None and not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a torch.device, a device name or None; got "
+                            f"{type(device).__name__} (a callable is no longer taken: the "
+                            "step's device reaches the rewards through score_rollout)")
         self._device = device
         self.funcs = [self._function(o) for o in self.options]
 

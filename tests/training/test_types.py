@@ -540,3 +540,5 @@ def test_score_rollout_runs_reward_models_on_the_steps_device() -> None:
     total, parts = rewards.score_rollout(_rollout(batch), ["p"], {}, device=torch.device("meta"))
     assert total.shape == (2,) and parts.shape == (1, 2) and total[0] > total[1]
     assert rewards.device() == torch.device("meta")  # what a reward model asks at its call
+    with pytest.raises(TypeError, match="a callable is no longer taken"):
+        WeightedRewards({"format": 1.0}, device=lambda: torch.device("cpu"))

@@ -23,6 +23,7 @@ Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauCo
 from maxent_grpo.training.callbacks.base import Controller
 from maxent_grpo.training.callbacks.controllers import BetaController, MetaController, TauController
 from maxent_grpo.training.callbacks.export import HFExport
+from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.callbacks.samples import CompletionSamples
 from maxent_grpo.training.callbacks.state_file import (
@@ -38,7 +39,9 @@ __all__ = [
     "STATE_FILENAME",
     "STATE_KEYS",
     "BetaController",
+    "CleanUp",
     "CompletionSamples",
+    "CompletionWriter",
     "Controller",
     "HFExport",
     "MetaController",
