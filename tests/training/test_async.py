@@ -5,6 +5,8 @@ that holds its own copy of the weights as a vLLM server does (the real servers:
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import lightning as L
 import pytest
@@ -127,3 +129,36 @@ def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
                          rewards={"tests.conftest:alternating": 1.0})
     with pytest.raises(ValueError, match="VLLMServerEngine"):
         fit(module, make_data(cache_dir), steps=1)
+
+
+class SlowEngine:
+    """A rollout that takes ``seconds``; records when it ended."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.ended = seconds, threading.Event()
+
+    def generate(self, prompts, answers, num_generations):
+        time.sleep(self.seconds)
+        self.ended.set()
+        raise RuntimeError("a rollout whose result nobody reads")
+
+
+def test_the_end_of_a_run_waits_for_the_rollout_in_flight_and_a_failed_one_does_not():
+    from maxent_grpo.training.step.pipeline import RolloutPipeline
+
+    def rollout_threads():
+        return [t for t in threading.enumerate() if t.name == "maxent-grpo-rollout"]
+
+    batch = {"prompts": ["p"], "answers": ["a"]}
+    pipeline, engine = RolloutPipeline(1), SlowEngine(0.3)
+    pipeline.submit(engine, batch, 2, version=0)
+    pipeline.close()  # the end of a run: no rollout thread may outlive it
+    assert engine.ended.is_set() and not pipeline.queue
+    for thread in rollout_threads():
+        thread.join(5.0)  # the thread returns right after setting its future
+    assert not rollout_threads()
+    failed, slow = RolloutPipeline(1), SlowEngine(2.0)
+    failed.submit(slow, batch, 2, version=0)
+    failed.close(wait=False)  # a failed run: its engine may be what failed
+    assert not slow.ended.is_set() and not failed.queue
+    assert slow.ended.wait(10.0)  # (not left running past this test)

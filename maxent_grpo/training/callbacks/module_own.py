@@ -32,6 +32,8 @@ class CleanUp(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
+        if getattr(pl_module, "pipeline", None) is not None:
+            pl_module.pipeline.close(wait=False)  # the engine may be what failed
         pl_module.teardown("fit")
 
 

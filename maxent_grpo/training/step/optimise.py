@@ -96,12 +96,14 @@ def optimizer_step(
     for i, chunk in enumerate(t.chunks):
         timer.start()
         rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
+
+        def cut(values: Tensor | None, rows=rows, Tc=Tc) -> Tensor | None:  # (n, Tc)
+            return None if values is None else values[rows][:, :Tc]
+
+        old, sampler = cut(t.old_logps), cut(t.sampler_logps)
         scores, entropy = ctx.scorer.policy_scores(
-            ctx.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols],
-            t.mask[rows][:, :Tc], None if t.old_logps is None else t.old_logps[rows][:, :Tc],
-            ctx.objective.needs_entropy,
-            None if t.sampler_logps is None else t.sampler_logps[rows][:, :Tc],
-        )
+            ctx.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols], cut(t.mask),
+            old, ctx.objective.needs_entropy, sampler)
         if chunk.padding:  # only keeps the ranks' collectives in step: weight zero
             timer.stop("forward")
             with opt.toggle_model(sync_grad=i == last):
@@ -117,16 +119,15 @@ def optimizer_step(
                     "model.sampler_correction needs a rollout engine that reports its "
                     "log-probs (maxent_grpo.rollout.VLLMEngine); the Hugging Face engine "
                     "samples from the scored policy itself: set it to null")
-            behaviour = (scores.token_logp.detach() if t.old_logps is None
-                         else t.old_logps[rows][:, :Tc])
+            behaviour = scores.token_logp.detach() if old is None else old
             correction = sampler_correction_weights(
-                behaviour, t.sampler_logps[rows][:, :Tc], scores.token_mask,
+                behaviour, sampler, scores.token_mask,
                 ctx.generation.sampler_correction, ctx.generation.sampler_correction_cap)
             sums.mean("rollout/correction/mean").update(correction, counted)
         out = ctx.objective.loss(MicroBatch(
             token_logps=scores.token_logp,
             old_token_logps=scores.old_token_logp,
-            ref_token_logps=None if t.ref_logps is None else t.ref_logps[rows][:, :Tc],
+            ref_token_logps=cut(t.ref_logps),
             mask=scores.token_mask,
             entropy=entropy,
             advantages=mine.advantages, weights=mine.weights, candidates=mine.candidates,
@@ -139,8 +140,8 @@ def optimizer_step(
             correction=correction,
         ))
         finite &= torch.isfinite(out.loss)
-        if first and t.sampler_logps is not None:
-            gap = (scores.token_logp.detach() - t.sampler_logps[rows][:, :Tc]).abs()
+        if first and sampler is not None:
+            gap = (scores.token_logp.detach() - sampler).abs()
             sums.mean("rollout/logp_gap/mean").update(gap, counted)
             # the masked maximum without a boolean index (no host sync); no counted token
             # (a ghost rank) adds -inf, which no maximum keeps

@@ -145,9 +145,14 @@ class RolloutPipeline:
         pending.result()
         return pending
 
-    def close(self) -> None:
-        """Drop the rollouts in flight (a rollout still running ends in its daemon thread;
-        its result is discarded)."""
+    def close(self, wait: bool = True) -> None:
+        """Drop the rollouts in flight, their results discarded. With ``wait`` (the end of
+        a run) the one still running finishes first (its error, if any, ignored), so that no
+        rollout thread outlives the run: a daemon thread still inside torch when the
+        interpreter exits aborts the process (exit status 134 after a fit that succeeded).
+        A failed run does not wait: its engine may be what failed."""
+        if wait:
+            concurrent.futures.wait([p.future for p in self.queue if p.future is not None])
         self.queue.clear()
 
     # ------------------------------------------------------------------ checkpoints
