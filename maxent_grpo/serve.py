@@ -31,6 +31,16 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _server_child(cpus: set[int] | None) -> None:
+    """In the server's process before it runs: SIGTERM when this process dies (a SIGKILL or
+    the kernel's out-of-memory kill skip the ``finally`` that stops it), and its CPUs."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
 def _cpus(spec: str) -> set[int]:
     """``"1"``, ``"2-3"``, ``"0,2"`` -> the CPU numbers."""
     out: set[int] = set()
@@ -92,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer_cpus = (sorted(os.sched_getaffinity(0) - server_cpus) if server_cpus else None)
     if server_cpus is not None and not trainer_cpus:
         raise SystemExit(f"--server-cpus {args.server_cpus} leaves no CPU for the training")
-    # a SIGTERM (a scheduler's stop, `kill`) stops the server too, as Ctrl-C does
+    # a SIGTERM (a scheduler's stop, `kill`) or a SIGHUP (the terminal closed) stops the
+    # server too, as Ctrl-C does
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     folder = resolve_model_path(args.model, args.model_cache_dir)
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -111,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(server_args(folder, port, key, args.dtype, sys.executable,
                                             args.weight_transfer),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                start_new_session=True, preexec_fn=None if server_cpus is None
-                                else lambda: os.sched_setaffinity(0, server_cpus))
+                                start_new_session=True,
+                                preexec_fn=lambda: _server_child(server_cpus))
     training: subprocess.Popen | None = None
     try:
         _wait_healthy(url, proc, log, args.start_seconds)
@@ -140,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 training.kill()
         return 130
     finally:
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second one would
+            signal.signal(stop, signal.SIG_IGN)  # skip the SIGKILL below
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)

@@ -104,6 +104,10 @@ def _entry(name: Any, value: Any) -> RewardOptions:
             f"got {fallback!r}")
     require(not has_fallback or timeout is not None,
             f"{where}.fallback is the value on a time-out, so it needs {where}.timeout")
+    require(model is None or timeout is None,
+            f"{where}.timeout: a reward model runs in this process and a time-out cannot stop "
+            "it (its thread would go on holding the device, and a process that exits while it "
+            "runs aborts); leave timeout unset, and bound its cost with batch_size")
     batch_size = value.get("batch_size", 32)
     check_int(f"{where}.batch_size", batch_size, minimum=1)
     dtype = value.get("dtype", "float32")

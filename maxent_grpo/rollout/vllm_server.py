@@ -209,8 +209,12 @@ class VLLMServerEngine(ServerWeights):
             error = err
         _all_ok(error is None, next(model.parameters()).device, error,
                 "another rank could not reach the vLLM servers (its error is in its log)")
-        self.sync(model)
-        self._check_probe()
+        try:  # the weights file, the servers' groups: left now, or by nobody
+            self.sync(model)
+            self._check_probe()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ HTTP
     def _call(self, server: _Server, method: str, path: str, *, json: Any = None,

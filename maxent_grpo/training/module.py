@@ -360,9 +360,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         """After ``fit``, ``validate`` or ``predict`` (a failed fit too, through
         ``callbacks/module_own.py``'s ``CleanUp``): no rollout in flight, no controllers attached
         after a fit, the tools' sandbox processes stopped (started again on the next call),
-        a server engine closed (rebuilt if the module runs again)."""
-        if self.pipeline is not None:
-            self.pipeline.close()
+        a server engine closed (rebuilt if the module runs again), then the rollout in flight."""
         if stage == "fit":  # the next fit's controllers attach afresh
             self.loop = detached_controllers(self.loop)
         if (toolbox := getattr(self._engine, "toolbox", None)) is not None:
@@ -371,6 +369,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         if close is not None:
             close()
             self._engine = None
+        if self.pipeline is not None:  # after the engine: a rollout on it ends at once
+            self.pipeline.close()
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:

@@ -346,3 +346,35 @@ def test_a_failed_run_exits_without_waiting_for_its_requests(tmp_path):
                           capture_output=True, text=True)
     assert "the training step failed" in done.stderr and done.returncode == 1
     assert time.monotonic() - start < 60  # the server holds the requests for 90 s
+
+
+def test_an_engine_whose_start_fails_after_its_first_update_closes_itself(
+        monkeypatch, cache_dir, tmp_path):
+    """The probe check comes after the first weight update: a refusal there must not leave
+    the weights folder (in /dev/shm) or the servers' groups to the garbage collector."""
+    from maxent_grpo.models import load_policy, load_tokenizer
+    from maxent_grpo.rollout import SamplingSettings
+
+    model = load_policy("builtin:tiny-h64-warm", cache_dir=cache_dir)
+    tokenizer = load_tokenizer("builtin:tiny-h64-warm", cache_dir=cache_dir)
+    folder = tmp_path / "weights"
+
+    def first_update(self, policy):
+        folder.mkdir()
+        self._folder = str(folder)
+
+    def probe(self):
+        raise ServerError("http://127.0.0.1:1: the probe's log-probs differ")
+
+    monkeypatch.setattr(VLLMServerEngine, "_wait_until_up", lambda self, server, seconds: None)
+    monkeypatch.setattr(VLLMServerEngine, "_check_server", lambda self, server: "m")
+    monkeypatch.setattr(VLLMServerEngine, "sync", first_update)
+    monkeypatch.setattr(VLLMServerEngine, "_check_probe", probe)
+    closed = []
+    original = VLLMServerEngine.close
+    monkeypatch.setattr(VLLMServerEngine, "close",
+                        lambda self: (closed.append(True), original(self)))
+    with pytest.raises(ServerError, match="the probe's log-probs differ"):
+        VLLMServerEngine(model, tokenizer, SamplingSettings(max_new_tokens=4),
+                         urls=["http://127.0.0.1:1"])
+    assert closed == [True] and not folder.exists()

@@ -132,22 +132,26 @@ def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
 
 
 class SlowEngine:
-    """A rollout that takes ``seconds``; records when it ended."""
+    """A rollout that takes ``seconds``, or until the engine is closed; records its end."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds, self.ended = seconds, threading.Event()
+        self.seconds, self.ended, self.closed = seconds, threading.Event(), threading.Event()
 
     def generate(self, prompts, answers, num_generations):
-        time.sleep(self.seconds)
+        self.closed.wait(self.seconds)
         self.ended.set()
         raise RuntimeError("a rollout whose result nobody reads")
 
+    def close(self) -> None:
+        self.closed.set()
 
-def test_the_end_of_a_run_waits_for_the_rollout_in_flight_and_a_failed_one_does_not():
+
+def rollout_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "maxent-grpo-rollout"]
+
+
+def test_the_end_of_a_run_waits_a_bounded_time_for_the_rollout_in_flight():
     from maxent_grpo.training.step.pipeline import RolloutPipeline
-
-    def rollout_threads():
-        return [t for t in threading.enumerate() if t.name == "maxent-grpo-rollout"]
 
     batch = {"prompts": ["p"], "answers": ["a"]}
     pipeline, engine = RolloutPipeline(1), SlowEngine(0.3)
@@ -157,8 +161,25 @@ def test_the_end_of_a_run_waits_for_the_rollout_in_flight_and_a_failed_one_does_
     for thread in rollout_threads():
         thread.join(5.0)  # the thread returns right after setting its future
     assert not rollout_threads()
-    failed, slow = RolloutPipeline(1), SlowEngine(2.0)
-    failed.submit(slow, batch, 2, version=0)
-    failed.close(wait=False)  # a failed run: its engine may be what failed
-    assert not slow.ended.is_set() and not failed.queue
-    assert slow.ended.wait(10.0)  # (not left running past this test)
+    stuck, slow = RolloutPipeline(1), SlowEngine(30.0)
+    stuck.submit(slow, batch, 2, version=0)
+    began = time.monotonic()
+    stuck.close(timeout=0.2)  # a rollout that does not end is not waited for past the bound
+    assert time.monotonic() - began < 5.0 and not slow.ended.is_set() and not stuck.queue
+    slow.close()
+    assert slow.ended.wait(10.0)
+
+
+def test_teardown_closes_the_engine_before_waiting_for_its_rollout(cache_dir):
+    """A rollout running on a server ends when the engine closes, instead of being finished
+    (or waited for up to the bound) and thrown away."""
+    from maxent_grpo.training.step.pipeline import RolloutPipeline
+
+    module = async_module(cache_dir, 1)
+    module.pipeline, module._engine = RolloutPipeline(1), SlowEngine(60.0)
+    engine = module._engine
+    module.pipeline.submit(engine, {"prompts": ["p"], "answers": ["a"]}, 2, version=0)
+    began = time.monotonic()
+    module.teardown("fit")
+    assert time.monotonic() - began < 10.0
+    assert engine.closed.is_set() and engine.ended.is_set() and module._engine is None

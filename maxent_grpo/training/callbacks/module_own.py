@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from maxent_grpo.training.run.checkpoint_io import atomic_write
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS"]
 
+log = logging.getLogger(__name__)
+
 #: the file name ``predict`` writes into the run's folder when no ``output`` is given
 DEFAULT_PREDICTIONS = "predictions.jsonl"
 
@@ -32,9 +35,11 @@ class CleanUp(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        if getattr(pl_module, "pipeline", None) is not None:
-            pl_module.pipeline.close(wait=False)  # the engine may be what failed
-        pl_module.teardown("fit")
+        try:
+            pl_module.teardown("fit")
+        except Exception as err:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("cleaning up after the failed run failed too: %s: %s",
+                        type(err).__name__, err)
 
 
 class CompletionWriter(L.Callback):

@@ -145,14 +145,15 @@ class RolloutPipeline:
         pending.result()
         return pending
 
-    def close(self, wait: bool = True) -> None:
-        """Drop the rollouts in flight, their results discarded. With ``wait`` (the end of
-        a run) the one still running finishes first (its error, if any, ignored), so that no
-        rollout thread outlives the run: a daemon thread still inside torch when the
-        interpreter exits aborts the process (exit status 134 after a fit that succeeded).
-        A failed run does not wait: its engine may be what failed."""
-        if wait:
-            concurrent.futures.wait([p.future for p in self.queue if p.future is not None])
+    def close(self, timeout: float = 30.0) -> None:
+        """Drop the rollouts in flight, their results discarded, after waiting at most
+        ``timeout`` seconds for the one still running (its error, if any, ignored), so that
+        no rollout thread outlives the run: a daemon thread still inside torch when the
+        interpreter exits aborts the process (exit status 134, after a fit that succeeded
+        too). The module closes the engine first, so that a rollout still running on a
+        server fails at once instead of being finished and thrown away."""
+        concurrent.futures.wait([p.future for p in self.queue if p.future is not None],
+                                timeout=timeout)
         self.queue.clear()
 
     # ------------------------------------------------------------------ checkpoints
