@@ -17,6 +17,7 @@ must not be reachable from other machines (docs/VLLM.md, "vLLM servers").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import signal
@@ -24,21 +25,39 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _server_child(cpus: set[int] | None) -> None:
-    """In the server's process before it runs: SIGTERM when this process dies (a SIGKILL or
-    the kernel's out-of-memory kill skip the ``finally`` that stops it), and its CPUs."""
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _ignore_stops() -> dict[int, Any]:
+    """Ignore Ctrl-C, SIGTERM and SIGHUP while stopping; returns the handlers to put back."""
+    return {stop: signal.signal(stop, signal.SIG_IGN) for stop in STOPS}
+
+
+def _server_child(cpus: set[int] | None) -> Callable[[], None]:
+    """What the server's process runs before vLLM: SIGTERM when this process dies (a SIGKILL
+    or the kernel's out-of-memory kill skip the ``finally`` that stops it), and its CPUs.
+    ``prctl`` is looked up here, in the parent: a child forked from threads loads nothing."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def child() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before that
+            os._exit(1)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return child
 
 
 def _cpus(spec: str) -> set[int]:
@@ -124,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                                             args.weight_transfer),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work,
                                 start_new_session=True,
-                                preexec_fn=lambda: _server_child(server_cpus))
+                                preexec_fn=_server_child(server_cpus))
     training: subprocess.Popen | None = None
+    stops: dict[int, Any] = {}
     try:
         _wait_healthy(url, proc, log, args.start_seconds)
         print(f"\rvllm serve is up at {url} (log: {log})", file=sys.stderr, flush=True)
@@ -144,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                     else lambda: os.sched_setaffinity(0, trainer_cpus))
         return training.wait()
     except KeyboardInterrupt:
+        stops = _ignore_stops()  # a second signal must not leave the training behind
         if training is not None and training.poll() is None:
             training.send_signal(signal.SIGINT)  # Lightning stops it, as Ctrl-C does
             try:
@@ -152,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 training.kill()
         return 130
     finally:
-        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second one would
-            signal.signal(stop, signal.SIG_IGN)  # skip the SIGKILL below
+        stops = stops or _ignore_stops()  # a second signal would skip the SIGKILL below
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
@@ -162,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        print("vllm serve stopped", file=sys.stderr)
+        with contextlib.suppress(OSError):  # a terminal closed (SIGHUP) cannot be written to
+            print("vllm serve stopped", file=sys.stderr)
+        for stop, handler in stops.items():  # main() run inside a process: as it was
+            signal.signal(stop, handler)
 
 
 if __name__ == "__main__":

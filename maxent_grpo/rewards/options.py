@@ -98,16 +98,17 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     timeout = value.get("timeout")
     check_number(f"{where}.timeout", timeout, minimum=0.0, strict=True, allow_none=True)
     has_fallback = "fallback" in value
+    require(model is None or (timeout is None and not has_fallback),
+            f"{where}.timeout: a reward model runs in this process and a time-out cannot stop "
+            "it (its thread would go on holding the device, and a process that exits while it "
+            "runs aborts); leave timeout and fallback unset, and bound its cost with "
+            "batch_size")
     fallback = value.get("fallback")
     require(fallback is None or is_number(fallback),
             f"{where}.fallback must be a finite number or null (not applicable); "
             f"got {fallback!r}")
     require(not has_fallback or timeout is not None,
             f"{where}.fallback is the value on a time-out, so it needs {where}.timeout")
-    require(model is None or timeout is None,
-            f"{where}.timeout: a reward model runs in this process and a time-out cannot stop "
-            "it (its thread would go on holding the device, and a process that exits while it "
-            "runs aborts); leave timeout unset, and bound its cost with batch_size")
     batch_size = value.get("batch_size", 32)
     check_int(f"{where}.batch_size", batch_size, minimum=1)
     dtype = value.get("dtype", "float32")

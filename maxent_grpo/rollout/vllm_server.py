@@ -16,9 +16,9 @@ backend (:mod:`maxent_grpo.vllm_plugin`): the trainer writes one safetensors fil
 server can read it (``transfer_dir``: ``/dev/shm`` by default) and the server checks it is
 complete before loading it. ``weight_transfer="nccl"`` broadcasts the tensors instead,
 through vLLM's own NCCL backend (GPU servers), and ``"gloo"`` through this package's
-``maxent_gloo`` (CPU servers without a shared file system): :mod:`.server_transfer`.
-The server stays paused from before the transfer until it has
-finished, so it never samples from a mix of two versions; a file transfer that fails is
+``maxent_gloo`` (CPU servers without a shared file system): :mod:`.server_transfer`. The
+server stays paused from before the transfer until it has finished, so it never samples
+from a mix of two versions; a file transfer that fails is
 repeated whole (a collective one is not), and one that keeps failing leaves that server
 paused and out of use (restart it: it may hold a half-loaded model), and the step fails
 with the server's message when no server holds the new weights.
@@ -32,19 +32,20 @@ probe sequence the policy's log-probabilities (``probe_tolerance``).
 Faults while running: a request that fails to connect, times out (``request_timeout``) or
 comes back aborted is sent again, to another server when there is one, and with back-off
 once none is left, for at most ``retry_seconds`` after the first failure; then the step
-fails with an error naming the servers. Before every rollout the engine asks each server
-which weights it holds: one that came back after a restart (holding the weights it started
-with) is not used until it holds the current ones, which it gets at once from the weights
-file, or at the next sync with ``gloo`` and ``nccl``.
+fails with an error naming the servers (at once when the engine is closed). Before every
+rollout the engine asks each server which weights it holds: one that came back after a
+restart (holding the weights it started with) is not used until it holds the current ones,
+which it gets at once from the weights file, or at the next sync with ``gloo`` and ``nccl``.
 
 Security. The update routes change what the server computes, and vLLM's ``--api-key``
 guards only the ``/v1`` routes (not ``/pause``, the weight routes or ``/collective_rpc``):
-keep the servers' ports on a private network or on localhost (docs/VLLM.md, "vLLM servers"). The
-engine sends ``api_key`` (or ``VLLM_API_KEY``) on every request.
+keep the servers' ports on a private network or on localhost (docs/VLLM.md, "vLLM
+servers"). The engine sends ``api_key`` (or ``VLLM_API_KEY``) on every request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -213,7 +214,8 @@ class VLLMServerEngine(ServerWeights):
             self.sync(model)
             self._check_probe()
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):  # the start's own error is the one to report
+                self.close()
             raise
 
     # ------------------------------------------------------------------ HTTP
@@ -382,10 +384,13 @@ class VLLMServerEngine(ServerWeights):
                    for k in range(min(self.max_parallel_requests, len(bodies)))]
         for thread in threads:
             thread.start()
-        try:
+        try:  # closing the client does not wake a read: a closed engine is looked at here
             for thread in threads:
-                thread.join()
-        except BaseException as err:  # Ctrl-C in the waiting thread: start no more requests
+                while thread.is_alive() and not self._closed:
+                    thread.join(0.2)
+            if self._closed:
+                raise ServerError("the engine was closed while its requests ran")
+        except BaseException as err:  # Ctrl-C, or closed: start no more requests
             with lock:
                 errors.append(err)
             raise
@@ -429,7 +434,7 @@ class VLLMServerEngine(ServerWeights):
 
     def close(self) -> None:
         """Close the connections and remove the weights file; a request still pending in
-        another thread is not sent again."""
+        another thread is not sent again, and the rollout waiting for it fails at once."""
         for server in self.servers:
             if server.sender is not None:  # a collective transfer's group
                 self._leave(server)
@@ -440,8 +445,6 @@ class VLLMServerEngine(ServerWeights):
             self._folder = None
 
     def __del__(self) -> None:  # the weights file must not outlive the run in /dev/shm
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

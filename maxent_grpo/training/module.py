@@ -357,20 +357,22 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After ``fit``, ``validate`` or ``predict`` (a failed fit too, through
-        ``callbacks/module_own.py``'s ``CleanUp``): no rollout in flight, no controllers attached
-        after a fit, the tools' sandbox processes stopped (started again on the next call),
-        a server engine closed (rebuilt if the module runs again), then the rollout in flight."""
+        """After any stage (a failed run too: ``CleanUp``): no controllers after a fit; a server
+        engine closed (rebuilt if the module runs again), then the rollout in flight (which
+        that ends), then the tools' sandbox processes (started again on the next call)."""
         if stage == "fit":  # the next fit's controllers attach afresh
             self.loop = detached_controllers(self.loop)
-        if (toolbox := getattr(self._engine, "toolbox", None)) is not None:
-            toolbox.close()
-        close = getattr(getattr(self._engine, "engine", self._engine), "close", None)
-        if close is not None:
-            close()
-            self._engine = None
-        if self.pipeline is not None:  # after the engine: a rollout on it ends at once
-            self.pipeline.close()
+        engine, toolbox = self._engine, getattr(self._engine, "toolbox", None)
+        close = getattr(getattr(engine, "engine", engine), "close", None)
+        try:
+            if close is not None:
+                self._engine = None  # the next run builds a new one
+                close()
+        finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
+            if toolbox is not None:
+                toolbox.close()
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -386,7 +388,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.log_dict(self.evaluator.compute("test"), sync_dist=False)
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
-        """One graded row per completion (``run/prediction.py`` writes and sums them up)."""
+        """One graded row per completion (``CompletionWriter`` writes and sums them up)."""
         return self._evaluate(batch, greedy=False)
 
     def _attach(self, trainer: L.Trainer | None) -> None:
@@ -402,8 +404,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
 
     def on_train_start(self) -> None:
-        """The loop settings rebuilt with Lightning's optimizer and scheduler (each step's
-        context reads them); the trainer's loader to the runtime handles."""
+        """Loop settings with Lightning's optimizer and scheduler; the loader to the handles."""
         self.loop = self.loop.with_handles(self.optimizers(), self.lr_schedulers())
         self.attach_training_data()
 

@@ -93,6 +93,9 @@ def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
     with pytest.raises(ValueError, match=r"model.rewards.model:x.timeout: a reward model runs "
                                          r"in this process"):
         WeightedRewards({"model:x": {"timeout": 5.0}})
+    with pytest.raises(ValueError, match=r"model.rewards.model:x.timeout: .*leave timeout and "
+                                         r"fallback unset"):
+        WeightedRewards({"model:x": {"fallback": 0.0}})
     with pytest.raises(ValueError, match="'model:' must be followed by"):
         WeightedRewards({"model: ": 1.0})
 

@@ -378,3 +378,30 @@ def test_an_engine_whose_start_fails_after_its_first_update_closes_itself(
         VLLMServerEngine(model, tokenizer, SamplingSettings(max_new_tokens=4),
                          urls=["http://127.0.0.1:1"])
     assert closed == [True] and not folder.exists()
+
+
+def test_closing_the_engine_ends_a_rollout_waiting_on_a_server_at_once(stand_ins, engine_on):
+    """Closing the client does not wake a thread blocked reading its socket: the rollout
+    must not wait for the server's answer (``request_timeout``) after the engine closed."""
+    held = stand_ins(hold=60.0)
+    engine = engine_on([held], request_timeout=120.0, retry_seconds=30.0)
+    outcome: list[BaseException] = []
+
+    def rollout() -> None:
+        try:
+            engine._run_all([dict(BODY)])
+        except BaseException as err:  # noqa: BLE001 - what the test looks at
+            outcome.append(err)
+
+    thread = threading.Thread(target=rollout, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10.0
+    while not held.calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert held.calls == ["/v1/completions"]
+    began = time.monotonic()
+    engine.close()
+    thread.join(5.0)
+    assert not thread.is_alive() and time.monotonic() - began < 5.0
+    assert isinstance(outcome[0], ServerError) and "closed" in str(outcome[0])
+    held.release.set()

@@ -183,3 +183,25 @@ def test_teardown_closes_the_engine_before_waiting_for_its_rollout(cache_dir):
     module.teardown("fit")
     assert time.monotonic() - began < 10.0
     assert engine.closed.is_set() and engine.ended.is_set() and module._engine is None
+
+
+def test_a_failing_engine_close_still_ends_the_rollout_and_the_clean_up_is_logged(
+        cache_dir, caplog):
+    from maxent_grpo.training.callbacks import CleanUp
+    from maxent_grpo.training.step.pipeline import RolloutPipeline
+
+    class BrokenClose(SlowEngine):
+        def close(self) -> None:
+            super().close()
+            raise OSError("the server's group could not be left")
+
+    module = async_module(cache_dir, 1)
+    module.pipeline, module._engine = RolloutPipeline(1), BrokenClose(60.0)
+    engine = module._engine
+    module.pipeline.submit(engine, {"prompts": ["p"], "answers": ["a"]}, 2, version=0)
+    with caplog.at_level("WARNING"):
+        CleanUp().on_exception(None, module, RuntimeError("the step failed"))
+    assert "cleaning up after the failed run failed too: OSError: the server's group" in (
+        caplog.text)
+    # the rollout in flight was still waited for (it ended with the close), the engine let go
+    assert engine.ended.is_set() and not module.pipeline.queue and module._engine is None
