@@ -311,6 +311,6 @@ def test_validate_and_predict_close_the_engine_and_the_tools_sandbox(cache_dir, 
         trainer.validate(module, data, verbose=False)
     else:
         trainer.predict(module, data)
-    assert closed == ["toolbox", "engine"]
+    assert closed == ["engine", "toolbox"]  # the engine first: its rollouts end, then tools
     assert module._engine is None
     assert isinstance(module.rollout_engine(), Closing)  # built again on the next use
