@@ -43,8 +43,9 @@ def _ignore_stops() -> dict[int, Any]:
 
 
 def _server_child(cpus: set[int] | None) -> Callable[[], None]:
-    """What the server's process runs before vLLM: SIGTERM when this process dies (a SIGKILL
-    or the kernel's out-of-memory kill skip the ``finally`` that stops it), and its CPUs.
+    """What a child (the server, the training) runs before it starts: SIGTERM when this
+    process dies (a SIGKILL or the out-of-memory kill skip the ``finally`` that stops the
+    server), and its CPUs.
     ``prctl`` is looked up here, in the parent: a child forked from threads loads nothing."""
     import ctypes
 
@@ -123,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--server-cpus {args.server_cpus} leaves no CPU for the training")
     # a SIGTERM (a scheduler's stop, `kill`) or a SIGHUP (the terminal closed) stops the
     # server too, as Ctrl-C does
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)
+    callers = {stop: signal.signal(stop, _interrupt) for stop in (signal.SIGTERM, signal.SIGHUP)}
     folder = resolve_model_path(args.model, args.model_cache_dir)
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                 start_new_session=True,
                                 preexec_fn=_server_child(server_cpus))
     training: subprocess.Popen | None = None
-    stops: dict[int, Any] = {}
+    stops: dict[int, Any] = {}  # the handlers while stopping: ignored
     try:
         _wait_healthy(url, proc, log, args.start_seconds)
         print(f"\rvllm serve is up at {url} (log: {log})", file=sys.stderr, flush=True)
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         train_env = {**os.environ, "VLLM_API_KEY": key}
         if trainer_cpus is not None:
             train_env["OMP_NUM_THREADS"] = str(len(trainer_cpus))
-        training = subprocess.Popen(train, env=train_env, preexec_fn=None if trainer_cpus is None
-                                    else lambda: os.sched_setaffinity(0, trainer_cpus))
+        training = subprocess.Popen(train, env=train_env,  # SIGTERM too if serve is killed
+                                    preexec_fn=_server_child(trainer_cpus))
         return training.wait()
     except KeyboardInterrupt:
         stops = _ignore_stops()  # a second signal must not leave the training behind
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         with contextlib.suppress(OSError):  # a terminal closed (SIGHUP) cannot be written to
             print("vllm serve stopped", file=sys.stderr)
-        for stop, handler in stops.items():  # main() run inside a process: as it was
+        signal.signal(signal.SIGINT, stops[signal.SIGINT])  # main() run inside a process:
+        for stop, handler in callers.items():  # the caller's handlers, as they were
             signal.signal(stop, handler)
 
 

@@ -99,7 +99,8 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     check_number(f"{where}.timeout", timeout, minimum=0.0, strict=True, allow_none=True)
     has_fallback = "fallback" in value
     require(model is None or (timeout is None and not has_fallback),
-            f"{where}.timeout: a reward model runs in this process and a time-out cannot stop "
+            f"{where}: a reward model takes no timeout or fallback; it runs in this process "
+            "and a time-out cannot stop "
             "it (its thread would go on holding the device, and a process that exits while it "
             "runs aborts); leave timeout and fallback unset, and bound its cost with "
             "batch_size")

@@ -333,13 +333,25 @@ class ServerWeights:
                 self._revive(server)
 
     def _check_probe(self) -> None:
-        """The servers give a probe sequence the policy's log-probabilities."""
+        """The servers give a probe sequence the policy's log-probabilities; every rank
+        checks, and all fail together (a rank failing alone would leave the others waiting
+        in the first collective of training)."""
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             device = next(self.model.parameters()).device
             logits = self.model(input_ids=torch.tensor([ids], device=device)).logits.float()
             ours = torch.log_softmax(logits[0, :-1], dim=-1).gather(
                 -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
+        error = None
+        try:
+            self._compare_probe(ids, ours)
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error = err
+        _all_ok(error is None, device, error,
+                "another rank's probe check of the vLLM servers failed (its error is in its log)")
+
+    def _compare_probe(self, ids: list[int], ours: torch.Tensor) -> None:
+        """ServerError naming the first server whose probe log-probs are not ``ours``."""
         for server in self.servers:
             if server.paused_by_failure or not server.healthy:
                 continue  # the first sync failed there (logged); the others serve

@@ -434,7 +434,7 @@ class VLLMServerEngine(ServerWeights):
 
     def close(self) -> None:
         """Close the connections and remove the weights file; a request still pending in
-        another thread is not sent again, and the rollout waiting for it fails at once."""
+        another thread is not sent again, and its rollout fails (after <= 3 s a group left)."""
         for server in self.servers:
             if server.sender is not None:  # a collective transfer's group
                 self._leave(server)

@@ -90,10 +90,10 @@ def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
         WeightedRewards({"model:x": {"dtype": "int8"}})
     with pytest.raises(ValueError, match=r"model.rewards.format has no option 'batch_size'"):
         WeightedRewards({"format": {"batch_size": 4}})
-    with pytest.raises(ValueError, match=r"model.rewards.model:x.timeout: a reward model runs "
-                                         r"in this process"):
+    with pytest.raises(ValueError, match=r"model.rewards.model:x: a reward model takes no "
+                                         r"timeout or fallback; it runs in this process"):
         WeightedRewards({"model:x": {"timeout": 5.0}})
-    with pytest.raises(ValueError, match=r"model.rewards.model:x.timeout: .*leave timeout and "
+    with pytest.raises(ValueError, match=r"model.rewards.model:x: .*leave timeout and "
                                          r"fallback unset"):
         WeightedRewards({"model:x": {"fallback": 0.0}})
     with pytest.raises(ValueError, match="'model:' must be followed by"):

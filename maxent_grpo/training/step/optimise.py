@@ -34,6 +34,7 @@ from maxent_grpo.validation import require
 if TYPE_CHECKING:
     from maxent_grpo.training.step.context import StepContext
     from maxent_grpo.training.step.step_log import StepMetrics
+    from maxent_grpo.training.step.token_logps import MicroBatchPlan
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ class Update:
     skipped: bool = False
 
 
+def _cut(values: Tensor | None, chunk: MicroBatchPlan) -> Tensor | None:
+    """``(n, Tc)``: a micro-batch's rows of ``(N, T)`` values, cut to its longest completion."""
+    return None if values is None else values[chunk.rows][:, :chunk.completion_len]
+
+
 def optimizer_step(
     ctx: StepContext, trajectory: Trajectory, sums: StepMetrics, timer: StepTimer,
     first: bool = True,
@@ -95,14 +101,11 @@ def optimizer_step(
     real = sum(not chunk.padding for chunk in t.chunks)  # the step's own micro-batches
     for i, chunk in enumerate(t.chunks):
         timer.start()
-        rows, cols, Tc = chunk.rows, chunk.columns(P), chunk.completion_len
-
-        def cut(values: Tensor | None, rows=rows, Tc=Tc) -> Tensor | None:  # (n, Tc)
-            return None if values is None else values[rows][:, :Tc]
-
-        old, sampler = cut(t.old_logps), cut(t.sampler_logps)
+        rows, cols = chunk.rows, chunk.columns(P)
+        old, sampler = _cut(t.old_logps, chunk), _cut(t.sampler_logps, chunk)
         scores, entropy = ctx.scorer.policy_scores(
-            ctx.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols], cut(t.mask),
+            ctx.policy, t.input_ids[rows][:, cols], t.attention[rows][:, cols],
+            _cut(t.mask, chunk),
             old, ctx.objective.needs_entropy, sampler)
         if chunk.padding:  # only keeps the ranks' collectives in step: weight zero
             timer.stop("forward")
@@ -127,7 +130,7 @@ def optimizer_step(
         out = ctx.objective.loss(MicroBatch(
             token_logps=scores.token_logp,
             old_token_logps=scores.old_token_logp,
-            ref_token_logps=cut(t.ref_logps),
+            ref_token_logps=_cut(t.ref_logps, chunk),
             mask=scores.token_mask,
             entropy=entropy,
             advantages=mine.advantages, weights=mine.weights, candidates=mine.candidates,

@@ -94,7 +94,7 @@ class RolloutPipeline:
         seed = int(torch.randint(0, 2**31 - 1, (1,)))
         future: concurrent.futures.Future = concurrent.futures.Future()
 
-        def run() -> None:  # a daemon thread: a failed run's exit never waits for it
+        def run() -> None:  # a daemon thread: close() waits for it a bounded time only
             if not future.set_running_or_notify_cancel():
                 return
             try:
