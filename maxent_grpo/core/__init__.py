@@ -35,23 +35,17 @@ from maxent_grpo.core.control import (
     meta_update,
     tau_update,
 )
-from maxent_grpo.core.divergence import (
-    CORRECTIONS,
-    RATIO_LEVELS,
-    clip_fractions,
-    importance_ratio,
-    importance_ratio_at,
-    kl_penalty,
-    sampler_correction_weights,
-)
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.core.listwise import (
+    answer_listwise_loss,
     answer_maxent_weights,
     class_logsumexp,
     group_utility,
     group_weights,
+    listwise_loss,
     maxent_weights,
     q_distribution,
+    sequence_clip_loss,
     weight_entropy,
 )
 from maxent_grpo.core.logprobs import (
@@ -60,14 +54,18 @@ from maxent_grpo.core.logprobs import (
     token_entropy,
 )
 from maxent_grpo.core.losses import (
-    answer_listwise_loss,
+    CORRECTIONS,
+    RATIO_LEVELS,
     cispo_surrogate,
     clip_cov_surrogate,
+    clip_fractions,
     clipped_surrogate,
+    importance_ratio,
+    importance_ratio_at,
     kl_cov_surrogate,
-    listwise_loss,
+    kl_penalty,
     reduce_token_loss,
-    sequence_clip_loss,
+    sampler_correction_weights,
     token_covariance,
     top_entropy_mask,
 )

@@ -1,4 +1,5 @@
-"""Listwise MaxEnt weights over a prompt group (docs/ALGORITHM.md §4.3 and §4.4).
+"""Listwise MaxEnt over a prompt group (docs/ALGORITHM.md §4.3 and §4.4): the target
+weights and the listwise losses that move the policy towards them.
 
 All tensors are ``(B, G)``: ``B`` prompts, ``G`` candidates per prompt; every softmax runs
 over ``G``. The weights are targets, computed without autograd and detached.
@@ -14,6 +15,14 @@ import math
 import torch
 
 from maxent_grpo.core.advantages import check_answer_classes, check_rewards, group_advantages
+from maxent_grpo.core.losses import (
+    _check_same_shape,
+    _check_tensor,
+    clipped_surrogate,
+    importance_ratio,
+)
+
+WEIGHT_SUM_TOL = 1e-4
 
 
 def _check_scalar(name: str, value: float, *, positive: bool = False) -> None:
@@ -254,3 +263,105 @@ def answer_maxent_weights(
             support = torch.where(right.any(-1, keepdim=True), right, first)
         w = maxent_weights(q.log(), tau, beta, ref, support)
     return q, w
+
+
+def _check_group_weights(
+    seq_logps: object, weights: object, seq_name: str = "seq_logps"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(B, G)`` scores and weights on the simplex; return them (weights detached)."""
+    scores = _check_tensor(seq_logps, seq_name)
+    if scores.dim() != 2 or scores.shape[0] == 0 or scores.shape[1] == 0:
+        raise ValueError(
+            f"{seq_name} must have shape (B, G) with B, G >= 1; got shape {tuple(scores.shape)}"
+        )
+    w = _check_tensor(weights, "weights")
+    _check_same_shape(scores, seq_name, w, "weights")
+    w = w.detach()
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError("weights must be finite and non-negative")
+    row_sums = w.sum(dim=-1)
+    worst = float((row_sums - 1.0).abs().max())
+    if worst > WEIGHT_SUM_TOL:
+        raise ValueError(
+            f"weights must sum to 1 over each group (within {WEIGHT_SUM_TOL}); "
+            f"largest deviation {worst:.3g}"
+        )
+    return scores, w.to(scores.dtype)
+
+
+def listwise_loss(
+    seq_logps: torch.Tensor, weights: torch.Tensor, candidates: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Listwise cross-entropy between target weights and the policy over each group's candidates.
+
+    ``loss = mean_b ( -sum_i w[b, i] * log_softmax_G(s)[b, i] )``, ``s = seq_logps``, a 0-d
+    tensor with gradient ``(p - w) / B`` on ``s``, ``p = softmax_G(s)``. For the
+    length-normalised variant pass ``s_i / T_i``.
+
+    Args:
+        seq_logps: ``(B, G)`` sequence log-probabilities ``s_i = sum_t m l``.
+        weights: ``(B, G)`` target weights, non-negative, each row summing to 1 (within 1e-4);
+            treated as constants (detached).
+        candidates: ``(B, G)`` bool or None: the softmax runs over each group's candidates
+            only (e.g. its distinct completions, :func:`~maxent_grpo.core.distinct_candidates`);
+            weights outside them must be 0.
+    """
+    scores, w = _check_group_weights(seq_logps, weights)
+    if candidates is None:
+        return -(w * torch.log_softmax(scores, dim=-1)).sum(dim=-1).mean()
+    _check_same_shape(scores, "seq_logps", candidates, "candidates")
+    logp = torch.log_softmax(scores.masked_fill(~candidates, float("-inf")), dim=-1)
+    return -torch.where(candidates, w * logp, torch.zeros_like(logp)).sum(dim=-1).mean()
+
+
+def answer_listwise_loss(
+    seq_logps: torch.Tensor, weights: torch.Tensor, answers: torch.Tensor,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Listwise cross-entropy over each group's distinct *answers* (docs/ALGORITHM.md §4.3,
+    answer level): ``loss = mean_b ( -sum_C w_C * log P(C) )`` with
+    ``P(C) = sum_{i in C} e^{s_i} / sum_j e^{s_j}`` over the candidate rows, the policy
+    restricted to the sampled completions and summed over the completions of one answer.
+
+    ``weights`` ``(B, G)`` holds ``w_C`` on the first row of each class (0 elsewhere,
+    :func:`~maxent_grpo.core.answer_maxent_weights`); ``answers`` the classes
+    (:func:`~maxent_grpo.core.answer_classes`). The gradient on ``s_i`` of row ``i`` in
+    class ``C`` is ``p_i (1 - w_C / P(C)) / B``: the class's mass moves towards ``w_C`` and
+    is shared among its completions in proportion to the policy. With one candidate row
+    per class it is :func:`listwise_loss` over the candidates.
+    """
+    scores, w = _check_group_weights(seq_logps, weights)
+    check_answer_classes(answers, candidates)
+    _check_same_shape(scores, "seq_logps", answers, "answers")
+    first = answers == torch.arange(answers.shape[1], device=answers.device)
+    if bool((w[~first] != 0).any()):
+        raise ValueError("answer-level weights must be 0 outside the first row of each class")
+    masked = scores if candidates is None else scores.masked_fill(~candidates, float("-inf"))
+    log_class = class_logsumexp(scores, answers, candidates) - torch.logsumexp(
+        masked, dim=-1, keepdim=True)  # (B, G): log P(class of row i)
+    return -torch.where(first, w * log_class, torch.zeros_like(log_class)).sum(dim=-1).mean()
+
+
+def sequence_clip_loss(
+    seq_logps: torch.Tensor, old_seq_logps: torch.Tensor, weights: torch.Tensor,
+    eps_low: float = 0.2, eps_high: float | None = None, max_log_ratio: float = 20.0,
+) -> torch.Tensor:
+    """Optional sequence-level clipped term of listwise MaxEnt-GRPO (docs/ALGORITHM.md §4.3 step 4).
+
+    ``a_hat = w - 1/G``, ``ratio = exp(clamp(s - s_old, -max_log_ratio, max_log_ratio))``,
+    ``term = -mean_b sum_i min(ratio * a_hat, clip(ratio, 1 - eps_low, 1 + eps_high) * a_hat)``,
+    a 0-d tensor. At ``s_old = s`` the value is 0 and the gradient on ``s`` is ``-a_hat / B``.
+
+    Args:
+        seq_logps: ``(B, G)`` current sequence log-probabilities.
+        old_seq_logps: ``(B, G)`` behaviour-policy sequence log-probabilities (detached).
+        weights: ``(B, G)`` target weights on the simplex (detached).
+        eps_low, eps_high: clip widths as in :func:`~maxent_grpo.core.losses.clipped_surrogate`.
+        max_log_ratio: overflow bound as in :func:`~maxent_grpo.core.losses.importance_ratio`.
+    """
+    scores, w = _check_group_weights(seq_logps, weights)
+    old = _check_tensor(old_seq_logps, "old_seq_logps")
+    _check_same_shape(scores, "seq_logps", old, "old_seq_logps")
+    a_hat = w - 1.0 / scores.shape[1]
+    ratio = importance_ratio(scores, old, max_log_ratio)
+    return -clipped_surrogate(ratio, a_hat, eps_low, eps_high).sum(dim=-1).mean()

@@ -1,4 +1,4 @@
-"""Tests for maxent_grpo.core.divergence: KL estimators, importance ratio, clip fractions."""
+"""Tests for maxent_grpo.core.losses' parts: KL estimators, importance ratio, clip fractions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from maxent_grpo.core.divergence import (
+from maxent_grpo.core.losses import (
     clip_fractions,
     importance_ratio,
     kl_penalty,

@@ -1,4 +1,5 @@
-"""Tests for maxent_grpo.core.losses: surrogate, reductions, listwise and sequence-clip losses."""
+"""Tests for the losses: surrogate and reductions (core.losses), listwise and sequence-clip
+losses (core.listwise)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,8 @@ import math
 import pytest
 import torch
 
-from maxent_grpo.core.losses import (
-    clipped_surrogate,
-    listwise_loss,
-    reduce_token_loss,
-    sequence_clip_loss,
-)
+from maxent_grpo.core.listwise import listwise_loss, sequence_clip_loss
+from maxent_grpo.core.losses import clipped_surrogate, reduce_token_loss
 
 # ---------------------------------------------------------------- clipped_surrogate
 
