@@ -446,6 +446,19 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
     assert model.model_name_or_path == "builtin:tiny"  # a mismatch is refused at load time
 
 
+@pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n', b"PK\x03\x04" + b"0" * 64],
+                         ids=["not-a-checkpoint", "cut-short"])
+def test_a_ckpt_path_file_that_is_no_checkpoint_is_named_not_loaded(monkeypatch, tmp_path,
+                                                                     content):
+    """Lightning's CLI loaded the file (for its hyper-parameters) before any check: a file
+    that is no checkpoint failed with torch's traceback instead of the checkpoint check."""
+    bad = tmp_path / "data.ckpt"
+    bad.write_bytes(content)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="is not usable: truncated or corrupt"):
+        cli_module.main(["validate", "--ckpt_path", str(bad), "--trainer.logger=false"])
+
+
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
     exist is refused, naming the four."""

@@ -129,6 +129,12 @@ class MaxEntGRPOCLI(LightningCLI):
         trainer.default_root_dir_given = bool(trainer_config.get("default_root_dir"))
         return trainer
 
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: LightningCLI would load a ``--ckpt_path`` file here, before any check, to
+        replace the model options by its saved ones, which :meth:`before_instantiate_classes`
+        undoes; a file that is no checkpoint would fail with torch's traceback. The file is
+        checked in :meth:`_prepare_resume` instead."""
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and keep the parsed config: see :meth:`before_instantiate_classes`."""
         super().parse_arguments(parser, args)
