@@ -446,7 +446,8 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
     assert model.model_name_or_path == "builtin:tiny"  # a mismatch is refused at load time
 
 
-@pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n', b"PK\x03\x04" + b"0" * 64],
+@pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n',
+                                     b"PK\x03\x04" + b"0" * 64],
                          ids=["not-a-checkpoint", "cut-short"])
 def test_a_ckpt_path_file_that_is_no_checkpoint_is_named_not_loaded(monkeypatch, tmp_path,
                                                                      content):
