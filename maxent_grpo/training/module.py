@@ -443,7 +443,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         the first training batch."""
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
-            fitting=self._trainer is not None and self.trainer.state.fn == "fit")
+            self._trainer is not None and self.trainer.state.fn == "fit", self.source.peft)
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self.pipeline is not None and self._trainer is not None:
             self.pipeline.restore(checkpoint, self.trainer.state.fn == "fit", self.global_rank,

@@ -96,13 +96,16 @@ def save_state(
 def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
+    peft: Any = None,
 ) -> dict[str, Any]:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
     state (the caller restores it just before the first training batch).
 
     Raises ValueError naming the option when the checkpoint was made with another
-    ``model.model_name_or_path`` or another objective class. When ``fitting``, a
+    ``model.model_name_or_path``, another objective class, or adapters its weights do not
+    fit (``model.peft`` set in one and not the other, or another adapter type, rank,
+    target modules, bias or saved modules). When ``fitting``, a
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
@@ -123,6 +126,8 @@ def load_state(
             f"the checkpoint was made with model.objective {saved['objective_class']}, "
             f"but this run has {name}; resume with the same objective class_path"
         )
+    if "peft" in saved:  # checkpoints from before the record have none
+        _check_adapters(saved["peft"], peft_record(peft))
     before, now = saved.get("controllers") or {}, _controllers(loop)
     if fitting and before.get("attached") and not now["attached"]:
         rank_zero_warn(
@@ -147,3 +152,22 @@ def load_state(
         )
         rank = 0
     return states[rank]
+
+
+#: the ``model.peft`` fields that decide which adapter weights a checkpoint holds
+ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "bias", "modules_to_save", "use_dora")
+
+
+def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+    if (saved is None) != (now is None):
+        made, run = ("with", "without") if now is None else ("without", "with")
+        raise ValueError(
+            f"the checkpoint was made {made} model.peft adapters and this run is {run} them, "
+            "so its weights do not fit the model; use the model.peft it was trained with")
+    if saved is None or now is None:
+        return
+    differ = [k for k in ADAPTER_SHAPE if saved.get(k) != now.get(k)]
+    if differ:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+                          for k in differ)
+        raise ValueError(f"the checkpoint's adapters do not fit this run's model.peft ({shown})")

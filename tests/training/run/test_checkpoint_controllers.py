@@ -1,6 +1,7 @@
 """A checkpoint records the tau/beta controllers that moved its objective
 (``LoopSettings.controller`` and ``controller_meta_manager``), and a fit resumed without
-them is warned about; validating or testing the checkpoint is not."""
+them is warned about; validating or testing the checkpoint is not. It records its adapters
+too, and a run whose ``model.peft`` its weights do not fit is refused, naming it."""
 
 from __future__ import annotations
 
@@ -56,3 +57,34 @@ def test_a_checkpoint_without_controllers_resumes_quietly(loop):
     checkpoint = saved(BARE)
     assert checkpoint["maxent_grpo"]["controllers"]["attached"] is False
     assert resumed(checkpoint, loop, fitting=True) == []
+
+
+def lora(**options):
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", **{"r": 4, "target_modules": ["q_proj"], **options})
+
+
+def loaded(saved_peft, peft) -> None:
+    checkpoint: dict = {}
+    save_state(checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE,
+               peft=saved_peft)
+    load_state(checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE,
+               peft=peft)
+
+
+@pytest.mark.parametrize(("saved_peft", "now", "match"), [
+    (lora(), None, "made with model.peft adapters and this run is without them"),
+    (None, lora(), "made without model.peft adapters and this run is with them"),
+    (lora(), lora(r=8), "r: 4 in the checkpoint, 8 now"),
+    (lora(), lora(target_modules=["q_proj", "v_proj"]), "target_modules"),
+], ids=["adapters-dropped", "adapters-added", "rank", "targets"])
+def test_a_checkpoint_whose_adapters_do_not_fit_the_run_is_refused(saved_peft, now, match):
+    """Before, the weights' load failed with Lightning's missing and unexpected keys."""
+    with pytest.raises(ValueError, match=match):
+        loaded(saved_peft, now)
+
+
+def test_adapter_options_that_keep_the_weights_resume():
+    loaded(lora(), lora(lora_dropout=0.1, lora_alpha=32))  # no error
+    loaded(None, None)
