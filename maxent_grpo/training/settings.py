@@ -157,9 +157,26 @@ def build_lr_scheduler(
             main, sched.ReduceLROnPlateau),
             "model.lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped "
             f"once per optimizer step (not ReduceLROnPlateau); got {type(main).__name__}")
+        _check_first_step(factory, optimizer)
     else:
         main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
     if W <= 1:
         return main
     warmup = sched.LinearLR(optimizer, start_factor=1.0 / W, end_factor=1.0, total_iters=W - 1)
     return sched.SequentialLR(optimizer, [warmup, main], milestones=[W])
+
+
+def _check_first_step(factory: Callable[[torch.optim.Optimizer], Any],
+                      optimizer: torch.optim.Optimizer) -> None:
+    """Step a copy of ``model.lr_scheduler`` once on a throwaway optimizer, so that options
+    it cannot step with (``T_max: 0``, ``step_size: 0``) fail before training, naming the
+    option, not inside torch after the first update."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+                            lr=optimizer.param_groups[0]["lr"])
+    scheduler = factory(probe)
+    try:
+        probe.step()
+        scheduler.step()
+    except Exception as err:  # noqa: BLE001 - any failure is the option's
+        raise ValueError(f"model.lr_scheduler ({type(scheduler).__name__}) cannot take its "
+                         f"first step: {type(err).__name__}: {err}") from err

@@ -200,6 +200,17 @@ def test_learning_rate_schedules_by_hand():
         lr_factors(1, factory=torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
+@pytest.mark.parametrize("factory", [
+    functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=0),
+    functools.partial(torch.optim.lr_scheduler.StepLR, step_size=0),
+], ids=["cosine-T_max-0", "step-size-0"])
+def test_a_scheduler_that_cannot_step_fails_when_built(factory):
+    """It failed inside torch at the first (or, after a warm-up, a later) optimizer step."""
+    with pytest.raises(ValueError, match=r"model\.lr_scheduler \(\w+\) cannot take its first "
+                                         r"step: ZeroDivisionError"):
+        lr_factors(0, lr_warmup_steps=5, factory=factory)
+
+
 def test_validation_logs_rewards(cache_dir):
     module = make_module(
         cache_dir, eval_num_generations=2,
