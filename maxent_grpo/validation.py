@@ -11,11 +11,13 @@ so a bad config fails when its object is built, never later in training::
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Collection
 from numbers import Real
 from typing import Any
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "is_number", "require"]
+__all__ = ["MAX_SECONDS", "check_bool", "check_choice", "check_int", "check_number",
+           "check_seconds", "is_number", "require"]
 
 
 def require(ok: bool, message: str) -> None:
@@ -69,6 +71,19 @@ def check_number(
         bound = ""
     none = " (or null)" if allow_none else ""
     require(ok, f"{name} must be a finite number{bound}{none}; got {value!r}")
+
+
+#: the longest wait Python's threads and locks accept (``threading.TIMEOUT_MAX``, about 292
+#: years); a longer time limit fails inside the wait with OverflowError
+MAX_SECONDS = threading.TIMEOUT_MAX
+
+
+def check_seconds(name: str, value: Any, allow_zero: bool = False,
+                  allow_none: bool = False) -> None:
+    """``value`` is a time limit: a finite number of seconds > 0 (>= 0 with ``allow_zero``)
+    and at most :data:`MAX_SECONDS`; ``None`` passes with ``allow_none``."""
+    check_number(name, value, minimum=0, maximum=MAX_SECONDS, strict=not allow_zero,
+                 allow_none=allow_none)
 
 
 def check_bool(name: str, value: Any) -> None:

@@ -24,7 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.validation import check_choice, check_int, check_number, is_number, require
+from maxent_grpo.validation import (
+    check_choice,
+    check_int,
+    check_number,
+    check_seconds,
+    is_number,
+    require,
+)
 
 __all__ = ["MODEL_PREFIX", "RewardOptions", "parse_reward_options"]
 
@@ -96,7 +103,7 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     weight = value.get("weight", 1.0)
     check_number(f"{where}.weight", weight)
     timeout = value.get("timeout")
-    check_number(f"{where}.timeout", timeout, minimum=0.0, strict=True, allow_none=True)
+    check_seconds(f"{where}.timeout", timeout, allow_none=True)
     has_fallback = "fallback" in value
     require(model is None or (timeout is None and not has_fallback),
             f"{where}: a reward model takes no timeout or fallback; it runs in this process "

@@ -64,7 +64,7 @@ from maxent_grpo.rollout.toolcall import (
     timed_call,
     valid_text,
 )
-from maxent_grpo.validation import check_int, check_number, require
+from maxent_grpo.validation import check_int, check_seconds, require
 
 __all__ = ["MultiTurnEngine", "environment_factory", "message_segment"]
 
@@ -149,7 +149,7 @@ class MultiTurnEngine:
         require((toolbox is None) != (environment is None),
                 "a multi-turn rollout takes model.tools or model.environment, not both")
         check_int("model.max_tool_calls", max_tool_calls, minimum=1)
-        check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+        check_seconds("model.tool_timeout", timeout)
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)

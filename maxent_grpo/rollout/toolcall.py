@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxent_grpo.rollout import sandbox
-from maxent_grpo.validation import check_choice, check_number, require
+from maxent_grpo.validation import check_choice, check_seconds, require
 
 __all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
            "Toolbox", "parse_tool_calls", "resolve_tool", "timed_call"]
@@ -250,7 +250,7 @@ class Toolbox:
                  isolation: str = "thread") -> None:
         require(isinstance(tools, (list, tuple)) and len(tools) > 0,
                 f"model.tools must be a non-empty list of tools; got {tools!r}")
-        check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+        check_seconds("model.tool_timeout", timeout)
         check_choice("model.tool_isolation", isolation, ISOLATIONS)
         self.timeout, self.isolation = float(timeout), isolation
         self._sandbox: sandbox.Sandbox | None = None  # the process-isolation pool, on first use

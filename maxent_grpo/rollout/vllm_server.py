@@ -90,7 +90,7 @@ from maxent_grpo.rollout.vllm_engine import (
     request_seed_base,
     request_seeds,
 )
-from maxent_grpo.validation import check_number, require
+from maxent_grpo.validation import check_number, check_seconds, require
 
 __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
 
@@ -160,10 +160,9 @@ class VLLMServerEngine(ServerWeights):
                 f"VLLMServerEngine.urls must be http(s) URLs; got {urls!r}")
         require(len(set(urls)) == len(urls), f"VLLMServerEngine.urls repeats a URL: {urls!r}")
         for name, value in (("request_timeout", request_timeout), ("retry_seconds", retry_seconds),
-                            ("connect_seconds", connect_seconds),
-                            ("probe_tolerance", probe_tolerance)):
-            check_number(f"VLLMServerEngine.{name}", value, minimum=0,
-                         strict=name != "connect_seconds")
+                            ("connect_seconds", connect_seconds)):
+            check_seconds(f"VLLMServerEngine.{name}", value, allow_zero=name == "connect_seconds")
+        check_number("VLLMServerEngine.probe_tolerance", probe_tolerance, minimum=0, strict=True)
         require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
                 f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
                 f"got {max_parallel_requests!r}")

@@ -24,7 +24,14 @@ from maxent_grpo.training.types import (
     LoopSettings,
     OptimizationSettings,
 )
-from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+from maxent_grpo.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_seconds,
+    require,
+)
 
 
 def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
@@ -34,7 +41,7 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
     calls, timeout = o.get("max_tool_calls", 4), o.get("tool_timeout", 10.0)
     isolation = o.get("tool_isolation", "thread")
     check_int("model.max_tool_calls", calls, minimum=1)
-    check_number("model.tool_timeout", timeout, minimum=0, strict=True)
+    check_seconds("model.tool_timeout", timeout)
     check_choice("model.tool_isolation", isolation, ISOLATIONS)
     if not tools and env is None:
         return None

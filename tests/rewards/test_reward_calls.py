@@ -100,7 +100,10 @@ def test_weights_and_option_mappings_mix():
     ({"format": math.nan}, r"model\.rewards\.format must be a finite number"),
     ({"format": "1"}, r"model\.rewards\.format must be a finite number"),
     ({"format": {"weight": math.inf}}, r"model\.rewards\.format\.weight must be a finite"),
-    ({"format": {"timeout": -1}}, r"model\.rewards\.format\.timeout must be a finite number > 0"),
+    ({"format": {"timeout": -1}}, r"model\.rewards\.format\.timeout must be a finite number in "
+                                  r"\(0, "),
+    # longer than Python's waits take (it failed in the wait, blaming the reward function)
+    ({"format": {"timeout": 1e12}}, r"format\.timeout must be a finite number in \(0, 92233"),
     ({"format": {"fallback": 0.0}}, r"model\.rewards\.format\.fallback .* needs model\.rewards"
                                     r"\.format\.timeout"),
     ({"format": {"timeout": 1, "fallback": "zero"}}, r"format\.fallback must be a finite number"),

@@ -154,6 +154,8 @@ def test_tools_are_named_by_import_path_or_builtin_name():
         Toolbox([])
     with pytest.raises(ValueError, match="model.tool_timeout"):
         Toolbox([divide], timeout=0)
+    with pytest.raises(ValueError, match=r"model.tool_timeout must be a finite number in \(0, "):
+        Toolbox([divide], timeout=1e12)  # longer than a thread's join takes: OverflowError
 
 
 def test_the_calculator_runs_no_code():

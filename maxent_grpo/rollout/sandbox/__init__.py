@@ -154,7 +154,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxent_grpo.rollout.sandbox.pool import WORKER, Pool, killpg
-from maxent_grpo.validation import check_int, check_number, require
+from maxent_grpo.validation import check_int, check_seconds, require
 
 __all__ = ["UID_BASE", "Sandbox", "SandboxError", "SandboxResult", "close_shared_sandbox",
            "python", "shared_sandbox", "tool_reference"]
@@ -292,7 +292,7 @@ class Sandbox:
                  spares: int = 2, namespaces: bool = True,
                  tools: Sequence[Callable[..., Any]] = (), uid_base: int = UID_BASE,
                  tmp_root: str | None = None) -> None:
-        check_number("sandbox timeout", timeout, minimum=0, strict=True)
+        check_seconds("sandbox timeout", timeout)
         for name, value in (("memory_mb", memory_mb), ("file_size_mb", file_size_mb),
                             ("disk_mb", disk_mb), ("max_processes", max_processes),
                             ("output_bytes", output_bytes), ("spares", spares),
@@ -339,7 +339,7 @@ class Sandbox:
 
     def _call(self, request: dict[str, Any], timeout: float | None, tool: bool) -> SandboxResult:
         timeout = self.timeout if timeout is None else float(timeout)
-        check_number("sandbox timeout", timeout, minimum=0, strict=True)
+        check_seconds("sandbox timeout", timeout)
         request.update(timeout=timeout, cpu_seconds=cpu_seconds(timeout))
         deadline = time.monotonic() + timeout + GRACE  # the waits for a spare end by then
         failed = functools.partial(SandboxResult, "failed", tool=tool, timeout=timeout)
