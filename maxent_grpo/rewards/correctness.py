@@ -23,8 +23,10 @@ from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.tasks.countdown import check_countdown
 
 MATH_VERIFY_TIMEOUT_S = 5
-"""Per-call timeout of math-verify's parse/verify in the main thread. math-verify times out
-with ``signal.alarm``, which only works there; in other threads it runs without a timeout."""
+"""Per-call time limit of math-verify's parse and verify. math-verify times out with
+``signal.alarm``, which only works in the main thread; elsewhere
+:class:`~maxent_grpo.rewards.verify_worker.Verifier` runs them in the main thread of a
+worker process."""
 
 _SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
 
@@ -33,12 +35,20 @@ def _collapse(text: str) -> str:
     return " ".join(text.split())
 
 
-#: a power whose exponent holds a power (``9**9**9``, ``9^9^9``, ``10^{10^{7}}``) or has 6 or
-#: more digits: what math-verify (sympy) may take minutes to evaluate, compared as strings
-#: where no time limit can stop it; separate powers (``x^2 + y^2``) are not matched
-_POW = r"(?:\*\*|\^)"
-_EXPLOSIVE = re.compile(
-    rf"{_POW}\s*[({{]?\s*[\w.]+\s*[)}}]?\s*{_POW}|\^\s*\{{[^{{}}]*\^|{_POW}\s*[({{]?\s*\d{{6,}}")
+def _equal(gold: str, prediction: str, golds: dict[str, list]) -> bool:
+    """Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and the verify
+    limited to :data:`MATH_VERIFY_TIMEOUT_S`; the main thread only); the strings compared
+    with whitespace collapsed when it extracts nothing from either. ``golds`` caches the
+    parsed references."""
+    from math_verify import parse, verify  # slow import, only when the reward is used
+
+    if gold not in golds:
+        golds[gold] = parse(gold, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+    gold_parsed = golds[gold]
+    prediction_parsed = parse(prediction, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+    if gold_parsed and prediction_parsed:
+        return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
+    return _collapse(gold) == _collapse(prediction)
 
 
 @register_reward("accuracy")
@@ -51,9 +61,11 @@ def accuracy_reward(
     ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. When math-verify extracts nothing from
     either side (e.g. the reference is a word), the two strings are compared exactly after
     collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
-    Off the main thread (a reward ``timeout``, a worker thread) math-verify has no time
-    limit, so there a prediction with a power of a power or an exponent of 6 or more digits
-    (``9**9**9``) is compared as a string instead of being evaluated.
+    Each comparison may take :data:`MATH_VERIFY_TIMEOUT_S` per parse and verify (then it
+    is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
+    math-verify's limit does not work, the comparisons run in a worker process
+    (:class:`~maxent_grpo.rewards.verify_worker.Verifier`), so that an answer such as
+    ``9**(9*9*9*9*9*9*9*9*9)`` cannot hold the process.
 
     >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],
     ...                 answer=["1/2"])
@@ -62,12 +74,8 @@ def accuracy_reward(
     ...                 answer=["1/2"])
     [0.0]
     """
-    from math_verify import parse, verify  # slow import, only when the reward is used
-
     golds = require_column("accuracy", "answer", answer, len(completions))
-    timeout = (
-        MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    )
+    main = threading.current_thread() is threading.main_thread()
     parsed_golds: dict[str, list] = {}
     scores: list[float | None] = []
     for completion, gold in zip(completions, golds, strict=True):
@@ -79,19 +87,16 @@ def accuracy_reward(
         if prediction is None:
             scores.append(0.0)
             continue
-        if gold not in parsed_golds:
-            parsed_golds[gold] = parse(gold, parsing_timeout=timeout)
-        gold_parsed = parsed_golds[gold]
-        if timeout is None and _EXPLOSIVE.search(prediction):
-            prediction_parsed = None  # no time limit here: 9**9**9 would never end
-        else:
-            prediction_parsed = parse(prediction, parsing_timeout=timeout)
-        if gold_parsed and prediction_parsed:
-            correct = verify(gold_parsed, prediction_parsed, timeout_seconds=timeout)
-        else:
-            correct = _collapse(gold) == _collapse(prediction)
+        correct = (_equal(gold, prediction, parsed_golds) if main
+                   else _worker().equal(gold, prediction))
         scores.append(1.0 if correct else 0.0)
     return scores
+
+
+def _worker() -> Any:
+    from maxent_grpo.rewards.verify_worker import VERIFIER  # not imported by the package
+
+    return VERIFIER
 
 
 def _countdown_expression(answer: str, target: int) -> str | None:

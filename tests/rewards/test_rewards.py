@@ -5,6 +5,9 @@ from __future__ import annotations
 import doctest
 import importlib
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -389,17 +392,45 @@ def test_answer_blocks_read_as_the_lazy_pattern_does_in_linear_time():
     assert time.perf_counter() - start < 10.0  # about 0.05 s; the regexes took minutes
 
 
-def test_accuracy_off_the_main_thread_does_not_evaluate_a_tower_of_powers():
-    """Without math-verify's time limit (off the main thread) ``9**9**9`` would be computed
-    in full (the GIL held for minutes); it is compared as a string and is wrong. Answers
-    with separate powers are still compared mathematically there."""
-    import threading
+OFF_MAIN_THREAD = """
+import sys, threading
+from maxent_grpo.rewards import accuracy_reward
+from maxent_grpo.rewards.timeout import TimedReward
+completions = ["<answer>9**(9*9*9*9*9*9*9*9*9)</answer>", "<answer>9**9**9</answer>",
+               "<answer>2^3</answer>", "<answer>$y^2+x^2$</answer>",
+               "<answer>30^{\\circ}, 60^{\\circ}</answer>"]
+answers = ["4", "7", "8", "$x^2 + y^2$", "30^\\circ, 60^\\circ"]
+out = []
+worker = threading.Thread(target=lambda: out.append(accuracy_reward(["q"] * 5, completions,
+                                                                    answer=answers)))
+worker.start()
+worker.join()
+timed = TimedReward("accuracy", accuracy_reward, 1.0, 0.0, True)
+print(out[0], timed(prompts=["q"], completions=completions[:1], answer=["4"]))
+"""
 
-    out: list = []
-    worker = threading.Thread(target=lambda: out.append(accuracy_reward(
-        ["q"] * 4, ["<answer>9**9**9</answer>", "<answer>2^3</answer>",
-                    "<answer>$y^2+x^2$</answer>", "<answer>30^{\\circ}, 60^{\\circ}</answer>"],
-        answer=["7", "8", "$x^2 + y^2$", "30^\\circ, 60^\\circ"])), daemon=True)
-    worker.start()
-    worker.join(timeout=120)
-    assert out == [[0.0, 1.0, 1.0, 1.0]]
+
+def test_accuracy_off_the_main_thread_cannot_hold_the_process():
+    """Off the main thread math-verify has no time limit: ``9**(9*9*...*9)`` had sympy
+    compute the power in C, holding the GIL, and the process stopped (a reward ``timeout``
+    never fired); a deny-list of such powers missed forms like this one. The comparisons
+    now run in a worker process with the limit. Answers with separate powers are still
+    compared mathematically there. (In a subprocess: before, it never ended.)"""
+    run = subprocess.run([sys.executable, "-c", OFF_MAIN_THREAD], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[0] == "[0.0, 0.0, 1.0, 1.0, 1.0] [0.0]"
+
+
+def test_the_verifier_kills_a_comparison_that_outlives_its_time_and_starts_again():
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    verifier = Verifier(call_seconds=1.0)
+    try:
+        assert verifier.equal("1/2", "0.5") is True
+        first = verifier._process
+        assert verifier.equal("4", "9**(9*9*9*9*9*9*9*9*9)") is False  # killed after 1 s
+        assert verifier._process is None and first.poll() is not None
+        assert verifier.equal("8", "2^3") is True  # a new worker
+    finally:
+        verifier.close()
