@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from maxent_grpo.rewards.parsing import (
+    INTEGER,
+    SYMBOLS,
     completion_text,
     extract_answer,
     parse_int,
@@ -27,9 +29,6 @@ MATH_VERIFY_TIMEOUT_S = 5
 ``signal.alarm``, which only works in the main thread; elsewhere
 :class:`~maxent_grpo.rewards.verify_worker.Verifier` runs them in the main thread of a
 worker process."""
-
-_SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
-
 
 def _collapse(text: str) -> str:
     return " ".join(text.split())
@@ -100,10 +99,11 @@ def _worker() -> Any:
 
 
 def _countdown_expression(answer: str, target: int) -> str | None:
-    """The expression part of a countdown answer, with ×, ÷, \\times, \\div, \\cdot
-    read as * and /; an ``expr = target`` answer keeps ``expr`` (None when the right-hand
-    side is not the target)."""
-    for symbol, op in _SYMBOLS.items():
+    """The expression part of a countdown answer, with the operator symbols
+    (:data:`~maxent_grpo.rewards.parsing.SYMBOLS`: ×, ÷, −, ...) read as ``*``, ``/``,
+    ``-``; an ``expr = target`` answer keeps ``expr`` (None when the right-hand side is not
+    the target)."""
+    for symbol, op in SYMBOLS.items():
         answer = answer.replace(symbol, op)
     if answer.count("=") == 1:
         answer, rhs = answer.split("=")
@@ -143,9 +143,6 @@ def countdown_reward(
     return scores
 
 
-_FIRST_INT = re.compile(r"-?\d+")
-
-
 @register_reward("first_number")
 def first_number_reward(
     prompts: list, completions: list, answer: list | None = None, **kwargs: object,
@@ -171,12 +168,12 @@ def first_number_reward(
             raise ValueError(
                 f"first_number: the answer of row {row} must be an integer; got {gold!r}"
             ) from None
-        match = _FIRST_INT.search(completion_text(completion))
+        match = INTEGER.search(completion_text(completion))
         scores.append(1.0 if match is not None and parse_int(match.group()) == target else 0.0)
     return scores
 
 
-_DIGIT_PAIR = re.compile(r"\s*(\d)\s*\+\s*(\d)\s*")
+_DIGIT_PAIR = re.compile(r"\s*([0-9])\s*\+\s*([0-9])\s*")  # ASCII digits, as the answers are
 
 
 @register_reward("digit_pair")
@@ -239,7 +236,7 @@ def in_set_reward(
             valid = {int(str(m).strip()) for m in members}
         except ValueError:
             raise ValueError(f"in_set: valid_answers must hold integers; got {members!r}") from None
-        match = _FIRST_INT.search(answer)
+        match = INTEGER.search(answer)
         return match is not None and parse_int(match.group()) in valid
 
     sets = require_column("in_set", "valid_answers", valid_answers, len(completions))

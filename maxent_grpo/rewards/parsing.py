@@ -28,10 +28,16 @@ def answer_blocks(text: str) -> list[str]:
     return blocks
 
 
+#: an integer as answers write it: ASCII digits (``int`` would read other scripts' digits,
+#: which the canonical answers do not), after ``-`` or the minus sign ``−``
+INTEGER = re.compile(r"[-−]?[0-9]+")
+
+
 def parse_int(text: str) -> int | None:
-    """``int(text)`` for an integer's digits (``-?\\d+``), None when it has more digits
-    (leading zeros aside) than ``int`` converts (4300 by default: a model repeating a digit
-    writes them)."""
+    """``int(text)`` for an :data:`INTEGER` match, None when it has more digits (leading
+    zeros aside) than ``int`` converts (4300 by default: a model repeating a digit writes
+    them)."""
+    text = text.replace("−", "-")
     digits = text.lstrip("-").lstrip("0") or "0"  # int counts leading zeros too
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     if limit and len(digits) > limit:
@@ -120,7 +126,9 @@ def require_column(reward: str, name: str, values: list | None, n: int) -> list:
     return list(values)
 
 
-_SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*"}
+#: operator symbols read as ``*``, ``/`` and ``-`` in answers (``−`` is U+2212, the minus sign)
+SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "·": "*", "⋅": "*",
+           "∗": "*", "−": "-"}
 
 
 def sample_answer(completion: str | list[dict]) -> str | None:
@@ -147,7 +155,7 @@ def coverage_answer(answer: str | None) -> str | None:
     """
     if answer is None:
         return None
-    for symbol, op in _SYMBOLS.items():
+    for symbol, op in SYMBOLS.items():
         answer = answer.replace(symbol, op)
     if answer.count("=") == 1:
         answer = answer.split("=")[0]
@@ -156,7 +164,6 @@ def coverage_answer(answer: str | None) -> str | None:
 
 #: how a task's answers are compared (the rows' ``answer_form`` column; absent: ``expression``)
 ANSWER_FORMS = ("expression", "ordered", "first_number")
-_INTEGER = re.compile(r"-?\d+")
 
 
 def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
@@ -177,10 +184,10 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     if form == "ordered":
         return None if answer is None else ("".join(answer.split()) or None)
     if form == "first_number":
-        match = None if answer is None else _INTEGER.search(answer)
+        match = None if answer is None else INTEGER.search(answer)
         if match is None:
             return None
-        text = match.group()
+        text = match.group().replace("−", "-")
         value = parse_int(text)
         if value is not None:
             return str(value)

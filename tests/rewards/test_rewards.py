@@ -434,3 +434,31 @@ def test_the_verifier_kills_a_comparison_that_outlives_its_time_and_starts_again
         assert verifier.equal("8", "2^3") is True  # a new worker
     finally:
         verifier.close()
+
+
+def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():
+    """``\\d`` read Arabic-Indic or full-width digits as digits in the rewards while the
+    canonical answers kept them as written: an ordered digit pair the reward called right
+    was missing from the row's valid answers and the evaluation stopped at the end of a
+    validation epoch. ``−`` (U+2212) was not read as a minus: ``−8`` was a right ``8``."""
+    from maxent_grpo.rewards.correctness import digit_pair_reward, first_number_reward
+    from maxent_grpo.rewards.parsing import canonical_answer, sample_answer
+    from maxent_grpo.tasks import build_task
+    from maxent_grpo.training.run.evaluation import PromptRecord, evaluation_metrics
+
+    row = build_task("digit_pairs", num_rows=1, seed=0, min_target=9, max_target=9,
+                     ordered=True)[0]
+    pairs = ["<answer>٤ + ٥</answer>", "<answer>４ + ５</answer>", "<answer>4 + 5</answer>"]
+    scores = digit_pair_reward([row["prompt"]] * 3, pairs, target=[row["target"]] * 3)
+    assert scores == [0.0, 0.0, 1.0]
+    record = PromptRecord(correct=tuple(scores), answers=tuple(map(sample_answer, pairs)),
+                          valid_answers=frozenset(row["valid_answers"]), task=row["task"],
+                          answer_form=row["answer_form"])
+    assert evaluation_metrics([record], [1], "val")["val/pass@1"] == pytest.approx(1 / 3)
+    assert first_number_reward(["q"] * 4, [" −8", " −8", "٨", " 8"],
+                               answer=["8", "-8", "8", "8"]) == [0.0, 1.0, 0.0, 1.0]
+    assert canonical_answer("−8", "first_number") == "-8"
+    assert canonical_answer("٨", "first_number") is None
+    assert countdown_reward(["q"] * 3, ["<answer>(5 − 3) * 8</answer>",
+                                        "<answer>5 · 3 + 1</answer>", "<answer>16 ∗ 1</answer>"],
+                            numbers=[[5, 3, 8], [5, 3, 1], [16, 1]], target=[16] * 3) == [1.0] * 3
