@@ -290,3 +290,25 @@ def test_divisors_list_every_proper_divisor_and_refuse_primes():
         build_task("divisors", 1, 0, numbers=[2])
     with pytest.raises(ValueError, match="distinct"):
         build_task("divisors", 1, 0, numbers=[12, 12])
+
+
+def test_a_long_countdown_chain_from_a_deep_stack_is_no_answer_not_a_crash():
+    """A 499-term chain (the most a 1000-character answer holds) evaluated where the stack is
+    already deep raised RecursionError out of the reward; the canonical answer of the same
+    text already fell back to None."""
+    import sys
+
+    from maxent_grpo.tasks.countdown import check_countdown
+
+    chain = "+".join(["1"] * 499)
+    limit = sys.getrecursionlimit()
+
+    def deep(n: int) -> bool:
+        return deep(n - 1) if n else check_countdown(chain, [1] * 499, 499)
+
+    sys.setrecursionlimit(1000)
+    try:
+        assert deep(600) is False
+    finally:
+        sys.setrecursionlimit(limit)
+    assert check_countdown(chain, [1] * 499, 499) is True  # from a shallow stack it is right
