@@ -143,7 +143,7 @@ class PromptDataModule(pl.LightningDataModule):
             None if name in dropped else value for name, value in (
                 ("task_options", task_options), ("val_files", val_files),
                 ("dataset_config", dataset_config), ("val_split", val_split)))
-        check_int("data.seed", seed)
+        check_int("data.seed", seed, 0, maximum=2**32 - 1)  # the tasks seed with 2 * seed + 1
         check_int("data.train_size", train_size, 1)
         check_int("data.val_size", val_size, 0)
         check_int("data.batch_size", batch_size, 1)
@@ -155,7 +155,7 @@ class PromptDataModule(pl.LightningDataModule):
         for name, value in (("answer_column", answer_column), ("system_prompt", system_prompt)):
             require(value is None or (isinstance(value, str) and bool(value)),
                     f"data.{name} must be a non-empty string or null; got {value!r}")
-        check_bool("data.`holdout_val_prompts`", holdout_val_prompts)
+        check_bool("data.holdout_val_prompts", holdout_val_prompts)
         check_bool("data.shuffle", shuffle)
         check_bool("data.apply_chat_template", apply_chat_template)
         require(not tools or apply_chat_template,

@@ -169,11 +169,11 @@ def task_sources(
     prompt_column: str,
     holdout_val_prompts: bool,
 ) -> Sources:
-    """``train_size`` rows of ``task`` from seed ``2*seed``, ``val_size`` from
+    """``train_size`` rows of ``task`` from seed ``2*seed``, ``val_size`` (maybe 0) from
     ``2*seed + 1``; with ``holdout_val_prompts`` the training rows whose ``prompt_column``
     value is also a validation row's are dropped (logged)."""
     train = build_task(task, train_size, 2 * seed, **options)
-    val = build_task(task, val_size, 2 * seed + 1, **options)
+    val = build_task(task, val_size, 2 * seed + 1, **options) if val_size else []
     val_prompts = {json.dumps(r.get(prompt_column), sort_keys=True) for r in val}
     keep = [
         i

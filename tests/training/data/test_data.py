@@ -364,6 +364,10 @@ def test_source_must_be_exactly_one(tmp_path):
         ({"val_size": -1}, "val_size"),
         ({"max_prompt_length": 0}, "max_prompt_length"),
         ({"num_workers": -1}, "num_workers"),
+        # a task drew its validation rows with seed 2 * seed + 1 (-1: "seed must be an int
+        # >= 0; got -2"); 2**64 overflowed in torch's generator
+        ({"seed": -1}, r"data\.seed must be an int >= 0 and <= 4294967295; got -1"),
+        ({"seed": 2**64}, r"data\.seed must be an int >= 0 and <= 4294967295"),
         ({"task": None, "data_files": "rows.txt"}, "data_files.*.jsonl"),
     ],
 )
@@ -956,3 +960,12 @@ def test_two_ranks_resume_mid_epoch_on_their_own_shares():
         assert [b["indices"] for b in rest] == [b["indices"] for b in whole[rank][2:]]
     with pytest.raises(ValueError, match="on 2 processes, but this run has 4"):
         ranks_of(4, **kwargs)[0].load_state_dict(state)
+
+
+def test_a_task_with_no_validation_rows(cache_dir):
+    """``val_size: 0`` with a task asked the task for 0 rows, which it refuses ("num_rows
+    must be an int >= 1"), naming no option; data files already allowed it."""
+    data = PromptDataModule(task="arithmetic_easy", train_size=8, val_size=0, batch_size=4,
+                            tokenizer="builtin:tiny", tokenizer_cache_dir=cache_dir)
+    data.setup("fit")
+    assert len(data.train_dataset) == 8 and len(data.val_dataset) == 0
