@@ -81,7 +81,11 @@ def parse_reward_options(rewards: Mapping[str, Any]) -> list[RewardOptions]:
     require(isinstance(rewards, Mapping),
             f"model.rewards must map reward names to weights or options; got {rewards!r}")
     require(len(rewards) > 0, "model.rewards must name at least one reward function")
-    return [_entry(name, value) for name, value in rewards.items()]
+    options = [_entry(name, value) for name, value in rewards.items()]
+    require(any(o.weight != 0 for o in options),
+            "model.rewards: every weight is 0, so every sample's reward is 0 and nothing is "
+            "learned; give at least one reward function a non-zero weight")
+    return options
 
 
 def _entry(name: Any, value: Any) -> RewardOptions:
