@@ -495,3 +495,13 @@ def test_answer_level_refuses_rows_masked_out_whole(cache_dir):
     with pytest.raises(ValueError, match="mask_truncated_completions: false"):
         make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, answer_level=True),
                     mask_truncated_completions=True)
+
+
+def test_a_step_whose_every_completion_is_masked_is_warned(cache_dir):
+    """``max_completion_length: 1`` with ``mask_truncated_completions``: every completion is
+    cut and left out of the loss, the gradient is 0 at every step, and nothing said so."""
+    module = make_module(cache_dir, max_completion_length=1, mask_truncated_completions=True)
+    with pytest.warns(UserWarning, match="every completion of a step reached "
+                                         "model.max_completion_length"):
+        fit(module, make_data(cache_dir), steps=1)
+    assert module.step_metrics_dict["train/tokens/truncated_frac"] == 1.0

@@ -19,6 +19,7 @@ that every rank makes the same backward passes. Rows stay prompt-major.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +160,12 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     loss_mask = rollout.model_mask.clone()  # (B*G, T) bool: the tokens the model wrote
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
+        if bool(rollout.truncated.all()):
+            warnings.warn(  # shown once per process (the message does not change)
+                "every completion of a step reached model.max_completion_length, and "
+                "model.mask_truncated_completions leaves them all out of the loss: that step "
+                "learns nothing (train/tokens/truncated_frac is 1); raise "
+                "model.max_completion_length", stacklevel=1)
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
     forms = batch["columns"].get("answer_form") or [None] * B
     keys = [answer_key(c, forms[i // G]) for i, c in enumerate(rollout.reward_completions())]
