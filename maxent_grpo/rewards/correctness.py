@@ -22,32 +22,8 @@ from maxent_grpo.rewards.parsing import (
     require_column,
 )
 from maxent_grpo.rewards.registry import register_reward
+from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal
 from maxent_grpo.tasks.countdown import check_countdown
-
-MATH_VERIFY_TIMEOUT_S = 5
-"""Per-call time limit of math-verify's parse and verify. math-verify times out with
-``signal.alarm``, which only works in the main thread; elsewhere
-:class:`~maxent_grpo.rewards.verify_worker.Verifier` runs them in the main thread of a
-worker process."""
-
-def _collapse(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _equal(gold: str, prediction: str, golds: dict[str, list]) -> bool:
-    """Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and the verify
-    limited to :data:`MATH_VERIFY_TIMEOUT_S`; the main thread only); the strings compared
-    with whitespace collapsed when it extracts nothing from either. ``golds`` caches the
-    parsed references."""
-    from math_verify import parse, verify  # slow import, only when the reward is used
-
-    if gold not in golds:
-        golds[gold] = parse(gold, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-    gold_parsed = golds[gold]
-    prediction_parsed = parse(prediction, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-    if gold_parsed and prediction_parsed:
-        return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
-    return _collapse(gold) == _collapse(prediction)
 
 
 @register_reward("accuracy")
@@ -60,7 +36,8 @@ def accuracy_reward(
     ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. When math-verify extracts nothing from
     either side (e.g. the reference is a word), the two strings are compared exactly after
     collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
-    Each comparison may take :data:`MATH_VERIFY_TIMEOUT_S` per parse and verify (then it
+    Each comparison may take
+    :data:`~maxent_grpo.rewards.verify_worker.MATH_VERIFY_TIMEOUT_S` per parse and verify (then it
     is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
     math-verify's limit does not work, the comparisons run in a worker process
     (:class:`~maxent_grpo.rewards.verify_worker.Verifier`), so that an answer such as
@@ -86,16 +63,10 @@ def accuracy_reward(
         if prediction is None:
             scores.append(0.0)
             continue
-        correct = (_equal(gold, prediction, parsed_golds) if main
-                   else _worker().equal(gold, prediction))
+        correct = (math_equal(gold, prediction, parsed_golds) if main
+                   else VERIFIER.equal(gold, prediction))
         scores.append(1.0 if correct else 0.0)
     return scores
-
-
-def _worker() -> Any:
-    from maxent_grpo.rewards.verify_worker import VERIFIER  # not imported by the package
-
-    return VERIFIER
 
 
 def _countdown_expression(answer: str, target: int) -> str | None:

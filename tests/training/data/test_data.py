@@ -121,7 +121,7 @@ def test_builtin_task_train_val_disjoint():
                 holdout_val_prompts=False)
     assert len(kept.train_dataset) == 200
     assert {ex.raw_prompt for ex in kept.train_dataset.examples} & val
-    with pytest.raises(ValueError, match="`holdout_val_prompts` must be true or false"):
+    with pytest.raises(ValueError, match="data.holdout_val_prompts must be true or false"):
         make(task="arithmetic", holdout_val_prompts="no")
 
 
