@@ -11,7 +11,6 @@ so a bad config fails when its object is built, never later in training::
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Collection
 from numbers import Real
 from typing import Any
@@ -73,9 +72,10 @@ def check_number(
     require(ok, f"{name} must be a finite number{bound}{none}; got {value!r}")
 
 
-#: the longest wait Python's threads and locks accept (``threading.TIMEOUT_MAX``, about 292
-#: years); a longer time limit fails inside the wait with OverflowError
-MAX_SECONDS = threading.TIMEOUT_MAX
+#: the longest time limit an option may set (10 million seconds, 115 days): beyond any use,
+#: and well inside what Python's waits accept (``threading.TIMEOUT_MAX``, about 292 years,
+#: less the grace a sandboxed call adds; a longer one failed inside the wait)
+MAX_SECONDS = 10**7
 
 
 def check_seconds(name: str, value: Any, allow_zero: bool = False,

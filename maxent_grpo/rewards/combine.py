@@ -25,7 +25,6 @@ columns with one value per completion.
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +46,6 @@ if TYPE_CHECKING:
 
 #: reward arguments a dataset column may not be named after
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -261,7 +258,6 @@ class WeightedRewards:
                             "step's device reaches the rewards through score_rollout)")
         self._device = device
         self.funcs = [self._function(o) for o in self.options]
-        self.ungraded_warned = False  # the warning when no function graded any completion
 
     def _function(self, options: RewardOptions) -> Callable:
         if options.model is not None:
@@ -314,20 +310,9 @@ class WeightedRewards:
             if completion_mask is None:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
-        total, components = score_completions(funcs, pairs.prompts, pairs.completions, per_row,
-                                              completion_ids=ids,
-                                              trainer_state=trainer_state or TrainerState())
-        weighted = [k for k, w in enumerate(self.weights) if w != 0]
-        if (components.numel() and not self.ungraded_warned
-                and bool(components[weighted].isnan().all())):
-            self.ungraded_warned = True
-            log.warning(
-                "no weighted reward function graded any of these %d completions (%s: every "
-                "value None, 'not applicable'), so every reward is 0 and nothing is learned "
-                "from them: check the dataset columns they read (an answer column that is not "
-                "set, or empty?). Warned once.", components.shape[1],
-                ", ".join(self.names[k] for k in weighted))
-        return total, components
+        return score_completions(funcs, pairs.prompts, pairs.completions, per_row,
+                                 completion_ids=ids,
+                                 trainer_state=trainer_state or TrainerState())
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],

@@ -3,21 +3,23 @@
 math-verify limits a parse or a verify with ``signal.alarm``, which only works in the main
 thread; in another thread (a reward with ``timeout``, which runs in one) an answer such as
 ``9**(9*9*9*9*9*9*9*9*9)`` has sympy compute the power in C, holding the GIL, and the whole
-training process stops. :class:`Verifier` sends each comparison to a worker process
-(``python -c "from maxent_grpo.rewards.verify_worker import serve; serve()"``: one JSON
-line in, one line out), whose
-main thread has the limit, and kills the worker when a comparison outlives it anyway; the
-next comparison starts a new one.
+training process stops. :class:`Verifier` sends each comparison to a worker process (this
+file run as a script: it imports nothing of the package, so no torch), whose main thread
+has the limit, and kills the worker when a comparison outlives it anyway; the next
+comparison starts a new one. The protocol is one JSON line each way, ``[id, gold,
+prediction]`` in and ``[id, verdict]`` out, on a copy of the worker's stdout that nothing
+else writes to (what the libraries print goes to stderr).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
 import threading
-from typing import Any
+import time
 
 __all__ = ["MATH_VERIFY_TIMEOUT_S", "VERIFIER", "Verifier", "math_equal", "serve"]
 
@@ -27,13 +29,14 @@ MATH_VERIFY_TIMEOUT_S = 5
 them in the main thread of a worker process."""
 
 
-def math_equal(gold: str, prediction: str, golds: dict[str, list]) -> bool:
-    """Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and the verify
-    limited to :data:`MATH_VERIFY_TIMEOUT_S`, in the main thread only); the strings compared
-    with runs of whitespace collapsed when it extracts nothing from either. ``golds``
-    caches the parsed references."""
+def math_equal(gold: str, prediction: str, golds: dict[str, list] | None = None) -> bool:
+    """Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and each pair
+    verify compares limited to :data:`MATH_VERIFY_TIMEOUT_S`, in the main thread only); the
+    strings compared with runs of whitespace collapsed when it extracts nothing from either.
+    ``golds`` caches the parsed references (one call's; None: no cache)."""
     from math_verify import parse, verify  # slow import, only when the reward is used
 
+    golds = {} if golds is None else golds
     if gold not in golds:
         golds[gold] = parse(gold, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
     gold_parsed = golds[gold]
@@ -44,81 +47,121 @@ def math_equal(gold: str, prediction: str, golds: dict[str, list]) -> bool:
 
 
 class Verifier:
-    """The worker, started on first use (a few seconds: it imports math-verify), one per
+    """The worker, started on first use (a second or two: it imports math-verify), one per
     process; calls from several threads take turns.
 
     Args:
-        call_seconds: how long one comparison may take before the worker is killed (the
-            worker's own limits end a parse or a verify after
-            :data:`~maxent_grpo.rewards.correctness.MATH_VERIFY_TIMEOUT_S` each).
+        call_seconds: how long one comparison may take before the worker is killed and the
+            answer scores 0.0 (the worker's own limits end each parse, and each of the few
+            pairs ``verify`` compares, after :data:`MATH_VERIFY_TIMEOUT_S`).
         start_seconds: how long the worker's start may take.
+        command: the worker's command line (default: this file run by this Python).
     """
 
-    def __init__(self, call_seconds: float = 15.0, start_seconds: float = 120.0) -> None:
+    def __init__(self, call_seconds: float = 8 * MATH_VERIFY_TIMEOUT_S,
+                 start_seconds: float = 120.0, command: list[str] | None = None) -> None:
         self.call_seconds, self.start_seconds = call_seconds, start_seconds
+        self.command = command or [sys.executable, os.path.abspath(__file__)]
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._buffer = b""
+        self._calls = 0
 
     def equal(self, gold: str, prediction: str) -> bool:
         """Whether math-verify finds ``prediction`` equal to ``gold`` (:func:`math_equal`);
-        False when the worker gave no
-        verdict within ``call_seconds`` (it is killed) or ended."""
+        False when the worker gave no verdict within ``call_seconds`` (it is killed) or
+        ended."""
         with self._lock:
             if self._process is None:
                 self._start()
-            process = self._process
+            self._calls += 1
+            request = json.dumps([self._calls, gold, prediction]) + "\n"
+            deadline = time.monotonic() + self.call_seconds
             try:
-                process.stdin.write(json.dumps([gold, prediction]) + "\n")
-                process.stdin.flush()
-                line = self._read(self.call_seconds)
-            except OSError:  # the worker ended (killed from outside)
-                line = None
-            if line is None:
-                self.close()
-                return False
-            return line == "1"
+                self._process.stdin.write(request.encode())
+                self._process.stdin.flush()
+                while (line := self._read(deadline)) is not None:
+                    answer = json.loads(line)
+                    if answer[0] == self._calls:  # an earlier call's late verdict: skipped
+                        return bool(answer[1])
+            except (OSError, ValueError, IndexError, TypeError):  # the worker ended or garbled
+                pass
+            self._close()
+            return False
 
-    def _read(self, seconds: float) -> str | None:
-        """The worker's next line, or None when it wrote none within ``seconds``."""
-        out = self._process.stdout
-        ready, _, _ = select.select([out], [], [], seconds)
-        line = out.readline() if ready else ""
-        return line.strip() if line else None
+    def _read(self, deadline: float) -> str | None:
+        """The worker's next line, or None when none came by ``deadline`` (or it ended)."""
+        fd = self._process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
 
     def _start(self) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", "from maxent_grpo.rewards.verify_worker import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        if self._read(self.start_seconds) != "ready":
-            self.close()
-            raise RuntimeError("the accuracy reward's math-verify worker process "
-                               f"(maxent_grpo.rewards.verify_worker) did not start within "
-                               f"{self.start_seconds:g} s")
+        self._process = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE)
+        self._buffer = b""
+        line = self._read(time.monotonic() + self.start_seconds)
+        if line != "ready":
+            try:  # its output ended: its exit status follows
+                code = self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._close()
+            raise RuntimeError(
+                "the accuracy reward's math-verify worker process (maxent_grpo/rewards/"
+                "verify_worker.py) did not start: "
+                + (f"it exited with status {code} (its error is above; is math-verify "
+                   "installed?)" if code is not None
+                   else f"it gave no sign of life within {self.start_seconds:g} s"))
 
     def close(self) -> None:
         """End the worker (the next comparison starts a new one)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         process, self._process = self._process, None
         if process is not None:
             process.kill()
             process.wait()
-            for pipe in (process.stdin, process.stdout):
-                pipe.close()
+            process.stdin.close()
+            process.stdout.close()
+
+    def _forget(self) -> None:
+        """In a forked child: the worker and its pipes are the parent's."""
+        self._lock = threading.Lock()
+        self._process, self._buffer = None, b""
 
 
 #: the process's one worker
 VERIFIER = Verifier()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=VERIFIER._forget)
 
 
-def serve(lines: Any = None, out: Any = None) -> None:
-    """The worker: ``[gold, prediction]`` JSON lines in (stdin), ``1`` / ``0`` lines out
-    (stdout); anything else the libraries print goes to stderr, not into the answers."""
-    lines = sys.stdin if lines is None else lines
-    if out is None:
-        out, sys.stdout = sys.stdout, sys.stderr
-    golds: dict[str, list] = {}
+def serve() -> None:
+    """The worker: ``[id, gold, prediction]`` JSON lines in (stdin), ``[id, verdict]``
+    lines out, on a copy of stdout; file descriptor 1 itself (``print``, a C library's
+    output) is pointed at stderr, so nothing else can land among the answers."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import math_verify  # noqa: F401 - the slow import, before "ready"
 
-    print("ready", file=out, flush=True)
-    for line in lines:
-        gold, prediction = json.loads(line)
-        print("1" if math_equal(gold, prediction, golds) else "0", file=out, flush=True)
+    print("ready", file=answers, flush=True)
+    for line in sys.stdin:
+        call, gold, prediction = json.loads(line)
+        print(json.dumps([call, math_equal(gold, prediction)]), file=answers, flush=True)
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))  # run as a script: its folder is not
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # top-level
+    serve()

@@ -171,8 +171,9 @@ def _check_first_step(factory: Callable[[torch.optim.Optimizer], Any],
     """Step a copy of ``model.lr_scheduler`` once on a throwaway optimizer, so that options
     it cannot step with (``T_max: 0``, ``step_size: 0``) fail before training, naming the
     option, not inside torch after the first update."""
+    group = optimizer.param_groups[0]
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)],
-                            lr=optimizer.param_groups[0]["lr"])
+                            lr=group.get("initial_lr", group["lr"]))
     scheduler = factory(probe)
     try:
         probe.step()

@@ -103,7 +103,7 @@ def test_weights_and_option_mappings_mix():
     ({"format": {"timeout": -1}}, r"model\.rewards\.format\.timeout must be a finite number in "
                                   r"\(0, "),
     # longer than Python's waits take (it failed in the wait, blaming the reward function)
-    ({"format": {"timeout": 1e12}}, r"format\.timeout must be a finite number in \(0, 92233"),
+    ({"format": {"timeout": 1e12}}, r"format\.timeout must be a finite number in \(0, 10000000\]"),
     ({"format": {"fallback": 0.0}}, r"model\.rewards\.format\.fallback .* needs model\.rewards"
                                     r"\.format\.timeout"),
     ({"format": {"timeout": 1, "fallback": "zero"}}, r"format\.fallback must be a finite number"),
@@ -175,20 +175,3 @@ def test_a_fallback_scores_a_timed_out_call(caplog):
     with pytest.raises(RewardFunctionError, match="raised KeyError") as info:
         failing(PAIRS, {}, 2)
     assert isinstance(info.value.__cause__, KeyError)
-
-
-def test_no_function_grading_any_completion_is_warned_once(caplog):
-    """``data.answer_column: null`` with a reward that reads the answer: every value was
-    None, every reward 0, and the run trained on nothing without a word."""
-    pairs = PromptCompletionBatch(prompts=["1+1="] * 2, completions=[" 2", " 3"])
-    with caplog.at_level(logging.WARNING, logger="maxent_grpo.rewards.combine"):
-        graded, _ = WeightedRewards({"first_number": 1.0})(pairs, {"answer": ["2"]}, 2)
-        assert not caplog.records
-        # a function of weight 0 that grades them does not count: the rewards are still 0
-        rewards = WeightedRewards({"first_number": 1.0, "format": 0.0})
-        for _ in range(2):
-            total, _ = rewards(pairs, {"answer": [None]}, 2)
-    (record,) = caplog.records
-    assert "no weighted reward function graded any of these 2 completions (first_number:" in (
-        record.getMessage())
-    assert total.tolist() == [0.0, 0.0] and graded.tolist() == [1.0, 0.0]

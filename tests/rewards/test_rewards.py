@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,7 +406,7 @@ worker = threading.Thread(target=lambda: out.append(accuracy_reward(["q"] * 5, c
                                                                     answer=answers)))
 worker.start()
 worker.join()
-timed = TimedReward("accuracy", accuracy_reward, 1.0, 0.0, True)
+timed = TimedReward("accuracy", accuracy_reward, 1.0, None, True)  # None: the time-out
 print(out[0], timed(prompts=["q"], completions=completions[:1], answer=["4"]))
 """
 
@@ -419,7 +420,9 @@ def test_accuracy_off_the_main_thread_cannot_hold_the_process():
     run = subprocess.run([sys.executable, "-c", OFF_MAIN_THREAD], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split("\n")[0] == "[0.0, 0.0, 1.0, 1.0, 1.0] [0.0]"
+    # the tower scores 0.0 off the main thread; under a 1 s reward time-out, the time-out
+    # (its fallback None) ends the call on time, where it never ended before
+    assert run.stdout.split("\n")[0] == "[0.0, 0.0, 1.0, 1.0, 1.0] [None]"
 
 
 def test_the_verifier_kills_a_comparison_that_outlives_its_time_and_starts_again():
@@ -434,6 +437,40 @@ def test_the_verifier_kills_a_comparison_that_outlives_its_time_and_starts_again
         assert verifier.equal("8", "2^3") is True  # a new worker
     finally:
         verifier.close()
+
+
+NOISY_WORKER = """
+import os, sys
+sys.path.insert(0, {root!r})
+from maxent_grpo.rewards import verify_worker as w
+real = w.math_equal
+
+def noisy(gold, prediction, golds=None):
+    os.write(1, b"[1, true]\\n")  # a C library writing to file descriptor 1
+    print("stray", flush=True)
+    return real(gold, prediction, golds)
+
+w.math_equal = noisy
+w.serve()
+"""
+
+
+def test_what_the_worker_prints_cannot_shift_its_verdicts(tmp_path):
+    """Stray output on the worker's stdout was read as a verdict, and every later verdict
+    was the one before it; a worker that cannot start names why at once."""
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    script = tmp_path / "noisy.py"
+    script.write_text(NOISY_WORKER.format(root=str(Path(__file__).resolve().parents[2])))
+    verifier = Verifier(command=[sys.executable, str(script)])
+    try:
+        pairs = [("1", "2", False), ("1/2", "0.5", True), ("3", "4", False), ("8", "2^3", True)]
+        assert [verifier.equal(g, p) for g, p, _ in pairs] == [want for _, _, want in pairs]
+    finally:
+        verifier.close()
+    broken = Verifier(command=[sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="it exited with status 3"):
+        broken.equal("1", "1")
 
 
 def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():

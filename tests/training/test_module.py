@@ -501,7 +501,16 @@ def test_a_step_whose_every_completion_is_masked_is_warned(cache_dir):
     """``max_completion_length: 1`` with ``mask_truncated_completions``: every completion is
     cut and left out of the loss, the gradient is 0 at every step, and nothing said so."""
     module = make_module(cache_dir, max_completion_length=1, mask_truncated_completions=True)
-    with pytest.warns(UserWarning, match="every completion of a step reached "
-                                         "model.max_completion_length"):
+    with pytest.warns(UserWarning, match=r"every completion of a training step \(on rank 0\) "
+                                         "reached model.max_completion_length"):
         fit(module, make_data(cache_dir), steps=1)
     assert module.step_metrics_dict["train/tokens/truncated_frac"] == 1.0
+
+
+def test_a_step_no_weighted_reward_graded_is_warned(cache_dir):
+    """``data.answer_column: null`` with a reward that reads the answer: every value None,
+    every reward 0, and the run trained on nothing without a word."""
+    module = make_module(cache_dir, rewards={"first_number": 1.0, "format": 0.0})
+    with pytest.warns(UserWarning, match="no weighted reward function graded any completion"):
+        fit(module, make_data(cache_dir, answer_column=None), steps=1)
+    assert module.step_metrics_dict["train/reward/mean"] == 0.0

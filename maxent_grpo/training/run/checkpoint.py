@@ -105,7 +105,7 @@ def load_state(
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
     fit (``model.peft`` set in one and not the other, or another adapter type, rank,
-    target modules, bias or saved modules). When ``fitting``, a
+    target modules or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
@@ -154,8 +154,10 @@ def load_state(
     return states[rank]
 
 
-#: the ``model.peft`` fields that decide which adapter weights a checkpoint holds
-ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "bias", "modules_to_save", "use_dora")
+#: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the
+#: lists compared as sets; a ``target_modules`` that one side leaves to peft is not compared)
+ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
+                 "rank_pattern")
 
 
 def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
@@ -166,7 +168,13 @@ def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) ->
             "so its weights do not fit the model; use the model.peft it was trained with")
     if saved is None or now is None:
         return
-    differ = [k for k in ADAPTER_SHAPE if saved.get(k) != now.get(k)]
+
+    def value(record: dict[str, Any], key: str) -> Any:
+        found = record.get(key)
+        return sorted(map(str, found)) if isinstance(found, list) else found
+
+    differ = [k for k in ADAPTER_SHAPE if value(saved, k) != value(now, k)
+              and not (k == "target_modules" and None in (saved.get(k), now.get(k)))]
     if differ:
         shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
                           for k in differ)

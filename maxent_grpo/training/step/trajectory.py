@@ -142,12 +142,20 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     world = ctx.world_size
     B = len(batch["prompts"])
 
+    weighted = [k for k, w in enumerate(ctx.rewards.weights) if w != 0]
+
     def roll_out(prompts: dict[str, Any]) -> Scored:
         out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
         timer.start()
-        total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G)
+        total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G), on the CPU
             out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device)
         timer.stop("reward")
+        if ctx.rank == 0 and bool(parts[weighted].isnan().all()):
+            warnings.warn(  # shown once per process (the message does not change)
+                "no weighted reward function graded any completion of a training step "
+                "(every value None, 'not applicable'), so every reward is 0 and that step "
+                "learns nothing: check the dataset columns the functions read (an answer "
+                "column that is not set, or empty?)", stacklevel=1)
         return prompts, out, total.to(ctx.device).view(-1, G), parts.to(ctx.device)
 
     scored, rounds = roll_out(batch), 0
@@ -160,12 +168,12 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     loss_mask = rollout.model_mask.clone()  # (B*G, T) bool: the tokens the model wrote
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
-        if bool(rollout.truncated.all()):
+        if ctx.rank == 0 and bool(rollout.truncated.all()):
             warnings.warn(  # shown once per process (the message does not change)
-                "every completion of a step reached model.max_completion_length, and "
-                "model.mask_truncated_completions leaves them all out of the loss: that step "
-                "learns nothing (train/tokens/truncated_frac is 1); raise "
-                "model.max_completion_length", stacklevel=1)
+                "every completion of a training step (on rank 0) reached "
+                "model.max_completion_length, and model.mask_truncated_completions leaves "
+                "them all out of the loss: they teach nothing (train/tokens/truncated_frac); "
+                "raise model.max_completion_length", stacklevel=1)
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
     forms = batch["columns"].get("answer_form") or [None] * B
     keys = [answer_key(c, forms[i // G]) for i, c in enumerate(rollout.reward_completions())]

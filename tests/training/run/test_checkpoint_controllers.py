@@ -86,5 +86,6 @@ def test_a_checkpoint_whose_adapters_do_not_fit_the_run_is_refused(saved_peft, n
 
 
 def test_adapter_options_that_keep_the_weights_resume():
-    loaded(lora(), lora(lora_dropout=0.1, lora_alpha=32))  # no error
+    loaded(lora(), lora(lora_dropout=0.1, lora_alpha=32, bias="all"))  # no error
+    loaded(lora(target_modules=["q_proj", "v_proj"]), lora(target_modules=["v_proj", "q_proj"]))
     loaded(None, None)
