@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +50,48 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     out = Path(out)
     adapters = has_adapters(model)
     name = getattr(source, "name_or_path", None)
-    model.save_pretrained(out)
+    tmp = _fresh(out)
+    model.save_pretrained(tmp)
     if adapters and name and is_builtin(name):
-        name_base(out, name)
-    tokenizer.save_pretrained(out)
+        name_base(tmp, name)
+    tokenizer.save_pretrained(tmp)
+    _put(tmp, out)
     log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "", out)
     written = [out]
     if merged and adapters:
         require(source is not None, "export_policy(merged=True) needs the model's source")
         base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
         target = out.with_name(f"{out.name}-merged")
-        merged_copy(model, base).save_pretrained(target)
-        tokenizer.save_pretrained(target)
+        tmp = _fresh(target)
+        merged_copy(model, base).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _put(tmp, target)
         log.info("exported the merged model to %s", target)
         written.append(target)
     return written
+
+
+def _fresh(out: Path) -> Path:
+    """An empty folder beside ``out`` to write the export into first."""
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _put(tmp: Path, out: Path) -> None:
+    """``tmp`` becomes ``out``. An earlier export there (a run before this one into the same
+    folder) is replaced whole: written over, its files that this export lacks (an adapter
+    beside a full model) would have made the folder load as the earlier model."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old) if old.is_dir() else old.unlink()
+    log.info("replaced the earlier export in %s", out)
 
 
 class HFExport(Callback):
@@ -107,9 +135,17 @@ class HFExport(Callback):
         self._training_ended = False  # on_train_end ran in this fit
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Pick ``dirpath`` and make sure it can be written before anything trains (it was
+        found out at the end of training, which then lost the last checkpoint too)."""
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
         self._training_ended = False
+        if stage == "fit" and trainer.is_global_zero:
+            try:
+                os.makedirs(self.dirpath, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder "
+                                 f"to export into: {err}") from None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once

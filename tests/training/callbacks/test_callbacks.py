@@ -407,11 +407,13 @@ def test_overwrite_existing(tmp_path):
 
 
 class Saver:
-    def __init__(self) -> None:
+    def __init__(self, name: str = "weights") -> None:
         self.saved: list[Path] = []
+        self.name = name
 
     def save_pretrained(self, path) -> None:
         self.saved.append(Path(path))
+        (Path(path) / self.name).write_text("x")
 
 
 def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
@@ -426,9 +428,36 @@ def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
         trainer.global_step = global_step
         export.on_train_batch_end(trainer, module, None, None, 0)
     export.on_train_end(trainer, module)
-    names = [p.name for p in module.runtime.model.saved]
-    assert names == ["step-4", "step-9", "step-12", "final"]
+    assert len(module.runtime.model.saved) == 4
     assert module.runtime.tokenizer.saved == module.runtime.model.saved
+    # written beside, then moved in whole: only the four exports are left
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "final", "step-12", "step-4", "step-9"]
+
+
+def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
+    """A second run exporting into the same folder wrote over the first, whose files this
+    export lacks (a LoRA run's adapter beside a full model) stayed, and the folder loaded
+    as the first run's model."""
+    final = tmp_path / "hf" / "final"
+    final.mkdir(parents=True)
+    (final / "adapter_config.json").write_text("{}")  # the earlier run's adapter
+    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
+                              is_global_zero=True)
+    module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver("tok")))
+    export = HFExport()
+    export.setup(trainer, module, "fit")
+    export.on_train_end(trainer, module)
+    assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
+    assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
+
+
+def test_hf_export_that_cannot_write_fails_before_training(tmp_path):
+    """It failed at the end of training, which also lost the last checkpoint's save."""
+    (tmp_path / "afile").write_text("x")
+    trainer = SimpleNamespace(log_dir=None, default_root_dir=str(tmp_path), is_global_zero=True)
+    with pytest.raises(ValueError, match="HFExport.dirpath .*afile/hf' cannot be a folder"):
+        HFExport(dirpath=str(tmp_path / "afile" / "hf")).setup(trainer, None, "fit")
 
 
 def test_hf_export_writes_a_loadable_model(tmp_path):
