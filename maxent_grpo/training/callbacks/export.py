@@ -141,11 +141,13 @@ class HFExport(Callback):
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
         self._training_ended = False
         if stage == "fit" and trainer.is_global_zero:
-            try:
-                os.makedirs(self.dirpath, exist_ok=True)
-            except OSError as err:
-                raise ValueError(f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder "
-                                 f"to export into: {err}") from None
+            there = os.path.abspath(self.dirpath)  # the part of it that exists
+            while not os.path.exists(there):
+                there = os.path.dirname(there)
+            what = "not a folder" if not os.path.isdir(there) else "not writable"
+            require(what == "not writable" and os.access(there, os.W_OK),
+                    f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder to export "
+                    f"into: {there!r} is {what}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once

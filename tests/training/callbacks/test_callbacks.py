@@ -456,7 +456,8 @@ def test_hf_export_that_cannot_write_fails_before_training(tmp_path):
     """It failed at the end of training, which also lost the last checkpoint's save."""
     (tmp_path / "afile").write_text("x")
     trainer = SimpleNamespace(log_dir=None, default_root_dir=str(tmp_path), is_global_zero=True)
-    with pytest.raises(ValueError, match="HFExport.dirpath .*afile/hf' cannot be a folder"):
+    with pytest.raises(ValueError, match="HFExport.dirpath .*afile/hf' cannot be a folder to "
+                                         "export into: .*afile' is not a folder"):
         HFExport(dirpath=str(tmp_path / "afile" / "hf")).setup(trainer, None, "fit")
 
 
