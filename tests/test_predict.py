@@ -73,6 +73,31 @@ def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
     assert len(again) == 4 * 4  # the default eval_num_generations
 
 
+def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
+    """``--output`` naming the checkpoint it reads replaced the checkpoint with JSON lines;
+    without ``--output`` and a logger, a second predict replaced the first one's file."""
+    import shutil
+
+    models = f"--model.model_cache_dir={tmp_path / 'models'}"
+    copy, other = tmp_path / "copy.ckpt", tmp_path / "other.ckpt"
+    shutil.copy(demo_checkpoint, copy)
+    shutil.copy(demo_checkpoint, other)
+    for output in (copy, other):  # the checkpoint it reads, another one
+        with pytest.raises(ValueError, match=r"is a zip archive \(a checkpoint\?\)"):
+            cli_module.main(["predict", *SMALL, models, "--ckpt_path", str(copy), "--output",
+                             str(output), "--trainer.logger=false"])
+        assert output.read_bytes() == demo_checkpoint.read_bytes()
+    runs = tmp_path / "runs"
+    plain = ["predict", *SMALL, models, "--ckpt_path", str(copy), "--trainer.logger=false",
+             f"--trainer.default_root_dir={runs}"]
+    cli_module.main(plain)
+    first = (runs / "predictions.jsonl").read_text()
+    with pytest.raises(ValueError, match="would replace .*predictions.jsonl, an earlier "
+                                         "predict's output; pass --output"):
+        cli_module.main(plain)
+    assert (runs / "predictions.jsonl").read_text() == first
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--ckpt_path", "nosuch.ckpt"], r"--ckpt_path nosuch\.ckpt: no such file, from the folder"),
     (["--output", "/proc/no/such/predictions.jsonl"],

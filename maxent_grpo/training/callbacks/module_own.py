@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,9 @@ class CompletionWriter(L.Callback):
             folder = path.is_dir() or str(self.output).endswith(("/", os.sep))
             path = path / DEFAULT_PREDICTIONS if folder else path
         self.path = path.absolute()
-        problem = None
+        problem = refusal = None
         if trainer.is_global_zero:  # the one writer checks, before any sampling
+            refusal = self._refusal()
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path.with_name(f".{self.path.name}.check"), "w"):
@@ -89,11 +91,26 @@ class CompletionWriter(L.Callback):
                 os.remove(self.path.with_name(f".{self.path.name}.check"))
             except OSError as err:
                 problem = err.strerror or str(err)
-        if not trainer.strategy.reduce_boolean_decision(problem is None, all=True):
-            raise ValueError(  # on every rank, so that none waits for the others
+        ok = problem is None and refusal is None
+        if not trainer.strategy.reduce_boolean_decision(ok, all=True):
+            raise ValueError(refusal or (  # on every rank, so that none waits for the others
                 f"predict cannot write {self.path} ({problem or 'see global rank 0'}); pass "
-                "--output with a file in a folder you can write to")
+                "--output with a file in a folder you can write to"))
         self.rows, self.metrics, self.written = [], {}, False
+
+    def _refusal(self) -> str | None:
+        """Why not to replace the target (None: fine): a zip archive (a checkpoint, the one
+        being read perhaps) rather than JSON lines, or, without ``--output``, the default
+        file an earlier ``predict`` wrote."""
+        path = self.path
+        if path.is_file() and zipfile.is_zipfile(path):
+            return (f"predict --output {path} is a zip archive (a checkpoint?), not an earlier "
+                    "predictions file; choose another file")
+        if self.output is None and path.exists():
+            return (f"predict would replace {path}, an earlier predict's output; pass --output "
+                    "to choose the file (a file named there is replaced), or another "
+                    "trainer.default_root_dir")
+        return None
 
     def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              outputs: Any, batch: Any, batch_idx: int,
