@@ -26,6 +26,7 @@ every checkpoint save and at the end of training.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,11 @@ class Controller(Callback):
         """Refuse to overwrite another run's state file (``overwrite_existing=False``); a run
         resuming a checkpoint (known only now) or from its ``state_path`` continues it."""
         path = self._state_file
+        if path is not None:  # found out at the first checkpoint save, which it broke
+            problem = _unwritable(path) if trainer.is_global_zero else None  # the writer
+            require(trainer.strategy.reduce_boolean_decision(problem is None, all=True),
+                    f"{self.name}.state_path {str(path)!r} cannot be written: "
+                    f"{problem or 'see global rank 0'}")
         if path is None or self.paths.overwrite_existing or not path.exists():
             return
         resume = self.paths.resume_from
@@ -200,3 +206,15 @@ class Controller(Callback):
 
     def _own_state(self) -> dict[str, float | None]:
         raise NotImplementedError
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why the state file ``path`` cannot be written (None: it can)."""
+    if path.is_dir():
+        return "it is a folder"
+    there = path.parent.absolute()
+    while not there.exists():  # the folders that are missing get made
+        there = there.parent
+    if not there.is_dir() or not os.access(there, os.W_OK):
+        return f"{str(there)!r} is not a writable folder"
+    return None

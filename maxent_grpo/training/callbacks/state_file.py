@@ -132,17 +132,25 @@ def apply_snapshot(
     objective attributes it moves (``controller.moves``: ``tau`` / ``beta``).
 
     Every value is checked before any is applied: a missing key, or a required value that
-    is not a finite number (``tau``, ``beta``, ``meta.<x>_steps``), raises ValueError
-    naming the file and the key, and leaves the objective and the controllers as they were.
+    is not a finite number (``tau``, ``beta``, ``meta.<x>_steps``) or out of its range
+    (``tau > 0``, ``beta >= 0``, whole step counts ``>= 0``), raises ValueError naming the
+    file and the key, and leaves the objective and the controllers as they were.
     """
     moved: dict[str, float] = {}
     own: list[tuple[FileBackedController, dict[str, Any]]] = []
     for controller in controllers:
         for name in controller.moves:
-            moved[name] = _value(state, name, path, required=True)
+            moved[name] = value = _value(state, name, path, required=True)
+            least = "> 0" if name == "tau" else ">= 0"  # what the objective takes
+            require(value > 0 if name == "tau" else value >= 0,
+                    f"controller state file {path!r}: {name!r} must be {least}; got {value!r}")
         values = {key: _value(state, loc, path, required=key == "steps")
                   for key, loc in controller.file_fields.items()}
-        values["steps"] = int(values["steps"])
+        steps = values["steps"]
+        require(steps >= 0 and steps == int(steps),
+                f"controller state file {path!r}: {controller.file_fields['steps']!r} must be "
+                f"a whole number >= 0; got {steps!r}")
+        values["steps"] = int(steps)
         own.append((controller, values))
     for name, value in moved.items():
         setattr(objective, name, value)

@@ -49,6 +49,7 @@ def fake_trainer(callbacks, log_dir: str = "logs", ckpt_path: str | None = None)
     return SimpleNamespace(
         callbacks=list(callbacks), log_dir=log_dir, default_root_dir=log_dir,
         ckpt_path=ckpt_path, is_global_zero=True,
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda ok, all=True: ok),
     )
 
 
@@ -373,6 +374,10 @@ def test_a_state_file_start_is_checked_like_the_config(tmp_path):
         (json.dumps({**GOOD, "tau": "0.4"}), "'tau' must be a finite number or null"),
         (json.dumps({**GOOD, "tau": None}), "'tau' must be a finite number; got None"),
         (json.dumps({**GOOD, "meta": {}}), "no key 'meta.tau_steps'"),
+        # in range too: these were taken, and failed later without naming the file
+        (json.dumps({**GOOD, "tau": -0.4}), "'tau' must be > 0; got -0.4"),
+        (json.dumps({**GOOD, "meta": {**GOOD["meta"], "tau_steps": 2.9}}),
+         "'meta.tau_steps' must be a whole number >= 0; got 2.9"),
     ],
 )
 def test_a_bad_state_file_names_the_file_and_key(tmp_path, text, match):
@@ -385,6 +390,23 @@ def test_a_bad_state_file_names_the_file_and_key(tmp_path, text, match):
     assert obj.tau == 0.5  # nothing applied
     with pytest.raises(FileNotFoundError, match="not found"):
         attach(obj, TauController(1.0, resume_from=str(tmp_path / "missing.json")))
+
+
+def test_a_negative_beta_in_a_state_file_names_the_file(tmp_path):
+    path = tmp_path / "state.json"
+    write_controller_state(path, {**GOOD, "beta": -0.45})
+    with pytest.raises(ValueError, match=r"state.json': 'beta' must be >= 0; got -0.45"):
+        attach(ListwiseMaxEnt(tau=0.5, beta=0.05), BetaController(0.02, resume_from=str(path)))
+
+
+def test_a_state_path_that_cannot_be_written_fails_before_training(tmp_path):
+    """It failed at the first checkpoint save, after training, and no checkpoint was kept."""
+    (tmp_path / "afile").write_text("x")
+    for where in (tmp_path / "afile" / "state.json", tmp_path):  # under a file; a folder
+        c = TauController(1.0, state_path=str(where))
+        trainer, module = attach(ListwiseMaxEnt(tau=0.5), c)
+        with pytest.raises(ValueError, match="TauController.state_path .* cannot be written"):
+            c.on_fit_start(trainer, module)
 
 
 def test_overwrite_existing(tmp_path):
