@@ -146,6 +146,10 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
     if not zipfile.is_zipfile(path):
         raise UserError(f"{str(path)!r} is not a PyTorch checkpoint (not the zip archive "
                         "torch.save writes): give a .ckpt file written by a maxent-grpo fit")
+    from maxent_grpo.training.run.checkpoint_io import checkpoint_problem
+
+    if (problem := checkpoint_problem(path)) is not None:  # damaged bytes load as weights
+        raise UserError(f"checkpoint {str(path)!r} is {problem}: export an intact one")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 - any failure to read it is the file's

@@ -20,6 +20,7 @@ from maxent_grpo.models import load_policy, load_reference, load_tokenizer
 from maxent_grpo.objectives import GRPO
 from maxent_grpo.training.callbacks import HFExport
 from tests.conftest import fit, make_data, make_module, params
+from tests.training.run.test_checkpoint_io import damage
 
 try:  # the optional extra: the adapter tests need it
     import peft
@@ -146,7 +147,10 @@ def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "full").mkdir()
     (tmp / "full" / "x.txt").write_text("taken")
     (tmp / "a_file").write_text("")
+    shutil.copy(ckpt, tmp / "damaged.ckpt")
+    damage(tmp / "damaged.ckpt")
     return {
+        "damaged": ([str(tmp / "damaged.ckpt")], "does not match its checksum"),
         "missing": ([str(tmp / "nope.ckpt")], "does not exist"),
         "folder": ([str(tmp / "folder")], "is a folder: give one of its .ckpt files (last.ckpt)"),
         "garbage": ([str(tmp / "garbage.ckpt")], "is not a PyTorch checkpoint"),
@@ -159,7 +163,7 @@ def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "garbage", "foreign", "not_empty",
-                                  "is_a_file", "unwritable"])
+                                  "is_a_file", "unwritable", "damaged"])
 def test_a_mistake_prints_one_error_line_and_returns_1(full_run, tmp_path, capsys, case):
     argv, expected = _bad_inputs(tmp_path, full_run[0])[case]
     assert main(argv) == 1

@@ -132,10 +132,13 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
             if not any(i.filename.endswith("data.pkl") for i in infos):
                 return f"not a torch checkpoint ({size} bytes, no data.pkl)"
             end = max(i.header_offset + len(i.FileHeader()) + i.compress_size for i in infos)
+            if end > size:
+                return f"truncated ({size} bytes, its index needs {end})"
+            damaged = archive.testzip()  # every entry read against its CRC: the tensors too
     except (zipfile.BadZipFile, OSError, ValueError) as err:
         return f"truncated or corrupt ({size} bytes; {err})"
-    if end > size:
-        return f"truncated ({size} bytes, its index needs {end})"
+    if damaged is not None:
+        return f"corrupt ({size} bytes; {damaged} does not match its checksum)"
     return None
 
 

@@ -40,7 +40,31 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+def damage(path: Path) -> None:
+    """Overwrite bytes inside the largest stored tensor (the file keeps its size and index)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.compress_size)
+    start = info.header_offset + len(info.FileHeader()) + info.compress_size // 2
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(b"\x7f" * 64)
+
+
 # ---------------------------------------------------------------------------- unit tests
+
+
+def test_a_checkpoint_with_damaged_tensor_bytes_is_not_usable(tmp_path):
+    """Bytes changed inside a tensor kept the archive's index intact: it loaded, with
+    garbage weights, and was resumed from (or exported) as good."""
+    good = save(tmp_path / "epoch=0-step=2.ckpt", 2, time.time() - 10)
+    bad = save(tmp_path / "last.ckpt", 4)
+    damage(bad)
+    assert ckpt_io.checkpoint_problem(good) is None
+    assert "does not match its checksum" in ckpt_io.checkpoint_problem(bad)
+    with pytest.warns(UserWarning, match="last.ckpt: corrupt"):
+        assert ckpt_io.resolve_checkpoint("last", [str(tmp_path)]).path == str(good)
 
 
 def test_a_truncated_last_ckpt_is_skipped_for_the_newest_good_one(tmp_path):
