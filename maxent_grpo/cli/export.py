@@ -114,6 +114,14 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
                            gradient_checkpointing=False, peft=peft)
     model = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir,
                         peft=peft)
+    ours = model.state_dict()
+    shapes = [f"{k}: {tuple(v.shape)} in the checkpoint, {tuple(ours[k].shape)} in the model"
+              for k, v in weights.items() if k in ours and v.shape != ours[k].shape]
+    if shapes:  # load_state_dict raises on them even when not strict
+        raise UserError(
+            f"the weights in {path} do not fit the model {source.name_or_path!r} it names: "
+            f"{len(shapes)} of other shapes (e.g. {shapes[0]}); was the model folder changed "
+            "since the run, or (--config) is model.peft not the run's?")
     result = model.load_state_dict(weights, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise UserError(
@@ -194,7 +202,11 @@ def _peft_from_config_file(file: Path) -> Any:
 
     if not file.is_file():
         raise UserError(f"--config {str(file)!r} does not exist: give the run's config.yaml")
-    data = yaml.safe_load(file.read_text("utf-8"))
+    try:
+        data = yaml.safe_load(file.read_text("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise UserError(f"--config {str(file)!r} is not readable YAML: "
+                        f"{str(error).splitlines()[0]}") from None
     model = data.get("model") if isinstance(data, dict) else None
     peft = model.get("peft") if isinstance(model, dict) else None
     if not (isinstance(peft, dict) and isinstance(peft.get("class_path"), str)):
@@ -208,7 +220,12 @@ def _peft_from_config_file(file: Path) -> Any:
     if not (isinstance(cls, type) and issubclass(cls, PeftConfig)):
         raise UserError(f"--config {str(file)!r}: model.peft.class_path "
                         f"{peft['class_path']!r} is not a peft config class")
-    return cls(**(peft.get("init_args") or {}))
+    init_args = peft.get("init_args") or {}
+    try:
+        return cls(**init_args) if isinstance(init_args, dict) else cls(init_args)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"--config {str(file)!r}: model.peft.init_args do not build "
+                        f"{cls.__name__}: {error}") from None
 
 
 def _check_output(folder: Path) -> None:

@@ -298,3 +298,29 @@ def test_an_older_lora_checkpoint_needs_the_run_config(lora_run, tmp_path, capsy
             "lora_dropout": 0.0, "loftq_config": None}}}}))
     assert main([str(older), "--output", str(tmp_path / "a"), "--config", str(config)]) == 0
     assert same_adapter(tmp_path / "a", run / "hf" / "final")
+
+
+def test_a_bad_run_config_or_one_the_weights_do_not_fit_is_one_error_line(
+        lora_run, tmp_path, capsys):
+    """A YAML error, init_args peft refuses, and adapters of another rank each printed a
+    traceback labelled as a bug in maxent_grpo."""
+    import yaml
+
+    _, ckpt, _ = lora_run
+    older = _lora_checkpoint(ckpt, tmp_path / "older.ckpt", None)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    configs = {"yaml": ("model: {peft: {", "is not readable YAML"),
+               "args": (yaml.safe_dump({"model": {"peft": {
+                   "class_path": "peft.LoraConfig", "init_args": {"rank": 8}}}}),
+                   "init_args do not build LoraConfig"),
+               "rank": (yaml.safe_dump({"model": {"peft": {
+                   "class_path": "peft.LoraConfig", "init_args": {**lora, "r": 8}}}}),
+                   "of other shapes")}
+    for name, (text, expected) in configs.items():
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(text)
+        capsys.readouterr()
+        assert main([str(older), "--output", str(tmp_path / name), "--config", str(config)]) == 1
+        err = capsys.readouterr().err
+        assert err.splitlines()[0].startswith("error: ") and expected in err, err
+        assert "Traceback" not in err and "bug" not in err
