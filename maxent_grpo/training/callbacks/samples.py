@@ -242,6 +242,8 @@ class CompletionSamples(Callback):
         if self._jsonl_file is None:
             assert self.jsonl_path is not None
             self._jsonl_file = Path(self.jsonl_path.replace("{log_dir}", self._log_dir(trainer)))
+            require(not self._jsonl_file.is_dir(), f"CompletionSamples.jsonl_path "
+                    f"{str(self._jsonl_file)!r} is a folder; name a file to append to")
             self._jsonl_file.parent.mkdir(parents=True, exist_ok=True)
         return self._jsonl_file
 

@@ -497,3 +497,10 @@ def test_a_real_fit_with_wandb_and_mlflow_loggers_writes_both_tables(
         assert table["columns"] == tables[0]["columns"]
         assert table["data"] == tables[s]["data"]  # the same rows in both loggers
     assert not (tmp_path / "samples").exists()
+
+
+def test_a_jsonl_path_that_is_a_folder_fails_at_fit_start(tmp_path):
+    """It failed after the first step with "Is a directory", naming no option."""
+    trainer, module = fake(tmp_path)
+    with pytest.raises(ValueError, match="CompletionSamples.jsonl_path .* is a folder"):
+        CompletionSamples(jsonl_path=str(tmp_path)).on_fit_start(trainer, module)
