@@ -75,7 +75,8 @@ def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
 
 def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
     """``--output`` naming the checkpoint it reads replaced the checkpoint with JSON lines;
-    without ``--output`` and a logger, a second predict replaced the first one's file."""
+    without ``--output`` and a logger, a second predict replaced the first one's file (now
+    it writes predictions-1.jsonl beside it)."""
     import shutil
 
     models = f"--model.model_cache_dir={tmp_path / 'models'}"
@@ -92,10 +93,9 @@ def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
              f"--trainer.default_root_dir={runs}"]
     cli_module.main(plain)
     first = (runs / "predictions.jsonl").read_text()
-    with pytest.raises(ValueError, match="would replace .*predictions.jsonl, an earlier "
-                                         "predict's output; pass --output"):
-        cli_module.main(plain)
+    cli_module.main(plain)  # the second writes beside the first
     assert (runs / "predictions.jsonl").read_text() == first
+    assert len((runs / "predictions-1.jsonl").read_text().splitlines()) == 4 * 4
 
 
 @pytest.mark.parametrize(("args", "message"), [

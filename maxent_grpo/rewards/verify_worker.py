@@ -13,6 +13,7 @@ else writes to (what the libraries print goes to stderr).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -131,8 +132,9 @@ class Verifier:
         if process is not None:
             process.kill()
             process.wait()
-            process.stdin.close()
-            process.stdout.close()
+            for pipe in (process.stdin, process.stdout):
+                with contextlib.suppress(OSError):  # a dead worker's unsent request
+                    pipe.close()
 
     def _forget(self) -> None:
         """In a forked child: the worker and its pipes are the parent's."""
@@ -158,10 +160,14 @@ def serve() -> None:
     print("ready", file=answers, flush=True)
     for line in sys.stdin:
         call, gold, prediction = json.loads(line)
-        print(json.dumps([call, math_equal(gold, prediction)]), file=answers, flush=True)
+        try:
+            verdict = math_equal(gold, prediction)
+        except Exception:  # noqa: BLE001 - math-verify failing on an answer: not equal
+            verdict = False
+        print(json.dumps([call, verdict]), file=answers, flush=True)
 
 
 if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))  # run as a script: its folder is not
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # top-level
+    here = os.path.dirname(os.path.realpath(__file__))  # run as a script: its folder is not
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]  # top-level
     serve()

@@ -471,6 +471,11 @@ def test_what_the_worker_prints_cannot_shift_its_verdicts(tmp_path):
     broken = Verifier(command=[sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(RuntimeError, match="it exited with status 3"):
         broken.equal("1", "1")
+    # a worker that died between calls (Ctrl-C, the OOM killer): not equal, no BrokenPipeError
+    gone = Verifier(command=[sys.executable, "-c", "print('ready', flush=True)"])
+    gone._start()
+    gone._process.wait()
+    assert gone.equal("1", "1") is False and gone._process is None
 
 
 def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():

@@ -47,50 +47,56 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     fresh copy of the base that ``source`` names: ``name_or_path``, ``dtype``,
     ``cache_dir``); ``merged`` is ignored without adapters.
     """
-    out = Path(out)
+    out = Path(os.path.realpath(out))  # a link's folder is what is replaced, not the link
     adapters = has_adapters(model)
     name = getattr(source, "name_or_path", None)
-    tmp = _fresh(out)
-    model.save_pretrained(tmp)
-    if adapters and name and is_builtin(name):
-        name_base(tmp, name)
-    tokenizer.save_pretrained(tmp)
-    _put(tmp, out)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if adapters and name and is_builtin(name):
+            name_base(folder, name)
+        tokenizer.save_pretrained(folder)
+
+    _replace(out, write)
     log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "", out)
     written = [out]
     if merged and adapters:
         require(source is not None, "export_policy(merged=True) needs the model's source")
         base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
         target = out.with_name(f"{out.name}-merged")
-        tmp = _fresh(target)
-        merged_copy(model, base).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        _put(tmp, target)
+        whole = merged_copy(model, base)
+        _replace(target, lambda folder: (whole.save_pretrained(folder),
+                                         tokenizer.save_pretrained(folder)))
         log.info("exported the merged model to %s", target)
         written.append(target)
     return written
 
 
-def _fresh(out: Path) -> Path:
-    """An empty folder beside ``out`` to write the export into first."""
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _put(tmp: Path, out: Path) -> None:
-    """``tmp`` becomes ``out``. An earlier export there (a run before this one into the same
-    folder) is replaced whole: written over, its files that this export lacks (an adapter
-    beside a full model) would have made the folder load as the earlier model."""
-    if not out.exists():
-        os.replace(tmp, out)
+def _replace(out: Path, write: Any) -> None:
+    """``write(folder)`` the export into ``out``. A new or empty ``out`` is written in place;
+    one holding an earlier export (a run before this one into the same folder) is replaced
+    whole: written over, its files that this export lacks (an adapter beside a full model)
+    would have made the folder load as the earlier model. The new export is written beside
+    it, then swapped in; a failed write leaves the earlier export and no partial folder."""
+    if not (out.is_dir() and any(out.iterdir())):
+        out.mkdir(parents=True, exist_ok=True)
+        write(out)
         return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        write(tmp)
+        os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)  # the earlier export back where it was
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old) if old.is_dir() else old.unlink()
     log.info("replaced the earlier export in %s", out)
 
 
@@ -140,14 +146,20 @@ class HFExport(Callback):
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
         self._training_ended = False
-        if stage == "fit" and trainer.is_global_zero:
+        if stage != "fit":
+            return
+        problem = None
+        if trainer.is_global_zero:  # the rank that writes
             there = os.path.abspath(self.dirpath)  # the part of it that exists
             while not os.path.exists(there):
                 there = os.path.dirname(there)
-            what = "not a folder" if not os.path.isdir(there) else "not writable"
-            require(what == "not writable" and os.access(there, os.W_OK),
-                    f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder to export "
-                    f"into: {there!r} is {what}")
+            if not os.path.isdir(there):
+                problem = f"{there!r} is not a folder"
+            elif not os.access(there, os.W_OK):
+                problem = f"{there!r} is not writable"
+        require(trainer.strategy.reduce_boolean_decision(problem is None, all=True),
+                f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder to export into: "
+                f"{problem or 'see global rank 0'}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once

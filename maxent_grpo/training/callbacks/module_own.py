@@ -74,8 +74,8 @@ class CompletionWriter(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
-        if self.output is None:
-            path = Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PREDICTIONS
+        if self.output is None:  # a new file: an earlier predict's is kept
+            path = _unused(Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PREDICTIONS)
         else:
             path = Path(self.output).expanduser()
             folder = path.is_dir() or str(self.output).endswith(("/", os.sep))
@@ -100,16 +100,11 @@ class CompletionWriter(L.Callback):
 
     def _refusal(self) -> str | None:
         """Why not to replace the target (None: fine): a zip archive (a checkpoint, the one
-        being read perhaps) rather than JSON lines, or, without ``--output``, the default
-        file an earlier ``predict`` wrote."""
+        being read perhaps) rather than JSON lines."""
         path = self.path
         if path.is_file() and zipfile.is_zipfile(path):
             return (f"predict --output {path} is a zip archive (a checkpoint?), not an earlier "
                     "predictions file; choose another file")
-        if self.output is None and path.exists():
-            return (f"predict would replace {path}, an earlier predict's output; pass --output "
-                    "to choose the file (a file named there is replaced), or another "
-                    "trainer.default_root_dir")
         return None
 
     def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -149,3 +144,13 @@ class CompletionWriter(L.Callback):
             rank_zero_warn(f"predict ran no batch (trainer.limit_predict_batches, or no "
                            f"validation rows): nothing was written to {self.path}")
         self.rows = []
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or when it exists (an earlier predict's, in the same log folder) the first
+    free ``<stem>-<n><suffix>`` beside it."""
+    stem, n = path.stem, 0
+    while path.exists():
+        n += 1
+        path = path.with_name(f"{stem}-{n}{path.suffix}")
+    return path

@@ -428,6 +428,9 @@ def test_overwrite_existing(tmp_path):
 # ---------------------------------------------------------------------- export
 
 
+ONE_RANK = SimpleNamespace(reduce_boolean_decision=lambda ok, all=True: ok)
+
+
 class Saver:
     def __init__(self, name: str = "weights") -> None:
         self.saved: list[Path] = []
@@ -441,7 +444,7 @@ class Saver:
 def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
     export = HFExport(every_n_train_steps=4)
     trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
-                              is_global_zero=True)
+                              is_global_zero=True, strategy=ONE_RANK)
     module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver()))
     export.setup(trainer, module, "fit")
     assert export.dirpath == str(tmp_path / "hf")
@@ -465,7 +468,7 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     final.mkdir(parents=True)
     (final / "adapter_config.json").write_text("{}")  # the earlier run's adapter
     trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
-                              is_global_zero=True)
+                              is_global_zero=True, strategy=ONE_RANK)
     module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver("tok")))
     export = HFExport()
     export.setup(trainer, module, "fit")
@@ -473,11 +476,39 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
 
+    class Full(Saver):
+        def save_pretrained(self, path) -> None:
+            raise OSError(28, "No space left on device")
+
+    module.runtime.model = Full()  # a failed write keeps the earlier export, leaves nothing
+    with pytest.raises(OSError, match="No space left"):
+        export.on_train_end(trainer, module)
+    assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
+    assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
+
+
+def test_hf_export_into_a_linked_folder_replaces_the_folder_not_the_link(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "adapter_config.json").write_text("{}")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "final").symlink_to(real)
+    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
+                              is_global_zero=True, strategy=ONE_RANK)
+    module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver("tok")))
+    export = HFExport()
+    export.setup(trainer, module, "fit")
+    export.on_train_end(trainer, module)
+    assert (tmp_path / "hf" / "final").is_symlink()
+    assert sorted(p.name for p in real.iterdir()) == ["tok", "weights"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "real"]
+
 
 def test_hf_export_that_cannot_write_fails_before_training(tmp_path):
     """It failed at the end of training, which also lost the last checkpoint's save."""
     (tmp_path / "afile").write_text("x")
-    trainer = SimpleNamespace(log_dir=None, default_root_dir=str(tmp_path), is_global_zero=True)
+    trainer = SimpleNamespace(log_dir=None, default_root_dir=str(tmp_path), is_global_zero=True,
+                              strategy=ONE_RANK)
     with pytest.raises(ValueError, match="HFExport.dirpath .*afile/hf' cannot be a folder to "
                                          "export into: .*afile' is not a folder"):
         HFExport(dirpath=str(tmp_path / "afile" / "hf")).setup(trainer, None, "fit")
