@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -460,6 +461,17 @@ def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
         "final", "step-12", "step-4", "step-9"]
 
 
+def exported_into(log_dir: Path) -> tuple[Any, Any, HFExport]:
+    """An HFExport of two Savers into ``<log_dir>/hf/final``, at the end of training."""
+    trainer = SimpleNamespace(log_dir=str(log_dir), default_root_dir=None, global_step=0,
+                              is_global_zero=True, strategy=ONE_RANK)
+    module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver("tok")))
+    export = HFExport()
+    export.setup(trainer, module, "fit")
+    export.on_train_end(trainer, module)
+    return trainer, module, export
+
+
 def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     """A second run exporting into the same folder wrote over the first, whose files this
     export lacks (a LoRA run's adapter beside a full model) stayed, and the folder loaded
@@ -467,12 +479,7 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     final = tmp_path / "hf" / "final"
     final.mkdir(parents=True)
     (final / "adapter_config.json").write_text("{}")  # the earlier run's adapter
-    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
-                              is_global_zero=True, strategy=ONE_RANK)
-    module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver("tok")))
-    export = HFExport()
-    export.setup(trainer, module, "fit")
-    export.on_train_end(trainer, module)
+    trainer, module, export = exported_into(tmp_path)
     assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
 
@@ -493,12 +500,7 @@ def test_hf_export_into_a_linked_folder_replaces_the_folder_not_the_link(tmp_pat
     (real / "adapter_config.json").write_text("{}")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "final").symlink_to(real)
-    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=None, global_step=0,
-                              is_global_zero=True, strategy=ONE_RANK)
-    module = SimpleNamespace(runtime=SimpleNamespace(model=Saver(), tokenizer=Saver("tok")))
-    export = HFExport()
-    export.setup(trainer, module, "fit")
-    export.on_train_end(trainer, module)
+    trainer, module, export = exported_into(tmp_path)
     assert (tmp_path / "hf" / "final").is_symlink()
     assert sorted(p.name for p in real.iterdir()) == ["tok", "weights"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "real"]
