@@ -200,6 +200,8 @@ def _peft_from_config_file(file: Path) -> Any:
 
     from maxent_grpo.adapters import PeftConfig
 
+    if file.is_dir():
+        raise UserError(f"--config {str(file)!r} is a folder: give the run's config.yaml in it")
     if not file.is_file():
         raise UserError(f"--config {str(file)!r} does not exist: give the run's config.yaml")
     try:

@@ -309,6 +309,10 @@ def test_a_bad_run_config_or_one_the_weights_do_not_fit_is_one_error_line(
     _, ckpt, _ = lora_run
     older = _lora_checkpoint(ckpt, tmp_path / "older.ckpt", None)
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    (tmp_path / "folder.yaml").mkdir()
+    assert main([str(older), "--output", str(tmp_path / "f"), "--config",
+                 str(tmp_path / "folder.yaml")]) == 1
+    assert "is a folder: give the run's config.yaml in it" in capsys.readouterr().err
     configs = {"yaml": ("model: {peft: {", "is not readable YAML"),
                "args": (yaml.safe_dump({"model": {"peft": {
                    "class_path": "peft.LoraConfig", "init_args": {"rank": 8}}}}),

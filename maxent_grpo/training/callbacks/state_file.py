@@ -76,6 +76,8 @@ def read_controller_state(path: str | Path) -> dict[str, Any]:
     for invalid JSON (a truncated or corrupt file), a missing key or a value of the wrong type.
     """
     path = Path(path)
+    require(not path.is_dir(), f"controller state file {str(path)!r} is a folder; name the "
+            "controller_state.json file in it")
     if not path.is_file():
         raise FileNotFoundError(f"controller state file not found: {str(path)!r}")
     try:

@@ -391,6 +391,8 @@ def test_a_bad_state_file_names_the_file_and_key(tmp_path, text, match):
     assert obj.tau == 0.5  # nothing applied
     with pytest.raises(FileNotFoundError, match="not found"):
         attach(obj, TauController(1.0, resume_from=str(tmp_path / "missing.json")))
+    with pytest.raises(ValueError, match="is a folder; name the controller_state.json file"):
+        attach(obj, TauController(1.0, resume_from=str(tmp_path)))
 
 
 def test_a_negative_beta_in_a_state_file_names_the_file(tmp_path):
