@@ -26,7 +26,6 @@ every checkpoint save and at the end of training.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from maxent_grpo.training.callbacks.state_file import (
     read_controller_state,
     write_controller_state,
 )
+from maxent_grpo.training.run.checkpoint_io import unwritable
 from maxent_grpo.training.types import ControllerPaths, LoopSettings
 from maxent_grpo.validation import check_bool, require
 
@@ -127,7 +127,7 @@ class Controller(Callback):
         resuming a checkpoint (known only now) or from its ``state_path`` continues it."""
         path = self._state_file
         if path is not None:  # found out at the first checkpoint save, which it broke
-            problem = _unwritable(path) if trainer.is_global_zero else None  # the writer
+            problem = unwritable(path) if trainer.is_global_zero else None  # the writer
             require(trainer.strategy.reduce_boolean_decision(problem is None, all=True),
                     f"{self.name}.state_path {str(path)!r} cannot be written: "
                     f"{problem or 'see global rank 0'}")
@@ -206,15 +206,3 @@ class Controller(Callback):
 
     def _own_state(self) -> dict[str, float | None]:
         raise NotImplementedError
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why the state file ``path`` cannot be written (None: it can)."""
-    if path.is_dir():
-        return "it is a folder"
-    there = path.parent.absolute()
-    while not there.exists():  # the folders that are missing get made
-        there = there.parent
-    if not there.is_dir() or not os.access(there, os.W_OK):
-        return f"{str(there)!r} is not a writable folder"
-    return None

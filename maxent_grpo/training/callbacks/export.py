@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from maxent_grpo.adapters import has_adapters, merged_copy, name_base
 from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy
+from maxent_grpo.training.run.checkpoint_io import unwritable
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = ["EXPORT_COMMAND", "HFExport", "export_policy"]
@@ -148,15 +149,7 @@ class HFExport(Callback):
         self._training_ended = False
         if stage != "fit":
             return
-        problem = None
-        if trainer.is_global_zero:  # the rank that writes
-            there = os.path.abspath(self.dirpath)  # the part of it that exists
-            while not os.path.exists(there):
-                there = os.path.dirname(there)
-            if not os.path.isdir(there):
-                problem = f"{there!r} is not a folder"
-            elif not os.access(there, os.W_OK):
-                problem = f"{there!r} is not writable"
+        problem = unwritable(self.dirpath, folder=True) if trainer.is_global_zero else None
         require(trainer.strategy.reduce_boolean_decision(problem is None, all=True),
                 f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder to export into: "
                 f"{problem or 'see global rank 0'}")
