@@ -49,7 +49,8 @@ from maxent_grpo.rollout.weights import checkpoint_weights  # noqa: E402
 from maxent_grpo.training.callbacks import TauController  # noqa: E402
 from maxent_grpo.training.data.datamodule import PromptDataModule  # noqa: E402
 from maxent_grpo.training.module import MaxEntGRPOModule  # noqa: E402
-from maxent_grpo.training.step.strategy import clip_gradients, fully_shard_models  # noqa: E402
+from maxent_grpo.training.step.optimise import clip_gradients  # noqa: E402
+from maxent_grpo.training.step.strategy import fully_shard_models  # noqa: E402
 
 WORLD = 2
 B = 2  # prompts per rank and step; the 1-rank run takes WORLD * B
@@ -552,6 +553,25 @@ def test_deepspeed_clips_with_the_module_value():
     strategy.config = {"gradient_clipping": 2.0}
     with pytest.raises(ValueError, match="gradient_clipping"):
         module.setup("fit")
+
+
+@pytest.mark.parametrize("limit", [{"micro_batch_groups": 1}, {"micro_batch_tokens": 4096}])
+def test_deepspeed_refuses_micro_batch_limits_when_the_run_starts(limit):
+    """A step of several backward passes would keep only the last one's gradient under
+    ZeRO-2: refused at setup, naming both options, not at the first step that splits."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    strategy.config = {}
+    module = MaxEntGRPOModule(**limit)
+    module._trainer = SimpleNamespace(strategy=strategy)
+    with pytest.raises(ValueError, match="micro_batch_groups / model.micro_batch_tokens"):
+        module.setup("fit")
+    module = MaxEntGRPOModule()  # neither set: one backward pass per step
+    module._trainer = SimpleNamespace(strategy=strategy)
+    module.setup("fit")
 
 
 def test_tensor_parallelism_is_refused():

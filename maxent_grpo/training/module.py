@@ -242,8 +242,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         #: the job-long handles (policy, tokenizer, reference, loader), set by configure_model
         self.runtime: RuntimeHandles | None = None
         self._reference_required = False  # a controller may raise beta (require_reference)
-        #: the last training step's trajectory, its record and the record's flat view (the
-        #: logged dict, ``step_log.as_dict()``, that the callbacks read)
+        #: the last step's trajectory, its record and the logged dict the callbacks read
         self.trajectory: Trajectory | None = None
         self.step_log: LogStepArtifacts | None = None
         self.step_metrics_dict: dict[str, float] = {}
@@ -286,7 +285,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         return StepContext(
             engine=self.rollout_engine(), rewards=self.rewards, scorer=self.scorer,
             objective=self.objective, policy=self.policy,
-            reference=self.reference if self.needs_reference else None,
+            reference=self.runtime.reference_model,  # loaded when needed, else None
             generation=self.loop.generation, schedule=schedule,
             strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
@@ -401,7 +400,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)."""
-        check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val)
+        check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val,
+                       self.scorer.batching)
 
     def on_train_start(self) -> None:
         """Loop settings with Lightning's optimizer and scheduler; the loader to the handles."""

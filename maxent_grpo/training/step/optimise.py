@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import MicroBatch
 from maxent_grpo.training.step.context import StepTimer
-from maxent_grpo.training.step.strategy import clip_gradients
 from maxent_grpo.training.step.trajectory import Trajectory
 from maxent_grpo.validation import require
 
@@ -188,6 +189,18 @@ def optimizer_step(
     sched.step()
     timer.stop("optimizer")
     return Update(grad_norm, lr)
+
+
+def clip_gradients(
+    strategy: Strategy, parameters: Iterable[torch.nn.Parameter], max_norm: float
+) -> Tensor | None:
+    """Clip the gradients to global norm ``max_norm``; return that norm (the same on every
+    rank: FSDP2's ``clip_grad_norm_`` reduces the DTensor shards' norms over the mesh), or
+    None where the strategy clips by itself (DeepSpeed, inside its ``step``)."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        return None
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def count_update(counters: StepCounters, update: Update, step: int, limit: int) -> None:

@@ -4,9 +4,10 @@
   the root FSDP forward, Lightning issue #19626); under ``ModelParallelStrategy`` (FSDP2)
   :func:`fully_shard_models` shards the policy and the reference.
 - ``DeepSpeedStrategy`` clips inside the engine (gradients are partitioned):
-  ``model.gradient_clip_val`` becomes the DeepSpeed config's ``gradient_clipping``, and a
-  step must be one backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only
-  the last backward's gradient).
+  ``model.gradient_clip_val`` becomes the DeepSpeed config's ``gradient_clipping`` (the
+  optimizer step's ``clip_gradients`` leaves it to the engine), and a step must be one
+  backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only the last
+  backward's gradient), so micro-batch limits are refused when the run starts.
 - DDP needs nothing here: after each backward every rank holds the averaged gradient.
 """
 
@@ -15,15 +16,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from maxent_grpo.training.types import BatchingSettings
 
 
-def check_strategy(strategy: Strategy, gradient_clip_val: float | None) -> None:
-    """Refuse FSDP1; hand the clipping norm to DeepSpeed (ValueError on a conflict)."""
+def check_strategy(strategy: Strategy, gradient_clip_val: float | None,
+                   batching: BatchingSettings | None = None) -> None:
+    """Refuse FSDP1; hand the clipping norm to DeepSpeed (ValueError on a conflict), and
+    refuse DeepSpeed with micro-batch limits in ``batching`` (``model.micro_batch_groups``
+    or ``model.micro_batch_tokens`` set: a step could take several backward passes)."""
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(
             "trainer.strategy FSDPStrategy (FSDP1) cannot run MaxEntGRPOModule: its manual "
@@ -33,6 +39,12 @@ def check_strategy(strategy: Strategy, gradient_clip_val: float | None) -> None:
             "tensor_parallel_size: 1} (FSDP2, see configs/scaling/node8_fsdp_*.yaml)"
         )
     if isinstance(strategy, DeepSpeedStrategy):
+        if batching is not None and (batching.logprob_chunk_size is not None
+                                     or batching.score_slice is not None):
+            raise ValueError(
+                "model.micro_batch_groups / model.micro_batch_tokens split a step into "
+                "several backward passes, which DeepSpeed does not accumulate here; set both "
+                "to null under DeepSpeedStrategy")
         clip = float(gradient_clip_val or 0.0)
         config = strategy.config
         if float(config.get("gradient_clipping", clip)) != clip:
@@ -130,28 +142,6 @@ def _is_lightning_default(cb: Any, model_checkpoint: type) -> bool:
     default = model_checkpoint()
     return all(getattr(cb, name, None) == getattr(default, name, None)
                for name in _CHECKPOINT_OPTIONS)
-
-
-def check_micro_batches(strategy: Strategy, num_micro_batches: int, batch_size: int) -> None:
-    """Under DeepSpeed a step must be a single backward pass (see the module docstring)."""
-    if num_micro_batches > 1 and isinstance(strategy, DeepSpeedStrategy):
-        raise ValueError(
-            f"model.micro_batch_groups / model.micro_batch_tokens split the batch of "
-            f"{batch_size} prompts into {num_micro_batches} backward passes, which DeepSpeed "
-            "does not accumulate here; set both to null under DeepSpeedStrategy"
-        )
-
-
-def clip_gradients(
-    strategy: Strategy, parameters: Iterable[torch.nn.Parameter], max_norm: float
-) -> Tensor | None:
-    """Clip the gradients to global norm ``max_norm``; return that norm (the same on every
-    rank: FSDP2's ``clip_grad_norm_`` reduces the DTensor shards' norms over the mesh), or
-    None where the strategy clips by itself (DeepSpeed, inside its ``step``)."""
-    if isinstance(strategy, DeepSpeedStrategy):
-        return None
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def fully_shard_models(mesh: Any, models: Iterable[torch.nn.Module | None]) -> None:

@@ -32,7 +32,6 @@ from maxent_grpo.rewards.parsing import answer_key
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.training.step.context import StepTimer
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
-from maxent_grpo.training.step.strategy import check_micro_batches
 from maxent_grpo.training.step.token_logps import MicroBatchPlan, equal_passes
 from maxent_grpo.training.types import AdvantageStats, QDistribution
 from maxent_grpo.validation import require
@@ -196,7 +195,6 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     n_kept = 0 if ghost else input_ids.shape[0]  # this rank's kept rows
 
     chunks = ctx.scorer.plan(prompt_mask, completion_mask, G)
-    check_micro_batches(ctx.strategy, len(chunks), B)
     if world > 1:  # as many passes as the rank that planned the most (FSDP2 collectives)
         passes = ctx.gather(torch.tensor(len(chunks), device=ctx.device))
         chunks = equal_passes(chunks, int(passes.max()))
