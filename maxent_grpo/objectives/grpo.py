@@ -200,8 +200,7 @@ class GRPO(Objective):
                 f"({group_size}): pass@k is over subsets of a group")
 
     def prepare(self, inputs: GroupInputs) -> Targets:
-        rewards = inputs.rewards
-        self.check_group_size(rewards.shape[1])
+        rewards = inputs.rewards  # G was checked when the module was built (check_group_size)
         if self.answer_shaping == "unlikeliness":
             require(inputs.seq_logps is not None, "objective.answer_shaping unlikeliness "
                     "needs the samples' log-probs (GroupInputs.seq_logps); the trainer passes "

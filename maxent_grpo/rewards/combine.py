@@ -82,10 +82,7 @@ class RewardFunctionError(Exception):
     per completion. The message names the function; the original error is ``__cause__``."""
 
 
-def _check_inputs(
-    funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
-    columns: dict[str, list],
-) -> None:
+def _check_funcs(funcs: Sequence[tuple[str, Callable, float]]) -> None:
     if not funcs:
         raise ValueError("funcs must hold at least one (name, function, weight) triple")
     for entry in funcs:
@@ -96,6 +93,9 @@ def _check_inputs(
             raise ValueError(f"reward {name!r}: function must be callable; got {fn!r}")
         if not is_number(weight):
             raise ValueError(f"reward {name!r}: weight must be a finite number; got {weight!r}")
+
+
+def _check_inputs(prompts: list, completions: list, columns: dict[str, list]) -> None:
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"prompts must have one entry per completion ({n}); got {len(prompts)}")
@@ -193,7 +193,16 @@ def score_completions(
     >>> total.tolist()
     [2.5, 1.0]
     """
-    _check_inputs(funcs, prompts, completions, columns)
+    _check_funcs(funcs)  # WeightedRewards checks its own once, when it is built
+    return _score(funcs, prompts, completions, columns, completion_ids, trainer_state)
+
+
+def _score(
+    funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
+    columns: dict[str, list], completion_ids: list[list[int]] | None,
+    trainer_state: TrainerState | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(prompts, completions, columns)
     if completion_ids is not None and len(completion_ids) != len(completions):
         raise ValueError(f"completion_ids must have one entry per completion "
                          f"({len(completions)}); got {len(completion_ids)}")
@@ -258,6 +267,7 @@ class WeightedRewards:
                             "step's device reaches the rewards through score_rollout)")
         self._device = device
         self.funcs = [self._function(o) for o in self.options]
+        _check_funcs(list(zip(self.names, self.funcs, self.weights, strict=True)))
 
     def _function(self, options: RewardOptions) -> Callable:
         if options.model is not None:
@@ -310,9 +320,8 @@ class WeightedRewards:
             if completion_mask is None:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
-        return score_completions(funcs, pairs.prompts, pairs.completions, per_row,
-                                 completion_ids=ids,
-                                 trainer_state=trainer_state or TrainerState())
+        return _score(funcs, pairs.prompts, pairs.completions, per_row, ids,
+                      trainer_state or TrainerState())
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],

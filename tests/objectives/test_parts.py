@@ -322,8 +322,8 @@ def test_the_pass_at_k_options_are_checked():
     with pytest.raises(ValueError, match="scales its advantages by itself"):
         GRPO(advantage="passk", scale_rewards="none")
     objective = GRPO(advantage="passk", pass_k=8)
-    with pytest.raises(ValueError, match=r"objective.pass_k \(8\) must be at most"):
-        objective.prepare(
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, G = 4\]; got 8"):
+        objective.prepare(  # called directly: the estimator's own check
             GroupInputs(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), torch.ones(1, 4), 4, None))
     # and when the module is built, before any model loads (the name is never loaded)
     from maxent_grpo.training.module import MaxEntGRPOModule
