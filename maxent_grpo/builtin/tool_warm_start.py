@@ -196,7 +196,7 @@ def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, promp
     of samples that call the tool (``call_rate``), whose first call is the question's own
     expression (``right_call_rate``; for ``python``, the code printing it), and whose last
     turn's first number is the answer (``correct``)."""
-    from maxent_grpo.rewards.correctness import first_number_reward
+    from maxent_grpo.rewards.answers import first_number_reward
     from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
     from maxent_grpo.rollout.multiturn import MultiTurnEngine
     from maxent_grpo.rollout.toolcall import Toolbox, parse_tool_calls

@@ -16,6 +16,16 @@ sequence-classification reward model (:class:`RewardModel`); per-reward options 
 
 from __future__ import annotations
 
+from maxent_grpo.rewards.answers import (
+    accuracy_reward,
+    completion_text,
+    countdown_reward,
+    digit_pair_reward,
+    extract_answer,
+    first_number_reward,
+    in_set_reward,
+    last_boxed,
+)
 from maxent_grpo.rewards.combine import (
     RewardFunctionError,
     TrainerState,
@@ -23,15 +33,7 @@ from maxent_grpo.rewards.combine import (
     score_completions,
     trl_completions,
 )
-from maxent_grpo.rewards.correctness import (
-    accuracy_reward,
-    countdown_reward,
-    digit_pair_reward,
-    first_number_reward,
-    in_set_reward,
-)
 from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
-from maxent_grpo.rewards.parsing import completion_text, extract_answer, last_boxed
 from maxent_grpo.rewards.registry import REWARDS, get_reward, list_rewards, register_reward
 from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.shaping import answer_format_reward, format_reward, tag_count_reward

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from maxent_grpo.rewards.parsing import answer_blocks, completion_text, prompt_opens_think
+from maxent_grpo.rewards.answers import answer_blocks, completion_text, prompt_opens_think
 from maxent_grpo.rewards.registry import register_reward
 
 #: a block's text holds no tag (a tempered group: linear, where a lazy one backtracked over

@@ -15,7 +15,7 @@ With ``ordered=True`` the order of the two digits matters (``"4 + 5"`` and ``"5 
 are two answers): a target ``t`` has ``min(t, 18 - t) + 1`` answers, 6 to 10 for the
 default targets 5..13, and the rows carry ``answer_form: "ordered"``, which tells coverage@k
 and the answer statistics to compare answers without reordering them
-(:func:`~maxent_grpo.rewards.parsing.canonical_answer`). The prompt and the reward are the
+(:func:`~maxent_grpo.rewards.answers.canonical_answer`). The prompt and the reward are the
 same, so the model sees the same question with a larger answer set.
 
 >>> digit_pairs(1, 0, min_target=5, max_target=5, bare=True, ordered=True)[0]["valid_answers"]

@@ -5,7 +5,7 @@ parentheses, parsed with :mod:`ast` (never ``eval``) and evaluated with
 :class:`fractions.Fraction`. The countdown tasks (:mod:`maxent_grpo.tasks.countdown`,
 :mod:`maxent_grpo.tasks.multi_answer`) check and enumerate solutions with it, and the answer
 statistics compare the samples' answers in its canonical form
-(:func:`maxent_grpo.rewards.parsing.coverage_answer`).
+(:func:`maxent_grpo.rewards.answers.coverage_answer`).
 
 Two expressions are the same solution when they have the same canonical form
 (:func:`canonical_expression`), built bottom-up by flattening chains of ``+``/``-`` into

@@ -30,8 +30,8 @@ from maxent_grpo.rewards import (
 
 REWARD_MODULES = [
     "maxent_grpo.rewards.registry",
-    "maxent_grpo.rewards.parsing",
-    "maxent_grpo.rewards.correctness",
+    "maxent_grpo.rewards.answers",
+    "maxent_grpo.rewards.answers",
     "maxent_grpo.rewards.shaping",
     "maxent_grpo.rewards.combine",
     "maxent_grpo.rewards.options",
@@ -353,7 +353,7 @@ def test_a_number_longer_than_int_takes_is_a_wrong_answer_not_a_crash():
     """A model repeating a digit writes more than the 4300 digits ``int`` converts: the
     integer rewards score it 0 and its answer key is its digits."""
     from maxent_grpo.rewards import first_number_reward, in_set_reward
-    from maxent_grpo.rewards.parsing import canonical_answer
+    from maxent_grpo.rewards.answers import canonical_answer
 
     long = " " + "1" * 4301
     assert first_number_reward(["q"], [long], answer=["7"]) == [0.0]
@@ -377,7 +377,7 @@ def test_answer_blocks_read_as_the_lazy_pattern_does_in_linear_time():
     import re
     import time
 
-    from maxent_grpo.rewards.parsing import answer_blocks
+    from maxent_grpo.rewards.answers import answer_blocks
 
     lazy = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
     parts = ["<answer>", "</answer>", "7", " ", "<think>", "</think>"]
@@ -483,8 +483,12 @@ def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():
     canonical answers kept them as written: an ordered digit pair the reward called right
     was missing from the row's valid answers and the evaluation stopped at the end of a
     validation epoch. ``−`` (U+2212) was not read as a minus: ``−8`` was a right ``8``."""
-    from maxent_grpo.rewards.correctness import digit_pair_reward, first_number_reward
-    from maxent_grpo.rewards.parsing import canonical_answer, sample_answer
+    from maxent_grpo.rewards.answers import (
+        canonical_answer,
+        digit_pair_reward,
+        first_number_reward,
+        sample_answer,
+    )
     from maxent_grpo.tasks import build_task
     from maxent_grpo.training.run.evaluation import PromptRecord, evaluation_metrics
 

@@ -225,7 +225,7 @@ def test_digit_pairs_answer_sets_are_complete_and_targets_cycle() -> None:
 
 def test_ordered_digit_pairs_have_six_to_ten_answers_and_say_how_to_compare_them():
     from maxent_grpo.rewards import digit_pair_reward
-    from maxent_grpo.rewards.parsing import answer_key, canonical_answer
+    from maxent_grpo.rewards.answers import answer_key, canonical_answer
 
     rows = build_task("digit_pairs", 18, 0, bare=True, ordered=True)
     assert {r["target"] for r in rows} == set(range(5, 14))
@@ -248,7 +248,7 @@ def test_ordered_digit_pairs_have_six_to_ten_answers_and_say_how_to_compare_them
 
 def test_number_sets_list_every_member_and_are_graded_by_the_first_integer():
     from maxent_grpo.rewards import in_set_reward
-    from maxent_grpo.rewards.parsing import answer_key
+    from maxent_grpo.rewards.answers import answer_key
 
     rows = build_task("number_sets", 14, 3)
     assert sorted(r["set"] for r in rows[:7]) == sorted(number_sets_module.SETS)

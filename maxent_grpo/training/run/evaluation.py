@@ -16,7 +16,7 @@ prompts (:func:`maxent_grpo.core.at_k.aggregate`):
 
 Answers: :func:`sample_answer`; ``distinct@k`` compares them with whitespace collapsed;
 coverage compares their canonical forms under the prompt's ``answer_form``
-(:func:`~maxent_grpo.rewards.parsing.canonical_answer`; expressions by default).
+(:func:`~maxent_grpo.rewards.answers.canonical_answer`; expressions by default).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import Tensor
 from maxent_grpo.core.advantages import answer_entropy
 from maxent_grpo.core.at_k import aggregate
 from maxent_grpo.rewards import TrainerState, WeightedRewards
-from maxent_grpo.rewards.parsing import (
+from maxent_grpo.rewards.answers import (
     canonical_answer,
     compared_answer,
     coverage_answer,
@@ -58,7 +58,7 @@ class PromptRecord:
         task: the prompt's task label (the ``task`` column), or ``None``.
         greedy_correct: 1.0 / 0.0 for the greedy completion, ``None`` without greedy.
         answer_form: how answers are compared (the ``answer_form`` column,
-            :func:`~maxent_grpo.rewards.parsing.canonical_answer`); ``None``: expressions.
+            :func:`~maxent_grpo.rewards.answers.canonical_answer`); ``None``: expressions.
         row: the prompt's row in its split (``None`` when unknown): a prompt a padding
             sampler repeats on another rank is counted once.
     """

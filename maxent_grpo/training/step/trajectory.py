@@ -28,7 +28,7 @@ from torch import Tensor
 
 from maxent_grpo.core import answer_classes, distinct_candidates, droppable_groups
 from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
-from maxent_grpo.rewards.parsing import answer_key
+from maxent_grpo.rewards.answers import answer_key
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.training.step.context import StepTimer
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
@@ -96,7 +96,7 @@ class Trajectory:
         refill_rounds: extra rollouts of ``B`` prompts this step drew
             (``model.refill_rounds``; the same on every rank).
         answer_keys: the ``B*G`` samples' answers as the answer statistics and the
-            answer-level objectives compare them (:func:`~maxent_grpo.rewards.parsing.answer_key`
+            answer-level objectives compare them (:func:`~maxent_grpo.rewards.answers.answer_key`
             under each row's ``answer_form``; ``None``: no answer).
     """
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from maxent_grpo.rewards.parsing import answer_key
+from maxent_grpo.rewards.answers import answer_key
 from maxent_grpo.rollout import PromptCompletionBatch
 from maxent_grpo.training.step.step_log import StepMetrics
 

@@ -1,0 +1,421 @@
+"""Answers: the final answer of a completion, its canonical form, and the correctness
+rewards that grade it.
+
+**Reading.** :func:`completion_text` is a completion's text; :func:`extract_answer` its final
+answer (last ``<answer>...</answer>`` block, else last balanced ``\\boxed{...}``);
+:func:`answer_key` the answer as the answer statistics and the answer-level objectives
+compare it, under the task's ``answer_form`` (:func:`canonical_answer`).
+
+**Grading** (the registered rewards ``accuracy``, ``countdown``, ``first_number``,
+``digit_pair``, ``in_set``): each reads the final answer; a completion without one scores
+0.0. A row whose reference columns hold ``None`` scores ``None`` (not applicable); a missing
+column raises ``ValueError`` (the reward does not fit the task).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from maxent_grpo.rewards.registry import register_reward
+from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal
+from maxent_grpo.tasks.countdown import check_countdown
+from maxent_grpo.tasks.expressions import canonical_expression
+
+_BOXED_OPEN = re.compile(r"\\boxed\s*\{")
+
+
+def answer_blocks(text: str) -> list[str]:
+    """The contents of the ``<answer>...</answer>`` blocks of ``text``, in order (each
+    opening tag closed by the next closing tag). A scan, not a lazy regex: unclosed tags
+    repeated over a long text made the regex quadratic (5 s on 100k characters).
+
+    >>> answer_blocks("<answer>1</answer> <answer><answer>2</answer> <answer>3")
+    ['1', '<answer>2']
+    """
+    blocks, pos = [], 0
+    while (start := text.find("<answer>", pos)) >= 0:
+        end = text.find("</answer>", start + 8)
+        if end < 0:
+            break
+        blocks.append(text[start + 8:end])
+        pos = end + 9
+    return blocks
+
+
+#: an integer as answers write it: ASCII digits (``int`` would read other scripts' digits,
+#: which the canonical answers do not), after ``-`` or the minus sign ``−``
+INTEGER = re.compile(r"[-−]?[0-9]+")
+
+
+def parse_int(text: str) -> int | None:
+    """``int(text)`` for an :data:`INTEGER` match, None when it has more digits (leading
+    zeros aside) than ``int`` converts (4300 by default: a model repeating a digit writes
+    them)."""
+    text = text.replace("−", "-")
+    digits = text.lstrip("-").lstrip("0") or "0"  # int counts leading zeros too
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    if limit and len(digits) > limit:
+        return None
+    return -int(digits) if text.startswith("-") else int(digits)
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of one completion: a plain string, or the ``"content"`` of the last message
+    of a TRL conversational completion (a list of ``{"role", "content"}`` dicts).
+
+    >>> completion_text([{"role": "assistant", "content": "hi"}])
+    'hi'
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        if isinstance(content, str):
+            return content
+    raise ValueError(
+        "completions must hold str or non-empty lists of message dicts whose last "
+        f"'content' is a str; got {completion!r:.200}"
+    )
+
+
+def prompt_opens_think(prompt: object) -> bool:
+    """True when a plain-string prompt ends with ``<think>`` (trailing whitespace aside), as
+    chat templates of reasoning models do; the completion then starts inside the block."""
+    return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` whose braces balance, or None.
+
+    >>> last_boxed(r"so \\boxed{\\frac{1}{2}}.")
+    '\\\\frac{1}{2}'
+    """
+    opens = {m.end() - 1 for m in _BOXED_OPEN.finditer(text)}  # positions of their "{"
+    stack: list[int] = []
+    found: tuple[int, int] | None = None  # (start, end) of the latest-starting closed box
+    for pos, char in enumerate(text):
+        if char == "{":
+            stack.append(pos)
+        elif char == "}" and stack:
+            start = stack.pop()
+            if start in opens and (found is None or start > found[0]):
+                found = (start + 1, pos)
+    return None if found is None else text[found[0] : found[1]]
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion, stripped, or None when it gives none.
+
+    The content of the last ``<answer>...</answer>`` block wins; otherwise the content of
+    the last balanced ``\\boxed{...}``. A ``\\boxed{...}`` inside the chosen answer block is
+    unwrapped.
+
+    >>> extract_answer("<think>2+2</think><answer> \\\\boxed{4} </answer>")
+    '4'
+    >>> extract_answer("no final answer") is None
+    True
+    """
+    blocks = answer_blocks(text)
+    if blocks:
+        answer = blocks[-1]
+        boxed = last_boxed(answer)
+        return (boxed if boxed is not None else answer).strip()
+    boxed = last_boxed(text)
+    return None if boxed is None else boxed.strip()
+
+
+def require_column(reward: str, name: str, values: list | None, n: int) -> list:
+    """The column ``name`` for reward ``reward``; ValueError when it is absent or not one
+    value per completion (``n`` completions)."""
+    if values is None:
+        raise ValueError(
+            f"reward {reward!r} needs the dataset column {name!r}; the rows have no such column"
+        )
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(
+            f"reward {reward!r}: column {name!r} must be a list with one value per "
+            f"completion ({n}); got {got}"
+        )
+    return list(values)
+
+
+#: operator symbols read as ``*``, ``/`` and ``-`` in answers (``−`` is U+2212, the minus sign)
+SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "·": "*", "⋅": "*",
+           "∗": "*", "−": "-"}
+
+
+def sample_answer(completion: str | list[dict]) -> str | None:
+    """The answer of one sample: :func:`extract_answer`, else the stripped completion
+    (``None`` when that is empty).
+
+    >>> sample_answer("<answer> 8 </answer>"), sample_answer(" 8 because "), sample_answer(" ")
+    ('8', '8 because', None)
+    """
+    text = completion_text(completion)
+    answer = extract_answer(text)
+    if answer is None:
+        answer = text.strip()
+    return answer or None
+
+
+def coverage_answer(answer: str | None) -> str | None:
+    """The canonical form of an expression answer, for coverage@k: ``×``, ``÷``,
+    ``\\times``, ``\\div``, ``\\cdot`` read as ``*`` and ``/``, the left side of one
+    ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression).
+
+    >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello") is None
+    ('1 + 3 * 5', True)
+    """
+    if answer is None:
+        return None
+    for symbol, op in SYMBOLS.items():
+        answer = answer.replace(symbol, op)
+    if answer.count("=") == 1:
+        answer = answer.split("=")[0]
+    return canonical_expression(answer)
+
+
+#: how a task's answers are compared (the rows' ``answer_form`` column; absent: ``expression``)
+ANSWER_FORMS = ("expression", "ordered", "first_number")
+
+
+def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
+    """An answer's canonical form under a task's ``answer_form``: ``"expression"`` (the
+    default, ``None``) is :func:`coverage_answer`, where ``"5 + 4"`` and ``"4 + 5"`` are one
+    answer; ``"ordered"`` keeps the order and removes the whitespace only, so they are two
+    (the ``digit_pairs`` task with ``ordered=True``); ``"first_number"`` is the first
+    integer of the answer (the ``number_sets`` task). ``None`` when there is no answer (or
+    it is not of the form: not an expression, no integer).
+
+    >>> canonical_answer("5 + 4"), canonical_answer("5 + 4", "ordered"), canonical_answer(None)
+    ('4 + 5', '5+4', None)
+    >>> canonical_answer(" 07, 11", "first_number"), canonical_answer("none", "first_number")
+    ('7', None)
+    """
+    if form in (None, "expression"):
+        return coverage_answer(answer)
+    if form == "ordered":
+        return None if answer is None else ("".join(answer.split()) or None)
+    if form == "first_number":
+        match = None if answer is None else INTEGER.search(answer)
+        if match is None:
+            return None
+        text = match.group().replace("−", "-")
+        value = parse_int(text)
+        if value is not None:
+            return str(value)
+        digits = text.lstrip("-").lstrip("0")  # too long for int: no leading zeros
+        return ("-" if text.startswith("-") and digits else "") + (digits or "0")
+    raise ValueError(f"answer_form must be one of {ANSWER_FORMS}; got {form!r}")
+
+
+def answer_key(completion: str | list[dict], form: str | None = None) -> str | None:
+    """A sample's answer as the answer statistics and the answer-level objectives compare
+    them: :func:`canonical_answer` of :func:`sample_answer`, else (not an expression) the
+    answer with whitespace collapsed; ``None``: no answer.
+
+    >>> answer_key("4 + 5") == answer_key(" 5+4"), answer_key(" 8 "), answer_key("  ")
+    (True, '8', None)
+    """
+    return compared_answer(sample_answer(completion), form)
+
+
+def compared_answer(answer: str | None, form: str | None = None) -> str | None:
+    """An extracted answer as :func:`answer_key` compares it: :func:`canonical_answer`,
+    else the answer with whitespace collapsed (``None``: no answer)."""
+    key = canonical_answer(answer, form)
+    return key if key is not None or answer is None else " ".join(answer.split())
+
+
+# ---------------------------------------------------------------- the correctness rewards
+@register_reward("accuracy")
+def accuracy_reward(
+    prompts: list, completions: list, answer: list | None = None, **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the final answer equals the ``answer`` column mathematically, else 0.0.
+
+    Both sides go through math-verify (``parse``, then ``verify(gold, prediction)``), so
+    ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. When math-verify extracts nothing from
+    either side (e.g. the reference is a word), the two strings are compared exactly after
+    collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
+    Each comparison may take
+    :data:`~maxent_grpo.rewards.verify_worker.MATH_VERIFY_TIMEOUT_S` per parse and verify (then it
+    is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
+    math-verify's limit does not work, the comparisons run in a worker process
+    (:class:`~maxent_grpo.rewards.verify_worker.Verifier`), so that an answer such as
+    ``9**(9*9*9*9*9*9*9*9*9)`` cannot hold the process.
+
+    >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],
+    ...                 answer=["1/2"])
+    [1.0]
+    >>> accuracy_reward(["What is 1/2?"], ["<think>hmm</think><answer>2</answer>"],
+    ...                 answer=["1/2"])
+    [0.0]
+    """
+    golds = require_column("accuracy", "answer", answer, len(completions))
+    main = threading.current_thread() is threading.main_thread()
+    parsed_golds: dict[str, list] = {}
+    scores: list[float | None] = []
+    for completion, gold in zip(completions, golds, strict=True):
+        if gold is None or not str(gold).strip():
+            scores.append(None)
+            continue
+        gold = str(gold).strip()
+        prediction = extract_answer(completion_text(completion))
+        if prediction is None:
+            scores.append(0.0)
+            continue
+        correct = (math_equal(gold, prediction, parsed_golds) if main
+                   else VERIFIER.equal(gold, prediction))
+        scores.append(1.0 if correct else 0.0)
+    return scores
+
+
+def _countdown_expression(answer: str, target: int) -> str | None:
+    """The expression part of a countdown answer, with the operator symbols
+    (:data:`~maxent_grpo.rewards.answers.SYMBOLS`: ×, ÷, −, ...) read as ``*``, ``/``,
+    ``-``; an ``expr = target`` answer keeps ``expr`` (None when the right-hand side is not
+    the target)."""
+    for symbol, op in SYMBOLS.items():
+        answer = answer.replace(symbol, op)
+    if answer.count("=") == 1:
+        answer, rhs = answer.split("=")
+        if rhs.strip() != str(target):
+            return None
+    return answer
+
+
+@register_reward("countdown")
+def countdown_reward(
+    prompts: list, completions: list, numbers: list | None = None, target: list | None = None,
+    **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the final answer is an expression that reaches ``target`` using each of
+    ``numbers`` at most once (:func:`maxent_grpo.tasks.countdown.check_countdown`), else
+    0.0; ``None`` for a row whose ``numbers`` or ``target`` is ``None``.
+
+    >>> countdown_reward(["..."], ["<think>8*2</think><answer>(3 + 5) * 2</answer>"],
+    ...                  numbers=[[2, 3, 5]], target=[16])
+    [1.0]
+    >>> countdown_reward(["..."], ["<think>5*3+3</think><answer>5 * 3 + 3</answer>"],
+    ...                  numbers=[[2, 3, 5]], target=[18])
+    [0.0]
+    """
+    n = len(completions)
+    all_numbers = require_column("countdown", "numbers", numbers, n)
+    targets = require_column("countdown", "target", target, n)
+    scores: list[float | None] = []
+    for completion, row_numbers, row_target in zip(completions, all_numbers, targets, strict=True):
+        if row_numbers is None or row_target is None:
+            scores.append(None)
+            continue
+        answer = extract_answer(completion_text(completion))
+        expression = None if answer is None else _countdown_expression(answer, row_target)
+        ok = expression is not None and check_countdown(expression, list(row_numbers), row_target)
+        scores.append(1.0 if ok else 0.0)
+    return scores
+
+
+@register_reward("first_number")
+def first_number_reward(
+    prompts: list, completions: list, answer: list | None = None, **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the first integer in the completion equals the integer ``answer``, else
+    0.0 (no tags needed: for bare prompts such as ``"3 + 5 ="``). A reference that is
+    ``None`` or blank gives ``None``; a reference that is not an integer raises.
+
+    >>> first_number_reward(["3 + 5 ="], [" 8 because 3+5"], answer=["8"])
+    [1.0]
+    >>> first_number_reward(["3 + 5 ="], ["35"], answer=["8"])
+    [0.0]
+    """
+    golds = require_column("first_number", "answer", answer, len(completions))
+    scores: list[float | None] = []
+    for row, (completion, gold) in enumerate(zip(completions, golds, strict=True)):
+        if gold is None or not str(gold).strip():
+            scores.append(None)
+            continue
+        try:
+            target = int(str(gold).strip())
+        except ValueError:
+            raise ValueError(
+                f"first_number: the answer of row {row} must be an integer; got {gold!r}"
+            ) from None
+        match = INTEGER.search(completion_text(completion))
+        scores.append(1.0 if match is not None and parse_int(match.group()) == target else 0.0)
+    return scores
+
+
+_DIGIT_PAIR = re.compile(r"\s*([0-9])\s*\+\s*([0-9])\s*")  # ASCII digits, as the answers are
+
+
+@register_reward("digit_pair")
+def digit_pair_reward(
+    prompts: list, completions: list, target: list | None = None, **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the answer is exactly two digits ``a + b`` with ``a + b == target`` (the
+    ``digit_pairs`` task), else 0.0. The answer is the ``<answer>`` block when there is one,
+    else the whole completion (bare prompts); nothing but whitespace may surround the pair.
+    A ``target`` of ``None`` gives ``None``.
+
+    >>> digit_pair_reward(["? + ? = 9"], ["4 + 5"], target=[9])
+    [1.0]
+    >>> digit_pair_reward(["? + ? = 9"], ["4 + 4"], target=[9])
+    [0.0]
+    >>> digit_pair_reward(["q"] * 5, ["5+4", "<answer>0 + 9</answer>", "9", "4 + 5 = 9", "45 + 0"],
+    ...                   target=[9] * 5)
+    [1.0, 1.0, 0.0, 0.0, 0.0]
+    """
+    def right(answer: str, row_target: object) -> bool:
+        match = _DIGIT_PAIR.fullmatch(answer)
+        return match is not None and int(match[1]) + int(match[2]) == int(row_target)
+
+    targets = require_column("digit_pair", "target", target, len(completions))
+    return _graded(completions, targets, right)
+
+
+def _graded(completions: list, references: list, right: Callable[[str, Any], bool],
+            ) -> list[float | None]:
+    """Per row ``1.0 if right(answer, reference) else 0.0``, the answer being the
+    ``<answer>`` block when there is one, else the whole completion; ``None`` where the
+    reference is ``None``."""
+    scores: list[float | None] = []
+    for completion, reference in zip(completions, references, strict=True):
+        if reference is None:
+            scores.append(None)
+            continue
+        text = completion_text(completion)
+        answer = extract_answer(text)
+        scores.append(1.0 if right(text if answer is None else answer, reference) else 0.0)
+    return scores
+
+
+@register_reward("in_set")
+def in_set_reward(
+    prompts: list, completions: list, valid_answers: list | None = None, **kwargs: object,
+) -> list[float | None]:
+    """1.0 when the first integer of the answer is one of the row's ``valid_answers``
+    (integers written as strings; the ``number_sets`` and ``divisors`` tasks), else 0.0.
+    The answer is the ``<answer>`` block when there is one, else the whole completion.
+    ``valid_answers`` of ``None`` gives ``None``.
+
+    >>> in_set_reward(["A prime number less than 20:"], [" 7, 11"], valid_answers=[["7", "11"]])
+    [1.0]
+    >>> in_set_reward(["A prime number less than 20:"], [" 8"], valid_answers=[["7", "11"]])
+    [0.0]
+    """
+    def right(answer: str, members: Any) -> bool:
+        try:
+            valid = {int(str(m).strip()) for m in members}
+        except ValueError:
+            raise ValueError(f"in_set: valid_answers must hold integers; got {members!r}") from None
+        match = INTEGER.search(answer)
+        return match is not None and parse_int(match.group()) in valid
+
+    sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
+    return _graded(completions, sets, right)
