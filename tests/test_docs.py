@@ -138,7 +138,7 @@ USERS_FILES = {"my_rewards.py"}
 
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_every_python_file_named_in_code_exists(page):
-    """A ``.py`` file in a code span by its path inside a package (``step/context.py``,
+    """A ``.py`` file in a code span by its path inside a package (``step/trajectory.py``,
     ``hf.py``) is a file of the repository: renamed or moved modules fail here."""
     named = set(re.findall(r"`([\w/-]+\.py)(?:::\w+)?`", without_code(page.read_text())))
     missing = sorted(n for n in named - USERS_FILES

@@ -12,9 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: files the traced demo step may run: the count measured when the budget was set (31
-#: before the reshaping; the issue's goal is 18, and docs/ARCHITECTURE.md says why not yet)
-BUDGET = 23
+#: files the traced demo step may run: the issue's goal (31 before the reshaping)
+BUDGET = 18
 
 
 def test_one_demo_step_runs_no_more_package_files_than_the_budget(tmp_path):

@@ -76,6 +76,30 @@ class TrainerState:
     is_world_process_zero: bool = True
     is_local_process_zero: bool = True
 
+    @classmethod
+    def of(cls, trainer: Any, num_iterations: int = 1) -> TrainerState:
+        """The progress of a Lightning ``trainer`` (``TrainerState()``, step 0 and unknown
+        length, without one); ``num_iterations`` optimizer steps are taken per batch."""
+        if trainer is None:
+            return cls()
+        batches = trainer.num_training_batches  # per epoch, this rank; inf before fit
+        batches = batches if isinstance(batches, int) and batches > 0 else None
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        epoch = trainer.current_epoch + (min(done, batches) / batches if batches else 0.0)
+        caps = [trainer.max_steps] if trainer.max_steps > 0 else []
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        if batches and max_epochs > 0:
+            caps.append(batches * max_epochs * num_iterations)
+        max_steps = min(caps) if caps else -1
+        epochs = -1
+        if batches and max_steps > 0:
+            epochs = math.ceil(max_steps / (batches * num_iterations))
+        return cls(
+            global_step=int(trainer.global_step), max_steps=int(max_steps), epoch=float(epoch),
+            num_train_epochs=int(epochs), is_world_process_zero=bool(trainer.is_global_zero),
+            is_local_process_zero=trainer.local_rank == 0,
+        )
+
 
 class RewardFunctionError(Exception):
     """A reward function raised, or returned something other than one finite number or None

@@ -2,7 +2,7 @@
 
 One training step (docs/ALGORITHM.md §0-§4), file by file::
 
-    ctx = the step's parts                         # training/step/context.py
+    ctx = the step's parts                         # training/step/trajectory.py
     trajectory = collect(ctx, batch)               # training/step/trajectory.py
         rollout   = engine.generate(prompts, G)    #   rollout/ (model.engine)
         rewards   = sum_k w_k R_k(completions)     #   rewards/  -> (B, G)
@@ -17,7 +17,7 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
 
 Optimisation is manual: one rollout may feed several optimizer steps, and the loss is
 accumulated over micro-batches that never split a prompt group. ``collect`` and
-``optimizer_step`` get a :class:`~maxent_grpo.training.step.context.StepContext` and never
+``optimizer_step`` get a :class:`~maxent_grpo.training.step.trajectory.StepContext` and never
 call back into the module. The rollout engine is built once per run and synced
 (``engine.sync(policy)``) after the weights changed. Elsewhere: validation and test
 (``run/evaluation.py``), checkpoints (``run/checkpoint.py``), strategies
@@ -37,7 +37,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from maxent_grpo.adapters import PeftConfig
 from maxent_grpo.objectives import GRPO, Objective
-from maxent_grpo.rewards import WeightedRewards
+from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
@@ -46,7 +46,6 @@ from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, s
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
 from maxent_grpo.training.settings import Dtype, ModelSettings, build_lr_scheduler
-from maxent_grpo.training.step.context import StepContext, StepTimer, trainer_state
 from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
@@ -59,7 +58,7 @@ from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics
 from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.token_logps import Scorer
-from maxent_grpo.training.step.trajectory import Trajectory, collect
+from maxent_grpo.training.step.trajectory import StepContext, StepTimer, Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
 from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
@@ -279,7 +278,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.objective.observe(self.step_metrics_dict)  # the entropy gate reads train/kl
 
     def step_context(self) -> StepContext:
-        """The parts of this step (:class:`~maxent_grpo.training.step.context.StepContext`)."""
+        """The parts of this step (:class:`~maxent_grpo.training.step.trajectory.StepContext`)."""
         optimizer, scheduler = self.loop.optimization.handles
         schedule = self.loop.optimization.schedule
         return StepContext(
@@ -290,7 +289,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
             refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None,
-            trainer_state=trainer_state(self._trainer, schedule.num_iterations))
+            trainer_state=TrainerState.of(self._trainer, schedule.num_iterations))
 
     def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
                   batch_idx: int) -> None:
@@ -341,7 +340,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def _evaluate(self, batch: dict, greedy: bool = True) -> list[dict]:
         sampling = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
         return self.evaluator.step(batch, self.rollout_engine(), sampling if greedy else None,
-                                   trainer_state(self._trainer,
+                                   TrainerState.of(self._trainer,
                                                  self.loop.optimization.schedule.num_iterations))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -28,14 +28,13 @@ from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import MicroBatch
-from maxent_grpo.training.step.context import StepTimer
-from maxent_grpo.training.step.trajectory import Trajectory
+from maxent_grpo.training.step.trajectory import StepTimer, Trajectory
 from maxent_grpo.validation import require
 
 if TYPE_CHECKING:
-    from maxent_grpo.training.step.context import StepContext
     from maxent_grpo.training.step.step_log import StepMetrics
     from maxent_grpo.training.step.token_logps import MicroBatchPlan
+    from maxent_grpo.training.step.trajectory import StepContext
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,10 @@ from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import HFGenerateEngine
 from maxent_grpo.training.data import collate_prompts
 from maxent_grpo.training.option_groups import build_loop_settings
-from maxent_grpo.training.step.context import StepContext, StepTimer
 from maxent_grpo.training.step.optimise import StepCounters, count_update, optimizer_step
 from maxent_grpo.training.step.step_log import StepMetrics
 from maxent_grpo.training.step.token_logps import Scorer
-from maxent_grpo.training.step.trajectory import collect
+from maxent_grpo.training.step.trajectory import StepContext, StepTimer, collect
 from maxent_grpo.training.types import LoggingConfigView
 from tests.conftest import make_data
 

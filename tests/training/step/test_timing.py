@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from maxent_grpo.training.step.context import StepTimer
+from maxent_grpo.training.step.trajectory import StepTimer
 
 
 class FakeClock:

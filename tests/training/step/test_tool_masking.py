@@ -16,11 +16,10 @@ from maxent_grpo.rollout.multiturn import MultiTurnEngine
 from maxent_grpo.rollout.toolcall import Toolbox
 from maxent_grpo.training.data import collate_prompts
 from maxent_grpo.training.option_groups import build_loop_settings
-from maxent_grpo.training.step.context import StepContext, StepTimer
 from maxent_grpo.training.step.optimise import optimizer_step
 from maxent_grpo.training.step.step_log import StepMetrics
 from maxent_grpo.training.step.token_logps import Scorer
-from maxent_grpo.training.step.trajectory import collect
+from maxent_grpo.training.step.trajectory import StepContext, StepTimer, collect
 from tests.conftest import make_data
 from tests.rollout.test_multiturn import Scripted, ids
 from tests.training.step.test_step_parts import PlainOptimizer
