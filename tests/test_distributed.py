@@ -569,6 +569,7 @@ def test_deepspeed_refuses_micro_batch_limits_when_the_run_starts(limit):
     module._trainer = SimpleNamespace(strategy=strategy)
     with pytest.raises(ValueError, match="micro_batch_groups / model.micro_batch_tokens"):
         module.setup("fit")
+    module.setup("validate")  # evaluation takes no backward pass
     module = MaxEntGRPOModule()  # neither set: one backward pass per step
     module._trainer = SimpleNamespace(strategy=strategy)
     module.setup("fit")

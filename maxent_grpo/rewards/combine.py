@@ -77,7 +77,7 @@ class TrainerState:
     is_local_process_zero: bool = True
 
     @classmethod
-    def of(cls, trainer: Any, num_iterations: int = 1) -> TrainerState:
+    def from_trainer(cls, trainer: Any, num_iterations: int = 1) -> TrainerState:
         """The progress of a Lightning ``trainer`` (``TrainerState()``, step 0 and unknown
         length, without one); ``num_iterations`` optimizer steps are taken per batch."""
         if trainer is None:

@@ -284,12 +284,13 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         return StepContext(
             engine=self.rollout_engine(), rewards=self.rewards, scorer=self.scorer,
             objective=self.objective, policy=self.policy,
-            reference=self.runtime.reference_model,  # loaded when needed, else None
+            reference=self.runtime.reference_model  # None while the objective needs none
+            if self.objective.needs_reference or self._reference_required else None,
             generation=self.loop.generation, schedule=schedule,
             strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
             refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None,
-            trainer_state=TrainerState.of(self._trainer, schedule.num_iterations))
+            trainer_state=TrainerState.from_trainer(self._trainer, schedule.num_iterations))
 
     def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
                   batch_idx: int) -> None:
@@ -340,7 +341,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def _evaluate(self, batch: dict, greedy: bool = True) -> list[dict]:
         sampling = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
         return self.evaluator.step(batch, self.rollout_engine(), sampling if greedy else None,
-                                   TrainerState.of(self._trainer,
+                                   TrainerState.from_trainer(self._trainer,
                                                  self.loop.optimization.schedule.num_iterations))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -400,7 +401,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def setup(self, stage: str) -> None:
         """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)."""
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val,
-                       self.scorer.batching)
+                       self.scorer.batching if stage == "fit" else None)
 
     def on_train_start(self) -> None:
         """Loop settings with Lightning's optimizer and scheduler; the loader to the handles."""

@@ -31,7 +31,6 @@ from maxent_grpo.rewards import (
 REWARD_MODULES = [
     "maxent_grpo.rewards.registry",
     "maxent_grpo.rewards.answers",
-    "maxent_grpo.rewards.answers",
     "maxent_grpo.rewards.shaping",
     "maxent_grpo.rewards.combine",
     "maxent_grpo.rewards.options",

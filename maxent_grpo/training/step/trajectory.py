@@ -80,7 +80,7 @@ class StepContext:
             (:meth:`~maxent_grpo.training.data.datamodule.PromptDataModule.refill_batch`),
             when ``generation.refill_rounds > 0``; else None.
         trainer_state: the training progress the reward functions are given
-            (:meth:`~maxent_grpo.rewards.combine.TrainerState.of`).
+            (:meth:`~maxent_grpo.rewards.combine.TrainerState.from_trainer`).
     """
 
     engine: RolloutEngine
