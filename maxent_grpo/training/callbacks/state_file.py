@@ -126,6 +126,11 @@ def build_snapshot(
     return snapshot
 
 
+#: the largest step count a state file may hold: the JSON number is read as a float, whole
+#: numbers beyond it are not exact
+MAX_STEPS = 2**53
+
+
 def apply_snapshot(
     state: dict[str, Any], path: str, objective: Objective,
     controllers: Sequence[FileBackedController],
@@ -135,7 +140,7 @@ def apply_snapshot(
 
     Every value is checked before any is applied: a missing key, or a required value that
     is not a finite number (``tau``, ``beta``, ``meta.<x>_steps``) or out of its range
-    (``tau > 0``, ``beta >= 0``, whole step counts ``>= 0``), raises ValueError naming the
+    (``tau > 0``, ``beta >= 0``, whole step counts in ``[0, 2**53]``), raises ValueError naming the
     file and the key, and leaves the objective and the controllers as they were.
     """
     moved: dict[str, float] = {}
@@ -149,9 +154,9 @@ def apply_snapshot(
         values = {key: _value(state, loc, path, required=key == "steps")
                   for key, loc in controller.file_fields.items()}
         steps = values["steps"]
-        require(steps >= 0 and steps == int(steps),
+        require(0 <= steps <= MAX_STEPS and steps == int(steps),
                 f"controller state file {path!r}: {controller.file_fields['steps']!r} must be "
-                f"a whole number >= 0; got {steps!r}")
+                f"a whole number from 0 to 2**53; got {steps!r}")
         values["steps"] = int(steps)
         own.append((controller, values))
     for name, value in moved.items():

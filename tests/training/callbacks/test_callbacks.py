@@ -378,7 +378,9 @@ def test_a_state_file_start_is_checked_like_the_config(tmp_path):
         # in range too: these were taken, and failed later without naming the file
         (json.dumps({**GOOD, "tau": -0.4}), "'tau' must be > 0; got -0.4"),
         (json.dumps({**GOOD, "meta": {**GOOD["meta"], "tau_steps": 2.9}}),
-         "'meta.tau_steps' must be a whole number >= 0; got 2.9"),
+         r"'meta.tau_steps' must be a whole number from 0 to 2\*\*53; got 2.9"),
+        (json.dumps({**GOOD, "meta": {**GOOD["meta"], "tau_steps": 1e30}}),
+         r"'meta.tau_steps' must be a whole number from 0 to 2\*\*53; got 1e\+30"),
     ],
 )
 def test_a_bad_state_file_names_the_file_and_key(tmp_path, text, match):
