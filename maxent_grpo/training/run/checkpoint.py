@@ -105,7 +105,7 @@ def load_state(
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
     fit (``model.peft`` set in one and not the other, or another adapter type, rank,
-    target modules or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
+    target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
@@ -157,7 +157,8 @@ def load_state(
 #: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the
 #: lists compared as sets; a ``target_modules`` that one side leaves to peft is not compared)
 ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
-                 "rank_pattern")
+                 "rank_pattern", "layers_to_transform", "layers_pattern", "exclude_modules",
+                 "target_parameters")
 
 
 def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:

@@ -78,7 +78,9 @@ def loaded(saved_peft, peft) -> None:
     (None, lora(), "made without model.peft adapters and this run is with them"),
     (lora(), lora(r=8), "r: 4 in the checkpoint, 8 now"),
     (lora(), lora(target_modules=["q_proj", "v_proj"]), "target_modules"),
-], ids=["adapters-dropped", "adapters-added", "rank", "targets"])
+    (lora(), lora(layers_to_transform=[0]), "layers_to_transform: None in the checkpoint"),
+    (lora(), lora(exclude_modules=["k_proj"]), "exclude_modules"),
+], ids=["adapters-dropped", "adapters-added", "rank", "targets", "layers", "excluded"])
 def test_a_checkpoint_whose_adapters_do_not_fit_the_run_is_refused(saved_peft, now, match):
     """Before, the weights' load failed with Lightning's missing and unexpected keys."""
     with pytest.raises(ValueError, match=match):
