@@ -19,6 +19,7 @@ from torch import nn
 
 from maxent_grpo.rollout.server_transfer import TRANSFERS, open_sender
 from maxent_grpo.rollout.weights import checkpoint_weights
+from maxent_grpo.validation import require
 
 __all__ = ["PROBE_TEXT", "RETRYABLE", "ServerError", "ServerWeights", "server_args",
            "server_command"]
@@ -95,8 +96,18 @@ class ServerWeights:
             self._folder = tempfile.mkdtemp(prefix="maxent_grpo_weights_", dir=base)
         tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in weights}
         path = os.path.join(self._folder, f"v{self.version}-{uuid.uuid4().hex[:8]}.safetensors")
-        save_file(tensors, path + ".part")
-        os.replace(path + ".part", path)
+        try:
+            save_file(tensors, path + ".part")
+            os.replace(path + ".part", path)
+        except Exception as err:  # OSError, or safetensors' own error for a full disk
+            if os.path.exists(path + ".part"):
+                os.remove(path + ".part")
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            raise ServerError(
+                f"the weights ({size / 2**20:.0f} MiB) could not be written to {self._folder} "
+                f"({type(err).__name__}: {err}): free space there, or name a folder with room "
+                "as model.engine.init_args.transfer_dir (a container's /dev/shm is 64 MiB "
+                "unless started with a larger --shm-size)") from err
         return path, {"num_tensors": len(tensors), "num_bytes": os.path.getsize(path)}
 
     def _rewrite_weights(self) -> tuple[str, dict]:
@@ -109,13 +120,22 @@ class ServerWeights:
         return self._file, self._file_info
 
     def _answers(self, server: _Server) -> bool:
-        """Whether ``server`` answers ``/health`` (a short check before a transfer to a
-        server that is out of use: a dead one costs no retries)."""
+        """Whether ``server`` answers ``/health`` (a short check before every transfer: a
+        dead or hung server costs 5 s, no retries of the transfer)."""
         try:
             self._call(server, "GET", "/health", timeout=5.0)
             return True
         except ServerError:
             return False
+
+    def _held(self, server: _Server) -> Any:
+        """The weight version ``server`` holds (``/weight_info``); ServerError when its
+        answer has none."""
+        out = self._call(server, "GET", "/weight_info", timeout=10.0)
+        if not isinstance(out, dict) or "weight_version" not in out:
+            raise ServerError(f"{server.url}/weight_info answered no weight_version: "
+                              f"{str(out)[:300]}")
+        return out["weight_version"]
 
     def _leave(self, server: _Server, routes: tuple[str, ...] = (
             "/shutdown_weight_transfer_engine",), timeout: float = 3.0) -> None:
@@ -183,8 +203,9 @@ class ServerWeights:
                 started = loading = False
                 try:
                     self._call(server, "POST", "/pause", params={"mode": "wait"})
+                    started = True  # a refused start may be an update left open: closed below
                     self._call(server, "POST", "/start_weight_update")
-                    started = loading = True
+                    loading = True
                     self._call(server, "POST", "/update_weights",
                                json={"update_info": {"path": path, **info}})
                     loading = False
@@ -205,6 +226,8 @@ class ServerWeights:
                             self._call(server, "POST", "/finish_weight_update", json={})
                         except ServerError:
                             pass
+                    if type(err.__cause__).__name__.endswith("Timeout"):  # httpx's
+                        break  # no answer in request_timeout: the next servers wait no longer
                     if (loading and attempt + 1 < attempts and path == self._file
                             and self._last_weights is not None):
                         path, info = self._rewrite_weights()  # the file may be the cause
@@ -214,7 +237,7 @@ class ServerWeights:
                 for m in dict.fromkeys(errors))
             raise ServerError(
                 f"weights version {version} could not be sent to {server.url} after "
-                f"{attempts} attempts; the server is left paused and out of use (restart "
+                f"{len(errors)} attempt(s); the server is left paused and out of use (restart "
                 f"it): {seen}")
 
     def sync(self, model: nn.Module) -> None:
@@ -243,8 +266,7 @@ class ServerWeights:
                     self._source.set(weights)
                 failures = []
                 for i, server in enumerate(self.servers):
-                    if (not server.healthy or server.paused_by_failure) \
-                            and not self._answers(server):
+                    if not self._answers(server):  # a hung server costs 5 s, not retries
                         server.healthy = False
                         failures.append(ServerError(
                             f"{server.url} does not answer; weights version {version} not "
@@ -296,7 +318,7 @@ class ServerWeights:
             return False
         try:
             self._call(server, "GET", "/health", timeout=5.0)
-            held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
+            held = self._held(server)
         except ServerError:
             return False
         if held != str(self.version):  # rank 0 alone sends (one transfer per server)
@@ -324,13 +346,42 @@ class ServerWeights:
             if server.paused_by_failure:
                 continue
             try:
-                held = self._call(server, "GET", "/weight_info", timeout=10.0)["weight_version"]
+                held = self._held(server)
             except ServerError:
                 server.healthy = False
                 continue
             if held != str(self.version) or not server.healthy:
                 server.healthy = False
                 self._revive(server)
+
+    def _check_server(self, server: _Server) -> str:
+        """The served model's name, after checking the routes and the tokenizer."""
+        models = self._call(server, "GET", "/v1/models")
+        names = [m["id"] for m in models.get("data", [])]
+        require(len(names) == 1, f"{server.url} serves {names!r}; the engine needs one model")
+        backend = TRANSFERS[self.weight_transfer]
+        try:
+            self._call(server, "GET", "/weight_info", timeout=30.0)
+            if self.weight_transfer == "file":  # a collective's group forms at the first sync
+                self._call(server, "POST", "/init_weight_transfer_engine",
+                           json={"init_info": {}}, timeout=60.0)
+        except ServerError as err:
+            raise ServerError(
+                f"{server.url} cannot take weight updates ({err}): start it with "
+                "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                f"'{{\"backend\": \"{backend}\"}}'"
+                + (" (and maxent-grpo installed in its environment, which registers that "
+                   "backend)" if backend.startswith("maxent_") else "") + ", as in:\n  "
+                + server_command(transfer=self.weight_transfer)) from None
+        ours = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        theirs = self._call(server, "POST", "/tokenize", json={
+            "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
+        require(list(theirs) == list(ours),
+                f"{server.url} serves {names[0]!r}, whose tokenizer splits the probe "
+                f"{PROBE_TEXT!r} into {theirs}; the policy's tokenizer "
+                f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
+                "server on the policy's model")
+        return names[0]
 
     def _check_probe(self) -> None:
         """The servers give a probe sequence the policy's log-probabilities; every rank

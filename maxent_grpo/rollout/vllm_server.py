@@ -29,8 +29,8 @@ starts a server), that it was started with the routes the engine needs, that its
 splits a probe text as ours does, and, after sending the policy's weights, that it gives a
 probe sequence the policy's log-probabilities (``probe_tolerance``).
 
-Faults while running: a request that fails to connect, times out (``request_timeout``) or
-comes back aborted is sent again, to another server when there is one, and with back-off
+Faults while running: a request that fails to connect, times out (``request_timeout``),
+comes back aborted or is not the rows it asked for is sent again, to another server when there is one, and with back-off
 once none is left, for at most ``retry_seconds`` after the first failure; then the step
 fails with an error naming the servers (at once when the engine is closed). Before every
 rollout the engine asks each server which weights it holds: one that came back after a
@@ -67,14 +67,12 @@ from maxent_grpo.rollout.protocol import (
     check_request,
 )
 from maxent_grpo.rollout.server_transfer import (
-    TRANSFERS,
     WeightList,
     check_transfer,
     local_address,
     source_device,
 )
 from maxent_grpo.rollout.server_weights import (
-    PROBE_TEXT,
     RETRYABLE,
     ServerError,
     ServerWeights,
@@ -207,6 +205,7 @@ class VLLMServerEngine(ServerWeights):
                 self.model_name = self._check_server(server)
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
+            self._http.close()
         _all_ok(error is None, next(model.parameters()).device, error,
                 "another rank could not reach the vLLM servers (its error is in its log)")
         try:  # the weights file, the servers' groups: left now, or by nobody
@@ -265,35 +264,6 @@ class VLLMServerEngine(ServerWeights):
                         "demo)") from None
                 time.sleep(1.0)
 
-    def _check_server(self, server: _Server) -> str:
-        """The served model's name, after checking the routes and the tokenizer."""
-        models = self._call(server, "GET", "/v1/models")
-        names = [m["id"] for m in models.get("data", [])]
-        require(len(names) == 1, f"{server.url} serves {names!r}; the engine needs one model")
-        backend = TRANSFERS[self.weight_transfer]
-        try:
-            self._call(server, "GET", "/weight_info", timeout=30.0)
-            if self.weight_transfer == "file":  # a collective's group forms at the first sync
-                self._call(server, "POST", "/init_weight_transfer_engine",
-                           json={"init_info": {}}, timeout=60.0)
-        except ServerError as err:
-            raise ServerError(
-                f"{server.url} cannot take weight updates ({err}): start it with "
-                "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                f"'{{\"backend\": \"{backend}\"}}'"
-                + (" (and maxent-grpo installed in its environment, which registers that "
-                   "backend)" if backend.startswith("maxent_") else "") + ", as in:\n  "
-                + server_command(transfer=self.weight_transfer)) from None
-        ours = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-        theirs = self._call(server, "POST", "/tokenize", json={
-            "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
-        require(list(theirs) == list(ours),
-                f"{server.url} serves {names[0]!r}, whose tokenizer splits the probe "
-                f"{PROBE_TEXT!r} into {theirs}; the policy's tokenizer "
-                f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
-                "server on the policy's model")
-        return names[0]
-
     # ------------------------------------------------------------------ sampling
     def _body(self, ids: list[int], n: int, s: SamplingSettings, seed: int) -> dict:
         body = {"model": self.model_name, "prompt": list(ids), "n": n,
@@ -328,12 +298,8 @@ class VLLMServerEngine(ServerWeights):
                 raise ServerError("the engine was closed while a request was pending")
             if server is not None:
                 try:
-                    out = self._call(server, "POST", "/v1/completions", json=body)
-                    choices = out["choices"]
-                    if any(c.get("finish_reason") == "abort" for c in choices):
-                        raise ServerError(f"{server.url}: the request was aborted")
-                    return [(list(c["token_ids"]),
-                             (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
+                    return _choices(self._call(server, "POST", "/v1/completions", json=body),
+                                    body["n"], server.url)
                 except ServerError as err:
                     last = err
                     if err.status is not None and err.status not in RETRYABLE:
@@ -447,3 +413,20 @@ class VLLMServerEngine(ServerWeights):
         with contextlib.suppress(Exception):  # interpreter shutdown
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _choices(out: Any, n: int, url: str) -> list[tuple[list[int], list[float] | None]]:
+    """The ``n`` rows (token ids, sampler log-probs or None) of a completion's answer;
+    ServerError (the request goes to another server) for an aborted request or an answer
+    that is not ``n`` choices with their token ids: a row too many or too few would pair
+    completions with the wrong prompts."""
+    choices = out.get("choices") if isinstance(out, dict) else None
+    if not (isinstance(choices, list) and len(choices) == n and all(
+            isinstance(c, dict) and isinstance(c.get("token_ids"), list)
+            and isinstance(c.get("logprobs") or {}, dict) for c in choices)):
+        raise ServerError(f"{url}/v1/completions did not answer {n} completions with their "
+                          f"token ids: {str(out)[:300]}")
+    if any(c.get("finish_reason") == "abort" for c in choices):
+        raise ServerError(f"{url}: the request was aborted")
+    return [(list(c["token_ids"]), (c.get("logprobs") or {}).get("token_logprobs"))
+            for c in choices]

@@ -6,8 +6,11 @@ time-out named; a refused request (400) is not retried; a restarted server that 
 threads revive at once gets the weights once, and every rank but 0 leaves the
 revival to rank 0; a dead server costs the weight transfer no retries and no weights files;
 a connection is given up after 10 s whatever the request's time-out; a closed engine sends
-nothing more; a failed run exits without waiting for the requests in flight. The tests
-with real vLLM servers are in ``tests/vllm_engine/test_vllm_server.py``."""
+nothing more; a failed run exits without waiting for the requests in flight; an answer
+that is not the requested rows goes to another server; a server hung in a transfer costs one
+time-out; an update an earlier run left open is closed; weights that cannot be written name
+the folder. The tests with real vLLM servers are in
+``tests/vllm_engine/test_vllm_server.py``."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 import torch
@@ -38,8 +42,12 @@ class StandIn:
     at once."""
 
     def __init__(self, hold: float = 0.0, status: int = 200, version: str = "0",
-                 update_seconds: float = 0.0) -> None:
+                 update_seconds: float = 0.0, answer: Any = None, hang_on: str = "",
+                 refuse_starts: int = 0) -> None:
         self.hold, self.status, self.calls = hold, status, []
+        self.answer = answer  # what /v1/completions answers instead (JSON; a str as text)
+        self.hang_on = hang_on  # a route that never answers
+        self.refuse_starts = refuse_starts  # /start_weight_update refused this often (500)
         self.version, self.update_seconds = version, update_seconds
         self.release = threading.Event()
         stand_in = self
@@ -48,8 +56,8 @@ class StandIn:
             def log_message(self, *args) -> None:  # quiet
                 pass
 
-            def answer(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
+            def answer(self, status: int, body: Any) -> None:
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -71,6 +79,13 @@ class StandIn:
                 stand_in.calls.append(path)
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))
                                   or b"{}")
+                if path == stand_in.hang_on:
+                    stand_in.release.wait(30.0)
+                    return
+                if path == "/start_weight_update" and stand_in.refuse_starts:
+                    stand_in.refuse_starts -= 1  # as vLLM while an update is still open
+                    self.answer(500, {"error": "already active"})
+                    return
                 if path == "/update_weights":
                     time.sleep(stand_in.update_seconds)  # a transfer takes a while
                 if path == "/finish_weight_update" and "weight_version" in body:
@@ -82,6 +97,9 @@ class StandIn:
                     stand_in.release.wait(stand_in.hold)
                 if stand_in.status != 200:
                     self.answer(stand_in.status, {"error": "bad request"})
+                    return
+                if stand_in.answer is not None:
+                    self.answer(200, stand_in.answer)
                     return
                 self.answer(200, {"choices": [{"token_ids": TOKENS, "finish_reason": "length",
                                                "logprobs": {"token_logprobs": LOGPS}}]})
@@ -251,9 +269,8 @@ def _recording(engine) -> list[tuple[str, str]]:
 def test_a_dead_server_costs_the_transfer_no_retries_and_no_weights_files(
     stand_ins, engine_on, tmp_path,
 ):
-    """One of two servers dies: the first sync gives it its 3 attempts and leaves it out
-    of use; later syncs only ask its /health. The live server gets every version, and one
-    weights file is kept, not one more per failed attempt."""
+    """One of two servers dies: every sync only asks its /health (no transfer attempt). The
+    live server gets every version, and one weights file is kept, not one more per sync."""
     from maxent_grpo.rollout.server_weights import _Server
 
     live = stand_ins()
@@ -264,8 +281,8 @@ def test_a_dead_server_costs_the_transfer_no_retries_and_no_weights_files(
     calls = _recording(engine)
     model = torch.nn.Linear(3, 2)
     engine.sync(model)  # the live server takes the load; the dead one is left out
-    assert live.version == "1" and dead.paused_by_failure and not dead.healthy
-    assert [p for u, p in calls if u == dead.url] == ["/pause"] * 3
+    assert live.version == "1" and not dead.healthy and not dead.paused_by_failure
+    assert [p for u, p in calls if u == dead.url] == ["/health"]
     calls.clear()
     for version in ("2", "3"):
         engine.sync(model)
@@ -405,3 +422,81 @@ def test_closing_the_engine_ends_a_rollout_waiting_on_a_server_at_once(stand_ins
     assert not thread.is_alive() and time.monotonic() - began < 5.0
     assert isinstance(outcome[0], ServerError) and "closed" in str(outcome[0])
     held.release.set()
+
+
+@pytest.mark.parametrize("answer", [
+    {"choices": [{"token_ids": TOKENS}] * 2},  # one row too many: it would pair wrongly
+    {"choices": []},
+    {"choices": [{"text": "no ids"}]},
+    {"error": "overloaded"},
+    "<html>bad gateway</html>",
+], ids=["two-rows", "no-rows", "no-ids", "error-object", "html"])
+def test_an_answer_that_is_not_the_requested_rows_goes_to_another_server(
+    stand_ins, engine_on, answer,
+):
+    """Before, these raised TypeError/KeyError with no server named, or (a row too many or
+    too few per request) paired completions with the wrong prompts in silence."""
+    bad, good = stand_ins(answer=answer), stand_ins()
+    engine = engine_on([bad, good], request_timeout=5.0, retry_seconds=30.0)
+    assert engine._complete(dict(BODY), index=0) == [(TOKENS, LOGPS)]
+    assert bad.calls == ["/v1/completions"] and not engine.servers[0].healthy
+    engine = engine_on([bad], request_timeout=5.0, retry_seconds=0.5)
+    with pytest.raises(ServerError, match=f"{bad.url}/v1/completions did not answer 1 "):
+        engine._complete(dict(BODY), index=0)
+
+
+def test_a_server_that_hangs_in_a_transfer_costs_one_time_out_not_three(
+    stand_ins, engine_on, tmp_path,
+):
+    """A server that takes /pause and never answers: one request_timeout, then the next
+    server gets the weights (before: three time-outs, one server after the other)."""
+    hung, live = stand_ins(hang_on="/pause"), stand_ins()
+    engine = engine_on([hung, live], request_timeout=1.0, retry_seconds=5.0)
+    engine._transfer_dir = str(tmp_path)
+    calls = _recording(engine)
+    engine.sync(torch.nn.Linear(3, 2))
+    assert live.version == "1" and engine.servers[0].paused_by_failure
+    assert [p for u, p in calls if u == hung.url] == ["/health", "/pause"]
+
+
+def test_an_update_left_open_is_closed_and_the_transfer_goes_on(stand_ins, engine_on, tmp_path):
+    """An earlier run stopped between /start_weight_update and /finish_weight_update: vLLM
+    refuses a new start until that update is finished, so the engine finishes it and
+    starts again (before, three refused starts left the server out of use)."""
+    server = stand_ins(refuse_starts=1)
+    engine = engine_on([server], request_timeout=5.0, retry_seconds=5.0)
+    engine._transfer_dir = str(tmp_path)
+    calls = _recording(engine)
+    engine.sync(torch.nn.Linear(3, 2))
+    assert server.version == "1" and engine.servers[0].healthy
+    routes = [p for _, p in calls]
+    assert routes[:4] == ["/health", "/pause", "/start_weight_update", "/finish_weight_update"]
+    assert routes.count("/start_weight_update") == 2
+
+
+def test_weights_that_cannot_be_written_name_the_folder_and_the_option(
+    stand_ins, engine_on, tmp_path, monkeypatch,
+):
+    import safetensors.torch
+
+    def full(tensors, path):
+        open(path, "wb").close()  # a part written before the disk filled
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    engine = engine_on([stand_ins()], request_timeout=5.0, retry_seconds=5.0)
+    engine._transfer_dir = str(tmp_path)
+    with pytest.raises(ServerError, match="could not be written to .*transfer_dir") as caught:
+        engine.sync(torch.nn.Linear(3, 2))
+    assert str(tmp_path) in str(caught.value) and "No space left" in str(caught.value)
+    assert os.listdir(engine._folder) == []  # the part file is removed
+
+
+def test_a_weight_info_without_a_version_marks_the_server_out_of_use(stand_ins, engine_on):
+    server = stand_ins()
+    engine = engine_on([server], request_timeout=5.0, retry_seconds=5.0)
+    real = engine._call
+    engine._call = lambda srv, method, path, **kw: (
+        "<html>" if path == "/weight_info" else real(srv, method, path, **kw))
+    engine._refresh()  # before a rollout: it raised TypeError out of generate
+    assert not engine.servers[0].healthy
