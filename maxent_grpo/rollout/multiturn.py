@@ -42,6 +42,7 @@ placeholder row while others go on.
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -84,9 +85,15 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     '\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
     """
     extra = {"tools": tools} if tools else {}
-    before = tokenizer.apply_chat_template(_BASE, tokenize=False, **extra)
-    after = tokenizer.apply_chat_template(_BASE + messages, tokenize=False,
-                                          add_generation_prompt=True, **extra)
+    try:
+        before = tokenizer.apply_chat_template(_BASE, tokenize=False, **extra)
+        after = tokenizer.apply_chat_template(_BASE + messages, tokenize=False,
+                                              add_generation_prompt=True, **extra)
+    except Exception as err:  # jinja2's TemplateError: e.g. no "tool" role, strict turns
+        raise ValueError(
+            "multi-turn rollouts need a chat template that takes the roles "
+            f"{[m.get('role') for m in messages]} after the model's turn; this tokenizer's "
+            f"refuses them ({type(err).__name__}: {err})") from err
     require(_MARK in before and after.startswith(before),
             "multi-turn rollouts need a chat template that renders a conversation by "
             "appending each message; this tokenizer's template rewrites earlier turns")
@@ -121,6 +128,12 @@ def environment_factory(spec: dict[str, Any]) -> Callable[[], Any]:
         require(callable(getattr(cls, method, None)),
                 f"model.environment: {path} has no {method}() method; an environment needs "
                 "reset(prompt, answer) and step(action) -> (observation, done)")
+    try:  # a misspelt option fails here, not at the first rollout after the model loaded
+        inspect.signature(cls).bind(**args)
+    except TypeError as err:
+        raise ValueError(f"model.environment.init_args do not fit {path}: {err}") from err
+    except ValueError:  # a class whose signature Python cannot read: checked when built
+        pass
     return lambda: cls(**args)
 
 

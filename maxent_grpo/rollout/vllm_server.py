@@ -30,8 +30,9 @@ splits a probe text as ours does, and, after sending the policy's weights, that 
 probe sequence the policy's log-probabilities (``probe_tolerance``).
 
 Faults while running: a request that fails to connect, times out (``request_timeout``),
-comes back aborted or is not the rows it asked for is sent again, to another server when there is one, and with back-off
-once none is left, for at most ``retry_seconds`` after the first failure; then the step
+comes back aborted or is not the rows it asked for is sent again, to another server when
+there is one, and with back-off once none is left, for at most ``retry_seconds`` after the
+first failure; then the step
 fails with an error naming the servers (at once when the engine is closed). Before every
 rollout the engine asks each server which weights it holds: one that came back after a
 restart (holding the weights it started with) is not used until it holds the current ones,

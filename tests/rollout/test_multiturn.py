@@ -276,6 +276,13 @@ def test_environment_and_tool_options_are_checked():
         environment_factory({"class_path": "tests.rollout.test_multiturn.Scripted"})
     with pytest.raises(ValueError, match="unknown keys"):
         environment_factory({"class_path": "tests.rollout.test_multiturn.Guess", "args": {}})
+    # a misspelt option: it failed at the first rollout, as a TypeError reported as a bug
+    with pytest.raises(ValueError, match=r"model.environment.init_args do not fit .*Guess: "
+                                         r".*unexpected keyword argument 'limt'"):
+        environment_factory({"class_path": "tests.rollout.test_multiturn.Guess",
+                             "init_args": {"limt": 5}})
+    assert environment_factory({"class_path": "tests.rollout.test_multiturn.Guess",
+                                "init_args": {"limit": 5}})().limit == 5
     s = SamplingSettings(max_new_tokens=8)
     with pytest.raises(ValueError, match="not both"):
         MultiTurnEngine(Scripted(["x"]), TOK, s, toolbox=Toolbox(["calculate"]),
@@ -300,3 +307,21 @@ def test_hf_continue_ids_continues_as_generate_does():
     assert len(cont[1].ids) <= 4 and all(c.logps is None for c in cont)
     for c in cont:  # stopped exactly when the ids end with the stop token
         assert c.stopped == (TOK.eos_token_id in c.ids)
+
+
+def test_a_chat_template_that_refuses_the_tool_role_says_so():
+    """Llama-2- and Mistral-style templates raise for a role they do not take: it was
+    jinja2's TemplateError, reported as a bug."""
+    import jinja2
+
+    class Strict:
+        eos_token = "</s>"
+
+        def apply_chat_template(self, messages, tokenize=False, **kwargs):
+            if any(m["role"] == "tool" for m in messages):
+                raise jinja2.exceptions.TemplateError("roles must alternate user/assistant")
+            return "".join(m["content"] for m in messages)
+
+    with pytest.raises(ValueError, match=r"template that takes the roles \['tool'\] .*refuses "
+                                         r"them \(TemplateError: roles must alternate"):
+        message_segment(Strict(), [{"role": "tool", "content": "42"}])

@@ -1,26 +1,33 @@
-"""Local data files (``data.data_files``, ``data.val_files``) read with ``datasets.load_dataset``.
+"""Local data files (``data.data_files``, ``data.val_files``): JSON with Python's ``json``,
+CSV and Parquet with ``datasets.load_dataset``.
 
 An option holds a path or a glob pattern, or a list of them (``"data/train-*.jsonl"``). Every
 entry ends in one of :data:`FILE_SUFFIXES`; a path must exist, a pattern must match a file
-(``recursive=True``: ``**`` crosses folders; matches sorted). Rows come in that order.
+(``recursive=True``: ``**`` crosses folders; matches sorted). Rows come in that order; a file
+named twice (by two entries, or two patterns that overlap) is read once, where first named.
 
-Each file is read on its own by the builder of its suffix, so files may differ in their
-columns and every error names the file:
+Each file is read on its own, so files may differ in their columns and every error names
+the file. Text files must be UTF-8.
 
 - ``.jsonl``: one JSON object per line; ``.json``: a list of row objects, one object of
-  equal-length column lists or JSON lines. A missing key is None; a column of integers and
-  decimals is read as decimals (Arrow).
-- ``.csv``: a header row, then cells all kept as strings ("" when empty).
+  equal-length column lists or JSON lines. Values are what ``json`` reads (a string stays a
+  string whatever other rows hold); a key a row lacks is None.
+- ``.csv``: a header row, then rows of as many cells (a cell holding a comma is quoted),
+  all kept as strings ("" when empty).
 - ``.parquet``: the file's own types.
 
-``datasets`` caches an Arrow copy (``cache_dir``) keyed on path and modification time.
+For CSV and Parquet ``datasets`` caches an Arrow copy (``cache_dir``) keyed on path and
+modification time.
 """
 
 from __future__ import annotations
 
 import bisect
+import csv
 import glob
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,8 @@ _FORMATS = {
 }
 
 Row = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,11 @@ def expand_files(option: str, value: Any) -> list[str]:
             what = "pattern matches no file" if glob.escape(entry) != entry else "file not found"
             raise FileNotFoundError(f"{option} {what}: {entry!r}")
         files += matches
-    return files
+    once = list({os.path.realpath(p): p for p in reversed(files)}.values())[::-1]
+    if len(once) < len(files):  # an entry and a pattern that overlap: read it once
+        log.warning("%s names %d file(s) more than once (entries or patterns that overlap); "
+                    "each is read once", option, len(files) - len(once))
+    return once
 
 
 def read_files(option: str, value: Any, cache_dir: str | None) -> tuple[list[Row], FileParts]:
@@ -117,40 +130,40 @@ def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
     suffix = Path(path).suffix.lower()
     builder, kind = _FORMATS[suffix]
     try:
+        if builder == "json":
+            return _json_rows(path)
         options: dict[str, Any] = {}
         if builder == "csv":  # every column a string, empty cells "" (pandas would infer)
+            _check_csv_fields(path)
             header = pd.read_csv(path, nrows=0).columns
             options = {
                 "features": datasets.Features({c: datasets.Value("string") for c in header}),
                 "keep_default_na": False,
             }
-        data = datasets.load_dataset(
+        return datasets.load_dataset(
             builder, data_files=[path], split="train", cache_dir=cache_dir, **options
-        )
+        ).to_list()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{option} file {path!r} is not UTF-8 text (byte {err.start} of "
+                         f"{err.object[err.start:err.start + 1]!r}): save it as UTF-8") from err
     except (datasets.exceptions.DatasetsError, pa.ArrowException, ValueError,
             StopIteration) as err:
-        problem = _json_problem(path) if builder == "json" else None
         raise ValueError(
-            f"{option} file {path!r} could not be read as {kind}: "
-            f"{problem or _reason(err)}"
-        ) from err
-    rows = data.to_list()
-    if suffix == ".json" and _is_column_object(path, rows):
-        columns = rows[0]
-        require(len({len(v) for v in columns.values()}) == 1,
-                f"{option} file {path!r}: its column lists differ in length")
-        rows = [dict(zip(columns, values, strict=True))
-                for values in zip(*columns.values(), strict=True)]
-    return rows
+            f"{option} file {path!r} could not be read as {kind}: {_reason(err)}") from err
 
 
-def _is_column_object(path: str, rows: list[Row]) -> bool:
-    """A .json file holding one object whose values are all lists, which ``datasets`` reads
-    as a single row: an object of column lists (a list of one such row starts with "[")."""
-    if len(rows) != 1 or not rows[0] or not all(isinstance(v, list) for v in rows[0].values()):
-        return False
-    with open(path, "rb") as f:
-        return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+def _check_csv_fields(path: str) -> None:
+    """ValueError naming the first row whose cells are not as many as the header's: pandas
+    would read a first row with one more cell (a comma not quoted, a trailing comma) as an
+    index and shift every column."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        for row in reader:
+            if row and len(row) != len(header):
+                raise ValueError(
+                    f"line {reader.line_num} has {len(row)} cells and the header "
+                    f"{len(header)}: quote a cell that holds a comma, and end no row with one")
 
 
 def _reason(err: BaseException) -> str:
@@ -164,30 +177,38 @@ def _reason(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-def _json_problem(path: str) -> str | None:
-    """Why ``path`` is not JSON rows, with the line; None when Python's ``json`` finds nothing
-    wrong."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        return "it holds no rows"
+def _json_rows(path: str) -> list[Row]:
+    """The rows of a JSON or JSON lines file, every row with every key (None where it has
+    none); ValueError naming the line or row that is not a JSON object."""
+    text = Path(path).read_text(encoding="utf-8-sig")
+    rows: list[Any] | None = None
     if path.lower().endswith(".json"):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            if err.msg != "Extra data":  # "Extra data": JSON lines, checked line by line below
-                return f"line {err.lineno} is not valid JSON: {err.msg}"
+            if err.msg != "Extra data":  # "Extra data": JSON lines, read line by line below
+                raise ValueError(f"line {err.lineno} is not valid JSON: {err.msg}") from None
         else:
-            if not isinstance(data, (list, dict)):
-                return "it holds neither a list of row objects nor an object"
-            bad = [i for i, row in enumerate(data) if not isinstance(row, dict)]
-            return f"row {bad[0]} is not a JSON object" if isinstance(data, list) and bad else None
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            return f"line {line_no} is not valid JSON: {err.msg}"
-        if not isinstance(row, dict):
-            return f"line {line_no} is not a JSON object"
-    return None
+            require(isinstance(data, (list, dict)),
+                    "it holds neither a list of row objects nor an object")
+            rows = data if isinstance(data, list) else [data]
+            if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+                require(len({len(v) for v in data.values()}) == 1,
+                        "its column lists differ in length")  # an object of columns
+                rows = [dict(zip(data, values, strict=True))
+                        for values in zip(*data.values(), strict=True)]
+            bad = [i for i, row in enumerate(rows) if not isinstance(row, dict)]
+            require(not bad, f"row {bad[0] if bad else 0} is not a JSON object")
+    if rows is None:
+        rows = []
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"line {line_no} is not valid JSON: {err.msg}") from None
+            require(isinstance(rows[-1], dict), f"line {line_no} is not a JSON object")
+    require(bool(rows), "it holds no rows")
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return [{k: row.get(k) for k in keys} for row in rows]

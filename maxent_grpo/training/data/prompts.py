@@ -67,7 +67,11 @@ class PromptFormat:
             answer = self._answer(row, at)
             columns = {n: row.get(n) for n in others}
             columns["answer"] = answer
-            examples.append(PromptExample(index, self.render(raw), raw, answer, columns))
+            try:
+                text = self.render(raw)
+            except ValueError as err:
+                raise ValueError(f"{at}: {err}") from err
+            examples.append(PromptExample(index, text, raw, answer, columns))
         return examples
 
     def render(self, prompt: Prompt) -> str:
@@ -83,8 +87,17 @@ class PromptFormat:
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         tools = {"tools": list(self.tools)} if self.tools else {}
-        text = self.tokenizer().apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **tools)
+        try:
+            text = self.tokenizer().apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **tools)
+        except Exception as err:  # jinja2's TemplateError: the template's own refusal
+            system = " (data.system_prompt adds the system message)" if (
+                self.system_prompt is not None and messages[0]["content"] == self.system_prompt
+                and messages[0]["role"] == "system") else ""
+            raise ValueError(
+                f"the tokenizer's chat template refuses the messages with roles "
+                f"{[m.get('role') for m in messages]}{system}: {type(err).__name__}: {err}"
+            ) from err
         names = [getattr(fn, "__name__", "") for fn in self.tools]
         require(all(name in text for name in names),
                 f"the tokenizer's chat template does not show the tools {names} (data.tools) "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -205,6 +206,11 @@ def file_sources(
     if val_files is None:
         return split_off_val(train, val_size, seed, batch_size, "data.val_files")
     val_rows, val_parts = read_files("data.val_files", val_files, cache_dir)
+    shared = set(map(os.path.realpath, expand_files("data.data_files", data_files))) & set(
+        map(os.path.realpath, expand_files("data.val_files", val_files)))
+    if shared:  # allowed (a check of what was learnt), but mostly a pattern that went wide
+        log.warning("data.val_files file %r is in data.data_files too: the validation scores "
+                    "are on rows the run trains on", sorted(shared)[0])
     return Sources(train, SplitRows.whole(val_rows, f"data.val_files {val_files!r}", val_parts))
 
 

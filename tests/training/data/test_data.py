@@ -267,13 +267,13 @@ def test_json_file_forms(tmp_path):
 
 
 def test_files_are_cached_by_datasets_and_read_again_when_changed(tmp_path):
-    path = tmp_path / "rows.jsonl"
+    path = tmp_path / "rows.csv"  # JSON is read by Python's json, without a cache
     write(path, ROWS)
     make(task=None, data_files=str(path), val_size=2)
-    assert list((tmp_path / "hf_cache" / "json").rglob("*.arrow"))  # the default cache
+    assert list((tmp_path / "hf_cache" / "csv").rglob("*.arrow"))  # the default cache
     cache = tmp_path / "own_cache"
     dm = make(task=None, data_files=str(path), val_files=str(path), dataset_cache_dir=str(cache))
-    assert list((cache / "json").rglob("*.arrow"))
+    assert list((cache / "csv").rglob("*.arrow"))
     assert len(dm.val_dataset) == 10
     write(path, ROWS[:3])
     stat = path.stat()
@@ -969,3 +969,75 @@ def test_a_task_with_no_validation_rows(cache_dir):
                             tokenizer="builtin:tiny", tokenizer_cache_dir=cache_dir)
     data.setup("fit")
     assert len(data.train_dataset) == 8 and len(data.val_dataset) == 0
+
+
+# ------------------------------------------------------------------ files read as written
+def test_json_answers_stay_as_written_when_a_column_mixes_strings_and_numbers(tmp_path):
+    """datasets' reader stored such a column as JSON and decoded "007" back as 7 and "1.10"
+    as 1.1: the reference answers changed in silence."""
+    rows = [{"prompt": "a", "answer": 42}, {"prompt": "b", "answer": "007"},
+            {"prompt": "c", "answer": "1.10"}, {"prompt": "d", "answer": "3.0", "x": ["007", 7]}]
+    for suffix in (".jsonl", ".json"):
+        dm = make(task=None, data_files=write(tmp_path / f"mixed{suffix}", rows), val_size=0,
+                  batch_size=1)
+        got = [(ex.answer, ex.columns["x"]) for ex in dm.train_dataset.examples]
+        assert got == [("42", None), ("007", None), ("1.10", None), ("3.0", ["007", 7])]
+
+
+def test_a_csv_row_with_a_cell_too_many_is_refused_naming_its_line(tmp_path):
+    """pandas read a first row with one more cell as an index: every column shifted."""
+    for text, line in (("prompt,answer\nWhat is 1,000 + 2?,1002\nWhat is 7?,7\n", 2),
+                       ("prompt,answer\nq,1\nr,2,\n", 3)):
+        path = tmp_path / "rows.csv"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"line {line} has 3 cells and the header 2: quote"):
+            make(task=None, data_files=str(path), val_size=0, batch_size=1)
+
+
+def test_a_file_named_twice_is_read_once_and_validation_files_in_training_are_warned(
+    tmp_path, caplog,
+):
+    """Before, an entry and a pattern that overlapped read a file twice (its prompts
+    weighed double), and validation files inside the training pattern went unsaid."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    train, val = write(folder / "train.jsonl", ROWS[:4]), write(folder / "val.jsonl", ROWS[4:6])
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
+        dm = make(task=None, data_files=[train, str(folder / "*.jsonl")], val_size=0,
+                  batch_size=1)
+    assert [ex.raw_prompt for ex in dm.train_dataset.examples] == [
+        "q0", "q1", "q2", "q3", "q4", "q5"]  # train.jsonl first, as named; then val.jsonl
+    assert "names 1 file(s) more than once" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
+        make(task=None, data_files=str(folder / "*.jsonl"), val_files=val, batch_size=1)
+    assert "is in data.data_files too" in caplog.text and "val.jsonl" in caplog.text
+
+
+def test_a_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes('{"prompt": "Café?", "answer": "3"}\n'.encode("cp1252"))
+    with pytest.raises(ValueError, match=r"rows.jsonl' is not UTF-8 text .*save it as UTF-8"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+
+
+class StrictTokenizer(CharTokenizer):
+    """A template that refuses a system message, as Gemma's does."""
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        import jinja2
+
+        if messages[0]["role"] == "system":
+            raise jinja2.exceptions.TemplateError("System role not supported")
+        return super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+
+def test_a_chat_template_that_refuses_a_prompt_names_the_row_and_the_option(tmp_path):
+    """It was jinja2's TemplateError, which the command line reports as a bug."""
+    path = write(tmp_path / "rows.jsonl", ROWS[:2])
+    dm = PromptDataModule(task=None, data_files=path, val_size=0, batch_size=1,
+                          system_prompt="Be brief.")
+    dm.set_tokenizer(StrictTokenizer())
+    with pytest.raises(ValueError, match=r"row 0: the tokenizer's chat template refuses the "
+                       r"messages with roles \['system', 'user'\] \(data.system_prompt"):
+        dm.setup("fit")
