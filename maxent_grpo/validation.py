@@ -27,7 +27,10 @@ def require(ok: bool, message: str) -> None:
 
 def is_number(value: Any) -> bool:
     """A finite real number (``bool`` is not a number here)."""
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    try:  # an int beyond a float's range is no number here either (isfinite overflows)
+        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_int(name: str, value: Any, minimum: int | None = None, allow_none: bool = False,

@@ -84,12 +84,14 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     >>> message_segment(build_tiny_tokenizer(), [{"role": "tool", "content": "42"}])
     '\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
     """
+    import jinja2  # transformers' chat templates are jinja2's
+
     extra = {"tools": tools} if tools else {}
     try:
         before = tokenizer.apply_chat_template(_BASE, tokenize=False, **extra)
         after = tokenizer.apply_chat_template(_BASE + messages, tokenize=False,
                                               add_generation_prompt=True, **extra)
-    except Exception as err:  # jinja2's TemplateError: e.g. no "tool" role, strict turns
+    except jinja2.exceptions.TemplateError as err:  # e.g. no "tool" role, strict turns
         raise ValueError(
             "multi-turn rollouts need a chat template that takes the roles "
             f"{[m.get('role') for m in messages]} after the model's turn; this tokenizer's "

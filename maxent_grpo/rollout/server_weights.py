@@ -222,8 +222,9 @@ class ServerWeights:
                     log.warning("weight transfer to %s failed (attempt %d of %d): %s",
                                 server.url, attempt + 1, attempts, err)
                     if started:  # close this attempt's update so the next one can start
-                        try:
-                            self._call(server, "POST", "/finish_weight_update", json={})
+                        try:  # briefly: a server that hung costs no second time-out
+                            self._call(server, "POST", "/finish_weight_update", json={},
+                                       timeout=min(10.0, self.request_timeout))
                         except ServerError:
                             pass
                     if type(err.__cause__).__name__.endswith("Timeout"):  # httpx's

@@ -206,9 +206,12 @@ class VLLMServerEngine(ServerWeights):
                 self.model_name = self._check_server(server)
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
+        try:
+            _all_ok(error is None, next(model.parameters()).device, error,
+                    "another rank could not reach the vLLM servers (its error is in its log)")
+        except BaseException:
             self._http.close()
-        _all_ok(error is None, next(model.parameters()).device, error,
-                "another rank could not reach the vLLM servers (its error is in its log)")
+            raise
         try:  # the weights file, the servers' groups: left now, or by nobody
             self.sync(model)
             self._check_probe()

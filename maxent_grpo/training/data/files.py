@@ -69,8 +69,9 @@ class FileParts:
         return self.names[part], index - self.starts[part]
 
 
-def expand_files(option: str, value: Any) -> list[str]:
-    """The files ``value`` names, in reading order.
+def expand_files(option: str, value: Any, warn: bool = False) -> list[str]:
+    """The files ``value`` names, in reading order, each once (``warn``: say so when one was
+    named twice).
 
     Raises ValueError naming ``option`` unless ``value`` is a path or pattern, or a non-empty
     list of them, ending in one of :data:`FILE_SUFFIXES`; FileNotFoundError for a missing
@@ -97,8 +98,11 @@ def expand_files(option: str, value: Any) -> list[str]:
             what = "pattern matches no file" if glob.escape(entry) != entry else "file not found"
             raise FileNotFoundError(f"{option} {what}: {entry!r}")
         files += matches
-    once = list({os.path.realpath(p): p for p in reversed(files)}.values())[::-1]
-    if len(once) < len(files):  # an entry and a pattern that overlap: read it once
+    first: dict[str, str] = {}
+    for path in files:
+        first.setdefault(os.path.realpath(path), path)
+    once = list(first.values())
+    if warn and len(once) < len(files):  # an entry and a pattern that overlap: read it once
         log.warning("%s names %d file(s) more than once (entries or patterns that overlap); "
                     "each is read once", option, len(files) - len(once))
     return once
@@ -109,7 +113,7 @@ def read_files(option: str, value: Any, cache_dir: str | None) -> tuple[list[Row
     which file each comes from."""
     rows: list[Row] = []
     starts, names = [], []
-    for path in expand_files(option, value):
+    for path in expand_files(option, value, warn=True):
         starts.append(len(rows))
         names.append(f"{option} file {path!r}")
         rows += read_file(option, path, cache_dir)
@@ -156,14 +160,23 @@ def _check_csv_fields(path: str) -> None:
     """ValueError naming the first row whose cells are not as many as the header's: pandas
     would read a first row with one more cell (a comma not quoted, a trailing comma) as an
     index and shift every column."""
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = next(reader, [])
-        for row in reader:
-            if row and len(row) != len(header):
-                raise ValueError(
-                    f"line {reader.line_num} has {len(row)} cells and the header "
-                    f"{len(header)}: quote a cell that holds a comma, and end no row with one")
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # pandas has no limit on a cell (Python's is 128 KiB)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            rows = (row for row in reader if any(cell.strip() for cell in row))  # as pandas
+            header = next(rows, [])
+            for row in rows:
+                if len(row) > len(header):  # fewer cells: the missing ones are ""
+                    raise ValueError(
+                        f"line {reader.line_num} has {len(row)} cells and the header "
+                        f"{len(header)}: quote a cell that holds a comma, and end no row "
+                        "with one")
+    except csv.Error as err:
+        raise ValueError(f"line {reader.line_num}: {err}") from err
+    finally:
+        csv.field_size_limit(limit)
 
 
 def _reason(err: BaseException) -> str:
@@ -201,7 +214,7 @@ def _json_rows(path: str) -> list[Row]:
             require(not bad, f"row {bad[0] if bad else 0} is not a JSON object")
     if rows is None:
         rows = []
-        for line_no, line in enumerate(text.splitlines(), start=1):
+        for line_no, line in enumerate(text.split("\n"), start=1):  # not U+2028: JSON text
             if not line.strip():
                 continue
             try:

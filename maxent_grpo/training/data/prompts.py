@@ -87,10 +87,13 @@ class PromptFormat:
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         tools = {"tools": list(self.tools)} if self.tools else {}
+        import jinja2  # transformers' chat templates are jinja2's
+
+        tokenizer = self.tokenizer()
         try:
-            text = self.tokenizer().apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **tools)
-        except Exception as err:  # jinja2's TemplateError: the template's own refusal
+        except jinja2.exceptions.TemplateError as err:  # the template's own refusal
             system = " (data.system_prompt adds the system message)" if (
                 self.system_prompt is not None and messages[0]["content"] == self.system_prompt
                 and messages[0]["role"] == "system") else ""

@@ -381,6 +381,8 @@ def test_a_state_file_start_is_checked_like_the_config(tmp_path):
          r"'meta.tau_steps' must be a whole number from 0 to 2\*\*53; got 2.9"),
         (json.dumps({**GOOD, "meta": {**GOOD["meta"], "tau_steps": 1e30}}),
          r"'meta.tau_steps' must be a whole number from 0 to 2\*\*53; got 1e\+30"),
+        (json.dumps({**GOOD, "meta": {**GOOD["meta"], "tau_steps": 10**400}}),
+         "'meta.tau_steps' must be a finite number"),  # isfinite overflowed: OverflowError
     ],
 )
 def test_a_bad_state_file_names_the_file_and_key(tmp_path, text, match):

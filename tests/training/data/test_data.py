@@ -985,7 +985,15 @@ def test_json_answers_stay_as_written_when_a_column_mixes_strings_and_numbers(tm
 
 
 def test_a_csv_row_with_a_cell_too_many_is_refused_naming_its_line(tmp_path):
-    """pandas read a first row with one more cell as an index: every column shifted."""
+    """pandas read a first row with one more cell as an index: every column shifted. What
+    pandas reads right still reads: blank lines, a short row, a cell over 128 KiB."""
+    path = tmp_path / "ok.csv"
+    long = "x" * 200_000
+    path.write_text(f"\nprompt,answer\nq,1\n  \nr\n\"{long}\",3\n")
+    dm = make(task=None, data_files=str(path), val_size=0, batch_size=1,
+              max_prompt_length=None)
+    assert [(ex.raw_prompt[:3], ex.answer) for ex in dm.train_dataset.examples] == [
+        ("q", "1"), ("r", ""), ("xxx", "3")]
     for text, line in (("prompt,answer\nWhat is 1,000 + 2?,1002\nWhat is 7?,7\n", 2),
                        ("prompt,answer\nq,1\nr,2,\n", 3)):
         path = tmp_path / "rows.csv"
@@ -1001,17 +1009,27 @@ def test_a_file_named_twice_is_read_once_and_validation_files_in_training_are_wa
     weighed double), and validation files inside the training pattern went unsaid."""
     folder = tmp_path / "data"
     folder.mkdir()
-    train, val = write(folder / "train.jsonl", ROWS[:4]), write(folder / "val.jsonl", ROWS[4:6])
+    write(folder / "train.jsonl", ROWS[:4])
+    val = write(folder / "val.jsonl", ROWS[4:6])
     with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
-        dm = make(task=None, data_files=[train, str(folder / "*.jsonl")], val_size=0,
+        dm = make(task=None, data_files=[val, str(folder / "*.jsonl")], val_size=0,
                   batch_size=1)
     assert [ex.raw_prompt for ex in dm.train_dataset.examples] == [
-        "q0", "q1", "q2", "q3", "q4", "q5"]  # train.jsonl first, as named; then val.jsonl
-    assert "names 1 file(s) more than once" in caplog.text
+        "q4", "q5", "q0", "q1", "q2", "q3"]  # val.jsonl where first named, then train.jsonl
+    assert caplog.text.count("names 1 file(s) more than once") == 1
     caplog.clear()
     with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
         make(task=None, data_files=str(folder / "*.jsonl"), val_files=val, batch_size=1)
     assert "is in data.data_files too" in caplog.text and "val.jsonl" in caplog.text
+
+
+def test_a_json_lines_string_may_hold_a_line_separator(tmp_path):
+    """U+2028 is valid unescaped inside a JSON string (json.dumps(ensure_ascii=False))."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "x\u2028y", "answer": "1"}, ensure_ascii=False)
+                    + "\n", encoding="utf-8")
+    dm = make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    assert dm.train_dataset.examples[0].raw_prompt == "x\u2028y"
 
 
 def test_a_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
