@@ -1,7 +1,8 @@
 """The weights' side of :class:`~maxent_grpo.rollout.vllm_server.VLLMServerEngine`: the
-servers' state, the weight transfer through vLLM's protocol (rank 0 sends, every rank
-learns the outcome), the revival of a restarted server, and the command that starts a
-server this engine can drive. See the engine's module docstring."""
+servers' state, the start checks (routes, tokenizer, probe), the weight transfer through
+vLLM's protocol (rank 0 sends, every rank learns the outcome), the revival of a restarted
+server, and the command that starts a server this engine can drive. See the engine's
+module docstring."""
 
 from __future__ import annotations
 
