@@ -33,11 +33,12 @@ PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
 
 class ServerError(RuntimeError):
     """A vLLM server refused, failed or could not be reached; the message names it.
-    ``status`` is the HTTP status of a refusal (None: no answer)."""
+    ``status`` is the HTTP status of a refusal (None: no answer); ``timed_out``: no answer
+    within the request's time limit."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, timed_out: bool = False) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.timed_out = status, timed_out
 
 
 #: statuses worth sending a request again for (overload, the server's own failure)
@@ -163,9 +164,8 @@ class ServerWeights:
                 return
             try:
                 sender = server.sender
-                if sender is not None and self._call(
-                        server, "GET", "/weight_info", timeout=10.0)["weight_version"] \
-                        != server.version:  # restarted since: its workers left the group
+                if sender is not None and self._held(server) != server.version:
+                    # restarted since: its workers left the group
                     self._leave(server)
                     sender = None
                 if sender is None and server.paused_by_failure:  # end its failed update too
@@ -228,8 +228,8 @@ class ServerWeights:
                                        timeout=min(10.0, self.request_timeout))
                         except ServerError:
                             pass
-                    if type(err.__cause__).__name__.endswith("Timeout"):  # httpx's
-                        break  # no answer in request_timeout: the next servers wait no longer
+                    if err.timed_out:  # no answer in its time: the next servers wait no longer
+                        break
                     if (loading and attempt + 1 < attempts and path == self._file
                             and self._last_weights is not None):
                         path, info = self._rewrite_weights()  # the file may be the cause

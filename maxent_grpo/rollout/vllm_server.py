@@ -234,7 +234,8 @@ class VLLMServerEngine(ServerWeights):
                                           timeout=httpx.Timeout(seconds,
                                                                 connect=min(seconds, 10.0)))
         except httpx.HTTPError as err:
-            raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}") from err
+            raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}",
+                              timed_out=isinstance(err, httpx.TimeoutException)) from err
         except RuntimeError as err:  # closed by another thread since the check above
             if not self._closed:
                 raise

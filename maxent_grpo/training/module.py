@@ -18,11 +18,9 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
 Optimisation is manual: one rollout may feed several optimizer steps, and the loss is
 accumulated over micro-batches that never split a prompt group. ``collect`` and
 ``optimizer_step`` get a :class:`~maxent_grpo.training.step.trajectory.StepContext` and never
-call back into the module. The rollout engine is built once per run and synced
-(``engine.sync(policy)``) after the weights changed. Elsewhere: validation and test
-(``run/evaluation.py``), checkpoints (``run/checkpoint.py``), strategies
-(``step/strategy.py``), the options' typed groups (``settings.py``, built by
-``option_groups.py``).
+call back into the module. The engine is built once per run and synced after the weights
+changed. Elsewhere: evaluation (``run/evaluation.py``), checkpoints (``run/checkpoint.py``),
+strategies (``step/strategy.py``), the typed options (``settings.py``, ``option_groups.py``).
 """
 
 from __future__ import annotations
@@ -220,9 +218,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         objective.check_group_size(self.loop.generation.num_generations)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
         # saving it twice makes Lightning refuse differing values in plain-Trainer use
-        self.save_hyperparameters(
-            ignore=["objective", "optimizer", "lr_scheduler", "engine", "max_prompt_length",
-                    "peft"])
+        self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler", "engine",
+                                          "max_prompt_length", "peft"])
         self.source = ModelSettings(model_name_or_path, dtype, model_cache_dir,
                                     gradient_checkpointing, peft)
         self.objective = objective
@@ -238,8 +235,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.counters = StepCounters()
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
-        #: the job-long handles (policy, tokenizer, reference, loader), set by configure_model
-        self.runtime: RuntimeHandles | None = None
+        self.runtime: RuntimeHandles | None = None  # the job-long handles: configure_model
         self._reference_required = False  # a controller may raise beta (require_reference)
         #: the last step's trajectory, its record and the logged dict the callbacks read
         self.trajectory: Trajectory | None = None
@@ -277,6 +273,11 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._log_step(trajectory, update, timer, batch_idx)
         self.objective.observe(self.step_metrics_dict)  # the entropy gate reads train/kl
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the objective (or a controller that may raise beta) needs the reference."""
+        return self.objective.needs_reference or self._reference_required
+
     def step_context(self) -> StepContext:
         """The parts of this step (:class:`~maxent_grpo.training.step.trajectory.StepContext`)."""
         optimizer, scheduler = self.loop.optimization.handles
@@ -284,8 +285,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         return StepContext(
             engine=self.rollout_engine(), rewards=self.rewards, scorer=self.scorer,
             objective=self.objective, policy=self.policy,
-            reference=self.runtime.reference_model  # None while the objective needs none
-            if self.objective.needs_reference or self._reference_required else None,
+            reference=self.runtime.reference_model if self.needs_reference else None,
             generation=self.loop.generation, schedule=schedule,
             strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,

@@ -58,10 +58,12 @@ class FileParts:
     Attributes:
         starts: the number of each file's first row among all the rows.
         names: each file as error messages name it (``"data.data_files file 'a.jsonl'"``).
+        paths: each file's real path.
     """
 
     starts: tuple[int, ...]
     names: tuple[str, ...]
+    paths: tuple[str, ...] = ()
 
     def where(self, index: int) -> tuple[str, int]:
         """The file row ``index`` comes from and the row's number in that file."""
@@ -112,12 +114,13 @@ def read_files(option: str, value: Any, cache_dir: str | None) -> tuple[list[Row
     """Every row of the files ``value`` names (:func:`expand_files`, :func:`read_file`) and
     which file each comes from."""
     rows: list[Row] = []
-    starts, names = [], []
+    starts, names, paths = [], [], []
     for path in expand_files(option, value, warn=True):
         starts.append(len(rows))
         names.append(f"{option} file {path!r}")
+        paths.append(os.path.realpath(path))
         rows += read_file(option, path, cache_dir)
-    return rows, FileParts(tuple(starts), tuple(names))
+    return rows, FileParts(tuple(starts), tuple(names), tuple(paths))
 
 
 def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:

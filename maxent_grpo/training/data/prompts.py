@@ -84,7 +84,8 @@ class PromptFormat:
             messages = [{"role": "user", "content": prompt}]
         else:
             messages = list(prompt)
-        if self.system_prompt is not None and messages[0]["role"] != "system":
+        added = self.system_prompt is not None and messages[0]["role"] != "system"
+        if added:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         tools = {"tools": list(self.tools)} if self.tools else {}
         import jinja2  # transformers' chat templates are jinja2's
@@ -94,9 +95,7 @@ class PromptFormat:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **tools)
         except jinja2.exceptions.TemplateError as err:  # the template's own refusal
-            system = " (data.system_prompt adds the system message)" if (
-                self.system_prompt is not None and messages[0]["content"] == self.system_prompt
-                and messages[0]["role"] == "system") else ""
+            system = " (data.system_prompt adds the system message)" if added else ""
             raise ValueError(
                 f"the tokenizer's chat template refuses the messages with roles "
                 f"{[m.get('role') for m in messages]}{system}: {type(err).__name__}: {err}"

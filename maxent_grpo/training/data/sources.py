@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -206,8 +205,7 @@ def file_sources(
     if val_files is None:
         return split_off_val(train, val_size, seed, batch_size, "data.val_files")
     val_rows, val_parts = read_files("data.val_files", val_files, cache_dir)
-    shared = set(map(os.path.realpath, expand_files("data.data_files", data_files))) & set(
-        map(os.path.realpath, expand_files("data.val_files", val_files)))
+    shared = set(files.paths) & set(val_parts.paths)
     if shared:  # allowed (a check of what was learnt), but mostly a pattern that went wide
         log.warning("data.val_files file %r is in data.data_files too: the validation scores "
                     "are on rows the run trains on", sorted(shared)[0])

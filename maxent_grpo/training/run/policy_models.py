@@ -2,7 +2,7 @@
 needs it (the objective, or a controller that may raise beta), FSDP2 sharding, and the
 parameters the optimizer trains. A mixin of :class:`~maxent_grpo.training.module.MaxEntGRPOModule`,
 which holds ``source`` (:class:`~maxent_grpo.training.settings.ModelSettings`), ``objective``,
-``runtime`` and ``_reference_required``."""
+``runtime``, ``_reference_required`` and ``needs_reference``."""
 
 from __future__ import annotations
 
@@ -75,11 +75,6 @@ class PolicyModels:
         all of them, or only the adapters' with ``model.peft``."""
         assert self.policy is not None, "configure_model() must run first"
         return [p for p in self.policy.parameters() if p.requires_grad]
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the objective (or a controller that may raise beta) needs the reference."""
-        return self.objective.needs_reference or self._reference_required
 
     def require_reference(self) -> None:
         """Called by controllers that can make beta > 0: load the reference from the start."""
