@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json as json_module
 import logging
 import os
 import shutil
@@ -117,7 +118,8 @@ class VLLMServerEngine(ServerWeights):
             the servers reach (each server's group meets at a free port of it); None: this
             machine's IPv4 address on the route to the first server on another machine
             (``127.0.0.1`` when every server is on this one).
-        request_timeout: seconds one generation request may take before it is sent again.
+        request_timeout: seconds one generation request may take, its whole answer read,
+            before it is sent again.
         retry_seconds: how long failing requests and unreachable servers are retried, with
             back-off, before the step fails.
         connect_seconds: how long a server that does not answer yet is waited for at start.
@@ -229,10 +231,17 @@ class VLLMServerEngine(ServerWeights):
         if self._closed:
             raise ServerError(f"{server.url}{path}: the engine is closed")
         seconds = timeout or self.request_timeout  # a dead host is found in 10 s at most
+        deadline = time.monotonic() + seconds  # httpx's time-out is per read, not per answer
         try:
-            response = self._http.request(method, server.url + path, json=json, params=params,
-                                          timeout=httpx.Timeout(seconds,
-                                                                connect=min(seconds, 10.0)))
+            with self._http.stream(method, server.url + path, json=json, params=params,
+                                   timeout=httpx.Timeout(seconds,
+                                                         connect=min(seconds, 10.0))) as response:
+                content = b""
+                for chunk in response.iter_bytes():
+                    content += chunk
+                    if time.monotonic() > deadline:  # a server that trickles its answer
+                        raise ServerError(f"{server.url}{path}: its answer took longer than "
+                                          f"{seconds:g} s", timed_out=True)
         except httpx.HTTPError as err:
             raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}",
                               timed_out=isinstance(err, httpx.TimeoutException)) from err
@@ -245,13 +254,14 @@ class VLLMServerEngine(ServerWeights):
                 f"{server.url}{path} refused the request (401): the server was started with "
                 "--api-key; give the same key as model.engine.init_args.api_key or "
                 "VLLM_API_KEY", 401)
+        text = content.decode(response.encoding or "utf-8", errors="replace")
         if response.status_code >= 400:
             raise ServerError(f"{server.url}{path} answered {response.status_code}: "
-                              f"{response.text[:2000]}", response.status_code)
+                              f"{text[:2000]}", response.status_code)
         try:
-            return response.json() if response.content else None
+            return json_module.loads(content) if content else None
         except ValueError:
-            return response.text
+            return text
 
     def _wait_until_up(self, server: _Server, seconds: float) -> None:
         deadline = time.monotonic() + seconds

@@ -43,8 +43,9 @@ class StandIn:
 
     def __init__(self, hold: float = 0.0, status: int = 200, version: str = "0",
                  update_seconds: float = 0.0, answer: Any = None, hang_on: str = "",
-                 refuse_starts: int = 0) -> None:
+                 refuse_starts: int = 0, trickle: float = 0.0) -> None:
         self.hold, self.status, self.calls = hold, status, []
+        self.trickle = trickle  # seconds between the bytes of a completion's answer
         self.answer = answer  # what /v1/completions answers instead (JSON; a str as text)
         self.hang_on = hang_on  # a route that never answers
         self.refuse_starts = refuse_starts  # /start_weight_update refused this often (500)
@@ -63,6 +64,12 @@ class StandIn:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 try:
+                    if stand_in.trickle and self.path == "/v1/completions":
+                        for i in range(len(data)):  # each read of the client gets a byte
+                            self.wfile.write(data[i:i + 1])
+                            self.wfile.flush()
+                            if stand_in.release.wait(stand_in.trickle):
+                                return
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up
                     pass
@@ -190,6 +197,24 @@ def test_a_request_that_always_times_out_stops_after_retry_seconds(stand_ins, en
     # after the first time-out the server answered /health again and was tried again
     assert slow.calls.count("/v1/completions") >= 2 and "/health" in slow.calls
     assert elapsed < 20.0
+
+
+def test_a_server_that_trickles_its_answer_is_given_up_after_request_timeout(
+        stand_ins, engine_on):
+    """httpx's time-out bounds each read; a server that sends a byte every 0.2 s would hold
+    a request for as long as its answer lasts (about 20 s here) without the engine's own
+    deadline on the whole answer."""
+    trickling, fast = stand_ins(trickle=0.2), stand_ins()
+    engine = engine_on([trickling, fast], request_timeout=1.0, retry_seconds=30.0)
+    start = time.monotonic()
+    out = engine._complete(dict(BODY), index=0)  # index 0: the trickling server first
+    elapsed = time.monotonic() - start
+    assert out == [(TOKENS, LOGPS)] and fast.calls == ["/v1/completions"]
+    assert not engine.servers[0].healthy
+    assert elapsed < 10.0  # given up after about 1 s, not after the answer's 20 s
+    with pytest.raises(ServerError, match="took longer than 1 s") as caught:
+        engine._call(engine.servers[0], "POST", "/v1/completions", json=dict(BODY))
+    assert caught.value.timed_out
 
 
 def test_a_refused_request_is_not_sent_again(stand_ins, engine_on):
@@ -323,13 +348,13 @@ def test_a_connection_is_given_up_after_10_s_and_a_closed_engine_sends_nothing(
     server = stand_ins()
     engine = engine_on([server], request_timeout=600.0, retry_seconds=5.0)
     seen = []
-    real = engine._http.request
+    real = engine._http.stream
 
-    def request(*args, **kwargs):
+    def stream(*args, **kwargs):
         seen.append(kwargs["timeout"])
         return real(*args, **kwargs)
 
-    engine._http.request = request
+    engine._http.stream = stream
     engine._call(engine.servers[0], "GET", "/health")
     engine._call(engine.servers[0], "GET", "/health", timeout=5.0)
     assert [(t.read, t.connect) for t in seen] == [(600.0, 10.0), (5.0, 5.0)]
