@@ -14,6 +14,8 @@ when ``canonical_expression(e) in valid_answers``.
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import random
 from collections.abc import Sequence
 from functools import lru_cache
@@ -26,6 +28,8 @@ MAX_NUMBERS = 4
 """Largest instance enumerated (4 numbers: about 10^4 trees; 5 would take ~100x longer)."""
 
 _MAX_DRAWS = 10_000
+_WARN_DRAWS = 1_000
+logger = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=4096)
@@ -126,8 +130,11 @@ def countdown_multi(
     check_int("max_solutions", max_solutions, minimum=min_solutions)
     rng = random.Random(seed)
     rows: list[dict] = []
+    # the distinct sorted draws: once each has failed, no further draw can succeed
+    draws = math.comb(max_value - min_value + num_numbers, num_numbers)
+    failed: set[tuple[int, ...]] = set()
     for _ in range(num_rows):
-        for _ in range(_MAX_DRAWS):
+        for draw in range(1, _MAX_DRAWS + 1):
             numbers = [rng.randint(min_value, max_value) for _ in range(num_numbers)]
             by_target = _solutions_by_target(tuple(sorted(numbers)))
             targets = [
@@ -139,11 +146,19 @@ def countdown_multi(
             ]
             if targets:
                 break
-        else:
+            failed.add(tuple(sorted(numbers)))
+            if len(failed) == draws:
+                break
+            if draw == _WARN_DRAWS:  # 4 numbers take about 15 ms a draw
+                logger.warning("countdown_multi: %d draws of numbers found no target with "
+                               "%d to %d solutions; trying up to %d", draw, min_solutions,
+                               max_solutions, _MAX_DRAWS)
+        if not targets:
             raise ValueError(
                 f"countdown_multi found no target with {min_solutions} to {max_solutions} "
-                f"solutions in {_MAX_DRAWS} draws of numbers in [{min_value}, {max_value}]; "
-                "widen min_solutions/max_solutions, max_target or the value range"
+                f"solutions in {draw} draws of numbers in [{min_value}, {max_value}]"
+                f"{' (every possible draw)' if len(failed) == draws else ''}; widen "
+                "min_solutions/max_solutions, max_target or the value range"
             )
         target = rng.choice(targets)
         valid = list(by_target[target])
