@@ -12,6 +12,7 @@ without transformers.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from maxent_grpo.rollout.batch import GenerationBatch, PromptCompletionBatch
@@ -36,17 +37,13 @@ __all__ = [
 ]
 
 
+#: the names imported on first use -> their module (``vllm_engine`` imports vLLM only when
+#: an engine is built)
+_LAZY = {"HFGenerateEngine": "hf", "completion_mask_from_ids": "hf", "VLLMEngine": "vllm_engine",
+         "VLLMServerEngine": "vllm_server"}
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("HFGenerateEngine", "completion_mask_from_ids"):
-        from maxent_grpo.rollout import hf
-
-        return getattr(hf, name)
-    if name == "VLLMEngine":  # imports vLLM only when it is built
-        from maxent_grpo.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine
-    if name == "VLLMServerEngine":
-        from maxent_grpo.rollout.vllm_server import VLLMServerEngine
-
-        return VLLMServerEngine
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"maxent_grpo.rollout.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'maxent_grpo.rollout' has no attribute {name!r}")

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from maxent_grpo.validation import check_bool, check_int, check_number
+from maxent_grpo.validation import check_bool, check_int, check_number, require
 
 __all__ = ["GenerationBatch", "PromptCompletionBatch", "RolloutOutput", "SamplingSettings",
            "ToolUsage", "check_request"]
@@ -320,21 +320,12 @@ class RolloutOutput:
                     f"{name} must have {ndim} dims and {rows} rows (one per completion); "
                     f"got shape {tuple(tensor.shape)}"
                 )
-        if self.prompt_mask.shape != self.prompt_ids.shape:
-            raise ValueError(
-                f"prompt_mask shape {tuple(self.prompt_mask.shape)} must equal prompt_ids shape "
-                f"{tuple(self.prompt_ids.shape)}"
-            )
-        if self.completion_mask.shape != self.completion_ids.shape:
-            raise ValueError(
-                f"completion_mask shape {tuple(self.completion_mask.shape)} must equal "
-                f"completion_ids shape {tuple(self.completion_ids.shape)}"
-            )
-        if self.sampler_logps is not None and self.sampler_logps.shape != self.completion_ids.shape:
-            raise ValueError(
-                f"sampler_logps shape {tuple(self.sampler_logps.shape)} must equal "
-                f"completion_ids shape {tuple(self.completion_ids.shape)}"
-            )
+        for name, ref in (("prompt_mask", "prompt_ids"), ("completion_mask", "completion_ids"),
+                          ("sampler_logps", "completion_ids")):
+            tensor, expected = getattr(self, name), getattr(self, ref).shape
+            if tensor is not None and tensor.shape != expected:
+                raise ValueError(f"{name} shape {tuple(tensor.shape)} must equal {ref} shape "
+                                 f"{tuple(expected)}")
         if self.tool_mask is not None and (
             self.tool_mask.shape != self.completion_mask.shape
             or bool((self.tool_mask & ~self.completion_mask).any())
@@ -429,15 +420,8 @@ def check_request(
     s = default if sampling is None else sampling
     if not isinstance(s, SamplingSettings):
         raise TypeError(f"sampling must be a SamplingSettings; got {type(s).__name__}")
-    if len(prompts) == 0:
-        raise ValueError("prompts must not be empty")
-    if len(answers) != len(prompts):
-        raise ValueError(
-            f"answers must have one entry per prompt; got {len(answers)} answers for "
-            f"{len(prompts)} prompts"
-        )
-    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
-        num_generations < 1
-    ):
-        raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
+    require(len(prompts) > 0, "prompts must not be empty")
+    require(len(answers) == len(prompts), f"answers must have one entry per prompt; got "
+            f"{len(answers)} answers for {len(prompts)} prompts")
+    check_int("num_generations", num_generations, minimum=1)
     return s

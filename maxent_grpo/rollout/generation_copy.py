@@ -26,16 +26,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
+from maxent_grpo.adapters import has_adapters
+
 logger = logging.getLogger(__name__)
 
 #: source model -> its generation copy
 _COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
 def check_copyable(model: nn.Module, sharded: bool) -> None:
@@ -51,7 +49,7 @@ def check_copyable(model: nn.Module, sharded: bool) -> None:
             "generate; use generation_dtype: model (or a strategy that replicates the weights, "
             "such as DDP)"
         )
-    if not isinstance(model, PreTrainedModel) and not _is_peft(model):
+    if not isinstance(model, PreTrainedModel) and not has_adapters(model):
         raise ValueError(
             f"HFGenerateEngine.generation_dtype: a {type(model).__name__} cannot be copied "
             "for generation (only a transformers PreTrainedModel or a peft model wrapping one "
@@ -90,21 +88,15 @@ def build_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return duplicate.eval()
 
 
-def refresh_copy(source: nn.Module, target: nn.Module) -> None:
-    """Copy ``source``'s current parameters and buffers into ``target`` in place (cast to
-    ``target``'s dtypes); the two must match (:func:`_matches`)."""
-    with torch.no_grad():
-        for (_, mine), (_, theirs) in zip(_state(target), _state(source), strict=True):
-            mine.copy_(theirs)
-
-
 def generation_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, float]:
     """``model``'s generation copy in ``dtype`` with its current weights (refreshed in place,
     or (re)built when missing or mismatched), and the refresh's seconds (0 when built)."""
     cached = _COPIES.get(model)
     start = time.perf_counter()
     if cached is not None and _matches(model, cached, dtype):
-        refresh_copy(model, cached)
+        with torch.no_grad():  # the current weights, in place, cast to the copy's dtypes
+            for (_, mine), (_, theirs) in zip(_state(cached), _state(model), strict=True):
+                mine.copy_(theirs)
         if next(cached.parameters()).device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

@@ -109,8 +109,40 @@ def completion_mask_from_ids(
     return mask, ~has_stop
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for parameter in model.parameters():
+def rollout_from_ids(
+    tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int], prompts: list[str],
+    answers: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor, G: int, seconds: float, logps: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> RolloutOutput:
+    """The :class:`RolloutOutput` of ``(B*G, T)`` sampled ids (prompt-major): cut after the
+    first stop id, padded, decoded; the sampler's ``logps`` (or None) zeroed past the cut,
+    each row's sum its ``grouped_ref_meta``; the tensors moved to ``device`` (None: left)."""
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, stop_token_ids)
+    completion_ids = completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id)
+    num_tokens = completion_mask.sum(dim=1).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
+        skip_special_tokens=True,
+    )
+    if logps is not None:
+        logps = logps.masked_fill(~completion_mask, 0.0)
+    return RolloutOutput(
+        batch=GenerationBatch.of_rows(prompts, answers, texts,
+                                      None if logps is None else logps.sum(-1).tolist()),
+        prompt_ids=prompt_ids.repeat_interleave(G, dim=0).to(device),
+        prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),
+        completion_ids=completion_ids.to(device),
+        completion_mask=completion_mask.to(device),
+        truncated=truncated.to(device),
+        generate_seconds=seconds,
+        sampler_logps=None if logps is None else logps.to(device),
+    )
+
+
+def _model_device(model: nn.Module | None) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU without one, or without a model)."""
+    for parameter in model.parameters() if model is not None else ():
         return parameter.device
     return torch.device("cpu")
 
@@ -322,17 +354,13 @@ class HFGenerateEngine:
             if cache is None:
                 if self.cache == "static":
                     config.cache_implementation = "static"
-                output = model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask.long(),
-                    generation_config=config, **synced,
-                )  # (B*G, P + T)
+                inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask.long())
             else:
                 config.num_return_sequences = 1
-                output = model.generate(
-                    input_ids=prompt_ids.repeat_interleave(group, dim=0),
-                    attention_mask=prompt_mask.long().repeat_interleave(group, dim=0),
-                    **cache, generation_config=config, **synced,
-                )
+                inputs = dict(input_ids=prompt_ids.repeat_interleave(group, dim=0),
+                              attention_mask=prompt_mask.long().repeat_interleave(group, dim=0),
+                              **cache)
+            output = model.generate(**inputs, generation_config=config, **synced)  # (B*G, P + T)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -343,22 +371,7 @@ class HFGenerateEngine:
                 f"model.generate returned shape {tuple(output.shape)}; "
                 f"expected ({rows}, > {length})"
             )
-        completion_ids = output[:, length:].long()  # (B*G, T)
-        completion_mask, truncated = completion_mask_from_ids(completion_ids, self.stop_token_ids)
-        completion_ids = completion_ids.masked_fill(~completion_mask, self.tokenizer.pad_token_id)
-        num_tokens = completion_mask.sum(dim=1).tolist()
-        texts = self.tokenizer.batch_decode(
-            [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
-            skip_special_tokens=True,
-        )
         # it samples from the scored policy itself: no sampler log-probs (grouped_ref_meta)
-        batch = GenerationBatch.of_rows(prompts, answers, texts)
-        return RolloutOutput(
-            batch=batch,
-            prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            truncated=truncated,
-            generate_seconds=seconds,
-        )
+        return rollout_from_ids(self.tokenizer, self.stop_token_ids, prompts, answers,
+                                prompt_ids, prompt_mask, output[:, length:].long(), group,
+                                seconds)

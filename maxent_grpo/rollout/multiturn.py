@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from maxent_grpo.rollout.batch import GenerationBatch
+from maxent_grpo.rollout.hf import _model_device
 from maxent_grpo.rollout.protocol import (
     ContinuableEngine,
     Continuation,
@@ -222,7 +223,7 @@ class MultiTurnEngine:
         if not (getattr(self.engine, "collective", False) and dist.is_available()
                 and dist.is_initialized()):
             return go
-        flag = torch.tensor([int(go)], device=_device(self.engine))
+        flag = torch.tensor([int(go)], device=_model_device(getattr(self.engine, "model", None)))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -340,10 +341,3 @@ class MultiTurnEngine:
                 failures={k: torch.tensor(v, dtype=long) for k, v in failures.items()},
                 environments=envs),
         )
-
-
-def _device(engine: Any) -> torch.device:
-    model = getattr(engine, "model", None)
-    for parameter in (model.parameters() if model is not None else ()):
-        return parameter.device
-    return torch.device("cpu")

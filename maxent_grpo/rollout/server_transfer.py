@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 __all__ = ["GlooSender", "HTTPControl", "TRANSFERS", "WeightList", "address_towards",
-           "check_transfer", "free_port", "gloo_group", "local_address", "open_sender",
-           "source_device"]
+           "check_transfer", "free_port", "gloo_group", "local_address", "open_sender"]
 
 #: ``weight_transfer`` value -> the backend name a server is started with
 TRANSFERS = {"file": "maxent_file", "gloo": "maxent_gloo", "nccl": "nccl"}
@@ -245,13 +244,6 @@ class GlooSender:
                 group.shutdown()
             except Exception:  # noqa: BLE001, S110 - a group whose peer died: nothing to free
                 pass
-
-
-def source_device(kind: str) -> torch.device:
-    """Where ``kind``'s broadcast reads the tensors from: the CPU for gloo, rank 0's GPU
-    for NCCL."""
-    return torch.device("cpu") if kind == "gloo" else torch.device(
-        "cuda", torch.cuda.current_device())
 
 
 def open_sender(kind: str, engine: Any, server: Any, source: WeightList, address: str,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from maxent_grpo.rollout.server_transfer import TRANSFERS, open_sender
+from maxent_grpo.rollout.vllm_engine import _rank
 from maxent_grpo.rollout.weights import checkpoint_weights
 from maxent_grpo.validation import require
 
@@ -113,22 +114,14 @@ class ServerWeights:
         return path, {"num_tensors": len(tensors), "num_bytes": os.path.getsize(path)}
 
     def _rewrite_weights(self) -> tuple[str, dict]:
-        """Write the step's weights to a new file that replaces the current one (a transfer
-        failed while the server read it: it may be cut), and remove the old one."""
+        """Write the step's weights to a new file that replaces the current one (the last
+        step's, or this step's when a transfer failed while the server read it: it may be
+        cut), and remove the old one."""
         old = self._file
         self._file, self._file_info = self._write_weights(self._last_weights)
         if old is not None and os.path.exists(old):
             os.remove(old)
         return self._file, self._file_info
-
-    def _answers(self, server: _Server) -> bool:
-        """Whether ``server`` answers ``/health`` (a short check before every transfer: a
-        dead or hung server costs 5 s, no retries of the transfer)."""
-        try:
-            self._call(server, "GET", "/health", timeout=5.0)
-            return True
-        except ServerError:
-            return False
 
     def _held(self, server: _Server) -> Any:
         """The weight version ``server`` holds (``/weight_info``); ServerError when its
@@ -260,15 +253,14 @@ class ServerWeights:
             try:
                 if self.weight_transfer == "file":
                     self._last_weights = weights
-                    old = self._file
-                    self._file, self._file_info = self._write_weights(weights)
-                    if old is not None and os.path.exists(old):  # one file at a time
-                        os.remove(old)
+                    self._rewrite_weights()  # one file at a time
                 else:
                     self._source.set(weights)
                 failures = []
                 for i, server in enumerate(self.servers):
-                    if not self._answers(server):  # a hung server costs 5 s, not retries
+                    try:  # a dead or hung server costs 5 s, no retries of the transfer
+                        self._call(server, "GET", "/health", timeout=5.0)
+                    except ServerError:
                         server.healthy = False
                         failures.append(ServerError(
                             f"{server.url} does not answer; weights version {version} not "
@@ -386,9 +378,10 @@ class ServerWeights:
         return names[0]
 
     def _check_probe(self) -> None:
-        """The servers give a probe sequence the policy's log-probabilities; every rank
-        checks, and all fail together (a rank failing alone would leave the others waiting
-        in the first collective of training)."""
+        """The servers give a probe sequence the policy's log-probabilities (ServerError
+        naming the first server that does not); every rank checks, and all fail together (a
+        rank failing alone would leave the others waiting in the first collective of
+        training)."""
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             device = next(self.model.parameters()).device
@@ -397,38 +390,29 @@ class ServerWeights:
                 -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
         error = None
         try:
-            self._compare_probe(ids, ours)
+            for server in self.servers:
+                if server.paused_by_failure or not server.healthy:
+                    continue  # the first sync failed there (logged); the others serve
+                out = self._call(server, "POST", "/v1/completions", json={
+                    "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+                    "prompt_logprobs": 0, "return_token_ids": True})
+                rows = out["choices"][0]["prompt_logprobs"][1:]
+                theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:],
+                                                                                strict=True)])
+                gap = float((theirs - ours).abs().max())
+                if gap > self.probe_tolerance:
+                    raise ServerError(
+                        f"{server.url} serves {self.model_name!r}, which gives the probe "
+                        f"log-probabilities up to {gap:.3g} away from the policy's "
+                        f"({type(self.model).__name__}, "
+                        f"{getattr(getattr(self.model, 'config', None), '_name_or_path', '?')}) "
+                        f"after the weights were sent (probe_tolerance {self.probe_tolerance}): "
+                        "a different model, dtype or sampler setting (start the server with "
+                        "--logprobs-mode processed_logprobs and the policy's --dtype)")
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
         _all_ok(error is None, device, error,
                 "another rank's probe check of the vLLM servers failed (its error is in its log)")
-
-    def _compare_probe(self, ids: list[int], ours: torch.Tensor) -> None:
-        """ServerError naming the first server whose probe log-probs are not ``ours``."""
-        for server in self.servers:
-            if server.paused_by_failure or not server.healthy:
-                continue  # the first sync failed there (logged); the others serve
-            out = self._call(server, "POST", "/v1/completions", json={
-                "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0, "return_token_ids": True})
-            rows = out["choices"][0]["prompt_logprobs"][1:]
-            theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:],
-                                                                            strict=True)])
-            gap = float((theirs - ours).abs().max())
-            if gap > self.probe_tolerance:
-                raise ServerError(
-                    f"{server.url} serves {self.model_name!r}, which gives the probe "
-                    f"log-probabilities up to {gap:.3g} away from the policy's "
-                    f"({type(self.model).__name__}, "
-                    f"{getattr(getattr(self.model, 'config', None), '_name_or_path', '?')}) "
-                    f"after the weights were sent (probe_tolerance {self.probe_tolerance}): "
-                    "a different model, dtype or sampler setting (start the server with "
-                    "--logprobs-mode processed_logprobs and the policy's --dtype)")
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _all_ok(ok: bool, device: torch.device, error: Exception | None, other: str) -> None:

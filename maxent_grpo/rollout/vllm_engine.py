@@ -31,13 +31,8 @@ shards, ``peft``'s ``modules_to_save``, ``enable_sleep_mode`` or ``tensor_parall
 on the CPU, and a head size vLLM's attention cannot run (vLLM's own error, re-raised with
 the model named).
 
-Logs. vLLM prints its warnings and errors, not its INFO lines: unless ``VLLM_LOGGING_LEVEL``,
-``VLLM_LOGGING_CONFIG_PATH`` or ``VLLM_CONFIGURE_LOGGING`` is set in the environment, the
-engine sets ``VLLM_LOGGING_LEVEL=WARNING`` before vLLM is imported, drops the warnings that
-come on every run and that no one can act on (the list, and why each:
-:mod:`~maxent_grpo.rollout.vllm_logs`), shows no progress bar of weight loading and keeps
-the weight reloads silent below ERROR. A variable the user sets wins:
-``VLLM_LOGGING_LEVEL=INFO`` brings every line back (``DEBUG``: more).
+Logs: vLLM prints its warnings and errors, not its INFO lines, unless the user configures
+its logging (:mod:`~maxent_grpo.rollout.vllm_logs`).
 """
 
 from __future__ import annotations
@@ -61,8 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedTokenizerBase
 
 from maxent_grpo.adapters import has_adapters
-from maxent_grpo.rollout.batch import GenerationBatch
-from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts, sharded_across_ranks
+from maxent_grpo.rollout.hf import encode_prompts, rollout_from_ids, sharded_across_ranks
 from maxent_grpo.rollout.protocol import (
     Continuation,
     RolloutOutput,
@@ -132,7 +126,91 @@ def _memory_hint(err: Exception) -> str:
             "20 GiB machine).")
 
 
-class VLLMEngine:
+class VLLMEngineBase:
+    """What the colocated and the server engine share: the checks of the policy, the stop
+    ids, the sampling fields of a request, and :meth:`generate` and :meth:`continue_ids`,
+    which end in each engine's own :meth:`_sample`."""
+
+    def __init__(self, engine: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
+                 sampling: SamplingSettings, stop_token_ids: list[int] | None) -> None:
+        """What a vLLM engine needs of the policy (ValueError naming the option): stop ids
+        that are non-negative ints, a tokenizer with pad and eos tokens, whole or FSDP2
+        parameters (not ZeRO-3 shards), adapters vLLM can get merged."""
+        extra = list(stop_token_ids or [])
+        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+                f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
+        require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
+                "tokenizer needs a pad and an eos token; load it with "
+                "maxent_grpo.models.load_tokenizer")
+        sharded = sharded_across_ranks(model)
+        require(not sharded or isinstance(model, FSDPModule),  # sharded otherwise: ZeRO-3
+                f"model.engine {engine}: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
+                "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
+        check_mergeable(model, sharded)
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
+        # an id past the model's output vocabulary is never sampled, and vLLM refuses it as a
+        # stop id (a tokenizer whose eos was added after the model's vocabulary was fixed)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
+
+    def _request(self, s: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
+        """The sampling fields of a request of ``n`` samples, under the names of vLLM's
+        ``SamplingParams``, which ``/v1/completions`` shares. Only our stop ids end a
+        completion (the tokenizer's eos and stop_token_ids), as in the Hugging Face engine:
+        vLLM's own eos (the model's generation config) is ignored."""
+        fields = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
+                      stop_token_ids=self._stop_ids, skip_special_tokens=True, temperature=0.0)
+        if s.do_sample:
+            fields.update(temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k if s.top_k > 0 else -1)
+        return fields
+
+    def _refresh(self) -> None:
+        """Before a rollout: nothing (the server engine checks what its servers hold)."""
+
+    def _sample(self, sequences: list[list[int]], requests: list[dict[str, Any]]
+                ) -> list[list[tuple[list[int], list[float] | None]]]:
+        """Each request's rows, ``(token ids, sampler log-probs or None)``."""
+        raise NotImplementedError
+
+    def generate(
+        self, prompts: list[str], answers: list[str], num_generations: int,
+        sampling: SamplingSettings | None = None,
+    ) -> RolloutOutput:
+        """Sample G = ``num_generations`` completions per prompt from ``sampling`` (None:
+        the engine's own settings); see :class:`RolloutOutput`."""
+        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
+        G = num_generations
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
+        self._refresh()
+        sequences = [ids[mask].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        requests = [self._request(s, G, seed)
+                    for seed in request_seeds(request_seed_base(), _rank(), len(prompts), G)]
+        start = time.perf_counter()
+        results = self._sample(sequences, requests)
+        seconds = time.perf_counter() - start
+        rows = [row for result in results for row in result]  # prompt-major, G per prompt
+        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, answers, prompt_ids,
+                                prompt_mask, rows, G, seconds,
+                                next(self.model.parameters()).device)
+
+    def continue_ids(
+        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
+    ) -> list[Continuation]:
+        """One continuation of each token sequence, row ``i`` at most ``budgets[i]`` new
+        tokens, with the sampler's log-probs: the next turn of a multi-turn rollout. The
+        request seeds come from torch's random stream, as in :meth:`generate`."""
+        require(len(sequences) == len(budgets) and len(sequences) > 0,
+                "continue_ids needs one budget per sequence and at least one sequence")
+        seeds = request_seeds(request_seed_base(), _rank(), len(sequences), 1)
+        requests = [self._request(dataclasses.replace(sampling, max_new_tokens=int(b)), 1, seed)
+                    for b, seed in zip(budgets, seeds, strict=True)]
+        return [Continuation.cut(ids, self.stop_token_ids, logps)
+                for (ids, logps), *_ in self._sample(sequences, requests)]
+
+
+class VLLMEngine(VLLMEngineBase):
     """Rollout engine on a colocated ``vllm.LLM`` (see the module docstring).
 
     Args:
@@ -174,7 +252,7 @@ class VLLMEngine:
         check_int("VLLMEngine.max_model_len", max_model_len, minimum=2, allow_none=True)
         check_choice("VLLMEngine.dtype", dtype, VLLM_DTYPES)
         check_bool("VLLMEngine.enforce_eager", enforce_eager)
-        extra = check_policy_for_vllm("VLLMEngine", model, tokenizer, stop_token_ids)
+        super().__init__("VLLMEngine", model, tokenizer, sampling, stop_token_ids)
         cuda = torch.cuda.is_available()
         require(cuda or not enable_sleep_mode,
                 "VLLMEngine.enable_sleep_mode needs a GPU; set it to false on the CPU")
@@ -186,12 +264,6 @@ class VLLMEngine:
                     f"VLLMEngine.tensor_parallel_size ({tensor_parallel_size}) exceeds the "
                     f"{world} ranks")
         self.vllm = require_vllm()
-        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
-        # an id past the model's output vocabulary is never sampled, and vLLM refuses it as a
-        # stop id (a tokenizer whose eos was added after the model's vocabulary was fixed)
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        self._vllm_stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
         if max_model_len is None and sampling.max_prompt_length is not None:
             max_model_len = sampling.max_prompt_length + sampling.max_new_tokens
         if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU
@@ -232,11 +304,9 @@ class VLLMEngine:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    @staticmethod
-    def _weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The policy's tensors as a plain checkpoint, whole, adapters merged, the training
-        model untouched (:func:`~maxent_grpo.rollout.weights.checkpoint_weights`)."""
-        return checkpoint_weights(model)
+    #: the policy's tensors as a plain checkpoint, whole, adapters merged, the training
+    #: model untouched
+    _weights = staticmethod(checkpoint_weights)
 
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
@@ -246,65 +316,17 @@ class VLLMEngine:
                 "weights_iterator": self._weights(model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights
 
-    def _params(self, s: SamplingSettings, n: int, seed: int) -> Any:
-        # only our stop ids end a completion (the tokenizer's eos and stop_token_ids), as in
-        # the Hugging Face engine: vLLM's own eos (the model's generation config) is ignored
-        common = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
-                      stop_token_ids=self._vllm_stop_ids, skip_special_tokens=True)
-        if not s.do_sample:
-            return self.vllm.SamplingParams(temperature=0.0, **common)
-        return self.vllm.SamplingParams(temperature=s.temperature, top_p=s.top_p,
-                                        top_k=s.top_k if s.top_k > 0 else -1, **common)
-
-    def continue_ids(
-        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
-    ) -> list[Continuation]:
-        """One continuation of each token sequence, row ``i`` at most ``budgets[i]`` new
-        tokens, with the sampler's log-probs: the next turn of a multi-turn rollout. The
-        request seeds come from torch's random stream, as in :meth:`generate`."""
-        require(len(sequences) == len(budgets) and len(sequences) > 0,
-                "continue_ids needs one budget per sequence and at least one sequence")
-        seeds = request_seeds(request_seed_base(), _rank(), len(sequences), 1)
-        params = [dataclasses.replace(sampling, max_new_tokens=int(b)) for b in budgets]
+    def _sample(self, sequences: list[list[int]], requests: list[dict[str, Any]]
+                ) -> list[list[tuple[list[int], list[float] | None]]]:
+        prompts = [{"prompt_token_ids": list(q)} for q in sequences]
+        params = [self.vllm.SamplingParams(**r) for r in requests]
         with _kept_random_state():  # vLLM's sampler must not move the training's stream
-            outputs = self.llm.generate(
-                [{"prompt_token_ids": list(q)} for q in sequences],
-                [self._params(p, 1, seed) for p, seed in zip(params, seeds, strict=True)],
-                use_tqdm=False)
-        out = []
-        for result in outputs:
-            c = result.outputs[0]
-            logps = ([step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
-                                                                 strict=True)]
-                     if c.logprobs else None)
-            out.append(Continuation.cut(list(c.token_ids), self.stop_token_ids, logps))
-        return out
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[(list(c.token_ids),
+                  [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
+                                                              strict=True)]
+                  if c.logprobs else None) for c in out.outputs] for out in outputs]
 
-    def generate(
-        self, prompts: list[str], answers: list[str], num_generations: int,
-        sampling: SamplingSettings | None = None,
-    ) -> RolloutOutput:
-        """Sample G = ``num_generations`` completions per prompt from ``sampling`` (None:
-        the engine's own settings); see :class:`RolloutOutput`."""
-        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
-        G, B = num_generations, len(prompts)
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
-        requests = [{"prompt_token_ids": ids[mask].tolist()}
-                    for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        params = [self._params(s, G, seed)
-                  for seed in request_seeds(request_seed_base(), _rank(), B, G)]
-        start = time.perf_counter()
-        with _kept_random_state():  # vLLM's sampler must not move the training's stream
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        rows = [c for out in outputs for c in out.outputs]  # prompt-major, G per prompt
-        sampled = [(list(c.token_ids),
-                    [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
-                                                                strict=True)]
-                    if c.logprobs else None) for c in rows]
-        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, answers, prompt_ids,
-                                prompt_mask, sampled, G, seconds,
-                                next(self.model.parameters()).device)
 
 
 _SEEDS = threading.local()
@@ -321,25 +343,6 @@ def request_seeds_from(seed: int) -> Iterator[None]:
         yield
     finally:
         _SEEDS.generator = None
-
-
-def check_policy_for_vllm(engine: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                          stop_token_ids: list[int] | None) -> list[int]:
-    """What a vLLM engine needs of the policy (ValueError naming the option): stop ids that
-    are non-negative ints (returned), a tokenizer with pad and eos tokens, whole or FSDP2
-    parameters (not ZeRO-3 shards), adapters vLLM can get merged."""
-    extra = list(stop_token_ids or [])
-    require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
-            f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
-    require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
-            "tokenizer needs a pad and an eos token; load it with "
-            "maxent_grpo.models.load_tokenizer")
-    sharded = sharded_across_ranks(model)
-    require(not sharded or isinstance(model, FSDPModule),  # sharded otherwise: ZeRO-3
-            f"model.engine {engine}: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
-            "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
-    check_mergeable(model, sharded)
-    return extra
 
 
 #: seeds a rank may use in one call: rank r draws from [base + r * SEED_SPAN, ... + SEED_SPAN)
@@ -388,8 +391,7 @@ def assemble_rollout(
     B = len(prompts)
     require(len(rows) == B * G, f"vLLM returned {len(rows)} completions; expected {B * G}")
     T = max(1, max(len(ids) for ids, _ in rows))
-    pad = tokenizer.pad_token_id
-    completion_ids = torch.full((B * G, T), pad, dtype=torch.long)
+    completion_ids = torch.full((B * G, T), tokenizer.pad_token_id, dtype=torch.long)
     logps = torch.zeros(B * G, T)
     for i, (ids, lps) in enumerate(rows):
         n = len(ids)
@@ -397,23 +399,6 @@ def assemble_rollout(
         if lps:
             require(len(lps) == n, f"row {i}: {len(lps)} log-probs for {n} tokens")
             logps[i, :n] = torch.tensor(lps)
-    completion_mask, truncated = completion_mask_from_ids(completion_ids, stop_token_ids)
-    completion_ids = completion_ids.masked_fill(~completion_mask, pad)
-    num_tokens = completion_mask.sum(dim=1).tolist()
-    texts = tokenizer.batch_decode(
-        [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
-        skip_special_tokens=True,
-    )
-    logps = logps.masked_fill(~completion_mask, 0.0)
     reported = any(lps for _, lps in rows)
-    return RolloutOutput(
-        batch=GenerationBatch.of_rows(prompts, answers, texts,
-                                      logps.sum(-1).tolist() if reported else None),
-        prompt_ids=prompt_ids.repeat_interleave(G, dim=0).to(device),
-        prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),
-        completion_ids=completion_ids.to(device),
-        completion_mask=completion_mask.to(device),
-        truncated=truncated.to(device),
-        generate_seconds=seconds,
-        sampler_logps=logps.to(device) if reported else None,
-    )
+    return rollout_from_ids(tokenizer, stop_token_ids, prompts, answers, prompt_ids, prompt_mask,
+                            completion_ids, G, seconds, logps if reported else None, device)

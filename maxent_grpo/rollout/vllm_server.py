@@ -54,25 +54,17 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from maxent_grpo.rollout.hf import encode_prompts
-from maxent_grpo.rollout.protocol import (
-    Continuation,
-    RolloutOutput,
-    SamplingSettings,
-    check_request,
-)
+from maxent_grpo.rollout.protocol import SamplingSettings
 from maxent_grpo.rollout.server_transfer import (
     WeightList,
     check_transfer,
     local_address,
-    source_device,
 )
 from maxent_grpo.rollout.server_weights import (
     RETRYABLE,
@@ -83,13 +75,7 @@ from maxent_grpo.rollout.server_weights import (
     server_args,
     server_command,
 )
-from maxent_grpo.rollout.vllm_engine import (
-    _rank,
-    assemble_rollout,
-    check_policy_for_vllm,
-    request_seed_base,
-    request_seeds,
-)
+from maxent_grpo.rollout.vllm_engine import VLLMEngineBase, _rank
 from maxent_grpo.validation import check_number, check_seconds, require
 
 __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
@@ -97,7 +83,7 @@ __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
 log = logging.getLogger(__name__)
 
 
-class VLLMServerEngine(ServerWeights):
+class VLLMServerEngine(ServerWeights, VLLMEngineBase):
     """Rollout engine on ``vllm serve`` processes (see the module docstring).
 
     Args:
@@ -167,11 +153,7 @@ class VLLMServerEngine(ServerWeights):
         require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
                 f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
                 f"got {max_parallel_requests!r}")
-        extra = check_policy_for_vllm("VLLMServerEngine", model, tokenizer, stop_token_ids)
-        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        self._stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
+        super().__init__("VLLMServerEngine", model, tokenizer, sampling, stop_token_ids)
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
         self.request_timeout, self.retry_seconds = float(request_timeout), float(retry_seconds)
         self.probe_tolerance = float(probe_tolerance)
@@ -202,7 +184,9 @@ class VLLMServerEngine(ServerWeights):
             check_transfer(weight_transfer, transfer_address, sender)
             if sender and weight_transfer != "file":
                 self._transfer_address = transfer_address or local_address(urls)
-                self._source = WeightList(source_device(weight_transfer))
+                # the broadcast reads the tensors from the CPU for gloo, rank 0's GPU for NCCL
+                self._source = WeightList(torch.device("cpu") if weight_transfer == "gloo"
+                                          else torch.device("cuda", torch.cuda.current_device()))
             for server in self.servers:
                 self._wait_until_up(server, float(connect_seconds))
                 self.model_name = self._check_server(server)
@@ -280,18 +264,6 @@ class VLLMServerEngine(ServerWeights):
                 time.sleep(1.0)
 
     # ------------------------------------------------------------------ sampling
-    def _body(self, ids: list[int], n: int, s: SamplingSettings, seed: int) -> dict:
-        body = {"model": self.model_name, "prompt": list(ids), "n": n,
-                "max_tokens": s.max_new_tokens, "seed": seed, "logprobs": 0,
-                "ignore_eos": True, "stop_token_ids": self._stop_ids,
-                "skip_special_tokens": True, "return_token_ids": True}
-        if s.do_sample:
-            body.update(temperature=s.temperature, top_p=s.top_p,
-                        top_k=s.top_k if s.top_k > 0 else -1)
-        else:
-            body.update(temperature=0.0)
-        return body
-
     def _pick(self, index: int) -> _Server:
         with self._lock:
             live = [s for s in self.servers if s.healthy and not s.paused_by_failure]
@@ -378,39 +350,11 @@ class VLLMServerEngine(ServerWeights):
             raise errors[0]
         return results
 
-    def generate(
-        self, prompts: list[str], answers: list[str], num_generations: int,
-        sampling: SamplingSettings | None = None,
-    ) -> RolloutOutput:
-        """Sample G = ``num_generations`` completions per prompt on the servers; see
-        :class:`RolloutOutput`."""
-        s = check_request(prompts, answers, num_generations, sampling, self.sampling)
-        G = num_generations
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, s.max_prompt_length)
-        self._refresh()
-        seeds = request_seeds(request_seed_base(), _rank(), len(prompts), G)
-        bodies = [self._body(ids[mask].tolist(), G, s, seed)
-                  for seed, ids, mask in zip(seeds, prompt_ids, prompt_mask, strict=True)]
-        start = time.perf_counter()
-        results = self._run_all(bodies)
-        seconds = time.perf_counter() - start
-        rows = [row for result in results for row in result]
-        return assemble_rollout(self.tokenizer, self.stop_token_ids, prompts, answers, prompt_ids,
-                                prompt_mask, rows, G, seconds,
-                                next(self.model.parameters()).device)
-
-    def continue_ids(
-        self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
-    ) -> list[Continuation]:
-        """One continuation of each token sequence (the next turn of a multi-turn
-        rollout), with the sampler's log-probs; seeds as in :meth:`generate`."""
-        require(len(sequences) == len(budgets) and len(sequences) > 0,
-                "continue_ids needs one budget per sequence and at least one sequence")
-        seeds = request_seeds(request_seed_base(), _rank(), len(sequences), 1)
-        bodies = [self._body(q, 1, replace(sampling, max_new_tokens=int(b)), seed)
-                  for seed, q, b in zip(seeds, sequences, budgets, strict=True)]
-        return [Continuation.cut(result[0][0], self.stop_token_ids, result[0][1])
-                for result in self._run_all(bodies)]
+    def _sample(self, sequences: list[list[int]], requests: list[dict[str, Any]]
+                ) -> list[list[tuple[list[int], list[float] | None]]]:
+        return self._run_all([{"model": self.model_name, "prompt": list(q), **r,
+                               "return_token_ids": True}
+                              for q, r in zip(sequences, requests, strict=True)])
 
     def close(self) -> None:
         """Close the connections and remove the weights file; a request still pending in

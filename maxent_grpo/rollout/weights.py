@@ -44,11 +44,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:
     """``{module name: layer}`` of the peft model's tuner layers when all are LoRA on linear
     layers without DoRA (None otherwise: another tuner, DoRA, LoRA on embeddings or convs)."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - has_adapters implies peft
-        return None
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     base = model.get_base_model()
     layers = {}
     for name, module in base.named_modules():

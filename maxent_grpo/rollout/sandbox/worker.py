@@ -315,24 +315,29 @@ def supervise(init: int, fds: dict[str, int], request: dict | None, config: dict
     out_r, status_r, result_r = fds["out"], fds["status"], fds["result"]
     if request is None:
         request = {"timeout": 0.0, "cpu_seconds": 1}
-    capture, result, status = Capture(config["limits"]["output_bytes"]), bytearray(), b""
+    capture, result, status = Capture(config["limits"]["output_bytes"]), bytearray(), bytearray()
     streams = {out_r, status_r, result_r}
-    deadline, timed_out = start + request["timeout"], False
-    while status_r in streams:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        for fd in select.select(list(streams), [], [], left)[0]:
+
+    def drain(ready: list[int], wait: float) -> None:
+        """Read what the ready ones of ``ready`` hold (waiting ``wait`` s at most)."""
+        for fd in select.select(ready, [], [], wait)[0]:
             data = os.read(fd, 1 << 16)
             if not data:
                 streams.discard(fd)
             elif fd == out_r:
                 capture.add(data)
             elif fd == result_r:
-                result += data[:RESULT_CAP + 1 - len(result)]
+                result.extend(data[:RESULT_CAP + 1 - len(result)])
             else:
-                status += data
+                status.extend(data)
+
+    deadline, timed_out = start + request["timeout"], False
+    while status_r in streams:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        drain(list(streams), left)
     seconds = time.monotonic() - start
     _kill(init)  # the namespace's init: the kernel then kills the namespace
     _kill(init, group=True)
@@ -340,14 +345,7 @@ def supervise(init: int, fds: dict[str, int], request: dict | None, config: dict
     clean = _sweep(uid, guard["pid_namespace"])
     end = time.monotonic() + 1.0  # what the killed processes had written
     while streams - {status_r} and time.monotonic() < end:
-        for fd in select.select(list(streams - {status_r}), [], [], 0.1)[0]:
-            data = os.read(fd, 1 << 16)
-            if not data:
-                streams.discard(fd)
-            elif fd == out_r:
-                capture.add(data)
-            else:
-                result += data[:RESULT_CAP + 1 - len(result)]
+        drain(list(streams - {status_r}), 0.1)
     output, cut = capture.text()
     reply = {"output": output, "cut": cut, "seconds": seconds, "session": init, "uid": uid,
              "clean": clean, "status": "timeout" if timed_out else "lost"}
