@@ -380,8 +380,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log_dict(self.evaluator.compute("val"), sync_dist=False)
 
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._evaluate(batch)
+    test_step = validation_step
 
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.evaluator.compute("test"), sync_dist=False)

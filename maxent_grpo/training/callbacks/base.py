@@ -51,14 +51,15 @@ log = logging.getLogger(__name__)
 class Controller(Callback):
     """Shared machinery: checks at ``setup``, the update hook, state and the side file.
 
-    Subclasses set :attr:`moves` and implement ``_check_start`` (refuse start values),
-    ``_update`` (one step: update the objective, return the logs) and ``_own_state`` (their
-    ``state_dict`` besides ``steps``, restored through ``setattr``).
+    Subclasses set :attr:`moves` and :attr:`file_fields` (``steps`` first, then their own
+    state, restored through ``setattr``) and implement ``_check_start`` (refuse start
+    values) and ``_update`` (one step: update the objective, return the logs).
     """
 
     #: objective attributes this controller moves (each must be in ``objective.tunable``)
     moves: tuple[str, ...] = ()
-    #: its ``state_dict`` key -> where the value lives in ``controller_state.json``
+    #: its ``state_dict`` key (attributes of the same name) -> where the value lives in
+    #: ``controller_state.json``
     file_fields: dict[str, str] = {}  # noqa: RUF012 (set once per subclass, never mutated)
     #: whether it can raise beta (then the reference is loaded from the start)
     can_raise_beta: bool = False
@@ -134,13 +135,10 @@ class Controller(Callback):
         if path is None or self.paths.overwrite_existing or not path.exists():
             return
         resume = self.paths.resume_from
-        if trainer.ckpt_path is not None or (resume is not None and Path(resume) == path):
-            return
-        raise ValueError(
-            f"{self.name}: the controller state file {str(path)!r} already exists (from an "
-            "earlier run?); set overwrite_existing: true to replace it, resume_from to "
-            "continue from it, or another state_path"
-        )
+        require(trainer.ckpt_path is not None or (resume is not None and Path(resume) == path),
+                f"{self.name}: the controller state file {str(path)!r} already exists (from an "
+                "earlier run?); set overwrite_existing: true to replace it, resume_from to "
+                "continue from it, or another state_path")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -160,7 +158,7 @@ class Controller(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """``steps`` and the controller's own state; never tau / beta (the objective's)."""
-        return {"steps": self.steps, **self._own_state()}
+        return {key: getattr(self, key) for key in self.file_fields}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (unknown or missing keys raise ValueError)."""
@@ -202,7 +200,4 @@ class Controller(Callback):
         raise NotImplementedError
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
-        raise NotImplementedError
-
-    def _own_state(self) -> dict[str, float | None]:
         raise NotImplementedError

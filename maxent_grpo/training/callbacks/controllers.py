@@ -159,9 +159,6 @@ class TauController(Controller):
             "train/tau_target_entropy": target,
         }
 
-    def _own_state(self) -> dict[str, float | None]:
-        return {"tau_entropy_ema": self.tau_entropy_ema}
-
 
 class BetaController(Controller):
     """Steer the measured KL to the reference towards ``kl_target`` (docs/ALGORITHM.md §5).
@@ -224,9 +221,6 @@ class BetaController(Controller):
         )
         objective.beta, self.kl_error = new.beta, new.error
         return {"train/delta_beta": new.beta - old, "train/beta_kl_error": new.error}
-
-    def _own_state(self) -> dict[str, float | None]:
-        return {"kl_error": self.kl_error}
 
 
 class MetaController(Controller):
@@ -319,6 +313,3 @@ class MetaController(Controller):
             "train/meta/tau_grad": new.tau_grad,
             "train/meta/beta_grad": new.beta_grad,
         }
-
-    def _own_state(self) -> dict[str, float | None]:
-        return {"tau_grad": self.tau_grad, "beta_grad": self.beta_grad}

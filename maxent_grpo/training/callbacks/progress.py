@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
+from maxent_grpo.validation import check_choice, check_int
 
 MODES = ("auto", "bar", "lines")
 #: the bar a plain ``L.Trainer`` adds by itself; the module replaces it with this one (a bar
@@ -103,13 +104,9 @@ class ReadableProgressBar(TQDMProgressBar):
                  stream: Any = None) -> None:
         super().__init__(refresh_rate=refresh_rate, process_position=process_position,
                          leave=leave)
-        if mode not in MODES:
-            raise ValueError(f"ReadableProgressBar: mode must be one of {MODES}; got {mode!r}")
-        if window < 1:
-            raise ValueError(f"ReadableProgressBar: window must be >= 1; got {window}")
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(
-                f"ReadableProgressBar: every_n_steps must be >= 1 or None; got {every_n_steps}")
+        check_choice("ReadableProgressBar.mode", mode, MODES)
+        check_int("ReadableProgressBar.window", window, minimum=1)
+        check_int("ReadableProgressBar.every_n_steps", every_n_steps, minimum=1, allow_none=True)
         self.mode = mode
         self.window = window
         self.every_n_steps = every_n_steps

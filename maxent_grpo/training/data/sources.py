@@ -249,8 +249,8 @@ def split_off_val(
     """
     rows = whole.rows
     total, need = len(rows), batch_size or 1
-    if total - val_size < need:
-        raise ValueError(_too_few_rows(whole.source, total, val_size, batch_size, val_option))
+    require(total - val_size >= need,
+            _too_few_rows(whole.source, total, val_size, batch_size, val_option))
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
     val_idx = sorted(perm[:val_size].tolist())
     train_idx = sorted(perm[val_size:].tolist())

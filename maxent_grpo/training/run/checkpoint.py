@@ -27,7 +27,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.step.optimise import StepCounters
+from maxent_grpo.training.step.strategy import all_gather_objects
 from maxent_grpo.training.types import LoopSettings
+from maxent_grpo.validation import require
 
 #: Key of the module's own entry in a Lightning checkpoint.
 CHECKPOINT_KEY = "maxent_grpo"
@@ -56,16 +58,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def _gather(value: Any) -> list[Any]:
-    """``[value of rank 0, rank 1, ...]`` (``[value]`` without a process group)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-    return [value]
-
-
 def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
     """The record of the run's controllers (None paths and ``attached`` False without any)."""
     paths = None if loop is None else loop.controller
@@ -88,7 +80,7 @@ def save_state(
         "peft": peft_record(peft),
         "objective_state": objective.state_dict(),
         **asdict(counters),
-        "rng": _gather(capture_rng_state()),
+        "rng": all_gather_objects(capture_rng_state()),
         "controllers": _controllers(loop),
     }
 
@@ -109,23 +101,17 @@ def load_state(
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
-    if not isinstance(saved, dict):
-        raise ValueError(
+    require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "
             "MaxEntGRPOModule.on_save_checkpoint, so the objective's state and the random "
-            "state cannot be restored; resume from a checkpoint of this trainer"
-        )
-    if saved["model_name_or_path"] != model_name_or_path:
-        raise ValueError(
+            "state cannot be restored; resume from a checkpoint of this trainer")
+    require(saved["model_name_or_path"] == model_name_or_path,
             "the checkpoint was made with model.model_name_or_path="
-            f"{saved['model_name_or_path']!r}, but this run has {model_name_or_path!r}"
-        )
+            f"{saved['model_name_or_path']!r}, but this run has {model_name_or_path!r}")
     name = type(objective).__name__
-    if saved["objective_class"] != name:
-        raise ValueError(
+    require(saved["objective_class"] == name,
             f"the checkpoint was made with model.objective {saved['objective_class']}, "
-            f"but this run has {name}; resume with the same objective class_path"
-        )
+            f"but this run has {name}; resume with the same objective class_path")
     if "peft" in saved:  # checkpoints from before the record have none
         _check_adapters(saved["peft"], peft_record(peft))
     before, now = saved.get("controllers") or {}, _controllers(loop)
@@ -176,7 +162,6 @@ def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) ->
 
     differ = [k for k in ADAPTER_SHAPE if value(saved, k) != value(now, k)
               and not (k == "target_modules" and None in (saved.get(k), now.get(k)))]
-    if differ:
-        shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
-                          for k in differ)
-        raise ValueError(f"the checkpoint's adapters do not fit this run's model.peft ({shown})")
+    shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+                      for k in differ)
+    require(not differ, f"the checkpoint's adapters do not fit this run's model.peft ({shown})")

@@ -43,6 +43,7 @@ from maxent_grpo.rollout import (
 )
 from maxent_grpo.training.settings import EvaluationSettings
 from maxent_grpo.training.step.metrics import RewardComponentsMetric, RewardMomentsMetric
+from maxent_grpo.training.step.strategy import all_gather_objects
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 
@@ -243,9 +244,7 @@ class Evaluator(torch.nn.Module):
         values.update({f"{prefix}/reward/{k}": v for k, v in self.components.compute().items()})
         records = self.records
         if distributed:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, records)
-            records = [r for part in gathered for r in part]
+            records = [r for part in all_gather_objects(records) for r in part]
             seen: set[int] = set()  # a row a padding sampler repeated counts once
             records = [r for r in records
                        if r.row is None or not (r.row in seen or seen.add(r.row))]

@@ -22,7 +22,7 @@ Conventions:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -85,15 +85,16 @@ def _check_float64_states(metric: Metric, names: tuple[str, ...]) -> None:
         )
 
 
-def _check_tensor(name: str, value: Any, dims: int | None = None) -> None:
+def _check_tensor(name: str, value: Any, dtype: Literal["bool", "real"],
+                  dims: int | None = None) -> None:
+    """``value`` is a tensor (of ``dims`` dimensions when given), bool or real per ``dtype``."""
     if not isinstance(value, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     if dims is not None and value.dim() != dims:
         raise ValueError(f"{name} must have {dims} dimensions; got shape {tuple(value.shape)}")
-
-
-def _check_bool(name: str, value: Tensor) -> None:
-    if value.dtype != torch.bool:
+    if dtype == "real":
+        _check_real(name, value)
+    elif value.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor; got dtype {value.dtype}")
 
 
@@ -153,8 +154,7 @@ class RewardMomentsMetric(Metric):
 
     def update(self, rewards: Tensor) -> None:
         """Add one micro-batch of total rewards, shape (B, G); values must be finite."""
-        _check_tensor("rewards", rewards, dims=2)
-        _check_real("rewards", rewards)
+        _check_tensor("rewards", rewards, "real", dims=2)
         _check_float64_states(self, self._FLOAT_STATES)
         if rewards.shape[1] == 0:
             raise ValueError(f"rewards must have G >= 1 per group; got {tuple(rewards.shape)}")
@@ -222,8 +222,7 @@ class RewardComponentsMetric(Metric):
 
     def update(self, components: Tensor) -> None:
         """Add a (K, N) micro-batch of per-function rewards; NaN = not applicable, inf rejected."""
-        _check_tensor("components", components, dims=2)
-        _check_real("components", components)
+        _check_tensor("components", components, "real", dims=2)
         if components.shape[0] != len(self.names):
             raise ValueError(
                 f"components must have one row per name ({len(self.names)}: {self.names}); "
@@ -242,11 +241,8 @@ class RewardComponentsMetric(Metric):
     def compute(self) -> dict[str, Tensor]:
         """``{f"{name}/mean", f"{name}/std"}`` for every name, 0-d float64 tensors."""
         mean, std = mean_std_from_sums(self.total, self.total_sq, self.count)  # (K,), (K,)
-        out: dict[str, Tensor] = {}
-        for k, name in enumerate(self.names):
-            out[f"{name}/mean"] = mean[k]
-            out[f"{name}/std"] = std[k]
-        return out
+        return {f"{name}/{stat}": values[k] for k, name in enumerate(self.names)
+                for stat, values in (("mean", mean), ("std", std))}
 
     def summaries(self) -> dict[str, RewardComponentStats]:
         """``{name: RewardComponentStats(mean, std)}`` from :meth:`compute`."""
@@ -288,12 +284,9 @@ class TokenUsageMetric(Metric):
 
     def update(self, prompt_mask: Tensor, completion_mask: Tensor, truncated: Tensor) -> None:
         """Add N rows: ``prompt_mask`` (N, P), ``completion_mask`` (N, T), ``truncated`` (N,)."""
-        _check_tensor("prompt_mask", prompt_mask, dims=2)
-        _check_tensor("completion_mask", completion_mask, dims=2)
-        _check_tensor("truncated", truncated, dims=1)
-        _check_bool("prompt_mask", prompt_mask)
-        _check_bool("completion_mask", completion_mask)
-        _check_bool("truncated", truncated)
+        _check_tensor("prompt_mask", prompt_mask, "bool", dims=2)
+        _check_tensor("completion_mask", completion_mask, "bool", dims=2)
+        _check_tensor("truncated", truncated, "bool", dims=1)
         n = prompt_mask.shape[0]
         if completion_mask.shape[0] != n or truncated.shape[0] != n:
             raise ValueError(
@@ -377,15 +370,13 @@ class TokenMean(MeanMetric):
             self.mean_value += total_t
             self.weight += count_t
             return
-        _check_tensor("values", values)
-        _check_real("values", values)
+        _check_tensor("values", values, "real")
         v = values.detach().to(device=self.mean_value.device, dtype=torch.float64)
         if mask is None:
             self.mean_value += v.sum()
             self.weight += v.numel()
             return
-        _check_tensor("mask", mask)
-        _check_bool("mask", mask)
+        _check_tensor("mask", mask, "bool")
         if mask.shape != values.shape:
             raise ValueError(
                 f"mask must have the shape of values {tuple(values.shape)}; got {tuple(mask.shape)}"

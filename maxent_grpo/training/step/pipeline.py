@@ -38,6 +38,7 @@ import torch
 
 from maxent_grpo.rollout.protocol import RolloutOutput
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
+from maxent_grpo.training.step.strategy import all_gather_objects
 from maxent_grpo.validation import require
 
 __all__ = ["Prefetched", "RolloutPipeline", "check_staleness"]
@@ -112,38 +113,24 @@ class RolloutPipeline:
              device: torch.device) -> tuple[Any, dict[str, Any], int] | None:
         """One asynchronous step (the module docstring): wait for the rollout in flight,
         ``step_context()`` (which syncs the engine), start ``batch``'s rollout, and return
-        the step's context with the rollout to train on, its batch and its staleness; None
-        in the first ``max_staleness`` steps."""
+        the step's context with the rollout to train on (the oldest, once ``max_staleness``
+        newer ones were submitted), its batch and its staleness; None in the first
+        ``max_staleness`` steps. The engine must generate elsewhere (a server)."""
         self.wait()  # the rollout in flight ends on its weights before the sync
         ctx = step_context()
-        ready = self.advance(ctx.engine, batch, ctx.generation.num_generations, version)
-        if ready is None:
-            return None
-        rollout = ready.result().to(device)  # restored ones are on the CPU
-        ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
-        return ctx, ready.batch, version - ready.version
-
-    def advance(self, engine: Any, batch: dict[str, Any], num_generations: int,
-                version: int) -> PendingRollout | None:
-        """Start ``batch``'s rollout and return the one to train on, or None in the first
-        ``max_staleness`` steps. The engine must generate elsewhere (a server)."""
-        inner = getattr(engine, "engine", engine)  # a multi-turn engine's own
+        inner = getattr(ctx.engine, "engine", ctx.engine)  # a multi-turn engine's own
         require(getattr(inner, "generates_elsewhere", False),
                 "model.max_staleness >= 1 needs an engine that generates outside the "
                 "trainer's process (maxent_grpo.rollout.VLLMServerEngine); "
                 f"{type(inner).__name__} samples here, so nothing would overlap: set "
                 "max_staleness 0")
-        self.submit(engine, batch, num_generations, version)
-        return self.ready()
-
-    def ready(self) -> PendingRollout | None:
-        """The oldest rollout once ``max_staleness`` newer ones were submitted, done; None
-        during the first ``max_staleness`` steps."""
+        self.submit(ctx.engine, batch, ctx.generation.num_generations, version)
         if len(self.queue) <= self.max_staleness:
             return None
-        pending = self.queue.popleft()
-        pending.result()
-        return pending
+        ready = self.queue.popleft()
+        rollout = ready.result().to(device)  # restored ones are on the CPU
+        ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
+        return ctx, ready.batch, version - ready.version
 
     def close(self, timeout: float = 30.0) -> None:
         """Drop the rollouts in flight, their results discarded, after waiting at most
@@ -165,12 +152,7 @@ class RolloutPipeline:
 
     def save(self, checkpoint: dict[str, Any]) -> None:
         """Every rank's rollouts in flight into ``checkpoint`` (a collective)."""
-        state, dist = self.state_dict(), torch.distributed
-        per_rank: list[Any] = [state]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, state)
-        checkpoint[CHECKPOINT_KEY] = per_rank
+        checkpoint[CHECKPOINT_KEY] = all_gather_objects(self.state_dict())
 
     def restore(self, checkpoint: dict[str, Any], fitting: bool, rank: int, world: int) -> None:
         """This rank's rollouts from :meth:`save`'s ``checkpoint``, when the checkpoint is

@@ -25,6 +25,7 @@ from torch import Tensor
 from maxent_grpo.core import droppable_groups
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.rollout.protocol import ToolUsage
+from maxent_grpo.validation import require
 
 #: one scored rollout: (batch dict, rollout, rewards (B, G), components (K, B*G))
 Scored = tuple[dict[str, Any], RolloutOutput, Tensor, Tensor]
@@ -45,8 +46,7 @@ def pad_id(rollout: RolloutOutput, engine: Any) -> int:
 def refill_source(trainer: Any) -> Callable[[int], dict[str, Any]]:
     """The trainer's DataModule's ``refill_batch``; a ValueError naming the fix without one."""
     draw = getattr(getattr(trainer, "datamodule", None), "refill_batch", None)
-    if draw is None:
-        raise ValueError(
+    require(draw is not None,
             "model.refill_rounds draws new prompts from the PromptDataModule's refill stream, "
             "and this run has no PromptDataModule (pass datamodule=PromptDataModule(...) to "
             "fit); or set model.refill_rounds: 0")

@@ -29,13 +29,14 @@ from maxent_grpo.training.step.metrics import (
     TokenMean,
     TokenUsageMetric,
 )
+from maxent_grpo.training.step.strategy import all_gather_objects
 from maxent_grpo.training.types import (
     LoggingConfigView,
     LogStepArtifacts,
     LossScalarBundle,
     TrainingScalarStats,
 )
-from maxent_grpo.validation import check_int, check_number
+from maxent_grpo.validation import check_int, check_number, require
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -55,9 +56,8 @@ class LightningWriter:
         self.module = module
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        if step != self.module.global_step:
-            raise ValueError(f"LightningWriter logs at the current step "
-                             f"{self.module.global_step}; got step={step}")
+        require(step == self.module.global_step, f"LightningWriter logs at the current step "
+                f"{self.module.global_step}; got step={step}")
         self.module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def flush(self) -> None:
@@ -110,12 +110,7 @@ class StepMetrics(torch.nn.Module):
         another's. So the ranks exchange the names (one small all-gather), each creates and
         zero-updates the metrics it lacks (no data: they add nothing), and all compute the
         union in sorted order."""
-        names = set(self._updated)
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, sorted(names))
-            names = {tuple(n) for part in gathered for n in part}
+        names = {tuple(n) for part in all_gather_objects(sorted(self._updated)) for n in part}
         device = self.reward.total.device
         for kind, key in sorted(names - self._updated):
             if kind == "mean":

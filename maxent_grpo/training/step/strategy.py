@@ -9,6 +9,9 @@
   backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only the last
   backward's gradient), so micro-batch limits are refused when the run starts.
 - DDP needs nothing here: after each backward every rank holds the averaged gradient.
+
+:func:`all_gather_objects` is the one gather of picklable values over the ranks (checkpoint
+states, evaluation records, the step's metric names), whatever the strategy.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
+from maxent_grpo.validation import require
+
 if TYPE_CHECKING:
     from maxent_grpo.training.types import BatchingSettings
 
@@ -30,18 +35,15 @@ def check_strategy(strategy: Strategy, gradient_clip_val: float | None,
     """Refuse FSDP1; hand the clipping norm to DeepSpeed (ValueError on a conflict), and
     refuse DeepSpeed with micro-batch limits in ``batching`` (``model.micro_batch_groups``
     or ``model.micro_batch_tokens`` set: a step could take several backward passes)."""
-    if isinstance(strategy, FSDPStrategy):
-        raise ValueError(
+    require(not isinstance(strategy, FSDPStrategy),
             "trainer.strategy FSDPStrategy (FSDP1) cannot run MaxEntGRPOModule: its manual "
             "backward passes run inside the root FSDP forward, which FSDP1 does not "
             "support; use class_path lightning.pytorch.strategies.ModelParallelStrategy "
             "with init_args {data_parallel_size: <number of processes>, "
-            "tensor_parallel_size: 1} (FSDP2, see configs/scaling/node8_fsdp_*.yaml)"
-        )
+            "tensor_parallel_size: 1} (FSDP2, see configs/scaling/node8_fsdp_*.yaml)")
     if isinstance(strategy, DeepSpeedStrategy):
-        if batching is not None and (batching.logprob_chunk_size is not None
-                                     or batching.score_slice is not None):
-            raise ValueError(
+        require(batching is None or (batching.logprob_chunk_size is None
+                                     and batching.score_slice is None),
                 "model.micro_batch_groups / model.micro_batch_tokens split a step into "
                 "several backward passes, which DeepSpeed does not accumulate here; set both "
                 "to null under DeepSpeedStrategy")
@@ -59,68 +61,61 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
     """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
     optimisation would honour and this module's own optimizer step cannot: Lightning's
     message ("switch to automatic optimization") names nothing a user of this trainer can
-    do. Checked when a ``fit`` attaches the module, before Lightning's own check (other
-    stages, and ``trainer=None`` at detachment, pass)."""
-    if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
-        return
+    do. Checked when a ``fit`` attaches the module, before Lightning's own check."""
     clip = getattr(trainer, "gradient_clip_val", None)
-    if clip is not None and clip > 0:
-        raise ValueError(
+    require(clip is None or not clip > 0,
             f"Trainer(gradient_clip_val={clip}): this trainer clips in its own optimizer "
             f"step; set --model.gradient_clip_val={clip} (now {gradient_clip_val}; the "
-            "default 1.0 already clips) and leave --trainer.gradient_clip_val unset"
-        )
+            "default 1.0 already clips) and leave --trainer.gradient_clip_val unset")
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    if accumulate != 1:
-        raise ValueError(
+    require(accumulate == 1,
             f"Trainer(accumulate_grad_batches={accumulate}): one training step here is one "
             "rollout of data.batch_size prompts, whose micro-batches already accumulate "
             f"before one optimizer step; for {accumulate}x the prompts per update set "
             f"--data.batch_size to {accumulate}x its value, and bound the memory with "
             "--model.micro_batch_groups (groups per forward/backward) or "
-            "--model.micro_batch_tokens; leave --trainer.accumulate_grad_batches at 1"
-        )
+            "--model.micro_batch_tokens; leave --trainer.accumulate_grad_batches at 1")
 
 
 def attach_for_fit(trainer: Any, gradient_clip_val: float | None) -> None:
     """What a ``fit`` checks as it attaches the module: :func:`check_trainer_flags`, then
-    :func:`drop_unasked_checkpoints` and :func:`no_checkpoints_in_smoke_runs`."""
+    :func:`drop_unasked_checkpoints` and :func:`no_checkpoints_in_smoke_runs` (other
+    stages, and ``trainer=None`` at detachment, pass)."""
+    if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
+        return
     check_trainer_flags(trainer, gradient_clip_val)
     drop_unasked_checkpoints(trainer)
     no_checkpoints_in_smoke_runs(trainer)
 
 
-def no_checkpoints_in_smoke_runs(trainer: Any) -> list[Any]:
+def no_checkpoints_in_smoke_runs(trainer: Any) -> None:
     """A ``fast_dev_run`` writes no checkpoint: Lightning skips every save of its
     ModelCheckpoints then except ``save_last`` at the end of training, which would leave a
     one-step ``last*.ckpt`` for ``--ckpt_path last`` to find; that save is switched off for
-    the run. Returns the callbacks changed."""
+    the run."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    if trainer is None or not getattr(trainer, "fast_dev_run", False):
-        return []
-    changed = [cb for cb in getattr(trainer, "callbacks", [])
-               if isinstance(cb, ModelCheckpoint) and cb.save_last]
-    for cb in changed:
-        cb.save_last = False
-    return changed
+    if getattr(trainer, "fast_dev_run", False):
+        for cb in getattr(trainer, "callbacks", []):
+            if isinstance(cb, ModelCheckpoint) and cb.save_last:
+                cb.save_last = False
 
 
-def drop_unasked_checkpoints(trainer: Any) -> list[Any]:
+def drop_unasked_checkpoints(trainer: Any) -> None:
     """With no logger and no ``default_root_dir``, Lightning's own checkpoint callback (the
     ``ModelCheckpoint()`` it adds when ``trainer.callbacks`` has none) would write to
     ``./checkpoints``, a folder nobody named: it is removed, with one line saying how to
     keep checkpoints. A ModelCheckpoint the user configured stays. From the command line a
     ``default_root_dir`` given as the working folder counts as given; a Trainer built in
-    Python cannot tell it from none. Returns the removed callbacks (at ``fit`` only)."""
+    Python cannot tell it from none."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
-        return []
     if trainer.loggers or getattr(trainer, "default_root_dir_given", False) or (
             os.path.abspath(trainer.default_root_dir) != os.getcwd()):
-        return []
-    unasked = [cb for cb in trainer.callbacks if _is_lightning_default(cb, ModelCheckpoint)]
+        return
+    default = ModelCheckpoint()
+    unasked = [cb for cb in trainer.callbacks if type(cb) is ModelCheckpoint and all(
+        getattr(cb, name, None) == getattr(default, name, None) for name in _CHECKPOINT_OPTIONS)]
     for cb in unasked:
         trainer.callbacks.remove(cb)
     if unasked and trainer.is_global_zero:
@@ -128,20 +123,11 @@ def drop_unasked_checkpoints(trainer: Any) -> list[Any]:
             "no checkpoints are saved: there is no logger and no trainer.default_root_dir, "
             "so Lightning's default checkpoint would land in ./checkpoints; to keep them pass "
             "--trainer.default_root_dir DIR or add a ModelCheckpoint to trainer.callbacks")
-    return unasked
 
 
 #: the attributes that tell Lightning's default ``ModelCheckpoint()`` from a configured one
 _CHECKPOINT_OPTIONS = ("dirpath", "filename", "monitor", "save_last", "save_top_k",
                        "_every_n_train_steps", "_every_n_epochs", "_train_time_interval")
-
-
-def _is_lightning_default(cb: Any, model_checkpoint: type) -> bool:
-    if type(cb) is not model_checkpoint:
-        return False
-    default = model_checkpoint()
-    return all(getattr(cb, name, None) == getattr(default, name, None)
-               for name in _CHECKPOINT_OPTIONS)
 
 
 def fully_shard_models(mesh: Any, models: Iterable[torch.nn.Module | None]) -> None:
@@ -150,11 +136,9 @@ def fully_shard_models(mesh: Any, models: Iterable[torch.nn.Module | None]) -> N
     norm, head) the root unit. Tensor parallelism is refused."""
     from torch.distributed.fsdp import fully_shard  # needs a distributed build of torch
 
-    if mesh["tensor_parallel"].size() != 1:
-        raise ValueError(
+    require(mesh["tensor_parallel"].size() == 1,
             "ModelParallelStrategy: tensor_parallel_size must be 1 (MaxEntGRPOModule "
-            f"shards with FSDP2 only); got {mesh['tensor_parallel'].size()}"
-        )
+            f"shards with FSDP2 only); got {mesh['tensor_parallel'].size()}")
     data_parallel = mesh["data_parallel"]
     for model in models:
         if model is None:
@@ -164,3 +148,14 @@ def fully_shard_models(mesh: Any, models: Iterable[torch.nn.Module | None]) -> N
             if type(module).__name__ in blocks:
                 fully_shard(module, mesh=data_parallel)
         fully_shard(model, mesh=data_parallel)
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """``[value of rank 0, rank 1, ...]`` over the default process group
+    (``all_gather_object``); ``[value]`` without a process group or with one process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]

@@ -147,8 +147,7 @@ class StepTimer:
     def __init__(self, device: torch.device | str | None = None, clock=time.perf_counter) -> None:
         self._cuda = torch.device(device or "cpu").type == "cuda"
         self._clock = clock  # seconds; injectable so that tests need no real sleeps
-        self._begin = self._now()
-        self._last = self._begin
+        self._begin = self._last = self._now()
         self.seconds: dict[str, float] = defaultdict(float)
 
     def _now(self) -> float:

@@ -28,13 +28,20 @@ __all__ = [
 ]
 
 
-def _check_std(std: float) -> None:
-    if std < 0:  # NaN passes on purpose: an empty or single-sample batch has no spread
-        raise ValueError(f"std must be >= 0 (NaN allowed); got {std}")
+@dataclass
+class _MeanStd:
+    """What the two moment records share: ``std`` is checked >= 0 (or NaN)."""
+
+    mean: float
+    std: float
+
+    def __post_init__(self) -> None:
+        if self.std < 0:  # NaN passes on purpose: an empty or single-sample batch has no spread
+            raise ValueError(f"std must be >= 0 (NaN allowed); got {self.std}")
 
 
 @dataclass
-class RewardComponentStats:
+class RewardComponentStats(_MeanStd):
     """Mean and standard deviation of one reward function over the batch's B*G completions
     (logged as ``reward/<name>/mean`` and ``…/std``).
 
@@ -43,15 +50,9 @@ class RewardComponentStats:
         std: their std, >= 0 or NaN (undefined spread).
     """
 
-    mean: float
-    std: float
-
-    def __post_init__(self) -> None:
-        _check_std(self.std)
-
 
 @dataclass
-class RewardMoments:
+class RewardMoments(_MeanStd):
     """Mean and standard deviation of the B*G total (weighted-sum) sequence rewards.
 
     Attributes:
@@ -59,13 +60,8 @@ class RewardMoments:
         std: its std, >= 0 or NaN (undefined spread).
     """
 
-    mean: float
-    std: float
 
-    def __post_init__(self) -> None:
-        _check_std(self.std)
-
-
+@dataclass
 class _PerGroup:
     """What the two per-group records share: ``samples`` is ``grouped`` flattened."""
 
@@ -95,9 +91,6 @@ class AdvantageStats(_PerGroup):
         samples: the same B*G values flattened prompt-major (row ``b * G + g``).
     """
 
-    grouped: list[list[float]]
-    samples: list[float]
-
 
 @dataclass
 class QDistribution(_PerGroup):
@@ -112,9 +105,6 @@ class QDistribution(_PerGroup):
         grouped: B lists of G probabilities.
         samples: the same B*G values flattened prompt-major (row ``b * G + g``).
     """
-
-    grouped: list[list[float]]
-    samples: list[float]
 
 
 @dataclass
