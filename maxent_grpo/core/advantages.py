@@ -28,16 +28,9 @@ def check_rewards(rewards: torch.Tensor, *, name: str = "rewards", min_group: in
         raise ValueError(f"{name} must be a torch.Tensor of shape (B, G); got {type(rewards)!r}")
     if not rewards.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor; got dtype {rewards.dtype}")
-    if rewards.dim() != 2:
-        raise ValueError(f"{name} must have shape (B, G); got shape {tuple(rewards.shape)}")
-    if rewards.shape[0] < 1:
-        raise ValueError(
-            f"{name} must have shape (B, G) with B >= 1; got shape {tuple(rewards.shape)}"
-        )
-    if rewards.shape[1] < min_group:
-        raise ValueError(
-            f"{name} must have shape (B, G) with G >= {min_group}; got shape {tuple(rewards.shape)}"
-        )
+    if rewards.dim() != 2 or rewards.shape[0] < 1 or rewards.shape[1] < min_group:
+        raise ValueError(f"{name} must have shape (B, G) with B >= 1 and G >= {min_group}; "
+                         f"got shape {tuple(rewards.shape)}")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from maxent_grpo.core.logprobs import _block_log_probs, block_forward, block_grad
+from maxent_grpo.core.logprobs import _block_log_probs, _check_index, block_forward, block_grad
 
 __all__ = ["fused_head_log_softmax", "head_block_tokens"]
 
@@ -142,7 +142,7 @@ def fused_head_log_softmax(
         ``(logp, entropy)``: ``(N, T)`` float32 (float64 for a float64 weight), ``entropy``
         None unless asked for; differentiable with respect to ``hidden`` and ``weight``.
     """
-    for name, tensor in (("hidden", hidden), ("weight", weight), ("index", index)):
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
     if hidden.dim() != 3 or not hidden.is_floating_point():
@@ -151,17 +151,10 @@ def fused_head_log_softmax(
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] == 0:
         raise ValueError(f"weight must have shape (V, H) with H = {hidden.shape[2]}; got "
                          f"shape {tuple(weight.shape)}")
-    if index.dtype in (torch.bool,) or index.is_floating_point() or (
-        tuple(index.shape) != tuple(hidden.shape[:2])
-    ):
-        raise ValueError(f"index must be an integer (N, T) = {tuple(hidden.shape[:2])} tensor "
-                         f"of token ids; got {index.dtype} of shape {tuple(index.shape)}")
-    if hidden.device != weight.device or index.device != weight.device:
-        raise ValueError(f"hidden, weight and index must share one device; got "
-                         f"{hidden.device}, {weight.device}, {index.device}")
-    if index.numel() > 0 and (int(index.min()) < 0 or int(index.max()) >= weight.shape[0]):
-        raise ValueError(f"index must hold token ids in [0, {weight.shape[0] - 1}]; got values "
-                         f"in [{int(index.min())}, {int(index.max())}]")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden and weight must share one device; got {hidden.device}, "
+                         f"{weight.device}")
+    _check_index(index, hidden.shape[:2], weight.shape[0], hidden.device, "hidden")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature!r}")
     block = head_block_tokens(weight.shape[0], weight.device.type) if block_tokens is None \

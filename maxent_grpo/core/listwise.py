@@ -16,8 +16,8 @@ import torch
 
 from maxent_grpo.core.advantages import check_answer_classes, check_rewards, group_advantages
 from maxent_grpo.core.losses import (
+    _check_pair,
     _check_same_shape,
-    _check_tensor,
     clipped_surrogate,
     importance_ratio,
 )
@@ -269,13 +269,11 @@ def _check_group_weights(
     seq_logps: object, weights: object, seq_name: str = "seq_logps"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``(B, G)`` scores and weights on the simplex; return them (weights detached)."""
-    scores = _check_tensor(seq_logps, seq_name)
+    scores, w = _check_pair(seq_logps, seq_name, weights, "weights")
     if scores.dim() != 2 or scores.shape[0] == 0 or scores.shape[1] == 0:
         raise ValueError(
             f"{seq_name} must have shape (B, G) with B, G >= 1; got shape {tuple(scores.shape)}"
         )
-    w = _check_tensor(weights, "weights")
-    _check_same_shape(scores, seq_name, w, "weights")
     w = w.detach()
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError("weights must be finite and non-negative")
@@ -360,8 +358,7 @@ def sequence_clip_loss(
         max_log_ratio: overflow bound as in :func:`~maxent_grpo.core.losses.importance_ratio`.
     """
     scores, w = _check_group_weights(seq_logps, weights)
-    old = _check_tensor(old_seq_logps, "old_seq_logps")
-    _check_same_shape(scores, "seq_logps", old, "old_seq_logps")
+    old = _check_pair(scores, "seq_logps", old_seq_logps, "old_seq_logps")[1]
     a_hat = w - 1.0 / scores.shape[1]
     ratio = importance_ratio(scores, old, max_log_ratio)
     return -clipped_surrogate(ratio, a_hat, eps_low, eps_high).sum(dim=-1).mean()

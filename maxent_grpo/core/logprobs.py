@@ -49,27 +49,28 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError("logits must have a non-empty vocabulary dimension V; got V = 0")
 
 
-def _check_index(index: torch.Tensor, logits: torch.Tensor) -> None:
+def _check_index(index: object, shape: tuple, vocab: int, device: torch.device, like: str) -> None:
+    """``index`` must be an integer tensor of token ids in ``[0, vocab)``, of ``shape``
+    ``(N, T)`` and on ``device``, those of ``like`` (named in the messages)."""
     if not isinstance(index, torch.Tensor):
         raise ValueError(f"index must be a torch.Tensor; got {type(index).__name__}")
-    if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
-        raise ValueError(f"index must be an integer tensor (token ids); got dtype {index.dtype}")
-    if index.dim() != 2 or tuple(index.shape) != tuple(logits.shape[:2]):
+    if index.dtype == torch.bool or index.is_floating_point() or index.is_complex() or (
+        tuple(index.shape) != tuple(shape)
+    ):
         raise ValueError(
-            f"index must have shape (N, T) = {tuple(logits.shape[:2])} to match logits; "
-            f"got shape {tuple(index.shape)}"
+            f"index must be an integer tensor (token ids) of shape (N, T) = {tuple(shape)} to "
+            f"match {like}; got dtype {index.dtype}, shape {tuple(index.shape)}"
         )
-    if index.device != logits.device:
+    if index.device != device:
         raise ValueError(
-            f"index must be on the same device as logits ({logits.device}); got {index.device}"
+            f"index must be on the same device as {like} ({device}); got {index.device}"
         )
     # one small reduction (a host sync on GPU) instead of an opaque device-side assert
     if index.numel() > 0:
         low, high = int(index.min()), int(index.max())
-        vocab = logits.shape[-1]
         if low < 0 or high >= vocab:
             raise ValueError(
-                f"index must hold token ids in [0, V-1] = [0, {vocab - 1}]; "
+                f"index must hold token ids in [0, {vocab - 1}] (V = {vocab}); "
                 f"got values in [{low}, {high}]"
             )
 
@@ -230,7 +231,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
         ``logits``.
     """
     _check_logits(logits)
-    _check_index(index, logits)
+    _check_index(index, logits.shape[:2], logits.shape[-1], logits.device, "logits")
     return _LogSoftmaxStats.apply(logits, index, False)[0]
 
 
@@ -254,5 +255,5 @@ def selective_log_softmax_with_entropy(
     Arguments as :func:`selective_log_softmax`; both results ``(N, T)``.
     """
     _check_logits(logits)
-    _check_index(index, logits)
+    _check_index(index, logits.shape[:2], logits.shape[-1], logits.device, "logits")
     return _LogSoftmaxStats.apply(logits, index, True)

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from maxent_grpo.core.at_k import _check_count
+
 __all__ = ["CORRECTIONS", "RATIO_LEVELS", "cispo_surrogate", "clip_cov_surrogate",
            "clip_fractions", "clipped_surrogate", "importance_ratio", "importance_ratio_at",
            "kl_cov_surrogate", "kl_penalty", "reduce_token_loss", "sampler_correction_weights",
@@ -36,6 +38,23 @@ def _check_same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str
         raise ValueError(
             f"{b_name} must have the same shape as {a_name} {tuple(a.shape)}; got {tuple(b.shape)}"
         )
+
+
+def _check_pair(
+    a: object, a_name: str, b: object, b_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two floating tensors of one shape."""
+    a, b = _check_tensor(a, a_name), _check_tensor(b, b_name)
+    _check_same_shape(a, a_name, b, b_name)
+    return a, b
+
+
+def _check_mask(mask: object, like: torch.Tensor, like_name: str) -> None:
+    """A bool tensor of ``like``'s shape."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor; got {got}")
+    _check_same_shape(like, like_name, mask, "mask")
 
 
 def _check_clip_range(eps_low: float, eps_high: float | None) -> float:
@@ -83,9 +102,7 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
     float32 to ``inf``, a real divergence. ``logps`` and ``ref_logps`` are floating tensors
     of one shape (any); the result has that shape and is differentiable in both.
     """
-    logps = _check_tensor(logps, "logps")
-    ref_logps = _check_tensor(ref_logps, "ref_logps")
-    _check_same_shape(logps, "logps", ref_logps, "ref_logps")
+    logps, ref_logps = _check_pair(logps, "logps", ref_logps, "ref_logps")
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of 'k1', 'k2', 'k3'; got {estimator!r}")
     d = ref_logps - logps
@@ -105,9 +122,7 @@ def importance_ratio(
     gradient is zero. ``old_logps`` (same shape as ``logps``, any) is detached: with
     ``old_logps = logps.detach()`` the ratio is exactly 1 and its gradient that of ``logps``.
     """
-    logps = _check_tensor(logps, "logps")
-    old_logps = _check_tensor(old_logps, "old_logps")
-    _check_same_shape(logps, "logps", old_logps, "old_logps")
+    logps, old_logps = _check_pair(logps, "logps", old_logps, "old_logps")
     if (
         isinstance(max_log_ratio, bool)
         or not isinstance(max_log_ratio, (int, float))
@@ -145,12 +160,8 @@ def importance_ratio_at(
         raise ValueError(f"level must be one of {RATIO_LEVELS}; got {level!r}")
     if level == "token":
         return importance_ratio(logps, old_logps, max_log_ratio)
-    logps = _check_tensor(logps, "logps")
-    old_logps = _check_tensor(old_logps, "old_logps")
-    _check_same_shape(logps, "logps", old_logps, "old_logps")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise ValueError("mask must be a bool tensor")
-    _check_same_shape(logps, "logps", mask, "mask")
+    logps, old_logps = _check_pair(logps, "logps", old_logps, "old_logps")
+    _check_mask(mask, logps, "logps")
     m = mask.to(logps.dtype)
     d = torch.where(mask, logps - old_logps.detach(), torch.zeros((), dtype=logps.dtype))
     seq = (d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).clamp(
@@ -180,10 +191,7 @@ def clip_fractions(
     """
     ratio = _check_tensor(ratio, "ratio")
     adv = _broadcast_advantages(advantages, ratio)
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"mask must be a bool tensor; got {got}")
-    _check_same_shape(ratio, "ratio", mask, "mask")
+    _check_mask(mask, ratio, "ratio")
     high_eps = _check_clip_range(eps_low, eps_high)
     low = (ratio < 1.0 - eps_low) & (adv < 0) & mask
     high = (ratio > 1.0 + high_eps) & (adv > 0) & mask
@@ -215,9 +223,7 @@ def sampler_correction_weights(
     ``mask`` ``(N, T)`` bool; weights outside it are 0. ``cap > 0``. The exponent is clamped
     to ``[-20, 20]`` against overflow, as in :func:`importance_ratio`.
     """
-    logps, sampler_logps = _check_tensor(logps, "logps"), _check_tensor(sampler_logps,
-                                                                         "sampler_logps")
-    _check_same_shape(logps, "logps", sampler_logps, "sampler_logps")
+    logps, sampler_logps = _check_pair(logps, "logps", sampler_logps, "sampler_logps")
     if mode not in CORRECTIONS:
         raise ValueError(f"mode must be one of {CORRECTIONS}; got {mode!r}")
     if not cap > 0:
@@ -271,8 +277,7 @@ def cispo_surrogate(
         advantages: ``(N,)`` or ``(N, T)``, used as given.
         eps_high: the weight's cap is ``1 + eps_high``, ``eps_high >= 0``.
     """
-    ratio = _check_tensor(ratio, "ratio")
-    _check_same_shape(ratio, "ratio", _check_tensor(logps, "logps"), "logps")
+    ratio, logps = _check_pair(ratio, "ratio", logps, "logps")
     adv = _broadcast_advantages(advantages, ratio)
     high = _check_clip_range(0.0, eps_high)
     return ratio.detach().clamp(max=1.0 + high) * adv * logps
@@ -351,12 +356,6 @@ def kl_cov_surrogate(
     return torch.where(chosen, surr - penalty, surr), chosen
 
 
-def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
-    return value
-
-
 def reduce_token_loss(
     per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
     max_completion_length: int | None = None, num_global_tokens: int | torch.Tensor | None = None,
@@ -394,10 +393,7 @@ def reduce_token_loss(
         raise ValueError(
             f"per_token_loss must have shape (N, T) (2 dimensions); got shape {tuple(loss.shape)}"
         )
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"mask must be a bool tensor; got {got}")
-    _check_same_shape(loss, "per_token_loss", mask, "mask")
+    _check_mask(mask, loss, "per_token_loss")
     if loss_type not in LOSS_TYPES:
         raise ValueError(
             f"loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'; got {loss_type!r}"
@@ -406,13 +402,13 @@ def reduce_token_loss(
     if num_rows is None:
         n_rows = max(n_mb, 1)
     else:
-        n_rows = _check_positive_int(num_rows, "num_rows")
+        n_rows = _check_count("num_rows", num_rows, minimum=1)
         if n_rows < n_mb:
             raise ValueError(
                 f"num_rows must be >= the {n_mb} rows of per_token_loss; got {num_rows}"
             )
     if max_completion_length is not None:
-        _check_positive_int(max_completion_length, "max_completion_length")
+        _check_count("max_completion_length", max_completion_length, minimum=1)
         if max_completion_length < n_tok:
             raise ValueError(
                 f"max_completion_length must be >= the {n_tok} tokens of per_token_loss; "
@@ -429,7 +425,7 @@ def reduce_token_loss(
             if not float(num_global_tokens) > 0:
                 raise ValueError(f"num_global_tokens must be > 0; got {float(num_global_tokens)}")
         else:
-            _check_positive_int(num_global_tokens, "num_global_tokens")
+            _check_count("num_global_tokens", num_global_tokens, minimum=1)
 
     masked = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     if loss_type == "grpo":

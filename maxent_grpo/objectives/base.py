@@ -170,6 +170,11 @@ class MicroBatch:
     def num_groups(self) -> int:
         return self.mask.shape[0] // self.group_size
 
+    @property
+    def behaviour_logps(self) -> Tensor:
+        """:attr:`old_token_logps`, or the detached :attr:`token_logps` when it is None."""
+        return self.token_logps.detach() if self.old_token_logps is None else self.old_token_logps
+
 
 @dataclass
 class LossOutput:
@@ -279,15 +284,8 @@ class Objective:
 
 
 # ---------------------------------------------------------------- the clipped surrogate
-# The surrogate shared by GRPO, EntropyMaxEnt and GroupMaxEnt (docs/ALGORITHM.md §2-3, §4.5).
-#
-# A component, not a base class: an objective that optimises the surrogate keeps its clip
-# ranges (``epsilon`` / ``epsilon_high``, checked by :func:`clip_range`) and two parts,
-# checked by :func:`surrogate_parts`: the ratio's level (``ratio_level``: token, GSPO's
-# sequence, GSPO-token) and the clipping rule (``clip_rule``: PPO's clip or CISPO's clipped,
-# stop-gradient weight). It takes the per-token loss from :func:`clipped_token_loss` and
-# reduces it with :func:`reduce_tokens` (``dr_grpo`` for GroupMaxEnt), so it inherits no
-# option it does not use.
+# A component, not a base class (docs/ALGORITHM.md §2-3, §4.5): an objective that uses it
+# keeps its own checked options (clip_range, surrogate_parts), so it inherits none it lacks.
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 RatioLevel = Literal["token", "sequence", "sequence_token"]
@@ -346,7 +344,7 @@ def clipped_token_loss(
     :func:`~maxent_grpo.core.kl_cov_surrogate`; ``clip/cov`` counts the chosen tokens; the
     statistics are over the micro-batch, as in verl). With ``mb.correction`` each token's
     loss is multiplied by its importance weight ``w``."""
-    old = mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps.detach()
+    old = mb.behaviour_logps
     ratio = importance_ratio_at(mb.token_logps, old, mb.mask, ratio_level)  # (n, T)
     n_tok = mb.mask.sum().float()
     chosen = None
@@ -369,11 +367,8 @@ def clipped_token_loss(
             surr = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
         low, high, total = clip_fractions(ratio.detach(), advantages, mb.mask, epsilon,
                                           epsilon_high)
-    sums = {
-        "clip/low": (low * n_tok, n_tok),
-        "clip/high": (high * n_tok, n_tok),
-        "clip/total": (total * n_tok, n_tok),
-    }
+    sums = {f"clip/{name}": (value * n_tok, n_tok)
+            for name, value in (("low", low), ("high", high), ("total", total))}
     if chosen is not None:
         sums["clip/cov"] = (chosen.sum().float(), n_tok)
     if mb.correction is not None:  # the sampler correction (docs/ALGORITHM.md §2)

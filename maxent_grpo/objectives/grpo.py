@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from torch import Tensor
-
 from maxent_grpo.core import (
     constant_groups,
     entropy_gate_multiplier,
@@ -211,22 +209,18 @@ class GRPO(Objective):
                                   k=self.pass_k, positive_weight=self.positive_weight)  # (B, G)
         if self.answer_shaping == "unlikeliness":
             adv = adv.masked_fill(solved_or_failed[:, None], 0.0)
+        if self.answer_shaping in ("repetition", "set_diversity"):
+            require(inputs.answers is not None, f"objective.answer_shaping {self.answer_shaping} "
+                    "needs the answer classes (GroupInputs.answers); the trainer passes them")
         if self.answer_shaping == "repetition":
-            require(inputs.answers is not None, "objective.answer_shaping repetition needs "
-                    "the answer classes (GroupInputs.answers); the trainer passes them")
             adv = adv + self.repetition_coef * repetition_penalty(inputs.answers).to(adv.dtype)
         if self.answer_shaping == "set_diversity":
-            require(inputs.answers is not None, "objective.answer_shaping set_diversity needs "
-                    "the answer classes (GroupInputs.answers); the trainer passes them")
             adv = adv + self.set_diversity_coef * set_diversity_bonus(inputs.rewards,
                                                                       inputs.answers)
         return Targets(advantages=adv.reshape(-1))
 
     def state(self) -> dict[str, float]:
         return {"beta": self.beta}
-
-    def _reduce(self, per_token: Tensor, mb: MicroBatch) -> Tensor:
-        return reduce_tokens(per_token, mb, self.loss_type)
 
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.advantages is not None
@@ -243,11 +237,11 @@ class GRPO(Objective):
             kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
             sums["kl"] = token_sum(kl, mb.mask)
             if self.beta > 0 and self.kl_bias_correction:
-                old = mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps
-                kl = kl * importance_ratio_at(mb.token_logps, old, mb.mask, self.ratio_level)
+                kl = kl * importance_ratio_at(mb.token_logps, mb.behaviour_logps, mb.mask,
+                                              self.ratio_level)
             if self.beta > 0:
                 per_token = per_token + self.beta * kl
-        return LossOutput(self._reduce(per_token, mb), sums)
+        return LossOutput(reduce_tokens(per_token, mb, self.loss_type), sums)
 
 
 class EntropyMaxEnt(GRPO):
@@ -331,5 +325,6 @@ class EntropyMaxEnt(GRPO):
             raise RuntimeError("EntropyMaxEnt needs token entropy; the module did not pass it")
         out.sums["entropy"] = token_sum(mb.entropy, mb.mask)
         if self.alpha_effective > 0:
-            out.loss = out.loss - self.alpha_effective * self._reduce(mb.entropy, mb)
+            bonus = reduce_tokens(mb.entropy, mb, self.loss_type)
+            out.loss = out.loss - self.alpha_effective * bonus
         return out

@@ -178,10 +178,7 @@ class ListwiseMaxEnt(Objective):
         groups = torch.tensor(float(mb.num_groups))
         sums["loss/policy"] = (loss.detach() / scale * groups, groups)
         if self.clip_coef > 0:
-            old_tok = (
-                mb.old_token_logps if mb.old_token_logps is not None else mb.token_logps.detach()
-            )
-            s_old = self._seq_logps(old_tok, mb.mask, G)
+            s_old = self._seq_logps(mb.behaviour_logps, mb.mask, G)
             clip = sequence_clip_loss(s, s_old, mb.weights, self.epsilon, self.epsilon_high)
             loss = loss + self.clip_coef * clip * scale
             sums["loss/clip"] = (clip.detach() * groups, groups)
