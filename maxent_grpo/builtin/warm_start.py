@@ -53,8 +53,6 @@ WARM_START_LR = {16: 3e-3, 64: 1e-3}
 """Learning rate per head size: ``builtin:tiny-h64`` (hidden 128) at 3e-3 learnt the format
 only partly (answer-shaped mass 0.76, differences right 0.13); at 1e-3, 0.994 and 0.71."""
 
-"""The shipped weights of ``builtin:tiny-warm``: :func:`warm_start` applied to ``builtin:tiny``."""
-
 
 def format_examples(num_rows: int, seed: int = WARM_START_SEED) -> list[tuple[str, str]]:
     """``num_rows`` ``(prompt, completion)`` pairs, the three kinds in turn: a sum prompt
@@ -81,33 +79,36 @@ def format_examples(num_rows: int, seed: int = WARM_START_SEED) -> list[tuple[st
     return out
 
 
-def _encode(
-    tokenizer: PreTrainedTokenizerBase, examples: list[tuple[str, str]]
+def encode(
+    tokenizer: PreTrainedTokenizerBase, rows: list[tuple[str, list[tuple[str, str]]]],
+    tools: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside the
-    completion and its end-of-turn token)."""
-    rows, labels = [], []
-    for prompt, completion in examples:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        c_ids = c_ids + [tokenizer.eos_token_id]
-        rows.append(p_ids + c_ids)
-        labels.append([-100] * len(p_ids) + c_ids)
-    return pad_right(rows, labels, tokenizer.pad_token_id)
-
-
-def pad_right(rows: list[list[int]], labels: list[list[int]],
-              pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask, labels)``: the rows right-padded to the longest with
-    ``pad`` (ids), 0 (mask) and -100 (labels)."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-    att = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return ids, att, lab
+    """``(input_ids, attention_mask, labels)`` of ``(prompt, parts)`` rows, right-padded to
+    the longest with the pad id, 0 and -100: the prompt rendered by the chat template (with
+    ``tools``), then each ``(kind, text)`` part: a ``"model"`` part followed by the
+    end-of-turn token, learnt; any other (text the template already rendered) out of the
+    loss (labels -100)."""
+    ids_rows, label_rows = [], []
+    for prompt, parts in rows:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             tokenize=False, add_generation_prompt=True,
+                                             tools=tools)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        labels = [-100] * len(ids)
+        for kind, part in parts:
+            piece = tokenizer(part, add_special_tokens=False)["input_ids"]
+            if kind == "model":
+                piece += [tokenizer.eos_token_id]
+                ids, labels = ids + piece, labels + piece
+            else:
+                ids, labels = ids + piece, labels + [-100] * len(piece)
+        ids_rows.append(ids)
+        label_rows.append(labels)
+    width = max(len(r) for r in ids_rows)
+    pad = tokenizer.pad_token_id
+    return (torch.tensor([r + [pad] * (width - len(r)) for r in ids_rows]),
+            torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids_rows]),
+            torch.tensor([r + [-100] * (width - len(r)) for r in label_rows]))
 
 
 def warm_start(
@@ -119,7 +120,8 @@ def warm_start(
 
     The torch random state is forked, so the caller's stream is untouched.
     """
-    ids, att, lab = _encode(tokenizer, format_examples(steps * batch_size, seed))
+    rows = [(p, [("model", c)]) for p, c in format_examples(steps * batch_size, seed)]
+    ids, att, lab = encode(tokenizer, rows)
     return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
                            seed=seed, report=report)
 
@@ -161,8 +163,7 @@ def _answer_probs(
 ) -> torch.Tensor:
     """``P[i, j]``: the model's probability of the completion ``answers[j]`` followed by
     the end-of-turn token, given the chat-rendered ``prompts[i]`` (teacher forcing)."""
-    examples = [(p, a) for p in prompts for a in answers]
-    ids, att, lab = _encode(tokenizer, examples)
+    ids, att, lab = encode(tokenizer, [(p, [("model", a)]) for p in prompts for a in answers])
     logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
     targets = lab[:, 1:]
     picked = selective_log_softmax(logits, targets.clamp_min(0))

@@ -216,6 +216,20 @@ def _unknown_options(message: str) -> list[tuple[str, str]]:
     return []
 
 
+def import_class(class_path: Any) -> type | None:
+    """The object a dotted ``class_path`` names (``pkg.module.Name``), or None when it is
+    not such a string or does not import."""
+    import importlib
+
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def pop_traceback_flag(args: list[str]) -> tuple[list[str], bool]:
     """``args`` without ``--traceback`` (anywhere), and whether it was there."""
     kept = [a for a in args if a != TRACEBACK_FLAG]

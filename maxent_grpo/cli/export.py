@@ -32,7 +32,6 @@ returns 2.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import sys
@@ -214,11 +213,7 @@ def _peft_from_config_file(file: Path) -> Any:
     if not (isinstance(peft, dict) and isinstance(peft.get("class_path"), str)):
         raise UserError(f"--config {str(file)!r} has no model.peft with a class_path: give "
                         "the config of the run that wrote the checkpoint")
-    module, _, name = peft["class_path"].rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name, None) if module else None
-    except ImportError:
-        cls = None
+    cls = errors.import_class(peft["class_path"])
     if not (isinstance(cls, type) and issubclass(cls, PeftConfig)):
         raise UserError(f"--config {str(file)!r}: model.peft.class_path "
                         f"{peft['class_path']!r} is not a peft config class")

@@ -133,9 +133,7 @@ def quick_help(args: list[str]) -> tuple[str, int] | None:
 
 def pop_help_all(args: list[str]) -> tuple[list[str], bool]:
     """``args`` with ``--help-all`` turned into ``--help``, and whether it was there."""
-    if HELP_ALL_FLAG not in args:
-        return args, False
-    return ["--help" if a == HELP_ALL_FLAG else a for a in args], True
+    return ["--help" if a == HELP_ALL_FLAG else a for a in args], HELP_ALL_FLAG in args
 
 
 _ABBREVIATION = re.compile(r"\b(?:e\.g|i\.e|ie|vs|cf)$")  # "e.g." ends no sentence

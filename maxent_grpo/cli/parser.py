@@ -156,7 +156,7 @@ class MaxEntGRPOCLI(LightningCLI):
         callbacks = self._subconfig(self.config).get("trainer.callbacks") or []
         dirpaths = []
         for cb in callbacks if isinstance(callbacks, list) else [callbacks]:
-            cls = _import_class(cb.get("class_path")) if hasattr(cb, "get") else None
+            cls = errors.import_class(cb.get("class_path")) if hasattr(cb, "get") else None
             dirpath = cb.get("init_args.dirpath") if cls else None
             if cls and issubclass(cls, Checkpoint) and dirpath:
                 dirpaths.append(str(dirpath))
@@ -194,7 +194,7 @@ class MaxEntGRPOCLI(LightningCLI):
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             if not hasattr(logger, "get") or logger.get("init_args") is None:
                 continue
-            cls = _import_class(logger.get("class_path"))
+            cls = errors.import_class(logger.get("class_path"))
             if not (cls and issubclass(cls, (TensorBoardLogger, CSVLogger))):
                 continue
             args = logger.init_args
@@ -239,14 +239,7 @@ class MaxEntGRPOCLI(LightningCLI):
         if getattr(self, "_resume", None) is not None:
             self.config_init[str(self.subcommand)]["ckpt_path"] = self._resume.path
 
-    def before_validate(self) -> None:
-        self._use_checked_checkpoint()
-
-    def before_test(self) -> None:
-        self._use_checked_checkpoint()
-
-    def before_predict(self) -> None:
-        self._use_checked_checkpoint()
+    before_validate = before_test = before_predict = _use_checked_checkpoint
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``;
@@ -290,18 +283,6 @@ class MaxEntGRPOCLI(LightningCLI):
         for logger in self.trainer.loggers:
             if isinstance(logger, CSVLogger):  # keep its metrics.csv (Lightning deletes it)
                 ckpt_io.continue_csv_log(logger, self._resume.global_step)
-
-
-def _import_class(class_path: Any) -> type | None:
-    import importlib
-
-    if not isinstance(class_path, str) or "." not in class_path:
-        return None
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 def _same_dir(a: Any, b: Any) -> bool:
@@ -389,31 +370,27 @@ def _named_configs(args: Any) -> Any:
 
 
 def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool) -> MaxEntGRPOCLI:
-    """:func:`_build_cli` with the :data:`QUIET_WARNINGS` and :data:`QUIET_INFO` filters."""
+    """The CLI, built with the :data:`QUIET_WARNINGS` and :data:`QUIET_INFO` filters."""
     with warnings.catch_warnings(), _without_tips():
         if from_argv:  # args is sys.argv less --traceback (kept there for DDP's launcher)
             warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
         for message, category in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message, category)
-        return _build_cli(args, run, parser_kwargs)
-
-
-def _build_cli(args: Any, run: bool, parser_kwargs: dict[str, Any]) -> MaxEntGRPOCLI:
-    formatter = cli_help.help_formatter_class()
-    commands = {
-        name: {"formatter_class": formatter, "description": f"{name}: {text}.",
-               "allow_abbrev": False}  # --trainer.max_step: an error, not max_steps
-        for name, text in cli_help.SUBCOMMANDS.items()
-    }
-    return MaxEntGRPOCLI(
-        MaxEntGRPOModule,
-        PromptDataModule,
-        parser_class=ShortUsageParser,
-        seed_everything_default=0,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-        parser_kwargs={"prog": cli_help.PROG, "formatter_class": formatter,
-                       "allow_abbrev": False, **parser_kwargs, **commands},
-    )
+        formatter = cli_help.help_formatter_class()
+        commands = {
+            name: {"formatter_class": formatter, "description": f"{name}: {text}.",
+                   "allow_abbrev": False}  # --trainer.max_step: an error, not max_steps
+            for name, text in cli_help.SUBCOMMANDS.items()
+        }
+        return MaxEntGRPOCLI(
+            MaxEntGRPOModule,
+            PromptDataModule,
+            parser_class=ShortUsageParser,
+            seed_everything_default=0,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+            parser_kwargs={"prog": cli_help.PROG, "formatter_class": formatter,
+                           "allow_abbrev": False, **parser_kwargs, **commands},
+        )

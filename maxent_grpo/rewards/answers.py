@@ -149,6 +149,17 @@ SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "�
            "∗": "*", "−": "-"}
 
 
+def _split_equation(answer: str) -> tuple[str, str | None]:
+    """``answer`` with the :data:`SYMBOLS` read as ``*``, ``/``, ``-``, as ``(left, right)``
+    of its one ``=`` (``right`` None unless it has exactly one)."""
+    for symbol, op in SYMBOLS.items():
+        answer = answer.replace(symbol, op)
+    if answer.count("=") == 1:
+        left, right = answer.split("=")
+        return left, right
+    return answer, None
+
+
 def sample_answer(completion: str | list[dict]) -> str | None:
     """The answer of one sample: :func:`extract_answer`, else the stripped completion
     (``None`` when that is empty).
@@ -171,13 +182,7 @@ def coverage_answer(answer: str | None) -> str | None:
     >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello") is None
     ('1 + 3 * 5', True)
     """
-    if answer is None:
-        return None
-    for symbol, op in SYMBOLS.items():
-        answer = answer.replace(symbol, op)
-    if answer.count("=") == 1:
-        answer = answer.split("=")[0]
-    return canonical_expression(answer)
+    return None if answer is None else canonical_expression(_split_equation(answer)[0])
 
 
 #: how a task's answers are compared (the rows' ``answer_form`` column; absent: ``expression``)
@@ -206,10 +211,7 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
         if match is None:
             return None
         text = match.group().replace("−", "-")
-        value = parse_int(text)
-        if value is not None:
-            return str(value)
-        digits = text.lstrip("-").lstrip("0")  # too long for int: no leading zeros
+        digits = text.lstrip("-").lstrip("0")  # str(int(text)), for any length
         return ("-" if text.startswith("-") and digits else "") + (digits or "0")
     raise ValueError(f"answer_form must be one of {ANSWER_FORMS}; got {form!r}")
 
@@ -260,34 +262,15 @@ def accuracy_reward(
     golds = require_column("accuracy", "answer", answer, len(completions))
     main = threading.current_thread() is threading.main_thread()
     parsed_golds: dict[str, list] = {}
-    scores: list[float | None] = []
-    for completion, gold in zip(completions, golds, strict=True):
-        if gold is None or not str(gold).strip():
-            scores.append(None)
-            continue
-        gold = str(gold).strip()
-        prediction = extract_answer(completion_text(completion))
-        if prediction is None:
-            scores.append(0.0)
-            continue
-        correct = (math_equal(gold, prediction, parsed_golds) if main
-                   else VERIFIER.equal(gold, prediction))
-        scores.append(1.0 if correct else 0.0)
-    return scores
 
+    def right(prediction: str, gold: str) -> bool:
+        if main:
+            return math_equal(gold, prediction, parsed_golds)
+        return VERIFIER.equal(gold, prediction)
 
-def _countdown_expression(answer: str, target: int) -> str | None:
-    """The expression part of a countdown answer, with the operator symbols
-    (:data:`~maxent_grpo.rewards.answers.SYMBOLS`: ×, ÷, −, ...) read as ``*``, ``/``,
-    ``-``; an ``expr = target`` answer keeps ``expr`` (None when the right-hand side is not
-    the target)."""
-    for symbol, op in SYMBOLS.items():
-        answer = answer.replace(symbol, op)
-    if answer.count("=") == 1:
-        answer, rhs = answer.split("=")
-        if rhs.strip() != str(target):
-            return None
-    return answer
+    golds = [None if gold is None or not str(gold).strip() else str(gold).strip()
+             for gold in golds]
+    return _graded(completions, golds, right, answer_only=True)
 
 
 @register_reward("countdown")
@@ -306,19 +289,18 @@ def countdown_reward(
     ...                  numbers=[[2, 3, 5]], target=[18])
     [0.0]
     """
+    def right(answer: str, row: tuple) -> bool:
+        # SYMBOLS read as operators; ``expr = target`` keeps expr, another right side fails
+        expression, rhs = _split_equation(answer)
+        return (rhs is None or rhs.strip() == str(row[1])) and check_countdown(
+            expression, list(row[0]), row[1])
+
     n = len(completions)
-    all_numbers = require_column("countdown", "numbers", numbers, n)
-    targets = require_column("countdown", "target", target, n)
-    scores: list[float | None] = []
-    for completion, row_numbers, row_target in zip(completions, all_numbers, targets, strict=True):
-        if row_numbers is None or row_target is None:
-            scores.append(None)
-            continue
-        answer = extract_answer(completion_text(completion))
-        expression = None if answer is None else _countdown_expression(answer, row_target)
-        ok = expression is not None and check_countdown(expression, list(row_numbers), row_target)
-        scores.append(1.0 if ok else 0.0)
-    return scores
+    rows = zip(require_column("countdown", "numbers", numbers, n),
+               require_column("countdown", "target", target, n), strict=True)
+    references = [None if row_numbers is None or row_target is None else (row_numbers, row_target)
+                  for row_numbers, row_target in rows]
+    return _graded(completions, references, right, answer_only=True)
 
 
 @register_reward("first_number")
@@ -380,10 +362,10 @@ def digit_pair_reward(
 
 
 def _graded(completions: list, references: list, right: Callable[[str, Any], bool],
-            ) -> list[float | None]:
-    """Per row ``1.0 if right(answer, reference) else 0.0``, the answer being the
-    ``<answer>`` block when there is one, else the whole completion; ``None`` where the
-    reference is ``None``."""
+            answer_only: bool = False) -> list[float | None]:
+    """Per row ``1.0 if right(answer, reference) else 0.0``, the answer being the final
+    answer (:func:`extract_answer`) when there is one, else the whole completion (with
+    ``answer_only``: 0.0); ``None`` where the reference is ``None``."""
     scores: list[float | None] = []
     for completion, reference in zip(completions, references, strict=True):
         if reference is None:
@@ -391,6 +373,9 @@ def _graded(completions: list, references: list, right: Callable[[str, Any], boo
             continue
         text = completion_text(completion)
         answer = extract_answer(text)
+        if answer is None and answer_only:
+            scores.append(0.0)
+            continue
         scores.append(1.0 if right(text if answer is None else answer, reference) else 0.0)
     return scores
 

@@ -21,10 +21,6 @@ __all__ = ["RewardModel"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _cpu() -> torch.device:
-    return torch.device("cpu")
-
-
 class RewardModel:
     """Scores ``(prompt, completion)`` pairs with ``AutoModelForSequenceClassification``.
 
@@ -45,7 +41,7 @@ class RewardModel:
 
     def __init__(
         self, name_or_path: str, label: str, batch_size: int = 32, dtype: str = "float32",
-        device: Callable[[], torch.device] = _cpu,
+        device: Callable[[], torch.device] = lambda: torch.device("cpu"),
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"{label}: dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")

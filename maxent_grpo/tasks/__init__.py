@@ -47,15 +47,10 @@ def list_tasks() -> list[str]:
 
 def task_options(name: str) -> dict[str, object]:
     """The options of task ``name`` and their defaults."""
-    fn = _lookup(name)
-    params = inspect.signature(fn).parameters.values()
-    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def _lookup(name: str) -> Callable[..., list[dict]]:
     if name not in TASKS:
         raise ValueError(f"task must be one of {', '.join(map(repr, list_tasks()))}; got {name!r}")
-    return TASKS[name]
+    params = inspect.signature(TASKS[name]).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def build_task(name: str, num_rows: int, seed: int, **options: object) -> list[dict]:
@@ -63,15 +58,14 @@ def build_task(name: str, num_rows: int, seed: int, **options: object) -> list[d
 
     Unknown task names and unknown options raise ``ValueError`` listing the allowed ones.
     """
-    fn = _lookup(name)
-    allowed = task_options(name)
+    allowed = task_options(name)  # checks the name
     for key in options:
         if key not in allowed:
             raise ValueError(
                 f"unknown option {key!r} for task {name!r}; allowed options: "
                 f"{', '.join(map(repr, allowed)) or 'none'}"
             )
-    return fn(num_rows, seed, **options)
+    return TASKS[name](num_rows, seed, **options)
 
 
 __all__ = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
+from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION, digit_range
 from maxent_grpo.validation import check_int
 
 ALLOWED_OPS = "+-*"
@@ -54,8 +54,7 @@ def arithmetic(
         or len(set(ops)) != len(ops)
     ):
         raise ValueError(f"ops must be distinct characters from {ALLOWED_OPS!r}; got {ops!r}")
-    low = 0 if digits == 1 else 10 ** (digits - 1)
-    high = 10**digits - 1
+    low, high = digit_range(digits)
     if not isinstance(bare, bool):
         raise ValueError(f"bare must be a bool; got {bare!r}")
     rng = random.Random(seed)

@@ -22,6 +22,7 @@ import operator
 import random
 from collections.abc import Callable
 
+from maxent_grpo.tasks.spec import digit_range
 from maxent_grpo.validation import check_int
 
 __all__ = ["calculate", "tool_arithmetic"]
@@ -98,7 +99,7 @@ def tool_arithmetic(
     if not isinstance(ops, str) or not ops or any(o not in "+-*" for o in ops):
         raise ValueError(f"ops must be characters from '+-*'; got {ops!r}")
     rng = random.Random(seed)
-    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    low, high = digit_range(digits)
     rows = []
     for _ in range(num_rows):
         a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)

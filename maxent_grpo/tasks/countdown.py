@@ -52,6 +52,16 @@ def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
     return value == target
 
 
+def countdown_prompt(numbers: list[int], target: int, note: str = "") -> str:
+    """The prompt of a countdown row; ``note`` follows "each number at most once"."""
+    return (
+        f"Using the numbers {numbers}, write an arithmetic expression that equals "
+        f"{target}. You may use +, -, *, / and parentheses, and each number at most "
+        f"once{note}. {ANSWER_INSTRUCTION} The answer is the expression only, for example "
+        "<answer>(1 + 2) * 3</answer>."
+    )
+
+
 def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fraction]:
     """Combine all ``numbers`` pairwise in random order with random operators;
     ZeroDivisionError when a division by zero is drawn (the caller redraws)."""
@@ -103,14 +113,8 @@ def countdown(
                 "max_target or the value range"
             )
         target = int(value)
-        prompt = (
-            f"Using the numbers {numbers}, write an arithmetic expression that equals "
-            f"{target}. You may use +, -, *, / and parentheses, and each number at most "
-            f"once. {ANSWER_INSTRUCTION} The answer is the expression only, for example "
-            "<answer>(1 + 2) * 3</answer>."
-        )
         rows.append({
-            "prompt": prompt, "answer": expression, "task": "countdown",
+            "prompt": countdown_prompt(numbers, target), "answer": expression, "task": "countdown",
             "numbers": numbers, "target": target,
         })
     return rows

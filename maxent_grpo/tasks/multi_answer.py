@@ -20,8 +20,8 @@ import random
 from collections.abc import Sequence
 from functools import lru_cache
 
+from maxent_grpo.tasks.countdown import countdown_prompt
 from maxent_grpo.tasks.expressions import _combine, _Expr, _leaf
-from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
 from maxent_grpo.validation import check_int
 
 MAX_NUMBERS = 4
@@ -162,13 +162,8 @@ def countdown_multi(
             )
         target = rng.choice(targets)
         valid = list(by_target[target])
-        prompt = (
-            f"Using the numbers {numbers}, write an arithmetic expression that equals "
-            f"{target}. You may use +, -, *, / and parentheses, and each number at most "
-            f"once (not every number has to be used); several expressions work, give one. "
-            f"{ANSWER_INSTRUCTION} The answer is the expression only, for example "
-            "<answer>(1 + 2) * 3</answer>."
-        )
+        prompt = countdown_prompt(numbers, target, " (not every number has to be used); "
+                                  "several expressions work, give one")
         rows.append({
             "prompt": prompt, "answer": rng.choice(valid), "task": "countdown_multi",
             "numbers": numbers, "target": target, "valid_answers": valid,

@@ -1,5 +1,5 @@
-"""What every built-in task shares: the answer instruction and the
-order of a closed task's prompts."""
+"""What every built-in task shares: the answer instruction, the range of a number of
+``digits`` digits and the order of a closed task's prompts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ ANSWER_INSTRUCTION = (
     "<answer> </answer>."
 )
 """Appended to every built-in prompt; matches the ``format`` and ``accuracy`` rewards."""
+
+
+def digit_range(digits: int) -> tuple[int, int]:
+    """The smallest and largest integer of exactly ``digits`` digits (``0`` has one)."""
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
 
 
 def in_blocks(rng: random.Random, keys: Sequence[T], num_rows: int) -> Iterator[T]:
