@@ -317,3 +317,14 @@ def test_the_docs_document_the_flag_and_the_messages():
     page = (ROOT / "docs" / "TROUBLESHOOTING.md").read_text()
     assert "--traceback" in page
     assert page.count("error: ") >= 10
+
+
+def test_import_class_gives_none_for_what_names_no_class():
+    """``export --config``'s peft class check: a relative or unknown path is no class (its
+    error names the option), not an ``Empty module name`` raised from importlib."""
+    import torch
+
+    assert errors.import_class("torch.nn.Linear") is torch.nn.Linear
+    for path in (".LoraConfig", "..peft.LoraConfig", "no_such_module.X", "torch.nn.NoSuch",
+                 "LoraConfig", None, 3):
+        assert errors.import_class(path) is None, path

@@ -224,9 +224,9 @@ def import_class(class_path: Any) -> type | None:
     if not isinstance(class_path, str) or "." not in class_path:
         return None
     module, _, name = class_path.rpartition(".")
-    try:
+    try:  # a relative path (".Name", "..m.Name") is refused by import_module: no class either
         return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, ValueError, TypeError):
         return None
 
 

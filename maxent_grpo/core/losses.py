@@ -14,8 +14,6 @@ import math
 
 import torch
 
-from maxent_grpo.core.at_k import _check_count
-
 __all__ = ["CORRECTIONS", "RATIO_LEVELS", "cispo_surrogate", "clip_cov_surrogate",
            "clip_fractions", "clipped_surrogate", "importance_ratio", "importance_ratio_at",
            "kl_cov_surrogate", "kl_penalty", "reduce_token_loss", "sampler_correction_weights",
@@ -47,6 +45,12 @@ def _check_pair(
     a, b = _check_tensor(a, a_name), _check_tensor(b, b_name)
     _check_same_shape(a, a_name, b, b_name)
     return a, b
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
 
 
 def _check_mask(mask: object, like: torch.Tensor, like_name: str) -> None:
@@ -402,13 +406,13 @@ def reduce_token_loss(
     if num_rows is None:
         n_rows = max(n_mb, 1)
     else:
-        n_rows = _check_count("num_rows", num_rows, minimum=1)
+        n_rows = _check_positive_int(num_rows, "num_rows")
         if n_rows < n_mb:
             raise ValueError(
                 f"num_rows must be >= the {n_mb} rows of per_token_loss; got {num_rows}"
             )
     if max_completion_length is not None:
-        _check_count("max_completion_length", max_completion_length, minimum=1)
+        _check_positive_int(max_completion_length, "max_completion_length")
         if max_completion_length < n_tok:
             raise ValueError(
                 f"max_completion_length must be >= the {n_tok} tokens of per_token_loss; "
@@ -425,7 +429,7 @@ def reduce_token_loss(
             if not float(num_global_tokens) > 0:
                 raise ValueError(f"num_global_tokens must be > 0; got {float(num_global_tokens)}")
         else:
-            _check_count("num_global_tokens", num_global_tokens, minimum=1)
+            _check_positive_int(num_global_tokens, "num_global_tokens")
 
     masked = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     if loss_type == "grpo":

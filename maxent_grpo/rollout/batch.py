@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from maxent_grpo.validation import check_bool, check_int, check_number, require
+from maxent_grpo.validation import check_bool, check_int, check_number
 
 __all__ = ["GenerationBatch", "PromptCompletionBatch", "RolloutOutput", "SamplingSettings",
            "ToolUsage", "check_request"]
@@ -420,8 +420,12 @@ def check_request(
     s = default if sampling is None else sampling
     if not isinstance(s, SamplingSettings):
         raise TypeError(f"sampling must be a SamplingSettings; got {type(s).__name__}")
-    require(len(prompts) > 0, "prompts must not be empty")
-    require(len(answers) == len(prompts), f"answers must have one entry per prompt; got "
-            f"{len(answers)} answers for {len(prompts)} prompts")
-    check_int("num_generations", num_generations, minimum=1)
+    if len(prompts) == 0:
+        raise ValueError("prompts must not be empty")
+    if len(answers) != len(prompts):
+        raise ValueError(f"answers must have one entry per prompt; got {len(answers)} answers "
+                         f"for {len(prompts)} prompts")
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
+            num_generations < 1):
+        raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
     return s

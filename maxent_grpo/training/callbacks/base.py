@@ -158,7 +158,8 @@ class Controller(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """``steps`` and the controller's own state; never tau / beta (the objective's)."""
-        return {key: getattr(self, key) for key in self.file_fields}
+        return {"steps": self.steps, **{key: getattr(self, key) for key in self.file_fields
+                                         if key != "steps"}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (unknown or missing keys raise ValueError)."""

@@ -26,8 +26,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
+from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
-from maxent_grpo.training.step.strategy import all_gather_objects
 from maxent_grpo.training.types import LoopSettings
 from maxent_grpo.validation import require
 

@@ -42,8 +42,11 @@ from maxent_grpo.rollout import (
     SamplingSettings,
 )
 from maxent_grpo.training.settings import EvaluationSettings
-from maxent_grpo.training.step.metrics import RewardComponentsMetric, RewardMomentsMetric
-from maxent_grpo.training.step.strategy import all_gather_objects
+from maxent_grpo.training.step.metrics import (
+    RewardComponentsMetric,
+    RewardMomentsMetric,
+    all_gather_objects,
+)
 
 __all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
 

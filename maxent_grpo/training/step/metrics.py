@@ -17,6 +17,9 @@ Conventions:
 * ``module.to(torch.bfloat16)`` (what Lightning's "bf16-true"/"16-true" precision does)
   casts float64 metric states too. ``update`` then raises RuntimeError rather than summing
   in low precision; call ``metric.set_dtype(torch.float64)`` after such a cast.
+
+:func:`all_gather_objects` is the one gather of picklable values over the ranks (the step's
+metric names, checkpoint states, evaluation records).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from maxent_grpo.core import constant_groups
 from maxent_grpo.training.types import RewardComponentStats, RewardMoments, TokenUsageStats
 
 __all__ = [
+    "all_gather_objects",
     "RewardComponentsMetric",
     "RewardMomentsMetric",
     "TokenMean",
@@ -40,6 +44,17 @@ __all__ = [
     "divide_or_nan",
     "mean_std_from_sums",
 ]
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """``[value of rank 0, rank 1, ...]`` over the default process group
+    (``all_gather_object``); ``[value]`` without a process group or with one process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 

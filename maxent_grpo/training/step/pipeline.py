@@ -38,7 +38,7 @@ import torch
 
 from maxent_grpo.rollout.protocol import RolloutOutput
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
-from maxent_grpo.training.step.strategy import all_gather_objects
+from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.validation import require
 
 __all__ = ["Prefetched", "RolloutPipeline", "check_staleness"]

@@ -28,15 +28,15 @@ from maxent_grpo.training.step.metrics import (
     RewardMomentsMetric,
     TokenMean,
     TokenUsageMetric,
+    all_gather_objects,
 )
-from maxent_grpo.training.step.strategy import all_gather_objects
 from maxent_grpo.training.types import (
     LoggingConfigView,
     LogStepArtifacts,
     LossScalarBundle,
     TrainingScalarStats,
 )
-from maxent_grpo.validation import check_int, check_number, require
+from maxent_grpo.validation import check_int, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -56,8 +56,9 @@ class LightningWriter:
         self.module = module
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        require(step == self.module.global_step, f"LightningWriter logs at the current step "
-                f"{self.module.global_step}; got step={step}")
+        if step != self.module.global_step:
+            raise ValueError(f"LightningWriter logs at the current step "
+                             f"{self.module.global_step}; got step={step}")
         self.module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def flush(self) -> None:

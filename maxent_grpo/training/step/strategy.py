@@ -9,9 +9,6 @@
   backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only the last
   backward's gradient), so micro-batch limits are refused when the run starts.
 - DDP needs nothing here: after each backward every rank holds the averaged gradient.
-
-:func:`all_gather_objects` is the one gather of picklable values over the ranks (checkpoint
-states, evaluation records, the step's metric names), whatever the strategy.
 """
 
 from __future__ import annotations
@@ -148,14 +145,3 @@ def fully_shard_models(mesh: Any, models: Iterable[torch.nn.Module | None]) -> N
             if type(module).__name__ in blocks:
                 fully_shard(module, mesh=data_parallel)
         fully_shard(model, mesh=data_parallel)
-
-
-def all_gather_objects(value: Any) -> list[Any]:
-    """``[value of rank 0, rank 1, ...]`` over the default process group
-    (``all_gather_object``); ``[value]`` without a process group or with one process."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-    return [value]

@@ -49,7 +49,6 @@ from maxent_grpo.core import selective_log_softmax, selective_log_softmax_with_e
 from maxent_grpo.core.fused_head import fused_head_log_softmax
 from maxent_grpo.rollout.hf import sharded_across_ranks
 from maxent_grpo.training.types import BatchingSettings, SequenceScores
-from maxent_grpo.validation import require
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """Config fields that change the logits after the LM head (Gemma 2's soft-capping, Cohere's
@@ -95,8 +94,9 @@ class Scorer:
         self, temperature: float, batching: BatchingSettings, fused_head: bool | None = None
     ) -> None:
         unsupported = batching.unsupported()
-        require(not unsupported, f"BatchingSettings {unsupported}: this trainer has no prompt "
-                "cache, scored tail or prefetching; leave them at their defaults")
+        if unsupported:
+            raise ValueError(f"BatchingSettings {unsupported}: this trainer has no prompt cache, "
+                             "scored tail or prefetching; leave them at their defaults")
         self.temperature = float(temperature)
         self.batching = batching
         self.fused_head = fused_head
@@ -115,8 +115,9 @@ class Scorer:
         decision = self._heads[model]
         if not isinstance(decision, str):
             return decision
-        require(not required, f"model.fused_lm_head is true but the policy's LM head cannot "
-                f"be fused: {decision}; set model.fused_lm_head: null (or false)")
+        if required:
+            raise ValueError(f"model.fused_lm_head is true but the policy's LM head cannot be "
+                             f"fused: {decision}; set model.fused_lm_head: null (or false)")
         return None
 
     def _decide(

@@ -541,3 +541,22 @@ def test_hf_export_writes_a_loadable_model(tmp_path):
         model.named_parameters(), module.runtime.model.named_parameters(), strict=True
     ):
         assert (p == q).all(), name
+
+
+def test_a_controller_state_has_steps_first_whatever_its_file_fields_order():
+    """``load_state_dict`` restores ``steps`` as an int and the rest after it: a controller
+    that lists ``steps`` after its own field still round-trips."""
+
+    class Smoothed(cb.Controller):
+        file_fields = {"ema": "smoothed.ema", "steps": "smoothed.steps"}  # noqa: RUF012
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.ema = 0.0
+
+    saved = Smoothed(None, None, False)
+    saved.steps, saved.ema = 3, 0.5
+    assert list(saved.state_dict()) == ["steps", "ema"]
+    restored = Smoothed(None, None, False)
+    restored.load_state_dict(saved.state_dict())
+    assert (restored.steps, restored.ema) == (3, 0.5) and isinstance(restored.steps, int)
