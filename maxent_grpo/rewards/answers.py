@@ -242,12 +242,13 @@ def accuracy_reward(
     """1.0 when the final answer equals the ``answer`` column mathematically, else 0.0.
 
     Both sides go through math-verify (``parse``, then ``verify(gold, prediction)``), so
-    ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. When math-verify extracts nothing from
-    either side (e.g. the reference is a word), the two strings are compared exactly after
-    collapsing runs of whitespace. A reference that is ``None`` or blank gives ``None``.
-    Each comparison may take
-    :data:`~maxent_grpo.rewards.verify_worker.MATH_VERIFY_TIMEOUT_S` per parse and verify (then it
-    is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
+    ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree; a side with LaTeX in it is read as math
+    (:func:`~maxent_grpo.rewards.verify_worker.math_equal`), so ``2^{10}`` is 1024. When
+    math-verify extracts nothing from either side (e.g. the reference is a word), the two
+    strings are compared exactly after collapsing runs of whitespace. A reference that is
+    ``None`` or blank gives ``None``. Each comparison may take
+    :data:`~maxent_grpo.rewards.verify_worker.MATH_VERIFY_TIMEOUT_S` per parse and verify
+    (then it is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
     math-verify's limit does not work, the comparisons run in a worker process
     (:class:`~maxent_grpo.rewards.verify_worker.Verifier`), so that an answer such as
     ``9**(9*9*9*9*9*9*9*9*9)`` cannot hold the process.

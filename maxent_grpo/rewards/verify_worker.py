@@ -31,17 +31,28 @@ them in the main thread of a worker process."""
 
 
 def math_equal(gold: str, prediction: str, golds: dict[str, list] | None = None) -> bool:
-    """Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and each pair
+    r"""Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and each pair
     verify compares limited to :data:`MATH_VERIFY_TIMEOUT_S`, in the main thread only); the
     strings compared with runs of whitespace collapsed when it extracts nothing from either.
-    ``golds`` caches the parsed references (one call's; None: no cache)."""
+    ``golds`` caches the parsed references (one call's; None: no cache).
+
+    A side with LaTeX in it (a backslash, a brace or ``^``) is read as math (inside
+    ``$...$``): math-verify reads LaTeX only inside a math environment, and read bare,
+    ``7+\sqrt{2}`` was its leading ``7`` and ``2^{10}`` was ``2``. Other text is read as it
+    is (in math mode ``9**2`` would be ``9`` and a word a product of symbols), and so is
+    LaTeX that math mode finds nothing in."""
     from math_verify import parse, verify  # slow import, only when the reward is used
+
+    def parsed(text: str) -> list:
+        math = parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S) if any(
+            c in text for c in "\\^{}") else []
+        return math or parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
 
     golds = {} if golds is None else golds
     if gold not in golds:
-        golds[gold] = parse(gold, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        golds[gold] = parsed(gold)
     gold_parsed = golds[gold]
-    prediction_parsed = parse(prediction, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+    prediction_parsed = parsed(prediction)
     if gold_parsed and prediction_parsed:
         return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
     return " ".join(gold.split()) == " ".join(prediction.split())

@@ -129,6 +129,29 @@ def test_accuracy(completion: str, answer: str | None, expected: float | None) -
     assert accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
 
 
+@pytest.mark.parametrize(
+    ("prediction", "answer", "expected"),
+    [  # math-verify reads LaTeX only in math mode: bare, these were read by a leading number
+        (r"7+\sqrt{2}", "7", 0.0),
+        (r"7\pi", "7", 0.0),
+        ("7", r"7+\sqrt{2}", 0.0),
+        (r"2^{10}", "1024", 1.0),
+        (r"10^{6}", "1000000", 1.0),
+        (r"\dfrac12", "0.5", 1.0),
+        (r"\{2,1\}", r"\{1,2\}", 1.0),
+        ("1+x^2", "x^2+1", 1.0),
+        ("9**2", "81", 1.0),  # plain text is read as before: in math mode this is 9
+        ("9**2", "9", 0.0),
+        ("The answer is 7", "7", 1.0),
+        ("paris", "Paris", 0.0),  # in math mode a product of symbols, equal to Paris's
+    ],
+)
+def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
+                                            expected: float) -> None:
+    for completion in (f"<answer>{prediction}</answer>", f"so \\boxed{{{prediction}}}"):
+        assert accuracy_reward(["q"], [completion], answer=[answer]) == [expected], completion
+
+
 def test_accuracy_conversational_and_extra_columns() -> None:
     completions = [
         [{"role": "assistant", "content": "<answer>4</answer>"}],
