@@ -51,7 +51,7 @@ from maxent_grpo.training.step.optimise import (
     count_update,
     optimizer_step,
 )
-from maxent_grpo.training.step.pipeline import RolloutPipeline, check_staleness
+from maxent_grpo.training.step.pipeline import RolloutPipeline, check_staleness, restore_rollouts
 from maxent_grpo.training.step.refill import refill_source
 from maxent_grpo.training.step.step_log import LightningWriter, StepMetrics
 from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
@@ -444,6 +444,6 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
             self._trainer is not None and self.trainer.state.fn == "fit", self.source.peft)
         self._weights_version += 1  # the engine syncs with the loaded weights
-        if self.pipeline is not None and self._trainer is not None:
-            self.pipeline.restore(checkpoint, self.trainer.state.fn == "fit", self.global_rank,
-                                  self.trainer.world_size)
+        if self._trainer is not None:
+            restore_rollouts(self.pipeline, checkpoint, self.trainer.state.fn == "fit",
+                             self.global_rank, self.trainer.world_size)

@@ -205,3 +205,103 @@ def test_a_failing_engine_close_still_ends_the_rollout_and_the_clean_up_is_logge
         caplog.text)
     # the rollout in flight was still waited for (it ended with the close), the engine let go
     assert engine.ended.is_set() and not module.pipeline.queue and module._engine is None
+
+
+class Boom(L.Callback):
+    """A failure at the end of training batch ``at`` (a server dying, say)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.at:
+            raise RuntimeError("boom")
+
+
+def test_a_checkpoint_saved_on_a_failure_keeps_the_rollouts_that_were_done(cache_dir, tmp_path):
+    """Lightning's ``ModelCheckpoint(save_on_exception=True)`` saves after the module's
+    clean-up closed the pipeline: the rollout done by then is stored (before, none was, and
+    the resumed run skipped that batch), so the resume is exact."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole = async_module(cache_dir, 1)
+    fit(whole, make_data(cache_dir), steps=5)
+    first = async_module(cache_dir, 1)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=1000)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(first, make_data(cache_dir), steps=5, tmp_path=tmp_path, enable_checkpointing=True,
+            callbacks=[Boom(3), saver])
+    (ckpt,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["global_step"] == 3
+    assert [len(r) for r in saved["maxent_grpo_rollouts"]] == [1]
+    assert saved["maxent_grpo_rollouts_dropped"] == [0]
+    resumed = async_module(cache_dir, 1)
+    fit(resumed, make_data(cache_dir), steps=5, ckpt_path=str(ckpt))
+    a, b = params(whole), params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class Scripted:
+    """Finished rollouts (a RolloutOutput of one prompt) or, with ``fail``, an error."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def generate(self, prompts, answers, num_generations):
+        if self.fail:
+            raise RuntimeError("the engine was closed")
+        from maxent_grpo.rollout.protocol import RolloutOutput
+        from maxent_grpo.training.types import GenerationBatch
+
+        n = len(prompts) * num_generations
+        return RolloutOutput(
+            batch=GenerationBatch.of_rows(list(prompts), list(answers), ["c"] * n, None),
+            prompt_ids=torch.ones(n, 2, dtype=torch.long),
+            prompt_mask=torch.ones(n, 2, dtype=torch.bool),
+            completion_ids=torch.ones(n, 1, dtype=torch.long),
+            completion_mask=torch.ones(n, 1, dtype=torch.bool),
+            truncated=torch.zeros(n, dtype=torch.bool), generate_seconds=0.0)
+
+
+def test_rollouts_a_failure_ended_or_a_smaller_staleness_drops_are_warned_about(caplog):
+    """None of these batches is trained after the resume: each case says so, with the
+    count."""
+    from maxent_grpo.training.step.pipeline import RolloutPipeline, restore_rollouts
+
+    batch = {"prompts": ["p"], "answers": ["a"]}
+    pipeline = RolloutPipeline(2)
+    pipeline.submit(Scripted(), batch, 2, version=0)
+    pipeline.submit(Scripted(fail=True), batch, 2, version=1)  # in flight when it failed
+    pipeline.close()
+    assert [p.version for p in pipeline.closed] == [0] and pipeline.dropped == 1
+    checkpoint: dict = {}
+    with caplog.at_level("WARNING"):
+        pipeline.save(checkpoint)
+    assert "lacks 1 rollout(s) that were still being generated" in caplog.text
+    assert len(checkpoint["maxent_grpo_rollouts"][0]) == 1
+    assert checkpoint["maxent_grpo_rollouts_dropped"] == [1]
+    caplog.clear()
+    resumed = RolloutPipeline(2)
+    with caplog.at_level("WARNING"):
+        resumed.restore(checkpoint, fitting=True, rank=0, world=1)
+    assert "a failure that ended 1 rollout(s) unfinished" in caplog.text
+    assert [p.version for p in resumed.queue] == [0]
+    resumed.submit(Scripted(), batch, 2, version=3)  # a new fit: nothing left is kept
+    assert not resumed.closed and resumed.dropped == 0
+
+    two = {"maxent_grpo_rollouts": [[{"batch": batch, "version": v,
+                                      "rollout": Scripted().generate(["p"], ["a"], 2)
+                                      .state_dict()} for v in (0, 1)]]}
+    caplog.clear()
+    smaller = RolloutPipeline(1)
+    with caplog.at_level("WARNING"):
+        smaller.restore(two, fitting=True, rank=0, world=1)
+    assert "holds 2 rollout(s) in flight and model.max_staleness is 1: the oldest 1" in (
+        caplog.text)
+    assert [p.version for p in smaller.queue] == [1]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        restore_rollouts(None, two, fitting=True, rank=0, world=1)
+        restore_rollouts(None, two, fitting=False, rank=0, world=1)  # validate: nothing
+    assert caplog.text.count("with max_staleness 0 they are dropped") == 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 from collections import deque
 from typing import Any
@@ -41,9 +42,11 @@ from maxent_grpo.rollout.vllm_engine import request_seeds_from
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.validation import require
 
-__all__ = ["Prefetched", "RolloutPipeline", "check_staleness"]
+__all__ = ["Prefetched", "RolloutPipeline", "check_staleness", "restore_rollouts"]
 
 CHECKPOINT_KEY = "maxent_grpo_rollouts"
+DROPPED_KEY = "maxent_grpo_rollouts_dropped"  # per rank: rollouts a failure ended unfinished
+log = logging.getLogger(__name__)
 
 
 def check_staleness(max_staleness: Any, sampler_correction: str | None,
@@ -83,6 +86,10 @@ class RolloutPipeline:
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
         self.queue: deque[PendingRollout] = deque()
+        #: after :meth:`close`: the rollouts that were done, and how many were not (a
+        #: checkpoint saved after a failure, Lightning's ``save_on_exception``, stores them)
+        self.closed: list[PendingRollout] = []
+        self.dropped = 0
 
     def wait(self) -> None:
         """Until every submitted rollout is done (before a weight update or a checkpoint)."""
@@ -106,6 +113,7 @@ class RolloutPipeline:
                 future.set_exception(err)
 
         self.wait()  # one rollout in flight at a time
+        self.closed, self.dropped = [], 0  # a new fit: what an earlier one left is gone
         threading.Thread(target=run, name="maxent-grpo-rollout", daemon=True).start()
         self.queue.append(PendingRollout(batch, version, future))
 
@@ -133,46 +141,80 @@ class RolloutPipeline:
         return ctx, ready.batch, version - ready.version
 
     def close(self, timeout: float = 30.0) -> None:
-        """Drop the rollouts in flight, their results discarded, after waiting at most
-        ``timeout`` seconds for the one still running (its error, if any, ignored), so that
-        no rollout thread outlives the run: a daemon thread still inside torch when the
-        interpreter exits aborts the process (exit status 134, after a fit that succeeded
-        too). The module closes the engine first, so that a rollout still running on a
-        server fails at once instead of being finished and thrown away."""
+        """Empty the queue after waiting at most ``timeout`` seconds for the rollout still
+        running (its error, if any, ignored), so that no rollout thread outlives the run: a
+        daemon thread still inside torch when the interpreter exits aborts the process (exit
+        status 134, after a fit that succeeded too). The module closes the engine first, so
+        that a rollout still running on a server fails at once instead of being finished
+        and thrown away. The rollouts that were done stay in :attr:`closed` for a
+        checkpoint saved after a failure; the others are counted in :attr:`dropped`."""
         concurrent.futures.wait([p.future for p in self.queue if p.future is not None],
                                 timeout=timeout)
+        done = [p.future is None or (p.future.done() and not p.future.cancelled()
+                                     and p.future.exception() is None) for p in self.queue]
+        kept = done.index(False) if False in done else len(done)  # only the newest runs
+        self.closed, self.dropped = list(self.queue)[:kept], len(done) - kept
         self.queue.clear()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> list[dict[str, Any]]:
-        """The rollouts in flight, done, as plain tensors, lists and strings."""
+        """The rollouts in flight, done, as plain tensors, lists and strings (after
+        :meth:`close`, those that were done)."""
         self.wait()
         return [{"batch": p.batch, "version": p.version, "rollout": p.result().state_dict()}
-                for p in self.queue]
+                for p in (self.queue or self.closed)]
 
     def save(self, checkpoint: dict[str, Any]) -> None:
-        """Every rank's rollouts in flight into ``checkpoint`` (a collective)."""
+        """Every rank's rollouts in flight into ``checkpoint`` (a collective), and how many
+        a failure ended unfinished (their batches are not trained after a resume)."""
         checkpoint[CHECKPOINT_KEY] = all_gather_objects(self.state_dict())
+        checkpoint[DROPPED_KEY] = all_gather_objects(self.dropped)
+        if self.dropped:
+            log.warning("this checkpoint, saved after the failure, lacks %d rollout(s) that "
+                        "were still being generated: a resume does not train their batches "
+                        "(it is not the run an uninterrupted fit would have made)", self.dropped)
 
     def restore(self, checkpoint: dict[str, Any], fitting: bool, rank: int, world: int) -> None:
         """This rank's rollouts from :meth:`save`'s ``checkpoint``, when the checkpoint is
         loaded to continue training (not to validate or test)."""
         self.close()
+        self.closed, self.dropped = [], 0
         per_rank = checkpoint.get(CHECKPOINT_KEY)
         if not fitting or per_rank is None:
             return
         require(len(per_rank) == world,
                 f"this checkpoint holds the rollouts in flight of {len(per_rank)} processes; "
                 f"this run has {world}: resume with as many processes")
+        if dropped := (checkpoint.get(DROPPED_KEY) or [0] * world)[rank]:
+            log.warning("this checkpoint was saved after a failure that ended %d rollout(s) "
+                        "unfinished: their batches are not trained", dropped)
         self.load_state_dict(per_rank[rank])
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         """Restore :meth:`state_dict` (on the CPU; :meth:`RolloutOutput.to` at training time). A
-        checkpoint of another ``max_staleness`` keeps its newest rollouts that fit."""
+        checkpoint of a larger ``max_staleness`` keeps its newest rollouts that fit, with a
+        warning: the older ones' batches are not trained."""
+        if len(state) > self.max_staleness:
+            log.warning("the checkpoint holds %d rollout(s) in flight and model.max_staleness "
+                        "is %d: the oldest %d are dropped, so their batches are not trained "
+                        "(resume with the checkpoint's max_staleness to train them)",
+                        len(state), self.max_staleness, len(state) - self.max_staleness)
         state = state[-self.max_staleness:]
         self.queue = deque(PendingRollout(s["batch"], s["version"],
                                           rollout=RolloutOutput.from_state(s["rollout"]))
                            for s in state)
+
+
+def restore_rollouts(pipeline: RolloutPipeline | None, checkpoint: dict[str, Any],
+                     fitting: bool, rank: int, world: int) -> None:
+    """:meth:`RolloutPipeline.restore`; without a pipeline (``max_staleness`` 0), a warning
+    when a fit resumes from a checkpoint that holds rollouts in flight (not trained)."""
+    if pipeline is not None:
+        pipeline.restore(checkpoint, fitting, rank, world)
+    elif fitting and any(checkpoint.get(CHECKPOINT_KEY) or []):
+        log.warning("the checkpoint holds rollouts in flight of a run with model.max_staleness "
+                    ">= 1; with max_staleness 0 they are dropped, so their batches are not "
+                    "trained (resume with the checkpoint's max_staleness to train them)")
 
 
 class Prefetched:

@@ -183,7 +183,8 @@ class RolloutSamples:
     ``drop_constant_groups`` left out have NaN advantages, weights and q.
 
     Attributes:
-        step: ``trainer.global_step`` when the rollout was sampled.
+        step: ``trainer.global_step`` of the step that trained on the rollout (with
+            ``model.max_staleness`` k, it was sampled k optimizer steps earlier).
         prompts: the ``B`` prompts as the dataset gave them.
         generation: the completions, grouped per prompt.
         rewards: ``(B, G)`` total rewards.
