@@ -497,14 +497,18 @@ def test_answer_level_refuses_rows_masked_out_whole(cache_dir):
                     mask_truncated_completions=True)
 
 
-def test_a_step_whose_every_completion_is_masked_is_warned(cache_dir):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_step_whose_every_completion_is_masked_is_warned(cache_dir, loss_type):
     """``max_completion_length: 1`` with ``mask_truncated_completions``: every completion is
-    cut and left out of the loss, the gradient is 0 at every step, and nothing said so."""
-    module = make_module(cache_dir, max_completion_length=1, mask_truncated_completions=True)
+    cut and left out of the loss, the gradient is 0 at every step, and nothing said so.
+    (``dapo`` divides by the step's tokens: with none, the run stopped with a ValueError.)"""
+    module = make_module(cache_dir, max_completion_length=1, mask_truncated_completions=True,
+                         objective=GRPO(loss_type=loss_type))
     with pytest.warns(UserWarning, match=r"every completion of a training step \(on rank 0\) "
                                          "reached model.max_completion_length"):
         fit(module, make_data(cache_dir), steps=1)
     assert module.step_metrics_dict["train/tokens/truncated_frac"] == 1.0
+    assert module.step_metrics_dict["train/loss/total"] == 0.0
 
 
 def test_a_step_no_weighted_reward_graded_is_warned(cache_dir):

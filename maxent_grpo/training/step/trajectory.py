@@ -227,7 +227,7 @@ class Trajectory:
         kept_groups: groups taking part on all ranks.
         dropped_groups: groups left out on all ranks (``drop_constant_groups``).
         ghost: this rank scores a zero-weight ghost group.
-        num_global_tokens: completion tokens taking part on all ranks (``dapo``).
+        num_global_tokens: completion tokens taking part on all ranks, at least 1 (``dapo``).
         loss_scale: factor on this rank's loss (``Objective.loss_scale``; 0 for a ghost).
         samples: the CPU record for display.
         refill_rounds: extra rollouts of ``B`` prompts this step drew
@@ -364,7 +364,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     if ghost:  # its loss is multiplied by 0
         targets = targets.neutral(G, rewards)
     num_tokens = mask.sum() * (not ghost)
-    global_tokens = ctx.gather(num_tokens).sum()
+    global_tokens = ctx.gather(num_tokens).sum().clamp(min=1)  # none: the loss's sum is 0
     return Trajectory(
         rollout=rollout, rewards=rewards, components=components,
         loss_mask=loss_mask, keep=keep, input_ids=input_ids, attention=attention, mask=mask,
