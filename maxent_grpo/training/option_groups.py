@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from maxent_grpo.core import CORRECTIONS
+from maxent_grpo.objectives import ListwiseMaxEnt
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.rollout.multiturn import environment_factory
 from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
@@ -73,12 +74,14 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             "set model.drop_constant_groups: true with it (or model.refill_rounds: 0)")
     solved = o.get("solved_reward")
     check_number("model.solved_reward", solved, allow_none=True)
-    require(not (o["mask_truncated_completions"]
-                 and getattr(o.get("objective"), "answer_level", False)),
+    require(not (o["mask_truncated_completions"] and isinstance(o.get("objective"),
+                                                                 ListwiseMaxEnt)),
             "model.mask_truncated_completions hides whole rows from the loss, and "
-            "objective.answer_level compares the policy's mass on each answer over every "
-            "sampled completion; set model.mask_truncated_completions: false (or give "
-            "the completions room to end: model.max_completion_length)")
+            "ListwiseMaxEnt's softmax over a group's sequence log-probs would count a hidden "
+            "row as log-prob 0, the likeliest (and objective.answer_level compares the "
+            "policy's mass over every sampled completion); set "
+            "model.mask_truncated_completions: false (or give the completions room to end: "
+            "model.max_completion_length)")
     require(solved is None or o["drop_constant_groups"],
             "model.solved_reward keeps some of the groups that model.drop_constant_groups "
             "drops; set model.drop_constant_groups: true with it (or leave it None)")

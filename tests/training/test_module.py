@@ -489,12 +489,15 @@ def test_sampler_correction_names_what_it_needs(cache_dir):
         fit(module, make_data(cache_dir), steps=1)
 
 
-def test_answer_level_refuses_rows_masked_out_whole(cache_dir):
-    """``mask_truncated_completions`` hides whole rows, which the answer-level target would
-    count as completions of log-prob 0: refused at build, naming the option."""
+@pytest.mark.parametrize("answer_level", [True, False])
+def test_listwise_refuses_rows_masked_out_whole(cache_dir, answer_level):
+    """``mask_truncated_completions`` hides whole rows, which the listwise softmax over a
+    group's sequence log-probs (and the answer-level target) would count as completions of
+    log-prob 0, the likeliest: refused at build, naming the option. GRPO takes it."""
     with pytest.raises(ValueError, match="mask_truncated_completions: false"):
-        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, answer_level=True),
+        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, answer_level=answer_level),
                     mask_truncated_completions=True)
+    make_module(cache_dir, objective=GRPO(), mask_truncated_completions=True)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
