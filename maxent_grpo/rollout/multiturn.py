@@ -62,6 +62,7 @@ from maxent_grpo.rollout.protocol import (
 from maxent_grpo.rollout.toolcall import (
     FAILURE_KINDS,
     Toolbox,
+    error_text,
     parse_tool_calls,
     timed_call,
     valid_text,
@@ -192,7 +193,7 @@ class MultiTurnEngine:
                 return None
             if error is not None:
                 failures["error"][row] += 1
-                observation, done = valid_text(f"Error: {type(error).__name__}: {error}"), False
+                observation, done = valid_text(error_text(error)), False
             elif (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
                   and isinstance(value[1], (bool, int))):
                 observation, done = valid_text(value[0]), bool(value[1])

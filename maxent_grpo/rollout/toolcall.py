@@ -63,7 +63,7 @@ from maxent_grpo.rollout import sandbox
 from maxent_grpo.validation import check_choice, check_seconds, require
 
 __all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
-           "Toolbox", "parse_tool_calls", "resolve_tool", "timed_call"]
+           "Toolbox", "error_text", "parse_tool_calls", "resolve_tool", "timed_call"]
 
 #: built-in tool name -> import path
 BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate",
@@ -315,7 +315,7 @@ class Toolbox:
             return ToolResult(f"Error: {call.name} gave no result within {self.timeout:g} s",
                               "timeout")
         if error is not None:
-            return ToolResult(f"Error: {type(error).__name__}: {error}", "error")
+            return ToolResult(error_text(error), "error")
         if isinstance(value, str):
             return ToolResult(value)
         return ToolResult(_shown(value, limit=None))
@@ -342,7 +342,8 @@ class Toolbox:
 
 def _shown(value: Any, limit: int | None = 200) -> str:
     """``value`` as JSON (else ``str``), for a message the model reads; a value too deep to
-    encode (model-written arguments can nest a thousand levels) is named, never raised."""
+    encode (model-written arguments can nest a thousand levels) or that ``str`` refuses (an
+    int of more than 4,300 digits) is named, never raised."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):
@@ -350,4 +351,15 @@ def _shown(value: Any, limit: int | None = 200) -> str:
             text = str(value)
         except RecursionError:
             return f"<a {type(value).__name__} nested too deeply to show>"
+        except Exception as err:  # noqa: BLE001 - any __str__ may fail; the model reads this
+            return f"<a {type(value).__name__} that cannot be shown ({type(err).__name__})>"
     return text if limit is None or len(text) <= limit else text[:limit] + "..."
+
+
+def error_text(error: BaseException) -> str:
+    """``Error: <type>: <message>`` for the model; the type alone when the message cannot
+    be built (an exception whose text holds a value ``str`` refuses)."""
+    try:
+        return f"Error: {type(error).__name__}: {error}"
+    except Exception:  # noqa: BLE001
+        return f"Error: {type(error).__name__}"

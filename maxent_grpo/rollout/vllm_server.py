@@ -377,12 +377,15 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
 def _choices(out: Any, n: int, url: str) -> list[tuple[list[int], list[float] | None]]:
     """The ``n`` rows (token ids, sampler log-probs or None) of a completion's answer;
     ServerError (the request goes to another server) for an aborted request or an answer
-    that is not ``n`` choices with their token ids: a row too many or too few would pair
-    completions with the wrong prompts."""
+    that is not ``n`` choices with their token ids (and as many log-probs, when given): a
+    row too many or too few would pair completions with the wrong prompts."""
     choices = out.get("choices") if isinstance(out, dict) else None
     if not (isinstance(choices, list) and len(choices) == n and all(
             isinstance(c, dict) and isinstance(c.get("token_ids"), list)
-            and isinstance(c.get("logprobs") or {}, dict) for c in choices)):
+            and isinstance(c.get("logprobs") or {}, dict) and (
+                (lp := (c.get("logprobs") or {}).get("token_logprobs")) is None
+                or (isinstance(lp, list) and len(lp) == len(c["token_ids"])))
+            for c in choices)):
         raise ServerError(f"{url}/v1/completions did not answer {n} completions with their "
                           f"token ids: {str(out)[:300]}")
     if any(c.get("finish_reason") == "abort" for c in choices):

@@ -455,7 +455,9 @@ def test_closing_the_engine_ends_a_rollout_waiting_on_a_server_at_once(stand_ins
     {"choices": [{"text": "no ids"}]},
     {"error": "overloaded"},
     "<html>bad gateway</html>",
-], ids=["two-rows", "no-rows", "no-ids", "error-object", "html"])
+    # a log-prob short: the sampler's log-probs would sit beside the wrong tokens
+    {"choices": [{"token_ids": TOKENS, "logprobs": {"token_logprobs": LOGPS[:-1]}}]},
+], ids=["two-rows", "no-rows", "no-ids", "error-object", "html", "logprob-short"])
 def test_an_answer_that_is_not_the_requested_rows_goes_to_another_server(
     stand_ins, engine_on, answer,
 ):

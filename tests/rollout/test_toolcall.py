@@ -217,3 +217,35 @@ def test_closing_a_toolbox_stops_the_python_tools_shared_sandbox(monkeypatch):
     assert stopped == []
     Toolbox([divide, "python"]).close()
     assert stopped == [True]
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply.
+
+    Args:
+        a: a factor.
+        b: the other.
+    """
+    return a * b
+
+
+def square_fails(a: int) -> int:
+    """Refuse, naming the square.
+
+    Args:
+        a: a number.
+    """
+    raise ValueError(a * a)
+
+
+def test_a_result_or_an_error_python_cannot_print_is_named_not_raised():
+    """Model-written arguments make an 8,000-digit int, which neither ``json.dumps`` nor
+    ``str`` will print (over 4,300 digits): the rollout crashed with that ValueError."""
+    huge = int("9" * 3000)
+    box = Toolbox([multiply, square_fails], timeout=5)
+    shown = box.run(ToolCall("multiply", {"a": huge, "b": huge}))
+    assert shown == ToolResult("<a int that cannot be shown (ValueError)>")
+    assert box.run(ToolCall("square_fails", {"a": huge})) == ToolResult(
+        "Error: ValueError", "error")
+    assert box.run(ToolCall("square_fails", {"a": 3})) == ToolResult("Error: ValueError: 9",
+                                                                     "error")
