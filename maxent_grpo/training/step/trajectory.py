@@ -350,10 +350,10 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         seq_logps = sequence_ref_loglik(behaviour, rollout.model_mask[rows], G)[: n_kept // G]
     timer.stop("frozen")
 
-    # the first occurrence of each distinct completion; a sample with no answer is its own
-    # completion's class
+    # the first occurrence of each distinct completion (the whole exchange: what tools said
+    # tells exchanges apart too); a sample with no answer is its own completion's class
     candidates = torch.ones_like(rewards, dtype=torch.bool)  # (B, G)
-    candidates[keep] = distinct_candidates(completion_ids, mask, G)[: n_kept // G]
+    candidates[keep] = distinct_candidates(completion_ids, completion_mask, G)[: n_kept // G]
     answers = answer_classes(
         [k if k is not None else ("", c) for k, c in zip(keys, rollout.texts, strict=True)],
         G).to(rewards.device)  # (B, G)

@@ -126,3 +126,36 @@ def test_a_tool_output_changes_no_gradient_but_through_later_model_tokens(cache_
     assert t3.mask.sum(1).tolist() == [call + 2] * 8  # "7" and its end of turn
     assert not t3.rollout.truncated.any()
     assert any(not torch.equal(g3[k], g4[k]) for k in g3)
+
+
+def test_exchanges_that_differ_only_in_what_a_tool_returned_are_distinct_candidates(
+        cache_dir, monkeypatch):
+    """Every sample writes the same tokens, but each call returns another value: the
+    exchanges differ, so each is its own candidate (compared over the model's tokens only,
+    all but the first of a group were dropped as duplicates, with their rewards)."""
+    import itertools
+
+    counter = itertools.count()
+
+    def lookup(key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key.
+        """
+        return str(100 + next(counter))
+
+    seen = []
+
+    class Recorder(ListwiseMaxEnt):
+        def prepare(self, inputs):
+            seen.append(inputs.candidates.clone())
+            return super().prepare(inputs)
+
+    monkeypatch.setitem(globals(), "lookup", lookup)  # the module run_step reads it from
+    budget = len(ids(CALL)) + 1 + len(ids(SEGMENT)) + 4  # the call, its answer, then "7"
+    trajectory, _ = run_step(cache_dir, "unused", budget,
+                             Recorder(tau=0.5, distinct_candidates=True))
+    assert next(counter) == 8  # every sample called the tool
+    assert len(set(map(tuple, trajectory.input_ids.tolist()))) == 8
+    assert bool(seen[0].all()), seen
