@@ -171,9 +171,13 @@ class MultiTurnEngine:
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
         self._schemas = toolbox.schemas if toolbox is not None else None
-        # a template that cannot render the messages fails now, not in the first rollout
-        message_segment(tokenizer, [{"role": "tool" if toolbox else "user", "content": "ok"}],
-                        self._schemas)
+        # a template that cannot render the messages fails now, not in the first rollout;
+        # one that leaves out a role it does not know would hide every reply from the model
+        role, probe = "tool" if toolbox else "user", "maxent-grpo-probe-7351"
+        require(probe in message_segment(tokenizer, [{"role": role, "content": probe}],
+                                         self._schemas),
+                f"multi-turn rollouts need a chat template that shows {role!r} messages; this "
+                "tokenizer's template leaves them out, so the model would never read a reply")
 
     def sync(self, model: Any) -> None:
         """The inner engine's ``sync``."""

@@ -325,3 +325,26 @@ def test_a_chat_template_that_refuses_the_tool_role_says_so():
     with pytest.raises(ValueError, match=r"template that takes the roles \['tool'\] .*refuses "
                                          r"them \(TemplateError: roles must alternate"):
         message_segment(Strict(), [{"role": "tool", "content": "42"}])
+
+
+def test_a_chat_template_that_leaves_the_tool_role_out_is_refused():
+    """Zephyr- or TinyLlama-Chat-style templates skip a role they do not know: the segment
+    was only the next turn's header, the model never read a tool's reply, and nothing
+    counted a failure."""
+
+    class Skipping:
+        eos_token = "</s>"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False,
+                                **kwargs):
+            shown = "".join(f"<|{m['role']}|>\n{m['content']}</s>\n" for m in messages
+                            if m["role"] in ("system", "user", "assistant"))
+            return shown + ("<|assistant|>\n" if add_generation_prompt else "")
+
+    assert message_segment(Skipping(), [{"role": "tool", "content": "42"}]) == "\n<|assistant|>\n"
+    with pytest.raises(ValueError, match="shows 'tool' messages; this tokenizer's template "
+                                         "leaves them out"):
+        MultiTurnEngine(Scripted(["x"]), Skipping(), SamplingSettings(max_new_tokens=8),
+                        toolbox=Toolbox(["calculate"]))
+    MultiTurnEngine(Scripted(["x"]), Skipping(), SamplingSettings(max_new_tokens=8),
+                    environment=lambda: None)  # its replies are user messages, shown
