@@ -12,7 +12,8 @@
      limit (:class:`~maxent_grpo.rollout.toolcall.Toolbox`); a turn without a call ends
      the sample; every fault is a tool message the model reads;
    - **an environment** (``model.environment``): ``observation, done =
-     env.step(turn_text)`` after every turn of the model (the last included); ``done`` or
+     env.step(turn_text)`` after every turn of the model that ended (the last allowed
+     included; one cut by ``max_completion_length`` is not stepped); ``done`` or
      the last allowed step ends the sample, else the observation is a message (role
      ``env.role``, default ``"user"``). One environment per sample, built by the factory and
      ``reset(prompt, answer)`` before the first turn. An exception in ``step`` is a message
@@ -187,7 +188,7 @@ class MultiTurnEngine:
     def _replies(self, row: int, text: str, calls: list[int], failures: dict[str, list[int]],
                  envs: list[Any] | None) -> list[dict[str, str]] | None:
         """The messages answering the model's turn ``text``, or None when the sample ends."""
-        if envs is not None:  # every model turn is an action, the last one included
+        if envs is not None:  # every turn that ended is an action, the last one included
             env = envs[row]
             calls[row] += 1
             finished, value, error = timed_call(lambda: env.step(text), self.timeout,
