@@ -220,12 +220,13 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
             with self._http.stream(method, server.url + path, json=json, params=params,
                                    timeout=httpx.Timeout(seconds,
                                                          connect=min(seconds, 10.0))) as response:
-                content = b""
+                chunks = []  # joined once: += would copy the answer so far at every chunk
                 for chunk in response.iter_bytes():
-                    content += chunk
+                    chunks.append(chunk)
                     if time.monotonic() > deadline:  # a server that trickles its answer
                         raise ServerError(f"{server.url}{path}: its answer took longer than "
                                           f"{seconds:g} s", timed_out=True)
+                content = b"".join(chunks)
         except httpx.HTTPError as err:
             raise ServerError(f"{server.url}{path}: {type(err).__name__}: {err}",
                               timed_out=isinstance(err, httpx.TimeoutException)) from err

@@ -521,3 +521,21 @@ def test_a_step_no_weighted_reward_graded_is_warned(cache_dir):
     with pytest.warns(UserWarning, match="no weighted reward function graded any completion"):
         fit(module, make_data(cache_dir, answer_column=None), steps=1)
     assert module.step_metrics_dict["train/reward/mean"] == 0.0
+
+
+def test_group_maxent_reads_a_hidden_rows_reference_log_likelihood(cache_dir):
+    """``mask_truncated_completions`` hides truncated rows from the loss; their reference
+    log-likelihood ``rho`` still comes from the tokens sampled (it was 0, the likeliest,
+    which gave a row that trains nothing the largest weight of its group)."""
+    seen = []
+
+    class Recorder(GroupMaxEnt):
+        def prepare(self, inputs):
+            seen.append(inputs.ref_seq_logps.clone())
+            return super().prepare(inputs)
+
+    module = make_module(cache_dir, max_completion_length=1, mask_truncated_completions=True,
+                         objective=Recorder(tau=0.5, lam=0.5))
+    with pytest.warns(UserWarning, match="reached model.max_completion_length"):
+        fit(module, make_data(cache_dir), steps=1)
+    assert seen and bool((seen[0] < 0).all()), seen  # every row truncated, none log-lik 0

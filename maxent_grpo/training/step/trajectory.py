@@ -339,7 +339,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     timer.start()
     if ctx.reference is not None and chunks:
         ref_logps = ctx.scorer.frozen_logps(ctx.reference, input_ids, attention, T, chunks)
-        rho = sequence_ref_loglik(ref_logps, mask, G)[: n_kept // G]  # (kept, G)
+        # over the sampled tokens: a row the loss mask hides whole is not log-lik 0
+        rho = sequence_ref_loglik(ref_logps, rollout.model_mask[rows], G)[: n_kept // G]
     if ctx.schedule.num_iterations > 1 and chunks:
         old_logps = ctx.scorer.frozen_logps(ctx.policy, input_ids, attention, T, chunks)
     seq_logps = None
