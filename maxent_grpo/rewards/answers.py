@@ -242,8 +242,8 @@ def accuracy_reward(
     """1.0 when the final answer equals the ``answer`` column mathematically, else 0.0.
 
     Both sides go through math-verify (``parse``, then ``verify(gold, prediction)``), so
-    ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree; a side with LaTeX in it is read as math
-    (:func:`~maxent_grpo.rewards.verify_worker.math_equal`), so ``2^{10}`` is 1024. When
+    ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree; when either side is LaTeX, both are read as
+    math (:func:`~maxent_grpo.rewards.verify_worker.math_equal`), so ``2^{10}`` is 1024. When
     math-verify extracts nothing from either side (e.g. the reference is a word), the two
     strings are compared exactly after collapsing runs of whitespace. A reference that is
     ``None`` or blank gives ``None``. Each comparison may take
@@ -262,7 +262,7 @@ def accuracy_reward(
     """
     golds = require_column("accuracy", "answer", answer, len(completions))
     main = threading.current_thread() is threading.main_thread()
-    parsed_golds: dict[str, list] = {}
+    parsed_golds: dict = {}
 
     def right(prediction: str, gold: str) -> bool:
         if main:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -30,28 +31,38 @@ MATH_VERIFY_TIMEOUT_S = 5
 them in the main thread of a worker process."""
 
 
-def math_equal(gold: str, prediction: str, golds: dict[str, list] | None = None) -> bool:
+def _latex(text: str) -> bool:
+    """Whether ``text`` is written in LaTeX: a backslash, a brace or ``^`` (``**``: Python)."""
+    return "**" not in text and any(c in text for c in "\\^{}")
+
+
+def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     r"""Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and each pair
     verify compares limited to :data:`MATH_VERIFY_TIMEOUT_S`, in the main thread only); the
     strings compared with runs of whitespace collapsed when it extracts nothing from either.
     ``golds`` caches the parsed references (one call's; None: no cache).
 
-    A side with LaTeX in it (a backslash, a brace or ``^``) is read as math (inside
-    ``$...$``): math-verify reads LaTeX only inside a math environment, and read bare,
-    ``7+\sqrt{2}`` was its leading ``7`` and ``2^{10}`` was ``2``. Other text is read as it
-    is (in math mode ``9**2`` would be ``9`` and a word a product of symbols), and so is
-    LaTeX that math mode finds nothing in."""
+    When either side is LaTeX (a backslash, a brace or ``^``), both are read as math (inside
+    ``$...$``, a bare exponent braced: ``2^-1`` is ``2^{-1}``), each as it is when math mode
+    finds nothing in it: math-verify reads LaTeX only inside a math environment, and read
+    bare, ``7+\sqrt{2}`` was its leading ``7`` and ``2^{10}`` was ``2``. Other pairs are read
+    as they are (in math mode ``9**2`` would be ``9`` and a word a product of symbols)."""
     from math_verify import parse, verify  # slow import, only when the reward is used
 
+    latex = _latex(gold) or _latex(prediction)
+
     def parsed(text: str) -> list:
-        math = parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S) if any(
-            c in text for c in "\\^{}") else []
-        return math or parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        if latex and "**" not in text:
+            math = parse("$" + re.sub(r"\^(-?[\w.]+)", r"^{\1}", text) + "$",
+                         parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+            if math:
+                return math
+        return parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
 
     golds = {} if golds is None else golds
-    if gold not in golds:
-        golds[gold] = parsed(gold)
-    gold_parsed = golds[gold]
+    if (gold, latex) not in golds:
+        golds[gold, latex] = parsed(gold)
+    gold_parsed = golds[gold, latex]
     prediction_parsed = parsed(prediction)
     if gold_parsed and prediction_parsed:
         return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
@@ -70,7 +81,7 @@ class Verifier:
         command: the worker's command line (default: this file run by this Python).
     """
 
-    def __init__(self, call_seconds: float = 8 * MATH_VERIFY_TIMEOUT_S,
+    def __init__(self, call_seconds: float = 10 * MATH_VERIFY_TIMEOUT_S,
                  start_seconds: float = 120.0, command: list[str] | None = None) -> None:
         self.call_seconds, self.start_seconds = call_seconds, start_seconds
         self.command = command or [sys.executable, os.path.abspath(__file__)]

@@ -140,6 +140,9 @@ def test_accuracy(completion: str, answer: str | None, expected: float | None) -
         (r"\dfrac12", "0.5", 1.0),
         (r"\{2,1\}", r"\{1,2\}", 1.0),
         ("1+x^2", "x^2+1", 1.0),
+        ("2^-1", "0.5", 1.0),  # a bare exponent is braced: in math mode 2^-1 read as 2
+        ("2^-1", "2", 0.0),
+        ("1, 2", r"\{1, 2\}", 1.0),  # both sides in one mode: bare, only the last number
         ("9**2", "81", 1.0),  # plain text is read as before: in math mode this is 9
         ("9**2", "9", 0.0),
         ("The answer is 7", "7", 1.0),
