@@ -305,3 +305,31 @@ def test_rollouts_a_failure_ended_or_a_smaller_staleness_drops_are_warned_about(
         restore_rollouts(None, two, fitting=True, rank=0, world=1)
         restore_rollouts(None, two, fitting=False, rank=0, world=1)  # validate: nothing
     assert caplog.text.count("with max_staleness 0 they are dropped") == 1
+
+
+def test_after_a_failure_every_rank_keeps_as_many_rollouts(monkeypatch, caplog):
+    """One rank's newest rollout finished before the clean-up and another's did not: the
+    checkpoint keeps the oldest ones every rank has, so that on resume all ranks train from
+    the same step (one training while the other only submits would hang its collectives)."""
+    import maxent_grpo.training.step.pipeline as pipeline_module
+    from maxent_grpo.training.step.pipeline import RolloutPipeline
+
+    batch = {"prompts": ["p"], "answers": ["a"]}
+    mine = RolloutPipeline(2)
+    mine.submit(Scripted(), batch, 2, version=0)
+    mine.submit(Scripted(), batch, 2, version=1)  # finished before the clean-up here
+    mine.close()
+    other = RolloutPipeline(2)
+    other.submit(Scripted(), batch, 2, version=0)
+    other.submit(Scripted(fail=True), batch, 2, version=1)  # ended unfinished there
+    other.close()
+    assert (len(mine.closed), mine.dropped, len(other.closed), other.dropped) == (2, 0, 1, 1)
+    monkeypatch.setattr(pipeline_module, "all_gather_objects",
+                        lambda value: [value, (other.state_dict(), other.dropped)])
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    checkpoint: dict = {}
+    with caplog.at_level("WARNING"):
+        mine.save(checkpoint)
+    assert [[s["version"] for s in r] for r in checkpoint["maxent_grpo_rollouts"]] == [[0], [0]]
+    assert checkpoint["maxent_grpo_rollouts_dropped"] == [1, 1]
+    assert "lacks 1 rollout(s)" in caplog.text  # rank 0's finished one is dropped too

@@ -167,12 +167,17 @@ class RolloutPipeline:
     def save(self, checkpoint: dict[str, Any]) -> None:
         """Every rank's rollouts in flight into ``checkpoint`` (a collective), and how many
         a failure ended unfinished (their batches are not trained after a resume)."""
-        checkpoint[CHECKPOINT_KEY] = all_gather_objects(self.state_dict())
-        checkpoint[DROPPED_KEY] = all_gather_objects(self.dropped)
-        if self.dropped:
+        per_rank = all_gather_objects((self.state_dict(), self.dropped))
+        # after a failure one rank's newest rollout may have finished and another's not:
+        # every rank keeps as many (the oldest), so that all train from the same step on
+        n = min(len(state) for state, _ in per_rank)
+        checkpoint[CHECKPOINT_KEY] = [state[:n] for state, _ in per_rank]
+        checkpoint[DROPPED_KEY] = [dropped + len(state) - n for state, dropped in per_rank]
+        rank = torch.distributed.get_rank() if len(per_rank) > 1 else 0
+        if dropped := checkpoint[DROPPED_KEY][rank]:
             log.warning("this checkpoint, saved after the failure, lacks %d rollout(s) that "
                         "were still being generated: a resume does not train their batches "
-                        "(it is not the run an uninterrupted fit would have made)", self.dropped)
+                        "(it is not the run an uninterrupted fit would have made)", dropped)
 
     def restore(self, checkpoint: dict[str, Any], fitting: bool, rank: int, world: int) -> None:
         """This rank's rollouts from :meth:`save`'s ``checkpoint``, when the checkpoint is
