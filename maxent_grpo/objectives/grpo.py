@@ -209,9 +209,9 @@ class GRPO(Objective):
                                   k=self.pass_k, positive_weight=self.positive_weight)  # (B, G)
         if self.answer_shaping == "unlikeliness":
             adv = adv.masked_fill(solved_or_failed[:, None], 0.0)
-        if self.answer_shaping in ("repetition", "set_diversity"):
-            require(inputs.answers is not None, f"objective.answer_shaping {self.answer_shaping} "
-                    "needs the answer classes (GroupInputs.answers); the trainer passes them")
+        if self.answer_shaping in ("repetition", "set_diversity") and inputs.answers is None:
+            raise ValueError(f"objective.answer_shaping {self.answer_shaping} needs the answer "
+                             "classes (GroupInputs.answers); the trainer passes them")
         if self.answer_shaping == "repetition":
             adv = adv + self.repetition_coef * repetition_penalty(inputs.answers).to(adv.dtype)
         if self.answer_shaping == "set_diversity":

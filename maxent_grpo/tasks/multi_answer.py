@@ -136,7 +136,8 @@ def countdown_multi(
     for _ in range(num_rows):
         for draw in range(1, _MAX_DRAWS + 1):
             numbers = [rng.randint(min_value, max_value) for _ in range(num_numbers)]
-            by_target = _solutions_by_target(tuple(sorted(numbers)))
+            drawn = tuple(sorted(numbers))
+            by_target = _solutions_by_target(drawn)
             targets = [
                 t
                 for t in sorted(by_target)
@@ -146,7 +147,7 @@ def countdown_multi(
             ]
             if targets:
                 break
-            failed.add(tuple(sorted(numbers)))
+            failed.add(drawn)
             if len(failed) == draws:
                 break
             if draw == _WARN_DRAWS:  # 4 numbers take about 15 ms a draw

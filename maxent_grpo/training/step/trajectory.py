@@ -326,6 +326,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         rows = scored.repeat_interleave(G)  # (B*G,)
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
     completion_ids, mask = rollout.completion_ids[rows], loss_mask[rows]
+    sampled = rollout.model_mask[rows]  # the model's tokens, also in rows the loss mask hides
     input_ids = torch.cat([rollout.prompt_ids[rows], completion_ids], 1)  # (N, P + T)
     attention = torch.cat([prompt_mask, completion_mask], 1).long()
     T = completion_ids.shape[1]
@@ -339,16 +340,14 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     timer.start()
     if ctx.reference is not None and chunks:
         ref_logps = ctx.scorer.frozen_logps(ctx.reference, input_ids, attention, T, chunks)
-        # over the sampled tokens: a row the loss mask hides whole is not log-lik 0
-        rho = sequence_ref_loglik(ref_logps, rollout.model_mask[rows], G)[: n_kept // G]
+        rho = sequence_ref_loglik(ref_logps, sampled, G)[: n_kept // G]  # hidden: not 0
     if ctx.schedule.num_iterations > 1 and chunks:
         old_logps = ctx.scorer.frozen_logps(ctx.policy, input_ids, attention, T, chunks)
     seq_logps = None
     if ctx.objective.needs_sequence_logps and chunks:  # mean token log-prob, behaviour policy
         behaviour = old_logps if old_logps is not None else ctx.scorer.frozen_logps(
             ctx.policy, input_ids, attention, T, chunks)
-        # ranked over the sampled tokens (a row the loss mask hides whole still ranks)
-        seq_logps = sequence_ref_loglik(behaviour, rollout.model_mask[rows], G)[: n_kept // G]
+        seq_logps = sequence_ref_loglik(behaviour, sampled, G)[: n_kept // G]  # hidden: ranks
     timer.stop("frozen")
 
     # the first occurrence of each distinct completion (the whole exchange: what tools said
