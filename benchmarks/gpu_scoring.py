@@ -70,6 +70,8 @@ def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> d
     amp = torch.autocast(h.device.type, dtype=torch.bfloat16) if autocast \
         else contextlib.nullcontext()
 
+    outputs: dict[str, torch.Tensor] = {}
+
     def once() -> float:
         h.grad = w.grad = None
         if cuda:
@@ -81,7 +83,11 @@ def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> d
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        outputs.update(logp=logp.detach().float(), h_grad=h.grad, w_grad=w.grad)
+        if ent is not None:
+            outputs["entropy"] = ent.detach().float()
+        return seconds
 
     once()  # warm-up (allocator, kernels)
     h.grad = w.grad = None
@@ -100,7 +106,21 @@ def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> d
         counter.end_step()
         peak = counter.result()["other"] * 2**20
     logits_bytes = y.numel() * w.shape[0] * 2  # the bf16 logits the unfused paths build
-    return {"seconds": statistics.median(seconds), "peak_over_logits": peak / logits_bytes}
+    return {"seconds": statistics.median(seconds), "peak_over_logits": peak / logits_bytes,
+            "outputs": outputs}
+
+
+def agreement(outputs: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+              ) -> dict[str, float]:
+    """Largest absolute difference of each output from the plain formula's, and of each
+    gradient relative to the plain gradient's largest entry."""
+    found = {}
+    for key, value in outputs.items():
+        gap = (value.float() - reference[key].float()).abs().max().item()
+        if key.endswith("_grad"):
+            gap /= max(reference[key].float().abs().max().item(), 1e-30)
+        found[f"max_{'rel_' if key.endswith('_grad') else ''}diff_{key}"] = gap
+    return found
 
 
 def main() -> None:
@@ -134,19 +154,30 @@ def main() -> None:
                 results[key] = measure(fn, h, w, y, a, b, entropy, args.repeats, autocast)
             finally:
                 logprobs.block_elements = original
+        reference = results["plain +entropy" if entropy else "plain"]["outputs"]
+        for name, _ in variants:
+            key = f"{name}{' +entropy' if entropy else ''}"
+            results[key]["agreement"] = agreement(results[key]["outputs"], reference)
+        for name, _ in variants:
+            del results[f"{name}{' +entropy' if entropy else ''}"]["outputs"]
     report = {"shape": {"n": args.n, "t": args.t, "v": args.v, "h": args.h}, "device": device,
               "autocast_bf16": autocast,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "torch": torch.__version__, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"| variant | seconds | x plain | peak / bf16 logits bytes |  ({device}, "
+    print(f"| variant | seconds | x plain | peak / bf16 logits bytes | max diff logp | "
+          f"max diff entropy | max rel diff grad h, W |  ({device}, "
           f"{'bf16 autocast' if autocast else 'float32'})")
-    print("|---|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key, r in results.items():
         base = results["plain +entropy" if "entropy" in key else "plain"]["seconds"]
+        agree = r["agreement"]
+        entropy_gap = agree.get("max_diff_entropy")
         print(f"| {key} | {r['seconds']:.4f} | {r['seconds'] / base:.2f} | "
-              f"{r['peak_over_logits']:.2f} |")
+              f"{r['peak_over_logits']:.2f} | {agree['max_diff_logp']:.2e} | "
+              f"{'-' if entropy_gap is None else f'{entropy_gap:.2e}'} | "
+              f"{agree['max_rel_diff_h_grad']:.2e}, {agree['max_rel_diff_w_grad']:.2e} |")
 
 
 if __name__ == "__main__":

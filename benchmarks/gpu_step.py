@@ -83,8 +83,15 @@ def run_worker(command: list[str], workload: str, timeout: float, log: Path,
                memory: bool = False) -> dict[str, Any]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
-    proc = subprocess.run([*command, "--workload", workload, *(["--memory"] if memory else [])],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        proc = subprocess.run([*command, "--workload", workload,
+                               *(["--memory"] if memory else [])],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as error:  # keep what the worker printed
+        out, err = (t.decode(errors="replace") if isinstance(t, bytes) else t or ""
+                    for t in (error.stdout, error.stderr))
+        log.write_text(out + "\n--- stderr ---\n" + err)
+        raise RuntimeError(f"{command[1]} ran past {timeout:.0f} s; see {log}") from None
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{command[1]} failed (exit {proc.returncode}); see {log}")
@@ -128,6 +135,7 @@ def markdown(report: dict[str, Any]) -> str:
     for side, seconds in refreshes:
         rows.append(f"{side}: weight-copy refresh {seconds:.4f} s per rollout (in generate)")
     rows.extend(phase_markdown(report))
+    rows.extend(f"{side}: FAILED, {why}" for side, why in report.get("failed", {}).items())
     return "\n".join(rows)
 
 
@@ -169,34 +177,60 @@ def main() -> None:
                         help="CPU: record each phase's peak tensor bytes (slower; on CUDA "
                         "the phase peaks are always recorded)")
     parser.add_argument("--out", type=Path, default=bc.BENCH_DIR / "results" / "gpu_step.json")
+    parser.add_argument("--trl-second", action="store_true",
+                        help="run TRL right after the first side (before the compiled ones)")
+    parser.add_argument("--log-dir", type=Path, default=bc.CACHE_DIR / "logs",
+                        help="where each side's stdout and stderr go")
     args = parser.parse_args()
 
     workload = bc.WORKLOADS[SHAPES[args.shape]]
     started = time.perf_counter()
     print(f"preparing {workload.name} ...", flush=True)
     bc.prepare_workload(workload)
-    log_dir = bc.CACHE_DIR / "logs"
+    log_dir = args.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    for side, command in sides(args.trl_python, args.scoring).items():
+    failed: dict[str, str] = {}
+    report = write_report(args.out, workload.name, results, failed, started)
+    chosen = sides(args.trl_python, args.scoring)
+    if args.trl_second and "trl" in chosen:  # a short lease measures TRL before the compiles
+        names = list(chosen)
+        names.insert(1, names.pop(names.index("trl")))
+        chosen = {name: chosen[name] for name in names}
+    for number, (side, command) in enumerate(chosen.items()):
         if any(skip in side for skip in args.skip):
             continue
         print(f"running {side} ...", flush=True)
-        log = log_dir / f"gpu_step-{workload.name}-{side.split()[0]}-{len(results)}.log"
-        results[side] = run_worker(command, workload.name, args.timeout, log, args.memory)
+        log = log_dir / f"gpu_step-{workload.name}-{side.split()[0]}-{number}.log"
+        try:
+            results[side] = run_worker(command, workload.name, args.timeout, log, args.memory)
+        except RuntimeError as error:
+            # one side's failure or time-out is recorded, and the other sides still run
+            failed[side] = str(error).splitlines()[0]
+            print(f"{side} FAILED: {failed[side]}", flush=True)
+            if log.exists():
+                print(log.read_text()[-3000:], flush=True)
+        report = write_report(args.out, workload.name, results, failed, started)
+    print(markdown(report))
+    print(f"\n{report['total_s']:.0f} s in all; JSON: {args.out}")
+
+
+def write_report(out: Path, workload: str, results: dict[str, Any], failed: dict[str, str],
+                 started: float) -> dict[str, Any]:
+    """The report so far, written after every side (a run stopped from outside keeps it)."""
     report = {
-        "workload": workload.name,
+        "workload": workload,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                     "gpu": gpu_name()},
         "results": results,
+        "failed": failed,
         "summary": {side: summary(r) for side, r in results.items()},
         "total_s": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(markdown(report))
-    print(f"\n{report['total_s']:.0f} s in all; JSON: {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def gpu_name() -> str | None:
