@@ -24,12 +24,14 @@ tensors, counted by ``bench_common.PhaseMemory``), as a multiple of the bf16 log
 
     python benchmarks/gpu_scoring.py                             # on a GPU, about a minute
     python benchmarks/gpu_scoring.py --n 2 --t 16 --v 1000 --h 64  # every stage on the CPU
+    python benchmarks/gpu_scoring.py --head-block-log2 27 28   # + the fused head's block sizes
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -61,8 +63,8 @@ def blocks(h, w, y, entropy: bool):
     return logprobs.selective_log_softmax(z, y), None
 
 
-def fused(h, w, y, entropy: bool):
-    return fused_head_log_softmax(h, w, y, 1.0, entropy)
+def fused(h, w, y, entropy: bool, block_tokens: int | None = None):
+    return fused_head_log_softmax(h, w, y, 1.0, entropy, block_tokens)
 
 
 def measure(fn, h, w, y, a, b, entropy: bool, repeats: int, autocast: bool) -> dict[str, Any]:
@@ -130,6 +132,8 @@ def main() -> None:
     parser.add_argument("--v", type=int, default=151936)
     parser.add_argument("--h", type=int, default=896, help="hidden size")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--head-block-log2", type=int, nargs="*", default=[],
+                        help="also run the fused head with 2^K logit values per block (each K)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "gpu_scoring.json")
     args = parser.parse_args()
@@ -143,7 +147,9 @@ def main() -> None:
     b = torch.randn(args.n, args.t, device=device)
     results: dict[str, Any] = {}
     variants = (("plain", plain), ("blocks", blocks), ("blocks-2Mi", blocks),
-                ("fused-head", fused))
+                ("fused-head", fused),
+                *((f"fused-head-2^{k}", functools.partial(fused, block_tokens=max(
+                    1, 2**k // args.v))) for k in args.head_block_log2))
     for entropy in (False, True):
         for name, fn in variants:
             original = logprobs.block_elements

@@ -11,6 +11,7 @@ GRPO ``dr_grpo``, beta = 0, one optimizer step per rollout, AdamW, clip 1.0. One
     python benchmarks/gpu_step.py --shape tiny-cpu   # every stage at a tiny shape, on CPU
     python benchmarks/gpu_step.py --shape 0.5b-cpu --memory --skip static  # where memory goes
     python benchmarks/gpu_step.py --scoring both     # + ours with the fused head on and off
+    python benchmarks/gpu_step.py --scoring static-both --skip dynamic --skip trl  # static too
 
 Each side runs in its own process, one after the other (``_ours.py --cache dynamic``,
 ``_ours.py --cache static``, ``_ours.py --cache static --generation-dtype bfloat16``: the
@@ -72,6 +73,9 @@ def sides(trl_python: str, scoring: str = "auto") -> dict[str, list[str]]:
         "ours (static cache, bf16 copy)": [*ours, "--cache", "static",
                                            "--generation-dtype", "bfloat16"],
     }
+    if scoring == "static-both":  # the fastest side with the fused head off too
+        found["ours (static cache, bf16 copy, logits)"] = [
+            *found["ours (static cache, bf16 copy)"], "--fused-lm-head", "false"]
     if importlib.util.find_spec("vllm") is not None:  # pip install vllm on the GPU machine
         found["ours (vLLM)"] = [*ours, "--cache", "vllm"]
     else:
@@ -170,9 +174,10 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[],
                         help="a side to leave out, e.g. --skip trl (repeatable)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker")
-    parser.add_argument("--scoring", choices=("auto", "both"), default="auto",
+    parser.add_argument("--scoring", choices=("auto", "both", "static-both"), default="auto",
                         help="both: also run ours with the fused LM head forced on and off "
-                        "(model.fused_lm_head true / false), to compare their time and memory")
+                        "(model.fused_lm_head true / false), to compare their time and memory; "
+                        "static-both: also the static cache with the bf16 copy and the head off")
     parser.add_argument("--memory", action="store_true",
                         help="CPU: record each phase's peak tensor bytes (slower; on CUDA "
                         "the phase peaks are always recorded)")

@@ -19,6 +19,11 @@ one-token prompts and G = 1 use the plain path.
 Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
 step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
 the shapes few; padding is masked). On the CPU samples match the dynamic cache's to rounding.
+Under mixed precision (``bf16-mixed``: autocast over weights in another dtype) keys come out
+in float32 and values in bfloat16, which the static cache of transformers before 5.2x cannot
+hold (``index_copy_`` dtype error, seen on an H200): there a static-cache engine with
+``generation_dtype: model`` generates on a copy in the autocast dtype (as ``bfloat16`` would;
+a warning says so once), except for sharded parameters, which cannot be copied.
 
 Generation copy (``generation_dtype`` ``"bfloat16"`` / ``"float16"``): generate, autocast off,
 on a copy in that dtype (:mod:`maxent_grpo.rollout.generation_copy`; 2 bytes per parameter),
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -224,6 +230,7 @@ class HFGenerateEngine:
             check_copyable(model, sharded_across_ranks(model))
         self.generation_dtype = generation_dtype
         self.refresh_seconds = 0.0  # the last call's refresh of the generation copy
+        self._warned_autocast = False
         self.cache = cache
         self.prompt_bucket = prompt_bucket
         self.model = model
@@ -318,13 +325,40 @@ class HFGenerateEngine:
         """The module to generate with and its autocast context: the model as is, or the
         refreshed generation copy (the model when already in that dtype) with autocast off."""
         self.refresh_seconds = 0.0
-        if self.generation_dtype == "model":
+        name = self.generation_dtype
+        if name == "model" and self.cache == "static":
+            name = self._autocast_copy(device)
+        if name == "model":
             return self.model, contextlib.nullcontext()
-        dtype = DTYPES[self.generation_dtype]
+        dtype = DTYPES[name]
         model = self.model
         if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
             model, self.refresh_seconds = generation_copy(model, dtype)
         return model, torch.autocast(device.type, enabled=False)
+
+    def _autocast_copy(self, device: torch.device) -> str:
+        """``model``, or under autocast over weights in another dtype the autocast dtype's
+        name: the static cache's keys and values then come in one dtype (module docstring)."""
+        get_dtype = getattr(torch, "get_autocast_dtype", None)  # torch >= 2.4
+        if get_dtype is None or not torch.is_autocast_enabled(device.type):
+            return "model"
+        amp = get_dtype(device.type)
+        name = next((key for key, value in DTYPES.items() if value == amp), "model")
+        weights = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
+        if name == "model" or weights <= {amp} or self.collective:
+            return "model"
+        try:
+            check_copyable(self.model, False)
+        except ValueError:
+            return "model"
+        if not self._warned_autocast:
+            self._warned_autocast = True
+            warnings.warn(
+                f"HFGenerateEngine(cache=static) under {name} autocast with weights in "
+                f"{sorted(str(d).removeprefix('torch.') for d in weights)}: generating on a "
+                f"{name} copy of the weights, since the static cache holds one dtype; set "
+                f"generation_dtype: {name} to say so (or cache: dynamic)", stacklevel=3)
+        return name
 
     def generate(
         self, prompts: list[str], answers: list[str], num_generations: int,

@@ -409,3 +409,39 @@ def test_engine_cache_options_are_checked(tiny) -> None:
         HFGenerateEngine(model, tokenizer, SamplingSettings(max_new_tokens=2), cache="paged")
     with pytest.raises(ValueError, match="HFGenerateEngine.prompt_bucket must be an int >= 1"):
         HFGenerateEngine(model, tokenizer, SamplingSettings(max_new_tokens=2), prompt_bucket=0)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared"])
+def test_static_cache_under_autocast_generates_on_a_copy(tiny, monkeypatch, share: bool) -> None:
+    """bf16 autocast over float32 weights gives float32 keys and bf16 values; the static
+    cache of transformers before 5.2x holds one dtype (emulated here) and failed on the H200
+    with an index_copy_ dtype error. The engine generates on a bf16 copy instead, as
+    ``generation_dtype: bfloat16`` does, and says so; without autocast nothing changes."""
+    from transformers.cache_utils import StaticLayer
+
+    original = StaticLayer.lazy_initialization
+    monkeypatch.setattr(StaticLayer, "lazy_initialization",
+                        lambda self, keys, values: original(self, keys, values.to(keys.dtype)))
+    model, tokenizer = tiny
+    prompts, answers = [render(tokenizer, "12+7"), render(tokenizer, "3*4")], ["19", "12"]
+    sampling = SamplingSettings(max_new_tokens=6)
+
+    def sample(engine: HFGenerateEngine):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return engine.generate(prompts, answers, 3)
+
+    engine = HFGenerateEngine(model, tokenizer, sampling, share_prefill=share, cache="static")
+    with pytest.warns(UserWarning, match="generating on a bfloat16 copy"):
+        out = sample(engine)
+    explicit = HFGenerateEngine(model, tokenizer, sampling, share_prefill=share, cache="static",
+                                generation_dtype="bfloat16")
+    assert torch.equal(out.completion_ids, sample(explicit).completion_ids)
+    calls = []
+    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or original_generate(
+        *a, **k), raising=False)
+    original_generate = type(model).generate.__get__(model)
+    sample(engine)  # the copy generates, refreshed: not the model
+    assert (calls, engine.refresh_seconds > 0) == ([], True)
+    engine.generate(prompts, answers, 3)  # no autocast: the model itself
+    assert (calls, engine.refresh_seconds) == ([1], 0.0)
