@@ -108,6 +108,9 @@ def summary(result: dict[str, Any]) -> dict[str, float | None]:
     steps, gen = result["step_s"], result["phases"]["generate_s"]
     tokens = [t / s for t, s in zip(result["completion_tokens"], steps, strict=True)]
     peak = result.get("peak_cuda_mib")
+    if peak is not None and result.get("phase_peak_mib"):
+        # the counter is reset at each phase mark: the run's peak is the largest phase's
+        peak = max(peak, *result["phase_peak_mib"].values())
     return {
         "step_s": bc.median(steps),
         "generate_s": bc.median(gen),

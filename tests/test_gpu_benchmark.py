@@ -40,6 +40,9 @@ def test_gpu_step_summary_and_table() -> None:
     s = gpu_step.summary(result)
     assert (s["step_s"], s["generate_s"], s["other_s"], s["peak_cuda_gib"]) == (2.0, 1.5, 0.5, 2.0)
     assert s["tokens_per_s"] == 50.0
+    # on CUDA the peak counter is reset at each phase mark: the step's peak is the largest
+    phased = gpu_step.summary({**result, "phase_peak_mib": {"score": 4096.0, "other": 1024.0}})
+    assert phased["peak_cuda_gib"] == 4.0
     table = gpu_step.markdown({"summary": {"ours (static cache)": s, "trl": {**s, "step_s": 6.0}}})
     assert "| ours (static cache) | 2.000 | 1.500 | 0.500 | 50 | 2.0 |" in table
     assert "TRL step / ours (static cache) step: 3.00x" in table
