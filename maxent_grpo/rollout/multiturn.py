@@ -210,12 +210,21 @@ class MultiTurnEngine:
             return [{"role": getattr(env, "role", "user"), "content": observation}]
         parsed = parse_tool_calls(text)
         left = self.max_tool_calls - calls[row]
-        if not parsed or left <= 0:
+        if not parsed:
+            return None
+        if left <= 0:  # calls past the limit end the sample, counted
+            calls[row] += len(parsed)
+            failures["over_limit"][row] += len(parsed)
             return None
         out = []
-        for call in parsed[:left]:
-            result = self.toolbox.run(call)
+        for number, call in enumerate(parsed):
             calls[row] += 1
+            if number >= left:  # said to the model, which would otherwise wait for a result
+                failures["over_limit"][row] += 1
+                out.append({"role": "tool", "content": f"Error: {call.name or 'the call'} was "
+                            f"not run: a sample runs at most {self.max_tool_calls} tool calls"})
+                continue
+            result = self.toolbox.run(call)
             if result.failure is not None:
                 failures[result.failure][row] += 1
             out.append({"role": "tool", "content": result.text})
@@ -273,6 +282,12 @@ class MultiTurnEngine:
         while True:
             go = []
             for i in active:
+                if len(ids[i]) >= budget and envs is None and calls[i] < self.max_tool_calls:
+                    # no room for a tool's reply
+                    if parse_tool_calls(messages[i][-1]["content"]):  # not run: cut here
+                        truncated[i] = True
+                        messages[i].append({"role": "assistant", "content": ""})
+                    continue
                 replies = self._replies(i, messages[i][-1]["content"], calls, failures, envs)
                 if replies is None:
                     continue

@@ -82,7 +82,8 @@ def _new_lock_after_fork() -> None:
 os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 #: the kinds of failed call, in the order they are logged
-FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout")
+FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout",
+                 "over_limit")
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _JSON_TYPES: dict[str, tuple[type, ...]] = {

@@ -144,9 +144,43 @@ def test_the_budget_holds_the_whole_exchange():
 
 
 def test_the_call_limit_ends_the_sample():
+    """Calls on every turn: two run, the third turn's call ends the sample, counted as a
+    call past the limit (``over_limit``) with no message."""
     out = engine([CALL], budget=500, max_calls=2).generate(["q"], ["42"], 1)  # calls on every turn
-    assert out.tools.calls.tolist() == [2] and out.tools.turns.tolist() == [3]
+    assert out.tools.calls.tolist() == [3] and out.tools.turns.tolist() == [3]
+    assert out.tools.failures["over_limit"].tolist() == [1]
     assert not out.truncated[0] and out.reward_completions()[0][-1]["content"] == CALL
+    assert [m["role"] for m in out.reward_completions()[0]].count("tool") == 2
+
+
+def test_calls_past_the_limit_in_one_turn_are_told_they_did_not_run():
+    """Three calls in one turn with a limit of two: the first two run and the model reads
+    that the third did not (before, it was dropped without a word or a count)."""
+    out = engine([CALL * 3, "42"], budget=1000, max_calls=2).generate(["q"], ["42"], 1)
+    messages = out.reward_completions()[0]
+    assert [m["content"] for m in messages[1:4]] == [
+        "42", "42", "Error: calculate was not run: a sample runs at most 2 tool calls"]
+    assert messages[-1] == {"role": "assistant", "content": "42"}
+    assert out.tools.calls.tolist() == [3]
+    assert out.tools.failures["over_limit"].tolist() == [1]
+    assert out.batch.flatten().reward_columns()["tool_failures"] == [1]
+
+
+def test_a_call_that_ends_exactly_at_the_budget_does_not_run(monkeypatch):
+    """A turn that ends on its stop token exactly at the budget leaves no room for the
+    tool's reply: the call is not run (before, it ran and its reply was cut away) and the
+    row is truncated, its last turn empty."""
+    ran = []
+    original = Toolbox.run
+    monkeypatch.setattr(Toolbox, "run", lambda self, call: ran.append(call) or original(self, call))
+    out = engine([CALL, "42"], budget=len(ids(CALL)) + 1).generate(["q"], ["42"], 1)
+    assert ran == [] and out.tools.calls.tolist() == [0]
+    assert bool(out.truncated[0]) and out.tool_mask.sum() == 0
+    assert out.reward_completions()[0] == [{"role": "assistant", "content": CALL},
+                                           {"role": "assistant", "content": ""}]
+    # one token more: the call runs (its reply is then cut by the budget)
+    out = engine([CALL, "42"], budget=len(ids(CALL)) + 2).generate(["q"], ["42"], 1)
+    assert len(ran) == 1 and out.tools.calls.tolist() == [1]
 
 
 def test_faults_are_messages_the_model_reads():

@@ -287,7 +287,7 @@ log = logging.getLogger(__name__)
 #: failure kind -> the words the warning uses for it
 FAILURE_NAMES = {"malformed": "malformed call", "unknown_tool": "unknown tool",
                  "bad_arguments": "bad arguments", "error": "tool error",
-                 "timeout": "time-out"}
+                 "timeout": "time-out", "over_limit": "calls past model.max_tool_calls"}
 
 #: failure kind -> what the warning suggests
 FAILURE_HINTS = {
@@ -303,6 +303,8 @@ FAILURE_HINTS = {
              "logged samples (CompletionSamples) show the error messages the model reads",
     "timeout": "The calls (or environment steps) run past model.tool_timeout seconds: raise "
                "it, or make the tool faster",
+    "over_limit": "The model writes more tool calls per sample than model.max_tool_calls "
+                  "runs: raise it, or teach fewer calls",
 }
 
 
@@ -317,7 +319,8 @@ class ToolFailureWatch:
     than ``threshold`` of them (half by default) failed, logs one warning (logger
     ``maxent_grpo.training.step.step_log``) that names the failure kind with the most
     failures over the window (:data:`~maxent_grpo.rollout.toolcall.FAILURE_KINDS`: a
-    time-out, a malformed call, an unknown tool, bad arguments, an error the tool raised), the
+    time-out, a malformed call, an unknown tool, bad arguments, an error the tool raised,
+    calls past ``model.max_tool_calls``), the
     share of every kind that failed, and what to change. A run of steps without any call is
     not failing (the progress line's ``tool success`` shows it) and never warns.
 
