@@ -285,7 +285,7 @@ def test_rollouts_a_failure_ended_or_a_smaller_staleness_drops_are_warned_about(
     resumed = RolloutPipeline(2)
     with caplog.at_level("WARNING"):
         resumed.restore(checkpoint, fitting=True, rank=0, world=1)
-    assert "a failure that ended 1 rollout(s) unfinished" in caplog.text
+    assert "the run stopped, which ended 1 rollout(s) unfinished" in caplog.text
     assert [p.version for p in resumed.queue] == [0]
     resumed.submit(Scripted(), batch, 2, version=3)  # a new fit: nothing left is kept
     assert not resumed.closed and resumed.dropped == 0

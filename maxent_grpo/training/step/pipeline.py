@@ -175,9 +175,10 @@ class RolloutPipeline:
         checkpoint[DROPPED_KEY] = [dropped + len(state) - n for state, dropped in per_rank]
         rank = torch.distributed.get_rank() if len(per_rank) > 1 else 0
         if dropped := checkpoint[DROPPED_KEY][rank]:
-            log.warning("this checkpoint, saved after the failure, lacks %d rollout(s) that "
-                        "were still being generated: a resume does not train their batches "
-                        "(it is not the run an uninterrupted fit would have made)", dropped)
+            log.warning("this checkpoint, saved after the run stopped (a failure, or a fit "
+                        "that ended), lacks %d rollout(s) that were still being generated: a "
+                        "resume does not train their batches (it is not the run an "
+                        "uninterrupted fit would have made)", dropped)
 
     def restore(self, checkpoint: dict[str, Any], fitting: bool, rank: int, world: int) -> None:
         """This rank's rollouts from :meth:`save`'s ``checkpoint``, when the checkpoint is
@@ -191,8 +192,8 @@ class RolloutPipeline:
                 f"this checkpoint holds the rollouts in flight of {len(per_rank)} processes; "
                 f"this run has {world}: resume with as many processes")
         if dropped := (checkpoint.get(DROPPED_KEY) or [0] * world)[rank]:
-            log.warning("this checkpoint was saved after a failure that ended %d rollout(s) "
-                        "unfinished: their batches are not trained", dropped)
+            log.warning("this checkpoint was saved after the run stopped, which ended %d "
+                        "rollout(s) unfinished: their batches are not trained", dropped)
         self.load_state_dict(per_rank[rank])
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
