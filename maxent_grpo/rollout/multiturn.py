@@ -172,13 +172,22 @@ class MultiTurnEngine:
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
         self._schemas = toolbox.schemas if toolbox is not None else None
-        # a template that cannot render the messages fails now, not in the first rollout;
-        # one that leaves out a role it does not know would hide every reply from the model
-        role, probe = "tool" if toolbox else "user", "maxent-grpo-probe-7351"
-        require(probe in message_segment(tokenizer, [{"role": role, "content": probe}],
+        # a template that cannot render the messages fails now, not in the first rollout
+        # (an environment's own role, when not "user", at its first rollout)
+        self._roles_shown: set[str] = set()
+        self._check_role("tool" if toolbox else "user")
+
+    def _check_role(self, role: str) -> None:
+        """Refuse a chat template that leaves out ``role``'s messages: it would hide every
+        reply from the model (checked once per role)."""
+        if role in self._roles_shown:
+            return
+        probe = "maxent-grpo-probe-7351"
+        require(probe in message_segment(self.tokenizer, [{"role": role, "content": probe}],
                                          self._schemas),
                 f"multi-turn rollouts need a chat template that shows {role!r} messages; this "
                 "tokenizer's template leaves them out, so the model would never read a reply")
+        self._roles_shown.add(role)
 
     def sync(self, model: Any) -> None:
         """The inner engine's ``sync``."""
@@ -263,6 +272,8 @@ class MultiTurnEngine:
         envs = None
         if self.environment is not None:
             envs = [self.environment() for _ in range(N)]
+            for role in dict.fromkeys(getattr(env, "role", "user") for env in envs):
+                self._check_role(role)
             for i, env in enumerate(envs):
                 try:
                     env.reset(prompts[i // G], answers[i // G])

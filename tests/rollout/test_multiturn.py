@@ -382,3 +382,12 @@ def test_a_chat_template_that_leaves_the_tool_role_out_is_refused():
                         toolbox=Toolbox(["calculate"]))
     MultiTurnEngine(Scripted(["x"]), Skipping(), SamplingSettings(max_new_tokens=8),
                     environment=lambda: None)  # its replies are user messages, shown
+
+    class Observing(Guess):  # an environment that answers in its own role
+        role = "environment"
+
+    mt = MultiTurnEngine(Scripted(["40"]), Skipping(), SamplingSettings(max_new_tokens=8),
+                         environment=Observing)
+    with pytest.raises(ValueError, match="shows 'environment' messages; this tokenizer's "
+                                         "template leaves them out"):
+        mt.generate(["guess"], ["42"], 1)
