@@ -19,11 +19,12 @@ one-token prompts and G = 1 use the plain path.
 Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
 step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
 the shapes few; padding is masked). On the CPU samples match the dynamic cache's to rounding.
-Under mixed precision (``bf16-mixed``: autocast over weights in another dtype) keys come out
-in float32 and values in bfloat16, which the static cache of transformers before 5.2x cannot
-hold (``index_copy_`` dtype error, seen on an H200): there a static-cache engine with
-``generation_dtype: model`` generates on a copy in the autocast dtype (as ``bfloat16`` would;
-a warning says so once), except for sharded parameters, which cannot be copied.
+Under mixed precision (``bf16-mixed``: autocast over float32 embeddings) keys come out in
+float32 and values in bfloat16, which the static cache of some transformers versions (5.17,
+not 5.24: :func:`static_cache_holds_two_dtypes`) cannot hold (``index_copy_`` dtype error, seen
+on an H200): with those, a static-cache engine with ``generation_dtype: model`` generates on a
+copy in the autocast dtype (as ``bfloat16`` would; a warning says so once), except for sharded
+parameters, which cannot be copied.
 
 Generation copy (``generation_dtype`` ``"bfloat16"`` / ``"float16"``): generate, autocast off,
 on a copy in that dtype (:mod:`maxent_grpo.rollout.generation_copy`; 2 bytes per parameter),
@@ -146,6 +147,20 @@ def rollout_from_ids(
     )
 
 
+def static_cache_holds_two_dtypes() -> bool:
+    """Whether the installed transformers' static cache keeps keys and values in their own
+    dtypes (5.24 does; 5.17 allocates both in the keys' dtype)."""
+    from transformers.cache_utils import StaticLayer
+
+    try:
+        layer = StaticLayer(max_cache_len=1)
+        layer.lazy_initialization(torch.zeros(1, 1, 1, 1),
+                                  torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))
+        return layer.values.dtype == torch.bfloat16
+    except Exception:  # another layout: take the copy, which works on every version
+        return False
+
+
 def _model_device(model: nn.Module | None) -> torch.device:
     """The device of ``model``'s first parameter (the CPU without one, or without a model)."""
     for parameter in model.parameters() if model is not None else ():
@@ -231,6 +246,7 @@ class HFGenerateEngine:
         self.generation_dtype = generation_dtype
         self.refresh_seconds = 0.0  # the last call's refresh of the generation copy
         self._warned_autocast = False
+        self._two_dtypes: bool | None = None  # static_cache_holds_two_dtypes(), when needed
         self.cache = cache
         self.prompt_bucket = prompt_bucket
         self.model = model
@@ -337,15 +353,21 @@ class HFGenerateEngine:
         return model, torch.autocast(device.type, enabled=False)
 
     def _autocast_copy(self, device: torch.device) -> str:
-        """``model``, or under autocast over weights in another dtype the autocast dtype's
-        name: the static cache's keys and values then come in one dtype (module docstring)."""
-        get_dtype = getattr(torch, "get_autocast_dtype", None)  # torch >= 2.4
-        if get_dtype is None or not torch.is_autocast_enabled(device.type):
+        """``model``, or the autocast dtype's name where the static cache would be handed keys
+        and values in two dtypes that it cannot hold (module docstring)."""
+        if not torch.is_autocast_enabled(device.type):
             return "model"
-        amp = get_dtype(device.type)
+        amp = torch.get_autocast_dtype(device.type)
         name = next((key for key, value in DTYPES.items() if value == amp), "model")
-        weights = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
-        if name == "model" or weights <= {amp} or self.collective:
+        # the hidden states keep the embedding's dtype; the rotary keys follow them
+        embed = getattr(self.model, "get_input_embeddings", lambda: None)()
+        hidden = getattr(embed, "weight", None)
+        hidden = hidden.dtype if isinstance(hidden, torch.Tensor) else amp
+        if name == "model" or hidden == amp or self.collective:
+            return "model"
+        if self._two_dtypes is None:
+            self._two_dtypes = static_cache_holds_two_dtypes()
+        if self._two_dtypes:
             return "model"
         try:
             check_copyable(self.model, False)
@@ -354,10 +376,12 @@ class HFGenerateEngine:
         if not self._warned_autocast:
             self._warned_autocast = True
             warnings.warn(
-                f"HFGenerateEngine(cache=static) under {name} autocast with weights in "
-                f"{sorted(str(d).removeprefix('torch.') for d in weights)}: generating on a "
-                f"{name} copy of the weights, since the static cache holds one dtype; set "
-                f"generation_dtype: {name} to say so (or cache: dynamic)", stacklevel=3)
+                f"HFGenerateEngine(cache=static) under {name} autocast over "
+                f"{str(hidden).removeprefix('torch.')} embeddings: this transformers' static "
+                f"cache holds keys and values in one dtype (autocast gives "
+                f"{str(hidden).removeprefix('torch.')} keys and {name} values), so generation "
+                f"runs on a {name} copy of the weights; set generation_dtype: {name} to say so "
+                f"(or cache: dynamic)", stacklevel=3)
         return name
 
     def generate(

@@ -432,7 +432,7 @@ def test_static_cache_under_autocast_generates_on_a_copy(tiny, monkeypatch, shar
             return engine.generate(prompts, answers, 3)
 
     engine = HFGenerateEngine(model, tokenizer, sampling, share_prefill=share, cache="static")
-    with pytest.warns(UserWarning, match="generating on a bfloat16 copy"):
+    with pytest.warns(UserWarning, match="generation runs on a bfloat16 copy"):
         out = sample(engine)
     explicit = HFGenerateEngine(model, tokenizer, sampling, share_prefill=share, cache="static",
                                 generation_dtype="bfloat16")
@@ -445,3 +445,40 @@ def test_static_cache_under_autocast_generates_on_a_copy(tiny, monkeypatch, shar
     assert (calls, engine.refresh_seconds > 0) == ([], True)
     engine.generate(prompts, answers, 3)  # no autocast: the model itself
     assert (calls, engine.refresh_seconds) == ([1], 0.0)
+
+
+def test_the_copy_is_only_made_where_the_static_cache_needs_it(tiny, monkeypatch) -> None:
+    """Where the installed static cache holds two dtypes (transformers 5.24), and where the
+    embeddings are already in the autocast dtype (a bf16 base with float32 adapters), the
+    model itself generates under autocast, with no copy and no warning."""
+    import copy
+    import warnings
+
+    from transformers.cache_utils import StaticLayer
+
+    from maxent_grpo.rollout.hf import static_cache_holds_two_dtypes
+
+    model, tokenizer = tiny
+    prompts, answers = [render(tokenizer, "12+7")], ["19"]
+    sampling = SamplingSettings(max_new_tokens=4)
+
+    def copies(engine: HFGenerateEngine) -> bool:
+        calls = []
+        target = engine.model
+        monkeypatch.setattr(target, "generate", lambda *a, **k: calls.append(1) or type(
+            target).generate(target, *a, **k), raising=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning would fail the call
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                engine.generate(prompts, answers, 2)
+        return not calls
+
+    if static_cache_holds_two_dtypes():
+        assert not copies(HFGenerateEngine(model, tokenizer, sampling, cache="static"))
+    original = StaticLayer.lazy_initialization
+    monkeypatch.setattr(StaticLayer, "lazy_initialization",
+                        lambda self, keys, values: original(self, keys, values.to(keys.dtype)))
+    assert not static_cache_holds_two_dtypes()
+    mixed = copy.deepcopy(model).to(torch.bfloat16)
+    mixed.model.norm.weight.data = mixed.model.norm.weight.data.float()  # an fp32 part
+    assert not copies(HFGenerateEngine(mixed, tokenizer, sampling, cache="static"))
