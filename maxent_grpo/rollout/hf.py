@@ -18,7 +18,7 @@ one-token prompts and G = 1 use the plain path.
 
 Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
 step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
-the shapes few; padding is masked). On the CPU samples match the dynamic cache's to rounding.
+the shapes few, in the turns of a multi-turn rollout too; padding is masked). On the CPU samples match the dynamic cache's to rounding.
 Under mixed precision (``bf16-mixed``: autocast over float32 embeddings) keys come out in
 float32 and values in bfloat16, which the static cache of some transformers versions (5.17,
 not 5.24: :func:`static_cache_holds_two_dtypes`) cannot hold (``index_copy_`` dtype error, seen
@@ -281,23 +281,26 @@ class HFGenerateEngine:
         """One continuation of each token sequence (left-padded into one batch, sampled
         from ``sampling`` for ``max(budgets)`` tokens, row ``i`` cut at ``budgets[i]``):
         the next turn of a multi-turn rollout. No shared prefill; the static cache when the
-        engine uses it and generation is not a collective."""
+        engine uses it and generation is not a collective, its length (the padded width +
+        ``max(budgets)``) a multiple of ``prompt_bucket``."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
                 "continue_ids needs one budget per sequence and at least one sequence")
         require(all(len(q) > 0 for q in sequences) and all(b >= 1 for b in budgets),
                 "continue_ids needs non-empty sequences and budgets >= 1")
         device = _model_device(self.model)
         width, pad = max(len(q) for q in sequences), self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(q)) + list(q) for q in sequences],
-                           device=device)
-        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences],
-                            device=device)
         config = self._config(sampling, max(budgets), 1)
         synced = {"synced_gpus": True} if self.collective else {}
         # a static cache holds width + max(budgets) tokens, which differ between ranks: a
         # rank that is done keeps stepping (synced_gpus) and would run past its end
-        if self.cache == "static" and not synced:
+        if self.cache == "static" and not synced:  # length a multiple of the bucket: few shapes
+            width = -(-(width + max(budgets)) // self.prompt_bucket) * self.prompt_bucket \
+                - max(budgets)
             config.cache_implementation = "static"
+        ids = torch.tensor([[pad] * (width - len(q)) + list(q) for q in sequences],
+                           device=device)
+        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences],
+                            device=device)
         model, autocast = self._generation_model(device)
         with torch.no_grad(), autocast, _isolated_generation(model):
             output = model.generate(input_ids=ids, attention_mask=mask,

@@ -482,3 +482,24 @@ def test_the_copy_is_only_made_where_the_static_cache_needs_it(tiny, monkeypatch
     mixed = copy.deepcopy(model).to(torch.bfloat16)
     mixed.model.norm.weight.data = mixed.model.norm.weight.data.float()  # an fp32 part
     assert not copies(HFGenerateEngine(mixed, tokenizer, sampling, cache="static"))
+
+
+def test_continue_ids_buckets_the_static_cache_length(tiny, monkeypatch) -> None:
+    """Multi-turn turns of many widths and budgets: with the static cache each generate's
+    cache length (the padded width + the turn's budget) is a multiple of ``prompt_bucket``,
+    so a compiled decode meets few shapes (before, one per width and budget); the padding
+    is masked, so greedy continuations are the unpadded ones."""
+    model, tokenizer = tiny
+    s = SamplingSettings(max_new_tokens=12, do_sample=False)
+    heads = [tokenizer(render(tokenizer, q), add_special_tokens=False)["input_ids"]
+             for q in ("12+7", "a much longer question 3*4", "1")]
+    plain = HFGenerateEngine(model, tokenizer, s, cache="static")
+    bucketed = HFGenerateEngine(model, tokenizer, s, cache="static", prompt_bucket=16)
+    seen = record_generate_calls(model, monkeypatch)
+    for budgets in ([5, 9, 3], [7, 2, 11]):
+        reference = plain.continue_ids(heads, budgets, s)
+        out = bucketed.continue_ids(heads, budgets, s)
+        assert [c.ids for c in out] == [c.ids for c in reference]
+        assert [c.stopped for c in out] == [c.stopped for c in reference]
+        width, new = seen[-1]["input_ids"].shape[1], seen[-1]["generation_config"].max_new_tokens
+        assert (width + new) % 16 == 0 and new == max(budgets)
