@@ -18,7 +18,8 @@ one-token prompts and G = 1 use the plain path.
 
 Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
 step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
-the shapes few, in the turns of a multi-turn rollout too; padding is masked). On the CPU samples match the dynamic cache's to rounding.
+the shapes few, in the turns of a multi-turn rollout too; padding is masked). On the CPU
+samples match the dynamic cache's to rounding.
 Under mixed precision (``bf16-mixed``: autocast over float32 embeddings) keys come out in
 float32 and values in bfloat16, which the static cache of some transformers versions (5.17,
 not 5.24: :func:`static_cache_holds_two_dtypes`) cannot hold (``index_copy_`` dtype error, seen

@@ -170,6 +170,9 @@ def _check_csv_fields(path: str) -> None:
             reader = csv.reader(f)
             rows = (row for row in reader if any(cell.strip() for cell in row))  # as pandas
             header = next(rows, [])
+            repeated = sorted({name for name in header if header.count(name) > 1})
+            if repeated:  # pandas would rename the second "answer" to "answer.1", silently
+                raise ValueError(f"its header names the column(s) {repeated} more than once")
             for row in rows:
                 if len(row) > len(header):  # fewer cells: the missing ones are ""
                     raise ValueError(
@@ -193,6 +196,16 @@ def _reason(err: BaseException) -> str:
     return text or type(err).__name__
 
 
+def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct (``json`` would keep the last of a repeated
+    key, silently)."""
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        names = sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1})
+        raise ValueError(f"an object names the key(s) {names} more than once")
+    return found
+
+
 def _json_rows(path: str) -> list[Row]:
     """The rows of a JSON or JSON lines file, every row with every key (None where it has
     none); ValueError naming the line or row that is not a JSON object."""
@@ -200,7 +213,7 @@ def _json_rows(path: str) -> list[Row]:
     rows: list[Any] | None = None
     if path.lower().endswith(".json"):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_one_of_each)
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":  # "Extra data": JSON lines, read line by line below
                 raise ValueError(f"line {err.lineno} is not valid JSON: {err.msg}") from None
@@ -221,9 +234,11 @@ def _json_rows(path: str) -> list[Row]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line, object_pairs_hook=_one_of_each))
             except json.JSONDecodeError as err:
                 raise ValueError(f"line {line_no} is not valid JSON: {err.msg}") from None
+            except ValueError as err:  # a repeated key
+                raise ValueError(f"line {line_no}: {err}") from None
             require(isinstance(rows[-1], dict), f"line {line_no} is not a JSON object")
     require(bool(rows), "it holds no rows")
     keys = list(dict.fromkeys(k for row in rows for k in row))

@@ -14,6 +14,7 @@ preceded by ``system_prompt + "\\n\\n"`` when set (message lists then raise Valu
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,22 @@ from maxent_grpo.training.data.sources import SplitRows
 from maxent_grpo.validation import is_number, require
 
 __all__ = ["PromptFormat"]
+
+
+def _message_list_text(text: str) -> bool:
+    """Whether ``text`` is a list of chat messages written out as JSON or as Python's repr
+    (what pandas writes into a CSV cell for a list of dicts)."""
+    import ast
+    import json
+
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            value = parse(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    return False
 
 
 @dataclass(frozen=True)
@@ -59,12 +76,14 @@ class PromptFormat:
             )
         others = list({n: None for names in columns_of.values() for n in names
                        if n != self.prompt_column})
-        examples = []
+        examples, blank = [], []
         for row, index in zip(split.rows, split.indices, strict=True):
             part, number = split.where(index)
             at = f"{part} row {number}"
             raw = self._prompt(row.get(self.prompt_column), at)
             answer = self._answer(row, at)
+            if self.answer_column is not None and not answer.strip():
+                blank.append(at)
             columns = {n: row.get(n) for n in others}
             columns["answer"] = answer
             try:
@@ -72,6 +91,12 @@ class PromptFormat:
             except ValueError as err:
                 raise ValueError(f"{at}: {err}") from err
             examples.append(PromptExample(index, text, raw, answer, columns))
+        if blank:  # an empty CSV cell, a missing last cell, "": graded None by the rewards
+            warnings.warn(
+                f"{len(blank)} of {len(examples)} rows have a blank answer in column "
+                f"{self.answer_column!r} (data.answer_column; the first: {blank[0]}): a reward "
+                "that reads the answer grades their completions None, so they train on a "
+                "reward of 0; fill those answers or leave the rows out", stacklevel=2)
         return examples
 
     def render(self, prompt: Prompt) -> str:
@@ -111,6 +136,11 @@ class PromptFormat:
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError(f"{where} is an empty prompt")
+            if value.lstrip().startswith("[{") and _message_list_text(value):
+                raise ValueError(
+                    f"{where} is a list of chat messages written out as text (a CSV cell "
+                    f"holds only text): {value[:80]!r}; keep message lists in JSONL or "
+                    "Parquet, where they stay lists")
             return value
         if not (isinstance(value, list) and value):
             raise ValueError(
@@ -126,6 +156,8 @@ class PromptFormat:
                     f"{where}: chat messages must be dicts with str 'role' and 'content'; "
                     f"got {msg!r}"
                 )
+        if not any(msg["content"].strip() for msg in value):
+            raise ValueError(f"{where}: every chat message is empty; got {value!r:.200}")
         if not self.apply_chat_template:
             raise ValueError(
                 f"{where} holds chat messages, which need data.apply_chat_template: true"

@@ -1,0 +1,72 @@
+"""Data rows that used to train silently wrong: blank answers, repeated columns, message lists
+written out as text, chat messages with no content (each refused or warned, naming the row)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.training.data.test_data import make
+
+
+def test_blank_answers_are_warned_with_their_count_and_first_row(tmp_path):
+    """An empty CSV cell, a row missing its last cell and a JSON "" were accepted without a
+    word, and every completion of those rows trained on a reward of 0."""
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,answer\n1 + 1 =,2\n2 + 1 =\n3 + 1 =,\n4 + 1 =,5\n")
+    with pytest.warns(UserWarning, match=r"2 of 4 rows have a blank answer in column 'answer' "
+                      r"\(data\.answer_column; the first: .*rows\.csv' row 1\)"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": " "}) + "\n")
+    with pytest.warns(UserWarning, match="1 of 1 rows have a blank answer"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+
+
+def test_a_repeated_column_is_refused(tmp_path):
+    """JSON kept the last of two "answer" keys and pandas renamed a CSV's second "answer"
+    to "answer.1", both silently."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "q", "answer": "1"}\n{"prompt": "r", "answer": "1", '
+                    '"answer": "WRONG"}\n')
+    with pytest.raises(ValueError, match=r"line 2: an object names the key\(s\) \['answer'\] "
+                                         "more than once"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    path = tmp_path / "rows.json"
+    path.write_text('[{"prompt": "q", "answer": "1", "answer": "2"}]')
+    with pytest.raises(ValueError, match=r"names the key\(s\) \['answer'\] more than once"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,answer,answer\nq,1,2\n")
+    with pytest.raises(ValueError, match=r"header names the column\(s\) \['answer'\] more "
+                                         "than once"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+
+
+@pytest.mark.parametrize("cell", [
+    "\"[{'role': 'user', 'content': '0 + 1 ='}]\"",  # pandas' repr of a list of dicts
+    '"[{""role"": ""user"", ""content"": ""0 + 1 =""}]"',  # the same as JSON
+])
+def test_a_message_list_written_as_text_is_refused(tmp_path, cell):
+    """A CSV cell holds only text: a list of messages saved there was rendered as the
+    literal repr, and the model trained on it."""
+    path = tmp_path / "rows.csv"
+    path.write_text(f"prompt,answer\n{cell},1\n")
+    with pytest.raises(ValueError, match="is a list of chat messages written out as text"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1,
+             apply_chat_template=True)
+    path.write_text("prompt,answer\n\"[{not messages}] and more\",1\n")  # text that only looks so
+    dm = make(task=None, data_files=str(path), val_size=0, batch_size=1,
+              apply_chat_template=True)
+    assert dm.train_dataset.examples[0].raw_prompt == "[{not messages}] and more"
+
+
+def test_chat_messages_with_no_content_at_all_are_refused(tmp_path):
+    """An empty string prompt was refused and an empty message list's content was not."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "  "}],
+                                "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match="every chat message is empty"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1,
+             apply_chat_template=True)
