@@ -299,9 +299,32 @@ def countdown_reward(
     n = len(completions)
     rows = zip(require_column("countdown", "numbers", numbers, n),
                require_column("countdown", "target", target, n), strict=True)
-    references = [None if row_numbers is None or row_target is None else (row_numbers, row_target)
-                  for row_numbers, row_target in rows]
+    references = [None if row_numbers is None or row_target is None
+                  else _countdown_reference(row_numbers, row_target, row)
+                  for row, (row_numbers, row_target) in enumerate(rows)]
     return _graded(completions, references, right, answer_only=True)
+
+
+def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int], int]:
+    """A row's ``(numbers, target)``, read from text as a CSV cell holds them (``"[1, 2]"``,
+    ``"9"``), checked for every row before any is graded (a bad one raised only when a
+    completion had an answer to check)."""
+    import json
+
+    if isinstance(numbers, str):
+        try:
+            numbers = json.loads(numbers)
+        except ValueError:
+            pass
+    if isinstance(target, str) and target.strip().lstrip("-").isdigit():
+        target = int(target)
+    if (isinstance(target, bool) or not isinstance(target, int)
+            or not isinstance(numbers, (list, tuple))
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in numbers)):
+        raise ValueError(f"countdown: the numbers and target given with completion {row} of "
+                         f"the step must be a list of ints and an int; got {numbers!r} and "
+                         f"{target!r} (the data's numbers and target columns)")
+    return list(numbers), target
 
 
 @register_reward("first_number")
@@ -327,7 +350,8 @@ def first_number_reward(
             target = int(str(gold).strip())
         except ValueError:
             raise ValueError(
-                f"first_number: the answer of row {row} must be an integer; got {gold!r}"
+                f"first_number: the answer given with completion {row} of the step must be "
+                f"an integer; got {gold!r} (the data's answer column, data.answer_column)"
             ) from None
         match = INTEGER.search(completion_text(completion))
         scores.append(1.0 if match is not None and parse_int(match.group()) == target else 0.0)

@@ -209,6 +209,17 @@ def test_countdown_reward_not_applicable_and_missing() -> None:
         countdown_reward(["q"], ["<answer>3</answer>"], target=[3])
 
 
+def test_countdown_reads_csv_text_and_checks_every_row_first() -> None:
+    """A CSV holds "[2, 3, 5]" and "16" as text: a completion without an answer scored 0.0
+    and the first with one raised "target must be an int" mid-run; now the text is read,
+    and a row that cannot be is refused before any completion is graded."""
+    assert countdown_reward(["q", "q"], ["<answer>(3 + 5) * 2</answer>", "none"],
+                            numbers=["[2, 3, 5]", "[2, 3, 5]"], target=["16", " 16"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"countdown: the numbers and target given with "
+                                         r"completion 1 of the step must be .* 'n/a'"):
+        countdown_reward(["q", "q"], ["none", "none"], numbers=[[1], [1]], target=[1, "n/a"])
+
+
 # ---------------------------------------------------------------- shaping
 
 
@@ -354,7 +365,7 @@ def test_first_number_reward_reads_the_first_integer_only():
         1.0, 1.0, 0.0, 1.0, 0.0, 1.0,
     ]
     assert first_number_reward(["q"], ["8"], answer=[None]) == [None]
-    with pytest.raises(ValueError, match="row 0 must be an integer"):
+    with pytest.raises(ValueError, match="completion 0 of the step must be an integer"):
         first_number_reward(["q"], ["8"], answer=["eight"])
 
 
