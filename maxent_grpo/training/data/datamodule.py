@@ -18,6 +18,7 @@ Sources: :mod:`~maxent_grpo.training.data.sources`; row checks and rendering:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -407,7 +408,17 @@ class PromptDataModule(pl.LightningDataModule):
             "batch_size": self.batch_size,
             "world_size": trainer.world_size if trainer is not None else 1,
             "refill_drawn": self._refill_drawn,
+            "rows_digest": self._rows_digest(),
         }
+
+    def _rows_digest(self) -> str | None:
+        """The training rows' prompts and answers, in order, digested (edited data)."""
+        if self.train_dataset is None:
+            return None
+        digest = hashlib.sha256()
+        for example in self.train_dataset.examples:
+            digest.update(f"{example.prompt}\0{example.answer}\0".encode("utf-8", "replace"))
+        return digest.hexdigest()[:16]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at :meth:`state_dict`'s position (epoch ``epoch`` skips ``consumed`` prompts).
@@ -425,6 +436,11 @@ class PromptDataModule(pl.LightningDataModule):
             num_rows=None if self.train_dataset is None else len(self.train_dataset),
             batch_size=self.batch_size, world=trainer.world_size if trainer is not None else 1,
         )
+        saved = state_dict.get("rows_digest")  # absent in checkpoints before it
+        if saved is not None and saved != self._rows_digest():
+            log.warning("the training rows differ from the checkpoint's in their prompts or "
+                        "answers (as many rows: a data file edited?): the run goes on in the "
+                        "saved order over the rows as they are now")
         consumed = int(state_dict["consumed"])
         self._epoch = int(state_dict["epoch"])
         self._consumed = self._resume_consumed = consumed

@@ -731,6 +731,7 @@ def test_state_dict_roundtrip_and_incompatible_checkpoints():
     assert state == {
         "epoch": 0, "consumed": 0, "seed": 0, "shuffle": True, "num_rows": 8,
         "batch_size": 2, "world_size": 1, "refill_drawn": 0,
+        "rows_digest": state["rows_digest"],  # tests/training/data/test_data_rows.py
     }
     fresh = make(**kwargs)
     fresh.load_state_dict({**state, "epoch": 3, "consumed": 4})

@@ -70,3 +70,20 @@ def test_chat_messages_with_no_content_at_all_are_refused(tmp_path):
     with pytest.raises(ValueError, match="every chat message is empty"):
         make(task=None, data_files=str(path), val_size=0, batch_size=1,
              apply_chat_template=True)
+
+
+def test_a_resume_over_edited_rows_is_warned(tmp_path, caplog):
+    """The resume check compared the row count only: a data file edited to as many rows
+    resumed in silence, the saved order now over other prompts."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    state = make(task=None, data_files=str(path), val_size=0, batch_size=2).state_dict()
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=2).load_state_dict(state)
+    assert "differ from the checkpoint's" not in caplog.text
+    rows[3]["answer"] = "30"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=2).load_state_dict(state)
+    assert "the training rows differ from the checkpoint's" in caplog.text
