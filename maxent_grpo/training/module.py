@@ -48,6 +48,7 @@ from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
     Update,
+    check_float16_training,
     count_update,
     optimizer_step,
 )
@@ -418,11 +419,11 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         """``model.optimizer`` over the policy's trainable parameters (only the adapters with
-        ``model.peft``), and the learning-rate scheduler
-        (:func:`~maxent_grpo.training.settings.build_lr_scheduler`), which the optimisation
-        loop steps once per optimizer step (declared ``"step"`` for ``LearningRateMonitor``)."""
+        ``model.peft``; float16 ones checked), and the learning-rate scheduler (stepped once per
+        optimizer step: ``"step"`` for ``LearningRateMonitor``; ``build_lr_scheduler``)."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
-        optimizer = self.optimizer_factory(self.trainable_parameters())
+        optimizer = self.optimizer_factory(params := self.trainable_parameters())
+        check_float16_training(params, optimizer, self.trainer.strategy)
         scheduler = build_lr_scheduler(optimizer, self.loop.optimization.schedule,
                                        self.lr_scheduler_factory)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,

@@ -81,7 +81,7 @@ class PolicyModels:
         self._reference_required = True
         if self.runtime is not None and self.runtime.reference_model is None:
             self.runtime = self.runtime.with_reference()
-            self.runtime.reference_model.to(self.device)
+            self._place_reference()
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -92,7 +92,16 @@ class PolicyModels:
 
     def on_fit_start(self) -> None:
         if self.reference is not None:
-            self.reference.to(self.device)
+            self._place_reference()
+
+    def _place_reference(self) -> None:
+        """The reference on the policy's device, and in the policy's dtype under a ``-true``
+        precision, which Lightning applies to the policy alone (a bf16 policy against a
+        float32 reference had a KL of 3e-5 at the start, and twice the memory)."""
+        self.reference.to(self.device)
+        own = not isinstance(self.reference, AdapterDisabledReference)  # else the policy
+        if own and self.device_mesh is None and self._trainer is not None:
+            self.trainer.precision_plugin.convert_module(self.reference)
 
     def attach_training_data(self) -> None:
         """At the start of training: the handles take the trainer's strategy, loader and

@@ -16,11 +16,12 @@ are zeroed), so the replicas never diverge; :func:`count_update` stops the run w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
@@ -89,9 +90,11 @@ def optimizer_step(
     one that sampled, an engine's own log-probs are compared with the scored ones:
     ``rollout/logp_gap/{mean,max}`` of ``|log pi_sampler - log pi_theta|`` per token."""
     opt, sched = ctx.optimizer, ctx.scheduler
+    scaler = loss_scaler(ctx.strategy)
     if trajectory.kept_groups == 0:  # every group of every rank is constant: no gradient,
         lr = opt.param_groups[0]["lr"]
-        opt.step()  # but the step counts (parameters without a gradient stay put)
+        with _without_scaler(ctx.strategy):  # a scaler refuses a step with no gradient
+            opt.step()  # but the step counts (parameters without a gradient stay put)
         sched.step()
         return Update(None, lr)
     t = trajectory
@@ -175,12 +178,18 @@ def optimizer_step(
         for key, (value, count) in out.sums.items():
             sums.add(key, value, count, weight=0.0 if t.ghost else 1.0)
     timer.start()
+    # 16-mixed: the gradients are the loss scaler's multiple until the step unscales them;
+    # clipping the scaled ones at max_norm x scale is clipping the true ones at max_norm
+    scale = 1.0 if scaler is None else scaler.get_scale()
     grad_norm = clip_gradients(ctx.strategy, ctx.policy.parameters(),
-                               ctx.schedule.gradient_clip_val or float("inf"))
+                               (ctx.schedule.gradient_clip_val or float("inf")) * scale)
     if grad_norm is not None:
+        grad_norm = grad_norm / scale
         finite = finite & torch.isfinite(grad_norm)
     if not ctx.all_ranks(bool(finite)):
         opt.zero_grad(set_to_none=True)  # the update is skipped on every rank
+        if scaler is not None:  # and the scale backs off, as the scaler's own skip does
+            scaler.update(scale * scaler.get_backoff_factor())
         return Update(None, math.nan, skipped=True)
     lr = opt.param_groups[0]["lr"]  # the rate of this update (logged)
     opt.step()
@@ -188,6 +197,44 @@ def optimizer_step(
     sched.step()
     timer.stop("optimizer")
     return Update(grad_norm, lr)
+
+
+def loss_scaler(strategy: Strategy) -> Any:
+    """The precision plugin's ``GradScaler`` (``16-mixed``), or None."""
+    scaler = getattr(getattr(strategy, "precision_plugin", None), "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+@contextlib.contextmanager
+def _without_scaler(strategy: Strategy) -> Iterator[None]:
+    """The optimizer steps as without a scaler (a step with no gradient at all)."""
+    plugin = getattr(strategy, "precision_plugin", None)
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None:
+        plugin.scaler = None
+    try:
+        yield
+    finally:
+        if scaler is not None:
+            plugin.scaler = scaler
+
+
+def check_float16_training(parameters: list[torch.nn.Parameter], optimizer: Any,
+                           strategy: Strategy) -> None:
+    """Refuse float16 weights that cannot train: under ``16-mixed`` (its scaler cannot
+    unscale float16 gradients), or with an Adam ``eps`` that is 0 in float16 (the first
+    update divides 0 by 0: every weight NaN)."""
+    if not any(p.dtype == torch.float16 for p in parameters):
+        return
+    require(loss_scaler(strategy) is None,
+            "trainer.precision 16-mixed needs float32 weights (model.dtype: float32); the "
+            "loss scaler cannot unscale float16 gradients")
+    eps = [g["eps"] for g in optimizer.param_groups if "eps" in g]
+    require(all(e >= 6e-8 for e in eps),
+            f"float16 weights (model.dtype: float16, or trainer.precision 16-true) with the "
+            f"optimizer's eps {min(eps, default=0):g}, which is 0 in float16: the first "
+            "update would make every weight NaN; use bf16 (bf16-mixed or bf16-true), "
+            "16-mixed with float32 weights, or eps >= 1e-4")
 
 
 def clip_gradients(

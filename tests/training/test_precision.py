@@ -1,0 +1,94 @@
+"""Precisions beyond the defaults (a defect hunt): ``16-mixed``'s loss scaler around our own
+optimizer step (clipping, skips, a step without gradient), float16 weights that cannot
+train, and the reference model under a ``-true`` precision. On the CPU Lightning turns
+``precision="16-mixed"`` into bf16, so the scaler is the plugin given directly, the code
+path a GPU takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+
+from maxent_grpo.objectives import GRPO
+from tests.conftest import fit, make_data, make_module, params
+
+
+def fp16_scaler(init_scale: float = 2.0**16) -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu",
+                                                                        init_scale=init_scale))
+
+
+def test_16_mixed_clips_and_logs_the_true_gradient(cache_dir):
+    """The gradients were clipped while still the scaler's multiple: the logged norm was
+    65,536 times the true one and every update clipped to 1/65,536 of its size."""
+    steps = {}
+    for name, plugins in (("fp32", []), ("fp16", [fp16_scaler()])):
+        module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0},
+                             gradient_clip_val=1e9)  # a norm, not a clip
+        module.configure_model()
+        before = params(module)
+        fit(module, make_data(cache_dir), steps=1, plugins=plugins)
+        change = sum((v.float() - before[k]).abs().sum() for k, v in params(module).items())
+        steps[name] = (module.step_metrics_dict["train/grad_norm"], float(change))
+    (norm32, change32), (norm16, change16) = steps["fp32"], steps["fp16"]
+    assert norm16 == pytest.approx(norm32, rel=0.05) and change16 == pytest.approx(change32,
+                                                                                  rel=0.05)
+
+
+def test_16_mixed_clipping_bounds_the_true_norm(cache_dir):
+    module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0},
+                         gradient_clip_val=1e-3)
+    module.configure_model()
+    before = params(module)
+    fit(module, make_data(cache_dir), steps=1, plugins=[fp16_scaler()])
+    moved = torch.sqrt(sum(((v.float() - before[k]) ** 2).sum()
+                           for k, v in params(module).items()))
+    assert float(moved) == pytest.approx(0.5 * 1e-3, rel=0.02)  # SGD lr 0.5 x the clip
+
+
+def test_a_skipped_16_mixed_update_backs_the_scale_off(cache_dir):
+    """A skip returned before the scaler's update, so the scale never fell and every later
+    step overflowed again until the run stopped."""
+    plugin = fp16_scaler(init_scale=2.0**40)  # float16 gradients overflow at once
+    module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0},
+                         max_consecutive_nonfinite=60)
+    fit(module, make_data(cache_dir), steps=1, plugins=[plugin])
+    skips = module.counters.nonfinite_total
+    assert 1 <= skips < 60  # skipped while the scale came down, then trained
+    assert plugin.scaler.get_scale() <= 2.0 ** (40 - skips)
+
+
+def test_a_16_mixed_step_without_any_gradient_counts(cache_dir):
+    """Every group constant and dropped: the step with no gradient at all failed in the
+    scaler ("Attempted unscale_ but _scale is None")."""
+    module = make_module(cache_dir, rewards={"tests.conftest:always_one": 1.0},
+                         drop_constant_groups=True)
+    module.configure_model()
+    before = params(module)
+    trainer = fit(module, make_data(cache_dir), steps=2, plugins=[fp16_scaler()])
+    assert trainer.global_step == 2
+    assert all(torch.equal(v, before[k]) for k, v in params(module).items())
+
+
+@pytest.mark.parametrize("plugins, match", [
+    ([], "eps 1e-08, which is 0 in float16"),
+    ("fp16", "16-mixed needs float32 weights"),
+])
+def test_float16_weights_that_cannot_train_are_refused(cache_dir, plugins, match):
+    """AdamW's eps 1e-8 is 0 in float16: the first update made every weight NaN, and the
+    next rollout failed in generate; under 16-mixed the scaler cannot unscale them."""
+    module = make_module(cache_dir, dtype="float16",
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    with pytest.raises(ValueError, match=match):
+        fit(module, make_data(cache_dir), steps=1,
+            plugins=[fp16_scaler()] if plugins == "fp16" else [])
+
+
+def test_the_reference_takes_the_policys_true_precision(cache_dir):
+    """bf16-true cast the policy only: a float32 reference gave a KL of 3e-5 at the start."""
+    module = make_module(cache_dir, objective=GRPO(beta=0.04),
+                         rewards={"tests.conftest:alternating": 1.0})
+    fit(module, make_data(cache_dir), steps=1, precision="bf16-true")
+    assert next(module.reference.parameters()).dtype == torch.bfloat16
+    assert module.step_metrics_dict["train/kl"] == 0.0  # the first step: the same weights
