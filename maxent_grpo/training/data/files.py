@@ -191,8 +191,8 @@ def _reason(err: BaseException) -> str:
     while err.__cause__ is not None:
         err = err.__cause__
     text = str(err)
-    if "corresponds to no data" in text:  # datasets' message for a split without rows
-        return "it holds no rows"
+    if "corresponds to no data" in text or "BatchSize must be greater than 0, got 0" in text:
+        return "it holds no rows"  # datasets' words for it, and Arrow's for a Parquet file
     return text or type(err).__name__
 
 

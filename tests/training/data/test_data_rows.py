@@ -87,3 +87,13 @@ def test_a_resume_over_edited_rows_is_warned(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
         make(task=None, data_files=str(path), val_size=0, batch_size=2).load_state_dict(state)
     assert "the training rows differ from the checkpoint's" in caplog.text
+
+
+def test_a_parquet_file_without_rows_says_so(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()),
+                             "answer": pa.array([], pa.string())}), path)
+    with pytest.raises(ValueError, match=r"could not be read as Parquet: it holds no rows"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
