@@ -316,7 +316,7 @@ def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int]
             numbers = json.loads(numbers)
         except ValueError:
             pass
-    if isinstance(target, str) and target.strip().lstrip("-").isdigit():
+    if isinstance(target, str) and re.fullmatch(r"[+-]?[0-9]+", target.strip()):
         target = int(target)
     if (isinstance(target, bool) or not isinstance(target, int)
             or not isinstance(numbers, (list, tuple))

@@ -218,6 +218,11 @@ def test_countdown_reads_csv_text_and_checks_every_row_first() -> None:
     with pytest.raises(ValueError, match=r"countdown: the numbers and target given with "
                                          r"completion 1 of the step must be .* 'n/a'"):
         countdown_reward(["q", "q"], ["none", "none"], numbers=[[1], [1]], target=[1, "n/a"])
+    for bad in ("--8", "\u00b2", "8.0"):
+        with pytest.raises(ValueError, match="countdown: the numbers and target"):
+            countdown_reward(["q"], ["none"], numbers=[[1]], target=[bad])
+    assert countdown_reward(["q"], ["<answer>0 - 8</answer>"], numbers=[[0, 8]],
+                            target=["-8"]) == [1.0]
 
 
 # ---------------------------------------------------------------- shaping

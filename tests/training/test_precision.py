@@ -49,14 +49,14 @@ def test_16_mixed_clipping_bounds_the_true_norm(cache_dir):
 
 def test_a_skipped_16_mixed_update_backs_the_scale_off(cache_dir):
     """A skip returned before the scaler's update, so the scale never fell and every later
-    step overflowed again until the run stopped."""
+    step overflowed again until the run stopped (after max_consecutive_nonfinite = 3). An
+    overflow of the scaled gradients with a finite loss is the scaler's routine: the scale
+    backs off and no non-finite update is counted."""
     plugin = fp16_scaler(init_scale=2.0**40)  # float16 gradients overflow at once
-    module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0},
-                         max_consecutive_nonfinite=60)
-    fit(module, make_data(cache_dir), steps=1, plugins=[plugin])
-    skips = module.counters.nonfinite_total
-    assert 1 <= skips < 60  # skipped while the scale came down, then trained
-    assert plugin.scaler.get_scale() <= 2.0 ** (40 - skips)
+    module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0})
+    trainer = fit(module, make_data(cache_dir), steps=1, plugins=[plugin])
+    assert trainer.global_step == 1 and module.counters.nonfinite_total == 0
+    assert plugin.scaler.get_scale() <= 2.0**37  # backed off more than the 3 skips allowed
 
 
 def test_a_16_mixed_step_without_any_gradient_counts(cache_dir):

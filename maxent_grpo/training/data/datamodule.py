@@ -19,6 +19,7 @@ Sources: :mod:`~maxent_grpo.training.data.sources`; row checks and rendering:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from typing import Any
 
@@ -411,13 +412,12 @@ class PromptDataModule(pl.LightningDataModule):
             "rows_digest": self._rows_digest(),
         }
 
-    def _rows_digest(self) -> str | None:
+    def _rows_digest(self) -> str:
         """The training rows' prompts and answers, in order, digested (edited data)."""
-        if self.train_dataset is None:
-            return None
-        digest = hashlib.sha256()
-        for example in self.train_dataset.examples:
-            digest.update(f"{example.prompt}\0{example.answer}\0".encode("utf-8", "replace"))
+        digest = hashlib.sha256()  # of the source prompts: a rendered one may hold a date
+        for example in [] if self.train_dataset is None else self.train_dataset.examples:
+            raw = json.dumps(example.raw_prompt, sort_keys=True, default=str)
+            digest.update(f"{raw}\0{example.answer}\0".encode("utf-8", "replace"))
         return digest.hexdigest()[:16]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -170,7 +170,8 @@ def _check_csv_fields(path: str) -> None:
             reader = csv.reader(f)
             rows = (row for row in reader if any(cell.strip() for cell in row))  # as pandas
             header = next(rows, [])
-            repeated = sorted({name for name in header if header.count(name) > 1})
+            repeated = sorted({name for name in header  # blank ones: pandas' "Unnamed: 2"
+                               if name.strip() and header.count(name) > 1})
             if repeated:  # pandas would rename the second "answer" to "answer.1", silently
                 raise ValueError(f"its header names the column(s) {repeated} more than once")
             for row in rows:

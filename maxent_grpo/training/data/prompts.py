@@ -136,7 +136,7 @@ class PromptFormat:
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError(f"{where} is an empty prompt")
-            if value.lstrip().startswith("[{") and _message_list_text(value):
+            if value.lstrip().startswith("[") and _message_list_text(value):
                 raise ValueError(
                     f"{where} is a list of chat messages written out as text (a CSV cell "
                     f"holds only text): {value[:80]!r}; keep message lists in JSONL or "

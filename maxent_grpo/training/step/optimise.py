@@ -68,11 +68,14 @@ class Update:
             strategy that clips by itself).
         lr: the learning rate of the update (NaN when it was skipped).
         skipped: the loss or gradient was non-finite on some rank: nothing changed.
+        overflow: skipped because ``16-mixed``'s scaled gradients overflowed, the loss
+            being finite: the scale backed off (not counted as a non-finite update).
     """
 
     grad_norm: Tensor | None
     lr: float
     skipped: bool = False
+    overflow: bool = False
 
 
 def _cut(values: Tensor | None, chunk: MicroBatchPlan) -> Tensor | None:
@@ -183,14 +186,21 @@ def optimizer_step(
     scale = 1.0 if scaler is None else scaler.get_scale()
     grad_norm = clip_gradients(ctx.strategy, ctx.policy.parameters(),
                                (ctx.schedule.gradient_clip_val or float("inf")) * scale)
+    loss_finite = finite
     if grad_norm is not None:
         grad_norm = grad_norm / scale
         finite = finite & torch.isfinite(grad_norm)
     if not ctx.all_ranks(bool(finite)):
         opt.zero_grad(set_to_none=True)  # the update is skipped on every rank
-        if scaler is not None:  # and the scale backs off, as the scaler's own skip does
-            scaler.update(scale * scaler.get_backoff_factor())
-        return Update(None, math.nan, skipped=True)
+        if scaler is None:
+            return Update(None, math.nan, skipped=True)
+        # the scale backs off and its growth count restarts, as the scaler's own skip does;
+        # a finite loss whose scaled gradients overflowed is the scaler's routine, not a fault
+        scaler.update(scale * scaler.get_backoff_factor())
+        if getattr(scaler, "_growth_tracker", None) is not None:
+            scaler._growth_tracker.zero_()
+        return Update(None, math.nan, skipped=True,
+                      overflow=ctx.all_ranks(bool(loss_finite)))
     lr = opt.param_groups[0]["lr"]  # the rate of this update (logged)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -224,12 +234,13 @@ def check_float16_training(parameters: list[torch.nn.Parameter], optimizer: Any,
     """Refuse float16 weights that cannot train: under ``16-mixed`` (its scaler cannot
     unscale float16 gradients), or with an Adam ``eps`` that is 0 in float16 (the first
     update divides 0 by 0: every weight NaN)."""
-    if not any(p.dtype == torch.float16 for p in parameters):
-        return
+    if isinstance(strategy, DeepSpeedStrategy) or not any(
+            p.dtype == torch.float16 for p in parameters):
+        return  # DeepSpeed keeps float32 master weights for float16 training
     require(loss_scaler(strategy) is None,
             "trainer.precision 16-mixed needs float32 weights (model.dtype: float32); the "
             "loss scaler cannot unscale float16 gradients")
-    eps = [g["eps"] for g in optimizer.param_groups if "eps" in g]
+    eps = [g["eps"] for g in optimizer.param_groups if isinstance(g.get("eps"), float)]
     require(all(e >= 6e-8 for e in eps),
             f"float16 weights (model.dtype: float16, or trainer.precision 16-true) with the "
             f"optimizer's eps {min(eps, default=0):g}, which is 0 in float16: the first "
@@ -254,6 +265,10 @@ def count_update(counters: StepCounters, update: Update, step: int, limit: int) 
     row) or reset the run of skips after one that was taken."""
     if not update.skipped:
         counters.nonfinite_in_a_row = 0
+        return
+    if update.overflow:  # the loss scaler's routine back-off, not a fault
+        log.info("step %d: float16 gradients overflowed at this loss scale; update skipped, "
+                 "scale backed off", step)
         return
     counters.nonfinite_in_a_row += 1
     counters.nonfinite_total += 1

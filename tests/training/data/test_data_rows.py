@@ -42,11 +42,15 @@ def test_a_repeated_column_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"header names the column\(s\) \['answer'\] more "
                                          "than once"):
         make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    path.write_text("prompt,answer,,\nq,1,,\n")  # blank names (a spreadsheet's export) read
+    dm = make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    assert dm.train_dataset.examples[0].answer == "1"
 
 
 @pytest.mark.parametrize("cell", [
     "\"[{'role': 'user', 'content': '0 + 1 ='}]\"",  # pandas' repr of a list of dicts
     '"[{""role"": ""user"", ""content"": ""0 + 1 =""}]"',  # the same as JSON
+    '"[\n  {""role"": ""user"", ""content"": ""0 + 1 =""}\n]"',  # JSON with an indent
 ])
 def test_a_message_list_written_as_text_is_refused(tmp_path, cell):
     """A CSV cell holds only text: a list of messages saved there was rendered as the
@@ -81,6 +85,10 @@ def test_a_resume_over_edited_rows_is_warned(tmp_path, caplog):
     state = make(task=None, data_files=str(path), val_size=0, batch_size=2).state_dict()
     with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):
         make(task=None, data_files=str(path), val_size=0, batch_size=2).load_state_dict(state)
+    assert "differ from the checkpoint's" not in caplog.text
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.data"):  # rendered anew
+        make(task=None, data_files=str(path), val_size=0, batch_size=2,
+             system_prompt="Answer.").load_state_dict(state)
     assert "differ from the checkpoint's" not in caplog.text
     rows[3]["answer"] = "30"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
