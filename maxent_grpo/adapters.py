@@ -214,7 +214,8 @@ def merge_adapter(model: torch.nn.Module, folder: str | os.PathLike[str]) -> tor
     with warnings.catch_warnings():  # peft reads transformers' deprecated property name
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
-        merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+        with torch.random.fork_rng(devices=[]):  # peft draws its init before loading
+            merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     merged.name_or_path = merged.config._name_or_path = str(folder)
     return merged
 

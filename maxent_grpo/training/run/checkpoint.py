@@ -145,6 +145,9 @@ def load_state(
 ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
                  "rank_pattern", "layers_to_transform", "layers_pattern", "exclude_modules",
                  "target_parameters")
+#: the fields that decide what the same weights compute (the scale s = alpha / r, or
+#: alpha / sqrt(r)): compared where both records hold them
+ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out")
 
 
 def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
@@ -162,6 +165,8 @@ def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) ->
 
     differ = [k for k in ADAPTER_SHAPE if value(saved, k) != value(now, k)
               and not (k == "target_modules" and None in (saved.get(k), now.get(k)))]
+    differ += [k for k in ADAPTER_MATH if k in saved and k in now and saved[k] != now[k]]
     shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
                       for k in differ)
-    require(not differ, f"the checkpoint's adapters do not fit this run's model.peft ({shown})")
+    require(not differ, f"the checkpoint's adapters do not fit this run's model.peft ({shown}): "
+                        "use the model.peft it was trained with")

@@ -19,6 +19,7 @@ from maxent_grpo.adapters import (
 from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
+from maxent_grpo.validation import require
 
 __all__ = ["PolicyModels"]
 
@@ -67,6 +68,12 @@ class PolicyModels:
     def _load_reference(self) -> torch.nn.Module:
         src = self.source
         if src.peft is not None:
+            bias = getattr(src.peft, "bias", "none")
+            require(bias == "none",
+                    f"model.peft.bias: {bias} trains the base model's biases, which the "
+                    "reference (the policy with its adapters disabled) shares: the KL would "
+                    "be to a model that moves; use bias: none with beta > 0 (or a controller "
+                    "of beta)")
             return AdapterDisabledReference(self.policy)
         return load_reference(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
 
