@@ -248,3 +248,13 @@ def test_the_cli_builds_the_lora_config_from_yaml(monkeypatch, tmp_path, capsys)
     assert "class_path: peft.LoraConfig" in first
     (tmp_path / "printed.yaml").write_text(first)
     assert printed(tmp_path / "printed.yaml") == first
+
+
+def test_a_peft_bias_run_can_still_be_validated(cache_dir):
+    """The refusal is for training: validation computes no KL."""
+    import lightning as L
+
+    module = lora_module(cache_dir, peft=lora(bias="all"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, limit_val_batches=1,
+                        enable_progress_bar=False)
+    assert "val/reward/mean" in trainer.validate(module, make_data(cache_dir), verbose=False)[0]

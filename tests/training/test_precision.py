@@ -92,3 +92,18 @@ def test_the_reference_takes_the_policys_true_precision(cache_dir):
     fit(module, make_data(cache_dir), steps=1, precision="bf16-true")
     assert next(module.reference.parameters()).dtype == torch.bfloat16
     assert module.step_metrics_dict["train/kl"] == 0.0  # the first step: the same weights
+
+
+def test_gradients_that_no_scale_makes_finite_still_stop_the_run(cache_dir):
+    """An overflow is forgiven only while the scale stays >= 1: NaN gradients behind a
+    finite loss backed the scale off to 0 and skipped every step, forever."""
+    from maxent_grpo.training.module import NonFiniteLossError
+
+    module = make_module(cache_dir, rewards={"tests.conftest:alternating": 1.0},
+                         max_consecutive_nonfinite=3)
+    module.configure_model()
+    next(module.policy.parameters()).register_hook(lambda grad: grad * float("nan"))
+    plugin = fp16_scaler(init_scale=2.0**4)
+    with pytest.raises(NonFiniteLossError, match="3 non-finite updates in a row"):
+        fit(module, make_data(cache_dir), steps=1, plugins=[plugin], max_epochs=50)
+    assert plugin.scaler.get_scale() < 1.0

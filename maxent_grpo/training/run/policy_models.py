@@ -68,8 +68,9 @@ class PolicyModels:
     def _load_reference(self) -> torch.nn.Module:
         src = self.source
         if src.peft is not None:
-            bias = getattr(src.peft, "bias", "none")
-            require(bias == "none",
+            bias = getattr(src.peft, "bias", "none")  # (only a fit computes the KL)
+            fitting = self._trainer is None or self.trainer.state.fn == "fit"
+            require(bias == "none" or not fitting,
                     f"model.peft.bias: {bias} trains the base model's biases, which the "
                     "reference (the policy with its adapters disabled) shares: the KL would "
                     "be to a model that moves; use bias: none with beta > 0 (or a controller "

@@ -69,7 +69,8 @@ class Update:
         lr: the learning rate of the update (NaN when it was skipped).
         skipped: the loss or gradient was non-finite on some rank: nothing changed.
         overflow: skipped because ``16-mixed``'s scaled gradients overflowed, the loss
-            being finite: the scale backed off (not counted as a non-finite update).
+            being finite and the scale still >= 1: the scale backed off (not counted as a
+            non-finite update).
     """
 
     grad_norm: Tensor | None
@@ -195,12 +196,14 @@ def optimizer_step(
         if scaler is None:
             return Update(None, math.nan, skipped=True)
         # the scale backs off and its growth count restarts, as the scaler's own skip does;
-        # a finite loss whose scaled gradients overflowed is the scaler's routine, not a fault
-        scaler.update(scale * scaler.get_backoff_factor())
+        # a finite loss whose scaled gradients overflowed is the scaler's routine, not a
+        # fault, while the scale stays >= 1 (below, the true gradients are not finite)
+        lower = scale * scaler.get_backoff_factor()
+        scaler.update(lower)
         if getattr(scaler, "_growth_tracker", None) is not None:
             scaler._growth_tracker.zero_()
         return Update(None, math.nan, skipped=True,
-                      overflow=ctx.all_ranks(bool(loss_finite)))
+                      overflow=ctx.all_ranks(bool(loss_finite)) and lower >= 1.0)
     lr = opt.param_groups[0]["lr"]  # the rate of this update (logged)
     opt.step()
     opt.zero_grad(set_to_none=True)
