@@ -107,3 +107,4 @@ def test_gradients_that_no_scale_makes_finite_still_stop_the_run(cache_dir):
     with pytest.raises(NonFiniteLossError, match="3 non-finite updates in a row"):
         fit(module, make_data(cache_dir), steps=1, plugins=[plugin], max_epochs=50)
     assert plugin.scaler.get_scale() < 1.0
+

@@ -78,7 +78,10 @@ class PromptRecord:
 
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
     correct = [list(r.correct) for r in records]
-    out = aggregate(correct, ks, answers=[list(r.answers) for r in records])
+    # answers compared as everywhere else (train/distinct_correct, answer_entropy): in the
+    # canonical form of the row's answer_form ("5 + 4" and "4 + 5" are one), else as text
+    compared = [[compared_answer(a, r.answer_form) for a in r.answers] for r in records]
+    out = aggregate(correct, ks, answers=compared)
     valid = [r.valid_answers for r in records]
     if any(v is not None for v in valid):
         canonical = [
@@ -91,10 +94,7 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
             else frozenset(canonical_answer(a, r.answer_form) for a in v)
             for v, r in zip(valid, records, strict=True)]
         coverage = aggregate(correct, ks, answers=canonical, valid_answers=valid)
-        # in canonical form "5 + 4" and "4 + 5" are one correct answer
-        out.update({
-            k: v for k, v in coverage.items() if k.startswith(("coverage@", "distinct_correct@"))
-        })
+        out.update({k: v for k, v in coverage.items() if k.startswith("coverage@")})
     out["answer_entropy"] = sum(  # as train/answer_entropy compares them
         answer_entropy([compared_answer(a, r.answer_form) for a in r.answers])
         for r in records) / len(records)

@@ -185,7 +185,8 @@ class StepMetrics(torch.nn.Module):
         rollout = t.rollout
         self.reward.update(t.rewards)
         self.components.update(t.components)
-        self.tokens.update(rollout.prompt_mask, t.loss_mask, rollout.truncated)
+        # the tokens the model wrote, those the loss leaves out (truncated rows) included
+        self.tokens.update(rollout.prompt_mask, rollout.model_mask, rollout.truncated)
         if t.ref_logps is not None:  # the ghost group's rows do not count
             self.mean("logp/ref_token").update(
                 t.ref_logps, torch.zeros_like(t.mask) if t.ghost else t.mask)

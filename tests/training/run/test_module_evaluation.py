@@ -314,3 +314,20 @@ def test_validate_and_predict_close_the_engine_and_the_tools_sandbox(cache_dir, 
     assert closed == ["engine", "toolbox"]  # the engine first: its rollouts end, then tools
     assert module._engine is None
     assert isinstance(module.rollout_engine(), Closing)  # built again on the next use
+
+
+def test_answers_are_compared_alike_in_every_record_and_metric():
+    """``distinct_correct@k`` used the canonical form as soon as any prompt had a valid
+    set, which drops what is not an expression (``\\frac{1}{2}``, ``x = 3``), and raw text
+    otherwise, where ``4+5`` and ``5+4`` were two answers; every record now compares as
+    ``answer_entropy`` and ``train/distinct_correct`` do (a defect hunt)."""
+    from maxent_grpo.training.run.evaluation import PromptRecord, evaluation_metrics
+
+    countdown = PromptRecord((1.0, 1.0), ("4+5", "5+4"), valid_answers=frozenset({"4 + 5"}),
+                             task="cd")
+    maths = PromptRecord((1.0, 1.0), (r"\frac{1}{2}", "x = 3"), task="math")
+    out = evaluation_metrics([countdown, maths], [2], "val")
+    assert (out["val/distinct_correct@2/cd"], out["val/distinct_correct@2/math"]) == (1.0, 2.0)
+    assert out["val/distinct_correct@2"] == 1.5 and out["val/coverage@2"] == 1.0
+    alone = evaluation_metrics([dataclasses.replace(countdown, valid_answers=None)], [2], "val")
+    assert alone["val/distinct@2"] == 1.0 and alone["val/distinct_correct@2"] == 1.0
