@@ -14,7 +14,8 @@ completions, rewards and, where the objective has them, advantages, weights and 
   (the logger's ``log_dir`` or ``save_dir``, else the run's folder);
 - no logger (``--trainer.logger=false``): nothing, unless ``jsonl_path`` asks for a file.
 
-Samples are keyed on the rollout's ``step``, that of the step's ``train/...`` scalars, and
+Samples are keyed on the rollout's ``step``, its first optimizer step (with
+``num_iterations`` k > 1, k times the step Lightning logs the ``train/...`` scalars at), and
 written when a multiple of ``every_n_steps`` falls in the rollout's optimizer steps. At fit
 start the run's ``config.yaml`` (holding ``model.objective`` and ``model.optimizer``, which
 Lightning's hparams lack) becomes the TensorBoard text ``hparams/config``. Only global rank
