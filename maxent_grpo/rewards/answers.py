@@ -346,13 +346,7 @@ def first_number_reward(
         if gold is None or not str(gold).strip():
             scores.append(None)
             continue
-        try:
-            target = int(str(gold).strip())
-        except ValueError:
-            raise ValueError(
-                f"first_number: the answer given with completion {row} of the step must be "
-                f"an integer; got {gold!r} (the data's answer column, data.answer_column)"
-            ) from None
+        target = _integer("first_number", "answer", gold, row)
         match = INTEGER.search(completion_text(completion))
         scores.append(1.0 if match is not None and parse_int(match.group()) == target else 0.0)
     return scores
@@ -378,12 +372,28 @@ def digit_pair_reward(
     ...                   target=[9] * 5)
     [1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    def right(answer: str, row_target: object) -> bool:
+    def right(answer: str, row_target: int) -> bool:
         match = _DIGIT_PAIR.fullmatch(answer)
-        return match is not None and int(match[1]) + int(match[2]) == int(row_target)
+        return match is not None and int(match[1]) + int(match[2]) == row_target
 
-    targets = require_column("digit_pair", "target", target, len(completions))
+    targets = [None if value is None else _integer("digit_pair", "target", value, row)
+               for row, value in enumerate(require_column("digit_pair", "target", target,
+                                                          len(completions)))]
     return _graded(completions, targets, right)
+
+
+def _integer(reward: str, column: str, value: Any, row: int) -> int:
+    """A reference integer: an int, an integral float, or the text of one in ASCII digits
+    (a CSV cell); ValueError naming the reward and column for anything else (``9.5`` was
+    truncated to 9, ``"٣"`` read as 3 where completions are read in ASCII digits)."""
+    if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value.strip()):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{reward}: the {column} given with completion {row} of the step must be "
+                     f"an integer; got {value!r} (the data's {column} column)")
 
 
 def _graded(completions: list, references: list, right: Callable[[str, Any], bool],

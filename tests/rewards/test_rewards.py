@@ -549,3 +549,18 @@ def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():
     assert countdown_reward(["q"] * 3, ["<answer>(5 − 3) * 8</answer>",
                                         "<answer>5 · 3 + 1</answer>", "<answer>16 ∗ 1</answer>"],
                             numbers=[[5, 3, 8], [5, 3, 1], [16, 1]], target=[16] * 3) == [1.0] * 3
+
+
+def test_integer_references_are_read_strictly() -> None:
+    """``digit_pair`` truncated a 9.5 target to 9, and ``first_number`` read ``"٣"`` and
+    ``"1_000"`` as integers that no completion (read in ASCII digits) could give."""
+    from maxent_grpo.rewards.answers import digit_pair_reward, first_number_reward
+
+    assert digit_pair_reward(["q"] * 3, ["4 + 5"] * 3, target=[9, 9.0, " 9"]) == [1.0] * 3
+    with pytest.raises(ValueError, match=r"digit_pair: the target given with completion 0 .* "
+                                         r"integer; got 9\.5"):
+        digit_pair_reward(["q"], ["4 + 5"], target=[9.5])
+    for gold in ("\u0663", "1_000"):
+        with pytest.raises(ValueError, match="first_number: the answer given with completion 0"):
+            first_number_reward(["q"], ["3"], answer=[gold])
+    assert first_number_reward(["q"], ["-3 apples"], answer=["-3"]) == [1.0]
