@@ -230,8 +230,9 @@ class MultiTurnEngine:
             calls[row] += 1
             if number >= left:  # said to the model, which would otherwise wait for a result
                 failures["over_limit"][row] += 1
-                out.append({"role": "tool", "content": f"Error: {call.name or 'the call'} was "
-                            f"not run: a sample runs at most {self.max_tool_calls} tool calls"})
+                out.append({"role": "tool", "content": valid_text(  # a model-written name
+                    f"Error: {call.name or 'the call'} was not run: a sample runs at most "
+                    f"{self.max_tool_calls} tool calls")})
                 continue
             result = self.toolbox.run(call)
             if result.failure is not None:

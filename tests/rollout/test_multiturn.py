@@ -164,6 +164,10 @@ def test_calls_past_the_limit_in_one_turn_are_told_they_did_not_run():
     assert out.tools.calls.tolist() == [3]
     assert out.tools.failures["over_limit"].tolist() == [1]
     assert out.batch.flatten().reward_columns()["tool_failures"] == [1]
+    # the refusal repeats the name the model wrote: a lone surrogate reaches it as "?"
+    odd = '<tool_call>{"name": "calc\\ud800", "arguments": {}}</tool_call>'
+    out = engine([CALL * 2 + odd, "42"], budget=1000, max_calls=2).generate(["q"], ["42"], 1)
+    assert out.reward_completions()[0][3]["content"].startswith("Error: calc? was not run")
 
 
 def test_a_call_that_ends_exactly_at_the_budget_does_not_run(monkeypatch):
