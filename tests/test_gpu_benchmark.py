@@ -98,6 +98,10 @@ def test_gpu_step_can_compare_the_fused_head_with_the_logits_path() -> None:
     assert sides["ours (dynamic cache, fused head)"][-2:] == ["--fused-lm-head", "true"]
     assert sides["ours (dynamic cache, logits)"][-2:] == ["--fused-lm-head", "false"]
     assert list(sides)[2:] == list(gpu_step.sides("trl-python"))
+    static = gpu_step.sides("trl-python", "static-both")
+    assert static["ours (static cache, bf16 copy, logits)"] == [
+        *static["ours (static cache, bf16 copy)"], "--fused-lm-head", "false"]
+    assert list(static)[-1] == "trl"
 
 
 def test_ours_engine_factory_keeps_the_last_engine() -> None:
