@@ -434,7 +434,7 @@ def plot_study(study: Mapping[str, Any], smooth: int = 10) -> Any:
         rows = study_table(study, task)
         has_sets = bool(_metric_ks(rows, "coverage"))
         for ax, family in zip(row_axes[len(curves):], families, strict=True):
-            # without answer sets, answers are compared as written ("8" vs "8 ok")
+            # without answer sets, an answer with no canonical form is text ("8" vs "8 ok")
             shown = rows if has_sets or family != "distinct_correct" else []
             _plot_family(ax, shown, family, colour_of)
     handles = [Line2D([], [], color=colour_of[o], label=o) for o in objectives]

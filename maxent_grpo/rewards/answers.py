@@ -14,6 +14,7 @@ column raises ``ValueError`` (the reward does not fit the task).
 
 from __future__ import annotations
 
+import numbers
 import re
 import sys
 import threading
@@ -390,8 +391,8 @@ def _integer(reward: str, column: str, value: Any, row: int) -> int:
         return int(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)  # numpy's integers too (a pandas column)
     raise ValueError(f"{reward}: the {column} given with completion {row} of the step must be "
                      f"an integer; got {value!r} (the data's {column} column)")
 

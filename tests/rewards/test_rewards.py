@@ -564,3 +564,6 @@ def test_integer_references_are_read_strictly() -> None:
         with pytest.raises(ValueError, match="first_number: the answer given with completion 0"):
             first_number_reward(["q"], ["3"], answer=[gold])
     assert first_number_reward(["q"], ["-3 apples"], answer=["-3"]) == [1.0]
+    np = pytest.importorskip("numpy")  # a direct caller's pandas column
+    assert digit_pair_reward(["q"], ["4 + 5"], target=[np.int64(9)]) == [1.0]
+    assert first_number_reward(["q"], ["8"], answer=[np.int64(8)]) == [1.0]

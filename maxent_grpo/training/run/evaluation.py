@@ -6,17 +6,17 @@ prompt; :func:`evaluation_metrics` turns the epoch's records into exact means ov
 prompts (:func:`maxent_grpo.core.at_k.aggregate`):
 
 - ``{prefix}/pass@k``, ``{prefix}/mean@k``, ``{prefix}/distinct@k`` for every ``k``;
-- ``{prefix}/distinct_correct@k``: distinct correct answers among ``k`` samples (in the
-  canonical form where the prompts have a valid-answer set);
+- ``{prefix}/distinct_correct@k``: distinct correct answers among ``k`` samples;
 - ``{prefix}/coverage@k`` over the prompts that have a valid-answer set;
 - ``{prefix}/greedy_pass@1``: the mean greedy correctness;
 - ``{prefix}/answer_entropy``: the mean over prompts of the entropy (nats) of its ``n``
   answers, canonical as ``train/answer_entropy`` reads them;
 - the same keys with ``/{task}`` appended, over the prompts of each task label.
 
-Answers: :func:`sample_answer`; ``distinct@k`` compares them with whitespace collapsed;
-coverage compares their canonical forms under the prompt's ``answer_form``
-(:func:`~maxent_grpo.rewards.answers.canonical_answer`; expressions by default).
+Answers: :func:`sample_answer`; ``distinct@k``, ``distinct_correct@k`` and the entropy
+compare them as :func:`~maxent_grpo.rewards.answers.compared_answer` does (the canonical form
+under the prompt's ``answer_form``, expressions by default, else the text with whitespace
+collapsed); coverage counts only answers that have a canonical form.
 """
 
 from __future__ import annotations
