@@ -537,6 +537,31 @@ def test_the_fallback_cleanup_never_follows_a_link(tmp_path):
     assert not os.path.lexists(here) and not os.path.lexists(here + "-moved")
 
 
+def test_a_folder_is_removed_through_its_parent_and_links_are_not_followed(tmp_path):
+    """What a call's uid left in a shared folder goes folder by folder, through descriptors
+    (Python 3.10 has no ``rmtree(dir_fd=)``): nested files, a read-only folder, a link to a
+    folder of the trainer's (removed, its target kept)."""
+    from maxent_grpo.rollout.sandbox import call
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "file").write_text("keep")
+    top = tmp_path / "shared" / "left"
+    (top / "a" / "b").mkdir(parents=True)
+    (top / "a" / "b" / "f").write_text("x")
+    (top / "a" / "link").symlink_to(victim)
+    (top / "g").write_text("y")
+    if os.geteuid() == 0:  # root removes from a read-only folder; a plain user could not
+        (top / "a").chmod(0o500)
+    fd = os.open(tmp_path / "shared", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        call._remove_at("left", fd)
+    finally:
+        os.close(fd)
+    assert list((tmp_path / "shared").iterdir()) == []
+    assert (victim / "file").read_text() == "keep"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the call needs a uid of its own")
 def test_closing_during_a_call_kills_it_and_all_it_started(tmp_root):
     """Even without a pid namespace (where the daemon would outlive its supervisor)."""

@@ -15,6 +15,7 @@ Standard library only: the zygote loads this file from its own folder.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -163,7 +164,7 @@ def kill_uid(uid: int) -> None:
 def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
     """Remove what ``uid`` owns in the world-writable folders at and below ``tops`` (the only
     folders it could write), and, with ``ipc``, its SysV objects. Every step goes through
-    a folder's descriptor (``O_NOFOLLOW``, ``rmtree(..., dir_fd=)``), never a path, so a
+    a folder's descriptor (``O_NOFOLLOW``, ``dir_fd=``), never a path, so a
     link swapped in mid-way by another call leads nowhere."""
     pending: list[int] = []
     for top in sorted({os.path.realpath(t) for t in tops}):
@@ -181,7 +182,7 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
             try:
                 info = entry.stat(follow_symlinks=False)
                 if info.st_uid == uid and stat.S_ISDIR(info.st_mode):
-                    shutil.rmtree(entry.name, dir_fd=fd, ignore_errors=True)
+                    _remove_at(entry.name, fd)
                 elif info.st_uid == uid:
                     os.unlink(entry.name, dir_fd=fd)
                 elif stat.S_ISDIR(info.st_mode):
@@ -199,6 +200,23 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
                     getattr(_libc, call)(int(row[1]), 0, None)  # IPC_RMID
         except (OSError, ValueError, IndexError):
             continue
+
+
+def _remove_at(name: str, dir_fd: int) -> None:
+    """Remove the folder ``name`` of the folder open as ``dir_fd`` and all it holds, never
+    following a link (``shutil.rmtree(name, dir_fd=)`` from Python 3.11 on)."""
+    with contextlib.suppress(OSError, RecursionError):  # a folder nested past the stack: left
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            for entry in list(os.scandir(fd)):
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        _remove_at(entry.name, fd)
+                    else:
+                        os.unlink(entry.name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=dir_fd)
 
 
 def remove_tree(path: str) -> None:
@@ -352,20 +370,16 @@ def _drop_capabilities() -> None:
 
 def _write_stderr(text: str) -> None:
     """Straight to fd 2: the code may have closed or replaced ``sys.stderr``."""
-    try:
+    with contextlib.suppress(OSError):
         data = text.encode("utf-8", "backslashreplace")
         while data:
             data = data[os.write(2, data):]
-    except OSError:
-        pass
 
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # closed or replaced by the code
             stream.flush()
-        except Exception:  # closed or replaced by the code
-            pass
 
 
 def _run_code(source: str) -> None:
@@ -406,10 +420,8 @@ def _exit_status(code: object) -> int:
     if isinstance(code, int):
         return code & 0xFF
     _flush()
-    try:
+    with contextlib.suppress(BaseException):  # a code whose str() fails
         _write_stderr(f"{code}\n")
-    except BaseException:  # noqa: B036 - a code whose str() fails
-        pass
     return 1
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Self
+from typing import TypeVar
 
 import torch
 
@@ -61,6 +61,9 @@ class RewardMoments(_MeanStd):
     """
 
 
+_Self = TypeVar("_Self", bound="_PerGroup")  # typing.Self is Python 3.11's
+
+
 @dataclass
 class _PerGroup:
     """What the two per-group records share: ``samples`` is ``grouped`` flattened."""
@@ -75,7 +78,7 @@ class _PerGroup:
                              f"of grouped, prompt-major; got {len(self.samples)}")
 
     @classmethod
-    def of(cls, values: torch.Tensor) -> Self:
+    def of(cls: type[_Self], values: torch.Tensor) -> _Self:
         """From a ``(B, G)`` tensor."""
         return cls(values.tolist(), values.reshape(-1).tolist())
 
