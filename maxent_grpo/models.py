@@ -199,8 +199,8 @@ def load_reference(
 ) -> PreTrainedModel:
     """Load the frozen reference model: ``eval()`` mode and ``requires_grad_(False)``.
 
-    Same arguments as :func:`load_policy` except ``gradient_checkpointing`` (nothing is
-    back-propagated through the reference).
+    Same arguments as :func:`load_policy` except ``gradient_checkpointing`` and ``peft``
+    (nothing is back-propagated through the reference, and nothing in it trains).
     """
     kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
     model = _load_causal_lm(name_or_path, cache_dir, kwargs)

@@ -78,11 +78,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float) -
         if proc.poll() is not None:
             raise SystemExit(f"vllm serve exited with {proc.returncode} before it answered; "
                              f"its log ({log}) ends:\n{log.read_text()[-3000:]}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
         print(f"\rwaiting for vllm serve at {url} ... {time.monotonic() - start:.0f} s",
               end="", file=sys.stderr, flush=True)
         time.sleep(1)
@@ -178,10 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         with contextlib.suppress(OSError):  # a terminal closed (SIGHUP) cannot be written to
             print("vllm serve stopped", file=sys.stderr)
         signal.signal(signal.SIGINT, stops[signal.SIGINT])  # main() run inside a process:

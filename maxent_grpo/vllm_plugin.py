@@ -35,6 +35,7 @@ The module imports nothing heavy at the top: vLLM's processes import it at start
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -60,10 +61,8 @@ def _check_loaded(engine, expected: set[str], loaded, source: str) -> None:
         return
     missing = sorted(expected - set(loaded))
     if missing:
-        try:
+        with contextlib.suppress(Exception):  # the names are the error to report
             engine.finish_weight_update()
-        except Exception:  # noqa: BLE001, S110 -- the names are the error to report
-            pass
         shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
         raise ValueError(
             f"{source} left {len(missing)} parameters of the served model without new "
@@ -191,10 +190,8 @@ def _engine_class():
                 # a broadcast cut short: close the reload, so that no half-received layer
                 # is carried into the next update (the server stays out of use until then)
                 self.group = None
-                try:
+                with contextlib.suppress(Exception):  # the broadcast's error is the one
                     self.finish_weight_update()
-                except Exception:  # noqa: BLE001, S110 - the broadcast's error is the one
-                    pass
                 raise
             _check_loaded(self, expected, loaded, "maxent_gloo: the update")
 

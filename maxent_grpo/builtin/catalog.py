@@ -140,12 +140,11 @@ def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedMode
     return model.eval()
 
 
-def _write_tiny(folder: Path, warm: bool = False, head_dim: int = 16,
-                weights: Path | None = None) -> None:
+def _write_tiny(folder: Path, head_dim: int = 16, weights: Path | None = None) -> None:
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, head_dim=head_dim)
-    if warm:
-        load_shipped(model, weights or (WEIGHTS_H64 if head_dim == 64 else WEIGHTS))
+    if weights is not None:
+        load_shipped(model, weights)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -196,14 +195,12 @@ def _write_smollm2(folder: Path) -> None:
 BUILTIN_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
     # v2 / v3: the chat template renders tools (unchanged without them)
     "tiny": (2, _write_tiny),
-    "tiny-warm": (3, lambda folder: _write_tiny(folder, warm=True)),  # v2: shipped weights
+    "tiny-warm": (3, lambda folder: _write_tiny(folder, weights=WEIGHTS)),  # v2: shipped weights
     "tiny-h64": (2, lambda folder: _write_tiny(folder, head_dim=64)),
-    "tiny-h64-warm": (2, lambda folder: _write_tiny(folder, warm=True, head_dim=64)),
-    "tiny-tools-warm": (1, lambda folder: _write_tiny(folder, warm=True,
-                                                      weights=WEIGHTS_TOOLS)),
+    "tiny-h64-warm": (2, lambda folder: _write_tiny(folder, head_dim=64, weights=WEIGHTS_H64)),
+    "tiny-tools-warm": (1, lambda folder: _write_tiny(folder, weights=WEIGHTS_TOOLS)),
     # tiny-python-warm v2: continued from tiny-tools-warm (copies the printed value)
-    "tiny-python-warm": (2, lambda folder: _write_tiny(folder, warm=True,
-                                                       weights=WEIGHTS_PYTHON)),
+    "tiny-python-warm": (2, lambda folder: _write_tiny(folder, weights=WEIGHTS_PYTHON)),
     "smollm2-135m-instruct": (1, _write_smollm2),
 }
 

@@ -88,13 +88,6 @@ def tool_call_text(expression: str, tool: str = "calculate") -> str:
     return f"<tool_call>{json.dumps({'name': tool, 'arguments': arguments})}</tool_call>"
 
 
-def tool_message(expression: str, tool: str = "calculate") -> str:
-    """What the tool answers to :func:`tool_call_text`: ``calculate``'s result, or what
-    ``python``'s ``print`` writes (the value and a newline)."""
-    value = calculate(expression)
-    return value if tool == "calculate" else value + "\n"
-
-
 KINDS = (("+", 2, 2), ("-", 2, 2), ("+", 1, 1), ("-", 1, 1), ("+", 3, 3), ("*", 1, 1),
          ("*", 2, 1), ("*", 1, 2), ("*", 2, 2))
 """The warm start's questions: (operator, digits of the first operand, of the second). The
@@ -138,10 +131,11 @@ def examples(num_rows: int, seed: int = SEED,
             out.append((prompt, [("model", str(rng.randint(*answer_range(op, da, db))))]))
         elif (op, da, db) == TASK_KIND:  # the call's format; its result is never shown
             out.append((prompt, [("model", tool_call_text(expression, tool))]))
-        else:
+        else:  # the tool's message: the result, or what python's print writes (and "\n")
+            value = calculate(expression)
+            message = value if tool == "calculate" else value + "\n"
             out.append((prompt, [("model", tool_call_text(expression, tool)),
-                                 (MESSAGE, tool_message(expression, tool)),
-                                 ("model", calculate(expression))]))
+                                 (MESSAGE, message), ("model", value)]))
     return out
 
 
@@ -160,18 +154,6 @@ def _encode(tokenizer: PreTrainedTokenizerBase, rows: list[tuple[str, list[tuple
 
     return encode(tokenizer, [(prompt, [(kind, render(kind, part)) for kind, part in parts])
                               for prompt, parts in rows], tools=[fn])
-
-
-def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-               steps: int = STEPS, batch_size: int = 32, lr: float = 3e-3,
-               seed: int = SEED, tool: str = "calculate",
-               report: bool = False) -> PreTrainedModel:
-    """Train ``model`` in place on :func:`examples` (``steps x batch_size`` fresh examples,
-    AdamW, cross-entropy on the model's parts) and return it in eval mode; the torch random
-    state is forked; ``report`` prints the progress."""
-    ids, att, lab = _encode(tokenizer, examples(steps * batch_size, seed, tool), tool)
-    return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=lr,
-                           seed=seed, trim=True, report=report)
 
 
 def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, prompts: int = 32,
@@ -215,13 +197,16 @@ def retrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tool: st
     """The warm start of ``tool``'s shipped weights, trained anew into ``model`` (a fresh
     ``builtin:tiny``): from the weights it continues from (:data:`CONTINUES_FROM`, then
     ``steps`` or :data:`CONTINUE_STEPS` steps), else from ``model`` itself (``steps`` or
-    :data:`STEPS`)."""
-    default = STEPS
+    :data:`STEPS`): 32 fresh :func:`examples` a step (AdamW at lr 3e-3 on the model's parts,
+    the torch state forked), returned in eval mode; ``report`` prints the progress."""
+    default, batch_size = STEPS, 32
     if tool in CONTINUES_FROM:  # the calculate warm start, then python's call format
         load_shipped(model, CONTINUES_FROM[tool])
         default = CONTINUE_STEPS
-    return warm_start(model, tokenizer, tool=tool, report=report,
-                      steps=default if steps is None else steps)
+    steps = default if steps is None else steps
+    ids, att, lab = _encode(tokenizer, examples(steps * batch_size, SEED, tool), tool)
+    return supervised_pass(model, ids, att, lab, steps=steps, batch_size=batch_size, lr=3e-3,
+                           seed=SEED, trim=True, report=report)
 
 
 def _main(argv: list[str] | None = None) -> dict[str, float]:

@@ -236,11 +236,11 @@ def pop_traceback_flag(args: list[str]) -> tuple[list[str], bool]:
     return kept, len(kept) != len(args)
 
 
-def report(error: BaseException, show_trace: bool, file: Any = None) -> int:
+def report(error: BaseException, show_trace: bool) -> int:
     """Print ``error`` for a person (see the module docstring); return the exit code."""
-    file = sys.stderr if file is None else file
     from jsonargparse import ArgumentError
 
+    file = sys.stderr
     if isinstance(error, ArgumentError):  # only raised here when --traceback was given
         traceback.print_exception(error, file=file)
         print(f"error: {error}", file=file)
@@ -267,8 +267,6 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
     its exit code (``SystemExit``, e.g. jsonargparse's usage errors, passes through)."""
     try:
         return build()
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         if show_trace:
             raise

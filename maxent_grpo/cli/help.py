@@ -44,13 +44,6 @@ _SHORT_DEFAULT = 40  # a longer default is left to --help-all and --print_config
 _DEFAULT_MARK = "\x00"
 
 
-def version() -> str:
-    """``maxent-grpo <version>``: the installed distribution's version."""
-    from maxent_grpo import __version__
-
-    return f"maxent-grpo {__version__}"
-
-
 def configs_folder() -> Path:
     """The configs shipped inside the package (``configs/`` of the repository links here)."""
     return Path(__file__).resolve().parent.parent / "configs"
@@ -125,15 +118,12 @@ def quick_help(args: list[str]) -> tuple[str, int] | None:
     if args in (["-h"], ["--help"], [HELP_ALL_FLAG]):
         return top_level_help(), 0
     if args == ["--version"]:
-        return version() + "\n", 0
+        from maxent_grpo import __version__
+
+        return f"maxent-grpo {__version__}\n", 0
     if not args:
         return top_level_help(), 2
     return None
-
-
-def pop_help_all(args: list[str]) -> tuple[list[str], bool]:
-    """``args`` with ``--help-all`` turned into ``--help``, and whether it was there."""
-    return ["--help" if a == HELP_ALL_FLAG else a for a in args], HELP_ALL_FLAG in args
 
 
 _ABBREVIATION = re.compile(r"\b(?:e\.g|i\.e|ie|vs|cf)$")  # "e.g." ends no sentence

@@ -343,9 +343,10 @@ def main(
     show_trace = False
     if isinstance(args, list) or (from_argv and errors.TRACEBACK_FLAG in sys.argv[1:]):
         args, show_trace = errors.pop_traceback_flag(list(sys.argv[1:] if from_argv else args))
-    full_help = False
-    if cli_help.HELP_ALL_FLAG in (sys.argv[1:] if args is None else args):
-        args, full_help = cli_help.pop_help_all(list(sys.argv[1:] if args is None else args))
+    full_help = cli_help.HELP_ALL_FLAG in (sys.argv[1:] if args is None else args)
+    if full_help:  # jsonargparse prints its full page for --help under FULL_HELP
+        args = ["--help" if a == cli_help.HELP_ALL_FLAG else a
+                for a in (sys.argv[1:] if args is None else args)]
     # with --traceback, jsonargparse raises its parse errors (printed with their trace by
     # errors.report) instead of printing the usage and exiting 2
     parser_kwargs = {"exit_on_error": False} if show_trace and exit_on_error else {}

@@ -90,9 +90,7 @@ class _FusedHead(torch.autograd.Function):
         ctx: FunctionCtx, grad_out: torch.Tensor, grad_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         h, weight, y, shift, lse, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return None, None, None, None, None, None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # one at least
         mm, scale, block = ctx.mm, ctx.scale, ctx.block
         g_out = grad_out.reshape(-1)
         g_ent = None if grad_ent is None or ent is None else grad_ent.reshape(-1)

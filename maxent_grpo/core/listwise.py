@@ -27,9 +27,8 @@ WEIGHT_SUM_TOL = 1e-4
 
 def _check_scalar(name: str, value: float, *, positive: bool = False) -> None:
     bound = "> 0" if positive else ">= 0"
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
         raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
 
 

@@ -31,11 +31,6 @@ BLOCK_ELEMENTS = 1 << 21
 ``benchmarks/scoring_memory.py`` (benchmarks/RESULTS.md §3)."""
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other floating dtype is computed in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_logits(logits: torch.Tensor) -> None:
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"logits must be a torch.Tensor; got {type(logits).__name__}")
@@ -183,7 +178,7 @@ class _LogSoftmaxStats(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, logits: torch.Tensor, index: torch.Tensor | None, with_entropy: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        dtype = _compute_dtype(logits.dtype)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         shift = torch.empty(logits.shape[:2], dtype=dtype, device=logits.device)
         lse = torch.empty_like(shift)
         out = None if index is None else torch.empty_like(shift)
@@ -202,9 +197,7 @@ class _LogSoftmaxStats(torch.autograd.Function):
     def backward(
         ctx: FunctionCtx, grad_out: torch.Tensor | None, grad_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None]:
-        logits, index, shift, lse, ent = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
+        logits, index, shift, lse, ent = ctx.saved_tensors  # only the logits need a grad
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for n, t in _blocks(logits):
             logp = _block_log_probs(logits[n, t].to(lse.dtype), shift[n, t], lse[n, t])

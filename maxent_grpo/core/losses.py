@@ -69,9 +69,8 @@ def _check_clip_range(eps_low: float, eps_high: float | None) -> float:
         raise ValueError(f"eps_low must be in [0, 1); got {eps_low!r}")
     if eps_high is None:
         return float(eps_low)
-    if isinstance(eps_high, bool) or not isinstance(eps_high, (int, float)):
-        raise ValueError(f"eps_high must be a finite number >= 0 or None; got {eps_high!r}")
-    if not (math.isfinite(eps_high) and eps_high >= 0.0):
+    if (isinstance(eps_high, bool) or not isinstance(eps_high, (int, float))
+            or not (math.isfinite(eps_high) and eps_high >= 0.0)):
         raise ValueError(f"eps_high must be a finite number >= 0 or None; got {eps_high!r}")
     return float(eps_high)
 

@@ -13,8 +13,8 @@ The LightningModule drives them in two phases per rollout:
    gradient, scaled so that the *sum* over the micro-batches of one optimizer step equals
    the loss of the whole batch.
 
-Modules: ``base`` (the interface), ``surrogate`` (the clipped surrogate shared by GRPO,
-EntropyMaxEnt and GroupMaxEnt), ``grpo`` (:class:`GRPO` §4.1, :class:`EntropyMaxEnt` §4.2)
+Modules: ``base`` (the interface, and the clipped surrogate shared by GRPO, EntropyMaxEnt
+and GroupMaxEnt), ``grpo`` (:class:`GRPO` §4.1, :class:`EntropyMaxEnt` §4.2)
 and ``maxent`` (:class:`ListwiseMaxEnt` §4.3, :class:`GroupMaxEnt` §4.4); the mathematics
 lives in :mod:`maxent_grpo.core`.
 """

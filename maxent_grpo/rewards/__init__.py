@@ -8,8 +8,9 @@ Registered names: ``accuracy`` (math-verify equivalence with the ``answer`` colu
 ``countdown`` (valid expression for ``numbers``/``target``), ``first_number`` (the first
 integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``in_set`` (the first
 integer is one of ``valid_answers``), ``format`` (exact
-``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once) and
-``answer_format`` (an ``<answer>`` block exists). ``model:<name_or_path>`` names a
+``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once),
+``answer_format`` (an ``<answer>`` block exists) and ``overlong`` (a penalty on completions
+near ``max_completion_length``). ``model:<name_or_path>`` names a
 sequence-classification reward model (:class:`RewardModel`); per-reward options are in
 :mod:`maxent_grpo.rewards.options`. :class:`WeightedRewards` combines weighted rewards.
 """

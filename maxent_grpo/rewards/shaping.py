@@ -1,4 +1,5 @@
-"""Format rewards: shaping signals about the layout ``<think>...</think><answer>...</answer>``.
+"""Shaping rewards: the layout ``<think>...</think><answer>...</answer>`` and the length
+penalty ``overlong``.
 
 Reasoning models' chat templates often end the prompt with ``<think>`` so the completion
 starts inside the reasoning block. Here, when a plain-string prompt ends with ``<think>``

@@ -243,7 +243,7 @@ class HFGenerateEngine:
         check_int("HFGenerateEngine.prompt_bucket", prompt_bucket, minimum=1)
         check_choice("HFGenerateEngine.generation_dtype", generation_dtype, ("model", *DTYPES))
         if generation_dtype != "model":
-            check_copyable(model, sharded_across_ranks(model))
+            check_copyable(model)
         self.generation_dtype = generation_dtype
         self.refresh_seconds = 0.0  # the last call's refresh of the generation copy
         self._warned_autocast = False
@@ -374,7 +374,7 @@ class HFGenerateEngine:
         if self._two_dtypes:
             return "model"
         try:
-            check_copyable(self.model, False)
+            check_copyable(self.model)
         except ValueError:
             return "model"
         if not self._warned_autocast:

@@ -1,8 +1,9 @@
 """Multi-turn rollouts: the model writes, a tool or an environment answers, the model goes on.
 
 :class:`MultiTurnEngine` wraps a rollout engine that can continue token sequences
-(``continue_ids``: :class:`~maxent_grpo.rollout.HFGenerateEngine` and
-:class:`~maxent_grpo.rollout.VLLMEngine`), so both run this one loop. Per sample:
+(``continue_ids``: :class:`~maxent_grpo.rollout.HFGenerateEngine`,
+:class:`~maxent_grpo.rollout.VLLMEngine` and :class:`~maxent_grpo.rollout.VLLMServerEngine`),
+so all run this one loop. Per sample:
 
 1. the first turn is the inner engine's ``generate`` (G samples per prompt, as always);
 2. while the turn ended with a stop token and fewer than ``max_tool_calls`` calls ran:
@@ -329,10 +330,10 @@ class MultiTurnEngine:
                     active.append(i)
                 else:
                     truncated[i] = True
-        return self._output(first, prompts, G, ids, tool, logps, truncated, messages,
+        return self._output(first, prompts, ids, tool, logps, truncated, messages,
                             turns, calls, failures, envs, time.perf_counter() - start)
 
-    def _output(self, first: RolloutOutput, prompts: list[str], G: int, ids: list[list[int]],
+    def _output(self, first: RolloutOutput, prompts: list[str], ids: list[list[int]],
                 tool: list[list[bool]], logps: list[list[float]] | None, truncated: list[bool],
                 messages: list[list[dict[str, str]]], turns: list[int], calls: list[int],
                 failures: dict[str, list[int]], envs: list[Any] | None,

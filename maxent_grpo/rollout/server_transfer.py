@@ -28,6 +28,7 @@ when it does not).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -240,10 +241,8 @@ class GlooSender:
     def shutdown(self) -> None:
         group, self.group = self.group, None
         if group is not None:
-            try:
+            with contextlib.suppress(Exception):  # a group whose peer died: nothing to free
                 group.shutdown()
-            except Exception:  # noqa: BLE001, S110 - a group whose peer died: nothing to free
-                pass
 
 
 def open_sender(kind: str, engine: Any, server: Any, source: WeightList, address: str,

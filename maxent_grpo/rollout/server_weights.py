@@ -6,6 +6,7 @@ module docstring."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -141,10 +142,8 @@ class ServerWeights:
         if sender is not None:
             sender.shutdown()
         for route in routes:
-            try:
+            with contextlib.suppress(ServerError):
                 self._call(server, "POST", route, json={}, timeout=timeout)
-            except ServerError:
-                pass
 
     def _broadcast(self, server: _Server, version: str) -> None:
         """A collective transfer (``gloo``, ``nccl``; :mod:`.server_transfer`) to one server:
@@ -216,11 +215,10 @@ class ServerWeights:
                     log.warning("weight transfer to %s failed (attempt %d of %d): %s",
                                 server.url, attempt + 1, attempts, err)
                     if started:  # close this attempt's update so the next one can start
-                        try:  # briefly: a server that hung costs no second time-out
+                        # briefly: a server that hung costs no second time-out
+                        with contextlib.suppress(ServerError):
                             self._call(server, "POST", "/finish_weight_update", json={},
                                        timeout=min(10.0, self.request_timeout))
-                        except ServerError:
-                            pass
                     if err.timed_out:  # no answer in its time: the next servers wait no longer
                         break
                     if (loading and attempt + 1 < attempts and path == self._file

@@ -49,6 +49,7 @@ sandbox module's table (an exception, an exit status or a signal is ``error``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -153,10 +154,8 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         name, arguments = call.get("name"), call.get("arguments", {})
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
+            with contextlib.suppress(ValueError, RecursionError):  # left a string: refused below
                 arguments = json.loads(arguments)
-            except (ValueError, RecursionError):  # left a string: refused below
-                pass
         if not isinstance(name, str) or not name:
             calls.append(ToolCall("", {}, 'no "name" string'))
         elif not isinstance(arguments, dict):

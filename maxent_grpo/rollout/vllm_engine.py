@@ -77,7 +77,7 @@ def require_vllm() -> Any:
     """Import vLLM, or raise ImportError saying how to install it; its logging quiet first,
     unless the user configured it (:func:`~maxent_grpo.rollout.vllm_logs.quiet_vllm_logs`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process
-    quiet_vllm_logs()  # before the import: older vLLM releases read the level then
+    quiet_vllm_logs()  # before the import, so that the filters are on vLLM's first lines
     try:
         import vllm
     except ImportError as err:
@@ -288,7 +288,8 @@ class VLLMEngine(VLLMEngineBase):
         try:
             base = self.model.get_base_model() if has_adapters(self.model) else self.model
             base.config.save_pretrained(folder)
-            weights = {name: t.contiguous().clone() for name, t in self._weights(self.model)}
+            weights = {name: t.contiguous().clone()
+                       for name, t in checkpoint_weights(self.model)}
             save_file(weights, os.path.join(folder, "model.safetensors"))
             self.tokenizer.save_pretrained(folder)
             try:
@@ -304,16 +305,12 @@ class VLLMEngine(VLLMEngineBase):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    #: the policy's tensors as a plain checkpoint, whole, adapters merged, the training
-    #: model untouched
-    _weights = staticmethod(checkpoint_weights)
-
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
         drop its prefix cache (keys and values computed with the old weights)."""
         with quiet_during():
             self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": self._weights(model), "is_checkpoint_format": True})
+                "weights_iterator": checkpoint_weights(model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt keys/values came from the old weights
 
     def _sample(self, sequences: list[list[int]], requests: list[dict[str, Any]]

@@ -8,9 +8,8 @@ whole engine configuration, several KB), and on the CPU a warning after every ro
 before it imports vLLM, makes the default:
 
 - ``VLLM_LOGGING_LEVEL=WARNING``, set in this process's environment: vLLM reads the variable
-  when it configures its logging, when ``vllm.LLM`` is built (releases before 0.32: when
-  ``vllm`` is first imported), so setting it before the import covers both; processes vLLM
-  starts inherit it;
+  when it configures its logging, when ``vllm.LLM`` is built; processes vLLM starts inherit
+  it;
 - the warnings of :data:`NOT_ACTIONABLE` dropped (a ``logging.Filter`` on each logger that
   emits one, in this process): lines that come on every run and report either a choice the
   engine makes on purpose or vLLM's own internals, so there is nothing a user could change;

@@ -37,8 +37,6 @@ _BINARY: dict[type, Callable[[int, int], int]] = {
 
 
 def _evaluate(node: ast.AST) -> int:
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
     if isinstance(node, ast.Constant) and type(node.value) is int:
         value = node.value
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -79,7 +77,7 @@ def calculate(expression: str) -> str:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as err:
         raise ValueError(f"not an arithmetic expression: {err.msg}") from None
-    return str(_evaluate(tree))
+    return str(_evaluate(tree.body))
 
 
 def tool_arithmetic(

@@ -21,6 +21,7 @@ pytest.importorskip("vllm.entrypoints.llm")  # the real package, not a folder na
 
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
 from maxent_grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from maxent_grpo.rollout.weights import checkpoint_weights  # noqa: E402
 from maxent_grpo.training.step.token_logps import Scorer  # noqa: E402
 from maxent_grpo.training.types import BatchingSettings  # noqa: E402
 from tests.conftest import fit, make_data, make_module  # noqa: E402
@@ -237,7 +238,7 @@ def test_lora_adapters_reach_vllm_merged(tmp_path):
     engine = module.rollout_engine()
     greedy = SamplingSettings(max_new_tokens=8, max_prompt_length=256, do_sample=False)
     policy = module.policy
-    assert not any("lora_" in n for n, _ in VLLMEngine._weights(policy))
+    assert not any("lora_" in n for n, _ in checkpoint_weights(policy))
     assert any(p.requires_grad and p.abs().sum() > 0 for n, p in policy.named_parameters()
                if "lora_B" in n)  # the adapters moved
     ours = engine.generate(PROMPTS, ["", ""], 1, greedy).completion_ids

@@ -140,6 +140,7 @@ import is named in a warning when the pool starts, and each of its calls fails w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -364,10 +365,8 @@ class Sandbox:
                 return failed(reason=str(err))
         finally:
             spare.sock.close()
-            try:
+            with contextlib.suppress(OSError):  # the next call starts the pool again
                 self._pool.refill()
-            except OSError:
-                pass  # the next call starts the pool again
         if not isinstance(reply, dict) or "status" not in reply:
             killpg(ready["pid"])  # its supervisor is stuck or gone; the call dies with it
             return failed(uid=ready["uid"], reason=reply.get("failed") if isinstance(

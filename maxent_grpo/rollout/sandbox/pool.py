@@ -9,6 +9,7 @@ first use. Every wait here is bounded.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -32,10 +33,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 def killpg(pid: int) -> None:
     """SIGKILL to process group ``pid``, if it is still there."""
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 class Spare:
@@ -169,10 +168,8 @@ class Pool:
         self.spares.clear()
         if self.control is not None:
             if mine:
-                try:
+                with contextlib.suppress(OSError):
                     self.control.send(b"Q")
-                except OSError:
-                    pass
             self.control.close()
         proc, self.proc, self.control = self.proc, None, None
         if proc is not None and mine:

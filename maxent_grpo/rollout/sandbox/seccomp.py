@@ -47,28 +47,27 @@ REFUSED = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open
            "delete_module", "kexec_load", "kexec_file_load", "swapon", "swapoff", "reboot",
            "acct", "syslog", "pidfd_getfd", "kcmp", "process_madvise")
 
+#: the calls added since Linux 5.1 (numbers 424 and up): one number on every architecture
+_SHARED = dict(
+    open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
+    mount_setattr=442, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+    pidfd_getfd=438, process_madvise=440, clone3=435)
 #: (audit architecture, numbers of the calls above + clone and clone3, x32 bit or None)
 _TABLES = {
-    "x86_64": (0xC000003E, dict(
+    "x86_64": (0xC000003E, _SHARED | dict(
         unshare=272, setns=308, mount=165, umount2=166, pivot_root=155, chroot=161,
-        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
-        mount_setattr=442, ptrace=101, process_vm_readv=310, process_vm_writev=311, bpf=321,
-        perf_event_open=298, userfaultfd=323, io_uring_setup=425, io_uring_enter=426,
-        io_uring_register=427, add_key=248, request_key=249, keyctl=250,
+        ptrace=101, process_vm_readv=310, process_vm_writev=311, bpf=321,
+        perf_event_open=298, userfaultfd=323, add_key=248, request_key=249, keyctl=250,
         name_to_handle_at=303, open_by_handle_at=304, init_module=175, finit_module=313,
         delete_module=176, kexec_load=246, kexec_file_load=320, swapon=167, swapoff=168,
-        reboot=169, acct=163, syslog=103, pidfd_getfd=438, kcmp=312, process_madvise=440,
-        clone=56, clone3=435), 0x40000000),
-    "aarch64": (0xC00000B7, dict(
+        reboot=169, acct=163, syslog=103, kcmp=312, clone=56), 0x40000000),
+    "aarch64": (0xC00000B7, _SHARED | dict(
         unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, chroot=51,
-        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
-        mount_setattr=442, ptrace=117, process_vm_readv=270, process_vm_writev=271, bpf=280,
-        perf_event_open=241, userfaultfd=282, io_uring_setup=425, io_uring_enter=426,
-        io_uring_register=427, add_key=217, request_key=218, keyctl=219,
+        ptrace=117, process_vm_readv=270, process_vm_writev=271, bpf=280,
+        perf_event_open=241, userfaultfd=282, add_key=217, request_key=218, keyctl=219,
         name_to_handle_at=264, open_by_handle_at=265, init_module=105, finit_module=273,
         delete_module=106, kexec_load=104, kexec_file_load=294, swapon=224, swapoff=225,
-        reboot=142, acct=89, syslog=116, pidfd_getfd=438, kcmp=272, process_madvise=440,
-        clone=220, clone3=435), None),
+        reboot=142, acct=89, syslog=116, kcmp=272, clone=220), None),
 }
 
 

@@ -18,7 +18,7 @@ Messages between T and S are a 4-byte big-endian length and a JSON object.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import importlib
 import json
 import os
@@ -41,7 +41,6 @@ CLOSE_WAIT = 3.0  # seconds Z lets calls in flight end once T closes, before it 
 PRELOAD = ("collections", "datetime", "decimal", "fractions", "functools", "heapq",
            "itertools", "json", "math", "random", "re", "statistics", "string", "textwrap")
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _spec = util.spec_from_file_location(
     "sandbox_call", os.path.join(os.path.dirname(os.path.abspath(__file__)), "call.py"))
 CALL = util.module_from_spec(_spec)
@@ -193,10 +192,8 @@ def _after_spare(uid: int | None, config: dict) -> None:
 
 
 def _kill(pid: int, group: bool = False) -> None:
-    try:
+    with contextlib.suppress(OSError):
         (os.killpg if group else os.kill)(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _fork_spare(control: socket.socket, fd: int, config: dict) -> int:
@@ -264,10 +261,8 @@ def spare(sock: socket.socket, config: dict) -> None:
             if not (guard["private_tmp"] and CALL._under(os.path.realpath(t), CALL.PRIVATE_DIRS))]
         CALL.leftovers(uid, tops, ipc=not guard["own_ipc"])
     if request is not None:
-        try:
+        with contextlib.suppress(OSError):
             send(sock, reply)
-        except OSError:
-            pass
     sock.close()
 
 
@@ -293,11 +288,8 @@ def _namespaces(root: bool, guard: dict, disk_mb: int) -> None:
         page = os.sysconf("SC_PAGE_SIZE")
         for name, value in (("shmmax", disk_mb << 20), ("shmall", (disk_mb << 20) // page),
                             ("msgmni", 16)):
-            try:
-                with open(f"/proc/sys/kernel/{name}", "w") as f:
-                    f.write(str(value))
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
 
 
 def supervise(init: int, fds: dict[str, int], request: dict | None, config: dict,

@@ -83,7 +83,11 @@ class CompletionWriter(L.Callback):
         self.path = path.absolute()
         problem = refusal = None
         if trainer.is_global_zero:  # the one writer checks, before any sampling
-            refusal = self._refusal()
+            # refused: replacing a zip archive (a checkpoint, the one being read perhaps)
+            # rather than JSON lines
+            if self.path.is_file() and zipfile.is_zipfile(self.path):
+                refusal = (f"predict --output {self.path} is a zip archive (a checkpoint?), not "
+                           "an earlier predictions file; choose another file")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path.with_name(f".{self.path.name}.check"), "w"):
@@ -97,15 +101,6 @@ class CompletionWriter(L.Callback):
                 f"predict cannot write {self.path} ({problem or 'see global rank 0'}); pass "
                 "--output with a file in a folder you can write to"))
         self.rows, self.metrics, self.written = [], {}, False
-
-    def _refusal(self) -> str | None:
-        """Why not to replace the target (None: fine): a zip archive (a checkpoint, the one
-        being read perhaps) rather than JSON lines."""
-        path = self.path
-        if path.is_file() and zipfile.is_zipfile(path):
-            return (f"predict --output {path} is a zip archive (a checkpoint?), not an earlier "
-                    "predictions file; choose another file")
-        return None
 
     def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              outputs: Any, batch: Any, batch_idx: int,

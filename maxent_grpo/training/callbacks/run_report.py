@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,13 +57,13 @@ class RewardRecord:
     def __init__(self, n: int = 20) -> None:
         self.n = n
         self.first: list[float] = []
-        self.last: list[float] = []
+        self.last: deque[float] = deque(maxlen=n)
         self.best: tuple[float, int] | None = None
 
     def add_reward(self, reward: float) -> None:
         if len(self.first) < self.n:
             self.first.append(reward)
-        self.last = [*self.last[-(self.n - 1):], reward]
+        self.last.append(reward)
 
     def add_validation(self, step: int, metrics: Mapping[str, Any]) -> None:
         value = _float(metrics.get("val/pass@1"))

@@ -33,7 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
@@ -180,17 +180,11 @@ def flat_table(samples: RolloutSamples, max_prompts: int) -> tuple[list[str], li
     return columns, data
 
 
-def _finite(values: Tensor) -> Tensor:
-    flat = values.detach().float().flatten()
-    return flat[torch.isfinite(flat)]
-
-
 def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Append one JSON line per row to ``path`` and flush."""
+    """Append one JSON line per row to ``path`` (closed, so flushed)."""
     with open(path, "a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-        f.flush()
 
 
 class CompletionSamples(Callback):
@@ -248,11 +242,6 @@ class CompletionSamples(Callback):
             self._jsonl_file.parent.mkdir(parents=True, exist_ok=True)
         return self._jsonl_file
 
-    def _table_file(self, trainer: pl.Trainer, logger: Logger) -> Path:
-        """``<log_dir>/samples/completions.jsonl`` for a logger without a table of its own."""
-        log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        return Path(log_dir or self._log_dir(trainer)) / "samples" / "completions.jsonl"
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Log the CLI's ``config.yaml`` (if any) as TensorBoard text.
 
@@ -305,8 +294,10 @@ class CompletionSamples(Callback):
                 self.write_mlflow(logger, record, step)
             elif isinstance(getattr(logger, "experiment", None), SummaryWriter):
                 self.write_tensorboard(logger.experiment, record, step)
-            else:
-                files[self._table_file(trainer, logger)] = None
+            else:  # <log_dir>/samples/completions.jsonl for a logger without a table
+                log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+                folder = Path(log_dir or self._log_dir(trainer))
+                files[folder / "samples" / "completions.jsonl"] = None
         if not loggers and not self._told_no_logger:
             # nothing is written where nothing was asked for (no logger: not the cwd)
             self._told_no_logger = True
@@ -328,7 +319,8 @@ class CompletionSamples(Callback):
             for tag, values in {"reward": record.rewards, **_grouped(record)}.items():
                 if values is None:
                     continue
-                values = _finite(values)
+                values = values.detach().float().flatten()
+                values = values[torch.isfinite(values)]
                 if values.numel():
                     writer.add_histogram(f"samples/{tag}", values, step)
         writer.flush()

@@ -6,10 +6,10 @@ from maxent_grpo.training.data.datamodule import (
     EpochShuffleSampler,
     PromptDataModule,
     PromptDataset,
-    PromptExample,
     PromptLoader,
     collate_prompts,
 )
+from maxent_grpo.training.data.sampler import PromptExample
 
 __all__ = ["EpochShuffleSampler", "PromptDataModule", "PromptDataset", "PromptExample",
            "PromptLoader", "collate_prompts"]

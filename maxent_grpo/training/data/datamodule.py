@@ -25,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from maxent_grpo.models import load_tokenizer
 from maxent_grpo.rollout.toolcall import resolve_tool
@@ -33,7 +33,6 @@ from maxent_grpo.training.data.prompts import PromptFormat
 from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
     PromptDataset,
-    PromptExample,
     PromptLoader,
     check_resume_state,
     collate_prompts,
@@ -51,8 +50,7 @@ from maxent_grpo.training.data.sources import (
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = [  # the names other than PromptDataModule are re-exported
-    "EpochShuffleSampler", "PromptDataModule", "PromptDataset", "PromptExample",
-    "PromptLoader", "collate_prompts",
+    "EpochShuffleSampler", "PromptDataModule", "PromptDataset", "PromptLoader", "collate_prompts",
 ]
 
 log = logging.getLogger(__name__)
@@ -344,10 +342,9 @@ class PromptDataModule(pl.LightningDataModule):
         for position in range(self._refill_drawn, self._refill_drawn + n):
             pass_, i = divmod(position, per_pass)
             if self._refill_order[0] != pass_:  # this rank's order of the pass, made once
-                order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
-                    self.seed + REFILL_SEED + pass_)) if self.shuffle
-                    else torch.arange(len(dataset)))
-                self._refill_order = (pass_, order[: per_pass * world][rank::world].tolist())
+                sampler = EpochShuffleSampler(len(dataset), self.seed + REFILL_SEED, self.shuffle,
+                                              epoch=pass_, num_replicas=world, rank=rank)
+                self._refill_order = (pass_, list(sampler))
             rows.append(self._refill_order[1][i])
         self._refill_drawn += n
         return collate_prompts([dataset[i] for i in rows])
@@ -376,8 +373,6 @@ class PromptDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.world_size == 1:
             return self.val_dataloader()
-        from torch.utils.data import DistributedSampler
-
         dataset = self._require(self.val_dataset)
         sampler = DistributedSampler(dataset, num_replicas=trainer.world_size,
                                      rank=trainer.global_rank, shuffle=False, drop_last=False)

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from maxent_grpo.validation import require
@@ -98,7 +97,6 @@ class EpochShuffleSampler(DistributedSampler):
             range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
             drop_last=True,
         )
-        self.num_rows = num_rows
         self.epoch = epoch
         self.resume_epoch: int | None = None
         self.resume_consumed = 0
@@ -113,15 +111,10 @@ class EpochShuffleSampler(DistributedSampler):
         self.resume_epoch, self.resume_consumed = epoch, consumed
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=generator).tolist()
-        else:
-            order = list(range(self.num_rows))
-        order = order[: self.total_size]
+        order = list(super().__iter__())
         if self.epoch == self.resume_epoch:
-            order = order[self.resume_consumed :]
-        return iter(order[self.rank :: self.num_replicas])
+            order = order[self.resume_consumed // self.num_replicas :]
+        return iter(order)
 
 
 class PromptLoader(DataLoader):

@@ -60,14 +60,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path: str | os.PathLike,
         storage_options: Any | None = None,
     ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{type(self).__name__}`. Please implement your custom "
-                "`CheckpointIO` to define how you'd like to use `storage_options`."
-            )
-        if not _is_local(path):
-            super().save_checkpoint(checkpoint, path)
+        # a remote path, or storage_options, which Lightning's write refuses (TypeError)
+        if storage_options is not None or not _is_local(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
             return
         atomic_write(str(path).removeprefix("file://"), lambda f: self.write(checkpoint, f))
 
@@ -167,19 +162,6 @@ def checkpoint_problem(path: str | os.PathLike, full: bool = True) -> str | None
     return None
 
 
-def read_checkpoint_index(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The checkpoint's entries with the tensors memory-mapped (not read), or ``None`` when
-    it cannot be loaded that way (a folder, a legacy file)."""
-    if os.path.isdir(path) or not zipfile.is_zipfile(path):
-        return None
-    for weights_only in (True, False):
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        except Exception:  # noqa: BLE001
-            continue
-    return None
-
-
 @dataclass
 class ResolvedCheckpoint:
     """The checkpoint a run resumes from and what was skipped to find it."""
@@ -211,10 +193,18 @@ def _usable(path: str, need_training_state: bool, full: bool = True,
     problem = checkpoint_problem(path, full)
     if problem is not None:
         return problem, None
-    index = read_checkpoint_index(path)
-    if index is None and not os.path.isdir(path) and zipfile.is_zipfile(path):
+    if os.path.isdir(path) or not zipfile.is_zipfile(path):
+        return None, None  # a folder, a legacy file: no index to read without loading it
+    index = None  # the checkpoint's entries with the tensors memory-mapped (not read)
+    for weights_only in (True, False):
+        try:
+            index = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+            break
+        except Exception:  # noqa: BLE001
+            continue
+    if index is None:
         return "its index cannot be loaded", None
-    if need_training_state and index is not None and "optimizer_states" not in index:
+    if need_training_state and "optimizer_states" not in index:
         return "weights only (no optimizer or loop state to resume)", None
     return None, index
 
@@ -282,16 +272,15 @@ def resolve_checkpoint(
                 break
             skipped.append((found.path, problem))
             usable.remove(found)
+        names = "; ".join(f"{p}: {why}" for p, why in skipped)
         if usable:
             if skipped:
-                names = "; ".join(f"{p}: {why}" for p, why in skipped)
                 rank_zero_warn(
                     f"--ckpt_path last: skipped unusable checkpoint(s) ({names}); "
                     f"resuming from the latest usable one, {found.path}"
                 )
             return found
         if skipped:
-            names = "; ".join(f"{p}: {why}" for p, why in skipped)
             raise ValueError(
                 f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
                 "move them to start afresh"
@@ -311,13 +300,10 @@ def resolve_checkpoint(
     problem, index = _usable(ckpt_path, need_training_state)
     if problem is None:
         return _resolved(ckpt_path, index, [])
-    folder = os.path.dirname(os.path.abspath(ckpt_path))
-    other = None
-    for path in _candidates([folder]):
-        if os.path.abspath(path) != os.path.abspath(ckpt_path):
-            if _usable(path, need_training_state, full=False)[0] is None:
-                other = path
-                break
+    here = os.path.abspath(ckpt_path)  # _candidates' paths are absolute too
+    others = (path for path in _candidates([os.path.dirname(here)])
+              if path != here and _usable(path, need_training_state, full=False)[0] is None)
+    other = next(others, None)
     hint = f"; the newest usable checkpoint next to it is {other}" if other else ""
     raise ValueError(f"--ckpt_path {ckpt_path} is not usable: {problem}{hint}")
 

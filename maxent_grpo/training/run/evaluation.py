@@ -34,7 +34,6 @@ from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.answers import (
     canonical_answer,
     compared_answer,
-    coverage_answer,
     sample_answer,
 )
 from maxent_grpo.rollout import (
@@ -48,7 +47,7 @@ from maxent_grpo.training.step.metrics import (
     all_gather_objects,
 )
 
-__all__ = ["Evaluator", "PromptRecord", "coverage_answer", "evaluation_metrics", "sample_answer"]
+__all__ = ["Evaluator", "PromptRecord", "evaluation_metrics", "sample_answer"]
 
 
 @dataclass(frozen=True)

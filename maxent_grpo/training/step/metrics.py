@@ -15,8 +15,9 @@ Conventions:
 * A metric that has seen no data computes NaN for every mean, std, min, max and fraction
   (and 0 for plain token sums); it does not raise.
 * ``module.to(torch.bfloat16)`` (what Lightning's "bf16-true"/"16-true" precision does)
-  casts float64 metric states too. ``update`` then raises RuntimeError rather than summing
-  in low precision; call ``metric.set_dtype(torch.float64)`` after such a cast.
+  casts float64 metric states too. ``update`` casts a state back quietly while it holds no
+  data, and raises RuntimeError rather than sum in low precision once it had accumulated
+  data before the cast; call ``metric.set_dtype(torch.float64)`` after such a cast.
 
 :func:`all_gather_objects` is the one gather of picklable values over the ranks (the step's
 metric names, checkpoint states, evaluation records).
@@ -373,7 +374,8 @@ class TokenMean(MeanMetric):
         """Add ``values`` (any shape) over the True entries of ``mask`` (same shape, bool).
 
         ``mask=None`` counts every entry. With ``count`` given, ``values`` is a precomputed
-        sum and ``count`` its weight (see :meth:`update_sum`).
+        ``sum(value * weight)`` and ``count`` its ``sum(weight)`` (0-d or numbers); a numeric
+        ``count`` must be >= 0 (a tensor one is not checked: no device sync).
         """
         _check_float64_states(self, self._FLOAT_STATES)
         if count is not None:
@@ -399,11 +401,6 @@ class TokenMean(MeanMetric):
         m = mask.to(self.mean_value.device)
         self.mean_value += torch.where(m, v, torch.zeros_like(v)).sum()
         self.weight += m.sum()
-
-    def update_sum(self, total: Tensor | float, count: Tensor | float) -> None:
-        """Add a precomputed ``sum(value * weight)`` and ``sum(weight)`` (0-d or numbers);
-        a numeric ``count`` must be >= 0 (a tensor one is not checked: no device sync)."""
-        self.update(total, count=count)
 
     def compute(self) -> Tensor:
         """``mean_value / weight`` as a 0-d float64 tensor; NaN when ``weight == 0``."""

@@ -180,7 +180,7 @@ def optimizer_step(
             sums.add("entropy/sequence", h.sum(), rows_in.sum(), weight=weight)
             sums.add("entropy/sequence_sq", h.square().sum(), rows_in.sum(), weight=weight)
         for key, (value, count) in out.sums.items():
-            sums.add(key, value, count, weight=0.0 if t.ghost else 1.0)
+            sums.add(key, value, count, weight=weight)
     timer.start()
     # 16-mixed: the gradients are the loss scaler's multiple until the step unscales them;
     # clipping the scaled ones at max_norm x scale is clipping the true ones at max_norm

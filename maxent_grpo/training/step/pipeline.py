@@ -225,7 +225,7 @@ def restore_rollouts(pipeline: RolloutPipeline | None, checkpoint: dict[str, Any
 
 class Prefetched:
     """The step's engine with its rollout already made: the first ``generate`` for these
-    prompts returns it; anything else (a refill round, evaluation) goes to the engine."""
+    prompts returns it; anything else (a refill round's prompts) goes to the engine."""
 
     def __init__(self, engine: Any, rollout: RolloutOutput) -> None:
         self._engine, self._rollout = engine, rollout

@@ -127,8 +127,7 @@ def _pad(t: Tensor, width: int | None, value: Any, left: bool = False) -> Tensor
     if width is None or width == t.shape[1]:
         return t
     missing = width - t.shape[1]
-    fill = torch.full((t.shape[0], missing), value, dtype=t.dtype, device=t.device)
-    return torch.cat([fill, t] if left else [t, fill], dim=1)
+    return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing), value=value)
 
 
 def _take_batch(parts: list[tuple[dict[str, Any], list[int]]]) -> dict[str, Any]:

@@ -75,7 +75,6 @@ class StepMetrics(torch.nn.Module):
     def __init__(self, reward_names: list[str],
                  evaluation: EvaluationSettings | None = None) -> None:
         super().__init__()
-        self.reward_names = list(reward_names)
         self.evaluation = evaluation
         self.reward = RewardMomentsMetric()
         self.components = RewardComponentsMetric(reward_names)
@@ -115,8 +114,8 @@ class StepMetrics(torch.nn.Module):
         device = self.reward.total.device
         for kind, key in sorted(names - self._updated):
             if kind == "mean":
-                self.mean(key).update_sum(torch.zeros((), dtype=torch.float64, device=device),
-                                          torch.zeros((), dtype=torch.float64, device=device))
+                self.mean(key).update(torch.zeros((), dtype=torch.float64, device=device),
+                                      count=torch.zeros((), dtype=torch.float64, device=device))
             else:
                 self.maximum(key).update(torch.tensor(-math.inf, device=device))
         return sorted(names)
@@ -124,8 +123,8 @@ class StepMetrics(torch.nn.Module):
     def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
         """Add a loss statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost
         group), to ``train/<key>``."""
-        self.mean(key).update_sum(weight * value.detach().double(),
-                                  weight * torch.as_tensor(count, dtype=torch.float64))
+        self.mean(key).update(weight * value.detach().double(),
+                              count=weight * torch.as_tensor(count, dtype=torch.float64))
 
     def observe_answers(self, trajectory: Trajectory) -> None:
         """``train/answer_entropy``: per group, the entropy (nats) of its G samples' answers
@@ -137,7 +136,7 @@ class StepMetrics(torch.nn.Module):
         G = t.rewards.shape[1]
         answers = t.answer_keys
         # the rollout's record on the CPU (already copied there): no second device sync
-        judged = t.samples.components[self.reward_names[ev.reward_index]].reshape(-1)
+        judged = t.samples.components[self.components.names[ev.reward_index]].reshape(-1)
         correct = (judged >= ev.correct_threshold).tolist()
         entropy = distinct = 0.0
         groups = len(answers) // G
@@ -149,8 +148,8 @@ class StepMetrics(torch.nn.Module):
         device = self.reward.total.device
         count = torch.tensor(float(groups), dtype=torch.float64, device=device)
         for key, total in (("answer_entropy", entropy), ("distinct_correct", distinct)):
-            self.mean(key).update_sum(torch.tensor(total, dtype=torch.float64, device=device),
-                                      count)
+            self.mean(key).update(torch.tensor(total, dtype=torch.float64, device=device),
+                                  count=count)
 
     def observe_tools(self, rollout: RolloutOutput) -> None:
         """A multi-turn rollout's ``train/tools/...``, over its ``N`` samples (all rows, the
@@ -159,23 +158,17 @@ class StepMetrics(torch.nn.Module):
         (samples with at least one call that returned), ``failure_rate`` (failed calls /
         calls) and ``failures/<kind>`` (calls failed so / calls); ``tool_watch`` counts
         them too."""
-        tools, device = rollout.tools, self.reward.total.device
+        tools = rollout.tools
         self.tool_watch.add(tools)
         failed = tools.failed
-
-        def add(key: str, total: Tensor, count: Tensor | int) -> None:
-            self.mean(f"tools/{key}").update_sum(
-                total.to(device, torch.float64), torch.as_tensor(count, dtype=torch.float64,
-                                                                 device=device))
-
         n, calls = len(tools.messages), tools.calls.sum()
-        add("calls_per_sample", calls, n)
-        add("turns_per_sample", tools.turns.sum(), n)
-        add("message_tokens_per_sample", rollout.tool_mask.sum(), n)
-        add("success_rate", (tools.calls > failed).sum(), n)
-        add("failure_rate", failed.sum(), calls)
+        self.add("tools/calls_per_sample", calls, n)
+        self.add("tools/turns_per_sample", tools.turns.sum(), n)
+        self.add("tools/message_tokens_per_sample", rollout.tool_mask.sum(), n)
+        self.add("tools/success_rate", (tools.calls > failed).sum(), n)
+        self.add("tools/failure_rate", failed.sum(), calls)
         for kind, counts in tools.failures.items():
-            add(f"failures/{kind}", counts.sum(), calls)
+            self.add(f"tools/failures/{kind}", counts.sum(), calls)
 
     def observe(self, trajectory: Trajectory) -> None:
         """Add the step's rollout statistics (its losses came through :meth:`add`)."""
@@ -194,7 +187,7 @@ class StepMetrics(torch.nn.Module):
         if rollout.tools is not None:
             self.observe_tools(rollout)
         for key, value in t.targets.stats.items():
-            self.mean(key).update_sum(value.detach(), torch.ones((), device=device))
+            self.mean(key).update(value.detach(), count=torch.ones((), device=device))
 
     def artifacts(
         self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,
@@ -222,7 +215,6 @@ class StepMetrics(torch.nn.Module):
             kl_loss=kl,
             weighted_kl_loss=kl * weighting.get("beta", 0.0),
         )
-        grad_norm_value = None if grad_norm is None else float(grad_norm)
         h, h2 = means.pop("entropy/sequence", None), means.pop("entropy/sequence_sq", None)
         alpha = weighting.get("alpha")  # the entropy bonus of EntropyMaxEnt
         bonus_std = None
@@ -232,7 +224,7 @@ class StepMetrics(torch.nn.Module):
             ref_logp_mean=means.pop("logp/ref_token", nan),
             tokens=self.tokens.summary(),
             current_lr=lr,
-            grad_norm_scalar=grad_norm_value,
+            grad_norm_scalar=None if grad_norm is None else float(grad_norm),
             epoch_progress=epoch_progress,
             vllm_latency_ms=latency_ms,
             policy_entropy=means.pop("entropy", None),

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
 from maxent_grpo.validation import require
@@ -90,8 +91,6 @@ def no_checkpoints_in_smoke_runs(trainer: Any) -> None:
     ModelCheckpoints then except ``save_last`` at the end of training, which would leave a
     one-step ``last*.ckpt`` for ``--ckpt_path last`` to find; that save is switched off for
     the run."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     if getattr(trainer, "fast_dev_run", False):
         for cb in getattr(trainer, "callbacks", []):
             if isinstance(cb, ModelCheckpoint) and cb.save_last:
@@ -105,8 +104,6 @@ def drop_unasked_checkpoints(trainer: Any) -> None:
     keep checkpoints. A ModelCheckpoint the user configured stays. From the command line a
     ``default_root_dir`` given as the working folder counts as given; a Trainer built in
     Python cannot tell it from none."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     if trainer.loggers or getattr(trainer, "default_root_dir_given", False) or (
             os.path.abspath(trainer.default_root_dir) != os.getcwd()):
         return

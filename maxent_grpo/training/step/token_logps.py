@@ -124,8 +124,7 @@ class Scorer:
         self, model: nn.Module, input_ids: Tensor, attention: Tensor, positions: Tensor, T: int,
     ) -> tuple[nn.Module, Tensor] | str | None:
         """See :meth:`_head`: the parts, the reason against them, or None (not wanted)."""
-        wanted = self.fused_head if self.fused_head is not None else (
-            input_ids.device.type == "cuda")
+        wanted = self.fused_head or input_ids.device.type == "cuda"
         if not wanted:
             return None
         parts = fused_head_parts(model)

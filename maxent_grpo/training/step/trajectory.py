@@ -377,11 +377,11 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     )
 
 
-def kept_rows(values: Tensor | None, keep: Tensor) -> Tensor | None:
-    """``(kept, G)`` values of the kept groups as ``(B, G)``, zeros in the groups left out."""
+def kept_rows(values: Tensor | None, keep: Tensor, fill: float = 0.0) -> Tensor | None:
+    """``(kept, G)`` values of the kept groups as ``(B, G)``, ``fill`` in the groups left out."""
     if values is None:
         return None
-    return values.new_zeros((keep.shape[0], values.shape[1])).index_copy_(
+    return values.new_full((keep.shape[0], values.shape[1]), fill).index_copy_(
         0, keep.nonzero()[:, 0], values)
 
 
@@ -427,9 +427,7 @@ def rollout_samples(
     def full(values: Tensor | None) -> Tensor | None:
         if values is None:
             return None
-        out = rewards.new_full((B, G), float("nan"))
-        out[keep] = values.detach().view(-1, G).to(out.dtype)
-        return out.cpu()
+        return kept_rows(values.detach().view(-1, G).to(rewards.dtype), keep, float("nan")).cpu()
 
     adv, q = full(targets.advantages), full(targets.q)
     return RolloutSamples(

@@ -7,7 +7,7 @@ sequences are prompt-major: row ``b * G + g`` is completion ``g`` of prompt ``b`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import TypeVar
 
 import torch
@@ -220,11 +220,6 @@ class PromptCacheEntry:
     input_ids: list[int]
     attention_mask: list[int]
 
-    @property
-    def length(self) -> int:
-        """The prompt's tokens."""
-        return len(self.input_ids)
-
 
 @dataclass(frozen=True)
 class BatchingSettings:
@@ -266,7 +261,7 @@ class BatchingSettings:
             raise TypeError("prompt_length_cache_get must be None or a callable")
 
     def unsupported(self) -> list[str]:
-        """The fields set away from their defaults that this trainer has no use for."""
-        defaults = {"prompt_length_cache_get": None, "score_tail_tokens": None,
-                    "slice_prefetch": 0, "prompt_cache_size": 0}
-        return [name for name, value in defaults.items() if getattr(self, name) != value]
+        """The fields set away from their defaults; each field with a default is one this
+        trainer has no use for."""
+        return [f.name for f in fields(self)
+                if f.default is not MISSING and getattr(self, f.name) != f.default]

@@ -257,6 +257,11 @@ def test_the_report_lines_read_as_documented():
         "  best val/pass@1 0.600 at step 20",
         "  logs: logs/x  checkpoints: ckpt",
     ]
+    record = RewardRecord(n=1)  # the last 1 reward, not every reward since the first
+    for r in (0.0, 0.1, 0.5):
+        record.add_reward(r)
+    assert fit_summary(3, 3.0, record, None, [])[0] == (
+        "fit done: 3 steps in 0:00:03 (1.00 s/step); reward first 1 0.000, last 1 0.500")
 
 
 # ---------------------------------------------------------------------------- the CLI default

@@ -12,11 +12,11 @@ import lightning as L
 import pytest
 import torch
 
+from maxent_grpo.rewards.answers import coverage_answer
 from maxent_grpo.rollout import GenerationBatch, HFGenerateEngine, RolloutOutput, SamplingSettings
 from maxent_grpo.training.data.datamodule import collate_prompts
 from maxent_grpo.training.run.evaluation import (
     PromptRecord,
-    coverage_answer,
     evaluation_metrics,
     sample_answer,
 )

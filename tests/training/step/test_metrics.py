@@ -445,10 +445,10 @@ def test_token_mean_split_by_sequence_is_exact() -> None:
     assert float(micro.compute()) == 2.5
 
 
-def test_token_mean_update_sum_combines_with_update() -> None:
+def test_token_mean_sum_and_count_combine_with_values() -> None:
     metric = TokenMean()
-    metric.update_sum(torch.tensor(6.0), torch.tensor(3))  # three tokens summing to 6
-    metric.update_sum(4.0, 1)
+    metric.update(torch.tensor(6.0), count=torch.tensor(3))  # three tokens summing to 6
+    metric.update(4.0, count=1)
     metric.update(torch.tensor([10.0]))
     assert float(metric.compute()) == pytest.approx(20 / 5)
 
@@ -468,9 +468,9 @@ def test_token_mean_empty_and_zero_weight_are_nan() -> None:
         (lambda m: m.update(VALUES, MASK[:1]), "mask must have the shape of values"),
         (lambda m: m.update(VALUES, MASK.float()), "mask must be a bool"),
         (lambda m: m.update([1.0, 2.0]), "values must be a torch.Tensor"),
-        (lambda m: m.update_sum(1.0, -1), "count must be >= 0"),
-        (lambda m: m.update_sum(torch.ones(2), 2), "total must be a 0-d"),
-        (lambda m: m.update_sum(1.0, "3"), "count must be a 0-d"),
+        (lambda m: m.update(1.0, count=-1), "count must be >= 0"),
+        (lambda m: m.update(torch.ones(2), count=2), "total must be a 0-d"),
+        (lambda m: m.update(1.0, count="3"), "count must be a 0-d"),
     ],
 )
 def test_token_mean_rejects_bad_input(call: Callable[[TokenMean], None], match: str) -> None:
