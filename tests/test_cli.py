@@ -446,6 +446,24 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
     assert model.model_name_or_path == "builtin:tiny"  # a mismatch is refused at load time
 
 
+def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkeypatch):
+    """``seed_everything: true`` takes a seed (PL_GLOBAL_SEED, else 0); the config saved with
+    the run (config.yaml) records that number, so that the run can be made again from it."""
+
+    class Parsed(Exception):
+        pass
+
+    class CaptureCLI(cli_module.MaxEntGRPOCLI):
+        def instantiate_classes(self) -> None:
+            raise Parsed(self.config)
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    monkeypatch.setattr(cli_module, "MaxEntGRPOCLI", CaptureCLI)
+    with pytest.raises(Parsed) as caught:
+        cli_module.main(["fit", "--seed_everything", "true"])
+    assert caught.value.args[0].fit.seed_everything == 7
+
+
 @pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n',
                                      b"PK\x03\x04" + b"0" * 64],
                          ids=["not-a-checkpoint", "cut-short"])

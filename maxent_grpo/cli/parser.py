@@ -16,7 +16,6 @@ undone, so ``validate --ckpt_path x.ckpt --model.eval_k [1,8]`` does evaluate pa
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import sys
@@ -130,20 +129,12 @@ class MaxEntGRPOCLI(LightningCLI):
         return trainer
 
     def _parse_ckpt_path(self) -> None:
-        """Nothing: LightningCLI would load a ``--ckpt_path`` file here, before any check, to
-        replace the model options by its saved ones, which :meth:`before_instantiate_classes`
-        undoes; a file that is no checkpoint would fail with torch's traceback. The file is
-        checked in :meth:`_prepare_resume` instead."""
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse, and keep the parsed config: see :meth:`before_instantiate_classes`."""
-        super().parse_arguments(parser, args)
-        self._parsed_config = copy.deepcopy(self.config)
+        """Nothing: LightningCLI would load a ``--ckpt_path`` file here, before any check, and
+        replace the model options given on the command line by its saved ones (a file that is
+        no checkpoint would fail with torch's traceback). The file is checked in
+        :meth:`_prepare_resume` instead, and the options given are the options used."""
 
     def before_instantiate_classes(self) -> None:
-        """Build from the config as parsed, undoing LightningCLI's replacement of the model
-        options by a ``--ckpt_path`` checkpoint's saved hyper-parameters."""
-        self.config = self._parsed_config
         self._prepare_resume()
 
     def _subconfig(self, config: Any) -> Any:
