@@ -186,8 +186,12 @@ def load_policy(
     kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
     model = _load_causal_lm(name_or_path, cache_dir, kwargs)
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={
-            "use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers before 5.23 has only the older name
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False})
     if peft is not None:
         model = apply_peft(model, peft)
     return model

@@ -154,7 +154,22 @@ def test_load_reference_is_frozen_and_policy_options(tiny_cache: Path) -> None:
     half = load_policy("builtin:tiny", cache_dir=tiny_cache, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     checkpointed = load_policy("builtin:tiny", cache_dir=tiny_cache, gradient_checkpointing=True)
-    assert checkpointed.is_activation_checkpointing
+    # what is_activation_checkpointing (is_gradient_checkpointing before 5.23) reads
+    assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.modules())
+
+
+def test_gradient_checkpointing_with_the_older_transformers_name(monkeypatch) -> None:
+    """transformers before 5.23 names it gradient_checkpointing_enable (and has no
+    activation_checkpointing_enable): model.gradient_checkpointing works there too."""
+    calls = []
+
+    class Older(torch.nn.Module):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    monkeypatch.setattr(models, "_load_causal_lm", lambda *args: Older())
+    load_policy("anything", gradient_checkpointing=True)
+    assert calls == [{"use_reentrant": False}]
 
 
 def test_tokenizer_without_pad_gets_eos(tiny_cache: Path, tmp_path: Path) -> None:

@@ -105,7 +105,8 @@ def test_gradient_checkpointing_gives_the_same_update(cache_dir):
     for checkpointing in (False, True):
         module = lora_module(cache_dir, gradient_checkpointing=checkpointing)
         module.configure_model()
-        assert module.policy.get_base_model().is_activation_checkpointing == checkpointing
+        assert any(getattr(m, "gradient_checkpointing", False)  # any transformers 5 version
+                   for m in module.policy.get_base_model().modules()) == checkpointing
         before = params(module)
         fit(module, make_data(cache_dir))
         after = params(module)
