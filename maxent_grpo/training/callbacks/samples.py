@@ -74,6 +74,15 @@ def escape_cell(text: str, max_chars: int = MAX_CELL_CHARS) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "<br>")
 
 
+def as_text(value: Any) -> str:
+    """A prompt or completion as text for a table cell: a chat's messages (a list of
+    ``{"role", "content"}`` dicts) one ``role: content`` line each, anything else ``str``."""
+    if isinstance(value, list):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict)
+                         else str(m) for m in value)
+    return value if isinstance(value, str) else str(value)
+
+
 def _number(value: float) -> float | None:
     """A float for JSON; non-finite values (which strict JSON cannot hold) become None."""
     value = float(value)
@@ -155,8 +164,8 @@ def samples_table(samples: RolloutSamples, max_prompts: int) -> str:
     for row in rows:
         first, previous = row["prompt_index"] != previous, row["prompt_index"]
         cells = [
-            escape_cell(row["prompt"]) if first else "",
-            escape_cell(row["completion"]),
+            escape_cell(as_text(row["prompt"])) if first else "",
+            escape_cell(as_text(row["completion"])),
             _fmt(row["reward"]),
             *(_fmt(row["components"][n]) for n in names),
             *(_fmt(row[k]) for k in extra),
@@ -168,12 +177,13 @@ def samples_table(samples: RolloutSamples, max_prompts: int) -> str:
 def flat_table(samples: RolloutSamples, max_prompts: int) -> tuple[list[str], list[list]]:
     """The rows of :func:`rollout_rows` as ``(columns, data)``: ``step, prompt_index, prompt,
     completion, reward``, one ``reward/<component>`` each, then ``advantage, weight, q``
-    (None where absent). Texts are whole (not cut as in the markdown table)."""
+    (None where absent). Texts are whole (not cut as in the markdown table); a chat's messages are
+    one ``role: content`` line each (:func:`as_text`)."""
     names = list(samples.components)
     columns = ["step", "prompt_index", "prompt", "completion", "reward",
                *(f"reward/{n}" for n in names), "advantage", "weight", "q"]
     data = [
-        [r["step"], r["prompt_index"], r["prompt"], r["completion"], r["reward"],
+        [r["step"], r["prompt_index"], as_text(r["prompt"]), as_text(r["completion"]), r["reward"],
          *(r["components"][n] for n in names), r["advantage"], r["weight"], r["q"]]
         for r in rollout_rows(samples, max_prompts)
     ]

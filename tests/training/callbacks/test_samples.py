@@ -139,6 +139,19 @@ def test_table_renders_every_text_literally_and_the_numbers(tmp_path):
     ]
 
 
+def test_chat_prompts_are_shown_as_their_messages(tmp_path):
+    """A dataset of chat messages (``apply_chat_template``) gives message lists as prompts:
+    the table shows them one ``role: content`` line each (it failed at the first step)."""
+    record = make_record(step=0)
+    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "3 + 1 ="}],
+             [{"role": "user", "content": "2 | 2"}], [{"role": "user", "content": "x"}]]
+    record = RolloutSamples(**{**vars(record), "prompts": chats})
+    trainer, module = fake(tmp_path)
+    step(CompletionSamples(every_n_steps=5, max_prompts=2), trainer, module, record)
+    rows = render(texts(events(tmp_path / "tb"))[0])
+    assert [r[0] for r in rows[1:]] == ["system: be brief\nuser: 3 + 1 =", "", "user: 2 | 2", ""]
+
+
 def test_table_shows_advantages_when_the_objective_has_them(tmp_path):
     trainer, module = fake(tmp_path)
     cb = CompletionSamples(every_n_steps=1, max_prompts=10)
