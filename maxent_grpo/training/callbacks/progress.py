@@ -263,8 +263,10 @@ class ReadableProgressBar(TQDMProgressBar):
         stopped = [f"EarlyStopping: {cb.stopping_reason_message}"
                    for cb in getattr(trainer, "early_stopping_callbacks", [])
                    if getattr(cb, "stopping_reason_message", None)]
+        # save_last: ModelCheckpoint writes last.ckpt in its own on_train_end, after this one
         saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
-                 if cb.dirpath and (cb.last_model_path or cb.best_model_path)]
+                 if cb.dirpath and (cb.last_model_path or cb.best_model_path
+                                    or getattr(cb, "save_last", None))]
         log_dir = getattr(trainer, "log_dir", None) if getattr(trainer, "loggers", None) else None
         lines = fit_summary(
             trainer.global_step - self._start_step, time.monotonic() - self._start_time,

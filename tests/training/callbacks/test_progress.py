@@ -235,6 +235,25 @@ def test_validation_lines_and_the_end_summary_say_what_happened(cache_dir, tmp_p
     assert "logs: " in summary and f"checkpoints: {tmp_path / 'ckpt'}" in summary
 
 
+def test_the_summary_names_the_checkpoint_folder_when_only_last_is_saved_at_the_end(
+        cache_dir, tmp_path):
+    """``save_last`` with no save during the fit: ModelCheckpoint writes last.ckpt in its own
+    on_train_end, after the bar's; the summary still says where it went."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = io.StringIO()
+    bar = ReadableProgressBar(mode="lines", every_n_steps=100, stream=out)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=100)
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), enable_model_summary=False,
+        callbacks=[bar, ckpt], limit_val_batches=0, num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+    assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+    assert f"checkpoints: {tmp_path / 'ckpt'}" in out.getvalue()
+
+
 def test_the_report_lines_read_as_documented():
     from maxent_grpo.training.callbacks.run_report import (
         RewardRecord,
