@@ -59,7 +59,7 @@ def test_load_run_reads_steps_and_values_in_order(tmp_path):
     assert reward.steps == (0, 1, 2) and reward.values == (0.25, 0.5, 0.75)
     assert run.tags("val/") == ["val/pass@1", "val/pass@4", "val/pass@4/countdown"]
     rows = summary_rows([run])
-    assert rows[0]["train/reward/mean"] == 0.75 and rows[0]["steps"] == 2
+    assert rows[0]["train/reward/mean"] == 0.75 and rows[0]["last_step"] == 2
     assert "val/pass@4" in rows[0] and "val/pass@4/countdown" not in rows[0]  # per-task out
 
 
@@ -203,6 +203,12 @@ def test_load_study_checks_the_shape_and_names_the_file(tmp_path):
     good.write_text(json.dumps(study))
     with pytest.raises(ValueError, match=r"study\.json: runs\[3\] lacks metrics, curve\.reward"):
         load_study(good)
+    for broken in ({"curve": [0.1, 0.2]}, "a run"):  # another JSON's runs (a list curve)
+        study = synthetic_study()
+        study["runs"][1] = broken if isinstance(broken, str) else {**study["runs"][1], **broken}
+        good.write_text(json.dumps(study))
+        with pytest.raises(ValueError, match=r"study\.json: runs\[1\] is not a study run"):
+            load_study(good)
     bad.write_text("{")
     with pytest.raises(ValueError, match="no_runs.json is not JSON"):
         load_study(bad)

@@ -258,10 +258,12 @@ def plot_runs(
 def summary_rows(
     runs: Sequence[Run], panels: Sequence[tuple[str, Sequence[str]]] = PANELS
 ) -> list[dict[str, Any]]:
-    """The last logged value of every panel tag, one row per run (``None`` = not logged)."""
+    """The last logged value of every panel tag, one row per run (``None`` = not logged), and
+    ``last_step``, the run's last logged global step (steps count from 0)."""
     tags = sorted({t for run in runs for _, pats in panels for t in _panel_tags(run, pats)})
     return [
-        {"run": run.label, "steps": max((s.steps[-1] for s in run.scalars.values()), default=0)}
+        {"run": run.label,
+         "last_step": max((s.steps[-1] for s in run.scalars.values()), default=None)}
         | {tag: (run.scalars[tag].last if tag in run.scalars else None) for tag in tags}
         for run in runs
     ]
@@ -292,6 +294,10 @@ def load_study(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(study, dict) or not isinstance(study.get("runs"), list):
         raise ValueError(f"{path} has no 'runs' list (see benchmarks/maxent_vs_grpo.py)")
     for i, run in enumerate(study["runs"]):
+        if not isinstance(run, dict) or not isinstance(run.get("curve", {}), dict):
+            raise ValueError(f"{path}: runs[{i}] is not a study run ({{task, objective, seed, "
+                             "curve: {steps, reward, ...}, metrics}; see "
+                             "benchmarks/maxent_vs_grpo.py)")
         missing = [k for k in _RUN_KEYS if k not in run]
         if "curve" in run and not run["curve"].get("reward") and run.get("trained", True):
             missing.append("curve.reward")  # absent or empty
