@@ -130,6 +130,12 @@ def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tm
                                          r"configs are: .*tiny, tiny_controllers"):
         cli_help.resolve_config_names(["fit", "--config", "tinyy"])
     (tmp_path / "tiny").unlink()
+    (tmp_path / "tiny").mkdir()  # a folder is no config file: the name is read
+    assert cli_help.resolve_config_names(["-c", "tiny"]) == ["-c", packaged]  # -c: --config
+    scaling = str(cli_help.configs_folder() / "scaling" / "ddp_cpu_tiny.yaml")  # a name in a
+    assert cli_help.resolve_config_names(["--config", "scaling/ddp_cpu_tiny"])[1] == scaling
+    missing = ["--config", "elsewhere/my.yaml"]  # a path that is not there: the parser says so
+    assert cli_help.resolve_config_names(missing) == missing
     cli = cli_module.main(["--config", "tiny", "--trainer.logger=false",
                            f"--model.model_cache_dir={tmp_path / 'models'}"], run=False)
     assert cli.config["model"]["model_name_or_path"] == "builtin:tiny-warm"

@@ -56,16 +56,17 @@ def shipped_configs() -> list[str]:
 
 
 def resolve_config_names(args: list[str]) -> list[str]:
-    """``args`` with each ``--config NAME`` that is not an existing file replaced by the
-    shipped config of that name (``tiny`` or ``tiny.yaml`` -> ``<package>/configs/tiny.yaml``).
+    """``args`` with each ``--config NAME`` (or ``-c NAME``) that is not an existing file
+    replaced by the shipped config of that name (``tiny`` or ``tiny.yaml`` ->
+    ``<package>/configs/tiny.yaml``; ``scaling/ddp_cpu_tiny``).
 
     A name (no folder in it) that is neither an existing file nor a shipped config raises
-    ValueError naming the shipped configs; a path that exists always wins over a name, and a
+    ValueError naming the shipped configs; a file that exists always wins over a name, and a
     missing path is left to the parser.
     """
     out = list(args)
     for i, arg in enumerate(out):
-        if arg == "--config" and i + 1 < len(out):
+        if arg in ("--config", "-c") and i + 1 < len(out):
             out[i + 1] = _config_path(out[i + 1])
         elif arg.startswith("--config="):
             out[i] = "--config=" + _config_path(arg.split("=", 1)[1])
@@ -73,15 +74,15 @@ def resolve_config_names(args: list[str]) -> list[str]:
 
 
 def _config_path(value: str) -> str:
-    if Path(value).exists() or value.lstrip().startswith(("{", "[")) or ":" in value or (
+    if Path(value).is_file() or value.lstrip().startswith(("{", "[")) or ":" in value or (
             "\n" in value):  # a file, or inline YAML (jsonargparse reads both)
-        return value
-    if "/" in value or os.sep in value:  # a path: the parser says it does not exist (code 2)
         return value
     name = value.removesuffix(".yaml").removesuffix(".yml")
     path = configs_folder() / f"{name}.yaml"
     if name in shipped_configs() and path.is_file():
         return str(path)
+    if "/" in value or os.sep in value:  # a path: the parser says it does not exist (code 2)
+        return value
     names = ", ".join(shipped_configs())
     raise ValueError(
         f"--config {value}: there is no such file (from the folder {Path.cwd()}) and no "
