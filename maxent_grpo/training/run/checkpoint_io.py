@@ -118,15 +118,28 @@ def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
     return None
 
 
+#: what a sharded checkpoint's folder holds: torch's distributed checkpoint (FSDP2) writes
+#: ``.metadata`` and Lightning ``meta.pt`` beside it; DeepSpeed ``latest`` and ``checkpoint/``
+SHARDED_MARKS = frozenset({".metadata", "meta.pt", "latest", "checkpoint"})
+
+
 def checkpoint_problem(path: str | os.PathLike, full: bool = True) -> str | None:
-    """Why ``path`` cannot be resumed from, or ``None`` when it looks complete (a folder, a
-    sharded checkpoint, is accepted as is). ``full``: every entry is also read against its
-    checksum (the whole file: damaged tensor bytes leave the index intact)."""
+    """Why ``path`` cannot be resumed from, or ``None`` when it looks complete (a sharded
+    checkpoint's folder is accepted as is: FSDP2's distributed checkpoint, DeepSpeed's).
+    ``full``: every entry is also read against its checksum (the whole file: damaged tensor
+    bytes leave the index intact)."""
     path = str(path)
     if os.path.islink(path) and not os.path.exists(path):
         return f"a symlink to a missing file ({os.readlink(path)})"
     if os.path.isdir(path):
-        return None
+        names = set(os.listdir(path))
+        if names & SHARDED_MARKS:
+            return None
+        inside = sorted(n for n in names if n.endswith(".ckpt"))[:5]
+        return "a folder, not a checkpoint" + (
+            f" (it holds {', '.join(inside)}: give one of them)" if inside else
+            " (a Hugging Face model folder goes to --model.model_name_or_path)"
+            if "config.json" in names else " (give a .ckpt file written by a fit)")
     try:
         size = os.path.getsize(path)
     except OSError as err:
@@ -339,8 +352,10 @@ def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
 
 class LoggerVersions(pl.Callback):
     """Record the run's identity (``checkpoint["maxent_grpo_run"]``: a random id drawn when
-    a fit starts afresh, kept when it resumes) and every logger's class, ``save_dir``,
-    ``name`` and ``version`` (``checkpoint["maxent_grpo_loggers"]``) in each checkpoint."""
+    a fit starts afresh, kept when it resumes) and every logger's class, ``save_dir`` (a
+    local one made absolute: a resume from another folder must not take over that folder's
+    own ``lightning_logs``), ``name`` and ``version`` (``checkpoint["maxent_grpo_loggers"]``)
+    in each checkpoint."""
 
     def __init__(self) -> None:
         import uuid
@@ -361,13 +376,18 @@ class LoggerVersions(pl.Callback):
             try:
                 records.append({
                     "class": f"{type(logger).__module__}.{type(logger).__qualname__}",
-                    "save_dir": logger.save_dir,
+                    "save_dir": _absolute(logger.save_dir),
                     "name": logger.name,
                     "version": logger.version,
                 })
             except Exception:  # noqa: BLE001 -- a logger without these: nothing to continue
                 records.append({"class": f"{type(logger).__module__}.{type(logger).__qualname__}"})
         checkpoint[LOGGERS_KEY] = records
+
+
+def _absolute(folder: Any) -> Any:
+    """A local folder as an absolute path; None or a URL (``s3://...``) as it is."""
+    return folder if folder is None or "://" in str(folder) else os.path.abspath(folder)
 
 
 def continue_csv_log(logger: Any, resume_step: int | None) -> int:

@@ -75,6 +75,25 @@ def test_a_checkpoint_with_damaged_tensor_bytes_is_not_usable(tmp_path):
     assert ckpt_io.checkpoint_problem(plain) is None
 
 
+def test_a_folder_is_a_checkpoint_only_when_sharded(tmp_path):
+    """``--ckpt_path`` given the checkpoints folder (or an exported model folder) was taken
+    as a sharded checkpoint and failed later with a bare 'Is a directory'."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    save(folder / "last.ckpt", 2)
+    with pytest.raises(ValueError, match=r"a folder, not a checkpoint \(it holds last\.ckpt: "
+                                         r"give one of them\)"):
+        ckpt_io.resolve_checkpoint(str(folder), [])
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert "--model.model_name_or_path" in ckpt_io.checkpoint_problem(tmp_path / "hf")
+    for mark in ("meta.pt", "latest"):  # FSDP2's and DeepSpeed's sharded checkpoints
+        sharded = tmp_path / f"{mark}.ckpt"
+        sharded.mkdir()
+        (sharded / mark).write_bytes(b"")
+        assert ckpt_io.checkpoint_problem(sharded) is None
+
+
 def test_a_truncated_last_ckpt_is_skipped_for_the_newest_good_one(tmp_path):
     now = time.time()
     save(tmp_path / "epoch=0-step=2.ckpt", 2, now - 20)
@@ -352,3 +371,37 @@ def test_a_smoke_run_leaves_no_checkpoint_and_a_second_run_makes_last_ask(tmp_pa
     resumed = fit(run, 3, False, "--ckpt_path", "last")
     assert resumed.returncode == 1
     assert "2 different runs" in resumed.stderr and "last-v1.ckpt (run" in resumed.stderr
+
+
+def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_path,
+                                                                          monkeypatch):
+    """The loggers' save_dir is recorded absolute: resumed from another working folder, a
+    checkpoint whose logs went to ``A/lightning_logs`` does not continue (and purge) the
+    version of the same name in ``B/lightning_logs``; resumed from ``A`` it does."""
+    from types import SimpleNamespace
+
+    from jsonargparse import Namespace
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from maxent_grpo.cli.parser import MaxEntGRPOCLI
+
+    first, other = tmp_path / "A", tmp_path / "B"
+    first.mkdir(), other.mkdir()
+    monkeypatch.chdir(first)
+    logger = TensorBoardLogger("lightning_logs", name="tiny", version=0)
+    checkpoint: dict[str, Any] = {}
+    ckpt_io.LoggerVersions().on_save_checkpoint(
+        SimpleNamespace(loggers=[logger]), None, checkpoint)
+    resume = ckpt_io.ResolvedCheckpoint("last.ckpt", 7, checkpoint[ckpt_io.LOGGERS_KEY])
+
+    def continued(folder: Path) -> list:
+        monkeypatch.chdir(folder)
+        cli = SimpleNamespace(_continued=[])
+        config = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                           init_args=Namespace(save_dir="lightning_logs", name="tiny",
+                                               version=None, purge_step=None))
+        MaxEntGRPOCLI._continue_logger_versions(cli, [config], resume)
+        return [(args.version, args.purge_step) for args, _ in cli._continued]
+
+    assert continued(other) == []  # B's own run 0 is left alone: a new version
+    assert continued(first) == [(0, 7)]
