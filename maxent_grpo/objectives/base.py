@@ -191,14 +191,14 @@ class LossOutput:
 def token_sum(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """``(sum over the mask, number of masked tokens)``, both detached float32: one
     token-weighted entry of :attr:`LossOutput.sums`."""
-    m = mask.to(values.dtype)
-    return (values.detach() * m).sum().float(), m.sum().float()
+    m = mask.to(values.dtype)  # where, not a product: inf * 0 at a padded token is NaN
+    return values.detach().where(m.bool(), 0).sum().float(), m.sum().float()
 
 
 def sequence_ref_loglik(ref_token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
     """``rho_i = sum_t m * l_ref / max(T_i, 1)`` reshaped to ``(B, G)`` (docs/ALGORITHM.md §0)."""
     m = mask.to(ref_token_logps.dtype)
-    rho = (ref_token_logps * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    rho = ref_token_logps.where(m.bool(), 0).sum(-1) / m.sum(-1).clamp(min=1.0)
     return rho.view(-1, group_size)
 
 

@@ -159,7 +159,7 @@ class ListwiseMaxEnt(Objective):
 
     def _seq_logps(self, token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
         m = mask.to(token_logps.dtype)
-        s = (token_logps * m).sum(-1)  # (n,)
+        s = token_logps.where(m.bool(), 0).sum(-1)  # (n,); -inf * 0 at a padded token is NaN
         if self.length_normalize:
             s = s / m.sum(-1).clamp(min=1.0)
         return s.view(-1, group_size)  # (n // G, G)

@@ -466,3 +466,27 @@ def test_a_ghost_group_gets_neutral_targets_of_the_same_kinds() -> None:
     assert ghost.weights.tolist() == [[1 / 3] * 3] and ghost.candidates.all()
     assert ghost.answers.tolist() == [[0, 1, 2]] and ghost.stats is stats and ghost.q is None
     assert Targets(stats=stats).neutral(3, like).answers is None  # no answer classes asked
+
+
+def test_a_non_finite_log_prob_at_a_padded_token_touches_no_statistic():
+    """Masked tokens are left out with ``where``: a product with the mask turned an infinite
+    value at a padded position (a KL term that overflowed, a -inf log-prob) into NaN in
+    ``train/kl``, rho and the listwise sequence log-probs."""
+    from maxent_grpo.objectives import ListwiseMaxEnt, MicroBatch
+    from maxent_grpo.objectives.base import sequence_ref_loglik
+
+    logps = torch.tensor([[-1.0, -100.0], [-1.0, -1.0]], requires_grad=True)  # [0, 1] padded
+    ref = torch.tensor([[-1.1, -5.0], [-1.2, -1.0]])  # exp(95) overflows float32 there
+    mask = torch.tensor([[True, False], [True, True]])
+    mb = MicroBatch(token_logps=logps, old_token_logps=None, ref_token_logps=ref, mask=mask,
+                    entropy=None, advantages=torch.tensor([0.7, -0.7]), weights=None,
+                    group_size=2, num_rows=2, num_micro_batches=1, max_completion_length=2,
+                    num_global_tokens=torch.tensor(3))
+    kl_sum, count = GRPO(beta=0.1).loss(mb).sums["kl"]
+    assert torch.isfinite(kl_sum) and count == 3
+    ref[0, 1] = -math.inf
+    assert torch.isfinite(sequence_ref_loglik(ref, mask, 2)).all()
+    padded = logps.detach().clone()
+    padded[0, 1] = -math.inf
+    listwise = ListwiseMaxEnt(length_normalize=False)._seq_logps(padded, mask, 2)
+    assert torch.equal(listwise, torch.tensor([[-1.0, -2.0]]))
