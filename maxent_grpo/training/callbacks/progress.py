@@ -43,15 +43,17 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning_utilities.core.imports import RequirementCache
 
 from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
 from maxent_grpo.validation import check_choice, check_int
 
 MODES = ("auto", "bar", "lines")
-#: the bar a plain ``L.Trainer`` adds by itself; the module replaces it with this one (a bar
-#: of another type, or a subclass, given to the Trainer stays)
-LIGHTNING_DEFAULT_BAR = RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar
+#: the bar a plain ``L.Trainer`` adds by itself (from Lightning 2.6 on, Rich's where rich is
+#: installed); the module replaces it with this one (a bar of another type, or a subclass,
+#: given to the Trainer stays)
+LIGHTNING_DEFAULT_BAR = RichProgressBar if (
+    RequirementCache("lightning>=2.6") and RequirementCache("rich>=10.2.2")) else TQDMProgressBar
 _NICE_STEPS = (1, 2, 5)
 
 

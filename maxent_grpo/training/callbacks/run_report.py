@@ -43,9 +43,10 @@ def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
     if not values:
         return None
 
-    def order(name: str) -> tuple[int, str]:
+    def order(name: str) -> tuple[int, str, int, str]:  # pass@2 before pass@16
         rank = next((i for i, p in enumerate(_FIRST) if name.startswith(p)), len(_FIRST))
-        return rank, name
+        stem, _, k = name.partition("@")
+        return rank, stem, int(k) if k.isdigit() else -1, k
 
     names = sorted(values, key=order)[:_MAX_ITEMS]
     return f"val @ step {step}: " + "  ".join(f"{n} {values[n]:.3g}" for n in names)

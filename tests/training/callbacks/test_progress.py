@@ -266,6 +266,8 @@ def test_the_report_lines_read_as_documented():
                                 "val/pass@1": 0.3125, "val/bad": float("nan"),
                                 "val/pass@1/sums": 0.5})
     assert line == "val @ step 50: pass@1 0.312  pass@4 0.562  reward/mean 0.28  zeta 2"
+    line = validation_line(5, {"val/pass@16": 0.9, "val/pass@2": 0.5, "val/pass@1": 0.25})
+    assert line == "val @ step 5: pass@1 0.25  pass@2 0.5  pass@16 0.9"  # k as numbers
     record = RewardRecord(n=2)
     for r in (0.0, 0.1, 0.5, 0.9):
         record.add_reward(r)
