@@ -197,6 +197,29 @@ def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
             f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
 
 
+def drop_steps_from(path: Path, step: int) -> int:
+    """Rewrite the JSONL file ``path`` without its rows of ``step`` and later (a resumed
+    fit writes them again) and without a line cut short (a run killed mid-write); returns
+    how many lines went. A missing file is left alone."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text("utf-8").splitlines(keepends=True):
+        try:
+            early = line.endswith("\n") and int(json.loads(line)["step"]) < step
+        except (ValueError, TypeError, KeyError):
+            early = False
+        if early:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept), "utf-8")
+        tmp.replace(path)
+    return dropped
+
+
 class CompletionSamples(Callback):
     """Write sampled completions through every logger during ``fit`` (see the module docstring).
 
@@ -270,7 +293,20 @@ class CompletionSamples(Callback):
                 writer.flush()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A resumed fit: the JSONL rows of its checkpoint's step and later go (they come
+        again), from ``jsonl_path`` and from the loggers' ``samples/completions.jsonl``."""
         self._prev_step = None
+        if not trainer.is_global_zero or not trainer.global_step:
+            return
+        files = [] if self._jsonl_file is None else [self._jsonl_file]
+        for logger in getattr(trainer, "loggers", None) or []:
+            log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+            if log_dir:
+                files.append(Path(log_dir) / "samples" / "completions.jsonl")
+        for path in dict.fromkeys(files):
+            if dropped := drop_steps_from(path, trainer.global_step):
+                rank_zero_info(f"CompletionSamples: {dropped} row(s) of step "
+                               f"{trainer.global_step} and later left {path} (they come again)")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

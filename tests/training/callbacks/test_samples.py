@@ -517,3 +517,25 @@ def test_a_jsonl_path_that_is_a_folder_fails_at_fit_start(tmp_path):
     trainer, module = fake(tmp_path)
     with pytest.raises(ValueError, match="CompletionSamples.jsonl_path .* is a folder"):
         CompletionSamples(jsonl_path=str(tmp_path)).on_fit_start(trainer, module)
+
+
+def test_a_resumed_fit_drops_the_rows_it_writes_again(tmp_path):
+    """Resumed from step 2, a fit writes steps 2, 3, ... again: their earlier rows (and a
+    line cut short by a kill) leave the JSONL dump and the loggers' samples files."""
+    dump = tmp_path / "rollouts.jsonl"
+    logged = tmp_path / "csv" / "samples" / "completions.jsonl"
+    logged.parent.mkdir(parents=True)
+    for path in (dump, logged):
+        path.write_text("".join(json.dumps({"step": s, "reward": 1.0}) + "\n" for s in range(5))
+                        + '{"step": 5, "rew')
+    cb = CompletionSamples(every_n_steps=1, jsonl_path=str(dump))
+    trainer, module = fake(tmp_path, loggers=[SimpleNamespace(log_dir=str(tmp_path / "csv"))])
+    cb.on_fit_start(trainer, module)
+    trainer.global_step = 2
+    cb.on_train_start(trainer, module)
+    assert [r["step"] for r in read_jsonl(dump)] == [0, 1]
+    assert [r["step"] for r in read_jsonl(logged)] == [0, 1]
+    trainer.global_step = 0  # a fresh fit into an existing file appends
+    dump.write_text(json.dumps({"step": 7}) + "\n")
+    cb.on_train_start(trainer, module)
+    assert [r["step"] for r in read_jsonl(dump)] == [7]
