@@ -90,7 +90,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
     written. :class:`~maxent_grpo.cli.errors.UserError` for the mistakes the docstring names."""
     path = Path(checkpoint).expanduser()
     saved = _read_checkpoint(path)
-    out = Path(output).expanduser() if output else path.parent.parent / "hf" / path.stem
+    # the checkpoint folder's parent, however the path is written (mymodel.ckpt, ./x/, /abs/x)
+    out = Path(output).expanduser() if output else path.absolute().parent.parent / "hf" / path.stem
     weights = {k[len(POLICY_PREFIX):]: v for k, v in saved["state_dict"].items()
                if k.startswith(POLICY_PREFIX)}
     peft = _peft_config(saved, path, config) if any(
@@ -107,7 +108,11 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
     from maxent_grpo.training.settings import ModelSettings
 
     hparams = saved.get("hyper_parameters") or {}
-    source = ModelSettings(name_or_path=saved["maxent_grpo"]["model_name_or_path"],
+    name, folder = saved["maxent_grpo"]["model_name_or_path"], saved["maxent_grpo"].get(
+        "model_folder")  # a relative folder, from another working folder: its real path
+    if folder is not None and not os.path.isdir(name) and os.path.isdir(folder):
+        name = folder
+    source = ModelSettings(name_or_path=name,
                            dtype=hparams.get("dtype", "float32"),
                            cache_dir=hparams.get("model_cache_dir"),
                            gradient_checkpointing=False, peft=peft)

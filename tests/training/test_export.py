@@ -116,13 +116,19 @@ def test_the_command_exports_a_checkpoint_that_loads(full_run, cache_dir, tmp_pa
     assert AutoTokenizer.from_pretrained(out)(PROMPT) == tokenizer(PROMPT)
 
 
-def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_path):
+def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_path, monkeypatch):
     ckpt, trained = full_run
     copy = tmp_path / "run" / "checkpoints" / "last.ckpt"
     copy.parent.mkdir(parents=True)
     shutil.copy(ckpt, copy)
     assert main([str(copy)]) == 0
     assert (tmp_path / "run" / "hf" / "last" / "model.safetensors").is_file()
+    relative = tmp_path / "run2" / "checkpoints" / "mine.ckpt"  # written from its folder
+    relative.parent.mkdir(parents=True)
+    shutil.copy(ckpt, relative)
+    monkeypatch.chdir(relative.parent)
+    assert main(["mine.ckpt"]) == 0
+    assert (tmp_path / "run2" / "hf" / "mine" / "model.safetensors").is_file()
 
 
 def test_rewards_and_objective_play_no_part_in_an_export(full_run, tmp_path):

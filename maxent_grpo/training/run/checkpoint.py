@@ -2,7 +2,10 @@
 
 The module adds one entry, ``checkpoint["maxent_grpo"]``:
 
-- ``model_name_or_path`` and ``objective_class``, checked on load;
+- ``model_name_or_path`` and ``objective_class``, checked on load, and ``model_folder``,
+  the real path of a model given as a local folder (None otherwise), so that the same
+  folder written another way (``../m/`` and ``/abs/m``, or from another working folder)
+  is the same model;
 - ``peft``: the ``model.peft`` config as plain values (:func:`~maxent_grpo.adapters.peft_record`;
   None without adapters), which the saved hyper-parameters leave out: ``python -m
   maxent_grpo.cli.export`` rebuilds the adapters from it;
@@ -16,6 +19,7 @@ The module adds one entry, ``checkpoint["maxent_grpo"]``:
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict
 from typing import Any
@@ -67,6 +71,11 @@ def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
             "meta_manager": None if meta is None else type(meta).__name__}
 
 
+def model_folder(name_or_path: str) -> str | None:
+    """The real path of ``name_or_path`` when it is a local folder, else None."""
+    return os.path.realpath(name_or_path) if os.path.isdir(name_or_path) else None
+
+
 def save_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, peft: Any = None,
@@ -76,6 +85,7 @@ def save_state(
     are gathered here."""
     checkpoint[CHECKPOINT_KEY] = {
         "model_name_or_path": model_name_or_path,
+        "model_folder": model_folder(model_name_or_path),
         "objective_class": type(objective).__name__,
         "peft": peft_record(peft),
         "objective_state": objective.state_dict(),
@@ -105,7 +115,9 @@ def load_state(
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "
             "MaxEntGRPOModule.on_save_checkpoint, so the objective's state and the random "
             "state cannot be restored; resume from a checkpoint of this trainer")
-    require(saved["model_name_or_path"] == model_name_or_path,
+    folder = saved.get("model_folder")  # checkpoints from before it have none
+    require(saved["model_name_or_path"] == model_name_or_path
+            or (folder is not None and folder == model_folder(model_name_or_path)),
             "the checkpoint was made with model.model_name_or_path="
             f"{saved['model_name_or_path']!r}, but this run has {model_name_or_path!r}")
     name = type(objective).__name__

@@ -95,3 +95,21 @@ def test_adapter_options_that_keep_the_weights_resume():
     loaded(lora(), lora(lora_dropout=0.1, bias="all"))  # no error
     loaded(lora(target_modules=["q_proj", "v_proj"]), lora(target_modules=["v_proj", "q_proj"]))
     loaded(None, None)
+
+
+def test_a_local_model_folder_is_the_same_model_however_it_is_written(tmp_path, monkeypatch):
+    """``../m/``, ``../m`` and the absolute path name one folder; another folder is still
+    refused, and so is a hub name that only shares the text."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    checkpoint: dict = {}
+    save_state(checkpoint, "../m/", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    for same in ("../m", str(tmp_path / "m")):
+        load_state(checkpoint, same, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    monkeypatch.chdir(tmp_path)  # from another working folder, by its absolute path
+    load_state(checkpoint, str(tmp_path / "m"), ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    for other in (str(tmp_path / "other"), "Qwen/Qwen2.5-0.5B"):
+        with pytest.raises(ValueError, match="made with model.model_name_or_path='../m/'"):
+            load_state(checkpoint, other, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
