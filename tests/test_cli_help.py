@@ -217,3 +217,6 @@ def test_did_you_mean_prefers_the_same_group_and_stays_quiet_without_a_close_nam
     assert say("Option 'confg' is not accepted", options).endswith("did you mean config?")
     already = "unrecognized arguments: --confg x; did you mean --config?"
     assert say(already, options) == already
+    # a key another subcommand has (predict's output under validate) is not its own hint
+    assert say("Option 'output' is not accepted", [*options, "--output"]) == (
+        "Option 'output' is not accepted")

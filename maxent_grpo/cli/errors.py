@@ -176,7 +176,7 @@ def close_options(key: str, known: Iterable[str], n: int = 3) -> list[str]:
     for name in sorted(set(known)):
         name_group, _, name_leaf = name.rpartition(".")
         by_leaf.setdefault(name_leaf, []).append(name)
-        if name_group == group:
+        if name_group == group and name != key:  # another subcommand's option: no hint
             same_group[name_leaf] = name
     found = [same_group[m] for m in difflib.get_close_matches(leaf, list(same_group), n)]
     if not found:
