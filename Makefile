@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup setup-smollm2 setup-vllm demo demo-vllm-server test test-vllm test-vllm-all test-all lint docs clean
+.PHONY: setup setup-smollm2 setup-vllm demo demo-vllm-server test test-vllm test-vllm-all test-all test-lowest lint docs clean
 
 setup: $(VENV)/.installed
 
@@ -70,6 +70,16 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q
+
+# the suite on the lowest versions pyproject.toml admits (.ci/lowest_versions.py: each
+# dependency's ">=" bound pinned with "=="; torch is $(TORCH_SPEC)), in .venv-lowest
+LOWEST_VENV ?= .venv-lowest
+test-lowest:
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(LOWEST_VENV)/bin/python -m pip install --quiet -e ".[dev]" $$($(PYTHON) .ci/lowest_versions.py)
+	$(LOWEST_VENV)/bin/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check maxent_grpo tests

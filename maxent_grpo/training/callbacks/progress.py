@@ -49,11 +49,10 @@ from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary,
 from maxent_grpo.validation import check_choice, check_int
 
 MODES = ("auto", "bar", "lines")
-#: the bar a plain ``L.Trainer`` adds by itself (from Lightning 2.6 on, Rich's where rich is
-#: installed); the module replaces it with this one (a bar of another type, or a subclass,
+#: the bar a plain ``L.Trainer`` adds by itself (Rich's where rich is installed, as Lightning
+#: decides it); the module replaces it with this one (a bar of another type, or a subclass,
 #: given to the Trainer stays)
-LIGHTNING_DEFAULT_BAR = RichProgressBar if (
-    RequirementCache("lightning>=2.6") and RequirementCache("rich>=10.2.2")) else TQDMProgressBar
+LIGHTNING_DEFAULT_BAR = RichProgressBar if RequirementCache("rich>=10.2.2") else TQDMProgressBar
 _NICE_STEPS = (1, 2, 5)
 
 
