@@ -109,8 +109,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
 
     hparams = saved.get("hyper_parameters") or {}
     name, folder = saved["maxent_grpo"]["model_name_or_path"], saved["maxent_grpo"].get(
-        "model_folder")  # a relative folder, from another working folder: its real path
-    if folder is not None and not os.path.isdir(name) and os.path.isdir(folder):
+        "model_folder")  # the folder trained from, not one of that name here
+    if folder is not None and os.path.isdir(folder):
         name = folder
     source = ModelSettings(name_or_path=name,
                            dtype=hparams.get("dtype", "float32"),

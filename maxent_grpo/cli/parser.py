@@ -277,7 +277,10 @@ class MaxEntGRPOCLI(LightningCLI):
 
 
 def _same_dir(a: Any, b: Any) -> bool:
-    return a is not None and b is not None and os.path.abspath(str(a)) == os.path.abspath(str(b))
+    def local(path: Any) -> str:  # ~ and $VAR as Lightning expands them
+        return os.path.abspath(os.path.expanduser(os.path.expandvars(str(path))))
+
+    return a is not None and b is not None and local(a) == local(b)
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by

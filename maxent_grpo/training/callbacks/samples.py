@@ -203,20 +203,22 @@ def drop_steps_from(path: Path, step: int) -> int:
     how many lines went. A missing file is left alone."""
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
-    for line in path.read_text("utf-8").splitlines(keepends=True):
-        try:
-            early = line.endswith("\n") and int(json.loads(line)["step"]) < step
-        except (ValueError, TypeError, KeyError):
-            early = False
-        if early:
-            kept.append(line)
-        else:
-            dropped += 1
+    dropped, tmp = 0, path.with_name(f".{path.name}.tmp")
+    # line by line, in bytes: a text may hold U+2028 or U+0085, which str.splitlines splits
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for line in src:
+            try:
+                early = line.endswith(b"\n") and int(json.loads(line)["step"]) < step
+            except (ValueError, TypeError, KeyError):
+                early = False
+            if early:
+                dst.write(line)
+            else:
+                dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(kept), "utf-8")
         tmp.replace(path)
+    else:
+        tmp.unlink()
     return dropped
 
 
@@ -294,15 +296,15 @@ class CompletionSamples(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A resumed fit: the JSONL rows of its checkpoint's step and later go (they come
-        again), from ``jsonl_path`` and from the loggers' ``samples/completions.jsonl``."""
+        again) from the loggers' ``samples/completions.jsonl`` and from a ``jsonl_path`` in
+        the run's folder (``{log_dir}``); a ``jsonl_path`` elsewhere may be another run's
+        too, and keeps its rows."""
         self._prev_step = None
         if not trainer.is_global_zero or not trainer.global_step:
             return
-        files = [] if self._jsonl_file is None else [self._jsonl_file]
-        for logger in getattr(trainer, "loggers", None) or []:
-            log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-            if log_dir:
-                files.append(Path(log_dir) / "samples" / "completions.jsonl")
+        files = self._logger_files(trainer)
+        if self._jsonl_file is not None and "{log_dir}" in str(self.jsonl_path):
+            files.append(self._jsonl_file)
         for path in dict.fromkeys(files):
             if dropped := drop_steps_from(path, trainer.global_step):
                 rank_zero_info(f"CompletionSamples: {dropped} row(s) of step "
@@ -332,7 +334,6 @@ class CompletionSamples(Callback):
         # a fast_dev_run's DummyLogger is no logger: a smoke run leaves no samples file behind
         loggers = [lg for lg in getattr(trainer, "loggers", None) or []
                    if not isinstance(lg, DummyLogger)]
-        files: dict[Path, None] = {}  # ordered, each file once
         for logger in loggers:
             if isinstance(logger, WandbLogger):
                 self.write_wandb(logger, record, step)
@@ -340,10 +341,7 @@ class CompletionSamples(Callback):
                 self.write_mlflow(logger, record, step)
             elif isinstance(getattr(logger, "experiment", None), SummaryWriter):
                 self.write_tensorboard(logger.experiment, record, step)
-            else:  # <log_dir>/samples/completions.jsonl for a logger without a table
-                log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-                folder = Path(log_dir or self._log_dir(trainer))
-                files[folder / "samples" / "completions.jsonl"] = None
+        files = dict.fromkeys(self._logger_files(trainer))  # ordered, each file once
         if not loggers and not self._told_no_logger:
             # nothing is written where nothing was asked for (no logger: not the cwd)
             self._told_no_logger = True
@@ -357,6 +355,17 @@ class CompletionSamples(Callback):
                 rank_zero_info(f"CompletionSamples: the samples table goes to {path}")
                 path.parent.mkdir(parents=True, exist_ok=True)
             append_jsonl(path, rollout_rows(record, self.max_prompts))
+
+    def _logger_files(self, trainer: pl.Trainer) -> list[Path]:
+        """``<log_dir>/samples/completions.jsonl`` of each logger without a table."""
+        files = []
+        for logger in getattr(trainer, "loggers", None) or []:
+            if isinstance(logger, (WandbLogger, MLFlowLogger, DummyLogger)) or isinstance(
+                    getattr(logger, "experiment", None), SummaryWriter):
+                continue
+            log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+            files.append(Path(log_dir or self._log_dir(trainer)) / "samples" / "completions.jsonl")
+        return files
 
     def write_tensorboard(self, writer: Any, record: RolloutSamples, step: int) -> None:
         """The table (``samples/completions``) and, with ``histograms``, the histograms."""

@@ -72,8 +72,10 @@ def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
 
 
 def model_folder(name_or_path: str) -> str | None:
-    """The real path of ``name_or_path`` when it is a local folder, else None."""
-    return os.path.realpath(name_or_path) if os.path.isdir(name_or_path) else None
+    """The real path of ``name_or_path`` (``~`` expanded, as the model loader does) when it
+    is a local folder, else None."""
+    path = os.path.expanduser(name_or_path)
+    return os.path.realpath(path) if os.path.isdir(path) else None
 
 
 def save_state(

@@ -386,8 +386,11 @@ class LoggerVersions(pl.Callback):
 
 
 def _absolute(folder: Any) -> Any:
-    """A local folder as an absolute path; None or a URL (``s3://...``) as it is."""
-    return folder if folder is None or "://" in str(folder) else os.path.abspath(folder)
+    """A local folder as an absolute path (``~`` and ``$VAR`` expanded, as Lightning does);
+    None or a URL (``s3://...``) as it is."""
+    if folder is None or "://" in str(folder):
+        return folder
+    return os.path.abspath(os.path.expanduser(os.path.expandvars(str(folder))))
 
 
 def continue_csv_log(logger: Any, resume_step: int | None) -> int:

@@ -521,21 +521,31 @@ def test_a_jsonl_path_that_is_a_folder_fails_at_fit_start(tmp_path):
 
 def test_a_resumed_fit_drops_the_rows_it_writes_again(tmp_path):
     """Resumed from step 2, a fit writes steps 2, 3, ... again: their earlier rows (and a
-    line cut short by a kill) leave the JSONL dump and the loggers' samples files."""
+    line cut short by a kill) leave the run's JSONL dump and the loggers' samples files; a
+    row whose text holds U+2028 or U+0085 is one row. A ``jsonl_path`` outside the run's
+    folder may hold other runs' rows, and keeps them."""
     dump = tmp_path / "rollouts.jsonl"
+    shared = tmp_path / "shared.jsonl"
     logged = tmp_path / "csv" / "samples" / "completions.jsonl"
     logged.parent.mkdir(parents=True)
-    for path in (dump, logged):
-        path.write_text("".join(json.dumps({"step": s, "reward": 1.0}) + "\n" for s in range(5))
-                        + '{"step": 5, "rew')
-    cb = CompletionSamples(every_n_steps=1, jsonl_path=str(dump))
+    rows = "".join(json.dumps({"step": s, "completion": "a\u2028b\x85c"}, ensure_ascii=False)
+                   + "\n" for s in range(5)) + '{"step": 5, "rew'
+    for path in (dump, logged, shared):
+        path.write_text(rows, "utf-8")
     trainer, module = fake(tmp_path, loggers=[SimpleNamespace(log_dir=str(tmp_path / "csv"))])
-    cb.on_fit_start(trainer, module)
-    trainer.global_step = 2
-    cb.on_train_start(trainer, module)
-    assert [r["step"] for r in read_jsonl(dump)] == [0, 1]
-    assert [r["step"] for r in read_jsonl(logged)] == [0, 1]
-    trainer.global_step = 0  # a fresh fit into an existing file appends
-    dump.write_text(json.dumps({"step": 7}) + "\n")
-    cb.on_train_start(trainer, module)
+    for jsonl_path in ("{log_dir}/rollouts.jsonl", str(shared)):
+        cb = CompletionSamples(every_n_steps=1, jsonl_path=jsonl_path)
+        cb.on_fit_start(trainer, module)
+        trainer.global_step = 2
+        cb.on_train_start(trainer, module)
+        trainer.global_step = 0
+    def lines(path: Path) -> list[dict]:  # on "\n" only: str.splitlines splits U+2028 too
+        return [json.loads(line) for line in path.read_text("utf-8").split("\n") if line]
+
+    assert [r["step"] for r in lines(dump)] == [0, 1]
+    assert [r["step"] for r in lines(logged)] == [0, 1]
+    assert lines(dump)[0]["completion"] == "a\u2028b\x85c"
+    assert shared.read_text("utf-8") == rows
+    dump.write_text(json.dumps({"step": 7}) + "\n")  # a fresh fit into a file appends
+    CompletionSamples(every_n_steps=1, jsonl_path=str(dump)).on_train_start(trainer, module)
     assert [r["step"] for r in read_jsonl(dump)] == [7]

@@ -110,6 +110,8 @@ def test_a_local_model_folder_is_the_same_model_however_it_is_written(tmp_path, 
         load_state(checkpoint, same, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
     monkeypatch.chdir(tmp_path)  # from another working folder, by its absolute path
     load_state(checkpoint, str(tmp_path / "m"), ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ as the model loader expands it
+    load_state(checkpoint, "~/m", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
     for other in (str(tmp_path / "other"), "Qwen/Qwen2.5-0.5B"):
         with pytest.raises(ValueError, match="made with model.model_name_or_path='../m/'"):
             load_state(checkpoint, other, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)

@@ -405,3 +405,9 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
 
     assert continued(other) == []  # B's own run 0 is left alone: a new version
     assert continued(first) == [(0, 7)]
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ as Lightning expands it, from anywhere
+    checkpoint = {}
+    ckpt_io.LoggerVersions().on_save_checkpoint(
+        SimpleNamespace(loggers=[TensorBoardLogger("~/A", name="tiny", version=0)]), None,
+        checkpoint)
+    assert checkpoint[ckpt_io.LOGGERS_KEY][0]["save_dir"] == str(first)
