@@ -277,10 +277,8 @@ class MaxEntGRPOCLI(LightningCLI):
 
 
 def _same_dir(a: Any, b: Any) -> bool:
-    def local(path: Any) -> str:  # ~ and $VAR as Lightning expands them
-        return os.path.abspath(os.path.expanduser(os.path.expandvars(str(path))))
-
-    return a is not None and b is not None and local(a) == local(b)
+    return a is not None and b is not None and (
+        ckpt_io.absolute_folder(a) == ckpt_io.absolute_folder(b))
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by
@@ -337,10 +335,10 @@ def main(
     show_trace = False
     if isinstance(args, list) or (from_argv and errors.TRACEBACK_FLAG in sys.argv[1:]):
         args, show_trace = errors.pop_traceback_flag(list(sys.argv[1:] if from_argv else args))
-    full_help = cli_help.HELP_ALL_FLAG in (sys.argv[1:] if args is None else args)
+    given = sys.argv[1:] if args is None else args
+    full_help = cli_help.HELP_ALL_FLAG in given
     if full_help:  # jsonargparse prints its full page for --help under FULL_HELP
-        args = ["--help" if a == cli_help.HELP_ALL_FLAG else a
-                for a in (sys.argv[1:] if args is None else args)]
+        args = ["--help" if a == cli_help.HELP_ALL_FLAG else a for a in given]
     # with --traceback, jsonargparse raises its parse errors (printed with their trace by
     # errors.report) instead of printing the usage and exiting 2
     parser_kwargs = {"exit_on_error": False} if show_trace and exit_on_error else {}

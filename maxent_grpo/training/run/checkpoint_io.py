@@ -376,7 +376,7 @@ class LoggerVersions(pl.Callback):
             try:
                 records.append({
                     "class": f"{type(logger).__module__}.{type(logger).__qualname__}",
-                    "save_dir": _absolute(logger.save_dir),
+                    "save_dir": absolute_folder(logger.save_dir),
                     "name": logger.name,
                     "version": logger.version,
                 })
@@ -385,7 +385,7 @@ class LoggerVersions(pl.Callback):
         checkpoint[LOGGERS_KEY] = records
 
 
-def _absolute(folder: Any) -> Any:
+def absolute_folder(folder: Any) -> Any:
     """A local folder as an absolute path (``~`` and ``$VAR`` expanded, as Lightning does);
     None or a URL (``s3://...``) as it is."""
     if folder is None or "://" in str(folder):
