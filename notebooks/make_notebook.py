@@ -33,10 +33,17 @@ SMOOTH = 10  # moving-average window over training steps (1 = raw)
 if os.environ.get("MAXENT_GRPO_RUNS"):
     RUN_DIRS = [Path(p) for p in os.environ["MAXENT_GRPO_RUNS"].split(os.pathsep) if p]
 else:
-    RUN_DIRS = find_runs("lightning_logs")[-2:]
+    try:
+        RUN_DIRS = find_runs("lightning_logs")[-2:]
+    except FileNotFoundError as err:  # no lightning_logs/ here or above
+        print(err)
+        RUN_DIRS = []
 runs = [load_run(p) for p in RUN_DIRS]
 for run in runs:
-    print(f"{run.label}: {len(run.scalars)} scalar tags from {run.path}")"""),
+    print(f"{run.label}: {len(run.scalars)} scalar tags from {run.path}")
+if not runs:  # the cells on runs are skipped; the study's below still run
+    print("no runs to show: train first (python -m maxent_grpo fit --config configs/tiny.yaml) "
+          "or name run folders in MAXENT_GRPO_RUNS")"""),
     ("markdown", """## Curves
 
 One panel per quantity, one line per run. Panels that no run logged are left out (KL needs
@@ -44,32 +51,35 @@ a reference, i.e. `beta > 0` or a listwise objective; τ and β are the MaxEnt o
 temperatures; pass@k comes from validation, `model.eval_k`)."""),
     ("code", """import matplotlib.pyplot as plt
 
-fig = plot_runs(runs, smooth=SMOOTH)
-display(fig)
-plt.close(fig)"""),
+if runs:
+    fig = plot_runs(runs, smooth=SMOOTH)
+    display(fig)
+    plt.close(fig)"""),
     ("markdown", "## Last values"),
-    ("code", """rows = summary_rows(runs)
-columns = list(rows[0])
-def cell(v):
+    ("code", """def cell(v):
     return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-table += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
-display(Markdown("\\n".join(table)))"""),
+if runs:
+    rows = summary_rows(runs)
+    columns = list(rows[0])
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    display(Markdown("\\n".join(table)))"""),
     ("markdown", """## Any other tag
 
 Every scalar the trainer logs is in `run.scalars` (see docs/LOGGING.md, "TensorBoard" for
 the list); for example the time each step spent generating versus scoring:"""),
-    ("code", """fig, ax = plt.subplots(figsize=(6, 3))
-for run in runs:
-    for tag in ("train/perf/generate_s", "train/perf/score_s", "train/perf/backward_s"):
-        if tag in run.scalars:
-            s = run.scalars[tag]
-            ax.plot(s.steps, s.values, label=f"{run.label} {tag.rsplit('/', 1)[1]}")
-ax.set_xlabel("step")
-ax.set_ylabel("seconds")
-ax.legend(fontsize=7)
-display(fig)
-plt.close(fig)"""),
+    ("code", """if runs:
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for run in runs:
+        for tag in ("train/perf/generate_s", "train/perf/score_s", "train/perf/backward_s"):
+            if tag in run.scalars:
+                s = run.scalars[tag]
+                ax.plot(s.steps, s.values, label=f"{run.label} {tag.rsplit('/', 1)[1]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7)
+    display(fig)
+    plt.close(fig)"""),
     ("markdown", """## GRPO against MaxEnt: the study
 
 `benchmarks/maxent_vs_grpo.py` trains GRPO, the MaxEnt objectives and the literature's
