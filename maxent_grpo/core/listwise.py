@@ -51,16 +51,23 @@ def _check_ref(
         )
 
 
-def _masked_softmax(logits: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
-    """``softmax_G`` over each row's candidates (0 elsewhere); all rows when None."""
-    if candidates is None:
-        return torch.softmax(logits, dim=1)
-    if candidates.shape != logits.shape or not bool(candidates.any(dim=1).all()):
-        raise ValueError(
-            f"candidates must be a bool tensor of shape {tuple(logits.shape)} with at least one "
-            "True per row"
-        )
-    return torch.softmax(logits.masked_fill(~candidates, float("-inf")), dim=1)
+def _masked_softmax(
+    logits: torch.Tensor, candidates: torch.Tensor | None, temperature: float = 1.0
+) -> torch.Tensor:
+    """``softmax_G(logits / temperature)`` over each row's candidates (0 elsewhere); all
+    rows when None. A temperature so small that the division overflows gives the limit
+    (each row's largest entries share the mass), not NaN."""
+    if candidates is not None:
+        if candidates.shape != logits.shape or not bool(candidates.any(dim=1).all()):
+            raise ValueError(
+                f"candidates must be a bool tensor of shape {tuple(logits.shape)} with at "
+                "least one True per row"
+            )
+        logits = logits.masked_fill(~candidates, float("-inf"))
+    w = torch.softmax(logits / temperature, dim=1)
+    if temperature < 1.0 and not bool(torch.isfinite(w).all()):
+        w = torch.softmax((logits - logits.amax(dim=1, keepdim=True)) / temperature, dim=1)
+    return w
 
 
 def q_distribution(
@@ -84,7 +91,7 @@ def q_distribution(
     check_rewards(rewards)
     _check_scalar("temperature", temperature, positive=True)
     _check_scalar("epsilon", epsilon, positive=True)
-    q = _masked_softmax(rewards / temperature, candidates)
+    q = _masked_softmax(rewards, candidates, temperature)
     if candidates is None:
         group = rewards.shape[1]
         floor = min(epsilon, 1.0 / group - 1e-8)
@@ -126,7 +133,10 @@ def maxent_weights(
         logits = log_q.detach()
         if beta > 0:
             logits = logits + beta * ref_seq_logps.detach().to(log_q.dtype)
-        return _masked_softmax(logits / (tau + beta), candidates)
+            if not bool(torch.isfinite(logits).all()):
+                raise ValueError(
+                    f"beta={beta!r} is too large: beta * ref_seq_logps overflows {log_q.dtype}")
+        return _masked_softmax(logits, candidates, tau + beta)
 
 
 def group_utility(
@@ -190,7 +200,7 @@ def group_weights(
         logits = utility
         if lam > 0:
             logits = logits + lam * ref_seq_logps.detach().to(utility.dtype)
-        return torch.softmax(logits / kappa, dim=1)
+        return _masked_softmax(logits, None, kappa)
 
 
 def weight_entropy(weights: torch.Tensor) -> torch.Tensor:

@@ -121,9 +121,10 @@ def importance_ratio(
 ) -> torch.Tensor:
     """Importance ratio ``c = exp(clamp(logps - old_logps, -max_log_ratio, max_log_ratio))``.
 
-    The bound (finite, ``> 0``) only guards ``exp`` against overflow; where it is active the
-    gradient is zero. ``old_logps`` (same shape as ``logps``, any) is detached: with
-    ``old_logps = logps.detach()`` the ratio is exactly 1 and its gradient that of ``logps``.
+    The bound (finite, ``> 0``; in float16 at most about 10.1) only guards ``exp`` against
+    overflow; where it is active the gradient is zero. ``old_logps`` (same shape as
+    ``logps``, any) is detached: with ``old_logps = logps.detach()`` the ratio is exactly 1
+    and its gradient that of ``logps``.
     """
     logps, old_logps = _check_pair(logps, "logps", old_logps, "old_logps")
     if (
@@ -133,8 +134,15 @@ def importance_ratio(
         or max_log_ratio <= 0
     ):
         raise ValueError(f"max_log_ratio must be a finite number > 0; got {max_log_ratio!r}")
-    log_ratio = (logps - old_logps.detach()).clamp(-max_log_ratio, max_log_ratio)
+    bound = _exp_bound(max_log_ratio, logps.dtype)
+    log_ratio = (logps - old_logps.detach()).clamp(-bound, bound)
     return torch.exp(log_ratio)
+
+
+def _exp_bound(max_log_ratio: float, dtype: torch.dtype) -> float:
+    """``max_log_ratio``, lowered where ``exp`` of it would overflow ``dtype`` (float16:
+    ``log(65504) - 1``, about 10.1; float32 and bfloat16 reach past 88)."""
+    return min(float(max_log_ratio), math.log(torch.finfo(dtype).max) - 1.0)
 
 
 #: the levels of :func:`importance_ratio_at`
@@ -167,8 +175,9 @@ def importance_ratio_at(
     _check_mask(mask, logps, "logps")
     m = mask.to(logps.dtype)
     d = torch.where(mask, logps - old_logps.detach(), torch.zeros((), dtype=logps.dtype))
+    bound = _exp_bound(max_log_ratio, logps.dtype)
     seq = (d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).clamp(
-        -max_log_ratio, max_log_ratio)  # (N, 1)
+        -bound, bound)  # (N, 1)
     if level == "sequence":
         return torch.exp(seq).expand_as(logps)
     return torch.exp(seq.detach() + logps - logps.detach())

@@ -10,6 +10,7 @@ import torch
 from maxent_grpo.core.losses import (
     clip_fractions,
     importance_ratio,
+    importance_ratio_at,
     kl_penalty,
     sampler_correction_weights,
 )
@@ -94,6 +95,23 @@ def test_ratio_values_and_bound() -> None:
     # float32 does not overflow even for huge log-ratios.
     huge = importance_ratio(torch.tensor([1e6]), torch.tensor([0.0]))
     assert torch.isfinite(huge).all()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+def test_ratio_stays_finite_in_float16(level) -> None:
+    # e^20 is past float16's largest value (65504): the bound there is log(65504) - 1
+    logps = torch.tensor([[15.0, -15.0, 14.0]], dtype=torch.float16)
+    old = torch.zeros_like(logps)
+    mask = torch.tensor([[True, False, True]])
+    ratio = importance_ratio_at(logps, old, mask, level=level)
+    assert torch.isfinite(ratio).all()
+    bound = math.log(65504) - 1
+    assert ratio[0, 0].item() == pytest.approx(math.exp(bound), rel=1e-2)
+    if level == "token":
+        assert ratio[0, 1].item() == pytest.approx(math.exp(-bound), rel=1e-2)
+    # float32 keeps the bound asked for
+    assert importance_ratio(logps.float(), old.float())[0, 0].item() == pytest.approx(
+        math.exp(15.0), rel=1e-6)
 
 
 def test_ratio_on_policy_is_one_with_gradient_of_logps() -> None:

@@ -155,6 +155,22 @@ def test_maxent_weights_are_detached() -> None:
     assert not w.requires_grad and w.grad_fn is None
 
 
+def test_maxent_weights_at_a_tiny_temperature_are_the_argmax_not_nan() -> None:
+    # log_q / 1e-39 overflows float32: the rows' largest entries share the mass
+    log_q = torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]).log()
+    w = maxent_weights(log_q, 1e-39)
+    assert torch.equal(w, torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]]))
+    cands = torch.tensor([[False, True, True], [True, True, True]])
+    assert torch.equal(maxent_weights(log_q, 1e-39, candidates=cands)[0],
+                       torch.tensor([0.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"beta=1e\+39 is too large"):
+        maxent_weights(log_q, 0.0, 1e39, -torch.ones(2, 3))
+    utility = torch.tensor([[0.5, -0.25, 0.5]])
+    assert torch.equal(group_weights(utility, 1e-39), torch.tensor([[0.5, 0.0, 0.5]]))
+    q = q_distribution(utility, temperature=1e-39, epsilon=1e-6)
+    assert torch.isfinite(q).all() and q[0, 1] == pytest.approx(1e-6)
+
+
 def test_maxent_weights_validation() -> None:
     log_q = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"tau \+ beta must be > 0"):
