@@ -21,6 +21,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,19 @@ def _cpus(spec: str) -> set[int]:
     return out
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float) -> None:
+def _port_taken(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float,
+                  key: str) -> None:
+    """Until the server started here answers: its ``/health``, then its ``/v1/models`` with
+    this run's key (a server of someone else's on the port would refuse it)."""
     import httpx
 
     start = time.monotonic()
@@ -80,7 +93,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float) -
                              f"its log ({log}) ends:\n{log.read_text()[-3000:]}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
+                models = httpx.get(url + "/v1/models", timeout=10,
+                                   headers={"Authorization": f"Bearer {key}"})
+                if proc.poll() is None and models.status_code == 200:
+                    return
+                if models.status_code == 401:
+                    raise SystemExit(f"another server answers at {url} (it refuses this run's "
+                                     "key): choose another --port, or leave it out")
         print(f"\rwaiting for vllm serve at {url} ... {time.monotonic() - start:.0f} s",
               end="", file=sys.stderr, flush=True)
         time.sleep(1)
@@ -120,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer_cpus = (sorted(os.sched_getaffinity(0) - server_cpus) if server_cpus else None)
     if server_cpus is not None and not trainer_cpus:
         raise SystemExit(f"--server-cpus {args.server_cpus} leaves no CPU for the training")
+    if args.port is not None and _port_taken(args.port):
+        raise SystemExit(f"port {args.port} on 127.0.0.1 is taken (another server?): choose "
+                         "another --port, or leave it out for a free one")
     # a SIGTERM (a scheduler's stop, `kill`) or a SIGHUP (the terminal closed) stops the
     # server too, as Ctrl-C does
     callers = {stop: signal.signal(stop, _interrupt) for stop in (signal.SIGTERM, signal.SIGHUP)}
@@ -145,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     training: subprocess.Popen | None = None
     stops: dict[int, Any] = {}  # the handlers while stopping: ignored
     try:
-        _wait_healthy(url, proc, log, args.start_seconds)
+        _wait_healthy(url, proc, log, args.start_seconds, key)
         print(f"\rvllm serve is up at {url} (log: {log})", file=sys.stderr, flush=True)
         if not command:
             print(f"give the trainer: --model.engine.init_args.urls=[{url}] with "

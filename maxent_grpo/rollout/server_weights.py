@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from maxent_grpo.rollout.server_transfer import TRANSFERS, open_sender
-from maxent_grpo.rollout.vllm_engine import _rank
+from maxent_grpo.rollout.vllm_engine import NEUTRAL_SAMPLING, _rank
 from maxent_grpo.rollout.weights import checkpoint_weights
 from maxent_grpo.validation import require
 
@@ -42,6 +42,10 @@ class ServerError(RuntimeError):
         super().__init__(message)
         self.status, self.timed_out = status, timed_out
 
+
+#: the temperature of the probe's sampled token (not 1, where log-probs before and after
+#: temperature agree)
+PROBE_TEMPERATURE = 0.5
 
 #: statuses worth sending a request again for (overload, the server's own failure)
 RETRYABLE = (408, 429, 500, 502, 503, 504)
@@ -81,6 +85,7 @@ def server_command(model: str = "FOLDER", port: int | str = 8000, api_key: bool 
 @dataclass
 class _Server:
     url: str
+    model: str = ""  # the name it serves the model under (/v1/models)
     version: str | None = None  # the weight version it holds, as far as we know
     healthy: bool = True
     paused_by_failure: bool = False  # a transfer kept failing: out of use for good
@@ -95,20 +100,26 @@ class ServerWeights:
     def _write_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, dict]:
         from safetensors.torch import save_file
 
-        if self._folder is None:
-            base = self._transfer_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-            self._folder = tempfile.mkdtemp(prefix="maxent_grpo_weights_", dir=base)
         tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in weights}
-        path = os.path.join(self._folder, f"v{self.version}-{uuid.uuid4().hex[:8]}.safetensors")
+        path = None
         try:
+            if self._folder is None:  # absolute: the server reads it from its own folder
+                base = self._transfer_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK)
+                                              else tempfile.gettempdir())
+                base = os.path.abspath(os.path.expanduser(os.path.expandvars(base)))
+                os.makedirs(base, exist_ok=True)
+                self._folder = tempfile.mkdtemp(prefix="maxent_grpo_weights_", dir=base)
+            path = os.path.join(self._folder,
+                                f"v{self.version}-{uuid.uuid4().hex[:8]}.safetensors")
             save_file(tensors, path + ".part")
             os.replace(path + ".part", path)
         except Exception as err:  # OSError, or safetensors' own error for a full disk
-            if os.path.exists(path + ".part"):
+            if path is not None and os.path.exists(path + ".part"):
                 os.remove(path + ".part")
             size = sum(t.numel() * t.element_size() for t in tensors.values())
+            where = self._folder or self._transfer_dir
             raise ServerError(
-                f"the weights ({size / 2**20:.0f} MiB) could not be written to {self._folder} "
+                f"the weights ({size / 2**20:.0f} MiB) could not be written to {where} "
                 f"({type(err).__name__}: {err}): free space there, or name a folder with room "
                 "as model.engine.init_args.transfer_dir (a container's /dev/shm is 64 MiB "
                 "unless started with a larger --shm-size)") from err
@@ -349,7 +360,11 @@ class ServerWeights:
     def _check_server(self, server: _Server) -> str:
         """The served model's name, after checking the routes and the tokenizer."""
         models = self._call(server, "GET", "/v1/models")
-        names = [m["id"] for m in models.get("data", [])]
+        try:
+            names = [m["id"] for m in models.get("data", [])]
+        except (AttributeError, KeyError, TypeError):
+            raise ServerError(f"{server.url}/v1/models did not answer a model list (is it a "
+                              f"vLLM server?): {str(models)[:300]}") from None
         require(len(names) == 1, f"{server.url} serves {names!r}; the engine needs one model")
         backend = TRANSFERS[self.weight_transfer]
         try:
@@ -366,47 +381,76 @@ class ServerWeights:
                    "backend)" if backend.startswith("maxent_") else "") + ", as in:\n  "
                 + server_command(transfer=self.weight_transfer)) from None
         ours = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-        theirs = self._call(server, "POST", "/tokenize", json={
-            "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})["tokens"]
+        out = self._call(server, "POST", "/tokenize", json={
+            "model": names[0], "prompt": PROBE_TEXT, "add_special_tokens": False})
+        theirs = out.get("tokens") if isinstance(out, dict) else None
+        if not isinstance(theirs, list):
+            raise ServerError(f"{server.url}/tokenize answered no tokens: {str(out)[:300]}")
         require(list(theirs) == list(ours),
                 f"{server.url} serves {names[0]!r}, whose tokenizer splits the probe "
                 f"{PROBE_TEXT!r} into {theirs}; the policy's tokenizer "
                 f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
                 "server on the policy's model")
+        server.model = names[0]
         return names[0]
 
     def _check_probe(self) -> None:
-        """The servers give a probe sequence the policy's log-probabilities (ServerError
-        naming the first server that does not); every rank checks, and all fail together (a
-        rank failing alone would leave the others waiting in the first collective of
-        training)."""
+        """The servers give a probe sequence the policy's log-probabilities, and the token
+        they sample after it its log-probability at :data:`PROBE_TEMPERATURE` (a server
+        returning log-probs before temperature, vLLM's default, would give the sampler
+        correction wrong behaviour log-probs): ServerError naming the first server that
+        does not. Every rank checks, and all fail together (a rank failing alone would
+        leave the others waiting in the first collective of training)."""
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            device = next(self.model.parameters()).device
-            logits = self.model(input_ids=torch.tensor([ids], device=device)).logits.float()
-            ours = torch.log_softmax(logits[0, :-1], dim=-1).gather(
-                -1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).cpu()
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()  # as in a rollout: no dropout
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([ids], device=device)).logits[0]
+        finally:
+            self.model.train(was_training)
+        logits = logits.float().cpu()
+        ours = torch.log_softmax(logits[:-1], dim=-1).gather(
+            -1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        next_logps = torch.log_softmax(logits[-1] / PROBE_TEMPERATURE, dim=-1)
+        name = getattr(getattr(self.model, "config", None), "_name_or_path", "?")
         error = None
         try:
             for server in self.servers:
                 if server.paused_by_failure or not server.healthy:
                     continue  # the first sync failed there (logged); the others serve
                 out = self._call(server, "POST", "/v1/completions", json={
-                    "model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-                    "prompt_logprobs": 0, "return_token_ids": True})
-                rows = out["choices"][0]["prompt_logprobs"][1:]
-                theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:],
-                                                                                strict=True)])
+                    "model": server.model, "prompt": ids, "max_tokens": 1, "seed": 0,
+                    "temperature": PROBE_TEMPERATURE, "ignore_eos": True, "logprobs": 0,
+                    "prompt_logprobs": 0, "return_token_ids": True, **NEUTRAL_SAMPLING})
+                try:
+                    choice = out["choices"][0]
+                    theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(
+                        choice["prompt_logprobs"][1:], ids[1:], strict=True)])
+                    token = int(choice["token_ids"][0])
+                    sampled = float(choice["logprobs"]["token_logprobs"][0])
+                except (KeyError, IndexError, TypeError, ValueError) as err:
+                    raise ServerError(
+                        f"{server.url}/v1/completions answered the probe without its "
+                        f"log-probabilities ({type(err).__name__}: {err}): "
+                        f"{str(out)[:300]}") from None
                 gap = float((theirs - ours).abs().max())
                 if gap > self.probe_tolerance:
                     raise ServerError(
-                        f"{server.url} serves {self.model_name!r}, which gives the probe "
+                        f"{server.url} serves {server.model!r}, which gives the probe "
                         f"log-probabilities up to {gap:.3g} away from the policy's "
-                        f"({type(self.model).__name__}, "
-                        f"{getattr(getattr(self.model, 'config', None), '_name_or_path', '?')}) "
-                        f"after the weights were sent (probe_tolerance {self.probe_tolerance}): "
-                        "a different model, dtype or sampler setting (start the server with "
-                        "--logprobs-mode processed_logprobs and the policy's --dtype)")
+                        f"({type(self.model).__name__}, {name}) after the weights were sent "
+                        f"(probe_tolerance {self.probe_tolerance}): a different model, "
+                        "dtype or sampler setting (start the server with the policy's --dtype)")
+                gap = abs(sampled - float(next_logps[token]))
+                if gap > self.probe_tolerance:
+                    raise ServerError(
+                        f"{server.url} gives the token it samples at temperature "
+                        f"{PROBE_TEMPERATURE} a log-probability {gap:.3g} away from the "
+                        f"policy's at that temperature (probe_tolerance {self.probe_tolerance})"
+                        ": it returns log-probs before temperature; start it with "
+                        "--logprobs-mode processed_logprobs")
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
         _all_ok(error is None, device, error,

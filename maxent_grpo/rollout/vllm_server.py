@@ -177,7 +177,6 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
         self._transfer_address = transfer_address
         self._join_seconds = max(15.0, float(connect_seconds))
         self._source = WeightList(torch.device("cpu"))
-        self.model_name = ""
         error = None
         try:  # every rank checks; all fail together, so none waits in a collective
             sender = _rank() == 0  # only rank 0 needs a GPU for nccl and an address
@@ -189,7 +188,7 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
                                           else torch.device("cuda", torch.cuda.current_device()))
             for server in self.servers:
                 self._wait_until_up(server, float(connect_seconds))
-                self.model_name = self._check_server(server)
+                self._check_server(server)
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
         try:
@@ -255,11 +254,17 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
                 self._call(server, "GET", "/health", timeout=10.0)
                 return
             except ServerError as err:
+                if err.status == 404:  # something answers, but not a vLLM server's root
+                    raise ServerError(
+                        f"model.engine VLLMServerEngine: {server.url}/health answered 404: give "
+                        "each server's root URL, http://HOST:PORT (no /v1 or other path)"
+                    ) from None
                 if time.monotonic() >= deadline:
+                    port = server.url.rsplit(':', 1)[-1].split('/')[0]
                     raise ServerError(
                         f"model.engine VLLMServerEngine: no vLLM server answers at {server.url} "
                         f"({err}). Start one, for example:\n  "
-                        f"{server_command(port=server.url.rsplit(':', 1)[-1].split('/')[0])}\n"
+                        f"{server_command(port=port, transfer=self.weight_transfer)}\n"
                         "(docs/VLLM.md, 'vLLM servers'; `make demo-vllm-server` starts one for the "
                         "demo)") from None
                 time.sleep(1.0)
@@ -286,7 +291,8 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
                 raise ServerError("the engine was closed while a request was pending")
             if server is not None:
                 try:
-                    return _choices(self._call(server, "POST", "/v1/completions", json=body),
+                    return _choices(self._call(server, "POST", "/v1/completions",
+                                               json={**body, "model": server.model}),
                                     body["n"], server.url)
                 except ServerError as err:
                     last = err
@@ -353,8 +359,7 @@ class VLLMServerEngine(ServerWeights, VLLMEngineBase):
 
     def _sample(self, sequences: list[list[int]], requests: list[dict[str, Any]]
                 ) -> list[list[tuple[list[int], list[float] | None]]]:
-        return self._run_all([{"model": self.model_name, "prompt": list(q), **r,
-                               "return_token_ids": True}
+        return self._run_all([{"prompt": list(q), **r, "return_token_ids": True}
                               for q, r in zip(sequences, requests, strict=True)])
 
     def close(self) -> None:
