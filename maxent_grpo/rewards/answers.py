@@ -430,13 +430,31 @@ def in_set_reward(
     >>> in_set_reward(["A prime number less than 20:"], [" 8"], valid_answers=[["7", "11"]])
     [0.0]
     """
-    def right(answer: str, members: Any) -> bool:
-        try:
-            valid = {int(str(m).strip()) for m in members}
-        except ValueError:
-            raise ValueError(f"in_set: valid_answers must hold integers; got {members!r}") from None
+    def right(answer: str, valid: set[int]) -> bool:
         match = INTEGER.search(answer)
         return match is not None and parse_int(match.group()) in valid
 
     sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
+    sets = [None if m is None else _valid_set(m, row) for row, m in enumerate(sets)]
     return _graded(completions, sets, right)
+
+
+def _valid_set(members: Any, row: int) -> set[int]:
+    """A row's ``valid_answers`` as integers: a list of them (ints or integer strings), or
+    that list written as JSON text, as a CSV cell holds it (``'["7", "11"]'``); checked for
+    every row before any is graded (a string was read a character at a time)."""
+    import json
+
+    if isinstance(members, str):
+        try:
+            members = json.loads(members)
+        except ValueError:
+            pass
+    try:
+        if not isinstance(members, (list, tuple)) or any(isinstance(m, bool) for m in members):
+            raise ValueError
+        return {int(str(m).strip()) for m in members}
+    except ValueError:
+        raise ValueError(f"in_set: the valid_answers given with completion {row} of the step "
+                         f"must be a list of integers; got {members!r} (the data's "
+                         "valid_answers column)") from None

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from maxent_grpo.rollout.batch import RolloutOutput
 
 #: reward arguments a dataset column may not be named after
-RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "rendered_prompts")
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def score_completions(
 def _score(
     funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
     columns: dict[str, list], completion_ids: list[list[int]] | None,
-    trainer_state: TrainerState | None,
+    trainer_state: TrainerState | None, rendered_prompts: list[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(prompts, completions, columns)
     if completion_ids is not None and len(completion_ids) != len(completions):
@@ -232,6 +232,8 @@ def _score(
                          f"({len(completions)}); got {len(completion_ids)}")
     completions = trl_completions(prompts, completions)
     kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state, **columns}
+    if rendered_prompts is not None:
+        kwargs["rendered_prompts"] = rendered_prompts
     rows = [
         _call(k, name, fn, prompts, completions, kwargs) for k, (name, fn, _) in enumerate(funcs)
     ]
@@ -325,13 +327,16 @@ class WeightedRewards:
         self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int,
         completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
         per_completion: dict[str, list] | None = None, trainer_state: TrainerState | None = None,
+        rendered_prompts: list[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`;
         ``columns`` hold one value per prompt; ``completion_ids`` and ``completion_mask``
         are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``);
         ``per_completion`` adds keyword columns with one value per completion (a multi-turn
         rollout's ``tool_calls``, ``tool_failures``, ``exchange_lengths``, ``environments``);
-        ``trainer_state`` is what the step gives (None: ``TrainerState()``)."""
+        ``trainer_state`` is what the step gives (None: ``TrainerState()``);
+        ``rendered_prompts``, one per completion, the text the model continued (given to
+        the functions as that argument when not None)."""
         per_row = {k: [v for v in vals for _ in range(group_size)] for k, vals in columns.items()}
         for key, values in (per_completion or {}).items():
             if key in per_row:
@@ -345,7 +350,7 @@ class WeightedRewards:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
         return _score(funcs, pairs.prompts, pairs.completions, per_row, ids,
-                      trainer_state or TrainerState())
+                      trainer_state or TrainerState(), rendered_prompts)
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],
@@ -354,13 +359,15 @@ class WeightedRewards:
         """``(total (B*G,), components (K, B*G))`` of one rollout of ``B`` prompts, as
         training and evaluation score it: the rollout's :meth:`~RolloutOutput.pairs` with
         each dataset prompt (``raw_prompts``: a string or chat messages, as the dataset gave
-        it), its per-completion columns, and its ids and model mask. ``device`` is where
+        it), the prompts as the model continued them (``rendered_prompts``), its
+        per-completion columns, and its ids and model mask. ``device`` is where
         the step runs: reward models run there from now on (None: unchanged)."""
         if device is not None:
             self._device = device
         pairs = rollout.pairs(raw_prompts)
+        rendered = rollout.pairs().prompts  # the prompts after the chat template
         return self(pairs, columns, rollout.group_size, rollout.completion_ids,
-                    rollout.model_mask, pairs.reward_columns(), trainer_state)
+                    rollout.model_mask, pairs.reward_columns(), trainer_state, rendered)
 
 
 class _Overlong:

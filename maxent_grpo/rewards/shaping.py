@@ -2,9 +2,11 @@
 penalty ``overlong``.
 
 Reasoning models' chat templates often end the prompt with ``<think>`` so the completion
-starts inside the reasoning block. Here, when a plain-string prompt ends with ``<think>``
-(trailing whitespace aside), the completion is read as if it began with ``<think>``;
-conversational prompts (lists of messages) never open the block.
+starts inside the reasoning block. Here, when the text the model continued ends with
+``<think>`` (trailing whitespace aside), the completion is read as if it began with
+``<think>``: the trainer gives it as ``rendered_prompts`` (the prompt after the chat
+template); called without it, a plain-string prompt is that text, and conversational
+prompts (lists of messages) never open the block.
 """
 
 from __future__ import annotations
@@ -21,20 +23,22 @@ _LAYOUT = re.compile(rf"\s*<think>{_PLAIN}</think>\s*<answer>{_PLAIN}</answer>\s
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def _texts(prompts: list, completions: list) -> list[str]:
+def _texts(prompts: list, completions: list, rendered: list | None = None) -> list[str]:
     if len(prompts) != len(completions):
         raise ValueError(
             f"prompts and completions must have the same length; got {len(prompts)} and "
             f"{len(completions)}"
         )
+    rendered = prompts if rendered is None else rendered
     return [
-        ("<think>" if prompt_opens_think(p) else "") + completion_text(c)
-        for p, c in zip(prompts, completions, strict=True)
+        ("<think>" if prompt_opens_think(r) else "") + completion_text(c)
+        for r, c in zip(rendered, completions, strict=True)
     ]
 
 
 @register_reward("format")
-def format_reward(prompts: list, completions: list, **kwargs: object) -> list[float]:
+def format_reward(prompts: list, completions: list, rendered_prompts: list | None = None,
+                  **kwargs: object) -> list[float]:
     """1.0 when the completion is exactly ``<think>…</think>`` then ``<answer>…</answer>``,
     with only whitespace before, between and after, no other tag inside either block and a
     non-blank answer; else 0.0. The reasoning may be empty.
@@ -45,7 +49,7 @@ def format_reward(prompts: list, completions: list, **kwargs: object) -> list[fl
     [0.0]
     """
     scores = []
-    for text in _texts(prompts, completions):
+    for text in _texts(prompts, completions, rendered_prompts):
         match = _LAYOUT.fullmatch(text)
         ok = match is not None and match.group(2).strip() != ""
         scores.append(1.0 if ok else 0.0)
@@ -53,7 +57,8 @@ def format_reward(prompts: list, completions: list, **kwargs: object) -> list[fl
 
 
 @register_reward("tag_count")
-def tag_count_reward(prompts: list, completions: list, **kwargs: object) -> list[float]:
+def tag_count_reward(prompts: list, completions: list, rendered_prompts: list | None = None,
+                     **kwargs: object) -> list[float]:
     """0.25 for each of ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` that occurs
     exactly once (order not checked), so 0.0 to 1.0 in steps of 0.25.
 
@@ -63,7 +68,8 @@ def tag_count_reward(prompts: list, completions: list, **kwargs: object) -> list
     [0.0]
     """
     return [
-        0.25 * sum(text.count(tag) == 1 for tag in TAGS) for text in _texts(prompts, completions)
+        0.25 * sum(text.count(tag) == 1 for tag in TAGS)
+        for text in _texts(prompts, completions, rendered_prompts)
     ]
 
 

@@ -36,6 +36,22 @@ def _latex(text: str) -> bool:
     return "**" not in text and any(c in text for c in "\\^{}")
 
 
+#: LaTeX's math delimiters: a text holding one is parsed as it is, not wrapped in ``$...$``
+DELIMITERS = ("$", "\\(", "\\[", "\\begin")
+#: a number in scientific notation (``3e8``, ``1.5E-3``), not inside a word or a longer number
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})(?![\w.])")
+
+
+def _plain(text: str) -> str:
+    """``text`` with its Unicode minus signs as ``-`` and its numbers in scientific notation
+    written out (``3e8`` -> ``300000000``, ``1e-05`` -> ``0.00001``): math-verify reads
+    ``3e8`` as 3 and ``−2`` as nothing."""
+    from decimal import Decimal
+
+    text = text.replace("\u2212", "-")
+    return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
+
+
 def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     r"""Whether math-verify finds ``prediction`` equal to ``gold`` (each parse and each pair
     verify compares limited to :data:`MATH_VERIFY_TIMEOUT_S`, in the main thread only); the
@@ -43,18 +59,23 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     ``golds`` caches the parsed references (one call's; None: no cache).
 
     When either side is LaTeX (a backslash, a brace or ``^``), both are read as math (inside
-    ``$...$``, a bare exponent braced: ``2^-1`` is ``2^{-1}``), each as it is when math mode
-    finds nothing in it: math-verify reads LaTeX only inside a math environment, and read
-    bare, ``7+\sqrt{2}`` was its leading ``7`` and ``2^{10}`` was ``2``. Other pairs are read
-    as they are (in math mode ``9**2`` would be ``9`` and a word a product of symbols)."""
+    ``$...$``, a bare numeric exponent braced: ``2^-1`` is ``2^{-1}``; a text with its own
+    delimiters, ``It is $\sqrt{2}$``, as it is), each as it is when math mode finds nothing
+    in it: math-verify reads LaTeX only inside a math environment, and read bare,
+    ``7+\sqrt{2}`` was its leading ``7`` and ``2^{10}`` was ``2``. Other pairs are read as
+    they are (in math mode ``9**2`` would be ``9`` and a word a product of symbols). Both
+    sides are read with Unicode minus signs as ``-`` and numbers in scientific notation
+    written out (math-verify reads ``3e8`` as 3)."""
     from math_verify import parse, verify  # slow import, only when the reward is used
 
+    gold, prediction = _plain(gold), _plain(prediction)
     latex = _latex(gold) or _latex(prediction)
 
     def parsed(text: str) -> list:
         if latex and "**" not in text:
-            math = parse("$" + re.sub(r"\^(-?[\w.]+)", r"^{\1}", text) + "$",
-                         parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+            if not any(d in text for d in DELIMITERS):
+                text = "$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$"
+            math = parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
             if math:
                 return math
         return parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)

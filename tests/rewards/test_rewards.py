@@ -147,6 +147,24 @@ def test_accuracy(completion: str, answer: str | None, expected: float | None) -
         ("9**2", "9", 0.0),
         ("The answer is 7", "7", 1.0),
         ("paris", "Paris", 0.0),  # in math mode a product of symbols, equal to Paris's
+        # only a numeric exponent is braced: x^{2y} is not x^2 y
+        ("y x^{2}", "x^2y", 1.0),
+        ("x^{2y}", "x^2y", 0.0),
+        ("a^{2}b^{2}", "a^2b^2", 1.0),
+        ("16x", "4^2x", 1.0),
+        (r"\frac{x^{2}y}{2}", r"\frac{x^2y}{2}", 1.0),
+        # an answer with its own delimiters is read as written, not wrapped in $...$ again
+        (r"The value is $\sqrt{2}$", r"\sqrt{2}", 1.0),
+        (r"the length is $\sqrt{2}$ units", r"\sqrt{2}", 1.0),
+        (r"\[ \sqrt{2} \]", r"\sqrt{2}", 1.0),
+        (r"It is $\sqrt{3}$", r"\sqrt{2}", 0.0),
+        # scientific notation written out; a Unicode minus read as minus
+        ("3e8", "3", 0.0),
+        ("3e8", "300000000", 1.0),
+        ("0.00001", "1e-05", 1.0),
+        ("1", "1e-05", 0.0),
+        ("\u22122", "-2", 1.0),
+        ("3 \u2212 2", "1", 1.0),
     ],
 )
 def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
@@ -567,3 +585,18 @@ def test_integer_references_are_read_strictly() -> None:
     np = pytest.importorskip("numpy")  # a direct caller's pandas column
     assert digit_pair_reward(["q"], ["4 + 5"], target=[np.int64(9)]) == [1.0]
     assert first_number_reward(["q"], ["8"], answer=[np.int64(8)]) == [1.0]
+
+
+def test_in_set_reads_a_json_cell_and_refuses_what_is_no_list_of_integers() -> None:
+    """A string ``valid_answers`` was read a character at a time ("12" accepted 1 and 2)
+    and an int raised a bare TypeError."""
+    from maxent_grpo.rewards import in_set_reward
+
+    completions = [" 1", " 2", " 12", " 19"]
+    assert in_set_reward(["q"] * 4, completions, valid_answers=['["12", "19"]'] * 4) == [
+        0.0, 0.0, 1.0, 1.0]
+    for bad in ("12", 17, ["1", True], ["x"]):
+        with pytest.raises(ValueError, match="in_set: the valid_answers given with completion 0 "
+                                             "of the step must be a list of integers"):
+            in_set_reward(["q"] * 4, completions, valid_answers=[bad] * 4)
+    assert in_set_reward(["q"], [" 3"], valid_answers=[None]) == [None]

@@ -531,6 +531,23 @@ def test_the_rollout_record_gives_its_group_size_texts_and_reward_pairs_once() -
         _rollout(GenerationBatch(["p0", "p1"], ["a", "a"], [["x"], ["y", "z"]], None))
 
 
+def test_the_rewards_read_a_think_block_the_chat_template_opened() -> None:
+    """A reasoning model's template ends the rendered prompt with ``<think>``; the rewards
+    got only the dataset's prompt, so ``format`` scored every completion 0."""
+    from maxent_grpo.rewards import WeightedRewards
+
+    rewards = WeightedRewards({"format": 1.0, "tag_count": 1.0})
+    rendered = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    batch = GenerationBatch.of_rows([rendered], ["4"], ["2+2=4</think>\n<answer>4</answer>"])
+    _, parts = rewards.score_rollout(_rollout(batch), ["What is 2+2?"], {"answer": ["4"]})
+    assert parts[:, 0].tolist() == [1.0, 1.0]
+    plain = GenerationBatch.of_rows(["What is 2+2?"], ["4"], ["2+2=4</think><answer>4</answer>"])
+    _, parts = rewards.score_rollout(_rollout(plain), ["What is 2+2?"], {"answer": ["4"]})
+    assert parts[:, 0].tolist() == [0.0, 0.75]
+    with pytest.raises(ValueError, match="'rendered_prompts' clashes with the reward argument"):
+        rewards.score_rollout(_rollout(plain), ["q"], {"rendered_prompts": ["x"]})
+
+
 def test_score_rollout_runs_reward_models_on_the_steps_device() -> None:
     from maxent_grpo.rewards import WeightedRewards
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
+from numbers import Integral
 from typing import Any
 
 from maxent_grpo.training.data.sampler import Prompt, PromptExample
@@ -170,9 +172,14 @@ class PromptFormat:
         value = row.get(self.answer_column)
         if isinstance(value, str):
             return value
+        if value is None:  # a Parquet null, a JSON row without it: blank, as an empty cell
+            return ""
         if not is_number(value):
             raise ValueError(
                 f"{at} column {self.answer_column!r} (data.answer_column) must be a string "
                 f"or a finite number; got {value!r}"
             )
-        return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+        if isinstance(value, Integral):
+            return str(int(value))
+        value = float(value)  # written out: 1e-05 is 0.00001, 3.0 is 3
+        return str(int(value)) if value.is_integer() else format(Decimal(repr(value)), "f")

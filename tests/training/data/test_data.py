@@ -482,7 +482,8 @@ def test_chat_messages_need_template(tmp_path):
 
 
 def test_bad_answer_names_row(tmp_path):
-    path = write(tmp_path / "rows.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    path = write(tmp_path / "rows.jsonl", [{"prompt": "a", "answer": "1"},
+                                           {"prompt": "b", "answer": [1]}])
     with pytest.raises(ValueError, match="row 1 column 'answer'.*answer_column"):
         make(task=None, data_files=path, val_files=path, batch_size=1)
 

@@ -22,6 +22,22 @@ def test_blank_answers_are_warned_with_their_count_and_first_row(tmp_path):
     path.write_text(json.dumps({"prompt": "q", "answer": " "}) + "\n")
     with pytest.warns(UserWarning, match="1 of 1 rows have a blank answer"):
         make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    # a JSON null and a row without the key are blank too (they were refused as no string)
+    path.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"prompt": "q", "answer": None}, {"prompt": "r"}, {"prompt": "s", "answer": "1"})))
+    with pytest.warns(UserWarning, match="2 of 3 rows have a blank answer"):
+        make(task=None, data_files=str(path), val_size=0, batch_size=1)
+
+
+def test_numeric_answers_are_written_out_not_in_scientific_notation(tmp_path):
+    """``str(1e-05)`` is ``"1e-05"``, which math-verify reads as 1."""
+    path = tmp_path / "rows.jsonl"
+    values = [1e-05, 3e20, 2.5, 4.0, 7, 0.1]
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": v}) + "\n"
+                            for i, v in enumerate(values)))
+    data = make(task=None, data_files=str(path), val_size=0, batch_size=1)
+    answers = sorted(e.answer for e in data.train_dataset.examples)
+    assert answers == sorted(["0.00001", "300000000000000000000", "2.5", "4", "7", "0.1"])
 
 
 def test_a_repeated_column_is_refused(tmp_path):
@@ -105,3 +121,4 @@ def test_a_parquet_file_without_rows_says_so(tmp_path):
                              "answer": pa.array([], pa.string())}), path)
     with pytest.raises(ValueError, match=r"could not be read as Parquet: it holds no rows"):
         make(task=None, data_files=str(path), val_size=0, batch_size=1)
+
