@@ -86,7 +86,8 @@ def tool_arithmetic(
     """``num_rows`` prompts ``"What is a <op> b?"`` from ``random.Random(seed)``, ``a`` and
     ``b`` of exactly ``digits`` digits, ``<op>`` drawn from ``ops`` (characters of
     ``"+-*"``). Each row: ``prompt``, ``answer`` (the exact integer), ``task``
-    (``"tool_arithmetic"``), ``expression``.
+    (``"tool_arithmetic"``), ``expression`` and ``answer_form: "first_number"`` (graded by
+    ``first_number``).
 
     >>> tool_arithmetic(1, seed=0)[0]["prompt"]
     'What is 59 * 63?'
@@ -103,5 +104,6 @@ def tool_arithmetic(
         a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
         expression = f"{a} {op} {b}"
         rows.append({"prompt": f"What is {expression}?", "answer": calculate(expression),
-                     "task": "tool_arithmetic", "expression": expression})
+                     "task": "tool_arithmetic", "expression": expression,
+                     "answer_form": "first_number"})  # graded by first_number
     return rows

@@ -312,3 +312,19 @@ def test_a_long_countdown_chain_from_a_deep_stack_is_no_answer_not_a_crash():
     finally:
         sys.setrecursionlimit(limit)
     assert check_countdown(chain, [1] * 499, 499) is True  # from a shallow stack it is right
+
+
+def test_rows_graded_by_first_number_compare_answers_by_first_number():
+    """Bare arithmetic and tool_arithmetic rows are graded by ``first_number``, but had no
+    ``answer_form``: " 8", " 8\\n3 +" and " 8. 4" counted as three answers in
+    distinct_correct, answer_entropy and the answer-level objective."""
+    from maxent_grpo.rewards.answers import canonical_answer
+    from maxent_grpo.tasks.arithmetic import arithmetic, arithmetic_easy
+    from maxent_grpo.tasks.calculator import tool_arithmetic
+
+    for rows in (arithmetic(3, 0, bare=True), arithmetic_easy(3, 0, bare=True),
+                 tool_arithmetic(3, 0)):
+        assert {row["answer_form"] for row in rows} == {"first_number"}
+    assert "answer_form" not in arithmetic(3, 0)[0]  # graded by accuracy: expressions
+    keys = {canonical_answer(c, "first_number") for c in (" 8", " 8\n3 +", " 8. 4", " 8 ")}
+    assert keys == {"8"}

@@ -258,7 +258,6 @@ class CompletionSamples(Callback):
         self.histograms = histograms
         self._run_dir: str | None = None
         self._jsonl_file: Path | None = None
-        self._prev_step: int | None = None  # step of the last rollout seen
         self._last_record: RolloutSamples | None = None
         self._told_no_logger = False
 
@@ -299,7 +298,6 @@ class CompletionSamples(Callback):
         again) from the loggers' ``samples/completions.jsonl`` and from a ``jsonl_path`` in
         the run's folder (``{log_dir}``); a ``jsonl_path`` elsewhere may be another run's
         too, and keeps its rows."""
-        self._prev_step = None
         if not trainer.is_global_zero or not trainer.global_step:
             return
         files = self._logger_files(trainer)
@@ -320,11 +318,11 @@ class CompletionSamples(Callback):
             return
         self._last_record = record
         step = int(record.step)
-        prev = step - 1 if self._prev_step is None else self._prev_step
-        self._prev_step = step
+        # the rollout's optimizer steps: its own, up to the one the trainer is at now
+        end = max(int(trainer.global_step), step + 1)
         if self.jsonl_path is not None:
             append_jsonl(self._resolve_jsonl(trainer), rollout_rows(record))
-        if step // self.every_n_steps > prev // self.every_n_steps:
+        if (end - 1) // self.every_n_steps > (step - 1) // self.every_n_steps:
             self.write_loggers(trainer, record, step)
 
     def write_loggers(self, trainer: pl.Trainer, record: RolloutSamples, step: int) -> None:

@@ -68,9 +68,10 @@ def fake(tmp_path: Path, loggers: list | None = None, *, rank0: bool = True,
     return trainer, SimpleNamespace(trajectory=SimpleNamespace(samples=record))
 
 
-def step(cb: CompletionSamples, trainer, module, record: RolloutSamples) -> None:
+def step(cb: CompletionSamples, trainer, module, record: RolloutSamples,
+         iterations: int = 1) -> None:
     module.trajectory = SimpleNamespace(samples=record)
-    trainer.global_step = record.step + 1  # after the step's optimizer step
+    trainer.global_step = record.step + iterations  # after the rollout's optimizer steps
     cb.on_train_batch_end(trainer, module, None, None, 0)
 
 
@@ -211,13 +212,15 @@ def test_written_only_at_multiples_of_every_n_steps(tmp_path):
 
 
 def test_rollouts_spanning_several_steps_write_when_they_cross_a_multiple(tmp_path):
-    # num_iterations = 2: rollouts at steps 0, 2, 4, 6, 8; with n = 3 the multiples 0, 3, 6
-    # fall in the rollouts of steps 0, 4 (covers 3..4) and 6
+    # num_iterations = 2: rollouts at steps 0, 2, 4, 6, 8, each trained on at its own step
+    # and the next; with n = 3 the multiples 0, 3, 6, 9 fall in the rollouts of steps 0, 2
+    # (steps 2 and 3), 6 and 8 (steps 8 and 9); the rollout after the one holding 3 (step
+    # 4) was written instead
     trainer, module = fake(tmp_path)
     cb = CompletionSamples(every_n_steps=3)
     for s in range(0, 10, 2):
-        step(cb, trainer, module, make_record(step=s))
-    assert sorted(texts(events(tmp_path / "tb"))) == [0, 4, 6]
+        step(cb, trainer, module, make_record(step=s), iterations=2)
+    assert sorted(texts(events(tmp_path / "tb"))) == [0, 2, 6, 8]
 
 
 def test_other_ranks_write_nothing(tmp_path):
