@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -43,6 +44,9 @@ from maxent_grpo.validation import is_number
 
 if TYPE_CHECKING:
     from maxent_grpo.rollout.batch import RolloutOutput
+
+#: built-in rewards that refuse a reference they cannot read (:meth:`WeightedRewards.check_rows`)
+READS_REFERENCES = ("first_number", "digit_pair", "in_set", "countdown")
 
 #: reward arguments a dataset column may not be named after
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "rendered_prompts")
@@ -368,6 +372,28 @@ class WeightedRewards:
         rendered = rollout.pairs().prompts  # the prompts after the chat template
         return self(pairs, columns, rollout.group_size, rollout.completion_ids,
                     rollout.model_mask, pairs.reward_columns(), trainer_state, rendered)
+
+    def check_rows(self, rows: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+        """The references of every row (``(where, columns)``, the columns as the rewards get
+        them) read by the built-in rewards that refuse one they cannot read
+        (:data:`READS_REFERENCES`), at the start of a fit: a row they cannot grade is a
+        ValueError naming it and the reward now, not when it is first sampled."""
+        for name in dict.fromkeys(n for n in self.names if n in READS_REFERENCES):
+            fn = get_reward(name)
+            try:  # all rows at once; row by row only to find the one that failed
+                fn(prompts=[""] * len(rows), completions=[""] * len(rows),
+                   **{k: [c.get(k) for _, c in rows] for k in dict.fromkeys(
+                       k for _, c in rows for k in c)})
+                continue
+            except ValueError:
+                pass
+            for where, columns in rows:
+                try:
+                    fn(prompts=[""], completions=[""], **{k: [v] for k, v in columns.items()})
+                except ValueError as err:
+                    reason = re.sub(r" given with completion \d+ of the step", "", str(err))
+                    raise ValueError(f"model.rewards.{name} cannot grade {where}: "
+                                     f"{reason}") from None
 
 
 class _Overlong:

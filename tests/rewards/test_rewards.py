@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import json
 import math
 import os
 import subprocess
@@ -600,3 +601,26 @@ def test_in_set_reads_a_json_cell_and_refuses_what_is_no_list_of_integers() -> N
                                              "of the step must be a list of integers"):
             in_set_reward(["q"] * 4, completions, valid_answers=[bad] * 4)
     assert in_set_reward(["q"], [" 3"], valid_answers=[None]) == [None]
+
+
+def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_dir, tmp_path):
+    """A row whose answer ``first_number`` cannot read failed only when it was first
+    sampled (steps into a run, and again at every resume); every row is read at the start."""
+    from maxent_grpo.rewards import WeightedRewards
+    from tests.conftest import fit, make_data, make_module
+
+    rewards = WeightedRewards({"first_number": 1.0, "format": 1.0})
+    rows = [(f"row {i}", {"answer": str(i)}) for i in range(5)]
+    rewards.check_rows(rows)  # readable: nothing
+    rows[3] = ("row 3", {"answer": "eight"})
+    with pytest.raises(ValueError, match=r"model.rewards.first_number cannot grade row 3: "
+                                         r"first_number: the answer must be an integer; "
+                                         r"got 'eight'"):
+        rewards.check_rows(rows)
+    path = tmp_path / "train.jsonl"
+    lines = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(12)]
+    lines[9]["answer"] = "ten"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = make_data(cache_dir, task=None, task_options=None, data_files=str(path), val_size=0)
+    with pytest.raises(ValueError, match=r"cannot grade train row 9 \(prompt '9 \+ 1 ='\)"):
+        fit(make_module(cache_dir), data, steps=1)

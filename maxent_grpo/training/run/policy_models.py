@@ -114,7 +114,15 @@ class PolicyModels:
     def attach_training_data(self) -> None:
         """At the start of training: the handles take the trainer's strategy, loader and
         sampler (:class:`~maxent_grpo.training.types.RuntimeHandles`); a sampler whose order
-        a checkpoint cannot continue is warned about once."""
+        a checkpoint cannot continue is warned about once; the rewards read every training
+        and validation row's references (``WeightedRewards.check_rows``)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        for split in ("train", "val"):
+            examples = getattr(getattr(datamodule, f"{split}_dataset", None), "examples", None)
+            if examples:
+                self.rewards.check_rows([
+                    (f"{split} row {ex.index} (prompt {str(ex.raw_prompt)[:60]!r})", ex.columns)
+                    for ex in examples])
         runtime = dataclasses.replace(
             self.runtime, accelerator=self.trainer.strategy,
             train_loader=self.trainer.train_dataloader, device=self.device)
