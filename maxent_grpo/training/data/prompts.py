@@ -78,7 +78,7 @@ class PromptFormat:
             )
         others = list({n: None for names in columns_of.values() for n in names
                        if n != self.prompt_column})
-        examples, blank = [], []
+        examples, blank, dropped = [], [], {}
         for row, index in zip(split.rows, split.indices, strict=True):
             part, number = split.where(index)
             at = f"{part} row {number}"
@@ -92,7 +92,14 @@ class PromptFormat:
                 text = self.render(raw)
             except ValueError as err:
                 raise ValueError(f"{at}: {err}") from err
+            for role in _dropped_roles(raw, text):
+                dropped.setdefault(role, at)
             examples.append(PromptExample(index, text, raw, answer, columns))
+        if dropped:  # the model never sees what the template leaves out
+            warnings.warn(
+                "the tokenizer's chat template leaves out the content of prompt messages with "
+                "role(s) " + ", ".join(f"{r!r} (first: {at})" for r, at in dropped.items())
+                + ": the model does not see them; use the roles the template renders", stacklevel=2)
         if blank:  # an empty CSV cell, a missing last cell, "": graded None by the rewards
             warnings.warn(
                 f"{len(blank)} of {len(examples)} rows have a blank answer in column "
@@ -183,3 +190,13 @@ class PromptFormat:
             return str(int(value))
         value = float(value)  # written out: 1e-05 is 0.00001, 3.0 is 3
         return str(int(value)) if value.is_integer() else format(Decimal(repr(value)), "f")
+
+
+def _dropped_roles(prompt: Prompt, text: str) -> list[str]:
+    """The roles of ``prompt``'s messages whose text content is not in ``text``, the prompt
+    the chat template rendered (a template that knows no such role leaves it out)."""
+    if isinstance(prompt, str):
+        return []
+    return [str(m.get("role")) for m in prompt
+            if isinstance(m.get("content"), str) and m["content"].strip()
+            and m["content"].strip() not in text]

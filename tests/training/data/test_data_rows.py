@@ -4,6 +4,7 @@ written out as text, chat messages with no content (each refused or warned, nami
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -122,3 +123,31 @@ def test_a_parquet_file_without_rows_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"could not be read as Parquet: it holds no rows"):
         make(task=None, data_files=str(path), val_size=0, batch_size=1)
 
+
+
+def test_messages_the_chat_template_leaves_out_are_warned_with_their_role(tmp_path):
+    """A template that knows no ``developer`` role (many render only system, user and
+    assistant) dropped that message's text without a word: the model never saw it."""
+    from maxent_grpo.training.data import PromptDataModule
+    from tests.training.data.test_data import CharTokenizer
+
+    class KnownRoles(CharTokenizer):
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            known = [m for m in messages if m["role"] in ("system", "user", "assistant")]
+            return super().apply_chat_template(known, tokenize, add_generation_prompt)
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": [{"role": "developer", "content": "Answer in French."},
+                        {"role": "user", "content": f"q{i}"}], "answer": "1"} for i in range(3)]
+    rows.append({"prompt": [{"role": "user", "content": "q3"}], "answer": "1"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = PromptDataModule(task=None, data_files=str(path), val_size=0, batch_size=1)
+    dm.set_tokenizer(KnownRoles())
+    with pytest.warns(UserWarning, match=r"leaves out the content of prompt messages with "
+                                         r"role\(s\) 'developer' \(first: .*rows\.jsonl' row 0\)"):
+        dm.setup("fit")
+    dm = PromptDataModule(task=None, data_files=str(path), val_size=0, batch_size=1)
+    dm.set_tokenizer(CharTokenizer())  # renders every role: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.setup("fit")
