@@ -242,3 +242,48 @@ def test_a_killed_and_resumed_tool_run_equals_an_uninterrupted_one(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a, b)
+
+
+class SigtermAt(pl.Callback):
+    """SIGTERM this process at the end of optimizer step ``step``: Lightning stops at the
+    end of that loop iteration (after its validation) and ``save_on_exception`` writes
+    ``last.ckpt``, as when a scheduler stops a job."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_run_stopped_at_a_validation_step_logs_every_later_step_where_it_belongs(tmp_path):
+    """Stopped by SIGTERM at a step that ran validation, the checkpoint Lightning saves on the
+    exception counts that step once more for logging: the resumed run wrote every scalar a
+    step late (step 6 missing in TensorBoard, validation at 9 instead of 8)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    cfg = config(run, False)
+    cfg["trainer"].update(
+        max_steps=9, val_check_interval=3, check_val_every_n_epoch=None, log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        logger={"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": str(run / "tb"), "name": "t"}},
+        callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(run / "ckpt"), "save_last": True,
+                                  "every_n_train_steps": 100, "save_on_exception": True}}])
+    cfg["data"]["train_size"] = 40  # one epoch
+    stopped = dict(cfg, trainer=dict(cfg["trainer"], callbacks=[
+        *cfg["trainer"]["callbacks"],
+        {"class_path": "test_resume.SigtermAt", "init_args": {"step": 6}}]))
+    first = launch(run, stopped, True)
+    assert (run / "ckpt" / "last.ckpt").is_file(), first.stderr[-3000:]
+    assert torch.load(run / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 6
+    resumed = launch(run, cfg, False, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = EventAccumulator(str(run / "tb" / "t" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert steps["train/reward/mean"] == list(range(9))
+    assert [s for tag, s in steps.items() if tag.startswith("val/")][0] == [2, 5, 8]

@@ -40,7 +40,7 @@ from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
 from maxent_grpo.training.option_groups import build_loop_settings
-from maxent_grpo.training.run.checkpoint import load_state, restore_rng_state, save_state
+from maxent_grpo.training.run.checkpoint import load_state, resume_first_batch, save_state
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
 from maxent_grpo.training.settings import Dtype, ModelSettings, build_lr_scheduler
@@ -349,7 +349,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.step_log = self.trajectory = None  # free the last step's tensors first
         self.step_metrics_dict = {}
         if self._rng_to_restore is not None:
-            restore_rng_state(self._rng_to_restore)
+            resume_first_batch(self._rng_to_restore, self._trainer)
             self._rng_to_restore = None
 
     def on_validation_start(self) -> None:

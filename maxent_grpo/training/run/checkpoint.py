@@ -62,6 +62,36 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def resume_first_batch(rng: dict[str, Any], trainer: Any) -> None:
+    """At a resumed fit's first batch: the random state of the checkpoint
+    (:func:`restore_rng_state`) and the logging step (:func:`realign_log_step`)."""
+    restore_rng_state(rng)
+    realign_log_step(trainer)
+
+
+def realign_log_step(trainer: Any) -> bool:
+    """Set the step Lightning writes every logged scalar at (``_batches_that_stepped`` of
+    the epoch loop) to the training batches completed, as in a run never interrupted;
+    returns whether it was off.
+
+    Lightning 2.6 restores that count and then corrects it by the stage its progress
+    counters show, assuming the checkpoint was written before the count was raised for the
+    batch (ModelCheckpoint's saves at a batch's or a validation's end). A checkpoint written
+    after it was raised, by ``ModelCheckpoint(save_on_exception=True)`` after a SIGTERM at a
+    step that also ran validation, got one step more, and every later scalar was written one
+    step late. Under manual optimisation every completed batch raises the count once, so
+    the batches completed are the count. A Lightning without these attributes is left as
+    it is."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    total = getattr(getattr(loop, "batch_progress", None), "total", None)
+    stepped, completed = getattr(loop, "_batches_that_stepped", None), getattr(
+        total, "completed", None)
+    if not (isinstance(stepped, int) and isinstance(completed, int)) or stepped == completed:
+        return False
+    loop._batches_that_stepped = completed
+    return True
+
+
 def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
     """The record of the run's controllers (None paths and ``attached`` False without any)."""
     paths = None if loop is None else loop.controller
