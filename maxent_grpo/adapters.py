@@ -86,9 +86,9 @@ def check_peft(config: Any) -> None:
 def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
     """``peft.get_peft_model(model, config)``: the base weights frozen, the adapters trainable.
 
-    ``config`` is checked (:func:`check_peft`); ``task_type`` None becomes ``CAUSAL_LM`` (on
-    a copy: the caller's config is never changed), so the result is a
-    ``PeftModelForCausalLM`` whose ``generate`` uses the adapters. The adapters are
+    ``config`` is checked (:func:`check_peft`); ``task_type`` None becomes ``CAUSAL_LM`` and
+    ``loftq_config`` None ``{}`` (on a copy: the caller's config is never changed), so the
+    result is a ``PeftModelForCausalLM`` whose ``generate`` uses the adapters. The adapters are
     initialised from ``torch.manual_seed(PEFT_INIT_SEED)`` inside a forked random state: every
     rank and every run starts from the same adapters (FSDP2 shards each rank's own copy), and
     the caller's random stream is neither read nor advanced.
@@ -98,6 +98,9 @@ def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
     if config.task_type is None:
         config = copy.deepcopy(config)
         config.task_type = "CAUSAL_LM"
+    if hasattr(config, "loftq_config") and config.loftq_config is None:  # the shipped YAML's
+        config = copy.deepcopy(config)  # null: peft 0.18 reads it as a dict ({}: no LoftQ)
+        config.loftq_config = {}
     with torch.random.fork_rng(devices=[]):  # the model is on the CPU here
         torch.manual_seed(PEFT_INIT_SEED)
         peft_model = _get_peft_model(model, config)

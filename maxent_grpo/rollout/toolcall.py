@@ -56,6 +56,7 @@ import json
 import os
 import re
 import threading
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,11 +219,18 @@ def _schema(fn: Callable[..., Any]) -> dict[str, Any]:
     from transformers.utils import get_json_schema
 
     try:
-        return get_json_schema(fn)
+        schema = get_json_schema(fn)
     except Exception as err:  # no docstring, an argument without a type or description
         raise ValueError(
             f"model.tools: the tool {getattr(fn, '__name__', fn)!r} needs type hints on every "
             f"argument and a docstring with an Args section describing each ({err})") from err
+    # transformers 5.17 gives a bare ``list`` or ``tuple`` hint the type "object" (5.25: "array")
+    hints = typing.get_type_hints(fn)
+    for name, prop in schema.get("function", {}).get("parameters", {}).get(
+            "properties", {}).items():
+        if hints.get(name) in (list, tuple) and prop.get("type") == "object":
+            prop["type"] = "array"
+    return schema
 
 
 class Toolbox:

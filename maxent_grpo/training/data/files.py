@@ -192,9 +192,15 @@ def _reason(err: BaseException) -> str:
     while err.__cause__ is not None:
         err = err.__cause__
     text = str(err)
-    if "corresponds to no data" in text or "BatchSize must be greater than 0, got 0" in text:
-        return "it holds no rows"  # datasets' words for it, and Arrow's for a Parquet file
+    if any(words in text for words in NO_ROWS):
+        return "it holds no rows"
     return text or type(err).__name__
+
+
+#: what the readers say of a file without rows: datasets, and for a Parquet file Arrow and
+#: datasets 2.19
+NO_ROWS = ("corresponds to no data", "BatchSize must be greater than 0, got 0",
+           "batch_size must be greater than zero")
 
 
 def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
