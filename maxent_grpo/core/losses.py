@@ -33,14 +33,12 @@ def _check_tensor(value: object, name: str) -> torch.Tensor:
 
 def _check_same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
     if a.shape != b.shape:
-        raise ValueError(
-            f"{b_name} must have the same shape as {a_name} {tuple(a.shape)}; got {tuple(b.shape)}"
-        )
+        raise ValueError(f"{b_name} must have the same shape as {a_name} {tuple(a.shape)}; got "
+                         f"{tuple(b.shape)}")
 
 
-def _check_pair(
-    a: object, a_name: str, b: object, b_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_pair(a: object, a_name: str, b: object, b_name: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two floating tensors of one shape."""
     a, b = _check_tensor(a, a_name), _check_tensor(b, b_name)
     _check_same_shape(a, a_name, b, b_name)
@@ -127,21 +125,16 @@ def importance_ratio(
     and its gradient that of ``logps``.
     """
     logps, old_logps = _check_pair(logps, "logps", old_logps, "old_logps")
-    if (
-        isinstance(max_log_ratio, bool)
-        or not isinstance(max_log_ratio, (int, float))
-        or not math.isfinite(max_log_ratio)
-        or max_log_ratio <= 0
-    ):
-        raise ValueError(f"max_log_ratio must be a finite number > 0; got {max_log_ratio!r}")
     bound = _exp_bound(max_log_ratio, logps.dtype)
-    log_ratio = (logps - old_logps.detach()).clamp(-bound, bound)
-    return torch.exp(log_ratio)
+    return torch.exp((logps - old_logps.detach()).clamp(-bound, bound))
 
 
 def _exp_bound(max_log_ratio: float, dtype: torch.dtype) -> float:
-    """``max_log_ratio``, lowered where ``exp`` of it would overflow ``dtype`` (float16:
-    ``log(65504) - 1``, about 10.1; float32 and bfloat16 reach past 88)."""
+    """``max_log_ratio`` (checked), lowered where ``exp`` of it would overflow ``dtype``
+    (float16: ``log(65504) - 1``, about 10.1; float32 and bfloat16 reach past 88)."""
+    if isinstance(max_log_ratio, bool) or not isinstance(max_log_ratio, (int, float)) or not (
+            math.isfinite(max_log_ratio) and max_log_ratio > 0):
+        raise ValueError(f"max_log_ratio must be a finite number > 0; got {max_log_ratio!r}")
     return min(float(max_log_ratio), math.log(torch.finfo(dtype).max) - 1.0)
 
 

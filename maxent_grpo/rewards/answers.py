@@ -14,6 +14,8 @@ column raises ``ValueError`` (the reward does not fit the task).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import numbers
 import re
 import sys
@@ -133,15 +135,12 @@ def require_column(reward: str, name: str, values: list | None, n: int) -> list:
     """The column ``name`` for reward ``reward``; ValueError when it is absent or not one
     value per completion (``n`` completions)."""
     if values is None:
-        raise ValueError(
-            f"reward {reward!r} needs the dataset column {name!r}; the rows have no such column"
-        )
+        raise ValueError(f"reward {reward!r} needs the dataset column {name!r}; the rows have "
+                         "no such column")
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-        raise ValueError(
-            f"reward {reward!r}: column {name!r} must be a list with one value per "
-            f"completion ({n}); got {got}"
-        )
+        raise ValueError(f"reward {reward!r}: column {name!r} must be a list with one value per "
+                         f"completion ({n}); got {got}")
     return list(values)
 
 
@@ -170,9 +169,7 @@ def sample_answer(completion: str | list[dict]) -> str | None:
     """
     text = completion_text(completion)
     answer = extract_answer(text)
-    if answer is None:
-        answer = text.strip()
-    return answer or None
+    return (text.strip() if answer is None else answer) or None
 
 
 def coverage_answer(answer: str | None) -> str | None:
@@ -310,13 +307,7 @@ def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int]
     """A row's ``(numbers, target)``, read from text as a CSV cell holds them (``"[1, 2]"``,
     ``"9"``), checked for every row before any is graded (a bad one raised only when a
     completion had an answer to check)."""
-    import json
-
-    if isinstance(numbers, str):
-        try:
-            numbers = json.loads(numbers)
-        except ValueError:
-            pass
+    numbers = _json_cell(numbers)
     if isinstance(target, str) and re.fullmatch(r"[+-]?[0-9]+", target.strip()):
         target = int(target)
     if (isinstance(target, bool) or not isinstance(target, int)
@@ -440,21 +431,20 @@ def in_set_reward(
 
 
 def _valid_set(members: Any, row: int) -> set[int]:
-    """A row's ``valid_answers`` as integers: a list of them (ints or integer strings), or
-    that list written as JSON text, as a CSV cell holds it (``'["7", "11"]'``); checked for
-    every row before any is graded (a string was read a character at a time)."""
-    import json
+    """A row's ``valid_answers`` as integers: a list of ints or integer strings, or that list
+    as JSON text (a CSV cell); checked for every row before any is graded (a string was read
+    a character at a time)."""
+    members = _json_cell(members)
+    if isinstance(members, (list, tuple)) and not any(isinstance(m, bool) for m in members):
+        with contextlib.suppress(ValueError):
+            return {int(str(m).strip()) for m in members}
+    raise ValueError(f"in_set: the valid_answers given with completion {row} of the step must "
+                     f"be a list of integers; got {members!r} (the data's valid_answers column)")
 
-    if isinstance(members, str):
-        try:
-            members = json.loads(members)
-        except ValueError:
-            pass
-    try:
-        if not isinstance(members, (list, tuple)) or any(isinstance(m, bool) for m in members):
-            raise ValueError
-        return {int(str(m).strip()) for m in members}
-    except ValueError:
-        raise ValueError(f"in_set: the valid_answers given with completion {row} of the step "
-                         f"must be a list of integers; got {members!r} (the data's "
-                         "valid_answers column)") from None
+
+def _json_cell(value: Any) -> Any:
+    """``value``, or the JSON it holds when it is text that parses as JSON (a CSV cell)."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return json.loads(value)
+    return value

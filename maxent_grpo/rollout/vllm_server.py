@@ -61,6 +61,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from maxent_grpo.rollout.protocol import SamplingSettings
+from maxent_grpo.rollout.server_checks import ServerChecks, _all_ok
 from maxent_grpo.rollout.server_transfer import (
     WeightList,
     check_transfer,
@@ -70,7 +71,6 @@ from maxent_grpo.rollout.server_weights import (
     RETRYABLE,
     ServerError,
     ServerWeights,
-    _all_ok,
     _Server,
     server_args,
     server_command,
@@ -83,7 +83,7 @@ __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
 log = logging.getLogger(__name__)
 
 
-class VLLMServerEngine(ServerWeights, VLLMEngineBase):
+class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
     """Rollout engine on ``vllm serve`` processes (see the module docstring).
 
     Args:

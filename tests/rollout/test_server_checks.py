@@ -18,11 +18,8 @@ import torch
 pytest.importorskip("httpx")
 
 from maxent_grpo.rollout import SamplingSettings  # noqa: E402
-from maxent_grpo.rollout.server_weights import (  # noqa: E402
-    PROBE_TEMPERATURE,
-    PROBE_TEXT,
-    ServerError,
-)
+from maxent_grpo.rollout.server_checks import PROBE_TEMPERATURE, PROBE_TEXT  # noqa: E402
+from maxent_grpo.rollout.server_weights import ServerError  # noqa: E402
 from maxent_grpo.rollout.vllm_engine import NEUTRAL_SAMPLING, VLLMEngineBase  # noqa: E402
 from maxent_grpo.rollout.vllm_server import VLLMServerEngine  # noqa: E402
 from tests.rollout.test_server_requests import _bare_engine, stand_ins  # noqa: E402,F401
