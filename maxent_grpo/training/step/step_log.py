@@ -59,10 +59,25 @@ class LightningWriter:
         if step != self.module.global_step:
             raise ValueError(f"LightningWriter logs at the current step "
                              f"{self.module.global_step}; got step={step}")
+        forget_unlogged(self.module)
         self.module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def flush(self) -> None:
         """Lightning's loggers flush on their own schedule (``trainer.log_every_n_steps``)."""
+
+
+def forget_unlogged(module: pl.LightningModule) -> None:
+    """Lightning writes every per-step value logged earlier in the epoch again at each later
+    step, with its last value, until the epoch ends: a value this step does not measure (an
+    empty step's KL, a controller that did not act) would be written as if it had. The
+    per-step values of the training step and of ``on_train_batch_end`` are forgotten here,
+    before the step logs its own (a Lightning without these records is left as it is)."""
+    results = getattr(getattr(module, "_trainer", None), "_results", None)
+    for key, result in (results.items() if hasattr(results, "items") else ()):
+        meta = getattr(result, "meta", None)
+        if (str(key).split(".", 1)[0] in ("training_step", "on_train_batch_end")
+                and getattr(meta, "on_step", False) and not getattr(meta, "on_epoch", True)):
+            result.reset()
 
 
 class StepMetrics(torch.nn.Module):
