@@ -353,7 +353,7 @@ def _shown(value: Any, limit: int | None = 200) -> str:
     encode (model-written arguments can nest a thousand levels) or that ``str`` refuses (an
     int of more than 4,300 digits) is named, never raised."""
     try:
-        text = json.dumps(value)
+        text = json.dumps(value, ensure_ascii=False)  # the model reads Zürich, not Z\u00fcrich
     except (TypeError, ValueError, RecursionError):
         try:
             text = str(value)

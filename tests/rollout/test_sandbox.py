@@ -379,7 +379,8 @@ def total(values: list) -> dict:
     Args:
         values: numbers.
     \"\"\"
-    return {"total": sum(values), "pid_is_not_the_trainer": __import__("os").getpid()}
+    return {"total": sum(values), "pid_is_not_the_trainer": __import__("os").getpid(),
+            "city": "Zürich"}
 """
 
 NEEDS_THE_SECRET = """
@@ -414,6 +415,29 @@ def user_tools(tmp_path, monkeypatch):
     yield modules, boxes
     for box in boxes:
         box.close()
+
+
+def test_exit_and_quit_end_the_code_as_python_does(boxes):
+    """The pool's Python starts without the site module, which defines ``exit`` and
+    ``quit``: a script ending in ``exit()`` failed with a NameError."""
+    box = boxes["patient"]
+    for code, status in (("print(37 * 84)\nexit()", 0), ("print(1)\nquit(0)", 0),
+                         ("print(2)\nexit(3)\nprint(4)", 3)):
+        result = box.run(ToolCall("python", {"code": code}))
+        assert "NameError" not in result.text and "4" not in result.text, result
+        assert (result.failure is None) == (status == 0), result
+
+
+def test_a_tools_non_ascii_answer_reaches_the_model_as_written(user_tools):
+    """A non-string answer was JSON with \\u escapes (``Z\\u00fcrich``), read by the model as
+    such, at several tokens a character."""
+    (module, _), boxes = user_tools
+    for isolation in ("thread", "process"):
+        box = Toolbox([module.total], timeout=30.0, isolation=isolation)
+        boxes.append(box)
+        result = box.run(ToolCall("total", {"values": [1, 2]}))
+        assert result.failure is None and "\\u" not in result.text
+        assert json.loads(result.text)["city"] == "Zürich", (isolation, result.text)
 
 
 def test_process_isolation_kills_a_hung_tool_and_returns_values(user_tools):

@@ -33,8 +33,7 @@ import traceback
 import types
 from importlib import util
 
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-CLONE_NEWNS = 0x00020000
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, CLONE_NEWNS = 1, 38, 0x00020000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 #: per-mount options a read-only remount keeps (a user namespace may not drop them)
@@ -343,9 +342,8 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
 def _limit(which: int, soft: int, hard: int) -> None:
     """Set a limit, never above the hard limit the trainer already had."""
     ceiling = resource.getrlimit(which)[1]
-    if ceiling != resource.RLIM_INFINITY:
-        soft, hard = min(soft, ceiling), min(hard, ceiling)
-    resource.setrlimit(which, (soft, hard))
+    top = hard if ceiling == resource.RLIM_INFINITY else ceiling
+    resource.setrlimit(which, (min(soft, top), min(hard, top)))
 
 
 def _tasks_of(uid: int) -> int:
@@ -383,9 +381,14 @@ def _flush() -> None:
 
 
 def _run_code(source: str) -> None:
+    import _sitebuiltins
+    import atexit
+    import builtins
     import linecache
 
     sys.argv = ["-c"]
+    for name in ("exit", "quit"):  # the site module's, which the pool's Python (-S) skips
+        setattr(builtins, name, _sitebuiltins.Quitter(name, "Ctrl-D (i.e. EOF)"))
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module
     linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
@@ -405,8 +408,6 @@ def _run_code(source: str) -> None:
     try:
         if "threading" in sys.modules:
             sys.modules["threading"]._shutdown()  # join the code's threads, as at exit
-        import atexit
-
         atexit._run_exitfuncs()
     finally:
         _flush()
@@ -415,10 +416,8 @@ def _run_code(source: str) -> None:
 
 def _exit_status(code: object) -> int:
     """The exit status ``sys.exit(code)`` gives, printing a non-integer code as Python does."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
+    if code is None or isinstance(code, int):
+        return 0 if code is None else code & 0xFF
     _flush()
     with contextlib.suppress(BaseException):  # a code whose str() fails
         _write_stderr(f"{code}\n")
@@ -435,13 +434,14 @@ def _run_tool(request: dict) -> None:
         value = fn(**request["arguments"])
         if not isinstance(value, str):  # as a thread's answer reads
             try:
-                value = json.dumps(value)
+                value = json.dumps(value, ensure_ascii=False)
             except (TypeError, ValueError, RecursionError):
                 value = str(value)
         reply = {"text": value}
     except BaseException as err:  # noqa: B036 - a tool's fault, even SystemExit
         reply = {"error": f"{type(err).__name__}: {err}"}
-    data = json.dumps(reply).encode()
+    # UTF-8: a non-ASCII answer costs its bytes, not 6 per character (a lone surrogate: \u)
+    data = json.dumps(reply, ensure_ascii=False).encode("utf-8", "backslashreplace")
     try:
         while data:
             data = data[os.write(3, data):]
