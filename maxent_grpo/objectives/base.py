@@ -252,6 +252,11 @@ class Objective:
         """Scalars logged every step (``train/tau``, ``train/beta``, ...)."""
         return {}
 
+    def kl_weight(self) -> float:
+        """The weight of the KL term in the loss (``train/loss/weighted_kl``): ``beta`` where
+        :meth:`state` has one, else 0."""
+        return float(self.state().get("beta", 0.0))
+
     def state_dict(self) -> dict[str, float]:
         """The :attr:`mutable` attributes: the one record of tau / beta in a checkpoint."""
         return {name: float(getattr(self, name)) for name in self.mutable}

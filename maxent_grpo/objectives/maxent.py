@@ -139,6 +139,10 @@ class ListwiseMaxEnt(Objective):
     def state(self) -> dict[str, float]:
         return {"tau": self.tau, "beta": self.beta}
 
+    def kl_weight(self) -> float:
+        """``kl_coef``: beta tilts the target weights, it weighs no KL term in the loss."""
+        return self.kl_coef
+
     def prepare(self, inputs: GroupInputs) -> Targets:
         rewards = inputs.rewards
         distinct = self.distinct_candidates or self.answer_level

@@ -539,3 +539,15 @@ def test_group_maxent_reads_a_hidden_rows_reference_log_likelihood(cache_dir):
     with pytest.warns(UserWarning, match="reached model.max_completion_length"):
         fit(module, make_data(cache_dir), steps=1)
     assert seen and bool((seen[0] < 0).all()), seen  # every row truncated, none log-lik 0
+
+
+def test_the_weighted_kl_is_the_kl_term_the_loss_holds(cache_dir):
+    """ListwiseMaxEnt's beta tilts its target weights and weighs no KL term in the loss
+    (kl_coef does): ``loss/weighted_kl`` was ``beta * kl`` for it, a term not in the loss."""
+    for beta, kl_coef in ((8.0, 0.0), (0.0, 1.0)):
+        module = make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5, beta=beta,
+                                                                 kl_coef=kl_coef))
+        fit(module, make_data(cache_dir), steps=2)
+        logged = module.step_metrics_dict
+        assert logged["train/kl"] > 0
+        assert logged["train/loss/weighted_kl"] == pytest.approx(kl_coef * logged["train/kl"])

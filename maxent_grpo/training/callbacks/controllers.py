@@ -111,6 +111,11 @@ class TauController(Controller):
                 f"TauController.ema_decay must be in [0, 1); got {ema_decay}")
         check_int("TauController.warmup_steps", warmup_steps, minimum=0)
         check_int("TauController.target_entropy_horizon", target_entropy_horizon, minimum=0)
+        require((target_entropy_final is None) == (target_entropy_horizon == 0),
+                "TauController: an anneal of the target entropy needs both "
+                "target_entropy_final and target_entropy_horizon (> 0); got "
+                f"target_entropy_final={target_entropy_final}, "
+                f"target_entropy_horizon={target_entropy_horizon}")
         self.target_entropy = float(target_entropy)
         self.lr = float(lr)
         self.tau_min, self.tau_max = float(tau_min), float(tau_max)
@@ -210,7 +215,8 @@ class BetaController(Controller):
             objective.beta > 0,
             f"BetaController: beta is 0 in {origin}, and its multiplicative rule "
             "beta <- beta * (1 + e / horizon) can never raise beta from 0; set "
-            "model.objective.beta > 0 (e.g. 0.01), or use MetaController (additive)",
+            "model.objective.beta > 0 (e.g. 0.01)" + (
+                ", or use MetaController (additive)" if "tau" in objective.tunable else ""),
         )
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:

@@ -228,7 +228,7 @@ class StepMetrics(torch.nn.Module):
             policy_loss=means.pop("loss/policy", nan),
             clip_loss=means.pop("loss/clip", None),
             kl_loss=kl,
-            weighted_kl_loss=kl * weighting.get("beta", 0.0),
+            weighted_kl_loss=kl * view.weighting.kl_weight(),
         )
         h, h2 = means.pop("entropy/sequence", None), means.pop("entropy/sequence_sq", None)
         alpha = weighting.get("alpha")  # the entropy bonus of EntropyMaxEnt

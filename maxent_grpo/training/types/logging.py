@@ -130,7 +130,8 @@ class LossScalarBundle:
         policy_loss: the policy (surrogate or listwise cross-entropy) term.
         clip_loss: the sequence-level clip term, or ``None`` when the objective has none.
         kl_loss: the token-mean KL to the reference (unweighted).
-        weighted_kl_loss: ``beta * kl_loss``, the KL term as it enters ``total_loss``.
+        weighted_kl_loss: the KL term as it enters ``total_loss``: ``kl_loss`` times the
+            objective's ``kl_weight()`` (``beta``; ListwiseMaxEnt's ``kl_coef``).
     """
 
     total_loss: float
@@ -239,7 +240,8 @@ class LoggingConfigView:
 
     Attributes:
         weighting: the objective, whose ``state()`` (tau, beta, lam, alpha: the weighting
-            values the step used) is logged, and whose beta weighs ``loss/weighted_kl``.
+            values the step used) is logged, and whose ``kl_weight()`` weighs
+            ``loss/weighted_kl``.
         clipping: the gradient-clipping norm (``model.gradient_clip_val``) or None; when
             set, ``grad_clipped`` records whether the step's norm exceeded it.
         schedule: the optimisation schedule

@@ -192,7 +192,10 @@ def test_meta_controller_by_hand_every_two_steps():
         (GroupMaxEnt(), [BetaController(0.1)], "BetaController.*GroupMaxEnt"),
         (GroupMaxEnt(), [MetaController(1.0, 0.1)], "MetaController.*GroupMaxEnt"),
         (GRPO(beta=0.1), [MetaController(1.0, 0.1)], "MetaController.*GRPO"),
-        (GRPO(beta=0.0), [BetaController(0.1)], "beta is 0 in model.objective.*never raise"),
+        (GRPO(beta=0.0), [BetaController(0.1)],  # MetaController needs a tau: not offered
+         r"never raise beta from 0; set model.objective.beta > 0 \(e.g. 0.01\)$"),
+        (ListwiseMaxEnt(tau=0.5, beta=0.0), [BetaController(0.1)],
+         r"\(e.g. 0.01\), or use MetaController \(additive\)$"),
         (ListwiseMaxEnt(tau=0.0, beta=0.1), [TauController(1.0)], "tau > 0"),
         (ListwiseMaxEnt(tau=20.0), [TauController(1.0)], r"outside \[tau_min, tau_max\]"),
         (ListwiseMaxEnt(tau=0.5), [TauController(2.5)], r"log G\] = \[0, 2.0794\]"),
@@ -218,6 +221,9 @@ def test_setup_rejects_what_cannot_work(objective, controllers, match):
         (lambda: MetaController(1.0, 0.1, every_n_steps=0), "every_n_steps must be an int >= 1"),
         (lambda: TauController(1.0, state_path=""), "state_path must be None or a non-empty"),
         (lambda: HFExport(every_n_train_steps=0), "every_n_train_steps must be an int >= 1"),
+        # half an anneal was accepted and kept the target constant
+        (lambda: TauController(2.0, target_entropy_final=0.5), "needs both target_entropy_final"),
+        (lambda: TauController(2.0, target_entropy_horizon=100), "needs both"),
     ],
 )
 def test_bad_arguments_fail_at_construction(build, match):
