@@ -200,8 +200,9 @@ class MaxEntGRPOCLI(LightningCLI):
                 ):
                     args.version = record["version"]
                     purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
-                    if purge:
-                        args.purge_step = resume.global_step  # None without a global_step
+                    if purge:  # TensorBoard's steps count batches, not optimizer steps
+                        args.purge_step = (resume.global_step if resume.log_step is None
+                                           else resume.log_step)  # None: neither recorded
                     self._continued.append((args, purge))
                     records.remove(record)
                     break

@@ -184,6 +184,9 @@ class ResolvedCheckpoint:
     loggers: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, problem)
     run: str | None = None  # LoggerVersions' run identity; None before it was recorded
+    #: the training batches it had run: the logging step the resumed fit writes first (the
+    #: optimizer steps with num_iterations k > 1 are k times as many); None: not recorded
+    log_step: int | None = None
 
 
 def _candidates(dirpaths: list[str]) -> list[str]:
@@ -225,12 +228,15 @@ def _usable(path: str, need_training_state: bool, full: bool = True,
 def _resolved(path: str, index: dict[str, Any] | None, skipped) -> ResolvedCheckpoint:
     index = index or {}
     step = index.get("global_step")
+    loop = (index.get("loops") or {}).get("fit_loop") or {}
+    batches = ((loop.get("epoch_loop.batch_progress") or {}).get("total") or {}).get("processed")
     return ResolvedCheckpoint(
         path=path,
         global_step=int(step) if step is not None else None,
         loggers=list(index.get(LOGGERS_KEY) or []),
         skipped=skipped,
         run=index.get(RUN_KEY),
+        log_step=int(batches) if isinstance(batches, int) else None,
     )
 
 

@@ -405,6 +405,13 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
 
     assert continued(other) == []  # B's own run 0 is left alone: a new version
     assert continued(first) == [(0, 7)]
+    # TensorBoard's steps count batches: with num_iterations 2, 6 optimizer steps are 3 of
+    # them, and the points past 3 of a longer run that went on from here are purged
+    index = {"global_step": 6, "loops": {"fit_loop": {"epoch_loop.batch_progress": {
+        "total": {"ready": 3, "started": 3, "processed": 3, "completed": 2}}}}}
+    resume = ckpt_io._resolved("last.ckpt", {**index, ckpt_io.LOGGERS_KEY: resume.loggers}, [])
+    assert (resume.global_step, resume.log_step) == (6, 3)
+    assert continued(first) == [(0, 3)]
     monkeypatch.setenv("HOME", str(tmp_path))  # ~ as Lightning expands it, from anywhere
     checkpoint = {}
     ckpt_io.LoggerVersions().on_save_checkpoint(
