@@ -36,8 +36,9 @@ def _latex(text: str) -> bool:
     return "**" not in text and any(c in text for c in "\\^{}")
 
 
-#: LaTeX's math delimiters: a text holding one is parsed as it is, not wrapped in ``$...$``
-DELIMITERS = ("$", "\\(", "\\[", "\\begin")
+#: LaTeX's math delimiters (an unescaped ``$``, ``\\(``, ``\\[``): a text holding one is parsed
+#: as it is, not wrapped in ``$...$`` (``\\$18`` and ``\\begin{pmatrix}`` are wrapped)
+DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")
 #: a number in scientific notation (``3e8``, ``1.5E-3``), not inside a word or a longer number
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})(?![\w.])")
 
@@ -73,7 +74,7 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
 
     def parsed(text: str) -> list:
         if latex and "**" not in text:
-            if not any(d in text for d in DELIMITERS):
+            if not DELIMITED.search(text):
                 text = "$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$"
             math = parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
             if math:

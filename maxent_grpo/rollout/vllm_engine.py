@@ -74,9 +74,10 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 #: the sampling fields every request sets, so that a server's own defaults (a model's
 #: generation config, unless it runs with ``--generation-config vllm``) are not applied:
-#: the trainer samples with temperature, top-p and top-k only, as the Hugging Face engine
-NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "min_p": 0.0}
+#: the trainer samples with its temperature, top-p and top-k only (these off unless set), as
+#: the Hugging Face engine does
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
 
 
 def require_vllm() -> Any:
@@ -168,7 +169,7 @@ class VLLMEngineBase:
         default penalties (:data:`NEUTRAL_SAMPLING`)."""
         fields = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
                       stop_token_ids=self._stop_ids, skip_special_tokens=True, temperature=0.0,
-                      top_p=1.0, top_k=-1, **NEUTRAL_SAMPLING)
+                      **NEUTRAL_SAMPLING)
         if s.do_sample:
             fields.update(temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k if s.top_k > 0 else -1)

@@ -159,6 +159,13 @@ def test_accuracy(completion: str, answer: str | None, expected: float | None) -
         (r"the length is $\sqrt{2}$ units", r"\sqrt{2}", 1.0),
         (r"\[ \sqrt{2} \]", r"\sqrt{2}", 1.0),
         (r"It is $\sqrt{3}$", r"\sqrt{2}", 0.0),
+        # an escaped dollar and an environment are no delimiters: still read in math mode
+        ("18", r"\$18", 1.0),
+        ("18.90", r"\$18.90", 1.0),
+        ("5", r"\$5.00", 1.0),
+        (r"\begin{pmatrix} 3 \\ 2 \end{pmatrix}", r"\begin{pmatrix} -1 \\ 2 \end{pmatrix}", 0.0),
+        (r"$\begin{pmatrix} -1 \\ 2 \end{pmatrix}$", r"\begin{pmatrix} -1 \\ 2 \end{pmatrix}",
+         1.0),
         # scientific notation written out; a Unicode minus read as minus
         ("3e8", "3", 0.0),
         ("3e8", "300000000", 1.0),

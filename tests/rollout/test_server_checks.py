@@ -30,11 +30,12 @@ def test_every_request_sets_the_penalties_a_server_would_otherwise_default(do_sa
     s = SamplingSettings(max_new_tokens=4, do_sample=do_sample, temperature=0.7, top_k=0)
     fields = VLLMEngineBase._request(SimpleNamespace(_stop_ids=[2]), s, n=3, seed=1)
     assert {k: fields[k] for k in NEUTRAL_SAMPLING} == {
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "min_p": 0.0}
-    assert fields["top_k"] == -1
+        "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "min_p": 0.0}
     assert fields["temperature"] == (0.7 if do_sample else 0.0)
-    assert fields["top_p"] == 1.0
+    s = SamplingSettings(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5)
+    fields = VLLMEngineBase._request(SimpleNamespace(_stop_ids=[2]), s, n=3, seed=1)
+    assert (fields["top_p"], fields["top_k"]) == (0.9, 5)  # the trainer's own, when set
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def test_the_probe_passes_a_server_that_returns_log_probs_after_temperature(poli
     assert model.training  # the mode is put back
     body = engine.bodies[0]
     assert body["model"] == "served-name" and body["temperature"] == PROBE_TEMPERATURE
-    assert all(body[k] == v for k, v in NEUTRAL_SAMPLING.items())
+    # a server's default top-p / top-k would renormalise the sampled token's log-prob
+    assert all(body[k] == v for k, v in NEUTRAL_SAMPLING.items()) and body["top_p"] == 1.0
 
 
 def test_the_probe_refuses_a_server_that_returns_log_probs_before_temperature(policy):

@@ -193,10 +193,12 @@ class PromptFormat:
 
 
 def _dropped_roles(prompt: Prompt, text: str) -> list[str]:
-    """The roles of ``prompt``'s messages whose text content is not in ``text``, the prompt
-    the chat template rendered (a template that knows no such role leaves it out)."""
+    """The roles of ``prompt``'s messages whose text is not in ``text``, the prompt the chat
+    template rendered (a template that knows no such role leaves it out); assistant turns
+    are not looked at (templates rewrite them, dropping their reasoning), and a message
+    counts as shown when the first line of its text is."""
     if isinstance(prompt, str):
         return []
     return [str(m.get("role")) for m in prompt
-            if isinstance(m.get("content"), str) and m["content"].strip()
-            and m["content"].strip() not in text]
+            if m.get("role") != "assistant" and isinstance(m.get("content"), str)
+            and m["content"].strip() and m["content"].strip().splitlines()[0] not in text]

@@ -69,14 +69,20 @@ class LightningWriter:
 def forget_unlogged(module: pl.LightningModule) -> None:
     """Lightning writes every per-step value logged earlier in the epoch again at each later
     step, with its last value, until the epoch ends: a value this step does not measure (an
-    empty step's KL, a controller that did not act) would be written as if it had. The
-    per-step values of the training step and of ``on_train_batch_end`` are forgotten here,
-    before the step logs its own (a Lightning without these records is left as it is)."""
-    results = getattr(getattr(module, "_trainer", None), "_results", None)
-    for key, result in (results.items() if hasattr(results, "items") else ()):
+    empty step's KL, a controller that did not act) would be written as if it had. When
+    every step is written (``log_every_n_steps: 1``), the per-step tensor values of the
+    training step and of ``on_train_batch_end`` are forgotten here, before the step logs its
+    own; with sparser writes each value's latest is written, measured at its step or
+    before (a Lightning without these records is left as it is)."""
+    trainer = getattr(module, "_trainer", None)
+    results = getattr(trainer, "_results", None)
+    if getattr(trainer, "log_every_n_steps", None) != 1 or not hasattr(results, "items"):
+        return
+    for key, result in results.items():
         meta = getattr(result, "meta", None)
         if (str(key).split(".", 1)[0] in ("training_step", "on_train_batch_end")
-                and getattr(meta, "on_step", False) and not getattr(meta, "on_epoch", True)):
+                and getattr(result, "is_tensor", False) and getattr(meta, "on_step", False)
+                and not getattr(meta, "on_epoch", True)):
             result.reset()
 
 
