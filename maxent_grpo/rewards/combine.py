@@ -369,30 +369,30 @@ class WeightedRewards:
         if device is not None:
             self._device = device
         pairs = rollout.pairs(raw_prompts)
-        rendered = rollout.pairs().prompts  # the prompts after the chat template
+        rendered = [p for p in rollout.batch.prompts for _ in range(rollout.group_size)]
         return self(pairs, columns, rollout.group_size, rollout.completion_ids,
                     rollout.model_mask, pairs.reward_columns(), trainer_state, rendered)
 
-    def check_rows(self, rows: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
-        """The references of every row (``(where, columns)``, the columns as the rewards get
-        them) read by the built-in rewards that refuse one they cannot read
-        (:data:`READS_REFERENCES`), at the start of a fit: a row they cannot grade is a
-        ValueError naming it and the reward now, not when it is first sampled."""
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: Callable[[int], str]) -> None:
+        """The references of every row (its columns, as the rewards get them) read by the
+        built-in rewards that refuse one they cannot read (:data:`READS_REFERENCES`), at the
+        start of a fit: a row they cannot grade is a ValueError naming it (``where(i)``) and
+        the reward now, not when it is first sampled."""
         for name in dict.fromkeys(n for n in self.names if n in READS_REFERENCES):
             fn = get_reward(name)
             try:  # all rows at once; row by row only to find the one that failed
                 fn(prompts=[""] * len(rows), completions=[""] * len(rows),
-                   **{k: [c.get(k) for _, c in rows] for k in dict.fromkeys(
-                       k for _, c in rows for k in c)})
+                   **{k: [c.get(k) for c in rows] for k in dict.fromkeys(
+                       k for c in rows for k in c)})
                 continue
             except ValueError:
                 pass
-            for where, columns in rows:
+            for i, columns in enumerate(rows):
                 try:
                     fn(prompts=[""], completions=[""], **{k: [v] for k, v in columns.items()})
                 except ValueError as err:
                     reason = re.sub(r" given with completion \d+ of the step", "", str(err))
-                    raise ValueError(f"model.rewards.{name} cannot grade {where}: "
+                    raise ValueError(f"model.rewards.{name} cannot grade {where(i)}: "
                                      f"{reason}") from None
 
 

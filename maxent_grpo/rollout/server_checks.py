@@ -27,8 +27,9 @@ PROBE_TEMPERATURE = 0.5
 class ServerChecks:
     """The engine's start checks (see the module docstring)."""
 
-    def _check_server(self, server: _Server) -> str:
-        """The served model's name, after checking the routes and the tokenizer."""
+    def _check_server(self, server: _Server) -> None:
+        """``server.model``, the name the server serves the model under, after checking the
+        routes and the tokenizer."""
         models = self._call(server, "GET", "/v1/models")
         try:
             names = [m["id"] for m in models.get("data", [])]
@@ -62,7 +63,6 @@ class ServerChecks:
                 f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
                 "server on the policy's model")
         server.model = names[0]
-        return names[0]
 
     def _check_probe(self) -> None:
         """The servers give a probe sequence the policy's log-probabilities, and the token

@@ -28,7 +28,6 @@ __all__ = ["RETRYABLE", "ServerError", "ServerWeights", "server_args", "server_c
 log = logging.getLogger("maxent_grpo.rollout.vllm_server")
 
 
-
 class ServerError(RuntimeError):
     """A vLLM server refused, failed or could not be reached; the message names it.
     ``status`` is the HTTP status of a refusal (None: no answer); ``timed_out``: no answer
@@ -37,7 +36,6 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, status: int | None = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.status, self.timed_out = status, timed_out
-
 
 
 #: statuses worth sending a request again for (overload, the server's own failure)

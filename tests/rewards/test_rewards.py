@@ -617,13 +617,14 @@ def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_di
     from tests.conftest import fit, make_data, make_module
 
     rewards = WeightedRewards({"first_number": 1.0, "format": 1.0})
-    rows = [(f"row {i}", {"answer": str(i)}) for i in range(5)]
-    rewards.check_rows(rows)  # readable: nothing
-    rows[3] = ("row 3", {"answer": "eight"})
+    rows = [{"answer": str(i)} for i in range(5)]
+    where = "row {}".format
+    rewards.check_rows(rows, where)  # readable: nothing
+    rows[3] = {"answer": "eight"}
     with pytest.raises(ValueError, match=r"model.rewards.first_number cannot grade row 3: "
                                          r"first_number: the answer must be an integer; "
                                          r"got 'eight'"):
-        rewards.check_rows(rows)
+        rewards.check_rows(rows, where)
     path = tmp_path / "train.jsonl"
     lines = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(12)]
     lines[9]["answer"] = "ten"

@@ -416,8 +416,8 @@ def _run_code(source: str) -> None:
 
 def _exit_status(code: object) -> int:
     """The exit status ``sys.exit(code)`` gives, printing a non-integer code as Python does."""
-    if code is None or isinstance(code, int):
-        return 0 if code is None else code & 0xFF
+    if code is None or isinstance(code, int):  # sys.exit() and sys.exit(n)
+        return (code or 0) & 0xFF
     _flush()
     with contextlib.suppress(BaseException):  # a code whose str() fails
         _write_stderr(f"{code}\n")

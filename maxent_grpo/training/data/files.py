@@ -186,6 +186,12 @@ def _check_csv_fields(path: str) -> None:
         csv.field_size_limit(limit)
 
 
+#: what the readers say of a file without rows: datasets, and for a Parquet file Arrow and
+#: datasets 2.19
+NO_ROWS = ("corresponds to no data", "BatchSize must be greater than 0, got 0",
+           "batch_size must be greater than zero")
+
+
 def _reason(err: BaseException) -> str:
     """The message of the innermost explicitly chained error (``datasets`` wraps the
     reader's error in DatasetGenerationError)."""
@@ -196,11 +202,6 @@ def _reason(err: BaseException) -> str:
         return "it holds no rows"
     return text or type(err).__name__
 
-
-#: what the readers say of a file without rows: datasets, and for a Parquet file Arrow and
-#: datasets 2.19
-NO_ROWS = ("corresponds to no data", "BatchSize must be greater than 0, got 0",
-           "batch_size must be greater than zero")
 
 
 def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -120,9 +120,9 @@ class PolicyModels:
         for split in ("train", "val"):
             examples = getattr(getattr(datamodule, f"{split}_dataset", None), "examples", None)
             if examples:
-                self.rewards.check_rows([
-                    (f"{split} row {ex.index} (prompt {str(ex.raw_prompt)[:60]!r})", ex.columns)
-                    for ex in examples])
+                self.rewards.check_rows([ex.columns for ex in examples], lambda i, s=split,
+                                        rows=examples: f"{s} row {rows[i].index} (prompt "
+                                        f"{str(rows[i].raw_prompt)[:60]!r})")
         runtime = dataclasses.replace(
             self.runtime, accelerator=self.trainer.strategy,
             train_loader=self.trainer.train_dataloader, device=self.device)
