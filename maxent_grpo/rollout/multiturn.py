@@ -143,6 +143,15 @@ def environment_factory(spec: dict[str, Any]) -> Callable[[], Any]:
     return lambda: cls(**args)
 
 
+
+def _is_flag(value: Any) -> bool:
+    """Whether an environment's ``done`` is a truth value: a bool or int, or a one-element
+    boolean NumPy value or tensor (``numpy.bool_``, ``torch.tensor(True)``)."""
+    if isinstance(value, (bool, int)):
+        return True
+    return str(getattr(value, "dtype", "")) in ("bool", "torch.bool") and \
+        getattr(value, "shape", None) in ((), torch.Size([]))
+
 class MultiTurnEngine:
     """A rollout engine whose samples are multi-turn exchanges (see the module docstring).
 
@@ -210,7 +219,7 @@ class MultiTurnEngine:
                 failures["error"][row] += 1
                 observation, done = valid_text(error_text(error)), False
             elif (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
-                  and isinstance(value[1], (bool, int))):
+                  and _is_flag(value[1])):
                 observation, done = valid_text(value[0]), bool(value[1])
             else:
                 raise TypeError(f"{type(env).__name__}.step must return (observation: str, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy
 import pytest
 import torch
 
@@ -231,6 +232,9 @@ class Guess:
             raise RuntimeError("the environment broke")
         if action == "odd":
             return "not a pair"  # type: ignore[return-value]
+        if action.startswith("array "):  # done computed by NumPy or torch, as simulators do
+            done = int(action.split()[1]) == self.target
+            return "checked", (numpy.bool_(done) if "np" in action else torch.tensor(done))
         guess = int(action)
         self.guesses.append(guess)
         if guess == self.target:
@@ -262,6 +266,11 @@ def test_an_environment_steps_until_done():
     assert out.tools.failures["timeout"].tolist() == [1] and out.tools.turns.tolist() == [1]
     with pytest.raises(TypeError, match=r"Guess.step must return \(observation: str, done"):
         engine(["odd"], env=factory).generate(["guess"], ["42"], 1)
+    # a done that is a NumPy bool or a 0-d boolean tensor is a truth value, read as such
+    for kind in ("np", "pt"):
+        out = engine([f"array 41 {kind}", f"array 42 {kind}", "40"], env=factory,
+                     max_calls=3).generate(["guess"], ["42"], 1)
+        assert out.tools.calls.tolist() == [2], kind
 
 
 def echo(query: str) -> str:
