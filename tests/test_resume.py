@@ -272,7 +272,9 @@ def test_a_run_stopped_at_a_validation_step_logs_every_later_step_where_it_belon
                 "init_args": {"save_dir": str(run / "tb"), "name": "t"}},
         callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                     "init_args": {"dirpath": str(run / "ckpt"), "save_last": True,
-                                  "every_n_train_steps": 100, "save_on_exception": True}}])
+                                  "every_n_train_steps": 100, "save_on_exception": True}},
+                   {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+                    "init_args": {"logging_interval": "step"}}])
     cfg["data"]["train_size"] = 40  # one epoch
     stopped = dict(cfg, trainer=dict(cfg["trainer"], callbacks=[
         *cfg["trainer"]["callbacks"],
@@ -286,4 +288,6 @@ def test_a_run_stopped_at_a_validation_step_logs_every_later_step_where_it_belon
     events.Reload()
     steps = {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     assert steps["train/reward/mean"] == list(range(9))
+    # a callback logging at a batch's start (before the module's hook) is on time too
+    assert [s for tag, s in steps.items() if tag.startswith("lr-")] == [list(range(9))], steps
     assert [s for tag, s in steps.items() if tag.startswith("val/")][0] == [2, 5, 8]

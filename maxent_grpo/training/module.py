@@ -223,10 +223,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                                           "max_prompt_length", "peft"])
         self.source = ModelSettings(model_name_or_path, dtype, model_cache_dir,
                                     gradient_checkpointing, peft)
-        self.objective = objective
-        self.optimizer_factory = optimizer
-        self.lr_scheduler_factory = lr_scheduler
-        self.engine_factory = engine
+        self.objective, self.engine_factory = objective, engine
+        self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.scorer = Scorer(temperature, self.loop.scoring, fused_lm_head)
         self.step_metrics = StepMetrics(self.rewards.names, self.loop.evaluation)
         self.evaluator = Evaluator(self.rewards, self.loop.evaluation)
@@ -323,8 +321,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def rollout_engine(self) -> RolloutEngine:
         """The run's rollout engine (``model.engine``), built on the first call and synced
-        with the policy (``engine.sync(policy)``) when its weights changed since the last
-        call: after an optimizer step, or a checkpoint's weights loaded."""
+        (``engine.sync(policy)``) after the policy's weights changed (a step, a checkpoint)."""
         if self._engine is None:
             gen = self.loop.generation
             self._engine = self.engine_factory(self.policy, self.tokenizer, gen.sampling)
@@ -348,18 +345,22 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_log = self.trajectory = None  # free the last step's tensors first
         self.step_metrics_dict = {}
-        if self._rng_to_restore is not None:
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A resumed fit's random state and logging step, set before the callbacks' hooks
+        of its first batch (a ``LearningRateMonitor`` logs there)."""
+        if self._rng_to_restore is not None and self.trainer.training:
             resume_first_batch(self._rng_to_restore, self._trainer)
             self._rng_to_restore = None
+        return batch
 
     def on_validation_start(self) -> None:
         if self.pipeline is not None:  # no weight update while a rollout is in flight
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After any stage (a failed run too: ``CleanUp``): no controllers after a fit; a server
-        engine closed (rebuilt if the module runs again), then the rollout in flight (which
-        that ends), then the tools' sandbox processes (started again on the next call)."""
+        """After any stage (a failed run too: ``CleanUp``): the controllers detached after a fit,
+        a server engine closed, the rollout in flight ended, the tools' sandbox stopped."""
         if stage == "fit":  # the next fit's controllers attach afresh
             self.loop = detached_controllers(self.loop)
         engine, toolbox = self._engine, getattr(self._engine, "toolbox", None)
@@ -379,12 +380,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._evaluate(batch)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.evaluator.compute("val"), sync_dist=False)
+        self.log_dict(self.evaluator.compute("test" if self.trainer.testing else "val"),
+                      sync_dist=False)
 
-    test_step = validation_step
-
-    def on_test_epoch_end(self) -> None:
-        self.log_dict(self.evaluator.compute("test"), sync_dist=False)
+    test_step, on_test_epoch_end = validation_step, on_validation_epoch_end
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         """One graded row per completion (``CompletionWriter`` writes and sums them up)."""
