@@ -37,7 +37,7 @@ from maxent_grpo.adapters import PeftConfig
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
-from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter
+from maxent_grpo.training.callbacks.module_own import CompletionWriter, ModuleHooks
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
 from maxent_grpo.training.option_groups import build_loop_settings
 from maxent_grpo.training.run.checkpoint import load_state, resume_first_batch, save_state
@@ -346,20 +346,18 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.step_log = self.trajectory = None  # free the last step's tensors first
         self.step_metrics_dict = {}
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """A resumed fit's random state and logging step, set before the callbacks' hooks
-        of its first batch (a ``LearningRateMonitor`` logs there)."""
-        if self._rng_to_restore is not None and self.trainer.training:
+    def resume_at_first_batch(self) -> None:
+        """At a resumed fit's first batch (``ModuleHooks``): the checkpoint's random state."""
+        if self._rng_to_restore is not None:
             resume_first_batch(self._rng_to_restore, self._trainer)
             self._rng_to_restore = None
-        return batch
 
     def on_validation_start(self) -> None:
         if self.pipeline is not None:  # no weight update while a rollout is in flight
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After any stage (a failed run too: ``CleanUp``): the controllers detached after a fit,
+        """After any stage (a failed run too: ``ModuleHooks``): the controllers detached after fit,
         a server engine closed, the rollout in flight ended, the tools' sandbox stopped."""
         if stage == "fit":  # the next fit's controllers attach afresh
             self.loop = detached_controllers(self.loop)
@@ -380,8 +378,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._evaluate(batch)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.evaluator.compute("test" if self.trainer.testing else "val"),
-                      sync_dist=False)
+        self.log_dict(self.evaluator.compute(
+            "test" if getattr(self._trainer, "testing", False) else "val"), sync_dist=False)
 
     test_step, on_test_epoch_end = validation_step, on_validation_epoch_end
 
@@ -408,12 +406,15 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.attach_training_data()
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Lightning's default progress bar gives way to the command line's, for L.Trainer;
-        ``predict`` gets a :class:`CompletionWriter` unless the trainer has one."""
-        bars = [c for c in self.trainer.callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
-        self.trainer.callbacks[:] = [c for c in self.trainer.callbacks if c not in bars]
-        writer = not any(isinstance(c, CompletionWriter) for c in self.trainer.callbacks)
-        return [CleanUp(), *([ReadableProgressBar()] if bars else []),
+        """:class:`ModuleHooks` first; Lightning's default progress bar gives way to the
+        command line's, for L.Trainer; ``predict`` gets a :class:`CompletionWriter` unless
+        the trainer has one."""
+        callbacks = self.trainer.callbacks
+        bars = [c for c in callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
+        callbacks[:] = [ModuleHooks(), *(c for c in callbacks if c not in bars
+                                         and not isinstance(c, ModuleHooks))]
+        writer = not any(isinstance(c, CompletionWriter) for c in callbacks)
+        return [*([ReadableProgressBar()] if bars else []),
                 *([CompletionWriter()] if writer and self.trainer.predicting else [])]
 
     def configure_optimizers(self) -> dict[str, Any]:

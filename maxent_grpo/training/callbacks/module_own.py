@@ -1,6 +1,7 @@
 """The callbacks the module adds itself (``MaxEntGRPOModule.configure_callbacks``).
 
-- :class:`CleanUp`: a failed run calls no module teardown in Lightning; this does it.
+- :class:`ModuleHooks`: the module's hooks that Lightning calls only on callbacks (first
+  of them): teardown after a failed run, a resumed fit's first batch.
 - :class:`CompletionWriter`: ``predict`` writes one JSON line per sampled completion
   (:func:`~maxent_grpo.training.run.evaluation.prediction_row`: the prompt, the completion or
   a multi-turn rollout's messages, each reward function's value, the parsed answer, right
@@ -23,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 
-__all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS"]
+__all__ = ["ModuleHooks", "CompletionWriter", "DEFAULT_PREDICTIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,14 @@ log = logging.getLogger(__name__)
 DEFAULT_PREDICTIONS = "predictions.jsonl"
 
 
-class CleanUp(L.Callback):
-    """A failed run calls no module teardown in Lightning: this does it."""
+class ModuleHooks(L.Callback):
+    """The module's own hooks, first of the callbacks: a failed run calls no module teardown
+    in Lightning, this does it; a resumed fit's random state and logging step are set before
+    any other callback's hook of its first batch (a ``LearningRateMonitor`` logs there)."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        pl_module.resume_at_first_batch()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
