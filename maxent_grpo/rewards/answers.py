@@ -307,7 +307,7 @@ def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int]
     """A row's ``(numbers, target)``, read from text as a CSV cell holds them (``"[1, 2]"``,
     ``"9"``), checked for every row before any is graded (a bad one raised only when a
     completion had an answer to check)."""
-    numbers = _json_cell(numbers)
+    numbers = json_cell(numbers)
     if isinstance(target, str) and re.fullmatch(r"[+-]?[0-9]+", target.strip()):
         target = int(target)
     if (isinstance(target, bool) or not isinstance(target, int)
@@ -434,7 +434,7 @@ def _valid_set(members: Any, row: int) -> set[int]:
     """A row's ``valid_answers`` as integers: a list of ints or integer strings, or that list
     as JSON text (a CSV cell); checked for every row before any is graded (a string was read
     a character at a time)."""
-    members = _json_cell(members)
+    members = json_cell(members)
     if isinstance(members, (list, tuple)) and not any(isinstance(m, bool) for m in members):
         with contextlib.suppress(ValueError):
             return {int(str(m).strip()) for m in members}
@@ -442,7 +442,7 @@ def _valid_set(members: Any, row: int) -> set[int]:
                      f"be a list of integers; got {members!r} (the data's valid_answers column)")
 
 
-def _json_cell(value: Any) -> Any:
+def json_cell(value: Any) -> Any:
     """``value``, or the JSON it holds when it is text that parses as JSON (a CSV cell)."""
     if isinstance(value, str):
         with contextlib.suppress(ValueError):

@@ -34,6 +34,7 @@ from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.answers import (
     canonical_answer,
     compared_answer,
+    json_cell,
     sample_answer,
 )
 from maxent_grpo.rollout import (
@@ -83,15 +84,14 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
     out = aggregate(correct, ks, answers=compared)
     valid = [r.valid_answers for r in records]
     if any(v is not None for v in valid):
-        canonical = [
-            [canonical_answer(a, r.answer_form) if ok else None
-             for a, ok in zip(r.answers, r.correct, strict=True)]
-            for r in records
-        ]
-        valid = [  # an answer set of another form is compared in that form
-            v if v is None or r.answer_form in (None, "expression")
-            else frozenset(canonical_answer(a, r.answer_form) for a in v)
+        valid = [  # in the canonical form of the prompt's answer_form, as the answers
+            v if v is None else frozenset(canonical_answer(a, r.answer_form) for a in v)
             for v, r in zip(valid, records, strict=True)]
+        canonical = [  # a correct answer the set does not list covers nothing
+            [c if ok and v is not None and (c := canonical_answer(a, r.answer_form)) in v
+             else None for a, ok in zip(r.answers, r.correct, strict=True)]
+            for r, v in zip(records, valid, strict=True)
+        ]
         coverage = aggregate(correct, ks, answers=canonical, valid_answers=valid)
         out.update({k: v for k, v in coverage.items() if k.startswith("coverage@")})
     out["answer_entropy"] = sum(  # as train/answer_entropy compares them
@@ -101,6 +101,21 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
     if greedy:
         out["greedy_pass@1"] = sum(greedy) / len(greedy)
     return out
+
+
+def valid_answer_set(value: Any, form: str | None, where: str) -> frozenset[str]:
+    """A row's ``valid_answers`` (a list of answers, or that list as JSON text: a CSV cell)
+    in the canonical form of its ``answer_form``; refused, naming ``where``, when it is not
+    a non-empty list or a member has no canonical form."""
+    members = json_cell(value)
+    if isinstance(members, (list, tuple)) and members and \
+            not any(isinstance(m, bool) for m in members):
+        answers = {canonical_answer(str(m), form) for m in members}
+        if None not in answers:
+            return frozenset(answers)
+    raise ValueError(f"{where}: valid_answers must be a non-empty list of answers of its "
+                     f"answer_form ({form or 'expression'}), each with a canonical form "
+                     f"(rewards/answers.py canonical_answer); got {value!r:.200}")
 
 
 def evaluation_metrics(
@@ -203,7 +218,9 @@ class Evaluator(torch.nn.Module):
             self.records.append(PromptRecord(
                 correct=tuple(correct[b * n:(b + 1) * n]),
                 answers=tuple(sample_answer(c) for c in completions[b * n:(b + 1) * n]),
-                valid_answers=None if valid is None else frozenset(valid),
+                valid_answers=None if valid is None else valid_answer_set(
+                    valid, form, f"validation row {batch['indices'][b]}"
+                    if "indices" in batch else f"validation prompt {b}"),
                 task=None if task is None else str(task),
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from maxent_grpo.training.run.evaluation import (
     PromptRecord,
     evaluation_metrics,
     sample_answer,
+    valid_answer_set,
 )
 from tests.conftest import fit, make_data, make_module
 
@@ -92,6 +94,20 @@ def test_coverage_counts_distinct_correct_canonical_answers():
     for k in (1, 2):
         assert m[f"test/coverage@{k}"] == pytest.approx(naive_distinct(canon, k) / 3)
     assert evaluation_metrics(records[:1], [4], "t")["t/coverage@4"] == pytest.approx(2 / 3)
+    # a set listing one answer in two orders is one answer; a correct answer it does not
+    # list covers nothing (it failed at the first such sample, deep into a run)
+    both = PromptRecord((1.0, 1.0), ("4 + 5", "5 * 3"), frozenset({"5 + 4", "4 + 5"}))
+    assert evaluation_metrics([both], [2], "t")["t/coverage@2"] == 1.0
+
+
+def test_valid_answers_are_read_as_the_rewards_read_them():
+    # a CSV cell holds JSON text; a JSONL row may hold integers (both failed in validation)
+    assert valid_answer_set('["07", "11"]', "first_number", "row 3") == {"7", "11"}
+    assert valid_answer_set([2, 3], "first_number", "row 3") == {"2", "3"}
+    assert valid_answer_set(["5 * 3", "3 * 5"], None, "row 3") == {"3 * 5"}
+    for bad in ("12", [], [True], ["two"], {"a": 1}):
+        with pytest.raises(ValueError, match=r"row 3: valid_answers must be a non-empty list"):
+            valid_answer_set(bad, "first_number", "row 3")
 
 
 # ------------------------------------------------------------------ greedy engine
@@ -193,12 +209,15 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):
             truncated=torch.zeros(4, dtype=torch.bool), generate_seconds=0.0,
         )
     )
-    module.validation_step(batch, 0)
     logged: dict[str, float] = {}
     module.log_dict = lambda values, **kw: logged.update(values)
-    module.on_validation_epoch_end()
     cov0 = (1 if len(first) == 1 else 2) / len(first)  # two distinct solutions (or one)
-    assert logged["val/coverage@2"] == pytest.approx((cov0 + 1 / len(second)) / 2)
+    for cells in (None, [json.dumps(v) for v in batch["columns"]["valid_answers"]]):
+        if cells is not None:  # the same sets as JSON text, as a CSV file holds them
+            batch["columns"]["valid_answers"] = cells
+        module.validation_step(batch, 0)
+        module.on_validation_epoch_end()
+        assert logged["val/coverage@2"] == pytest.approx((cov0 + 1 / len(second)) / 2)
     assert logged["val/pass@1"] == pytest.approx((1.0 + 0.5) / 2)
     assert logged["val/pass@1/countdown_multi"] == logged["val/pass@1"]
 
