@@ -166,7 +166,8 @@ def merged_copy(policy: torch.nn.Module, base: torch.nn.Module) -> torch.nn.Modu
 
     require(has_adapters(policy), "merged_copy needs a peft model")
     adapter = policy.active_adapter
-    fresh = _get_peft_model(base, copy.deepcopy(policy.peft_config[adapter]))
+    with torch.random.fork_rng(devices=[]):  # peft draws an init: the run's stream is kept
+        fresh = _get_peft_model(base, copy.deepcopy(policy.peft_config[adapter]))
     weights = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy).items()}
     result = set_peft_model_state_dict(fresh, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))

@@ -74,6 +74,22 @@ def resolve_model_path(name_or_path: str,
     return name_or_path
 
 
+def model_chain(name_or_path: str, cache_dir: str | os.PathLike[str] | None = None
+                ) -> list[str]:
+    """:func:`resolve_model_path` of the model, then of the base its adapter folder names
+    (:func:`~maxent_grpo.adapters.adapter_base`), and so on to a model that is no adapter;
+    a base that leads back to an adapter of the chain is refused (loading never ended)."""
+    chain = [resolve_model_path(name_or_path, cache_dir)]
+    while (base := adapter_base(chain[-1])) is not None:
+        chain.append(resolve_model_path(base, cache_dir))
+        if os.path.realpath(chain[-1]) in {os.path.realpath(p) for p in chain[:-1]}:
+            raise ValueError(
+                f"the adapter folders {' -> '.join(chain)} lead back to themselves: set "
+                f"base_model_name_or_path in {chain[-2]}/adapter_config.json to the model "
+                "the adapter was trained on")
+    return chain
+
+
 #: local weights below this many bytes load in seconds: without transformers' progress bar
 QUIET_LOAD_BYTES = 2 * 1024**3
 
@@ -125,13 +141,16 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a model (built-in, local folder or hub id).
 
-    ``padding_side`` defaults to ``"left"`` (what batched generation needs). A tokenizer
-    without a pad token gets its eos token as pad (logged); one with neither raises
-    ``ValueError``. With ``require_chat_template=True`` a tokenizer without a chat template
-    raises ``ValueError`` (otherwise the error comes later, from ``apply_chat_template``).
+    An adapter folder without tokenizer files (peft's ``save_pretrained`` alone) gives its
+    base's tokenizer. ``padding_side`` defaults to ``"left"`` (what batched generation
+    needs). A tokenizer without a pad token gets its eos token as pad (logged); one with
+    neither raises ``ValueError``. With ``require_chat_template=True`` a tokenizer without a
+    chat template raises ``ValueError`` (otherwise the error comes later, from
+    ``apply_chat_template``).
     """
     check_choice("padding_side", padding_side, ("left", "right"))
-    path = resolve_model_path(name_or_path, cache_dir)
+    path = next(p for p in model_chain(name_or_path, cache_dir)
+                if adapter_base(p) is None or Path(p, "tokenizer_config.json").is_file())
     tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, path,
                                  trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
@@ -162,11 +181,12 @@ def _model_kwargs(dtype: str, attn_implementation: str | None,
 def _load_causal_lm(name_or_path: str, cache_dir: Any, kwargs: dict[str, Any]) -> Any:
     """``from_pretrained`` of the causal LM ``name_or_path`` names; an adapter folder loads as
     its base with the adapter merged (:func:`~maxent_grpo.adapters.merge_adapter`)."""
-    path = resolve_model_path(name_or_path, cache_dir)
-    base = adapter_base(path)
-    if base is None:
-        return _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, path, **kwargs)
-    return merge_adapter(_load_causal_lm(base, cache_dir, kwargs), path)
+    *adapters, path = model_chain(name_or_path, cache_dir)
+    model = _from_pretrained(AutoModelForCausalLM.from_pretrained,
+                             path if adapters else name_or_path, path, **kwargs)
+    for folder in reversed(adapters):
+        model = merge_adapter(model, folder)
+    return model
 
 
 def load_policy(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import string
 import time
@@ -278,3 +279,19 @@ def test_smollm2_conversion_loads_and_knows_a_fact(tmp_path: Path) -> None:
         output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_adapter_folders_that_lead_back_to_themselves_are_refused(tmp_path: Path) -> None:
+    """An export over the model it loaded wrote an adapter naming itself: every fit then
+    hung in prepare_data, and load_policy ended in a RecursionError."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder, base in ((one, two), (two, one)):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(
+            {"base_model_name_or_path": str(base)}))
+    for name in (str(one), str(two)):
+        with pytest.raises(ValueError, match=r"lead back to themselves"):
+            load_policy(name)
+    (one / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(one)}))
+    with pytest.raises(ValueError, match=r"one -> .*one lead back .*one/adapter_config.json"):
+        load_tokenizer(str(one))

@@ -101,6 +101,29 @@ def test_a_fit_that_trains_exports_once_without_a_warning(cache_dir, tmp_path, c
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final"]
 
 
+def test_an_export_over_the_folder_the_model_loads_from_is_refused(
+        cache_dir, tmp_path, monkeypatch):
+    """A config reused to keep training an exported model exported over it: the model was
+    lost, and a resumed run took its KL to the trained policy."""
+    from maxent_grpo.training.callbacks.export import export_policy
+
+    module = make_module(cache_dir)
+    module.configure_model()
+    export_policy(module.policy, module.tokenizer, tmp_path / "hf" / "final")
+    again = make_module(cache_dir, model_name_or_path=str(tmp_path / "hf" / "final"))
+    before = (tmp_path / "hf" / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"holds the folder the model loads from"):
+        fit(again, make_data(cache_dir), steps=1,
+            callbacks=[HFExport(dirpath=str(tmp_path / "hf"))])
+    with pytest.raises(ValueError, match=r"would replace the folder the model loads from"):
+        export_policy(module.policy, module.tokenizer, tmp_path / "hf" / "final",
+                      source=again.source)
+    assert (tmp_path / "hf" / "final" / "model.safetensors").read_bytes() == before
+    # a dirpath beginning with ~ is the home folder's, as for Lightning's own callbacks
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert HFExport(dirpath="~/hf").dirpath == str(tmp_path / "home" / "hf")
+
+
 # ------------------------------------------------------------------ the export command
 
 

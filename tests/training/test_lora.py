@@ -14,7 +14,7 @@ import torch
 peft = pytest.importorskip("peft")
 
 from maxent_grpo.adapters import AdapterDisabledReference  # noqa: E402
-from maxent_grpo.models import load_policy, load_reference  # noqa: E402
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer  # noqa: E402
 from maxent_grpo.objectives import GRPO  # noqa: E402
 from maxent_grpo.training.callbacks import HFExport  # noqa: E402
 from tests.conftest import fit, make_data, make_module, params  # noqa: E402
@@ -185,6 +185,20 @@ def test_hf_export_writes_the_adapter_and_the_merged_model(cache_dir, tmp_path):
         load_policy(str(folder), cache_dir=cache_dir)
         draws.append(torch.rand(1))
     assert torch.equal(draws[0], draws[1])
+    # and a merged export leaves the run's stream as it was (it sampled otherwise after)
+    from maxent_grpo.adapters import merged_copy
+
+    base = load_policy("builtin:tiny", cache_dir=cache_dir)
+    torch.manual_seed(0)
+    merged_copy(module.policy, base)
+    assert torch.equal(torch.rand(1), draws[0])
+    # peft's save_pretrained alone writes no tokenizer: the base's is loaded
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (alone / name).write_bytes((adapter / name).read_bytes())
+    assert load_tokenizer(str(alone), cache_dir=cache_dir)("12+30").input_ids == \
+        module.tokenizer("12+30").input_ids
 
 
 def test_a_peft_bias_that_trains_the_base_is_refused_with_a_reference(cache_dir):

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 
 from maxent_grpo.adapters import has_adapters, merged_copy, name_base
 from maxent_grpo.builtin.catalog import is_builtin
-from maxent_grpo.models import load_policy
+from maxent_grpo.models import load_policy, model_chain
 from maxent_grpo.training.run.checkpoint_io import unwritable
 from maxent_grpo.validation import check_bool, check_int, require
 
@@ -48,9 +48,13 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     fresh copy of the base that ``source`` names: ``name_or_path``, ``dtype``,
     ``cache_dir``); ``merged`` is ignored without adapters.
     """
-    out = Path(os.path.realpath(out))  # a link's folder is what is replaced, not the link
+    out = Path(os.path.realpath(os.path.expanduser(out)))  # a link's folder is replaced
     adapters = has_adapters(model)
     name = getattr(source, "name_or_path", None)
+    targets = [out, *([out.with_name(f"{out.name}-merged")] if merged and adapters else [])]
+    clash = replaced_model(source, targets)
+    require(clash is None, f"exporting into {str(out)!r} would replace the folder the model "
+                           f"loads from ({clash}): export into another folder")
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
@@ -71,6 +75,18 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
         log.info("exported the merged model to %s", target)
         written.append(target)
     return written
+
+
+def replaced_model(source: Any, targets: list[Path]) -> str | None:
+    """A folder the model of ``source`` loads from (its own, or an adapter's base) that
+    writing the folders ``targets`` would replace (a run exporting over the model it
+    trains from lost it, and a resumed run took its KL to the trained policy); None."""
+    name = getattr(source, "name_or_path", None)
+    for folder in [] if name is None else model_chain(name, getattr(source, "cache_dir", None)):
+        real = Path(os.path.realpath(folder))
+        if any(real == t or t in real.parents for t in map(Path, targets)):
+            return folder
+    return None
 
 
 def _replace(out: Path, write: Any) -> None:
@@ -123,7 +139,9 @@ class HFExport(Callback):
     (:func:`~maxent_grpo.adapters.merged_copy`, from a fresh copy of the base).
 
     Args:
-        dirpath: output folder; None means ``<trainer.log_dir>/hf`` (the logger's version folder).
+        dirpath: output folder (``~`` expanded); None means ``<trainer.log_dir>/hf`` (the
+            logger's version folder). Refused when an export would replace the folder the
+            model loads from (a run continuing from ``<dirpath>/final``).
         every_n_train_steps: also export every this many optimizer steps; None: only at the end.
         merged: with ``peft`` adapters, also write the merged model to ``<name>-merged``
             (ignored without adapters: ``<name>`` is the whole model then).
@@ -135,7 +153,7 @@ class HFExport(Callback):
                 f"HFExport.dirpath must be None or a non-empty path; got {dirpath!r}")
         check_int("HFExport.every_n_train_steps", every_n_train_steps, minimum=1, allow_none=True)
         check_bool("HFExport.merged", merged)
-        self.dirpath = dirpath
+        self.dirpath = None if dirpath is None else os.path.expanduser(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.merged = merged
         self._last_step = 0
@@ -150,6 +168,11 @@ class HFExport(Callback):
         if stage != "fit":
             return
         problem = unwritable(self.dirpath, folder=True) if trainer.is_global_zero else None
+        if problem is None and trainer.is_global_zero:  # the folders an export replaces
+            out = Path(os.path.realpath(self.dirpath))
+            clash = replaced_model(getattr(pl_module, "source", None), [
+                out / "final", out / "final-merged", *out.glob("step-*")])
+            problem = clash and f"it holds the folder the model loads from ({clash})"
         require(trainer.strategy.reduce_boolean_decision(problem is None, all=True),
                 f"HFExport.dirpath {str(self.dirpath)!r} cannot be a folder to export into: "
                 f"{problem or 'see global rank 0'}")

@@ -13,10 +13,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.adapters import (
     AdapterDisabledReference,
-    adapter_base,
     register_sharded_generate,
 )
-from maxent_grpo.models import load_policy, load_reference, load_tokenizer, resolve_model_path
+from maxent_grpo.models import load_policy, load_reference, load_tokenizer, model_chain
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
 from maxent_grpo.validation import require
@@ -35,9 +34,7 @@ class PolicyModels:
         Under DDP, transformers' ``save_pretrained`` writes weights only on global rank 0,
         so a built-in model first materialised by another rank would lack them.
         """
-        name = self.source.name_or_path
-        while name is not None:  # an adapter folder's base may be an adapter folder too
-            name = adapter_base(resolve_model_path(name, self.source.cache_dir))
+        model_chain(self.source.name_or_path, self.source.cache_dir)  # adapters' bases too
 
     def configure_model(self) -> None:
         """Load the policy (and the reference when needed) once; under
