@@ -362,6 +362,24 @@ def test_how_a_call_ended_reads_right():
 TOOLS = """
 import time
 
+OWN_SOURCE = open(__file__)  # a table a tool reads, opened at import
+
+
+def first_line() -> str:
+    \"\"\"The first words of this module.\"\"\"
+    OWN_SOURCE.seek(0)
+    return " ".join(OWN_SOURCE.read().split()[:2])
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def unprintable() -> str:
+    \"\"\"Fail with an exception whose message cannot be built.\"\"\"
+    raise Unprintable()
+
 
 def hang(seconds: float) -> str:
     \"\"\"Sleep, then answer.
@@ -415,6 +433,7 @@ def user_tools(tmp_path, monkeypatch):
     yield modules, boxes
     for box in boxes:
         box.close()
+    modules[0].OWN_SOURCE.close()
 
 
 def test_exit_and_quit_end_the_code_as_python_does(boxes):
@@ -428,6 +447,20 @@ def test_exit_and_quit_end_the_code_as_python_does(boxes):
         assert (result.failure is None) == (status == 0), result
 
 
+def test_code_runs_as_python_runs_it(boxes):
+    """The code was compiled with the sandbox's own ``from __future__ import annotations``,
+    lost what it wrote to ``sys.__stdout__``, had a character across the 12 KiB mark of its
+    output cut in two, and an exit status past a C long read as success."""
+    box = boxes["patient"]
+    result = box.run(ToolCall("python", {"code": "def f(x: int): pass\nprint(f.__annotations__)"}))
+    assert result.text.strip() == "{'x': <class 'int'>}", result
+    result = box.run(ToolCall("python", {"code": "import sys\nprint('ok', file=sys.__stdout__)"}))
+    assert result.text.strip() == "ok", result
+    result = box.run(ToolCall("python", {"code": "print('a' + '€' * 4200)"}))
+    assert result.text.strip() == "a" + "€" * 4200, result.text[4080:4110]
+    assert box.run(ToolCall("python", {"code": "raise SystemExit(2**100)"})).failure == "error"
+
+
 def test_a_tools_non_ascii_answer_reaches_the_model_as_written(user_tools):
     """A non-string answer was JSON with \\u escapes (``Z\\u00fcrich``), read by the model as
     such, at several tokens a character."""
@@ -438,6 +471,21 @@ def test_a_tools_non_ascii_answer_reaches_the_model_as_written(user_tools):
         result = box.run(ToolCall("total", {"values": [1, 2]}))
         assert result.failure is None and "\\u" not in result.text
         assert json.loads(result.text)["city"] == "Zürich", (isolation, result.text)
+
+
+def test_a_tool_reads_what_its_module_opened_at_import_and_the_code_does_not(user_tools):
+    """A process call closed every file the tool's module had opened at import (a table, a
+    connection): the tool failed where a thread's call worked."""
+    (module, _), boxes = user_tools
+    for isolation in ("thread", "process"):
+        box = Toolbox([module.first_line, module.unprintable, "python"], timeout=30.0,
+                      isolation=isolation)
+        boxes.append(box)
+        assert box.run(ToolCall("first_line", {})) == ToolResult("import time"), isolation
+        # a message that cannot be built is the type alone, as in a thread (was "exited")
+        assert box.run(ToolCall("unprintable", {})) == ToolResult("Error: Unprintable", "error")
+    code = "import os\nprint(max(int(fd) for fd in os.listdir('/proc/self/fd')))"
+    assert int(box.run(ToolCall("python", {"code": code})).text) < 5  # stdio and the listing
 
 
 def test_process_isolation_kills_a_hung_tool_and_returns_values(user_tools):

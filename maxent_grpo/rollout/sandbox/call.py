@@ -178,7 +178,7 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
         except OSError:
             entries = []
         for entry in entries:
-            try:
+            with contextlib.suppress(OSError):
                 info = entry.stat(follow_symlinks=False)
                 if info.st_uid == uid and stat.S_ISDIR(info.st_mode):
                     _remove_at(entry.name, fd)
@@ -187,8 +187,6 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
                 elif stat.S_ISDIR(info.st_mode):
                     pending.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY
                                            | os.O_NOFOLLOW, dir_fd=fd))
-            except OSError:
-                pass
         os.close(fd)
     for kind, call in (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl")) if ipc else ():
         try:
@@ -232,11 +230,9 @@ def remove_tree(path: str) -> None:
             for folder, dirs, _ in os.walk(path):  # each folder's children, then down
                 for name in dirs:
                     child = os.path.join(folder, name)
-                    try:
+                    with contextlib.suppress(OSError):
                         if not os.path.islink(child):
                             os.chmod(child, 0o700)
-                    except OSError:
-                        pass
             shutil.rmtree(path, ignore_errors=True)
     except Exception:  # noqa: BLE001 - a cleanup never stops the supervisor
         pass
@@ -254,11 +250,9 @@ def start(config: dict, uid: int | None, workdir: str, guard: dict,
     try:
         os.setsid()
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        try:  # the OOM killer takes the call first, never the trainer; D inherits it
+        with contextlib.suppress(OSError):  # the OOM killer takes the call first; D inherits
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")
-        except OSError:
-            pass
         mounted = guard["pid_namespace"] and guard["private_tmp"] and own_proc()
         os.write(pipes["status"][1], b"P" if mounted else b"-")
         for name in ("out", "status", "result"):
@@ -290,7 +284,9 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in sources]
     for target, fd in enumerate(high):
         os.dup2(fd, target)
-    os.closerange(5, os.sysconf("SC_OPEN_MAX"))
+    kept = config.get("kept_fds", [])  # files the tools' modules opened at import (>= 10)
+    for low, high in zip([4, *kept], [*kept, os.sysconf("SC_OPEN_MAX")], strict=True):
+        os.closerange(low + 1, high)
     limits, mb = config["limits"], 1 << 20
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -325,6 +321,8 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
         chunks.append(chunk)
     os.close(4)
     request = json.loads(b"".join(chunks))
+    if "tool" not in request:  # those files are a tool's, not the model's code's
+        os.closerange(5, os.sysconf("SC_OPEN_MAX"))
     cpu = request["cpu_seconds"]  # lowering a limit needs no privilege
     _limit(resource.RLIMIT_CPU, cpu, cpu + 1)
     sys.dont_write_bytecode = True
@@ -333,6 +331,7 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
                       buffering=1)  # by lines: what was printed before a kill is kept
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
                       buffering=1)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # the zygote's: never flushed
     if "tool" in request:
         _run_tool(request)
     os.close(3)
@@ -350,13 +349,11 @@ def _tasks_of(uid: int) -> int:
     """Processes and threads of ``uid`` now (what RLIMIT_NPROC counts for it)."""
     count = 0
     for name in os.listdir("/proc"):
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):
             with open(f"/proc/{name}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             if int(fields["Uid"].split()[0]) == uid:
                 count += int(fields["Threads"])
-        except (OSError, KeyError, ValueError):
-            continue
     return count
 
 
@@ -394,7 +391,7 @@ def _run_code(source: str) -> None:
     linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
     status = 0
     try:
-        exec(compile(source, "<code>", "exec"), main_module.__dict__)
+        exec(compile(source, "<code>", "exec", dont_inherit=True), main_module.__dict__)
     except SystemExit as stop:
         status = _exit_status(stop.code)
     except BaseException as err:  # noqa: B036 - the code's error, reported as Python does
@@ -416,8 +413,8 @@ def _run_code(source: str) -> None:
 
 def _exit_status(code: object) -> int:
     """The exit status ``sys.exit(code)`` gives, printing a non-integer code as Python does."""
-    if code is None or isinstance(code, int):  # sys.exit() and sys.exit(n)
-        return (code or 0) & 0xFF
+    if code is None or isinstance(code, int):  # sys.exit() and sys.exit(n) (a C long)
+        return (code or 0) & 0xFF if abs(code or 0) < 2**63 else 255
     _flush()
     with contextlib.suppress(BaseException):  # a code whose str() fails
         _write_stderr(f"{code}\n")
@@ -439,7 +436,9 @@ def _run_tool(request: dict) -> None:
                 value = str(value)
         reply = {"text": value}
     except BaseException as err:  # noqa: B036 - a tool's fault, even SystemExit
-        reply = {"error": f"{type(err).__name__}: {err}"}
+        reply = {"error": type(err).__name__}
+        with contextlib.suppress(Exception):  # a message that cannot be built: the type
+            reply["error"] += f": {err}"
     # UTF-8: a non-ASCII answer costs its bytes, not 6 per character (a lone surrogate: \u)
     data = json.dumps(reply, ensure_ascii=False).encode("utf-8", "backslashreplace")
     try:

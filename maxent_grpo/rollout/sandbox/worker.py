@@ -72,6 +72,17 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
     return bytes(data)
 
 
+def _open_fds() -> set[int]:
+    """The descriptors open now (the listing's own, closed by then, left out)."""
+    listed = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    for fd in list(listed):
+        try:
+            os.fstat(fd)
+        except OSError:
+            listed.discard(fd)
+    return listed
+
+
 def _close_fds_except(*keep: int) -> None:
     """Close every descriptor >= 3 but ``keep``."""
     low = 3
@@ -101,9 +112,9 @@ class Capture:
 
     def text(self) -> tuple[str, int]:
         cut = self.total - len(self.head) - len(self.tail)
+        if cut <= 0:  # whole: a character across the head's end is one character
+            return (self.head + self.tail).decode("utf-8", "replace"), 0
         head, tail = (self.head.decode("utf-8", "replace"), self.tail.decode("utf-8", "replace"))
-        if cut <= 0:
-            return head + tail, 0
         return f"{head}\n[... {cut} bytes of output cut ...]\n{tail}", cut
 
 
@@ -113,12 +124,20 @@ def main() -> None:
     config = json.loads(control.recv(1 << 22))
     if config["sys_path"] is not None:  # a tool's modules import as they do in the trainer
         sys.path[:] = config["sys_path"] + [p for p in sys.path if p not in config["sys_path"]]
-    errors = {}
+    errors, spare = {}, []  # fds 0-9 taken, so no file a preload opens becomes a call's 0-4
+    while (fd := os.open(os.devnull, os.O_RDONLY)) < 10:
+        spare.append(fd)
+    os.close(fd)
+    before = _open_fds()
     for name in list(PRELOAD) + config["preload"]:
         try:
             importlib.import_module(name)
         except BaseException as err:  # noqa: B036 - a preload may fail in any way
             errors[name] = f"{type(err).__name__}: {err}"
+    # kept open in a tool's call (a table or a connection opened at import), as in a thread
+    config["kept_fds"] = sorted(_open_fds() - before)
+    for fd in spare:
+        os.close(fd)
     root = os.geteuid() == 0
     fatal = _unmapped(config["uid_base"]) if root else None
     config["syscall_filter"] = CALL.SECCOMP.supported()  # tried once, in a child
@@ -204,7 +223,7 @@ def _fork_spare(control: socket.socket, fd: int, config: dict) -> int:
     status, sock = 1, None
     try:
         control.detach()
-        _close_fds_except(fd)
+        _close_fds_except(fd, *config["kept_fds"])  # and the files the tools opened
         sock = socket.socket(fileno=fd)
         spare(sock, config)
         status = 0
