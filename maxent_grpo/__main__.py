@@ -20,10 +20,11 @@ def console(prog: str = "maxent-grpo") -> None:
     if quick is not None:
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
         sys.exit(quick[1])
-    if args[:1] == ["export"]:
+    command = [a for a in args if a != "--traceback"]  # allowed anywhere on the line
+    if command[:1] == ["export"]:
         from maxent_grpo.cli.export import main as export
 
-        sys.exit(export(args[1:]))
+        sys.exit(export(command[1:] + ["--traceback"] * (len(command) < len(args))))
     from maxent_grpo.cli import main
 
     main(exit_on_error=True)

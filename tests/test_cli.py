@@ -432,7 +432,7 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
             raise Parsed(self.config)
 
     ckpt = tmp_path / "x.ckpt"
-    torch.save({"hyper_parameters": {
+    torch.save({"state_dict": {}, "hyper_parameters": {
         "eval_k": [1], "eval_num_generations": 2, "model_name_or_path": "elsewhere",
     }}, ckpt)
     monkeypatch.setattr(cli_module, "MaxEntGRPOCLI", CaptureCLI)
@@ -474,7 +474,7 @@ def test_a_ckpt_path_file_that_is_no_checkpoint_is_named_not_loaded(monkeypatch,
     bad = tmp_path / "data.ckpt"
     bad.write_bytes(content)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="is not usable: truncated or corrupt"):
+    with pytest.raises(ValueError, match="is not usable: truncated, corrupt or unsafe"):
         cli_module.main(["validate", "--ckpt_path", str(bad), "--trainer.logger=false"])
 
 

@@ -254,6 +254,16 @@ def test_user_error_classes():
     from maxent_grpo.training.step.optimise import NonFiniteLossError
 
     assert errors.is_user_error(NonFiniteLossError("loss was NaN 3 times"))
+    # running out of memory, or a logger's account not set up, is no bug of ours
+    import torch
+
+    usage = type("UsageError", (Exception,), {"__module__": "wandb.errors"})
+    for error in (MemoryError(), torch.OutOfMemoryError("CUDA out of memory"), usage("login")):
+        assert errors.is_user_error(error), error
+    assert "lower data.batch_size" in errors.message_of(MemoryError())
+    assert errors.find_user_error(RuntimeError(  # a worker's re-raised trace
+        "Caught OutOfMemoryError.\nTraceback (most recent call last):\n  x\n"
+        "torch.OutOfMemoryError: CUDA out of memory")) is not None
 
 
 def test_messages():
@@ -305,6 +315,18 @@ def raised_by(fn) -> BaseException:
     except BaseException as caught:  # noqa: BLE001
         return caught
     raise AssertionError("did not raise")
+
+
+def test_the_flag_works_before_export_too(monkeypatch, capsys, tmp_path):
+    """``--traceback export ...`` was refused as an invalid command (exit 2)."""
+    from maxent_grpo.__main__ import console
+
+    monkeypatch.setattr(sys, "argv", ["maxent-grpo", "--traceback", "export",
+                                      str(tmp_path / "none.ckpt")])
+    with pytest.raises(SystemExit) as stop:
+        console()
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback (most recent call last)" in err, err
 
 
 def test_the_flag_is_removed_anywhere():

@@ -52,6 +52,7 @@ class UserError(Exception):
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception types printed as a short message (imported lazily: this module is
     imported by the command line before Lightning)."""
+    import torch
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from maxent_grpo.rewards import RewardFunctionError
@@ -64,6 +65,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         RewardFunctionError,
         NonFiniteLossError,
         MisconfigurationException,
+        MemoryError,  # the machine's, and torch.OutOfMemoryError (the accelerator's)
+        *(() if (oom := getattr(torch, "OutOfMemoryError", None)) is None else (oom,)),
     )
 
 
@@ -73,7 +76,9 @@ def is_user_error(error: BaseException) -> bool:
         # `raise ModuleNotFoundError("X needs package Y: pip install Y")` has no `name`;
         # a failing import statement (a broken install, a bug) has one
         return error.name is None and bool(str(error))
-    return isinstance(error, user_error_types())
+    kind = type(error)  # a logger's own account that is not set up (``wandb login``)
+    return isinstance(error, user_error_types()) or (
+        kind.__module__.startswith("wandb") and kind.__name__ == "UsageError")
 
 
 # the trace a re-raised worker / spawned-process error carries as text ends in "Type: message"
@@ -96,7 +101,7 @@ def _from_trace_text(error: BaseException) -> tuple[str, str] | None:
 
 
 _USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "NonFiniteLossError",
-                     "MisconfigurationException"}
+                     "MisconfigurationException", "MemoryError", "OutOfMemoryError"}
 
 
 def _named_user_error(type_name: str) -> bool:
@@ -146,6 +151,9 @@ def message_of(error: BaseException) -> str:
     from maxent_grpo.rewards import RewardFunctionError
 
     message = str(error).strip() or type(error).__name__
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        message += (" (out of memory: lower data.batch_size, model.num_generations or "
+                    "model.max_completion_length, or set model.micro_batch_groups)")
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename!r}"
     cause = error.__cause__

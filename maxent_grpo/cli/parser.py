@@ -165,16 +165,15 @@ class MaxEntGRPOCLI(LightningCLI):
         self._continued: list[tuple[Any, bool]] = []  # logger init_args set here, to undo
         cfg = self._subconfig(self.config)
         trainer = cfg.get("trainer") or {}
-        if self.save_config_callback and not trainer.get("logger") and not trainer.get(
-            "default_root_dir"
-        ):
+        if self.save_config_callback and trainer.get("logger") in (False, []) and not \
+                trainer.get("default_root_dir"):  # None: Lightning's logger, its folder
             self.save_config_callback = None  # no log folder chosen: write nothing to cwd
         ckpt_path = cfg.get("ckpt_path") if self.subcommand else None
         if not ckpt_path:
             return
         self._resume = ckpt_io.resolve_checkpoint(
-            str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit"
-        )
+            str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit",
+            trusted=cfg.get("weights_only") is False)
         if self.subcommand == "fit" and self._resume is not None:
             self._continue_logger_versions(trainer.get("logger"), self._resume)
 

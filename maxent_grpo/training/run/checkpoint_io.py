@@ -25,6 +25,7 @@ import csv
 import glob
 import logging
 import os
+import re
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,15 +90,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    try:
+    with contextlib.suppress(OSError):  # the folder's entry, where the system allows
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
@@ -123,11 +121,13 @@ def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
 SHARDED_MARKS = frozenset({".metadata", "meta.pt", "latest", "checkpoint"})
 
 
-def checkpoint_problem(path: str | os.PathLike, full: bool = True) -> str | None:
+def checkpoint_problem(path: str | os.PathLike, full: bool = True, trusted: bool = False
+                       ) -> str | None:
     """Why ``path`` cannot be resumed from, or ``None`` when it looks complete (a sharded
     checkpoint's folder is accepted as is: FSDP2's distributed checkpoint, DeepSpeed's).
     ``full``: every entry is also read against its checksum (the whole file: damaged tensor
-    bytes leave the index intact)."""
+    bytes leave the index intact). A file is loaded only as ``torch.load(weights_only=True)``
+    does, never running code it holds, unless ``trusted`` (``--weights_only false``)."""
     path = str(path)
     if os.path.islink(path) and not os.path.exists(path):
         return f"a symlink to a missing file ({os.readlink(path)})"
@@ -146,13 +146,17 @@ def checkpoint_problem(path: str | os.PathLike, full: bool = True) -> str | None
         return f"cannot be read ({err})"
     if size == 0:
         return "empty (0 bytes)"
+    with open(path, "rb") as file:  # 8 bytes of header length, then the JSON header
+        if file.read(9)[8:] == b"{":
+            return ("a safetensors weights file, not a checkpoint written by fit (a Hugging "
+                    "Face model's folder goes to --model.model_name_or_path)")
     if not zipfile.is_zipfile(path):
         # torch.save's legacy (non-zip) format, or a truncated zip without its directory
         try:
-            torch.load(path, map_location="cpu", weights_only=False)
+            saved = torch.load(path, map_location="cpu", weights_only=not trusted)
         except Exception as err:  # noqa: BLE001 -- any failure means "not usable"
-            return f"truncated or corrupt ({size} bytes; {type(err).__name__}: {err})"
-        return None
+            return f"truncated, corrupt or unsafe ({size} bytes; {_load_error(err)})"
+        return _not_fit(saved)
     try:
         with zipfile.ZipFile(path) as archive:
             infos = archive.infolist()
@@ -204,22 +208,35 @@ def _candidates(dirpaths: list[str]) -> list[str]:
     return sorted(found, key=found.get, reverse=True)
 
 
-def _usable(path: str, need_training_state: bool, full: bool = True,
+def _load_error(err: Exception) -> str:
+    text = str(err).strip()
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)  # what a safe load refuses
+    what = f"it holds {found[1]}" if found else f"{type(err).__name__}: {text[:300]}"
+    return (f"torch.load(weights_only=True), as a checkpoint written by fit loads: {what}; "
+            "a file you trust that needs more: --weights_only false")
+
+
+def _not_fit(saved: Any) -> str | None:
+    """Why what a file holds is no checkpoint of a fit, or None."""
+    if isinstance(saved, dict) and "state_dict" in saved:
+        return None
+    return ("not a checkpoint written by fit (no state_dict; a Hugging Face model's folder "
+            "goes to --model.model_name_or_path)")
+
+
+def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bool = False,
             ) -> tuple[str | None, dict[str, Any] | None]:
-    problem = checkpoint_problem(path, full)
+    problem = checkpoint_problem(path, full, trusted)
     if problem is not None:
         return problem, None
     if os.path.isdir(path) or not zipfile.is_zipfile(path):
         return None, None  # a folder, a legacy file: no index to read without loading it
-    index = None  # the checkpoint's entries with the tensors memory-mapped (not read)
-    for weights_only in (True, False):
-        try:
-            index = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-            break
-        except Exception:  # noqa: BLE001
-            continue
-    if index is None:
-        return "its index cannot be loaded", None
+    try:  # the checkpoint's entries with the tensors memory-mapped (not read)
+        index = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
+    except Exception as err:  # noqa: BLE001
+        return f"its index cannot be loaded ({_load_error(err)})", None
+    if (problem := _not_fit(index)) is not None:
+        return problem, None
     if need_training_state and "optimizer_states" not in index:
         return "weights only (no optimizer or loop state to resume)", None
     return None, index
@@ -263,7 +280,8 @@ def _latest_of_one_run(usable: list[ResolvedCheckpoint], dirpaths: list[str]) ->
 
 
 def resolve_checkpoint(
-    ckpt_path: str, dirpaths: list[str], need_training_state: bool = True
+    ckpt_path: str, dirpaths: list[str], need_training_state: bool = True,
+    trusted: bool = False,
 ) -> ResolvedCheckpoint | None:
     """The checkpoint ``ckpt_path`` stands for, checked.
 
@@ -271,23 +289,23 @@ def resolve_checkpoint(
     newest among equals), when they all belong to one run (:class:`LoggerVersions`' record);
     ValueError naming every candidate when they belong to several (a smoke test or a second
     run into the same folder: which one to continue is the user's choice). Unusable files
-    are skipped with a warning; ``None`` when there is none; ValueError when none is
-    usable. A local file: itself when usable, else ValueError naming the newest usable one
-    in its folder; a missing local file: ValueError. Anything else (``"best"``, a URL):
-    ``None``, left to Lightning.
+    are skipped with a warning; ``None`` when there is none (a fit starts afresh; for an
+    evaluation, ValueError); ValueError when none is usable. A local file: itself when
+    usable, else ValueError naming the newest usable one in its folder; a missing local
+    file: ValueError. Anything else (``"best"``, a URL): ``None``, left to Lightning.
     """
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
         usable: list[ResolvedCheckpoint] = []
         for path in _candidates(dirpaths):
-            problem, index = _usable(path, need_training_state, full=False)
+            problem, index = _usable(path, need_training_state, False, trusted)
             if problem is None:
                 usable.append(_resolved(path, index, skipped))
             else:
                 skipped.append((path, problem))
         while usable:  # the one taken is read whole, the others only by their index
             found = _latest_of_one_run(usable, dirpaths)
-            if (problem := checkpoint_problem(found.path)) is None:
+            if (problem := checkpoint_problem(found.path, trusted=trusted)) is None:
                 break
             skipped.append((found.path, problem))
             usable.remove(found)
@@ -304,6 +322,10 @@ def resolve_checkpoint(
                 f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
                 "move them to start afresh"
             )
+        if not need_training_state:  # evaluating: it went on with the untrained model
+            where = dirpaths or "no folder (no ModelCheckpoint has a dirpath)"
+            raise ValueError(f"--ckpt_path last: no checkpoint in {where}; pass a .ckpt file, "
+                             "or leave --ckpt_path out to evaluate the model as configured")
         return None
     if not _is_local(ckpt_path) or ckpt_path in LIGHTNING_NAMES or ckpt_path.startswith(
             "registry:"):
@@ -316,12 +338,12 @@ def resolve_checkpoint(
             "a .ckpt file written by fit (the shipped configs write lightning_logs/<name>/"
             "checkpoints/last.ckpt), or 'last' to take the newest run of the configured "
             "ModelCheckpoint folder")
-    problem, index = _usable(ckpt_path, need_training_state)
+    problem, index = _usable(ckpt_path, need_training_state, trusted=trusted)
     if problem is None:
         return _resolved(ckpt_path, index, [])
     here = os.path.abspath(ckpt_path)  # _candidates' paths are absolute too
     others = (path for path in _candidates([os.path.dirname(here)])
-              if path != here and _usable(path, need_training_state, full=False)[0] is None)
+              if path != here and _usable(path, need_training_state, False, trusted)[0] is None)
     other = next(others, None)
     hint = f"; the newest usable checkpoint next to it is {other}" if other else ""
     raise ValueError(f"--ckpt_path {ckpt_path} is not usable: {problem}{hint}")

@@ -190,6 +190,55 @@ def test_no_config_yaml_in_the_current_directory_without_a_log_folder(tmp_path, 
                run=False)
     assert any(isinstance(cb, SaveConfigCallback) for cb in cli.trainer.callbacks)
     assert list(tmp_path.iterdir()) == []  # nothing written here
+    # no logger given is Lightning's own, with a version folder: the config is saved there
+    cli = main(base, run=False)
+    assert any(isinstance(cb, SaveConfigCallback) for cb in cli.trainer.callbacks)
+
+
+class Touch:
+    """A pickle that runs code when loaded: it creates ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_checkpoint_is_never_loaded_in_a_way_that_runs_its_code(tmp_path, zipped):
+    """A file holding code was unpickled (weights_only=False) by the resume check, which
+    ran the code before Lightning's own safe load refused the file."""
+    ran = tmp_path / "ran"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "optimizer_states": [{}], "x": Touch(ran)}, evil,
+               _use_new_zipfile_serialization=zipped)
+    for need in (True, False):
+        with pytest.raises(ValueError, match=r"weights_only=True.*--weights_only false"):
+            ckpt_io.resolve_checkpoint(str(evil), [], need)
+    assert not ran.exists()
+    ckpt_io.resolve_checkpoint(str(evil), [], True, trusted=True)  # the user's choice
+    assert ran.exists()
+
+
+def test_files_that_are_no_checkpoint_of_a_fit_say_what_they_are(tmp_path):
+    """A model's weights given as --ckpt_path to an evaluation passed the check and failed
+    in Lightning, reported as a bug in maxent_grpo."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    for name, says in (("model.safetensors", "a safetensors weights file"),
+                       ("pytorch_model.bin", "not a checkpoint written by fit")):
+        with pytest.raises(ValueError, match=f"{says}.*--model.model_name_or_path"):
+            ckpt_io.resolve_checkpoint(str(tmp_path / name), [], False)
+    # an evaluation of "last" that finds nothing is refused; a fit starts afresh
+    (tmp_path / "empty").mkdir()
+    assert ckpt_io.resolve_checkpoint("last", [str(tmp_path / "empty")], True) is None
+    with pytest.raises(ValueError, match=r"--ckpt_path last: no checkpoint in \["):
+        ckpt_io.resolve_checkpoint("last", [str(tmp_path / "empty")], False)
+    with pytest.raises(ValueError, match=r"no folder \(no ModelCheckpoint has a dirpath\)"):
+        ckpt_io.resolve_checkpoint("last", [], False)
 
 
 # ---------------------------------------------------------------- killed mid-write and resumed
