@@ -20,7 +20,8 @@ from typing import Any
 __all__ = ["RewardRecord", "fit_summary", "validation_line"]
 
 #: the validation metrics that lead the line, in this order; the others follow by name
-_FIRST = ("pass@", "mean@", "distinct@", "distinct_correct@", "reward/mean")
+_FIRST = ("pass@", "coverage@", "greedy_pass@", "mean@", "distinct@", "distinct_correct@",
+          "reward/mean")
 _MAX_ITEMS = 10
 
 
@@ -34,8 +35,9 @@ def _float(value: Any) -> float | None:
 
 def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
     """``val @ step 50: pass@1 0.312 ...`` from the run-wide ``val/...`` scalars of
-    ``metrics`` (at most 10, the pass@k / mean@k / distinct@k / reward first; no per-task
-    breakdown); None when there are none."""
+    ``metrics`` (at most 10, pass@k, coverage@k, greedy pass@1, mean@k (once: it is the
+    same for every k), distinct@k and the reward first; no per-task breakdown); None when
+    there are none."""
     values = {k.removeprefix("val/"): v for k, v in metrics.items() if k.startswith("val/")}
     # the run-wide figures: a per-task or per-reward breakdown (pass@1/<task>) stays in the logs
     values = {k: v for k, v in values.items() if "/" not in k or k == "reward/mean"}
@@ -48,7 +50,9 @@ def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
         stem, _, k = name.partition("@")
         return rank, stem, int(k) if k.isdigit() else -1, k
 
-    names = sorted(values, key=order)[:_MAX_ITEMS]
+    names = sorted(values, key=order)
+    names = [n for n in names if not n.startswith("mean@") or n == next(
+        m for m in names if m.startswith("mean@"))][:_MAX_ITEMS]
     return f"val @ step {step}: " + "  ".join(f"{n} {values[n]:.3g}" for n in names)
 
 

@@ -268,6 +268,14 @@ def test_the_report_lines_read_as_documented():
     assert line == "val @ step 50: pass@1 0.312  pass@4 0.562  reward/mean 0.28  zeta 2"
     line = validation_line(5, {"val/pass@16": 0.9, "val/pass@2": 0.5, "val/pass@1": 0.25})
     assert line == "val @ step 5: pass@1 0.25  pass@2 0.5  pass@16 0.9"  # k as numbers
+    # with two k the coverage of a multi-answer task made the line too: mean@k is shown once
+    # (it does not depend on k), coverage@k and greedy pass@1 come right after pass@k
+    ks = {f"val/{m}@{k}": 0.5 for m in ("pass", "mean", "distinct", "distinct_correct",
+                                        "coverage") for k in (1, 4)}
+    line = validation_line(5, {**ks, "val/greedy_pass@1": 1.0, "val/reward/mean": 0.5})
+    assert line == ("val @ step 5: pass@1 0.5  pass@4 0.5  coverage@1 0.5  coverage@4 0.5  "
+                    "greedy_pass@1 1  mean@1 0.5  distinct@1 0.5  distinct@4 0.5  "
+                    "distinct_correct@1 0.5  distinct_correct@4 0.5")
     record = RewardRecord(n=2)
     for r in (0.0, 0.1, 0.5, 0.9):
         record.add_reward(r)
