@@ -65,8 +65,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         RewardFunctionError,
         NonFiniteLossError,
         MisconfigurationException,
-        MemoryError,  # the machine's, and torch.OutOfMemoryError (the accelerator's)
-        *(() if (oom := getattr(torch, "OutOfMemoryError", None)) is None else (oom,)),
+        MemoryError,  # the machine's; the accelerator's:
+        torch.cuda.OutOfMemoryError,  # torch.OutOfMemoryError from torch 2.5 on
     )
 
 

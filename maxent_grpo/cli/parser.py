@@ -158,8 +158,9 @@ class MaxEntGRPOCLI(LightningCLI):
         (:func:`~maxent_grpo.training.run.checkpoint_io.resolve_checkpoint`); when ``fit``
         resumes, a TensorBoardLogger or CSVLogger without an explicit ``version`` gets the
         checkpoint's version for the same ``save_dir``/``name`` (TensorBoard purges the later
-        events; :meth:`before_fit` drops the later CSV rows). Without a logger or
-        ``trainer.default_root_dir`` config.yaml is not saved (it would land in the cwd).
+        events; :meth:`before_fit` drops the later CSV rows). With ``trainer.logger: false``
+        and no ``trainer.default_root_dir`` config.yaml is not saved (it would land in the
+        cwd).
         """
         self._resume: ckpt_io.ResolvedCheckpoint | None = None
         self._continued: list[tuple[Any, bool]] = []  # logger init_args set here, to undo

@@ -143,7 +143,6 @@ def environment_factory(spec: dict[str, Any]) -> Callable[[], Any]:
     return lambda: cls(**args)
 
 
-
 def _is_flag(value: Any) -> bool:
     """Whether an environment's ``done`` is a truth value: a bool or int, or a one-element
     boolean NumPy value or tensor (``numpy.bool_``, ``torch.tensor(True)``)."""
@@ -151,6 +150,7 @@ def _is_flag(value: Any) -> bool:
         return True
     return str(getattr(value, "dtype", "")) in ("bool", "torch.bool") and \
         getattr(value, "shape", None) in ((), torch.Size([]))
+
 
 class MultiTurnEngine:
     """A rollout engine whose samples are multi-turn exchanges (see the module docstring).

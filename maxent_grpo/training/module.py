@@ -37,7 +37,7 @@ from maxent_grpo.adapters import PeftConfig
 from maxent_grpo.objectives import GRPO, Objective
 from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
-from maxent_grpo.training.callbacks.module_own import CompletionWriter, ModuleHooks
+from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter, ModuleHooks
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
 from maxent_grpo.training.option_groups import build_loop_settings
 from maxent_grpo.training.run.checkpoint import load_state, resume_first_batch, save_state
@@ -357,7 +357,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After any stage (a failed run too: ``ModuleHooks``): the controllers detached after fit,
+        """After any stage (a failed run too: ``CleanUp``): the controllers detached after fit,
         a server engine closed, the rollout in flight ended, the tools' sandbox stopped."""
         if stage == "fit":  # the next fit's controllers attach afresh
             self.loop = detached_controllers(self.loop)
@@ -406,15 +406,15 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.attach_training_data()
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """:class:`ModuleHooks` first; Lightning's default progress bar gives way to the
-        command line's, for L.Trainer; ``predict`` gets a :class:`CompletionWriter` unless
-        the trainer has one."""
+        """:class:`ModuleHooks` before the user's callbacks, :class:`CleanUp` after them;
+        Lightning's default progress bar gives way to the command line's, for L.Trainer;
+        ``predict`` gets a :class:`CompletionWriter` unless the trainer has one."""
         callbacks = self.trainer.callbacks
         bars = [c for c in callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
         callbacks[:] = [ModuleHooks(), *(c for c in callbacks if c not in bars
                                          and not isinstance(c, ModuleHooks))]
         writer = not any(isinstance(c, CompletionWriter) for c in callbacks)
-        return [*([ReadableProgressBar()] if bars else []),
+        return [CleanUp(), *([ReadableProgressBar()] if bars else []),
                 *([CompletionWriter()] if writer and self.trainer.predicting else [])]
 
     def configure_optimizers(self) -> dict[str, Any]:

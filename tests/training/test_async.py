@@ -187,7 +187,7 @@ def test_teardown_closes_the_engine_before_waiting_for_its_rollout(cache_dir):
 
 def test_a_failing_engine_close_still_ends_the_rollout_and_the_clean_up_is_logged(
         cache_dir, caplog):
-    from maxent_grpo.training.callbacks import ModuleHooks
+    from maxent_grpo.training.callbacks import CleanUp
     from maxent_grpo.training.step.pipeline import RolloutPipeline
 
     class BrokenClose(SlowEngine):
@@ -200,7 +200,7 @@ def test_a_failing_engine_close_still_ends_the_rollout_and_the_clean_up_is_logge
     engine = module._engine
     module.pipeline.submit(engine, {"prompts": ["p"], "answers": ["a"]}, 2, version=0)
     with caplog.at_level("WARNING"):
-        ModuleHooks().on_exception(None, module, RuntimeError("the step failed"))
+        CleanUp().on_exception(None, module, RuntimeError("the step failed"))
     assert "cleaning up after the failed run failed too: OSError: the server's group" in (
         caplog.text)
     # the rollout in flight was still waited for (it ended with the close), the engine let go

@@ -15,6 +15,7 @@ import torch
 
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupMaxEnt, ListwiseMaxEnt, LossOutput
 from maxent_grpo.rewards import RewardFunctionError
+from maxent_grpo.training.callbacks.module_own import ModuleHooks
 from maxent_grpo.training.module import MaxEntGRPOModule, NonFiniteLossError
 from maxent_grpo.training.settings import ScheduleSettings, build_lr_scheduler
 from tests.conftest import alternating, always_one, fit, make_data, make_module, params  # noqa: F401
@@ -246,10 +247,11 @@ def test_checkpoint_restores_objective_state_counters_and_random_state(cache_dir
     assert (fresh.objective.beta, fresh.objective.alpha_multiplier) == (0.3, 1.7)
     assert (fresh.counters.nonfinite_in_a_row, fresh.counters.nonfinite_total) == (1, 4)
     torch.manual_seed(0)  # whatever runs between the restore and the first batch ...
-    fresh.on_train_batch_start(None, 0)  # ... the random state is restored right here
+    hooks = ModuleHooks()  # the module's callback, first of the user's callbacks
+    hooks.on_train_batch_start(None, fresh, None, 0)  # ... the state is restored right here
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
-    fresh.on_train_batch_start(None, 1)  # only once
+    hooks.on_train_batch_start(None, fresh, None, 1)  # only once
     assert not torch.equal(torch.rand(3), expected[0])
 
 

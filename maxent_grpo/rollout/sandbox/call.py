@@ -414,7 +414,7 @@ def _run_code(source: str) -> None:
 def _exit_status(code: object) -> int:
     """The exit status ``sys.exit(code)`` gives, printing a non-integer code as Python does."""
     if code is None or isinstance(code, int):  # sys.exit() and sys.exit(n) (a C long)
-        return (code or 0) & 0xFF if abs(code or 0) < 2**63 else 255
+        return (code or 0) & 0xFF if -(2**63) <= (code or 0) < 2**63 else 255
     _flush()
     with contextlib.suppress(BaseException):  # a code whose str() fails
         _write_stderr(f"{code}\n")

@@ -17,14 +17,14 @@ Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauCo
   :mod:`~maxent_grpo.training.callbacks.run_report`, what it prints after a validation and
   at the end of a fit;
 - :mod:`~maxent_grpo.training.callbacks.module_own`: the callbacks the module adds itself
-  (``ModuleHooks``, first: teardown after a failed run, a resumed first batch; ``predict``'s
-  ``CompletionWriter``).
+  (``ModuleHooks`` before the user's, for a resumed fit's first batch; ``CleanUp`` after
+  them, teardown after a failed run; ``predict``'s ``CompletionWriter``).
 """
 
 from maxent_grpo.training.callbacks.base import Controller
 from maxent_grpo.training.callbacks.controllers import BetaController, MetaController, TauController
 from maxent_grpo.training.callbacks.export import HFExport
-from maxent_grpo.training.callbacks.module_own import CompletionWriter, ModuleHooks
+from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter, ModuleHooks
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.callbacks.samples import CompletionSamples
 from maxent_grpo.training.callbacks.state_file import (
@@ -40,6 +40,7 @@ __all__ = [
     "STATE_FILENAME",
     "STATE_KEYS",
     "BetaController",
+    "CleanUp",
     "ModuleHooks",
     "CompletionSamples",
     "CompletionWriter",

@@ -1,7 +1,7 @@
 """The callbacks the module adds itself (``MaxEntGRPOModule.configure_callbacks``).
 
-- :class:`ModuleHooks`: the module's hooks that Lightning calls only on callbacks (first
-  of them): teardown after a failed run, a resumed fit's first batch.
+- :class:`ModuleHooks`, before the user's callbacks: a resumed fit's first batch;
+- :class:`CleanUp`, after them: a failed run calls no module teardown in Lightning; this does it.
 - :class:`CompletionWriter`: ``predict`` writes one JSON line per sampled completion
   (:func:`~maxent_grpo.training.run.evaluation.prediction_row`: the prompt, the completion or
   a multi-turn rollout's messages, each reward function's value, the parsed answer, right
@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 
-__all__ = ["ModuleHooks", "CompletionWriter", "DEFAULT_PREDICTIONS"]
+__all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,17 @@ DEFAULT_PREDICTIONS = "predictions.jsonl"
 
 
 class ModuleHooks(L.Callback):
-    """The module's own hooks, first of the callbacks: a failed run calls no module teardown
-    in Lightning, this does it; a resumed fit's random state and logging step are set before
-    any other callback's hook of its first batch (a ``LearningRateMonitor`` logs there)."""
+    """Before the user's callbacks: a resumed fit's random state and logging step are set
+    before their hooks of its first batch (a ``LearningRateMonitor`` logs there)."""
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         pl_module.resume_at_first_batch()
+
+
+class CleanUp(L.Callback):
+    """After the user's callbacks: a failed run calls no module teardown in Lightning; this
+    does it."""
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:

@@ -142,20 +142,21 @@ def checkpoint_problem(path: str | os.PathLike, full: bool = True, trusted: bool
             if "config.json" in names else " (give a .ckpt file written by a fit)")
     try:
         size = os.path.getsize(path)
+        with open(path, "rb") as file:  # safetensors: 8 bytes of header length, then JSON
+            head = file.read(9)
     except OSError as err:
         return f"cannot be read ({err})"
     if size == 0:
         return "empty (0 bytes)"
-    with open(path, "rb") as file:  # 8 bytes of header length, then the JSON header
-        if file.read(9)[8:] == b"{":
-            return ("a safetensors weights file, not a checkpoint written by fit (a Hugging "
-                    "Face model's folder goes to --model.model_name_or_path)")
+    if head[8:] == b"{":
+        return ("a safetensors weights file, not a checkpoint written by fit (a Hugging Face "
+                "model's folder goes to --model.model_name_or_path)")
     if not zipfile.is_zipfile(path):
         # torch.save's legacy (non-zip) format, or a truncated zip without its directory
         try:
             saved = torch.load(path, map_location="cpu", weights_only=not trusted)
         except Exception as err:  # noqa: BLE001 -- any failure means "not usable"
-            return f"truncated, corrupt or unsafe ({size} bytes; {_load_error(err)})"
+            return f"truncated, corrupt or unsafe ({size} bytes; {_load_error(err, trusted)})"
         return _not_fit(saved)
     try:
         with zipfile.ZipFile(path) as archive:
@@ -191,6 +192,7 @@ class ResolvedCheckpoint:
     #: the training batches it had run: the logging step the resumed fit writes first (the
     #: optimizer steps with num_iterations k > 1 are k times as many); None: not recorded
     log_step: int | None = None
+    trusted: bool = False  # loaded with weights_only=False (--weights_only false)
 
 
 def _candidates(dirpaths: list[str]) -> list[str]:
@@ -208,12 +210,12 @@ def _candidates(dirpaths: list[str]) -> list[str]:
     return sorted(found, key=found.get, reverse=True)
 
 
-def _load_error(err: Exception) -> str:
+def _load_error(err: Exception, trusted: bool) -> str:
     text = str(err).strip()
     found = re.search(r"Unsupported global: GLOBAL (\S+)", text)  # what a safe load refuses
     what = f"it holds {found[1]}" if found else f"{type(err).__name__}: {text[:300]}"
-    return (f"torch.load(weights_only=True), as a checkpoint written by fit loads: {what}; "
-            "a file you trust that needs more: --weights_only false")
+    return what if trusted else (f"torch.load(weights_only=True), as a checkpoint written by "
+                                 f"fit loads: {what}; a file you trust: --weights_only false")
 
 
 def _not_fit(saved: Any) -> str | None:
@@ -234,7 +236,7 @@ def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bo
     try:  # the checkpoint's entries with the tensors memory-mapped (not read)
         index = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
     except Exception as err:  # noqa: BLE001
-        return f"its index cannot be loaded ({_load_error(err)})", None
+        return f"its index cannot be loaded ({_load_error(err, trusted)})", None
     if (problem := _not_fit(index)) is not None:
         return problem, None
     if need_training_state and "optimizer_states" not in index:
@@ -242,7 +244,7 @@ def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bo
     return None, index
 
 
-def _resolved(path: str, index: dict[str, Any] | None, skipped) -> ResolvedCheckpoint:
+def _resolved(path: str, index: dict | None, skipped, trusted=False) -> ResolvedCheckpoint:
     index = index or {}
     step = index.get("global_step")
     loop = (index.get("loops") or {}).get("fit_loop") or {}
@@ -253,8 +255,7 @@ def _resolved(path: str, index: dict[str, Any] | None, skipped) -> ResolvedCheck
         loggers=list(index.get(LOGGERS_KEY) or []),
         skipped=skipped,
         run=index.get(RUN_KEY),
-        log_step=int(batches) if isinstance(batches, int) else None,
-    )
+        log_step=int(batches) if isinstance(batches, int) else None, trusted=trusted)
 
 
 def _describe(found: ResolvedCheckpoint) -> str:
@@ -300,7 +301,7 @@ def resolve_checkpoint(
         for path in _candidates(dirpaths):
             problem, index = _usable(path, need_training_state, False, trusted)
             if problem is None:
-                usable.append(_resolved(path, index, skipped))
+                usable.append(_resolved(path, index, skipped, trusted))
             else:
                 skipped.append((path, problem))
         while usable:  # the one taken is read whole, the others only by their index
@@ -322,10 +323,9 @@ def resolve_checkpoint(
                 f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
                 "move them to start afresh"
             )
-        if not need_training_state:  # evaluating: it went on with the untrained model
-            where = dirpaths or "no folder (no ModelCheckpoint has a dirpath)"
-            raise ValueError(f"--ckpt_path last: no checkpoint in {where}; pass a .ckpt file, "
-                             "or leave --ckpt_path out to evaluate the model as configured")
+        if not need_training_state and dirpaths and all(map(_is_local, dirpaths)):
+            raise ValueError(f"--ckpt_path last: no checkpoint in {dirpaths}; pass a .ckpt "
+                             "file, or leave --ckpt_path out to evaluate the configured model")
         return None
     if not _is_local(ckpt_path) or ckpt_path in LIGHTNING_NAMES or ckpt_path.startswith(
             "registry:"):
@@ -340,7 +340,7 @@ def resolve_checkpoint(
             "ModelCheckpoint folder")
     problem, index = _usable(ckpt_path, need_training_state, trusted=trusted)
     if problem is None:
-        return _resolved(ckpt_path, index, [])
+        return _resolved(ckpt_path, index, [], trusted)
     here = os.path.abspath(ckpt_path)  # _candidates' paths are absolute too
     others = (path for path in _candidates([os.path.dirname(here)])
               if path != here and _usable(path, need_training_state, False, trusted)[0] is None)
@@ -357,8 +357,8 @@ def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list
         return []
     later = []
     for path in _candidates(dirpaths):
-        problem, index = _usable(path, False, full=False)
-        found = None if problem is not None else _resolved(path, index, [])
+        problem, index = _usable(path, False, False, resumed.trusted)
+        found = None if problem is not None else _resolved(path, index, [], resumed.trusted)
         if found is not None and found.run == resumed.run and (
                 found.global_step or 0) > resumed.global_step:
             later.append(path)

@@ -21,6 +21,7 @@ collapsed); coverage counts only answers that have a canonical form.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ from maxent_grpo.training.step.metrics import (
 )
 
 __all__ = ["Evaluator", "PromptRecord", "evaluation_metrics", "sample_answer"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
     valid = [r.valid_answers for r in records]
     if any(v is not None for v in valid):
         valid = [  # in the canonical form of the prompt's answer_form, as the answers
-            v if v is None else frozenset(canonical_answer(a, r.answer_form) for a in v)
+            v if v is None else frozenset(c for a in v if (c := canonical_answer(
+                a, r.answer_form)) is not None) or None
             for v, r in zip(valid, records, strict=True)]
         canonical = [  # a correct answer the set does not list covers nothing
             [c if ok and v is not None and (c := canonical_answer(a, r.answer_form)) in v
@@ -103,19 +107,17 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
     return out
 
 
-def valid_answer_set(value: Any, form: str | None, where: str) -> frozenset[str]:
+def valid_answer_set(value: Any, form: str | None) -> tuple[frozenset[str], list[Any]]:
     """A row's ``valid_answers`` (a list of answers, or that list as JSON text: a CSV cell)
-    in the canonical form of its ``answer_form``; refused, naming ``where``, when it is not
-    a non-empty list or a member has no canonical form."""
+    in the canonical form of its ``answer_form``, and what has none: the members that are
+    no answer of that form, or the whole value when it is no list."""
     members = json_cell(value)
-    if isinstance(members, (list, tuple)) and members and \
-            not any(isinstance(m, bool) for m in members):
-        answers = {canonical_answer(str(m), form) for m in members}
-        if None not in answers:
-            return frozenset(answers)
-    raise ValueError(f"{where}: valid_answers must be a non-empty list of answers of its "
-                     f"answer_form ({form or 'expression'}), each with a canonical form "
-                     f"(rewards/answers.py canonical_answer); got {value!r:.200}")
+    if not isinstance(members, (list, tuple)):
+        return frozenset(), [value]
+    pairs = [(m, None if isinstance(m, bool) else canonical_answer(str(m), form))
+             for m in members]
+    return (frozenset(a for _, a in pairs if a is not None),
+            [m for m, a in pairs if a is None])
 
 
 def evaluation_metrics(
@@ -181,6 +183,7 @@ class Evaluator(torch.nn.Module):
         self.reward = RewardMomentsMetric()
         self.components = RewardComponentsMetric(rewards.names)
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
+        self.unread_answers = False  # a row's valid_answers partly unread: warned once
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
              greedy_sampling: SamplingSettings | None,
@@ -215,12 +218,21 @@ class Evaluator(torch.nn.Module):
             valid = columns.get("valid_answers", [None] * B)[b]
             task = columns.get("task", [None] * B)[b]
             form = columns.get("answer_form", [None] * B)[b]
+            if valid is not None:
+                valid, unread = valid_answer_set(valid, form)
+                if unread and not self.unread_answers:
+                    self.unread_answers = True
+                    log.warning(
+                        "prompt %s: valid_answers %s have no canonical form under answer_form "
+                        "%s (canonical_answer); coverage@k counts only the others (a row "
+                        "with none counts for no coverage); further such rows are not "
+                        "named", batch["indices"][b] if "indices" in batch else b,
+                        repr(unread)[:200], form or "expression")
+                valid = valid or None
             self.records.append(PromptRecord(
                 correct=tuple(correct[b * n:(b + 1) * n]),
                 answers=tuple(sample_answer(c) for c in completions[b * n:(b + 1) * n]),
-                valid_answers=None if valid is None else valid_answer_set(
-                    valid, form, f"validation row {batch['indices'][b]}"
-                    if "indices" in batch else f"validation prompt {b}"),
+                valid_answers=valid,
                 task=None if task is None else str(task),
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),

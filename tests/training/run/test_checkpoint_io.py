@@ -237,8 +237,8 @@ def test_files_that_are_no_checkpoint_of_a_fit_say_what_they_are(tmp_path):
     assert ckpt_io.resolve_checkpoint("last", [str(tmp_path / "empty")], True) is None
     with pytest.raises(ValueError, match=r"--ckpt_path last: no checkpoint in \["):
         ckpt_io.resolve_checkpoint("last", [str(tmp_path / "empty")], False)
-    with pytest.raises(ValueError, match=r"no folder \(no ModelCheckpoint has a dirpath\)"):
-        ckpt_io.resolve_checkpoint("last", [], False)
+    for unknown in ([], ["s3://bucket/ckpts"]):  # no folder here to look in: Lightning's
+        assert ckpt_io.resolve_checkpoint("last", unknown, False) is None
 
 
 # ---------------------------------------------------------------- killed mid-write and resumed
