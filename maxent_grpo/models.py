@@ -90,6 +90,23 @@ def model_chain(name_or_path: str, cache_dir: str | os.PathLike[str] | None = No
     return chain
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout of ``model`` to 0, its ``nn.Dropout`` modules and the float rates
+    that attention modules read while training (``attention_dropout``, OPT's ``dropout``);
+    returns how many were above 0. The policy samples in eval mode: scored in training mode
+    with dropout, its log-probs are neither the sampler's nor comparable to the reference's
+    (a KL above 0 at step 0, noise in every ratio)."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p, changed = 0.0, changed + 1
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed
+
+
 #: local weights below this many bytes load in seconds: without transformers' progress bar
 QUIET_LOAD_BYTES = 2 * 1024**3
 

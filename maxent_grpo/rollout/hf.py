@@ -182,17 +182,20 @@ def sharded_across_ranks(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _isolated_generation(model: nn.Module) -> Iterator[None]:
-    """Eval mode and an empty ``generation_config`` for the call; both restored after."""
+    """Eval mode and an empty ``generation_config`` for the call; both restored after (a
+    ``peft`` model's base's too: peft's ``generate`` copies its own onto it)."""
     was_training = model.training
-    saved_config = getattr(model, "generation_config", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else None
+    saved = [(m, m.generation_config) for m in (model, base)
+             if getattr(m, "generation_config", None) is not None]
     model.eval()
-    if saved_config is not None:
-        model.generation_config = GenerationConfig()
+    for holder, _ in saved:
+        holder.generation_config = GenerationConfig()
     try:
         yield
     finally:
-        if saved_config is not None:
-            model.generation_config = saved_config
+        for holder, config in saved:
+            holder.generation_config = config
         model.train(was_training)
 
 

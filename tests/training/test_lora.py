@@ -273,3 +273,16 @@ def test_a_peft_bias_run_can_still_be_validated(cache_dir):
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, limit_val_batches=1,
                         enable_progress_bar=False)
     assert "val/reward/mean" in trainer.validate(module, make_data(cache_dir), verbose=False)[0]
+
+
+def test_a_rollout_leaves_the_base_models_generation_config(cache_dir):
+    """peft's generate copies the wrapper's (emptied) generation_config onto the base model:
+    after one rollout the base had lost its eos and pad ids, and a merged model saved after
+    the fit wrote an empty generation_config.json."""
+    module = lora_module(cache_dir)
+    module.configure_model()
+    base = module.policy.get_base_model()
+    before = base.generation_config.to_dict()
+    assert before.get("eos_token_id") is not None
+    module.rollout_engine().generate(["1 + 1 ="], ["2"], 2)
+    assert base.generation_config.to_dict() == before

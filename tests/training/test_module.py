@@ -553,3 +553,23 @@ def test_the_weighted_kl_is_the_kl_term_the_loss_holds(cache_dir):
         logged = module.step_metrics_dict
         assert logged["train/kl"] > 0
         assert logged["train/loss/weighted_kl"] == pytest.approx(kl_coef * logged["train/kl"])
+
+
+def test_a_policy_with_dropout_is_scored_as_it_samples(cache_dir, tmp_path):
+    """A model with dropout was scored in training mode: its log-probs were noised, the KL
+    to the reference was 2.9 at step 0 and a ratio's old and new values differed."""
+    from maxent_grpo.models import load_policy, load_tokenizer
+
+    model = load_policy("builtin:tiny", cache_dir=cache_dir)
+    model.config.attention_dropout = 0.3
+    model.save_pretrained(tmp_path / "drop")
+    load_tokenizer("builtin:tiny", cache_dir=cache_dir).save_pretrained(tmp_path / "drop")
+    module = make_module(cache_dir, model_name_or_path=str(tmp_path / "drop"))
+    with pytest.warns(UserWarning, match="dropout is set to 0"):
+        module.configure_model()
+    assert module.policy.training
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    runs = [module.policy(input_ids=ids).logits for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    module.policy.eval()
+    assert torch.equal(module.policy(input_ids=ids).logits, runs[0])

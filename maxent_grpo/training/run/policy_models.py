@@ -15,7 +15,13 @@ from maxent_grpo.adapters import (
     AdapterDisabledReference,
     register_sharded_generate,
 )
-from maxent_grpo.models import load_policy, load_reference, load_tokenizer, model_chain
+from maxent_grpo.models import (
+    disable_dropout,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    model_chain,
+)
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
 from maxent_grpo.validation import require
@@ -49,6 +55,9 @@ class PolicyModels:
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
+        if disable_dropout(self.policy):  # scored as sampled (eval mode: no dropout)
+            rank_zero_warn("the policy's dropout is set to 0 (LoRA's lora_dropout too): it "
+                           "samples without dropout, and is scored and trained as it samples")
         trainer = self._trainer  # None outside a trainer (a module used on its own)
         self.runtime = RuntimeHandles(
             accelerator=None if trainer is None else trainer.strategy, model=self.policy,
