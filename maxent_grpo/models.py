@@ -91,18 +91,26 @@ def model_chain(name_or_path: str, cache_dir: str | os.PathLike[str] | None = No
 
 
 def disable_dropout(model: torch.nn.Module) -> int:
-    """Set every dropout of ``model`` to 0, its ``nn.Dropout`` modules and the float rates
-    that attention modules read while training (``attention_dropout``, OPT's ``dropout``);
-    returns how many were above 0. The policy samples in eval mode: scored in training mode
-    with dropout, its log-probs are neither the sampler's nor comparable to the reference's
-    (a KL above 0 at step 0, noise in every ratio)."""
+    """Set the dropout of ``model`` to 0: its dropout modules (``nn.Dropout`` and kin) and
+    the rates that modules keep and read while training (``attention_dropout``, OPT's
+    ``dropout``, peft's per-adapter dicts of rates); returns how many were above 0. The
+    policy samples in eval mode: scored in training mode with dropout, its log-probs are
+    neither the sampler's nor comparable to the reference's (a KL above 0 at step 0, noise
+    in every ratio). Not covered: a rate a model reads from its config in the forward pass
+    (a few architectures) and other training-mode noise (a router's jitter)."""
     changed = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             module.p, changed = 0.0, changed + 1
         for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float) and value > 0:
+            if "dropout" not in name:
+                continue
+            if isinstance(value, float) and value > 0:
                 setattr(module, name, 0.0)
+                changed += 1
+            elif isinstance(value, dict) and any(isinstance(v, float) and v > 0
+                                                 for v in value.values()):
+                value.update({k: 0.0 for k, v in value.items() if isinstance(v, float)})
                 changed += 1
     return changed
 

@@ -295,3 +295,18 @@ def test_adapter_folders_that_lead_back_to_themselves_are_refused(tmp_path: Path
     (one / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(one)}))
     with pytest.raises(ValueError, match=r"one -> .*one lead back .*one/adapter_config.json"):
         load_tokenizer(str(one))
+
+
+def test_disable_dropout_reaches_every_kind_of_rate() -> None:
+    """Dropout modules of every kind, the rates attention modules keep, and peft's dicts of
+    per-adapter rates (LoHa's ``rank_dropout``); a float that is no rate is left alone."""
+    from maxent_grpo.models import disable_dropout
+
+    layers = torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Dropout2d(0.2),
+                                 torch.nn.AlphaDropout(0.3), torch.nn.Linear(2, 2))
+    layers[3].attention_dropout, layers[3].rank_dropout = 0.1, {"default": 0.2}
+    layers[3].scaling = 0.5
+    assert disable_dropout(layers) == 5
+    assert [layer.p for layer in layers[:3]] == [0.0, 0.0, 0.0]
+    assert (layers[3].attention_dropout, layers[3].rank_dropout) == (0.0, {"default": 0.0})
+    assert layers[3].scaling == 0.5 and disable_dropout(layers) == 0

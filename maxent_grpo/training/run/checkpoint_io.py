@@ -198,7 +198,7 @@ class ResolvedCheckpoint:
 def _candidates(dirpaths: list[str]) -> list[str]:
     """Every ``*.ckpt`` of ``dirpaths``, newest first (a ``last*`` name wins a tie)."""
     found: dict[str, tuple[float, bool]] = {}
-    for folder in dirpaths:
+    for folder in (str(f).removeprefix("file://") for f in dirpaths):
         if not _is_local(folder) or not os.path.isdir(folder):
             continue
         for path in glob.glob(os.path.join(glob.escape(folder), "*.ckpt")):
@@ -220,10 +220,9 @@ def _load_error(err: Exception, trusted: bool) -> str:
 
 def _not_fit(saved: Any) -> str | None:
     """Why what a file holds is no checkpoint of a fit, or None."""
-    if isinstance(saved, dict) and "state_dict" in saved:
-        return None
-    return ("not a checkpoint written by fit (no state_dict; a Hugging Face model's folder "
-            "goes to --model.model_name_or_path)")
+    return None if isinstance(saved, dict) and "state_dict" in saved else (
+        "not a checkpoint written by fit (no state_dict; a Hugging Face model's folder goes to "
+        "--model.model_name_or_path)")
 
 
 def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bool = False,
@@ -323,9 +322,10 @@ def resolve_checkpoint(
                 f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
                 "move them to start afresh"
             )
-        if not need_training_state and dirpaths and all(map(_is_local, dirpaths)):
-            raise ValueError(f"--ckpt_path last: no checkpoint in {dirpaths}; pass a .ckpt "
-                             "file, or leave --ckpt_path out to evaluate the configured model")
+        if not need_training_state and all(map(_is_local, dirpaths)):  # else Lightning's
+            where = dirpaths or "no folder (no ModelCheckpoint has a dirpath)"
+            raise ValueError(f"--ckpt_path last: no checkpoint in {where}; pass a .ckpt file, "
+                             "or leave --ckpt_path out to evaluate the configured model")
         return None
     if not _is_local(ckpt_path) or ckpt_path in LIGHTNING_NAMES or ckpt_path.startswith(
             "registry:"):

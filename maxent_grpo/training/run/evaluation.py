@@ -220,13 +220,13 @@ class Evaluator(torch.nn.Module):
             form = columns.get("answer_form", [None] * B)[b]
             if valid is not None:
                 valid, unread = valid_answer_set(valid, form)
-                if unread and not self.unread_answers:
+                if (unread or not valid) and not self.unread_answers:
                     self.unread_answers = True
                     log.warning(
                         "prompt %s: valid_answers %s have no canonical form under answer_form "
                         "%s (canonical_answer); coverage@k counts only the others (a row "
-                        "with none counts for no coverage); further such rows are not "
-                        "named", batch["indices"][b] if "indices" in batch else b,
+                        "with none is left out of it); further such rows are not named",
+                        batch["indices"][b] if "indices" in batch else b,
                         repr(unread)[:200], form or "expression")
                 valid = valid or None
             self.records.append(PromptRecord(

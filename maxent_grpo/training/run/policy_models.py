@@ -56,8 +56,8 @@ class PolicyModels:
                                   peft=src.peft)
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         if disable_dropout(self.policy):  # scored as sampled (eval mode: no dropout)
-            rank_zero_warn("the policy's dropout is set to 0 (LoRA's lora_dropout too): it "
-                           "samples without dropout, and is scored and trained as it samples")
+            rank_zero_warn("the policy's dropout is set to 0 (adapters' too): it samples "
+                           "without dropout, and is scored and trained as it samples")
         trainer = self._trainer  # None outside a trainer (a module used on its own)
         self.runtime = RuntimeHandles(
             accelerator=None if trainer is None else trainer.strategy, model=self.policy,

@@ -237,8 +237,13 @@ def test_files_that_are_no_checkpoint_of_a_fit_say_what_they_are(tmp_path):
     assert ckpt_io.resolve_checkpoint("last", [str(tmp_path / "empty")], True) is None
     with pytest.raises(ValueError, match=r"--ckpt_path last: no checkpoint in \["):
         ckpt_io.resolve_checkpoint("last", [str(tmp_path / "empty")], False)
-    for unknown in ([], ["s3://bucket/ckpts"]):  # no folder here to look in: Lightning's
-        assert ckpt_io.resolve_checkpoint("last", unknown, False) is None
+    with pytest.raises(ValueError, match=r"no folder \(no ModelCheckpoint has a dirpath\)"):
+        ckpt_io.resolve_checkpoint("last", [], False)  # Lightning's own fresh folder: none
+    assert ckpt_io.resolve_checkpoint("last", ["s3://bucket/ckpts"], False) is None  # its
+    # and a file:// folder is the local folder (it was not searched)
+    save(tmp_path / "empty" / "last.ckpt", 3)
+    found = ckpt_io.resolve_checkpoint("last", [f"file://{tmp_path / 'empty'}"], False)
+    assert found is not None and found.global_step == 3
 
 
 # ---------------------------------------------------------------- killed mid-write and resumed

@@ -188,7 +188,7 @@ def test_eval_reward_and_threshold_choose_correctness(cache_dir):
     assert validate(module, make_data(cache_dir))["val/pass@1"] == 0.0
 
 
-def test_coverage_in_validate_with_a_fake_engine(cache_dir):
+def test_coverage_in_validate_with_a_fake_engine(cache_dir, caplog):
     module = make_module(
         cache_dir, eval_num_generations=2, eval_k=[1, 2], eval_greedy=False,
         rewards={"countdown": 1.0},
@@ -219,6 +219,15 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir):
         module.validation_step(batch, 0)
         module.on_validation_epoch_end()
         assert logged["val/coverage@2"] == pytest.approx((cov0 + 1 / len(second)) / 2)
+    # sets of no answer of the form are warned about once and left out of coverage@k
+    batch["columns"]["valid_answers"] = ['["not an answer"]', "[]"]
+    logged.clear()
+    with caplog.at_level("WARNING", logger="maxent_grpo.training.run.evaluation"):
+        module.validation_step(batch, 0)
+        module.on_validation_epoch_end()
+    assert [r.getMessage().split(" have no")[0] for r in caplog.records] == [
+        "prompt 0: valid_answers ['not an answer']"]
+    assert "val/coverage@2" not in logged and "val/pass@1" in logged
     assert logged["val/pass@1"] == pytest.approx((1.0 + 0.5) / 2)
     assert logged["val/pass@1/countdown_multi"] == logged["val/pass@1"]
 
