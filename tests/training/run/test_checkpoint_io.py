@@ -191,7 +191,8 @@ def test_no_config_yaml_in_the_current_directory_without_a_log_folder(tmp_path, 
     assert any(isinstance(cb, SaveConfigCallback) for cb in cli.trainer.callbacks)
     assert list(tmp_path.iterdir()) == []  # nothing written here
     # no logger given is Lightning's own, with a version folder: the config is saved there
-    cli = main(base, run=False)
+    cli = main([*base, "--trainer.logger=null"], run=False)
+    assert type(cli.trainer.logger).__name__ == "TensorBoardLogger"
     assert any(isinstance(cb, SaveConfigCallback) for cb in cli.trainer.callbacks)
 
 
