@@ -174,8 +174,8 @@ def load_tokenizer(
     ``apply_chat_template``).
     """
     check_choice("padding_side", padding_side, ("left", "right"))
-    path = next(p for p in model_chain(name_or_path, cache_dir)
-                if adapter_base(p) is None or Path(p, "tokenizer_config.json").is_file())
+    *adapters, base = model_chain(name_or_path, cache_dir)
+    path = next((p for p in adapters if Path(p, "tokenizer_config.json").is_file()), base)
     tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, path,
                                  trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side

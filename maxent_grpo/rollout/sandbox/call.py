@@ -285,8 +285,8 @@ def prepare(config: dict, uid: int | None, workdir: str, guard: dict,
     for target, fd in enumerate(high):
         os.dup2(fd, target)
     kept = config.get("kept_fds", [])  # files the tools' modules opened at import (>= 10)
-    for low, high in zip([4, *kept], [*kept, os.sysconf("SC_OPEN_MAX")], strict=True):
-        os.closerange(low + 1, high)
+    for after, until in zip([4, *kept], [*kept, os.sysconf("SC_OPEN_MAX")], strict=True):
+        os.closerange(after + 1, until)
     limits, mb = config["limits"], 1 << 20
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")

@@ -51,8 +51,8 @@ def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
         return rank, stem, int(k) if k.isdigit() else -1, k
 
     names = sorted(values, key=order)
-    names = [n for n in names if not n.startswith("mean@") or n == next(
-        m for m in names if m.startswith("mean@"))][:_MAX_ITEMS]
+    means = [n for n in names if n.startswith("mean@")]  # one is enough: equal for every k
+    names = [n for n in names if n not in means[1:]][:_MAX_ITEMS]
     return f"val @ step {step}: " + "  ".join(f"{n} {values[n]:.3g}" for n in names)
 
 

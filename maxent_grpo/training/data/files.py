@@ -203,7 +203,6 @@ def _reason(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-
 def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are distinct (``json`` would keep the last of a repeated
     key, silently)."""

@@ -243,7 +243,7 @@ def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bo
     return None, index
 
 
-def _resolved(path: str, index: dict | None, skipped, trusted=False) -> ResolvedCheckpoint:
+def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> ResolvedCheckpoint:
     index = index or {}
     step = index.get("global_step")
     loop = (index.get("loops") or {}).get("fit_loop") or {}
