@@ -59,7 +59,6 @@ from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.token_logps import Scorer
 from maxent_grpo.training.step.trajectory import StepContext, StepTimer, Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
-from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
@@ -357,10 +356,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait()
 
     def teardown(self, stage: str) -> None:
-        """After any stage (a failed run too: ``CleanUp``): the controllers detached after fit,
-        a server engine closed, the rollout in flight ended, the tools' sandbox stopped."""
-        if stage == "fit":  # the next fit's controllers attach afresh
-            self.loop = detached_controllers(self.loop)
+        """After any stage (a failed run too: ``CleanUp``): a server engine closed, the rollout
+        in flight ended, the tools' sandbox stopped. The controllers stay attached: a checkpoint
+        saved on the failure, after this, records them (:class:`ModuleHooks` detaches them)."""
         engine, toolbox = self._engine, getattr(self._engine, "toolbox", None)
         close = getattr(getattr(engine, "engine", engine), "close", None)
         try:

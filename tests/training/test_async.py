@@ -242,6 +242,32 @@ def test_a_checkpoint_saved_on_a_failure_keeps_the_rollouts_that_were_done(cache
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_saved_on_a_failure_records_the_runs_controllers(cache_dir, tmp_path):
+    """The module's clean-up runs before Lightning's exception checkpoint: it detached the
+    controllers, so the checkpoint said the run had none and a resume without them was not
+    warned about. The next fit still starts without them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from maxent_grpo.objectives import ListwiseMaxEnt
+    from maxent_grpo.training.callbacks import TauController
+    from maxent_grpo.training.run.checkpoint import load_state
+    from maxent_grpo.training.step.optimise import StepCounters
+
+    module = make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5))
+    saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=1000)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(module, make_data(cache_dir), steps=3, tmp_path=tmp_path, enable_checkpointing=True,
+            callbacks=[Boom(1), TauController(target_entropy=1.0), saver])
+    (ckpt,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["maxent_grpo"]["controllers"]["attached"] is True
+    with pytest.warns(UserWarning, match="trained with tau/beta controllers"):
+        load_state(saved, "builtin:tiny", ListwiseMaxEnt(tau=0.5), StepCounters(), None,
+                   fitting=True)
+    fit(module, make_data(cache_dir), steps=1)  # a new fit without controllers has none
+    assert module.loop.controller_objective is None
+
+
 class Scripted:
     """Finished rollouts (a RolloutOutput of one prompt) or, with ``fail``, an error."""
 

@@ -1,6 +1,6 @@
 """The callbacks the module adds itself (``MaxEntGRPOModule.configure_callbacks``).
 
-- :class:`ModuleHooks`, before the user's callbacks: a resumed fit's first batch;
+- :class:`ModuleHooks`, before the user's callbacks: a fit's start, a resumed fit's first batch;
 - :class:`CleanUp`, after them: a failed run calls no module teardown in Lightning; this does it.
 - :class:`CompletionWriter`: ``predict`` writes one JSON line per sampled completion
   (:func:`~maxent_grpo.training.run.evaluation.prediction_row`: the prompt, the completion or
@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint_io import atomic_write
+from maxent_grpo.training.types.runtime import detached_controllers
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
 
@@ -33,8 +34,13 @@ DEFAULT_PREDICTIONS = "predictions.jsonl"
 
 
 class ModuleHooks(L.Callback):
-    """Before the user's callbacks: a resumed fit's random state and logging step are set
+    """Before the user's callbacks: a fit starts without an earlier fit's controllers (they
+    attach at their ``setup``), and a resumed fit's random state and logging step are set
     before their hooks of its first batch (a ``LearningRateMonitor`` logs there)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # the loop settings of a MaxEntGRPOModule
+            pl_module.loop = detached_controllers(pl_module.loop)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
