@@ -480,9 +480,20 @@ def test_a_ckpt_path_file_that_is_no_checkpoint_is_named_not_loaded(monkeypatch,
 
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
-    exist is refused, naming the four."""
+    exist is refused, naming them and ``export``."""
     assert set(cli_module.MaxEntGRPOCLI.subcommands()) == {"fit", "validate", "test", "predict"}
     with pytest.raises(SystemExit):
         cli_module.main(["sample"], exit_on_error=True)
-    assert "invalid choice: 'sample' (choose from 'fit', 'validate', 'test', 'predict')" in (
+    assert "'sample' is not a command; choose from fit, validate, test, predict, export" in (
         capsys.readouterr().err)
+
+
+def test_a_mistyped_command_is_answered_with_every_command_export_too():
+    """The console answers before LightningCLI, whose list lacked ``export``."""
+    from maxent_grpo.cli import help as cli_help
+
+    page, code = cli_help.quick_help(["--traceback", "exprt", "run.ckpt"])
+    assert code == 2 and "choose from fit, validate, test, predict, export" in page
+    assert "did you mean export?" in page
+    assert cli_help.quick_help(["fit", "--config", "tiny"]) is None
+    assert cli_help.quick_help(["--config", "tiny", "fit"]) is None

@@ -15,6 +15,7 @@ subclasses). This module imports neither Lightning nor torch at module level.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import os
 import re
 import textwrap
@@ -115,7 +116,8 @@ def top_level_help() -> str:
 def quick_help(args: list[str]) -> tuple[str, int] | None:
     """``(page, exit code)`` when ``args`` ask for the top-level page: ``-h``/``--help``
     alone (code 0) or nothing at all (code 2, the page is the usage); for ``--version`` the
-    version line (code 0); else ``None``."""
+    version line (code 0); for a first word that is no command, usage naming every command
+    (``export`` too, which LightningCLI does not know) and code 2; else ``None``."""
     if args in (["-h"], ["--help"], [HELP_ALL_FLAG]):
         return top_level_help(), 0
     if args == ["--version"]:
@@ -124,6 +126,13 @@ def quick_help(args: list[str]) -> tuple[str, int] | None:
         return f"maxent-grpo {__version__}\n", 0
     if not args:
         return top_level_help(), 2
+    command = next((a for a in args if a != "--traceback"), "")
+    names = [*SUBCOMMANDS, *OTHER_COMMANDS]
+    if command and not command.startswith("-") and command not in names:
+        close = difflib.get_close_matches(command, names, 1)
+        return (f"usage: {PROG} {{{','.join(names)}}} ...\nerror: {command!r} is not a "
+                f"command; choose from {', '.join(names)}"
+                + (f" (did you mean {close[0]}?)" if close else "") + "\n"), 2
     return None
 
 
