@@ -39,8 +39,9 @@ from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
 from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter, ModuleHooks
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
+from maxent_grpo.training.data.sampler import unfinished_batches
 from maxent_grpo.training.option_groups import build_loop_settings
-from maxent_grpo.training.run.checkpoint import load_state, resume_first_batch, save_state
+from maxent_grpo.training.run.checkpoint import load_state, save_state, step_start
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
 from maxent_grpo.training.settings import Dtype, ModelSettings, build_lr_scheduler
@@ -243,7 +244,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         # +1 at every change of the policy's weights; the weights the engine last synced with
         self._weights_version = self._engine_version = 0
         self.sync_seconds = 0.0  # the last rollout's engine.sync (perf/sync_seconds)
-        self._rng_to_restore: dict[str, Any] | None = None  # set by on_load_checkpoint
+        self._rng_to_restore = self._step_start = None  # on_load_checkpoint's, this step's
         #: the rollouts in flight of an asynchronous run (model.max_staleness >= 1)
         self.pipeline = RolloutPipeline(max_staleness) if max_staleness else None
         self.staleness = 0  # optimizer steps between the rollout's weights and the update
@@ -345,11 +346,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.step_log = self.trajectory = None  # free the last step's tensors first
         self.step_metrics_dict = {}
 
-    def resume_at_first_batch(self) -> None:
-        """At a resumed fit's first batch (``ModuleHooks``): the checkpoint's random state."""
-        if self._rng_to_restore is not None:
-            resume_first_batch(self._rng_to_restore, self._trainer)
-            self._rng_to_restore = None
+    def at_batch_start(self) -> None:
+        """At a training batch's start (``ModuleHooks``): :func:`step_start`."""
+        self._step_start = step_start(self._rng_to_restore, self._trainer)
+        self._rng_to_restore = None
 
     def on_validation_start(self) -> None:
         if self.pipeline is not None:  # no weight update while a rollout is in flight
@@ -431,10 +431,11 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the objective's state, the counters and every rank's random state
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
+        cut = unfinished_batches(self._trainer) > 0  # a step cut short runs again at the resume
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters,
-                   self.loop, peft=self.source.peft)
+                   self.loop, peft=self.source.peft, cut_short=self._step_start if cut else None)
         if self.pipeline is not None:  # every rank's rollouts in flight, for the resume
-            self.pipeline.save(checkpoint)
+            self.pipeline.save(checkpoint, step_cut_short=cut)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for

@@ -268,6 +268,48 @@ def test_a_checkpoint_saved_on_a_failure_records_the_runs_controllers(cache_dir,
     assert module.loop.controller_objective is None
 
 
+STOP_AT = {"call": None, "calls": 0}
+
+
+def stopped_by_ctrl_c(prompts, completions, **kw):
+    """A reward that presses Ctrl-C at its ``STOP_AT["call"]``-th call (mid-step)."""
+    STOP_AT["calls"] += 1
+    if STOP_AT["calls"] == STOP_AT["call"]:
+        raise KeyboardInterrupt
+    return [float(len(c) % 3) for c in completions]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_checkpoint_saved_on_ctrl_c_in_the_middle_of_a_step_resumes_exactly(
+        cache_dir, tmp_path, k):
+    """Lightning runs a step cut short again at the resume; the checkpoint counted its
+    batch as done and saved the random state after its sampling, so the resumed run
+    trained another batch with other samples (and, asynchronously, lost the rollout that
+    step had taken)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def module():
+        return make_module(cache_dir, rewards={f"{__name__}:stopped_by_ctrl_c": 1.0},
+                           **({"engine": RemoteCopy, "max_staleness": k,
+                               "sampler_correction": "token_tis"} if k else {}))
+
+    STOP_AT.update(call=None, calls=0)
+    whole = module()
+    fit(whole, make_data(cache_dir), steps=5)
+    STOP_AT.update(call=3, calls=0)  # the reward of the third training step
+    saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=1000)
+    with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C
+        fit(module(), make_data(cache_dir), steps=5, tmp_path=tmp_path,
+            enable_checkpointing=True, callbacks=[saver])
+    (ckpt,) = tmp_path.glob("*.ckpt")
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 2
+    STOP_AT.update(call=None, calls=0)
+    resumed = module()
+    fit(resumed, make_data(cache_dir), steps=5, ckpt_path=str(ckpt))
+    a, b = params(whole), params(resumed)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+
 class Scripted:
     """Finished rollouts (a RolloutOutput of one prompt) or, with ``fail``, an error."""
 

@@ -44,7 +44,7 @@ class ModuleHooks(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        pl_module.resume_at_first_batch()
+        pl_module.at_batch_start()
 
 
 class CleanUp(L.Callback):

@@ -36,6 +36,7 @@ from maxent_grpo.training.data.sampler import (
     PromptLoader,
     check_resume_state,
     collate_prompts,
+    unfinished_batches,
 )
 from maxent_grpo.training.data.sources import (
     Sources,
@@ -187,7 +188,8 @@ class PromptDataModule(pl.LightningDataModule):
         self._epoch = 0  # the position in the training order (see state_dict)
         self._consumed = 0
         self._resume_consumed = 0  # prompts of `_epoch` the sampler skips (load_state_dict)
-        self._refill_drawn = 0  # prompts this rank drew from the refill stream (refill_batch)
+        # prompts this rank drew from the refill stream (refill_batch), and before this step
+        self._refill_drawn = self._refill_before_step = 0
         self._refill_order: tuple[int, list[int]] = (-1, [])  # (pass, its order) of the stream
 
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -387,23 +389,26 @@ class PromptDataModule(pl.LightningDataModule):
             if self._train_sampler.epoch != self._epoch:
                 self._epoch, self._consumed = self._train_sampler.epoch, 0
             self._consumed += self.batch_size * trainer.world_size
+            self._refill_before_step = self._refill_drawn
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the training order: ``consumed`` = batches of ``epoch`` handed to
-        ``training_step`` (pre-fetched ones not counted) x ``batch_size * world_size``; an
-        end-of-epoch checkpoint records the whole epoch. ``seed``, ``shuffle``, ``num_rows``,
-        ``batch_size``, ``world_size`` let :meth:`load_state_dict` refuse a mismatched run."""
-        trainer = self.trainer
+        ``training_step`` (not pre-fetched ones, nor one whose step an exception stopped:
+        ``unfinished_batches``) x ``batch_size * world_size``; an end-of-epoch checkpoint
+        records the whole epoch. ``seed``, ``shuffle``, ``num_rows``, ``batch_size``,
+        ``world_size`` let :meth:`load_state_dict` refuse a mismatched run."""
+        trainer, unfinished = self.trainer, unfinished_batches(self.trainer)
+        world = trainer.world_size if trainer is not None else 1
         return {
             "epoch": self._epoch,
-            "consumed": self._consumed,
+            "consumed": self._consumed - unfinished * self.batch_size * world,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_rows": None if self.train_dataset is None else len(self.train_dataset),
             "batch_size": self.batch_size,
-            "world_size": trainer.world_size if trainer is not None else 1,
-            "refill_drawn": self._refill_drawn,
+            "world_size": world,
+            "refill_drawn": self._refill_before_step if unfinished else self._refill_drawn,
             "rows_digest": self._rows_digest(),
         }
 

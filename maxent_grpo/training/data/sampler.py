@@ -22,6 +22,7 @@ __all__ = [
     "PromptExample",
     "PromptLoader",
     "collate_prompts",
+    "unfinished_batches",
 ]
 
 Prompt = str | list[dict[str, str]]
@@ -159,3 +160,15 @@ def check_resume_state(
                 f"run has {world} (trainer.devices x trainer.num_nodes); resume with the same "
                 "number")
 
+
+
+def unfinished_batches(trainer: Any) -> int:
+    """The training batches handed to ``training_step`` that did not finish it: 1 while a
+    checkpoint is written on an exception in the middle of a step (Ctrl-C during a rollout,
+    ``ModelCheckpoint(save_on_exception=True)``), when Lightning runs that batch again at the
+    resume; 0 at a batch's end, in validation, or without a trainer."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    current = getattr(getattr(loop, "batch_progress", None), "current", None)
+    ready, processed = getattr(current, "ready", 0), getattr(current, "processed", 0)
+    return max(ready - processed, 0) if isinstance(ready, int) and isinstance(
+        processed, int) and getattr(trainer, "training", False) else 0

@@ -62,11 +62,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def resume_first_batch(rng: dict[str, Any], trainer: Any) -> None:
-    """At a resumed fit's first batch: the random state of the checkpoint
-    (:func:`restore_rng_state`) and the logging step (:func:`realign_log_step`)."""
-    restore_rng_state(rng)
-    realign_log_step(trainer)
+def step_start(restore: dict[str, Any] | None, trainer: Any) -> dict[str, Any]:
+    """At a training batch's start: with ``restore`` (a resumed fit's first batch), the
+    random state of the checkpoint (:func:`restore_rng_state`) and the logging step
+    (:func:`realign_log_step`). Returns the random state and the global step then, which a
+    checkpoint written before the step finished saves (:func:`save_state`)."""
+    if restore is not None:
+        restore_rng_state(restore)
+        realign_log_step(trainer)
+    return {"rng": capture_rng_state(), "global_step": getattr(trainer, "global_step", None)}
 
 
 def realign_log_step(trainer: Any) -> bool:
@@ -111,10 +115,18 @@ def model_folder(name_or_path: str) -> str | None:
 def save_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, peft: Any = None,
+    cut_short: dict[str, Any] | None = None,
 ) -> None:
     """Write the module's entry (see the module docstring); ``peft`` is ``model.peft``.
     Lightning calls the module's ``on_save_checkpoint`` on every rank, so the random states
-    are gathered here."""
+    are gathered here. ``cut_short``: :func:`step_start` of a training step an exception
+    stopped (Ctrl-C, ``save_on_exception``), which Lightning runs again at the resume: its
+    random state is saved, so the step runs as it would have, unless the step had already
+    updated the weights (warned: that batch is trained twice)."""
+    if cut_short is not None and cut_short["global_step"] != checkpoint.get("global_step"):
+        rank_zero_warn("this checkpoint was written after the optimizer update of a training "
+                       "step an exception stopped: the resume trains that batch again (it "
+                       "is not the run an uninterrupted fit would have made)")
     checkpoint[CHECKPOINT_KEY] = {
         "model_name_or_path": model_name_or_path,
         "model_folder": model_folder(model_name_or_path),
@@ -122,7 +134,8 @@ def save_state(
         "peft": peft_record(peft),
         "objective_state": objective.state_dict(),
         **asdict(counters),
-        "rng": all_gather_objects(capture_rng_state()),
+        "rng": all_gather_objects(capture_rng_state() if cut_short is None
+                                  else cut_short["rng"]),
         "controllers": _controllers(loop),
     }
 

@@ -90,6 +90,9 @@ class RolloutPipeline:
         #: checkpoint saved after a failure, Lightning's ``save_on_exception``, stores them)
         self.closed: list[PendingRollout] = []
         self.dropped = 0
+        #: the queue as the step now running found it, all done (None before that): what a
+        #: checkpoint written before the step finished stores, since its batch runs again
+        self.at_step_start: list[PendingRollout] | None = None
 
     def wait(self) -> None:
         """Until every submitted rollout is done (before a weight update or a checkpoint)."""
@@ -124,7 +127,9 @@ class RolloutPipeline:
         the step's context with the rollout to train on (the oldest, once ``max_staleness``
         newer ones were submitted), its batch and its staleness; None in the first
         ``max_staleness`` steps. The engine must generate elsewhere (a server)."""
+        self.at_step_start = None
         self.wait()  # the rollout in flight ends on its weights before the sync
+        self.at_step_start = list(self.queue)
         ctx = step_context()
         inner = getattr(ctx.engine, "engine", ctx.engine)  # a multi-turn engine's own
         require(getattr(inner, "generates_elsewhere", False),
@@ -157,17 +162,24 @@ class RolloutPipeline:
         self.queue.clear()
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> list[dict[str, Any]]:
+    def state_dict(self, step_cut_short: bool = False) -> list[dict[str, Any]]:
         """The rollouts in flight, done, as plain tensors, lists and strings (after
-        :meth:`close`, those that were done)."""
-        self.wait()
+        :meth:`close`, those that were done; with ``step_cut_short``, those the step found,
+        :attr:`at_step_start`, once it has them)."""
+        kept = self.at_step_start if step_cut_short else None
+        if kept is None:
+            self.wait()
+            kept = list(self.queue or self.closed)
         return [{"batch": p.batch, "version": p.version, "rollout": p.result().state_dict()}
-                for p in (self.queue or self.closed)]
+                for p in kept]
 
-    def save(self, checkpoint: dict[str, Any]) -> None:
+    def save(self, checkpoint: dict[str, Any], step_cut_short: bool = False) -> None:
         """Every rank's rollouts in flight into ``checkpoint`` (a collective), and how many
-        a failure ended unfinished (their batches are not trained after a resume)."""
-        per_rank = all_gather_objects((self.state_dict(), self.dropped))
+        a failure ended unfinished (their batches are not trained after a resume). With
+        ``step_cut_short`` (an exception stopped a training step, which Lightning runs again
+        at the resume), the rollouts as that step found them."""
+        cut = step_cut_short and self.at_step_start is not None
+        per_rank = all_gather_objects((self.state_dict(cut), 0 if cut else self.dropped))
         # after a failure one rank's newest rollout may have finished and another's not:
         # every rank keeps as many (the oldest), so that all train from the same step on
         n = min(len(state) for state, _ in per_rank)

@@ -115,3 +115,25 @@ def test_a_local_model_folder_is_the_same_model_however_it_is_written(tmp_path, 
     for other in (str(tmp_path / "other"), "Qwen/Qwen2.5-0.5B"):
         with pytest.raises(ValueError, match="made with model.model_name_or_path='../m/'"):
             load_state(checkpoint, other, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+
+
+def test_a_step_cut_short_saves_its_starting_random_state_and_warns_after_an_update():
+    """A checkpoint written while an exception stops a step: the random state of the
+    step's start is saved (Lightning runs the step again); if the step had already updated
+    the weights, the resume trains that batch twice, and the save says so."""
+    import torch
+
+    from maxent_grpo.training.run.checkpoint import step_start
+
+    torch.manual_seed(3)
+    start = step_start(None, type("Trainer", (), {"global_step": 7})())
+    torch.rand(5)  # the step's sampling
+    for global_step, warned in ((7, False), (8, True)):
+        checkpoint: dict = {"global_step": global_step}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save_state(checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5), StepCounters(),
+                       BARE, cut_short=start)
+        assert any("trains that batch again" in str(w.message) for w in caught) is warned
+        (rng,) = checkpoint["maxent_grpo"]["rng"]
+        assert torch.equal(rng["torch"], start["rng"]["torch"])
