@@ -3,8 +3,8 @@ the samples, the progress bar and the module's own.
 
 Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauController``:
 
-- :mod:`~maxent_grpo.training.callbacks.base`: :class:`Controller`, what the controllers
-  share: when they act, their checkpointed state and the restore order;
+- :mod:`~maxent_grpo.training.callbacks.controller_base`: :class:`Controller`, what the
+  controllers share: when they act, their checkpointed state and the restore order;
 - :mod:`~maxent_grpo.training.callbacks.controllers`: :class:`TauController`,
   :class:`BetaController`, :class:`MetaController`: which objectives they drive (by
   ``objective.tunable``) and their update rules;
@@ -21,7 +21,7 @@ Named in YAML by their package path, e.g. ``maxent_grpo.training.callbacks.TauCo
   them, teardown after a failed run; ``predict``'s ``CompletionWriter``).
 """
 
-from maxent_grpo.training.callbacks.base import Controller
+from maxent_grpo.training.callbacks.controller_base import Controller
 from maxent_grpo.training.callbacks.controllers import BetaController, MetaController, TauController
 from maxent_grpo.training.callbacks.export import HFExport
 from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter, ModuleHooks

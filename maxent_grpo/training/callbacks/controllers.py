@@ -1,8 +1,8 @@
 """The tau / beta / meta controllers of docs/ALGORITHM.md §5: their checks and update rules.
 
-Each is a :class:`~maxent_grpo.training.callbacks.base.Controller` (timing, state, restore
-order); the rules are :mod:`maxent_grpo.core.control`'s. Which objectives: by
-:attr:`~maxent_grpo.objectives.Objective.tunable`:
+Each is a :class:`~maxent_grpo.training.callbacks.controller_base.Controller` (timing,
+state, restore order); the rules are :mod:`maxent_grpo.core.control`'s. Which objectives:
+by :attr:`~maxent_grpo.objectives.Objective.tunable`:
 
 =================  ======================  =====================================
 controller         needs in ``tunable``    reads
@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.core.control import beta_update, entropy_target_at, meta_update, tau_update
 from maxent_grpo.objectives import Objective
-from maxent_grpo.training.callbacks.base import Controller
+from maxent_grpo.training.callbacks.controller_base import Controller
 from maxent_grpo.validation import check_int, check_number, is_number, require
 
 __all__ = ["BetaController", "MetaController", "TauController"]

@@ -48,8 +48,8 @@ STATE_KEYS = ("beta", "tau", "tau_log", "tau_entropy_ema", "meta")
 
 
 class FileBackedController(Protocol):
-    """What the file needs of a controller (:class:`~maxent_grpo.training.callbacks.base.
-    Controller` satisfies it)."""
+    """What the file needs of a controller
+    (:class:`~maxent_grpo.training.callbacks.controller_base.Controller` satisfies it)."""
 
     #: the objective attributes it moves (``tau`` / ``beta``)
     moves: tuple[str, ...]
