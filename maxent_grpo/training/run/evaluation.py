@@ -68,6 +68,8 @@ class PromptRecord:
             :func:`~maxent_grpo.rewards.answers.canonical_answer`); ``None``: expressions.
         row: the prompt's row in its split (``None`` when unknown): a prompt a padding
             sampler repeats on another rank is counted once.
+        rewards: the ``n`` samples' total rewards.
+        components: each reward function's ``n`` values (NaN: not applicable).
     """
 
     correct: tuple[float, ...]
@@ -77,6 +79,8 @@ class PromptRecord:
     greedy_correct: float | None = None
     answer_form: str | None = None
     row: int | None = None
+    rewards: tuple[float, ...] = ()
+    components: tuple[tuple[float, ...], ...] = ()
 
 
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
@@ -237,6 +241,8 @@ class Evaluator(torch.nn.Module):
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),
                 row=batch["indices"][b] if "indices" in batch else None,
+                rewards=tuple(total.view(B, n)[b].tolist()),
+                components=tuple(map(tuple, components[:, b * n:(b + 1) * n].tolist())),
             ))
             rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
                                     components[:, b * n + j], self.rewards.names,
@@ -271,14 +277,20 @@ class Evaluator(torch.nn.Module):
             seen = int(count)
         if seen == 0:
             return {}
-        values = {f"{prefix}/reward/{k}": v for k, v in self.reward.compute().items()}
-        values.update({f"{prefix}/reward/{k}": v for k, v in self.components.compute().items()})
-        records = self.records
+        reward, components, records = self.reward, self.components, self.records
         if distributed:
             records = [r for part in all_gather_objects(records) for r in part]
             seen: set[int] = set()  # a row a padding sampler repeated counts once
             records = [r for r in records
                        if r.row is None or not (r.row in seen or seen.add(r.row))]
+            # the reward moments of those prompts (the synced metrics count repeats twice)
+            reward = RewardMomentsMetric(sync_on_compute=False)
+            components = RewardComponentsMetric(self.rewards.names, sync_on_compute=False)
+            for r in records:
+                reward.update(torch.tensor([r.rewards], dtype=torch.float64))
+                components.update(torch.tensor(r.components, dtype=torch.float64))
+        values = {f"{prefix}/reward/{k}": v for k, v in reward.compute().items()}
+        values.update({f"{prefix}/reward/{k}": v for k, v in components.compute().items()})
         values.update(evaluation_metrics(records, self.settings.k, prefix))
         self.reward.reset()
         self.components.reset()

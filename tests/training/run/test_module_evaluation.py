@@ -232,6 +232,45 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir, caplog):
     assert logged["val/pass@1/countdown_multi"] == logged["val/pass@1"]
 
 
+def answer_value(prompts, completions, answer, **columns):
+    """A reward that is the prompt's answer: it tells prompts apart, whatever is sampled."""
+    return [float(a) for a in answer]
+
+
+def test_a_prompt_a_padding_sampler_repeats_counts_once_in_the_reward_moments(
+        cache_dir, monkeypatch):
+    """Two ranks, three prompts: the sampler pads rank 1 with row 0. The @k metrics counted
+    it once, the val/reward/* moments (summed over the ranks) twice."""
+    from maxent_grpo.training.run import evaluation
+
+    module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False,
+                         rewards={f"{__name__}:answer_value": 1.0})
+    module.configure_model()
+    data = make_data(cache_dir, val_size=3)
+    data.setup("validate")
+    rows = data.val_dataset.examples
+    engine = HFGenerateEngine(module.policy, module.tokenizer, SamplingSettings(max_new_tokens=2))
+    module.rollout_engine = lambda: engine
+    for part in ([0, 1], [2, 0]):  # rank 0's batch, then rank 1's with the padding row
+        batch = collate_prompts([rows[i] for i in part])
+        batch["indices"] = part
+        module.validation_step(batch, 0)
+    records = module.evaluator.records
+    ranks = [records[:2], records[2:]]
+    for metric in (module.evaluator.reward, module.evaluator.components):
+        metric._to_sync = False  # they hold both "ranks'" updates, as synced ones would
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **kw: None)
+    monkeypatch.setattr(evaluation, "all_gather_objects", lambda mine: ranks)
+    out = module.evaluator.compute("val")
+    values = [float(rows[i].answer) for i in (0, 1, 2)]
+    assert len(set(values)) > 1  # the repeat would move the mean
+    assert out["val/reward/mean"] == pytest.approx(sum(values) / 3)
+    assert out[f"val/reward/{__name__}:answer_value/mean"] == pytest.approx(sum(values) / 3)
+    assert out["val/reward/min"] == min(values) and out["val/reward/max"] == max(values)
+
+
 # ------------------------------------------------------------------ bad input
 
 
