@@ -431,7 +431,7 @@ class PromptDataModule(pl.LightningDataModule):
         stage = getattr(getattr(trainer, "state", None), "fn", None)
         if stage is not None and stage != "fit":
             return
-        check_resume_state(
+        consumed = check_resume_state(
             state_dict, seed=self.seed, shuffle=self.shuffle,
             num_rows=None if self.train_dataset is None else len(self.train_dataset),
             batch_size=self.batch_size, world=trainer.world_size if trainer is not None else 1,
@@ -441,7 +441,6 @@ class PromptDataModule(pl.LightningDataModule):
             log.warning("the training rows differ from the checkpoint's in their prompts or "
                         "answers (as many rows: a data file edited?): the run goes on in the "
                         "saved order over the rows as they are now")
-        consumed = int(state_dict["consumed"])
         self._epoch = int(state_dict["epoch"])
         self._consumed = self._resume_consumed = consumed
         self._refill_drawn = int(state_dict.get("refill_drawn", 0))  # absent before refill

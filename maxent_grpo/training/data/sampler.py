@@ -22,6 +22,7 @@ __all__ = [
     "PromptExample",
     "PromptLoader",
     "collate_prompts",
+    "epoch_positions",
     "unfinished_batches",
 ]
 
@@ -136,10 +137,13 @@ STATE_KEYS = ("epoch", "consumed", "seed", "shuffle", "num_rows", "batch_size", 
 def check_resume_state(
     state: dict[str, Any], *, seed: int, shuffle: bool, num_rows: int | None, batch_size: int,
     world: int,
-) -> None:
+) -> int:
     """Refuse (ValueError naming the option) a saved position this run cannot continue: a
     missing key, another ``seed``, ``shuffle`` or ``num_rows`` (None: not known yet), or, in
-    mid-epoch, another ``batch_size`` or number of ranks."""
+    mid-epoch, another ``batch_size`` or number of ranks. Returns the positions of the saved
+    epoch this run skips: the saved ``consumed``, or, when that was the whole epoch (a
+    checkpoint at its end), this run's whole epoch (:func:`epoch_positions`), whatever its
+    batch size and number of ranks."""
     missing = [k for k in STATE_KEYS if k not in state]
     require(not missing, f"PromptDataModule state in the checkpoint is missing keys {missing}; "
                          f"expected {list(STATE_KEYS)}")
@@ -151,7 +155,11 @@ def check_resume_state(
             f"the checkpoint was made with {state['num_rows']} training prompts, but this run "
             f"has {num_rows}; resume with the same data source and data.train_size / "
             "data.max_prompt_length")
-    if int(state["consumed"]):
+    consumed, saved_rows = int(state["consumed"]), state["num_rows"]
+    if saved_rows is not None and consumed >= epoch_positions(
+            saved_rows, state["batch_size"], state["world_size"]):
+        return consumed if num_rows is None else epoch_positions(num_rows, batch_size, world)
+    if consumed:
         require(state["batch_size"] == batch_size,
                 f"the checkpoint stopped mid-epoch with data.batch_size={state['batch_size']}, "
                 f"but this run has data.batch_size={batch_size}; resume with the same batch size")
@@ -159,6 +167,13 @@ def check_resume_state(
                 f"the checkpoint stopped mid-epoch on {state['world_size']} processes, but this "
                 f"run has {world} (trainer.devices x trainer.num_nodes); resume with the same "
                 "number")
+    return consumed
+
+
+def epoch_positions(num_rows: int, batch_size: int, world: int) -> int:
+    """The positions a whole epoch hands to ``training_step``: each rank's
+    ``num_rows // world`` rows in whole batches (the sampler and the loader drop the rest)."""
+    return num_rows // world // batch_size * batch_size * world
 
 
 

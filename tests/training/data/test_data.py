@@ -751,6 +751,16 @@ def test_state_dict_roundtrip_and_incompatible_checkpoints():
             make(**kwargs).load_state_dict({**state, **change})
     # at an epoch boundary (consumed 0) another batch size is fine
     make(**kwargs).load_state_dict({**state, "epoch": 1, "batch_size": 4})
+    # so is a checkpoint at an epoch's end (it records the whole epoch: 8 // 2 // 2 batches
+    # of 2 on 2 ranks), on 1 rank with batches of 3: it skips the rest of that epoch here
+    ended = make(**kwargs)
+    ended.load_state_dict({**state, "epoch": 2, "consumed": 8, "world_size": 2})
+    assert ended.state_dict()["consumed"] == 8 and list(ended.train_dataloader().sampler) == []
+    ended = make(**{**kwargs, "batch_size": 3})
+    ended.load_state_dict({**state, "epoch": 2, "consumed": 8, "world_size": 2})
+    assert ended.state_dict()["consumed"] == 6  # 8 // 1 // 3 batches of 3
+    sampler = ended.train_dataloader().sampler
+    assert len(list(sampler)) == 2 and sampler.epoch == 2  # what drop_last leaves out
     with pytest.raises(ValueError, match="missing keys"):
         make(**kwargs).load_state_dict({"epoch": 0, "seed": 0, "consumed": 0})
 
