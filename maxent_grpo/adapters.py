@@ -157,18 +157,21 @@ class AdapterDisabledReference(torch.nn.Module):
         return f"policy={type(self.policy).__name__} with its adapters disabled"
 
 
-def merged_copy(policy: torch.nn.Module, base: torch.nn.Module) -> torch.nn.Module:
+def merged_copy(policy: torch.nn.Module, base: torch.nn.Module,
+                state_dict: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """``base`` (a fresh plain ``transformers`` model with the policy's base weights, e.g.
     from :func:`~maxent_grpo.models.load_policy`) with ``policy``'s adapters merged into its
     weights; ``policy`` is left untouched: no second copy of the model on the accelerator
-    and no in-place merge of the training model."""
+    and no in-place merge of the training model. ``state_dict``: the policy's whole one, when
+    its own tensors are shards."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     require(has_adapters(policy), "merged_copy needs a peft model")
     adapter = policy.active_adapter
     with torch.random.fork_rng(devices=[]):  # peft draws an init: the run's stream is kept
         fresh = _get_peft_model(base, copy.deepcopy(policy.peft_config[adapter]))
-    weights = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy).items()}
+    weights = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(
+        policy, state_dict=state_dict).items()}
     result = set_peft_model_state_dict(fresh, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))
     require(not unexpected, f"merged_copy: adapter weights without a place: {unexpected[:5]}")

@@ -46,7 +46,7 @@ from maxent_grpo.models import resolve_model_path  # noqa: E402
 from maxent_grpo.objectives import GRPO, ListwiseMaxEnt  # noqa: E402
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings  # noqa: E402
 from maxent_grpo.rollout.weights import checkpoint_weights  # noqa: E402
-from maxent_grpo.training.callbacks import TauController  # noqa: E402
+from maxent_grpo.training.callbacks import HFExport, TauController  # noqa: E402
 from maxent_grpo.training.data.datamodule import PromptDataModule  # noqa: E402
 from maxent_grpo.training.module import MaxEntGRPOModule  # noqa: E402
 from maxent_grpo.training.step.optimise import clip_gradients  # noqa: E402
@@ -338,6 +338,9 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     if case.get("tau_controller"):
         callbacks.append(TauController(target_entropy=1.0, lr=0.5, tau_min=0.05, tau_max=5.0))
     callbacks.append(probe)
+    export = Path(root) / "hf" / name
+    if case.get("strategy") == "fsdp":  # every rank gathers the shards, rank 0 writes
+        callbacks.append(HFExport(dirpath=str(export), merged="peft" in case))
     if world == 1:
         strategy: Any = "auto"
     elif case.get("strategy") == "fsdp":
@@ -362,6 +365,7 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
         "params": {n: full(p) for n, p in module.policy.named_parameters()},
         # what the vLLM engine would load: FSDP2 shards gathered, adapters merged
         "checkpoint": {n: t.clone() for n, t in checkpoint_weights(module.policy)},
+        "export": export if trainer.is_global_zero and case.get("strategy") == "fsdp" else None,
     }
     if case.get("strategy") == "fsdp":
         # the real engine generates with the sharded policy (both ranks take part); rank 0's
@@ -523,6 +527,17 @@ def test_two_ranks_equal_one_rank(runs, name):
         # rank 0 kept joining rank 1's forward passes (without synced_gpus it stops after
         # its first token and rank 1's all-gathers are left unmatched)
         assert r0["generate_forwards"] == r1["generate_forwards"] > 2
+        # HFExport wrote the whole trained weights (rank 0 alone gathered the shards: the
+        # peer closed its connection and the folder had no weights), merged for LoRA
+        from safetensors.torch import load_file
+
+        final = r0["export"] / ("final-merged" if "peft" in CASES[name] else "final")
+        written = load_file(final / "model.safetensors")
+        assert set(written) <= set(r0["checkpoint"]) and len(written) >= len(r0["checkpoint"]) - 1
+        for key, value in written.items():
+            torch.testing.assert_close(value, r0["checkpoint"][key], rtol=1e-6, atol=1e-7)
+        if "peft" in CASES[name]:
+            assert (r0["export"] / "final" / "adapter_model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------------- strategy guards

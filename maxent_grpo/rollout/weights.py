@@ -32,13 +32,23 @@ from torch import nn
 from maxent_grpo.adapters import has_adapters
 from maxent_grpo.validation import require
 
-__all__ = ["check_mergeable", "checkpoint_weights"]
+__all__ = ["check_mergeable", "checkpoint_weights", "sharded_state_dict"]
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a ``DTensor`` shard all-gathered (a collective), else itself."""
     full = getattr(tensor, "full_tensor", None)
     return (full() if callable(full) else tensor).detach()
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """An FSDP2-sharded model's whole ``state_dict`` (adapters unmerged) on the CPU, for a
+    ``save_pretrained`` on one rank: a collective every rank calls at the same point. None
+    (no collective) for a model that is not sharded."""
+    state = model.state_dict()
+    if not any(callable(getattr(t, "full_tensor", None)) for t in state.values()):
+        return None
+    return {name: _full(t).cpu() for name, t in state.items()}
 
 
 def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from maxent_grpo.adapters import has_adapters, merged_copy, name_base
 from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy, model_chain
+from maxent_grpo.rollout.weights import sharded_state_dict
 from maxent_grpo.training.run.checkpoint_io import unwritable
 from maxent_grpo.validation import check_bool, check_int, require
 
@@ -35,7 +36,7 @@ EXPORT_COMMAND = "python -m maxent_grpo.cli.export <checkpoint.ckpt> --output <f
 
 
 def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], source: Any = None,
-                  merged: bool = False) -> list[Path]:
+                  merged: bool = False, state_dict: dict[str, Any] | None = None) -> list[Path]:
     """``save_pretrained`` of ``model`` and ``tokenizer`` into ``out``; returns the folders
     written.
 
@@ -46,7 +47,9 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     merged into the base). With ``merged`` a second folder ``<out>-merged`` holds the plain
     model with the adapters folded in (:func:`~maxent_grpo.adapters.merged_copy`, from a
     fresh copy of the base that ``source`` names: ``name_or_path``, ``dtype``,
-    ``cache_dir``); ``merged`` is ignored without adapters.
+    ``cache_dir``); ``merged`` is ignored without adapters. ``state_dict``: the model's whole
+    one when its own tensors are FSDP2 shards (:func:`~maxent_grpo.rollout.weights.
+    sharded_state_dict`, gathered by every rank).
     """
     out = Path(os.path.realpath(os.path.expanduser(out)))  # a link's folder is replaced
     adapters = has_adapters(model)
@@ -57,7 +60,7 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
                            f"loads from ({clash}): export into another folder")
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=state_dict)
         if adapters and name and is_builtin(name):
             name_base(folder, name)
         tokenizer.save_pretrained(folder)
@@ -69,7 +72,7 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
         require(source is not None, "export_policy(merged=True) needs the model's source")
         base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
         target = out.with_name(f"{out.name}-merged")
-        whole = merged_copy(model, base)
+        whole = merged_copy(model, base, state_dict)
         _replace(target, lambda folder: (whole.save_pretrained(folder),
                                          tokenizer.save_pretrained(folder)))
         log.info("exported the merged model to %s", target)
@@ -211,14 +214,16 @@ class HFExport(Callback):
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
         """:func:`export_policy` of ``pl_module.runtime``'s model and tokenizer into
         ``<dirpath>/<name>`` (with ``merged`` also ``<name>-merged``); returns that path
-        (None on other ranks)."""
+        (None on other ranks). Every rank calls it: an FSDP2-sharded model is gathered first."""
+        runtime = pl_module.runtime
+        whole = sharded_state_dict(runtime.model)  # a collective when sharded
         if not trainer.is_global_zero:
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
         out = Path(self.dirpath) / name
-        runtime = pl_module.runtime
         export_policy(runtime.model, runtime.tokenizer, out,
-                      source=getattr(pl_module, "source", None), merged=self.merged)
+                      source=getattr(pl_module, "source", None), merged=self.merged,
+                      state_dict=whole)
         return out
 
 
