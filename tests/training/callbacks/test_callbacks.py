@@ -449,7 +449,10 @@ class Saver:
         self.saved: list[Path] = []
         self.name = name
 
-    def save_pretrained(self, path) -> None:
+    def state_dict(self) -> dict:
+        return {}  # no shards to gather
+
+    def save_pretrained(self, path, state_dict=None) -> None:
         self.saved.append(Path(path))
         (Path(path) / self.name).write_text("x")
 
@@ -496,7 +499,7 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
 
     class Full(Saver):
-        def save_pretrained(self, path) -> None:
+        def save_pretrained(self, path, state_dict=None) -> None:
             raise OSError(28, "No space left on device")
 
     module.runtime.model = Full()  # a failed write keeps the earlier export, leaves nothing
