@@ -227,26 +227,26 @@ def _not_fit(saved: Any) -> str | None:
 
 def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bool = False,
             ) -> tuple[str | None, dict[str, Any] | None]:
-    problem = checkpoint_problem(path, full, trusted)
-    if problem is not None:
+    if (problem := checkpoint_problem(path, full, trusted)) is not None:
         return problem, None
-    if os.path.isdir(path) or not zipfile.is_zipfile(path):
-        return None, None  # a folder, a legacy file: no index to read without loading it
+    folder = os.path.isdir(path)  # sharded (FSDP2): Lightning's meta.pt holds the index
+    source = os.path.join(path, "meta.pt") if folder else path
+    if not (os.path.isfile(source) and zipfile.is_zipfile(source)):
+        return None, None  # a legacy file, another folder: no index to read without loading
     try:  # the checkpoint's entries with the tensors memory-mapped (not read)
-        index = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
+        index = torch.load(source, map_location="cpu", mmap=True, weights_only=not trusted)
     except Exception as err:  # noqa: BLE001
         return f"its index cannot be loaded ({_load_error(err, trusted)})", None
-    if (problem := _not_fit(index)) is not None:
+    if not folder and (problem := _not_fit(index)) is not None:
         return problem, None
-    if need_training_state and "optimizer_states" not in index:
+    if need_training_state and not folder and "optimizer_states" not in index:
         return "weights only (no optimizer or loop state to resume)", None
     return None, index
 
 
 def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> ResolvedCheckpoint:
     index = index or {}
-    step = index.get("global_step")
-    loop = (index.get("loops") or {}).get("fit_loop") or {}
+    step, loop = index.get("global_step"), (index.get("loops") or {}).get("fit_loop") or {}
     batches = ((loop.get("epoch_loop.batch_progress") or {}).get("total") or {}).get("processed")
     return ResolvedCheckpoint(
         path=path,

@@ -94,6 +94,32 @@ def test_a_folder_is_a_checkpoint_only_when_sharded(tmp_path):
         assert ckpt_io.checkpoint_problem(sharded) is None
 
 
+def sharded(path: Path, step: int, run: str, mtime: float) -> Path:
+    """An FSDP2 checkpoint's folder: the shards, and Lightning's ``meta.pt`` with the rest."""
+    path.mkdir()
+    (path / ".metadata").write_bytes(b"shards' index")
+    torch.save({"global_step": step, ckpt_io.RUN_KEY: run, ckpt_io.LOGGERS_KEY: []},
+               path / "meta.pt")
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_last_reads_the_step_and_run_of_sharded_checkpoints(tmp_path):
+    """A folder's step and run were unknown (-1, any run): ``last`` took a step-4 file over
+    the step-6 folder of the same run, and never saw two runs in one folder."""
+    now = time.time()
+    torch.save({"global_step": 4, "state_dict": {}, "optimizer_states": [{}],
+                ckpt_io.RUN_KEY: "a"}, tmp_path / "epoch=0-step=4.ckpt")
+    os.utime(tmp_path / "epoch=0-step=4.ckpt", (now, now))
+    sharded(tmp_path / "epoch=0-step=6.ckpt", 6, "a", now - 10)
+    found = ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+    assert found.path == str(tmp_path / "epoch=0-step=6.ckpt") and found.global_step == 6
+    assert found.run == "a"
+    sharded(tmp_path / "last-v1.ckpt", 2, "b", now - 20)  # a second run into the folder
+    with pytest.raises(ValueError, match="2 different runs"):
+        ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+
+
 def test_a_truncated_last_ckpt_is_skipped_for_the_newest_good_one(tmp_path):
     now = time.time()
     save(tmp_path / "epoch=0-step=2.ckpt", 2, now - 20)
