@@ -478,6 +478,19 @@ def test_a_ckpt_path_file_that_is_no_checkpoint_is_named_not_loaded(monkeypatch,
         cli_module.main(["validate", "--ckpt_path", str(bad), "--trainer.logger=false"])
 
 
+def test_a_sharded_checkpoint_folder_needs_a_strategy_that_reads_one(monkeypatch, tmp_path):
+    """An FSDP2 checkpoint's folder given to a one-process run failed with a bare "[Errno
+    21] Is a directory"; it names the folder and the two ways on."""
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "meta.pt").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"is a sharded checkpoint's folder .* SingleDevice"
+                                         r"Strategy cannot read: .* maxent-grpo export"):
+        cli_module.main(["validate", "--ckpt_path", str(folder), "--trainer.logger=false"])
+
+
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
     exist is refused, naming them and ``export``."""

@@ -4,7 +4,8 @@
         [--output FOLDER] [--merged] [--config RUN_CONFIG.yaml] [--traceback]
 
 The checkpoint is a ``.ckpt`` file written by a fit of
-:class:`~maxent_grpo.training.module.MaxEntGRPOModule`. The policy is rebuilt from what the
+:class:`~maxent_grpo.training.module.MaxEntGRPOModule`, or the folder FSDP2
+(``ModelParallelStrategy``) writes, consolidated here on the CPU. The policy is rebuilt from what the
 checkpoint saved: the model's name, ``dtype`` and ``model_cache_dir`` from its
 hyper-parameters, the ``model.peft`` config from its ``maxent_grpo`` entry, then its weights
 (the ``policy.*`` tensors of the state dict). Only the policy is rebuilt, not the whole
@@ -138,20 +139,58 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's contents (memory-mapped); UserError when it is missing, a folder,
-    unreadable, or not written by a fit of MaxEntGRPOModule."""
-    import torch
+    """The checkpoint's contents (memory-mapped; an FSDP2 checkpoint's folder consolidated:
+    :func:`_read_sharded`); UserError when it is missing, another folder, unreadable, or not
+    written by a fit of MaxEntGRPOModule."""
 
     from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY
 
-    if path.is_dir():
+    if path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file():
+        saved = _read_sharded(path)
+    elif path.is_dir():
         found = sorted(p.name for p in path.glob("*.ckpt"))
         raise UserError(
             f"checkpoint {str(path)!r} is a folder: " + (
                 f"give one of its .ckpt files ({', '.join(found[:3])})" if found else
-                "if it is a sharded checkpoint, consolidate it into one file first (python -m "
-                f"lightning.pytorch.utilities.consolidate_checkpoint {path} --output_file "
-                "<file>.ckpt) and export that file"))
+                "not a checkpoint of a fit (nor FSDP2's folder, with .metadata and meta.pt)"))
+    else:
+        saved = _read_file(path)
+    entry = saved.get(CHECKPOINT_KEY) if isinstance(saved, dict) else None
+    state = saved.get("state_dict") if isinstance(saved, dict) else None
+    if not (isinstance(entry, dict) and "model_name_or_path" in entry and isinstance(state, dict)
+            and any(k.startswith(POLICY_PREFIX) for k in state)):
+        raise UserError(
+            f"{str(path)!r} is not a checkpoint of a maxent-grpo fit (it lacks the "
+            f"{CHECKPOINT_KEY!r} entry or the policy's weights): give a .ckpt file that "
+            "MaxEntGRPOModule's fit wrote (a ModelCheckpoint's, e.g. last.ckpt)")
+    return saved
+
+
+def _read_sharded(path: Path) -> dict[str, Any]:
+    """An FSDP2 checkpoint's folder as one checkpoint: ``meta.pt``'s entries and the shards'
+    ``state_dict``, gathered by ``torch.distributed.checkpoint`` through a temporary file
+    (the optimizer's state too, then dropped: it needs that much free disk and memory)."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="maxent_grpo_export_") as tmp:
+            dcp_to_torch_save(str(path), os.path.join(tmp, "whole.pt"))
+            shards = torch.load(os.path.join(tmp, "whole.pt"), map_location="cpu",
+                                weights_only=True)
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any failure to read it is the folder's
+        raise UserError(f"cannot read the sharded checkpoint {str(path)!r} ({type(error).__name__}"
+                        f": {str(error).strip()[:300]}): export an intact one") from error
+    return {**meta, "state_dict": shards.get("state_dict")}
+
+
+def _read_file(path: Path) -> Any:
+    """A checkpoint file's contents, memory-mapped (UserError naming what is wrong)."""
+    import torch
+
     if not path.is_file():
         raise UserError(f"checkpoint {str(path)!r} does not exist: give the path of a .ckpt file "
                         "written by a fit, e.g. lightning_logs/tiny/checkpoints/last.ckpt")
@@ -168,14 +207,6 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot read checkpoint {str(path)!r} ({reason}): give a .ckpt file "
                         "written by a maxent-grpo fit") from error
-    entry = saved.get(CHECKPOINT_KEY) if isinstance(saved, dict) else None
-    state = saved.get("state_dict") if isinstance(saved, dict) else None
-    if not (isinstance(entry, dict) and "model_name_or_path" in entry and isinstance(state, dict)
-            and any(k.startswith(POLICY_PREFIX) for k in state)):
-        raise UserError(
-            f"{str(path)!r} is not a checkpoint of a maxent-grpo fit (it lacks the "
-            f"{CHECKPOINT_KEY!r} entry or the policy's weights): give a .ckpt file that "
-            "MaxEntGRPOModule's fit wrote (a ModelCheckpoint's, e.g. last.ckpt)")
     return saved
 
 

@@ -227,9 +227,21 @@ class MaxEntGRPOCLI(LightningCLI):
             trainer.callbacks.append(ckpt_io.LoggerVersions())
 
     def _use_checked_checkpoint(self) -> None:
-        """Hand Lightning the checkpoint that :meth:`_prepare_resume` checked."""
-        if getattr(self, "_resume", None) is not None:
-            self.config_init[str(self.subcommand)]["ckpt_path"] = self._resume.path
+        """Hand Lightning the checkpoint that :meth:`_prepare_resume` checked; a sharded
+        checkpoint's folder only to a strategy that reads one (others failed with a bare
+        "Is a directory")."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+        resume = getattr(self, "_resume", None)
+        if resume is not None and os.path.isdir(resume.path) and not isinstance(
+                self.trainer.strategy, (DeepSpeedStrategy, ModelParallelStrategy)):
+            raise ValueError(
+                f"--ckpt_path {resume.path} is a sharded checkpoint's folder (FSDP2 or "
+                f"DeepSpeed), which {type(self.trainer.strategy).__name__} cannot read: run with "
+                "the strategy that wrote it, or make a Hugging Face model of it with "
+                f"maxent-grpo export {resume.path}")
+        if resume is not None:
+            self.config_init[str(self.subcommand)]["ckpt_path"] = resume.path
 
     before_validate = before_test = before_predict = _use_checked_checkpoint
 

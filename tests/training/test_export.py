@@ -154,6 +154,24 @@ def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_pat
     assert (tmp_path / "run2" / "hf" / "mine" / "model.safetensors").is_file()
 
 
+def test_the_command_exports_an_fsdp2_checkpoint_folder(full_run, tmp_path):
+    """FSDP2 (ModelParallelStrategy) writes a folder: the shards by
+    ``torch.distributed.checkpoint`` and ``meta.pt``. The command refused it, pointing to
+    a Lightning tool that cannot read that format."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    ckpt, trained = full_run
+    saved = torch.load(ckpt, weights_only=True)
+    folder = tmp_path / "last.ckpt"  # as the strategy lays it out
+    dcp.save({"state_dict": saved.pop("state_dict"), "optimizer_0": saved.pop(
+        "optimizer_states")[0]}, checkpoint_id=str(folder))
+    torch.save(saved, folder / "meta.pt")
+    assert (folder / ".metadata").is_file()
+    assert main([str(folder), "--output", str(tmp_path / "out")]) == 0
+    same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), trained)
+
+
 def test_rewards_and_objective_play_no_part_in_an_export(full_run, tmp_path):
     """Only the policy is rebuilt: a reward that cannot be imported here and another
     objective class (which load_from_checkpoint's GRPO default would refuse) do not matter."""
