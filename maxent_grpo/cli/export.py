@@ -5,8 +5,8 @@
 
 The checkpoint is a ``.ckpt`` file written by a fit of
 :class:`~maxent_grpo.training.module.MaxEntGRPOModule`, or the folder FSDP2
-(``ModelParallelStrategy``) writes, consolidated here on the CPU. The policy is rebuilt from what the
-checkpoint saved: the model's name, ``dtype`` and ``model_cache_dir`` from its
+(``ModelParallelStrategy``) writes, consolidated here on the CPU. The policy is rebuilt
+from what the checkpoint saved: the model's name, ``dtype`` and ``model_cache_dir`` from its
 hyper-parameters, the ``model.peft`` config from its ``maxent_grpo`` entry, then its weights
 (the ``policy.*`` tensors of the state dict). Only the policy is rebuilt, not the whole
 module: the rewards, the objective and the engine play no part in an export, and a reward
