@@ -266,6 +266,22 @@ def test_user_error_classes():
         "torch.OutOfMemoryError: CUDA out of memory")) is not None
 
 
+def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys):
+    """Rank 0 of a run whose rank 1 raised (a reward function) printed gloo's trace and
+    called it a bug in maxent_grpo; the peer had printed the real error."""
+    import torch
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:50905. This is typically caused by a remote worker crashing.")
+    for error in (gloo, torch.distributed.DistBackendError("NCCL communicator was aborted")):
+        assert errors.report(error, show_trace=False) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: this process lost its connection to another process")
+        assert "bug" not in err and "Traceback" not in err
+    assert errors.report(RuntimeError("an index out of range"), show_trace=False) == 1
+    assert "this is a bug" in capsys.readouterr().err
+
+
 def test_messages():
     assert errors.message_of(FileNotFoundError(2, "No such file or directory", "a.txt")) == (
         "[Errno 2] No such file or directory: 'a.txt'")

@@ -137,6 +137,26 @@ def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
     return None
 
 
+#: what a collective says when another rank's process ended (gloo, NCCL, the TCP store)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+              "Broken pipe", "caused by a remote worker crashing")
+
+
+def peer_failed(error: BaseException) -> bool:
+    """True when ``error`` (or what it was raised from) is a collective that lost another
+    process of a distributed run: ``torch.distributed``'s ``DistBackendError`` /
+    ``DistNetworkError``, or gloo's and NCCL's messages for a peer that went away."""
+    current: BaseException | None = error
+    for _ in range(8):
+        if current is None:
+            return False
+        if type(current).__name__ in ("DistBackendError", "DistNetworkError") or any(
+                mark in str(current) for mark in _PEER_GONE):
+            return True
+        current = current.__cause__
+    return False
+
+
 def _raised_in(package: str, error: BaseException) -> bool:
     """True when the innermost frame of ``error``'s own traceback is in ``package``."""
     if error.__traceback__ is None:
@@ -254,6 +274,10 @@ def report(error: BaseException, show_trace: bool) -> int:
         print(f"error: {error}", file=file)
         return PARSE_ERROR_EXIT_CODE
     found = find_user_error(error)
+    if found is None and peer_failed(error):  # the peer's own error is the one to read
+        found = error, ("this process lost its connection to another process of the run, "
+                        "which failed or was killed: its own error is printed above or in "
+                        "its log")
     if found is not None and not show_trace:
         print(f"error: {found[1]}", file=file)
         print(HINT, file=file)
