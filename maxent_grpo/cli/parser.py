@@ -304,6 +304,9 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # the shipped configs fix ModelCheckpoint.dirpath so that --ckpt_path last finds it:
     # before_fit says instead what is in the folder and how to resume from it
     ("Checkpoint directory .* exists and is not empty", UserWarning),
+    # the evaluation's val/ and test/ values are computed from every rank's records already
+    # (Evaluator.compute), so the advice to sync them again does not apply
+    (r"It is recommended to use `self.log\('(val|test)/", UserWarning),
     # Lightning 2.6's own use of a class torch 2.13 deprecated
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
 )
