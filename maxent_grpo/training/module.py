@@ -343,13 +343,14 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                                                  self.loop.optimization.schedule.num_iterations))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.step_log = self.trajectory = None  # free the last step's tensors first
-        self.step_metrics_dict = {}
+        self.step_log, self.trajectory, self.step_metrics_dict = None, None, {}  # freed first
 
     def at_batch_start(self) -> None:
         """At a training batch's start (``ModuleHooks``): :func:`step_start`."""
-        self._step_start = step_start(self._rng_to_restore, self._trainer)
-        self._rng_to_restore = None
+        self._step_start, self._rng_to_restore = step_start(self._rng_to_restore,
+                                                            self._trainer), None
+        if self.pipeline is not None:  # a step cut short before its rollout saves the queue
+            self.pipeline.at_step_start = None
 
     def on_validation_start(self) -> None:
         if self.pipeline is not None:  # no weight update while a rollout is in flight

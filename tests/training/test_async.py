@@ -279,13 +279,24 @@ def stopped_by_ctrl_c(prompts, completions, **kw):
     return [float(len(c) % 3) for c in completions]
 
 
-@pytest.mark.parametrize("k", [0, 1])
+class CtrlCAtBatchStart(L.Callback):
+    """Ctrl-C as training batch ``at`` starts, before its step's rollout."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("k, where", [(0, "reward"), (1, "reward"), (1, "batch start")])
 def test_a_checkpoint_saved_on_ctrl_c_in_the_middle_of_a_step_resumes_exactly(
-        cache_dir, tmp_path, k):
+        cache_dir, tmp_path, k, where):
     """Lightning runs a step cut short again at the resume; the checkpoint counted its
     batch as done and saved the random state after its sampling, so the resumed run
     trained another batch with other samples (and, asynchronously, lost the rollout that
-    step had taken)."""
+    step had taken). Stopped as the batch starts, the step has taken no rollout yet."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def module():
@@ -296,11 +307,12 @@ def test_a_checkpoint_saved_on_ctrl_c_in_the_middle_of_a_step_resumes_exactly(
     STOP_AT.update(call=None, calls=0)
     whole = module()
     fit(whole, make_data(cache_dir), steps=5)
-    STOP_AT.update(call=3, calls=0)  # the reward of the third training step
+    STOP_AT.update(call=3 if where == "reward" else None, calls=0)  # the third step's reward
     saver = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_train_steps=1000)
+    stop = [] if where == "reward" else [CtrlCAtBatchStart(3)]
     with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C
         fit(module(), make_data(cache_dir), steps=5, tmp_path=tmp_path,
-            enable_checkpointing=True, callbacks=[saver])
+            enable_checkpointing=True, callbacks=[*stop, saver])
     (ckpt,) = tmp_path.glob("*.ckpt")
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
     STOP_AT.update(call=None, calls=0)
