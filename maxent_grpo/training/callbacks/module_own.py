@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from maxent_grpo.training.run.checkpoint import reopen_stopped_epoch
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.types.runtime import detached_controllers
 
@@ -41,6 +42,17 @@ class ModuleHooks(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # the loop settings of a MaxEntGRPOModule
             pl_module.loop = detached_controllers(pl_module.loop)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Before Lightning restores its loops: a fit that ``max_steps`` stopped in
+        mid-epoch goes on with that epoch (:func:`reopen_stopped_epoch`)."""
+        if trainer.state.fn == "fit":
+            reopen_stopped_epoch(checkpoint, trainer)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Before the sanity check's validation: every row the rewards cannot grade."""
+        pl_module.check_reward_rows()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:

@@ -73,6 +73,51 @@ def step_start(restore: dict[str, Any] | None, trainer: Any) -> dict[str, Any]:
     return {"rng": capture_rng_state(), "global_step": getattr(trainer, "global_step", None)}
 
 
+def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: Any) -> bool:
+    """Make a checkpoint written when ``max_steps`` (or ``max_time``) stopped a fit in the
+    middle of an epoch continue that epoch; returns whether it did.
+
+    Lightning records such an epoch as finished, so a fit that goes on from it (a higher
+    ``max_steps``) began the next epoch's order and never trained the rest of this one. When
+    the DataModule's position (its entry in ``checkpoint``) shows that the batches completed
+    were fewer than the epoch holds (``trainer.limit_train_batches`` counted), the loop
+    state is set back to the one a checkpoint at that last batch's end records (as
+    ``ModelCheckpoint`` writes in mid-epoch), and the fit goes on with the epoch's next
+    batch. Anything else is left as it is."""
+    from maxent_grpo.training.data.sampler import epoch_positions
+
+    datamodule = getattr(trainer, "datamodule", None)
+    state = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs, batches = loop.get("epoch_progress"), loop.get("epoch_loop.batch_progress")
+    steps = loop.get("epoch_loop.state_dict") or {}
+    try:
+        finished = epochs["current"]
+        done = int(batches["current"]["completed"])
+        per_batch = int(state["batch_size"]) * int(state["world_size"])
+        whole = epoch_positions(int(state["num_rows"]), int(state["batch_size"]),
+                                int(state["world_size"])) // per_batch
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return False
+    limit = getattr(trainer, "limit_train_batches", None)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        whole = min(whole, limit)
+    elif isinstance(limit, float):
+        whole = int(whole * limit)
+    if not (finished["completed"] == finished["processed"] == finished["ready"] >= 1
+            and int(state["epoch"]) == finished["completed"] - 1 and 0 < done < whole
+            and int(state["consumed"]) == done * per_batch
+            and batches["current"]["processed"] == done and "_batches_that_stepped" in steps):
+        return False
+    for part in ("total", "current"):
+        epochs[part]["processed"] -= 1
+        epochs[part]["completed"] -= 1
+        batches[part]["completed"] -= 1
+    steps["_batches_that_stepped"] -= 1
+    checkpoint["epoch"] = int(checkpoint.get("epoch", 1)) - 1
+    return True
+
+
 def realign_log_step(trainer: Any) -> bool:
     """Set the step Lightning writes every logged scalar at (``_batches_that_stepped`` of
     the epoch loop) to the training batches completed, as in a run never interrupted;

@@ -117,11 +117,9 @@ class PolicyModels:
         if own and self.device_mesh is None and self._trainer is not None:
             self.trainer.precision_plugin.convert_module(self.reference)
 
-    def attach_training_data(self) -> None:
-        """At the start of training: the handles take the trainer's strategy, loader and
-        sampler (:class:`~maxent_grpo.training.types.RuntimeHandles`); a sampler whose order
-        a checkpoint cannot continue is warned about once; the rewards read every training
-        and validation row's references (``WeightedRewards.check_rows``)."""
+    def check_reward_rows(self) -> None:
+        """At the start of a fit, before the sanity check's validation: the rewards read
+        every training and validation row's references (``WeightedRewards.check_rows``)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         for split in ("train", "val"):
             examples = getattr(getattr(datamodule, f"{split}_dataset", None), "examples", None)
@@ -129,6 +127,11 @@ class PolicyModels:
                 self.rewards.check_rows([ex.columns for ex in examples], lambda i, s=split,
                                         rows=examples: f"{s} row {rows[i].index} (prompt "
                                         f"{str(rows[i].raw_prompt)[:60]!r})")
+
+    def attach_training_data(self) -> None:
+        """At the start of training: the handles take the trainer's strategy, loader and
+        sampler (:class:`~maxent_grpo.training.types.RuntimeHandles`); a sampler whose order
+        a checkpoint cannot continue is warned about once."""
         runtime = dataclasses.replace(
             self.runtime, accelerator=self.trainer.strategy,
             train_loader=self.trainer.train_dataloader, device=self.device)
