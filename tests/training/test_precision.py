@@ -71,15 +71,18 @@ def test_a_16_mixed_step_without_any_gradient_counts(cache_dir):
     assert all(torch.equal(v, before[k]) for k, v in params(module).items())
 
 
-@pytest.mark.parametrize("plugins, match", [
-    ([], "eps 1e-08, which is 0 in float16"),
-    ("fp16", "16-mixed needs float32 weights"),
+@pytest.mark.parametrize("plugins, eps, match", [
+    ([], 1e-8, "with AdamW, whose squared-gradient moments underflow to 0 in float16"),
+    ([], 1e-4, "with AdamW, whose squared-gradient moments underflow to 0 in float16"),
+    ("fp16", 1e-8, "16-mixed needs float32 weights"),
 ])
-def test_float16_weights_that_cannot_train_are_refused(cache_dir, plugins, match):
+def test_float16_weights_that_cannot_train_are_refused(cache_dir, plugins, eps, match):
     """AdamW's eps 1e-8 is 0 in float16: the first update made every weight NaN, and the
-    next rollout failed in generate; under 16-mixed the scaler cannot unscale them."""
+    next rollout failed in generate; with eps 1e-4 its float16 moments are 0 for most
+    gradients, each step lr g / eps, and the policy collapsed; under 16-mixed the scaler
+    cannot unscale float16 gradients."""
     module = make_module(cache_dir, dtype="float16",
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, eps=eps))
     with pytest.raises(ValueError, match=match):
         fit(module, make_data(cache_dir), steps=1,
             plugins=[fp16_scaler()] if plugins == "fp16" else [])

@@ -235,20 +235,23 @@ def _without_scaler(strategy: Strategy) -> Iterator[None]:
 def check_float16_training(parameters: list[torch.nn.Parameter], optimizer: Any,
                            strategy: Strategy) -> None:
     """Refuse float16 weights that cannot train: under ``16-mixed`` (its scaler cannot
-    unscale float16 gradients), or with an Adam ``eps`` that is 0 in float16 (the first
-    update divides 0 by 0: every weight NaN)."""
+    unscale float16 gradients), or with an adaptive optimizer (a parameter group with an
+    ``eps``: Adam, AdamW, RMSprop, Adagrad, ...), which keeps its squared-gradient moments
+    in float16: ``(1 - beta2) g^2`` is 0 there for most gradients, so an update is
+    ``lr g / eps``, plain SGD at a learning rate of ``lr / eps`` (with eps 1e-8, 0 in float16,
+    every weight NaN; with eps 1e-4, the tiny model's KL 100 times float32's in 3 steps)."""
     if isinstance(strategy, DeepSpeedStrategy) or not any(
             p.dtype == torch.float16 for p in parameters):
         return  # DeepSpeed keeps float32 master weights for float16 training
     require(loss_scaler(strategy) is None,
             "trainer.precision 16-mixed needs float32 weights (model.dtype: float32); the "
             "loss scaler cannot unscale float16 gradients")
-    eps = [g["eps"] for g in optimizer.param_groups if isinstance(g.get("eps"), float)]
-    require(all(e >= 6e-8 for e in eps),
-            f"float16 weights (model.dtype: float16, or trainer.precision 16-true) with the "
-            f"optimizer's eps {min(eps, default=0):g}, which is 0 in float16: the first "
-            "update would make every weight NaN; use bf16 (bf16-mixed or bf16-true), "
-            "16-mixed with float32 weights, or eps >= 1e-4")
+    require(not any("eps" in group for group in optimizer.param_groups),
+            f"float16 weights (model.dtype: float16, or trainer.precision 16-true) with "
+            f"{type(optimizer).__name__}, whose squared-gradient moments underflow to 0 in "
+            "float16: each update is the gradient divided by eps, and the policy collapses; "
+            "use 16-mixed with float32 weights (model.dtype: float32) or bf16 (bf16-mixed "
+            "or bf16-true)")
 
 
 def clip_gradients(
