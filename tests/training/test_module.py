@@ -514,6 +514,9 @@ def test_a_step_whose_every_completion_is_masked_is_warned(cache_dir, loss_type)
         fit(module, make_data(cache_dir), steps=1)
     assert module.step_metrics_dict["train/tokens/truncated_frac"] == 1.0
     assert module.step_metrics_dict["train/loss/total"] == 0.0
+    # no completion the loss reads: no mean log-prob (it was 0.0, as if certain)
+    assert "train/logp/sequence" not in module.step_metrics_dict
+    assert "train/logp/behavior_sequence" not in module.step_metrics_dict
 
 
 def test_a_step_no_weighted_reward_graded_is_warned(cache_dir):

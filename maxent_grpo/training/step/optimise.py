@@ -166,16 +166,16 @@ def optimizer_step(
         # ranks (scaled like their gradient, their mean over the ranks is the batch loss)
         sums.add("loss/total", out.loss * t.loss_scale, 1.0 / real)
         weight = 0.0 if t.ghost else 1.0
-        sums.add("logp/sequence", scores.cur_logp_sum.sum(), float(scores.num_sequences),
+        rows_in = scores.denom_tok_tensor > 0  # rows the loss hides whole do not count
+        sums.add("logp/sequence", (scores.cur_logp_sum * rows_in).sum(), rows_in.sum(),
                  weight=weight)
-        sums.add("logp/behavior_sequence", scores.behavior_logp_sum.sum(),
-                 float(scores.num_sequences), weight=weight)
+        sums.add("logp/behavior_sequence", (scores.behavior_logp_sum * rows_in).sum(),
+                 rows_in.sum(), weight=weight)
         # the trained policy against the one that sampled, per token (0 on a rollout's
         # first update from the policy itself)
         sums.add("logp/log_ratio", scores.log_ratio_train.sum(), scores.denom_tok_tensor.sum(),
                  weight=weight)
         if scores.policy_entropy_sum is not None:  # each sequence's mean token entropy
-            rows_in = scores.denom_tok_tensor > 0  # rows the loss hides whole do not count
             h = scores.policy_entropy_sum / scores.denom_tok_tensor.clamp(min=1) * rows_in
             sums.add("entropy/sequence", h.sum(), rows_in.sum(), weight=weight)
             sums.add("entropy/sequence_sq", h.square().sum(), rows_in.sum(), weight=weight)
