@@ -491,6 +491,18 @@ def test_a_sharded_checkpoint_folder_needs_a_strategy_that_reads_one(monkeypatch
         cli_module.main(["validate", "--ckpt_path", str(folder), "--trainer.logger=false"])
 
 
+def test_a_linked_option_given_directly_names_the_one_to_give(capsys):
+    """``--model.max_prompt_length`` (set from ``data.max_prompt_length``) failed with
+    jsonargparse's "int | None is not callable"; a bad value named the option not typed."""
+    with pytest.raises(SystemExit):
+        cli_module.main(["fit", "--model.max_prompt_length", "5"], exit_on_error=True)
+    assert ("--model.max_prompt_length is set from --data.max_prompt_length (linked options "
+            "are given once): give --data.max_prompt_length instead") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"max_prompt_length must be .* got 0 \(data\."
+                                         r"max_prompt_length sets it\)"):
+        cli_module.main(["fit", "--data.max_prompt_length", "0", "--trainer.logger=false"])
+
+
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
     exist is refused, naming them and ``export``."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -51,6 +52,10 @@ class ShortUsageParser(LightningArgumentParser):
         if self._subcommands_action is not None:
             parsers += self._subcommands_action._name_parser_map.values()
         options = [o for parser in parsers for o in parser._option_string_actions]
+        linked = re.match(r"argument (\S+) --> (\S+): ", message)  # a link's target was given
+        if linked:
+            message = (f"--{linked[2]} is set from --{linked[1]} (linked options are given "
+                       f"once): give --{linked[1]} instead")
         super().error(errors.did_you_mean(message, options), ex)
 
     def format_help(self) -> str:

@@ -117,8 +117,9 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             max_new_tokens=o["max_completion_length"], temperature=o["temperature"],
             top_p=o["top_p"], top_k=o["top_k"], max_prompt_length=o["max_prompt_length"],
         )
-    except ValueError as err:
-        raise ValueError(f"model.{err}") from err
+    except ValueError as err:  # max_prompt_length: the command line's data.max_prompt_length
+        where = " (data.max_prompt_length sets it)" if "max_prompt_length" in str(err) else ""
+        raise ValueError(f"model.{err}{where}") from err
     G = o["num_generations"]
     groups = o["micro_batch_groups"]
     return LoopSettings(
