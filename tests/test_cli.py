@@ -503,6 +503,25 @@ def test_a_linked_option_given_directly_names_the_one_to_give(capsys):
         cli_module.main(["fit", "--data.max_prompt_length", "0", "--trainer.logger=false"])
 
 
+@pytest.mark.parametrize("text, target", [
+    ("model:\n  max_prompt_length: 1\n", "model.max_prompt_length"),
+    ("data:\n  tokenizer: ./nonexistent_tok\n", "data.tokenizer"),
+])
+def test_a_config_that_sets_a_linked_option_is_refused(tmp_path, text, target):
+    """The parser dropped a link's target set in a config file without a word (the run
+    went on with the source's value)."""
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    short = ["--trainer.logger=false", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+             "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
+             f"--trainer.default_root_dir={tmp_path}"]  # a fit it starts is short
+    with pytest.raises(ValueError, match=f"--config {path} sets {target}, which is set from"):
+        cli_module.main(["fit", "--config", str(path), *short])
+    with pytest.raises(ValueError, match=f"sets {target}"):  # inline YAML too
+        cli_module.main(["fit", f"--config={{{text.split(':')[0]}: {{{target.split('.')[1]}"
+                                f": 1}}}}", *short])
+
+
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
     exist is refused, naming them and ``export``."""

@@ -100,10 +100,8 @@ class MaxEntGRPOCLI(LightningCLI):
         self.trainer.predict(**kwargs, return_predictions=False)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.model_name_or_path", "data.tokenizer")
-        parser.link_arguments("model.model_cache_dir", "data.tokenizer_cache_dir")
-        parser.link_arguments("data.max_prompt_length", "model.max_prompt_length")
-        parser.link_arguments("model.tools", "data.tools")
+        for source, target in LINKS:
+            parser.link_arguments(source, target)
 
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
@@ -374,13 +372,53 @@ def main(
     return errors.exit_on_error(build, show_trace) if exit_on_error else build()
 
 
+#: (source, target) of the options one sets for both: the target is given by the source
+LINKS = (("model.model_name_or_path", "data.tokenizer"),
+         ("model.model_cache_dir", "data.tokenizer_cache_dir"),
+         ("data.max_prompt_length", "model.max_prompt_length"),
+         ("model.tools", "data.tools"))
+
+
 def _named_configs(args: Any) -> Any:
     """``--config NAME`` -> the shipped config's path (:func:`cli_help.resolve_config_names`);
-    with ``args`` None in ``sys.argv`` itself, which DDP's launcher runs again."""
+    with ``args`` None in ``sys.argv`` itself, which DDP's launcher runs again. A config
+    that sets a link's target is refused (:func:`check_linked_targets`)."""
     if args is None:
         sys.argv[1:] = cli_help.resolve_config_names(sys.argv[1:])
+        check_linked_targets(sys.argv[1:])
         return None
-    return cli_help.resolve_config_names(args) if isinstance(args, list) else args
+    if not isinstance(args, list):
+        return args
+    args = cli_help.resolve_config_names(args)
+    check_linked_targets(args)
+    return args
+
+
+def check_linked_targets(args: list[str]) -> None:
+    """ValueError when a ``--config`` file (or inline YAML) sets the target of one of the
+    :data:`LINKS` (``model.max_prompt_length``, ``data.tokenizer``, ...): the parser drops
+    it without a word and takes the source's value."""
+    import yaml
+
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg in ("--config", "-c") and i + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if value is None:
+            continue
+        try:
+            text = open(value, encoding="utf-8").read() if os.path.isfile(value) else (
+                value if value.lstrip().startswith("{") else None)
+            config = yaml.safe_load(text) if text is not None else None
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue  # the parser says what is wrong with it
+        for source, target in LINKS:
+            group, key = target.split(".")
+            section = config.get(group) if isinstance(config, dict) else None
+            if isinstance(section, dict) and key in section:
+                raise ValueError(
+                    f"--config {value} sets {target}, which is set from {source} (linked "
+                    f"options are given once, and this value would be ignored): set {source} "
+                    f"instead and remove {target}")
 
 
 def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool) -> MaxEntGRPOCLI:
