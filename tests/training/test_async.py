@@ -414,33 +414,3 @@ def test_after_a_failure_every_rank_keeps_as_many_rollouts(monkeypatch, caplog):
     assert checkpoint["maxent_grpo_rollouts_dropped"] == [1, 1]
     assert "lacks 1 rollout(s)" in caplog.text  # rank 0's finished one is dropped too
 
-
-class Prompts(L.Callback):
-    """The prompt rows of every training batch."""
-
-    def __init__(self) -> None:
-        self.rows: list[list[int]] = []
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self.rows.append(list(batch["indices"]))
-
-
-def test_a_fit_continued_past_its_max_steps_goes_on_with_the_same_epoch(cache_dir, tmp_path):
-    """The checkpoint of a fit that max_steps stopped in mid-epoch records the epoch as
-    finished: a fit continuing it (a higher max_steps) began the next epoch's order. It goes
-    on with the rest of the epoch, as an uninterrupted fit does."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    whole, seen = make_module(cache_dir), Prompts()
-    fit(whole, make_data(cache_dir), steps=4, callbacks=[seen])
-    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1000)
-    first, before = make_module(cache_dir), Prompts()
-    fit(first, make_data(cache_dir), steps=2, tmp_path=tmp_path, enable_checkpointing=True,
-        callbacks=[saver, before])
-    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["epoch"] == 1  # "finished"
-    resumed, after = make_module(cache_dir), Prompts()
-    fit(resumed, make_data(cache_dir), steps=4, ckpt_path=str(tmp_path / "last.ckpt"),
-        callbacks=[after])
-    assert before.rows + after.rows == seen.rows
-    a, b = params(whole), params(resumed)
-    assert all(torch.equal(a[key], b[key]) for key in a)

@@ -73,17 +73,21 @@ def step_start(restore: dict[str, Any] | None, trainer: Any) -> dict[str, Any]:
     return {"rng": capture_rng_state(), "global_step": getattr(trainer, "global_step", None)}
 
 
-def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: Any) -> bool:
-    """Make a checkpoint written when ``max_steps`` (or ``max_time``) stopped a fit in the
-    middle of an epoch continue that epoch; returns whether it did.
+def as_batch_end(checkpoint: dict[str, Any], trainer: Any) -> bool:
+    """Make a checkpoint written after its fit's last training batch resume where the fit
+    stopped; returns whether it changed the checkpoint's loop state.
 
-    Lightning records such an epoch as finished, so a fit that goes on from it (a higher
-    ``max_steps``) began the next epoch's order and never trained the rest of this one. When
-    the DataModule's position (its entry in ``checkpoint``) shows that the batches completed
-    were fewer than the epoch holds (``trainer.limit_train_batches`` counted), the loop
-    state is set back to the one a checkpoint at that last batch's end records (as
-    ``ModelCheckpoint`` writes in mid-epoch), and the fit goes on with the epoch's next
-    batch. Anything else is left as it is."""
+    Lightning continued some of these inexactly: a fit that ``max_steps`` stopped in
+    mid-epoch, continued with a higher ``max_steps``, began the next epoch's order and never
+    trained the rest of this one (Lightning had counted the epoch as ended); one stopped at
+    the epoch's last batch began the next epoch at that batch's index (that epoch ended
+    after one batch), and so did one resumed with more batches per epoch (another batch size
+    or number of processes); a checkpoint of ``on_train_epoch_end`` ran the ended epoch
+    again from its last batch. From the DataModule's position (its entry in ``checkpoint``),
+    which must count the batches Lightning completed: in mid-epoch the loop state becomes
+    the one written at the last batch's end (``ModelCheckpoint``'s form in mid-epoch, which
+    Lightning continues exactly); after the epoch's last batch, the one of the next epoch's
+    start. Anything else is left as it is."""
     from maxent_grpo.training.data.sampler import epoch_positions
 
     datamodule = getattr(trainer, "datamodule", None)
@@ -92,29 +96,32 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: Any) -> bool:
     epochs, batches = loop.get("epoch_progress"), loop.get("epoch_loop.batch_progress")
     steps = loop.get("epoch_loop.state_dict") or {}
     try:
-        finished = epochs["current"]
-        done = int(batches["current"]["completed"])
-        per_batch = int(state["batch_size"]) * int(state["world_size"])
-        whole = epoch_positions(int(state["num_rows"]), int(state["batch_size"]),
-                                int(state["world_size"])) // per_batch
+        epoch, current, ranks = int(state["epoch"]), batches["current"], int(state["world_size"])
+        done, per_batch = int(current["completed"]), int(state["batch_size"]) * ranks
+        handed = int(state["consumed"]) // per_batch
+        whole = epoch_positions(int(state["num_rows"]), int(state["batch_size"]), ranks)
+        ended = epochs["current"]["processed"] == epochs["current"]["ready"] == epoch + 1
+        finished = int(state["consumed"]) >= whole  # the epoch's every batch handed over
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return False
-    limit = getattr(trainer, "limit_train_batches", None)
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        whole = min(whole, limit)
-    elif isinstance(limit, float):
-        whole = int(whole * limit)
-    if not (finished["completed"] == finished["processed"] == finished["ready"] >= 1
-            and int(state["epoch"]) == finished["completed"] - 1 and 0 < done < whole
-            and int(state["consumed"]) == done * per_batch
-            and batches["current"]["processed"] == done and "_batches_that_stepped" in steps):
+    if not (current["processed"] == handed >= 1 and done in (handed, handed - 1)
+            and (ended or finished) and "_batches_that_stepped" in steps):
         return False
-    for part in ("total", "current"):
-        epochs[part]["processed"] -= 1
-        epochs[part]["completed"] -= 1
-        batches[part]["completed"] -= 1
-    steps["_batches_that_stepped"] -= 1
-    checkpoint["epoch"] = int(checkpoint.get("epoch", 1)) - 1
+    if finished:  # the next epoch from its first batch
+        for part in ("total", "current"):
+            epochs[part].update({key: epoch + 1 for key in epochs[part]})
+        total = batches["total"]  # every batch finished (not one to complete at the restart)
+        total.update({key: total["processed"] for key in total})
+        current.update({key: 0 for key in current})
+        checkpoint["epoch"] = epoch + 1
+    else:  # this epoch's last batch's end
+        for part in ("total", "current"):
+            epochs[part]["processed"] -= 1
+            epochs[part]["completed"] = epochs[part]["processed"]
+            batches[part]["completed"] = batches[part]["processed"] - 1
+        steps["_batches_that_stepped"] -= 1
+        checkpoint["epoch"] = epoch
+    batches["is_last_batch"] = False
     return True
 
 

@@ -1,0 +1,76 @@
+"""Where a fit resumed from its last checkpoint goes on: the prompts of every later step
+and the final weights equal an uninterrupted fit's, wherever the first fit stopped (in
+mid-epoch, at an epoch's end, with the checkpoint of that end) and when the resumed fit
+has more batches per epoch."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tests.conftest import fit, make_data, make_module, params
+
+
+class Prompts(L.Callback):
+    """The prompt rows of every training batch."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.rows.append(list(batch["indices"]))
+
+
+@pytest.mark.parametrize("stop", ["max_steps mid-epoch", "max_steps at the epoch's end",
+                                  "epoch-end checkpoint"])
+def test_a_fit_continued_from_its_last_checkpoint_goes_on_where_it_stopped(
+        cache_dir, tmp_path, stop):
+    """A checkpoint written once Lightning counted the epoch as ended resumed inexactly: a
+    fit that max_steps stopped in mid-epoch, continued with a higher max_steps, began the
+    next epoch's order (the rest of this one never trained); stopped at the epoch's last
+    batch, it began the next epoch at that batch's index (that epoch ended after one batch);
+    a checkpoint of the epoch's end ran the ended epoch again from its last batch."""
+    def data():
+        return make_data(cache_dir, train_size=24, val_size=4)  # 5 batches of 4 an epoch
+
+    whole, seen = make_module(cache_dir), Prompts()
+    fit(whole, data(), steps=8, callbacks=[seen])
+    first, before = make_module(cache_dir), Prompts()
+    if stop == "epoch-end checkpoint":  # ModelCheckpoint's default: at each epoch's end
+        fit(first, data(), steps=-1, max_epochs=1, tmp_path=tmp_path, enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path), before])
+        (ckpt,) = tmp_path.glob("*.ckpt")
+    else:
+        saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1000)
+        fit(first, data(), steps=2 if stop == "max_steps mid-epoch" else 5, tmp_path=tmp_path,
+            enable_checkpointing=True, callbacks=[saver, before])
+        ckpt = tmp_path / "last.ckpt"
+    assert len(seen.rows[0]) == 4 and len(before.rows) in (2, 5) and (
+        seen.rows[5] != seen.rows[0])  # the second epoch starts at step 5, in another order
+    resumed, after = make_module(cache_dir), Prompts()
+    fit(resumed, data(), steps=8, ckpt_path=str(ckpt), callbacks=[after])
+    assert before.rows + after.rows == seen.rows
+    a, b = params(whole), params(resumed)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_an_epoch_end_checkpoint_resumed_with_more_batches_an_epoch_trains_the_whole_next_one(
+        cache_dir, tmp_path):
+    """An epoch-end checkpoint of batches of 4, resumed with batches of 2: Lightning kept the
+    saved epoch's batches as done in the next epoch, which began at its batch 5 of 11 (the
+    rest of its rows never trained)."""
+    def data(batch_size: int):
+        return make_data(cache_dir, train_size=24, val_size=4, batch_size=batch_size)
+
+    whole = Prompts()  # batches of 2 from the start: 11 an epoch (22 training rows)
+    fit(make_module(cache_dir), data(2), steps=22, callbacks=[whole])
+    assert whole.rows[11] != whole.rows[0]
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=5)
+    fit(make_module(cache_dir), data(4), steps=5, tmp_path=tmp_path, enable_checkpointing=True,
+        callbacks=[saver])  # one epoch: 5 batches of 4
+    resumed = Prompts()
+    fit(make_module(cache_dir), data(2), steps=16, ckpt_path=str(tmp_path / "last.ckpt"),
+        callbacks=[resumed])
+    assert resumed.rows == whole.rows[11:]  # the whole second epoch, from its first batch
