@@ -273,13 +273,17 @@ def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys):
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:50905. This is typically caused by a remote worker crashing.")
-    for error in (gloo, torch.distributed.DistBackendError("NCCL communicator was aborted")):
+    nccl = torch.distributed.DistBackendError("NCCL error: remote process exited or there was "
+                                              "a network error")
+    for error in (gloo, nccl):
         assert errors.report(error, show_trace=False) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: this process lost its connection to another process")
         assert "bug" not in err and "Traceback" not in err
-    assert errors.report(RuntimeError("an index out of range"), show_trace=False) == 1
-    assert "this is a bug" in capsys.readouterr().err
+    for bug in (RuntimeError("an index out of range"),  # a local NCCL fault is shown whole
+                torch.distributed.DistBackendError("NCCL error: invalid usage")):
+        assert errors.report(bug, show_trace=False) == 1
+        assert "this is a bug" in capsys.readouterr().err
 
 
 def test_messages():

@@ -144,13 +144,14 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote p
 
 def peer_failed(error: BaseException) -> bool:
     """True when ``error`` (or what it was raised from) is a collective that lost another
-    process of a distributed run: ``torch.distributed``'s ``DistBackendError`` /
-    ``DistNetworkError``, or gloo's and NCCL's messages for a peer that went away."""
+    process of a distributed run: ``torch.distributed``'s ``DistNetworkError``, or gloo's and
+    NCCL's messages for a peer that went away (not every ``DistBackendError``: NCCL raises
+    it for a local fault too, such as mismatched collectives, a bug to show)."""
     current: BaseException | None = error
     for _ in range(8):
         if current is None:
             return False
-        if type(current).__name__ in ("DistBackendError", "DistNetworkError") or any(
+        if type(current).__name__ == "DistNetworkError" or any(
                 mark in str(current) for mark in _PEER_GONE):
             return True
         current = current.__cause__

@@ -241,8 +241,8 @@ class MaxEntGRPOCLI(LightningCLI):
             raise ValueError(
                 f"--ckpt_path {resume.path} is a sharded checkpoint's folder (FSDP2 or "
                 f"DeepSpeed), which {type(self.trainer.strategy).__name__} cannot read: run with "
-                "the strategy that wrote it, or make a Hugging Face model of it with "
-                f"maxent-grpo export {resume.path}")
+                "the strategy that wrote it (an FSDP2 one also becomes a Hugging Face model "
+                f"with maxent-grpo export {resume.path})")
         if resume is not None:
             self.config_init[str(self.subcommand)]["ckpt_path"] = resume.path
 

@@ -41,14 +41,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (full() if callable(full) else tensor).detach()
 
 
-def sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+def sharded_state_dict(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
     """An FSDP2-sharded model's whole ``state_dict`` (adapters unmerged) on the CPU, for a
-    ``save_pretrained`` on one rank: a collective every rank calls at the same point. None
-    (no collective) for a model that is not sharded."""
+    ``save_pretrained`` on one rank: a collective every rank calls at the same point; only
+    the rank told to ``keep`` it holds the copy (each tensor is let go once gathered
+    elsewhere). None for a model that is not sharded (no collective) and on the others."""
     state = model.state_dict()
     if not any(callable(getattr(t, "full_tensor", None)) for t in state.values()):
         return None
-    return {name: _full(t).cpu() for name, t in state.items()}
+    whole = {}
+    for name, tensor in state.items():
+        full = _full(tensor)
+        if keep:
+            whole[name] = full.cpu()
+    return whole if keep else None
 
 
 def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:

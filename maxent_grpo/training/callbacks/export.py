@@ -216,7 +216,7 @@ class HFExport(Callback):
         ``<dirpath>/<name>`` (with ``merged`` also ``<name>-merged``); returns that path
         (None on other ranks). Every rank calls it: an FSDP2-sharded model is gathered first."""
         runtime = pl_module.runtime
-        whole = sharded_state_dict(runtime.model)  # a collective when sharded
+        whole = sharded_state_dict(runtime.model, keep=trainer.is_global_zero)  # a collective
         if not trainer.is_global_zero:
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
