@@ -56,6 +56,25 @@ def test_a_fit_continued_from_its_last_checkpoint_goes_on_where_it_stopped(
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+def test_an_epoch_that_limit_train_batches_ended_is_not_reopened(cache_dir, tmp_path):
+    """With ``limit_train_batches`` the epoch ends before its rows do: its end checkpoint
+    was taken for a mid-epoch stop and the resumed fit trained that epoch again, on rows an
+    uninterrupted fit never sees there."""
+    def data():
+        return make_data(cache_dir, train_size=24, val_size=4)  # 5 batches, 3 of them taken
+
+    whole = Prompts()
+    fit(make_module(cache_dir), data(), steps=-1, max_epochs=2, limit_train_batches=3,
+        callbacks=[whole])
+    fit(make_module(cache_dir), data(), steps=-1, max_epochs=1, limit_train_batches=3,
+        tmp_path=tmp_path, enable_checkpointing=True, callbacks=[ModelCheckpoint(tmp_path)])
+    (ckpt,) = tmp_path.glob("*.ckpt")
+    resumed = Prompts()
+    fit(make_module(cache_dir), data(), steps=-1, max_epochs=2, limit_train_batches=3,
+        ckpt_path=str(ckpt), callbacks=[resumed])
+    assert len(whole.rows) == 6 and resumed.rows == whole.rows[3:]
+
+
 def test_an_epoch_end_checkpoint_resumed_with_more_batches_an_epoch_trains_the_whole_next_one(
         cache_dir, tmp_path):
     """An epoch-end checkpoint of batches of 4, resumed with batches of 2: Lightning kept the

@@ -101,7 +101,10 @@ def as_batch_end(checkpoint: dict[str, Any], trainer: Any) -> bool:
         handed = int(state["consumed"]) // per_batch
         whole = epoch_positions(int(state["num_rows"]), int(state["batch_size"]), ranks)
         ended = epochs["current"]["processed"] == epochs["current"]["ready"] == epoch + 1
-        finished = int(state["consumed"]) >= whole  # the epoch's every batch handed over
+        # the epoch's every batch handed over, or the last the loader gave (a
+        # limit_train_batches) whose step finished
+        finished = int(state["consumed"]) >= whole or (
+            batches.get("is_last_batch") is True and current["ready"] == current["processed"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return False
     if not (current["processed"] == handed >= 1 and done in (handed, handed - 1)
