@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from maxent_grpo.training.run.checkpoint import as_batch_end
+from maxent_grpo.training.run.checkpoint import resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.types.runtime import detached_controllers
 
@@ -45,10 +45,10 @@ class ModuleHooks(L.Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """Before Lightning restores its loops: a checkpoint written after the epoch was
-        counted as ended continues as one of its last batch's end (:func:`as_batch_end`)."""
+        """Before Lightning restores its loops: a checkpoint written after a fit's last batch
+        goes on where that fit stopped (:func:`resume_where_stopped`)."""
         if trainer.state.fn == "fit":
-            as_batch_end(checkpoint, trainer)
+            resume_where_stopped(checkpoint, trainer)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""

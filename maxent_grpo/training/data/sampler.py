@@ -176,7 +176,6 @@ def epoch_positions(num_rows: int, batch_size: int, world: int) -> int:
     return num_rows // world // batch_size * batch_size * world
 
 
-
 def unfinished_batches(trainer: Any) -> int:
     """The training batches handed to ``training_step`` that did not finish it: 1 while a
     checkpoint is written on an exception in the middle of a step (Ctrl-C during a rollout,

@@ -73,7 +73,7 @@ def step_start(restore: dict[str, Any] | None, trainer: Any) -> dict[str, Any]:
     return {"rng": capture_rng_state(), "global_step": getattr(trainer, "global_step", None)}
 
 
-def as_batch_end(checkpoint: dict[str, Any], trainer: Any) -> bool:
+def resume_where_stopped(checkpoint: dict[str, Any], trainer: Any) -> bool:
     """Make a checkpoint written after its fit's last training batch resume where the fit
     stopped; returns whether it changed the checkpoint's loop state.
 

@@ -217,7 +217,8 @@ class Evaluator(torch.nn.Module):
                 greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
         columns = batch["columns"]
-        rows = []
+        rows = []  # the rewards on the host once (not a copy, and a sync, per prompt)
+        totals, values = total.view(B, n).tolist(), components.view(-1, B, n).tolist()
         for b in range(B):
             valid = columns.get("valid_answers", [None] * B)[b]
             task = columns.get("task", [None] * B)[b]
@@ -241,8 +242,8 @@ class Evaluator(torch.nn.Module):
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),
                 row=batch["indices"][b] if "indices" in batch else None,
-                rewards=tuple(total.view(B, n)[b].tolist()),
-                components=tuple(map(tuple, components[:, b * n:(b + 1) * n].tolist())),
+                rewards=tuple(totals[b]),
+                components=tuple(tuple(value[b]) for value in values),
             ))
             rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
                                     components[:, b * n + j], self.rewards.names,

@@ -90,8 +90,9 @@ class RolloutPipeline:
         #: checkpoint saved after a failure, Lightning's ``save_on_exception``, stores them)
         self.closed: list[PendingRollout] = []
         self.dropped = 0
-        #: the queue as the step now running found it, all done (None before that): what a
-        #: checkpoint written before the step finished stores, since its batch runs again
+        #: the queue as the step now running found it, all done (None until :meth:`next`;
+        #: the module sets None as each training batch starts): what a checkpoint written
+        #: before the step finished stores, since its batch runs again
         self.at_step_start: list[PendingRollout] | None = None
 
     def wait(self) -> None:
@@ -127,7 +128,6 @@ class RolloutPipeline:
         the step's context with the rollout to train on (the oldest, once ``max_staleness``
         newer ones were submitted), its batch and its staleness; None in the first
         ``max_staleness`` steps. The engine must generate elsewhere (a server)."""
-        self.at_step_start = None
         self.wait()  # the rollout in flight ends on its weights before the sync
         self.at_step_start = list(self.queue)
         ctx = step_context()
