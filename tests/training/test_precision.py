@@ -97,6 +97,22 @@ def test_the_reference_takes_the_policys_true_precision(cache_dir):
     assert module.step_metrics_dict["train/kl"] == 0.0  # the first step: the same weights
 
 
+def test_a_sharded_reference_takes_the_policys_true_precision(cache_dir):
+    """Under FSDP2 (a device mesh) the sharded reference was left float32 beside a bf16
+    policy. Lightning converts a sharded module with ``.to(dtype)``; so does the module for
+    the reference (measured on 2 processes: both ranks' shards bfloat16). Here the mesh is a
+    stand-in set after the models load, so nothing is sharded."""
+    import lightning.pytorch as pl
+
+    module = make_module(cache_dir, objective=GRPO(beta=0.04))
+    module.configure_model()
+    module._device_mesh = object()  # what ModelParallelStrategy sets
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-true", logger=False)
+    module.trainer = trainer
+    module.on_fit_start()
+    assert {p.dtype for p in module.reference.parameters()} == {torch.bfloat16}
+
+
 def test_gradients_that_no_scale_makes_finite_still_stop_the_run(cache_dir):
     """An overflow is forgiven only while the scale stays >= 1: NaN gradients behind a
     finite loss backed the scale off to 0 and skipped every step, forever."""

@@ -114,7 +114,7 @@ class PolicyModels:
         float32 reference had a KL of 3e-5 at the start, and twice the memory)."""
         self.reference.to(self.device)
         own = not isinstance(self.reference, AdapterDisabledReference)  # else the policy
-        if own and self.device_mesh is None and self._trainer is not None:
+        if own and self._trainer is not None:  # sharded too (as Lightning converts the policy)
             self.trainer.precision_plugin.convert_module(self.reference)
 
     def check_reward_rows(self) -> None:
