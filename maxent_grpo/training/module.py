@@ -49,7 +49,7 @@ from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
     Update,
-    check_float16_training,
+    check_low_precision_weights,
     count_update,
     optimizer_step,
 )
@@ -418,11 +418,11 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         """``model.optimizer`` over the policy's trainable parameters (only the adapters with
-        ``model.peft``; float16 ones checked), and the learning-rate scheduler (stepped once per
-        optimizer step: ``"step"`` for ``LearningRateMonitor``; ``build_lr_scheduler``)."""
+        ``model.peft``; low-precision ones checked), and the learning-rate scheduler (stepped once
+        per optimizer step: ``"step"`` for ``LearningRateMonitor``; ``build_lr_scheduler``)."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
         optimizer = self.optimizer_factory(params := self.trainable_parameters())
-        check_float16_training(params, optimizer, self.trainer.strategy)
+        check_low_precision_weights(params, optimizer, self.trainer.strategy)
         scheduler = build_lr_scheduler(optimizer, self.loop.optimization.schedule,
                                        self.lr_scheduler_factory)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,

@@ -127,3 +127,26 @@ def test_gradients_that_no_scale_makes_finite_still_stop_the_run(cache_dir):
         fit(module, make_data(cache_dir), steps=1, plugins=[plugin], max_epochs=50)
     assert plugin.scaler.get_scale() < 1.0
 
+
+
+def test_a_learning_rate_that_bfloat16_weights_round_away_is_warned(cache_dir):
+    """AdamW's step is about lr per weight; in bfloat16 (8 significant bits) a step of 1e-6
+    is under half the spacing of most weights, which stay as they were: warned at the start,
+    with the share that can move."""
+    import warnings
+
+    from maxent_grpo.training.step.optimise import warn_rounded_updates
+
+    module = make_module(cache_dir, dtype="bfloat16", rewards={"tests.conftest:alternating": 1.0},
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-6))
+    module.configure_model()
+    before = params(module)
+    with pytest.warns(UserWarning, match=r"lr 1e-06 .* changes \d\.\d% of them"):
+        fit(module, make_data(cache_dir), steps=1)
+    after = params(module)
+    moved = sum(int((after[k] != v).sum()) for k, v in before.items())
+    assert moved / sum(v.numel() for v in before.values()) < 0.1  # the warning was right
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a learning rate bfloat16 can follow: no warning
+        share = warn_rounded_updates(torch.optim.AdamW(module.policy.parameters(), lr=1e-3))
+    assert share is not None and share > 0.9

@@ -232,26 +232,62 @@ def _without_scaler(strategy: Strategy) -> Iterator[None]:
             plugin.scaler = scaler
 
 
-def check_float16_training(parameters: list[torch.nn.Parameter], optimizer: Any,
-                           strategy: Strategy) -> None:
+def check_low_precision_weights(parameters: list[torch.nn.Parameter], optimizer: Any,
+                                strategy: Strategy) -> None:
     """Refuse float16 weights that cannot train: under ``16-mixed`` (its scaler cannot
     unscale float16 gradients), or with an adaptive optimizer (a parameter group with an
     ``eps``: Adam, AdamW, RMSprop, Adagrad, ...), which keeps its squared-gradient moments
     in float16: ``(1 - beta2) g^2`` is 0 there for most gradients, so an update is
     ``lr g / eps``, plain SGD at a learning rate of ``lr / eps`` (with eps 1e-8, 0 in float16,
-    every weight NaN; with eps 1e-4, the tiny model's KL 100 times float32's in 3 steps)."""
-    if isinstance(strategy, DeepSpeedStrategy) or not any(
-            p.dtype == torch.float16 for p in parameters):
-        return  # DeepSpeed keeps float32 master weights for float16 training
-    require(loss_scaler(strategy) is None,
-            "trainer.precision 16-mixed needs float32 weights (model.dtype: float32); the "
-            "loss scaler cannot unscale float16 gradients")
-    require(not any("eps" in group for group in optimizer.param_groups),
-            f"float16 weights (model.dtype: float16, or trainer.precision 16-true) with "
-            f"{type(optimizer).__name__}, whose squared-gradient moments underflow to 0 in "
-            "float16: each update is the gradient divided by eps, and the policy collapses; "
-            "use 16-mixed with float32 weights (model.dtype: float32) or bf16 (bf16-mixed "
-            "or bf16-true)")
+    every weight NaN; with eps 1e-4, the tiny model's KL 100 times float32's in 3 steps).
+    Then warn when the learning rate is too small for bfloat16 weights
+    (:func:`warn_rounded_updates`)."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        return  # DeepSpeed keeps float32 master weights for low-precision training
+    if any(p.dtype == torch.float16 for p in parameters):
+        require(loss_scaler(strategy) is None,
+                "trainer.precision 16-mixed needs float32 weights (model.dtype: float32); the "
+                "loss scaler cannot unscale float16 gradients")
+        require(not any("eps" in group for group in optimizer.param_groups),
+                f"float16 weights (model.dtype: float16, or trainer.precision 16-true) with "
+                f"{type(optimizer).__name__}, whose squared-gradient moments underflow to 0 in "
+                "float16: each update is the gradient divided by eps, and the policy "
+                "collapses; use 16-mixed with float32 weights (model.dtype: float32) or bf16 "
+                "(bf16-mixed or bf16-true)")
+    warn_rounded_updates(optimizer)
+
+
+def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
+    """Warn when an adaptive optimizer's step (about ``lr`` per weight for Adam's kind: a
+    parameter group with an ``eps``) would leave most bfloat16 or float16 weights as they
+    are: a weight moves only by at least half its spacing, ``|w| 2^-9`` in bfloat16 (8
+    significant bits). On the tiny model in bfloat16, a step of 1e-6 changes 2% of the
+    weights, 1e-5 15%, 1e-4 88%. Returns the share changed (None: nothing low-precision)."""
+    changed = total = 0
+    lr = 0.0
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            if "eps" not in group:
+                continue
+            lr = float(group.get("initial_lr", group["lr"]))
+            for p in group["params"]:
+                if p.dtype not in (torch.bfloat16, torch.float16) or not p.requires_grad:
+                    continue
+                w = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this shard
+                changed += int(((w + lr) != w).sum())
+                total += w.numel()
+    if total == 0:
+        return None
+    moved = changed / total
+    if moved < share:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"{type(optimizer).__name__} at lr {lr:g} over bfloat16/float16 weights: a step "
+            f"of that size changes {moved:.1%} of them (the rest round back to their old "
+            "value) and the policy barely trains; train float32 weights (model.dtype: "
+            "float32) under trainer.precision bf16-mixed, or raise the learning rate")
+    return moved
 
 
 def clip_gradients(
