@@ -20,6 +20,7 @@ A workload is one model and one prompt set, materialised once under ``benchmarks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -265,8 +266,25 @@ def read_prompts(path: str | os.PathLike[str]) -> list[dict[str, str]]:
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (``ru_maxrss``, KiB on Linux), in MiB."""
+    """Peak resident set size of this process so far, in MiB: ``VmHWM`` of
+    ``/proc/self/status`` on Linux. Not ``ru_maxrss``: Linux carries it over fork and exec,
+    so a worker that a driver started after loading a model reported the driver's peak (both
+    sides of trl_vs_ours at the same 907 MiB). Elsewhere, ``ru_maxrss`` (KiB on Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def reset_peak_rss() -> None:
+    """Start :func:`peak_rss_mib` again from the current resident set (Linux; elsewhere
+    nothing), for a second measurement in the same process."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_cuda_mib() -> float | None:

@@ -16,7 +16,7 @@ Each (model, variant) is one ``trainer.fit`` of ``--steps`` steps in a fresh pro
 - ``full``: full fine-tuning with beta = 0 (no reference at all), for scale.
 
 The worker records its resident set size after the imports (``baseline``), then fits and
-reads its peak RSS (``ru_maxrss``); ``peak - baseline`` is what the run added (weights,
+reads its peak RSS (``VmHWM``); ``peak - baseline`` is what the run added (weights,
 gradients, optimizer state, activations, the allocator's slack). It also counts the policy's
 parameters, those that train, those holding AdamW state, and the reference's own.
 Prompts: ``arithmetic_easy`` (bare, no chat template), ``B`` prompts x ``G`` completions of
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -49,7 +48,10 @@ def rss_mib() -> float:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_common
+
+    return bench_common.peak_rss_mib()  # VmHWM: ru_maxrss is the launching process's too
 
 
 def worker(model: str, variant: str, steps: int, B: int, G: int, T: int) -> dict[str, Any]:

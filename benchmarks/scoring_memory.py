@@ -22,8 +22,8 @@ then ``loss = sum(a * logp) + sum(b * H)`` and ``loss.backward()``:
 
 Method: every variant runs in a fresh subprocess. The process first builds the inputs (and
 imports everything), then records its resident set size (``/proc/self/statm``) as the
-baseline, runs forward + backward once, and reads its peak RSS (``ru_maxrss``). The reported
-peak is ``ru_maxrss - baseline``: the extra memory the computation needed on top of its inputs,
+baseline, runs forward + backward once, and reads its peak RSS (``VmHWM``). The reported
+peak is ``VmHWM - baseline``: the extra memory the computation needed on top of its inputs,
 including the ``(N, T, V)`` gradient of ``z`` that backward must return (that gradient alone is
 ``N*T*V*4`` bytes, listed separately). glibc serves these large blocks with ``mmap`` and gives
 them back on free, and PyTorch's CPU allocator does not cache, so RSS follows the live tensors.
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -102,14 +101,14 @@ def worker(variant: str, n: int, t: int, v: int, seed: int, scale: float, save: 
         import maxent_grpo.core  # noqa: F401  (imported before the baseline)
     logits, index, a, b = make_inputs(n, t, v, seed, scale)
     baseline = _rss_mib()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_before = bc.peak_rss_mib()
     start = time.perf_counter()
     logp, entropy = compute(variant, logits, index)
     loss = (a * logp).sum() + (b * entropy).sum()
     forward_s = time.perf_counter() - start
     loss.backward()
     total_s = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = bc.peak_rss_mib()
     grad = logits.grad
     torch.save({"logp": logp.detach(), "entropy": entropy.detach(),
                 "grad": grad if full_grad else grad[0, :2].clone()}, save)

@@ -122,6 +122,7 @@ def run(workload: bc.Workload, warmup: int, steps: int, beta: float, seed: int
         ) -> dict[str, Any]:
     import _ours
 
+    bc.reset_peak_rss()  # this workload's peak, not an earlier one's (--workload all)
     folder = bc.prepare_workload(workload)
     bare = make_bare_parts(workload)
     result = _ours.run(workload, folder, warmup, steps, seed, beta, [bare])
