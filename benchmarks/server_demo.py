@@ -52,8 +52,8 @@ def main() -> None:
                 reward = [e.value for e in acc.Scalars("train/reward/mean")]
                 step = [e.value for e in acc.Scalars("train/perf/step_s")]
             row = {"commit": commit, "seed": seed, "max_staleness": k, "steps": len(reward),
-                   "first20": round(sum(reward[:20]) / 20, 4),
-                   "last20": round(sum(reward[-20:]) / 20, 4),
+                   "first20": round(sum(reward[:20]) / len(reward[:20]), 4),
+                   "last20": round(sum(reward[-20:]) / len(reward[-20:]), 4),
                    "step_s": round(sum(step) / len(step), 4), "seconds": round(seconds, 1)}
             print(json.dumps(row), flush=True)
             with args.out.open("a") as f:

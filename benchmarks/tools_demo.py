@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"commit": git_commit(ROOT), "machine": _cpu(),
               "versions": versions("torch", "transformers"),
-              "config": str(args.config.resolve().relative_to(ROOT)), "runs": runs}
+              "config": (str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT)
+                         else str(args.config)), "runs": runs}
     for seed in args.seeds:
         for tool in (True, False):
             if args.only and args.only != ("tool" if tool else "no-tool"):

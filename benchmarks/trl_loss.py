@@ -100,6 +100,9 @@ def trl_loss(case: dict) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     cases = torch.load(sys.argv[1], weights_only=False)
     results = [trl_loss(case) for case in cases]
     import trl
