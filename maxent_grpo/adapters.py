@@ -211,7 +211,10 @@ def adapter_base(folder: str | os.PathLike[str]) -> str | None:
 def merge_adapter(model: torch.nn.Module, folder: str | os.PathLike[str]) -> torch.nn.Module:
     """``model`` (the adapter's base, loaded) with the adapter saved in ``folder`` merged
     into its weights: a plain ``transformers`` model whose ``name_or_path`` is ``folder``
-    (so an adapter trained on top of it names ``folder`` as its base)."""
+    (so an adapter trained on top of it names ``folder`` as its base), its parameters as
+    trainable as the base's were (peft freezes the base, and merging leaves it frozen: a
+    policy loaded from an exported adapter had nothing to train)."""
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     try:
         from peft import PeftModel
     except ImportError as error:  # pragma: no cover - only without the extra
@@ -224,6 +227,8 @@ def merge_adapter(model: torch.nn.Module, folder: str | os.PathLike[str]) -> tor
         with torch.random.fork_rng(devices=[]):  # peft draws its init before loading
             merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     merged.name_or_path = merged.config._name_or_path = str(folder)
+    for name, p in merged.named_parameters():
+        p.requires_grad_(trainable.get(name, True))
     return merged
 
 

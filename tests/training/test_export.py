@@ -274,6 +274,9 @@ def test_an_exported_adapter_names_its_builtin_base_and_loads_anywhere(
         loaded = loader(str(adapter), cache_dir=elsewhere)
         assert not any("lora" in n for n, _ in loaded.named_parameters())  # merged
         torch.testing.assert_close(logits(loaded, tokenizer), expected, rtol=0, atol=1e-5)
+        # a policy trains every weight (peft froze the base, and merging left it frozen)
+        trains = {p.requires_grad for p in loaded.parameters()}
+        assert trains == ({True} if loader is load_policy else {False})
     assert sorted(p.name for p in Path(elsewhere).iterdir() if not p.name.startswith(".")) == [
         "tiny-v2"]
 
