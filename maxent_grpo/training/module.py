@@ -389,7 +389,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def _attach(self, trainer: L.Trainer | None) -> None:
         """``fit`` attaches the trainer before Lightning checks its flags: ours come first
         (:func:`~maxent_grpo.training.step.strategy.attach_for_fit`)."""
-        attach_for_fit(trainer, self.loop.optimization.schedule.gradient_clip_val)
+        attach_for_fit(trainer, self.loop.optimization.schedule)
         L.LightningModule.trainer.fset(self, trainer)
 
     trainer = property(L.LightningModule.trainer.fget, _attach)

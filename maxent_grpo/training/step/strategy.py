@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -75,13 +76,40 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
             "--model.micro_batch_tokens; leave --trainer.accumulate_grad_batches at 1")
 
 
-def attach_for_fit(trainer: Any, gradient_clip_val: float | None) -> None:
-    """What a ``fit`` checks as it attaches the module: :func:`check_trainer_flags`, then
-    :func:`drop_unasked_checkpoints` and :func:`no_checkpoints_in_smoke_runs` (other
+def check_step_multiples(trainer: Any, num_iterations: int) -> None:
+    """With ``model.num_iterations`` k > 1 the optimizer-step count moves by k per training
+    step: a ``trainer.max_steps`` that is not a multiple of k was overshot (3 ran 4 with k 2)
+    and a ``ModelCheckpoint(every_n_train_steps=N)``, which saves when the count is a
+    multiple of N, saved every lcm(N, k) steps (N 4, k 3: every 12). Both are refused,
+    naming the multiples to use."""
+    k = num_iterations
+    if k <= 1:
+        return
+    max_steps = getattr(trainer, "max_steps", -1)
+    if max_steps is not None and max_steps > 0 and max_steps % k:
+        low, high = max_steps // k * k, (max_steps // k + 1) * k
+        raise ValueError(
+            f"trainer.max_steps {max_steps} is not a multiple of model.num_iterations {k}: "
+            f"each training step takes {k} optimizer steps, so the fit would run {high}; "
+            f"set --trainer.max_steps {high}" + (f" or {low}" if low else ""))
+    for cb in getattr(trainer, "callbacks", []):
+        every = getattr(cb, "_every_n_train_steps", 0) if isinstance(cb, ModelCheckpoint) else 0
+        require(not every or every % k == 0,
+                f"ModelCheckpoint(every_n_train_steps={every}) saves when the optimizer-step "
+                f"count is a multiple of {every}, and with model.num_iterations {k} that count "
+                f"moves by {k}: it would save every {math.lcm(every, k)} steps; set "
+                f"every_n_train_steps to a multiple of {k}")
+
+
+def attach_for_fit(trainer: Any, schedule: Any) -> None:
+    """What a ``fit`` checks as it attaches the module (``schedule``: its
+    ``ScheduleSettings``): :func:`check_trainer_flags` and :func:`check_step_multiples`,
+    then :func:`drop_unasked_checkpoints` and :func:`no_checkpoints_in_smoke_runs` (other
     stages, and ``trainer=None`` at detachment, pass)."""
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
-    check_trainer_flags(trainer, gradient_clip_val)
+    check_trainer_flags(trainer, schedule.gradient_clip_val)
+    check_step_multiples(trainer, schedule.num_iterations)
     drop_unasked_checkpoints(trainer)
     no_checkpoints_in_smoke_runs(trainer)
 

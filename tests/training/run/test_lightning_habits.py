@@ -24,6 +24,26 @@ def test_trainer_flags_we_cannot_honour_name_our_option(cache_dir, tmp_path, fla
     assert module.policy is None  # stopped before the model was even loaded
 
 
+@pytest.mark.parametrize("steps, every, expected", [
+    (3, None, r"max_steps 3 is not a multiple of model.num_iterations 2.*would run 4; "
+              r"set --trainer.max_steps 4 or 2"),
+    (4, 3, r"every_n_train_steps=3\).*moves by 2: it would save every 6 steps"),
+])
+def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, steps, every,
+                                                           expected):
+    """With num_iterations 2 the optimizer-step count moves by 2: max_steps 3 ran 4 steps,
+    and ModelCheckpoint(every_n_train_steps=3) saved at step 6 instead of 3."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = make_module(cache_dir, num_iterations=2)
+    checkpoints = [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=every,
+                                   save_top_k=-1)] if every else []
+    with pytest.raises(ValueError, match=expected):
+        fit(module, make_data(cache_dir), steps=steps, tmp_path=tmp_path,
+            callbacks=checkpoints, enable_checkpointing=bool(every))
+    assert module.policy is None
+
+
 def test_validate_with_the_same_flags_is_not_refused(cache_dir, tmp_path):
     """The check is for ``fit``: a config shared with ``validate`` still evaluates."""
     import lightning as L
