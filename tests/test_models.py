@@ -78,6 +78,8 @@ def test_builtin_tiny_materialises_once_and_atomically(tmp_path: Path) -> None:
     assert path.parent == tmp_path and path.name.startswith("tiny-v")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (path / name).is_file()
+        # readable by all: a shared cache_dir (the weights file was owner-only, 0600)
+        assert (path / name).stat().st_mode & 0o444 == 0o444
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     time.sleep(0.01)
     assert resolve_model_path("builtin:tiny", cache_dir=tmp_path) == str(path)

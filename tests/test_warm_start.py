@@ -73,11 +73,19 @@ def test_measure_skill_tells_a_random_model_from_a_warm_one() -> None:
     assert skill["sum_format"] < 0.01 and skill["difference_correct"] < 0.2
 
 
-def test_missing_shipped_weights_name_the_file_and_the_fix(tmp_path) -> None:
+@pytest.mark.parametrize("file, expected", [
+    ("tiny_warm.safetensors", r"builtin:tiny-warm .*warm_start --retrain --out"),
+    ("tiny_h64_warm.safetensors", r"builtin:tiny-h64-warm .*warm_start --head-dim 64 --retrain"),
+    ("tiny_tools_warm.safetensors", r"builtin:tiny-tools-warm .*tool_warm_start --retrain"),
+    # the python tool's weights: the sums model's command would have overwritten them
+    ("tiny_python_warm.safetensors",
+     r"builtin:tiny-python-warm .*tool_warm_start --tool python --retrain"),
+    ("nope.safetensors", r"a built-in model are missing .*nope\.safetensors\); reinstall"),
+])
+def test_missing_shipped_weights_name_the_model_and_the_fix(tmp_path, file, expected) -> None:
     model, _ = builtin_tiny_model_and_tokenizer()
-    missing = tmp_path / "nope.safetensors"
-    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors.*python -m maxent_grpo"):
-        warm.load_shipped(model, missing)
+    with pytest.raises(FileNotFoundError, match=expected):
+        warm.load_shipped(model, tmp_path / file)
 
 
 def test_the_command_prints_the_shipped_skill_and_refuses_to_retrain_over_nothing(capsys) -> None:

@@ -124,6 +124,16 @@ WEIGHTS_TOOLS = Path(__file__).with_name("assets") / "tiny_tools_warm.safetensor
 WEIGHTS_PYTHON = Path(__file__).with_name("assets") / "tiny_python_warm.safetensors"
 
 
+#: a shipped weights file's name -> its model and the command that trains it again
+_REBUILD = {
+    WEIGHTS.name: ("builtin:tiny-warm", "maxent_grpo.builtin.warm_start"),
+    WEIGHTS_H64.name: ("builtin:tiny-h64-warm", "maxent_grpo.builtin.warm_start --head-dim 64"),
+    WEIGHTS_TOOLS.name: ("builtin:tiny-tools-warm", "maxent_grpo.builtin.tool_warm_start"),
+    WEIGHTS_PYTHON.name: ("builtin:tiny-python-warm",
+                          "maxent_grpo.builtin.tool_warm_start --tool python"),
+}
+
+
 def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedModel:
     """Load the shipped warm-start weights into ``model`` (``builtin:tiny``'s architecture)
     and return it in eval mode. Raises ``FileNotFoundError`` naming the file when the
@@ -131,11 +141,11 @@ def load_shipped(model: torch.nn.Module, path: Path = WEIGHTS) -> PreTrainedMode
     from safetensors.torch import load_model
 
     if not path.is_file():
+        name, command = _REBUILD.get(path.name, ("a built-in model", None))
         raise FileNotFoundError(
-            f"the weights of builtin:tiny-warm are missing ({path}); reinstall maxent-grpo, "
-            "or rebuild them with: python -m maxent_grpo.builtin.warm_start --retrain --out "
-            + str(path)
-        )
+            f"the weights of {name} are missing ({path}); reinstall maxent-grpo"
+            + (f", or rebuild them with: python -m {command} --retrain --out {path}"
+               if command else ""))
     load_model(model, str(path), strict=True)  # raises on any missing or unexpected tensor
     return model.eval()
 
@@ -244,7 +254,9 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
             writer(tmp)
-            tmp.chmod(0o755)  # mkdtemp makes it owner-only
+            tmp.chmod(0o755)  # mkdtemp makes it owner-only, and save_pretrained its
+            for file in tmp.rglob("*"):  # weights file: a shared cache_dir serves everyone
+                file.chmod(0o755 if file.is_dir() else 0o644)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
