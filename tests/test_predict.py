@@ -115,13 +115,20 @@ def test_predict_errors_name_what_to_fix(args, message, tmp_path, monkeypatch, c
 
 
 def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch,
+                                                                              capsys):
     monkeypatch.chdir(tmp_path)
     names = cli_help.shipped_configs()
     assert {"tiny", "tiny_vllm", "scaling/ddp_cpu_tiny"} <= set(names)
     packaged = str(cli_help.configs_folder() / "tiny.yaml")
     assert cli_help.resolve_config_names(["fit", "--config", "tiny"])[2] == packaged
+    assert capsys.readouterr().err == ""  # a name: read as documented, without a word
     assert cli_help.resolve_config_names(["fit", "--config=tiny.yaml"])[1] == f"--config={packaged}"
+    # a file name that is not here (perhaps a typo of the user's file): says what it reads
+    assert cli_help.resolve_config_names(["fit", "--config", "tiny.yml"])[2] == packaged
+    err = capsys.readouterr().err
+    assert "--config tiny.yaml: no such file" in err and f"shipped config tiny ({packaged})" in err
+    assert "--config tiny.yml: no such file" in err
     inline = ["--config", "trainer: {max_steps: 2}"]  # inline YAML, as jsonargparse reads it
     assert cli_help.resolve_config_names(inline) == inline
     (tmp_path / "tiny").write_text("trainer: {}\n")  # an existing file wins over a name

@@ -18,6 +18,7 @@ import contextvars
 import difflib
 import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,8 @@ def resolve_config_names(args: list[str]) -> list[str]:
 
     A name (no folder in it) that is neither an existing file nor a shipped config raises
     ValueError naming the shipped configs; a file that exists always wins over a name, and a
-    missing path is left to the parser.
+    missing path is left to the parser. A file name (``tiny.yml``) read as a shipped config
+    says so on stderr: it may be a typo of a file the user meant.
     """
     out = list(args)
     for i, arg in enumerate(out):
@@ -81,6 +83,9 @@ def _config_path(value: str) -> str:
     name = value.removesuffix(".yaml").removesuffix(".yml")
     path = configs_folder() / f"{name}.yaml"
     if name in shipped_configs() and path.is_file():
+        if name != value:  # a file name that is not here: say which file is read instead
+            print(f"--config {value}: no such file in {Path.cwd()}; reading the shipped "
+                  f"config {name} ({path})", file=sys.stderr)
         return str(path)
     if "/" in value or os.sep in value:  # a path: the parser says it does not exist (code 2)
         return value
