@@ -266,7 +266,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         schedule = self.loop.optimization.schedule
         for i in range(schedule.num_iterations):
             update = optimizer_step(ctx, trajectory, self.step_metrics, timer, first=i == 0)
-            count_update(self.counters, update, self.global_step,
+            count_update(self.counters, update, self._trainer,
                          schedule.max_consecutive_nonfinite)
             self._weights_version += not update.skipped
         self._log_step(trajectory, update, timer, batch_idx)

@@ -134,6 +134,37 @@ def test_non_finite_loss_skips_updates_then_stops(cache_dir):
         torch.testing.assert_close(value, before[key])
 
 
+class NaNFirst(GRPO):
+    """NaN in the first micro-batch of the run only: its update is skipped."""
+
+    def loss(self, mb):
+        out = super().loss(mb)
+        self.calls = getattr(self, "calls", 0) + 1
+        return LossOutput(out.loss * float("nan"), out.sums) if self.calls == 1 else out
+
+
+def test_a_skipped_update_counts_as_a_step(cache_dir, tmp_path):
+    """With num_iterations 2 the step count moves by 2 per rollout, skipped update or not:
+    uncounted, one skip left it odd (1, 3, 5: max_steps 4 ran 5 steps, and
+    every_n_train_steps=2 never saved)."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    seen = []
+
+    class Steps(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(trainer.global_step)
+
+    module = make_module(cache_dir, objective=NaNFirst(), num_iterations=2,
+                         micro_batch_groups=None, rewards={"tests.conftest:alternating": 1.0})
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    fit(module, make_data(cache_dir), steps=4, tmp_path=tmp_path, callbacks=[every, Steps()],
+        enable_checkpointing=True)
+    assert module.counters.nonfinite_total == 1 and seen == [2, 4]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
 def broken_reward(prompts, completions, **kw):
     raise KeyError("boom")
 

@@ -262,28 +262,36 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
     parameter group with an ``eps``) would leave most bfloat16 or float16 weights as they
     are: a weight moves only by at least half its spacing, ``|w| 2^-9`` in bfloat16 (8
     significant bits). On the tiny model in bfloat16, a step of 1e-6 changes 2% of the
-    weights, 1e-5 15%, 1e-4 88%. Returns the share changed (None: nothing low-precision)."""
-    changed = total = 0
-    lr = 0.0
+    weights, 1e-5 15%, 1e-4 88%. Tensors above 2^20 elements are sampled (evenly spaced);
+    under FSDP2, rank 0's shards. Returns the share changed (None: nothing low-precision).
+    Optimizers that keep float32 master weights or round stochastically need no warning;
+    they are not told apart."""
+    changed = total = 0.0
+    rates = set()
     with torch.no_grad():
         for group in optimizer.param_groups:
-            if "eps" not in group:
+            low = [p for p in group["params"] if p.requires_grad
+                   and p.dtype in (torch.bfloat16, torch.float16)]
+            if "eps" not in group or not low or group.get("lr") is None:
                 continue
             lr = float(group.get("initial_lr", group["lr"]))
-            for p in group["params"]:
-                if p.dtype not in (torch.bfloat16, torch.float16) or not p.requires_grad:
-                    continue
-                w = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this shard
-                changed += int(((w + lr) != w).sum())
-                total += w.numel()
+            rates.add(lr)
+            for p in low:
+                w = (p.to_local() if hasattr(p, "to_local") else p).reshape(-1)
+                every = max(1, w.numel() // 2**20)
+                sample = w[::every]  # a DTensor's local shard above
+                if sample.numel():
+                    changed += w.numel() * float(((sample + lr) != sample).float().mean())
+                    total += w.numel()
     if total == 0:
         return None
     moved = changed / total
     if moved < share:
         from lightning.pytorch.utilities import rank_zero_warn
 
+        lrs = "/".join(f"{r:g}" for r in sorted(rates))
         rank_zero_warn(
-            f"{type(optimizer).__name__} at lr {lr:g} over bfloat16/float16 weights: a step "
+            f"{type(optimizer).__name__} at lr {lrs} over bfloat16/float16 weights: a step "
             f"of that size changes {moved:.1%} of them (the rest round back to their old "
             "value) and the policy barely trains; train float32 weights (model.dtype: "
             "float32) under trainer.precision bf16-mixed, or raise the learning rate")
@@ -302,12 +310,24 @@ def clip_gradients(
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def count_update(counters: StepCounters, update: Update, step: int, limit: int) -> None:
+def count_update(counters: StepCounters, update: Update, trainer: Any, limit: int) -> None:
     """Count a skipped update (warn; raise :class:`NonFiniteLossError` at ``limit`` in a
-    row) or reset the run of skips after one that was taken."""
+    row) or reset the run of skips after one that was taken.
+
+    A skipped update still counts as an optimizer step in ``trainer.global_step`` (the
+    learning-rate scheduler is not stepped for it): the count then always moves by
+    ``num_iterations`` per training step, so ``max_steps`` and a checkpoint's
+    ``every_n_train_steps``, multiples of it (:func:`~maxent_grpo.training.step.strategy.
+    check_step_multiples`), are met exactly. (Uncounted, one skip with ``num_iterations`` 2
+    left the count odd: no ``every_n_train_steps=2`` checkpoint was ever written again.)"""
     if not update.skipped:
         counters.nonfinite_in_a_row = 0
         return
+    step = 0 if trainer is None else trainer.global_step
+    if trainer is not None:  # Lightning counts the steps its optimizer wrapper took
+        progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
     if update.overflow:  # the loss scaler's routine back-off, not a fault
         log.info("step %d: float16 gradients overflowed at this loss scale; update skipped, "
                  "scale backed off", step)

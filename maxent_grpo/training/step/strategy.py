@@ -81,12 +81,15 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
     step: a ``trainer.max_steps`` that is not a multiple of k was overshot (3 ran 4 with k 2)
     and a ``ModelCheckpoint(every_n_train_steps=N)``, which saves when the count is a
     multiple of N, saved every lcm(N, k) steps (N 4, k 3: every 12). Both are refused,
-    naming the multiples to use."""
+    naming the multiples to use (not ``fast_dev_run``'s own max_steps: one batch either
+    way). Skipped updates count as steps (:func:`~maxent_grpo.training.step.optimise.
+    count_update`), so the count stays a multiple of k."""
     k = num_iterations
     if k <= 1:
         return
     max_steps = getattr(trainer, "max_steps", -1)
-    if max_steps is not None and max_steps > 0 and max_steps % k:
+    smoke = getattr(trainer, "fast_dev_run", False)  # its max_steps: one rollout's batch
+    if not smoke and max_steps is not None and max_steps > 0 and max_steps % k:
         low, high = max_steps // k * k, (max_steps // k + 1) * k
         raise ValueError(
             f"trainer.max_steps {max_steps} is not a multiple of model.num_iterations {k}: "

@@ -44,6 +44,13 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
     assert module.policy is None
 
 
+def test_a_smoke_run_with_several_iterations_is_not_refused(cache_dir, tmp_path):
+    """``fast_dev_run`` sets max_steps 1 itself and runs one batch: k optimizer steps."""
+    module = make_module(cache_dir, num_iterations=2)
+    trainer = fit(module, make_data(cache_dir), tmp_path=tmp_path, fast_dev_run=True)
+    assert trainer.global_step == 2
+
+
 def test_validate_with_the_same_flags_is_not_refused(cache_dir, tmp_path):
     """The check is for ``fit``: a config shared with ``validate`` still evaluates."""
     import lightning as L

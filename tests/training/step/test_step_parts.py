@@ -79,7 +79,7 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     assert not update.skipped and update.lr == 0.5 and torch.isfinite(update.grad_norm)
     assert any(not torch.equal(before[k], v) for k, v in policy.named_parameters())
     counters = StepCounters(nonfinite_in_a_row=2)
-    count_update(counters, update, step=0, limit=3)
+    count_update(counters, update, trainer=None, limit=3)
     assert counters.nonfinite_in_a_row == 0  # a taken update ends a run of skips
     metrics.observe(trajectory)
     view = LoggingConfigView(weighting=ctx.objective, clipping=1.0, schedule=ctx.schedule)
