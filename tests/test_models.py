@@ -84,6 +84,9 @@ def test_builtin_tiny_materialises_once_and_atomically(tmp_path: Path) -> None:
     time.sleep(0.01)
     assert resolve_model_path("builtin:tiny", cache_dir=tmp_path) == str(path)
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
+    (path / "model.safetensors").chmod(0o600)  # as an earlier version left it
+    resolve_model_path("builtin:tiny", cache_dir=tmp_path)
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o644
     leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert leftovers == []
 

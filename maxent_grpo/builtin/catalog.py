@@ -236,6 +236,18 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _readable_by_all(folder: Path) -> None:
+    """Every file in ``folder`` readable by all (folders also searchable): save_pretrained
+    writes the weights file owner-only, and a shared ``cache_dir`` serves every user. Files
+    this user cannot change are left as they are."""
+    for path in folder.rglob("*"):
+        wanted = 0o555 if path.is_dir() else 0o444
+        with contextlib.suppress(OSError):
+            mode = path.stat().st_mode
+            if mode & wanted != wanted:
+                path.chmod(mode | wanted)
+
+
 def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     short = name[len(BUILTIN_PREFIX) :]
     if short not in BUILTIN_MODELS:
@@ -245,6 +257,7 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     root = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
     final = root / f"{short}-v{version}"
     if final.is_dir():
+        _readable_by_all(final)  # a folder an earlier version wrote owner-only
         return final
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{final.name}.lock"):
@@ -254,9 +267,8 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
             writer(tmp)
-            tmp.chmod(0o755)  # mkdtemp makes it owner-only, and save_pretrained its
-            for file in tmp.rglob("*"):  # weights file: a shared cache_dir serves everyone
-                file.chmod(0o755 if file.is_dir() else 0o644)
+            tmp.chmod(0o755)  # mkdtemp makes it owner-only
+            _readable_by_all(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
