@@ -266,10 +266,14 @@ def test_user_error_classes():
         "torch.OutOfMemoryError: CUDA out of memory")) is not None
 
 
-def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys):
+def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys, monkeypatch):
     """Rank 0 of a run whose rank 1 raised (a reward function) printed gloo's trace and
     called it a bug in maxent_grpo; the peer had printed the real error."""
     import torch
+
+    group = type("Group", (), {"is_initialized": staticmethod(lambda: True),
+                               "get_world_size": staticmethod(lambda: 2)})
+    monkeypatch.setattr(errors, "torch_distributed", lambda: group)
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:50905. This is typically caused by a remote worker crashing.")
@@ -284,6 +288,34 @@ def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys):
                 torch.distributed.DistBackendError("NCCL error: invalid usage")):
         assert errors.report(bug, show_trace=False) == 1
         assert "this is a bug" in capsys.readouterr().err
+
+
+def test_a_server_error_is_its_message_not_a_lost_process_or_a_bug(capsys):
+    """A vLLM server that refused the key or reset the connection: the ServerError's own
+    message (it says what to start or give), not "a bug in maxent_grpo" with a trace, and
+    not a lost process of the run (a one-process run has none; httpx's "Connection reset by
+    peer" matched)."""
+    import httpx
+
+    from maxent_grpo.rollout.server_weights import ServerError
+
+    refused = ServerError("http://127.0.0.1:1 refused the request (401): give the same key "
+                          "as the server's --api-key (VLLM_API_KEY)", status=401)
+    try:
+        raise httpx.ReadError("[Errno 104] Connection reset by peer")
+    except httpx.ReadError as cause:
+        try:
+            raise ServerError("no vLLM server answers at http://127.0.0.1:1 (ReadError: "
+                              "[Errno 104] Connection reset by peer). Start one") from cause
+        except ServerError as error:
+            reset = error
+    for error, said in ((refused, "give the same key"), (reset, "no vLLM server answers")):
+        assert errors.report(error, show_trace=False) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {str(error)[:40]}") and said in err
+        assert "bug" not in err and "Traceback" not in err and "lost its connection" not in err
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection reset by peer")
+    assert not errors.peer_failed(gloo)  # no process group here: no peer to have lost
 
 
 def test_messages():

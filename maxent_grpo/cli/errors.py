@@ -56,6 +56,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from maxent_grpo.rewards import RewardFunctionError
+    from maxent_grpo.rollout.server_weights import ServerError
     from maxent_grpo.training.step.optimise import NonFiniteLossError
 
     return (
@@ -64,7 +65,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         OSError,  # FileNotFoundError, PermissionError, transformers' missing model files
         RewardFunctionError,
         NonFiniteLossError,
-        MisconfigurationException,
+        ServerError,  # a vLLM server that refused or cannot be reached: its message says
+        MisconfigurationException,  # what to start, restart or give
         MemoryError,  # the machine's; the accelerator's:
         torch.cuda.OutOfMemoryError,  # torch.OutOfMemoryError from torch 2.5 on
     )
@@ -142,11 +144,24 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote p
               "Broken pipe", "caused by a remote worker crashing")
 
 
+def torch_distributed() -> Any:
+    """``torch.distributed`` when torch is imported and has it, else None (this module is
+    imported before torch)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    return dist if dist is not None and dist.is_available() else None
+
+
 def peer_failed(error: BaseException) -> bool:
     """True when ``error`` (or what it was raised from) is a collective that lost another
     process of a distributed run: ``torch.distributed``'s ``DistNetworkError``, or gloo's and
     NCCL's messages for a peer that went away (not every ``DistBackendError``: NCCL raises
-    it for a local fault too, such as mismatched collectives, a bug to show)."""
+    it for a local fault too, such as mismatched collectives, a bug to show). Only in a
+    process group of two or more: a one-process run has no peer, and a server's reset
+    connection (httpx says "Connection reset by peer" too) was called a lost rank."""
+    dist = torch_distributed()
+    if dist is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False  # no peer: a reset connection is a server's (httpx), not a rank's
     current: BaseException | None = error
     for _ in range(8):
         if current is None:

@@ -12,6 +12,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,26 +257,7 @@ class ServerWeights:
                     self._rewrite_weights()  # one file at a time
                 else:
                     self._source.set(weights)
-                failures = []
-                for i, server in enumerate(self.servers):
-                    try:  # a dead or hung server costs 5 s, no retries of the transfer
-                        self._call(server, "GET", "/health", timeout=5.0)
-                    except ServerError:
-                        server.healthy = False
-                        failures.append(ServerError(
-                            f"{server.url} does not answer; weights version {version} not "
-                            "sent (it gets them once it answers again)"))
-                        continue
-                    try:
-                        if self.weight_transfer == "file":
-                            self._transfer(server, self._file, self._file_info, version)
-                        else:
-                            self._broadcast(server, version)
-                        sent[i] = True
-                    except ServerError as err:
-                        failures.append(err)
-                if not any(sent):
-                    raise failures[0]
+                failures = self._send_to_all(version, sent)
                 for err in failures:
                     log.warning("%s", err)
                 self.sync_bytes = (self._file_info["num_bytes"] if self.weight_transfer == "file"
@@ -304,6 +286,54 @@ class ServerWeights:
         if not ok:
             raise ServerError("rank 0 could not send the weights to the vLLM servers (its "
                               "error is in rank 0's log)")
+
+    def _send_to_all(self, version: str, sent: list[bool]) -> list[ServerError]:
+        """Rank 0's part of :meth:`sync`: ``version`` to every server that answers (marked
+        in ``sent``); the failures of the others, to be warned about. A server that does not
+        answer costs 5 s and no transfer attempt. When none answers (the only server
+        restarting, say), the sync waits with back-off for one to come back for up to
+        ``retry_seconds``, as a rollout's request does, then stops naming the servers and
+        the resume; a server that answers again is joined afresh (it may be a new
+        process)."""
+        deadline, delay = None, 0.5
+        while True:
+            failures, unanswered = [], 0
+            for i, server in enumerate(self.servers):
+                try:
+                    self._call(server, "GET", "/health", timeout=5.0)
+                except ServerError:
+                    server.healthy, unanswered = False, unanswered + 1
+                    failures.append(ServerError(
+                        f"{server.url} does not answer; weights version {version} not "
+                        "sent (it gets them once it answers again)"))
+                    continue
+                try:
+                    if self.weight_transfer == "file":
+                        if not server.healthy:  # restarted: its transfer engine is new
+                            self._call(server, "POST", "/init_weight_transfer_engine",
+                                       json={"init_info": {}}, timeout=60.0)
+                        self._transfer(server, self._file, self._file_info, version)
+                    else:
+                        self._broadcast(server, version)
+                    sent[i] = True
+                except ServerError as err:
+                    failures.append(err)
+            if any(sent):
+                return failures
+            if unanswered < len(self.servers):  # one answered and its transfer failed
+                raise failures[0]
+            deadline = deadline or time.monotonic() + self.retry_seconds
+            if self._closed or time.monotonic() >= deadline:
+                urls = ", ".join(s.url for s in self.servers)
+                raise ServerError(
+                    f"no vLLM server answered within retry_seconds ({self.retry_seconds:g} "
+                    f"s) to take weights version {version}; servers: {urls}. The last "
+                    "checkpoint is kept: restart the servers and resume with --ckpt_path last")
+            if delay == 0.5:
+                log.warning("no vLLM server answers (%s); waiting up to retry_seconds "
+                            "(%g s) for one to come back", failures[0], self.retry_seconds)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
     def _revive(self, server: _Server) -> bool:
         """Whether ``server`` answers and holds the current weights (sending them when it

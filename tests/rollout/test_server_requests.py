@@ -43,7 +43,7 @@ class StandIn:
 
     def __init__(self, hold: float = 0.0, status: int = 200, version: str = "0",
                  update_seconds: float = 0.0, answer: Any = None, hang_on: str = "",
-                 refuse_starts: int = 0, trickle: float = 0.0) -> None:
+                 refuse_starts: int = 0, trickle: float = 0.0, port: int = 0) -> None:
         self.hold, self.status, self.calls = hold, status, []
         self.trickle = trickle  # seconds between the bytes of a completion's answer
         self.answer = answer  # what /v1/completions answers instead (JSON; a str as text)
@@ -111,7 +111,7 @@ class StandIn:
                 self.answer(200, {"choices": [{"token_ids": TOKENS, "finish_reason": "length",
                                                "logprobs": {"token_logprobs": LOGPS}}]})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # a free port
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)  # 0: a free port
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -314,6 +314,43 @@ def test_a_dead_server_costs_the_transfer_no_retries_and_no_weights_files(
         assert live.version == version
     assert [p for u, p in calls if u == dead.url] == ["/health", "/health"]
     assert os.listdir(engine._folder) == [os.path.basename(engine._file)]
+
+
+def test_a_sync_waits_retry_seconds_for_its_only_server_to_come_back(
+    stand_ins, engine_on, tmp_path,
+):
+    """The only server restarts during a sync: the sync waits for it (it stopped the run
+    at once, though the docs promise retry_seconds) and joins the new process before
+    sending; a server that stays away stops the sync after retry_seconds, naming it and the
+    resume."""
+    url = _dead_url()
+    engine = _bare_engine([url], request_timeout=5.0, retry_seconds=20.0)
+    engine._transfer_dir = str(tmp_path)
+    calls = _recording(engine)
+    restarted: list[StandIn] = []
+    timer = threading.Timer(1.5, lambda: restarted.append(
+        stand_ins(port=int(url.rsplit(":", 1)[1]))))
+    timer.start()
+    try:
+        engine.sync(torch.nn.Linear(3, 2))
+    finally:
+        timer.join()
+        engine.close()
+    assert restarted and restarted[0].version == "1" and engine.servers[0].healthy
+    routes = [p for _, p in calls]
+    assert routes.count("/health") >= 2  # asked again until it answered
+    assert routes.index("/init_weight_transfer_engine") < routes.index("/start_weight_update")
+
+    gone = _bare_engine([_dead_url()], request_timeout=5.0, retry_seconds=1.0)
+    gone._transfer_dir = str(tmp_path / "gone")
+    started = time.monotonic()
+    try:
+        with pytest.raises(ServerError, match=r"no vLLM server answered within retry_seconds "
+                           r"\(1 s\).*resume with --ckpt_path last"):
+            gone.sync(torch.nn.Linear(3, 2))
+    finally:
+        gone.close()
+    assert 1.0 <= time.monotonic() - started < 10.0
 
 
 def test_a_failed_read_of_the_weights_file_writes_a_fresh_one_in_its_place(
