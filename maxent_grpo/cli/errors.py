@@ -102,7 +102,7 @@ def _from_trace_text(error: BaseException) -> tuple[str, str] | None:
     return (match["type"], match["message"]) if match else None
 
 
-_USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "NonFiniteLossError",
+_USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "NonFiniteLossError", "ServerError",
                      "MisconfigurationException", "MemoryError", "OutOfMemoryError"}
 
 
@@ -157,10 +157,12 @@ def peer_failed(error: BaseException) -> bool:
     process of a distributed run: ``torch.distributed``'s ``DistNetworkError``, or gloo's and
     NCCL's messages for a peer that went away (not every ``DistBackendError``: NCCL raises
     it for a local fault too, such as mismatched collectives, a bug to show). Only in a
-    process group of two or more: a one-process run has no peer, and a server's reset
+    process group of two or more (or ``WORLD_SIZE`` > 1, before the group formed): a
+    one-process run has no peer, and a server's reset
     connection (httpx says "Connection reset by peer" too) was called a lost rank."""
     dist = torch_distributed()
-    if dist is None or not dist.is_initialized() or dist.get_world_size() < 2:
+    grouped = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
+    if not grouped and int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:  # (a rendezvous)
         return False  # no peer: a reset connection is a server's (httpx), not a rank's
     current: BaseException | None = error
     for _ in range(8):

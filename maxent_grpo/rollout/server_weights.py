@@ -297,7 +297,7 @@ class ServerWeights:
         process)."""
         deadline, delay = None, 0.5
         while True:
-            failures, unanswered = [], 0
+            failures, unanswered, refused = [], 0, []
             for i, server in enumerate(self.servers):
                 try:
                     self._call(server, "GET", "/health", timeout=5.0)
@@ -318,17 +318,18 @@ class ServerWeights:
                     sent[i] = True
                 except ServerError as err:
                     failures.append(err)
+                    refused.append(err)
             if any(sent):
                 return failures
-            if unanswered < len(self.servers):  # one answered and its transfer failed
-                raise failures[0]
+            if refused:  # one answered and its transfer failed: its error, not the silence
+                raise refused[0]
             deadline = deadline or time.monotonic() + self.retry_seconds
             if self._closed or time.monotonic() >= deadline:
                 urls = ", ".join(s.url for s in self.servers)
                 raise ServerError(
                     f"no vLLM server answered within retry_seconds ({self.retry_seconds:g} "
-                    f"s) to take weights version {version}; servers: {urls}. The last "
-                    "checkpoint is kept: restart the servers and resume with --ckpt_path last")
+                    f"s) to take weights version {version}; servers: {urls}. Restart them "
+                    "(the last checkpoint is kept: resume with --ckpt_path last)")
             if delay == 0.5:
                 log.warning("no vLLM server answers (%s); waiting up to retry_seconds "
                             "(%g s) for one to come back", failures[0], self.retry_seconds)

@@ -346,7 +346,7 @@ def test_a_sync_waits_retry_seconds_for_its_only_server_to_come_back(
     started = time.monotonic()
     try:
         with pytest.raises(ServerError, match=r"no vLLM server answered within retry_seconds "
-                           r"\(1 s\).*resume with --ckpt_path last"):
+                           r"\(1 s\).*Restart them .*resume with --ckpt_path last"):
             gone.sync(torch.nn.Linear(3, 2))
     finally:
         gone.close()

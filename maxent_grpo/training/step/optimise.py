@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -192,7 +193,10 @@ def optimizer_step(
         grad_norm = grad_norm / scale
         finite = finite & torch.isfinite(grad_norm)
     if not ctx.all_ranks(bool(finite)):
-        opt.zero_grad(set_to_none=True)  # the update is skipped on every rank
+        opt.zero_grad(set_to_none=True)  # the update is skipped on every rank; it counts
+        with warnings.catch_warnings():  # as a step (count_update), of the schedule too
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+            sched.step()  # (torch warns of a schedule stepped before its optimizer)
         if scaler is None:
             return Update(None, math.nan, skipped=True)
         # the scale backs off and its growth count restarts, as the scaler's own skip does;
@@ -314,8 +318,10 @@ def count_update(counters: StepCounters, update: Update, trainer: Any, limit: in
     """Count a skipped update (warn; raise :class:`NonFiniteLossError` at ``limit`` in a
     row) or reset the run of skips after one that was taken.
 
-    A skipped update still counts as an optimizer step in ``trainer.global_step`` (the
-    learning-rate scheduler is not stepped for it): the count then always moves by
+    A skipped update still counts as an optimizer step in ``trainer.global_step`` (and the
+    learning-rate schedule takes its step, as for a step without gradient; only the weights
+    stay as they were), as Lightning's own loop and Hugging Face's count a loss scaler's
+    skipped step: the count then always moves by
     ``num_iterations`` per training step, so ``max_steps`` and a checkpoint's
     ``every_n_train_steps``, multiples of it (:func:`~maxent_grpo.training.step.strategy.
     check_step_multiples`), are met exactly. (Uncounted, one skip with ``num_iterations`` 2
