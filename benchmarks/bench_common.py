@@ -20,7 +20,6 @@ A workload is one model and one prompt set, materialised once under ``benchmarks
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -280,11 +279,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def reset_peak_rss() -> None:
-    """Start :func:`peak_rss_mib` again from the current resident set (Linux; elsewhere
-    nothing), for a second measurement in the same process."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def reset_peak_rss() -> bool:
+    """Start :func:`peak_rss_mib` again from the current resident set, for a second
+    measurement in the same process; False where that cannot be done (not Linux, or a
+    kernel that refuses), and the peak then goes on from the earlier one."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def peak_cuda_mib() -> float | None:

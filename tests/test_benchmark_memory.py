@@ -25,5 +25,5 @@ def test_a_worker_reports_its_own_peak_not_its_launchers():
     child = float(out.stdout)
     del ballast
     assert parent > 400 and child < 100  # a bare interpreter's own peak is ~10 MiB
-    bc.reset_peak_rss()
-    assert bc.peak_rss_mib() < parent  # after the reset: today's resident set, not the peak
+    if bc.reset_peak_rss():  # where the kernel allows it
+        assert bc.peak_rss_mib() < parent  # after the reset: today's resident set
