@@ -318,6 +318,20 @@ def test_a_server_error_is_its_message_not_a_lost_process_or_a_bug(capsys):
     assert not errors.peer_failed(gloo)  # no process group here: no peer to have lost
 
 
+def test_an_mlflow_server_that_does_not_answer_is_named_not_called_a_bug(capsys):
+    """An unreachable tracking_uri: mlflow retries, then raises MlflowException, which was
+    printed as a bug in maxent_grpo with its trace."""
+    mlflow = pytest.importorskip("mlflow.exceptions")
+    error = mlflow.MlflowException(
+        "API request to http://127.0.0.1:9/api/2.0/mlflow/experiments/get-by-name failed "
+        "with exception HTTPConnectionPool(host='127.0.0.1', port=9): Max retries exceeded")
+    assert errors.report(error, show_trace=False) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: API request to http://127.0.0.1:9") and "tracking_uri" in err
+    assert "bug" not in err and "Traceback" not in err
+    assert not errors.is_user_error(mlflow.MlflowException("an internal index error"))
+
+
 def test_messages():
     assert errors.message_of(FileNotFoundError(2, "No such file or directory", "a.txt")) == (
         "[Errno 2] No such file or directory: 'a.txt'")

@@ -80,7 +80,16 @@ def is_user_error(error: BaseException) -> bool:
         return error.name is None and bool(str(error))
     kind = type(error)  # a logger's own account that is not set up (``wandb login``)
     return isinstance(error, user_error_types()) or (
-        kind.__module__.startswith("wandb") and kind.__name__ == "UsageError")
+        kind.__module__.startswith("wandb") and kind.__name__ == "UsageError") or (
+        _mlflow_unreachable(error))
+
+
+def _mlflow_unreachable(error: BaseException) -> bool:
+    """An MLflow tracking server that does not answer (after mlflow's own retries)."""
+    kind = type(error)
+    return (kind.__module__.startswith("mlflow") and kind.__name__ == "MlflowException"
+            and any(m in str(error) for m in ("API request to", "Max retries exceeded",
+                                              "Connection refused")))
 
 
 # the trace a re-raised worker / spawned-process error carries as text ends in "Type: message"
@@ -192,6 +201,9 @@ def message_of(error: BaseException) -> str:
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
         message += (" (out of memory: lower data.batch_size, model.num_generations or "
                     "model.max_completion_length, or set model.micro_batch_groups)")
+    if _mlflow_unreachable(error):
+        message += (" (the MLflow logger's tracking server: start it, or set "
+                    "--trainer.logger.init_args.tracking_uri)")
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename!r}"
     cause = error.__cause__

@@ -11,7 +11,10 @@ prompts (:func:`maxent_grpo.core.at_k.aggregate`):
 - ``{prefix}/greedy_pass@1``: the mean greedy correctness;
 - ``{prefix}/answer_entropy``: the mean over prompts of the entropy (nats) of its ``n``
   answers, canonical as ``train/answer_entropy`` reads them;
-- the same keys with ``/{task}`` appended, over the prompts of each task label.
+- the same keys with ``/{task}`` appended, over the prompts of each task label, when the
+  records hold two task labels or more (one would repeat the totals, and a metric name that
+  is also a folder of names breaks MLflow's file store: ``val/pass@1`` beside
+  ``val/pass@1/arithmetic_easy`` stopped a run at its first validation).
 
 Answers: :func:`sample_answer`; ``distinct@k``, ``distinct_correct@k`` and the entropy
 compare them as :func:`~maxent_grpo.rewards.answers.compared_answer` does (the canonical form
@@ -128,8 +131,8 @@ def evaluation_metrics(
     records: Sequence[PromptRecord], ks: Sequence[int], prefix: str
 ) -> dict[str, float]:
     """The logged metrics of an evaluation epoch: ``{prefix}/{metric}`` over all records
-    and ``{prefix}/{metric}/{task}`` over the records of each task label (see the module
-    docstring). Empty ``records`` give ``{}``.
+    and ``{prefix}/{metric}/{task}`` over the records of each task label, two or more (see
+    the module docstring). Empty ``records`` give ``{}``.
 
     >>> r = [PromptRecord((1.0, 0.0), ("8", "9"), task="a"),
     ...      PromptRecord((0.0, 0.0), ("1", "1"), task="b")]
@@ -141,7 +144,7 @@ def evaluation_metrics(
         return {}
     out = {f"{prefix}/{k}": v for k, v in _metrics(records, ks).items()}
     tasks = sorted({r.task for r in records if r.task is not None})
-    for task in tasks:
+    for task in tasks if len(tasks) > 1 else []:
         subset = [r for r in records if r.task == task]
         out.update({f"{prefix}/{k}/{task}": v for k, v in _metrics(subset, ks).items()})
     return out

@@ -80,6 +80,8 @@ def test_metric_dict_from_hand_made_records():
     assert m["val/greedy_pass@1/a"] == pytest.approx(0.5)
     assert not any("coverage" in k for k in m)  # no valid-answer sets
     assert evaluation_metrics([], [1], "val") == {}
+    one_task = evaluation_metrics(records[:2], [1, 2], "val")  # the totals, not repeated
+    assert "val/pass@1" in one_task and not any(k.endswith("/a") for k in one_task)
 
 
 def test_coverage_counts_distinct_correct_canonical_answers():
@@ -165,9 +167,9 @@ def test_validate_logs_pass_mean_distinct_greedy_and_per_task(cache_dir):
     assert 0.0 <= out["val/distinct@1"] <= 1.0 and 1.0 <= out["val/distinct@4"] <= 4.0
     # greedy: one completion per prompt, scored 1, 0, 1, 0 within each batch of 4
     assert out["val/greedy_pass@1"] == pytest.approx(0.5)
-    # the tasks' "task" column gives a breakdown
-    assert out["val/pass@1/arithmetic_easy"] == pytest.approx(0.5)
-    assert out["val/greedy_pass@1/arithmetic_easy"] == pytest.approx(0.5)
+    # one task: no breakdown repeating the totals (with MLflow's file store, the metric
+    # val/pass@1 beside val/pass@1/arithmetic_easy stopped the run at its first validation)
+    assert not any(k.endswith("/arithmetic_easy") for k in out)
     assert out["val/reward/mean"] == pytest.approx(1.0)  # 0.5 + 0.5 on average
     assert not any("coverage" in k for k in out)
     assert module.evaluator.records == []  # reset for the next epoch
@@ -229,7 +231,7 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir, caplog):
         "prompt 0: valid_answers ['not an answer']"]
     assert "val/coverage@2" not in logged and "val/pass@1" in logged
     assert logged["val/pass@1"] == pytest.approx((1.0 + 0.5) / 2)
-    assert logged["val/pass@1/countdown_multi"] == logged["val/pass@1"]
+    assert "val/pass@1/countdown_multi" not in logged  # one task: the totals are its own
 
 
 def answer_value(prompts, completions, answer, **columns):
