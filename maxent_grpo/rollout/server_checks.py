@@ -41,8 +41,7 @@ class ServerChecks:
         try:
             self._call(server, "GET", "/weight_info", timeout=30.0)
             if self.weight_transfer == "file":  # a collective's group forms at the first sync
-                self._call(server, "POST", "/init_weight_transfer_engine",
-                           json={"init_info": {}}, timeout=60.0)
+                self._open_file_transfer(server)
         except ServerError as err:
             raise ServerError(
                 f"{server.url} cannot take weight updates ({err}): start it with "

@@ -297,12 +297,12 @@ class ServerWeights:
         process)."""
         deadline, delay = None, 0.5
         while True:
-            failures, unanswered, refused = [], 0, []
+            failures, refused = [], []
             for i, server in enumerate(self.servers):
                 try:
                     self._call(server, "GET", "/health", timeout=5.0)
                 except ServerError:
-                    server.healthy, unanswered = False, unanswered + 1
+                    server.healthy = False
                     failures.append(ServerError(
                         f"{server.url} does not answer; weights version {version} not "
                         "sent (it gets them once it answers again)"))
@@ -310,8 +310,7 @@ class ServerWeights:
                 try:
                     if self.weight_transfer == "file":
                         if not server.healthy:  # restarted: its transfer engine is new
-                            self._call(server, "POST", "/init_weight_transfer_engine",
-                                       json={"init_info": {}}, timeout=60.0)
+                            self._open_file_transfer(server)
                         self._transfer(server, self._file, self._file_info, version)
                     else:
                         self._broadcast(server, version)
@@ -336,6 +335,12 @@ class ServerWeights:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
+    def _open_file_transfer(self, server: _Server) -> None:
+        """Start the ``file`` transport's engine on ``server`` (once per server process;
+        again after a restart, harmless on a running one)."""
+        self._call(server, "POST", "/init_weight_transfer_engine", json={"init_info": {}},
+                   timeout=60.0)
+
     def _revive(self, server: _Server) -> bool:
         """Whether ``server`` answers and holds the current weights (sending them when it
         came back holding others and the weights file is at hand)."""
@@ -354,8 +359,7 @@ class ServerWeights:
             try:
                 with server.lock:  # a restarted server needs the transfer engine again
                     if server.version != str(self.version):
-                        self._call(server, "POST", "/init_weight_transfer_engine",
-                                   json={"init_info": {}}, timeout=60.0)
+                        self._open_file_transfer(server)
                         server.version = None
                 self._transfer(server, self._file, self._file_info, str(self.version))
             except ServerError:

@@ -144,7 +144,7 @@ def evaluation_metrics(
         return {}
     out = {f"{prefix}/{k}": v for k, v in _metrics(records, ks).items()}
     tasks = sorted({r.task for r in records if r.task is not None})
-    for task in tasks if len(tasks) > 1 else []:
+    for task in tasks if len(tasks) > 1 else []:  # one task: its keys are the totals
         subset = [r for r in records if r.task == task]
         out.update({f"{prefix}/{k}/{task}": v for k, v in _metrics(subset, ks).items()})
     return out
