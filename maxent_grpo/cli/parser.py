@@ -34,6 +34,7 @@ from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
+from maxent_grpo.training.run.folders import SaveRunConfig
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -440,6 +441,7 @@ def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool)
             parser_class=ShortUsageParser,
             seed_everything_default=0,
             auto_configure_optimizers=False,
+            save_config_callback=SaveRunConfig,
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,

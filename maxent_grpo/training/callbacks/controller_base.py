@@ -40,6 +40,7 @@ from maxent_grpo.training.callbacks.state_file import (
     write_controller_state,
 )
 from maxent_grpo.training.run.checkpoint_io import unwritable
+from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.training.types import ControllerPaths, LoopSettings
 from maxent_grpo.validation import check_bool, require
 
@@ -107,8 +108,7 @@ class Controller(Callback):
                 "; use MetaController alone, or TauController and/or BetaController",
             )
         if self.paths.state_path is not None:
-            log_dir = trainer.log_dir or trainer.default_root_dir
-            self._state_file = Path(self.paths.state_path.replace("{log_dir}", log_dir))
+            self._state_file = Path(self.paths.state_path.replace("{log_dir}", run_dir(trainer)))
         origin = "model.objective"
         if self.paths.resume_from is not None:
             path = self.paths.resume_from

@@ -25,6 +25,7 @@ from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy, model_chain
 from maxent_grpo.rollout.weights import sharded_state_dict
 from maxent_grpo.training.run.checkpoint_io import unwritable
+from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.validation import check_bool, check_int, require
 
 __all__ = ["EXPORT_COMMAND", "HFExport", "export_policy"]
@@ -142,7 +143,7 @@ class HFExport(Callback):
     (:func:`~maxent_grpo.adapters.merged_copy`, from a fresh copy of the base).
 
     Args:
-        dirpath: output folder (``~`` expanded); None means ``<trainer.log_dir>/hf`` (the
+        dirpath: output folder (``~`` expanded); None means ``<run folder>/hf`` (the
             logger's version folder). Refused when an export would replace the folder the
             model loads from (a run continuing from ``<dirpath>/final``).
         every_n_train_steps: also export every this many optimizer steps; None: only at the end.
@@ -166,7 +167,7 @@ class HFExport(Callback):
         """Pick ``dirpath`` and make sure it can be written before anything trains (it was
         found out at the end of training, which then lost the last checkpoint too)."""
         if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
+            self.dirpath = os.path.join(run_dir(trainer), "hf")
         self._training_ended = False
         if stage != "fit":
             return

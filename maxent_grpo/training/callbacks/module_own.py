@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint import resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
+from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.training.types.runtime import detached_controllers
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
@@ -104,7 +105,7 @@ class CompletionWriter(L.Callback):
         if stage != "predict":
             return
         if self.output is None:  # a new file: an earlier predict's is kept
-            path = _unused(Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PREDICTIONS)
+            path = _unused(Path(run_dir(trainer)) / DEFAULT_PREDICTIONS)
         else:
             path = Path(self.output).expanduser()
             folder = path.is_dir() or str(self.output).endswith(("/", os.sep))

@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning_utilities.core.imports import RequirementCache
 
 from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
+from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.validation import check_choice, check_int
 
 MODES = ("auto", "bar", "lines")
@@ -268,7 +269,7 @@ class ReadableProgressBar(TQDMProgressBar):
         saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
                  if cb.dirpath and (cb.last_model_path or cb.best_model_path
                                     or getattr(cb, "save_last", None))]
-        log_dir = getattr(trainer, "log_dir", None) if getattr(trainer, "loggers", None) else None
+        log_dir = run_dir(trainer) if getattr(trainer, "loggers", None) else None
         lines = fit_summary(
             trainer.global_step - self._start_step, time.monotonic() - self._start_time,
             self.report, _shown(log_dir), list(dict.fromkeys(saved)), stopped)

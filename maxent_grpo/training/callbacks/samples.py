@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
+from maxent_grpo.training.run.folders import logger_folder, run_dir
 from maxent_grpo.training.step.trajectory import RolloutSamples
 from maxent_grpo.training.types import AdvantageStats, QDistribution
 from maxent_grpo.validation import check_bool, check_int, require
@@ -262,9 +263,9 @@ class CompletionSamples(Callback):
         self._told_no_logger = False
 
     def _log_dir(self, trainer: pl.Trainer) -> str:
-        """The run's folder: ``trainer.log_dir`` (else ``default_root_dir``), read once."""
+        """The run's folder (:func:`~maxent_grpo.training.run.folders.run_dir`), read once."""
         if self._run_dir is None:
-            self._run_dir = str(trainer.log_dir or trainer.default_root_dir)
+            self._run_dir = run_dir(trainer)
         return self._run_dir
 
     def _resolve_jsonl(self, trainer: pl.Trainer) -> Path:
@@ -279,7 +280,7 @@ class CompletionSamples(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Log the CLI's ``config.yaml`` (if any) as TensorBoard text.
 
-        Every rank reads ``trainer.log_dir`` here (a broadcast from rank 0 under DDP, which
+        Every rank reads the run's folder here (a broadcast from rank 0 under DDP, which
         would hang if only rank 0 read it)."""
         config = Path(self._log_dir(trainer)) / "config.yaml"
         if self.jsonl_path is not None:
@@ -361,8 +362,8 @@ class CompletionSamples(Callback):
             if isinstance(logger, (WandbLogger, MLFlowLogger, DummyLogger)) or isinstance(
                     getattr(logger, "experiment", None), SummaryWriter):
                 continue
-            log_dir = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-            files.append(Path(log_dir or self._log_dir(trainer)) / "samples" / "completions.jsonl")
+            folder = logger_folder(logger, trainer.default_root_dir)
+            files.append(Path(folder) / "samples" / "completions.jsonl")
         return files
 
     def write_tensorboard(self, writer: Any, record: RolloutSamples, step: int) -> None:

@@ -60,10 +60,11 @@ def fake(tmp_path: Path, loggers: list | None = None, *, rank0: bool = True,
     """A trainer with ``loggers``, by default one holding a real SummaryWriter in
     ``tmp_path / "tb"``; its run folder is ``tmp_path``."""
     if loggers is None:
-        loggers = [SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")))]
+        loggers = [SimpleNamespace(experiment=SummaryWriter(str(tmp_path / "tb")),
+                                   log_dir=str(tmp_path))]
     trainer = SimpleNamespace(
         loggers=loggers, is_global_zero=rank0, global_step=0, log_dir=str(tmp_path),
-        default_root_dir=str(tmp_path),
+        default_root_dir=str(tmp_path), strategy=SimpleNamespace(broadcast=lambda x: x),
     )
     return trainer, SimpleNamespace(trajectory=SimpleNamespace(samples=record))
 
@@ -527,7 +528,7 @@ def test_a_resumed_fit_drops_the_rows_it_writes_again(tmp_path):
     line cut short by a kill) leave the run's JSONL dump and the loggers' samples files; a
     row whose text holds U+2028 or U+0085 is one row. A ``jsonl_path`` outside the run's
     folder may hold other runs' rows, and keeps them."""
-    dump = tmp_path / "rollouts.jsonl"
+    dump = tmp_path / "csv" / "rollouts.jsonl"  # {log_dir}: the first logger's folder
     shared = tmp_path / "shared.jsonl"
     logged = tmp_path / "csv" / "samples" / "completions.jsonl"
     logged.parent.mkdir(parents=True)

@@ -1,0 +1,90 @@
+"""Each run's own folder with W&B and MLflow: ``config.yaml`` and ``{log_dir}`` files are
+not shared by the runs of one ``save_dir``, and the loggers get the whole config."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from maxent_grpo.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def fit(tmp_path: Path, logger: list[str]):
+    """Two steps of the tiny config with ``logger`` and every completion in ``{log_dir}``."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", "--trainer.callbacks=[]",
+            "--trainer.callbacks+=maxent_grpo.training.callbacks.CompletionSamples",
+            "--trainer.callbacks.jsonl_path={log_dir}/r.jsonl",
+            f"--model.model_cache_dir={tmp_path / 'models'}", *logger]
+    return main(args, run=True)
+
+
+def check_own_folder(cli, save_dir: Path, seen: list[Path]) -> Path:
+    """The run's ``config.yaml`` and JSONL are in a folder of its own under ``save_dir``."""
+    logger = cli.trainer.logger
+    folder = save_dir / str(logger.name) / str(logger.version)
+    assert folder not in seen
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    assert config["model"]["objective"]["class_path"] == "maxent_grpo.objectives.GRPO"
+    rows = [json.loads(line) for line in (folder / "r.jsonl").read_text().splitlines()]
+    batch = config["data"]["batch_size"]
+    assert [r["step"] for r in rows] == [0] * batch * 8 + [1] * batch * 8  # this run's only
+    assert not (save_dir / "config.yaml").exists() and not (save_dir / "r.jsonl").exists()
+    seen.append(folder)
+    return folder
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    return tmp_path
+
+
+def test_wandb_runs_of_one_save_dir_have_their_own_folder_and_the_whole_config(
+        cwd, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(cwd / "wandb_home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    save_dir = cwd / "wb"
+    logger = ["--trainer.logger=lightning.pytorch.loggers.WandbLogger",
+              "--trainer.logger.init_args.offline=true",
+              f"--trainer.logger.init_args.save_dir={save_dir}"]
+    seen: list[Path] = []
+    try:
+        for _ in range(2):
+            cli = fit(cwd, logger)
+            check_own_folder(cli, save_dir, seen)
+            config = dict(cli.trainer.logger.experiment.config)["config"]
+            assert config["model"]["objective"]["init_args"]["beta"] == 0.04
+            assert config["model"]["optimizer"]["class_path"] == "torch.optim.AdamW"
+            assert config["trainer"]["max_steps"] == 2
+            wandb.finish()
+    finally:
+        wandb.finish()
+
+
+def test_mlflow_runs_have_their_own_folder_and_the_whole_config(cwd, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = cwd / "mlruns"
+    logger = ["--trainer.logger=lightning.pytorch.loggers.MLFlowLogger",
+              f"--trainer.logger.init_args.tracking_uri=file:{store}"]
+    seen: list[Path] = []
+    for _ in range(2):
+        cli = fit(cwd, logger)
+        folder = check_own_folder(cli, store, seen)
+        params = cli.trainer.logger.experiment.get_run(cli.trainer.logger.run_id).data.params
+        assert params["config/model/objective/class_path"] == "maxent_grpo.objectives.GRPO"
+        assert json.loads(params["config/model/optimizer/init_args/lr"]) == 0.001
+        assert params["max_completion_length"] == "4"  # the module's own, as before
+        assert (folder / "meta.yaml").is_file()  # MLflow's own run folder
