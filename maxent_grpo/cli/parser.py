@@ -34,7 +34,7 @@ from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
-from maxent_grpo.training.run.folders import SaveRunConfig
+from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -231,9 +231,9 @@ class MaxEntGRPOCLI(LightningCLI):
             trainer.callbacks.append(ckpt_io.LoggerVersions())
 
     def _use_checked_checkpoint(self) -> None:
-        """Hand Lightning the checkpoint that :meth:`_prepare_resume` checked; a sharded
-        checkpoint's folder only to a strategy that reads one (others failed with a bare
-        "Is a directory")."""
+        """Hand Lightning the checkpoint that :meth:`_prepare_resume` checked (a sharded
+        one's folder only to a strategy that reads one); warn of an MLflow server that does
+        not answer."""
         from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
         resume = getattr(self, "_resume", None)
@@ -246,6 +246,8 @@ class MaxEntGRPOCLI(LightningCLI):
                 f"with maxent-grpo export {resume.path})")
         if resume is not None:
             self.config_init[str(self.subcommand)]["ckpt_path"] = resume.path
+        if self.trainer.is_global_zero:
+            warn_unreachable_trackers(self.trainer.loggers)
 
     before_validate = before_test = before_predict = _use_checked_checkpoint
 
@@ -294,8 +296,7 @@ class MaxEntGRPOCLI(LightningCLI):
 
 
 def _same_dir(a: Any, b: Any) -> bool:
-    return a is not None and b is not None and (
-        ckpt_io.absolute_folder(a) == ckpt_io.absolute_folder(b))
+    return None not in (a, b) and ckpt_io.absolute_folder(a) == ckpt_io.absolute_folder(b)
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by
@@ -314,8 +315,7 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # Lightning 2.6's own use of a class torch 2.13 deprecated
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
 )
-#: info lines a command-line run does not print (Lightning's advertisement for litlogger)
-QUIET_INFO = ("💡 Tip: For seamless cloud logging",)
+QUIET_INFO = ("💡 Tip: For seamless cloud logging",)  #: info lines not printed (an advert)
 
 
 class _DropInfo(logging.Filter):

@@ -10,8 +10,11 @@ MLflow: ``<experiment id>/<run id>``).
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 from lightning.pytorch.cli import SaveConfigCallback
@@ -38,6 +41,26 @@ def run_dir(trainer: Any) -> str:
     if not loggers or isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
         return str(trainer.log_dir or trainer.default_root_dir)  # broadcast by Lightning
     return str(trainer.strategy.broadcast(logger_folder(loggers[0], trainer.default_root_dir)))
+
+
+def warn_unreachable_trackers(loggers: list[Any]) -> None:
+    """Say at once when an MLflow logger's tracking server refuses a connection: mlflow
+    retries for minutes, silently, before the run stops (the wait stays: a restarting
+    server may come back)."""
+    for logger in loggers:
+        uri = str(getattr(logger, "_tracking_uri", "")) if type(logger).__name__ == \
+            "MLFlowLogger" else ""
+        address = urlparse(uri)
+        if address.scheme not in ("http", "https") or not address.hostname:
+            continue
+        try:
+            port = address.port or (443 if address.scheme == "https" else 80)
+            socket.create_connection((address.hostname, port), timeout=5).close()
+        except (OSError, ValueError) as err:
+            logging.getLogger(__name__).warning(
+                "MLFlowLogger: the tracking server %s does not answer (%s); mlflow retries "
+                "for minutes before the run stops: start the server or fix tracking_uri",
+                uri, err)
 
 
 class SaveRunConfig(SaveConfigCallback):

@@ -4,6 +4,8 @@ not shared by the runs of one ``save_dir``, and the loggers get the whole config
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -88,3 +90,24 @@ def test_mlflow_runs_have_their_own_folder_and_the_whole_config(cwd, monkeypatch
         assert json.loads(params["config/model/optimizer/init_args/lr"]) == 0.001
         assert params["max_completion_length"] == "4"  # the module's own, as before
         assert (folder / "meta.yaml").is_file()  # MLflow's own run folder
+
+
+def test_an_mlflow_server_that_refuses_connections_is_named_at_once(caplog, monkeypatch,
+                                                                   tmp_path):
+    """mlflow retried for minutes before saying anything (4 min 17 s measured)."""
+    pytest.importorskip("mlflow")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from maxent_grpo.training.run.folders import warn_unreachable_trackers
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        answering = MLFlowLogger(tracking_uri=f"http://127.0.0.1:{port}")
+        with caplog.at_level(logging.WARNING):
+            warn_unreachable_trackers([answering])
+        assert "does not answer" not in caplog.text
+    closed = MLFlowLogger(tracking_uri=f"http://127.0.0.1:{port}")  # no one listens now
+    with caplog.at_level(logging.WARNING):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        warn_unreachable_trackers([closed, MLFlowLogger(tracking_uri=f"file:{tmp_path}")])
+    assert caplog.text.count("does not answer") == 1 and f"127.0.0.1:{port}" in caplog.text
