@@ -22,6 +22,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -103,7 +104,6 @@ class MaxEntGRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         for source, target in LINKS:
             parser.link_arguments(source, target)
-
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
 
@@ -407,7 +407,7 @@ def check_linked_targets(args: list[str]) -> None:
         if value is None:
             continue
         try:
-            text = open(value, encoding="utf-8").read() if os.path.isfile(value) else (
+            text = Path(value).read_text("utf-8") if os.path.isfile(value) else (
                 value if value.lstrip().startswith("{") else None)
             config = yaml.safe_load(text) if text is not None else None
         except (OSError, yaml.YAMLError, UnicodeDecodeError):

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_utilities.core.imports import RequirementCache
 
 from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
@@ -269,7 +270,8 @@ class ReadableProgressBar(TQDMProgressBar):
         saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
                  if cb.dirpath and (cb.last_model_path or cb.best_model_path
                                     or getattr(cb, "save_last", None))]
-        log_dir = run_dir(trainer) if getattr(trainer, "loggers", None) else None
+        loggers = getattr(trainer, "loggers", None)
+        log_dir = run_dir(trainer) if loggers and not isinstance(loggers[0], DummyLogger) else None
         lines = fit_summary(
             trainer.global_step - self._start_step, time.monotonic() - self._start_time,
             self.report, _shown(log_dir), list(dict.fromkeys(saved)), stopped)

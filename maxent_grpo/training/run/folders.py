@@ -17,8 +17,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 import yaml
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 
@@ -34,11 +36,11 @@ def logger_folder(logger: Any, default_root_dir: str) -> str:
 
 
 def run_dir(trainer: Any) -> str:
-    """The run's folder: Lightning's ``trainer.log_dir`` with no logger or a TensorBoard or
-    CSV one first, else the first logger's :func:`logger_folder`, rank 0's (broadcast).
-    Every rank must call it."""
+    """The run's folder: Lightning's ``trainer.log_dir`` with no logger (a ``fast_dev_run``'s
+    DummyLogger is none) or a TensorBoard or CSV one first, else the first logger's
+    :func:`logger_folder`, rank 0's (broadcast). Every rank must call it."""
     loggers = getattr(trainer, "loggers", None) or []
-    if not loggers or isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
+    if not loggers or isinstance(loggers[0], (TensorBoardLogger, CSVLogger, DummyLogger)):
         return str(trainer.log_dir or trainer.default_root_dir)  # broadcast by Lightning
     return str(trainer.strategy.broadcast(logger_folder(loggers[0], trainer.default_root_dir)))
 
@@ -63,37 +65,73 @@ def warn_unreachable_trackers(loggers: list[Any]) -> None:
                 uri, err)
 
 
+def keep_first_values(logger: Any) -> None:
+    """An MLflow logger whose run already holds some parameters with other values (a
+    continued ``run_id``) keeps those, logs the new ones and warns naming the changed ones;
+    MLflow refuses to change a logged parameter, which stopped the run (e.g. a resume with
+    another ``--model.temperature``)."""
+    log = logger.log_hyperparams
+
+    def log_hyperparams(params: Any) -> None:
+        try:
+            log(params)
+        except Exception as err:  # noqa: BLE001 - mlflow's own type, imported lazily
+            if type(err).__name__ != "MlflowException" or "Changing param" not in str(err):
+                raise
+            logged = logger.experiment.get_run(logger.run_id).data.params
+            flat = {k: str(v)[:250] for k, v in _flatten_dict(_convert_params(params)).items()}
+            log({k: v for k, v in flat.items() if k not in logged})
+            changed = sorted(k for k, v in flat.items() if logged.get(k, v) != v)
+            rank_zero_warn(
+                f"MLFlowLogger: run {logger.run_id} keeps the values it logged first for "
+                f"{len(changed)} parameter(s) that this run sets otherwise (MLflow does not "
+                f"change a logged parameter; config.yaml has this run's): "
+                + ", ".join(changed[:8]) + (", ..." if len(changed) > 8 else ""))
+
+    logger.log_hyperparams = log_hyperparams
+
+
 class SaveRunConfig(SaveConfigCallback):
-    """The CLI's ``config.yaml``, written on rank 0 into :func:`run_dir` (replacing the
-    file of a resumed version), and the whole config, nested under ``config``, as the
-    hyper-parameters of every logger that keeps no folder of its own beside it (W&B,
-    MLflow, others; not TensorBoard or CSV, whose version folder holds the file): their
-    runs showed only the module's plain options, not the objective, optimizer, scheduler,
-    adapters, data or trainer."""
+    """The CLI's ``config.yaml``, written on rank 0 into the folder of every logger's run
+    (:func:`run_dir` first; no logger: ``default_root_dir``), and the whole config, nested
+    under ``config``, as the hyper-parameters of every logger but TensorBoard and CSV (W&B,
+    MLflow, ...: their runs showed only the module's plain options, not the objective,
+    optimizer, scheduler, adapters, data or trainer). A fit replaces the file of the
+    version it continues; ``validate``, ``test`` or ``predict`` in a run folder that holds
+    one (a W&B ``id``, an MLflow ``run_id``) writes ``<stage>_config.yaml`` beside it and
+    leaves the logger's hyper-parameters as the fit logged them."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.already_saved:
             return
         folder = run_dir(trainer)
         if trainer.is_global_zero:
-            os.makedirs(folder, exist_ok=True)
-            self.parser.save(self.config, os.path.join(folder, self.config_filename),
-                             skip_unset=False, overwrite=True, multifile=self.multifile)
-            self.save_config(trainer, pl_module, stage)
+            self._save(trainer, folder, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)
 
-    def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        loggers = [logger for logger in trainer.loggers
-                   if not isinstance(logger, (TensorBoardLogger, CSVLogger))]
-        if not loggers:
-            return
-        config = yaml.safe_load(self.parser.dump(self.config, skip_unset=False))
+    def _save(self, trainer: Any, folder: str, stage: str) -> None:
+        loggers = [lg for lg in trainer.loggers if not isinstance(lg, DummyLogger)]
         for logger in loggers:
-            try:
-                logger.log_hyperparams({"config": config})
-            except Exception as err:  # noqa: BLE001 - mlflow's own type, imported lazily
-                if type(err).__name__ != "MlflowException":
-                    raise
-                rank_zero_warn(f"{type(logger).__name__}: the continued run keeps the config "
-                               f"values it logged first (MLflow does not change one): {err}")
+            if isinstance(logger, MLFlowLogger):
+                keep_first_values(logger)
+        folders = [folder, *(logger_folder(lg, trainer.default_root_dir) for lg in loggers[1:])]
+        stage = str(getattr(stage, "value", stage))  # Lightning passes a TrainerFn
+        written: set[str] = set()
+        config = None
+        for n, where in enumerate(folders):
+            path = os.path.join(where, self.config_filename)
+            kept = stage != "fit" and os.path.isfile(path)  # a fit's: evaluating leaves it
+            if kept:
+                path = os.path.join(where, f"{stage}_{self.config_filename}")
+            if os.path.abspath(path) not in written:
+                written.add(os.path.abspath(path))
+                os.makedirs(where, exist_ok=True)
+                self.parser.save(self.config, path, skip_unset=False, overwrite=True,
+                                 multifile=self.multifile)
+            logger = loggers[n] if n < len(loggers) else None
+            if logger is None or kept or isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                continue
+            if config is None:
+                config = yaml.safe_load(self.parser.dump(self.config, skip_unset=False))
+            logger.log_hyperparams({"config": config})

@@ -334,3 +334,14 @@ def test_a_plain_trainer_gets_the_readable_bar_and_a_bar_of_ones_own_stays(cache
 
     assert bar_of([]) is ReadableProgressBar  # Lightning's own default gave way
     assert bar_of([Own()]) is Own
+
+
+def test_a_fast_dev_run_names_no_log_folder(cache_dir, tmp_path):
+    """Its DummyLogger logs nothing: the summary said ``logs: .``."""
+    out = io.StringIO()
+    bar = ReadableProgressBar(mode="lines", every_n_steps=100, stream=out)
+    trainer = L.Trainer(fast_dev_run=1, accelerator="cpu", callbacks=[bar],
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+    assert "fit done: " in out.getvalue()
+    assert "logs:" not in out.getvalue()

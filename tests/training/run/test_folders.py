@@ -17,14 +17,17 @@ from maxent_grpo.cli import main
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def fit(tmp_path: Path, logger: list[str]):
-    """Two steps of the tiny config with ``logger`` and every completion in ``{log_dir}``."""
-    args = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
-            "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+def fit(tmp_path: Path, logger: list[str], command: str = "fit"):
+    """Two steps of the tiny config with ``logger`` and every completion in ``{log_dir}``
+    (``command`` validate: one validation batch)."""
+    args = [command, "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
+            f"--trainer.limit_val_batches={0 if command == 'fit' else 1}",
+            "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", "--trainer.callbacks=[]",
-            "--trainer.callbacks+=maxent_grpo.training.callbacks.CompletionSamples",
-            "--trainer.callbacks.jsonl_path={log_dir}/r.jsonl",
             f"--model.model_cache_dir={tmp_path / 'models'}", *logger]
+    if command == "fit":
+        args += ["--trainer.callbacks+=maxent_grpo.training.callbacks.CompletionSamples",
+                 "--trainer.callbacks.jsonl_path={log_dir}/r.jsonl"]
     return main(args, run=True)
 
 
@@ -90,6 +93,36 @@ def test_mlflow_runs_have_their_own_folder_and_the_whole_config(cwd, monkeypatch
         assert json.loads(params["config/model/optimizer/init_args/lr"]) == 0.001
         assert params["max_completion_length"] == "4"  # the module's own, as before
         assert (folder / "meta.yaml").is_file()  # MLflow's own run folder
+    # the same run continued with another module option: MLflow keeps the first value
+    # (it refuses to change one, which stopped the run as "a bug in maxent_grpo")
+    run_id = cli.trainer.logger.run_id
+    again = [*logger, f"--trainer.logger.init_args.run_id={run_id}"]
+    with pytest.warns(UserWarning, match=f"run {run_id} keeps the values .*: temperature"):
+        cli = fit(cwd, [*again, "--model.temperature=0.9"])
+    params = cli.trainer.logger.experiment.get_run(run_id).data.params
+    assert params["temperature"] == "1.0" and params["config/model/temperature"] == "1.0"
+    written = (folder / "config.yaml").read_text()
+    assert "temperature: 0.9" in written  # this run's own values
+    # validating in the fit's run leaves its config.yaml and logs beside it
+    cli = fit(cwd, again, "validate")
+    assert (folder / "config.yaml").read_text() == written
+    assert "ckpt_path" in yaml.safe_load((folder / "validate_config.yaml").read_text())
+    assert cli.trainer.logger.run_id == run_id
+
+
+def test_every_logger_of_a_run_has_its_config_yaml(cwd, monkeypatch):
+    """MLflow first, then a CSVLogger: the CSV version folder has the file too."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = cwd / "mlruns"
+    loggers = (f"--trainer.logger=[{{class_path: lightning.pytorch.loggers.MLFlowLogger, "
+               f"init_args: {{tracking_uri: 'file:{store}'}}}}, {{class_path: "
+               f"lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {cwd / 'csv'}}}}}]")
+    cli = fit(cwd, [loggers])
+    mlflow, csv = cli.trainer.loggers
+    check_own_folder(cli, store, [])
+    assert yaml.safe_load((Path(csv.log_dir) / "config.yaml").read_text())["model"][
+        "objective"]["class_path"] == "maxent_grpo.objectives.GRPO"
 
 
 def test_an_mlflow_server_that_refuses_connections_is_named_at_once(caplog, monkeypatch,
