@@ -630,7 +630,16 @@ def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_di
     lines[9]["answer"] = "ten"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     data = make_data(cache_dir, task=None, task_options=None, data_files=str(path), val_size=0)
-    with pytest.raises(ValueError, match=r"cannot grade train row 9 \(prompt '9 \+ 1 ='\)"):
+    with pytest.raises(ValueError, match=r"cannot grade data.data_files file '.*train.jsonl' "
+                                         r"row 9 \(train prompt '9 \+ 1 ='\)"):
+        fit(make_module(cache_dir), data, steps=1)
+    # two files: the second file and its own row (it was the row among all files, 11)
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
+    data = make_data(cache_dir, task=None, task_options=None, shuffle=False,
+                     data_files=[str(first), str(path)], val_size=0)
+    with pytest.raises(ValueError, match=r"cannot grade data.data_files file '.*/train.jsonl' "
+                                         r"row 9 \(train"):
         fit(make_module(cache_dir), data, steps=1)
     # a validation row: named before Lightning's sanity check validates (which raised the
     # reward's own error, naming no row)
@@ -640,5 +649,5 @@ def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_di
     lines[9]["answer"], lines[bad]["answer"] = "10", "many"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     data = make_data(cache_dir, task=None, task_options=None, data_files=str(path), val_size=4)
-    with pytest.raises(ValueError, match=rf"cannot grade val row {bad} "):
+    with pytest.raises(ValueError, match=rf"cannot grade data.data_files .* row {bad} \(val "):
         fit(make_module(cache_dir), data, steps=1, limit_val_batches=1, num_sanity_val_steps=2)

@@ -12,8 +12,7 @@ A batch is B prompts (``batch_size`` per rank and optimizer step), a dict of lis
     }
 
 Sources: :mod:`~maxent_grpo.training.data.sources`; row checks and rendering:
-:mod:`~maxent_grpo.training.data.prompts`; the seeded, resumable order:
-:mod:`~maxent_grpo.training.data.sampler`.
+:mod:`~maxent_grpo.training.data.prompts`; the order: :mod:`~maxent_grpo.training.data.sampler`.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from maxent_grpo.models import load_tokenizer
@@ -68,10 +68,10 @@ class PromptDataModule(pl.LightningDataModule):
     options of a source not set are dropped with a warning (None in ``hparams``).
 
     :meth:`setup` renders (:class:`~maxent_grpo.training.data.prompts.PromptFormat`) and
-    tokenises each prompt once and drops those over ``max_prompt_length`` (counted in
-    ``dropped``); a prompt of no tokens, an emptied split or, when fitting, fewer training
-    rows than a batch raise ValueError naming the ``--data.`` flags to fix. :meth:`state_dict`
-    records the position in the seeded order, so a resumed run continues mid-epoch.
+    tokenises each prompt once and drops those over ``max_prompt_length`` (``dropped``,
+    warned); no prompt tokens, an emptied split or, when fitting, fewer training rows than
+    a batch per process raise ValueError naming the ``--data.`` flags to fix.
+    :meth:`state_dict` records the position in the seeded order (a resume continues it).
 
     Args:
         task: built-in task name (see ``maxent_grpo.tasks.list_tasks()``), or None.
@@ -171,14 +171,13 @@ class PromptDataModule(pl.LightningDataModule):
         self.train_split, self.val_split = train_split, val_split
         self.dataset_cache_dir = dataset_cache_dir
         self.prompt_column, self.answer_column = prompt_column, answer_column
-        self.system_prompt = system_prompt
+        self.system_prompt, self.max_prompt_length = system_prompt, max_prompt_length
         self.tokenizer_name, self.tokenizer_cache_dir = tokenizer, tokenizer_cache_dir
-        self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
         self.num_workers, self.shuffle = num_workers, shuffle
-        self.apply_chat_template = apply_chat_template
-        self.tools = tuple(resolve_tool(t) for t in tools or ())
+        self.apply_chat_template, self.tools = apply_chat_template, tuple(
+            resolve_tool(t) for t in tools or ())
 
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
         self.train_dataset: PromptDataset | None = None
@@ -199,10 +198,8 @@ class PromptDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Download ``dataset_name`` once (rank 0); :meth:`setup` reads it from the cache."""
         if self.dataset_name is not None:
-            for split in (self.train_split, self.val_split):
-                if split is not None:
-                    load_hub_rows(self.dataset_name, self.dataset_config, split,
-                                  self.dataset_cache_dir)
+            for split in filter(None, (self.train_split, self.val_split)):
+                load_hub_rows(self.dataset_name, self.dataset_config, split, self.dataset_cache_dir)
 
     def _load_sources(self, fitting: bool) -> Sources:
         """The rows of the source that is set (when ``fitting``, a split-off ``val_size`` must
@@ -235,7 +232,7 @@ class PromptDataModule(pl.LightningDataModule):
         """Render ``split``, refuse a prompt of no tokens, drop those over ``max_prompt_length``."""
         examples = fmt.examples(split)
         if not examples:
-            return PromptDataset(examples)
+            return PromptDataset(examples, split.where)
         texts = [ex.prompt for ex in examples]
         lengths = [len(ids) for ids in
                    self._get_tokenizer()(texts, add_special_tokens=False)["input_ids"]]
@@ -254,15 +251,17 @@ class PromptDataModule(pl.LightningDataModule):
                 "(--data.apply_chat_template true)"
             )
         if self.max_prompt_length is None:
-            return PromptDataset(examples)
-        kept = [ex for ex, n in zip(examples, lengths, strict=True)
-                if n <= self.max_prompt_length]
+            return PromptDataset(examples, split.where)
+        fits = [n <= self.max_prompt_length for n in lengths]
+        kept = [ex for ex, fit in zip(examples, fits, strict=True) if fit]
         self.dropped[name] = len(examples) - len(kept)
-        if self.dropped[name]:
-            log.info(
-                "dropped %d of %d %s prompts longer than max_prompt_length=%d tokens",
-                self.dropped[name], len(examples), name, self.max_prompt_length,
-            )
+        if self.dropped[name] and kept:  # the rows a user gave: said, not only logged
+            part, number = split.where(examples[fits.index(False)].index)
+            rank_zero_warn(
+                f"{self.dropped[name]} of {len(examples)} {name} prompts are longer than "
+                f"data.max_prompt_length ({self.max_prompt_length} tokens; the longest has "
+                f"{max(lengths)}) and are left out, the first {part} row {number}; raise "
+                "--data.max_prompt_length (or set it null) to keep them")
         require(
             bool(kept),
             f"every {name} prompt of {split.source} is longer than data.max_prompt_length "
@@ -270,7 +269,7 @@ class PromptDataModule(pl.LightningDataModule):
             f"--data.max_prompt_length {min(lengths)} or more (every prompt fits "
             f"{max(lengths)}), or --data.max_prompt_length null to keep every row",
         )
-        return PromptDataset(kept)
+        return PromptDataset(kept, split.where)
 
     def setup(self, stage: str | None = None) -> None:
         """Load, check, render and length-filter the rows (once); under a trainer's ``fit``
@@ -290,10 +289,11 @@ class PromptDataModule(pl.LightningDataModule):
                 and self.val_split is None else 0,
             }
         if stage in (None, "fit"):
-            require(len(self.train_dataset) >= self.batch_size, too_few_train_prompts(
+            world = int(getattr(self.trainer, "world_size", 1) or 1)  # each rank a share
+            require(len(self.train_dataset) // world >= self.batch_size, too_few_train_prompts(
                 self._train_counts, task=self.task, train_size=self.train_size,
                 val_size=self.val_size, batch_size=self.batch_size,
-                max_prompt_length=self.max_prompt_length,
+                max_prompt_length=self.max_prompt_length, world=world,
             ))
             if self.trainer is not None:
                 self._consumed = 0

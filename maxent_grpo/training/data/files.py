@@ -14,7 +14,7 @@ the file. Text files must be UTF-8.
   string whatever other rows hold); a key a row lacks is None.
 - ``.csv``: a header row, then rows of as many cells (a cell holding a comma is quoted),
   all kept as strings ("" when empty).
-- ``.parquet``: the file's own types.
+- ``.parquet``: the file's own types (a float32 or float16 value as its shortest decimal).
 
 For CSV and Parquet ``datasets`` caches an Arrow copy (``cache_dir``) keyed on path and
 modification time.
@@ -87,7 +87,7 @@ def expand_files(option: str, value: Any, warn: bool = False) -> list[str]:
         f"got {value!r}",
     )
     files: list[str] = []
-    for entry in entries:
+    for entry in map(os.path.expanduser, entries):  # ~/data/*.jsonl, as the other paths
         require(
             Path(entry).suffix.lower() in FILE_SUFFIXES,
             f"{option} must end in one of {', '.join(FILE_SUFFIXES)}; got {entry!r}",
@@ -131,6 +131,7 @@ def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
     with the first bad line, else with the reader's reason).
     """
     import datasets
+    import numpy as np
     import pandas as pd  # installed with datasets
     import pyarrow as pa  # installed with datasets
 
@@ -147,9 +148,16 @@ def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
                 "features": datasets.Features({c: datasets.Value("string") for c in header}),
                 "keep_default_na": False,
             }
-        return datasets.load_dataset(
-            builder, data_files=[path], split="train", cache_dir=cache_dir, **options
-        ).to_list()
+        data = datasets.load_dataset(
+            builder, data_files=[path], split="train", cache_dir=cache_dir, **options)
+        narrow = {c: f.dtype for c, f in data.features.items()
+                  if getattr(f, "dtype", None) in ("float16", "float32")}
+        rows = data.to_list()
+        for row in rows if narrow else ():  # float32 0.1 is 0.1, not 0.10000000149011612
+            for column, dtype in narrow.items():
+                if row[column] is not None:
+                    row[column] = float(str(np.dtype(dtype).type(row[column])))
+        return rows
     except UnicodeDecodeError as err:
         raise ValueError(f"{option} file {path!r} is not UTF-8 text (byte {err.start} of "
                          f"{err.object[err.start:err.start + 1]!r}): save it as UTF-8") from err

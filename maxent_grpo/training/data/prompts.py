@@ -92,14 +92,17 @@ class PromptFormat:
                 text = self.render(raw)
             except ValueError as err:
                 raise ValueError(f"{at}: {err}") from err
-            for role in _dropped_roles(raw, text):
+            for role in _dropped_roles(self.messages(raw) if self.apply_chat_template else raw,
+                                       text):
                 dropped.setdefault(role, at)
             examples.append(PromptExample(index, text, raw, answer, columns))
         if dropped:  # the model never sees what the template leaves out
             warnings.warn(
                 "the tokenizer's chat template leaves out the content of prompt messages with "
                 "role(s) " + ", ".join(f"{r!r} (first: {at})" for r, at in dropped.items())
-                + ": the model does not see them; use the roles the template renders", stacklevel=2)
+                + ": the model does not see them; use the roles the template renders"
+                + (" (data.system_prompt adds a 'system' message)" if "system" in dropped
+                   and self.system_prompt is not None else ""), stacklevel=2)
         if blank:  # an empty CSV cell, a missing last cell, "": graded None by the rewards
             warnings.warn(
                 f"{len(blank)} of {len(examples)} rows have a blank answer in column "
@@ -108,19 +111,21 @@ class PromptFormat:
                 "reward of 0; fill those answers or leave the rows out", stacklevel=2)
         return examples
 
+    def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+        """The messages the chat template renders for ``prompt`` (a text is one user
+        message), after a ``system_prompt`` message unless the prompt starts with its own."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(
+            prompt)
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages
+
     def render(self, prompt: Prompt) -> str:
         """The text fed to generation for ``prompt`` (see the module docstring)."""
-        if isinstance(prompt, str):
-            if not self.apply_chat_template:
-                if self.system_prompt is None:
-                    return prompt
-                return f"{self.system_prompt}\n\n{prompt}"
-            messages = [{"role": "user", "content": prompt}]
-        else:
-            messages = list(prompt)
-        added = self.system_prompt is not None and messages[0]["role"] != "system"
-        if added:
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        if isinstance(prompt, str) and not self.apply_chat_template:
+            return prompt if self.system_prompt is None else f"{self.system_prompt}\n\n{prompt}"
+        messages = self.messages(prompt)
+        added = len(messages) > (1 if isinstance(prompt, str) else len(prompt))
         tools = {"tools": list(self.tools)} if self.tools else {}
         import jinja2  # transformers' chat templates are jinja2's
 
@@ -181,6 +186,8 @@ class PromptFormat:
             return value
         if value is None:  # a Parquet null, a JSON row without it: blank, as an empty cell
             return ""
+        if isinstance(value, Decimal) and value.is_finite():  # a Parquet decimal column
+            return format(value, "f")
         if not is_number(value):
             raise ValueError(
                 f"{at} column {self.answer_column!r} (data.answer_column) must be a string "

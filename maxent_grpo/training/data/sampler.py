@@ -7,7 +7,7 @@ share of a seeded per-epoch order, resumable mid-epoch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +49,12 @@ class PromptExample:
 
 
 class PromptDataset(Dataset):
-    """A list of :class:`PromptExample`, indexed by position."""
+    """A list of :class:`PromptExample`, indexed by position; ``where(example.index)`` is
+    the file (else the source) and row an example came from, for messages."""
 
-    def __init__(self, examples: Sequence[PromptExample]) -> None:
-        self.examples = list(examples)
+    def __init__(self, examples: Sequence[PromptExample],
+                 where: Callable[[int], tuple[str, int]] = lambda index: ("row", index)) -> None:
+        self.examples, self.where = list(examples), where
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -156,6 +157,11 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
     """Every row of split ``split`` of ``datasets.load_dataset(name, config)`` (hub id or path)."""
     import datasets  # only for a hub dataset: a built-in task never loads it
 
+    if os.path.isfile(os.path.join(name, "state.json")):  # one Dataset.save_to_disk: no splits
+        require(split == "train", f"data.dataset_name {name!r} is one saved Dataset "
+                f"(save_to_disk), with no split {split!r}: it is the training split "
+                "(data.train_split: train); data.val_size splits validation rows off it")
+        return datasets.load_from_disk(name).to_list()
     data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     return data.to_list()
 
@@ -290,16 +296,16 @@ def _too_few_rows(
 
 def too_few_train_prompts(
     counts: dict[str, int], *, task: str | None, train_size: int, val_size: int,
-    batch_size: int, max_prompt_length: int | None,
+    batch_size: int, max_prompt_length: int | None, world: int = 1,
 ) -> str:
-    """Why the training prompts are fewer than ``batch_size``, and the flags that fix it, from
-    ``counts`` of where the rows went: ``kept``, ``long`` (over ``max_prompt_length``),
-    ``heldout`` (task rows repeating a validation prompt), ``split_off`` (file rows split off
-    for validation)."""
+    """Why the training prompts are fewer than ``batch_size`` (each of ``world`` processes
+    draws ``batch_size`` of its share), and the flags that fix it, from ``counts`` of where
+    the rows went: ``kept``, ``long`` (over ``max_prompt_length``), ``heldout`` (task rows
+    repeating a validation prompt), ``split_off`` (file rows split off for validation)."""
     kept = counts["kept"]
     why, fixes = [], []
-    if kept:
-        fixes.append(f"set --data.batch_size {kept} or less")
+    if kept // world:
+        fixes.append(f"set --data.batch_size {kept // world} or less")
     if task is not None:
         why.append(f"{train_size} generated (data.train_size)")
         if counts["heldout"]:
@@ -320,8 +326,12 @@ def too_few_train_prompts(
         fixes.append(f"raise --data.max_prompt_length (now {max_prompt_length})")
     if task is None:
         fixes.append("add rows")
+    if world > 1:
+        fixes.append(f"use fewer processes (each of the {world} draws its batches from "
+                     f"{kept // world} of them)")
+    share = f"{batch_size} x {world} processes" if world > 1 else f"{batch_size}"
     return (
-        f"data.batch_size ({batch_size}) exceeds the number of training prompts "
+        f"data.batch_size ({share}) exceeds the number of training prompts "
         f"({kept}{': ' + '; '.join(why) if why else ''}); {', or '.join(fixes)}"
     )
 

@@ -122,11 +122,14 @@ class PolicyModels:
         every training and validation row's references (``WeightedRewards.check_rows``)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         for split in ("train", "val"):
-            examples = getattr(getattr(datamodule, f"{split}_dataset", None), "examples", None)
-            if examples:
-                self.rewards.check_rows([ex.columns for ex in examples], lambda i, s=split,
-                                        rows=examples: f"{s} row {rows[i].index} (prompt "
-                                        f"{str(rows[i].raw_prompt)[:60]!r})")
+            data = getattr(datamodule, f"{split}_dataset", None)
+            rows = getattr(data, "examples", None)
+            if rows:
+                def where(i: int, s: str = split, r: list = rows, w: object = data.where) -> str:
+                    part, number = w(r[i].index)  # the file and its row
+                    return f"{part} row {number} ({s} prompt {str(r[i].raw_prompt)[:60]!r})"
+
+                self.rewards.check_rows([ex.columns for ex in rows], where)
 
     def attach_training_data(self) -> None:
         """At the start of training: the handles take the trainer's strategy, loader and

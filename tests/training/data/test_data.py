@@ -178,6 +178,37 @@ def test_val_files_and_numeric_answers(tmp_path):
     assert dm.val_dataset.examples[0].columns == {"sol": "7", "answer": "7"}
 
 
+def test_decimal_answers_and_files_under_the_home_folder(tmp_path, monkeypatch):
+    """A Parquet decimal answer was refused as "not a string or a finite number"; ``~`` in
+    data_files was not expanded ("file not found") while every other path option is."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    from decimal import Decimal
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    table = pa.table({"prompt": ["a", "b"], "answer": pa.array(
+        [Decimal("1.50"), Decimal("20")], type=pa.decimal128(5, 2))})
+    pq.write_table(table, tmp_path / "rows.parquet")
+    dm = make(task=None, data_files="~/rows.parquet", val_size=0, batch_size=1)
+    assert [ex.answer for ex in dm.train_dataset.examples] == ["1.50", "20.00"]
+    # float32 answers as written, not widened ('0.10000000149011612')
+    table = pa.table({"prompt": ["a", "b", "c"], "answer": pa.array([0.1, 3.3, None],
+                                                                     type=pa.float32())})
+    pq.write_table(table, tmp_path / "f32.parquet")
+    dm = make(task=None, data_files=str(tmp_path / "f32.parquet"), val_size=0, batch_size=1)
+    assert [ex.answer for ex in dm.train_dataset.examples] == ["0.1", "3.3", ""]
+
+
+def test_a_saved_dataset_folder_is_the_training_split(tmp_path):
+    """``Dataset.save_to_disk``'s folder as dataset_name failed with datasets' advice to
+    call load_from_disk, which no option does."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    dm = make(task=None, dataset_name=str(tmp_path / "saved"), val_size=2, batch_size=2)
+    assert len(dm.train_dataset) + len(dm.val_dataset) == len(ROWS)
+    with pytest.raises(ValueError, match="one saved Dataset .* no split 'validation'"):
+        make(task=None, dataset_name=str(tmp_path / "saved"), val_split="validation")
+
+
 def test_answer_column_none(tmp_path):
     path = write(tmp_path / "rows.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
     dm = make(task=None, data_files=path, answer_column=None, val_size=1, batch_size=1)
@@ -329,11 +360,30 @@ def test_max_prompt_length_drops(tmp_path, caplog):
     # rendered "<user>" + p + "</user><assistant>" is 24 + len(p) characters = tokens
     rows = [{"prompt": "a" * n, "answer": ""} for n in (1, 2, 6, 7)]
     path = write(tmp_path / "rows.jsonl", rows)
-    with caplog.at_level("INFO", logger="maxent_grpo.training.data"):
+    with pytest.warns(UserWarning, match="1 of 4 train prompts are longer") as seen:
         dm = make(task=None, data_files=path, val_files=path, max_prompt_length=30, batch_size=1)
     assert [len(ex.raw_prompt) for ex in dm.train_dataset.examples] == [1, 2, 6]
     assert dm.dropped == {"train": 1, "val": 1}
-    assert "dropped 1 of 4 train prompts" in caplog.text
+    # a warning (it was an INFO line, which the command line does not show), naming a row
+    said = [str(w.message) for w in seen if "longer than" in str(w.message)]
+    assert len(said) == 2 and f"{path!r} row 3" in said[0] and "(31 tokens)" not in said[0]
+    assert "the longest has 31" in said[0]
+
+
+def test_each_process_needs_a_batch_of_training_rows(tmp_path):
+    """6 rows, batch 4, 2 processes: each rank's share of 3 made no batch, and the fit
+    ended at once with Lightning's "No training batches" naming no option."""
+    from types import SimpleNamespace
+
+    path = write(tmp_path / "rows.jsonl", [{"prompt": f"q{i}", "answer": ""} for i in range(6)])
+    dm = PromptDataModule(task=None, data_files=path, val_files=path, batch_size=4)
+    dm.set_tokenizer(CharTokenizer())
+    dm.trainer = SimpleNamespace(world_size=2)
+    with pytest.raises(ValueError, match=r"data.batch_size \(4 x 2 processes\) exceeds the "
+                       r"number of training prompts \(6\); set --data.batch_size 3 or less"):
+        dm.setup("fit")
+    dm.trainer = SimpleNamespace(world_size=1)
+    dm.setup("fit")  # one process: a batch
 
 
 # ------------------------------------------------------------------ errors

@@ -151,3 +151,29 @@ def test_messages_the_chat_template_leaves_out_are_warned_with_their_role(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dm.setup("fit")
+
+
+def test_a_system_prompt_the_chat_template_leaves_out_is_warned():
+    """``data.system_prompt`` through a template that renders no system message (Phi-3's
+    first one rendered only user and assistant turns) was dropped without a word."""
+    from maxent_grpo.training.data import PromptDataModule
+    from tests.training.data.test_data import CharTokenizer
+
+    class NoSystem(CharTokenizer):
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            known = [m for m in messages if m["role"] != "system"]
+            return super().apply_chat_template(known, tokenize, add_generation_prompt)
+
+    dm = PromptDataModule(task="arithmetic_easy", train_size=8, val_size=0, batch_size=1,
+                          system_prompt="Answer in French.")
+    dm.set_tokenizer(NoSystem())
+    with pytest.warns(UserWarning, match=r"role\(s\) 'system' .* \(data.system_prompt adds"):
+        dm.setup("fit")
+    assert "French" not in dm.train_dataset.examples[0].prompt
+    dm = PromptDataModule(task="arithmetic_easy", train_size=8, val_size=0, batch_size=1,
+                          system_prompt="Answer in French.")
+    dm.set_tokenizer(CharTokenizer())  # renders it: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.setup("fit")
+    assert "French" in dm.train_dataset.examples[0].prompt
