@@ -40,7 +40,9 @@ else:
         RUN_DIRS = []
 runs = [load_run(p) for p in RUN_DIRS]
 for run in runs:
-    print(f"{run.label}: {len(run.scalars)} scalar tags from {run.path}")
+    print(f"{run.label}: {len(run.scalars)} scalar tags from {run.path}"
+          + ("" if run.scalars else " (no step logged yet: left out)"))
+runs = [run for run in runs if run.scalars]
 if not runs:  # the cells on runs are skipped; the study's below still run
     print("no runs to show: train first (python -m maxent_grpo fit --config configs/tiny.yaml) "
           "or name run folders in MAXENT_GRPO_RUNS")"""),

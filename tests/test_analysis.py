@@ -78,6 +78,24 @@ def test_a_resumed_run_keeps_the_latest_value_of_each_step(tmp_path):
     assert series.values == (1.0, 2.0, 30.0, 40.0)
 
 
+def test_a_rollback_drops_what_the_resume_purged(tmp_path):
+    """Resumed at step 3 of a run that reached step 6 and stopped at 4 (a rollback, or
+    looked at before the resumed run got as far): TensorBoard purges steps 3 and later of
+    the earlier file, and so does load_run (it showed steps 5 and 6 of the abandoned run)."""
+    run_dir = tmp_path / "r" / "version_0"
+    write_run(run_dir, {"train/reward/mean": [(s, float(s)) for s in range(7)],
+                        "val/pass@1": [(1, 0.1), (3, 0.3), (5, 0.5)]})
+    writer = SummaryWriter(str(run_dir), purge_step=3)  # as the CLI's resume sets it
+    for step in (3, 4):
+        writer.add_scalar("train/reward/mean", 10.0 * step, step)
+    writer.close()
+    run = load_run(run_dir)
+    reward = run.scalars["train/reward/mean"]
+    assert reward.steps == (0, 1, 2, 3, 4) and reward.values == (0.0, 1.0, 2.0, 30.0, 40.0)
+    assert run.scalars["val/pass@1"].steps == (1,)
+    assert summary_rows([run])[0]["last_step"] == 4
+
+
 def test_label_names_the_objective_from_the_saved_config(tmp_path):
     run_dir = tmp_path / "tiny" / "version_3"
     write_run(run_dir, {"train/kl": [(0, 0.1)]})

@@ -133,14 +133,13 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         raise FileNotFoundError(
             f"{path} has no TensorBoard event files; pass a lightning_logs/<name>/version_N folder"
         )
-    # a resumed run rewrites steps after the checkpoint: keep each step's last value by wall
-    # time (file names order by second, then by a counter that sorts "10" before "9")
-    events: dict[str, list[Any]] = {}
-    for file in path.glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(file), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            events.setdefault(tag, []).extend(acc.Scalars(tag))
+    # the folder's files read as TensorBoard reads them: a resume's purge_step removes the
+    # points the earlier files hold from that step on (also those never written again, as
+    # after a rollback to a shorter run); a step written twice without a purge keeps its
+    # last value by wall time
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
     scalars: dict[str, Series] = {}
     for tag, written in events.items():
         by_step = {e.step: e.value for e in sorted(written, key=lambda e: e.wall_time)}
