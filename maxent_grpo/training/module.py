@@ -443,7 +443,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         the first training batch."""
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
-            self._trainer is not None and self.trainer.state.fn == "fit", self.source.peft)
+            peft=self.source.peft, trainer=self._trainer)
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self._trainer is not None:
             restore_rollouts(self.pipeline, checkpoint, self.trainer.state.fn == "fit",

@@ -198,11 +198,14 @@ def save_state(
 def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
-    peft: Any = None,
+    peft: Any = None, trainer: Any = None,
 ) -> dict[str, Any]:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
-    state (the caller restores it just before the first training batch).
+    state (the caller restores it just before the first training batch). ``trainer``'s
+    ``fit`` is ``fitting``; its ``validate`` or ``test`` logs at the step of the fit that
+    wrote the checkpoint's weights' training scalars (not at 0, where every checkpoint's
+    evaluation landed): evaluations of several checkpoints line up with the fit's curves.
 
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
@@ -210,6 +213,12 @@ def load_state(
     target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
+    fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
+    if trainer is not None and trainer.state.fn in ("validate", "test"):
+        batches = checkpoint.get("loops", {}).get("fit_loop", {}).get(
+            "epoch_loop.batch_progress", {}).get("total", {}).get("processed")
+        if isinstance(batches, int) and batches > 0:  # the fit's last batch's scalars' step
+            trainer.fit_loop.epoch_loop._batches_that_stepped = batches - 1
     saved = checkpoint.get(CHECKPOINT_KEY)
     require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "

@@ -401,3 +401,29 @@ def test_answers_are_compared_alike_in_every_record_and_metric():
     assert out["val/distinct_correct@2"] == 1.5 and out["val/coverage@2"] == 1.0
     alone = evaluation_metrics([dataclasses.replace(countdown, valid_answers=None)], [2], "val")
     assert alone["val/distinct@2"] == 1.0 and alone["val/distinct_correct@2"] == 1.0
+
+
+def test_validating_a_checkpoint_logs_at_the_step_the_fit_logged_its_weights(cache_dir, tmp_path):
+    """``validate --ckpt_path`` logged at step 0, whatever the checkpoint: evaluations of
+    several checkpoints all sat at the start of the fit's curves. The fit writes a step's
+    scalars at its batch count less one (the 2nd batch's at 1); so does the evaluation."""
+    import csv
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    module = make_module(cache_dir)
+    fit(module, make_data(cache_dir), steps=4, tmp_path=tmp_path, callbacks=[saver],
+        enable_checkpointing=True, logger=CSVLogger(tmp_path, name="fit"),
+        log_every_n_steps=1)
+    for name, step in (("epoch=0-step=2.ckpt", 1), ("epoch=0-step=4.ckpt", 3)):
+        logger = CSVLogger(tmp_path, name="val")
+        trainer = L.Trainer(accelerator="cpu", logger=logger, limit_val_batches=1,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.validate(make_module(cache_dir), make_data(cache_dir),
+                         ckpt_path=str(tmp_path / "ck" / name))
+        rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+        assert {int(r["step"]) for r in rows if r.get("val/pass@1")} == {step}
+    rows = list(csv.DictReader(open(tmp_path / "fit" / "version_0" / "metrics.csv")))
+    assert {int(r["step"]) for r in rows if r.get("train/reward/mean")} == {0, 1, 2, 3}
