@@ -15,8 +15,14 @@ from collections.abc import Collection
 from numbers import Real
 from typing import Any
 
-__all__ = ["MAX_SECONDS", "check_bool", "check_choice", "check_int", "check_number",
-           "check_seconds", "is_number", "require"]
+__all__ = ["MAX_SECONDS", "UserCodeError", "check_bool", "check_choice", "check_int",
+           "check_number", "check_seconds", "is_number", "require"]
+
+
+class UserCodeError(Exception):
+    """A user's function or class (a reward, an environment, an objective, an engine) raised
+    or broke its contract: the message names it and what it should do; what it raised is
+    ``__cause__``. The command line prints the message, not a trace."""
 
 
 def require(ok: bool, message: str) -> None:

@@ -4,7 +4,9 @@ full trace for a bug.
 A *user error* is one the person running ``python -m maxent_grpo`` can fix without reading
 our code: a bad option (``ValueError`` naming the option), a missing or unreadable file or
 model folder (``OSError``), a reward function that raised or returned something unusable
-(:class:`~maxent_grpo.rewards.RewardFunctionError`), a loss that kept being non-finite
+(:class:`~maxent_grpo.rewards.RewardFunctionError`) or any other user code that did
+(:class:`~maxent_grpo.validation.UserCodeError`: an environment, an objective subclass), a
+loss that kept being non-finite
 (:class:`~maxent_grpo.training.step.optimise.NonFiniteLossError`), a Trainer setting Lightning
 refuses (``MisconfigurationException``), a missing optional package named in a message, or
 any :class:`UserError`. It is printed on stderr as::
@@ -55,15 +57,15 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     import torch
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from maxent_grpo.rewards import RewardFunctionError
     from maxent_grpo.rollout.server_weights import ServerError
     from maxent_grpo.training.step.optimise import NonFiniteLossError
+    from maxent_grpo.validation import UserCodeError
 
     return (
         UserError,
         ValueError,  # the project's option checks; also json.JSONDecodeError, UnicodeError
         OSError,  # FileNotFoundError, PermissionError, transformers' missing model files
-        RewardFunctionError,
+        UserCodeError,  # a reward function (RewardFunctionError), an environment, ...
         NonFiniteLossError,
         ServerError,  # a vLLM server that refused or cannot be reached: its message says
         MisconfigurationException,  # what to start, restart or give
@@ -111,8 +113,9 @@ def _from_trace_text(error: BaseException) -> tuple[str, str] | None:
     return (match["type"], match["message"]) if match else None
 
 
-_USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "NonFiniteLossError", "ServerError",
-                     "MisconfigurationException", "MemoryError", "OutOfMemoryError"}
+_USER_ERROR_NAMES = {"UserError", "RewardFunctionError", "UserCodeError", "NonFiniteLossError",
+                     "ServerError", "MisconfigurationException", "MemoryError",
+                     "OutOfMemoryError"}
 
 
 def _named_user_error(type_name: str) -> bool:
@@ -195,7 +198,7 @@ def _raised_in(package: str, error: BaseException) -> bool:
 def message_of(error: BaseException) -> str:
     """The message shown for a user error: its text (the type's name when empty); for a
     reward function that raised, where it raised (file and line of the innermost frame)."""
-    from maxent_grpo.rewards import RewardFunctionError
+    from maxent_grpo.validation import UserCodeError
 
     message = str(error).strip() or type(error).__name__
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
@@ -207,7 +210,7 @@ def message_of(error: BaseException) -> str:
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename!r}"
     cause = error.__cause__
-    if isinstance(error, RewardFunctionError) and cause is not None and cause.__traceback__:
+    if isinstance(error, UserCodeError) and cause is not None and cause.__traceback__:
         frame = traceback.extract_tb(cause.__traceback__)[-1]
         message = f"{message} (at {frame.filename}:{frame.lineno})"
     return message

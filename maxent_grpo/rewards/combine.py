@@ -25,14 +25,19 @@ columns with one value per completion.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import compress
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from maxent_grpo.rewards.options import OVERLONG, RewardOptions, parse_reward_options
@@ -40,7 +45,7 @@ from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.rollout.batch import PromptCompletionBatch
-from maxent_grpo.validation import is_number
+from maxent_grpo.validation import UserCodeError, is_number
 
 if TYPE_CHECKING:
     from maxent_grpo.rollout.batch import RolloutOutput
@@ -49,7 +54,35 @@ if TYPE_CHECKING:
 READS_REFERENCES = ("first_number", "digit_pair", "in_set", "countdown")
 
 #: reward arguments a dataset column may not be named after
-RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "rendered_prompts")
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "rendered_prompts",
+            "log_metric", "log_extra")
+
+
+def _not_logged(kind: str) -> Callable[..., None]:
+    """TRL's ``log_metric(name, value)`` / ``log_extra(column, values)``, accepted so that a
+    TRL reward runs unchanged; what they are given is not logged here (warned once)."""
+    def log(*args: Any, **kwargs: Any) -> None:
+        warnings.warn(f"a reward function called {kind}: maxent_grpo does not record what "
+                      "reward functions log themselves (only their values); it is dropped",
+                      stacklevel=2)
+    return log
+
+
+def _awaited(value: Any) -> Any:
+    """An ``async def`` reward's result (TRL awaits them): run to its end on an event loop
+    of its own (in a thread when this one already runs a loop, as in a notebook)."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def result() -> Any:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(result())
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, result()).result()
 
 
 @dataclass(frozen=True)
@@ -105,7 +138,7 @@ class TrainerState:
         )
 
 
-class RewardFunctionError(Exception):
+class RewardFunctionError(UserCodeError):
     """A reward function raised, or returned something other than one finite number or None
     per completion. The message names the function; the original error is ``__cause__``."""
 
@@ -169,10 +202,12 @@ def _call(
     """Values of reward ``k`` as floats (NaN for None), checked."""
     label = f"reward function {name!r} (#{k})"
     try:
-        values = fn(prompts=prompts, completions=completions, **kwargs)
+        values = _awaited(fn(prompts=prompts, completions=completions, **kwargs))
     except Exception as err:
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)
+    if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 1:
+        values = values.tolist()  # TRL reads any sequence torch.tensor takes
     if not isinstance(values, (list, tuple)):
         raise RewardFunctionError(
             f"{label} must return a list of {n} values; got {type(values).__name__}"
@@ -184,6 +219,8 @@ def _call(
         if value is None:
             out.append(math.nan)
             continue
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+            value = value.item()  # a list of 0-d tensors
         if not isinstance(value, numbers.Real):
             raise RewardFunctionError(
                 f"{label} returned a non-numeric value at row {i}: {value!r:.80} "
@@ -235,7 +272,9 @@ def _score(
         raise ValueError(f"completion_ids must have one entry per completion "
                          f"({len(completions)}); got {len(completion_ids)}")
     completions = trl_completions(prompts, completions)
-    kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state, **columns}
+    kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state,
+              "log_metric": _not_logged("log_metric"), "log_extra": _not_logged("log_extra"),
+              **columns}
     if rendered_prompts is not None:
         kwargs["rendered_prompts"] = rendered_prompts
     rows = [

@@ -69,7 +69,7 @@ from maxent_grpo.rollout.toolcall import (
     timed_call,
     valid_text,
 )
-from maxent_grpo.validation import check_int, check_seconds, require
+from maxent_grpo.validation import UserCodeError, check_int, check_seconds, require
 
 __all__ = ["MultiTurnEngine", "environment_factory", "message_segment"]
 
@@ -222,8 +222,8 @@ class MultiTurnEngine:
                   and _is_flag(value[1])):
                 observation, done = valid_text(value[0]), bool(value[1])
             else:
-                raise TypeError(f"{type(env).__name__}.step must return (observation: str, "
-                                f"done: bool); got {value!r:.200}")
+                raise UserCodeError(f"{type(env).__name__}.step must return (observation: "
+                                    f"str, done: bool); got {value!r:.200}")
             if done or calls[row] >= self.max_tool_calls:
                 return None
             return [{"role": getattr(env, "role", "user"), "content": observation}]
@@ -289,8 +289,9 @@ class MultiTurnEngine:
                 try:
                     env.reset(prompts[i // G], answers[i // G])
                 except Exception as err:
-                    raise RuntimeError(f"{type(env).__name__}.reset failed on prompt "
-                                       f"{prompts[i // G]!r:.200}: {err}") from err
+                    raise UserCodeError(f"{type(env).__name__}.reset failed on prompt "
+                                        f"{prompts[i // G]!r:.200}: {type(err).__name__}: "
+                                        f"{err}") from err
         messages = [[{"role": "assistant", "content": tok.decode(x, skip_special_tokens=True)}]
                     for x in ids]
 

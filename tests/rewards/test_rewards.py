@@ -347,7 +347,7 @@ def test_score_completions_raising_function() -> None:
         ((1.0 for _ in range(2)), r"'bad' \(#0\) must return a list of 2 values; got generator"),
         ([1.0], r"'bad' \(#0\) returned 1 values; expected 2"),
         ([1.0, "1"], r"'bad' \(#0\) returned a non-numeric value at row 1"),
-        ([1.0, torch.tensor(1.0)], r"non-numeric value at row 1"),
+        ([1.0, torch.tensor([1.0])], r"non-numeric value at row 1"),
         ([math.inf, 1.0], r"'bad' \(#0\) returned a non-finite value at row 0"),
         ([1.0, math.nan], r"non-finite value at row 1"),
     ],
@@ -358,6 +358,42 @@ def test_score_completions_bad_values(values: object, message: str) -> None:
 
     with pytest.raises(RewardFunctionError, match=message):
         score_completions([("bad", bad, 1.0)], ["p", "p"], ["c", "c"], {})
+
+
+def test_a_trl_reward_module_drops_in_async_arrays_and_its_log_calls() -> None:
+    """TRL awaits ``async def`` rewards, reads any sequence ``torch.tensor`` takes and passes
+    ``log_metric`` and ``log_extra``: each was refused here ("got coroutine", "got ndarray",
+    "missing 1 required positional argument: 'log_metric'")."""
+    import asyncio
+
+    import numpy as np
+
+    async def slow_len(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [float(len(c)) for c in completions]
+
+    def as_array(completions, **kwargs):
+        return np.array([1.0, 2.0])
+
+    def scalars(completions, **kwargs):
+        return [torch.tensor(0.5), np.float32(0.25)]
+
+    def logs(completions, log_metric, log_extra, **kwargs):
+        log_metric("my_metric", 1.0)
+        log_extra("my_column", ["a", "b"])
+        return [1.0, 0.0]
+
+    funcs = [("a", slow_len, 1.0), ("b", as_array, 1.0), ("c", scalars, 1.0), ("d", logs, 1.0)]
+    with pytest.warns(UserWarning, match="does not record what reward functions log"):
+        total, parts = score_completions(funcs, ["p", "p"], ["xy", "xyz"], {})
+    assert parts.tolist() == [[2.0, 3.0], [1.0, 2.0], [0.5, 0.25], [1.0, 0.0]]
+
+    async def in_a_notebook():  # an event loop already runs in this thread
+        return score_completions([("a", slow_len, 1.0)], ["p"], ["xy"], {})[0].tolist()
+
+    assert asyncio.run(in_a_notebook()) == [2.0]
+    with pytest.raises(ValueError, match="column 'log_metric' clashes"):
+        score_completions(funcs[:1], ["p"], ["x"], {"log_metric": [1]})
 
 
 def test_score_completions_bad_inputs() -> None:

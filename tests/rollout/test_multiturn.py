@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from maxent_grpo.builtin.catalog import build_tiny_model, build_tiny_tokenizer
+from maxent_grpo.cli.errors import find_user_error, is_user_error
 from maxent_grpo.rollout import GenerationBatch, HFGenerateEngine, RolloutOutput, SamplingSettings
 from maxent_grpo.rollout.hf import completion_mask_from_ids, encode_prompts
 from maxent_grpo.rollout.multiturn import MultiTurnEngine, environment_factory, message_segment
 from maxent_grpo.rollout.protocol import Continuation
 from maxent_grpo.rollout.toolcall import Toolbox
+from maxent_grpo.validation import UserCodeError
 
 TOK = build_tiny_tokenizer()
 CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -264,8 +266,15 @@ def test_an_environment_steps_until_done():
     mt.timeout = 0.1
     out = mt.generate(["guess"], ["42"], 1)
     assert out.tools.failures["timeout"].tolist() == [1] and out.tools.turns.tolist() == [1]
-    with pytest.raises(TypeError, match=r"Guess.step must return \(observation: str, done"):
+    with pytest.raises(UserCodeError, match=r"Guess.step must return \(observation: str, "):
         engine(["odd"], env=factory).generate(["guess"], ["42"], 1)
+    # a reset that raises is the environment's error, named so, with what it raised
+    # (the command line printed "a bug in maxent_grpo" with a trace, or only the inner text)
+    with pytest.raises(UserCodeError, match=r"Guess.reset failed on prompt 'guess': "
+                                            r"ValueError: invalid literal") as raised:
+        engine(["42"], env=factory).generate(["guess"], ["forty-two"], 1)
+    assert is_user_error(raised.value)
+    assert find_user_error(raised.value)[1].startswith("Guess.reset failed on prompt")
     # a done that is a NumPy bool or a 0-d boolean tensor is a truth value, read as such
     for kind in ("np", "pt"):
         out = engine([f"array 41 {kind}", f"array 42 {kind}", "40"], env=factory,

@@ -607,3 +607,29 @@ def test_a_policy_with_dropout_is_scored_as_it_samples(cache_dir, tmp_path):
     assert torch.equal(runs[0], runs[1])
     module.policy.eval()
     assert torch.equal(module.policy(input_ids=ids).logits, runs[0])
+
+
+class BareLoss(GRPO):
+    """A subclass whose loss returns its bare tensor, as a first try often does."""
+
+    def loss(self, mb):
+        return super().loss(mb).loss
+
+
+class BareTargets(GRPO):
+    def prepare(self, inputs):
+        return super().prepare(inputs).advantages
+
+
+@pytest.mark.parametrize("objective, method", [(BareLoss, "loss"), (BareTargets, "prepare")])
+def test_an_objective_returning_the_wrong_type_is_named_as_the_users(cache_dir, objective,
+                                                                    method):
+    """It failed with "'Tensor' object has no attribute 'loss'" and "a bug in maxent_grpo"."""
+    from maxent_grpo.cli.errors import find_user_error
+    from maxent_grpo.validation import UserCodeError
+
+    module = make_module(cache_dir, objective=objective())
+    with pytest.raises(UserCodeError, match=rf"{objective.__name__}.{method} must return a "
+                                            r"maxent_grpo.objectives.\w+; got Tensor") as raised:
+        fit(module, make_data(cache_dir), steps=1)
+    assert find_user_error(raised.value) is not None

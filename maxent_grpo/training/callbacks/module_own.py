@@ -26,6 +26,7 @@ from maxent_grpo.training.run.checkpoint import resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.training.types.runtime import detached_controllers
+from maxent_grpo.validation import require
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
 
@@ -33,6 +34,20 @@ log = logging.getLogger(__name__)
 
 #: the file name ``predict`` writes into the run's folder when no ``output`` is given
 DEFAULT_PREDICTIONS = "predictions.jsonl"
+
+
+def check_prompt_bound(bound: int | None, datamodule: Any) -> None:
+    """Refuse a DataModule that keeps prompts longer than the module's ``max_prompt_length``,
+    which generation cuts to their last ``bound`` tokens: built in Python the two are set
+    apart (the command line links them), and ``PromptDataModule(max_prompt_length=None)``
+    beside the module's default 256 trained on prompts without their start."""
+    kept = getattr(datamodule, "max_prompt_length", 0)
+    require(bound is None or (kept is not None and kept <= bound),
+            f"the DataModule keeps prompts of up to {kept} tokens (max_prompt_length), but "
+            f"MaxEntGRPOModule(max_prompt_length={bound}) cuts every prompt to its last "
+            f"{bound} tokens at generation, so the model would not see the start of longer "
+            "ones: give the module the DataModule's max_prompt_length (the command line's "
+            "data.max_prompt_length sets both)")
 
 
 class ModuleHooks(L.Callback):
@@ -43,6 +58,8 @@ class ModuleHooks(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # the loop settings of a MaxEntGRPOModule
             pl_module.loop = detached_controllers(pl_module.loop)
+        check_prompt_bound(pl_module.loop.generation.sampling.max_prompt_length,
+                           getattr(trainer, "datamodule", None))
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

@@ -29,9 +29,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
-from maxent_grpo.objectives import MicroBatch
+from maxent_grpo.objectives import LossOutput, MicroBatch
 from maxent_grpo.training.step.trajectory import StepTimer, Trajectory
-from maxent_grpo.validation import require
+from maxent_grpo.validation import UserCodeError, require
 
 if TYPE_CHECKING:
     from maxent_grpo.training.step.step_log import StepMetrics
@@ -150,6 +150,9 @@ def optimizer_step(
             num_global_tokens=t.num_global_tokens,
             correction=correction,
         ))
+        if not isinstance(out, LossOutput):  # e.g. a subclass returning its bare loss tensor
+            raise UserCodeError(f"{type(ctx.objective).__name__}.loss must return a "
+                                f"maxent_grpo.objectives.LossOutput; got {type(out).__name__}")
         finite &= torch.isfinite(out.loss)
         if first and sampler is not None:
             gap = (scores.token_logp.detach() - sampler).abs()

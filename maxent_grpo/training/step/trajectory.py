@@ -42,7 +42,7 @@ from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.token_logps import MicroBatchPlan, equal_passes
 from maxent_grpo.training.types import AdvantageStats, QDistribution
-from maxent_grpo.validation import require
+from maxent_grpo.validation import UserCodeError, require
 
 if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -411,6 +411,9 @@ def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tupl
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
     targets = ctx.objective.prepare(inputs.with_tensors(every))
+    if not isinstance(targets, Targets):  # e.g. a subclass returning its advantages tensor
+        raise UserCodeError(f"{type(ctx.objective).__name__}.prepare must return a "
+                            f"maxent_grpo.objectives.Targets; got {type(targets).__name__}")
     if world == 1:
         return targets, kept_total
     mine = slice(start, start + int(keep.sum()))
