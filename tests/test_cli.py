@@ -119,6 +119,10 @@ def test_the_tools_reach_the_data_and_an_environment_parses(monkeypatch, tmp_pat
                                             "init_args": {"limit": 5}}
     model = build(cli).model
     assert model.loop.generation.tools.environment().limit == 5
+    # the class path alone, as --model.objective takes one (it was a parse error)
+    cli = parse(monkeypatch, "--config", config, "--model.tools", "null",
+                "--model.environment", "tests.rollout.test_multiturn.Guess")
+    assert build(cli).model.loop.generation.tools.environment().limit == 100
 
 
 GPU_CONFIGS = [p for p in CONFIGS if read_yaml(p)["trainer"].get("accelerator") == "gpu"]

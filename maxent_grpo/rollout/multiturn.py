@@ -110,11 +110,13 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     return tail + after[len(before):]
 
 
-def environment_factory(spec: dict[str, Any]) -> Callable[[], Any]:
+def environment_factory(spec: dict[str, Any] | str) -> Callable[[], Any]:
     """A zero-argument factory from ``model.environment``: ``{class_path: "pkg.mod.Class",
-    init_args: {...}}`` (``pkg.mod:Class`` also accepted). The class must have
-    ``reset(prompt, answer)`` and ``step(action) -> (observation, done)``; ValueError names
-    what is missing."""
+    init_args: {...}}``, or the class path alone (as ``--model.objective`` takes one;
+    ``pkg.mod:Class`` also accepted). The class must have ``reset(prompt, answer)`` (the
+    prompt as the model reads it, after the chat template, and the row's answer) and
+    ``step(action) -> (observation, done)``; ValueError names what is missing."""
+    spec = {"class_path": spec} if isinstance(spec, str) else spec
     require(isinstance(spec, dict) and isinstance(spec.get("class_path"), str),
             "model.environment must be {class_path: 'package.module.Class', init_args: {...}}; "
             f"got {spec!r}")

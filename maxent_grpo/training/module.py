@@ -125,8 +125,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         tools: tools the model may call (``package.module:function`` or ``calculate``):
             multi-turn rollouts, tool messages out of the loss
             (:mod:`maxent_grpo.rollout.multiturn`; linked to ``data.tools``). ``None``: off.
-        environment: instead, ``{class_path, init_args}`` of an environment with
-            ``reset(prompt, answer)`` and ``step(action) -> (observation, done)``.
+        environment: instead, ``{class_path, init_args}`` (or the class path) of an
+            environment: ``reset(prompt, answer)``, ``step(action) -> (observation, done)``.
         max_tool_calls: the most tool calls (or environment steps) per sample.
         tool_timeout: the seconds one tool call (or environment step) may take.
         tool_isolation: ``thread`` or ``process`` (each call in a fresh sandboxed process,
@@ -182,7 +182,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         sampler_correction_cap: float = 2.0,
         max_staleness: int = 0,
         tools: list[str] | None = None,
-        environment: dict[str, Any] | None = None,
+        environment: dict[str, Any] | str | None = None,
         max_tool_calls: int = 4,
         tool_timeout: float = 10.0,
         tool_isolation: Literal["thread", "process"] = "thread",
