@@ -51,7 +51,7 @@ def test_a_fit_with_tools_logs_them_and_validates_with_them(cache_dir, tmp_path)
     module = make_module(
         cache_dir, tools=["calculate"], engine=CallsFirst, max_completion_length=180,
         rewards={"tests.training.test_tools_fit:right_last_turn": 1.0},
-        eval_num_generations=2, eval_greedy=False)
+        eval_num_generations=2, eval_greedy=False, max_prompt_length=None)
     data = make_data(cache_dir, task="tool_arithmetic", task_options=None, tools=["calculate"],
                      max_prompt_length=None, val_size=2)
     trainer = fit(module, data, steps=2, tmp_path=tmp_path, limit_val_batches=1,
@@ -76,7 +76,7 @@ def test_refill_keeps_the_tool_records_of_the_groups_it_picks(cache_dir, tmp_pat
     module = make_module(
         cache_dir, tools=["calculate"], engine=CallsFirst, max_completion_length=180,
         rewards={"tests.conftest:alternating": 1.0}, drop_constant_groups=True,
-        refill_rounds=1, solved_reward=None)
+        refill_rounds=1, solved_reward=None, max_prompt_length=None)
     data = make_data(cache_dir, task="tool_arithmetic", task_options=None, tools=["calculate"],
                      max_prompt_length=None)
     fit(module, data, steps=1, tmp_path=tmp_path)

@@ -119,7 +119,7 @@ class AlwaysMalformed(Scripted):
 def test_a_fit_whose_calls_are_all_malformed_warns_once_naming_it(cache_dir, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger=WATCH)
     module = make_module(cache_dir, tools=["calculate"], engine=AlwaysMalformed,
-                         max_completion_length=120, max_tool_calls=2)
+                         max_completion_length=120, max_tool_calls=2, max_prompt_length=None)
     data = make_data(cache_dir, task="tool_arithmetic", task_options=None, tools=["calculate"],
                      max_prompt_length=None)
     trainer = fit(module, data, steps=3, tmp_path=tmp_path)
