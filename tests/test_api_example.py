@@ -36,19 +36,26 @@ def test_the_python_api_example_trains_with_the_cli_progress_display(
     assert [p.name for p in tmp_path.iterdir()] == ["models"]  # the built-in model only
 
 
-def test_a_datamodule_keeping_longer_prompts_than_the_module_reads_is_refused(cache_dir):
+def test_a_datamodule_keeping_longer_prompts_than_the_module_reads_is_refused(cache_dir,
+                                                                             tmp_path):
     """Built in Python, ``PromptDataModule(max_prompt_length=None)`` beside the module's
     default 256: prompts over 256 tokens were cut to their last 256 at generation (the
-    chat header and the question's start gone) without a word."""
+    chat header and the question's start gone) without a word. Short prompts pass."""
+    import json
+
     import pytest
 
     from tests.conftest import fit, make_data, make_module
 
-    with pytest.raises(ValueError, match=r"keeps prompts of up to None tokens .* "
-                                         r"MaxEntGRPOModule\(max_prompt_length=256\)"):
-        fit(make_module(cache_dir), make_data(cache_dir, max_prompt_length=None), steps=1)
-    with pytest.raises(ValueError, match="keeps prompts of up to 300 tokens"):
-        fit(make_module(cache_dir), make_data(cache_dir, max_prompt_length=300), steps=1)
-    fit(make_module(cache_dir), make_data(cache_dir, max_prompt_length=200), steps=1)
-    fit(make_module(cache_dir, max_prompt_length=None),
-        make_data(cache_dir, max_prompt_length=None), steps=1)
+    rows = [{"prompt": f"{'.' * 300} {i} + 1 =", "answer": str(i + 1)} for i in range(8)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    long = dict(task=None, task_options=None, data_files=str(path), val_size=0,
+                max_prompt_length=None)
+    with pytest.raises(ValueError, match=r"keeps prompts of up to 3\d\d tokens \(its "
+                                         r"max_prompt_length is None\), but MaxEntGRPOModule"
+                                         r"\(max_prompt_length=256\)"):
+        fit(make_module(cache_dir), make_data(cache_dir, **long), steps=1)
+    fit(make_module(cache_dir, max_prompt_length=None), make_data(cache_dir, **long), steps=1)
+    # short prompts kept with no bound: nothing is cut, nothing refused
+    fit(make_module(cache_dir), make_data(cache_dir, max_prompt_length=None), steps=1)

@@ -25,14 +25,11 @@ columns with one value per completion.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import math
 import numbers
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import compress
 from typing import TYPE_CHECKING, Any
@@ -43,7 +40,7 @@ import torch
 from maxent_grpo.rewards.options import OVERLONG, RewardOptions, parse_reward_options
 from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.rewards.reward_model import RewardModel
-from maxent_grpo.rewards.timeout import TimedReward
+from maxent_grpo.rewards.timeout import TimedReward, awaited
 from maxent_grpo.rollout.batch import PromptCompletionBatch
 from maxent_grpo.validation import UserCodeError, is_number
 
@@ -67,22 +64,6 @@ def _not_logged(kind: str) -> Callable[..., None]:
                       stacklevel=2)
     return log
 
-
-def _awaited(value: Any) -> Any:
-    """An ``async def`` reward's result (TRL awaits them): run to its end on an event loop
-    of its own (in a thread when this one already runs a loop, as in a notebook)."""
-    if not inspect.isawaitable(value):
-        return value
-
-    async def result() -> Any:
-        return await value
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(result())
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, result()).result()
 
 
 @dataclass(frozen=True)
@@ -202,7 +183,7 @@ def _call(
     """Values of reward ``k`` as floats (NaN for None), checked."""
     label = f"reward function {name!r} (#{k})"
     try:
-        values = _awaited(fn(prompts=prompts, completions=completions, **kwargs))
+        values = awaited(fn(prompts=prompts, completions=completions, **kwargs))
     except Exception as err:
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)

@@ -9,19 +9,60 @@ subprocess that can be killed).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import logging
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from maxent_grpo.rollout.toolcall import timed_call
 
-__all__ = ["RewardTimeout", "TimedReward"]
+__all__ = ["RewardTimeout", "TimedReward", "awaited", "rewards_loop"]
 
 log = logging.getLogger(__name__)
 
 
 class RewardTimeout(TimeoutError):
     """A reward function gave no result within its ``timeout``."""
+
+
+_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process, its loop)
+_LOOP_LOCK = threading.Lock()
+
+
+def rewards_loop() -> asyncio.AbstractEventLoop:
+    """The event loop of this process's ``async def`` rewards, run by a daemon thread and
+    kept for the run (as TRL keeps one): a client or semaphore a reward module creates once
+    stays usable on the next step (a loop per call closed it)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP[0] != os.getpid():  # a forked child has no such thread
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="maxent-grpo-async-rewards",
+                             daemon=True).start()
+            _LOOP = (os.getpid(), loop)
+        return _LOOP[1]
+
+
+def awaited(value: Any, timeout: float | None = None) -> Any:
+    """``value``, or when a reward returned an awaitable (an ``async def`` reward) its
+    result, run on :func:`rewards_loop`; after ``timeout`` seconds it is cancelled and
+    :class:`RewardTimeout` raised."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def result() -> Any:
+        return await value
+
+    future = asyncio.run_coroutine_threadsafe(result(), rewards_loop())
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise RewardTimeout(f"no result within {timeout:g} s") from None
 
 
 class TimedReward:
@@ -54,9 +95,9 @@ class TimedReward:
         self.__name__ = getattr(fn, "__name__", name)
 
     def __call__(self, **kwargs: Any) -> Any:
-        finished, values, error = timed_call(lambda: self.fn(**kwargs), self.timeout,
-                                             f"reward:{self.name}")
-        if not finished:
+        finished, values, error = timed_call(  # an async reward's result inside the limit
+            lambda: awaited(self.fn(**kwargs), self.timeout), self.timeout, f"reward:{self.name}")
+        if not finished or isinstance(error, RewardTimeout):  # the call, or its awaiting
             self.timeouts += 1
             option = f"model.rewards.{self.name}"
             if not self.has_fallback:

@@ -687,3 +687,33 @@ def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_di
     data = make_data(cache_dir, task=None, task_options=None, data_files=str(path), val_size=4)
     with pytest.raises(ValueError, match=rf"cannot grade data.data_files .* row {bad} \(val "):
         fit(make_module(cache_dir), data, steps=1, limit_val_batches=1, num_sanity_val_steps=2)
+
+
+def test_async_rewards_share_one_loop_and_keep_their_time_limit() -> None:
+    """A loop per call closed what a reward module keeps across calls (a semaphore, a
+    client: "bound to a different event loop" at the second step), and ``timeout`` timed
+    only the coroutine's creation (a 2 s reward with timeout 0.1 returned after 2 s)."""
+    import asyncio
+    import time
+
+    from maxent_grpo.rewards.timeout import TimedReward
+
+    gate: list[asyncio.Semaphore] = []
+
+    async def gated(completions, **kwargs):
+        if not gate:
+            gate.append(asyncio.Semaphore(1))
+        async with gate[0]:
+            return [1.0] * len(completions)
+
+    for _ in range(2):  # the second call reuses the first call's semaphore
+        assert score_completions([("g", gated, 1.0)], ["p"], ["x"], {})[0].tolist() == [1.0]
+
+    async def slow(completions, **kwargs):
+        await asyncio.sleep(2)
+        return [1.0] * len(completions)
+
+    timed = TimedReward("slow", slow, timeout=0.1, fallback=0.0, has_fallback=True)
+    start = time.monotonic()
+    assert timed(prompts=["p"], completions=["x"]) == [0.0]
+    assert time.monotonic() - start < 1.5 and timed.timeouts == 1

@@ -37,17 +37,22 @@ DEFAULT_PREDICTIONS = "predictions.jsonl"
 
 
 def check_prompt_bound(bound: int | None, datamodule: Any) -> None:
-    """Refuse a DataModule that keeps prompts longer than the module's ``max_prompt_length``,
-    which generation cuts to their last ``bound`` tokens: built in Python the two are set
-    apart (the command line links them), and ``PromptDataModule(max_prompt_length=None)``
-    beside the module's default 256 trained on prompts without their start."""
-    kept = getattr(datamodule, "max_prompt_length", 0)
-    require(bound is None or (kept is not None and kept <= bound),
-            f"the DataModule keeps prompts of up to {kept} tokens (max_prompt_length), but "
-            f"MaxEntGRPOModule(max_prompt_length={bound}) cuts every prompt to its last "
-            f"{bound} tokens at generation, so the model would not see the start of longer "
-            "ones: give the module the DataModule's max_prompt_length (the command line's "
-            "data.max_prompt_length sets both)")
+    """Refuse a PromptDataModule whose longest prompt (``longest``, after its setup) is
+    longer than the module's ``max_prompt_length``, to which generation cuts every prompt
+    (its last ``bound`` tokens): built in Python the two are set apart (the command line
+    links them), and ``PromptDataModule(max_prompt_length=None)`` beside the module's
+    default 256 trained on prompts without their start."""
+    from maxent_grpo.training.data.datamodule import PromptDataModule
+
+    if bound is None or not isinstance(datamodule, PromptDataModule):
+        return
+    longest = max(datamodule.longest.values(), default=0)
+    require(longest <= bound,
+            f"the DataModule keeps prompts of up to {longest} tokens (its max_prompt_length "
+            f"is {datamodule.max_prompt_length}), but MaxEntGRPOModule(max_prompt_length="
+            f"{bound}) cuts every prompt to its last {bound} tokens at generation, so the "
+            "model would not see the start of longer ones: give the module the DataModule's "
+            "max_prompt_length (the command line's data.max_prompt_length sets both)")
 
 
 class ModuleHooks(L.Callback):
@@ -60,6 +65,13 @@ class ModuleHooks(L.Callback):
             pl_module.loop = detached_controllers(pl_module.loop)
         check_prompt_bound(pl_module.loop.generation.sampling.max_prompt_length,
                            getattr(trainer, "datamodule", None))
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """After validate/test of a checkpoint logged at its step (``load_state``), the
+        Trainer's step is its own again (0: a later fit on it starts from there)."""
+        loop = trainer.fit_loop.epoch_loop
+        if getattr(loop, "evaluated_at", None) is not None:
+            loop._batches_that_stepped, loop.evaluated_at = 0, None
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

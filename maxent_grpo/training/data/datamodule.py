@@ -69,8 +69,9 @@ class PromptDataModule(pl.LightningDataModule):
 
     :meth:`setup` renders (:class:`~maxent_grpo.training.data.prompts.PromptFormat`) and
     tokenises each prompt once and drops those over ``max_prompt_length`` (``dropped``,
-    warned); no prompt tokens, an emptied split or, when fitting, fewer training rows than
-    a batch per process raise ValueError naming the ``--data.`` flags to fix.
+    warned; ``longest``: the longest kept, in tokens); no prompt tokens, an emptied split
+    or, when fitting, fewer training rows than a batch per process raise ValueError naming
+    the ``--data.`` flags to fix.
     :meth:`state_dict` records the position in the seeded order (a resume continues it).
 
     Args:
@@ -182,7 +183,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
         self.train_dataset: PromptDataset | None = None
         self.val_dataset: PromptDataset | None = None
-        self.dropped: dict[str, int] = {}
+        self.dropped, self.longest = {}, {}  # per split: prompts dropped, the longest kept
         self._train_sampler: EpochShuffleSampler | None = None
         self._epoch = 0  # the position in the training order (see state_dict)
         self._consumed = 0
@@ -250,11 +251,11 @@ class PromptDataModule(pl.LightningDataModule):
                 "prompts' text), or render the prompts with its chat template, if it has one "
                 "(--data.apply_chat_template true)"
             )
-        if self.max_prompt_length is None:
-            return PromptDataset(examples, split.where)
-        fits = [n <= self.max_prompt_length for n in lengths]
+        fits = [self.max_prompt_length is None or n <= self.max_prompt_length for n in lengths]
         kept = [ex for ex, fit in zip(examples, fits, strict=True) if fit]
         self.dropped[name] = len(examples) - len(kept)
+        self.longest[name] = max(n for n, fit in zip(lengths, fits, strict=True) if fit) \
+            if kept else 0
         if self.dropped[name] and kept:  # the rows a user gave: said, not only logged
             part, number = split.where(examples[fits.index(False)].index)
             rank_zero_warn(

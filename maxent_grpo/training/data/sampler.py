@@ -49,11 +49,11 @@ class PromptExample:
 
 
 class PromptDataset(Dataset):
-    """A list of :class:`PromptExample`, indexed by position; ``where(example.index)`` is
-    the file (else the source) and row an example came from, for messages."""
+    """A list of :class:`PromptExample`, indexed by position; ``where(example.index)``, when
+    given, is the file (else the source) and row an example came from, for messages."""
 
     def __init__(self, examples: Sequence[PromptExample],
-                 where: Callable[[int], tuple[str, int]] = lambda index: ("row", index)) -> None:
+                 where: Callable[[int], tuple[str, int]] | None = None) -> None:
         self.examples, self.where = list(examples), where
 
     def __len__(self) -> int:

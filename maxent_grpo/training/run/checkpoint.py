@@ -214,11 +214,14 @@ def load_state(
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
     """
     fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
-    if trainer is not None and trainer.state.fn in ("validate", "test"):
+    epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if trainer is not None and trainer.state.fn in ("validate", "test") and \
+            getattr(epochs, "_batches_that_stepped", None) == 0:  # no fit ran on this Trainer
         batches = checkpoint.get("loops", {}).get("fit_loop", {}).get(
             "epoch_loop.batch_progress", {}).get("total", {}).get("processed")
         if isinstance(batches, int) and batches > 0:  # the fit's last batch's scalars' step
-            trainer.fit_loop.epoch_loop._batches_that_stepped = batches - 1
+            epochs._batches_that_stepped = batches - 1
+            epochs.evaluated_at = batches - 1  # ModuleHooks.teardown sets it back to 0
     saved = checkpoint.get(CHECKPOINT_KEY)
     require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "

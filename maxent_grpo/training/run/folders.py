@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
+import re
 import socket
 from typing import Any
 from urllib.parse import urlparse
@@ -65,23 +67,33 @@ def warn_unreachable_trackers(loggers: list[Any]) -> None:
                 uri, err)
 
 
+def _param_name(key: str) -> str:
+    """A flattened key as MLflow takes it as a parameter name: characters it refuses as
+    ``_`` and the path normalised (a reward ``model:/models/rm/`` ended in ``/``)."""
+    name = posixpath.normpath(re.sub(r"[^\w\-. /:]", "_", key)).lstrip("/")
+    return "_" if name in ("", ".") else name
+
+
 def keep_first_values(logger: Any) -> None:
-    """An MLflow logger whose run already holds some parameters with other values (a
-    continued ``run_id``) keeps those, logs the new ones and warns naming the changed ones;
-    MLflow refuses to change a logged parameter, which stopped the run (e.g. a resume with
-    another ``--model.temperature``)."""
+    """An MLflow logger's parameters: names MLflow takes (:func:`_param_name`), and on a run
+    that already holds some of them with other values (a continued ``run_id``) those values
+    kept, the new names logged and the changed ones named in a warning; MLflow refuses to
+    change a logged parameter, which stopped the run (a resume with another
+    ``--model.temperature``), from a file store as from a tracking server."""
     log = logger.log_hyperparams
 
     def log_hyperparams(params: Any) -> None:
+        flat = {_param_name(k): v for k, v in _flatten_dict(_convert_params(params)).items()}
         try:
-            log(params)
-        except Exception as err:  # noqa: BLE001 - mlflow's own type, imported lazily
-            if type(err).__name__ != "MlflowException" or "Changing param" not in str(err):
+            log(flat)
+        except Exception as err:  # noqa: BLE001 - mlflow's own types, imported lazily
+            mlflow_error = any(c.__name__ == "MlflowException" for c in type(err).__mro__)
+            if not mlflow_error or "Changing param" not in str(err):
                 raise
             logged = logger.experiment.get_run(logger.run_id).data.params
-            flat = {k: str(v)[:250] for k, v in _flatten_dict(_convert_params(params)).items()}
             log({k: v for k, v in flat.items() if k not in logged})
-            changed = sorted(k for k, v in flat.items() if logged.get(k, v) != v)
+            changed = sorted(k for k, v in flat.items() if logged.get(k, str(v)[:250])
+                             != str(v)[:250])
             rank_zero_warn(
                 f"MLFlowLogger: run {logger.run_id} keeps the values it logged first for "
                 f"{len(changed)} parameter(s) that this run sets otherwise (MLflow does not "
@@ -132,6 +144,8 @@ class SaveRunConfig(SaveConfigCallback):
             logger = loggers[n] if n < len(loggers) else None
             if logger is None or kept or isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 continue
-            if config is None:
+            if config is None:  # less what names the run rather than trains it
                 config = yaml.safe_load(self.parser.dump(self.config, skip_unset=False))
+                config.pop("ckpt_path", None)
+                (config.get("trainer") or {}).pop("logger", None)
             logger.log_hyperparams({"config": config})

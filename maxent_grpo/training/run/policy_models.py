@@ -7,6 +7,7 @@ which holds ``source`` (:class:`~maxent_grpo.training.settings.ModelSettings`), 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -123,10 +124,10 @@ class PolicyModels:
         datamodule = getattr(self.trainer, "datamodule", None)
         for split in ("train", "val"):
             data = getattr(datamodule, f"{split}_dataset", None)
-            rows = getattr(data, "examples", None)
+            rows, source = getattr(data, "examples", None), getattr(data, "where", None)
             if rows:
-                def where(i: int, s: str = split, r: list = rows, w: object = data.where) -> str:
-                    part, number = w(r[i].index)  # the file and its row
+                def where(i: int, s: str = split, r: list = rows, w: Any = source) -> str:
+                    part, number = (s, r[i].index) if w is None else w(r[i].index)  # its file
                     return f"{part} row {number} ({s} prompt {str(r[i].raw_prompt)[:60]!r})"
 
                 self.rewards.check_rows([ex.columns for ex in rows], where)

@@ -144,3 +144,39 @@ def test_an_mlflow_server_that_refuses_connections_is_named_at_once(caplog, monk
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         warn_unreachable_trackers([closed, MLFlowLogger(tracking_uri=f"file:{tmp_path}")])
     assert caplog.text.count("does not answer") == 1 and f"127.0.0.1:{port}" in caplog.text
+
+
+def test_mlflow_parameter_names_and_a_tracking_servers_refusal(tmp_path, monkeypatch):
+    """A reward key such as ``model:/models/rm/`` is no MLflow parameter name (it stopped
+    the run); a tracking server refuses a changed value with ``RestException``, a subclass
+    the file store's check missed (a continued run stopped as "a bug")."""
+    pytest.importorskip("mlflow")
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow.exceptions import RestException
+
+    from maxent_grpo.training.run.folders import keep_first_values
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    logger = MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    keep_first_values(logger)
+    logger.log_hyperparams({"rewards": {"model:/models/rm/": 1.0, "a b": 2}})
+    params = logger.experiment.get_run(logger.run_id).data.params
+    assert params == {"rewards/model:/models/rm": "1.0", "rewards/a b": "2"}
+    file_store = MLFlowLogger.log_hyperparams.__get__(logger)
+    calls = []
+
+    def server(params):  # refuses the batch as a tracking server does, then logs
+        calls.append(params)
+        if len(calls) == 1:
+            raise RestException({"error_code": "INVALID_PARAMETER_VALUE", "message":
+                                 "Changing param values is not allowed. Param with key="
+                                 "'rewards/model:/models/rm' was already logged"})
+        file_store(params)
+
+    logger.log_hyperparams = server
+    keep_first_values(logger)
+    with pytest.warns(UserWarning, match=r"keeps the values .* 1 parameter\(s\).*: "
+                                         r"rewards/model:/models/rm$"):
+        logger.log_hyperparams({"rewards": {"model:/models/rm/": 5.0, "new": 1}})
+    params = logger.experiment.get_run(logger.run_id).data.params
+    assert params["rewards/model:/models/rm"] == "1.0" and params["rewards/new"] == "1"

@@ -427,3 +427,7 @@ def test_validating_a_checkpoint_logs_at_the_step_the_fit_logged_its_weights(cac
         assert {int(r["step"]) for r in rows if r.get("val/pass@1")} == {step}
     rows = list(csv.DictReader(open(tmp_path / "fit" / "version_0" / "metrics.csv")))
     assert {int(r["step"]) for r in rows if r.get("train/reward/mean")} == {0, 1, 2, 3}
+    # the same Trainer fits afterwards from its own step 0, not the checkpoint's
+    trainer.fit_loop.epoch_loop.max_steps = 1
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 1  # its one step (4: from 3)
