@@ -25,6 +25,7 @@ columns with one value per completion.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
@@ -183,7 +184,8 @@ def _call(
     """Values of reward ``k`` as floats (NaN for None), checked."""
     label = f"reward function {name!r} (#{k})"
     try:
-        values = awaited(fn(prompts=prompts, completions=completions, **kwargs))
+        values = fn(prompts=prompts, completions=completions, **kwargs)
+        values = awaited(values) if inspect.isawaitable(values) else values  # async def
     except Exception as err:
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)
