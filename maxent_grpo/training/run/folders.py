@@ -52,8 +52,8 @@ def warn_unreachable_trackers(loggers: list[Any]) -> None:
     retries for minutes, silently, before the run stops (the wait stays: a restarting
     server may come back)."""
     for logger in loggers:
-        uri = str(getattr(logger, "_tracking_uri", "")) if type(logger).__name__ == \
-            "MLFlowLogger" else ""
+        uri = str(getattr(logger, "_tracking_uri", "")) if isinstance(
+            logger, MLFlowLogger) else ""
         address = urlparse(uri)
         if address.scheme not in ("http", "https") or not address.hostname:
             continue
