@@ -710,3 +710,58 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
     assert keys == sorted(keys) and len(set(keys)) == len(keys) == 5 * 4
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["predictions.jsonl"]
     assert "predict: 20 completions of 5 prompts written to" in output
+
+
+class SigtermAt(pl.Callback):
+    """SIGTERM this process at the start of batch ``step`` on rank ``rank`` only (a job
+    scheduler or a user stopping one process of a run)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import signal
+
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_stops_every_rank_at_the_same_step(tmp_path):
+    """Lightning's own SIGTERM handler broadcasts from inside the signal handler, while the
+    other rank is in one of the step's collectives: the run hung until the process group's
+    time-out (30 min), or went on. Now the signal is shared between ranks at the end of the
+    step (every rank stops there, ``save_on_exception`` saves that step) and the command
+    exits 143 (it exited 0, as if the run had finished)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    cfg["trainer"].update(
+        devices=2, strategy="ddp", max_steps=50, enable_progress_bar=False, logger=False,
+        callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
+                                  "every_n_train_steps": 100, "save_on_exception": True}},
+                   {"class_path": "test_distributed.SigtermAt",
+                    "init_args": {"rank": 1, "step": 2}}])
+    cfg["model"]["model_cache_dir"] = str(tmp_path / "models")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(tmp_path / "config.yaml")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        pytest.fail("the run stopped by SIGTERM on rank 1 hung:\n" + output[-3000:])
+    assert proc.returncode == 143, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert saved["global_step"] == 3  # the step rank 1 was signalled at, on both ranks
+    assert len(saved["maxent_grpo"]["rng"]) == 2

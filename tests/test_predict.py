@@ -163,3 +163,36 @@ def test_predict_that_runs_no_batch_says_nothing_was_written(tmp_path, monkeypat
                      "--output", "p.jsonl"])
     assert not (tmp_path / "p.jsonl").exists()
     assert any("predict ran no batch" in str(w.message) for w in recwarn)
+
+
+class SigtermAtFirstBatch(__import__("lightning").pytorch.Callback):
+    """SIGTERM this process at the start of the first predict batch."""
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        import os
+        import signal
+
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_stops_predict_after_the_batch(demo_checkpoint, tmp_path, capsys):
+    """Lightning's predict loop never looks at the SIGTERM its handler keeps from ending
+    the process: ``kill`` did not stop a predict. It stops after the batch, exit 143."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    with pytest.raises(SIGTERMException):
+        cli_module.main(["predict", *SMALL, "--ckpt_path", str(demo_checkpoint),
+                         f"--model.model_cache_dir={tmp_path / 'models'}",
+                         "--trainer.logger=false", "--data.val_batch_size", "1",
+                         "--output", str(tmp_path / "p.jsonl"),
+                         "--trainer.callbacks+=test_predict.SigtermAtFirstBatch"])
+    assert not (tmp_path / "p.jsonl").exists()
+    with pytest.raises(SystemExit) as stop:
+        cli_module.main(["predict", *SMALL, "--ckpt_path", str(demo_checkpoint),
+                         f"--model.model_cache_dir={tmp_path / 'models'}",
+                         "--trainer.logger=false", "--data.val_batch_size", "1",
+                         "--trainer.callbacks+=test_predict.SigtermAtFirstBatch"],
+                        exit_on_error=True)
+    assert stop.value.code == 143
+    assert "error: stopped by SIGTERM" in capsys.readouterr().err

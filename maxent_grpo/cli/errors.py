@@ -329,7 +329,8 @@ def report(error: BaseException, show_trace: bool) -> int:
 
 def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
     """``build()``; any exception is printed by :func:`report` and ends the process with
-    its exit code (``SystemExit``, e.g. jsonargparse's usage errors, passes through)."""
+    its exit code (``SystemExit``, e.g. jsonargparse's usage errors, passes through); Ctrl-C
+    exits 130, SIGTERM 143 (Lightning's ``SIGTERMException`` has no code: it exited 0)."""
     try:
         return build()
     except KeyboardInterrupt:
@@ -337,6 +338,12 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
             raise
         print("error: interrupted (Ctrl-C)", file=sys.stderr)
         raise SystemExit(130) from None
+    except SystemExit as stop:
+        if type(stop).__name__ != "SIGTERMException":  # Lightning's, with no exit code
+            raise
+        print("error: stopped by SIGTERM after a batch (in fit, a ModelCheckpoint with "
+              "save_on_exception: true saved that step; --ckpt_path resumes)", file=sys.stderr)
+        raise SystemExit(143) from None
     except Exception as error:  # noqa: BLE001 - the command line's last stop
         code = report(error, show_trace)
         sys.stderr.flush()

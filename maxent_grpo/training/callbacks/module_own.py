@@ -21,10 +21,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from maxent_grpo.training.run.checkpoint import resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir
+from maxent_grpo.training.run.signals import share_sigterm, take_sigterm
 from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
@@ -58,9 +60,11 @@ def check_prompt_bound(bound: int | None, datamodule: Any) -> None:
 class ModuleHooks(L.Callback):
     """Before the user's callbacks: a fit starts without an earlier fit's controllers (they
     attach at their ``setup``), and a resumed fit's random state and logging step are set
-    before their hooks of its first batch (a ``LearningRateMonitor`` logs there)."""
+    before their hooks of its first batch (a ``LearningRateMonitor`` logs there). A SIGTERM
+    stops every rank after the same batch (:mod:`~maxent_grpo.training.run.signals`)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        take_sigterm(trainer)
         if stage == "fit":  # the loop settings of a MaxEntGRPOModule
             pl_module.loop = detached_controllers(pl_module.loop)
         check_prompt_bound(pl_module.loop.generation.sampling.max_prompt_length,
@@ -88,6 +92,18 @@ class ModuleHooks(L.Callback):
                              batch: Any, batch_idx: int) -> None:
         pl_module.at_batch_start()
 
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        share_sigterm(trainer)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        share_sigterm(trainer)
+
+    def on_test_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        share_sigterm(trainer)
+
+    def on_predict_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        if share_sigterm(trainer):  # Lightning's predict loop does not look
+            raise SIGTERMException
 
 class CleanUp(L.Callback):
     """After the user's callbacks: a failed run calls no module teardown in Lightning; this
