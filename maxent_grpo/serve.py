@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                 preexec_fn=_server_child(server_cpus))
     training: subprocess.Popen | None = None
     stops: dict[int, Any] = {}  # the handlers while stopping: ignored
+    clean = False  # a training that finished: the server's log goes with its folder
     try:
         _wait_healthy(url, proc, log, args.start_seconds, key)
         print(f"\rvllm serve is up at {url} (log: {log})", file=sys.stderr, flush=True)
@@ -182,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             train_env["OMP_NUM_THREADS"] = str(len(trainer_cpus))
         training = subprocess.Popen(train, env=train_env,  # SIGTERM too if serve is killed
                                     preexec_fn=_server_child(trainer_cpus))
-        return training.wait()
+        code = training.wait()
+        clean = code == 0
+        return code
     except KeyboardInterrupt:
         stops = _ignore_stops()  # a second signal must not leave the training behind
         if training is not None and training.poll() is None:
@@ -200,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ProcessLookupError, subprocess.TimeoutExpired):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        if clean:
+            shutil.rmtree(work, ignore_errors=True)
         with contextlib.suppress(OSError):  # a terminal closed (SIGHUP) cannot be written to
-            print("vllm serve stopped", file=sys.stderr)
+            print("vllm serve stopped" + ("" if clean else f" (its log: {log})"),
+                  file=sys.stderr)
         signal.signal(signal.SIGINT, stops[signal.SIGINT])  # main() run inside a process:
         for stop, handler in callers.items():  # the caller's handlers, as they were
             signal.signal(stop, handler)
