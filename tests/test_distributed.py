@@ -385,6 +385,38 @@ def run_case(name: str, world: int, cache_dir: str, root: str) -> dict[str, Any]
     return out
 
 
+def predict_unequal(cache_dir: str, root: str) -> dict[str, Any]:
+    """``trainer.predict`` on a plain DataLoader of 5 prompts, one a batch: Lightning's
+    predict sampler gives rank 0 three batches and rank 1 two. The per-batch SIGTERM check
+    (an ``all_reduce``) must not run there: rank 0's third one met rank 1's count of the
+    @k summary, read a 2 as "signalled" and stopped, rank 1 failing after it."""
+    from torch.utils.data import DataLoader
+
+    from maxent_grpo.training.data import collate_prompts
+
+    module = MaxEntGRPOModule(model_name_or_path="builtin:tiny", engine=ScriptedEngine,
+                              rewards={"first_number": 1.0}, num_generations=2,
+                              max_completion_length=T_MAX, max_prompt_length=32,
+                              model_cache_dir=cache_dir)
+    data = PromptDataModule(task="arithmetic_easy", task_options={"bare": True},
+                            train_size=8, val_size=5, tokenizer="builtin:tiny",
+                            tokenizer_cache_dir=cache_dir, max_prompt_length=32)
+    data.setup("validate")
+    seen: list[int] = []
+
+    class Count(pl.Callback):
+        def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
+                                 dataloader_idx=0):
+            seen.append(batch_idx)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=root, callbacks=[Count()])
+    loader = DataLoader(data.val_dataset, batch_size=1, collate_fn=collate_prompts)
+    trainer.predict(module, dataloaders=loader, return_predictions=False)
+    return {"batches": seen, "stopped": trainer.received_sigterm}
+
+
 def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
     """One of the ``WORLD`` ranks: every case in turn, results to ``out_dir/rank{r}.pt``."""
     os.environ.update(
@@ -396,6 +428,7 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
         name: run_case(name, WORLD, cache_dir, str(Path(out_dir) / f"root{rank}"))
         for name in CASES
     }
+    results["predict_unequal"] = predict_unequal(cache_dir, str(Path(out_dir) / f"p{rank}"))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -447,6 +480,12 @@ def test_ddp_reduces_gradients_once_per_optimizer_step(runs):
         assert min(single) >= 1 and len(many) >= 2, (many, single)
         # measured: [1, 1] vs [5, 1, 1, 1]; with a reduction per backward pass, [2, 2]
         assert many[0] <= single[0] and many[1:] == single[1 : len(many)], (many, single)
+
+
+def test_predict_with_more_batches_on_one_rank_runs_to_its_end(runs):
+    """No SIGTERM check between batches where the ranks have different counts."""
+    assert [rank["predict_unequal"] for rank in runs["ranks"]] == [
+        {"batches": [0, 1, 2], "stopped": False}, {"batches": [0, 1], "stopped": False}]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -26,7 +26,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from maxent_grpo.training.run.checkpoint import resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir
-from maxent_grpo.training.run.signals import share_sigterm, take_sigterm
+from maxent_grpo.training.run.signals import (
+    give_back_sigterm,
+    same_batches,
+    share_sigterm,
+    take_sigterm,
+)
 from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
@@ -65,6 +70,7 @@ class ModuleHooks(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
+        _own_logging_step(trainer)  # an evaluation that failed left its checkpoint's step
         if stage == "fit":  # the loop settings of a MaxEntGRPOModule
             pl_module.loop = detached_controllers(pl_module.loop)
         check_prompt_bound(pl_module.loop.generation.sampling.max_prompt_length,
@@ -73,9 +79,8 @@ class ModuleHooks(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """After validate/test of a checkpoint logged at its step (``load_state``), the
         Trainer's step is its own again (0: a later fit on it starts from there)."""
-        loop = trainer.fit_loop.epoch_loop
-        if getattr(loop, "evaluated_at", None) is not None:
-            loop._batches_that_stepped, loop.evaluated_at = 0, None
+        _own_logging_step(trainer)
+        give_back_sigterm(trainer)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -95,15 +100,35 @@ class ModuleHooks(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         share_sigterm(trainer)
 
+    def on_validation_start(self, trainer: L.Trainer, *_: Any) -> None:
+        same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
+                     else trainer.num_val_batches)
+
     def on_validation_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        share_sigterm(trainer)
+        share_sigterm(trainer, training=False)
+
+    def on_test_start(self, trainer: L.Trainer, *_: Any) -> None:
+        same_batches(trainer, trainer.num_test_batches)
 
     def on_test_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        share_sigterm(trainer)
+        share_sigterm(trainer, training=False)
 
-    def on_predict_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        if share_sigterm(trainer):  # Lightning's predict loop does not look
+    def on_predict_start(self, trainer: L.Trainer, *_: Any) -> None:
+        same_batches(trainer, trainer.num_predict_batches)
+
+    def on_predict_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        """Lightning's predict loop never looks at the signal: stopped before the next
+        batch, after every callback had the last one."""
+        if share_sigterm(trainer, training=False):
             raise SIGTERMException
+
+def _own_logging_step(trainer: L.Trainer) -> None:
+    """The Trainer's logging step its own again after a validate/test of a checkpoint,
+    which logged at the checkpoint's step (``load_state``)."""
+    loop = trainer.fit_loop.epoch_loop
+    if getattr(loop, "evaluated_at", None) is not None:
+        loop._batches_that_stepped, loop.evaluated_at = 0, None
+
 
 class CleanUp(L.Callback):
     """After the user's callbacks: a failed run calls no module teardown in Lightning; this
@@ -111,6 +136,7 @@ class CleanUp(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
+        give_back_sigterm(trainer)
         try:
             pl_module.teardown("fit")
         except Exception as err:  # noqa: BLE001 - the run's own error is the one to report

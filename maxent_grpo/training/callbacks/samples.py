@@ -10,8 +10,9 @@ completions, rewards and, where the objective has them, advantages, weights and 
 - W&B: a ``wandb.Table`` under ``samples/completions`` (columns of :func:`flat_table`);
 - MLflow: the same table as the artifact ``samples/step_<n>.json`` (the layout of
   ``MlflowClient.log_table``);
-- any other logger: :func:`rollout_rows` appended to ``<log_dir>/samples/completions.jsonl``
-  (the logger's ``log_dir`` or ``save_dir``, else the run's folder);
+- any other logger: :func:`rollout_rows` appended to ``<folder>/samples/completions.jsonl``
+  (the logger's own run folder, :func:`~maxent_grpo.training.run.folders.logger_folder`:
+  its ``log_dir`` where it has one, else ``<save_dir or default_root_dir>/<name>/<version>``);
 - no logger (``--trainer.logger=false``): nothing, unless ``jsonl_path`` asks for a file.
 
 Samples are keyed on the rollout's ``step``, its first optimizer step (with

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
+from maxent_grpo.training.run.checkpoint_io import fit_batches
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
 from maxent_grpo.training.types import LoopSettings
@@ -217,11 +218,10 @@ def load_state(
     epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     if trainer is not None and trainer.state.fn in ("validate", "test") and \
             getattr(epochs, "_batches_that_stepped", None) == 0:  # no fit ran on this Trainer
-        batches = checkpoint.get("loops", {}).get("fit_loop", {}).get(
-            "epoch_loop.batch_progress", {}).get("total", {}).get("processed")
-        if isinstance(batches, int) and batches > 0:  # the fit's last batch's scalars' step
+        batches = fit_batches(checkpoint)
+        if batches is not None and batches > 0:  # the fit's last batch's scalars' step
             epochs._batches_that_stepped = batches - 1
-            epochs.evaluated_at = batches - 1  # ModuleHooks.teardown sets it back to 0
+            epochs.evaluated_at = batches - 1  # ModuleHooks sets it back to 0 (setup, teardown)
     saved = checkpoint.get(CHECKPOINT_KEY)
     require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "

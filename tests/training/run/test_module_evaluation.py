@@ -431,3 +431,31 @@ def test_validating_a_checkpoint_logs_at_the_step_the_fit_logged_its_weights(cac
     trainer.fit_loop.epoch_loop.max_steps = 1
     trainer.fit(make_module(cache_dir), make_data(cache_dir))
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 1  # its one step (4: from 3)
+
+
+def test_a_failed_evaluation_of_a_checkpoint_leaves_the_trainer_as_it_was(cache_dir, tmp_path):
+    """A validate of a checkpoint logs at its step; when it failed (a reward error, a
+    SIGTERM), Lightning ran no teardown and a later fit on the same Trainer logged from the
+    checkpoint's step on; and the Trainer kept this trainer's SIGTERM handler after it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    fit(make_module(cache_dir), make_data(cache_dir), steps=3, tmp_path=tmp_path,
+        callbacks=[saver], enable_checkpointing=True)
+
+    class Fail(L.Callback):
+        def on_validation_batch_start(self, *args, **kwargs):
+            raise RuntimeError("a reward failed")
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, limit_val_batches=1,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Fail()], default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="a reward failed"):
+        trainer.validate(make_module(cache_dir), make_data(cache_dir),
+                         ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert "_sigterm_notifier_fn" not in vars(trainer._signal_connector)
+    trainer.callbacks.remove(next(c for c in trainer.callbacks if isinstance(c, Fail)))
+    trainer.fit_loop.epoch_loop.max_steps = 1
+    trainer.fit(make_module(cache_dir), make_data(cache_dir))
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 1  # 3 before: from 2
+    assert "_sigterm_notifier_fn" not in vars(trainer._signal_connector)
