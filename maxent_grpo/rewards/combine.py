@@ -30,6 +30,7 @@ import math
 import numbers
 import re
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -57,13 +58,25 @@ RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "render
 
 
 def _not_logged(kind: str) -> Callable[..., None]:
-    """TRL's ``log_metric(name, value)`` / ``log_extra(column, values)``, accepted so that a
-    TRL reward runs unchanged; what they are given is not logged here (warned once)."""
+    """TRL's ``log_extra(column, values)`` (and ``log_metric`` outside
+    :class:`WeightedRewards`), accepted so that a TRL reward runs unchanged; what it is
+    given is not logged (warned once)."""
     def log(*args: Any, **kwargs: Any) -> None:
         warnings.warn(f"a reward function called {kind}: maxent_grpo does not record what "
-                      "reward functions log themselves (only their values); it is dropped",
-                      stacklevel=2)
+                      f"it is given here; it is dropped", stacklevel=2)
     return log
+
+
+def _metric_value(name: Any, value: Any) -> float:
+    """``log_metric``'s value as a float, checked (raised inside the reward function's call,
+    whose error names the function)."""
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"log_metric(name, value) needs a non-empty name; got {name!r:.80}")
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and value.ndim == 0:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"log_metric({name!r}, value) needs a finite number; got {value!r:.80}")
+    return float(value)
 
 
 
@@ -249,6 +262,7 @@ def _score(
     funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
     columns: dict[str, list], completion_ids: list[list[int]] | None,
     trainer_state: TrainerState | None, rendered_prompts: list[str] | None = None,
+    log_metric: Callable[[str, float], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(prompts, completions, columns)
     if completion_ids is not None and len(completion_ids) != len(completions):
@@ -256,7 +270,8 @@ def _score(
                          f"({len(completions)}); got {len(completion_ids)}")
     completions = trl_completions(prompts, completions)
     kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state,
-              "log_metric": _not_logged("log_metric"), "log_extra": _not_logged("log_extra"),
+              "log_metric": log_metric or _not_logged("log_metric"),
+              "log_extra": _not_logged("log_extra"),
               **columns}
     if rendered_prompts is not None:
         kwargs["rendered_prompts"] = rendered_prompts
@@ -320,6 +335,20 @@ class WeightedRewards:
         self._device = device
         self.funcs = [self._function(o) for o in self.options]
         _check_funcs(list(zip(self.names, self.funcs, self.weights, strict=True)))
+        self._logged: deque[tuple[str, float]] = deque()  # appended in a rollout's thread
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``, given to every reward function: a scalar of its own, which
+        the training step logs as ``train/reward_log/<name>`` (the mean of the values its
+        calls gave, over every rank)."""
+        self._logged.append((name, _metric_value(name, value)))
+
+    def take_logged(self) -> list[tuple[str, float]]:
+        """What :meth:`log_metric` recorded since the last call, emptied."""
+        out = []
+        while self._logged:
+            out.append(self._logged.popleft())
+        return out
 
     def _function(self, options: RewardOptions) -> Callable:
         if options.model is not None:
@@ -376,7 +405,7 @@ class WeightedRewards:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
         return _score(funcs, pairs.prompts, pairs.completions, per_row, ids,
-                      trainer_state or TrainerState(), rendered_prompts)
+                      trainer_state or TrainerState(), rendered_prompts, self.log_metric)
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],

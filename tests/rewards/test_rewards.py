@@ -384,7 +384,7 @@ def test_a_trl_reward_module_drops_in_async_arrays_and_its_log_calls() -> None:
         return [1.0, 0.0]
 
     funcs = [("a", slow_len, 1.0), ("b", as_array, 1.0), ("c", scalars, 1.0), ("d", logs, 1.0)]
-    with pytest.warns(UserWarning, match="does not record what reward functions log"):
+    with pytest.warns(UserWarning, match="does not record what it is given"):
         total, parts = score_completions(funcs, ["p", "p"], ["xy", "xyz"], {})
     assert parts.tolist() == [[2.0, 3.0], [1.0, 2.0], [0.5, 0.25], [1.0, 0.0]]
 
@@ -717,3 +717,49 @@ def test_async_rewards_share_one_loop_and_keep_their_time_limit() -> None:
     start = time.monotonic()
     assert timed(prompts=["p"], completions=["x"]) == [0.0]
     assert time.monotonic() - start < 1.5 and timed.timeouts == 1
+
+
+def lengths_logged(completions, log_metric, **kwargs):
+    """A TRL-style reward that logs a scalar of its own: the mean length it graded."""
+    lengths = [float(len(c)) for c in completions]
+    log_metric("mean.len", sum(lengths) / len(lengths))
+    log_metric("calls", 1.0)
+    return lengths
+
+
+def test_what_a_reward_function_gives_log_metric_is_logged_each_step(cache_dir, tmp_path):
+    """``log_metric(name, value)`` (TRL's) was accepted and dropped; now it is logged as
+    ``train/reward_log/<name>``, the mean of the step's calls, validation's left out."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.conftest import fit, make_data, make_module
+
+    name = "tests.rewards.test_rewards:lengths_logged"
+    module = make_module(cache_dir, rewards={name: 1.0})
+    fit(module, make_data(cache_dir), steps=3, tmp_path=tmp_path, logger=CSVLogger(tmp_path),
+        log_every_n_steps=1, limit_val_batches=1, val_check_interval=1)
+    rows = [r for r in csv.DictReader(open(tmp_path / "lightning_logs/version_0/metrics.csv"))
+            if r.get("train/reward_log/calls")]
+    assert len(rows) == 3
+    for row in rows:  # one call a step: its value is the function's own mean
+        assert float(row["train/reward_log/calls"]) == 1.0
+        assert float(row["train/reward_log/mean.len"]) == pytest.approx(
+            float(row[f"train/reward/{name}/mean"]))
+    assert module.rewards.take_logged() == []  # the last validation's calls were dropped
+
+
+def nan_logged(completions, log_metric, **kwargs):
+    log_metric("nan", float("nan"))
+    return [1.0] * len(completions)
+
+
+def test_a_bad_log_metric_call_names_the_reward_function():
+    from maxent_grpo.rewards import WeightedRewards
+    from maxent_grpo.rollout.batch import PromptCompletionBatch
+
+    rewards = WeightedRewards({"tests.rewards.test_rewards:nan_logged": 1.0})
+    with pytest.raises(RewardFunctionError, match=r"nan_logged.*log_metric\('nan', value\) "
+                       "needs a finite number"):
+        rewards(PromptCompletionBatch(["p"], ["c"]), {}, 1)

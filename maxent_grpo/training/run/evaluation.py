@@ -219,6 +219,7 @@ class Evaluator(torch.nn.Module):
             _, greedy_components = self.rewards.score_rollout(
                 greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
             greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
+        self.rewards.take_logged()  # what the functions' log_metric gave: training's only
         columns = batch["columns"]
         rows = []  # the rewards on the host once (not a copy, and a sync, per prompt)
         totals, values = total.view(B, n).tolist(), components.view(-1, B, n).tolist()

@@ -117,7 +117,7 @@ class StepMetrics(torch.nn.Module):
             MaxMetric, nan_strategy="disable"))  # the NaN check would sync the host
 
     def _metric(self, table: torch.nn.ModuleDict, key: str, make: Any) -> Any:
-        name = key.replace("/", "__")  # ModuleDict keys may not hold "/"
+        name = key.replace("/", "__").replace(".", "_")  # ModuleDict keys: no "/" or "."
         if name not in table:
             table[name] = make().to(self.reward.total.device)
         return table[name]
@@ -209,6 +209,9 @@ class StepMetrics(torch.nn.Module):
             self.observe_tools(rollout)
         for key, value in t.targets.stats.items():
             self.mean(key).update(value.detach(), count=torch.ones((), device=device))
+        for name, value in t.reward_logs:  # a reward function's log_metric: each call once
+            self.mean(f"reward_log/{name}").update(
+                torch.tensor(value, dtype=torch.float64, device=device), count=1.0)
 
     def artifacts(
         self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,

@@ -235,6 +235,8 @@ class Trajectory:
         answer_keys: the ``B*G`` samples' answers as the answer statistics and the
             answer-level objectives compare them (:func:`~maxent_grpo.rewards.answers.answer_key`
             under each row's ``answer_form``; ``None``: no answer).
+        reward_logs: what the reward functions gave ``log_metric`` while scoring it,
+            ``(name, value)`` in call order.
     """
 
     rollout: RolloutOutput
@@ -258,6 +260,7 @@ class Trajectory:
     samples: RolloutSamples
     refill_rounds: int = 0
     answer_keys: list[str | None] = field(default_factory=list)
+    reward_logs: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -301,6 +304,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
                                 pad_id(scored[1], ctx.engine), gen.solved_reward)
     batch, rollout, rewards, components = scored
+    reward_logs = ctx.rewards.take_logged()  # the functions' log_metric calls
     loss_mask = rollout.model_mask.clone()  # (B*G, T) bool: the tokens the model wrote
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
@@ -373,7 +377,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
         kept_groups=kept_groups, dropped_groups=world * B - kept_groups, ghost=ghost,
         num_global_tokens=global_tokens,
         loss_scale=0.0 if ghost else ctx.objective.loss_scale(world, n_kept, kept_groups * G),
-        samples=samples, refill_rounds=rounds, answer_keys=keys,
+        samples=samples, refill_rounds=rounds, answer_keys=keys, reward_logs=reward_logs,
     )
 
 
