@@ -58,25 +58,12 @@ RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "render
 
 
 def _not_logged(kind: str) -> Callable[..., None]:
-    """TRL's ``log_extra(column, values)`` (and ``log_metric`` outside
-    :class:`WeightedRewards`), accepted so that a TRL reward runs unchanged; what it is
-    given is not logged (warned once)."""
+    """TRL's ``log_extra`` (and ``log_metric`` outside :class:`WeightedRewards`), accepted
+    so that a TRL reward runs unchanged; what it is given is dropped (warned once)."""
     def log(*args: Any, **kwargs: Any) -> None:
         warnings.warn(f"a reward function called {kind}: maxent_grpo does not record what "
                       f"it is given here; it is dropped", stacklevel=2)
     return log
-
-
-def _metric_value(name: Any, value: Any) -> float:
-    """``log_metric``'s value as a float, checked (raised inside the reward function's call,
-    whose error names the function)."""
-    if not isinstance(name, str) or not name.strip():
-        raise TypeError(f"log_metric(name, value) needs a non-empty name; got {name!r:.80}")
-    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and value.ndim == 0:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"log_metric({name!r}, value) needs a finite number; got {value!r:.80}")
-    return float(value)
 
 
 
@@ -338,17 +325,19 @@ class WeightedRewards:
         self._logged: deque[tuple[str, float]] = deque()  # appended in a rollout's thread
 
     def log_metric(self, name: str, value: float) -> None:
-        """TRL's ``log_metric``, given to every reward function: a scalar of its own, which
-        the training step logs as ``train/reward_log/<name>`` (the mean of the values its
-        calls gave, over every rank)."""
-        self._logged.append((name, _metric_value(name, value)))
+        """TRL's ``log_metric``, given to every reward function: a finite number of its own,
+        logged by the training step as ``train/reward_log/<name>`` (the mean of its calls
+        over every rank); a bad one is the calling function's error."""
+        if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and value.ndim == 0:
+            value = value.item()
+        if not (isinstance(name, str) and name.strip() and is_number(value)):
+            raise ValueError("log_metric(name, value) needs a name and a finite number; got "
+                             f"({name!r:.80}, {value!r:.80})")
+        self._logged.append((name, float(value)))
 
     def take_logged(self) -> list[tuple[str, float]]:
         """What :meth:`log_metric` recorded since the last call, emptied."""
-        out = []
-        while self._logged:
-            out.append(self._logged.popleft())
-        return out
+        return [self._logged.popleft() for _ in range(len(self._logged))]
 
     def _function(self, options: RewardOptions) -> Callable:
         if options.model is not None:

@@ -760,6 +760,6 @@ def test_a_bad_log_metric_call_names_the_reward_function():
     from maxent_grpo.rollout.batch import PromptCompletionBatch
 
     rewards = WeightedRewards({"tests.rewards.test_rewards:nan_logged": 1.0})
-    with pytest.raises(RewardFunctionError, match=r"nan_logged.*log_metric\('nan', value\) "
-                       "needs a finite number"):
+    with pytest.raises(RewardFunctionError, match=r"nan_logged.*log_metric\(name, value\) "
+                       r"needs a name and a finite number; got \('nan', nan\)"):
         rewards(PromptCompletionBatch(["p"], ["c"]), {}, 1)

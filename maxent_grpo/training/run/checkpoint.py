@@ -30,7 +30,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
-from maxent_grpo.training.run.checkpoint_io import fit_batches
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
 from maxent_grpo.training.types import LoopSettings
@@ -72,6 +71,14 @@ def step_start(restore: dict[str, Any] | None, trainer: Any) -> dict[str, Any]:
         restore_rng_state(restore)
         realign_log_step(trainer)
     return {"rng": capture_rng_state(), "global_step": getattr(trainer, "global_step", None)}
+
+
+def fit_batches(checkpoint: dict) -> int | None:
+    """The training batches the fit that saved ``checkpoint`` had run (Lightning's loop
+    state); None where it is not recorded."""
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    batches = ((loop.get("epoch_loop.batch_progress") or {}).get("total") or {}).get("processed")
+    return batches if isinstance(batches, int) else None
 
 
 def resume_where_stopped(checkpoint: dict[str, Any], trainer: Any) -> bool:

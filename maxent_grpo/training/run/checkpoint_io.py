@@ -36,6 +36,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
+from maxent_grpo.training.run.checkpoint import fit_batches
+
 log = logging.getLogger(__name__)
 
 #: Top-level checkpoint entries written by :class:`LoggerVersions`.
@@ -244,14 +246,6 @@ def _usable(path: str, need_training_state: bool, full: bool = True, trusted: bo
     return None, index
 
 
-def fit_batches(checkpoint: dict) -> int | None:
-    """The training batches the fit that saved ``checkpoint`` had run (Lightning's loop
-    state); None where it is not recorded."""
-    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
-    batches = ((loop.get("epoch_loop.batch_progress") or {}).get("total") or {}).get("processed")
-    return batches if isinstance(batches, int) else None
-
-
 def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> ResolvedCheckpoint:
     index = index or {}
     step, batches = index.get("global_step"), fit_batches(index)
@@ -259,9 +253,7 @@ def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> 
         path=path,
         global_step=int(step) if step is not None else None,
         loggers=list(index.get(LOGGERS_KEY) or []),
-        skipped=skipped,
-        run=index.get(RUN_KEY),
-        log_step=batches, trusted=trusted)
+        skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted)
 
 
 def _describe(found: ResolvedCheckpoint) -> str:

@@ -235,8 +235,7 @@ class Trajectory:
         answer_keys: the ``B*G`` samples' answers as the answer statistics and the
             answer-level objectives compare them (:func:`~maxent_grpo.rewards.answers.answer_key`
             under each row's ``answer_form``; ``None``: no answer).
-        reward_logs: what the reward functions gave ``log_metric`` while scoring it,
-            ``(name, value)`` in call order.
+        reward_logs: ``(name, value)`` of the reward functions' ``log_metric`` calls.
     """
 
     rollout: RolloutOutput
@@ -303,8 +302,7 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
                 "DataModule's refill_batch (the module passes it; see step/refill.py)")
         scored, rounds = refill(scored, ctx.refill, roll_out, gen.refill_rounds, ctx.any_rank,
                                 pad_id(scored[1], ctx.engine), gen.solved_reward)
-    batch, rollout, rewards, components = scored
-    reward_logs = ctx.rewards.take_logged()  # the functions' log_metric calls
+    (batch, rollout, rewards, components), reward_logs = scored, ctx.rewards.take_logged()
     loss_mask = rollout.model_mask.clone()  # (B*G, T) bool: the tokens the model wrote
     if gen.mask_truncated_completions:
         loss_mask &= ~rollout.truncated[:, None]
