@@ -207,10 +207,11 @@ def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
     peft: Any = None, trainer: Any = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
-    state (the caller restores it just before the first training batch). ``trainer``'s
+    state (the caller restores it just before the first training batch; None for a
+    ``trainer`` that is not fitting). ``trainer``'s
     ``fit`` is ``fitting``; its ``validate`` or ``test`` logs at the step of the fit that
     wrote the checkpoint's weights' training scalars (not at 0, where every checkpoint's
     evaluation landed): evaluations of several checkpoints line up with the fit's curves.
@@ -256,6 +257,8 @@ def load_state(
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))
+    if trainer is not None and not fitting:  # evaluated: a later fit keeps its own seed
+        return None
     states = saved["rng"]
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()

@@ -297,7 +297,8 @@ class Evaluator(torch.nn.Module):
         values = {f"{prefix}/reward/{k}": v for k, v in reward.compute().items()}
         values.update({f"{prefix}/reward/{k}": v for k, v in components.compute().items()})
         values.update(evaluation_metrics(records, self.settings.k, prefix))
-        self.reward.reset()
-        self.components.reset()
+        with torch.inference_mode(False):  # validate's fresh states, then a fit's updates
+            self.reward.reset()
+            self.components.reset()
         self.records = []
         return {k: float(v) for k, v in values.items()}

@@ -459,3 +459,33 @@ def test_a_failed_evaluation_of_a_checkpoint_leaves_the_trainer_as_it_was(cache_
     trainer.fit(make_module(cache_dir), make_data(cache_dir))
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 1  # 3 before: from 2
     assert "_sigterm_notifier_fn" not in vars(trainer._signal_connector)
+
+
+def test_a_fit_after_an_evaluation_on_the_same_trainer_runs_with_its_own_seed(cache_dir,
+                                                                              tmp_path):
+    """``trainer.validate`` then ``trainer.fit`` stopped at the fit's first validation
+    ("Inplace update to inference tensor outside InferenceMode"); and a validate of a
+    checkpoint put that checkpoint's random state on the next fit, so a seed sweep after it
+    sampled the same completions for every seed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    fit(make_module(cache_dir), make_data(cache_dir), steps=2, tmp_path=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)],
+        enable_checkpointing=True)
+    sampled = []
+
+    class Sampled(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            sampled.append(pl_module.trajectory.rollout.completion_ids.tolist())
+
+    for seed in (1, 2):
+        module, data = make_module(cache_dir), make_data(cache_dir)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, limit_val_batches=1,
+                            val_check_interval=1, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[Sampled()], default_root_dir=tmp_path)
+        trainer.validate(module, data, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+        L.seed_everything(seed)
+        trainer.fit(module, data)  # its sanity check and validation update the metrics
+        assert trainer.global_step == 1
+    assert sampled[0] != sampled[1]
