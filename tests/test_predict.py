@@ -196,3 +196,31 @@ def test_a_sigterm_stops_predict_after_the_batch(demo_checkpoint, tmp_path, caps
                         exit_on_error=True)
     assert stop.value.code == 143
     assert "error: stopped by SIGTERM" in capsys.readouterr().err
+
+
+class InterruptAtSecondBatch(__import__("lightning").pytorch.Callback):
+    """Ctrl-C (a KeyboardInterrupt) at the start of the second training batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_of_a_fit_exits_130(tmp_path, monkeypatch, capsys):
+    """Lightning catches the KeyboardInterrupt and exits 1, the exit code of a mistake or a
+    bug: a script could not tell a stop from a failure (the documented code is 130)."""
+    import signal
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli_module.main(["fit", *SMALL, "--trainer.max_steps", "3",
+                             f"--model.model_cache_dir={tmp_path / 'models'}",
+                             "--trainer.callbacks+=test_predict.InterruptAtSecondBatch"],
+                            exit_on_error=True)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert stop.value.code == 130
+    assert "error: interrupted (Ctrl-C)" in capsys.readouterr().err

@@ -339,6 +339,9 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)
         raise SystemExit(130) from None
     except SystemExit as stop:
+        if stop.code == 1 and isinstance(stop.__context__, KeyboardInterrupt):
+            print("error: interrupted (Ctrl-C)", file=sys.stderr)  # Lightning's sys.exit(1)
+            raise SystemExit(130) from None
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, with no exit code
             raise
         print("error: stopped by SIGTERM after a batch (in fit, a ModelCheckpoint with "
