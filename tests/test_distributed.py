@@ -765,13 +765,10 @@ class SigtermAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.slow
-def test_a_sigterm_to_one_process_stops_every_rank_at_the_same_step(tmp_path):
-    """Lightning's own SIGTERM handler broadcasts from inside the signal handler, while the
-    other rank is in one of the step's collectives: the run hung until the process group's
-    time-out (30 min), or went on. Now the signal is shared between ranks at the end of the
-    step (every rank stops there, ``save_on_exception`` saves that step) and the command
-    exits 143 (it exited 0, as if the run had finished)."""
+def fit_two_processes(tmp_path: Path, callback: dict[str, Any]) -> tuple[int, str]:
+    """``fit`` of configs/tiny.yaml (50 steps) on 2 CPU processes with ``callback`` and a
+    ``ModelCheckpoint(save_on_exception=True)`` into ``tmp_path/ckpt``: (exit code, output);
+    a hang (4 min) fails the test, its processes killed."""
     import subprocess
     import sys
 
@@ -783,8 +780,7 @@ def test_a_sigterm_to_one_process_stops_every_rank_at_the_same_step(tmp_path):
         callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                     "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
                                   "every_n_train_steps": 100, "save_on_exception": True}},
-                   {"class_path": "test_distributed.SigtermAt",
-                    "init_args": {"rank": 1, "step": 2}}])
+                   callback])
     cfg["model"]["model_cache_dir"] = str(tmp_path / "models")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
@@ -798,9 +794,47 @@ def test_a_sigterm_to_one_process_stops_every_rank_at_the_same_step(tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         output, _ = proc.communicate()
-        pytest.fail("the run stopped by SIGTERM on rank 1 hung:\n" + output[-3000:])
-    assert proc.returncode == 143, output[-3000:]
+        pytest.fail("the 2-process run hung:\n" + output[-3000:])
+    return proc.returncode, output
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_stops_every_rank_at_the_same_step(tmp_path):
+    """Lightning's own SIGTERM handler broadcasts from inside the signal handler, while the
+    other rank is in one of the step's collectives: the run hung until the process group's
+    time-out (30 min), or went on. Now the signal is shared between ranks at the end of the
+    step (every rank stops there, ``save_on_exception`` saves that step) and the command
+    exits 143 (it exited 0, as if the run had finished)."""
+    code, output = fit_two_processes(tmp_path, {"class_path": "test_distributed.SigtermAt",
+                                                "init_args": {"rank": 1, "step": 2}})
+    assert code == 143, output[-3000:]
     assert "stopped by SIGTERM" in output
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 3  # the step rank 1 was signalled at, on both ranks
     assert len(saved["maxent_grpo"]["rng"]) == 2
+
+
+class FailOn(pl.Callback):
+    """A ValueError on rank ``rank`` only, at the start of batch ``step`` (a reward server
+    that one process cannot reach)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise ValueError("the reward server is down")
+
+
+@pytest.mark.slow
+def test_an_error_on_one_process_is_reported_with_save_on_exception(tmp_path):
+    """With ``save_on_exception``, the failing rank's save waited in a collective the other
+    rank never joined: gloo aborted both (exit -6, a minute later, no checkpoint) and the
+    failing rank reported "unexpected UnpicklingError; this is a bug in maxent_grpo"
+    instead of its error. The save is skipped (warned) and the error reported."""
+    code, output = fit_two_processes(tmp_path, {"class_path": "test_distributed.FailOn",
+                                                "init_args": {"rank": 1, "step": 2}})
+    assert code == 1, output[-3000:]
+    assert "error: the reward server is down" in output
+    assert "no checkpoint is saved on this error" in output
+    assert "bug in maxent_grpo" not in output

@@ -70,6 +70,9 @@ class ModuleHooks(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
+        for saver in trainer.checkpoint_callbacks:  # as the user set them (on_exception)
+            if getattr(saver, "unsaved_error", False):
+                saver.save_on_exception, saver.unsaved_error = True, False
         _own_logging_step(trainer)  # an evaluation that failed left its checkpoint's step
         if stage == "fit":  # the loop settings of a MaxEntGRPOModule
             pl_module.loop = detached_controllers(pl_module.loop)
@@ -81,6 +84,25 @@ class ModuleHooks(L.Callback):
         Trainer's step is its own again (0: a later fit on it starts from there)."""
         _own_logging_step(trainer)
         give_back_sigterm(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        """Before the checkpoint callbacks: with several processes, an error other than a
+        SIGTERM (shared, :mod:`~maxent_grpo.training.run.signals`) or Ctrl-C (a terminal's
+        reaches every process) may be this process's alone, and a checkpoint save would
+        wait in a collective the others never join (gloo aborted the run, NCCL would hang):
+        ``save_on_exception`` skips this one, and the error is reported."""
+        if trainer.world_size == 1 or isinstance(exception, (SIGTERMException,
+                                                             KeyboardInterrupt)):
+            return
+        savers = [s for s in trainer.checkpoint_callbacks if getattr(s, "save_on_exception",
+                                                                    False)]
+        for saver in savers:
+            saver.save_on_exception, saver.unsaved_error = False, True
+        if savers:
+            log.warning("[rank %d] no checkpoint is saved on this error (save_on_exception): "
+                        "with several processes the others cannot join the save; resume "
+                        "from the last checkpoint saved", trainer.global_rank)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
