@@ -93,3 +93,49 @@ def test_an_epoch_end_checkpoint_resumed_with_more_batches_an_epoch_trains_the_w
     fit(make_module(cache_dir), data(2), steps=16, ckpt_path=str(tmp_path / "last.ckpt"),
         callbacks=[resumed])
     assert resumed.rows == whole.rows[11:]  # the whole second epoch, from its first batch
+
+
+class CutAt(L.Callback):
+    """Ctrl-C inside the training step of optimizer step ``step`` (before its backward)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_backward(self, trainer, module, loss) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class Validations(L.Callback):
+    def __init__(self) -> None:
+        self.at: list[int] = []
+
+    def on_validation_start(self, trainer, module) -> None:
+        self.at.append(trainer.global_step)
+
+
+def test_validation_keeps_its_steps_after_a_resume_from_a_batch_cut_short(cache_dir, tmp_path):
+    """Lightning counted the cut batch twice in its run totals, which place validation when
+    ``check_val_every_n_epoch`` is None: after the resume, validation ran a step early for
+    the rest of the run (here at 5 instead of 6)."""
+    import signal
+
+    def run(callbacks, ckpt_path=None):
+        seen = Validations()
+        fit(make_module(cache_dir), make_data(cache_dir), steps=8, tmp_path=tmp_path,
+            ckpt_path=ckpt_path, enable_checkpointing=True, num_sanity_val_steps=0,
+            limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None,
+            callbacks=[seen, *callbacks])
+        return seen.at
+
+    assert run([]) == [3, 6]
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, save_on_exception=True)
+    handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
+    try:
+        with pytest.raises(SystemExit):  # Lightning's exit after a KeyboardInterrupt
+            run([saver, CutAt(4)])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 4  # the cut batch is run again
+    assert run([], ckpt_path=str(tmp_path / "ck" / "last.ckpt")) == [6]

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from maxent_grpo.training.run.checkpoint import resume_where_stopped
+from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.training.run.signals import (
@@ -107,9 +107,11 @@ class ModuleHooks(L.Callback):
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """Before Lightning restores its loops: a checkpoint written after a fit's last batch
-        goes on where that fit stopped (:func:`resume_where_stopped`)."""
+        goes on where that fit stopped (:func:`resume_where_stopped`); one written in
+        mid-batch counts that batch once (:func:`count_cut_batch_once`)."""
         if trainer.state.fn == "fit":
             resume_where_stopped(checkpoint, trainer)
+            count_cut_batch_once(checkpoint)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""

@@ -81,6 +81,24 @@ def fit_batches(checkpoint: dict) -> int | None:
     return batches if isinstance(batches, int) else None
 
 
+def count_cut_batch_once(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint saved in mid-batch (Ctrl-C or an error with ``save_on_exception``)
+    counts the cut batch as started in Lightning's run totals; Lightning runs it again from
+    its start but takes it back from the epoch's count only, so the run's batch index, which
+    places validation with ``check_val_every_n_epoch: null``, stayed one ahead for the rest
+    of the run (validation a step early, once more for each such resume). The totals are
+    set back to the batches the fit finished."""
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    progress = loop.get("epoch_loop.batch_progress") or {}
+    try:
+        current, total = progress["current"], progress["total"]
+        cut = int(current["ready"]) - int(current["processed"])  # its step did not finish
+        if cut > 0:
+            total["ready"], total["started"] = total["ready"] - cut, total["started"] - cut
+    except (KeyError, TypeError, ValueError):
+        return
+
+
 def resume_where_stopped(checkpoint: dict[str, Any], trainer: Any) -> bool:
     """Make a checkpoint written after its fit's last training batch resume where the fit
     stopped; returns whether it changed the checkpoint's loop state.

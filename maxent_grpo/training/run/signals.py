@@ -51,7 +51,8 @@ def take_sigterm(trainer: Any) -> None:
 
 def give_back_sigterm(trainer: Any) -> None:
     """Lightning's handler again, for a later run on the Trainer of another module."""
-    vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
+    if (connector := getattr(trainer, "_signal_connector", None)) is not None:
+        vars(connector).pop("_sigterm_notifier_fn", None)
 
 
 def same_batches(trainer: Any, counts: list[int | float]) -> None:
