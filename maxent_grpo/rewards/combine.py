@@ -25,6 +25,7 @@ columns with one value per completion.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -42,6 +43,7 @@ import torch
 from maxent_grpo.rewards.options import OVERLONG, RewardOptions, parse_reward_options
 from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.rewards.reward_model import RewardModel
+from maxent_grpo.rewards.shaping import Overlong
 from maxent_grpo.rewards.timeout import TimedReward, awaited
 from maxent_grpo.rollout.batch import PromptCompletionBatch
 from maxent_grpo.validation import UserCodeError, is_number
@@ -61,8 +63,8 @@ def _not_logged(kind: str) -> Callable[..., None]:
     """TRL's ``log_extra`` (and ``log_metric`` outside :class:`WeightedRewards`), accepted
     so that a TRL reward runs unchanged; what it is given is dropped (warned once)."""
     def log(*args: Any, **kwargs: Any) -> None:
-        warnings.warn(f"a reward function called {kind}: maxent_grpo does not record what "
-                      f"it is given here; it is dropped", stacklevel=2)
+        warnings.warn(f"a reward function called {kind}: what it is given is dropped here",
+                      stacklevel=2)
     return log
 
 
@@ -249,7 +251,7 @@ def _score(
     funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
     columns: dict[str, list], completion_ids: list[list[int]] | None,
     trainer_state: TrainerState | None, rendered_prompts: list[str] | None = None,
-    log_metric: Callable[[str, float], None] | None = None,
+    call_log: Callable[[], Callable[[str, float], None]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(prompts, completions, columns)
     if completion_ids is not None and len(completion_ids) != len(completions):
@@ -257,14 +259,14 @@ def _score(
                          f"({len(completions)}); got {len(completion_ids)}")
     completions = trl_completions(prompts, completions)
     kwargs = {"completion_ids": completion_ids, "trainer_state": trainer_state,
-              "log_metric": log_metric or _not_logged("log_metric"),
-              "log_extra": _not_logged("log_extra"),
-              **columns}
+              "log_extra": _not_logged("log_extra"), **columns}
     if rendered_prompts is not None:
         kwargs["rendered_prompts"] = rendered_prompts
-    rows = [
-        _call(k, name, fn, prompts, completions, kwargs) for k, (name, fn, _) in enumerate(funcs)
-    ]
+    rows, opened = [], call_log or (lambda: _not_logged("log_metric"))
+    for k, (name, fn, _) in enumerate(funcs):
+        kwargs["log_metric"] = opened()  # each call its own log_metric, closed by the next
+        rows.append(_call(k, name, fn, prompts, completions, kwargs))
+    opened()  # the last one closed too
     components = torch.tensor(rows, dtype=torch.float64).reshape(len(funcs), len(completions))
     weights = torch.tensor([float(w) for _, _, w in funcs], dtype=torch.float64)  # (K,)
     total = torch.nansum(weights[:, None] * components, dim=0)  # (N,); NaN·w stays NaN
@@ -322,12 +324,22 @@ class WeightedRewards:
         self._device = device
         self.funcs = [self._function(o) for o in self.options]
         _check_funcs(list(zip(self.names, self.funcs, self.weights, strict=True)))
-        self._logged: deque[tuple[str, float]] = deque()  # appended in a rollout's thread
+        self._logged: deque[tuple[str, float]] = deque()
+        self._calls = 0  # the reward call whose log_metric is open
 
-    def log_metric(self, name: str, value: float) -> None:
+    def _call_log(self) -> Callable[[str, float], None]:
+        """One reward call's ``log_metric``, open until the next call's."""
+        self._calls += 1
+        return functools.partial(self.log_metric, call=self._calls)
+
+    def log_metric(self, name: str, value: float, call: int | None = None) -> None:
         """TRL's ``log_metric``, given to every reward function: a finite number of its own,
         logged by the training step as ``train/reward_log/<name>`` (the mean of its calls
-        over every rank); a bad one is the calling function's error."""
+        over every rank); a bad one is the calling function's error. From a ``call`` that
+        has ended (it timed out, and logs from its thread), dropped with a warning."""
+        if call is not None and call != self._calls:
+            return warnings.warn(f"a reward function called log_metric({name!r}, ...) after "
+                                 "its call had ended (it timed out): dropped", stacklevel=2)
         if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and value.ndim == 0:
             value = value.item()
         if not (isinstance(name, str) and name.strip() and is_number(value)):
@@ -349,7 +361,7 @@ class WeightedRewards:
             except ValueError as err:
                 raise ValueError(f"model.rewards: {err}") from err
         if options.name == OVERLONG:
-            fn = _Overlong(fn, options.buffer, self)
+            fn = Overlong(fn, options.buffer, self)
         if options.timeout is not None:
             fn = TimedReward(options.name, fn, options.timeout, options.fallback,
                              options.has_fallback)
@@ -394,7 +406,7 @@ class WeightedRewards:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
         return _score(funcs, pairs.prompts, pairs.completions, per_row, ids,
-                      trainer_state or TrainerState(), rendered_prompts, self.log_metric)
+                      trainer_state or TrainerState(), rendered_prompts, self._call_log)
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],
@@ -434,16 +446,3 @@ class WeightedRewards:
                     reason = re.sub(r" given with completion \d+ of the step", "", str(err))
                     raise ValueError(f"model.rewards.{name} cannot grade {where(i)}: "
                                      f"{reason}") from None
-
-
-class _Overlong:
-    """The ``overlong`` reward with the trainer's ``max_completion_length`` and the entry's
-    ``buffer`` (:func:`~maxent_grpo.rewards.shaping.overlong_reward`)."""
-
-    def __init__(self, fn: Callable, buffer: int | None, rewards: WeightedRewards) -> None:
-        self.fn, self.buffer, self.rewards = fn, buffer, rewards
-        self.__name__ = getattr(fn, "__name__", OVERLONG)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> list:
-        return self.fn(*args, max_completion_length=self.rewards.max_completion_length(),
-                       overlong_buffer=self.buffer, **kwargs)

@@ -12,6 +12,8 @@ prompts (lists of messages) never open the block.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 from maxent_grpo.rewards.answers import answer_blocks, completion_text, prompt_opens_think
 from maxent_grpo.rewards.registry import register_reward
@@ -140,3 +142,17 @@ def overlong_reward(
         scores.append(0.0 if n <= start else -1.0 if n > max_completion_length
                       else (start - n) / buffer)
     return scores
+
+
+class Overlong:
+    """The ``overlong`` reward of ``model.rewards``: :func:`overlong_reward` with the
+    trainer's ``max_completion_length`` (``rewards.max_completion_length()``, read at each
+    call) and the entry's ``buffer``."""
+
+    def __init__(self, fn: Callable, buffer: int | None, rewards: Any) -> None:
+        self.fn, self.buffer, self.rewards = fn, buffer, rewards
+        self.__name__ = getattr(fn, "__name__", "overlong")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list:
+        return self.fn(*args, max_completion_length=self.rewards.max_completion_length(),
+                       overlong_buffer=self.buffer, **kwargs)

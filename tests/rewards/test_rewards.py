@@ -384,7 +384,7 @@ def test_a_trl_reward_module_drops_in_async_arrays_and_its_log_calls() -> None:
         return [1.0, 0.0]
 
     funcs = [("a", slow_len, 1.0), ("b", as_array, 1.0), ("c", scalars, 1.0), ("d", logs, 1.0)]
-    with pytest.warns(UserWarning, match="does not record what it is given"):
+    with pytest.warns(UserWarning, match="what it is given is dropped here"):
         total, parts = score_completions(funcs, ["p", "p"], ["xy", "xyz"], {})
     assert parts.tolist() == [[2.0, 3.0], [1.0, 2.0], [0.5, 0.25], [1.0, 0.0]]
 
@@ -723,6 +723,7 @@ def lengths_logged(completions, log_metric, **kwargs):
     """A TRL-style reward that logs a scalar of its own: the mean length it graded."""
     lengths = [float(len(c)) for c in completions]
     log_metric("mean.len", sum(lengths) / len(lengths))
+    log_metric("mean_len", -1.0)  # another metric (their internal keys once met)
     log_metric("calls", 1.0)
     return lengths
 
@@ -747,6 +748,7 @@ def test_what_a_reward_function_gives_log_metric_is_logged_each_step(cache_dir, 
         assert float(row["train/reward_log/calls"]) == 1.0
         assert float(row["train/reward_log/mean.len"]) == pytest.approx(
             float(row[f"train/reward/{name}/mean"]))
+        assert float(row["train/reward_log/mean_len"]) == -1.0
     assert module.rewards.take_logged() == []  # the last validation's calls were dropped
 
 
@@ -763,3 +765,27 @@ def test_a_bad_log_metric_call_names_the_reward_function():
     with pytest.raises(RewardFunctionError, match=r"nan_logged.*log_metric\(name, value\) "
                        r"needs a name and a finite number; got \('nan', nan\)"):
         rewards(PromptCompletionBatch(["p"], ["c"]), {}, 1)
+
+
+def late_logger(completions, log_metric, **kwargs):
+    import time
+
+    time.sleep(0.6)  # past its timeout: the call has ended when it logs
+    log_metric("late", 1.0)
+    return [1.0] * len(completions)
+
+
+def test_a_reward_that_timed_out_logs_nothing_into_a_later_step():
+    """A reward past its ``timeout`` goes on in its thread; what it logged afterwards was
+    counted in whichever step took the logs next."""
+    import time
+
+    from maxent_grpo.rewards import WeightedRewards
+    from maxent_grpo.rollout.batch import PromptCompletionBatch
+
+    rewards = WeightedRewards({"tests.rewards.test_rewards:late_logger": {
+        "weight": 1.0, "timeout": 0.2, "fallback": 0.0}})
+    total, _ = rewards(PromptCompletionBatch(["p"], ["c"]), {}, 1)
+    assert total.tolist() == [0.0]  # the fallback
+    time.sleep(0.8)  # the function has logged by now
+    assert rewards.take_logged() == []

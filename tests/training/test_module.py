@@ -633,3 +633,35 @@ def test_an_objective_returning_the_wrong_type_is_named_as_the_users(cache_dir, 
                                             r"maxent_grpo.objectives.\w+; got Tensor") as raised:
         fit(module, make_data(cache_dir), steps=1)
     assert find_user_error(raised.value) is not None
+
+
+def test_with_several_processes_a_save_on_an_error_of_one_is_skipped_and_set_back():
+    """An error that may be one process's alone skips ``save_on_exception`` (the others
+    cannot join the save's collectives); one raised on every rank at once
+    (``NonFiniteLossError``), SIGTERM and Ctrl-C still save; the next run saves again."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from maxent_grpo.training.callbacks.module_own import ModuleHooks
+    from maxent_grpo.training.step.optimise import NonFiniteLossError
+
+    saver = ModelCheckpoint(save_on_exception=True)
+    trainer = SimpleNamespace(
+        world_size=2, global_rank=1, checkpoint_callbacks=[saver],
+        _signal_connector=SimpleNamespace(),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    hooks = ModuleHooks()
+    for kept in (NonFiniteLossError("nan"), SIGTERMException(), KeyboardInterrupt()):
+        hooks.on_exception(trainer, None, kept)
+        assert saver.save_on_exception
+    hooks.on_exception(trainer, None, ValueError("a reward server is down"))
+    assert not saver.save_on_exception
+    module = SimpleNamespace(loop=SimpleNamespace(generation=SimpleNamespace(
+        sampling=SimpleNamespace(max_prompt_length=None))))
+    hooks.setup(trainer, module, "validate")  # the next run on this Trainer
+    assert saver.save_on_exception
+    trainer.world_size = 1  # one process: every error saves
+    hooks.on_exception(trainer, None, ValueError("a reward server is down"))
+    assert saver.save_on_exception

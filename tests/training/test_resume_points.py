@@ -96,10 +96,15 @@ def test_an_epoch_end_checkpoint_resumed_with_more_batches_an_epoch_trains_the_w
 
 
 class CutAt(L.Callback):
-    """Ctrl-C inside the training step of optimizer step ``step`` (before its backward)."""
+    """Ctrl-C at optimizer step ``step``: inside its training step (before its backward),
+    or ``early`` in its batch's start hooks (Lightning has not counted it as started)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, early: bool = False) -> None:
+        self.step, self.early = step, early
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if self.early and trainer.global_step == self.step:
+            raise KeyboardInterrupt
 
     def on_before_backward(self, trainer, module, loss) -> None:
         if trainer.global_step == self.step:
@@ -114,7 +119,9 @@ class Validations(L.Callback):
         self.at.append(trainer.global_step)
 
 
-def test_validation_keeps_its_steps_after_a_resume_from_a_batch_cut_short(cache_dir, tmp_path):
+@pytest.mark.parametrize("early", [False, True])
+def test_validation_keeps_its_steps_after_a_resume_from_a_batch_cut_short(
+        cache_dir, tmp_path, early):
     """Lightning counted the cut batch twice in its run totals, which place validation when
     ``check_val_every_n_epoch`` is None: after the resume, validation ran a step early for
     the rest of the run (here at 5 instead of 6)."""
@@ -133,9 +140,15 @@ def test_validation_keeps_its_steps_after_a_resume_from_a_batch_cut_short(cache_
     handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
     try:
         with pytest.raises(SystemExit):  # Lightning's exit after a KeyboardInterrupt
-            run([saver, CutAt(4)])
+            run([saver, CutAt(4, early)])
     finally:
         signal.signal(signal.SIGINT, handler)
     saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 4  # the cut batch is run again
-    assert run([], ckpt_path=str(tmp_path / "ck" / "last.ckpt")) == [6]
+    assert run([ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)],
+               ckpt_path=str(tmp_path / "ck" / "last.ckpt")) == [6]
+    # the run's counts agree again (a later resume reads them): every batch finished
+    later = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    total = later["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert later["global_step"] == 6  # saved after the validation at 6
+    assert total == {"ready": 6, "started": 6, "processed": 6, "completed": 6}

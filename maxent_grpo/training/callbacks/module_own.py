@@ -87,13 +87,14 @@ class ModuleHooks(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        """Before the checkpoint callbacks: with several processes, an error other than a
-        SIGTERM (shared, :mod:`~maxent_grpo.training.run.signals`) or Ctrl-C (a terminal's
-        reaches every process) may be this process's alone, and a checkpoint save would
-        wait in a collective the others never join (gloo aborted the run, NCCL would hang):
-        ``save_on_exception`` skips this one, and the error is reported."""
-        if trainer.world_size == 1 or isinstance(exception, (SIGTERMException,
-                                                             KeyboardInterrupt)):
+        """Before the checkpoint callbacks: with several processes, an error may be this
+        process's alone, and a checkpoint save would wait in a collective the others never
+        join (gloo aborted the run, NCCL would hang): ``save_on_exception`` skips it, and
+        the error is reported. Not for SIGTERM (shared, :mod:`~maxent_grpo.training.run.
+        signals`), Ctrl-C (a terminal's reaches every process) or an error marked
+        ``every_rank`` (``NonFiniteLossError``)."""
+        if trainer.world_size == 1 or getattr(exception, "every_rank", False) or isinstance(
+                exception, (SIGTERMException, KeyboardInterrupt)):
             return
         savers = [s for s in trainer.checkpoint_callbacks if getattr(s, "save_on_exception",
                                                                     False)]

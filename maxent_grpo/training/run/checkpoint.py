@@ -92,9 +92,10 @@ def count_cut_batch_once(checkpoint: dict[str, Any]) -> None:
     progress = loop.get("epoch_loop.batch_progress") or {}
     try:
         current, total = progress["current"], progress["total"]
-        cut = int(current["ready"]) - int(current["processed"])  # its step did not finish
-        if cut > 0:
-            total["ready"], total["started"] = total["ready"] - cut, total["started"] - cut
+        done = int(current["processed"])  # the cut batch's step did not finish
+        if int(current["ready"]) > done:  # started: only once its start hooks had run
+            total["ready"] -= int(current["ready"]) - done
+            total["started"] -= int(current["started"]) - done
     except (KeyError, TypeError, ValueError):
         return
 

@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
-    """Raised after ``max_consecutive_nonfinite`` skipped updates in a row."""
+    """Raised after ``max_consecutive_nonfinite`` skipped updates in a row (on every rank
+    at once: the skip is decided over all of them, so a checkpoint may be saved on it)."""
+
+    every_rank = True
 
 
 @dataclass

@@ -117,7 +117,9 @@ class StepMetrics(torch.nn.Module):
             MaxMetric, nan_strategy="disable"))  # the NaN check would sync the host
 
     def _metric(self, table: torch.nn.ModuleDict, key: str, make: Any) -> Any:
-        name = key.replace("/", "__").replace(".", "_")  # ModuleDict keys: no "/" or "."
+        # ModuleDict keys hold no "/" or ".": escaped one to one (a reward's log_metric
+        # names "acc.5" and "acc_5" stay two metrics)
+        name = key.replace("_", "_u").replace(".", "_d").replace("/", "_s")
         if name not in table:
             table[name] = make().to(self.reward.total.device)
         return table[name]
