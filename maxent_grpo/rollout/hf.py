@@ -199,6 +199,18 @@ def _isolated_generation(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+def stop_ids(engine: str, model: Any, tokenizer: Any, extra: list[int] | None) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's eos, the model's ``generation_config``
+    eos ids (a chat model's end of turn, ``<|im_end|>``, ``<|eot_id|>``, where the
+    tokenizer's may end the text only) and ``extra`` (``stop_token_ids``)."""
+    extra = list(extra or [])
+    require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+            f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = [declared] if isinstance(declared, int) else list(declared or [])
+    return tuple(dict.fromkeys([int(tokenizer.eos_token_id), *map(int, declared), *extra]))
+
+
 class HFGenerateEngine:
     """Rollout engine on ``model.generate`` (see the module docstring).
 
@@ -208,7 +220,8 @@ class HFGenerateEngine:
         sampling: what to sample (:class:`~maxent_grpo.rollout.SamplingSettings`: ``T_max``,
             temperature, top-p, top-k, prompt truncation, greedy or not).
         share_prefill: run each prompt's prefill once for its G samples ("Shared prefill").
-        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos and
+            the model's ``generation_config`` eos ids (:func:`stop_ids`).
         cache: ``dynamic`` (grows per step) or ``static`` (see "Static cache" above).
         prompt_bucket: left-pad prompts to a multiple of this many tokens (1 = off).
         generation_dtype: ``model`` (generate on the model itself) or ``bfloat16`` /
@@ -238,9 +251,6 @@ class HFGenerateEngine:
                 "tokenizer has no pad token; load it with maxent_grpo.models.load_tokenizer")
         require(tokenizer.eos_token_id is not None,
                 "tokenizer has no eos token; completions could never stop")
-        extra = list(stop_token_ids or [])
-        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
-                f"HFGenerateEngine.stop_token_ids must be non-negative ints; got {extra!r}")
         check_bool("HFGenerateEngine.share_prefill", share_prefill)
         check_choice("HFGenerateEngine.cache", cache, ("dynamic", "static"))
         check_int("HFGenerateEngine.prompt_bucket", prompt_bucket, minimum=1)
@@ -257,9 +267,7 @@ class HFGenerateEngine:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.share_prefill = share_prefill
-        self.stop_token_ids: tuple[int, ...] = tuple(
-            dict.fromkeys([int(tokenizer.eos_token_id), *extra])
-        )
+        self.stop_token_ids = stop_ids("HFGenerateEngine", model, tokenizer, stop_token_ids)
 
     def sync(self, model: nn.Module) -> None:
         """Nothing to do: the engine samples from the model itself."""

@@ -56,7 +56,12 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedTokenizerBase
 
 from maxent_grpo.adapters import has_adapters
-from maxent_grpo.rollout.hf import encode_prompts, rollout_from_ids, sharded_across_ranks
+from maxent_grpo.rollout.hf import (
+    encode_prompts,
+    rollout_from_ids,
+    sharded_across_ranks,
+    stop_ids,
+)
 from maxent_grpo.rollout.protocol import (
     Continuation,
     RolloutOutput,
@@ -143,9 +148,6 @@ class VLLMEngineBase:
         """What a vLLM engine needs of the policy (ValueError naming the option): stop ids
         that are non-negative ints, a tokenizer with pad and eos tokens, whole or FSDP2
         parameters (not ZeRO-3 shards), adapters vLLM can get merged."""
-        extra = list(stop_token_ids or [])
-        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
-                f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
         require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
                 "tokenizer needs a pad and an eos token; load it with "
                 "maxent_grpo.models.load_tokenizer")
@@ -155,7 +157,7 @@ class VLLMEngineBase:
                 "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
         check_mergeable(model, sharded)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        self.stop_token_ids = tuple(dict.fromkeys([int(tokenizer.eos_token_id), *extra]))
+        self.stop_token_ids = stop_ids(engine, model, tokenizer, stop_token_ids)
         # an id past the model's output vocabulary is never sampled, and vLLM refuses it as a
         # stop id (a tokenizer whose eos was added after the model's vocabulary was fixed)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -164,8 +166,8 @@ class VLLMEngineBase:
     def _request(self, s: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
         """The sampling fields of a request of ``n`` samples, under the names of vLLM's
         ``SamplingParams``, which ``/v1/completions`` shares. Only our stop ids end a
-        completion (the tokenizer's eos and stop_token_ids), as in the Hugging Face engine:
-        vLLM's own eos (the model's generation config) is ignored, and so are a server's
+        completion (:func:`~maxent_grpo.rollout.hf.stop_ids`), as in the Hugging Face engine:
+        vLLM's own eos handling is off, and so are a server's
         default penalties (:data:`NEUTRAL_SAMPLING`)."""
         fields = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
                       stop_token_ids=self._stop_ids, skip_special_tokens=True, temperature=0.0,
@@ -236,7 +238,8 @@ class VLLMEngine(VLLMEngineBase):
         dtype: the weights' dtype inside vLLM (``auto``: the policy's, so that the sampler
             is the scored policy; vLLM's own ``auto`` would run a float32 model in bfloat16).
         enforce_eager: no CUDA graphs or compilation (always on the CPU).
-        stop_token_ids: extra ids that end a completion, besides the tokenizer's eos.
+        stop_token_ids: extra ids that end a completion, besides the tokenizer's and the
+            model's eos ids (:func:`~maxent_grpo.rollout.hf.stop_ids`).
     """
 
     def __init__(

@@ -254,6 +254,21 @@ def test_extra_stop_token_ids(tiny: tuple[Any, Any]) -> None:
     assert model.seen["config"].eos_token_id == [EOS, semicolon]
 
 
+def test_the_models_own_end_of_turn_ends_a_completion(tiny: tuple[Any, Any]) -> None:
+    """A chat model whose tokenizer's eos ends the text and whose ``generation_config``
+    lists its end of turn too (Phi-3.5, Gemma, Llama-3-Instruct ship so): the engines
+    stopped at the tokenizer's eos only, so every completion ran on into an invented next
+    turn, truncated; ``model.generate`` stops at either."""
+    _, tokenizer = tiny
+    end_of_turn = tokenizer(";", add_special_tokens=False)["input_ids"][0]
+    model = FixedLM([[5, end_of_turn, 6, EOS]])
+    model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, EOS])
+    out = make_engine(model, tokenizer, max_new_tokens=4).generate(["p"], ["x"], 1)
+    assert out.completion_mask.tolist() == [[True, True, False, False]]
+    assert not out.truncated.item()
+    assert model.seen["config"].eos_token_id == [EOS, end_of_turn]
+
+
 class PromptOnlyLM(FixedLM):
     """A broken ``generate`` that returns the expanded prompt and nothing after it."""
 
