@@ -22,6 +22,7 @@ For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
 from __future__ import annotations
 
 import ast
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -70,7 +71,9 @@ def _parse(expression: object) -> tuple[ast.Expression, list[int]] | None:
     if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
         return None
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():  # "12in": a SyntaxWarning at every such completion
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     used = _literals(tree)

@@ -207,3 +207,19 @@ def test_registry_and_bad_arguments() -> None:
         countdown_solutions([-1], 3)
     with pytest.raises(ValueError, match="target must be an int"):
         countdown_solutions([1, 2], 1.0)
+
+
+def test_model_text_that_python_warns_about_is_read_without_a_warning():
+    """"12in" or "2*8if" made ``ast.parse`` print "SyntaxWarning: invalid decimal literal"
+    at every such completion (compile-time warnings are not deduplicated)."""
+    import warnings
+
+    from maxent_grpo.tasks.calculator import calculate
+    from maxent_grpo.tasks.expressions import canonical_expression
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert canonical_expression("12in") is None and canonical_expression("2*8if") is None
+        with pytest.raises(ValueError, match="not an arithmetic expression"):
+            calculate("2*8if")
+    assert [str(w.message) for w in shown] == []

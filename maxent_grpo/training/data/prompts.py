@@ -44,6 +44,17 @@ def _message_list_text(text: str) -> bool:
     return False
 
 
+def _check_unicode(text: str, where: str) -> None:
+    """Refuse a lone surrogate (half of an emoji cut by a JavaScript or scraping tool), which
+    no tokenizer can encode: it stopped the setup with a TypeError from deep inside one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where} is not valid Unicode: {text[err.start:err.end]!r} at "
+                         f"character {err.start} (half of a character cut in two?): "
+                         f"{text[max(0, err.start - 40):err.end + 10]!r}") from None
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """Which columns hold the prompt and answer, and how the prompt is rendered (the first
@@ -150,6 +161,7 @@ class PromptFormat:
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError(f"{where} is an empty prompt")
+            _check_unicode(value, where)
             if value.lstrip().startswith("[") and _message_list_text(value):
                 raise ValueError(
                     f"{where} is a list of chat messages written out as text (a CSV cell "
@@ -170,6 +182,8 @@ class PromptFormat:
                     f"{where}: chat messages must be dicts with str 'role' and 'content'; "
                     f"got {msg!r}"
                 )
+        for msg in value:
+            _check_unicode(msg["content"], where)
         if not any(msg["content"].strip() for msg in value):
             raise ValueError(f"{where}: every chat message is empty; got {value!r:.200}")
         if not self.apply_chat_template:

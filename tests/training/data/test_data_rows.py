@@ -177,3 +177,21 @@ def test_a_system_prompt_the_chat_template_leaves_out_is_warned():
         warnings.simplefilter("error")
         dm.setup("fit")
     assert "French" in dm.train_dataset.examples[0].prompt
+
+
+
+def test_a_prompt_with_half_a_character_names_its_row(tmp_path):
+    """A lone surrogate (an emoji cut in two by the tool that wrote the file) stopped the
+    setup with "TypeError: TextEncodeInput must be Union[...]" from inside the tokenizer."""
+    import json
+
+    from maxent_grpo.training.data import PromptDataModule
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(4)]
+    rows[2]["prompt"] = "What is 2+2? \ud83d"  # JSON writes it as the escape \ud83d
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    data = PromptDataModule(task=None, data_files=str(path), val_size=0, batch_size=1,
+                            tokenizer="builtin:tiny")
+    with pytest.raises(ValueError, match=r"rows.jsonl.*not valid Unicode: '\\ud83d'"):
+        data.setup("fit")
