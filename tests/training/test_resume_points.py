@@ -150,5 +150,26 @@ def test_validation_keeps_its_steps_after_a_resume_from_a_batch_cut_short(
     # the run's counts agree again (a later resume reads them): every batch finished
     later = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
     total = later["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
-    assert later["global_step"] == 6  # saved after the validation at 6
-    assert total == {"ready": 6, "started": 6, "processed": 6, "completed": 6}
+    assert later["global_step"] == 8  # saved at the fit's end
+    assert total == {"ready": 8, "started": 8, "processed": 8, "completed": 8}
+
+
+def test_last_ckpt_holds_the_step_the_fit_ended_at(cache_dir, tmp_path):
+    """Lightning writes ``last.ckpt`` at the fit's end only when nothing was saved before:
+    a fit of 5 steps saving every 3 left ``last.ckpt`` at step 3, and ``--ckpt_path last``
+    trained steps 4 and 5 again. Continued from it, the fit equals an uninterrupted one."""
+    def data():
+        return make_data(cache_dir, train_size=24, val_size=4)
+
+    whole, seen = make_module(cache_dir), Prompts()
+    fit(whole, data(), steps=8, callbacks=[seen])
+    first, before = make_module(cache_dir), Prompts()
+    fit(first, data(), steps=5, tmp_path=tmp_path, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=3),
+                   before])
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 5
+    resumed, after = make_module(cache_dir), Prompts()
+    fit(resumed, data(), steps=8, ckpt_path=str(tmp_path / "last.ckpt"), callbacks=[after])
+    assert before.rows + after.rows == seen.rows
+    a, b = params(whole), params(resumed)
+    assert all(torch.equal(a[key], b[key]) for key in a)

@@ -125,6 +125,16 @@ class ModuleHooks(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         share_sigterm(trainer)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """``last.ckpt`` at the step the fit ended (``max_steps`` between two saves,
+        ``max_time``, early stopping): Lightning writes it at the end only when no
+        checkpoint was saved before, so it held the last interval's step and ``--ckpt_path
+        last`` trained the steps after it again. On every rank (the save is collective)."""
+        for saver in trainer.checkpoint_callbacks:
+            if (getattr(saver, "save_last", False) and getattr(
+                    saver, "_last_global_step_saved", trainer.global_step) != trainer.global_step):
+                saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
+
     def on_validation_start(self, trainer: L.Trainer, *_: Any) -> None:
         same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
                      else trainer.num_val_batches)

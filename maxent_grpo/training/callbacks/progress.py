@@ -6,8 +6,9 @@
 
 - the reward shown, ``reward(avg20)``, is the mean of the last ``window`` steps'
   ``train/reward/mean`` (one step's is too noisy); ``v_num`` is not shown;
-- a step-based run (``trainer.max_steps > 0``) shows one bar ``Steps: 120/500`` over the
-  whole run (from the resumed step on a resume) instead of a bar per epoch;
+- a run of known length shows one bar ``Steps: 120/500`` over the whole run (from the
+  resumed step on a resume) instead of a bar per epoch: its optimizer steps, the fewest of
+  ``max_steps`` and what ``max_epochs`` allows (``TrainerState.max_steps``);
 - during ``fit`` each validation prints one line of its ``val/`` metrics, and the end of the
   fit a short summary: steps, wall time, first and last 20 rewards, the best
   ``val/pass@1``, what stopped it early, where the logs and checkpoints are
@@ -46,6 +47,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_utilities.core.imports import RequirementCache
 
+from maxent_grpo.rewards import TrainerState
 from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
 from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.validation import check_choice, check_int
@@ -122,6 +124,7 @@ class ReadableProgressBar(TQDMProgressBar):
         self._start_time = 0.0
         self._last_line_step = -1
         self._last_line_time = 0.0
+        self.total = -1  # the run's optimizer steps (-1: unknown), from its start
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -171,7 +174,7 @@ class ReadableProgressBar(TQDMProgressBar):
     def progress_line(self, trainer: pl.Trainer) -> str:
         """``step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10``,
         with ``tool success 75%`` after the reward when the step used tools."""
-        step, total = trainer.global_step, trainer.max_steps
+        step, total = trainer.global_step, self.total
         parts = [f"step {step}/{total}" if total > 0
                  else f"epoch {trainer.current_epoch}  step {step}"]
         if self.smoothed_reward is not None:
@@ -198,14 +201,17 @@ class ReadableProgressBar(TQDMProgressBar):
         self.report = RewardRecord()
         self._start_step = self._last_line_step = trainer.global_step
         self._start_time = self._last_line_time = time.monotonic()
-        if trainer.max_steps > 0:  # one bar over the run's steps, not one per epoch
+        loop = getattr(pl_module, "loop", None)  # MaxEntGRPOModule: k optimizer steps a batch
+        k = loop.optimization.schedule.num_iterations if loop is not None else 1
+        self.total = TrainerState.from_trainer(trainer, k).max_steps
+        if self.total > 0:  # one bar over the run's steps, not one per epoch
             bar = self.train_progress_bar
-            bar.reset(total=trainer.max_steps)
+            bar.reset(total=self.total)
             bar.initial = bar.n = trainer.global_step  # resumed: count on, rate from here
             bar.set_description("Steps")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.max_steps <= 0:
+        if self.total <= 0:
             super().on_train_epoch_start(trainer, *args)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -217,19 +223,21 @@ class ReadableProgressBar(TQDMProgressBar):
             if reward is not None and math.isfinite(reward):
                 self.rewards.append(reward)
                 self.report.add_reward(reward)
-        if trainer.max_steps <= 0:
+        if self.total <= 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         else:
             step, bar = trainer.global_step, self.train_progress_bar
             if self.is_enabled and not bar.disable and (
-                    step % self.refresh_rate == 0 or step >= trainer.max_steps):
+                    step % self.refresh_rate == 0 or step >= self.total):
                 bar.n = step
                 bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
         if self._writes_lines():
             now, step = time.monotonic(), trainer.global_step
-            every = self.every_n_steps or line_interval(trainer.max_steps)
+            every = self.every_n_steps or line_interval(self.total)
             slow = self.every_s > 0 and now - self._last_line_time >= self.every_s
-            if step != self._last_line_step and (step % every == 0 or slow):
+            # a multiple of every passed (num_iterations k > 1 counts k at a time)
+            if step != self._last_line_step and (
+                    step // every > max(self._last_line_step, 0) // every or slow):
                 self._write_line(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -38,7 +38,10 @@ def cache_dir(tmp_path_factory) -> str:
 
 def fake_trainer(step: int, max_steps: int = 500, **kw) -> SimpleNamespace:
     opts = dict(global_step=step, max_steps=max_steps, current_epoch=0, loggers=[],
-                progress_bar_metrics={}, is_global_zero=True)
+                progress_bar_metrics={}, is_global_zero=True, local_rank=0, max_epochs=None,
+                num_training_batches=float("inf"), fit_loop=SimpleNamespace(
+                    epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(
+                        current=SimpleNamespace(completed=0)))))
     opts.update(kw)
     return SimpleNamespace(**opts)
 
@@ -94,6 +97,19 @@ def test_a_line_per_n_steps_with_the_step_out_of_max_steps():
     assert "reward(avg20) 0.500  loss 0.031  tokens/s 1234  eta 0:00:00" in progress[-1]
     assert summary[0].startswith("fit done: 10 steps in ") and summary[0].endswith(
         "reward first 10 0.500, last 10 0.500")
+
+
+def test_with_k_optimizer_steps_a_batch_a_line_comes_at_each_multiple_passed():
+    """With ``num_iterations`` 3 the count moves 3 at a time: lines every 4 steps came only
+    at 12, 24, ... (the multiples of 12)."""
+    out = io.StringIO()
+    bar = started(ReadableProgressBar(mode="lines", every_n_steps=4, every_s=0, stream=out),
+                  fake_trainer(0, max_steps=30))
+    for step in range(3, 31, 3):
+        fake_step(bar, fake_trainer(step, max_steps=30), {"reward/mean": 0.5})
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "6/30", "9/30", "12/30", "18/30", "21/30", "24/30", "30/30"], lines  # 4, 8, ... 28
 
 
 def test_the_tool_success_rate_is_shown_only_when_the_step_used_tools():
@@ -190,6 +206,19 @@ def test_a_fit_in_a_log_file_writes_plain_lines(cache_dir, tmp_path, capsys):
     shown = bar.get_metrics(trainer, module)
     assert "v_num" not in shown and "reward" not in shown
     assert shown["reward(avg20)"] == pytest.approx(sum(rewards) / 6)
+
+
+def test_a_fit_that_max_epochs_ends_counts_out_of_its_own_steps(cache_dir, tmp_path):
+    """``max_epochs`` ending the fit before ``max_steps``: the lines counted to max_steps
+    (``step 10/800 ... eta 0:01:09``, then the fit ended); they count the run's steps."""
+    out = io.StringIO()
+    bar = ReadableProgressBar(every_n_steps=4, every_s=0, stream=out)
+    trainer = L.Trainer(max_steps=800, max_epochs=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, callbacks=[bar], limit_val_batches=0,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(make_module(cache_dir), make_data(cache_dir, train_size=24, val_size=4))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert [LINE.match(line).group(1, 2) for line in lines] == [("4", "5"), ("5", "5")], lines
 
 
 def test_a_fit_in_a_terminal_counts_steps_out_of_max_steps(cache_dir, tmp_path, capsys):
