@@ -78,8 +78,8 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
                 text = "$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$"
             math = parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
             if math:
-                return _whole(math, text)
-        return _whole(parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S), text)
+                return math
+        return parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
 
     golds = {} if golds is None else golds
     if (gold, latex) not in golds:
@@ -89,18 +89,6 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     if gold_parsed and prediction_parsed:
         return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
     return " ".join(gold.split()) == " ".join(prediction.split())
-
-
-def _whole(found: list, text: str) -> list:
-    """math-verify's parse of ``text`` when it read the whole answer, else ``[]`` (compared
-    as text): it reads the last number of a text, so ``2, 3, 4, 5, 6, 7``, ``5 or 7`` and
-    ``not 12 but 13`` were 7, 7 and 13, a list of guesses scoring as the right one. A
-    number left outside the part it read (when that part is in the text as written) means
-    it did not."""
-    read = found[1] if len(found) > 1 and isinstance(found[1], str) else None
-    if read and read in text and re.search(r"\d", text.replace(read, "", 1)):
-        return []
-    return found
 
 
 class Verifier:
