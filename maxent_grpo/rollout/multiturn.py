@@ -46,7 +46,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,8 +78,9 @@ _BASE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MAR
 
 
 def message_segment(tokenizer: Any, messages: list[dict[str, str]],
-                    tools: list[Any] | None = None) -> str:
-    r"""The text that follows the model's end of turn (its eos token) to hand ``messages``
+                    tools: list[Any] | None = None, stops: Sequence[str] = ()) -> str:
+    r"""The text that follows the model's end of turn (its eos token, or the one of
+    ``stops``, the engine's stop tokens' texts, that the template writes) to hand ``messages``
     (tool or user messages) to it and open its next turn, as the tokenizer's chat template
     writes it (with ``tools=`` when given). ValueError for a template that rewrites earlier
     turns when a message is added.
@@ -104,9 +105,10 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
             "multi-turn rollouts need a chat template that renders a conversation by "
             "appending each message; this tokenizer's template rewrites earlier turns")
     tail = before[before.rindex(_MARK) + len(_MARK):]
-    eos = tokenizer.eos_token or ""
-    if eos and tail.startswith(eos):  # the model's own stop token ends its turn
-        tail = tail[len(eos):]
+    for stop in dict.fromkeys([tokenizer.eos_token or "", *stops]):
+        if stop and tail.startswith(stop):  # the model's own stop token ends its turn
+            tail = tail[len(stop):]
+            break
     return tail + after[len(before):]
 
 
@@ -184,6 +186,8 @@ class MultiTurnEngine:
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
         self._schemas = toolbox.schemas if toolbox is not None else None
+        # the texts of the tokens that end a turn (a chat model's end of turn besides eos)
+        self._stops = [tokenizer.decode([i]) for i in getattr(engine, "stop_token_ids", ())]
         # a template that cannot render the messages fails now, not in the first rollout
         # (an environment's own role, when not "user", at its first rollout)
         self._roles_shown: set[str] = set()
@@ -196,7 +200,7 @@ class MultiTurnEngine:
             return
         probe = "maxent-grpo-probe-7351"
         require(probe in message_segment(self.tokenizer, [{"role": role, "content": probe}],
-                                         self._schemas),
+                                         self._schemas, self._stops),
                 f"multi-turn rollouts need a chat template that shows {role!r} messages; this "
                 "tokenizer's template leaves them out, so the model would never read a reply")
         self._roles_shown.add(role)
@@ -317,7 +321,7 @@ class MultiTurnEngine:
                 if replies is None:
                     continue
                 messages[i] += replies
-                segment = tok(message_segment(tok, replies, self._schemas),
+                segment = tok(message_segment(tok, replies, self._schemas, self._stops),
                               add_special_tokens=False)["input_ids"]
                 room = budget - len(ids[i])
                 extend(i, segment[:room], True, None)
@@ -363,9 +367,9 @@ class MultiTurnEngine:
             tool_mask[i, :len(row)] = torch.tensor(tool[i], dtype=torch.bool)
             if sampler is not None:
                 sampler[i, :len(row)] = torch.tensor(logps[i])
-        eos = self.tokenizer.eos_token or ""
+        ends = [e for e in dict.fromkeys([self.tokenizer.eos_token or "", *self._stops]) if e]
         texts = [self.tokenizer.decode(row, skip_special_tokens=False) for row in ids]
-        texts = [t[: -len(eos)] if eos and t.endswith(eos) else t for t in texts]
+        texts = [next((t[: -len(e)] for e in ends if t.endswith(e)), t) for t in texts]
         long = torch.long
         info = [{"tool_calls": calls[i],  # what every reward call receives per completion
                  "tool_failures": sum(counts[i] for counts in failures.values()),

@@ -22,9 +22,14 @@ For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
 from __future__ import annotations
 
 import ast
-import warnings
+import re
 from dataclasses import dataclass
 from fractions import Fraction
+
+#: the characters an arithmetic expression may hold: anything else is no expression, and
+#: Python's parser printed a SyntaxWarning (or DeprecationWarning) at text like "12in" or
+#: "\\d" at every completion (a warnings filter around it is not thread-safe)
+ARITHMETIC = re.compile(r"[0-9_+\-*/%().\s]*")
 
 MAX_EXPRESSION_CHARS = 1000
 """Longer answer strings are rejected before parsing (bounds the parser's work)."""
@@ -70,10 +75,10 @@ def _parse(expression: object) -> tuple[ast.Expression, list[int]] | None:
     string of at most ``MAX_EXPRESSION_CHARS`` with only literals, ``+ - * /`` and ``()``."""
     if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
         return None
+    if not ARITHMETIC.fullmatch(expression):  # before ast.parse, which warns at "12in"
+        return None
     try:
-        with warnings.catch_warnings():  # "12in": a SyntaxWarning at every such completion
-            warnings.simplefilter("ignore", SyntaxWarning)
-            tree = ast.parse(expression.strip(), mode="eval")
+        tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     used = _literals(tree)

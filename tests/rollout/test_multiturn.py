@@ -413,3 +413,17 @@ def test_a_chat_template_that_leaves_the_tool_role_out_is_refused():
     with pytest.raises(ValueError, match="shows 'environment' messages; this tokenizer's "
                                          "template leaves them out"):
         mt.generate(["guess"], ["42"], 1)
+
+
+def test_a_turn_that_ends_on_the_models_end_of_turn_is_not_closed_twice():
+    """A chat model whose tokenizer's eos ends the text (Phi-3.5, Gemma): its turn ends on
+    the end-of-turn token (a stop id from its generation config), which the template's
+    tail writes again; only the eos text was taken off it."""
+    from maxent_grpo.builtin.catalog import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.eos_token = "<|endoftext|>"
+    tool = [{"role": "tool", "content": "42"}]
+    assert message_segment(tokenizer, tool).startswith("<|im_end|>")  # closed twice
+    assert message_segment(tokenizer, tool, stops=["<|im_end|>"]).startswith(
+        "\n<|im_start|>user\n<tool_response>\n42")

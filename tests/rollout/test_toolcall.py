@@ -105,7 +105,7 @@ def test_calls_are_parsed_in_the_hermes_format():
     (ToolCall("divide", {"a": 1, "b": 0}), "error",
      "Error: ZeroDivisionError: division by zero"),
     (ToolCall("calculate", {"expression": "__import__('os').system('ls')"}), "error",
-     "Error: ValueError: unsupported Call; use integers, + - * / // % and parentheses"),
+     "Error: ValueError: unsupported characters; use integers, + - * / // % and parentheses"),
     (ToolCall("nap", {"seconds": 5}), "timeout", "Error: nap gave no result within 0.2 s"),
 ])
 def test_every_fault_becomes_a_message_and_a_kind(call, kind, text):

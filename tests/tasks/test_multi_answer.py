@@ -220,6 +220,9 @@ def test_model_text_that_python_warns_about_is_read_without_a_warning():
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         assert canonical_expression("12in") is None and canonical_expression("2*8if") is None
-        with pytest.raises(ValueError, match="not an arithmetic expression"):
-            calculate("2*8if")
+        assert canonical_expression("\\d + 1") is None  # a DeprecationWarning before
+        for text in ("2*8if", "\\d + 1"):
+            with pytest.raises(ValueError, match="unsupported characters"):
+                calculate(text)
+        assert calculate("12 * (3 + 4)") == "84" and canonical_expression("3 + 5") == "3 + 5"
     assert [str(w.message) for w in shown] == []

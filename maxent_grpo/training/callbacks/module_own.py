@@ -129,9 +129,10 @@ class ModuleHooks(L.Callback):
         """``last.ckpt`` at the step the fit ended (``max_steps`` between two saves,
         ``max_time``, early stopping): Lightning writes it at the end only when no
         checkpoint was saved before, so it held the last interval's step and ``--ckpt_path
-        last`` trained the steps after it again. On every rank (the save is collective)."""
+        last`` trained the steps after it again. On every rank (the save is collective).
+        Not ``save_last="link"``, whose last file links to the last checkpoint saved."""
         for saver in trainer.checkpoint_callbacks:
-            if (getattr(saver, "save_last", False) and getattr(
+            if (getattr(saver, "save_last", False) is True and getattr(
                     saver, "_last_global_step_saved", trainer.global_step) != trainer.global_step):
                 saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
