@@ -173,3 +173,16 @@ def test_last_ckpt_holds_the_step_the_fit_ended_at(cache_dir, tmp_path):
     assert before.rows + after.rows == seen.rows
     a, b = params(whole), params(resumed)
     assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_a_resume_with_another_num_iterations_off_its_multiples_is_warned(cache_dir, tmp_path):
+    """A checkpoint of step 3 continued with ``num_iterations`` 2 counts 5, 7, ... and ran
+    past ``max_steps`` 6 without a word."""
+    fit(make_module(cache_dir), make_data(cache_dir), steps=3, tmp_path=tmp_path,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    with pytest.warns(UserWarning, match="goes on from optimizer step 3, not a multiple of "
+                      "model.num_iterations 2.*ends at step 7, past trainer.max_steps 6"):
+        trainer = fit(make_module(cache_dir, num_iterations=2), make_data(cache_dir), steps=6,
+                      ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.global_step == 7

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import zipfile
 from pathlib import Path
@@ -117,6 +118,19 @@ class ModuleHooks(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""
         pl_module.check_reward_rows()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After a checkpoint's restore: a step count off the multiples of
+        ``model.num_iterations`` (trained with another k) runs past ``max_steps``."""
+        k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
+        if k > 1 and step % k and trainer.max_steps > step:
+            end = step + math.ceil((trainer.max_steps - step) / k) * k
+            rank_zero_warn(f"the fit goes on from optimizer step {step}, not a multiple of "
+                           f"model.num_iterations {k} (the checkpoint was trained with another "
+                           f"one): the count moves by {k}, so the fit ends at step {end}, past "
+                           f"trainer.max_steps {trainer.max_steps}, and every_n_train_steps "
+                           f"saves at its multiples no more; resume with the num_iterations "
+                           "it was trained with")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
