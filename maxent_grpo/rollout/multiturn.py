@@ -186,8 +186,9 @@ class MultiTurnEngine:
         self.toolbox, self.environment = toolbox, environment
         self.max_tool_calls, self.timeout = max_tool_calls, float(timeout)
         self._schemas = toolbox.schemas if toolbox is not None else None
-        # the texts of the tokens that end a turn (a chat model's end of turn besides eos)
-        self._stops = [tokenizer.decode([i]) for i in getattr(engine, "stop_token_ids", ())]
+        # the texts of the tokens that end a turn: eos, a chat model's end of turn, ...
+        self._stops = [t for t in dict.fromkeys([tokenizer.eos_token or "", *(
+            tokenizer.decode([i]) for i in getattr(engine, "stop_token_ids", ()))]) if t]
         # a template that cannot render the messages fails now, not in the first rollout
         # (an environment's own role, when not "user", at its first rollout)
         self._roles_shown: set[str] = set()
@@ -367,9 +368,8 @@ class MultiTurnEngine:
             tool_mask[i, :len(row)] = torch.tensor(tool[i], dtype=torch.bool)
             if sampler is not None:
                 sampler[i, :len(row)] = torch.tensor(logps[i])
-        ends = [e for e in dict.fromkeys([self.tokenizer.eos_token or "", *self._stops]) if e]
         texts = [self.tokenizer.decode(row, skip_special_tokens=False) for row in ids]
-        texts = [next((t[: -len(e)] for e in ends if t.endswith(e)), t) for t in texts]
+        texts = [next((t[: -len(e)] for e in self._stops if t.endswith(e)), t) for t in texts]
         long = torch.long
         info = [{"tool_calls": calls[i],  # what every reward call receives per completion
                  "tool_failures": sum(counts[i] for counts in failures.values()),

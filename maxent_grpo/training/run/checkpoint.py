@@ -73,11 +73,16 @@ def step_start(restore: dict[str, Any] | None, trainer: Any) -> dict[str, Any]:
     return {"rng": capture_rng_state(), "global_step": getattr(trainer, "global_step", None)}
 
 
+def _fit_loop(checkpoint: dict) -> dict:
+    """Lightning's fit-loop state in ``checkpoint`` (``{}`` where it has none)."""
+    return (checkpoint.get("loops") or {}).get("fit_loop") or {}
+
+
 def fit_batches(checkpoint: dict) -> int | None:
     """The training batches the fit that saved ``checkpoint`` had run (Lightning's loop
     state); None where it is not recorded."""
-    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
-    batches = ((loop.get("epoch_loop.batch_progress") or {}).get("total") or {}).get("processed")
+    progress = _fit_loop(checkpoint).get("epoch_loop.batch_progress") or {}
+    batches = (progress.get("total") or {}).get("processed")
     return batches if isinstance(batches, int) else None
 
 
@@ -88,8 +93,7 @@ def count_cut_batch_once(checkpoint: dict[str, Any]) -> None:
     places validation with ``check_val_every_n_epoch: null``, stayed one ahead for the rest
     of the run (validation a step early, once more for each such resume). The totals are
     set back to the batches the fit finished."""
-    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
-    progress = loop.get("epoch_loop.batch_progress") or {}
+    progress = _fit_loop(checkpoint).get("epoch_loop.batch_progress") or {}
     try:
         current, total = progress["current"], progress["total"]
         done = int(current["processed"])  # the cut batch's step did not finish
@@ -119,7 +123,7 @@ def resume_where_stopped(checkpoint: dict[str, Any], trainer: Any) -> bool:
 
     datamodule = getattr(trainer, "datamodule", None)
     state = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
-    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    loop = _fit_loop(checkpoint)
     epochs, batches = loop.get("epoch_progress"), loop.get("epoch_loop.batch_progress")
     steps = loop.get("epoch_loop.state_dict") or {}
     try:
