@@ -181,6 +181,18 @@ def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
         assert accuracy_reward(["q"], [completion], answer=[answer]) == [expected], completion
 
 
+def test_accuracy_grades_a_list_of_guesses_as_its_last_guess() -> None:
+    """A list of guesses is not an exploit: only its last number is read, so it scores
+    exactly when that number alone would (a grader reading "any of" would pay for lists)."""
+    guesses = ["5 or 7", "7 or 5", "2, 3, 4, 5, 6, 7", r"5 \vee 7", "x = 5 or x = 7"]
+    for reference in ("5", "7", "4"):
+        scores = accuracy_reward(["q"] * len(guesses),
+                                 [f"<answer>{g}</answer>" for g in guesses],
+                                 answer=[reference] * len(guesses))
+        last = [float(g.split()[-1] == reference) for g in guesses]
+        assert scores == last, reference
+
+
 def test_accuracy_conversational_and_extra_columns() -> None:
     completions = [
         [{"role": "assistant", "content": "<answer>4</answer>"}],
