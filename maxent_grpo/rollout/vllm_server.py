@@ -83,6 +83,27 @@ __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
 log = logging.getLogger(__name__)
 
 
+def _warn_past_group_timeout(seconds: float, device: torch.device) -> None:
+    """Warn when a request retried for its longest (``seconds``: ``request_timeout`` +
+    ``retry_seconds``) outlasts the process group's time-out: the other ranks wait for it in
+    a collective, which then fails on them with the group's time-out, not the servers'."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    try:  # torch keeps the group's time-out on its backend's options only
+        group = dist.distributed_c10d._get_default_group()
+        limit = group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    if seconds >= limit and _rank() == 0:
+        log.warning(
+            "VLLMServerEngine: request_timeout + retry_seconds (%g s) reach the process "
+            "group's time-out (%g s): while rank 0 waits for a server, the other ranks wait "
+            "in a collective and fail with the group's time-out. Lower retry_seconds or "
+            "request_timeout, or raise the strategy's timeout (trainer.strategy: {class_path: "
+            "DDPStrategy, init_args: {timeout: '2:00:00'}})", seconds, limit)
+
+
 class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
     """Rollout engine on ``vllm serve`` processes (see the module docstring).
 
@@ -158,6 +179,8 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
         self.request_timeout, self.retry_seconds = float(request_timeout), float(retry_seconds)
         self.probe_tolerance = float(probe_tolerance)
+        _warn_past_group_timeout(self.request_timeout + self.retry_seconds,
+                                 next(model.parameters()).device)
         self.max_parallel_requests = max_parallel_requests
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

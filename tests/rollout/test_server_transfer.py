@@ -157,3 +157,31 @@ def test_an_engine_refused_for_its_transfer_fails_through_the_shared_check(cache
                                      urls=["http://127.0.0.1:9"], weight_transfer="nccl",
                                      connect_seconds=60.0)
     assert time.monotonic() - start < 10.0 and seen == [False]
+
+
+def test_a_retry_past_the_process_groups_time_out_is_warned(tmp_path, monkeypatch, caplog):
+    """Under several processes the other ranks wait for rank 0's requests in a collective:
+    a request_timeout + retry_seconds that reach the group's time-out is warned at start,
+    naming both (the group's time-out read from torch's group, here 60 s)."""
+    import datetime
+
+    from maxent_grpo.rollout import vllm_server
+
+    dist = torch.distributed
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        with caplog.at_level("WARNING", logger=vllm_server.__name__):
+            vllm_server._warn_past_group_timeout(59.0, torch.device("cpu"))
+            assert not caplog.records
+            vllm_server._warn_past_group_timeout(720.0, torch.device("cpu"))
+        assert len(caplog.records) == 1
+        assert "(720 s) reach the process group's time-out (60 s)" in caplog.text
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 1)
+        caplog.clear()
+        vllm_server._warn_past_group_timeout(720.0, torch.device("cpu"))  # one process: no wait
+        assert not caplog.records
+    finally:
+        dist.destroy_process_group()
