@@ -36,20 +36,54 @@ def _latex(text: str) -> bool:
     return "**" not in text and any(c in text for c in "\\^{}")
 
 
+#: what a formula is written with: digits, letters, operators, brackets, commas
+_FORMULA_CHARS = re.compile(r"[\s0-9.,+\-*/=()\[\]a-zA-Z]*")
+#: a number with its thousands grouped (``1,000``, ``-12,345.5``): one number, not a list
+_GROUPED = re.compile(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*")
+#: LaTeX's commands, with the argument of ``\\text``, ``\\begin`` and their kin: not prose
+_COMMANDS = re.compile(
+    r"\\(?:text\w*|math\w*|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[a-zA-Z]+")
+_WORD = re.compile(r"[a-zA-Z]{2,}")
+
+
+def _prose(text: str) -> bool:
+    """Whether ``text`` holds a word (two letters or more outside LaTeX's commands, other
+    than ``sqrt`` and ``pi``): prose is not wrapped in ``$...$``, where each word would be
+    a product of symbols (and a long text takes seconds to parse)."""
+    return any(w not in ("sqrt", "pi") for w in _WORD.findall(_COMMANDS.sub(" ", text)))
+
+
+def _formula(text: str) -> bool:
+    """Whether a reference is a formula written without LaTeX: a tuple, a list, an interval,
+    a complex number, an expression or equation in letters (``(1, 2)``, ``-2, 3``, ``6-5i``,
+    ``y=2x+1``), which math-verify's plain reading would reduce to one of its numbers. A
+    number (``18``, ``1,000``, ``3/4``) and prose are not."""
+    return ("**" not in text and bool(_FORMULA_CHARS.fullmatch(text))
+            and not _GROUPED.fullmatch(text) and not _prose(text)
+            and bool(re.search(r"[a-zA-Z,()\[\]]", text)))
+
+
 #: LaTeX's math delimiters (an unescaped ``$``, ``\\(``, ``\\[``): a text holding one is parsed
 #: as it is, not wrapped in ``$...$`` (``\\$18`` and ``\\begin{pmatrix}`` are wrapped)
 DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")
+#: Markdown's bold ``**`` around a text (``**1/2**``), not Python's power (``9**2``)
+_BOLD = re.compile(r"(?<![\w)])\*\*|\*\*(?![\w(])")
+#: ``\\text{...}`` and its kin around words, for the text comparison
+_TEXT = re.compile(r"\\(?:text\w*|mathrm|mbox)\s*\{([^{}]*)\}")
+#: the square root sign before a number (``10√2``), read as LaTeX's ``\\sqrt``
+_ROOT = re.compile(r"√(\d+(?:\.\d+)?)")
 #: a number in scientific notation (``3e8``, ``1.5E-3``), not inside a word or a longer number
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})(?![\w.])")
 
 
 def _plain(text: str) -> str:
-    """``text`` with its Unicode minus signs as ``-`` and its numbers in scientific notation
-    written out (``3e8`` -> ``300000000``, ``1e-05`` -> ``0.00001``): math-verify reads
-    ``3e8`` as 3 and ``−2`` as nothing."""
+    """``text`` with its Unicode minus signs as ``-``, ``√2`` as ``\\sqrt{2}``, Markdown's bold
+    markers removed and its numbers in scientific notation written out (``3e8`` ->
+    ``300000000``, ``1e-05`` -> ``0.00001``): math-verify reads ``3e8`` as 3, ``−2`` as
+    nothing, ``**1/2**`` as 1 and ``√2`` as 2."""
     from decimal import Decimal
 
-    text = text.replace("\u2212", "-")
+    text = _ROOT.sub(r"\\sqrt{\1}", _BOLD.sub("", text.replace("\u2212", "-")))
     return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
 
 
@@ -59,24 +93,28 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     strings compared with runs of whitespace collapsed when it extracts nothing from either.
     ``golds`` caches the parsed references (one call's; None: no cache).
 
-    When either side is LaTeX (a backslash, a brace or ``^``), both are read as math (inside
-    ``$...$``, a bare numeric exponent braced: ``2^-1`` is ``2^{-1}``; a text with its own
-    delimiters, ``It is $\sqrt{2}$``, as it is), each as it is when math mode finds nothing
-    in it: math-verify reads LaTeX only inside a math environment, and read bare,
-    ``7+\sqrt{2}`` was its leading ``7`` and ``2^{10}`` was ``2``. Other pairs are read as
-    they are (in math mode ``9**2`` would be ``9`` and a word a product of symbols). Both
-    sides are read with Unicode minus signs as ``-`` and numbers in scientific notation
-    written out (math-verify reads ``3e8`` as 3)."""
+    When either side is LaTeX (a backslash, a brace or ``^``), or the reference a formula
+    written without it (:func:`_formula`: ``(1, 2)``, ``-2, 3``, ``6-5i``, ``2x+1``), both
+    are read as math (inside ``$...$``, a bare numeric exponent braced: ``2^-1`` is
+    ``2^{-1}``), each as it is when math mode finds nothing in it: math-verify reads LaTeX
+    only inside a math environment, and read bare, ``7+\sqrt{2}`` was its leading ``7``,
+    ``2^{10}`` was ``2``, ``(1, 2)`` was ``2`` and ``6-5i`` was ``6``. A text with its own
+    delimiters (``It is $\sqrt{2}$``) or with words (``The answer is \frac{1}{2}``) is
+    read as it is: math-verify finds the math in it, where in ``$...$`` each word would be
+    a product of symbols. Other pairs are read as they are: a number reference is compared
+    with the answer's last number, as GSM8K is graded (in math mode ``9**2`` would be
+    ``9``). Both sides are read with Unicode minus signs as ``-``, Markdown's bold markers
+    removed and numbers in scientific notation written out (math-verify reads ``3e8`` as
+    3)."""
     from math_verify import parse, verify  # slow import, only when the reward is used
 
     gold, prediction = _plain(gold), _plain(prediction)
-    latex = _latex(gold) or _latex(prediction)
+    latex = _latex(gold) or _latex(prediction) or _formula(gold)
 
     def parsed(text: str) -> list:
-        if latex and "**" not in text:
-            if not DELIMITED.search(text):
-                text = "$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$"
-            math = parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        if latex and "**" not in text and not DELIMITED.search(text) and not _prose(text):
+            math = parse("$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$",
+                         parsing_timeout=MATH_VERIFY_TIMEOUT_S)
             if math:
                 return math
         return parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
@@ -88,7 +126,13 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     prediction_parsed = parsed(prediction)
     if gold_parsed and prediction_parsed:
         return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
-    return " ".join(gold.split()) == " ".join(prediction.split())
+    return _as_text(gold) == _as_text(prediction)
+
+
+def _as_text(text: str) -> str:
+    """A text answer as the fallback compares it: ``\\text{...}`` unwrapped (a reference
+    ``\\text{Evelyn}`` is the name ``Evelyn``), runs of whitespace collapsed."""
+    return " ".join(_TEXT.sub(r"\1", text).split())
 
 
 class Verifier:

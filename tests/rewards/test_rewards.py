@@ -181,6 +181,35 @@ def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
         assert accuracy_reward(["q"], [completion], answer=[answer]) == [expected], completion
 
 
+@pytest.mark.parametrize(
+    ("prediction", "answer", "expected"),
+    [  # a reference written as a formula without LaTeX is read as math: read bare, each
+        # was one of its numbers, so a wrong answer sharing it scored 1 and a right one 0
+        ("(9, 2)", "(1, 2)", 0.0), ("(-2, 1)", "(-2,1)", 1.0), ("[-2, 7]", "[-2,7]", 1.0),
+        ("(-5, 7)", "[-2, 7]", 0.0), ("3, -2", "-2,3", 1.0), ("4", "2, 4", 0.0),
+        ("6+5i", "6-5i", 0.0), ("6 - 5i", "6-5i", 1.0), ("2x+7", "2x+1", 0.0),
+        ("1+x", "x+1", 1.0), ("y=2x-7", "y=2x+1", 0.0), ("2x+1", "y = 2x + 1", 1.0),
+        ("2-sqrt(3)", "2+sqrt(3)", 0.0), ("3", "3pi", 0.0), ("1.2", "1,2", 0.0),
+        ("C", "(C)", 1.0), ("B", "(C)", 0.0), ("5", "x=5", 1.0),
+        # numbers and prose are read as before: a number reference against the last number
+        ("1000", "1,000", 1.0), ("-886.0", "-886", 1.0), ("5 m", "5", 1.0),
+        ("-2, 3", "3", 1.0), ("Paris", "Paris", 1.0),
+        # Markdown's bold is no power; a square-root sign is a root; \text{...} is its text
+        ("**1/2**", r"\frac{1}{2}", 1.0), ("**1/2**", "1", 0.0), ("**2^3**", "8", 1.0),
+        ("The answer is **3/4**.", "3/4", 1.0), ("10√2", r"10\sqrt{2}", 1.0),
+        ("√2", "2", 0.0), ("Evelyn", r"\text{Evelyn}", 1.0),
+        # with a LaTeX reference, an answer in words is searched for its math, not read as
+        # a product of symbols in $...$ (a long one took seconds)
+        ("0.5 cups", r"\frac{1}{2}", 1.0), ("The answer is 7", r"\frac{14}{2}", 1.0),
+        ("so it is 1/3 of them", r"\frac{1}{2}", 0.0),
+    ],
+)
+def test_accuracy_reads_formula_references_bold_roots_and_words(
+        prediction: str, answer: str, expected: float) -> None:
+    assert accuracy_reward(["q"], [f"<answer>{prediction}</answer>"], answer=[answer]) == [
+        expected], prediction
+
+
 def test_accuracy_grades_a_list_of_guesses_as_its_last_guess() -> None:
     """A list of guesses is not an exploit: only its last number is read, so it scores
     exactly when that number alone would (a grader reading "any of" would pay for lists)."""
