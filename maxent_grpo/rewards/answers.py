@@ -26,7 +26,7 @@ from typing import Any
 from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal
 from maxent_grpo.tasks.countdown import check_countdown
-from maxent_grpo.tasks.expressions import canonical_expression
+from maxent_grpo.tasks.expressions import canonical_expression, number_value, split_equation
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 
@@ -144,22 +144,6 @@ def require_column(reward: str, name: str, values: list | None, n: int) -> list:
     return list(values)
 
 
-#: operator symbols read as ``*``, ``/`` and ``-`` in answers (``−`` is U+2212, the minus sign)
-SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "·": "*", "⋅": "*",
-           "∗": "*", "−": "-"}
-
-
-def _split_equation(answer: str) -> tuple[str, str | None]:
-    """``answer`` with the :data:`SYMBOLS` read as ``*``, ``/``, ``-``, as ``(left, right)``
-    of its one ``=`` (``right`` None unless it has exactly one)."""
-    for symbol, op in SYMBOLS.items():
-        answer = answer.replace(symbol, op)
-    if answer.count("=") == 1:
-        left, right = answer.split("=")
-        return left, right
-    return answer, None
-
-
 def sample_answer(completion: str | list[dict]) -> str | None:
     """The answer of one sample: :func:`extract_answer`, else the stripped completion
     (``None`` when that is empty).
@@ -180,11 +164,12 @@ def coverage_answer(answer: str | None) -> str | None:
     >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello") is None
     ('1 + 3 * 5', True)
     """
-    return None if answer is None else canonical_expression(_split_equation(answer)[0])
+    return None if answer is None else canonical_expression(split_equation(answer)[0])
 
 
-#: how a task's answers are compared (the rows' ``answer_form`` column; absent: ``expression``)
-ANSWER_FORMS = ("expression", "ordered", "first_number")
+#: how a task's answers are compared (the rows' ``answer_form`` column; absent or blank:
+#: ``expression``)
+ANSWER_FORMS = ("expression", "ordered", "first_number", "value")
 
 
 def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
@@ -192,16 +177,25 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     default, ``None``) is :func:`coverage_answer`, where ``"5 + 4"`` and ``"4 + 5"`` are one
     answer; ``"ordered"`` keeps the order and removes the whitespace only, so they are two
     (the ``digit_pairs`` task with ``ordered=True``); ``"first_number"`` is the first
-    integer of the answer (the ``number_sets`` task). ``None`` when there is no answer (or
-    it is not of the form: not an expression, no integer).
+    integer of the answer (the ``number_sets`` task); ``"value"`` is the exact value of the
+    number after one ``=`` (else of the answer: ``-886``, ``-886.0``, ``$-886$`` and
+    ``59 - 63 * 15 = -886`` are one; the ``arithmetic`` task). An answer that is no
+    expression but a number is its value in the ``expression`` form too (``$18`` is ``18``).
+    ``None`` when there is no answer (or it is not of the form: no number, no integer).
 
     >>> canonical_answer("5 + 4"), canonical_answer("5 + 4", "ordered"), canonical_answer(None)
     ('4 + 5', '5+4', None)
     >>> canonical_answer(" 07, 11", "first_number"), canonical_answer("none", "first_number")
     ('7', None)
     """
-    if form in (None, "expression"):
-        return coverage_answer(answer)
+    if form in (None, "", "expression", "value") and answer is not None:
+        key = coverage_answer(answer) if form != "value" else None
+        left, right = split_equation(answer)
+        value = None if key is not None else number_value(
+            answer if form != "value" else left if right is None else right)
+        return key if value is None else str(value)
+    if form in (None, "", "expression", "value"):
+        return None
     if form == "ordered":
         return None if answer is None else ("".join(answer.split()) or None)
     if form == "first_number":
@@ -290,7 +284,7 @@ def countdown_reward(
     """
     def right(answer: str, row: tuple) -> bool:
         # SYMBOLS read as operators; ``expr = target`` keeps expr, another right side fails
-        expression, rhs = _split_equation(answer)
+        expression, rhs = split_equation(answer)
         return (rhs is None or rhs.strip() == str(row[1])) and check_countdown(
             expression, list(row[0]), row[1])
 

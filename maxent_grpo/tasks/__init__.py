@@ -7,7 +7,7 @@ for countdown, ...), which the reward functions receive as keyword columns.
 
 >>> rows = build_task("arithmetic_easy", num_rows=2, seed=0)
 >>> sorted(rows[0])
-['answer', 'expression', 'operands', 'prompt', 'task']
+['answer', 'answer_form', 'expression', 'operands', 'prompt', 'task']
 """
 
 from __future__ import annotations

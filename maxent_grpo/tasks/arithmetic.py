@@ -41,9 +41,9 @@ def arithmetic(
 
     Each row: ``prompt``, ``answer`` (the exact integer as a string), ``task``
     (``"arithmetic"``), ``expression`` (e.g. ``"37 + 5 * 12"``) and ``operands``
-    (list[int]); bare rows also ``answer_form: "first_number"`` (the answer statistics read
-    a completion's first number, as the reward does). ``ops`` is a string of distinct
-    characters from ``"+-*"``.
+    (list[int]) and ``answer_form``: ``"first_number"`` for bare rows (the answer statistics
+    read a completion's first number, as the reward does), else ``"value"`` (one answer
+    however the number is written). ``ops`` is a string of distinct characters from ``"+-*"``.
     """
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -73,8 +73,9 @@ def arithmetic(
             "prompt": prompt, "answer": str(_value(operands, chosen)), "task": "arithmetic",
             "expression": expression, "operands": operands,
         })
-        if bare:  # graded by first_number: the answer statistics compare first numbers too
-            rows[-1]["answer_form"] = "first_number"
+        # bare rows are graded by first_number, the answer statistics compare first numbers
+        # too; the others by value (``-886``, ``-886.0`` and ``59 - 63 * 15 = -886`` are one)
+        rows[-1]["answer_form"] = "first_number" if bare else "value"
     return rows
 
 

@@ -155,3 +155,47 @@ def canonical_expression(expr: str) -> str | None:
         return _from_ast(parsed[0].body).text
     except (ZeroDivisionError, RecursionError):
         return None
+
+
+#: a number as answers write it, once ``$``, ``\$`` and thousands separators are dropped:
+#: an integer, a decimal or a fraction (``-886``, ``2.50``, ``1/2``)
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+|/[0-9]+)?")
+#: a thousands separator: a comma or a space before three digits (``3,717``, ``3 717``)
+_GROUPING = re.compile(r"(?<=[0-9])[, ](?=[0-9]{3}(?![0-9]))")
+
+
+def number_value(text: str) -> Fraction | None:
+    """The exact value of a number as answers write it (``-886``, ``−886``, ``-886.0``,
+    ``$-886$``, ``3,717``, ``1/2``) or of an arithmetic expression (as
+    :func:`canonical_expression` reads one: ``59 - 63 * 15``), or None.
+
+    >>> number_value("$-886.0$"), number_value("3,717"), number_value("5 * 3 + 1")
+    (Fraction(-886, 1), Fraction(3717, 1), Fraction(16, 1))
+    >>> number_value("2, 3") is None, number_value("1/0") is None
+    (True, True)
+    """
+    text = text.replace("\u2212", "-").replace("\\$", "").replace("$", "").strip().rstrip(".")
+    text = _GROUPING.sub("", text)
+    try:
+        if _NUMBER.fullmatch(text):
+            return Fraction(text)
+        parsed = _parse(text)
+        return None if parsed is None else _evaluate(parsed[0].body)
+    except (ValueError, ZeroDivisionError, RecursionError):  # ValueError: too many digits
+        return None
+
+
+#: operator symbols read as ``*``, ``/`` and ``-`` in answers (``−`` is U+2212, the minus sign)
+SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "·": "*", "⋅": "*",
+           "∗": "*", "−": "-"}
+
+
+def split_equation(answer: str) -> tuple[str, str | None]:
+    """``answer`` with the :data:`SYMBOLS` read as ``*``, ``/``, ``-``, as ``(left, right)``
+    of its one ``=`` (``right`` None unless it has exactly one)."""
+    for symbol, op in SYMBOLS.items():
+        answer = answer.replace(symbol, op)
+    if answer.count("=") == 1:
+        left, right = answer.split("=")
+        return left, right
+    return answer, None

@@ -39,8 +39,8 @@ SETS: dict[str, tuple[str, tuple[int, ...]]] = {
     "even": ("An even number between 1 and 19:", tuple(range(2, 19, 2))),
     "odd": ("An odd number between 0 and 20:", tuple(range(1, 20, 2))),
     "multiple_of_3": ("A multiple of 3 between 1 and 29:", tuple(range(3, 30, 3))),
-    "multiple_of_5": ("A multiple of 5 less than 50:", tuple(range(5, 50, 5))),
-    "square": ("A perfect square less than 100:", tuple(n * n for n in range(1, 10))),
+    "multiple_of_5": ("A multiple of 5 between 1 and 49:", tuple(range(5, 50, 5))),
+    "square": ("A positive perfect square less than 100:", tuple(n * n for n in range(1, 10))),
     "between_10_and_20": ("A number between 10 and 20:", tuple(range(11, 20))),
 }
 

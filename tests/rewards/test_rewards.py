@@ -730,6 +730,33 @@ def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_di
         fit(make_module(cache_dir), data, steps=1, limit_val_batches=1, num_sanity_val_steps=2)
 
 
+def test_an_answer_form_that_is_no_form_stops_fit_and_validate_at_their_start(cache_dir,
+                                                                              tmp_path):
+    """A typo (``Ordered``) in the answer_form column passed the setup and the model's load,
+    then stopped the run at its first step, naming no row; a blank cell (how a CSV holds a
+    missing value, documented as the default form) did the same."""
+    import lightning as L
+
+    from maxent_grpo.rewards.answers import canonical_answer
+    from tests.conftest import fit, make_data, make_module
+
+    assert canonical_answer("5+4", "") == canonical_answer("5+4") == "4 + 5"
+    path = tmp_path / "train.jsonl"
+    lines = [{"prompt": f"{i} + 1 =", "answer": str(i + 1), "answer_form": ""}
+             for i in range(12)]
+    lines[7]["answer_form"] = "Ordered"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    expected = r"the answer_form of data.data_files file '.*train.jsonl' row 7 .* got 'Ordered'"
+    with pytest.raises(ValueError, match=expected):
+        fit(make_module(cache_dir), make_data(cache_dir, task=None, task_options=None,
+                                              data_files=str(path), val_size=0), steps=1)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1)
+    with pytest.raises(ValueError, match=expected):
+        trainer.validate(make_module(cache_dir), make_data(
+            cache_dir, task=None, task_options=None, data_files=str(path), val_size=4))
+
+
 def test_async_rewards_share_one_loop_and_keep_their_time_limit() -> None:
     """A loop per call closed what a reward module keeps across calls (a semaphore, a
     client: "bound to a different event loop" at the second step), and ``timeout`` timed

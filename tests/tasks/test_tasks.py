@@ -325,6 +325,52 @@ def test_rows_graded_by_first_number_compare_answers_by_first_number():
     for rows in (arithmetic(3, 0, bare=True), arithmetic_easy(3, 0, bare=True),
                  tool_arithmetic(3, 0)):
         assert {row["answer_form"] for row in rows} == {"first_number"}
-    assert "answer_form" not in arithmetic(3, 0)[0]  # graded by accuracy: expressions
     keys = {canonical_answer(c, "first_number") for c in (" 8", " 8\n3 +", " 8. 4", " 8 ")}
     assert keys == {"8"}
+
+
+def test_arithmetic_answers_are_one_however_the_number_is_written():
+    """Rows graded by accuracy had the expression form: ``-886`` (a unary minus is no
+    expression), ``-886.0``, ``$-886$`` and ``59 - 63 * 15 = -886``, all graded right, were
+    four distinct correct answers in distinct_correct and answer_entropy."""
+    from maxent_grpo.rewards.answers import accuracy_reward, answer_key
+    from maxent_grpo.tasks.arithmetic import arithmetic
+
+    row = arithmetic(1, 0)[0]
+    assert row["answer"] == "-886" and row["answer_form"] == "value"
+    written = ["-886", "\u2212886", "-886.0", "$-886$", "59 - 63 * 15 = -886", "59 - 63*15"]
+    completions = [f"<answer>{w}</answer>" for w in written]
+    assert accuracy_reward([row["prompt"]] * 6, completions, answer=[row["answer"]] * 6) == [
+        1.0] * 6
+    assert {answer_key(c, "value") for c in completions} == {"-886"}
+    assert answer_key("<answer>-885</answer>", "value") == "-885"
+    assert answer_key("<answer>minus 886</answer>", "value") == "minus 886"  # as text
+    # the default form: an expression is kept, a number that is no expression is its value
+    assert {answer_key(f"<answer>{w}</answer>") for w in ("18", "$18", "18.00", "\\$18")} == {
+        "18"}
+    assert answer_key("<answer>3,717</answer>") == answer_key("<answer>3717</answer>")
+    assert answer_key("<answer>2, 3</answer>") == "2, 3"  # two numbers: no value, the text
+    assert answer_key("<answer>4 + 5</answer>") == answer_key("<answer>5+4</answer>") == "4 + 5"
+
+
+def test_number_sets_list_every_answer_their_prompts_admit():
+    """"A multiple of 5 less than 50" and "A perfect square less than 100" admit 0 (and
+    negative multiples), which their lists left out: right answers graded 0 and missing
+    from coverage@k. Every prompt's list is every integer in its range with its property."""
+    import math
+    import re
+
+    properties = {
+        "prime": lambda n: n > 1 and all(n % d for d in range(2, n)),
+        "even": lambda n: n % 2 == 0, "odd": lambda n: n % 2 == 1,
+        "multiple_of_3": lambda n: n % 3 == 0, "multiple_of_5": lambda n: n % 5 == 0,
+        "square": lambda n: n >= 0 and math.isqrt(n) ** 2 == n, "between_10_and_20": bool,
+    }
+    assert set(properties) == set(number_sets_module.SETS)
+    for name, (prompt, members) in number_sets_module.SETS.items():
+        between = re.search(r"between (\d+) and (\d+)", prompt)
+        low, high = ((int(between[1]), int(between[2])) if between
+                     else (0 if "positive" in prompt else -10**6,
+                           int(re.search(r"less than (\d+)", prompt)[1])))
+        admitted = [n for n in range(max(low + 1, -1000), high) if properties[name](n)]
+        assert list(members) == admitted, (name, prompt)

@@ -150,7 +150,9 @@ class ModuleHooks(L.Callback):
                     saver, "_last_global_step_saved", trainer.global_step) != trainer.global_step):
                 saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
-    def on_validation_start(self, trainer: L.Trainer, *_: Any) -> None:
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # a fit checks its rows at its start
+            pl_module.check_reward_rows()
         same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
                      else trainer.num_val_batches)
 

@@ -23,6 +23,7 @@ from maxent_grpo.models import (
     load_tokenizer,
     model_chain,
 )
+from maxent_grpo.rewards.answers import ANSWER_FORMS
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
 from maxent_grpo.validation import require
@@ -119,8 +120,10 @@ class PolicyModels:
             self.trainer.precision_plugin.convert_module(self.reference)
 
     def check_reward_rows(self) -> None:
-        """At the start of a fit, before the sanity check's validation: the rewards read
-        every training and validation row's references (``WeightedRewards.check_rows``)."""
+        """At the start of a fit or validate, before any batch: the rewards read every
+        training and validation row's references (``WeightedRewards.check_rows``), and each
+        row's ``answer_form`` is one of :data:`~maxent_grpo.rewards.answers.ANSWER_FORMS`
+        (or blank)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         for split in ("train", "val"):
             data = getattr(datamodule, f"{split}_dataset", None)
@@ -131,6 +134,10 @@ class PolicyModels:
                     return f"{part} row {number} ({s} prompt {str(r[i].raw_prompt)[:60]!r})"
 
                 self.rewards.check_rows([ex.columns for ex in rows], where)
+                for i, example in enumerate(rows):
+                    form = example.columns.get("answer_form")
+                    require(form in (None, "", *ANSWER_FORMS), f"the answer_form of "
+                            f"{where(i)} must be one of {ANSWER_FORMS} or blank; got {form!r}")
 
     def attach_training_data(self) -> None:
         """At the start of training: the handles take the trainer's strategy, loader and

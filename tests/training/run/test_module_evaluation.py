@@ -108,7 +108,7 @@ def test_valid_answers_are_read_as_the_rewards_read_them():
     assert valid_answer_set([2, 3], "first_number") == ({"2", "3"}, [])
     assert valid_answer_set(["5 * 3", "3 * 5"], None) == ({"3 * 5"}, [])
     # what has no canonical form is returned to be warned about, not read a letter at a time
-    assert valid_answer_set(["4 + 5", "-3", True], None) == ({"4 + 5"}, ["-3", True])
+    assert valid_answer_set(["4 + 5", "-3", "x", True], None) == ({"4 + 5", "-3"}, ["x", True])
     assert valid_answer_set("12", "first_number") == (set(), ["12"])
     assert valid_answer_set({"a": 1}, "first_number") == (set(), [{"a": 1}])
 
