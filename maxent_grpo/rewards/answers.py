@@ -191,9 +191,10 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     if form in (None, "", "expression", "value") and answer is not None:
         key = coverage_answer(answer) if form != "value" else None
         left, right = split_equation(answer)
-        value = None if key is not None else number_value(
-            answer if form != "value" else left if right is None else right)
-        return key if value is None else str(value)
+        value = None if key is not None else number_value(  # expressions are kept as such
+            answer, False) if form != "value" else number_value(right or left)
+        # a fraction as its expression is written: 0.5 and 1/2 are one
+        return key if value is None else str(value).replace("/", " / ")
     if form in (None, "", "expression", "value"):
         return None
     if form == "ordered":

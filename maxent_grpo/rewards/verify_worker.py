@@ -44,13 +44,22 @@ _GROUPED = re.compile(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*")
 _COMMANDS = re.compile(
     r"\\(?:text\w*|math\w*|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[a-zA-Z]+")
 _WORD = re.compile(r"[a-zA-Z]{2,}")
+#: a number with a one-letter unit (``4 L``, ``5 m``): a number, not a product
+_UNIT = re.compile(r"\s*-?[0-9.,]+\s+[a-zA-Z]\s*")
+
+
+#: words that are mathematics, not prose
+_MATH_WORDS = {"sqrt", "pi", "inf", "infty", "infinity", "oo", "ln", "log", "exp", "sin", "cos",
+               "tan"}
+#: the longest text with words that is wrapped in ``$...$`` (where math-verify drops the
+#: units it knows, ``\\sqrt{2} meters``, but parses prose at about 1.4 ms a character)
+WRAP_CHARS = 120
 
 
 def _prose(text: str) -> bool:
     """Whether ``text`` holds a word (two letters or more outside LaTeX's commands, other
-    than ``sqrt`` and ``pi``): prose is not wrapped in ``$...$``, where each word would be
-    a product of symbols (and a long text takes seconds to parse)."""
-    return any(w not in ("sqrt", "pi") for w in _WORD.findall(_COMMANDS.sub(" ", text)))
+    than :data:`_MATH_WORDS`): in ``$...$`` each word is a product of symbols."""
+    return any(w not in _MATH_WORDS for w in _WORD.findall(_COMMANDS.sub(" ", text)))
 
 
 def _formula(text: str) -> bool:
@@ -59,15 +68,18 @@ def _formula(text: str) -> bool:
     ``y=2x+1``), which math-verify's plain reading would reduce to one of its numbers. A
     number (``18``, ``1,000``, ``3/4``) and prose are not."""
     return ("**" not in text and bool(_FORMULA_CHARS.fullmatch(text))
-            and not _GROUPED.fullmatch(text) and not _prose(text)
-            and bool(re.search(r"[a-zA-Z,()\[\]]", text)))
+            and not _GROUPED.fullmatch(text) and not _UNIT.fullmatch(text)
+            and not _prose(text) and bool(re.search(r"[a-zA-Z,()\[\]]", text)))
 
 
 #: LaTeX's math delimiters (an unescaped ``$``, ``\\(``, ``\\[``): a text holding one is parsed
 #: as it is, not wrapped in ``$...$`` (``\\$18`` and ``\\begin{pmatrix}`` are wrapped)
 DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")
-#: Markdown's bold ``**`` around a text (``**1/2**``), not Python's power (``9**2``)
-_BOLD = re.compile(r"(?<![\w)])\*\*|\*\*(?![\w(])")
+#: Markdown's bold, a pair of ``**`` around a text (``**1/2**``), not Python's power
+#: (``9**2``, ``2 ** 3``)
+_BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)(.+?)(?<=\S)\*\*(?![\w*])")
+#: a sentence's last period (``(1, 2).``), which math mode does not read
+_PERIOD = re.compile(r"(?<=[^.\s])\.\s*$")
 #: ``\\text{...}`` and its kin around words, for the text comparison
 _TEXT = re.compile(r"\\(?:text\w*|mathrm|mbox)\s*\{([^{}]*)\}")
 #: the square root sign before a number (``10√2``), read as LaTeX's ``\\sqrt``
@@ -79,11 +91,13 @@ _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})(?![\w.])"
 def _plain(text: str) -> str:
     """``text`` with its Unicode minus signs as ``-``, ``√2`` as ``\\sqrt{2}``, Markdown's bold
     markers removed and its numbers in scientific notation written out (``3e8`` ->
-    ``300000000``, ``1e-05`` -> ``0.00001``): math-verify reads ``3e8`` as 3, ``−2`` as
-    nothing, ``**1/2**`` as 1 and ``√2`` as 2."""
+    ``300000000``, ``1e-05`` -> ``0.00001``) and a last period dropped: math-verify reads
+    ``3e8`` as 3, ``−2`` as nothing, ``**1/2**`` as 1 and ``√2`` as 2, and in math mode
+    ``(1, 2).`` as nothing."""
     from decimal import Decimal
 
-    text = _ROOT.sub(r"\\sqrt{\1}", _BOLD.sub("", text.replace("\u2212", "-")))
+    text = _BOLD.sub(r"\1", _PERIOD.sub("", text.replace("\u2212", "-")))
+    text = _ROOT.sub(r"\\sqrt{\1}", text)
     return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
 
 
@@ -99,9 +113,11 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     ``2^{-1}``), each as it is when math mode finds nothing in it: math-verify reads LaTeX
     only inside a math environment, and read bare, ``7+\sqrt{2}`` was its leading ``7``,
     ``2^{10}`` was ``2``, ``(1, 2)`` was ``2`` and ``6-5i`` was ``6``. A text with its own
-    delimiters (``It is $\sqrt{2}$``) or with words (``The answer is \frac{1}{2}``) is
-    read as it is: math-verify finds the math in it, where in ``$...$`` each word would be
-    a product of symbols. Other pairs are read as they are: a number reference is compared
+    delimiters (``It is $\sqrt{2}$``) is read as it is; one with words both ways, wrapped
+    when it has at most :data:`WRAP_CHARS` characters (``12\pi cubic inches``: math-verify
+    drops the units it knows) and as it is (``0.5 cups``: math-verify finds the math in
+    it, where in ``$...$`` each word is a product of symbols), and it is right when either
+    reading is. Other pairs are read as they are: a number reference is compared
     with the answer's last number, as GSM8K is graded (in math mode ``9**2`` would be
     ``9``). Both sides are read with Unicode minus signs as ``-``, Markdown's bold markers
     removed and numbers in scientific notation written out (math-verify reads ``3e8`` as
@@ -111,21 +127,27 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     gold, prediction = _plain(gold), _plain(prediction)
     latex = _latex(gold) or _latex(prediction) or _formula(gold)
 
-    def parsed(text: str) -> list:
-        if latex and "**" not in text and not DELIMITED.search(text) and not _prose(text):
+    def readings(text: str) -> list[list]:
+        # in math mode wrapped in $...$ (a text with words only when short), and as it is
+        # when that finds nothing or the text has words (math-verify then finds its math)
+        found, prose = [], _prose(text)
+        if latex and "**" not in text and not DELIMITED.search(text) and (
+                not prose or len(text) <= WRAP_CHARS):
             math = parse("$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$",
                          parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-            if math:
-                return math
-        return parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+            if math and not prose:
+                return [math]
+            found = [math] if math else []
+        bare = parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        return found + [bare] if bare else found
 
     golds = {} if golds is None else golds
     if (gold, latex) not in golds:
-        golds[gold, latex] = parsed(gold)
-    gold_parsed = golds[gold, latex]
-    prediction_parsed = parsed(prediction)
-    if gold_parsed and prediction_parsed:
-        return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
+        golds[gold, latex] = readings(gold)
+    gold_readings, prediction_readings = golds[gold, latex], readings(prediction)
+    if gold_readings and prediction_readings:
+        return any(verify(g, p, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
+                   for g in gold_readings for p in prediction_readings)
     return _as_text(gold) == _as_text(prediction)
 
 

@@ -90,18 +90,20 @@ def _warn_past_group_timeout(seconds: float, device: torch.device) -> None:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
-    try:  # torch keeps the group's time-out on its backend's options only
-        group = dist.distributed_c10d._get_default_group()
-        limit = group._get_backend(device).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError, ValueError):
-        return
-    if seconds >= limit and _rank() == 0:
+    group, limit = dist.distributed_c10d._get_default_group(), None
+    for where in (device, torch.device("cuda"), torch.device("cpu")):  # the group's backend
+        try:  # torch keeps the group's time-out on its backend's options only
+            limit = group._get_backend(where).options._timeout.total_seconds()
+            break
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    if limit is not None and seconds >= limit and _rank() == 0:
         log.warning(
             "VLLMServerEngine: request_timeout + retry_seconds (%g s) reach the process "
             "group's time-out (%g s): while rank 0 waits for a server, the other ranks wait "
             "in a collective and fail with the group's time-out. Lower retry_seconds or "
-            "request_timeout, or raise the strategy's timeout (trainer.strategy: {class_path: "
-            "DDPStrategy, init_args: {timeout: '2:00:00'}})", seconds, limit)
+            "request_timeout, or raise the timeout init arg of trainer.strategy (DDPStrategy's "
+            "and ModelParallelStrategy's: init_args: {timeout: '2:00:00'})", seconds, limit)
 
 
 class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):

@@ -164,10 +164,10 @@ _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+|/[0-9]+)?")
 _GROUPING = re.compile(r"(?<=[0-9])[, ](?=[0-9]{3}(?![0-9]))")
 
 
-def number_value(text: str) -> Fraction | None:
+def number_value(text: str, expressions: bool = True) -> Fraction | None:
     """The exact value of a number as answers write it (``-886``, ``−886``, ``-886.0``,
-    ``$-886$``, ``3,717``, ``1/2``) or of an arithmetic expression (as
-    :func:`canonical_expression` reads one: ``59 - 63 * 15``), or None.
+    ``$-886$``, ``3,717``, ``1/2``) or, with ``expressions``, of an arithmetic expression
+    (as :func:`canonical_expression` reads one: ``59 - 63 * 15``), or None.
 
     >>> number_value("$-886.0$"), number_value("3,717"), number_value("5 * 3 + 1")
     (Fraction(-886, 1), Fraction(3717, 1), Fraction(16, 1))
@@ -179,7 +179,7 @@ def number_value(text: str) -> Fraction | None:
     try:
         if _NUMBER.fullmatch(text):
             return Fraction(text)
-        parsed = _parse(text)
+        parsed = _parse(text) if expressions else None
         return None if parsed is None else _evaluate(parsed[0].body)
     except (ValueError, ZeroDivisionError, RecursionError):  # ValueError: too many digits
         return None

@@ -198,10 +198,18 @@ def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
         ("**1/2**", r"\frac{1}{2}", 1.0), ("**1/2**", "1", 0.0), ("**2^3**", "8", 1.0),
         ("The answer is **3/4**.", "3/4", 1.0), ("10√2", r"10\sqrt{2}", 1.0),
         ("√2", "2", 0.0), ("Evelyn", r"\text{Evelyn}", 1.0),
-        # with a LaTeX reference, an answer in words is searched for its math, not read as
-        # a product of symbols in $...$ (a long one took seconds)
+        # with a LaTeX reference, an answer in words is searched for its math too, not only
+        # read as a product of symbols in $...$ (a long one took seconds); short, it is
+        # still read in $...$, where math-verify drops the units it knows
         ("0.5 cups", r"\frac{1}{2}", 1.0), ("The answer is 7", r"\frac{14}{2}", 1.0),
-        ("so it is 1/3 of them", r"\frac{1}{2}", 0.0),
+        ("so it is 1/3 of them", r"\frac{1}{2}", 0.0), (r"\sqrt{2} meters", r"\sqrt{2}", 1.0),
+        (r"12\pi cubic inches", r"12\pi", 1.0), (r"\$18 per day", "18", 1.0),
+        (r"\dfrac{1}{2} hours", r"\frac{1}{2}", 1.0), (r"\mathbf{18} apples", "18", 1.0),
+        ("the probability is " + "very " * 40 + r"surely \frac{1}{2}", r"\frac{1}{2}", 1.0),
+        # a sentence's last period; words of mathematics; a power with spaces is no bold
+        ("(1, 2).", "(1, 2)", 1.0), ("-2, 3.", "-2, 3", 1.0), (r"\frac{1}{2}.", "0.5", 1.0),
+        ("[0, inf)", r"[0, \infty)", 1.0), ("inf", r"\infty", 1.0), ("2 ** 3", "8", 1.0),
+        ("4", "4 L", 1.0),
     ],
 )
 def test_accuracy_reads_formula_references_bold_roots_and_words(
@@ -750,9 +758,18 @@ def test_an_answer_form_that_is_no_form_stops_fit_and_validate_at_their_start(ca
     with pytest.raises(ValueError, match=expected):
         fit(make_module(cache_dir), make_data(cache_dir, task=None, task_options=None,
                                               data_files=str(path), val_size=0), steps=1)
+    # a validate reads its validation rows only (the typo in a training row is not its own)
+    data = make_data(cache_dir, task=None, task_options=None, data_files=str(path), val_size=4)
+    data.setup("validate")
+    assert all(example.index != 7 for example in data.val_dataset.examples)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=1)
-    with pytest.raises(ValueError, match=expected):
+    trainer.validate(make_module(cache_dir), data)
+    bad = data.val_dataset.examples[1].index
+    lines[bad]["answer_form"] = "expressions"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=rf"the answer_form of .* row {bad} \(val prompt .* got "
+                                         r"'expressions'"):
         trainer.validate(make_module(cache_dir), make_data(
             cache_dir, task=None, task_options=None, data_files=str(path), val_size=4))
 

@@ -351,6 +351,9 @@ def test_arithmetic_answers_are_one_however_the_number_is_written():
     assert answer_key("<answer>3,717</answer>") == answer_key("<answer>3717</answer>")
     assert answer_key("<answer>2, 3</answer>") == "2, 3"  # two numbers: no value, the text
     assert answer_key("<answer>4 + 5</answer>") == answer_key("<answer>5+4</answer>") == "4 + 5"
+    assert answer_key("<answer>0.5</answer>") == answer_key("<answer>1/2</answer>") == "1 / 2"
+    # only numbers: an expression the form does not read stays text, not its value
+    assert answer_key("<answer>$5 * 3 + 1$</answer>") == "$5 * 3 + 1$"
 
 
 def test_number_sets_list_every_answer_their_prompts_admit():

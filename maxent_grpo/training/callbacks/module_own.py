@@ -152,7 +152,7 @@ class ModuleHooks(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "validate":  # a fit checks its rows at its start
-            pl_module.check_reward_rows()
+            pl_module.check_reward_rows(splits=("val",))
         same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
                      else trainer.num_val_batches)
 

@@ -119,13 +119,13 @@ class PolicyModels:
         if own and self._trainer is not None:  # sharded too (as Lightning converts the policy)
             self.trainer.precision_plugin.convert_module(self.reference)
 
-    def check_reward_rows(self) -> None:
-        """At the start of a fit or validate, before any batch: the rewards read every
-        training and validation row's references (``WeightedRewards.check_rows``), and each
+    def check_reward_rows(self, splits: tuple[str, ...] = ("train", "val")) -> None:
+        """At the start of a fit (a validate: ``splits=("val",)``), before any batch: the
+        rewards read every row's references (``WeightedRewards.check_rows``), and each
         row's ``answer_form`` is one of :data:`~maxent_grpo.rewards.answers.ANSWER_FORMS`
         (or blank)."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        for split in ("train", "val"):
+        for split in splits:
             data = getattr(datamodule, f"{split}_dataset", None)
             rows, source = getattr(data, "examples", None), getattr(data, "where", None)
             if rows:
@@ -135,9 +135,10 @@ class PolicyModels:
 
                 self.rewards.check_rows([ex.columns for ex in rows], where)
                 for i, example in enumerate(rows):
-                    form = example.columns.get("answer_form")
-                    require(form in (None, "", *ANSWER_FORMS), f"the answer_form of "
-                            f"{where(i)} must be one of {ANSWER_FORMS} or blank; got {form!r}")
+                    if (form := example.columns.get("answer_form")) not in (None, "",
+                                                                           *ANSWER_FORMS):
+                        raise ValueError(f"the answer_form of {where(i)} must be one of "
+                                         f"{ANSWER_FORMS} or blank; got {form!r}")
 
     def attach_training_data(self) -> None:
         """At the start of training: the handles take the trainer's strategy, loader and
