@@ -44,6 +44,8 @@ _GROUPED = re.compile(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*")
 _COMMANDS = re.compile(
     r"\\(?:text\w*|math\w*|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[a-zA-Z]+")
 _WORD = re.compile(r"[a-zA-Z]{2,}")
+#: a word in a text, not a LaTeX command's name
+_PROSE_WORD = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}(?![a-zA-Z])")
 #: a number with a one-letter unit (``4 L``, ``5 m``): a number, not a product
 _UNIT = re.compile(r"\s*-?[0-9.,]+\s+[a-zA-Z]\s*")
 
@@ -77,7 +79,7 @@ def _formula(text: str) -> bool:
 DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")
 #: Markdown's bold, a pair of ``**`` around a text (``**1/2**``), not Python's power
 #: (``9**2``, ``2 ** 3``)
-_BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)(.+?)(?<=\S)\*\*(?![\w*])")
+_BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)([^*\n]{1,200}?)(?<=\S)\*\*(?![\w*])")
 #: a sentence's last period (``(1, 2).``), which math mode does not read
 _PERIOD = re.compile(r"(?<=[^.\s])\.\s*$")
 #: ``\\text{...}`` and its kin around words, for the text comparison
@@ -115,30 +117,31 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
     ``2^{10}`` was ``2``, ``(1, 2)`` was ``2`` and ``6-5i`` was ``6``. A text with its own
     delimiters (``It is $\sqrt{2}$``) is read as it is; one with words both ways, wrapped
     when it has at most :data:`WRAP_CHARS` characters (``12\pi cubic inches``: math-verify
-    drops the units it knows) and as it is (``0.5 cups``: math-verify finds the math in
-    it, where in ``$...$`` each word is a product of symbols), and it is right when either
-    reading is. Other pairs are read as they are: a number reference is compared
-    with the answer's last number, as GSM8K is graded (in math mode ``9**2`` would be
-    ``9``). Both sides are read with Unicode minus signs as ``-``, Markdown's bold markers
-    removed and numbers in scientific notation written out (math-verify reads ``3e8`` as
-    3)."""
+    drops the units it knows) and as it is, its LaTeX between the words in ``$...$``
+    (``0.5 cups``, ``$2\sqrt{3}$ cm``: math-verify finds the math in it, where in ``$...$``
+    each word is a product of symbols, and bare it reads LaTeX up to its first command),
+    and it is right when either reading is. Other pairs are read as they are: a number
+    reference is compared with the answer's last number, as GSM8K is graded (in math mode
+    ``9**2`` would be ``9``). Both sides are read as :func:`_plain` writes them."""
     from math_verify import parse, verify  # slow import, only when the reward is used
 
     gold, prediction = _plain(gold), _plain(prediction)
     latex = _latex(gold) or _latex(prediction) or _formula(gold)
 
     def readings(text: str) -> list[list]:
-        # in math mode wrapped in $...$ (a text with words only when short), and as it is
-        # when that finds nothing or the text has words (math-verify then finds its math)
+        # in math mode wrapped in $...$ (when short, or LaTeX without words), and as it is
+        # when that finds nothing or the text has words: its LaTeX between the words in
+        # $...$ (bare, math-verify reads LaTeX up to its first command: 2\sqrt{3} cm was 2)
         found, prose = [], _prose(text)
         if latex and "**" not in text and not DELIMITED.search(text) and (
-                not prose or len(text) <= WRAP_CHARS):
+                len(text) <= WRAP_CHARS or (_latex(text) and not prose)):
             math = parse("$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$",
                          parsing_timeout=MATH_VERIFY_TIMEOUT_S)
             if math and not prose:
                 return [math]
             found = [math] if math else []
-        bare = parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        bare = parse(_delimited(text) if prose and _latex(text) else text,
+                     parsing_timeout=MATH_VERIFY_TIMEOUT_S)
         return found + [bare] if bare else found
 
     golds = {} if golds is None else golds
@@ -149,6 +152,22 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
         return any(verify(g, p, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
                    for g in gold_readings for p in prediction_readings)
     return _as_text(gold) == _as_text(prediction)
+
+
+def _delimited(text: str) -> str:
+    """A LaTeX text with words, each stretch of mathematics between its words (those of
+    :func:`_prose`) put in ``$...$``: ``2\\sqrt{3} cm`` -> ``$2\\sqrt{3}$ cm``."""
+    commands = [m.span() for m in _COMMANDS.finditer(text)]
+    words = [m.span() for m in _PROSE_WORD.finditer(text) if m.group() not in _MATH_WORDS
+             and not any(start <= m.start() < end for start, end in commands)]
+    pieces, at = [], 0
+    for start, end in [*words, (len(text), len(text))]:
+        stretch = text[at:start]
+        math = stretch.strip(" ,;:.")
+        pieces += [stretch.replace(math, f"${math}$", 1) if re.search(r"[0-9\\]", math)
+                   else stretch, text[start:end]]
+        at = end
+    return "".join(pieces)
 
 
 def _as_text(text: str) -> str:

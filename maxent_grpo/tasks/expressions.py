@@ -158,16 +158,17 @@ def canonical_expression(expr: str) -> str | None:
 
 
 #: a number as answers write it, once ``$``, ``\$`` and thousands separators are dropped:
-#: an integer, a decimal or a fraction (``-886``, ``2.50``, ``1/2``)
-_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+|/[0-9]+)?")
+#: an integer, a decimal or a fraction (``-886``, ``2.50``, ``.5``, ``1/2``)
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]+|/[0-9]+)?|\.[0-9]+)")
 #: a thousands separator: a comma or a space before three digits (``3,717``, ``3 717``)
 _GROUPING = re.compile(r"(?<=[0-9])[, ](?=[0-9]{3}(?![0-9]))")
 
 
 def number_value(text: str, expressions: bool = True) -> Fraction | None:
     """The exact value of a number as answers write it (``-886``, ``−886``, ``-886.0``,
-    ``$-886$``, ``3,717``, ``1/2``) or, with ``expressions``, of an arithmetic expression
-    (as :func:`canonical_expression` reads one: ``59 - 63 * 15``), or None.
+    ``$-886$``, ``3,717``, ``1/2``, ``.5``, ``+5``) or, with ``expressions``, of an
+    arithmetic expression (as :func:`canonical_expression` reads one: ``59 - 63 * 15``),
+    or None.
 
     >>> number_value("$-886.0$"), number_value("3,717"), number_value("5 * 3 + 1")
     (Fraction(-886, 1), Fraction(3717, 1), Fraction(16, 1))
@@ -176,6 +177,8 @@ def number_value(text: str, expressions: bool = True) -> Fraction | None:
     """
     text = text.replace("\u2212", "-").replace("\\$", "").replace("$", "").strip().rstrip(".")
     text = _GROUPING.sub("", text)
+    if len(text) > MAX_EXPRESSION_CHARS:  # its key would not print (4300 digits at most)
+        return None
     try:
         if _NUMBER.fullmatch(text):
             return Fraction(text)

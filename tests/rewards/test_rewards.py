@@ -210,6 +210,12 @@ def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
         ("(1, 2).", "(1, 2)", 1.0), ("-2, 3.", "-2, 3", 1.0), (r"\frac{1}{2}.", "0.5", 1.0),
         ("[0, inf)", r"[0, \infty)", 1.0), ("inf", r"\infty", 1.0), ("2 ** 3", "8", 1.0),
         ("4", "4 L", 1.0),
+        # as written, a LaTeX text's math between its words is read in $...$: bare,
+        # math-verify stopped at the first command (2\sqrt{3} cm was 2, on both sides)
+        (r"2\sqrt{3} cm", "2", 0.0), (r"7 + \sqrt{2} cm", "7", 0.0), (r"3 or \sqrt{2}", "3", 0.0),
+        ("12", r"12\pi cubic inches", 0.0), ("2", r"2^{10} ways", 0.0),
+        (r"\$18 each", "18", 1.0), (r"\frac12 cup", r"\frac{1}{2}", 1.0),
+        ("The polynomial is x^2+1", "x^2+1", 1.0),
     ],
 )
 def test_accuracy_reads_formula_references_bold_roots_and_words(
