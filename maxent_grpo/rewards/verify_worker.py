@@ -140,8 +140,8 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
             if math and not prose:
                 return [math]
             found = [math] if math else []
-        bare = parse(_delimited(text) if prose and _latex(text) else text,
-                     parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        delimit = prose and _latex(text) and not DELIMITED.search(text)
+        bare = parse(_delimited(text) if delimit else text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
         return found + [bare] if bare else found
 
     golds = {} if golds is None else golds
@@ -163,7 +163,7 @@ def _delimited(text: str) -> str:
     pieces, at = [], 0
     for start, end in [*words, (len(text), len(text))]:
         stretch = text[at:start]
-        math = stretch.strip(" ,;:.")
+        math = stretch.strip(" \t\n,;:.")
         pieces += [stretch.replace(math, f"${math}$", 1) if re.search(r"[0-9\\]", math)
                    else stretch, text[start:end]]
         at = end

@@ -216,6 +216,11 @@ def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
         ("12", r"12\pi cubic inches", 0.0), ("2", r"2^{10} ways", 0.0),
         (r"\$18 each", "18", 1.0), (r"\frac12 cup", r"\frac{1}{2}", 1.0),
         ("The polynomial is x^2+1", "x^2+1", 1.0),
+        # a GSM8K reference is a worked solution: its last number counts, with a power or a
+        # dollar in it too (the power makes the pair LaTeX; the dollar, its own delimiter)
+        ("72", "She sold 3^2 = <<3^2=9>>9 boxes.\nShe paid $10 more.\n#### 72", 1.0),
+        ("9", "She sold 3^2 = <<3^2=9>>9 boxes.\nShe paid $10 more.\n#### 72", 0.0),
+        ("72", "The area is 3^2 = <<3^2=9>>9 square feet,\nso 8*9 = <<8*9=72>>72\n#### 72", 1.0),
     ],
 )
 def test_accuracy_reads_formula_references_bold_roots_and_words(
