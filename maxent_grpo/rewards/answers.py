@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from maxent_grpo.rewards.registry import register_reward
-from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal
+from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer
 from maxent_grpo.tasks.countdown import check_countdown
 from maxent_grpo.tasks.expressions import canonical_expression, number_value, split_equation
 
@@ -238,7 +238,9 @@ def accuracy_reward(
     ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree; when either side is LaTeX, both are read as
     math (:func:`~maxent_grpo.rewards.verify_worker.math_equal`), so ``2^{10}`` is 1024. When
     math-verify extracts nothing from either side (e.g. the reference is a word), the two
-    strings are compared exactly after collapsing runs of whitespace. A reference that is
+    strings are compared exactly after collapsing runs of whitespace. A worked solution
+    ending in ``#### 72`` (GSM8K's) is graded by what follows ``####``
+    (:func:`~maxent_grpo.rewards.verify_worker.reference_answer`). A reference that is
     ``None`` or blank gives ``None``. Each comparison may take
     :data:`~maxent_grpo.rewards.verify_worker.MATH_VERIFY_TIMEOUT_S` per parse and verify
     (then it is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
@@ -262,8 +264,7 @@ def accuracy_reward(
             return math_equal(gold, prediction, parsed_golds)
         return VERIFIER.equal(gold, prediction)
 
-    golds = [None if gold is None or not str(gold).strip() else str(gold).strip()
-             for gold in golds]
+    golds = [None if gold is None else reference_answer(str(gold)) for gold in golds]
     return _graded(completions, golds, right, answer_only=True)
 
 

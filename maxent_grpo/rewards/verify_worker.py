@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 
-__all__ = ["MATH_VERIFY_TIMEOUT_S", "VERIFIER", "Verifier", "math_equal", "serve"]
+__all__ = ["MATH_VERIFY_TIMEOUT_S", "VERIFIER", "Verifier", "math_equal", "reference_answer",
+           "serve"]
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Per-call time limit of math-verify's parse and verify. math-verify times out with
@@ -101,6 +102,23 @@ def _plain(text: str) -> str:
     text = _BOLD.sub(r"\1", _PERIOD.sub("", text.replace("\u2212", "-")))
     text = _ROOT.sub(r"\\sqrt{\1}", text)
     return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
+
+
+#: GSM8K's last line, ``#### 72``: what follows it is a worked solution's answer
+_FINAL_LINE = re.compile(r"####[ \t]*([^\n]*?)\s*$")
+
+
+def reference_answer(reference: str) -> str | None:
+    """A reference as the accuracy reward grades it: the text after a worked solution's last
+    line ``#### ...`` (GSM8K's), else the reference, stripped; None when that is blank.
+    math-verify reads a text's last number, except after the word "answer" (``Sam answered
+    20 questions ... #### 35`` was 20) and not ``####72``.
+
+    >>> reference_answer("48+24 = <<48+24=72>>72 clips.\\n####72"), reference_answer(" 5 ")
+    ('72', '5')
+    """
+    match = _FINAL_LINE.search(reference)
+    return (match[1] if match else reference).strip() or None
 
 
 def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:

@@ -229,6 +229,24 @@ def test_accuracy_reads_formula_references_bold_roots_and_words(
         expected], prediction
 
 
+@pytest.mark.parametrize(("reference", "final"), [
+    ("Sam answered 20 questions first, then 15.\nIn all 20+15 = <<20+15=35>>35.\n#### 35", "35"),
+    ("She got 80% of the answers right: 50*0.8 = <<50*0.8=40>>40\n#### 40", "40"),
+    ("So the answer is 12+13 = <<12+13=25>>25\n#### 25", "25"),
+    ("48+24 = <<48+24=72>>72 in all, then 3 were given away.\n####69", "69"),
+    ("So the answer is 5^2 = <<5^2=25>>25\r\n#### 25\r\n", "25"),
+    ("She sold 48/2 = <<48/2=24>>24 clips.\n#### ", None),
+])
+def test_accuracy_grades_a_worked_solution_by_its_final_line(reference: str,
+                                                              final: str | None) -> None:
+    """math-verify reads a text's last number except after the word "answer" (the first
+    number after it) and not ``####69``: a right answer scored 0 and a wrong one 1."""
+    numbers = ["35", "20", "40", "0", "25", "12", "69", "3", "24"]
+    scores = accuracy_reward(["q"] * len(numbers), [f"<answer>{n}</answer>" for n in numbers],
+                             answer=[reference] * len(numbers))
+    assert scores == [None if final is None else float(n == final) for n in numbers]
+
+
 def test_accuracy_grades_a_list_of_guesses_as_its_last_guess() -> None:
     """A list of guesses is not an exploit: only its last number is read, so it scores
     exactly when that number alone would (a grader reading "any of" would pay for lists)."""
