@@ -20,11 +20,8 @@ from __future__ import annotations
 from maxent_grpo.rewards.answers import (
     accuracy_reward,
     completion_text,
-    countdown_reward,
-    digit_pair_reward,
     extract_answer,
     first_number_reward,
-    in_set_reward,
     last_boxed,
 )
 from maxent_grpo.rewards.combine import (
@@ -38,6 +35,7 @@ from maxent_grpo.rewards.options import RewardOptions, parse_reward_options
 from maxent_grpo.rewards.registry import REWARDS, get_reward, list_rewards, register_reward
 from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.shaping import answer_format_reward, format_reward, tag_count_reward
+from maxent_grpo.rewards.task_rewards import countdown_reward, digit_pair_reward, in_set_reward
 from maxent_grpo.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [

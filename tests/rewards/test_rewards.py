@@ -664,12 +664,8 @@ def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():
     canonical answers kept them as written: an ordered digit pair the reward called right
     was missing from the row's valid answers and the evaluation stopped at the end of a
     validation epoch. ``−`` (U+2212) was not read as a minus: ``−8`` was a right ``8``."""
-    from maxent_grpo.rewards.answers import (
-        canonical_answer,
-        digit_pair_reward,
-        first_number_reward,
-        sample_answer,
-    )
+    from maxent_grpo.rewards.answers import canonical_answer, first_number_reward, sample_answer
+    from maxent_grpo.rewards.task_rewards import digit_pair_reward
     from maxent_grpo.tasks import build_task
     from maxent_grpo.training.run.evaluation import PromptRecord, evaluation_metrics
 
@@ -694,7 +690,7 @@ def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():
 def test_integer_references_are_read_strictly() -> None:
     """``digit_pair`` truncated a 9.5 target to 9, and ``first_number`` read ``"٣"`` and
     ``"1_000"`` as integers that no completion (read in ASCII digits) could give."""
-    from maxent_grpo.rewards.answers import digit_pair_reward, first_number_reward
+    from maxent_grpo.rewards import digit_pair_reward, first_number_reward
 
     assert digit_pair_reward(["q"] * 3, ["4 + 5"] * 3, target=[9, 9.0, " 9"]) == [1.0] * 3
     with pytest.raises(ValueError, match=r"digit_pair: the target given with completion 0 .* "

@@ -38,9 +38,9 @@ from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.answers import (
     canonical_answer,
     compared_answer,
-    json_cell,
     sample_answer,
 )
+from maxent_grpo.rewards.task_rewards import json_cell
 from maxent_grpo.rollout import (
     RolloutEngine,
     SamplingSettings,
