@@ -47,16 +47,41 @@ def answer_blocks(text: str) -> list[str]:
     return blocks
 
 
-#: an integer as answers write it: ASCII digits (``int`` would read other scripts' digits,
-#: which the canonical answers do not), after ``-`` or the minus sign ``−``
-INTEGER = re.compile(r"[-−]?[0-9]+")
+#: a number as bare answers write it: ASCII digits (``int`` would read other scripts'
+#: digits, which the canonical answers do not) after ``-`` or the minus sign ``−``, with
+#: its thousands grouped or not, a decimal or a fraction (``8``, ``1,665``, ``8.5``, ``8/3``)
+NUMBER = re.compile(r"[-−]?[0-9]+(?:,[0-9]{3})*(?![0-9])(?:\.[0-9]+)?(?:/[0-9]+)?")
+
+
+def first_integer(text: str) -> int | None:
+    """The first number of ``text`` (:data:`NUMBER`) when it is whole (``8``, ``1,665``,
+    ``8.0``), else None (``8.5``, ``8/3``, none, or too long to read: a model repeating a
+    digit): the integer answer of a bare prompt.
+
+    >>> first_integer(" 1,665 apples"), first_integer(" 8.5"), first_integer(" 07, 11")
+    (1665, None, 7)
+    """
+    key = _first_number(text)
+    return None if key is None else parse_int(key)
+
+
+def _first_number(text: str) -> str | None:
+    """The first number of ``text`` written as an integer when it is whole (any length:
+    ``-007`` is ``-7``), else None."""
+    match = NUMBER.search(text)
+    if match is None:
+        return None
+    number = match.group().replace("−", "-").replace(",", "")
+    if not re.fullmatch(r"-?[0-9]+", number):  # a decimal or a fraction: whole, or none
+        value = number_value(number, False)
+        return None if value is None or value.denominator != 1 else str(value)
+    digits = number.lstrip("-").lstrip("0")  # str(int(number)), for any length
+    return ("-" if number.startswith("-") and digits else "") + (digits or "0")
 
 
 def parse_int(text: str) -> int | None:
-    """``int(text)`` for an :data:`INTEGER` match, None when it has more digits (leading
-    zeros aside) than ``int`` converts (4300 by default: a model repeating a digit writes
-    them)."""
-    text = text.replace("−", "-")
+    """``int(text)`` for an integer's text, None when it has more digits (leading zeros
+    aside) than ``int`` converts (4300 by default: a model repeating a digit writes them)."""
     digits = text.lstrip("-").lstrip("0") or "0"  # int counts leading zeros too
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     if limit and len(digits) > limit:
@@ -89,6 +114,29 @@ def prompt_opens_think(prompt: object) -> bool:
     return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
 
 
+def final_text(text: str, opens_think: bool = False) -> str | None:
+    """The part of a completion that gives its answer: the text after its last
+    ``</think>``; None while a reasoning block is still open (opened by the completion, or by
+    the prompt: ``opens_think``, :func:`prompt_opens_think`), the model cut off thinking;
+    else the whole text. A reasoning model's scratch work is not its answer.
+
+    >>> final_text("<think>is it <answer>8</answer>? no</think> <answer>7</answer>")
+    ' <answer>7</answer>'
+    >>> final_text("3+4, \\\\boxed{7} maybe", opens_think=True) is None
+    True
+    """
+    if "</think>" in text:
+        return text.rsplit("</think>", 1)[1]
+    return None if opens_think or "<think>" in text else text
+
+
+def opens_think(prompts: list, rendered_prompts: list | None) -> list[bool]:
+    """Per completion, whether the text the model continued opened a reasoning block: the
+    trainer's ``rendered_prompts``, else the prompts (a plain-string prompt is that text)."""
+    return [prompt_opens_think(p) for p in (prompts if rendered_prompts is None
+                                            else rendered_prompts)]
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` whose braces balance, or None.
 
@@ -108,11 +156,12 @@ def last_boxed(text: str) -> str | None:
     return None if found is None else text[found[0] : found[1]]
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, opens_think: bool = False) -> str | None:
     """The final answer of a completion, stripped, or None when it gives none.
 
-    The content of the last ``<answer>...</answer>`` block wins; otherwise the content of
-    the last balanced ``\\boxed{...}``. A ``\\boxed{...}`` inside the chosen answer block is
+    Read in its :func:`final_text` (after its reasoning; None while that is open): the
+    content of the last ``<answer>...</answer>`` block wins; otherwise the content of the
+    last balanced ``\\boxed{...}``. A ``\\boxed{...}`` inside the chosen answer block is
     unwrapped.
 
     >>> extract_answer("<think>2+2</think><answer> \\\\boxed{4} </answer>")
@@ -120,6 +169,9 @@ def extract_answer(text: str) -> str | None:
     >>> extract_answer("no final answer") is None
     True
     """
+    text = final_text(text, opens_think)
+    if text is None:
+        return None
     blocks = answer_blocks(text)
     if blocks:
         answer = blocks[-1]
@@ -142,14 +194,16 @@ def require_column(reward: str, name: str, values: list | None, n: int) -> list:
     return list(values)
 
 
-def sample_answer(completion: str | list[dict]) -> str | None:
-    """The answer of one sample: :func:`extract_answer`, else the stripped completion
-    (``None`` when that is empty).
+def sample_answer(completion: str | list[dict], opens_think: bool = False) -> str | None:
+    """The answer of one sample: :func:`extract_answer`, else the stripped
+    :func:`final_text` (``None`` when that is empty, or the reasoning is still open).
 
     >>> sample_answer("<answer> 8 </answer>"), sample_answer(" 8 because "), sample_answer(" ")
     ('8', '8 because', None)
     """
-    text = completion_text(completion)
+    text = final_text(completion_text(completion), opens_think)
+    if text is None:
+        return None
     answer = extract_answer(text)
     return (text.strip() if answer is None else answer) or None
 
@@ -198,16 +252,12 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     if form == "ordered":
         return None if answer is None else ("".join(answer.split()) or None)
     if form == "first_number":
-        match = None if answer is None else INTEGER.search(answer)
-        if match is None:
-            return None
-        text = match.group().replace("−", "-")
-        digits = text.lstrip("-").lstrip("0")  # str(int(text)), for any length
-        return ("-" if text.startswith("-") and digits else "") + (digits or "0")
+        return None if answer is None else _first_number(answer)
     raise ValueError(f"answer_form must be one of {ANSWER_FORMS}; got {form!r}")
 
 
-def answer_key(completion: str | list[dict], form: str | None = None) -> str | None:
+def answer_key(completion: str | list[dict], form: str | None = None,
+               opens_think: bool = False) -> str | None:
     """A sample's answer as the answer statistics and the answer-level objectives compare
     them: :func:`canonical_answer` of :func:`sample_answer`, else (not an expression) the
     answer with whitespace collapsed; ``None``: no answer.
@@ -215,7 +265,16 @@ def answer_key(completion: str | list[dict], form: str | None = None) -> str | N
     >>> answer_key("4 + 5") == answer_key(" 5+4"), answer_key(" 8 "), answer_key("  ")
     (True, '8', None)
     """
-    return compared_answer(sample_answer(completion), form)
+    return compared_answer(sample_answer(completion, opens_think), form)
+
+
+def answer_keys(completions: list, prompts: list, forms: list | None, group: int
+                ) -> list[str | None]:
+    """:func:`answer_key` of each of the ``len(prompts) * group`` completions (``group`` a
+    prompt), under its prompt's ``answer_form`` (``forms``; None: the default) and reasoning
+    (:func:`prompt_opens_think`: the prompts as the model continued them)."""
+    return [answer_key(c, forms[i // group] if forms else None,
+                       prompt_opens_think(prompts[i // group])) for i, c in enumerate(completions)]
 
 
 def compared_answer(answer: str | None, form: str | None = None) -> str | None:
@@ -263,15 +322,17 @@ def accuracy_reward(
         return VERIFIER.equal(gold, prediction)
 
     golds = [None if gold is None else reference_answer(str(gold)) for gold in golds]
-    return _graded(completions, golds, right, answer_only=True)
+    return _graded(completions, golds, right, opens_think(prompts, kwargs.get("rendered_prompts")),
+                   answer_only=True)
 
 
 @register_reward("first_number")
 def first_number_reward(
     prompts: list, completions: list, answer: list | None = None, **kwargs: object,
 ) -> list[float | None]:
-    """1.0 when the first integer in the completion equals the integer ``answer``, else
-    0.0 (no tags needed: for bare prompts such as ``"3 + 5 ="``). A reference that is
+    """1.0 when the first number of the completion (after its reasoning, :func:`final_text`)
+    is the integer ``answer``, else 0.0 (no tags needed: for bare prompts such as
+    ``"3 + 5 ="``; ``8.5`` is not ``8``, ``1,665`` is ``1665``). A reference that is
     ``None`` or blank gives ``None``; a reference that is not an integer raises.
 
     >>> first_number_reward(["3 + 5 ="], [" 8 because 3+5"], answer=["8"])
@@ -280,14 +341,15 @@ def first_number_reward(
     [0.0]
     """
     golds = require_column("first_number", "answer", answer, len(completions))
+    opens = opens_think(prompts, kwargs.get("rendered_prompts"))
     scores: list[float | None] = []
     for row, (completion, gold) in enumerate(zip(completions, golds, strict=True)):
         if gold is None or not str(gold).strip():
             scores.append(None)
             continue
         target = _integer("first_number", "answer", gold, row)
-        match = INTEGER.search(completion_text(completion))
-        scores.append(1.0 if match is not None and parse_int(match.group()) == target else 0.0)
+        text = final_text(completion_text(completion), opens[row])
+        scores.append(1.0 if text is not None and first_integer(text) == target else 0.0)
     return scores
 
 
@@ -306,18 +368,19 @@ def _integer(reward: str, column: str, value: Any, row: int) -> int:
 
 
 def _graded(completions: list, references: list, right: Callable[[str, Any], bool],
-            answer_only: bool = False) -> list[float | None]:
+            opens: list[bool], answer_only: bool = False) -> list[float | None]:
     """Per row ``1.0 if right(answer, reference) else 0.0``, the answer being the final
-    answer (:func:`extract_answer`) when there is one, else the whole completion (with
-    ``answer_only``: 0.0); ``None`` where the reference is ``None``."""
+    answer (:func:`extract_answer`) when there is one, else the :func:`final_text` (with
+    ``answer_only``: 0.0; 0.0 too while the reasoning is open, ``opens``: the prompt opened
+    it); ``None`` where the reference is ``None``."""
     scores: list[float | None] = []
-    for completion, reference in zip(completions, references, strict=True):
+    for completion, reference, opened in zip(completions, references, opens, strict=True):
         if reference is None:
             scores.append(None)
             continue
-        text = completion_text(completion)
-        answer = extract_answer(text)
-        if answer is None and answer_only:
+        text = final_text(completion_text(completion), opened)
+        answer = None if text is None else extract_answer(text)
+        if text is None or (answer is None and answer_only):
             scores.append(0.0)
             continue
         scores.append(1.0 if right(text if answer is None else answer, reference) else 0.0)

@@ -13,10 +13,10 @@ import re
 from typing import Any
 
 from maxent_grpo.rewards.answers import (
-    INTEGER,
     _graded,
     _integer,
-    parse_int,
+    first_integer,
+    opens_think,
     require_column,
 )
 from maxent_grpo.rewards.registry import register_reward
@@ -52,7 +52,8 @@ def countdown_reward(
     references = [None if row_numbers is None or row_target is None
                   else _countdown_reference(row_numbers, row_target, row)
                   for row, (row_numbers, row_target) in enumerate(rows)]
-    return _graded(completions, references, right, answer_only=True)
+    return _graded(completions, references, right,
+                   opens_think(prompts, kwargs.get("rendered_prompts")), answer_only=True)
 
 
 def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int], int]:
@@ -98,14 +99,15 @@ def digit_pair_reward(
     targets = [None if value is None else _integer("digit_pair", "target", value, row)
                for row, value in enumerate(require_column("digit_pair", "target", target,
                                                           len(completions)))]
-    return _graded(completions, targets, right)
+    return _graded(completions, targets, right,
+                   opens_think(prompts, kwargs.get("rendered_prompts")))
 
 
 @register_reward("in_set")
 def in_set_reward(
     prompts: list, completions: list, valid_answers: list | None = None, **kwargs: object,
 ) -> list[float | None]:
-    """1.0 when the first integer of the answer is one of the row's ``valid_answers``
+    """1.0 when the first number of the answer is a whole one of the row's ``valid_answers``
     (integers written as strings; the ``number_sets`` and ``divisors`` tasks), else 0.0.
     The answer is the ``<answer>`` block when there is one, else the whole completion.
     ``valid_answers`` of ``None`` gives ``None``.
@@ -116,12 +118,11 @@ def in_set_reward(
     [0.0]
     """
     def right(answer: str, valid: set[int]) -> bool:
-        match = INTEGER.search(answer)
-        return match is not None and parse_int(match.group()) in valid
+        return first_integer(answer) in valid
 
     sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
     sets = [None if m is None else _valid_set(m, row) for row, m in enumerate(sets)]
-    return _graded(completions, sets, right)
+    return _graded(completions, sets, right, opens_think(prompts, kwargs.get("rendered_prompts")))
 
 
 def _valid_set(members: Any, row: int) -> set[int]:

@@ -899,3 +899,29 @@ def test_a_reward_that_timed_out_logs_nothing_into_a_later_step():
     assert total.tolist() == [0.0]  # the fallback
     time.sleep(0.8)  # the function has logged by now
     assert rewards.take_logged() == []
+
+
+def test_a_reasoning_models_answer_is_read_after_its_reasoning():
+    """The last <answer> block or box anywhere won, the think block's scratch work too: a
+    right final answer scored 0, a wrong one 1, and a completion cut off while thinking (the
+    chat template opened <think>) scored its passing guess; the answer statistics alike."""
+    from maxent_grpo.rewards import first_number_reward, in_set_reward
+    from maxent_grpo.rewards.answers import answer_key, answer_keys, extract_answer
+
+    mused = "Format: <answer>8</answer>? No, 3+4=7.\n</think>\n\n\\boxed{7}"
+    wrong = "Is it \\boxed{7}? No, I'm sure it's 8.\n</think>\n\nThe answer is \\boxed{8}."
+    cut = "Let me see, 3+4... \\boxed{7} would be my first guess, but let me count: 3, 4"
+    opened = "<|im_start|>assistant\n<think>\n"
+    assert accuracy_reward(["q"] * 3, [mused, wrong, cut], answer=["7"] * 3,
+                           rendered_prompts=[opened] * 3) == [1.0, 0.0, 0.0]
+    # without a prompt that opens it, a completion's own unclosed <think> is reasoning too
+    assert accuracy_reward(["q"] * 2, ["<think>" + cut, cut], answer=["7"] * 2) == [0.0, 1.0]
+    assert [answer_key(c) for c in (mused, wrong)] == ["7", "8"]
+    assert answer_keys([mused, cut], [opened, "q"], None, 1) == ["7", "7"]
+    assert answer_keys([cut], [opened], None, 1) == [None]
+    assert extract_answer(cut, opens_think=True) is None
+    # the bare rewards read the first number after the reasoning, and a whole one only
+    assert first_number_reward(["q"] * 5, ["<think>8?</think> 7", " 8.5", " 8/3", " 1,665", " 8."],
+                               answer=["7", "8", "8", "1665", "8"]) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert in_set_reward(["q"] * 2, [" 4.5", " 4, or 9"], valid_answers=[["4", "9"]] * 2) == [
+        0.0, 1.0]

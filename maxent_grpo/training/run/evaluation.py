@@ -38,6 +38,7 @@ from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.answers import (
     canonical_answer,
     compared_answer,
+    prompt_opens_think,
     sample_answer,
 )
 from maxent_grpo.rewards.task_rewards import json_cell
@@ -166,7 +167,8 @@ def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total
         "row": batch["indices"][b], "sample": j, "prompt": batch["raw_prompts"][b],
         "answer": batch["answers"][b], key: completion,
         "rewards": {name: value(v) for name, v in zip(names, components, strict=True)},
-        "reward": value(total), "parsed_answer": sample_answer(completion),
+        "reward": value(total),
+        "parsed_answer": sample_answer(completion, prompt_opens_think(batch["prompts"][b])),
         "correct": bool(correct), **({"task": task} if task is not None else {}),
     }
 
@@ -240,7 +242,8 @@ class Evaluator(torch.nn.Module):
                 valid = valid or None
             self.records.append(PromptRecord(
                 correct=tuple(correct[b * n:(b + 1) * n]),
-                answers=tuple(sample_answer(c) for c in completions[b * n:(b + 1) * n]),
+                answers=tuple(sample_answer(c, prompt_opens_think(prompts[b]))
+                              for c in completions[b * n:(b + 1) * n]),
                 valid_answers=valid,
                 task=None if task is None else str(task),
                 greedy_correct=greedy_correct[b],

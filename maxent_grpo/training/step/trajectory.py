@@ -36,7 +36,7 @@ from torch import Tensor
 
 from maxent_grpo.core import answer_classes, distinct_candidates, droppable_groups
 from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
-from maxent_grpo.rewards.answers import answer_key
+from maxent_grpo.rewards.answers import answer_keys
 from maxent_grpo.rewards.combine import TrainerState
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
@@ -313,8 +313,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
                 "them all out of the loss: they teach nothing (train/tokens/truncated_frac); "
                 "raise model.max_completion_length", stacklevel=1)
     lengths = loss_mask.sum(-1).view(B, G).to(rewards.dtype)
-    forms = batch["columns"].get("answer_form") or [None] * B
-    keys = [answer_key(c, forms[i // G]) for i, c in enumerate(rollout.reward_completions())]
+    keys = answer_keys(rollout.reward_completions(), rollout.batch.prompts,
+                       batch["columns"].get("answer_form"), G)
 
     # the groups that take part; a rank that keeps none scores its first group at weight 0
     keep = torch.ones(B, dtype=torch.bool, device=rewards.device)
