@@ -4,9 +4,11 @@ penalty ``overlong``.
 Reasoning models' chat templates often end the prompt with ``<think>`` so the completion
 starts inside the reasoning block. Here, when the text the model continued ends with
 ``<think>`` (trailing whitespace aside), the completion is read as if it began with
-``<think>``: the trainer gives it as ``rendered_prompts`` (the prompt after the chat
-template); called without it, a plain-string prompt is that text, and conversational
-prompts (lists of messages) never open the block.
+``<think>``, and when it ends with a whole block (``<think>\\n\\n</think>``, a template's
+no-thinking mode), as if it began with that block: the trainer gives it as
+``rendered_prompts`` (the prompt after the chat template); called without it, a
+plain-string prompt is that text, and conversational prompts (lists of messages) never
+open the block.
 """
 
 from __future__ import annotations
@@ -32,10 +34,17 @@ def _texts(prompts: list, completions: list, rendered: list | None = None) -> li
             f"{len(completions)}"
         )
     rendered = prompts if rendered is None else rendered
-    return [
-        ("<think>" if prompt_opens_think(r) else "") + completion_text(c)
-        for r, c in zip(rendered, completions, strict=True)
-    ]
+    return [_opened(r) + completion_text(c) for r, c in zip(rendered, completions, strict=True)]
+
+
+def _opened(prompt: object) -> str:
+    """What the prompt began of the layout: ``<think>`` when it opens the block, its whole
+    trailing block when it closes one (a template's ``<think>\\n\\n</think>``: no thinking)."""
+    if prompt_opens_think(prompt):
+        return "<think>"
+    text = prompt.rstrip() if isinstance(prompt, str) else ""
+    closed = text.endswith("</think>") and "<think>" in text
+    return text[text.rindex("<think>"):] if closed else ""
 
 
 @register_reward("format")

@@ -58,11 +58,17 @@ def countdown_reward(
 
 def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int], int]:
     """A row's ``(numbers, target)``, read from text as a CSV cell holds them (``"[1, 2]"``,
-    ``"9"``), checked for every row before any is graded (a bad one raised only when a
-    completion had an answer to check)."""
-    numbers = json_cell(numbers)
-    if isinstance(target, str) and re.fullmatch(r"[+-]?[0-9]+", target.strip()):
-        target = int(target)
+    ``"9"``) and from integral floats as pandas writes a column with blanks (``16.0``),
+    checked for every row before any is graded (a bad one raised only when a completion had
+    an answer to check)."""
+    def whole(value: Any) -> Any:  # an int, an integral float or its text (a CSV cell)
+        with contextlib.suppress(ValueError):
+            return _integer("countdown", "target", value, row)
+        return value
+
+    numbers, target = json_cell(numbers), whole(target)
+    if isinstance(numbers, (list, tuple)):
+        numbers = [whole(x) for x in numbers]
     if (isinstance(target, bool) or not isinstance(target, int)
             or not isinstance(numbers, (list, tuple))
             or any(isinstance(x, bool) or not isinstance(x, int) for x in numbers)):

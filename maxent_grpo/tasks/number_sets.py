@@ -72,7 +72,8 @@ def number_sets(num_rows: int, seed: int, *, sets: list[str] | None = None) -> l
     return rows
 
 
-#: the numbers ``divisors`` asks about: 24 to 96, each with 6 to 10 proper divisors
+#: the numbers ``divisors`` asks about: 24 to 96, each with 6 to 10 proper divisors (all
+#: even: ``2`` is right on every row, an answer a collapsing policy finds)
 DIVISOR_NUMBERS = (24, 30, 36, 40, 48, 60, 72, 84, 90, 96)
 
 

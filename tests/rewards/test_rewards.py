@@ -925,3 +925,27 @@ def test_a_reasoning_models_answer_is_read_after_its_reasoning():
                                answer=["7", "8", "8", "1665", "8"]) == [1.0, 0.0, 0.0, 1.0, 1.0]
     assert in_set_reward(["q"] * 2, [" 4.5", " 4, or 9"], valid_answers=[["4", "9"]] * 2) == [
         0.0, 1.0]
+
+
+def test_a_template_that_closes_the_reasoning_block_leaves_the_layout_reachable():
+    """A no-thinking template ends the prompt with ``<think>\\n\\n</think>``: ``format`` gave
+    0.0 and ``tag_count`` 0.5 to every completion, whatever it wrote."""
+    from maxent_grpo.rewards import format_reward, tag_count_reward
+
+    closed = ["<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+    assert format_reward(["q"], ["<answer>7</answer>"], rendered_prompts=closed) == [1.0]
+    assert tag_count_reward(["q"], ["<answer>7</answer>"], rendered_prompts=closed) == [1.0]
+    assert format_reward(["q"], ["<think>x</think><answer>7</answer>"],
+                         rendered_prompts=closed) == [0.0]  # a second block breaks it
+    assert format_reward(["q"], ["<answer>7</answer>"], rendered_prompts=["plain"]) == [0.0]
+
+
+def test_countdown_reads_integral_floats_as_the_other_rewards_do():
+    """pandas writes an integer column with blanks as floats (16.0): countdown refused the
+    row where digit_pair and first_number read it."""
+    from maxent_grpo.rewards import countdown_reward
+
+    assert countdown_reward(["q"] * 2, ["<answer>(3 + 5) * 2</answer>"] * 2,
+                            numbers=[[2.0, 3, 5], "[2, 3, 5]"], target=[16.0, "16"]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="must be a list of ints and an int"):
+        countdown_reward(["q"], ["<answer>1</answer>"], numbers=[[2, 3, 5]], target=[16.5])
