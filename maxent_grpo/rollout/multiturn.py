@@ -74,7 +74,7 @@ from maxent_grpo.validation import UserCodeError, check_int, check_seconds, requ
 __all__ = ["MultiTurnEngine", "environment_factory", "message_segment"]
 
 _MARK = "\x00assistant-turn\x00"  # stands for the model's turn when the template is diffed
-_BASE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+_QUESTION = {"role": "user", "content": "?"}  # the turn before the model's, when diffed
 
 
 def message_segment(tokenizer: Any, messages: list[dict[str, str]],
@@ -92,15 +92,21 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     import jinja2  # transformers' chat templates are jinja2's
 
     extra = {"tools": tools} if tools else {}
-    try:
-        before = tokenizer.apply_chat_template(_BASE, tokenize=False, **extra)
-        after = tokenizer.apply_chat_template(_BASE + messages, tokenize=False,
-                                              add_generation_prompt=True, **extra)
-    except jinja2.exceptions.TemplateError as err:  # e.g. no "tool" role, strict turns
-        raise ValueError(
-            "multi-turn rollouts need a chat template that takes the roles "
-            f"{[m.get('role') for m in messages]} after the model's turn; this tokenizer's "
-            f"refuses them ({type(err).__name__}: {err})") from err
+    # a reasoning template (Qwen3's) gives a last turn without reasoning an empty block that
+    # it drops once the turn is not last: a turn with reasoning, as the model writes, too
+    for turn in (_MARK, "<think>\n.\n</think>\n\n" + _MARK):
+        base = [_QUESTION, {"role": "assistant", "content": turn}]
+        try:
+            before = tokenizer.apply_chat_template(base, tokenize=False, **extra)
+            after = tokenizer.apply_chat_template(base + messages, tokenize=False,
+                                                  add_generation_prompt=True, **extra)
+        except jinja2.exceptions.TemplateError as err:  # e.g. no "tool" role, strict turns
+            raise ValueError(
+                "multi-turn rollouts need a chat template that takes the roles "
+                f"{[m.get('role') for m in messages]} after the model's turn; this "
+                f"tokenizer's refuses them ({type(err).__name__}: {err})") from err
+        if _MARK in before and after.startswith(before):
+            break
     require(_MARK in before and after.startswith(before),
             "multi-turn rollouts need a chat template that renders a conversation by "
             "appending each message; this tokenizer's template rewrites earlier turns")

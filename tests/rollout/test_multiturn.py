@@ -427,3 +427,36 @@ def test_a_turn_that_ends_on_the_models_end_of_turn_is_not_closed_twice():
     assert message_segment(tokenizer, tool).startswith("<|im_end|>")  # closed twice
     assert message_segment(tokenizer, tool, stops=["<|im_end|>"]).startswith(
         "\n<|im_start|>user\n<tool_response>\n42")
+
+
+def test_a_reasoning_template_that_drops_an_empty_block_takes_tool_turns():
+    """Qwen3's template gives a last assistant turn without reasoning an empty think block,
+    dropped once the turn is not last: the probe's turn (no reasoning) read that as
+    rewriting earlier turns and tools were refused, though a real turn (with reasoning)
+    appends. A template that really rewrites (drops reasoning) is still refused."""
+
+    class Reasoning:
+        eos_token = "<|im_end|>"
+
+        def __init__(self, keeps_reasoning: bool = True) -> None:
+            self.keeps = keeps_reasoning
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False,
+                                **kwargs):
+            out = ""
+            for i, m in enumerate(messages):
+                content = m["content"]
+                if m["role"] == "assistant":
+                    last = i == len(messages) - 1
+                    if "</think>" not in content and last:
+                        content = "<think>\n\n</think>\n\n" + content
+                    if not self.keeps and not last:
+                        content = content.split("</think>")[-1].lstrip()
+                out += f"<|im_start|>{m['role']}\n{content}<|im_end|>\n"
+            return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    tool = [{"role": "tool", "content": "7"}]
+    assert message_segment(Reasoning(), tool) == (
+        "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="rewrites earlier turns"):
+        message_segment(Reasoning(keeps_reasoning=False), tool)
