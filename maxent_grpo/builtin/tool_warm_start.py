@@ -185,7 +185,8 @@ def measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, promp
     key = "expression" if tool == "calculate" else "code"
     right = [bool(c) and c[0].arguments.get(key) == (e if tool == "calculate" else f"print({e})")
              for c, e in zip(firsts, expressions, strict=True)]
-    correct = first_number_reward(rendered, out.reward_completions(),
+    correct = first_number_reward([p for p in rendered for _ in range(samples)],
+                                  out.reward_completions(),
                                   answer=[r["answer"] for r in rows for _ in range(samples)])
     n = len(right)
     return {"call_rate": float((out.tools.calls > 0).float().mean()),

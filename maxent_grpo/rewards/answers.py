@@ -49,8 +49,9 @@ def answer_blocks(text: str) -> list[str]:
 
 #: a number as bare answers write it: ASCII digits (``int`` would read other scripts'
 #: digits, which the canonical answers do not) after ``-`` or the minus sign ``−``, with
-#: its thousands grouped or not, a decimal or a fraction (``8``, ``1,665``, ``8.5``, ``8/3``)
-NUMBER = re.compile(r"[-−]?[0-9]+(?:,[0-9]{3})*(?![0-9])(?:\.[0-9]+)?(?:/[0-9]+)?")
+#: its thousands grouped or not, a decimal or a fraction, read by its value (``8``, ``1,665``,
+#: ``8.5``, ``.5``, ``8/3``; ``16/2`` is 8)
+NUMBER = re.compile(r"[-−]?(?:[0-9]+(?:,[0-9]{3})*(?![0-9])(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
 
 
 def first_integer(text: str) -> int | None:
@@ -116,9 +117,10 @@ def prompt_opens_think(prompt: object) -> bool:
 
 def final_text(text: str, opens_think: bool = False) -> str | None:
     """The part of a completion that gives its answer: the text after its last
-    ``</think>``; None while a reasoning block is still open (opened by the completion, or by
-    the prompt: ``opens_think``, :func:`prompt_opens_think`), the model cut off thinking;
-    else the whole text. A reasoning model's scratch work is not its answer.
+    ``</think>``; None while a reasoning block is still open (opened by the completion, again
+    after its last ``</think>``, or by the prompt: ``opens_think``,
+    :func:`prompt_opens_think`), the model cut off thinking; else the whole text. A
+    reasoning model's scratch work is not its answer.
 
     >>> final_text("<think>is it <answer>8</answer>? no</think> <answer>7</answer>")
     ' <answer>7</answer>'
@@ -126,8 +128,10 @@ def final_text(text: str, opens_think: bool = False) -> str | None:
     True
     """
     if "</think>" in text:
-        return text.rsplit("</think>", 1)[1]
-    return None if opens_think or "<think>" in text else text
+        text = text.rsplit("</think>", 1)[1]
+    elif opens_think:
+        return None
+    return None if "<think>" in text else text  # opened (again) and never closed
 
 
 def opens_think(prompts: list, rendered_prompts: list | None) -> list[bool]:

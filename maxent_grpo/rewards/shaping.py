@@ -5,10 +5,10 @@ Reasoning models' chat templates often end the prompt with ``<think>`` so the co
 starts inside the reasoning block. Here, when the text the model continued ends with
 ``<think>`` (trailing whitespace aside), the completion is read as if it began with
 ``<think>``, and when it ends with a whole block (``<think>\\n\\n</think>``, a template's
-no-thinking mode), as if it began with that block: the trainer gives it as
-``rendered_prompts`` (the prompt after the chat template); called without it, a
-plain-string prompt is that text, and conversational prompts (lists of messages) never
-open the block.
+no-thinking mode), as if it began with that block or as written, the higher score: the
+trainer gives it as ``rendered_prompts`` (the prompt after the chat template); called
+without it, a plain-string prompt is that text, and conversational prompts (lists of
+messages) never open the block.
 """
 
 from __future__ import annotations
@@ -27,14 +27,19 @@ _LAYOUT = re.compile(rf"\s*<think>{_PLAIN}</think>\s*<answer>{_PLAIN}</answer>\s
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def _texts(prompts: list, completions: list, rendered: list | None = None) -> list[str]:
+def _texts(prompts: list, completions: list, rendered: list | None = None
+           ) -> list[tuple[str, ...]]:
+    """Per completion the readings of its layout (:func:`_opened`): with the prompt's closed
+    block before it, and as written (a model may write its own block after it)."""
     if len(prompts) != len(completions):
         raise ValueError(
             f"prompts and completions must have the same length; got {len(prompts)} and "
             f"{len(completions)}"
         )
     rendered = prompts if rendered is None else rendered
-    return [_opened(r) + completion_text(c) for r, c in zip(rendered, completions, strict=True)]
+    return [tuple(dict.fromkeys((_opened(r) + completion_text(c), completion_text(c))))
+            if _opened(r).endswith("</think>") else (_opened(r) + completion_text(c),)
+            for r, c in zip(rendered, completions, strict=True)]
 
 
 def _opened(prompt: object) -> str:
@@ -59,12 +64,12 @@ def format_reward(prompts: list, completions: list, rendered_prompts: list | Non
     >>> format_reward(["Q"], ["<answer>7</answer> because 3+4=7"])
     [0.0]
     """
-    scores = []
-    for text in _texts(prompts, completions, rendered_prompts):
+    def layout(text: str) -> bool:
         match = _LAYOUT.fullmatch(text)
-        ok = match is not None and match.group(2).strip() != ""
-        scores.append(1.0 if ok else 0.0)
-    return scores
+        return match is not None and match.group(2).strip() != ""
+
+    return [1.0 if any(map(layout, texts)) else 0.0
+            for texts in _texts(prompts, completions, rendered_prompts)]
 
 
 @register_reward("tag_count")
@@ -78,10 +83,8 @@ def tag_count_reward(prompts: list, completions: list, rendered_prompts: list | 
     >>> tag_count_reward(["Q"], ["<think>7</think><think>7</think> 7"])
     [0.0]
     """
-    return [
-        0.25 * sum(text.count(tag) == 1 for tag in TAGS)
-        for text in _texts(prompts, completions, rendered_prompts)
-    ]
+    return [max(0.25 * sum(text.count(tag) == 1 for tag in TAGS) for text in texts)
+            for texts in _texts(prompts, completions, rendered_prompts)]
 
 
 @register_reward("answer_format")

@@ -104,10 +104,6 @@ def _plain(text: str) -> str:
     return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
 
 
-#: GSM8K's last line, ``#### 72``: what follows it is a worked solution's answer
-_FINAL_LINE = re.compile(r"####[ \t]*([^\n]*?)\s*$")
-
-
 def reference_answer(reference: str) -> str | None:
     """A reference as the accuracy reward grades it: the text after a worked solution's last
     line ``#### ...`` (GSM8K's), else the reference, stripped; None when that is blank.
@@ -117,8 +113,9 @@ def reference_answer(reference: str) -> str | None:
     >>> reference_answer("48+24 = <<48+24=72>>72 clips.\\n####72"), reference_answer(" 5 ")
     ('72', '5')
     """
-    match = _FINAL_LINE.search(reference)
-    return (match[1] if match else reference).strip() or None
+    last = reference.rstrip().rsplit("\n", 1)[-1]  # GSM8K's last line, "#### 72"
+    at = last.find("####")
+    return (last[at + 4:] if at >= 0 else reference).strip() or None
 
 
 def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:

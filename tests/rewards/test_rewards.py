@@ -36,6 +36,8 @@ REWARD_MODULES = [
     "maxent_grpo.rewards.combine",
     "maxent_grpo.rewards.options",
     "maxent_grpo.rewards.timeout",
+    "maxent_grpo.rewards.task_rewards",
+    "maxent_grpo.rewards.verify_worker",
 ]
 
 
@@ -909,7 +911,7 @@ def test_a_reasoning_models_answer_is_read_after_its_reasoning():
     from maxent_grpo.rewards.answers import answer_key, answer_keys, extract_answer
 
     mused = "Format: <answer>8</answer>? No, 3+4=7.\n</think>\n\n\\boxed{7}"
-    wrong = "Is it \\boxed{7}? No, I'm sure it's 8.\n</think>\n\nThe answer is \\boxed{8}."
+    wrong = "Is it <answer>7</answer>? No, I'm sure it's 8.\n</think>\n\nIt is \\boxed{8}."
     cut = "Let me see, 3+4... \\boxed{7} would be my first guess, but let me count: 3, 4"
     opened = "<|im_start|>assistant\n<think>\n"
     assert accuracy_reward(["q"] * 3, [mused, wrong, cut], answer=["7"] * 3,
@@ -920,6 +922,11 @@ def test_a_reasoning_models_answer_is_read_after_its_reasoning():
     assert answer_keys([mused, cut], [opened, "q"], None, 1) == ["7", "7"]
     assert answer_keys([cut], [opened], None, 1) == [None]
     assert extract_answer(cut, opens_think=True) is None
+    # reasoning opened again after its last close and cut off: no answer, for every reader
+    reopened = "<think>a</think><answer>7</answer><think>more"
+    assert accuracy_reward(["q"], [reopened], answer=["7"]) == [0.0]
+    assert first_number_reward(["q"], [reopened], answer=["7"]) == [0.0]
+    assert answer_key(reopened) is None
     # the bare rewards read the first number after the reasoning, and a whole one only
     assert first_number_reward(["q"] * 5, ["<think>8?</think> 7", " 8.5", " 8/3", " 1,665", " 8."],
                                answer=["7", "8", "8", "1665", "8"]) == [1.0, 0.0, 0.0, 1.0, 1.0]
@@ -935,8 +942,12 @@ def test_a_template_that_closes_the_reasoning_block_leaves_the_layout_reachable(
     closed = ["<|im_start|>assistant\n<think>\n\n</think>\n\n"]
     assert format_reward(["q"], ["<answer>7</answer>"], rendered_prompts=closed) == [1.0]
     assert tag_count_reward(["q"], ["<answer>7</answer>"], rendered_prompts=closed) == [1.0]
+    # a model that writes its own block after the template's scores as before
     assert format_reward(["q"], ["<think>x</think><answer>7</answer>"],
-                         rendered_prompts=closed) == [0.0]  # a second block breaks it
+                         rendered_prompts=closed) == [1.0]
+    assert tag_count_reward(["q"], ["<think>x</think><answer>7</answer>"],
+                            rendered_prompts=closed) == [1.0]
+    assert format_reward(["q"], ["<answer> </answer>"], rendered_prompts=closed) == [0.0]
     assert format_reward(["q"], ["<answer>7</answer>"], rendered_prompts=["plain"]) == [0.0]
 
 
