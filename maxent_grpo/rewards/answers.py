@@ -72,6 +72,8 @@ def _first_number(text: str) -> str | None:
     match = NUMBER.search(text)
     if match is None:
         return None
+    if re.match(r"[.,/][0-9]", text[match.end():]) and re.search(r"[./]", match.group()):
+        return None  # a fraction or decimal that runs on: 16/2.5, 12/4/2023, 3,000/1,000
     number = match.group().replace("−", "-").replace(",", "")
     if not re.fullmatch(r"-?[0-9]+", number):  # a decimal or a fraction: whole, or none
         value = number_value(number, False)
@@ -127,11 +129,24 @@ def final_text(text: str, opens_think: bool = False) -> str | None:
     >>> final_text("3+4, \\\\boxed{7} maybe", opens_think=True) is None
     True
     """
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
+    close = _outside_answers(text, "</think>")  # tags an answer quotes are its text
+    if close >= 0:
+        text = text[close + len("</think>"):]
     elif opens_think:
         return None
-    return None if "<think>" in text else text  # opened (again) and never closed
+    return None if _outside_answers(text, "<think>") >= 0 else text  # opened, never closed
+
+
+def _outside_answers(text: str, tag: str) -> int:
+    """Where the last ``tag`` of ``text`` outside every ``<answer>...</answer>`` block is,
+    or -1."""
+    at = len(text)
+    while (at := text.rfind(tag, 0, at)) >= 0:
+        opened = text.rfind("<answer>", 0, at)
+        if not (opened >= 0 and text.rfind("</answer>", opened, at) < 0
+                and text.find("</answer>", at) >= 0):
+            return at
+    return -1
 
 
 def opens_think(prompts: list, rendered_prompts: list | None) -> list[bool]:

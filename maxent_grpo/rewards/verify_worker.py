@@ -105,17 +105,18 @@ def _plain(text: str) -> str:
 
 
 def reference_answer(reference: str) -> str | None:
-    """A reference as the accuracy reward grades it: the text after a worked solution's last
-    line ``#### ...`` (GSM8K's), else the reference, stripped; None when that is blank.
+    """A reference as the accuracy reward grades it: the text after ``####`` when a worked
+    solution's last line starts with it (GSM8K's; not in a solution with a ``\\boxed``
+    answer, where it is a Markdown heading), else the reference, stripped; None when blank.
     math-verify reads a text's last number, except after the word "answer" (``Sam answered
     20 questions ... #### 35`` was 20) and not ``####72``.
 
     >>> reference_answer("48+24 = <<48+24=72>>72 clips.\\n####72"), reference_answer(" 5 ")
     ('72', '5')
     """
-    last = reference.rstrip().rsplit("\n", 1)[-1]  # GSM8K's last line, "#### 72"
-    at = last.find("####")
-    return (last[at + 4:] if at >= 0 else reference).strip() or None
+    last = reference.rstrip().rsplit("\n", 1)[-1].lstrip()  # GSM8K's last line, "#### 72"
+    final = last.startswith("####") and "\\boxed" not in reference  # not a MATH heading
+    return (last[4:] if final else reference).strip() or None
 
 
 def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:

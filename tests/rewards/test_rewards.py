@@ -238,6 +238,8 @@ def test_accuracy_reads_formula_references_bold_roots_and_words(
     ("48+24 = <<48+24=72>>72 in all, then 3 were given away.\n####69", "69"),
     ("So the answer is 5^2 = <<5^2=25>>25\r\n#### 25\r\n", "25"),
     ("She sold 48/2 = <<48/2=24>>24 clips.\n#### ", None),
+    # a MATH solution's Markdown heading on its last line is no final line
+    ("Solve.\n$x=\\boxed{3}$\n#### Step 24", "3"),
 ])
 def test_accuracy_grades_a_worked_solution_by_its_final_line(reference: str,
                                                               final: str | None) -> None:
@@ -927,6 +929,13 @@ def test_a_reasoning_models_answer_is_read_after_its_reasoning():
     assert accuracy_reward(["q"], [reopened], answer=["7"]) == [0.0]
     assert first_number_reward(["q"], [reopened], answer=["7"]) == [0.0]
     assert answer_key(reopened) is None
+    # tags an answer quotes are its text, not reasoning
+    quoting = "<think>r</think><answer>print('<think>')</answer>"
+    assert answer_key(quoting) == "print('<think>')"
+    assert answer_key("<think>r</think><answer>a</think>b</answer>") == "a</think>b"
+    # a fraction or decimal that runs on is no number: 16/2.5 is not 8
+    assert first_number_reward(["q"] * 4, [" 16/2.5", " 12/4/2023", " 3,000/1,000", " 7,11"],
+                               answer=["8", "3", "3000", "7"]) == [0.0, 0.0, 0.0, 1.0]
     # the bare rewards read the first number after the reasoning, and a whole one only
     assert first_number_reward(["q"] * 5, ["<think>8?</think> 7", " 8.5", " 8/3", " 1,665", " 8."],
                                answer=["7", "8", "8", "1665", "8"]) == [1.0, 0.0, 0.0, 1.0, 1.0]
