@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from maxent_grpo.rewards.registry import register_reward
-from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer
+from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer, unbold
 from maxent_grpo.tasks.expressions import canonical_expression, number_value, split_equation
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
@@ -297,8 +297,10 @@ def answer_keys(completions: list, prompts: list, forms: list | None, group: int
 
 
 def compared_answer(answer: str | None, form: str | None = None) -> str | None:
-    """An extracted answer as :func:`answer_key` compares it: :func:`canonical_answer`,
-    else the answer with whitespace collapsed (``None``: no answer)."""
+    """An extracted answer as :func:`answer_key` compares it, without Markdown's bold (as the
+    accuracy reward reads it: ``**72**`` is ``72``): :func:`canonical_answer`, else the answer
+    with whitespace collapsed (``None``: no answer)."""
+    answer = None if answer is None else unbold(answer)
     key = canonical_answer(answer, form)
     return key if key is not None or answer is None else " ".join(answer.split())
 

@@ -352,6 +352,9 @@ def test_arithmetic_answers_are_one_however_the_number_is_written():
     assert answer_key("<answer>2, 3</answer>") == "2, 3"  # two numbers: no value, the text
     assert answer_key("<answer>4 + 5</answer>") == answer_key("<answer>5+4</answer>") == "4 + 5"
     assert answer_key("<answer>0.5</answer>") == answer_key("<answer>1/2</answer>") == "1 / 2"
+    # Markdown's bold is no part of the answer, as the accuracy reward reads it
+    assert answer_key("<answer>**72**</answer>") == answer_key("<answer>72</answer>") == "72"
+    assert answer_key("The answer is **Paris**.") == "The answer is Paris."
     assert answer_key("<answer>.50</answer>") == "1 / 2"
     assert answer_key("<answer>+5</answer>") == "5"
     # a number too long to print as a key (a run of digits) is its text, not a crash
