@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from maxent_grpo.rewards.registry import register_reward
-from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer, unbold
+from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer
 from maxent_grpo.tasks.expressions import canonical_expression, number_value, split_equation
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
@@ -296,11 +296,15 @@ def answer_keys(completions: list, prompts: list, forms: list | None, group: int
                        prompt_opens_think(prompts[i // group])) for i, c in enumerate(completions)]
 
 
+#: Markdown's bold, a pair of ``**`` around a text (``**72**``), not Python's power (``9**2``)
+BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)([^*\n]{1,200}?)(?<=\S)\*\*(?![\w*])")
+
+
 def compared_answer(answer: str | None, form: str | None = None) -> str | None:
     """An extracted answer as :func:`answer_key` compares it, without Markdown's bold (as the
     accuracy reward reads it: ``**72**`` is ``72``): :func:`canonical_answer`, else the answer
     with whitespace collapsed (``None``: no answer)."""
-    answer = None if answer is None else unbold(answer)
+    answer = None if answer is None else BOLD.sub(r"\1", answer)
     key = canonical_answer(answer, form)
     return key if key is not None or answer is None else " ".join(answer.split())
 

@@ -24,7 +24,7 @@ import threading
 import time
 
 __all__ = ["MATH_VERIFY_TIMEOUT_S", "VERIFIER", "Verifier", "math_equal", "reference_answer",
-           "serve", "unbold"]
+           "serve"]
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Per-call time limit of math-verify's parse and verify. math-verify times out with
@@ -79,7 +79,7 @@ def _formula(text: str) -> bool:
 #: as it is, not wrapped in ``$...$`` (``\\$18`` and ``\\begin{pmatrix}`` are wrapped)
 DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")
 #: Markdown's bold, a pair of ``**`` around a text (``**1/2**``), not Python's power
-#: (``9**2``, ``2 ** 3``)
+#: (``9**2``, ``2 ** 3``); ``answers.BOLD`` again, as this script imports nothing of the package
 _BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)([^*\n]{1,200}?)(?<=\S)\*\*(?![\w*])")
 #: a sentence's last period (``(1, 2).``), which math mode does not read
 _PERIOD = re.compile(r"(?<=[^.\s])\.\s*$")
@@ -91,11 +91,6 @@ _ROOT = re.compile(r"√(\d+(?:\.\d+)?)")
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})(?![\w.])")
 
 
-def unbold(text: str) -> str:
-    """``text`` without Markdown's bold markers (``**72**`` -> ``72``; ``9**2`` kept)."""
-    return _BOLD.sub(r"\1", text)
-
-
 def _plain(text: str) -> str:
     """``text`` with its Unicode minus signs as ``-``, ``√2`` as ``\\sqrt{2}``, Markdown's bold
     markers removed and its numbers in scientific notation written out (``3e8`` ->
@@ -104,7 +99,7 @@ def _plain(text: str) -> str:
     ``(1, 2).`` as nothing."""
     from decimal import Decimal
 
-    text = unbold(_PERIOD.sub("", text.replace("\u2212", "-")))
+    text = _BOLD.sub(r"\1", _PERIOD.sub("", text.replace("\u2212", "-")))
     text = _ROOT.sub(r"\\sqrt{\1}", text)
     return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
 

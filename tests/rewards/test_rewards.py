@@ -969,3 +969,10 @@ def test_countdown_reads_integral_floats_as_the_other_rewards_do():
                             numbers=[[2.0, 3, 5], "[2, 3, 5]"], target=[16.0, "16"]) == [1.0, 1.0]
     with pytest.raises(ValueError, match="must be a list of ints and an int"):
         countdown_reward(["q"], ["<answer>1</answer>"], numbers=[[2, 3, 5]], target=[16.5])
+
+
+def test_the_answer_keys_and_the_grader_read_bold_alike():
+    """The worker script imports nothing of the package, so the bold pattern stands twice."""
+    from maxent_grpo.rewards import answers, verify_worker
+
+    assert answers.BOLD.pattern == verify_worker._BOLD.pattern
