@@ -149,11 +149,12 @@ def _outside_answers(text: str, tag: str) -> int:
     return -1
 
 
-def opens_think(prompts: list, rendered_prompts: list | None) -> list[bool]:
-    """Per completion, whether the text the model continued opened a reasoning block: the
-    trainer's ``rendered_prompts``, else the prompts (a plain-string prompt is that text)."""
-    return [prompt_opens_think(p) for p in (prompts if rendered_prompts is None
-                                            else rendered_prompts)]
+def thinking(prompts: list, kwargs: dict) -> list[bool]:
+    """Per completion of a reward's call, whether the text the model continued opened a
+    reasoning block: the trainer's ``rendered_prompts`` among the call's ``kwargs``, else
+    the prompts (a plain-string prompt is that text)."""
+    rendered = kwargs.get("rendered_prompts")
+    return [prompt_opens_think(p) for p in (prompts if rendered is None else rendered)]
 
 
 def last_boxed(text: str) -> str | None:
@@ -189,8 +190,11 @@ def extract_answer(text: str, opens_think: bool = False) -> str | None:
     True
     """
     text = final_text(text, opens_think)
-    if text is None:
-        return None
+    return None if text is None else _answer_in(text)
+
+
+def _answer_in(text: str) -> str | None:
+    """:func:`extract_answer` of a completion's :func:`final_text`."""
     blocks = answer_blocks(text)
     if blocks:
         answer = blocks[-1]
@@ -223,7 +227,7 @@ def sample_answer(completion: str | list[dict], opens_think: bool = False) -> st
     text = final_text(completion_text(completion), opens_think)
     if text is None:
         return None
-    answer = extract_answer(text)
+    answer = _answer_in(text)
     return (text.strip() if answer is None else answer) or None
 
 
@@ -259,15 +263,18 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     >>> canonical_answer(" 07, 11", "first_number"), canonical_answer("none", "first_number")
     ('7', None)
     """
-    if form in (None, "", "expression", "value") and answer is not None:
-        key = coverage_answer(answer) if form != "value" else None
-        left, right = split_equation(answer)
-        value = None if key is not None else number_value(  # expressions are kept as such
-            answer, False) if form != "value" else number_value(right or left)
-        # a fraction as its expression is written: 0.5 and 1/2 are one
-        return key if value is None else str(value).replace("/", " / ")
     if form in (None, "", "expression", "value"):
-        return None
+        if answer is None:
+            return None
+        if form == "value":
+            left, right = split_equation(answer)
+            value = number_value(right or left)
+        elif (key := coverage_answer(answer)) is not None:
+            return key
+        else:
+            value = number_value(answer, False)  # a number that is no expression
+        # a fraction as its expression is written: 0.5 and 1/2 are one
+        return None if value is None else str(value).replace("/", " / ")
     if form == "ordered":
         return None if answer is None else ("".join(answer.split()) or None)
     if form == "first_number":
@@ -347,8 +354,7 @@ def accuracy_reward(
         return VERIFIER.equal(gold, prediction)
 
     golds = [None if gold is None else reference_answer(str(gold)) for gold in golds]
-    return _graded(completions, golds, right, opens_think(prompts, kwargs.get("rendered_prompts")),
-                   answer_only=True)
+    return _graded(completions, golds, right, thinking(prompts, kwargs), answer_only=True)
 
 
 @register_reward("first_number")
@@ -366,7 +372,7 @@ def first_number_reward(
     [0.0]
     """
     golds = require_column("first_number", "answer", answer, len(completions))
-    opens = opens_think(prompts, kwargs.get("rendered_prompts"))
+    opens = thinking(prompts, kwargs)
     scores: list[float | None] = []
     for row, (completion, gold) in enumerate(zip(completions, golds, strict=True)):
         if gold is None or not str(gold).strip():
@@ -404,7 +410,7 @@ def _graded(completions: list, references: list, right: Callable[[str, Any], boo
             scores.append(None)
             continue
         text = final_text(completion_text(completion), opened)
-        answer = None if text is None else extract_answer(text)
+        answer = None if text is None else _answer_in(text)
         if text is None or (answer is None and answer_only):
             scores.append(0.0)
             continue

@@ -37,9 +37,11 @@ def _texts(prompts: list, completions: list, rendered: list | None = None
             f"{len(completions)}"
         )
     rendered = prompts if rendered is None else rendered
-    return [tuple(dict.fromkeys((_opened(r) + completion_text(c), completion_text(c))))
-            if _opened(r).endswith("</think>") else (_opened(r) + completion_text(c),)
-            for r, c in zip(rendered, completions, strict=True)]
+    readings = []
+    for r, c in zip(rendered, completions, strict=True):
+        opened, text = _opened(r), completion_text(c)
+        readings.append((opened + text, text) if opened.endswith("</think>") else (opened + text,))
+    return readings
 
 
 def _opened(prompt: object) -> str:

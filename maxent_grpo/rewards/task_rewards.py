@@ -16,8 +16,8 @@ from maxent_grpo.rewards.answers import (
     _graded,
     _integer,
     first_integer,
-    opens_think,
     require_column,
+    thinking,
 )
 from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.tasks.countdown import check_countdown
@@ -53,7 +53,7 @@ def countdown_reward(
                   else _countdown_reference(row_numbers, row_target, row)
                   for row, (row_numbers, row_target) in enumerate(rows)]
     return _graded(completions, references, right,
-                   opens_think(prompts, kwargs.get("rendered_prompts")), answer_only=True)
+                   thinking(prompts, kwargs), answer_only=True)
 
 
 def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int], int]:
@@ -106,7 +106,7 @@ def digit_pair_reward(
                for row, value in enumerate(require_column("digit_pair", "target", target,
                                                           len(completions)))]
     return _graded(completions, targets, right,
-                   opens_think(prompts, kwargs.get("rendered_prompts")))
+                   thinking(prompts, kwargs))
 
 
 @register_reward("in_set")
@@ -128,7 +128,7 @@ def in_set_reward(
 
     sets = require_column("in_set", "valid_answers", valid_answers, len(completions))
     sets = [None if m is None else _valid_set(m, row) for row, m in enumerate(sets)]
-    return _graded(completions, sets, right, opens_think(prompts, kwargs.get("rendered_prompts")))
+    return _graded(completions, sets, right, thinking(prompts, kwargs))
 
 
 def _valid_set(members: Any, row: int) -> set[int]:

@@ -44,7 +44,6 @@ _GROUPED = re.compile(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*")
 #: LaTeX's commands, with the argument of ``\\text``, ``\\begin`` and their kin: not prose
 _COMMANDS = re.compile(
     r"\\(?:text\w*|math\w*|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[a-zA-Z]+")
-_WORD = re.compile(r"[a-zA-Z]{2,}")
 #: a word in a text, not a LaTeX command's name
 _PROSE_WORD = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}(?![a-zA-Z])")
 #: a number with a one-letter unit (``4 L``, ``5 m``): a number, not a product
@@ -59,10 +58,18 @@ _MATH_WORDS = {"sqrt", "pi", "inf", "infty", "infinity", "oo", "ln", "log", "exp
 WRAP_CHARS = 120
 
 
+def _words(text: str) -> list[tuple[int, int]]:
+    """Where the words of prose in ``text`` are: two letters or more outside LaTeX's commands
+    and their text arguments, other than :data:`_MATH_WORDS`."""
+    commands = [m.span() for m in _COMMANDS.finditer(text)]
+    return [m.span() for m in _PROSE_WORD.finditer(text) if m.group() not in _MATH_WORDS
+            and not any(start <= m.start() < end for start, end in commands)]
+
+
 def _prose(text: str) -> bool:
-    """Whether ``text`` holds a word (two letters or more outside LaTeX's commands, other
-    than :data:`_MATH_WORDS`): in ``$...$`` each word is a product of symbols."""
-    return any(w not in _MATH_WORDS for w in _WORD.findall(_COMMANDS.sub(" ", text)))
+    """Whether ``text`` holds a word of prose (:func:`_words`): in ``$...$`` each word is a
+    product of symbols."""
+    return bool(_words(text))
 
 
 def _formula(text: str) -> bool:
@@ -171,13 +178,10 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
 
 
 def _delimited(text: str) -> str:
-    """A LaTeX text with words, each stretch of mathematics between its words (those of
-    :func:`_prose`) put in ``$...$``: ``2\\sqrt{3} cm`` -> ``$2\\sqrt{3}$ cm``."""
-    commands = [m.span() for m in _COMMANDS.finditer(text)]
-    words = [m.span() for m in _PROSE_WORD.finditer(text) if m.group() not in _MATH_WORDS
-             and not any(start <= m.start() < end for start, end in commands)]
+    """A LaTeX text with words, each stretch of mathematics between its words
+    (:func:`_words`) put in ``$...$``: ``2\\sqrt{3} cm`` -> ``$2\\sqrt{3}$ cm``."""
     pieces, at = [], 0
-    for start, end in [*words, (len(text), len(text))]:
+    for start, end in [*_words(text), (len(text), len(text))]:
         stretch = text[at:start]
         math = stretch.strip(" \t\n,;:.")
         pieces += [stretch.replace(math, f"${math}$", 1) if re.search(r"[0-9\\]", math)
