@@ -194,18 +194,14 @@ def load_tokenizer(
     return tokenizer
 
 
-def _model_kwargs(dtype: str, attn_implementation: str | None,
-                  trust_remote_code: bool) -> dict[str, Any]:
+def _load_causal_lm(name_or_path: str, cache_dir: Any, dtype: str,
+                    attn_implementation: str | None, trust_remote_code: bool) -> Any:
+    """``from_pretrained`` of the causal LM ``name_or_path`` names; an adapter folder loads as
+    its base with the adapter merged (:func:`~maxent_grpo.adapters.merge_adapter`)."""
     check_choice("dtype", dtype, _DTYPES)
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return kwargs
-
-
-def _load_causal_lm(name_or_path: str, cache_dir: Any, kwargs: dict[str, Any]) -> Any:
-    """``from_pretrained`` of the causal LM ``name_or_path`` names; an adapter folder loads as
-    its base with the adapter merged (:func:`~maxent_grpo.adapters.merge_adapter`)."""
     *adapters, path = model_chain(name_or_path, cache_dir)
     model = _from_pretrained(AutoModelForCausalLM.from_pretrained,
                              path if adapters else name_or_path, path, **kwargs)
@@ -228,8 +224,8 @@ def load_policy(
     The model comes back in the mode ``from_pretrained`` leaves it (eval); the trainer
     switches modes.
     """
-    kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
-    model = _load_causal_lm(name_or_path, cache_dir, kwargs)
+    model = _load_causal_lm(name_or_path, cache_dir, dtype, attn_implementation,
+                            trust_remote_code)
     if gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
@@ -251,6 +247,6 @@ def load_reference(
     Same arguments as :func:`load_policy` except ``gradient_checkpointing`` and ``peft``
     (nothing is back-propagated through the reference, and nothing in it trains).
     """
-    kwargs = _model_kwargs(dtype, attn_implementation, trust_remote_code)
-    model = _load_causal_lm(name_or_path, cache_dir, kwargs)
+    model = _load_causal_lm(name_or_path, cache_dir, dtype, attn_implementation,
+                            trust_remote_code)
     return model.eval().requires_grad_(False)
