@@ -36,11 +36,15 @@ _COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictio
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def sharded(model: nn.Module) -> bool:
+    """Sharded parameters: FSDP2 (``fully_shard``) or ZeRO-3 (``ds_id``), even on one process."""
+    return isinstance(model, FSDPModule) or any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def check_copyable(model: nn.Module) -> None:
     """Refuse (ValueError naming the fix) a model with parameters sharded across ranks
-    (FSDP2 / ZeRO-3, even on one process) or neither a ``PreTrainedModel`` nor a ``peft``
-    model wrapping one."""
-    if isinstance(model, FSDPModule) or any(hasattr(p, "ds_id") for p in model.parameters()):
+    (:func:`sharded`) or neither a ``PreTrainedModel`` nor a ``peft`` model wrapping one."""
+    if sharded(model):
         raise ValueError(
             "HFGenerateEngine.generation_dtype: the model's parameters are sharded across "
             "ranks (FSDP2 / DeepSpeed ZeRO-3), and a copy of one rank's shards cannot "

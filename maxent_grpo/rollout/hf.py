@@ -48,7 +48,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from transformers import (
     Cache,
     GenerationConfig,
@@ -58,7 +57,7 @@ from transformers import (
 )
 
 from maxent_grpo.rollout.batch import GenerationBatch
-from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy
+from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy, sharded
 from maxent_grpo.rollout.protocol import (
     Continuation,
     RolloutOutput,
@@ -170,14 +169,10 @@ def _model_device(model: nn.Module | None) -> torch.device:
 
 
 def sharded_across_ranks(model: nn.Module) -> bool:
-    """Whether every forward pass is a collective: parameters sharded over several processes
-    by FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3 (parameters carry ``ds_id``)."""
+    """Whether every forward pass is a collective: parameters :func:`sharded` over ranks."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    if isinstance(model, FSDPModule):
-        return True
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and sharded(model))
 
 
 @contextlib.contextmanager
