@@ -138,12 +138,8 @@ class GenerationBatch:
 
     def select(self, groups: Sequence[int]) -> GenerationBatch:
         """The groups ``groups`` (indices of prompts), in that order, with all their fields."""
-        def pick(values: list[Any] | None) -> list[Any] | None:
-            return None if values is None else [values[g] for g in groups]
-
-        return GenerationBatch(pick(self.prompts), pick(self.answers),
-                               pick(self.grouped_completions), pick(self.grouped_ref_meta),
-                               pick(self.grouped_completion_info))
+        values = [getattr(self, field.name) for field in dataclasses.fields(self)]
+        return GenerationBatch(*(None if v is None else [v[g] for g in groups] for v in values))
 
     @staticmethod
     def cat(parts: Sequence[GenerationBatch]) -> GenerationBatch:
@@ -153,8 +149,7 @@ class GenerationBatch:
             values = [getattr(p, name) for p in parts]
             return None if any(v is None for v in values) else [x for v in values for x in v]
 
-        return GenerationBatch(join("prompts"), join("answers"), join("grouped_completions"),
-                               join("grouped_ref_meta"), join("grouped_completion_info"))
+        return GenerationBatch(*(join(field.name) for field in dataclasses.fields(GenerationBatch)))
 
     @property
     def num_completions(self) -> int:
