@@ -337,7 +337,6 @@ class VLLMEngine(VLLMEngineBase):
                   if c.logprobs else None) for c in out.outputs] for out in outputs]
 
 
-
 _SEEDS = threading.local()
 
 

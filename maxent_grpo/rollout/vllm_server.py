@@ -76,7 +76,7 @@ from maxent_grpo.rollout.server_weights import (
     server_command,
 )
 from maxent_grpo.rollout.vllm_engine import VLLMEngineBase, _rank
-from maxent_grpo.validation import check_number, check_seconds, require
+from maxent_grpo.validation import check_int, check_number, check_seconds, require
 
 __all__ = ["ServerError", "VLLMServerEngine", "server_args", "server_command"]
 
@@ -174,9 +174,7 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
                             ("connect_seconds", connect_seconds)):
             check_seconds(f"VLLMServerEngine.{name}", value, allow_zero=name == "connect_seconds")
         check_number("VLLMServerEngine.probe_tolerance", probe_tolerance, minimum=0, strict=True)
-        require(isinstance(max_parallel_requests, int) and max_parallel_requests >= 1,
-                f"VLLMServerEngine.max_parallel_requests must be an int >= 1; "
-                f"got {max_parallel_requests!r}")
+        check_int("VLLMServerEngine.max_parallel_requests", max_parallel_requests, minimum=1)
         super().__init__("VLLMServerEngine", model, tokenizer, sampling, stop_token_ids)
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
         self.request_timeout, self.retry_seconds = float(request_timeout), float(retry_seconds)
