@@ -302,14 +302,10 @@ class RolloutOutput:
         if len(sizes) > 1:
             raise ValueError(f"a rollout has G completions for every prompt; got group sizes "
                              f"{sorted(sizes)}")
-        checks = {
-            "prompt_ids": (self.prompt_ids, 2),
-            "prompt_mask": (self.prompt_mask, 2),
-            "completion_ids": (self.completion_ids, 2),
-            "completion_mask": (self.completion_mask, 2),
-            "truncated": (self.truncated, 1),
-        }
-        for name, (tensor, ndim) in checks.items():
+        dims = {"prompt_ids": 2, "prompt_mask": 2, "completion_ids": 2, "completion_mask": 2,
+                "truncated": 1}
+        for name, ndim in dims.items():
+            tensor = getattr(self, name)
             if tensor.dim() != ndim or tensor.shape[0] != rows:
                 raise ValueError(
                     f"{name} must have {ndim} dims and {rows} rows (one per completion); "
@@ -326,11 +322,10 @@ class RolloutOutput:
             or bool((self.tool_mask & ~self.completion_mask).any())
         ):
             raise ValueError("tool_mask must have completion_mask's shape and lie inside it")
-        names = ("prompt_mask", "completion_mask", "truncated") + (
-            ("tool_mask",) if self.tool_mask is not None else ())
-        for name in names:
-            if getattr(self, name).dtype != torch.bool:
-                raise ValueError(f"{name} must be a bool tensor; got {getattr(self, name).dtype}")
+        for name in ("prompt_mask", "completion_mask", "truncated", "tool_mask"):
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.dtype != torch.bool:
+                raise ValueError(f"{name} must be a bool tensor; got {tensor.dtype}")
 
     @property
     def model_mask(self) -> torch.Tensor:
@@ -420,7 +415,5 @@ def check_request(
     if len(answers) != len(prompts):
         raise ValueError(f"answers must have one entry per prompt; got {len(answers)} answers "
                          f"for {len(prompts)} prompts")
-    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
-            num_generations < 1):
-        raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
+    check_int("num_generations", num_generations, minimum=1)
     return s
