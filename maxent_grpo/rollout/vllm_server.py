@@ -18,25 +18,14 @@ complete before loading it. ``weight_transfer="nccl"`` broadcasts the tensors in
 through vLLM's own NCCL backend (GPU servers), and ``"gloo"`` through this package's
 ``maxent_gloo`` (CPU servers without a shared file system): :mod:`.server_transfer`. The
 server stays paused from before the transfer until it has finished, so it never samples
-from a mix of two versions; a file transfer that fails is
-repeated whole (a collective one is not), and one that keeps failing leaves that server
-paused and out of use (restart it: it may hold a half-loaded model), and the step fails
-with the server's message when no server holds the new weights.
+from a mix of two versions (failures and revival: :mod:`.server_weights`).
 
-At start the engine checks, for every server, that it answers (waiting ``connect_seconds``
-for one that is still starting; otherwise the error names the URL and the command that
-starts a server), that it was started with the routes the engine needs, that its tokenizer
-splits a probe text as ours does, and, after sending the policy's weights, that it gives a
-probe sequence the policy's log-probabilities (``probe_tolerance``).
-
-Faults while running: a request that fails to connect, times out (``request_timeout``),
+At start every server is waited for (``connect_seconds``) and checked
+(:mod:`.server_checks`). A request that fails to connect, times out (``request_timeout``),
 comes back aborted or is not the rows it asked for is sent again, to another server when
 there is one, and with back-off once none is left, for at most ``retry_seconds`` after the
-first failure; then the step
-fails with an error naming the servers (at once when the engine is closed). Before every
-rollout the engine asks each server which weights it holds: one that came back after a
-restart (holding the weights it started with) is not used until it holds the current ones,
-which it gets at once from the weights file, or at the next sync with ``gloo`` and ``nccl``.
+first failure (:meth:`VLLMServerEngine._complete`). docs/VLLM.md, "vLLM servers", tells
+the whole story: weights, start checks, faults.
 
 Security. The update routes change what the server computes, and vLLM's ``--api-key``
 guards only the ``/v1`` routes (not ``/pause``, the weight routes or ``/collective_rpc``):
