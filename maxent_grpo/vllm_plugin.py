@@ -23,12 +23,8 @@ reports), or the update fails naming the parameters left out: a model would othe
 old weights in them with nothing but a log line. The check is per parameter: a stacked
 parameter (``qkv_proj``, ``gate_up_proj``) counts as received when any of its shards came.
 It also registers ``maxent_gloo``: the same protocol as vLLM's NCCL backend over a gloo
-process group on the CPU (the server's workers join the trainer's rank 0 at
-``/init_weight_transfer_engine {"init_info": {"master_address", "master_port",
-"rank_offset", "world_size", "timeout_seconds"}}``; an update's ``/update_weights`` names
-every tensor, ``{"names", "dtype_names", "shapes"}``, and receives them by broadcast, in
-that order; :mod:`maxent_grpo.rollout.server_transfer` is the trainer's side). The same
-completeness check applies.
+process group on the CPU (its messages: ``GlooInitInfo`` and ``GlooUpdateInfo`` below; the
+trainer's side: :mod:`maxent_grpo.rollout.server_transfer`), with the same completeness check.
 
 The module imports nothing heavy at the top: vLLM's processes import it at start-up.
 """
