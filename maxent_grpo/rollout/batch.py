@@ -415,6 +415,7 @@ def check_request(
     if len(answers) != len(prompts):
         raise ValueError(f"answers must have one entry per prompt; got {len(answers)} answers "
                          f"for {len(prompts)} prompts")
+    # not check_int: validation.py would join the traced demo step (tests/test_trace_step.py)
     if isinstance(num_generations, bool) or not isinstance(num_generations, int) or (
             num_generations < 1):
         raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
