@@ -17,7 +17,7 @@ import random
 from collections import Counter
 from fractions import Fraction
 
-from maxent_grpo.tasks.expressions import _apply, _evaluate, _parse
+from maxent_grpo.tasks.expressions import _APPLY, _evaluate, _parse
 from maxent_grpo.tasks.spec import ANSWER_INSTRUCTION
 from maxent_grpo.validation import check_int
 
@@ -70,7 +70,7 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fra
         i, j = rng.sample(range(len(items)), 2)
         (left, lval, lleaf), (right, rval, rleaf) = items[i], items[j]
         op = rng.choice("+-*/")
-        value = _apply(op, lval, rval)
+        value = _APPLY[op](lval, rval)
         text = f"{left if lleaf else f'({left})'} {op} {right if rleaf else f'({right})'}"
         items = [item for k, item in enumerate(items) if k not in (i, j)]
         items.append((text, value, False))

@@ -22,6 +22,7 @@ For any string ``e``, ``check_countdown(e, numbers, target)`` holds exactly when
 from __future__ import annotations
 
 import ast
+import operator
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -35,16 +36,9 @@ MAX_EXPRESSION_CHARS = 1000
 """Longer answer strings are rejected before parsing (bounds the parser's work)."""
 
 _OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
-
-
-def _apply(op: str, left: Fraction, right: Fraction) -> Fraction:
-    if op == "+":
-        return left + right
-    if op == "-":
-        return left - right
-    if op == "*":
-        return left * right
-    return left / right  # ZeroDivisionError is handled by the callers
+#: what each operator does to two Fractions (``/`` by zero: ZeroDivisionError, which the
+#: callers handle)
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def _literals(tree: ast.Expression) -> list[int] | None:
@@ -67,7 +61,7 @@ def _evaluate(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant):
         return Fraction(node.value)
     assert isinstance(node, ast.BinOp)  # guaranteed by _literals
-    return _apply(_OPERATORS[type(node.op)], _evaluate(node.left), _evaluate(node.right))
+    return _APPLY[_OPERATORS[type(node.op)]](_evaluate(node.left), _evaluate(node.right))
 
 
 def _parse(expression: object) -> tuple[ast.Expression, list[int]] | None:
@@ -116,7 +110,7 @@ def _combine(op: str, a: _Expr, b: _Expr) -> _Expr:
         b_pos, b_neg = b_neg, b_pos
     pos = tuple(sorted(a_pos + b_pos, key=_key))
     neg = tuple(sorted(a_neg + b_neg, key=_key))
-    value = _apply(op, a.value, b.value)
+    value = _APPLY[op](a.value, b.value)
     if kind == "+":
         text = " + ".join(t.text for t in pos) + "".join(f" - {t.text}" for t in neg)
     else:
