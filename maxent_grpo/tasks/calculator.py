@@ -31,9 +31,10 @@ __all__ = ["calculate", "tool_arithmetic"]
 MAX_DIGITS = 60
 """Operands and results longer than this many digits are refused."""
 
+#: ``/`` is ``//`` once it is known to divide exactly
 _BINARY: dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Div: operator.floordiv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
 }
 
 
@@ -43,17 +44,12 @@ def _evaluate(node: ast.AST) -> int:
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         inner = _evaluate(node.operand)
         value = -inner if isinstance(node.op, ast.USub) else inner
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if right == 0:
-            raise ZeroDivisionError("division by zero")
-        if left % right:
-            raise ValueError(f"{left} / {right} is not a whole number; use // for the quotient")
-        value = left // right
     elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if right == 0 and isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+        if right == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
             raise ZeroDivisionError("division by zero")
+        if isinstance(node.op, ast.Div) and left % right:
+            raise ValueError(f"{left} / {right} is not a whole number; use // for the quotient")
         value = _BINARY[type(node.op)](left, right)
     else:
         kind = node.op if isinstance(node, (ast.BinOp, ast.UnaryOp)) else node
