@@ -59,17 +59,19 @@ def _expressions(values: tuple[int, ...]) -> tuple[_Expr, ...]:
     return tuple(found.values())
 
 
+def _subsets(numbers: Sequence[int]) -> set[tuple[int, ...]]:
+    """The distinct non-empty sub-multisets of ``numbers``, each sorted."""
+    ordered = sorted(numbers)
+    return {c for size in range(1, len(ordered) + 1)
+            for c in itertools.combinations(ordered, size)}
+
+
 @lru_cache(maxsize=1024)
 def _solutions_by_target(numbers: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
     """For sorted ``numbers``: every positive integer value reachable with each number used
     at most once, mapped to its sorted canonical solutions."""
     by_target: dict[int, set[str]] = {}
-    subsets = {
-        tuple(numbers[i] for i in chosen)
-        for size in range(1, len(numbers) + 1)
-        for chosen in itertools.combinations(range(len(numbers)), size)
-    }
-    for subset in subsets:
+    for subset in _subsets(numbers):
         for e in _expressions(subset):
             if e.value.denominator == 1 and e.value > 0:
                 by_target.setdefault(int(e.value), set()).add(e.text)
@@ -93,12 +95,8 @@ def countdown_solutions(numbers: Sequence[int], target: int) -> list[str]:
     if isinstance(target, bool) or not isinstance(target, int):
         raise ValueError(f"target must be an int; got {target!r}")
     if target <= 0:  # the enumeration keeps positive targets only; do it directly
-        subsets = {
-            tuple(sorted(c))
-            for size in range(1, len(numbers) + 1)
-            for c in itertools.combinations(numbers, size)
-        }
-        return sorted({e.text for s in subsets for e in _expressions(s) if e.value == target})
+        return sorted({e.text for s in _subsets(numbers) for e in _expressions(s)
+                       if e.value == target})
     return list(_solutions_by_target(tuple(sorted(numbers))).get(target, ()))
 
 
