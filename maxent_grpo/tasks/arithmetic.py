@@ -69,13 +69,13 @@ def arithmetic(
         )
         prompt = (f"{expression} =" if bare
                   else f"What is {expression}? {ANSWER_INSTRUCTION} The answer is an integer.")
+        # bare rows are graded by first_number, the answer statistics compare first numbers
+        # too; the others by value (``-886``, ``-886.0`` and ``59 - 63 * 15 = -886`` are one)
         rows.append({
             "prompt": prompt, "answer": str(_value(operands, chosen)), "task": "arithmetic",
             "expression": expression, "operands": operands,
+            "answer_form": "first_number" if bare else "value",
         })
-        # bare rows are graded by first_number, the answer statistics compare first numbers
-        # too; the others by value (``-886``, ``-886.0`` and ``59 - 63 * 15 = -886`` are one)
-        rows[-1]["answer_form"] = "first_number" if bare else "value"
     return rows
 
 
