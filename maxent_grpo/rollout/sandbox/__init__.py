@@ -294,15 +294,12 @@ class Sandbox:
                  tools: Sequence[Callable[..., Any]] = (), uid_base: int = UID_BASE,
                  tmp_root: str | None = None) -> None:
         check_seconds("sandbox timeout", timeout)
-        for name, value in (("memory_mb", memory_mb), ("file_size_mb", file_size_mb),
-                            ("disk_mb", disk_mb), ("max_processes", max_processes),
-                            ("output_bytes", output_bytes), ("spares", spares),
-                            ("uid_base", uid_base)):
+        limits = {"memory_mb": memory_mb, "file_size_mb": file_size_mb, "disk_mb": disk_mb,
+                  "max_processes": max_processes, "output_bytes": output_bytes}
+        for name, value in {**limits, "spares": spares, "uid_base": uid_base}.items():
             check_int(f"sandbox {name}", value, minimum=0 if name == "spares" else 1)
         self.timeout = float(timeout)
         self.references = {fn: tool_reference(fn) for fn in tools}
-        limits = {"memory_mb": memory_mb, "file_size_mb": file_size_mb, "disk_mb": disk_mb,
-                  "max_processes": max_processes, "output_bytes": output_bytes}
         config = {"limits": limits, "uid_base": uid_base, "namespaces": bool(namespaces),
                   "tmp_root": tmp_root or tempfile.gettempdir(), "env": ENV,
                   "sys_path": [os.path.abspath(p or ".") for p in sys.path] if tools else None,
