@@ -19,20 +19,10 @@ Call format (:func:`parse_tool_calls`): the Hermes format of Qwen2.5's chat temp
 the built-in models' one: each call a JSON object between tags,
 ``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``.
 
-Faults. :meth:`Toolbox.run` never raises; each fault becomes the text the model reads as
-the tool's answer and a kind counted in ``train/tools/failures/<kind>``:
-
-==================  ===========================================================  ==========
-fault               what the model reads                                         kind
-==================  ===========================================================  ==========
-not JSON, no name,  ``Error: malformed tool call (<reason>)``                      malformed
-unclosed tag
-unknown name        ``Error: unknown tool 'x'; the tools are: calculate``         unknown_tool
-missing, extra or   ``Error: bad arguments for calculate: <reason>``              bad_arguments
-mistyped argument
-the tool raises     ``Error: <ExceptionType>: <message>``                         error
-over the time limit ``Error: calculate gave no result within <t> s``              timeout
-==================  ===========================================================  ==========
+Faults. :meth:`Toolbox.run` never raises; each fault (a malformed call, an unknown tool,
+bad arguments, the tool's exception, the time limit) becomes the text the model reads as
+the tool's answer and a kind of :data:`FAILURE_KINDS`, counted in
+``train/tools/failures/<kind>``: the table in docs/TOOLS.md, "Faults never stop training".
 
 Where a call runs (``isolation``, ``model.tool_isolation``): ``"thread"`` (the default), a
 daemon thread of this process, never through a shell; the rollout waits at most ``timeout``
