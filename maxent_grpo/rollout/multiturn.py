@@ -20,7 +20,7 @@ so all run this one loop. Per sample:
      ``reset(prompt, answer)`` before the first turn. An exception in ``step`` is a message
      (kind ``error``); a time-out ends the sample (kind ``timeout``: its thread may still
      be running); a ``step`` that returns something else than ``(str, bool)`` is a bug in
-     the environment and stops the run with a TypeError;
+     the environment and stops the run (a ``UserCodeError`` naming it), as one in ``reset`` does;
 
    the messages are rendered by the tokenizer's chat template (the text that follows the
    model's end of turn, its eos token, up to the opening of the next assistant turn) and
