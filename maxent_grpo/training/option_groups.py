@@ -57,7 +57,7 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
 
 def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSettings:
     """Check the module's constructor options ``o`` and group them (see the module
-    docstring); ``reward_names`` are the keys of ``model.rewards``."""
+    docstring); ``reward_names`` are ``WeightedRewards.names`` (checked: never empty)."""
     check_int("model.num_generations", o["num_generations"], minimum=2)
     check_int("model.max_completion_length", o["max_completion_length"], minimum=1)
     overlong = (o.get("rewards") or {}).get("overlong")
@@ -100,7 +100,6 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
                  strict=True)
     n = o["eval_num_generations"]
     check_int("model.eval_num_generations", n, minimum=1)
-    require(len(reward_names) > 0, "model.rewards must name at least one reward function")
     reward = o["eval_reward"]
     require(reward is None or reward in reward_names,
             f"model.eval_reward must be None or one of model.rewards {sorted(reward_names)}; "
