@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -224,7 +224,9 @@ class StepMetrics(torch.nn.Module):
         (``lr_warmup``, the warm-up's progress, while ``view.schedule.lr_warmup_steps``
         runs); ``extra`` are further diagnostics (timings, counters) logged as they are.
         Ends the step of ``tool_watch`` (its warning, if any, comes from global rank 0)."""
-        self.tool_watch.end_step(step, rank_zero=_global_rank() == 0)
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.tool_watch.end_step(step, rank_zero=rank == 0)
         means: dict[str, float] = {}
         for kind, key in self._aligned():  # every rank, the same metrics in the same order
             value = float(self.mean(key).compute() if kind == "mean"
@@ -284,21 +286,11 @@ class StepMetrics(torch.nn.Module):
             grad_norm_scalar=scalars.grad_norm_scalar,
             epoch_progress=scalars.epoch_progress,
         )
-        self.reset_step()
-        return artifacts
-
-    def reset_step(self) -> None:
-        self.reward.reset()
-        self.components.reset()
-        self.tokens.reset()
-        for m in [*self.means.values(), *self.maxima.values()]:
-            m.reset()
+        for metric in [self.reward, self.components, self.tokens, *self.means.values(),
+                       *self.maxima.values()]:
+            metric.reset()
         self._updated.clear()
-
-
-def _global_rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return artifacts
 
 
 log = logging.getLogger(__name__)
@@ -328,28 +320,17 @@ FAILURE_HINTS = {
 
 
 class ToolFailureWatch:
-    """Warns once per failure kind when most recent tool calls fail, naming how they fail.
+    """Warns once per failure kind when most recent tool calls fail, naming how they fail
+    (docs/TOOLS.md): otherwise a run whose calls all time out, or whose model writes no
+    readable call, shows nothing but a reward near 0.
 
-    Without it, a run whose tool calls all time out, or whose model writes no readable call,
-    shows nothing but a reward near 0 (``train/tools/failures/<kind>`` holds the counts, but
-    nobody looks there before knowing to). It adds up the tool calls
-    (or environment steps) of the last ``window`` steps (5 by default; fewer at the start of a
-    run) and, at the end of a step, when those steps ran at least ``min_calls`` calls and more
-    than ``threshold`` of them (half by default) failed, logs one warning (logger
-    ``maxent_grpo.training.step.step_log``) that names the failure kind with the most
-    failures over the window (:data:`~maxent_grpo.rollout.toolcall.FAILURE_KINDS`: a
-    time-out, a malformed call, an unknown tool, bad arguments, an error the tool raised,
-    calls past ``model.max_tool_calls``), the
-    share of every kind that failed, and what to change. A run of steps without any call is
-    not failing (the progress line's ``tool success`` shows it) and never warns.
-
-    Once per kind: a kind already named in this run is not named again, so a run that keeps
-    failing the same way warns once instead of every step (which would bury the progress
-    lines), while a run that fixes one fault and meets another (time-outs gone, the calls now
-    malformed) hears about the second: each kind has its own remedy. The counts are this
-    process's own rollouts (on several ranks, rank 0's calls are a sample of all of them);
-    only global rank 0 warns. :class:`~maxent_grpo.training.step.step_log.StepMetrics` feeds
-    it each step's :class:`~maxent_grpo.rollout.batch.ToolUsage` and ends its steps.
+    At the end of a step, when the tool calls (or environment steps) of the last ``window``
+    steps (fewer at the start of a run) number at least ``min_calls`` and more than
+    ``threshold`` of them failed, one warning (logger ``maxent_grpo.training.step.step_log``)
+    names the kind (:data:`~maxent_grpo.rollout.toolcall.FAILURE_KINDS`) with the most
+    failures over the window, every kind's share and what to change. A kind already named in
+    this run is not named again (each kind has its own remedy). The counts are this
+    process's own rollouts; only global rank 0 warns. :class:`StepMetrics` feeds it.
 
     Args:
         window: the steps whose calls are added up (>= 1).
@@ -379,10 +360,9 @@ class ToolFailureWatch:
         self.steps.append((self._calls, self._failures))
         self._calls, self._failures = 0, dict.fromkeys(FAILURE_KINDS, 0)
         calls = sum(c for c, _ in self.steps)
-        failures = dict.fromkeys(FAILURE_KINDS, 0)
+        failures = Counter(dict.fromkeys(FAILURE_KINDS, 0))  # FAILURE_KINDS' order first
         for _, counts in self.steps:
-            for kind, n in counts.items():
-                failures[kind] = failures.get(kind, 0) + n
+            failures.update(counts)
         failed = sum(failures.values())
         if calls < self.min_calls or failed <= self.threshold * calls:
             return None
