@@ -324,14 +324,12 @@ def count_update(counters: StepCounters, update: Update, trainer: Any, limit: in
     """Count a skipped update (warn; raise :class:`NonFiniteLossError` at ``limit`` in a
     row) or reset the run of skips after one that was taken.
 
-    A skipped update still counts as an optimizer step in ``trainer.global_step`` (and the
-    learning-rate schedule takes its step, as for a step without gradient; only the weights
-    stay as they were), as Lightning's own loop and Hugging Face's count a loss scaler's
-    skipped step: the count then always moves by
-    ``num_iterations`` per training step, so ``max_steps`` and a checkpoint's
-    ``every_n_train_steps``, multiples of it (:func:`~maxent_grpo.training.step.strategy.
-    check_step_multiples`), are met exactly. (Uncounted, one skip with ``num_iterations`` 2
-    left the count odd: no ``every_n_train_steps=2`` checkpoint was ever written again.)"""
+    A skipped update still counts as an optimizer step in ``trainer.global_step`` (the
+    learning-rate schedule steps too; only the weights stay as they were), as Lightning's
+    own loop and Hugging Face's count a loss scaler's skipped step: the count always moves
+    by ``num_iterations`` per training step, so the multiples that
+    :func:`~maxent_grpo.training.step.strategy.check_step_multiples` requires of
+    ``max_steps`` and ``every_n_train_steps`` are met exactly (docs/SCALING.md)."""
     if not update.skipped:
         counters.nonfinite_in_a_row = 0
         return
