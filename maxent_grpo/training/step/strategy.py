@@ -1,14 +1,8 @@
-"""What differs between Lightning strategies, in one place (docs/SCALING.md).
-
-- ``FSDPStrategy`` (FSDP1) is refused (it cannot run the module's backward passes inside
-  the root FSDP forward, Lightning issue #19626); under ``ModelParallelStrategy`` (FSDP2)
-  :func:`fully_shard_models` shards the policy and the reference.
-- ``DeepSpeedStrategy`` clips inside the engine (gradients are partitioned):
-  ``model.gradient_clip_val`` becomes the DeepSpeed config's ``gradient_clipping`` (the
-  optimizer step's ``clip_gradients`` leaves it to the engine), and a step must be one
-  backward pass (ZeRO-2 with ``gradient_accumulation_steps = 1`` keeps only the last
-  backward's gradient), so micro-batch limits are refused when the run starts.
-- DDP needs nothing here: after each backward every rank holds the averaged gradient.
+"""What differs between Lightning strategies, in one place (docs/SCALING.md, "Strategies and
+manual optimisation"): FSDP1 is refused and DeepSpeed clips inside its engine, with one
+backward pass per step (:func:`check_strategy`); under ``ModelParallelStrategy`` (FSDP2)
+:func:`fully_shard_models` shards the policy and the reference; DDP needs nothing here.
+Also what a ``fit`` checks as it attaches the module (:func:`attach_for_fit`).
 """
 
 from __future__ import annotations

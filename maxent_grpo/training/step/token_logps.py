@@ -24,16 +24,13 @@ Position ids follow the left padding exactly as in generation. The policy is sco
 gradient (:class:`~maxent_grpo.training.types.SequenceScores`), frozen models (reference,
 behaviour) without, micro-batch by micro-batch.
 
-Micro-batches (:func:`plan_micro_batches`, at the end of the module) hold whole groups,
-packed by length under a row and a token budget.
-
-The step's ``B*G`` rows (prompt-major: group ``b`` is rows ``b*G .. b*G + G-1``) are
-``[prompt (left-padded to P) | completion (right-padded to T)]``. A micro-batch takes whole
-groups only (the per-group targets and the loss reductions rely on it) and keeps only the
-columns some of its rows use: from its first real prompt column to its longest completion.
-The loss is the same for any partition: every reduction counts rows and tokens of the
-whole batch (``num_rows``, ``num_global_tokens``, ``max_completion_length``), and padding
-columns are masked.
+Micro-batches (:func:`plan_micro_batches`, at the end of the module) hold whole groups
+(the per-group targets and the loss reductions rely on it) of the step's prompt-major
+``[prompt (left-padded) | completion (right-padded)]`` rows, packed by length under a row
+and a token budget, each cut to the columns its rows use (:class:`MicroBatchPlan`). The
+loss is the same for any partition: every reduction counts rows and tokens of the whole
+batch (``num_rows``, ``num_global_tokens``, ``max_completion_length``), and padding columns
+are masked.
 """
 
 from __future__ import annotations
