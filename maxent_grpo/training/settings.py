@@ -1,11 +1,7 @@
-"""The typed groups of the module's options (frozen records, built once) and the
-learning-rate scheduler.
-
-:class:`~maxent_grpo.training.module.MaxEntGRPOModule` takes flat options (one YAML key
-each, documented by ``--help``); :func:`~maxent_grpo.training.option_groups.build_loop_settings`
-checks them and builds these records into the documented
-:class:`~maxent_grpo.training.types.LoopSettings`, whose fields they type. This module sits
-below :mod:`maxent_grpo.training.types` (it never imports it).
+"""The typed groups of the module's flat options (frozen records, built once by
+:func:`~maxent_grpo.training.option_groups.build_loop_settings`; they type the fields of the
+documented :class:`~maxent_grpo.training.types.LoopSettings`) and the learning-rate
+scheduler. This module sits below :mod:`maxent_grpo.training.types` (it never imports it).
 """
 
 from __future__ import annotations

@@ -105,8 +105,7 @@ class TrainingScalarStats:
 
     def as_dict(self) -> dict[str, float | None]:
         """``logp/ref_token``, ``lr``, ``entropy``, ``perf/generate_s`` (the latency in
-        seconds),
-        ``entropy_bonus/{coef,reward_std}`` and ``tokens/<name>`` (see
+        seconds), ``entropy_bonus/{coef,reward_std}`` and ``tokens/<name>`` (see
         :meth:`TokenUsageStats.as_dict`); values not measured (None, NaN) are left out. The
         gradient norm and the progress are logged by :class:`LogStepArtifacts`, which
         carries them."""
