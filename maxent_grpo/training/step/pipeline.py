@@ -40,7 +40,7 @@ import torch
 from maxent_grpo.rollout.protocol import RolloutOutput
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
 from maxent_grpo.training.step.metrics import all_gather_objects
-from maxent_grpo.validation import require
+from maxent_grpo.validation import check_int, require
 
 __all__ = ["Prefetched", "RolloutPipeline", "check_staleness", "restore_rollouts"]
 
@@ -52,9 +52,7 @@ log = logging.getLogger(__name__)
 def check_staleness(max_staleness: Any, sampler_correction: str | None,
                     environment: Any) -> None:
     """``model.max_staleness`` and what it needs (ValueError naming the option)."""
-    require(isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
-            and max_staleness >= 0,
-            f"model.max_staleness must be an int >= 0; got {max_staleness!r}")
+    check_int("model.max_staleness", max_staleness, minimum=0)
     require(max_staleness == 0 or sampler_correction is not None,
             "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
             "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2)")
