@@ -1,21 +1,12 @@
-"""Runs that stay whole: atomic checkpoint writes, corrupt-checkpoint recovery, resumed logs.
-
-- :class:`AtomicCheckpointIO` writes each checkpoint to a hidden ``.<name>.<pid>.tmp`` in the
-  target folder, ``fsync``\\ s it and renames it over the target, so a run killed mid-write
-  leaves the previous ``last.ckpt`` whole (the CLI registers it unless ``trainer.plugins``
-  has a CheckpointIO).
-- :func:`resolve_checkpoint` turns ``--ckpt_path last`` into the latest step of the run
-  whose *usable* ``*.ckpt`` files are in the checkpoint folders, skipping broken files with
-  a warning that names them; when the folders hold the checkpoints of more than one run it
-  stops and names them. A broken checkpoint named explicitly stops the run, naming the
-  newest usable one next to it.
-- :class:`LoggerVersions` records the run's identity and the loggers' versions in every
-  checkpoint, so a resumed run logs into the version folder it continues (and stays the same
-  run); :func:`continue_csv_log` keeps a CSVLogger's ``metrics.csv``.
+"""Runs that stay whole (docs/CHECKPOINTS.md, "Runs that stay whole"): atomic checkpoint
+writes (:class:`AtomicCheckpointIO`), ``--ckpt_path`` resolved to the usable checkpoint of
+one run (:func:`resolve_checkpoint`), and resumed logs (:class:`LoggerVersions`,
+:func:`continue_csv_log`).
 
 "Usable" is checked without loading the tensors: a complete zip archive (``torch.save``'s
 format, whose central directory is written last) whose members lie inside the file, with a
-loadable pickled index (memory-mapped). Bit rot inside a tensor's bytes is not detected.
+loadable pickled index (memory-mapped); the one taken is also read whole against its
+checksums (:func:`checkpoint_problem`'s ``full``).
 """
 
 from __future__ import annotations
@@ -400,15 +391,11 @@ class LoggerVersions(pl.Callback):
         checkpoint[RUN_KEY] = self.run
         records = []
         for logger in trainer.loggers:
-            try:
-                records.append({
-                    "class": f"{type(logger).__module__}.{type(logger).__qualname__}",
-                    "save_dir": absolute_folder(logger.save_dir),
-                    "name": logger.name,
-                    "version": logger.version,
-                })
-            except Exception:  # noqa: BLE001 -- a logger without these: nothing to continue
-                records.append({"class": f"{type(logger).__module__}.{type(logger).__qualname__}"})
+            record = {"class": f"{type(logger).__module__}.{type(logger).__qualname__}"}
+            with contextlib.suppress(Exception):  # a logger without these: nothing to continue
+                record.update(save_dir=absolute_folder(logger.save_dir), name=logger.name,
+                              version=logger.version)
+            records.append(record)
         checkpoint[LOGGERS_KEY] = records
 
 
