@@ -55,8 +55,8 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     out = Path(os.path.realpath(os.path.expanduser(out)))  # a link's folder is replaced
     adapters = has_adapters(model)
     name = getattr(source, "name_or_path", None)
-    targets = [out, *([out.with_name(f"{out.name}-merged")] if merged and adapters else [])]
-    clash = replaced_model(source, targets)
+    merged_out = out.with_name(f"{out.name}-merged") if merged and adapters else None
+    clash = replaced_model(source, [out] if merged_out is None else [out, merged_out])
     require(clash is None, f"exporting into {str(out)!r} would replace the folder the model "
                            f"loads from ({clash}): export into another folder")
 
@@ -68,17 +68,15 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
 
     _replace(out, write)
     log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "", out)
-    written = [out]
-    if merged and adapters:
-        require(source is not None, "export_policy(merged=True) needs the model's source")
-        base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
-        target = out.with_name(f"{out.name}-merged")
-        whole = merged_copy(model, base, state_dict)
-        _replace(target, lambda folder: (whole.save_pretrained(folder),
+    if merged_out is None:
+        return [out]
+    require(source is not None, "export_policy(merged=True) needs the model's source")
+    base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
+    whole = merged_copy(model, base, state_dict)
+    _replace(merged_out, lambda folder: (whole.save_pretrained(folder),
                                          tokenizer.save_pretrained(folder)))
-        log.info("exported the merged model to %s", target)
-        written.append(target)
-    return written
+    log.info("exported the merged model to %s", merged_out)
+    return [out, merged_out]
 
 
 def replaced_model(source: Any, targets: list[Path]) -> str | None:
