@@ -237,8 +237,7 @@ class Evaluator(torch.nn.Module):
                         "prompt %s: valid_answers %s have no canonical form under answer_form "
                         "%s (canonical_answer); coverage@k counts only the others (a row "
                         "with none is left out of it); further such rows are not named",
-                        batch["indices"][b] if "indices" in batch else b,
-                        repr(unread)[:200], form or "expression")
+                        batch["indices"][b], repr(unread)[:200], form or "expression")
                 valid = valid or None
             self.records.append(PromptRecord(
                 correct=tuple(correct[b * n:(b + 1) * n]),
@@ -248,7 +247,7 @@ class Evaluator(torch.nn.Module):
                 task=None if task is None else str(task),
                 greedy_correct=greedy_correct[b],
                 answer_form=None if form is None else str(form),
-                row=batch["indices"][b] if "indices" in batch else None,
+                row=batch["indices"][b],
                 rewards=tuple(totals[b]),
                 components=tuple(tuple(value[b]) for value in values),
             ))
