@@ -159,11 +159,10 @@ class ModuleHooks(L.Callback):
     def on_validation_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         share_sigterm(trainer, training=False)
 
+    on_test_batch_end = on_validation_batch_end
+
     def on_test_start(self, trainer: L.Trainer, *_: Any) -> None:
         same_batches(trainer, trainer.num_test_batches)
-
-    def on_test_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        share_sigterm(trainer, training=False)
 
     def on_predict_start(self, trainer: L.Trainer, *_: Any) -> None:
         same_batches(trainer, trainer.num_predict_batches)
