@@ -26,10 +26,8 @@ once (``step_log.ToolFailureWatch`` warns, naming how they fail);
 without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
 logged dict, ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
 A plain ``L.Trainer`` gets it too, in place of Lightning's own default bar
-(``MaxEntGRPOModule.configure_callbacks``). To configure it, name it in ``trainer.callbacks``::
-
-    - class_path: maxent_grpo.training.callbacks.ReadableProgressBar
-      init_args: {mode: lines, every_n_steps: 10}
+(``MaxEntGRPOModule.configure_callbacks``). To configure it: docs/LOGGING.md, its progress
+bar (under "TensorBoard").
 """
 
 from __future__ import annotations

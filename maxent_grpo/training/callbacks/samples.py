@@ -3,17 +3,11 @@
 After every training step ``pl_module.trajectory.samples`` (a
 :class:`~maxent_grpo.training.step.trajectory.RolloutSamples`) holds the step's prompts,
 completions, rewards and, where the objective has them, advantages, weights and target q.
-:class:`CompletionSamples` writes the first ``max_prompts`` prompts, one row per completion:
-
-- TensorBoard: a markdown table under the text tag ``samples/completions`` and histograms
-  ``samples/reward``, ``samples/weight``, ``samples/advantage``, ``samples/q`` of the batch;
-- W&B: a ``wandb.Table`` under ``samples/completions`` (columns of :func:`flat_table`);
-- MLflow: the same table as the artifact ``samples/step_<n>.json`` (the layout of
-  ``MlflowClient.log_table``);
-- any other logger: :func:`rollout_rows` appended to ``<folder>/samples/completions.jsonl``
-  (the logger's own run folder, :func:`~maxent_grpo.training.run.folders.logger_folder`:
-  its ``log_dir`` where it has one, else ``<save_dir or default_root_dir>/<name>/<version>``);
-- no logger (``--trainer.logger=false``): nothing, unless ``jsonl_path`` asks for a file.
+:class:`CompletionSamples` writes the first ``max_prompts`` prompts, one row per completion,
+through every logger: what TensorBoard, W&B, MLflow and any other logger get, and where
+(:func:`~maxent_grpo.training.run.folders.logger_folder`), is in docs/LOGGING.md, "Seeing
+samples"; with no logger (``--trainer.logger=false``) nothing, unless ``jsonl_path`` asks
+for a file.
 
 Samples are keyed on the rollout's ``step``, its first optimizer step (with
 ``num_iterations`` k > 1, k times the step Lightning logs the ``train/...`` scalars at), and

@@ -16,10 +16,7 @@ Schema (every scalar a finite number or ``null``)::
 
 tau and beta belong to the objective (the controllers keep no copy); everything else is a
 controller's own state, mapped by its class's ``file_fields`` to and from its ``state_dict``.
-
-The file is written at every checkpoint save and at the end of training, and read at
-``setup`` from a controller's ``resume_from``; a ``fit --ckpt_path`` checkpoint, restored
-after ``setup``, then overrides the file's values.
+When it is written and read: :mod:`~maxent_grpo.training.callbacks.controller_base`.
 """
 
 from __future__ import annotations
