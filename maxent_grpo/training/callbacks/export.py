@@ -132,13 +132,9 @@ class HFExport(Callback):
     are exported to ``final`` anyway, and a warning says that nothing trained and why
     (without a checkpoint nothing is exported, and the warning says so).
 
-    With ``model.peft`` the folder holds the adapter, whose ``base_model_name_or_path``
-    is the model's name as given (a ``builtin:`` name is kept, not this machine's cache
-    folder); it loads with :func:`~maxent_grpo.models.load_policy` or as
-    ``model.model_name_or_path`` (merged into its base), and, for a hub base, with
-    ``peft.AutoPeftModelForCausalLM.from_pretrained``. With ``merged`` a second folder
-    ``<name>-merged`` holds the plain model with the adapters folded in
-    (:func:`~maxent_grpo.adapters.merged_copy`, from a fresh copy of the base).
+    With ``model.peft`` the folder holds the adapter, and with ``merged`` a second folder
+    ``<name>-merged`` the plain model with the adapters folded in (:func:`export_policy`);
+    a hub base's adapter also loads with ``peft.AutoPeftModelForCausalLM.from_pretrained``.
 
     Args:
         dirpath: output folder (``~`` expanded); None means ``<run folder>/hf`` (the
