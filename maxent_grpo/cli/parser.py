@@ -111,7 +111,7 @@ class MaxEntGRPOCLI(LightningCLI):
         """Build the Trainer with a
         :class:`~maxent_grpo.training.callbacks.progress.ReadableProgressBar` unless
         ``trainer.callbacks`` names a progress bar or ``trainer.enable_progress_bar`` is false."""
-        config = self.config_init.get(str(self.subcommand), self.config_init)
+        config = self._subconfig(self.config_init)
         trainer_config = {**config.get("trainer", {}), **kwargs}
         if trainer_config.get("enable_progress_bar") is not False:
             callbacks = trainer_config.get("callbacks") or []
@@ -136,10 +136,7 @@ class MaxEntGRPOCLI(LightningCLI):
         """Nothing: LightningCLI would load a ``--ckpt_path`` file here, before any check, and
         replace the model options given on the command line by its saved ones (a file that is
         no checkpoint would fail with torch's traceback). The file is checked in
-        :meth:`_prepare_resume` instead, and the options given are the options used."""
-
-    def before_instantiate_classes(self) -> None:
-        self._prepare_resume()
+        :meth:`before_instantiate_classes` instead, and the options given are the options used."""
 
     def _subconfig(self, config: Any) -> Any:
         return config.get(str(self.subcommand), config) if self.subcommand else config
@@ -157,7 +154,7 @@ class MaxEntGRPOCLI(LightningCLI):
                 dirpaths.append(str(dirpath))
         return dirpaths
 
-    def _prepare_resume(self) -> None:
+    def before_instantiate_classes(self) -> None:
         """Before anything is built: check the checkpoint to resume from
         (:func:`~maxent_grpo.training.run.checkpoint_io.resolve_checkpoint`); when ``fit``
         resumes, a TensorBoardLogger or CSVLogger without an explicit ``version`` gets the
@@ -214,7 +211,7 @@ class MaxEntGRPOCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         """Atomic checkpoint writes unless the plugins or strategy brought a CheckpointIO,
         :class:`LoggerVersions` in every checkpoint, and the logger versions that
-        :meth:`_prepare_resume` set taken out of the config again."""
+        :meth:`before_instantiate_classes` set taken out of the config again."""
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
         for args, purge in getattr(self, "_continued", []):
@@ -231,9 +228,9 @@ class MaxEntGRPOCLI(LightningCLI):
             trainer.callbacks.append(ckpt_io.LoggerVersions())
 
     def _use_checked_checkpoint(self) -> None:
-        """Hand Lightning the checkpoint that :meth:`_prepare_resume` checked (a sharded
-        one's folder only to a strategy that reads one); warn of an MLflow server that does
-        not answer."""
+        """Hand Lightning the checkpoint that :meth:`before_instantiate_classes` checked (a
+        sharded one's folder only to a strategy that reads one); warn of an MLflow server that
+        does not answer."""
         from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
         resume = getattr(self, "_resume", None)
@@ -280,8 +277,8 @@ class MaxEntGRPOCLI(LightningCLI):
         from lightning.pytorch.loggers import CSVLogger
 
         ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths())
-        later = ([] if self.config.get(f"{self.subcommand}.ckpt_path") == "last" else
-                 ckpt_io.later_steps_of_run(self._checkpoint_dirpaths(), self._resume))
+        later = [] if last else ckpt_io.later_steps_of_run(self._checkpoint_dirpaths(),
+                                                           self._resume)
         if later:  # a rollback: the run goes on as a branch, which `last` will not mistake
             for cb in self.trainer.callbacks:
                 if isinstance(cb, ckpt_io.LoggerVersions):
@@ -318,16 +315,14 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 QUIET_INFO = ("💡 Tip: For seamless cloud logging",)  #: info lines not printed (an advert)
 
 
-class _DropInfo(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(QUIET_INFO)
-
-
 @contextlib.contextmanager
 def _without_tips() -> Iterator[None]:
     """Lightning's rank-zero logger without the :data:`QUIET_INFO` lines, for the call."""
     log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    drop = _DropInfo()
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(QUIET_INFO)
+
     log.addFilter(drop)
     try:
         yield
@@ -387,11 +382,9 @@ def _named_configs(args: Any) -> Any:
     if args is None:
         sys.argv[1:] = cli_help.resolve_config_names(sys.argv[1:])
         check_linked_targets(sys.argv[1:])
-        return None
-    if not isinstance(args, list):
-        return args
-    args = cli_help.resolve_config_names(args)
-    check_linked_targets(args)
+    elif isinstance(args, list):
+        args = cli_help.resolve_config_names(args)
+        check_linked_targets(args)
     return args
 
 
