@@ -48,8 +48,10 @@ PROG = "maxent-grpo export"
 POLICY_PREFIX, PEFT_PREFIX = "policy.", "policy.base_model.model."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of :func:`main` (``prog`` is ``maxent-grpo export``)."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default ``sys.argv[1:]``); return the exit code: 0 done,
+    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
         prog=PROG, description="Write the policy (or its peft adapter) and tokenizer of a "
         "training checkpoint as a Hugging Face folder (save_pretrained).")
@@ -62,15 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "model.peft when the checkpoint does not record it (older checkpoints)")
     parser.add_argument(errors.TRACEBACK_FLAG, action="store_true",
                         help="print the full trace of an error")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the command on ``argv`` (default ``sys.argv[1:]``); return the exit code: 0 done,
-    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exit_:  # --help, or argparse's usage error (already printed)
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
@@ -202,12 +197,11 @@ def _read_file(path: Path) -> Any:
     if (problem := checkpoint_problem(path)) is not None:  # damaged bytes load as weights
         raise UserError(f"checkpoint {str(path)!r} is {problem}: export an intact one")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 - any failure to read it is the file's
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot read checkpoint {str(path)!r} ({reason}): give a .ckpt file "
                         "written by a maxent-grpo fit") from error
-    return saved
 
 
 def _peft_config(saved: dict[str, Any], path: Path, config: str | None) -> Any:
