@@ -241,11 +241,7 @@ def hub_sources(
 
 
 def split_off_val(
-    whole: SplitRows,
-    val_size: int,
-    seed: int,
-    batch_size: int | None = None,
-    val_option: str | None = None,
+    whole: SplitRows, val_size: int, seed: int, batch_size: int | None, val_option: str
 ) -> Sources:
     """``val_size`` rows of ``whole`` chosen by ``torch.randperm(len(rows), generator=seed)``
     become the validation rows, the rest the training rows, both in source order.
@@ -267,10 +263,10 @@ def split_off_val(
 
 
 def _too_few_rows(
-    source: str, total: int, val_size: int, batch_size: int | None, val_option: str | None
+    source: str, total: int, val_size: int, batch_size: int | None, val_option: str
 ) -> str:
     """Why ``total`` rows cannot hold ``val_size`` and a batch, and the flags that fix it."""
-    other = f", or give {val_option} for the validation rows" if val_option else ""
+    other = f", or give {val_option} for the validation rows"
     if total == 0:
         return f"{source} holds no rows"
     left = max(total - val_size, 0)
