@@ -31,12 +31,11 @@ built-in ``python`` tool (``--tool python``): the call is
 ``<tool_call>{"name": "python", "arguments": {"code": "print(37 * 84)"}}</tool_call>`` and
 the tool's message is what that prints (the value and a newline). It continues from
 ``builtin:tiny-tools-warm``'s shipped weights for :data:`CONTINUE_STEPS` steps on the same
-draws written with ``python`` calls (:data:`CONTINUES_FROM`; 12 min with 2 threads).
-Trained from ``builtin:tiny`` alone (its first version), the longer ``python`` schema in the
-prompt left a model that called right but never copied the printed value: after the message
-it wrote a two-digit number, and 0 of 256 samples on the task were right. Continued, on the
-task it calls 0.465 of the time, always on the question's own code, and 0.059 of the samples
-are right; on differences (a warm-start kind) every call's value is copied.
+draws written with ``python`` calls (:data:`CONTINUES_FROM`; 12 min with 2 threads):
+trained from ``builtin:tiny`` alone (its first version), it called right but never copied
+the printed value; continued, it copies every call's value on differences (a warm-start
+kind). Both versions' measures on the task: docs/MEASURED.md, "The ``python`` tool demo,
+measured".
 """
 
 from __future__ import annotations
