@@ -14,12 +14,14 @@ subclasses). This module imports neither Lightning nor torch at module level.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import difflib
 import os
 import re
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,28 +180,27 @@ def _is_trainer_group(group: Any) -> bool:
 TRAINER_TITLE = "Lightning's Trainer (the shipped configs set the ones a run needs)"
 
 
-def ordered_groups(groups: list[Any]) -> list[Any]:
-    """The parser's option groups for the short page: ours first, then Lightning's
-    Trainer options (titled :data:`TRAINER_TITLE`), then the linked arguments."""
+@contextlib.contextmanager
+def ordered_groups(parser: Any) -> Iterator[None]:
+    """``parser``'s option groups in the short page's order while it is formatted: ours
+    first, then Lightning's Trainer options (titled :data:`TRAINER_TITLE`), then the linked
+    arguments; as they were afterwards."""
     def rank(group: Any) -> int:
         title = str(group.title or "")
         if title.startswith("Linked arguments"):
             return 2
         return 1 if _is_trainer_group(group) else 0
 
-    ordered = sorted(groups, key=rank)
-    for group in ordered:
-        if _is_trainer_group(group) and group.title != TRAINER_TITLE:
-            group._full_title, group.title = group.title, TRAINER_TITLE
-    return ordered
-
-
-def restore_titles(groups: list[Any]) -> None:
-    """Undo :func:`ordered_groups`' change of the Trainer group's title."""
-    for group in groups:
-        if hasattr(group, "_full_title"):
-            group.title = group._full_title
-            del group._full_title
+    groups, titles = parser._action_groups, {}
+    parser._action_groups = sorted(groups, key=rank)
+    for group in filter(_is_trainer_group, groups):
+        titles[group], group.title = group.title, TRAINER_TITLE
+    try:
+        yield
+    finally:
+        parser._action_groups = groups
+        for group, title in titles.items():
+            group.title = title
 
 
 def help_formatter_class() -> type:

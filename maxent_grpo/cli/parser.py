@@ -65,13 +65,8 @@ class ShortUsageParser(LightningArgumentParser):
         Trainer options; jsonargparse's page as it is under ``--help-all``."""
         if cli_help.FULL_HELP.get():
             return super().format_help()
-        groups = self._action_groups
-        self._action_groups = cli_help.ordered_groups(groups)
-        try:
+        with cli_help.ordered_groups(self):
             return super().format_help()
-        finally:
-            cli_help.restore_titles(groups)
-            self._action_groups = groups
 
 
 class MaxEntGRPOCLI(LightningCLI):
