@@ -222,7 +222,7 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--head-dim", type=int, choices=(16, 64), default=16,
                         help="16: builtin:tiny-warm; 64: builtin:tiny-h64-warm (vLLM's tests)")
     args = parser.parse_args(argv)
-    shipped = WEIGHTS_H64 if args.head_dim == 64 else WEIGHTS
+    shipped, name = {16: (WEIGHTS, "tiny-warm"), 64: (WEIGHTS_H64, "tiny-h64-warm")}[args.head_dim]
     if args.retrain and args.out is None:
         parser.error(f"--retrain needs --out FILE (the shipped weights are {shipped})")
     tokenizer = build_tiny_tokenizer()
@@ -231,7 +231,6 @@ def _main(argv: list[str] | None = None) -> dict[str, float]:
         warm_start(model, tokenizer, lr=WARM_START_LR[args.head_dim], report=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_model(model, str(args.out))
-        name = "tiny-h64-warm" if args.head_dim == 64 else "tiny-warm"
         print(f"wrote {args.out} (trained with {torch.get_num_threads()} threads); "
               f"builtin:{name} reads the shipped file, and its cache folder "
               f"(~/.cache/maxent_grpo/models/{name}-v*) must be removed after replacing it")
