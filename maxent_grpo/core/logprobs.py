@@ -101,18 +101,8 @@ def _blocks(logits: torch.Tensor) -> Iterator[tuple[slice, slice]]:
             yield slice(n, n + 1), slice(start, min(start + step, n_tok))
 
 
-def _shift_block(z: torch.Tensor, shift_out: torch.Tensor, lse_out: torch.Tensor) -> torch.Tensor:
-    """For one ``(tokens, V)`` block: ``shifted = z - max_v z``; store max and lse(shifted).
-    ``log p = shifted - lse`` never adds the maximum back (accurate under a large offset)."""
-    peak = z.amax(dim=-1)
-    shifted = z - peak.unsqueeze(-1)
-    shift_out.copy_(peak)
-    lse_out.copy_(torch.logsumexp(shifted, dim=-1))
-    return shifted
-
-
 def _block_log_probs(z: torch.Tensor, shift: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``log softmax`` of one ``(tokens, V)`` block from the statistics of ``_shift_block``."""
+    """``log softmax`` of one ``(tokens, V)`` block from the statistics of :func:`block_forward`."""
     return (z - shift.unsqueeze(-1)) - lse.unsqueeze(-1)
 
 
@@ -123,8 +113,12 @@ def block_forward(
     """For one ``(tokens, V)`` block of logits ``z`` in the compute dtype: write the chosen
     tokens' log-probs into ``out`` (unless ``index`` is None), ``max_v z`` and
     ``logsumexp(z - max)`` into ``shift`` and ``lse``, and the exact entropy into ``ent``
-    unless it is None (all ``(tokens,)``)."""
-    shifted = _shift_block(z, shift, lse)
+    unless it is None (all ``(tokens,)``). ``log p = shifted - lse`` never adds the maximum
+    back (accurate under a large offset)."""
+    peak = z.amax(dim=-1)
+    shifted = z - peak.unsqueeze(-1)
+    shift.copy_(peak)
+    lse.copy_(torch.logsumexp(shifted, dim=-1))
     if ent is None:
         out.copy_(shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) - lse)
         return
