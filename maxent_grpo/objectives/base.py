@@ -335,7 +335,7 @@ def surrogate_parts(ratio_level: str, clip_rule: str) -> tuple[str, str]:
 
 def clipped_token_loss(
     mb: MicroBatch, advantages: Tensor, epsilon: float, epsilon_high: float,
-    ratio_level: str = "token", clip_rule: str = "ppo", cov: CovSettings | None = None,
+    ratio_level: str, clip_rule: str, cov: CovSettings,
 ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
     """Per-token loss ``(n, T)`` of one micro-batch, and the clip fractions ``clip/low``,
     ``clip/high``, ``clip/total`` as token-weighted ``(sum, count)`` pairs.
@@ -359,13 +359,11 @@ def clipped_token_loss(
         high = capped.sum().float() / n_tok.clamp(min=1)
         low, total = torch.zeros_like(high), high
     elif clip_rule == "kl_cov":
-        cov = cov or CovSettings()
         surr, chosen = kl_cov_surrogate(ratio, mb.token_logps, old, advantages, mb.mask,
                                         cov.fraction, cov.coef)
         low = high = total = torch.zeros((), device=n_tok.device)
     else:
         if clip_rule == "clip_cov":
-            cov = cov or CovSettings()
             surr, chosen = clip_cov_surrogate(ratio, mb.token_logps, advantages, mb.mask,
                                               epsilon, epsilon_high, cov.fraction, cov.bounds)
         else:

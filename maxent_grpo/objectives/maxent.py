@@ -25,6 +25,7 @@ from maxent_grpo.core import (
 )
 from maxent_grpo.objectives.base import (
     ClipRule,
+    CovSettings,
     GroupInputs,
     LossOutput,
     MicroBatch,
@@ -34,6 +35,7 @@ from maxent_grpo.objectives.base import (
     clip_range,
     clipped_token_loss,
     reduce_tokens,
+    sequence_ref_loglik,
     surrogate_parts,
     token_sum,
     weight_stats,
@@ -162,11 +164,10 @@ class ListwiseMaxEnt(Objective):
         return Targets(weights=w, stats=weight_stats(w), candidates=candidates, q=q)
 
     def _seq_logps(self, token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:
-        m = mask.to(token_logps.dtype)
-        s = token_logps.where(m.bool(), 0).sum(-1)  # (n,); -inf * 0 at a padded token is NaN
         if self.length_normalize:
-            s = s / m.sum(-1).clamp(min=1.0)
-        return s.view(-1, group_size)  # (n // G, G)
+            return sequence_ref_loglik(token_logps, mask, group_size)  # sum_t m*l / max(T_i, 1)
+        s = token_logps.where(mask.bool(), 0).sum(-1)  # -inf * 0 at a padded token is NaN
+        return s.view(-1, group_size)
 
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.weights is not None
@@ -250,7 +251,7 @@ class GroupMaxEnt(Objective):
     def loss(self, mb: MicroBatch) -> LossOutput:
         assert mb.advantages is not None and mb.weights is not None
         per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high,
-                                             self.ratio_level, self.clip_rule)
+                                             self.ratio_level, self.clip_rule, CovSettings())
         row_scale = (mb.group_size * mb.weights).reshape(-1, 1)  # (n, 1)
         sums["loss/policy"] = token_sum(per_token, mb.mask)
         if mb.ref_token_logps is not None:
