@@ -117,10 +117,9 @@ def entropy_target_at(
     or ``horizon == 0``. Raises ``ValueError`` for ``step < 0``, ``horizon < 0`` or non-finite
     ``start`` / ``final``.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an integer >= 0; got {step!r}")
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 0:
-        raise ValueError(f"horizon must be an integer >= 0; got {horizon!r}")
+    for name, value in (("step", step), ("horizon", horizon)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
     start = _finite("start", start)
     if final is None or horizon == 0:
         return start
