@@ -1,14 +1,13 @@
 """The interface between the trainer and an objective, and the parts objectives share.
 
-:class:`GroupInputs` is what :meth:`Objective.prepare` reads of one rollout,
-:class:`Targets` what it derives from it,
-:class:`MicroBatch` what :meth:`Objective.loss` sees, :class:`LossOutput` what it returns
-(``docs/ALGORITHM.md`` §0-4). The trainer and the controllers need nothing from an
-objective beyond the members of :class:`Objective`. The objective is the one owner of tau
-and beta: controllers read and write them there, and a checkpoint keeps them only in the
-module's entry (:meth:`Objective.state_dict`). The clipped surrogate that GRPO,
-EntropyMaxEnt and GroupMaxEnt share (:func:`clipped_token_loss`, :func:`reduce_tokens`)
-closes the module.
+:class:`GroupInputs` is what :meth:`Objective.prepare` reads of one rollout, :class:`Targets`
+what it derives from it, :class:`MicroBatch` what :meth:`Objective.loss` sees,
+:class:`LossOutput` what it returns (``docs/ALGORITHM.md`` §0-4). The trainer and the
+controllers need nothing from an objective beyond the members of :class:`Objective`. The
+objective is the one owner of tau and beta: controllers read and write them there, and a
+checkpoint keeps them only in the module's entry (:meth:`Objective.state_dict`). The
+clipped surrogate that GRPO, EntropyMaxEnt and GroupMaxEnt share
+(:func:`clipped_token_loss`, :func:`reduce_tokens`) closes the module.
 """
 
 from __future__ import annotations
@@ -114,9 +113,8 @@ class Targets:
         """Targets for one group whose loss counts for nothing (a rank's ghost group, scored
         at weight 0 so that every rank makes the same backward passes), whatever the
         objective: zero advantages, uniform weights, every row a candidate, no ``q`` and,
-        where these targets have answer classes, every answer its own; the step's
-        ``stats`` kept. Values take ``like``'s
-        dtype and device (the rewards')."""
+        where these targets have answer classes, every answer its own; the step's ``stats``
+        kept. Values take ``like``'s dtype and device (the rewards')."""
         G, device = group_size, like.device
         return Targets(
             advantages=like.new_zeros(G), weights=like.new_full((1, G), 1.0 / G),
