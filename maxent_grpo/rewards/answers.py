@@ -63,7 +63,11 @@ def first_integer(text: str) -> int | None:
     (1665, None, 7)
     """
     key = _first_number(text)
-    return None if key is None else parse_int(key)
+    # ``int`` refuses more digits than its limit (4300 by default: a model repeating a digit)
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    if key is None or (limit and len(key.lstrip("-")) > limit):
+        return None
+    return int(key)
 
 
 def _first_number(text: str) -> str | None:
@@ -80,16 +84,6 @@ def _first_number(text: str) -> str | None:
         return None if value is None or value.denominator != 1 else str(value)
     digits = number.lstrip("-").lstrip("0")  # str(int(number)), for any length
     return ("-" if number.startswith("-") and digits else "") + (digits or "0")
-
-
-def parse_int(text: str) -> int | None:
-    """``int(text)`` for an integer's text, None when it has more digits (leading zeros
-    aside) than ``int`` converts (4300 by default: a model repeating a digit writes them)."""
-    digits = text.lstrip("-").lstrip("0") or "0"  # int counts leading zeros too
-    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
-    if limit and len(digits) > limit:
-        return None
-    return -int(digits) if text.startswith("-") else int(digits)
 
 
 def completion_text(completion: str | list[dict]) -> str:
