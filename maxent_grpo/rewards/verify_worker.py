@@ -66,12 +66,6 @@ def _words(text: str) -> list[tuple[int, int]]:
             and not any(start <= m.start() < end for start, end in commands)]
 
 
-def _prose(text: str) -> bool:
-    """Whether ``text`` holds a word of prose (:func:`_words`): in ``$...$`` each word is a
-    product of symbols."""
-    return bool(_words(text))
-
-
 def _formula(text: str) -> bool:
     """Whether a reference is a formula written without LaTeX: a tuple, a list, an interval,
     a complex number, an expression or equation in letters (``(1, 2)``, ``-2, 3``, ``6-5i``,
@@ -79,7 +73,7 @@ def _formula(text: str) -> bool:
     number (``18``, ``1,000``, ``3/4``) and prose are not."""
     return ("**" not in text and bool(_FORMULA_CHARS.fullmatch(text))
             and not _GROUPED.fullmatch(text) and not _UNIT.fullmatch(text)
-            and not _prose(text) and bool(re.search(r"[a-zA-Z,()\[\]]", text)))
+            and not _words(text) and bool(re.search(r"[a-zA-Z,()\[\]]", text)))
 
 
 #: LaTeX's math delimiters (an unescaped ``$``, ``\\(``, ``\\[``): a text holding one is parsed
@@ -155,7 +149,7 @@ def math_equal(gold: str, prediction: str, golds: dict | None = None) -> bool:
         # in math mode wrapped in $...$ (when short, or LaTeX without words), and as it is
         # when that finds nothing or the text has words: its LaTeX between the words in
         # $...$ (bare, math-verify reads LaTeX up to its first command: 2\sqrt{3} cm was 2)
-        found, prose = [], _prose(text)
+        found, prose = [], bool(_words(text))
         if latex and "**" not in text and not DELIMITED.search(text) and (
                 len(text) <= WRAP_CHARS or (_latex(text) and not prose)):
             math = parse("$" + re.sub(r"\^(-?\d+(?:\.\d+)?)", r"^{\1}", text) + "$",
