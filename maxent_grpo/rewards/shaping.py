@@ -151,11 +151,8 @@ def overlong_reward(
         raise ValueError(f"exchange_lengths must have one entry per completion "
                          f"({len(completions)}); got {len(lengths)}")
     start = max_completion_length - buffer
-    scores = []
-    for n in lengths:
-        scores.append(0.0 if n <= start else -1.0 if n > max_completion_length
-                      else (start - n) / buffer)
-    return scores
+    return [0.0 if n <= start else -1.0 if n > max_completion_length else (start - n) / buffer
+            for n in lengths]
 
 
 class Overlong:

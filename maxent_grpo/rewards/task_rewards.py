@@ -52,8 +52,7 @@ def countdown_reward(
     references = [None if row_numbers is None or row_target is None
                   else _countdown_reference(row_numbers, row_target, row)
                   for row, (row_numbers, row_target) in enumerate(rows)]
-    return _graded(completions, references, right,
-                   thinking(prompts, kwargs), answer_only=True)
+    return _graded(completions, references, right, thinking(prompts, kwargs), answer_only=True)
 
 
 def _countdown_reference(numbers: Any, target: Any, row: int) -> tuple[list[int], int]:
@@ -105,8 +104,7 @@ def digit_pair_reward(
     targets = [None if value is None else _integer("digit_pair", "target", value, row)
                for row, value in enumerate(require_column("digit_pair", "target", target,
                                                           len(completions)))]
-    return _graded(completions, targets, right,
-                   thinking(prompts, kwargs))
+    return _graded(completions, targets, right, thinking(prompts, kwargs))
 
 
 @register_reward("in_set")
