@@ -4,15 +4,10 @@ Every reward follows TRL's ``GRPOTrainer`` convention (:mod:`maxent_grpo.rewards
 ``fn(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]``,
 where ``None`` marks a row the reward does not apply to.
 
-Registered names: ``accuracy`` (math-verify equivalence with the ``answer`` column),
-``countdown`` (valid expression for ``numbers``/``target``), ``first_number`` (the first
-integer equals ``answer``), ``digit_pair`` (``a + b`` equals ``target``), ``in_set`` (the first
-integer is one of ``valid_answers``), ``format`` (exact
-``<think>…</think><answer>…</answer>`` layout), ``tag_count`` (0.25 per tag used once),
-``answer_format`` (an ``<answer>`` block exists) and ``overlong`` (a penalty on completions
-near ``max_completion_length``). ``model:<name_or_path>`` names a
-sequence-classification reward model (:class:`RewardModel`); per-reward options are in
-:mod:`maxent_grpo.rewards.options`. :class:`WeightedRewards` combines weighted rewards.
+The registered rewards (:func:`list_rewards`) are described in docs/REWARDS.md, "Rewards".
+``model:<name_or_path>`` names a sequence-classification reward model (:class:`RewardModel`);
+per-reward options are in :mod:`maxent_grpo.rewards.options`. :class:`WeightedRewards`
+combines weighted rewards.
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ __all__ = [
     "TimedReward", "TrainerState", "WeightedRewards", "accuracy_reward", "answer_format_reward",
     "completion_text", "countdown_reward", "digit_pair_reward", "extract_answer",
     "first_number_reward", "format_reward", "in_set_reward", "get_reward", "last_boxed",
-    "list_rewards",
-    "parse_reward_options", "register_reward", "score_completions", "tag_count_reward",
-    "trl_completions",
+    "list_rewards", "parse_reward_options", "register_reward", "score_completions",
+    "tag_count_reward", "trl_completions",
 ]

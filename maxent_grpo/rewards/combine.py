@@ -6,27 +6,21 @@ With ``K`` weighted reward functions and ``N`` completions (``N = B*G``, prompt-
     total[i]         = Σ_k w_k · R_k(i)        over the k with R_k(i) not None
 
 A row where every component is ``None`` gets ``total = 0.0`` (as TRL's ``nansum``); its
-components stay NaN. Every function is called as TRL's ``GRPOTrainer`` calls it::
+components stay NaN. Every function is called as TRL's ``GRPOTrainer`` calls it (each
+argument: docs/REWARDS.md, "The contract")::
 
     fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
        trainer_state=trainer_state, **columns)
 
-``completions`` come in the form of their prompts: a string for a text prompt, and
-``[{"role": "assistant", "content": text}]`` for a conversational one (the prompt is passed
-as the dataset gave it); a multi-turn rollout's (``model.tools``) are their messages, the
-model's turns and the tool messages, the last always the model's, with the keywords
-``tool_calls``, ``tool_failures``, ``exchange_lengths`` (and ``environments``) added.
-``completion_ids`` are each
-completion's sampled token ids without padding (stop token included; the model's own
-tokens only), ``trainer_state`` a
-:class:`TrainerState`, and ``columns`` the dataset's other
-columns with one value per completion.
+A multi-turn rollout's (``model.tools``) completions are their messages, the model's turns
+and the tool messages, the last always the model's, with the keywords ``tool_calls``,
+``tool_failures``, ``exchange_lengths`` (and ``environments``) added; its
+``completion_ids`` are the model's own tokens only.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import numbers
 import re
@@ -187,7 +181,7 @@ def _call(
     label = f"reward function {name!r} (#{k})"
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
-        values = awaited(values) if inspect.isawaitable(values) else values  # async def
+        values = awaited(values)  # the result of an async def reward
     except Exception as err:
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)

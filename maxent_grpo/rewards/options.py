@@ -1,17 +1,5 @@
-"""The ``model.rewards`` option: reward names to weights, or to per-reward options.
-
-Each entry maps a reward to a weight, or to a mapping of options::
-
-    rewards:
-      accuracy: 1.0                                   # a weight (as before)
-      mypkg.code:execution_reward:                    # options
-        weight: 1.0
-        timeout: 5.0          # seconds; no result by then -> error, or the fallback
-        fallback: 0.0         # value of every row on a time-out (null = not applicable)
-      model:OpenAssistant/reward-model-deberta-v3-large-v2:
-        weight: 0.5
-        batch_size: 16        # rows per forward pass of the reward model
-        dtype: bfloat16
+"""The ``model.rewards`` option: reward names to weights, or to per-reward options
+(:class:`RewardOptions`; an example: docs/REWARDS.md, "Per-reward options").
 
 A key is a registered reward name, a ``package.module:function`` path, or
 ``model:<hub name or local folder>`` (a :class:`~maxent_grpo.rewards.reward_model.RewardModel`).
