@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from maxent_grpo.rewards.reward_model import DTYPES
 from maxent_grpo.validation import (
     check_choice,
     check_int,
@@ -24,7 +25,6 @@ from maxent_grpo.validation import (
 __all__ = ["MODEL_PREFIX", "RewardOptions", "parse_reward_options"]
 
 MODEL_PREFIX = "model:"
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
 _COMMON_KEYS = ("weight", "timeout", "fallback")
 _MODEL_KEYS = ("batch_size", "dtype")
 #: the reward whose options include ``buffer`` (DAPO's overlong shaping, ``rewards.shaping``)
@@ -112,7 +112,7 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     batch_size = value.get("batch_size", 32)
     check_int(f"{where}.batch_size", batch_size, minimum=1)
     dtype = value.get("dtype", "float32")
-    check_choice(f"{where}.dtype", dtype, MODEL_DTYPES)
+    check_choice(f"{where}.dtype", dtype, DTYPES)
     buffer = value.get("buffer")
     check_int(f"{where}.buffer", buffer, minimum=1, allow_none=True)
     return RewardOptions(

@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["RewardModel"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RewardModel:
@@ -43,8 +43,8 @@ class RewardModel:
         self, name_or_path: str, label: str, batch_size: int = 32, dtype: str = "float32",
         device: Callable[[], torch.device] = lambda: torch.device("cpu"),
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"{label}: dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"{label}: dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         self.name_or_path, self.label = name_or_path, label
         self.batch_size, self.dtype, self.device = batch_size, dtype, device
         self.model: Any = None
@@ -64,7 +64,7 @@ class RewardModel:
             path = resolve_model_path(self.name_or_path)
             tokenizer = load_tokenizer(self.name_or_path, padding_side="right")
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=_DTYPES[self.dtype])
+                path, num_labels=1, dtype=DTYPES[self.dtype])
         except (OSError, ValueError, RuntimeError) as err:
             raise ValueError(
                 f"reward {self.label!r}: cannot load {self.name_or_path!r} as a "
