@@ -62,7 +62,6 @@ def _not_logged(kind: str) -> Callable[..., None]:
     return log
 
 
-
 @dataclass(frozen=True)
 class TrainerState:
     """Read-only training progress.

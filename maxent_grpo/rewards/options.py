@@ -99,10 +99,9 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     has_fallback = "fallback" in value
     require(model is None or (timeout is None and not has_fallback),
             f"{where}: a reward model takes no timeout or fallback; it runs in this process "
-            "and a time-out cannot stop "
-            "it (its thread would go on holding the device, and a process that exits while it "
-            "runs aborts); leave timeout and fallback unset, and bound its cost with "
-            "batch_size")
+            "and a time-out cannot stop it (its thread would go on holding the device, and a "
+            "process that exits while it runs aborts); leave timeout and fallback unset, and "
+            "bound its cost with batch_size")
     fallback = value.get("fallback")
     require(fallback is None or is_number(fallback),
             f"{where}.fallback must be a finite number or null (not applicable); "
