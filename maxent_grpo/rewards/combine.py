@@ -21,6 +21,7 @@ and the tool messages, the last always the model's, with the keywords ``tool_cal
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import re
@@ -180,7 +181,8 @@ def _call(
     label = f"reward function {name!r} (#{k})"
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
-        values = awaited(values)  # the result of an async def reward
+        # async def; checked here so that a sync reward's step runs nothing of timeout.py
+        values = awaited(values) if inspect.isawaitable(values) else values
     except Exception as err:
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)
