@@ -227,9 +227,8 @@ def score_completions(
     ``trainer_state`` as given (None when the caller has none) and ``columns`` mapping each
     dataset column to its ``N`` per-completion values.
 
-    Returns ``(total, components)``: ``total`` float32 ``(N,)`` is the weighted sum skipping
-    ``None`` (a row with no applicable reward gets 0.0); ``components`` float32 ``(K, N)``
-    holds the raw values with NaN for ``None``.
+    Returns ``(total, components)``, float32 ``(N,)`` and ``(K, N)``, as the module
+    docstring defines them (``None``: skipped in ``total``, NaN in ``components``).
 
     >>> total, comps = score_completions(
     ...     [("a", lambda prompts, completions, **kw: [1.0, None], 2.0),

@@ -1,8 +1,7 @@
 """The built-in tasks' correctness rewards: ``countdown`` (an expression reaching a target
 with the given numbers), ``digit_pair`` (two digits summing to a target) and ``in_set``
-(an integer in a row's ``valid_answers``). Each reads a completion's final answer as
-:mod:`maxent_grpo.rewards.answers` does; a row whose reference columns hold ``None``
-scores ``None``, a missing column raises ``ValueError``.
+(an integer in a row's ``valid_answers``), graded as :mod:`maxent_grpo.rewards.answers`
+says ("Grading").
 """
 
 from __future__ import annotations
