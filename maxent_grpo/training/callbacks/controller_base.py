@@ -60,7 +60,7 @@ class Controller(Callback):
     #: objective attributes this controller moves (each must be in ``objective.tunable``)
     moves: tuple[str, ...] = ()
     #: its ``state_dict`` key (attributes of the same name) -> where the value lives in
-    #: ``controller_state.json`` (``meta.x`` is ``state["meta"]["x"]``)
+    #: ``controller_state.json``
     file_fields: dict[str, str] = {}  # noqa: RUF012 (set once per subclass, never mutated)
     #: whether it can raise beta (then the reference is loaded from the start)
     can_raise_beta: bool = False

@@ -25,14 +25,11 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.validation import is_number, require
-
-if TYPE_CHECKING:  # it imports this module
-    from maxent_grpo.training.callbacks.controller_base import Controller
 
 __all__ = [
     "STATE_FILENAME",
@@ -45,6 +42,21 @@ __all__ = [
 
 STATE_FILENAME = "controller_state.json"
 STATE_KEYS = ("beta", "tau", "tau_log", "tau_entropy_ema", "meta")
+
+
+class FileBackedController(Protocol):
+    """What the file needs of a controller
+    (:class:`~maxent_grpo.training.callbacks.controller_base.Controller` satisfies it)."""
+
+    #: the objective attributes it moves (``tau`` / ``beta``)
+    moves: tuple[str, ...]
+    #: its ``state_dict`` key -> where the value lives in the file (``meta.x`` is
+    #: ``state["meta"]["x"]``); ``steps`` is required on read, the rest may be null
+    file_fields: dict[str, str]
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def write_controller_state(path: str | Path, state: dict[str, Any]) -> None:
@@ -91,7 +103,7 @@ def read_controller_state(path: str | Path) -> dict[str, Any]:
 
 
 def build_snapshot(
-    objective: Objective, controllers: Sequence[Controller]
+    objective: Objective, controllers: Sequence[FileBackedController]
 ) -> dict[str, Any]:
     """The file's content: tau / beta from the objective (``null`` unless tunable), each
     controller's own state through its ``file_fields``."""
@@ -118,7 +130,7 @@ MAX_STEPS = 2**53
 
 def apply_snapshot(
     state: dict[str, Any], path: str, objective: Objective,
-    controllers: Sequence[Controller],
+    controllers: Sequence[FileBackedController],
 ) -> None:
     """Restore a :func:`read_controller_state` result: each controller's own state, and the
     objective attributes it moves (``controller.moves``: ``tau`` / ``beta``).
@@ -129,7 +141,7 @@ def apply_snapshot(
     file and the key, and leaves the objective and the controllers as they were.
     """
     moved: dict[str, float] = {}
-    own: list[tuple[Controller, dict[str, Any]]] = []
+    own: list[tuple[FileBackedController, dict[str, Any]]] = []
     for controller in controllers:
         for name in controller.moves:
             moved[name] = value = _value(state, name, path, required=True)
