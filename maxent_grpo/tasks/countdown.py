@@ -33,8 +33,7 @@ def check_countdown(expression: str, numbers: list[int], target: int) -> bool:
     >>> check_countdown("3 * 5 + 3", [2, 3, 5], 18)  # 3 used twice
     False
     """
-    if isinstance(target, bool) or not isinstance(target, int):
-        raise ValueError(f"target must be an int; got {target!r}")
+    check_int("target", target)
     if not isinstance(numbers, (list, tuple)) or any(
         isinstance(n, bool) or not isinstance(n, int) for n in numbers
     ):

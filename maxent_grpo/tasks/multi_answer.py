@@ -92,8 +92,7 @@ def countdown_solutions(numbers: Sequence[int], target: int) -> list[str]:
         raise ValueError(
             f"numbers must be a list of 1 to {MAX_NUMBERS} non-negative ints; got {numbers!r}"
         )
-    if isinstance(target, bool) or not isinstance(target, int):
-        raise ValueError(f"target must be an int; got {target!r}")
+    check_int("target", target)
     if target <= 0:  # the enumeration keeps positive targets only; do it directly
         return sorted({e.text for s in _subsets(numbers) for e in _expressions(s)
                        if e.value == target})
