@@ -524,6 +524,8 @@ def test_a_config_that_sets_a_linked_option_is_refused(tmp_path, text, target):
     with pytest.raises(ValueError, match=f"sets {target}"):  # inline YAML too
         cli_module.main(["fit", f"--config={{{text.split(':')[0]}: {{{target.split('.')[1]}"
                                 f": 1}}}}", *short])
+    with pytest.raises(ValueError, match=f"sets {target}"):  # block-style inline YAML
+        cli_module.main(["fit", "--config", text, *short])
 
 
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):

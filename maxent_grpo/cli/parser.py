@@ -395,9 +395,10 @@ def check_linked_targets(args: list[str]) -> None:
         if value is None:
             continue
         try:
-            text = Path(value).read_text("utf-8") if os.path.isfile(value) else (
-                value if value.lstrip().startswith("{") else None)
-            config = yaml.safe_load(text) if text is not None else None
+            # a file, or inline YAML (flow `{...}` or block `group: ...`, both read by the
+            # parser); a value that is neither loads as a plain string
+            text = Path(value).read_text("utf-8") if os.path.isfile(value) else value
+            config = yaml.safe_load(text)
         except (OSError, yaml.YAMLError, UnicodeDecodeError):
             continue  # the parser says what is wrong with it
         for source, target in LINKS:
