@@ -65,7 +65,7 @@ def get_reward(name_or_callable: str | RewardFn) -> RewardFn:
         module_name, _, attr = name_or_callable.partition(":")
         try:
             fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
+        except (ImportError, AttributeError, TypeError) as err:  # TypeError: a relative path
             raise ValueError(f"cannot import reward {name_or_callable!r}: {err}") from err
         if not callable(fn):
             raise ValueError(f"reward {name_or_callable!r} is not callable")

@@ -138,7 +138,7 @@ def environment_factory(spec: dict[str, Any] | str) -> Callable[[], Any]:
         module, _, name = path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as err:
+    except (ImportError, AttributeError, ValueError, TypeError) as err:  # TypeError: relative
         raise ValueError(f"model.environment: cannot import {path!r} ({err})") from err
     for method in ("reset", "step"):
         require(callable(getattr(cls, method, None)),

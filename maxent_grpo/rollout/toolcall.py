@@ -170,7 +170,7 @@ def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:
         module_name, _, attr = path.rpartition(".")
     try:
         fn = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError) as err:
+    except (ImportError, AttributeError, TypeError) as err:  # TypeError: a relative path
         raise ValueError(
             f"model.tools: cannot import {spec!r} ({err}); give 'package.module:function' or "
             f"one of the built-in tools {sorted(BUILTIN_TOOLS)}") from err

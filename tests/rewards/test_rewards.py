@@ -73,6 +73,8 @@ def test_registry() -> None:
         get_reward("acc")
     with pytest.raises(ValueError, match="cannot import reward 'no_such_module:f'"):
         get_reward("no_such_module:f")
+    with pytest.raises(ValueError, match="cannot import reward '.shaping:format_reward'"):
+        get_reward(".shaping:format_reward")  # relative: was Python's TypeError
 
 
 def test_register_reward() -> None:
