@@ -137,14 +137,15 @@ class StepMetrics(torch.nn.Module):
         device = self.reward.total.device
         for kind, key in sorted(names - self._updated):
             if kind == "mean":
-                self.add(key, torch.zeros(()), 0.0)
+                self.mean(key).update(torch.zeros((), dtype=torch.float64, device=device),
+                                      count=torch.zeros((), dtype=torch.float64, device=device))
             else:
                 self.maximum(key).update(torch.tensor(-math.inf, device=device))
         return sorted(names)
 
     def add(self, key: str, value: Tensor, count: Tensor | float, weight: float = 1.0) -> None:
-        """Add a statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost group),
-        to ``train/<key>``."""
+        """Add a loss statistic's ``(sum, count)``, both times ``weight`` (0 for the ghost
+        group), to ``train/<key>``."""
         self.mean(key).update(weight * value.detach().double(),
                               count=weight * torch.as_tensor(count, dtype=torch.float64))
 
@@ -167,8 +168,11 @@ class StepMetrics(torch.nn.Module):
             entropy += answer_entropy(group)
             distinct += len({a for a, ok in zip(group, correct[b * G:(b + 1) * G], strict=True)
                              if ok and a is not None})
+        device = self.reward.total.device
+        count = torch.tensor(float(groups), dtype=torch.float64, device=device)
         for key, total in (("answer_entropy", entropy), ("distinct_correct", distinct)):
-            self.add(key, torch.tensor(total, dtype=torch.float64), groups)
+            self.mean(key).update(torch.tensor(total, dtype=torch.float64, device=device),
+                                  count=count)
 
     def observe_tools(self, rollout: RolloutOutput) -> None:
         """A multi-turn rollout's ``train/tools/...``, over its ``N`` samples (all rows, the
@@ -202,12 +206,14 @@ class StepMetrics(torch.nn.Module):
         if t.ref_logps is not None:  # the ghost group's rows do not count
             self.mean("logp/ref_token").update(
                 t.ref_logps, torch.zeros_like(t.mask) if t.ghost else t.mask)
+        device = self.reward.total.device
         if rollout.tools is not None:
             self.observe_tools(rollout)
         for key, value in t.targets.stats.items():
-            self.add(key, value, 1.0)
+            self.mean(key).update(value.detach(), count=torch.ones((), device=device))
         for name, value in t.reward_logs:  # a reward function's log_metric: each call once
-            self.add(f"reward_log/{name}", torch.tensor(value, dtype=torch.float64), 1.0)
+            self.mean(f"reward_log/{name}").update(
+                torch.tensor(value, dtype=torch.float64, device=device), count=1.0)
 
     def artifacts(
         self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,
