@@ -36,6 +36,8 @@ from maxent_grpo.validation import require
 
 __all__ = ["FILE_SUFFIXES", "FileParts", "expand_files", "read_file", "read_files"]
 
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
 # the datasets builder and the format's name (for error messages) of each suffix
 _FORMATS = {
     ".jsonl": ("json", "JSON lines"),
@@ -43,7 +45,6 @@ _FORMATS = {
     ".csv": ("csv", "CSV"),
     ".parquet": ("parquet", "Parquet"),
 }
-FILE_SUFFIXES = tuple(_FORMATS)
 
 Row = dict[str, Any]
 

@@ -241,7 +241,11 @@ def hub_sources(
 
 
 def split_off_val(
-    whole: SplitRows, val_size: int, seed: int, batch_size: int | None, val_option: str
+    whole: SplitRows,
+    val_size: int,
+    seed: int,
+    batch_size: int | None = None,
+    val_option: str | None = None,
 ) -> Sources:
     """``val_size`` rows of ``whole`` chosen by ``torch.randperm(len(rows), generator=seed)``
     become the validation rows, the rest the training rows, both in source order.
@@ -263,10 +267,10 @@ def split_off_val(
 
 
 def _too_few_rows(
-    source: str, total: int, val_size: int, batch_size: int | None, val_option: str
+    source: str, total: int, val_size: int, batch_size: int | None, val_option: str | None
 ) -> str:
     """Why ``total`` rows cannot hold ``val_size`` and a batch, and the flags that fix it."""
-    other = f", or give {val_option} for the validation rows"
+    other = f", or give {val_option} for the validation rows" if val_option else ""
     if total == 0:
         return f"{source} holds no rows"
     left = max(total - val_size, 0)
