@@ -111,7 +111,7 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     batch_size = value.get("batch_size", 32)
     check_int(f"{where}.batch_size", batch_size, minimum=1)
     dtype = value.get("dtype", "float32")
-    check_choice(f"{where}.dtype", dtype, DTYPES)
+    check_choice(f"{where}.dtype", dtype, tuple(DTYPES))  # a list value: no TypeError
     buffer = value.get("buffer")
     check_int(f"{where}.buffer", buffer, minimum=1, allow_none=True)
     return RewardOptions(

@@ -88,6 +88,8 @@ def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
         rm(prompts=[[{"role": "user", "content": "hi"}]], completions=["yo"])
     with pytest.raises(ValueError, match=r"model.rewards.model:x.dtype must be one of"):
         WeightedRewards({"model:x": {"dtype": "int8"}})
+    with pytest.raises(ValueError, match=r"model.rewards.model:x.dtype must be one of"):
+        WeightedRewards({"model:x": {"dtype": ["bfloat16"]}})  # a list: no TypeError
     with pytest.raises(ValueError, match=r"model.rewards.format has no option 'batch_size'"):
         WeightedRewards({"format": {"batch_size": 4}})
     with pytest.raises(ValueError, match=r"model.rewards.model:x: a reward model takes no "
