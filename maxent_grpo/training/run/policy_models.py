@@ -144,12 +144,13 @@ class PolicyModels:
         """At the start of training: the handles take the trainer's strategy, loader and
         sampler (:class:`~maxent_grpo.training.types.RuntimeHandles`); a sampler whose order
         a checkpoint cannot continue is warned about once."""
-        loader = self.trainer.train_dataloader
-        sampler = getattr(loader, "sampler", None)
-        self.runtime = dataclasses.replace(
-            self.runtime, accelerator=self.trainer.strategy, train_loader=loader,
-            train_sampler=sampler, device=self.device)
-        if sampler is not None and not hasattr(sampler, "resume_at"):
+        runtime = dataclasses.replace(
+            self.runtime, accelerator=self.trainer.strategy,
+            train_loader=self.trainer.train_dataloader, device=self.device)
+        sampler = getattr(runtime.train_loader, "sampler", None)
+        self.runtime = dataclasses.replace(runtime, train_sampler=sampler)
+        if self.runtime.train_sampler is not None and not hasattr(
+                self.runtime.train_sampler, "resume_at"):
             rank_zero_warn(
                 f"the training loader's sampler ({type(sampler).__name__}) is not the "
                 "PromptDataModule's EpochShuffleSampler: a run resumed from a checkpoint "
