@@ -175,7 +175,29 @@ def merged_copy(policy: torch.nn.Module, base: torch.nn.Module,
     result = set_peft_model_state_dict(fresh, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))
     require(not unexpected, f"merged_copy: adapter weights without a place: {unexpected[:5]}")
-    return fresh.merge_and_unload()
+    return _untie_tuned(fresh).merge_and_unload()
+
+
+def _untie_tuned(model: Any) -> Any:
+    """``model`` (a peft model about to be merged) with each adapted layer of its tied
+    embeddings given its own copy of the one tensor they share, and the config untied:
+    merged into the shared tensor, an adapter on the output layer would move the input
+    embeddings too (and one on each would count twice), another model than the one trained,
+    where the adapter changes one layer only."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = model.get_base_model()
+    embeddings = base.get_input_embeddings()
+    tied = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(), "weight", None)
+    layers = [m.get_base_layer() for m in base.modules() if isinstance(m, BaseTunerLayer)
+              and getattr(m.get_base_layer(), "weight", None) is tied]
+    if tied is None or not getattr(base.config, "tie_word_embeddings", False) or not layers:
+        return model
+    for layer in layers:
+        layer.weight = torch.nn.Parameter(tied.detach().clone(), tied.requires_grad)
+    for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return model
 
 
 def name_base(folder: str | os.PathLike[str], name: str) -> None:
@@ -225,7 +247,7 @@ def merge_adapter(model: torch.nn.Module, folder: str | os.PathLike[str]) -> tor
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
         with torch.random.fork_rng(devices=[]):  # peft draws its init before loading
-            merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+            merged = _untie_tuned(PeftModel.from_pretrained(model, str(folder))).merge_and_unload()
     merged.name_or_path = merged.config._name_or_path = str(folder)
     for name, p in merged.named_parameters():
         p.requires_grad_(trainable.get(name, True))
