@@ -194,6 +194,25 @@ def load_tokenizer(
     return tokenizer
 
 
+def check_token_ids(tokenizer: Any, model: torch.nn.Module, name_or_path: str) -> None:
+    """ValueError when the tokenizer's pad or eos token has an id past the model's input
+    embeddings (a token added to the tokenizer, the embeddings not resized): the first
+    padded batch would fail deep inside the model (an index error, a device assert)."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(),
+                   "num_embeddings", None)
+    for role in ("pad", "eos"):
+        token_id = getattr(tokenizer, f"{role}_token_id", None)
+        if rows is not None and token_id is not None and token_id >= rows:
+            raise ValueError(
+                f"the tokenizer of {name_or_path!r} has the {role} token "
+                f"{getattr(tokenizer, f'{role}_token')!r} with id {token_id}, past the model's "
+                f"{rows} input embeddings (a token added to the tokenizer without resizing the "
+                "model's embeddings): resize them (model.resize_token_embeddings(len(tokenizer)"
+                "), then save the model) or give the tokenizer a token the model has (e.g. "
+                "pad_token: its eos token, in tokenizer_config.json)")
+
+
 def _load_causal_lm(name_or_path: str, cache_dir: Any, dtype: str,
                     attn_implementation: str | None, trust_remote_code: bool) -> Any:
     """``from_pretrained`` of the causal LM ``name_or_path`` names; an adapter folder loads as

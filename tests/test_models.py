@@ -315,3 +315,22 @@ def test_disable_dropout_reaches_every_kind_of_rate() -> None:
     assert [layer.p for layer in layers[:3]] == [0.0, 0.0, 0.0]
     assert (layers[3].attention_dropout, layers[3].rank_dropout) == (0.0, {"default": 0.0})
     assert layers[3].scaling == 0.5 and disable_dropout(layers) == 0
+
+
+def test_a_pad_token_past_the_embeddings_is_refused_naming_the_fix(tiny_cache: Path,
+                                                                   tmp_path: Path) -> None:
+    """A pad token added to the tokenizer without resizing the embeddings failed at the first
+    padded batch with "unexpected IndexError; this is a bug" (a device assert on a GPU)."""
+    from tests.conftest import make_module
+
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    load_policy("builtin:tiny", cache_dir=tiny_cache).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    module = make_module(str(tiny_cache), model_name_or_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"pad token '\[PAD\]' with id 100, past the model's "
+                                         r"100 input embeddings .*resize_token_embeddings"):
+        module.configure_model()
+    tokenizer.pad_token = tokenizer.eos_token  # the remedy the message names
+    tokenizer.save_pretrained(tmp_path)
+    make_module(str(tiny_cache), model_name_or_path=str(tmp_path)).configure_model()

@@ -17,6 +17,7 @@ from maxent_grpo.adapters import (
     register_sharded_generate,
 )
 from maxent_grpo.models import (
+    check_token_ids,
     disable_dropout,
     load_policy,
     load_reference,
@@ -56,6 +57,7 @@ class PolicyModels:
         self.policy = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir,
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
+        check_token_ids(self.tokenizer, self.policy, src.name_or_path)
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         if disable_dropout(self.policy):  # scored as sampled (eval mode: no dropout)
             rank_zero_warn("the policy's dropout is set to 0 (adapters' too): it samples "
