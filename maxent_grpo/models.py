@@ -189,7 +189,7 @@ def load_tokenizer(
     if require_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer of {name_or_path!r} has no chat template; use an instruct model or "
-            "turn off the chat template in the data settings"
+            "set --data.apply_chat_template false (plain-text prompts)"
         )
     return tokenizer
 

@@ -143,6 +143,17 @@ def test_loaded_tokenizer_matches_in_memory_one(tiny_cache: Path) -> None:
     assert load_tokenizer("builtin:tiny", cache_dir=tiny_cache, require_chat_template=True)
 
 
+def test_a_tokenizer_without_a_chat_template_names_the_option(tiny_cache: Path,
+                                                              tmp_path: Path) -> None:
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="has no chat template; use an instruct model or set "
+                                         "--data.apply_chat_template false"):
+        load_tokenizer(str(tmp_path), require_chat_template=True)
+
+
 def test_local_folder_uses_the_same_path(tiny_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = resolve_model_path("builtin:tiny", cache_dir=tiny_cache)
     assert resolve_model_path(folder) == folder
