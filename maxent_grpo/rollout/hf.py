@@ -63,6 +63,7 @@ from maxent_grpo.rollout.protocol import (
     RolloutOutput,
     SamplingSettings,
     check_request,
+    stop_ids,
 )
 from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
@@ -194,18 +195,6 @@ def _isolated_generation(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def stop_ids(engine: str, model: Any, tokenizer: Any, extra: list[int] | None) -> tuple[int, ...]:
-    """The ids that end a completion: the tokenizer's eos, the model's ``generation_config``
-    eos ids (a chat model's end of turn, ``<|im_end|>``, ``<|eot_id|>``, where the
-    tokenizer's may end the text only) and ``extra`` (``stop_token_ids``)."""
-    extra = list(extra or [])
-    require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
-            f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = [declared] if isinstance(declared, int) else list(declared or [])
-    return tuple(dict.fromkeys([int(tokenizer.eos_token_id), *map(int, declared), *extra]))
-
-
 class HFGenerateEngine:
     """Rollout engine on ``model.generate`` (see the module docstring).
 
@@ -216,7 +205,8 @@ class HFGenerateEngine:
             temperature, top-p, top-k, prompt truncation, greedy or not).
         share_prefill: run each prompt's prefill once for its G samples ("Shared prefill").
         stop_token_ids: extra ids that end a completion, besides the tokenizer's eos and
-            the model's ``generation_config`` eos ids (:func:`stop_ids`).
+            the model's ``generation_config`` eos ids and the chat template's end of turn
+            (:func:`~maxent_grpo.rollout.protocol.stop_ids`).
         cache: ``dynamic`` (grows per step) or ``static`` (see "Static cache" above).
         prompt_bucket: left-pad prompts to a multiple of this many tokens (1 = off).
         generation_dtype: ``model`` (generate on the model itself) or ``bfloat16`` /

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from maxent_grpo.rollout.batch import RolloutOutput, SamplingSettings, ToolUsage, check_request
+from maxent_grpo.validation import require
 
 __all__ = ["Continuation", "ContinuableEngine", "EngineFactory", "RolloutEngine",
-           "RolloutOutput", "SamplingSettings", "ToolUsage", "check_request"]
+           "RolloutOutput", "SamplingSettings", "ToolUsage", "check_request", "stop_ids"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,40 @@ class ContinuableEngine(RolloutEngine, Protocol):
 
 #: What ``model.engine`` holds: called as ``factory(model, tokenizer, sampling)``.
 EngineFactory = Callable[[Any, Any, SamplingSettings], RolloutEngine]
+
+
+def stop_ids(engine: str, model: Any, tokenizer: Any, extra: list[int] | None) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's eos, the model's ``generation_config``
+    eos ids (a chat model's end of turn, ``<|im_end|>``, ``<|eot_id|>``, where the
+    tokenizer's may end the text only), the token the chat template ends an assistant turn
+    with (:func:`turn_end`: a base model's generation_config names only its end of text,
+    so with the template it never stopped) and ``extra`` (``stop_token_ids``)."""
+    extra = list(extra or [])
+    require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra),
+            f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = [declared] if isinstance(declared, int) else list(declared or [])
+    turn = turn_end(tokenizer)
+    return tuple(dict.fromkeys([int(tokenizer.eos_token_id), *map(int, declared),
+                                *([] if turn is None else [turn]), *extra]))
+
+
+def turn_end(tokenizer: Any) -> int | None:
+    """The special token the tokenizer's chat template writes right after an assistant
+    message (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``); None without a template or
+    when plain text follows the message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    mark = "Zq7 answer"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}],
+            tokenize=False)
+    except Exception:  # noqa: BLE001 -- a template that takes no such conversation
+        return None
+    after = text.rpartition(mark)[2] if isinstance(text, str) and mark in text else ""
+    ids = tokenizer(after.lstrip(" "), add_special_tokens=False)["input_ids"] if after else []
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(getattr(tokenizer, "all_special_ids", [])) | {
+        i for i, token in added.items() if getattr(token, "special", False)}
+    return int(ids[0]) if ids and ids[0] in special else None

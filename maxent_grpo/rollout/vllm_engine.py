@@ -60,13 +60,13 @@ from maxent_grpo.rollout.hf import (
     encode_prompts,
     rollout_from_ids,
     sharded_across_ranks,
-    stop_ids,
 )
 from maxent_grpo.rollout.protocol import (
     Continuation,
     RolloutOutput,
     SamplingSettings,
     check_request,
+    stop_ids,
 )
 from maxent_grpo.rollout.vllm_logs import quiet_during, quiet_vllm_logs, quieted
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
@@ -166,7 +166,7 @@ class VLLMEngineBase:
     def _request(self, s: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
         """The sampling fields of a request of ``n`` samples, under the names of vLLM's
         ``SamplingParams``, which ``/v1/completions`` shares. Only our stop ids end a
-        completion (:func:`~maxent_grpo.rollout.hf.stop_ids`), as in the Hugging Face engine:
+        completion (:func:`~maxent_grpo.rollout.protocol.stop_ids`), as in the Hugging Face engine:
         vLLM's own eos handling is off, and so are a server's
         default penalties (:data:`NEUTRAL_SAMPLING`)."""
         fields = dict(n=n, max_tokens=s.max_new_tokens, logprobs=0, seed=seed, ignore_eos=True,
@@ -239,7 +239,7 @@ class VLLMEngine(VLLMEngineBase):
             is the scored policy; vLLM's own ``auto`` would run a float32 model in bfloat16).
         enforce_eager: no CUDA graphs or compilation (always on the CPU).
         stop_token_ids: extra ids that end a completion, besides the tokenizer's and the
-            model's eos ids (:func:`~maxent_grpo.rollout.hf.stop_ids`).
+            model's eos ids (:func:`~maxent_grpo.rollout.protocol.stop_ids`).
     """
 
     def __init__(

@@ -126,7 +126,7 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
             about 1e-5; raise it for bfloat16 servers).
         max_parallel_requests: requests in flight at once, over all servers.
         stop_token_ids: extra ids that end a completion, besides the tokenizer's and the
-            model's eos ids (:func:`~maxent_grpo.rollout.hf.stop_ids`).
+            model's eos ids (:func:`~maxent_grpo.rollout.protocol.stop_ids`).
     """
 
     #: generation runs in the servers' processes: ``model.max_staleness >= 1`` overlaps it

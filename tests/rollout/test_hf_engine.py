@@ -17,6 +17,7 @@ from maxent_grpo.rollout import (
     SamplingSettings,
     completion_mask_from_ids,
 )
+from maxent_grpo.rollout.protocol import turn_end
 from maxent_grpo.training.types import GenerationBatch
 
 PAD, EOS = 0, 2  # ids of <|endoftext|> and <|im_end|> in the tiny tokenizer
@@ -267,6 +268,30 @@ def test_the_models_own_end_of_turn_ends_a_completion(tiny: tuple[Any, Any]) -> 
     assert out.completion_mask.tolist() == [[True, True, False, False]]
     assert not out.truncated.item()
     assert model.seen["config"].eos_token_id == [EOS, end_of_turn]
+
+
+def test_the_chat_templates_end_of_turn_ends_a_base_models_completion(tiny) -> None:
+    """A base model (Qwen2.5, Llama-3.1 base) trained with a chat template: its tokenizer's
+    and generation_config's eos are the end of text, the template ends a turn with another
+    token (``<|im_end|>``). Only the eos stopped a completion, so every one ran on to
+    ``max_completion_length``, trained on the repeated end of turn (a defect hunt)."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny[1])
+    tokenizer.eos_token = "<|endoftext|>"  # id 0; the template's end of turn is id 2
+    end_of_text, end_of_turn = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(
+        "<|im_end|>")
+    assert (end_of_text, end_of_turn) == (0, 2)
+    model = FixedLM([[5, end_of_turn, end_of_turn, end_of_turn]])
+    model.generation_config = GenerationConfig(eos_token_id=end_of_text)
+    out = make_engine(model, tokenizer, max_new_tokens=4).generate(["p"], ["x"], 1)
+    assert out.completion_mask.tolist() == [[True, True, False, False]]
+    assert not out.truncated.item()
+    assert turn_end(tokenizer) == end_of_turn
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    assert turn_end(tokenizer) is None  # plain text after a message: no token to add
+    tokenizer.chat_template = None
+    assert turn_end(tokenizer) is None
 
 
 class PromptOnlyLM(FixedLM):
