@@ -73,6 +73,8 @@ def check_peft(config: Any) -> None:
     name = type(config).__name__
     require(isinstance(config, PeftConfig),
             f"model.peft must be a peft config (class_path peft.LoraConfig, ...); got {name}")
+    require(config.peft_type is not None, f"model.peft: {name} names no method (what "
+            "`model.peft: {}` builds); give a tuner's config, e.g. class_path: peft.LoraConfig")
     task = config.task_type
     require(task is None or str(getattr(task, "value", task)) == "CAUSAL_LM",
             f"model.peft.task_type must be CAUSAL_LM (or null); got {task!r}")

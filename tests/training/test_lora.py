@@ -135,8 +135,10 @@ def test_bf16_mixed_trains_float32_adapters(cache_dir):
         (lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2),
          "prompt-learning method"),
         (lambda: {"r": 4}, "model.peft must be a peft config"),
+        # `model.peft: {}` in YAML builds this (it failed inside peft: "KeyError ... a bug")
+        (lambda: peft.PeftConfig(), "PeftConfig names no method"),
     ],
-    ids=["task_type", "inference_mode", "prompt_tuning", "dict"],
+    ids=["task_type", "inference_mode", "prompt_tuning", "dict", "bare_peft_config"],
 )
 def test_configs_that_cannot_train_are_refused_when_built(cache_dir, config, message):
     with pytest.raises(ValueError, match=message):
