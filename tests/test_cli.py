@@ -526,6 +526,20 @@ def test_a_config_that_sets_a_linked_option_is_refused(tmp_path, text, target):
                                 f": 1}}}}", *short])
     with pytest.raises(ValueError, match=f"sets {target}"):  # block-style inline YAML
         cli_module.main(["fit", "--config", text, *short])
+    group, key = target.split(".")
+    with pytest.raises(ValueError, match=f"--{group} {{{key}: 1}} sets {target}"):  # a group
+        cli_module.main(["fit", f"--{group}", f"{{{key}: 1}}", *short])
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text(f"{target}: 1\n")
+    with pytest.raises(ValueError, match=f"sets {target}"):
+        cli_module.main(["fit", "--config", str(dotted), *short])
+    (tmp_path / "inner.yaml").write_text(f"{key}: 1\n")
+    outer = tmp_path / "outer.yaml"
+    outer.write_text(f"{group}: inner.yaml\n")  # the group's own file, beside the config
+    with pytest.raises(ValueError, match=f"sets {target}"):
+        cli_module.main(["fit", "--config", str(outer), *short])
+    with pytest.raises(ValueError, match=f"--{group} {tmp_path / 'inner.yaml'} sets"):
+        cli_module.main(["fit", f"--{group}", str(tmp_path / "inner.yaml"), *short])
 
 
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):

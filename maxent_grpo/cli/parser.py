@@ -384,29 +384,37 @@ def _named_configs(args: Any) -> Any:
 
 
 def check_linked_targets(args: list[str]) -> None:
-    """ValueError when a ``--config`` file (or inline YAML) sets the target of one of the
-    :data:`LINKS` (``model.max_prompt_length``, ``data.tokenizer``, ...): the parser drops
-    it without a word and takes the source's value."""
+    """ValueError when a ``--config`` file or inline YAML, or a group's ``--model`` /
+    ``--data`` value, sets the target of one of the :data:`LINKS`
+    (``model.max_prompt_length``, ``data.tokenizer``, ...), nested (``data: {tokenizer:
+    ...}``), dotted (``data.tokenizer: ...``) or in a group's own file (``model:
+    model.yaml``): the parser drops it without a word and takes the source's value."""
     import yaml
 
-    for i, arg in enumerate(args):
-        value = args[i + 1] if arg in ("--config", "-c") and i + 1 < len(args) else (
-            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
-        if value is None:
-            continue
-        try:
-            # a file, or inline YAML (flow `{...}` or block `group: ...`, both read by the
-            # parser); a value that is neither loads as a plain string
-            text = Path(value).read_text("utf-8") if os.path.isfile(value) else value
-            config = yaml.safe_load(text)
+    def load(value: str) -> Any:
+        try:  # a file, or inline YAML (flow or block style; anything else loads as a string)
+            return yaml.safe_load(Path(value).read_text("utf-8") if os.path.isfile(value)
+                                  else value)
         except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            continue  # the parser says what is wrong with it
+            return None  # the parser says what is wrong with it
+
+    for i, arg in enumerate(args):
+        flag, inline, value = arg.partition("=")
+        flag = "--config" if flag == "-c" else flag
+        if flag not in ("--config", "--model", "--data"):
+            continue
+        value = value if inline else (args[i + 1] if i + 1 < len(args) else "")
+        config = load(value) if flag == "--config" else {flag[2:]: load(value)}
         for source, target in LINKS:
             group, key = target.split(".")
             section = config.get(group) if isinstance(config, dict) else None
-            if isinstance(section, dict) and key in section:
+            if isinstance(section, str):  # a group's own file, beside the config or here
+                here = os.path.join(os.path.dirname(value), section)
+                section = next((load(f) for f in (here, section) if os.path.isfile(f)), None)
+            if (isinstance(config, dict) and target in config) or (
+                    isinstance(section, dict) and key in section):
                 raise ValueError(
-                    f"--config {value} sets {target}, which is set from {source} (linked "
+                    f"{flag} {value} sets {target}, which is set from {source} (linked "
                     f"options are given once, and this value would be ignored): set {source} "
                     f"instead and remove {target}")
 
