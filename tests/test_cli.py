@@ -542,6 +542,19 @@ def test_a_config_that_sets_a_linked_option_is_refused(tmp_path, text, target):
         cli_module.main(["fit", f"--{group}", str(tmp_path / "inner.yaml"), *short])
 
 
+def test_a_config_before_its_subcommand_is_refused_naming_the_order(tmp_path, capsys):
+    """``--config tiny fit --print_config`` wrote the defaults (another model, task and no
+    step limit) with exit code 0; without --print_config the parser named an obscure key."""
+    with pytest.raises(ValueError, match=r"--config .*tiny.yaml comes before the subcommand "
+                                         r"'fit'.*\(.* fit --config .*tiny.yaml\)"):
+        cli_module.main(["--config", "tiny", "fit", "--print_config"])
+    whole = tmp_path / "whole.yaml"  # a whole-CLI config, a section per subcommand: allowed
+    whole.write_text("fit:\n  trainer:\n    max_steps: 3\n")
+    with pytest.raises(SystemExit):
+        cli_module.main(["--config", str(whole), "fit", "--print_config"])
+    assert "max_steps: 3" in capsys.readouterr().out
+
+
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
     exist is refused, naming them and ``export``."""

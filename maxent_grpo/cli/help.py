@@ -1,4 +1,5 @@
-"""The command line before Lightning: the help pages, ``--version``, config names.
+"""The command line before Lightning: the help pages, ``--version``, config names and
+the configs given checked (:func:`check_given_configs`).
 
 ``--config tiny`` names a config shipped in the package (:func:`resolve_config_names`): a
 wheel's user has no repository, and a named config is one command away from an editable
@@ -240,3 +241,56 @@ def help_formatter_class() -> type:
             return f"{text} {default}" if text else default
 
     return ShortHelpFormatter
+
+
+#: (source, target) of the options one sets for both: the target is given by the source
+LINKS = (("model.model_name_or_path", "data.tokenizer"),
+         ("model.model_cache_dir", "data.tokenizer_cache_dir"),
+         ("data.max_prompt_length", "model.max_prompt_length"),
+         ("model.tools", "data.tools"))
+
+
+def check_given_configs(args: list[str]) -> None:
+    """ValueError when a ``--config`` file or inline YAML, or a group's ``--model`` /
+    ``--data`` value, sets the target of one of the :data:`LINKS`
+    (``model.max_prompt_length``, ``data.tokenizer``, ...), nested (``data: {tokenizer:
+    ...}``), dotted (``data.tokenizer: ...``) or in a group's own file (``model:
+    model.yaml``): the parser drops it without a word and takes the source's value. Also
+    when a subcommand's config comes before the subcommand (``--config my.yaml fit``): the
+    parser reads no ``trainer``/``model``/``data`` there (``--print_config`` then wrote the
+    defaults)."""
+    first = next((i for i, a in enumerate(args) if a in SUBCOMMANDS), len(args))
+    import yaml
+
+    def load(value: str) -> Any:
+        try:  # a file, or inline YAML (flow or block style; anything else loads as a string)
+            return yaml.safe_load(Path(value).read_text("utf-8") if os.path.isfile(value)
+                                  else value)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            return None  # the parser says what is wrong with it
+
+    for i, arg in enumerate(args):
+        flag, inline, value = arg.partition("=")
+        flag = "--config" if flag == "-c" else flag
+        if flag not in ("--config", "--model", "--data"):
+            continue
+        value = value if inline else (args[i + 1] if i + 1 < len(args) else "")
+        config = load(value) if flag == "--config" else {flag[2:]: load(value)}
+        if flag == "--config" and i < first < len(args) and isinstance(config, dict) and not (
+                set(config) & set(SUBCOMMANDS)):  # a whole-CLI config: a section each
+            raise ValueError(
+                f"--config {value} comes before the subcommand {args[first]!r}, where the "
+                f"options of one subcommand are not read: give it after the subcommand "
+                f"({PROG} {args[first]} --config {value})")
+        for source, target in LINKS:
+            group, key = target.split(".")
+            section = config.get(group) if isinstance(config, dict) else None
+            if isinstance(section, str):  # a group's own file, beside the config or here
+                here = os.path.join(os.path.dirname(value), section)
+                section = next((load(f) for f in (here, section) if os.path.isfile(f)), None)
+            if (isinstance(config, dict) and target in config) or (
+                    isinstance(section, dict) and key in section):
+                raise ValueError(
+                    f"{flag} {value} sets {target}, which is set from {source} (linked "
+                    f"options are given once, and this value would be ignored): set {source} "
+                    f"instead and remove {target}")

@@ -22,7 +22,6 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -97,7 +96,7 @@ class MaxEntGRPOCLI(LightningCLI):
         self.trainer.predict(**kwargs, return_predictions=False)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        for source, target in LINKS:
+        for source, target in cli_help.LINKS:
             parser.link_arguments(source, target)
         # GRPO is the objective when none is named, so `--model.objective.beta 0.04` works
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
@@ -363,60 +362,17 @@ def main(
     return errors.exit_on_error(build, show_trace) if exit_on_error else build()
 
 
-#: (source, target) of the options one sets for both: the target is given by the source
-LINKS = (("model.model_name_or_path", "data.tokenizer"),
-         ("model.model_cache_dir", "data.tokenizer_cache_dir"),
-         ("data.max_prompt_length", "model.max_prompt_length"),
-         ("model.tools", "data.tools"))
-
-
 def _named_configs(args: Any) -> Any:
     """``--config NAME`` -> the shipped config's path (:func:`cli_help.resolve_config_names`);
     with ``args`` None in ``sys.argv`` itself, which DDP's launcher runs again. A config
-    that sets a link's target is refused (:func:`check_linked_targets`)."""
+    that sets a link's target is refused (:func:`cli_help.check_given_configs`)."""
     if args is None:
         sys.argv[1:] = cli_help.resolve_config_names(sys.argv[1:])
-        check_linked_targets(sys.argv[1:])
+        cli_help.check_given_configs(sys.argv[1:])
     elif isinstance(args, list):
         args = cli_help.resolve_config_names(args)
-        check_linked_targets(args)
+        cli_help.check_given_configs(args)
     return args
-
-
-def check_linked_targets(args: list[str]) -> None:
-    """ValueError when a ``--config`` file or inline YAML, or a group's ``--model`` /
-    ``--data`` value, sets the target of one of the :data:`LINKS`
-    (``model.max_prompt_length``, ``data.tokenizer``, ...), nested (``data: {tokenizer:
-    ...}``), dotted (``data.tokenizer: ...``) or in a group's own file (``model:
-    model.yaml``): the parser drops it without a word and takes the source's value."""
-    import yaml
-
-    def load(value: str) -> Any:
-        try:  # a file, or inline YAML (flow or block style; anything else loads as a string)
-            return yaml.safe_load(Path(value).read_text("utf-8") if os.path.isfile(value)
-                                  else value)
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            return None  # the parser says what is wrong with it
-
-    for i, arg in enumerate(args):
-        flag, inline, value = arg.partition("=")
-        flag = "--config" if flag == "-c" else flag
-        if flag not in ("--config", "--model", "--data"):
-            continue
-        value = value if inline else (args[i + 1] if i + 1 < len(args) else "")
-        config = load(value) if flag == "--config" else {flag[2:]: load(value)}
-        for source, target in LINKS:
-            group, key = target.split(".")
-            section = config.get(group) if isinstance(config, dict) else None
-            if isinstance(section, str):  # a group's own file, beside the config or here
-                here = os.path.join(os.path.dirname(value), section)
-                section = next((load(f) for f in (here, section) if os.path.isfile(f)), None)
-            if (isinstance(config, dict) and target in config) or (
-                    isinstance(section, dict) and key in section):
-                raise ValueError(
-                    f"{flag} {value} sets {target}, which is set from {source} (linked "
-                    f"options are given once, and this value would be ignored): set {source} "
-                    f"instead and remove {target}")
 
 
 def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool) -> MaxEntGRPOCLI:
