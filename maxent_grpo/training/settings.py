@@ -139,12 +139,14 @@ class ScheduleSettings:
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
-    factory: Callable[[torch.optim.Optimizer], Any] | None,
+    factory: Callable[[torch.optim.Optimizer], Any] | None, max_steps: int = -1,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The run's learning-rate scheduler, stepped once per optimizer step: ``factory``
     (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) or a constant rate, preceded with
     ``lr_warmup_steps = W > 1`` by ``LinearLR`` from ``lr / W`` to ``lr`` over W steps
-    (step t uses ``lr * (t + 1) / W``; ``SequentialLR``)."""
+    (step t uses ``lr * (t + 1) / W``; ``SequentialLR``). A cosine that does not end at
+    ``max_steps`` (``trainer.max_steps``; -1: none) is warned of: the shipped configs write
+    its ``T_max``, which ``--trainer.max_steps`` alone leaves as it was."""
     sched = torch.optim.lr_scheduler
     W = schedule.lr_warmup_steps
     if factory is not None:
@@ -154,6 +156,17 @@ def build_lr_scheduler(
             "model.lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped "
             f"once per optimizer step (not ReduceLROnPlateau); got {type(main).__name__}")
         _check_first_step(factory, optimizer)
+        warm = W if W > 1 else 0
+        if isinstance(main, sched.CosineAnnealingLR) and max_steps > warm and (
+                main.T_max != max_steps - warm):  # (a run that ends in its warm-up: a test)
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
+                f"(lr_warmup_steps + T_max) while trainer.max_steps is {max_steps}, so the "
+                "learning rate " + ("rises again after its low" if warm + main.T_max < max_steps
+                                    else "stops short of eta_min") + "; set --model."
+                f"lr_scheduler.init_args.T_max {max_steps - warm} to end with the run")
     else:
         main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
     if W <= 1:
