@@ -234,8 +234,6 @@ class HFGenerateEngine:
             raise TypeError(f"sampling must be a SamplingSettings; got {type(sampling).__name__}")
         require(tokenizer.pad_token_id is not None,
                 "tokenizer has no pad token; load it with maxent_grpo.models.load_tokenizer")
-        require(tokenizer.eos_token_id is not None,
-                "tokenizer has no eos token; completions could never stop")
         check_bool("HFGenerateEngine.share_prefill", share_prefill)
         check_choice("HFGenerateEngine.cache", cache, ("dynamic", "static"))
         check_int("HFGenerateEngine.prompt_bucket", prompt_bucket, minimum=1)

@@ -109,9 +109,12 @@ def stop_ids(engine: str, model: Any, tokenizer: Any, extra: list[int] | None) -
             f"{engine}.stop_token_ids must be non-negative ints; got {extra!r}")
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     declared = [declared] if isinstance(declared, int) else list(declared or [])
-    turn = turn_end(tokenizer)
-    return tuple(dict.fromkeys([int(tokenizer.eos_token_id), *map(int, declared),
-                                *([] if turn is None else [turn]), *extra]))
+    eos, turn = getattr(tokenizer, "eos_token_id", None), turn_end(tokenizer)
+    stops = tuple(dict.fromkeys(int(i) for i in [eos, *declared, turn, *extra] if i is not None))
+    require(bool(stops), f"{engine}: no token ends a completion (the tokenizer has no eos "
+            "token, the model's generation_config and chat template name none); set eos_token "
+            f"in the tokenizer's tokenizer_config.json or give {engine}.stop_token_ids")
+    return stops
 
 
 def turn_end(tokenizer: Any) -> int | None:

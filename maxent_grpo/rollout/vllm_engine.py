@@ -146,11 +146,10 @@ class VLLMEngineBase:
     def __init__(self, engine: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
                  sampling: SamplingSettings, stop_token_ids: list[int] | None) -> None:
         """What a vLLM engine needs of the policy (ValueError naming the option): stop ids
-        that are non-negative ints, a tokenizer with pad and eos tokens, whole or FSDP2
-        parameters (not ZeRO-3 shards), adapters vLLM can get merged."""
-        require(tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None,
-                "tokenizer needs a pad and an eos token; load it with "
-                "maxent_grpo.models.load_tokenizer")
+        that are non-negative ints, a tokenizer with a pad token, whole or FSDP2 parameters
+        (not ZeRO-3 shards), adapters vLLM can get merged."""
+        require(tokenizer.pad_token_id is not None,
+                "tokenizer has no pad token; load it with maxent_grpo.models.load_tokenizer")
         sharded = sharded_across_ranks(model)
         require(not sharded or isinstance(model, FSDPModule),  # sharded otherwise: ZeRO-3
                 f"model.engine {engine}: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "

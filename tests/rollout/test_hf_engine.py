@@ -294,6 +294,24 @@ def test_the_chat_templates_end_of_turn_ends_a_base_models_completion(tiny) -> N
     assert turn_end(tokenizer) is None
 
 
+def test_a_tokenizer_without_eos_stops_at_the_models_declared_ones(tiny) -> None:
+    """A tokenizer without an eos token whose model's generation_config names one was
+    refused: "completions could never stop". None at all is refused, naming the remedies."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny[1])
+    tokenizer.eos_token, tokenizer.chat_template = None, None
+    assert tokenizer.eos_token_id is None and tokenizer.pad_token_id is not None
+    model = FixedLM([[5, EOS, 6, 6]])
+    model.generation_config = GenerationConfig(eos_token_id=EOS)
+    out = make_engine(model, tokenizer, max_new_tokens=4).generate(["p"], ["x"], 1)
+    assert out.completion_mask.tolist() == [[True, True, False, False]]
+    model.generation_config = GenerationConfig()
+    with pytest.raises(ValueError, match="no token ends a completion .* give "
+                                         "HFGenerateEngine.stop_token_ids"):
+        make_engine(model, tokenizer, max_new_tokens=4)
+
+
 class PromptOnlyLM(FixedLM):
     """A broken ``generate`` that returns the expanded prompt and nothing after it."""
 
