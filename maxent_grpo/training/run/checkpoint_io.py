@@ -358,7 +358,9 @@ def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list
 def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
     """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths``."""
     removed = []
-    for folder in (str(f).removeprefix("file://") for f in dirpaths if _is_local(f)):
+    for folder in dirpaths:
+        if not _is_local(folder):
+            continue
         for path in glob.glob(os.path.join(glob.escape(folder), f".*.ckpt.*{TMP_SUFFIX}")):
             with contextlib.suppress(OSError):
                 os.remove(path)

@@ -499,15 +499,3 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
         SimpleNamespace(loggers=[TensorBoardLogger("~/A", name="tiny", version=0)]), None,
         checkpoint)
     assert checkpoint[ckpt_io.LOGGERS_KEY][0]["save_dir"] == str(first)
-
-
-def test_stale_temporaries_are_removed_from_a_file_url_folder_too(tmp_path):
-    """A ModelCheckpoint dirpath written ``file:///...`` (which the writes and the resume
-    read) kept a killed write's temporary file forever."""
-    stale = tmp_path / f".last.ckpt.123{ckpt_io.TMP_SUFFIX}"
-    stale.touch()
-    kept = tmp_path / "last.ckpt"
-    kept.touch()
-    assert ckpt_io.remove_stale_temporaries([f"file://{tmp_path}"]) == [str(stale)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    assert ckpt_io.remove_stale_temporaries(["s3://bucket/ckpt"]) == []
