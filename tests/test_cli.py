@@ -542,6 +542,15 @@ def test_a_config_that_sets_a_linked_option_is_refused(tmp_path, text, target):
         cli_module.main(["fit", f"--{group}", str(tmp_path / "inner.yaml"), *short])
 
 
+def test_the_config_check_reads_yaml_as_the_parser_does(tmp_path):
+    """It read with yaml.safe_load, where an impossible date (a run named 2025-02-29)
+    raised ValueError: a valid config was refused; a tag it cannot read was "a bug"."""
+    dated = tmp_path / "dated.yaml"
+    dated.write_text("trainer:\n  logger:\n    init_args:\n      name: 2025-02-29\n")
+    cli_module.cli_help.check_given_configs(["fit", "--config", str(dated)])
+    cli_module.cli_help.check_given_configs(["fit", "--config", "a: !!bool x"])
+
+
 def test_a_config_before_its_subcommand_is_refused_naming_the_order(tmp_path, capsys):
     """``--config tiny fit --print_config`` wrote the defaults (another model, task and no
     step limit) with exit code 0; without --print_config the parser named an obscure key."""

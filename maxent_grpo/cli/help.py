@@ -260,14 +260,14 @@ def check_given_configs(args: list[str]) -> None:
     parser reads no ``trainer``/``model``/``data`` there (``--print_config`` then wrote the
     defaults)."""
     first = next((i for i, a in enumerate(args) if a in SUBCOMMANDS), len(args))
-    import yaml
+    from jsonargparse import get_loader
 
     def load(value: str) -> Any:
         try:  # a file, or inline YAML (flow or block style; anything else loads as a string)
-            return yaml.safe_load(Path(value).read_text("utf-8") if os.path.isfile(value)
-                                  else value)
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            return None  # the parser says what is wrong with it
+            return get_loader("yaml")(Path(value).read_text("utf-8") if os.path.isfile(value)
+                                      else value)  # as the parser reads it (no dates)
+        except Exception:  # noqa: BLE001 -- the parser says what is wrong with it
+            return None
 
     for i, arg in enumerate(args):
         flag, inline, value = arg.partition("=")
