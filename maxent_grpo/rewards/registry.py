@@ -63,9 +63,12 @@ def get_reward(name_or_callable: str | RewardFn) -> RewardFn:
         return REWARDS[name_or_callable]
     if ":" in name_or_callable:
         module_name, _, attr = name_or_callable.partition(":")
+        if module_name.startswith("."):
+            raise ValueError(f"reward {name_or_callable!r} is a relative path; give the whole "
+                             "one, e.g. 'maxent_grpo.rewards.shaping:format_reward'")
         try:
             fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, TypeError) as err:  # TypeError: a relative path
+        except (ImportError, AttributeError) as err:
             raise ValueError(f"cannot import reward {name_or_callable!r}: {err}") from err
         if not callable(fn):
             raise ValueError(f"reward {name_or_callable!r} is not callable")

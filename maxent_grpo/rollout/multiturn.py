@@ -136,9 +136,11 @@ def environment_factory(spec: dict[str, Any] | str) -> Callable[[], Any]:
     module, sep, name = path.partition(":")
     if not sep:
         module, _, name = path.rpartition(".")
+    require(not module.startswith("."), f"model.environment: {path!r} is a relative path; give "
+            "the whole one, e.g. 'mypackage.envs.Guess'")
     try:
         cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError, TypeError) as err:  # TypeError: relative
+    except (ImportError, AttributeError, ValueError) as err:
         raise ValueError(f"model.environment: cannot import {path!r} ({err})") from err
     for method in ("reset", "step"):
         require(callable(getattr(cls, method, None)),

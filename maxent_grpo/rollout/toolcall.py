@@ -168,9 +168,11 @@ def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
+    require(not module_name.startswith("."), f"model.tools: {spec!r} is a relative path; give "
+            "the whole one, e.g. 'maxent_grpo.tasks.calculator:calculate'")
     try:
         fn = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError, TypeError) as err:  # TypeError: a relative path
+    except (ImportError, AttributeError) as err:
         raise ValueError(
             f"model.tools: cannot import {spec!r} ({err}); give 'package.module:function' or "
             f"one of the built-in tools {sorted(BUILTIN_TOOLS)}") from err

@@ -73,7 +73,7 @@ def test_registry() -> None:
         get_reward("acc")
     with pytest.raises(ValueError, match="cannot import reward 'no_such_module:f'"):
         get_reward("no_such_module:f")
-    with pytest.raises(ValueError, match="cannot import reward '.shaping:format_reward'"):
+    with pytest.raises(ValueError, match="reward '.shaping:format_reward' is a relative path"):
         get_reward(".shaping:format_reward")  # relative: was Python's TypeError
 
 
