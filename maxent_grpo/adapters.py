@@ -197,7 +197,8 @@ def _untie_tuned(model: Any) -> Any:
         return model
     for layer in layers:
         layer.weight = torch.nn.Parameter(tied.detach().clone(), tied.requires_grad)
-    for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
+    text = base.config.get_text_config(decoder=True)
+    for config in {id(c): c for c in (base.config, text)}.values():
         config.tie_word_embeddings = False
     return model
 
