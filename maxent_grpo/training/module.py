@@ -424,7 +424,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         optimizer = self.optimizer_factory(params := self.trainable_parameters())
         check_low_precision_weights(params, optimizer, self.trainer.strategy)
         scheduler = build_lr_scheduler(optimizer, self.loop.optimization.schedule,
-                                       self.lr_scheduler_factory, self.trainer.max_steps)
+                                       self.lr_scheduler_factory, self.trainer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
                                                          "interval": "step"}}
 
@@ -443,7 +443,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         the first training batch."""
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
-            peft=self.source.peft, trainer=self._trainer)
+            peft=self.source.peft, trainer=self._trainer, optimizer=self.optimizer_factory)
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self._trainer is not None:
             restore_rollouts(self.pipeline, checkpoint, self.trainer.state.fn == "fit",

@@ -139,15 +139,18 @@ class ScheduleSettings:
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
-    factory: Callable[[torch.optim.Optimizer], Any] | None, max_steps: int = -1,
+    factory: Callable[[torch.optim.Optimizer], Any] | None, trainer: Any = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The run's learning-rate scheduler, stepped once per optimizer step: ``factory``
     (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) or a constant rate, preceded with
     ``lr_warmup_steps = W > 1`` by ``LinearLR`` from ``lr / W`` to ``lr`` over W steps
     (step t uses ``lr * (t + 1) / W``; ``SequentialLR``). A cosine that does not end at
-    ``max_steps`` (``trainer.max_steps``; -1: none) is warned of: the shipped configs write
-    its ``T_max``, which ``--trainer.max_steps`` alone leaves as it was."""
+    ``trainer.max_steps`` is warned of when a fit starts afresh (a resume restores the
+    checkpoint's schedule): the shipped configs write its ``T_max``, which
+    ``--trainer.max_steps`` alone leaves as it was."""
     sched = torch.optim.lr_scheduler
+    fresh = trainer is not None and not getattr(trainer, "ckpt_path", None)
+    max_steps = trainer.max_steps if fresh else -1
     W = schedule.lr_warmup_steps
     if factory is not None:
         main = factory(optimizer)

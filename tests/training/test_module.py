@@ -235,6 +235,11 @@ def test_learning_rate_schedules_by_hand():
 def test_a_cosine_that_does_not_end_with_the_run_is_warned_of(recwarn):
     """The shipped configs write T_max for their max_steps; --trainer.max_steps 2000 on
     tiny (T_max 795) brought the rate back to its peak by step 1595 without a word."""
+    from types import SimpleNamespace
+
+    def run(max_steps, ckpt_path=None):
+        return SimpleNamespace(max_steps=max_steps, ckpt_path=ckpt_path)
+
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     cosine = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=795)
     warm = ScheduleSettings(num_iterations=1, gradient_clip_val=None, lr_warmup_steps=5,
@@ -243,12 +248,12 @@ def test_a_cosine_that_does_not_end_with_the_run_is_warned_of(recwarn):
                                          r"trainer.max_steps is 2000, so the learning rate rises "
                                          r"again after its low; set --model.lr_scheduler.init_"
                                          r"args.T_max 1995"):
-        build_lr_scheduler(opt, warm, cosine, max_steps=2000)
+        build_lr_scheduler(opt, warm, cosine, run(2000))
     with pytest.warns(UserWarning, match="stops short of eta_min; .*T_max 45 "):
-        build_lr_scheduler(opt, warm, cosine, max_steps=50)
+        build_lr_scheduler(opt, warm, cosine, run(50))
     recwarn.clear()
-    for steps in (800, -1, 5):  # ends with the run; no step limit; ends in its warm-up
-        build_lr_scheduler(opt, warm, cosine, max_steps=steps)
+    for trainer in (run(800), run(-1), run(5), run(50, "last.ckpt")):  # ends with the run; no
+        build_lr_scheduler(opt, warm, cosine, trainer)  # limit; in its warm-up; a resume
     assert not [w for w in recwarn if "cosine" in str(w.message)]
 
 

@@ -229,7 +229,7 @@ def save_state(
 def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
-    peft: Any = None, trainer: Any = None,
+    peft: Any = None, trainer: Any = None, optimizer: Any = None,
 ) -> dict[str, Any] | None:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
@@ -243,7 +243,9 @@ def load_state(
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
     fit (``model.peft`` set in one and not the other, or another adapter type, rank,
     target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
-    checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about.
+    checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about, and a
+    changed configuration (:func:`_objective_state`, :func:`_check_optimizer`: the
+    ``model.optimizer`` factory ``optimizer``).
     """
     fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
     epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -276,7 +278,10 @@ def load_state(
             f"({before.get('meta_manager') or 'TauController/BetaController'}, state file "
             f"{before.get('state_path')!r}); this run has none, so tau and beta stay at the "
             "checkpoint's values: add the same trainer.callbacks to keep them moving")
-    objective.load_state_dict(saved["objective_state"])
+    objective.load_state_dict(_objective_state(saved["objective_state"], objective, now,
+                                               fitting))
+    if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
+        _check_optimizer(checkpoint["optimizer_states"][0], optimizer)
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))
@@ -295,6 +300,45 @@ def load_state(
         )
         rank = 0
     return states[rank]
+
+
+def _objective_state(saved: dict[str, float], objective: Objective, controllers: dict,
+                     fitting: bool) -> dict[str, float]:
+    """The objective state a fit resumes with: the checkpoint's (which tau/beta controllers
+    move: theirs when attached), except, with no controller, the values the config changed
+    (``model.objective.beta 0.2`` on a resume), which are used, warned of: nothing else
+    moves them, and the reference model was loaded (or not) for the config's beta."""
+    config = objective.state_dict()
+    changed = {k: v for k, v in config.items() if k in saved and v != saved[k]}
+    if not fitting or not changed or controllers.get("attached"):
+        return saved
+    pairs = ", ".join(f"{k} {saved[k]:g} -> {v:g}" for k, v in changed.items())
+    rank_zero_warn(f"model.objective differs from the checkpoint's ({pairs}): the config's "
+                   "values are used from here on")
+    return {**saved, **changed}
+
+
+def _check_optimizer(saved: dict[str, Any], factory: Any) -> None:
+    """Refuse a resume whose ``model.optimizer`` takes other settings than the checkpoint's
+    optimizer (another class: its state would not load, or fail at the first step), and
+    warn of changed values (``lr``, ``weight_decay``, ...): Lightning restores the
+    optimizer and its learning-rate schedule, so the config's values are not used."""
+    group = factory([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    old = {k: v for k, v in saved["param_groups"][0].items() if k not in ("params", "lr")}
+    new = {k: v for k, v in group.items() if k not in ("params", "lr")}
+    old["lr"] = old.pop("initial_lr", saved["param_groups"][0].get("lr"))
+    new["lr"] = group["lr"]
+    require(not (set(old) - set(new) and set(new) - set(old)),  # a torch release adds some
+            f"model.optimizer takes other settings ({sorted(new)}) than the checkpoint's "
+            f"optimizer ({sorted(old)}): another optimizer cannot resume its state; resume "
+            "with the optimizer the checkpoint was trained with, or start afresh")
+    changed = [f"{k} {old[k]!r} -> {new[k]!r}" for k in sorted(set(new) & set(old))
+               if old[k] != new[k]]
+    if changed:
+        rank_zero_warn(f"model.optimizer differs from the checkpoint's ({', '.join(changed)}): "
+                       "a resume restores the checkpoint's optimizer and learning-rate "
+                       "schedule, so the config's values are not used; start afresh to use "
+                       "them")
 
 
 #: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the

@@ -137,3 +137,53 @@ def test_a_step_cut_short_saves_its_starting_random_state_and_warns_after_an_upd
         assert any("trains that batch again" in str(w.message) for w in caught) is warned
         (rng,) = checkpoint["maxent_grpo"]["rng"]
         assert torch.equal(rng["torch"], start["rng"]["torch"])
+
+
+def warnings_of(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught]
+
+
+def test_a_changed_objective_option_is_used_on_a_resume_without_controllers():
+    """``--model.objective.init_args.beta 0.2`` on a resume kept the checkpoint's 0.04
+    without a word (the run's config.yaml said 0.2); ``beta 0`` logged 0.04 while no
+    reference model was loaded, so no KL was trained (a defect hunt)."""
+    checkpoint = saved(BARE)  # tau 0.5, beta 0.1
+    objective = ListwiseMaxEnt(tau=2.0, beta=0.1)
+    (message,) = warnings_of(lambda: load_state(checkpoint, "builtin:tiny", objective,
+                                                StepCounters(), BARE, fitting=True))
+    assert "model.objective differs from the checkpoint's (tau 0.5 -> 2)" in message
+    assert (objective.tau, objective.beta) == (2.0, 0.1)
+    # with tau/beta controllers the values are theirs: the checkpoint's go on
+    meta = MetaController(target_entropy=1.0, kl_target=0.05, state_path="c.json")
+    objective = ListwiseMaxEnt(tau=2.0, beta=0.1)
+    loop = BARE.with_controller(meta.paths, objective, meta)
+    load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True)
+    assert objective.tau == 0.5
+
+
+def test_a_changed_optimizer_is_refused_and_changed_values_are_warned_of():
+    """Another optimizer class crashed at the first step ("KeyError: 'momentum' ... a bug");
+    a changed lr or weight decay was not used, without a word."""
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    adamw = torch.optim.AdamW([param], lr=1e-3)
+    torch.optim.lr_scheduler.LinearLR(adamw, start_factor=0.5)  # lr != initial_lr now
+    checkpoint = saved(BARE) | {"optimizer_states": [adamw.state_dict()]}
+
+    def resume(factory):
+        return warnings_of(lambda: load_state(
+            checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters(),
+            BARE, fitting=True, optimizer=factory))
+
+    assert not [m for m in resume(lambda p: torch.optim.AdamW(p, lr=1e-3)) if "optim" in m]
+    (message,) = [m for m in resume(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))
+                  if "optimizer" in m]
+    assert "(lr 0.001 -> 0.01, weight_decay 0.01 -> 0.1)" in message
+    assert "the config's values are not used" in message
+    with pytest.raises(ValueError, match="model.optimizer takes other settings .* another "
+                                         "optimizer cannot resume its state"):
+        resume(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
