@@ -125,12 +125,14 @@ class LossScalarBundle:
     """Scalar values of the loss terms of one optimizer step (detached floats).
 
     Attributes:
-        total_loss: the optimised loss.
-        policy_loss: the policy (surrogate or listwise cross-entropy) term.
+        total_loss: the optimised loss (reduced by the objective's ``loss_type``).
+        policy_loss: the policy (surrogate or listwise cross-entropy) term, a token mean.
         clip_loss: the sequence-level clip term, or ``None`` when the objective has none.
         kl_loss: the token-mean KL to the reference (unweighted).
-        weighted_kl_loss: the KL term as it enters ``total_loss``: ``kl_loss`` times the
-            objective's ``kl_weight()`` (``beta``; ListwiseMaxEnt's ``kl_coef``).
+        weighted_kl_loss: ``kl_loss`` times the objective's ``kl_weight()`` (``beta``;
+            ListwiseMaxEnt's ``kl_coef``). The parts are token means: they add up to
+            ``total_loss`` under ``loss_type: bnpo`` only (``dr_grpo`` divides by
+            ``max_completion_length``, ``grpo`` averages per sequence).
     """
 
     total_loss: float
