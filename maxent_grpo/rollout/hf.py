@@ -200,7 +200,7 @@ class HFGenerateEngine:
 
     Args:
         model: a causal LM with ``.generate`` (see "Wrapped models" above).
-        tokenizer: its tokenizer, with a pad and an eos token (see ``load_tokenizer``).
+        tokenizer: its tokenizer, with a pad token (see ``load_tokenizer``).
         sampling: what to sample (:class:`~maxent_grpo.rollout.SamplingSettings`: ``T_max``,
             temperature, top-p, top-k, prompt truncation, greedy or not).
         share_prefill: run each prompt's prefill once for its G samples ("Shared prefill").

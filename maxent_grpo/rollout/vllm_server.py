@@ -101,7 +101,7 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
     Args:
         model: the policy (a ``transformers`` causal LM or a ``peft`` one; FSDP2-sharded
             or whole).
-        tokenizer: its tokenizer (pad and eos tokens set).
+        tokenizer: its tokenizer (a pad token set).
         sampling: what to sample; the trainer passes the settings it scores with.
         urls: the servers' base URLs (``http://host:port``), or one URL.
         api_key: sent as a bearer token on every request; None: ``VLLM_API_KEY`` if set.

@@ -424,7 +424,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         optimizer = self.optimizer_factory(params := self.trainable_parameters())
         check_low_precision_weights(params, optimizer, self.trainer.strategy)
         scheduler = build_lr_scheduler(optimizer, self.loop.optimization.schedule,
-                                       self.lr_scheduler_factory, self.trainer)
+                                       self.lr_scheduler_factory)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
                                                          "interval": "step"}}
 

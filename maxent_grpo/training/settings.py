@@ -139,18 +139,13 @@ class ScheduleSettings:
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
-    factory: Callable[[torch.optim.Optimizer], Any] | None, trainer: Any = None,
+    factory: Callable[[torch.optim.Optimizer], Any] | None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The run's learning-rate scheduler, stepped once per optimizer step: ``factory``
     (``model.lr_scheduler``, e.g. ``CosineAnnealingLR``) or a constant rate, preceded with
     ``lr_warmup_steps = W > 1`` by ``LinearLR`` from ``lr / W`` to ``lr`` over W steps
-    (step t uses ``lr * (t + 1) / W``; ``SequentialLR``). A cosine that does not end at
-    ``trainer.max_steps`` is warned of when a fit starts afresh (a resume restores the
-    checkpoint's schedule): the shipped configs write its ``T_max``, which
-    ``--trainer.max_steps`` alone leaves as it was."""
+    (step t uses ``lr * (t + 1) / W``; ``SequentialLR``)."""
     sched = torch.optim.lr_scheduler
-    fresh = trainer is not None and not getattr(trainer, "ckpt_path", None)
-    max_steps = trainer.max_steps if fresh else -1
     W = schedule.lr_warmup_steps
     if factory is not None:
         main = factory(optimizer)
@@ -159,17 +154,6 @@ def build_lr_scheduler(
             "model.lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped "
             f"once per optimizer step (not ReduceLROnPlateau); got {type(main).__name__}")
         _check_first_step(factory, optimizer)
-        warm = W if W > 1 else 0
-        if isinstance(main, sched.CosineAnnealingLR) and max_steps > warm and (
-                main.T_max != max_steps - warm):  # (a run that ends in its warm-up: a test)
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(
-                f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
-                f"(lr_warmup_steps + T_max) while trainer.max_steps is {max_steps}, so the "
-                "learning rate " + ("rises again after its low" if warm + main.T_max < max_steps
-                                    else "stops short of eta_min") + "; set --model."
-                f"lr_scheduler.init_args.T_max {max_steps - warm} to end with the run")
     else:
         main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
     if W <= 1:
@@ -193,3 +177,30 @@ def _check_first_step(factory: Callable[[torch.optim.Optimizer], Any],
     except Exception as err:  # noqa: BLE001 - any failure is the option's
         raise ValueError(f"model.lr_scheduler ({type(scheduler).__name__}) cannot take its "
                          f"first step: {type(err).__name__}: {err}") from err
+
+
+def warn_unended_cosine(trainer: Any) -> None:
+    """Warn when the fit's cosine learning-rate schedule (after its warm-up) does not end at
+    ``trainer.max_steps``, naming the ``T_max`` that does: the shipped configs write it for
+    their own ``max_steps``, which ``--trainer.max_steps`` alone leaves as it was. Called
+    when training starts, after a resume has restored the checkpoint's schedule (which it
+    keeps: the advice is then to start afresh). A run that ends in its warm-up is quiet."""
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    sched = torch.optim.lr_scheduler
+    main, warm = (configs[0].scheduler if configs else None), 0
+    if isinstance(main, sched.SequentialLR):  # build_lr_scheduler's warm-up, then the rest
+        main, warm = main._schedulers[-1], main._milestones[-1]
+    steps = trainer.max_steps
+    if not isinstance(main, sched.CosineAnnealingLR) or steps <= warm or (
+            main.T_max == steps - warm):
+        return
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
+        f"(lr_warmup_steps + T_max) while trainer.max_steps is {steps}, so the learning rate "
+        + ("rises again after its low" if warm + main.T_max < steps else "stops short of "
+           "eta_min") + "; " + ("a resume keeps the checkpoint's schedule (start afresh to "
+                                "change it)" if trainer.ckpt_path else "set --model."
+                                f"lr_scheduler.init_args.T_max {steps - warm} to end with "
+                                "the run"))

@@ -234,27 +234,38 @@ def test_learning_rate_schedules_by_hand():
 
 def test_a_cosine_that_does_not_end_with_the_run_is_warned_of(recwarn):
     """The shipped configs write T_max for their max_steps; --trainer.max_steps 2000 on
-    tiny (T_max 795) brought the rate back to its peak by step 1595 without a word."""
+    tiny (T_max 795) brought the rate back to its peak by step 1595 without a word. Read
+    when training starts, from the schedule a resume restored (whose T_max the config's
+    does not change: the advice differs)."""
     from types import SimpleNamespace
 
-    def run(max_steps, ckpt_path=None):
-        return SimpleNamespace(max_steps=max_steps, ckpt_path=ckpt_path)
+    from maxent_grpo.training.settings import warn_unended_cosine
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     cosine = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=795)
     warm = ScheduleSettings(num_iterations=1, gradient_clip_val=None, lr_warmup_steps=5,
                             max_consecutive_nonfinite=3)
+    scheduler = build_lr_scheduler(opt, warm, cosine)
+
+    def run(max_steps, ckpt_path=None, schedule=scheduler):
+        return SimpleNamespace(max_steps=max_steps, ckpt_path=ckpt_path, lr_scheduler_configs=[
+            SimpleNamespace(scheduler=schedule)])
+
     with pytest.warns(UserWarning, match=r"the cosine ends after 5 \+ 795 steps .* "
                                          r"trainer.max_steps is 2000, so the learning rate rises "
                                          r"again after its low; set --model.lr_scheduler.init_"
                                          r"args.T_max 1995"):
-        build_lr_scheduler(opt, warm, cosine, run(2000))
-    with pytest.warns(UserWarning, match="stops short of eta_min; .*T_max 45 "):
-        build_lr_scheduler(opt, warm, cosine, run(50))
+        warn_unended_cosine(run(2000))
+    with pytest.warns(UserWarning, match="stops short of eta_min; a resume keeps the "
+                                         "checkpoint's schedule"):
+        warn_unended_cosine(run(50, "last.ckpt"))
     recwarn.clear()
-    for trainer in (run(800), run(-1), run(5), run(50, "last.ckpt")):  # ends with the run; no
-        build_lr_scheduler(opt, warm, cosine, trainer)  # limit; in its warm-up; a resume
+    bare = build_lr_scheduler(opt, ScheduleSettings(1, None, 0, 3), cosine)  # no warm-up
+    for trainer in (run(800), run(-1), run(5), run(795, schedule=bare)):  # ends with the run,
+        warn_unended_cosine(trainer)  # no step limit, ends in its warm-up, no warm-up
     assert not [w for w in recwarn if "cosine" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"ends after 0 \+ 795 steps"):
+        warn_unended_cosine(run(800, schedule=bare))
 
 
 @pytest.mark.parametrize("factory", [

@@ -33,6 +33,7 @@ from maxent_grpo.training.run.signals import (
     share_sigterm,
     take_sigterm,
 )
+from maxent_grpo.training.settings import warn_unended_cosine
 from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
@@ -121,7 +122,9 @@ class ModuleHooks(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After a checkpoint's restore: a step count off the multiples of
-        ``model.num_iterations`` (trained with another k) runs past ``max_steps``."""
+        ``model.num_iterations`` (trained with another k) runs past ``max_steps``; a cosine
+        schedule that does not end with the run (``settings.warn_unended_cosine``)."""
+        warn_unended_cosine(trainer)
         k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
         if k > 1 and step % k and trainer.max_steps > step:
             end = step + math.ceil((trainer.max_steps - step) / k) * k

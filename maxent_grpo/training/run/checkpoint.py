@@ -278,7 +278,8 @@ def load_state(
             f"({before.get('meta_manager') or 'TauController/BetaController'}, state file "
             f"{before.get('state_path')!r}); this run has none, so tau and beta stay at the "
             "checkpoint's values: add the same trainer.callbacks to keep them moving")
-    objective.load_state_dict(_objective_state(saved["objective_state"], objective, now,
+    objective.load_state_dict(_objective_state(saved["objective_state"], objective,
+                                               before.get("attached") or now["attached"],
                                                fitting))
     if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
         _check_optimizer(checkpoint["optimizer_states"][0], optimizer)
@@ -302,15 +303,23 @@ def load_state(
     return states[rank]
 
 
-def _objective_state(saved: dict[str, float], objective: Objective, controllers: dict,
+def _objective_state(saved: dict[str, float], objective: Objective, controllers: bool,
                      fitting: bool) -> dict[str, float]:
-    """The objective state a fit resumes with: the checkpoint's (which tau/beta controllers
-    move: theirs when attached), except, with no controller, the values the config changed
+    """The objective state a fit resumes with: the checkpoint's (moved by tau/beta
+    controllers, or by the objective itself: ``EntropyMaxEnt``'s gate), except, when no
+    controller was or is attached, the :attr:`~Objective.tunable` values the config changed
     (``model.objective.beta 0.2`` on a resume), which are used, warned of: nothing else
-    moves them, and the reference model was loaded (or not) for the config's beta."""
-    config = objective.state_dict()
+    moved them, and the reference model was loaded (or not) for the config's beta. A
+    checkpoint's beta > 0 kept while the config's 0 loaded no reference is refused."""
+    config = {k: v for k, v in objective.state_dict().items() if k in objective.tunable}
     changed = {k: v for k, v in config.items() if k in saved and v != saved[k]}
-    if not fitting or not changed or controllers.get("attached"):
+    if not fitting or not changed:
+        return saved
+    if controllers:
+        require(not (config.get("beta") == 0 < saved.get("beta", 0)),
+                f"the checkpoint's beta {saved.get('beta', 0):g} goes on (tau/beta controllers "
+                "move it), but this run's model.objective.beta 0 loads no reference model: "
+                "resume with the checkpoint's beta, or start afresh")
         return saved
     pairs = ", ".join(f"{k} {saved[k]:g} -> {v:g}" for k, v in changed.items())
     rank_zero_warn(f"model.objective differs from the checkpoint's ({pairs}): the config's "
@@ -323,11 +332,18 @@ def _check_optimizer(saved: dict[str, Any], factory: Any) -> None:
     optimizer (another class: its state would not load, or fail at the first step), and
     warn of changed values (``lr``, ``weight_decay``, ...): Lightning restores the
     optimizer and its learning-rate schedule, so the config's values are not used."""
-    group = factory([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    try:
+        group = factory([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    except Exception:  # noqa: BLE001 -- a factory that wants the real parameters: not checked
+        return
     old = {k: v for k, v in saved["param_groups"][0].items() if k not in ("params", "lr")}
     new = {k: v for k, v in group.items() if k not in ("params", "lr")}
     old["lr"] = old.pop("initial_lr", saved["param_groups"][0].get("lr"))
     new["lr"] = group["lr"]
+    moved = ["lr"] * ("max_lr" in old) + ["betas", "momentum"] * ("base_momentum" in old)
+    for key in moved:  # OneCycleLR, CyclicLR write these into the optimizer as they go
+        old.pop(key, None)
+        new.pop(key, None)
     require(not (set(old) - set(new) and set(new) - set(old)),  # a torch release adds some
             f"model.optimizer takes other settings ({sorted(new)}) than the checkpoint's "
             f"optimizer ({sorted(old)}): another optimizer cannot resume its state; resume "

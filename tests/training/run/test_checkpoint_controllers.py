@@ -187,3 +187,55 @@ def test_a_changed_optimizer_is_refused_and_changed_values_are_warned_of():
     with pytest.raises(ValueError, match="model.optimizer takes other settings .* another "
                                          "optimizer cannot resume its state"):
         resume(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+
+
+def test_state_the_run_moved_itself_is_kept_on_a_resume():
+    """A same-config resume reset EntropyMaxEnt's gate (``alpha_multiplier``, which it moves
+    itself) and tau/beta that controllers had moved, when the config's values were taken
+    for a change (a second reader: the resume was no longer bit-identical)."""
+    from maxent_grpo.objectives import EntropyMaxEnt
+
+    gated = EntropyMaxEnt(alpha=0.1, beta=0.05, kl_gate_threshold=1e-6)
+    gated.alpha_multiplier = 0.25
+    checkpoint: dict = {}
+    save_state(checkpoint, "builtin:tiny", gated, StepCounters(), BARE)
+    fresh = EntropyMaxEnt(alpha=0.1, beta=0.05, kl_gate_threshold=1e-6)
+    assert warnings_of(lambda: load_state(checkpoint, "builtin:tiny", fresh, StepCounters(),
+                                          BARE, fitting=True)) == []
+    assert fresh.alpha_multiplier == 0.25
+    meta = MetaController(target_entropy=1.0, kl_target=0.05, state_path="c.json")
+    moved = ListwiseMaxEnt(tau=0.31, beta=0.07)  # where the controllers took tau and beta
+    checkpoint = {}
+    save_state(checkpoint, "builtin:tiny", moved, StepCounters(),
+               BARE.with_controller(meta.paths, moved, meta))
+    resumed_without = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    load_state(checkpoint, "builtin:tiny", resumed_without, StepCounters(), BARE,
+               fitting=True)
+    assert (resumed_without.tau, resumed_without.beta) == (0.31, 0.07)  # as warned
+
+
+def test_a_kept_beta_that_needs_a_reference_this_run_lacks_is_refused():
+    """With a TauController the checkpoint's beta 0.1 went on while the config's beta 0
+    had loaded no reference model: beta logged, no KL trained."""
+    from maxent_grpo.training.callbacks import TauController
+
+    objective = ListwiseMaxEnt(tau=0.5, beta=0.0)
+    tau = TauController(target_entropy=1.0)
+    loop = BARE.with_controller(tau.paths, objective, None)
+    with pytest.raises(ValueError, match="beta 0.1 goes on .* loads no reference model"):
+        load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True)
+
+
+def test_schedules_that_write_the_optimizer_give_no_warning_on_a_same_config_resume():
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    adamw = torch.optim.AdamW([param], lr=1e-3)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(adamw, max_lr=1e-3, total_steps=10)
+    for _ in range(3):
+        adamw.step()
+        cycle.step()
+    checkpoint = saved(BARE) | {"optimizer_states": [adamw.state_dict()]}
+    assert not [m for m in warnings_of(lambda: load_state(
+        checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters(), BARE,
+        fitting=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))) if "optim" in m]
