@@ -126,13 +126,13 @@ class LossScalarBundle:
 
     Attributes:
         total_loss: the optimised loss (reduced by the objective's ``loss_type``).
-        policy_loss: the policy (surrogate or listwise cross-entropy) term, a token mean.
+        policy_loss: the policy (surrogate or listwise cross-entropy) term.
         clip_loss: the sequence-level clip term, or ``None`` when the objective has none.
         kl_loss: the token-mean KL to the reference (unweighted).
         weighted_kl_loss: ``kl_loss`` times the objective's ``kl_weight()`` (``beta``;
-            ListwiseMaxEnt's ``kl_coef``). The parts are token means: they add up to
-            ``total_loss`` under ``loss_type: bnpo`` only (``dr_grpo`` divides by
-            ``max_completion_length``, ``grpo`` averages per sequence).
+            ListwiseMaxEnt's ``kl_coef``). The parts are means over the step's tokens
+            (ListwiseMaxEnt's policy and clip: over its groups); they add up to
+            ``total_loss`` only under ``loss_type: bnpo`` with one micro-batch.
     """
 
     total_loss: float
