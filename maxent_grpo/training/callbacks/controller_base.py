@@ -124,14 +124,21 @@ class Controller(Callback):
                                                   self if self.is_meta else None)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse to overwrite another run's state file (``overwrite_existing=False``); a run
-        resuming a checkpoint (known only now) or from its ``state_path`` continues it."""
+        """Refuse a state file that cannot be written (found out at the first checkpoint
+        save, which it broke)."""
         path = self._state_file
-        if path is not None:  # found out at the first checkpoint save, which it broke
+        if path is not None:
             problem = unwritable(path) if trainer.is_global_zero else None  # the writer
             require(trainer.strategy.reduce_boolean_decision(problem is None, all=True),
                     f"{self.name}.state_path {str(path)!r} cannot be written: "
                     f"{problem or 'see global rank 0'}")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse to overwrite another run's state file (``overwrite_existing=False``); a run
+        resuming a checkpoint or from its ``state_path`` continues it. Checked here, after
+        the checkpoint's restore: FSDP2 and DeepSpeed restore after ``on_fit_start``, where
+        ``trainer.ckpt_path`` is not yet known (their resumes were refused)."""
+        path = self._state_file
         if path is None or self.paths.overwrite_existing or not path.exists():
             return
         resume = self.paths.resume_from

@@ -429,13 +429,20 @@ def test_overwrite_existing(tmp_path):
     def start(**kw):
         c = TauController(1.0, state_path=str(path), **kw.pop("args", {}))
         trainer, module = attach(ListwiseMaxEnt(tau=0.5), c, **kw)
-        c.on_fit_start(trainer, module)
+        c.on_fit_start(trainer, module)  # FSDP2, DeepSpeed: the checkpoint is not known yet
+        c.on_train_start(trainer, module)  # after every strategy's restore
 
     with pytest.raises(ValueError, match="already exists.*overwrite_existing: true"):
         start()
     start(args={"overwrite_existing": True})
     start(ckpt_path="last.ckpt")  # a resumed run continues its own file
     start(args={"resume_from": str(path)})  # so does one resuming from this very file
+    # FSDP2 and DeepSpeed restore after on_fit_start: their resumes were refused there
+    c = TauController(1.0, state_path=str(path))
+    trainer, module = attach(ListwiseMaxEnt(tau=0.5), c)
+    c.on_fit_start(trainer, module)
+    trainer.ckpt_path = "last.ckpt"  # the restore after the strategy's setup
+    c.on_train_start(trainer, module)
 
 
 # ---------------------------------------------------------------------- export
