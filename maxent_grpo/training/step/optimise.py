@@ -132,7 +132,9 @@ def optimizer_step(
             require(t.sampler_logps is not None,
                     "model.sampler_correction needs a rollout engine that reports its "
                     "log-probs (maxent_grpo.rollout.VLLMEngine); the Hugging Face engine "
-                    "samples from the scored policy itself: set it to null")
+                    "reports none (it samples from the scored policy itself, or with "
+                    "generation_dtype from a copy in that dtype, whose gap it does not "
+                    "measure): set it to null")
             behaviour = scores.token_logp.detach() if old is None else old
             correction = sampler_correction_weights(
                 behaviour, sampler, scores.token_mask,

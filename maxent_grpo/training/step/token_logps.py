@@ -69,7 +69,7 @@ def fused_head_parts(model: nn.Module) -> tuple[nn.Module, Tensor] | str:
                 f"transformers causal LM)")
     head = get_head()
     if type(head) is not nn.Linear or head.bias is not None:
-        return (f"its LM head is a {type(head).__name__}"
+        return (f"its LM head is a {type(head).__module__}.{type(head).__qualname__}"
                 f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}, not a "
                 f"bias-free torch.nn.Linear (a LoRA adapter on lm_head, quantisation, ...)")
     config = getattr(model, "config", None)
