@@ -451,8 +451,10 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
 
 
 def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkeypatch):
-    """``seed_everything: true`` takes a seed (PL_GLOBAL_SEED, else 0); the config saved with
-    the run (config.yaml) records that number, so that the run can be made again from it."""
+    """``seed_everything: true`` takes a seed (PL_GLOBAL_SEED, which Lightning's DDP launcher
+    hands its processes, else a random one: it was always 0, so every "random" run was the
+    same, against the option's help); the config saved with the run (config.yaml) records
+    that number, so that the run can be made again from it."""
 
     class Parsed(Exception):
         pass
@@ -466,6 +468,14 @@ def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkey
     with pytest.raises(Parsed) as caught:
         cli_module.main(["fit", "--seed_everything", "true"])
     assert caught.value.args[0].fit.seed_everything == 7
+    drawn = []
+    for _ in range(2):
+        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+        with pytest.raises(Parsed) as caught:
+            cli_module.main(["fit", "--seed_everything", "true"])
+        drawn.append(caught.value.args[0].fit.seed_everything)
+    assert all(isinstance(seed, int) and not isinstance(seed, bool) for seed in drawn)
+    assert drawn[0] != drawn[1]  # two draws of 2**32 seeds: equal once in four billion
 
 
 @pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n',

@@ -132,6 +132,17 @@ class MaxEntGRPOCLI(LightningCLI):
         no checkpoint would fail with torch's traceback). The file is checked in
         :meth:`before_instantiate_classes` instead, and the options given are the options used."""
 
+    def _set_seed(self) -> None:
+        """``seed_everything: true`` draws a seed, as its help says, and records it in the
+        config (Lightning's seeds 0: every "random" run was the same); the processes that
+        Lightning's DDP launcher starts take the first one's (``PL_GLOBAL_SEED``)."""
+        config = self._subconfig(self.config)
+        if config.get("seed_everything") is True and "PL_GLOBAL_SEED" not in os.environ:
+            import random
+
+            config["seed_everything"] = random.SystemRandom().randrange(2**32)
+        super()._set_seed()
+
     def _subconfig(self, config: Any) -> Any:
         return config.get(str(self.subcommand), config) if self.subcommand else config
 
