@@ -13,8 +13,8 @@ scores. ``do_sample=False`` decodes greedily (evaluation's greedy pass@1, G = 1)
 Shared prefill (``share_prefill=True``): the first ``P - 1`` tokens of the B prompts run
 once, their cache is repeated G times (``Cache.batch_repeat_interleave``) and ``generate``
 continues from it: prefill work falls from ``B*G*P`` to ``B*(P-1) + B*G`` tokens, with the
-same random draws. Caches that cannot be repeated, models not a ``PreTrainedModel``,
-one-token prompts and G = 1 use the plain path.
+same random draws. Caches that cannot be repeated, models not a ``PreTrainedModel`` (a
+``peft`` one wrapping one is), one-token prompts and G = 1 use the plain path.
 
 Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
 step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
@@ -402,8 +402,8 @@ class HFGenerateEngine:
         with torch.no_grad(), autocast, _isolated_generation(model):
             cache = None
             if (
-                self.share_prefill and group > 1 and prompt_ids.shape[1] > 1
-                and isinstance(model, PreTrainedModel)
+                self.share_prefill and group > 1 and prompt_ids.shape[1] > 1  # a peft model too:
+                and isinstance(getattr(model, "get_base_model", lambda: model)(), PreTrainedModel)
             ):
                 cache = self._shared_prefill(model, prompt_ids, prompt_mask, group,
                                              s.max_new_tokens)

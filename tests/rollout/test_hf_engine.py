@@ -129,13 +129,28 @@ def test_tiny_rollout_is_seeded_and_restores_mode(tiny: tuple[Any, Any]) -> None
     model.eval()
 
 
-def test_shared_prefill_samples_what_the_plain_path_samples(tiny: tuple[Any, Any]) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prefill_samples_what_the_plain_path_samples(tiny: tuple[Any, Any],
+                                                             lora: bool) -> None:
     """Prompts of different lengths (left padding), G = 3: one prefill of the B prompts,
-    then the same completions as G separate prefills under the same seed."""
+    then the same completions as G separate prefills under the same seed. A LoRA policy (a
+    peft model, no PreTrainedModel) ran G prefills: the shared one was skipped."""
     model, tokenizer = tiny
+    inner = model
+    if lora:
+        import copy
+
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        with torch.no_grad():  # trained adapters (lora_B starts at 0)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+        inner = model.get_base_model()  # the transformers model both paths run
     prompts = [render(tokenizer, "12+7"), render(tokenizer, "a much longer question 3*4")]
     shapes: list[tuple[int, ...]] = []
-    hook = model.register_forward_pre_hook(
+    hook = inner.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
         with_kwargs=True,
     )
