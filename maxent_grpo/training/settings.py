@@ -196,11 +196,11 @@ def warn_unended_cosine(trainer: Any) -> None:
         return
     from lightning.pytorch.utilities import rank_zero_warn
 
-    rank_zero_warn(
-        f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
-        f"(lr_warmup_steps + T_max) while trainer.max_steps is {steps}, so the learning rate "
-        + ("rises again after its low" if warm + main.T_max < steps else "stops short of "
-           "eta_min") + "; " + ("a resume keeps the checkpoint's schedule (start afresh to "
-                                "change it)" if trainer.ckpt_path else "set --model."
-                                f"lr_scheduler.init_args.T_max {steps - warm} to end with "
-                                "the run"))
+    shape = ("rises again after its low" if warm + main.T_max < steps
+             else "stops short of eta_min")
+    advice = ("a resume keeps the checkpoint's schedule (start afresh to change it)"
+              if trainer.ckpt_path else
+              f"set --model.lr_scheduler.init_args.T_max {steps - warm} to end with the run")
+    rank_zero_warn(f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
+                   f"(lr_warmup_steps + T_max) while trainer.max_steps is {steps}, so the "
+                   f"learning rate {shape}; {advice}")
