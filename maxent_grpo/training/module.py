@@ -439,11 +439,11 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.save(checkpoint, step_cut_short=cut)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Check and restore :meth:`on_save_checkpoint`'s state; the random state waits for
-        the first training batch."""
+        """Check and restore :meth:`on_save_checkpoint`'s state (random state: 1st batch)."""
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
-            peft=self.source.peft, trainer=self._trainer, optimizer=self.optimizer_factory)
+            peft=self.source.peft, trainer=self._trainer, optimizer=self.optimizer_factory,
+            reference=self.needs_reference)
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self._trainer is not None:
             restore_rollouts(self.pipeline, checkpoint, self.trainer.state.fn == "fit",

@@ -229,7 +229,7 @@ def save_state(
 def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
-    peft: Any = None, trainer: Any = None, optimizer: Any = None,
+    peft: Any = None, trainer: Any = None, optimizer: Any = None, reference: bool = True,
 ) -> dict[str, Any] | None:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
@@ -245,7 +245,8 @@ def load_state(
     target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about, and a
     changed configuration (:func:`_objective_state`, :func:`_check_optimizer`: the
-    ``model.optimizer`` factory ``optimizer``).
+    ``model.optimizer`` factory ``optimizer``; ``reference``: whether this run loaded the
+    reference model).
     """
     fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
     epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -280,9 +281,9 @@ def load_state(
             "checkpoint's values: add the same trainer.callbacks to keep them moving")
     objective.load_state_dict(_objective_state(saved["objective_state"], objective,
                                                before.get("attached") or now["attached"],
-                                               fitting))
+                                               fitting, reference))
     if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
-        _check_optimizer(checkpoint["optimizer_states"][0], optimizer)
+        _check_optimizer(checkpoint, optimizer)
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))
@@ -304,22 +305,22 @@ def load_state(
 
 
 def _objective_state(saved: dict[str, float], objective: Objective, controllers: bool,
-                     fitting: bool) -> dict[str, float]:
+                     fitting: bool, reference: bool) -> dict[str, float]:
     """The objective state a fit resumes with: the checkpoint's (moved by tau/beta
     controllers, or by the objective itself: ``EntropyMaxEnt``'s gate), except, when no
     controller was or is attached, the :attr:`~Objective.tunable` values the config changed
     (``model.objective.beta 0.2`` on a resume), which are used, warned of: nothing else
     moved them, and the reference model was loaded (or not) for the config's beta. A
-    checkpoint's beta > 0 kept while the config's 0 loaded no reference is refused."""
+    checkpoint's beta > 0 kept where this run loaded no reference model is refused."""
     config = {k: v for k, v in objective.state_dict().items() if k in objective.tunable}
     changed = {k: v for k, v in config.items() if k in saved and v != saved[k]}
     if not fitting or not changed:
         return saved
     if controllers:
-        require(not (config.get("beta") == 0 < saved.get("beta", 0)),
+        require(reference or saved.get("beta", 0) == 0,
                 f"the checkpoint's beta {saved.get('beta', 0):g} goes on (tau/beta controllers "
-                "move it), but this run's model.objective.beta 0 loads no reference model: "
-                "resume with the checkpoint's beta, or start afresh")
+                "are attached), but this run loaded no reference model (model.objective.beta "
+                "0): resume with the checkpoint's beta, or start afresh")
         return saved
     pairs = ", ".join(f"{k} {saved[k]:g} -> {v:g}" for k, v in changed.items())
     rank_zero_warn(f"model.objective differs from the checkpoint's ({pairs}): the config's "
@@ -327,7 +328,7 @@ def _objective_state(saved: dict[str, float], objective: Objective, controllers:
     return {**saved, **changed}
 
 
-def _check_optimizer(saved: dict[str, Any], factory: Any) -> None:
+def _check_optimizer(checkpoint: dict[str, Any], factory: Any) -> None:
     """Refuse a resume whose ``model.optimizer`` takes other settings than the checkpoint's
     optimizer (another class: its state would not load, or fail at the first step), and
     warn of changed values (``lr``, ``weight_decay``, ...): Lightning restores the
@@ -336,12 +337,15 @@ def _check_optimizer(saved: dict[str, Any], factory: Any) -> None:
         group = factory([torch.zeros(1, requires_grad=True)]).param_groups[0]
     except Exception:  # noqa: BLE001 -- a factory that wants the real parameters: not checked
         return
-    old = {k: v for k, v in saved["param_groups"][0].items() if k not in ("params", "lr")}
+    saved = checkpoint["optimizer_states"][0]["param_groups"][0]
+    old = {k: v for k, v in saved.items() if k not in ("params", "lr")}
     new = {k: v for k, v in group.items() if k not in ("params", "lr")}
-    old["lr"] = old.pop("initial_lr", saved["param_groups"][0].get("lr"))
-    new["lr"] = group["lr"]
-    moved = ["lr"] * ("max_lr" in old) + ["betas", "momentum"] * ("base_momentum" in old)
-    for key in moved:  # OneCycleLR, CyclicLR write these into the optimizer as they go
+    old["lr"], new["lr"] = old.pop("initial_lr", saved.get("lr")), group["lr"]
+    schedulers = [state for top in checkpoint.get("lr_schedulers") or []
+                  for state in (top, *top.get("_schedulers", []))]  # SequentialLR's parts
+    cyclic = "max_lr" in old or any("max_lrs" in state for state in schedulers)
+    moved = ["lr"] * cyclic + ["betas", "momentum"] * ("base_momentum" in old)
+    for key in moved:  # OneCycleLR, CyclicLR set these in the optimizer themselves
         old.pop(key, None)
         new.pop(key, None)
     require(not (set(old) - set(new) and set(new) - set(old)),  # a torch release adds some

@@ -216,26 +216,37 @@ def test_state_the_run_moved_itself_is_kept_on_a_resume():
 
 def test_a_kept_beta_that_needs_a_reference_this_run_lacks_is_refused():
     """With a TauController the checkpoint's beta 0.1 went on while the config's beta 0
-    had loaded no reference model: beta logged, no KL trained."""
+    had loaded no reference model: beta logged, no KL trained. A MetaController, which
+    raises beta from 0, has the reference loaded: its run resumes (a second reader)."""
     from maxent_grpo.training.callbacks import TauController
 
     objective = ListwiseMaxEnt(tau=0.5, beta=0.0)
     tau = TauController(target_entropy=1.0)
     loop = BARE.with_controller(tau.paths, objective, None)
-    with pytest.raises(ValueError, match="beta 0.1 goes on .* loads no reference model"):
-        load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True)
+    with pytest.raises(ValueError, match="beta 0.1 goes on .* loaded no reference model"):
+        load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True,
+                   reference=False)
+    load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True,
+               reference=True)
+    assert objective.beta == 0.1
 
 
-def test_schedules_that_write_the_optimizer_give_no_warning_on_a_same_config_resume():
+@pytest.mark.parametrize("schedule", ["one_cycle", "cyclic", "cyclic_no_momentum"])
+def test_schedules_that_write_the_optimizer_give_no_warning_on_a_same_config_resume(schedule):
     import torch
 
     param = torch.nn.Parameter(torch.zeros(2))
     adamw = torch.optim.AdamW([param], lr=1e-3)
-    cycle = torch.optim.lr_scheduler.OneCycleLR(adamw, max_lr=1e-3, total_steps=10)
+    sched = torch.optim.lr_scheduler
+    cycle = {"one_cycle": lambda: sched.OneCycleLR(adamw, max_lr=1e-3, total_steps=10),
+             "cyclic": lambda: sched.CyclicLR(adamw, base_lr=1e-4, max_lr=1e-3),
+             "cyclic_no_momentum": lambda: sched.CyclicLR(adamw, base_lr=1e-4, max_lr=1e-3,
+                                                         cycle_momentum=False)}[schedule]()
     for _ in range(3):
         adamw.step()
         cycle.step()
-    checkpoint = saved(BARE) | {"optimizer_states": [adamw.state_dict()]}
+    checkpoint = saved(BARE) | {"optimizer_states": [adamw.state_dict()],
+                                "lr_schedulers": [cycle.state_dict()]}
     assert not [m for m in warnings_of(lambda: load_state(
         checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters(), BARE,
         fitting=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))) if "optim" in m]
