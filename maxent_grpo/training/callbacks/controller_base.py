@@ -133,13 +133,20 @@ class Controller(Callback):
                     f"{self.name}.state_path {str(path)!r} cannot be written: "
                     f"{problem or 'see global rank 0'}")
 
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule
+                              ) -> None:
+        """The state file's check before the sanity check's validation spends its time."""
+        self.on_train_start(trainer, pl_module)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse to overwrite another run's state file (``overwrite_existing=False``); a run
-        resuming a checkpoint or from its ``state_path`` continues it. Checked here, after
-        the checkpoint's restore: FSDP2 and DeepSpeed restore after ``on_fit_start``, where
+        """Refuse to overwrite another run's state file (``overwrite_existing=False``; seen
+        by any rank: a folder of its own machine's); a run resuming a checkpoint or from its
+        ``state_path`` continues it. Checked here and at the sanity check's start, after the
+        checkpoint's restore: FSDP2 and DeepSpeed restore after ``on_fit_start``, where
         ``trainer.ckpt_path`` is not yet known (their resumes were refused)."""
         path = self._state_file
-        if path is None or self.paths.overwrite_existing or not path.exists():
+        if path is None or self.paths.overwrite_existing or not (
+                trainer.strategy.reduce_boolean_decision(path.exists(), all=False)):
             return
         resume = self.paths.resume_from
         require(trainer.ckpt_path is not None or (resume is not None and Path(resume) == path),

@@ -443,6 +443,12 @@ def test_overwrite_existing(tmp_path):
     c.on_fit_start(trainer, module)
     trainer.ckpt_path = "last.ckpt"  # the restore after the strategy's setup
     c.on_train_start(trainer, module)
+    # a file only another rank's machine holds: every rank refuses (one alone would hang)
+    elsewhere = TauController(1.0, state_path=str(tmp_path / "not_here.json"))
+    trainer, module = attach(ListwiseMaxEnt(tau=0.5), elsewhere)
+    trainer.strategy = SimpleNamespace(reduce_boolean_decision=lambda ok, all=True: not all)
+    with pytest.raises(ValueError, match="already exists"):
+        elsewhere.on_sanity_check_start(trainer, module)  # before the sanity check's batches
 
 
 # ---------------------------------------------------------------------- export
