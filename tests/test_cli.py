@@ -476,6 +476,11 @@ def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkey
         drawn.append(caught.value.args[0].fit.seed_everything)
     assert all(isinstance(seed, int) and not isinstance(seed, bool) for seed in drawn)
     assert drawn[0] != drawn[1]  # two draws of 2**32 seeds: equal once in four billion
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: each process would draw its own
+    with pytest.raises(ValueError, match="another seed in each of the processes torchrun or "
+                                         "SLURM started"):
+        cli_module.main(["fit", "--seed_everything", "true"])
 
 
 @pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n',

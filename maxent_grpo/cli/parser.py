@@ -135,10 +135,18 @@ class MaxEntGRPOCLI(LightningCLI):
     def _set_seed(self) -> None:
         """``seed_everything: true`` draws a seed, as its help says, and records it in the
         config (Lightning's seeds 0: every "random" run was the same); the processes that
-        Lightning's DDP launcher starts take the first one's (``PL_GLOBAL_SEED``)."""
+        Lightning's DDP launcher starts take the first one's (``PL_GLOBAL_SEED``). Processes
+        that torchrun or SLURM start would each draw their own: refused there."""
         config = self._subconfig(self.config)
         if config.get("seed_everything") is True and "PL_GLOBAL_SEED" not in os.environ:
             import random
+
+            world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
+            if world != "1":
+                raise ValueError(
+                    "seed_everything: true would draw another seed in each of the processes "
+                    f"torchrun or SLURM started ({world}); give one number, e.g. "
+                    "--seed_everything 1234")
 
             config["seed_everything"] = random.SystemRandom().randrange(2**32)
         super()._set_seed()
