@@ -56,6 +56,7 @@ from transformers import (
     StaticCache,
 )
 
+from maxent_grpo.adapters import has_adapters
 from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy, sharded
 from maxent_grpo.rollout.protocol import (
@@ -402,8 +403,8 @@ class HFGenerateEngine:
         with torch.no_grad(), autocast, _isolated_generation(model):
             cache = None
             if (
-                self.share_prefill and group > 1 and prompt_ids.shape[1] > 1  # a peft model too:
-                and isinstance(getattr(model, "get_base_model", lambda: model)(), PreTrainedModel)
+                self.share_prefill and group > 1 and prompt_ids.shape[1] > 1
+                and (isinstance(model, PreTrainedModel) or has_adapters(model))
             ):
                 cache = self._shared_prefill(model, prompt_ids, prompt_mask, group,
                                              s.max_new_tokens)
