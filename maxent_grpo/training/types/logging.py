@@ -132,7 +132,8 @@ class LossScalarBundle:
         weighted_kl_loss: ``kl_loss`` times the objective's ``kl_weight()`` (``beta``;
             ListwiseMaxEnt's ``kl_coef``). The parts are means over the step's tokens
             (ListwiseMaxEnt's policy and clip: over its groups); they add up to
-            ``total_loss`` only under ``loss_type: bnpo`` with one micro-batch.
+            ``total_loss`` only under ``loss_type: bnpo`` with one micro-batch
+            (``EntropyMaxEnt``'s entropy bonus aside).
     """
 
     total_loss: float
