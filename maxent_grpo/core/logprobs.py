@@ -1,8 +1,9 @@
 """Token log-probabilities and exact token entropy from logits (docs/ALGORITHM.md §0, §2).
 
 The functions take logits of shape ``(N, T, V)`` (``N = B*G`` rows, ``T`` completion tokens,
-``V`` vocabulary) that the caller has already divided by the sampling temperature, and return
-one float per token, ``(N, T)``.
+``V`` vocabulary) and return one float per token, ``(N, T)``, of ``softmax(logits /
+temperature)``: the temperature divides each upcast block, so float16 logits do not overflow
+at a low temperature and no divided ``(N, T, V)`` copy is made.
 
 Memory. No full ``(N, T, V)`` float32 tensor is built: the forward pass upcasts one block
 of logits at a time (:func:`block_elements` values: several short rows, or a long row in
@@ -158,6 +159,20 @@ def block_grad(
     return row.scatter_add_(-1, index.unsqueeze(-1), g)  # + g at the chosen token
 
 
+def _scaled(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """One block of logits upcast to ``dtype``, then divided by ``temperature``."""
+    z = logits.to(dtype)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        0 < temperature < float("inf")
+    ):
+        raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
+    return float(temperature)
+
+
 class _LogSoftmaxStats(torch.autograd.Function):
     """``logp[n, t] = z[n, t, y] - logsumexp_v z[n, t, v]`` with ``y = index[n, t]`` (None
     when ``index`` is None) and ``H[n, t] = -sum_v p_v log p_v`` (None unless
@@ -170,7 +185,8 @@ class _LogSoftmaxStats(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, logits: torch.Tensor, index: torch.Tensor | None, with_entropy: bool
+        ctx: FunctionCtx, logits: torch.Tensor, index: torch.Tensor | None, with_entropy: bool,
+        temperature: float,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         shift = torch.empty(logits.shape[:2], dtype=dtype, device=logits.device)
@@ -178,40 +194,48 @@ class _LogSoftmaxStats(torch.autograd.Function):
         out = None if index is None else torch.empty_like(shift)
         ent = torch.empty_like(shift) if with_entropy else None
         for n, t in _blocks(logits):
-            block_forward(  # logits[n, t].to(dtype): the only upcast copy alive at a time
-                logits[n, t].to(dtype), None if index is None else index[n, t],
+            block_forward(  # the only upcast copy alive at a time
+                _scaled(logits[n, t], dtype, temperature), None if index is None else index[n, t],
                 None if out is None else out[n, t], shift[n, t], lse[n, t],
                 None if ent is None else ent[n, t],
             )
         ctx.save_for_backward(logits, index, shift, lse, ent)
+        ctx.temperature = temperature
         return out, ent
 
     @staticmethod
     @once_differentiable
     def backward(
         ctx: FunctionCtx, grad_out: torch.Tensor | None, grad_ent: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None]:
         logits, index, shift, lse, ent = ctx.saved_tensors  # only the logits need a grad
+        temperature = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for n, t in _blocks(logits):
-            logp = _block_log_probs(logits[n, t].to(lse.dtype), shift[n, t], lse[n, t])
-            grad[n, t] = block_grad(
-                logp, None if index is None else index[n, t],
+            z = _scaled(logits[n, t], lse.dtype, temperature)
+            dz = block_grad(
+                _block_log_probs(z, shift[n, t], lse[n, t]), None if index is None else index[n, t],
                 None if index is None else grad_out[n, t],
                 None if ent is None else grad_ent[n, t], None if ent is None else ent[n, t],
             )
-        return grad, None, None
+            grad[n, t] = dz if temperature == 1.0 else dz / temperature  # through z = x / T
+        return grad, None, None, None
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Log-probability of the chosen tokens: ``log_softmax(logits, -1)`` gathered at ``index``.
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of the chosen tokens: ``log_softmax(z, -1)`` gathered at ``index``,
+    ``z = logits / temperature``.
 
-    ``out[n, t] = logits[n, t, index[n, t]] - logsumexp_v logits[n, t, v]``.
+    ``out[n, t] = z[n, t, index[n, t]] - logsumexp_v z[n, t, v]``.
 
     Args:
-        logits: ``(N, T, V)`` floating, already divided by the sampling temperature.
+        logits: ``(N, T, V)`` floating.
         index: ``(N, T)`` integer token ids in ``[0, V)``, on the same device (range
             checked).
+        temperature: the sampling temperature (> 0), applied in float32 (float64 for
+            float64 logits).
 
     Returns:
         ``(N, T)`` float32 (float64 for float64 logits), differentiable with respect to
@@ -219,7 +243,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     """
     _check_logits(logits)
     _check_index(index, logits.shape[:2], logits.shape[-1], logits.device, "logits")
-    return _LogSoftmaxStats.apply(logits, index, False)[0]
+    return _LogSoftmaxStats.apply(logits, index, False, _check_temperature(temperature))[0]
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -229,13 +253,13 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     ``(N, T)`` float32 (float64 for float64 logits), with ``dH/dz_v = -p_v (log p_v + H)``.
     """
     _check_logits(logits)
-    return _LogSoftmaxStats.apply(logits, None, True)[1]
+    return _LogSoftmaxStats.apply(logits, None, True, 1.0)[1]
 
 
 def selective_log_softmax_with_entropy(
-    logits: torch.Tensor, index: torch.Tensor
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(selective_log_softmax(logits, index), token_entropy(logits))`` in one pass.
+    """``(selective_log_softmax(logits, index, T), token_entropy(logits / T))`` in one pass.
 
     Same values and gradients as the two calls, but the logits are read once per pass and
     backward returns one ``(N, T, V)`` gradient instead of two that autograd adds.
@@ -243,4 +267,4 @@ def selective_log_softmax_with_entropy(
     """
     _check_logits(logits)
     _check_index(index, logits.shape[:2], logits.shape[-1], logits.device, "logits")
-    return _LogSoftmaxStats.apply(logits, index, True)
+    return _LogSoftmaxStats.apply(logits, index, True, _check_temperature(temperature))

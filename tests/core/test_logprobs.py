@@ -252,3 +252,51 @@ def test_block_size_by_device() -> None:
     cuda = logprobs.block_elements(issue13, "cuda")
     assert cuda == issue13 // 32 and 4 * cuda / (2 * issue13) == 1 / 16  # float32 vs bf16
     assert logprobs.block_elements(1000, "cuda") == logprobs.BLOCK_ELEMENTS
+
+
+# ---------------------------------------------------------------- the temperature
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_temperature_is_the_division_it_replaces(with_entropy: bool) -> None:
+    """float32: dividing inside the blocks gives the bits of ``logits / T`` divided first,
+    values and gradients (the demo's runs do not move)."""
+    logits, index = _inputs(torch.float32, seed=3)
+    grads = []
+    outs = []
+    for inside in (True, False):
+        x = logits.clone().requires_grad_(True)
+        if with_entropy:
+            args = (x, index, 0.7) if inside else (x / 0.7, index)
+            logp, ent = logprobs.selective_log_softmax_with_entropy(*args)
+            (logp.sum() + 0.3 * ent.sum()).backward()
+            outs.append(torch.cat([logp, ent]))
+        else:
+            logp = selective_log_softmax(x, index, 0.7) if inside else selective_log_softmax(
+                x / 0.7, index)
+            logp.sum().backward()
+            outs.append(logp)
+        grads.append(x.grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
+def test_float16_logits_at_a_low_temperature_stay_finite() -> None:
+    """Half-precision logits divided by a small temperature overflowed to inf (NaN
+    log-probs); divided after the float32 upcast they match float64."""
+    logits, index = _inputs(torch.float64, seed=4)
+    logits = 10.0 * logits  # |z| ~ 30, as a real model's
+    T = 2e-4
+    half = logits.half()
+    assert not torch.isfinite(half / T).all()  # the old order
+    x = half.clone().requires_grad_(True)
+    logp, ent = logprobs.selective_log_softmax_with_entropy(x, index, T)
+    ref = half.double() / T
+    assert torch.allclose(logp.double(), naive_logp(ref, index), atol=1e-3, rtol=0)
+    assert torch.allclose(ent.double(), naive_entropy(ref), atol=1e-3, rtol=0)
+    (logp.sum() + ent.sum()).backward()
+    assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_temperature_is_checked(bad: object) -> None:
+    logits, index = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        selective_log_softmax(logits, index, bad)

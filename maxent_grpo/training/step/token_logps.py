@@ -175,13 +175,11 @@ class Scorer:
             input_ids=input_ids, attention_mask=attention, position_ids=positions,
             logits_to_keep=T + 1, use_cache=False,
         )
-        logits = out.logits[:, :-1, :]  # (n, T, V), a view
-        if self.temperature != 1.0:  # a full (n, T, V) copy: only when it matters
-            logits = logits / self.temperature
+        logits = out.logits[:, :-1, :]  # (n, T, V), a view; divided block by block in float32
         index = input_ids[:, -T:]
         if with_entropy:  # one pass, one (n, T, V) gradient
-            return selective_log_softmax_with_entropy(logits, index)
-        return selective_log_softmax(logits, index), None
+            return selective_log_softmax_with_entropy(logits, index, self.temperature)
+        return selective_log_softmax(logits, index, self.temperature), None
 
     def plan(self, prompt_mask: Tensor, completion_mask: Tensor, G: int) -> list[MicroBatchPlan]:
         """The micro-batches of whole groups of a ``(N, P)`` / ``(N, T)`` batch within the
