@@ -95,6 +95,10 @@ CASES = [
     ("bad engine option", ["--model.engine", "maxent_grpo.rollout.HFGenerateEngine",
                            "--model.engine.prompt_bucket", "0"], 1,
      ["HFGenerateEngine.prompt_bucket"]),
+    ("the objectives' base class", ["--model.objective", "maxent_grpo.objectives.Objective"], 1,
+     ["model.objective: Objective does not define prepare or loss", "GRPO"]),
+    ("an engine interface", ["--model.engine", "maxent_grpo.rollout.RolloutEngine"], 1,
+     ["model.engine: RolloutEngine is an interface", "HFGenerateEngine"]),
     ("controller on the wrong objective",
      ["--trainer.callbacks", f"[{{class_path: {TAU_CONTROLLER}, init_args: "
       "{target_entropy: 1.0}}]"], 1, ["TauController"]),

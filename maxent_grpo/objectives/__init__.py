@@ -26,6 +26,7 @@ from maxent_grpo.objectives.base import (
     MicroBatch,
     Objective,
     Targets,
+    check_objective,
     sequence_ref_loglik,
     weight_stats,
 )
@@ -35,5 +36,5 @@ from maxent_grpo.objectives.maxent import GroupMaxEnt, ListwiseMaxEnt
 __all__ = [
     "GRPO", "EntropyMaxEnt", "GroupInputs", "GroupMaxEnt", "KLEstimator", "ListwiseMaxEnt",
     "LossOutput", "LossType", "MicroBatch", "Objective", "ScaleRewards", "Targets",
-    "sequence_ref_loglik", "weight_stats",
+    "check_objective", "sequence_ref_loglik", "weight_stats",
 ]

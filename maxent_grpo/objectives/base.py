@@ -295,6 +295,22 @@ RatioLevel = Literal["token", "sequence", "sequence_token"]
 ClipRule = Literal["ppo", "cispo", "clip_cov", "kl_cov"]
 
 
+def check_objective(objective: object) -> None:
+    """Refuse what cannot train: not an :class:`Objective`, or one that does not define
+    :meth:`Objective.prepare` and :meth:`Objective.loss` (the base class named as
+    ``model.objective``), before any model loads."""
+    require(isinstance(objective, Objective),
+            "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
+            f"...); got {type(objective).__name__}")
+    missing = [name for name in ("prepare", "loss")
+               if getattr(type(objective), name) is getattr(Objective, name)]
+    require(not missing,
+            f"model.objective: {type(objective).__name__} does not define "
+            f"{' or '.join(missing)}; name an objective that trains "
+            "(maxent_grpo.objectives.GRPO, EntropyMaxEnt, ListwiseMaxEnt, GroupMaxEnt, ...) "
+            "or define them in your subclass")
+
+
 @dataclass(frozen=True)
 class CovSettings:
     """The options of the ``clip_cov`` and ``kl_cov`` rules (Cui et al. 2025): the fraction

@@ -28,6 +28,8 @@ samples from the policy itself does nothing. Evaluation uses the same engine, pa
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -136,3 +138,15 @@ def turn_end(tokenizer: Any) -> int | None:
     special = set(getattr(tokenizer, "all_special_ids", [])) | {
         i for i, token in added.items() if getattr(token, "special", False)}
     return int(ids[0]) if ids and ids[0] in special else None
+
+
+def check_engine_factory(engine: object) -> None:
+    """Refuse an interface named as ``model.engine`` (a protocol or an abstract class, which
+    cannot be built) before any model loads."""
+    while isinstance(engine, functools.partial):  # the CLI's: partial(build, class, **options)
+        engine = next((a for a in engine.args if inspect.isclass(a)), engine.func)
+    abstract = getattr(engine, "_is_protocol", False) or inspect.isabstract(engine)
+    require(callable(engine) and not abstract,
+            f"model.engine: {getattr(engine, '__name__', type(engine).__name__)} is an "
+            "interface, not an engine; name one (maxent_grpo.rollout.HFGenerateEngine, "
+            "VLLMEngine, VLLMServerEngine) or a class of yours that implements it")

@@ -34,9 +34,10 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from maxent_grpo.adapters import PeftConfig
-from maxent_grpo.objectives import GRPO, Objective
+from maxent_grpo.objectives import GRPO, Objective, check_objective
 from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
+from maxent_grpo.rollout.protocol import check_engine_factory
 from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter, ModuleHooks
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
 from maxent_grpo.training.data.sampler import unfinished_batches
@@ -206,9 +207,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         objective = GRPO() if objective is None else objective
-        require(isinstance(objective, Objective),
-                "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
-                f"...); got {type(objective).__name__}")
+        check_objective(objective)
+        check_engine_factory(engine)
         require(sampler_correction is None or objective.supports_sampler_correction,
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
