@@ -93,8 +93,9 @@ class GenerationBatch:
         grouped_completions: B groups; group ``b`` holds the completions of ``prompts[b]``.
         grouped_ref_meta: per completion, the behaviour policy's log-probability of it as
             the sampler computed it (the sum over its tokens, a float), from an engine that
-            reports its log-probs (the vLLM engines); None from one that samples from the
-            scored policy itself (the Hugging Face engine).
+            reports its log-probs (the vLLM engines, the Hugging Face engine on a generation
+            copy); None from one that samples from the scored policy itself (the Hugging
+            Face engine without a copy).
         grouped_completion_info: per completion, a dict of what the rollout adds to every
             reward call (a multi-turn rollout's ``tool_calls``, ``tool_failures``,
             ``exchange_lengths`` and ``environments``), or None (a single-turn rollout);
@@ -277,7 +278,8 @@ class RolloutOutput:
         generate_seconds: wall-clock time of the generation call.
         sampler_logps: ``(B*G, T)`` float, the sampler's own log-probability of each
             completion token at the sampling temperature (0 outside ``completion_mask``),
-            or None when the engine does not report them (the Hugging Face engine).
+            or None when the engine does not report them (the Hugging Face engine without a
+            generation copy).
         tool_mask: ``(B*G, T)`` bool, True on the completion's tokens the model did not
             write (tool and environment messages, with the chat template's text around
             them; always inside ``completion_mask``), or None for a single-turn rollout.

@@ -32,6 +32,9 @@ on a copy in that dtype (:mod:`maxent_grpo.rollout.generation_copy`; 2 bytes per
 refreshed at every rollout (:attr:`HFGenerateEngine.refresh_seconds`, in
 ``generate_seconds``); a model already in that dtype generates as is. Refused (ValueError)
 for sharded parameters (FSDP2, ZeRO-3) or a model neither ``PreTrainedModel`` nor ``peft``.
+A sampled rollout from a copy reports the copy's log-probs of its tokens
+(``sampler_logps``, :mod:`~maxent_grpo.rollout.sampled_logps`), so the trainer can measure
+and correct the gap (``model.sampler_correction``); from the model itself it reports none.
 
 Wrapped models: ``model`` must have ``.generate`` (a ``PreTrainedModel``, also FSDP2
 ``fully_shard``-ed; for DDP pass ``ddp.module``). Sharded parameters
@@ -66,6 +69,7 @@ from maxent_grpo.rollout.protocol import (
     check_request,
     stop_ids,
 )
+from maxent_grpo.rollout.sampled_logps import recorder
 from maxent_grpo.validation import check_bool, check_choice, check_int, require
 
 
@@ -298,11 +302,16 @@ class HFGenerateEngine:
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences],
                             device=device)
         model, autocast = self._generation_model(device)
+        copy = model is not self.model and config.do_sample  # it reports the copy's log-probs
+        record, extra = recorder(config) if copy else (None, {})
         with torch.no_grad(), autocast, _isolated_generation(model):
             output = model.generate(input_ids=ids, attention_mask=mask,
-                                    generation_config=config, **synced)
-        return [Continuation.cut(row[:budget], self.stop_token_ids)
-                for row, budget in zip(output[:, width:].tolist(), budgets, strict=True)]
+                                    generation_config=config, **synced, **extra)
+        logps = None if record is None else record.of(output[:, width:])
+        return [Continuation.cut(row[:budget], self.stop_token_ids,
+                                 None if logps is None else logps[i, :budget].tolist())
+                for i, (row, budget) in enumerate(zip(output[:, width:].tolist(), budgets,
+                                                      strict=True))]
 
     def _shared_prefill(self, model: nn.Module, prompt_ids: torch.Tensor,
                         prompt_mask: torch.Tensor, group: int, max_new_tokens: int):
@@ -400,6 +409,8 @@ class HFGenerateEngine:
         synced = {"synced_gpus": True} if self.collective else {}
         start = time.perf_counter()
         model, autocast = self._generation_model(device)
+        copy = model is not self.model and config.do_sample  # it reports the copy's log-probs
+        record, extra = recorder(config) if copy else (None, {})
         with torch.no_grad(), autocast, _isolated_generation(model):
             cache = None
             if (
@@ -417,7 +428,7 @@ class HFGenerateEngine:
                 inputs = dict(input_ids=prompt_ids.repeat_interleave(group, dim=0),
                               attention_mask=prompt_mask.long().repeat_interleave(group, dim=0),
                               **cache)
-            output = model.generate(**inputs, generation_config=config, **synced)  # (B*G, P + T)
+            output = model.generate(**inputs, generation_config=config, **synced, **extra)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -428,7 +439,7 @@ class HFGenerateEngine:
                 f"model.generate returned shape {tuple(output.shape)}; "
                 f"expected ({rows}, > {length})"
             )
-        # it samples from the scored policy itself: no sampler log-probs (grouped_ref_meta)
+        completions = output[:, length:].long()  # (B*G, T)
         return rollout_from_ids(self.tokenizer, self.stop_token_ids, prompts, answers,
-                                prompt_ids, prompt_mask, output[:, length:].long(), group,
-                                seconds)
+                                prompt_ids, prompt_mask, completions, group, seconds,
+                                None if record is None else record.of(completions))

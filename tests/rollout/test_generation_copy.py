@@ -231,3 +231,68 @@ def test_bf16_mixed_training_generates_on_the_copy(tmp_path) -> None:
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     assert list(saved) == keys
+
+
+def teacher_forced(model, out, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """``(N, T)`` log-probs of ``out``'s completions under ``model`` in one forward pass,
+    after temperature, top-k and top-p (transformers' own warpers)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    attention = torch.cat([out.prompt_mask, out.completion_mask], 1).long()
+    T = out.completion_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention,
+                       position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+    flat = (logits[:, -T - 1 : -1].float() / temperature).reshape(-1, logits.shape[-1])
+    if top_k:
+        flat = TopKLogitsWarper(top_k)(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p)(None, flat)
+    logps = torch.log_softmax(flat, -1).reshape(*out.completion_ids.shape, -1)
+    return logps.gather(-1, out.completion_ids[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("warpers", [{}, {"top_k": 20, "top_p": 0.9}], ids=["T", "T-k-p"])
+def test_the_copy_reports_the_log_probs_it_sampled_with(tiny, warpers) -> None:
+    """Sampling from a copy, the engine reports the copy's log-prob of each drawn token
+    after temperature, top-k and top-p (as the vLLM engines do): the draws are those of the
+    cast model itself, and the values its teacher-forced ones to bf16 rounding (a token
+    near the nucleus edge moves more). The model itself, and greedy decoding, report none."""
+    model, tokenizer = tiny
+    sampling = SamplingSettings(max_new_tokens=12, temperature=0.7, **warpers)
+    cast = copy.deepcopy(model).to(torch.bfloat16)
+
+    def draw(m, dtype):
+        torch.manual_seed(0)
+        return HFGenerateEngine(m, tokenizer, sampling, generation_dtype=dtype).generate(
+            prompts(tokenizer), [""] * len(QUESTIONS), 4)
+
+    out, itself = draw(model, "bfloat16"), draw(cast, "model")
+    assert torch.equal(out.completion_ids, itself.completion_ids)
+    assert itself.sampler_logps is None and itself.batch.grouped_ref_meta is None
+    mask = out.completion_mask
+    assert out.sampler_logps.shape == mask.shape and (out.sampler_logps[~mask] == 0).all()
+    gap = (out.sampler_logps - teacher_forced(cast, out, 0.7, **warpers))[mask].abs()
+    assert gap.max() < (0.01 if not warpers else 0.2) and gap.mean() < 0.01
+    assert torch.isfinite(out.sampler_logps).all()
+    sums = [v for group in out.batch.grouped_ref_meta for v in group]
+    torch.testing.assert_close(torch.tensor(sums), out.sampler_logps.sum(-1))
+    greedy = engine(model, tokenizer, do_sample=False)
+    assert greedy.generate(prompts(tokenizer), [""] * 3, 1).sampler_logps is None
+
+
+def test_a_continuation_from_the_copy_reports_its_log_probs(tiny) -> None:
+    """The next turn of a multi-turn rollout: each continuation's log-probs, cut where it
+    is (at its budget or its stop token)."""
+    model, tokenizer = tiny
+    sampling = SamplingSettings(max_new_tokens=12, temperature=0.7)
+    eng = HFGenerateEngine(model, tokenizer, sampling, generation_dtype="bfloat16")
+    sequences = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts(tokenizer)]
+    torch.manual_seed(0)
+    got = eng.continue_ids(sequences, [12, 5, 9], sampling)
+    for turn, budget in zip(got, [12, 5, 9], strict=True):
+        assert len(turn.logps) == len(turn.ids) <= budget
+        assert all(v <= 0 and v == v for v in turn.logps)
+    own = HFGenerateEngine(model, tokenizer, sampling).continue_ids(sequences, [4] * 3, sampling)
+    assert all(turn.logps is None for turn in own)

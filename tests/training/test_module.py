@@ -558,6 +558,19 @@ def test_sampler_correction_names_what_it_needs(cache_dir):
         fit(module, make_data(cache_dir), steps=1)
 
 
+def test_a_generation_copy_measures_and_corrects_its_gap(cache_dir):
+    """Sampling from a bfloat16 copy, the engine reports the copy's log-probs: the step logs
+    the gap to the float32 policy it trains and takes ``sampler_correction``."""
+    from maxent_grpo.rollout import HFGenerateEngine
+
+    module = make_module(cache_dir, sampler_correction="token_tis",
+                         engine=functools.partial(HFGenerateEngine, generation_dtype="bfloat16"),
+                         rewards={"tests.conftest:alternating": 1.0})
+    logged = fit(module, make_data(cache_dir), steps=2).callback_metrics
+    assert 1e-5 < float(logged["train/rollout/logp_gap/mean"]) < 0.1
+    assert 0.5 < float(logged["train/rollout/correction/mean"]) <= 2.0
+
+
 @pytest.mark.parametrize("answer_level", [True, False])
 def test_listwise_refuses_rows_masked_out_whole(cache_dir, answer_level):
     """``mask_truncated_completions`` hides whole rows, which the listwise softmax over a

@@ -131,10 +131,10 @@ def optimizer_step(
         if ctx.generation.sampler_correction is not None:
             require(t.sampler_logps is not None,
                     "model.sampler_correction needs a rollout engine that reports its "
-                    "log-probs (maxent_grpo.rollout.VLLMEngine); the Hugging Face engine "
-                    "reports none (it samples from the scored policy itself, or with "
-                    "generation_dtype from a copy in that dtype, whose gap it does not "
-                    "measure): set it to null")
+                    "log-probs (the vLLM engines, or HFGenerateEngine with generation_dtype "
+                    "bfloat16 or float16, which samples from a copy); the Hugging Face engine "
+                    "without a copy reports none (it samples from the scored policy itself): "
+                    "set it to null")
             behaviour = scores.token_logp.detach() if old is None else old
             correction = sampler_correction_weights(
                 behaviour, sampler, scores.token_mask,

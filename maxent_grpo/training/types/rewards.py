@@ -118,9 +118,9 @@ class SequenceScores:
     (:meth:`~maxent_grpo.training.step.token_logps.Scorer.policy_scores`).
 
     The behaviour policy is the one that sampled the completions: the engine's own sampler
-    where it reports its log-probs (the vLLM engines), else the policy as it was when it
-    sampled (``old_token_logp`` when ``num_iterations > 1``, the current policy itself
-    otherwise). Sums run over ``token_mask``, the loss mask.
+    where it reports its log-probs (the vLLM engines, a generation copy), else the policy as
+    it was when it sampled (``old_token_logp`` when ``num_iterations > 1``, the current
+    policy itself otherwise). Sums run over ``token_mask``, the loss mask.
 
     Attributes:
         cur_logp_sum: (N,) sum over completion tokens of log pi_theta(y_t | x, y_<t)
