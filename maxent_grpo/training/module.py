@@ -212,7 +212,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         require(sampler_correction is None or objective.supports_sampler_correction,
                 f"model.sampler_correction needs an objective with the clipped surrogate "
                 f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
-        check_staleness(max_staleness, sampler_correction, environment)
+        check_staleness(max_staleness, sampler_correction, environment, objective)
         self.rewards = WeightedRewards(  # reward models run on the step's device
             {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length)
         self.loop = build_loop_settings(options, self.rewards.names)

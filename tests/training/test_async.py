@@ -131,6 +131,15 @@ def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
         fit(module, make_data(cache_dir), steps=1)
 
 
+def test_an_objective_without_the_correction_is_told_to_train_synchronously(cache_dir):
+    """The listwise objective cannot take the correction that stale rollouts need: one
+    message says so (it used to ask for the correction, which is refused for it)."""
+    from maxent_grpo.objectives import ListwiseMaxEnt
+
+    with pytest.raises(ValueError, match="ListwiseMaxEnt has none: use max_staleness 0"):
+        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5), max_staleness=1)
+
+
 class SlowEngine:
     """A rollout that takes ``seconds``, or until the engine is closed; records its end."""
 

@@ -50,9 +50,13 @@ log = logging.getLogger(__name__)
 
 
 def check_staleness(max_staleness: Any, sampler_correction: str | None,
-                    environment: Any) -> None:
+                    environment: Any, objective: Any) -> None:
     """``model.max_staleness`` and what it needs (ValueError naming the option)."""
     check_int("model.max_staleness", max_staleness, minimum=0)
+    require(max_staleness == 0 or objective.supports_sampler_correction,
+            f"model.max_staleness >= 1 needs model.sampler_correction, which needs an "
+            f"objective with the clipped surrogate (GRPO, EntropyMaxEnt, GroupMaxEnt); "
+            f"{type(objective).__name__} has none: use max_staleness 0")
     require(max_staleness == 0 or sampler_correction is not None,
             "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
             "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2)")
