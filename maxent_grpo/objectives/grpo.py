@@ -299,7 +299,8 @@ class EntropyMaxEnt(GRPO):
 
     def observe(self, stats: dict[str, float]) -> None:
         """Update the gate from the step's measured token-mean KL (``stats["train/kl"]``); an
-        unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above"."""
+        unmeasured KL (every micro-batch non-finite) counts as non-finite, i.e. "above" (the
+        module does not call this after a step whose every group was dropped)."""
         if self.kl_gate_threshold is None:
             return
         kl = stats.get("train/kl", float("nan"))

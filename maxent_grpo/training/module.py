@@ -61,7 +61,6 @@ from maxent_grpo.training.step.strategy import attach_for_fit, check_strategy
 from maxent_grpo.training.step.token_logps import Scorer
 from maxent_grpo.training.step.trajectory import StepContext, StepTimer, Trajectory, collect
 from maxent_grpo.training.types import LoggingConfigView, LogStepArtifacts, RuntimeHandles
-from maxent_grpo.validation import require
 
 __all__ = ["MaxEntGRPOModule", "NonFiniteLossError"]
 
@@ -209,9 +208,6 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         objective = GRPO() if objective is None else objective
         check_objective(objective)
         check_engine_factory(engine)
-        require(sampler_correction is None or objective.supports_sampler_correction,
-                f"model.sampler_correction needs an objective with the clipped surrogate "
-                f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
         check_staleness(max_staleness, sampler_correction, environment, objective)
         self.rewards = WeightedRewards(  # reward models run on the step's device
             {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length)
@@ -270,7 +266,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                          schedule.max_consecutive_nonfinite)
             self._weights_version += not update.skipped
         self._log_step(trajectory, update, timer, batch_idx)
-        self.objective.observe(self.step_metrics_dict)  # the entropy gate reads train/kl
+        if trajectory.kept_groups:  # the entropy gate reads train/kl, which an empty step lacks
+            self.objective.observe(self.step_metrics_dict)
 
     @property
     def needs_reference(self) -> bool:

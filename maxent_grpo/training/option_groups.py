@@ -72,6 +72,11 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     require(o["refill_rounds"] == 0 or o["drop_constant_groups"],
             "model.refill_rounds refills the groups that model.drop_constant_groups drops; "
             "set model.drop_constant_groups: true with it (or model.refill_rounds: 0)")
+    require(not (o["drop_constant_groups"]
+                 and getattr(o.get("objective"), "advantage", None) == "wreinforce"),
+            "objective.advantage: wreinforce trains on groups whose rewards are all equal (an "
+            "all-wrong group is pushed down by -1, an all-right one up by positive_weight), "
+            "which model.drop_constant_groups drops; set model.drop_constant_groups: false")
     solved = o.get("solved_reward")
     check_number("model.solved_reward", solved, allow_none=True)
     require(not (o["mask_truncated_completions"] and isinstance(o.get("objective"),

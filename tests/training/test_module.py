@@ -481,6 +481,27 @@ def test_listwise_flattens_constant_groups_unless_they_are_dropped(cache_dir):
     assert module.trajectory.samples.weights is None
 
 
+def test_an_empty_step_moves_neither_the_entropy_gate_nor_a_controller(cache_dir):
+    """A step whose every group was dropped measures no KL: the entropy gate kept its
+    multiplier and the BetaController its beta (they read the missing KL as "above" and
+    switched the bonus off, or raised beta, on no data at all)."""
+    from maxent_grpo.training.callbacks import BetaController
+
+    objective = EntropyMaxEnt(alpha=0.1, beta=0.04, kl_gate_threshold=0.05)
+    controller = BetaController(kl_target=0.5, horizon=2.0, step_bound=0.5)
+    module = make_module(cache_dir, objective=objective, drop_constant_groups=True,
+                         rewards={"tests.conftest:always_one": 1.0})
+    trainer = fit(module, make_data(cache_dir), steps=2, callbacks=[controller])
+    assert module.counters.empty_steps == 2 and trainer.global_step == 2
+    assert (objective.alpha_multiplier, objective.beta, controller.steps) == (1.0, 0.04, 0)
+
+
+def test_wreinforce_keeps_the_constant_groups_it_trains_on(cache_dir):
+    with pytest.raises(ValueError, match="set model.drop_constant_groups: false"):
+        make_module(cache_dir, objective=GRPO(advantage="wreinforce"), drop_constant_groups=True)
+    make_module(cache_dir, objective=GRPO(advantage="wreinforce"))
+
+
 def test_solved_groups_stay_for_the_answer_level_target(cache_dir):
     """With ``solved_reward`` the all-right groups stay in the update: their answer-level
     listwise target spreads weight over the different answers they hold, so the weights

@@ -159,8 +159,10 @@ class Controller(Callback):
         batch_idx: int,
     ) -> None:
         """One update of the objective from the step's reduced statistics (none on a step
-        that trained nothing: the first ``model.max_staleness`` steps only start rollouts)."""
-        if getattr(pl_module, "step_log", True) is None:
+        that trained nothing: the first ``model.max_staleness`` steps only start rollouts, and
+        a step whose every group ``model.drop_constant_groups`` dropped measures nothing)."""
+        empty = getattr(getattr(pl_module, "trajectory", None), "kept_groups", 1) == 0
+        if getattr(pl_module, "step_log", True) is None or empty:
             return
         loop = getattr(pl_module, "loop", None)
         attached = isinstance(loop, LoopSettings) and loop.controller_objective is not None

@@ -51,8 +51,12 @@ log = logging.getLogger(__name__)
 
 def check_staleness(max_staleness: Any, sampler_correction: str | None,
                     environment: Any, objective: Any) -> None:
-    """``model.max_staleness`` and what it needs (ValueError naming the option)."""
+    """``model.max_staleness`` and ``model.sampler_correction``: what they need (ValueError
+    naming the option)."""
     check_int("model.max_staleness", max_staleness, minimum=0)
+    require(sampler_correction is None or objective.supports_sampler_correction,
+            f"model.sampler_correction needs an objective with the clipped surrogate "
+            f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
     require(max_staleness == 0 or objective.supports_sampler_correction,
             f"model.max_staleness >= 1 needs model.sampler_correction, which needs an "
             f"objective with the clipped surrogate (GRPO, EntropyMaxEnt, GroupMaxEnt); "
