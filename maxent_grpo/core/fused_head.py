@@ -17,8 +17,9 @@ is stored: the peak above the inputs is the float32 weight gradient plus block t
 
 Precision. The matmul runs in the autocast dtype when autocast is on for the device (as
 ``nn.Linear`` would), else in the weight's dtype; the softmax in float32 (float64 for
-float64 weights). The temperature divides the float32 logits, as on the unfused path, so
-under bf16 the two differ only by the matmul's rounding. Second derivatives
+float64 weights). The temperature scales the float32 logits (times ``1/T``; the unfused
+path divides, an ulp apart), so under bf16 the two differ by little more than the matmul's
+rounding. Second derivatives
 are not supported.
 """
 

@@ -160,9 +160,12 @@ def block_grad(
 
 
 def _scaled(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
-    """One block of logits upcast to ``dtype``, then divided by ``temperature``."""
+    """One block of logits upcast to ``dtype``, then divided by ``temperature`` (in place
+    when the upcast made a copy: one block temporary, the same bits)."""
     z = logits.to(dtype)
-    return z if temperature == 1.0 else z / temperature
+    if temperature == 1.0:
+        return z
+    return z / temperature if z is logits else z.div_(temperature)
 
 
 def _check_temperature(temperature: object) -> float:

@@ -145,8 +145,11 @@ def check_engine_factory(engine: object) -> None:
     cannot be built) before any model loads."""
     while isinstance(engine, functools.partial):  # the CLI's: partial(build, class, **options)
         engine = next((a for a in engine.args if inspect.isclass(a)), engine.func)
-    abstract = getattr(engine, "_is_protocol", False) or inspect.isabstract(engine)
-    require(callable(engine) and not abstract,
+    require(callable(engine), "model.engine must be an engine class (maxent_grpo.rollout."
+            f"HFGenerateEngine, VLLMEngine, VLLMServerEngine) or a factory; got {engine!r}")
+    abstract = inspect.isclass(engine) and (
+        getattr(engine, "_is_protocol", False) is True or inspect.isabstract(engine))
+    require(not abstract,
             f"model.engine: {getattr(engine, '__name__', type(engine).__name__)} is an "
             "interface, not an engine; name one (maxent_grpo.rollout.HFGenerateEngine, "
             "VLLMEngine, VLLMServerEngine) or a class of yours that implements it")

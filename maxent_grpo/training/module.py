@@ -113,8 +113,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             kernels): per-token (``token_*``) or per-sequence (``sequence_*``) importance
             weights ``pi / pi_sampler``, truncated at the cap (``*_tis``) or masked above it
             (``*_mis``; docs/ALGORITHM.md §2). Needs an engine that reports its log-probs
-            (``VLLMEngine``) and an objective with the clipped surrogate (GRPO,
-            EntropyMaxEnt, GroupMaxEnt). ``None`` = off.
+            (the vLLM engines, ``HFGenerateEngine`` on a ``generation_dtype`` copy) and an
+            objective with the clipped surrogate (GRPO, EntropyMaxEnt, GroupMaxEnt).
+            ``None`` = off.
         sampler_correction_cap: the cap ``C`` of those weights (> 0).
         max_staleness: how many optimizer steps old the rollout's weights may be (``k``).
             0 = each step trains on the rollout of its own batch; ``k >= 1`` = asynchronous:

@@ -576,3 +576,21 @@ def test_continue_ids_buckets_the_static_cache_length(tiny, monkeypatch) -> None
         assert [c.stopped for c in out] == [c.stopped for c in reference]
         width, new = seen[-1]["input_ids"].shape[1], seen[-1]["generation_config"].max_new_tokens
         assert (width + new) % 16 == 0 and new == max(budgets)
+
+
+def test_an_engine_interface_is_refused_and_an_engine_is_not() -> None:
+    """``model.engine`` naming an interface, or nothing, is refused at build; a class, the
+    CLI's ``partial`` of one, a factory function or a mock stand-in pass."""
+    import functools
+    from unittest import mock
+
+    from maxent_grpo.rollout.protocol import ContinuableEngine, RolloutEngine, check_engine_factory
+
+    for engine in (HFGenerateEngine, functools.partial(HFGenerateEngine, cache="static"),
+                   lambda model, tokenizer, sampling: None, mock.MagicMock()):
+        check_engine_factory(engine)
+    for interface in (RolloutEngine, ContinuableEngine, functools.partial(RolloutEngine)):
+        with pytest.raises(ValueError, match="is an interface, not an engine"):
+            check_engine_factory(interface)
+    with pytest.raises(ValueError, match="model.engine must be an engine class"):
+        check_engine_factory(None)

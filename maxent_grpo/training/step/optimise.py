@@ -132,9 +132,9 @@ def optimizer_step(
             require(t.sampler_logps is not None,
                     "model.sampler_correction needs a rollout engine that reports its "
                     "log-probs (the vLLM engines, or HFGenerateEngine with generation_dtype "
-                    "bfloat16 or float16, which samples from a copy); the Hugging Face engine "
-                    "without a copy reports none (it samples from the scored policy itself): "
-                    "set it to null")
+                    "bfloat16 or float16, which samples from a copy, on a model in another "
+                    "dtype); the Hugging Face engine without a copy reports none (it samples "
+                    "from the scored policy itself): set it to null")
             behaviour = scores.token_logp.detach() if old is None else old
             correction = sampler_correction_weights(
                 behaviour, sampler, scores.token_mask,
