@@ -87,6 +87,12 @@ class PromptFormat:
                 f"{part} has no answer column {self.answer_column!r} (data.answer_column, "
                 f"null allowed); columns: {sorted(names)}",
             )
+            require(  # the rewards' answer keyword holds the reference column's values
+                self.answer_column in (None, "answer") or "answer" not in names,
+                f"{part} has a column 'answer' that the rewards would not see: their answer "
+                f"keyword holds data.answer_column {self.answer_column!r}'s values; rename "
+                "that column (or set data.answer_column: answer)",
+            )
         others = list({n: None for names in columns_of.values() for n in names
                        if n != self.prompt_column})
         examples, blank, dropped = [], [], {}
