@@ -193,6 +193,8 @@ class Evaluator(torch.nn.Module):
         self.components = RewardComponentsMetric(rewards.names)
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
         self.unread_answers = False  # a row's valid_answers partly unread: warned once
+        self.ungraded_warned = False  # some completions' eval_reward None: warned once
+        self.timeouts = 0  # the eval reward's time-outs (a TimedReward's count) seen so far
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
              greedy_sampling: SamplingSettings | None,
@@ -258,13 +260,24 @@ class Evaluator(torch.nn.Module):
 
     def _correct(self, values: Tensor, completions: list) -> list[float]:
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN) value
-        raises ValueError."""
+        is not correct (warned of once); a batch of them raises ValueError unless the reward
+        timed out on it (its ``fallback: null``)."""
         missing = torch.isnan(values)
-        if bool(missing.any()):
-            name = self.rewards.names[self.settings.reward_index]
+        name = self.rewards.names[self.settings.reward_index]
+        timeouts = getattr(self.rewards.funcs[self.settings.reward_index], "timeouts", 0)
+        timed_out, self.timeouts = timeouts > self.timeouts, timeouts
+        if bool(missing.any()) and (timed_out or not bool(missing.all())):
+            if not self.ungraded_warned:
+                self.ungraded_warned = True
+                log.warning(
+                    "model.eval_reward %r returned None (not applicable) for %d of %d evaluation "
+                    "completions (a row it does not grade, or a time-out's fallback: null): they "
+                    "count as not correct; for rows of several tasks choose an eval_reward that "
+                    "grades every row", name, int(missing.sum()), len(completions))
+        elif bool(missing.any()):
             raise ValueError(
-                f"model.eval_reward {name!r} returned None (not applicable) for "
-                f"{int(missing.sum())} of {len(completions)} evaluation completions, so their "
+                f"model.eval_reward {name!r} returned None (not applicable) for all "
+                f"{len(completions)} evaluation completions of a batch, so their "
                 "correctness is unknown: the evaluation rows lack the reference it reads (an "
                 "empty 'answer' column? set data.answer_column to the column holding the "
                 "reference answers), or choose another model.eval_reward"

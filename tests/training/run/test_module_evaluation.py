@@ -297,6 +297,39 @@ def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):
         validate(module, make_data(cache_dir, answer_column=None))
 
 
+def every_other_ungraded(completions, **kw):
+    """1.0 for even completions, None (not applicable) for odd ones: a reward of one task
+    over rows of two."""
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def slow(completions, **kw):
+    import time
+
+    time.sleep(1.0)
+    return [1.0] * len(completions)
+
+
+def test_an_eval_reward_that_grades_some_completions_counts_the_rest_not_correct(
+        cache_dir, caplog):
+    """A reward that applies to some rows only (per-task rewards), or a time-out's
+    ``fallback: null`` over a whole batch, stopped the whole fit; those completions now
+    count as not correct, warned of once. A batch that nothing graded otherwise still
+    raises (the test above)."""
+    rewards = {"tests.training.run.test_module_evaluation:every_other_ungraded": 1.0}
+    module = make_module(cache_dir, rewards=rewards, eval_num_generations=2, eval_greedy=False,
+                         eval_k=[1])
+    with caplog.at_level("WARNING"):
+        logged = validate(module, make_data(cache_dir))
+    assert logged["val/pass@1"] == 0.5
+    assert sum("count as not correct" in r.getMessage() for r in caplog.records) == 1
+    timed = {"tests.training.run.test_module_evaluation:slow":
+             {"weight": 1.0, "timeout": 0.2, "fallback": None}}
+    module = make_module(cache_dir, rewards=timed, eval_num_generations=2, eval_greedy=False,
+                         eval_k=[1])
+    assert validate(module, make_data(cache_dir))["val/pass@1"] == 0.0
+
+
 def test_engine_is_chosen_by_class_path_built_once_and_synced(cache_dir, tmp_path):
     """``model.engine`` builds the engine once per run with the module's sampling
     settings; ``sync(policy)`` comes before each rollout that follows an optimizer step
