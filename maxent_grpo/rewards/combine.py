@@ -94,9 +94,11 @@ class TrainerState:
     @classmethod
     def from_trainer(cls, trainer: Any, num_iterations: int = 1) -> TrainerState:
         """The progress of a Lightning ``trainer`` (``TrainerState()``, step 0 and unknown
-        length, without one); ``num_iterations`` optimizer steps are taken per batch."""
+        length, without one); ``num_iterations`` optimizer steps are taken per batch. A
+        checkpoint's ``validate``, ``test`` or ``predict`` is at the checkpoint's step."""
         if trainer is None:
             return cls()
+        step = getattr(trainer.fit_loop.epoch_loop, "evaluated_step", None)  # load_state's
         batches = trainer.num_training_batches  # per epoch, this rank; inf before fit
         batches = batches if isinstance(batches, int) and batches > 0 else None
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
@@ -110,7 +112,8 @@ class TrainerState:
         if batches and max_steps > 0:
             epochs = math.ceil(max_steps / (batches * num_iterations))
         return cls(
-            global_step=int(trainer.global_step), max_steps=int(max_steps), epoch=float(epoch),
+            global_step=int(trainer.global_step if step is None else step),
+            max_steps=int(max_steps), epoch=float(epoch),
             num_train_epochs=int(epochs), is_world_process_zero=bool(trainer.is_global_zero),
             is_local_process_zero=trainer.local_rank == 0,
         )

@@ -180,6 +180,7 @@ def _own_logging_step(trainer: L.Trainer) -> None:
     """The Trainer's logging step its own again after a validate/test of a checkpoint,
     which logged at the checkpoint's step (``load_state``)."""
     loop = trainer.fit_loop.epoch_loop
+    loop.evaluated_step = None
     if getattr(loop, "evaluated_at", None) is not None:
         loop._batches_that_stepped, loop.evaluated_at = 0, None
 

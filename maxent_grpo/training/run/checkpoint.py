@@ -256,6 +256,8 @@ def load_state(
         if batches is not None and batches > 0:  # the fit's last batch's scalars' step
             epochs._batches_that_stepped = batches - 1
             epochs.evaluated_at = batches - 1  # ModuleHooks sets it back to 0 (setup, teardown)
+    if epochs is not None and trainer.state.fn in ("validate", "test", "predict"):
+        epochs.evaluated_step = checkpoint.get("global_step")  # the rewards' global_step
     saved = checkpoint.get(CHECKPOINT_KEY)
     require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "

@@ -466,6 +466,44 @@ def test_validating_a_checkpoint_logs_at_the_step_the_fit_logged_its_weights(cac
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 1  # its one step (4: from 3)
 
 
+def step_seen(completions, trainer_state=None, **kw):
+    """Records the step the rewards are told (a reward that ramps with training) in the
+    file ``$STEPS_SEEN`` (the registry imports this module under another name)."""
+    import os
+
+    with open(os.environ["STEPS_SEEN"], "a") as f:
+        f.write(f"{trainer_state.global_step}\n")
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("stage", ["validate", "predict"])
+def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path, stage,
+                                                             monkeypatch):
+    """Rewards that read ``trainer_state`` were told step 0 by a checkpoint's validate or
+    predict (Lightning restores no step outside fit), so a reward ramping with training
+    graded a step-4 checkpoint as at the start; a fit on the same Trainer counts its own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = tmp_path / "steps"
+    monkeypatch.setenv("STEPS_SEEN", str(seen))
+    rewards = {"tests.training.run.test_module_evaluation:step_seen": 1.0}
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
+    fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir), steps=4,
+        tmp_path=tmp_path, callbacks=[saver], enable_checkpointing=True)
+    seen.write_text("")
+    trainer = L.Trainer(accelerator="cpu", logger=False, limit_val_batches=1,
+                        limit_predict_batches=1, enable_progress_bar=False,
+                        enable_model_summary=False)
+    run = trainer.validate if stage == "validate" else trainer.predict
+    run(make_module(cache_dir, rewards=rewards), make_data(cache_dir),
+        ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4.ckpt"))
+    assert set(seen.read_text().split()) == {"4"}
+    seen.write_text("")
+    trainer.fit_loop.epoch_loop.max_steps = 1
+    trainer.fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir))
+    assert seen.read_text().split()[0] == "0"
+
+
 def test_a_failed_evaluation_of_a_checkpoint_leaves_the_trainer_as_it_was(cache_dir, tmp_path):
     """A validate of a checkpoint logs at its step; when it failed (a reward error, a
     SIGTERM), Lightning ran no teardown and a later fit on the same Trainer logged from the
