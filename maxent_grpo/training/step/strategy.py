@@ -98,15 +98,38 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
                 f"every_n_train_steps to a multiple of {k}")
 
 
+def check_checkpoint_savers(trainer: Any) -> None:
+    """Refuse the ``ModelCheckpoint`` settings that Lightning's manual-optimisation path
+    (every step here) gets wrong without a word: ``train_time_interval``, which it never
+    checks (no checkpoint until training ends), and ``every_n_train_steps`` with a
+    ``val/`` or ``test/`` monitor, which it scores with the validation before that step
+    (the save runs at the batch's end, before the step's own validation)."""
+    for cb in getattr(trainer, "callbacks", []):
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        require(getattr(cb, "_train_time_interval", None) is None,
+                "ModelCheckpoint(train_time_interval=...) never saves here (Lightning checks "
+                "it only under automatic optimisation): use every_n_train_steps")
+        monitor = str(cb.monitor or "")
+        require(not (cb._every_n_train_steps and monitor.startswith(("val/", "test/"))),
+                f"ModelCheckpoint(monitor={monitor!r}, every_n_train_steps="
+                f"{cb._every_n_train_steps}) would score each checkpoint with the validation "
+                "before it (it saves at the batch's end, before that step's validation): "
+                "leave every_n_train_steps unset to save at each validation's end, or add a "
+                "second ModelCheckpoint without a monitor for the periodic saves")
+
+
 def attach_for_fit(trainer: Any, schedule: Any) -> None:
     """What a ``fit`` checks as it attaches the module (``schedule``: its
-    ``ScheduleSettings``): :func:`check_trainer_flags` and :func:`check_step_multiples`,
-    then :func:`drop_unasked_checkpoints` and :func:`no_checkpoints_in_smoke_runs` (other
-    stages, and ``trainer=None`` at detachment, pass)."""
+    ``ScheduleSettings``): :func:`check_trainer_flags`, :func:`check_step_multiples` and
+    :func:`check_checkpoint_savers`, then :func:`drop_unasked_checkpoints` and
+    :func:`no_checkpoints_in_smoke_runs` (other stages, and ``trainer=None`` at detachment,
+    pass)."""
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
     check_trainer_flags(trainer, schedule.gradient_clip_val)
     check_step_multiples(trainer, schedule.num_iterations)
+    check_checkpoint_savers(trainer)
     drop_unasked_checkpoints(trainer)
     no_checkpoints_in_smoke_runs(trainer)
 

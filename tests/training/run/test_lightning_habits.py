@@ -7,6 +7,8 @@ scheduler, stepped by our loop, is read by ``LearningRateMonitor`` at every step
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from tests.conftest import fit, make_data, make_module
@@ -42,6 +44,32 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
         fit(module, make_data(cache_dir), steps=steps, tmp_path=tmp_path,
             callbacks=checkpoints, enable_checkpointing=bool(every))
     assert module.policy is None
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"train_time_interval": timedelta(milliseconds=10)},
+     r"train_time_interval=...\) never saves here"),
+    ({"every_n_train_steps": 2, "monitor": "val/pass@1", "mode": "max"},
+     r"monitor='val/pass@1', every_n_train_steps=2\) would score each checkpoint with the "
+     r"validation before it"),
+])
+def test_checkpoint_settings_lightning_ignores_here_are_refused(cache_dir, tmp_path, options,
+                                                                expected):
+    """Lightning's manual-optimisation path never checks ``train_time_interval`` (no
+    checkpoint until the end), and saves a ``val/``-monitored checkpoint at the batch's end,
+    scored by the validation before it: the kept "best" files followed stale scores."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = make_module(cache_dir)
+    saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, **options)
+    with pytest.raises(ValueError, match=expected):
+        fit(module, make_data(cache_dir), steps=2, tmp_path=tmp_path, callbacks=[saver],
+            enable_checkpointing=True)
+    assert module.policy is None
+    saver = ModelCheckpoint(dirpath=str(tmp_path / "ok"), save_top_k=1, monitor="val/pass@1",
+                            mode="max")  # saved at each validation's end: fresh scores
+    fit(make_module(cache_dir), make_data(cache_dir), steps=1, tmp_path=tmp_path,
+        callbacks=[saver], enable_checkpointing=True, limit_val_batches=1)
 
 
 def test_a_smoke_run_with_several_iterations_is_not_refused(cache_dir, tmp_path):
