@@ -302,7 +302,9 @@ class MaxEntGRPOCLI(LightningCLI):
                 "continue", self._resume.path, self._resume.global_step, ", ".join(later))
         for logger in self.trainer.loggers:
             if isinstance(logger, CSVLogger):  # keep its metrics.csv (Lightning deletes it)
-                ckpt_io.continue_csv_log(logger, self._resume.global_step)
+                resume = self._resume  # its rows' steps count batches, as TensorBoard's
+                ckpt_io.continue_csv_log(logger, resume.global_step if resume.log_step is None
+                                         else resume.log_step)
 
 
 def _same_dir(a: Any, b: Any) -> bool:

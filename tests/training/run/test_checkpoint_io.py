@@ -499,3 +499,30 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
         SimpleNamespace(loggers=[TensorBoardLogger("~/A", name="tiny", version=0)]), None,
         checkpoint)
     assert checkpoint[ckpt_io.LOGGERS_KEY][0]["save_dir"] == str(first)
+
+
+def test_a_csv_log_resumed_with_several_iterations_keeps_each_step_once(tmp_path):
+    """With ``num_iterations`` 2 a checkpoint's optimizer step (4) is twice its logging step
+    (its 2nd batch): the CSV log kept the lost steps' rows below 4 and wrote them again
+    (TensorBoard, purged at the logging step, did not)."""
+    from maxent_grpo.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = fit_config(run, 8, False)
+    config["model"]["num_iterations"] = 2
+    config["trainer"]["callbacks"][0]["init_args"].update(every_n_train_steps=4, save_top_k=-1)
+    path = run / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cwd = os.getcwd()
+    os.chdir(run)
+    try:
+        main(["fit", "--config", str(path)])
+        for name in ("last.ckpt", "epoch=1-step=8.ckpt", "epoch=0-step=8.ckpt"):
+            (run / "ckpt" / name).unlink(missing_ok=True)  # as if killed after step 8's batch
+        main(["fit", "--config", str(path), "--ckpt_path", "last"])
+    finally:
+        os.chdir(cwd)
+    with open(run / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward/mean")]
+    assert steps == [0, 1, 2, 3]

@@ -486,6 +486,7 @@ def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path
 
     seen = tmp_path / "steps"
     monkeypatch.setenv("STEPS_SEEN", str(seen))
+    monkeypatch.chdir(tmp_path)  # predict writes its predictions.jsonl here
     rewards = {"tests.training.run.test_module_evaluation:step_seen": 1.0}
     saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
     fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir), steps=4,
