@@ -278,7 +278,7 @@ class MaxEntGRPOCLI(LightningCLI):
         self._use_checked_checkpoint()
         if self._resume is None and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
             for folder in dict.fromkeys(str(cb.dirpath) for cb in callbacks if cb.dirpath):
-                if os.path.isdir(folder) and any(n.endswith(".ckpt") for n in os.listdir(folder)):
+                if os.path.isdir(folder) and ckpt_io.checkpoint_files(folder):
                     logging.getLogger(__name__).warning(
                         "checkpoints go to %s, which holds an earlier run's: this run's are "
                         "written beside them (a name already taken gets -v1, -v2, ...), and "

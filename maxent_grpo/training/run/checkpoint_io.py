@@ -188,13 +188,19 @@ class ResolvedCheckpoint:
     trusted: bool = False  # loaded with weights_only=False (--weights_only false)
 
 
+def checkpoint_files(folder: str) -> list[str]:
+    """The ``*.ckpt`` files in ``folder`` and below it: a file name holding a metric's name
+    (``{val/pass@1}``) puts the file in a subfolder (``step=2-val/pass@1=0.125.ckpt``)."""
+    return glob.glob(os.path.join(glob.escape(folder), "**", "*.ckpt"), recursive=True)
+
+
 def _candidates(dirpaths: list[str]) -> list[str]:
     """Every ``*.ckpt`` of ``dirpaths``, newest first (a ``last*`` name wins a tie)."""
     found: dict[str, tuple[float, bool]] = {}
     for folder in (str(f).removeprefix("file://") for f in dirpaths):
         if not _is_local(folder) or not os.path.isdir(folder):
             continue
-        for path in glob.glob(os.path.join(glob.escape(folder), "*.ckpt")):
+        for path in checkpoint_files(folder):
             try:
                 mtime = os.stat(path).st_mtime  # a symlink's target's time
             except OSError:

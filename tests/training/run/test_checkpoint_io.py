@@ -158,6 +158,18 @@ def test_last_prefers_the_newest_complete_checkpoint_and_a_last_name_on_a_tie(tm
     assert ckpt_io.resolve_checkpoint("last", [str(tmp_path / "none")]) is None  # first run
 
 
+def test_last_finds_the_checkpoints_a_metric_in_the_file_name_put_in_subfolders(tmp_path):
+    """``filename: "{step}-{val/pass@1:.3f}"`` writes ``step=4-val/pass@1=0.125.ckpt``: a
+    subfolder per file, which ``last`` did not look in, so the run started afresh."""
+    (tmp_path / "step=2-val").mkdir()
+    (tmp_path / "step=4-val").mkdir()
+    now = time.time()
+    save(tmp_path / "step=2-val" / "pass@1=0.250.ckpt", 2, now - 10)
+    newest = save(tmp_path / "step=4-val" / "pass@1=0.125.ckpt", 4, now)
+    found = ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
+    assert (found.path, found.global_step) == (str(newest), 4)
+
+
 def test_a_named_broken_checkpoint_stops_the_run_naming_it_and_a_good_one(tmp_path):
     good = save(tmp_path / "epoch=0-step=2.ckpt", 2, time.time() - 10)
     bad = save(tmp_path / "last.ckpt", 4)
