@@ -392,6 +392,11 @@ class LoggerVersions(pl.Callback):
             run = str(checkpoint[RUN_KEY])  # a resumed run stays the same run, ...
             # ... unless it goes on from an earlier step than its latest: a branch of its own
             self.run = f"{run}@{checkpoint.get('global_step')}" if self.fork else run
+        if self.fork:  # the branch's savers start afresh: the run's later files stay its own
+            for key, state in (checkpoint.get("callbacks") or {}).items():
+                if key.startswith("ModelCheckpoint") and isinstance(state, dict):
+                    state.update(best_model_score=None, best_model_path="", best_k_models={},
+                                 kth_best_model_path="", last_model_path="")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_KEY] = self.run

@@ -538,3 +538,31 @@ def test_a_csv_log_resumed_with_several_iterations_keeps_each_step_once(tmp_path
     with open(run / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward/mean")]
     assert steps == [0, 1, 2, 3]
+
+
+def test_a_rollback_writes_its_own_last_and_keeps_the_runs(tmp_path):
+    """Resuming step 4 of a run that reached step 6 goes on as a branch: Lightning restored
+    the saver's ``last_model_path`` and wrote the branch's ``last.ckpt`` over the run's (its
+    step 6, kept nowhere else but in a top-k file); the branch writes ``last-v1.ckpt``."""
+    from maxent_grpo.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = fit_config(run, 6, False)
+    config["trainer"]["callbacks"][0]["init_args"].update(every_n_train_steps=2, save_top_k=-1)
+    path = run / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cwd = os.getcwd()
+    os.chdir(run)
+    try:
+        main(["fit", "--config", str(path)])
+        before = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+        main(["fit", "--config", str(path), "--trainer.max_steps", "5",
+              "--ckpt_path", str(run / "ckpt" / "epoch=1-step=4.ckpt")])
+    finally:
+        os.chdir(cwd)
+    kept = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    assert (kept["global_step"], kept[ckpt_io.RUN_KEY]) == (6, before[ckpt_io.RUN_KEY])
+    branch = torch.load(run / "ckpt" / "last-v1.ckpt", weights_only=True)
+    assert (branch["global_step"], branch[ckpt_io.RUN_KEY]) == (
+        5, f"{before[ckpt_io.RUN_KEY]}@4")
