@@ -378,3 +378,23 @@ def test_a_bad_run_config_or_one_the_weights_do_not_fit_is_one_error_line(
         err = capsys.readouterr().err
         assert err.splitlines()[0].startswith("error: ") and expected in err, err
         assert "Traceback" not in err and "bug" not in err
+
+
+def test_a_smoke_run_exports_and_writes_no_samples(cache_dir, tmp_path, monkeypatch, caplog):
+    """``fast_dev_run`` writes no checkpoint; it replaced ``./hf/final`` (another folder's
+    files deleted) and wrote ``./rollouts.jsonl`` in the working folder, saying no samples
+    were kept although ``jsonl_path`` was set."""
+    from maxent_grpo.training.callbacks import CompletionSamples
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hf" / "final").mkdir(parents=True)
+    (tmp_path / "hf" / "final" / "mine.txt").write_text("precious")
+    callbacks = [HFExport(every_n_train_steps=1),
+                 CompletionSamples(jsonl_path="{log_dir}/rollouts.jsonl")]
+    with caplog.at_level(logging.INFO):
+        fit(make_module(cache_dir), make_data(cache_dir), tmp_path=tmp_path,
+            fast_dev_run=True, callbacks=callbacks)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final"]
+    assert (tmp_path / "hf" / "final" / "mine.txt").read_text() == "precious"
+    assert not list(tmp_path.rglob("rollouts.jsonl"))
+    assert "set CompletionSamples.jsonl_path" not in caplog.text

@@ -209,7 +209,11 @@ class HFExport(Callback):
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
         """:func:`export_policy` of ``pl_module.runtime``'s model and tokenizer into
         ``<dirpath>/<name>`` (with ``merged`` also ``<name>-merged``); returns that path
-        (None on other ranks). Every rank calls it: an FSDP2-sharded model is gathered first."""
+        (None on other ranks; on every rank under ``fast_dev_run``, which exports nothing, as
+        it saves no checkpoint). Every rank calls it: an FSDP2-sharded model is gathered
+        first."""
+        if getattr(trainer, "fast_dev_run", False):
+            return None
         runtime = pl_module.runtime
         whole = sharded_state_dict(runtime.model, keep=trainer.is_global_zero)  # a collective
         if not trainer.is_global_zero:

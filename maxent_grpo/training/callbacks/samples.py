@@ -316,7 +316,7 @@ class CompletionSamples(Callback):
         step = int(record.step)
         # the rollout's optimizer steps: its own, up to the one the trainer is at now
         end = max(int(trainer.global_step), step + 1)
-        if self.jsonl_path is not None:
+        if self.jsonl_path is not None and not getattr(trainer, "fast_dev_run", False):
             append_jsonl(self._resolve_jsonl(trainer), rollout_rows(record))
         if (end - 1) // self.every_n_steps > (step - 1) // self.every_n_steps:
             self.write_loggers(trainer, record, step)
@@ -336,7 +336,7 @@ class CompletionSamples(Callback):
             elif isinstance(getattr(logger, "experiment", None), SummaryWriter):
                 self.write_tensorboard(logger.experiment, record, step)
         files = dict.fromkeys(self._logger_files(trainer))  # ordered, each file once
-        if not loggers and not self._told_no_logger:
+        if not loggers and not self._told_no_logger and self.jsonl_path is None:
             # nothing is written where nothing was asked for (no logger: not the cwd)
             self._told_no_logger = True
             rank_zero_info("CompletionSamples: the run has no logger, so no samples table is "
