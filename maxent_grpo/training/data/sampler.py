@@ -7,6 +7,7 @@ share of a seeded per-epoch order, resumable mid-epoch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,9 @@ class EpochShuffleSampler(DistributedSampler):
     Resume: after :meth:`resume_at`, epoch ``epoch`` skips its first ``consumed`` positions
     (all ranks; a multiple of ``W``): rank ``r`` takes ``order[consumed:][r::W]``. ``len()``
     stays the full epoch's count, as Lightning expects.
+
+    ``batch_size`` (the loader's, which drops an incomplete last batch): without shuffling
+    the rows that fill no batch are the same every epoch, never trained on: warned of.
     """
 
     def __init__(
@@ -96,11 +100,19 @@ class EpochShuffleSampler(DistributedSampler):
         epoch: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        batch_size: int | None = None,
     ) -> None:
         super().__init__(
             range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
             drop_last=True,
         )
+        read = num_replicas * (self.num_samples // batch_size * batch_size if batch_size else 0)
+        if batch_size and not shuffle and read < num_rows and rank == 0:
+            warnings.warn(
+                f"data.shuffle is false: the last {num_rows - read} of the {num_rows} training "
+                f"rows fill no batch of data.batch_size {batch_size} (on {num_replicas} "
+                "process(es)) and are never trained on, in any epoch; set data.shuffle: true "
+                "or fit the row count to the batches", stacklevel=2)
         self.epoch = epoch
         self.resume_epoch: int | None = None
         self.resume_consumed = 0

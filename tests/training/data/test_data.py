@@ -1131,3 +1131,19 @@ def test_a_chat_template_that_refuses_a_prompt_names_the_row_and_the_option(tmp_
     with pytest.raises(ValueError, match=r"row 0: the tokenizer's chat template refuses the "
                        r"messages with roles \['system', 'user'\] \(data.system_prompt"):
         dm.setup("fit")
+
+
+def test_rows_an_unshuffled_order_never_reaches_are_warned_of():
+    """Without shuffling the rows past the last full batch are the same every epoch:
+    never trained on, and nothing said so (10 rows in batches of 4: rows 8 and 9)."""
+    with pytest.warns(UserWarning, match=r"the last 2 of the 10 training rows fill no batch"):
+        EpochShuffleSampler(10, seed=0, shuffle=False, batch_size=4)
+    with pytest.warns(UserWarning, match=r"the last 4 of the 10 training rows"):
+        EpochShuffleSampler(10, seed=0, shuffle=False, num_replicas=2, batch_size=3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EpochShuffleSampler(10, seed=0, shuffle=True, batch_size=4)  # another tail each epoch
+        EpochShuffleSampler(8, seed=0, shuffle=False, batch_size=4)
+        EpochShuffleSampler(10, seed=0, shuffle=False, num_replicas=2, batch_size=2, rank=1)
