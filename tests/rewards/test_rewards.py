@@ -803,6 +803,12 @@ def test_an_answer_form_that_is_no_form_stops_fit_and_validate_at_their_start(ca
                                          r"'expressions'"):
         trainer.validate(make_module(cache_dir), make_data(
             cache_dir, task=None, task_options=None, data_files=str(path), val_size=4))
+    # test and predict sample the validation rows too: checked at their start as well (they
+    # failed after sampling, in the reward, naming neither file nor row)
+    for run in (trainer.test, trainer.predict):
+        with pytest.raises(ValueError, match=rf"the answer_form of .* row {bad} \(val prompt"):
+            run(make_module(cache_dir), make_data(
+                cache_dir, task=None, task_options=None, data_files=str(path), val_size=4))
 
 
 def test_async_rewards_share_one_loop_and_keep_their_time_limit() -> None:

@@ -164,10 +164,12 @@ class ModuleHooks(L.Callback):
 
     on_test_batch_end = on_validation_batch_end
 
-    def on_test_start(self, trainer: L.Trainer, *_: Any) -> None:
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.check_reward_rows(splits=("val",))  # test and predict sample the val rows
         same_batches(trainer, trainer.num_test_batches)
 
-    def on_predict_start(self, trainer: L.Trainer, *_: Any) -> None:
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.check_reward_rows(splits=("val",))
         same_batches(trainer, trainer.num_predict_batches)
 
     def on_predict_batch_start(self, trainer: L.Trainer, *_: Any) -> None:

@@ -122,10 +122,10 @@ class PolicyModels:
             self.trainer.precision_plugin.convert_module(self.reference)
 
     def check_reward_rows(self, splits: tuple[str, ...] = ("train", "val")) -> None:
-        """At the start of a fit (a validate: ``splits=("val",)``), before any batch: the
-        rewards read every row's references (``WeightedRewards.check_rows``), and each
-        row's ``answer_form`` is one of :data:`~maxent_grpo.rewards.answers.ANSWER_FORMS`
-        (or blank)."""
+        """At the start of a fit (a validate, test or predict: ``splits=("val",)``), before
+        any batch: the rewards read every row's references (``WeightedRewards.check_rows``),
+        and each row's ``answer_form`` is one of
+        :data:`~maxent_grpo.rewards.answers.ANSWER_FORMS` (or blank)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         for split in splits:
             data = getattr(datamodule, f"{split}_dataset", None)
