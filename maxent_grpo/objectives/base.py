@@ -271,8 +271,10 @@ class Objective:
             setattr(self, name, float(value))
 
     def observe(self, stats: dict[str, float]) -> None:
-        """Called once per training step, after its optimizer step(s), with the step's logged
-        dict (``train/...`` names, reduced over micro-batches and ranks)."""
+        """Called once per training step that trained, after its optimizer step(s), with the
+        step's logged dict (``train/...`` names, reduced over micro-batches and ranks); not
+        after a step whose every group was dropped, nor the first ``model.max_staleness``
+        steps, which only start rollouts."""
 
     def loss_scale(self, world_size: int, rows: int, rows_all_ranks: int) -> float:
         """Factor on this rank's loss so that the ranks' mean gradient (DDP averages) is the

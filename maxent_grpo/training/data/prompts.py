@@ -87,12 +87,12 @@ class PromptFormat:
                 f"{part} has no answer column {self.answer_column!r} (data.answer_column, "
                 f"null allowed); columns: {sorted(names)}",
             )
-            require(  # the rewards' answer keyword holds the reference column's values
-                self.answer_column in (None, "answer") or "answer" not in names,
-                f"{part} has a column 'answer' that the rewards would not see: their answer "
-                f"keyword holds data.answer_column {self.answer_column!r}'s values; rename "
-                "that column (or set data.answer_column: answer)",
-            )
+            if self.answer_column not in (None, "answer") and "answer" in names:
+                warnings.warn(  # the rewards' answer keyword holds the reference's values
+                    f"{part} has a column 'answer' that the rewards do not see: their answer "
+                    f"keyword holds data.answer_column {self.answer_column!r}'s values; "
+                    "rename that column to pass it on (or set data.answer_column: answer)",
+                    stacklevel=2)
         others = list({n: None for names in columns_of.values() for n in names
                        if n != self.prompt_column})
         examples, blank, dropped = [], [], {}

@@ -111,8 +111,9 @@ class EpochShuffleSampler(DistributedSampler):
             warnings.warn(
                 f"data.shuffle is false: the last {num_rows - read} of the {num_rows} training "
                 f"rows fill no batch of data.batch_size {batch_size} (on {num_replicas} "
-                "process(es)) and are never trained on, in any epoch; set data.shuffle: true "
-                "or fit the row count to the batches", stacklevel=2)
+                "process(es)) and are in no training batch of any epoch (refill rounds "
+                "aside); set data.shuffle: true or fit the row count to the batches",
+                stacklevel=2)
         self.epoch = epoch
         self.resume_epoch: int | None = None
         self.resume_consumed = 0

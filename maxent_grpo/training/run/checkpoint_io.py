@@ -367,7 +367,8 @@ def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
     for folder in dirpaths:
         if not _is_local(folder):
             continue
-        for path in glob.glob(os.path.join(glob.escape(folder), f".*.ckpt.*{TMP_SUFFIX}")):
+        pattern = os.path.join(glob.escape(folder), "**", f".*.ckpt.*{TMP_SUFFIX}")
+        for path in glob.glob(pattern, recursive=True):  # subfolders: checkpoint_files
             with contextlib.suppress(OSError):
                 os.remove(path)
                 removed.append(path)

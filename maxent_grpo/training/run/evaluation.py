@@ -194,7 +194,7 @@ class Evaluator(torch.nn.Module):
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
         self.unread_answers = False  # a row's valid_answers partly unread: warned once
         self.ungraded_warned = False  # some completions' eval_reward None: warned once
-        self.timeouts = 0  # the eval reward's time-outs (a TimedReward's count) seen so far
+        self.graded = [0, 0, 0]  # this epoch: graded, ungraded completions, timed-out calls
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
              greedy_sampling: SamplingSettings | None,
@@ -212,17 +212,19 @@ class Evaluator(torch.nn.Module):
             greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
                       if self.settings.greedy and greedy_sampling is not None else None)
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
+        timeouts = self._timeouts()
         total, components = self.rewards.score_rollout(
             rollout, batch["raw_prompts"], batch["columns"], trainer_state, device)
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))
-        correct = self._correct(components[self.settings.reward_index], completions)
+        correct = self._correct(components[self.settings.reward_index], timeouts)
         greedy_correct: list[float | None] = [None] * B
         if greedy is not None:
-            texts = greedy.reward_completions()
+            timeouts = self._timeouts()
             _, greedy_components = self.rewards.score_rollout(
                 greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
-            greedy_correct = self._correct(greedy_components[self.settings.reward_index], texts)
+            greedy_correct = self._correct(greedy_components[self.settings.reward_index],
+                                           timeouts)
         self.rewards.take_logged()  # what the functions' log_metric gave: training's only
         columns = batch["columns"]
         rows = []  # the rewards on the host once (not a copy, and a sync, per prompt)
@@ -258,43 +260,53 @@ class Evaluator(torch.nn.Module):
                                     correct[b * n + j]) for j in range(n)]
         return rows
 
-    def _correct(self, values: Tensor, completions: list) -> list[float]:
-        """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN) value
-        is not correct (warned of once); a batch of them raises ValueError unless the reward
-        timed out on it (its ``fallback: null``)."""
+    def _timeouts(self) -> int:
+        """The eval reward's time-outs so far (a ``TimedReward``'s count; 0 without one)."""
+        return getattr(self.rewards.funcs[self.settings.reward_index], "timeouts", 0)
+
+    def _correct(self, values: Tensor, timeouts_before: int) -> list[float]:
+        """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN)
+        value is not correct, counted for :meth:`_check_graded` (with whether the reward
+        timed out since ``timeouts_before``)."""
         missing = torch.isnan(values)
-        name = self.rewards.names[self.settings.reward_index]
-        timeouts = getattr(self.rewards.funcs[self.settings.reward_index], "timeouts", 0)
-        timed_out, self.timeouts = timeouts > self.timeouts, timeouts
-        if bool(missing.any()) and (timed_out or not bool(missing.all())):
-            if not self.ungraded_warned:
-                self.ungraded_warned = True
-                log.warning(
-                    "model.eval_reward %r returned None (not applicable) for %d of %d evaluation "
-                    "completions (a row it does not grade, or a time-out's fallback: null): they "
-                    "count as not correct; for rows of several tasks choose an eval_reward that "
-                    "grades every row", name, int(missing.sum()), len(completions))
-        elif bool(missing.any()):
-            raise ValueError(
-                f"model.eval_reward {name!r} returned None (not applicable) for all "
-                f"{len(completions)} evaluation completions of a batch, so their "
-                "correctness is unknown: the evaluation rows lack the reference it reads (an "
-                "empty 'answer' column? set data.answer_column to the column holding the "
-                "reference answers), or choose another model.eval_reward"
-            )
+        self.graded[0] += int((~missing).sum())
+        self.graded[1] += int(missing.sum())
+        self.graded[2] += self._timeouts() > timeouts_before
         threshold = self.settings.correct_threshold
         return [1.0 if v >= threshold else 0.0 for v in values.tolist()]
+
+    def _check_graded(self, graded: int, ungraded: int, timed_out: int, rank: int) -> None:
+        """Over the epoch and all ranks: samples the eval reward graded none of (without a
+        time-out) raise ValueError (the rows lack the reference it reads); some ungraded
+        ones are warned of once, counted not correct."""
+        name = self.rewards.names[self.settings.reward_index]
+        if ungraded and not graded and not timed_out:
+            raise ValueError(
+                f"model.eval_reward {name!r} returned None (not applicable) for every one of "
+                f"the {ungraded} evaluation completions, so their correctness is unknown: the "
+                "evaluation rows lack the reference it reads (an empty 'answer' column? set "
+                "data.answer_column to the column holding the reference answers), or choose "
+                "another model.eval_reward")
+        if ungraded and not self.ungraded_warned and rank == 0:
+            self.ungraded_warned = True
+            log.warning(
+                "model.eval_reward %r returned None (not applicable) for %d of %d evaluation "
+                "completions (rows it does not grade, or a time-out's fallback: null): they "
+                "count as not correct; for rows of several tasks choose an eval_reward that "
+                "grades every row", name, ungraded, graded + ungraded)
 
     def compute(self, prefix: str) -> dict[str, float]:
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
         evaluated), then reset for the next epoch."""
-        seen = self.reward.update_count
+        counts = [self.reward.update_count, *self.graded]
+        self.graded = [0, 0, 0]
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:  # decided together: a rank that saw no batch still joins the gathers
-            count = torch.tensor(seen, dtype=torch.long, device=self.reward.total.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            seen = int(count)
+            total = torch.tensor(counts, dtype=torch.long, device=self.reward.total.device)
+            dist.all_reduce(total)
+            counts = total.tolist()
+        seen = counts[0]
         if seen == 0:
             return {}
         reward, components, records = self.reward, self.components, self.records
@@ -316,4 +328,5 @@ class Evaluator(torch.nn.Module):
             self.reward.reset()
             self.components.reset()
         self.records = []
+        self._check_graded(*counts[1:], rank=dist.get_rank() if distributed else 0)
         return {k: float(v) for k, v in values.items()}

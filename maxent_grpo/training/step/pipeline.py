@@ -54,13 +54,14 @@ def check_staleness(max_staleness: Any, sampler_correction: str | None,
     """``model.max_staleness`` and ``model.sampler_correction``: what they need (ValueError
     naming the option)."""
     check_int("model.max_staleness", max_staleness, minimum=0)
-    require(sampler_correction is None or objective.supports_sampler_correction,
-            f"model.sampler_correction needs an objective with the clipped surrogate "
-            f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
     require(max_staleness == 0 or objective.supports_sampler_correction,
             f"model.max_staleness >= 1 needs model.sampler_correction, which needs an "
             f"objective with the clipped surrogate (GRPO, EntropyMaxEnt, GroupMaxEnt); "
-            f"{type(objective).__name__} has none: use max_staleness 0")
+            f"{type(objective).__name__} has none: use max_staleness 0"
+            + (" and no sampler_correction" if sampler_correction is not None else ""))
+    require(sampler_correction is None or objective.supports_sampler_correction,
+            f"model.sampler_correction needs an objective with the clipped surrogate "
+            f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
     require(max_staleness == 0 or sampler_correction is not None,
             "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
             "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2)")

@@ -178,12 +178,13 @@ def test_val_files_and_numeric_answers(tmp_path):
     assert dm.val_dataset.examples[0].columns == {"sol": "7", "answer": "7"}
 
 
-def test_an_answer_column_the_reference_would_shadow_is_refused(tmp_path):
+def test_an_answer_column_the_reference_shadows_is_warned_of(tmp_path):
     """A column named ``answer`` beside another ``answer_column`` (a worked solution beside
     the final number): the rewards' ``answer`` keyword holds the reference, so the data's own
-    column never reached them, without a word."""
+    column never reached them, without a word (a hub dataset's column cannot be renamed, so
+    it is not refused)."""
     rows = [{"q": "a", "answer": "worked: 2+6 is 8", "final": 8}]
-    with pytest.raises(ValueError, match="has a column 'answer' that the rewards would not"):
+    with pytest.warns(UserWarning, match="has a column 'answer' that the rewards do not see"):
         make(task=None, data_files=write(tmp_path / "t.jsonl", rows), prompt_column="q",
              answer_column="final", batch_size=1, val_size=0)
 

@@ -263,6 +263,7 @@ def test_a_prompt_a_padding_sampler_repeats_counts_once_in_the_reward_moments(
         metric._to_sync = False  # they hold both "ranks'" updates, as synced ones would
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **kw: None)
     monkeypatch.setattr(evaluation, "all_gather_objects", lambda mine: ranks)
     out = module.evaluator.compute("val")
@@ -297,10 +298,10 @@ def test_evaluation_set_without_answers_raises_naming_the_option(cache_dir):
         validate(module, make_data(cache_dir, answer_column=None))
 
 
-def every_other_ungraded(completions, **kw):
-    """1.0 for even completions, None (not applicable) for odd ones: a reward of one task
-    over rows of two."""
-    return [None if i % 2 else 1.0 for i in range(len(completions))]
+def odd_rows_ungraded(completions, answer, **kw):
+    """1.0 on rows with an even reference, None (not applicable) on odd ones: a reward of
+    one task over the rows of two."""
+    return [None if int(a) % 2 else 1.0 for a in answer]
 
 
 def slow(completions, **kw):
@@ -312,16 +313,20 @@ def slow(completions, **kw):
 
 def test_an_eval_reward_that_grades_some_completions_counts_the_rest_not_correct(
         cache_dir, caplog):
-    """A reward that applies to some rows only (per-task rewards), or a time-out's
-    ``fallback: null`` over a whole batch, stopped the whole fit; those completions now
-    count as not correct, warned of once. A batch that nothing graded otherwise still
-    raises (the test above)."""
-    rewards = {"tests.training.run.test_module_evaluation:every_other_ungraded": 1.0}
+    """A reward that applies to some rows only (per-task rewards; here one row per batch,
+    so whole batches of rows it does not grade), or a time-out's ``fallback: null`` over
+    every batch, stopped the whole fit; those completions count as not correct, warned of
+    once. An epoch that nothing graded otherwise still raises (the test above)."""
+    rewards = {"tests.training.run.test_module_evaluation:odd_rows_ungraded": 1.0}
+    data = make_data(cache_dir, val_batch_size=1)
+    data.setup("validate")
+    even = [int(ex.answer) % 2 == 0 for ex in data.val_dataset.examples]
+    assert 0 < sum(even) < len(even)
     module = make_module(cache_dir, rewards=rewards, eval_num_generations=2, eval_greedy=False,
                          eval_k=[1])
     with caplog.at_level("WARNING"):
-        logged = validate(module, make_data(cache_dir))
-    assert logged["val/pass@1"] == 0.5
+        logged = validate(module, make_data(cache_dir, val_batch_size=1))
+    assert logged["val/pass@1"] == pytest.approx(sum(even) / len(even))
     assert sum("count as not correct" in r.getMessage() for r in caplog.records) == 1
     timed = {"tests.training.run.test_module_evaluation:slow":
              {"weight": 1.0, "timeout": 0.2, "fallback": None}}
