@@ -516,54 +516,50 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
     assert checkpoint[ckpt_io.LOGGERS_KEY][0]["save_dir"] == str(first)
 
 
-def test_a_csv_log_resumed_with_several_iterations_keeps_each_step_once(tmp_path):
+def saving_every(tmp_path: Path, monkeypatch, steps: int, every: int, **model: Any) -> Path:
+    """A folder with ``fit_config``'s run, saving every ``every`` steps (all kept), made the
+    working folder; returns its config file (for ``cli.main`` in this process)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    config = fit_config(run, steps, False)
+    config["model"].update(model)
+    config["trainer"]["callbacks"][0]["init_args"].update(every_n_train_steps=every,
+                                                         save_top_k=-1)
+    path = run / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    monkeypatch.chdir(run)
+    return path
+
+
+def test_a_csv_log_resumed_with_several_iterations_keeps_each_step_once(tmp_path, monkeypatch):
     """With ``num_iterations`` 2 a checkpoint's optimizer step (4) is twice its logging step
     (its 2nd batch): the CSV log kept the lost steps' rows below 4 and wrote them again
     (TensorBoard, purged at the logging step, did not)."""
     from maxent_grpo.cli import main
 
-    run = tmp_path / "run"
-    run.mkdir()
-    config = fit_config(run, 8, False)
-    config["model"]["num_iterations"] = 2
-    config["trainer"]["callbacks"][0]["init_args"].update(every_n_train_steps=4, save_top_k=-1)
-    path = run / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cwd = os.getcwd()
-    os.chdir(run)
-    try:
-        main(["fit", "--config", str(path)])
-        for name in ("last.ckpt", "epoch=1-step=8.ckpt", "epoch=0-step=8.ckpt"):
-            (run / "ckpt" / name).unlink(missing_ok=True)  # as if killed after step 8's batch
-        main(["fit", "--config", str(path), "--ckpt_path", "last"])
-    finally:
-        os.chdir(cwd)
+    path = saving_every(tmp_path, monkeypatch, 8, 4, num_iterations=2)
+    run = path.parent
+    main(["fit", "--config", str(path)])
+    for name in ("last.ckpt", "epoch=1-step=8.ckpt", "epoch=0-step=8.ckpt"):
+        (run / "ckpt" / name).unlink(missing_ok=True)  # as if killed after step 8's batch
+    main(["fit", "--config", str(path), "--ckpt_path", "last"])
     with open(run / "logs" / "csv" / "version_0" / "metrics.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward/mean")]
     assert steps == [0, 1, 2, 3]
 
 
-def test_a_rollback_writes_its_own_last_and_keeps_the_runs(tmp_path):
+def test_a_rollback_writes_its_own_last_and_keeps_the_runs(tmp_path, monkeypatch):
     """Resuming step 4 of a run that reached step 6 goes on as a branch: Lightning restored
     the saver's ``last_model_path`` and wrote the branch's ``last.ckpt`` over the run's (its
     step 6, kept nowhere else but in a top-k file); the branch writes ``last-v1.ckpt``."""
     from maxent_grpo.cli import main
 
-    run = tmp_path / "run"
-    run.mkdir()
-    config = fit_config(run, 6, False)
-    config["trainer"]["callbacks"][0]["init_args"].update(every_n_train_steps=2, save_top_k=-1)
-    path = run / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cwd = os.getcwd()
-    os.chdir(run)
-    try:
-        main(["fit", "--config", str(path)])
-        before = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
-        main(["fit", "--config", str(path), "--trainer.max_steps", "5",
-              "--ckpt_path", str(run / "ckpt" / "epoch=1-step=4.ckpt")])
-    finally:
-        os.chdir(cwd)
+    path = saving_every(tmp_path, monkeypatch, 6, 2)
+    run = path.parent
+    main(["fit", "--config", str(path)])
+    before = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    main(["fit", "--config", str(path), "--trainer.max_steps", "5",
+          "--ckpt_path", str(run / "ckpt" / "epoch=1-step=4.ckpt")])
     kept = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
     assert (kept["global_step"], kept[ckpt_io.RUN_KEY]) == (6, before[ckpt_io.RUN_KEY])
     branch = torch.load(run / "ckpt" / "last-v1.ckpt", weights_only=True)
