@@ -280,7 +280,8 @@ class ReadableProgressBar(TQDMProgressBar):
         log_dir = run_dir(trainer) if loggers and not isinstance(loggers[0], DummyLogger) else None
         lines = fit_summary(
             trainer.global_step - self._start_step, time.monotonic() - self._start_time,
-            self.report, _shown(log_dir), list(dict.fromkeys(saved)), stopped)
+            self.report, _shown(log_dir), list(dict.fromkeys(saved)), stopped,
+            resumed_at=self._start_step)
         for line in lines:
             self._print(line)
 

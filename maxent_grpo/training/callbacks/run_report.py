@@ -81,10 +81,13 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def fit_summary(steps: int, seconds: float, record: RewardRecord, log_dir: str | None,
-                checkpoint_dirs: Sequence[str], stopped_by: Sequence[str] = ()) -> list[str]:
-    """The lines printed when a fit ends (see the module docstring)."""
+                checkpoint_dirs: Sequence[str], stopped_by: Sequence[str] = (),
+                resumed_at: int = 0) -> list[str]:
+    """The lines printed when a fit ends (see the module docstring); a fit resumed at step
+    ``resumed_at`` > 0 says so: its figures are its own steps' and validations'."""
     wall = datetime.timedelta(seconds=round(seconds))
-    head = f"fit done: {steps} steps in {wall}"
+    head = f"fit done: {steps} steps" + (f" after resuming at step {resumed_at}"
+                                         if resumed_at else "") + f" in {wall}"
     if steps > 0:
         head += f" ({seconds / steps:.2f} s/step)"
     if record.first:
@@ -92,7 +95,8 @@ def fit_summary(steps: int, seconds: float, record: RewardRecord, log_dir: str |
                  f"last {len(record.last)} {_mean(record.last):.3f}")
     lines = [head]
     if record.best is not None:
-        lines.append(f"  best val/pass@1 {record.best[0]:.3f} at step {record.best[1]}")
+        lines.append(f"  best val/pass@1 {record.best[0]:.3f} at step {record.best[1]}"
+                     + (" (since the resume)" if resumed_at else ""))
     lines.extend(f"  stopped by {why}" for why in stopped_by)
     where = []
     if log_dir:

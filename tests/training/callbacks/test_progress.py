@@ -320,6 +320,12 @@ def test_the_report_lines_read_as_documented():
         record.add_reward(r)
     assert fit_summary(3, 3.0, record, None, [])[0] == (
         "fit done: 3 steps in 0:00:03 (1.00 s/step); reward first 1 0.000, last 1 0.500")
+    # a resumed fit says its figures are its own (the best val/pass@1 of the run before the
+    # resume, which an EarlyStopping reported, is not among them)
+    record.add_validation(6, {"val/pass@1": 0.0})
+    assert fit_summary(2, 2.0, record, None, [], resumed_at=4)[:2] == [
+        "fit done: 2 steps after resuming at step 4 in 0:00:02 (1.00 s/step); reward first 1 "
+        "0.000, last 1 0.500", "  best val/pass@1 0.000 at step 6 (since the resume)"]
 
 
 # ---------------------------------------------------------------------------- the CLI default
