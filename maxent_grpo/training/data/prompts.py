@@ -124,8 +124,9 @@ class PromptFormat:
             warnings.warn(
                 f"{len(blank)} of {len(examples)} rows have a blank answer in column "
                 f"{self.answer_column!r} (data.answer_column; the first: {blank[0]}): a reward "
-                "that reads the answer grades their completions None, so they train on a "
-                "reward of 0; fill those answers or leave the rows out", stacklevel=2)
+                "that reads the answer grades their completions None, so unless another "
+                "reward grades them (a column it reads) they train on a reward of 0; fill "
+                "those answers or leave the rows out", stacklevel=2)
         return examples
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
