@@ -76,16 +76,24 @@ def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:
 
 def check_mergeable(model: nn.Module, sharded: bool) -> None:
     """Refuse (ValueError naming ``model.peft``) adapters that :func:`checkpoint_weights`
-    cannot hand to vLLM: ``modules_to_save`` (trained copies of whole modules), adapters on
+    cannot hand to vLLM: ``lora_bias`` on layers without a bias of their own,
+    ``modules_to_save`` (trained copies of whole modules), adapters on
     the output layer of a model with tied embeddings (vLLM loads only the input
     embeddings then, so the head's adapter would be lost), and a tuner other than LoRA on
     linear layers on a sharded model."""
     if not has_adapters(model):
         return
-    base = model.get_base_model()
-    if getattr(getattr(base, "config", None), "tie_word_embeddings", False):
-        from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
+    base = model.get_base_model()
+    unbiased = [name for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)
+                and any(getattr(m, "lora_bias", {}).values())
+                and getattr(m.get_base_layer(), "bias", None) is None]
+    require(not unbiased, f"model.peft: lora_bias trains a bias on layers that have none "
+            f"({', '.join(unbiased[:3])}{', ...' if len(unbiased) > 3 else ''}), which the "
+            "merged weights vLLM loads have no place for (vLLM would sample without it); set "
+            "lora_bias: false, or use HFGenerateEngine")
+    if getattr(getattr(base, "config", None), "tie_word_embeddings", False):
         embeddings = base.get_input_embeddings()
         tied = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(), "weight",
                        None)  # the one tensor behind both embeddings
