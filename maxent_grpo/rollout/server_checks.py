@@ -74,8 +74,8 @@ class ServerChecks:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()  # as in a rollout: no dropout
-        try:
-            with torch.no_grad():
+        try:  # the server holds the weights as they are: not a mixed precision's autocast
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 logits = self.model(input_ids=torch.tensor([ids], device=device)).logits[0]
         finally:
             self.model.train(was_training)

@@ -93,6 +93,19 @@ def test_the_probe_passes_a_server_that_returns_log_probs_after_temperature(poli
     assert all(body[k] == v for k, v in NEUTRAL_SAMPLING.items()) and body["top_p"] == 1.0
 
 
+def test_the_probe_compares_the_weights_as_they_are_under_mixed_precision(policy):
+    """The engine is built inside the first training step, under ``bf16-mixed``'s autocast:
+    the probe compared a float32 server with the policy run in bfloat16 (0.056 apart on
+    the hunt's model) and refused it, telling the user to start it in the policy's dtype."""
+    model, tokenizer = policy
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    answer = _server_answer(model, ids)
+    engine = _probe_engine(policy, lambda body: answer)
+    engine.probe_tolerance = 1e-4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine._check_probe()
+
+
 def test_the_probe_refuses_a_server_that_returns_log_probs_before_temperature(policy):
     model, tokenizer = policy
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
