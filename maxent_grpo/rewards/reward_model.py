@@ -1,8 +1,10 @@
 """A sequence-classification model as a reward function (``model:<name_or_path>`` in
 ``model.rewards``), scored as TRL's ``GRPOTrainer`` scores a reward model.
 
-The text of a row is ``prompt + completion`` for a text prompt, and for a conversational
-one the whole conversation rendered with the reward model's own chat template. Texts are
+The text of a row is ``prompt + completion`` for a text prompt and a text completion, and
+otherwise (a conversational prompt, or a multi-turn rollout's messages after a text prompt,
+which becomes the user's turn) the whole conversation rendered with the reward model's own
+chat template. Texts are
 tokenised with its tokenizer (right-padded, no added special tokens) and scored
 ``batch_size`` rows at a time on the policy's device under ``torch.inference_mode``; the
 reward is the single logit (``num_labels=1``) at the last non-pad token. The model is
@@ -80,11 +82,10 @@ class RewardModel:
         out = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if isinstance(prompt, str):
-                if not isinstance(completion, str):
-                    raise ValueError(f"reward {self.label!r}: a text prompt needs a text "
-                                     f"completion; got {completion!r:.80}")
-                out.append(prompt + completion)
-                continue
+                if isinstance(completion, str):
+                    out.append(prompt + completion)
+                    continue
+                prompt = [{"role": "user", "content": prompt}]  # a multi-turn exchange
             if isinstance(completion, str):
                 completion = [{"role": "assistant", "content": completion}]
             if not getattr(self.tokenizer, "chat_template", None):

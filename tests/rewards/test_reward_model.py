@@ -71,6 +71,20 @@ def test_conversations_are_rendered_with_the_chat_template(rm_folder):
         one_by_one(rm_folder, [text]), abs=1e-5)
 
 
+def test_a_multi_turn_exchange_after_a_text_prompt_is_a_conversation(rm_folder):
+    """A tools or environment rollout gives the rewards messages; after a text prompt the
+    reward model refused them ("a text prompt needs a text completion"), so no such run
+    could use one: the prompt is the user's turn of the rendered conversation."""
+    rm = RewardModel(rm_folder, label="model:rm")
+    exchange = [{"role": "assistant", "content": "<tool_call>x</tool_call>"},
+                {"role": "tool", "content": "7"}, {"role": "assistant", "content": "7"}]
+    text = rm.texts(["Say 7"], [exchange])[0]
+    assert text == rm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say 7"}, *exchange], tokenize=False)
+    assert "Say 7" in text and "<tool_call>x</tool_call>" in text
+    assert rm.texts(["Say "], ["7"]) == ["Say 7"]  # text and text: as before
+
+
 def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
     rewards = WeightedRewards({f"model:{tmp_path}/missing": 1.0})  # lazy: no error yet
     pairs = PromptCompletionBatch(prompts=["p"], completions=["c"])
