@@ -93,9 +93,33 @@ class RewardModel:
                     f"reward {self.label!r}: the prompts are conversations but the tokenizer "
                     f"of {self.name_or_path!r} has no chat template to render them"
                 )
-            out.append(self.tokenizer.apply_chat_template(
-                list(prompt) + list(completion), tokenize=False))
+            out.append(self._render(list(prompt) + list(completion)))
         return out
+
+    def _render(self, conversation: list[dict[str, Any]]) -> str:
+        """``conversation`` through the reward model's chat template; ValueError when the
+        template refuses a role, or leaves out a tool's or an environment's message."""
+        import jinja2
+
+        probe = "\u2063probe\u2063"  # a text no message holds: is another role's shown?
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
+            lost = [role for role in dict.fromkeys(str(m.get("role")) for m in conversation)
+                    if role not in ("user", "assistant", "system") and probe not in
+                    self.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                         {"role": role, "content": probe}], tokenize=False)]
+        except jinja2.exceptions.TemplateError as err:
+            text, lost, why = None, [], f"refuses them ({err})"
+        if text is None or lost:
+            roles = sorted({str(m.get("role")) for m in conversation})
+            raise ValueError(
+                f"reward {self.label!r}: the chat template of {self.name_or_path!r} cannot "
+                f"render this exchange's messages (roles {roles}): it "
+                + (why if text is None else f"leaves out the {lost[0]!r} message")
+                + "; use a reward model whose template renders tool messages, or a function "
+                "reward")
+        return text
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
         texts = self.texts(prompts, completions)

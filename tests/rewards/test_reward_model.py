@@ -83,6 +83,20 @@ def test_a_multi_turn_exchange_after_a_text_prompt_is_a_conversation(rm_folder):
         [{"role": "user", "content": "Say 7"}, *exchange], tokenize=False)
     assert "Say 7" in text and "<tool_call>x</tool_call>" in text
     assert rm.texts(["Say "], ["7"]) == ["Say 7"]  # text and text: as before
+    # a template without a tool role raises (a TemplateError "a bug") or drops the tool's
+    # reply without a word: refused, naming the reward
+    drops = ("{% for m in messages %}{% if m.role == 'user' %}U: {{ m.content }}\n"
+             "{% elif m.role == 'assistant' %}A: {{ m.content }}\n{% endif %}{% endfor %}")
+    refuses = ("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+               "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+               "{{ m.content }}{% endfor %}")
+    for template, why in ((drops, "leaves out the 'tool' message"),
+                          (refuses, "refuses them .*roles must be user or assistant")):
+        rm.tokenizer.chat_template = template
+        with pytest.raises(ValueError, match=rf"reward 'model:rm': the chat template .* cannot "
+                                             rf"render .*roles \['assistant', 'tool', "
+                                             rf"'user'\]\): it {why}"):
+            rm.texts(["Say 7"], [exchange])
 
 
 def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
