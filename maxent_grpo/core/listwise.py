@@ -10,11 +10,10 @@ reference log-likelihood of each candidate; the caller computes it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from maxent_grpo.core.advantages import check_answer_classes, check_rewards, group_advantages
+from maxent_grpo.core.logprobs import _check_scalar
 from maxent_grpo.core.losses import (
     _check_pair,
     _check_same_shape,
@@ -23,13 +22,6 @@ from maxent_grpo.core.losses import (
 )
 
 WEIGHT_SUM_TOL = 1e-4
-
-
-def _check_scalar(name: str, value: float, *, positive: bool = False) -> None:
-    bound = "> 0" if positive else ">= 0"
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
-        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
 
 
 def _check_ref(

@@ -20,6 +20,7 @@ whose logits are all ``-inf``, give NaN.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -168,12 +169,14 @@ def _scaled(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> tor
     return z / temperature if z is logits else z.div_(temperature)
 
 
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        0 < temperature < float("inf")
-    ):
-        raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
-    return float(temperature)
+def _check_scalar(name: str, value: float, *, positive: bool = False) -> float:
+    """``value`` as a float when it is a finite number ``>= 0`` (``> 0`` when ``positive``),
+    else ValueError naming ``name``."""
+    bound = "> 0" if positive else ">= 0"
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
+    return float(value)
 
 
 class _LogSoftmaxStats(torch.autograd.Function):
@@ -221,7 +224,7 @@ class _LogSoftmaxStats(torch.autograd.Function):
                 None if index is None else grad_out[n, t],
                 None if ent is None else grad_ent[n, t], None if ent is None else ent[n, t],
             )
-            grad[n, t] = dz if temperature == 1.0 else dz / temperature  # through z = x / T
+            grad[n, t] = dz if temperature == 1.0 else dz.div_(temperature)  # z = x / T
         return grad, None, None, None
 
 
@@ -246,7 +249,8 @@ def selective_log_softmax(
     """
     _check_logits(logits)
     _check_index(index, logits.shape[:2], logits.shape[-1], logits.device, "logits")
-    return _LogSoftmaxStats.apply(logits, index, False, _check_temperature(temperature))[0]
+    temperature = _check_scalar("temperature", temperature, positive=True)
+    return _LogSoftmaxStats.apply(logits, index, False, temperature)[0]
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -270,4 +274,5 @@ def selective_log_softmax_with_entropy(
     """
     _check_logits(logits)
     _check_index(index, logits.shape[:2], logits.shape[-1], logits.device, "logits")
-    return _LogSoftmaxStats.apply(logits, index, True, _check_temperature(temperature))
+    temperature = _check_scalar("temperature", temperature, positive=True)
+    return _LogSoftmaxStats.apply(logits, index, True, temperature)

@@ -51,6 +51,7 @@ class RewardModel:
         self.batch_size, self.dtype, self.device = batch_size, dtype, device
         self.model: Any = None
         self.tokenizer: Any = None
+        self._shown: dict[tuple[str, str], bool] = {}  # (template, role): its messages shown
         self.__name__ = label
 
     def load(self) -> None:
@@ -101,14 +102,10 @@ class RewardModel:
         template refuses a role, or leaves out a tool's or an environment's message."""
         import jinja2
 
-        probe = "\u2063probe\u2063"  # a text no message holds: is another role's shown?
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
             lost = [role for role in dict.fromkeys(str(m.get("role")) for m in conversation)
-                    if role not in ("user", "assistant", "system") and probe not in
-                    self.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                         {"role": role, "content": probe}], tokenize=False)]
+                    if role not in ("user", "assistant", "system") and not self._shows(role)]
         except jinja2.exceptions.TemplateError as err:
             text, lost, why = None, [], f"refuses them ({err})"
         if text is None or lost:
@@ -120,6 +117,17 @@ class RewardModel:
                 + "; use a reward model whose template renders tool messages, or a function "
                 "reward")
         return text
+
+    def _shows(self, role: str) -> bool:
+        """Whether the chat template shows a message of ``role`` (rendered once per template
+        and role, with a text no message holds)."""
+        key = (str(self.tokenizer.chat_template), role)
+        if key not in self._shown:
+            probe = "\u2063probe\u2063"
+            self._shown[key] = probe in self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                 {"role": role, "content": probe}], tokenize=False)
+        return self._shown[key]
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
         texts = self.texts(prompts, completions)

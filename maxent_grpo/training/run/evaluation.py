@@ -268,12 +268,13 @@ class Evaluator(torch.nn.Module):
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN)
         value is not correct, counted for :meth:`_check_graded` (with whether the reward
         timed out since ``timeouts_before``)."""
-        missing = torch.isnan(values)
-        self.graded[0] += int((~missing).sum())
-        self.graded[1] += int(missing.sum())
+        listed = values.tolist()  # one copy to the host: NaN is ungraded, and not >= anything
+        ungraded = sum(v != v for v in listed)
+        self.graded[0] += len(listed) - ungraded
+        self.graded[1] += ungraded
         self.graded[2] += self._timeouts() > timeouts_before
         threshold = self.settings.correct_threshold
-        return [1.0 if v >= threshold else 0.0 for v in values.tolist()]
+        return [1.0 if v >= threshold else 0.0 for v in listed]
 
     def _check_graded(self, graded: int, ungraded: int, timed_out: int, rank: int) -> None:
         """Over the epoch and all ranks: samples the eval reward graded none of (without a
