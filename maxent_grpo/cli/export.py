@@ -17,7 +17,9 @@ The folder is written like :class:`~maxent_grpo.training.callbacks.HFExport` wri
 ``model.peft``, the adapter, whose base is named as the run named it, e.g.
 ``builtin:tiny-warm``) and the tokenizer; ``--merged`` adds ``<output>-merged`` with the
 adapters folded into the base. ``--output`` defaults to ``<checkpoint folder>/../hf/<checkpoint
-name>``: ``lightning_logs/tiny/checkpoints/last.ckpt`` -> ``lightning_logs/tiny/hf/last``.
+name>``: ``lightning_logs/tiny/checkpoints/last.ckpt`` -> ``lightning_logs/tiny/hf/last``
+(a metric's subfolder joined by ``-``: ``checkpoints/step=4-val/pass@1=0.5.ckpt`` ->
+``hf/step=4-val-pass@1=0.5``).
 Output folders must be new or empty.
 
 A checkpoint written before the ``model.peft`` config was recorded in it needs the run's
@@ -86,8 +88,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
     written. :class:`~maxent_grpo.cli.errors.UserError` for the mistakes the docstring names."""
     path = Path(checkpoint).expanduser()
     saved = _read_checkpoint(path)
-    # the checkpoint folder's parent, however the path is written (mymodel.ckpt, ./x/, /abs/x)
-    out = Path(output).expanduser() if output else path.absolute().parent.parent / "hf" / path.stem
+    out = Path(output).expanduser() if output else _default_output(path, saved)
     weights = {k[len(POLICY_PREFIX):]: v for k, v in saved["state_dict"].items()
                if k.startswith(POLICY_PREFIX)}
     peft = _peft_config(saved, path, config) if any(
@@ -131,6 +132,20 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
             "was the model folder changed since the run?")
     tokenizer = load_tokenizer(source.name_or_path, cache_dir=source.cache_dir)
     return export_policy(model, tokenizer, out, source=source, merged=merged)
+
+
+def _default_output(path: Path, saved: dict[str, Any]) -> Path:
+    """``<checkpoint folder>/../hf/<name>``, however the path is written (``mine.ckpt``,
+    ``./x/``, ``/abs/x``). The checkpoint folder is the one its ``ModelCheckpoint`` wrote
+    to, found among the path's parents by name (the run folder may have moved), so that a
+    file in the subfolder a metric in ``filename`` makes (``step=4-val/pass@1=0.125.ckpt``)
+    keeps its whole name (``hf/step=4-val-pass@1=0.125``); else the file's own folder."""
+    path = path.absolute()
+    savers = {Path(state["dirpath"]).name for key, state in (saved.get("callbacks") or {}).items()
+              if str(key).startswith("ModelCheckpoint") and isinstance(state, dict)
+              and state.get("dirpath")}
+    folder = next((f for f in path.parents if f.name in savers), path.parent)
+    return folder.parent / "hf" / "-".join(path.relative_to(folder).with_suffix("").parts)
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:

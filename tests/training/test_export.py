@@ -154,6 +154,18 @@ def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_pat
     assert (tmp_path / "run2" / "hf" / "mine" / "model.safetensors").is_file()
 
 
+def test_a_checkpoint_in_a_metric_subfolder_keeps_its_whole_name(full_run, tmp_path):
+    """``filename="{step}-{val/pass@1}"`` writes ``step=4-val/pass@1=0.5.ckpt``: the default
+    output was ``checkpoints/hf/pass@1=0.5`` (the step lost: two checkpoints of one score
+    collided). The saver's folder is found by the name the checkpoint records."""
+    ckpt, _ = full_run
+    copy = tmp_path / "moved" / "checkpoints" / "step=4-val" / "pass@1=0.5.ckpt"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(ckpt, copy)
+    assert main([str(copy)]) == 0
+    assert (tmp_path / "moved" / "hf" / "step=4-val-pass@1=0.5" / "model.safetensors").is_file()
+
+
 def test_the_command_exports_an_fsdp2_checkpoint_folder(full_run, tmp_path):
     """FSDP2 (ModelParallelStrategy) writes a folder: the shards by
     ``torch.distributed.checkpoint`` and ``meta.pt``. The command refused it, pointing to
