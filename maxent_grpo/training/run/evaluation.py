@@ -323,7 +323,8 @@ class Evaluator(torch.nn.Module):
                 reward.update(torch.tensor([r.rewards], dtype=torch.float64))
                 components.update(torch.tensor(r.components, dtype=torch.float64))
         values = {f"{prefix}/reward/{k}": v for k, v in reward.compute().items()}
-        values.update({f"{prefix}/reward/{k}": v for k, v in components.compute().items()})
+        values.update({f"{prefix}/reward/{k}": v for k, v in components.compute().items()
+                       if not torch.isnan(v)})  # graded nothing: left out, as in training
         values.update(evaluation_metrics(records, self.settings.k, prefix))
         with torch.inference_mode(False):  # validate's fresh states, then a fit's updates
             self.reward.reset()

@@ -304,6 +304,22 @@ def odd_rows_ungraded(completions, answer, **kw):
     return [None if int(a) % 2 else 1.0 for a in answer]
 
 
+def never_graded(completions, **kw):
+    return [None] * len(completions)
+
+
+def test_a_reward_that_graded_nothing_is_left_out_of_the_logged_values(cache_dir):
+    """Training leaves out a component no completion applied to; validation logged
+    ``val/reward/<name>/mean = nan`` (a gap in every chart, and ``EarlyStopping`` on it
+    stopped the fit as "not finite")."""
+    rewards = {"first_number": 1.0, "tests.training.run.test_module_evaluation:never_graded": 0.5}
+    module = make_module(cache_dir, rewards=rewards, eval_reward="first_number")
+    logged = validate(module, make_data(cache_dir))
+    assert "val/reward/first_number/mean" in logged
+    assert not [k for k in logged if "never_graded" in k]
+    assert all(v == v for v in logged.values())
+
+
 def slow(completions, **kw):
     import time
 
