@@ -208,7 +208,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.automatic_optimization = False
         objective = GRPO() if objective is None else objective
         check_objective(objective)
-        check_engine_factory(engine)
+        check_engine_factory(engine, max_staleness)
         check_staleness(max_staleness, sampler_correction, environment, objective)
         self.rewards = WeightedRewards(  # reward models run on the step's device
             {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length)

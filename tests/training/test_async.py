@@ -123,9 +123,17 @@ def test_a_resumed_asynchronous_run_continues_exactly(cache_dir, tmp_path):
 
 
 def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
+    """An engine class that samples here is refused when the module is built (the colocated
+    vLLM engine was refused at the first step, after vLLM had started); a factory's engine
+    when it is built."""
+    from maxent_grpo.rollout import HFGenerateEngine
+
+    with pytest.raises(ValueError, match="HFGenerateEngine samples here"):
+        make_module(cache_dir, max_staleness=1, sampler_correction="token_tis")
     with pytest.raises(ValueError, match="model.sampler_correction"):
-        make_module(cache_dir, max_staleness=1)
+        make_module(cache_dir, max_staleness=1, engine=RemoteCopy)
     module = make_module(cache_dir, max_staleness=1, sampler_correction="token_tis",
+                         engine=lambda *a: HFGenerateEngine(*a),
                          rewards={"tests.conftest:alternating": 1.0})
     with pytest.raises(ValueError, match="VLLMServerEngine"):
         fit(module, make_data(cache_dir), steps=1)
@@ -137,7 +145,8 @@ def test_an_objective_without_the_correction_is_told_to_train_synchronously(cach
     from maxent_grpo.objectives import ListwiseMaxEnt
 
     with pytest.raises(ValueError, match="ListwiseMaxEnt has none: use max_staleness 0"):
-        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5), max_staleness=1)
+        make_module(cache_dir, objective=ListwiseMaxEnt(tau=0.5), max_staleness=1,
+                    engine=RemoteCopy)
 
 
 class SlowEngine:

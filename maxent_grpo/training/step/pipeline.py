@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from maxent_grpo.rollout.protocol import RolloutOutput
+from maxent_grpo.rollout.protocol import RolloutOutput, staleness_needs_a_server
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.validation import check_int, require
@@ -139,11 +139,8 @@ class RolloutPipeline:
         self.at_step_start = list(self.queue)
         ctx = step_context()
         inner = getattr(ctx.engine, "engine", ctx.engine)  # a multi-turn engine's own
-        require(getattr(inner, "generates_elsewhere", False),
-                "model.max_staleness >= 1 needs an engine that generates outside the "
-                "trainer's process (maxent_grpo.rollout.VLLMServerEngine); "
-                f"{type(inner).__name__} samples here, so nothing would overlap: set "
-                "max_staleness 0")
+        require(getattr(inner, "generates_elsewhere", False),  # a factory's engine
+                staleness_needs_a_server(type(inner).__name__))
         self.submit(ctx.engine, batch, ctx.generation.num_generations, version)
         if len(self.queue) <= self.max_staleness:
             return None
