@@ -152,12 +152,15 @@ def evaluation_metrics(
 
 
 def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total: Tensor,
-                   components: Tensor, names: Sequence[str], correct: float) -> dict[str, Any]:
+                   components: Tensor, names: Sequence[str], correct: float,
+                   truncated: bool) -> dict[str, Any]:
     """One graded completion as ``predict`` writes it: the prompt's source ``row`` index,
     ``sample`` ``j``, the ``prompt`` (text or messages), the reference ``answer``, the
     ``completion`` (text) or, for a multi-turn rollout, its ``messages``, ``rewards`` (each
     reward function's value, ``None`` where it gave none), the weighted ``reward``, the
-    parsed ``parsed_answer`` (:func:`sample_answer`) and ``correct``."""
+    parsed ``parsed_answer`` (:func:`sample_answer`), ``correct`` and ``truncated`` (cut at
+    ``max_completion_length``: no stop token; a multi-turn row's last turn or a tool's reply
+    cut there)."""
     def value(x: Tensor) -> float | None:
         return None if bool(torch.isnan(x)) else float(x)
 
@@ -169,7 +172,8 @@ def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total
         "rewards": {name: value(v) for name, v in zip(names, components, strict=True)},
         "reward": value(total),
         "parsed_answer": sample_answer(completion, prompt_opens_think(batch["prompts"][b])),
-        "correct": bool(correct), **({"task": task} if task is not None else {}),
+        "correct": bool(correct), "truncated": bool(truncated),
+        **({"task": task} if task is not None else {}),
     }
 
 
@@ -229,6 +233,7 @@ class Evaluator(torch.nn.Module):
         columns = batch["columns"]
         rows = []  # the rewards on the host once (not a copy, and a sync, per prompt)
         totals, values = total.view(B, n).tolist(), components.view(-1, B, n).tolist()
+        truncated = rollout.truncated.tolist()
         for b in range(B):
             valid = columns.get("valid_answers", [None] * B)[b]
             task = columns.get("task", [None] * B)[b]
@@ -257,7 +262,8 @@ class Evaluator(torch.nn.Module):
             ))
             rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
                                     components[:, b * n + j], self.rewards.names,
-                                    correct[b * n + j]) for j in range(n)]
+                                    correct[b * n + j], truncated[b * n + j])
+                     for j in range(n)]
         return rows
 
     def _timeouts(self) -> int:

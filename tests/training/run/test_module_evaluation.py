@@ -209,7 +209,7 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir, caplog):
             prompt_mask=torch.ones(4, 1, dtype=torch.bool),
             completion_ids=torch.ones(4, 1, dtype=torch.long),  # what rewards may read
             completion_mask=torch.ones(4, 1, dtype=torch.bool),
-            truncated=torch.zeros(4, dtype=torch.bool), generate_seconds=0.0,
+            truncated=torch.tensor([False, True, False, True]), generate_seconds=0.0,
         )
     )
     logged: dict[str, float] = {}
@@ -232,6 +232,8 @@ def test_coverage_in_validate_with_a_fake_engine(cache_dir, caplog):
     assert "val/coverage@2" not in logged and "val/pass@1" in logged
     assert logged["val/pass@1"] == pytest.approx((1.0 + 0.5) / 2)
     assert "val/pass@1/countdown_multi" not in logged  # one task: the totals are its own
+    # predict's rows say which completions were cut at max_completion_length
+    assert [r["truncated"] for r in module.predict_step(batch, 0)] == [False, True, False, True]
 
 
 def answer_value(prompts, completions, answer, **columns):
