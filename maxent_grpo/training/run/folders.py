@@ -10,6 +10,7 @@ MLflow: ``<experiment id>/<run id>``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import posixpath
@@ -103,13 +104,36 @@ def keep_first_values(logger: Any) -> None:
     logger.log_hyperparams = log_hyperparams
 
 
+def keep_earlier(path: str, earlier: bytes | None) -> None:
+    """A fit that continues a version under changed options (``--ckpt_path`` aside, which
+    every resume names) keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
+    (``-2``, ... the first free name): the file holds this fit's options."""
+    def options(text: bytes) -> Any:
+        config = yaml.safe_load(text) or {}
+        return {k: v for k, v in config.items() if k != "ckpt_path"} if isinstance(
+            config, dict) else config
+
+    with open(path, "rb") as file:
+        if earlier is None or options(earlier) == options(file.read()):
+            return
+    stem, ext = os.path.splitext(path)
+    keep = next(f"{stem}-{n}{ext}" for n in itertools.count(1)
+                if not os.path.exists(f"{stem}-{n}{ext}"))
+    with open(keep, "wb") as file:
+        file.write(earlier)
+    logging.getLogger(__name__).info(
+        "%s: this fit's options differ from the earlier fit's, kept as %s", path,
+        os.path.basename(keep))
+
+
 class SaveRunConfig(SaveConfigCallback):
     """The CLI's ``config.yaml``, written on rank 0 into the folder of every logger's run
     (:func:`run_dir` first; no logger: ``default_root_dir``), and the whole config, nested
     under ``config``, as the hyper-parameters of every logger but TensorBoard and CSV (W&B,
     MLflow, ...: their runs showed only the module's plain options, not the objective,
     optimizer, scheduler, adapters, data or trainer). A fit replaces the file of the
-    version it continues; ``validate``, ``test`` or ``predict`` in a run folder that holds
+    version it continues (one under changed options keeps the earlier as ``config-1.yaml``:
+    :func:`keep_earlier`); ``validate``, ``test`` or ``predict`` in a run folder that holds
     one (a W&B ``id``, an MLflow ``run_id``) writes ``<stage>_config.yaml`` beside it and
     leaves the logger's hyper-parameters as the fit logged them."""
 
@@ -139,8 +163,10 @@ class SaveRunConfig(SaveConfigCallback):
             if os.path.abspath(path) not in written:
                 written.add(os.path.abspath(path))
                 os.makedirs(where, exist_ok=True)
+                earlier = None if kept or not os.path.isfile(path) else open(path, "rb").read()
                 self.parser.save(self.config, path, skip_unset=False, overwrite=True,
                                  multifile=self.multifile)
+                keep_earlier(path, earlier)
             logger = loggers[n] if n < len(loggers) else None
             if logger is None or kept or isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 continue

@@ -103,9 +103,12 @@ def test_mlflow_runs_have_their_own_folder_and_the_whole_config(cwd, monkeypatch
     assert params["temperature"] == "1.0" and params["config/model/temperature"] == "1.0"
     written = (folder / "config.yaml").read_text()
     assert "temperature: 0.9" in written  # this run's own values
+    # the earlier fit's, which it replaced, kept beside it
+    assert yaml.safe_load((folder / "config-1.yaml").read_text())["model"]["temperature"] == 1.0
     # validating in the fit's run leaves its config.yaml and logs beside it
     cli = fit(cwd, again, "validate")
     assert (folder / "config.yaml").read_text() == written
+    assert not (folder / "config-2.yaml").exists()
     assert "ckpt_path" in yaml.safe_load((folder / "validate_config.yaml").read_text())
     assert cli.trainer.logger.run_id == run_id
 
