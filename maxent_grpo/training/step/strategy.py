@@ -99,7 +99,8 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
 
 
 def check_checkpoint_savers(trainer: Any) -> None:
-    """Refuse the ``ModelCheckpoint`` settings that Lightning's manual-optimisation path
+    """Refuse a ``file://`` ``dirpath`` (Lightning writes it to ``./file:/...``), and the
+    ``ModelCheckpoint`` settings that Lightning's manual-optimisation path
     (every step here) gets wrong without a word: ``train_time_interval``, which it never
     checks (no checkpoint until training ends), and ``every_n_train_steps`` with a
     ``val/`` or ``test/`` monitor, which it scores with the validation before that step
@@ -110,6 +111,11 @@ def check_checkpoint_savers(trainer: Any) -> None:
         require(getattr(cb, "_train_time_interval", None) is None,
                 "ModelCheckpoint(train_time_interval=...) never saves here (Lightning checks "
                 "it only under automatic optimisation): use every_n_train_steps")
+        folder = str(cb.dirpath or "")
+        require(f"{os.sep}file:{os.sep}" not in folder,
+                f"ModelCheckpoint(dirpath='file://...') is written to {folder} (Lightning "
+                "reads the file:// address as a relative folder named 'file:'): give the "
+                "folder as a plain path, without file://")
         monitor = str(cb.monitor or "")
         require(not (cb._every_n_train_steps and monitor.startswith(("val/", "test/"))),
                 f"ModelCheckpoint(monitor={monitor!r}, every_n_train_steps="

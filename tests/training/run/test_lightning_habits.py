@@ -52,6 +52,8 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
     ({"every_n_train_steps": 2, "monitor": "val/pass@1", "mode": "max"},
      r"monitor='val/pass@1', every_n_train_steps=2\) would score each checkpoint with the "
      r"validation before it"),
+    ({"dirpath": "file:///tmp/maxent-grpo-never-written"},  # was written to ./file:/tmp/...
+     r"dirpath='file://...'\) is written to .*file:/tmp/maxent-grpo-never-written"),
 ])
 def test_checkpoint_settings_lightning_ignores_here_are_refused(cache_dir, tmp_path, options,
                                                                 expected):
@@ -61,7 +63,7 @@ def test_checkpoint_settings_lightning_ignores_here_are_refused(cache_dir, tmp_p
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     module = make_module(cache_dir)
-    saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, **options)
+    saver = ModelCheckpoint(**{"dirpath": str(tmp_path / "ckpt"), "save_top_k": -1, **options})
     with pytest.raises(ValueError, match=expected):
         fit(module, make_data(cache_dir), steps=2, tmp_path=tmp_path, callbacks=[saver],
             enable_checkpointing=True)
