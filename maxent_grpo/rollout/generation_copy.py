@@ -2,7 +2,8 @@
 
 Under ``bf16-mixed`` autocast casts every float32 weight at every decode step.
 :func:`generation_copy` instead keeps one copy of the model with its floating parameters and
-buffers in ``dtype`` (as ``model.to(dtype)``) and refreshes it in place at each call.
+buffers in ``dtype`` (as ``model.to(dtype)``) and refreshes it in place at each call (a
+multi-turn rollout's later turns reuse it as the first turn left it).
 
 Copies live in a module-level ``weakref.WeakKeyDictionary`` keyed on the source model, so
 nothing is added to the model, the optimizer or a checkpoint, and a copy dies with its
@@ -90,11 +91,16 @@ def build_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return duplicate.eval()
 
 
-def generation_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, float]:
+def generation_copy(model: nn.Module, dtype: torch.dtype,
+                    refresh: bool = True) -> tuple[nn.Module, float]:
     """``model``'s generation copy in ``dtype`` with its current weights (refreshed in place,
-    or (re)built when missing or mismatched), and the refresh's seconds (0 when built)."""
+    or (re)built when missing or mismatched), and the refresh's seconds (0 when built).
+    ``refresh=False`` returns a matching copy as it is (a multi-turn rollout's later turns:
+    the weights cannot change inside one rollout)."""
     cached = _COPIES.get(model)
     start = time.perf_counter()
+    if cached is not None and not refresh and _matches(model, cached, dtype):
+        return cached, 0.0
     if cached is not None and _matches(model, cached, dtype):
         with torch.no_grad():  # the current weights, in place, cast to the copy's dtypes
             for (_, mine), (_, theirs) in zip(_state(cached), _state(model), strict=True):

@@ -280,7 +280,8 @@ class HFGenerateEngine:
     ) -> list[Continuation]:
         """One continuation of each token sequence (left-padded into one batch, sampled
         from ``sampling`` for ``max(budgets)`` tokens, row ``i`` cut at ``budgets[i]``):
-        the next turn of a multi-turn rollout. No shared prefill; the static cache when the
+        the next turn of a multi-turn rollout, on the generation copy as ``generate``
+        left it (the rollout's weights). No shared prefill; the static cache when the
         engine uses it and generation is not a collective, its length (the padded width +
         ``max(budgets)``) a multiple of ``prompt_bucket``."""
         require(len(sequences) == len(budgets) and len(sequences) > 0,
@@ -301,7 +302,7 @@ class HFGenerateEngine:
                            device=device)
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences],
                             device=device)
-        model, autocast = self._generation_model(device)
+        model, autocast = self._generation_model(device, refresh=False)  # generate's copy
         copy = model is not self.model and config.do_sample  # it reports the copy's log-probs
         record, extra = recorder(config) if copy else (None, {})
         with torch.no_grad(), autocast, _isolated_generation(model):
@@ -345,9 +346,11 @@ class HFGenerateEngine:
             cache.update(layer.keys, layer.values, index, {"cache_position": positions})
         return cache
 
-    def _generation_model(self, device: torch.device) -> tuple[nn.Module, Any]:
+    def _generation_model(self, device: torch.device,
+                          refresh: bool = True) -> tuple[nn.Module, Any]:
         """The module to generate with and its autocast context: the model as is, or the
-        refreshed generation copy (the model when already in that dtype) with autocast off."""
+        generation copy (the model when already in that dtype) with autocast off, refreshed
+        unless ``refresh`` is False (:func:`generation_copy`)."""
         self.refresh_seconds = 0.0
         name = self.generation_dtype
         if name == "model" and self.cache == "static":
@@ -357,7 +360,7 @@ class HFGenerateEngine:
         dtype = DTYPES[name]
         model = self.model
         if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
-            model, self.refresh_seconds = generation_copy(model, dtype)
+            model, self.refresh_seconds = generation_copy(model, dtype, refresh)
         return model, torch.autocast(device.type, enabled=False)
 
     def _autocast_copy(self, device: torch.device) -> str:

@@ -296,3 +296,24 @@ def test_a_continuation_from_the_copy_reports_its_log_probs(tiny) -> None:
         assert all(v <= 0 and v == v for v in turn.logps)
     own = HFGenerateEngine(model, tokenizer, sampling).continue_ids(sequences, [4] * 3, sampling)
     assert all(turn.logps is None for turn in own)
+
+
+def test_a_rollouts_later_turns_reuse_the_copy_its_first_turn_refreshed(tiny) -> None:
+    """A multi-turn rollout copied every weight into the bf16 copy at every turn; the
+    weights cannot change inside one rollout, so only ``generate`` (its first turn)
+    refreshes it."""
+    model, tokenizer = tiny
+    eng = engine(model, tokenizer)
+    sample(eng, tokenizer)
+    twin = copy_of(model)
+    before = [p.clone() for p in twin.parameters()]
+    with torch.no_grad():  # a change the next turn must not copy (none happens in a rollout)
+        for p in model.parameters():
+            p.add_(1.0)
+    sequences = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts(tokenizer)]
+    eng.continue_ids(sequences, [3] * 3, eng.sampling)
+    assert copy_of(model) is twin and eng.refresh_seconds == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, twin.parameters(), strict=True))
+    sample(eng, tokenizer)  # the next rollout's first turn
+    assert all(torch.equal(c, p.to(torch.bfloat16))
+               for c, p in zip(twin.parameters(), model.parameters(), strict=True))
