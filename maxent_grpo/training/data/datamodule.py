@@ -47,6 +47,7 @@ from maxent_grpo.training.data.sources import (
     load_hub_rows,
     task_sources,
     too_few_train_prompts,
+    val_file_rows,
 )
 from maxent_grpo.validation import check_bool, check_int, require
 
@@ -85,7 +86,7 @@ class PromptDataModule(pl.LightningDataModule):
             validation prompt; False keeps them (a small closed task such as ``digit_pairs``).
         data_files: local .jsonl, .json, .csv or .parquet training files: a path, a glob
             pattern (``**`` crosses folders) or a list of them; or None.
-        val_files: validation rows, given like ``data_files`` (only with ``data_files``).
+        val_files: validation rows given like ``data_files``, with any training source.
         dataset_name: name or local path passed to ``datasets.load_dataset``, or None.
         dataset_config: configuration name passed to ``datasets.load_dataset``.
         train_split: split of ``dataset_name`` used for training.
@@ -141,10 +142,10 @@ class PromptDataModule(pl.LightningDataModule):
         )
         for name in dropped:
             self.hparams[name] = None
-        task_options, val_files, dataset_config, val_split = (
+        task_options, dataset_config, val_split = (
             None if name in dropped else value for name, value in (
-                ("task_options", task_options), ("val_files", val_files),
-                ("dataset_config", dataset_config), ("val_split", val_split)))
+                ("task_options", task_options), ("dataset_config", dataset_config),
+                ("val_split", val_split)))
         check_int("data.seed", seed, 0, maximum=2**32 - 1)  # the tasks seed with 2 * seed + 1
         check_int("data.train_size", train_size, 1)
         check_int("data.val_size", val_size, 0)
@@ -206,18 +207,17 @@ class PromptDataModule(pl.LightningDataModule):
         """The rows of the source that is set (when ``fitting``, a split-off ``val_size`` must
         leave a batch of training rows)."""
         batch_size = self.batch_size if fitting else None
-        if self.task is not None:
-            return task_sources(
-                self.task, self.task_options, self.train_size, self.val_size, self.seed,
-                self.prompt_column, self.holdout_val_prompts,
-            )
         if self.data_files is not None:
             return file_sources(self.data_files, self.val_files, self.val_size, self.seed,
                                 self.dataset_cache_dir, batch_size)
+        val = val_file_rows(self.val_files, self.dataset_cache_dir) if self.val_files else None
+        if self.task is not None:
+            return task_sources(
+                self.task, self.task_options, self.train_size, self.val_size, self.seed,
+                self.prompt_column, self.holdout_val_prompts, val)
         return hub_sources(
             self.dataset_name, self.dataset_config, self.train_split, self.val_split,
-            self.dataset_cache_dir, self.val_size, self.seed, batch_size,
-        )
+            self.dataset_cache_dir, self.val_size, self.seed, batch_size, val)
 
     def _get_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -32,6 +32,7 @@ __all__ = [
     "load_hub_rows",
     "split_off_val",
     "task_sources",
+    "val_file_rows",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,6 @@ class Sources:
 # each source-specific option and the source it belongs to
 OPTION_OWNERS = {
     "task_options": "task",
-    "val_files": "data_files",
     "dataset_config": "dataset_name",
     "val_split": "dataset_name",
 }
@@ -134,8 +134,8 @@ def check_source_options(
             f"data.task_options {task_options!r} has {', '.join(map(repr, unknown))}, which "
             f"task {task!r} does not take: drop them with --data.task_options null, {own}",
         )
-    values = {"task_options": task_options or None, "val_files": val_files,
-              "dataset_config": dataset_config, "val_split": val_split}
+    values = {"task_options": task_options or None, "dataset_config": dataset_config,
+              "val_split": val_split}
     dropped = {name: value for name, value in values.items()
                if value is not None and chosen[OPTION_OWNERS[name]] is None}
     if dropped:
@@ -147,8 +147,11 @@ def check_source_options(
             " and ".join(owners), "is" if len(owners) == 1 else "are",
             set_now[0], chosen[set_now[0]],
         )
+    require(val_files is None or val_split is None or "val_split" in dropped,
+            f"data.val_files {val_files!r} and data.val_split {val_split!r} both name the "
+            "validation rows: set one of them to null")
     for name, files in (("data_files", data_files), ("val_files", val_files)):
-        if files is not None and name not in dropped:
+        if files is not None:
             expand_files(f"data.{name}", files)
     return dropped
 
@@ -174,12 +177,15 @@ def task_sources(
     seed: int,
     prompt_column: str,
     holdout_val_prompts: bool,
+    val_files: SplitRows | None = None,
 ) -> Sources:
     """``train_size`` rows of ``task`` from seed ``2*seed``, ``val_size`` (maybe 0) from
-    ``2*seed + 1``; with ``holdout_val_prompts`` the training rows whose ``prompt_column``
-    value is also a validation row's are dropped (logged)."""
+    ``2*seed + 1`` (or the rows of ``val_files``: :func:`val_file_rows`); with
+    ``holdout_val_prompts`` the training rows whose ``prompt_column`` value is also a
+    validation row's are dropped (logged)."""
     train = build_task(task, train_size, 2 * seed, **options)
-    val = build_task(task, val_size, 2 * seed + 1, **options) if val_size else []
+    val = (val_files.rows if val_files is not None
+           else build_task(task, val_size, 2 * seed + 1, **options) if val_size else [])
     val_prompts = {json.dumps(r.get(prompt_column), sort_keys=True) for r in val}
     keep = [
         i
@@ -192,8 +198,20 @@ def task_sources(
     source = f"task {task!r}"
     return Sources(
         SplitRows([train[i] for i in keep], keep, f"{source} (train)"),
-        SplitRows.whole(val, f"{source} (val)"),
+        val_files or SplitRows.whole(val, f"{source} (val)"),
     )
+
+
+def val_file_rows(val_files: str | list[str], cache_dir: str | None,
+                  train_files: Any = None) -> SplitRows:
+    """The validation rows of ``data.val_files`` (with any training source), warned about
+    when some of them are ``train_files``' (the training files' parts)."""
+    rows, parts = read_files("data.val_files", val_files, cache_dir)
+    shared = set(train_files.paths) & set(parts.paths) if train_files is not None else set()
+    if shared:  # allowed (a check of what was learnt), but mostly a pattern that went wide
+        log.warning("data.val_files file %r is in data.data_files too: the validation scores "
+                    "are on rows the run trains on", sorted(shared)[0])
+    return SplitRows.whole(rows, f"data.val_files {val_files!r}", parts)
 
 
 def file_sources(
@@ -210,12 +228,7 @@ def file_sources(
     train = SplitRows.whole(rows, f"data.data_files {data_files!r}", files)
     if val_files is None:
         return split_off_val(train, val_size, seed, batch_size, "data.val_files")
-    val_rows, val_parts = read_files("data.val_files", val_files, cache_dir)
-    shared = set(files.paths) & set(val_parts.paths)
-    if shared:  # allowed (a check of what was learnt), but mostly a pattern that went wide
-        log.warning("data.val_files file %r is in data.data_files too: the validation scores "
-                    "are on rows the run trains on", sorted(shared)[0])
-    return Sources(train, SplitRows.whole(val_rows, f"data.val_files {val_files!r}", val_parts))
+    return Sources(train, val_file_rows(val_files, cache_dir, files))
 
 
 def hub_sources(
@@ -227,13 +240,17 @@ def hub_sources(
     val_size: int,
     seed: int,
     batch_size: int | None = None,
+    val_files: SplitRows | None = None,
 ) -> Sources:
-    """Split ``train_split`` of dataset ``name``; validation rows from ``val_split``, else
-    ``val_size`` rows split off (see :func:`split_off_val`, which gets ``batch_size``)."""
+    """Split ``train_split`` of dataset ``name``; validation rows from ``val_split`` (or
+    ``val_files``: :func:`val_file_rows`), else ``val_size`` rows split off (see
+    :func:`split_off_val`, which gets ``batch_size``)."""
     train = SplitRows.whole(
         load_hub_rows(name, config, train_split, cache_dir),
         f"dataset_name {name!r} split {train_split!r}",
     )
+    if val_files is not None:
+        return Sources(train, val_files)
     if val_split is None:
         return split_off_val(train, val_size, seed, batch_size, "data.val_split")
     val = load_hub_rows(name, config, val_split, cache_dir)

@@ -590,16 +590,33 @@ def test_every_option_of_an_unused_source_is_dropped_in_one_line(tmp_path, caplo
                   val_size=2)  # the config's dataset_name was switched to data_files
         assert (dm.dataset_config, dm.val_split) == (None, None)
         assert len(dm.train_dataset) == 8  # val_size rows split off, as without a val_split
-        dm = make(task="arithmetic", val_files=str(tmp_path / "gone.jsonl"), train_size=8,
-                  val_size=2, batch_size=2, max_prompt_length=None)
-        assert dm.val_files is None and len(dm.val_dataset) == 2  # not read: no such file
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2
+    assert len(lines) == 1
     assert lines[0].startswith("dropped data.dataset_config='main', data.val_split='test': "
                                "they apply only to data.dataset_name, which is null")
-    assert lines[1].startswith("dropped data.val_files=")
-    assert "only to data.data_files, which is null (the source is data.task='arithmetic')" in (
-        lines[1])
+
+
+def test_val_files_are_the_validation_rows_whatever_the_training_source(tmp_path):
+    """``predict --data.val_files mine.jsonl`` with a task's config sampled the task's own
+    validation prompts, after a one-line warning that the file was dropped (only
+    ``data_files`` honoured it)."""
+    from maxent_grpo.tasks import build_task
+
+    train = build_task("arithmetic", 8, 0)
+    mine = [{"prompt": "7 + 8 =", "answer": "15"}, dict(train[0])]  # one is a training prompt
+    path = write(tmp_path / "mine.jsonl", mine)
+    dm = make(task="arithmetic", val_files=path, train_size=8, val_size=3, batch_size=2,
+              max_prompt_length=None)
+    assert [ex.answer for ex in dm.val_dataset.examples] == ["15", train[0]["answer"]]
+    assert len(dm.train_dataset) == 7  # the file's prompt held out of training
+    dm = PromptDataModule(task="arithmetic", val_files=path, train_size=8, batch_size=2)
+    dm.set_tokenizer(CharTokenizer())
+    dm.setup("predict")
+    assert len(dm.val_dataset) == 2
+    with pytest.raises(FileNotFoundError, match="data.val_files"):
+        PromptDataModule(task="arithmetic", val_files=str(tmp_path / "gone.jsonl"))
+    with pytest.raises(ValueError, match="both name the validation rows"):
+        PromptDataModule(task=None, dataset_name="x", val_split="test", val_files=path)
 
 
 def test_the_cli_switch_to_a_file_proceeds(tmp_path, monkeypatch, caplog):
