@@ -152,13 +152,14 @@ def evaluation_metrics(
 
 
 def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total: Tensor,
-                   components: Tensor, names: Sequence[str], correct: float,
+                   components: Tensor, names: Sequence[str], correct: float | None,
                    truncated: bool) -> dict[str, Any]:
     """One graded completion as ``predict`` writes it: the prompt's source ``row`` index,
     ``sample`` ``j``, the ``prompt`` (text or messages), the reference ``answer``, the
     ``completion`` (text) or, for a multi-turn rollout, its ``messages``, ``rewards`` (each
     reward function's value, ``None`` where it gave none), the weighted ``reward``, the
-    parsed ``parsed_answer`` (:func:`sample_answer`), ``correct`` and ``truncated`` (cut at
+    parsed ``parsed_answer`` (:func:`sample_answer`), ``correct`` (None where the eval reward
+    gave none) and ``truncated`` (cut at
     ``max_completion_length``: no stop token; a multi-turn row's last turn or a tool's reply
     cut there)."""
     def value(x: Tensor) -> float | None:
@@ -172,7 +173,7 @@ def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total
         "rewards": {name: value(v) for name, v in zip(names, components, strict=True)},
         "reward": value(total),
         "parsed_answer": sample_answer(completion, prompt_opens_think(batch["prompts"][b])),
-        "correct": bool(correct), "truncated": bool(truncated),
+        "correct": None if correct is None else bool(correct), "truncated": bool(truncated),
         **({"task": task} if task is not None else {}),
     }
 
@@ -234,6 +235,7 @@ class Evaluator(torch.nn.Module):
         rows = []  # the rewards on the host once (not a copy, and a sync, per prompt)
         totals, values = total.view(B, n).tolist(), components.view(-1, B, n).tolist()
         truncated = rollout.truncated.tolist()
+        judged = values[self.settings.reward_index]  # (B, n); NaN: not graded
         for b in range(B):
             valid = columns.get("valid_answers", [None] * B)[b]
             task = columns.get("task", [None] * B)[b]
@@ -262,7 +264,8 @@ class Evaluator(torch.nn.Module):
             ))
             rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
                                     components[:, b * n + j], self.rewards.names,
-                                    correct[b * n + j], truncated[b * n + j])
+                                    None if judged[b][j] != judged[b][j]
+                                    else correct[b * n + j], truncated[b * n + j])
                      for j in range(n)]
         return rows
 
@@ -282,11 +285,19 @@ class Evaluator(torch.nn.Module):
         threshold = self.settings.correct_threshold
         return [1.0 if v >= threshold else 0.0 for v in listed]
 
-    def _check_graded(self, graded: int, ungraded: int, timed_out: int, rank: int) -> None:
+    def _check_graded(self, graded: int, ungraded: int, timed_out: int, rank: int,
+                      predicting: bool = False) -> bool:
         """Over the epoch and all ranks: samples the eval reward graded none of (without a
-        time-out) raise ValueError (the rows lack the reference it reads); some ungraded
-        ones are warned of once, counted not correct."""
+        time-out) raise ValueError (the rows lack the reference it reads), or when
+        ``predicting`` (prompts without answers: what predict is for) are warned of and
+        True returned (no @k); some ungraded ones are warned of once, counted not correct."""
         name = self.rewards.names[self.settings.reward_index]
+        if ungraded and not graded and not timed_out and predicting:
+            if rank == 0:
+                log.warning("predict: model.eval_reward %r graded none of the %d completions "
+                            "(the rows have no reference it reads): their 'correct' is null "
+                            "and no @k is reported", name, ungraded)
+            return True
         if ungraded and not graded and not timed_out:
             raise ValueError(
                 f"model.eval_reward {name!r} returned None (not applicable) for every one of "
@@ -301,6 +312,7 @@ class Evaluator(torch.nn.Module):
                 "completions (rows it does not grade, or a time-out's fallback: null): they "
                 "count as not correct; for rows of several tasks choose an eval_reward that "
                 "grades every row", name, ungraded, graded + ungraded)
+        return False
 
     def compute(self, prefix: str) -> dict[str, float]:
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
@@ -336,5 +348,7 @@ class Evaluator(torch.nn.Module):
             self.reward.reset()
             self.components.reset()
         self.records = []
-        self._check_graded(*counts[1:], rank=dist.get_rank() if distributed else 0)
+        if self._check_graded(*counts[1:], rank=dist.get_rank() if distributed else 0,
+                              predicting=prefix == "predict"):
+            values = {k: v for k, v in values.items() if "@" not in k}  # correctness unknown
         return {k: float(v) for k, v in values.items()}

@@ -584,3 +584,23 @@ def test_a_fit_after_an_evaluation_on_the_same_trainer_runs_with_its_own_seed(ca
         trainer.fit(module, data)  # its sanity check and validation update the metrics
         assert trainer.global_step == 1
     assert sampled[0] != sampled[1]
+
+
+def test_predict_on_prompts_without_answers_writes_them_ungraded(cache_dir, caplog):
+    """Sampling prompts that have no reference is what predict is for: it raised after the
+    whole sampling pass (nothing written); now each row's ``correct`` is None and no @k is
+    reported. Validation still refuses an evaluation that graded nothing."""
+    module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False, eval_k=[1])
+    module.configure_model()
+    data = make_data(cache_dir)
+    data.setup("validate")
+    batch = collate_prompts(data.val_dataset.examples[:2])
+    batch["answers"] = batch["columns"]["answer"] = ["", ""]  # the rewards read the column
+    assert [r["correct"] for r in module.predict_step(batch, 0)] == [None] * 4
+    with caplog.at_level("WARNING"):
+        metrics = module.evaluator.compute("predict")
+    assert "predict/reward/mean" in metrics and not [k for k in metrics if "@" in k]
+    assert "graded none of the 4 completions" in caplog.text
+    module.predict_step(batch, 0)
+    with pytest.raises(ValueError, match="for every one of the 4 evaluation completions"):
+        module.evaluator.compute("val")
