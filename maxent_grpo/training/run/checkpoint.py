@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
@@ -324,6 +324,10 @@ def _objective_state(saved: dict[str, float], objective: Objective, controllers:
                 f"the checkpoint's beta {saved.get('beta', 0):g} goes on (tau/beta controllers "
                 "are attached), but this run loaded no reference model (model.objective.beta "
                 "0): resume with the checkpoint's beta, or start afresh")
+        rank_zero_info("model.objective's %s (the config) not used: tau/beta controllers are "
+                       "attached, so the checkpoint's values go on (%s)", ", ".join(
+                           f"{k} {v:g}" for k, v in changed.items()),
+                       ", ".join(f"{k} {saved[k]:g}" for k in changed))
         return saved
     pairs = ", ".join(f"{k} {saved[k]:g} -> {v:g}" for k, v in changed.items())
     rank_zero_warn(f"model.objective differs from the checkpoint's ({pairs}): the config's "

@@ -146,7 +146,7 @@ def warnings_of(call) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_a_changed_objective_option_is_used_on_a_resume_without_controllers():
+def test_a_changed_objective_option_is_used_on_a_resume_without_controllers(caplog):
     """``--model.objective.init_args.beta 0.2`` on a resume kept the checkpoint's 0.04
     without a word (the run's config.yaml said 0.2); ``beta 0`` logged 0.04 while no
     reference model was loaded, so no KL was trained (a defect hunt)."""
@@ -160,8 +160,11 @@ def test_a_changed_objective_option_is_used_on_a_resume_without_controllers():
     meta = MetaController(target_entropy=1.0, kl_target=0.05, state_path="c.json")
     objective = ListwiseMaxEnt(tau=2.0, beta=0.1)
     loop = BARE.with_controller(meta.paths, objective, meta)
-    load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True)
+    with caplog.at_level("INFO"):
+        load_state(saved(loop), "builtin:tiny", objective, StepCounters(), loop, fitting=True)
     assert objective.tau == 0.5
+    assert "model.objective's tau 2 (the config) not used: tau/beta controllers are attached, " \
+        "so the checkpoint's values go on (tau 0.5)" in caplog.text  # it went without a word
 
 
 def test_a_changed_optimizer_is_refused_and_changed_values_are_warned_of():
