@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from maxent_grpo.validation import check_bool, check_int, check_number
+from maxent_grpo.validation import check_bool, check_int, check_number, require
 
 __all__ = ["GenerationBatch", "PromptCompletionBatch", "RolloutOutput", "SamplingSettings",
            "ToolUsage", "check_request"]
@@ -203,6 +203,8 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        require(self.temperature != 0, "temperature must be > 0 (log-probs are scored at it): "
+                "for greedy completions set model.top_k: 1 (in evaluation: model.eval_greedy)")
         check_number("temperature", self.temperature, minimum=0, strict=True)
         check_number("top_p", self.top_p, minimum=0, maximum=1, strict=True)
         check_int("top_k", self.top_k, minimum=0)

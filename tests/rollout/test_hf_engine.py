@@ -350,7 +350,7 @@ def test_bad_generate_output_is_reported(tiny: tuple[Any, Any]) -> None:
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1"),
-        ({"temperature": 0.0}, "temperature must be a finite number > 0"),
+        ({"temperature": 0.0}, "temperature must be > 0 .*set model.top_k: 1"),
         ({"temperature": float("nan")}, "temperature must be a finite number > 0"),
         ({"top_p": 0.0}, r"top_p must be a finite number in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be a finite number in \(0, 1\]"),
