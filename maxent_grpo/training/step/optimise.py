@@ -277,13 +277,22 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
     weights, 1e-5 15%, 1e-4 88%. Tensors above 2^20 elements are sampled (evenly spaced);
     under FSDP2, rank 0's shards. Returns the share changed (None: nothing low-precision).
     Optimizers that keep float32 master weights or round stochastically need no warning;
-    they are not told apart."""
+    they are not told apart. A group without ``eps`` (SGD's kind, whose step ``lr |g|``
+    cannot be known before a gradient) is warned of as such."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
     changed = total = 0.0
     rates = set()
     with torch.no_grad():
         for group in optimizer.param_groups:
             low = [p for p in group["params"] if p.requires_grad
                    and p.dtype in (torch.bfloat16, torch.float16)]
+            if low and "eps" not in group:
+                rank_zero_warn(
+                    f"{type(optimizer).__name__} over bfloat16/float16 weights: a step smaller "
+                    "than half a weight's spacing (|w| 2^-9 in bfloat16) rounds back to the old "
+                    "value, and steps of lr x gradient mostly are; train float32 weights "
+                    "(model.dtype: float32) under trainer.precision bf16-mixed")
             if "eps" not in group or not low or group.get("lr") is None:
                 continue
             lr = float(group.get("initial_lr", group["lr"]))
@@ -299,8 +308,6 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
         return None
     moved = changed / total
     if moved < share:
-        from lightning.pytorch.utilities import rank_zero_warn
-
         lrs = "/".join(f"{r:g}" for r in sorted(rates))
         rank_zero_warn(
             f"{type(optimizer).__name__} at lr {lrs} over bfloat16/float16 weights: a step "
