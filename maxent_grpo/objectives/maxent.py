@@ -180,7 +180,7 @@ class ListwiseMaxEnt(Objective):
         else:
             loss = listwise_loss(s, mb.weights, mb.candidates) * scale
         sums: dict[str, tuple[Tensor, Tensor]] = {}
-        groups = torch.tensor(float(mb.num_groups))
+        groups = torch.tensor(float(mb.num_groups), dtype=torch.float32)
         sums["loss/policy"] = (loss.detach() / scale * groups, groups)
         if self.clip_coef > 0:
             s_old = self._seq_logps(mb.behaviour_logps, mb.mask, G)

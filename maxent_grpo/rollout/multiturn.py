@@ -369,13 +369,13 @@ class MultiTurnEngine:
         completion_ids = torch.full((N, T), pad, dtype=torch.long)
         completion_mask = torch.zeros(N, T, dtype=torch.bool)
         tool_mask = torch.zeros(N, T, dtype=torch.bool)
-        sampler = None if logps is None else torch.zeros(N, T)
+        sampler = None if logps is None else torch.zeros(N, T, dtype=torch.float32)
         for i, row in enumerate(ids):
             completion_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
             completion_mask[i, :len(row)] = True
             tool_mask[i, :len(row)] = torch.tensor(tool[i], dtype=torch.bool)
             if sampler is not None:
-                sampler[i, :len(row)] = torch.tensor(logps[i])
+                sampler[i, :len(row)] = torch.tensor(logps[i], dtype=torch.float32)
         texts = [self.tokenizer.decode(row, skip_special_tokens=False) for row in ids]
         texts = [next((t[: -len(e)] for e in self._stops if t.endswith(e)), t) for t in texts]
         long = torch.long

@@ -96,7 +96,8 @@ class ServerChecks:
                 try:
                     choice = out["choices"][0]
                     theirs = torch.tensor([row[str(t)]["logprob"] for row, t in zip(
-                        choice["prompt_logprobs"][1:], ids[1:], strict=True)])
+                        choice["prompt_logprobs"][1:], ids[1:], strict=True)],
+                        dtype=torch.float32)  # not a -true precision's default dtype
                     token = int(choice["token_ids"][0])
                     sampled = float(choice["logprobs"]["token_logprobs"][0])
                 except (KeyError, IndexError, TypeError, ValueError) as err:

@@ -399,13 +399,13 @@ def assemble_rollout(
     require(len(rows) == B * G, f"vLLM returned {len(rows)} completions; expected {B * G}")
     T = max(1, max(len(ids) for ids, _ in rows))
     completion_ids = torch.full((B * G, T), tokenizer.pad_token_id, dtype=torch.long)
-    logps = torch.zeros(B * G, T)
+    logps = torch.zeros(B * G, T, dtype=torch.float32)  # not a -true precision's default
     for i, (ids, lps) in enumerate(rows):
         n = len(ids)
         completion_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
         if lps:
             require(len(lps) == n, f"row {i}: {len(lps)} log-probs for {n} tokens")
-            logps[i, :n] = torch.tensor(lps)
+            logps[i, :n] = torch.tensor(lps, dtype=torch.float32)
     reported = any(lps for _, lps in rows)
     return rollout_from_ids(tokenizer, stop_token_ids, prompts, answers, prompt_ids, prompt_mask,
                             completion_ids, G, seconds, logps if reported else None, device)

@@ -5,6 +5,7 @@ engine's ``continue_ids`` against its own ``generate``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -462,3 +463,33 @@ def test_a_reasoning_template_that_drops_an_empty_block_takes_tool_turns():
         "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="rewrites earlier turns"):
         message_segment(Reasoning(keeps_reasoning=False), tool)
+
+
+class Reporting(Scripted):
+    """A scripted engine that reports its log-probs, as vLLM and a generation copy do."""
+
+    LOGP = -1.006828  # not a bfloat16 value (that is -1.0078125)
+
+    def generate(self, prompts, answers, G, sampling=None):
+        out = super().generate(prompts, answers, G, sampling)
+        logps = torch.full(out.completion_ids.shape, self.LOGP, dtype=torch.float32)
+        return dataclasses.replace(out, sampler_logps=logps * out.completion_mask)
+
+    def continue_ids(self, sequences, budgets, sampling):
+        return [dataclasses.replace(c, logps=[self.LOGP] * len(c.ids))
+                for c in super().continue_ids(sequences, budgets, sampling)]
+
+
+def test_the_sampler_log_probs_stay_float32_under_a_true_precision():
+    """``bf16-true`` makes bfloat16 torch's default dtype inside the training step: a
+    multi-turn rollout's (and vLLM's) sampler log-probs were rounded to it (a hunt: the
+    logged gap 0.073 -> 0.25 nats, and the sampler correction off by the rounding)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    mt = MultiTurnEngine(Reporting([CALL, "42"]), TOK, SamplingSettings(max_new_tokens=200),
+                         toolbox=Toolbox(["calculate"], timeout=2.0), max_tool_calls=4)
+    with HalfPrecision("bf16-true").forward_context():
+        out = mt.generate(["What is 6 * 7?"], ["42"], 2)
+    model = out.model_mask
+    assert out.sampler_logps.dtype == torch.float32
+    assert set(out.sampler_logps[model].tolist()) == {torch.tensor(Reporting.LOGP).item()}

@@ -101,3 +101,22 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
             VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
         assert other in str(err.value)
         assert "gpu_memory_utilization" not in str(err.value)
+
+
+def test_the_engines_log_probs_stay_float32_under_a_true_precision():
+    """``bf16-true`` makes bfloat16 torch's default dtype inside the training step, where
+    vLLM's rows are assembled: their log-probs were rounded to it (a hunt)."""
+    import torch
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from maxent_grpo.rollout.hf import encode_prompts
+    from maxent_grpo.rollout.vllm_engine import assemble_rollout
+
+    tok = build_tiny_tokenizer()
+    ids, mask = encode_prompts(tok, ["3 + 5 ="], None)
+    rows = [([5, 6, tok.eos_token_id], [-1.006828, -10.304453, -0.5])]
+    with HalfPrecision("bf16-true").forward_context():
+        out = assemble_rollout(tok, (tok.eos_token_id,), ["3 + 5 ="], ["8"], ids, mask, rows, 1,
+                               0.0, torch.device("cpu"))
+    assert out.sampler_logps.dtype == torch.float32
+    assert torch.equal(out.sampler_logps[0], torch.tensor(rows[0][1]))
