@@ -135,7 +135,8 @@ class RewardModel:
         if self.model.device != device:
             self.model.to(device)
         scores: list[float] = []
-        with torch.inference_mode():
+        # in its own dtype: not the step's mixed precision (bf16-mixed rounded float32 scores)
+        with torch.inference_mode(), torch.autocast(torch.device(device).type, enabled=False):
             for start in range(0, len(texts), self.batch_size):
                 inputs = self.tokenizer(
                     texts[start:start + self.batch_size], return_tensors="pt", padding=True,

@@ -58,6 +58,8 @@ def test_scores_in_padded_batches_equal_scores_one_by_one(rm_folder):
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert rm(prompts=prompts, completions=completions) == pytest.approx(scores)  # eval mode
     assert rm.model is model  # loaded once
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the step's bf16-mixed: not its dtype
+        assert rm(prompts=prompts, completions=completions) == scores
 
 
 def test_conversations_are_rendered_with_the_chat_template(rm_folder):
