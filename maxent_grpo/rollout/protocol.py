@@ -140,11 +140,11 @@ def turn_end(tokenizer: Any) -> int | None:
     return int(ids[0]) if ids and ids[0] in special else None
 
 
-def check_engine_factory(engine: object, max_staleness: int = 0) -> None:
+def check_engine_factory(engine: object, asynchronous: bool = False) -> None:
     """Refuse an interface named as ``model.engine`` (a protocol or an abstract class, which
-    cannot be built), and an engine class that samples in the trainer's process with
-    ``model.max_staleness >= 1`` (nothing would overlap), before any model loads; a factory
-    that is not a class is checked when it has built its engine."""
+    cannot be built), and, for an ``asynchronous`` fit (``model.max_staleness >= 1``), an
+    engine class that samples in the trainer's process (nothing would overlap), before any
+    model loads; a factory that is not a class is checked when it has built its engine."""
     while isinstance(engine, functools.partial):  # the CLI's: partial(build, class, **options)
         engine = next((a for a in engine.args if inspect.isclass(a)), engine.func)
     require(callable(engine), "model.engine must be an engine class (maxent_grpo.rollout."
@@ -155,7 +155,7 @@ def check_engine_factory(engine: object, max_staleness: int = 0) -> None:
             f"model.engine: {getattr(engine, '__name__', type(engine).__name__)} is an "
             "interface, not an engine; name one (maxent_grpo.rollout.HFGenerateEngine, "
             "VLLMEngine, VLLMServerEngine) or a class of yours that implements it")
-    require(not (isinstance(max_staleness, int) and max_staleness >= 1 and inspect.isclass(engine)
+    require(not (asynchronous and inspect.isclass(engine)
                  and not getattr(engine, "generates_elsewhere", False)),
             staleness_needs_a_server(getattr(engine, "__name__", "")))
 

@@ -208,7 +208,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.automatic_optimization = False
         objective = GRPO() if objective is None else objective
         check_objective(objective)
-        check_engine_factory(engine, max_staleness)
+        check_engine_factory(engine)
         check_staleness(max_staleness, sampler_correction, environment, objective)
         self.rewards = WeightedRewards(  # reward models run on the step's device
             {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length)
@@ -393,9 +393,11 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     trainer = property(L.LightningModule.trainer.fget, _attach)
 
     def setup(self, stage: str) -> None:
-        """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)."""
+        """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)
+        and, for a fit, that an asynchronous run's engine generates elsewhere."""
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val,
                        self.scorer.batching if stage == "fit" else None)
+        check_engine_factory(self.engine_factory, self.pipeline and stage == "fit")
 
     def on_train_start(self) -> None:
         """Loop settings with Lightning's optimizer and scheduler; the loader to the handles."""

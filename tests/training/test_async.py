@@ -128,8 +128,13 @@ def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
     when it is built."""
     from maxent_grpo.rollout import HFGenerateEngine
 
+    module = make_module(cache_dir, max_staleness=1, sampler_correction="token_tis")
     with pytest.raises(ValueError, match="HFGenerateEngine samples here"):
-        make_module(cache_dir, max_staleness=1, sampler_correction="token_tis")
+        fit(module, make_data(cache_dir), steps=1)
+    assert module.policy is None  # refused before the model (or vLLM) loads
+    validate = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=1)
+    validate.validate(module, make_data(cache_dir), verbose=False)  # no pipeline: any engine
     with pytest.raises(ValueError, match="model.sampler_correction"):
         make_module(cache_dir, max_staleness=1, engine=RemoteCopy)
     module = make_module(cache_dir, max_staleness=1, sampler_correction="token_tis",
