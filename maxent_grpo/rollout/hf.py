@@ -160,7 +160,7 @@ def static_cache_holds_two_dtypes() -> bool:
 
     try:
         layer = StaticLayer(max_cache_len=1)
-        layer.lazy_initialization(torch.zeros(1, 1, 1, 1),
+        layer.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=torch.float32),
                                   torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))
         return layer.values.dtype == torch.bfloat16
     except Exception:  # another layout: take the copy, which works on every version

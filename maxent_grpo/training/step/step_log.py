@@ -120,8 +120,8 @@ class StepMetrics(torch.nn.Module):
         # ModuleDict keys hold no "/" or ".": escaped one to one (a reward's log_metric
         # names "acc.5" and "acc_5" stay two metrics)
         name = key.replace("_", "_u").replace(".", "_d").replace("/", "_s")
-        if name not in table:
-            table[name] = make().to(self.reward.total.device)
+        if name not in table:  # float64 (after .to, which resets it to the default dtype)
+            table[name] = make().to(self.reward.total.device).set_dtype(torch.float64)
         return table[name]
 
     def _aligned(self) -> list[tuple[str, str]]:

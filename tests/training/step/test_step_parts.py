@@ -88,3 +88,17 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     assert logged["train/perf/generate_s"] == 0.002
     assert logged["train/reward/mean"] == 0.5 and logged["train/lr"] == 0.5
     assert logged["train/grad_norm"] == float(update.grad_norm)
+
+
+def test_the_step_maxima_are_float64_under_a_true_precision():
+    """Created on first use inside the step, where ``bf16-true`` makes bfloat16 torch's
+    default dtype: ``train/rollout/logp_gap/max`` was logged rounded (0.0732 for 0.07312)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    metrics = StepMetrics(["accuracy"])
+    with HalfPrecision("bf16-true").forward_context():
+        gap = torch.tensor(0.07312, dtype=torch.float32)  # as the step computes it
+        metrics.maximum("rollout/logp_gap/max").update(gap)
+        metrics.mean("rollout/logp_gap/mean").update(gap)
+    assert metrics.maximum("rollout/logp_gap/max").compute().item() == \
+        torch.tensor(0.07312, dtype=torch.float32).item()
