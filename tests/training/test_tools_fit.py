@@ -100,3 +100,35 @@ def test_tool_options_are_checked(cache_dir):
         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ValueError, match="does not show the tools"):
         data.setup("fit")
+
+
+def test_a_datamodule_that_renders_for_another_model_is_refused(cache_dir, tmp_path):
+    """Built in Python, the DataModule and the module are set apart: a forgotten
+    ``tools=`` trained without the tool ever shown (a hunt: 0 calls, reward 0) or showed
+    one the model could not call, and a forgotten ``tokenizer=`` rendered every prompt with
+    the default model's chat template; both trained without a word."""
+    from maxent_grpo.builtin.catalog import build_tiny_model, build_tiny_tokenizer
+
+    runs = make_module(cache_dir, tools=["calculate"], max_prompt_length=None)
+    shows_none = make_data(cache_dir, task="tool_arithmetic", task_options=None,
+                           max_prompt_length=None)
+    with pytest.raises(ValueError, match=r"show the tools none, but the module runs \['maxent"):
+        fit(runs, shows_none, steps=1, tmp_path=tmp_path)
+    shows = make_data(cache_dir, task="tool_arithmetic", task_options=None, tools=["calculate"],
+                      max_prompt_length=None)
+    with pytest.raises(ValueError, match="but the module runs none"):
+        fit(make_module(cache_dir, max_prompt_length=None), shows, steps=1, tmp_path=tmp_path)
+    folder = tmp_path / "mymodel"  # the tiny model, its template marked
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = "[MINE]" + tokenizer.chat_template
+    build_tiny_model().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    mine = make_module(cache_dir, model_name_or_path=str(folder), max_prompt_length=None)
+    data = make_data(cache_dir, task="arithmetic_easy", task_options=None, max_prompt_length=None)
+    with pytest.raises(ValueError, match=r"renders prompts with the tokenizer of 'builtin:tiny'"):
+        fit(mine, data, steps=1, tmp_path=tmp_path)
+    assert mine.policy is None  # before the model loads
+    data = make_data(cache_dir, task="arithmetic_easy", task_options=None,
+                     max_prompt_length=None, tokenizer=str(folder))
+    fit(make_module(cache_dir, model_name_or_path=str(folder), max_prompt_length=None), data,
+        steps=1, tmp_path=tmp_path)

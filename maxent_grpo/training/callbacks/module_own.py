@@ -64,6 +64,43 @@ def check_prompt_bound(bound: int | None, datamodule: Any) -> None:
             "max_prompt_length (the command line's data.max_prompt_length sets both)")
 
 
+def check_prompt_format(pl_module: Any, datamodule: Any) -> None:
+    """Refuse a PromptDataModule that renders prompts for another model than the module's
+    (built in Python the two are set apart; the command line links them): another tokenizer
+    or chat template (``tokenizer`` left at its default), or tools the prompts show that
+    the module does not run, or the reverse (the model never saw the tool it may call)."""
+    from maxent_grpo.training.data.datamodule import PromptDataModule
+
+    if not isinstance(datamodule, PromptDataModule) or datamodule.tokenizer is None:
+        return
+    tools = pl_module.loop.generation.tools
+    box = None if tools is None else tools.toolbox
+    ours = [f"{f.__module__}:{f.__qualname__}" for f in (box.functions.values() if box else ())]
+    shown = [f"{f.__module__}:{f.__qualname__}" for f in datamodule.tools]
+    require(ours == shown or (box is None and tools is not None),  # an environment's own
+            f"the DataModule's prompts show the tools {shown or 'none'}, but the module runs "
+            f"{ours or 'none'}: give PromptDataModule(tools=...) the module's tools (the "
+            "command line's model.tools sets both)")
+    name = pl_module.source.name_or_path
+    if datamodule.tokenizer_name == name:
+        return
+    from maxent_grpo.models import load_tokenizer
+
+    theirs = datamodule.tokenizer
+    own = pl_module.tokenizer or load_tokenizer(name, cache_dir=pl_module.source.cache_dir)
+    probe = [{"role": "user", "content": "What is 2 + 2?"}]
+
+    def rendered(tok: Any) -> Any:
+        text = tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True) if (
+            datamodule.apply_chat_template and getattr(tok, "chat_template", None)) else ""
+        return text, tok("2 + 2 = 4, <answer>", add_special_tokens=False)["input_ids"]
+
+    require(rendered(own) == rendered(theirs),
+            f"the DataModule renders prompts with the tokenizer of {datamodule.tokenizer_name!r}"
+            f", whose encoding or chat template differs from the model's ({name!r}): give "
+            f"PromptDataModule(tokenizer={name!r}) (the command line links them)")
+
+
 class ModuleHooks(L.Callback):
     """Before the user's callbacks: a fit starts without an earlier fit's controllers (they
     attach at their ``setup``), and a resumed fit's random state and logging step are set
@@ -80,6 +117,7 @@ class ModuleHooks(L.Callback):
             pl_module.loop = detached_controllers(pl_module.loop)
         check_prompt_bound(pl_module.loop.generation.sampling.max_prompt_length,
                            getattr(trainer, "datamodule", None))
+        check_prompt_format(pl_module, getattr(trainer, "datamodule", None))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """After validate/test of a checkpoint logged at its step (``load_state``), the
