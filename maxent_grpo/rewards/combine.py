@@ -92,10 +92,13 @@ class TrainerState:
     is_local_process_zero: bool = True
 
     @classmethod
-    def from_trainer(cls, trainer: Any, num_iterations: int = 1) -> TrainerState:
+    def from_trainer(cls, trainer: Any, num_iterations: int = 1,
+                     idle_batches: int = 0) -> TrainerState:
         """The progress of a Lightning ``trainer`` (``TrainerState()``, step 0 and unknown
-        length, without one); ``num_iterations`` optimizer steps are taken per batch. A
-        checkpoint's ``validate``, ``test`` or ``predict`` is at the checkpoint's step."""
+        length, without one); ``num_iterations`` optimizer steps are taken per batch, none
+        in the run's first ``idle_batches`` (an asynchronous run's ``max_staleness``, which
+        only start rollouts). A checkpoint's ``validate``, ``test`` or ``predict`` is at
+        the checkpoint's step."""
         if trainer is None:
             return cls()
         step = getattr(trainer.fit_loop.epoch_loop, "evaluated_step", None)  # load_state's
@@ -106,7 +109,7 @@ class TrainerState:
         caps = [trainer.max_steps] if trainer.max_steps > 0 else []
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
         if batches and max_epochs > 0:
-            caps.append(batches * max_epochs * num_iterations)
+            caps.append((batches * max_epochs - idle_batches) * num_iterations)
         max_steps = min(caps) if caps else -1
         epochs = -1
         if batches and max_steps > 0:

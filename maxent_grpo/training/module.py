@@ -15,12 +15,12 @@ One training step (docs/ALGORITHM.md §0-§4), file by file::
         clip gradients; optimizer.step(); scheduler.step()
     log the step                                   # training/step/step_log.py
 
-Optimisation is manual: one rollout may feed several optimizer steps, and the loss is
-accumulated over micro-batches that never split a prompt group. ``collect`` and
-``optimizer_step`` get a :class:`~maxent_grpo.training.step.trajectory.StepContext` and never
-call back into the module. The engine is built once per run and synced after the weights
-changed. Elsewhere: evaluation (``run/evaluation.py``), checkpoints (``run/checkpoint.py``),
-strategies (``step/strategy.py``), the typed options (``settings.py``, ``option_groups.py``).
+Optimisation is manual: one rollout may feed several optimizer steps, and the loss is accumulated
+over micro-batches that never split a prompt group. ``collect`` and ``optimizer_step`` get a
+:class:`~maxent_grpo.training.step.trajectory.StepContext` and never call back into the module. The
+engine is built once per run and synced after the weights changed. Elsewhere: evaluation
+(``run/evaluation.py``), checkpoints (``run/checkpoint.py``), strategies (``step/strategy.py``),
+the typed options (``settings.py``, ``option_groups.py``).
 """
 
 from __future__ import annotations
@@ -245,6 +245,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         #: the rollouts in flight of an asynchronous run (model.max_staleness >= 1)
         self.pipeline = RolloutPipeline(max_staleness) if max_staleness else None
         self.staleness = 0  # optimizer steps between the rollout's weights and the update
+        self._progress = (self.loop.optimization.schedule.num_iterations, max_staleness)  # k, s
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -287,7 +288,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             strategy=self.runtime.accelerator, backward=self.manual_backward,
             optimizer=optimizer, scheduler=scheduler, step=self.global_step,
             refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None,
-            trainer_state=TrainerState.from_trainer(self._trainer, schedule.num_iterations))
+            trainer_state=TrainerState.from_trainer(self._trainer, *self._progress))
 
     def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
                   batch_idx: int) -> None:
@@ -337,8 +338,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     def _evaluate(self, batch: dict, greedy: bool = True) -> list[dict]:
         sampling = dataclasses.replace(self.loop.generation.sampling, do_sample=False)
         return self.evaluator.step(batch, self.rollout_engine(), sampling if greedy else None,
-                                   TrainerState.from_trainer(self._trainer,
-                                                 self.loop.optimization.schedule.num_iterations))
+                                   TrainerState.from_trainer(self._trainer, *self._progress))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_log, self.trajectory, self.step_metrics_dict = None, None, {}  # freed first

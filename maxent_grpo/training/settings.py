@@ -179,18 +179,19 @@ def _check_first_step(factory: Callable[[torch.optim.Optimizer], Any],
                          f"first step: {type(err).__name__}: {err}") from err
 
 
-def warn_unended_cosine(trainer: Any) -> None:
-    """Warn when the fit's cosine learning-rate schedule (after its warm-up) does not end at
-    ``trainer.max_steps``, naming the ``T_max`` that does: the shipped configs write it for
-    their own ``max_steps``, which ``--trainer.max_steps`` alone leaves as it was. Called
-    when training starts, after a resume has restored the checkpoint's schedule (which it
-    keeps: the advice is then to start afresh). A run that ends in its warm-up is quiet."""
+def warn_unended_cosine(trainer: Any, steps: int) -> None:
+    """Warn when the fit's cosine learning-rate schedule (after its warm-up) does not end
+    with the run's ``steps`` optimizer steps (``trainer.max_steps``, or fewer when
+    ``max_epochs`` ends it first; -1: unknown), naming the ``T_max`` that does: the shipped
+    configs write it for their own ``max_steps``, which ``--trainer.max_steps`` alone leaves
+    as it was. Called when training starts, after a resume has restored the checkpoint's
+    schedule (which it keeps: the advice is then to start afresh). A run that ends in its
+    warm-up is quiet."""
     configs = getattr(trainer, "lr_scheduler_configs", None) or []
     sched = torch.optim.lr_scheduler
     main, warm = (configs[0].scheduler if configs else None), 0
     if isinstance(main, sched.SequentialLR):  # build_lr_scheduler's warm-up, then the rest
         main, warm = main._schedulers[-1], main._milestones[-1]
-    steps = trainer.max_steps
     if not isinstance(main, sched.CosineAnnealingLR) or steps <= warm or (
             main.T_max == steps - warm):
         return
@@ -201,6 +202,8 @@ def warn_unended_cosine(trainer: Any) -> None:
     advice = ("a resume keeps the checkpoint's schedule (start afresh to change it)"
               if trainer.ckpt_path else
               f"set --model.lr_scheduler.init_args.T_max {steps - warm} to end with the run")
+    length = (f"trainer.max_steps is {steps}" if steps == trainer.max_steps else
+              f"the run is {steps} steps (trainer.max_epochs {trainer.max_epochs})")
     rank_zero_warn(f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
-                   f"(lr_warmup_steps + T_max) while trainer.max_steps is {steps}, so the "
+                   f"(lr_warmup_steps + T_max) while {length}, so the "
                    f"learning rate {shape}; {advice}")

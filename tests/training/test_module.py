@@ -247,25 +247,33 @@ def test_a_cosine_that_does_not_end_with_the_run_is_warned_of(recwarn):
                             max_consecutive_nonfinite=3)
     scheduler = build_lr_scheduler(opt, warm, cosine)
 
-    def run(max_steps, ckpt_path=None, schedule=scheduler):
-        return SimpleNamespace(max_steps=max_steps, ckpt_path=ckpt_path, lr_scheduler_configs=[
-            SimpleNamespace(scheduler=schedule)])
+    def run(max_steps, ckpt_path=None, schedule=scheduler, max_epochs=None):
+        return SimpleNamespace(max_steps=max_steps, ckpt_path=ckpt_path, max_epochs=max_epochs,
+                               lr_scheduler_configs=[SimpleNamespace(scheduler=schedule)])
+
+    def warn(trainer, steps=None):  # the run's length: max_steps, or fewer by its epochs
+        warn_unended_cosine(trainer, trainer.max_steps if steps is None else steps)
 
     with pytest.warns(UserWarning, match=r"the cosine ends after 5 \+ 795 steps .* "
                                          r"trainer.max_steps is 2000, so the learning rate rises "
                                          r"again after its low; set --model.lr_scheduler.init_"
                                          r"args.T_max 1995"):
-        warn_unended_cosine(run(2000))
+        warn(run(2000))
     with pytest.warns(UserWarning, match="stops short of eta_min; a resume keeps the "
                                          "checkpoint's schedule"):
-        warn_unended_cosine(run(50, "last.ckpt"))
+        warn(run(50, "last.ckpt"))
     recwarn.clear()
     bare = build_lr_scheduler(opt, ScheduleSettings(1, None, 0, 3), cosine)  # no warm-up
     for trainer in (run(800), run(-1), run(5), run(795, schedule=bare)):  # ends with the run,
-        warn_unended_cosine(trainer)  # no step limit, ends in its warm-up, no warm-up
+        warn(trainer)  # no step limit, ends in its warm-up, no warm-up
     assert not [w for w in recwarn if "cosine" in str(w.message)]
     with pytest.warns(UserWarning, match=r"ends after 0 \+ 795 steps"):
-        warn_unended_cosine(run(800, schedule=bare))
+        warn(run(800, schedule=bare))
+    # max_epochs ends the run first (12 steps): it went without a word (a hunt)
+    with pytest.warns(UserWarning, match=r"while the run is 12 steps \(trainer.max_epochs 3\), "
+                                         r"so the learning rate stops short of eta_min; set "
+                                         r"--model.lr_scheduler.init_args.T_max 7"):
+        warn(run(100, max_epochs=3), 12)
 
 
 @pytest.mark.parametrize("factory", [

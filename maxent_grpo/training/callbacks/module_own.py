@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from maxent_grpo.rewards import TrainerState
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir
@@ -162,7 +163,8 @@ class ModuleHooks(L.Callback):
         """After a checkpoint's restore: a step count off the multiples of
         ``model.num_iterations`` (trained with another k) runs past ``max_steps``; a cosine
         schedule that does not end with the run (``settings.warn_unended_cosine``)."""
-        warn_unended_cosine(trainer)
+        warn_unended_cosine(trainer, TrainerState.from_trainer(trainer,
+                                                               *pl_module._progress).max_steps)
         k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
         if k > 1 and step % k and trainer.max_steps > step:
             end = step + math.ceil((trainer.max_steps - step) / k) * k

@@ -201,7 +201,8 @@ class ReadableProgressBar(TQDMProgressBar):
         self._start_time = self._last_line_time = time.monotonic()
         loop = getattr(pl_module, "loop", None)  # MaxEntGRPOModule: k optimizer steps a batch
         k = loop.optimization.schedule.num_iterations if loop is not None else 1
-        self.total = TrainerState.from_trainer(trainer, k).max_steps
+        idle = getattr(getattr(pl_module, "pipeline", None), "max_staleness", 0)  # async starts
+        self.total = TrainerState.from_trainer(trainer, k, idle).max_steps
         if self.total > 0:  # one bar over the run's steps, not one per epoch
             bar = self.train_progress_bar
             bar.reset(total=self.total)

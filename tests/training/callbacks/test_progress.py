@@ -221,6 +221,21 @@ def test_a_fit_that_max_epochs_ends_counts_out_of_its_own_steps(cache_dir, tmp_p
     assert [LINE.match(line).group(1, 2) for line in lines] == [("4", "5"), ("5", "5")], lines
 
 
+def test_an_asynchronous_fit_counts_out_of_the_steps_it_takes(cache_dir, tmp_path):
+    """``max_staleness: 1``: the first batch only starts a rollout, so 5 batches are 4
+    optimizer steps; the total (and the rewards' ``max_steps``) said 5 (a hunt)."""
+    from tests.training.test_async import async_module
+
+    out = io.StringIO()
+    bar = ReadableProgressBar(every_n_steps=2, every_s=0, stream=out)
+    trainer = L.Trainer(max_steps=800, max_epochs=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, callbacks=[bar], limit_val_batches=0,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(async_module(cache_dir, 1), make_data(cache_dir, train_size=24, val_size=4))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert [LINE.match(line).group(2) for line in lines] == ["4", "4"], lines
+
+
 def test_a_fit_in_a_terminal_counts_steps_out_of_max_steps(cache_dir, tmp_path, capsys):
     bar = ReadableProgressBar(mode="bar", stream=io.StringIO())
     trainer, module, rewards = fit_with(bar, cache_dir, tmp_path, steps=3)
