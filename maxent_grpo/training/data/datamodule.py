@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,7 @@ from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
     PromptDataset,
     PromptLoader,
+    RefillStream,
     check_resume_state,
     collate_prompts,
     unfinished_batches,
@@ -190,8 +192,7 @@ class PromptDataModule(pl.LightningDataModule):
         self._consumed = 0
         self._resume_consumed = 0  # prompts of `_epoch` the sampler skips (load_state_dict)
         # prompts this rank drew from the refill stream (refill_batch), and before this step
-        self._refill_drawn = self._refill_before_step = 0
-        self._refill_order: tuple[int, list[int]] = (-1, [])  # (pass, its order) of the stream
+        self._refill, self._refill_before_step = RefillStream(seed + REFILL_SEED), 0
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Use an already-loaded tokenizer instead of loading ``tokenizer`` in :meth:`setup`."""
@@ -325,31 +326,23 @@ class PromptDataModule(pl.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def refill_batch(self, n: int) -> dict[str, Any]:
+    def refill_batch(self, n: int, exclude: Collection[int] = ()) -> dict[str, Any]:
         """The next ``n`` prompts of this rank's refill stream, collated as a training batch
         (``model.refill_rounds``: dynamic sampling draws them when too few groups of a step
-        have rewards that differ).
+        have rewards that differ), less the rows ``exclude`` (the step's own: without
+        ``shuffle`` the stream's order is the batches').
 
         The stream is the training rows in orders of their own, independent of the
         batches: pass ``k`` is ``torch.randperm(N)`` seeded ``data.seed + REFILL_SEED +
-        k`` (``0..N-1`` without ``shuffle``), cut and dealt to the ranks as an epoch is.
-        Its position (``refill_drawn``) is in :meth:`state_dict`, so a resumed run draws
-        the same prompts.
+        k`` (``0..N-1`` without ``shuffle``), cut and dealt to the ranks as an epoch is
+        (:class:`RefillStream`). Its position (``refill_drawn``) is in :meth:`state_dict`,
+        so a resumed run draws the same prompts.
         """
         dataset = self._require(self.train_dataset)
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        per_pass = len(dataset) // world
-        require(per_pass > 0, f"the refill stream needs at least {world} training prompts")
-        rows = []
-        for position in range(self._refill_drawn, self._refill_drawn + n):
-            pass_, i = divmod(position, per_pass)
-            if self._refill_order[0] != pass_:  # this rank's order of the pass, made once
-                sampler = EpochShuffleSampler(len(dataset), self.seed + REFILL_SEED, self.shuffle,
-                                              epoch=pass_, num_replicas=world, rank=rank)
-                self._refill_order = (pass_, list(sampler))
-            rows.append(self._refill_order[1][i])
-        self._refill_drawn += n
+        rows = self._refill.take(len(dataset), n, self.shuffle, world, rank,
+                                 lambda row: dataset[row].index in exclude)
         return collate_prompts([dataset[i] for i in rows])
 
     def val_dataloader(self) -> DataLoader:
@@ -390,7 +383,7 @@ class PromptDataModule(pl.LightningDataModule):
             if self._train_sampler.epoch != self._epoch:
                 self._epoch, self._consumed = self._train_sampler.epoch, 0
             self._consumed += self.batch_size * trainer.world_size
-            self._refill_before_step = self._refill_drawn
+            self._refill_before_step = self._refill.drawn
         return batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -409,7 +402,7 @@ class PromptDataModule(pl.LightningDataModule):
             "num_rows": None if self.train_dataset is None else len(self.train_dataset),
             "batch_size": self.batch_size,
             "world_size": world,
-            "refill_drawn": self._refill_before_step if unfinished else self._refill_drawn,
+            "refill_drawn": self._refill_before_step if unfinished else self._refill.drawn,
             "rows_digest": self._rows_digest(),
         }
 
@@ -444,7 +437,7 @@ class PromptDataModule(pl.LightningDataModule):
                         "saved order over the rows as they are now")
         self._epoch = int(state_dict["epoch"])
         self._consumed = self._resume_consumed = consumed
-        self._refill_drawn = int(state_dict.get("refill_drawn", 0))  # absent before refill
+        self._refill.drawn = int(state_dict.get("refill_drawn", 0))  # absent before refill
         if self._train_sampler is not None:
             self._train_sampler.set_epoch(self._epoch)
             self._train_sampler.resume_at(self._epoch, self._resume_consumed)

@@ -76,8 +76,8 @@ class StepContext:
             ``toggle_model(sync_grad=...)`` defers DDP's all-reduce to the last micro-batch).
         scheduler: the learning-rate scheduler, stepped once per optimizer step.
         step: the global step (the optimizer steps taken so far).
-        refill: ``n -> batch``, the next ``n`` prompts of the DataModule's refill stream
-            (:meth:`~maxent_grpo.training.data.datamodule.PromptDataModule.refill_batch`),
+        refill: ``(n, rows) -> batch``: ``n`` more prompts of the refill stream, none of the
+            step's ``rows`` (:meth:`~maxent_grpo.training.data.PromptDataModule.refill_batch`),
             when ``generation.refill_rounds > 0``; else None.
         trainer_state: the training progress the reward functions are given
             (:meth:`~maxent_grpo.rewards.combine.TrainerState.from_trainer`).
@@ -96,7 +96,7 @@ class StepContext:
     optimizer: LightningOptimizer
     scheduler: LRScheduler | None
     step: int
-    refill: Callable[[int], dict[str, Any]] | None = None
+    refill: Callable[..., dict[str, Any]] | None = None
     trainer_state: TrainerState = TrainerState()
 
     @property

@@ -43,9 +43,9 @@ def test_refill_keeps_the_first_b_varied_groups_in_draw_order():
                   _scored("z", [[0.0, 1.0], [1.0, 0.0], [1.0, 0.0]], 3, 3)])  # 3 more
     drawn = []
     (batch, rollout, rewards, components), rounds = refill(
-        first, draw=lambda n: drawn.append(n) or {}, roll_out=lambda _: next(later), rounds=5,
-        any_rank=lambda need: need, pad_id=0)
-    assert rounds == 2 and drawn == [3, 3]  # stopped once 3 groups varied
+        first, draw=lambda n, rows: drawn.append((n, rows)) or {},
+        roll_out=lambda _: next(later), rounds=5, any_rank=lambda need: need, pad_id=0)
+    assert rounds == 2 and drawn == [(3, {0, 1, 2})] * 2  # stopped once 3 groups varied
     assert batch["prompts"] == ["x1", "y1", "z0"]
     assert rewards.tolist() == [[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]
     assert components.tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0, 1.0]]
@@ -63,7 +63,7 @@ def test_refill_keeps_the_first_b_varied_groups_in_draw_order():
 def test_too_few_after_the_bound_fills_up_with_constant_groups():
     first = _scored("x", [[1.0, 1.0], [0.0, 1.0]], 2, 2)
     later = _scored("y", [[0.0, 0.0], [0.0, 0.0]], 2, 2)
-    (batch, _, rewards, _), rounds = refill(first, lambda n: {}, lambda _: later, rounds=1,
+    (batch, _, rewards, _), rounds = refill(first, lambda n, rows: {}, lambda _: later, rounds=1,
                                             any_rank=lambda need: need, pad_id=0)
     assert rounds == 1 and batch["prompts"] == ["x0", "x1"]  # the first constant one kept
     assert rewards.tolist() == [[1.0, 1.0], [0.0, 1.0]]
@@ -74,10 +74,10 @@ def test_a_full_rank_still_rolls_out_while_another_rank_needs_more():
     its own first groups."""
     first = _scored("x", [[0.0, 1.0], [1.0, 0.0]], 2, 2)  # full already
     calls = []
-    scored, rounds = refill(first, lambda n: {}, lambda _: calls.append(1) or first,
+    scored, rounds = refill(first, lambda n, rows: {}, lambda _: calls.append(1) or first,
                             rounds=2, any_rank=lambda need: True, pad_id=0)
     assert rounds == 2 and len(calls) == 2 and scored[0]["prompts"] == ["x0", "x1"]
-    untouched, none = refill(first, lambda n: {}, lambda _: first, rounds=2,
+    untouched, none = refill(first, lambda n, rows: {}, lambda _: first, rounds=2,
                              any_rank=lambda need: need, pad_id=0)
     assert none == 0 and untouched is first
 
@@ -105,7 +105,7 @@ def test_a_run_with_refill_resumes_exactly(cache_dir, tmp_path):
 
     whole_module, whole_data = module(), make_data(cache_dir)
     fit(whole_module, whole_data, steps=4, tmp_path=tmp_path)
-    assert whole_data._refill_drawn > 0  # some step refilled
+    assert whole_data._refill.drawn > 0  # some step refilled
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     fit(module(), make_data(cache_dir), steps=2, tmp_path=tmp_path, callbacks=[ckpt],
@@ -113,7 +113,7 @@ def test_a_run_with_refill_resumes_exactly(cache_dir, tmp_path):
     resumed_module, resumed_data = module(), make_data(cache_dir)
     fit(resumed_module, resumed_data, steps=4, tmp_path=tmp_path,
         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed_data._refill_drawn == whole_data._refill_drawn
+    assert resumed_data._refill.drawn == whole_data._refill.drawn
     for (name, a), (_, b) in zip(whole_module.policy.state_dict().items(),
                                  resumed_module.policy.state_dict().items(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
@@ -132,6 +132,22 @@ def test_the_refill_stream_is_seeded_and_saved(cache_dir):
     other = make_data(cache_dir, seed=1)
     other.setup("fit")
     assert other.refill_batch(6)["indices"] != first
+
+
+def test_the_refill_stream_leaves_out_the_steps_own_prompts(cache_dir):
+    """Without ``shuffle`` the stream's order is the batches': the first step's first round
+    re-drew its own four prompts, trained twice (a hunt: 4 of 40 steps held a prompt twice).
+    The step's rows are left out (taken only when too few are left besides them)."""
+    data = make_data(cache_dir, shuffle=False)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))["indices"]
+    again = data.refill_batch(4, set(batch))["indices"]
+    assert not set(again) & set(batch) and len(set(again)) == 4
+    assert data.state_dict()["refill_drawn"] == 8  # the four skipped are passed over
+    tiny = make_data(cache_dir, train_size=4, val_size=0, holdout_val_prompts=False)
+    tiny.setup("fit")
+    rows = tiny.train_dataset.examples
+    assert sorted(tiny.refill_batch(2, {r.index for r in rows})["indices"]) != []  # all taken
 
 
 def test_refill_without_the_datamodule_says_what_to_pass():
