@@ -3,7 +3,7 @@ a short summary when the fit ends (:class:`~maxent_grpo.training.callbacks.Reada
 prints both)::
 
     val @ step 50: pass@1 0.312  pass@4 0.562  mean@4 0.281  distinct@4 2.41  reward/mean 0.28
-    fit done: 800 steps in 0:02:25 (0.18 s/step); reward first 20 0.078, last 20 0.920;
+    fit done: 800 steps in 0:02:25 (0.18 s/step); reward first 20 rollouts 0.078, last 20 0.920;
       best val/pass@1 0.812 at step 750
       stopped by EarlyStopping: Monitored metric val/pass@1 did not improve in the last 3 ...
       logs: lightning_logs/tiny/version_0  checkpoints: lightning_logs/tiny/checkpoints
@@ -57,10 +57,10 @@ def validation_line(step: int, metrics: Mapping[str, Any]) -> str | None:
 
 
 class RewardRecord:
-    """The first 20 steps' ``reward/mean``, the last 20, and the best ``val/pass@1``."""
+    """The first 20 rollouts' ``reward/mean``, the last 20, and the best ``val/pass@1``."""
 
     def __init__(self, n: int = 20) -> None:
-        self.n = n
+        self.n, self.count = n, 0
         self.first: list[float] = []
         self.last: deque[float] = deque(maxlen=n)
         self.best: tuple[float, int] | None = None
@@ -69,6 +69,13 @@ class RewardRecord:
         if len(self.first) < self.n:
             self.first.append(reward)
         self.last.append(reward)
+        self.count += 1
+
+    def windows(self) -> tuple[list[float], list[float]]:
+        """The first and the last ``min(n, count // 2)`` rewards: two that never overlap
+        (a run of fewer than 2n rollouts compares its halves; of one, none)."""
+        k = min(self.n, self.count // 2)
+        return self.first[:k], list(self.last)[len(self.last) - k:]
 
     def add_validation(self, step: int, metrics: Mapping[str, Any]) -> None:
         value = _float(metrics.get("val/pass@1"))
@@ -90,9 +97,13 @@ def fit_summary(steps: int, seconds: float, record: RewardRecord, log_dir: str |
                                          if resumed_at else "") + f" in {wall}"
     if steps > 0:
         head += f" ({seconds / steps:.2f} s/step)"
-    if record.first:
-        head += (f"; reward first {len(record.first)} {_mean(record.first):.3f}, "
-                 f"last {len(record.last)} {_mean(record.last):.3f}")
+    first, last = record.windows()
+    if first:
+        head += (f"; reward first {len(first)} rollout{'s' * (len(first) > 1)} "
+                 f"{_mean(first):.3f}, "
+                 f"last {len(last)} {_mean(last):.3f}")
+    elif record.count:
+        head += f"; reward {record.first[0]:.3f} (one rollout)"
     lines = [head]
     if record.best is not None:
         lines.append(f"  best val/pass@1 {record.best[0]:.3f} at step {record.best[1]}"

@@ -96,7 +96,7 @@ def test_a_line_per_n_steps_with_the_step_out_of_max_steps():
         ("4", "10"), ("8", "10"), ("10", "10")]
     assert "reward(avg20) 0.500  loss 0.031  tokens/s 1234  eta 0:00:00" in progress[-1]
     assert summary[0].startswith("fit done: 10 steps in ") and summary[0].endswith(
-        "reward first 10 0.500, last 10 0.500")
+        "reward first 5 rollouts 0.500, last 5 0.500")  # halves: 10 rollouts
 
 
 def test_with_k_optimizer_steps_a_batch_a_line_comes_at_each_multiple_passed():
@@ -271,8 +271,8 @@ def test_validation_lines_and_the_end_summary_say_what_happened(cache_dir, tmp_p
     assert vals and vals[0].startswith("val @ step 2: pass@1 ")
     assert trainer.global_step == 2  # stopped at the first validation
     summary = text[text.index("fit done: 2 steps"):]
-    mean = sum(rewards.rewards) / len(rewards.rewards)
-    assert f"reward first 2 {mean:.3f}, last 2 {mean:.3f}" in summary
+    first, last = rewards.rewards
+    assert f"reward first 1 rollout {first:.3f}, last 1 {last:.3f}" in summary
     pass1 = float(trainer.callback_metrics["val/pass@1"])
     assert f"best val/pass@1 {pass1:.3f} at step 2" in summary
     assert "stopped by EarlyStopping: " in summary and "val/pass@1" in summary
@@ -326,7 +326,8 @@ def test_the_report_lines_read_as_documented():
     for step, v in ((10, 0.2), (20, 0.6), (30, 0.4)):
         record.add_validation(step, {"val/pass@1": v})
     assert fit_summary(4, 125.0, record, "logs/x", ["ckpt"]) == [
-        "fit done: 4 steps in 0:02:05 (31.25 s/step); reward first 2 0.050, last 2 0.700",
+        "fit done: 4 steps in 0:02:05 (31.25 s/step); reward first 2 rollouts 0.050, last 2 "
+        "0.700",
         "  best val/pass@1 0.600 at step 20",
         "  logs: logs/x  checkpoints: ckpt",
     ]
@@ -334,13 +335,20 @@ def test_the_report_lines_read_as_documented():
     for r in (0.0, 0.1, 0.5):
         record.add_reward(r)
     assert fit_summary(3, 3.0, record, None, [])[0] == (
-        "fit done: 3 steps in 0:00:03 (1.00 s/step); reward first 1 0.000, last 1 0.500")
+        "fit done: 3 steps in 0:00:03 (1.00 s/step); reward first 1 rollout 0.000, last 1 0.500")
+    halves = RewardRecord()  # fewer than 40 rollouts: the halves, never one window twice
+    for r in range(5):
+        halves.add_reward(float(r))
+    assert halves.windows() == ([0.0, 1.0], [3.0, 4.0])
+    one = RewardRecord()
+    one.add_reward(0.25)
+    assert fit_summary(1, 1.0, one, None, [])[0].endswith("reward 0.250 (one rollout)")
     # a resumed fit says its figures are its own (the best val/pass@1 of the run before the
     # resume, which an EarlyStopping reported, is not among them)
     record.add_validation(6, {"val/pass@1": 0.0})
     assert fit_summary(2, 2.0, record, None, [], resumed_at=4)[:2] == [
         "fit done: 2 steps after resuming at step 4 in 0:00:02 (1.00 s/step); reward first 1 "
-        "0.000, last 1 0.500", "  best val/pass@1 0.000 at step 6 (since the resume)"]
+        "rollout 0.000, last 1 0.500", "  best val/pass@1 0.000 at step 6 (since the resume)"]
 
 
 # ---------------------------------------------------------------------------- the CLI default
