@@ -136,16 +136,24 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
 
 def _default_output(path: Path, saved: dict[str, Any]) -> Path:
     """``<checkpoint folder>/../hf/<name>``, however the path is written (``mine.ckpt``,
-    ``./x/``, ``/abs/x``). The checkpoint folder is the one its ``ModelCheckpoint`` wrote
-    to, found among the path's parents by name (the run folder may have moved), so that a
-    file in the subfolder a metric in ``filename`` makes (``step=4-val/pass@1=0.125.ckpt``)
-    keeps its whole name (``hf/step=4-val-pass@1=0.125``); else the file's own folder."""
+    ``./x/``, ``/abs/x``). A file its ``ModelCheckpoint`` wrote in the subfolder a metric
+    in ``filename`` makes (``step=4-val/pass@1=0.125.ckpt``, as the saver recorded it
+    relative to its ``dirpath``) keeps its whole name (``hf/step=4-val-pass@1=0.125``) beside
+    the saver's folder, wherever the run folder moved; else the file's own folder."""
     path = path.absolute()
-    savers = {Path(state["dirpath"]).name for key, state in (saved.get("callbacks") or {}).items()
-              if str(key).startswith("ModelCheckpoint") and isinstance(state, dict)
-              and state.get("dirpath")}
-    folder = next((f for f in path.parents if f.name in savers), path.parent)
-    return folder.parent / "hf" / "-".join(path.relative_to(folder).with_suffix("").parts)
+    for state in (saved.get("callbacks") or {}).values():
+        if not isinstance(state, dict) or not state.get("dirpath"):
+            continue
+        recorded = [state.get("last_model_path"), state.get("best_model_path"),
+                    *(state.get("best_k_models") or {})]
+        for file in filter(None, recorded):
+            try:
+                parts = Path(file).relative_to(state["dirpath"]).with_suffix("").parts
+            except ValueError:
+                continue
+            if len(parts) > 1 and Path(*parts).parts == path.with_suffix("").parts[-len(parts):]:
+                return path.parents[len(parts) - 1].parent / "hf" / "-".join(parts)
+    return path.parent.parent / "hf" / path.stem
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:

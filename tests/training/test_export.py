@@ -159,11 +159,15 @@ def test_a_checkpoint_in_a_metric_subfolder_keeps_its_whole_name(full_run, tmp_p
     output was ``checkpoints/hf/pass@1=0.5`` (the step lost: two checkpoints of one score
     collided). The saver's folder is found by the name the checkpoint records."""
     ckpt, _ = full_run
-    copy = tmp_path / "moved" / "checkpoints" / "step=4-val" / "pass@1=0.5.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    (state,) = (v for v in saved["callbacks"].values() if "dirpath" in v)
+    state["last_model_path"] = str(Path(state["dirpath"]) / "step=4-val" / "pass@1=0.5.ckpt")
+    copy = tmp_path / "mnt" / "checkpoints" / "moved" / "step=4-val" / "pass@1=0.5.ckpt"
     copy.parent.mkdir(parents=True)
-    shutil.copy(ckpt, copy)
+    torch.save(saved, copy)
     assert main([str(copy)]) == 0
-    assert (tmp_path / "moved" / "hf" / "step=4-val-pass@1=0.5" / "model.safetensors").is_file()
+    got = tmp_path / "mnt" / "checkpoints" / "hf" / "step=4-val-pass@1=0.5"
+    assert (got / "model.safetensors").is_file()  # beside the saver's folder, wherever it is
 
 
 def test_the_command_exports_an_fsdp2_checkpoint_folder(full_run, tmp_path):
