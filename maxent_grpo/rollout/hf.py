@@ -16,25 +16,24 @@ continues from it: prefill work falls from ``B*G*P`` to ``B*(P-1) + B*G`` tokens
 same random draws. Caches that cannot be repeated, models not a ``PreTrainedModel`` (a
 ``peft`` one wrapping one is), one-token prompts and G = 1 use the plain path.
 
-Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode
-step has the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps
-the shapes few, in the turns of a multi-turn rollout too; padding is masked). On the CPU
-samples match the dynamic cache's to rounding.
-Under mixed precision (``bf16-mixed``: autocast over float32 embeddings) keys come out in
-float32 and values in bfloat16, which the static cache of some transformers versions (5.17,
-not 5.24: :func:`static_cache_holds_two_dtypes`) cannot hold (``index_copy_`` dtype error, seen
-on an H200): with those, a static-cache engine with ``generation_dtype: model`` generates on a
+Static cache (``cache="static"``): preallocated for ``P + T_max`` tokens, so every decode step has
+the same shapes and, on CUDA, is compiled once per shape (``prompt_bucket`` keeps the shapes few,
+in the turns of a multi-turn rollout too; padding is masked). On the CPU samples match the dynamic
+cache's to rounding. Under mixed precision (``bf16-mixed``: autocast over float32 embeddings) keys
+come out in float32 and values in bfloat16, which the static cache of some transformers versions
+(5.17, not 5.24: :func:`static_cache_holds_two_dtypes`) cannot hold (``index_copy_`` dtype error,
+seen on an H200): with those, a static-cache engine with ``generation_dtype: model`` generates on a
 copy in the autocast dtype (as ``bfloat16`` would; a warning says so once), except for sharded
 parameters, which cannot be copied.
 
-Generation copy (``generation_dtype`` ``"bfloat16"`` / ``"float16"``): generate, autocast off,
-on a copy in that dtype (:mod:`maxent_grpo.rollout.generation_copy`; 2 bytes per parameter),
-refreshed at every rollout (:attr:`HFGenerateEngine.refresh_seconds`, in
-``generate_seconds``); a model already in that dtype generates as is. Refused (ValueError)
-for sharded parameters (FSDP2, ZeRO-3) or a model neither ``PreTrainedModel`` nor ``peft``.
-A sampled rollout from a copy reports the copy's log-probs of its tokens
-(``sampler_logps``, :mod:`~maxent_grpo.rollout.sampled_logps`), so the trainer can measure
-and correct the gap (``model.sampler_correction``); from the model itself it reports none.
+Generation copy (``generation_dtype`` ``"bfloat16"`` / ``"float16"``): generate, autocast off, on a
+copy in that dtype (:mod:`maxent_grpo.rollout.generation_copy`; 2 bytes per parameter), refreshed
+at every rollout (:attr:`HFGenerateEngine.refresh_seconds`, in ``generate_seconds``); a model
+already in that dtype generates as is. Refused (ValueError) for sharded parameters (FSDP2, ZeRO-3)
+or a model neither ``PreTrainedModel`` nor ``peft``. A sampled rollout from a copy reports the
+copy's log-probs of its tokens (``sampler_logps``, :mod:`~maxent_grpo.rollout.sampled_logps`), so
+the trainer can measure and correct the gap (``model.sampler_correction``); from the model itself
+it reports none.
 
 Wrapped models: ``model`` must have ``.generate`` (a ``PreTrainedModel``, also FSDP2
 ``fully_shard``-ed; for DDP pass ``ddp.module``). Sharded parameters
@@ -246,7 +245,8 @@ class HFGenerateEngine:
         if generation_dtype != "model":
             check_copyable(model)
         self.generation_dtype = generation_dtype
-        self.refresh_seconds = 0.0  # the last call's refresh of the generation copy
+        # the last refresh of the generation copy; whether it holds the weights (no sync since)
+        self.refresh_seconds, self._copy_current = 0.0, False
         self._warned_autocast = False
         self._two_dtypes: bool | None = None  # static_cache_holds_two_dtypes(), when needed
         self.cache = cache
@@ -258,7 +258,8 @@ class HFGenerateEngine:
         self.stop_token_ids = stop_ids("HFGenerateEngine", model, tokenizer, stop_token_ids)
 
     def sync(self, model: nn.Module) -> None:
-        """Nothing to do: the engine samples from the model itself."""
+        """Samples come from the model itself; a generation copy is refreshed next call."""
+        self._copy_current = False
 
     @property
     def collective(self) -> bool:
@@ -350,17 +351,18 @@ class HFGenerateEngine:
                           refresh: bool = True) -> tuple[nn.Module, Any]:
         """The module to generate with and its autocast context: the model as is, or the
         generation copy (the model when already in that dtype) with autocast off, refreshed
-        unless ``refresh`` is False (:func:`generation_copy`)."""
-        self.refresh_seconds = 0.0
+        unless ``refresh`` is False and no ``sync`` came since (:func:`generation_copy`)."""
+        refresh = refresh or not self._copy_current
         name = self.generation_dtype
         if name == "model" and self.cache == "static":
             name = self._autocast_copy(device)
         if name == "model":
             return self.model, contextlib.nullcontext()
-        dtype = DTYPES[name]
-        model = self.model
+        dtype, model = DTYPES[name], self.model
         if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
-            model, self.refresh_seconds = generation_copy(model, dtype, refresh)
+            model, seconds = generation_copy(model, dtype, refresh)
+            self.refresh_seconds, self._copy_current = seconds if refresh else \
+                self.refresh_seconds, True
         return model, torch.autocast(device.type, enabled=False)
 
     def _autocast_copy(self, device: torch.device) -> str:

@@ -311,9 +311,17 @@ def test_a_rollouts_later_turns_reuse_the_copy_its_first_turn_refreshed(tiny) ->
         for p in model.parameters():
             p.add_(1.0)
     sequences = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts(tokenizer)]
+    refreshed = eng.refresh_seconds  # the rollout's refresh, kept through its turns
     eng.continue_ids(sequences, [3] * 3, eng.sampling)
-    assert copy_of(model) is twin and eng.refresh_seconds == 0.0
+    assert copy_of(model) is twin and eng.refresh_seconds == refreshed
     assert all(torch.equal(a, b) for a, b in zip(before, twin.parameters(), strict=True))
     sample(eng, tokenizer)  # the next rollout's first turn
+    assert all(torch.equal(c, p.to(torch.bfloat16))
+               for c, p in zip(twin.parameters(), model.parameters(), strict=True))
+    with torch.no_grad():  # weights changed and the engine told (sync): a turn refreshes
+        for p in model.parameters():
+            p.add_(1.0)
+    eng.sync(model)
+    eng.continue_ids(sequences, [3] * 3, eng.sampling)
     assert all(torch.equal(c, p.to(torch.bfloat16))
                for c, p in zip(twin.parameters(), model.parameters(), strict=True))
