@@ -16,6 +16,7 @@ import os
 import posixpath
 import re
 import socket
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -104,14 +105,21 @@ def keep_first_values(logger: Any) -> None:
     logger.log_hyperparams = log_hyperparams
 
 
+#: what names a run (or draws its seed afresh) rather than trains it: not compared
+RUN_NAMING = ("ckpt_path", "weights_only", "seed_everything")
+
+
 def keep_earlier(path: str, earlier: bytes | None) -> None:
-    """A fit that continues a version under changed options (``--ckpt_path`` aside, which
-    every resume names) keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
+    """A fit that continues a version under changed options (aside from :data:`RUN_NAMING`
+    and ``trainer.logger``, which a resume may name anew: the checkpoint restores the
+    random state) keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
     (``-2``, ... the first free name): the file holds this fit's options."""
     def options(text: bytes) -> Any:
         config = yaml.safe_load(text) or {}
-        return {k: v for k, v in config.items() if k != "ckpt_path"} if isinstance(
-            config, dict) else config
+        if not isinstance(config, dict):
+            return config
+        trainer = {k: v for k, v in (config.get("trainer") or {}).items() if k != "logger"}
+        return {**{k: v for k, v in config.items() if k not in RUN_NAMING}, "trainer": trainer}
 
     with open(path, "rb") as file:
         if earlier is None or options(earlier) == options(file.read()):
@@ -163,7 +171,7 @@ class SaveRunConfig(SaveConfigCallback):
             if os.path.abspath(path) not in written:
                 written.add(os.path.abspath(path))
                 os.makedirs(where, exist_ok=True)
-                earlier = None if kept or not os.path.isfile(path) else open(path, "rb").read()
+                earlier = None if kept or not os.path.isfile(path) else Path(path).read_bytes()
                 self.parser.save(self.config, path, skip_unset=False, overwrite=True,
                                  multifile=self.multifile)
                 keep_earlier(path, earlier)

@@ -183,3 +183,27 @@ def test_mlflow_parameter_names_and_a_tracking_servers_refusal(tmp_path, monkeyp
         logger.log_hyperparams({"rewards": {"model:/models/rm/": 5.0, "new": 1}})
     params = logger.experiment.get_run(logger.run_id).data.params
     assert params["rewards/model:/models/rm"] == "1.0" and params["rewards/new"] == "1"
+
+
+def test_a_resume_keeps_the_earlier_config_only_when_it_trains_otherwise(tmp_path):
+    """``seed_everything: true`` draws a new seed into every run's config, and a resume may
+    name its logger's run or ``weights_only``: none of them is a changed option (the
+    checkpoint restores the random state), so no ``config-1.yaml`` for them."""
+    from maxent_grpo.training.run.folders import keep_earlier
+
+    path = tmp_path / "config.yaml"
+
+    def resume(before: dict, after: dict) -> list[str]:
+        path.write_text(yaml.safe_dump(after))
+        keep_earlier(str(path), yaml.safe_dump(before).encode())
+        return sorted(p.name for p in tmp_path.glob("config-*.yaml"))
+
+    first = {"seed_everything": 123, "ckpt_path": None, "model": {"temperature": 1.0},
+             "trainer": {"max_steps": 10, "logger": {"class_path": "CSVLogger"}}}
+    same = {**first, "seed_everything": 77, "ckpt_path": "last", "weights_only": False,
+            "trainer": {"max_steps": 10, "logger": {"init_args": {"version": 0}}}}
+    assert resume(first, same) == []
+    assert resume(first, {**same, "trainer": {"max_steps": 20}}) == ["config-1.yaml"]
+    assert yaml.safe_load((tmp_path / "config-1.yaml").read_text()) == first
+    assert resume(first, {**same, "model": {"temperature": 0.9}}) == ["config-1.yaml",
+                                                                         "config-2.yaml"]
