@@ -296,6 +296,7 @@ class PromptDataModule(pl.LightningDataModule):
                 self._train_counts, task=self.task, train_size=self.train_size,
                 val_size=self.val_size, batch_size=self.batch_size,
                 max_prompt_length=self.max_prompt_length, world=world,
+                val_files=self.val_files is not None,
             ))
             if self.trainer is not None:
                 self._consumed = 0

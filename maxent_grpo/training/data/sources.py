@@ -207,6 +207,9 @@ def val_file_rows(val_files: str | list[str], cache_dir: str | None,
     """The validation rows of ``data.val_files`` (with any training source), warned about
     when some of them are ``train_files``' (the training files' parts)."""
     rows, parts = read_files("data.val_files", val_files, cache_dir)
+    if train_files is None:
+        log.info("data.val_files %r: %d validation rows, in place of the source's own",
+                 val_files, len(rows))
     shared = set(train_files.paths) & set(parts.paths) if train_files is not None else set()
     if shared:  # allowed (a check of what was learnt), but mostly a pattern that went wide
         log.warning("data.val_files file %r is in data.data_files too: the validation scores "
@@ -313,7 +316,7 @@ def _too_few_rows(
 
 def too_few_train_prompts(
     counts: dict[str, int], *, task: str | None, train_size: int, val_size: int,
-    batch_size: int, max_prompt_length: int | None, world: int = 1,
+    batch_size: int, max_prompt_length: int | None, world: int = 1, val_files: bool = False,
 ) -> str:
     """Why the training prompts are fewer than ``batch_size`` (each of ``world`` processes
     draws ``batch_size`` of its share), and the flags that fix it, from ``counts`` of where
@@ -329,7 +332,8 @@ def too_few_train_prompts(
             why.append(f"{counts['heldout']} of them repeat a validation prompt "
                        "(data.holdout_val_prompts)")
             fixes += ["set --data.holdout_val_prompts false",
-                      f"lower --data.val_size (now {val_size})"]
+                      "give other data.val_files" if val_files
+                      else f"lower --data.val_size (now {val_size})"]
         if not counts["heldout"] and not counts["long"]:
             fixes.append(f"set --data.train_size {batch_size} or more")
         elif kept:

@@ -613,6 +613,11 @@ def test_val_files_are_the_validation_rows_whatever_the_training_source(tmp_path
     dm.set_tokenizer(CharTokenizer())
     dm.setup("predict")
     assert len(dm.val_dataset) == 2
+    every = write(tmp_path / "every.jsonl", [dict(r) for r in train])  # holds out them all
+    with pytest.raises(ValueError, match="repeat a validation prompt.*give other "
+                                         "data.val_files"):  # not "lower --data.val_size"
+        make(task="arithmetic", val_files=every, train_size=8, batch_size=2,
+             max_prompt_length=None)
     with pytest.raises(FileNotFoundError, match="data.val_files"):
         PromptDataModule(task="arithmetic", val_files=str(tmp_path / "gone.jsonl"))
     with pytest.raises(ValueError, match="both name the validation rows"):
