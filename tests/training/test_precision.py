@@ -154,5 +154,13 @@ def test_a_learning_rate_that_bfloat16_weights_round_away_is_warned(cache_dir):
     assert share is not None and share > 0.9
     # SGD's step lr |g| cannot be known before a gradient: it went without a word (4 steps at
     # lr 0.01 in bf16-true moved 1.3% of the weights, a hunt measured)
-    with pytest.warns(UserWarning, match=r"SGD over bfloat16/float16 weights"):
-        assert warn_rounded_updates(torch.optim.SGD(module.policy.parameters(), lr=0.01)) is None
+    groups = [{"params": [p]} for p in module.policy.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert warn_rounded_updates(torch.optim.SGD(groups, lr=0.01)) is None
+    assert sum("SGD over bfloat16/float16 weights" in str(w.message) for w in caught) == 1
+    compensated = torch.optim.SGD(module.policy.parameters(), lr=0.01)
+    compensated.param_groups[0]["kahan_sum"] = True  # as optimi's SGD(kahan_sum=True) keeps
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_rounded_updates(compensated)

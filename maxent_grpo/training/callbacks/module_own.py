@@ -326,7 +326,7 @@ class CompletionWriter(L.Callback):
         at_k = "  ".join(f"{k.removeprefix('predict/')} {v:.3g}"
                          for k, v in self.metrics.items() if "@" in k and k.count("/") == 1)
         rank_zero_info(f"predict: {len(rows)} completions of {prompts} prompts written to "
-                       f"{self.path}\n  {at_k}")
+                       f"{self.path}" + (f"\n  {at_k}" if at_k else ""))
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:

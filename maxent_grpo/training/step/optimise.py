@@ -282,17 +282,13 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
     from lightning.pytorch.utilities import rank_zero_warn
 
     changed = total = 0.0
-    rates = set()
+    rates, unmeasured = set(), False
     with torch.no_grad():
         for group in optimizer.param_groups:
             low = [p for p in group["params"] if p.requires_grad
                    and p.dtype in (torch.bfloat16, torch.float16)]
-            if low and "eps" not in group:
-                rank_zero_warn(
-                    f"{type(optimizer).__name__} over bfloat16/float16 weights: a step smaller "
-                    "than half a weight's spacing (|w| 2^-9 in bfloat16) rounds back to the old "
-                    "value, and steps of lr x gradient mostly are; train float32 weights "
-                    "(model.dtype: float32) under trainer.precision bf16-mixed")
+            compensated = group.get("kahan_sum") or group.get("bf16_stochastic_round")
+            unmeasured |= bool(low) and "eps" not in group and not compensated
             if "eps" not in group or not low or group.get("lr") is None:
                 continue
             lr = float(group.get("initial_lr", group["lr"]))
@@ -304,6 +300,13 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
                 if sample.numel():
                     changed += w.numel() * float(((sample + lr) != sample).float().mean())
                     total += w.numel()
+    if unmeasured:  # once per optimizer
+        rank_zero_warn(
+            f"{type(optimizer).__name__} over bfloat16/float16 weights: a step smaller than "
+            "half a weight's spacing (|w| 2^-9 in bfloat16) rounds back to the old value, "
+            "and this optimizer's steps (lr x gradient, for SGD) cannot be checked before a "
+            "gradient; train float32 weights (model.dtype: float32) under trainer.precision "
+            "bf16-mixed")
     if total == 0:
         return None
     moved = changed / total
