@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from maxent_grpo.validation import require
 
@@ -54,7 +55,16 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
     """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
     optimisation would honour and this module's own optimizer step cannot: Lightning's
     message ("switch to automatic optimization") names nothing a user of this trainer can
-    do. Checked when a ``fit`` attaches the module, before Lightning's own check."""
+    do; and on a strategy that spawns its processes (``ddp_spawn``, ``ddp_notebook``), which
+    hands each a pickled copy of the module and returns only its weights (not the step
+    counters, controllers and objective state a fit moves). Checked when a ``fit`` attaches
+    the module (in each spawned process), before Lightning's own check."""
+    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+    require(not isinstance(launcher, _MultiProcessingLauncher),
+            f"trainer.strategy {type(trainer.strategy).__name__} with start method "
+            f"{getattr(launcher, '_start_method', '?')!r} runs each process on a copy of the "
+            "module and sends back only its weights: use strategy ddp (Lightning starts the "
+            "processes itself, or run under torchrun)")
     clip = getattr(trainer, "gradient_clip_val", None)
     require(clip is None or not clip > 0,
             f"Trainer(gradient_clip_val={clip}): this trainer clips in its own optimizer "

@@ -101,6 +101,13 @@ class Scorer:
         # (not wanted): decided once per model
         self._heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict[str, object]:
+        """Picklable (``torch.save(module)``, a process pool): the per-model cache left out."""
+        return {**self.__dict__, "_heads": None}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state, _heads=weakref.WeakKeyDictionary())
+
     def _head(
         self, model: nn.Module, input_ids: Tensor, attention: Tensor, positions: Tensor,
         T: int, required: bool,

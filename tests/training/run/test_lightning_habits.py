@@ -151,3 +151,27 @@ def test_no_logger_and_no_root_dir_write_nothing_in_the_working_folder(
 
     trainer = run(callbacks=[ModelCheckpoint(save_last=True)])
     assert len(trainer.checkpoint_callbacks) == 1 and os.listdir(work) == ["checkpoints"]
+
+
+def test_a_spawning_strategy_is_refused_and_the_module_pickles(cache_dir):
+    """``strategy="ddp_spawn"`` died in the launcher on a pickling error (the scorer's weak
+    cache); each spawned process would train a copy whose counters, controllers and
+    objective state are lost (only weights come back). The module pickles now (for
+    ``torch.save(module)`` before a fit), and the strategy is refused by name."""
+    import functools
+    import pickle
+
+    import lightning as L
+    import torch
+
+    from maxent_grpo.training.step.strategy import check_trainer_flags
+
+    module = make_module(cache_dir, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    copy = pickle.loads(pickle.dumps(module))
+    assert copy.scorer.temperature == module.scorer.temperature
+    for strategy in ("ddp_spawn", "ddp_notebook"):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        with pytest.raises(ValueError, match="runs each process on a copy of the module.*use "
+                                             "strategy ddp"):
+            check_trainer_flags(trainer, 1.0)
+    check_trainer_flags(L.Trainer(accelerator="cpu", devices=2, strategy="ddp"), 1.0)
