@@ -38,7 +38,8 @@ from maxent_grpo.rollout.batch import RolloutOutput, SamplingSettings, ToolUsage
 from maxent_grpo.validation import require
 
 __all__ = ["Continuation", "ContinuableEngine", "EngineFactory", "RolloutEngine",
-           "RolloutOutput", "SamplingSettings", "ToolUsage", "check_request", "stop_ids"]
+           "RolloutOutput", "SamplingSettings", "ToolUsage", "check_built_engine",
+           "check_request", "stop_ids"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,18 @@ def check_engine_factory(engine: object, asynchronous: bool = False) -> None:
     require(not (asynchronous and inspect.isclass(engine)
                  and not getattr(engine, "generates_elsewhere", False)),
             staleness_needs_a_server(getattr(engine, "__name__", "")))
+
+
+def check_built_engine(engine: Any) -> Any:
+    """``engine`` (what ``model.engine`` built), refused (ValueError) unless it has a
+    ``generate`` and a ``sync`` (:class:`RolloutEngine`): one without ``sync`` trained a
+    step, then stopped on an AttributeError."""
+    lacks = [name for name in ("generate", "sync") if not callable(getattr(engine, name, None))]
+    require(not lacks, f"model.engine built a {type(engine).__name__}, which has no "
+            f"{' and no '.join(lacks)}: a rollout engine has generate(prompts, answers, "
+            "num_generations, sampling=None) and sync(model), which takes the policy's new "
+            "weights (a no-op for an engine that samples from the model itself)")
+    return engine
 
 
 def staleness_needs_a_server(name: str) -> str:

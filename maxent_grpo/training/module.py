@@ -37,7 +37,7 @@ from maxent_grpo.adapters import PeftConfig
 from maxent_grpo.objectives import GRPO, Objective, check_objective
 from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rollout import EngineFactory, HFGenerateEngine, RolloutEngine
-from maxent_grpo.rollout.protocol import check_engine_factory
+from maxent_grpo.rollout.protocol import check_built_engine, check_engine_factory
 from maxent_grpo.training.callbacks.module_own import CleanUp, CompletionWriter, ModuleHooks
 from maxent_grpo.training.callbacks.progress import LIGHTNING_DEFAULT_BAR, ReadableProgressBar
 from maxent_grpo.training.data.sampler import unfinished_batches
@@ -323,7 +323,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         (``engine.sync(policy)``) after the policy's weights changed (a step, a checkpoint)."""
         if self._engine is None:
             gen = self.loop.generation
-            self._engine = self.engine_factory(self.policy, self.tokenizer, gen.sampling)
+            self._engine = check_built_engine(self.engine_factory(self.policy, self.tokenizer,
+                                                                  gen.sampling))
             if gen.tools is not None:  # multi-turn rollouts (model.tools / environment)
                 self._engine = gen.tools.engine(self._engine, self.tokenizer, gen.sampling)
             self._engine_version = self._weights_version
@@ -393,8 +394,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     trainer = property(L.LightningModule.trainer.fget, _attach)
 
     def setup(self, stage: str) -> None:
-        """Check the strategy (:func:`~maxent_grpo.training.step.strategy.check_strategy`)
-        and, for a fit, that an asynchronous run's engine generates elsewhere."""
+        """Check the strategy, and an asynchronous fit's engine (it must generate elsewhere)."""
         check_strategy(self.trainer.strategy, self.loop.optimization.schedule.gradient_clip_val,
                        self.scorer.batching if stage == "fit" else None)
         check_engine_factory(self.engine_factory, self.pipeline and stage == "fit")

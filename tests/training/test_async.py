@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from maxent_grpo.rollout import SamplingSettings
+from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
 from maxent_grpo.rollout.hf import encode_prompts
 from maxent_grpo.rollout.vllm_engine import assemble_rollout, request_seed_base
 from tests.conftest import fit, make_data, make_module, params
@@ -126,7 +126,6 @@ def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
     """An engine class that samples here is refused when the module is built (the colocated
     vLLM engine was refused at the first step, after vLLM had started); a factory's engine
     when it is built."""
-    from maxent_grpo.rollout import HFGenerateEngine
 
     module = make_module(cache_dir, max_staleness=1, sampler_correction="token_tis")
     with pytest.raises(ValueError, match="HFGenerateEngine samples here"):
@@ -437,3 +436,21 @@ def test_after_a_failure_every_rank_keeps_as_many_rollouts(monkeypatch, caplog):
     assert checkpoint["maxent_grpo_rollouts_dropped"] == [1, 1]
     assert "lacks 1 rollout(s)" in caplog.text  # rank 0's finished one is dropped too
 
+
+
+class NoSync:
+    """An engine written without ``sync``."""
+
+    def __init__(self, model, tokenizer, sampling) -> None:
+        self.inner = HFGenerateEngine(model, tokenizer, sampling)
+
+    def generate(self, prompts, answers, num_generations, sampling=None):
+        return self.inner.generate(prompts, answers, num_generations, sampling)
+
+
+def test_an_engine_without_sync_is_refused_when_built(cache_dir):
+    """It trained a whole step, then stopped on ``AttributeError: ... 'sync'`` (a hunt)."""
+    module = make_module(cache_dir, engine=NoSync)
+    with pytest.raises(ValueError, match="model.engine built a NoSync, which has no sync"):
+        fit(module, make_data(cache_dir), steps=2)
+    assert module.global_step == 0
