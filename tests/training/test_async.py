@@ -123,10 +123,9 @@ def test_a_resumed_asynchronous_run_continues_exactly(cache_dir, tmp_path):
 
 
 def test_refused_without_an_engine_elsewhere_or_a_correction(cache_dir):
-    """An engine class that samples here is refused when the module is built (the colocated
-    vLLM engine was refused at the first step, after vLLM had started); a factory's engine
-    when it is built."""
-
+    """An engine class that samples here is refused when a fit sets up, before any model
+    loads (the colocated vLLM engine was refused at the first step, after vLLM had started);
+    a factory's engine when it is built; evaluation, which has no pipeline, on any engine."""
     module = make_module(cache_dir, max_staleness=1, sampler_correction="token_tis")
     with pytest.raises(ValueError, match="HFGenerateEngine samples here"):
         fit(module, make_data(cache_dir), steps=1)
