@@ -66,8 +66,10 @@ def parse_reward_options(rewards: Mapping[str, Any]) -> list[RewardOptions]:
     >>> [o.weight for o in parse_reward_options({"format": 0.5, "accuracy": {"weight": 2}})]
     [0.5, 2.0]
     """
-    require(isinstance(rewards, Mapping),
-            f"model.rewards must map reward names to weights or options; got {rewards!r}")
+    example = (f" (e.g. {{{', '.join(f'{n!r}: 1.0' for n in rewards)}}})"
+               if isinstance(rewards, (list, tuple)) and rewards else "")
+    require(isinstance(rewards, Mapping), "model.rewards must map reward names to weights or "
+            f"options; got {rewards!r}{example}")
     require(len(rewards) > 0, "model.rewards must name at least one reward function")
     options = [_entry(name, value) for name, value in rewards.items()]
     require(any(o.weight != 0 for o in options),
@@ -78,7 +80,10 @@ def parse_reward_options(rewards: Mapping[str, Any]) -> list[RewardOptions]:
 
 def _entry(name: Any, value: Any) -> RewardOptions:
     require(isinstance(name, str) and name.strip() != "",
-            f"model.rewards keys must be non-empty reward names; got {name!r}")
+            f"model.rewards keys must be non-empty reward names; got {name!r}" + (
+                f" (a function is named by its import path, 'package.module:{name.__name__}'"
+                f", or '__main__:{name.__name__}' in a script)" if callable(name)
+                and hasattr(name, "__name__") else ""))
     where = f"model.rewards.{name}"
     model = None
     if name.startswith(MODEL_PREFIX):

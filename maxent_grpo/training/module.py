@@ -211,7 +211,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         check_engine_factory(engine)
         check_staleness(max_staleness, sampler_correction, environment, objective)
         self.rewards = WeightedRewards(  # reward models run on the step's device
-            {"accuracy": 1.0} if rewards is None else dict(rewards), max_completion_length)
+            {"accuracy": 1.0} if rewards is None else rewards, max_completion_length)
         self.loop = build_loop_settings(options, self.rewards.names)
         objective.check_group_size(self.loop.generation.num_generations)
         # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);

@@ -111,6 +111,10 @@ def test_weights_and_option_mappings_mix():
     ({"nope": 1.0}, r"model\.rewards: .*'nope'"),
     # trained without a word, every reward 0 and every loss 0
     ({"format": 0.0, "accuracy": {"weight": 0}}, r"model\.rewards: every weight is 0"),
+    # TRL's list of reward functions, and a function object as a key (a hunt: the first
+    # raised "dictionary update sequence element #0 has length 6; 2 is required")
+    (["format"], r"must map reward names to weights .* \(e\.g\. \{'format': 1\.0\}\)"),
+    ({len: 1.0}, r"a function is named by its import path.*'__main__:len'"),
 ])
 def test_bad_options_name_the_option(rewards, match):
     with pytest.raises(ValueError, match=match):
