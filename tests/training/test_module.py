@@ -335,7 +335,7 @@ def test_checkpoint_restores_objective_state_counters_and_random_state(cache_dir
     [
         ({"model_name_or_path": "builtin:smollm2-135m-instruct"}, "model.model_name_or_path"),
         ({"objective": GRPO()}, "model.objective ListwiseMaxEnt, but this run has GRPO; use the "
-                                "config the fit ran with"),  # not fitting: no "resume"
+                                r"config the fit ran with \(in Python: objective=ListwiseMaxEnt"),
     ],
 )
 def test_a_checkpoint_of_another_config_is_refused(cache_dir, kw, match):

@@ -272,7 +272,9 @@ def load_state(
     require(saved["objective_class"] == name,
             f"the checkpoint was made with model.objective {saved['objective_class']}, "
             f"but this run has {name}; " + ("resume with the same objective class_path"
-                                           if fitting else "use the config the fit ran with"))
+                                           if fitting else "use the config the fit ran with")
+            + f" (in Python: objective={saved['objective_class']}(...), which "
+            "load_from_checkpoint also takes)")
     if "peft" in saved:  # checkpoints from before the record have none
         _check_adapters(saved["peft"], peft_record(peft))
     before, now = saved.get("controllers") or {}, _controllers(loop)
