@@ -410,8 +410,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         ``predict`` gets a :class:`CompletionWriter` unless the trainer has one."""
         callbacks = self.trainer.callbacks
         bars = [c for c in callbacks if type(c) is LIGHTNING_DEFAULT_BAR]
-        callbacks[:] = [ModuleHooks(), *(c for c in callbacks if c not in bars
-                                         and not isinstance(c, ModuleHooks))]
+        callbacks[:] = [ModuleHooks(), *(c for c in callbacks if c not in bars  # an earlier
+                                         and not isinstance(c, (ModuleHooks, CleanUp)))]  # run's
         writer = not any(isinstance(c, CompletionWriter) for c in callbacks)
         return [CleanUp(), *([ReadableProgressBar()] if bars else []),
                 *([CompletionWriter()] if writer and self.trainer.predicting else [])]

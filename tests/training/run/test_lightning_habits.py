@@ -175,3 +175,19 @@ def test_a_spawning_strategy_is_refused_and_the_module_pickles(cache_dir):
                                              "strategy ddp"):
             check_trainer_flags(trainer, 1.0)
     check_trainer_flags(L.Trainer(accelerator="cpu", devices=2, strategy="ddp"), 1.0)
+
+
+def test_a_second_run_on_a_trainer_says_nothing_about_the_modules_callbacks(cache_dir, caplog):
+    """Every second fit, validate, test or predict on one Trainer printed Lightning's
+    "callbacks returned in `configure_callbacks` will override existing callbacks passed to
+    Trainer: CleanUp", about the module's own callback of the run before (a hunt)."""
+    import lightning as L
+
+    module, data = make_module(cache_dir), make_data(cache_dir)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1)
+    with caplog.at_level("INFO"):
+        trainer.validate(module, data, verbose=False)
+        trainer.validate(module, data, verbose=False)
+    assert "will override existing callbacks" not in caplog.text
+    assert sum(type(c).__name__ == "CleanUp" for c in trainer.callbacks) == 1
