@@ -352,6 +352,7 @@ class HFGenerateEngine:
         """The module to generate with and its autocast context: the model as is, or the
         generation copy (the model when already in that dtype) with autocast off, refreshed
         unless ``refresh`` is False and no ``sync`` came since (:func:`generation_copy`)."""
+        self.refresh_seconds = 0.0 if refresh else self.refresh_seconds  # this rollout's
         refresh = refresh or not self._copy_current
         name = self.generation_dtype
         if name == "model" and self.cache == "static":
@@ -361,8 +362,7 @@ class HFGenerateEngine:
         dtype, model = DTYPES[name], self.model
         if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
             model, seconds = generation_copy(model, dtype, refresh)
-            self.refresh_seconds, self._copy_current = seconds if refresh else \
-                self.refresh_seconds, True
+            self.refresh_seconds, self._copy_current = self.refresh_seconds + seconds, True
         return model, torch.autocast(device.type, enabled=False)
 
     def _autocast_copy(self, device: torch.device) -> str:
