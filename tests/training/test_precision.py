@@ -164,3 +164,14 @@ def test_a_learning_rate_that_bfloat16_weights_round_away_is_warned(cache_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_rounded_updates(compensated)
+
+
+def test_a_module_cast_before_its_policy_loads_is_warned_of(cache_dir):
+    """``module.half()`` before a fit reached no weights (the policy loads later, in
+    ``configure_model``): the run trained float32 while ``module.dtype`` said float16."""
+    module = make_module(cache_dir)
+    module.half()
+    with pytest.warns(UserWarning, match=r"cast to torch.float16 before its policy loaded .* "
+                                         r"set model.dtype or trainer.precision"):
+        module.configure_model()
+    assert module.policy.dtype == torch.float32

@@ -52,6 +52,11 @@ class PolicyModels:
         them disabled (nothing more is loaded or sharded)."""
         if self.policy is not None:
             return
+        if self.dtype not in (torch.float32, torch.get_default_dtype()):  # not a -true's
+            rank_zero_warn(f"the module was cast to {self.dtype} before its policy loaded "
+                           "(module.half() or .to(dtype) before a fit reaches no weights): "
+                           f"the policy loads as model.dtype says ({self.source.dtype}); set "
+                           "model.dtype or trainer.precision (bf16-true) instead")
         src = self.source
         self.tokenizer = load_tokenizer(src.name_or_path, cache_dir=src.cache_dir)
         self.policy = load_policy(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir,
