@@ -155,7 +155,9 @@ class MaxEntGRPOCLI(LightningCLI):
         return config.get(str(self.subcommand), config) if self.subcommand else config
 
     def _checkpoint_dirpaths(self) -> list[str]:
-        """The ``dirpath`` of every checkpoint callback in the parsed ``trainer.callbacks``."""
+        """The ``dirpath`` of every checkpoint callback in the parsed ``trainer.callbacks``,
+        ``~`` expanded as ``ModelCheckpoint`` expands it (else ``--ckpt_path last`` found
+        nothing there and the resume skipped every check)."""
         from lightning.pytorch.callbacks import Checkpoint
 
         callbacks = self._subconfig(self.config).get("trainer.callbacks") or []
@@ -164,7 +166,7 @@ class MaxEntGRPOCLI(LightningCLI):
             cls = errors.import_class(cb.get("class_path")) if hasattr(cb, "get") else None
             dirpath = cb.get("init_args.dirpath") if cls else None
             if cls and issubclass(cls, Checkpoint) and dirpath:
-                dirpaths.append(str(dirpath))
+                dirpaths.append(os.path.expanduser(str(dirpath)))
         return dirpaths
 
     def before_instantiate_classes(self) -> None:

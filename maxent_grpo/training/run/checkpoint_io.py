@@ -290,6 +290,8 @@ def resolve_checkpoint(
     usable, else ValueError naming the newest usable one in its folder; a missing local
     file: ValueError. Anything else (``"best"``, a URL): ``None``, left to Lightning.
     """
+    if _is_local(ckpt_path) and ckpt_path.startswith("~"):  # not expanded by a shell
+        ckpt_path = os.path.expanduser(ckpt_path)  # (--ckpt_path=~/x, or quoted)
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
         usable: list[ResolvedCheckpoint] = []

@@ -565,3 +565,25 @@ def test_a_rollback_writes_its_own_last_and_keeps_the_runs(tmp_path, monkeypatch
     branch = torch.load(run / "ckpt" / "last-v1.ckpt", weights_only=True)
     assert (branch["global_step"], branch[ckpt_io.RUN_KEY]) == (
         5, f"{before[ckpt_io.RUN_KEY]}@4")
+
+
+def test_a_home_relative_checkpoint_folder_and_path_are_the_ones_written(tmp_path,
+                                                                         monkeypatch):
+    """``dirpath: ~/ck`` (which Lightning expands to save) was searched as written, so
+    ``--ckpt_path last`` found nothing: Lightning resumed on its own, without the skip of a
+    broken file, the run check or the log version (a hunt); ``--ckpt_path=~/x.ckpt``, which
+    no shell expands, was "no such file"."""
+    from maxent_grpo.cli import parser as cli_module
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ck").mkdir()
+    save(tmp_path / "ck" / "last.ckpt", 4)
+    assert ckpt_io.resolve_checkpoint("~/ck/last.ckpt", []).path == str(
+        tmp_path / "ck" / "last.ckpt")
+    config = fit_config(tmp_path, 2, False)
+    config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = "~/ck"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = cli_module.main(["--config", str(path)], run=False)
+    assert cli._checkpoint_dirpaths() == [str(tmp_path / "ck")]
+    assert ckpt_io.resolve_checkpoint("last", cli._checkpoint_dirpaths()).global_step == 4
