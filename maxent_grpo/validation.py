@@ -11,6 +11,7 @@ so a bad config fails when its object is built, never later in training::
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection
 from numbers import Real
 from typing import Any
@@ -104,3 +105,21 @@ def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
     """``value`` is one of ``choices``."""
     require(value in choices,
             f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+
+
+def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
+    """Why ``path`` (a file, or with ``folder`` a folder) cannot be written, None when it
+    can: the part of it that exists must be a writable folder (the rest gets made), and a
+    file's path may not be a folder. For options checked before a run, whose writes come
+    after it (an export, a state file)."""
+    path = os.path.abspath(path)
+    if not folder and os.path.isdir(path):
+        return "it is a folder"
+    there = path if folder else os.path.dirname(path)
+    while not os.path.exists(there):
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        return f"{there!r} is not a folder"
+    if not os.access(there, os.W_OK):
+        return f"{there!r} is not writable"
+    return None

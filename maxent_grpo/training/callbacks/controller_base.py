@@ -39,10 +39,9 @@ from maxent_grpo.training.callbacks.state_file import (
     read_controller_state,
     write_controller_state,
 )
-from maxent_grpo.training.run.checkpoint_io import unwritable
 from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.training.types import ControllerPaths, LoopSettings
-from maxent_grpo.validation import check_bool, require
+from maxent_grpo.validation import check_bool, require, unwritable
 
 __all__ = ["Controller"]
 

@@ -24,9 +24,8 @@ from maxent_grpo.adapters import has_adapters, merged_copy, name_base
 from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy, model_chain
 from maxent_grpo.rollout.weights import sharded_state_dict
-from maxent_grpo.training.run.checkpoint_io import unwritable
 from maxent_grpo.training.run.folders import run_dir
-from maxent_grpo.validation import check_bool, check_int, require
+from maxent_grpo.validation import check_bool, check_int, require, unwritable
 
 __all__ = ["EXPORT_COMMAND", "HFExport", "export_policy"]
 

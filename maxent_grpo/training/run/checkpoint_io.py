@@ -91,24 +91,6 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             os.close(fd)
 
 
-def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
-    """Why ``path`` (a file, or with ``folder`` a folder) cannot be written, None when it
-    can: the part of it that exists must be a writable folder (the rest gets made), and a
-    file's path may not be a folder. For options checked before a run, whose writes come
-    after it (an export, a state file)."""
-    path = os.path.abspath(path)
-    if not folder and os.path.isdir(path):
-        return "it is a folder"
-    there = path if folder else os.path.dirname(path)
-    while not os.path.exists(there):
-        there = os.path.dirname(there)
-    if not os.path.isdir(there):
-        return f"{there!r} is not a folder"
-    if not os.access(there, os.W_OK):
-        return f"{there!r} is not writable"
-    return None
-
-
 #: what a sharded checkpoint's folder holds: torch's distributed checkpoint (FSDP2) writes
 #: ``.metadata`` and Lightning ``meta.pt`` beside it; DeepSpeed ``latest`` and ``checkpoint/``
 SHARDED_MARKS = frozenset({".metadata", "meta.pt", "latest", "checkpoint"})

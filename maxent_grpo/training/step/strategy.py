@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
-from maxent_grpo.validation import require
+from maxent_grpo.validation import require, unwritable
 
 if TYPE_CHECKING:
     from maxent_grpo.training.types import BatchingSettings
@@ -109,7 +109,8 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
 
 
 def check_checkpoint_savers(trainer: Any) -> None:
-    """Refuse a ``file://`` ``dirpath`` (Lightning writes it to ``./file:/...``), and the
+    """Refuse a ``file://`` ``dirpath`` (Lightning writes it to ``./file:/...``) or one that
+    cannot be written (found at the first save, after its steps trained), and the
     ``ModelCheckpoint`` settings that Lightning's manual-optimisation path
     (every step here) gets wrong without a word: ``train_time_interval``, which it never
     checks (no checkpoint until training ends), and ``every_n_train_steps`` with a
@@ -126,6 +127,10 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 f"ModelCheckpoint(dirpath='file://...') is written to {folder} (Lightning "
                 "reads the file:// address as a relative folder named 'file:'): give the "
                 "folder as a plain path, without file://")
+        why = unwritable(folder, folder=True) if folder and "://" not in folder else None
+        require(why is None, f"ModelCheckpoint(dirpath={folder!r}) cannot be written ({why}): "
+                "the first checkpoint would fail after its steps trained; give a folder you "
+                "can write to")
         monitor = str(cb.monitor or "")
         require(not (cb._every_n_train_steps and monitor.startswith(("val/", "test/"))),
                 f"ModelCheckpoint(monitor={monitor!r}, every_n_train_steps="

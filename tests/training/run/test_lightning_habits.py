@@ -54,6 +54,9 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
      r"validation before it"),
     ({"dirpath": "file:///tmp/maxent-grpo-never-written"},  # was written to ./file:/tmp/...
      r"dirpath='file://...'\) is written to .*file:/tmp/maxent-grpo-never-written"),
+    # a folder that cannot be written failed at the first save, after its steps trained
+    ({"dirpath": __file__ + "/ckpt"}, r"cannot be written \(.*test_lightning_habits.py' is "
+                                      r"not a folder\)"),
 ])
 def test_checkpoint_settings_lightning_ignores_here_are_refused(cache_dir, tmp_path, options,
                                                                 expected):
