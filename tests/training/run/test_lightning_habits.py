@@ -8,6 +8,7 @@ scheduler, stepped by our loop, is read by ``LearningRateMonitor`` at every step
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,20 @@ def test_a_second_run_on_a_trainer_says_nothing_about_the_modules_callbacks(cach
         trainer.validate(module, data, verbose=False)
     assert "will override existing callbacks" not in caplog.text
     assert sum(type(c).__name__ == "CleanUp" for c in trainer.callbacks) == 1
+
+
+def test_a_lone_process_that_the_environment_calls_rank_3_still_logs(cache_dir, tmp_path,
+                                                                       monkeypatch, caplog):
+    """A scheduler's ``RANK``/``LOCAL_RANK`` set for a one-process job: Lightning took it as
+    a non-zero rank and every logger wrote nothing (a hunt: a whole run "succeeded" with no
+    metrics). The run logs as rank 0, and says why."""
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 3)  # what RANK=3 at import gives
+    logger = CSVLogger(tmp_path, name="csv")
+    with caplog.at_level("WARNING"):
+        fit(make_module(cache_dir), make_data(cache_dir), steps=2, tmp_path=tmp_path,
+            logger=logger, log_every_n_steps=1)
+    assert "it logs as rank 0" in caplog.text
+    assert "train/reward/mean" in (Path(logger.log_dir) / "metrics.csv").read_text()
