@@ -104,6 +104,14 @@ def test_failed_materialisation_leaves_no_folder(
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_a_cache_folder_that_cannot_be_made_names_the_option(tmp_path: Path) -> None:
+    """A read-only HOME: a bare ``[Errno 30] Read-only file system: '~/.cache'``."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"the built-in models' cache .*a_file/cache' cannot "
+                                         r"be made .*set model.model_cache_dir"):
+        resolve_model_path("builtin:tiny", cache_dir=tmp_path / "a_file" / "cache")
+
+
 def test_tiny_model_loads_through_from_pretrained_deterministically(tiny_cache: Path) -> None:
     first = load_policy("builtin:tiny", cache_dir=tiny_cache)
     second = load_policy("builtin:tiny", cache_dir=tiny_cache)

@@ -259,7 +259,12 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     if final.is_dir():
         _readable_by_all(final)  # a folder an earlier version wrote owner-only
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        why = err.strerror or err
+        raise ValueError(f"the built-in models' cache {str(root)!r} cannot be made ({why}): "
+                         "set model.model_cache_dir to a folder you can write to") from err
     with _file_lock(root / f".{final.name}.lock"):
         if final.is_dir():  # another process finished it while we waited
             return final
