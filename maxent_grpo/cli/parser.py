@@ -35,6 +35,7 @@ from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
+from maxent_grpo.training.step.strategy import check_launcher
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -267,6 +268,7 @@ class MaxEntGRPOCLI(LightningCLI):
         """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``;
         when resuming, resume from the checked checkpoint, remove the temporary files of a
         killed checkpoint write and keep a continued CSVLogger's ``metrics.csv``."""
+        check_launcher(self.trainer)  # before a spawn tries to pickle this trainer
         last = self.config.get(f"{self.subcommand}.ckpt_path") == "last"
         callbacks = self.trainer.checkpoint_callbacks
         if last and not any(getattr(cb, "dirpath", None) for cb in callbacks):

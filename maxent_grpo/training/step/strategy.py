@@ -51,20 +51,26 @@ def check_strategy(strategy: Strategy, gradient_clip_val: float | None,
         config["gradient_clipping"] = clip
 
 
-def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
-    """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
-    optimisation would honour and this module's own optimizer step cannot: Lightning's
-    message ("switch to automatic optimization") names nothing a user of this trainer can
-    do; and on a strategy that spawns its processes (``ddp_spawn``, ``ddp_notebook``), which
-    hands each a pickled copy of the module and returns only its weights (not the step
-    counters, controllers and objective state a fit moves). Checked when a ``fit`` attaches
-    the module (in each spawned process), before Lightning's own check."""
+def check_launcher(trainer: Any) -> None:
+    """Refuse a strategy that spawns its processes (``ddp_spawn``, ``ddp_notebook``): it
+    hands each a copy of the module and returns only its weights, not the step counters,
+    controllers and objective state a fit moves (the command line checks before the fit,
+    whose trainer a spawn could not even pickle)."""
     launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
     require(not isinstance(launcher, _MultiProcessingLauncher),
             f"trainer.strategy {type(trainer.strategy).__name__} with start method "
             f"{getattr(launcher, '_start_method', '?')!r} runs each process on a copy of the "
             "module and sends back only its weights: use strategy ddp (Lightning starts the "
             "processes itself, or run under torchrun)")
+
+
+def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
+    """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
+    optimisation would honour and this module's own optimizer step cannot: Lightning's
+    message ("switch to automatic optimization") names nothing a user of this trainer can
+    do; and on a spawning strategy (:func:`check_launcher`). Checked when a ``fit``
+    attaches the module (in each spawned process), before Lightning's own check."""
+    check_launcher(trainer)
     clip = getattr(trainer, "gradient_clip_val", None)
     require(clip is None or not clip > 0,
             f"Trainer(gradient_clip_val={clip}): this trainer clips in its own optimizer "
