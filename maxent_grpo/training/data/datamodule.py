@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Collection
 from typing import Any
 
 import lightning.pytorch as pl
@@ -327,23 +326,21 @@ class PromptDataModule(pl.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def refill_batch(self, n: int, exclude: Collection[int] = ()) -> dict[str, Any]:
+    def refill_batch(self, n: int) -> dict[str, Any]:
         """The next ``n`` prompts of this rank's refill stream, collated as a training batch
         (``model.refill_rounds``: dynamic sampling draws them when too few groups of a step
-        have rewards that differ), less the rows ``exclude`` (the step's own: without
-        ``shuffle`` the stream's order is the batches').
+        have rewards that differ).
 
         The stream is the training rows in orders of their own, independent of the
         batches: pass ``k`` is ``torch.randperm(N)`` seeded ``data.seed + REFILL_SEED +
-        k`` (``0..N-1`` without ``shuffle``), cut and dealt to the ranks as an epoch is
+        k`` (with ``shuffle: false`` too), cut and dealt to the ranks as an epoch is
         (:class:`RefillStream`). Its position (``refill_drawn``) is in :meth:`state_dict`,
         so a resumed run draws the same prompts.
         """
         dataset = self._require(self.train_dataset)
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        rows = self._refill.take(len(dataset), n, self.shuffle, world, rank,
-                                 lambda row: dataset[row].index in exclude)
+        rows = self._refill.take(len(dataset), n, world, rank)
         return collate_prompts([dataset[i] for i in rows])
 
     def val_dataloader(self) -> DataLoader:

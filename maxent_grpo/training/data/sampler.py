@@ -137,32 +137,27 @@ class EpochShuffleSampler(DistributedSampler):
 
 class RefillStream:
     """One rank's refill stream (``model.refill_rounds``): the rows in orders of their own,
-    pass ``k`` an :class:`EpochShuffleSampler` of seed ``seed`` at epoch ``k``, dealt to the
+    pass ``k`` an :class:`EpochShuffleSampler` of seed ``seed`` at epoch ``k``, shuffled
+    even when the batches are not (``data.shuffle: false`` made the stream's order the
+    batches', so a refill drew the prompts of the step itself or of the next), dealt to the
     ranks as an epoch is; ``drawn`` is its position (a checkpoint's ``refill_drawn``)."""
 
     def __init__(self, seed: int) -> None:
         self.seed, self.drawn = seed, 0
         self._order: tuple[int, list[int]] = (-1, [])  # (pass, its order), made once a pass
 
-    def take(self, size: int, n: int, shuffle: bool, world: int, rank: int,
-             skip: Callable[[int], bool]) -> list[int]:
-        """The next ``n`` rows of ``size`` that ``skip`` does not refuse (once a whole pass
-        was skipped, the rest are taken anyway: too few rows besides them)."""
+    def take(self, size: int, n: int, world: int, rank: int) -> list[int]:
+        """The next ``n`` rows of ``size``."""
         per_pass = size // world
         require(per_pass > 0, f"the refill stream needs at least {world} training prompts")
         rows: list[int] = []
-        skipped = 0
-        while len(rows) < n:
-            pass_, i = divmod(self.drawn, per_pass)
+        for position in range(self.drawn, self.drawn + n):
+            pass_, i = divmod(position, per_pass)
             if self._order[0] != pass_:
                 self._order = (pass_, list(EpochShuffleSampler(
-                    size, self.seed, shuffle, epoch=pass_, num_replicas=world, rank=rank)))
-            self.drawn += 1
-            row = self._order[1][i]
-            if skipped >= per_pass or not skip(row):
-                rows.append(row)
-            else:
-                skipped += 1
+                    size, self.seed, True, epoch=pass_, num_replicas=world, rank=rank)))
+            rows.append(self._order[1][i])
+        self.drawn += n
         return rows
 
 

@@ -16,7 +16,7 @@ checkpoint, so a resumed run draws the same prompts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ def pad_id(rollout: RolloutOutput, engine: Any) -> int:
     return int(pad) if pad is not None else 0
 
 
-def refill_source(trainer: Any) -> Callable[[int, Collection[int]], dict[str, Any]]:
+def refill_source(trainer: Any) -> Callable[[int], dict[str, Any]]:
     """The trainer's DataModule's ``refill_batch``; a ValueError naming the fix without one."""
     draw = getattr(getattr(trainer, "datamodule", None), "refill_batch", None)
     require(draw is not None,
@@ -54,21 +54,20 @@ def refill_source(trainer: Any) -> Callable[[int, Collection[int]], dict[str, An
 
 
 def refill(
-    first: Scored, draw: Callable[[int, Collection[int]], dict[str, Any]],
+    first: Scored, draw: Callable[[int], dict[str, Any]],
     roll_out: Callable[[dict[str, Any]], Scored], rounds: int, any_rank: Callable[[bool], bool],
     pad_id: int, solved_reward: float | None = None,
 ) -> tuple[Scored, int]:
     """``(the step's B groups, rounds run)`` from the scored batch ``first``: while fewer
     than ``B`` groups have differing rewards on some rank (``any_rank``) and fewer than
-    ``rounds`` rounds ran, ``roll_out(draw(B, rows))`` another ``B`` prompts, none of the
-    ``rows`` the step holds already (see the module
+    ``rounds`` rounds ran, ``roll_out(draw(B))`` another ``B`` prompts (see the module
     docstring); a solved group (``model.solved_reward``) counts as one that varies.
     ``first`` itself is returned when no round runs."""
     B, G = first[2].shape
     pools = [first]
     constant = [droppable_groups(first[2], solved_reward).tolist()]  # per pool, per group
     while len(pools) <= rounds and any_rank(sum(not c for cs in constant for c in cs) < B):
-        pools.append(roll_out(draw(B, {i for pool in pools for i in pool[0]["indices"]})))
+        pools.append(roll_out(draw(B)))
         constant.append(droppable_groups(pools[-1][2], solved_reward).tolist())
     if len(pools) == 1:
         return first, 0

@@ -76,9 +76,9 @@ class StepContext:
             ``toggle_model(sync_grad=...)`` defers DDP's all-reduce to the last micro-batch).
         scheduler: the learning-rate scheduler, stepped once per optimizer step.
         step: the global step (the optimizer steps taken so far).
-        refill: ``(n, rows) -> batch``: ``n`` more prompts of the refill stream, none of the
-            step's ``rows`` (:meth:`~maxent_grpo.training.data.PromptDataModule.refill_batch`),
-            when ``generation.refill_rounds > 0``; else None.
+        refill: ``n -> batch``: ``n`` more prompts of the refill stream
+            (:meth:`~maxent_grpo.training.data.PromptDataModule.refill_batch`), when
+            ``generation.refill_rounds > 0``; else None.
         trainer_state: the training progress the reward functions are given
             (:meth:`~maxent_grpo.rewards.combine.TrainerState.from_trainer`).
     """

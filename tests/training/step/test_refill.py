@@ -43,9 +43,9 @@ def test_refill_keeps_the_first_b_varied_groups_in_draw_order():
                   _scored("z", [[0.0, 1.0], [1.0, 0.0], [1.0, 0.0]], 3, 3)])  # 3 more
     drawn = []
     (batch, rollout, rewards, components), rounds = refill(
-        first, draw=lambda n, rows: drawn.append((n, rows)) or {},
+        first, draw=lambda n: drawn.append(n) or {},
         roll_out=lambda _: next(later), rounds=5, any_rank=lambda need: need, pad_id=0)
-    assert rounds == 2 and drawn == [(3, {0, 1, 2})] * 2  # stopped once 3 groups varied
+    assert rounds == 2 and drawn == [3, 3]  # stopped once 3 groups varied
     assert batch["prompts"] == ["x1", "y1", "z0"]
     assert rewards.tolist() == [[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]
     assert components.tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0, 1.0]]
@@ -63,7 +63,7 @@ def test_refill_keeps_the_first_b_varied_groups_in_draw_order():
 def test_too_few_after_the_bound_fills_up_with_constant_groups():
     first = _scored("x", [[1.0, 1.0], [0.0, 1.0]], 2, 2)
     later = _scored("y", [[0.0, 0.0], [0.0, 0.0]], 2, 2)
-    (batch, _, rewards, _), rounds = refill(first, lambda n, rows: {}, lambda _: later, rounds=1,
+    (batch, _, rewards, _), rounds = refill(first, lambda n: {}, lambda _: later, rounds=1,
                                             any_rank=lambda need: need, pad_id=0)
     assert rounds == 1 and batch["prompts"] == ["x0", "x1"]  # the first constant one kept
     assert rewards.tolist() == [[1.0, 1.0], [0.0, 1.0]]
@@ -74,10 +74,10 @@ def test_a_full_rank_still_rolls_out_while_another_rank_needs_more():
     its own first groups."""
     first = _scored("x", [[0.0, 1.0], [1.0, 0.0]], 2, 2)  # full already
     calls = []
-    scored, rounds = refill(first, lambda n, rows: {}, lambda _: calls.append(1) or first,
+    scored, rounds = refill(first, lambda n: {}, lambda _: calls.append(1) or first,
                             rounds=2, any_rank=lambda need: True, pad_id=0)
     assert rounds == 2 and len(calls) == 2 and scored[0]["prompts"] == ["x0", "x1"]
-    untouched, none = refill(first, lambda n, rows: {}, lambda _: first, rounds=2,
+    untouched, none = refill(first, lambda n: {}, lambda _: first, rounds=2,
                              any_rank=lambda need: need, pad_id=0)
     assert none == 0 and untouched is first
 
@@ -134,20 +134,18 @@ def test_the_refill_stream_is_seeded_and_saved(cache_dir):
     assert other.refill_batch(6)["indices"] != first
 
 
-def test_the_refill_stream_leaves_out_the_steps_own_prompts(cache_dir):
-    """Without ``shuffle`` the stream's order is the batches': the first step's first round
-    re-drew its own four prompts, trained twice (a hunt: 4 of 40 steps held a prompt twice).
-    The step's rows are left out (taken only when too few are left besides them)."""
+def test_the_refill_stream_is_its_own_order_without_shuffle_too(cache_dir):
+    """Without ``shuffle`` the stream's order was the batches' (``0..N-1``): the first step's
+    first round re-drew its own four prompts, trained twice (a hunt: 4 of 40 steps), and
+    passing over them only moved the double onto the next step's batch (a reader)."""
     data = make_data(cache_dir, shuffle=False)
     data.setup("fit")
-    batch = next(iter(data.train_dataloader()))["indices"]
-    again = data.refill_batch(4, set(batch))["indices"]
-    assert not set(again) & set(batch) and len(set(again)) == 4
-    assert data.state_dict()["refill_drawn"] == 8  # the four skipped are passed over
-    tiny = make_data(cache_dir, train_size=4, val_size=0, holdout_val_prompts=False)
-    tiny.setup("fit")
-    rows = tiny.train_dataset.examples
-    assert sorted(tiny.refill_batch(2, {r.index for r in rows})["indices"]) != []  # all taken
+    batches = [b["indices"] for b, _ in zip(data.train_dataloader(), range(2), strict=False)]
+    drawn = data.refill_batch(8)["indices"]
+    shuffled = make_data(cache_dir, shuffle=True)
+    shuffled.setup("fit")
+    assert drawn == shuffled.refill_batch(8)["indices"]  # the stream does not follow shuffle
+    assert drawn[:4] != batches[0] and drawn[4:] != batches[1]
 
 
 def test_refill_without_the_datamodule_says_what_to_pass():
