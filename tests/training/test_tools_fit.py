@@ -6,6 +6,8 @@ random model would never call); the turns after it are sampled from the policy."
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -123,12 +125,28 @@ def test_a_datamodule_that_renders_for_another_model_is_refused(cache_dir, tmp_p
     tokenizer.chat_template = "[MINE]" + tokenizer.chat_template
     build_tiny_model().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    mine = make_module(cache_dir, model_name_or_path=str(folder), max_prompt_length=None)
-    data = make_data(cache_dir, task="arithmetic_easy", task_options=None, max_prompt_length=None)
-    with pytest.raises(ValueError, match=r"renders prompts with the tokenizer of 'builtin:tiny'"):
-        fit(mine, data, steps=1, tmp_path=tmp_path)
-    assert mine.policy is None  # before the model loads
-    data = make_data(cache_dir, task="arithmetic_easy", task_options=None,
-                     max_prompt_length=None, tokenizer=str(folder))
-    fit(make_module(cache_dir, model_name_or_path=str(folder), max_prompt_length=None), data,
-        steps=1, tmp_path=tmp_path)
+
+    def module():
+        return make_module(cache_dir, model_name_or_path=str(folder), max_prompt_length=None)
+
+    def data(**kw):
+        return make_data(cache_dir, task="arithmetic_easy", task_options=None,
+                         max_prompt_length=None, **kw)
+
+    with pytest.warns(UserWarning, match=r"renders prompts with the chat template of "
+                                         r"'builtin:tiny', not the model's"):
+        fit(module(), data(), steps=1, tmp_path=tmp_path)
+    with warnings.catch_warnings():  # the model's own, or one the user gave: no word
+        warnings.filterwarnings("error", message=".*chat template of")
+        fit(module(), data(tokenizer=str(folder)), steps=1, tmp_path=tmp_path)
+        given = data()
+        given.set_tokenizer(build_tiny_tokenizer())  # the user's template, on purpose
+        fit(module(), given, steps=1, tmp_path=tmp_path)
+    encodes = build_tiny_tokenizer()  # one that encodes otherwise: refused, before loading
+    encodes.add_tokens(["What is"])
+    other, mine = data(), module()
+    other.set_tokenizer(encodes)
+    with pytest.raises(ValueError, match=r"tokenizer \('builtin:tiny', set_tokenizer\) "
+                                         r"encodes text otherwise than the model's"):
+        fit(mine, other, steps=1, tmp_path=tmp_path)
+    assert mine.policy is None

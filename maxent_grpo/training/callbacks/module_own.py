@@ -67,9 +67,10 @@ def check_prompt_bound(bound: int | None, datamodule: Any) -> None:
 
 def check_prompt_format(pl_module: Any, datamodule: Any) -> None:
     """Refuse a PromptDataModule that renders prompts for another model than the module's
-    (built in Python the two are set apart; the command line links them): another tokenizer
-    or chat template (``tokenizer`` left at its default), or tools the prompts show that
-    the module does not run, or the reverse (the model never saw the tool it may call)."""
+    (built in Python the two are set apart; the command line links them): a tokenizer that
+    encodes otherwise, or tools the prompts show that the module does not run, or the
+    reverse (the model never saw the tool it may call); warn of another chat template (a
+    ``tokenizer`` left at its default; one given with ``set_tokenizer`` is the user's)."""
     from maxent_grpo.training.data.datamodule import PromptDataModule
 
     if not isinstance(datamodule, PromptDataModule) or datamodule.tokenizer is None:
@@ -83,23 +84,32 @@ def check_prompt_format(pl_module: Any, datamodule: Any) -> None:
             f"{ours or 'none'}: give PromptDataModule(tools=...) the module's tools (the "
             "command line's model.tools sets both)")
     name = pl_module.source.name_or_path
-    if datamodule.tokenizer_name == name:
+    if datamodule.tokenizer_name == name and not datamodule.tokenizer_given:
         return
     from maxent_grpo.models import load_tokenizer
 
     theirs = datamodule.tokenizer
     own = pl_module.tokenizer or load_tokenizer(name, cache_dir=pl_module.source.cache_dir)
-    probe = [{"role": "user", "content": "What is 2 + 2?"}]
+    text = "What is 2 + 2? <answer>4</answer>"
+    require(own(text, add_special_tokens=False)["input_ids"]
+            == theirs(text, add_special_tokens=False)["input_ids"],
+            f"the DataModule's tokenizer ({datamodule.tokenizer_name!r}"
+            f"{', set_tokenizer' if datamodule.tokenizer_given else ''}) encodes text otherwise "
+            f"than the model's ({name!r}): give PromptDataModule(tokenizer={name!r}) (the "
+            "command line links them)")
 
-    def rendered(tok: Any) -> Any:
-        text = tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True) if (
-            datamodule.apply_chat_template and getattr(tok, "chat_template", None)) else ""
-        return text, tok("2 + 2 = 4, <answer>", add_special_tokens=False)["input_ids"]
+    def template(tok: Any) -> str | None:
+        try:
+            return tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                           tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render a lone turn: unknown
+            return None
 
-    require(rendered(own) == rendered(theirs),
-            f"the DataModule renders prompts with the tokenizer of {datamodule.tokenizer_name!r}"
-            f", whose encoding or chat template differs from the model's ({name!r}): give "
-            f"PromptDataModule(tokenizer={name!r}) (the command line links them)")
+    if datamodule.apply_chat_template and not datamodule.tokenizer_given and (
+            template(own) != template(theirs)):
+        rank_zero_warn(f"the DataModule renders prompts with the chat template of "
+                       f"{datamodule.tokenizer_name!r}, not the model's ({name!r}): give "
+                       f"PromptDataModule(tokenizer={name!r}) unless that is meant")
 
 
 class ModuleHooks(L.Callback):

@@ -183,6 +183,7 @@ class PromptDataModule(pl.LightningDataModule):
             resolve_tool(t) for t in tools or ())
 
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
+        self.tokenizer_given = False
         self.train_dataset: PromptDataset | None = None
         self.val_dataset: PromptDataset | None = None
         self.dropped, self.longest = {}, {}  # per split: prompts dropped, the longest kept
@@ -195,7 +196,7 @@ class PromptDataModule(pl.LightningDataModule):
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Use an already-loaded tokenizer instead of loading ``tokenizer`` in :meth:`setup`."""
-        self.tokenizer = tokenizer
+        self.tokenizer, self.tokenizer_given = tokenizer, True
 
     def prepare_data(self) -> None:
         """Download ``dataset_name`` once (rank 0); :meth:`setup` reads it from the cache."""
