@@ -487,10 +487,12 @@ def test_a_spawning_strategy_is_refused_before_the_spawn(monkeypatch, tmp_path):
     """``--trainer.strategy ddp_spawn`` died pickling the CLI's trainer for the spawned
     processes, reported as "a bug" with its traceback (a hunt of the docs' claims)."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="start method 'spawn' runs each process on a copy"):
-        cli_module.main(["fit", "--config", "tiny", "--trainer.strategy", "ddp_spawn",
-                         "--trainer.devices", "2", "--trainer.logger=false",
-                         "--trainer.callbacks", "null", "--trainer.enable_checkpointing=false"])
+    for stage in ("fit", "validate"):
+        with pytest.raises(ValueError, match="start method 'spawn' runs each process on a copy"):
+            cli_module.main([stage, "--config", "tiny", "--trainer.strategy", "ddp_spawn",
+                             "--trainer.devices", "2", "--trainer.logger=false",
+                             "--trainer.callbacks", "null",
+                             "--trainer.enable_checkpointing=false"])
 
 
 @pytest.mark.parametrize("content", [b'{"prompt": "1+1", "answer": "2"}\n',

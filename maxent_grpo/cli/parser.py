@@ -249,6 +249,7 @@ class MaxEntGRPOCLI(LightningCLI):
         does not answer."""
         from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
+        check_launcher(self.trainer)  # every stage: before a spawn tries to pickle the trainer
         resume = getattr(self, "_resume", None)
         if resume is not None and os.path.isdir(resume.path) and not isinstance(
                 self.trainer.strategy, (DeepSpeedStrategy, ModelParallelStrategy)):
@@ -268,7 +269,6 @@ class MaxEntGRPOCLI(LightningCLI):
         """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``;
         when resuming, resume from the checked checkpoint, remove the temporary files of a
         killed checkpoint write and keep a continued CSVLogger's ``metrics.csv``."""
-        check_launcher(self.trainer)  # before a spawn tries to pickle this trainer
         last = self.config.get(f"{self.subcommand}.ckpt_path") == "last"
         callbacks = self.trainer.checkpoint_callbacks
         if last and not any(getattr(cb, "dirpath", None) for cb in callbacks):

@@ -109,7 +109,7 @@ class TrainerState:
         caps = [trainer.max_steps] if trainer.max_steps > 0 else []
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
         if batches and max_epochs > 0:
-            caps.append((batches * max_epochs - idle_batches) * num_iterations)
+            caps.append(max(0, batches * max_epochs - idle_batches) * num_iterations)
         max_steps = min(caps) if caps else -1
         epochs = -1
         if batches and max_steps > 0:

@@ -161,9 +161,12 @@ def test_a_learning_rate_that_bfloat16_weights_round_away_is_warned(cache_dir):
     assert sum("SGD over bfloat16/float16 weights" in str(w.message) for w in caught) == 1
     compensated = torch.optim.SGD(module.policy.parameters(), lr=0.01)
     compensated.param_groups[0]["kahan_sum"] = True  # as optimi's SGD(kahan_sum=True) keeps
+    adam = torch.optim.AdamW(module.policy.parameters(), lr=1e-6)  # with an eps: measured
+    adam.param_groups[0]["bf16_stochastic_round"] = True  # as torchao's AdamW keeps
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_rounded_updates(compensated)
+        assert warn_rounded_updates(adam) is None  # its rounded steps still move the weights
 
 
 def test_a_module_cast_before_its_policy_loads_is_warned_of(cache_dir):

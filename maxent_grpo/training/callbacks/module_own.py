@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from maxent_grpo.rewards import TrainerState
@@ -119,10 +119,6 @@ class ModuleHooks(L.Callback):
     stops every rank after the same batch (:mod:`~maxent_grpo.training.run.signals`)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if trainer.world_size == 1 and rank_zero_only.rank != 0:  # a scheduler's RANK=3
-            rank_zero_only.rank = 0  # one process logs as rank 0 (Lightning: nothing at all)
-            log.warning("RANK, LOCAL_RANK or SLURM_PROCID in the environment said this process "
-                        "is not rank 0, but the run has one process: it logs as rank 0")
         take_sigterm(trainer)
         for saver in trainer.checkpoint_callbacks:  # as the user set them (on_exception)
             if getattr(saver, "unsaved_error", False):

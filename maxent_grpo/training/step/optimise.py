@@ -276,8 +276,9 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
     significant bits). On the tiny model in bfloat16, a step of 1e-6 changes 2% of the
     weights, 1e-5 15%, 1e-4 88%. Tensors above 2^20 elements are sampled (evenly spaced);
     under FSDP2, rank 0's shards. Returns the share changed (None: nothing low-precision).
-    Optimizers that keep float32 master weights or round stochastically need no warning;
-    they are not told apart. A group without ``eps`` (SGD's kind, whose step ``lr |g|``
+    Optimizers that keep float32 master weights or round stochastically need no warning:
+    a group marked ``kahan_sum`` or ``bf16_stochastic_round`` (optimi's, torchao's) is left
+    out; others are not told apart. A group without ``eps`` (SGD's kind, whose step ``lr |g|``
     cannot be known before a gradient) is warned of as such."""
     from lightning.pytorch.utilities import rank_zero_warn
 
@@ -289,7 +290,7 @@ def warn_rounded_updates(optimizer: Any, share: float = 0.5) -> float | None:
                    and p.dtype in (torch.bfloat16, torch.float16)]
             compensated = group.get("kahan_sum") or group.get("bf16_stochastic_round")
             unmeasured |= bool(low) and "eps" not in group and not compensated
-            if "eps" not in group or not low or group.get("lr") is None:
+            if "eps" not in group or not low or group.get("lr") is None or compensated:
                 continue
             lr = float(group.get("initial_lr", group["lr"]))
             rates.add(lr)

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.utilities import rank_zero_only
 
 from maxent_grpo.validation import require, unwritable
 
@@ -61,7 +62,7 @@ def check_launcher(trainer: Any) -> None:
             f"trainer.strategy {type(trainer.strategy).__name__} with start method "
             f"{getattr(launcher, '_start_method', '?')!r} runs each process on a copy of the "
             "module and sends back only its weights: use strategy ddp (Lightning starts the "
-            "processes itself, or run under torchrun)")
+            "processes itself, or run under torchrun; not in a notebook: run a script)")
 
 
 def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
@@ -133,7 +134,8 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 f"ModelCheckpoint(dirpath='file://...') is written to {folder} (Lightning "
                 "reads the file:// address as a relative folder named 'file:'): give the "
                 "folder as a plain path, without file://")
-        why = unwritable(folder, folder=True) if folder and "://" not in folder else None
+        why = unwritable(folder, folder=True) if folder and "://" not in folder and (
+            trainer.world_size == 1 and not trainer.fast_dev_run) else None  # one writer
         require(why is None, f"ModelCheckpoint(dirpath={folder!r}) cannot be written ({why}): "
                 "the first checkpoint would fail after its steps trained; give a folder you "
                 "can write to")
@@ -146,12 +148,25 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 "second ModelCheckpoint without a monitor for the periodic saves")
 
 
+def one_process_is_rank_zero(trainer: Any) -> None:
+    """A one-process run whose environment holds a scheduler's ``RANK``, ``LOCAL_RANK`` or
+    ``SLURM_PROCID`` logs as rank 0: Lightning took it for a non-zero rank, and every
+    logger (and every rank-zero message) stayed silent while the run "succeeded"."""
+    if getattr(trainer, "world_size", 1) == 1 and rank_zero_only.rank != 0:
+        rank_zero_only.rank = 0
+        logging.getLogger(__name__).warning(
+            "RANK, LOCAL_RANK or SLURM_PROCID in the environment said this process "
+            "is not rank 0, but the run has one process: it logs as rank 0")
+
+
 def attach_for_fit(trainer: Any, schedule: Any) -> None:
     """What a ``fit`` checks as it attaches the module (``schedule``: its
     ``ScheduleSettings``): :func:`check_trainer_flags`, :func:`check_step_multiples` and
     :func:`check_checkpoint_savers`, then :func:`drop_unasked_checkpoints` and
     :func:`no_checkpoints_in_smoke_runs` (other stages, and ``trainer=None`` at detachment,
     pass)."""
+    if trainer is not None:  # any stage: before the DataModule's setup and its messages
+        one_process_is_rank_zero(trainer)
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
     check_trainer_flags(trainer, schedule.gradient_clip_val)
