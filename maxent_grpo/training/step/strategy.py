@@ -164,7 +164,7 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     ``ScheduleSettings``): :func:`check_trainer_flags`, :func:`check_step_multiples` and
     :func:`check_checkpoint_savers`, then :func:`drop_unasked_checkpoints` and
     :func:`no_checkpoints_in_smoke_runs` (other stages, and ``trainer=None`` at detachment,
-    pass)."""
+    pass); at any stage first :func:`one_process_is_rank_zero`."""
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
