@@ -52,6 +52,7 @@ from maxent_grpo.training.step.metrics import (
     RewardMomentsMetric,
     all_gather_objects,
 )
+from maxent_grpo.validation import require
 
 __all__ = ["Evaluator", "PromptRecord", "evaluation_metrics", "sample_answer"]
 
@@ -208,6 +209,11 @@ class Evaluator(torch.nn.Module):
         prompt when ``settings.greedy`` and ``greedy_sampling`` is given), in a forked random
         state; the rewards get ``trainer_state``. Returns one :func:`prediction_row` per
         completion."""
+        lacks = [k for k in ("prompts", "raw_prompts", "answers", "columns", "indices")
+                 if k not in batch]
+        require(not lacks, f"an evaluation batch has no {', '.join(map(repr, lacks))}: a "
+                "DataLoader of yours must yield the batches collate_prompts makes "
+                "(maxent_grpo.training.data.collate_prompts over PromptExample rows)")
         n, B = self.settings.num_generations, len(batch["prompts"])
         device = self.reward.total.device
         devices = [device] if device.type == "cuda" else []

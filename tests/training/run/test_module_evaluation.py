@@ -604,3 +604,16 @@ def test_predict_on_prompts_without_answers_writes_them_ungraded(cache_dir, capl
     module.predict_step(batch, 0)
     with pytest.raises(ValueError, match="for every one of the 4 evaluation completions"):
         module.evaluator.compute("val")
+
+
+def test_a_batch_that_is_not_collate_prompts_is_named(cache_dir):
+    """A DataLoader of one's own without ``indices``: a bare ``KeyError: 'indices'`` deep in
+    the evaluation (a hunt of the Python API)."""
+    module = make_module(cache_dir)
+    data = make_data(cache_dir)
+    data.setup("validate")
+    batch = collate_prompts(data.val_dataset.examples[:2])
+    del batch["indices"]
+    with pytest.raises(ValueError, match=r"an evaluation batch has no 'indices': a DataLoader "
+                                         r"of yours must yield the batches collate_prompts"):
+        module.evaluator.step(batch, None, None)
