@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from maxent_grpo.rewards import TrainerState
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
-from maxent_grpo.training.run.folders import run_dir
+from maxent_grpo.training.run.folders import run_dir, unused_path
 from maxent_grpo.training.run.signals import (
     give_back_sigterm,
     same_batches,
@@ -283,7 +283,7 @@ class CompletionWriter(L.Callback):
         if stage != "predict":
             return
         if self.output is None:  # a new file: an earlier predict's is kept
-            path = _unused(Path(run_dir(trainer)) / DEFAULT_PREDICTIONS)
+            path = unused_path(Path(run_dir(trainer)) / DEFAULT_PREDICTIONS)
         else:
             path = Path(self.output).expanduser()
             folder = path.is_dir() or str(self.output).endswith(("/", os.sep))
@@ -348,12 +348,3 @@ class CompletionWriter(L.Callback):
                            f"validation rows): nothing was written to {self.path}")
         self.rows = []
 
-
-def _unused(path: Path) -> Path:
-    """``path``, or when it exists (an earlier predict's, in the same log folder) the first
-    free ``<stem>-<n><suffix>`` beside it."""
-    stem, n = path.stem, 0
-    while path.exists():
-        n += 1
-        path = path.with_name(f"{stem}-{n}{path.suffix}")
-    return path

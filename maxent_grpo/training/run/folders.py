@@ -10,7 +10,6 @@ MLflow: ``<experiment id>/<run id>``).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import posixpath
@@ -124,14 +123,20 @@ def keep_earlier(path: str, earlier: bytes | None) -> None:
     with open(path, "rb") as file:
         if earlier is None or options(earlier) == options(file.read()):
             return
-    stem, ext = os.path.splitext(path)
-    keep = next(f"{stem}-{n}{ext}" for n in itertools.count(1)
-                if not os.path.exists(f"{stem}-{n}{ext}"))
-    with open(keep, "wb") as file:
-        file.write(earlier)
+    keep = unused_path(Path(path))
+    keep.write_bytes(earlier)
     logging.getLogger(__name__).info(
-        "%s: this fit's options differ from the earlier fit's, kept as %s", path,
-        os.path.basename(keep))
+        "%s: this fit's options differ from the earlier fit's, kept as %s", path, keep.name)
+
+
+def unused_path(path: Path) -> Path:
+    """``path``, or when it exists (an earlier predict's file, an earlier fit's config) the
+    first free ``<stem>-<n><suffix>`` beside it."""
+    stem, n = path.stem, 0
+    while path.exists():
+        n += 1
+        path = path.with_name(f"{stem}-{n}{path.suffix}")
+    return path
 
 
 class SaveRunConfig(SaveConfigCallback):
