@@ -199,10 +199,9 @@ class ReadableProgressBar(TQDMProgressBar):
         self.report = RewardRecord()
         self._start_step = self._last_line_step = trainer.global_step
         self._start_time = self._last_line_time = time.monotonic()
-        loop = getattr(pl_module, "loop", None)  # MaxEntGRPOModule: k optimizer steps a batch
-        k = loop.optimization.schedule.num_iterations if loop is not None else 1
-        idle = getattr(getattr(pl_module, "pipeline", None), "max_staleness", 0)  # async starts
-        self.total = TrainerState.from_trainer(trainer, k, idle).max_steps
+        # MaxEntGRPOModule: k optimizer steps a batch, none in its first max_staleness ones
+        self.total = TrainerState.from_trainer(
+            trainer, *getattr(pl_module, "_progress", (1, 0))).max_steps
         if self.total > 0:  # one bar over the run's steps, not one per epoch
             bar = self.train_progress_bar
             bar.reset(total=self.total)
