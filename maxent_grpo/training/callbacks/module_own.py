@@ -318,13 +318,22 @@ class CompletionWriter(L.Callback):
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.metrics = pl_module.evaluator.compute("predict")  # every rank: it gathers
         rows = self.rows
+        # a (row, sample) twice in one rank's rows: the loader repeated the prompt (a padding
+        # sampler repeats across ranks only); one copy is written, as the @k values count one
+        repeated = len(rows) - len({(r["row"], r["sample"]) for r in rows})
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             parts: list[Any] = [None] * dist.get_world_size() if trainer.is_global_zero else []
-            dist.gather_object(rows, parts if trainer.is_global_zero else None, dst=0)
-            rows = [row for part in parts or [] for row in part]
+            dist.gather_object((repeated, rows), parts if trainer.is_global_zero else None, dst=0)
+            repeated = sum(part[0] for part in parts or [])
+            rows = [row for part in parts or [] for row in part[1]]
         if not trainer.is_global_zero:
             return
+        if repeated:
+            rank_zero_warn(f"predict: {repeated} completions were left out: the predict loader "
+                           "gave a prompt's row twice (its batches' 'indices' repeat), and one "
+                           "(row, sample) is written once; to sample a prompt more often raise "
+                           "model.eval_num_generations")
         unique = {(r["row"], r["sample"]): r for r in reversed(rows)}  # the first copy
         rows = [unique[k] for k in sorted(unique)]
         assert self.path is not None

@@ -617,3 +617,27 @@ def test_a_batch_that_is_not_collate_prompts_is_named(cache_dir):
     with pytest.raises(ValueError, match=r"an evaluation batch has no 'indices': a DataLoader "
                                          r"of yours must yield the batches collate_prompts"):
         module.evaluator.step(batch, None, None)
+
+
+def test_predict_names_the_completions_a_repeating_loader_left_out(cache_dir, tmp_path,
+                                                                  monkeypatch):
+    """A DataLoader of one's own that gives one prompt twice: predict writes one line per
+    ``(row, sample)`` (as its @k values count a prompt once), which dropped the second copy's
+    completions without a word (a hunt of the Python API); it is warned of now."""
+    from torch.utils.data import DataLoader
+
+    module = make_module(cache_dir, eval_num_generations=2, eval_k=[1])
+    data = make_data(cache_dir)
+    data.setup("validate")
+    row = data.val_dataset.examples[0]
+    loader = DataLoader([row, row, data.val_dataset.examples[1]], batch_size=3,
+                        collate_fn=collate_prompts)
+    monkeypatch.chdir(tmp_path)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="predict: 2 completions were left out: the predict "
+                                         "loader gave a prompt's row twice"):
+        trainer.predict(module, loader)
+    lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
+    assert sorted((json.loads(x)["row"], json.loads(x)["sample"]) for x in lines) == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
