@@ -291,3 +291,26 @@ def test_a_run_stopped_at_a_validation_step_logs_every_later_step_where_it_belon
     # a callback logging at a batch's start (before the module's hook) is on time too
     assert [s for tag, s in steps.items() if tag.startswith("lr-")] == [list(range(9))], steps
     assert [s for tag, s in steps.items() if tag.startswith("val/")][0] == [2, 5, 8]
+
+
+def test_ckpt_path_last_with_no_checkpoint_yet_says_the_fit_starts_afresh(tmp_path, monkeypatch,
+                                                                          caplog, recwarn):
+    """A requeue script's first run (or a stop before the first save) passes ``--ckpt_path
+    last`` to an empty folder: Lightning's warning told the user to set ``save_last``, which
+    the shipped configs set (a hunt of interrupts); it is said in our words now."""
+    from maxent_grpo.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    monkeypatch.chdir(tmp_path)  # the config's checkpoint folder, lightning_logs/tiny/...
+    args = [
+        "fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--ckpt_path", "last",
+        "--trainer.logger=false", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+        f"--model.model_cache_dir={tmp_path / 'm'}",
+    ]
+    with caplog.at_level("INFO"):
+        main(args)
+    assert ("--ckpt_path last: no checkpoint yet in lightning_logs/tiny/checkpoints: the fit "
+            "starts from step 0") in caplog.text
+    assert not [w for w in recwarn if "no last checkpoint" in str(w.message)]
+    saved = tmp_path / "lightning_logs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert torch.load(saved, weights_only=True)["global_step"] == 1

@@ -52,7 +52,7 @@ POLICY_PREFIX, PEFT_PREFIX = "policy.", "policy.base_model.model."
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default ``sys.argv[1:]``); return the exit code: 0 done,
-    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0)."""
+    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0), 130 Ctrl-C."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
         prog=PROG, description="Write the policy (or its peft adapter) and tokenizer of a "
@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = export_checkpoint(args.checkpoint, args.output, merged=args.merged,
                                     config=args.config)
+    except KeyboardInterrupt:
+        if args.traceback:
+            raise
+        print("error: interrupted (Ctrl-C): the folder being written was not kept",
+              file=sys.stderr)
+        return 130
     except Exception as error:  # noqa: BLE001 - the command's last stop (errors.report)
         code = errors.report(error, args.traceback)
         sys.stderr.flush()

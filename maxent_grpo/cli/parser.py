@@ -27,6 +27,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from maxent_grpo.cli import errors
 from maxent_grpo.cli import help as cli_help
@@ -280,6 +281,13 @@ class MaxEntGRPOCLI(LightningCLI):
                 "save_last: true}, or pass --ckpt_path <file>"
             )
         self._use_checked_checkpoint()
+        folders = self._checkpoint_dirpaths()
+        if last and self._resume is None and all(map(ckpt_io._is_local, folders)):
+            # nothing to resume (a requeue script's first run): said so, not Lightning's
+            # hint to set save_last, which the shipped configs set
+            self.config_init[str(self.subcommand)]["ckpt_path"] = None
+            rank_zero_info(f"--ckpt_path last: no checkpoint yet in {', '.join(folders)}: the "
+                           "fit starts from step 0")
         if self._resume is None and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
             for folder in dict.fromkeys(str(cb.dirpath) for cb in callbacks if cb.dirpath):
                 if os.path.isdir(folder) and ckpt_io.checkpoint_files(folder):

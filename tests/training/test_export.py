@@ -139,6 +139,24 @@ def test_the_command_exports_a_checkpoint_that_loads(full_run, cache_dir, tmp_pa
     assert AutoTokenizer.from_pretrained(out)(PROMPT) == tokenizer(PROMPT)
 
 
+def test_ctrl_c_of_the_command_leaves_no_folder_and_exits_130(full_run, tmp_path, capsys,
+                                                              monkeypatch):
+    """Ctrl-C while the tokenizer was written printed a traceback and left a folder with the
+    weights and no tokenizer (it loaded as a broken model); now the folder is written beside
+    and moved in whole, and the command says it was interrupted."""
+    from transformers import PreTrainedTokenizerBase
+
+    def interrupted(self, *_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", interrupted)
+    ckpt, _ = full_run
+    assert main([str(ckpt), "--output", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: interrupted (Ctrl-C): the folder being written was not kept")
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []  # --output is left empty
+
+
 def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_path, monkeypatch):
     ckpt, trained = full_run
     copy = tmp_path / "run" / "checkpoints" / "last.ckpt"

@@ -91,21 +91,28 @@ def replaced_model(source: Any, targets: list[Path]) -> str | None:
 
 
 def _replace(out: Path, write: Any) -> None:
-    """``write(folder)`` the export into ``out``. A new or empty ``out`` is written in place;
-    one holding an earlier export (a run before this one into the same folder) is replaced
-    whole: written over, its files that this export lacks (an adapter beside a full model)
-    would have made the folder load as the earlier model. The new export is written beside
-    it, then swapped in; a failed write leaves the earlier export and no partial folder."""
-    if not (out.is_dir() and any(out.iterdir())):
-        out.mkdir(parents=True, exist_ok=True)
-        write(out)
-        return
+    """``write(folder)`` the export into ``out``, beside it first, then swapped in: a failed
+    or interrupted write (Ctrl-C) leaves no partial folder that loads as a broken model,
+    and an earlier export in ``out`` (a run before this one into the same folder) is
+    replaced whole (written over, its files that this export lacks, an adapter beside a full
+    model, would have made the folder load as the earlier model) or, if the write fails,
+    kept. A new or empty ``out`` is renamed onto; where that cannot be (a mount point), the
+    export is moved into it file by file."""
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
+    earlier = out.is_dir() and any(out.iterdir())
     try:
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
         write(tmp)
+        if not earlier:
+            try:
+                os.replace(tmp, out)
+            except OSError:  # an empty folder that cannot be replaced: fill it
+                out.mkdir(exist_ok=True)
+                for item in tmp.iterdir():
+                    os.replace(item, out / item.name)
+            return
         os.replace(out, old)
         try:
             os.replace(tmp, out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -520,6 +521,28 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
         export.on_train_end(trainer, module)
     assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
+
+
+def test_hf_export_into_a_new_or_empty_folder_leaves_nothing_when_it_fails(tmp_path):
+    """A first export was written in place: a failed or interrupted write left a folder that
+    loaded as a broken model. An empty folder given for it is filled."""
+    trainer, module, export = exported_into(tmp_path)  # an export that works, to reuse
+    final = tmp_path / "hf" / "final"
+    shutil.rmtree(final)
+
+    class Interrupted(Saver):
+        def save_pretrained(self, path, state_dict=None) -> None:
+            raise KeyboardInterrupt
+
+    module.runtime.tokenizer = Interrupted("tok")  # the weights are written first
+    with pytest.raises(KeyboardInterrupt):
+        export.on_train_end(trainer, module)
+    assert list((tmp_path / "hf").iterdir()) == []
+    final.mkdir()
+    module.runtime.tokenizer = Saver("tok")
+    export.on_train_end(trainer, module)
+    assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["final"]
 
 
 def test_hf_export_into_a_linked_folder_replaces_the_folder_not_the_link(tmp_path):
