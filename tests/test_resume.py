@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,22 @@ class RecordSteps(pl.Callback):
         self._write({"step": trainer.global_step, **{f"train/{k}": stats[f"train/{k}"]
                                                      for k in keys}})
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._write({"validated": trainer.global_step, **{
+                k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}})
+
+
+class KillInValidation(pl.Callback):
+    """SIGKILL this process during the validation after step ``step`` (its first batch)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, *_) -> None:
+        if not trainer.sanity_checking and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
 
 class KillAt(pl.Callback):
     """SIGKILL this process when step ``step + 1`` is about to start: the checkpoint of step
@@ -66,9 +83,11 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def config(run: Path, kill: bool) -> dict[str, Any]:
+def config(run: Path, kill: bool | str) -> dict[str, Any]:
+    """The run's config; ``kill``: stopped by ``KillAt`` (True) or another such class."""
     callbacks = [
-        {"class_path": "test_resume.KillAt", "init_args": {"step": KILL_AFTER}},
+        {"class_path": f"test_resume.{'KillAt' if kill is True else kill}",
+         "init_args": {"step": KILL_AFTER}},
         {"class_path": "test_resume.RecordSteps", "init_args": {"path": str(run / "steps.jsonl")}},
         {"class_path": "maxent_grpo.training.callbacks.TauController",
          "init_args": {"target_entropy": 1.0, "lr": 0.5, "warmup_steps": 1,
@@ -126,26 +145,52 @@ def launch(run: Path, cfg: dict[str, Any], kill: bool, *extra: str
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> Path:
+    """Run A, which never stops (one for the module's tests that compare with it)."""
+    run = tmp_path_factory.mktemp("resume") / "A"
+    whole = fit(run)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return run
+
+
 def records(run: Path) -> tuple[list[tuple[int, list[int]]], list[dict[str, float]]]:
     lines = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
     prompts = [(r["step"], r["indices"]) for r in lines if "indices" in r]
-    stats = [r for r in lines if "indices" not in r]
+    stats = [r for r in lines if "indices" not in r and "validated" not in r]
     return prompts, stats
 
 
-def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
-    whole = fit(tmp_path / "A")
-    assert whole.returncode == 0, whole.stderr[-3000:]
+def validations(run: Path) -> list[dict[str, float]]:
+    """The validations that ended, with their values."""
+    lines = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+    return [r for r in lines if "validated" in r]
 
-    killed = fit(tmp_path / "B", True)
+
+@pytest.mark.parametrize("kill", [True, "KillInValidation"], ids=["after", "in_validation"])
+def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kill, whole_run):
+    """Killed after step 3's validation, or during it: its checkpoint was written before
+    that validation, which Lightning's resume skipped (its values were lost when the kill
+    came during it; a hunt of interrupts); it runs once, in either case."""
+    shutil.copytree(whole_run, tmp_path / "A")
+    killed = fit(tmp_path / "B", kill)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (tmp_path / "B" / "ckpt" / "last.ckpt").is_file()
     prompts_b, _ = records(tmp_path / "B")
     assert [s for s, _ in prompts_b] == list(range(KILL_AFTER))
+    assert [v["validated"] for v in validations(tmp_path / "B")] == (
+        [] if kill != True else [KILL_AFTER])  # noqa: E712
 
     resumed = fit(tmp_path / "B", False, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states" in resumed.stderr
+    assert ("did not end before the run stopped" in resumed.stderr) == (kill != True)  # noqa: E712
+    # every validation once, at its step, with the values of the run that never stopped
+    val_a, val_bc = validations(tmp_path / "A"), validations(tmp_path / "B")
+    assert [v["validated"] for v in val_a] == [KILL_AFTER, STEPS]
+    assert [v.keys() for v in val_bc] == [v.keys() for v in val_a]
+    for a, b in zip(val_a, val_bc, strict=True):
+        assert b == pytest.approx(a, rel=1e-6)
 
     # the same prompts in the same order
     prompts_a, stats_a = records(tmp_path / "A")

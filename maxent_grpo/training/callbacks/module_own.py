@@ -34,6 +34,12 @@ from maxent_grpo.training.run.signals import (
     share_sigterm,
     take_sigterm,
 )
+from maxent_grpo.training.run.validated import (
+    VALIDATION_DUE,
+    due_after_batch,
+    note_validated,
+    validate_first,
+)
 from maxent_grpo.training.settings import warn_unended_cosine
 from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
@@ -160,10 +166,17 @@ class ModuleHooks(L.Callback):
                            checkpoint: dict[str, Any]) -> None:
         """Before Lightning restores its loops: a checkpoint written after a fit's last batch
         goes on where that fit stopped (:func:`resume_where_stopped`); one written in
-        mid-batch counts that batch once (:func:`count_cut_batch_once`)."""
+        mid-batch counts that batch once (:func:`count_cut_batch_once`); one written before
+        a validation that did not end runs it first (:func:`validate_first`, when the fit
+        starts)."""
         if trainer.state.fn == "fit":
+            self.validation_due = checkpoint.get(VALIDATION_DUE) is True
             resume_where_stopped(checkpoint, trainer)
             count_cut_batch_once(checkpoint)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint[VALIDATION_DUE] = due_after_batch(trainer)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""
@@ -173,6 +186,9 @@ class ModuleHooks(L.Callback):
         """After a checkpoint's restore: a step count off the multiples of
         ``model.num_iterations`` (trained with another k) runs past ``max_steps``; a cosine
         schedule that does not end with the run (``settings.warn_unended_cosine``)."""
+        if trainer.ckpt_path is not None:  # collective: every rank resumes
+            validate_first(trainer, getattr(self, "validation_due", False))
+        self.validation_due = False
         warn_unended_cosine(trainer, TrainerState.from_trainer(trainer,
                                                                *pl_module._progress).max_steps)
         k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
@@ -211,6 +227,10 @@ class ModuleHooks(L.Callback):
 
     def on_validation_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         share_sigterm(trainer, training=False)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            note_validated(trainer)
 
     on_test_batch_end = on_validation_batch_end
 

@@ -1,0 +1,105 @@
+"""A validation that a stop cut short runs when the fit resumes.
+
+``ModelCheckpoint`` saves at a training batch's end, before that step's validation, and
+Lightning resumes such a checkpoint after that validation. A run stopped while it validated
+(Ctrl-C, SIGTERM, a kill: validation is long, so it is often where a stop lands) lost that
+step's validation values, and a ``val/`` monitored saver that candidate, without a word.
+
+The checkpoint cannot know whether the validation after it ended, so the validation's end
+records it: :func:`note_validated` writes ``validated.json`` into each saver's folder (its
+checkpoints' names, sizes and modification times). A checkpoint written
+before a validation says so (:func:`due_after_batch`); when a fit resumes from one that file
+does not name, :func:`validate_first` runs that validation before the next batch. A
+checkpoint moved without that file (``cp`` without ``-p``) has its validation run again: a
+second point at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from maxent_grpo.training.run.checkpoint_io import _is_local, atomic_write
+
+MARKER = "validated.json"
+#: the checkpoint's entry: True where it was written before a validation due at its step
+VALIDATION_DUE = "maxent_grpo_validation_due"
+
+
+def _identity(path: str) -> list[int] | None:
+    try:
+        info = os.stat(path)  # a save_last link: its file's
+    except OSError:
+        return None
+    return [info.st_size, info.st_mtime_ns]
+
+
+def _read(path: str) -> dict[str, list[int]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def note_validated(trainer: Any) -> None:
+    """At the end of a fit's validation (global rank 0): every checkpoint of this run's
+    savers is recorded as validated in its folder's ``validated.json`` (those of earlier
+    steps too: the run went on past them, so their validation ended; the entries of files
+    since replaced or deleted are dropped)."""
+    if not trainer.is_global_zero or trainer.sanity_checking:
+        return
+    for saver in trainer.checkpoint_callbacks:
+        folder = getattr(saver, "dirpath", None)
+        if not folder or not _is_local(folder):
+            continue
+        marker = os.path.join(folder, MARKER)
+        entries = {name: kept for name, kept in _read(marker).items()
+                   if _identity(os.path.join(folder, name)) == kept}
+        paths = {*getattr(saver, "best_k_models", {}), *(getattr(saver, name, "") for name in (
+            "best_model_path", "last_model_path", "_last_checkpoint_saved"))}
+        for path in filter(None, paths):
+            if _identity(path) is not None:
+                entries[os.path.relpath(path, folder)] = _identity(path)
+        text = json.dumps(entries, indent=1).encode()
+        atomic_write(marker, lambda f, text=text: f.write(text))
+
+
+def due_after_batch(trainer: Any) -> bool:
+    """Whether a checkpoint saved now comes before a validation the fit runs at this step:
+    saved at a training batch's end (its step done, its validation not begun) with that
+    validation due (Lightning's own test; not for ``val_check_interval`` as a time)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(getattr(loop, "batch_progress", None), "current", None)
+    return bool(
+        progress is not None and trainer.state.fn == "fit" and not trainer.validating
+        and progress.ready == progress.started == progress.processed == progress.completed + 1
+        and getattr(trainer, "_val_check_time_interval", None) is None
+        and loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def validate_first(trainer: Any, due: bool) -> bool:
+    """At the start of a fit resumed from ``trainer.ckpt_path`` (every rank): when that
+    checkpoint came before a validation (``due``: :func:`due_after_batch` when it was saved)
+    and its folder's ``validated.json`` does not name it, run that validation now, logged at
+    its step; returns whether it ran."""
+    if due and trainer.is_global_zero:
+        path = str(trainer.ckpt_path)
+        done = _read(os.path.join(os.path.dirname(os.path.abspath(path)), MARKER))
+        due = _identity(path) not in done.values()
+    if not trainer.strategy.broadcast(due, src=0):
+        return False
+    rank_zero_info(f"the validation of step {trainer.global_step} did not end before the run "
+                   "stopped: it runs first")
+    loop = trainer.fit_loop.epoch_loop  # as Lightning runs one after a batch
+    first = trainer._logger_connector._first_loop_iter
+    trainer.validating = True
+    loop.val_loop.batch_progress.current.reset()  # none of its batches ran
+    loop.val_loop.run()
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first
+    return True
