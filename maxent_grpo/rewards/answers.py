@@ -329,7 +329,10 @@ def accuracy_reward(
     (then it is 0.0); off the main thread (a reward ``timeout``, a worker thread), where
     math-verify's limit does not work, the comparisons run in a worker process
     (:class:`~maxent_grpo.rewards.verify_worker.Verifier`), so that an answer such as
-    ``9**(9*9*9*9*9*9*9*9*9)`` cannot hold the process.
+    ``9**(9*9*9*9*9*9*9*9*9)`` cannot hold the process. Against a reference that is a plain
+    number, an answer that is still a calculation of numbers (``59 - 63 * 15`` for -886,
+    the question copied) is 0.0: the final answer is asked for (``1/2`` is a number, and
+    ``59 - 63 * 15 = -886`` is graded by its value).
 
     >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],
     ...                 answer=["1/2"])
@@ -343,12 +346,28 @@ def accuracy_reward(
     parsed_golds: dict = {}
 
     def right(prediction: str, gold: str) -> bool:
+        if _PLAIN_NUMBER.fullmatch(gold.strip()) and _unworked(prediction):
+            return False
         if main:
             return math_equal(gold, prediction, parsed_golds)
         return VERIFIER.equal(gold, prediction)
 
     golds = [None if gold is None else reference_answer(str(gold)) for gold in golds]
     return _graded(completions, golds, right, thinking(prompts, kwargs), answer_only=True)
+
+
+_PLAIN_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?")
+_LITERAL = r"\(*\s*[-+−]?\s*\d+(\.\d+)?\s*\)*"
+_CALCULATION = re.compile(rf"{_LITERAL}(\s*[-+−*/×÷·x]\s*{_LITERAL})+")
+
+
+def _unworked(answer: str) -> bool:
+    """``answer`` (``$`` and a final period aside) is arithmetic of numbers, not its value;
+    a fraction of two integers (``1/2``) is a number."""
+    text = answer.strip().strip("$").strip().removesuffix(".").strip()
+    for latex, op in (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/")):
+        text = text.replace(latex, op)
+    return bool(_CALCULATION.fullmatch(text)) and not re.fullmatch(r"-?\d+\s*/\s*\d+", text)
 
 
 @register_reward("first_number")

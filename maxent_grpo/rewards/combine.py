@@ -189,7 +189,7 @@ def _call(
         values = fn(prompts=prompts, completions=completions, **kwargs)
         # async def; checked here so that a sync reward's step runs nothing of timeout.py
         values = awaited(values) if inspect.isawaitable(values) else values
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # sys.exit in a reward ended the fit, exit 0
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
     n = len(completions)
     if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 1:

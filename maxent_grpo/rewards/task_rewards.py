@@ -20,7 +20,7 @@ from maxent_grpo.rewards.answers import (
 )
 from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.tasks.countdown import check_countdown
-from maxent_grpo.tasks.expressions import split_equation
+from maxent_grpo.tasks.expressions import number_value, split_equation, unwrap_math
 
 
 @register_reward("countdown")
@@ -42,7 +42,7 @@ def countdown_reward(
     def right(answer: str, row: tuple) -> bool:
         # SYMBOLS read as operators; ``expr = target`` keeps expr, another right side fails
         expression, rhs = split_equation(answer)
-        return (rhs is None or rhs.strip() == str(row[1])) and check_countdown(
+        return (rhs is None or number_value(rhs, expressions=False) == row[1]) and check_countdown(
             expression, list(row[0]), row[1])
 
     n = len(completions)
@@ -97,7 +97,7 @@ def digit_pair_reward(
     [1.0, 1.0, 0.0, 0.0, 0.0]
     """
     def right(answer: str, row_target: int) -> bool:
-        match = _DIGIT_PAIR.fullmatch(answer)
+        match = _DIGIT_PAIR.fullmatch(unwrap_math(answer))
         return match is not None and int(match[1]) + int(match[2]) == row_target
 
     targets = [None if value is None else _integer("digit_pair", "target", value, row)

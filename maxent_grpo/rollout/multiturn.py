@@ -303,7 +303,7 @@ class MultiTurnEngine:
             for i, env in enumerate(envs):
                 try:
                     env.reset(prompts[i // G], answers[i // G])
-                except Exception as err:
+                except (Exception, SystemExit) as err:  # sys.exit: not the run's end
                     raise UserCodeError(f"{type(env).__name__}.reset failed on prompt "
                                         f"{prompts[i // G]!r:.200}: {type(err).__name__}: "
                                         f"{err}") from err

@@ -187,9 +187,30 @@ SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "�
            "∗": "*", "−": "-"}
 
 
+_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+
+
+def unwrap_math(answer: str) -> str:
+    """``answer`` without what a chat model writes around a formula: a final period, the
+    math delimiters ``$...$``, ``$$...$$``, ``\\(...\\)``, ``\\[...\\]``; and with
+    ``\\frac{a}{b}`` as ``(a)/(b)``.
+
+    >>> unwrap_math("$8 + \\\\frac{12}{3}$."), unwrap_math("4 + 5.")
+    ('8 + (12)/(3)', '4 + 5')
+    """
+    text = answer.strip().removesuffix(".").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(text) > len(left + right) and text.startswith(left) and text.endswith(right):
+            text = text[len(left):-len(right)].strip().removesuffix(".").strip()
+            break
+    return _FRAC.sub(r"(\1)/(\2)", text)
+
+
 def split_equation(answer: str) -> tuple[str, str | None]:
-    """``answer`` with the :data:`SYMBOLS` read as ``*``, ``/``, ``-``, as ``(left, right)``
-    of its one ``=`` (``right`` None unless it has exactly one)."""
+    """``answer`` (:func:`unwrap_math`) with the :data:`SYMBOLS` read as ``*``, ``/``,
+    ``-``, as ``(left, right)`` of its one ``=`` (``right`` None unless it has exactly
+    one)."""
+    answer = unwrap_math(answer)
     for symbol, op in SYMBOLS.items():
         answer = answer.replace(symbol, op)
     if answer.count("=") == 1:

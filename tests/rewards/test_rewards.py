@@ -265,6 +265,25 @@ def test_accuracy_grades_a_list_of_guesses_as_its_last_guess() -> None:
         assert scores == last, reference
 
 
+def test_accuracy_does_not_pay_for_the_question_copied() -> None:
+    """The default task's and reward's pair (``arithmetic``, ``accuracy``) scored 1.0 for
+    ``<answer>59 - 63 * 15</answer>``, the prompt's expression copied, on every row: the
+    value was compared (a hunt of the tasks). A calculation left undone is no answer to a
+    number; its result, a fraction or an equation ending in the value still are."""
+    from maxent_grpo.tasks import build_task
+
+    rows = build_task("arithmetic", 50, 0)
+    copied = [f"<answer>{r['expression']}</answer>" for r in rows]
+    assert accuracy_reward(["q"] * 50, copied, answer=[r["answer"] for r in rows]) == [0.0] * 50
+    answers = ["59 - 63 * 15", "$3 \\times 4$", "(3 + 4)", "-886", "-886.", "1/2", "3 + 4 = 7",
+               "2^{3}", "1,665"]
+    references = ["-886", "12", "7", "-886", "-886", "0.5", "7", "8", "1665"]
+    assert accuracy_reward(["q"] * 9, [f"<answer>{a}</answer>" for a in answers],
+                           answer=references) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # against a reference that is itself an expression the values are compared as before
+    assert accuracy_reward(["q"], ["<answer>1 + 1/2</answer>"], answer=["3/2"]) == [1.0]
+
+
 def test_accuracy_conversational_and_extra_columns() -> None:
     completions = [
         [{"role": "assistant", "content": "<answer>4</answer>"}],
@@ -297,6 +316,16 @@ def test_bad_completion_structure() -> None:
         (r"(3 + 5) \times 2", 1.0),
         ("(3 + 5) * 2 = 16", 1.0),
         ("(3 + 5) * 2 = 17", 0.0),
+        # as chat models write them (each scored 0: a hunt of the tasks)
+        ("(3 + 5) * 2.", 1.0),
+        ("(3 + 5) * 2 = 16.", 1.0),
+        ("(3 + 5) * 2 = 16.0", 1.0),
+        ("$(3 + 5) * 2$", 1.0),
+        (r"\((3 + 5) \cdot 2\)", 1.0),
+        (r"$$\frac{(3 + 5) * 2}{1}$$", 0.0),  # 1 is not given
+        (r"\frac{(3 + 5) * 2 * 5}{5}", 0.0),  # 5 twice
+        (r"2 * \frac{3 + 5}{1}", 0.0),
+        ("$(3 + 5) * 2 = 17$", 0.0),
         ("3 + 5 * 2", 0.0),  # 13
         ("(3 + 3) * 2", 0.0),  # 3 reused
         ("__import__('os')", 0.0),
@@ -425,6 +454,16 @@ def test_score_completions_raising_function() -> None:
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_reward_that_calls_sys_exit_is_named_not_the_runs_end() -> None:
+    """``sys.exit(0)`` in a reward (a library's, argparse's) ended the fit with exit code 0
+    and no word, a job scheduler recording success (a hunt of distributed failures)."""
+    def exits(prompts: list, completions: list, **kwargs: object) -> list:
+        sys.exit(0)
+
+    with pytest.raises(RewardFunctionError, match=r"'exits' \(#0\) raised SystemExit: 0"):
+        score_completions([("exits", exits, 1.0)], ["p"], ["c"], {})
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -518,6 +557,15 @@ def test_first_number_reward_reads_the_first_integer_only():
     assert first_number_reward(["q"], ["8"], answer=[None]) == [None]
     with pytest.raises(ValueError, match="completion 0 of the step must be an integer"):
         first_number_reward(["q"], ["8"], answer=["eight"])
+
+
+def test_digit_pair_reward_reads_a_pair_as_chat_models_write_it() -> None:
+    from maxent_grpo.rewards import digit_pair_reward
+
+    completions = ["4 + 5.", "<answer>$4 + 5$</answer>", r"<answer>\(4 + 5\)</answer>",
+                   "4 + 5 = 9", "$4 + 5 = 9$", "4 + 5.5"]
+    assert digit_pair_reward(["q"] * 6, completions, target=[9] * 6) == [1.0, 1.0, 1.0, 0.0,
+                                                                         0.0, 0.0]
 
 
 def test_digit_pair_reward_agrees_with_the_answer_set() -> None:

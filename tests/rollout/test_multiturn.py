@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 
 import numpy
@@ -226,6 +227,8 @@ class Guess:
         self.limit, self.guesses, self.target = limit, [], None
 
     def reset(self, prompt: str, answer: str) -> None:
+        if answer == "exit":
+            sys.exit(3)  # a library's own exit
         self.prompt, self.target = prompt, int(answer)
 
     def step(self, action: str) -> tuple[str, bool]:
@@ -276,6 +279,10 @@ def test_an_environment_steps_until_done():
         engine(["42"], env=factory).generate(["guess"], ["forty-two"], 1)
     assert is_user_error(raised.value)
     assert find_user_error(raised.value)[1].startswith("Guess.reset failed on prompt")
+    # sys.exit in reset was the fit's end, with exit code 0 (a hunt of distributed failures)
+    with pytest.raises(UserCodeError, match=r"Guess.reset failed on prompt 'guess': "
+                                            r"SystemExit: 3"):
+        engine(["42"], env=factory).generate(["guess"], ["exit"], 1)
     # a done that is a NumPy bool or a 0-d boolean tensor is a truth value, read as such
     for kind in ("np", "pt"):
         out = engine([f"array 41 {kind}", f"array 42 {kind}", "40"], env=factory,
