@@ -85,7 +85,8 @@ def countdown(
     Each row: ``prompt`` (user message), ``answer`` (one valid expression), ``task``
     (``"countdown"``), ``numbers`` (``num_numbers`` ints drawn uniformly from
     ``[min_value, max_value]``, repeats possible) and ``target`` (positive int, at most
-    ``max_target`` when given). A longer list with the same seed starts with the shorter one.
+    ``max_target`` when given, never one of the numbers: the number alone would be an
+    answer). A longer list with the same seed starts with the shorter one.
     """
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -103,7 +104,8 @@ def countdown(
                 expression, value = _random_expression(rng, numbers)
             except ZeroDivisionError:
                 continue
-            if value.denominator == 1 and value > 0 and (max_target is None or value <= max_target):
+            if value.denominator == 1 and value > 0 and value not in numbers and (
+                    max_target is None or value <= max_target):  # a number given: no problem
                 break
         else:
             raise ValueError(

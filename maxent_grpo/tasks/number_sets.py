@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 
 from maxent_grpo.tasks.spec import in_blocks
-from maxent_grpo.validation import check_int
+from maxent_grpo.validation import check_int, require
 
 #: name -> (prompt, members)
 SETS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -56,6 +56,8 @@ def number_sets(num_rows: int, seed: int, *, sets: list[str] | None = None) -> l
     """
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
+    require(sets is None or isinstance(sets, (list, tuple)),
+            f"sets must be a list of set names (e.g. [prime]); got {sets!r}")
     names = list(SETS) if sets is None else list(sets)
     unknown = [n for n in names if n not in SETS]
     if not names or unknown:
@@ -88,6 +90,8 @@ def divisors(num_rows: int, seed: int, *, numbers: list[int] | None = None) -> l
     """
     check_int("num_rows", num_rows, minimum=1)
     check_int("seed", seed, minimum=0)
+    require(numbers is None or isinstance(numbers, (list, tuple)),
+            f"numbers must be a list of numbers (e.g. [36]); got {numbers!r}")
     chosen = list(DIVISOR_NUMBERS if numbers is None else numbers)
     if not chosen or len(set(chosen)) != len(chosen):
         raise ValueError(f"numbers must name distinct numbers, at least one; got {numbers!r}")

@@ -103,6 +103,7 @@ def test_countdown_rows_verify_with_their_own_answer(num_numbers: int) -> None:
         numbers, target = row["numbers"], row["target"]
         assert len(numbers) == num_numbers and all(1 <= n <= 9 for n in numbers)
         assert isinstance(target, int) and target > 0
+        assert target not in numbers  # it was on 6-11% of rows: the number alone scored 1
         assert check_countdown(row["answer"], numbers, target), row
         assert str(numbers) in row["prompt"] and str(target) in row["prompt"]
         # independent check: the answer's literals are exactly the numbers, and Python's
@@ -110,6 +111,24 @@ def test_countdown_rows_verify_with_their_own_answer(num_numbers: int) -> None:
         literals = sorted(int(tok) for tok in re.findall(r"\d+", row["answer"]))
         assert literals == sorted(numbers)
         assert abs(eval(row["answer"]) - target) < 1e-9  # our own generated digits and ops
+
+
+def test_a_countdown_problem_shown_in_another_order_is_held_out_of_training() -> None:
+    """The holdout compared prompts, so 57 of the 128 validation problems of the countdown
+    configs were training problems with their numbers reordered (a hunt of the tasks)."""
+    from maxent_grpo.training.data.sources import task_sources
+
+    options = {"num_numbers": 3, "max_target": 100}
+    sources = task_sources("countdown", options, 2000, 64, 0, "prompt", True)
+    problem = lambda r: (tuple(sorted(r["numbers"])), r["target"])  # noqa: E731
+    held = {problem(r) for r in sources.val.rows}
+    assert len(held) > 40 and not [r for r in sources.train.rows if problem(r) in held]
+    every = task_sources("countdown", options, 2000, 64, 0, "prompt", False)
+    assert len(every.train.rows) > len(sources.train.rows)  # there were some to drop
+    # the same for countdown_multi, whose rows list every answer
+    multi = task_sources("countdown_multi", {}, 500, 32, 0, "prompt", True)
+    held = {problem(r) for r in multi.val.rows}
+    assert not [r for r in multi.train.rows if problem(r) in held]
 
 
 def test_countdown_max_target() -> None:
@@ -265,6 +284,10 @@ def test_number_sets_list_every_member_and_are_graded_by_the_first_integer():
     assert in_set_reward(["q"], ["7"], valid_answers=[None]) == [None]
     with pytest.raises(ValueError, match="sets must name"):
         build_task("number_sets", 1, 0, sets=["cubes"])
+    # one name, not a list: its letters were taken as names (a hunt of the tasks)
+    with pytest.raises(ValueError, match=r"sets must be a list of set names \(e.g. \[prime\]\); "
+                                         "got 'prime'"):
+        build_task("number_sets", 1, 0, sets="prime")
 
 
 def test_divisors_list_every_proper_divisor_and_refuse_primes():
@@ -288,6 +311,9 @@ def test_divisors_list_every_proper_divisor_and_refuse_primes():
         build_task("divisors", 1, 0, numbers=[12, 13])
     with pytest.raises(ValueError, match="numbers"):
         build_task("divisors", 1, 0, numbers=[2])
+    with pytest.raises(ValueError, match=r"numbers must be a list of numbers \(e.g. \[36\]\); "
+                                         "got 36"):  # a TypeError, "a bug in maxent_grpo"
+        build_task("divisors", 1, 0, numbers=36)
     with pytest.raises(ValueError, match="distinct"):
         build_task("divisors", 1, 0, numbers=[12, 12])
 

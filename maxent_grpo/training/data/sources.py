@@ -182,19 +182,23 @@ def task_sources(
     """``train_size`` rows of ``task`` from seed ``2*seed``, ``val_size`` (maybe 0) from
     ``2*seed + 1`` (or the rows of ``val_files``: :func:`val_file_rows`); with
     ``holdout_val_prompts`` the training rows whose ``prompt_column`` value is also a
-    validation row's are dropped (logged)."""
+    validation row's are dropped (logged), and so are those with a validation row's
+    ``numbers`` (in any order) and ``target`` (a countdown problem shown in another order)."""
     train = build_task(task, train_size, 2 * seed, **options)
     val = (val_files.rows if val_files is not None
            else build_task(task, val_size, 2 * seed + 1, **options) if val_size else [])
-    val_prompts = {json.dumps(r.get(prompt_column), sort_keys=True) for r in val}
-    keep = [
-        i
-        for i, r in enumerate(train)
-        if not holdout_val_prompts
-        or json.dumps(r.get(prompt_column), sort_keys=True) not in val_prompts
-    ]
+    def problem(row: dict[str, Any]) -> str:
+        """The prompt, or a countdown problem whatever the order its numbers are shown in."""
+        if isinstance(row.get("numbers"), list) and "target" in row:
+            return json.dumps([sorted(row["numbers"]), row["target"]])
+        return json.dumps(row.get(prompt_column), sort_keys=True)
+
+    val_problems = {problem(r) for r in val}
+    keep = [i for i, r in enumerate(train)
+            if not holdout_val_prompts or problem(r) not in val_problems]
     if len(keep) < len(train):
-        log.info("dropped %d training rows that repeat a validation prompt", len(train) - len(keep))
+        log.info("dropped %d training rows that repeat a validation prompt (or problem)",
+                 len(train) - len(keep))
     source = f"task {task!r}"
     return Sources(
         SplitRows([train[i] for i in keep], keep, f"{source} (train)"),
