@@ -269,7 +269,12 @@ class CompletionSamples(Callback):
             self._jsonl_file = Path(self.jsonl_path.replace("{log_dir}", self._log_dir(trainer)))
             require(not self._jsonl_file.is_dir(), f"CompletionSamples.jsonl_path "
                     f"{str(self._jsonl_file)!r} is a folder; name a file to append to")
-            self._jsonl_file.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._jsonl_file.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"CompletionSamples.jsonl_path {str(self._jsonl_file)!r}: its "
+                                 f"folder cannot be made ({err.strerror or err}); name a file "
+                                 "in a folder you can write to") from err
         return self._jsonl_file
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -243,6 +243,17 @@ def test_the_cli_config_is_logged_once_at_fit_start(tmp_path):
 # ---------------------------------------------------------------------- JSONL
 
 
+def test_a_jsonl_path_whose_folder_cannot_be_made_names_the_option(tmp_path):
+    """It said only "[Errno 2] No such file or directory: '/proc/self/nope'" (a hunt)."""
+    trainer, _ = fake(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    cb = CompletionSamples(every_n_steps=1, jsonl_path=str(tmp_path / "afile" / "r.jsonl"))
+    with pytest.raises(ValueError, match=r"CompletionSamples.jsonl_path '.*afile/r.jsonl': its "
+                                         r"folder cannot be made \(.*\); name a file in a "
+                                         "folder you can write to"):
+        cb.on_fit_start(trainer, None)
+
+
 def test_jsonl_has_every_completion_of_every_step(tmp_path):
     trainer, module = fake(tmp_path)
     cb = CompletionSamples(every_n_steps=100, jsonl_path="{log_dir}/samples/run.jsonl")
