@@ -109,8 +109,9 @@ def countdown(
                 break
         else:
             raise ValueError(
-                f"countdown could not draw a positive integer target <= {max_target} from "
-                f"numbers in [{min_value}, {max_value}] in {_MAX_DRAWS} tries; widen "
+                f"countdown could not draw a positive integer target <= {max_target}, not one "
+                f"of the numbers, from numbers in [{min_value}, {max_value}] in {_MAX_DRAWS} "
+                "tries; widen "
                 "max_target or the value range"
             )
         target = int(value)

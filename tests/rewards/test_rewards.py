@@ -176,7 +176,8 @@ def test_accuracy(completion: str, answer: str | None, expected: float | None) -
         ("0.00001", "1e-05", 1.0),
         ("1", "1e-05", 0.0),
         ("\u22122", "-2", 1.0),
-        ("3 \u2212 2", "1", 1.0),
+        ("x \u2212 2", "x-2", 1.0),
+        ("3 \u2212 2", "1", 0.0),  # a calculation left undone is no answer to a number
     ],
 )
 def test_accuracy_reads_latex_answers_whole(prediction: str, answer: str,
@@ -282,6 +283,10 @@ def test_accuracy_does_not_pay_for_the_question_copied() -> None:
                            answer=references) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     # against a reference that is itself an expression the values are compared as before
     assert accuracy_reward(["q"], ["<answer>1 + 1/2</answer>"], answer=["3/2"]) == [1.0]
+    # a signed fraction, however written, is a number (a reader found these scored 0)
+    fractions = ["\u22121/2", "(1/2)", "(1)/(2)", "-3/4", "$3/4$"]
+    assert accuracy_reward(["q"] * 5, [f"<answer>{f}</answer>" for f in fractions],
+                           answer=["-0.5", "0.5", "0.5", "-0.75", "0.75"]) == [1.0] * 5
 
 
 def test_accuracy_conversational_and_extra_columns() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import doctest
+import json
 import re
 
 import pytest
@@ -125,6 +126,17 @@ def test_a_countdown_problem_shown_in_another_order_is_held_out_of_training() ->
     assert len(held) > 40 and not [r for r in sources.train.rows if problem(r) in held]
     every = task_sources("countdown", options, 2000, 64, 0, "prompt", False)
     assert len(every.train.rows) > len(sources.train.rows)  # there were some to drop
+    # validation rows read from a CSV file hold text: the same problems, and their prompts
+    from maxent_grpo.training.data.sources import SplitRows
+
+    train = every.train.rows
+    cells = [{"prompt": train[0]["prompt"], "numbers": "[1, 2]", "target": "3"},
+             {"prompt": "mine", "numbers": json.dumps(train[1]["numbers"][::-1]),
+              "target": str(train[1]["target"])}]
+    read = task_sources("countdown", options, 2000, 64, 0, "prompt", True,
+                        SplitRows.whole(cells, "val.csv"))
+    assert [r for r in train if problem(r) in {problem(train[0]), problem(train[1])}] and not [
+        r for r in read.train.rows if problem(r) in {problem(train[0]), problem(train[1])}]
     # the same for countdown_multi, whose rows list every answer
     multi = task_sources("countdown_multi", {}, 500, 32, 0, "prompt", True)
     held = {problem(r) for r in multi.val.rows}
@@ -366,8 +378,9 @@ def test_arithmetic_answers_are_one_however_the_number_is_written():
     assert row["answer"] == "-886" and row["answer_form"] == "value"
     written = ["-886", "\u2212886", "-886.0", "$-886$", "59 - 63 * 15 = -886", "59 - 63*15"]
     completions = [f"<answer>{w}</answer>" for w in written]
+    # the question copied, a calculation left undone, is no answer (it scored 1.0)
     assert accuracy_reward([row["prompt"]] * 6, completions, answer=[row["answer"]] * 6) == [
-        1.0] * 6
+        1.0] * 5 + [0.0]
     assert {answer_key(c, "value") for c in completions} == {"-886"}
     assert answer_key("<answer>-885</answer>", "value") == "-885"
     assert answer_key("<answer>minus 886</answer>", "value") == "minus 886"  # as text
@@ -387,7 +400,9 @@ def test_arithmetic_answers_are_one_however_the_number_is_written():
     long = "1" * 3000 + "." + "1" * 3000
     assert answer_key(f"<answer>{long}</answer>") == long
     # only numbers: an expression the form does not read stays text, not its value
-    assert answer_key("<answer>$5 * 3 + 1$</answer>") == "$5 * 3 + 1$"
+    # ($...$ are the formula's delimiters: the expression, as written without them)
+    assert answer_key("<answer>$5 * 3 + 1$</answer>") == answer_key(
+        "<answer>5 * 3 + 1</answer>") == "1 + 3 * 5"
 
 
 def test_number_sets_list_every_answer_their_prompts_admit():

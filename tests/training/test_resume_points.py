@@ -186,3 +186,103 @@ def test_a_resume_with_another_num_iterations_off_its_multiples_is_warned(cache_
         trainer = fit(make_module(cache_dir, num_iterations=2), make_data(cache_dir), steps=6,
                       ckpt_path=str(tmp_path / "last.ckpt"))
     assert trainer.global_step == 7
+
+
+class StopInValidation(L.Callback):
+    """Ctrl-C, or the stop a SIGTERM makes, after the first batch of the validation at
+    optimizer step ``step``."""
+
+    def __init__(self, step: int, how: str) -> None:
+        self.step, self.how = step, how
+
+    def on_validation_batch_end(self, trainer, *_) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not trainer.sanity_checking and trainer.global_step == self.step:
+            raise KeyboardInterrupt if self.how == "ctrl-c" else SIGTERMException
+
+
+class Validated(L.Callback):
+    """The steps of the fit's validations that ended, with their ``val/pass@1``."""
+
+    def __init__(self) -> None:
+        self.at: list[tuple[int, float]] = []
+
+    def on_validation_end(self, trainer, module) -> None:
+        if not trainer.sanity_checking:
+            self.at.append((trainer.global_step, float(trainer.callback_metrics["val/pass@1"])))
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_validation_a_stop_cut_short_runs_when_the_fit_resumes(cache_dir, tmp_path, how):
+    """``save_on_exception`` saved the step in the middle of its validation, which the resume
+    skipped (or finished from its second batch): that validation's values were lost. It
+    runs whole, first, with the values of a fit that never stopped (a reader)."""
+    import signal
+
+    def run(callbacks, steps=6, ckpt_path=None):
+        seen = Validated()
+        fit(make_module(cache_dir, eval_num_generations=2), make_data(cache_dir), steps=steps,
+            tmp_path=tmp_path, ckpt_path=ckpt_path, enable_checkpointing=True,
+            num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=3,
+            check_val_every_n_epoch=None, callbacks=[seen, *callbacks])
+        return seen.at
+
+    whole = run([])
+    assert [step for step, _ in whole] == [3, 6]
+    def saver():
+        return ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=4,
+                               save_on_exception=True)
+
+    handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C
+    try:
+        with pytest.raises((SystemExit, Exception)):
+            run([saver(), StopInValidation(3, how)])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert run([saver()], ckpt_path=str(tmp_path / "ck" / "last.ckpt")) == whole
+    # stopped in the final validation, whose step was saved before it: a fit with no step
+    # left does not run it, and says so; one with more steps runs it first
+    final = ModelCheckpoint(dirpath=tmp_path / "end", save_last=True, every_n_train_steps=3,
+                            save_on_exception=True)
+    try:
+        with pytest.raises((SystemExit, Exception)):
+            run([final, StopInValidation(6, how)])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    last = str(tmp_path / "end" / "last.ckpt")
+    with pytest.warns(UserWarning, match="the validation of step 6 did not end before the run "
+                                         "stopped, and this fit had no step left to train"):
+        assert run([], ckpt_path=last) == []
+    assert [step for step, _ in run([], steps=9, ckpt_path=last)] == [6, 9]
+
+
+def test_the_validated_checkpoints_are_found_in_a_savers_folder_and_never_remote(tmp_path):
+    """A metric in ``filename`` puts a checkpoint in a subfolder of the saver's ``dirpath``,
+    where ``validated.json`` is: it was looked for beside the file only, and the validation
+    ran twice; a remote checkpoint has no such file and its validation ran on every resume;
+    ``fast_dev_run``'s one batch recorded the checkpoints as validated (a reader)."""
+    import json
+    from types import SimpleNamespace
+
+    from maxent_grpo.training.run.validated import note_validated, unvalidated
+
+    folder = tmp_path / "ck"
+    (folder / "run").mkdir(parents=True)
+    ckpt = folder / "run" / "step=4.ckpt"
+    ckpt.write_bytes(b"x")
+    saver = SimpleNamespace(dirpath=str(folder), best_k_models={str(ckpt): 0.5},
+                            best_model_path="", last_model_path="", _last_checkpoint_saved="")
+    trainer = SimpleNamespace(is_global_zero=True, sanity_checking=False, fast_dev_run=1,
+                              checkpoint_callbacks=[saver], ckpt_path=str(ckpt))
+    note_validated(trainer)
+    assert not (folder / "validated.json").exists() and unvalidated(trainer)
+    trainer.fast_dev_run = 0
+    note_validated(trainer)
+    assert list(json.loads((folder / "validated.json").read_text())) == ["run/step=4.ckpt"]
+    assert not unvalidated(trainer)
+    ckpt.write_bytes(b"another")  # replaced since: not the checkpoint that was validated
+    assert unvalidated(trainer)
+    trainer.ckpt_path = "s3://bucket/run/last.ckpt"
+    assert not unvalidated(trainer)

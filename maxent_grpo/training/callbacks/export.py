@@ -96,22 +96,26 @@ def _replace(out: Path, write: Any) -> None:
     and an earlier export in ``out`` (a run before this one into the same folder) is
     replaced whole (written over, its files that this export lacks, an adapter beside a full
     model, would have made the folder load as the earlier model) or, if the write fails,
-    kept. A new or empty ``out`` is renamed onto; where that cannot be (a mount point), the
-    export is moved into it file by file."""
+    kept. A new or empty ``out`` that cannot be written beside (a mount point, a parent
+    folder that is not writable) is written in place."""
+    earlier = out.is_dir() and any(out.iterdir())
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    earlier = out.is_dir() and any(out.iterdir())
     try:
+        if not earlier and os.path.ismount(out):
+            raise OSError("a mount point")
         tmp.mkdir(parents=True)
+    except OSError:
+        if earlier:
+            raise
+        out.mkdir(parents=True, exist_ok=True)
+        write(out)
+        return
+    try:
         write(tmp)
         if not earlier:
-            try:
-                os.replace(tmp, out)
-            except OSError:  # an empty folder that cannot be replaced: fill it
-                out.mkdir(exist_ok=True)
-                for item in tmp.iterdir():
-                    os.replace(item, out / item.name)
+            os.replace(tmp, out)  # a new folder, or onto an empty one
             return
         os.replace(out, old)
         try:

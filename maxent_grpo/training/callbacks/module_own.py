@@ -36,8 +36,9 @@ from maxent_grpo.training.run.signals import (
 )
 from maxent_grpo.training.run.validated import (
     VALIDATION_DUE,
-    due_after_batch,
     note_validated,
+    saved_before_validation,
+    unvalidated,
     validate_first,
 )
 from maxent_grpo.training.settings import warn_unended_cosine
@@ -176,7 +177,8 @@ class ModuleHooks(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        checkpoint[VALIDATION_DUE] = due_after_batch(trainer)
+        checkpoint[VALIDATION_DUE] = saved_before_validation(
+            trainer, getattr(self, "validation_ended", True))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""
@@ -220,6 +222,7 @@ class ModuleHooks(L.Callback):
                 saver._save_last_checkpoint(trainer, saver._monitor_candidates(trainer))
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.validation_ended = False
         if trainer.state.fn == "validate":  # a fit checks its rows at its start
             pl_module.check_reward_rows(splits=("val",))
         same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
@@ -229,8 +232,20 @@ class ModuleHooks(L.Callback):
         share_sigterm(trainer, training=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Before the savers' own saves at a validation's end: it ended."""
+        self.validation_ended = True
         if trainer.state.fn == "fit":
             note_validated(trainer)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A resumed fit that trained no step (its ``max_steps`` reached at the checkpoint)
+        does not run the validation a stop cut short: named."""
+        if getattr(self, "validation_due", False) and trainer.is_global_zero and unvalidated(
+                trainer):
+            rank_zero_warn(f"the validation of step {trainer.global_step} did not end before "
+                           "the run stopped, and this fit had no step left to train: validate "
+                           f"with the run's config and --ckpt_path {trainer.ckpt_path} runs it")
+        self.validation_due = False
 
     on_test_batch_end = on_validation_batch_end
 

@@ -192,11 +192,16 @@ class ReadableProgressBar(TQDMProgressBar):
             parts.append(f"eta {eta}")
         return "  ".join(parts)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A new run's summary (from here: a resumed fit's first validation, that of the step
+        a stop cut short, runs before the training starts)."""
+        super().on_fit_start(trainer, pl_module)
+        self.report = RewardRecord()
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self.rewards.clear()
         self.last_record = {}
-        self.report = RewardRecord()
         self._start_step = self._last_line_step = trainer.global_step
         self._start_time = self._last_line_time = time.monotonic()
         # MaxEntGRPOModule: k optimizer steps a batch, none in its first max_staleness ones

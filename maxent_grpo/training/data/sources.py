@@ -187,15 +187,17 @@ def task_sources(
     train = build_task(task, train_size, 2 * seed, **options)
     val = (val_files.rows if val_files is not None
            else build_task(task, val_size, 2 * seed + 1, **options) if val_size else [])
-    def problem(row: dict[str, Any]) -> str:
-        """The prompt, or a countdown problem whatever the order its numbers are shown in."""
-        if isinstance(row.get("numbers"), list) and "target" in row:
-            return json.dumps([sorted(row["numbers"]), row["target"]])
-        return json.dumps(row.get(prompt_column), sort_keys=True)
+    def problem(row: dict[str, Any]) -> set[str]:
+        """The prompt, and a countdown problem whatever the order its numbers are shown in
+        (read from text too: a CSV cell of ``val_files``)."""
+        keys = {json.dumps(row.get(prompt_column), sort_keys=True)}
+        numbers, target = (_cell(row.get(key)) for key in ("numbers", "target"))
+        if isinstance(numbers, list) and all(_whole(n) for n in [*numbers, target]):
+            keys.add(json.dumps([sorted(int(n) for n in numbers), int(target)]))
+        return keys
 
-    val_problems = {problem(r) for r in val}
-    keep = [i for i, r in enumerate(train)
-            if not holdout_val_prompts or problem(r) not in val_problems]
+    held = set().union(*map(problem, val))
+    keep = [i for i, r in enumerate(train) if not holdout_val_prompts or not problem(r) & held]
     if len(keep) < len(train):
         log.info("dropped %d training rows that repeat a validation prompt (or problem)",
                  len(train) - len(keep))
@@ -204,6 +206,21 @@ def task_sources(
         SplitRows([train[i] for i in keep], keep, f"{source} (train)"),
         val_files or SplitRows.whole(val, f"{source} (val)"),
     )
+
+
+def _cell(value: Any) -> Any:
+    """``value``, or the JSON a text holds (a CSV cell)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(
+        value).is_integer()
 
 
 def val_file_rows(val_files: str | list[str], cache_dir: str | None,

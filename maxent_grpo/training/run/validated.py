@@ -8,10 +8,12 @@ step's validation values, and a ``val/`` monitored saver that candidate, without
 The checkpoint cannot know whether the validation after it ended, so the validation's end
 records it: :func:`note_validated` writes ``validated.json`` into each saver's folder (its
 checkpoints' names, sizes and modification times). A checkpoint written
-before a validation says so (:func:`due_after_batch`); when a fit resumes from one that file
-does not name, :func:`validate_first` runs that validation before the next batch. A
-checkpoint moved without that file (``cp`` without ``-p``) has its validation run again: a
-second point at the same step.
+before a validation ended says so (:func:`saved_before_validation`); when a fit resumes from
+one that file does not name, :func:`validate_first` runs that validation before the next
+batch. A checkpoint moved without that file (``cp`` without ``-p``) has its validation run
+again: a second point at the same step; a remote one (``s3://``) has no such file, and its
+validation is not run again. A fit with no step left (its ``max_steps`` reached at that
+checkpoint) runs none: a warning names ``validate``.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def note_validated(trainer: Any) -> None:
     """At the end of a fit's validation (global rank 0): every checkpoint of this run's
     savers is recorded as validated in its folder's ``validated.json`` (those of earlier
     steps too: the run went on past them, so their validation ended; the entries of files
-    since replaced or deleted are dropped)."""
-    if not trainer.is_global_zero or trainer.sanity_checking:
+    since replaced or deleted are dropped). Not for ``fast_dev_run``'s one batch."""
+    if not trainer.is_global_zero or trainer.sanity_checking or trainer.fast_dev_run:
         return
     for saver in trainer.checkpoint_callbacks:
         folder = getattr(saver, "dirpath", None)
@@ -69,37 +71,56 @@ def note_validated(trainer: Any) -> None:
         atomic_write(marker, lambda f, text=text: f.write(text))
 
 
-def due_after_batch(trainer: Any) -> bool:
-    """Whether a checkpoint saved now comes before a validation the fit runs at this step:
-    saved at a training batch's end (its step done, its validation not begun) with that
-    validation due (Lightning's own test; not for ``val_check_interval`` as a time)."""
+def saved_before_validation(trainer: Any, validation_ended: bool) -> bool:
+    """Whether a checkpoint saved now comes before the end of a validation the fit runs at
+    this step: saved during one (an error or a stop, ``save_on_exception``; not a saver's
+    at its end, ``validation_ended``), or at a training batch's end (its step done, its
+    validation not begun) with a validation due (Lightning's own test; not for
+    ``val_check_interval`` as a time)."""
+    if trainer.state.fn != "fit" or trainer.sanity_checking:
+        return False
+    if trainer.validating:
+        return not validation_ended
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     progress = getattr(getattr(loop, "batch_progress", None), "current", None)
     return bool(
-        progress is not None and trainer.state.fn == "fit" and not trainer.validating
+        progress is not None
         and progress.ready == progress.started == progress.processed == progress.completed + 1
         and getattr(trainer, "_val_check_time_interval", None) is None
         and loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
 
 
+def unvalidated(trainer: Any) -> bool:
+    """On global rank 0: ``trainer.ckpt_path`` is named in no ``validated.json`` (its own
+    folder's, or a saver's: a checkpoint in a metric's subfolder); False for a remote one,
+    which has no such file (its validation is not run again on every resume)."""
+    path = str(trainer.ckpt_path)
+    if not _is_local(path) or _identity(path) is None:
+        return False
+    folders = {os.path.dirname(os.path.abspath(path)), *(
+        os.path.abspath(saver.dirpath) for saver in trainer.checkpoint_callbacks
+        if getattr(saver, "dirpath", None) and _is_local(saver.dirpath))}
+    return not any(_identity(path) in _read(os.path.join(folder, MARKER)).values()
+                   for folder in folders)
+
+
 def validate_first(trainer: Any, due: bool) -> bool:
     """At the start of a fit resumed from ``trainer.ckpt_path`` (every rank): when that
-    checkpoint came before a validation (``due``: :func:`due_after_batch` when it was saved)
-    and its folder's ``validated.json`` does not name it, run that validation now, logged at
-    its step; returns whether it ran."""
-    if due and trainer.is_global_zero:
-        path = str(trainer.ckpt_path)
-        done = _read(os.path.join(os.path.dirname(os.path.abspath(path)), MARKER))
-        due = _identity(path) not in done.values()
-    if not trainer.strategy.broadcast(due, src=0):
+    checkpoint came before the end of a validation (``due``: :func:`saved_before_validation`
+    when it was saved) that no ``validated.json`` records (:func:`unvalidated`), run that
+    validation now, logged at its step, in place of Lightning's resume (which skipped it, or
+    ran the rest of one stopped midway); returns whether it ran."""
+    if not trainer.strategy.broadcast(due and trainer.is_global_zero and unvalidated(trainer),
+                                      src=0):
         return False
     rank_zero_info(f"the validation of step {trainer.global_step} did not end before the run "
                    "stopped: it runs first")
     loop = trainer.fit_loop.epoch_loop  # as Lightning runs one after a batch
     first = trainer._logger_connector._first_loop_iter
     trainer.validating = True
-    loop.val_loop.batch_progress.current.reset()  # none of its batches ran
+    loop.val_loop.batch_progress.current.reset()  # none of its batches counts
     loop.val_loop.run()
+    loop.val_loop.reset_restart_stage()  # done: not to be finished by Lightning's resume
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first
     return True

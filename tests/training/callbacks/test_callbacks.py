@@ -545,6 +545,18 @@ def test_hf_export_into_a_new_or_empty_folder_leaves_nothing_when_it_fails(tmp_p
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["final"]
 
 
+def test_hf_export_into_a_mount_point_is_written_in_place(tmp_path, monkeypatch):
+    """A folder that is a mount point cannot be renamed onto (nor a file moved into it from
+    beside it): written in place, as before exports were written beside (a reader)."""
+    final = tmp_path / "hf" / "final"
+    final.mkdir(parents=True)
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == final)
+    trainer, module, export = exported_into(tmp_path)
+    assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
+    assert [p.name for p in final.parent.iterdir()] == ["final"]
+    assert module.runtime.model.saved == [final]
+
+
 def test_hf_export_into_a_linked_folder_replaces_the_folder_not_the_link(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
