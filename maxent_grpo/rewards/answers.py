@@ -358,7 +358,7 @@ def accuracy_reward(
 
 _PLAIN_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?")
 _LITERAL = r"\(*\s*[-+−]?\s*\d+(\.\d+)?\s*\)*"
-_SIGNED_FRACTION = re.compile(r"[-+]?\d+(\.\d+)?(/[-+]?\d+(\.\d+)?)?")
+_SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
 _CALCULATION = re.compile(rf"{_LITERAL}(\s*[-+−*/×÷·x]\s*{_LITERAL})+")
 
 

@@ -203,14 +203,26 @@ class StopInValidation(L.Callback):
 
 
 class Validated(L.Callback):
-    """The steps of the fit's validations that ended, with their ``val/pass@1``."""
+    """The steps of the fit's validations that ended, with the completions they sampled."""
 
     def __init__(self) -> None:
-        self.at: list[tuple[int, float]] = []
+        self.at: list[tuple[int, list[str]]] = []
+        self.texts: list[str] = []
+
+    def setup(self, trainer, module, stage) -> None:
+        evaluate = module._evaluate
+
+        def recorded(batch, greedy=True):
+            rows = evaluate(batch, greedy)
+            self.texts += [row["completion"] for row in rows]
+            return rows
+
+        module._evaluate = recorded
 
     def on_validation_end(self, trainer, module) -> None:
         if not trainer.sanity_checking:
-            self.at.append((trainer.global_step, float(trainer.callback_metrics["val/pass@1"])))
+            self.at.append((trainer.global_step, self.texts))
+        self.texts = []
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])

@@ -11,6 +11,7 @@ a checkpoint without a fit.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -96,37 +97,78 @@ def _replace(out: Path, write: Any) -> None:
     and an earlier export in ``out`` (a run before this one into the same folder) is
     replaced whole (written over, its files that this export lacks, an adapter beside a full
     model, would have made the folder load as the earlier model) or, if the write fails,
-    kept. A new or empty ``out`` that cannot be written beside (a mount point, a parent
-    folder that is not writable) is written in place."""
-    earlier = out.is_dir() and any(out.iterdir())
+    kept. A folder that cannot be renamed (a mount point, a bind mount) or written beside (a
+    parent folder that is not writable) is written inside instead (:func:`_swap_inside`)."""
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
     try:
-        if not earlier and os.path.ismount(out):
+        if os.path.ismount(out):
             raise OSError("a mount point")
         tmp.mkdir(parents=True)
     except OSError:
-        if earlier:
-            raise
         out.mkdir(parents=True, exist_ok=True)
-        write(out)
+        staging = out / f".partial-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            write(staging)
+            _swap_inside(out, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         return
+    earlier = out.is_dir() and any(out.iterdir())
     try:
         write(tmp)
-        if not earlier:
-            os.replace(tmp, out)  # a new folder, or onto an empty one
-            return
-        os.replace(out, old)
         try:
-            os.replace(tmp, out)
-        except BaseException:
-            os.replace(old, out)  # the earlier export back where it was
-            raise
+            if earlier:
+                os.replace(out, old)
+                try:
+                    os.replace(tmp, out)
+                except BaseException:
+                    os.replace(old, out)  # the earlier export back where it was
+                    raise
+            else:
+                os.replace(tmp, out)  # a new folder, or onto an empty one
+        except OSError as err:  # a bind mount (EBUSY): the files are moved in instead
+            if err.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM):
+                raise
+            _swap_inside(out, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    log.info("replaced the earlier export in %s", out)
+    if earlier:
+        log.info("replaced the earlier export in %s", out)
+
+
+def _swap_inside(out: Path, new: Path) -> None:
+    """Replace what ``out`` holds (but ``lost+found`` and ``new``) with ``new``'s files: the
+    earlier ones are moved aside inside ``out`` first, and back if the move in fails."""
+    aside = out / f".old-{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    skip = {aside.name, new.name, "lost+found"}
+    earlier = [p for p in out.iterdir() if p.name not in skip]
+    for item in earlier:
+        os.replace(item, aside / item.name)
+    moved: list[Path] = []
+    try:
+        for item in list(new.iterdir()):
+            shutil.move(str(item), str(out / item.name))  # a copy across file systems
+            moved.append(out / item.name)
+    except BaseException:
+        for path in moved:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        for item in aside.iterdir():
+            os.replace(item, out / item.name)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+    if earlier:
+        log.info("replaced the earlier export in %s", out)
 
 
 class HFExport(Callback):

@@ -188,8 +188,10 @@ class ModuleHooks(L.Callback):
         """After a checkpoint's restore: a step count off the multiples of
         ``model.num_iterations`` (trained with another k) runs past ``max_steps``; a cosine
         schedule that does not end with the run (``settings.warn_unended_cosine``)."""
+        self.validation_ended = False  # from here a validation may begin (a save inside)
         if trainer.ckpt_path is not None:  # collective: every rank resumes
-            validate_first(trainer, getattr(self, "validation_due", False))
+            validate_first(trainer, getattr(self, "validation_due", False),
+                           getattr(pl_module, "_rng_to_restore", None))
         self.validation_due = False
         warn_unended_cosine(trainer, TrainerState.from_trainer(trainer,
                                                                *pl_module._progress).max_steps)
@@ -208,6 +210,7 @@ class ModuleHooks(L.Callback):
         pl_module.at_batch_start()
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        self.validation_ended = False  # Lightning marks a validation begun before its hooks
         share_sigterm(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -190,7 +190,8 @@ def task_sources(
     def problem(row: dict[str, Any]) -> set[str]:
         """The prompt, and a countdown problem whatever the order its numbers are shown in
         (read from text too: a CSV cell of ``val_files``)."""
-        keys = {json.dumps(row.get(prompt_column), sort_keys=True)}
+        prompt = row.get(prompt_column)  # a row without it has no prompt to compare
+        keys = set() if prompt is None else {json.dumps(prompt, sort_keys=True)}
         numbers, target = (_cell(row.get(key)) for key in ("numbers", "target"))
         if isinstance(numbers, list) and all(_whole(n) for n in [*numbers, target]):
             keys.add(json.dumps([sorted(int(n) for n in numbers), int(target)]))

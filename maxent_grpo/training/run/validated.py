@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from maxent_grpo.training.run.checkpoint import restore_rng_state
 from maxent_grpo.training.run.checkpoint_io import _is_local, atomic_write
 
 MARKER = "validated.json"
@@ -104,14 +105,16 @@ def unvalidated(trainer: Any) -> bool:
                    for folder in folders)
 
 
-def validate_first(trainer: Any, due: bool) -> bool:
+def validate_first(trainer: Any, due: bool, rng: dict[str, Any] | None = None) -> bool:
     """At the start of a fit resumed from ``trainer.ckpt_path`` (every rank): when that
     checkpoint came before the end of a validation (``due``: :func:`saved_before_validation`
     when it was saved) that no ``validated.json`` records (:func:`unvalidated`), run that
     validation now, logged at its step, in place of Lightning's resume (which skipped it, or
-    ran the rest of one stopped midway); returns whether it ran."""
-    if not trainer.strategy.broadcast(due and trainer.is_global_zero and unvalidated(trainer),
-                                      src=0):
+    ran the rest of one stopped midway), from the checkpoint's random state ``rng`` (that
+    of the validation's start: it samples in a fork of it), so with the values it would
+    have had; returns whether it ran."""
+    due = due and trainer.enable_validation and trainer.is_global_zero and unvalidated(trainer)
+    if not trainer.strategy.broadcast(due, src=0):
         return False
     rank_zero_info(f"the validation of step {trainer.global_step} did not end before the run "
                    "stopped: it runs first")
@@ -119,6 +122,8 @@ def validate_first(trainer: Any, due: bool) -> bool:
     first = trainer._logger_connector._first_loop_iter
     trainer.validating = True
     loop.val_loop.batch_progress.current.reset()  # none of its batches counts
+    if rng is not None:  # the first batch restores it again, as it would have been
+        restore_rng_state(rng)
     loop.val_loop.run()
     loop.val_loop.reset_restart_stage()  # done: not to be finished by Lightning's resume
     trainer.training = True

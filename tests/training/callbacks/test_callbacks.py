@@ -545,16 +545,53 @@ def test_hf_export_into_a_new_or_empty_folder_leaves_nothing_when_it_fails(tmp_p
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["final"]
 
 
-def test_hf_export_into_a_mount_point_is_written_in_place(tmp_path, monkeypatch):
-    """A folder that is a mount point cannot be renamed onto (nor a file moved into it from
-    beside it): written in place, as before exports were written beside (a reader)."""
+@pytest.mark.parametrize("earlier", [False, True])
+def test_hf_export_into_a_mount_point_is_written_inside_it(tmp_path, monkeypatch, earlier):
+    """A mount point cannot be renamed onto nor away: written beside, the export failed
+    after the whole write (a fresh volume holds lost+found, a second export an earlier one;
+    two readers). It is written inside, then swapped with what the folder held (not
+    lost+found); a failed write keeps the earlier export."""
     final = tmp_path / "hf" / "final"
-    final.mkdir(parents=True)
+    (final / "lost+found").mkdir(parents=True)
+    if earlier:
+        (final / "adapter_config.json").write_text("{}")  # an earlier run's adapter
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == final)
     trainer, module, export = exported_into(tmp_path)
+    assert sorted(p.name for p in final.iterdir()) == ["lost+found", "tok", "weights"]
+    assert [p.name for p in final.parent.iterdir()] == ["final"]
+
+    class Full(Saver):
+        def save_pretrained(self, path, state_dict=None) -> None:
+            super().save_pretrained(path)
+            raise OSError(28, "No space left on device")
+
+    module.runtime.tokenizer = Full("tok2")
+    with pytest.raises(OSError, match="No space left"):
+        export.on_train_end(trainer, module)
+    assert sorted(p.name for p in final.iterdir()) == ["lost+found", "tok", "weights"]
+
+
+def test_hf_export_into_a_bind_mount_moves_its_files_in(tmp_path, monkeypatch):
+    """A bind mount is no mount point to ``os.path.ismount`` but cannot be renamed (EBUSY):
+    the files written beside are moved into it."""
+    import errno
+
+    from maxent_grpo.training.callbacks import export as export_module
+
+    final = tmp_path / "hf" / "final"
+    final.mkdir(parents=True)
+    (final / "adapter_config.json").write_text("{}")
+    rename = os.replace
+
+    def busy(src, dst):
+        if Path(src) == final or Path(dst) == final:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        rename(src, dst)
+
+    monkeypatch.setattr(export_module.os, "replace", busy)
+    exported_into(tmp_path)
     assert sorted(p.name for p in final.iterdir()) == ["tok", "weights"]
     assert [p.name for p in final.parent.iterdir()] == ["final"]
-    assert module.runtime.model.saved == [final]
 
 
 def test_hf_export_into_a_linked_folder_replaces_the_folder_not_the_link(tmp_path):
