@@ -357,20 +357,19 @@ def accuracy_reward(
 
 
 _PLAIN_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?")
-_LITERAL = r"\(*\s*[-+−]?\s*\d+(\.\d+)?\s*\)*"
+_LITERAL = r"\(*\s*[-+]?\s*\d+(\.\d+)?\s*\)*"
 _SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
-_CALCULATION = re.compile(rf"{_LITERAL}(\s*[-+−*/×÷·x]\s*{_LITERAL})+")
+_CALCULATION = re.compile(rf"{_LITERAL}(\s*[-+*/x]\s*{_LITERAL})+")
 
 
 def _unworked(answer: str) -> bool:
-    """``answer`` (``$`` and a final period aside) is arithmetic of numbers, not its value;
-    a fraction of two integers (``1/2``) is a number."""
-    text = answer.strip().strip("$").strip().removesuffix(".").strip()
-    for latex, op in (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("\u2212", "-"),
-                      ("÷", "/")):
-        text = text.replace(latex, op)
+    """``answer`` (as :func:`~maxent_grpo.tasks.expressions.split_equation` reads it:
+    delimiters, a final period and the operator symbols aside) is arithmetic of numbers with
+    no ``=`` giving its value; a signed fraction of two integers (``- 1/2``) is a number."""
+    text, value = split_equation(answer)
     bare = re.sub(r"[\s()]", "", text)  # (1)/(2), - 1/2: a signed number or fraction
-    return bool(_CALCULATION.fullmatch(text)) and not _SIGNED_FRACTION.fullmatch(bare)
+    return value is None and bool(_CALCULATION.fullmatch(text.strip())) and not (
+        _SIGNED_FRACTION.fullmatch(bare))
 
 
 @register_reward("first_number")

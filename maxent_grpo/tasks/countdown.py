@@ -111,8 +111,7 @@ def countdown(
             raise ValueError(
                 f"countdown could not draw a positive integer target <= {max_target}, not one "
                 f"of the numbers, from numbers in [{min_value}, {max_value}] in {_MAX_DRAWS} "
-                "tries; widen "
-                "max_target or the value range"
+                "tries; widen max_target or the value range"
             )
         target = int(value)
         rows.append({

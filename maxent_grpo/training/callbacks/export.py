@@ -102,6 +102,7 @@ def _replace(out: Path, write: Any) -> None:
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
+    earlier = out.is_dir() and any(p.name != "lost+found" for p in out.iterdir())
     try:
         if os.path.ismount(out):
             raise OSError("a mount point")
@@ -116,12 +117,21 @@ def _replace(out: Path, write: Any) -> None:
             _swap_inside(out, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return
-    earlier = out.is_dir() and any(out.iterdir())
+    else:
+        _swap_beside(out, tmp, old, write)
+    if earlier:
+        log.info("replaced the earlier export in %s", out)
+
+
+def _swap_beside(out: Path, tmp: Path, old: Path, write: Any) -> None:
+    """:func:`_replace`'s export written into ``tmp`` beside ``out``, then renamed onto it
+    (``out`` moved to ``old`` first when it holds anything); a folder that cannot be
+    renamed (a bind mount: EBUSY) gets the files moved in (:func:`_swap_inside`)."""
+    held = out.is_dir() and any(out.iterdir())
     try:
         write(tmp)
         try:
-            if earlier:
+            if held:
                 os.replace(out, old)
                 try:
                     os.replace(tmp, out)
@@ -137,8 +147,6 @@ def _replace(out: Path, write: Any) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    if earlier:
-        log.info("replaced the earlier export in %s", out)
 
 
 def _swap_inside(out: Path, new: Path) -> None:
@@ -167,8 +175,6 @@ def _swap_inside(out: Path, new: Path) -> None:
         raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
-    if earlier:
-        log.info("replaced the earlier export in %s", out)
 
 
 class HFExport(Callback):

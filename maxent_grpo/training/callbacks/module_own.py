@@ -125,6 +125,11 @@ class ModuleHooks(L.Callback):
     before their hooks of its first batch (a ``LearningRateMonitor`` logs there). A SIGTERM
     stops every rank after the same batch (:mod:`~maxent_grpo.training.run.signals`)."""
 
+    def __init__(self) -> None:
+        # a resumed fit's checkpoint came before a validation's end (run first, on_train_start);
+        # no validation is under way (a save during one comes before its end)
+        self.validation_due, self.validation_ended = False, True
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
         for saver in trainer.checkpoint_callbacks:  # as the user set them (on_exception)
@@ -178,7 +183,7 @@ class ModuleHooks(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         checkpoint[VALIDATION_DUE] = saved_before_validation(
-            trainer, getattr(self, "validation_ended", True))
+            trainer, self.validation_ended)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""
@@ -190,7 +195,7 @@ class ModuleHooks(L.Callback):
         schedule that does not end with the run (``settings.warn_unended_cosine``)."""
         self.validation_ended = False  # from here a validation may begin (a save inside)
         if trainer.ckpt_path is not None:  # collective: every rank resumes
-            validate_first(trainer, getattr(self, "validation_due", False),
+            validate_first(trainer, self.validation_due,
                            getattr(pl_module, "_rng_to_restore", None))
         self.validation_due = False
         warn_unended_cosine(trainer, TrainerState.from_trainer(trainer,
@@ -243,7 +248,7 @@ class ModuleHooks(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A resumed fit that trained no step (its ``max_steps`` reached at the checkpoint)
         does not run the validation a stop cut short: named."""
-        if getattr(self, "validation_due", False) and trainer.is_global_zero and unvalidated(
+        if self.validation_due and trainer.is_global_zero and unvalidated(
                 trainer):
             rank_zero_warn(f"the validation of step {trainer.global_step} did not end before "
                            "the run stopped, and this fit had no step left to train: validate "

@@ -187,6 +187,7 @@ def task_sources(
     train = build_task(task, train_size, 2 * seed, **options)
     val = (val_files.rows if val_files is not None
            else build_task(task, val_size, 2 * seed + 1, **options) if val_size else [])
+
     def problem(row: dict[str, Any]) -> set[str]:
         """The prompt, and a countdown problem whatever the order its numbers are shown in
         (read from text too: a CSV cell of ``val_files``)."""
