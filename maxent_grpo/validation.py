@@ -12,18 +12,45 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from numbers import Real
 from typing import Any
 
 __all__ = ["MAX_SECONDS", "UserCodeError", "check_bool", "check_choice", "check_int",
-           "check_number", "check_seconds", "is_number", "require"]
+           "check_number", "check_seconds", "failing_row", "is_number", "require"]
 
 
 class UserCodeError(Exception):
     """A user's function or class (a reward, an environment, an objective, an engine) raised
     or broke its contract: the message names it and what it should do; what it raised is
     ``__cause__``. The command line prints the message, not a trace."""
+
+
+def failing_row(fn: Callable[..., Any], n: int, kwargs: dict[str, Any],
+                error: type[BaseException] = Exception,
+                seconds: float = math.inf) -> tuple[int, BaseException] | None:
+    """``(i, err)``: the first of ``n`` rows on which ``fn`` called with that row alone
+    raises ``error`` (each keyword argument that is a list of ``n`` values cut to its
+    ``i``-th, the rest as given), to name the row a call on all of them failed on; None
+    when no row does, or after ``seconds``.
+
+    >>> failing_row(lambda xs, k: [10 // x for x in xs], 3, {"xs": [5, 0, 1], "k": 2})[0]
+    1
+    """
+    cut = [key for key, value in kwargs.items() if isinstance(value, (list, tuple))
+           and len(value) == n]
+    deadline = time.monotonic() + seconds
+    for i in range(n):
+        try:
+            fn(**{**kwargs, **{key: kwargs[key][i:i + 1] for key in cut}})
+        except error as err:
+            return i, err
+        except (Exception, SystemExit):
+            pass
+        if time.monotonic() > deadline:
+            break
+    return None
 
 
 def require(ok: bool, message: str) -> None:

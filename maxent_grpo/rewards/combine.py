@@ -24,7 +24,7 @@ import functools
 import inspect
 import math
 import numbers
-import re
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -41,13 +41,10 @@ from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.shaping import Overlong
 from maxent_grpo.rewards.timeout import TimedReward, awaited
 from maxent_grpo.rollout.batch import PromptCompletionBatch
-from maxent_grpo.validation import UserCodeError, is_number
+from maxent_grpo.validation import UserCodeError, failing_row, is_number
 
 if TYPE_CHECKING:
     from maxent_grpo.rollout.batch import RolloutOutput
-
-#: built-in rewards that refuse a reference they cannot read (:meth:`WeightedRewards.check_rows`)
-READS_REFERENCES = ("first_number", "digit_pair", "in_set", "countdown")
 
 #: reward arguments a dataset column may not be named after
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "rendered_prompts",
@@ -180,17 +177,42 @@ def trl_completions(prompts: list, completions: list) -> list:
     ]
 
 
+#: seconds a failed reward call and its search for the row it failed on may take together
+ROW_SEARCH_S = 2.0
+
+
+def _alone(fn: Callable, call: dict[str, Any], err: BaseException, seconds: float) -> str:
+    """`` (it raises on completion i alone: ...)``, the first such row, with its prompt,
+    completion and columns; "" when none does, or for a reward that times out or runs a
+    model (the search is theirs to pay), or without ``seconds`` left."""
+    n = len(call["completions"])
+    if seconds <= 0 or isinstance(fn, (TimedReward, RewardModel)) or (
+            inspect.iscoroutinefunction(fn)):
+        return ""
+    quiet = dict.fromkeys(("log_metric", "log_extra"), lambda *args, **kwargs: None)
+    found = failing_row(fn, n, {**call, **quiet}, type(err), seconds)
+    if found is None:
+        return ""
+    i = found[0]
+    shown = "".join(f", {key} {value[i]!r:.60}" for key, value in call.items()
+                    if key not in RESERVED and len(value) == n)
+    return (f" (it raises on completion {i} alone: prompt {call['prompts'][i]!r:.80}, "
+            f"completion {call['completions'][i]!r:.80}{shown})")
+
+
 def _call(
     k: int, name: str, fn: Callable, prompts: list, completions: list, kwargs: dict[str, Any]
 ) -> list[float]:
     """Values of reward ``k`` as floats (NaN for None), checked."""
-    label = f"reward function {name!r} (#{k})"
+    label, started = f"reward function {name!r} (#{k})", time.monotonic()
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
         # async def; checked here so that a sync reward's step runs nothing of timeout.py
         values = awaited(values) if inspect.isawaitable(values) else values
     except (Exception, SystemExit) as err:  # sys.exit in a reward ended the fit, exit 0
-        raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
+        alone = _alone(fn, {"prompts": prompts, "completions": completions, **kwargs}, err,
+                       ROW_SEARCH_S - (time.monotonic() - started))
+        raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}{alone}") from err
     n = len(completions)
     if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 1:
         values = values.tolist()  # TRL reads any sequence torch.tensor takes
@@ -424,25 +446,3 @@ class WeightedRewards:
         rendered = [p for p in rollout.batch.prompts for _ in range(rollout.group_size)]
         return self(pairs, columns, rollout.group_size, rollout.completion_ids,
                     rollout.model_mask, pairs.reward_columns(), trainer_state, rendered)
-
-    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: Callable[[int], str]) -> None:
-        """The references of every row (its columns, as the rewards get them) read by the
-        built-in rewards that refuse one they cannot read (:data:`READS_REFERENCES`), at the
-        start of a fit: a row they cannot grade is a ValueError naming it (``where(i)``) and
-        the reward now, not when it is first sampled."""
-        for name in dict.fromkeys(n for n in self.names if n in READS_REFERENCES):
-            fn = get_reward(name)
-            try:  # all rows at once; row by row only to find the one that failed
-                fn(prompts=[""] * len(rows), completions=[""] * len(rows),
-                   **{k: [c.get(k) for c in rows] for k in dict.fromkeys(
-                       k for c in rows for k in c)})
-                continue
-            except ValueError:
-                pass
-            for i, columns in enumerate(rows):
-                try:
-                    fn(prompts=[""], completions=[""], **{k: [v] for k, v in columns.items()})
-                except ValueError as err:
-                    reason = re.sub(r" given with completion \d+ of the step", "", str(err))
-                    raise ValueError(f"model.rewards.{name} cannot grade {where(i)}: "
-                                     f"{reason}") from None

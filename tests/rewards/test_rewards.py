@@ -9,7 +9,9 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -459,6 +461,33 @@ def test_score_completions_raising_function() -> None:
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_reward_raising_on_one_row_names_that_row() -> None:
+    """A reward that raises on a bad data row named the function only: the user searched
+    the batch by hand (a reported defect). The call is repeated row by row, within a
+    bound, to name the first row it raises on alone, its prompt, completion and columns."""
+    calls = []
+
+    def needs_int(prompts: list, completions: list, answer: list, **kw: object) -> list:
+        calls.append(len(completions))
+        return [float(int(a) == len(c)) for c, a in zip(completions, answer, strict=True)]
+
+    with pytest.raises(RewardFunctionError, match=r"'mine' \(#0\) raised ValueError: invalid "
+                       r"literal .*'two' \(it raises on completion 2 alone: prompt 'p2', "
+                       r"completion 'bb', answer 'two', task 't'\)"):
+        score_completions([("mine", needs_int, 1.0)], ["p0", "p1", "p2", "p3"],
+                          ["a", "b", "bb", "ccc"],
+                          {"answer": ["1", "1", "two", "3"], "task": ["t"] * 4})
+    assert calls == [4, 1, 1, 1]  # the batch, then rows 0, 1 and 2
+
+    def slow(prompts: list, completions: list, **kw: object) -> list:
+        time.sleep(0.2)
+        raise ValueError("every row")
+
+    with mock.patch("maxent_grpo.rewards.combine.ROW_SEARCH_S", 0.1):  # spent by the call
+        with pytest.raises(RewardFunctionError, match=r"raised ValueError: every row$"):
+            score_completions([("slow", slow, 1.0)], ["p0", "p1"], ["a", "b"], {})
+
+
 def test_a_reward_that_calls_sys_exit_is_named_not_the_runs_end() -> None:
     """``sys.exit(0)`` in a reward (a library's, argparse's) ended the fit with exit code 0
     and no word, a job scheduler recording success (a hunt of distributed failures)."""
@@ -783,17 +812,18 @@ def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_di
     """A row whose answer ``first_number`` cannot read failed only when it was first
     sampled (steps into a run, and again at every resume); every row is read at the start."""
     from maxent_grpo.rewards import WeightedRewards
+    from maxent_grpo.training.run.policy_models import check_references
     from tests.conftest import fit, make_data, make_module
 
     rewards = WeightedRewards({"first_number": 1.0, "format": 1.0})
     rows = [{"answer": str(i)} for i in range(5)]
     where = "row {}".format
-    rewards.check_rows(rows, where)  # readable: nothing
+    check_references(rewards.names, rows, where)  # readable: nothing
     rows[3] = {"answer": "eight"}
     with pytest.raises(ValueError, match=r"model.rewards.first_number cannot grade row 3: "
                                          r"first_number: the answer must be an integer; "
                                          r"got 'eight'"):
-        rewards.check_rows(rows, where)
+        check_references(rewards.names, rows, where)
     path = tmp_path / "train.jsonl"
     lines = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(12)]
     lines[9]["answer"] = "ten"

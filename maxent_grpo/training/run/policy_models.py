@@ -7,6 +7,8 @@ which holds ``source`` (:class:`~maxent_grpo.training.settings.ModelSettings`), 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +27,10 @@ from maxent_grpo.models import (
     model_chain,
 )
 from maxent_grpo.rewards.answers import ANSWER_FORMS
+from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
-from maxent_grpo.validation import require
+from maxent_grpo.validation import failing_row, require
 
 __all__ = ["PolicyModels"]
 
@@ -128,7 +131,7 @@ class PolicyModels:
 
     def check_reward_rows(self, splits: tuple[str, ...] = ("train", "val")) -> None:
         """At the start of a fit (a validate, test or predict: ``splits=("val",)``), before
-        any batch: the rewards read every row's references (``WeightedRewards.check_rows``),
+        any batch: the rewards read every row's references (:func:`check_references`),
         and each row's ``answer_form`` is one of
         :data:`~maxent_grpo.rewards.answers.ANSWER_FORMS` (or blank)."""
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -140,7 +143,7 @@ class PolicyModels:
                     part, number = (s, r[i].index) if w is None else w(r[i].index)  # its file
                     return f"{part} row {number} ({s} prompt {str(r[i].raw_prompt)[:60]!r})"
 
-                self.rewards.check_rows([ex.columns for ex in rows], where)
+                check_references(self.rewards.names, [ex.columns for ex in rows], where)
                 for i, example in enumerate(rows):
                     if (form := example.columns.get("answer_form")) not in (None, "",
                                                                            *ANSWER_FORMS):
@@ -162,3 +165,27 @@ class PolicyModels:
                 f"the training loader's sampler ({type(sampler).__name__}) is not the "
                 "PromptDataModule's EpochShuffleSampler: a run resumed from a checkpoint "
                 "will not continue with the prompts the interrupted run would have drawn")
+
+
+#: built-in rewards that refuse a reference they cannot read (:func:`check_references`)
+READS_REFERENCES = ("first_number", "digit_pair", "in_set", "countdown")
+
+
+def check_references(names: list[str], rows: Sequence[Mapping[str, Any]],
+                     where: Callable[[int], str]) -> None:
+    """The references of every row (its columns, as the rewards get them) read by the
+    rewards of ``names`` that refuse one they cannot read (:data:`READS_REFERENCES`), at the
+    start of a fit: a row they cannot grade is a ValueError naming it (``where(i)``) and the
+    reward now, not when it is first sampled."""
+    for name in dict.fromkeys(n for n in names if n in READS_REFERENCES):
+        fn, n = get_reward(name), len(rows)
+        columns = dict.fromkeys(key for c in rows for key in c)
+        call = {"prompts": [""] * n, "completions": [""] * n,
+                **{key: [c.get(key) for c in rows] for key in columns}}
+        try:  # all rows at once; row by row only to find the one that failed
+            fn(**call)
+        except ValueError:
+            if (found := failing_row(fn, n, call, ValueError)) is not None:
+                reason = re.sub(r" given with completion \d+ of the step", "", str(found[1]))
+                raise ValueError(f"model.rewards.{name} cannot grade {where(found[0])}: "
+                                 f"{reason}") from None
