@@ -5,6 +5,8 @@ has more batches per epoch."""
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -268,6 +270,16 @@ def test_a_validation_a_stop_cut_short_runs_when_the_fit_resumes(cache_dir, tmp_
                                          "stopped, and this fit had no step left to train"):
         assert run([], ckpt_path=last) == []
     assert [step for step, _ in run([], steps=9, ckpt_path=last)] == [6, 9]
+    # the validate the warning names records the checkpoint: no warning, nor a second
+    # point at step 6, in a later resume (it ran again: a second reader)
+    L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=2,
+              enable_model_summary=False, default_root_dir=tmp_path).validate(
+        make_module(cache_dir, eval_num_generations=2), make_data(cache_dir), ckpt_path=last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run([], ckpt_path=last) == []
+    assert not [w for w in caught if "did not end" in str(w.message)]
+    assert [step for step, _ in run([], steps=9, ckpt_path=last)] == [9]
 
 
 def test_the_validated_checkpoints_are_found_in_a_savers_folder_and_never_remote(tmp_path):
@@ -287,7 +299,8 @@ def test_the_validated_checkpoints_are_found_in_a_savers_folder_and_never_remote
     saver = SimpleNamespace(dirpath=str(folder), best_k_models={str(ckpt): 0.5},
                             best_model_path="", last_model_path="", _last_checkpoint_saved="")
     trainer = SimpleNamespace(is_global_zero=True, sanity_checking=False, fast_dev_run=1,
-                              checkpoint_callbacks=[saver], ckpt_path=str(ckpt))
+                              checkpoint_callbacks=[saver], ckpt_path=str(ckpt),
+                              state=SimpleNamespace(fn="fit"))
     note_validated(trainer)
     assert not (folder / "validated.json").exists() and unvalidated(trainer)
     trainer.fast_dev_run = 0

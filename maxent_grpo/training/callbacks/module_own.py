@@ -242,7 +242,7 @@ class ModuleHooks(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the savers' own saves at a validation's end: it ended."""
         self.validation_ended = True
-        if trainer.state.fn == "fit":
+        if trainer.state.fn in ("fit", "validate"):
             note_validated(trainer)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

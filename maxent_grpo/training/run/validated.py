@@ -13,11 +13,12 @@ one that file does not name, :func:`validate_first` runs that validation before 
 batch. A checkpoint moved without that file (``cp`` without ``-p``) has its validation run
 again: a second point at the same step; a remote one (``s3://``) has no such file, and its
 validation is not run again. A fit with no step left (its ``max_steps`` reached at that
-checkpoint) runs none: a warning names ``validate``.
+checkpoint) runs none: a warning names ``validate``, whose end records the checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -49,27 +50,41 @@ def _read(path: str) -> dict[str, list[int]]:
     return entries if isinstance(entries, dict) else {}
 
 
+def _record(folder: str, paths: set[str]) -> None:
+    """``paths`` (those that exist) recorded in ``folder``'s ``validated.json``, with the
+    entries of files since replaced or deleted dropped."""
+    marker = os.path.join(folder, MARKER)
+    entries = {name: kept for name, kept in _read(marker).items()
+               if _identity(os.path.join(folder, name)) == kept}
+    for path in filter(None, paths):
+        if _identity(path) is not None:
+            entries[os.path.relpath(path, folder)] = _identity(path)
+    text = json.dumps(entries, indent=1).encode()
+    atomic_write(marker, lambda f, text=text: f.write(text))
+
+
 def note_validated(trainer: Any) -> None:
     """At the end of a fit's validation (global rank 0): every checkpoint of this run's
     savers is recorded as validated in its folder's ``validated.json`` (those of earlier
     steps too: the run went on past them, so their validation ended; the entries of files
-    since replaced or deleted are dropped). Not for ``fast_dev_run``'s one batch."""
+    since replaced or deleted are dropped). At the end of ``validate --ckpt_path``: that
+    checkpoint, in its folder's (what the warning of a resume with no step left asks for;
+    a later resume does not run it again), where that folder can be written. Not for
+    ``fast_dev_run``'s one batch."""
     if not trainer.is_global_zero or trainer.sanity_checking or trainer.fast_dev_run:
+        return
+    if trainer.state.fn == "validate":
+        path = str(trainer.ckpt_path or "")
+        if _is_local(path) and _identity(path) is not None:
+            with contextlib.suppress(OSError):  # a read-only folder: it runs again, no more
+                _record(os.path.dirname(os.path.abspath(path)), {path})
         return
     for saver in trainer.checkpoint_callbacks:
         folder = getattr(saver, "dirpath", None)
-        if not folder or not _is_local(folder):
-            continue
-        marker = os.path.join(folder, MARKER)
-        entries = {name: kept for name, kept in _read(marker).items()
-                   if _identity(os.path.join(folder, name)) == kept}
-        paths = {*getattr(saver, "best_k_models", {}), *(getattr(saver, name, "") for name in (
-            "best_model_path", "last_model_path", "_last_checkpoint_saved"))}
-        for path in filter(None, paths):
-            if _identity(path) is not None:
-                entries[os.path.relpath(path, folder)] = _identity(path)
-        text = json.dumps(entries, indent=1).encode()
-        atomic_write(marker, lambda f, text=text: f.write(text))
+        if folder and _is_local(folder):
+            _record(folder, {*getattr(saver, "best_k_models", {}), *(getattr(
+                saver, name, "") for name in ("best_model_path", "last_model_path",
+                                              "_last_checkpoint_saved"))})
 
 
 def saved_before_validation(trainer: Any, validation_ended: bool) -> bool:
