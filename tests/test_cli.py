@@ -424,6 +424,18 @@ def test_objective_help_lists_that_objectives_options(capsys):
     assert "--model.objective.tau" in out and "--model.objective.q_temperature" in out
 
 
+def test_an_engine_is_named_by_its_short_name_as_an_objective_is(capsys):
+    """``--model.engine.help HFGenerateEngine`` and ``--model.engine VLLMEngine`` were
+    refused ("Expected a dot import path string"): only the full class path was taken, while
+    the objectives took their short names (a reported defect)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["fit", "--model.engine.help", "VLLMServerEngine"])
+    assert exit_info.value.code == 0
+    assert "--model.engine.urls" in capsys.readouterr().out
+    printed = yaml.safe_load(print_config(capsys, "--model.engine", "VLLMEngine"))
+    assert printed["model"]["engine"]["class_path"] == "maxent_grpo.rollout.VLLMEngine"
+
+
 def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatch, tmp_path):
     """Lightning's CLI would overwrite model options with the checkpoint's saved ones, so
     `validate --ckpt_path x --model.eval_k [1,2]` would silently evaluate pass@1 only."""

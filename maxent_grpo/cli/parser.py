@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from maxent_grpo.cli import errors
 from maxent_grpo.cli import help as cli_help
+from maxent_grpo.rollout import vllm_server  # noqa: F401  (`model.engine VLLMServerEngine`)
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule

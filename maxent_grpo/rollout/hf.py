@@ -63,6 +63,7 @@ from maxent_grpo.rollout.batch import GenerationBatch
 from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy, sharded
 from maxent_grpo.rollout.protocol import (
     Continuation,
+    RolloutEngine,
     RolloutOutput,
     SamplingSettings,
     check_request,
@@ -105,9 +106,7 @@ def completion_mask_from_ids(
     Example: stop id 2, row ``[5, 2, 7, 2]`` → mask ``[1, 1, 0, 0]``, not truncated.
     """
     if completion_ids.dim() != 2:
-        raise ValueError(
-            f"completion_ids must be 2-D (N, T); got shape {tuple(completion_ids.shape)}"
-        )
+        raise ValueError(f"completion_ids must be 2-D (N, T); got {tuple(completion_ids.shape)}")
     if len(stop_token_ids) == 0:
         raise ValueError("stop_token_ids must name at least one token id")
     stops = torch.tensor(list(stop_token_ids), device=completion_ids.device)
@@ -199,7 +198,7 @@ def _isolated_generation(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-class HFGenerateEngine:
+class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its short name
     """Rollout engine on ``model.generate`` (see the module docstring).
 
     Args:

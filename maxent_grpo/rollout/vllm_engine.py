@@ -63,6 +63,7 @@ from maxent_grpo.rollout.hf import (
 )
 from maxent_grpo.rollout.protocol import (
     Continuation,
+    RolloutEngine,
     RolloutOutput,
     SamplingSettings,
     check_request,
@@ -138,7 +139,7 @@ def _memory_hint(err: Exception) -> str:
             "20 GiB machine).")
 
 
-class VLLMEngineBase:
+class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its short name
     """What the colocated and the server engine share: the checks of the policy, the stop
     ids, the sampling fields of a request, and :meth:`generate` and :meth:`continue_ids`,
     which end in each engine's own :meth:`_sample`."""
