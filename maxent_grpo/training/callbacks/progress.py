@@ -21,7 +21,8 @@
 ``tokens/s`` is the last step's ``train/perf/tokens_per_s``; ``eta`` is the remaining steps times
 this run's mean time per step. With tools or an environment (multi-turn rollouts) the line,
 and the bar, also show ``tool success 75%``: the last step's ``train/tools/success_rate`` (the
-share of samples with at least one call that returned), so that calls that all fail show at
+share of samples with at least one call that returned; ``env success``, of an environment's
+steps, with ``model.environment``), so that calls that all fail show at
 once (``step_log.ToolFailureWatch`` warns, naming how they fail);
 without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
 logged dict, ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
@@ -117,6 +118,7 @@ class ReadableProgressBar(TQDMProgressBar):
         self.stream = stream
         self.rewards: deque[float] = deque(maxlen=window)
         self.last_record: dict[str, float] = {}
+        self.tool_label = "tool success"  # "env success" for a run with an environment
         self.report = RewardRecord()
         self._start_step = 0
         self._start_time = 0.0
@@ -166,7 +168,7 @@ class ReadableProgressBar(TQDMProgressBar):
             items.pop("reward", None)
             items = {self.reward_label: smoothed, **items}
         if self.tool_success is not None:
-            items["tool success"] = f"{self.tool_success:.0%}"
+            items[self.tool_label] = f"{self.tool_success:.0%}"
         return items
 
     def progress_line(self, trainer: pl.Trainer) -> str:
@@ -178,7 +180,7 @@ class ReadableProgressBar(TQDMProgressBar):
         if self.smoothed_reward is not None:
             parts.append(f"{self.reward_label} {self.smoothed_reward:.3f}")
         if self.tool_success is not None:
-            parts.append(f"tool success {self.tool_success:.0%}")
+            parts.append(f"{self.tool_label} {self.tool_success:.0%}")
         loss = self.last_record.get("train/loss/total")
         if loss is not None and math.isfinite(loss):
             parts.append(f"loss {loss:.3g}")
@@ -202,6 +204,10 @@ class ReadableProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         self.rewards.clear()
         self.last_record = {}
+        tools = getattr(getattr(getattr(pl_module, "loop", None), "generation", None), "tools",
+                        None)  # an environment's steps are its calls
+        self.tool_label = ("env success" if getattr(tools, "environment", None) is not None
+                           else "tool success")
         self._start_step = self._last_line_step = trainer.global_step
         self._start_time = self._last_line_time = time.monotonic()
         # MaxEntGRPOModule: k optimizer steps a batch, none in its first max_staleness ones

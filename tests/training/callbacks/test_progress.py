@@ -134,6 +134,24 @@ def test_the_tool_success_rate_is_shown_only_when_the_step_used_tools():
             assert LINE.match(line.replace(f"  tool success {expected}", "")), line
 
 
+def test_an_environments_steps_are_shown_as_env_success():
+    """With ``model.environment`` alone the line said ``tool success 100%``: its steps are the
+    calls counted, and the run has no tools (a reported defect)."""
+    record = {"reward/mean": 0.0, "loss/total": 0.5, "tools/success_rate": 1.0}
+    for environment, label in ((object, "env success"), (None, "tool success")):
+        out = io.StringIO()
+        bar = ReadableProgressBar(mode="lines", every_n_steps=1, every_s=0, stream=out)
+        bar.train_progress_bar = Tqdm(disable=True)
+        tools = SimpleNamespace(environment=environment)
+        bar.on_train_start(fake_trainer(0, max_steps=2),
+                           SimpleNamespace(loop=SimpleNamespace(generation=SimpleNamespace(
+                               tools=tools))))
+        trainer = fake_trainer(1, max_steps=2, progress_bar_metrics={"reward": 0.0})
+        fake_step(bar, trainer, record)
+        assert f"  {label} 100%  " in out.getvalue(), out.getvalue()
+        assert bar.get_metrics(trainer, None)[label] == "100%"
+
+
 def test_interval_gives_20_to_40_lines_a_run():
     assert [line_interval(n) for n in (1, 7, 100, 200, 500, 1000, 5000)] == [
         1, 1, 5, 5, 20, 50, 200]
