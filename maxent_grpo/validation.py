@@ -28,12 +28,12 @@ class UserCodeError(Exception):
 
 
 def failing_row(fn: Callable[..., Any], n: int, kwargs: dict[str, Any],
-                error: type[BaseException] = Exception,
+                error: type[BaseException] = Exception, message: str | None = None,
                 seconds: float = math.inf) -> tuple[int, BaseException] | None:
     """``(i, err)``: the first of ``n`` rows on which ``fn`` called with that row alone
-    raises ``error`` (each keyword argument that is a list of ``n`` values cut to its
-    ``i``-th, the rest as given), to name the row a call on all of them failed on; None
-    when no row does, or after ``seconds``.
+    raises ``error`` (with ``message``, when given; each keyword argument that is a list of
+    ``n`` values cut to its ``i``-th, the rest as given), to name the row a call on all of
+    them failed on; None when no row does, or after ``seconds``.
 
     >>> failing_row(lambda xs, k: [10 // x for x in xs], 3, {"xs": [5, 0, 1], "k": 2})[0]
     1
@@ -45,7 +45,8 @@ def failing_row(fn: Callable[..., Any], n: int, kwargs: dict[str, Any],
         try:
             fn(**{**kwargs, **{key: kwargs[key][i:i + 1] for key in cut}})
         except error as err:
-            return i, err
+            if message is None or str(err) == message:
+                return i, err
         except (Exception, SystemExit):
             pass
         if time.monotonic() > deadline:

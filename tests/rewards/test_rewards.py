@@ -479,6 +479,14 @@ def test_a_reward_raising_on_one_row_names_that_row() -> None:
                           {"answer": ["1", "1", "two", "3"], "task": ["t"] * 4})
     assert calls == [4, 1, 1, 1]  # the batch, then rows 0, 1 and 2
 
+    def by_groups(prompts: list, completions: list, **kw: object) -> list:
+        if len(completions) % 2:
+            raise ValueError(f"{len(completions)} completions: not whole groups of 2")
+        raise ValueError("the groups disagree")
+
+    with pytest.raises(RewardFunctionError, match=r"raised ValueError: the groups disagree$"):
+        score_completions([("groups", by_groups, 1.0)], ["p0", "p1"], ["a", "b"], {})
+
     def slow(prompts: list, completions: list, **kw: object) -> list:
         time.sleep(0.2)
         raise ValueError("every row")
