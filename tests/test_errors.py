@@ -189,6 +189,7 @@ def test_a_bug_at_set_up_prints_its_trace(bad_inputs, models, capsys, monkeypatc
         return 1 / 0
 
     monkeypatch.setattr(PromptDataModule, "setup", broken)
+    monkeypatch.setattr(errors, "_outside_frame", lambda error: None)  # `broken` is ours here
     exit_code, err = run_cli(capsys, case_args([], bad_inputs, models))
     assert exit_code == 1
     assert "Traceback (most recent call last):" in err and "ZeroDivisionError" in err
@@ -202,10 +203,37 @@ def test_a_bug_in_a_training_step_prints_its_trace(bad_inputs, models, capsys, m
         return {}["missing"]
 
     monkeypatch.setattr(MaxEntGRPOModule, "training_step", broken)
+    monkeypatch.setattr(errors, "_outside_frame", lambda error: None)  # `broken` is ours here
     exit_code, err = run_cli(capsys, case_args([], bad_inputs, models))
     assert exit_code == 1
     assert "Traceback (most recent call last):" in err and "KeyError: 'missing'" in err
     assert "unexpected KeyError" in err
+
+
+def test_an_error_raised_in_the_users_own_file_is_not_called_our_bug(capsys, tmp_path,
+                                                                    monkeypatch):
+    """A custom objective's ``loss`` raising KeyError, a callback raising: "a bug in
+    maxent_grpo, please report it" (a hunt of the extension points). An error whose
+    innermost frame is in a file outside the package and the libraries names that file."""
+    (tmp_path / "my_objective.py").write_text("def loss(targets):\n    return targets['adv']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_objective
+
+    try:
+        my_objective.loss({})
+    except KeyError as error:
+        assert errors.report(error, show_trace=False) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "this is a bug" not in err
+    assert (f"error: KeyError raised outside maxent_grpo and its libraries, at "
+            f"{tmp_path / 'my_objective.py'}:2 (your code?)") in err
+    import textwrap
+
+    try:
+        textwrap.dedent(None)  # a TypeError whose innermost frame is the standard library's
+    except TypeError as error:
+        assert errors.report(error, show_trace=False) == 1
+    assert "this is a bug" in capsys.readouterr().err
 
 
 def test_library_calls_still_raise(bad_inputs, models):

@@ -15,7 +15,9 @@ any :class:`UserError`. It is printed on stderr as::
     (run again with --traceback for the full trace)
 
 and the process exits with :data:`USER_ERROR_EXIT_CODE`. Any other exception is a bug: its
-full trace is printed, then one line asking for a report. ``--traceback``, anywhere on the
+full trace is printed, then one line asking for a report; or, where its innermost frame is
+in a file neither of this package nor of the libraries (a user's objective subclass, callback
+or module), one line naming that file and line. ``--traceback``, anywhere on the
 command line, prints the full trace for user errors too. A parse error (jsonargparse's usage
 line and ``error: ...``, exit code 2) naming an unknown option or config key ends with the
 closest known ones (:func:`did_you_mean`).
@@ -319,12 +321,34 @@ def report(error: BaseException, show_trace: bool) -> int:
     if found is not None:
         print(f"error: {found[1]}", file=file)
         return USER_ERROR_EXIT_CODE
+    where = _outside_frame(error)
+    if where is not None:  # a user's objective, callback or module: theirs to read
+        print(f"error: {type(error).__name__} raised outside maxent_grpo and its libraries, "
+              f"at {where} (your code?): the trace above shows how it was reached", file=file)
+        return USER_ERROR_EXIT_CODE
     print(
         f"error: unexpected {type(error).__name__}; this is a bug in maxent_grpo (or a mistake "
         "without a clear message yet): please report it with the trace above",
         file=file,
     )
     return BUG_EXIT_CODE
+
+
+def _outside_frame(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of ``error``'s trace where that frame's file is
+    neither in this package nor in Python's or the environment's libraries (a user's own
+    objective subclass, callback or module), else None."""
+    import sysconfig
+
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    if not frames or not os.path.isfile(frames[-1].filename):
+        return None
+    path = os.path.realpath(frames[-1].filename)
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    libraries = {os.path.realpath(p) for p in sysconfig.get_paths().values()}
+    if any(path.startswith(root + os.sep) for root in (ours, *libraries, sys.prefix)):
+        return None
+    return f"{frames[-1].filename}:{frames[-1].lineno}"
 
 
 def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:

@@ -28,7 +28,7 @@ from maxent_grpo.core import (
     reduce_token_loss,
     weight_entropy,
 )
-from maxent_grpo.validation import check_choice, check_number, is_number, require
+from maxent_grpo.validation import UserCodeError, check_choice, check_number, is_number, require
 
 
 @dataclass
@@ -94,6 +94,20 @@ class Targets:
     candidates: Tensor | None = None
     q: Tensor | None = None
     answers: Tensor | None = None
+
+    def check(self, objective: str, groups: int, group_size: int) -> None:
+        """UserCodeError naming ``objective``'s ``prepare`` where a field is not a tensor of
+        its shape for ``groups`` groups of ``group_size`` (a subclass's mistake, which was an
+        index error deep in the step)."""
+        rows = (groups, group_size)
+        for name, shape in (("advantages", (groups * group_size,)), ("weights", rows),
+                            ("candidates", rows), ("q", rows), ("answers", rows)):
+            got = getattr(self, name)
+            if got is not None and (not isinstance(got, Tensor) or tuple(got.shape) != shape):
+                raise UserCodeError(
+                    f"{objective}.prepare: Targets.{name} must be a {shape} tensor ({groups} "
+                    f"groups x G={group_size}); got "
+                    f"{tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__}")
 
     def of_groups(self, groups: Tensor | slice, group_size: int) -> Targets:
         """The targets of these groups only (indices or a slice of the ``B`` groups): the

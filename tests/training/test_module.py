@@ -4,6 +4,7 @@ steps, micro-batching does not change the update, bad input stops the run clearl
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import random
@@ -698,6 +699,44 @@ class BareLoss(GRPO):
 class BareTargets(GRPO):
     def prepare(self, inputs):
         return super().prepare(inputs).advantages
+
+
+class PerPromptAdvantages(GRPO):
+    """One advantage per prompt, not per completion."""
+
+    def prepare(self, inputs):
+        targets = super().prepare(inputs)
+        return dataclasses.replace(targets, advantages=targets.advantages.view(
+            -1, inputs.rewards.shape[1]).mean(-1))
+
+
+class VectorLoss(GRPO):
+    def loss(self, mb):
+        out = super().loss(mb)
+        return dataclasses.replace(out, loss=out.loss.expand(3))
+
+
+class DetachedLoss(GRPO):
+    def loss(self, mb):
+        out = super().loss(mb)
+        return dataclasses.replace(out, loss=out.loss.detach())
+
+
+@pytest.mark.parametrize("objective, message", [
+    (PerPromptAdvantages, r"PerPromptAdvantages.prepare: Targets.advantages must be a \(16,\) "
+                          r"tensor \(4 groups x G=4\); got \(4,\)"),
+    (VectorLoss, r"VectorLoss.loss: LossOutput.loss must be a scalar tensor with a gradient "
+                 r".*; got shape \(3,\), requires_grad True"),
+    (DetachedLoss, r"DetachedLoss.loss: .*; got shape \(\), requires_grad False"),
+])
+def test_an_objectives_targets_and_loss_of_the_wrong_shape_are_named(cache_dir, objective,
+                                                                   message):
+    """An index error deep in the step, a broadcast error, 'element 0 of tensors does not
+    require grad': each "a bug in maxent_grpo" (a hunt of the extension points)."""
+    from maxent_grpo.validation import UserCodeError
+
+    with pytest.raises(UserCodeError, match=message):
+        fit(make_module(cache_dir, objective=objective()), make_data(cache_dir), steps=1)
 
 
 @pytest.mark.parametrize("objective, method", [(BareLoss, "loss"), (BareTargets, "prepare")])

@@ -158,6 +158,12 @@ def optimizer_step(
         if not isinstance(out, LossOutput):  # e.g. a subclass returning its bare loss tensor
             raise UserCodeError(f"{type(ctx.objective).__name__}.loss must return a "
                                 f"maxent_grpo.objectives.LossOutput; got {type(out).__name__}")
+        if not (isinstance(out.loss, Tensor) and out.loss.dim() == 0 and out.loss.requires_grad):
+            got = (f"shape {tuple(out.loss.shape)}, requires_grad {out.loss.requires_grad}"
+                   if isinstance(out.loss, Tensor) else type(out.loss).__name__)
+            raise UserCodeError(f"{type(ctx.objective).__name__}.loss: LossOutput.loss must be "
+                                "a scalar tensor with a gradient (a mean or sum of the token "
+                                f"log-probs' terms, not detached); got {got}")
         finite &= torch.isfinite(out.loss)
         if first and sampler is not None:
             gap = (scores.token_logp.detach() - sampler).abs()

@@ -412,14 +412,14 @@ def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tupl
         return Targets(), 0
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
-    targets = ctx.objective.prepare(inputs.with_tensors(every))
+    targets, G = ctx.objective.prepare(inputs.with_tensors(every)), inputs.rewards.shape[1]
     if not isinstance(targets, Targets):  # e.g. a subclass returning its advantages tensor
         raise UserCodeError(f"{type(ctx.objective).__name__}.prepare must return a "
                             f"maxent_grpo.objectives.Targets; got {type(targets).__name__}")
+    targets.check(type(ctx.objective).__name__, kept_total, G)
     if world == 1:
         return targets, kept_total
-    mine = slice(start, start + int(keep.sum()))
-    return targets.of_groups(mine, inputs.rewards.shape[1]), kept_total
+    return targets.of_groups(slice(start, start + int(keep.sum())), G), kept_total
 
 
 def rollout_samples(
