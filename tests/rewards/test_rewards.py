@@ -816,6 +816,43 @@ def test_in_set_reads_a_json_cell_and_refuses_what_is_no_list_of_integers() -> N
     assert in_set_reward(["q"], [" 3"], valid_answers=[None]) == [None]
 
 
+def needs_solution(prompts, completions, solution, **kwargs):
+    """A reward that takes a column by name, without a default."""
+    return [float(s in c) for c, s in zip(completions, solution, strict=True)]
+
+
+def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
+        cache_dir, tmp_path):
+    """Three mistakes of the extension-points hunt, each now named when the fit starts: a
+    column named ``completions`` crashed as "a bug" (the check of the references spread it
+    beside the argument); a reward taking a column no row has was a TypeError at the first
+    step, pointing into the package; ``first_number`` with no answers graded nothing, no
+    word (``data.answer_column: null``)."""
+    from tests.conftest import fit, make_data, make_module
+
+    def data(rows, **options):
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return make_data(cache_dir, task=None, task_options=None, data_files=str(path),
+                         val_size=0, **options)
+
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
+    with pytest.raises(ValueError, match=r"the column 'completions' of data.data_files file "
+                       r"'.*rows.jsonl' row 0 \(train prompt '0 \+ 1 ='\) clashes with the "
+                       r"reward argument of that name; rename the dataset column"):
+        fit(make_module(cache_dir, rewards={"first_number": 1.0}),
+            data([row | {"completions": "x"} for row in rows]), steps=1)
+    rewards = {f"{__name__}:needs_solution": 1.0}
+    with pytest.raises(ValueError, match=rf"model.rewards.{__name__}:needs_solution takes the "
+                       r"argument 'solution', which no train row has \(their columns: answer"):
+        fit(make_module(cache_dir, rewards=rewards), data(rows), steps=1)
+    no_answers = [{"prompt": row["prompt"]} for row in rows]
+    with pytest.warns(UserWarning, match=r"model.rewards.first_number reads the column "
+                                         r"'answer', which no train row has"):
+        fit(make_module(cache_dir, rewards={"first_number": 1.0, "format": 0.1}),
+            data(no_answers, answer_column=None), steps=1)
+
+
 def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_dir, tmp_path):
     """A row whose answer ``first_number`` cannot read failed only when it was first
     sampled (steps into a run, and again at every resume); every row is read at the start."""

@@ -7,6 +7,7 @@ which holds ``source`` (:class:`~maxent_grpo.training.settings.ModelSettings`), 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,7 +28,9 @@ from maxent_grpo.models import (
     model_chain,
 )
 from maxent_grpo.rewards.answers import ANSWER_FORMS
+from maxent_grpo.rewards.combine import RESERVED
 from maxent_grpo.rewards.registry import get_reward
+from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
 from maxent_grpo.validation import failing_row, require
@@ -144,6 +147,7 @@ class PolicyModels:
                     return f"{part} row {number} ({s} prompt {str(r[i].raw_prompt)[:60]!r})"
 
                 check_references(self.rewards.names, [ex.columns for ex in rows], where)
+                check_arguments(self.rewards, [ex.columns for ex in rows], split)
                 for i, example in enumerate(rows):
                     if (form := example.columns.get("answer_form")) not in (None, "",
                                                                            *ANSWER_FORMS):
@@ -176,10 +180,15 @@ def check_references(names: list[str], rows: Sequence[Mapping[str, Any]],
     """The references of every row (its columns, as the rewards get them) read by the
     rewards of ``names`` that refuse one they cannot read (:data:`READS_REFERENCES`), at the
     start of a fit: a row they cannot grade is a ValueError naming it (``where(i)``) and the
-    reward now, not when it is first sampled."""
+    reward now, not when it is first sampled. A column named after a reward argument
+    (:data:`~maxent_grpo.rewards.combine.RESERVED`) is refused here, for every reward."""
+    columns = dict.fromkeys(key for c in rows for key in c)
+    if clash := [key for key in columns if key in RESERVED]:
+        i = next(i for i, row in enumerate(rows) if clash[0] in row)
+        raise ValueError(f"the column {clash[0]!r} of {where(i)} clashes with the reward "
+                         "argument of that name; rename the dataset column")
     for name in dict.fromkeys(n for n in names if n in READS_REFERENCES):
         fn, n = get_reward(name), len(rows)
-        columns = dict.fromkeys(key for c in rows for key in c)
         call = {"prompts": [""] * n, "completions": [""] * n,
                 **{key: [c.get(key) for c in rows] for key in columns}}
         try:  # all rows at once; row by row only to find the one that failed
@@ -189,3 +198,35 @@ def check_references(names: list[str], rows: Sequence[Mapping[str, Any]],
                 reason = re.sub(r" given with completion \d+ of the step", "", str(found[1]))
                 raise ValueError(f"model.rewards.{name} cannot grade {where(found[0])}: "
                                  f"{reason}") from None
+
+
+#: what a multi-turn rollout adds to the reward arguments (:mod:`~maxent_grpo.rollout.multiturn`)
+MULTI_TURN = ("tool_calls", "tool_failures", "exchange_lengths", "environments")
+
+
+def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str) -> None:
+    """Each reward function's named arguments against the ``split`` rows' columns, at the
+    start of a fit: one without a default that no row has is a ValueError naming it (it was
+    a TypeError at the first step); one that defaults to None that no row gives a value
+    (``first_number``'s ``answer`` with ``data.answer_column: null``) is warned about: it
+    grades nothing there."""
+    columns = dict.fromkeys(key for c in rows for key in c)
+    for name, fn in zip(rewards.names, rewards.funcs, strict=True):
+        try:
+            parameters = inspect.signature(fn.fn if isinstance(fn, TimedReward) else fn)
+        except (TypeError, ValueError):  # no signature to read (a builtin)
+            continue
+        for p in parameters.parameters.values():
+            if p.name in RESERVED or p.name in MULTI_TURN or p.kind not in (
+                    p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                continue
+            if p.default is inspect.Parameter.empty and p.name not in columns:
+                raise ValueError(
+                    f"model.rewards.{name} takes the argument {p.name!r}, which no {split} row "
+                    f"has (their columns: {', '.join(columns) or 'none'}; the prompt reaches a "
+                    "reward as 'prompts'): name a column, give it a default, or take the rest "
+                    "with **kwargs")
+            if p.default is None and all(c.get(p.name) in (None, "") for c in rows):
+                rank_zero_warn(f"model.rewards.{name} reads the column {p.name!r}, which no "
+                               f"{split} row has: it gets None there, and grades nothing (set "
+                               "data.answer_column, or give the rows that column)")
