@@ -8,6 +8,7 @@ their GPU Trainer here). Nothing trains in this file.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -622,3 +623,22 @@ def test_a_mistyped_command_is_answered_with_every_command_export_too():
     assert "did you mean export?" in page
     assert cli_help.quick_help(["fit", "--config", "tiny"]) is None
     assert cli_help.quick_help(["--config", "tiny", "fit"]) is None
+
+
+def test_the_console_command_imports_a_module_of_the_working_folder(tmp_path):
+    """``maxent-grpo fit ... {my_rewards:score: 1.0}`` run from the folder of
+    ``my_rewards.py`` said "No module named 'my_rewards'" where ``python -m maxent_grpo``
+    trained: a console script puts its bin folder on ``sys.path``, not the working folder (a
+    hunt of the extension points)."""
+    (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **kw):\n"
+                                            "    return [1.0] * len(completions)\n")
+    script = ("import sys\nsys.path[0] = sys.argv[1]  # a console script's: its bin folder\n"
+              "sys.argv = ['maxent-grpo', '--version']\n"
+              "from maxent_grpo.__main__ import console\n"
+              "try:\n    console()\nexcept SystemExit:\n    pass\n"
+              "from maxent_grpo.rewards.registry import get_reward\n"
+              "print(get_reward('my_rewards:score')(prompts=['p'], completions=['c']))\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bin")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0 and run.stdout.strip().endswith("[1.0]"), run.stdout + run.stderr

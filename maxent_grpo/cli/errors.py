@@ -214,7 +214,8 @@ def message_of(error: BaseException) -> str:
     cause = error.__cause__
     if isinstance(error, UserCodeError) and cause is not None and cause.__traceback__:
         frame = traceback.extract_tb(cause.__traceback__)[-1]
-        message = f"{message} (at {frame.filename}:{frame.lineno})"
+        if os.path.isfile(frame.filename):  # not importlib's frozen frames (a SyntaxError)
+            message = f"{message} (at {frame.filename}:{frame.lineno})"
     return message
 
 

@@ -228,8 +228,8 @@ def _call(
         if value is None:
             out.append(math.nan)
             continue
-        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
-            value = value.item()  # a list of 0-d tensors
+        if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and value.ndim == 0:
+            value = value.item()  # 0-d tensors, NumPy's scalars (np.isclose's bools)
         if not isinstance(value, numbers.Real):
             raise RewardFunctionError(
                 f"{label} returned a non-numeric value at row {i}: {value!r:.80} "

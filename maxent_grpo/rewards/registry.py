@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from maxent_grpo.validation import UserCodeError
+
 RewardFn = Callable[..., list]
 
 REWARDS: dict[str, RewardFn] = {}
@@ -70,6 +72,9 @@ def get_reward(name_or_callable: str | RewardFn) -> RewardFn:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"cannot import reward {name_or_callable!r}: {err}") from err
+        except Exception as err:  # the module's own code failed: a SyntaxError, its raise
+            raise UserCodeError(f"model.rewards: cannot import {name_or_callable!r}: importing "
+                                f"{module_name!r} raised {type(err).__name__}: {err}") from err
         if not callable(fn):
             raise ValueError(f"reward {name_or_callable!r} is not callable")
         return fn

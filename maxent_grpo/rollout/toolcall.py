@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxent_grpo.rollout import sandbox
-from maxent_grpo.validation import check_choice, check_seconds, require
+from maxent_grpo.validation import UserCodeError, check_choice, check_seconds, require
 
 __all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
            "Toolbox", "error_text", "parse_tool_calls", "resolve_tool", "timed_call"]
@@ -176,6 +176,9 @@ def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:
         raise ValueError(
             f"model.tools: cannot import {spec!r} ({err}); give 'package.module:function' or "
             f"one of the built-in tools {sorted(BUILTIN_TOOLS)}") from err
+    except Exception as err:  # the module's own code failed: a SyntaxError, its raise
+        raise UserCodeError(f"model.tools: cannot import {spec!r}: importing {module_name!r} "
+                            f"raised {type(err).__name__}: {err}") from err
     require(callable(fn), f"model.tools: {spec!r} is not a function; give "
             f"'package.module:function' or one of {sorted(BUILTIN_TOOLS)}")
     return fn

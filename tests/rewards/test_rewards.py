@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,30 @@ def test_registry() -> None:
         get_reward("no_such_module:f")
     with pytest.raises(ValueError, match="reward '.shaping:format_reward' is a relative path"):
         get_reward(".shaping:format_reward")  # relative: was Python's TypeError
+
+
+def test_a_reward_module_that_fails_to_import_is_the_users_error(tmp_path, monkeypatch):
+    """A syntax error in the user's reward module, or a module raising as it imports, was
+    "unexpected SyntaxError; this is a bug in maxent_grpo" (a hunt of the extension
+    points); a tool module the same."""
+    from maxent_grpo.cli.errors import find_user_error
+    from maxent_grpo.rollout.toolcall import resolve_tool
+    from maxent_grpo.validation import UserCodeError
+
+    (tmp_path / "broken_syntax.py").write_text("def f(prompts, completions, **kw)\n    pass\n")
+    (tmp_path / "broken_raise.py").write_text("raise RuntimeError('config file missing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserCodeError, match=r"model.rewards: cannot import 'broken_syntax:f': "
+                       r"importing 'broken_syntax' raised SyntaxError: expected ':' "
+                       r"\(broken_syntax.py, line 1\)") as raised:
+        get_reward("broken_syntax:f")
+    assert find_user_error(raised.value)[1].endswith("line 1)")  # not importlib's frame
+    with pytest.raises(UserCodeError, match=r"raised RuntimeError: config file missing") as raised:
+        get_reward("broken_raise:f")
+    assert find_user_error(raised.value)[1].endswith(f"(at {tmp_path / 'broken_raise.py'}:1)")
+    with pytest.raises(UserCodeError, match=r"model.tools: cannot import 'broken_raise:f': "
+                                            r"importing 'broken_raise' raised RuntimeError"):
+        resolve_tool("broken_raise:f")
 
 
 def test_register_reward() -> None:
@@ -459,6 +484,16 @@ def test_score_completions_raising_function() -> None:
     with pytest.raises(RewardFunctionError, match=r"'broken' \(#1\) raised KeyError") as info:
         score_completions(funcs, ["p"], ["c"], {})
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_numpys_bools_are_read_as_trl_reads_them() -> None:
+    """A list of ``np.bool_`` (``np.isclose`` per row) was refused as non-numeric; TRL takes
+    it (a hunt of the extension points)."""
+    def close(prompts: list, completions: list, **kw: object) -> list:
+        return [np.isclose(len(c), 1) for c in completions]
+
+    total, _ = score_completions([("close", close, 1.0)], ["p", "p"], ["a", "bb"], {})
+    assert total.tolist() == [1.0, 0.0]
 
 
 def test_a_reward_raising_on_one_row_names_that_row() -> None:
