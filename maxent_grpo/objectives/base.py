@@ -12,9 +12,11 @@ clipped surrogate that GRPO, EntropyMaxEnt and GroupMaxEnt share
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -270,8 +272,22 @@ class Objective:
         return float(self.state().get("beta", 0.0))
 
     def state_dict(self) -> dict[str, float]:
-        """The :attr:`mutable` attributes: the one record of tau / beta in a checkpoint."""
-        return {name: float(getattr(self, name)) for name in self.mutable}
+        """The :attr:`mutable` attributes: the one record of tau / beta in a checkpoint.
+        Each is a number and keeps its kind (a bool, an int, else a float; a one-element
+        tensor's value); anything else is a UserCodeError naming it (an int came back a
+        float, a list index no more; a tensor failed the first save)."""
+        state = {}
+        for name in self.mutable:
+            value = getattr(self, name, None)
+            value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+            if not (isinstance(value, numbers.Real) or isinstance(value, np.bool_)):
+                raise UserCodeError(f"{type(self).__name__}.mutable: {name!r} must be a number "
+                                    "(a bool, an int or a float: it travels in the checkpoint)"
+                                    f"; got {type(value).__name__}")
+            kind = bool if isinstance(value, (bool, np.bool_)) else (
+                int if isinstance(value, numbers.Integral) else float)
+            state[name] = kind(value)
+        return state
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore :meth:`state_dict`; a key this objective does not have raises ValueError."""
@@ -281,8 +297,10 @@ class Objective:
                 f"{type(self).__name__} has no mutable state {unknown}; it keeps "
                 f"{list(self.mutable)}"
             )
-        for name, value in state.items():
-            setattr(self, name, float(value))
+        for name, value in state.items():  # a float of an older checkpoint: the kind it has
+            current = getattr(self, name, None)
+            setattr(self, name, type(current)(value) if type(current) in (bool, int) else (
+                value if isinstance(value, (bool, int)) else float(value)))
 
     def observe(self, stats: dict[str, float]) -> None:
         """Called once per training step that trained, after its optimizer step(s), with the
@@ -318,6 +336,7 @@ def check_objective(objective: object) -> None:
     require(isinstance(objective, Objective),
             "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
             f"...); got {type(objective).__name__}")
+    objective.state_dict()  # its mutable state: numbers, or named now, not at the first save
     missing = [name for name in ("prepare", "loss")
                if getattr(type(objective), name) is getattr(Objective, name)]
     require(not missing,

@@ -739,6 +739,46 @@ def test_an_objectives_targets_and_loss_of_the_wrong_shape_are_named(cache_dir, 
         fit(make_module(cache_dir, objective=objective()), make_data(cache_dir), steps=1)
 
 
+class Counting(GRPO):
+    """Mutable state of other kinds than float: an int used as an index, a bool, a tensor."""
+
+    mutable = ("beta", "seen", "flag")
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.seen, self.flag = 0, False
+
+    def observe(self, stats):
+        self.seen, self.flag = self.seen + 1, not self.flag
+        assert ["a", "b", "c", "d"][self.seen]  # an index: it was a float after a resume
+
+
+def test_an_objectives_mutable_state_keeps_its_kind_and_a_tensor_is_named(cache_dir, tmp_path):
+    """``float()`` of every mutable attribute: an int came back a float at a resume (a list
+    index failed, "a bug"), a tensor failed the first save with torch's message (a hunt of
+    the extension points)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY
+    from maxent_grpo.validation import UserCodeError
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=1)
+    fit(make_module(cache_dir, objective=Counting()), make_data(cache_dir), steps=1,
+        tmp_path=tmp_path, enable_checkpointing=True, callbacks=[saver])
+    state = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)[CHECKPOINT_KEY][
+        "objective_state"]
+    assert state == {"beta": 0.0, "seen": 1, "flag": True}
+    resumed = make_module(cache_dir, objective=Counting())
+    fit(resumed, make_data(cache_dir), steps=2, tmp_path=tmp_path,
+        ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert (resumed.objective.seen, resumed.objective.flag) == (2, False)
+    held = Counting()
+    held.seen = torch.zeros(2)
+    with pytest.raises(UserCodeError, match=r"Counting.mutable: 'seen' must be a number \(a "
+                                            r"bool, an int or a float.*; got Tensor"):
+        make_module(cache_dir, objective=held)
+
+
 @pytest.mark.parametrize("objective, method", [(BareLoss, "loss"), (BareTargets, "prepare")])
 def test_an_objective_returning_the_wrong_type_is_named_as_the_users(cache_dir, objective,
                                                                     method):
