@@ -69,9 +69,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
     """GRPO / MaxEnt-GRPO fine-tuning of a causal language model.
 
     Args:
-        model_name_or_path: a Hugging Face hub name (``Qwen/Qwen2.5-0.5B-Instruct``), a
-            local folder, or a built-in offline model (``builtin:tiny``,
-            ``builtin:smollm2-135m-instruct``).
+        model_name_or_path: a hub name (``Qwen/Qwen2.5-0.5B-Instruct``), a local folder,
+            or a built-in offline model (``builtin:tiny``, ``builtin:smollm2-135m-instruct``).
         objective: the training objective, chosen with ``class_path``
             (``maxent_grpo.objectives.GRPO``, ``EntropyMaxEnt``, ``ListwiseMaxEnt``,
             ``GroupMaxEnt``); ``None`` means ``GRPO()`` with its defaults.
@@ -343,6 +342,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_log, self.trajectory, self.step_metrics_dict = None, None, {}  # freed first
+        self.check_reference()  # after the callbacks' hooks: one may have raised beta
 
     def at_batch_start(self) -> None:
         """At a training batch's start (``ModuleHooks``): :func:`step_start`."""

@@ -739,6 +739,32 @@ def test_an_objectives_targets_and_loss_of_the_wrong_shape_are_named(cache_dir, 
         fit(make_module(cache_dir, objective=objective()), make_data(cache_dir), steps=1)
 
 
+def test_a_beta_raised_from_zero_by_a_callback_is_named_not_trained_without_its_kl(
+        cache_dir):
+    """A user's callback setting ``objective.beta = 0.5`` from 0: ``train/beta`` logged 0.5,
+    but the step had no reference model and no KL term (a hunt of the extension points).
+    One that calls ``require_reference`` in its setup trains with the KL."""
+
+    class Raise(L.Callback):
+        def __init__(self, ask: bool):
+            self.ask = ask
+
+        def setup(self, trainer, module, stage):
+            if self.ask:
+                module.require_reference()
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 1:
+                module.objective.beta = 0.5
+
+    with pytest.raises(ValueError, match=r"model.objective.beta is 0.5 at step 1, but this run "
+                                         r"loaded no reference model.*require_reference"):
+        fit(make_module(cache_dir), make_data(cache_dir), steps=2, callbacks=[Raise(False)])
+    module = make_module(cache_dir)
+    fit(module, make_data(cache_dir), steps=2, callbacks=[Raise(True)])
+    assert module.step_metrics_dict["train/loss/weighted_kl"] >= 0.0
+
+
 class Counting(GRPO):
     """Mutable state of other kinds than float: an int used as an index, a bool, a tensor."""
 

@@ -112,6 +112,17 @@ class PolicyModels:
             self.runtime = self.runtime.with_reference()
             self._place_reference()
 
+    def check_reference(self) -> None:
+        """At a training batch's start: an objective that needs the reference (a beta raised
+        from 0 by a user's callback) where the run loaded none is a ValueError (the step
+        trained without the KL term, logging the new beta)."""
+        require(self.reference is not None or not self.objective.needs_reference,
+                f"model.objective.beta is {self.objective.kl_weight():g} at step "
+                f"{self.global_step}, but this run loaded no reference model (beta was 0 "
+                "when the fit started): a callback that raises beta calls "
+                "pl_module.require_reference() in its setup (as BetaController does), or "
+                "start with beta > 0")
+
     @property
     def reference(self) -> torch.nn.Module | None:
         """The frozen reference model once loaded (kept out of ``state_dict``), else None.
