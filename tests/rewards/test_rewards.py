@@ -851,6 +851,18 @@ def test_in_set_reads_a_json_cell_and_refuses_what_is_no_list_of_integers() -> N
     assert in_set_reward(["q"], [" 3"], valid_answers=[None]) == [None]
 
 
+def no_kwargs(prompts, completions):
+    """A reward without ``**kwargs``."""
+    return [1.0] * len(completions)
+
+
+class Scorer:
+    """A class named as a reward (its instances would be)."""
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
 def needs_solution(prompts, completions, solution, **kwargs):
     """A reward that takes a column by name, without a default."""
     return [float(s in c) for c, s in zip(completions, solution, strict=True)]
@@ -881,6 +893,14 @@ def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
     with pytest.raises(ValueError, match=rf"model.rewards.{__name__}:needs_solution takes the "
                        r"argument 'solution', which no train row has \(their columns: answer"):
         fit(make_module(cache_dir, rewards=rewards), data(rows), steps=1)
+    with pytest.raises(ValueError, match=rf"model.rewards.{__name__}:no_kwargs does not take the "
+                       r"argument 'completion_ids' \(nor \*\*kwargs\): every reward is called "
+                       r"with prompts, completions, completion_ids, .* and each data column "
+                       r"\(answer\)"):
+        fit(make_module(cache_dir, rewards={f"{__name__}:no_kwargs": 1.0}), data(rows), steps=1)
+    with pytest.raises(ValueError, match=rf"model.rewards.{__name__}:Scorer is a class: name a "
+                                         r"function, or an instance"):
+        fit(make_module(cache_dir, rewards={f"{__name__}:Scorer": 1.0}), data(rows), steps=1)
     no_answers = [{"prompt": row["prompt"]} for row in rows]
     with pytest.warns(UserWarning, match=r"model.rewards.first_number reads the column "
                                          r"'answer', which no train row has"):

@@ -223,10 +223,20 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str)
     grades nothing there."""
     columns = dict.fromkeys(key for c in rows for key in c)
     for name, fn in zip(rewards.names, rewards.funcs, strict=True):
+        fn = fn.fn if isinstance(fn, TimedReward) else fn
+        require(not inspect.isclass(fn), f"model.rewards.{name} is a class: name a function, "
+                "or an instance whose __call__ is the reward ('module:INSTANCE')")
         try:
-            parameters = inspect.signature(fn.fn if isinstance(fn, TimedReward) else fn)
+            parameters = inspect.signature(fn)
         except (TypeError, ValueError):  # no signature to read (a builtin)
             continue
+        given = [key for key in (*RESERVED, *columns) if key not in parameters.parameters]
+        if given and not any(p.kind == p.VAR_KEYWORD for p in parameters.parameters.values()):
+            raise ValueError(
+                f"model.rewards.{name} does not take the argument {given[0]!r} (nor **kwargs): "
+                f"every reward is called with {', '.join(RESERVED)} and each data column "
+                f"({', '.join(columns) or 'none'}); take the ones you need by name and the rest "
+                "with **kwargs")
         for p in parameters.parameters.values():
             if p.name in RESERVED or p.name in MULTI_TURN or p.kind not in (
                     p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
