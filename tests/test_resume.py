@@ -83,6 +83,20 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class RequeueAt(pl.Callback):
+    """SLURM's requeue signal (SIGUSR1) to this process as step ``step`` starts; writes the
+    hpc checkpoints found just after it (none: the save waits for the batch's end)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            folder = Path(trainer.default_root_dir)
+            (folder / "at_signal.txt").write_text(str(sorted(folder.glob("hpc_ckpt_*"))))
+
+
 def config(run: Path, kill: bool | str) -> dict[str, Any]:
     """The run's config; ``kill``: stopped by ``KillAt`` (True) or another such class."""
     callbacks = [
@@ -127,19 +141,21 @@ def config(run: Path, kill: bool | str) -> dict[str, Any]:
     }
 
 
-def fit(run: Path, kill: bool = False, *extra: str) -> subprocess.CompletedProcess:
-    return launch(run, config(run, kill), kill, *extra)
+def fit(run: Path, kill: bool | str = False, *extra: str,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return launch(run, config(run, kill), kill, *extra, env=env)
 
 
-def launch(run: Path, cfg: dict[str, Any], kill: bool, *extra: str
-           ) -> subprocess.CompletedProcess:
-    """``python -m maxent_grpo fit`` on ``cfg`` (written into ``run``), offline."""
+def launch(run: Path, cfg: dict[str, Any], kill: bool | str, *extra: str,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m maxent_grpo fit`` on ``cfg`` (written into ``run``), offline, with the
+    variables ``env`` added."""
     run.mkdir(parents=True, exist_ok=True)
     path = run / ("config_kill.yaml" if kill else "config.yaml")
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {
         **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **(env or {}),
     }
     cmd = [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(path), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -225,6 +241,64 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kill, wh
     assert ckpt_a["PromptDataModule"] == ckpt_b["PromptDataModule"]
     for key in ("TauController", "BetaController"):
         assert ckpt_a["callbacks"][key] == ckpt_b["callbacks"][key]
+
+
+def test_a_slurm_requeue_saves_after_the_batch_and_the_requeued_job_resumes_exactly(
+        tmp_path, whole_run, monkeypatch):
+    """SLURM's requeue signal: Lightning's handler finalised the loggers and saved inside
+    the signal handler, which deadlocked on a lock the interrupted logging held (the job
+    hung, unsaved, not requeued), and a requeued job's resume from its ``hpc_ckpt`` skipped
+    this trainer's resume (a new log version, the wrong message; a hunt of SLURM flows).
+    The signal is noted; the batch's end saves ``hpc_ckpt_1.ckpt`` and runs ``scontrol
+    requeue`` (here a stand-in that records it and kills the job, as SLURM does); the same
+    command again resumes from it, through this trainer's resume, to an uninterrupted
+    run's values."""
+    shutil.copytree(whole_run, tmp_path / "A")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\nkill -9 $PPID\n')
+    (tools / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train",
+             "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "localhost",
+             "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
+             "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+    run = tmp_path / "B"
+    killed = fit(run, "RequeueAt", env=slurm)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert (run / "at_signal.txt").read_text() == "[]"  # nothing saved inside the handler
+    assert torch.load(run / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == (
+        KILL_AFTER + 1)
+
+    # --ckpt_path last takes it too, the newer: last.ckpt holds step 3 (the job ended before
+    # the saver's turn at step 4's end)
+    from maxent_grpo.training.run import checkpoint_io as ckpt_io
+
+    assert ckpt_io.slurm_requeue_checkpoint(str(run)) is None  # not under SLURM
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    hpc = ckpt_io.slurm_requeue_checkpoint(str(run))
+    assert hpc == str(run / "hpc_ckpt_1.ckpt")
+    assert ckpt_io.resolve_checkpoint("last", [str(run / "ckpt")]).global_step == KILL_AFTER
+    assert ckpt_io.resolve_checkpoint("last", [str(run / "ckpt")], extra=(hpc,)).path == hpc
+
+    requeued = fit(run, False, env=slurm)  # the job's command again, no --ckpt_path
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert f"SLURM: the fit resumes from {run / 'hpc_ckpt_1.ckpt'}" in requeued.stderr
+    prompts_a, stats_a = records(tmp_path / "A")
+    prompts_b, stats_b = records(run)
+    assert prompts_b == prompts_a
+    assert len(stats_b) == len(stats_a) == STEPS  # the save came after every callback's
+    for a, b in zip(stats_a, stats_b, strict=True):
+        for key in a:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a, b)
+    assert [v["validated"] for v in validations(run)] == [KILL_AFTER, STEPS]
+    ckpt_a = torch.load(tmp_path / "A" / "ckpt" / "last.ckpt", weights_only=True)
+    ckpt_b = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    assert ckpt_b["global_step"] == STEPS
+    for name, value in ckpt_a["state_dict"].items():
+        torch.testing.assert_close(ckpt_b["state_dict"][name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_ckpt_path_last_needs_a_checkpoint_folder(tmp_path, monkeypatch):

@@ -189,11 +189,19 @@ class MaxEntGRPOCLI(LightningCLI):
                 trainer.get("default_root_dir"):  # None: Lightning's logger, its folder
             self.save_config_callback = None  # no log folder chosen: write nothing to cwd
         ckpt_path = cfg.get("ckpt_path") if self.subcommand else None
+        # SLURM's requeue checkpoint, which Lightning takes on its own without --ckpt_path:
+        # resumed here, with this resume's checks and log folders (a new log version)
+        hpc = ckpt_io.slurm_requeue_checkpoint(trainer.get("default_root_dir")) if (
+            self.subcommand == "fit" and ckpt_path in (None, "last")) else None
+        if hpc is not None and ckpt_path is None:
+            ckpt_path = hpc
+            rank_zero_info(f"SLURM: the fit resumes from {hpc}, the requeue checkpoint "
+                           "(delete it to start afresh)")
         if not ckpt_path:
             return
         self._resume = ckpt_io.resolve_checkpoint(
             str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit",
-            trusted=cfg.get("weights_only") is False)
+            trusted=cfg.get("weights_only") is False, extra=(hpc,) if hpc else ())
         if self.subcommand == "fit" and self._resume is not None:
             self._continue_logger_versions(trainer.get("logger"), self._resume)
 

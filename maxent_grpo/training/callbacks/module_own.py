@@ -29,6 +29,7 @@ from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_whe
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir, unused_path
 from maxent_grpo.training.run.signals import (
+    answer_requeue,
     give_back_sigterm,
     same_batches,
     share_sigterm,
@@ -282,7 +283,11 @@ def _own_logging_step(trainer: L.Trainer) -> None:
 
 class CleanUp(L.Callback):
     """After the user's callbacks: a failed run calls no module teardown in Lightning; this
-    does it."""
+    does it. A SLURM requeue signal is answered here, after every callback's end of the
+    batch (:func:`~maxent_grpo.training.run.signals.answer_requeue`)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        answer_requeue(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:

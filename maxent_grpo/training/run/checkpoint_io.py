@@ -176,13 +176,14 @@ def checkpoint_files(folder: str) -> list[str]:
     return glob.glob(os.path.join(glob.escape(folder), "**", "*.ckpt"), recursive=True)
 
 
-def _candidates(dirpaths: list[str]) -> list[str]:
-    """Every ``*.ckpt`` of ``dirpaths``, newest first (a ``last*`` name wins a tie)."""
+def _candidates(dirpaths: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+    """Every ``*.ckpt`` of ``dirpaths`` and the files ``extra``, newest first (a ``last*``
+    name wins a tie)."""
     found: dict[str, tuple[float, bool]] = {}
-    for folder in (str(f).removeprefix("file://") for f in dirpaths):
-        if not _is_local(folder) or not os.path.isdir(folder):
-            continue
-        for path in checkpoint_files(folder):
+    folders = [str(f).removeprefix("file://") for f in dirpaths]
+    listed = [checkpoint_files(f) for f in folders if _is_local(f) and os.path.isdir(f)]
+    for paths in (*listed, extra):
+        for path in paths:
             try:
                 mtime = os.stat(path).st_mtime  # a symlink's target's time
             except OSError:
@@ -257,13 +258,28 @@ def _latest_of_one_run(usable: list[ResolvedCheckpoint], dirpaths: list[str]) ->
     return usable[steps.index(max(steps))]  # the newest of the highest step
 
 
+def slurm_requeue_checkpoint(default_root_dir: str | None) -> str | None:
+    """Under SLURM, the ``hpc_ckpt_N.ckpt`` with the highest ``N`` in ``default_root_dir``
+    (the working folder when None): the checkpoint Lightning resumes a fit from when no
+    ``--ckpt_path`` is given (its auto-requeue saves it: :mod:`.signals`); else None."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    folder = os.path.expanduser(str(default_root_dir or os.getcwd()))
+    if not (SLURMEnvironment.detect() and _is_local(folder) and os.path.isdir(folder)):
+        return None
+    found = [(int(m[1]), name) for name in os.listdir(folder)
+             if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", name))]
+    return os.path.join(folder, max(found)[1]) if found else None
+
+
 def resolve_checkpoint(
     ckpt_path: str, dirpaths: list[str], need_training_state: bool = True,
-    trusted: bool = False,
+    trusted: bool = False, extra: tuple[str, ...] = (),
 ) -> ResolvedCheckpoint | None:
     """The checkpoint ``ckpt_path`` stands for, checked.
 
-    ``"last"``: the usable ``*.ckpt`` of ``dirpaths`` with the highest global step (the
+    ``"last"``: the usable ``*.ckpt`` of ``dirpaths`` (and the files ``extra``: SLURM's
+    requeue checkpoint, :func:`slurm_requeue_checkpoint`) with the highest global step (the
     newest among equals), when they all belong to one run (:class:`LoggerVersions`' record);
     ValueError naming every candidate when they belong to several (a smoke test or a second
     run into the same folder: which one to continue is the user's choice). Unusable files
@@ -277,7 +293,7 @@ def resolve_checkpoint(
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
         usable: list[ResolvedCheckpoint] = []
-        for path in _candidates(dirpaths):
+        for path in _candidates(dirpaths, extra):
             problem, index = _usable(path, need_training_state, False, trusted)
             if problem is None:
                 usable.append(_resolved(path, index, skipped, trusted))

@@ -16,18 +16,31 @@ step). With one process the handler sets ``received_sigterm`` itself, as Lightni
 Lightning installs the handler once the model is built and a checkpoint restored, and
 removes it when the loop ends: a signal before (while a large model loads) or after (an
 export at the fit's end) ends the process it reaches at once, as by default.
+
+SLURM's requeue signal (``SIGUSR1`` with ``#SBATCH --signal=USR1@90``), where Lightning's
+``SLURMEnvironment`` auto-requeues, is taken the same way: Lightning's handler finalised
+the loggers and saved inside the signal handler, which deadlocked on a lock the interrupted
+logging held (the job hung until its time limit, not requeued, its ``hpc_ckpt`` unsaved),
+and saved in mid-step. Here the handler notes it; at the end of the training batch every
+rank saves ``hpc_ckpt_N.ckpt`` into ``trainer.default_root_dir`` together, after every
+callback's end of that batch, and rank 0 runs ``scontrol requeue`` (:func:`requeue`), the
+loggers flushed first.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import re
+import subprocess
 from types import FrameType
 from typing import Any
 
 import torch
 
-__all__ = ["give_back_sigterm", "same_batches", "share_sigterm", "take_sigterm"]
+__all__ = ["answer_requeue", "give_back_sigterm", "requeue", "same_batches", "share_sigterm",
+           "take_sigterm"]
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +61,20 @@ def take_sigterm(trainer: Any) -> None:
 
     connector._sigterm_notifier_fn = notify
 
+    def note_requeue(signum: int, _: FrameType | None) -> None:
+        log.info("[rank %d] SLURM's requeue signal %d: the checkpoint is saved after this "
+                 "batch", trainer.global_rank, signum)
+        connector.requeue_pending = True
+
+    connector.requeue_pending = False
+    connector._slurm_sigusr_handler_fn = note_requeue
+
 
 def give_back_sigterm(trainer: Any) -> None:
     """Lightning's handler again, for a later run on the Trainer of another module."""
     if (connector := getattr(trainer, "_signal_connector", None)) is not None:
         vars(connector).pop("_sigterm_notifier_fn", None)
+        vars(connector).pop("_slurm_sigusr_handler_fn", None)
 
 
 def same_batches(trainer: Any, counts: list[int | float]) -> None:
@@ -69,14 +91,65 @@ def same_batches(trainer: Any, counts: list[int | float]) -> None:
 
 
 def share_sigterm(trainer: Any, training: bool = True) -> bool:
-    """Whether any rank was signalled (one ``reduce_boolean_decision``); sets
-    ``received_sigterm`` on every rank if so. Called after the same batch on every rank:
-    each training batch, an evaluation batch only where :func:`same_batches` allows it."""
+    """Whether any rank was signalled (one all-reduce); sets ``received_sigterm`` on every
+    rank if so. Called after the same batch on every rank: each training batch, an
+    evaluation batch only where :func:`same_batches` allows it. After a training batch, a
+    requeue signal that reached any rank is agreed on, for :func:`answer_requeue`."""
     connector = trainer._signal_connector
     if not (training or getattr(connector, "sigterm_per_batch", True)):
         return False
-    pending = bool(getattr(connector, "sigterm_pending", False))
-    pending = trainer.strategy.reduce_boolean_decision(pending, all=False)
+    flags = [bool(getattr(connector, "sigterm_pending", False)),
+             training and bool(getattr(connector, "requeue_pending", False))]
+    if trainer.world_size > 1:
+        strategy = trainer.strategy
+        shared = torch.tensor(flags, dtype=torch.int32, device=strategy.root_device)
+        flags = [f > 0 for f in strategy.reduce(shared, reduce_op="sum").tolist()]
+    pending, requeued = flags
+    if requeued:
+        connector.requeue_pending, connector.requeue_agreed = False, True
     if pending:
         connector.received_sigterm = True
     return pending
+
+
+def answer_requeue(trainer: Any) -> None:
+    """After every callback's end of the training batch (the controllers' updates saved
+    too), every rank: :func:`requeue` where :func:`share_sigterm` agreed on one."""
+    connector = trainer._signal_connector
+    if getattr(connector, "requeue_agreed", False):
+        connector.requeue_agreed = False
+        requeue(trainer)
+
+
+def requeue(trainer: Any) -> None:
+    """What Lightning's requeue handler does, at the end of a training batch (every rank):
+    the loggers flushed, ``hpc_ckpt_N.ckpt`` saved into ``trainer.default_root_dir``, where
+    a fit started again under SLURM resumes from it, and on global rank 0 ``scontrol
+    requeue`` of the job (``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID`` for an array's task);
+    a requeue that fails is warned of and the run goes on."""
+    for logger in trainer.loggers:
+        logger.save()
+        if callable(flush := getattr(getattr(logger, "experiment", None), "flush", None)):
+            flush()
+    trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(
+        trainer.default_root_dir))
+    if not trainer.is_global_zero:
+        return
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get(
+        "SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        log.warning("SLURM's requeue signal, but no SLURM job id (%r): not requeued", job)
+        return
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                              timeout=60)
+        code, said = done.returncode, (done.stderr or done.stdout).strip()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        code, said = -1, str(err)
+    if code == 0:
+        log.info("requeued SLURM job %s", job)
+    else:
+        log.warning("scontrol requeue %s failed (%s): the job is not requeued; it goes on "
+                    "until it ends or is stopped (resume it from the hpc checkpoint saved)",
+                    job, said or f"exit code {code}")

@@ -151,7 +151,18 @@ def check_checkpoint_savers(trainer: Any) -> None:
 def one_process_is_rank_zero(trainer: Any) -> None:
     """A one-process run whose environment holds a scheduler's ``RANK``, ``LOCAL_RANK`` or
     ``SLURM_PROCID`` logs as rank 0: Lightning took it for a non-zero rank, and every
-    logger (and every rank-zero message) stayed silent while the run "succeeded"."""
+    logger (and every rank-zero message) stayed silent while the run "succeeded". One of
+    several tasks that SLURM started (a batch job, not an interactive shell) is refused:
+    each trained the whole run alone into the same folders."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    require(getattr(trainer, "world_size", 1) != 1 or not SLURMEnvironment.detect()
+            or not tasks.isdigit() or int(tasks) == 1,
+            f"SLURM started {tasks} tasks (SLURM_NTASKS) for a run of one process "
+            "(trainer.devices x trainer.num_nodes = 1): each would train the whole run alone, "
+            "into the same folders. Set trainer.devices to the tasks per node and "
+            "trainer.num_nodes to the nodes ($SLURM_NNODES), or start one task")
     if getattr(trainer, "world_size", 1) == 1 and rank_zero_only.rank != 0:
         rank_zero_only.rank = 0
         logging.getLogger(__name__).warning(

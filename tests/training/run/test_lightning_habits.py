@@ -212,3 +212,26 @@ def test_a_lone_process_that_the_environment_calls_rank_3_still_logs(cache_dir, 
             logger=logger, log_every_n_steps=1)
     assert "it logs as rank 0" in caplog.text
     assert "train/reward/mean" in (Path(logger.log_dir) / "metrics.csv").read_text()
+
+
+def test_one_of_several_slurm_tasks_running_a_one_process_fit_is_refused(monkeypatch):
+    """``srun -n 2`` with ``trainer.devices: 1``: each task trained the whole run alone into
+    the same folders, saying only that it logs as rank 0 (a hunt of SLURM flows). An
+    interactive allocation (``SLURM_JOB_NAME=bash``) and one task pass."""
+    from types import SimpleNamespace
+
+    from maxent_grpo.training.step.strategy import one_process_is_rank_zero
+
+    trainer = SimpleNamespace(world_size=1)
+    for name, value in (("SLURM_NTASKS", "2"), ("SLURM_JOB_NAME", "train"),
+                        ("SLURM_PROCID", "0"), ("SLURM_NTASKS_PER_NODE", "2")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"SLURM started 2 tasks \(SLURM_NTASKS\) for a run of "
+                                         r"one process .* each would train the whole run"):
+        one_process_is_rank_zero(trainer)
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive shell
+    one_process_is_rank_zero(trainer)
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    one_process_is_rank_zero(trainer)
+    one_process_is_rank_zero(SimpleNamespace(world_size=2))  # Lightning checks its own
