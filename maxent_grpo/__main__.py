@@ -15,12 +15,12 @@ from maxent_grpo.cli import help as cli_help
 
 def console(prog: str = "maxent-grpo") -> None:
     """The console command (``[project.scripts]``): the CLI of :mod:`maxent_grpo.cli`. The
-    working folder comes first on ``sys.path``, as ``python -m`` puts it (a console script
-    puts its own bin folder there): a reward, tool or objective module beside the config
-    imports under either command."""
+    working folder is on ``sys.path``, as ``python -m`` puts it (a console script puts its
+    own bin folder there), last (a ``yaml.py`` there does not hide the library): a reward,
+    tool or objective module beside the config imports under either command."""
     cli_help.PROG = prog
     if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     args = sys.argv[1:]
     quick = cli_help.quick_help(args)
     if quick is not None:

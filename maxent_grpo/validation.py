@@ -29,29 +29,32 @@ class UserCodeError(Exception):
 
 def failing_row(fn: Callable[..., Any], n: int, kwargs: dict[str, Any],
                 error: type[BaseException] = Exception, message: str | None = None,
-                seconds: float = math.inf) -> tuple[int, BaseException] | None:
+                seconds: float = math.inf, alone: bool = False,
+                ) -> tuple[int, BaseException] | None:
     """``(i, err)``: the first of ``n`` rows on which ``fn`` called with that row alone
     raises ``error`` (with ``message``, when given; each keyword argument that is a list of
     ``n`` values cut to its ``i``-th, the rest as given), to name the row a call on all of
-    them failed on; None when no row does, or after ``seconds``.
+    them failed on; None when no row does, or after ``seconds``; with ``alone``, None too
+    where no row passes (every row raising: the function's error, not a row's).
 
     >>> failing_row(lambda xs, k: [10 // x for x in xs], 3, {"xs": [5, 0, 1], "k": 2})[0]
     1
     """
     cut = [key for key, value in kwargs.items() if isinstance(value, (list, tuple))
            and len(value) == n]
-    deadline = time.monotonic() + seconds
+    deadline, found, passed = time.monotonic() + seconds, None, False
     for i in range(n):
         try:
             fn(**{**kwargs, **{key: kwargs[key][i:i + 1] for key in cut}})
+            passed = True
         except error as err:
-            if message is None or str(err) == message:
-                return i, err
+            if found is None and (message is None or str(err) == message):
+                found = i, err
         except (Exception, SystemExit):
             pass
-        if time.monotonic() > deadline:
+        if found is not None and (passed or not alone) or time.monotonic() > deadline:
             break
-    return None
+    return found if passed or not alone else None
 
 
 def require(ok: bool, message: str) -> None:

@@ -243,6 +243,7 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kill, wh
         assert ckpt_a["callbacks"][key] == ckpt_b["callbacks"][key]
 
 
+@pytest.mark.slow
 def test_a_slurm_requeue_saves_after_the_batch_and_the_requeued_job_resumes_exactly(
         tmp_path, whole_run, monkeypatch):
     """SLURM's requeue signal: Lightning's handler finalised the loggers and saved inside
@@ -274,18 +275,23 @@ def test_a_slurm_requeue_saves_after_the_batch_and_the_requeued_job_resumes_exac
     # --ckpt_path last takes it too, the newer: last.ckpt holds step 3 (the job ended before
     # the saver's turn at step 4's end)
     from maxent_grpo.training.run import checkpoint_io as ckpt_io
+    from maxent_grpo.training.run.signals import slurm_requeue_checkpoint
 
-    assert ckpt_io.slurm_requeue_checkpoint(str(run)) is None  # not under SLURM
+    assert slurm_requeue_checkpoint(str(run)) is None  # not under SLURM
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
-    hpc = ckpt_io.slurm_requeue_checkpoint(str(run))
+    hpc = slurm_requeue_checkpoint(str(run))
     assert hpc == str(run / "hpc_ckpt_1.ckpt")
     assert ckpt_io.resolve_checkpoint("last", [str(run / "ckpt")]).global_step == KILL_AFTER
     assert ckpt_io.resolve_checkpoint("last", [str(run / "ckpt")], extra=(hpc,)).path == hpc
 
-    requeued = fit(run, False, env=slurm)  # the job's command again, no --ckpt_path
+    # a new job (a sweep's next) would resume another run's: refused (a second reader)
+    fresh = fit(run, False, env=slurm)
+    assert fresh.returncode == 1 and (f"{hpc}, an earlier SLURM job's requeue checkpoint, would "
+                                      "resume this new job") in fresh.stderr, fresh.stderr[-3000:]
+    requeued = fit(run, False, env={**slurm, "SLURM_RESTART_COUNT": "1"})  # the same command
     assert requeued.returncode == 0, requeued.stderr[-3000:]
-    assert f"SLURM: the fit resumes from {run / 'hpc_ckpt_1.ckpt'}" in requeued.stderr
+    assert f"SLURM: a requeued job: the fit resumes from {hpc} or later" in requeued.stderr
     prompts_a, stats_a = records(tmp_path / "A")
     prompts_b, stats_b = records(run)
     assert prompts_b == prompts_a

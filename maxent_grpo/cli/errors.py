@@ -339,6 +339,7 @@ def _outside_frame(error: BaseException) -> str | None:
     """``file:line`` of the innermost frame of ``error``'s trace where that frame's file is
     neither in this package nor in Python's or the environment's libraries (a user's own
     objective subclass, callback or module), else None."""
+    import site
     import sysconfig
 
     frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
@@ -346,8 +347,13 @@ def _outside_frame(error: BaseException) -> str | None:
         return None
     path = os.path.realpath(frames[-1].filename)
     ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    libraries = {os.path.realpath(p) for p in sysconfig.get_paths().values()}
-    if any(path.startswith(root + os.sep) for root in (ours, *libraries, sys.prefix)):
+    libraries = {os.path.realpath(p) for p in (  # a user install's, a hub model's own code
+        *sysconfig.get_paths().values(), *site.getsitepackages(), site.getusersitepackages(),
+        os.environ.get("HF_MODULES_CACHE") or os.path.join(
+            os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"),
+            "modules"))}
+    if any(path.startswith(root + os.sep) for root in (ours, *libraries, sys.prefix)) or any(
+            part in path for part in ("/torchinductor_", "/.triton/")):  # compiled kernels
         return None
     return f"{frames[-1].filename}:{frames[-1].lineno}"
 

@@ -37,7 +37,9 @@ from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
+from maxent_grpo.training.run.signals import slurm_requeue_checkpoint
 from maxent_grpo.training.step.strategy import check_launcher
+from maxent_grpo.validation import require
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -189,14 +191,17 @@ class MaxEntGRPOCLI(LightningCLI):
                 trainer.get("default_root_dir"):  # None: Lightning's logger, its folder
             self.save_config_callback = None  # no log folder chosen: write nothing to cwd
         ckpt_path = cfg.get("ckpt_path") if self.subcommand else None
-        # SLURM's requeue checkpoint, which Lightning takes on its own without --ckpt_path:
-        # resumed here, with this resume's checks and log folders (a new log version)
-        hpc = ckpt_io.slurm_requeue_checkpoint(trainer.get("default_root_dir")) if (
+        # SLURM's requeue checkpoint (Lightning's own resume without --ckpt_path skipped ours)
+        hpc = slurm_requeue_checkpoint(trainer.get("default_root_dir")) if (
             self.subcommand == "fit" and ckpt_path in (None, "last")) else None
-        if hpc is not None and ckpt_path is None:
-            ckpt_path = hpc
-            rank_zero_info(f"SLURM: the fit resumes from {hpc}, the requeue checkpoint "
-                           "(delete it to start afresh)")
+        if hpc and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):  # an earlier job's
+            require(ckpt_path == "last", f"{hpc}, an earlier SLURM job's requeue checkpoint, "
+                    "would resume this new job (Lightning's rule): delete or move it, or resume "
+                    f"it on purpose with --ckpt_path {hpc}")
+            hpc = None  # --ckpt_path last: the savers' checkpoints only
+        if hpc and ckpt_path is None:  # requeued: that checkpoint, or a later one of its run
+            ckpt_path = "last"
+            rank_zero_info(f"SLURM: a requeued job: the fit resumes from {hpc} or later")
         if not ckpt_path:
             return
         self._resume = ckpt_io.resolve_checkpoint(

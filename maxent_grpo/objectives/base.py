@@ -297,10 +297,15 @@ class Objective:
                 f"{type(self).__name__} has no mutable state {unknown}; it keeps "
                 f"{list(self.mutable)}"
             )
-        for name, value in state.items():  # a float of an older checkpoint: the kind it has
+        for name, value in state.items():
             current = getattr(self, name, None)
-            setattr(self, name, type(current)(value) if type(current) in (bool, int) else (
-                value if isinstance(value, (bool, int)) else float(value)))
+            if isinstance(current, Tensor) and current.numel() == 1:
+                current.fill_(value)  # a one-element tensor stays one
+                continue
+            if isinstance(value, float) and type(current) in (bool, int) and (value in (
+                    0.0, 1.0) or type(current) is int and value.is_integer()):
+                value = type(current)(value)  # an older checkpoint's float, without loss
+            setattr(self, name, value)
 
     def observe(self, stats: dict[str, float]) -> None:
         """Called once per training step that trained, after its optimizer step(s), with the

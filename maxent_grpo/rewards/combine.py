@@ -183,15 +183,16 @@ ROW_SEARCH_S = 2.0
 
 def _alone(fn: Callable, call: dict[str, Any], err: BaseException, seconds: float) -> str:
     """`` (it raises on completion i alone: ...)``, the first row that raises ``err`` again
-    (its type and message), with its prompt, completion and columns; "" when none does (one
-    that needs whole groups fails otherwise on one row), or for a reward that times out or runs a
+    (its type and message) where another row passes, with its prompt, completion and columns;
+    "" when none does (one that needs whole groups fails otherwise on one row) or every row
+    does (a missing key or setting: not a row's), or for a reward that times out or runs a
     model (the search is theirs to pay), or without ``seconds`` left."""
     n = len(call["completions"])
     if seconds <= 0 or isinstance(fn, (TimedReward, RewardModel)) or (
             inspect.iscoroutinefunction(fn)):
         return ""
     quiet = dict.fromkeys(("log_metric", "log_extra"), lambda *args, **kwargs: None)
-    found = failing_row(fn, n, {**call, **quiet}, type(err), str(err), seconds)
+    found = failing_row(fn, n, {**call, **quiet}, type(err), str(err), seconds, alone=True)
     if found is None:
         return ""
     i = found[0]

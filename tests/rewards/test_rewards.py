@@ -514,6 +514,13 @@ def test_a_reward_raising_on_one_row_names_that_row() -> None:
                           {"answer": ["1", "1", "two", "3"], "task": ["t"] * 4})
     assert calls == [4, 1, 1, 1]  # the batch, then rows 0, 1 and 2
 
+    def needs_a_key(prompts: list, completions: list, **kw: object) -> list:
+        return [float(os.environ["MAXENT_GRPO_NO_SUCH_KEY"])] * len(completions)
+
+    # every row alone raises it too: a setting, not a row (a second reader)
+    with pytest.raises(RewardFunctionError, match=r"raised KeyError: 'MAXENT_GRPO_NO_SUCH_KEY'$"):
+        score_completions([("key", needs_a_key, 1.0)], ["p0", "p1"], ["a", "b"], {})
+
     def by_groups(prompts: list, completions: list, **kw: object) -> list:
         if len(completions) % 2:
             raise ValueError(f"{len(completions)} completions: not whole groups of 2")
@@ -903,7 +910,7 @@ def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
         fit(make_module(cache_dir, rewards={f"{__name__}:Scorer": 1.0}), data(rows), steps=1)
     no_answers = [{"prompt": row["prompt"]} for row in rows]
     with pytest.warns(UserWarning, match=r"model.rewards.first_number reads the column "
-                                         r"'answer', which no train row has"):
+                                         r"'answer', which no train row fills"):
         fit(make_module(cache_dir, rewards={"first_number": 1.0, "format": 0.1}),
             data(no_answers, answer_column=None), steps=1)
 

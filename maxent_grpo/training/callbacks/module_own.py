@@ -37,6 +37,7 @@ from maxent_grpo.training.run.signals import (
 )
 from maxent_grpo.training.run.validated import (
     VALIDATION_DUE,
+    identity,
     note_validated,
     saved_before_validation,
     unvalidated,
@@ -130,6 +131,7 @@ class ModuleHooks(L.Callback):
         # a resumed fit's checkpoint came before a validation's end (run first, on_train_start);
         # no validation is under way (a save during one comes before its end)
         self.validation_due, self.validation_ended = False, True
+        self.loaded: list[int] | None = None  # a validate's checkpoint, due: its identity
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
@@ -180,6 +182,9 @@ class ModuleHooks(L.Callback):
             self.validation_due = checkpoint.get(VALIDATION_DUE) is True
             resume_where_stopped(checkpoint, trainer)
             count_cut_batch_once(checkpoint)
+        elif trainer.state.fn == "validate":  # its validation, if due, is recorded at the end
+            self.loaded = identity(str(trainer.ckpt_path)) if checkpoint.get(
+                VALIDATION_DUE) is True else None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -244,7 +249,7 @@ class ModuleHooks(L.Callback):
         """Before the savers' own saves at a validation's end: it ended."""
         self.validation_ended = True
         if trainer.state.fn in ("fit", "validate"):
-            note_validated(trainer)
+            note_validated(trainer, self.loaded)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A resumed fit that trained no step (its ``max_steps`` reached at the checkpoint)
@@ -283,8 +288,8 @@ def _own_logging_step(trainer: L.Trainer) -> None:
 
 class CleanUp(L.Callback):
     """After the user's callbacks: a failed run calls no module teardown in Lightning; this
-    does it. A SLURM requeue signal is answered here, after every callback's end of the
-    batch (:func:`~maxent_grpo.training.run.signals.answer_requeue`)."""
+    does it. A SLURM requeue signal is answered here, after the user's callbacks' end of
+    the batch (:func:`~maxent_grpo.training.run.signals.answer_requeue`)."""
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         answer_requeue(trainer)

@@ -258,20 +258,6 @@ def _latest_of_one_run(usable: list[ResolvedCheckpoint], dirpaths: list[str]) ->
     return usable[steps.index(max(steps))]  # the newest of the highest step
 
 
-def slurm_requeue_checkpoint(default_root_dir: str | None) -> str | None:
-    """Under SLURM, the ``hpc_ckpt_N.ckpt`` with the highest ``N`` in ``default_root_dir``
-    (the working folder when None): the checkpoint Lightning resumes a fit from when no
-    ``--ckpt_path`` is given (its auto-requeue saves it: :mod:`.signals`); else None."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    folder = os.path.expanduser(str(default_root_dir or os.getcwd()))
-    if not (SLURMEnvironment.detect() and _is_local(folder) and os.path.isdir(folder)):
-        return None
-    found = [(int(m[1]), name) for name in os.listdir(folder)
-             if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", name))]
-    return os.path.join(folder, max(found)[1]) if found else None
-
-
 def resolve_checkpoint(
     ckpt_path: str, dirpaths: list[str], need_training_state: bool = True,
     trusted: bool = False, extra: tuple[str, ...] = (),
@@ -279,8 +265,8 @@ def resolve_checkpoint(
     """The checkpoint ``ckpt_path`` stands for, checked.
 
     ``"last"``: the usable ``*.ckpt`` of ``dirpaths`` (and the files ``extra``: SLURM's
-    requeue checkpoint, :func:`slurm_requeue_checkpoint`) with the highest global step (the
-    newest among equals), when they all belong to one run (:class:`LoggerVersions`' record);
+    requeue checkpoint) with the highest global step (the newest among equals), when they
+    all belong to one run (:class:`LoggerVersions`' record);
     ValueError naming every candidate when they belong to several (a smoke test or a second
     run into the same folder: which one to continue is the user's choice). Unusable files
     are skipped with a warning; ``None`` when there is none (a fit starts afresh; for an

@@ -29,7 +29,7 @@ from maxent_grpo.models import (
 )
 from maxent_grpo.rewards.answers import ANSWER_FORMS
 from maxent_grpo.rewards.combine import RESERVED
-from maxent_grpo.rewards.registry import get_reward
+from maxent_grpo.rewards.registry import REWARDS, get_reward
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
@@ -117,11 +117,12 @@ class PolicyModels:
         from 0 by a user's callback) where the run loaded none is a ValueError (the step
         trained without the KL term, logging the new beta)."""
         require(self.reference is not None or not self.objective.needs_reference,
-                f"model.objective.beta is {self.objective.kl_weight():g} at step "
-                f"{self.global_step}, but this run loaded no reference model (beta was 0 "
-                "when the fit started): a callback that raises beta calls "
+                f"model.objective ({type(self.objective).__name__}, now "
+                f"{self.objective.state()}) needs the reference model at step "
+                f"{self.global_step}, but this run loaded none (it needed none when the fit "
+                "started): a callback that raises beta (or the KL's weight) from 0 calls "
                 "pl_module.require_reference() in its setup (as BetaController does), or "
-                "start with beta > 0")
+                "start the fit with it above 0")
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -226,8 +227,8 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str)
         fn = fn.fn if isinstance(fn, TimedReward) else fn
         require(not inspect.isclass(fn), f"model.rewards.{name} is a class: name a function, "
                 "or an instance whose __call__ is the reward ('module:INSTANCE')")
-        try:
-            parameters = inspect.signature(fn)
+        try:  # what is called: a decorator's wrapper, not the function it wraps
+            parameters = inspect.signature(fn, follow_wrapped=False)
         except (TypeError, ValueError):  # no signature to read (a builtin)
             continue
         given = [key for key in (*RESERVED, *columns) if key not in parameters.parameters]
@@ -247,7 +248,9 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str)
                     f"has (their columns: {', '.join(columns) or 'none'}; the prompt reaches a "
                     "reward as 'prompts'): name a column, give it a default, or take the rest "
                     "with **kwargs")
-            if p.default is None and all(c.get(p.name) in (None, "") for c in rows):
+            if p.default is None and (p.name in columns or name in REWARDS) and all(
+                    c.get(p.name) in (None, "") for c in rows):  # a column, left empty
                 rank_zero_warn(f"model.rewards.{name} reads the column {p.name!r}, which no "
-                               f"{split} row has: it gets None there, and grades nothing (set "
-                               "data.answer_column, or give the rows that column)")
+                               f"{split} row fills: it gets None there, and grades nothing ("
+                               + ("set data.answer_column, or " if p.name == "answer" else "")
+                               + "give the rows that column)")

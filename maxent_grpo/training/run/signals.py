@@ -22,9 +22,10 @@ SLURM's requeue signal (``SIGUSR1`` with ``#SBATCH --signal=USR1@90``), where Li
 the loggers and saved inside the signal handler, which deadlocked on a lock the interrupted
 logging held (the job hung until its time limit, not requeued, its ``hpc_ckpt`` unsaved),
 and saved in mid-step. Here the handler notes it; at the end of the training batch every
-rank saves ``hpc_ckpt_N.ckpt`` into ``trainer.default_root_dir`` together, after every
-callback's end of that batch, and rank 0 runs ``scontrol requeue`` (:func:`requeue`), the
-loggers flushed first.
+rank saves ``hpc_ckpt_N.ckpt`` into ``trainer.default_root_dir`` together, after the
+user's callbacks' end of that batch (Lightning runs the ``ModelCheckpoint`` savers after
+it: a file a saver writes at that step is not in the hpc checkpoint's record of it), and
+rank 0 runs ``scontrol requeue`` (:func:`requeue`), the loggers flushed first.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ from types import FrameType
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
-__all__ = ["answer_requeue", "give_back_sigterm", "requeue", "same_batches", "share_sigterm",
-           "take_sigterm"]
+from maxent_grpo.training.run.checkpoint_io import _is_local
+
+__all__ = ["answer_requeue", "give_back_sigterm", "hpc_checkpoints", "requeue", "same_batches",
+           "share_sigterm", "slurm_requeue_checkpoint", "take_sigterm"]
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +117,8 @@ def share_sigterm(trainer: Any, training: bool = True) -> bool:
 
 
 def answer_requeue(trainer: Any) -> None:
-    """After every callback's end of the training batch (the controllers' updates saved
-    too), every rank: :func:`requeue` where :func:`share_sigterm` agreed on one."""
+    """After the user's callbacks' end of the training batch (the controllers' updates
+    saved too), every rank: :func:`requeue` where :func:`share_sigterm` agreed on one."""
     connector = trainer._signal_connector
     if getattr(connector, "requeue_agreed", False):
         connector.requeue_agreed = False
@@ -127,12 +131,17 @@ def requeue(trainer: Any) -> None:
     a fit started again under SLURM resumes from it, and on global rank 0 ``scontrol
     requeue`` of the job (``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID`` for an array's task);
     a requeue that fails is warned of and the run goes on."""
-    for logger in trainer.loggers:
+    if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+        log.info("SLURM's requeue signal after the run's last step: nothing to requeue")
+        return
+    for logger in trainer.loggers if trainer.is_global_zero else ():
         logger.save()
         if callable(flush := getattr(getattr(logger, "experiment", None), "flush", None)):
             flush()
-    trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(
-        trainer.default_root_dir))
+    folder = str(trainer.default_root_dir)
+    found = trainer.strategy.broadcast(hpc_checkpoints(folder))  # rank 0's folder, its N
+    path = os.path.join(folder, f"hpc_ckpt_{(found[-1][0] if found else 0) + 1}.ckpt")
+    trainer.save_checkpoint(path)
     if not trainer.is_global_zero:
         return
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -148,8 +157,26 @@ def requeue(trainer: Any) -> None:
     except (OSError, subprocess.TimeoutExpired) as err:
         code, said = -1, str(err)
     if code == 0:
-        log.info("requeued SLURM job %s", job)
+        log.info("saved %s and requeued SLURM job %s", path, job)
     else:
         log.warning("scontrol requeue %s failed (%s): the job is not requeued; it goes on "
                     "until it ends or is stopped (resume it from the hpc checkpoint saved)",
                     job, said or f"exit code {code}")
+
+
+def hpc_checkpoints(folder: str) -> list[tuple[int, str]]:
+    """``(N, path)`` of each ``hpc_ckpt_N.ckpt`` in ``folder`` (none where it is no local
+    folder), by ``N``: SLURM's requeue checkpoints (:func:`requeue`)."""
+    folder = os.path.expanduser(folder)
+    if not (_is_local(folder) and os.path.isdir(folder)):
+        return []
+    return sorted((int(m[1]), os.path.join(folder, name)) for name in os.listdir(folder)
+                  if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", name)))
+
+
+def slurm_requeue_checkpoint(default_root_dir: str | None) -> str | None:
+    """Under SLURM, the ``hpc_ckpt_N.ckpt`` with the highest ``N`` in ``default_root_dir``
+    (the working folder when None): the checkpoint Lightning resumes a fit from when no
+    ``--ckpt_path`` is given; else None."""
+    found = hpc_checkpoints(str(default_root_dir or os.getcwd()))
+    return found[-1][1] if found and SLURMEnvironment.detect() else None

@@ -33,7 +33,7 @@ MARKER = "validated.json"
 VALIDATION_DUE = "maxent_grpo_validation_due"
 
 
-def _identity(path: str) -> list[int] | None:
+def identity(path: str) -> list[int] | None:
     try:
         info = os.stat(path)  # a save_last link: its file's
     except OSError:
@@ -55,27 +55,29 @@ def _record(folder: str, paths: set[str]) -> None:
     entries of files since replaced or deleted dropped."""
     marker = os.path.join(folder, MARKER)
     entries = {name: kept for name, kept in _read(marker).items()
-               if _identity(os.path.join(folder, name)) == kept}
+               if identity(os.path.join(folder, name)) == kept}
     for path in filter(None, paths):
-        if _identity(path) is not None:
-            entries[os.path.relpath(path, folder)] = _identity(path)
+        if identity(path) is not None:
+            entries[os.path.relpath(path, folder)] = identity(path)
     text = json.dumps(entries, indent=1).encode()
     atomic_write(marker, lambda f, text=text: f.write(text))
 
 
-def note_validated(trainer: Any) -> None:
+def note_validated(trainer: Any, loaded: list[int] | None = None) -> None:
     """At the end of a fit's validation (global rank 0): every checkpoint of this run's
     savers is recorded as validated in its folder's ``validated.json`` (those of earlier
     steps too: the run went on past them, so their validation ended; the entries of files
     since replaced or deleted are dropped). At the end of ``validate --ckpt_path``: that
-    checkpoint, in its folder's (what the warning of a resume with no step left asks for;
-    a later resume does not run it again), where that folder can be written. Not for
-    ``fast_dev_run``'s one batch."""
+    checkpoint, in its folder's, where its validation was due (``loaded``: its identity
+    when it was loaded, which it must still have: not a ``last.ckpt`` a fit replaced
+    since) and that folder can be written (what the warning of a resume with no step left
+    asks for; a later resume does not run it again). Not for ``fast_dev_run``'s one
+    batch."""
     if not trainer.is_global_zero or trainer.sanity_checking or trainer.fast_dev_run:
         return
     if trainer.state.fn == "validate":
         path = str(trainer.ckpt_path or "")
-        if _is_local(path) and _identity(path) is not None:
+        if loaded is not None and _is_local(path) and identity(path) == loaded:
             with contextlib.suppress(OSError):  # a read-only folder: it runs again, no more
                 _record(os.path.dirname(os.path.abspath(path)), {path})
         return
@@ -111,12 +113,12 @@ def unvalidated(trainer: Any) -> bool:
     folder's, or a saver's: a checkpoint in a metric's subfolder); False for a remote one,
     which has no such file (its validation is not run again on every resume)."""
     path = str(trainer.ckpt_path)
-    if not _is_local(path) or _identity(path) is None:
+    if not _is_local(path) or identity(path) is None:
         return False
     folders = {os.path.dirname(os.path.abspath(path)), *(
         os.path.abspath(saver.dirpath) for saver in trainer.checkpoint_callbacks
         if getattr(saver, "dirpath", None) and _is_local(saver.dirpath))}
-    return not any(_identity(path) in _read(os.path.join(folder, MARKER)).values()
+    return not any(identity(path) in _read(os.path.join(folder, MARKER)).values()
                    for folder in folders)
 
 

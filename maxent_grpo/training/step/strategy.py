@@ -152,14 +152,14 @@ def one_process_is_rank_zero(trainer: Any) -> None:
     """A one-process run whose environment holds a scheduler's ``RANK``, ``LOCAL_RANK`` or
     ``SLURM_PROCID`` logs as rank 0: Lightning took it for a non-zero rank, and every
     logger (and every rank-zero message) stayed silent while the run "succeeded". One of
-    several tasks that SLURM started (a batch job, not an interactive shell) is refused:
-    each trained the whole run alone into the same folders."""
+    several tasks that ``srun`` started (in a batch job, not an interactive shell) is
+    refused: each trained the whole run alone into the same folders."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    tasks = os.environ.get("SLURM_NTASKS", "1")
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # srun's (a batch script has none)
     require(getattr(trainer, "world_size", 1) != 1 or not SLURMEnvironment.detect()
             or not tasks.isdigit() or int(tasks) == 1,
-            f"SLURM started {tasks} tasks (SLURM_NTASKS) for a run of one process "
+            f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) for a run of one process "
             "(trainer.devices x trainer.num_nodes = 1): each would train the whole run alone, "
             "into the same folders. Set trainer.devices to the tasks per node and "
             "trainer.num_nodes to the nodes ($SLURM_NNODES), or start one task")

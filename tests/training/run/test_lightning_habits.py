@@ -226,12 +226,14 @@ def test_one_of_several_slurm_tasks_running_a_one_process_fit_is_refused(monkeyp
     for name, value in (("SLURM_NTASKS", "2"), ("SLURM_JOB_NAME", "train"),
                         ("SLURM_PROCID", "0"), ("SLURM_NTASKS_PER_NODE", "2")):
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=r"SLURM started 2 tasks \(SLURM_NTASKS\) for a run of "
-                                         r"one process .* each would train the whole run"):
+    one_process_is_rank_zero(trainer)  # the batch script itself: one process of the job
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # srun -n 2
+    with pytest.raises(ValueError, match=r"srun started 2 tasks \(SLURM_STEP_NUM_TASKS\) for a "
+                                         r"run of one process .* each would train the whole"):
         one_process_is_rank_zero(trainer)
     monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive shell
     one_process_is_rank_zero(trainer)
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
     one_process_is_rank_zero(trainer)
     one_process_is_rank_zero(SimpleNamespace(world_size=2))  # Lightning checks its own
