@@ -17,7 +17,7 @@ Lightning installs the handler once the model is built and a checkpoint restored
 removes it when the loop ends: a signal before (while a large model loads) or after (an
 export at the fit's end) ends the process it reaches at once, as by default.
 
-SLURM's requeue signal (``SIGUSR1`` with ``#SBATCH --signal=USR1@90``), where Lightning's
+SLURM's requeue signal (``SIGUSR1`` with ``#SBATCH --signal=USR1@600``), where Lightning's
 ``SLURMEnvironment`` auto-requeues, is taken the same way: Lightning's handler finalised
 the loggers and saved inside the signal handler, which deadlocked on a lock the interrupted
 logging held (the job hung until its time limit, not requeued, its ``hpc_ckpt`` unsaved),
@@ -160,8 +160,8 @@ def requeue(trainer: Any) -> None:
         log.info("saved %s and requeued SLURM job %s", path, job)
     else:
         log.warning("scontrol requeue %s failed (%s): the job is not requeued; it goes on "
-                    "until it ends or is stopped (resume it from the hpc checkpoint saved)",
-                    job, said or f"exit code {code}")
+                    "until it ends or is stopped (a new job resumes it with --ckpt_path %s)",
+                    job, said or f"exit code {code}", path)
 
 
 def hpc_checkpoints(folder: str) -> list[tuple[int, str]]:
