@@ -85,6 +85,20 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
             f"--data.batch_size to {accumulate}x its value, and bound the memory with "
             "--model.micro_batch_groups (groups per forward/backward) or "
             "--model.micro_batch_tokens; leave --trainer.accumulate_grad_batches at 1")
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler as Accumulation
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    for cb in getattr(trainer, "callbacks", []):
+        require(not isinstance(cb, Accumulation), "GradientAccumulationScheduler: one "
+                "training step here is one rollout, whose micro-batches already accumulate "
+                "before one optimizer step; for more prompts per update raise --data.batch_size "
+                "(bound the memory with --model.micro_batch_groups or --model.micro_batch_tokens)"
+                " and remove the callback")
+        require(not isinstance(cb, StochasticWeightAveraging), "StochasticWeightAveraging "
+                "would do nothing here (no averaged weights, its learning rate never used): it "
+                "copies the module before the policy is built (configure_model), and the "
+                "optimizer steps are the module's own; remove the callback (average saved "
+                "checkpoints' weights afterwards instead)")
 
 
 def check_step_multiples(trainer: Any, num_iterations: int) -> None:

@@ -27,6 +27,29 @@ def test_trainer_flags_we_cannot_honour_name_our_option(cache_dir, tmp_path, fla
     assert module.policy is None  # stopped before the model was even loaded
 
 
+@pytest.mark.parametrize("kind, expected", [
+    ("accumulation", r"GradientAccumulationScheduler: one training step here is one rollout.*"
+                     r"--data.batch_size"),
+    ("swa", r"StochasticWeightAveraging would do nothing here"),
+])
+def test_lightning_callbacks_we_cannot_honour_are_refused(cache_dir, tmp_path, kind, expected):
+    """GradientAccumulationScheduler crashed as "a bug" (Lightning's message for manual
+    optimisation); StochasticWeightAveraging ran and did nothing: its copy of the module,
+    taken before ``configure_model``, had no weights, and its learning rate never reached
+    the module's optimizer step (a hunt of Lightning's callbacks)."""
+    from lightning.pytorch.callbacks import (
+        GradientAccumulationScheduler,
+        StochasticWeightAveraging,
+    )
+
+    callback = (GradientAccumulationScheduler({0: 2}) if kind == "accumulation"
+                else StochasticWeightAveraging(swa_lrs=0.05))
+    module = make_module(cache_dir)
+    with pytest.raises(ValueError, match=expected):
+        fit(module, make_data(cache_dir), tmp_path=tmp_path, callbacks=[callback])
+    assert module.policy is None  # before the model loads
+
+
 @pytest.mark.parametrize("steps, every, expected", [
     (3, None, r"max_steps 3 is not a multiple of model.num_iterations 2.*would run 4; "
               r"set --trainer.max_steps 4 or 2"),
