@@ -1,14 +1,17 @@
 """A sequence-classification model as a reward function (``model:<name_or_path>`` in
 ``model.rewards``), scored as TRL's ``GRPOTrainer`` scores a reward model.
 
-The text of a row is ``prompt + completion`` for a text prompt and a text completion, and
-otherwise (a conversational prompt, or a multi-turn rollout's messages after a text prompt,
-which becomes the user's turn) the whole conversation rendered with the reward model's own
-chat template. Texts are
+The text of a row is ``prompt + completion`` for a text prompt and a text completion that
+the policy saw as such, and otherwise (a conversational prompt; a text prompt the policy saw
+through its chat template, ``data.apply_chat_template``; a multi-turn rollout's messages
+after a text prompt: the prompt becomes the user's turn) the whole conversation rendered
+with the reward model's own chat template (a ``data.system_prompt`` is not in it). Texts are
 tokenised with its tokenizer (right-padded, no added special tokens) and scored
 ``batch_size`` rows at a time on the policy's device under ``torch.inference_mode``; the
 reward is the single logit (``num_labels=1``) at the last non-pad token. The model is
-loaded on the first call and never trained or checkpointed.
+loaded on the first call and never trained or checkpointed; one whose classification head
+is not in its weights (a base or chat model: the head would be random), or a text longer
+than its positions, is a ValueError naming the reward.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ class RewardModel:
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"{label}: dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+        from maxent_grpo.models import resolve_model_path
+
+        if not str(name_or_path).startswith("builtin:"):  # a mistyped folder: now, not at
+            try:  # the first step, after the policy loaded
+                resolve_model_path(name_or_path)
+            except ValueError as err:
+                raise ValueError(f"reward {label!r}: {err}") from None
         self.name_or_path, self.label = name_or_path, label
         self.batch_size, self.dtype, self.device = batch_size, dtype, device
         self.model: Any = None
@@ -66,24 +76,37 @@ class RewardModel:
         try:
             path = resolve_model_path(self.name_or_path)
             tokenizer = load_tokenizer(self.name_or_path, padding_side="right")
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=DTYPES[self.dtype])
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=DTYPES[self.dtype], output_loading_info=True)
         except (OSError, ValueError, RuntimeError) as err:
+            why = ("its classification head has another number of outputs" if
+                   "ignore_mismatched_sizes" in str(err) else str(err))
             raise ValueError(
                 f"reward {self.label!r}: cannot load {self.name_or_path!r} as a "
-                f"sequence-classification model with one output (num_labels=1): {err}"
+                f"sequence-classification model with one output (num_labels=1): {why}"
             ) from err
+        if missing := list(info.get("missing_keys") or []):
+            raise ValueError(
+                f"reward {self.label!r}: {self.name_or_path!r} has no trained classification "
+                f"head ({', '.join(sorted(missing)[:3])} not in its weights: its scores would be "
+                "random); name a trained reward model (a sequence-classification model with "
+                "one output)")
         # the score is read at the last token that is not padding, found by the pad id
         model.config.pad_token_id = tokenizer.pad_token_id
         self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
 
-    def texts(self, prompts: list, completions: list) -> list[str]:
-        """The text scored for each row (see the module docstring)."""
+    def texts(self, prompts: list, completions: list,
+              rendered: list[str] | None = None) -> list[str]:
+        """The text scored for each row (see the module docstring); ``rendered``: the
+        prompts as the policy continued them (where one differs from its text prompt, the
+        policy saw a chat template)."""
         self.load()
         out = []
-        for prompt, completion in zip(prompts, completions, strict=True):
+        chat = bool(getattr(self.tokenizer, "chat_template", None))
+        for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             if isinstance(prompt, str):
-                if isinstance(completion, str):
+                templated = rendered is not None and rendered[i] != prompt and chat
+                if isinstance(completion, str) and not templated:
                     out.append(prompt + completion)
                     continue
                 prompt = [{"role": "user", "content": prompt}]  # a multi-turn exchange
@@ -130,7 +153,7 @@ class RewardModel:
         return self._shown[key]
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
-        texts = self.texts(prompts, completions)
+        texts = self.texts(prompts, completions, kwargs.get("rendered_prompts"))
         device = self.device()
         if self.model.device != device:
             self.model.to(device)
@@ -142,6 +165,20 @@ class RewardModel:
                     texts[start:start + self.batch_size], return_tensors="pt", padding=True,
                     add_special_tokens=False,
                 ).to(device)
+                self._fits(inputs["input_ids"].shape[1])
                 logits = self.model(**inputs).logits  # (rows, 1)
                 scores.extend(logits[:, 0].float().tolist())
         return scores
+
+    def _fits(self, tokens: int) -> None:
+        """ValueError naming the reward where a text of ``tokens`` tokens passes the model's
+        positions (an index error, or a device assert on a GPU, inside its embedding)."""
+        config = self.model.config
+        limit = next((getattr(config, key) for key in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(config, key, None), int)), None)
+        if limit is not None and tokens > limit:
+            raise ValueError(
+                f"reward {self.label!r}: a text of {tokens} tokens (prompt and completion) is "
+                f"longer than the {limit} positions of {self.name_or_path!r}: lower "
+                "data.max_prompt_length or model.max_completion_length, or use a reward "
+                "model with a longer context")

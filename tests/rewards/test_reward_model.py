@@ -102,9 +102,15 @@ def test_a_multi_turn_exchange_after_a_text_prompt_is_a_conversation(rm_folder):
 
 
 def test_reward_model_errors_name_the_reward(rm_folder, tmp_path):
-    rewards = WeightedRewards({f"model:{tmp_path}/missing": 1.0})  # lazy: no error yet
+    # a folder that does not exist: when the rewards are built (it was at the first step,
+    # after the policy had loaded; a hunt of reward models)
+    with pytest.raises(ValueError, match=r"reward 'model:.*/missing': model path .*/missing' "
+                                         r"does not exist"):
+        WeightedRewards({f"model:{tmp_path}/missing": 1.0})
+    (tmp_path / "empty").mkdir()  # a folder that holds no model: at its first call
+    rewards = WeightedRewards({f"model:{tmp_path}/empty": 1.0})
     pairs = PromptCompletionBatch(prompts=["p"], completions=["c"])
-    with pytest.raises(RewardFunctionError, match=r"'model:.*/missing'.*cannot load") as info:
+    with pytest.raises(RewardFunctionError, match=r"'model:.*/empty'.*cannot load") as info:
         rewards(pairs, {}, 1)
     assert isinstance(info.value.__cause__, ValueError)
 
@@ -155,3 +161,46 @@ def test_reward_model_scores_a_chat_fit(cache_dir, rm_folder, tmp_path):
     assert torch.allclose(t.samples.components[name], expected, atol=1e-5)
     assert torch.allclose(t.samples.rewards, 2.0 * expected + t.samples.components["format"],
                           atol=1e-5)
+
+
+def test_a_model_without_a_trained_head_a_long_text_and_a_templated_prompt(rm_folder, tmp_path):
+    """A hunt of reward models: ``model:builtin:tiny`` (a causal LM: its classification head
+    initialised at random) trained on random scores with rc 0; a text longer than the
+    model's positions was a bare IndexError; a text prompt the policy saw through its chat
+    template was scored glued to the completion, as no conversation."""
+    from transformers import LlamaForCausalLM
+
+    causal = tmp_path / "causal"
+    LlamaForCausalLM(LlamaForSequenceClassification.from_pretrained(rm_folder).config
+                     ).save_pretrained(causal)
+    build_tiny_tokenizer().save_pretrained(causal)
+    with pytest.raises(ValueError, match=r"reward 'model:c': .*causal' has no trained "
+                                         r"classification head \(score.weight not in its "
+                                         r"weights: its scores would be random\)"):
+        RewardModel(str(causal), label="model:c").load()
+    two = tmp_path / "two"
+    config = LlamaForSequenceClassification.from_pretrained(rm_folder).config
+    config.num_labels = 2
+    LlamaForSequenceClassification(config).save_pretrained(two)
+    build_tiny_tokenizer().save_pretrained(two)
+    with pytest.raises(ValueError, match=r"one output \(num_labels=1\): its classification head "
+                                         r"has another number of outputs$"):
+        RewardModel(str(two), label="model:2").load()
+
+    rm = RewardModel(rm_folder, label="model:rm")
+    rm.load()
+    limit = rm.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"reward 'model:rm': a text of \d+ tokens .* longer "
+                                         rf"than the {limit} positions"):
+        rm(prompts=["x " * limit], completions=["y"])
+
+    prompt, completion = "What is 2 + 2?", " 4"
+    rendered = rm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                tokenize=False, add_generation_prompt=True)
+    conversation = rm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+        tokenize=False)
+    assert rm.texts([prompt], [completion], [rendered]) == [conversation]
+    assert rm.texts([prompt], [completion], [prompt]) == [prompt + completion]  # as it was seen
+    assert rm(prompts=[prompt], completions=[completion], rendered_prompts=[rendered]) == (
+        pytest.approx(one_by_one(rm_folder, [conversation]), abs=1e-5))
