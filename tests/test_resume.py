@@ -439,3 +439,36 @@ def test_ckpt_path_last_with_no_checkpoint_yet_says_the_fit_starts_afresh(tmp_pa
     assert not [w for w in recwarn if "no last checkpoint" in str(w.message)]
     saved = tmp_path / "lightning_logs" / "tiny" / "checkpoints" / "last.ckpt"
     assert torch.load(saved, weights_only=True)["global_step"] == 1
+
+
+def test_an_earlier_slurm_jobs_requeue_checkpoint_is_not_taken_by_a_new_job(tmp_path,
+                                                                           monkeypatch):
+    """Lightning resumes a fit (or loads for validate/predict) from any ``hpc_ckpt_N.ckpt``
+    in ``default_root_dir`` under SLURM when no ``--ckpt_path`` is given: a sweep's next job
+    continued another run's weights. A new job is refused, with ``--ckpt_path last`` too
+    when the savers hold nothing; a requeued one resolves ``last`` with it (second readers)."""
+    from maxent_grpo.cli import main
+    from maxent_grpo.training.run.signals import slurm_resume
+
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+                        "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(sys, "argv", ["maxent_grpo"])
+    monkeypatch.chdir(tmp_path)
+    hpc = tmp_path / "hpc_ckpt_3.ckpt"
+    hpc.write_bytes(b"an earlier job's")
+    (tmp_path / "hpc_ckpt_x.ckpt").write_bytes(b"not Lightning's pattern")  # ignored
+    refused = rf"{hpc}, an earlier SLURM job's requeue checkpoint, would resume this new job"
+    for extra in ([], ["--ckpt_path", "last"]):
+        with pytest.raises(ValueError, match=refused):
+            main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), *extra,
+                  "--trainer.logger=false", f"--model.model_cache_dir={tmp_path / 'm'}"])
+    with pytest.raises(ValueError, match=rf"{hpc}, a SLURM requeue checkpoint, would be loaded "
+                                         r"by validate in place of the configured model"):
+        slurm_resume("validate", None, str(tmp_path))
+    assert slurm_resume("fit", str(hpc), str(tmp_path)) == (str(hpc), (), None)  # named
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this job, requeued
+    assert slurm_resume("fit", None, str(tmp_path)) == ("last", (str(hpc),), None)
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive shell: not Lightning's rule
+    assert slurm_resume("fit", None, str(tmp_path)) == (None, (), None)

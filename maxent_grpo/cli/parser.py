@@ -27,7 +27,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.cli import errors
 from maxent_grpo.cli import help as cli_help
@@ -37,7 +37,7 @@ from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
-from maxent_grpo.training.run.signals import slurm_requeue_checkpoint
+from maxent_grpo.training.run.signals import slurm_resume
 from maxent_grpo.training.step.strategy import check_launcher
 from maxent_grpo.validation import require
 
@@ -190,23 +190,22 @@ class MaxEntGRPOCLI(LightningCLI):
         if self.save_config_callback and trainer.get("logger") in (False, []) and not \
                 trainer.get("default_root_dir"):  # None: Lightning's logger, its folder
             self.save_config_callback = None  # no log folder chosen: write nothing to cwd
-        ckpt_path = cfg.get("ckpt_path") if self.subcommand else None
         # SLURM's requeue checkpoint (Lightning's own resume without --ckpt_path skipped ours)
-        hpc = slurm_requeue_checkpoint(trainer.get("default_root_dir")) if (
-            self.subcommand == "fit" and ckpt_path in (None, "last")) else None
-        if hpc and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):  # an earlier job's
-            require(ckpt_path == "last", f"{hpc}, an earlier SLURM job's requeue checkpoint, "
-                    "would resume this new job (Lightning's rule): delete or move it, or resume "
-                    f"it on purpose with --ckpt_path {hpc}")
-            hpc = None  # --ckpt_path last: the savers' checkpoints only
-        if hpc and ckpt_path is None:  # requeued: that checkpoint, or a later one of its run
-            ckpt_path = "last"
-            rank_zero_info(f"SLURM: a requeued job: the fit resumes from {hpc} or later")
+        ckpt_path, extra, refusal = slurm_resume(str(self.subcommand), cfg.get(
+            "ckpt_path") if self.subcommand else None, trainer.get("default_root_dir"))
         if not ckpt_path:
             return
-        self._resume = ckpt_io.resolve_checkpoint(
-            str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit",
-            trusted=cfg.get("weights_only") is False, extra=(hpc,) if hpc else ())
+        for candidates in dict.fromkeys((extra, ())):  # another run's requeue file: left out
+            try:
+                self._resume = ckpt_io.resolve_checkpoint(
+                    str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit",
+                    trusted=cfg.get("weights_only") is False, extra=candidates)
+                break
+            except ValueError as err:
+                if not candidates:
+                    raise
+                rank_zero_warn(f"{candidates[0]} is left out of --ckpt_path last: {err}")
+        require(self._resume is not None or refusal is None, str(refusal))  # Lightning's pick
         if self.subcommand == "fit" and self._resume is not None:
             self._continue_logger_versions(trainer.get("logger"), self._resume)
 

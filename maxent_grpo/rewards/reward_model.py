@@ -62,6 +62,7 @@ class RewardModel:
         self.model: Any = None
         self.tokenizer: Any = None
         self._shown: dict[tuple[str, str], bool] = {}  # (template, role): its messages shown
+        self._limit: int | None = None  # its learned positions (0: no such table), once read
         self.__name__ = label
 
     def load(self) -> None:
@@ -79,8 +80,9 @@ class RewardModel:
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 path, num_labels=1, dtype=DTYPES[self.dtype], output_loading_info=True)
         except (OSError, ValueError, RuntimeError) as err:
-            why = ("its classification head has another number of outputs" if
-                   "ignore_mismatched_sizes" in str(err) else str(err))
+            why = ("a weight's size differs from a one-output classifier's (its "
+                   "classification head has other outputs?)" if "ignore_mismatched_sizes" in
+                   str(err) else str(err))
             raise ValueError(
                 f"reward {self.label!r}: cannot load {self.name_or_path!r} as a "
                 f"sequence-classification model with one output (num_labels=1): {why}"
@@ -105,7 +107,9 @@ class RewardModel:
         chat = bool(getattr(self.tokenizer, "chat_template", None))
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             if isinstance(prompt, str):
-                templated = rendered is not None and rendered[i] != prompt and chat
+                # the policy saw it through a chat template (a system prompt without one
+                # comes before the prompt: the text still ends with it)
+                templated = rendered is not None and not rendered[i].endswith(prompt) and chat
                 if isinstance(completion, str) and not templated:
                     out.append(prompt + completion)
                     continue
@@ -172,13 +176,19 @@ class RewardModel:
 
     def _fits(self, tokens: int) -> None:
         """ValueError naming the reward where a text of ``tokens`` tokens passes the model's
-        positions (an index error, or a device assert on a GPU, inside its embedding)."""
-        config = self.model.config
-        limit = next((getattr(config, key) for key in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(config, key, None), int)), None)
-        if limit is not None and tokens > limit:
+        table of learned absolute positions (an index error, or a device assert on a GPU,
+        inside its embedding; BERT's, GPT-2's, RoBERTa's less its padding offset); a model
+        without one (rotary or relative positions) has no such bound."""
+        if self._limit is None:
+            tables = [m for name, m in self.model.named_modules() if isinstance(
+                m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("position_embeddings",
+                                                                       "wpe")]
+            pad = tables[0].padding_idx if tables else None
+            self._limit = (tables[0].num_embeddings - (0 if pad is None else pad + 1)
+                           if tables else 0)
+        if self._limit and tokens > self._limit:
             raise ValueError(
                 f"reward {self.label!r}: a text of {tokens} tokens (prompt and completion) is "
-                f"longer than the {limit} positions of {self.name_or_path!r}: lower "
+                f"longer than the {self._limit} positions of {self.name_or_path!r}: lower "
                 "data.max_prompt_length or model.max_completion_length, or use a reward "
                 "model with a longer context")

@@ -183,16 +183,28 @@ def test_a_model_without_a_trained_head_a_long_text_and_a_templated_prompt(rm_fo
     config.num_labels = 2
     LlamaForSequenceClassification(config).save_pretrained(two)
     build_tiny_tokenizer().save_pretrained(two)
-    with pytest.raises(ValueError, match=r"one output \(num_labels=1\): its classification head "
-                                         r"has another number of outputs$"):
+    with pytest.raises(ValueError, match=r"one output \(num_labels=1\): a weight's size "
+                                         r"differs .*other outputs\?\)$"):
         RewardModel(str(two), label="model:2").load()
 
-    rm = RewardModel(rm_folder, label="model:rm")
+    # learned absolute positions bound a text (GPT-2's 24 here); rotary ones do not
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    tok = build_tiny_tokenizer()
+    gpt2 = tmp_path / "gpt2"
+    GPT2ForSequenceClassification(GPT2Config(
+        vocab_size=len(tok), n_positions=24, n_embd=16, n_layer=1, n_head=2, num_labels=1,
+        pad_token_id=tok.pad_token_id)).save_pretrained(gpt2)
+    tok.save_pretrained(gpt2)
+    short = RewardModel(str(gpt2), label="model:g")
+    with pytest.raises(ValueError, match=r"reward 'model:g': a text of \d+ tokens .* longer "
+                                         r"than the 24 positions"):
+        short(prompts=["x " * 30], completions=["y"])
+    assert len(short(prompts=["x " * 5], completions=["y"])) == 1
+    rm = RewardModel(rm_folder, label="model:rm")  # a Llama: rotary, past its config's 2048
     rm.load()
-    limit = rm.model.config.max_position_embeddings
-    with pytest.raises(ValueError, match=rf"reward 'model:rm': a text of \d+ tokens .* longer "
-                                         rf"than the {limit} positions"):
-        rm(prompts=["x " * limit], completions=["y"])
+    assert len(rm(prompts=["x " * (rm.model.config.max_position_embeddings + 8)],
+                  completions=["y"])) == 1
 
     prompt, completion = "What is 2 + 2?", " 4"
     rendered = rm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -202,5 +214,7 @@ def test_a_model_without_a_trained_head_a_long_text_and_a_templated_prompt(rm_fo
         tokenize=False)
     assert rm.texts([prompt], [completion], [rendered]) == [conversation]
     assert rm.texts([prompt], [completion], [prompt]) == [prompt + completion]  # as it was seen
+    # a system prompt without a chat template comes before the text: still plain text
+    assert rm.texts([prompt], [completion], [f"Be brief.\n\n{prompt}"]) == [prompt + completion]
     assert rm(prompts=[prompt], completions=[completion], rendered_prompts=[rendered]) == (
         pytest.approx(one_by_one(rm_folder, [conversation]), abs=1e-5))

@@ -40,11 +40,13 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info
 
 from maxent_grpo.training.run.checkpoint_io import _is_local
+from maxent_grpo.validation import require
 
 __all__ = ["answer_requeue", "give_back_sigterm", "hpc_checkpoints", "requeue", "same_batches",
-           "share_sigterm", "slurm_requeue_checkpoint", "take_sigterm"]
+           "share_sigterm", "slurm_requeue_checkpoint", "slurm_resume", "take_sigterm"]
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +182,27 @@ def slurm_requeue_checkpoint(default_root_dir: str | None) -> str | None:
     ``--ckpt_path`` is given; else None."""
     found = hpc_checkpoints(str(default_root_dir or os.getcwd()))
     return found[-1][1] if found and SLURMEnvironment.detect() else None
+
+
+def slurm_resume(stage: str, ckpt_path: str | None, default_root_dir: str | None
+                 ) -> tuple[str | None, tuple[str, ...], str | None]:
+    """SLURM's requeue checkpoint (:func:`slurm_requeue_checkpoint`) in a command's choice
+    of checkpoint, which Lightning takes by itself where no ``--ckpt_path`` is given:
+    ``(ckpt_path, extra candidates of "last", the refusal where nothing else resolves)``. A
+    requeued job's ``fit`` (``SLURM_RESTART_COUNT`` >= 1) resolves ``last`` with it; a new
+    job's, or another command's, is refused without ``--ckpt_path`` (it is an earlier
+    job's, or would stand in for the configured model), and left out of ``last``."""
+    hpc = slurm_requeue_checkpoint(default_root_dir) if ckpt_path in (None, "last") else None
+    if hpc is None:
+        return ckpt_path, (), None
+    if stage == "fit" and os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
+        if ckpt_path is None:
+            rank_zero_info(f"SLURM: a requeued job: the fit resumes from {hpc} or later")
+        return "last", (hpc,), None
+    refusal = (f"{hpc}, an earlier SLURM job's requeue checkpoint, would resume this new job "
+               "(Lightning's rule)" if stage == "fit" else f"{hpc}, a SLURM requeue "
+               f"checkpoint, would be loaded by {stage} in place of the configured model "
+               "(Lightning's rule)") + (f": delete or move it, or name it on purpose with "
+                                        f"--ckpt_path {hpc}")
+    require(ckpt_path == "last", refusal)
+    return ckpt_path, (), refusal
