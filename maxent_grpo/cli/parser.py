@@ -16,6 +16,7 @@ undone, so ``validate --ckpt_path x.ckpt --model.eval_k [1,8]`` does evaluate pa
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -195,16 +196,16 @@ class MaxEntGRPOCLI(LightningCLI):
             "ckpt_path") if self.subcommand else None, trainer.get("default_root_dir"))
         if not ckpt_path:
             return
-        for candidates in dict.fromkeys((extra, ())):  # another run's requeue file: left out
-            try:
-                self._resume = ckpt_io.resolve_checkpoint(
-                    str(ckpt_path), self._checkpoint_dirpaths(), self.subcommand == "fit",
-                    trusted=cfg.get("weights_only") is False, extra=candidates)
-                break
-            except ValueError as err:
-                if not candidates:
-                    raise
-                rank_zero_warn(f"{candidates[0]} is left out of --ckpt_path last: {err}")
+        resolve = functools.partial(
+            ckpt_io.resolve_checkpoint, str(ckpt_path), self._checkpoint_dirpaths(),
+            self.subcommand == "fit", trusted=cfg.get("weights_only") is False)
+        try:
+            self._resume = resolve(extra=extra)
+        except ValueError as err:
+            if not extra:
+                raise
+            rank_zero_warn(f"{extra[0]} is left out of --ckpt_path last: {err}")  # another run's
+            self._resume = resolve()
         require(self._resume is not None or refusal is None, str(refusal))  # Lightning's pick
         if self.subcommand == "fit" and self._resume is not None:
             self._continue_logger_versions(trainer.get("logger"), self._resume)

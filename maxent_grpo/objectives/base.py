@@ -280,7 +280,7 @@ class Objective:
         for name in self.mutable:
             value = getattr(self, name, None)
             value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
-            if not (isinstance(value, numbers.Real) or isinstance(value, np.bool_)):
+            if not isinstance(value, (numbers.Real, np.bool_)):
                 raise UserCodeError(f"{type(self).__name__}.mutable: {name!r} must be a number "
                                     "(a bool, an int or a float: it travels in the checkpoint)"
                                     f"; got {type(value).__name__}")

@@ -100,8 +100,8 @@ class RewardModel:
     def texts(self, prompts: list, completions: list,
               rendered: list[str] | None = None) -> list[str]:
         """The text scored for each row (see the module docstring); ``rendered``: the
-        prompts as the policy continued them (where one differs from its text prompt, the
-        policy saw a chat template)."""
+        prompts as the policy continued them (where one does not end with its text prompt,
+        the policy saw it through a chat template)."""
         self.load()
         out = []
         chat = bool(getattr(self.tokenizer, "chat_template", None))

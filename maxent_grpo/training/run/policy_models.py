@@ -158,8 +158,9 @@ class PolicyModels:
                     part, number = (s, r[i].index) if w is None else w(r[i].index)  # its file
                     return f"{part} row {number} ({s} prompt {str(r[i].raw_prompt)[:60]!r})"
 
-                check_references(self.rewards.names, [ex.columns for ex in rows], where)
-                check_arguments(self.rewards, [ex.columns for ex in rows], split)
+                columns = [ex.columns for ex in rows]
+                check_references(self.rewards.names, columns, where)
+                check_arguments(self.rewards, columns, split)
                 for i, example in enumerate(rows):
                     if (form := example.columns.get("answer_form")) not in (None, "",
                                                                            *ANSWER_FORMS):
