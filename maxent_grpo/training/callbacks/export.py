@@ -25,6 +25,7 @@ from maxent_grpo.adapters import has_adapters, merged_copy, name_base
 from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy, model_chain
 from maxent_grpo.rollout.weights import sharded_state_dict
+from maxent_grpo.training.callbacks.run_report import why_no_training
 from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.validation import check_bool, check_int, require, unwritable
 
@@ -261,8 +262,9 @@ class HFExport(Callback):
         done = (f"exported the weights loaded from {loaded} to {out}" if out is not None
                 else "nothing was exported (no checkpoint was loaded)")
         log.warning("HFExport: this fit ran no training step (%s): %s. To train on, raise "
-                    "trainer.max_steps / max_epochs; to export a checkpoint without a fit: %s",
-                    _why_no_training(trainer), done, EXPORT_COMMAND)
+                    "trainer.max_steps / max_epochs / max_time; to export a checkpoint "
+                    "without a fit: %s",
+                    why_no_training(trainer), done, EXPORT_COMMAND)
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:
         """:func:`export_policy` of ``pl_module.runtime``'s model and tokenizer into
@@ -282,14 +284,3 @@ class HFExport(Callback):
                       source=getattr(pl_module, "source", None), merged=self.merged,
                       state_dict=whole)
         return out
-
-
-def _why_no_training(trainer: pl.Trainer) -> str:
-    """Why Lightning's training loop ended before its first step, in words."""
-    step, max_steps = trainer.global_step, trainer.max_steps
-    if max_steps is not None and max_steps != -1 and step >= max_steps:
-        return f"the global step, {step}, had already reached trainer.max_steps={max_steps}"
-    epoch, max_epochs = trainer.current_epoch, trainer.max_epochs
-    if max_epochs is not None and max_epochs != -1 and epoch >= max_epochs:
-        return f"the epoch, {epoch}, had already reached trainer.max_epochs={max_epochs}"
-    return "there were no training batches: trainer.limit_train_batches, or empty data"

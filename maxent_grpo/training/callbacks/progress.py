@@ -47,7 +47,12 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_utilities.core.imports import RequirementCache
 
 from maxent_grpo.rewards import TrainerState
-from maxent_grpo.training.callbacks.run_report import RewardRecord, fit_summary, validation_line
+from maxent_grpo.training.callbacks.run_report import (
+    RewardRecord,
+    fit_summary,
+    validation_line,
+    why_no_training,
+)
 from maxent_grpo.training.run.folders import run_dir
 from maxent_grpo.validation import check_choice, check_int
 
@@ -122,6 +127,7 @@ class ReadableProgressBar(TQDMProgressBar):
         self.report = RewardRecord()
         self._start_step = 0
         self._start_time = 0.0
+        self._trained = False
         self._last_line_step = -1
         self._last_line_time = 0.0
         self.total = -1  # the run's optimizer steps (-1: unknown), from its start
@@ -199,6 +205,7 @@ class ReadableProgressBar(TQDMProgressBar):
         a stop cut short, runs before the training starts)."""
         super().on_fit_start(trainer, pl_module)
         self.report = RewardRecord()
+        self._trained = False  # on_train_end ran in this fit
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -280,19 +287,27 @@ class ReadableProgressBar(TQDMProgressBar):
         super().on_train_end(trainer, pl_module)
         if self._writes_lines() and trainer.global_step != self._last_line_step:
             self._write_line(trainer)
+        self._trained = True
         stopped = [f"EarlyStopping: {cb.stopping_reason_message}"
                    for cb in getattr(trainer, "early_stopping_callbacks", [])
                    if getattr(cb, "stopping_reason_message", None)]
-        # save_last: ModelCheckpoint writes last.ckpt in its own on_train_end, after this one
-        saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
-                 if cb.dirpath and (cb.last_model_path or cb.best_model_path
-                                    or getattr(cb, "save_last", None))]
-        loggers = getattr(trainer, "loggers", None)
-        log_dir = run_dir(trainer) if loggers and not isinstance(loggers[0], DummyLogger) else None
         lines = fit_summary(
             trainer.global_step - self._start_step, time.monotonic() - self._start_time,
-            self.report, _shown(log_dir), list(dict.fromkeys(saved)), stopped,
-            resumed_at=self._start_step)
+            self.report, *_folders(trainer), stopped, resumed_at=self._start_step)
+        for line in lines:
+            self._print(line)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit whose training loop Lightning skipped (a resume of a run that had reached
+        its ``max_steps``, ``max_epochs`` or ``max_time``) says so and why, where Lightning
+        said at most "Time limit reached"."""
+        super().on_fit_end(trainer, pl_module)
+        if self._trained:
+            return
+        lines = fit_summary(0, 0.0, self.report, *_folders(trainer),
+                            resumed_at=trainer.global_step)
+        lines[0] = (f"fit done: no step trained: {why_no_training(trainer)}; to train on, "
+                    "raise trainer.max_steps, max_epochs or max_time")
         for line in lines:
             self._print(line)
 
@@ -319,3 +334,14 @@ class ReadableProgressBar(TQDMProgressBar):
         print(self.progress_line(trainer), file=out, flush=True)
         self._last_line_step = trainer.global_step
         self._last_line_time = time.monotonic()
+
+
+def _folders(trainer: pl.Trainer) -> tuple[str | None, list[str]]:
+    """The run's log folder (None without a logger) and its savers' folders, as shown."""
+    # save_last: ModelCheckpoint writes last.ckpt in its own on_train_end, after the summary
+    saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
+             if cb.dirpath and (cb.last_model_path or cb.best_model_path
+                                or getattr(cb, "save_last", None))]
+    loggers = getattr(trainer, "loggers", None)
+    log_dir = run_dir(trainer) if loggers and not isinstance(loggers[0], DummyLogger) else None
+    return _shown(log_dir), list(dict.fromkeys(saved))

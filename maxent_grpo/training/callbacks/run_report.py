@@ -17,7 +17,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["RewardRecord", "fit_summary", "validation_line"]
+from lightning.pytorch.callbacks import Timer
+
+__all__ = ["RewardRecord", "fit_summary", "validation_line", "why_no_training"]
 
 #: the validation metrics that lead the line, in this order; the others follow by name
 _FIRST = ("pass@", "coverage@", "greedy_pass@", "mean@", "distinct@", "distinct_correct@",
@@ -117,3 +119,22 @@ def fit_summary(steps: int, seconds: float, record: RewardRecord, log_dir: str |
     if where:
         lines.append("  " + "  ".join(where))
     return lines
+
+
+def why_no_training(trainer: Any) -> str:
+    """Why Lightning's training loop ended before its first step, in words (a resume of a
+    run that had reached its ``max_steps``, ``max_epochs`` or ``max_time``)."""
+    step, max_steps = trainer.global_step, trainer.max_steps
+    if max_steps is not None and max_steps != -1 and step >= max_steps:
+        return f"the global step, {step}, had already reached trainer.max_steps={max_steps}"
+    epoch, max_epochs = trainer.current_epoch, trainer.max_epochs
+    if max_epochs is not None and max_epochs != -1 and epoch >= max_epochs:
+        return f"the epoch, {epoch}, had already reached trainer.max_epochs={max_epochs}"
+    for timer in trainer.callbacks:  # Lightning's Timer counts the time before a resume
+        limit = timer._duration if isinstance(timer, Timer) else None
+        if limit is not None and timer.time_elapsed("train") >= limit:
+            spent = datetime.timedelta(seconds=round(timer.time_elapsed("train")))
+            return (f"the run had already trained for {spent}, past trainer.max_time="
+                    f"{datetime.timedelta(seconds=round(limit))} (the time before the resume "
+                    "counts)")
+    return "there were no training batches: trainer.limit_train_batches, or empty data"

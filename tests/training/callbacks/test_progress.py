@@ -316,6 +316,36 @@ def test_the_summary_names_the_checkpoint_folder_when_only_last_is_saved_at_the_
     assert f"checkpoints: {tmp_path / 'ckpt'}" in out.getvalue()
 
 
+def test_a_resumed_fit_with_nothing_left_to_train_says_which_limit_it_reached(
+        cache_dir, tmp_path):
+    """A resume of a run that had used its ``max_time`` ended at once with Lightning's "Time
+    limit reached" only (its Timer counts the time before the resume): the summary says that
+    no step trained, why, and what to raise; the same for ``max_steps``."""
+    import datetime
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps: int, max_time, ckpt_path=None) -> str:
+        out = io.StringIO()
+        trainer = L.Trainer(
+            max_steps=steps, max_time=max_time, accelerator="cpu", logger=False,
+            enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+            callbacks=[ReadableProgressBar(mode="lines", stream=out),
+                       ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        trainer.fit(make_module(cache_dir), make_data(cache_dir), ckpt_path=ckpt_path)
+        return out.getvalue()
+
+    assert "fit done: 2 steps" in fit(2, datetime.timedelta(days=1))
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    text = fit(4, datetime.timedelta(milliseconds=1), last)
+    assert "fit done: no step trained: the run had already trained for " in text
+    assert "past trainer.max_time=0:00:00 (the time before the resume counts)" in text
+    text = fit(2, datetime.timedelta(days=1), last)
+    assert ("fit done: no step trained: the global step, 2, had already reached "
+            "trainer.max_steps=2; to train on, raise trainer.max_steps") in text
+    assert f"checkpoints: {tmp_path / 'ckpt'}" in text
+
+
 def test_the_report_lines_read_as_documented():
     from maxent_grpo.training.callbacks.run_report import (
         RewardRecord,
