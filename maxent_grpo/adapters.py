@@ -56,6 +56,8 @@ __all__ = ["ADAPTER_CONFIG", "AdapterDisabledReference", "PeftConfig", "adapter_
 logger = logging.getLogger(__name__)
 #: the seed of the adapters' initialisation (see :func:`apply_peft`)
 PEFT_INIT_SEED = 0
+#: ``init_lora_weights`` that move the base weights (peft's pissa, corda, olora, loftq, lora_ga)
+REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 #: the file that makes a folder an adapter folder (``save_pretrained`` of a ``peft`` model)
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -68,8 +70,10 @@ def has_adapters(model: Any) -> bool:
 def check_peft(config: Any) -> None:
     """Refuse (ValueError naming ``model.peft``) what cannot train here: a non-``peft``
     object, a task type other than ``CAUSAL_LM`` (or None), prompt-learning methods (prefix /
-    prompt tuning: they change the sequence the scorer reads) and ``inference_mode`` (the
-    adapters would be frozen)."""
+    prompt tuning: they change the sequence the scorer reads), ``inference_mode`` (the
+    adapters would be frozen) and an ``init_lora_weights`` that rewrites the base weights
+    (:data:`REWRITING_INITS`: the reference and the exported adapter assume the base as
+    loaded)."""
     name = type(config).__name__
     require(isinstance(config, PeftConfig),
             f"model.peft must be a peft config (class_path peft.LoraConfig, ...); got {name}")
@@ -83,6 +87,12 @@ def check_peft(config: Any) -> None:
             "scorer reads; use an adapter method such as peft.LoraConfig")
     require(not config.inference_mode, "model.peft.inference_mode must be false: with it "
             "the adapters are frozen and nothing trains")
+    init = getattr(config, "init_lora_weights", True)
+    require(not (isinstance(init, str) and init.lower().startswith(REWRITING_INITS)),
+            f"model.peft.init_lora_weights {init!r} rewrites the base weights (base - the "
+            "adapters' start), so the base is no longer the model loaded: the reference "
+            "(the adapters disabled) and an exported adapter (loaded on the base as named) "
+            "would be other models; use true, 'gaussian', 'eva', 'orthogonal' or 'mica'")
 
 
 def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:

@@ -108,7 +108,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, seconds: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from maxent_grpo.models import resolve_model_path
+    from maxent_grpo.models import model_chain
     from maxent_grpo.rollout.server_transfer import free_port
     from maxent_grpo.rollout.vllm_server import server_args
 
@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (a scheduler's stop, `kill`) or a SIGHUP (the terminal closed) stops the
     # server too, as Ctrl-C does
     callers = {stop: signal.signal(stop, _interrupt) for stop in (signal.SIGTERM, signal.SIGHUP)}
-    folder = resolve_model_path(args.model, args.model_cache_dir)
+    # an adapter folder (HFExport's final): its base, the end of the chain; the engine
+    # sends the policy's merged weights before the first rollout
+    folder = model_chain(args.model, args.model_cache_dir)[-1]
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     key = os.environ.get("VLLM_API_KEY") or secrets.token_hex(16)

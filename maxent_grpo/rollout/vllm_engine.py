@@ -28,8 +28,8 @@ policy's shards all-gathered (every rank holds its own engine with the whole mod
 (vLLM runs no LoRA of its own: merging measured 6x faster per round than vLLM's LoRA on
 the CPU, benchmarks/RESULTS.md §7). Refused at construction, naming the option: DeepSpeed ZeRO-3
 shards, ``peft``'s ``modules_to_save``, ``enable_sleep_mode`` or ``tensor_parallel_size > 1``
-on the CPU, and a head size vLLM's attention cannot run (vLLM's own error, re-raised with
-the model named).
+on the CPU, and a head size vLLM's attention cannot run (vLLM's own error at its start or
+at the first generate, re-raised as a ValueError with the model named).
 
 Logs: vLLM prints its warnings and errors, not its INFO lines, unless the user configures
 its logging (:mod:`~maxent_grpo.rollout.vllm_logs`).
@@ -276,6 +276,7 @@ class VLLMEngine(VLLMEngineBase):
                     f"VLLMEngine.tensor_parallel_size ({tensor_parallel_size}) exceeds the "
                     f"{world} ranks")
         self.vllm = require_vllm()
+        self._sampled = False  # vLLM on the CPU refuses an attention at the first generate
         if max_model_len is None and sampling.max_prompt_length is not None:
             max_model_len = sampling.max_prompt_length + sampling.max_new_tokens
         if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU
@@ -309,13 +310,22 @@ class VLLMEngine(VLLMEngineBase):
                     return self.vllm.LLM(model=folder, seed=0,
                                          logprobs_mode="processed_logprobs", **options)
             except Exception as err:  # vLLM refuses a head size, an architecture, ...
-                config = getattr(self.model, "config", None)
-                raise RuntimeError(
-                    f"vLLM could not start on this policy ({type(self.model).__name__}, "
-                    f"{getattr(config, 'model_type', '?')}): {err}{_memory_hint(err)}"
-                ) from err
+                raise self._refusal(err, "start on") from err
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _refusal(self, err: Exception, what: str) -> ValueError:
+        """vLLM's refusal of the policy (at its start, or at the first generate, where vLLM
+        0.32 on the CPU finds an attention it cannot run), with the model named."""
+        config = getattr(self.model, "config", None)
+        head = getattr(config, "head_dim", None) or (
+            getattr(config, "hidden_size", 0) // max(1, getattr(config, "num_attention_heads", 1)))
+        return ValueError(
+            f"vLLM could not {what} this policy ({type(self.model).__name__}, "
+            f"{getattr(config, 'model_type', '?')}, head size {head}): {err}{_memory_hint(err)}"
+            "\nGive model.model_name_or_path a model vLLM runs (on the CPU not head size 16: "
+            "builtin:tiny-h64 and builtin:tiny-h64-warm are the tiny models' twins), or "
+            "use model.engine HFGenerateEngine")
 
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
@@ -330,7 +340,13 @@ class VLLMEngine(VLLMEngineBase):
         prompts = [{"prompt_token_ids": list(q)} for q in sequences]
         params = [self.vllm.SamplingParams(**r) for r in requests]
         with _kept_random_state():  # vLLM's sampler must not move the training's stream
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            try:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            except Exception as err:
+                if self._sampled:
+                    raise
+                raise self._refusal(err, "generate with") from err
+        self._sampled = True
         return [[(list(c.token_ids),
                   [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
                                                               strict=True)]

@@ -77,7 +77,8 @@ def _lora_linear_layers(model: nn.Module) -> dict[str, Any] | None:
 def check_mergeable(model: nn.Module, sharded: bool) -> None:
     """Refuse (ValueError naming ``model.peft``) adapters that :func:`checkpoint_weights`
     cannot hand to vLLM: ``lora_bias`` on layers without a bias of their own,
-    ``modules_to_save`` (trained copies of whole modules), adapters on
+    ``modules_to_save`` (trained copies of whole modules), ``trainable_token_indices``
+    (trained embedding rows kept beside the embeddings), adapters on
     the output layer of a model with tied embeddings (vLLM loads only the input
     embeddings then, so the head's adapter would be lost), and a tuner other than LoRA on
     linear layers on a sharded model."""
@@ -107,6 +108,10 @@ def check_mergeable(model: nn.Module, sharded: bool) -> None:
         require(not getattr(config, "modules_to_save", None),
                 f"model.peft: modules_to_save ({config.modules_to_save}, adapter {name!r}) "
                 "cannot be handed to the vLLM engine; leave it unset, or use HFGenerateEngine")
+        require(not getattr(config, "trainable_token_indices", None),
+                f"model.peft: trainable_token_indices (adapter {name!r}) trains rows of the "
+                "embeddings beside them, which the vLLM engine is not handed; leave it unset, "
+                "or use HFGenerateEngine")
     if sharded:
         require(_lora_linear_layers(model) is not None,
                 "model.peft: with the vLLM engine and a sharded policy (FSDP2), only LoRA "
@@ -148,7 +153,8 @@ def _merged_by_peft(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
     base = model.get_base_model()
     adapter_names = {f".{part}." for m in base.modules() if isinstance(m, BaseTunerLayer)
-                     for part in m.adapter_layer_names}
+                     for part in (*m.adapter_layer_names, *m.other_param_names)
+                     if isinstance(getattr(m, part, None), nn.Module)}  # VeRA's shared vera_A
     frozen = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
     with warnings.catch_warnings():  # "unmerge can be inaccurate": the base is restored
         warnings.simplefilter("ignore", UserWarning)

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig, get_peft_model
+from peft import IA3Config, LoraConfig, VeraConfig, get_peft_model
 
 from maxent_grpo.builtin.catalog import build_tiny_model
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
@@ -41,7 +41,8 @@ def test_a_plain_model_is_its_state_dict():
     LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
     LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_rslora=True),
     IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
-], ids=["lora", "rslora", "ia3"])
+    VeraConfig(r=8, target_modules=["q_proj", "o_proj"]),  # its shared vera_A/B were handed
+], ids=["lora", "rslora", "ia3", "vera"])
 def test_adapters_are_merged_as_peft_merges_them_and_the_model_is_left_untouched(config):
     policy = _moved(get_peft_model(build_tiny_model(), config))
     before = _state(policy)
@@ -76,6 +77,10 @@ def test_what_cannot_be_merged_is_refused_naming_model_peft():
         r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
     with pytest.raises(ValueError, match="model.peft: modules_to_save"):
         check_mergeable(saved, sharded=False)
+    tokens = get_peft_model(build_tiny_model(), LoraConfig(
+        r=4, target_modules=["q_proj"], trainable_token_indices=[5, 6]))
+    with pytest.raises(ValueError, match="model.peft: trainable_token_indices"):
+        check_mergeable(tokens, sharded=False)  # vLLM was handed token_adapter tensors
     ia3 = get_peft_model(build_tiny_model(), IA3Config(target_modules=["k_proj"],
                                                        feedforward_modules=[]))
     check_mergeable(ia3, sharded=False)  # merged by peft, the base restored

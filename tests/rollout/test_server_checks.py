@@ -227,3 +227,29 @@ def test_serve_refuses_a_port_another_process_holds():
         with pytest.raises(SystemExit, match=f"port {port} on 127.0.0.1 is taken"):
             main(["--model", "builtin:tiny-h64-warm", "--port", str(port)])
 
+
+
+def test_serve_starts_vllm_on_the_base_of_an_adapter_folder(tmp_path, monkeypatch):
+    """``--model`` an exported adapter (as the trainer takes it): vLLM refused the folder,
+    which has no config.json (a hunt); the server runs its base, and the engine sends the
+    merged weights."""
+    import json
+
+    import maxent_grpo.rollout.vllm_server as vllm_server
+    from maxent_grpo.builtin.catalog import build_tiny_model
+    from maxent_grpo.serve import main
+
+    build_tiny_model().save_pretrained(tmp_path / "base")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "base")}))
+    served = []
+
+    def server_args(folder, *_):
+        served.append(folder)
+        raise SystemExit("stand-in")
+
+    monkeypatch.setattr(vllm_server, "server_args", server_args)
+    with pytest.raises(SystemExit, match="stand-in"):
+        main(["--model", str(tmp_path / "adapter")])
+    assert [os.path.realpath(f) for f in served] == [os.path.realpath(tmp_path / "base")]

@@ -77,7 +77,7 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
 
     monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(LLM=llm))
     monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(ValueError) as err:
         VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
     message = str(err.value)
     assert refusal in message
@@ -97,10 +97,43 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
             raise ValueError(message)
 
         monkeypatch.setattr(engine, "require_vllm", lambda f=refuse: types.SimpleNamespace(LLM=f))
-        with pytest.raises(RuntimeError) as err:
+        with pytest.raises(ValueError) as err:
             VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
         assert other in str(err.value)
         assert "gpu_memory_utilization" not in str(err.value)
+
+
+def test_an_attention_vllm_refuses_at_the_first_generate_is_named_as_the_models(
+        tiny, monkeypatch):
+    """vLLM 0.32 on the CPU starts on a head size its attention cannot run and refuses it
+    at the first generate: that was a trace and "a bug in maxent_grpo" (a hunt: the LoRA
+    demo with the vLLM engine); a later failure is vLLM's own, unchanged."""
+    import types
+
+    import maxent_grpo.rollout.vllm_engine as engine
+
+    refusal = "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+    calls = []
+
+    class LLM:
+        def __init__(self, **_):
+            pass
+
+        def generate(self, *_, **__):
+            calls.append(1)
+            raise RuntimeError(refusal if len(calls) == 1 else "later")
+
+    monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(
+        LLM=LLM, SamplingParams=dict))
+    vllm = VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
+    with pytest.raises(ValueError) as err:
+        vllm._sample([[1, 2]], [{}])
+    message = str(err.value)
+    assert refusal in message and "head size 64" in message
+    assert "builtin:tiny-h64" in message and "HFGenerateEngine" in message
+    vllm._sampled = True  # as after a first generate that worked
+    with pytest.raises(RuntimeError, match="^later$"):
+        vllm._sample([[1, 2]], [{}])
 
 
 def test_the_engines_log_probs_stay_float32_under_a_true_precision():

@@ -137,8 +137,14 @@ def test_bf16_mixed_trains_float32_adapters(cache_dir):
         (lambda: {"r": 4}, "model.peft must be a peft config"),
         # `model.peft: {}` in YAML builds this (it failed inside peft: "KeyError ... a bug")
         (lambda: peft.PeftConfig(), "PeftConfig names no method"),
+        # PiSSA subtracts its adapters' start from the base: the KL's reference (adapters
+        # off) was another model (a hunt: KL 5.1 at step 0), the exported adapter too
+        (lambda: peft.LoraConfig(init_lora_weights="pissa_niter_4"),
+         "init_lora_weights 'pissa_niter_4' rewrites the base weights"),
+        (lambda: peft.LoraConfig(init_lora_weights="olora"), "'olora' rewrites the base"),
     ],
-    ids=["task_type", "inference_mode", "prompt_tuning", "dict", "bare_peft_config"],
+    ids=["task_type", "inference_mode", "prompt_tuning", "dict", "bare_peft_config", "pissa",
+         "olora"],
 )
 def test_configs_that_cannot_train_are_refused_when_built(cache_dir, config, message):
     with pytest.raises(ValueError, match=message):
