@@ -178,12 +178,10 @@ class MaxEntGRPOCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Before anything is built: check the checkpoint to resume from
         (:func:`~maxent_grpo.training.run.checkpoint_io.resolve_checkpoint`); when ``fit``
-        resumes, a TensorBoardLogger or CSVLogger without an explicit ``version`` gets the
-        checkpoint's version for the same ``save_dir``/``name`` (TensorBoard purges the later
-        events; :meth:`before_fit` drops the later CSV rows). With ``trainer.logger: false``
-        and no ``trainer.default_root_dir`` config.yaml is not saved (it would land in the
-        cwd).
-        """
+        resumes, its run's seed is kept, and a TensorBoardLogger or CSVLogger without a
+        ``version`` gets the checkpoint's for the same ``save_dir``/``name`` (TensorBoard
+        purges the later events; :meth:`before_fit` drops the later CSV rows). With
+        ``trainer.logger: false`` and no ``default_root_dir`` no config.yaml (it was cwd's)."""
         self._resume: ckpt_io.ResolvedCheckpoint | None = None
         self._continued: list[tuple[Any, bool]] = []  # logger init_args set here, to undo
         cfg = self._subconfig(self.config)
@@ -208,6 +206,7 @@ class MaxEntGRPOCLI(LightningCLI):
             self._resume = resolve()
         require(self._resume is not None or refusal is None, str(refusal))  # Lightning's pick
         if self.subcommand == "fit" and self._resume is not None:
+            ckpt_io.keep_seed(self._resume.seed, cfg)
             self._continue_logger_versions(trainer.get("logger"), self._resume)
 
     def _continue_logger_versions(self, loggers: Any, resume: ckpt_io.ResolvedCheckpoint) -> None:

@@ -14,7 +14,9 @@ The module adds one entry, ``checkpoint["maxent_grpo"]``:
 - ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy);
 - ``controllers``: the run's controller state file and meta-controller
   (``LoopSettings.controller`` and ``controller_meta_manager``), so that a resume without
-  the controllers that moved tau and beta is warned about.
+  the controllers that moved tau and beta is warned about;
+- ``seed``: the run's ``seed_everything`` (:func:`run_seed`), which a resume given another
+  records in place of it (:func:`keep_seed`).
 """
 
 from __future__ import annotations
@@ -223,7 +225,34 @@ def save_state(
         "rng": all_gather_objects(capture_rng_state() if cut_short is None
                                   else cut_short["rng"]),
         "controllers": _controllers(loop),
+        "seed": run_seed(),
     }
+
+
+def run_seed() -> int | None:
+    """The run's ``seed_everything`` (Lightning's ``PL_GLOBAL_SEED``), None when unseeded:
+    a resume continues the checkpoint's random state, and is told when given another."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    return int(seed) if seed is not None and seed.lstrip("-").isdigit() else None
+
+
+def keep_seed(seed: int | None, config: Any) -> None:
+    """A fit resumed with another ``seed_everything`` than its run's: the resume continues
+    the checkpoint's random state, so the seed changed nothing but the config.yaml saved
+    with the logs, which then named a seed that did not make the run (a hunt). Warned, and
+    the run's seed recorded and set in its place."""
+    given = config.get("seed_everything")  # a number: LightningCLI drew one for true
+    if seed is None or given == seed:
+        return
+    rank_zero_warn(
+        f"the checkpoint's run was seeded with {seed}: a resume continues its random "
+        f"state, so seed_everything {given} changes nothing; the run's seed is kept (and "
+        "recorded with the logs). To train with another seed, start a new run from the "
+        "checkpoint's weights (maxent-grpo export, then --model.model_name_or_path)")
+    config["seed_everything"] = seed
+    from lightning.pytorch import seed_everything
+
+    seed_everything(seed, workers=True, verbose=False)
 
 
 def load_state(

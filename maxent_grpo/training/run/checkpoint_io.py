@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-from maxent_grpo.training.run.checkpoint import fit_batches
+from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY, fit_batches, keep_seed  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ class ResolvedCheckpoint:
     #: optimizer steps with num_iterations k > 1 are k times as many); None: not recorded
     log_step: int | None = None
     trusted: bool = False  # loaded with weights_only=False (--weights_only false)
+    seed: int | None = None  # the run's seed_everything; None: unseeded, or not recorded
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -233,7 +234,9 @@ def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> 
         path=path,
         global_step=int(step) if step is not None else None,
         loggers=list(index.get(LOGGERS_KEY) or []),
-        skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted)
+        skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted,
+        seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"))
+
 
 
 def _describe(found: ResolvedCheckpoint) -> str:

@@ -587,3 +587,24 @@ def test_a_home_relative_checkpoint_folder_and_path_are_the_ones_written(tmp_pat
     cli = cli_module.main(["--config", str(path)], run=False)
     assert cli._checkpoint_dirpaths() == [str(tmp_path / "ck")]
     assert ckpt_io.resolve_checkpoint("last", cli._checkpoint_dirpaths()).global_step == 4
+
+
+def test_a_resume_given_another_seed_keeps_and_records_the_runs(tmp_path, monkeypatch):
+    """``--seed_everything 7`` on a resume of a seed-0 run changed nothing (the checkpoint's
+    random state goes on) but the config.yaml saved with the logs, which then named seed 7
+    for a seed-0 run (a hunt): warned, and seed 0 kept and recorded."""
+    from maxent_grpo.cli import main
+
+    path = saving_every(tmp_path, monkeypatch, 2, 2)
+    run = path.parent
+    main(["fit", "--config", str(path)])
+    assert torch.load(run / "ckpt" / "last.ckpt", weights_only=True)[
+        ckpt_io.CHECKPOINT_KEY]["seed"] == 0
+    with pytest.warns(UserWarning, match="the checkpoint's run was seeded with 0: a resume "
+                                         "continues its random state, so seed_everything 7"):
+        main(["fit", "--config", str(path), "--trainer.max_steps", "3", "--seed_everything",
+              "7", "--ckpt_path", "last"])
+    saved = [yaml.safe_load(p.read_text()) for p in (run / "logs").rglob("config.yaml")]
+    assert saved and all(s["seed_everything"] == 0 for s in saved)
+    last = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    assert (last["global_step"], last[ckpt_io.CHECKPOINT_KEY]["seed"]) == (3, 0)
