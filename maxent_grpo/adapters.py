@@ -92,7 +92,7 @@ def check_peft(config: Any) -> None:
             f"model.peft.init_lora_weights {init!r} rewrites the base weights (base - the "
             "adapters' start), so the base is no longer the model loaded: the reference "
             "(the adapters disabled) and an exported adapter (loaded on the base as named) "
-            "would be other models; use true, 'gaussian', 'eva', 'orthogonal' or 'mica'")
+            "would be other models; use true (the default) or 'gaussian'")
 
 
 def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:

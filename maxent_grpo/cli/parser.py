@@ -144,6 +144,7 @@ class MaxEntGRPOCLI(LightningCLI):
         Lightning's DDP launcher starts take the first one's (``PL_GLOBAL_SEED``). Processes
         that torchrun or SLURM start would each draw their own: refused there."""
         config = self._subconfig(self.config)
+        self._drawn_seed = config.get("seed_everything") is True  # a resume keeps the run's
         if config.get("seed_everything") is True and "PL_GLOBAL_SEED" not in os.environ:
             import random
 
@@ -206,7 +207,7 @@ class MaxEntGRPOCLI(LightningCLI):
             self._resume = resolve()
         require(self._resume is not None or refusal is None, str(refusal))  # Lightning's pick
         if self.subcommand == "fit" and self._resume is not None:
-            ckpt_io.keep_seed(self._resume.seed, cfg)
+            ckpt_io.keep_seed(self._resume.seed, cfg, self._drawn_seed)
             self._continue_logger_versions(trainer.get("logger"), self._resume)
 
     def _continue_logger_versions(self, loggers: Any, resume: ckpt_io.ResolvedCheckpoint) -> None:

@@ -124,6 +124,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+#: how vLLM words an attention it cannot run (on the CPU: ``Unsupported CPU attention
+#: configuration: head_dim=16 ...``)
+_ATTENTION_REFUSED = re.compile(r"attention configuration|head[ _]?(size|dim)", re.IGNORECASE)
+
+
 def _memory_hint(err: Exception) -> str:
     """What to change when vLLM on the CPU finds no room for its key/value cache because its
     share is used up before the cache: there the share counts this whole process (the policy,
@@ -314,18 +319,26 @@ class VLLMEngine(VLLMEngineBase):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _refusal(self, err: Exception, what: str) -> ValueError:
-        """vLLM's refusal of the policy (at its start, or at the first generate, where vLLM
-        0.32 on the CPU finds an attention it cannot run), with the model named."""
+    def _refusal(self, err: Exception, what: str) -> Exception:
+        """vLLM's failure at its start or first generate, with the model named: a
+        ValueError with what to change for an attention it cannot run (vLLM 0.32 on the CPU
+        refuses head size 16 at the first generate) or a CPU cache with no room; any other
+        error is vLLM's own (a RuntimeError at the start; itself at a generate)."""
         config = getattr(self.model, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
         head = getattr(config, "head_dim", None) or (
-            getattr(config, "hidden_size", 0) // max(1, getattr(config, "num_attention_heads", 1)))
-        return ValueError(
-            f"vLLM could not {what} this policy ({type(self.model).__name__}, "
-            f"{getattr(config, 'model_type', '?')}, head size {head}): {err}{_memory_hint(err)}"
-            "\nGive model.model_name_or_path a model vLLM runs (on the CPU not head size 16: "
-            "builtin:tiny-h64 and builtin:tiny-h64-warm are the tiny models' twins), or "
-            "use model.engine HFGenerateEngine")
+            config.hidden_size // heads if heads and getattr(config, "hidden_size", None)
+            else "?")
+        named = (f"vLLM could not {what} this policy ({type(self.model).__name__}, "
+                 f"{getattr(config, 'model_type', '?')}, head size {head}): {err}")
+        if _ATTENTION_REFUSED.search(str(err)):
+            return ValueError(
+                f"{named}\nGive model.model_name_or_path a model vLLM runs (on the CPU not "
+                "head size 16: builtin:tiny-h64 and builtin:tiny-h64-warm are the tiny "
+                "models' twins), or use model.engine HFGenerateEngine")
+        if hint := _memory_hint(err):
+            return ValueError(named + hint)
+        return RuntimeError(named) if what == "start on" else err
 
     def sync(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into vLLM, in place (``reload_weights``), and
@@ -343,9 +356,9 @@ class VLLMEngine(VLLMEngineBase):
             try:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
             except Exception as err:
-                if self._sampled:
+                if self._sampled or (refusal := self._refusal(err, "generate with")) is err:
                     raise
-                raise self._refusal(err, "generate with") from err
+                raise refusal from err
         self._sampled = True
         return [[(list(c.token_ids),
                   [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,

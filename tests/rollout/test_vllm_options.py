@@ -83,7 +83,7 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
     assert refusal in message
     assert "model.engine.init_args.gpu_memory_utilization" in message
 
-    # a cache larger than the free memory, one set explicitly, another refusal: raising
+    # a cache larger than the free memory, one set explicitly, another failure: raising
     # the share would not help, so no hint
     for other in (
         "Available memory on node 0 (1.50/20.46 GiB) on kv cache allocation is less than "
@@ -91,16 +91,24 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
         "Available memory on node 0 (1.50/20.46 GiB) on kv cache allocation is less than "
         "requested memory for kv (4.00 GiB). Decrease --kv-cache-memory-bytes, "
         "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes.",
-        "head size 16 is not supported",
+        "CUDA error: no kernel image is available",
     ):
         def refuse(message=other, **_):
             raise ValueError(message)
 
         monkeypatch.setattr(engine, "require_vllm", lambda f=refuse: types.SimpleNamespace(LLM=f))
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(RuntimeError) as err:  # vLLM's own: no advice of ours
             VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
         assert other in str(err.value)
         assert "gpu_memory_utilization" not in str(err.value)
+        assert "model_name_or_path" not in str(err.value)
+
+    def head(**_):
+        raise ValueError("head size 16 is not supported")
+
+    monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(LLM=head))
+    with pytest.raises(ValueError, match="(?s)head size 64.*builtin:tiny-h64"):
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4))
 
 
 def test_an_attention_vllm_refuses_at_the_first_generate_is_named_as_the_models(
@@ -132,6 +140,9 @@ def test_an_attention_vllm_refuses_at_the_first_generate_is_named_as_the_models(
     assert refusal in message and "head size 64" in message
     assert "builtin:tiny-h64" in message and "HFGenerateEngine" in message
     vllm._sampled = True  # as after a first generate that worked
+    with pytest.raises(RuntimeError, match="^later$"):
+        vllm._sample([[1, 2]], [{}])
+    vllm._sampled, calls[:] = False, [1]  # another first failure: vLLM's own, unchanged
     with pytest.raises(RuntimeError, match="^later$"):
         vllm._sample([[1, 2]], [{}])
 

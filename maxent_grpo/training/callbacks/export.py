@@ -186,10 +186,10 @@ class HFExport(Callback):
     time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
 
     A fit that runs no training step (``fit --ckpt_path`` of a run that already reached
-    ``trainer.max_steps`` or ``max_epochs``, or no training batches) never reaches the end
-    of training in Lightning: then, at the end of the fit, the weights a checkpoint loaded
-    are exported to ``final`` anyway, and a warning says that nothing trained and why
-    (without a checkpoint nothing is exported, and the warning says so).
+    ``trainer.max_steps``, ``max_epochs`` or ``max_time``, or no training batches) never
+    reaches the end of training in Lightning: then, at the end of the fit, the weights a
+    checkpoint loaded are exported to ``final`` anyway, and a warning says that nothing
+    trained and why (without a checkpoint nothing is exported, and the warning says so).
 
     With ``model.peft`` the folder holds the adapter, and with ``merged`` a second folder
     ``<name>-merged`` the plain model with the adapters folded in (:func:`export_policy`);
@@ -261,9 +261,8 @@ class HFExport(Callback):
             return
         done = (f"exported the weights loaded from {loaded} to {out}" if out is not None
                 else "nothing was exported (no checkpoint was loaded)")
-        log.warning("HFExport: this fit ran no training step (%s): %s. To train on, raise "
-                    "trainer.max_steps / max_epochs / max_time; to export a checkpoint "
-                    "without a fit: %s",
+        log.warning("HFExport: this fit ran no training step (%s): %s. To export a "
+                    "checkpoint without a fit: %s",
                     why_no_training(trainer), done, EXPORT_COMMAND)
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path | None:

@@ -306,8 +306,7 @@ class ReadableProgressBar(TQDMProgressBar):
             return
         lines = fit_summary(0, 0.0, self.report, *_folders(trainer),
                             resumed_at=trainer.global_step)
-        lines[0] = (f"fit done: no step trained: {why_no_training(trainer)}; to train on, "
-                    "raise trainer.max_steps, max_epochs or max_time")
+        lines[0] = f"fit done: no step trained: {why_no_training(trainer)}"
         for line in lines:
             self._print(line)
 

@@ -7,6 +7,13 @@ prints both)::
       best val/pass@1 0.812 at step 750
       stopped by EarlyStopping: Monitored metric val/pass@1 did not improve in the last 3 ...
       logs: lightning_logs/tiny/version_0  checkpoints: lightning_logs/tiny/checkpoints
+
+and, for a fit that trained no step (a resume with nothing left), in place of the first::
+
+    fit done: no step trained: the global step, 800, had already reached
+    trainer.max_steps=800; raise it to train on
+
+(one line on the console).
 """
 
 from __future__ import annotations
@@ -122,19 +129,28 @@ def fit_summary(steps: int, seconds: float, record: RewardRecord, log_dir: str |
 
 
 def why_no_training(trainer: Any) -> str:
-    """Why Lightning's training loop ended before its first step, in words (a resume of a
-    run that had reached its ``max_steps``, ``max_epochs`` or ``max_time``)."""
+    """Why Lightning's training loop ended before its first step, and what to change, in
+    words (a resume of a run that had reached its ``max_steps``, ``max_epochs`` or
+    ``max_time``; no training batches)."""
     step, max_steps = trainer.global_step, trainer.max_steps
+    if getattr(trainer, "fast_dev_run", False):
+        return (f"trainer.fast_dev_run runs {max_steps} step(s), and the checkpoint's step is "
+                f"{step}; leave fast_dev_run out to train on")
     if max_steps is not None and max_steps != -1 and step >= max_steps:
-        return f"the global step, {step}, had already reached trainer.max_steps={max_steps}"
+        return (f"the global step, {step}, had already reached trainer.max_steps={max_steps}; "
+                "raise it to train on")
     epoch, max_epochs = trainer.current_epoch, trainer.max_epochs
     if max_epochs is not None and max_epochs != -1 and epoch >= max_epochs:
-        return f"the epoch, {epoch}, had already reached trainer.max_epochs={max_epochs}"
+        return (f"the epoch, {epoch}, had already reached trainer.max_epochs={max_epochs}; "
+                "raise it to train on")
     for timer in trainer.callbacks:  # Lightning's Timer counts the time before a resume
         limit = timer._duration if isinstance(timer, Timer) else None
         if limit is not None and timer.time_elapsed("train") >= limit:
             spent = datetime.timedelta(seconds=round(timer.time_elapsed("train")))
             return (f"the run had already trained for {spent}, past trainer.max_time="
                     f"{datetime.timedelta(seconds=round(limit))} (the time before the resume "
-                    "counts)")
-    return "there were no training batches: trainer.limit_train_batches, or empty data"
+                    "counts); raise it to train on")
+    if 0 in (getattr(trainer, "limit_train_batches", None),
+             getattr(trainer, "num_training_batches", None)):
+        return "there were no training batches: trainer.limit_train_batches, or empty data"
+    return "the trainer was told to stop before its first step (trainer.should_stop)"

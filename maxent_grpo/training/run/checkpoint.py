@@ -229,27 +229,35 @@ def save_state(
     }
 
 
-def run_seed() -> int | None:
-    """The run's ``seed_everything`` (Lightning's ``PL_GLOBAL_SEED``), None when unseeded:
+def run_seed() -> int | bool:
+    """The run's ``seed_everything`` (Lightning's ``PL_GLOBAL_SEED``); False when unseeded:
     a resume continues the checkpoint's random state, and is told when given another."""
     seed = os.environ.get("PL_GLOBAL_SEED")
-    return int(seed) if seed is not None and seed.lstrip("-").isdigit() else None
+    return int(seed) if seed is not None and seed.lstrip("-").isdigit() else False
 
 
-def keep_seed(seed: int | None, config: Any) -> None:
-    """A fit resumed with another ``seed_everything`` than its run's: the resume continues
-    the checkpoint's random state, so the seed changed nothing but the config.yaml saved
-    with the logs, which then named a seed that did not make the run (a hunt). Warned, and
-    the run's seed recorded and set in its place."""
-    given = config.get("seed_everything")  # a number: LightningCLI drew one for true
-    if seed is None or given == seed:
+def keep_seed(seed: int | bool | None, config: Any, drawn: bool = False) -> None:
+    """A fit resumed with another ``seed_everything`` than its run's ``seed`` (None: not
+    recorded): the resume continues the checkpoint's random state, so the seed changed
+    nothing but the config.yaml saved with the logs, which then named a seed that did not
+    make the run (a hunt). The run's seed is recorded and set in its place, with a warning
+    unless this one was ``true``'s draw (the same command resumed, a SLURM requeue)."""
+    given = config.get("seed_everything")
+    if seed is None or (type(given) is int and given == seed) or (
+            seed is False and given in (None, False)):
         return
-    rank_zero_warn(
-        f"the checkpoint's run was seeded with {seed}: a resume continues its random "
-        f"state, so seed_everything {given} changes nothing; the run's seed is kept (and "
-        "recorded with the logs). To train with another seed, start a new run from the "
-        "checkpoint's weights (maxent-grpo export, then --model.model_name_or_path)")
+    if not drawn:
+        was = "not seeded" if seed is False else f"seeded with {seed}"
+        rank_zero_warn(
+            f"the checkpoint's run was {was}: a resume continues its random state, so "
+            f"seed_everything {given} changes "
+            "nothing; the run's seed is kept (and recorded with the logs). To train with "
+            "another seed, start a new run from the checkpoint's weights (maxent-grpo "
+            "export, then --model.model_name_or_path)")
     config["seed_everything"] = seed
+    if seed is False:
+        os.environ.pop("PL_GLOBAL_SEED", None)  # the later checkpoints record it unseeded
+        return
     from lightning.pytorch import seed_everything
 
     seed_everything(seed, workers=True, verbose=False)

@@ -168,7 +168,8 @@ class ResolvedCheckpoint:
     #: optimizer steps with num_iterations k > 1 are k times as many); None: not recorded
     log_step: int | None = None
     trusted: bool = False  # loaded with weights_only=False (--weights_only false)
-    seed: int | None = None  # the run's seed_everything; None: unseeded, or not recorded
+    seed: int | bool | None = None  # the run's seed_everything (False: unseeded); None: not
+    # recorded (an older checkpoint, or one without an index to read)
 
 
 def checkpoint_files(folder: str) -> list[str]:

@@ -342,8 +342,16 @@ def test_a_resumed_fit_with_nothing_left_to_train_says_which_limit_it_reached(
     assert "past trainer.max_time=0:00:00 (the time before the resume counts)" in text
     text = fit(2, datetime.timedelta(days=1), last)
     assert ("fit done: no step trained: the global step, 2, had already reached "
-            "trainer.max_steps=2; to train on, raise trainer.max_steps") in text
+            "trainer.max_steps=2; raise it to train on") in text
     assert f"checkpoints: {tmp_path / 'ckpt'}" in text
+    out = io.StringIO()  # no batches: raising a limit would not help, and is not advised
+    L.Trainer(max_steps=2, limit_train_batches=0, accelerator="cpu", logger=False,
+              enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+              default_root_dir=tmp_path,
+              callbacks=[ReadableProgressBar(mode="lines", stream=out)]).fit(
+        make_module(cache_dir), make_data(cache_dir))
+    assert ("fit done: no step trained: there were no training batches: "
+            "trainer.limit_train_batches, or empty data\n") in out.getvalue()
 
 
 def test_the_report_lines_read_as_documented():

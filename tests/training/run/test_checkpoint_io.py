@@ -608,3 +608,25 @@ def test_a_resume_given_another_seed_keeps_and_records_the_runs(tmp_path, monkey
     assert saved and all(s["seed_everything"] == 0 for s in saved)
     last = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
     assert (last["global_step"], last[ckpt_io.CHECKPOINT_KEY]["seed"]) == (3, 0)
+
+
+@pytest.mark.parametrize(("run", "given", "drawn", "kept", "warned"), [
+    (0, 0, False, 0, False),
+    (0, False, False, 0, True),  # false == 0 in Python: it was taken for the run's seed
+    (3, 7, True, 3, False),  # seed_everything true resumed (a requeue): the run's, silently
+    (False, 7, False, False, True),  # an unseeded run
+    (False, None, False, None, False),
+    (None, 7, False, 7, False),  # a checkpoint from before the seed was recorded
+])
+def test_keep_seed_records_the_runs_seed(run, given, drawn, kept, warned, monkeypatch,
+                                         recwarn):
+    from maxent_grpo.training.run.checkpoint import keep_seed
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    config = {"seed_everything": given}
+    keep_seed(run, config, drawn)
+    assert config["seed_everything"] == kept and type(config["seed_everything"]) is type(kept)
+    assert any("a resume continues its random state" in str(w.message)
+               for w in recwarn) == warned
+    if run is False and given is not None:
+        assert "PL_GLOBAL_SEED" not in os.environ  # the later checkpoints: unseeded
