@@ -45,12 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +325,7 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
     return {
         "task": task, "task_label": TASKS[task]["label"], "objective": objective, "seed": seed,
         "trained": objective != START,
+        "num_generations": int(cli.model.hparams["num_generations"]),
         "curve": {"steps": curve.steps, **curve.values},
         "metrics": metrics,
         "empty_steps": int(cli.model.counters.empty_steps), "seconds": time.perf_counter() - start,
@@ -334,10 +337,19 @@ def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
 
     torch.set_num_threads(1)
     sys.argv = sys.argv[:1]  # LightningCLI reads only the arguments run_one gives it
+    failed = 0
     for task, objective, seed in jobs:
-        record = run_one(task, objective, seed, steps)
-        name = f"{task}-{objective}-{seed}.json".replace("+", "_").replace("=", "")
-        (out_dir / name).write_text(json.dumps(record))
+        name = f"{task}-{objective}-{seed}".replace("+", "_").replace("=", "")
+        try:
+            record = run_one(task, objective, seed, steps)
+        except Exception as err:  # noqa: BLE001  the other runs go on; the study names it
+            traceback.print_exc()
+            (out_dir / f"{name}.failed").write_text(json.dumps(
+                {"task": task, "objective": objective, "seed": seed,
+                 "error": f"{type(err).__name__}: {err}"}))
+            failed += 1
+            continue
+        (out_dir / f"{name}.json").write_text(json.dumps(record))
         m = record["metrics"]
         curve = record["curve"]["reward"]
         print(
@@ -347,36 +359,64 @@ def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
             + f" ({record['seconds']:.0f} s)",
             flush=True,
         )
+    if failed:
+        raise SystemExit(1)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
 
+def _group_size(run: dict[str, Any]) -> int | str:
+    """G of a run: recorded, or (a study written before it was) the run's own
+    ``--model.num_generations``, else the task config's (``?`` when not known)."""
+    if run.get("num_generations"):
+        return run["num_generations"]
+    args = RUNS.get(run["objective"], {}).get("args", [])
+    if "--model.num_generations" in args:
+        return int(args[args.index("--model.num_generations") + 1])
+    config = TASKS.get(run["task"], {}).get("config", "configs/tiny.yaml")
+    if (ROOT / config).is_file():
+        import yaml
+
+        return yaml.safe_load((ROOT / config).read_text())["model"].get("num_generations", "?")
+    return "?"
+
+
 def _dynamics(study: dict[str, Any], task: str, window: int = 20) -> list[str]:
     """Markdown: per objective, the mean over seeds of ``train/distinct_correct`` (distinct
     right answers per group of G samples) and ``train/answer_entropy`` (nats) over
-    ``window``-step windows spread over the run: where the second answer dies."""
+    ``window``-optimizer-step windows spread over the run (each run's points in them by its
+    own recorded steps: an objective of two optimizer steps a rollout logs half as many
+    points): where the second answer dies."""
     runs = [r for r in study["runs"]
             if r["task"] == task and r["curve"].get("distinct_correct")]
     if not runs:
         return []
-    n = min(len(r["curve"]["distinct_correct"]) for r in runs)
+    n = max(max(r["curve"]["steps"]) for r in runs)
     window = min(window, n)
     starts = sorted({min(n - window, max(0, round(f * n) - window)) for f in
                      (0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)})
-    head = [f"{a + 1}-{a + window}" for a in starts]
-    out = ["During training, per group of G = 8 samples: distinct right answers / answer "
+
+    def mean_in(run: dict[str, Any], key: str, a: int) -> float | None:
+        inside = [v for step, v in zip(run["curve"]["steps"], run["curve"][key], strict=True)
+                  if a < step <= a + window and math.isfinite(v)]
+        return _mean(inside) if inside else None
+
+    sizes = {r["objective"]: _group_size(r) for r in runs}
+    group = (f"G = {next(iter(sizes.values()))}" if len(set(sizes.values())) == 1
+             else "G (" + ", ".join(f"{o}: {g}" for o, g in sizes.items()) + ")")
+    out = [f"During training, per group of {group} samples: distinct right answers / answer "
            f"entropy (nats), mean over seeds of each {window}-step window:\n",
-           "| objective | " + " | ".join(f"steps {h}" for h in head) + " |",
-           "|---|" + "---|" * len(head)]
+           "| objective | " + " | ".join(f"steps {a + 1}-{a + window}" for a in starts) + " |",
+           "|---|" + "---|" * len(starts)]
     for objective in dict.fromkeys(r["objective"] for r in runs):
         mine = [r for r in runs if r["objective"] == objective]
         cells = []
         for a in starts:
-            dc = _mean([_mean(r["curve"]["distinct_correct"][a:a + window]) for r in mine])
-            h = _mean([_mean(r["curve"]["answer_entropy"][a:a + window]) for r in mine])
-            cells.append(f"{dc:.2f} / {h:.2f}")
+            dc = [v for r in mine if (v := mean_in(r, "distinct_correct", a)) is not None]
+            h = [v for r in mine if (v := mean_in(r, "answer_entropy", a)) is not None]
+            cells.append(f"{_mean(dc):.2f} / {_mean(h):.2f}" if dc and h else "-")
         out.append(f"| {objective} | " + " | ".join(cells) + " |")
     return out + [""]
 
@@ -392,6 +432,9 @@ def report(study_path: Path) -> str:
     out = [f"Study of {meta['date']}, commit {meta['commit']}, {meta['machine']}; "
            f"{meta['steps']} steps, seeds {meta['seeds']}, {meta['minutes']} min: "
            f"`{meta['command']}`."]
+    for fail in meta.get("failed", []):
+        out.append(f"\n- **failed, left out:** [{fail['task']}] {fail['objective']} seed "
+                   f"{fail['seed']}: {fail['error']}")
     for part in meta.get("parts", []):
         out.append(f"\n- joined from `{part['file']}`: commit {part['commit']}, "
                    f"{part['minutes']} min, `{part['command']}`")
@@ -420,7 +463,8 @@ def report(study_path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tasks", nargs="+", default=["b", "c"], choices=list(TASKS))
@@ -453,6 +497,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       key=lambda r: (r["task"], order.get(r["objective"], len(order)),
                                      r["seed"]))
         first = parts[0]["meta"]
+        for part, path in zip(parts, args.merge, strict=True):  # one study: the same runs
+            if (part["meta"]["steps"], part["meta"]["ks"]) != (first["steps"], first["ks"]):
+                raise SystemExit(f"{path} has {part['meta']['steps']} steps and ks "
+                                 f"{part['meta']['ks']}, {args.merge[0]} {first['steps']} "
+                                 f"and {first['ks']}: only studies of the same runs join")
         meta = dict(first, parts=[dict(part["meta"], file=str(p))
                                   for part, p in zip(parts, args.merge, strict=True)])
         meta["command"] = "python benchmarks/maxent_vs_grpo.py " + " ".join(
@@ -477,9 +526,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "--worker-dir", tmp], env=env, cwd=ROOT)
             for w in range(args.workers)
         ]
-        if any(p.wait() for p in procs):
-            raise SystemExit("a worker failed; see its output above")
+        try:  # every worker to its end: a failed run does not stop the others' runs
+            for p in procs:
+                p.wait()
+        finally:  # Ctrl-C: no worker left training after the command returns
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
+        failed = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.failed"))]
+    if failed and not records:
+        raise SystemExit(f"every run failed (the first: {failed[0]['error']}); see above")
     order = {name: i for i, name in enumerate(RUNS)}
     records.sort(key=lambda r: (r["task"], order[r["objective"]], r["seed"]))
     study = {
@@ -489,6 +547,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "command": "python benchmarks/maxent_vs_grpo.py " + " ".join(argv or sys.argv[1:]),
             "steps": args.steps, "seeds": args.seeds, "ks": list(KS),
             "minutes": round((time.perf_counter() - start) / 60, 1),
+            **({"failed": failed} if failed else {}),
         },
         "runs": records,
     }
@@ -496,6 +555,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.write_text(json.dumps(study))
     args.out.with_suffix(".md").write_text(report(args.out) + "\n")
     print(f"wrote {args.out} and its .md/.png in {study['meta']['minutes']} min", flush=True)
+    if failed:  # the finished runs are kept; a rerun of these can be joined with --merge
+        raise SystemExit(f"{len(failed)} of {len(jobs)} runs failed, left out of the study: "
+                         + "; ".join(f"[{f['task']}] {f['objective']} seed {f['seed']}: "
+                                     f"{f['error']}" for f in failed))
     return study
 
 

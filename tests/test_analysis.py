@@ -5,6 +5,7 @@ summarises a study JSON (objectives x seeds x tasks) as mean ± sd tables and on
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,14 @@ def test_relative_run_paths_mean_the_same_from_the_root_and_from_notebooks(
 def test_smoothing_is_a_trailing_mean():
     assert _smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert _smooth([1.0, 3.0], 1) == [1.0, 3.0]
+    # a NaN (a step that did not log it) or inf counts in no window: a running sum kept it
+    # in every later point, which blanked the rest of the curve (a hunt)
+    nan, inf = float("nan"), float("inf")
+    assert _smooth([1.0, nan, 5.0, 7.0, 9.0], 2) == [1.0, 1.0, 5.0, 6.0, 8.0]
+    with_inf = _smooth([inf, 3.0, 5.0], 2)
+    assert math.isnan(with_inf[0]) and with_inf[1:] == [3.0, 4.0]
+    smoothed = _smooth([nan, nan, 2.0], 2)
+    assert math.isnan(smoothed[0]) and math.isnan(smoothed[1]) and smoothed[2] == 2.0
 
 
 def test_plot_draws_only_the_panels_some_run_logged(tmp_path, agg):
@@ -240,7 +249,8 @@ def test_study_table_gives_mean_and_sample_sd_over_seeds():
     # pass@1 of GRPO: 0.41, 0.51, 0.61 -> mean 0.51, sd sqrt((0.01 + 0 + 0.01) / 2) = 0.1
     assert grpo["pass@1"] == pytest.approx(0.51) and grpo["pass@1_sd"] == pytest.approx(0.1)
     assert listwise["coverage@4"] == pytest.approx(0.2 + 0.04 + 0.1)
-    assert single["pass@4"] == pytest.approx(0.4 + 0.04 + 0.2) and single["pass@4_sd"] == 0.0
+    assert single["pass@4"] == pytest.approx(0.4 + 0.04 + 0.2)
+    assert math.isnan(single["pass@4_sd"])  # one seed: no spread (it read "± 0.000")
     # first 20 steps: 0.001 * mean(0..19) = 0.0095, last 20: 0.001 * mean(10..29) = 0.0195,
     # plus 0.01 * mean seed (= 0.01) and 0.1 per objective index
     assert grpo["reward_first20"] == pytest.approx(0.0195)

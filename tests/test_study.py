@@ -145,3 +145,38 @@ def test_the_issue_38_runs_are_valid(study, monkeypatch):
     assert callbacks[0]["init_args"]["target_entropy_horizon"] == 7
     record = study.run_one("b", "Listwise(answers)+TauAnneal", seed=0, steps=2)
     assert record["trained"] and len(record["curve"]["reward"]) == 2
+
+
+def test_the_dynamics_table_windows_each_run_by_its_own_steps(study):
+    """An objective of two optimizer steps a rollout (GSPO) logs a point every second step:
+    the table cut every run to the shortest curve's point count and labelled points as steps
+    (GRPO shown to half the run, GSPO's late points under early steps), and said G = 8
+    whatever G was (a hunt)."""
+    def run(objective, steps, values, g):
+        return {"task": "b", "objective": objective, "num_generations": g,
+                "curve": {"steps": steps, "distinct_correct": values,
+                          "answer_entropy": [0.0] * len(values)}}
+
+    grpo = run("GRPO", list(range(1, 41)), [1.0] * 20 + [2.0] * 20, 8)
+    gspo = run("GSPO", list(range(2, 41, 2)), [3.0] * 10 + [4.0] * 10, 8)
+    lines = study._dynamics({"runs": [grpo, gspo]}, "b")
+    assert "per group of G = 8 samples" in lines[0]
+    head = lines[1]
+    assert "steps 1-20" in head and "steps 21-40" in head
+    last = [c.strip() for c in lines[3].split("|")[1:-1]], [
+        c.strip() for c in lines[4].split("|")[1:-1]]
+    assert last[0][0] == "GRPO" and last[0][1] == "1.00 / 0.00" and last[0][-1] == "2.00 / 0.00"
+    assert last[1][0] == "GSPO" and last[1][1] == "3.00 / 0.00" and last[1][-1] == "4.00 / 0.00"
+    gspo["num_generations"] = 16
+    assert "G (GRPO: 8, GSPO: 16)" in study._dynamics({"runs": [grpo, gspo]}, "b")[0]
+
+
+def test_merge_refuses_studies_of_other_steps(study, tmp_path):
+    parts = []
+    for steps in (2, 6):
+        path = tmp_path / f"s{steps}.json"
+        path.write_text(json.dumps({"meta": {"steps": steps, "ks": [1], "minutes": 1},
+                                    "runs": []}))
+        parts.append(str(path))
+    with pytest.raises(SystemExit, match="has 6 steps and ks .* only studies of the same"):
+        study.main(["--merge", *parts, "--out", str(tmp_path / "m.json")])

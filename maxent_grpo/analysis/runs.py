@@ -18,6 +18,7 @@ matplotlib``, included in the ``dev`` extra).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -130,9 +131,11 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
 
     path = locate(path)
     if not any(path.glob("events.out.tfevents.*")):
+        csv = " (its metrics.csv is a CSVLogger's: add a TensorBoardLogger to trainer.logger)"
         raise FileNotFoundError(
-            f"{path} has no TensorBoard event files; pass a lightning_logs/<name>/version_N folder"
-        )
+            f"{path} has no TensorBoard event files, which is what this reads"
+            + (csv if (path / "metrics.csv").is_file() else
+               "; pass a lightning_logs/<name>/version_N folder"))
     # the folder's files read as TensorBoard reads them: a resume's purge_step removes the
     # points the earlier files hold from that step on (also those never written again, as
     # after a rollback to a shorter run); a step written twice without a purge keeps its
@@ -161,15 +164,15 @@ def _panel_tags(run: Run, patterns: Iterable[str]) -> list[str]:
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
-    """Trailing moving average over ``window`` points (``window <= 1``: unchanged)."""
+    """Trailing moving average over ``window`` points (``window <= 1``: unchanged) of the
+    finite ones: a NaN (a step that did not log the value) or an inf counts in no window
+    (a running sum kept it in every later one); NaN where a window has none."""
     if window <= 1:
         return list(values)
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+    out = []
+    for i in range(len(values)):
+        seen = [v for v in values[max(0, i + 1 - window):i + 1] if math.isfinite(v)]
+        out.append(math.fsum(seen) / len(seen) if seen else math.nan)
     return out
 
 
@@ -311,17 +314,19 @@ def _in_order(runs: Iterable[Mapping[str, Any]], key: str) -> list[str]:
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation ``sqrt(sum (x - mean)^2 / (n - 1))``, 0 if n = 1."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+    """Mean and sample standard deviation ``sqrt(sum (x - mean)^2 / (n - 1))``; NaN if
+    n = 1 (one seed has no spread to show: it was printed as ``± 0.000``)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
 def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
     """One row per objective (display order) of ``task``, aggregated over its seeds.
 
     A row holds ``objective``, ``seeds`` (how many runs) and, for every metric key ``m``
-    some seed reports, ``row[m]`` = mean and ``row[m + "_sd"]`` = sample sd (ddof=1) over the
-    seeds that report it; likewise ``reward_first20`` / ``reward_last20``, each seed's mean
-    reward over the first / last 20 points of its training curve.
+    some seed reports, ``row[m]`` = mean and ``row[m + "_sd"]`` = sample sd (ddof=1; NaN
+    from one seed) over the seeds that report it; likewise ``reward_first20`` /
+    ``reward_last20``, each seed's mean reward over the first / last 20 points of its
+    training curve (a point a rollout: ``num_iterations`` optimizer steps).
     """
     runs = [run for run in study["runs"] if run["task"] == task]
     if not runs:
@@ -346,12 +351,14 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
 
 def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> str:
     """A markdown table of :func:`study_table` rows: objective, seeds, then ``mean ± sd``
-    (3 decimals) per metric, ``-`` where the objective has no such metric."""
+    (3 decimals) per metric (the mean alone from one seed), ``-`` where the objective has no
+    such metric."""
 
     def cell(row: Mapping[str, Any], metric: str) -> str:
         if metric not in row:
             return "-"
-        return f"{row[metric]:.3f} ± {row[f'{metric}_sd']:.3f}"
+        sd = row[f"{metric}_sd"]
+        return f"{row[metric]:.3f}" + (f" ± {sd:.3f}" if math.isfinite(sd) else "")
 
     lines = ["| objective | seeds | " + " | ".join(metrics) + " |",
              "|---|---|" + "---|" * len(metrics)]
@@ -395,7 +402,8 @@ def _plot_family(ax: Any, rows: Sequence[Mapping[str, Any]], family: str,
         shown = [(j, k) for j, k in enumerate(ks) if f"{family}@{k}" in row]
         ax.errorbar([j + (i - (len(rows) - 1) / 2) * width for j, _ in shown],
                     [row[f"{family}@{k}"] for _, k in shown],
-                    yerr=[row[f"{family}@{k}_sd"] for _, k in shown],
+                    yerr=[row[f"{family}@{k}_sd"] if math.isfinite(row[f"{family}@{k}_sd"])
+                          else 0.0 for _, k in shown],  # one seed: no bar
                     color=colour_of[row["objective"]], marker="o", markersize=4,
                     linewidth=1, capsize=3, label=row["objective"])
     ax.set_xticks(range(len(ks)), [str(k) for k in ks])
