@@ -18,7 +18,7 @@ from numbers import Real
 from typing import Any
 
 __all__ = ["MAX_SECONDS", "UserCodeError", "check_bool", "check_choice", "check_int",
-           "check_number", "check_seconds", "failing_row", "is_number", "require"]
+           "check_number", "check_seconds", "failing_row", "is_number", "no_room", "require"]
 
 
 class UserCodeError(Exception):
@@ -153,4 +153,25 @@ def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
         return f"{there!r} is not a folder"
     if not os.access(there, os.W_OK):
         return f"{there!r} is not writable"
+    return None
+
+
+#: the errors of a write that found no room: the device full, a file-size limit, a quota
+NO_ROOM = {28: "no space left on device", 27: "file too large", 122: "disk quota exceeded"}
+
+
+def no_room(error: BaseException, what: str, keep: str) -> OSError | None:
+    """An ``OSError`` naming ``what`` failed to be written and why, when ``error`` (or one it
+    came from: torch's zip writer and safetensors wrap the system's error) is a write that
+    found no room (:data:`NO_ROOM`); None otherwise. ``keep`` says what is not lost."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        code = getattr(error, "errno", None)
+        if code not in NO_ROOM:  # safetensors' words: "... (os error 28)"
+            code = next((c for c in NO_ROOM if f"os error {c})" in str(error)), None)
+        if code is not None:
+            return OSError(code, f"writing {what} failed: {NO_ROOM[code]}: free space there "
+                                 f"(or raise the limit, or write elsewhere); {keep}")
+        error = error.__cause__ or error.__context__
     return None

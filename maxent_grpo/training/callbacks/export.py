@@ -27,7 +27,7 @@ from maxent_grpo.models import load_policy, model_chain
 from maxent_grpo.rollout.weights import sharded_state_dict
 from maxent_grpo.training.callbacks.run_report import why_no_training
 from maxent_grpo.training.run.folders import run_dir
-from maxent_grpo.validation import check_bool, check_int, require, unwritable
+from maxent_grpo.validation import check_bool, check_int, no_room, require, unwritable
 
 __all__ = ["EXPORT_COMMAND", "HFExport", "export_policy"]
 
@@ -93,6 +93,19 @@ def replaced_model(source: Any, targets: list[Path]) -> str | None:
 
 
 def _replace(out: Path, write: Any) -> None:
+    """:func:`_write_export`, a write that finds no room named with the folder (safetensors
+    called it "a bug")."""
+    try:
+        _write_export(out, write)
+    except Exception as err:
+        keep = ("the export there before is kept" if out.is_dir() else "nothing was left") + (
+            f"; a checkpoint exports later with {EXPORT_COMMAND}")
+        if (full := no_room(err, f"the export {out}", keep)) is not None:
+            raise full from err
+        raise
+
+
+def _write_export(out: Path, write: Any) -> None:
     """``write(folder)`` the export into ``out``, beside it first, then swapped in: a failed
     or interrupted write (Ctrl-C) leaves no partial folder that loads as a broken model,
     and an earlier export in ``out`` (a run before this one into the same folder) is

@@ -42,7 +42,7 @@ from collections import deque
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, Timer, TQDMProgressBar
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_utilities.core.imports import RequirementCache
 
@@ -196,8 +196,11 @@ class ReadableProgressBar(TQDMProgressBar):
         done = step - self._start_step
         if total > 0 and done > 0:
             per_step = (time.monotonic() - self._start_time) / done
-            eta = datetime.timedelta(seconds=round(per_step * max(0, total - step)))
-            parts.append(f"eta {eta}")
+            left = per_step * max(0, total - step)
+            for timer in getattr(trainer, "callbacks", []):  # trainer.max_time stops it first
+                if isinstance(timer, Timer) and timer.time_remaining() is not None:
+                    left = min(left, max(0.0, timer.time_remaining()))
+            parts.append(f"eta {datetime.timedelta(seconds=round(left))}")
         return "  ".join(parts)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

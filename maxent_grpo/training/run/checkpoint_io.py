@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY, fit_batches, keep_seed  # noqa: F401
+from maxent_grpo.validation import no_room
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if (full := no_room(err, path, "the files written before are kept")) is not None:
+            raise full from err  # torch's zip writer says "unexpected pos ...": a "bug"
         raise
     with contextlib.suppress(OSError):  # the folder's entry, where the system allows
         fd = os.open(folder, os.O_RDONLY)

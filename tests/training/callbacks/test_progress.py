@@ -99,6 +99,23 @@ def test_a_line_per_n_steps_with_the_step_out_of_max_steps():
         "reward first 5 rollouts 0.500, last 5 0.500")  # halves: 10 rollouts
 
 
+def test_the_eta_is_at_most_what_max_time_leaves():
+    """``trainer.max_time`` stops the run before ``max_steps``: the ETA counted the steps
+    alone (``eta 0:18:20`` for a run that stopped at once, a hunt)."""
+    import time
+
+    from lightning.pytorch.callbacks import Timer
+
+    timer = Timer(duration="00:00:00:30")
+    timer.on_train_start(None, None)  # its clock started
+    bar = started(ReadableProgressBar(mode="lines"), fake_trainer(0, max_steps=100))
+    bar._start_time = time.monotonic() - 1000.0  # 10 steps took 1000 s: 9000 s to go
+    trainer = fake_trainer(10, max_steps=100, callbacks=[timer])
+    assert bar.progress_line(trainer).endswith("eta 0:00:30")
+    assert bar.progress_line(fake_trainer(10, max_steps=100, callbacks=[])).endswith(
+        "eta 2:30:00")
+
+
 def test_with_k_optimizer_steps_a_batch_a_line_comes_at_each_multiple_passed():
     """With ``num_iterations`` 3 the count moves 3 at a time: lines every 4 steps came only
     at 12, 24, ... (the multiples of 12)."""

@@ -630,3 +630,44 @@ def test_keep_seed_records_the_runs_seed(run, given, drawn, kept, warned, monkey
                for w in recwarn) == warned
     if run is False and given is not None:
         assert "PL_GLOBAL_SEED" not in os.environ  # the later checkpoints: unseeded
+
+
+def test_a_write_that_finds_no_room_names_the_file_and_keeps_the_earlier(tmp_path):
+    """A full disk (here a file-size limit, as ``ulimit -f``) in a checkpoint save: torch's
+    zip writer turned the system's error into ``RuntimeError: ... unexpected pos``, which
+    the command line called "a bug in maxent_grpo" (a hunt); the same for an export's
+    safetensors. Both now name what was being written and why, and the files before stay."""
+    script = """
+import resource, signal, sys, torch
+from pathlib import Path
+from maxent_grpo.training.callbacks.export import _replace
+from maxent_grpo.training.run.checkpoint_io import AtomicCheckpointIO
+from safetensors.torch import save_file
+out = Path(sys.argv[1])
+io = AtomicCheckpointIO()
+io.save_checkpoint({"w": torch.zeros(10)}, out / "last.ckpt")  # the earlier one
+(out / "hf").mkdir(); (out / "hf" / "model.safetensors").write_text("earlier")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+for attempt in (
+        lambda: io.save_checkpoint({"w": torch.zeros(100_000)}, out / "last.ckpt"),
+        lambda: _replace(out / "hf", lambda f: save_file({"w": torch.zeros(100_000)},
+                                                          f / "model.safetensors"))):
+    try:
+        attempt()
+    except OSError as err:
+        print(type(err.__cause__).__name__, "|", err)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved, exported = run.stdout.splitlines()
+    assert saved.startswith("RuntimeError | [Errno 27] writing ")  # torch's, wrapped
+    assert f"{tmp_path / 'last.ckpt'} failed: file too large" in saved
+    assert "the files written before are kept" in saved
+    assert f"writing the export {tmp_path / 'hf'} failed: file too large" in exported
+    assert "the export there before is kept" in exported and "maxent_grpo.cli.export" in exported
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["w"].numel() == 10
+    assert (tmp_path / "hf" / "model.safetensors").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "last.ckpt"]  # no leftovers
