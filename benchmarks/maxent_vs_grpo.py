@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -332,6 +333,11 @@ def run_one(task: str, objective: str, seed: int, steps: int) -> dict[str, Any]:
     }
 
 
+def _name(task: str, objective: str, seed: int) -> str:
+    """A run's file name in a worker's folder (``.json`` done, ``.failed`` failed)."""
+    return f"{task}-{objective}-{seed}".replace("+", "_").replace("=", "")
+
+
 def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
     import torch
 
@@ -339,10 +345,13 @@ def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
     sys.argv = sys.argv[:1]  # LightningCLI reads only the arguments run_one gives it
     failed = 0
     for task, objective, seed in jobs:
-        name = f"{task}-{objective}-{seed}".replace("+", "_").replace("=", "")
+        name = _name(task, objective, seed)
         try:
             record = run_one(task, objective, seed, steps)
-        except Exception as err:  # noqa: BLE001  the other runs go on; the study names it
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # noqa: BLE001  a parse error's SystemExit too: the
+            # other runs go on, and the study names this one
             traceback.print_exc()
             (out_dir / f"{name}.failed").write_text(json.dumps(
                 {"task": task, "objective": objective, "seed": seed,
@@ -399,8 +408,9 @@ def _dynamics(study: dict[str, Any], task: str, window: int = 20) -> list[str]:
                      (0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)})
 
     def mean_in(run: dict[str, Any], key: str, a: int) -> float | None:
+        low = a if a else -1  # the first window: a step 0 too (gradient accumulation)
         inside = [v for step, v in zip(run["curve"]["steps"], run["curve"][key], strict=True)
-                  if a < step <= a + window and math.isfinite(v)]
+                  if low < step <= a + window and math.isfinite(v)]
         return _mean(inside) if inside else None
 
     sizes = {r["objective"]: _group_size(r) for r in runs}
@@ -478,7 +488,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="only join these study files' runs into --out (with its tables "
                         "and figure; a task/objective/seed found twice is taken from the "
-                        "first file); each file's meta is kept under meta.parts")
+                        "first file); each file's meta is kept under meta.parts; files of "
+                        "other step counts or ks are refused")
     parser.add_argument("--worker-jobs", help=argparse.SUPPRESS)  # internal: a worker's share
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -504,6 +515,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  f"and {first['ks']}: only studies of the same runs join")
         meta = dict(first, parts=[dict(part["meta"], file=str(p))
                                   for part, p in zip(parts, args.merge, strict=True)])
+        meta.pop("failed", None)  # a part's failed run that another part holds is no more
+        failed = {(f["task"], f["objective"], f["seed"]): f for part in parts
+                  for f in part["meta"].get("failed", [])
+                  if (f["task"], f["objective"], f["seed"]) not in unique}
+        if failed:
+            meta["failed"] = list(failed.values())
         meta["command"] = "python benchmarks/maxent_vs_grpo.py " + " ".join(
             argv or sys.argv[1:])
         meta["minutes"] = round(sum(part["meta"]["minutes"] for part in parts), 1)
@@ -526,18 +543,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "--worker-dir", tmp], env=env, cwd=ROOT)
             for w in range(args.workers)
         ]
+        stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally
         try:  # every worker to its end: a failed run does not stop the others' runs
             for p in procs:
                 p.wait()
-        finally:  # Ctrl-C: no worker left training after the command returns
+        finally:  # Ctrl-C, SIGTERM: no worker left training after the command returns
+            signal.signal(signal.SIGTERM, stop)
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
         records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
         failed = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.failed"))]
-    if failed and not records:
-        raise SystemExit(f"every run failed (the first: {failed[0]['error']}); see above")
+        for w, proc in enumerate(procs):  # a worker killed (out of memory) or crashed
+            failed += [{"task": t, "objective": o, "seed": s, "error": f"worker {w} exited "
+                        f"with code {proc.returncode} before this run's end"}
+                       for t, o, s in jobs[w::args.workers]
+                       if not any((Path(tmp) / f"{_name(t, o, s)}{x}").exists()
+                                  for x in (".json", ".failed"))]
+    if not records:  # nothing to write: an earlier study in --out stays
+        raise SystemExit("no run finished" + (f" (the first failure: {failed[0]['error']})"
+                                              if failed else "") + "; see above")
     order = {name: i for i, name in enumerate(RUNS)}
     records.sort(key=lambda r: (r["task"], order[r["objective"]], r["seed"]))
     study = {

@@ -10,6 +10,7 @@ so a bad config fails when its object is built, never later in training::
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import time
@@ -157,13 +158,15 @@ def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:
 
 
 #: the errors of a write that found no room: the device full, a file-size limit, a quota
-NO_ROOM = {28: "no space left on device", 27: "file too large", 122: "disk quota exceeded"}
+NO_ROOM = {errno.ENOSPC: "no space left on device", errno.EFBIG: "file too large",
+           errno.EDQUOT: "disk quota exceeded"}
 
 
-def no_room(error: BaseException, what: str, keep: str) -> OSError | None:
-    """An ``OSError`` naming ``what`` failed to be written and why, when ``error`` (or one it
-    came from: torch's zip writer and safetensors wrap the system's error) is a write that
-    found no room (:data:`NO_ROOM`); None otherwise. ``keep`` says what is not lost."""
+def no_room(error: BaseException | None, what: str, keep: str) -> OSError | None:
+    """An ``OSError`` naming ``what`` failed to be written and why, when ``error`` is a
+    write that found no room (:data:`NO_ROOM`), or an error other than an ``OSError``
+    raised while one was handled (torch's zip writer and safetensors wrap the system's
+    error); None otherwise. ``keep`` says what is not lost."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -173,5 +176,7 @@ def no_room(error: BaseException, what: str, keep: str) -> OSError | None:
         if code is not None:
             return OSError(code, f"writing {what} failed: {NO_ROOM[code]}: free space there "
                                  f"(or raise the limit, or write elsewhere); {keep}")
+        if isinstance(error, OSError):  # another system error: itself, not an earlier one
+            return None
         error = error.__cause__ or error.__context__
     return None

@@ -180,3 +180,20 @@ def test_merge_refuses_studies_of_other_steps(study, tmp_path):
         parts.append(str(path))
     with pytest.raises(SystemExit, match="has 6 steps and ks .* only studies of the same"):
         study.main(["--merge", *parts, "--out", str(tmp_path / "m.json")])
+
+
+def test_merge_drops_a_failure_another_part_holds_and_keeps_one_none_holds(study, tmp_path):
+    def part(name, runs, failed):
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"steps": 2, "ks": [1], "minutes": 1,
+                                             "failed": failed}, "runs": runs}))
+        return str(path)
+
+    run = {"task": "b", "objective": "GRPO", "seed": 0}
+    gone = {"task": "b", "objective": "GSPO", "seed": 0, "error": "boom"}
+    first = part("a.json", [], [dict(run, error="boom"), gone])
+    second = part("b.json", [run], [])
+    study.report = lambda path: ""  # the tables and figure are not what is tested
+    study.main(["--merge", first, second, "--out", str(tmp_path / "m.json")])
+    merged = json.loads((tmp_path / "m.json").read_text())["meta"]
+    assert merged["failed"] == [gone]

@@ -314,9 +314,13 @@ def _in_order(runs: Iterable[Mapping[str, Any]], key: str) -> list[str]:
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation ``sqrt(sum (x - mean)^2 / (n - 1))``; NaN if
-    n = 1 (one seed has no spread to show: it was printed as ``± 0.000``)."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+    """Mean and sample standard deviation ``sqrt(sum (x - mean)^2 / (n - 1))`` of the
+    finite values; sd NaN from one (no spread to show: it was printed as ``± 0.000``), both
+    NaN from none."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else math.nan)
 
 
 def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
@@ -338,8 +342,8 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
         for run in mine:
             reward = run["curve"]["reward"]
             values = dict(run["metrics"]) | ({  # the starting model has no training curve
-                "reward_first20": statistics.fmean(reward[:20]),
-                "reward_last20": statistics.fmean(reward[-20:])} if reward else {})
+                "reward_first20": _mean_sd(reward[:20])[0],  # of the points that logged it
+                "reward_last20": _mean_sd(reward[-20:])[0]} if reward else {})
             for key, value in values.items():
                 samples.setdefault(key, []).append(float(value))
         row: dict[str, Any] = {"objective": objective, "seeds": len(mine)}
@@ -357,8 +361,10 @@ def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]
     def cell(row: Mapping[str, Any], metric: str) -> str:
         if metric not in row:
             return "-"
-        sd = row[f"{metric}_sd"]
-        return f"{row[metric]:.3f}" + (f" ± {sd:.3f}" if math.isfinite(sd) else "")
+        mean, sd = row[metric], row[f"{metric}_sd"]
+        if not math.isfinite(mean):
+            return "-"
+        return f"{mean:.3f}" + (f" ± {sd:.3f}" if math.isfinite(sd) else "")
 
     lines = ["| objective | seeds | " + " | ".join(metrics) + " |",
              "|---|---|" + "---|" * len(metrics)]

@@ -95,11 +95,12 @@ def replaced_model(source: Any, targets: list[Path]) -> str | None:
 def _replace(out: Path, write: Any) -> None:
     """:func:`_write_export`, a write that finds no room named with the folder (safetensors
     called it "a bug")."""
+    earlier = out.is_dir() and any(p.name != "lost+found" for p in out.iterdir())
     try:
         _write_export(out, write)
     except Exception as err:
-        keep = ("the export there before is kept" if out.is_dir() else "nothing was left") + (
-            f"; a checkpoint exports later with {EXPORT_COMMAND}")
+        keep = ("the export there before is kept" if earlier else "nothing was left") + (
+            f"; a checkpoint exports again with {EXPORT_COMMAND}")
         if (full := no_room(err, f"the export {out}", keep)) is not None:
             raise full from err
         raise

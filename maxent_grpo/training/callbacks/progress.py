@@ -19,7 +19,7 @@
     step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
 
 ``tokens/s`` is the last step's ``train/perf/tokens_per_s``; ``eta`` is the remaining steps times
-this run's mean time per step. With tools or an environment (multi-turn rollouts) the line,
+this run's mean time per step, at most what ``trainer.max_time`` leaves. With tools or an environment (multi-turn rollouts) the line,
 and the bar, also show ``tool success 75%``: the last step's ``train/tools/success_rate`` (the
 share of samples with at least one call that returned; ``env success``, of an environment's
 steps, with ``model.environment``), so that calls that all fail show at

@@ -83,8 +83,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if (full := no_room(err, path, "the files written before are kept")) is not None:
-            raise full from err  # torch's zip writer says "unexpected pos ...": a "bug"
+        full = isinstance(err, Exception) and no_room(err, path, "the files written before "
+                                                      "are kept")
+        if full:  # torch's zip writer says "unexpected pos ...": it read as a bug
+            raise full from err
         raise
     with contextlib.suppress(OSError):  # the folder's entry, where the system allows
         fd = os.open(folder, os.O_RDONLY)

@@ -671,3 +671,30 @@ for attempt in (
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["w"].numel() == 10
     assert (tmp_path / "hf" / "model.safetensors").read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "last.ckpt"]  # no leftovers
+
+
+def test_no_room_is_told_only_of_a_write_that_found_none():
+    """Torch's ``RuntimeError`` raised while the system's ENOSPC was handled is a write
+    without room; a ``PermissionError`` raised while one was handled (a restore that failed)
+    is itself, not an earlier error's room (a second reader)."""
+    import errno
+
+    from maxent_grpo.validation import no_room
+
+    def raised(error, during=None):
+        try:
+            try:
+                if during is not None:
+                    raise during
+            finally:
+                raise error
+        except BaseException as err:  # noqa: BLE001
+            return err
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = raised(RuntimeError("unexpected pos 499392 vs 499284"), full)
+    assert no_room(wrapped, "x.ckpt", "kept").errno == errno.ENOSPC
+    assert no_room(raised(PermissionError(errno.EACCES, "denied"), full), "x", "") is None
+    assert no_room(RuntimeError("other"), "x", "") is None
+    rust = Exception("Error while serializing: I/O error: File too large (os error 27)")
+    assert "writing x failed: file too large" in str(no_room(rust, "x", "kept"))
