@@ -262,6 +262,13 @@ class Toolbox:
         self._properties: dict[str, dict[str, Any]] = {}  # name -> its arguments' schemas
         for spec in tools:
             fn = resolve_tool(spec)
+            plain = inspect.unwrap(fn)
+            require(not (inspect.iscoroutinefunction(plain) or inspect.isasyncgenfunction(plain)
+                         or inspect.isgeneratorfunction(plain)),
+                    f"model.tools: {spec} is an async or generator function, which a call "
+                    "would not run (its result was shown as '<coroutine object ...>' and "
+                    "counted a success): write the tool as a plain def that returns its "
+                    "answer (an async one runs in it with asyncio.run)")
             schema = _schema(fn)
             name = schema["function"]["name"]
             require(name not in self.functions, f"model.tools names the tool {name!r} twice")

@@ -49,6 +49,10 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
     require(not (tools and env is not None),
             "model.tools and model.environment are two kinds of multi-turn rollout; set one "
             "of them (an environment can call tools itself)")
+    require(tools or isolation == "thread",
+            "model.tool_isolation: process runs model.tools in a sandbox; an environment's "
+            "step runs in the trainer (with model.tool_timeout), so it has no effect there: "
+            "leave it at thread, and isolate inside the environment what needs it")
     return ToolSettings(
         toolbox=Toolbox(list(tools), timeout, isolation) if tools else None,
         environment=environment_factory(env) if env is not None else None,

@@ -349,6 +349,13 @@ def test_environment_and_tool_options_are_checked():
                              "init_args": {"limt": 5}})
     assert environment_factory({"class_path": "tests.rollout.test_multiturn.Guess",
                                 "init_args": {"limit": 5}})().limit == 5
+    from maxent_grpo.training.option_groups import build_tool_settings
+
+    guess = {"class_path": "tests.rollout.test_multiturn.Guess"}
+    with pytest.raises(ValueError, match="model.tool_isolation: process runs model.tools in "
+                                         "a sandbox; an environment's step runs in the"):
+        build_tool_settings({"environment": guess, "tool_isolation": "process"})  # ignored
+    assert build_tool_settings({"environment": guess}).environment is not None
     s = SamplingSettings(max_new_tokens=8)
     with pytest.raises(ValueError, match="not both"):
         MultiTurnEngine(Scripted(["x"]), TOK, s, toolbox=Toolbox(["calculate"]),

@@ -152,6 +152,26 @@ def test_tools_are_named_by_import_path_or_builtin_name():
         Toolbox([no_docs])
     with pytest.raises(ValueError, match="names the tool 'divide' twice"):
         Toolbox([divide, divide])
+
+    async def later(a: int) -> int:
+        """Half of it.
+
+        Args:
+            a: a number.
+        """
+        return a // 2
+
+    def steps(a: int):
+        """Its digits.
+
+        Args:
+            a: a number.
+        """
+        yield from str(a)
+
+    for never_run in (later, steps):  # its call made a coroutine, shown and counted a success
+        with pytest.raises(ValueError, match="is an async or generator function"):
+            Toolbox([never_run])
     with pytest.raises(ValueError, match="non-empty list"):
         Toolbox([])
     with pytest.raises(ValueError, match="model.tool_timeout"):
