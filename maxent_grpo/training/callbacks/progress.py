@@ -18,12 +18,13 @@
 
     step 120/500  reward(avg20) 0.412  loss 0.0312  tokens/s 1234  eta 0:01:10
 
-``tokens/s`` is the last step's ``train/perf/tokens_per_s``; ``eta`` is the remaining steps times
-this run's mean time per step, at most what ``trainer.max_time`` leaves. With tools or an environment (multi-turn rollouts) the line,
-and the bar, also show ``tool success 75%``: the last step's ``train/tools/success_rate`` (the
-share of samples with at least one call that returned; ``env success``, of an environment's
-steps, with ``model.environment``), so that calls that all fail show at
-once (``step_log.ToolFailureWatch`` warns, naming how they fail);
+``tokens/s`` is the last step's ``train/perf/tokens_per_s``; ``eta`` is the remaining steps
+times this run's mean time per step, at most what ``trainer.max_time`` leaves. With tools or
+an environment (multi-turn rollouts) the line, and the bar, also show ``tool success 75%``:
+the last step's ``train/tools/success_rate`` (the share of samples with at least one call
+that returned; ``env success``, of an environment's steps, with ``model.environment``), so
+that calls that all fail show at once (``step_log.ToolFailureWatch`` warns, naming how they
+fail);
 without tools it is not shown. Values come from ``pl_module.step_metrics_dict`` (the step's
 logged dict, ``step_log.as_dict()``, built once per step). Only global rank 0 shows anything.
 A plain ``L.Trainer`` gets it too, in place of Lightning's own default bar
