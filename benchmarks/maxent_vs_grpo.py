@@ -338,6 +338,20 @@ def _name(task: str, objective: str, seed: int) -> str:
     return f"{task}-{objective}-{seed}".replace("+", "_").replace("=", "")
 
 
+def _write(path: Path, value: Any) -> None:
+    """``value`` as JSON into ``path``, whole or not at all (a worker killed mid-write)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
     import torch
 
@@ -348,17 +362,20 @@ def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
         name = _name(task, objective, seed)
         try:
             record = run_one(task, objective, seed, steps)
-        except KeyboardInterrupt:
-            raise
         except BaseException as err:  # noqa: BLE001  a parse error's SystemExit too: the
-            # other runs go on, and the study names this one
+            # other runs go on, and the study names this one; not an interrupt (Lightning
+            # turns Ctrl-C into sys.exit(1), SIGTERM into SIGTERMException)
+            if isinstance(err, KeyboardInterrupt) or isinstance(
+                    err.__context__, KeyboardInterrupt) or type(err).__name__ == (
+                    "SIGTERMException"):
+                raise
             traceback.print_exc()
-            (out_dir / f"{name}.failed").write_text(json.dumps(
-                {"task": task, "objective": objective, "seed": seed,
-                 "error": f"{type(err).__name__}: {err}"}))
+            _write(out_dir / f"{name}.failed", {"task": task, "objective": objective,
+                                                "seed": seed,
+                                                "error": f"{type(err).__name__}: {err}"})
             failed += 1
             continue
-        (out_dir / f"{name}.json").write_text(json.dumps(record))
+        _write(out_dir / f"{name}.json", record)
         m = record["metrics"]
         curve = record["curve"]["reward"]
         print(
@@ -536,6 +553,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     print(f"{len(jobs)} runs of {args.steps} steps on {args.workers} workers", flush=True)
+    stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             subprocess.Popen([sys.executable, __file__, "--steps", str(args.steps),
@@ -543,21 +561,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "--worker-dir", tmp], env=env, cwd=ROOT)
             for w in range(args.workers)
         ]
-        stop = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally
         try:  # every worker to its end: a failed run does not stop the others' runs
             for p in procs:
                 p.wait()
         finally:  # Ctrl-C, SIGTERM: no worker left training after the command returns
-            signal.signal(signal.SIGTERM, stop)
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
-        failed = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.failed"))]
+            signal.signal(signal.SIGTERM, stop or signal.SIG_DFL)
+        records = [r for p in sorted(Path(tmp).glob("*.json")) if (r := _read(p))]
+        failed = [f for p in sorted(Path(tmp).glob("*.failed")) if (f := _read(p))]
         for w, proc in enumerate(procs):  # a worker killed (out of memory) or crashed
-            failed += [{"task": t, "objective": o, "seed": s, "error": f"worker {w} exited "
-                        f"with code {proc.returncode} before this run's end"}
+            code = proc.returncode
+            how = (f"was killed by signal {-code} (out of memory?)" if code < 0
+                   else f"exited with code {code}")
+            failed += [{"task": t, "objective": o, "seed": s, "error": f"worker {w} {how} "
+                        "before this run's end"}
                        for t, o, s in jobs[w::args.workers]
                        if not any((Path(tmp) / f"{_name(t, o, s)}{x}").exists()
                                   for x in (".json", ".failed"))]

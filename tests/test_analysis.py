@@ -338,3 +338,16 @@ def test_the_starting_model_and_answer_entropy_curves_are_plotted(agg, tmp_path)
     path.write_text(json.dumps(study))
     with pytest.raises(ValueError, match="curve.reward"):
         load_study(path)
+
+
+def test_a_nan_is_no_seeds_report_and_the_table_says_how_many_did():
+    from maxent_grpo.analysis.runs import format_study_table, study_table
+
+    def run(seed, value):
+        return {"task": "b", "objective": "GRPO", "seed": seed, "trained": True,
+                "curve": {"reward": [0.5, math.nan]}, "metrics": {"pass@1": value}}
+
+    rows = study_table({"runs": [run(0, 0.4), run(1, math.nan), run(2, 0.6)]}, "b")
+    assert rows[0]["pass@1"] == pytest.approx(0.5) and rows[0]["pass@1_n"] == 2
+    assert rows[0]["reward_first20"] == 0.5  # the point that logged it
+    assert "| GRPO | 3 | 0.500 ± 0.141 (n=2) |" in format_study_table(rows, ["pass@1"])

@@ -327,8 +327,9 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
     """One row per objective (display order) of ``task``, aggregated over its seeds.
 
     A row holds ``objective``, ``seeds`` (how many runs) and, for every metric key ``m``
-    some seed reports, ``row[m]`` = mean and ``row[m + "_sd"]`` = sample sd (ddof=1; NaN
-    from one seed) over the seeds that report it; likewise ``reward_first20`` /
+    some seed reports, ``row[m]`` = mean, ``row[m + "_sd"]`` = sample sd (ddof=1; NaN from
+    one seed) and ``row[m + "_n"]`` = how many, over the seeds that report it (a NaN is not
+    a report); likewise ``reward_first20`` /
     ``reward_last20``, each seed's mean reward over the first / last 20 points of its
     training curve (a point a rollout: ``num_iterations`` optimizer steps).
     """
@@ -349,14 +350,15 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"objective": objective, "seeds": len(mine)}
         for key, values in samples.items():
             row[key], row[f"{key}_sd"] = _mean_sd(values)
+            row[f"{key}_n"] = sum(math.isfinite(v) for v in values)
         rows.append(row)
     return rows
 
 
 def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> str:
     """A markdown table of :func:`study_table` rows: objective, seeds, then ``mean ± sd``
-    (3 decimals) per metric (the mean alone from one seed), ``-`` where the objective has no
-    such metric."""
+    (3 decimals) per metric (the mean alone from one seed; ``(n=2)`` where fewer seeds than
+    the row's report it), ``-`` where the objective has no such metric."""
 
     def cell(row: Mapping[str, Any], metric: str) -> str:
         if metric not in row:
@@ -364,7 +366,9 @@ def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]
         mean, sd = row[metric], row[f"{metric}_sd"]
         if not math.isfinite(mean):
             return "-"
-        return f"{mean:.3f}" + (f" ± {sd:.3f}" if math.isfinite(sd) else "")
+        n = row.get(f"{metric}_n", row["seeds"])  # fewer: a seed's value was NaN
+        return (f"{mean:.3f}" + (f" ± {sd:.3f}" if math.isfinite(sd) else "")
+                + (f" (n={n})" if n < row["seeds"] else ""))
 
     lines = ["| objective | seeds | " + " | ".join(metrics) + " |",
              "|---|---|" + "---|" * len(metrics)]
@@ -381,7 +385,8 @@ def _reward_band(
     n = min(len(run["curve"][key]) for run in runs)
     curves = [_smooth(run["curve"][key][:n], smooth) for run in runs]
     steps = list(runs[0]["curve"].get("steps", range(n)))[:n]
-    by_step = list(zip(*curves, strict=True))
+    by_step = [[v for v in at if math.isfinite(v)] or [math.nan]  # the seeds that logged it
+               for at in zip(*curves, strict=True)]
     return (steps, [statistics.fmean(v) for v in by_step],
             [min(v) for v in by_step], [max(v) for v in by_step])
 

@@ -262,10 +262,10 @@ class Toolbox:
         self._properties: dict[str, dict[str, Any]] = {}  # name -> its arguments' schemas
         for spec in tools:
             fn = resolve_tool(spec)
-            plain = inspect.unwrap(fn)
-            require(not (inspect.iscoroutinefunction(plain) or inspect.isasyncgenfunction(plain)
-                         or inspect.isgeneratorfunction(plain)),
-                    f"model.tools: {spec} is an async or generator function, which a call "
+            require(not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
+                         or inspect.isgeneratorfunction(fn)),  # a sync wrapper passes
+                    f"model.tools: {getattr(fn, '__qualname__', spec)} is an async or "
+                    "generator function, which a call "
                     "would not run (its result was shown as '<coroutine object ...>' and "
                     "counted a success): write the tool as a plain def that returns its "
                     "answer (an async one runs in it with asyncio.run)")

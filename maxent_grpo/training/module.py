@@ -129,8 +129,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             environment: ``reset(prompt, answer)``, ``step(action) -> (observation, done)``.
         max_tool_calls: the most tool calls (or environment steps) per sample.
         tool_timeout: the seconds one tool call (or environment step) may take.
-        tool_isolation: ``thread`` or ``process`` (each call in a fresh sandboxed process,
-            killed at the limit; :mod:`~maxent_grpo.rollout.sandbox`).
+        tool_isolation: ``thread`` or ``process`` (each tool call in a fresh sandboxed
+            process, killed at the limit: :mod:`~maxent_grpo.rollout.sandbox`; tools only).
         gradient_clip_val: maximum global gradient norm (``None`` = no clipping).
         optimizer: optimizer factory (``class_path`` + ``init_args``); AdamW by default.
         lr_scheduler: learning-rate scheduler factory (any ``torch.optim.lr_scheduler``

@@ -172,6 +172,14 @@ def test_tools_are_named_by_import_path_or_builtin_name():
     for never_run in (later, steps):  # its call made a coroutine, shown and counted a success
         with pytest.raises(ValueError, match="is an async or generator function"):
             Toolbox([never_run])
+    import asyncio
+    import functools
+
+    @functools.wraps(later)
+    def synced(a: int) -> int:  # what the message advises: a plain def that runs it
+        return asyncio.run(later(a))
+
+    assert Toolbox([synced]).run(ToolCall("later", {"a": 8})).text == "4"
     with pytest.raises(ValueError, match="non-empty list"):
         Toolbox([])
     with pytest.raises(ValueError, match="model.tool_timeout"):
