@@ -1,18 +1,13 @@
 """Reading a run's TensorBoard events back for plots and comparisons.
 
-A *run* is one ``lightning_logs/<name>/version_N`` folder written by the trainer's
-TensorBoardLogger. :func:`load_run` reads every scalar in it into :class:`Series`
-(steps and values, in step order), :func:`plot_runs` draws the standard panels (reward, KL,
-entropy, τ, β, pass@k, ...) with one line per run, and :func:`summary_rows` gives the last
-value of each panel per run, for a table. ``notebooks/analyse_runs.ipynb`` uses all three.
-
-A *study* is the JSON that ``benchmarks/maxent_vs_grpo.py`` writes (objectives x seeds x
-tasks, each with a reward curve and pass@k-style metrics): :func:`load_study` reads it,
-:func:`study_table` / :func:`format_study_table` give mean ± sd over seeds per objective, and
-:func:`plot_study` draws the curves and metrics with one colour per objective.
-
-Only ``tensorboard`` is needed to read; plotting needs ``matplotlib`` (``pip install
-matplotlib``, included in the ``dev`` extra).
+A *run* is one ``lightning_logs/<name>/version_N`` folder of the trainer's TensorBoardLogger:
+:func:`load_run` reads its scalars into :class:`Series` (in step order), :func:`plot_runs`
+draws the standard panels (reward, KL, entropy, τ, β, pass@k, ...) one line per run, and
+:func:`summary_rows` gives each panel's last value per run (``notebooks/analyse_runs.ipynb``).
+A *study* is the JSON of ``benchmarks/maxent_vs_grpo.py`` (objectives x seeds x tasks):
+:func:`load_study` reads it, :func:`study_table` / :func:`format_study_table` give mean ± sd
+over seeds per objective, :func:`plot_study` draws it, one colour per objective. Reading
+needs ``tensorboard``; plotting ``matplotlib`` (in the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -131,11 +126,9 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
 
     path = locate(path)
     if not any(path.glob("events.out.tfevents.*")):
-        csv = " (its metrics.csv is a CSVLogger's: add a TensorBoardLogger to trainer.logger)"
-        raise FileNotFoundError(
-            f"{path} has no TensorBoard event files, which is what this reads"
-            + (csv if (path / "metrics.csv").is_file() else
-               "; pass a lightning_logs/<name>/version_N folder"))
+        raise FileNotFoundError(f"{path} has no TensorBoard event files, which this reads" + (
+            " (its metrics.csv is a CSVLogger's: add a TensorBoardLogger to trainer.logger)"
+            if (path / "metrics.csv").is_file() else "; pass a lightning_logs/<name>/version_N"))
     # the folder's files read as TensorBoard reads them: a resume's purge_step removes the
     # points the earlier files hold from that step on (also those never written again, as
     # after a rollback to a shorter run); a step written twice without a purge keeps its
@@ -165,8 +158,7 @@ def _panel_tags(run: Run, patterns: Iterable[str]) -> list[str]:
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
     """Trailing moving average over ``window`` points (``window <= 1``: unchanged) of the
-    finite ones: a NaN (a step that did not log the value) or an inf counts in no window
-    (a running sum kept it in every later one); NaN where a window has none."""
+    finite ones (a NaN, a step that did not log it, counts in none); NaN where there are none."""
     if window <= 1:
         return list(values)
     out = []
@@ -314,24 +306,20 @@ def _in_order(runs: Iterable[Mapping[str, Any]], key: str) -> list[str]:
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation ``sqrt(sum (x - mean)^2 / (n - 1))`` of the
-    finite values; sd NaN from one (no spread to show: it was printed as ``± 0.000``), both
-    NaN from none."""
+    """Mean and sample sd ``sqrt(sum (x - mean)^2 / (n - 1))`` of the finite values (NaN:
+    none; the sd NaN from one: no spread to show, where it read ``± 0.000``)."""
     finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.nan, math.nan
-    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else math.nan)
+    return (statistics.fmean(finite) if finite else math.nan,
+            statistics.stdev(finite) if len(finite) > 1 else math.nan)
 
 
 def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
     """One row per objective (display order) of ``task``, aggregated over its seeds.
 
     A row holds ``objective``, ``seeds`` (how many runs) and, for every metric key ``m``
-    some seed reports, ``row[m]`` = mean, ``row[m + "_sd"]`` = sample sd (ddof=1; NaN from
-    one seed) and ``row[m + "_n"]`` = how many, over the seeds that report it (a NaN is not
-    a report); likewise ``reward_first20`` /
-    ``reward_last20``, each seed's mean reward over the first / last 20 points of its
-    training curve (a point a rollout: ``num_iterations`` optimizer steps).
+    some seed reports (a NaN is none), ``row[m]``, ``row[m + "_sd"]`` and ``row[m + "_n"]``:
+    mean, :func:`_mean_sd`'s sd and count; likewise ``reward_first20`` / ``reward_last20``,
+    each seed's mean reward over the first / last 20 points (rollouts) of its curve.
     """
     runs = [run for run in study["runs"] if run["task"] == task]
     if not runs:
@@ -357,16 +345,12 @@ def study_table(study: Mapping[str, Any], task: str) -> list[dict[str, Any]]:
 
 def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> str:
     """A markdown table of :func:`study_table` rows: objective, seeds, then ``mean ± sd``
-    (3 decimals) per metric (the mean alone from one seed; ``(n=2)`` where fewer seeds than
-    the row's report it), ``-`` where the objective has no such metric."""
+    (3 decimals; one seed: the mean; ``(n=2)``: fewer seeds than the row's), else ``-``."""
 
     def cell(row: Mapping[str, Any], metric: str) -> str:
-        if metric not in row:
+        if not math.isfinite(mean := row.get(metric, math.nan)):
             return "-"
-        mean, sd = row[metric], row[f"{metric}_sd"]
-        if not math.isfinite(mean):
-            return "-"
-        n = row.get(f"{metric}_n", row["seeds"])  # fewer: a seed's value was NaN
+        sd, n = row[f"{metric}_sd"], row.get(f"{metric}_n", row["seeds"])
         return (f"{mean:.3f}" + (f" ± {sd:.3f}" if math.isfinite(sd) else "")
                 + (f" (n={n})" if n < row["seeds"] else ""))
 
@@ -380,8 +364,7 @@ def format_study_table(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]
 def _reward_band(
     runs: Sequence[Mapping[str, Any]], smooth: int, key: str = "reward"
 ) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps, mean, min and max over seeds of the ``smooth``-point trailing averages of the
-    ``key`` curves (cut to the shortest seed)."""
+    """Steps, mean, min and max over seeds of the ``key`` curves' smoothed (cut to the shortest)."""
     n = min(len(run["curve"][key]) for run in runs)
     curves = [_smooth(run["curve"][key][:n], smooth) for run in runs]
     steps = list(runs[0]["curve"].get("steps", range(n)))[:n]
