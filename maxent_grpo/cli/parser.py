@@ -5,8 +5,7 @@
 (``model.model_name_or_path`` -> ``data.tokenizer``, see ``add_arguments_to_parser``).
 
 Resuming: ``fit --ckpt_path last`` loads the newest usable checkpoint of the configured
-``ModelCheckpoint`` callbacks; one without an explicit ``dirpath`` (default: inside the new
-version folder) could never find it, so that combination is refused.
+``ModelCheckpoint`` callbacks (refused for one without a ``dirpath``: it could never find it).
 
 The config and the command line decide every option, also with ``--ckpt_path``:
 LightningCLI's overwriting of the model options with the checkpoint's hyper-parameters is
@@ -37,6 +36,7 @@ from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
+from maxent_grpo.training.run.checkpoint import keep_seed
 from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
 from maxent_grpo.training.run.signals import slurm_resume
 from maxent_grpo.training.step.strategy import check_launcher
@@ -207,7 +207,7 @@ class MaxEntGRPOCLI(LightningCLI):
             self._resume = resolve()
         require(self._resume is not None or refusal is None, str(refusal))  # Lightning's pick
         if self.subcommand == "fit" and self._resume is not None:
-            ckpt_io.keep_seed(self._resume.seed, cfg, self._drawn_seed)
+            keep_seed(self._resume.seed, cfg, self._drawn_seed)
             self._continue_logger_versions(trainer.get("logger"), self._resume)
 
     def _continue_logger_versions(self, loggers: Any, resume: ckpt_io.ResolvedCheckpoint) -> None:

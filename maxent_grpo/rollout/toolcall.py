@@ -265,10 +265,10 @@ class Toolbox:
             require(not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
                          or inspect.isgeneratorfunction(fn)),  # a sync wrapper passes
                     f"model.tools: {getattr(fn, '__qualname__', spec)} is an async or "
-                    "generator function, which a call "
-                    "would not run (its result was shown as '<coroutine object ...>' and "
-                    "counted a success): write the tool as a plain def that returns its "
-                    "answer (an async one runs in it with asyncio.run)")
+                    "generator function, which a call would not run (its result was shown "
+                    "as '<coroutine object ...>' and counted a success): write the tool as a "
+                    "plain def that returns its answer (an async one runs in it with "
+                    "asyncio.run)")
             schema = _schema(fn)
             name = schema["function"]["name"]
             require(name not in self.functions, f"model.tools names the tool {name!r} twice")

@@ -97,7 +97,7 @@ def _replace(out: Path, write: Any) -> None:
     called it "a bug")."""
     earlier = out.is_dir() and any(p.name != "lost+found" for p in out.iterdir())
     try:
-        _write_export(out, write)
+        _write_export(out, write, earlier)
     except Exception as err:
         keep = ("the export there before is kept" if earlier else "nothing was left") + (
             f"; a checkpoint exports again with {EXPORT_COMMAND}")
@@ -106,10 +106,10 @@ def _replace(out: Path, write: Any) -> None:
         raise
 
 
-def _write_export(out: Path, write: Any) -> None:
+def _write_export(out: Path, write: Any, earlier: bool) -> None:
     """``write(folder)`` the export into ``out``, beside it first, then swapped in: a failed
     or interrupted write (Ctrl-C) leaves no partial folder that loads as a broken model,
-    and an earlier export in ``out`` (a run before this one into the same folder) is
+    and an earlier export in ``out`` (``earlier``: a run before this one into it) is
     replaced whole (written over, its files that this export lacks, an adapter beside a full
     model, would have made the folder load as the earlier model) or, if the write fails,
     kept. A folder that cannot be renamed (a mount point, a bind mount) or written beside (a
@@ -117,7 +117,6 @@ def _write_export(out: Path, write: Any) -> None:
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    earlier = out.is_dir() and any(p.name != "lost+found" for p in out.iterdir())
     try:
         if os.path.ismount(out):
             raise OSError("a mount point")

@@ -43,7 +43,7 @@ from collections import deque
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import RichProgressBar, Timer, TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_utilities.core.imports import RequirementCache
 
@@ -51,6 +51,7 @@ from maxent_grpo.rewards import TrainerState
 from maxent_grpo.training.callbacks.run_report import (
     RewardRecord,
     fit_summary,
+    max_time_left,
     validation_line,
     why_no_training,
 )
@@ -198,9 +199,8 @@ class ReadableProgressBar(TQDMProgressBar):
         if total > 0 and done > 0:
             per_step = (time.monotonic() - self._start_time) / done
             left = per_step * max(0, total - step)
-            for timer in getattr(trainer, "callbacks", []):  # trainer.max_time stops it first
-                if isinstance(timer, Timer) and timer.time_remaining() is not None:
-                    left = min(left, max(0.0, timer.time_remaining()))
+            if (limit := max_time_left(trainer)) is not None:  # max_time stops it first
+                left = min(left, max(0.0, limit))
             parts.append(f"eta {datetime.timedelta(seconds=round(left))}")
         return "  ".join(parts)
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Timer
 
-__all__ = ["RewardRecord", "fit_summary", "validation_line", "why_no_training"]
+__all__ = ["RewardRecord", "fit_summary", "max_time_left", "validation_line",
+           "why_no_training"]
 
 #: the validation metrics that lead the line, in this order; the others follow by name
 _FIRST = ("pass@", "coverage@", "greedy_pass@", "mean@", "distinct@", "distinct_correct@",
@@ -143,14 +144,19 @@ def why_no_training(trainer: Any) -> str:
     if max_epochs is not None and max_epochs != -1 and epoch >= max_epochs:
         return (f"the epoch, {epoch}, had already reached trainer.max_epochs={max_epochs}; "
                 "raise it to train on")
-    for timer in trainer.callbacks:  # Lightning's Timer counts the time before a resume
-        limit = timer._duration if isinstance(timer, Timer) else None
-        if limit is not None and timer.time_elapsed("train") >= limit:
-            spent = datetime.timedelta(seconds=round(timer.time_elapsed("train")))
-            return (f"the run had already trained for {spent}, past trainer.max_time="
-                    f"{datetime.timedelta(seconds=round(limit))} (the time before the resume "
-                    "counts); raise it to train on")
+    if (left := max_time_left(trainer)) is not None and left <= 0:
+        spent = next(t for t in trainer.callbacks if isinstance(t, Timer)).time_elapsed()
+        return (f"the run had already trained for {datetime.timedelta(seconds=round(spent))}, "
+                f"past trainer.max_time={datetime.timedelta(seconds=round(spent + left))} "
+                "(the time before the resume counts); raise it to train on")
     if 0 in (getattr(trainer, "limit_train_batches", None),
              getattr(trainer, "num_training_batches", None)):
         return "there were no training batches: trainer.limit_train_batches, or empty data"
     return "the trainer was told to stop before its first step (trainer.should_stop)"
+
+
+def max_time_left(trainer: Any) -> float | None:
+    """Seconds ``trainer.max_time`` leaves (Lightning's Timer, which counts the time before a
+    resume; <= 0: spent), None without one."""
+    timers = [t for t in getattr(trainer, "callbacks", []) if isinstance(t, Timer)]
+    return timers[0].time_remaining() if timers else None

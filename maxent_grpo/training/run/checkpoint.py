@@ -250,10 +250,9 @@ def keep_seed(seed: int | bool | None, config: Any, drawn: bool = False) -> None
         was = "not seeded" if seed is False else f"seeded with {seed}"
         rank_zero_warn(
             f"the checkpoint's run was {was}: a resume continues its random state, so "
-            f"seed_everything {given} changes "
-            "nothing; the run's seed is kept (and recorded with the logs). To train with "
-            "another seed, start a new run from the checkpoint's weights (maxent-grpo "
-            "export, then --model.model_name_or_path)")
+            f"seed_everything {given} changes nothing; the run's seed is kept (and recorded "
+            "with the logs). To train with another seed, start a new run from the "
+            "checkpoint's weights (maxent-grpo export, then --model.model_name_or_path)")
     config["seed_everything"] = seed
     if seed is False:
         os.environ.pop("PL_GLOBAL_SEED", None)  # the later checkpoints record it unseeded

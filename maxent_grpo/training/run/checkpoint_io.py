@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY, fit_batches, keep_seed  # noqa: F401
+from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY, fit_batches
 from maxent_grpo.validation import no_room
 
 log = logging.getLogger(__name__)
@@ -83,10 +83,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except BaseException as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        full = isinstance(err, Exception) and no_room(err, path, "the files written before "
-                                                      "are kept")
-        if full:  # torch's zip writer says "unexpected pos ...": it read as a bug
-            raise full from err
+        if isinstance(err, Exception) and (
+                full := no_room(err, path, "the files written before are kept")):
+            raise full from err  # torch's zip writer said "unexpected pos ...": "a bug"
         raise
     with contextlib.suppress(OSError):  # the folder's entry, where the system allows
         fd = os.open(folder, os.O_RDONLY)
@@ -242,7 +241,6 @@ def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> 
         loggers=list(index.get(LOGGERS_KEY) or []),
         skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted,
         seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"))
-
 
 
 def _describe(found: ResolvedCheckpoint) -> str:
