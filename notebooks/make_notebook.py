@@ -15,7 +15,8 @@ side by side (for example GRPO against listwise MaxEnt on the same task).
 
 Pick the runs with the environment variable `MAXENT_GRPO_RUNS` (run folders separated by
 `:`, e.g. `lightning_logs/tiny/version_0:lightning_logs/tiny_controllers/version_0`); without
-it the two most recent runs under `lightning_logs/` are shown. Two runs to compare, GRPO and
+it the two training runs under `lightning_logs/` written last are shown (a `validate`,
+`test` or `predict` folder is passed over). Two runs to compare, GRPO and
 listwise MaxEnt with the τ/β controllers, on the same task:
 
 ```
@@ -27,18 +28,17 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-from maxent_grpo.analysis import find_runs, load_run, plot_runs, summary_rows
+from maxent_grpo.analysis import load_run, plot_runs, recent_runs, summary_rows
 
 SMOOTH = 10  # moving-average window over training steps (1 = raw)
 if os.environ.get("MAXENT_GRPO_RUNS"):
-    RUN_DIRS = [Path(p) for p in os.environ["MAXENT_GRPO_RUNS"].split(os.pathsep) if p]
+    runs = [load_run(Path(p)) for p in os.environ["MAXENT_GRPO_RUNS"].split(os.pathsep) if p]
 else:
     try:
-        RUN_DIRS = find_runs("lightning_logs")[-2:]
+        runs = recent_runs(2, "lightning_logs")
     except FileNotFoundError as err:  # no lightning_logs/ here or above
         print(err)
-        RUN_DIRS = []
-runs = [load_run(p) for p in RUN_DIRS]
+        runs = []
 for run in runs:
     print(f"{run.label}: {len(run.scalars)} scalar tags from {run.path}"
           + ("" if run.scalars else " (no step logged yet: left out)"))

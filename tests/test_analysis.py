@@ -6,25 +6,27 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from maxent_grpo.analysis.runs import (
+from maxent_grpo.analysis import (
     PANELS,
     Run,
     Series,
-    _smooth,
     find_runs,
     format_study_table,
     load_run,
     load_study,
     plot_runs,
     plot_study,
+    recent_runs,
     study_table,
     summary_rows,
 )
+from maxent_grpo.analysis.runs import smoothed
 
 
 @pytest.fixture
@@ -117,6 +119,27 @@ def test_find_runs_and_missing_folders(tmp_path):
         load_run(tmp_path)
 
 
+def test_recent_runs_are_the_last_written_training_runs(tmp_path):
+    """A resumed run counts from its last write (it sorted by its first event file), and a
+    ``validate`` folder (val/ scalars only) is passed over: the notebook's two newest runs
+    were a fit and its own validation."""
+    older, resumed, fresh = (tmp_path / "t" / f"version_{i}" for i in range(3))
+    write_run(resumed, {"train/reward/mean": [(0, 1.0)]})
+    write_run(older, {"train/reward/mean": [(0, 2.0)]})
+    write_run(fresh, {"train/reward/mean": [(0, 3.0)]})
+    write_run(resumed, {"train/reward/mean": [(1, 4.0)]})  # its resume, written last
+    (validated := tmp_path / "t" / "version_3").mkdir()
+    write_run(validated, {"val/reward/mean": [(1, 0.5)]})  # a validate run, newest of all
+    events = sorted(tmp_path.rglob("events.*"), key=lambda p: p.stat().st_mtime)
+    for i, path in enumerate(events):  # distinct times, in the order written
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    assert [p.name for p in find_runs(tmp_path)] == [
+        "version_0", "version_2", "version_1", "version_3"]
+    assert [r.path.name for r in recent_runs(2, tmp_path)] == ["version_2", "version_1"]
+    assert [r.path.name for r in recent_runs(5, tmp_path)] == [
+        "version_0", "version_2", "version_1"]
+
+
 def test_relative_run_paths_mean_the_same_from_the_root_and_from_notebooks(
     tmp_path, monkeypatch,
 ):
@@ -135,16 +158,16 @@ def test_relative_run_paths_mean_the_same_from_the_root_and_from_notebooks(
 
 
 def test_smoothing_is_a_trailing_mean():
-    assert _smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
-    assert _smooth([1.0, 3.0], 1) == [1.0, 3.0]
+    assert smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smoothed([1.0, 3.0], 1) == [1.0, 3.0]
     # a NaN (a step that did not log it) or inf counts in no window: a running sum kept it
     # in every later point, which blanked the rest of the curve (a hunt)
     nan, inf = float("nan"), float("inf")
-    assert _smooth([1.0, nan, 5.0, 7.0, 9.0], 2) == [1.0, 1.0, 5.0, 6.0, 8.0]
-    with_inf = _smooth([inf, 3.0, 5.0], 2)
+    assert smoothed([1.0, nan, 5.0, 7.0, 9.0], 2) == [1.0, 1.0, 5.0, 6.0, 8.0]
+    with_inf = smoothed([inf, 3.0, 5.0], 2)
     assert math.isnan(with_inf[0]) and with_inf[1:] == [3.0, 4.0]
-    smoothed = _smooth([nan, nan, 2.0], 2)
-    assert math.isnan(smoothed[0]) and math.isnan(smoothed[1]) and smoothed[2] == 2.0
+    late = smoothed([nan, nan, 2.0], 2)
+    assert math.isnan(late[0]) and math.isnan(late[1]) and late[2] == 2.0
 
 
 def test_plot_draws_only_the_panels_some_run_logged(tmp_path, agg):
@@ -341,7 +364,7 @@ def test_the_starting_model_and_answer_entropy_curves_are_plotted(agg, tmp_path)
 
 
 def test_a_nan_is_no_seeds_report_and_the_table_says_how_many_did():
-    from maxent_grpo.analysis.runs import format_study_table, study_table
+    from maxent_grpo.analysis.studies import format_study_table, study_table
 
     def run(seed, value):
         return {"task": "b", "objective": "GRPO", "seed": seed, "trained": True,

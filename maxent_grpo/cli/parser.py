@@ -296,7 +296,7 @@ class MaxEntGRPOCLI(LightningCLI):
             )
         self._use_checked_checkpoint()
         folders = self._checkpoint_dirpaths()
-        if last and self._resume is None and all(map(ckpt_io._is_local, folders)):
+        if last and self._resume is None and all(map(ckpt_io.is_local, folders)):
             # nothing to resume (a requeue script's first run): said so, not Lightning's
             # hint to set save_last, which the shipped configs set
             self.config_init[str(self.subcommand)]["ckpt_path"] = None

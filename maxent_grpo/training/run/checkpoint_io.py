@@ -41,7 +41,8 @@ LIGHTNING_NAMES = ("best", "hpc", "registry")
 TMP_SUFFIX = ".tmp"
 
 
-def _is_local(path: str | os.PathLike) -> bool:
+def is_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is on this machine's file system (no URL scheme but ``file://``)."""
     return "://" not in str(path) or str(path).startswith("file://")
 
 
@@ -56,7 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         storage_options: Any | None = None,
     ) -> None:
         # a remote path, or storage_options, which Lightning's write refuses (TypeError)
-        if storage_options is not None or not _is_local(path):
+        if storage_options is not None or not is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         atomic_write(str(path).removeprefix("file://"), lambda f: self.write(checkpoint, f))
@@ -187,7 +188,7 @@ def _candidates(dirpaths: list[str], extra: tuple[str, ...] = ()) -> list[str]:
     name wins a tie)."""
     found: dict[str, tuple[float, bool]] = {}
     folders = [str(f).removeprefix("file://") for f in dirpaths]
-    listed = [checkpoint_files(f) for f in folders if _is_local(f) and os.path.isdir(f)]
+    listed = [checkpoint_files(f) for f in folders if is_local(f) and os.path.isdir(f)]
     for paths in (*listed, extra):
         for path in paths:
             try:
@@ -281,7 +282,7 @@ def resolve_checkpoint(
     usable, else ValueError naming the newest usable one in its folder; a missing local
     file: ValueError. Anything else (``"best"``, a URL): ``None``, left to Lightning.
     """
-    if _is_local(ckpt_path) and ckpt_path.startswith("~"):  # not expanded by a shell
+    if is_local(ckpt_path) and ckpt_path.startswith("~"):  # not expanded by a shell
         ckpt_path = os.path.expanduser(ckpt_path)  # (--ckpt_path=~/x, or quoted)
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
@@ -311,12 +312,12 @@ def resolve_checkpoint(
                 f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
                 "move them to start afresh"
             )
-        if not need_training_state and all(map(_is_local, dirpaths)):  # else Lightning's
+        if not need_training_state and all(map(is_local, dirpaths)):  # else Lightning's
             where = dirpaths or "no folder (no ModelCheckpoint has a dirpath)"
             raise ValueError(f"--ckpt_path last: no checkpoint in {where}; pass a .ckpt file, "
                              "or leave --ckpt_path out to evaluate the configured model")
         return None
-    if not _is_local(ckpt_path) or ckpt_path in LIGHTNING_NAMES or ckpt_path.startswith(
+    if not is_local(ckpt_path) or ckpt_path in LIGHTNING_NAMES or ckpt_path.startswith(
             "registry:"):
         return None
     if not os.path.lexists(ckpt_path):
@@ -358,7 +359,7 @@ def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
     """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths``."""
     removed = []
     for folder in dirpaths:
-        if not _is_local(folder):
+        if not is_local(folder):
             continue
         pattern = os.path.join(glob.escape(folder), "**", f".*.ckpt.*{TMP_SUFFIX}")
         for path in glob.glob(pattern, recursive=True):  # subfolders: checkpoint_files

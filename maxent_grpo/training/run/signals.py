@@ -42,7 +42,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
-from maxent_grpo.training.run.checkpoint_io import _is_local
+from maxent_grpo.training.run.checkpoint_io import is_local
 from maxent_grpo.validation import require
 
 __all__ = ["answer_requeue", "give_back_sigterm", "hpc_checkpoints", "requeue", "same_batches",
@@ -170,7 +170,7 @@ def hpc_checkpoints(folder: str) -> list[tuple[int, str]]:
     """``(N, path)`` of each ``hpc_ckpt_N.ckpt`` in ``folder`` (none where it is no local
     folder), by ``N``: SLURM's requeue checkpoints (:func:`requeue`)."""
     folder = os.path.expanduser(folder)
-    if not (_is_local(folder) and os.path.isdir(folder)):
+    if not (is_local(folder) and os.path.isdir(folder)):
         return []
     return sorted((int(m[1]), os.path.join(folder, name)) for name in os.listdir(folder)
                   if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", name)))

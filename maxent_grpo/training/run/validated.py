@@ -26,7 +26,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from maxent_grpo.training.run.checkpoint import restore_rng_state
-from maxent_grpo.training.run.checkpoint_io import _is_local, atomic_write
+from maxent_grpo.training.run.checkpoint_io import atomic_write, is_local
 
 MARKER = "validated.json"
 #: the checkpoint's entry: True where it was written before a validation due at its step
@@ -77,13 +77,13 @@ def note_validated(trainer: Any, loaded: list[int] | None = None) -> None:
         return
     if trainer.state.fn == "validate":
         path = str(trainer.ckpt_path or "")
-        if loaded is not None and _is_local(path) and identity(path) == loaded:
+        if loaded is not None and is_local(path) and identity(path) == loaded:
             with contextlib.suppress(OSError):  # a read-only folder: it runs again, no more
                 _record(os.path.dirname(os.path.abspath(path)), {path})
         return
     for saver in trainer.checkpoint_callbacks:
         folder = getattr(saver, "dirpath", None)
-        if folder and _is_local(folder):
+        if folder and is_local(folder):
             _record(folder, {*getattr(saver, "best_k_models", {}), *(getattr(
                 saver, name, "") for name in ("best_model_path", "last_model_path",
                                               "_last_checkpoint_saved"))})
@@ -113,11 +113,11 @@ def unvalidated(trainer: Any) -> bool:
     folder's, or a saver's: a checkpoint in a metric's subfolder); False for a remote one,
     which has no such file (its validation is not run again on every resume)."""
     path = str(trainer.ckpt_path)
-    if not _is_local(path) or identity(path) is None:
+    if not is_local(path) or identity(path) is None:
         return False
     folders = {os.path.dirname(os.path.abspath(path)), *(
         os.path.abspath(saver.dirpath) for saver in trainer.checkpoint_callbacks
-        if getattr(saver, "dirpath", None) and _is_local(saver.dirpath))}
+        if getattr(saver, "dirpath", None) and is_local(saver.dirpath))}
     return not any(identity(path) in _read(os.path.join(folder, MARKER)).values()
                    for folder in folders)
 
