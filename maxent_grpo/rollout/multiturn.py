@@ -118,6 +118,24 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     return tail + after[len(before):]
 
 
+#: characters per token that a cut text gets before it is tokenized (a token this long is rare)
+_CHARS_PER_TOKEN = 64
+
+
+def _first_tokens(tokenizer: Any, text: str, room: int) -> list[int]:
+    """``text``'s token ids, all of them when they fit in ``room``, else more than ``room``
+    of its first ones: a reply far over the budget is cut to ``_CHARS_PER_TOKEN`` characters
+    a token before it is tokenized (it was tokenized whole: seconds for megabytes, and the
+    tokenizer's warning of a length the model never reads), and whole when the cut text gives
+    ``room`` tokens or fewer (its tokens that long)."""
+    cut = (room + 1) * _CHARS_PER_TOKEN
+    if len(text) > cut:
+        ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+        if len(ids) > room:  # the whole text has at least room: the row is cut here
+            return ids
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def environment_factory(spec: dict[str, Any] | str) -> Callable[[], Any]:
     """A zero-argument factory from ``model.environment``: ``{class_path: "pkg.mod.Class",
     init_args: {...}}``, or the class path alone (as ``--model.objective`` takes one;
@@ -330,9 +348,9 @@ class MultiTurnEngine:
                 if replies is None:
                     continue
                 messages[i] += replies
-                segment = tok(message_segment(tok, replies, self._schemas, self._stops),
-                              add_special_tokens=False)["input_ids"]
                 room = budget - len(ids[i])
+                segment = _first_tokens(
+                    tok, message_segment(tok, replies, self._schemas, self._stops), room)
                 extend(i, segment[:room], True, None)
                 if len(segment) >= room:  # no room left for the model to answer
                     truncated[i] = True

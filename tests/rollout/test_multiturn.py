@@ -148,6 +148,40 @@ def test_the_budget_holds_the_whole_exchange():
     assert out.tools.turns.tolist() == [2]
 
 
+def test_a_reply_far_over_the_budget_is_cut_before_it_is_tokenized():
+    """A tool that returns megabytes: the tokens the model reads are the reply's first ones,
+    as before, but the tokenizer never reads the whole reply (it did: seconds per call, and
+    the tokenizer's warning of a sequence longer than the model takes)."""
+    def dump(query: str) -> str:
+        """A tool that returns a whole file.
+
+        Args:
+            query: what to read.
+        """
+        return "the file reads: " + " ".join(f"line {i}" for i in range(200_000))
+
+    class Counting:  # the tiny tokenizer, recording the longest text it tokenized
+        longest = 0
+
+        def __getattr__(self, name):
+            return getattr(TOK, name)
+
+        def __call__(self, text, **kwargs):
+            Counting.longest = max(Counting.longest, len(text))
+            return TOK(text, **kwargs)
+
+    call = '<tool_call>{"name": "dump", "arguments": {"query": "x"}}</tool_call>'
+    budget = len(ids(call)) + 1 + 50
+    mt = MultiTurnEngine(Scripted([call, "42"]), Counting(),
+                         SamplingSettings(max_new_tokens=budget),
+                         toolbox=Toolbox([dump], timeout=5.0), max_tool_calls=4)
+    out = mt.generate(["Read it"], ["42"], 1)
+    whole = ids(message_segment(TOK, [{"role": "tool", "content": dump("x")}]))
+    assert out.completion_ids[0, len(ids(call)) + 1:].tolist() == whole[:50]
+    assert bool(out.truncated[0]) and out.tool_mask[0].sum() == 50
+    assert Counting.longest < 10_000 < len(dump("x"))
+
+
 def test_the_call_limit_ends_the_sample():
     """Calls on every turn: two run, the third turn's call ends the sample, counted as a
     call past the limit (``over_limit``) with no message."""
