@@ -364,6 +364,33 @@ def test_an_mlflow_server_that_does_not_answer_is_named_not_called_a_bug(capsys)
     assert not errors.is_user_error(mlflow.MlflowException("an internal index error"))
 
 
+def test_a_full_disk_under_the_tensorboard_writer_names_the_folder(tmp_path):
+    """TensorBoard writes its events in a thread; a write there that finds no room is raised
+    again at the next scalar with no file named: the run stopped with ``[Errno 27] File too
+    large`` alone. Measured with a real file-size limit in a subprocess."""
+    script = """
+import resource, signal, sys
+from torch.utils.tensorboard import SummaryWriter
+from maxent_grpo.cli import errors
+writer = SummaryWriter(sys.argv[1], flush_secs=1)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+try:
+    for step in range(100_000):
+        writer.add_scalar("train/loss", 1.0, step)
+        writer.flush()
+except OSError as err:
+    print(errors.message_of(err))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "version_0")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("[Errno 27] File too large (writing the TensorBoard events "
+                                 f"under {tmp_path / 'version_0'}: free space there"), run.stdout
+    assert errors.message_of(OSError(27, "File too large")) == "[Errno 27] File too large"
+
+
 def test_messages():
     assert errors.message_of(FileNotFoundError(2, "No such file or directory", "a.txt")) == (
         "[Errno 2] No such file or directory: 'a.txt'")

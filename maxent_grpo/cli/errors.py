@@ -197,6 +197,21 @@ def _raised_in(package: str, error: BaseException) -> bool:
     return f"{os.sep}{package}{os.sep}" in frame.filename
 
 
+def _event_folder(error: OSError) -> str | None:
+    """The folder of the TensorBoard event file whose write raised ``error`` (a full disk in
+    its writer thread, raised again at the next write: the error names no file), else None."""
+    from maxent_grpo.validation import NO_ROOM
+
+    if error.errno not in NO_ROOM:
+        return None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        writer = frame.f_locals.get("self")
+        if f"{os.sep}tensorboard{os.sep}" in frame.f_code.co_filename and callable(
+                getattr(writer, "get_logdir", None)):
+            return str(writer.get_logdir())
+    return None
+
+
 def message_of(error: BaseException) -> str:
     """The message shown for a user error: its text (the type's name when empty); for a
     reward function that raised, where it raised (file and line of the innermost frame)."""
@@ -211,6 +226,9 @@ def message_of(error: BaseException) -> str:
                     "--trainer.logger.init_args.tracking_uri)")
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename!r}"
+    elif isinstance(error, OSError) and (folder := _event_folder(error)):
+        message += (f" (writing the TensorBoard events under {folder}: free space there, or "
+                    "log elsewhere: --trainer.logger.init_args.save_dir)")
     cause = error.__cause__
     if isinstance(error, UserCodeError) and cause is not None and cause.__traceback__:
         frame = traceback.extract_tb(cause.__traceback__)[-1]
