@@ -199,8 +199,8 @@ class ReadableProgressBar(TQDMProgressBar):
         if total > 0 and done > 0:
             per_step = (time.monotonic() - self._start_time) / done
             left = per_step * max(0, total - step)
-            if (limit := max_time_left(trainer)) is not None:  # max_time stops it first
-                left = min(left, max(0.0, limit))
+            if (limit := max_time_left(trainer, mid_epoch=True)) is not None:
+                left = min(left, max(0.0, limit))  # max_time stops it first
             parts.append(f"eta {datetime.timedelta(seconds=round(left))}")
         return "  ".join(parts)
 

@@ -155,8 +155,12 @@ def why_no_training(trainer: Any) -> str:
     return "the trainer was told to stop before its first step (trainer.should_stop)"
 
 
-def max_time_left(trainer: Any) -> float | None:
+def max_time_left(trainer: Any, mid_epoch: bool = False) -> float | None:
     """Seconds ``trainer.max_time`` leaves (Lightning's Timer, which counts the time before a
-    resume; <= 0: spent), None without one."""
+    resume; <= 0: spent), None without one; with ``mid_epoch``, None also for a Timer of
+    ``interval: epoch`` (it stops the run at the end of the epoch in which its time ends, not
+    then)."""
     timers = [t for t in getattr(trainer, "callbacks", []) if isinstance(t, Timer)]
-    return timers[0].time_remaining() if timers else None
+    if not timers or (mid_epoch and getattr(timers[0], "_interval", "step") != "step"):
+        return None
+    return timers[0].time_remaining()

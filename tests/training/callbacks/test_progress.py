@@ -114,6 +114,11 @@ def test_the_eta_is_at_most_what_max_time_leaves():
     assert bar.progress_line(trainer).endswith("eta 0:00:30")
     assert bar.progress_line(fake_trainer(10, max_steps=100, callbacks=[])).endswith(
         "eta 2:30:00")
+    # a Timer of interval "epoch" stops at the end of the epoch its time ends in, not then
+    timer = Timer(duration="00:00:00:30", interval="epoch")
+    timer.on_train_start(None, None)
+    assert bar.progress_line(fake_trainer(10, max_steps=100, callbacks=[timer])).endswith(
+        "eta 2:30:00")
 
 
 def test_with_k_optimizer_steps_a_batch_a_line_comes_at_each_multiple_passed():
