@@ -252,8 +252,8 @@ class GroupMaxEnt(Objective):
         assert mb.advantages is not None and mb.weights is not None
         per_token, sums = clipped_token_loss(mb, mb.advantages, self.epsilon, self.epsilon_high,
                                              self.ratio_level, self.clip_rule, CovSettings())
-        row_scale = (mb.group_size * mb.weights).reshape(-1, 1)  # (n, 1)
-        sums["loss/policy"] = token_sum(per_token, mb.mask)
+        per_token = per_token * (mb.group_size * mb.weights).reshape(-1, 1)  # row i: G*w_i
+        sums["loss/policy"] = token_sum(per_token, mb.mask)  # as trained (the weights in)
         if mb.ref_token_logps is not None:
             sums["kl"] = token_sum(kl_penalty(mb.token_logps, mb.ref_token_logps), mb.mask)
-        return LossOutput(reduce_tokens(per_token * row_scale, mb, "dr_grpo"), sums)
+        return LossOutput(reduce_tokens(per_token, mb, "dr_grpo"), sums)

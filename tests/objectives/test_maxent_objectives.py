@@ -272,6 +272,10 @@ def test_group_maxent_loss_at_ratio_one() -> None:
     grad = torch.tensor([[-gw * a / 16] * 4 for gw, a in zip(GM_EXPECTED_GW, A, strict=True)],
                         dtype=F64) * mask
     assert torch.allclose(x.grad, grad, atol=1e-10)
+    # the logged policy part is the loss as trained, per token: the weights G*w_i in (it was
+    # the unweighted Dr.GRPO surrogate, the same for every tau)
+    s_pol, c_pol = out.sums["loss/policy"]
+    assert (s_pol.item(), c_pol.item()) == pytest.approx((value * 16, sum(GM_LENGTHS)))
 
 
 def test_group_maxent_micro_batches_sum_to_whole() -> None:
