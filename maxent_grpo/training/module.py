@@ -260,13 +260,14 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         else:
             ctx = self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
-        schedule = self.loop.optimization.schedule
+        schedule, updates = self.loop.optimization.schedule, []
         for i in range(schedule.num_iterations):
-            update = optimizer_step(ctx, trajectory, self.step_metrics, timer, first=i == 0)
+            updates.append(update := optimizer_step(ctx, trajectory, self.step_metrics, timer,
+                                                    first=i == 0))
             count_update(self.counters, update, self._trainer,
                          schedule.max_consecutive_nonfinite)
             self._weights_version += not update.skipped
-        self._log_step(trajectory, update, timer, batch_idx)
+        self._log_step(trajectory, updates, timer, batch_idx)
         if trajectory.kept_groups:  # the entropy gate reads train/kl, which an empty step lacks
             self.objective.observe(self.step_metrics_dict)
 
@@ -289,7 +290,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             refill=refill_source(self.trainer) if self.loop.generation.refill_rounds else None,
             trainer_state=TrainerState.from_trainer(self._trainer, *self._progress))
 
-    def _log_step(self, trajectory: Trajectory, update: Update, timer: StepTimer,
+    def _log_step(self, trajectory: Trajectory, updates: list[Update], timer: StepTimer,
                   batch_idx: int) -> None:
         """Count, record (``step_log``) and log the step (``train/...``, progress bar)."""
         self.counters.empty_steps += trajectory.kept_groups == 0
@@ -307,10 +308,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             extra["empty_steps"] = float(self.counters.empty_steps)
             extra["refill_rounds"] = float(trajectory.refill_rounds)
         self.step_log = self.step_metrics.artifacts(
-            self.logging_view, lr=update.lr, grad_norm=update.grad_norm,
+            self.logging_view, updates=updates,
             epoch_progress=batch_idx / max(1, self.trainer.num_training_batches),
-            latency_ms=1000.0 * rollout.generate_seconds, step=self.global_step, extra=extra,
-        )
+            latency_ms=1000.0 * rollout.generate_seconds, step=self.global_step, extra=extra)
         self.step_metrics_dict = metrics = self.step_log.as_dict()
         self.writer.log(metrics, self.global_step)
         self.log("reward", metrics["train/reward/mean"], prog_bar=True, logger=False)

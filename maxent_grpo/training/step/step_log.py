@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from maxent_grpo.rollout import RolloutOutput
     from maxent_grpo.rollout.protocol import ToolUsage
     from maxent_grpo.training.settings import EvaluationSettings
+    from maxent_grpo.training.step.optimise import Update
     from maxent_grpo.training.step.trajectory import Trajectory
 
 
@@ -216,11 +219,14 @@ class StepMetrics(torch.nn.Module):
                 torch.tensor(value, dtype=torch.float64, device=device), count=1.0)
 
     def artifacts(
-        self, view: LoggingConfigView, *, lr: float, grad_norm: Tensor | None,
-        epoch_progress: float, latency_ms: float | None, step: int, extra: dict[str, float],
+        self, view: LoggingConfigView, *, updates: Sequence[Update], epoch_progress: float,
+        latency_ms: float | None, step: int, extra: dict[str, float],
     ) -> LogStepArtifacts:
         """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset;
-        ``latency_ms`` is the rollout engine's, ``step`` the optimizer steps taken so far
+        ``updates`` are the rollout's optimizer steps (``num_iterations``: ``lr``,
+        ``grad_norm`` and ``grad_clipped`` are their means, as the other values are the
+        passes' means; the updates skipped left out), ``latency_ms`` is the rollout engine's,
+        ``step`` the optimizer steps taken so far
         (``lr_warmup``, the warm-up's progress, while ``view.schedule.lr_warmup_steps``
         runs); ``extra`` are further diagnostics (timings, counters) logged as they are.
         Ends the step of ``tool_watch`` (its warning, if any, comes from global rank 0)."""
@@ -248,11 +254,13 @@ class StepMetrics(torch.nn.Module):
         bonus_std = None
         if alpha is not None and h is not None and h2 is not None:
             bonus_std = alpha * math.sqrt(max(h2 - h * h, 0.0))
+        norms = [float(u.grad_norm) for u in updates if u.grad_norm is not None]
+        lrs = [u.lr for u in updates if not u.skipped]
         scalars = TrainingScalarStats(
             ref_logp_mean=means.pop("logp/ref_token", nan),
             tokens=self.tokens.summary(),
-            current_lr=lr,
-            grad_norm_scalar=None if grad_norm is None else float(grad_norm),
+            current_lr=statistics.fmean(lrs) if lrs else nan,
+            grad_norm_scalar=statistics.fmean(norms) if norms else None,
             epoch_progress=epoch_progress,
             vllm_latency_ms=latency_ms,
             policy_entropy=means.pop("entropy", None),
@@ -274,8 +282,8 @@ class StepMetrics(torch.nn.Module):
                                  if f"tokens/{k}" not in logged}
         diagnostics.update(logged)
         diagnostics.update(weighting)
-        if view.clipping is not None and scalars.grad_norm_scalar is not None:
-            diagnostics["grad_clipped"] = float(scalars.grad_norm_scalar > view.clipping)
+        if view.clipping is not None and norms:  # the fraction of the passes clipped
+            diagnostics["grad_clipped"] = statistics.fmean(n > view.clipping for n in norms)
         warmup = view.schedule.lr_warmup_steps
         if warmup and step <= warmup:  # the warm-up's progress, while it runs
             diagnostics["lr_warmup"] = step / warmup

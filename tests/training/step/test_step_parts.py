@@ -5,6 +5,8 @@ produce, and do what the module's ``training_step`` does with them."""
 from __future__ import annotations
 
 import contextlib
+import math
+import statistics
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -15,7 +17,12 @@ from maxent_grpo.rewards import WeightedRewards
 from maxent_grpo.rollout import HFGenerateEngine
 from maxent_grpo.training.data import collate_prompts
 from maxent_grpo.training.option_groups import build_loop_settings
-from maxent_grpo.training.step.optimise import StepCounters, count_update, optimizer_step
+from maxent_grpo.training.step.optimise import (
+    StepCounters,
+    Update,
+    count_update,
+    optimizer_step,
+)
 from maxent_grpo.training.step.step_log import StepMetrics
 from maxent_grpo.training.step.token_logps import Scorer
 from maxent_grpo.training.step.trajectory import StepContext, StepTimer, collect
@@ -83,11 +90,21 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     assert counters.nonfinite_in_a_row == 0  # a taken update ends a run of skips
     metrics.observe(trajectory)
     view = LoggingConfigView(weighting=ctx.objective, clipping=1.0, schedule=ctx.schedule)
-    logged = metrics.artifacts(view, lr=update.lr, grad_norm=update.grad_norm,
-                               epoch_progress=0.0, latency_ms=2.0, step=1, extra={}).as_dict()
+    logged = metrics.artifacts(view, updates=[update], epoch_progress=0.0, latency_ms=2.0,
+                               step=1, extra={}).as_dict()
     assert logged["train/perf/generate_s"] == 0.002
     assert logged["train/reward/mean"] == 0.5 and logged["train/lr"] == 0.5
     assert logged["train/grad_norm"] == float(update.grad_norm)
+    # num_iterations passes: lr, grad_norm and grad_clipped are their means, as every other
+    # value is (they were the last pass's: a pass clipped earlier logged grad_clipped 0, the
+    # warm-up's rates of the earlier passes never showed); a skipped pass counts in none
+    metrics.observe(trajectory)
+    passes = [Update(torch.tensor(1.5), 0.1), Update(torch.tensor(0.5), 0.2),
+              Update(None, math.nan, skipped=True)]
+    logged = metrics.artifacts(view, updates=passes, epoch_progress=0.0, latency_ms=2.0,
+                               step=3, extra={}).as_dict()
+    assert logged["train/grad_norm"] == 1.0 and logged["train/grad_clipped"] == 0.5
+    assert logged["train/lr"] == statistics.fmean([0.1, 0.2])
 
 
 def test_the_step_maxima_are_float64_under_a_true_precision():
