@@ -95,7 +95,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             limit); micro-batches hold whole groups
             (:func:`~maxent_grpo.training.step.token_logps.plan_micro_batches`).
         micro_batch_tokens: at most this many padded tokens per micro-batch (``None`` = no
-            limit); the update depends on neither.
+            limit); the update depends on neither (but see docs/ALGORITHM.md §7).
         mask_truncated_completions: zero the mask of completions that hit
             ``max_completion_length`` without EOS.
         drop_constant_groups: leave the prompt groups whose G rewards are all equal out of
