@@ -190,8 +190,9 @@ def optimizer_step(
         # first update from the policy itself)
         sums.add("logp/log_ratio", scores.log_ratio_train.sum(), scores.denom_tok_tensor.sum(),
                  weight=weight)
-        if scores.policy_entropy_sum is not None:  # each sequence's mean token entropy
-            h = scores.policy_entropy_sum / scores.denom_tok_tensor.clamp(min=1) * rows_in
+        if scores.policy_entropy_sum is not None:  # each sequence's mean token entropy, in
+            # float64: its square's mean less the mean's square is the spread
+            h = scores.policy_entropy_sum.double() / scores.denom_tok_tensor.clamp(min=1) * rows_in
             sums.add("entropy/sequence", h.sum(), rows_in.sum(), weight=weight)
             sums.add("entropy/sequence_sq", h.square().sum(), rows_in.sum(), weight=weight)
         for key, (value, count) in out.sums.items():

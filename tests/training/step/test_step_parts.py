@@ -8,6 +8,7 @@ import contextlib
 import math
 import statistics
 
+import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -47,7 +48,8 @@ def alternating(prompts, completions, **kw):
     return [float(i % 2 == 0) for i in range(len(completions))]
 
 
-def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
+def context(cache_dir, objective):
+    """A step's context on the tiny model: 4 samples a prompt, one group a micro-batch."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer("builtin:tiny", cache_dir=cache_dir)
     policy = load_policy("builtin:tiny", cache_dir=cache_dir).train()
@@ -66,12 +68,17 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     sgd = torch.optim.SGD(policy.parameters(), lr=0.5)
     ctx = StepContext(
         engine=HFGenerateEngine(policy, tokenizer, loop.generation.sampling),
-        rewards=rewards, scorer=Scorer(1.0, loop.scoring, None), objective=GRPO(),
+        rewards=rewards, scorer=Scorer(1.0, loop.scoring, None), objective=objective,
         policy=policy, reference=None, generation=loop.generation,
         schedule=loop.optimization.schedule, strategy=SingleDeviceStrategy(torch.device("cpu")),
         backward=lambda loss: loss.backward(), optimizer=PlainOptimizer(sgd),
         scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0, total_iters=0), step=0,
     )
+    return ctx, policy
+
+
+def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
+    ctx, policy = context(cache_dir, GRPO())
     data = make_data(cache_dir)
     data.setup("fit")
     batch = collate_prompts(data.train_dataset.examples[:2])
@@ -81,7 +88,7 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
     assert trajectory.kept_groups == 2 and trajectory.dropped_groups == 0
     assert len(trajectory.chunks) == 2  # micro_batch_groups=1: one group per micro-batch
     before = {k: v.detach().clone() for k, v in policy.named_parameters()}
-    metrics = StepMetrics(rewards.names)
+    metrics = StepMetrics(ctx.rewards.names)
     update = optimizer_step(ctx, trajectory, metrics, timer)
     assert not update.skipped and update.lr == 0.5 and torch.isfinite(update.grad_norm)
     assert any(not torch.equal(before[k], v) for k, v in policy.named_parameters())
@@ -105,6 +112,39 @@ def test_collect_and_optimise_run_on_a_context_without_a_trainer(cache_dir):
                                step=3, extra={}).as_dict()
     assert logged["train/grad_norm"] == 1.0 and logged["train/grad_clipped"] == 0.5
     assert logged["train/lr"] == statistics.fmean([0.1, 0.2])
+
+
+def test_the_entropy_bonus_spread_is_the_sequences_std_in_float64(cache_dir):
+    """``train/entropy_bonus/reward_std`` is ``alpha`` x the std of the sequences' mean token
+    entropies, from their mean and mean square: squared in float32, those lost most of their
+    digits (entropies near 4.5 apart by 0.007: 1.5% off, and moved by micro-batching)."""
+    from maxent_grpo.objectives import EntropyMaxEnt
+
+    ctx, _ = context(cache_dir, EntropyMaxEnt(alpha=0.5))
+    data = make_data(cache_dir)
+    data.setup("fit")
+    trajectory = collect(ctx, collate_prompts(data.train_dataset.examples[:4]),
+                         StepTimer(torch.device("cpu")))
+    entropies = []
+    policy_scores = ctx.scorer.policy_scores
+
+    def recording(*args, **kwargs):  # each micro-batch's sequences, as the step scores them
+        scores, entropy = policy_scores(*args, **kwargs)
+        entropies.append(scores.policy_entropy_sum.double()
+                          / scores.denom_tok_tensor.clamp(min=1).double())
+        return scores, entropy
+
+    ctx.scorer.policy_scores = recording
+    metrics = StepMetrics(ctx.rewards.names)
+    update = optimizer_step(ctx, trajectory, metrics, StepTimer(torch.device("cpu")))
+    metrics.observe(trajectory)
+    view = LoggingConfigView(weighting=ctx.objective, clipping=1.0, schedule=ctx.schedule)
+    logged = metrics.artifacts(view, updates=[update], epoch_progress=0.0, latency_ms=None,
+                               step=1, extra={}).as_dict()
+    h = torch.cat(entropies)
+    assert len(h) == 16
+    expected = 0.5 * float(h.std(unbiased=False))
+    assert logged["train/entropy_bonus/reward_std"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_step_maxima_are_float64_under_a_true_precision():
