@@ -19,7 +19,8 @@ from numbers import Real
 from typing import Any
 
 __all__ = ["MAX_SECONDS", "UserCodeError", "check_bool", "check_choice", "check_int",
-           "check_number", "check_seconds", "failing_row", "is_number", "no_room", "require"]
+           "check_number", "check_seconds", "check_unused", "failing_row", "is_number", "no_room",
+           "require"]
 
 
 class UserCodeError(Exception):
@@ -62,6 +63,18 @@ def require(ok: bool, message: str) -> None:
     """Raise ``ValueError(message)`` unless ``ok``."""
     if not ok:
         raise ValueError(message)
+
+
+def check_unused(given: dict[str, tuple[Any, Any]], applies: bool, needs: str) -> None:
+    """ValueError naming the options of ``given`` (``name: (value, default)``) set away from
+    their default where they would do nothing (``applies`` false): they act only with
+    ``needs``. An option ignored without a word is a run that is not the one configured."""
+    if applies:
+        return
+    moved = [f"{name}={value!r}" for name, (value, default) in given.items()
+             if (tuple(value) if isinstance(value, list) else value) != default]
+    require(not moved, f"{', '.join(moved)} would do nothing: only with {needs}; set that, "
+            f"or leave {'it' if len(moved) == 1 else 'them'} at the default")
 
 
 def is_number(value: Any) -> bool:

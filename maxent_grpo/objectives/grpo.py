@@ -35,7 +35,14 @@ from maxent_grpo.objectives.base import (
     surrogate_parts,
     token_sum,
 )
-from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
+from maxent_grpo.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_unused,
+    require,
+)
 
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -168,6 +175,22 @@ class GRPO(Objective):
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
         check_choice("objective.kl_estimator", kl_estimator, get_args(KLEstimator))
         check_number("objective.beta", beta, minimum=0)
+        for kind, option, value, default in (
+                ("unlikeliness", "rank_penalty", rank_penalty, 0.25),
+                ("repetition", "repetition_coef", repetition_coef, 0.2),
+                ("set_diversity", "set_diversity_coef", set_diversity_coef, 0.5)):
+            check_unused({f"objective.{option}": (value, default)}, answer_shaping == kind,
+                         f"objective.answer_shaping {kind}")
+        check_unused({"objective.positive_weight": (positive_weight, 0.1)},
+                     advantage == "wreinforce", "objective.advantage wreinforce")
+        check_unused({"objective.pass_k": (pass_k, 4)}, advantage in ("passk", "pkpo"),
+                     "objective.advantage passk or pkpo")
+        check_unused({"objective.cov_fraction": (cov_fraction, 2e-4)},
+                     clip_rule in ("clip_cov", "kl_cov"), "objective.clip_rule clip_cov or kl_cov")
+        check_unused({"objective.clip_cov_bounds": (clip_cov_bounds, (1.0, 5.0))},
+                     clip_rule == "clip_cov", "objective.clip_rule clip_cov")
+        check_unused({"objective.kl_cov_coef": (kl_cov_coef, 1.0)}, clip_rule == "kl_cov",
+                     "objective.clip_rule kl_cov")
         self.loss_type = loss_type
         self.scale_rewards = scale_rewards
         self.beta = float(beta)
@@ -285,6 +308,12 @@ class EntropyMaxEnt(GRPO):
             f"got {kl_gate_min_multiplier} > {kl_gate_max_multiplier}",
         )
         check_bool("objective.disable_outside_trust_zone", disable_outside_trust_zone)
+        check_unused({"objective.kl_gate_gain": (kl_gate_gain, 1.0),
+                      "objective.kl_gate_min_multiplier": (kl_gate_min_multiplier, 0.0),
+                      "objective.kl_gate_max_multiplier": (kl_gate_max_multiplier, 2.0),
+                      "objective.disable_outside_trust_zone": (disable_outside_trust_zone,
+                                                               False)},
+                     kl_gate_threshold is not None, "objective.kl_gate_threshold set")
         self.alpha = float(alpha)
         self.kl_gate_threshold = kl_gate_threshold
         self.kl_gate_gain = kl_gate_gain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -31,6 +32,49 @@ def test_grpo_validation(kwargs: dict, match: str) -> None:
     # EntropyMaxEnt inherits every GRPO check.
     with pytest.raises(ValueError, match=match):
         EntropyMaxEnt(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "needs"),
+    [
+        (GRPO, {"rank_penalty": 0.5}, "answer_shaping unlikeliness"),
+        (GRPO, {"repetition_coef": 0.5}, "answer_shaping repetition"),
+        (GRPO, {"set_diversity_coef": 1.0, "answer_shaping": "repetition"},
+         "answer_shaping set_diversity"),
+        (GRPO, {"positive_weight": 0.5}, "advantage wreinforce"),
+        (GRPO, {"pass_k": 2}, "advantage passk or pkpo"),
+        (GRPO, {"cov_fraction": 1e-3}, "clip_rule clip_cov or kl_cov"),
+        (GRPO, {"clip_cov_bounds": [0.5, 2.0], "clip_rule": "kl_cov"}, "clip_rule clip_cov"),
+        (GRPO, {"kl_cov_coef": 2.0, "clip_rule": "clip_cov"}, "clip_rule kl_cov"),
+        (EntropyMaxEnt, {"kl_gate_gain": 5.0}, "kl_gate_threshold set"),
+        (EntropyMaxEnt, {"disable_outside_trust_zone": True}, "kl_gate_threshold set"),
+        (ListwiseMaxEnt, {"epsilon": 0.1, "epsilon_high": 0.3}, "clip_coef > 0"),
+        (ListwiseMaxEnt, {"right_reward": 0.5, "answer_level": True}, "right_only: true"),
+    ],
+)
+def test_an_option_that_would_do_nothing_is_refused(make, kwargs: dict, needs: str) -> None:
+    """Set away from its default where nothing reads it, an option was ignored without a
+    word (``--model.objective.kl_gate_gain 5`` without a gate trained as if unset)."""
+    moved = [k for k in kwargs if k not in ("answer_shaping", "clip_rule", "answer_level")]
+    with pytest.raises(ValueError, match=rf"objective\.{moved[0]}=.* would do nothing: only "
+                                         rf"with objective\.{re.escape(needs)}"):
+        make(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs"),
+    [
+        (GRPO, {"rank_penalty": 0.5, "answer_shaping": "unlikeliness", "advantage": "pkpo",
+                "pass_k": 2}),
+        (GRPO, {"clip_cov_bounds": [1.0, 5.0]}),  # the default, as a YAML list
+        (GRPO, {"cov_fraction": 1e-3, "clip_cov_bounds": (0.5, 2.0), "clip_rule": "clip_cov"}),
+        (EntropyMaxEnt, {"kl_gate_threshold": 0.1, "kl_gate_gain": 5.0}),
+        (ListwiseMaxEnt, {"epsilon": 0.1, "clip_coef": 0.5}),
+        (ListwiseMaxEnt, {"right_reward": 0.5, "right_only": True, "answer_level": True}),
+    ],
+)
+def test_an_option_that_acts_is_accepted(make, kwargs: dict) -> None:
+    make(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -300,6 +300,22 @@ def test_validation_logs_rewards(cache_dir):
     assert out[0]["val/reward/mean"] == pytest.approx(0.5)
 
 
+def test_kl_options_without_a_kl_are_refused(cache_dir):
+    """With beta 0 and nothing that raises it no reference is loaded and no KL computed:
+    ``kl_estimator: k1`` trained as if unset, without a word."""
+    for options in ({"kl_estimator": "k1"}, {"kl_bias_correction": True}):
+        module = make_module(cache_dir, objective=GRPO(**options))
+        with pytest.raises(ValueError, match=rf"objective.{next(iter(options))}=.* would do "
+                                             r"nothing: only with objective.beta > 0"):
+            module.configure_model()
+        module = make_module(cache_dir, objective=GRPO(beta=0.1, **options))
+        module.configure_model()
+        assert module.reference is not None
+        module = make_module(cache_dir, objective=GRPO(**options))
+        module.require_reference()  # a callback that raises beta loads the reference
+        module.configure_model()
+
+
 # ------------------------------------------------------------------ checkpoints and resume
 
 

@@ -33,7 +33,7 @@ from maxent_grpo.rewards.registry import REWARDS, get_reward
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
-from maxent_grpo.validation import failing_row, require
+from maxent_grpo.validation import check_unused, failing_row, require
 
 __all__ = ["PolicyModels"]
 
@@ -80,6 +80,12 @@ class PolicyModels:
             device=self.device, get_ref_model=self._load_reference)
         if self.needs_reference:
             self.runtime = self.runtime.with_reference()
+        else:  # no reference, no KL: the KL's options would do nothing
+            obj = self.objective
+            check_unused({"objective.kl_estimator": (getattr(obj, "kl_estimator", "k3"), "k3"),
+                          "objective.kl_bias_correction": (
+                              getattr(obj, "kl_bias_correction", False), False)},
+                         False, "objective.beta > 0")
         if self.device_mesh is not None:
             own = self.source.peft is None  # with adapters the reference has no weights
             fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
