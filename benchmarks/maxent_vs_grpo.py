@@ -380,7 +380,8 @@ def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
         curve = record["curve"]["reward"]
         print(
             f"[{task}] {objective:24s} seed {seed}: reward {_mean(curve[:20]):.3f} -> "
-            f"{_mean(curve[-20:]):.3f}, pass@8 {m['pass@8']:.3f}, mean@8 {m['mean@8']:.3f}"
+            f"{_mean(curve[-20:]):.3f}, pass@8 {m.get('pass@8', math.nan):.3f}, "
+            f"mean@8 {m.get('mean@8', math.nan):.3f}"
             + (f", coverage@8 {m['coverage@8']:.3f}" if "coverage@8" in m else "")
             + f" ({record['seconds']:.0f} s)",
             flush=True,
@@ -390,7 +391,9 @@ def _worker(jobs: list[list[Any]], steps: int, out_dir: Path) -> None:
 
 
 def _mean(values: list[float]) -> float:
-    return sum(values) / max(1, len(values))
+    """The mean of the finite values (a step that logged no reward is NaN), NaN if none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def _group_size(run: dict[str, Any]) -> int | str:
@@ -430,7 +433,11 @@ def _dynamics(study: dict[str, Any], task: str, window: int = 20) -> list[str]:
                   if low < step <= a + window and math.isfinite(v)]
         return _mean(inside) if inside else None
 
-    sizes = {r["objective"]: _group_size(r) for r in runs}
+    seen: dict[str, list[int | str]] = {}  # each objective's G, over its seeds
+    for r in runs:
+        if (g := _group_size(r)) not in seen.setdefault(r["objective"], []):
+            seen[r["objective"]].append(g)
+    sizes = {o: " and ".join(map(str, gs)) for o, gs in seen.items()}
     group = (f"G = {next(iter(sizes.values()))}" if len(set(sizes.values())) == 1
              else "G (" + ", ".join(f"{o}: {g}" for o, g in sizes.items()) + ")")
     out = [f"During training, per group of {group} samples: distinct right answers / answer "

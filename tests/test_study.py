@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -169,6 +170,12 @@ def test_the_dynamics_table_windows_each_run_by_its_own_steps(study):
     assert last[1][0] == "GSPO" and last[1][1] == "3.00 / 0.00" and last[1][-1] == "4.00 / 0.00"
     gspo["num_generations"] = 16
     assert "G (GRPO: 8, GSPO: 16)" in study._dynamics({"runs": [grpo, gspo]}, "b")[0]
+    # seeds of one objective merged from studies of different G: both named (the last was)
+    again = run("GRPO", list(range(1, 41)), [1.0] * 40, 16)
+    assert "G (GRPO: 8 and 16, GSPO: 16)" in study._dynamics(
+        {"runs": [grpo, again, gspo]}, "b")[0]
+    # a step that logged no reward (NaN) counts in no mean: the console line read nan
+    assert study._mean([1.0, math.nan, 3.0]) == 2.0 and math.isnan(study._mean([math.nan]))
 
 
 def test_merge_refuses_studies_of_other_steps(study, tmp_path):
