@@ -448,7 +448,8 @@ def test_an_earlier_slurm_jobs_requeue_checkpoint_is_not_taken_by_a_new_job(tmp_
     continued another run's weights. A new job is refused, with ``--ckpt_path last`` too
     when the savers hold nothing; a requeued one resolves ``last`` with it (second readers)."""
     from maxent_grpo.cli import main
-    from maxent_grpo.training.run.signals import slurm_resume
+    from maxent_grpo.training.run.checkpoint_io import ResolvedCheckpoint
+    from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
 
     for name, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
                         "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"}.items():
@@ -468,6 +469,19 @@ def test_an_earlier_slurm_jobs_requeue_checkpoint_is_not_taken_by_a_new_job(tmp_
                                          r"by validate in place of the configured model"):
         slurm_resume("validate", None, str(tmp_path))
     assert slurm_resume("fit", str(hpc), str(tmp_path)) == (str(hpc), (), None)  # named
+    # an explicit last of a new job weighs it with the savers' files (of the same run only):
+    # it took the savers' newest, passing over a later requeue file of the run
+    path, extra, refusal = slurm_resume("fit", "last", str(tmp_path))
+    assert (path, extra) == ("last", (str(hpc),))
+    requeued, saved = ResolvedCheckpoint(str(hpc), 3, run="r"), ResolvedCheckpoint("s", 2, run="r")
+
+    def resolve(found, alone):  # "last" with the requeue file, and without it
+        return lambda extra=(): found if extra else alone
+
+    assert resolve_with_requeue(resolve(requeued, saved), extra, refusal) is requeued
+    assert resolve_with_requeue(resolve(saved, saved), extra, refusal) is saved
+    with pytest.raises(ValueError, match=refused):  # alone, it may be another run's
+        resolve_with_requeue(resolve(requeued, None), extra, refusal)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this job, requeued
     assert slurm_resume("fit", None, str(tmp_path)) == ("last", (str(hpc),), None)
     monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive shell: not Lightning's rule

@@ -27,7 +27,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from maxent_grpo.cli import errors
 from maxent_grpo.cli import help as cli_help
@@ -38,9 +38,8 @@ from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import keep_seed
 from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
-from maxent_grpo.training.run.signals import slurm_resume
+from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
 from maxent_grpo.training.step.strategy import check_launcher
-from maxent_grpo.validation import require
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -198,14 +197,7 @@ class MaxEntGRPOCLI(LightningCLI):
         resolve = functools.partial(
             ckpt_io.resolve_checkpoint, str(ckpt_path), self._checkpoint_dirpaths(),
             self.subcommand == "fit", trusted=cfg.get("weights_only") is False)
-        try:
-            self._resume = resolve(extra=extra)
-        except ValueError as err:
-            if not extra:
-                raise
-            rank_zero_warn(f"{extra[0]} is left out of --ckpt_path last: {err}")  # another run's
-            self._resume = resolve()
-        require(self._resume is not None or refusal is None, str(refusal))  # Lightning's pick
+        self._resume = resolve_with_requeue(resolve, extra, refusal)
         if self.subcommand == "fit" and self._resume is not None:
             keep_seed(self._resume.seed, cfg, self._drawn_seed)
             self._continue_logger_versions(trainer.get("logger"), self._resume)

@@ -35,18 +35,20 @@ import math
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from maxent_grpo.training.run.checkpoint_io import is_local
+from maxent_grpo.training.run.checkpoint_io import ResolvedCheckpoint, is_local
 from maxent_grpo.validation import require
 
-__all__ = ["answer_requeue", "give_back_sigterm", "hpc_checkpoints", "requeue", "same_batches",
-           "share_sigterm", "slurm_requeue_checkpoint", "slurm_resume", "take_sigterm"]
+__all__ = ["answer_requeue", "give_back_sigterm", "hpc_checkpoints", "requeue",
+           "resolve_with_requeue", "same_batches", "share_sigterm", "slurm_requeue_checkpoint",
+           "slurm_resume", "take_sigterm"]
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +193,8 @@ def slurm_resume(stage: str, ckpt_path: str | None, default_root_dir: str | None
     ``(ckpt_path, extra candidates of "last", the refusal where nothing else resolves)``. A
     requeued job's ``fit`` (``SLURM_RESTART_COUNT`` >= 1) resolves ``last`` with it; a new
     job's, or another command's, is refused without ``--ckpt_path`` (it is an earlier
-    job's, or would stand in for the configured model), and left out of ``last``."""
+    job's, or would stand in for the configured model), and is a candidate of an explicit
+    ``last`` (taken when it is the newest of the run: ``last`` passed over it)."""
     hpc = slurm_requeue_checkpoint(default_root_dir) if ckpt_path in (None, "last") else None
     if hpc is None:
         return ckpt_path, (), None
@@ -205,4 +208,25 @@ def slurm_resume(stage: str, ckpt_path: str | None, default_root_dir: str | None
                "(Lightning's rule)") + (f": delete or move it, or name it on purpose with "
                                         f"--ckpt_path {hpc}")
     require(ckpt_path == "last", refusal)
-    return ckpt_path, (), refusal
+    return ckpt_path, (hpc,), refusal
+
+
+def resolve_with_requeue(resolve: Callable[..., ResolvedCheckpoint | None],
+                         extra: tuple[str, ...], refusal: str | None
+                         ) -> ResolvedCheckpoint | None:
+    """``resolve(extra=...)`` with :func:`slurm_resume`'s answer: the requeue file is left
+    out (with a warning) where it is another run's; a new job (``refusal`` set) takes it
+    only beside a checkpoint of its run in the savers' folders (alone, it may be an earlier
+    job's of another run: refused), and is refused where nothing else resolves."""
+    try:
+        found = resolve(extra=extra)
+    except ValueError as err:
+        if not extra:
+            raise
+        rank_zero_warn(f"{extra[0]} is left out of --ckpt_path last: {err}")  # another run's
+        found = resolve()
+    if refusal is not None and found is not None and found.path in map(os.path.abspath, extra):
+        found = found if resolve() is not None else None
+    require(found is not None or refusal is None, str(refusal))  # Lightning's pick
+    return found
+
