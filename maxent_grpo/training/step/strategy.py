@@ -77,6 +77,12 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
             f"Trainer(gradient_clip_val={clip}): this trainer clips in its own optimizer "
             f"step; set --model.gradient_clip_val={clip} (now {gradient_clip_val}; the "
             "default 1.0 already clips) and leave --trainer.gradient_clip_val unset")
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)  # an enum of str
+    require(algorithm in (None, "norm"),
+            f"Trainer(gradient_clip_algorithm={getattr(algorithm, 'value', algorithm)!r}): "
+            "this trainer clips the gradient by its norm, at --model.gradient_clip_val, in its "
+            "own optimizer step; it has no clipping by value: leave "
+            "--trainer.gradient_clip_algorithm unset")
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     require(accumulate == 1,
             f"Trainer(accumulate_grad_batches={accumulate}): one training step here is one "

@@ -19,6 +19,9 @@ from tests.conftest import fit, make_data, make_module
     ({"gradient_clip_val": 0.5}, r"--model.gradient_clip_val=0.5 \(now 1.0"),
     ({"accumulate_grad_batches": 2},
      r"--data.batch_size to 2x its value.*--model.micro_batch_groups"),
+    # alone, Lightning let it pass, and the run clipped by norm at 1.0 without a word
+    ({"gradient_clip_algorithm": "value"},
+     r"gradient_clip_algorithm='value'\): this trainer clips the gradient by its norm"),
 ])
 def test_trainer_flags_we_cannot_honour_name_our_option(cache_dir, tmp_path, flags, expected):
     module = make_module(cache_dir)
