@@ -138,15 +138,15 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        dropped = check_source_options(
-            task, task_options, data_files, val_files, dataset_name, dataset_config, val_split
-        )
+        dropped = check_source_options(task, task_options, data_files, val_files, dataset_name,
+                                       dataset_config, val_split, train_split)
         for name in dropped:
-            self.hparams[name] = None
+            self.hparams[name] = "train" if name == "train_split" else None
         task_options, dataset_config, val_split = (
             None if name in dropped else value for name, value in (
                 ("task_options", task_options), ("dataset_config", dataset_config),
                 ("val_split", val_split)))
+        train_split = "train" if "train_split" in dropped else train_split
         check_int("data.seed", seed, 0, maximum=2**32 - 1)  # the tasks seed with 2 * seed + 1
         check_int("data.train_size", train_size, 1)
         check_int("data.val_size", val_size, 0)

@@ -80,6 +80,7 @@ OPTION_OWNERS = {
     "task_options": "task",
     "dataset_config": "dataset_name",
     "val_split": "dataset_name",
+    "train_split": "dataset_name",  # dropped when not its default, "train"
 }
 
 
@@ -91,6 +92,7 @@ def check_source_options(
     dataset_name: str | None,
     dataset_config: str | None,
     val_split: str | None,
+    train_split: str = "train",
 ) -> dict[str, Any]:
     """Refuse a choice of source the loaders cannot honour, naming the flag that fixes it;
     return ``{name: value}`` of the options whose source (:data:`OPTION_OWNERS`) is not set,
@@ -135,7 +137,8 @@ def check_source_options(
             f"task {task!r} does not take: drop them with --data.task_options null, {own}",
         )
     values = {"task_options": task_options or None, "dataset_config": dataset_config,
-              "val_split": val_split}
+              "val_split": val_split,
+              "train_split": None if train_split == "train" else train_split}
     dropped = {name: value for name, value in values.items()
                if value is not None and chosen[OPTION_OWNERS[name]] is None}
     if dropped:

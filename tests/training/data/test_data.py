@@ -590,10 +590,15 @@ def test_every_option_of_an_unused_source_is_dropped_in_one_line(tmp_path, caplo
                   val_size=2)  # the config's dataset_name was switched to data_files
         assert (dm.dataset_config, dm.val_split) == (None, None)
         assert len(dm.train_dataset) == 8  # val_size rows split off, as without a val_split
+        # a train_split away from its default too (it passed without a word)
+        dm = make(task=None, data_files=path, train_split="test", val_size=2)
+        assert dm.train_split == "train" and dm.hparams["train_split"] == "train"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1
+    assert len(lines) == 2
     assert lines[0].startswith("dropped data.dataset_config='main', data.val_split='test': "
                                "they apply only to data.dataset_name, which is null")
+    assert lines[1].startswith("dropped data.train_split='test': it applies only to "
+                               "data.dataset_name")
 
 
 def test_val_files_are_the_validation_rows_whatever_the_training_source(tmp_path):
