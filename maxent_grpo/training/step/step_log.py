@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from maxent_grpo.rollout import RolloutOutput
     from maxent_grpo.rollout.protocol import ToolUsage
     from maxent_grpo.training.settings import EvaluationSettings
-    from maxent_grpo.training.step.optimise import Update
     from maxent_grpo.training.step.trajectory import Trajectory
 
 
@@ -219,16 +218,16 @@ class StepMetrics(torch.nn.Module):
                 torch.tensor(value, dtype=torch.float64, device=device), count=1.0)
 
     def artifacts(
-        self, view: LoggingConfigView, *, updates: Sequence[Update], epoch_progress: float,
+        self, view: LoggingConfigView, *, updates: Sequence[Any], epoch_progress: float,
         latency_ms: float | None, step: int, extra: dict[str, float],
     ) -> LogStepArtifacts:
         """The step's :class:`LogStepArtifacts` (values reduced over ranks), then reset;
-        ``updates`` are the rollout's optimizer steps (``num_iterations``: ``lr``,
-        ``grad_norm`` and ``grad_clipped`` are their means, as the other values are the
-        passes' means; the updates skipped left out), ``latency_ms`` is the rollout engine's,
-        ``step`` the optimizer steps taken so far
-        (``lr_warmup``, the warm-up's progress, while ``view.schedule.lr_warmup_steps``
-        runs); ``extra`` are further diagnostics (timings, counters) logged as they are.
+        ``updates`` are the rollout's optimizer steps (``optimise.Update``, one per
+        ``num_iterations``: ``lr``, ``grad_norm`` and ``grad_clipped`` are their means, as
+        the other values are the passes' means; the skipped ones left out), ``latency_ms`` is
+        the rollout engine's, ``step`` the optimizer steps taken so far (``lr_warmup``, the
+        warm-up's progress, while ``view.schedule.lr_warmup_steps`` runs); ``extra`` are
+        further diagnostics (timings, counters) logged as they are.
         Ends the step of ``tool_watch`` (its warning, if any, comes from global rank 0)."""
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
