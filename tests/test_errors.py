@@ -102,6 +102,8 @@ CASES = [
     ("controller on the wrong objective",
      ["--trainer.callbacks", f"[{{class_path: {TAU_CONTROLLER}, init_args: "
       "{target_entropy: 1.0}}]"], 1, ["TauController"]),
+    ("an optimizer value torch refuses", ["--model.optimizer.init_args.lr", "-0.1"], 1,
+     ["model.optimizer: Invalid learning rate: -0.1"]),
     ("reward function raises", ["--model.rewards", f"{{{REWARDS_MODULE}:raises: 1.0}}"], 1,
      ["raises", "raised ZeroDivisionError", "division by zero", f"{REWARDS_MODULE}.py:2"]),
     ("reward returns the wrong count",

@@ -45,7 +45,7 @@ from maxent_grpo.training.option_groups import build_loop_settings
 from maxent_grpo.training.run.checkpoint import load_state, save_state, step_start
 from maxent_grpo.training.run.evaluation import Evaluator
 from maxent_grpo.training.run.policy_models import PolicyModels
-from maxent_grpo.training.settings import Dtype, ModelSettings, build_lr_scheduler
+from maxent_grpo.training.settings import Dtype, ModelSettings, build_lr_scheduler, build_optimizer
 from maxent_grpo.training.step.optimise import (
     NonFiniteLossError,
     StepCounters,
@@ -421,7 +421,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         ``model.peft``; low-precision ones checked), and the learning-rate scheduler (stepped once
         per optimizer step: ``"step"`` for ``LearningRateMonitor``; ``build_lr_scheduler``)."""
         assert self.policy is not None, "configure_model() must run before the optimizer"
-        optimizer = self.optimizer_factory(params := self.trainable_parameters())
+        optimizer = build_optimizer(self.optimizer_factory, params := self.trainable_parameters())
         check_low_precision_weights(params, optimizer, self.trainer.strategy)
         scheduler = build_lr_scheduler(optimizer, self.loop.optimization.schedule,
                                        self.lr_scheduler_factory)

@@ -31,6 +31,7 @@ from maxent_grpo.validation import (
     check_int,
     check_number,
     check_seconds,
+    check_unused,
     require,
 )
 
@@ -45,6 +46,9 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
     check_seconds("model.tool_timeout", timeout)
     check_choice("model.tool_isolation", isolation, ISOLATIONS)
     if not tools and env is None:
+        check_unused({"model.max_tool_calls": (calls, 4), "model.tool_timeout": (timeout, 10.0),
+                      "model.tool_isolation": (isolation, "thread")}, False,
+                     "model.tools or model.environment")
         return None
     require(not (tools and env is not None),
             "model.tools and model.environment are two kinds of multi-turn rollout; set one "
@@ -107,6 +111,8 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
         check_choice("model.sampler_correction", o["sampler_correction"], CORRECTIONS)
     check_number("model.sampler_correction_cap", o["sampler_correction_cap"], minimum=0,
                  strict=True)
+    check_unused({"model.sampler_correction_cap": (o["sampler_correction_cap"], 2.0)},
+                 o["sampler_correction"] is not None, "model.sampler_correction set")
     n = o["eval_num_generations"]
     check_int("model.eval_num_generations", n, minimum=1)
     reward = o["eval_reward"]

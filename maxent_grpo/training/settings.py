@@ -137,6 +137,16 @@ class ScheduleSettings:
     max_consecutive_nonfinite: int
 
 
+def build_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                    params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``model.optimizer`` over ``params``; a value the optimizer refuses (torch's "Invalid
+    learning rate: -0.1") is a ValueError naming ``model.optimizer`` too."""
+    try:
+        return factory(params)
+    except ValueError as err:
+        raise ValueError(f"model.optimizer: {err} (its init_args: lr, betas, ...)") from err
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSettings,
     factory: Callable[[torch.optim.Optimizer], Any] | None,

@@ -599,6 +599,9 @@ def test_sampler_correction_names_what_it_needs(cache_dir):
         make_module(cache_dir, sampler_correction="tis")
     with pytest.raises(ValueError, match=r"model\.sampler_correction_cap"):
         make_module(cache_dir, sampler_correction_cap=0.0)
+    with pytest.raises(ValueError, match=r"model\.sampler_correction_cap=3.0 would do nothing: "
+                                         r"only with model\.sampler_correction set"):
+        make_module(cache_dir, sampler_correction_cap=3.0)
     module = make_module(cache_dir, sampler_correction="token_tis",
                          rewards={"tests.conftest:alternating": 1.0})
     with pytest.raises(ValueError, match="reports its log-probs"):
