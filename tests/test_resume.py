@@ -482,6 +482,10 @@ def test_an_earlier_slurm_jobs_requeue_checkpoint_is_not_taken_by_a_new_job(tmp_
     assert resolve_with_requeue(resolve(saved, saved), extra, refusal) is saved
     with pytest.raises(ValueError, match=refused):  # alone, it may be another run's
         resolve_with_requeue(resolve(requeued, None), extra, refusal)
+    # beside a checkpoint recorded as of no run (a DeepSpeed folder) or of another run, it
+    # may be a sweep's other job's (a second reader): the savers' is taken
+    for other in (ResolvedCheckpoint("s", 2), ResolvedCheckpoint("s", 2, run="q")):
+        assert resolve_with_requeue(resolve(requeued, other), extra, refusal) is other
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this job, requeued
     assert slurm_resume("fit", None, str(tmp_path)) == ("last", (str(hpc),), None)
     monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive shell: not Lightning's rule

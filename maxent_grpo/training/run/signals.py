@@ -216,8 +216,9 @@ def resolve_with_requeue(resolve: Callable[..., ResolvedCheckpoint | None],
                          ) -> ResolvedCheckpoint | None:
     """``resolve(extra=...)`` with :func:`slurm_resume`'s answer: the requeue file is left
     out (with a warning) where it is another run's; a new job (``refusal`` set) takes it
-    only beside a checkpoint of its run in the savers' folders (alone, it may be an earlier
-    job's of another run: refused), and is refused where nothing else resolves."""
+    only where the savers' newest checkpoint is recorded as of the same run (else it may be
+    an earlier job's of another run, a sweep's: the savers' is taken, or with none the job
+    is refused)."""
     try:
         found = resolve(extra=extra)
     except ValueError as err:
@@ -226,7 +227,12 @@ def resolve_with_requeue(resolve: Callable[..., ResolvedCheckpoint | None],
         rank_zero_warn(f"{extra[0]} is left out of --ckpt_path last: {err}")  # another run's
         found = resolve()
     if refusal is not None and found is not None and found.path in map(os.path.abspath, extra):
-        found = found if resolve() is not None else None
+        alone = resolve()
+        if alone is None or found.run is None or alone.run != found.run:
+            if alone is not None:
+                rank_zero_warn(f"{found.path} is left out of --ckpt_path last: this new job "
+                               f"cannot tell it is of the run of {alone.path}")
+            found = alone
     require(found is not None or refusal is None, str(refusal))  # Lightning's pick
     return found
 
