@@ -136,6 +136,9 @@ def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        if _no_room(current.__cause__) and not _no_room(current):  # a logger's wrapper
+            current = current.__cause__  # (Lightning's "you tried to log 1.0 ...")
+            continue
         inner = _from_trace_text(current)
         if inner is not None:
             type_name, message = inner
@@ -197,12 +200,17 @@ def _raised_in(package: str, error: BaseException) -> bool:
     return f"{os.sep}{package}{os.sep}" in frame.filename
 
 
+def _no_room(error: BaseException | None) -> bool:
+    """A write that found no room (a full disk, a quota, a file-size limit)."""
+    from maxent_grpo.validation import NO_ROOM
+
+    return isinstance(error, OSError) and error.errno in NO_ROOM
+
+
 def _event_folder(error: OSError) -> str | None:
     """The folder of the TensorBoard event file whose write raised ``error`` (a full disk in
     its writer thread, raised again at the next write: the error names no file), else None."""
-    from maxent_grpo.validation import NO_ROOM
-
-    if error.errno not in NO_ROOM:
+    if not _no_room(error):
         return None
     for frame, _ in traceback.walk_tb(error.__traceback__):
         writer = frame.f_locals.get("self")
@@ -228,7 +236,8 @@ def message_of(error: BaseException) -> str:
         message = f"{message}: {error.filename!r}"
     elif isinstance(error, OSError) and (folder := _event_folder(error)):
         message += (f" (writing the TensorBoard events under {folder}: free space there, or "
-                    "log elsewhere: --trainer.logger.init_args.save_dir)")
+                    "raise the limit, or log elsewhere: the logger's save_dir, or "
+                    "--trainer.default_root_dir for Lightning's default logger)")
     cause = error.__cause__
     if isinstance(error, UserCodeError) and cause is not None and cause.__traceback__:
         frame = traceback.extract_tb(cause.__traceback__)[-1]
