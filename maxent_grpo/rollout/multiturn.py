@@ -118,21 +118,18 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
     return tail + after[len(before):]
 
 
-#: characters per token that a cut text gets before it is tokenized (a token this long is rare)
-_CHARS_PER_TOKEN = 64
-
-
 def _first_tokens(tokenizer: Any, text: str, room: int) -> list[int]:
     """``text``'s token ids, all of them when they fit in ``room``, else more than ``room``
-    of its first ones: a reply far over the budget is cut to ``_CHARS_PER_TOKEN`` characters
-    a token before it is tokenized (it was tokenized whole: seconds for megabytes, and the
-    tokenizer's warning of a length the model never reads), and whole when the cut text gives
-    ``room`` tokens or fewer (its tokens that long)."""
-    cut = (room + 1) * _CHARS_PER_TOKEN
-    if len(text) > cut:
+    of its first ones: a reply far over the budget is tokenized by growing prefixes (4
+    characters a token of the room, doubled until they give more than ``room`` tokens);
+    tokenized whole it took seconds a megabyte, with the tokenizer's warning of a length
+    the model never reads."""
+    cut = 4 * (max(room, 0) + 1)
+    while cut < len(text):
         ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
         if len(ids) > room:  # the whole text has at least room: the row is cut here
             return ids
+        cut *= 2
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
