@@ -111,8 +111,11 @@ def test_the_tools_reach_the_data_and_an_environment_parses(monkeypatch, tmp_pat
     config = str(ROOT / "configs/tiny_tools.yaml")
     cfg = parse(monkeypatch, "--config", config).config
     assert cfg.model.tools == cfg.data.tools == ["calculate"]  # linked
-    cfg = parse(monkeypatch, "--config", config, "--model.tools", "null").config
-    assert cfg.model.tools is None and cfg.data.tools is None
+    cli = parse(monkeypatch, "--config", config, "--model.tools", "null")
+    assert cli.config.model.tools is None and cli.config.data.tools is None
+    # the shipped "without the tool" run builds: the config's tool options are dropped, said
+    with pytest.warns(UserWarning, match=r"dropped model.max_tool_calls=2, model.tool_timeout"):
+        assert build(cli).model.loop.generation.tools is None
     env = '{class_path: tests.rollout.test_multiturn.Guess, init_args: {limit: 5}}'
     cli = parse(monkeypatch, "--config", config, "--model.tools", "null",
                 "--model.environment", env)

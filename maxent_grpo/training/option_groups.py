@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.objectives import ListwiseMaxEnt
 from maxent_grpo.rollout import SamplingSettings
@@ -45,10 +47,13 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
     check_int("model.max_tool_calls", calls, minimum=1)
     check_seconds("model.tool_timeout", timeout)
     check_choice("model.tool_isolation", isolation, ISOLATIONS)
-    if not tools and env is None:
-        check_unused({"model.max_tool_calls": (calls, 4), "model.tool_timeout": (timeout, 10.0),
-                      "model.tool_isolation": (isolation, "thread")}, False,
-                     "model.tools or model.environment")
+    if not tools and env is None:  # a config's options with --model.tools null: dropped
+        unused = [f"model.{name}={value!r}" for name, value, default in (
+            ("max_tool_calls", calls, 4), ("tool_timeout", timeout, 10.0),
+            ("tool_isolation", isolation, "thread")) if value != default]
+        if unused:
+            rank_zero_warn(f"dropped {', '.join(unused)}: only with model.tools or "
+                           "model.environment, which are null")
         return None
     require(not (tools and env is not None),
             "model.tools and model.environment are two kinds of multi-turn rollout; set one "

@@ -314,6 +314,12 @@ def test_kl_options_without_a_kl_are_refused(cache_dir):
         module = make_module(cache_dir, objective=GRPO(**options))
         module.require_reference()  # a callback that raises beta loads the reference
         module.configure_model()
+    # EntropyMaxEnt's gate measures the KL (with the estimator), and weights none at beta 0
+    gate = {"kl_gate_threshold": 0.1}
+    make_module(cache_dir, objective=EntropyMaxEnt(kl_estimator="k1", **gate)).configure_model()
+    with pytest.raises(ValueError, match=r"objective.kl_bias_correction=True would do nothing"):
+        make_module(cache_dir, objective=EntropyMaxEnt(kl_bias_correction=True, **gate)
+                    ).configure_model()
 
 
 # ------------------------------------------------------------------ checkpoints and resume

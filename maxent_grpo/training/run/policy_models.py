@@ -80,12 +80,13 @@ class PolicyModels:
             device=self.device, get_ref_model=self._load_reference)
         if self.needs_reference:
             self.runtime = self.runtime.with_reference()
-        else:  # no reference, no KL: the KL's options would do nothing
-            obj = self.objective
-            check_unused({"objective.kl_estimator": (getattr(obj, "kl_estimator", "k3"), "k3"),
-                          "objective.kl_bias_correction": (
-                              getattr(obj, "kl_bias_correction", False), False)},
-                         False, "objective.beta > 0")
+        obj = self.objective  # the KL's options where no KL is measured or none weighted
+        check_unused({"objective.kl_estimator": (getattr(obj, "kl_estimator", "k3"), "k3")},
+                     self.needs_reference,
+                     "objective.beta > 0 (EntropyMaxEnt: or objective.kl_gate_threshold)")
+        check_unused({"objective.kl_bias_correction": (
+            getattr(obj, "kl_bias_correction", False), False)},
+            getattr(obj, "beta", 0) > 0 or self._reference_required, "objective.beta > 0")
         if self.device_mesh is not None:
             own = self.source.peft is None  # with adapters the reference has no weights
             fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
