@@ -28,7 +28,7 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-from maxent_grpo.analysis import load_run, plot_runs, recent_runs, summary_rows
+from maxent_grpo.analysis import find_runs, load_run, plot_runs, recent_runs, summary_rows
 
 SMOOTH = 10  # moving-average window over training steps (1 = raw)
 if os.environ.get("MAXENT_GRPO_RUNS"):
@@ -36,6 +36,8 @@ if os.environ.get("MAXENT_GRPO_RUNS"):
 else:
     try:
         runs = recent_runs(2, "lightning_logs")
+        if not runs and find_runs("lightning_logs"):  # a fit before its first step
+            print("no step logged yet in the runs under lightning_logs/")
     except FileNotFoundError as err:  # no lightning_logs/ here or above
         print(err)
         runs = []

@@ -138,6 +138,11 @@ def test_recent_runs_are_the_last_written_training_runs(tmp_path):
     assert [r.path.name for r in recent_runs(2, tmp_path)] == ["version_2", "version_1"]
     assert [r.path.name for r in recent_runs(5, tmp_path)] == [
         "version_0", "version_2", "version_1"]
+    # a fit that failed before its first step (a config text only) takes no place either
+    writer = SummaryWriter(str(tmp_path / "t" / "version_4"))
+    writer.add_text("config", "model: ...")
+    writer.close()
+    assert [r.path.name for r in recent_runs(2, tmp_path)] == ["version_2", "version_1"]
 
 
 def test_relative_run_paths_mean_the_same_from_the_root_and_from_notebooks(

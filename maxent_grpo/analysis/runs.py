@@ -95,13 +95,13 @@ def find_runs(root: str | os.PathLike = "lightning_logs") -> list[Path]:
 
 def recent_runs(n: int = 2, root: str | os.PathLike = "lightning_logs") -> list[Run]:
     """The ``n`` training runs under ``root`` last written, read, oldest first: a folder
-    that logged scalars but no ``train/`` one (``validate``, ``test``) is passed over, one
-    that logged none yet (a fit before its first step) is not."""
+    without a ``train/`` scalar (a ``validate`` or ``test`` run, a fit before its first
+    step or one that failed before it) is passed over."""
     found: list[Run] = []
     for path in reversed(find_runs(root)):
         if len(found) == n:
             break
-        if (run := load_run(path)).tags("train/") or not run.scalars:
+        if (run := load_run(path)).tags("train/"):
             found.append(run)
     return found[::-1]
 
