@@ -139,9 +139,9 @@ class PromptDataModule(pl.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         dropped = check_source_options(task, task_options, data_files, val_files, dataset_name,
-                                       dataset_config, val_split, train_split)
+                                       dataset_config, val_split, train_split, train_size)
         for name in dropped:
-            self.hparams[name] = "train" if name == "train_split" else None
+            self.hparams[name] = {"train_split": "train", "train_size": 2000}.get(name)
         task_options, dataset_config, val_split = (
             None if name in dropped else value for name, value in (
                 ("task_options", task_options), ("dataset_config", dataset_config),
@@ -235,9 +235,9 @@ class PromptDataModule(pl.LightningDataModule):
         examples = fmt.examples(split)
         if not examples:
             return PromptDataset(examples, split.where)
-        texts = [ex.prompt for ex in examples]
-        lengths = [len(ids) for ids in
-                   self._get_tokenizer()(texts, add_special_tokens=False)["input_ids"]]
+        texts, tok = [ex.prompt for ex in examples], self._get_tokenizer()
+        lengths = [len(ids) for at in range(0, len(texts), 1024)  # whole: 100x the data's memory
+                   for ids in tok(texts[at:at + 1024], add_special_tokens=False)["input_ids"]]
         empty = [ex for ex, n in zip(examples, lengths, strict=True) if n == 0]
         if empty:
             part, number = split.where(empty[0].index)
@@ -264,6 +264,12 @@ class PromptDataModule(pl.LightningDataModule):
                 f"data.max_prompt_length ({self.max_prompt_length} tokens; the longest has "
                 f"{max(lengths)}) and are left out, the first {part} row {number}; raise "
                 "--data.max_prompt_length (or set it null) to keep them")
+        limit = getattr(tok, "model_max_length", None)
+        if self.max_prompt_length is None and isinstance(limit, int) and \
+                self.longest[name] > limit:
+            rank_zero_warn(f"the longest {name} prompt has {self.longest[name]} tokens, more "
+                           f"than the tokenizer's model_max_length ({limit}); set "
+                           "--data.max_prompt_length to leave such prompts out")
         require(
             bool(kept),
             f"every {name} prompt of {split.source} is longer than data.max_prompt_length "

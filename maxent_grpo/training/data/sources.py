@@ -80,7 +80,8 @@ OPTION_OWNERS = {
     "task_options": "task",
     "dataset_config": "dataset_name",
     "val_split": "dataset_name",
-    "train_split": "dataset_name",  # dropped when not its default, "train"
+    "train_split": "dataset_name",  # these two dropped when not at their defaults
+    "train_size": "task",  # ("train", 2000): a file or dataset gives all its rows
 }
 
 
@@ -93,6 +94,7 @@ def check_source_options(
     dataset_config: str | None,
     val_split: str | None,
     train_split: str = "train",
+    train_size: int = 2000,
 ) -> dict[str, Any]:
     """Refuse a choice of source the loaders cannot honour, naming the flag that fixes it;
     return ``{name: value}`` of the options whose source (:data:`OPTION_OWNERS`) is not set,
@@ -138,7 +140,8 @@ def check_source_options(
         )
     values = {"task_options": task_options or None, "dataset_config": dataset_config,
               "val_split": val_split,
-              "train_split": None if train_split == "train" else train_split}
+              "train_split": None if train_split == "train" else train_split,
+              "train_size": None if train_size == 2000 else train_size}
     dropped = {name: value for name, value in values.items()
                if value is not None and chosen[OPTION_OWNERS[name]] is None}
     if dropped:
@@ -163,12 +166,20 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
     """Every row of split ``split`` of ``datasets.load_dataset(name, config)`` (hub id or path)."""
     import datasets  # only for a hub dataset: a built-in task never loads it
 
+    require(not os.path.isfile(name), f"data.dataset_name {name!r} is a file: give it as "
+            "--data.data_files (and --data.dataset_name null)")
     if os.path.isfile(os.path.join(name, "state.json")):  # one Dataset.save_to_disk: no splits
         require(split == "train", f"data.dataset_name {name!r} is one saved Dataset "
                 f"(save_to_disk), with no split {split!r}: it is the training split "
                 "(data.train_split: train); data.val_size splits validation rows off it")
         return datasets.load_from_disk(name).to_list()
-    data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    try:
+        data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    except RuntimeError as err:  # datasets 4 refuses a loading script ("a bug" here)
+        if "scripts are no longer supported" not in str(err):
+            raise
+        raise ValueError(f"data.dataset_name {name!r}: {err}; give its files as "
+                         "--data.data_files, or a Dataset.save_to_disk folder") from err
     return data.to_list()
 
 

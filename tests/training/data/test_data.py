@@ -220,6 +220,34 @@ def test_a_saved_dataset_folder_is_the_training_split(tmp_path):
         make(task=None, dataset_name=str(tmp_path / "saved"), val_split="validation")
 
 
+def test_a_dataset_name_that_is_a_file_or_a_script_folder_says_what_to_give(tmp_path):
+    """A file as data.dataset_name read "Couldn't reach ... on the Hub", and a dataset
+    script's folder ended as "a bug in maxent_grpo" (datasets 4's RuntimeError)."""
+    datasets = pytest.importorskip("datasets")
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    with pytest.raises(ValueError, match=r"data.dataset_name '.*rows.jsonl' is a file: give it "
+                                         r"as --data.data_files"):
+        make(task=None, dataset_name=path)
+    if int(datasets.__version__.split(".")[0]) >= 4:
+        (tmp_path / "scripted").mkdir()
+        (tmp_path / "scripted" / "scripted.py").write_text("import datasets\n")
+        with pytest.raises(ValueError, match=r"data.dataset_name '.*scripted': .*scripts are no "
+                                             r"longer supported.*--data.data_files"):
+            make(task=None, dataset_name=str(tmp_path / "scripted"))
+
+
+def test_prompts_longer_than_the_tokenizer_takes_are_said_without_a_length_limit(tmp_path):
+    path = write(tmp_path / "rows.jsonl", ROWS)
+    dm = PromptDataModule(task=None, data_files=path, val_size=2, batch_size=2,
+                          max_prompt_length=None)
+    tokenizer = CharTokenizer()
+    tokenizer.model_max_length = 1  # every rendered prompt has more
+    dm.set_tokenizer(tokenizer)
+    with pytest.warns(UserWarning, match=r"the longest train prompt has 26 tokens, more than the "
+                                         r"tokenizer's model_max_length \(1\)"):
+        dm.setup("fit")
+
+
 def test_answer_column_none(tmp_path):
     path = write(tmp_path / "rows.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
     dm = make(task=None, data_files=path, answer_column=None, val_size=1, batch_size=1)
@@ -573,9 +601,13 @@ def test_switching_the_source_on_the_command_line_drops_the_configs_task_options
                   val_size=2, batch_size=4)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1
-    assert lines[0].startswith("dropped data.task_options={'bare': True}: it applies only to "
-                               "data.task, which is null (the source is data.data_files=")
+    # the config's train_size too: a file gives all its rows (it passed without a word, and
+    # the logged hparams said 4000 rows; a hunt of data at scale)
+    assert lines[0].startswith("dropped data.task_options={'bare': True}, data.train_size=4000: "
+                               "they apply only to data.task, which is null (the source is "
+                               "data.data_files=")
     assert dm.task_options == {} and dm.hparams["task_options"] is None
+    assert dm.hparams["train_size"] == 2000
     assert len(dm.train_dataset) == 8 and len(dm.val_dataset) == 2
     caplog.clear()
     with caplog.at_level("WARNING", logger="maxent_grpo.training.data.sources"):
