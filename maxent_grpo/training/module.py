@@ -443,7 +443,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._rng_to_restore = load_state(
             checkpoint, self.source.name_or_path, self.objective, self.counters, self.loop,
             peft=self.source.peft, trainer=self._trainer, optimizer=self.optimizer_factory,
-            reference=self.needs_reference)
+            reference=self.needs_reference, scheduler=self.lr_scheduler_factory)
         self._weights_version += 1  # the engine syncs with the loaded weights
         if self._trainer is not None:
             restore_rollouts(self.pipeline, checkpoint, self.trainer.state.fn == "fit",

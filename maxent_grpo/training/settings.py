@@ -172,6 +172,30 @@ def build_lr_scheduler(
     return sched.SequentialLR(optimizer, [warmup, main], milestones=[W])
 
 
+def check_resumed_schedule(saved: dict[str, Any], schedule: ScheduleSettings,
+                           factory: Callable[[torch.optim.Optimizer], Any] | None) -> None:
+    """Refuse a resume whose learning-rate schedule (``model.lr_scheduler`` and
+    ``model.lr_warmup_steps``) is built of other schedulers than the checkpoint's state
+    ``saved``: loaded into another class, that state crashed (``KeyError: '_schedulers'``)
+    or held the rate where it was for the rest of the run, without a word."""
+    def shape(state: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(sorted(state)), tuple(shape(s) for s in state.get("_schedulers", ()))
+
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        built = build_lr_scheduler(probe, schedule, factory).state_dict()
+    except Exception:  # noqa: BLE001 -- a factory for the real optimizer only: not checked
+        return
+    if shape(built) != shape(saved):
+        raise ValueError(
+            "the checkpoint's learning-rate schedule is built of other schedulers than this "
+            f"run's (model.lr_scheduler {type(factory(probe)).__name__ if factory else None}, "
+            f"model.lr_warmup_steps {schedule.lr_warmup_steps}): a resume continues the "
+            "checkpoint's schedule, and this one cannot take its state; resume with the "
+            "model.lr_scheduler and lr_warmup_steps the checkpoint was trained with (its "
+            "config.yaml), or start afresh")
+
+
 def _check_first_step(factory: Callable[[torch.optim.Optimizer], Any],
                       optimizer: torch.optim.Optimizer) -> None:
     """Step a copy of ``model.lr_scheduler`` once on a throwaway optimizer, so that options

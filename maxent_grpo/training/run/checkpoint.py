@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.adapters import peft_record
 from maxent_grpo.objectives import Objective
+from maxent_grpo.training.settings import check_resumed_schedule
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
 from maxent_grpo.training.types import LoopSettings
@@ -266,6 +267,7 @@ def load_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, fitting: bool = False,
     peft: Any = None, trainer: Any = None, optimizer: Any = None, reference: bool = True,
+    scheduler: Any = None,
 ) -> dict[str, Any] | None:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
@@ -282,7 +284,8 @@ def load_state(
     checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about, and a
     changed configuration (:func:`_objective_state`, :func:`_check_optimizer`: the
     ``model.optimizer`` factory ``optimizer``; ``reference``: whether this run loaded the
-    reference model).
+    reference model; ``check_resumed_schedule``: the ``model.lr_scheduler`` factory
+    ``scheduler``).
     """
     fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
     epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -325,6 +328,9 @@ def load_state(
                                                fitting, reference))
     if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
         _check_optimizer(checkpoint, optimizer)
+    schedule = None if loop is None else loop.optimization.schedule
+    if fitting and schedule is not None and checkpoint.get("lr_schedulers"):
+        check_resumed_schedule(checkpoint["lr_schedulers"][0], schedule, scheduler)
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))

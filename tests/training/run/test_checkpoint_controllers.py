@@ -5,6 +5,7 @@ too, and a run whose ``model.peft`` its weights do not fit is refused, naming it
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -190,6 +191,42 @@ def test_a_changed_optimizer_is_refused_and_changed_values_are_warned_of():
     with pytest.raises(ValueError, match="model.optimizer takes other settings .* another "
                                          "optimizer cannot resume its state"):
         resume(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+
+
+def test_a_resume_with_a_schedule_of_other_schedulers_is_refused():
+    """The checkpoint's learning-rate schedule is loaded into the one this run builds: with
+    a warm-up added it crashed (``KeyError: '_schedulers'``, "a bug"); with the warm-up or
+    a StepLR removed the rate stayed where it was for the rest of the run, without a word
+    (a hunt of configurations)."""
+    import torch
+
+    from maxent_grpo.training.settings import ScheduleSettings, build_lr_scheduler
+    from maxent_grpo.training.types import OptimizationSettings
+
+    def loop(warmup):
+        return dataclasses.replace(BARE, optimization=OptimizationSettings(
+            ScheduleSettings(1, 1.0, warmup, 3), None))
+
+    def step_lr(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def checkpoint(warmup, factory=None):
+        adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        scheduler = build_lr_scheduler(adamw, loop(warmup).optimization.schedule, factory)
+        return saved(BARE) | {"lr_schedulers": [scheduler.state_dict()]}
+
+    def resume(saved_state, warmup, factory=None):
+        load_state(saved_state, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.1),
+                   StepCounters(), loop(warmup), fitting=True, scheduler=factory)
+
+    resume(checkpoint(4), 4)
+    resume(checkpoint(4), 3)  # the same schedulers: the checkpoint's go on, as documented
+    resume(checkpoint(0, step_lr), 0, step_lr)
+    refused = "the checkpoint's learning-rate schedule is built of other schedulers"
+    for saved_state, warmup, factory in ((checkpoint(0), 4, None), (checkpoint(4), 0, None),
+                                         (checkpoint(0, step_lr), 0, None)):
+        with pytest.raises(ValueError, match=refused):
+            resume(saved_state, warmup, factory)
 
 
 def test_state_the_run_moved_itself_is_kept_on_a_resume():
