@@ -583,6 +583,10 @@ def test_a_config_that_sets_a_linked_option_is_refused(tmp_path, text, target):
         cli_module.main(["fit", "--config", str(outer), *short])
     with pytest.raises(ValueError, match=f"--{group} {tmp_path / 'inner.yaml'} sets"):
         cli_module.main(["fit", f"--{group}", str(tmp_path / "inner.yaml"), *short])
+    whole = tmp_path / "whole.yaml"  # a whole-CLI config's fit: section (it passed unread)
+    whole.write_text(f"fit:\n  {group}:\n    {key}: 1\n")
+    with pytest.raises(ValueError, match=f"--config {whole} sets {target}"):
+        cli_module.cli_help.check_given_configs(["--config", str(whole), "fit"])
 
 
 def test_the_config_check_reads_yaml_as_the_parser_does(tmp_path):

@@ -220,3 +220,7 @@ def test_did_you_mean_prefers_the_same_group_and_stays_quiet_without_a_close_nam
     # a key another subcommand has (predict's output under validate) is not its own hint
     assert say("Option 'output' is not accepted", [*options, "--output"]) == (
         "Option 'output' is not accepted")
+    # a whole-CLI config given after its subcommand: the hint was the key as written
+    assert say("Group 'fit' does not accept option 'model.tools'", options).endswith(
+        "; a config with a 'fit:' section goes before the subcommand (python -m maxent_grpo "
+        "--config FILE fit); after it, leave out the 'fit:' level")

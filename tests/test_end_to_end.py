@@ -97,7 +97,7 @@ def test_the_demo_prints_no_warning_a_user_cannot_act_on(demo):
     resume from), its use of torch's deprecated LeafSpec, transformers' bar for a model that
     loads in a second: none of them reaches the console of a command-line run."""
     console = (demo / "console.txt").read_text()
-    for noise in ("Tip: For seamless cloud logging", "ModelCheckpoint with manual optimization",
+    for noise in ("Tip: For seamless cloud", "ModelCheckpoint with manual optimization",
                   "LeafSpec", "Loading weights"):
         assert noise not in console, noise
     assert "`Trainer.fit` stopped: `max_steps=800` reached." in console  # output is there

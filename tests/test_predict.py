@@ -124,6 +124,7 @@ def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tm
     assert cli_help.resolve_config_names(["fit", "--config", "tiny"])[2] == packaged
     assert capsys.readouterr().err == ""  # a name: read as documented, without a word
     assert cli_help.resolve_config_names(["fit", "--config=tiny.yaml"])[1] == f"--config={packaged}"
+    assert cli_help.resolve_config_names(["fit", "-c=tiny"])[1] == f"-c={packaged}"  # was not
     # a file name that is not here (perhaps a typo of the user's file): says what it reads
     assert cli_help.resolve_config_names(["fit", "--config", "tiny.yml"])[2] == packaged
     err = capsys.readouterr().err

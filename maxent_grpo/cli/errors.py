@@ -39,6 +39,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from maxent_grpo.cli.help import PROG, SUBCOMMANDS
+
 T = TypeVar("T")
 
 TRACEBACK_FLAG = "--traceback"
@@ -286,6 +288,11 @@ def did_you_mean(message: str, options: Iterable[str]) -> str:
     unknown = _unknown_options(message)
     hints = []
     for key, dashes in unknown:
+        sub, _, rest = key.partition(".")
+        if sub in SUBCOMMANDS and rest in known:  # a whole-CLI config after its subcommand
+            hints.append(f"a config with a '{sub}:' section goes before the subcommand "
+                         f"({PROG} --config FILE {sub}); after it, leave out the '{sub}:' level")
+            continue
         close = close_options(key, known)
         if close:
             names = " or ".join(f"{dashes}{name}" for name in close)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import itertools
 import os
 import re
 import sys
@@ -74,8 +75,9 @@ def resolve_config_names(args: list[str]) -> list[str]:
     for i, arg in enumerate(out):
         if arg in ("--config", "-c") and i + 1 < len(out):
             out[i + 1] = _config_path(out[i + 1])
-        elif arg.startswith("--config="):
-            out[i] = "--config=" + _config_path(arg.split("=", 1)[1])
+        elif arg.startswith(("--config=", "-c=")):
+            flag, _, value = arg.partition("=")
+            out[i] = f"{flag}={_config_path(value)}"
     return out
 
 
@@ -282,13 +284,15 @@ def check_given_configs(args: list[str]) -> None:
                 f"--config {value} comes before the subcommand {args[first]!r}, where the "
                 f"options of one subcommand are not read: give it after the subcommand "
                 f"({PROG} {args[first]} --config {value})")
-        for source, target in LINKS:
+        parts = [config] + [config[sub] for sub in SUBCOMMANDS if isinstance(config, dict)
+                            and isinstance(config.get(sub), dict)]  # a whole-CLI config's
+        for (source, target), part in itertools.product(LINKS, parts):
             group, key = target.split(".")
-            section = config.get(group) if isinstance(config, dict) else None
+            section = part.get(group) if isinstance(part, dict) else None
             if isinstance(section, str):  # a group's own file, beside the config or here
                 here = os.path.join(os.path.dirname(value), section)
                 section = next((load(f) for f in (here, section) if os.path.isfile(f)), None)
-            if (isinstance(config, dict) and target in config) or (
+            if (isinstance(part, dict) and target in part) or (
                     isinstance(section, dict) and key in section):
                 raise ValueError(
                     f"{flag} {value} sets {target}, which is set from {source} (linked "

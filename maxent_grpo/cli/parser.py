@@ -345,7 +345,7 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # Lightning 2.6's own use of a class torch 2.13 deprecated
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
 )
-QUIET_INFO = ("💡 Tip: For seamless cloud logging",)  #: info lines not printed (an advert)
+QUIET_INFO = ("💡 Tip: For seamless cloud",)  #: info lines not printed (adverts)
 
 
 @contextlib.contextmanager
