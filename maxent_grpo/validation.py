@@ -73,8 +73,8 @@ def check_unused(given: dict[str, tuple[Any, Any]], applies: bool, needs: str) -
         return
     moved = [f"{name}={value!r}" for name, (value, default) in given.items()
              if (tuple(value) if isinstance(value, list) else value) != default]
-    carried = ("; a config's value is kept when --model.objective names another class"
-               if all(m.startswith("objective.") for m in moved) else "")
+    carried = ("; if --model.objective switched to another class, the config's value of "
+               "the first was kept" if all(m.startswith("objective.") for m in moved) else "")
     require(not moved, f"{', '.join(moved)} would do nothing: only with {needs}; set that, "
             f"or leave {'it' if len(moved) == 1 else 'them'} at the default{carried}")
 

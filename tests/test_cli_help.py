@@ -224,3 +224,4 @@ def test_did_you_mean_prefers_the_same_group_and_stays_quiet_without_a_close_nam
     assert say("Group 'fit' does not accept option 'model.tools'", options).endswith(
         "; a config with a 'fit:' section goes before the subcommand (python -m maxent_grpo "
         "--config FILE fit); after it, leave out the 'fit:' level")
+    assert "a config with" not in say("unrecognized arguments: --fit.model.tools x", options)

@@ -289,7 +289,7 @@ def did_you_mean(message: str, options: Iterable[str]) -> str:
     hints = []
     for key, dashes in unknown:
         sub, _, rest = key.partition(".")
-        if sub in SUBCOMMANDS and rest in known:  # a whole-CLI config after its subcommand
+        if not dashes and sub in SUBCOMMANDS and rest in known:  # a whole-CLI config's key
             hints.append(f"a config with a '{sub}:' section goes before the subcommand "
                          f"({PROG} --config FILE {sub}); after it, leave out the '{sub}:' level")
             continue

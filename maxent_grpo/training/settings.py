@@ -178,8 +178,9 @@ def check_resumed_schedule(saved: dict[str, Any], schedule: ScheduleSettings,
     ``model.lr_warmup_steps``) is built of other schedulers than the checkpoint's state
     ``saved``: loaded into another class, that state crashed (``KeyError: '_schedulers'``)
     or held the rate where it was for the rest of the run, without a word."""
-    def shape(state: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(sorted(state)), tuple(shape(s) for s in state.get("_schedulers", ()))
+    def shape(state: dict[str, Any]) -> tuple[Any, ...]:  # the public keys name the class
+        return (tuple(sorted(k for k in state if not k.startswith("_") and k != "verbose")),
+                tuple(shape(s) for s in state.get("_schedulers", ())))  # (torch adds others)
 
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:

@@ -166,8 +166,8 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
     """Every row of split ``split`` of ``datasets.load_dataset(name, config)`` (hub id or path)."""
     import datasets  # only for a hub dataset: a built-in task never loads it
 
-    require(not os.path.isfile(name), f"data.dataset_name {name!r} is a file: give it as "
-            "--data.data_files (and --data.dataset_name null)")
+    require(not os.path.isfile(name) or name.endswith(".py"), f"data.dataset_name {name!r} is "
+            "a file: give it as --data.data_files (and --data.dataset_name null)")
     if os.path.isfile(os.path.join(name, "state.json")):  # one Dataset.save_to_disk: no splits
         require(split == "train", f"data.dataset_name {name!r} is one saved Dataset "
                 f"(save_to_disk), with no split {split!r}: it is the training split "
