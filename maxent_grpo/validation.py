@@ -11,6 +11,7 @@ so a bad config fails when its object is built, never later in training::
 from __future__ import annotations
 
 import errno
+import inspect
 import math
 import os
 import time
@@ -19,8 +20,8 @@ from numbers import Real
 from typing import Any
 
 __all__ = ["MAX_SECONDS", "UserCodeError", "check_bool", "check_choice", "check_int",
-           "check_number", "check_seconds", "check_unused", "failing_row", "is_number", "no_room",
-           "require"]
+           "check_number", "check_seconds", "check_unused", "defaults_of", "failing_row",
+           "is_number", "no_room", "require"]
 
 
 class UserCodeError(Exception):
@@ -77,6 +78,13 @@ def check_unused(given: dict[str, tuple[Any, Any]], applies: bool, needs: str) -
                "the first was kept" if all(m.startswith("objective.") for m in moved) else "")
     require(not moved, f"{', '.join(moved)} would do nothing: only with {needs}; set that, "
             f"or leave {'it' if len(moved) == 1 else 'them'} at the default{carried}")
+
+
+def defaults_of(function: Callable[..., Any]) -> dict[str, Any]:
+    """The default of each parameter of ``function`` that has one (what :func:`check_unused`
+    compares with: a default changed there is the default here too)."""
+    return {name: p.default for name, p in inspect.signature(function).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def is_number(value: Any) -> bool:

@@ -41,6 +41,7 @@ from maxent_grpo.validation import (
     check_int,
     check_number,
     check_unused,
+    defaults_of,
     require,
 )
 
@@ -175,22 +176,22 @@ class GRPO(Objective):
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
         check_choice("objective.kl_estimator", kl_estimator, get_args(KLEstimator))
         check_number("objective.beta", beta, minimum=0)
-        for kind, option, value, default in (
-                ("unlikeliness", "rank_penalty", rank_penalty, 0.25),
-                ("repetition", "repetition_coef", repetition_coef, 0.2),
-                ("set_diversity", "set_diversity_coef", set_diversity_coef, 0.5)):
-            check_unused({f"objective.{option}": (value, default)}, answer_shaping == kind,
+        d = defaults_of(GRPO.__init__)
+        for kind, option, value in (("unlikeliness", "rank_penalty", rank_penalty),
+                                    ("repetition", "repetition_coef", repetition_coef),
+                                    ("set_diversity", "set_diversity_coef", set_diversity_coef)):
+            check_unused({f"objective.{option}": (value, d[option])}, answer_shaping == kind,
                          f"objective.answer_shaping {kind}")
-        check_unused({"objective.positive_weight": (positive_weight, 0.1)},
+        check_unused({"objective.positive_weight": (positive_weight, d["positive_weight"])},
                      advantage == "wreinforce", "objective.advantage wreinforce")
-        check_unused({"objective.pass_k": (pass_k, 4)}, advantage in ("passk", "pkpo"),
-                     "objective.advantage passk or pkpo")
-        check_unused({"objective.cov_fraction": (cov_fraction, 2e-4)},
+        check_unused({"objective.pass_k": (pass_k, d["pass_k"])},
+                     advantage in ("passk", "pkpo"), "objective.advantage passk or pkpo")
+        check_unused({"objective.cov_fraction": (cov_fraction, d["cov_fraction"])},
                      clip_rule in ("clip_cov", "kl_cov"), "objective.clip_rule clip_cov or kl_cov")
-        check_unused({"objective.clip_cov_bounds": (clip_cov_bounds, (1.0, 5.0))},
+        check_unused({"objective.clip_cov_bounds": (clip_cov_bounds, d["clip_cov_bounds"])},
                      clip_rule == "clip_cov", "objective.clip_rule clip_cov")
-        check_unused({"objective.kl_cov_coef": (kl_cov_coef, 1.0)}, clip_rule == "kl_cov",
-                     "objective.clip_rule kl_cov")
+        check_unused({"objective.kl_cov_coef": (kl_cov_coef, d["kl_cov_coef"])},
+                     clip_rule == "kl_cov", "objective.clip_rule kl_cov")
         self.loss_type = loss_type
         self.scale_rewards = scale_rewards
         self.beta = float(beta)
@@ -308,11 +309,11 @@ class EntropyMaxEnt(GRPO):
             f"got {kl_gate_min_multiplier} > {kl_gate_max_multiplier}",
         )
         check_bool("objective.disable_outside_trust_zone", disable_outside_trust_zone)
-        check_unused({"objective.kl_gate_gain": (kl_gate_gain, 1.0),
-                      "objective.kl_gate_min_multiplier": (kl_gate_min_multiplier, 0.0),
-                      "objective.kl_gate_max_multiplier": (kl_gate_max_multiplier, 2.0),
-                      "objective.disable_outside_trust_zone": (disable_outside_trust_zone,
-                                                               False)},
+        d = defaults_of(EntropyMaxEnt.__init__)
+        gate = {"kl_gate_gain": kl_gate_gain, "kl_gate_min_multiplier": kl_gate_min_multiplier,
+                "kl_gate_max_multiplier": kl_gate_max_multiplier,
+                "disable_outside_trust_zone": disable_outside_trust_zone}
+        check_unused({f"objective.{k}": (v, d[k]) for k, v in gate.items()},
                      kl_gate_threshold is not None, "objective.kl_gate_threshold set")
         self.alpha = float(alpha)
         self.kl_gate_threshold = kl_gate_threshold

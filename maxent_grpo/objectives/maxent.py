@@ -40,7 +40,7 @@ from maxent_grpo.objectives.base import (
     token_sum,
     weight_stats,
 )
-from maxent_grpo.validation import check_bool, check_number, check_unused, require
+from maxent_grpo.validation import check_bool, check_number, check_unused, defaults_of, require
 
 
 class ListwiseMaxEnt(Objective):
@@ -124,10 +124,11 @@ class ListwiseMaxEnt(Objective):
                 "objective.right_only needs objective.answer_level: true (it restricts the "
                 "target over answers)")
         self.right_only, self.right_reward = right_only, float(right_reward)
-        check_unused({"objective.epsilon": (epsilon, 0.2),
-                      "objective.epsilon_high": (epsilon_high, None)}, clip_coef > 0,
-                     "objective.clip_coef > 0 (the clip term they bound)")
-        check_unused({"objective.right_reward": (right_reward, 1.0)}, right_only,
+        d = defaults_of(ListwiseMaxEnt.__init__)
+        check_unused({"objective.epsilon": (epsilon, d["epsilon"]),
+                      "objective.epsilon_high": (epsilon_high, d["epsilon_high"])},
+                     clip_coef > 0, "objective.clip_coef > 0 (the clip term they bound)")
+        check_unused({"objective.right_reward": (right_reward, d["right_reward"])}, right_only,
                      "objective.right_only: true")
         check_number("objective.kl_coef", kl_coef, minimum=0)
         self.kl_coef = float(kl_coef)

@@ -50,7 +50,7 @@ from maxent_grpo.training.data.sources import (
     too_few_train_prompts,
     val_file_rows,
 )
-from maxent_grpo.validation import check_bool, check_int, require
+from maxent_grpo.validation import check_bool, check_int, defaults_of, require
 
 __all__ = [  # the names other than PromptDataModule are re-exported
     "EpochShuffleSampler", "PromptDataModule", "PromptDataset", "PromptLoader", "collate_prompts",
@@ -138,15 +138,17 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        default = defaults_of(PromptDataModule.__init__)  # what a dropped option becomes
+        moved = {k: v for k, v in (("train_split", train_split), ("train_size", train_size))
+                 if v != default[k]}
         dropped = check_source_options(task, task_options, data_files, val_files, dataset_name,
-                                       dataset_config, val_split, train_split, train_size)
+                                       dataset_config, val_split, **moved)
         for name in dropped:
-            self.hparams[name] = {"train_split": "train", "train_size": 2000}.get(name)
-        task_options, dataset_config, val_split = (
-            None if name in dropped else value for name, value in (
+            self.hparams[name] = default[name]
+        task_options, dataset_config, val_split, train_split = (
+            default[name] if name in dropped else value for name, value in (
                 ("task_options", task_options), ("dataset_config", dataset_config),
-                ("val_split", val_split)))
-        train_split = "train" if "train_split" in dropped else train_split
+                ("val_split", val_split), ("train_split", train_split)))
         check_int("data.seed", seed, 0, maximum=2**32 - 1)  # the tasks seed with 2 * seed + 1
         check_int("data.train_size", train_size, 1)
         check_int("data.val_size", val_size, 0)

@@ -80,8 +80,8 @@ OPTION_OWNERS = {
     "task_options": "task",
     "dataset_config": "dataset_name",
     "val_split": "dataset_name",
-    "train_split": "dataset_name",  # these two dropped when not at their defaults
-    "train_size": "task",  # ("train", 2000): a file or dataset gives all its rows
+    "train_split": "dataset_name",  # these two given when set away from their defaults
+    "train_size": "task",  # (a file or dataset gives all its rows)
 }
 
 
@@ -93,12 +93,13 @@ def check_source_options(
     dataset_name: str | None,
     dataset_config: str | None,
     val_split: str | None,
-    train_split: str = "train",
-    train_size: int = 2000,
+    train_split: str | None = None,
+    train_size: int | None = None,
 ) -> dict[str, Any]:
     """Refuse a choice of source the loaders cannot honour, naming the flag that fixes it;
     return ``{name: value}`` of the options whose source (:data:`OPTION_OWNERS`) is not set,
-    which the caller drops (one warning names them; an empty ``task_options`` is unset).
+    which the caller drops (one warning names them; an empty ``task_options`` is unset;
+    ``train_split`` and ``train_size`` are given only when set away from their defaults).
 
     Raises ValueError unless exactly one of ``task``, ``data_files``, ``dataset_name`` is set,
     ``task`` is a built-in task taking ``task_options`` and files have a known suffix;
@@ -139,9 +140,7 @@ def check_source_options(
             f"task {task!r} does not take: drop them with --data.task_options null, {own}",
         )
     values = {"task_options": task_options or None, "dataset_config": dataset_config,
-              "val_split": val_split,
-              "train_split": None if train_split == "train" else train_split,
-              "train_size": None if train_size == 2000 else train_size}
+              "val_split": val_split, "train_split": train_split, "train_size": train_size}
     dropped = {name: value for name, value in values.items()
                if value is not None and chosen[OPTION_OWNERS[name]] is None}
     if dropped:

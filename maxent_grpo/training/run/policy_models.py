@@ -27,13 +27,14 @@ from maxent_grpo.models import (
     load_tokenizer,
     model_chain,
 )
+from maxent_grpo.objectives import GRPO
 from maxent_grpo.rewards.answers import ANSWER_FORMS
 from maxent_grpo.rewards.combine import RESERVED
 from maxent_grpo.rewards.registry import REWARDS, get_reward
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
-from maxent_grpo.validation import check_unused, failing_row, require
+from maxent_grpo.validation import check_unused, defaults_of, failing_row, require
 
 __all__ = ["PolicyModels"]
 
@@ -80,13 +81,12 @@ class PolicyModels:
             device=self.device, get_ref_model=self._load_reference)
         if self.needs_reference:
             self.runtime = self.runtime.with_reference()
-        obj = self.objective  # the KL's options where no KL is measured or none weighted
-        check_unused({"objective.kl_estimator": (getattr(obj, "kl_estimator", "k3"), "k3")},
-                     self.needs_reference,
+        obj, d = self.objective, defaults_of(GRPO.__init__)  # the KL's options, where no KL
+        kl = {k: (getattr(obj, k, d[k]), d[k]) for k in ("kl_estimator", "kl_bias_correction")}
+        check_unused({"objective.kl_estimator": kl["kl_estimator"]}, self.needs_reference,
                      "objective.beta > 0 (EntropyMaxEnt: or objective.kl_gate_threshold)")
-        check_unused({"objective.kl_bias_correction": (
-            getattr(obj, "kl_bias_correction", False), False)},
-            getattr(obj, "beta", 0) > 0 or self._reference_required, "objective.beta > 0")
+        check_unused({"objective.kl_bias_correction": kl["kl_bias_correction"]},  # weighted
+                     getattr(obj, "beta", 0) > 0 or self._reference_required, "objective.beta > 0")
         if self.device_mesh is not None:
             own = self.source.peft is None  # with adapters the reference has no weights
             fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
