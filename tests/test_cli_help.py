@@ -16,7 +16,7 @@ from jsonargparse import ArgumentParser
 
 import maxent_grpo.cli.parser as cli_module
 from maxent_grpo import objectives
-from maxent_grpo.cli import errors
+from maxent_grpo.cli import errors, parse_errors
 from maxent_grpo.cli import help as cli_help
 
 HELP_COLUMN = 24  # argparse's help position: where a description starts on the page
@@ -191,6 +191,25 @@ def test_a_prefix_of_an_option_is_an_error_naming_the_option(monkeypatch, capsys
     assert "--model.num_generation: did you mean --model.num_generations" in err
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--trainer.logger+=CSVLogger"],
+     "--trainer.logger (lightning.pytorch.loggers.CSVLogger): the following arguments are "
+     "required: save_dir; give it after the class (--trainer.logger.save_dir VALUE) or in its "
+     "init_args in a config"),
+    (["--model.objective", "EntropyMaxEnt", "--model.objective.alpha", "x"],
+     "--model.objective.alpha (maxent_grpo.objectives.EntropyMaxEnt): Expected a <class "
+     "'float'>. Got value: x"),
+    (["--model.objective", "GRPO", "--model.objective.epsilno", "0.1"],
+     "--model.objective (maxent_grpo.objectives.GRPO): Option 'epsilno' is not accepted; did "
+     "you mean epsilon or epsilon_high?"),
+], ids=["missing-argument", "bad-value", "unknown-argument"])
+def test_a_class_given_by_path_with_wrong_arguments_is_one_line(monkeypatch, capsys, args,
+                                                               expected):
+    """Not jsonargparse's list of what every type of the option accepts (a bool, None, the
+    forms of a class path), with the given value's repr, for one missing argument."""
+    assert parse_error(monkeypatch, capsys, "fit", "--config", TINY, *args) == expected
+
+
 def test_with_traceback_the_raised_parse_error_has_the_suggestion(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_module.main(["fit", "--trainer.max_step", "5", errors.TRACEBACK_FLAG],
@@ -199,13 +218,13 @@ def test_with_traceback_the_raised_parse_error_has_the_suggestion(capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: unrecognized arguments: --trainer.max_step 5; did you mean "
                            "--trainer.max_steps")
-    assert last.count(errors.DID_YOU_MEAN) == 1
+    assert last.count(parse_errors.DID_YOU_MEAN) == 1
 
 
 def test_did_you_mean_prefers_the_same_group_and_stays_quiet_without_a_close_name():
     options = ["--config", "--model.gradient_clip_val", "--trainer.gradient_clip_val",
                "--trainer.max_steps", "--model.tools", "--model.tools+", "--model.rewards"]
-    say = errors.did_you_mean
+    say = parse_errors.did_you_mean
     assert say("unrecognized arguments: --model.gradient_clip 1", options).endswith(
         "; did you mean --model.gradient_clip_val?")
     assert say("unrecognized arguments: --model.max_steps 3", options).endswith(

@@ -19,8 +19,7 @@ full trace is printed, then one line asking for a report; or, where its innermos
 in a file neither of this package nor of the libraries (a user's objective subclass, callback
 or module), one line naming that file and line. ``--traceback``, anywhere on the
 command line, prints the full trace for user errors too. A parse error (jsonargparse's usage
-line and ``error: ...``, exit code 2) naming an unknown option or config key ends with the
-closest known ones (:func:`did_you_mean`).
+line and ``error: ...``, exit code 2) is shortened by :mod:`maxent_grpo.cli.parse_errors`.
 
 Wrapped errors are unwrapped first: one re-raised by PyTorch from a DataLoader worker or a
 spawned process carries the original trace as text (its last line is the message shown),
@@ -31,15 +30,12 @@ summary of every type an option accepts) is reported as the user error it wraps.
 from __future__ import annotations
 
 import builtins
-import difflib
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
-
-from maxent_grpo.cli.help import PROG, SUBCOMMANDS
 
 T = TypeVar("T")
 
@@ -246,72 +242,6 @@ def message_of(error: BaseException) -> str:
         if os.path.isfile(frame.filename):  # not importlib's frozen frames (a SyntaxError)
             message = f"{message} (at {frame.filename}:{frame.lineno})"
     return message
-
-
-#: a parse error's naming of an unknown option: jsonargparse's text for one on the command
-#: line (``args``: the rest of the command line from it) and for a key in a config file
-_UNKNOWN_OPTION = (
-    re.compile(r"unrecognized arguments: (?P<args>.*)"),
-    re.compile(r"Group '(?P<group>[^']+)' does not accept option '(?P<key>[^']+)'"),
-    re.compile(r"Subcommand '[^']+' does not accept option '(?P<key>[^']+)'"),
-    re.compile(r"Option '(?P<key>[^']+)' is not accepted"),
-)
-DID_YOU_MEAN = "did you mean"
-
-
-def close_options(key: str, known: Iterable[str], n: int = 3) -> list[str]:
-    """The up to ``n`` names of ``known`` (dotted: ``trainer.max_steps``) closest to the
-    unknown ``key``: by the last part among the names of the same group, else by the last
-    part among all (a misspelt or wrong group: ``modle.num_generations``)."""
-    group, _, leaf = key.rpartition(".")
-    by_leaf: dict[str, list[str]] = {}
-    same_group: dict[str, str] = {}
-    for name in sorted(set(known)):
-        name_group, _, name_leaf = name.rpartition(".")
-        by_leaf.setdefault(name_leaf, []).append(name)
-        if name_group == group and name != key:  # another subcommand's option: no hint
-            same_group[name_leaf] = name
-    found = [same_group[m] for m in difflib.get_close_matches(leaf, list(same_group), n)]
-    if not found:
-        close = difflib.get_close_matches(leaf, list(by_leaf), n, cutoff=0.8)
-        found = [name for m in close for name in by_leaf[m] if name != key]
-    return found[:n]
-
-
-def did_you_mean(message: str, options: Iterable[str]) -> str:
-    """A parse error's ``message`` with, for each unknown option it names, the closest of
-    ``options`` (``--trainer.max_steps``, ...): ``...; did you mean --trainer.max_steps?``.
-    A key of a config file is answered with keys (``model.num_generations``)."""
-    if DID_YOU_MEAN in message:  # a parent parser reporting its subcommand's error
-        return message
-    known = {o[2:] for o in options if o.startswith("--") and not o.endswith("+")}
-    unknown = _unknown_options(message)
-    hints = []
-    for key, dashes in unknown:
-        sub, _, rest = key.partition(".")
-        if not dashes and sub in SUBCOMMANDS and rest in known:  # a whole-CLI config's key
-            hints.append(f"a config with a '{sub}:' section goes before the subcommand "
-                         f"({PROG} --config FILE {sub}); after it, leave out the '{sub}:' level")
-            continue
-        close = close_options(key, known)
-        if close:
-            names = " or ".join(f"{dashes}{name}" for name in close)
-            hints.append(f"{dashes}{key}: {DID_YOU_MEAN} {names}?" if len(unknown) > 1
-                         else f"{DID_YOU_MEAN} {names}?")
-    return "; ".join([message, *hints])
-
-
-def _unknown_options(message: str) -> list[tuple[str, str]]:
-    """``(key, prefix as written: "--" or "")`` of each unknown option ``message`` names."""
-    for pattern in _UNKNOWN_OPTION:
-        match = pattern.search(message)
-        if match and "args" in pattern.groupindex:
-            words = match["args"].split()
-            return [(w.split("=", 1)[0][2:], "--") for w in words if w.startswith("--")]
-        if match:
-            group = match.groupdict().get("group")
-            return [(f"{group}.{match['key']}" if group else match["key"], "")]
-    return []
 
 
 def import_class(class_path: Any) -> type | None:

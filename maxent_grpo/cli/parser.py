@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from maxent_grpo.cli import errors
+from maxent_grpo.cli import errors, parse_errors
 from maxent_grpo.cli import help as cli_help
 from maxent_grpo.rollout import vllm_server  # noqa: F401  (`model.engine VLLMServerEngine`)
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
@@ -51,9 +51,9 @@ class ShortUsageParser(LightningArgumentParser):
         (file or sys.stderr).write(f"usage: {self.prog} [options]\n")
 
     def error(self, message: str, ex: Exception | None = None) -> None:  # NoReturn
-        """jsonargparse's error, ``; did you mean --x?`` added (:func:`errors.did_you_mean`)
-        from this parser's options and its subcommands' (a config file's keys are checked
-        by the parser above the subcommand's)."""
+        """jsonargparse's error made short (:mod:`maxent_grpo.cli.parse_errors`), ``; did you
+        mean --x?`` added from this parser's options and its subcommands' (a config file's
+        keys are checked by the parser above the subcommand's)."""
         parsers = [self]
         if self._subcommands_action is not None:
             parsers += self._subcommands_action._name_parser_map.values()
@@ -62,7 +62,8 @@ class ShortUsageParser(LightningArgumentParser):
         if linked:
             message = (f"--{linked[2]} is set from --{linked[1]} (linked options are given "
                        f"once): give --{linked[1]} instead")
-        super().error(errors.did_you_mean(message, options), ex)
+        message = parse_errors.short_subclass_error(message)
+        super().error(parse_errors.did_you_mean(message, options), ex)
 
     def format_help(self) -> str:
         """The short page (:mod:`maxent_grpo.cli.help`): our options before Lightning's

@@ -1,0 +1,123 @@
+"""A jsonargparse parse error (the usage line, ``error: ...``, exit code 2), made short.
+
+An unknown option or config key ends with the closest known ones (:func:`did_you_mean`). A
+class given by path (``--model.objective EntropyMaxEnt``, ``--trainer.logger+=CSVLogger``,
+``--trainer.callbacks+=...``) whose arguments are wrong is said in one line naming the option,
+the class and the problem (:func:`short_subclass_error`), not jsonargparse's list of what
+every other type of the option would accept.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+
+from maxent_grpo.cli.help import PROG, SUBCOMMANDS
+
+#: a parse error's naming of an unknown option: jsonargparse's text for one on the command
+#: line (``args``: the rest of the command line from it) and for a key in a config file
+_UNKNOWN_OPTION = (
+    re.compile(r"unrecognized arguments: (?P<args>.*)"),
+    re.compile(r"Group '(?P<group>[^']+)' does not accept option '(?P<key>[^']+)'"),
+    re.compile(r"Subcommand '[^']+' does not accept option '(?P<key>[^']+)'"),
+    re.compile(r"Option '(?P<key>[^']+)' is not accepted"),
+)
+DID_YOU_MEAN = "did you mean"
+
+
+def close_options(key: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """The up to ``n`` names of ``known`` (dotted: ``trainer.max_steps``) closest to the
+    unknown ``key``: by the last part among the names of the same group, else by the last
+    part among all (a misspelt or wrong group: ``modle.num_generations``)."""
+    group, _, leaf = key.rpartition(".")
+    by_leaf: dict[str, list[str]] = {}
+    same_group: dict[str, str] = {}
+    for name in sorted(set(known)):
+        name_group, _, name_leaf = name.rpartition(".")
+        by_leaf.setdefault(name_leaf, []).append(name)
+        if name_group == group and name != key:  # another subcommand's option: no hint
+            same_group[name_leaf] = name
+    found = [same_group[m] for m in difflib.get_close_matches(leaf, list(same_group), n)]
+    if not found:
+        close = difflib.get_close_matches(leaf, list(by_leaf), n, cutoff=0.8)
+        found = [name for m in close for name in by_leaf[m] if name != key]
+    return found[:n]
+
+
+def did_you_mean(message: str, options: Iterable[str]) -> str:
+    """A parse error's ``message`` with, for each unknown option it names, the closest of
+    ``options`` (``--trainer.max_steps``, ...): ``...; did you mean --trainer.max_steps?``.
+    A key of a config file is answered with keys (``model.num_generations``)."""
+    if DID_YOU_MEAN in message:  # a parent parser reporting its subcommand's error
+        return message
+    known = {o[2:] for o in options if o.startswith("--") and not o.endswith("+")}
+    unknown = _unknown_options(message)
+    hints = []
+    for key, dashes in unknown:
+        sub, _, rest = key.partition(".")
+        if not dashes and sub in SUBCOMMANDS and rest in known:  # a whole-CLI config's key
+            hints.append(f"a config with a '{sub}:' section goes before the subcommand "
+                         f"({PROG} --config FILE {sub}); after it, leave out the '{sub}:' level")
+            continue
+        close = close_options(key, known)
+        if close:
+            names = " or ".join(f"{dashes}{name}" for name in close)
+            hints.append(f"{dashes}{key}: {DID_YOU_MEAN} {names}?" if len(unknown) > 1
+                         else f"{DID_YOU_MEAN} {names}?")
+    return "; ".join([message, *hints])
+
+
+def _unknown_options(message: str) -> list[tuple[str, str]]:
+    """``(key, prefix as written: "--" or "")`` of each unknown option ``message`` names."""
+    for pattern in _UNKNOWN_OPTION:
+        match = pattern.search(message)
+        if match and "args" in pattern.groupindex:
+            words = match["args"].split()
+            return [(w.split("=", 1)[0][2:], "--") for w in words if w.startswith("--")]
+        if match:
+            group = match.groupdict().get("group")
+            return [(f"{group}.{match['key']}" if group else match["key"], "")]
+    return []
+
+
+_UNION_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*\n\s*Does not validate against any of '
+                        r"the Union subtypes")
+_CLASS_PROBLEM = re.compile(r"^(?P<indent>\s*)- Problem with given class_path '(?P<cls>[^']+)':$")
+_NESTED_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)$', re.DOTALL)
+_REQUIRED = re.compile(r"the following arguments are required: (?P<names>[\w, ]+)")
+
+
+def short_subclass_error(message: str) -> str:
+    """jsonargparse's error for a class given by path to an option that accepts several types
+    (``Parser key "trainer.logger": Does not validate against any of the Union subtypes ...
+    - Problem with given class_path 'X': <the problem> - Expected a <class 'bool'> ...``) as
+    ``--trainer.logger (X): <the problem>``, with how to give a missing argument (an unknown
+    one already ends with the class's closest: its own parser's :func:`did_you_mean`); any
+    other message as it is."""
+    union = _UNION_KEY.match(message)
+    lines = message.splitlines()
+    problems = [(i, m) for i, m in enumerate(map(_CLASS_PROBLEM.match, lines)) if m]
+    if union is None or len(problems) != 1:
+        return message
+    (at, problem), key = problems[0], union["key"]
+    depth = len(problem["indent"])
+    body = []
+    for line in lines[at + 1:]:
+        if len(line) - len(line.lstrip()) <= depth:
+            break
+        body.append(line.strip())
+    text = " ".join(body)
+    nested = _NESTED_KEY.match(text)
+    if nested:  # an argument's value: Parser key "alpha": Expected a <class 'float'>. ...
+        key, text = f"{key}.{nested['key']}", nested["rest"]
+    cls_path = problem["cls"]
+    short = f"--{key} ({cls_path}): {text}"
+    required = _REQUIRED.search(text)
+    if required:
+        names = [n.strip() for n in required["names"].split(",") if n.strip()]
+        given = " ".join(f"--{key}.{n} VALUE" for n in names)
+        return (f"{short}; give {'it' if len(names) == 1 else 'them'} after the class "
+                f"({given}) or in its init_args in a config")
+    return short
+
