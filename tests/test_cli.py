@@ -287,6 +287,26 @@ def test_an_option_of_another_objective_is_named(monkeypatch, capsys):
     assert "'tau'" in err and "GRPO" in err
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--model.objective", "Nope"],
+     "--model.objective: no class named 'Nope': give one of GRPO, EntropyMaxEnt, "
+     "ListwiseMaxEnt, GroupMaxEnt, or a class's import path (my_module.MyClass)"),
+    (["--model.objective.help", "Entropymaxent"],
+     "--model.objective: no class named 'Entropymaxent': give one of GRPO, EntropyMaxEnt, "
+     "ListwiseMaxEnt, GroupMaxEnt, or a class's import path (my_module.MyClass); did you mean "
+     "EntropyMaxEnt?"),
+    (["--model.engine", "HFEngine"],
+     "--model.engine: no class named 'HFEngine': give one of HFGenerateEngine, VLLMEngine, "
+     "VLLMServerEngine, or a class's import path (my_module.MyClass); did you mean "
+     "VLLMEngine or HFGenerateEngine or VLLMServerEngine?"),
+], ids=["objective", "objective-help", "engine"])
+def test_a_class_name_that_names_no_class_lists_the_ones_it_could_be(monkeypatch, capsys,
+                                                                     args, expected):
+    """Was jsonargparse's "Expected a dot import path string: Nope" among what every other
+    type of the option accepts (a config path, None), listing no objective."""
+    assert parse_error(monkeypatch, capsys, *args).strip() == expected
+
+
 def built_error(monkeypatch, tmp_path, *args: str, exc: type[Exception] = ValueError) -> str:
     """Run the real CLI (parse + build, no fit) and return the constructor's error text."""
     monkeypatch.chdir(tmp_path)  # a Trainer that did get built must write nothing here
@@ -426,6 +446,7 @@ def test_objective_help_lists_that_objectives_options(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--model.objective.tau" in out and "--model.objective.q_temperature" in out
+    assert out.startswith("usage: python -m maxent_grpo")  # was named after sys.argv[0]
 
 
 def test_an_engine_is_named_by_its_short_name_as_an_objective_is(capsys):
@@ -649,3 +670,14 @@ def test_the_console_command_imports_a_module_of_the_working_folder(tmp_path):
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0 and run.stdout.strip().endswith("[1.0]"), run.stdout + run.stderr
+
+
+def test_a_checkpoint_callback_without_a_folder_trains(monkeypatch, tmp_path, capsys):
+    """A ``Checkpoint`` that is not a ``ModelCheckpoint`` (Lightning's base, a user's own
+    saver) has no ``dirpath``: the fit's folder checks and its end summary crashed on it as
+    "a bug" (AttributeError) before or after training."""
+    monkeypatch.chdir(tmp_path)
+    cli_module.main(["fit", "--config", "tiny", "--trainer.max_steps", "1",
+                     "--trainer.callbacks+=lightning.pytorch.callbacks.Checkpoint"])
+    assert "fit done: 1 steps" in capsys.readouterr().out
+    assert (tmp_path / "lightning_logs" / "tiny" / "checkpoints").is_dir()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from maxent_grpo.cli.help import PROG, SUBCOMMANDS
 
@@ -121,3 +122,46 @@ def short_subclass_error(message: str) -> str:
                 f"({given}) or in its init_args in a config")
     return short
 
+
+
+_NO_CLASS = re.compile(r"Expected a dot import path string: (?P<name>\S+)")
+_OPTION_KEY = re.compile(r'^(?:Parser key "(?P<key>[^"]+)":|--(?P<help>\S+?)\.help:)')
+
+
+def short_unknown_class(message: str, parsers: Sequence[Any]) -> str:
+    """jsonargparse's error for a class name that names no class (``--model.objective Nope``,
+    ``--model.objective.help Nope``: "Expected a dot import path string: Nope" among what
+    every other type would accept) as the option, the name and the classes it could be (the
+    subclasses ``parsers``' ``--<option>.help`` knows), the closest first; any other message
+    as it is."""
+    missing, option = _NO_CLASS.search(message), _OPTION_KEY.match(message)
+    if missing is None or option is None:
+        return message
+    key = option["key"] or option["help"]
+    names = _class_names(parsers, key)
+    if not names:
+        return message
+    name = missing["name"]
+    close = difflib.get_close_matches(name, names, 3, cutoff=0.5)
+    hint = f"; {DID_YOU_MEAN} {' or '.join(close)}?" if close else ""
+    return (f"--{key}: no class named {name!r}: give one of {', '.join(names)}, or a class's "
+            f"import path (my_module.MyClass){hint}")
+
+
+def _class_names(parsers: Sequence[Any], key: str) -> list[str]:
+    """The names of the classes the class-typed option ``key`` of one of ``parsers`` takes:
+    the subclasses of its type that are imported (jsonargparse's list, by which a name is
+    resolved), less the type itself."""
+    from jsonargparse._typehints import get_all_subclass_paths  # jsonargparse's own lookup
+
+    for parser in parsers:
+        action = parser._option_string_actions.get(f"--{key}.help")
+        bases = getattr(action, "_help_types", None)
+        if bases:
+            own = {f"{b.__module__}.{b.__qualname__}" for b in bases}
+            paths = [p for b in bases for p in get_all_subclass_paths(b)]
+            names = [p.rsplit(".", 1)[-1] for p in paths if p not in own]
+            names = [n for n in names if n not in {b.__name__ for b in bases}
+                     and not n.endswith("Base")]  # a shared base (VLLMEngineBase): not one
+            return list(dict.fromkeys(names))
+    return []

@@ -47,6 +47,11 @@ class ShortUsageParser(LightningArgumentParser):
     every option), the ``--help`` tip and the error, which for an unknown option (also a
     prefix of one: no abbreviations) names the closest known ones."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # jsonargparse makes --x.help's parser without a prog: it was "usage: __main__.py"
+        kwargs.setdefault("prog", cli_help.PROG)
+        super().__init__(*args, **kwargs)
+
     def print_usage(self, file: Any = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [options]\n")
 
@@ -62,6 +67,7 @@ class ShortUsageParser(LightningArgumentParser):
         if linked:
             message = (f"--{linked[2]} is set from --{linked[1]} (linked options are given "
                        f"once): give --{linked[1]} instead")
+        message = parse_errors.short_unknown_class(message, parsers)
         message = parse_errors.short_subclass_error(message)
         super().error(parse_errors.did_you_mean(message, options), ex)
 
@@ -296,7 +302,8 @@ class MaxEntGRPOCLI(LightningCLI):
             rank_zero_info(f"--ckpt_path last: no checkpoint yet in {', '.join(folders)}: the "
                            "fit starts from step 0")
         if self._resume is None and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
-            for folder in dict.fromkeys(str(cb.dirpath) for cb in callbacks if cb.dirpath):
+            dirpaths = (getattr(cb, "dirpath", None) for cb in callbacks)  # any Checkpoint
+            for folder in dict.fromkeys(str(path) for path in dirpaths if path):
                 if os.path.isdir(folder) and ckpt_io.checkpoint_files(folder):
                     logging.getLogger(__name__).warning(
                         "checkpoints go to %s, which holds an earlier run's: this run's are "

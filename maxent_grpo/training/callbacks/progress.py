@@ -343,8 +343,9 @@ def _folders(trainer: pl.Trainer) -> tuple[str | None, list[str]]:
     """The run's log folder (None without a logger) and its savers' folders, as shown."""
     # save_last: ModelCheckpoint writes last.ckpt in its own on_train_end, after the summary
     saved = [_shown(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", [])
-             if cb.dirpath and (cb.last_model_path or cb.best_model_path
-                                or getattr(cb, "save_last", None))]
+             if getattr(cb, "dirpath", None)  # any Checkpoint, not only ModelCheckpoint
+             and (getattr(cb, "last_model_path", None) or getattr(cb, "best_model_path", None)
+                  or getattr(cb, "save_last", None))]
     loggers = getattr(trainer, "loggers", None)
     log_dir = run_dir(trainer) if loggers and not isinstance(loggers[0], DummyLogger) else None
     return _shown(log_dir), list(dict.fromkeys(saved))
