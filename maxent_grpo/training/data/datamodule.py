@@ -83,8 +83,8 @@ class PromptDataModule(pl.LightningDataModule):
         val_size: validation rows generated for ``task``, or split off the training rows
             when no ``val_files`` / ``val_split`` is given.
         seed: seed of task generation, the train/val split and the shuffle order.
-        holdout_val_prompts: with ``task``, drop the training rows whose prompt is also a
-            validation prompt; False keeps them (a small closed task such as ``digit_pairs``).
+        holdout_val_prompts: drop training rows repeating a validation prompt (of ``task``,
+            or of ``val_size`` rows split off); False keeps them (a closed ``digit_pairs``).
         data_files: local .jsonl, .json, .csv or .parquet training files: a path, a glob
             pattern (``**`` crosses folders) or a list of them; or None.
         val_files: validation rows given like ``data_files``, with any training source.
@@ -161,9 +161,9 @@ class PromptDataModule(pl.LightningDataModule):
         for name, value in (("answer_column", answer_column), ("system_prompt", system_prompt)):
             require(value is None or (isinstance(value, str) and bool(value)),
                     f"data.{name} must be a non-empty string or null; got {value!r}")
-        check_bool("data.holdout_val_prompts", holdout_val_prompts)
-        check_bool("data.shuffle", shuffle)
-        check_bool("data.apply_chat_template", apply_chat_template)
+        for name, flag in (("holdout_val_prompts", holdout_val_prompts), ("shuffle", shuffle),
+                           ("apply_chat_template", apply_chat_template)):
+            check_bool(f"data.{name}", flag)
         require(not tools or apply_chat_template,
                 "data.tools (model.tools) are shown to the model by the chat template; set "
                 "data.apply_chat_template: true")
@@ -190,8 +190,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.val_dataset: PromptDataset | None = None
         self.dropped, self.longest = {}, {}  # per split: prompts dropped, the longest kept
         self._train_sampler: EpochShuffleSampler | None = None
-        self._epoch = 0  # the position in the training order (see state_dict)
-        self._consumed = 0
+        self._epoch = self._consumed = 0  # the position in the training order (state_dict)
         self._resume_consumed = 0  # prompts of `_epoch` the sampler skips (load_state_dict)
         # prompts this rank drew from the refill stream (refill_batch), and before this step
         self._refill, self._refill_before_step = RefillStream(seed + REFILL_SEED), 0
@@ -210,9 +209,10 @@ class PromptDataModule(pl.LightningDataModule):
         """The rows of the source that is set (when ``fitting``, a split-off ``val_size`` must
         leave a batch of training rows)."""
         batch_size = self.batch_size if fitting else None
+        holdout = self.prompt_column if self.holdout_val_prompts else None  # split-off rows
         if self.data_files is not None:
             return file_sources(self.data_files, self.val_files, self.val_size, self.seed,
-                                self.dataset_cache_dir, batch_size)
+                                self.dataset_cache_dir, batch_size, holdout)
         val = val_file_rows(self.val_files, self.dataset_cache_dir) if self.val_files else None
         if self.task is not None:
             return task_sources(
@@ -220,7 +220,7 @@ class PromptDataModule(pl.LightningDataModule):
                 self.prompt_column, self.holdout_val_prompts, val)
         return hub_sources(
             self.dataset_name, self.dataset_config, self.train_split, self.val_split,
-            self.dataset_cache_dir, self.val_size, self.seed, batch_size, val)
+            self.dataset_cache_dir, self.val_size, self.seed, batch_size, val, holdout)
 
     def _get_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -294,7 +294,7 @@ class PromptDataModule(pl.LightningDataModule):
             self.val_dataset = self._build(fmt, sources.val, "val")
             self._train_counts = {
                 "kept": len(self.train_dataset), "long": self.dropped.get("train", 0),
-                "heldout": self.train_size - len(sources.train.rows) if self.task else 0,
+                "heldout": sources.heldout,
                 "split_off": len(sources.val.rows) if self.task is None and self.val_files is None
                 and self.val_split is None else 0,
             }

@@ -69,10 +69,12 @@ class SplitRows:
 
 @dataclass(frozen=True)
 class Sources:
-    """The training and validation rows."""
+    """The training and validation rows, and how many training rows were left out for
+    repeating a validation prompt (``data.holdout_val_prompts``)."""
 
     train: SplitRows
     val: SplitRows
+    heldout: int = 0
 
 
 # each source-specific option and the source it belongs to
@@ -196,32 +198,42 @@ def task_sources(
     ``2*seed + 1`` (or the rows of ``val_files``: :func:`val_file_rows`); with
     ``holdout_val_prompts`` the training rows whose ``prompt_column`` value is also a
     validation row's are dropped (logged), and so are those with a validation row's
-    ``numbers`` (in any order) and ``target`` (a countdown problem shown in another order)."""
+    ``numbers`` (in any order) and ``target`` (a countdown problem shown in another order):
+    :func:`hold_out`."""
     train = build_task(task, train_size, 2 * seed, **options)
     val = (val_files.rows if val_files is not None
            else build_task(task, val_size, 2 * seed + 1, **options) if val_size else [])
-
-    def problem(row: dict[str, Any]) -> set[str]:
-        """The prompt, and a countdown problem whatever the order its numbers are shown in
-        (read from text too: a CSV cell of ``val_files``)."""
-        prompt = row.get(prompt_column)  # a row without it has no prompt to compare
-        keys = set() if prompt is None else {json.dumps(prompt, sort_keys=True)}
-        numbers, target = (_cell(row.get(key)) for key in ("numbers", "target"))
-        if isinstance(numbers, list) and all(_whole(n) for n in [*numbers, target]):
-            keys.add(json.dumps([sorted(int(n) for n in numbers), int(target)]))
-        return keys
-
-    held = set().union(*map(problem, val))
-    keep = [i for i, r in enumerate(train) if not holdout_val_prompts or not problem(r) & held]
-    if len(keep) < len(train):
-        log.info("dropped %d training rows that repeat a validation prompt (or problem)",
-                 len(train) - len(keep))
     source = f"task {task!r}"
-    return Sources(
-        SplitRows([train[i] for i in keep], keep, f"{source} (train)"),
-        val_files or SplitRows.whole(val, f"{source} (val)"),
-    )
+    kept = SplitRows.whole(train, f"{source} (train)")
+    if holdout_val_prompts:
+        kept = hold_out(kept, val, prompt_column)
+    if len(kept.rows) < len(train):
+        log.info("dropped %d training rows that repeat a validation prompt (or problem)",
+                 len(train) - len(kept.rows))
+    return Sources(kept, val_files or SplitRows.whole(val, f"{source} (val)"),
+                   len(train) - len(kept.rows))
 
+
+def _problem(row: dict[str, Any], prompt_column: str) -> set[str]:
+    """A row's prompt, and a countdown problem whatever the order its numbers are shown in
+    (read from text too: a CSV cell of ``val_files``)."""
+    prompt = row.get(prompt_column)  # a row without it has no prompt to compare
+    keys = set() if prompt is None else {json.dumps(prompt, sort_keys=True, default=str)}
+    numbers, target = (_cell(row.get(key)) for key in ("numbers", "target"))
+    if isinstance(numbers, list) and all(_whole(n) for n in [*numbers, target]):
+        keys.add(json.dumps([sorted(int(n) for n in numbers), int(target)]))
+    return keys
+
+
+def hold_out(train: SplitRows, val_rows: list[Row], prompt_column: str) -> SplitRows:
+    """``train`` less the rows whose ``prompt_column`` value (or countdown problem) is also
+    one of ``val_rows``'."""
+    held = set().union(*(_problem(row, prompt_column) for row in val_rows))
+    keep = [i for i, row in enumerate(train.rows) if not _problem(row, prompt_column) & held]
+    if len(keep) == len(train.rows):
+        return train
+    return replace(train, rows=[train.rows[i] for i in keep],
+                   indices=[train.indices[i] for i in keep])
 
 def _cell(value: Any) -> Any:
     """``value``, or the JSON a text holds (a CSV cell)."""
@@ -260,13 +272,14 @@ def file_sources(
     seed: int,
     cache_dir: str | None,
     batch_size: int | None = None,
+    holdout_column: str | None = None,
 ) -> Sources:
     """The rows of ``data_files``; validation rows from ``val_files``, else ``val_size``
-    rows split off (:func:`split_off_val`, which gets ``batch_size``)."""
+    rows split off (:func:`split_off_val`, which gets ``batch_size`` and ``holdout_column``)."""
     rows, files = read_files("data.data_files", data_files, cache_dir)
     train = SplitRows.whole(rows, f"data.data_files {data_files!r}", files)
     if val_files is None:
-        return split_off_val(train, val_size, seed, batch_size, "data.val_files")
+        return split_off_val(train, val_size, seed, batch_size, "data.val_files", holdout_column)
     return Sources(train, val_file_rows(val_files, cache_dir, files))
 
 
@@ -280,10 +293,11 @@ def hub_sources(
     seed: int,
     batch_size: int | None = None,
     val_files: SplitRows | None = None,
+    holdout_column: str | None = None,
 ) -> Sources:
     """Split ``train_split`` of dataset ``name``; validation rows from ``val_split`` (or
     ``val_files``: :func:`val_file_rows`), else ``val_size`` rows split off (see
-    :func:`split_off_val`, which gets ``batch_size``)."""
+    :func:`split_off_val`, which gets ``batch_size`` and ``holdout_column``)."""
     train = SplitRows.whole(
         load_hub_rows(name, config, train_split, cache_dir),
         f"dataset_name {name!r} split {train_split!r}",
@@ -291,7 +305,7 @@ def hub_sources(
     if val_files is not None:
         return Sources(train, val_files)
     if val_split is None:
-        return split_off_val(train, val_size, seed, batch_size, "data.val_split")
+        return split_off_val(train, val_size, seed, batch_size, "data.val_split", holdout_column)
     val = load_hub_rows(name, config, val_split, cache_dir)
     return Sources(train, SplitRows.whole(val, f"dataset_name {name!r} split {val_split!r}"))
 
@@ -302,9 +316,12 @@ def split_off_val(
     seed: int,
     batch_size: int | None = None,
     val_option: str | None = None,
+    holdout_column: str | None = None,
 ) -> Sources:
     """``val_size`` rows of ``whole`` chosen by ``torch.randperm(len(rows), generator=seed)``
-    become the validation rows, the rest the training rows, both in source order.
+    become the validation rows, the rest the training rows, both in source order; with
+    ``holdout_column`` (``data.holdout_val_prompts``) less those repeating a validation
+    row's prompt (:func:`hold_out`; a warning says how many).
 
     Raises ValueError naming the ``--data.`` flags to type (and ``val_option``, the option
     giving separate validation rows) unless at least ``batch_size`` (or 1) training rows remain.
@@ -316,10 +333,16 @@ def split_off_val(
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
     val_idx = sorted(perm[:val_size].tolist())
     train_idx = sorted(perm[val_size:].tolist())
-    return Sources(
-        replace(whole, rows=[rows[i] for i in train_idx], indices=train_idx),
-        replace(whole, rows=[rows[i] for i in val_idx], indices=val_idx),
-    )
+    val = replace(whole, rows=[rows[i] for i in val_idx], indices=val_idx)
+    train = replace(whole, rows=[rows[i] for i in train_idx], indices=train_idx)
+    kept = train if holdout_column is None else hold_out(train, val.rows, holdout_column)
+    heldout = len(train.rows) - len(kept.rows)
+    if heldout:
+        log.warning("%s: %d of the %d training rows repeat the prompt of one of the %d rows "
+                    "split off for validation and are left out of training (set "
+                    "data.holdout_val_prompts: false to train on them)", whole.source, heldout,
+                    len(train.rows), val_size)
+    return Sources(kept, val, heldout)
 
 
 def _too_few_rows(
@@ -356,7 +379,7 @@ def too_few_train_prompts(
 ) -> str:
     """Why the training prompts are fewer than ``batch_size`` (each of ``world`` processes
     draws ``batch_size`` of its share), and the flags that fix it, from ``counts`` of where
-    the rows went: ``kept``, ``long`` (over ``max_prompt_length``), ``heldout`` (task rows
+    the rows went: ``kept``, ``long`` (over ``max_prompt_length``), ``heldout`` (rows
     repeating a validation prompt), ``split_off`` (file rows split off for validation)."""
     kept = counts["kept"]
     why, fixes = [], []
@@ -376,6 +399,10 @@ def too_few_train_prompts(
             fixes.append(f"raise --data.train_size (now {train_size})")
     elif counts["split_off"]:
         why.append(f"{counts['split_off']} rows split off for validation (data.val_size)")
+        if counts["heldout"]:
+            why.append(f"{counts['heldout']} repeat the prompt of one of them "
+                       "(data.holdout_val_prompts)")
+            fixes.append("set --data.holdout_val_prompts false")
         fixes.append(f"lower --data.val_size (now {val_size})")
     if counts["long"]:
         why.append(f"{counts['long']} dropped as longer than data.max_prompt_length "

@@ -722,11 +722,37 @@ def test_too_few_training_prompts_name_the_flags(tmp_path):
                        r"data\.max_prompt_length \(26 tokens\)\); set --data\.batch_size \d+ or "
                        r"less, or lower --data\.val_size \(now 4\), or raise "
                        r"--data\.max_prompt_length \(now 26\), or add rows"):
-        make(task=None, data_files=path, val_size=4, batch_size=16, max_prompt_length=26)
+        make(task=None, data_files=path, val_size=4, batch_size=16, max_prompt_length=26,
+             holdout_val_prompts=False)  # 4 prompts: the validation rows' would all go
     with pytest.raises(ValueError, match=r"longer than data\.max_prompt_length \(5 tokens; the "
                        r"shortest has 25\); set --data\.max_prompt_length 25 or more \(every "
                        r"prompt fits 28\), or --data\.max_prompt_length null"):
-        make(task=None, data_files=path, val_size=4, max_prompt_length=5)
+        make(task=None, data_files=path, val_size=4, max_prompt_length=5,
+             holdout_val_prompts=False)
+
+
+def test_rows_split_off_a_file_for_validation_hold_out_their_prompts(tmp_path, caplog):
+    """Validation rows split off a file by row (``val_size``) shared their prompts with the
+    training rows whenever the file repeats prompts: ``holdout_val_prompts`` held out only a
+    task's (a hunt's file of 100 prompts in 199,936 rows: 91,704 training rows repeated one of
+    the 64 validation rows' prompts)."""
+    rows = [{"prompt": f"p{i % 6}", "answer": str(i % 6)} for i in range(30)]
+    path = write(tmp_path / "rows.jsonl", rows)
+    caplog.set_level("WARNING")
+    dm = make(task=None, data_files=path, val_size=2, batch_size=2)
+    val = {ex.raw_prompt for ex in dm.val_dataset.examples}
+    train = [ex.raw_prompt for ex in dm.train_dataset.examples]
+    assert len(dm.val_dataset) == 2 and not set(train) & val
+    assert len(train) == 30 - 5 * len(val)  # every copy of a validation prompt went
+    assert f"{30 - 2 - len(train)} of the 28 training rows repeat the prompt" in caplog.text
+    kept = make(task=None, data_files=path, val_size=2, batch_size=2, holdout_val_prompts=False)
+    assert len(kept.train_dataset) == 28 and {
+        ex.raw_prompt for ex in kept.train_dataset.examples} & val
+    with pytest.raises(ValueError, match=r"training prompts \(\d+: 2 rows split off for "
+                       r"validation \(data\.val_size\); \d+ repeat the prompt of one of them "
+                       r"\(data\.holdout_val_prompts\)\); set --data\.batch_size \d+ or less, or "
+                       r"set --data\.holdout_val_prompts false, or lower --data\.val_size"):
+        make(task=None, data_files=path, val_size=2, batch_size=27)
 
 
 class NamedTokenizer(CharTokenizer):
