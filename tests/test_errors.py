@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.loggers import CSVLogger
 
 import maxent_grpo.cli.parser as cli_module
 from maxent_grpo.cli import errors
@@ -477,3 +478,28 @@ def test_import_class_gives_none_for_what_names_no_class():
     for path in (".LoraConfig", "..peft.LoraConfig", "no_such_module.X", "torch.nn.NoSuch",
                  "LoraConfig", None, 3):
         assert errors.import_class(path) is None, path
+
+
+class StoreRefused(Exception):
+    """Another library's own exception type (MLflow's ``MlflowException``)."""
+
+
+class RefusingLogger(CSVLogger):
+    """A logger whose library refuses its setting, as MLflow 3 refuses a ``file:`` store."""
+
+    def __init__(self, save_dir: str = "logs") -> None:
+        raise StoreRefused("the file store is in maintenance mode: set MLFLOW_ALLOW_FILE_STORE")
+
+
+def test_a_librarys_refusal_when_its_class_is_built_is_its_message_alone(bad_inputs, models,
+                                                                         capsys):
+    """jsonargparse wraps the error of a class it builds for an option of several types
+    (``trainer.logger``) in "Does not validate against any of the Union subtypes" and a line
+    per type; a cause of ours or a ValueError was said alone, another library's (MLflow
+    refusing its file store) came inside that list."""
+    args = case_args([], bad_inputs, models)
+    args[args.index("--trainer.logger") + 1] = f"{__name__}.RefusingLogger"
+    exit_code, err = run_cli(capsys, args)
+    assert exit_code == 1 and "Union subtypes" not in err and "Traceback" not in err, err
+    assert err.startswith("error: StoreRefused: the file store is in maintenance mode: set "
+                          "MLFLOW_ALLOW_FILE_STORE\n"), err

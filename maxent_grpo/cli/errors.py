@@ -144,12 +144,15 @@ def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
                 return current, message
         elif is_user_error(current):
             cause = current.__cause__
-            if not (_raised_in("jsonargparse", current) and cause is not None
-                    and is_user_error(cause)):
+            if not (_raised_in("jsonargparse", current) and cause is not None):
                 return current, message_of(current)
             # jsonargparse wraps a constructor's error ("Does not validate against any of
             # the Union subtypes ... Errors: - <ours> - <one per other subtype>"): ours is
-            # the cause, and says it alone
+            # the cause, and says it alone; another library's (MLflow refusing its file
+            # store) with its type's name; ours is a bug (its trace)
+            if (not is_user_error(cause) and _from_trace_text(cause) is None
+                    and not _raised_in("maxent_grpo", cause)):
+                return current, f"{type(cause).__name__}: {message_of(cause)}"
         current = current.__cause__
     return None
 
