@@ -177,7 +177,8 @@ def check_resumed_schedule(saved: dict[str, Any], schedule: ScheduleSettings,
     """Refuse a resume whose learning-rate schedule (``model.lr_scheduler`` and
     ``model.lr_warmup_steps``) is built of other schedulers than the checkpoint's state
     ``saved``: loaded into another class, that state crashed (``KeyError: '_schedulers'``)
-    or held the rate where it was for the rest of the run, without a word."""
+    or held the rate where it was for the rest of the run, without a word; and one whose
+    warm-up has another length (the checkpoint's went on, the config's was logged)."""
     def shape(state: dict[str, Any]) -> tuple[Any, ...]:  # the public keys name the class
         return (tuple(sorted(k for k in state if not k.startswith("_") and k != "verbose")),
                 tuple(shape(s) for s in state.get("_schedulers", ())))  # (torch adds others)
@@ -195,6 +196,13 @@ def check_resumed_schedule(saved: dict[str, Any], schedule: ScheduleSettings,
             "checkpoint's schedule, and this one cannot take its state; resume with the "
             "model.lr_scheduler and lr_warmup_steps the checkpoint was trained with (its "
             "config.yaml), or start afresh")
+    saved_w, built_w = (state.get("_milestones", [None])[0] for state in (saved, built))
+    if saved_w != built_w:  # loaded, the checkpoint's length went on, while the config's
+        raise ValueError(  # was logged (train/lr_warmup) and saved (config.yaml)
+            f"the checkpoint's learning-rate warm-up is {saved_w} steps, this run's "
+            f"model.lr_warmup_steps {schedule.lr_warmup_steps}: a resume continues the "
+            f"checkpoint's schedule; resume with model.lr_warmup_steps {saved_w}, or start "
+            "afresh")
 
 
 def _check_first_step(factory: Callable[[torch.optim.Optimizer], Any],

@@ -394,7 +394,7 @@ def too_few_train_prompts(
                       "give other data.val_files" if val_files
                       else f"lower --data.val_size (now {val_size})"]
         if not counts["heldout"] and not counts["long"]:
-            fixes.append(f"set --data.train_size {batch_size} or more")
+            fixes.append(f"set --data.train_size {batch_size * world} or more")
         elif kept:
             fixes.append(f"raise --data.train_size (now {train_size})")
     elif counts["split_off"]:

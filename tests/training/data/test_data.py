@@ -423,6 +423,11 @@ def test_each_process_needs_a_batch_of_training_rows(tmp_path):
         dm.setup("fit")
     dm.trainer = SimpleNamespace(world_size=1)
     dm.setup("fit")  # one process: a batch
+    task = PromptDataModule(task="arithmetic", train_size=3, val_size=4, batch_size=2)
+    task.set_tokenizer(CharTokenizer())
+    task.trainer = SimpleNamespace(world_size=2)  # 2 x 2 rows: 3 was "2 or more" (a hunt)
+    with pytest.raises(ValueError, match=r"set --data.train_size 4 or more"):
+        task.setup("fit")
 
 
 # ------------------------------------------------------------------ errors

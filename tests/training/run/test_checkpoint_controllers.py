@@ -220,7 +220,6 @@ def test_a_resume_with_a_schedule_of_other_schedulers_is_refused():
                    StepCounters(), loop(warmup), fitting=True, scheduler=factory)
 
     resume(checkpoint(4), 4)
-    resume(checkpoint(4), 3)  # the same schedulers: the checkpoint's go on, as documented
     resume(checkpoint(0, step_lr), 0, step_lr)
     older = checkpoint(4)  # as torch before 2.7 wrote it (a reader: a same-config resume
     state = older["lr_schedulers"][0]  # across a torch upgrade was refused)
@@ -233,6 +232,12 @@ def test_a_resume_with_a_schedule_of_other_schedulers_is_refused():
                                          (checkpoint(0, step_lr), 0, None)):
         with pytest.raises(ValueError, match=refused):
             resume(saved_state, warmup, factory)
+    # the same schedulers, another warm-up: the checkpoint's 4 steps went on while the
+    # config's 10 were logged as train/lr_warmup and saved in config.yaml (a DDP hunt)
+    with pytest.raises(ValueError, match=r"the checkpoint's learning-rate warm-up is 4 steps, "
+                       r"this run's model.lr_warmup_steps 10: .* resume with "
+                       r"model.lr_warmup_steps 4, or start afresh"):
+        resume(checkpoint(4), 10)
 
 
 def test_state_the_run_moved_itself_is_kept_on_a_resume():
