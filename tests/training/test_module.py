@@ -747,6 +747,59 @@ class DetachedLoss(GRPO):
         return dataclasses.replace(out, loss=out.loss.detach())
 
 
+class StatsAs(GRPO):
+    """A subclass adding ``stats`` to its targets and ``sums`` to its loss's."""
+
+    def __init__(self, stats=None, sums=None):
+        super().__init__()
+        self.extra_stats, self.extra_sums = stats or {}, sums or {}
+
+    def prepare(self, inputs):
+        targets = super().prepare(inputs)
+        targets.stats.update(self.extra_stats(inputs) if callable(self.extra_stats)
+                             else self.extra_stats)
+        return targets
+
+    def loss(self, mb):
+        out = super().loss(mb)
+        out.sums.update(self.extra_sums)
+        return out
+
+
+@pytest.mark.parametrize("objective, message", [
+    (StatsAs(stats={"reward/mean": torch.tensor(42.0)}),
+     r"StatsAs.prepare: Targets.stats\['reward/mean'\]: the trainer logs train/reward/mean "
+     r"itself, so the two would be mixed; give the value another name"),
+    (StatsAs(sums={"loss/total": (torch.tensor(99.0), torch.tensor(1.0))}),
+     r"StatsAs.loss: LossOutput.sums\['loss/total'\]: the trainer logs train/loss/total"),
+    (StatsAs(stats=lambda inputs: {"vec": inputs.rewards.mean(1)}),
+     r"StatsAs.prepare: Targets.stats\['vec'\] must be a 0-d tensor or a number; got \(4,\)"),
+    (StatsAs(sums={"x": 1.0}), r"StatsAs.loss: LossOutput.sums\['x'\] must be a pair \(sum, "
+                               r"count\) of 0-d tensors or numbers; got \['float'\]"),
+    (StatsAs(stats={"x": "high"}), r"Targets.stats\['x'\] must be .*; got str"),
+])
+def test_an_objectives_statistics_of_a_trainers_name_or_another_kind_are_named(
+        cache_dir, objective, message):
+    """A statistic named as one the trainer logs (``reward/mean``) replaced the logged
+    reward (42.0 at every step, the end summary too), a ``loss/total`` sum was averaged into
+    the loss logged; a plain float or a non-pair crashed as "a bug" (a hunt of the extension
+    points)."""
+    from maxent_grpo.validation import UserCodeError
+
+    with pytest.raises(UserCodeError, match=message):
+        fit(make_module(cache_dir, objective=objective), make_data(cache_dir), steps=1)
+
+
+def test_an_objectives_statistics_may_be_numbers(cache_dir):
+    """The documented 0-d tensors, or plain numbers, under names of the objective's own."""
+    module = make_module(cache_dir, objective=StatsAs(stats={"foo": 0.5},
+                                                      sums={"bar": (0.3, 1.0)}))
+    fit(module, make_data(cache_dir), steps=1)
+    logged = module.step_metrics_dict
+    assert logged["train/foo"] == pytest.approx(0.5)
+    assert logged["train/bar"] == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("objective, message", [
     (PerPromptAdvantages, r"PerPromptAdvantages.prepare: Targets.advantages must be a \(16,\) "
                           r"tensor \(4 groups x G=4\); got \(4,\)"),

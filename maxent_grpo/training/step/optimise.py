@@ -30,6 +30,7 @@ from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import LossOutput, MicroBatch
+from maxent_grpo.training.step.metrics import objective_values
 from maxent_grpo.training.step.trajectory import StepTimer, Trajectory
 from maxent_grpo.validation import UserCodeError, require
 
@@ -195,7 +196,8 @@ def optimizer_step(
             h = scores.policy_entropy_sum.double() / scores.denom_tok_tensor.clamp(min=1) * rows_in
             sums.add("entropy/sequence", h.sum(), rows_in.sum(), weight=weight)
             sums.add("entropy/sequence_sq", h.square().sum(), rows_in.sum(), weight=weight)
-        for key, (value, count) in out.sums.items():
+        owner = f"{type(ctx.objective).__name__}.loss: LossOutput.sums"
+        for key, (value, count) in objective_values(owner, out.sums, pairs=True).items():
             sums.add(key, value, count, weight=weight)
     timer.start()
     # 16-mixed: the gradients are the loss scaler's multiple until the step unscales them;

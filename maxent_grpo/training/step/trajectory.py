@@ -39,6 +39,7 @@ from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
 from maxent_grpo.rewards.answers import answer_keys
 from maxent_grpo.rewards.combine import TrainerState
 from maxent_grpo.rollout import GenerationBatch, RolloutOutput
+from maxent_grpo.training.step.metrics import objective_values
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.token_logps import MicroBatchPlan, equal_passes
 from maxent_grpo.training.types import AdvantageStats, QDistribution
@@ -141,8 +142,7 @@ class StepTimer:
     log-probs), ``backward_s`` (backward passes, clipping and the optimizer step),
     ``step_s`` (the whole step) and ``tokens_per_s`` (this rank's completion tokens over
     ``step_s``); the rollout's own time is the engine's (``perf/generate_s``). On CUDA each
-    boundary synchronises the device, so that kernels are charged to the phase that
-    launched them."""
+    boundary synchronises the device: kernels are charged to the phase that launched them."""
 
     def __init__(self, device: torch.device | str | None = None, clock=time.perf_counter) -> None:
         self._cuda = torch.device(device or "cpu").type == "cuda"
@@ -273,8 +273,7 @@ class Trajectory:
 
 
 def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajectory:
-    """Rollout, rewards, frozen log-probs and targets of one training batch (see the module
-    docstring)."""
+    """Rollout, rewards, frozen log-probs and targets of one training batch (module docs)."""
     gen = ctx.generation
     G, T_max = gen.num_generations, gen.sampling.max_new_tokens
     world = ctx.world_size
@@ -396,8 +395,7 @@ def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tupl
     that take part. With W > 1 ranks every rank's inputs are gathered (every rank has the
     same B), the kept groups of all ``W*B`` are prepared at once, exactly as one process
     given the same prompts would (``scale_rewards="batch"``, ``targets.stats``), and each
-    rank keeps the targets of its own (rank ``r``'s kept groups follow those of ranks
-    ``0..r-1``).
+    rank keeps the targets of its own (rank ``r``'s kept groups follow those of ranks 0..r-1).
     """
     world, B = ctx.world_size, keep.shape[0]
     every = {**inputs.tensors(), "keep": keep}
@@ -413,10 +411,12 @@ def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tupl
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
     targets, G = ctx.objective.prepare(inputs.with_tensors(every)), inputs.rewards.shape[1]
+    name = type(ctx.objective).__name__
     if not isinstance(targets, Targets):  # e.g. a subclass returning its advantages tensor
-        raise UserCodeError(f"{type(ctx.objective).__name__}.prepare must return a "
-                            f"maxent_grpo.objectives.Targets; got {type(targets).__name__}")
-    targets.check(type(ctx.objective).__name__, kept_total, G)
+        raise UserCodeError(f"{name}.prepare must return a maxent_grpo.objectives.Targets; "
+                            f"got {type(targets).__name__}")
+    targets.check(name, kept_total, G)
+    targets.stats = objective_values(f"{name}.prepare: Targets.stats", targets.stats, pairs=False)
     if world == 1:
         return targets, kept_total
     return targets.of_groups(slice(start, start + int(keep.sum())), G), kept_total
