@@ -92,7 +92,8 @@ def objective_values(owner: str, values: Any, *, pairs: bool) -> dict[str, Any]:
             got = [tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__ for v in parts]
             raise UserCodeError(f"{owner}[{key!r}] must be {kind}; got "
                                 f"{got if pairs else got[0]}")
-        as_tensors = tuple(v if isinstance(v, Tensor) else torch.tensor(float(v)) for v in parts)
+        as_tensors = tuple(v if isinstance(v, Tensor) else torch.tensor(v, dtype=torch.float64)
+                           for v in parts)
         out[key] = as_tensors if pairs else as_tensors[0]
     return out
 
