@@ -139,6 +139,28 @@ def test_the_command_exports_a_checkpoint_that_loads(full_run, cache_dir, tmp_pa
     assert AutoTokenizer.from_pretrained(out)(PROMPT) == tokenizer(PROMPT)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_the_command_writes_the_weights_in_the_dtype_they_trained_in(full_run, tmp_path,
+                                                                     dtype):
+    """A ``bf16-true`` or ``64-true`` checkpoint was exported as float32 (``model.dtype``):
+    twice the size, or float64 weights rounded, unlike HFExport's folder of the same run
+    and against CHECKPOINTS.md (a hunt of lower precisions)."""
+    from safetensors.torch import load_file
+
+    ckpt, trained = full_run
+    saved = torch.load(ckpt, weights_only=True)
+    saved["state_dict"] = {k: v.to(dtype) if v.is_floating_point() else v
+                           for k, v in saved["state_dict"].items()}
+    torch.save(saved, tmp_path / "low.ckpt")
+    assert main([str(tmp_path / "low.ckpt"), "--output", str(tmp_path / "out")]) == 0
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert {v.dtype for v in written.values()} == {dtype}
+    policy = {k.removeprefix("policy."): v for k, v in saved["state_dict"].items()
+              if k.startswith("policy.")}
+    assert set(written) <= set(policy) and written  # as trained, bit for bit
+    assert all(torch.equal(value, policy[name]) for name, value in written.items())
+
+
 def test_ctrl_c_of_the_command_leaves_no_folder_and_exits_130(full_run, tmp_path, capsys,
                                                               monkeypatch):
     """Ctrl-C while the tokenizer was written printed a traceback and left a folder with the
@@ -376,10 +398,11 @@ def test_an_older_lora_checkpoint_needs_the_run_config(lora_run, tmp_path, capsy
     assert main([str(older), "--output", str(tmp_path / "a")]) == 1
     assert "pass the run's config file, --config" in capsys.readouterr().err
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"model": {"peft": {
-        "class_path": "peft.LoraConfig", "init_args": {
+    config.write_text(yaml.safe_dump({"model": {"peft": {  # as a run's config.yaml holds it:
+        "class_path": "peft.LoraConfig", "init_args": {  # a dataclass field as a mapping
             "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-            "lora_dropout": 0.0, "loftq_config": None}}}}))
+            "lora_dropout": 0.0, "loftq_config": None,
+            "runtime_config": {"ephemeral_gpu_offload": False}}}}}))
     assert main([str(older), "--output", str(tmp_path / "a"), "--config", str(config)]) == 0
     assert same_adapter(tmp_path / "a", run / "hf" / "final")
 
