@@ -491,15 +491,34 @@ class RefusingLogger(CSVLogger):
         raise StoreRefused("the file store is in maintenance mode: set MLFLOW_ALLOW_FILE_STORE")
 
 
-def test_a_librarys_refusal_when_its_class_is_built_is_its_message_alone(bad_inputs, models,
-                                                                         capsys):
+@pytest.mark.parametrize("form", ["replaced", "added"])
+def test_a_librarys_refusal_when_its_class_is_built_is_its_message_alone(
+        bad_inputs, models, capsys, monkeypatch, form):
     """jsonargparse wraps the error of a class it builds for an option of several types
     (``trainer.logger``) in "Does not validate against any of the Union subtypes" and a line
     per type; a cause of ours or a ValueError was said alone, another library's (MLflow
-    refusing its file store) came inside that list."""
+    refusing its file store) came inside that list, and for a logger added to the list
+    (``--trainer.logger+=``) only the mismatch of the list with a single Logger was said."""
+    args = case_args([], bad_inputs, models)
+    at = args.index("--trainer.logger")
+    if form == "replaced":
+        args[at + 1] = f"{__name__}.RefusingLogger"
+    else:
+        del args[at:at + 2]
+        args.append(f"--trainer.logger+={__name__}.RefusingLogger")
+    monkeypatch.setattr(errors, "_outside_frame", lambda error: None)  # a library's, here
+    exit_code, err = run_cli(capsys, args)
+    assert exit_code == 1 and "Union subtypes" not in err and "Traceback" not in err, err
+    assert "the file store is in maintenance mode: set MLFLOW_ALLOW_FILE_STORE\n" in err, err
+    assert err.startswith("error: "), err
+
+
+def test_a_bug_in_a_users_own_class_built_for_an_option_shows_its_trace(bad_inputs, models,
+                                                                        capsys):
+    """Not one line without a location: the trace, and the user's file named."""
     args = case_args([], bad_inputs, models)
     args[args.index("--trainer.logger") + 1] = f"{__name__}.RefusingLogger"
     exit_code, err = run_cli(capsys, args)
-    assert exit_code == 1 and "Union subtypes" not in err and "Traceback" not in err, err
-    assert err.startswith("error: StoreRefused: the file store is in maintenance mode: set "
-                          "MLFLOW_ALLOW_FILE_STORE\n"), err
+    assert exit_code == 1 and "Traceback" in err and "StoreRefused" in err, err
+    assert f"error: StoreRefused raised outside maxent_grpo and its libraries, at {__file__}:" \
+        in err, err

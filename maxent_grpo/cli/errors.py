@@ -148,13 +148,39 @@ def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
                 return current, message_of(current)
             # jsonargparse wraps a constructor's error ("Does not validate against any of
             # the Union subtypes ... Errors: - <ours> - <one per other subtype>"): ours is
-            # the cause, and says it alone; another library's (MLflow refusing its file
-            # store) with its type's name; ours is a bug (its trace)
+            # the cause, and says it alone, unless the cause is the mismatch of another
+            # subtype (a list of loggers tried as one Logger first); another library's
+            # (MLflow refusing its file store) with its type's name; a bug, ours or in the
+            # user's own class, with its trace
+            failed = _failed_subtype(str(current))
+            if failed is not None and not failed.startswith(str(cause).strip()):
+                return current, failed
             if (not is_user_error(cause) and _from_trace_text(cause) is None
-                    and not _raised_in("maxent_grpo", cause)):
+                    and not _raised_in("maxent_grpo", cause) and _outside_frame(cause) is None):
                 return current, f"{type(cause).__name__}: {message_of(cause)}"
         current = current.__cause__
     return None
+
+
+def _failed_subtype(message: str) -> str | None:
+    """The one entry of jsonargparse's "Does not validate against any of the Union subtypes
+    ... Errors:" list that is not a mismatch of the value's type with another subtype
+    ("Expected a <class 'bool'>", "Not a valid subclass of Logger. Got value: [...]"), or
+    None (no such list, or not one such entry)."""
+    lines = message.splitlines()
+    if "Errors:" not in lines or "Union subtypes" not in message:
+        return None
+    entries: list[list[str]] = []
+    for line in lines[lines.index("Errors:") + 1:]:
+        if line.startswith("  - "):
+            entries.append([line[4:]])
+        elif line.startswith("    ") and entries:
+            entries[-1].append(line.strip())
+        else:
+            break
+    kept = [" ".join(e) for e in entries
+            if not e[0].startswith(("Expected a ", "Not a valid subclass of "))]
+    return kept[0] if len(kept) == 1 else None
 
 
 #: what a collective says when another rank's process ended (gloo, NCCL, the TCP store)
@@ -289,9 +315,12 @@ def report(error: BaseException, show_trace: bool) -> int:
     if found is not None:
         print(f"error: {found[1]}", file=file)
         return USER_ERROR_EXIT_CODE
-    where = _outside_frame(error)
+    where, raised = _outside_frame(error), error  # or its cause's (jsonargparse wraps a
+    while where is None and raised.__cause__ is not None:  # class's constructor's error)
+        raised = raised.__cause__
+        where = _outside_frame(raised)
     if where is not None:  # a user's objective, callback or module: theirs to read
-        print(f"error: {type(error).__name__} raised outside maxent_grpo and its libraries, "
+        print(f"error: {type(raised).__name__} raised outside maxent_grpo and its libraries, "
               f"at {where} (your code?): the trace above shows how it was reached", file=file)
         return USER_ERROR_EXIT_CODE
     print(
