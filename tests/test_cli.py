@@ -292,11 +292,12 @@ SHIPPED_OBJECTIVES = ("GRPO", "EntropyMaxEnt", "ListwiseMaxEnt", "GroupMaxEnt")
 
 @pytest.mark.parametrize("args, name, shipped, closest", [
     (["--model.objective", "Nope"], "Nope", SHIPPED_OBJECTIVES, None),
+    (["--model.objective", "grpo"], "grpo", SHIPPED_OBJECTIVES, "GRPO"),
     (["--model.objective.help", "Entropymaxent"], "Entropymaxent", SHIPPED_OBJECTIVES,
      "EntropyMaxEnt"),
     (["--model.engine", "HFEngine"], "HFEngine",
      ("HFGenerateEngine", "VLLMEngine", "VLLMServerEngine"), "HFGenerateEngine"),
-], ids=["objective", "objective-help", "engine"])
+], ids=["objective", "lower-case", "objective-help", "engine"])
 def test_a_class_name_that_names_no_class_lists_the_ones_it_could_be(monkeypatch, capsys,
                                                                      args, name, shipped,
                                                                      closest):

@@ -202,7 +202,13 @@ def test_a_prefix_of_an_option_is_an_error_naming_the_option(monkeypatch, capsys
     (["--model.objective", "GRPO", "--model.objective.epsilno", "0.1"],
      "--model.objective (maxent_grpo.objectives.GRPO): Option 'epsilno' is not accepted; did "
      "you mean epsilon or epsilon_high?"),
-], ids=["missing-argument", "bad-value", "unknown-argument"])
+    (["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "x"],
+     "--trainer.callbacks.every_n_train_steps (lightning.pytorch.callbacks.ModelCheckpoint): "
+     "expected int or null; got 'x'"),  # two problems: the class's, then its base's
+    (["--model.objective", "GRPO", "--model.objective.epsilon_high", "x"],
+     "--model.objective.epsilon_high (maxent_grpo.objectives.GRPO): expected float or null; "
+     "got 'x'"),
+], ids=["missing-argument", "bad-value", "unknown-argument", "appended-class", "optional"])
 def test_a_class_given_by_path_with_wrong_arguments_is_one_line(monkeypatch, capsys, args,
                                                                expected):
     """Not jsonargparse's list of what every type of the option accepts (a bool, None, the

@@ -99,7 +99,7 @@ def short_subclass_error(message: str) -> str:
     union = _UNION_KEY.match(message)
     lines = message.splitlines()
     problems = [(i, m) for i, m in enumerate(map(_CLASS_PROBLEM.match, lines)) if m]
-    if union is None or len(problems) != 1:
+    if union is None or not problems:  # several: the class given, then its base (Callback)
         return message
     (at, problem), key = problems[0], union["key"]
     depth = len(problem["indent"])
@@ -111,7 +111,7 @@ def short_subclass_error(message: str) -> str:
     text = " ".join(body)
     nested = _NESTED_KEY.match(text)
     if nested:  # an argument's value: Parser key "alpha": Expected a <class 'float'>. ...
-        key, text = f"{key}.{nested['key']}", nested["rest"]
+        key, text = f"{key}.{nested['key']}", _expected(nested["rest"])
     cls_path = problem["cls"]
     short = f"--{key} ({cls_path}): {text}"
     required = _REQUIRED.search(text)
@@ -122,6 +122,22 @@ def short_subclass_error(message: str) -> str:
                 f"({given}) or in its init_args in a config")
     return short
 
+
+
+_EXPECTED = re.compile(r"- Expected an? <class '(?P<type>[^']+)'>")
+_GIVEN = re.compile(r"Given value: (?P<value>.*)$")
+
+
+def _expected(text: str) -> str:
+    """An argument's "Does not validate against any of the Union subtypes ... - Expected a
+    <class 'int'> - Expected a <class 'NoneType'> ... Given value: x" as "expected int or
+    null; got 'x'"; another text as it is."""
+    types = [m["type"] for m in _EXPECTED.finditer(text)]
+    given = _GIVEN.search(text)
+    if "Union subtypes" not in text or not types or given is None:
+        return text
+    names = " or ".join("null" if t == "NoneType" else t for t in types)
+    return f"expected {names}; got {given['value']!r}"
 
 
 _NO_CLASS = re.compile(r"Expected a dot import path string: (?P<name>\S+)")
@@ -141,8 +157,8 @@ def short_unknown_class(message: str, parsers: Sequence[Any]) -> str:
     names = _class_names(parsers, key)
     if not names:
         return message
-    name = missing["name"]
-    close = difflib.get_close_matches(name, names, 3, cutoff=0.5)
+    name, by_lower = missing["name"], {n.lower(): n for n in names}  # grpo: GRPO
+    close = [by_lower[n] for n in difflib.get_close_matches(name.lower(), by_lower, 3, 0.5)]
     hint = f"; {DID_YOU_MEAN} {' or '.join(close)}?" if close else ""
     return (f"--{key}: no class named {name!r}: give one of {', '.join(names)}, or a class's "
             f"import path (my_module.MyClass){hint}")
