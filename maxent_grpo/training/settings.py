@@ -196,8 +196,9 @@ def check_resumed_schedule(saved: dict[str, Any], schedule: ScheduleSettings,
             "checkpoint's schedule, and this one cannot take its state; resume with the "
             "model.lr_scheduler and lr_warmup_steps the checkpoint was trained with (its "
             "config.yaml), or start afresh")
-    saved_w, built_w = (state.get("_milestones", [None])[0] for state in (saved, built))
-    if saved_w != built_w:  # loaded, the checkpoint's length went on, while the config's
+    saved_w, built_w = ((state.get("_milestones") or [None])[0] for state in (saved, built))
+    if schedule.lr_warmup_steps > 1 and saved_w != built_w:  # (not a SequentialLR's own)
+        # loaded, the checkpoint's length went on, while the config's
         raise ValueError(  # was logged (train/lr_warmup) and saved (config.yaml)
             f"the checkpoint's learning-rate warm-up is {saved_w} steps, this run's "
             f"model.lr_warmup_steps {schedule.lr_warmup_steps}: a resume continues the "

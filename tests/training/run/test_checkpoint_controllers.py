@@ -234,6 +234,10 @@ def test_a_resume_with_a_schedule_of_other_schedulers_is_refused():
             resume(saved_state, warmup, factory)
     # the same schedulers, another warm-up: the checkpoint's 4 steps went on while the
     # config's 10 were logged as train/lr_warmup and saved in config.yaml (a DDP hunt)
+    def chained(optimizer):  # a model.lr_scheduler that is itself a SequentialLR
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [step_lr(optimizer)], [])
+
+    resume(checkpoint(0, chained), 0, chained)  # its own milestones are not a warm-up
     with pytest.raises(ValueError, match=r"the checkpoint's learning-rate warm-up is 4 steps, "
                        r"this run's model.lr_warmup_steps 10: .* resume with "
                        r"model.lr_warmup_steps 4, or start afresh"):
