@@ -790,6 +790,27 @@ def test_an_objectives_statistics_of_a_trainers_name_or_another_kind_are_named(
         fit(make_module(cache_dir, objective=objective), make_data(cache_dir), steps=1)
 
 
+def test_an_objectives_own_logged_state_and_other_kinds_are_refused_by_name():
+    """The objective's ``state()`` (``train/alpha`` of EntropyMaxEnt, ``train/lam``) and the
+    trainer's step counts are logged after its statistics and replaced them; a bool tensor
+    failed as "total must be a real floating or integer tensor", naming nothing."""
+    import numpy as np
+
+    from maxent_grpo.validation import UserCodeError, objective_values
+
+    owner = "Mine.prepare: Targets.stats"
+    for name in ("alpha", "dropped_groups", "loss/weighted_kl"):
+        with pytest.raises(UserCodeError, match=rf"Mine.prepare: Targets.stats\['{name}'\]: "
+                                                rf"the trainer logs train/{name} itself"):
+            objective_values(owner, {name: 1.0}, pairs=False, taken={"alpha": 0.1})
+    with pytest.raises(UserCodeError, match=r"\['flag'\] must be a 0-d tensor or a number; "
+                                            r"got \(\) torch.bool"):
+        objective_values(owner, {"flag": torch.tensor(True)}, pairs=False)
+    got = objective_values(owner, {"a": np.float32(0.25), "b": float("nan")}, pairs=False)
+    assert got["a"].item() == 0.25 and got["a"].dtype == torch.float64
+    assert math.isnan(got["b"].item())
+
+
 def test_an_objectives_statistics_may_be_numbers(cache_dir):
     """The documented 0-d tensors, or plain numbers, under names of the objective's own."""
     module = make_module(cache_dir, objective=StatsAs(stats={"foo": 0.5},

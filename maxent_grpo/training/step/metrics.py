@@ -35,11 +35,9 @@ from torchmetrics.aggregation import MeanMetric
 
 from maxent_grpo.core import constant_groups
 from maxent_grpo.training.types import RewardComponentStats, RewardMoments, TokenUsageStats
-from maxent_grpo.validation import UserCodeError
 
 __all__ = [
     "all_gather_objects",
-    "objective_values",
     "RewardComponentsMetric",
     "RewardMomentsMetric",
     "TokenMean",
@@ -58,44 +56,6 @@ def all_gather_objects(value: Any) -> list[Any]:
         dist.all_gather_object(out, value)
         return out
     return [value]
-
-#: names the trainer logs under ``train/`` itself: an objective's statistic of such a name
-#: was averaged into the trainer's value or replaced it, without a word
-TRAINER_PREFIXES = ("reward/", "reward_log/", "tokens/", "logp/", "rollout/", "tools/",
-                    "env/", "perf/", "entropy_bonus/", "entropy/")
-TRAINER_NAMES = frozenset({"loss/total", "lr", "lr_warmup", "grad_norm", "grad_clipped",
-                           "answer_entropy", "distinct_correct", "epoch_progress",
-                           "nonfinite_skips", "beta", "tau"})
-
-
-def objective_values(owner: str, values: Any, *, pairs: bool) -> dict[str, Any]:
-    """An objective's logged values (``Targets.stats``: a 0-d tensor or a number each;
-    ``LossOutput.sums``, ``pairs``: a ``(sum, count)`` pair each), numbers as tensors;
-    UserCodeError naming ``owner`` (``MyObjective.prepare: Targets.stats``) and the key for
-    a name the trainer logs itself, or a value of another kind (each crashed deep in the
-    step as "a bug", or logged a plausible wrong value)."""
-    if not isinstance(values, dict):
-        raise UserCodeError(f"{owner} must be a dict; got {type(values).__name__}")
-    kind = "a pair (sum, count) of 0-d tensors or numbers" if pairs else "a 0-d tensor or a number"
-    out = {}
-    for key, value in values.items():
-        if not isinstance(key, str) or key in TRAINER_NAMES or key.startswith(TRAINER_PREFIXES):
-            raise UserCodeError(
-                f"{owner}[{key!r}]: the trainer logs train/{key} itself, so the two would be "
-                f"mixed; give the value another name (not {', '.join(sorted(TRAINER_NAMES))}, "
-                f"nor one under {', '.join(TRAINER_PREFIXES)})" if isinstance(key, str)
-                else f"{owner}: the names must be strings; got {key!r}")
-        parts = tuple(value) if pairs and isinstance(value, (tuple, list)) else (value,)
-        if len(parts) != (2 if pairs else 1) or not all(
-                (isinstance(v, Tensor) and v.dim() == 0) or (
-                    isinstance(v, (int, float)) and not isinstance(v, bool)) for v in parts):
-            got = [tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__ for v in parts]
-            raise UserCodeError(f"{owner}[{key!r}] must be {kind}; got "
-                                f"{got if pairs else got[0]}")
-        as_tensors = tuple(v if isinstance(v, Tensor) else torch.tensor(v, dtype=torch.float64)
-                           for v in parts)
-        out[key] = as_tensors if pairs else as_tensors[0]
-    return out
 
 
 _INT64_MAX = torch.iinfo(torch.int64).max

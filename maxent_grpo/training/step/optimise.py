@@ -30,9 +30,8 @@ from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import LossOutput, MicroBatch
-from maxent_grpo.training.step.metrics import objective_values
 from maxent_grpo.training.step.trajectory import StepTimer, Trajectory
-from maxent_grpo.validation import UserCodeError, require
+from maxent_grpo.validation import UserCodeError, objective_values, require
 
 if TYPE_CHECKING:
     from maxent_grpo.training.step.step_log import StepMetrics
@@ -197,7 +196,8 @@ def optimizer_step(
             sums.add("entropy/sequence", h.sum(), rows_in.sum(), weight=weight)
             sums.add("entropy/sequence_sq", h.square().sum(), rows_in.sum(), weight=weight)
         owner = f"{type(ctx.objective).__name__}.loss: LossOutput.sums"
-        for key, (value, count) in objective_values(owner, out.sums, pairs=True).items():
+        for key, (value, count) in objective_values(owner, out.sums, pairs=True,
+                                                    taken=ctx.objective.state()).items():
             sums.add(key, value, count, weight=weight)
     timer.start()
     # 16-mixed: the gradients are the loss scaler's multiple until the step unscales them;
