@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from maxent_grpo.tasks import build_task, list_tasks
 from maxent_grpo.tasks import task_options as task_option_names
@@ -206,7 +207,7 @@ def task_sources(
     source = f"task {task!r}"
     kept = SplitRows.whole(train, f"{source} (train)")
     if holdout_val_prompts:
-        kept = hold_out(kept, val, prompt_column)
+        kept = hold_out(kept, val, prompt_column, countdown=True)
     if len(kept.rows) < len(train):
         log.info("dropped %d training rows that repeat a validation prompt (or problem)",
                  len(train) - len(kept.rows))
@@ -214,22 +215,24 @@ def task_sources(
                    len(train) - len(kept.rows))
 
 
-def _problem(row: dict[str, Any], prompt_column: str) -> set[str]:
-    """A row's prompt, and a countdown problem whatever the order its numbers are shown in
-    (read from text too: a CSV cell of ``val_files``)."""
+def _problem(row: dict[str, Any], prompt_column: str, countdown: bool) -> set[str]:
+    """A row's prompt, and with ``countdown`` a countdown problem whatever the order its
+    numbers are shown in (read from text too: a CSV cell of ``val_files``)."""
     prompt = row.get(prompt_column)  # a row without it has no prompt to compare
     keys = set() if prompt is None else {json.dumps(prompt, sort_keys=True, default=str)}
     numbers, target = (_cell(row.get(key)) for key in ("numbers", "target"))
-    if isinstance(numbers, list) and all(_whole(n) for n in [*numbers, target]):
+    if countdown and isinstance(numbers, list) and all(_whole(n) for n in [*numbers, target]):
         keys.add(json.dumps([sorted(int(n) for n in numbers), int(target)]))
     return keys
 
 
-def hold_out(train: SplitRows, val_rows: list[Row], prompt_column: str) -> SplitRows:
-    """``train`` less the rows whose ``prompt_column`` value (or countdown problem) is also
-    one of ``val_rows``'."""
-    held = set().union(*(_problem(row, prompt_column) for row in val_rows))
-    keep = [i for i, row in enumerate(train.rows) if not _problem(row, prompt_column) & held]
+def hold_out(train: SplitRows, val_rows: list[Row], prompt_column: str,
+             countdown: bool = False) -> SplitRows:
+    """``train`` less the rows whose ``prompt_column`` value (with ``countdown``, a task's,
+    or countdown problem) is also one of ``val_rows``'."""
+    held = set().union(*(_problem(row, prompt_column, countdown) for row in val_rows))
+    keep = [i for i, row in enumerate(train.rows)
+            if not _problem(row, prompt_column, countdown) & held]
     if len(keep) == len(train.rows):
         return train
     return replace(train, rows=[train.rows[i] for i in keep],
@@ -337,7 +340,7 @@ def split_off_val(
     train = replace(whole, rows=[rows[i] for i in train_idx], indices=train_idx)
     kept = train if holdout_column is None else hold_out(train, val.rows, holdout_column)
     heldout = len(train.rows) - len(kept.rows)
-    if heldout:
+    if heldout and rank_zero_only.rank == 0:  # (every process splits the same rows)
         log.warning("%s: %d of the %d training rows repeat the prompt of one of the %d rows "
                     "split off for validation and are left out of training (set "
                     "data.holdout_val_prompts: false to train on them)", whole.source, heldout,
