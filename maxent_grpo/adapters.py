@@ -288,3 +288,30 @@ def peft_from_record(record: dict[str, Any]) -> PeftConfig:
     require(isinstance(record, dict) and "peft_type" in record,
             f"not a recorded peft config (no peft_type): {record!r}")
     return PeftConfig.from_peft_type(**record)
+
+
+def check_older_adapters(state_dict: dict[str, Any], config: PeftConfig | None) -> None:
+    """For a checkpoint from before ``model.peft`` was recorded, what its weights show:
+    ValueError for adapters in them and none in this run (or the reverse), or LoRA weights
+    of another rank than ``config.r`` (Lightning's strict load failed on each as "a bug");
+    a warning that the adapters' scale (``lora_alpha``, ``use_rslora``) cannot be compared.
+    Nothing without weights to read (a DeepSpeed or sharded checkpoint keeps its own)."""
+    if not state_dict:
+        return
+    wrapped = any(key.startswith("policy.base_model.model.") for key in state_dict)
+    fix = "use the model.peft it was trained with (the run's config.yaml)"
+    if wrapped != (config is not None):
+        made, run = ("with", "without") if wrapped else ("without", "with")
+        raise ValueError(f"the checkpoint was made {made} model.peft adapters and this run is "
+                         f"{run} them, so its weights do not fit the model; {fix}")
+    if config is None:
+        return
+    ranks = {int(value.shape[0]) for key, value in state_dict.items()
+             if ".lora_A." in key and isinstance(value, torch.Tensor) and value.dim() == 2}
+    r = getattr(config, "r", None)
+    require(not ranks or r is None or bool(getattr(config, "rank_pattern", None))
+            or ranks == {r}, f"the checkpoint's LoRA adapters have rank {sorted(ranks)} and "
+                             f"this run's model.peft r {r}; {fix}")
+    warnings.warn("the checkpoint predates its record of model.peft, so its adapters' scale "
+                  "(lora_alpha, use_rslora, alpha_pattern) cannot be compared with this run's: "
+                  "make sure model.peft is the one it was trained with", stacklevel=2)

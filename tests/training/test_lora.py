@@ -331,3 +331,30 @@ def test_adapters_on_tied_embeddings_export_and_load_as_the_trained_model(cache_
     assert base.get_input_embeddings().weight is getattr(
         base.lm_head, "base_layer", base.lm_head).weight
     torch.testing.assert_close(policy(ids).logits, want, rtol=0, atol=0)
+
+
+def test_an_older_lora_checkpoint_is_checked_by_its_weights(cache_dir, tmp_path):
+    """A checkpoint from before ``model.peft`` was recorded skipped every adapter check:
+    resumed without adapters, or with another rank, Lightning's strict load failed as "a bug"
+    (missing keys, a size mismatch), and another ``lora_alpha`` trained at a new scale
+    without a word (a hunt of upgrades). Its weights now say what they hold."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    fit(lora_module(cache_dir), make_data(cache_dir), steps=1, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_last=True)])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    del saved["maxent_grpo"]["peft"]  # as written before the record
+    torch.save(saved, tmp_path / "older.ckpt")
+    older = str(tmp_path / "older.ckpt")
+    for module, message in (
+            (make_module(cache_dir, objective=GRPO(beta=0.1), rewards=ALTERNATING),
+             "the checkpoint was made with model.peft adapters and this run is without them"),
+            (lora_module(cache_dir, peft=lora(r=8)),
+             r"the checkpoint's LoRA adapters have rank \[4\] and this run's model.peft r 8")):
+        with pytest.raises(ValueError, match=message):
+            fit(module, make_data(cache_dir), steps=2, ckpt_path=older)
+    with pytest.warns(UserWarning, match="predates its record of model.peft, so its adapters' "
+                                         "scale .* cannot be compared"):
+        trainer = fit(lora_module(cache_dir, peft=lora(lora_alpha=32)), make_data(cache_dir),
+                      steps=2, ckpt_path=older)
+    assert trainer.global_step == 2

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from maxent_grpo.adapters import peft_record
+from maxent_grpo.adapters import check_older_adapters, peft_record
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.settings import check_resumed_schedule
 from maxent_grpo.training.step.metrics import all_gather_objects
@@ -314,8 +314,10 @@ def load_state(
                                            if fitting else "use the config the fit ran with")
             + f" (in Python: objective={saved['objective_class']}(...), which "
             "load_from_checkpoint also takes)")
-    if "peft" in saved:  # checkpoints from before the record have none
+    if "peft" in saved:  # checkpoints from before the record have none: their weights tell
         _check_adapters(saved["peft"], peft_record(peft))
+    else:
+        check_older_adapters(checkpoint.get("state_dict") or {}, peft)
     before, now = saved.get("controllers") or {}, _controllers(loop)
     if fitting and before.get("attached") and not now["attached"]:
         rank_zero_warn(
