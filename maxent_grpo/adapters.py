@@ -308,10 +308,14 @@ def check_older_adapters(state_dict: dict[str, Any], config: PeftConfig | None) 
         return
     ranks = {int(value.shape[0]) for key, value in state_dict.items()
              if ".lora_A." in key and isinstance(value, torch.Tensor) and value.dim() == 2}
-    r = getattr(config, "r", None)
-    require(not ranks or r is None or bool(getattr(config, "rank_pattern", None))
-            or ranks == {r}, f"the checkpoint's LoRA adapters have rank {sorted(ranks)} and "
-                             f"this run's model.peft r {r}; {fix}")
-    warnings.warn("the checkpoint predates its record of model.peft, so its adapters' scale "
-                  "(lora_alpha, use_rslora, alpha_pattern) cannot be compared with this run's: "
-                  "make sure model.peft is the one it was trained with", stacklevel=2)
+    r = getattr(config, "r", None)  # plain LoRA's rows are r (AdaLoRA's init_r; LoRA of
+    plain = type(config).__name__ == "LoraConfig" and not any(  # 3-D expert weights': r x E)
+        getattr(config, name, None) for name in ("rank_pattern", "target_parameters"))
+    require(not (plain and ranks and r is not None) or ranks == {r},
+            f"the checkpoint's LoRA adapters have rank {sorted(ranks)} and this run's "
+            f"model.peft r {r}; {fix}")
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn("the checkpoint predates its record of model.peft, so its adapters' scale "
+                   "(lora_alpha, use_rslora, alpha_pattern) cannot be compared with this run's: "
+                   "make sure model.peft is the one it was trained with")

@@ -15,13 +15,13 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from numbers import Real
 from typing import Any
 
 __all__ = ["MAX_SECONDS", "UserCodeError", "check_bool", "check_choice", "check_int",
            "check_number", "check_seconds", "check_unused", "defaults_of", "failing_row",
-           "is_number", "no_room", "objective_values", "require"]
+           "is_number", "no_room", "require"]
 
 
 class UserCodeError(Exception):
@@ -203,53 +203,3 @@ def no_room(error: BaseException | None, what: str, keep: str) -> OSError | None
             return None
         error = error.__cause__ or error.__context__
     return None
-
-
-#: names the trainer logs under ``train/`` itself: an objective's statistic of such a name
-#: was averaged into the trainer's value or replaced it, without a word (objective_values)
-TRAINER_PREFIXES = ("reward/", "reward_log/", "tokens/", "logp/", "rollout/", "tools/",
-                    "env/", "perf/", "entropy_bonus/", "entropy/")
-TRAINER_NAMES = frozenset({"loss/total", "loss/kl", "loss/weighted_kl", "lr", "lr_warmup",
-                           "grad_norm", "grad_clipped", "answer_entropy", "distinct_correct",
-                           "epoch_progress", "nonfinite_skips", "dropped_groups",
-                           "empty_steps", "refill_rounds", "beta", "tau"})
-
-
-def objective_values(owner: str, values: Any, *, pairs: bool,
-                     taken: Iterable[str] = ()) -> dict[str, Any]:
-    """An objective's logged values (``Targets.stats``: a 0-d tensor or a number each;
-    ``LossOutput.sums``, ``pairs``: a ``(sum, count)`` pair each), numbers as tensors;
-    UserCodeError naming ``owner`` (``MyObjective.prepare: Targets.stats``) and the key for
-    a name the trainer logs itself (or ``taken``: the objective's ``state()``, logged too),
-    or a value of another kind (each crashed deep in the step as "a bug", or logged a
-    plausible wrong value)."""
-    reserved = TRAINER_NAMES | set(taken)
-    if not isinstance(values, dict):
-        raise UserCodeError(f"{owner} must be a dict; got {type(values).__name__}")
-
-    import torch  # (this module is imported before torch by the command line)
-
-    def scalar(v: Any) -> Any:  # a number as a float64 tensor; None: neither
-        if isinstance(v, torch.Tensor):
-            return v if v.dim() == 0 and v.dtype != torch.bool and not v.is_complex() else None
-        real = isinstance(v, Real) and not isinstance(v, bool)  # NaN too, as a tensor's
-        return torch.tensor(float(v), dtype=torch.float64) if real else None
-
-    out = {}
-    for key, value in values.items():
-        if not isinstance(key, str) or key in reserved or key.startswith(TRAINER_PREFIXES):
-            raise UserCodeError(
-                f"{owner}[{key!r}]: the trainer logs train/{key} itself, so the two would be "
-                f"mixed; give the value another name (not {', '.join(sorted(reserved))}, "
-                f"nor one under {', '.join(TRAINER_PREFIXES)})" if isinstance(key, str)
-                else f"{owner}: the names must be strings; got {key!r}")
-        parts = tuple(value) if pairs and isinstance(value, (tuple, list)) else (value,)
-        tensors = [scalar(v) for v in parts]
-        if len(parts) != (2 if pairs else 1) or any(t is None for t in tensors):
-            got = [f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor)
-                   else type(v).__name__ for v in parts]
-            kind = "a pair (sum, count) of 0-d tensors or numbers" if pairs else "a 0-d " \
-                "tensor or a number"
-            raise UserCodeError(f"{owner}[{key!r}] must be {kind}; got {got if pairs else got[0]}")
-        out[key] = tuple(tensors) if pairs else tensors[0]
-    return out

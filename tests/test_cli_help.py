@@ -208,7 +208,11 @@ def test_a_prefix_of_an_option_is_an_error_naming_the_option(monkeypatch, capsys
     (["--model.objective", "GRPO", "--model.objective.epsilon_high", "x"],
      "--model.objective.epsilon_high (maxent_grpo.objectives.GRPO): expected float or null; "
      "got 'x'"),
-], ids=["missing-argument", "bad-value", "unknown-argument", "appended-class", "optional"])
+    (["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last", "zz"],
+     "--trainer.callbacks.save_last (lightning.pytorch.callbacks.ModelCheckpoint): expected "
+     "bool or 'link' or null; got 'zz'"),
+], ids=["missing-argument", "bad-value", "unknown-argument", "appended-class", "optional",
+        "literal"])
 def test_a_class_given_by_path_with_wrong_arguments_is_one_line(monkeypatch, capsys, args,
                                                                expected):
     """Not jsonargparse's list of what every type of the option accepts (a bool, None, the

@@ -513,6 +513,23 @@ def test_a_librarys_refusal_when_its_class_is_built_is_its_message_alone(
     assert err.startswith("error: "), err
 
 
+class ManyLinesLogger(CSVLogger):
+    def __init__(self, save_dir: str = "logs") -> None:
+        raise RuntimeError("shape mismatch\n  expected (2, 3), got (3, 2)")
+
+
+def test_a_librarys_error_of_several_lines_keeps_its_type(bad_inputs, models, capsys,
+                                                          monkeypatch):
+    """The entry of jsonargparse's list is taken only where the cause is a mismatch of the
+    value with another type: a RuntimeError of two lines was said as its lines joined, with
+    no type, as if a user's mistake (a second reader)."""
+    args = case_args([], bad_inputs, models)
+    args[args.index("--trainer.logger") + 1] = f"{__name__}.ManyLinesLogger"
+    monkeypatch.setattr(errors, "_outside_frame", lambda error: None)  # a library's, here
+    exit_code, err = run_cli(capsys, args)
+    assert exit_code == 1 and err.startswith("error: RuntimeError: shape mismatch"), err
+
+
 def test_a_bug_in_a_users_own_class_built_for_an_option_shows_its_trace(bad_inputs, models,
                                                                         capsys):
     """Not one line without a location: the trace, and the user's file named."""

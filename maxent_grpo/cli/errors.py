@@ -152,14 +152,17 @@ def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
             # subtype (a list of loggers tried as one Logger first); another library's
             # (MLflow refusing its file store) with its type's name; a bug, ours or in the
             # user's own class, with its trace
-            failed = _failed_subtype(str(current))
-            if failed is not None and not failed.startswith(str(cause).strip()):
+            failed = _failed_subtype(str(current))  # (only there: not chained)
+            if failed is not None and str(cause).startswith(_MISMATCH):
                 return current, failed
             if (not is_user_error(cause) and _from_trace_text(cause) is None
                     and not _raised_in("maxent_grpo", cause) and _outside_frame(cause) is None):
                 return current, f"{type(cause).__name__}: {message_of(cause)}"
         current = current.__cause__
     return None
+
+
+_MISMATCH = ("Expected a ", "Not a valid subclass of ")  # a value tried as another subtype
 
 
 def _failed_subtype(message: str) -> str | None:
@@ -178,8 +181,7 @@ def _failed_subtype(message: str) -> str | None:
             entries[-1].append(line.strip())
         else:
             break
-    kept = [" ".join(e) for e in entries
-            if not e[0].startswith(("Expected a ", "Not a valid subclass of "))]
+    kept = [" ".join(e) for e in entries if not e[0].startswith(_MISMATCH)]
     return kept[0] if len(kept) == 1 else None
 
 

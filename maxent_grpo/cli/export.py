@@ -129,9 +129,10 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
             f"the weights in {path} do not fit the model {source.name_or_path!r} it names: "
             f"{len(shapes)} of other shapes (e.g. {shapes[0]}); was the model folder changed "
             "since the run, or (--config) is model.peft not the run's?")
-    trained = _trained_dtype(weights)  # bf16-true, 64-true: written as trained (HFExport's)
-    if trained is not None and trained != next(model.parameters()).dtype:
-        model.to(trained)
+    for key, tensor in [*model.named_parameters(), *model.named_buffers()]:  # bf16-true,
+        saved_as = weights.get(key)  # 64-true, a bf16 adapter: written as trained (HFExport)
+        if saved_as is not None and saved_as.is_floating_point() and tensor.is_floating_point():
+            tensor.data = tensor.data.to(saved_as.dtype)
     result = model.load_state_dict(weights, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise UserError(
@@ -141,16 +142,6 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
             "was the model folder changed since the run?")
     tokenizer = load_tokenizer(source.name_or_path, cache_dir=source.cache_dir)
     return export_policy(model, tokenizer, out, source=source, merged=merged)
-
-
-def _trained_dtype(weights: dict[str, Any]) -> Any:
-    """The floating dtype holding most of the checkpoint's weights (a ``-true`` precision
-    converts them all), or None without any."""
-    sizes: dict[Any, int] = {}
-    for value in weights.values():
-        if value.is_floating_point():
-            sizes[value.dtype] = sizes.get(value.dtype, 0) + value.numel()
-    return max(sizes, key=sizes.__getitem__) if sizes else None
 
 
 def _default_output(path: Path, saved: dict[str, Any]) -> Path:
@@ -298,10 +289,10 @@ def _peft_from_config_file(file: Path) -> Any:
         build = getattr(parser, "instantiate", None) or parser.instantiate_classes
         return build(config).peft
     except (ArgumentError, TypeError, ValueError) as error:
-        problem = [line.strip() for line in str(error).strip().splitlines()
+        problem = [line.strip() for line in str(error).strip().splitlines()[1:]  # below the
                    if line.strip() and not line.strip().startswith(("Given value", "Subtypes"))]
-        raise UserError(f"--config {str(file)!r}: model.peft.init_args do not build "
-                        f"{cls.__name__}: {problem[-1] if problem else error}") from None
+        raise UserError(f"--config {str(file)!r}: model.peft.init_args do not build "  # key
+                        f"{cls.__name__}: {' '.join(problem) or error}") from None
 
 
 def _check_output(folder: Path) -> None:

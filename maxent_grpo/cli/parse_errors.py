@@ -99,8 +99,8 @@ def short_subclass_error(message: str) -> str:
     union = _UNION_KEY.match(message)
     lines = message.splitlines()
     problems = [(i, m) for i, m in enumerate(map(_CLASS_PROBLEM.match, lines)) if m]
-    if union is None or not problems:  # several: the class given, then its base (Callback)
-        return message
+    if union is None or not problems or len({len(m["indent"]) for _, m in problems}) > 1:
+        return message  # several at one level: the class given, then its base (Callback)
     (at, problem), key = problems[0], union["key"]
     depth = len(problem["indent"])
     body = []
@@ -124,7 +124,8 @@ def short_subclass_error(message: str) -> str:
 
 
 
-_EXPECTED = re.compile(r"- Expected an? <class '(?P<type>[^']+)'>")
+_EXPECTED = re.compile(r"- Expected an? (?:<class '(?P<type>[^']+)'>"
+                       r"|typing\.Literal\[(?P<of>[^]]+)\])")
 _GIVEN = re.compile(r"Given value: (?P<value>.*)$")
 
 
@@ -132,10 +133,11 @@ def _expected(text: str) -> str:
     """An argument's "Does not validate against any of the Union subtypes ... - Expected a
     <class 'int'> - Expected a <class 'NoneType'> ... Given value: x" as "expected int or
     null; got 'x'"; another text as it is."""
-    types = [m["type"] for m in _EXPECTED.finditer(text)]
+    types = [m["type"] or " or ".join(map(str.strip, m["of"].split(",")))
+             for m in _EXPECTED.finditer(text)]
     given = _GIVEN.search(text)
-    if "Union subtypes" not in text or not types or given is None:
-        return text
+    if "Union subtypes" not in text or given is None or len(types) != text.count("- "):
+        return text  # (a class among the types: its own words are kept)
     names = " or ".join("null" if t == "NoneType" else t for t in types)
     return f"expected {names}; got {given['value']!r}"
 

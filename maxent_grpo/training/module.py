@@ -294,7 +294,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
                   batch_idx: int) -> None:
         """Count, record (``step_log``) and log the step (``train/...``, progress bar)."""
         self.counters.empty_steps += trajectory.kept_groups == 0
-        self.step_metrics.observe(trajectory)
+        self.step_metrics.observe(trajectory, self.objective)
         rollout = trajectory.rollout
         extra = {f"perf/{k}": v for k, v in timer.summary(int(rollout.model_mask.sum())).items()}
         extra["perf/sync_seconds"] = self.sync_seconds

@@ -390,6 +390,23 @@ def test_the_command_exports_the_adapter_and_the_merged_model(lora_run, tmp_path
 
 
 @needs_peft
+def test_the_adapter_is_written_in_the_dtype_it_trained_in(lora_run, tmp_path):
+    """peft makes the adapters float32 whatever the base's dtype: a bf16-true run's adapter
+    was exported as float32 (HFExport of the same run: bfloat16)."""
+    from safetensors.torch import load_file
+
+    _, ckpt, _ = lora_run
+    saved = torch.load(ckpt, weights_only=True)
+    saved["state_dict"] = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                           for k, v in saved["state_dict"].items()}
+    saved["hyper_parameters"]["dtype"] = "bfloat16"  # model.dtype: the base loads as bf16
+    torch.save(saved, tmp_path / "bf16.ckpt")
+    assert main([str(tmp_path / "bf16.ckpt"), "--output", str(tmp_path / "out")]) == 0
+    written = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert written and {v.dtype for v in written.values()} == {torch.bfloat16}
+
+
+@needs_peft
 def test_an_older_lora_checkpoint_needs_the_run_config(lora_run, tmp_path, capsys):
     import yaml
 

@@ -358,3 +358,19 @@ def test_an_older_lora_checkpoint_is_checked_by_its_weights(cache_dir, tmp_path)
         trainer = fit(lora_module(cache_dir, peft=lora(lora_alpha=32)), make_data(cache_dir),
                       steps=2, ckpt_path=older)
     assert trainer.global_step == 2
+
+
+def test_the_older_checkpoints_rank_check_is_for_plain_lora_only():
+    """AdaLoRA's ``lora_A`` holds ``init_r`` rows and LoRA of 3-D expert weights ``r`` x the
+    experts: neither is another rank (a reader)."""
+    from maxent_grpo.adapters import check_older_adapters
+
+    weights = {"policy.base_model.model.layer.q_proj.lora_A.default.weight": torch.zeros(12, 4)}
+    with pytest.raises(ValueError, match=r"rank \[12\] and this run's model.peft r 8"):
+        check_older_adapters(weights, lora(r=8))
+    for config in (peft.AdaLoraConfig(init_r=12, target_r=4, total_step=10,
+                                      target_modules=["q_proj"]),
+                   lora(r=3, target_modules=None, target_parameters=["experts.w"])):
+        with pytest.warns(UserWarning, match="cannot be compared"):
+            check_older_adapters(weights, config)
+    check_older_adapters({"policy.model.layer.weight": torch.zeros(2)}, None)  # full: quiet

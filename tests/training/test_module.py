@@ -796,7 +796,8 @@ def test_an_objectives_own_logged_state_and_other_kinds_are_refused_by_name():
     failed as "total must be a real floating or integer tensor", naming nothing."""
     import numpy as np
 
-    from maxent_grpo.validation import UserCodeError, objective_values
+    from maxent_grpo.training.step.step_log import objective_values
+    from maxent_grpo.validation import UserCodeError
 
     owner = "Mine.prepare: Targets.stats"
     for name in ("alpha", "dropped_groups", "loss/weighted_kl"):

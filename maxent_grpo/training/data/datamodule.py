@@ -209,7 +209,7 @@ class PromptDataModule(pl.LightningDataModule):
         """The rows of the source that is set (when ``fitting``, a split-off ``val_size`` must
         leave a batch of training rows)."""
         batch_size = self.batch_size if fitting else None
-        holdout = self.prompt_column if self.holdout_val_prompts and fitting else None
+        holdout = self.prompt_column if self.holdout_val_prompts else None  # split-off rows
         if self.data_files is not None:
             return file_sources(self.data_files, self.val_files, self.val_size, self.seed,
                                 self.dataset_cache_dir, batch_size, holdout)

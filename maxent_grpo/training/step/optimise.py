@@ -30,8 +30,9 @@ from torch import Tensor
 
 from maxent_grpo.core import sampler_correction_weights
 from maxent_grpo.objectives import LossOutput, MicroBatch
+from maxent_grpo.training.step.step_log import objective_values
 from maxent_grpo.training.step.trajectory import StepTimer, Trajectory
-from maxent_grpo.validation import UserCodeError, objective_values, require
+from maxent_grpo.validation import UserCodeError, require
 
 if TYPE_CHECKING:
     from maxent_grpo.training.step.step_log import StepMetrics

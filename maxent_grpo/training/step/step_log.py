@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import statistics
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +39,7 @@ from maxent_grpo.training.types import (
     LossScalarBundle,
     TrainingScalarStats,
 )
-from maxent_grpo.validation import check_int, check_number
+from maxent_grpo.validation import UserCodeError, check_int, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -47,6 +48,54 @@ if TYPE_CHECKING:
     from maxent_grpo.rollout.protocol import ToolUsage
     from maxent_grpo.training.settings import EvaluationSettings
     from maxent_grpo.training.step.trajectory import Trajectory
+
+
+#: names the trainer logs under ``train/`` itself: an objective's statistic of such a name
+#: was averaged into the trainer's value or replaced it, without a word (objective_values)
+TRAINER_PREFIXES = ("reward/", "reward_log/", "tokens/", "logp/", "rollout/", "tools/",
+                    "env/", "perf/", "entropy_bonus/", "entropy/")
+TRAINER_NAMES = frozenset({"loss/total", "loss/kl", "loss/weighted_kl", "lr", "lr_warmup",
+                           "grad_norm", "grad_clipped", "answer_entropy", "distinct_correct",
+                           "epoch_progress", "nonfinite_skips", "dropped_groups",
+                           "empty_steps", "refill_rounds", "beta", "tau"})
+
+
+def objective_values(owner: str, values: Any, *, pairs: bool,
+                     taken: Iterable[str] = ()) -> dict[str, Any]:
+    """An objective's logged values (``Targets.stats``: a 0-d tensor or a number each;
+    ``LossOutput.sums``, ``pairs``: a ``(sum, count)`` pair each), numbers as tensors;
+    UserCodeError naming ``owner`` (``MyObjective.prepare: Targets.stats``) and the key for
+    a name the trainer logs itself (or ``taken``: the objective's ``state()``, logged too),
+    or a value of another kind (each crashed deep in the step as "a bug", or logged a
+    plausible wrong value)."""
+    reserved = TRAINER_NAMES | set(taken)
+    if not isinstance(values, dict):
+        raise UserCodeError(f"{owner} must be a dict; got {type(values).__name__}")
+
+    def scalar(v: Any) -> Any:  # a number as a float64 tensor; None: neither
+        if isinstance(v, torch.Tensor):
+            return v if v.dim() == 0 and v.dtype != torch.bool and not v.is_complex() else None
+        real = isinstance(v, numbers.Real) and not isinstance(v, bool)  # NaN too
+        return torch.tensor(float(v), dtype=torch.float64) if real else None
+
+    out = {}
+    for key, value in values.items():
+        if not isinstance(key, str) or key in reserved or key.startswith(TRAINER_PREFIXES):
+            raise UserCodeError(
+                f"{owner}[{key!r}]: the trainer logs train/{key} itself, so the two would be "
+                f"mixed; give the value another name (not {', '.join(sorted(reserved))}, "
+                f"nor one under {', '.join(TRAINER_PREFIXES)})" if isinstance(key, str)
+                else f"{owner}: the names must be strings; got {key!r}")
+        parts = tuple(value) if pairs and isinstance(value, (tuple, list)) else (value,)
+        tensors = [scalar(v) for v in parts]
+        if len(parts) != (2 if pairs else 1) or any(t is None for t in tensors):
+            got = [f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor)
+                   else type(v).__name__ for v in parts]
+            kind = "a pair (sum, count) of 0-d tensors or numbers" if pairs else "a 0-d " \
+                "tensor or a number"
+            raise UserCodeError(f"{owner}[{key!r}] must be {kind}; got {got if pairs else got[0]}")
+        out[key] = tuple(tensors) if pairs else tensors[0]
+    return out
 
 
 class LightningWriter:
@@ -195,8 +244,9 @@ class StepMetrics(torch.nn.Module):
         for kind, counts in tools.failures.items():
             self.add(f"tools/failures/{kind}", counts.sum(), calls)
 
-    def observe(self, trajectory: Trajectory) -> None:
-        """Add the step's rollout statistics (its losses came through :meth:`add`)."""
+    def observe(self, trajectory: Trajectory, objective: Any = None) -> None:
+        """Add the step's rollout statistics (its losses came through :meth:`add`); the
+        ``objective``'s ``Targets.stats`` checked (:func:`objective_values`)."""
         t = trajectory
         if self.evaluation is not None:
             self.observe_answers(t)
@@ -211,7 +261,10 @@ class StepMetrics(torch.nn.Module):
         device = self.reward.total.device
         if rollout.tools is not None:
             self.observe_tools(rollout)
-        for key, value in t.targets.stats.items():
+        stats = t.targets.stats if objective is None else objective_values(
+            f"{type(objective).__name__}.prepare: Targets.stats", t.targets.stats,
+            pairs=False, taken=objective.state())
+        for key, value in stats.items():
             self.mean(key).update(value.detach(), count=torch.ones((), device=device))
         for name, value in t.reward_logs:  # a reward function's log_metric: each call once
             self.mean(f"reward_log/{name}").update(

@@ -42,7 +42,7 @@ from maxent_grpo.rollout import GenerationBatch, RolloutOutput
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.token_logps import MicroBatchPlan, equal_passes
 from maxent_grpo.training.types import AdvantageStats, QDistribution
-from maxent_grpo.validation import UserCodeError, objective_values, require
+from maxent_grpo.validation import UserCodeError, require
 
 if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -415,8 +415,6 @@ def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tupl
         raise UserCodeError(f"{name}.prepare must return a maxent_grpo.objectives.Targets; "
                             f"got {type(targets).__name__}")
     targets.check(name, kept_total, G)
-    targets.stats = objective_values(f"{name}.prepare: Targets.stats", targets.stats,
-                                     pairs=False, taken=ctx.objective.state())
     if world == 1:
         return targets, kept_total
     return targets.of_groups(slice(start, start + int(keep.sum())), G), kept_total
