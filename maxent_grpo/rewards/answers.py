@@ -24,7 +24,12 @@ from typing import Any
 
 from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer
-from maxent_grpo.tasks.expressions import canonical_expression, number_value, split_equation
+from maxent_grpo.tasks.expressions import (
+    canonical_expression,
+    number_value,
+    split_equation,
+    unworked,
+)
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 
@@ -346,7 +351,7 @@ def accuracy_reward(
     parsed_golds: dict = {}
 
     def right(prediction: str, gold: str) -> bool:
-        if _PLAIN_NUMBER.fullmatch(gold.strip()) and _unworked(prediction):
+        if _PLAIN_NUMBER.fullmatch(gold.strip()) and unworked(prediction):
             return False
         if main:
             return math_equal(gold, prediction, parsed_golds)
@@ -357,19 +362,6 @@ def accuracy_reward(
 
 
 _PLAIN_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?")
-_LITERAL = r"\(*\s*[-+]?\s*\d+(\.\d+)?\s*\)*"
-_SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
-_CALCULATION = re.compile(rf"{_LITERAL}(\s*[-+*/x]\s*{_LITERAL})+")
-
-
-def _unworked(answer: str) -> bool:
-    """``answer`` (as :func:`~maxent_grpo.tasks.expressions.split_equation` reads it:
-    delimiters, a final period and the operator symbols aside) is arithmetic of numbers with
-    no ``=`` giving its value; a signed fraction of two integers (``- 1/2``) is a number."""
-    text, value = split_equation(answer)
-    bare = re.sub(r"[\s()]", "", text)  # (1)/(2), - 1/2: a signed number or fraction
-    return value is None and bool(_CALCULATION.fullmatch(text.strip())) and not (
-        _SIGNED_FRACTION.fullmatch(bare))
 
 
 @register_reward("first_number")

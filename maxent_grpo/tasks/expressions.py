@@ -217,3 +217,60 @@ def split_equation(answer: str) -> tuple[str, str | None]:
         left, right = answer.split("=")
         return left, right
     return answer, None
+
+
+_SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
+_TIMES_X = re.compile(r"(?<=[\d)])\s*[xX]\s*(?=[\d(])")  # 5 x 3: an operator
+_ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()]")  # the tokens read
+_AROUND = re.compile(r"[^\W\d_]+|[\s?!:~≈]|\.(?!\d)")  # words around them, left out
+
+
+def unworked(answer: str) -> bool:
+    """``answer`` (as :func:`split_equation` reads it:
+    delimiters, a final period and the operator symbols aside) is arithmetic of numbers with
+    no ``=`` giving its value: words around it (``The answer is 3 + 4``, ``3 + 4 apples``)
+    and an ``=`` with no number after it (``3 + 4 =``, ``= ?``, ``= 3 + 4``) do not make it
+    one; a signed fraction of two integers (``- 1/2``) is a number. Linear in the answer's
+    length (a pattern of this had taken minutes on a sum of 12 spaced terms and words)."""
+    text, value = split_equation(answer)
+    sides = [_tokens(_TIMES_X.sub("*", side)) for side in (text, value or "")]
+    if value is not None and sides[1] is not None and _operators(sides[1]) == 0:
+        return False  # = -886 (apples): its value given
+    return any(tokens is not None and _operators(tokens) > 0 and not _SIGNED_FRACTION.fullmatch(
+        "".join(t for t in tokens if t not in "()")) for tokens in sides)
+
+
+def _tokens(text: str) -> list[str] | None:
+    """The numbers, operators and parentheses of ``text`` with the words around them left
+    out, or None where anything else is in it (``2^-1``, ``3, -2``, braces: not plain
+    arithmetic, which the grader reads)."""
+    if _ARITHMETIC.sub("", _AROUND.sub("", text)).strip():
+        return None
+    return _ARITHMETIC.findall(text)
+
+
+def _operators(tokens: list[str]) -> int:
+    """The binary operators of ``tokens`` when they are numbers (each maybe signed and in
+    parentheses) joined by operators, else -1 (0: one number)."""
+    n, count = len(tokens), 0
+
+    def literal(i: int) -> int:  # the index after a literal at i, or -1
+        while i < n and tokens[i] == "(":
+            i += 1
+        if i < n and tokens[i] in ("+", "-"):
+            i += 1
+        while i < n and tokens[i] == "(":
+            i += 1
+        if i >= n or not tokens[i][0].isdigit():
+            return -1
+        i += 1
+        while i < n and tokens[i] == ")":
+            i += 1
+        return i
+
+    i = literal(0)
+    while 0 <= i < n:
+        if tokens[i] not in ("+", "-", "*", "/"):
+            return -1
+        i, count = literal(i + 1), count + 1
+    return count if i >= 0 else -1

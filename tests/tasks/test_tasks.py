@@ -367,6 +367,35 @@ def test_rows_graded_by_first_number_compare_answers_by_first_number():
     assert keys == {"8"}
 
 
+def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
+    """Only the bare copy scored 0.0: ``59 - 63 * 15 =``, ``= ?``, a word after it or before
+    it scored 1.0 on the default task and reward (a fuzz of model-written text), and a
+    spaced sum of 11 terms before a word took 41 s in one pattern match (minutes at 12,
+    beyond a reward's timeout, which cannot stop a match)."""
+    import signal
+
+    from maxent_grpo.rewards.answers import accuracy_reward
+    from maxent_grpo.tasks.expressions import unworked
+
+    copies = ["59 - 63 * 15 =", "59 - 63 * 15 = ?", "= 59 - 63 * 15", "59 - 63 * 15 = x",
+              "59 - 63 * 15 in total", "The answer is 59 - 63 * 15", "59 - 63 * 15 :",
+              "59 - 63 * 15 = 59 - 63 * 15", "(59) - (63 * 15)", "59 - 63 x 15"]
+    worked = ["-886", "59 - 63 * 15 = -886", "59 - 63*15 = -886 apples", "-1772/2",
+              "\\boxed{-886}", "It is -886."]
+    texts = copies + worked
+    assert accuracy_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
+                           answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(
+                               worked)
+    assert not unworked("- 1/2") and not unworked("(-886)") and not unworked("3 and 4")
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("a hang")))
+    signal.alarm(30)  # hours before; microseconds now: a hang fails here, not the suite
+    try:
+        assert unworked(" + ".join(["12"] * 14) + " cookies")
+        assert not unworked(" + ".join(["12"] * 14) + " = 168 cookies")
+    finally:
+        signal.alarm(0)
+
+
 def test_arithmetic_answers_are_one_however_the_number_is_written():
     """Rows graded by accuracy had the expression form: ``-886`` (a unary minus is no
     expression), ``-886.0``, ``$-886$`` and ``59 - 63 * 15 = -886``, all graded right, were
