@@ -88,6 +88,21 @@ def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
             cli_module.main(["predict", *SMALL, models, "--ckpt_path", str(copy), "--output",
                              str(output), "--trainer.logger=false"])
         assert output.read_bytes() == demo_checkpoint.read_bytes()
+    # a data file it reads (a hunt of the evaluation commands: replaced, without a word)
+    rows = tmp_path / "val.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n"
+                            for i in range(4)))
+    before = rows.read_text()
+    with pytest.raises(ValueError, match="is one of the run's data files"):
+        cli_module.main(["predict", *SMALL, models, "--ckpt_path", str(copy), "--output",
+                         str(rows), "--data.val_files", str(rows), "--trainer.logger=false"])
+    assert rows.read_text() == before
+    # a CompletionWriter in the config: --output decides its file (it was left unused)
+    writer = ["--trainer.callbacks+=maxent_grpo.training.callbacks.CompletionWriter",
+              f"--trainer.callbacks.output={tmp_path / 'configured.jsonl'}"]
+    cli_module.main(["predict", *SMALL, models, "--ckpt_path", str(copy), *writer,
+                     "--output", str(tmp_path / "asked.jsonl"), "--trainer.logger=false"])
+    assert (tmp_path / "asked.jsonl").is_file() and not (tmp_path / "configured.jsonl").exists()
     runs = tmp_path / "runs"
     plain = ["predict", *SMALL, models, "--ckpt_path", str(copy), "--trainer.logger=false",
              f"--trainer.default_root_dir={runs}"]
@@ -102,9 +117,13 @@ def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
     (["--ckpt_path", "nosuch.ckpt"], r"--ckpt_path nosuch\.ckpt: no such file, from the folder"),
     (["--output", "/proc/no/such/predictions.jsonl"],
      r"predict cannot write /proc/no/such/predictions\.jsonl .*pass --output"),
+    (["--output", "{tmp}/a_file/predictions.jsonl"],
+     r"predict cannot write .*/a_file/predictions\.jsonl \(a folder on its path is a file\)"),
 ])
 def test_predict_errors_name_what_to_fix(args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     with pytest.raises(SystemExit) as stop:
         cli_module.main(["predict", *SMALL, f"--model.model_cache_dir={tmp_path / 'models'}",
                          "--trainer.logger=false", *args], exit_on_error=True)

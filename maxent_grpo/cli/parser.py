@@ -114,9 +114,10 @@ class MaxEntGRPOCLI(LightningCLI):
         parser.set_defaults({"model.objective": {"class_path": "maxent_grpo.objectives.GRPO"}})
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Build the Trainer with a
-        :class:`~maxent_grpo.training.callbacks.progress.ReadableProgressBar` unless
-        ``trainer.callbacks`` names a progress bar or ``trainer.enable_progress_bar`` is false."""
+        """Build the Trainer with a :class:`~maxent_grpo.training.callbacks.progress.
+        ReadableProgressBar` unless ``trainer.callbacks`` names a progress bar or
+        ``trainer.enable_progress_bar`` is false; predict's ``--output`` decides every
+        ``CompletionWriter``'s file (one is added when none is configured)."""
         config = self._subconfig(self.config_init)
         trainer_config = {**config.get("trainer", {}), **kwargs}
         if trainer_config.get("enable_progress_bar") is not False:
@@ -126,13 +127,16 @@ class MaxEntGRPOCLI(LightningCLI):
             defaults = defaults if isinstance(defaults, list) else [defaults]
             if not any(isinstance(cb, ProgressBar) for cb in [*callbacks, *defaults]):
                 kwargs["callbacks"] = [*callbacks, ReadableProgressBar()]
-        if self.subcommand == "predict":  # the writer of --output, unless one is configured
-            from maxent_grpo.training.callbacks.module_own import CompletionWriter
+        if self.subcommand == "predict":
+            from maxent_grpo.training.callbacks.module_own import CompletionWriter as Writer
 
             callbacks = kwargs.get("callbacks") or trainer_config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-            if not any(isinstance(cb, CompletionWriter) for cb in callbacks):
-                kwargs["callbacks"] = [*callbacks, CompletionWriter(config.get("output"))]
+            mine, output = [cb for cb in callbacks if isinstance(cb, Writer)], config.get("output")
+            for writer in mine if output is not None else []:  # --output decides (was unused)
+                writer.output = output
+            if not mine:
+                kwargs["callbacks"] = [*callbacks, Writer(output)]
         trainer = super().instantiate_trainer(**kwargs)
         # a default_root_dir given as the working folder is a folder asked for
         trainer.default_root_dir_given = bool(trainer_config.get("default_root_dir"))
@@ -223,12 +227,9 @@ class MaxEntGRPOCLI(LightningCLI):
             if args.get("version") is not None:
                 continue  # the user's choice
             for record in records:
-                if (
-                    record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
-                    and record.get("version") is not None
-                    and _same_dir(record.get("save_dir"), args.get("save_dir"))
-                    and record.get("name") == args.get("name")
-                ):
+                if (record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
+                        and record.get("version") is not None and record.get("name") == args.get(
+                            "name") and _same_dir(record.get("save_dir"), args.get("save_dir"))):
                     args.version = record["version"]
                     purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
                     if purge:  # TensorBoard's steps count batches, not optimizer steps
@@ -291,8 +292,7 @@ class MaxEntGRPOCLI(LightningCLI):
                 "default folder is inside the logger's new version folder, where the previous "
                 "run's last.ckpt is not); add to trainer.callbacks: class_path "
                 "lightning.pytorch.callbacks.ModelCheckpoint, init_args: {dirpath: ..., "
-                "save_last: true}, or pass --ckpt_path <file>"
-            )
+                "save_last: true}, or pass --ckpt_path <file>")
         self._use_checked_checkpoint()
         folders = self._checkpoint_dirpaths()
         if last and self._resume is None and all(map(ckpt_io.is_local, folders)):

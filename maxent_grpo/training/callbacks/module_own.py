@@ -349,13 +349,18 @@ class CompletionWriter(L.Callback):
             if self.path.is_file() and zipfile.is_zipfile(self.path):
                 refusal = (f"predict --output {self.path} is a zip archive (a checkpoint?), not "
                            "an earlier predictions file; choose another file")
+            elif self.path.is_file() and os.path.realpath(self.path) in _data_files(trainer):
+                refusal = (f"predict --output {self.path} is one of the run's data files "
+                           "(data.data_files, data.val_files), which it would replace; choose "
+                           "another file")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path.with_name(f".{self.path.name}.check"), "w"):
                     pass
                 os.remove(self.path.with_name(f".{self.path.name}.check"))
-            except OSError as err:
-                problem = err.strerror or str(err)
+            except OSError as err:  # (mkdir's "File exists" for a file among the folders)
+                problem = ("a folder on its path is a file" if isinstance(err, FileExistsError)
+                           else err.strerror or str(err))
         ok = problem is None and refusal is None
         if not trainer.strategy.reduce_boolean_decision(ok, all=True):
             raise ValueError(refusal or (  # on every rank, so that none waits for the others
@@ -410,3 +415,17 @@ class CompletionWriter(L.Callback):
                            f"validation rows): nothing was written to {self.path}")
         self.rows = []
 
+
+def _data_files(trainer: L.Trainer) -> set[str]:
+    """The resolved paths of the files the trainer's data module reads (``data_files``,
+    ``val_files``; none that cannot be listed)."""
+    from maxent_grpo.training.data.files import expand_files
+
+    found: set[str] = set()
+    for option in ("data_files", "val_files"):
+        value = getattr(getattr(trainer, "datamodule", None), option, None)
+        try:
+            found |= {os.path.realpath(f) for f in expand_files(f"data.{option}", value)}
+        except (OSError, ValueError):  # none given, or a pattern that matches none now
+            continue
+    return found
