@@ -15,6 +15,7 @@ the task).
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import re
 import sys
@@ -139,11 +140,14 @@ def final_text(text: str, opens_think: bool = False) -> str | None:
 def _outside_answers(text: str, tag: str) -> int:
     """Where the last ``tag`` of ``text`` outside every ``<answer>...</answer>`` block is,
     or -1."""
+    opens = [m.start() for m in re.finditer("<answer>", text)]  # once: a text of many tags
+    closes = [m.start() for m in re.finditer("</answer>", text)]  # was quadratic (a fuzz)
     at = len(text)
     while (at := text.rfind(tag, 0, at)) >= 0:
-        opened = text.rfind("<answer>", 0, at)
-        if not (opened >= 0 and text.rfind("</answer>", opened, at) < 0
-                and text.find("</answer>", at) >= 0):
+        i = bisect.bisect_right(opens, at - len("<answer>")) - 1  # the last <answer> before
+        j = bisect.bisect_right(closes, at - len("</answer>")) - 1  # the last </answer> too
+        inside = i >= 0 and (j < 0 or closes[j] < opens[i]) and bool(closes) and closes[-1] >= at
+        if not inside:
             return at
     return -1
 

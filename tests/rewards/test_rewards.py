@@ -1174,3 +1174,24 @@ def test_the_answer_keys_and_the_grader_read_bold_alike():
     from maxent_grpo.rewards import answers, verify_worker
 
     assert answers.BOLD.pattern == verify_worker._BOLD.pattern
+
+
+def test_the_answer_after_reasoning_is_found_in_one_pass_over_many_tags() -> None:
+    """Each ``</think>`` inside an answer block searched the whole text again: 12.8 s for
+    40,000 of them (320 KB) in every reward and in each step's answer keys, with no timeout
+    (a fuzz of model-written text). Quoted tags stay the answer's text."""
+    import signal
+
+    from maxent_grpo.rewards.answers import final_text
+
+    assert final_text("<think>a</think><answer>x </think> y</answer>") == (
+        "<answer>x </think> y</answer>")
+    assert final_text("<answer>x</answer><think>still") is None
+    assert final_text("<think>a <answer>8</answer></think> 7") == " 7"
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("a hang")))
+    signal.alarm(30)  # about two minutes before at 80,000 tags; milliseconds now
+    try:
+        quoted = "<think>ok</think><answer>" + "</think>" * 80000 + "7</answer>"
+        assert final_text(quoted).endswith("7</answer>")
+    finally:
+        signal.alarm(0)
