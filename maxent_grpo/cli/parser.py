@@ -132,11 +132,11 @@ class MaxEntGRPOCLI(LightningCLI):
 
             callbacks = kwargs.get("callbacks") or trainer_config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-            mine, output = [cb for cb in callbacks if isinstance(cb, Writer)], config.get("output")
-            for writer in mine if output is not None else []:  # --output decides (was unused)
-                writer.output = output
-            if not mine:
-                kwargs["callbacks"] = [*callbacks, Writer(output)]
+            mine, fresh = [cb for cb in callbacks if isinstance(cb, Writer)], Writer(
+                config.get("output"))  # (which checks --output)
+            for writer in mine if fresh.output is not None else []:  # --output decides
+                writer.output = fresh.output
+            kwargs["callbacks"] = callbacks if mine else [*callbacks, fresh]
         trainer = super().instantiate_trainer(**kwargs)
         # a default_root_dir given as the working folder is a folder asked for
         trainer.default_root_dir_given = bool(trainer_config.get("default_root_dir"))

@@ -222,7 +222,10 @@ def split_equation(answer: str) -> tuple[str, str | None]:
 _SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
 _TIMES_X = re.compile(r"(?<=[\d)])\s*[xX]\s*(?=[\d(])")  # 5 x 3: an operator
 _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()]")  # the tokens read
-_AROUND = re.compile(r"[^\W\d_]+|[\s?!:~≈]|\.(?!\d)")  # words around them, left out
+_AROUND = re.compile(r"[^\W\d_]+|[\s?!:;#~≈→]|\.(?!\d)")  # words around them, left out
+#: a side of an ``=`` that gives a value: a number ($18, 18.00, 1,800, 18%, 18 (dollars)) that
+#: no operator follows
+_VALUE = re.compile(r"\s*[(\[]?\s*(?:\\?\$)?\s*[-+]?\d[\d,]*(?:\.\d+)?(?!\s*[-+*/^\d])")
 
 
 def unworked(answer: str) -> bool:
@@ -230,12 +233,14 @@ def unworked(answer: str) -> bool:
     delimiters, a final period and the operator symbols aside) is arithmetic of numbers with
     no ``=`` giving its value: words around it (``The answer is 3 + 4``, ``3 + 4 apples``)
     and an ``=`` with no number after it (``3 + 4 =``, ``= ?``, ``= 3 + 4``) do not make it
-    one; a signed fraction of two integers (``- 1/2``) is a number. Linear in the answer's
-    length (a pattern of this had taken minutes on a sum of 12 spaced terms and words)."""
+    one; a side of an ``=`` that starts with a number is its value (``3 * 6 = $18``, ``18 =
+    3 * 6``); a signed fraction of two integers (``- 1/2``) is a number. Linear in the
+    answer's length (a pattern of this had taken minutes on a sum of 12 spaced terms)."""
     text, value = split_equation(answer)
-    sides = [_tokens(_TIMES_X.sub("*", side)) for side in (text, value or "")]
-    if value is not None and sides[1] is not None and _operators(sides[1]) == 0:
+    parts = [p for side in (text, value or "") for p in side.split("=")]
+    if (value is not None or len(parts) > 2) and any(_VALUE.match(p) for p in parts):
         return False  # = -886 (apples): its value given
+    sides = [_tokens(_TIMES_X.sub("*", part)) for part in parts]
     return any(tokens is not None and _operators(tokens) > 0 and not _SIGNED_FRACTION.fullmatch(
         "".join(t for t in tokens if t not in "()")) for tokens in sides)
 

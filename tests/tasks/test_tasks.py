@@ -387,6 +387,14 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
                            answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(
                                worked)
     assert not unworked("- 1/2") and not unworked("(-886)") and not unworked("3 and 4")
+    # a side of an = that starts with a number gives the value: GSM8K's forms (a reader
+    # found these scored 0.0 with the first version of this check)
+    given = ["3 * 6 = $18", "The total is 3 + 15 = $18", "3 * 6 = $18.00", "0.2 * 90 = 18%",
+             "3 * 6 = 18 (dollars)", "6 + 12 = 18 [apples]", "3 * 6 = 18, which is it",
+             "18 = 3 * 6", "3*6 = 18 = 18", "3 * 600 = 1,800"]
+    assert accuracy_reward(["q"] * len(given), [f"<answer>{g}</answer>" for g in given],
+                           answer=["18"] * (len(given) - 1) + ["1800"]) == [1.0] * len(given)
+    assert all(unworked(c) for c in ("3 * 6 = x = ?", "3 * 6 ;", "3 * 6 #"))
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("a hang")))
     signal.alarm(30)  # hours before; microseconds now: a hang fails here, not the suite
     try:

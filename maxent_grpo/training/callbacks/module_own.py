@@ -424,8 +424,9 @@ def _data_files(trainer: L.Trainer) -> set[str]:
     found: set[str] = set()
     for option in ("data_files", "val_files"):
         value = getattr(getattr(trainer, "datamodule", None), option, None)
-        try:
-            found |= {os.path.realpath(f) for f in expand_files(f"data.{option}", value)}
-        except (OSError, ValueError):  # none given, or a pattern that matches none now
-            continue
+        for entry in value if isinstance(value, (list, tuple)) else [value]:
+            try:
+                found |= {os.path.realpath(f) for f in expand_files(f"data.{option}", entry)}
+            except (OSError, ValueError):  # none given, or a pattern that matches none now
+                continue
     return found
