@@ -170,7 +170,10 @@ def _class_names(parsers: Sequence[Any], key: str) -> list[str]:
     """The names of the classes the class-typed option ``key`` of one of ``parsers`` takes:
     the subclasses of its type that are imported (jsonargparse's list, by which a name is
     resolved), less the type itself."""
-    from jsonargparse._typehints import get_all_subclass_paths  # jsonargparse's own lookup
+    try:  # jsonargparse's own lookup (private: a version without it gives no list)
+        from jsonargparse._typehints import get_all_subclass_paths
+    except ImportError:
+        return []
 
     for parser in parsers:
         action = parser._option_string_actions.get(f"--{key}.help")

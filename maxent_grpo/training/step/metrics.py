@@ -57,7 +57,6 @@ def all_gather_objects(value: Any) -> list[Any]:
         return out
     return [value]
 
-
 _INT64_MAX = torch.iinfo(torch.int64).max
 
 
