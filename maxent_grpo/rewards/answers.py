@@ -30,6 +30,7 @@ from maxent_grpo.tasks.expressions import (
     number_value,
     split_equation,
     unworked,
+    unwrap_math,
 )
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
@@ -253,7 +254,8 @@ ANSWER_FORMS = ("expression", "ordered", "first_number", "value")
 def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     """An answer's canonical form under a task's ``answer_form``: ``"expression"`` (the
     default, ``None``) is :func:`coverage_answer`, where ``"5 + 4"`` and ``"4 + 5"`` are one
-    answer; ``"ordered"`` keeps the order and removes the whitespace only, so they are two
+    answer; ``"ordered"`` keeps the order and removes the whitespace and math delimiters only (as
+    the ``digit_pair`` reward reads an answer), so they are two
     (the ``digit_pairs`` task with ``ordered=True``); ``"first_number"`` is the first
     integer of the answer (the ``number_sets`` task); ``"value"`` is the exact value of the
     number after one ``=`` (else of the answer: ``-886``, ``-886.0``, ``$-886$`` and
@@ -278,8 +280,8 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
             value = number_value(answer, False)  # a number that is no expression
         # a fraction as its expression is written: 0.5 and 1/2 are one
         return None if value is None else str(value).replace("/", " / ")
-    if form == "ordered":
-        return None if answer is None else ("".join(answer.split()) or None)
+    if form == "ordered":  # unwrapped as the digit_pair reward reads it: $4 + 8$ is 4+8
+        return None if answer is None else ("".join(unwrap_math(answer).split()) or None)
     if form == "first_number":
         return None if answer is None else _first_number(answer)
     raise ValueError(f"answer_form must be one of {ANSWER_FORMS}; got {form!r}")

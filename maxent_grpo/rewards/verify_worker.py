@@ -13,6 +13,7 @@ else writes to (what the libraries print goes to stderr).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -61,9 +62,15 @@ WRAP_CHARS = 120
 def _words(text: str) -> list[tuple[int, int]]:
     """Where the words of prose in ``text`` are: two letters or more outside LaTeX's commands
     and their text arguments, other than :data:`_MATH_WORDS`."""
-    commands = [m.span() for m in _COMMANDS.finditer(text)]
-    return [m.span() for m in _PROSE_WORD.finditer(text) if m.group() not in _MATH_WORDS
-            and not any(start <= m.start() < end for start, end in commands)]
+    commands = [m.span() for m in _COMMANDS.finditer(text)]  # in order, not overlapping
+    starts = [start for start, _ in commands]
+
+    def in_command(at: int) -> bool:
+        index = bisect.bisect_right(starts, at) - 1
+        return index >= 0 and at < commands[index][1]
+
+    return [m.span() for m in _PROSE_WORD.finditer(text)
+            if m.group() not in _MATH_WORDS and not in_command(m.start())]
 
 
 def _formula(text: str) -> bool:
@@ -90,6 +97,10 @@ _TEXT = re.compile(r"\\(?:text\w*|mathrm|mbox)\s*\{([^{}]*)\}")
 _ROOT = re.compile(r"√(\d+(?:\.\d+)?)")
 #: a number in scientific notation (``3e8``, ``1.5E-3``), not inside a word or a longer number
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})(?![\w.])")
+#: the most characters writing out an answer's numbers in scientific notation may add (a
+#: model writing ``1e999`` a thousand times made megabytes of digits for math-verify to read
+#: and log before its own time limit applied); the numbers past it stay as written
+SCIENTIFIC_DIGITS = 4000
 
 
 def _plain(text: str) -> str:
@@ -97,12 +108,20 @@ def _plain(text: str) -> str:
     markers removed and its numbers in scientific notation written out (``3e8`` ->
     ``300000000``, ``1e-05`` -> ``0.00001``) and a last period dropped: math-verify reads
     ``3e8`` as 3, ``−2`` as nothing, ``**1/2**`` as 1 and ``√2`` as 2, and in math mode
-    ``(1, 2).`` as nothing."""
+    ``(1, 2).`` as nothing. The numbers are written out from the last, while they add at
+    most :data:`SCIENTIFIC_DIGITS` characters in all."""
     from decimal import Decimal
 
     text = _BOLD.sub(r"\1", _PERIOD.sub("", text.replace("\u2212", "-")))
     text = _ROOT.sub(r"\\sqrt{\1}", text)
-    return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
+    room, end, pieces = SCIENTIFIC_DIGITS, len(text), []
+    for match in reversed(list(_SCIENTIFIC.finditer(text))):  # the last, the answer, first
+        number = format(Decimal(match.group(0)), "f")
+        if len(number) - len(match.group(0)) <= room:
+            room -= len(number) - len(match.group(0))
+            pieces += [text[match.end():end], number]
+            end = match.start()
+    return text[:end] + "".join(reversed(pieces))
 
 
 def reference_answer(reference: str) -> str | None:

@@ -271,6 +271,10 @@ def test_ordered_digit_pairs_have_six_to_ten_answers_and_say_how_to_compare_them
     assert "answer_form" not in plain and plain["task"] == "digit_pairs"
     assert answer_key("4 + 5", "ordered") != answer_key("5+4", "ordered")
     assert answer_key("4 + 5", "ordered") == answer_key(" 4+5", "ordered") == "4+5"
+    # read as the reward reads them: in math delimiters or with a last period, one answer
+    wrapped = ["$4 + 5$", "\\(4+5\\)", "4 + 5.", "$$ 4 + 5 $$"]
+    assert digit_pair_reward(["q"] * 4, wrapped, target=[9] * 4) == [1.0] * 4
+    assert {answer_key(w, "ordered") for w in wrapped} == {"4+5"}
     with pytest.raises(ValueError, match="answer_form"):
         canonical_answer("1", "sorted")
     with pytest.raises(ValueError, match="ordered must be a bool"):
