@@ -244,3 +244,19 @@ def test_ctrl_c_of_a_fit_exits_130(tmp_path, monkeypatch, capsys):
         signal.signal(signal.SIGINT, handler)
     assert stop.value.code == 130
     assert "error: interrupted (Ctrl-C)" in capsys.readouterr().err
+
+
+def test_predict_keeps_one_writer_per_file(tmp_path):
+    """Two ``CompletionWriter``s configured for one file each wrote it whole (the summary
+    printed twice); ``--output`` is every writer's file, so with it one writer is left."""
+    from maxent_grpo.training.callbacks import CompletionWriter
+
+    bar = object()
+    a, b, c = (CompletionWriter(tmp_path / n) for n in ("a.jsonl", "a.jsonl", "c.jsonl"))
+    assert CompletionWriter.configured([a, bar, b, c], None) == [a, bar, c]
+    kept = CompletionWriter.configured([a, b, c], str(tmp_path / "asked.jsonl"))
+    assert kept == [a] and a.output == str(tmp_path / "asked.jsonl")
+    added = CompletionWriter.configured([bar], None)
+    assert added[0] is bar and isinstance(added[1], CompletionWriter) and len(added) == 2
+    with pytest.raises(ValueError, match="predict output must be a file path"):
+        CompletionWriter.configured([a], " ")

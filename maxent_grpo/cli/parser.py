@@ -117,7 +117,7 @@ class MaxEntGRPOCLI(LightningCLI):
         """Build the Trainer with a :class:`~maxent_grpo.training.callbacks.progress.
         ReadableProgressBar` unless ``trainer.callbacks`` names a progress bar or
         ``trainer.enable_progress_bar`` is false; predict's ``--output`` decides every
-        ``CompletionWriter``'s file (one is added when none is configured)."""
+        ``CompletionWriter``'s file (``CompletionWriter.configured``)."""
         config = self._subconfig(self.config_init)
         trainer_config = {**config.get("trainer", {}), **kwargs}
         if trainer_config.get("enable_progress_bar") is not False:
@@ -132,11 +132,7 @@ class MaxEntGRPOCLI(LightningCLI):
 
             callbacks = kwargs.get("callbacks") or trainer_config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-            mine, fresh = [cb for cb in callbacks if isinstance(cb, Writer)], Writer(
-                config.get("output"))  # (which checks --output)
-            for writer in mine if fresh.output is not None else []:  # --output decides
-                writer.output = fresh.output
-            kwargs["callbacks"] = callbacks if mine else [*callbacks, fresh]
+            kwargs["callbacks"] = Writer.configured(callbacks, config.get("output"))
         trainer = super().instantiate_trainer(**kwargs)
         # a default_root_dir given as the working folder is a folder asked for
         trainer.default_root_dir_given = bool(trainer_config.get("default_root_dir"))

@@ -332,6 +332,21 @@ class CompletionWriter(L.Callback):
         self.rows: list[dict[str, Any]] = []
         self.written: bool | None = False
 
+    @classmethod
+    def configured(cls, callbacks: list, output: str | None) -> list:
+        """``predict``'s callbacks: ``output`` (``--output``; checked here) is every
+        configured writer's file when given, a writer is added when none is configured, and
+        of several writing one file the first is kept (each wrote it whole)."""
+        fresh, kept = cls(output), []
+        for callback in callbacks:
+            if isinstance(callback, CompletionWriter):
+                callback.output = callback.output if output is None else fresh.output
+                if any(type(callback) is type(k) and callback.output == k.output
+                       for k in kept if isinstance(k, CompletionWriter)):
+                    continue
+            kept.append(callback)
+        return kept if any(isinstance(c, CompletionWriter) for c in kept) else [*kept, fresh]
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
