@@ -314,6 +314,22 @@ def test_a_class_name_that_names_no_class_lists_the_ones_it_could_be(monkeypatch
     assert (closest in hint.rstrip("?").split(" or ")) if closest else not hint
 
 
+@pytest.mark.parametrize("args, start", [
+    (["--trainer.strategy.cluster_environment", "Nope"],
+     "--trainer.strategy.cluster_environment (lightning.pytorch.strategies.DDPStrategy): no "
+     "class named 'Nope': give one of "),
+    (["--trainer.strategy.cluster_environment", "LightningEnvironment",
+      "--trainer.strategy.cluster_environment.foo", "3"],
+     "--trainer.strategy.cluster_environment (lightning.fabric.plugins.environments."
+     "LightningEnvironment): Option 'foo' is not accepted"),
+], ids=["unknown-class", "unknown-argument"])
+def test_a_nested_class_options_error_names_the_whole_option(monkeypatch, capsys, args, start):
+    """A class option's own class option (a strategy's cluster environment) was said as
+    ``--trainer.strategy (DDPStrategy): --cluster_environment: ...``."""
+    err = parse_error(monkeypatch, capsys, "--trainer.strategy", "DDPStrategy", *args).strip()
+    assert err.startswith(start), err
+
+
 def built_error(monkeypatch, tmp_path, *args: str, exc: type[Exception] = ValueError) -> str:
     """Run the real CLI (parse + build, no fit) and return the constructor's error text."""
     monkeypatch.chdir(tmp_path)  # a Trainer that did get built must write nothing here

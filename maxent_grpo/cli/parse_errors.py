@@ -86,6 +86,7 @@ _UNION_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*\n\s*Does not validate
                         r"the Union subtypes")
 _CLASS_PROBLEM = re.compile(r"^(?P<indent>\s*)- Problem with given class_path '(?P<cls>[^']+)':$")
 _NESTED_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)$', re.DOTALL)
+_OWN_KEY = re.compile(r"^--(?P<key>[\w.]+)(?: \((?P<cls>[\w.]+)\))?: (?P<rest>.*)$", re.DOTALL)
 _REQUIRED = re.compile(r"the following arguments are required: (?P<names>[\w, ]+)")
 
 
@@ -113,6 +114,8 @@ def short_subclass_error(message: str) -> str:
     if nested:  # an argument's value: Parser key "alpha": Expected a <class 'float'>. ...
         key, text = f"{key}.{nested['key']}", _expected(nested["rest"])
     cls_path = problem["cls"]
+    if not nested and (own := _OWN_KEY.match(text)):  # the class's own parser's: --name: ...
+        key, text, cls_path = f"{key}.{own['key']}", own["rest"], own["cls"] or cls_path
     short = f"--{key} ({cls_path}): {text}"
     required = _REQUIRED.search(text)
     if required:
