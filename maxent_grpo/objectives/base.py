@@ -203,10 +203,10 @@ class LossOutput:
 
 
 def token_sum(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``(sum over the mask, number of masked tokens)``, both detached float32: one
-    token-weighted entry of :attr:`LossOutput.sums`."""
-    m = mask.to(values.dtype)  # where, not a product: inf * 0 at a padded token is NaN
-    return values.detach().where(m.bool(), 0).sum().float(), m.sum().float()
+    """``(sum over the mask, number of masked tokens)``, detached, float32 (float64 for
+    float64 values): one token-weighted entry of :attr:`LossOutput.sums`."""
+    m, dtype = mask.to(values.dtype), torch.promote_types(values.dtype, torch.float32)
+    return values.detach().where(m.bool(), 0).sum().to(dtype), m.sum().to(dtype)  # where: inf*0
 
 
 def sequence_ref_loglik(ref_token_logps: Tensor, mask: Tensor, group_size: int) -> Tensor:

@@ -237,10 +237,8 @@ def _call(
                 "(use a float, or None for 'not applicable')"
             )
         if not math.isfinite(value):
-            raise RewardFunctionError(
-                f"{label} returned a non-finite value at row {i}: {value!r} "
-                "(use None for 'not applicable')"
-            )
+            raise RewardFunctionError(f"{label} returned a non-finite value at row {i}: "
+                                      f"{value!r} (use None for 'not applicable')")
         out.append(float(value))
     return out
 
@@ -275,7 +273,7 @@ def _score(
     funcs: Sequence[tuple[str, Callable, float]], prompts: list, completions: list,
     columns: dict[str, list], completion_ids: list[list[int]] | None,
     trainer_state: TrainerState | None, rendered_prompts: list[str] | None = None,
-    call_log: Callable[[], Callable[[str, float], None]] | None = None,
+    call_log: Callable[[], Callable[[str, float], None]] | None = None, dtype: Any = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(prompts, completions, columns)
     if completion_ids is not None and len(completion_ids) != len(completions):
@@ -294,7 +292,7 @@ def _score(
     components = torch.tensor(rows, dtype=torch.float64).reshape(len(funcs), len(completions))
     weights = torch.tensor([float(w) for _, _, w in funcs], dtype=torch.float64)  # (K,)
     total = torch.nansum(weights[:, None] * components, dim=0)  # (N,); NaN·w stays NaN
-    return total.float(), components.float()
+    return total.to(dtype), components.to(dtype)  # summed in float64 either way
 
 
 def unpadded_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[list[int]]:
@@ -407,9 +405,9 @@ class WeightedRewards:
         self, pairs: PromptCompletionBatch, columns: dict[str, list], group_size: int,
         completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
         per_completion: dict[str, list] | None = None, trainer_state: TrainerState | None = None,
-        rendered_prompts: list[str] | None = None,
+        rendered_prompts: list[str] | None = None, dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`;
+        """``(total (B*G,), components (K, B*G))`` of :func:`score_completions`, in ``dtype``;
         ``columns`` hold one value per prompt; ``completion_ids`` and ``completion_mask``
         are the rollout's ``(B*G, T)`` tensors (without them ``completion_ids=None``);
         ``per_completion`` adds keyword columns with one value per completion (a multi-turn
@@ -430,11 +428,12 @@ class WeightedRewards:
                 raise ValueError("completion_ids need their completion_mask")
             ids = unpadded_ids(completion_ids, completion_mask)
         return _score(funcs, pairs.prompts, pairs.completions, per_row, ids,
-                      trainer_state or TrainerState(), rendered_prompts, self._call_log)
+                      trainer_state or TrainerState(), rendered_prompts, self._call_log, dtype)
 
     def score_rollout(
         self, rollout: RolloutOutput, raw_prompts: list[Any], columns: dict[str, list],
         trainer_state: TrainerState | None = None, device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(total (B*G,), components (K, B*G))`` of one rollout of ``B`` prompts, as
         training and evaluation score it: the rollout's :meth:`~RolloutOutput.pairs` with
@@ -447,4 +446,4 @@ class WeightedRewards:
         pairs = rollout.pairs(raw_prompts)
         rendered = [p for p in rollout.batch.prompts for _ in range(rollout.group_size)]
         return self(pairs, columns, rollout.group_size, rollout.completion_ids,
-                    rollout.model_mask, pairs.reward_columns(), trainer_state, rendered)
+                    rollout.model_mask, pairs.reward_columns(), trainer_state, rendered, dtype)

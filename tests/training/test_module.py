@@ -94,6 +94,26 @@ def test_micro_batches_do_not_change_the_update(cache_dir, objective, monkeypatc
             torch.testing.assert_close(results[0][key], other[key], atol=1e-6, rtol=1e-5)
 
 
+def test_a_float64_run_keeps_its_rewards_and_logged_sums_in_float64(cache_dir):
+    """Under ``64-true`` the rewards were float32 (advantages 6e-9 off the float64 formula)
+    and each micro-batch's token sum was rounded to float32 (the logged token means changed
+    with the split, about 1e-8); now one batch and micro-batches log the same to rounding."""
+    logged = []
+    for split in ({}, {"micro_batch_groups": 1}):
+        module = make_module(cache_dir, objective=GRPO(beta=0.1), max_completion_length=12,
+                             rewards={"tests.conftest:alternating": 0.1}, **split)
+        fit(module, make_data(cache_dir), steps=2, precision="64-true")  # the 2nd has a KL
+        trajectory = module.trajectory
+        assert trajectory.rewards.dtype == trajectory.targets.advantages.dtype == torch.float64
+        rewards = trajectory.rewards
+        assert torch.equal(rewards.unique(), torch.tensor([0.0, 0.1], dtype=torch.float64))
+        logged.append(dict(module.step_metrics_dict))
+        kl, total = logged[-1]["train/kl"], logged[-1]["train/loss/total"]
+        assert kl > 0 and 0.1 * kl == pytest.approx(total, rel=1e-13, abs=0)  # policy's 0: constant
+    for key in ("train/loss/policy", "train/kl", "train/loss/total"):
+        assert logged[1][key] == pytest.approx(logged[0][key], rel=1e-13, abs=1e-18), key
+
+
 def test_zero_advantage_groups_leave_the_policy_unchanged(cache_dir):
     module = make_module(
         cache_dir, objective=GRPO(), rewards={"tests.conftest:always_one": 1.0}

@@ -279,12 +279,13 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     B = len(batch["prompts"])
 
     weighted = [k for k, w in enumerate(ctx.rewards.weights) if w != 0]
+    dtype = torch.promote_types(next(ctx.policy.parameters()).dtype, torch.float32)  # rewards'
 
     def roll_out(prompts: dict[str, Any]) -> Scored:
         out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
         timer.start()
         total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G), on the CPU
-            out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device)
+            out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device, dtype)
         timer.stop("reward")
         if ctx.rank == 0 and bool(parts[weighted].isnan().all()):
             warnings.warn(  # shown once per process (the message does not change)
