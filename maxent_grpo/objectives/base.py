@@ -424,7 +424,7 @@ def clipped_token_loss(
             surr = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)
         low, high, total = clip_fractions(ratio.detach(), advantages, mb.mask, epsilon,
                                           epsilon_high)
-    sums = {f"clip/{name}": (value * n_tok, n_tok)
+    sums = {f"clip/{name}": ((value * n_tok).round(), n_tok)  # a count: 7/13 * 13 is 7
             for name, value in (("low", low), ("high", high), ("total", total))}
     if chosen is not None:
         sums["clip/cov"] = (chosen.sum().float(), n_tok)

@@ -19,6 +19,7 @@ from tests.objectives.conftest import (
     T_MAX5,
     _grpo_setup,
     _k3,
+    _mask,
     _mb,
     _naive_adv,
     _old_or_none,
@@ -132,8 +133,8 @@ def test_grpo_clipped_surrogate_with_old_logps_matches_naive() -> None:
     n_tok = float(sum(LENGTHS))
     s_low, c_low = out.sums["clip/low"]
     s_high, c_high = out.sums["clip/high"]
-    assert (s_low.item(), c_low.item()) == pytest.approx((low, n_tok))
-    assert (s_high.item(), c_high.item()) == pytest.approx((high, n_tok))
+    assert (s_low.item(), c_low.item()) == (low, n_tok)  # counts, exactly (not a fraction
+    assert (s_high.item(), c_high.item()) == (high, n_tok)  # times the count: 1e-8 off)
 
 
 @pytest.mark.parametrize("old_kind", ["none", "perturbed"])
@@ -257,3 +258,21 @@ def test_entropy_gate_changes_the_loss() -> None:
                         loss_type="dr_grpo")
     off.observe({"train/kl": 0.2})
     assert off.loss(mb).loss.item() == pytest.approx(grpo, rel=1e-12)
+
+
+@pytest.mark.parametrize("clip_rule", ["ppo", "cispo"])
+def test_clip_counts_are_whole_numbers_of_tokens(clip_rule) -> None:
+    """The clip entries of ``LossOutput.sums`` are ``(clipped tokens, tokens)``: they were a
+    float32 fraction times the token count (7/13 * 13 was 7.0000005), so the logged
+    fraction changed with the micro-batch split by about 1e-8."""
+    n, T = 2, 13
+    logps = torch.zeros(n, T, dtype=F64)
+    old = torch.zeros(n, T, dtype=F64)
+    old[0, :7] = -1.0  # ratio e > 1.28 on 7 of row 0's tokens, advantage > 0
+    mask = _mask([13, 0], T)
+    out = GRPO(epsilon=0.2, epsilon_high=0.28, clip_rule=clip_rule).loss(
+        _mb(logps, mask, G=2, num_rows=n, t_max=T, advantages=torch.tensor([1.0, -1.0],
+            dtype=F64), old=old))
+    clipped, tokens = out.sums["clip/high"]
+    assert (clipped.item(), tokens.item()) == (7.0, 13.0)
+    assert out.sums["clip/total"][0].item() == 7.0
