@@ -195,25 +195,46 @@ def load_tokenizer(
 
 
 def check_token_ids(tokenizer: Any, model: torch.nn.Module, name_or_path: str) -> None:
-    """ValueError when the tokenizer's pad or eos token has an id past the model's input
-    embeddings (a token added to the tokenizer, the embeddings not resized): the first
-    padded batch would fail deep inside the model (an index error, a device assert)."""
+    """ValueError when one of the tokenizer's special tokens (pad, eos, bos, those it adds)
+    has an id past the model's input embeddings (a token added to the tokenizer, the
+    embeddings not resized): the first batch holding it would fail deep inside the model
+    (an index error, a device assert)."""
     try:
         embeddings = model.get_input_embeddings()
     except (NotImplementedError, AttributeError):  # a model that does not say: not checked
         return
     rows = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(),
                    "num_embeddings", None)
-    for role in ("pad", "eos"):
-        token_id = getattr(tokenizer, f"{role}_token_id", None)
-        if rows is not None and token_id is not None and token_id >= rows:
+    ids = [(getattr(tokenizer, f"{role}_token_id", None), f"{role} token")
+           for role in ("pad", "eos", "bos")]  # named by their role first
+    ids += [(i, "special token") for i in getattr(tokenizer, "all_special_ids", None) or []]
+    for token_id, role in ids:
+        if rows is not None and isinstance(token_id, int) and token_id >= rows:
             raise ValueError(
-                f"the tokenizer of {name_or_path!r} has the {role} token "
-                f"{getattr(tokenizer, f'{role}_token')!r} with id {token_id}, past the model's "
-                f"{rows} input embeddings (a token added to the tokenizer without resizing the "
-                "model's embeddings): resize them (model.resize_token_embeddings(len(tokenizer)"
-                "), then save the model) or give the tokenizer a token the model has (e.g. "
-                "pad_token: its eos token, in tokenizer_config.json)")
+                f"the tokenizer of {name_or_path!r} has the {role} "
+                f"{tokenizer.convert_ids_to_tokens(token_id)!r} with id {token_id}, past the "
+                f"model's {rows} input embeddings (a token added to the tokenizer without "
+                "resizing the model's embeddings): resize them (model.resize_token_embeddings"
+                "(len(tokenizer)), then save the model) or give the tokenizer a token the "
+                "model has" + (" (e.g. pad_token: its eos token, in tokenizer_config.json)"
+                               if role == "pad token" else ""))
+
+
+#: the names of the modules holding learned absolute positions (GPT-2's, OPT's, BERT's)
+_POSITIONS = ("wpe", "embed_positions", "position_embeddings")
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """How many positions a model with learned absolute positions has (``n_positions`` or
+    ``max_position_embeddings`` of its config; a longer sequence fails inside it: an index
+    error, a device assert); None for rotary or relative positions, which have no such
+    limit."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "n_positions", None) or getattr(
+        config, "max_position_embeddings", None)
+    learned = any(isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITIONS
+                  for name, m in model.named_modules())
+    return int(limit) if learned and isinstance(limit, int) else None
 
 
 def _load_causal_lm(name_or_path: str, cache_dir: Any, dtype: str,

@@ -353,3 +353,51 @@ def test_a_pad_token_past_the_embeddings_is_refused_naming_the_fix(tiny_cache: P
     tokenizer.pad_token = tokenizer.eos_token  # the remedy the message names
     tokenizer.save_pretrained(tmp_path)
     make_module(str(tiny_cache), model_name_or_path=str(tmp_path)).configure_model()
+
+
+def test_a_bos_or_special_token_past_the_embeddings_is_refused_too(tiny_cache: Path,
+                                                                   tmp_path: Path) -> None:
+    """Only pad and eos were checked: a bos the chat template writes, added without resizing
+    the embeddings, failed in the rollout with "unexpected IndexError; this is a bug"."""
+    from tests.conftest import make_module
+
+    load_policy("builtin:tiny", cache_dir=tiny_cache).save_pretrained(tmp_path)
+    for added, message in (({"bos_token": "<s>"}, r"bos token '<s>' with id 100"),
+                           ({"additional_special_tokens": ["<tool>"]},
+                            r"special token '<tool>' with id 100")):
+        tokenizer = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
+        tokenizer.add_special_tokens(added)
+        tokenizer.save_pretrained(tmp_path)
+        module = make_module(str(tiny_cache), model_name_or_path=str(tmp_path))
+        with pytest.raises(ValueError, match=message + r", past the model's 100 input") as err:
+            module.configure_model()
+        assert "pad_token: its eos token" not in str(err.value)  # the pad's own remedy
+
+
+def test_a_model_with_learned_positions_refuses_lengths_past_them(tiny_cache: Path,
+                                                                  tmp_path: Path) -> None:
+    """GPT-2 style positions (``wpe``): a prompt and completion longer than ``n_positions``
+    failed at the first long sample inside the model (IndexError, "a bug"); rotary models
+    (the built-in Llama) have no such limit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from maxent_grpo.models import position_limit
+    from tests.conftest import make_module
+
+    tokenizer = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=40, n_embd=16, n_layer=1,
+                        n_head=2, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert position_limit(load_policy("builtin:tiny", cache_dir=tiny_cache)) is None
+    for prompt, completion, refused in ((32, 8, False), (32, 9, True), (None, 4, True)):
+        module = make_module(str(tiny_cache), model_name_or_path=str(tmp_path),
+                             max_prompt_length=prompt, max_completion_length=completion)
+        if not refused:
+            module.configure_model()
+            assert position_limit(module.policy) == 40
+            continue
+        with pytest.raises(ValueError, match=r"has 40 learned positions, and a prompt with "
+                                             r"its completion may be .*data.max_prompt_length"):
+            module.configure_model()

@@ -26,6 +26,7 @@ from maxent_grpo.models import (
     load_reference,
     load_tokenizer,
     model_chain,
+    position_limit,
 )
 from maxent_grpo.objectives import GRPO
 from maxent_grpo.rewards.answers import ANSWER_FORMS
@@ -70,6 +71,7 @@ class PolicyModels:
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
         check_token_ids(self.tokenizer, self.policy, src.name_or_path)
+        self._check_positions(position_limit(self.policy))
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         if disable_dropout(self.policy):  # scored as sampled (eval mode: no dropout)
             rank_zero_warn("the policy's dropout is set to 0 (adapters' too): it samples "
@@ -92,6 +94,22 @@ class PolicyModels:
             fully_shard_models(self.device_mesh, [self.policy, self.reference if own else None])
             if not own:
                 register_sharded_generate(self.policy)
+
+    def _check_positions(self, limit: int | None) -> None:
+        """ValueError when a prompt and its completion may be longer than the ``limit``
+        learned positions of the policy (GPT-2's 1,024): it would fail inside the model at
+        the first long sample, perhaps hours into a run."""
+        sampling = self.loop.generation.sampling
+        prompt, completion = sampling.max_prompt_length, sampling.max_new_tokens
+        if limit is None or (prompt is not None and prompt + completion <= limit):
+            return
+        longest = "prompts of any length" if prompt is None else f"{prompt + completion} tokens"
+        raise ValueError(
+            f"{self.source.name_or_path!r} has {limit} learned positions, and a prompt with its "
+            f"completion may be {longest} (data.max_prompt_length {prompt} + "
+            f"model.max_completion_length {completion}): a longer sequence fails inside the "
+            f"model; lower data.max_prompt_length (or model.max_completion_length) so that "
+            f"the two add up to at most {limit}")
 
     def _load_reference(self) -> torch.nn.Module:
         src = self.source
