@@ -23,9 +23,10 @@ Every model goes through one code path::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -235,6 +236,55 @@ def position_limit(model: torch.nn.Module) -> int | None:
     learned = any(isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITIONS
                   for name, m in model.named_modules())
     return int(limit) if learned and isinstance(limit, int) else None
+
+
+def model_folder(name_or_path: str) -> str | None:
+    """The real path of ``name_or_path`` (``~`` expanded, as the model loader does) when it
+    is a local folder, else None."""
+    path = os.path.expanduser(name_or_path)
+    return os.path.realpath(path) if os.path.isdir(path) else None
+
+
+#: what a model folder's fingerprint reads: its configs whole, its weights' ends
+_CONFIGS, _WEIGHTS = ("config.json", "adapter_config.json"), (".safetensors", ".bin", ".pt",
+                                                              ".pth", ".gguf")
+
+
+def model_fingerprint(folder: str | None) -> str | None:
+    """A digest of a local model folder: its ``config.json`` (or an adapter's config) whole
+    and each weights file's name, size, first and last MiB (milliseconds at any size); a
+    folder moved, copied or mounted elsewhere keeps it, other weights change it. None for
+    None or a folder without a config."""
+    try:
+        files = [] if folder is None else sorted(
+            p for p in Path(folder).iterdir() if p.name in _CONFIGS or p.suffix in _WEIGHTS)
+        if not any(p.name in _CONFIGS for p in files):
+            return None
+        digest, mib = hashlib.sha256(), 1 << 20
+        for path in files:
+            size = path.stat().st_size
+            digest.update(f"{path.name}:{size}:".encode())
+            with open(path, "rb") as file:
+                digest.update(file.read() if path.name in _CONFIGS else file.read(mib))
+                if path.name not in _CONFIGS and size > 2 * mib:
+                    file.seek(-mib, os.SEEK_END)
+                    digest.update(file.read())
+    except OSError:  # a folder that cannot be read now: not known by its files
+        return None
+    return digest.hexdigest()[:32]
+
+
+def same_model(saved: Mapping[str, Any], name_or_path: str) -> str | None:
+    """Whether ``name_or_path`` is the model a checkpoint's record names (``saved``: its
+    ``model_name_or_path``, ``model_folder``, ``model_fingerprint``): ``"same"`` for the same
+    name or real folder, ``"moved"`` for another folder with the same fingerprint (moved,
+    copied, another machine's mount point), None for another model."""
+    folder = model_folder(name_or_path)
+    if saved["model_name_or_path"] == name_or_path or (
+            folder is not None and saved.get("model_folder") == folder):
+        return "same"
+    recorded = saved.get("model_fingerprint")  # (checkpoints from before it have none)
+    return "moved" if recorded and recorded == model_fingerprint(folder) else None
 
 
 def _load_causal_lm(name_or_path: str, cache_dir: Any, dtype: str,

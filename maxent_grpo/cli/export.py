@@ -24,7 +24,9 @@ Output folders must be new or empty.
 
 A checkpoint written before the ``model.peft`` config was recorded in it needs the run's
 config file (``--config``: the ``config.yaml`` the command line saves in the version folder,
-or the YAML the run was started with), whose ``model.peft`` is read.
+or the YAML the run was started with), whose ``model.peft`` is read. A model folder that
+moved since the run (or is mounted elsewhere) is given with ``--model``; it must have the
+files the checkpoint recorded (:func:`~maxent_grpo.models.same_model`).
 
 A mistake (a missing or unreadable checkpoint, one not written by this trainer, an output
 folder that is not empty or cannot be written) prints ``error: ...`` naming what to fix
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                         "write the merged model to <output>-merged")
     parser.add_argument("--config", default=None, help="the run's config.yaml, read for "
                         "model.peft when the checkpoint does not record it (older checkpoints)")
+    parser.add_argument("--model", default=None, help="the run's model at another place (its "
+                        "folder moved, or another machine's path); default: where it trained")
     parser.add_argument(errors.TRACEBACK_FLAG, action="store_true",
                         help="print the full trace of an error")
     try:
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         written = export_checkpoint(args.checkpoint, args.output, merged=args.merged,
-                                    config=args.config)
+                                    config=args.config, model=args.model)
     except KeyboardInterrupt:
         if args.traceback:
             raise
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = None,
-                      merged: bool = False, config: str | None = None) -> list[Path]:
+                      merged: bool = False, config: str | None = None,
+                      model: str | None = None) -> list[Path]:
     """Export ``checkpoint`` (see the module docstring) into ``output``; returns the folders
     written. :class:`~maxent_grpo.cli.errors.UserError` for the mistakes the docstring names."""
     path = Path(checkpoint).expanduser()
@@ -106,15 +111,25 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
     for target in targets:
         _check_output(target)
 
-    from maxent_grpo.models import load_policy, load_tokenizer
+    from maxent_grpo.models import load_policy, load_tokenizer, same_model
     from maxent_grpo.training.callbacks.export import export_policy
     from maxent_grpo.training.settings import ModelSettings
 
     hparams = saved.get("hyper_parameters") or {}
-    name, folder = saved["maxent_grpo"]["model_name_or_path"], saved["maxent_grpo"].get(
-        "model_folder")  # the folder trained from, not one of that name here
-    if folder is not None and os.path.isdir(folder):
+    record = saved["maxent_grpo"]
+    name, folder = record["model_name_or_path"], record.get("model_folder")  # the folder
+    if model is not None:  # trained from, not one of that name here
+        if same_model(record, model) is None:
+            raise UserError(f"--model {model} is not the model {path} was trained from "
+                            f"({folder or name}): " + ("its config or weights files differ"
+                                                       if record.get("model_fingerprint")
+                                                       else "another name or folder"))
+        name = model
+    elif folder is not None and os.path.isdir(folder):
         name = folder
+    elif folder is not None:
+        raise UserError(f"the model {path} was trained from, the folder {folder}, is not there "
+                        "now (moved, or another machine): pass --model with its place")
     source = ModelSettings(name_or_path=name,
                            dtype=hparams.get("dtype", "float32"),
                            cache_dir=hparams.get("model_cache_dir"),

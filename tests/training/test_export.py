@@ -139,6 +139,38 @@ def test_the_command_exports_a_checkpoint_that_loads(full_run, cache_dir, tmp_pa
     assert AutoTokenizer.from_pretrained(out)(PROMPT) == tokenizer(PROMPT)
 
 
+def test_a_model_folder_that_moved_is_given_with_model(cache_dir, tmp_path, capsys):
+    """The run's model folder moved: the export took the recorded name for a hub id ("the
+    Hugging Face Hub is offline") and had no option for the new place; ``--model`` gives
+    it, checked against the files the checkpoint recorded."""
+    import json
+    import shutil
+
+    from maxent_grpo.training.callbacks.export import export_policy
+
+    module = make_module(cache_dir)
+    module.configure_model()
+    export_policy(module.policy, module.tokenizer, tmp_path / "a")
+    trained = make_module(cache_dir, model_name_or_path=str(tmp_path / "a"))
+    ckpt = checkpointed_fit(tmp_path / "run", trained, cache_dir)
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    capsys.readouterr()
+    assert main([str(ckpt), "--output", str(tmp_path / "out")]) == 1
+    assert (f"the folder {tmp_path / 'a'}, is not there now (moved, or another machine): "
+            "pass --model") in capsys.readouterr().err
+    assert main([str(ckpt), "--output", str(tmp_path / "out"), "--model",
+                 str(tmp_path / "c")]) == 1
+    assert "its config or weights files differ" in capsys.readouterr().err
+    assert main([str(ckpt), "--output", str(tmp_path / "out"), "--model",
+                 str(tmp_path / "b")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), params(trained))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
 def test_the_command_writes_the_weights_in_the_dtype_they_trained_in(full_run, tmp_path,
                                                                      dtype):

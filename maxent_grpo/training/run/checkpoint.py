@@ -5,7 +5,8 @@ The module adds one entry, ``checkpoint["maxent_grpo"]``:
 - ``model_name_or_path`` and ``objective_class``, checked on load, and ``model_folder``,
   the real path of a model given as a local folder (None otherwise), so that the same
   folder written another way (``../m/`` and ``/abs/m``, or from another working folder)
-  is the same model;
+  is the same model, and ``model_fingerprint`` (:func:`~maxent_grpo.models.model_fingerprint`),
+  so that the folder moved, copied or mounted elsewhere is too;
 - ``peft``: the ``model.peft`` config as plain values (:func:`~maxent_grpo.adapters.peft_record`;
   None without adapters), which the saved hyper-parameters leave out: ``python -m
   maxent_grpo.cli.export`` rebuilds the adapters from it;
@@ -31,6 +32,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from maxent_grpo.adapters import check_older_adapters, peft_record
+from maxent_grpo.models import model_fingerprint, model_folder, same_model
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.settings import check_resumed_schedule
 from maxent_grpo.training.step.metrics import all_gather_objects
@@ -194,13 +196,6 @@ def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
             "meta_manager": None if meta is None else type(meta).__name__}
 
 
-def model_folder(name_or_path: str) -> str | None:
-    """The real path of ``name_or_path`` (``~`` expanded, as the model loader does) when it
-    is a local folder, else None."""
-    path = os.path.expanduser(name_or_path)
-    return os.path.realpath(path) if os.path.isdir(path) else None
-
-
 def save_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, peft: Any = None,
@@ -219,6 +214,7 @@ def save_state(
     checkpoint[CHECKPOINT_KEY] = {
         "model_name_or_path": model_name_or_path,
         "model_folder": model_folder(model_name_or_path),
+        "model_fingerprint": model_fingerprint(model_folder(model_name_or_path)),
         "objective_class": type(objective).__name__,
         "peft": peft_record(peft),
         "objective_state": objective.state_dict(),
@@ -302,11 +298,15 @@ def load_state(
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "
             "MaxEntGRPOModule.on_save_checkpoint, so the objective's state and the random "
             "state cannot be restored; resume from a checkpoint of this trainer")
-    folder = saved.get("model_folder")  # checkpoints from before it have none
-    require(saved["model_name_or_path"] == model_name_or_path
-            or (folder is not None and folder == model_folder(model_name_or_path)),
-            "the checkpoint was made with model.model_name_or_path="
-            f"{saved['model_name_or_path']!r}, but this run has {model_name_or_path!r}")
+    same = same_model(saved, model_name_or_path)
+    require(same is not None, "the checkpoint was made with model.model_name_or_path="
+            f"{saved['model_name_or_path']!r}, but this run has {model_name_or_path!r}"
+            + ("" if saved.get("model_fingerprint") or saved.get("model_folder") is None else
+               " (this checkpoint predates the record of a folder's files, by which a folder "
+               "that moved is known: give its old path, a link to the new place)"))
+    if same == "moved":
+        rank_zero_warn(f"the checkpoint's model folder {saved.get('model_folder')} is "
+                       f"{model_name_or_path} now (the same config and weights files)")
     name = type(objective).__name__
     require(saved["objective_class"] == name,
             f"the checkpoint was made with model.objective {saved['objective_class']}, "

@@ -118,6 +118,35 @@ def test_a_local_model_folder_is_the_same_model_however_it_is_written(tmp_path, 
             load_state(checkpoint, other, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
 
 
+def test_a_model_folder_that_moved_is_the_same_model_by_its_files(tmp_path, monkeypatch):
+    """A run's model folder moved (or another machine's mount point) was refused as another
+    model at every resume, validate and predict, with no way through; its files are
+    recorded: the same config and weights pass (said), others do not."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "a" / "model.safetensors").write_bytes(bytes(range(256)) * 20_000)  # 5 MB
+    checkpoint: dict = {}
+    save_state(checkpoint, "a", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    with pytest.warns(UserWarning, match=r"model folder .*/a is b now \(the same config"):
+        load_state(checkpoint, "b", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    weights = bytearray((tmp_path / "b" / "model.safetensors").read_bytes())
+    weights[-10] ^= 1  # the weights' last MiB, other weights
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    (tmp_path / "c" / "model.safetensors").write_bytes(bytes(weights))
+    shutil.copytree(tmp_path / "b", tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "qwen2"}')
+    for other in ("c", "d"):
+        with pytest.raises(ValueError, match="made with model.model_name_or_path='a', but"):
+            load_state(checkpoint, other, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+    del checkpoint["maxent_grpo"]["model_fingerprint"]  # a checkpoint from before the record
+    with pytest.raises(ValueError, match="predates the record of a folder's files.*a link"):
+        load_state(checkpoint, "b", ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
+
+
 def test_a_step_cut_short_saves_its_starting_random_state_and_warns_after_an_update():
     """A checkpoint written while an exception stops a step: the random state of the
     step's start is saved (Lightning runs the step again); if the step had already updated
