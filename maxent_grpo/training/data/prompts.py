@@ -59,8 +59,8 @@ def _check_unicode(text: str, where: str) -> None:
 class PromptFormat:
     """Which columns hold the prompt and answer, and how the prompt is rendered (the first
     four as the ``PromptDataModule`` options of the same names; ``tokenizer`` returns the
-    tokenizer, called only when a chat template is applied; ``tools``: the functions whose
-    schemas the template shows, ``data.tools``)."""
+    tokenizer, called to apply a chat template or to check that plain prompts lose no bos;
+    ``tools``: the functions whose schemas the template shows, ``data.tools``)."""
 
     prompt_column: str
     answer_column: str | None
@@ -120,6 +120,17 @@ class PromptFormat:
                 + ": the model does not see them; use the roles the template renders"
                 + (" (data.system_prompt adds a 'system' message)" if "system" in dropped
                    and self.system_prompt is not None else ""), stacklevel=2)
+        tokenizer = None if self.apply_chat_template else self.tokenizer()
+        bos = None if tokenizer is None else _leading_special(tokenizer)
+        said = (bos, getattr(tokenizer, "name_or_path", None))  # once, not for each split
+        if bos is not None and any(isinstance(e.raw_prompt, str) for e in examples) and \
+                said not in _SAID:
+            _SAID.add(said)
+            warnings.warn(  # (as TRL encodes them: the text as written)
+                f"the tokenizer starts a text with {bos!r}, and plain prompts "
+                "(data.apply_chat_template false) are encoded without the tokens it adds: a "
+                "model trained with it (Llama-2, Mistral, Gemma base models) samples worse "
+                "without it; write it at the start of each prompt to give it", stacklevel=2)
         if blank:  # an empty CSV cell, a missing last cell, "": graded None by the rewards
             warnings.warn(
                 f"{len(blank)} of {len(examples)} rows have a blank answer in column "
@@ -230,3 +241,13 @@ def _dropped_roles(prompt: Prompt, text: str) -> list[str]:
     return [str(m.get("role")) for m in prompt
             if m.get("role") != "assistant" and isinstance(m.get("content"), str)
             and m["content"].strip() and m["content"].strip().splitlines()[0] not in text]
+
+
+#: the tokenizers whose leading token plain prompts leave out that were warned about
+_SAID: set[tuple[str, str | None]] = set()
+
+
+def _leading_special(tokenizer: Any) -> str | None:
+    """The token a tokenizer adds before a text (a bos: ``<s>``, ``<bos>``), else None."""
+    ids, plain = (tokenizer("1", add_special_tokens=added)["input_ids"] for added in (True, False))
+    return tokenizer.convert_ids_to_tokens(ids[0]) if ids[:1] != plain[:1] else None

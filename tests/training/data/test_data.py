@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -816,6 +817,32 @@ def test_a_model_folder_whose_tokenizer_empties_a_prompt_is_named(tmp_path):
                           batch_size=2, apply_chat_template=False)
     dm.setup("fit")  # a vocabulary that covers the prompts is accepted
     assert len(dm.train_dataset) == 6
+
+
+def test_plain_prompts_without_the_bos_the_tokenizer_adds_are_warned_about(tmp_path):
+    """Plain prompts are encoded as written (as TRL does), without the bos a Llama-2, Mistral
+    or Gemma tokenizer adds before a text: they lost it without a word (a hunt)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<s>": 1, **{c: i + 2 for i, c in enumerate("0123456789+= ")}}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    rows = write(tmp_path / "rows.jsonl",
+                 [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)])
+    for adds in (False, True):
+        if adds:
+            backend.post_processor = tokenizers.processors.TemplateProcessing(
+                single="<s> $A", special_tokens=[("<s>", 1)])
+        folder = tmp_path / f"model-{adds}"
+        PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
+                                bos_token="<s>").save_pretrained(folder)
+        dm = PromptDataModule(task=None, data_files=rows, tokenizer=str(folder), val_size=2,
+                              batch_size=2, apply_chat_template=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm.setup("fit")
+        said = [str(w.message) for w in caught if "starts a text with '<s>'" in str(w.message)]
+        assert len(said) == adds and (not adds or "write it at the start" in said[0])
 
 
 # ------------------------------------------------------------------ order and state
