@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -198,6 +203,7 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     pass); at any stage first :func:`one_process_is_rank_zero`."""
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
+        check_mesh_size(trainer)
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
     check_trainer_flags(trainer, schedule.gradient_clip_val)
@@ -205,6 +211,24 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     check_checkpoint_savers(trainer)
     drop_unasked_checkpoints(trainer)
     no_checkpoints_in_smoke_runs(trainer)
+
+
+def check_mesh_size(trainer: Any) -> None:
+    """Under ``ModelParallelStrategy`` (FSDP2), ``data_parallel_size`` x
+    ``tensor_parallel_size`` must be the number of processes ("auto": Lightning's, the nodes
+    and the devices per node); checked before Lightning, whose message came inside a
+    traceback (a scaling config run on fewer GPUs than it names)."""
+    strategy = getattr(trainer, "strategy", None)
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    nodes, devices = int(trainer.num_nodes), int(trainer.num_devices)
+    data, tensor = strategy._data_parallel_size, strategy._tensor_parallel_size
+    data, tensor = (nodes if data == "auto" else data), (devices if tensor == "auto" else tensor)
+    require(data * tensor == nodes * devices,
+            f"trainer.strategy ModelParallelStrategy: data_parallel_size {data} x "
+            f"tensor_parallel_size {tensor} must be the number of processes, {nodes * devices} "
+            f"(trainer.num_nodes {nodes} x trainer.devices {devices}); set "
+            f"--trainer.strategy.data_parallel_size={nodes * devices} (tensor_parallel_size 1)")
 
 
 def no_checkpoints_in_smoke_runs(trainer: Any) -> None:

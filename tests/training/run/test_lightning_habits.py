@@ -263,3 +263,29 @@ def test_one_of_several_slurm_tasks_running_a_one_process_fit_is_refused(monkeyp
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
     one_process_is_rank_zero(trainer)
     one_process_is_rank_zero(SimpleNamespace(world_size=2))  # Lightning checks its own
+
+
+def test_an_fsdp2_mesh_of_another_size_than_the_processes_is_refused_by_name():
+    """A scaling config run on fewer processes than its ``data_parallel_size`` (8 on 2)
+    ended in Lightning's RuntimeError inside a traceback, reported as "a bug"."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from maxent_grpo.training.step.strategy import check_mesh_size
+
+    def trainer(nodes, devices, data, tensor=1):
+        return SimpleNamespace(num_nodes=nodes, num_devices=devices, strategy=(
+            ModelParallelStrategy(data_parallel_size=data, tensor_parallel_size=tensor)))
+
+    with pytest.raises(ValueError, match=r"data_parallel_size 8 x tensor_parallel_size 1 must "
+                                         r"be the number of processes, 2 \(trainer.num_nodes 1 "
+                                         r"x trainer.devices 2\); set --trainer.strategy."
+                                         r"data_parallel_size=2"):
+        check_mesh_size(trainer(1, 2, 8))
+    with pytest.raises(ValueError, match="data_parallel_size 2 x tensor_parallel_size 4"):
+        check_mesh_size(trainer(2, 8, "auto", 4))  # auto: the nodes, 2; 2 x 4 is not 16
+    for fits in (trainer(1, 2, 2), trainer(2, 4, 8), trainer(2, 4, "auto", "auto"),
+                 trainer(1, 4, 2, 2)):
+        check_mesh_size(fits)
+    check_mesh_size(SimpleNamespace(num_nodes=1, num_devices=2, strategy=None))  # not FSDP2
