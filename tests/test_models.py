@@ -355,20 +355,29 @@ def test_a_pad_token_past_the_embeddings_is_refused_naming_the_fix(tiny_cache: P
     make_module(str(tiny_cache), model_name_or_path=str(tmp_path)).configure_model()
 
 
-def test_a_bos_or_special_token_past_the_embeddings_is_refused_too(tiny_cache: Path,
-                                                                   tmp_path: Path) -> None:
-    """Only pad and eos were checked: a bos the chat template writes, added without resizing
-    the embeddings, failed in the rollout with "unexpected IndexError; this is a bug"."""
+def test_a_bos_or_template_token_past_the_embeddings_is_refused_too(tiny_cache: Path,
+                                                                    tmp_path: Path) -> None:
+    """Only pad and eos were checked: a bos or a token the chat template writes, added
+    without resizing the embeddings, failed in the rollout with "unexpected IndexError;
+    this is a bug". A special token nothing writes (Gemma 3's text models list an image
+    token past their rows) is not refused."""
     from tests.conftest import make_module
 
     load_policy("builtin:tiny", cache_dir=tiny_cache).save_pretrained(tmp_path)
-    for added, message in (({"bos_token": "<s>"}, r"bos token '<s>' with id 100"),
-                           ({"additional_special_tokens": ["<tool>"]},
-                            r"special token '<tool>' with id 100")):
+    for added, template, message in (
+            ({"bos_token": "<s>"}, None, r"bos token '<s>' with id 100"),
+            ({"additional_special_tokens": ["<turn>"]}, "<turn>{{ messages[0]['content'] }}",
+             r"token its chat template writes '<turn>' with id 100"),
+            ({"additional_special_tokens": ["<image>"]}, None, None)):
         tokenizer = load_tokenizer("builtin:tiny", cache_dir=tiny_cache)
         tokenizer.add_special_tokens(added)
+        if template is not None:
+            tokenizer.chat_template = template
         tokenizer.save_pretrained(tmp_path)
         module = make_module(str(tiny_cache), model_name_or_path=str(tmp_path))
+        if message is None:
+            module.configure_model()
+            continue
         with pytest.raises(ValueError, match=message + r", past the model's 100 input") as err:
             module.configure_model()
         assert "pad_token: its eos token" not in str(err.value)  # the pad's own remedy

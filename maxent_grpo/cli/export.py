@@ -127,7 +127,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
         name = model
     elif folder is not None and os.path.isdir(folder):
         name = folder
-    elif folder is not None:
+    elif folder is not None and not os.path.isdir(os.path.expanduser(name)):
         raise UserError(f"the model {path} was trained from, the folder {folder}, is not there "
                         "now (moved, or another machine): pass --model with its place")
     source = ModelSettings(name_or_path=name,

@@ -123,8 +123,8 @@ class PromptFormat:
         tokenizer = None if self.apply_chat_template else self.tokenizer()
         bos = None if tokenizer is None else _leading_special(tokenizer)
         said = (bos, getattr(tokenizer, "name_or_path", None))  # once, not for each split
-        if bos is not None and any(isinstance(e.raw_prompt, str) for e in examples) and \
-                said not in _SAID:
+        if bos is not None and said not in _SAID and any(  # (one written by hand: given)
+                isinstance(e.raw_prompt, str) and not e.prompt.startswith(bos) for e in examples):
             _SAID.add(said)
             warnings.warn(  # (as TRL encodes them: the text as written)
                 f"the tokenizer starts a text with {bos!r}, and plain prompts "

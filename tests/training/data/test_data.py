@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -843,6 +844,15 @@ def test_plain_prompts_without_the_bos_the_tokenizer_adds_are_warned_about(tmp_p
             dm.setup("fit")
         said = [str(w.message) for w in caught if "starts a text with '<s>'" in str(w.message)]
         assert len(said) == adds and (not adds or "write it at the start" in said[0])
+    given = write(tmp_path / "given.jsonl", [{"prompt": f"<s>{i} + 1 =", "answer": str(i + 1)}
+                                             for i in range(8)])  # as the warning says
+    shutil.copytree(tmp_path / "model-True", tmp_path / "model-given")  # not yet warned of
+    dm = PromptDataModule(task=None, data_files=given, tokenizer=str(tmp_path / "model-given"),
+                          val_size=2, batch_size=2, apply_chat_template=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.setup("fit")
+    assert not [w for w in caught if "starts a text with" in str(w.message)]
 
 
 # ------------------------------------------------------------------ order and state

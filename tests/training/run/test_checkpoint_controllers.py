@@ -139,7 +139,11 @@ def test_a_model_folder_that_moved_is_the_same_model_by_its_files(tmp_path, monk
     (tmp_path / "c" / "model.safetensors").write_bytes(bytes(weights))
     shutil.copytree(tmp_path / "b", tmp_path / "d")
     (tmp_path / "d" / "config.json").write_text('{"model_type": "qwen2"}')
-    for other in ("c", "d"):
+    weights[-10] ^= 1
+    weights[len(weights) // 2] ^= 1  # the middle (read in blocks spread over the file)
+    shutil.copytree(tmp_path / "b", tmp_path / "e")
+    (tmp_path / "e" / "model.safetensors").write_bytes(bytes(weights))
+    for other in ("c", "d", "e"):
         with pytest.raises(ValueError, match="made with model.model_name_or_path='a', but"):
             load_state(checkpoint, other, ListwiseMaxEnt(tau=0.5), StepCounters(), BARE)
     del checkpoint["maxent_grpo"]["model_fingerprint"]  # a checkpoint from before the record
