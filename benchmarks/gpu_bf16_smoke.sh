@@ -60,7 +60,8 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 folder, model = Path(sys.argv[1]), sys.argv[2]
-events = sorted(folder.glob("version_*/events.out.tfevents.*"))
+events = sorted(folder.glob("version_*/events.out.tfevents.*"),  # the newest version last
+                key=lambda p: (int(p.parent.name.split("_")[1]), p.stat().st_mtime))
 if not events:
     raise SystemExit(f"no TensorBoard events under {folder}")
 acc = EventAccumulator(str(events[-1]), size_guidance={"scalars": 0})

@@ -267,6 +267,9 @@ class MicroBatchPlan:
         return slice(self.prompt_start, prompt_len + self.completion_len)
 
 
+_SAID_OVER: list[bool] = []  # micro_batch_tokens below a group's size was warned of
+
+
 def plan_micro_batches(
     prompt_mask: Tensor,
     completion_mask: Tensor,
@@ -279,7 +282,7 @@ def plan_micro_batches(
     the micro-batch holds at most ``max_rows`` sequences (``logprob_chunk_size``) and its
     padded size, ``rows * (prompt columns + completion columns)``, is at most ``max_tokens``
     (each >= 1, or None: no limit). A group larger than either bound alone forms a
-    micro-batch.
+    micro-batch (a token bound below a group's size is warned of, once).
 
     ``prompt_mask`` is ``(B*G, P)`` bool (left-padded prompts), ``completion_mask``
     ``(B*G, T)`` bool, each row True up to its last token (a prefix).
@@ -320,6 +323,13 @@ def plan_micro_batches(
             grown = [b]
         current = grown
     chunks.append(current)
+    over = [size(c) for c in chunks if max_tokens is not None and size(c) > max_tokens]
+    if over and not _SAID_OVER:  # (one group: it is never split)
+        _SAID_OVER.append(True)
+        warnings.warn(f"model.micro_batch_tokens {max_tokens} is less than one prompt group's "
+                      f"padded size ({max(over)} tokens, {G} sequences), and a group is never "
+                      "split: such a micro-batch holds the whole group; raise it to bound the "
+                      "memory it sets (warned once)", stacklevel=2)
 
     plans = []
     for groups in chunks:

@@ -97,3 +97,23 @@ def test_equal_passes_pads_with_zero_weight_passes_of_one_group():
     assert equal_passes(plans, 2) is plans
     with pytest.raises(ValueError, match="at least one micro-batch"):
         equal_passes([], 1)
+
+
+def test_a_token_budget_below_one_group_is_warned_of_once(monkeypatch):
+    """``model.micro_batch_tokens`` under one group's padded size was exceeded without a
+    word (a GPU user lowering it to save memory): said once, with the size it takes."""
+    import warnings
+
+    import maxent_grpo.training.step.token_logps as planner
+
+    monkeypatch.setattr(planner, "_SAID_OVER", [])
+    prompt, completion = masks(PROMPT, COMPLETION)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_micro_batches(prompt, completion, group_size=2, max_tokens=24)  # fits
+        assert not caught
+        for _ in range(2):
+            plan_micro_batches(prompt, completion, group_size=2, max_tokens=10)
+    (said,) = [str(w.message) for w in caught]
+    assert said.startswith("model.micro_batch_tokens 10 is less than one prompt group's "
+                           "padded size (22 tokens, 2 sequences)")
