@@ -142,10 +142,14 @@ def _quiet_load(path: str) -> Iterator[None]:
 
 def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, **kwargs: Any):
     """Call ``loader(path, **kwargs)``; name the model and the offline hub if it fails."""
+    import pickle
+
+    from safetensors import SafetensorError  # a weights file cut short, or not one
+
     try:
         with _quiet_load(path):
             return loader(path, **kwargs)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError, EOFError) as error:
         if is_offline_mode() and not Path(path).is_dir() and isinstance(error, OSError):
             raise OSError(
                 f"could not load model {name_or_path!r}: the Hugging Face Hub is offline "
@@ -155,8 +159,10 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
         if Path(path).is_dir():  # transformers' message does not name the folder
             raise OSError(
                 f"could not load model.model_name_or_path {name_or_path!r} from the folder "
-                f"{str(path)!r}: {error}; the folder must hold a Hugging Face model "
-                "(config.json, the weights and the tokenizer files)"
+                f"{str(path)!r}: " + ("" if isinstance(error, (OSError, ValueError)) else
+                                      f"{type(error).__name__} (a damaged weights file?): ")
+                + f"{error}; the folder must hold a Hugging Face model (config.json, the "
+                "weights and the tokenizer files)"
             ) from error
         raise
 

@@ -410,3 +410,16 @@ def test_a_model_with_learned_positions_refuses_lengths_past_them(tiny_cache: Pa
         with pytest.raises(ValueError, match=r"has 40 learned positions, and a prompt with "
                                              r"its completion may be .*data.max_prompt_length"):
             module.configure_model()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_damaged_weights_file_names_the_folder(tiny_cache: Path, tmp_path: Path,
+                                                 damage: str) -> None:
+    """A weights file cut short (an interrupted copy, a full disk) failed with safetensors'
+    own error as "a bug"; it is the folder's load error, naming the folder."""
+    load_policy("builtin:tiny", cache_dir=tiny_cache).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000] if damage == "truncated" else b"")
+    with pytest.raises(OSError, match=r"could not load model.model_name_or_path .* from the "
+                                      r"folder .*SafetensorError \(a damaged weights file\?\)"):
+        load_policy(str(tmp_path))
