@@ -511,10 +511,14 @@ def test_command_line_options_win_over_a_checkpoints_hyper_parameters(monkeypatc
 
 
 def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkeypatch):
-    """``seed_everything: true`` takes a seed (PL_GLOBAL_SEED, which Lightning's DDP launcher
-    hands its processes, else a random one: it was always 0, so every "random" run was the
+    """``seed_everything: true`` takes a seed (a process Lightning's DDP launcher started:
+    its first process's, else a random one: it was always 0, so every "random" run was the
     same, against the option's help); the config saved with the run (config.yaml) records
-    that number, so that the run can be made again from it."""
+    that number, so that the run can be made again from it. Several runs in one process
+    (a notebook, a sweep): an earlier run's seed left in the environment was taken by every
+    later ``true`` and recorded by an unseeded run."""
+    from maxent_grpo.cli import seeds
+    from maxent_grpo.training.run.checkpoint import run_seed
 
     class Parsed(Exception):
         pass
@@ -523,21 +527,27 @@ def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkey
         def instantiate_classes(self) -> None:
             raise Parsed(self.config)
 
-    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    def seed(value: str = "true"):
+        with pytest.raises(Parsed) as caught:
+            cli_module.main(["fit", "--seed_everything", value])
+        return caught.value.args[0].fit.seed_everything
+
+    fresh = dict.fromkeys(("PL_GLOBAL_SEED", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS"))
     monkeypatch.setattr(cli_module, "MaxEntGRPOCLI", CaptureCLI)
-    with pytest.raises(Parsed) as caught:
-        cli_module.main(["fit", "--seed_everything", "true"])
-    assert caught.value.args[0].fit.seed_everything == 7
+    monkeypatch.setattr(seeds, "_AT_START", {**fresh, "PL_GLOBAL_SEED": "7", "LOCAL_RANK": "1",
+                                             "WORLD_SIZE": "2"})  # the launcher's process
+    assert seed() == 7
+    monkeypatch.setattr(seeds, "_AT_START", fresh)  # a process that started unseeded
     drawn = []
     for _ in range(2):
-        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
-        with pytest.raises(Parsed) as caught:
-            cli_module.main(["fit", "--seed_everything", "true"])
-        drawn.append(caught.value.args[0].fit.seed_everything)
-    assert all(isinstance(seed, int) and not isinstance(seed, bool) for seed in drawn)
-    assert drawn[0] != drawn[1]  # two draws of 2**32 seeds: equal once in four billion
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: each process would draw its own
+        monkeypatch.setenv("PL_GLOBAL_SEED", "123")  # an earlier run's, in this process
+        monkeypatch.setenv("WORLD_SIZE", "2")  # an earlier DDP run's launcher set it here
+        drawn.append(seed())
+    assert all(isinstance(s, int) and not isinstance(s, bool) for s in drawn)
+    assert drawn[0] != drawn[1] and 123 not in drawn  # equal once in four billion
+    monkeypatch.setenv("PL_GLOBAL_SEED", "123")
+    assert seed("false") is False and run_seed() is False  # not recorded as seeded with 123
+    monkeypatch.setattr(seeds, "_AT_START", {**fresh, "WORLD_SIZE": "2"})  # torchrun's
     with pytest.raises(ValueError, match="another seed in each of the processes torchrun or "
                                          "SLURM started"):
         cli_module.main(["fit", "--seed_everything", "true"])

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from maxent_grpo.cli import errors, parse_errors
+from maxent_grpo.cli import errors, parse_errors, seeds
 from maxent_grpo.cli import help as cli_help
 from maxent_grpo.rollout import vllm_server  # noqa: F401  (`model.engine VLLMServerEngine`)
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
@@ -147,21 +147,12 @@ class MaxEntGRPOCLI(LightningCLI):
     def _set_seed(self) -> None:
         """``seed_everything: true`` draws a seed, as its help says, and records it in the
         config (Lightning's seeds 0: every "random" run was the same); the processes that
-        Lightning's DDP launcher starts take the first one's (``PL_GLOBAL_SEED``). Processes
-        that torchrun or SLURM start would each draw their own: refused there."""
+        Lightning's DDP launcher starts take the first one's; processes that torchrun or
+        SLURM start would each draw their own: refused there (:mod:`maxent_grpo.cli.seeds`:
+        several runs in one process too)."""
         config = self._subconfig(self.config)
         self._drawn_seed = config.get("seed_everything") is True  # a resume keeps the run's
-        if config.get("seed_everything") is True and "PL_GLOBAL_SEED" not in os.environ:
-            import random
-
-            world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
-            if world != "1":
-                raise ValueError(
-                    "seed_everything: true would draw another seed in each of the processes "
-                    f"torchrun or SLURM started ({world}); give one number, e.g. "
-                    "--seed_everything 1234")
-
-            config["seed_everything"] = random.SystemRandom().randrange(2**32)
+        config["seed_everything"] = seeds.run_seed_option(config.get("seed_everything"))
         super()._set_seed()
 
     def _subconfig(self, config: Any) -> Any:
