@@ -267,7 +267,7 @@ class MicroBatchPlan:
         return slice(self.prompt_start, prompt_len + self.completion_len)
 
 
-_SAID_OVER: list[bool] = []  # micro_batch_tokens below a group's size was warned of
+_SAID_OVER: set[int] = set()  # the micro_batch_tokens below a group's size warned of
 
 
 def plan_micro_batches(
@@ -282,7 +282,7 @@ def plan_micro_batches(
     the micro-batch holds at most ``max_rows`` sequences (``logprob_chunk_size``) and its
     padded size, ``rows * (prompt columns + completion columns)``, is at most ``max_tokens``
     (each >= 1, or None: no limit). A group larger than either bound alone forms a
-    micro-batch (a token bound below a group's size is warned of, once).
+    micro-batch (a token bound below a group's size is warned of, once for each value).
 
     ``prompt_mask`` is ``(B*G, P)`` bool (left-padded prompts), ``completion_mask``
     ``(B*G, T)`` bool, each row True up to its last token (a prefix).
@@ -324,12 +324,12 @@ def plan_micro_batches(
         current = grown
     chunks.append(current)
     over = [size(c) for c in chunks if max_tokens is not None and size(c) > max_tokens]
-    if over and not _SAID_OVER:  # (one group: it is never split)
-        _SAID_OVER.append(True)
+    if over and max_tokens not in _SAID_OVER:  # (one group: it is never split)
+        _SAID_OVER.add(max_tokens)
         warnings.warn(f"model.micro_batch_tokens {max_tokens} is less than one prompt group's "
                       f"padded size ({max(over)} tokens, {G} sequences), and a group is never "
                       "split: such a micro-batch holds the whole group; raise it to bound the "
-                      "memory it sets (warned once)", stacklevel=2)
+                      "memory it sets (said once for this value)", stacklevel=2)
 
     plans = []
     for groups in chunks:

@@ -106,14 +106,16 @@ def test_a_token_budget_below_one_group_is_warned_of_once(monkeypatch):
 
     import maxent_grpo.training.step.token_logps as planner
 
-    monkeypatch.setattr(planner, "_SAID_OVER", [])
+    monkeypatch.setattr(planner, "_SAID_OVER", set())
     prompt, completion = masks(PROMPT, COMPLETION)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan_micro_batches(prompt, completion, group_size=2, max_tokens=24)  # fits
         assert not caught
-        for _ in range(2):
-            plan_micro_batches(prompt, completion, group_size=2, max_tokens=10)
-    (said,) = [str(w.message) for w in caught]
-    assert said.startswith("model.micro_batch_tokens 10 is less than one prompt group's "
-                           "padded size (22 tokens, 2 sequences)")
+        for limit in (10, 10, 16):  # another value (a later run of the process): said
+            plan_micro_batches(prompt, completion, group_size=2, max_tokens=limit)
+    said = [str(w.message) for w in caught]
+    assert [s.split(" is less")[0] for s in said] == [f"model.micro_batch_tokens {n}"
+                                                      for n in (10, 16)]
+    assert said[0].startswith("model.micro_batch_tokens 10 is less than one prompt group's "
+                              "padded size (22 tokens, 2 sequences)")
