@@ -714,3 +714,12 @@ def test_a_checkpoint_callback_without_a_folder_trains(monkeypatch, tmp_path, ca
                      "--trainer.callbacks+=lightning.pytorch.callbacks.Checkpoint"])
     assert "fit done: 1 steps" in capsys.readouterr().out
     assert (tmp_path / "lightning_logs" / "tiny" / "checkpoints").is_dir()
+
+
+def test_no_checkpointing_with_a_configured_checkpoint_names_the_fix(monkeypatch, tmp_path):
+    """Lightning's "Trainer was configured with enable_checkpointing=False but found
+    ModelCheckpoint in callbacks list" named no way out of a shipped config's saver."""
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    err = built_error(monkeypatch, tmp_path, "--config", tiny,
+                      "--trainer.enable_checkpointing", "false")
+    assert "trainer.callbacks has a ModelCheckpoint" in err and "--trainer.callbacks '[]'" in err

@@ -374,8 +374,9 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, with no exit code
             raise
         print("error: stopped by SIGTERM after a batch (a fit: --ckpt_path last resumes from "
-              "the last checkpoint saved; a ModelCheckpoint with save_on_exception: true saves "
-              "the step it stopped at)", file=sys.stderr)
+              "the newest checkpoint the run saved, if it saved one: the steps after it are "
+              "trained again; a ModelCheckpoint with save_on_exception: true saves the step it "
+              "stopped at)", file=sys.stderr)
         raise SystemExit(143) from None
     except Exception as error:  # noqa: BLE001 - the command line's last stop
         code = report(error, show_trace)

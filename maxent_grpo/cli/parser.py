@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -120,6 +120,14 @@ class MaxEntGRPOCLI(LightningCLI):
         ``CompletionWriter``'s file (``CompletionWriter.configured``)."""
         config = self._subconfig(self.config_init)
         trainer_config = {**config.get("trainer", {}), **kwargs}
+        listed = trainer_config.get("callbacks") or []
+        listed = listed if isinstance(listed, list) else [listed]
+        if trainer_config.get("enable_checkpointing") is False and any(
+                isinstance(cb, Checkpoint) for cb in listed):  # (Lightning's says no fix)
+            raise ValueError(
+                "--trainer.enable_checkpointing false, and trainer.callbacks has a "
+                "ModelCheckpoint (the shipped configs list one): to save no checkpoints remove "
+                "it from the config's callbacks (--trainer.callbacks '[]' drops them all)")
         if trainer_config.get("enable_progress_bar") is not False:
             callbacks = trainer_config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
