@@ -723,3 +723,20 @@ def test_no_checkpointing_with_a_configured_checkpoint_names_the_fix(monkeypatch
     err = built_error(monkeypatch, tmp_path, "--config", tiny,
                       "--trainer.enable_checkpointing", "false")
     assert "trainer.callbacks has a ModelCheckpoint" in err and "--trainer.callbacks '[]'" in err
+
+
+def test_a_config_file_that_is_not_yaml_is_named(monkeypatch, tmp_path, capsys):
+    """jsonargparse said "in '<unicode string>', line 2": which of several --config files
+    was broken was for the user to guess."""
+    (tmp_path / "tab.yaml").write_text("model:\n\tnum_generations: 4\n")
+    (tmp_path / "indent.yaml").write_text("model:\n  num_generations: 4\n   beta: 2\n")
+    (tmp_path / "good.yaml").write_text("model:\n  num_generations: 4\n")
+    monkeypatch.chdir(tmp_path)
+    for name, said in (("tab.yaml", r"found character '\t' that cannot start any token "
+                                    "(line 2, column 1; indent with spaces, not tabs)"),
+                       ("indent.yaml", "mapping values are not allowed here (line 3, column 8)")):
+        with pytest.raises(SystemExit) as stop:
+            cli_module.main(["fit", "--config", "good.yaml", "--config", name],
+                            exit_on_error=True)
+        assert stop.value.code == 1
+        assert f"error: --config {name} is not valid YAML: {said}" in capsys.readouterr().err

@@ -82,8 +82,11 @@ def resolve_config_names(args: list[str]) -> list[str]:
 
 
 def _config_path(value: str) -> str:
-    if Path(value).is_file() or value.lstrip().startswith(("{", "[")) or ":" in value or (
-            "\n" in value):  # a file, or inline YAML (jsonargparse reads both)
+    if Path(value).is_file():
+        _check_yaml(value)
+        return value
+    if value.lstrip().startswith(("{", "[")) or ":" in value or (
+            "\n" in value):  # inline YAML (jsonargparse reads files and text)
         return value
     name = value.removesuffix(".yaml").removesuffix(".yml")
     path = configs_folder() / f"{name}.yaml"
@@ -99,6 +102,22 @@ def _config_path(value: str) -> str:
         f"--config {value}: there is no such file (from the folder {Path.cwd()}) and no "
         f"shipped config of that name; the shipped configs are: {names} (e.g. --config "
         "tiny; to edit one, write it out with --print_config > my.yaml)")
+
+
+def _check_yaml(path: str) -> None:
+    """ValueError naming a config file that is not YAML: jsonargparse's message named no
+    file ("<unicode string>", line 2), whichever of several --config it was."""
+    import yaml
+
+    try:
+        yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (yaml.scanner.ScannerError, yaml.parser.ParserError) as err:  # the syntax
+        tabs = "; indent with spaces, not tabs" if "\\t" in str(err.problem) else ""
+        raise ValueError(f"--config {path} is not valid YAML: {err.problem} (line "
+                         f"{err.problem_mark.line + 1}, column {err.problem_mark.column + 1}"
+                         f"{tabs})") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # (the parser's own message)
 
 
 def top_level_help() -> str:
