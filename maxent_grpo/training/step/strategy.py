@@ -200,10 +200,12 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     ``ScheduleSettings``): :func:`check_trainer_flags`, :func:`check_step_multiples` and
     :func:`check_checkpoint_savers`, then :func:`drop_unasked_checkpoints` and
     :func:`no_checkpoints_in_smoke_runs` (other stages, and ``trainer=None`` at detachment,
-    pass); at any stage first :func:`one_process_is_rank_zero`."""
+    pass); at any stage first :func:`one_process_is_rank_zero`, :func:`check_mesh_size` and
+    :func:`check_logger_folders`."""
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
         check_mesh_size(trainer)
+        check_logger_folders(trainer)
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
     check_trainer_flags(trainer, schedule.gradient_clip_val)
@@ -229,6 +231,20 @@ def check_mesh_size(trainer: Any) -> None:
             f"tensor_parallel_size {tensor} must be the number of processes, {nodes * devices} "
             f"(trainer.num_nodes {nodes} x trainer.devices {devices}); set "
             f"--trainer.strategy.data_parallel_size={nodes * devices} (tensor_parallel_size 1)")
+
+
+def check_logger_folders(trainer: Any) -> None:
+    """ValueError naming the logger whose ``save_dir`` cannot be written (one process: each
+    of several may see its own disk); the error was the file system's alone, without the
+    option, after the model loaded."""
+    if getattr(trainer, "world_size", 1) != 1 or getattr(trainer, "fast_dev_run", False):
+        return
+    for logger in getattr(trainer, "loggers", None) or []:
+        folder = getattr(logger, "save_dir", None)
+        why = unwritable(folder, folder=True) if isinstance(folder, str) and folder and (
+            "://" not in folder) else None
+        require(why is None, f"trainer.logger {type(logger).__name__}(save_dir={folder!r}) "
+                f"cannot be written ({why}): give a folder you can write to")
 
 
 def no_checkpoints_in_smoke_runs(trainer: Any) -> None:

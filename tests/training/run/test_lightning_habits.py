@@ -289,3 +289,26 @@ def test_an_fsdp2_mesh_of_another_size_than_the_processes_is_refused_by_name():
                  trainer(1, 4, 2, 2)):
         check_mesh_size(fits)
     check_mesh_size(SimpleNamespace(num_nodes=1, num_devices=2, strategy=None))  # not FSDP2
+
+
+def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path):
+    """``--trainer.logger.init_args.save_dir`` below a file (or read-only) was the file
+    system's "[Errno 20] Not a directory" alone, after the model loaded."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from maxent_grpo.training.step.strategy import check_logger_folders
+
+    (tmp_path / "a_file").write_text("")
+    bad = CSVLogger(save_dir=str(tmp_path / "a_file" / "logs"))
+    good = TensorBoardLogger(save_dir=str(tmp_path / "logs"))
+
+    def trainer(*loggers, world=1):
+        return SimpleNamespace(loggers=list(loggers), world_size=world, fast_dev_run=False)
+
+    with pytest.raises(ValueError, match=r"trainer.logger CSVLogger\(save_dir='.*a_file/logs'\) "
+                                         r"cannot be written \('.*a_file' is not a folder\)"):
+        check_logger_folders(trainer(good, bad))
+    check_logger_folders(trainer(good))
+    check_logger_folders(trainer(bad, world=2))  # each process may see its own disk
