@@ -251,6 +251,12 @@ def coverage_answer(answer: str | None) -> str | None:
 ANSWER_FORMS = ("expression", "ordered", "first_number", "value")
 
 
+#: whitespace beside a character that is no letter or digit (a sign, a bracket, ``\``)
+_SPACED = re.compile(r" ?([^\w ]) ?")
+#: a number in parentheses, as ``unwrap_math`` writes a fraction's parts: ``-(1)/(2)``
+_BARE_PARTS = re.compile(r"\((-?\d+(?:\.\d+)?)\)")
+
+
 def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
     """An answer's canonical form under a task's ``answer_form``: ``"expression"`` (the
     default, ``None``) is :func:`coverage_answer`, where ``"5 + 4"`` and ``"4 + 5"`` are one
@@ -276,8 +282,10 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
             value = number_value(right or left)
         elif (key := coverage_answer(answer)) is not None:
             return key
-        else:
-            value = number_value(answer, False)  # a number that is no expression
+        else:  # a number that is no expression, also a signed LaTeX fraction (-\frac{1}{2})
+            value = number_value(answer, False)
+            if value is None:
+                value = number_value(_BARE_PARTS.sub(r"\1", unwrap_math(answer)), False)
         # a fraction as its expression is written: 0.5 and 1/2 are one
         return None if value is None else str(value).replace("/", " / ")
     if form == "ordered":  # unwrapped as the digit_pair reward reads it: $4 + 8$ is 4+8
@@ -315,10 +323,11 @@ BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)([^*\n]{1,200}?)(?<=\S)\*\*(?![\w*])")
 def compared_answer(answer: str | None, form: str | None = None) -> str | None:
     """An extracted answer as :func:`answer_key` compares it, without Markdown's bold (as the
     accuracy reward reads it: ``**72**`` is ``72``): :func:`canonical_answer`, else the answer
-    with whitespace collapsed (``None``: no answer)."""
+    with whitespace collapsed, and none beside a sign or bracket (``None``: no answer)."""
     answer = None if answer is None else BOLD.sub(r"\1", answer)
     key = canonical_answer(answer, form)
-    return key if key is not None or answer is None else " ".join(answer.split())
+    return key if key is not None or answer is None else _SPACED.sub(
+        r"\1", " ".join(answer.split()))  # (1, 3] is (1,3], x = 5 is x=5, 2 \pi is 2\pi
 
 
 # ---------------------------------------------------------------- the correctness rewards

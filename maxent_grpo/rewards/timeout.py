@@ -4,7 +4,9 @@ The function runs in a daemon thread and the step waits at most ``timeout`` seco
 the step either stops with :class:`RewardTimeout`, or, with a ``fallback``, every row of
 that call gets the fallback value and a warning is logged. Python cannot stop a thread: a
 call that never returns keeps its thread until the process ends (run untrusted code in a
-subprocess that can be killed).
+subprocess that can be killed); the accuracy reward's math-verify comparisons of a call
+that timed out end (the worker's comparison in flight killed, the rest not made), so later
+calls do not wait for them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from maxent_grpo.rewards.verify_worker import VERIFIER
 from maxent_grpo.rollout.toolcall import timed_call
 
 __all__ = ["RewardTimeout", "TimedReward", "awaited", "rewards_loop"]
@@ -99,6 +102,7 @@ class TimedReward:
             lambda: awaited(self.fn(**kwargs), self.timeout), self.timeout, f"reward:{self.name}")
         if not finished or isinstance(error, RewardTimeout):  # the call, or its awaiting
             self.timeouts += 1
+            VERIFIER.release_abandoned()  # its math-verify comparison: later calls' turn
             option = f"model.rewards.{self.name}"
             if not self.has_fallback:
                 raise RewardTimeout(

@@ -227,30 +227,40 @@ class Verifier:
         self.command = command or [sys.executable, os.path.abspath(__file__)]
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._holder: threading.Thread | None = None  # the thread comparing now
         self._buffer = b""
         self._calls = 0
 
     def equal(self, gold: str, prediction: str) -> bool:
         """Whether math-verify finds ``prediction`` equal to ``gold`` (:func:`math_equal`);
         False when the worker gave no verdict within ``call_seconds`` (it is killed) or
-        ended."""
+        ended, and for a call whose caller stopped waiting (a reward's ``timeout``: its
+        thread, ``abandoned``, lives on and held the worker, so each later call timed out)."""
         with self._lock:
-            if self._process is None:
-                self._start()
-            self._calls += 1
-            request = json.dumps([self._calls, gold, prediction]) + "\n"
-            deadline = time.monotonic() + self.call_seconds
+            self._holder = threading.current_thread()
             try:
-                self._process.stdin.write(request.encode())
-                self._process.stdin.flush()
-                while (line := self._read(deadline)) is not None:
-                    answer = json.loads(line)
-                    if answer[0] == self._calls:  # an earlier call's late verdict: skipped
-                        return bool(answer[1])
-            except (OSError, ValueError, IndexError, TypeError):  # the worker ended or garbled
-                pass
-            self._close()
-            return False
+                return False if getattr(self._holder, "abandoned", False) else self._equal(
+                    gold, prediction)
+            finally:
+                self._holder = None
+
+    def _equal(self, gold: str, prediction: str) -> bool:  # (the lock held)
+        if self._process is None:
+            self._start()
+        self._calls += 1
+        request = json.dumps([self._calls, gold, prediction]) + "\n"
+        deadline = time.monotonic() + self.call_seconds
+        try:
+            self._process.stdin.write(request.encode())
+            self._process.stdin.flush()
+            while (line := self._read(deadline)) is not None:
+                answer = json.loads(line)
+                if answer[0] == self._calls:  # an earlier call's late verdict: skipped
+                    return bool(answer[1])
+        except (OSError, ValueError, IndexError, TypeError):  # the worker ended or garbled
+            pass
+        self._close()
+        return False
 
     def _read(self, deadline: float) -> str | None:
         """The worker's next line, or None when none came by ``deadline`` (or it ended)."""
@@ -284,6 +294,27 @@ class Verifier:
                    "installed?)" if code is not None
                    else f"it gave no sign of life within {self.start_seconds:g} s"))
 
+    def release_abandoned(self) -> None:
+        """Kill the worker when the comparison it runs is an abandoned call's (the reward
+        timed out): the next call starts a new one rather than waiting for it."""
+        holder, process = self._holder, self._process
+        if process is not None and getattr(holder, "abandoned", False):
+            with contextlib.suppress(OSError):
+                process.kill()
+
+    def stop(self) -> None:
+        """End the worker without waiting for a comparison in flight (the end of a run:
+        nothing is left running; the next comparison starts a new one)."""
+        process = self._process
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.kill()
+        if self._lock.acquire(blocking=False):  # else the comparison's thread closes it
+            try:
+                self._close()
+            finally:
+                self._lock.release()
+
     def close(self) -> None:
         """End the worker (the next comparison starts a new one)."""
         with self._lock:
@@ -301,7 +332,7 @@ class Verifier:
     def _forget(self) -> None:
         """In a forked child: the worker and its pipes are the parent's."""
         self._lock = threading.Lock()
-        self._process, self._buffer = None, b""
+        self._process, self._buffer, self._holder = None, b"", None
 
 
 #: the process's one worker
@@ -326,7 +357,10 @@ def serve() -> None:
             verdict = math_equal(gold, prediction)
         except Exception:  # noqa: BLE001 - math-verify failing on an answer: not equal
             verdict = False
-        print(json.dumps([call, verdict]), file=answers, flush=True)
+        try:
+            print(json.dumps([call, verdict]), file=answers, flush=True)
+        except BrokenPipeError:  # the trainer ended (or killed this worker's call): quietly
+            os._exit(0)
 
 
 if __name__ == "__main__":

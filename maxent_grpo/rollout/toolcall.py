@@ -188,8 +188,8 @@ def timed_call(fn: Callable[[], Any], timeout: float,
                name: str) -> tuple[bool, Any, BaseException | None]:
     """``fn()`` in a daemon thread named ``name``, waited for at most ``timeout`` seconds:
     ``(finished, value, error)``, ``finished`` False when it is still running (Python cannot
-    stop it), else its return value or what it raised (any ``BaseException``: a
-    ``sys.exit`` inside it is its fault, not the caller's).
+    stop it: the thread is marked ``abandoned``), else its return value or what it raised
+    (any ``BaseException``: a ``sys.exit`` inside it is its fault, not the caller's).
 
     >>> timed_call(lambda: 1 / 0, 1.0, "demo")[::2]
     (True, ZeroDivisionError('division by zero'))
@@ -206,6 +206,7 @@ def timed_call(fn: Callable[[], Any], timeout: float,
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
+        worker.abandoned = True  # (what it waits on may stop serving it: the verifier)
         return False, None, None
     return True, outcome.get("value"), outcome.get("error")
 

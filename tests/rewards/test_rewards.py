@@ -797,6 +797,76 @@ def test_what_the_worker_prints_cannot_shift_its_verdicts(tmp_path):
     assert gone.equal("1", "1") is False and gone._process is None
 
 
+SLOW_WORKER = """
+import json, sys, time
+print("ready", flush=True)
+for line in sys.stdin:
+    call, gold, prediction = json.loads(line)
+    if gold == "slow":
+        time.sleep(600)
+    print(json.dumps([call, gold == prediction]), flush=True)
+"""
+
+
+def test_a_reward_call_that_timed_out_leaves_the_verifier_to_the_next_calls(tmp_path,
+                                                                          monkeypatch):
+    """A call of the accuracy reward that timed out went on comparing in its abandoned
+    thread, holding the math-verify worker: every later step's call waited behind it and
+    timed out too (its reward the fallback at every step). Its comparison in flight is
+    ended and it makes no more; the next call is graded."""
+    import threading
+
+    from maxent_grpo.rewards import timeout as timeout_module
+    from maxent_grpo.rewards.timeout import TimedReward
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_WORKER)
+    verifier = Verifier(command=[sys.executable, str(script)], call_seconds=3600)
+    monkeypatch.setattr(timeout_module, "VERIFIER", verifier)
+    made: list[str] = []
+
+    def graded(prompts, completions, answer, **kwargs):
+        made.append(threading.current_thread().name)
+        return [float(verifier.equal(a, c)) for a, c in zip(answer, completions, strict=True)]
+
+    first = TimedReward("accuracy", graded, timeout=0.5, fallback=0.0, has_fallback=True)
+    later = TimedReward("accuracy", graded, timeout=300, fallback=-1.0, has_fallback=True)
+    try:
+        # the first call hangs on "slow" and would then compare two more
+        assert first(prompts=["p"] * 3, completions=["x", "y", "z"],
+                     answer=["slow", "slow", "z"]) == [0.0, 0.0, 0.0]
+        assert later(prompts=["p"] * 2, completions=["1", "2"], answer=["1", "3"]) == [1.0, 0.0]
+        assert len(made) == 2 and verifier._process is not None  # a new worker graded it
+    finally:
+        verifier.stop()
+    assert verifier._process is None or verifier._process.poll() is not None
+
+
+def test_stopping_the_verifier_ends_its_worker_even_mid_comparison(tmp_path):
+    """The end of a fit, validate or predict stops the worker (it was left running under
+    the Python API), without waiting for a comparison in flight, which scores 0.0."""
+    import threading
+
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_WORKER)
+    verifier = Verifier(command=[sys.executable, str(script)], call_seconds=3600)
+    assert verifier.equal("1", "1") is True
+    worker = verifier._process
+    verifier.stop()
+    assert worker.poll() is not None and verifier._process is None
+    verdicts: list[bool] = []
+    comparing = threading.Thread(target=lambda: verdicts.append(verifier.equal("slow", "x")))
+    comparing.start()
+    while verifier._calls < 2:  # its worker started, the comparison sent (or about to be)
+        comparing.join(0.01)
+    verifier.stop()  # returns at once; the comparison's thread closes the worker
+    comparing.join(60)
+    assert verdicts == [False] and verifier._process is None
+
+
 def test_other_scripts_digits_are_no_answer_and_the_minus_sign_is_a_minus():
     """``\\d`` read Arabic-Indic or full-width digits as digits in the rewards while the
     canonical answers kept them as written: an ordered digit pair the reward called right

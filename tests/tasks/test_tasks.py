@@ -429,7 +429,7 @@ def test_arithmetic_answers_are_one_however_the_number_is_written():
     assert {answer_key(f"<answer>{w}</answer>") for w in ("18", "$18", "18.00", "\\$18")} == {
         "18"}
     assert answer_key("<answer>3,717</answer>") == answer_key("<answer>3717</answer>")
-    assert answer_key("<answer>2, 3</answer>") == "2, 3"  # two numbers: no value, the text
+    assert answer_key("<answer>2, 3</answer>") == "2,3"  # two numbers: no value, the text
     assert answer_key("<answer>4 + 5</answer>") == answer_key("<answer>5+4</answer>") == "4 + 5"
     assert answer_key("<answer>0.5</answer>") == answer_key("<answer>1/2</answer>") == "1 / 2"
     # Markdown's bold is no part of the answer, as the accuracy reward reads it

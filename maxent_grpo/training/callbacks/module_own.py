@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from maxent_grpo.rewards import TrainerState
+from maxent_grpo.rewards.verify_worker import VERIFIER
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
 from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir, unused_path
@@ -150,6 +151,7 @@ class ModuleHooks(L.Callback):
         Trainer's step is its own again (0: a later fit on it starts from there)."""
         _own_logging_step(trainer)
         give_back_sigterm(trainer)
+        VERIFIER.stop()  # the accuracy reward's worker process: nothing left running
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:

@@ -36,6 +36,7 @@ from maxent_grpo.core.advantages import answer_entropy
 from maxent_grpo.core.at_k import aggregate
 from maxent_grpo.rewards import TrainerState, WeightedRewards
 from maxent_grpo.rewards.answers import (
+    BOLD,
     canonical_answer,
     compared_answer,
     prompt_opens_think,
@@ -101,7 +102,8 @@ def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, fl
                 a, r.answer_form)) is not None) or None
             for v, r in zip(valid, records, strict=True)]
         canonical = [  # a correct answer the set does not list covers nothing
-            [c if ok and v is not None and (c := canonical_answer(a, r.answer_form)) in v
+            [c if ok and v is not None and (c := canonical_answer(
+                None if a is None else BOLD.sub(r"\1", a), r.answer_form)) in v  # **72**: 72
              else None for a, ok in zip(r.answers, r.correct, strict=True)]
             for r, v in zip(records, valid, strict=True)
         ]

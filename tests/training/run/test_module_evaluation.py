@@ -641,3 +641,22 @@ def test_predict_names_the_completions_a_repeating_loader_left_out(cache_dir, tm
     lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
     assert sorted((json.loads(x)["row"], json.loads(x)["sample"]) for x in lines) == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_math_answers_in_other_forms_are_one_answer_in_every_metric():
+    """A hunt with MATH-style rows: ``-\\frac{1}{2}`` was another answer than ``-0.5`` and
+    had no canonical form (coverage left it out of the valid set); coverage did not drop
+    Markdown's bold; ``(1, 3]`` and ``(1,3]`` were two answers."""
+    from maxent_grpo.rewards.answers import answer_key, canonical_answer
+
+    halves = [r"-\frac{1}{2}", r"\frac{-1}{2}", r"-\dfrac{1}{2}", "-0.5", "-1/2"]
+    assert {canonical_answer(a) for a in halves} == {"-1 / 2"}
+    assert {answer_key(f"<answer>{a}</answer>") for a in ("(1, 3]", "(1,3]", " ( 1 ,3 ] ")} == {
+        "(1,3]"}
+    assert answer_key("<answer>x = 5</answer>") == answer_key("<answer>x=5</answer>")
+    assert answer_key("<answer>New  York</answer>") == "New York"  # words keep one space
+    record = PromptRecord((1.0, 1.0, 1.0), (r"-\frac{1}{2}", "-0.5", "**4**"),
+                          frozenset({r"\frac{1}{2}", r"-\frac{1}{2}", "4"}))
+    metrics = evaluation_metrics([record], [3], "val")
+    assert metrics["val/distinct_correct@3"] == 2  # -1/2 twice, 4
+    assert metrics["val/coverage@3"] == pytest.approx(2 / 3)
