@@ -518,7 +518,7 @@ def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkey
     (a notebook, a sweep): an earlier run's seed left in the environment was taken by every
     later ``true`` and recorded by an unseeded run."""
     from maxent_grpo.cli import seeds
-    from maxent_grpo.training.run.checkpoint import run_seed
+    from maxent_grpo.training.run.checkpoint import SEED_ENV, run_seed
 
     class Parsed(Exception):
         pass
@@ -532,25 +532,37 @@ def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkey
             cli_module.main(["fit", "--seed_everything", value])
         return caught.value.args[0].fit.seed_everything
 
-    fresh = dict.fromkeys(("PL_GLOBAL_SEED", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS"))
+    fresh = dict.fromkeys(seeds._AT_START)
+    monkeypatch.delenv(SEED_ENV, raising=False)  # (the runs set it: taken away after)
     monkeypatch.setattr(cli_module, "MaxEntGRPOCLI", CaptureCLI)
-    monkeypatch.setattr(seeds, "_AT_START", {**fresh, "PL_GLOBAL_SEED": "7", "LOCAL_RANK": "1",
-                                             "WORLD_SIZE": "2"})  # the launcher's process
+    launched = {**fresh, SEED_ENV: "7", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    monkeypatch.setattr(seeds, "_AT_START", launched)  # a process the DDP launcher started
     assert seed() == 7
+    monkeypatch.setattr(seeds, "_AT_START", {**launched, SEED_ENV: "none"})  # (a resume of
+    assert seed() is False  # an unseeded run: the first process set its seed aside)
     monkeypatch.setattr(seeds, "_AT_START", fresh)  # a process that started unseeded
     drawn = []
     for _ in range(2):
         monkeypatch.setenv("PL_GLOBAL_SEED", "123")  # an earlier run's, in this process
         monkeypatch.setenv("WORLD_SIZE", "2")  # an earlier DDP run's launcher set it here
         drawn.append(seed())
+        assert os.environ[SEED_ENV] == str(drawn[-1])  # for the processes it launches
     assert all(isinstance(s, int) and not isinstance(s, bool) for s in drawn)
     assert drawn[0] != drawn[1] and 123 not in drawn  # equal once in four billion
     monkeypatch.setenv("PL_GLOBAL_SEED", "123")
     assert seed("false") is False and run_seed() is False  # not recorded as seeded with 123
-    monkeypatch.setattr(seeds, "_AT_START", {**fresh, "WORLD_SIZE": "2"})  # torchrun's
-    with pytest.raises(ValueError, match="another seed in each of the processes torchrun or "
-                                         "SLURM started"):
-        cli_module.main(["fit", "--seed_everything", "true"])
+    assert os.environ[SEED_ENV] == "none"
+    interactive = {**fresh, "SLURM_NTASKS": "4", "SLURM_JOB_NAME": "interactive"}
+    monkeypatch.setattr(seeds, "_AT_START", interactive)  # Lightning launches them itself
+    assert isinstance(seed(), int)
+    for started, args in (({**fresh, "WORLD_SIZE": "2"}, []),  # torchrun
+                          ({**interactive, "SLURM_JOB_NAME": "train"}, []),  # srun -n 4
+                          (fresh, ["--trainer.num_nodes", "2"]),  # each node's launcher
+                          ({**fresh, "NODE_RANK": "1"}, [])):
+        monkeypatch.setattr(seeds, "_AT_START", started)
+        with pytest.raises(ValueError, match="would draw another seed in each of the "
+                                             "processes"):
+            cli_module.main(["fit", "--seed_everything", "true", *args])
 
 
 def test_a_spawning_strategy_is_refused_before_the_spawn(monkeypatch, tmp_path):
@@ -732,11 +744,16 @@ def test_a_config_file_that_is_not_yaml_is_named(monkeypatch, tmp_path, capsys):
     (tmp_path / "indent.yaml").write_text("model:\n  num_generations: 4\n   beta: 2\n")
     (tmp_path / "good.yaml").write_text("model:\n  num_generations: 4\n")
     monkeypatch.chdir(tmp_path)
-    for name, said in (("tab.yaml", r"found character '\t' that cannot start any token "
-                                    "(line 2, column 1; indent with spaces, not tabs)"),
-                       ("indent.yaml", "mapping values are not allowed here (line 3, column 8)")):
+    (tmp_path / "trailing.yaml").write_text("model:\n  num_generations: 4\t\n")
+    (tmp_path / "tabbed.json").write_text('{\n\t"model": {"num_generations": 4}\n}\n')
+    for accepted in ("trailing.yaml", "tabbed.json"):  # as jsonargparse's loader takes them
+        parse(monkeypatch, "--config", str(tmp_path / accepted))
+    for name, said in (("tab.yaml", "cannot start any token (line 2, column 1; indent "
+                                    "with spaces, not tabs)"),
+                       ("indent.yaml", "(line 3, column 8)")):
         with pytest.raises(SystemExit) as stop:
             cli_module.main(["fit", "--config", "good.yaml", "--config", name],
                             exit_on_error=True)
         assert stop.value.code == 1
-        assert f"error: --config {name} is not valid YAML: {said}" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"error: --config {name} is not valid YAML: " in err and said in err, err

@@ -109,13 +109,16 @@ def _check_yaml(path: str) -> None:
     file ("<unicode string>", line 2), whichever of several --config it was."""
     import yaml
 
-    try:
-        yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # jsonargparse's (libyaml takes
+    try:  # a tab where the pure-Python reader does not: a trailing one, a JSON file's)
+        text = Path(path).read_text(encoding="utf-8")
+        yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except (yaml.scanner.ScannerError, yaml.parser.ParserError) as err:  # the syntax
-        tabs = "; indent with spaces, not tabs" if "\\t" in str(err.problem) else ""
+        at = err.problem_mark
+        line = (text.splitlines() or [""])[min(at.line, max(len(text.splitlines()) - 1, 0))]
+        tabs = "; indent with spaces, not tabs" if line[at.column:at.column + 1] == "\t" else ""
         raise ValueError(f"--config {path} is not valid YAML: {err.problem} (line "
-                         f"{err.problem_mark.line + 1}, column {err.problem_mark.column + 1}"
-                         f"{tabs})") from None
+                         f"{at.line + 1}, column {at.column + 1}{tabs})") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return  # (the parser's own message)
 

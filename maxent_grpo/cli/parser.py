@@ -160,7 +160,8 @@ class MaxEntGRPOCLI(LightningCLI):
         several runs in one process too)."""
         config = self._subconfig(self.config)
         self._drawn_seed = config.get("seed_everything") is True  # a resume keeps the run's
-        config["seed_everything"] = seeds.run_seed_option(config.get("seed_everything"))
+        config["seed_everything"] = seeds.run_seed_option(
+            config.get("seed_everything"), int(config.get("trainer.num_nodes") or 1))
         super()._set_seed()
 
     def _subconfig(self, config: Any) -> Any:

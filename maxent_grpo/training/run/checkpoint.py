@@ -226,6 +226,9 @@ def save_state(
     }
 
 
+SEED_ENV = "MAXENT_GRPO_RUN_SEED"  #: a CLI run's seed for its launched processes (cli/seeds)
+
+
 def run_seed() -> int | bool:
     """The run's ``seed_everything`` (Lightning's ``PL_GLOBAL_SEED``); False when unseeded:
     a resume continues the checkpoint's random state, and is told when given another."""
@@ -251,6 +254,7 @@ def keep_seed(seed: int | bool | None, config: Any, drawn: bool = False) -> None
             "with the logs). To train with another seed, start a new run from the "
             "checkpoint's weights (maxent-grpo export, then --model.model_name_or_path)")
     config["seed_everything"] = seed
+    os.environ[SEED_ENV] = "none" if seed is False else str(seed)  # the launched processes'
     if seed is False:
         os.environ.pop("PL_GLOBAL_SEED", None)  # the later checkpoints record it unseeded
         return

@@ -240,6 +240,8 @@ def check_logger_folders(trainer: Any) -> None:
     if getattr(trainer, "world_size", 1) != 1 or getattr(trainer, "fast_dev_run", False):
         return
     for logger in getattr(trainer, "loggers", None) or []:
+        if type(logger).__name__ == "WandbLogger":
+            continue  # wandb writes to the temporary folder when its own cannot be
         folder = getattr(logger, "save_dir", None)
         why = unwritable(folder, folder=True) if isinstance(folder, str) and folder and (
             "://" not in folder) else None

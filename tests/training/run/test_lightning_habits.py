@@ -312,3 +312,9 @@ def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path):
         check_logger_folders(trainer(good, bad))
     check_logger_folders(trainer(good))
     check_logger_folders(trainer(bad, world=2))  # each process may see its own disk
+    wandb = pytest.importorskip("lightning.pytorch.loggers").WandbLogger
+    try:  # wandb falls back to the temporary folder when its own cannot be made
+        check_logger_folders(trainer(good, wandb(save_dir=str(tmp_path / "a_file" / "w"),
+                                                 offline=True)))
+    except ModuleNotFoundError:  # (wandb not installed)
+        pass
