@@ -112,7 +112,9 @@ def keep_earlier(path: str, earlier: bytes | None) -> None:
     """A fit that continues a version under changed options (aside from :data:`RUN_NAMING`
     and ``trainer.logger``, which a resume may name anew: the checkpoint restores the
     random state) keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
-    (``-2``, ... the first free name): the file holds this fit's options."""
+    (``-2``, ... the first free name): the file holds this fit's options. So is the
+    loggers' ``hparams.yaml`` beside it (TensorBoard writes one only where none is: it kept
+    the first fit's values)."""
     def options(text: bytes) -> Any:
         config = yaml.safe_load(text) or {}
         if not isinstance(config, dict):
@@ -125,6 +127,9 @@ def keep_earlier(path: str, earlier: bytes | None) -> None:
             return
     keep = unused_path(Path(path))
     keep.write_bytes(earlier)
+    hparams = Path(path).with_name("hparams.yaml")
+    if hparams.is_file():
+        os.replace(hparams, unused_path(hparams))
     logging.getLogger(__name__).info(
         "%s: this fit's options differ from the earlier fit's, kept as %s", path, keep.name)
 

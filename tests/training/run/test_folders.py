@@ -207,3 +207,23 @@ def test_a_resume_keeps_the_earlier_config_only_when_it_trains_otherwise(tmp_pat
     assert yaml.safe_load((tmp_path / "config-1.yaml").read_text()) == first
     assert resume(first, {**same, "model": {"temperature": 0.9}}) == ["config-1.yaml",
                                                                          "config-2.yaml"]
+
+
+def test_a_resume_under_changed_options_keeps_the_earlier_hparams_too(tmp_path):
+    """TensorBoard writes ``hparams.yaml`` only where none is: a resume into the same
+    version under another temperature kept the first fit's values there (config.yaml had
+    the new ones). The earlier file is kept as ``hparams-1.yaml``, so the logger writes
+    this fit's; an unchanged resume leaves it."""
+    from maxent_grpo.training.run.folders import keep_earlier
+
+    path, hparams = tmp_path / "config.yaml", tmp_path / "hparams.yaml"
+    first = {"model": {"temperature": 1.0}}
+    hparams.write_text("temperature: 1.0\n")
+    path.write_text(yaml.safe_dump(first))
+    keep_earlier(str(path), yaml.safe_dump(first).encode())
+    assert hparams.read_text() == "temperature: 1.0\n"
+    assert not (tmp_path / "hparams-1.yaml").exists()
+    path.write_text(yaml.safe_dump({"model": {"temperature": 0.7}}))
+    keep_earlier(str(path), yaml.safe_dump(first).encode())
+    assert not hparams.exists() and (tmp_path / "hparams-1.yaml").read_text() == (
+        "temperature: 1.0\n")
