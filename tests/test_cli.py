@@ -555,6 +555,9 @@ def test_the_saved_config_records_the_seed_that_seed_everything_true_used(monkey
     interactive = {**fresh, "SLURM_NTASKS": "4", "SLURM_JOB_NAME": "interactive"}
     monkeypatch.setattr(seeds, "_AT_START", interactive)  # Lightning launches them itself
     assert isinstance(seed(), int)
+    monkeypatch.setattr(seeds, "_AT_START", {**fresh, "GROUP_RANK": "0", "WORLD_SIZE": "1",
+                                             "NODE_RANK": "0"})  # torchrun of one process
+    assert isinstance(seed(), int)
     for started, args in (({**fresh, "WORLD_SIZE": "2"}, []),  # torchrun
                           ({**interactive, "SLURM_JOB_NAME": "train"}, []),  # srun -n 4
                           (fresh, ["--trainer.num_nodes", "2"]),  # each node's launcher

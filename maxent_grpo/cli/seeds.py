@@ -46,7 +46,8 @@ def run_seed_option(given: int | bool | None, num_nodes: int = 1) -> int | bool 
         slurm = _AT_START["SLURM_NTASKS"] if _AT_START["SLURM_JOB_NAME"] not in (
             "bash", "interactive") else None  # (Lightning's reading: its own launcher then)
         world = _AT_START["WORLD_SIZE"] or slurm or "1"
-        if world != "1" or num_nodes > 1 or _AT_START["NODE_RANK"] or _AT_START["GROUP_RANK"]:
+        if world != "1" or num_nodes > 1 or any(  # (a node's rank but the first's)
+                _AT_START[key] not in (None, "0") for key in ("NODE_RANK", "GROUP_RANK")):
             started = (f"torchrun or SLURM started ({world})" if world != "1"
                        else f"each of the {num_nodes} nodes starts")
             raise ValueError(f"seed_everything: true would draw another seed in each of the "

@@ -253,8 +253,8 @@ ANSWER_FORMS = ("expression", "ordered", "first_number", "value")
 
 #: whitespace beside a character that is no letter or digit (a sign, a bracket, ``\``)
 _SPACED = re.compile(r" ?([^\w ]) ?")
-#: a number in parentheses, as ``unwrap_math`` writes a fraction's parts: ``-(1)/(2)``
-_BARE_PARTS = re.compile(r"\((-?\d+(?:\.\d+)?)\)")
+#: a signed fraction as ``unwrap_math`` writes ``-\frac{1}{2}``: ``-(1)/(2)``
+_FRACTION = re.compile(r"([-+]?)\((-?\d+(?:\.\d+)?)\)/\((-?\d+(?:\.\d+)?)\)")
 
 
 def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
@@ -284,8 +284,9 @@ def canonical_answer(answer: str | None, form: str | None = None) -> str | None:
             return key
         else:  # a number that is no expression, also a signed LaTeX fraction (-\frac{1}{2})
             value = number_value(answer, False)
-            if value is None:
-                value = number_value(_BARE_PARTS.sub(r"\1", unwrap_math(answer)), False)
+            fraction = None if value is not None else _FRACTION.fullmatch(unwrap_math(answer))
+            if fraction is not None:  # the whole answer one fraction: not 3\frac{1}{2}
+                value = number_value(f"{fraction[1]}{fraction[2]}/{fraction[3]}", False)
         # a fraction as its expression is written: 0.5 and 1/2 are one
         return None if value is None else str(value).replace("/", " / ")
     if form == "ordered":  # unwrapped as the digit_pair reward reads it: $4 + 8$ is 4+8

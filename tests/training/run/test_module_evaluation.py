@@ -651,6 +651,9 @@ def test_math_answers_in_other_forms_are_one_answer_in_every_metric():
 
     halves = [r"-\frac{1}{2}", r"\frac{-1}{2}", r"-\dfrac{1}{2}", "-0.5", "-1/2"]
     assert {canonical_answer(a) for a in halves} == {"-1 / 2"}
+    assert canonical_answer(r"3\frac{1}{2}") is None  # a mixed number: not 31/2
+    assert {answer_key(f"<answer>{a}</answer>") for a in ("2(3)", "23", "(2)(3)")} == {
+        "2(3)", "23", "(2)(3)"}  # numbers side by side stay apart
     assert {answer_key(f"<answer>{a}</answer>") for a in ("(1, 3]", "(1,3]", " ( 1 ,3 ] ")} == {
         "(1,3]"}
     assert answer_key("<answer>x = 5</answer>") == answer_key("<answer>x=5</answer>")
