@@ -1302,3 +1302,23 @@ def test_prose_words_are_found_outside_latex_commands_as_the_pairwise_check_did(
                        for _ in range(rng.randint(0, 30)))
         assert vw._words(text) == pairwise(text), text
     assert vw._words("\\a bb " * 8000) == [(3 + 6 * i, 5 + 6 * i) for i in range(8000)]
+
+
+def test_a_failed_run_stops_the_verifier_too(tmp_path, monkeypatch):
+    """The end of a stage stopped the worker, but a failed run reaches no teardown of
+    ``ModuleHooks``: its worker stayed until the process ended (a notebook's, a sweep's)."""
+    from types import SimpleNamespace
+
+    import maxent_grpo.training.callbacks.module_own as module_own
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_WORKER)
+    verifier = Verifier(command=[sys.executable, str(script)])
+    monkeypatch.setattr(module_own, "VERIFIER", verifier)
+    assert verifier.equal("1", "1") is True
+    worker = verifier._process
+    torn: list[str] = []
+    module = SimpleNamespace(teardown=torn.append)
+    module_own.CleanUp().on_exception(None, module, RuntimeError("the step failed"))
+    assert torn == ["fit"] and worker.poll() is not None and verifier._process is None

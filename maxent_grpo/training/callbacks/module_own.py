@@ -299,6 +299,7 @@ class CleanUp(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
         give_back_sigterm(trainer)
+        VERIFIER.stop()  # (ModuleHooks.teardown's, which a failed run does not reach)
         try:
             pl_module.teardown("fit")
         except Exception as err:  # noqa: BLE001 - the run's own error is the one to report
