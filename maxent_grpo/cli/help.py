@@ -114,8 +114,8 @@ def _check_yaml(path: str) -> None:
         text = Path(path).read_text(encoding="utf-8")
         yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except (yaml.scanner.ScannerError, yaml.parser.ParserError) as err:  # the syntax
-        at = err.problem_mark
-        line = (text.splitlines() or [""])[min(at.line, max(len(text.splitlines()) - 1, 0))]
+        at, lines = err.problem_mark, text.splitlines()
+        line = lines[at.line] if at.line < len(lines) else ""
         tabs = "; indent with spaces, not tabs" if line[at.column:at.column + 1] == "\t" else ""
         raise ValueError(f"--config {path} is not valid YAML: {err.problem} (line "
                          f"{at.line + 1}, column {at.column + 1}{tabs})") from None

@@ -129,8 +129,7 @@ class MaxEntGRPOCLI(LightningCLI):
                 "ModelCheckpoint (the shipped configs list one): to save no checkpoints remove "
                 "it from the config's callbacks (--trainer.callbacks '[]' drops them all)")
         if trainer_config.get("enable_progress_bar") is not False:
-            callbacks = trainer_config.get("callbacks") or []
-            callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+            callbacks = list(listed)
             defaults = self.trainer_defaults.get("callbacks") or []
             defaults = defaults if isinstance(defaults, list) else [defaults]
             if not any(isinstance(cb, ProgressBar) for cb in [*callbacks, *defaults]):

@@ -297,23 +297,26 @@ class Verifier:
     def release_abandoned(self) -> None:
         """Kill the worker when the comparison it runs is an abandoned call's (the reward
         timed out): the next call starts a new one rather than waiting for it."""
-        holder, process = self._holder, self._process
-        if process is not None and getattr(holder, "abandoned", False):
-            with contextlib.suppress(OSError):
-                process.kill()
+        if getattr(self._holder, "abandoned", False):
+            self._kill()
 
     def stop(self) -> None:
         """End the worker without waiting for a comparison in flight (the end of a run:
         nothing is left running; the next comparison starts a new one)."""
-        process = self._process
-        if process is not None:
-            with contextlib.suppress(OSError):
-                process.kill()
+        self._kill()
         if self._lock.acquire(blocking=False):  # else the comparison's thread closes it
             try:
                 self._close()
             finally:
                 self._lock.release()
+
+    def _kill(self) -> None:
+        """Kill the worker, not waiting for the lock: the comparison in flight ends (its
+        thread sees the worker gone and closes it)."""
+        process = self._process
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.kill()
 
     def close(self) -> None:
         """End the worker (the next comparison starts a new one)."""

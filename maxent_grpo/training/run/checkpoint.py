@@ -213,8 +213,8 @@ def save_state(
                        "is not the run an uninterrupted fit would have made)")
     checkpoint[CHECKPOINT_KEY] = {
         "model_name_or_path": model_name_or_path,
-        "model_folder": model_folder(model_name_or_path),
-        "model_fingerprint": model_fingerprint(model_folder(model_name_or_path)),
+        "model_folder": (folder := model_folder(model_name_or_path)),
+        "model_fingerprint": model_fingerprint(folder),
         "objective_class": type(objective).__name__,
         "peft": peft_record(peft),
         "objective_state": objective.state_dict(),

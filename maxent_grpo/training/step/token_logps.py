@@ -323,11 +323,11 @@ def plan_micro_batches(
             grown = [b]
         current = grown
     chunks.append(current)
-    over = [size(c) for c in chunks if max_tokens is not None and size(c) > max_tokens]
-    if over and max_tokens not in _SAID_OVER:  # (one group: it is never split)
+    largest = None if max_tokens is None else max(size(c) for c in chunks)
+    if largest is not None and largest > max_tokens and max_tokens not in _SAID_OVER:
         _SAID_OVER.add(max_tokens)
         warnings.warn(f"model.micro_batch_tokens {max_tokens} is less than one prompt group's "
-                      f"padded size ({max(over)} tokens, {G} sequences), and a group is never "
+                      f"padded size ({largest} tokens, {G} sequences), and a group is never "
                       "split: such a micro-batch holds the whole group; raise it to bound the "
                       "memory it sets (said once for this value)", stacklevel=2)
 
