@@ -251,3 +251,43 @@ def warn_unended_cosine(trainer: Any, steps: int) -> None:
     rank_zero_warn(f"model.lr_scheduler: the cosine ends after {warm} + {main.T_max} steps "
                    f"(lr_warmup_steps + T_max) while {length}, so the "
                    f"learning rate {shape}; {advice}")
+
+
+
+#: Options whose change at a resume changes nothing the run computes (paths to caches), or
+#: which are checked apart (the model, whose path the CLI gives the data's tokenizer too).
+UNCHECKED_OPTIONS = frozenset({"_instantiator", "model_name_or_path", "model_cache_dir",
+                               "dataset_cache_dir", "tokenizer_cache_dir", "num_workers",
+                               "tokenizer"})
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is plain data (compared by value; an object given in Python is
+    another object once loaded from the checkpoint)."""
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def warn_changed_options(checkpoint: dict[str, Any], trainer: Any) -> None:
+    """Warn when a resumed fit's ``model.`` or ``data.`` options differ from the
+    checkpoint's saved hyper-parameters (another ``num_generations``, ``temperature``,
+    ``batch_size``, ...): it goes on with this run's, which the interrupted run did not
+    have. The objective, optimizer and schedule, which the hyper-parameters leave out, and
+    the model's path are checked by :func:`~maxent_grpo.training.run.checkpoint.load_state`
+    itself."""
+    changed = []
+    for group, key, owner in (("model", "hyper_parameters", "lightning_module"),
+                              ("data", "datamodule_hyper_parameters", "datamodule")):
+        owner = getattr(trainer, owner, None)
+        saved, now = checkpoint.get(key) or {}, dict(getattr(owner, "hparams", None) or {})
+        changed += [f"{group}.{name} {saved[name]!r} -> {now[name]!r}" for name in sorted(now)
+                    if name not in UNCHECKED_OPTIONS and name in saved and saved[name] != now[name]
+                    and _plain(saved[name]) and _plain(now[name])]
+    if changed:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"the resumed fit's options differ from the checkpoint's "
+                       f"({', '.join(changed)}): it goes on with this run's")

@@ -311,3 +311,24 @@ def test_the_validated_checkpoints_are_found_in_a_savers_folder_and_never_remote
     assert unvalidated(trainer)
     trainer.ckpt_path = "s3://bucket/run/last.ckpt"
     assert not unvalidated(trainer)
+
+
+def test_a_fit_resumed_with_other_options_is_warned_of_them(cache_dir, tmp_path):
+    """Resuming with another ``num_generations``, ``temperature`` or ``val_size`` went on
+    without a word (the objective's and optimizer's changes were warned of); the same
+    options and a moved cache folder resume quietly."""
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1000)
+    fit(make_module(cache_dir), make_data(cache_dir), steps=2, tmp_path=tmp_path,
+        enable_checkpointing=True, callbacks=[saver])
+
+    def resume(module, data) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(module, data, steps=3, ckpt_path=str(tmp_path / "last.ckpt"))
+        return [str(w.message) for w in caught if "options differ" in str(w.message)]
+
+    assert resume(make_module(cache_dir), make_data(cache_dir, dataset_cache_dir="x")) == []
+    (message,) = resume(make_module(cache_dir, num_generations=2, temperature=0.7),
+                        make_data(cache_dir, val_size=4))
+    assert ("(model.num_generations 4 -> 2, model.temperature 1.0 -> 0.7, data.val_size 8 -> "
+            "4): it goes on with this run's") in message

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from maxent_grpo.adapters import check_older_adapters, peft_record
 from maxent_grpo.models import model_fingerprint, model_folder, same_model
 from maxent_grpo.objectives import Objective
-from maxent_grpo.training.settings import check_resumed_schedule
+from maxent_grpo.training.settings import check_resumed_schedule, warn_changed_options
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
 from maxent_grpo.training.types import LoopSettings
@@ -280,12 +280,10 @@ def load_state(
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
     fit (``model.peft`` set in one and not the other, or another adapter type, rank,
-    target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``, a
-    checkpoint trained with tau/beta controllers that ``loop`` lacks is warned about, and a
-    changed configuration (:func:`_objective_state`, :func:`_check_optimizer`: the
-    ``model.optimizer`` factory ``optimizer``; ``reference``: whether this run loaded the
-    reference model; ``check_resumed_schedule``: the ``model.lr_scheduler`` factory
-    ``scheduler``).
+    target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``,
+    controllers the checkpoint had and ``loop`` lacks, and changed options, are warned of
+    (:func:`_check_optimizer`: ``model.optimizer`` ``optimizer``; ``check_resumed_schedule``:
+    ``model.lr_scheduler`` ``scheduler``; ``reference``: whether a reference model loaded).
     """
     fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
     epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -337,6 +335,8 @@ def load_state(
     schedule = None if loop is None else loop.optimization.schedule
     if fitting and schedule is not None and checkpoint.get("lr_schedulers"):
         check_resumed_schedule(checkpoint["lr_schedulers"][0], schedule, scheduler)
+    if fitting and trainer is not None:
+        warn_changed_options(checkpoint, trainer)
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))
