@@ -141,7 +141,8 @@ def _quiet_load(path: str) -> Iterator[None]:
 
 
 def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, **kwargs: Any):
-    """Call ``loader(path, **kwargs)``; name the model and the offline hub if it fails."""
+    """Call ``loader(path, **kwargs)``; name the model and the offline hub if it fails, and
+    a folder's files that cannot be read (:func:`_unreadable`)."""
     import pickle
 
     from safetensors import SafetensorError  # a weights file cut short, or not one
@@ -149,22 +150,44 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
     try:
         with _quiet_load(path):
             return loader(path, **kwargs)
-    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError, EOFError) as error:
-        if is_offline_mode() and not Path(path).is_dir() and isinstance(error, OSError):
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        known = (OSError, ValueError, SafetensorError, pickle.UnpicklingError, EOFError)
+        folder = Path(path).is_dir()
+        if is_offline_mode() and not folder and isinstance(error, OSError):
             raise OSError(
                 f"could not load model {name_or_path!r}: the Hugging Face Hub is offline "
                 "(HF_HUB_OFFLINE=1) and the model is not in the local hub cache; download it "
                 "while online, pass a local folder, or use a 'builtin:' model"
             ) from error
-        if Path(path).is_dir():  # transformers' message does not name the folder
+        bad = _unreadable(path) if folder else []
+        if folder and (bad or isinstance(error, known)):  # transformers names no folder
             raise OSError(
                 f"could not load model.model_name_or_path {name_or_path!r} from the folder "
-                f"{str(path)!r}: " + ("" if isinstance(error, (OSError, ValueError)) else
+                f"{str(path)!r}: " + (f"{', '.join(bad)} cannot be read (damaged?): " if bad
+                                      else "" if isinstance(error, (OSError, ValueError)) else
                                       f"{type(error).__name__} (a damaged weights file?): ")
                 + f"{error}; the folder must hold a Hugging Face model (config.json, the "
                 "weights and the tokenizer files)"
             ) from error
         raise
+
+
+def _unreadable(folder: str) -> list[str]:
+    """The JSON files of ``folder`` that do not parse, and a ``tokenizer.json`` the
+    tokenizers library cannot read (its error names no file)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    bad = []
+    for file in sorted(Path(folder).glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+            if file.name == "tokenizer.json":
+                Tokenizer.from_file(str(file))
+        except Exception:  # noqa: BLE001 - any failure: the file is named
+            bad.append(file.name)
+    return bad
 
 
 def load_tokenizer(

@@ -412,6 +412,33 @@ def test_a_model_with_learned_positions_refuses_lengths_past_them(tiny_cache: Pa
             module.configure_model()
 
 
+@pytest.mark.parametrize("damage", ["cut short", "another structure"])
+def test_a_damaged_tokenizer_file_is_named(tiny_cache: Path, tmp_path: Path,
+                                           damage: str) -> None:
+    """A ``tokenizer.json`` cut short gave JSON's "Expecting ':' delimiter: line 30" with no
+    file named; one the tokenizers library refuses ("data did not match any variant of
+    untagged enum") crashed with its plain ``Exception`` as "a bug"."""
+    from tokenizers import Tokenizer
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(tokenizer_models.WordLevel({"<pad>": 0, "<eos>": 1, "a": 2}, "<pad>"))
+    PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>",
+                            eos_token="<eos>").save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path)).pad_token == "<pad>"
+    file = tmp_path / "tokenizer.json"
+    text = file.read_text()
+    if damage == "cut short":
+        file.write_text(text[: len(text) // 2])
+    else:
+        data = json.loads(text)
+        data["model"]["type"] = "Another"
+        file.write_text(json.dumps(data))
+    with pytest.raises(OSError, match=r"could not load model.model_name_or_path .* from the "
+                                      r"folder .*: tokenizer.json cannot be read \(damaged\?\)"):
+        load_tokenizer(str(tmp_path))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_a_damaged_weights_file_names_the_folder(tiny_cache: Path, tmp_path: Path,
                                                  damage: str) -> None:
