@@ -171,6 +171,25 @@ def test_a_model_folder_that_moved_is_given_with_model(cache_dir, tmp_path, caps
     same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), params(trained))
 
 
+def test_an_export_keeps_the_padding_side_of_the_tokenizer_files(cache_dir, tmp_path):
+    """The trainer pads on the left (generation); an export wrote ``padding_side: left``
+    into the files of a model whose tokenizer padded on the right."""
+    from transformers import AutoTokenizer
+
+    from maxent_grpo.training.callbacks.export import export_policy
+
+    module = make_module(cache_dir)
+    module.configure_model()
+    export_policy(module.policy, module.tokenizer, tmp_path / "a")
+    config = tmp_path / "a" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "padding_side": "right"}))
+    tokenizer = load_tokenizer(str(tmp_path / "a"))
+    assert tokenizer.padding_side == "left"
+    export_policy(load_policy(str(tmp_path / "a")), tokenizer, tmp_path / "b")
+    assert AutoTokenizer.from_pretrained(tmp_path / "b").padding_side == "right"
+    assert tokenizer.padding_side == "left"  # the trainer's, kept
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
 def test_the_command_writes_the_weights_in_the_dtype_they_trained_in(full_run, tmp_path,
                                                                      dtype):

@@ -37,6 +37,18 @@ log = logging.getLogger(__name__)
 EXPORT_COMMAND = "python -m maxent_grpo.cli.export <checkpoint.ckpt> --output <folder>"
 
 
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)`` with the padding side its own files gave it
+    (the trainer pads on the left for generation, which an export wrote into the files of
+    a tokenizer that padded on the right)."""
+    trained, tokenizer.padding_side = tokenizer.padding_side, getattr(
+        tokenizer, "init_kwargs", {}).get("padding_side") or tokenizer.padding_side
+    try:
+        tokenizer.save_pretrained(folder)
+    finally:
+        tokenizer.padding_side = trained
+
+
 def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], source: Any = None,
                   merged: bool = False, state_dict: dict[str, Any] | None = None) -> list[Path]:
     """``save_pretrained`` of ``model`` and ``tokenizer`` into ``out``; returns the folders
@@ -65,7 +77,7 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
         model.save_pretrained(folder, state_dict=state_dict)
         if adapters and name and is_builtin(name):
             name_base(folder, name)
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
 
     _replace(out, write)
     log.info("exported the policy%s and tokenizer to %s", "'s adapter" if adapters else "", out)
@@ -75,7 +87,7 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
     whole = merged_copy(model, base, state_dict)
     _replace(merged_out, lambda folder: (whole.save_pretrained(folder),
-                                         tokenizer.save_pretrained(folder)))
+                                         save_tokenizer(tokenizer, folder)))
     log.info("exported the merged model to %s", merged_out)
     return [out, merged_out]
 
