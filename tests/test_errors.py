@@ -539,3 +539,16 @@ def test_a_bug_in_a_users_own_class_built_for_an_option_shows_its_trace(bad_inpu
     assert exit_code == 1 and "Traceback" in err and "StoreRefused" in err, err
     assert f"error: StoreRefused raised outside maxent_grpo and its libraries, at {__file__}:" \
         in err, err
+
+
+def test_an_asynchronous_fit_with_an_engine_that_samples_here_leaves_no_log_folder(
+        bad_inputs, models, capsys):
+    """``model.max_staleness 1`` with the ``generate`` engine was refused once the
+    TensorBoard logger had made its version folder (its config.yaml and an empty event
+    file): a run's folder for a run that never trained."""
+    args = ["fit", "--config", TINY, "--trainer.max_steps", "1", "--model.model_cache_dir",
+            models, "--model.max_staleness", "1", "--model.sampler_correction", "token_tis"]
+    exit_code, err = run_cli(capsys, args)
+    assert exit_code == 1 and "model.max_staleness >= 1 needs an engine that generates " \
+        "outside the trainer's process" in err, err
+    assert not (bad_inputs / "work" / "lightning_logs").exists()

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from maxent_grpo.cli import errors, parse_errors, seeds
 from maxent_grpo.cli import help as cli_help
 from maxent_grpo.rollout import vllm_server  # noqa: F401  (`model.engine VLLMServerEngine`)
+from maxent_grpo.rollout.protocol import check_engine_factory
 from maxent_grpo.training.callbacks.progress import ReadableProgressBar
 from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
@@ -279,6 +280,8 @@ class MaxEntGRPOCLI(LightningCLI):
         """Refuse ``--ckpt_path last`` when no ModelCheckpoint has an explicit ``dirpath``;
         when resuming, resume from the checked checkpoint, remove the temporary files of a
         killed checkpoint write and keep a continued CSVLogger's ``metrics.csv``."""
+        if getattr(self.model, "pipeline", None) is not None:  # before a logger's folder
+            check_engine_factory(self.model.engine_factory, asynchronous=True)
         last = self.config.get(f"{self.subcommand}.ckpt_path") == "last"
         callbacks = self.trainer.checkpoint_callbacks
         if last and not any(getattr(cb, "dirpath", None) for cb in callbacks):
