@@ -41,12 +41,15 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
     """``tokenizer.save_pretrained(folder)`` with the padding side its own files gave it
     (the trainer pads on the left for generation, which an export wrote into the files of
     a tokenizer that padded on the right)."""
-    trained, tokenizer.padding_side = tokenizer.padding_side, getattr(
-        tokenizer, "init_kwargs", {}).get("padding_side") or tokenizer.padding_side
+    trained = getattr(tokenizer, "padding_side", None)
+    own = (getattr(tokenizer, "init_kwargs", None) or {}).get("padding_side") or trained
+    if own is not None:
+        tokenizer.padding_side = own
     try:
         tokenizer.save_pretrained(folder)
     finally:
-        tokenizer.padding_side = trained
+        if trained is not None:
+            tokenizer.padding_side = trained
 
 
 def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], source: Any = None,
