@@ -142,7 +142,14 @@ class Controller(Callback):
         by any rank: a folder of its own machine's); a run resuming a checkpoint or from its
         ``state_path`` continues it. Checked here and at the sanity check's start, after the
         checkpoint's restore: FSDP2 and DeepSpeed restore after ``on_fit_start``, where
-        ``trainer.ckpt_path`` is not yet known (their resumes were refused)."""
+        ``trainer.ckpt_path`` is not yet known (their resumes were refused). A resume's start
+        values, the checkpoint's when controllers moved them, are checked as the config's
+        were (a beta of 0 that BetaController can never raise went on without a word)."""
+        loop = getattr(pl_module, "loop", None)
+        if trainer.ckpt_path is not None and isinstance(loop, LoopSettings) and (
+                loop.controller_objective is not None):
+            self._check_start(loop.controller_objective, f"the checkpoint {trainer.ckpt_path}, "
+                              "whose values a resume with controllers continues,", pl_module)
         path = self._state_file
         if path is None or self.paths.overwrite_existing or not (
                 trainer.strategy.reduce_boolean_decision(path.exists(), all=False)):

@@ -213,9 +213,11 @@ class BetaController(Controller):
                      pl_module: pl.LightningModule) -> None:
         require(
             objective.beta > 0,
-            f"BetaController: beta is 0 in {origin}, and its multiplicative rule "
-            "beta <- beta * (1 + e / horizon) can never raise beta from 0; set "
-            "model.objective.beta > 0 (e.g. 0.01)" + (
+            f"BetaController: beta is 0 in {origin} and its multiplicative rule "
+            "beta <- beta * (1 + e / horizon) can never raise beta from 0; " + (
+                "set model.objective.beta > 0 (e.g. 0.01)" if origin == "model.objective" else
+                "write a beta > 0 into it" if origin.startswith("controller state file") else
+                "start afresh from its weights (maxent-grpo export)") + (
                 ", or use MetaController (additive)" if "tau" in objective.tunable else ""),
         )
 

@@ -328,7 +328,7 @@ def load_state(
             f"{before.get('state_path')!r}); this run has none, so tau and beta stay at the "
             "checkpoint's values: add the same trainer.callbacks to keep them moving")
     objective.load_state_dict(_objective_state(saved["objective_state"], objective,
-                                               before.get("attached") or now["attached"],
+                                               before["attached"] if before else now["attached"],
                                                fitting, reference))
     if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
         _check_optimizer(checkpoint, optimizer)
@@ -361,9 +361,9 @@ def _objective_state(saved: dict[str, float], objective: Objective, controllers:
                      fitting: bool, reference: bool) -> dict[str, float]:
     """The objective state a fit resumes with: the checkpoint's (moved by tau/beta
     controllers, or by the objective itself: ``EntropyMaxEnt``'s gate), except, when no
-    controller was or is attached, the :attr:`~Objective.tunable` values the config changed
-    (``model.objective.beta 0.2`` on a resume), which are used, warned of: nothing else
-    moved them, and the reference model was loaded (or not) for the config's beta. A
+    controller moved them (none was attached; none is, for a checkpoint without the record),
+    the :attr:`~Objective.tunable` values the config changed (``beta 0.2``, a controller's
+    start value), used, warned of: the reference model was loaded for the config's beta. A
     checkpoint's beta > 0 kept where this run loaded no reference model is refused."""
     config = {k: v for k, v in objective.state_dict().items() if k in objective.tunable}
     changed = {k: v for k, v in config.items() if k in saved and v != saved[k]}

@@ -338,3 +338,32 @@ def test_schedules_that_write_the_optimizer_give_no_warning_on_a_same_config_res
     assert not [m for m in warnings_of(lambda: load_state(
         checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters(), BARE,
         fitting=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))) if "optim" in m]
+
+
+def test_a_controller_added_at_a_resume_starts_from_the_config_and_checks_restored_values():
+    """A run trained without controllers, resumed with a TauController or BetaController:
+    the checkpoint's tau 0 or beta 0 went on (the config's start values were "not used"), so
+    TauController stopped on ``math domain error`` after a step and BetaController never
+    moved beta from 0 (a defect hunt). The config's values start them now; a restored value
+    a controller cannot move (controllers moved it there) is refused after the restore."""
+    from types import SimpleNamespace
+
+    from maxent_grpo.objectives import GRPO
+    from maxent_grpo.training.callbacks import BetaController
+
+    checkpoint: dict = {}
+    save_state(checkpoint, "builtin:tiny", GRPO(beta=0.0), StepCounters(), BARE)
+    beta = BetaController(kl_target=0.001)
+    objective = GRPO(beta=0.04)
+    loop = BARE.with_controller(beta.paths, objective)
+    (message,) = warnings_of(lambda: load_state(checkpoint, "builtin:tiny", objective,
+                                                StepCounters(), loop, fitting=True))
+    assert "model.objective differs from the checkpoint's (beta 0 -> 0.04)" in message
+    assert objective.beta == 0.04
+    trainer = SimpleNamespace(ckpt_path="run/last.ckpt")
+    beta.on_train_start(trainer, SimpleNamespace(loop=loop))  # beta 0.04: goes on
+    objective.beta = 0.0  # as a MetaController's run may leave it
+    with pytest.raises(ValueError, match=r"BetaController: beta is 0 in the checkpoint "
+                                         r"run/last.ckpt, whose values a resume with "
+                                         r"controllers continues, and .* start afresh"):
+        beta.on_train_start(trainer, SimpleNamespace(loop=loop))
