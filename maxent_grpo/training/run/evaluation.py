@@ -203,14 +203,17 @@ class Evaluator(torch.nn.Module):
         self.unread_answers = False  # a row's valid_answers partly unread: warned once
         self.ungraded_warned = False  # some completions' eval_reward None: warned once
         self.graded = [0, 0, 0]  # this epoch: graded, ungraded completions, timed-out calls
+        self.stream: list[Tensor] | None = None  # this epoch's random state between batches
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
              greedy_sampling: SamplingSettings | None,
              trainer_state: TrainerState | None = None) -> list[dict[str, Any]]:
         """Sample, grade and record one batch (plus one ``greedy_sampling`` completion per
         prompt when ``settings.greedy`` and ``greedy_sampling`` is given), in a forked random
-        state; the rewards get ``trainer_state``. Returns one :func:`prediction_row` per
-        completion."""
+        state that goes on from the epoch's last batch (each batch began from the training's
+        state, so every batch drew the same numbers: one batch's samples repeated), the
+        training's left as it was; the rewards get ``trainer_state``. Returns one
+        :func:`prediction_row` per completion."""
         lacks = [k for k in ("prompts", "raw_prompts", "answers", "columns", "indices")
                  if k not in batch]
         require(not lacks, f"an evaluation batch has no {', '.join(map(repr, lacks))}: a "
@@ -221,9 +224,14 @@ class Evaluator(torch.nn.Module):
         devices = [device] if device.type == "cuda" else []
         prompts, answers = batch["prompts"], batch["answers"]
         with torch.random.fork_rng(devices=devices):
+            if self.stream is not None:
+                torch.set_rng_state(self.stream[0])
+                for d, state in zip(devices, self.stream[1:], strict=True):
+                    torch.cuda.set_rng_state(state, d)
             rollout = engine.generate(prompts, answers, n)
             greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
                       if self.settings.greedy and greedy_sampling is not None else None)
+            self.stream = [torch.get_rng_state(), *map(torch.cuda.get_rng_state, devices)]
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
         timeouts = self._timeouts()
         total, components = self.rewards.score_rollout(
@@ -326,7 +334,7 @@ class Evaluator(torch.nn.Module):
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
         evaluated), then reset for the next epoch."""
         counts = [self.reward.update_count, *self.graded]
-        self.graded = [0, 0, 0]
+        self.graded, self.stream = [0, 0, 0], None
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:  # decided together: a rank that saw no batch still joins the gathers

@@ -663,3 +663,36 @@ def test_math_answers_in_other_forms_are_one_answer_in_every_metric():
     metrics = evaluation_metrics([record], [3], "val")
     assert metrics["val/distinct_correct@3"] == 2  # -1/2 twice, 4
     assert metrics["val/coverage@3"] == pytest.approx(2 / 3)
+
+
+def test_each_evaluation_batch_draws_new_random_numbers_and_training_keeps_its_own(cache_dir):
+    """Every evaluation batch began from the training's random state, so each drew the same
+    numbers: with a model that barely reads its prompt, every batch's samples repeated the
+    first's (a defect hunt). The epoch's batches go on from one another now; the training's
+    state is as it was, and the next epoch starts from it again."""
+    module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False)
+    module.configure_model()
+    data = make_data(cache_dir)
+    data.setup("validate")
+    batch = collate_prompts(data.val_dataset.examples[:2])
+    draws: list[float] = []
+
+    def generate(prompts, answers, G, sampling=None):
+        draws.append(torch.rand(()).item())
+        return RolloutOutput(
+            batch=GenerationBatch(list(prompts), list(answers), [["1", "2"]] * 2, None),
+            prompt_ids=torch.ones(4, 1, dtype=torch.long),
+            prompt_mask=torch.ones(4, 1, dtype=torch.bool),
+            completion_ids=torch.ones(4, 1, dtype=torch.long),
+            completion_mask=torch.ones(4, 1, dtype=torch.bool),
+            truncated=torch.zeros(4, dtype=torch.bool), generate_seconds=0.0)
+
+    module.rollout_engine = lambda: SimpleNamespace(generate=generate)
+    module.log_dict = lambda values, **kw: None
+    training = torch.get_rng_state()
+    for _ in range(2):  # two epochs of three batches
+        for i in range(3):
+            module.validation_step(batch, i)
+        module.on_validation_epoch_end()
+    assert torch.equal(torch.get_rng_state(), training)
+    assert len(set(draws[:3])) == 3 and draws[3:] == draws[:3]
