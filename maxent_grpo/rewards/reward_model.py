@@ -72,7 +72,7 @@ class RewardModel:
         # imported here so that importing maxent_grpo.rewards stays light
         from transformers import AutoModelForSequenceClassification
 
-        from maxent_grpo.models import load_tokenizer, resolve_model_path
+        from maxent_grpo.models import check_token_ids, load_tokenizer, resolve_model_path
 
         try:
             path = resolve_model_path(self.name_or_path)
@@ -93,6 +93,10 @@ class RewardModel:
                 f"head ({', '.join(sorted(missing)[:3])} not in its weights: its scores would be "
                 "random); name a trained reward model (a sequence-classification model with "
                 "one output)")
+        try:  # a pad token added without resizing: an index error at the first padded batch
+            check_token_ids(tokenizer, model, self.name_or_path)
+        except ValueError as err:
+            raise ValueError(f"reward {self.label!r}: {err}") from None
         # the score is read at the last token that is not padding, found by the pad id
         model.config.pad_token_id = tokenizer.pad_token_id
         self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
@@ -178,14 +182,16 @@ class RewardModel:
         """ValueError naming the reward where a text of ``tokens`` tokens passes the model's
         table of learned absolute positions (an index error, or a device assert on a GPU,
         inside its embedding; BERT's, GPT-2's, RoBERTa's less its padding offset); a model
-        without one (rotary or relative positions) has no such bound."""
+        without one (rotary or relative positions) has no such bound. OPT's and BART's
+        (``embed_positions``) hold an offset of their own: the config's length bounds them."""
         if self._limit is None:
+            from maxent_grpo.models import _POSITIONS, position_limit
+
             tables = [m for name, m in self.model.named_modules() if isinstance(
-                m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("position_embeddings",
-                                                                       "wpe")]
+                m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITIONS]
             pad = tables[0].padding_idx if tables else None
-            self._limit = (tables[0].num_embeddings - (0 if pad is None else pad + 1)
-                           if tables else 0)
+            self._limit = min(tables[0].num_embeddings - (0 if pad is None else pad + 1),
+                              position_limit(self.model) or 1 << 62) if tables else 0
         if self._limit and tokens > self._limit:
             raise ValueError(
                 f"reward {self.label!r}: a text of {tokens} tokens (prompt and completion) is "

@@ -218,3 +218,32 @@ def test_a_model_without_a_trained_head_a_long_text_and_a_templated_prompt(rm_fo
     assert rm.texts([prompt], [completion], [f"Be brief.\n\n{prompt}"]) == [prompt + completion]
     assert rm(prompts=[prompt], completions=[completion], rendered_prompts=[rendered]) == (
         pytest.approx(one_by_one(rm_folder, [conversation]), abs=1e-5))
+
+
+def test_opt_positions_and_a_pad_token_past_the_embeddings_are_named(tmp_path):
+    """A reward-models hunt: OPT's positions (``embed_positions``, with an offset of two)
+    were not read, so a text past them was a bare IndexError; a pad token added to the
+    tokenizer without resizing the embeddings was one too, at the first padded batch."""
+    from transformers import OPTConfig, OPTForSequenceClassification
+
+    tok = build_tiny_tokenizer()
+    opt = tmp_path / "opt"
+    OPTForSequenceClassification(OPTConfig(
+        vocab_size=len(tok), max_position_embeddings=24, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, ffn_dim=32, word_embed_proj_dim=16, num_labels=1,
+        pad_token_id=tok.pad_token_id)).save_pretrained(opt)
+    tok.save_pretrained(opt)
+    rm = RewardModel(str(opt), label="model:o")
+    assert len(rm(prompts=["x " * 5], completions=["y"])) == 1
+    with pytest.raises(ValueError, match=r"reward 'model:o': a text of \d+ tokens .* longer "
+                                         r"than the 24 positions"):
+        rm(prompts=["x " * 30], completions=["y"])
+    padded = tmp_path / "padded"
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1)).save_pretrained(padded)
+    tok.add_special_tokens({"pad_token": "[PAD]"})  # id len(vocabulary): no row for it
+    tok.save_pretrained(padded)
+    with pytest.raises(ValueError, match=r"reward 'model:p': the tokenizer of .* has the pad "
+                                         r"token '\[PAD\]' with id \d+, past the model's"):
+        RewardModel(str(padded), label="model:p").load()
