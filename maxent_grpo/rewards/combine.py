@@ -188,8 +188,8 @@ def _alone(fn: Callable, call: dict[str, Any], err: BaseException, seconds: floa
     does (a missing key or setting: not a row's), or for a reward that times out or runs a
     model (the search is theirs to pay), or without ``seconds`` left."""
     n = len(call["completions"])
-    if seconds <= 0 or isinstance(fn, (TimedReward, RewardModel)) or (
-            inspect.iscoroutinefunction(fn)):
+    if seconds <= 0 or isinstance(fn, (TimedReward, RewardModel)) or any(
+            map(inspect.iscoroutinefunction, (fn, type(fn).__call__))):
         return ""
     quiet = dict.fromkeys(("log_metric", "log_extra"), lambda *args, **kwargs: None)
     found = failing_row(fn, n, {**call, **quiet}, type(err), str(err), seconds, alone=True)
@@ -236,9 +236,9 @@ def _call(
                 f"{label} returned a non-numeric value at row {i}: {value!r:.80} "
                 "(use a float, or None for 'not applicable')"
             )
-        if not math.isfinite(value):
+        if not (isinstance(value, bool) or is_number(value)):  # (an int past a float's range)
             raise RewardFunctionError(f"{label} returned a non-finite value at row {i}: "
-                                      f"{value!r} (use None for 'not applicable')")
+                                      f"{value!r:.80} (use None for 'not applicable')")
         out.append(float(value))
     return out
 

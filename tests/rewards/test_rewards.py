@@ -557,6 +557,7 @@ def test_a_reward_that_calls_sys_exit_is_named_not_the_runs_end() -> None:
         ([1.0, torch.tensor([1.0])], r"non-numeric value at row 1"),
         ([math.inf, 1.0], r"'bad' \(#0\) returned a non-finite value at row 0"),
         ([1.0, math.nan], r"non-finite value at row 1"),
+        ([10**400, 1.0], r"non-finite value at row 0: 1000"),  # an OverflowError, "a bug"
     ],
 )
 def test_score_completions_bad_values(values: object, message: str) -> None:
@@ -1322,3 +1323,26 @@ def test_a_failed_run_stops_the_verifier_too(tmp_path, monkeypatch):
     module = SimpleNamespace(teardown=torn.append)
     module_own.CleanUp().on_exception(None, module, RuntimeError("the step failed"))
     assert torn == ["fit"] and worker.poll() is not None and verifier._process is None
+
+
+def test_an_object_with_an_async_call_that_raises_is_not_called_again_row_by_row(
+        monkeypatch) -> None:
+    """The search for the row a reward fails on skips ``async def`` rewards (awaiting each
+    call is theirs to pay); an object whose ``__call__`` is async was called again and its
+    coroutines never awaited (a RuntimeWarning, no row named)."""
+    from maxent_grpo.rewards import combine
+
+    searched = []
+    monkeypatch.setattr(combine, "failing_row", lambda *args, **kw: searched.append(1))
+
+    class AsyncRaiser:
+        async def __call__(self, completions, **kwargs):
+            raise ValueError("bad row")
+
+    async def raiser(completions, **kwargs):
+        raise ValueError("bad row")
+
+    for fn in (AsyncRaiser(), raiser):
+        with pytest.raises(RewardFunctionError, match=r"raised ValueError: bad row$"):
+            score_completions([("a", fn, 1.0)], ["p", "p"], ["c", "1"], {})
+    assert searched == []
