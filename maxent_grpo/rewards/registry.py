@@ -65,6 +65,11 @@ def get_reward(name_or_callable: str | RewardFn) -> RewardFn:
         return REWARDS[name_or_callable]
     if ":" in name_or_callable:
         module_name, _, attr = name_or_callable.partition(":")
+        stem = module_name.removesuffix(".py").replace("\\", "/").rsplit("/", 1)[-1]
+        if module_name.endswith(".py") or "/" in module_name.replace("\\", "/"):
+            raise ValueError(f"reward {name_or_callable!r} names a file; give its module: "
+                             f"'{stem}:{attr}' (a module {stem}.py in the working folder or on "
+                             "PYTHONPATH; a package's as 'package.module:function')")
         if module_name.startswith("."):
             raise ValueError(f"reward {name_or_callable!r} is a relative path; give the whole "
                              "one, e.g. 'maxent_grpo.rewards.shaping:format_reward'")

@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -78,6 +79,10 @@ def test_registry() -> None:
         get_reward("no_such_module:f")
     with pytest.raises(ValueError, match="reward '.shaping:format_reward' is a relative path"):
         get_reward(".shaping:format_reward")  # relative: was Python's TypeError
+    for path in ("./myrew.py:const", "myrew.py:const", "/tmp/x/myrew.py:const"):
+        with pytest.raises(ValueError, match=rf"reward '{re.escape(path)}' names a file; give "
+                                             r"its module: 'myrew:const' \(a module myrew.py"):
+            get_reward(path)  # was "No module named 'myrew.py'", or "a relative path"
 
 
 def test_a_reward_module_that_fails_to_import_is_the_users_error(tmp_path, monkeypatch):
