@@ -131,7 +131,6 @@ def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
     with the first bad line, else with the reader's reason).
     """
     import datasets
-    import numpy as np
     import pandas as pd  # installed with datasets
     import pyarrow as pa  # installed with datasets
 
@@ -150,14 +149,7 @@ def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
             }
         data = datasets.load_dataset(
             builder, data_files=[path], split="train", cache_dir=cache_dir, **options)
-        narrow = {c: f.dtype for c, f in data.features.items()
-                  if getattr(f, "dtype", None) in ("float16", "float32")}
-        rows = data.to_list()
-        for row in rows if narrow else ():  # float32 0.1 is 0.1, not 0.10000000149011612
-            for column, dtype in narrow.items():
-                if row[column] is not None:
-                    row[column] = float(str(np.dtype(dtype).type(row[column])))
-        return rows
+        return dataset_rows(data)
     except UnicodeDecodeError as err:
         raise ValueError(f"{option} file {path!r} is not UTF-8 text (byte {err.start} of "
                          f"{err.object[err.start:err.start + 1]!r}): save it as UTF-8") from err
@@ -258,3 +250,18 @@ def _json_rows(path: str) -> list[Row]:
     require(bool(rows), "it holds no rows")
     keys = list(dict.fromkeys(k for row in rows for k in row))
     return [{k: row.get(k) for k in keys} for row in rows]
+
+
+def dataset_rows(data: Any) -> list[dict[str, Any]]:
+    """The rows of a ``datasets.Dataset``, its float16 and float32 columns as written (0.1,
+    not 0.10000000149011612: Arrow hands them out as the nearest double)."""
+    import numpy as np
+
+    narrow = {c: f.dtype for c, f in data.features.items()
+              if getattr(f, "dtype", None) in ("float16", "float32")}
+    rows = data.to_list()
+    for row in rows if narrow else ():
+        for column, dtype in narrow.items():
+            if row[column] is not None:
+                row[column] = float(str(np.dtype(dtype).type(row[column])))
+    return rows

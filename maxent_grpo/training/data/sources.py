@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from maxent_grpo.tasks import build_task, list_tasks
 from maxent_grpo.tasks import task_options as task_option_names
-from maxent_grpo.training.data.files import FileParts, expand_files, read_files
+from maxent_grpo.training.data.files import FileParts, dataset_rows, expand_files, read_files
 from maxent_grpo.validation import check_choice, require
 
 __all__ = [
@@ -174,7 +174,12 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
         require(split == "train", f"data.dataset_name {name!r} is one saved Dataset "
                 f"(save_to_disk), with no split {split!r}: it is the training split "
                 "(data.train_split: train); data.val_size splits validation rows off it")
-        return datasets.load_from_disk(name).to_list()
+        return dataset_rows(datasets.load_from_disk(name))
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # its own split names: not
+        splits = datasets.load_from_disk(name)  # the guesses load_dataset makes of a folder
+        require(split in splits, f"data.dataset_name {name!r} (a saved DatasetDict) has no "
+                f"split {split!r}; its splits: {', '.join(splits)}")
+        return dataset_rows(splits[split])
     try:
         data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     except RuntimeError as err:  # datasets 4 refuses a loading script ("a bug" here)
@@ -182,7 +187,7 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
             raise
         raise ValueError(f"data.dataset_name {name!r}: {err}; give its files as "
                          "--data.data_files, or a Dataset.save_to_disk folder") from err
-    return data.to_list()
+    return dataset_rows(data)
 
 
 def task_sources(

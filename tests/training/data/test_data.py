@@ -222,6 +222,37 @@ def test_a_saved_dataset_folder_is_the_training_split(tmp_path):
         make(task=None, dataset_name=str(tmp_path / "saved"), val_split="validation")
 
 
+def test_a_saved_dataset_dict_folder_keeps_its_split_names_and_float32_answers(tmp_path):
+    """A ``DatasetDict.save_to_disk`` folder went through ``load_dataset``, which guesses
+    splits from file names: ``train_sft`` was refused as "one of ['train', 'test']", and
+    ``train`` then trained on ``train_sft`` and ``train_gen`` together, without a word; its
+    float32 answers were widened (0.10000000149011612), as a data file's are not."""
+    datasets = pytest.importorskip("datasets")
+
+    def rows(tag, n):
+        return datasets.Dataset.from_list([{"prompt": f"{tag} {i} + 1 =", "answer": str(i + 1)}
+                                           for i in range(n)])
+
+    folder = str(tmp_path / "dd")
+    datasets.DatasetDict({"train_sft": rows("sft", 6), "train_gen": rows("gen", 5),
+                          "test_sft": rows("tsft", 3), "test_gen": rows("tgen", 2)}
+                         ).save_to_disk(folder)
+    dm = make(task=None, dataset_name=folder, train_split="train_sft", val_split="test_gen",
+              batch_size=2)
+    assert [ex.raw_prompt.split()[0] for ex in dm.train_dataset.examples] == ["sft"] * 6
+    assert [ex.raw_prompt.split()[0] for ex in dm.val_dataset.examples] == ["tgen"] * 2
+    with pytest.raises(ValueError, match=r"a saved DatasetDict\) has no split 'train'; its "
+                                         r"splits: train_sft, train_gen, test_sft, test_gen"):
+        make(task=None, dataset_name=folder, val_split="test_sft")
+    floats = datasets.Dataset.from_dict(
+        {"prompt": ["a", "b"], "answer": [0.1, 3.3]},
+        features=datasets.Features({"prompt": datasets.Value("string"),
+                                    "answer": datasets.Value("float32")}))
+    datasets.DatasetDict({"train": floats}).save_to_disk(str(tmp_path / "f32"))
+    dm = make(task=None, dataset_name=str(tmp_path / "f32"), val_size=0, batch_size=1)
+    assert [ex.answer for ex in dm.train_dataset.examples] == ["0.1", "3.3"]
+
+
 def test_a_dataset_name_that_is_a_file_or_a_script_folder_says_what_to_give(tmp_path):
     """A file as data.dataset_name read "Couldn't reach ... on the Hub", and a dataset
     script's folder ended as "a bug in maxent_grpo" (datasets 4's RuntimeError)."""
