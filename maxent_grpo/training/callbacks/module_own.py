@@ -413,9 +413,9 @@ class CompletionWriter(L.Callback):
         unique = {(r["row"], r["sample"]): r for r in reversed(rows)}  # the first copy
         rows = [unique[k] for k in sorted(unique)]
         assert self.path is not None
-        atomic_write(self.path, lambda f: f.writelines(
-            (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode("utf-8")
-            for r in rows))
+        atomic_write(self.path, lambda f: f.writelines(  # a lone surrogate: its JSON escape
+            (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode(
+                "utf-8", "backslashreplace") for r in rows))
         self.written = True
         prompts = len({r["row"] for r in rows})
         at_k = "  ".join(f"{k.removeprefix('predict/')} {v:.3g}"

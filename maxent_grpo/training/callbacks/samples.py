@@ -187,8 +187,9 @@ def flat_table(samples: RolloutSamples, max_prompts: int) -> tuple[list[str], li
 
 
 def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Append one JSON line per row to ``path`` (closed, so flushed)."""
-    with open(path, "a", encoding="utf-8") as f:
+    """Append one JSON line per row to ``path`` (closed, so flushed); half a character (a
+    data column's lone surrogate) is written as its JSON escape, not a crash."""
+    with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
 

@@ -215,6 +215,7 @@ class PromptFormat:
             return ""
         value = row.get(self.answer_column)
         if isinstance(value, str):
+            _check_unicode(value, f"{at} column {self.answer_column!r} (data.answer_column)")
             return value
         if value is None:  # a Parquet null, a JSON row without it: blank, as an empty cell
             return ""

@@ -195,3 +195,16 @@ def test_a_prompt_with_half_a_character_names_its_row(tmp_path):
                             tokenizer="builtin:tiny")
     with pytest.raises(ValueError, match=r"rows.jsonl.*not valid Unicode: '\\ud83d'"):
         data.setup("fit")
+    # in the answer: the fit trained, then its samples file (or predict's) could not be
+    # written ("'utf-8' codec can't encode"); another column's is written as its escape
+    rows[2] |= {"prompt": "What is 2+2?", "answer": "4\ud83d"}
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"rows.jsonl' row 2 column 'answer' "
+                                         r"\(data.answer_column\) is not valid Unicode"):
+        PromptDataModule(task=None, data_files=str(path), val_size=0, batch_size=1,
+                         tokenizer="builtin:tiny").setup("fit")
+    from maxent_grpo.training.callbacks.samples import append_jsonl
+
+    append_jsonl(tmp_path / "samples.jsonl", [{"note": "4\ud83d", "completion": "4"}])
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == {
+        "note": "4\ud83d", "completion": "4"}
