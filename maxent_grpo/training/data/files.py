@@ -228,6 +228,11 @@ def _json_rows(path: str) -> list[Row]:
             require(isinstance(data, (list, dict)),
                     "it holds neither a list of row objects nor an object")
             rows = data if isinstance(data, list) else [data]
+            require(not (isinstance(data, dict) and data and all(  # no row's prompt is one
+                isinstance(v, dict) for v in data.values())), "it is one object of objects "
+                "keyed by column or by row (pandas' DataFrame.to_json, orient 'columns' or "
+                "'index'): write it with orient='records' (a list of row objects), or "
+                "orient='records', lines=True (JSON lines)")
             if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
                 require(len({len(v) for v in data.values()}) == 1,
                         "its column lists differ in length")  # an object of columns

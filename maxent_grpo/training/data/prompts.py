@@ -188,7 +188,7 @@ class PromptFormat:
             return value
         if not (isinstance(value, list) and value):
             raise ValueError(
-                f"{where} must be a non-empty string or list of chat messages; got {value!r}"
+                f"{where} must be a non-empty string or list of chat messages; got {value!r:.200}"
             )
         for msg in value:
             if not (

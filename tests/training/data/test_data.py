@@ -367,6 +367,15 @@ def test_json_file_forms(tmp_path):
     columns.write_text(json.dumps({"prompt": ["a", "b"], "answer": ["1"]}))
     with pytest.raises(ValueError, match=r"data\.val_files file '.*columns\.json'.*differ"):
         make(task=None, data_files=str(lines), val_files=str(columns), batch_size=1)
+    # pandas' DataFrame.to_json: objects keyed by row, one per column (or the other way):
+    # read as one row ("the 1 rows ... cannot hold data.val_size"), then a whole column shown
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"prompt": [f"{i} + 1 =" for i in range(50)], "answer": "1"})
+    for orient in ("columns", "index"):
+        frame.to_json(columns, orient=orient)
+        with pytest.raises(ValueError, match=r"columns\.json' could not be read as JSON: it is "
+                                             r"one object of objects .* orient='records'"):
+            make(task=None, data_files=str(columns), batch_size=1)
 
 
 def test_files_are_cached_by_datasets_and_read_again_when_changed(tmp_path):
