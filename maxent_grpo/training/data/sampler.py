@@ -196,7 +196,7 @@ def check_resume_state(
     require(num_rows is None or state["num_rows"] == num_rows,
             f"the checkpoint was made with {state['num_rows']} training prompts, but this run "
             f"has {num_rows}; resume with the same data source (the same files, or task and "
-            "data.train_size), data.holdout_val_prompts and data.max_prompt_length")
+            "data.train_size), data.val_size, holdout_val_prompts and max_prompt_length")
     consumed, saved_rows = int(state["consumed"]), state["num_rows"]
     if saved_rows is not None and consumed >= epoch_positions(
             saved_rows, state["batch_size"], state["world_size"]):

@@ -1325,3 +1325,15 @@ def test_rows_an_unshuffled_order_never_reaches_are_warned_of():
         EpochShuffleSampler(10, seed=0, shuffle=True, batch_size=4)  # another tail each epoch
         EpochShuffleSampler(8, seed=0, shuffle=False, batch_size=4)
         EpochShuffleSampler(10, seed=0, shuffle=False, num_replicas=2, batch_size=2, rank=1)
+
+
+def test_lowering_val_size_is_offered_only_where_it_can_fill_the_batches():
+    """Two processes, 3 rows, batch_size 2, val_size 1: the message offered "lower
+    --data.val_size (now 1)", and with val_size 0 the run was still refused."""
+    from maxent_grpo.training.data.sources import too_few_train_prompts
+
+    counts = {"kept": 2, "long": 0, "heldout": 0, "split_off": 1}
+    options = dict(task=None, train_size=0, val_size=1, max_prompt_length=None, world=2)
+    assert "lower --data.val_size" not in too_few_train_prompts(counts, batch_size=2, **options)
+    assert "lower --data.val_size (now 1)" in too_few_train_prompts(
+        counts | {"kept": 1}, batch_size=1, **options)
