@@ -6,6 +6,7 @@ too, and a run whose ``model.peft`` its weights do not fit is refused, naming it
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -367,3 +368,13 @@ def test_a_controller_added_at_a_resume_starts_from_the_config_and_checks_restor
                                          r"run/last.ckpt, whose values a resume with "
                                          r"controllers continues, and .* start afresh"):
         beta.on_train_start(trainer, SimpleNamespace(loop=loop))
+    # a tau a warm-up left an ulp past its bound (exp(log 0.1)) resumes, as it did before
+    from maxent_grpo.training.callbacks import TauController
+
+    tau = TauController(target_entropy=0.5, tau_max=0.1, warmup_steps=5)
+    listwise = ListwiseMaxEnt(tau=0.1, beta=0.1)
+    loop = dataclasses.replace(BARE, generation=SimpleNamespace(num_generations=4))
+    module = SimpleNamespace(loop=loop.with_controller(tau.paths, listwise))
+    listwise.tau = math.exp(math.log(0.1))
+    assert listwise.tau > 0.1
+    tau.on_train_start(trainer, module)
