@@ -245,9 +245,10 @@ MULTI_TURN = ("tool_calls", "tool_failures", "exchange_lengths", "environments")
 def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str) -> None:
     """Each reward function's named arguments against the ``split`` rows' columns, at the
     start of a fit: one without a default that no row has is a ValueError naming it (it was
-    a TypeError at the first step); one that defaults to None that no row gives a value
-    (``first_number``'s ``answer`` with ``data.answer_column: null``) is warned about: it
-    grades nothing there."""
+    a TypeError at the first step); one that defaults to None that no row gives a value,
+    a column of the rows or a built-in reward's (``first_number``'s ``answer`` with
+    ``data.answer_column: null``), is warned about: it grades nothing there (a function's
+    optional argument no row has may be a setting of its own: not warned about)."""
     columns = dict.fromkeys(key for c in rows for key in c)
     for name, fn in zip(rewards.names, rewards.funcs, strict=True):
         fn = fn.fn if isinstance(fn, TimedReward) else fn
