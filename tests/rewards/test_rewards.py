@@ -946,11 +946,6 @@ class Scorer:
         return [1.0] * len(completions)
 
 
-def reads_meta(completions, meta=None, **kwargs):
-    """A reward whose optional argument is a column some datasets have."""
-    return [0.0 if meta is None else 1.0 for _ in completions]
-
-
 def needs_solution(prompts, completions, solution, **kwargs):
     """A reward that takes a column by name, without a default."""
     return [float(s in c) for c, s in zip(completions, solution, strict=True)]
@@ -994,11 +989,6 @@ def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
                                          r"'answer', which no train row fills"):
         fit(make_module(cache_dir, rewards={"first_number": 1.0, "format": 0.1}),
             data(no_answers, answer_column=None), steps=1)
-    # a function of the user's whose optional argument no row has: warned too (it was not)
-    with pytest.warns(UserWarning, match=rf"model.rewards.{__name__}:reads_meta reads the "
-                                         r"column 'meta', which no train row fills"):
-        fit(make_module(cache_dir, rewards={f"{__name__}:reads_meta": 1.0}), data(rows),
-            steps=1)
 
 
 def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_dir, tmp_path):

@@ -31,7 +31,7 @@ from maxent_grpo.models import (
 from maxent_grpo.objectives import GRPO
 from maxent_grpo.rewards.answers import ANSWER_FORMS
 from maxent_grpo.rewards.combine import RESERVED
-from maxent_grpo.rewards.registry import get_reward
+from maxent_grpo.rewards.registry import REWARDS, get_reward
 from maxent_grpo.rewards.timeout import TimedReward
 from maxent_grpo.training.step.strategy import fully_shard_models
 from maxent_grpo.training.types import RuntimeHandles
@@ -275,8 +275,8 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str)
                     f"has (their columns: {', '.join(columns) or 'none'}; the prompt reaches a "
                     "reward as 'prompts'): name a column, give it a default, or take the rest "
                     "with **kwargs")
-            if p.default is None and all(  # no such column, or one left empty
-                    c.get(p.name) in (None, "") for c in rows):
+            if p.default is None and (p.name in columns or name in REWARDS) and all(
+                    c.get(p.name) in (None, "") for c in rows):  # a column, left empty
                 rank_zero_warn(f"model.rewards.{name} reads the column {p.name!r}, which no "
                                f"{split} row fills: it gets None there, and grades nothing ("
                                + ("set data.answer_column, or " if p.name == "answer" else "")
