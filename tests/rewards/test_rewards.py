@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -946,6 +947,11 @@ class Scorer:
         return [1.0] * len(completions)
 
 
+def with_setting(completions, max_chars=None, **kwargs):
+    """A reward with an optional setting of its own (no column)."""
+    return [float(max_chars is None or len(c) <= max_chars) for c in completions]
+
+
 def needs_solution(prompts, completions, solution, **kwargs):
     """A reward that takes a column by name, without a default."""
     return [float(s in c) for c, s in zip(completions, solution, strict=True)]
@@ -989,6 +995,11 @@ def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
                                          r"'answer', which no train row fills"):
         fit(make_module(cache_dir, rewards={"first_number": 1.0, "format": 0.1}),
             data(no_answers, answer_column=None), steps=1)
+    # an optional argument of the user's that no row has is a setting of it: not warned of
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*which no train row fills")
+        fit(make_module(cache_dir, rewards={f"{__name__}:with_setting": 1.0}), data(rows),
+            steps=1)
 
 
 def test_a_reference_the_rewards_cannot_read_stops_the_fit_at_its_start(cache_dir, tmp_path):
