@@ -411,7 +411,7 @@ def too_few_train_prompts(
             why.append(f"{counts['heldout']} repeat the prompt of one of them "
                        "(data.holdout_val_prompts)")
             fixes.append("set --data.holdout_val_prompts false")
-        if sum(counts.values()) >= batch_size * world:  # else no fix, even with the others
+        if kept + counts["split_off"] + counts["heldout"] >= batch_size * world:  # all back
             fixes.append(f"lower --data.val_size (now {val_size})")
     if counts["long"]:
         why.append(f"{counts['long']} dropped as longer than data.max_prompt_length "

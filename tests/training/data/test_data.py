@@ -767,10 +767,9 @@ def test_too_few_training_prompts_name_the_flags(tmp_path):
     with pytest.raises(ValueError, match=r"exceeds the number of training prompts \(\d+: 4 rows "
                        r"split off for validation \(data\.val_size\); \d+ dropped as longer than "
                        r"data\.max_prompt_length \(26 tokens\)\); set --data\.batch_size \d+ or "
-                       r"less, or lower --data\.val_size \(now 4\), or raise "
-                       r"--data\.max_prompt_length \(now 26\), or add rows"):
+                       r"less, or raise --data\.max_prompt_length \(now 26\), or add rows"):
         make(task=None, data_files=path, val_size=4, batch_size=16, max_prompt_length=26,
-             holdout_val_prompts=False)  # 4 prompts: the validation rows' would all go
+             holdout_val_prompts=False)  # val_size 0 alone: 11 rows, fewer than 16
     with pytest.raises(ValueError, match=r"longer than data\.max_prompt_length \(5 tokens; the "
                        r"shortest has 25\); set --data\.max_prompt_length 25 or more \(every "
                        r"prompt fits 28\), or --data\.max_prompt_length null"):
@@ -1337,3 +1336,9 @@ def test_lowering_val_size_is_offered_only_where_it_can_fill_the_batches():
     assert "lower --data.val_size" not in too_few_train_prompts(counts, batch_size=2, **options)
     assert "lower --data.val_size (now 1)" in too_few_train_prompts(
         counts | {"kept": 1}, batch_size=1, **options)
+    # val_size 0 brings back the rows split off and those held out for repeating them, not
+    # the rows too long for max_prompt_length
+    counts = {"kept": 1, "long": 6, "heldout": 0, "split_off": 1}
+    assert "lower --data.val_size" not in too_few_train_prompts(counts, batch_size=2, **options)
+    assert "lower --data.val_size" in too_few_train_prompts(counts | {"heldout": 2},
+                                                            batch_size=2, **options)
