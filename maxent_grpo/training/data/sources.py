@@ -175,8 +175,9 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
                 f"(save_to_disk), with no split {split!r}: it is the training split "
                 "(data.train_split: train); data.val_size splits validation rows off it")
         return dataset_rows(datasets.load_from_disk(name))
-    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # its own split names: not
-        splits = datasets.load_from_disk(name)  # the guesses load_dataset makes of a folder
+    saved = os.path.isfile(os.path.join(name, "dataset_dict.json"))  # its own split names,
+    if saved and not any(c in split for c in "[+"):  # not load_dataset's guesses from files
+        splits = datasets.load_from_disk(name)  # (a slice or sum of splits: load_dataset's)
         require(split in splits, f"data.dataset_name {name!r} (a saved DatasetDict) has no "
                 f"split {split!r}; its splits: {', '.join(splits)}")
         return dataset_rows(splits[split])

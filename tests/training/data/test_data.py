@@ -251,6 +251,9 @@ def test_a_saved_dataset_dict_folder_keeps_its_split_names_and_float32_answers(t
     datasets.DatasetDict({"train": floats}).save_to_disk(str(tmp_path / "f32"))
     dm = make(task=None, dataset_name=str(tmp_path / "f32"), val_size=0, batch_size=1)
     assert [ex.answer for ex in dm.train_dataset.examples] == ["0.1", "3.3"]
+    dm = make(task=None, dataset_name=str(tmp_path / "f32"), train_split="train[:1]",
+              val_size=0, batch_size=1)  # a slice, as load_dataset reads it
+    assert [ex.answer for ex in dm.train_dataset.examples] == ["0.1"]
 
 
 def test_a_dataset_name_that_is_a_file_or_a_script_folder_says_what_to_give(tmp_path):
