@@ -255,10 +255,15 @@ def warn_unended_cosine(trainer: Any, steps: int) -> None:
 
 
 #: Options whose change at a resume changes nothing the run computes (paths to caches), or
-#: which are checked apart (the model, whose path the CLI gives the data's tokenizer too).
-UNCHECKED_OPTIONS = frozenset({"_instantiator", "model_name_or_path", "model_cache_dir",
-                               "dataset_cache_dir", "tokenizer_cache_dir", "num_workers",
-                               "tokenizer"})
+#: which are checked apart: the model (whose path the CLI gives the data's tokenizer too),
+#: and the data options that choose the training rows and their order, which the data
+#: module's resume judges itself (another count or order refused, other prompts warned of).
+UNCHECKED_OPTIONS = frozenset({
+    "_instantiator", "model_name_or_path", "model_cache_dir", "dataset_cache_dir",
+    "tokenizer_cache_dir", "num_workers", "tokenizer", "seed", "shuffle", "batch_size",
+    "task", "task_options", "train_size", "val_size", "data_files", "val_files",
+    "dataset_name", "dataset_config", "train_split", "val_split", "holdout_val_prompts",
+    "max_prompt_length"})
 
 
 def _plain(value: Any) -> bool:
@@ -274,7 +279,7 @@ def _plain(value: Any) -> bool:
 def warn_changed_options(checkpoint: dict[str, Any], trainer: Any) -> None:
     """Warn when a resumed fit's ``model.`` or ``data.`` options differ from the
     checkpoint's saved hyper-parameters (another ``num_generations``, ``temperature``,
-    ``batch_size``, ...): it goes on with this run's, which the interrupted run did not
+    ``system_prompt``, ...): it goes on with this run's, which the interrupted run did not
     have. The objective, optimizer and schedule, which the hyper-parameters leave out, and
     the model's path are checked by :func:`~maxent_grpo.training.run.checkpoint.load_state`
     itself."""
