@@ -172,15 +172,23 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
         raise
 
 
+#: the JSON files of a model folder that loading it reads
+_LOADED_JSON = ("config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "adapter_config.json")
+
+
 def _unreadable(folder: str) -> list[str]:
-    """The JSON files of ``folder`` that do not parse, and a ``tokenizer.json`` the
-    tokenizers library cannot read (its error names no file)."""
+    """The JSON files of ``folder`` that loading reads (:data:`_LOADED_JSON`) that do not
+    parse, and a ``tokenizer.json`` the tokenizers library cannot read (its error names no
+    file)."""
     import json
 
     from tokenizers import Tokenizer
 
     bad = []
-    for file in sorted(Path(folder).glob("*.json")):
+    for file in (Path(folder, name) for name in _LOADED_JSON):
+        if not file.is_file():
+            continue
         try:
             json.loads(file.read_text(encoding="utf-8"))
             if file.name == "tokenizer.json":

@@ -434,9 +434,10 @@ def test_a_damaged_tokenizer_file_is_named(tiny_cache: Path, tmp_path: Path,
         data = json.loads(text)
         data["model"]["type"] = "Another"
         file.write_text(json.dumps(data))
+    (tmp_path / "notes.json").write_text("{ a file of the user's, not loaded")
     with pytest.raises(OSError, match=r"could not load model.model_name_or_path .* from the "
                                       r"folder .*: tokenizer.json cannot be read \(damaged\?\)"):
-        load_tokenizer(str(tmp_path))
+        load_tokenizer(str(tmp_path))  # (not "notes.json, tokenizer.json")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
