@@ -634,6 +634,35 @@ def test_a_folder_is_removed_through_its_parent_and_links_are_not_followed(tmp_p
     assert (victim / "file").read_text() == "keep"
 
 
+def test_a_tree_deeper_than_the_stack_is_removed_without_following_links(tmp_path):
+    """Model code's ``for i in range(1500): os.mkdir('a'); os.chdir('a')`` was left on the
+    host without namespaces (the removal recursed: RecursionError, swallowed), and at the
+    pool's close it ended the fit with "a bug"."""
+    from maxent_grpo.rollout.sandbox import call
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "file").write_text("keep")
+    for top in ("deep", "deeper"):
+        os.mkdir(tmp_path / top)
+        fd = os.open(tmp_path / top, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(1500 if top == "deep" else 2 * sys.getrecursionlimit()):
+            os.mkdir("a", dir_fd=(parent := fd))
+            fd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
+            os.close(parent)
+        os.symlink(victim, "link", dir_fd=fd)
+        os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+        os.close(fd)
+    call.remove_tree(str(tmp_path / "deep"))
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        call._remove_at("deeper", fd)
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]
+    assert (victim / "file").read_text() == "keep"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the call needs a uid of its own")
 def test_closing_during_a_call_kills_it_and_all_it_started(tmp_root):
     """Even without a pid namespace (where the daemon would outlive its supervisor)."""

@@ -24,9 +24,7 @@ import json
 import os
 import re
 import resource
-import shutil
 import signal
-import stat
 import struct
 import sys
 import traceback
@@ -50,6 +48,11 @@ _spec = util.spec_from_file_location(  # loaded by path, as this file is (standa
     "sandbox_seccomp", os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py"))
 SECCOMP = util.module_from_spec(_spec)
 _spec.loader.exec_module(SECCOMP)
+_spec = util.spec_from_file_location(  # what a call leaves: removed (standard library too)
+    "sandbox_removal", os.path.join(os.path.dirname(os.path.abspath(__file__)), "removal.py"))
+REMOVAL = util.module_from_spec(_spec)
+_spec.loader.exec_module(REMOVAL)
+leftovers, remove_tree, _remove_at = REMOVAL.leftovers, REMOVAL.remove_tree, REMOVAL._remove_at
 
 
 def _sys(name: str, *args: object) -> bool:
@@ -158,84 +161,6 @@ def kill_uid(uid: int) -> None:
         finally:
             os._exit(0)
     os.waitpid(reaper, 0)
-
-
-def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
-    """Remove what ``uid`` owns in the world-writable folders at and below ``tops`` (the only
-    folders it could write), and, with ``ipc``, its SysV objects. Every step goes through
-    a folder's descriptor (``O_NOFOLLOW``, ``dir_fd=``), never a path, so a
-    link swapped in mid-way by another call leads nowhere."""
-    pending: list[int] = []
-    for top in sorted({os.path.realpath(t) for t in tops}):
-        try:
-            pending.append(os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
-        except OSError:
-            continue
-    while pending:
-        fd = pending.pop()
-        try:
-            entries = list(os.scandir(fd)) if os.fstat(fd).st_mode & 0o002 else []
-        except OSError:
-            entries = []
-        for entry in entries:
-            with contextlib.suppress(OSError):
-                info = entry.stat(follow_symlinks=False)
-                if info.st_uid == uid and stat.S_ISDIR(info.st_mode):
-                    _remove_at(entry.name, fd)
-                elif info.st_uid == uid:
-                    os.unlink(entry.name, dir_fd=fd)
-                elif stat.S_ISDIR(info.st_mode):
-                    pending.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY
-                                           | os.O_NOFOLLOW, dir_fd=fd))
-        os.close(fd)
-    for kind, call in (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl")) if ipc else ():
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                head, *rows = [line.split() for line in f]
-            for row in rows:
-                if int(row[head.index("uid")]) == uid:
-                    getattr(_libc, call)(int(row[1]), 0, None)  # IPC_RMID
-        except (OSError, ValueError, IndexError):
-            continue
-
-
-def _remove_at(name: str, dir_fd: int) -> None:
-    """Remove the folder ``name`` of the folder open as ``dir_fd`` and all it holds, never
-    following a link (``shutil.rmtree(name, dir_fd=)`` from Python 3.11 on)."""
-    with contextlib.suppress(OSError, RecursionError):  # a folder nested past the stack: left
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-        try:
-            for entry in list(os.scandir(fd)):
-                with contextlib.suppress(OSError):
-                    if entry.is_dir(follow_symlinks=False):
-                        _remove_at(entry.name, fd)
-                    else:
-                        os.unlink(entry.name, dir_fd=fd)
-        finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=dir_fd)
-
-
-def remove_tree(path: str) -> None:
-    """Remove ``path`` whatever modes the call left on it, never following a link and never
-    raising: root removes it as it is; a uid without that power first makes each real
-    folder in it writable and searchable."""
-    try:
-        if os.path.islink(path) or not os.path.isdir(path):
-            os.unlink(path)
-            return
-        shutil.rmtree(path, ignore_errors=True)
-        if os.path.lexists(path) and os.geteuid() != 0:  # root needs (and does) no chmod
-            os.chmod(path, 0o700)
-            for folder, dirs, _ in os.walk(path):  # each folder's children, then down
-                for name in dirs:
-                    child = os.path.join(folder, name)
-                    with contextlib.suppress(OSError):
-                        if not os.path.islink(child):
-                            os.chmod(child, 0o700)
-            shutil.rmtree(path, ignore_errors=True)
-    except Exception:  # noqa: BLE001 - a cleanup never stops the supervisor
-        pass
 
 
 # ---------------------------------------------------------------- C and D

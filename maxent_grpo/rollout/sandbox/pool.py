@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +21,8 @@ import threading
 import time
 import weakref
 from typing import Any
+
+from maxent_grpo.rollout.sandbox.removal import remove_tree
 
 __all__ = ["START_WAIT", "WORKER", "Pool", "Spare", "killpg"]
 
@@ -179,7 +180,7 @@ class Pool:
                 killpg(proc.pid)
                 proc.wait()
             if self.base is not None:  # left only when the zygote was killed
-                shutil.rmtree(self.base, ignore_errors=True)
+                remove_tree(self.base)  # (however deep: never a RecursionError)
 
     def close(self) -> None:
         with self.lock:
