@@ -824,3 +824,22 @@ def test_the_syscall_filter_knows_every_refused_call_on_both_architectures():
         for i, (c, jt, jf, _) in enumerate(code):
             if c in (seccomp.JEQ, seccomp.JGE, seccomp.JSET):
                 assert i + 1 + max(jt, jf) < len(code)
+
+
+def test_namespaces_a_machine_refuses_are_said_once(caplog):
+    """In a container without CAP_SYS_ADMIN the sandbox ran without its namespaces (the
+    code reached the network, saw the host's processes) and nothing said so; a sandbox
+    asked to run without them is quiet."""
+    refused = {"no_network": False, "pid_namespace": False, "private_tmp": False,
+               "read_only": False, "own_ipc": False, "syscall_filter": True}
+    with caplog.at_level("WARNING", logger="maxent_grpo.rollout.sandbox"):
+        for namespaces in (True, False):
+            box = Sandbox(namespaces=namespaces)
+            box._say_missing(refused)
+            box._say_missing(refused)
+            box._say_missing(dict.fromkeys(refused, True))
+            box.close()
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "the sandbox runs without no_network, pid_namespace, private_tmp, read_only, own_ipc: "
+        "this machine refused new namespaces")

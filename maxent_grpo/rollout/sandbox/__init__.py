@@ -142,6 +142,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import signal
@@ -164,6 +165,8 @@ __all__ = ["UID_BASE", "Sandbox", "SandboxError", "SandboxResult", "close_shared
 UID_BASE = 1_000_000_000
 #: seconds the trainer waits past a call's limit for its supervisor before killing it
 GRACE = 10.0
+NAMESPACED = ("no_network", "pid_namespace", "private_tmp", "read_only", "own_ipc")  # said
+log = logging.getLogger(__name__)  # when refused (:meth:`Sandbox._say_missing`)
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
        "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
        "PYTHONNOUSERSITE": "1", "USER": "sandbox", "LOGNAME": "sandbox"}
@@ -309,6 +312,7 @@ class Sandbox:
         for module, qualname in self.references.values():
             names.setdefault(module, []).append(qualname)
         self._pool = Pool(command, config, spares, names)
+        self.namespaces, self._said = bool(namespaces), False  # missing ones: said once
         self._finalizer = weakref.finalize(self, self._pool.close)
 
     @property
@@ -354,6 +358,7 @@ class Sandbox:
                 return failed(reason=f"model.tool_isolation: process: it could not import "
                                      f"{'.'.join(request['tool'])} ({broken})")
             ready = spare.ready(max(deadline - time.monotonic(), 1.0))
+            self._say_missing(ready.get("protections") or {})
             wire.send(spare.sock, request)
             spare.sock.settimeout(timeout + GRACE)
             reply = wire.receive(spare.sock)
@@ -372,6 +377,20 @@ class Sandbox:
             reply["status"], reply["output"], reply.get("code"), reply.get("signal"),
             reply.get("value"), tool, reply["cut"], reply["seconds"], timeout, reply["uid"],
             reply["session"], "" if reply.get("clean") else "processes may be left")
+
+    def _say_missing(self, protections: dict[str, bool]) -> None:
+        """Warn once when namespaces were asked for and this machine refused them (the
+        code then has what the table says of a machine without them)."""
+        missing = [name for name in NAMESPACED if protections.get(name) is False]
+        if missing and self.namespaces and not self._said:
+            self._said = True
+            log.warning(
+                "the sandbox runs without %s: this machine refused new namespaces (unshare: a "
+                "container without CAP_SYS_ADMIN or whose seccomp profile blocks it, or no user "
+                "namespaces), so a call's code may reach the network and see the host's "
+                "processes and shared folders (what it writes there is removed after it); run "
+                "the trainer where namespaces are allowed for those (Sandbox.protections)",
+                ", ".join(missing))
 
     def close(self) -> None:
         """Stop the zygote and its spares (a call in flight ends first); idempotent, and
