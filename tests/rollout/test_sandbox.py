@@ -399,6 +399,20 @@ def total(values: list) -> dict:
     \"\"\"
     return {"total": sum(values), "pid_is_not_the_trainer": __import__("os").getpid(),
             "city": "Zürich"}
+
+
+def odd(kind: str) -> object:
+    \"\"\"A value json and str cannot show, or no answer at all.
+
+    Args:
+        kind: deep, big or exit.
+    \"\"\"
+    if kind == "exit":
+        __import__("os")._exit(0)
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    return deep if kind == "deep" else 10 ** 5000
 """
 
 NEEDS_THE_SECRET = """
@@ -486,6 +500,22 @@ def test_a_tool_reads_what_its_module_opened_at_import_and_the_code_does_not(use
         assert box.run(ToolCall("unprintable", {})) == ToolResult("Error: Unprintable", "error")
     code = "import os\nprint(max(int(fd) for fd in os.listdir('/proc/self/fd')))"
     assert int(box.run(ToolCall("python", {"code": code})).text) < 5  # stdio and the listing
+
+
+def test_values_no_one_can_show_read_alike_in_both_isolations(user_tools):
+    """A list nested 100,000 deep or an int of 5,000 digits was the tool's answer in a
+    thread and its error in a process; a tool that left with ``os._exit(0)`` read as
+    "exited with status 0", an error that reads like success."""
+    (module, _), boxes = user_tools
+    for isolation in ("thread", "process"):
+        box = Toolbox([module.odd], timeout=30.0, isolation=isolation)
+        boxes.append(box)
+        assert box.run(ToolCall("odd", {"kind": "deep"})) == ToolResult(
+            "<a list nested too deeply to show>"), isolation
+        assert box.run(ToolCall("odd", {"kind": "big"})) == ToolResult(
+            "<a int that cannot be shown (ValueError)>"), isolation
+    assert box.run(ToolCall("odd", {"kind": "exit"})) == ToolResult(
+        "Error: odd exited with status 0 before giving its answer", "error")
 
 
 def test_process_isolation_kills_a_hung_tool_and_returns_values(user_tools):

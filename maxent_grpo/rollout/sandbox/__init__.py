@@ -206,11 +206,9 @@ class SandboxResult:
         """None, ``"timeout"`` or ``"error"`` (the module docstring's table)."""
         if self.status in ("timeout", "cpu"):
             return "timeout"
-        if self.status != "exit" or self.code != 0:
-            return "error"
-        if self.tool and (self.value is None or "error" in self.value):
-            return "error"
-        return None
+        bad = self.status != "exit" or self.code != 0 or self.tool and (
+            self.value is None or "error" in self.value)
+        return "error" if bad else None
 
     def message(self, name: str) -> str:
         """What the model reads for tool ``name``."""
@@ -229,7 +227,8 @@ class SandboxResult:
         elif self.status == "lost":
             head = f"{name} ended without its status reaching the sandbox"
         else:
-            head = f"{name} exited with status {self.code}"
+            head = f"{name} exited with status {self.code}" + (
+                " before giving its answer" if self.tool and self.code == 0 else "")
         more = f"\n{self.output}" if self.output and not self.tool else ""
         return f"Error: {head}{more}"
 
@@ -323,8 +322,7 @@ class Sandbox:
     @property
     def pid(self) -> int | None:
         """The zygote's pid, None while not started."""
-        proc = self._pool.proc
-        return None if proc is None or proc.poll() is not None else proc.pid
+        return None if (p := self._pool.proc) is None or p.poll() is not None else p.pid
 
     def run(self, code: str, timeout: float | None = None) -> SandboxResult:
         """Run ``code`` as a script (``python -c``) within ``timeout`` seconds (default:
@@ -362,9 +360,10 @@ class Sandbox:
             wire.send(spare.sock, request)
             spare.sock.settimeout(timeout + GRACE)
             reply = wire.receive(spare.sock)
-        except (OSError, ValueError) as err:
-            if spare.info is None:
-                return failed(reason=str(err))
+        except (OSError, ValueError, RecursionError) as err:  # (arguments json cannot encode)
+            if spare.info is None or isinstance(err, RecursionError):
+                return failed(reason="its arguments are nested too deeply to send" if isinstance(
+                    err, RecursionError) else str(err))
         finally:
             spare.sock.close()
             with contextlib.suppress(OSError):  # the next call starts the pool again

@@ -358,7 +358,13 @@ def _run_tool(request: dict) -> None:
             try:
                 value = json.dumps(value, ensure_ascii=False)
             except (TypeError, ValueError, RecursionError):
-                value = str(value)
+                try:  # as toolcall._shown reads such a value in a thread
+                    value = str(value)
+                except RecursionError:
+                    value = f"<a {type(value).__name__} nested too deeply to show>"
+                except Exception as err:  # noqa: BLE001 - any __str__ may fail
+                    value = (f"<a {type(value).__name__} that cannot be shown "
+                             f"({type(err).__name__})>")
         reply = {"text": value}
     except BaseException as err:  # noqa: B036 - a tool's fault, even SystemExit
         reply = {"error": type(err).__name__}

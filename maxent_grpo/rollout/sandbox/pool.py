@@ -113,8 +113,9 @@ class Pool:
             for module in sorted(set(self.errors) & set(self.tools)):
                 logging.getLogger(__name__).warning(
                     "model.tool_isolation: process: the sandbox could not import %s, so every "
-                    "call of %s fails (%s)", module, ", ".join(self.tools[module]),
-                    self.errors[module])
+                    "call of %s fails (%s); it imports it with none of the trainer's "
+                    "environment variables (tool_isolation: thread has them)", module,
+                    ", ".join(self.tools[module]), self.errors[module])
             for _ in range(self.wanted):
                 self._spawn()
         except BaseException:
