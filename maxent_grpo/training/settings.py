@@ -255,15 +255,10 @@ def warn_unended_cosine(trainer: Any, steps: int) -> None:
 
 
 #: Options whose change at a resume changes nothing the run computes (paths to caches), or
-#: which are checked apart: the model (whose path the CLI gives the data's tokenizer too),
-#: and the data options that choose the training rows and their order, which the data
-#: module's resume judges itself (another count or order refused, other prompts warned of).
-UNCHECKED_OPTIONS = frozenset({
-    "_instantiator", "model_name_or_path", "model_cache_dir", "dataset_cache_dir",
-    "tokenizer_cache_dir", "num_workers", "tokenizer", "seed", "shuffle", "batch_size",
-    "task", "task_options", "train_size", "val_size", "data_files", "val_files",
-    "dataset_name", "dataset_config", "train_split", "val_split", "holdout_val_prompts",
-    "max_prompt_length"})
+#: which are checked apart (the model, whose path the CLI gives the data's tokenizer too).
+UNCHECKED_OPTIONS = frozenset({"_instantiator", "model_name_or_path", "model_cache_dir",
+                               "dataset_cache_dir", "tokenizer_cache_dir", "num_workers",
+                               "tokenizer"})
 
 
 def _plain(value: Any) -> bool:
@@ -280,9 +275,10 @@ def warn_changed_options(checkpoint: dict[str, Any], trainer: Any) -> None:
     """Warn when a resumed fit's ``model.`` or ``data.`` options differ from the
     checkpoint's saved hyper-parameters (another ``num_generations``, ``temperature``,
     ``system_prompt``, ...): it goes on with this run's, which the interrupted run did not
-    have. The objective, optimizer and schedule, which the hyper-parameters leave out, and
-    the model's path are checked by :func:`~maxent_grpo.training.run.checkpoint.load_state`
-    itself."""
+    have. Called once the data module took its state (Lightning restores callbacks after
+    it): a change it refuses (another ``data.seed``) is not said to go on. The objective,
+    optimizer and schedule, which the hyper-parameters leave out, and the model's path are
+    checked by :func:`~maxent_grpo.training.run.checkpoint.load_state`."""
     changed = []
     for group, key, owner in (("model", "hyper_parameters", "lightning_module"),
                               ("data", "datamodule_hyper_parameters", "datamodule")):

@@ -314,7 +314,7 @@ def test_the_validated_checkpoints_are_found_in_a_savers_folder_and_never_remote
 
 
 def test_a_fit_resumed_with_other_options_is_warned_of_them(cache_dir, tmp_path):
-    """Resuming with another ``num_generations``, ``temperature`` or ``val_batch_size`` went on
+    """Resuming with another ``num_generations``, ``temperature`` or ``val_size`` went on
     without a word (the objective's and optimizer's changes were warned of); the same
     options and a moved cache folder resume quietly."""
     saver = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1000)
@@ -331,8 +331,8 @@ def test_a_fit_resumed_with_other_options_is_warned_of_them(cache_dir, tmp_path)
     (message,) = resume(make_module(cache_dir, num_generations=2, temperature=0.7),
                         make_data(cache_dir, val_size=4, val_batch_size=2))
     assert ("(model.num_generations 4 -> 2, model.temperature 1.0 -> 0.7, data.val_batch_size "
-            "None -> 2): it goes on with this run's") in message
-    # the options of the training rows are the data module's to judge: not said to go on
+            "None -> 2, data.val_size 8 -> 4): it goes on with this run's") in message
+    # said once the data module took its state: a change it refuses is not said to go on
     with warnings.catch_warnings(record=True) as caught, pytest.raises(
             ValueError, match="set data.seed: 0 to resume"):
         warnings.simplefilter("always")

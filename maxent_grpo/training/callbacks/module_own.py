@@ -3,10 +3,9 @@
 - :class:`ModuleHooks`, before the user's callbacks: a fit's start, a resumed fit's first batch;
 - :class:`CleanUp`, after them: a failed run calls no module teardown in Lightning; this does it.
 - :class:`CompletionWriter`: ``predict`` writes one JSON line per sampled completion
-  (:func:`~maxent_grpo.training.run.evaluation.prediction_row`: the prompt, the completion or
-  a multi-turn rollout's messages, each reward function's value, the parsed answer, right
-  or not) and prints the @k summary at the end. Rank 0 gathers every rank's rows and writes
-  the one file, in the order of the prompts' rows.
+  (:func:`~maxent_grpo.training.run.evaluation.prediction_row`: the prompt, the completion
+  or messages, each reward's value, the parsed answer, right or not) and prints the @k
+  summary at the end; rank 0 writes every rank's rows, in the order of the prompts' rows.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from maxent_grpo.training.run.validated import (
     unvalidated,
     validate_first,
 )
-from maxent_grpo.training.settings import warn_unended_cosine
+from maxent_grpo.training.settings import warn_changed_options, warn_unended_cosine
 from maxent_grpo.training.types.runtime import detached_controllers
 from maxent_grpo.validation import require
 
@@ -178,9 +177,10 @@ class ModuleHooks(L.Callback):
         """Before Lightning restores its loops: a checkpoint written after a fit's last batch
         goes on where that fit stopped (:func:`resume_where_stopped`); one written in
         mid-batch counts that batch once (:func:`count_cut_batch_once`); one written before
-        a validation that did not end runs it first (:func:`validate_first`, when the fit
-        starts)."""
+        a validation that did not end runs it first (:func:`validate_first`); changed
+        options are warned of (:func:`warn_changed_options`)."""
         if trainer.state.fn == "fit":
+            warn_changed_options(checkpoint, trainer)
             self.validation_due = checkpoint.get(VALIDATION_DUE) is True
             resume_where_stopped(checkpoint, trainer)
             count_cut_batch_once(checkpoint)

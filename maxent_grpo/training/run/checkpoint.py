@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from maxent_grpo.adapters import check_older_adapters, peft_record
 from maxent_grpo.models import model_fingerprint, model_folder, same_model
 from maxent_grpo.objectives import Objective
-from maxent_grpo.training.settings import check_resumed_schedule, warn_changed_options
+from maxent_grpo.training.settings import check_resumed_schedule
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
 from maxent_grpo.training.types import LoopSettings
@@ -335,8 +335,6 @@ def load_state(
     schedule = None if loop is None else loop.optimization.schedule
     if fitting and schedule is not None and checkpoint.get("lr_schedulers"):
         check_resumed_schedule(checkpoint["lr_schedulers"][0], schedule, scheduler)
-    if fitting and trainer is not None:
-        warn_changed_options(checkpoint, trainer)
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))
