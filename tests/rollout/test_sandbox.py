@@ -693,6 +693,35 @@ def test_a_tree_deeper_than_the_stack_is_removed_without_following_links(tmp_pat
     assert (victim / "file").read_text() == "keep"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to another uid to be a plain user")
+def test_a_plain_user_removes_a_read_only_tree_of_its_own(tmp_path):
+    """A plain user's removal left a folder its code made read-only (``a`` at 0o500: its
+    ``b`` could not go); a folder made unreadable is entered too, through no link."""
+    from maxent_grpo.rollout.sandbox import call
+
+    tmp_path = Path(tempfile.mkdtemp())  # (pytest's folders are root's alone)
+    tmp_path.chmod(0o777)
+    pid = os.fork()
+    if pid == 0:  # the child: uid 65534 (nobody), as a plain user's trainer
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            work = tmp_path / "w"
+            (work / "a" / "b" / "c").mkdir(parents=True)
+            (work / "a" / "b" / "f").write_text("x")
+            (work / "a" / "b" / "c").chmod(0o000)
+            (work / "a" / "b").chmod(0o500)
+            (work / "a").chmod(0o500)
+            call.remove_tree(str(work))
+            code = 0 if not work.exists() else 2
+        finally:
+            os._exit(code)
+    status = os.waitpid(pid, 0)[1]
+    call.remove_tree(str(tmp_path))
+    assert status == 0
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the call needs a uid of its own")
 def test_closing_during_a_call_kills_it_and_all_it_started(tmp_root):
     """Even without a pid namespace (where the daemon would outlive its supervisor)."""

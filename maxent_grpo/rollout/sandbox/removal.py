@@ -36,7 +36,7 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
             with contextlib.suppress(OSError):
                 info = entry.stat(follow_symlinks=False)
                 if info.st_uid == uid and stat.S_ISDIR(info.st_mode):
-                    _remove_at(entry.name, fd)
+                    _remove_at(entry.name, fd, uid)
                 elif info.st_uid == uid:
                     os.unlink(entry.name, dir_fd=fd)
                 elif stat.S_ISDIR(info.st_mode):
@@ -59,74 +59,86 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _HELD = 256
 
 
-def _enter(name: str, dir_fd: int) -> int:
-    """The folder ``name`` of ``dir_fd`` opened, never through a link; a uid that is not
-    root first makes a folder of its own it cannot read searchable (root reads any)."""
+def _enter(name: str, dir_fd: int, owner: int | None) -> int:
+    """The folder ``name`` of ``dir_fd`` opened, never through a link; OSError for one
+    that is not ``owner``'s (a folder another uid moved in). A uid that is not root makes
+    each folder it enters writable and searchable (0o700), as its owner may: one it cannot
+    read is changed through an ``O_PATH`` descriptor (never a link's target)."""
+    root = os.geteuid() == 0
     try:
-        return os.open(name, _DIR, dir_fd=dir_fd)
+        fd = os.open(name, _DIR, dir_fd=dir_fd)
     except PermissionError:
-        if os.geteuid() == 0:
+        if root:
             raise
-        os.chmod(name, 0o700, dir_fd=dir_fd)  # (a link: its own files only, as this uid)
-        return os.open(name, _DIR, dir_fd=dir_fd)
-
-
-def _remove_at(name: str, dir_fd: int) -> None:
-    """Remove the folder ``name`` of the folder open as ``dir_fd`` and all it holds, never
-    following a link and never raising: every step through a folder's descriptor, none by
-    a path or by ``..``, and without recursion (a tree nested past the stack or the path
-    limit goes too: below :data:`_HELD` levels its folders are moved up to the top by
-    descriptor). What cannot be removed is left."""
+        path = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            os.chmod(f"/proc/self/fd/{path}", 0o700)  # the folder itself, as opened
+        finally:
+            os.close(path)
+        fd = os.open(name, _DIR, dir_fd=dir_fd)
     try:
-        top = _enter(name, dir_fd)
+        if owner is not None and os.fstat(fd).st_uid != owner:
+            raise PermissionError(f"{name!r} is not uid {owner}'s")
+        if not root:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _listing(fd: int) -> list[os.DirEntry]:
+    with contextlib.suppress(OSError):
+        return list(os.scandir(fd))
+    return []
+
+
+def _remove_at(name: str, dir_fd: int, owner: int | None = None) -> None:
+    """Remove the folder ``name`` of the folder open as ``dir_fd`` and all it holds (with
+    ``owner``, only folders of that uid), never following a link and never raising: every
+    step through a folder's descriptor, none by a path or by ``..``; without recursion (a
+    tree nested past the stack or the path limit goes too: below :data:`_HELD` levels its
+    folders are moved up to the top, by descriptor, under names no call can guess), each
+    folder listed once (the top again for what was moved up). What cannot be removed is
+    left."""
+    try:
+        top = _enter(name, dir_fd, owner)
     except OSError:
         return
-    held, skip, names, lifted = [top], [set()], [], 0
+    held, todo, names, kept = [top], [_listing(top)], [], set()  # kept: the top's, left
     try:
         while held:
-            fd, child = held[-1], None
-            try:
-                entries = list(os.scandir(fd))
-            except OSError:
-                entries = []
-            for entry in entries:
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        if entry.name not in skip[-1]:
-                            child = entry.name
-                            break
-                        continue
-                    try:
-                        os.unlink(entry.name, dir_fd=fd)
-                    except PermissionError:  # a folder the call left read-only: its owner's
-                        os.fchmod(fd, 0o700)
-                        os.unlink(entry.name, dir_fd=fd)
-                except OSError:
-                    continue
-            if child is not None and len(held) >= _HELD:
-                lifted += 1
-                try:
-                    os.rename(child, f".removed-{os.getpid()}-{lifted}", src_dir_fd=fd,
-                              dst_dir_fd=top)
-                except OSError:
-                    skip[-1].add(child)
-            elif child is not None:
-                try:
-                    held.append(_enter(child, fd))
-                    skip.append(set())
-                    names.append(child)
-                except OSError:
-                    skip[-1].add(child)
-            elif len(held) == 1:
-                break
-            else:
+            fd = held[-1]
+            if not todo[-1] and len(held) == 1:  # the top: what was moved up since, if any
+                todo[-1] = [e for e in _listing(top) if e.name not in kept]
+                if not todo[-1]:
+                    break
+            elif not todo[-1]:
                 os.close(held.pop())
-                skip.pop()
+                todo.pop()
                 gone = names.pop()
                 try:
                     os.rmdir(gone, dir_fd=held[-1])
                 except OSError:
-                    skip[-1].add(gone)
+                    if len(held) == 1:
+                        kept.add(gone)
+                continue
+            entry = todo[-1].pop()
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.name, dir_fd=fd)
+                elif len(held) >= _HELD:  # its folder writable (its own ..), then to the top
+                    os.close(_enter(entry.name, fd, owner))
+                    os.rename(entry.name, f".removed-{os.urandom(12).hex()}", src_dir_fd=fd,
+                              dst_dir_fd=top)
+                else:
+                    held.append(_enter(entry.name, fd, owner))
+                    todo.append(_listing(held[-1]))
+                    names.append(entry.name)
+            except OSError:
+                if len(held) == 1:
+                    kept.add(entry.name)
     finally:
         for fd in held:
             os.close(fd)
