@@ -175,12 +175,16 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
                 f"(save_to_disk), with no split {split!r}: it is the training split "
                 "(data.train_split: train); data.val_size splits validation rows off it")
         return dataset_rows(datasets.load_from_disk(name))
-    saved = os.path.isfile(os.path.join(name, "dataset_dict.json"))  # its own split names,
-    if saved and not any(c in split for c in "[+"):  # not load_dataset's guesses from files
-        splits = datasets.load_from_disk(name)  # (a slice or sum of splits: load_dataset's)
-        require(split in splits, f"data.dataset_name {name!r} (a saved DatasetDict) has no "
-                f"split {split!r}; its splits: {', '.join(splits)}")
-        return dataset_rows(splits[split])
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # its own split names, not
+        splits = datasets.load_from_disk(name)  # the guesses load_dataset makes from files
+        try:  # a split, a slice of one, a sum ("train_sft[:100]+test_sft")
+            parts = datasets.ReadInstruction.from_spec(split).to_absolute(
+                {key: len(value) for key, value in splits.items()})
+        except (ValueError, KeyError, AssertionError) as err:
+            raise ValueError(f"data.dataset_name {name!r} (a saved DatasetDict): split "
+                             f"{split!r}: {err}; its splits: {', '.join(splits)}") from None
+        return [row for part in parts for row in dataset_rows(
+            splits[part.splitname].select(range(part.from_, part.to)))]
     try:
         data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     except RuntimeError as err:  # datasets 4 refuses a loading script ("a bug" here)

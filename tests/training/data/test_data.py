@@ -241,9 +241,13 @@ def test_a_saved_dataset_dict_folder_keeps_its_split_names_and_float32_answers(t
               batch_size=2)
     assert [ex.raw_prompt.split()[0] for ex in dm.train_dataset.examples] == ["sft"] * 6
     assert [ex.raw_prompt.split()[0] for ex in dm.val_dataset.examples] == ["tgen"] * 2
-    with pytest.raises(ValueError, match=r"a saved DatasetDict\) has no split 'train'; its "
+    with pytest.raises(ValueError, match=r"a saved DatasetDict\): split 'train\[:4\]': .*its "
                                          r"splits: train_sft, train_gen, test_sft, test_gen"):
-        make(task=None, dataset_name=folder, val_split="test_sft")
+        make(task=None, dataset_name=folder, train_split="train[:4]", val_split="test_sft")
+    dm = make(task=None, dataset_name=folder, train_split="train_sft[:2]+train_gen[60%:]",
+              val_split="test_gen", batch_size=2)  # slices and sums of its own splits
+    assert [ex.raw_prompt for ex in dm.train_dataset.examples] == [
+        "sft 0 + 1 =", "sft 1 + 1 =", "gen 3 + 1 =", "gen 4 + 1 ="]
     floats = datasets.Dataset.from_dict(
         {"prompt": ["a", "b"], "answer": [0.1, 3.3]},
         features=datasets.Features({"prompt": datasets.Value("string"),
