@@ -24,6 +24,7 @@ import functools
 import inspect
 import math
 import numbers
+import sys
 import time
 import warnings
 from collections import deque
@@ -236,7 +237,7 @@ def _call(
                 f"{label} returned a non-numeric value at row {i}: {value!r:.80} "
                 "(use a float, or None for 'not applicable')"
             )
-        if not (isinstance(value, bool) or is_number(value)):  # (an int past a float's range)
+        if not abs(value) <= sys.float_info.max:  # NaN, inf, an int past a float's range
             raise RewardFunctionError(f"{label} returned a non-finite value at row {i}: "
                                       f"{value!r:.80} (use None for 'not applicable')")
         out.append(float(value))
