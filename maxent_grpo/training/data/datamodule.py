@@ -294,7 +294,7 @@ class PromptDataModule(pl.LightningDataModule):
             self.val_dataset = self._build(fmt, sources.val, "val")
             self._train_counts = {
                 "kept": len(self.train_dataset), "long": self.dropped.get("train", 0),
-                "heldout": sources.heldout,
+                "heldout": sources.heldout, "val_kept": len(self.val_dataset),
                 "split_off": len(sources.val.rows) if self.task is None and self.val_files is None
                 and self.val_split is None else 0,
             }

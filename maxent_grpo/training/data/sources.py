@@ -393,7 +393,8 @@ def too_few_train_prompts(
     """Why the training prompts are fewer than ``batch_size`` (each of ``world`` processes
     draws ``batch_size`` of its share), and the flags that fix it, from ``counts`` of where
     the rows went: ``kept``, ``long`` (over ``max_prompt_length``), ``heldout`` (rows
-    repeating a validation prompt), ``split_off`` (file rows split off for validation)."""
+    repeating a validation prompt), ``split_off`` (file rows split off for validation, of
+    which ``val_kept`` fit ``max_prompt_length``)."""
     kept = counts["kept"]
     why, fixes = [], []
     if kept // world:
@@ -416,7 +417,8 @@ def too_few_train_prompts(
             why.append(f"{counts['heldout']} repeat the prompt of one of them "
                        "(data.holdout_val_prompts)")
             fixes.append("set --data.holdout_val_prompts false")
-        if kept + counts["split_off"] + counts["heldout"] >= batch_size * world:  # all back
+        back = min(counts["split_off"], counts.get("val_kept", counts["split_off"]))
+        if kept + back + counts["heldout"] >= batch_size * world:  # (not the long ones)
             fixes.append(f"lower --data.val_size (now {val_size})")
     if counts["long"]:
         why.append(f"{counts['long']} dropped as longer than data.max_prompt_length "

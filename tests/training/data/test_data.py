@@ -1349,3 +1349,5 @@ def test_lowering_val_size_is_offered_only_where_it_can_fill_the_batches():
     assert "lower --data.val_size" not in too_few_train_prompts(counts, batch_size=2, **options)
     assert "lower --data.val_size" in too_few_train_prompts(counts | {"heldout": 2},
                                                             batch_size=2, **options)
+    assert "lower --data.val_size" not in too_few_train_prompts(  # the rows split off: long
+        counts | {"split_off": 6, "val_kept": 0}, batch_size=2, **options)
