@@ -174,7 +174,9 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
 
 #: the JSON files of a model folder that loading it reads
 _LOADED_JSON = ("config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json", "adapter_config.json")
+                "tokenizer_config.json", "special_tokens_map.json", "adapter_config.json",
+                "model.safetensors.index.json", "pytorch_model.bin.index.json", "vocab.json",
+                "added_tokens.json", "chat_template.json")
 
 
 def _unreadable(folder: str) -> list[str]:

@@ -165,8 +165,10 @@ __all__ = ["UID_BASE", "Sandbox", "SandboxError", "SandboxResult", "close_shared
 UID_BASE = 1_000_000_000
 #: seconds the trainer waits past a call's limit for its supervisor before killing it
 GRACE = 10.0
-NAMESPACED = ("no_network", "pid_namespace", "private_tmp", "read_only", "own_ipc")  # said
-log = logging.getLogger(__name__)  # when refused (:meth:`Sandbox._say_missing`)
+NAMESPACED = {"no_network": "reach the network", "pid_namespace": "see the host's processes",
+              "private_tmp": "share the host's /tmp (what it leaves there is removed)",
+              "read_only": "write the host's world-writable folders", "own_ipc": "use SysV IPC"}
+log = logging.getLogger(__name__)  # NAMESPACED: said when refused (Sandbox._say_missing)
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
        "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
        "PYTHONNOUSERSITE": "1", "USER": "sandbox", "LOGNAME": "sandbox"}
@@ -384,12 +386,11 @@ class Sandbox:
         if missing and self.namespaces and not self._said:
             self._said = True
             log.warning(
-                "the sandbox runs without %s: this machine refused new namespaces (unshare: a "
-                "container without CAP_SYS_ADMIN or whose seccomp profile blocks it, or no user "
-                "namespaces), so a call's code may reach the network and see the host's "
-                "processes and shared folders (what it writes there is removed after it); run "
-                "the trainer where namespaces are allowed for those (Sandbox.protections)",
-                ", ".join(missing))
+                "the sandbox runs without %s: this machine refused new namespaces or the mounts "
+                "in them (a container without CAP_SYS_ADMIN, a seccomp or AppArmor profile, no "
+                "user namespaces), so a call's code may %s; run the trainer where they are "
+                "allowed for those (Sandbox.protections)", ", ".join(missing), ", ".join(
+                    NAMESPACED[name] for name in missing))
 
     def close(self) -> None:
         """Stop the zygote and its spares (a call in flight ends first); idempotent, and
