@@ -23,6 +23,7 @@ from torch import nn
 from maxent_grpo.rollout.server_transfer import TRANSFERS, open_sender
 from maxent_grpo.rollout.vllm_engine import _rank
 from maxent_grpo.rollout.weights import checkpoint_weights
+from maxent_grpo.validation import require
 
 __all__ = ["RETRYABLE", "ServerError", "ServerWeights", "server_args", "server_command"]
 
@@ -88,6 +89,12 @@ class _Server:
 class ServerWeights:
     """The weight transfer of the server engine (a mixin: the engine holds ``servers``,
     ``version``, ``sync_bytes``, ``_call`` and the weights file's state)."""
+
+    @property
+    def current(self) -> str:
+        """The weight version the servers should hold, named for this run (``n-run``, rank
+        0's ``run``) so that another trainer's update is told apart; ``0``: as started."""
+        return f"{self.version}-{self.run}" if self.version and self.run else str(self.version)
 
     def _write_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, dict]:
         from safetensors.torch import save_file
@@ -248,7 +255,7 @@ class ServerWeights:
         if multi:
             dist.barrier()  # every rank's rollouts are done before the weights change
         self.version += 1
-        version = str(self.version)
+        version = self.current
         error, sent = None, [False] * len(self.servers)
         if _rank() == 0:
             try:
@@ -269,13 +276,15 @@ class ServerWeights:
                 self._last_weights = None
                 self._source.clear()
         paused = [s.paused_by_failure for s in self.servers]
-        shared = [error is None, sent, paused, self._file, self._file_info, self.sync_bytes]
+        shared = [error is None, sent, paused, self._file, self._file_info, self.sync_bytes,
+                  self.run]
         if multi:  # rank 0's outcome, for every rank
             box = [shared]
             dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda"
                                        else None)
             shared = box[0]
-        ok, sent, paused, self._file, self._file_info, self.sync_bytes = shared
+        ok, sent, paused, self._file, self._file_info, self.sync_bytes, self.run = shared
+        version = self.current  # rank 0's run
         for server, got, out in zip(self.servers, sent, paused, strict=True):
             if got:
                 server.version, server.healthy, server.paused_by_failure = version, True, False
@@ -351,20 +360,20 @@ class ServerWeights:
             held = self._held(server)
         except ServerError:
             return False
-        if held != str(self.version):  # rank 0 alone sends (one transfer per server)
+        if held != self.current:  # rank 0 alone sends (one transfer per server)
             if self.weight_transfer != "file":  # the next sync joins it afresh and sends
                 return False
             if _rank() != 0 or self._file is None or not os.path.exists(self._file):
                 return False
             try:
                 with server.lock:  # a restarted server needs the transfer engine again
-                    if server.version != str(self.version):
+                    if server.version != self.current:
                         self._open_file_transfer(server)
                         server.version = None
-                self._transfer(server, self._file, self._file_info, str(self.version))
+                self._transfer(server, self._file, self._file_info, self.current)
             except ServerError:
                 return False
-        server.version, server.healthy = str(self.version), True
+        server.version, server.healthy = self.current, True
         return True
 
     def _refresh(self) -> None:
@@ -379,6 +388,11 @@ class ServerWeights:
             except ServerError:
                 server.healthy = False
                 continue
-            if held != str(self.version) or not server.healthy:
+            mine, theirs = (str(v).partition("-")[2] for v in (self.current, held))
+            require(not (mine and theirs and theirs != mine), f"{server.url} holds weights "
+                    f"version {held} of another trainer (this run's: {self.current}): two runs "
+                    "updated one vLLM server, so each sampled from the other's weights; give "
+                    "each run servers of its own (model.engine.init_args.urls)")
+            if held != self.current or not server.healthy:
                 server.healthy = False
                 self._revive(server)

@@ -43,6 +43,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -179,7 +180,8 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
         self._lock = threading.Lock()
         self._closed = False  # after close(): no request is sent or retried
         self._round_robin = itertools.count()
-        self.version = 0  # the weight version the servers should hold
+        self.version = 0  # the weight version the servers should hold (``current``)
+        self.run = uuid.uuid4().hex[:12]  # rank 0's, every rank's from the first sync on
         self.sync_bytes = 0
         self._folder = None
         self._file: str | None = None

@@ -148,6 +148,7 @@ def _bare_engine(urls: list[str], request_timeout: float, retry_seconds: float =
     engine._http = httpx.Client(timeout=httpx.Timeout(request_timeout, connect=5.0))
     engine._lock, engine._round_robin = threading.Lock(), itertools.count()
     engine.version, engine._file, engine._file_info = 0, None, None
+    engine.run = ""  # versions "1", "2", ... (a run's own are "1-<run>")
     engine._last_weights, engine._closed, engine.sync_bytes = None, False, 0
     engine._folder, engine._transfer_dir = None, None
     engine.weight_transfer, engine._source = "file", WeightList(torch.device("cpu"))
@@ -248,6 +249,23 @@ def test_a_restarted_server_revived_by_several_threads_gets_the_weights_once(
     assert results == [True] * 4
     assert restarted.calls.count("/update_weights") == 1
     assert restarted.version == "3" and engine.servers[0].healthy
+
+
+def test_another_trainers_weights_on_the_server_are_refused(stand_ins, engine_on):
+    """Two runs against one server each counted versions from 1, so each took the other's
+    "1" for its own and sampled from the other's weights without a word (a hunt)."""
+    server = stand_ins(version="1-theirs")
+    engine = engine_on([server], request_timeout=10.0, retry_seconds=30.0)
+    engine.version, engine.run = 1, "mine"
+    with pytest.raises(ValueError, match=r"holds weights version 1-theirs of another trainer "
+                                         r"\(this run's: 1-mine\)"):
+        engine._refresh()
+    server.version = "1-mine"
+    engine._refresh()
+    assert engine.servers[0].healthy
+    server.version = "default"  # restarted, holding the weights it started with: revived
+    engine._refresh()
+    assert not engine.servers[0].healthy  # (no weights file here to send)
 
 
 def test_a_rank_other_than_0_leaves_the_revival_to_rank_0(stand_ins, engine_on, tmp_path,

@@ -122,7 +122,7 @@ def new_weights_land(engine, server) -> None:
     engine.sync(engine.model)
     engine._check_probe()
     held = httpx.get(server.url + "/weight_info").json()["weight_version"]
-    assert held == str(engine.version) and engine.sync_bytes > 0
+    assert held == engine.current == f"{engine.version}-{engine.run}" and engine.sync_bytes > 0
 
 
 def test_new_weights_reach_the_server_with_their_version(server, cache):
