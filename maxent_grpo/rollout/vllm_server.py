@@ -304,6 +304,11 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
                 server = None
             if self._closed:
                 raise ServerError("the engine was closed while a request was pending")
+            if all(s.paused_by_failure for s in self.servers):  # none can come back
+                raise ServerError(
+                    "every vLLM server is out of use after weight transfers that kept failing "
+                    "(the warnings above say why: a server restarted with another model?); "
+                    "restart them with the run's model and resume with --ckpt_path last")
             if server is not None:
                 try:
                     return _choices(self._call(server, "POST", "/v1/completions",
@@ -317,11 +322,14 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
             deadline = deadline or time.monotonic() + self.retry_seconds
             if time.monotonic() >= deadline:
                 urls = ", ".join(s.url for s in self.servers)
+                slow = "Timeout" in str(last)  # a server that answers slowly is not down
                 raise ServerError(
                     f"no vLLM server completed the request within retry_seconds "
                     f"({self.retry_seconds:g} s); servers: {urls}; last error: {last}. The "
                     "last checkpoint is kept: restart the servers and resume with "
-                    "--ckpt_path last")
+                    "--ckpt_path last" + (f" (servers that are up but slow: raise model.engine."
+                                          f"init_args.request_timeout, now {self.request_timeout:g}"
+                                          " s)" if slow else ""))
             attempt += 1
             with self._lock:
                 live = any(s.healthy and not s.paused_by_failure for s in self.servers)

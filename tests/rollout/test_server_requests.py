@@ -195,6 +195,7 @@ def test_a_request_that_always_times_out_stops_after_retry_seconds(stand_ins, en
     assert "within retry_seconds (1 s)" in message and slow.url in message
     assert "ReadTimeout" in message  # the cause is named, not only "failed"
     assert "--ckpt_path last" in message
+    assert "up but slow: raise model.engine.init_args.request_timeout, now 0.3 s" in message
     # after the first time-out the server answered /health again and was tried again
     assert slow.calls.count("/v1/completions") >= 2 and "/health" in slow.calls
     assert elapsed < 20.0
@@ -266,6 +267,20 @@ def test_another_trainers_weights_on_the_server_are_refused(stand_ins, engine_on
     server.version = "default"  # restarted, holding the weights it started with: revived
     engine._refresh()
     assert not engine.servers[0].healthy  # (no weights file here to send)
+
+
+def test_servers_out_of_use_after_failed_transfers_fail_the_request_at_once(
+        stand_ins, engine_on):
+    """A server that came back as another model refused the weights and was left out of use
+    for good; a request then waited all of retry_seconds and said "last error: None"."""
+    server = stand_ins()
+    engine = engine_on([server], request_timeout=10.0, retry_seconds=30.0)
+    engine.servers[0].healthy, engine.servers[0].paused_by_failure = False, True
+    start = time.monotonic()
+    with pytest.raises(ServerError, match="every vLLM server is out of use after weight "
+                                          "transfers that kept failing"):
+        engine._complete(dict(BODY), index=0)
+    assert time.monotonic() - start < 5.0
 
 
 def test_a_rank_other_than_0_leaves_the_revival_to_rank_0(stand_ins, engine_on, tmp_path,
