@@ -73,7 +73,10 @@ def _cpus(spec: str) -> set[int]:
 
 
 def _port_taken(port: int) -> bool:
+    """Whether a server listens on ``port`` (bound as vLLM binds, ``SO_REUSEADDR``: the
+    closed connections of a server just stopped do not count, vLLM starts there at once)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

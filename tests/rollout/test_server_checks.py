@@ -221,11 +221,21 @@ def test_serve_refuses_a_port_another_process_holds():
     from maxent_grpo.serve import main
 
     with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server binds
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(SystemExit, match=f"port {port} on 127.0.0.1 is taken"):
             main(["--model", "builtin:tiny-h64-warm", "--port", str(port)])
+        # a server just stopped, whose connection to a trainer waits to close (TIME_WAIT):
+        # free for a restart there (vLLM binds with SO_REUSEADDR), as it was not for 60 s
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = held.accept()
+        accepted.close()  # the server's side closes first: its end lingers
+        client.close()
+    from maxent_grpo.serve import _port_taken
+
+    assert not _port_taken(port)
 
 
 
