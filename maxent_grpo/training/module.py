@@ -239,7 +239,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._engine: RolloutEngine | None = None  # built once, on the first rollout
         # +1 at every change of the policy's weights; the weights the engine last synced with
         self._weights_version = self._engine_version = 0
-        self.sync_seconds = 0.0  # the last rollout's engine.sync (perf/sync_seconds)
+        self.sync_seconds = 0.0  # engine.sync since the last step logged (perf/sync_seconds)
         self._rng_to_restore = self._step_start = None  # on_load_checkpoint's, this step's
         #: the rollouts in flight of an asynchronous run (model.max_staleness >= 1)
         self.pipeline = RolloutPipeline(max_staleness) if max_staleness else None
@@ -297,7 +297,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self.step_metrics.observe(trajectory, self.objective)
         rollout = trajectory.rollout
         extra = {f"perf/{k}": v for k, v in timer.summary(int(rollout.model_mask.sum())).items()}
-        extra["perf/sync_seconds"] = self.sync_seconds
+        extra["perf/sync_seconds"], self.sync_seconds = self.sync_seconds, 0.0
         if self.pipeline is not None:
             extra["rollout/staleness"] = float(self.staleness)
         if (sent := getattr(self._engine, "sync_bytes", None)) is not None:  # server engine
@@ -327,11 +327,10 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             if gen.tools is not None:  # multi-turn rollouts (model.tools / environment)
                 self._engine = gen.tools.engine(self._engine, self.tokenizer, gen.sampling)
             self._engine_version = self._weights_version
-        self.sync_seconds = 0.0
         if self._engine_version != self._weights_version:
             start = time.perf_counter()
             self._engine.sync(self.policy)
-            self.sync_seconds = time.perf_counter() - start
+            self.sync_seconds += time.perf_counter() - start  # a validation's: the next step's
             self._engine_version = self._weights_version
         return self._engine
 

@@ -453,3 +453,17 @@ def test_an_engine_without_sync_is_refused_when_built(cache_dir):
     with pytest.raises(ValueError, match="model.engine built a NoSync, which has no sync"):
         fit(module, make_data(cache_dir), steps=2)
     assert module.global_step == 0
+
+
+def test_a_sync_a_validation_made_is_logged_with_the_next_step(cache_dir):
+    """The validation's rollout synced the engine and the next training step's call reset
+    ``sync_seconds`` to 0 before logging it: that sync was logged nowhere (a hunt)."""
+    module = make_module(cache_dir, engine=RemoteCopy)
+    module.configure_model()
+    module.rollout_engine()  # built: holds the policy's weights
+    module._weights_version += 1  # a step, then a validation
+    module.rollout_engine()
+    synced = module.sync_seconds
+    assert synced > 0
+    module.rollout_engine()  # the next training step's: nothing new to sync
+    assert module.sync_seconds == synced
