@@ -96,6 +96,19 @@ class ServerWeights:
         0's ``run``) so that another trainer's update is told apart; ``0``: as started."""
         return f"{self.version}-{self.run}" if self.version and self.run else str(self.version)
 
+    def _check_ours(self, server: _Server, held: Any) -> None:
+        """ValueError when ``server``, which this run saw holding its own weights, holds
+        another run's (``n-<run>``): two trainers updated one server, each sampling from
+        the other's weights. A server that never held this run's (started with others, or
+        left by an earlier run) is not refused: it gets this run's weights."""
+        ours, now = str(server.version or ""), str(held or "")
+        require(not (self.run and ours.endswith(f"-{self.run}") and "-" in now
+                     and not now.endswith(f"-{self.run}")),
+                f"{server.url} holds weights version {held} of another trainer (this run's: "
+                f"{server.version}): two runs updated one vLLM server, so each sampled from "
+                "the other's weights; give each run servers of its own "
+                "(model.engine.init_args.urls)")
+
     def _write_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, dict]:
         from safetensors.torch import save_file
 
@@ -317,6 +330,7 @@ class ServerWeights:
                         "sent (it gets them once it answers again)"))
                     continue
                 try:
+                    self._check_ours(server, self._held(server))  # since our last sync
                     if self.weight_transfer == "file":
                         if not server.healthy:  # restarted: its transfer engine is new
                             self._open_file_transfer(server)
@@ -388,11 +402,7 @@ class ServerWeights:
             except ServerError:
                 server.healthy = False
                 continue
-            mine, theirs = (str(v).partition("-")[2] for v in (self.current, held))
-            require(not (mine and theirs and theirs != mine), f"{server.url} holds weights "
-                    f"version {held} of another trainer (this run's: {self.current}): two runs "
-                    "updated one vLLM server, so each sampled from the other's weights; give "
-                    "each run servers of its own (model.engine.init_args.urls)")
+            self._check_ours(server, held)
             if held != self.current or not server.healthy:
                 server.healthy = False
                 self._revive(server)

@@ -322,7 +322,7 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
             deadline = deadline or time.monotonic() + self.retry_seconds
             if time.monotonic() >= deadline:
                 urls = ", ".join(s.url for s in self.servers)
-                slow = "Timeout" in str(last)  # a server that answers slowly is not down
+                slow = getattr(last, "timed_out", False) and "ConnectTimeout" not in str(last)
                 raise ServerError(
                     f"no vLLM server completed the request within retry_seconds "
                     f"({self.retry_seconds:g} s); servers: {urls}; last error: {last}. The "

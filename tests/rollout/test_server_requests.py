@@ -254,19 +254,26 @@ def test_a_restarted_server_revived_by_several_threads_gets_the_weights_once(
 
 def test_another_trainers_weights_on_the_server_are_refused(stand_ins, engine_on):
     """Two runs against one server each counted versions from 1, so each took the other's
-    "1" for its own and sampled from the other's weights without a word (a hunt)."""
-    server = stand_ins(version="1-theirs")
+    "1" for its own and sampled from the other's weights without a word (a hunt). A
+    server this run saw holding its weights that holds another run's is refused, before a
+    rollout and before a sync; one that never held this run's (left by an earlier run, or
+    missed by its first sync) is not: it gets this run's weights."""
+    server = stand_ins(version="7-earlier")
     engine = engine_on([server], request_timeout=10.0, retry_seconds=30.0)
     engine.version, engine.run = 1, "mine"
+    engine._refresh()  # never held ours: revived (no weights file here: left out of use)
+    assert not engine.servers[0].healthy
+    server.version = engine.servers[0].version = "1-mine"  # as after this run's sync
+    engine._refresh()
+    assert engine.servers[0].healthy
+    server.version = "1-theirs"  # another trainer's sync since
     with pytest.raises(ValueError, match=r"holds weights version 1-theirs of another trainer "
                                          r"\(this run's: 1-mine\)"):
         engine._refresh()
-    server.version = "1-mine"
-    engine._refresh()
-    assert engine.servers[0].healthy
+    with pytest.raises(ValueError, match="of another trainer"):
+        engine._send_to_all("2-mine", [False])  # the next sync's look first
     server.version = "default"  # restarted, holding the weights it started with: revived
     engine._refresh()
-    assert not engine.servers[0].healthy  # (no weights file here to send)
 
 
 def test_servers_out_of_use_after_failed_transfers_fail_the_request_at_once(

@@ -124,7 +124,7 @@ def test_an_asynchronous_fit_sends_its_weights_over_gloo(server, cache, tmp_path
     assert float(logged["train/rollout/staleness"]) == 1.0
     assert float(logged["train/perf/sync_bytes"]) > 0
     # a new engine starts at version 1: sent at the start and after steps 1 and 2
-    assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "3"
+    assert httpx.get(server.url + "/weight_info").json()["weight_version"].startswith("3-")
     assert module._engine is None
 
 
