@@ -330,7 +330,8 @@ class ServerWeights:
                         "sent (it gets them once it answers again)"))
                     continue
                 try:
-                    self._check_ours(server, self._held(server))  # since our last sync
+                    if self.run and str(server.version).endswith(f"-{self.run}"):
+                        self._check_ours(server, self._held(server))  # since our last sync
                     if self.weight_transfer == "file":
                         if not server.healthy:  # restarted: its transfer engine is new
                             self._open_file_transfer(server)
