@@ -39,9 +39,9 @@ def leftovers(uid: int, tops: tuple[str, ...] | list[str], ipc: bool) -> None:
                     _remove_at(entry.name, fd, uid)
                 elif info.st_uid == uid:
                     os.unlink(entry.name, dir_fd=fd)
-                elif stat.S_ISDIR(info.st_mode):
-                    pending.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY
-                                           | os.O_NOFOLLOW, dir_fd=fd))
+                elif stat.S_ISDIR(info.st_mode) and info.st_mode & 0o002:  # one it could
+                    pending.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY  # write
+                                           | os.O_NOFOLLOW, dir_fd=fd))  # (bounded: no fd each)
         os.close(fd)
     for kind, call in (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl")) if ipc else ():
         try:
