@@ -386,7 +386,7 @@ def test_rollouts_a_failure_ended_or_a_smaller_staleness_drops_are_warned_about(
     resumed = RolloutPipeline(2)
     with caplog.at_level("WARNING"):
         resumed.restore(checkpoint, fitting=True, rank=0, world=1)
-    assert "the run stopped, which ended 1 rollout(s) unfinished" in caplog.text
+    assert "lacks 1 rollout(s) that the run's stop or a failure ended unfinished" in caplog.text
     assert [p.version for p in resumed.queue] == [0]
     resumed.submit(Scripted(), batch, 2, version=3)  # a new fit: nothing left is kept
     assert not resumed.closed and resumed.dropped == 0
@@ -467,3 +467,58 @@ def test_a_sync_a_validation_made_is_logged_with_the_next_step(cache_dir):
     assert synced > 0
     module.rollout_engine()  # the next training step's: nothing new to sync
     assert module.sync_seconds == synced
+
+
+class FailsOnce(RemoteCopy):
+    """A server that dies in its third rollout (in flight while step 2 is saved)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.calls = 0
+
+    def generate(self, prompts, answers, num_generations, sampling=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the server died")
+        return super().generate(prompts, answers, num_generations, sampling)
+
+
+def test_a_rollout_failing_in_flight_still_lets_the_step_save_and_log(cache_dir, tmp_path):
+    """A checkpoint saved while the rollout in flight fails is written without it (with a
+    warning) and the step's scalars are logged; the run stops with the rollout's error at
+    the next step (before, the save raised it: the step's checkpoint and scalars were
+    lost)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import Logger
+
+    class Steps(Logger):
+        name, version = "steps", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = set()
+
+        def log_hyperparams(self, params, *args, **kwargs) -> None:
+            pass
+
+        def log_metrics(self, metrics, step=None) -> None:
+            if any(k.startswith("train/") for k in metrics):
+                self.steps.add(step)
+
+    logger = Steps()
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1,
+                            filename="{step}")
+    module = make_module(cache_dir, engine=FailsOnce, max_staleness=1,
+                         sampler_correction="token_tis",
+                         rewards={"tests.conftest:alternating": 1.0},
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(RuntimeError, match="the server died"):
+        fit(module, make_data(cache_dir), steps=6, tmp_path=tmp_path, enable_checkpointing=True,
+            callbacks=[saver], logger=logger, log_every_n_steps=1)
+    saved = sorted(int(p.stem.split("=")[1]) for p in tmp_path.glob("step=*.ckpt"))
+    assert saved == sorted(logger.steps) == [1, 2]
+    last = torch.load(tmp_path / "step=2.ckpt", weights_only=False)
+    assert last["maxent_grpo_rollouts"] == [[]] and last["maxent_grpo_rollouts_dropped"] == [1]
+    resumed = async_module(cache_dir, 1)  # the servers back: the run goes on from there
+    trainer = fit(resumed, make_data(cache_dir), steps=4, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert trainer.global_step == 4

@@ -169,13 +169,28 @@ class RolloutPipeline:
     def state_dict(self, step_cut_short: bool = False) -> list[dict[str, Any]]:
         """The rollouts in flight, done, as plain tensors, lists and strings (after
         :meth:`close`, those that were done; with ``step_cut_short``, those the step found,
-        :attr:`at_step_start`, once it has them)."""
+        :attr:`at_step_start`, once it has them). One that failed is left out: the
+        checkpoint is saved, and the next step raises its error."""
         kept = self.at_step_start if step_cut_short else None
         if kept is None:
-            self.wait()
-            kept = list(self.queue or self.closed)
+            kept = self._finished() if self.queue else list(self.closed)
         return [{"batch": p.batch, "version": p.version, "rollout": p.result().state_dict()}
                 for p in kept]
+
+    def _finished(self) -> list[PendingRollout]:
+        """The queue, each rollout waited for, up to one that failed (a server died; the
+        newest, as one runs at a time), which a warning names."""
+        kept = []
+        for pending in self.queue:
+            try:
+                pending.result()
+            except Exception as err:  # noqa: BLE001 - the next step's wait() raises it
+                log.warning("a rollout in flight failed (%s: %s): this checkpoint is saved "
+                            "without it, and the run stops with that error at its next step",
+                            type(err).__name__, err)
+                break
+            kept.append(pending)
+        return kept
 
     def save(self, checkpoint: dict[str, Any], step_cut_short: bool = False) -> None:
         """Every rank's rollouts in flight into ``checkpoint`` (a collective), and how many
@@ -183,7 +198,9 @@ class RolloutPipeline:
         ``step_cut_short`` (an exception stopped a training step, which Lightning runs again
         at the resume), the rollouts as that step found them."""
         cut = step_cut_short and self.at_step_start is not None
-        per_rank = all_gather_objects((self.state_dict(cut), 0 if cut else self.dropped))
+        state = self.state_dict(cut)
+        dropped = 0 if cut else len(self.queue) - len(state) if self.queue else self.dropped
+        per_rank = all_gather_objects((state, dropped))
         # after a failure one rank's newest rollout may have finished and another's not:
         # every rank keeps as many (the oldest), so that all train from the same step on
         n = min(len(state) for state, _ in per_rank)
@@ -191,9 +208,9 @@ class RolloutPipeline:
         checkpoint[DROPPED_KEY] = [dropped + len(state) - n for state, dropped in per_rank]
         rank = torch.distributed.get_rank() if len(per_rank) > 1 else 0
         if dropped := checkpoint[DROPPED_KEY][rank]:
-            log.warning("this checkpoint, saved after the run stopped (a failure, or a fit "
-                        "that ended), lacks %d rollout(s) that were still being generated: a "
-                        "resume does not train their batches (it is not the run an "
+            log.warning("this checkpoint lacks %d rollout(s) that were still being generated "
+                        "when the run stopped (a failure, or a fit that ended) or that failed: "
+                        "a resume does not train their batches (it is not the run an "
                         "uninterrupted fit would have made)", dropped)
 
     def restore(self, checkpoint: dict[str, Any], fitting: bool, rank: int, world: int) -> None:
@@ -208,8 +225,8 @@ class RolloutPipeline:
                 f"this checkpoint holds the rollouts in flight of {len(per_rank)} processes; "
                 f"this run has {world}: resume with as many processes")
         if dropped := (checkpoint.get(DROPPED_KEY) or [0] * world)[rank]:
-            log.warning("this checkpoint was saved after the run stopped, which ended %d "
-                        "rollout(s) unfinished: their batches are not trained", dropped)
+            log.warning("this checkpoint lacks %d rollout(s) that the run's stop or a "
+                        "failure ended unfinished: their batches are not trained", dropped)
         self.load_state_dict(per_rank[rank])
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
