@@ -3,9 +3,12 @@ the engine holds ``servers``, ``model``, ``tokenizer``, ``weight_transfer``,
 ``probe_tolerance`` and ``_call``): each server serves one model under a name, takes weight
 updates, splits a probe text as the policy's tokenizer does and, once it holds the policy's
 weights, scores a probe as the policy does, before and after temperature. Every rank checks;
-all fail together (:func:`_all_ok`)."""
+all fail together (:func:`_all_ok`). A server that comes back (restarted) is checked again
+but for the probe (a collective), and must hold the start's :data:`SETTINGS`."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -14,7 +17,9 @@ from maxent_grpo.rollout.server_weights import ServerError, _Server, server_comm
 from maxent_grpo.rollout.vllm_engine import NEUTRAL_SAMPLING
 from maxent_grpo.validation import require
 
-__all__ = ["PROBE_TEMPERATURE", "PROBE_TEXT", "ServerChecks"]
+__all__ = ["PROBE_TEMPERATURE", "PROBE_TEXT", "SETTINGS", "ServerChecks"]
+
+log = logging.getLogger("maxent_grpo.rollout.vllm_server")
 
 #: the probe text of the start-up checks: letters, digits, spaces and punctuation
 PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
@@ -22,6 +27,11 @@ PROBE_TEXT = "The sum of 12 and 30 is 42. Check: 42 - 30 = 12!"
 #: the temperature of the probe's sampled token (not 1, where log-probs before and after
 #: temperature agree)
 PROBE_TEMPERATURE = 0.5
+
+
+#: a server's settings that its answers show only to the probe (``/server_info``): a server
+#: that comes back must have the start's, since the probe is not repeated
+SETTINGS = ("dtype", "logprobs_mode")
 
 
 class ServerChecks:
@@ -62,6 +72,36 @@ class ServerChecks:
                 f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
                 "server on the policy's model")
         server.model = names[0]
+        settings = self._settings(server)
+        if settings is not None and settings["logprobs_mode"] != "processed_logprobs":
+            raise ServerError(f"{server.url} returns {settings['logprobs_mode']}, not the "
+                              "log-probs after temperature that the trainer scores: start it "
+                              "with --logprobs-mode processed_logprobs")
+        if server.settings is None:
+            server.settings = settings
+        elif settings is not None and settings != server.settings:
+            raise ServerError(f"{server.url} came back with {settings}, not the start's "
+                              f"{server.settings}: restart it with the command it started with")
+
+    def _settings(self, server: _Server) -> dict | None:
+        """``server``'s :data:`SETTINGS`; None where ``/server_info`` does not tell them."""
+        try:
+            out = self._call(server, "GET", "/server_info", params={"config_format": "json"},
+                             timeout=60.0)
+            return {k: str(out["vllm_config"]["model_config"][k]) for k in SETTINGS}
+        except (ServerError, KeyError, TypeError):
+            return None
+
+    def _check_again(self, server: _Server) -> None:
+        """:meth:`_check_server` on a server that came back (restarted, or out of reach a
+        while); one that fails is out of use until a sync finds it passing (ServerError
+        naming why, and a warning)."""
+        try:
+            self._check_server(server)
+        except (ServerError, ValueError) as err:
+            server.healthy, server.paused_by_failure = False, True
+            log.warning("%s came back and is out of use: %s", server.url, err)
+            raise ServerError(f"{server.url} came back and is out of use: {err}") from None
 
     def _check_probe(self) -> None:
         """The servers give a probe sequence the policy's log-probabilities, and the token

@@ -84,6 +84,7 @@ class _Server:
     paused_by_failure: bool = False  # a transfer kept failing: out of use for good
     lock: threading.Lock = field(default_factory=threading.Lock)  # one transfer at a time
     sender: Any = None  # a collective transfer's trainer side, once joined (rank 0)
+    settings: dict | None = None  # what the start checks saw of its own (``_settings``)
 
 
 class ServerWeights:
@@ -333,9 +334,9 @@ class ServerWeights:
                     continue
                 try:
                     self._check_ours(server)  # another run's update since our last sync
+                    if not server.healthy:  # restarted (a new transfer engine) or unreached
+                        self._check_again(server)
                     if self.weight_transfer == "file":
-                        if not server.healthy:  # restarted: its transfer engine is new
-                            self._open_file_transfer(server)
                         self._transfer(server, self._file, self._file_info, version)
                     else:
                         self._broadcast(server, version)
@@ -382,9 +383,9 @@ class ServerWeights:
             if _rank() != 0 or self._file is None or not os.path.exists(self._file):
                 return False
             try:
-                with server.lock:  # a restarted server needs the transfer engine again
+                with server.lock:  # a restarted server: checked, its transfer engine opened
                     if server.version != self.current:
-                        self._open_file_transfer(server)
+                        self._check_again(server)
                         server.version = None
                 self._transfer(server, self._file, self._file_info, self.current)
             except ServerError:

@@ -307,8 +307,8 @@ class VLLMServerEngine(ServerWeights, ServerChecks, VLLMEngineBase):
             if all(s.paused_by_failure for s in self.servers):  # none can come back
                 raise ServerError(
                     "every vLLM server is out of use after weight transfers that kept failing "
-                    "(the warnings above say why: a server restarted with another model?); "
-                    "restart them with the run's model and resume with --ckpt_path last")
+                    "or a restart with other settings (the warnings above say why); restart "
+                    "them as they first started and resume with --ckpt_path last")
             if server is not None:
                 try:
                     return _choices(self._call(server, "POST", "/v1/completions",

@@ -37,7 +37,8 @@ TOKENS, LOGPS = [5, 6, 7], [-0.5, -0.25, -1.0]
 
 class StandIn:
     """One stand-in server: ``/health``, ``/weight_info`` (``version``), the weight-update
-    routes (``/finish_weight_update`` sets the version, after ``update_seconds``) and
+    routes (``/finish_weight_update`` sets the version, after ``update_seconds``), the start
+    checks' (``/v1/models``, ``/tokenize``, ``/server_info``: ``settings``) and
     ``/v1/completions``, which waits ``hold`` seconds (until released) or answers ``status``
     at once."""
 
@@ -50,6 +51,7 @@ class StandIn:
         self.hang_on = hang_on  # a route that never answers
         self.refuse_starts = refuse_starts  # /start_weight_update refused this often (500)
         self.version, self.update_seconds = version, update_seconds
+        self.settings = {"dtype": "torch.float32", "logprobs_mode": "processed_logprobs"}
         self.release = threading.Event()
         stand_in = self
 
@@ -78,6 +80,10 @@ class StandIn:
                 stand_in.calls.append(self.path)
                 if self.path == "/weight_info":
                     self.answer(200, {"weight_version": stand_in.version})
+                elif self.path == "/v1/models":
+                    self.answer(200, {"data": [{"id": "m"}]})
+                elif self.path.startswith("/server_info"):
+                    self.answer(200, {"vllm_config": {"model_config": stand_in.settings}})
                 else:
                     self.answer(200, {})
 
@@ -97,6 +103,9 @@ class StandIn:
                     time.sleep(stand_in.update_seconds)  # a transfer takes a while
                 if path == "/finish_weight_update" and "weight_version" in body:
                     stand_in.version = body["weight_version"]
+                if path == "/tokenize":
+                    self.answer(200, {"tokens": [1, 2]})
+                    return
                 if path != "/v1/completions":
                     self.answer(200, {})
                     return
@@ -152,6 +161,7 @@ def _bare_engine(urls: list[str], request_timeout: float, retry_seconds: float =
     engine._last_weights, engine._closed, engine.sync_bytes = None, False, 0
     engine._folder, engine._transfer_dir = None, None
     engine.weight_transfer, engine._source = "file", WeightList(torch.device("cpu"))
+    engine.tokenizer = lambda text, add_special_tokens: {"input_ids": [1, 2]}  # as /tokenize
     return engine
 
 
@@ -250,6 +260,36 @@ def test_a_restarted_server_revived_by_several_threads_gets_the_weights_once(
     assert results == [True] * 4
     assert restarted.calls.count("/update_weights") == 1
     assert restarted.version == "3" and engine.servers[0].healthy
+
+
+def test_a_server_restarted_with_other_settings_is_out_of_use_until_it_has_the_starts(
+    stand_ins, engine_on, tmp_path, caplog,
+):
+    """The probe that checks a server's log-probs and dtype is a collective, so it runs at
+    start only; a server restarted without ``--logprobs-mode processed_logprobs`` got the
+    weights and served (its sampler log-probs before temperature). Its settings must be
+    the start's: it is out of use, with a warning, until a sync finds them again."""
+    server = stand_ins(version="3")
+    engine = engine_on([server], request_timeout=10.0, retry_seconds=30.0)
+    engine._check_server(engine.servers[0])  # as at start: its settings recorded
+    engine.version = 3
+    engine._file = str(tmp_path / "v3.safetensors")
+    open(engine._file, "wb").close()
+    engine._file_info = {"num_tensors": 1, "num_bytes": 0}
+    server.version, server.settings = "default", {**server.settings,
+                                                  "logprobs_mode": "raw_logprobs"}
+    with caplog.at_level("WARNING"):
+        engine._refresh()  # restarted: found before the rollout
+    assert engine.servers[0].paused_by_failure and "/update_weights" not in server.calls
+    assert "returns raw_logprobs" in caplog.text and "processed_logprobs" in caplog.text
+    server.settings = {**server.settings, "logprobs_mode": "processed_logprobs",
+                       "dtype": "torch.bfloat16"}
+    with pytest.raises(ServerError, match=r"came back with .*bfloat16.*, not the start's"):
+        engine._send_to_all("4", [False])
+    server.settings["dtype"] = "torch.float32"  # restarted as it started: in use again
+    sent = [False]
+    engine._send_to_all("4", sent)
+    assert sent == [True] and server.version == "4" and not engine.servers[0].paused_by_failure
 
 
 def test_another_trainers_weights_on_the_server_are_refused(stand_ins, engine_on):
