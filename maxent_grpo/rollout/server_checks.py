@@ -71,17 +71,20 @@ class ServerChecks:
                 f"{PROBE_TEXT!r} into {theirs}; the policy's tokenizer "
                 f"({getattr(self.tokenizer, 'name_or_path', '?')}) gives {ours}: start the "
                 "server on the policy's model")
+        again = "restart it with the command it started with"  # every rank knows one name
+        require(not server.model or names[0] == server.model,
+                f"{server.url} came back serving {names[0]!r}, not {server.model!r}: {again}")
         server.model = names[0]
         settings = self._settings(server)
-        if settings is not None and settings["logprobs_mode"] != "processed_logprobs":
-            raise ServerError(f"{server.url} returns {settings['logprobs_mode']}, not the "
-                              "log-probs after temperature that the trainer scores: start it "
-                              "with --logprobs-mode processed_logprobs")
-        if server.settings is None:
-            server.settings = settings
-        elif settings is not None and settings != server.settings:
-            raise ServerError(f"{server.url} came back with {settings}, not the start's "
-                              f"{server.settings}: restart it with the command it started with")
+        require(not settings or settings["logprobs_mode"] == "processed_logprobs",
+                f"{server.url} returns {settings and settings['logprobs_mode']}, not the "
+                "log-probs after temperature that the trainer scores: start it with "
+                "--logprobs-mode processed_logprobs")
+        if server.settings is None:  # at start ({}: not told, so never compared)
+            server.settings = settings or {}
+        require(not settings or not server.settings or settings == server.settings,
+                f"{server.url} came back with {settings}, not the start's {server.settings}: "
+                f"{again}")
 
     def _settings(self, server: _Server) -> dict | None:
         """``server``'s :data:`SETTINGS`; None where ``/server_info`` does not tell them."""
@@ -94,14 +97,18 @@ class ServerChecks:
 
     def _check_again(self, server: _Server) -> None:
         """:meth:`_check_server` on a server that came back (restarted, or out of reach a
-        while); one that fails is out of use until a sync finds it passing (ServerError
-        naming why, and a warning)."""
+        while): one that is not as at start (another model, tokenizer, served name or
+        setting) is out of use until a sync finds it passing (ServerError naming why, and
+        a warning); one that does not answer is not back yet (its ServerError)."""
         try:
             self._check_server(server)
-        except (ServerError, ValueError) as err:
+        except ValueError as err:
             server.healthy, server.paused_by_failure = False, True
             log.warning("%s came back and is out of use: %s", server.url, err)
             raise ServerError(f"{server.url} came back and is out of use: {err}") from None
+        except ServerError:
+            server.healthy = False
+            raise
 
     def _check_probe(self) -> None:
         """The servers give a probe sequence the policy's log-probabilities, and the token

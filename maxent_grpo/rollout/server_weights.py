@@ -333,8 +333,9 @@ class ServerWeights:
                         "sent (it gets them once it answers again)"))
                     continue
                 try:
-                    self._check_ours(server)  # another run's update since our last sync
-                    if not server.healthy:  # restarted (a new transfer engine) or unreached
+                    held = self._held(server)
+                    self._check_ours(server, held)  # another run's update since our last sync
+                    if not server.healthy or server.version not in (None, held):  # restarted
                         self._check_again(server)
                     if self.weight_transfer == "file":
                         self._transfer(server, self._file, self._file_info, version)
@@ -383,10 +384,11 @@ class ServerWeights:
             if _rank() != 0 or self._file is None or not os.path.exists(self._file):
                 return False
             try:
-                with server.lock:  # a restarted server: checked, its transfer engine opened
-                    if server.version != self.current:
+                with server.lock:  # restarted: checked, its transfer engine opened (once)
+                    if server.paused_by_failure:
+                        return False
+                    if not server.healthy:
                         self._check_again(server)
-                        server.version = None
                 self._transfer(server, self._file, self._file_info, self.current)
             except ServerError:
                 return False

@@ -267,8 +267,10 @@ def test_a_server_restarted_with_other_settings_is_out_of_use_until_it_has_the_s
 ):
     """The probe that checks a server's log-probs and dtype is a collective, so it runs at
     start only; a server restarted without ``--logprobs-mode processed_logprobs`` got the
-    weights and served (its sampler log-probs before temperature). Its settings must be
-    the start's: it is out of use, with a warning, until a sync finds them again."""
+    weights and served (its sampler log-probs before temperature). A server that comes
+    back, found before a rollout or by a sync, is checked again: its served name and
+    settings must be the start's, or it is out of use, with a warning, until a sync finds
+    them again; one that does not answer the checks is only not back yet."""
     server = stand_ins(version="3")
     engine = engine_on([server], request_timeout=10.0, retry_seconds=30.0)
     engine._check_server(engine.servers[0])  # as at start: its settings recorded
@@ -276,20 +278,42 @@ def test_a_server_restarted_with_other_settings_is_out_of_use_until_it_has_the_s
     engine._file = str(tmp_path / "v3.safetensors")
     open(engine._file, "wb").close()
     engine._file_info = {"num_tensors": 1, "num_bytes": 0}
-    server.version, server.settings = "default", {**server.settings,
-                                                  "logprobs_mode": "raw_logprobs"}
+    engine.servers[0].version = "3"  # as after the last sync
+    raw = {**server.settings, "logprobs_mode": "raw_logprobs"}
+    server.version, server.settings = "default", raw  # restarted between steps
     with caplog.at_level("WARNING"):
-        engine._refresh()  # restarted: found before the rollout
+        engine._refresh()  # found before the rollout
     assert engine.servers[0].paused_by_failure and "/update_weights" not in server.calls
     assert "returns raw_logprobs" in caplog.text and "processed_logprobs" in caplog.text
-    server.settings = {**server.settings, "logprobs_mode": "processed_logprobs",
-                       "dtype": "torch.bfloat16"}
+    server.settings = {**raw, "logprobs_mode": "processed_logprobs", "dtype": "torch.bfloat16"}
     with pytest.raises(ServerError, match=r"came back with .*bfloat16.*, not the start's"):
         engine._send_to_all("4", [False])
     server.settings["dtype"] = "torch.float32"  # restarted as it started: in use again
     sent = [False]
     engine._send_to_all("4", sent)
     assert sent == [True] and server.version == "4" and not engine.servers[0].paused_by_failure
+    engine.version = 4
+    server.version, server.settings = "default", raw  # restarted again, unnoticed: the sync
+    with pytest.raises(ServerError, match="returns raw_logprobs"):
+        engine._send_to_all("5", [False])
+    server.settings = {**raw, "logprobs_mode": "processed_logprobs"}
+    engine._send_to_all("5", sent)
+    real = engine._call
+
+    def unanswered(srv, method, path, **kw):  # a restart still loading its model
+        if path == "/v1/models":
+            raise ServerError("connection refused")
+        return real(srv, method, path, **kw)
+
+    engine.version, server.version, engine.servers[0].healthy = 5, "default", False
+    engine._call = unanswered
+    assert not engine._revive(engine.servers[0]) and not engine.servers[0].paused_by_failure
+    engine._call = real
+    assert engine._revive(engine.servers[0]) and server.version == "5"
+    engine.servers[0].model = "another-name"  # as if it had been started serving this one
+    server.version, engine.servers[0].healthy = "default", False
+    assert not engine._revive(engine.servers[0]) and engine.servers[0].paused_by_failure
+    assert "came back serving 'm', not 'another-name'" in caplog.text
 
 
 def test_another_trainers_weights_on_the_server_are_refused(stand_ins, engine_on):
@@ -600,7 +624,7 @@ def test_a_server_that_hangs_in_a_transfer_costs_one_time_out_not_three(
     calls = _recording(engine)
     engine.sync(torch.nn.Linear(3, 2))
     assert live.version == "1" and engine.servers[0].paused_by_failure
-    assert [p for u, p in calls if u == hung.url] == ["/health", "/pause"]
+    assert [p for u, p in calls if u == hung.url] == ["/health", "/weight_info", "/pause"]
 
 
 def test_an_update_left_open_is_closed_and_the_transfer_goes_on(stand_ins, engine_on, tmp_path):
@@ -614,7 +638,8 @@ def test_an_update_left_open_is_closed_and_the_transfer_goes_on(stand_ins, engin
     engine.sync(torch.nn.Linear(3, 2))
     assert server.version == "1" and engine.servers[0].healthy
     routes = [p for _, p in calls]
-    assert routes[:4] == ["/health", "/pause", "/start_weight_update", "/finish_weight_update"]
+    assert routes[:5] == ["/health", "/weight_info", "/pause", "/start_weight_update",
+                          "/finish_weight_update"]
     assert routes.count("/start_weight_update") == 2
 
 
