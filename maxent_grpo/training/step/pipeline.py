@@ -186,8 +186,8 @@ class RolloutPipeline:
                 pending.result()
             except Exception as err:  # noqa: BLE001 - the next step's wait() raises it
                 log.warning("a rollout in flight failed (%s: %s): this checkpoint is saved "
-                            "without it, and the run stops with that error at its next step",
-                            type(err).__name__, err)
+                            "without it, and the run stops with that error at its next step "
+                            "(if any)", type(err).__name__, err)
                 break
             kept.append(pending)
         return kept
