@@ -71,9 +71,9 @@ def check_peft(config: Any) -> None:
     """Refuse (ValueError naming ``model.peft``) what cannot train here: a non-``peft``
     object, a task type other than ``CAUSAL_LM`` (or None), prompt-learning methods (prefix /
     prompt tuning: they change the sequence the scorer reads), ``inference_mode`` (the
-    adapters would be frozen) and an ``init_lora_weights`` that rewrites the base weights
-    (:data:`REWRITING_INITS`: the reference and the exported adapter assume the base as
-    loaded)."""
+    adapters would be frozen), AdaLoRA (its rank allocation needs its own loop) and an
+    ``init_lora_weights`` that rewrites the base weights (:data:`REWRITING_INITS`: the
+    reference and the exported adapter assume the base as loaded)."""
     name = type(config).__name__
     require(isinstance(config, PeftConfig),
             f"model.peft must be a peft config (class_path peft.LoraConfig, ...); got {name}")
@@ -87,6 +87,11 @@ def check_peft(config: Any) -> None:
             "scorer reads; use an adapter method such as peft.LoraConfig")
     require(not config.inference_mode, "model.peft.inference_mode must be false: with it "
             "the adapters are frozen and nothing trains")
+    require(str(getattr(config.peft_type, "value", config.peft_type)) != "ADALORA",
+            "model.peft: AdaLoRA needs its rank allocation called after every backward "
+            "(update_and_allocate) and its regulariser added to a loss with labels, neither of "
+            "which this trainer does (it would train a fixed-rank adapter of init_r): use "
+            "peft.LoraConfig")
     init = getattr(config, "init_lora_weights", True)
     require(not (isinstance(init, str) and init.lower().startswith(REWRITING_INITS)),
             f"model.peft.init_lora_weights {init!r} rewrites the base weights (base - the "

@@ -142,9 +142,12 @@ def test_bf16_mixed_trains_float32_adapters(cache_dir):
         (lambda: peft.LoraConfig(init_lora_weights="pissa_niter_4"),
          "init_lora_weights 'pissa_niter_4' rewrites the base weights"),
         (lambda: peft.LoraConfig(init_lora_weights="olora"), "'olora' rewrites the base"),
+        # trained as a fixed-rank adapter of init_r without a word (a hunt)
+        (lambda: peft.AdaLoraConfig(init_r=6, target_r=2, total_step=4),
+         "AdaLoRA needs its rank allocation"),
     ],
     ids=["task_type", "inference_mode", "prompt_tuning", "dict", "bare_peft_config", "pissa",
-         "olora"],
+         "olora", "adalora"],
 )
 def test_configs_that_cannot_train_are_refused_when_built(cache_dir, config, message):
     with pytest.raises(ValueError, match=message):

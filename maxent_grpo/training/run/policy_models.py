@@ -119,8 +119,9 @@ class PolicyModels:
             require(bias == "none" or not fitting,
                     f"model.peft.bias: {bias} trains the base model's biases, which the "
                     "reference (the policy with its adapters disabled) shares: the KL would "
-                    "be to a model that moves; use bias: none with beta > 0 (or a controller "
-                    "of beta)")
+                    "be to a model that moves; use bias: none while "
+                    f"{type(self.objective).__name__} needs the reference (a beta or kl_coef > "
+                    "0, a KL gate, GroupMaxEnt's lam > 0, or a controller of beta)")
             return AdapterDisabledReference(self.policy)
         return load_reference(src.name_or_path, dtype=src.dtype, cache_dir=src.cache_dir)
 
