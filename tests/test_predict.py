@@ -185,6 +185,19 @@ def test_predict_that_runs_no_batch_says_nothing_was_written(tmp_path, monkeypat
     assert any("predict ran no batch" in str(w.message) for w in recwarn)
 
 
+@pytest.mark.parametrize("stage, limit", [("validate", "val"), ("test", "test")])
+def test_validate_or_test_that_runs_no_batch_says_nothing_was_evaluated(
+        stage, limit, tmp_path, monkeypatch, recwarn):
+    """Before, it printed no metric and no word, and exited 0 (a fit config that turns its
+    validation off, given to validate)."""
+    monkeypatch.chdir(tmp_path)
+    cli_module.main([stage, *SMALL, f"--model.model_cache_dir={tmp_path / 'models'}",
+                     "--trainer.logger=false", f"--trainer.limit_{limit}_batches=0"])
+    assert [str(w.message) for w in recwarn if "ran no batch" in str(w.message)] == [
+        f"{stage} ran no batch (trainer.limit_{limit}_batches, or no validation rows): nothing "
+        "was evaluated"]
+
+
 class SigtermAtFirstBatch(__import__("lightning").pytorch.Callback):
     """SIGTERM this process at the start of the first predict batch."""
 
