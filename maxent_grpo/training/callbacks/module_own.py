@@ -26,8 +26,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from maxent_grpo.rewards import TrainerState
 from maxent_grpo.rewards.verify_worker import VERIFIER
 from maxent_grpo.training.data.prompts import check_prompt_bound, check_prompt_format
+from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
-from maxent_grpo.training.run.checkpoint_io import atomic_write
 from maxent_grpo.training.run.folders import run_dir, unused_path
 from maxent_grpo.training.run.signals import (
     answer_requeue,
@@ -122,6 +122,7 @@ class ModuleHooks(L.Callback):
         a validation that did not end runs it first (:func:`validate_first`); changed
         options are warned of (:func:`warn_changed_options`)."""
         if trainer.state.fn == "fit":
+            follow_moved_folders(trainer, checkpoint)
             warn_changed_options(checkpoint, trainer)
             self.validation_due = checkpoint.get(VALIDATION_DUE) is True
             resume_where_stopped(checkpoint, trainer)
@@ -220,6 +221,36 @@ class ModuleHooks(L.Callback):
         batch, after every callback had the last one."""
         if share_sigterm(trainer, training=False):
             raise SIGTERMException
+
+def follow_moved_folders(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """A ModelCheckpoint whose folder was moved or copied since ``checkpoint`` was written
+    (its state names another ``dirpath``) takes that state re-rooted in its folder, as
+    Lightning takes it in place, when the last checkpoint it names is there and of this run:
+    ``last.ckpt`` is written over, not beside as ``last-v1.ckpt`` (which left ``last.ckpt``,
+    what ``validate``, ``predict`` and ``export`` are shown, at the old step)."""
+    states = checkpoint.get("callbacks") or {}
+    for saver in trainer.checkpoint_callbacks:
+        state = states.get(getattr(saver, "state_key", None)) or {}
+        old, new = state.get("dirpath"), getattr(saver, "dirpath", None)
+        if not (isinstance(old, str) and isinstance(new, str) and old != new):
+            continue
+
+        def moved(path: Any, old: str = old, new: str = new) -> Any:
+            inside = isinstance(path, str) and path.startswith(old + os.sep)
+            return os.path.join(new, os.path.relpath(path, old)) if inside else path
+
+        last = moved(state.get("last_model_path"))
+        if last == state.get("last_model_path") or not os.path.isfile(last):
+            continue
+        problem, index = ckpt_io._usable(last, False, False)
+        if problem is None and (index or {}).get(ckpt_io.RUN_KEY) == checkpoint.get(
+                ckpt_io.RUN_KEY):
+            state.update(dirpath=new, last_model_path=last,
+                         best_model_path=moved(state.get("best_model_path")),
+                         kth_best_model_path=moved(state.get("kth_best_model_path")),
+                         best_k_models={moved(k): v for k, v in
+                                        (state.get("best_k_models") or {}).items()})
+
 
 def _own_logging_step(trainer: L.Trainer) -> None:
     """The Trainer's logging step its own again after a validate/test of a checkpoint,
@@ -355,7 +386,7 @@ class CompletionWriter(L.Callback):
         unique = {(r["row"], r["sample"]): r for r in reversed(rows)}  # the first copy
         rows = [unique[k] for k in sorted(unique)]
         assert self.path is not None
-        atomic_write(self.path, lambda f: f.writelines(  # a lone surrogate: its JSON escape
+        ckpt_io.atomic_write(self.path, lambda f: f.writelines(  # a lone surrogate: its JSON escape
             (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode(
                 "utf-8", "backslashreplace") for r in rows))
         self.written = True

@@ -698,3 +698,35 @@ def test_no_room_is_told_only_of_a_write_that_found_none():
     assert no_room(RuntimeError("other"), "x", "") is None
     rust = Exception("Error while serializing: I/O error: File too large (os error 27)")
     assert "writing x failed: file too large" in str(no_room(rust, "x", "kept"))
+
+
+def test_a_moved_checkpoint_folder_resumed_writes_over_its_last_ckpt(tmp_path, monkeypatch):
+    """A run's checkpoint folder moved (another disk, another mount point) and resumed there
+    with ``--ckpt_path last``: Lightning took its ModelCheckpoint's state for another
+    folder's, so the new last checkpoint went beside as ``last-v1.ckpt`` and ``last.ckpt``,
+    which validate, predict and export are shown, stayed at the old step (a hunt)."""
+    import shutil
+
+    import maxent_grpo.cli.parser as cli_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def run(folder: Path, steps: int, *extra: str) -> None:
+        config = tmp_path / f"saver_{folder.name}.yaml"
+        config.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(folder), "save_last": True,
+                          "every_n_train_steps": 2}}]}}))
+        cli_module.main(["fit", "--config", "tiny", "--config", str(config),
+                         "--data.train_size", "64", "--data.val_size", "4",
+                         "--data.batch_size", "4", "--model.num_generations", "4",
+                         "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+                         f"--model.model_cache_dir={tmp_path / 'models'}",
+                         "--trainer.max_steps", str(steps), *extra])
+
+    run(tmp_path / "A", 4)
+    shutil.move(tmp_path / "A", tmp_path / "B")
+    run(tmp_path / "B", 6, "--ckpt_path", "last")
+    assert sorted(p.name for p in (tmp_path / "B").glob("last*.ckpt")) == ["last.ckpt"]
+    assert torch.load(tmp_path / "B" / "last.ckpt", weights_only=True)["global_step"] == 6
