@@ -77,8 +77,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         rewards: reward -> weight, or -> options ``{weight, timeout, fallback}`` (plus
             ``batch_size``, ``dtype`` for reward models). A reward is a registered name, a
             ``package.module:function`` path (called as TRL's ``GRPOTrainer`` calls reward
-            functions) or ``model:<hub name or folder>``, a sequence-classification reward
-            model (:mod:`maxent_grpo.rewards`; docs/REWARDS.md).
+            functions) or ``model:<hub name or folder>``, a reward model (docs/REWARDS.md).
+            ``None``: ``{accuracy: 1.0}`` (an ``<answer>`` or ``\\boxed{}``; warned).
         engine: the rollout engine, chosen with ``class_path`` and built once per run as
             ``engine(policy, tokenizer, sampling)`` (:mod:`maxent_grpo.rollout`); default
             :class:`~maxent_grpo.rollout.HFGenerateEngine` (``init_args: {share_prefill:

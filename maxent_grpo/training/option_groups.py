@@ -71,6 +71,10 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
 def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSettings:
     """Check the module's constructor options ``o`` and group them (see the module
     docstring); ``reward_names`` are ``WeightedRewards.names`` (checked: never empty)."""
+    if o.get("rewards") is None:  # a task whose answers are bare would score 0 throughout
+        rank_zero_warn("model.rewards is not set: training on the accuracy reward alone (the "
+                       "completion's <answer> block or \\boxed{} equal to the row's answer); "
+                       "set model.rewards to choose (docs/REWARDS.md)")
     check_int("model.num_generations", o["num_generations"], minimum=2)
     check_int("model.max_completion_length", o["max_completion_length"], minimum=1)
     overlong = (o.get("rewards") or {}).get("overlong")
