@@ -760,3 +760,22 @@ def test_a_config_file_that_is_not_yaml_is_named(monkeypatch, tmp_path, capsys):
         assert stop.value.code == 1
         err = capsys.readouterr().err
         assert f"error: --config {name} is not valid YAML: " in err and said in err, err
+
+
+@pytest.mark.parametrize("text, said", [
+    ("", " holds no options (it is empty: a --print_config > FILE that failed leaves it so)"),
+    ("- model\n", " holds no options (a list, not a mapping"),
+    ("data:\nbatch_size: 4\n", ": data: has nothing under it: indent its options below it"),
+    ("fit:\n  model:\n  # num_generations: 4\n", ": model: has nothing under it"),
+])
+def test_a_config_file_without_options_is_named_with_the_fix(text, said, monkeypatch, tmp_path,
+                                                              capsys):
+    """An empty file said "Unexpected config: "; a group with its options not indented
+    under it named a linked key the file never had (a hunt)."""
+    (tmp_path / "mine.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli_module.main(["fit", "--config", "tiny", "--config", "mine.yaml"],
+                        exit_on_error=True)
+    assert stop.value.code == 1
+    assert f"error: --config mine.yaml{said}" in capsys.readouterr().err

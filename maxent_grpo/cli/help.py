@@ -112,7 +112,7 @@ def _check_yaml(path: str) -> None:
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # jsonargparse's (libyaml takes
     try:  # a tab where the pure-Python reader does not: a trailing one, a JSON file's)
         text = Path(path).read_text(encoding="utf-8")
-        yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
+        data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except (yaml.scanner.ScannerError, yaml.parser.ParserError) as err:  # the syntax
         at, lines = err.problem_mark, text.splitlines()
         line = lines[at.line] if at.line < len(lines) else ""
@@ -121,6 +121,17 @@ def _check_yaml(path: str) -> None:
                          f"{at.line + 1}, column {at.column + 1}{tabs})") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return  # (the parser's own message)
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} holds no options (" + (
+            "it is empty: a --print_config > FILE that failed leaves it so" if data is None
+            else f"a {type(data).__name__}, not a mapping of groups such as model: and data:")
+            + ")")
+    sections = [data, *(data[c] for c in SUBCOMMANDS if isinstance(data.get(c), dict))]
+    empty = [g for section in sections for g in ("model", "data", "trainer")
+             if g in section and section[g] is None]
+    if empty:  # the linked options failed first, naming a key the file never had
+        raise ValueError(f"--config {path}: {', '.join(g + ':' for g in empty)} has nothing "
+                         "under it: indent its options below it (or remove the line)")
 
 
 def top_level_help() -> str:
