@@ -278,6 +278,19 @@ def test_python_dash_m(bad_inputs, models):
 # ---------------------------------------------------------------------------- classification
 
 
+def test_lightnings_refusal_of_srun_without_tasks_per_node_is_a_users_mistake(monkeypatch):
+    """``srun -n 8`` without ``--ntasks-per-node``: Lightning's RuntimeError, which names the
+    fix, was printed as a bug of ours with its trace (a hunt)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    with pytest.raises(RuntimeError) as caught:
+        SLURMEnvironment._validate_srun_variables()
+    assert errors.is_user_error(caught.value)
+    assert "--ntasks-per-node=8" in errors.message_of(caught.value)
+
+
 def test_user_error_classes():
     for error in (ValueError("x"), FileNotFoundError(2, "No such file", "a.txt"),
                   errors.UserError("x"), RewardFunctionError("x"),

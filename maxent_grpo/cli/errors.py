@@ -83,7 +83,8 @@ def is_user_error(error: BaseException) -> bool:
     kind = type(error)  # a logger's own account that is not set up (``wandb login``)
     return isinstance(error, user_error_types()) or (
         kind.__module__.startswith("wandb") and kind.__name__ == "UsageError") or (
-        _mlflow_unreachable(error))
+        _mlflow_unreachable(error)) or (  # Lightning's refusal of `srun -n N` (its hint says)
+        isinstance(error, RuntimeError) and "in your SLURM bash script" in str(error))
 
 
 def _mlflow_unreachable(error: BaseException) -> bool:
