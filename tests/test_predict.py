@@ -161,6 +161,11 @@ def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tm
     assert cli_help.resolve_config_names(["-c", "tiny"]) == ["-c", packaged]  # -c: --config
     scaling = str(cli_help.configs_folder() / "scaling" / "ddp_cpu_tiny.yaml")  # a name in a
     assert cli_help.resolve_config_names(["--config", "scaling/ddp_cpu_tiny"])[1] == scaling
+    # the docs' paths, away from a clone (a wheel's user): the shipped file, said (a hunt)
+    assert cli_help.resolve_config_names(["--config", "configs/tiny.yaml"])[1] == packaged
+    assert cli_help.resolve_config_names(
+        ["--config", "configs/scaling/ddp_cpu_tiny.yaml"])[1] == scaling
+    assert "--config configs/tiny.yaml: no such file" in capsys.readouterr().err
     missing = ["--config", "elsewhere/my.yaml"]  # a path that is not there: the parser says so
     assert cli_help.resolve_config_names(missing) == missing
     cli = cli_module.main(["--config", "tiny", "--trainer.logger=false",

@@ -89,6 +89,9 @@ def _config_path(value: str) -> str:
             "\n" in value):  # inline YAML (jsonargparse reads files and text)
         return value
     name = value.removesuffix(".yaml").removesuffix(".yml")
+    parts = os.path.normpath(name).split(os.sep)
+    if len(parts) > 1 and parts[0] == "configs":  # the docs' path, away from a clone: the
+        name = "/".join(parts[1:])  # same shipped file
     path = configs_folder() / f"{name}.yaml"
     if name in shipped_configs() and path.is_file():
         if name != value:  # a file name that is not here: say which file is read instead
