@@ -34,7 +34,7 @@ HELP_ALL_FLAG = "--help-all"
 SUBCOMMANDS: dict[str, str] = {
     "fit": "train: rollout -> score -> loss each step, with validation and checkpoints",
     "validate": "evaluate pass@k on the validation prompts (a checkpoint: --ckpt_path FILE)",
-    "test": "evaluate pass@k on the test prompts (a checkpoint: --ckpt_path FILE)",
+    "test": "validate's evaluation, logged as test/ (a checkpoint: --ckpt_path FILE)",
     "predict": "sample graded completions of the validation prompts into a JSONL file "
                "(--ckpt_path FILE, --output FILE)",
 }
