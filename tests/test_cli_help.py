@@ -231,6 +231,18 @@ def test_with_traceback_the_raised_parse_error_has_the_suggestion(capsys):
     assert last.count(parse_errors.DID_YOU_MEAN) == 1
 
 
+def test_an_option_an_older_version_had_names_what_took_its_place():
+    """An old config's ``model.share_prefill`` and ``model.min_lr_ratio`` were refused with
+    no pointer (only ``lr_schedule`` got "did you mean lr_scheduler", by spelling)."""
+    options = ["--model.lr_scheduler", "--model.engine"]
+    say = parse_errors.did_you_mean
+    assert say("unrecognized arguments: --model.share_prefill true", options).endswith(
+        "; --model.share_prefill was removed: use --model.engine.init_args.share_prefill")
+    assert say("Subcommand 'fit' does not accept option 'model.min_lr_ratio'", options).endswith(
+        "; model.min_lr_ratio was removed: use model.lr_scheduler (e.g. CosineAnnealingLR's "
+        "eta_min)")
+
+
 def test_did_you_mean_prefers_the_same_group_and_stays_quiet_without_a_close_name():
     options = ["--config", "--model.gradient_clip_val", "--trainer.gradient_clip_val",
                "--trainer.max_steps", "--model.tools", "--model.tools+", "--model.rewards"]

@@ -25,6 +25,12 @@ _UNKNOWN_OPTION = (
     re.compile(r"Option '(?P<key>[^']+)' is not accepted"),
 )
 DID_YOU_MEAN = "did you mean"
+#: options an older version had, and what took their place (docs/CHANGELOG.md)
+REMOVED = {
+    "model.share_prefill": "model.engine.init_args.share_prefill",
+    "model.lr_schedule": "model.lr_scheduler (a scheduler class, e.g. CosineAnnealingLR)",
+    "model.min_lr_ratio": "model.lr_scheduler (e.g. CosineAnnealingLR's eta_min)",
+}
 
 
 def close_options(key: str, known: Iterable[str], n: int = 3) -> list[str]:
@@ -60,6 +66,9 @@ def did_you_mean(message: str, options: Iterable[str]) -> str:
         if not dashes and sub in SUBCOMMANDS and rest in known:  # a whole-CLI config's key
             hints.append(f"a config with a '{sub}:' section goes before the subcommand "
                          f"({PROG} --config FILE {sub}); after it, leave out the '{sub}:' level")
+            continue
+        if (unprefixed := key.partition(".")[2] if sub in SUBCOMMANDS else key) in REMOVED:
+            hints.append(f"{dashes}{key} was removed: use {dashes}{REMOVED[unprefixed]}")
             continue
         close = close_options(key, known)
         if close:
