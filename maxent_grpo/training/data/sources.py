@@ -187,6 +187,12 @@ def load_hub_rows(name: str, config: str | None, split: str, cache_dir: str | No
             splits[part.splitname].select(range(part.from_, part.to)))]
     try:
         data = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    except ConnectionError as err:  # offline (HF_HUB_OFFLINE) or no network: not cached
+        raise ConnectionError(
+            f"data.dataset_name {name!r}: {err}: the Hugging Face Hub cannot be reached and "
+            "the dataset is not in the local cache; download it once while online (with the "
+            "same data.dataset_name, or datasets' save_to_disk to a folder), or give files as "
+            "--data.data_files") from err
     except RuntimeError as err:  # datasets 4 refuses a loading script ("a bug" here)
         if "scripts are no longer supported" not in str(err):
             raise

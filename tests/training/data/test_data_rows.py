@@ -208,3 +208,19 @@ def test_a_prompt_with_half_a_character_names_its_row(tmp_path):
     append_jsonl(tmp_path / "samples.jsonl", [{"note": "4\ud83d", "completion": "4"}])
     assert json.loads((tmp_path / "samples.jsonl").read_text()) == {
         "note": "4\ud83d", "completion": "4"}
+
+
+def test_a_hub_dataset_out_of_reach_names_the_option_and_the_ways_out(tmp_path, monkeypatch):
+    """Offline (as tests run: HF_HUB_OFFLINE) and not cached: datasets' "Couldn't reach ... on
+    the Hub (OfflineModeIsEnabled)" named neither the option nor a way out (a hunt)."""
+    import datasets
+
+    from maxent_grpo.training.data.sources import load_hub_rows
+
+    def unreachable(path, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(ConnectionError, match=r"data.dataset_name 'someone/gsm': Couldn't reach "
+                                              r".*not in the local cache.*--data.data_files"):
+        load_hub_rows("someone/gsm", None, "train", str(tmp_path))
