@@ -96,7 +96,9 @@ def _entry(name: Any, value: Any) -> RewardOptions:
     allowed = _COMMON_KEYS + (_MODEL_KEYS if model is not None else ()) + (
         ("buffer",) if name == OVERLONG else ())
     for key in value:
-        require(key in allowed, f"{where} has no option {key!r}; options: {', '.join(allowed)}")
+        require(key in allowed, f"{where} has no option {key!r}; options: {', '.join(allowed)}"
+                + (f" (a reward named package.module:function cannot be a dotted option: give "
+                   f"--model.rewards '{{\"{name}.{key}\": ...}}')" if ":" in str(key) else ""))
     weight = value.get("weight", 1.0)
     check_number(f"{where}.weight", weight)
     timeout = value.get("timeout")
