@@ -763,7 +763,9 @@ def test_a_config_file_that_is_not_yaml_is_named(monkeypatch, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text, said", [
-    ("", " holds no options (it is empty: a --print_config > FILE that failed leaves it so)"),
+    ("", " holds no options (it is empty or comments only: a failed --print_config > FILE "
+         "leaves it empty)"),
+    ("# model:\n", " holds no options (it is empty or comments only"),
     ("- model\n", " holds no options (a list, not a mapping"),
     ("data:\nbatch_size: 4\n", ": data: has nothing under it: indent its options below it"),
     ("fit:\n  model:\n  # num_generations: 4\n", ": model: has nothing under it"),

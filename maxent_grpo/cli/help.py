@@ -126,7 +126,8 @@ def _check_yaml(path: str) -> None:
         return  # (the parser's own message)
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} holds no options (" + (
-            "it is empty: a --print_config > FILE that failed leaves it so" if data is None
+            "it is empty or comments only: a failed --print_config > FILE leaves it empty"
+            if data is None
             else f"a {type(data).__name__}, not a mapping of groups such as model: and data:")
             + ")")
     sections = [data, *(data[c] for c in SUBCOMMANDS if isinstance(data.get(c), dict))]

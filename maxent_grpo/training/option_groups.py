@@ -72,7 +72,7 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     """Check the module's constructor options ``o`` and group them (see the module
     docstring); ``reward_names`` are ``WeightedRewards.names`` (checked: never empty)."""
     if o.get("rewards") is None:  # a task whose answers are bare would score 0 throughout
-        rank_zero_warn("model.rewards is not set: training on the accuracy reward alone (the "
+        rank_zero_warn("model.rewards is not set: scoring with the accuracy reward alone (the "
                        "completion's <answer> block or \\boxed{} equal to the row's answer); "
                        "set model.rewards to choose (docs/REWARDS.md)")
     check_int("model.num_generations", o["num_generations"], minimum=2)

@@ -979,7 +979,7 @@ def test_with_several_processes_a_save_on_an_error_of_one_is_skipped_and_set_bac
 
 def test_rewards_left_unset_are_the_accuracy_reward_and_said_so(cache_dir):
     """Nothing said so: a task with bare answers trained on reward 0 throughout (a hunt)."""
-    with pytest.warns(UserWarning, match="model.rewards is not set: training on the accuracy "
-                                         "reward alone"):
+    with pytest.warns(UserWarning, match="model.rewards is not set: scoring with the "
+                                         "accuracy reward alone"):
         module = make_module(cache_dir, rewards=None)
     assert module.rewards.names == ["accuracy"]

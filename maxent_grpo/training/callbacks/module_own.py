@@ -225,7 +225,8 @@ class ModuleHooks(L.Callback):
 def follow_moved_folders(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
     """A ModelCheckpoint whose folder was moved or copied since ``checkpoint`` was written
     (its state names another ``dirpath``) takes that state re-rooted in its folder, as
-    Lightning takes it in place, when the last checkpoint it names is there and of this run:
+    Lightning takes it in place, when every checkpoint it names is there (the folder moved
+    whole) and the last one is of this run (loaded as a checkpoint of fit loads by default):
     ``last.ckpt`` is written over, not beside as ``last-v1.ckpt`` (which left ``last.ckpt``,
     what ``validate``, ``predict`` and ``export`` are shown, at the old step)."""
     states = checkpoint.get("callbacks") or {}
@@ -240,7 +241,10 @@ def follow_moved_folders(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None
             return os.path.join(new, os.path.relpath(path, old)) if inside else path
 
         last = moved(state.get("last_model_path"))
-        if last == state.get("last_model_path") or not os.path.isfile(last):
+        named = [state.get(k) for k in ("best_model_path", "kth_best_model_path")]
+        named = [last, *(p for p in named if p), *(state.get("best_k_models") or {})]
+        if last == state.get("last_model_path") or not all(  # the whole folder is there
+                os.path.exists(moved(p)) for p in named):
             continue
         problem, index = ckpt_io._usable(last, False, False)
         if problem is None and (index or {}).get(ckpt_io.RUN_KEY) == checkpoint.get(

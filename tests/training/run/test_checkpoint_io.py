@@ -726,7 +726,14 @@ def test_a_moved_checkpoint_folder_resumed_writes_over_its_last_ckpt(tmp_path, m
                          "--trainer.max_steps", str(steps), *extra])
 
     run(tmp_path / "A", 4)
+    (tmp_path / "C").mkdir()
+    shutil.copy(tmp_path / "A" / "last.ckpt", tmp_path / "C")
     shutil.move(tmp_path / "A", tmp_path / "B")
     run(tmp_path / "B", 6, "--ckpt_path", "last")
     assert sorted(p.name for p in (tmp_path / "B").glob("last*.ckpt")) == ["last.ckpt"]
     assert torch.load(tmp_path / "B" / "last.ckpt", weights_only=True)["global_step"] == 6
+    # only last.ckpt copied: the saver's other checkpoints are not there, so its state is
+    # not followed (its top-k would name files C never had): Lightning's rule, beside
+    run(tmp_path / "C", 6, "--ckpt_path", "last")
+    assert sorted(p.name for p in (tmp_path / "C").glob("last*.ckpt")) == [
+        "last-v1.ckpt", "last.ckpt"]
