@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from maxent_grpo.rewards import TrainerState
 from maxent_grpo.rewards.verify_worker import VERIFIER
-from maxent_grpo.training.data.prompts import check_prompt_bound, check_prompt_format
+from maxent_grpo.training.data.checks import check_prompt_bound, check_prompt_format
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
 from maxent_grpo.training.run.folders import run_dir, unused_path
