@@ -97,17 +97,16 @@ class ServerWeights:
         0's ``run``) so that another trainer's update is told apart; ``0``: as started."""
         return f"{self.version}-{self.run}" if self.version and self.run else str(self.version)
 
-    def _check_ours(self, server: _Server, held: Any = None) -> None:
+    def _check_ours(self, server: _Server, held: Any) -> None:
         """ValueError when ``server``, which this run saw holding its own weights, holds
-        another run's (``n-<run>``; ``held``, or read from it when None): two trainers
-        updated one server, each sampling from the other's weights. A server that never
-        held this run's (started with others, or left by an earlier run) is not refused
-        (nor asked): it gets this run's weights."""
+        another run's (``held``, ``n-<run>``): two trainers updated one server, each
+        sampling from the other's weights. A server that never held this run's (started
+        with others, or left by an earlier run) is not refused: it gets this run's weights."""
         if not (self.run and str(server.version).endswith(f"-{self.run}")):
             return
-        now = str(self._held(server) if held is None else held)
+        now = str(held)
         require("-" not in now or now.endswith(f"-{self.run}"),
-                f"{server.url} holds weights version {held} of another trainer (this run's: "
+                f"{server.url} holds weights version {now} of another trainer (this run's: "
                 f"{server.version}): two runs updated one vLLM server, so each sampled from "
                 "the other's weights; give each run servers of its own "
                 "(model.engine.init_args.urls)")
