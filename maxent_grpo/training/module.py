@@ -352,7 +352,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     def on_validation_start(self) -> None:
         if self.pipeline is not None:  # no weight update while a rollout is in flight
-            self.pipeline.wait()
+            self.pipeline.wait(raise_failure=False)  # the next step raises a failure
 
     def teardown(self, stage: str) -> None:
         """After any stage (a failed run too: ``CleanUp``): a server engine closed, the rollout

@@ -470,7 +470,10 @@ def test_a_sync_a_validation_made_is_logged_with_the_next_step(cache_dir):
 
 
 class FailsOnce(RemoteCopy):
-    """A server that dies in its third rollout (in flight while step 2 is saved)."""
+    """A server that dies in its ``at``-th rollout (the third: in flight while step 2 is
+    saved)."""
+
+    at = 3
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -478,7 +481,7 @@ class FailsOnce(RemoteCopy):
 
     def generate(self, prompts, answers, num_generations, sampling=None):
         self.calls += 1
-        if self.calls == 3:
+        if self.calls == self.at:
             raise RuntimeError("the server died")
         return super().generate(prompts, answers, num_generations, sampling)
 
@@ -522,3 +525,26 @@ def test_a_rollout_failing_in_flight_still_lets_the_step_save_and_log(cache_dir,
     resumed = async_module(cache_dir, 1)  # the servers back: the run goes on from there
     trainer = fit(resumed, make_data(cache_dir), steps=4, ckpt_path=str(tmp_path / "step=2.ckpt"))
     assert trainer.global_step == 4
+
+
+def test_a_rollout_failing_in_flight_before_a_validation_still_lets_it_save(cache_dir, tmp_path):
+    """The rollout in flight at a validation's start failed: the validation runs and its
+    checkpoint is saved without that rollout; the next step raises the error (before, the
+    validation's start raised it and the checkpoint was lost)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class FailsSecond(FailsOnce):
+        at = 2  # batch 2's (step 1's) submit: in flight when the validation after it starts
+
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{step}")
+    module = make_module(cache_dir, engine=FailsSecond, max_staleness=1,
+                         sampler_correction="token_tis",
+                         rewards={"tests.conftest:alternating": 1.0},
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(RuntimeError, match="the server died"):
+        fit(module, make_data(cache_dir), steps=6, tmp_path=tmp_path, enable_checkpointing=True,
+            callbacks=[saver], val_check_interval=2, limit_val_batches=1,
+            num_sanity_val_steps=0)
+    saved = torch.load(tmp_path / "step=1.ckpt", weights_only=False)
+    assert saved["maxent_grpo_rollouts_dropped"] == [1]
+    assert module.global_step == 1

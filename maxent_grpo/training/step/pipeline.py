@@ -102,10 +102,15 @@ class RolloutPipeline:
         #: before the step finished stores, since its batch runs again
         self.at_step_start: list[PendingRollout] | None = None
 
-    def wait(self) -> None:
-        """Until every submitted rollout is done (before a weight update or a checkpoint)."""
+    def wait(self, raise_failure: bool = True) -> None:
+        """Until every submitted rollout is done (before a weight update or a checkpoint);
+        one that failed raises its error, or without ``raise_failure`` is left for the next
+        step's wait to raise (a validation's: its checkpoint is saved without it)."""
         for pending in self.queue:
-            pending.result()
+            if raise_failure:
+                pending.result()
+            elif pending.future is not None:
+                concurrent.futures.wait([pending.future])
 
     def submit(self, engine: Any, batch: dict[str, Any], num_generations: int,
                version: int) -> None:
