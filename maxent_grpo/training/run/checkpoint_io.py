@@ -17,6 +17,7 @@ import glob
 import logging
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -432,7 +433,9 @@ def continue_csv_log(logger: Any, resume_step: int | None) -> int:
             except ValueError:
                 return True
         rows = [r for r in rows if keep(r)]
-    writer = logger.experiment  # the CSV writer; removes metrics.csv
+    with warnings.catch_warnings():  # its "Previous log files ... will be deleted": kept
+        warnings.filterwarnings("ignore", "Experiment logs directory .* is not empty")
+        writer = logger.experiment  # the CSV writer; removes metrics.csv
     columns = sorted(set(writer.metrics_keys) | set(header))  # the writer's (sorted) order
     with open(metrics, "w", newline="", encoding="utf-8") as f:
         out = csv.DictWriter(f, fieldnames=columns)
