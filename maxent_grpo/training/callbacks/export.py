@@ -11,10 +11,14 @@ a checkpoint without a fit.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +81,8 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
                            f"loads from ({clash}): export into another folder")
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder, state_dict=state_dict)
+        with _without_bars():  # its "Writing model shards" line broke the fit's progress bar
+            model.save_pretrained(folder, state_dict=state_dict)
         if adapters and name and is_builtin(name):
             name_base(folder, name)
         save_tokenizer(tokenizer, folder)
@@ -89,10 +94,25 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     require(source is not None, "export_policy(merged=True) needs the model's source")
     base = load_policy(source.name_or_path, dtype=source.dtype, cache_dir=source.cache_dir)
     whole = merged_copy(model, base, state_dict)
-    _replace(merged_out, lambda folder: (whole.save_pretrained(folder),
-                                         save_tokenizer(tokenizer, folder)))
+    with _without_bars():
+        _replace(merged_out, lambda folder: (whole.save_pretrained(folder),
+                                             save_tokenizer(tokenizer, folder)))
     log.info("exported the merged model to %s", merged_out)
     return [out, merged_out]
+
+
+@contextlib.contextmanager
+def _without_bars() -> Iterator[None]:
+    """transformers' progress bars off for the call (as they were after it)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def replaced_model(source: Any, targets: list[Path]) -> str | None:
@@ -105,6 +125,54 @@ def replaced_model(source: Any, targets: list[Path]) -> str | None:
         if any(real == t or t in real.parents for t in map(Path, targets)):
             return folder
     return None
+
+
+def _owner() -> str:
+    """The writer named in an export's temporary folders: ``.<name>.partial-<host>-<pid>``
+    beside the export, ``.partial-<host>-<pid>`` inside it (``old`` for the earlier one)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+_LEFTOVER = re.compile(r"\.(?:(?P<name>.+)\.)?(?P<kind>partial|old)-(?P<host>.+)-(?P<pid>\d+)")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def clear_leftovers(folder: Path) -> None:
+    """Remove the temporary folders of exports into ``folder`` (or, inside it, of one into
+    it) whose writer on this host is gone (killed: ``kill -9``, out of memory), each the
+    size of a model; an earlier export moved aside just before the kill goes back where it
+    was. Another host's writer may still be running: its folders are left."""
+    if not folder.is_dir():
+        return
+    here = socket.gethostname()
+    for path in folder.iterdir():
+        found = _LEFTOVER.fullmatch(path.name)
+        if (found is None or found["host"] != here or int(found["pid"]) == os.getpid()
+                or _running(int(found["pid"])) or not path.is_dir()):
+            continue
+        name = found["name"]
+        if found["kind"] == "old" and name is not None and not (folder / name).exists():
+            os.replace(path, folder / name)  # killed between its two renames
+            log.warning("put back the export %s that an export killed midway had moved "
+                        "aside", folder / name)
+            continue
+        if found["kind"] == "old" and name is None:  # inside: killed while swapping files
+            held = [p for p in folder.iterdir() if p.name != "lost+found"
+                    and _LEFTOVER.fullmatch(p.name) is None]
+            if not held:
+                for item in path.iterdir():
+                    os.replace(item, folder / item.name)
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s, left by an export that was killed", path)
 
 
 def _replace(out: Path, write: Any) -> None:
@@ -129,8 +197,9 @@ def _write_export(out: Path, write: Any, earlier: bool) -> None:
     model, would have made the folder load as the earlier model) or, if the write fails,
     kept. A folder that cannot be renamed (a mount point, a bind mount) or written beside (a
     parent folder that is not writable) is written inside instead (:func:`_swap_inside`)."""
-    tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "old"))
-    for leftover in (tmp, old):
+    tmp, old = (out.with_name(f".{out.name}.{kind}-{_owner()}") for kind in ("partial", "old"))
+    clear_leftovers(out.parent)
+    for leftover in (tmp, old):  # this process's, from an export it gave up
         shutil.rmtree(leftover, ignore_errors=True)
     try:
         if os.path.ismount(out):
@@ -138,8 +207,8 @@ def _write_export(out: Path, write: Any, earlier: bool) -> None:
         tmp.mkdir(parents=True)
     except OSError:
         out.mkdir(parents=True, exist_ok=True)
-        staging = out / f".partial-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        clear_leftovers(out)
+        staging = out / f".partial-{_owner()}"
         staging.mkdir()
         try:
             write(staging)
@@ -181,7 +250,7 @@ def _swap_beside(out: Path, tmp: Path, old: Path, write: Any) -> None:
 def _swap_inside(out: Path, new: Path) -> None:
     """Replace what ``out`` holds (but ``lost+found`` and ``new``) with ``new``'s files: the
     earlier ones are moved aside inside ``out`` first, and back if the move in fails."""
-    aside = out / f".old-{os.getpid()}"
+    aside = out / f".old-{_owner()}"
     shutil.rmtree(aside, ignore_errors=True)
     aside.mkdir()
     skip = {aside.name, new.name, "lost+found"}
@@ -212,6 +281,8 @@ class HFExport(Callback):
 
     At the end of training into ``<dirpath>/final`` and, with ``every_n_train_steps``, each
     time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
+    Training that ends on a step just exported there gives ``final`` hard links to that
+    export's files (copies across file systems), not a second write.
 
     A fit that runs no training step (``fit --ckpt_path`` of a run that already reached
     ``trainer.max_steps``, ``max_epochs`` or ``max_time``, or no training batches) never
@@ -243,6 +314,8 @@ class HFExport(Callback):
         self.merged = merged
         self._last_step = 0
         self._training_ended = False  # on_train_end ran in this fit
+        self._exported_at: int | None = None  # the step of this fit's last periodic export
+        self._written: list[Path] = []  # the folders it wrote
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Pick ``dirpath`` and make sure it can be written before anything trains (it was
@@ -264,6 +337,7 @@ class HFExport(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once
+        self._exported_at = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -273,11 +347,19 @@ class HFExport(Callback):
         step = trainer.global_step
         if n is not None and step // n > self._last_step // n:
             self.export(trainer, pl_module, f"step-{step}")
+            self._exported_at = step
         self._last_step = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training_ended = True
-        self.export(trainer, pl_module, "final")
+        if self._exported_at != trainer.global_step:
+            self.export(trainer, pl_module, "final")
+        elif trainer.is_global_zero:  # the same weights: linked, not written again
+            for folder, name in zip(self._written, ("final", "final-merged"), strict=False):
+                final = Path(self.dirpath) / name
+                _replace(Path(os.path.realpath(final)), lambda into, src=folder: shutil.copytree(
+                    src, into, copy_function=_link, dirs_exist_ok=True))
+                log.info("exported the policy to %s: the files of %s, linked", final, folder)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a fit whose training loop Lightning skipped (see the class docstring)."""
@@ -307,7 +389,15 @@ class HFExport(Callback):
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
         out = Path(self.dirpath) / name
-        export_policy(runtime.model, runtime.tokenizer, out,
-                      source=getattr(pl_module, "source", None), merged=self.merged,
-                      state_dict=whole)
+        self._written = export_policy(runtime.model, runtime.tokenizer, out,
+                                      source=getattr(pl_module, "source", None),
+                                      merged=self.merged, state_dict=whole)
         return out
+
+
+def _link(src: str, dst: str) -> None:
+    """A hard link of the file ``src`` at ``dst`` (a copy across file systems)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -483,11 +483,19 @@ def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
         trainer.global_step = global_step
         export.on_train_batch_end(trainer, module, None, None, 0)
     export.on_train_end(trainer, module)
-    assert len(module.runtime.model.saved) == 4
+    # the end at step 12, just exported: final links step-12's files (it wrote them again,
+    # a second model-sized folder; a long-runs hunt)
+    assert len(module.runtime.model.saved) == 3
     assert module.runtime.tokenizer.saved == module.runtime.model.saved
+    hf = tmp_path / "hf"
+    assert [p.name for p in (hf / "final").iterdir()] == ["weights"]
+    assert (hf / "final" / "weights").stat().st_ino == (hf / "step-12" / "weights").stat().st_ino
     # written beside, then moved in whole: only the four exports are left
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "final", "step-12", "step-4", "step-9"]
+    assert sorted(p.name for p in hf.iterdir()) == ["final", "step-12", "step-4", "step-9"]
+    trainer.global_step = 13  # a later end: written
+    export.on_train_end(trainer, module)
+    assert len(module.runtime.model.saved) == 4
+    assert (hf / "final" / "weights").stat().st_ino != (hf / "step-12" / "weights").stat().st_ino
 
 
 def exported_into(log_dir: Path) -> tuple[Any, Any, HFExport]:
@@ -523,6 +531,30 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
 
 
+def test_hf_export_removes_what_a_killed_export_left(tmp_path):
+    """A ``kill -9`` in an export's write left its hidden folder, a model's size, that no
+    later export removed (it cleared its own process's only; a long-runs hunt). Those of a
+    writer gone on this host are removed, an earlier export moved aside goes back, and
+    those of a running writer or of another host stay."""
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here, hf = socket.gethostname(), tmp_path / "hf"
+    left = {f".final.partial-{here}-{gone.pid}": "w", f".step-3.old-{here}-{gone.pid}": "old",
+            f".step-4.partial-{here}-{os.getppid()}": "w",  # still writing
+            f".step-5.partial-elsewhere-{gone.pid}": "w"}  # another host's
+    for name, file in left.items():
+        (hf / name).mkdir(parents=True)
+        (hf / name / file).write_text("x")
+    exported_into(tmp_path)
+    assert sorted(p.name for p in hf.iterdir()) == sorted(
+        ["final", "step-3", *list(left)[2:]])
+    assert [p.name for p in (hf / "step-3").iterdir()] == ["old"]
+
+
 def test_hf_export_into_a_new_or_empty_folder_leaves_nothing_when_it_fails(tmp_path):
     """A first export was written in place: a failed or interrupted write left a folder that
     loaded as a broken model. An empty folder given for it is filled."""
@@ -551,10 +583,17 @@ def test_hf_export_into_a_mount_point_is_written_inside_it(tmp_path, monkeypatch
     after the whole write (a fresh volume holds lost+found, a second export an earlier one;
     two readers). It is written inside, then swapped with what the folder held (not
     lost+found); a failed write keeps the earlier export."""
+    import socket
+    import subprocess
+    import sys
+
     final = tmp_path / "hf" / "final"
     (final / "lost+found").mkdir(parents=True)
     if earlier:
         (final / "adapter_config.json").write_text("{}")  # an earlier run's adapter
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (final / f".partial-{socket.gethostname()}-{gone.pid}").mkdir()  # a killed export's
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == final)
     trainer, module, export = exported_into(tmp_path)
     assert sorted(p.name for p in final.iterdir()) == ["lost+found", "tok", "weights"]
@@ -616,7 +655,7 @@ def test_hf_export_that_cannot_write_fails_before_training(tmp_path):
         HFExport(dirpath=str(tmp_path / "afile" / "hf")).setup(trainer, None, "fit")
 
 
-def test_hf_export_writes_a_loadable_model(tmp_path):
+def test_hf_export_writes_a_loadable_model(tmp_path, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from maxent_grpo.models import load_policy, load_tokenizer
@@ -627,7 +666,9 @@ def test_hf_export_writes_a_loadable_model(tmp_path):
         tokenizer=load_tokenizer("builtin:tiny", cache_dir=cache),
     ))
     trainer = SimpleNamespace(is_global_zero=True)
+    capfd.readouterr()
     out = HFExport(dirpath=str(tmp_path / "export")).export(trainer, module, "final")
+    assert "Writing model shards" not in capfd.readouterr().err  # broke the fit's bar
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer("1+1")["input_ids"] == module.runtime.tokenizer("1+1")["input_ids"]
