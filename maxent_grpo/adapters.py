@@ -288,6 +288,18 @@ def _sorted_set(value: Any) -> list[Any]:
     raise TypeError(f"a peft config value that JSON cannot hold: {value!r}")
 
 
+def describe_peft(record: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """A recorded ``model.peft`` as the YAML that gives it: its class and its ``keys`` that
+    are set, e.g. ``{class_path: peft.LoraConfig, init_args: {r: 4, lora_alpha: 8}}``."""
+    try:
+        name = f"peft.{type(peft_from_record(record)).__name__}"
+    except Exception:  # noqa: BLE001 - a record peft cannot read: its type, as written
+        name = f"peft_type {record.get('peft_type')!r}"
+    shown = ", ".join(f"{k}: {json.dumps(record[k])}" for k in keys
+                      if k != "peft_type" and record.get(k) not in (None, [], {}, False))
+    return f"{{class_path: {name}, init_args: {{{shown}}}}}"
+
+
 def peft_from_record(record: dict[str, Any]) -> PeftConfig:
     """The ``peft`` config :func:`peft_record` wrote (its ``peft_type`` picks the class)."""
     require(isinstance(record, dict) and "peft_type" in record,

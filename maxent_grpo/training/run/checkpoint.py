@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from maxent_grpo.adapters import check_older_adapters, peft_record
+from maxent_grpo.adapters import check_older_adapters, describe_peft, peft_record
 from maxent_grpo.models import model_fingerprint, model_folder, same_model
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.settings import check_resumed_schedule
@@ -429,9 +429,10 @@ ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out")
 def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
     if (saved is None) != (now is None):
         made, run = ("with", "without") if now is None else ("without", "with")
+        given = "" if saved is None else f": {describe_peft(saved, ADAPTER_SHAPE + ADAPTER_MATH)}"
         raise ValueError(
             f"the checkpoint was made {made} model.peft adapters and this run is {run} them, "
-            "so its weights do not fit the model; use the model.peft it was trained with")
+            f"so its weights do not fit the model; use the model.peft it was trained with{given}")
     if saved is None or now is None:
         return
 
