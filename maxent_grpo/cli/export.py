@@ -45,20 +45,22 @@ from pathlib import Path
 from typing import Any
 
 from maxent_grpo.cli import errors
+from maxent_grpo.cli import help as cli_help
 from maxent_grpo.cli.errors import UserError
 
-PROG = "maxent-grpo export"
 #: the state dict's prefix of the policy's tensors, and of a ``peft`` policy's
 POLICY_PREFIX, PEFT_PREFIX = "policy.", "policy.base_model.model."
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the command on ``argv`` (default ``sys.argv[1:]``); return the exit code: 0 done,
-    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0), 130 Ctrl-C."""
+    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0), 130 Ctrl-C.
+    ``prog``: the command as typed (default ``<the CLI's command> export``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Write the policy (or its peft adapter) and tokenizer of a "
-        "training checkpoint as a Hugging Face folder (save_pretrained).")
+        prog=prog or f"{cli_help.PROG} export", description="Write the policy (or its peft "
+        "adapter) and tokenizer of a training checkpoint as a Hugging Face folder "
+        "(save_pretrained).")
     parser.add_argument("checkpoint", help="a .ckpt file written by a maxent-grpo fit")
     parser.add_argument("--output", default=None, help="the folder to write (new or empty); "
                         "default: <checkpoint folder>/../hf/<checkpoint name>")
@@ -329,4 +331,4 @@ def _check_output(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m maxent_grpo.cli.export"))

@@ -327,7 +327,14 @@ def test_a_mistake_prints_one_error_line_and_returns_1(full_run, tmp_path, capsy
     assert "Traceback" not in captured.err and captured.out == ""
 
 
-def test_a_bad_command_line_returns_2(capsys):
+def test_a_bad_command_line_returns_2(capsys, monkeypatch):
+    """The usage names the command as typed (``python -m maxent_grpo export`` said
+    ``maxent-grpo export``)."""
+    from maxent_grpo.cli import help as cli_help
+
+    assert main([]) == 2
+    assert "usage: python -m maxent_grpo export" in capsys.readouterr().err
+    monkeypatch.setattr(cli_help, "PROG", "maxent-grpo")  # the console script's
     assert main([]) == 2
     assert "usage: maxent-grpo export" in capsys.readouterr().err
 
