@@ -28,7 +28,7 @@ from maxent_grpo.rewards.verify_worker import VERIFIER
 from maxent_grpo.training.data.checks import check_prompt_bound, check_prompt_format
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
-from maxent_grpo.training.run.folders import run_dir, unused_path
+from maxent_grpo.training.run.folders import remove_empty_name_folders, run_dir, unused_path
 from maxent_grpo.training.run.signals import (
     answer_requeue,
     give_back_sigterm,
@@ -87,6 +87,8 @@ class ModuleHooks(L.Callback):
         give_back_sigterm(trainer)
         VERIFIER.stop()  # the accuracy reward's worker process: nothing left running
         stage = str(getattr(stage, "value", stage))  # a TrainerFn
+        for saver in trainer.checkpoint_callbacks if trainer.is_global_zero else []:
+            remove_empty_name_folders(getattr(saver, "dirpath", None))  # a dropped top-k's
         evaluated = {"validate": "val", "test": "test"}.get(stage)
         if evaluated and trainer.state.status == "running" and not sum(
                 trainer.validate_loop.max_batches if stage == "validate"

@@ -10,6 +10,7 @@ MLflow: ``<experiment id>/<run id>``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -193,3 +194,18 @@ class SaveRunConfig(SaveConfigCallback):
                 config.pop("ckpt_path", None)
                 (config.get("trainer") or {}).pop("logger", None)
             logger.log_hyperparams({"config": config})
+
+
+def remove_empty_name_folders(dirpath: Any) -> None:
+    """The empty folders under a checkpoint saver's local ``dirpath`` that its file names
+    made: a metric with a ``/`` in ``ModelCheckpoint.filename`` (``{step}-{val/pass@1}``)
+    puts each file in a folder of its own (``step=4-val/pass@1=0.5.ckpt``), which Lightning
+    leaves behind when it drops the file (top-k). Only empty folders are removed, in those
+    named with ``=`` (as the file names are)."""
+    if dirpath is None or "://" in str(dirpath) or not os.path.isdir(dirpath):
+        return
+    for top in os.scandir(dirpath):
+        if "=" in top.name and top.is_dir(follow_symlinks=False):
+            for folder, _, _ in os.walk(top.path, topdown=False):
+                with contextlib.suppress(OSError):  # not empty
+                    os.rmdir(folder)

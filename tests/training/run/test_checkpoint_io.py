@@ -738,3 +738,23 @@ def test_a_moved_checkpoint_folder_resumed_writes_over_its_last_ckpt(tmp_path, m
     run(tmp_path / "C", 6, "--ckpt_path", "last")
     assert sorted(p.name for p in (tmp_path / "C").glob("last*.ckpt")) == [
         "last-v1.ckpt", "last.ckpt"]
+
+
+def test_a_metric_in_the_file_name_leaves_no_empty_folders(cache_dir, tmp_path):
+    """``{step}-{val/pass@1}`` puts each file in a folder of its own; Lightning removed a
+    dropped top-k file but not its folder (one empty ``step=N-val`` a validation; a
+    long-runs hunt). The fit's end removes those left empty, and only those."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.conftest import fit, make_data, make_module
+
+    (tmp_path / "step=0-mine").mkdir()
+    (tmp_path / "step=0-mine" / "notes.txt").write_text("kept")
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}-{val/pass@1}", save_top_k=1,
+                            monitor="step", mode="max", every_n_train_steps=1)  # replaced
+    fit(make_module(cache_dir), make_data(cache_dir, val_size=4), steps=3, tmp_path=tmp_path,
+        enable_checkpointing=True, callbacks=[saver], val_check_interval=1,
+        limit_val_batches=1, num_sanity_val_steps=0)
+    folders = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step="))
+    kept = Path(saver.best_model_path).parent.name
+    assert folders == sorted(["step=0-mine", kept]), folders
