@@ -295,8 +295,9 @@ def describe_peft(record: dict[str, Any], keys: tuple[str, ...]) -> str:
         name = f"peft.{type(peft_from_record(record)).__name__}"
     except Exception:  # noqa: BLE001 - a record peft cannot read: its type, as written
         name = f"peft_type {record.get('peft_type')!r}"
-    shown = ", ".join(f"{k}: {json.dumps(record[k])}" for k in keys
-                      if k != "peft_type" and record.get(k) not in (None, [], {}, False))
+    shown = ", ".join(f"{k}: {json.dumps(record[k])}" for k in keys  # 0 is set, False not
+                      if k != "peft_type" and record.get(k) is not None
+                      and record[k] is not False and record[k] not in ([], {}))
     return f"{{class_path: {name}, init_args: {{{shown}}}}}"
 
 

@@ -461,7 +461,9 @@ def raised_by(fn) -> BaseException:
 def test_the_flag_works_before_export_too(monkeypatch, capsys, tmp_path):
     """``--traceback export ...`` was refused as an invalid command (exit 2)."""
     from maxent_grpo.__main__ import console
+    from maxent_grpo.cli import help as cli_help
 
+    monkeypatch.setattr(cli_help, "PROG", cli_help.PROG)  # console() sets it: put back after
     monkeypatch.setattr(sys, "argv", ["maxent-grpo", "--traceback", "export",
                                       str(tmp_path / "none.ckpt")])
     with pytest.raises(SystemExit) as stop:

@@ -527,7 +527,8 @@ def test_a_rollout_failing_in_flight_still_lets_the_step_save_and_log(cache_dir,
     assert trainer.global_step == 4
 
 
-def test_a_rollout_failing_in_flight_before_a_validation_still_lets_it_save(cache_dir, tmp_path):
+def test_a_rollout_failing_in_flight_before_a_validation_still_lets_it_save(cache_dir, tmp_path,
+                                                                           caplog):
     """The rollout in flight at a validation's start failed: the validation runs and its
     checkpoint is saved without that rollout; the next step raises the error (before, the
     validation's start raised it and the checkpoint was lost)."""
@@ -541,10 +542,11 @@ def test_a_rollout_failing_in_flight_before_a_validation_still_lets_it_save(cach
                          sampler_correction="token_tis",
                          rewards={"tests.conftest:alternating": 1.0},
                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    with pytest.raises(RuntimeError, match="the server died"):
+    with pytest.raises(RuntimeError, match="the server died"), caplog.at_level("WARNING"):
         fit(module, make_data(cache_dir), steps=6, tmp_path=tmp_path, enable_checkpointing=True,
             callbacks=[saver], val_check_interval=2, limit_val_batches=1,
             num_sanity_val_steps=0)
+    assert "failed (RuntimeError: the server died): the validation runs" in caplog.text
     saved = torch.load(tmp_path / "step=1.ckpt", weights_only=False)
     assert saved["maxent_grpo_rollouts_dropped"] == [1]
     assert module.global_step == 1

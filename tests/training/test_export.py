@@ -332,6 +332,7 @@ def test_a_bad_command_line_returns_2(capsys, monkeypatch):
     ``maxent-grpo export``)."""
     from maxent_grpo.cli import help as cli_help
 
+    monkeypatch.setattr(cli_help, "PROG", "python -m maxent_grpo")  # python -m's
     assert main([]) == 2
     assert "usage: python -m maxent_grpo export" in capsys.readouterr().err
     monkeypatch.setattr(cli_help, "PROG", "maxent-grpo")  # the console script's

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -133,46 +134,56 @@ def _owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-_LEFTOVER = re.compile(r"\.(?:(?P<name>.+)\.)?(?P<kind>partial|old)-(?P<host>.+)-(?P<pid>\d+)")
+#: the file an export holds locked in its temporary folder while it writes there: a
+#: temporary folder whose file no process holds was left by a writer that was killed
+WRITING = ".maxent-grpo-writing"
+_TEMPORARY = {False: re.compile(r"\..+\.partial-.+"), True: re.compile(r"\.partial-.+")}
 
 
-def _running(pid: int) -> bool:
+@contextlib.contextmanager
+def _writing(folder: Path) -> Iterator[None]:
+    """``folder`` (new) marked as an export's temporary folder for the call: its
+    :data:`WRITING` file, locked (``flock``; the lock goes with the process, however it
+    ends). The caller removes the file (:func:`_written`) before it moves the files."""
+    fd = os.open(folder / f"{WRITING}.new", os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.replace(folder / f"{WRITING}.new", folder / WRITING)  # found only once locked
+        yield
+    finally:
+        os.close(fd)
+
+
+def _written(folder: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(folder / WRITING)
+
+
+def _abandoned(folder: Path) -> bool:
+    """Whether ``folder`` is an export's temporary folder whose writer is gone."""
+    try:
+        fd = os.open(folder / WRITING, os.O_RDWR)
+    except OSError:
+        return False  # no mark: not an export's (or being moved into place)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its writer is at it (or the file system has no locks)
+    finally:
+        os.close(fd)
     return True
 
 
-def clear_leftovers(folder: Path) -> None:
-    """Remove the temporary folders of exports into ``folder`` (or, inside it, of one into
-    it) whose writer on this host is gone (killed: ``kill -9``, out of memory), each the
-    size of a model; an earlier export moved aside just before the kill goes back where it
-    was. Another host's writer may still be running: its folders are left."""
+def clear_leftovers(folder: Path, inside: bool = False) -> None:
+    """Remove the temporary folders that exports into ``folder``'s folders (``inside``:
+    into ``folder`` itself) left when they were killed (``kill -9``, out of memory), each
+    the size of a model: those whose :data:`WRITING` file no process holds locked."""
     if not folder.is_dir():
         return
-    here = socket.gethostname()
     for path in folder.iterdir():
-        found = _LEFTOVER.fullmatch(path.name)
-        if (found is None or found["host"] != here or int(found["pid"]) == os.getpid()
-                or _running(int(found["pid"])) or not path.is_dir()):
-            continue
-        name = found["name"]
-        if found["kind"] == "old" and name is not None and not (folder / name).exists():
-            os.replace(path, folder / name)  # killed between its two renames
-            log.warning("put back the export %s that an export killed midway had moved "
-                        "aside", folder / name)
-            continue
-        if found["kind"] == "old" and name is None:  # inside: killed while swapping files
-            held = [p for p in folder.iterdir() if p.name != "lost+found"
-                    and _LEFTOVER.fullmatch(p.name) is None]
-            if not held:
-                for item in path.iterdir():
-                    os.replace(item, folder / item.name)
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("removed %s, left by an export that was killed", path)
+        if _TEMPORARY[inside].fullmatch(path.name) and path.is_dir() and _abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, left by an export that was killed", path)
 
 
 def _replace(out: Path, write: Any) -> None:
@@ -207,16 +218,19 @@ def _write_export(out: Path, write: Any, earlier: bool) -> None:
         tmp.mkdir(parents=True)
     except OSError:
         out.mkdir(parents=True, exist_ok=True)
-        clear_leftovers(out)
+        clear_leftovers(out, inside=True)
         staging = out / f".partial-{_owner()}"
         staging.mkdir()
         try:
-            write(staging)
+            with _writing(staging):
+                write(staging)
+                _written(staging)
             _swap_inside(out, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     else:
-        _swap_beside(out, tmp, old, write)
+        with _writing(tmp):
+            _swap_beside(out, tmp, old, lambda folder: (write(folder), _written(folder)))
     if earlier:
         log.info("replaced the earlier export in %s", out)
 
@@ -281,8 +295,6 @@ class HFExport(Callback):
 
     At the end of training into ``<dirpath>/final`` and, with ``every_n_train_steps``, each
     time the global step passes a multiple of it into ``<dirpath>/step-<global_step>``.
-    Training that ends on a step just exported there gives ``final`` hard links to that
-    export's files (copies across file systems), not a second write.
 
     A fit that runs no training step (``fit --ckpt_path`` of a run that already reached
     ``trainer.max_steps``, ``max_epochs`` or ``max_time``, or no training batches) never
@@ -314,8 +326,6 @@ class HFExport(Callback):
         self.merged = merged
         self._last_step = 0
         self._training_ended = False  # on_train_end ran in this fit
-        self._exported_at: int | None = None  # the step of this fit's last periodic export
-        self._written: list[Path] = []  # the folders it wrote
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Pick ``dirpath`` and make sure it can be written before anything trains (it was
@@ -337,7 +347,6 @@ class HFExport(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once
-        self._exported_at = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -347,19 +356,11 @@ class HFExport(Callback):
         step = trainer.global_step
         if n is not None and step // n > self._last_step // n:
             self.export(trainer, pl_module, f"step-{step}")
-            self._exported_at = step
         self._last_step = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training_ended = True
-        if self._exported_at != trainer.global_step:
-            self.export(trainer, pl_module, "final")
-        elif trainer.is_global_zero:  # the same weights: linked, not written again
-            for folder, name in zip(self._written, ("final", "final-merged"), strict=False):
-                final = Path(self.dirpath) / name
-                _replace(Path(os.path.realpath(final)), lambda into, src=folder: shutil.copytree(
-                    src, into, copy_function=_link, dirs_exist_ok=True))
-                log.info("exported the policy to %s: the files of %s, linked", final, folder)
+        self.export(trainer, pl_module, "final")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a fit whose training loop Lightning skipped (see the class docstring)."""
@@ -389,15 +390,7 @@ class HFExport(Callback):
             return None
         assert self.dirpath is not None, "HFExport.setup() sets dirpath"
         out = Path(self.dirpath) / name
-        self._written = export_policy(runtime.model, runtime.tokenizer, out,
-                                      source=getattr(pl_module, "source", None),
-                                      merged=self.merged, state_dict=whole)
+        export_policy(runtime.model, runtime.tokenizer, out,
+                      source=getattr(pl_module, "source", None), merged=self.merged,
+                      state_dict=whole)
         return out
-
-
-def _link(src: str, dst: str) -> None:
-    """A hard link of the file ``src`` at ``dst`` (a copy across file systems)."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -109,8 +109,10 @@ class RolloutPipeline:
         for pending in self.queue:
             if raise_failure:
                 pending.result()
-            elif pending.future is not None:
-                concurrent.futures.wait([pending.future])
+            elif pending.future is not None and (err := pending.future.exception()):
+                log.warning("a rollout in flight failed (%s: %s): the validation runs, and the "
+                            "run stops with that error at its next step (if any)",
+                            type(err).__name__, err)
 
     def submit(self, engine: Any, batch: dict[str, Any], num_generations: int,
                version: int) -> None:

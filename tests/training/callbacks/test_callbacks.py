@@ -483,19 +483,11 @@ def test_hf_export_every_n_steps_and_at_the_end(tmp_path):
         trainer.global_step = global_step
         export.on_train_batch_end(trainer, module, None, None, 0)
     export.on_train_end(trainer, module)
-    # the end at step 12, just exported: final links step-12's files (it wrote them again,
-    # a second model-sized folder; a long-runs hunt)
-    assert len(module.runtime.model.saved) == 3
-    assert module.runtime.tokenizer.saved == module.runtime.model.saved
-    hf = tmp_path / "hf"
-    assert [p.name for p in (hf / "final").iterdir()] == ["weights"]
-    assert (hf / "final" / "weights").stat().st_ino == (hf / "step-12" / "weights").stat().st_ino
-    # written beside, then moved in whole: only the four exports are left
-    assert sorted(p.name for p in hf.iterdir()) == ["final", "step-12", "step-4", "step-9"]
-    trainer.global_step = 13  # a later end: written
-    export.on_train_end(trainer, module)
     assert len(module.runtime.model.saved) == 4
-    assert (hf / "final" / "weights").stat().st_ino != (hf / "step-12" / "weights").stat().st_ino
+    assert module.runtime.tokenizer.saved == module.runtime.model.saved
+    # written beside, then moved in whole: only the four exports are left
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "final", "step-12", "step-4", "step-9"]
 
 
 def exported_into(log_dir: Path) -> tuple[Any, Any, HFExport]:
@@ -531,28 +523,37 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
     assert sorted(p.name for p in final.parent.iterdir()) == ["final"]
 
 
-def test_hf_export_removes_what_a_killed_export_left(tmp_path):
-    """A ``kill -9`` in an export's write left its hidden folder, a model's size, that no
-    later export removed (it cleared its own process's only; a long-runs hunt). Those of a
-    writer gone on this host are removed, an earlier export moved aside goes back, and
-    those of a running writer or of another host stay."""
-    import socket
+def killed_export(folder: Path) -> None:
+    """``folder`` as an export killed midway leaves it: marked, its writer gone."""
     import subprocess
     import sys
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    here, hf = socket.gethostname(), tmp_path / "hf"
-    left = {f".final.partial-{here}-{gone.pid}": "w", f".step-3.old-{here}-{gone.pid}": "old",
-            f".step-4.partial-{here}-{os.getppid()}": "w",  # still writing
-            f".step-5.partial-elsewhere-{gone.pid}": "w"}  # another host's
-    for name, file in left.items():
-        (hf / name).mkdir(parents=True)
-        (hf / name / file).write_text("x")
-    exported_into(tmp_path)
-    assert sorted(p.name for p in hf.iterdir()) == sorted(
-        ["final", "step-3", *list(left)[2:]])
-    assert [p.name for p in (hf / "step-3").iterdir()] == ["old"]
+    code = ("import os, sys; from pathlib import Path; "
+            "from maxent_grpo.training.callbacks.export import _writing; "
+            "p = Path(sys.argv[1]); p.mkdir(parents=True); _writing(p).__enter__(); "
+            "(p / 'model.safetensors').write_text('half'); os._exit(9)")
+    subprocess.run([sys.executable, "-c", code, str(folder)], check=False,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert (folder / "model.safetensors").is_file()
+
+
+def test_hf_export_removes_what_a_killed_export_left(tmp_path):
+    """A ``kill -9`` in an export's write left its hidden folder, a model's size, that no
+    later export removed (it cleared its own process's only; a long-runs hunt). Those
+    whose writer is gone are removed (any export's in the folder); one still being
+    written, and a folder of the user's that only looks like one, stay (a reader)."""
+    from maxent_grpo.training.callbacks.export import _writing
+
+    hf = tmp_path / "hf"
+    for name in (".final.partial-h-1", ".step-3.partial-other-host-2"):
+        killed_export(hf / name)
+    live, mine = hf / ".step-4.partial-h-3", hf / ".config.partial-vm-20240101"
+    for folder in (live, mine):
+        folder.mkdir(parents=True)
+        (folder / "notes").write_text("x")
+    with _writing(live):  # another process writes there now
+        exported_into(tmp_path)
+    assert sorted(p.name for p in hf.iterdir()) == sorted(["final", live.name, mine.name])
 
 
 def test_hf_export_into_a_new_or_empty_folder_leaves_nothing_when_it_fails(tmp_path):
@@ -583,17 +584,11 @@ def test_hf_export_into_a_mount_point_is_written_inside_it(tmp_path, monkeypatch
     after the whole write (a fresh volume holds lost+found, a second export an earlier one;
     two readers). It is written inside, then swapped with what the folder held (not
     lost+found); a failed write keeps the earlier export."""
-    import socket
-    import subprocess
-    import sys
-
     final = tmp_path / "hf" / "final"
     (final / "lost+found").mkdir(parents=True)
     if earlier:
         (final / "adapter_config.json").write_text("{}")  # an earlier run's adapter
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    (final / f".partial-{socket.gethostname()}-{gone.pid}").mkdir()  # a killed export's
+    killed_export(final / ".partial-h-1")  # a killed export's, inside
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == final)
     trainer, module, export = exported_into(tmp_path)
     assert sorted(p.name for p in final.iterdir()) == ["lost+found", "tok", "weights"]

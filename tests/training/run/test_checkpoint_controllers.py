@@ -79,6 +79,7 @@ def loaded(saved_peft, peft) -> None:
     (lora(), None, "made with model.peft adapters and this run is without them, .* use the "
                    r"model.peft it was trained with: \{class_path: peft.LoraConfig, init_args: "
                    r'\{r: 4, target_modules: \["q_proj"\], lora_alpha: 8\}\}'),  # as YAML
+    (lora(layers_to_transform=0), None, "init_args: .*layers_to_transform: 0"),  # 0 is set
     (None, lora(), "made without model.peft adapters and this run is with them"),
     (lora(), lora(r=8), "r: 4 in the checkpoint, 8 now"),
     (lora(), lora(target_modules=["q_proj", "v_proj"]), "target_modules"),
@@ -87,8 +88,8 @@ def loaded(saved_peft, peft) -> None:
     # the same weights, scaled otherwise: a silently different model (a defect hunt)
     (lora(), lora(lora_alpha=32), "lora_alpha: 8 in the checkpoint, 32 now"),
     (lora(), lora(use_rslora=True), "use_rslora"),
-], ids=["adapters-dropped", "adapters-added", "rank", "targets", "layers", "excluded",
-        "alpha", "rslora"])
+], ids=["adapters-dropped", "layer-0-dropped", "adapters-added", "rank", "targets", "layers",
+        "excluded", "alpha", "rslora"])
 def test_a_checkpoint_whose_adapters_do_not_fit_the_run_is_refused(saved_peft, now, match):
     """Before, the weights' load failed with Lightning's missing and unexpected keys."""
     with pytest.raises(ValueError, match=match):
