@@ -147,7 +147,8 @@ def _writing(folder: Path) -> Iterator[None]:
     ends). The caller removes the file (:func:`_written`) before it moves the files."""
     fd = os.open(folder / f"{WRITING}.new", os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # a file system without locks: none is removed
+            fcntl.flock(fd, fcntl.LOCK_EX)
         os.replace(folder / f"{WRITING}.new", folder / WRITING)  # found only once locked
         yield
     finally:
