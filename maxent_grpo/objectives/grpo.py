@@ -77,7 +77,7 @@ class GRPO(Objective):
             (PKPO's unbiased pass@k, any rewards) or ``wreinforce`` (W-REINFORCE: right
             samples ``+positive_weight``, wrong ones ``-1``, no baseline; rewards in [0, 1]);
             the last five leave ``scale_rewards`` at its default.
-        pass_k: the ``k`` of ``passk`` and ``pkpo`` (``1 <= k <= G``; ``pkpo`` needs 2).
+        pass_k: the ``k`` of ``passk`` (``1 <= k < G``) and ``pkpo`` (``2 <= k <= G``).
         ratio_level: the importance ratio: ``token``, ``sequence`` (GSPO) or
             ``sequence_token`` (GSPO-token).
         clip_rule: ``ppo`` (the clipped surrogate), ``cispo`` (clipped, stop-gradient
@@ -220,6 +220,11 @@ class GRPO(Objective):
         require(self.advantage not in ("passk", "pkpo") or self.pass_k <= group_size,
                 f"objective.pass_k ({self.pass_k}) must be at most model.num_generations "
                 f"({group_size}): pass@k is over subsets of a group")
+        require(self.advantage != "passk" or self.pass_k < group_size,  # trained nothing
+                f"objective.pass_k ({self.pass_k}) must be below model.num_generations "
+                f"({group_size}) with objective.advantage passk: its one subset of k is the "
+                "whole group, whose pass@k has no spread, so every advantage is 0; lower "
+                "pass_k or raise num_generations")
 
     def prepare(self, inputs: GroupInputs) -> Targets:
         rewards = inputs.rewards  # G was checked when the module was built (check_group_size)

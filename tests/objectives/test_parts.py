@@ -332,6 +332,16 @@ def test_the_pass_at_k_options_are_checked():
                                          r"num_generations \(4\)"):
         MaxEntGRPOModule(model_name_or_path="no/such-model", objective=objective,
                          num_generations=4)
+    # k = G: the one subset is the whole group, so every advantage was 0 (a hunt: the
+    # default pass_k 4 with num_generations 4 trained nothing without a word)
+    assert not estimate_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "passk", k=4).any()
+    with pytest.raises(ValueError, match=r"objective.pass_k \(4\) must be below model."
+                                         r"num_generations \(4\) with objective.advantage "
+                                         "passk: .* lower pass_k or raise num_generations"):
+        MaxEntGRPOModule(model_name_or_path="no/such-model",
+                         objective=GRPO(advantage="passk"), num_generations=4)
+    MaxEntGRPOModule(model_name_or_path="no/such-model", objective=GRPO(advantage="pkpo"),
+                     num_generations=4)  # pkpo at k = G: a lone right answer gets credit
 
 
 # ------------------------------------------------------------------ Clip-Cov and KL-Cov
