@@ -90,7 +90,8 @@ def _broadcast_advantages(advantages: object, like: torch.Tensor) -> torch.Tenso
     )
 
 
-def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3",
+               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token estimate of ``KL(pi_theta || pi_ref)`` from sampled-token log-probabilities.
 
     With ``d = ref_logps - logps`` (tokens sampled from ``pi_theta``):
@@ -101,12 +102,15 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
 
     ``k3`` is computed as ``expm1(d) - d``. Nothing is clamped: ``d`` above ~88 overflows
     float32 to ``inf``, a real divergence. ``logps`` and ``ref_logps`` are floating tensors
-    of one shape (any); the result has that shape and is differentiable in both.
+    of one shape (any); the result has that shape and is differentiable in both. ``d`` is 0
+    outside a bool ``mask``: an overflow in padding made the gradient NaN when masked after.
     """
     logps, ref_logps = _check_pair(logps, "logps", ref_logps, "ref_logps")
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of 'k1', 'k2', 'k3'; got {estimator!r}")
     d = ref_logps - logps
+    if mask is not None:
+        d = torch.where(mask, d, 0.0)
     if estimator == "k1":
         return -d
     if estimator == "k2":
@@ -114,9 +118,8 @@ def kl_penalty(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k
     return torch.expm1(d) - d
 
 
-def importance_ratio(
-    logps: torch.Tensor, old_logps: torch.Tensor, max_log_ratio: float = 20.0
-) -> torch.Tensor:
+def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor,
+                     max_log_ratio: float = 20.0) -> torch.Tensor:
     """Importance ratio ``c = exp(clamp(logps - old_logps, -max_log_ratio, max_log_ratio))``.
 
     The bound (finite, ``> 0``; in float16 at most about 10.1) only guards ``exp`` against
@@ -142,10 +145,8 @@ def _exp_bound(max_log_ratio: float, dtype: torch.dtype) -> float:
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 
 
-def importance_ratio_at(
-    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str = "token",
-    max_log_ratio: float = 20.0,
-) -> torch.Tensor:
+def importance_ratio_at(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
+                        level: str = "token", max_log_ratio: float = 20.0) -> torch.Tensor:
     """The importance ratio ``(N, T)`` at one of :data:`RATIO_LEVELS` (docs/ALGORITHM.md §2).
 
     With ``d[i,t] = logps - old_logps`` (old detached), ``T_i = sum_t m[i,t]`` and
@@ -177,10 +178,9 @@ def importance_ratio_at(
 
 
 @torch.no_grad()
-def clip_fractions(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float = 0.2,
-    eps_high: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def clip_fractions(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   eps_low: float = 0.2, eps_high: float | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fractions of completion tokens whose clipped surrogate is active (for logging).
 
     Over the tokens with ``mask`` true:
@@ -190,9 +190,8 @@ def clip_fractions(
     - total: low + high (the two sets are disjoint).
 
     Each is ``count / max(mask.sum(), 1)``. ``ratio`` and the bool ``mask`` are ``(N, T)``,
-    ``advantages`` ``(N,)`` or ``(N, T)``, the clip widths as in
-    :func:`clipped_surrogate`. Returns ``(low, high, total)``,
-    detached 0-d float32 tensors on ``ratio``'s device.
+    ``advantages`` ``(N,)`` or ``(N, T)``, the clip widths as in :func:`clipped_surrogate`.
+    Returns ``(low, high, total)``, detached 0-d float32 tensors on ``ratio``'s device.
     """
     ratio = _check_tensor(ratio, "ratio")
     adv = _broadcast_advantages(advantages, ratio)
@@ -295,9 +294,9 @@ def token_covariance(logps: torch.Tensor, advantages: torch.Tensor,
     advantage drive the entropy down). ``-inf`` outside the mask."""
     adv = _broadcast_advantages(advantages, logps).detach()
     lp = logps.detach()
-    m = mask.to(lp.dtype)
-    count = m.sum().clamp(min=1.0)
-    cov = (adv - (adv * m).sum() / count) * (lp - (lp * m).sum() / count)
+    count = mask.sum().to(lp.dtype).clamp(min=1.0)  # selected: a -inf in padding stays out
+    cov = ((adv - torch.where(mask, adv, 0.0).sum() / count)
+           * (lp - torch.where(mask, lp, 0.0).sum() / count))
     return torch.where(mask, cov, torch.full_like(cov, -math.inf))
 
 

@@ -263,7 +263,8 @@ class GRPO(Objective):
             sums["entropy_mask"] = (keep.sum().float(), mb.mask.sum().float())
         sums["loss/policy"] = token_sum(per_token, mb.mask)
         if mb.ref_token_logps is not None:
-            kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator)  # (n, T)
+            kl = kl_penalty(mb.token_logps, mb.ref_token_logps, self.kl_estimator,
+                            mb.mask)  # (n, T)
             sums["kl"] = token_sum(kl, mb.mask)
             if self.beta > 0 and self.kl_bias_correction:
                 kl = kl * importance_ratio_at(mb.token_logps, mb.behaviour_logps, mb.mask,

@@ -194,7 +194,7 @@ class ListwiseMaxEnt(Objective):
             loss = loss + self.clip_coef * clip * scale
             sums["loss/clip"] = (clip.detach() * groups, groups)
         if mb.ref_token_logps is not None:
-            kl = kl_penalty(mb.token_logps, mb.ref_token_logps)  # (n, T), k3
+            kl = kl_penalty(mb.token_logps, mb.ref_token_logps, mask=mb.mask)  # (n, T), k3
             sums["kl"] = token_sum(kl, mb.mask)
             if self.kl_coef > 0:
                 loss = loss + self.kl_coef * reduce_tokens(kl, mb, "grpo")
@@ -261,5 +261,6 @@ class GroupMaxEnt(Objective):
         per_token = per_token * (mb.group_size * mb.weights).reshape(-1, 1)  # row i: G*w_i
         sums["loss/policy"] = token_sum(per_token, mb.mask)  # as trained (the weights in)
         if mb.ref_token_logps is not None:
-            sums["kl"] = token_sum(kl_penalty(mb.token_logps, mb.ref_token_logps), mb.mask)
+            sums["kl"] = token_sum(kl_penalty(mb.token_logps, mb.ref_token_logps,
+                                              mask=mb.mask), mb.mask)
         return LossOutput(reduce_tokens(per_token, mb, "dr_grpo"), sums)

@@ -492,11 +492,27 @@ def test_a_non_finite_log_prob_at_a_padded_token_touches_no_statistic():
                     entropy=None, advantages=torch.tensor([0.7, -0.7]), weights=None,
                     group_size=2, num_rows=2, num_micro_batches=1, max_completion_length=2,
                     num_global_tokens=torch.tensor(3))
-    kl_sum, count = GRPO(beta=0.1).loss(mb).sums["kl"]
+    out = GRPO(beta=0.1).loss(mb)
+    kl_sum, count = out.sums["kl"]
     assert torch.isfinite(kl_sum) and count == 3
-    ref[0, 1] = -math.inf
-    assert torch.isfinite(sequence_ref_loglik(ref, mask, 2)).all()
+    # and the gradient: the KL masked after its overflow made it NaN (inf * 0; a hunt: the
+    # whole update was skipped as non-finite)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    assert torch.isfinite(grad).all() and grad[0, 1] == 0
+    # a -inf log-prob in padding: Clip-Cov's covariance (NaN everywhere: no token clipped)
+    # and the logged sequence log-probs (NaN) read the masked tokens only
+    from maxent_grpo.core import token_covariance
+    from maxent_grpo.training.types import SequenceScores
+
     padded = logps.detach().clone()
     padded[0, 1] = -math.inf
+    cov = token_covariance(padded, torch.tensor([0.7, -0.7]), mask)
+    assert torch.isfinite(cov[mask]).all() and torch.equal(
+        cov[mask], token_covariance(logps.detach(), torch.tensor([0.7, -0.7]), mask)[mask])
+    scores = SequenceScores.of(padded, mask, entropy=torch.where(mask, 1.0, math.inf))
+    assert scores.cur_logp_sum.tolist() == [-1.0, -2.0]
+    assert scores.policy_entropy_sum.tolist() == [1.0, 2.0]
+    ref[0, 1] = -math.inf
+    assert torch.isfinite(sequence_ref_loglik(ref, mask, 2)).all()
     listwise = ListwiseMaxEnt(length_normalize=False)._seq_logps(padded, mask, 2)
     assert torch.equal(listwise, torch.tensor([[-1.0, -2.0]]))

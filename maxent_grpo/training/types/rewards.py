@@ -193,12 +193,14 @@ class SequenceScores:
         current = token_logp.detach()
         behaviour = next(x for x in (sampler_token_logp, old_token_logp, current)
                          if x is not None)
-        cur_sum = (current * weight).sum(-1)
-        behaviour_sum = (behaviour.to(current.dtype) * weight).sum(-1)
+        def total(x: torch.Tensor) -> torch.Tensor:  # selected: a -inf in padding stays out
+            return torch.where(token_mask, x.to(current.dtype), 0.0).sum(-1)
+
+        cur_sum, behaviour_sum = total(current), total(behaviour)
         return cls(
             cur_logp_sum=cur_sum, behavior_logp_sum=behaviour_sum,
             log_ratio_train=cur_sum - behaviour_sum, denom_tok_tensor=weight.sum(-1),
-            policy_entropy_sum=None if entropy is None else (entropy.detach() * weight).sum(-1),
+            policy_entropy_sum=None if entropy is None else total(entropy.detach()),
             token_logp=token_logp, token_mask=token_mask, old_token_logp=old_token_logp)
 
     @property
