@@ -54,6 +54,19 @@ SELF_SCALED = ("reinforce_pp", "reinforce_pp_baseline", "passk", "pkpo", "wreinf
 Shaping = Literal["none", "unlikeliness", "repetition", "set_diversity"]
 
 
+def check_clip_range_read(clip_rule: str, epsilon: float, epsilon_high: float | None,
+                          defaults: dict[str, Any]) -> None:
+    """Refuse a clip range set away from its default (``defaults``) that ``clip_rule`` would
+    not read: ``kl_cov`` clips nothing, ``cispo`` caps at ``1 + epsilon_high`` alone."""
+    given = {"objective.epsilon": (epsilon, defaults["epsilon"]),
+             "objective.epsilon_high": (epsilon_high, defaults["epsilon_high"])}
+    check_unused(given, clip_rule != "kl_cov", "objective.clip_rule ppo, cispo or clip_cov")
+    check_unused({"objective.epsilon": given["objective.epsilon"]},
+                 clip_rule != "cispo" or epsilon_high is None,
+                 "objective.epsilon_high null under clip_rule cispo (its one cap: 1 + "
+                 "epsilon_high)")
+
+
 class GRPO(Objective):
     """GRPO with the Dr.GRPO / DAPO variants (docs/ALGORITHM.md §4.1).
 
@@ -174,6 +187,7 @@ class GRPO(Objective):
         self.ratio_level, self.clip_rule = surrogate_parts(ratio_level, clip_rule)
         self.advantage = advantage
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
+        check_clip_range_read(clip_rule, epsilon, epsilon_high, defaults_of(GRPO.__init__))
         check_choice("objective.kl_estimator", kl_estimator, get_args(KLEstimator))
         check_number("objective.beta", beta, minimum=0)
         d = defaults_of(GRPO.__init__)

@@ -40,6 +40,7 @@ from maxent_grpo.objectives.base import (
     token_sum,
     weight_stats,
 )
+from maxent_grpo.objectives.grpo import check_clip_range_read
 from maxent_grpo.validation import check_bool, check_number, check_unused, defaults_of, require
 
 
@@ -236,6 +237,7 @@ class GroupMaxEnt(Objective):
         check_number("objective.tau", tau, minimum=0)
         check_number("objective.lam", lam, minimum=0)
         self.epsilon, self.epsilon_high = clip_range(epsilon, epsilon_high)
+        check_clip_range_read(clip_rule, epsilon, epsilon_high, defaults_of(GroupMaxEnt.__init__))
         self.tau = float(tau)
         self.lam = float(lam)
 

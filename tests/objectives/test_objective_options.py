@@ -46,6 +46,12 @@ def test_grpo_validation(kwargs: dict, match: str) -> None:
         (GRPO, {"cov_fraction": 1e-3}, "clip_rule clip_cov or kl_cov"),
         (GRPO, {"clip_cov_bounds": [0.5, 2.0], "clip_rule": "kl_cov"}, "clip_rule clip_cov"),
         (GRPO, {"kl_cov_coef": 2.0, "clip_rule": "clip_cov"}, "clip_rule kl_cov"),
+        # kl_cov has no clip range, cispo one cap (a hunt: both were ignored without a word)
+        (GRPO, {"epsilon": 0.1, "clip_rule": "kl_cov"}, "clip_rule ppo, cispo or clip_cov"),
+        (GroupMaxEnt, {"epsilon_high": 0.3, "clip_rule": "kl_cov"},
+         "clip_rule ppo, cispo or clip_cov"),
+        (GRPO, {"epsilon": 0.1, "epsilon_high": 0.3, "clip_rule": "cispo"},
+         "epsilon_high null under clip_rule cispo"),
         (EntropyMaxEnt, {"kl_gate_gain": 5.0}, "kl_gate_threshold set"),
         (EntropyMaxEnt, {"disable_outside_trust_zone": True}, "kl_gate_threshold set"),
         (ListwiseMaxEnt, {"epsilon": 0.1, "epsilon_high": 0.3}, "clip_coef > 0"),
@@ -70,6 +76,8 @@ def test_an_option_that_would_do_nothing_is_refused(make, kwargs: dict, needs: s
         (GRPO, {"cov_fraction": 1e-3, "clip_cov_bounds": (0.5, 2.0), "clip_rule": "clip_cov"}),
         (EntropyMaxEnt, {"kl_gate_threshold": 0.1, "kl_gate_gain": 5.0}),
         (ListwiseMaxEnt, {"epsilon": 0.1, "clip_coef": 0.5}),
+        (GRPO, {"epsilon_high": 0.3, "clip_rule": "cispo"}),
+        (GroupMaxEnt, {"epsilon": 0.1, "clip_rule": "cispo"}),  # its cap then
         (ListwiseMaxEnt, {"right_reward": 0.5, "right_only": True, "answer_level": True}),
     ],
 )
