@@ -60,7 +60,8 @@ def check_clip_range_read(clip_rule: str, epsilon: float, epsilon_high: float | 
     not read: ``kl_cov`` clips nothing, ``cispo`` caps at ``1 + epsilon_high`` alone."""
     given = {"objective.epsilon": (epsilon, defaults["epsilon"]),
              "objective.epsilon_high": (epsilon_high, defaults["epsilon_high"])}
-    check_unused(given, clip_rule != "kl_cov", "objective.clip_rule ppo, cispo or clip_cov")
+    check_unused(given, clip_rule != "kl_cov", "objective.clip_rule ppo or clip_cov (cispo "
+                 "reads epsilon_high alone)")
     check_unused({"objective.epsilon": given["objective.epsilon"]},
                  clip_rule != "cispo" or epsilon_high is None,
                  "objective.epsilon_high null under clip_rule cispo (its one cap: 1 + "
@@ -237,8 +238,8 @@ class GRPO(Objective):
         require(self.advantage != "passk" or self.pass_k < group_size,  # trained nothing
                 f"objective.pass_k ({self.pass_k}) must be below model.num_generations "
                 f"({group_size}) with objective.advantage passk: its one subset of k is the "
-                "whole group, whose pass@k has no spread, so every advantage is 0; lower "
-                "pass_k or raise num_generations")
+                "whole group, whose pass@k has no spread, so its advantage is 0 for every "
+                "sample; lower pass_k or raise num_generations")
 
     def prepare(self, inputs: GroupInputs) -> Targets:
         rewards = inputs.rewards  # G was checked when the module was built (check_group_size)

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,26 +138,34 @@ def _owner() -> str:
 #: the file an export holds locked in its temporary folder while it writes there: a
 #: temporary folder whose file no process holds was left by a writer that was killed
 WRITING = ".maxent-grpo-writing"
-_TEMPORARY = {False: re.compile(r"\..+\.partial-.+"), True: re.compile(r"\.partial-.+")}
+_TEMPORARY = {False: re.compile(r"\..+\.partial-(?P<host>.+)-\d+"),
+              True: re.compile(r"\.partial-(?P<host>.+)-\d+")}
+#: another host's temporary folder is removed only once untouched this long (seconds): a
+#: shared file system may not show one host's locks to another (NFS ``nolock``, FUSE)
+OTHER_HOSTS_AFTER = 24 * 3600.0
 
 
 @contextlib.contextmanager
 def _writing(folder: Path) -> Iterator[None]:
     """``folder`` (new) marked as an export's temporary folder for the call: its
     :data:`WRITING` file, locked (``flock``; the lock goes with the process, however it
-    ends). The caller removes the file (:func:`_written`) before it moves the files."""
+    ends; a file system without locks: no mark, so nothing takes it for a killed one's).
+    The file stays until the files are in place (:func:`_written`)."""
     fd = os.open(folder / f"{WRITING}.new", os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        with contextlib.suppress(OSError):  # a file system without locks: none is removed
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-        os.replace(folder / f"{WRITING}.new", folder / WRITING)  # found only once locked
+        except OSError:
+            os.unlink(folder / f"{WRITING}.new")
+        else:
+            os.replace(folder / f"{WRITING}.new", folder / WRITING)  # found only once locked
         yield
     finally:
         os.close(fd)
 
 
 def _written(folder: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):  # a hidden empty file left behind at worst
         os.unlink(folder / WRITING)
 
 
@@ -175,16 +184,30 @@ def _abandoned(folder: Path) -> bool:
     return True
 
 
+def _idle_seconds(folder: Path) -> float:
+    """How long nothing in ``folder`` has changed (0 when that cannot be read)."""
+    try:
+        return time.time() - max(p.stat().st_mtime for p in [folder, *folder.rglob("*")])
+    except OSError:
+        return 0.0
+
+
 def clear_leftovers(folder: Path, inside: bool = False) -> None:
     """Remove the temporary folders that exports into ``folder``'s folders (``inside``:
     into ``folder`` itself) left when they were killed (``kill -9``, out of memory), each
-    the size of a model: those whose :data:`WRITING` file no process holds locked."""
+    the size of a model: those whose :data:`WRITING` file no process holds locked (another
+    host's: also untouched for :data:`OTHER_HOSTS_AFTER`)."""
     if not folder.is_dir():
         return
+    here = socket.gethostname()
     for path in folder.iterdir():
-        if _TEMPORARY[inside].fullmatch(path.name) and path.is_dir() and _abandoned(path):
-            shutil.rmtree(path, ignore_errors=True)
-            log.info("removed %s, left by an export that was killed", path)
+        found = _TEMPORARY[inside].fullmatch(path.name)
+        if found is None or not path.is_dir() or not _abandoned(path):
+            continue
+        if found["host"] != here and _idle_seconds(path) < OTHER_HOSTS_AFTER:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s, left by an export that was killed", path)
 
 
 def _replace(out: Path, write: Any) -> None:
@@ -223,15 +246,14 @@ def _write_export(out: Path, write: Any, earlier: bool) -> None:
         staging = out / f".partial-{_owner()}"
         staging.mkdir()
         try:
-            with _writing(staging):
+            with _writing(staging):  # marked until its files are in place
                 write(staging)
-                _written(staging)
-            _swap_inside(out, staging)
+                _swap_inside(out, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     else:
-        with _writing(tmp):
-            _swap_beside(out, tmp, old, lambda folder: (write(folder), _written(folder)))
+        with _writing(tmp):  # marked until its files are in place
+            _swap_beside(out, tmp, old, write)
     if earlier:
         log.info("replaced the earlier export in %s", out)
 
@@ -253,6 +275,7 @@ def _swap_beside(out: Path, tmp: Path, old: Path, write: Any) -> None:
                     raise
             else:
                 os.replace(tmp, out)  # a new folder, or onto an empty one
+            _written(out)
         except OSError as err:  # a bind mount (EBUSY): the files are moved in instead
             if err.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM):
                 raise
@@ -274,7 +297,7 @@ def _swap_inside(out: Path, new: Path) -> None:
         os.replace(item, aside / item.name)
     moved: list[Path] = []
     try:
-        for item in list(new.iterdir()):
+        for item in [p for p in new.iterdir() if p.name != WRITING]:  # marked till the end
             shutil.move(str(item), str(out / item.name))  # a copy across file systems
             moved.append(out / item.name)
     except BaseException:

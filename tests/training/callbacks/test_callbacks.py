@@ -10,6 +10,8 @@ import json
 import math
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -544,16 +546,21 @@ def test_hf_export_removes_what_a_killed_export_left(tmp_path):
     written, and a folder of the user's that only looks like one, stay (a reader)."""
     from maxent_grpo.training.callbacks.export import _writing
 
-    hf = tmp_path / "hf"
-    for name in (".final.partial-h-1", ".step-3.partial-other-host-2"):
+    hf, here = tmp_path / "hf", socket.gethostname()
+    for name in (f".final.partial-{here}-1", f".step-3.partial-{here}-2", ".step-2.partial-b-2"):
         killed_export(hf / name)
-    live, mine = hf / ".step-4.partial-h-3", hf / ".config.partial-vm-20240101"
+    for path in [hf / ".step-2.partial-b-2", *(hf / ".step-2.partial-b-2").iterdir()]:
+        os.utime(path, (0, time.time() - 2 * 24 * 3600))  # another host's, two days old
+    recent = hf / ".step-1.partial-b-1"  # another host's, recent: its lock may not show here
+    killed_export(recent)
+    live, mine = hf / f".step-4.partial-{here}-3", hf / f".config.partial-{here}-20240101"
     for folder in (live, mine):
         folder.mkdir(parents=True)
         (folder / "notes").write_text("x")
     with _writing(live):  # another process writes there now
         exported_into(tmp_path)
-    assert sorted(p.name for p in hf.iterdir()) == sorted(["final", live.name, mine.name])
+    assert sorted(p.name for p in hf.iterdir()) == sorted(
+        ["final", live.name, mine.name, recent.name])
 
 
 def test_hf_export_into_a_new_or_empty_folder_leaves_nothing_when_it_fails(tmp_path):
@@ -588,7 +595,6 @@ def test_hf_export_into_a_mount_point_is_written_inside_it(tmp_path, monkeypatch
     (final / "lost+found").mkdir(parents=True)
     if earlier:
         (final / "adapter_config.json").write_text("{}")  # an earlier run's adapter
-    killed_export(final / ".partial-h-1")  # a killed export's, inside
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == final)
     trainer, module, export = exported_into(tmp_path)
     assert sorted(p.name for p in final.iterdir()) == ["lost+found", "tok", "weights"]
@@ -600,6 +606,7 @@ def test_hf_export_into_a_mount_point_is_written_inside_it(tmp_path, monkeypatch
             raise OSError(28, "No space left on device")
 
     module.runtime.tokenizer = Full("tok2")
+    killed_export(final / f".partial-{socket.gethostname()}-1")  # gone though this one fails
     with pytest.raises(OSError, match="(?i)no space left"):
         export.on_train_end(trainer, module)
     assert sorted(p.name for p in final.iterdir()) == ["lost+found", "tok", "weights"]
