@@ -68,6 +68,14 @@ def check_launcher(trainer: Any) -> None:
             f"{getattr(launcher, '_start_method', '?')!r} runs each process on a copy of the "
             "module and sends back only its weights: use strategy ddp (Lightning starts the "
             "processes itself, or run under torchrun; not in a notebook: run a script)")
+    # Lightning takes any LOCAL_RANK for a launcher's process and waits for the others
+    require(getattr(trainer, "world_size", 1) == 1 or "LOCAL_RANK" not in os.environ
+            or "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ,
+            f"LOCAL_RANK={os.environ.get('LOCAL_RANK')} is set but WORLD_SIZE is not: Lightning "
+            "takes this process for one that a launcher started and waits (30 minutes) for "
+            f"the run's other {getattr(trainer, 'world_size', 1) - 1} process(es), which "
+            "nothing starts. Unset LOCAL_RANK (left from another launch) to let Lightning "
+            "start them, or launch with torchrun")
 
 
 def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
@@ -181,6 +189,13 @@ def one_process_is_rank_zero(trainer: Any) -> None:
     refused: each trained the whole run alone into the same folders."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
+    started = os.environ.get("WORLD_SIZE", "1")  # torchrun's (TORCHELASTIC_RUN_ID: its own)
+    require(getattr(trainer, "world_size", 1) != 1 or "TORCHELASTIC_RUN_ID" not in os.environ
+            or not started.isdigit() or int(started) == 1,
+            f"torchrun started {started} processes (WORLD_SIZE) for a run of one process "
+            "(trainer.devices x trainer.num_nodes = 1): each would train the whole run alone, "
+            "into the same folders. Set trainer.devices to --nproc-per-node (and "
+            "trainer.strategy: ddp), or start one process")
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # srun's (a batch script has none)
     require(getattr(trainer, "world_size", 1) != 1 or not SLURMEnvironment.detect()
             or not tasks.isdigit() or int(tasks) == 1,

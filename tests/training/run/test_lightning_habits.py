@@ -265,6 +265,33 @@ def test_one_of_several_slurm_tasks_running_a_one_process_fit_is_refused(monkeyp
     one_process_is_rank_zero(SimpleNamespace(world_size=2))  # Lightning checks its own
 
 
+def test_launches_that_do_not_match_the_run_are_refused(monkeypatch):
+    """``torchrun --nproc-per-node 2`` on a one-process config trained two whole runs into
+    one folder (exit 0); a ``LOCAL_RANK`` left in the shell with ``devices: 2`` waited 30
+    minutes for processes nothing started (a hunt of DDP on the CPU)."""
+    from types import SimpleNamespace
+
+    from maxent_grpo.training.step.strategy import check_launcher, one_process_is_rank_zero
+
+    one, two = (SimpleNamespace(world_size=n, strategy=None) for n in (1, 2))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    one_process_is_rank_zero(one)  # a stray WORLD_SIZE alone: one process, as rank 0
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's
+    with pytest.raises(ValueError, match=r"torchrun started 2 processes \(WORLD_SIZE\) for a "
+                                         r"run of one process .* each would train the whole"):
+        one_process_is_rank_zero(one)
+    one_process_is_rank_zero(two)  # Lightning checks its own
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    check_launcher(one)  # one process: LOCAL_RANK is harmless
+    with pytest.raises(ValueError, match="LOCAL_RANK=0 is set but WORLD_SIZE is not: .* waits "
+                                         r"\(30 minutes\) for the run's other 1 process"):
+        check_launcher(two)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_launcher(two)  # torchrun's pair
+
+
 def test_an_fsdp2_mesh_of_another_size_than_the_processes_is_refused_by_name():
     """A scaling config run on fewer processes than its ``data_parallel_size`` (8 on 2)
     ended in Lightning's RuntimeError inside a traceback, reported as "a bug"."""
