@@ -338,6 +338,37 @@ def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys, monkeypat
         assert "this is a bug" in capsys.readouterr().err
 
 
+def test_a_busy_port_is_named_and_the_launched_processes_are_stopped(capsys, monkeypatch):
+    """A DDP launch whose MASTER_PORT another program held printed torch's trace as "a bug in
+    maxent_grpo", and left the process Lightning had started waiting 30 minutes, where the
+    next run on that port took it for its own (a hunt of DDP on the CPU)."""
+    import subprocess
+    import types
+
+    import torch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as in the launching process, after Lightning's
+    busy = torch.distributed.DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 29558, "
+        "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    assert errors.report(busy, show_trace=False) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the run's port 29558 (MASTER_PORT) is in use") and (
+        "Set MASTER_PORT to a free port, or unset it" in err)
+    assert "bug" not in err and "lost its connection" not in err
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    monkeypatch.setattr(errors, "LAUNCHERS", [types.SimpleNamespace(procs=[done, waiting]),
+                                              None])
+    try:
+        with pytest.raises(SystemExit) as stop:
+            errors.exit_on_error(lambda: (_ for _ in ()).throw(busy), show_trace=False)
+        assert stop.value.code == 1
+        assert waiting.wait(timeout=10) == -9 and done.returncode == 0
+    finally:
+        waiting.kill()
+
+
 def test_a_server_error_is_its_message_not_a_lost_process_or_a_bug(capsys):
     """A vLLM server that refused the key or reset the connection: the ServerError's own
     message (it says what to start or give), not "a bug in maxent_grpo" with a trace, and

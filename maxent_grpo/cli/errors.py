@@ -199,6 +199,44 @@ def torch_distributed() -> Any:
     return dist if dist is not None and dist.is_available() else None
 
 
+def busy_port(error: BaseException) -> str | None:
+    """The message for a run whose rendezvous port another program holds (torch's
+    ``DistNetworkError`` "EADDRINUSE"; it was reported as a bug), else None."""
+    current: BaseException | None = error
+    for _ in range(8):
+        if current is None:
+            return None
+        if "EADDRINUSE" in str(current):
+            found = re.search(r"port: (\d+)", str(current))
+            port = found.group(1) if found else os.environ.get("MASTER_PORT", "?")
+            return (f"the run's port {port} (MASTER_PORT) is in use: another run, or another "
+                    "program, listens there. Set MASTER_PORT to a free port, or unset it and "
+                    "Lightning picks one")
+        current = current.__cause__
+    return None
+
+
+#: the launchers that started this run's other processes (the CLI records them)
+LAUNCHERS: list[Any] = []
+
+
+def stop_launched(grace: float = 2.0) -> None:
+    """End the processes that Lightning started for this run (ranks 1 and up) and that are
+    still running ``grace`` seconds after this one failed: one that fails before they join
+    it (a busy ``MASTER_PORT``) left them waiting 30 minutes, and the next run on that port
+    took one for its own (Lightning stops them on Ctrl-C only)."""
+    import subprocess
+    import time
+
+    procs = [p for launcher in LAUNCHERS for p in getattr(launcher, "procs", None) or []]
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def peer_failed(error: BaseException) -> bool:
     """True when ``error`` (or what it was raised from) is a collective that lost another
     process of a distributed run: ``torch.distributed``'s ``DistNetworkError``, or gloo's and
@@ -306,6 +344,8 @@ def report(error: BaseException, show_trace: bool) -> int:
         print(f"error: {error}", file=file)
         return PARSE_ERROR_EXIT_CODE
     found = find_user_error(error)
+    if found is None and (busy := busy_port(error)) is not None:
+        found = error, busy
     if found is None and peer_failed(error):  # the peer's own error is the one to read
         found = error, ("this process lost its connection to another process of the run, "
                         "which failed or was killed: its own error is printed above or in "
@@ -382,4 +422,5 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
     except Exception as error:  # noqa: BLE001 - the command line's last stop
         code = report(error, show_trace)
         sys.stderr.flush()
+        stop_launched()
         raise SystemExit(code) from None

@@ -249,6 +249,7 @@ class MaxEntGRPOCLI(LightningCLI):
         trainer = getattr(self, "trainer", None)
         if trainer is None:  # a subclass that builds no Trainer
             return
+        errors.LAUNCHERS[:] = [getattr(trainer.strategy, "launcher", None)]  # stopped on a failure
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = ckpt_io.AtomicCheckpointIO()
         if not any(isinstance(cb, ckpt_io.LoggerVersions) for cb in trainer.callbacks):
