@@ -781,3 +781,29 @@ def test_a_config_file_without_options_is_named_with_the_fix(text, said, monkeyp
                         exit_on_error=True)
     assert stop.value.code == 1
     assert f"error: --config mine.yaml{said}" in capsys.readouterr().err
+
+
+def test_lightnings_advice_to_evaluate_on_one_device_is_not_printed():
+    """``validate``/``test`` on two processes printed Lightning's advice to evaluate on one
+    device so that each row counts once, which the evaluator already ensures (it drops the
+    rows a distributed sampler repeats; a DDP hunt). The filter matches Lightning's own
+    message as its data connector formats it."""
+    import inspect
+    import warnings
+
+    from lightning.pytorch.trainer.connectors import data_connector
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    from maxent_grpo.cli import help as cli_help
+
+    assert "During `trainer.{trainer_fn.value}()`, it is" in inspect.getsource(data_connector)
+    for stage in ("validate", "test"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for message, category in cli_help.QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message, category)
+            warnings.warn(f"Using `DistributedSampler` with the dataloaders. During `trainer."
+                          f"{stage}()`, it is recommended to use `Trainer(devices=1, "
+                          "num_nodes=1)` to ensure each sample/batch gets evaluated exactly "
+                          "once.", PossibleUserWarning, stacklevel=1)
+        assert caught == []

@@ -335,3 +335,25 @@ def check_given_configs(args: list[str]) -> None:
                     f"{flag} {value} sets {target}, which is set from {source} (linked "
                     f"options are given once, and this value would be ignored): set {source} "
                     f"instead and remove {target}")
+
+
+#: warnings a command-line run does not print: nothing the user can act on, each caused by
+#: Lightning meeting this trainer's design or by Lightning meeting torch (checked by
+#: message; every other warning is printed)
+QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # our loop steps the optimizer itself; the checkpoint after the step is the one a
+    # resume needs (the resume tests check it), so Lightning's 14-line advice does not apply
+    ("Using ModelCheckpoint with manual optimization and every_n_train_steps", UserWarning),
+    # the shipped configs fix ModelCheckpoint.dirpath so that --ckpt_path last finds it:
+    # before_fit says instead what is in the folder and how to resume from it
+    ("Checkpoint directory .* exists and is not empty", UserWarning),
+    # the evaluation's val/ and test/ values are computed from every rank's records already,
+    # each row once (Evaluator.compute drops the rows a sampler repeats), so the advice to
+    # sync them again, or to evaluate on one device, does not apply
+    (r"It is recommended to use `self.log\('(val|test)/", UserWarning),
+    (r"Using `DistributedSampler` with the dataloaders. During `trainer.(validate|test)",
+     UserWarning),
+    # Lightning 2.6's own use of a class torch 2.13 deprecated
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+)
+QUIET_INFO = ("💡 Tip: For seamless cloud",)  #: info lines not printed (adverts)

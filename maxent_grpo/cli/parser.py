@@ -336,32 +336,16 @@ def _same_dir(a: Any, b: Any) -> bool:
     return None not in (a, b) and ckpt_io.absolute_folder(a) == ckpt_io.absolute_folder(b)
 
 
-#: warnings a command-line run does not print: nothing the user can act on, each caused by
-#: Lightning meeting this trainer's design or by Lightning meeting torch (checked by
-#: message; every other warning is printed)
-QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    # our loop steps the optimizer itself; the checkpoint after the step is the one a
-    # resume needs (the resume tests check it), so Lightning's 14-line advice does not apply
-    ("Using ModelCheckpoint with manual optimization and every_n_train_steps", UserWarning),
-    # the shipped configs fix ModelCheckpoint.dirpath so that --ckpt_path last finds it:
-    # before_fit says instead what is in the folder and how to resume from it
-    ("Checkpoint directory .* exists and is not empty", UserWarning),
-    # the evaluation's val/ and test/ values are computed from every rank's records already
-    # (Evaluator.compute), so the advice to sync them again does not apply
-    (r"It is recommended to use `self.log\('(val|test)/", UserWarning),
-    # Lightning 2.6's own use of a class torch 2.13 deprecated
-    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
-)
-QUIET_INFO = ("💡 Tip: For seamless cloud",)  #: info lines not printed (adverts)
 
 
 @contextlib.contextmanager
 def _without_tips() -> Iterator[None]:
-    """Lightning's rank-zero logger without the :data:`QUIET_INFO` lines, for the call."""
+    """Lightning's rank-zero logger without the :data:`~maxent_grpo.cli.help.QUIET_INFO`
+    lines, for the call."""
     log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 
     def drop(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(QUIET_INFO)
+        return not record.getMessage().startswith(cli_help.QUIET_INFO)
 
     log.addFilter(drop)
     try:
@@ -422,11 +406,12 @@ def _named_configs(args: Any) -> Any:
 
 
 def _build(args: Any, run: bool, parser_kwargs: dict[str, Any], from_argv: bool) -> MaxEntGRPOCLI:
-    """The CLI, built with the :data:`QUIET_WARNINGS` and :data:`QUIET_INFO` filters."""
+    """The CLI, built with the :data:`~maxent_grpo.cli.help.QUIET_WARNINGS` and
+    :data:`~maxent_grpo.cli.help.QUIET_INFO` filters."""
     with warnings.catch_warnings(), _without_tips():
         if from_argv:  # args is sys.argv less --traceback (kept there for DDP's launcher)
             warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
-        for message, category in QUIET_WARNINGS:
+        for message, category in cli_help.QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message, category)
         formatter = cli_help.help_formatter_class()
         commands = {
