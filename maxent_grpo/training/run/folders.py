@@ -154,9 +154,18 @@ class SaveRunConfig(SaveConfigCallback):
     version it continues (one under changed options keeps the earlier as ``config-1.yaml``:
     :func:`keep_earlier`); ``validate``, ``test`` or ``predict`` in a run folder that holds
     one (a W&B ``id``, an MLflow ``run_id``) writes ``<stage>_config.yaml`` beside it and
-    leaves the logger's hyper-parameters as the fit logged them."""
+    leaves the logger's hyper-parameters as the fit logged them. A fit's is written as it
+    starts, once the checkpoint it continues was checked (a refused resume replaced the
+    version's ``config.yaml`` with the options it refused)."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if str(getattr(stage, "value", stage)) != "fit":
+            self._save_once(trainer, stage)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._save_once(trainer, "fit")
+
+    def _save_once(self, trainer: Any, stage: str) -> None:
         if self.already_saved:
             return
         folder = run_dir(trainer)

@@ -185,6 +185,24 @@ def test_mlflow_parameter_names_and_a_tracking_servers_refusal(tmp_path, monkeyp
     assert params["rewards/model:/models/rm"] == "1.0" and params["rewards/new"] == "1"
 
 
+def test_a_refused_resume_leaves_the_runs_config(cwd):
+    """A resume that the checkpoint's checks refuse (another data.seed) had already replaced
+    the version's config.yaml with its own options and moved hparams.yaml aside (a DDP
+    hunt): the export's ``--config <version folder>/config.yaml`` then read them."""
+    logger = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+              "--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.version=0",
+              "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={cwd / 'ckpt'}",
+              "--trainer.callbacks.every_n_train_steps=1"]
+    fit(cwd, logger)
+    folder = cwd / "logs" / "tiny" / "version_0"  # the config names the logger tiny
+    before = {p.name: p.read_bytes() for p in folder.glob("*.yaml")}
+    assert set(before) == {"config.yaml", "hparams.yaml"}
+    with pytest.raises(ValueError, match="the checkpoint was made with data.seed=0"):
+        fit(cwd, [*logger, "--ckpt_path=last", "--data.seed=5"])
+    assert {p.name: p.read_bytes() for p in folder.glob("*.yaml")} == before
+
+
 def test_a_resume_keeps_the_earlier_config_only_when_it_trains_otherwise(tmp_path):
     """``seed_everything: true`` draws a new seed into every run's config, and a resume may
     name its logger's run or ``weights_only``: none of them is a changed option (the
