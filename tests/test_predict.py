@@ -168,6 +168,10 @@ def test_a_config_is_found_by_name_and_an_unknown_name_lists_the_shipped_ones(tm
     assert "--config configs/tiny.yaml: no such file" in capsys.readouterr().err
     missing = ["--config", "elsewhere/my.yaml"]  # a path that is not there: the parser says so
     assert cli_help.resolve_config_names(missing) == missing
+    # a path with another extension than the shipped file's is a typo of one's own file: it
+    # ran the shipped demo's 800 steps (TROUBLESHOOTING's own example; a docs hunt)
+    typo = ["--config", "configs/tiny.yml"]
+    assert cli_help.resolve_config_names(typo) == typo
     cli = cli_module.main(["--config", "tiny", "--trainer.logger=false",
                            f"--model.model_cache_dir={tmp_path / 'models'}"], run=False)
     assert cli.config["model"]["model_name_or_path"] == "builtin:tiny-warm"

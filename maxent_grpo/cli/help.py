@@ -88,7 +88,9 @@ def _config_path(value: str) -> str:
     if value.lstrip().startswith(("{", "[")) or ":" in value or (
             "\n" in value):  # inline YAML (jsonargparse reads files and text)
         return value
-    name = value.removesuffix(".yaml").removesuffix(".yml")
+    path_given = "/" in value or os.sep in value  # configs/tiny.yml: a typo of a user's file
+    name = value.removesuffix(".yaml")
+    name = name if path_given else name.removesuffix(".yml")
     parts = os.path.normpath(name).split(os.sep)
     if len(parts) > 1 and parts[0] == "configs":  # the docs' path, away from a clone: the
         name = "/".join(parts[1:])  # same shipped file
@@ -98,7 +100,7 @@ def _config_path(value: str) -> str:
             print(f"--config {value}: no such file in {Path.cwd()}; reading the shipped "
                   f"config {name} ({path})", file=sys.stderr)
         return str(path)
-    if "/" in value or os.sep in value:  # a path: the parser says it does not exist (code 2)
+    if path_given:  # a path: the parser says it does not exist (code 2)
         return value
     names = ", ".join(shipped_configs())
     raise ValueError(

@@ -122,7 +122,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             (:mod:`~maxent_grpo.training.step.pipeline`; ``train/rollout/staleness``). Needs an
             engine that generates elsewhere (``VLLMServerEngine``) and
             ``sampler_correction`` (docs/ALGORITHM.md §2, "Stale rollouts").
-        tools: tools the model may call (``package.module:function`` or ``calculate``):
+        tools: tools the model may call (``package.module:function``, ``calculate``, ``python``):
             multi-turn rollouts, tool messages out of the loss
             (:mod:`maxent_grpo.rollout.multiturn`; linked to ``data.tools``). ``None``: off.
         environment: instead, ``{class_path, init_args}`` (or the class path) of an
