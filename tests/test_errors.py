@@ -348,6 +348,7 @@ def test_a_busy_port_is_named_and_the_launched_processes_are_stopped(capsys, mon
     import torch
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as in the launching process, after Lightning's
+    monkeypatch.setenv("MASTER_PORT", "29558")
     busy = torch.distributed.DistNetworkError(
         "The server socket has failed to listen on any local network address. port: 29558, "
         "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
@@ -356,15 +357,19 @@ def test_a_busy_port_is_named_and_the_launched_processes_are_stopped(capsys, mon
     assert err.startswith("error: the run's port 29558 (MASTER_PORT) is in use") and (
         "Set MASTER_PORT to a free port, or unset it" in err)
     assert "bug" not in err and "lost its connection" not in err
+    monkeypatch.setenv("MASTER_PORT", "29500")  # another port: one chosen free, then taken
+    assert errors.report(busy, show_trace=False) == 1
+    assert capsys.readouterr().err.startswith("error: port 29558 was taken by another program")
     waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     done = subprocess.Popen([sys.executable, "-c", "pass"])
-    monkeypatch.setattr(errors, "LAUNCHERS", [types.SimpleNamespace(procs=[done, waiting]),
-                                              None])
+    launched = [done, waiting]  # the list Lightning's observer thread watches too
+    monkeypatch.setattr(errors, "LAUNCHERS", [types.SimpleNamespace(procs=launched), None])
     try:
         with pytest.raises(SystemExit) as stop:
             errors.exit_on_error(lambda: (_ for _ in ()).throw(busy), show_trace=False)
         assert stop.value.code == 1
         assert waiting.wait(timeout=10) == -9 and done.returncode == 0
+        assert launched == []  # emptied: the observer does not kill this process for it
     finally:
         waiting.kill()
 

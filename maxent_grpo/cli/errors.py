@@ -209,9 +209,13 @@ def busy_port(error: BaseException) -> str | None:
         if "EADDRINUSE" in str(current):
             found = re.search(r"port: (\d+)", str(current))
             port = found.group(1) if found else os.environ.get("MASTER_PORT", "?")
+            if port != os.environ.get("MASTER_PORT", port):  # one chosen free, then taken
+                return (f"port {port} was taken by another program between its choice and "
+                        "its use: run again")
             return (f"the run's port {port} (MASTER_PORT) is in use: another run, or another "
                     "program, listens there. Set MASTER_PORT to a free port, or unset it and "
-                    "Lightning picks one")
+                    "Lightning picks one (under SLURM it derives one from the job id: give "
+                    "each run of one job its own MASTER_PORT)")
         current = current.__cause__
     return None
 
@@ -228,7 +232,11 @@ def stop_launched(grace: float = 2.0) -> None:
     import subprocess
     import time
 
-    procs = [p for launcher in LAUNCHERS for p in getattr(launcher, "procs", None) or []]
+    procs = []
+    for launcher in LAUNCHERS:  # Lightning's observer thread watches this list: emptied, it
+        own = getattr(launcher, "procs", None) or []  # does not kill this process on
+        procs += own  # seeing one of them killed (exit code 137 instead of ours)
+        own.clear()
     deadline = time.monotonic() + grace
     for proc in procs:
         try:

@@ -40,7 +40,7 @@ from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import keep_seed
 from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
 from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
-from maxent_grpo.training.step.strategy import check_launcher
+from maxent_grpo.training.step.strategy import check_launcher, warn_lone_local_rank
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -262,6 +262,7 @@ class MaxEntGRPOCLI(LightningCLI):
         from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
         check_launcher(self.trainer)  # every stage: before a spawn tries to pickle the trainer
+        warn_lone_local_rank(self.trainer)  # before Lightning waits for the other processes
         resume = getattr(self, "_resume", None)
         if resume is not None and os.path.isdir(resume.path) and not isinstance(
                 self.trainer.strategy, (DeepSpeedStrategy, ModelParallelStrategy)):

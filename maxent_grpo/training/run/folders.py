@@ -109,13 +109,14 @@ def keep_first_values(logger: Any) -> None:
 RUN_NAMING = ("ckpt_path", "weights_only", "seed_everything")
 
 
-def keep_earlier(path: str, earlier: bytes | None) -> None:
+def keep_earlier(path: str, earlier: bytes | None) -> list[tuple[Path, Path | None]]:
     """A fit that continues a version under changed options (aside from :data:`RUN_NAMING`
     and ``trainer.logger``, which a resume may name anew: the checkpoint restores the
     random state) keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
     (``-2``, ... the first free name): the file holds this fit's options. So is the
     loggers' ``hparams.yaml`` beside it (TensorBoard writes one only where none is: it kept
-    the first fit's values)."""
+    the first fit's values). Returns what it did: ``(file written, None)`` and ``(file
+    moved to, from)``."""
     def options(text: bytes) -> Any:
         config = yaml.safe_load(text) or {}
         if not isinstance(config, dict):
@@ -125,14 +126,17 @@ def keep_earlier(path: str, earlier: bytes | None) -> None:
 
     with open(path, "rb") as file:
         if earlier is None or options(earlier) == options(file.read()):
-            return
+            return []
     keep = unused_path(Path(path))
     keep.write_bytes(earlier)
+    done: list[tuple[Path, Path | None]] = [(keep, None)]
     hparams = Path(path).with_name("hparams.yaml")
     if hparams.is_file():
-        os.replace(hparams, unused_path(hparams))
+        done.append((unused_path(hparams), hparams))
+        os.replace(hparams, done[-1][0])
     logging.getLogger(__name__).info(
         "%s: this fit's options differ from the earlier fit's, kept as %s", path, keep.name)
+    return done
 
 
 def unused_path(path: Path) -> Path:
@@ -154,18 +158,14 @@ class SaveRunConfig(SaveConfigCallback):
     version it continues (one under changed options keeps the earlier as ``config-1.yaml``:
     :func:`keep_earlier`); ``validate``, ``test`` or ``predict`` in a run folder that holds
     one (a W&B ``id``, an MLflow ``run_id``) writes ``<stage>_config.yaml`` beside it and
-    leaves the logger's hyper-parameters as the fit logged them. A fit's is written as it
-    starts, once the checkpoint it continues was checked (a refused resume replaced the
-    version's ``config.yaml`` with the options it refused)."""
+    leaves the logger's hyper-parameters as the fit logged them. A fit that fails before it
+    trains (a resume its checkpoint's checks refuse) puts the files it replaced back (it
+    left the version's ``config.yaml`` holding the options that were refused)."""
+
+    _put_back: list[tuple[str, bytes, list[tuple[Path, Path | None]]]] = []
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if str(getattr(stage, "value", stage)) != "fit":
-            self._save_once(trainer, stage)
-
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._save_once(trainer, "fit")
-
-    def _save_once(self, trainer: Any, stage: str) -> None:
+        self._put_back = []
         if self.already_saved:
             return
         folder = run_dir(trainer)
@@ -194,7 +194,9 @@ class SaveRunConfig(SaveConfigCallback):
                 earlier = None if kept or not os.path.isfile(path) else Path(path).read_bytes()
                 self.parser.save(self.config, path, skip_unset=False, overwrite=True,
                                  multifile=self.multifile)
-                keep_earlier(path, earlier)
+                moved = keep_earlier(path, earlier)
+                if stage == "fit" and earlier is not None:  # a version this fit continues
+                    self._put_back.append((path, earlier, moved))
             logger = loggers[n] if n < len(loggers) else None
             if logger is None or kept or isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 continue
@@ -203,6 +205,19 @@ class SaveRunConfig(SaveConfigCallback):
                 config.pop("ckpt_path", None)
                 (config.get("trainer") or {}).pop("logger", None)
             logger.log_hyperparams({"config": config})
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._put_back = []  # the fit trains under its options: its config stays
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        for path, earlier, moved in self._put_back:
+            for new, old in reversed(moved):  # config-1.yaml written, hparams.yaml moved
+                if old is None:
+                    new.unlink(missing_ok=True)
+                elif new.exists():  # over one the logger wrote for this fit since
+                    os.replace(new, old)
+            Path(path).write_bytes(earlier)
+        self._put_back = []
 
 
 def remove_empty_name_folders(dirpath: Any) -> None:

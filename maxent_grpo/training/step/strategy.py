@@ -68,14 +68,24 @@ def check_launcher(trainer: Any) -> None:
             f"{getattr(launcher, '_start_method', '?')!r} runs each process on a copy of the "
             "module and sends back only its weights: use strategy ddp (Lightning starts the "
             "processes itself, or run under torchrun; not in a notebook: run a script)")
-    # Lightning takes any LOCAL_RANK for a launcher's process and waits for the others
-    require(getattr(trainer, "world_size", 1) == 1 or "LOCAL_RANK" not in os.environ
-            or "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ,
-            f"LOCAL_RANK={os.environ.get('LOCAL_RANK')} is set but WORLD_SIZE is not: Lightning "
-            "takes this process for one that a launcher started and waits (30 minutes) for "
-            f"the run's other {getattr(trainer, 'world_size', 1) - 1} process(es), which "
-            "nothing starts. Unset LOCAL_RANK (left from another launch) to let Lightning "
-            "start them, or launch with torchrun")
+
+
+def warn_lone_local_rank(trainer: Any) -> None:
+    """Lightning takes any ``LOCAL_RANK`` for a process that a launcher started and waits
+    (30 minutes) for the others: one left in the shell made a run of several processes wait
+    without a word. A launcher of one's own sets it the same way, so this warns (the CLI,
+    before the wait) rather than refuses."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    environment = getattr(getattr(trainer, "strategy", None), "cluster_environment", None)
+    if (getattr(trainer, "world_size", 1) > 1 and isinstance(environment, LightningEnvironment)
+            and "LOCAL_RANK" in os.environ and "WORLD_SIZE" not in os.environ):
+        logging.getLogger(__name__).warning(
+            "LOCAL_RANK=%s is set and WORLD_SIZE is not: Lightning takes this process for "
+            "one that a launcher started and waits (up to 30 minutes) for the run's other %d "
+            "process(es). If nothing started them (a LOCAL_RANK left from another launch), "
+            "stop and unset LOCAL_RANK: Lightning then starts them itself",
+            os.environ["LOCAL_RANK"], trainer.world_size - 1)
 
 
 def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:

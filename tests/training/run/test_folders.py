@@ -185,17 +185,27 @@ def test_mlflow_parameter_names_and_a_tracking_servers_refusal(tmp_path, monkeyp
     assert params["rewards/model:/models/rm"] == "1.0" and params["rewards/new"] == "1"
 
 
-def test_a_refused_resume_leaves_the_runs_config(cwd):
+@pytest.mark.parametrize("fsdp2", [False, True])
+def test_a_refused_resume_leaves_the_runs_config(cwd, fsdp2):
     """A resume that the checkpoint's checks refuse (another data.seed) had already replaced
     the version's config.yaml with its own options and moved hparams.yaml aside (a DDP
-    hunt): the export's ``--config <version folder>/config.yaml`` then read them."""
-    logger = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+    hunt): the export's ``--config <version folder>/config.yaml`` then read them. FSDP2
+    restores the checkpoint after the fit's start, where the logger writes hparams.yaml."""
+    strategy = ["--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
+                "--trainer.strategy.data_parallel_size=1",
+                "--trainer.strategy.tensor_parallel_size=1"] if fsdp2 else []
+    logger = [*strategy, "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
               "--trainer.logger.init_args.save_dir=logs", "--trainer.logger.init_args.version=0",
               "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
               f"--trainer.callbacks.dirpath={cwd / 'ckpt'}",
               "--trainer.callbacks.every_n_train_steps=1"]
     fit(cwd, logger)
     folder = cwd / "logs" / "tiny" / "version_0"  # the config names the logger tiny
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()  # CompletionSamples logs the config.yaml it finds at the fit's start
+    assert "hparams/config/text_summary" in events.Tags()["tensors"]
     before = {p.name: p.read_bytes() for p in folder.glob("*.yaml")}
     assert set(before) == {"config.yaml", "hparams.yaml"}
     with pytest.raises(ValueError, match="the checkpoint was made with data.seed=0"):

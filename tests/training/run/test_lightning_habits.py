@@ -265,15 +265,22 @@ def test_one_of_several_slurm_tasks_running_a_one_process_fit_is_refused(monkeyp
     one_process_is_rank_zero(SimpleNamespace(world_size=2))  # Lightning checks its own
 
 
-def test_launches_that_do_not_match_the_run_are_refused(monkeypatch):
+def test_launches_that_do_not_match_the_run_are_refused_or_named(monkeypatch, caplog):
     """``torchrun --nproc-per-node 2`` on a one-process config trained two whole runs into
-    one folder (exit 0); a ``LOCAL_RANK`` left in the shell with ``devices: 2`` waited 30
-    minutes for processes nothing started (a hunt of DDP on the CPU)."""
+    one folder (exit 0): refused; a ``LOCAL_RANK`` left in the shell with ``devices: 2``
+    waited 30 minutes for processes nothing started, without a word: named (a launcher of
+    one's own sets it too, as the distributed tests' does; a hunt of DDP on the CPU)."""
     from types import SimpleNamespace
 
-    from maxent_grpo.training.step.strategy import check_launcher, one_process_is_rank_zero
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
-    one, two = (SimpleNamespace(world_size=n, strategy=None) for n in (1, 2))
+    from maxent_grpo.training.step.strategy import one_process_is_rank_zero, warn_lone_local_rank
+
+    for name in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_RANK", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    one = SimpleNamespace(world_size=1, strategy=None)
+    two = SimpleNamespace(world_size=2, strategy=SimpleNamespace(
+        cluster_environment=LightningEnvironment()))
     monkeypatch.setenv("WORLD_SIZE", "2")
     one_process_is_rank_zero(one)  # a stray WORLD_SIZE alone: one process, as rank 0
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's
@@ -284,12 +291,19 @@ def test_launches_that_do_not_match_the_run_are_refused(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    check_launcher(one)  # one process: LOCAL_RANK is harmless
-    with pytest.raises(ValueError, match="LOCAL_RANK=0 is set but WORLD_SIZE is not: .* waits "
-                                         r"\(30 minutes\) for the run's other 1 process"):
-        check_launcher(two)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    check_launcher(two)  # torchrun's pair
+    with caplog.at_level("WARNING"):
+        warn_lone_local_rank(one)  # one process: LOCAL_RANK is harmless
+        assert caplog.text == ""
+        warn_lone_local_rank(two)
+        assert "LOCAL_RANK=0 is set and WORLD_SIZE is not" in caplog.text
+        assert "waits (up to 30 minutes) for the run's other 1 process(es)" in caplog.text
+        caplog.clear()
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        warn_lone_local_rank(two)  # torchrun's pair
+        monkeypatch.delenv("WORLD_SIZE")
+        two.strategy.cluster_environment = SLURMEnvironment()  # its own ranks: not ours
+        warn_lone_local_rank(two)
+        assert caplog.text == ""
 
 
 def test_an_fsdp2_mesh_of_another_size_than_the_processes_is_refused_by_name():
