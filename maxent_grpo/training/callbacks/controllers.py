@@ -208,6 +208,7 @@ class BetaController(Controller):
         self.horizon = float(horizon)
         self.step_bound = float(step_bound)
         self.kl_error: float | None = None
+        self.kl_seen = False  # a train/kl this run: one missing after it counts as above
 
     def _check_start(self, objective: Objective, origin: str,
                      pl_module: pl.LightningModule) -> None:
@@ -222,6 +223,11 @@ class BetaController(Controller):
         )
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
+        self.kl_seen = self.kl_seen or "train/kl" in stats
+        if not self.kl_seen:  # an objective that logs none: beta rose every step
+            rank_zero_warn(f"BetaController: {type(objective).__name__} has logged no "
+                           "train/kl (its loss's sums hold no 'kl'); beta unchanged")
+            return {}
         old = objective.beta
         new = beta_update(
             beta=old, kl=stats.get("train/kl", math.nan), kl_target=self.kl_target,

@@ -152,6 +152,20 @@ def test_beta_controller_by_hand():
     assert beta.steps == 3
 
 
+def test_beta_controller_leaves_beta_until_the_objective_logs_a_kl():
+    """An objective whose loss logs no ``kl`` sum had each step read as a KL above target:
+    beta rose by x1.02 a step for the whole run (a hunt of extensions)."""
+    obj = GRPO(beta=0.1)
+    beta = BetaController(kl_target=10.0)
+    trainer, module = attach(obj, beta)
+    with pytest.warns(UserWarning, match="BetaController: GRPO has logged no train/kl"):
+        assert step(trainer, module) == {} and step(trainer, module) == {}
+    assert obj.beta == 0.1
+    step(trainer, module, kl=0.0)  # measured: from here a missing KL counts as above
+    step(trainer, module)
+    assert obj.beta == pytest.approx(0.1 * 0.98 * 1.02)
+
+
 def test_beta_controller_moves_entropy_and_listwise_objectives():
     for obj in (EntropyMaxEnt(beta=0.2), ListwiseMaxEnt(tau=0.0, beta=0.2)):
         trainer, module = attach(obj, BetaController(kl_target=0.1, horizon=4.0, step_bound=1.0))
