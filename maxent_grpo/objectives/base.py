@@ -194,9 +194,8 @@ class MicroBatch:
 class LossOutput:
     """The loss of one micro-batch plus additive statistics for the step's metrics.
 
-    ``sums`` holds ``(value_sum, count)`` pairs so that means are exact over
-    micro-batches and ranks (token-weighted for token statistics).
-    """
+    ``sums`` holds ``(value_sum, count)`` pairs so that means are exact over micro-batches
+    and ranks (token-weighted for token statistics)."""
 
     loss: Tensor
     sums: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
@@ -267,8 +266,7 @@ class Objective:
         return {}
 
     def kl_weight(self) -> float:
-        """The weight of the KL term in the loss (``train/loss/weighted_kl``): ``beta`` where
-        :meth:`state` has one, else 0."""
+        """The KL term's weight (``train/loss/weighted_kl``): :meth:`state`'s beta, else 0."""
         return float(self.state().get("beta", 0.0))
 
     def state_dict(self) -> dict[str, float]:
@@ -335,9 +333,9 @@ ClipRule = Literal["ppo", "cispo", "clip_cov", "kl_cov"]
 
 
 def check_objective(objective: object) -> None:
-    """Refuse what cannot train: not an :class:`Objective`, or one that does not define
-    :meth:`Objective.prepare` and :meth:`Objective.loss` (the base class named as
-    ``model.objective``), before any model loads."""
+    """Refuse what cannot train, before any model loads: not an :class:`Objective`, one
+    without :meth:`Objective.prepare` and :meth:`Objective.loss` (the base class), or one
+    whose ``tunable`` attribute is not in ``mutable`` (a resume lost a controller's value)."""
     require(isinstance(objective, Objective),
             "model.objective must be an Objective (class_path maxent_grpo.objectives.GRPO, "
             f"...); got {type(objective).__name__}")
@@ -349,6 +347,9 @@ def check_objective(objective: object) -> None:
             f"{' or '.join(missing)}; name an objective that trains "
             "(maxent_grpo.objectives.GRPO, EntropyMaxEnt, ListwiseMaxEnt, GroupMaxEnt, ...) "
             "or define them in your subclass")
+    lost = [name for name in objective.tunable if name not in objective.mutable]
+    require(not lost, f"model.objective: {type(objective).__name__}.tunable {lost} is not in "
+            "its mutable: add it there, or a resume loses what a controller moved")
 
 
 @dataclass(frozen=True)
@@ -387,10 +388,9 @@ def surrogate_parts(ratio_level: str, clip_rule: str) -> tuple[str, str]:
     return ratio_level, clip_rule
 
 
-def clipped_token_loss(
-    mb: MicroBatch, advantages: Tensor, epsilon: float, epsilon_high: float,
-    ratio_level: str, clip_rule: str, cov: CovSettings,
-) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+def clipped_token_loss(mb: MicroBatch, advantages: Tensor, epsilon: float, epsilon_high: float,
+                       ratio_level: str, clip_rule: str, cov: CovSettings,
+                       ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
     """Per-token loss ``(n, T)`` of one micro-batch, and the clip fractions ``clip/low``,
     ``clip/high``, ``clip/total`` as token-weighted ``(sum, count)`` pairs.
 

@@ -259,3 +259,17 @@ def test_load_state_dict_refuses_an_unknown_key() -> None:
     assert obj.tau == 1.0  # nothing applied
     with pytest.raises(ValueError, match=r"GRPO has no mutable state \['tau'\]"):
         GRPO().load_state_dict({"tau": 0.5})
+
+
+def test_a_tunable_attribute_outside_mutable_is_refused() -> None:
+    """A controller's value lived only in ``tunable``: the checkpoint (``mutable``) did not
+    carry it, and a resume went back to the config's beta without a word (a hunt of
+    extensions)."""
+    from maxent_grpo.objectives.base import check_objective
+
+    class Forgets(GRPO):
+        mutable = ()
+
+    with pytest.raises(ValueError, match=r"Forgets.tunable \['beta'\] is not in its mutable"):
+        check_objective(Forgets(beta=0.1))
+    check_objective(GRPO(beta=0.1))
