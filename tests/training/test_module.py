@@ -114,6 +114,28 @@ def test_a_float64_run_keeps_its_rewards_and_logged_sums_in_float64(cache_dir):
         assert logged[1][key] == pytest.approx(logged[0][key], rel=1e-13, abs=1e-18), key
 
 
+class CentresInPlace(GRPO):
+    """Centres the rewards in place before GRPO's group advantage (which the centring does
+    not change): the objective's inputs are its own copy."""
+
+    def prepare(self, inputs):
+        inputs.rewards -= inputs.rewards.mean(1, keepdim=True)
+        return super().prepare(inputs)
+
+
+def test_an_objective_editing_its_inputs_in_place_leaves_the_logged_rewards(cache_dir):
+    """The objective's rewards were the step's own tensor: an objective that edited them in
+    place changed train/reward/* and the samples (a hunt of extensions)."""
+    logged = []
+    for objective in (GRPO(), CentresInPlace()):
+        module = make_module(cache_dir, objective=objective,
+                             rewards={"tests.conftest:alternating": 1.0})
+        fit(module, make_data(cache_dir), steps=1)
+        logged.append({k: v for k, v in module.step_metrics_dict.items() if "perf/" not in k})
+        assert module.trajectory.rewards.min() == 0  # the rewards, not the centred ones
+    assert logged[0] == logged[1]
+
+
 def test_zero_advantage_groups_leave_the_policy_unchanged(cache_dir):
     module = make_module(
         cache_dir, objective=GRPO(), rewards={"tests.conftest:always_one": 1.0}

@@ -358,8 +358,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     answers = answer_classes(
         [k if k is not None else ("", c) for k, c in zip(keys, rollout.texts, strict=True)],
         G).to(rewards.device)  # (B, G)
-    inputs = GroupInputs(rewards, lengths, T_max, kept_rows(rho, keep), candidates, answers,
-                         kept_rows(seq_logps, keep))
+    inputs = GroupInputs(rewards.clone(), lengths, T_max, kept_rows(rho, keep), candidates,
+                         answers, kept_rows(seq_logps, keep))  # edited in place: logs changed
     targets, kept_groups = prepare_targets(ctx, inputs, keep)
     samples = rollout_samples(ctx, batch, rollout.batch, rewards, components, targets, keep)
     if ghost:  # its loss is multiplied by 0
