@@ -142,9 +142,13 @@ def build_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Op
     """``model.optimizer`` over ``params``; a value the optimizer refuses (torch's "Invalid
     learning rate: -0.1") is a ValueError naming ``model.optimizer`` too."""
     try:
-        return factory(params)
+        optimizer = factory(params)
     except ValueError as err:
         raise ValueError(f"model.optimizer: {err} (its init_args: lr, betas, ...)") from err
+    require(not isinstance(optimizer, torch.optim.LBFGS), "model.optimizer torch.optim.LBFGS "
+            "needs a closure that computes the loss again at each of its evaluations, which "
+            "a policy-gradient step (one rollout, one loss) cannot give: use AdamW, SGD, ...")
+    return optimizer
 
 
 def build_lr_scheduler(

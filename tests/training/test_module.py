@@ -789,6 +789,14 @@ class DetachedLoss(GRPO):
         return dataclasses.replace(out, loss=out.loss.detach())
 
 
+class LeafLoss(GRPO):
+    """A loss that requires grad but is no function of the policy: nothing trained."""
+
+    def loss(self, mb):
+        out = super().loss(mb)
+        return dataclasses.replace(out, loss=out.loss.detach().clone().requires_grad_())
+
+
 class StatsAs(GRPO):
     """A subclass adding ``stats`` to its targets and ``sums`` to its loss's."""
 
@@ -870,6 +878,8 @@ def test_an_objectives_statistics_may_be_numbers(cache_dir):
     (VectorLoss, r"VectorLoss.loss: LossOutput.loss must be a scalar tensor with a gradient "
                  r".*; got shape \(3,\), requires_grad True"),
     (DetachedLoss, r"DetachedLoss.loss: .*; got shape \(\), requires_grad False"),
+    (LeafLoss, r"LeafLoss.loss: .*; got shape \(\), requires_grad True, computed from the "
+               r"policy False"),  # trained nothing (grad_norm 0) without a word
 ])
 def test_an_objectives_targets_and_loss_of_the_wrong_shape_are_named(cache_dir, objective,
                                                                    message):
@@ -1005,3 +1015,30 @@ def test_rewards_left_unset_are_the_accuracy_reward_and_said_so(cache_dir):
                                          "accuracy reward alone"):
         module = make_module(cache_dir, rewards=None)
     assert module.rewards.names == ["accuracy"]
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_by_name():
+    """``torch.optim.LBFGS`` failed at its first step as "a bug in maxent_grpo" (a hunt of
+    extensions)."""
+    from maxent_grpo.training.settings import build_optimizer
+
+    param = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="model.optimizer torch.optim.LBFGS needs a closure"):
+        build_optimizer(lambda p: torch.optim.LBFGS(p), param)
+    assert isinstance(build_optimizer(lambda p: torch.optim.SGD(p, lr=0.1), param),
+                      torch.optim.SGD)
+
+
+class OwnKL(GRPO):
+    """An objective whose own default estimator is k1."""
+
+    def __init__(self, kl_estimator: str = "k1", **options) -> None:
+        super().__init__(kl_estimator=kl_estimator, **options)
+
+
+def test_an_objectives_own_kl_default_is_not_called_unused(cache_dir):
+    """Its default ``kl_estimator`` was compared with GRPO's and refused with beta 0 as an
+    option set that "would do nothing" (a hunt of extensions)."""
+    make_module(cache_dir, objective=OwnKL()).configure_model()
+    with pytest.raises(ValueError, match="objective.kl_estimator='k2' would do nothing"):
+        make_module(cache_dir, objective=OwnKL(kl_estimator="k2")).configure_model()

@@ -83,7 +83,8 @@ class PolicyModels:
             device=self.device, get_ref_model=self._load_reference)
         if self.needs_reference:
             self.runtime = self.runtime.with_reference()
-        obj, d = self.objective, defaults_of(GRPO.__init__)  # the KL's options, where no KL
+        obj = self.objective  # the KL's options, where no KL; defaults: its class's own
+        d = {**defaults_of(GRPO.__init__), **defaults_of(type(obj).__init__)}
         kl = {k: (getattr(obj, k, d[k]), d[k]) for k in ("kl_estimator", "kl_bias_correction")}
         check_unused({"objective.kl_estimator": kl["kl_estimator"]}, self.needs_reference,
                      "objective.beta > 0 (EntropyMaxEnt: or objective.kl_gate_threshold)")

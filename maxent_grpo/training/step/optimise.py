@@ -159,8 +159,10 @@ def optimizer_step(
         if not isinstance(out, LossOutput):  # e.g. a subclass returning its bare loss tensor
             raise UserCodeError(f"{type(ctx.objective).__name__}.loss must return a "
                                 f"maxent_grpo.objectives.LossOutput; got {type(out).__name__}")
-        if not (isinstance(out.loss, Tensor) and out.loss.dim() == 0 and out.loss.requires_grad):
-            got = (f"shape {tuple(out.loss.shape)}, requires_grad {out.loss.requires_grad}"
+        if not (isinstance(out.loss, Tensor) and out.loss.dim() == 0
+                and out.loss.grad_fn is not None):  # a leaf trained nothing, without a word
+            got = (f"shape {tuple(out.loss.shape)}, requires_grad {out.loss.requires_grad}, "
+                   f"computed from the policy {out.loss.grad_fn is not None}"
                    if isinstance(out.loss, Tensor) else type(out.loss).__name__)
             raise UserCodeError(f"{type(ctx.objective).__name__}.loss: LossOutput.loss must be "
                                 "a scalar tensor with a gradient (a mean or sum of the token "
