@@ -827,6 +827,9 @@ class StatsAs(GRPO):
     (StatsAs(sums={"x": 1.0}), r"StatsAs.loss: LossOutput.sums\['x'\] must be a pair \(sum, "
                                r"count\) of 0-d tensors or numbers; got \['float'\]"),
     (StatsAs(stats={"x": "high"}), r"Targets.stats\['x'\] must be .*; got str"),
+    # a name of the loss's own sums: averaged in as one more token (train/kl too)
+    (StatsAs(stats={"clip/low": 1.0}), r"Targets.stats\['clip/low'\]: its loss logs "
+                                       r"train/clip/low \(LossOutput.sums\) already"),
 ])
 def test_an_objectives_statistics_of_a_trainers_name_or_another_kind_are_named(
         cache_dir, objective, message):

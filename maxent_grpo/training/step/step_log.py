@@ -265,6 +265,11 @@ class StepMetrics(torch.nn.Module):
             f"{type(objective).__name__}.prepare: Targets.stats", t.targets.stats,
             pairs=False, taken=objective.state())
         for key, value in stats.items():
+            if objective is not None and ("mean", key) in self._updated:  # the loss's sums
+                raise UserCodeError(f"{type(objective).__name__}.prepare: Targets.stats"
+                                    f"[{key!r}]: its loss logs train/{key} (LossOutput.sums) "
+                                    "already, and the two were averaged together; name the "
+                                    "statistic otherwise")
             self.mean(key).update(value.detach(), count=torch.ones((), device=device))
         for name, value in t.reward_logs:  # a reward function's log_metric: each call once
             self.mean(f"reward_log/{name}").update(
