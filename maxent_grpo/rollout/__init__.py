@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from maxent_grpo.rollout.batch import GenerationBatch, PromptCompletionBatch
+from maxent_grpo.rollout.batch import GenerationBatch, PromptCompletionBatch, checked_rollout
 from maxent_grpo.rollout.protocol import (
     EngineFactory,
     RolloutEngine,
@@ -33,6 +33,7 @@ __all__ = [
     "SamplingSettings",
     "VLLMEngine",
     "VLLMServerEngine",
+    "checked_rollout",
     "completion_mask_from_ids",
 ]
 

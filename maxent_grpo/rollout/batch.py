@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from maxent_grpo.validation import check_bool, check_int, check_number, require
+from maxent_grpo.validation import UserCodeError, check_bool, check_int, check_number, require
 
 __all__ = ["GenerationBatch", "PromptCompletionBatch", "RolloutOutput", "SamplingSettings",
-           "ToolUsage", "check_request"]
+           "ToolUsage", "check_request", "checked_rollout"]
 
 
 def _check_group_shape(name: str, grouped: Sequence[Sequence[Any]], ref: list[list[str]]) -> None:
@@ -424,3 +424,18 @@ def check_request(
             num_generations < 1):
         raise ValueError(f"num_generations must be an int >= 1; got {num_generations!r}")
     return s
+
+
+def checked_rollout(engine: Any, out: Any, prompts: int, group_size: int) -> RolloutOutput:
+    """``out``, what ``engine.generate`` returned for ``prompts`` prompts of ``group_size``
+    samples each, checked as the step reads it (an engine of one's own that returned another
+    type or count failed deep in the step, called a bug in maxent_grpo)."""
+    rows = out.completion_ids.shape[0] if isinstance(out, RolloutOutput) else None
+    if rows != prompts * group_size:
+        name = f"{type(getattr(engine, 'engine', engine)).__name__}.generate"
+        raise UserCodeError(
+            f"{name} must return a maxent_grpo.rollout.RolloutOutput (rollout.vllm_engine."
+            f"assemble_rollout builds one); got {type(out).__name__}" if rows is None else
+            f"{name} returned {rows} completions for {prompts} prompts x num_generations "
+            f"{group_size}: one group of num_generations per prompt, prompt-major")
+    return out

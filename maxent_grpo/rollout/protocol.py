@@ -166,6 +166,13 @@ def check_built_engine(engine: Any) -> Any:
     ``generate`` and a ``sync`` (:class:`RolloutEngine`): one without ``sync`` trained a
     step, then stopped on an AttributeError."""
     lacks = [name for name in ("generate", "sync") if not callable(getattr(engine, name, None))]
+    if not lacks:  # the evaluation passes its sampling: it failed at the first validation
+        try:
+            inspect.signature(engine.generate).bind([], [], 1, None)
+        except TypeError:
+            lacks = ["generate taking a sampling argument"]
+        except ValueError:  # a builtin's signature that cannot be read
+            pass
     require(not lacks, f"model.engine built a {type(engine).__name__}, which has no "
             f"{' and no '.join(lacks)}: a rollout engine has generate(prompts, answers, "
             "num_generations, sampling=None) and sync(model), which takes the policy's new "

@@ -1045,3 +1045,42 @@ def test_an_objectives_own_kl_default_is_not_called_unused(cache_dir):
     make_module(cache_dir, objective=OwnKL()).configure_model()
     with pytest.raises(ValueError, match="objective.kl_estimator='k2' would do nothing"):
         make_module(cache_dir, objective=OwnKL(kl_estimator="k2")).configure_model()
+
+
+class EngineOf:
+    """A custom engine over the Hugging Face one: ``mistake`` is what its generate does."""
+
+    def __init__(self, model, tokenizer, sampling, mistake: str = "none") -> None:
+        from maxent_grpo.rollout import HFGenerateEngine
+
+        self.inner, self.mistake = HFGenerateEngine(model, tokenizer, sampling), mistake
+
+    def sync(self, model) -> None:
+        pass
+
+    def generate(self, prompts, answers, num_generations, sampling=None):
+        if self.mistake == "none":
+            return None
+        return self.inner.generate(prompts, answers, num_generations - 1, sampling)
+
+
+class NoSampling(EngineOf):
+    def generate(self, prompts, answers, num_generations):
+        return self.inner.generate(prompts, answers, num_generations)
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    (EngineOf, r"EngineOf.generate must return a maxent_grpo.rollout.RolloutOutput .*; got "
+               "NoneType"),
+    (functools.partial(EngineOf, mistake="short"), r"EngineOf.generate returned 12 "
+                                                   r"completions for 4 prompts x "
+                                                   "num_generations 4"),
+    (NoSampling, r"NoSampling, which has no generate taking a sampling argument"),
+])
+def test_an_engine_of_ones_own_that_breaks_the_protocol_is_named(cache_dir, engine, message):
+    """An AttributeError, a reshape error deep in the step ("a bug in maxent_grpo"), or a
+    TypeError at the first validation (a hunt of extensions)."""
+    from maxent_grpo.validation import UserCodeError
+
+    with pytest.raises((ValueError, UserCodeError), match=message):
+        fit(make_module(cache_dir, engine=engine), make_data(cache_dir), steps=1)

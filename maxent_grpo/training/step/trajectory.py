@@ -38,7 +38,7 @@ from maxent_grpo.core import answer_classes, distinct_candidates, droppable_grou
 from maxent_grpo.objectives import GroupInputs, Targets, sequence_ref_loglik
 from maxent_grpo.rewards.answers import answer_keys
 from maxent_grpo.rewards.combine import TrainerState
-from maxent_grpo.rollout import GenerationBatch, RolloutOutput
+from maxent_grpo.rollout import GenerationBatch, RolloutOutput, checked_rollout
 from maxent_grpo.training.step.refill import Scored, pad_id, refill
 from maxent_grpo.training.step.token_logps import MicroBatchPlan, equal_passes
 from maxent_grpo.training.types import AdvantageStats, QDistribution
@@ -282,7 +282,8 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     dtype = torch.promote_types(next(ctx.policy.parameters()).dtype, torch.float32)  # rewards'
 
     def roll_out(prompts: dict[str, Any]) -> Scored:
-        out = ctx.engine.generate(prompts["prompts"], prompts["answers"], G)
+        out = checked_rollout(ctx.engine, ctx.engine.generate(
+            prompts["prompts"], prompts["answers"], G), len(prompts["prompts"]), G)
         timer.start()
         total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G), on the CPU
             out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device, dtype)
