@@ -432,7 +432,7 @@ def checked_rollout(engine: Any, out: Any, prompts: int, group_size: int) -> Rol
     type or count failed deep in the step, called a bug in maxent_grpo)."""
     rows = out.completion_ids.shape[0] if isinstance(out, RolloutOutput) else None
     if rows != prompts * group_size:
-        name = f"{type(getattr(engine, 'engine', engine)).__name__}.generate"
+        name = f"{type(engine).__name__}.generate"
         raise UserCodeError(
             f"{name} must return a maxent_grpo.rollout.RolloutOutput (rollout.vllm_engine."
             f"assemble_rollout builds one); got {type(out).__name__}" if rows is None else

@@ -1069,18 +1069,21 @@ class NoSampling(EngineOf):
         return self.inner.generate(prompts, answers, num_generations)
 
 
-@pytest.mark.parametrize(("engine", "message"), [
+@pytest.mark.parametrize(("engine", "message", "validated"), [
     (EngineOf, r"EngineOf.generate must return a maxent_grpo.rollout.RolloutOutput .*; got "
-               "NoneType"),
+               "NoneType", False),
+    (EngineOf, r"EngineOf.generate must return", True),  # the sanity check's validation
     (functools.partial(EngineOf, mistake="short"), r"EngineOf.generate returned 12 "
                                                    r"completions for 4 prompts x "
-                                                   "num_generations 4"),
-    (NoSampling, r"NoSampling, which has no generate taking a sampling argument"),
+                                                   "num_generations 4", False),
+    (NoSampling, r"NoSampling, which has no generate taking a sampling argument", False),
 ])
-def test_an_engine_of_ones_own_that_breaks_the_protocol_is_named(cache_dir, engine, message):
+def test_an_engine_of_ones_own_that_breaks_the_protocol_is_named(cache_dir, engine, message,
+                                                                 validated):
     """An AttributeError, a reshape error deep in the step ("a bug in maxent_grpo"), or a
     TypeError at the first validation (a hunt of extensions)."""
     from maxent_grpo.validation import UserCodeError
 
     with pytest.raises((ValueError, UserCodeError), match=message):
-        fit(make_module(cache_dir, engine=engine), make_data(cache_dir), steps=1)
+        fit(make_module(cache_dir, engine=engine), make_data(cache_dir), steps=1,
+            limit_val_batches=1 if validated else 0)

@@ -173,8 +173,9 @@ class BetaController(Controller):
         e    = clip(KL / kl_target - 1, -step_bound, step_bound)
         beta <- max(0, beta * (1 + e / horizon))
 
-    ``KL`` is ``train/kl`` (token mean; missing or non-finite: ``e = +step_bound``). The rule
-    is multiplicative: beta must start > 0 (:class:`MetaController` can start from 0).
+    ``KL`` is ``train/kl`` (token mean; missing or non-finite: ``e = +step_bound``, once the
+    run has measured one: before, beta stays, with a warning). The rule is multiplicative:
+    beta must start > 0 (:class:`MetaController` can start from 0).
 
     Args:
         kl_target: ``KL*`` (> 0), in nats per token.
@@ -223,10 +224,11 @@ class BetaController(Controller):
         )
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
-        self.kl_seen = self.kl_seen or "train/kl" in stats
+        # kl_error: set by an update, and resumed (a checkpoint, a state file)
+        self.kl_seen = self.kl_seen or self.kl_error is not None or "train/kl" in stats
         if not self.kl_seen:  # an objective that logs none: beta rose every step
-            rank_zero_warn(f"BetaController: {type(objective).__name__} has logged no "
-                           "train/kl (its loss's sums hold no 'kl'); beta unchanged")
+            rank_zero_warn(f"BetaController: no train/kl yet ({type(objective).__name__}'s "
+                           "loss's sums hold no 'kl'?); beta unchanged")
             return {}
         old = objective.beta
         new = beta_update(

@@ -43,10 +43,7 @@ from maxent_grpo.rewards.answers import (
     sample_answer,
 )
 from maxent_grpo.rewards.task_rewards import json_cell
-from maxent_grpo.rollout import (
-    RolloutEngine,
-    SamplingSettings,
-)
+from maxent_grpo.rollout import RolloutEngine, SamplingSettings, checked_rollout
 from maxent_grpo.training.settings import EvaluationSettings
 from maxent_grpo.training.step.metrics import (
     RewardComponentsMetric,
@@ -228,9 +225,10 @@ class Evaluator(torch.nn.Module):
                 torch.set_rng_state(self.stream[0])
                 for d, state in zip(devices, self.stream[1:], strict=True):
                     torch.cuda.set_rng_state(state, d)
-            rollout = engine.generate(prompts, answers, n)
-            greedy = (engine.generate(prompts, answers, 1, greedy_sampling)
-                      if self.settings.greedy and greedy_sampling is not None else None)
+            rollout = checked_rollout(engine, engine.generate(prompts, answers, n), B, n)
+            greedy = (checked_rollout(engine, engine.generate(
+                prompts, answers, 1, greedy_sampling), B, 1)
+                if self.settings.greedy and greedy_sampling is not None else None)
             self.stream = [torch.get_rng_state(), *map(torch.cuda.get_rng_state, devices)]
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
         timeouts = self._timeouts()

@@ -84,7 +84,8 @@ class PolicyModels:
         if self.needs_reference:
             self.runtime = self.runtime.with_reference()
         obj = self.objective  # the KL's options, where no KL; defaults: its class's own
-        d = {**defaults_of(GRPO.__init__), **defaults_of(type(obj).__init__)}
+        d = {**defaults_of(GRPO.__init__), **{k: v for k, v in defaults_of(
+            type(obj).__init__).items() if v is not None}}  # None: "GRPO's", as a rule
         kl = {k: (getattr(obj, k, d[k]), d[k]) for k in ("kl_estimator", "kl_bias_correction")}
         check_unused({"objective.kl_estimator": kl["kl_estimator"]}, self.needs_reference,
                      "objective.beta > 0 (EntropyMaxEnt: or objective.kl_gate_threshold)")

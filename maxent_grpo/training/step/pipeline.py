@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from maxent_grpo.rollout.batch import checked_rollout
 from maxent_grpo.rollout.protocol import RolloutOutput, staleness_needs_a_server
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
 from maxent_grpo.training.step.metrics import all_gather_objects
@@ -152,7 +153,8 @@ class RolloutPipeline:
         if len(self.queue) <= self.max_staleness:
             return None
         ready = self.queue.popleft()
-        rollout = ready.result().to(device)  # restored ones are on the CPU
+        rollout = checked_rollout(ctx.engine, ready.result(), len(ready.batch["prompts"]),
+                                  ctx.generation.num_generations).to(device)  # CPU if restored
         ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
         return ctx, ready.batch, version - ready.version
 

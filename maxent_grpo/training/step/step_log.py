@@ -184,7 +184,11 @@ class StepMetrics(torch.nn.Module):
         another's. So the ranks exchange the names (one small all-gather), each creates and
         zero-updates the metrics it lacks (no data: they add nothing), and all compute the
         union in sorted order."""
-        names = {tuple(n) for part in all_gather_objects(sorted(self._updated)) for n in part}
+        parts = all_gather_objects((sorted(self._updated), getattr(self, "_clash", None)))
+        if clash := next((c for _, c in parts if c), None):
+            self._clash = None
+            raise UserCodeError(clash)
+        names = {tuple(n) for part, _ in parts for n in part}
         device = self.reward.total.device
         for kind, key in sorted(names - self._updated):
             if kind == "mean":
@@ -264,12 +268,12 @@ class StepMetrics(torch.nn.Module):
         stats = t.targets.stats if objective is None else objective_values(
             f"{type(objective).__name__}.prepare: Targets.stats", t.targets.stats,
             pairs=False, taken=objective.state())
+        clash = [key for key in stats if objective is not None and ("mean", key) in self._updated]
+        self._clash = clash and (  # raised by every rank in _aligned (one may not see it)
+            f"{type(objective).__name__}.prepare: Targets.stats[{clash[0]!r}]: its loss logs "
+            f"train/{clash[0]} (LossOutput.sums) already, and the two were averaged together; "
+            "name the statistic otherwise")
         for key, value in stats.items():
-            if objective is not None and ("mean", key) in self._updated:  # the loss's sums
-                raise UserCodeError(f"{type(objective).__name__}.prepare: Targets.stats"
-                                    f"[{key!r}]: its loss logs train/{key} (LossOutput.sums) "
-                                    "already, and the two were averaged together; name the "
-                                    "statistic otherwise")
             self.mean(key).update(value.detach(), count=torch.ones((), device=device))
         for name, value in t.reward_logs:  # a reward function's log_metric: each call once
             self.mean(f"reward_log/{name}").update(

@@ -158,12 +158,17 @@ def test_beta_controller_leaves_beta_until_the_objective_logs_a_kl():
     obj = GRPO(beta=0.1)
     beta = BetaController(kl_target=10.0)
     trainer, module = attach(obj, beta)
-    with pytest.warns(UserWarning, match="BetaController: GRPO has logged no train/kl"):
+    with pytest.warns(UserWarning, match="BetaController: no train/kl yet \\(GRPO's loss's"):
         assert step(trainer, module) == {} and step(trainer, module) == {}
     assert obj.beta == 0.1
     step(trainer, module, kl=0.0)  # measured: from here a missing KL counts as above
     step(trainer, module)
     assert obj.beta == pytest.approx(0.1 * 0.98 * 1.02)
+    resumed = BetaController(kl_target=10.0)  # a resume: its kl_error is the checkpoint's
+    resumed.load_state_dict(beta.state_dict())
+    trainer, module = attach(obj, resumed)
+    step(trainer, module)  # a missing KL after the resume counts as above, as before it
+    assert obj.beta == pytest.approx(0.1 * 0.98 * 1.02 * 1.02)
 
 
 def test_beta_controller_moves_entropy_and_listwise_objectives():
