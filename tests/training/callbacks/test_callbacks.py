@@ -545,17 +545,20 @@ def test_hf_export_replaces_an_earlier_export_whole(tmp_path):
 
 
 def killed_export(folder: Path) -> None:
-    """``folder`` as an export killed midway leaves it: marked, its writer gone."""
+    """``folder`` as an export killed midway leaves it: marked as ``_writing`` marks it (a
+    process that locks the mark, then dies), its writer gone."""
     import subprocess
     import sys
 
-    code = ("import os, sys; from pathlib import Path; "
-            "from maxent_grpo.training.callbacks.export import _writing; "
-            "p = Path(sys.argv[1]); p.mkdir(parents=True); _writing(p).__enter__(); "
-            "(p / 'model.safetensors').write_text('half'); os._exit(9)")
-    subprocess.run([sys.executable, "-c", code, str(folder)], check=False,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert (folder / "model.safetensors").is_file()
+    from maxent_grpo.training.callbacks.export import WRITING
+
+    code = ("import fcntl, os, sys; p = sys.argv[1]; os.makedirs(p); "
+            "fd = os.open(os.path.join(p, sys.argv[2] + '.new'), os.O_CREAT | os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); "
+            "os.replace(os.path.join(p, sys.argv[2] + '.new'), os.path.join(p, sys.argv[2])); "
+            "open(os.path.join(p, 'model.safetensors'), 'w').write('half'); os._exit(9)")
+    subprocess.run([sys.executable, "-S", "-c", code, str(folder), WRITING], check=False)
+    assert (folder / "model.safetensors").is_file() and (folder / WRITING).is_file()
 
 
 def test_hf_export_removes_what_a_killed_export_left(tmp_path):
