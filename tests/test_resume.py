@@ -333,6 +333,7 @@ class RecordToolSteps(RecordSteps):
                                                      for k in keys}})
 
 
+@pytest.mark.slow  # 26 s: run by .ci/run's slow set (this file), beside the main suite
 def test_a_killed_and_resumed_tool_run_equals_an_uninterrupted_one(tmp_path):
     """The same with multi-turn rollouts (``model.tools``, sampled calls on
     ``builtin:tiny-tools-warm``): 4 steps, killed after 2."""
