@@ -209,7 +209,6 @@ class BetaController(Controller):
         self.horizon = float(horizon)
         self.step_bound = float(step_bound)
         self.kl_error: float | None = None
-        self.kl_seen = False  # a train/kl this run: one missing after it counts as above
 
     def _check_start(self, objective: Objective, origin: str,
                      pl_module: pl.LightningModule) -> None:
@@ -224,9 +223,8 @@ class BetaController(Controller):
         )
 
     def _update(self, objective: Objective, stats: dict[str, float]) -> dict[str, float]:
-        # kl_error: set by an update, and resumed (a checkpoint, a state file)
-        self.kl_seen = self.kl_seen or self.kl_error is not None or "train/kl" in stats
-        if not self.kl_seen:  # an objective that logs none: beta rose every step
+        # kl_error: set by each update (and resumed): a KL was measured once this run
+        if self.kl_error is None and "train/kl" not in stats:  # an objective that logs none
             rank_zero_warn(f"BetaController: no train/kl yet ({type(objective).__name__}'s "
                            "loss's sums hold no 'kl'?); beta unchanged")
             return {}
