@@ -470,6 +470,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     return {"one": one, "ranks": ranks}
 
 
+@pytest.mark.slow  # two spawned ranks (18 s): .ci/run's slow set
 def test_ddp_reduces_gradients_once_per_optimizer_step(runs):
     """Micro-batches accumulate without synchronisation: a step of one backward pass per
     group (``dr_grpo``: 2 per rank) all-reduces as often as a step of one backward pass
@@ -482,12 +483,14 @@ def test_ddp_reduces_gradients_once_per_optimizer_step(runs):
         assert many[0] <= single[0] and many[1:] == single[1 : len(many)], (many, single)
 
 
+@pytest.mark.slow  # two spawned ranks (18 s): .ci/run's slow set
 def test_predict_with_more_batches_on_one_rank_runs_to_its_end(runs):
     """No SIGTERM check between batches where the ranks have different counts."""
     assert [rank["predict_unequal"] for rank in runs["ranks"]] == [
         {"batches": [0, 1, 2], "stopped": False}, {"batches": [0, 1], "stopped": False}]
 
 
+@pytest.mark.slow  # two spawned ranks (18 s): .ci/run's slow set
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_equal_one_rank(runs, name):
     r0, r1 = (runs["ranks"][r][name] for r in range(WORLD))

@@ -101,6 +101,7 @@ def steps(run: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # three fits in subprocesses (20 s): .ci/run's slow set
 def test_a_killed_and_resumed_lora_run_equals_an_uninterrupted_one(tmp_path):
     whole = fit(tmp_path / "A")
     assert whole.returncode == 0, whole.stderr[-3000:]

@@ -183,6 +183,7 @@ def validations(run: Path) -> list[dict[str, float]]:
     return [r for r in lines if "validated" in r]
 
 
+@pytest.mark.slow  # fits in subprocesses (13 s each): .ci/run's slow set
 @pytest.mark.parametrize("kill", [True, "KillInValidation"], ids=["after", "in_validation"])
 def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, kill, whole_run):
     """Killed after step 3's validation, or during it: its checkpoint was written before
@@ -383,6 +384,7 @@ class SigtermAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow  # fits in subprocesses (13 s each): .ci/run's slow set
 def test_a_run_stopped_at_a_validation_step_logs_every_later_step_where_it_belongs(tmp_path):
     """Stopped by SIGTERM at a step that ran validation, the checkpoint Lightning saves on the
     exception counts that step once more for logging: the resumed run wrote every scalar a

@@ -363,6 +363,7 @@ def tensorboard_steps(folder: Path, tag: str) -> list[int]:
     return [e.step for e in events.Scalars(tag)]
 
 
+@pytest.mark.slow  # fits in subprocesses: .ci/run's slow set
 def test_a_run_killed_while_writing_a_checkpoint_resumes_in_its_log_folders(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -449,6 +450,7 @@ def test_last_is_the_highest_step_of_the_run_and_two_runs_are_named_not_guessed(
     assert versions.run == "aaa@5"
 
 
+@pytest.mark.slow  # fits in subprocesses: .ci/run's slow set
 def test_a_smoke_run_leaves_no_checkpoint_and_a_second_run_makes_last_ask(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
