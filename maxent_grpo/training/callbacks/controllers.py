@@ -246,7 +246,8 @@ class MetaController(Controller):
         tau  <- clip(tau - lr_tau * tau_grad, tau_min, tau_max)
         beta <- max(0, beta + lr_beta * beta_grad)
 
-    on ``train/weight_entropy`` and ``train/kl`` (a non-finite KL gives ``beta_grad = +c``; a
+    on ``train/weight_entropy`` and ``train/kl`` (a missing or non-finite KL gives
+    ``beta_grad = +c`` once the run has measured one: before, beta stays, with a warning; a
     non-finite entropy skips the step, warning). Use it instead of Tau/BetaController.
 
     Args:
@@ -313,17 +314,23 @@ class MetaController(Controller):
             rank_zero_warn(f"MetaController: no finite train/weight_entropy ({h}); step skipped")
             return {}
         old_tau, old_beta = objective.tau, objective.beta
+        # beta_grad: set by each update that moved beta (and resumed): a KL was measured
+        unmeasured = self.beta_grad is None and "train/kl" not in stats
+        if unmeasured:  # an objective that logs none: not read as a KL above the target
+            rank_zero_warn(f"MetaController: no train/kl yet ({type(objective).__name__}'s "
+                           "loss's sums hold no 'kl'?); tau moves, beta unchanged")
         new = meta_update(
             tau=old_tau, beta=old_beta, weight_entropy=h,
-            kl=stats.get("train/kl", math.nan), target_entropy=self.target_entropy,
-            kl_target=self.kl_target, lr_tau=self.lr_tau, lr_beta=self.lr_beta,
-            tau_min=self.tau_min, tau_max=self.tau_max, kl_clip=self.kl_clip,
+            kl=self.kl_target if unmeasured else stats.get("train/kl", math.nan),
+            target_entropy=self.target_entropy, kl_target=self.kl_target, lr_tau=self.lr_tau,
+            lr_beta=self.lr_beta, tau_min=self.tau_min, tau_max=self.tau_max,
+            kl_clip=self.kl_clip,
         )
         objective.tau, objective.beta = new.tau, new.beta
-        self.tau_grad, self.beta_grad = new.tau_grad, new.beta_grad
-        return {
-            "train/delta_tau": new.tau - old_tau,
-            "train/delta_beta": new.beta - old_beta,
-            "train/meta/tau_grad": new.tau_grad,
-            "train/meta/beta_grad": new.beta_grad,
-        }
+        self.tau_grad = new.tau_grad
+        logs = {"train/delta_tau": new.tau - old_tau, "train/meta/tau_grad": new.tau_grad}
+        if unmeasured:
+            return logs
+        self.beta_grad = new.beta_grad
+        return {**logs, "train/delta_beta": new.beta - old_beta,
+                "train/meta/beta_grad": new.beta_grad}

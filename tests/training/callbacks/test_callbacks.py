@@ -203,6 +203,26 @@ def test_meta_controller_by_hand_every_two_steps():
     assert obj.tau == pytest.approx(0.48 + 0.1) and obj.beta == pytest.approx(0.515)
 
 
+def test_meta_controller_moves_tau_and_leaves_beta_until_the_objective_logs_a_kl():
+    """A loss that logs no ``kl`` sum had each step read as a KL above target: beta rose by
+    ``lr_beta * c`` a step for the whole run (BetaController's defect, found there first)."""
+    obj = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    meta = MetaController(target_entropy=1.0, kl_target=0.02, lr_tau=0.1, lr_beta=0.5)
+    trainer, module = attach(obj, meta)
+    with pytest.warns(UserWarning, match="MetaController: no train/kl yet \\(ListwiseMaxEnt"):
+        logs = step(trainer, module, weight_entropy=1.2)
+    assert obj.tau == pytest.approx(0.48) and obj.beta == 0.1
+    assert "train/meta/beta_grad" not in logs and meta.beta_grad is None
+    step(trainer, module, weight_entropy=1.0, kl=0.02)  # measured: beta_grad 0
+    step(trainer, module, weight_entropy=1.0)  # from here a missing KL counts as above: +c
+    assert obj.beta == pytest.approx(0.1 + 0.5 * 1.0)
+    resumed = MetaController(target_entropy=1.0, kl_target=0.02, lr_tau=0.1, lr_beta=0.5)
+    resumed.load_state_dict(meta.state_dict())  # a resume: its beta_grad is the checkpoint's
+    trainer, module = attach(obj, resumed)
+    step(trainer, module, weight_entropy=1.0)
+    assert obj.beta == pytest.approx(0.1 + 2 * 0.5 * 1.0)
+
+
 # ---------------------------------------------------------------------- validation
 
 
