@@ -58,10 +58,8 @@ class PromptCompletionBatch:
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.completions):
-            raise ValueError(
-                f"prompts and completions must have the same length; "
-                f"got {len(self.prompts)} and {len(self.completions)}"
-            )
+            raise ValueError(f"prompts and completions must have the same length; "
+                             f"got {len(self.prompts)} and {len(self.completions)}")
         if self.metadata is not None and len(self.metadata) != len(self.completions):
             raise ValueError(f"metadata must have one entry per completion "
                              f"({len(self.completions)}); got {len(self.metadata)}")
@@ -426,16 +424,27 @@ def check_request(
     return s
 
 
-def checked_rollout(engine: Any, out: Any, prompts: int, group_size: int) -> RolloutOutput:
+def checked_rollout(engine: Any, out: Any, prompts: int, group_size: int,
+                    vocab_size: int | None = None, max_new_tokens: int | None = None,
+                    ) -> RolloutOutput:
     """``out``, what ``engine.generate`` returned for ``prompts`` prompts of ``group_size``
-    samples each, checked as the step reads it (an engine of one's own that returned another
-    type or count failed deep in the step, called a bug in maxent_grpo)."""
+    samples each, checked as the step reads it (another type, count, width or an id past
+    ``vocab_size`` failed deep in the step, as a bug in maxent_grpo or a device assert)."""
     rows = out.completion_ids.shape[0] if isinstance(out, RolloutOutput) else None
+    name = f"{type(engine).__name__}.generate"
     if rows != prompts * group_size:
-        name = f"{type(engine).__name__}.generate"
         raise UserCodeError(
             f"{name} must return a maxent_grpo.rollout.RolloutOutput (rollout.vllm_engine."
             f"assemble_rollout builds one); got {type(out).__name__}" if rows is None else
             f"{name} returned {rows} completions for {prompts} prompts x num_generations "
             f"{group_size}: one group of num_generations per prompt, prompt-major")
+    if (width := out.completion_ids.shape[1]) > (max_new_tokens or width):
+        raise UserCodeError(f"{name} returned completions of {width} tokens, more than "
+                            f"model.max_completion_length {max_new_tokens}")
+    ids = torch.cat([out.prompt_ids.flatten(), out.completion_ids.flatten()])
+    lo, hi = torch.stack(ids.aminmax()).tolist() if vocab_size and ids.numel() else (0, 0)
+    if not 0 <= lo <= hi < (vocab_size or 1):
+        raise UserCodeError(f"{name} returned token ids {lo}..{hi}, outside the policy's "
+                            f"vocabulary [0, {vocab_size}): the engine's model or tokenizer is "
+                            "not the policy's (a server of another model?)")
     return out

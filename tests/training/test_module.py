@@ -1061,7 +1061,17 @@ class EngineOf:
     def generate(self, prompts, answers, num_generations, sampling=None):
         if self.mistake == "none":
             return None
-        return self.inner.generate(prompts, answers, num_generations - 1, sampling)
+        short = self.mistake == "short"
+        out = self.inner.generate(prompts, answers, num_generations - short, sampling)
+        if self.mistake == "ids":  # another model's ids: past the tiny model's vocabulary
+            out.completion_ids[0, 0] = 10**6
+        if self.mistake == "wide":  # 4 more columns than max_completion_length allows
+            pad = torch.zeros(out.completion_ids.shape[0], 4, dtype=torch.long)
+            out = dataclasses.replace(
+                out, completion_ids=torch.cat([out.completion_ids, pad], 1),
+                completion_mask=torch.cat([out.completion_mask, pad.bool()], 1),
+                sampler_logps=None)
+        return out
 
 
 class NoSampling(EngineOf):
@@ -1077,6 +1087,11 @@ class NoSampling(EngineOf):
                                                    r"completions for 4 prompts x "
                                                    "num_generations 4", False),
     (NoSampling, r"NoSampling, which has no generate taking a sampling argument", False),
+    # an IndexError in the log-probs (a device-side assert on a GPU)
+    (functools.partial(EngineOf, mistake="ids"), r"EngineOf.generate returned token ids "
+     r"\d+..1000000, outside the policy's vocabulary \[0, \d+\)", False),
+    (functools.partial(EngineOf, mistake="wide"), r"EngineOf.generate returned completions "
+     r"of \d+ tokens, more than model.max_completion_length 4", False),
 ])
 def test_an_engine_of_ones_own_that_breaks_the_protocol_is_named(cache_dir, engine, message,
                                                                  validated):

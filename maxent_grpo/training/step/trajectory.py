@@ -273,17 +273,15 @@ class Trajectory:
 
 def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajectory:
     """Rollout, rewards, frozen log-probs and targets of one training batch (module docs)."""
-    gen = ctx.generation
+    gen, world, B = ctx.generation, ctx.world_size, len(batch["prompts"])
     G, T_max = gen.num_generations, gen.sampling.max_new_tokens
-    world = ctx.world_size
-    B = len(batch["prompts"])
-
     weighted = [k for k, w in enumerate(ctx.rewards.weights) if w != 0]
     dtype = torch.promote_types(next(ctx.policy.parameters()).dtype, torch.float32)  # rewards'
+    vocab = getattr(ctx.policy.get_input_embeddings(), "num_embeddings", None)
 
     def roll_out(prompts: dict[str, Any]) -> Scored:
         out = checked_rollout(ctx.engine, ctx.engine.generate(
-            prompts["prompts"], prompts["answers"], G), len(prompts["prompts"]), G)
+            prompts["prompts"], prompts["answers"], G), len(prompts["prompts"]), G, vocab, T_max)
         timer.start()
         total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G), on the CPU
             out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device, dtype)
