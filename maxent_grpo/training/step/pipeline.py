@@ -153,8 +153,11 @@ class RolloutPipeline:
         if len(self.queue) <= self.max_staleness:
             return None
         ready = self.queue.popleft()
-        rollout = checked_rollout(ctx.engine, ready.result(), len(ready.batch["prompts"]),
-                                  ctx.generation.num_generations).to(device)  # CPU if restored
+        vocab = getattr(ctx.policy.get_input_embeddings(), "num_embeddings", None)
+        rollout = checked_rollout(  # named with the engine here, not as Prefetched
+            ctx.engine, ready.result(), len(ready.batch["prompts"]),
+            ctx.generation.num_generations, vocab, ctx.generation.sampling.max_new_tokens,
+        ).to(device)  # CPU if restored
         ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
         return ctx, ready.batch, version - ready.version
 
