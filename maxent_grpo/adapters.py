@@ -50,8 +50,9 @@ except ImportError:  # pragma: no cover - only without the extra
 
 
 __all__ = ["ADAPTER_CONFIG", "AdapterDisabledReference", "PeftConfig", "adapter_base",
-           "apply_peft", "check_peft", "has_adapters", "merge_adapter", "merged_copy",
-           "name_base", "peft_from_record", "peft_record", "register_sharded_generate"]
+           "apply_peft", "check_peft", "check_saved_adapters", "has_adapters", "merge_adapter",
+           "merged_copy", "name_base", "peft_from_record", "peft_record",
+           "register_sharded_generate"]
 
 logger = logging.getLogger(__name__)
 #: the seed of the adapters' initialisation (see :func:`apply_peft`)
@@ -337,3 +338,40 @@ def check_older_adapters(state_dict: dict[str, Any], config: PeftConfig | None) 
     rank_zero_warn("the checkpoint predates its record of model.peft, so its adapters' scale "
                    "(lora_alpha, use_rslora, alpha_pattern) cannot be compared with this run's: "
                    "make sure model.peft is the one it was trained with")
+
+
+#: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the
+#: lists compared as sets; a ``target_modules`` that one side leaves to peft is not compared)
+ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
+                 "rank_pattern", "layers_to_transform", "layers_pattern", "exclude_modules",
+                 "target_parameters")
+#: the fields that decide what the same weights compute (the scale s = alpha / r, or
+#: alpha / sqrt(r)): compared where both records hold them
+ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out")
+
+
+def check_saved_adapters(saved: dict[str, Any] | None, config: PeftConfig | None) -> None:
+    """ValueError naming what differs unless a checkpoint's record of ``model.peft``
+    (:func:`peft_record`; None: none) fits this run's ``config``: adapters in one and not
+    the other, or another :data:`ADAPTER_SHAPE` or :data:`ADAPTER_MATH`."""
+    now = peft_record(config)
+    if (saved is None) != (now is None):
+        made, run = ("with", "without") if now is None else ("without", "with")
+        given = "" if saved is None else f": {describe_peft(saved, ADAPTER_SHAPE + ADAPTER_MATH)}"
+        raise ValueError(
+            f"the checkpoint was made {made} model.peft adapters and this run is {run} them, "
+            f"so its weights do not fit the model; use the model.peft it was trained with{given}")
+    if saved is None or now is None:
+        return
+
+    def value(record: dict[str, Any], key: str) -> Any:
+        found = record.get(key)
+        return sorted(map(str, found)) if isinstance(found, list) else found
+
+    differ = [k for k in ADAPTER_SHAPE if value(saved, k) != value(now, k)
+              and not (k == "target_modules" and None in (saved.get(k), now.get(k)))]
+    differ += [k for k in ADAPTER_MATH if k in saved and k in now and saved[k] != now[k]]
+    shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+                      for k in differ)
+    require(not differ, f"the checkpoint's adapters do not fit this run's model.peft ({shown}): "
+                        "use the model.peft it was trained with")

@@ -213,21 +213,21 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             {"accuracy": 1.0} if rewards is None else rewards, max_completion_length)
         self.loop = build_loop_settings(options, self.rewards.names)
         objective.check_group_size(self.loop.generation.num_generations)
-        # max_prompt_length belongs to the DataModule's hparams (the CLI links it here);
-        # saving it twice makes Lightning refuse differing values in plain-Trainer use
+        # max_prompt_length: saved by the DataModule (the CLI links it), not twice (Lightning
+        # refuses two differing values)
         self.save_hyperparameters(ignore=["objective", "optimizer", "lr_scheduler", "engine",
                                           "max_prompt_length", "peft"])
         self.source = ModelSettings(model_name_or_path, dtype, model_cache_dir,
                                     gradient_checkpointing, peft)
         self.objective, self.engine_factory = objective, engine
+        self._objective_start = objective.state_dict()  # as the config set it (checkpoints)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         self.scorer = Scorer(temperature, self.loop.scoring, fused_lm_head)
         self.step_metrics = StepMetrics(self.rewards.names, self.loop.evaluation)
         self.evaluator = Evaluator(self.rewards, self.loop.evaluation)
         self.logging_view = LoggingConfigView(weighting=objective, clipping=gradient_clip_val,
                                               schedule=self.loop.optimization.schedule)
-        self.writer = LightningWriter(self)
-        self.counters = StepCounters()
+        self.writer, self.counters = LightningWriter(self), StepCounters()
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
         self.runtime: RuntimeHandles | None = None  # the job-long handles: configure_model
@@ -433,7 +433,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         (:mod:`maxent_grpo.training.run.checkpoint`)."""
         cut = unfinished_batches(self._trainer) > 0  # a step cut short runs again at the resume
         save_state(checkpoint, self.source.name_or_path, self.objective, self.counters,
-                   self.loop, peft=self.source.peft, cut_short=self._step_start if cut else None)
+                   self.loop, peft=self.source.peft, cut_short=self._step_start if cut else None,
+                   start=self._objective_start)
         if self.pipeline is not None:  # every rank's rollouts in flight, for the resume
             self.pipeline.save(checkpoint, step_cut_short=cut)
 

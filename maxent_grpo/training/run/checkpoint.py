@@ -10,7 +10,8 @@ The module adds one entry, ``checkpoint["maxent_grpo"]``:
 - ``peft``: the ``model.peft`` config as plain values (:func:`~maxent_grpo.adapters.peft_record`;
   None without adapters), which the saved hyper-parameters leave out: ``python -m
   maxent_grpo.cli.export`` rebuilds the adapters from it;
-- ``objective_state``: ``Objective.state_dict`` (tau, beta, the entropy gate's multiplier);
+- ``objective_state``: ``Objective.state_dict`` (tau, beta, the entropy gate's multiplier)
+  and ``objective_start``, the same as the run's config set it;
 - the :class:`~maxent_grpo.training.step.optimise.StepCounters`;
 - ``rng``: every rank's random state (torch, CUDA when initialised, python, numpy);
 - ``controllers``: the run's controller state file and meta-controller
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from maxent_grpo.adapters import check_older_adapters, describe_peft, peft_record
+from maxent_grpo.adapters import check_older_adapters, check_saved_adapters, peft_record
 from maxent_grpo.models import model_fingerprint, model_folder, same_model
 from maxent_grpo.objectives import Objective
 from maxent_grpo.training.settings import check_resumed_schedule
@@ -199,14 +200,15 @@ def _controllers(loop: LoopSettings | None) -> dict[str, Any]:
 def save_state(
     checkpoint: dict[str, Any], model_name_or_path: str, objective: Objective,
     counters: StepCounters, loop: LoopSettings | None = None, peft: Any = None,
-    cut_short: dict[str, Any] | None = None,
+    cut_short: dict[str, Any] | None = None, start: dict[str, float] | None = None,
 ) -> None:
-    """Write the module's entry (see the module docstring); ``peft`` is ``model.peft``.
-    Lightning calls the module's ``on_save_checkpoint`` on every rank, so the random states
-    are gathered here. ``cut_short``: :func:`step_start` of a training step an exception
-    stopped (Ctrl-C, ``save_on_exception``), which Lightning runs again at the resume: its
-    random state is saved, so the step runs as it would have, unless the step had already
-    updated the weights (warned: that batch is trained twice)."""
+    """Write the module's entry (see the module docstring); ``peft`` is ``model.peft``,
+    ``start`` the objective's state as the config set it (default: now). Lightning calls the
+    module's ``on_save_checkpoint`` on every rank, so the random states are gathered here.
+    ``cut_short``: :func:`step_start` of a training step an exception stopped (Ctrl-C,
+    ``save_on_exception``), which Lightning runs again at the resume: its random state is saved,
+    so the step runs as it would have, unless the step had already updated the weights (warned:
+    that batch is trained twice)."""
     if cut_short is not None and cut_short["global_step"] != checkpoint.get("global_step"):
         rank_zero_warn("this checkpoint was written after the optimizer update of a training "
                        "step an exception stopped: the resume trains that batch again (it "
@@ -218,6 +220,7 @@ def save_state(
         "objective_class": type(objective).__name__,
         "peft": peft_record(peft),
         "objective_state": objective.state_dict(),
+        "objective_start": objective.state_dict() if start is None else start,
         **asdict(counters),
         "rng": all_gather_objects(capture_rng_state() if cut_short is None
                                   else cut_short["rng"]),
@@ -271,16 +274,15 @@ def load_state(
 ) -> dict[str, Any] | None:
     """Check that the checkpoint fits this run, restore the objective's state (winning over
     the config and a controller's file) and the counters, and return this rank's random
-    state (the caller restores it just before the first training batch; None for a
-    ``trainer`` that is not fitting). ``trainer``'s
-    ``fit`` is ``fitting``; its ``validate`` or ``test`` logs at the step of the fit that
-    wrote the checkpoint's weights' training scalars (not at 0, where every checkpoint's
-    evaluation landed): evaluations of several checkpoints line up with the fit's curves.
+    state (the caller restores it before the first training batch; None for a ``trainer``
+    that is not fitting). ``trainer``'s ``fit`` is ``fitting``; its ``validate`` or ``test``
+    logs at the step of the fit that wrote the checkpoint's weights' training scalars (not
+    at 0): evaluations of several checkpoints line up with the fit's curves.
 
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
     fit (``model.peft`` set in one and not the other, or another adapter type, rank,
-    target modules, layers or saved modules: :data:`ADAPTER_SHAPE`). When ``fitting``,
+    target modules, layers or saved modules: ``adapters.ADAPTER_SHAPE``). When ``fitting``,
     controllers the checkpoint had and ``loop`` lacks, and changed options, are warned of
     (:func:`_check_optimizer`: ``model.optimizer`` ``optimizer``; ``check_resumed_schedule``:
     ``model.lr_scheduler`` ``scheduler``; ``reference``: whether a reference model loaded).
@@ -317,7 +319,7 @@ def load_state(
             + f" (in Python: objective={saved['objective_class']}(...), which "
             "load_from_checkpoint also takes)")
     if "peft" in saved:  # checkpoints from before the record have none: their weights tell
-        _check_adapters(saved["peft"], peft_record(peft))
+        check_saved_adapters(saved["peft"], peft)
     else:
         check_older_adapters(checkpoint.get("state_dict") or {}, peft)
     before, now = saved.get("controllers") or {}, _controllers(loop)
@@ -327,9 +329,8 @@ def load_state(
             f"({before.get('meta_manager') or 'TauController/BetaController'}, state file "
             f"{before.get('state_path')!r}); this run has none, so tau and beta stay at the "
             "checkpoint's values: add the same trainer.callbacks to keep them moving")
-    objective.load_state_dict(_objective_state(saved["objective_state"], objective,
-                                               before["attached"] if before else now["attached"],
-                                               fitting, reference))
+    objective.load_state_dict(_objective_state(saved, objective, before["attached"] if before
+                                               else now["attached"], fitting, reference))
     if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
         _check_optimizer(checkpoint, optimizer)
     schedule = None if loop is None else loop.optimization.schedule
@@ -355,27 +356,30 @@ def load_state(
     return states[rank]
 
 
-def _objective_state(saved: dict[str, float], objective: Objective, controllers: bool,
+def _objective_state(entry: dict[str, Any], objective: Objective, controllers: bool,
                      fitting: bool, reference: bool) -> dict[str, float]:
-    """The objective state a fit resumes with: the checkpoint's (moved by tau/beta
-    controllers, or by the objective itself: ``EntropyMaxEnt``'s gate), except, when no
-    controller moved them (none was attached; none is, for a checkpoint without the record),
-    the :attr:`~Objective.tunable` values the config changed (``beta 0.2``, a controller's
-    start value), used, warned of: the reference model was loaded for the config's beta. A
-    checkpoint's beta > 0 kept where this run loaded no reference model is refused."""
+    """The objective state a fit resumes with: the checkpoint's (moved by controllers, a
+    callback, or the objective: ``EntropyMaxEnt``'s gate), except, with no controller
+    attached then (or now, for a checkpoint without the record), the :attr:`~Objective.tunable`
+    values the config changed from the checkpoint run's ``objective_start`` (or its state),
+    warned of: the reference model was loaded for the config's beta. A checkpoint's beta > 0
+    kept where this run loaded no reference model is refused."""
+    saved = entry["objective_state"]
+    start = {**saved, **(entry.get("objective_start") or {})}
     config = {k: v for k, v in objective.state_dict().items() if k in objective.tunable}
-    changed = {k: v for k, v in config.items() if k in saved and v != saved[k]}
-    if not fitting or not changed:
+    changed = {k: v for k, v in config.items() if k in saved and v != start[k]}
+    if not fitting:
         return saved
-    if controllers:
+    if controllers or not changed:
         require(reference or saved.get("beta", 0) == 0,
-                f"the checkpoint's beta {saved.get('beta', 0):g} goes on (tau/beta controllers "
-                "are attached), but this run loaded no reference model (model.objective.beta "
-                "0): resume with the checkpoint's beta, or start afresh")
-        rank_zero_info("model.objective's %s (the config) not used: tau/beta controllers are "
-                       "attached, so the checkpoint's values go on (%s)", ", ".join(
-                           f"{k} {v:g}" for k, v in changed.items()),
-                       ", ".join(f"{k} {saved[k]:g}" for k in changed))
+                f"the checkpoint's beta {saved.get('beta', 0):g} goes on (moved by tau/beta "
+                "controllers or a callback), but this run loaded no reference model "
+                "(model.objective.beta 0): resume with the checkpoint's beta, or start afresh")
+        if changed:
+            rank_zero_info("model.objective's %s (the config) not used: tau/beta controllers "
+                           "are attached, so the checkpoint's values go on (%s)", ", ".join(
+                               f"{k} {v:g}" for k, v in changed.items()),
+                           ", ".join(f"{k} {saved[k]:g}" for k in changed))
         return saved
     pairs = ", ".join(f"{k} {saved[k]:g} -> {v:g}" for k, v in changed.items())
     rank_zero_warn(f"model.objective differs from the checkpoint's ({pairs}): the config's "
@@ -414,36 +418,3 @@ def _check_optimizer(checkpoint: dict[str, Any], factory: Any) -> None:
                        "a resume restores the checkpoint's optimizer and learning-rate "
                        "schedule, so the config's values are not used; start afresh to use "
                        "them")
-
-
-#: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the
-#: lists compared as sets; a ``target_modules`` that one side leaves to peft is not compared)
-ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
-                 "rank_pattern", "layers_to_transform", "layers_pattern", "exclude_modules",
-                 "target_parameters")
-#: the fields that decide what the same weights compute (the scale s = alpha / r, or
-#: alpha / sqrt(r)): compared where both records hold them
-ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out")
-
-
-def _check_adapters(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
-    if (saved is None) != (now is None):
-        made, run = ("with", "without") if now is None else ("without", "with")
-        given = "" if saved is None else f": {describe_peft(saved, ADAPTER_SHAPE + ADAPTER_MATH)}"
-        raise ValueError(
-            f"the checkpoint was made {made} model.peft adapters and this run is {run} them, "
-            f"so its weights do not fit the model; use the model.peft it was trained with{given}")
-    if saved is None or now is None:
-        return
-
-    def value(record: dict[str, Any], key: str) -> Any:
-        found = record.get(key)
-        return sorted(map(str, found)) if isinstance(found, list) else found
-
-    differ = [k for k in ADAPTER_SHAPE if value(saved, k) != value(now, k)
-              and not (k == "target_modules" and None in (saved.get(k), now.get(k)))]
-    differ += [k for k in ADAPTER_MATH if k in saved and k in now and saved[k] != now[k]]
-    shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
-                      for k in differ)
-    require(not differ, f"the checkpoint's adapters do not fit this run's model.peft ({shown}): "
-                        "use the model.peft it was trained with")

@@ -9,7 +9,9 @@ import dataclasses
 import math
 import warnings
 
+import lightning.pytorch as pl
 import pytest
+import torch
 
 from maxent_grpo.objectives import ListwiseMaxEnt
 from maxent_grpo.training.callbacks import MetaController
@@ -381,3 +383,55 @@ def test_a_controller_added_at_a_resume_starts_from_the_config_and_checks_restor
     listwise.tau = math.exp(math.log(0.1))
     assert listwise.tau > 0.1
     tau.on_train_start(trainer, module)
+
+
+def test_a_value_a_callback_moved_goes_on_and_one_the_config_changed_is_used():
+    """A beta that a callback of one's own moved (no tau/beta controller) was put back to
+    the config's at every resume, with a warning that the config differed: the checkpoint
+    now records the config's start values, and only a change of the config is used."""
+    checkpoint: dict = {}
+    moved = ListwiseMaxEnt(tau=0.5, beta=0.1)
+    moved.beta = 0.025  # a callback's schedule
+    save_state(checkpoint, "builtin:tiny", moved, StepCounters(), BARE,
+               start={"tau": 0.5, "beta": 0.1})
+    same, other = ListwiseMaxEnt(tau=0.5, beta=0.1), ListwiseMaxEnt(tau=0.5, beta=0.2)
+    assert not warnings_of(lambda: load_state(checkpoint, "builtin:tiny", same, StepCounters(),
+                                              BARE, fitting=True))
+    assert same.beta == 0.025
+    (message,) = warnings_of(lambda: load_state(checkpoint, "builtin:tiny", other,
+                                                StepCounters(), BARE, fitting=True))
+    assert "model.objective differs from the checkpoint's (beta 0.025 -> 0.2)" in message
+    assert other.beta == 0.2
+    # moved above 0 from a config's 0, where this run loads no reference model: refused
+    start_at_0: dict = {}
+    save_state(start_at_0, "builtin:tiny", moved, StepCounters(), BARE,
+               start={"tau": 0.5, "beta": 0.0})
+    with pytest.raises(ValueError, match="beta 0.025 goes on .* loaded no reference model"):
+        load_state(start_at_0, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.0),
+                   StepCounters(), BARE, fitting=True, reference=False)
+
+
+class HalveBeta(pl.Callback):
+    """A beta schedule of one's own: beta halves after every training step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.objective.beta /= 2
+
+
+def test_a_fit_resumed_with_its_config_goes_on_from_the_beta_a_callback_moved(cache_dir,
+                                                                              tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from maxent_grpo.objectives import GRPO
+    from tests.conftest import fit, make_data, make_module
+
+    first = make_module(cache_dir, objective=GRPO(beta=0.08))
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit(first, make_data(cache_dir), steps=2, tmp_path=tmp_path, enable_checkpointing=True,
+        callbacks=[saver, HalveBeta()])
+    ckpt = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["maxent_grpo"]
+    assert ckpt["objective_state"]["beta"] == 0.02 and ckpt["objective_start"]["beta"] == 0.08
+    resumed = make_module(cache_dir, objective=GRPO(beta=0.08))
+    fit(resumed, make_data(cache_dir), steps=3, tmp_path=tmp_path, callbacks=[HalveBeta()],
+        ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert resumed.objective.beta == 0.01  # 0.02 halved once more, not 0.08 halved
