@@ -487,6 +487,17 @@ def test_a_tools_non_ascii_answer_reaches_the_model_as_written(user_tools):
         assert json.loads(result.text)["city"] == "Zürich", (isolation, result.text)
 
 
+def test_a_trainer_run_from_the_temporary_folder_still_gives_each_call_its_own(user_tools,
+                                                                               monkeypatch):
+    """Run from /tmp (so on sys.path), the host's /tmp was bound back, read-only, over the
+    call's own: every call failed (``Read-only file system: '/tmp/sandbox'``)."""
+    (module, _), boxes = user_tools
+    monkeypatch.syspath_prepend(tempfile.gettempdir())
+    box = Toolbox([module.total], timeout=30.0, isolation="process")
+    boxes.append(box)
+    result = box.run(ToolCall("total", {"values": [1, 2]}))
+    assert result.failure is None, result
+
 def test_a_tool_reads_what_its_module_opened_at_import_and_the_code_does_not(user_tools):
     """A process call closed every file the tool's module had opened at import (a table, a
     connection): the tool failed where a thread's call worked."""

@@ -127,10 +127,12 @@ def own_proc() -> bool:
 
 
 def _python_paths() -> list[str]:
-    """The folders this Python reads from, outermost only."""
+    """The folders this Python reads from, outermost only; not a private folder itself (a
+    host run from /tmp has it on sys.path: bound back, the host's /tmp, read-only, hid the
+    call's own), only what Python reads below it."""
     found = {os.path.realpath(p) for p in [sys.base_prefix, sys.base_exec_prefix, sys.prefix,
                                            os.path.dirname(sys.executable)] + sys.path
-             if p and os.path.isdir(p)}
+             if p and os.path.isdir(p)} - {os.path.realpath(d) for d in PRIVATE_DIRS}
     return sorted(p for p in found if not any(_under(p, [q]) for q in found if q != p))
 
 
