@@ -752,6 +752,7 @@ def test_a_metric_in_the_file_name_leaves_no_empty_folders(cache_dir, tmp_path):
 
     (tmp_path / "step=0-mine").mkdir()
     (tmp_path / "step=0-mine" / "notes.txt").write_text("kept")
+    (tmp_path / "step=9-mine").mkdir()  # empty, but not a name the saver makes: kept too
     saver = ModelCheckpoint(dirpath=tmp_path, filename="{step}-{val/pass@1}", save_top_k=1,
                             monitor="step", mode="max", every_n_train_steps=1)  # replaced
     fit(make_module(cache_dir), make_data(cache_dir, val_size=4), steps=3, tmp_path=tmp_path,
@@ -759,4 +760,4 @@ def test_a_metric_in_the_file_name_leaves_no_empty_folders(cache_dir, tmp_path):
         limit_val_batches=1, num_sanity_val_steps=0)
     folders = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step="))
     kept = Path(saver.best_model_path).parent.name
-    assert folders == sorted(["step=0-mine", kept]), folders
+    assert folders == sorted(["step=0-mine", "step=9-mine", kept]), folders
