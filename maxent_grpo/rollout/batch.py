@@ -109,10 +109,9 @@ class GenerationBatch:
     def __post_init__(self) -> None:
         n = len(self.prompts)
         if len(self.answers) != n or len(self.grouped_completions) != n:
-            raise ValueError(
-                "prompts, answers and grouped_completions must have the same length; got "
-                f"{n}, {len(self.answers)} and {len(self.grouped_completions)}"
-            )
+            raise ValueError("prompts, answers and grouped_completions must have the same "
+                             f"length; got {n}, {len(self.answers)} and "
+                             f"{len(self.grouped_completions)}")
         if self.grouped_ref_meta is not None:
             _check_group_shape("grouped_ref_meta", self.grouped_ref_meta, self.grouped_completions)
         if self.grouped_completion_info is not None:
@@ -309,10 +308,8 @@ class RolloutOutput:
         for name, ndim in dims.items():
             tensor = getattr(self, name)
             if tensor.dim() != ndim or tensor.shape[0] != rows:
-                raise ValueError(
-                    f"{name} must have {ndim} dims and {rows} rows (one per completion); "
-                    f"got shape {tuple(tensor.shape)}"
-                )
+                raise ValueError(f"{name} must have {ndim} dims and {rows} rows (one per "
+                                 f"completion); got shape {tuple(tensor.shape)}")
         for name, ref in (("prompt_mask", "prompt_ids"), ("completion_mask", "completion_ids"),
                           ("sampler_logps", "completion_ids")):
             tensor, expected = getattr(self, name), getattr(self, ref).shape
@@ -425,11 +422,9 @@ def check_request(
 
 
 def checked_rollout(engine: Any, out: Any, prompts: int, group_size: int,
-                    vocab_size: int | None = None, max_new_tokens: int | None = None,
-                    ) -> RolloutOutput:
+                    policy: Any = None, max_new_tokens: int | None = None) -> RolloutOutput:
     """``out``, what ``engine.generate`` returned for ``prompts`` prompts of ``group_size``
-    samples each, checked as the step reads it (another type, count, width or an id past
-    ``vocab_size`` failed deep in the step, as a bug in maxent_grpo or a device assert)."""
+    each, checked as the step reads it (type, count, width, ids in the ``policy``'s rows)."""
     rows = out.completion_ids.shape[0] if isinstance(out, RolloutOutput) else None
     name = f"{type(engine).__name__}.generate"
     if rows != prompts * group_size:
@@ -441,10 +436,15 @@ def checked_rollout(engine: Any, out: Any, prompts: int, group_size: int,
     if (width := out.completion_ids.shape[1]) > (max_new_tokens or width):
         raise UserCodeError(f"{name} returned completions of {width} tokens, more than "
                             f"model.max_completion_length {max_new_tokens}")
+    try:  # the input embeddings' rows (a LoRA embedding's: its base layer's; 0: not said)
+        layer = policy.get_input_embeddings()
+        vocab = getattr(getattr(layer, "get_base_layer", lambda: layer)(), "num_embeddings", 0)
+    except (NotImplementedError, AttributeError):  # no policy, or one that does not say
+        vocab = 0
     ids = torch.cat([out.prompt_ids.flatten(), out.completion_ids.flatten()])
-    lo, hi = torch.stack(ids.aminmax()).tolist() if vocab_size and ids.numel() else (0, 0)
-    if not 0 <= lo <= hi < (vocab_size or 1):
+    lo, hi = torch.stack(ids.aminmax()).tolist() if vocab and ids.numel() else (0, 0)
+    if not 0 <= lo <= hi < (vocab or 1):  # an IndexError in the log-probs, a GPU's assert
         raise UserCodeError(f"{name} returned token ids {lo}..{hi}, outside the policy's "
-                            f"vocabulary [0, {vocab_size}): the engine's model or tokenizer is "
-                            "not the policy's (a server of another model?)")
+                            f"vocabulary [0, {vocab}): the engine's model or tokenizer is not "
+                            "the policy's (a server of another model?)")
     return out

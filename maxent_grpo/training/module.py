@@ -241,8 +241,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._weights_version = self._engine_version = 0
         self.sync_seconds = 0.0  # engine.sync since the last step logged (perf/sync_seconds)
         self._rng_to_restore = self._step_start = None  # on_load_checkpoint's, this step's
-        #: the rollouts in flight of an asynchronous run (model.max_staleness >= 1)
-        self.pipeline = RolloutPipeline(max_staleness) if max_staleness else None
+        self.pipeline = (RolloutPipeline(max_staleness, self.loop.generation)  # the rollouts in
+                         if max_staleness else None)  # flight (model.max_staleness >= 1)
         self.staleness = 0  # optimizer steps between the rollout's weights and the update
         self._progress = (self.loop.optimization.schedule.num_iterations, max_staleness)  # k, s
 

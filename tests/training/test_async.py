@@ -408,6 +408,32 @@ def test_rollouts_a_failure_ended_or_a_smaller_staleness_drops_are_warned_about(
     assert caplog.text.count("with max_staleness 0 they are dropped") == 1
 
 
+def test_rollouts_made_with_other_generation_settings_are_dropped_at_the_resume(caplog):
+    """Resumed with another ``num_generations`` or a shorter ``max_completion_length``, the
+    restored rollouts (2 completions of 1 token each) failed the step's checks, which blamed
+    the engine (``docs/CHECKPOINTS.md``: a changed option is used from the resume on)."""
+    from types import SimpleNamespace
+
+    from maxent_grpo.training.step.pipeline import RolloutPipeline
+
+    batch = {"prompts": ["p"], "answers": ["a"]}
+    two = {"maxent_grpo_rollouts": [[{"batch": batch, "version": v,
+                                      "rollout": Scripted().generate(["p"], ["a"], 2)
+                                      .state_dict()} for v in (0, 1)]]}
+
+    def restored(num_generations: int, max_new_tokens: int) -> list[int]:
+        gen = SimpleNamespace(num_generations=num_generations,
+                              sampling=SimpleNamespace(max_new_tokens=max_new_tokens))
+        pipeline = RolloutPipeline(2, gen)
+        pipeline.restore(two, fitting=True, rank=0, world=1)
+        return [p.version for p in pipeline.queue]
+
+    assert restored(2, 1) == restored(2, 8) == [0, 1] and not caplog.text
+    with caplog.at_level("WARNING"):
+        assert restored(3, 8) == [] and restored(2, 0) == []
+    assert caplog.text.count("holds 2 rollout(s) in flight made with another") == 2
+
+
 def test_after_a_failure_every_rank_keeps_as_many_rollouts(monkeypatch, caplog):
     """One rank's newest rollout finished before the clean-up and another's did not: the
     checkpoint keeps the oldest ones every rank has, so that on resume all ranks train from

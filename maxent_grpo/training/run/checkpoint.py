@@ -367,7 +367,7 @@ def _objective_state(entry: dict[str, Any], objective: Objective, controllers: b
     saved = entry["objective_state"]
     start = {**saved, **(entry.get("objective_start") or {})}
     config = {k: v for k, v in objective.state_dict().items() if k in objective.tunable}
-    changed = {k: v for k, v in config.items() if k in saved and v != start[k]}
+    changed = {k: v for k, v in config.items() if k in saved and start[k] != v != saved[k]}
     if not fitting:
         return saved
     if controllers or not changed:

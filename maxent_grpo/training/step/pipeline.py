@@ -91,8 +91,10 @@ class PendingRollout:
 class RolloutPipeline:
     """The rollouts in flight of an asynchronous run (see the module docstring)."""
 
-    def __init__(self, max_staleness: int) -> None:
+    def __init__(self, max_staleness: int, generation: Any = None) -> None:
         self.max_staleness = max_staleness
+        #: the run's GenerationSettings (None: restored rollouts are not compared with them)
+        self.generation = generation
         self.queue: deque[PendingRollout] = deque()
         #: after :meth:`close`: the rollouts that were done, and how many were not (a
         #: checkpoint saved after a failure, Lightning's ``save_on_exception``, stores them)
@@ -153,10 +155,9 @@ class RolloutPipeline:
         if len(self.queue) <= self.max_staleness:
             return None
         ready = self.queue.popleft()
-        vocab = getattr(ctx.policy.get_input_embeddings(), "num_embeddings", None)
         rollout = checked_rollout(  # named with the engine here, not as Prefetched
             ctx.engine, ready.result(), len(ready.batch["prompts"]),
-            ctx.generation.num_generations, vocab, ctx.generation.sampling.max_new_tokens,
+            ctx.generation.num_generations, ctx.policy, ctx.generation.sampling.max_new_tokens,
         ).to(device)  # CPU if restored
         ctx = dataclasses.replace(ctx, engine=Prefetched(ctx.engine, rollout))
         return ctx, ready.batch, version - ready.version
@@ -250,10 +251,20 @@ class RolloutPipeline:
                         "is %d: the oldest %d are dropped, so their batches are not trained "
                         "(resume with the checkpoint's max_staleness to train them)",
                         len(state), self.max_staleness, len(state) - self.max_staleness)
-        state = state[-self.max_staleness:]
-        self.queue = deque(PendingRollout(s["batch"], s["version"],
-                                          rollout=RolloutOutput.from_state(s["rollout"]))
-                           for s in state)
+        queue = [PendingRollout(s["batch"], s["version"], rollout=RolloutOutput.from_state(
+            s["rollout"])) for s in state[-self.max_staleness:]]
+        if other := [p for p in queue if not self._fits(p)]:
+            log.warning("the checkpoint holds %d rollout(s) in flight made with another "
+                        "model.num_generations or a longer model.max_completion_length: they "
+                        "are dropped, so their batches are not trained", len(other))
+        self.queue = deque(p for p in queue if p not in other)
+
+    def _fits(self, pending: PendingRollout) -> bool:
+        """Whether a restored rollout was made with this run's ``num_generations``, within
+        its ``max_completion_length`` (always, without :attr:`generation`)."""
+        gen, out = self.generation, pending.rollout
+        return gen is None or (out.completion_ids.shape[1] <= gen.sampling.max_new_tokens and (
+            out.batch.num_completions == len(pending.batch["prompts"]) * gen.num_generations))
 
 
 def restore_rollouts(pipeline: RolloutPipeline | None, checkpoint: dict[str, Any],

@@ -277,11 +277,10 @@ def collect(ctx: StepContext, batch: dict[str, Any], timer: StepTimer) -> Trajec
     G, T_max = gen.num_generations, gen.sampling.max_new_tokens
     weighted = [k for k, w in enumerate(ctx.rewards.weights) if w != 0]
     dtype = torch.promote_types(next(ctx.policy.parameters()).dtype, torch.float32)  # rewards'
-    vocab = getattr(ctx.policy.get_input_embeddings(), "num_embeddings", None)
 
     def roll_out(prompts: dict[str, Any]) -> Scored:
-        out = checked_rollout(ctx.engine, ctx.engine.generate(
-            prompts["prompts"], prompts["answers"], G), len(prompts["prompts"]), G, vocab, T_max)
+        out = checked_rollout(ctx.engine, ctx.engine.generate(prompts["prompts"], prompts[
+            "answers"], G), len(prompts["prompts"]), G, ctx.policy, T_max)
         timer.start()
         total, parts = ctx.rewards.score_rollout(  # (B*G,), (K, B*G), on the CPU
             out, prompts["raw_prompts"], prompts["columns"], ctx.trainer_state, ctx.device, dtype)

@@ -402,6 +402,10 @@ def test_a_value_a_callback_moved_goes_on_and_one_the_config_changed_is_used():
                                                 StepCounters(), BARE, fitting=True))
     assert "model.objective differs from the checkpoint's (beta 0.025 -> 0.2)" in message
     assert other.beta == 0.2
+    kept = ListwiseMaxEnt(tau=0.5, beta=0.025)  # the config set to the moved value: no word
+    assert not warnings_of(lambda: load_state(checkpoint, "builtin:tiny", kept, StepCounters(),
+                                              BARE, fitting=True))
+    assert kept.beta == 0.025
     # moved above 0 from a config's 0, where this run loads no reference model: refused
     start_at_0: dict = {}
     save_state(start_at_0, "builtin:tiny", moved, StepCounters(), BARE,
