@@ -416,6 +416,31 @@ def test_an_mlflow_server_that_does_not_answer_is_named_not_called_a_bug(capsys)
     assert not errors.is_user_error(mlflow.MlflowException("an internal index error"))
 
 
+def test_a_wandb_server_out_of_reach_is_named_with_the_offline_mode(capsys):
+    """W&B's online mode without a network: after its retries, ``CommError`` was printed
+    as a bug in maxent_grpo with its trace (a hunt of logging backends)."""
+    wandb_errors = pytest.importorskip("wandb.errors")
+    error = wandb_errors.CommError('Timed out while retrying: Post "https://api.x/graphql"')
+    assert errors.report(error, show_trace=False) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Timed out while retrying") and "WANDB_MODE=offline" in err
+    assert "bug" not in err and "Traceback" not in err
+
+
+def test_a_logger_that_cannot_make_its_folder_is_named(tmp_path, monkeypatch, capsys):
+    """MLflow's file store under a ``save_dir`` that cannot be made failed while the logger
+    was built: ``[Errno 20] Not a directory`` alone, without the logger."""
+    loggers = pytest.importorskip("lightning.pytorch.loggers")
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError) as raised:
+        loggers.MLFlowLogger(save_dir=str(tmp_path / "a_file" / "mlruns"))
+    assert errors.report(raised.value, show_trace=False) == 1
+    err = capsys.readouterr().err
+    assert "Not a directory" in err and "trainer.logger MLFlowLogger: give a save_dir" in err
+
+
 def test_a_full_disk_under_the_tensorboard_writer_names_the_folder(tmp_path):
     """TensorBoard writes its events in a thread; a write there that finds no room is raised
     again at the next scalar with no file named: the run stopped with ``[Errno 27] File too

@@ -80,19 +80,34 @@ def is_user_error(error: BaseException) -> bool:
         # `raise ModuleNotFoundError("X needs package Y: pip install Y")` has no `name`;
         # a failing import statement (a broken install, a bug) has one
         return error.name is None and bool(str(error))
-    kind = type(error)  # a logger's own account that is not set up (``wandb login``)
-    return isinstance(error, user_error_types()) or (
+    kind = type(error)  # wandb's UsageError: an account that is not set up (``wandb login``)
+    return isinstance(error, user_error_types()) or (_unreachable(error) is not None) or (
         kind.__module__.startswith("wandb") and kind.__name__ == "UsageError") or (
-        _mlflow_unreachable(error)) or (  # Lightning's refusal of `srun -n N` (its hint says)
-        isinstance(error, RuntimeError) and "in your SLURM bash script" in str(error))
+        isinstance(error, RuntimeError) and "in your SLURM bash script" in str(error))  # srun
 
 
-def _mlflow_unreachable(error: BaseException) -> bool:
-    """An MLflow tracking server that does not answer (after mlflow's own retries)."""
-    kind = type(error)
-    return (kind.__module__.startswith("mlflow") and kind.__name__ == "MlflowException"
-            and any(m in str(error) for m in ("API request to", "Max retries exceeded",
-                                              "Connection refused")))
+def _unreachable(error: BaseException) -> str | None:
+    """What to do when a logger's server did not answer (after its own retries): MLflow's
+    tracking server, W&B's in its online mode; else None."""
+    kind, text = type(error), str(error)
+    if kind.__module__.startswith("mlflow") and kind.__name__ == "MlflowException" and any(
+            m in text for m in ("API request to", "Max retries exceeded", "Connection refused")):
+        return "the MLflow logger's tracking server: start it, or set its tracking_uri"
+    if kind.__module__.startswith("wandb") and kind.__name__ == "CommError":
+        return ("the W&B logger's server: check the network, or log offline: "
+                "WANDB_MODE=offline or --trainer.logger.init_args.offline true")
+    return None
+
+
+def _logger_in_trace(error: BaseException) -> str | None:
+    """The class name of the Lightning logger whose own code raised ``error`` (an MLflow
+    store made under its ``save_dir``), else None."""
+    from lightning.pytorch.loggers import Logger
+
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if isinstance(frame.f_locals.get("self"), Logger):
+            return type(frame.f_locals["self"]).__name__
+    return None
 
 
 # the trace a re-raised worker / spawned-process error carries as text ends in "Type: message"
@@ -305,15 +320,16 @@ def message_of(error: BaseException) -> str:
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
         message += (" (out of memory: lower data.batch_size, model.num_generations or "
                     "model.max_completion_length, or set model.micro_batch_groups)")
-    if _mlflow_unreachable(error):
-        message += (" (the MLflow logger's tracking server: start it, or set "
-                    "--trainer.logger.init_args.tracking_uri)")
+    if hint := _unreachable(error):
+        message += f" ({hint})"
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename!r}"
-    elif isinstance(error, OSError) and (folder := _event_folder(error)):
+    if isinstance(error, OSError) and (folder := _event_folder(error)):
         message += (f" (writing the TensorBoard events under {folder}: free space there, or "
                     "raise the limit, or log elsewhere: the logger's save_dir, or "
                     "--trainer.default_root_dir for Lightning's default logger)")
+    elif isinstance(error, OSError) and (logger := _logger_in_trace(error)):
+        message += f" (trainer.logger {logger}: give a save_dir you can write to)"
     cause = error.__cause__
     if isinstance(error, UserCodeError) and cause is not None and cause.__traceback__:
         frame = traceback.extract_tb(cause.__traceback__)[-1]

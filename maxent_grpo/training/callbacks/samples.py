@@ -279,27 +279,31 @@ class CompletionSamples(Callback):
         return self._jsonl_file
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log the CLI's ``config.yaml`` (if any) as TensorBoard text.
+        """Find the CLI's ``config.yaml`` (if any) and the ``jsonl_path``.
 
         Every rank reads the run's folder here (a broadcast from rank 0 under DDP, which
         would hang if only rank 0 read it)."""
-        config = Path(self._log_dir(trainer)) / "config.yaml"
+        self._config = Path(self._log_dir(trainer)) / "config.yaml"
         if self.jsonl_path is not None:
             self._resolve_jsonl(trainer)
-        if not trainer.is_global_zero or not config.is_file():
-            return
-        text = "\n".join("    " + line for line in config.read_text("utf-8").splitlines())
-        for logger in getattr(trainer, "loggers", None) or []:
-            writer = getattr(logger, "experiment", None)
-            if isinstance(writer, SummaryWriter):
-                writer.add_text("hparams/config", text, trainer.global_step)
-                writer.flush()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A resumed fit: the JSONL rows of its checkpoint's step and later go (they come
-        again) from the loggers' ``samples/completions.jsonl`` and from a ``jsonl_path`` in
-        the run's folder (``{log_dir}``); a ``jsonl_path`` elsewhere may be another run's
-        too, and keeps its rows."""
+        """Log the CLI's ``config.yaml`` as TensorBoard text at the logging step the fit
+        starts from (a resumed fit's beside the first's: at 0 it replaced it). A resumed
+        fit: the JSONL rows of its checkpoint's step and later go (they come again) from the
+        loggers' ``samples/completions.jsonl`` and from a ``jsonl_path`` in the run's folder
+        (``{log_dir}``); a ``jsonl_path`` elsewhere may be another run's too, and keeps its
+        rows."""
+        config = getattr(self, "_config", None)
+        if trainer.is_global_zero and config is not None and config.is_file():
+            text = "\n".join("    " + line for line in config.read_text("utf-8").splitlines())
+            at = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None),
+                         "_batches_that_stepped", trainer.global_step)  # the scalars' step
+            for logger in getattr(trainer, "loggers", None) or []:
+                writer = getattr(logger, "experiment", None)
+                if isinstance(writer, SummaryWriter):
+                    writer.add_text("hparams/config", text, at)
+                    writer.flush()
         if not trainer.is_global_zero or not trainer.global_step:
             return
         files = self._logger_files(trainer)

@@ -259,14 +259,12 @@ def check_mesh_size(trainer: Any) -> None:
 
 
 def check_logger_folders(trainer: Any) -> None:
-    """ValueError naming the logger whose ``save_dir`` cannot be written (one process: each
-    of several may see its own disk); the error was the file system's alone, without the
-    option, after the model loaded."""
-    if getattr(trainer, "world_size", 1) != 1 or getattr(trainer, "fast_dev_run", False):
+    """ValueError naming the logger whose ``save_dir`` cannot be written (on rank 0, where
+    the loggers write; W&B's too, where its run's config.yaml goes); the error was the file
+    system's alone, without the option, after the model loaded."""
+    if getattr(trainer, "global_rank", 0) != 0 or getattr(trainer, "fast_dev_run", False):
         return
     for logger in getattr(trainer, "loggers", None) or []:
-        if type(logger).__name__ == "WandbLogger":
-            continue  # wandb writes to the temporary folder when its own cannot be
         folder = getattr(logger, "save_dir", None)
         why = unwritable(folder, folder=True) if isinstance(folder, str) and folder and (
             "://" not in folder) else None

@@ -235,9 +235,31 @@ def test_other_ranks_write_nothing(tmp_path):
 def test_the_cli_config_is_logged_once_at_fit_start(tmp_path):
     (tmp_path / "config.yaml").write_text("model:\n  objective: ListwiseMaxEnt\n")
     trainer, module = fake(tmp_path)
-    CompletionSamples().on_fit_start(trainer, module)
+    cb = CompletionSamples()
+    cb.on_fit_start(trainer, module)
+    cb.on_train_start(trainer, module)
     config = texts(events(tmp_path / "tb"), "hparams/config/text_summary")
     assert config == {0: "    model:\n      objective: ListwiseMaxEnt"}
+
+
+def test_a_resumed_fits_config_is_logged_at_the_step_it_resumes_from(tmp_path):
+    """It was written at step 0 (Lightning restores the step after ``on_fit_start``), where
+    TensorBoard keeps one text a step: the resumed fit's options showed as the first's (a
+    hunt of logging backends)."""
+    (tmp_path / "config.yaml").write_text("model:\n  temperature: 1.0\n")
+    trainer, module = fake(tmp_path)
+    first = CompletionSamples()
+    first.on_fit_start(trainer, module)
+    first.on_train_start(trainer, module)
+    (tmp_path / "config.yaml").write_text("model:\n  temperature: 0.7\n")
+    resumed = CompletionSamples()
+    resumed.on_fit_start(trainer, module)  # the checkpoint is restored after this hook
+    trainer.fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3))
+    trainer.global_step = 6  # num_iterations 2: the scalars' step is the batch's
+    resumed.on_train_start(trainer, module)
+    config = texts(events(tmp_path / "tb"), "hparams/config/text_summary")
+    assert config == {0: "    model:\n      temperature: 1.0",
+                      3: "    model:\n      temperature: 0.7"}
 
 
 # ---------------------------------------------------------------------- JSONL
