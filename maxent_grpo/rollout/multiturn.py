@@ -43,6 +43,7 @@ placeholder row while others go on.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import time
@@ -167,7 +168,11 @@ def environment_factory(spec: dict[str, Any] | str) -> Callable[[], Any]:
         raise ValueError(f"model.environment.init_args do not fit {path}: {err}") from err
     except ValueError:  # a class whose signature Python cannot read: checked when built
         pass
-    return lambda: cls(**args)
+    def build() -> Any:  # each instance its own copy of the options (a board, a list)
+        return cls(**copy.deepcopy(args))
+
+    build.__name__ = cls.__name__
+    return build
 
 
 def _is_flag(value: Any) -> bool:
@@ -216,6 +221,18 @@ class MultiTurnEngine:
         # (an environment's own role, when not "user", at its first rollout)
         self._roles_shown: set[str] = set()
         self._check_role("tool" if toolbox else "user")
+        # special tokens are not a turn's text, but the call tags are where a tokenizer made
+        # them special (skipped, no call ever ran): None, the usual case, skips every one
+        special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        tags = {tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")
+                } & special if special else set()
+        self._skipped = special - tags if tags else None
+
+    def _text(self, ids: list[int]) -> str:
+        """A model turn's text, as the tool-call parser and the rewards read it."""
+        if self._skipped is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in self._skipped])
 
     def _check_role(self, role: str) -> None:
         """Refuse a chat template that leaves out ``role``'s messages: it would hide every
@@ -312,7 +329,12 @@ class MultiTurnEngine:
         failures = {kind: [0] * N for kind in FAILURE_KINDS}
         envs = None
         if self.environment is not None:
-            envs = [self.environment() for _ in range(N)]
+            try:
+                envs = [self.environment() for _ in range(N)]
+            except (Exception, SystemExit) as err:  # sys.exit: not the run's end
+                raise UserCodeError(f"{getattr(self.environment, '__name__', 'environment')}"
+                                    f"() (model.environment) failed: {type(err).__name__}: "
+                                    f"{err}") from err
             for role in dict.fromkeys(getattr(env, "role", "user") for env in envs):
                 self._check_role(role)
             for i, env in enumerate(envs):
@@ -322,8 +344,7 @@ class MultiTurnEngine:
                     raise UserCodeError(f"{type(env).__name__}.reset failed on prompt "
                                         f"{prompts[i // G]!r:.200}: {type(err).__name__}: "
                                         f"{err}") from err
-        messages = [[{"role": "assistant", "content": tok.decode(x, skip_special_tokens=True)}]
-                    for x in ids]
+        messages = [[{"role": "assistant", "content": self._text(x)}] for x in ids]
 
         def extend(i: int, new: list[int], is_tool: bool, new_logps: list[float] | None) -> None:
             ids[i] += new
@@ -364,8 +385,7 @@ class MultiTurnEngine:
             for i, out in zip(go, outs, strict=False):
                 extend(i, out.ids, False, out.logps)
                 turns[i] += 1
-                messages[i].append({"role": "assistant",
-                                    "content": tok.decode(out.ids, skip_special_tokens=True)})
+                messages[i].append({"role": "assistant", "content": self._text(out.ids)})
                 if out.stopped:
                     active.append(i)
                 else:

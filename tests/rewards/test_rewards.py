@@ -957,6 +957,37 @@ def needs_solution(prompts, completions, solution, **kwargs):
     return [float(s in c) for c, s in zip(completions, solution, strict=True)]
 
 
+def needs_calls(prompts, completions, tool_calls, **kwargs):
+    return [float(n) for n in tool_calls]
+
+
+def needs_environments(prompts, completions, environments, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_a_reward_taking_what_only_another_kind_of_rollout_gives_is_named_at_the_start():
+    """``tool_calls`` in a run without tools (the docs' comparison run, ``--model.tools
+    null``) or ``environments`` in a tools run passed the start's check and was a TypeError
+    at the first step (a multi-turn hunt)."""
+    from types import SimpleNamespace
+
+    from maxent_grpo.training.run.policy_models import check_arguments
+
+    def check(fn, tools):
+        rewards = SimpleNamespace(names=[fn.__name__], funcs=[fn])
+        check_arguments(rewards, [{"answer": "1"}], "train", tools)
+
+    toolbox, environment = (SimpleNamespace(environment=None),
+                            SimpleNamespace(environment=object))
+    check(needs_calls, toolbox)
+    check(needs_calls, environment)
+    check(needs_environments, environment)
+    with pytest.raises(ValueError, match="needs_calls takes the argument 'tool_calls', which "
+                                         "only model.tools or model.environment rollouts give"):
+        check(needs_calls, None)
+    with pytest.raises(ValueError, match="'environments', which only model.environment"):
+        check(needs_environments, toolbox)
+
 def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
         cache_dir, tmp_path):
     """Three mistakes of the extension-points hunt, each now named when the fit starts: a

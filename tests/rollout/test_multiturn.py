@@ -324,6 +324,62 @@ def test_an_environment_steps_until_done():
         assert out.tools.calls.tolist() == [2], kind
 
 
+class Board(Guess):
+    """An environment whose option is a mutable starting board, which its steps extend."""
+
+    def __init__(self, board: list | None = None) -> None:
+        super().__init__()
+        self.board = board
+
+    def step(self, action: str) -> tuple[str, bool]:
+        self.board.append(action)
+        return f"{len(self.board)} on the board", False
+
+
+class Broken(Guess):
+    def __init__(self, path: str = "/nonexistent/board.txt") -> None:
+        super().__init__()
+        open(path).close()  # noqa: SIM115 - the environment's own mistake
+
+
+def test_each_environment_starts_from_its_own_copy_of_its_options():
+    """Every instance shared the ``init_args`` objects: a board one sample moved on was the
+    board of every other sample, prompt and step (a multi-turn hunt)."""
+    factory = environment_factory({"class_path": "tests.rollout.test_multiturn.Board",
+                                   "init_args": {"board": []}})
+    for _ in range(2):  # two steps
+        out = engine(["a", "b"], env=factory, max_calls=2).generate(["p", "q"], ["1", "2"], 2)
+        assert [env.board for env in out.tools.environments] == [["a", "b"]] * 4
+        assert [m["content"] for m in out.reward_completions()[3]][:2] == ["a", "1 on the board"]
+
+
+def test_an_environment_that_cannot_be_built_is_named():
+    """Its constructor's error was the bare exception text, without the class or option."""
+    factory = environment_factory({"class_path": "tests.rollout.test_multiturn.Broken"})
+    with pytest.raises(UserCodeError, match=r"Broken\(\) \(model.environment\) failed: "
+                                            "FileNotFoundError") as raised:
+        engine(["42"], env=factory).generate(["guess"], ["42"], 1)
+    assert "test_multiturn.py:" in find_user_error(raised.value)[1]  # where it raised
+
+
+def test_call_tags_that_the_tokenizer_made_special_still_call_the_tool():
+    """A tokenizer taught the format with ``<tool_call>`` as a special token: each turn was
+    decoded without special tokens, so the tags were gone and no call ever ran, while the
+    logged samples (special tokens kept) showed the call (a multi-turn hunt)."""
+    special = build_tiny_tokenizer()
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    global TOK
+    plain, TOK = TOK, special  # the scripted engine writes with this tokenizer
+    try:
+        mt = MultiTurnEngine(Scripted([CALL, "42"]), special,
+                             SamplingSettings(max_new_tokens=200),
+                             toolbox=Toolbox(["calculate"], timeout=2.0), max_tool_calls=4)
+        out = mt.generate(["What is 6 * 7?"], ["42"], 1)
+    finally:
+        TOK = plain
+    assert out.tools.calls.tolist() == [1]
+    assert [m["content"] for m in out.reward_completions()[0]] == [CALL, "42", "42"]
+
 def echo(query: str) -> str:
     """A tool that repeats what the model wrote (a search tool's "no results for ...").
 

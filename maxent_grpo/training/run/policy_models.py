@@ -188,7 +188,7 @@ class PolicyModels:
 
                 columns = [ex.columns for ex in rows]
                 check_references(self.rewards.names, columns, where)
-                check_arguments(self.rewards, columns, split)
+                check_arguments(self.rewards, columns, split, self.loop.generation.tools)
                 for i, example in enumerate(rows):
                     if (form := example.columns.get("answer_form")) not in (None, "",
                                                                            *ANSWER_FORMS):
@@ -245,14 +245,17 @@ def check_references(names: list[str], rows: Sequence[Mapping[str, Any]],
 MULTI_TURN = ("tool_calls", "tool_failures", "exchange_lengths", "environments")
 
 
-def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str) -> None:
-    """Each reward function's named arguments against the ``split`` rows' columns, at the
-    start of a fit: one without a default that no row has is a ValueError naming it (it was
+def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str,
+                    tools: Any = None) -> None:
+    """Each reward function's named arguments against the ``split`` rows' columns and what
+    the run's multi-turn rollouts (``tools``: its ToolSettings, or None) give, at the start
+    of a fit: one without a default that nothing gives is a ValueError naming it (it was
     a TypeError at the first step); one that defaults to None that no row gives a value,
     a column of the rows or a built-in reward's (``first_number``'s ``answer`` with
     ``data.answer_column: null``), is warned about: it grades nothing there (a function's
     optional argument no row has may be a setting of its own: not warned about)."""
     columns = dict.fromkeys(key for c in rows for key in c)
+    given_by_run = () if tools is None else MULTI_TURN if tools.environment else MULTI_TURN[:3]
     for name, fn in zip(rewards.names, rewards.funcs, strict=True):
         fn = fn.fn if isinstance(fn, TimedReward) else fn
         require(not inspect.isclass(fn), f"model.rewards.{name} is a class: name a function, "
@@ -269,9 +272,14 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str)
                 f"({', '.join(columns) or 'none'}); take the ones you need by name and the rest "
                 "with **kwargs")
         for p in parameters.parameters.values():
-            if p.name in RESERVED or p.name in MULTI_TURN or p.kind not in (
+            if p.name in RESERVED or p.name in given_by_run or p.kind not in (
                     p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
                 continue
+            require(p.name not in MULTI_TURN or p.default is not inspect.Parameter.empty,
+                    f"model.rewards.{name} takes the argument {p.name!r}, which only "
+                    + ("model.environment" if p.name == "environments" else
+                       "model.tools or model.environment") + " rollouts give: set it, or "
+                    "give the argument a default")
             if p.default is inspect.Parameter.empty and p.name not in columns:
                 raise ValueError(
                     f"model.rewards.{name} takes the argument {p.name!r}, which no {split} row "
