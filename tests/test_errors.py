@@ -425,6 +425,8 @@ def test_a_wandb_server_out_of_reach_is_named_with_the_offline_mode(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: Timed out while retrying") and "WANDB_MODE=offline" in err
     assert "bug" not in err and "Traceback" not in err
+    refused = wandb_errors.AuthenticationError("API key not valid")  # a CommError's kind
+    assert errors.is_user_error(refused) and "wandb login" in errors.message_of(refused)
 
 
 def test_a_logger_that_cannot_make_its_folder_is_named(tmp_path, monkeypatch, capsys):

@@ -93,19 +93,19 @@ def _unreachable(error: BaseException) -> str | None:
     if kind.__module__.startswith("mlflow") and kind.__name__ == "MlflowException" and any(
             m in text for m in ("API request to", "Max retries exceeded", "Connection refused")):
         return "the MLflow logger's tracking server: start it, or set its tracking_uri"
-    if kind.__module__.startswith("wandb") and kind.__name__ == "CommError":
-        return ("the W&B logger's server: check the network, or log offline: "
-                "WANDB_MODE=offline or --trainer.logger.init_args.offline true")
+    if kind.__module__.startswith("wandb") and "CommError" in [k.__name__ for k in kind.mro()]:
+        return ("the W&B logger's server: check the network and `wandb login`, or log "
+                "offline: WANDB_MODE=offline or --trainer.logger.init_args.offline true")
     return None
 
 
 def _logger_in_trace(error: BaseException) -> str | None:
-    """The class name of the Lightning logger whose own code raised ``error`` (an MLflow
+    """The class name of the Lightning logger whose constructor raised ``error`` (an MLflow
     store made under its ``save_dir``), else None."""
     from lightning.pytorch.loggers import Logger
 
     for frame, _ in traceback.walk_tb(error.__traceback__):
-        if isinstance(frame.f_locals.get("self"), Logger):
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), Logger):
             return type(frame.f_locals["self"]).__name__
     return None
 

@@ -379,6 +379,12 @@ def test_call_tags_that_the_tokenizer_made_special_still_call_the_tool():
         TOK = plain
     assert out.tools.calls.tolist() == [1]
     assert [m["content"] for m in out.reward_completions()[0]] == [CALL, "42", "42"]
+    # a tokenizer without such tags decodes a turn as before, byte for byte (readers: an
+    # unknown tag's id is the unk's, a special token, which took the other path)
+    mt = engine(["x"])
+    assert mt._tags == {}
+    turn = ids("<|im_start|>The answer is 4") + [TOK.unk_token_id, TOK.eos_token_id]
+    assert mt._text(turn) == TOK.decode(turn, skip_special_tokens=True) == "The answer is 4"
 
 def echo(query: str) -> str:
     """A tool that repeats what the model wrote (a search tool's "no results for ...").

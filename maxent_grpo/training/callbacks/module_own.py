@@ -89,7 +89,8 @@ class ModuleHooks(L.Callback):
         stage = str(getattr(stage, "value", stage))  # a TrainerFn
         for saver in trainer.checkpoint_callbacks if trainer.is_global_zero else []:
             remove_empty_name_folders(getattr(saver, "dirpath", None),  # a dropped top-k's
-                                      getattr(saver, "filename", None))
+                                      getattr(saver, "filename", None),
+                                      getattr(saver, "auto_insert_metric_name", True))
         evaluated = {"validate": "val", "test": "test"}.get(stage)
         if evaluated and trainer.state.status == "running" and not sum(
                 trainer.validate_loop.max_batches if stage == "validate"

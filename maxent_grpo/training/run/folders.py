@@ -220,18 +220,22 @@ class SaveRunConfig(SaveConfigCallback):
         self._put_back = []
 
 
-def remove_empty_name_folders(dirpath: Any, filename: Any) -> None:
+def remove_empty_name_folders(dirpath: Any, filename: Any, named: bool = True) -> None:
     """The empty folders under a checkpoint saver's local ``dirpath`` that its file names
     made: a metric with a ``/`` in ``ModelCheckpoint.filename`` (``{step}-{val/pass@1}``)
     puts each file in a folder of its own (``step=4-val/pass@1=0.5.ckpt``), which Lightning
     leaves behind when it drops the file (top-k). Only empty folders are removed, in those
-    whose names the ``filename``'s part before its ``/`` makes (others are the user's)."""
+    whose names the ``filename``'s part before its ``/`` makes (others are the user's;
+    ``named``: the saver's ``auto_insert_metric_name``, which writes ``step=``)."""
     if dirpath is None or "://" in str(dirpath) or not os.path.isdir(dirpath) or (
             "/" not in str(filename or "")):
         return
-    parts = re.split(r"(\{[^}]*\})", str(filename).split("/")[0])  # "{step}-{val" -> "*-val"
-    made = re.compile("".join(".*" if x.endswith("}") else re.escape(x.replace("{", ""))
-                              for x in parts))
+    parts = re.split(r"(\{[^}]*\})", str(filename).split("/")[0])  # "{step}-{val": "step=*-val"
+    if not named and "{" in parts[-1]:  # the "/" inside a metric's name: not written
+        return
+    made = re.compile("".join(
+        (re.escape(x[1:-1].split(":")[0]) + "=" if named else "") + ".*" if x.endswith("}")
+        else re.escape(x.replace("{", "")) for x in parts))
     for top in os.scandir(dirpath):
         if made.fullmatch(top.name) and top.is_dir(follow_symlinks=False):
             for folder, _, _ in os.walk(top.path, topdown=False):

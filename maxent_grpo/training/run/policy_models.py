@@ -275,7 +275,8 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str,
             if p.name in RESERVED or p.name in given_by_run or p.kind not in (
                     p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
                 continue
-            require(p.name not in MULTI_TURN or p.default is not inspect.Parameter.empty,
+            require(p.name not in MULTI_TURN or p.name in columns or (
+                p.default is not inspect.Parameter.empty),
                     f"model.rewards.{name} takes the argument {p.name!r}, which only "
                     + ("model.environment" if p.name == "environments" else
                        "model.tools or model.environment") + " rollouts give: set it, or "

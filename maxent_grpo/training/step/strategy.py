@@ -259,10 +259,11 @@ def check_mesh_size(trainer: Any) -> None:
 
 
 def check_logger_folders(trainer: Any) -> None:
-    """ValueError naming the logger whose ``save_dir`` cannot be written (on rank 0, where
-    the loggers write; W&B's too, where its run's config.yaml goes); the error was the file
-    system's alone, without the option, after the model loaded."""
-    if getattr(trainer, "global_rank", 0) != 0 or getattr(trainer, "fast_dev_run", False):
+    """ValueError naming the logger whose ``save_dir`` cannot be written (W&B's too, where
+    its run's config.yaml goes); the error was the file system's alone, without the option,
+    after the model loaded. One process only: this runs before the process group exists, so
+    one rank refusing alone could leave the others waiting for it."""
+    if getattr(trainer, "world_size", 1) != 1 or getattr(trainer, "fast_dev_run", False):
         return
     for logger in getattr(trainer, "loggers", None) or []:
         folder = getattr(logger, "save_dir", None)

@@ -761,3 +761,22 @@ def test_a_metric_in_the_file_name_leaves_no_empty_folders(cache_dir, tmp_path):
     folders = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step="))
     kept = Path(saver.best_model_path).parent.name
     assert folders == sorted(["step=0-mine", "step=9-mine", kept]), folders
+
+
+@pytest.mark.parametrize(("filename", "named", "removed"), [
+    ("{step}-{val/pass@1}", True, {"step=4-val"}),
+    ("{epoch}/{step}", True, {"epoch=0", "epoch=00-val"}),  # was ".*": every empty folder
+    ("{step}-{val/x}", False, set()),  # no metric name written: no folder is made
+    ("ckpts/{step}", False, {"ckpts"}),
+    ("{epoch:02d}-{val/r}", True, {"epoch=00-val"}),
+])
+def test_only_empty_folders_the_saver_names_are_removed(tmp_path, filename, named, removed):
+    """Readers: the first pattern made of a file name took any name for a placeholder."""
+    from maxent_grpo.training.run.folders import remove_empty_name_folders
+
+    names = {"step=4-val", "a-val", "step=0-mine", "epoch=0", "mine", "x=1", "4-val", "ckpts",
+             "other", "epoch=00-val", "epoch-val"}
+    for name in names:
+        (tmp_path / name).mkdir()
+    remove_empty_name_folders(tmp_path, filename, named)
+    assert {p.name for p in tmp_path.iterdir()} == names - removed
