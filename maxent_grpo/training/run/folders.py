@@ -149,6 +149,9 @@ def unused_path(path: Path) -> Path:
     return path
 
 
+OBJECTIVE_KEY = "maxent_grpo_objective"  #: a checkpoint's record of the CLI's model.objective
+
+
 class SaveRunConfig(SaveConfigCallback):
     """The CLI's ``config.yaml``, written on rank 0 into the folder of every logger's run
     (:func:`run_dir` first; no logger: ``default_root_dir``), and the whole config, nested
@@ -208,6 +211,33 @@ class SaveRunConfig(SaveConfigCallback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._put_back = []  # the fit trains under its options: its config stays
+
+    def _objective(self) -> dict[str, Any] | None:
+        """The config's ``model.objective`` (``class_path`` and every ``init_args``)."""
+        config = yaml.safe_load(self.parser.dump(self.config, skip_unset=False)) or {}
+        objective = (config.get("model") or {}).get("objective")
+        return objective if isinstance(objective, dict) else None
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        """The run's objective options, which the module's saved hyper-parameters leave out
+        (the objective is an object), for a resume to compare with its own."""
+        checkpoint[OBJECTIVE_KEY] = self._objective()
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        """A fit resumed with other objective options (``epsilon``, ``loss_type``, ...) goes
+        on with this run's, warned of as the other changed options are (``beta`` and
+        ``tau``: :func:`~maxent_grpo.training.run.checkpoint.load_state`)."""
+        saved, now = checkpoint.get(OBJECTIVE_KEY), self._objective()
+        if getattr(trainer.state, "fn", None) != "fit" or not (saved and now) or (
+                saved.get("class_path") != now.get("class_path")):  # refused by load_state
+            return
+        tunable = set(getattr(getattr(pl_module, "objective", None), "tunable", ()))
+        old, new = saved.get("init_args") or {}, now.get("init_args") or {}
+        changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted({*old, *new})
+                   if k not in tunable and old.get(k) != new.get(k)]
+        if changed:
+            rank_zero_warn(f"model.objective's options differ from the checkpoint's "
+                           f"({', '.join(changed)}): it goes on with this run's")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         for path, earlier, moved in self._put_back:

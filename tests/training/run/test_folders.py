@@ -213,6 +213,28 @@ def test_a_refused_resume_leaves_the_runs_config(cwd, fsdp2):
     assert {p.name: p.read_bytes() for p in folder.glob("*.yaml")} == before
 
 
+def test_a_resume_with_other_objective_options_says_so(cwd):
+    """``--model.objective.init_args.epsilon`` changed at a resume was used without a word,
+    where every other changed option is named (the objective is not among the module's
+    saved hyper-parameters); beta and tau have their own warning."""
+    import warnings
+
+    import torch
+
+    args = ["--trainer.logger=false", "--trainer.enable_checkpointing=true",
+            "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={cwd / 'ck'}",
+            "--trainer.callbacks.every_n_train_steps=1", "--trainer.default_root_dir=."]
+    fit(cwd, args)
+    saved = torch.load(cwd / "ck" / "epoch=0-step=2.ckpt", weights_only=True)
+    assert saved["maxent_grpo_objective"]["init_args"]["epsilon"] == 0.2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(cwd, [*args, f"--ckpt_path={cwd / 'ck' / 'epoch=0-step=2.ckpt'}",
+                  "--trainer.max_steps=3", "--model.objective.init_args.epsilon=0.3"])
+    messages = [str(w.message) for w in caught if "model.objective's options" in str(w.message)]
+    assert messages == ["model.objective's options differ from the checkpoint's (epsilon 0.2 "
+                        "-> 0.3): it goes on with this run's"]
+
 def test_a_resume_keeps_the_earlier_config_only_when_it_trains_otherwise(tmp_path):
     """``seed_everything: true`` draws a new seed into every run's config, and a resume may
     name its logger's run or ``weights_only``: none of them is a changed option (the
