@@ -228,8 +228,9 @@ class SaveRunConfig(SaveConfigCallback):
         on with this run's, warned of as the other changed options are (``beta`` and
         ``tau``: :func:`~maxent_grpo.training.run.checkpoint.load_state`)."""
         saved, now = checkpoint.get(OBJECTIVE_KEY), self._objective()
+        name = [str(c.get("class_path", "")).rpartition(".")[2] for c in (saved or {}, now or {})]
         if getattr(trainer.state, "fn", None) != "fit" or not (saved and now) or (
-                saved.get("class_path") != now.get("class_path")):  # refused by load_state
+                name[0] != name[1]):  # another class: refused by load_state (by its name)
             return
         tunable = set(getattr(getattr(pl_module, "objective", None), "tunable", ()))
         old, new = saved.get("init_args") or {}, now.get("init_args") or {}

@@ -234,6 +234,12 @@ def test_a_resume_with_other_objective_options_says_so(cwd):
     messages = [str(w.message) for w in caught if "model.objective's options" in str(w.message)]
     assert messages == ["model.objective's options differ from the checkpoint's (epsilon 0.2 "
                         "-> 0.3): it goes on with this run's"]
+    with warnings.catch_warnings(record=True) as caught:  # the class by its module's path
+        warnings.simplefilter("always")
+        fit(cwd, [*args, f"--ckpt_path={cwd / 'ck' / 'epoch=0-step=2.ckpt'}",
+                  "--trainer.max_steps=3", "--model.objective=maxent_grpo.objectives.grpo.GRPO",
+                  "--model.objective.init_args.epsilon=0.25"])
+    assert any("(epsilon 0.2 -> 0.25)" in str(w.message) for w in caught)
 
 def test_a_resume_keeps_the_earlier_config_only_when_it_trains_otherwise(tmp_path):
     """``seed_everything: true`` draws a new seed into every run's config, and a resume may
