@@ -410,14 +410,18 @@ def test_rollouts_a_failure_ended_or_a_smaller_staleness_drops_are_warned_about(
 
 def test_rollouts_made_with_other_generation_settings_are_dropped_at_the_resume(caplog):
     """Resumed with another ``num_generations`` or a shorter ``max_completion_length``, the
-    restored rollouts (2 completions of 1 token each) failed the step's checks, which blamed
-    the engine (``docs/CHECKPOINTS.md``: a changed option is used from the resume on)."""
+    restored rollouts failed the step's checks, which blamed the engine (docs/CHECKPOINTS.md:
+    a changed option is used from the resume on). They are dropped by the checkpoint's saved
+    options, not by each rollout's width: that would differ between ranks (one training, the
+    other only submitting, their collectives out of step)."""
     from types import SimpleNamespace
 
     from maxent_grpo.training.step.pipeline import RolloutPipeline
 
     batch = {"prompts": ["p"], "answers": ["a"]}
-    two = {"maxent_grpo_rollouts": [[{"batch": batch, "version": v,
+    made = {"num_generations": 2, "max_completion_length": 8}
+    two = {"hyper_parameters": made,
+           "maxent_grpo_rollouts": [[{"batch": batch, "version": v,
                                       "rollout": Scripted().generate(["p"], ["a"], 2)
                                       .state_dict()} for v in (0, 1)]]}
 
@@ -428,9 +432,9 @@ def test_rollouts_made_with_other_generation_settings_are_dropped_at_the_resume(
         pipeline.restore(two, fitting=True, rank=0, world=1)
         return [p.version for p in pipeline.queue]
 
-    assert restored(2, 1) == restored(2, 8) == [0, 1] and not caplog.text
-    with caplog.at_level("WARNING"):
-        assert restored(3, 8) == [] and restored(2, 0) == []
+    assert restored(2, 8) == restored(2, 16) == [0, 1] and not caplog.text
+    with caplog.at_level("WARNING"):  # (every rollout here is 1 token wide: dropped anyway)
+        assert restored(3, 8) == [] and restored(2, 4) == []
     assert caplog.text.count("holds 2 rollout(s) in flight made with another") == 2
 
 

@@ -93,7 +93,8 @@ class RolloutPipeline:
 
     def __init__(self, max_staleness: int, generation: Any = None) -> None:
         self.max_staleness = max_staleness
-        #: the run's GenerationSettings (None: restored rollouts are not compared with them)
+        #: the run's GenerationSettings (None: a checkpoint's rollouts are not compared with
+        #: the options they were made with)
         self.generation = generation
         self.queue: deque[PendingRollout] = deque()
         #: after :meth:`close`: the rollouts that were done, and how many were not (a
@@ -240,6 +241,14 @@ class RolloutPipeline:
         if dropped := (checkpoint.get(DROPPED_KEY) or [0] * world)[rank]:
             log.warning("this checkpoint lacks %d rollout(s) that the run's stop or a "
                         "failure ended unfinished: their batches are not trained", dropped)
+        made, gen = checkpoint.get("hyper_parameters") or {}, self.generation
+        if gen is not None and (  # by the saved options, the same on every rank
+                made.get("num_generations", gen.num_generations) != gen.num_generations
+                or made.get("max_completion_length", 0) > gen.sampling.max_new_tokens):
+            log.warning("the checkpoint holds %d rollout(s) in flight made with another "
+                        "model.num_generations or a longer model.max_completion_length: they "
+                        "are dropped, so their batches are not trained", len(per_rank[rank]))
+            return
         self.load_state_dict(per_rank[rank])
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
@@ -251,20 +260,10 @@ class RolloutPipeline:
                         "is %d: the oldest %d are dropped, so their batches are not trained "
                         "(resume with the checkpoint's max_staleness to train them)",
                         len(state), self.max_staleness, len(state) - self.max_staleness)
-        queue = [PendingRollout(s["batch"], s["version"], rollout=RolloutOutput.from_state(
-            s["rollout"])) for s in state[-self.max_staleness:]]
-        if other := [p for p in queue if not self._fits(p)]:
-            log.warning("the checkpoint holds %d rollout(s) in flight made with another "
-                        "model.num_generations or a longer model.max_completion_length: they "
-                        "are dropped, so their batches are not trained", len(other))
-        self.queue = deque(p for p in queue if p not in other)
-
-    def _fits(self, pending: PendingRollout) -> bool:
-        """Whether a restored rollout was made with this run's ``num_generations``, within
-        its ``max_completion_length`` (always, without :attr:`generation`)."""
-        gen, out = self.generation, pending.rollout
-        return gen is None or (out.completion_ids.shape[1] <= gen.sampling.max_new_tokens and (
-            out.batch.num_completions == len(pending.batch["prompts"]) * gen.num_generations))
+        state = state[-self.max_staleness:]
+        self.queue = deque(PendingRollout(s["batch"], s["version"],
+                                          rollout=RolloutOutput.from_state(s["rollout"]))
+                           for s in state)
 
 
 def restore_rollouts(pipeline: RolloutPipeline | None, checkpoint: dict[str, Any],
