@@ -204,18 +204,24 @@ class SaveRunConfig(SaveConfigCallback):
             if logger is None or kept or isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 continue
             if config is None:  # less what names the run rather than trains it
-                config = yaml.safe_load(self.parser.dump(self.config, skip_unset=False))
-                config.pop("ckpt_path", None)
-                (config.get("trainer") or {}).pop("logger", None)
+                config = {k: v for k, v in self._plain().items() if k != "ckpt_path"}
+                config["trainer"] = {k: v for k, v in (config.get("trainer") or {}).items()
+                                     if k != "logger"}
             logger.log_hyperparams({"config": config})
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._put_back = []  # the fit trains under its options: its config stays
 
+    def _plain(self) -> dict[str, Any]:
+        """The whole config as plain data, dumped once (it does not change during the run)."""
+        if getattr(self, "_plain_config", None) is None:
+            self._plain_config = yaml.safe_load(
+                self.parser.dump(self.config, skip_unset=False)) or {}
+        return self._plain_config
+
     def _objective(self) -> dict[str, Any] | None:
         """The config's ``model.objective`` (``class_path`` and every ``init_args``)."""
-        config = yaml.safe_load(self.parser.dump(self.config, skip_unset=False)) or {}
-        objective = (config.get("model") or {}).get("objective")
+        objective = (self._plain().get("model") or {}).get("objective")
         return objective if isinstance(objective, dict) else None
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
