@@ -989,6 +989,13 @@ def test_a_reward_taking_what_only_another_kind_of_rollout_gives_is_named_at_the
         check(needs_environments, toolbox)
     rewards = SimpleNamespace(names=["needs_calls"], funcs=[needs_calls])  # a data column
     check_arguments(rewards, [{"answer": "1", "tool_calls": 2}], "train", None)
+    with pytest.raises(ValueError, match="the train column 'tool_calls' clashes with the "
+                                         "multi-turn rollout's reward argument"):
+        check_arguments(rewards, [{"answer": "1", "tool_calls": 2}], "train", toolbox)
+    with pytest.raises(ValueError, match="the train column 'environments' clashes"):
+        check_arguments(SimpleNamespace(names=[], funcs=[]),
+                        [{"environments": 1}], "train", environment)
+    check_arguments(SimpleNamespace(names=[], funcs=[]), [{"environments": 1}], "train", toolbox)
 
 def test_the_rewards_arguments_are_checked_against_the_columns_at_the_fit_start(
         cache_dir, tmp_path):

@@ -256,6 +256,9 @@ def check_arguments(rewards: Any, rows: Sequence[Mapping[str, Any]], split: str,
     optional argument no row has may be a setting of its own: not warned about)."""
     columns = dict.fromkeys(key for c in rows for key in c)
     given_by_run = () if tools is None else MULTI_TURN if tools.environment else MULTI_TURN[:3]
+    if clash := [key for key in columns if key in given_by_run]:  # was an error at step 1
+        raise ValueError(f"the {split} column {clash[0]!r} clashes with the multi-turn "
+                         "rollout's reward argument of that name; rename the column")
     for name, fn in zip(rewards.names, rewards.funcs, strict=True):
         fn = fn.fn if isinstance(fn, TimedReward) else fn
         require(not inspect.isclass(fn), f"model.rewards.{name} is a class: name a function, "
