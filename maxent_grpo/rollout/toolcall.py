@@ -55,7 +55,8 @@ from maxent_grpo.rollout import sandbox
 from maxent_grpo.validation import UserCodeError, check_choice, check_seconds, require
 
 __all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
-           "Toolbox", "error_text", "parse_tool_calls", "resolve_tool", "timed_call"]
+           "Toolbox", "error_text", "parse_tool_calls", "resolve_tool", "resolve_tools",
+           "timed_call"]
 
 #: built-in tool name -> import path
 BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate",
@@ -154,6 +155,13 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         else:
             calls.append(ToolCall(name, arguments))
     return calls
+
+
+def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> tuple[Callable, ...]:
+    """The functions of a list of ``model.tools`` entries (:func:`resolve_tool`)."""
+    require(tools is None or isinstance(tools, (list, tuple)),
+            f"model.tools must be a list of tools; got {tools!r} (one tool: [{tools!r}])")
+    return tuple(resolve_tool(t) for t in tools or ())
 
 
 def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:

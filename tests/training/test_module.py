@@ -8,6 +8,8 @@ import dataclasses
 import functools
 import math
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -237,6 +239,13 @@ def test_a_failing_reward_names_the_function_before_any_checkpoint(cache_dir, tm
         ({"rewards": {"first_number": float("nan")}}, "first_number"),
         ({"gradient_clip_val": 0.0}, "model.gradient_clip_val"),
         ({"max_consecutive_nonfinite": 0}, "model.max_consecutive_nonfinite"),
+        # wrong types from Python failed at the fit as a TypeError, or named a character
+        ({"optimizer": "torch.optim.AdamW"}, "model.optimizer must be a callable"),
+        ({"lr_scheduler": {"class_path": "torch.optim.lr_scheduler.LinearLR"}},
+         "model.lr_scheduler must be a callable"),
+        ({"eval_k": 4}, r"model.eval_k must hold ints .* got 4$"),
+        ({"tools": "calculate"}, "model.tools must be a non-empty list of tools; got 'calc"),
+        ({"model_name_or_path": Path("m")}, "model.model_name_or_path must be a hub name"),
     ],
 )
 def test_bad_module_options_name_the_option(cache_dir, kwargs, match):
@@ -280,7 +289,6 @@ def test_a_cosine_that_does_not_end_with_the_run_is_warned_of(recwarn):
     tiny (T_max 795) brought the rate back to its peak by step 1595 without a word. Read
     when training starts, from the schedule a resume restored (whose T_max the config's
     does not change: the advice differs)."""
-    from types import SimpleNamespace
 
     from maxent_grpo.training.settings import warn_unended_cosine
 
@@ -382,7 +390,13 @@ def test_checkpoint_restores_objective_state_counters_and_random_state(cache_dir
     torch.save(checkpoint, tmp_path / "c.ckpt")
     checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=True)
 
-    fresh = make_module(cache_dir, objective=EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05))
+    fresh = make_module(cache_dir, objective=EntropyMaxEnt(alpha=0.01, kl_gate_threshold=0.05,
+                                                           beta=0.1))
+    fresh.on_load_checkpoint(checkpoint)  # load_from_checkpoint: the weights only
+    assert (fresh.objective.beta, fresh._rng_to_restore, fresh.counters.nonfinite_total) == (
+        0.1, None, 0)
+    fresh._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), global_rank=0,
+                                     world_size=1)  # a fit resumed from it
     fresh.on_load_checkpoint(checkpoint)
     assert (fresh.objective.beta, fresh.objective.alpha_multiplier) == (0.3, 1.7)
     assert (fresh.counters.nonfinite_in_a_row, fresh.counters.nonfinite_total) == (1, 4)
@@ -984,7 +998,6 @@ def test_with_several_processes_a_save_on_an_error_of_one_is_skipped_and_set_bac
     """An error that may be one process's alone skips ``save_on_exception`` (the others
     cannot join the save's collectives); one raised on every rank at once
     (``NonFiniteLossError``), SIGTERM and Ctrl-C still save; the next run saves again."""
-    from types import SimpleNamespace
 
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities.exceptions import SIGTERMException

@@ -79,9 +79,12 @@ class Controller(Callback):
         return type(self).__name__
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check the objective and the other controllers; read ``resume_from``."""
+        """Check the objective and the other controllers; read ``resume_from``. Each fit
+        starts from the controller's first state (a list of controllers given to a second
+        fit skipped the warm-up and kept the EMA); a resume's is restored after this."""
         if stage != "fit":
             return
+        self.load_state_dict(self.__dict__.setdefault("_first_state", self.state_dict()))
         objective = getattr(pl_module, "objective", None)
         require(
             isinstance(objective, Objective),

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from maxent_grpo.models import load_tokenizer
-from maxent_grpo.rollout.toolcall import resolve_tool
+from maxent_grpo.rollout.toolcall import resolve_tools
 from maxent_grpo.training.data.prompts import PromptFormat
 from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
@@ -158,9 +158,10 @@ class PromptDataModule(pl.LightningDataModule):
         check_int("data.max_prompt_length", max_prompt_length, 1, allow_none=True)
         require(isinstance(prompt_column, str) and bool(prompt_column),
                 f"data.prompt_column must be a non-empty column name; got {prompt_column!r}")
-        for name, value in (("answer_column", answer_column), ("system_prompt", system_prompt)):
+        for name, value in (("answer_column", answer_column), ("system_prompt", system_prompt),
+                            ("tokenizer", tokenizer)):  # a loaded one: set_tokenizer()
             require(value is None or (isinstance(value, str) and bool(value)),
-                    f"data.{name} must be a non-empty string or null; got {value!r}")
+                    f"data.{name} must be a non-empty string or null; got {value!r:.80}")
         for name, flag in (("holdout_val_prompts", holdout_val_prompts), ("shuffle", shuffle),
                            ("apply_chat_template", apply_chat_template)):
             check_bool(f"data.{name}", flag)
@@ -181,8 +182,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
         self.num_workers, self.shuffle = num_workers, shuffle
-        self.apply_chat_template, self.tools = apply_chat_template, tuple(
-            resolve_tool(t) for t in tools or ())
+        self.apply_chat_template, self.tools = apply_chat_template, resolve_tools(tools)
 
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
         self.tokenizer_given = False
@@ -306,8 +306,9 @@ class PromptDataModule(pl.LightningDataModule):
                 max_prompt_length=self.max_prompt_length, world=world,
                 val_files=self.val_files is not None,
             ))
-            if self.trainer is not None:
-                self._consumed = 0
+            if self.trainer is not None:  # a fit's start (a resume's position comes later)
+                self._epoch = self._consumed = self._resume_consumed = self._refill_before_step = 0
+                self._refill = RefillStream(self.seed + REFILL_SEED)
 
     def _require(self, dataset: PromptDataset | None) -> PromptDataset:
         if dataset is None:
@@ -404,8 +405,7 @@ class PromptDataModule(pl.LightningDataModule):
         return {
             "epoch": self._epoch,
             "consumed": self._consumed - unfinished * self.batch_size * world,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
+            "seed": self.seed, "shuffle": self.shuffle,
             "num_rows": None if self.train_dataset is None else len(self.train_dataset),
             "batch_size": self.batch_size,
             "world_size": world,

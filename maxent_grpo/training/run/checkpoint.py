@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from maxent_grpo.adapters import check_older_adapters, check_saved_adapters, peft_record
 from maxent_grpo.models import model_fingerprint, model_folder, same_model
 from maxent_grpo.objectives import Objective
+from maxent_grpo.training.run.folders import OBJECTIVE_KEY
 from maxent_grpo.training.settings import check_resumed_schedule
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.training.step.optimise import StepCounters
@@ -272,12 +273,14 @@ def load_state(
     peft: Any = None, trainer: Any = None, optimizer: Any = None, reference: bool = True,
     scheduler: Any = None,
 ) -> dict[str, Any] | None:
-    """Check that the checkpoint fits this run, restore the objective's state (winning over
-    the config and a controller's file) and the counters, and return this rank's random
-    state (the caller restores it before the first training batch; None for a ``trainer``
-    that is not fitting). ``trainer``'s ``fit`` is ``fitting``; its ``validate`` or ``test``
-    logs at the step of the fit that wrote the checkpoint's weights' training scalars (not
-    at 0): evaluations of several checkpoints line up with the fit's curves.
+    """Check that the checkpoint fits this run; when ``fitting``, restore the objective's
+    state (winning over the config and a controller's file) and the counters, and return
+    this rank's random state (the caller restores it before the first training batch);
+    otherwise (validate, test, predict, ``load_from_checkpoint``) return None and restore
+    none of them: the checkpoint gives the weights, and a later fit starts as configured.
+    ``trainer``'s ``fit`` is ``fitting``; its ``validate`` or ``test`` logs at the step of
+    the fit that wrote the checkpoint's weights' training scalars (not at 0): evaluations
+    of several checkpoints line up with the fit's curves.
 
     Raises ValueError naming the option when the checkpoint was made with another
     ``model.model_name_or_path``, another objective class, or adapters its weights do not
@@ -322,25 +325,27 @@ def load_state(
         check_saved_adapters(saved["peft"], peft)
     else:
         check_older_adapters(checkpoint.get("state_dict") or {}, peft)
+    if not fitting:  # evaluated, or load_from_checkpoint: a later fit starts as configured
+        if trainer is None:
+            _warn_unlike_the_run(checkpoint.get(OBJECTIVE_KEY), objective)
+        return None
     before, now = saved.get("controllers") or {}, _controllers(loop)
-    if fitting and before.get("attached") and not now["attached"]:
+    if before.get("attached") and not now["attached"]:
         rank_zero_warn(
             f"the checkpoint was trained with tau/beta controllers "
             f"({before.get('meta_manager') or 'TauController/BetaController'}, state file "
             f"{before.get('state_path')!r}); this run has none, so tau and beta stay at the "
             "checkpoint's values: add the same trainer.callbacks to keep them moving")
     objective.load_state_dict(_objective_state(saved, objective, before["attached"] if before
-                                               else now["attached"], fitting, reference))
-    if fitting and optimizer is not None and checkpoint.get("optimizer_states"):
+                                               else now["attached"], reference))
+    if optimizer is not None and checkpoint.get("optimizer_states"):
         _check_optimizer(checkpoint, optimizer)
     schedule = None if loop is None else loop.optimization.schedule
-    if fitting and schedule is not None and checkpoint.get("lr_schedulers"):
+    if schedule is not None and checkpoint.get("lr_schedulers"):
         check_resumed_schedule(checkpoint["lr_schedulers"][0], schedule, scheduler)
     counters.nonfinite_in_a_row = int(saved["nonfinite_in_a_row"])
     counters.nonfinite_total = int(saved["nonfinite_total"])
     counters.empty_steps = int(saved.get("empty_steps", 0))
-    if trainer is not None and not fitting:  # evaluated: a later fit keeps its own seed
-        return None
     states = saved["rng"]
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
@@ -356,8 +361,24 @@ def load_state(
     return states[rank]
 
 
+def _warn_unlike_the_run(record: dict[str, Any] | None, objective: Objective) -> None:
+    """``load_from_checkpoint`` builds the module from its saved hyper-parameters, which
+    leave the objective out (an object): the options of an objective given to it (or of the
+    default GRPO) that differ from the command-line run's record are warned of."""
+    args = (record or {}).get("init_args") or {}
+    differ = [f"{k} {getattr(objective, k)!r} (the run's {v!r})" for k, v in args.items()
+              if v is not None and hasattr(objective, k) and getattr(objective, k) != (
+                  list(v) if isinstance(getattr(objective, k), list) else v)]
+    if differ:
+        name = type(objective).__name__
+        rank_zero_warn(f"load_from_checkpoint: the objective differs from the one the "
+                       f"checkpoint's run trained with ({', '.join(differ)}); the objective "
+                       f"is not a saved hyper-parameter: pass objective={name}(...) with the "
+                       "run's options to train on as it did")
+
+
 def _objective_state(entry: dict[str, Any], objective: Objective, controllers: bool,
-                     fitting: bool, reference: bool) -> dict[str, float]:
+                     reference: bool) -> dict[str, float]:
     """The objective state a fit resumes with: the checkpoint's (moved by controllers, a
     callback, or the objective: ``EntropyMaxEnt``'s gate), except, with no controller
     attached then (or now, for a checkpoint without the record), the :attr:`~Objective.tunable`
@@ -368,8 +389,6 @@ def _objective_state(entry: dict[str, Any], objective: Objective, controllers: b
     start = {**saved, **(entry.get("objective_start") or {})}
     config = {k: v for k, v in objective.state_dict().items() if k in objective.tunable}
     changed = {k: v for k, v in config.items() if k in saved and start[k] != v != saved[k]}
-    if not fitting:
-        return saved
     if controllers or not changed:
         require(reference or saved.get("beta", 0) == 0,
                 f"the checkpoint's beta {saved.get('beta', 0):g} goes on (moved by tau/beta "

@@ -121,6 +121,13 @@ def test_tau_controller_warmup_clip_and_anneal():
     step(trainer, module, weight_entropy=0.0)  # target 2 - 1 * 2/4 = 1.5: +15 in log -> clip
     assert obj.tau == 2.0 and tau.state_dict() == {"steps": 3, "tau_entropy_ema": 0.0}
     assert [tau.target_at(s) for s in (0, 2, 4, 9)] == [2.0, 1.5, 1.0, 1.0]
+    # the same controller given to a second fit (a notebook's list of callbacks) starts
+    # again: it skipped the warm-up and kept the EMA (a hunt of the Python API)
+    obj.tau = 1.0
+    trainer, module = attach(obj, tau)
+    assert tau.state_dict() == {"steps": 0, "tau_entropy_ema": None}
+    logs = step(trainer, module, weight_entropy=0.0)
+    assert obj.tau == pytest.approx(1.0) and logs["train/delta_tau"] == pytest.approx(0.0)
 
 
 def test_tau_controller_skips_a_step_without_weight_entropy():

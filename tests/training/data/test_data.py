@@ -1009,6 +1009,23 @@ def test_state_dict_roundtrip_and_incompatible_checkpoints():
         make(**kwargs).load_state_dict({"epoch": 0, "seed": 0, "consumed": 0})
 
 
+def test_a_fit_after_a_resumed_one_starts_the_order_afresh():
+    """A DataModule given to a fresh fit after a resumed one (a notebook) began at the
+    resume's position: its first epoch skipped the prompts the resume had skipped, and the
+    refill stream went on from the resume's place (a hunt of the Python API)."""
+    from types import SimpleNamespace
+
+    dm = make(task="arithmetic", train_size=8, val_size=2, batch_size=2)
+    first = list(dm.train_dataloader().sampler)
+    dm.load_state_dict({**dm.state_dict(), "epoch": 1, "consumed": 4, "refill_drawn": 3})
+    assert list(dm.train_dataloader().sampler) != first
+    dm.trainer = SimpleNamespace(world_size=1, global_rank=0, state=SimpleNamespace(fn="fit"))
+    dm.setup("fit")  # a fit's start: Lightning restores a resume's position after it
+    state = dm.state_dict()
+    assert (state["epoch"], state["consumed"], state["refill_drawn"]) == (0, 0, 0)
+    assert list(dm.train_dataloader().sampler) == first
+
+
 def test_evaluating_a_checkpoint_accepts_any_data():
     """validate/test restore no prompt order: another data set is not an error there."""
     import lightning as L

@@ -439,3 +439,36 @@ def test_a_fit_resumed_with_its_config_goes_on_from_the_beta_a_callback_moved(ca
     fit(resumed, make_data(cache_dir), steps=3, tmp_path=tmp_path, callbacks=[HalveBeta()],
         ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
     assert resumed.objective.beta == 0.01  # 0.02 halved once more, not 0.08 halved
+
+
+def test_outside_a_fit_a_checkpoint_gives_its_weights_and_nothing_of_its_training_state():
+    """validate, test, predict and load_from_checkpoint (no trainer) keep the objective's
+    own options and the counters, and return no random state (a hunt of the Python API: a
+    module from load_from_checkpoint trained on from the checkpoint's random state whatever
+    seed was set, and with the checkpoint's beta over the objective it was given); without
+    a trainer, an objective unlike the command-line run's record is warned of."""
+    moved, counters = ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters(nonfinite_total=2)
+    moved.beta = 0.3  # a controller's value at the save
+    checkpoint: dict = {"maxent_grpo_objective": {
+        "class_path": "maxent_grpo.objectives.ListwiseMaxEnt",
+        "init_args": {"tau": 0.5, "beta": 0.1, "epsilon_high": None}}}
+    save_state(checkpoint, "builtin:tiny", moved, counters, BARE,
+               start=ListwiseMaxEnt(tau=0.5, beta=0.1).state_dict())
+    validating = type("T", (), {"state": type("S", (), {"fn": "validate"})()})()
+    for trainer, warned in ((None, ["tau 0.7 (the run's 0.5)"]), (validating, [])):
+        mine, fresh = ListwiseMaxEnt(tau=0.7, beta=0.1), StepCounters()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert load_state(checkpoint, "builtin:tiny", mine, fresh, BARE,
+                              trainer=trainer) is None
+        assert (mine.tau, mine.beta, fresh.nonfinite_total) == (0.7, 0.1, 0)
+        messages = [str(w.message) for w in caught]
+        assert [part for part in warned if any(part in m for m in messages)] == warned
+        assert all("objective=ListwiseMaxEnt(...)" in m for m in messages) and (
+            len(messages) == len(warned))
+    same, fresh = ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run's options: quiet
+        assert load_state(checkpoint, "builtin:tiny", same, fresh, BARE) is None
+    assert load_state(checkpoint, "builtin:tiny", same, fresh, BARE, fitting=True) is not None
+    assert (same.beta, fresh.nonfinite_total) == (0.3, 2)  # a resume: the saved state
