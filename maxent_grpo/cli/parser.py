@@ -38,7 +38,12 @@ from maxent_grpo.training.data.datamodule import PromptDataModule
 from maxent_grpo.training.module import MaxEntGRPOModule
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import keep_seed
-from maxent_grpo.training.run.folders import SaveRunConfig, warn_unreachable_trackers
+from maxent_grpo.training.run.folders import (
+    SaveRunConfig,
+    absolute_folder,
+    continue_csv_log,
+    warn_unreachable_trackers,
+)
 from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
 from maxent_grpo.training.step.strategy import check_launcher, warn_lone_local_rank
 
@@ -329,12 +334,12 @@ class MaxEntGRPOCLI(LightningCLI):
         for logger in self.trainer.loggers:
             if isinstance(logger, CSVLogger):  # keep its metrics.csv (Lightning deletes it)
                 resume = self._resume  # its rows' steps count batches, as TensorBoard's
-                ckpt_io.continue_csv_log(logger, resume.global_step if resume.log_step is None
-                                         else resume.log_step)
+                continue_csv_log(logger, resume.global_step if resume.log_step is None
+                                 else resume.log_step)
 
 
 def _same_dir(a: Any, b: Any) -> bool:
-    return None not in (a, b) and ckpt_io.absolute_folder(a) == ckpt_io.absolute_folder(b)
+    return None not in (a, b) and absolute_folder(a) == absolute_folder(b)
 
 
 

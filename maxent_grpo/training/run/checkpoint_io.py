@@ -1,7 +1,7 @@
 """Runs that stay whole (docs/CHECKPOINTS.md, "Runs that stay whole"): atomic checkpoint
 writes (:class:`AtomicCheckpointIO`), ``--ckpt_path`` resolved to the usable checkpoint of
-one run (:func:`resolve_checkpoint`), and resumed logs (:class:`LoggerVersions`,
-:func:`continue_csv_log`).
+one run (:func:`resolve_checkpoint`), and resumed logs (:class:`LoggerVersions`;
+a CSVLogger's rows: :func:`~maxent_grpo.training.run.folders.continue_csv_log`).
 
 "Usable" is checked without loading the tensors: a complete zip archive (``torch.save``'s
 format, whose central directory is written last) whose members lie inside the file, with a
@@ -12,12 +12,10 @@ checksums (:func:`checkpoint_problem`'s ``full``).
 from __future__ import annotations
 
 import contextlib
-import csv
 import glob
 import logging
 import os
 import re
-import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY, fit_batches
+from maxent_grpo.training.run.folders import absolute_folder
 from maxent_grpo.validation import no_room
 
 log = logging.getLogger(__name__)
@@ -281,10 +280,13 @@ def resolve_checkpoint(
     are skipped with a warning; ``None`` when there is none (a fit starts afresh; for an
     evaluation, ValueError); ValueError when none is usable. A local file: itself when
     usable, else ValueError naming the newest usable one in its folder; a missing local
-    file: ValueError. Anything else (``"best"``, a URL): ``None``, left to Lightning.
+    file: ValueError. ``"best"`` for an evaluation: the best checkpoint the newest one
+    recorded. Anything else (a fit's ``"best"``, a URL): ``None``, left to Lightning.
     """
     if is_local(ckpt_path) and ckpt_path.startswith("~"):  # not expanded by a shell
         ckpt_path = os.path.expanduser(ckpt_path)  # (--ckpt_path=~/x, or quoted)
+    if ckpt_path == "best" and not need_training_state and all(map(is_local, dirpaths)):
+        ckpt_path = _best(resolve_checkpoint("last", dirpaths, False, trusted, extra), trusted)
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
         usable: list[ResolvedCheckpoint] = []
@@ -338,6 +340,22 @@ def resolve_checkpoint(
     other = next(others, None)
     hint = f"; the newest usable checkpoint next to it is {other}" if other else ""
     raise ValueError(f"--ckpt_path {ckpt_path} is not usable: {problem}{hint}")
+
+
+def _best(newest: ResolvedCheckpoint | None, trusted: bool) -> str:
+    """The ``best_model_path`` that ``newest``'s ModelCheckpoint with a ``monitor`` recorded:
+    Lightning knows it only in the process that ran the fit (an evaluation's ``best`` said
+    the callback was "not configured" to save it)."""
+    states = ((_usable(newest.path, False, False, trusted)[1] or {}).get("callbacks") or {}
+              ) if newest is not None else {}
+    best = [state.get("best_model_path") for name, state in states.items()
+            if name.startswith("ModelCheckpoint") and isinstance(state, dict)
+            and state.get("monitor") and state.get("best_model_path")]
+    if not best:
+        raise ValueError(f"--ckpt_path best: {getattr(newest, 'path', 'the newest checkpoint')} "
+                         "records no best checkpoint (a ModelCheckpoint with a monitor keeps "
+                         "one); pass the checkpoint's file, or last")
+    return best[0]
 
 
 def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list[str]:
@@ -404,42 +422,3 @@ class LoggerVersions(pl.Callback):
                               version=logger.version)
             records.append(record)
         checkpoint[LOGGERS_KEY] = records
-
-
-def absolute_folder(folder: Any) -> Any:
-    """A local folder as an absolute path (``~`` and ``$VAR`` expanded, as Lightning does);
-    None or a URL (``s3://...``) as it is."""
-    if folder is None or "://" in str(folder):
-        return folder
-    return os.path.abspath(os.path.expanduser(os.path.expandvars(str(folder))))
-
-
-def continue_csv_log(logger: Any, resume_step: int | None) -> int:
-    """Keep the ``metrics.csv`` of a CSVLogger that continues a version folder (Lightning's
-    writer deletes it): rows with ``step < resume_step`` are written back and the writer
-    takes their columns. Returns the rows kept. Call on global rank zero, before logging.
-    """
-    metrics = os.path.join(logger.log_dir, "metrics.csv")
-    if not os.path.isfile(metrics):
-        return 0
-    with open(metrics, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        header = list(reader.fieldnames or [])
-        rows = list(reader)
-    if resume_step is not None:
-        def keep(row: dict[str, str]) -> bool:
-            try:
-                return float(row.get("step") or 0) < resume_step
-            except ValueError:
-                return True
-        rows = [r for r in rows if keep(r)]
-    with warnings.catch_warnings():  # its "Previous log files ... will be deleted": kept
-        warnings.filterwarnings("ignore", "Experiment logs directory .* is not empty")
-        writer = logger.experiment  # the CSV writer; removes metrics.csv
-    columns = sorted(set(writer.metrics_keys) | set(header))  # the writer's (sorted) order
-    with open(metrics, "w", newline="", encoding="utf-8") as f:
-        out = csv.DictWriter(f, fieldnames=columns)
-        out.writeheader()
-        out.writerows(rows)
-    writer.metrics_keys = columns
-    return len(rows)

@@ -229,21 +229,23 @@ class Evaluator(torch.nn.Module):
             greedy = (checked_rollout(engine, engine.generate(
                 prompts, answers, 1, greedy_sampling), B, 1)
                 if self.settings.greedy and greedy_sampling is not None else None)
+            # graded in the fork too: a reward drawing random numbers took them from the
+            # training's stream, whose later rollouts then differed with validation on
+            timeouts = self._timeouts()
+            total, components = self.rewards.score_rollout(
+                rollout, batch["raw_prompts"], batch["columns"], trainer_state, device)
+            correct = self._correct(components[self.settings.reward_index], timeouts)
+            greedy_correct: list[float | None] = [None] * B
+            if greedy is not None:
+                timeouts = self._timeouts()
+                _, greedy_components = self.rewards.score_rollout(
+                    greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
+                greedy_correct = self._correct(greedy_components[self.settings.reward_index],
+                                               timeouts)
             self.stream = [torch.get_rng_state(), *map(torch.cuda.get_rng_state, devices)]
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
-        timeouts = self._timeouts()
-        total, components = self.rewards.score_rollout(
-            rollout, batch["raw_prompts"], batch["columns"], trainer_state, device)
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))
-        correct = self._correct(components[self.settings.reward_index], timeouts)
-        greedy_correct: list[float | None] = [None] * B
-        if greedy is not None:
-            timeouts = self._timeouts()
-            _, greedy_components = self.rewards.score_rollout(
-                greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
-            greedy_correct = self._correct(greedy_components[self.settings.reward_index],
-                                           timeouts)
         self.rewards.take_logged()  # what the functions' log_metric gave: training's only
         columns = batch["columns"]
         rows = []  # the rewards on the host once (not a copy, and a sync, per prompt)
@@ -345,10 +347,10 @@ class Evaluator(torch.nn.Module):
         reward, components, records = self.reward, self.components, self.records
         if distributed:
             records = [r for part in all_gather_objects(records) for r in part]
-            seen: set[int] = set()  # a row a padding sampler repeated counts once
-            records = [r for r in records
-                       if r.row is None or not (r.row in seen or seen.add(r.row))]
-            # the reward moments of those prompts (the synced metrics count repeats twice)
+        rows: set[int] = set()  # a row a padding sampler (or a loader) repeated counts once
+        unique = [r for r in records if r.row is None or not (r.row in rows or rows.add(r.row))]
+        if distributed or len(unique) < len(records):
+            records = unique  # and the moments of those prompts (the metrics count repeats)
             reward = RewardMomentsMetric(sync_on_compute=False)
             components = RewardComponentsMetric(self.rewards.names, sync_on_compute=False)
             for r in records:

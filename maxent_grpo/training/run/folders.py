@@ -5,17 +5,20 @@ Lightning's ``trainer.log_dir`` is the version folder of a TensorBoardLogger or 
 MLflow run saved there shared it, so one run's ``config.yaml`` replaced another's and
 their ``{log_dir}`` files mixed. :func:`run_dir` gives those loggers the folder their
 checkpoints already use, ``<save_dir>/<name>/<version>`` (W&B: ``<project>/<run id>``,
-MLflow: ``<experiment id>/<run id>``).
+MLflow: ``<experiment id>/<run id>``). A resumed CSVLogger keeps its earlier rows
+(:func:`continue_csv_log`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import logging
 import os
 import posixpath
 import re
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -278,3 +281,42 @@ def remove_empty_name_folders(dirpath: Any, filename: Any, named: bool = True) -
             for folder, _, _ in os.walk(top.path, topdown=False):
                 with contextlib.suppress(OSError):  # not empty
                     os.rmdir(folder)
+
+
+def absolute_folder(folder: Any) -> Any:
+    """A local folder as an absolute path (``~`` and ``$VAR`` expanded, as Lightning does);
+    None or a URL (``s3://...``) as it is."""
+    if folder is None or "://" in str(folder):
+        return folder
+    return os.path.abspath(os.path.expanduser(os.path.expandvars(str(folder))))
+
+
+def continue_csv_log(logger: Any, resume_step: int | None) -> int:
+    """Keep the ``metrics.csv`` of a CSVLogger that continues a version folder (Lightning's
+    writer deletes it): rows with ``step < resume_step`` are written back and the writer
+    takes their columns. Returns the rows kept. Call on global rank zero, before logging.
+    """
+    metrics = os.path.join(logger.log_dir, "metrics.csv")
+    if not os.path.isfile(metrics):
+        return 0
+    with open(metrics, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    if resume_step is not None:
+        def keep(row: dict[str, str]) -> bool:
+            try:
+                return float(row.get("step") or 0) < resume_step
+            except ValueError:
+                return True
+        rows = [r for r in rows if keep(r)]
+    with warnings.catch_warnings():  # its "Previous log files ... will be deleted": kept
+        warnings.filterwarnings("ignore", "Experiment logs directory .* is not empty")
+        writer = logger.experiment  # the CSV writer; removes metrics.csv
+    columns = sorted(set(writer.metrics_keys) | set(header))  # the writer's (sorted) order
+    with open(metrics, "w", newline="", encoding="utf-8") as f:
+        out = csv.DictWriter(f, fieldnames=columns)
+        out.writeheader()
+        out.writerows(rows)
+    writer.metrics_keys = columns
+    return len(rows)

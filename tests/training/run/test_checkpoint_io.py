@@ -158,6 +158,26 @@ def test_last_prefers_the_newest_complete_checkpoint_and_a_last_name_on_a_tie(tm
     assert ckpt_io.resolve_checkpoint("last", [str(tmp_path / "none")]) is None  # first run
 
 
+def test_best_is_the_best_checkpoint_the_newest_one_recorded(tmp_path):
+    """``--ckpt_path best`` for validate, test and predict said the ModelCheckpoint was "not
+    configured" to save the best model (Lightning knows it only in the fit's process); the
+    newest checkpoint's monitored ModelCheckpoint records it (a hunt of the evaluation)."""
+    now = time.time()
+    best = save(tmp_path / "epoch=0-step=2.ckpt", 2, now - 5)
+    state = {"monitor": "val/pass@1", "best_model_path": str(best)}
+    torch.save({**torch.load(save(tmp_path / "last.ckpt", 4), weights_only=True),
+                "callbacks": {"ModelCheckpoint{'monitor': None}": {"monitor": None},
+                              "ModelCheckpoint{'monitor': 'val/pass@1'}": state}},
+               tmp_path / "last.ckpt")
+    found = ckpt_io.resolve_checkpoint("best", [str(tmp_path)], False)
+    assert (found.path, found.global_step) == (str(best), 2)
+    assert ckpt_io.resolve_checkpoint("best", [str(tmp_path)], True) is None  # fit: Lightning's
+    save(tmp_path / "last.ckpt", 4)  # no monitor: the fix named
+    with pytest.raises(ValueError, match=r"--ckpt_path best: .*last.ckpt records no best "
+                                         r"checkpoint .*pass the checkpoint's file, or last"):
+        ckpt_io.resolve_checkpoint("best", [str(tmp_path)], False)
+
+
 def test_last_finds_the_checkpoints_a_metric_in_the_file_name_put_in_subfolders(tmp_path):
     """``filename: "{step}-{val/pass@1:.3f}"`` writes ``step=4-val/pass@1=0.125.ckpt``: a
     subfolder per file, which ``last`` did not look in, so the run started afresh."""

@@ -696,3 +696,60 @@ def test_each_evaluation_batch_draws_new_random_numbers_and_training_keeps_its_o
         module.on_validation_epoch_end()
     assert torch.equal(torch.get_rng_state(), training)
     assert len(set(draws[:3])) == 3 and draws[3:] == draws[:3]
+
+
+def noisy(completions, **kwargs):
+    """A reward that draws random numbers (a sampled judge, a noise term)."""
+    return [torch.rand(()).item() for _ in completions]
+
+
+def stub_engine(right_rows: int):
+    """An engine whose completions of each batch's first ``right_rows`` prompts give the
+    prompt's answer, and of the others a wrong one."""
+    def generate(prompts, answers, G, sampling=None):
+        texts = [[str(a) if i < right_rows else "-1"] * G for i, a in enumerate(answers)]
+        B = len(prompts)
+        return RolloutOutput(
+            batch=GenerationBatch(list(prompts), list(answers), texts, None),
+            prompt_ids=torch.ones(B * G, 1, dtype=torch.long),
+            prompt_mask=torch.ones(B * G, 1, dtype=torch.bool),
+            completion_ids=torch.ones(B * G, 1, dtype=torch.long),
+            completion_mask=torch.ones(B * G, 1, dtype=torch.bool),
+            truncated=torch.zeros(B * G, dtype=torch.bool), generate_seconds=0.0)
+
+    return SimpleNamespace(generate=generate)
+
+
+def test_a_reward_drawing_random_numbers_leaves_the_trainings_stream_alone(cache_dir):
+    """Validation graded outside its own random state: a reward that draws random numbers
+    took them from the training's stream, and a run with validation then sampled other
+    training rollouts than one without (a hunt of the evaluation)."""
+    module = make_module(cache_dir, eval_num_generations=2,
+                         rewards={"tests.training.run.test_module_evaluation:noisy": 1.0})
+    module.configure_model()
+    data = make_data(cache_dir)
+    data.setup("validate")
+    module.rollout_engine = lambda: stub_engine(right_rows=1)
+    module.log_dict = lambda values, **kw: None
+    training = torch.get_rng_state()
+    module.validation_step(collate_prompts(data.val_dataset.examples[:2]), 0)
+    module.on_validation_epoch_end()
+    assert torch.equal(torch.get_rng_state(), training)
+
+
+def test_a_prompt_a_loader_repeats_counts_once_on_one_process(cache_dir):
+    """On one process a row the loader gave twice counted twice in the @k values and the
+    reward moments (several processes counted it once, and predict's file holds it once):
+    pass@1 was 2/3 for one right prompt of two (a hunt of the evaluation)."""
+    module = make_module(cache_dir, eval_num_generations=2, eval_greedy=False)
+    module.configure_model()
+    data = make_data(cache_dir)
+    data.setup("validate")
+    right, wrong = data.val_dataset.examples[:2]
+    module.rollout_engine = lambda: stub_engine(right_rows=2)
+    module.validation_step(collate_prompts([right, right, wrong]), 0)
+    metrics = module.evaluator.compute("val")
+    assert metrics["val/pass@1"] == metrics["val/reward/mean"] == 0.5
+    module.rollout_engine = lambda: stub_engine(right_rows=1)
+    module.validation_step(collate_prompts([right, wrong]), 0)  # no repeat: as it was
+    assert module.evaluator.compute("val")["val/pass@1"] == 0.5
