@@ -47,7 +47,7 @@ import os
 import re
 import threading
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,7 @@ from maxent_grpo.validation import UserCodeError, check_choice, check_seconds, r
 
 __all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
            "Toolbox", "error_text", "parse_tool_calls", "resolve_tool", "resolve_tools",
-           "timed_call"]
+           "timed_call", "tool_list"]
 
 #: built-in tool name -> import path
 BUILTIN_TOOLS = {"calculate": "maxent_grpo.tasks.calculator:calculate",
@@ -157,11 +157,17 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def tool_list(tools: Any) -> list[Any]:
+    """``model.tools`` as a list: any sequence of entries, not one string (whose characters
+    were taken for tool names)."""
+    require(isinstance(tools, Iterable) and not isinstance(tools, (str, bytes, Mapping)),
+            f"model.tools must be a list of tools; got {tools!r} (one tool: [{tools!r}])")
+    return list(tools)
+
+
 def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> tuple[Callable, ...]:
     """The functions of a list of ``model.tools`` entries (:func:`resolve_tool`)."""
-    require(tools is None or isinstance(tools, (list, tuple)),
-            f"model.tools must be a list of tools; got {tools!r} (one tool: [{tools!r}])")
-    return tuple(resolve_tool(t) for t in tools or ())
+    return tuple(resolve_tool(t) for t in ([] if tools is None else tool_list(tools)))
 
 
 def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:

@@ -6,6 +6,7 @@ records of :mod:`maxent_grpo.training.settings`. A bad value raises ValueError n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
@@ -14,7 +15,7 @@ from maxent_grpo.core import CORRECTIONS
 from maxent_grpo.objectives import ListwiseMaxEnt
 from maxent_grpo.rollout import SamplingSettings
 from maxent_grpo.rollout.multiturn import environment_factory
-from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox
+from maxent_grpo.rollout.toolcall import ISOLATIONS, Toolbox, tool_list
 from maxent_grpo.training.settings import (
     EvaluationSettings,
     GenerationSettings,
@@ -63,7 +64,7 @@ def build_tool_settings(o: dict[str, Any]) -> ToolSettings | None:
             "step runs in the trainer (with model.tool_timeout), so it has no effect there: "
             "leave it at thread, and isolate inside the environment what needs it")
     return ToolSettings(
-        toolbox=Toolbox(tools, timeout, isolation) if tools else None,
+        toolbox=Toolbox(tool_list(tools), timeout, isolation) if tools else None,
         environment=environment_factory(env) if env is not None else None,
         max_tool_calls=calls, timeout=float(timeout))
 
@@ -129,19 +130,20 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
             f"model.eval_reward must be None or one of model.rewards {sorted(reward_names)}; "
             f"got {reward!r}")
     check_number("model.eval_correct_threshold", o["eval_correct_threshold"])
-    ks = [1] if o["eval_k"] is None else o["eval_k"]
-    require(isinstance(ks, (list, tuple)) and len(ks) > 0 and all(
+    ks = [1] if o["eval_k"] is None else o["eval_k"]  # any sequence, not one int
+    ks = list(ks) if isinstance(ks, Iterable) and not isinstance(ks, str) else ks
+    require(isinstance(ks, list) and len(ks) > 0 and all(
         isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks
     ), f"model.eval_k must hold ints k with 1 <= k <= model.eval_num_generations ({n}); "
        f"got {ks!r}")
     check_bool("model.eval_greedy", o["eval_greedy"])
-    name = o["model_name_or_path"]
+    name = o.get("model_name_or_path", "builtin:tiny")  # (tests build the settings alone)
     require(isinstance(name, str) and bool(name.strip()), "model.model_name_or_path must be a "
             f"hub name, a folder or builtin:NAME, as a string; got {name!r}")
     for key, example in (("optimizer", "AdamW"), ("lr_scheduler", "lr_scheduler.LinearLR")):
-        require(callable(o[key]) or (key == "lr_scheduler" and o[key] is None),
+        require(key not in o or callable(o[key]) or (key == "lr_scheduler" and o[key] is None),
                 f"model.{key} must be a callable that builds it (a class such as torch.optim."
-                f"{example}; in a config, class_path and init_args); got {o[key]!r}")
+                f"{example}; in a config, class_path and init_args); got {o.get(key)!r}")
     try:
         sampling = SamplingSettings(
             max_new_tokens=o["max_completion_length"], temperature=o["temperature"],

@@ -244,13 +244,21 @@ def test_a_failing_reward_names_the_function_before_any_checkpoint(cache_dir, tm
         ({"lr_scheduler": {"class_path": "torch.optim.lr_scheduler.LinearLR"}},
          "model.lr_scheduler must be a callable"),
         ({"eval_k": 4}, r"model.eval_k must hold ints .* got 4$"),
-        ({"tools": "calculate"}, "model.tools must be a non-empty list of tools; got 'calc"),
+        ({"tools": "calculate"}, r"model.tools must be a list of tools; got 'calculate' \(one tool: \["),
         ({"model_name_or_path": Path("m")}, "model.model_name_or_path must be a hub name"),
     ],
 )
 def test_bad_module_options_name_the_option(cache_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_module(cache_dir, **kwargs)
+
+
+def test_sequences_of_other_types_are_taken_for_list_options(cache_dir):
+    """eval_k and tools take any sequence (a range, a tuple), only not one int or string."""
+    module = make_module(cache_dir, eval_num_generations=4, eval_k=range(1, 5),
+                         tools=("calculate",))
+    assert module.loop.evaluation.k == (1, 2, 3, 4)
+    assert list(module.loop.generation.tools.toolbox.functions) == ["calculate"]
 
 
 def test_listwise_requires_positive_tau_without_beta():

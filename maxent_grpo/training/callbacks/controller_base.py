@@ -80,11 +80,13 @@ class Controller(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check the objective and the other controllers; read ``resume_from``. Each fit
-        starts from the controller's first state (a list of controllers given to a second
-        fit skipped the warm-up and kept the EMA); a resume's is restored after this."""
+        from its start (not one continued on the same Trainer) starts from the controller's
+        first state (a list of controllers given to a second fit skipped the warm-up and kept
+        the EMA); a resume's is restored after this."""
         if stage != "fit":
             return
-        self.load_state_dict(self.__dict__.setdefault("_first_state", self.state_dict()))
+        if not getattr(trainer, "global_step", 0):  # not a fit going on on its Trainer
+            self.load_state_dict(self.__dict__.setdefault("_first_state", self.state_dict()))
         objective = getattr(pl_module, "objective", None)
         require(
             isinstance(objective, Objective),

@@ -171,17 +171,15 @@ class PromptDataModule(pl.LightningDataModule):
 
         self.task, self.task_options = task, dict(task_options or {})
         self.train_size, self.val_size, self.seed = train_size, val_size, seed
-        self.holdout_val_prompts = holdout_val_prompts
+        self.holdout_val_prompts, self.dataset_cache_dir = holdout_val_prompts, dataset_cache_dir
         self.data_files, self.val_files = data_files, val_files
         self.dataset_name, self.dataset_config = dataset_name, dataset_config
         self.train_split, self.val_split = train_split, val_split
-        self.dataset_cache_dir = dataset_cache_dir
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.system_prompt, self.max_prompt_length = system_prompt, max_prompt_length
         self.tokenizer_name, self.tokenizer_cache_dir = tokenizer, tokenizer_cache_dir
-        self.batch_size = batch_size
+        self.batch_size, self.num_workers, self.shuffle = batch_size, num_workers, shuffle
         self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
-        self.num_workers, self.shuffle = num_workers, shuffle
         self.apply_chat_template, self.tools = apply_chat_template, resolve_tools(tools)
 
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
@@ -307,8 +305,10 @@ class PromptDataModule(pl.LightningDataModule):
                 val_files=self.val_files is not None,
             ))
             if self.trainer is not None:  # a fit's start (a resume's position comes later)
-                self._epoch = self._consumed = self._resume_consumed = self._refill_before_step = 0
-                self._refill = RefillStream(self.seed + REFILL_SEED)
+                self._consumed = 0
+                if not getattr(self.trainer, "global_step", 0):  # all, unless a fit goes on
+                    self._epoch = self._resume_consumed = self._refill_before_step = 0
+                    self._refill = RefillStream(self.seed + REFILL_SEED)
 
     def _require(self, dataset: PromptDataset | None) -> PromptDataset:
         if dataset is None:

@@ -365,9 +365,11 @@ def _warn_unlike_the_run(record: dict[str, Any] | None, objective: Objective) ->
     """``load_from_checkpoint`` builds the module from its saved hyper-parameters, which
     leave the objective out (an object): the options of an objective given to it (or of the
     default GRPO) that differ from the command-line run's record are warned of."""
-    args = (record or {}).get("init_args") or {}
+    args = dict((record or {}).get("init_args") or {})
+    if "epsilon_high" in args and args["epsilon_high"] is None:  # kept as epsilon
+        args["epsilon_high"] = args.get("epsilon")
     differ = [f"{k} {getattr(objective, k)!r} (the run's {v!r})" for k, v in args.items()
-              if v is not None and hasattr(objective, k) and getattr(objective, k) != (
+              if hasattr(objective, k) and getattr(objective, k) != (
                   list(v) if isinstance(getattr(objective, k), list) else v)]
     if differ:
         name = type(objective).__name__

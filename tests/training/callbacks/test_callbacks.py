@@ -128,6 +128,9 @@ def test_tau_controller_warmup_clip_and_anneal():
     assert tau.state_dict() == {"steps": 0, "tau_entropy_ema": None}
     logs = step(trainer, module, weight_entropy=0.0)
     assert obj.tau == pytest.approx(1.0) and logs["train/delta_tau"] == pytest.approx(0.0)
+    trainer.global_step = 1  # a fit going on on the same Trainer (max_steps raised): kept
+    tau.setup(trainer, module, "fit")
+    assert tau.state_dict() == {"steps": 1, "tau_entropy_ema": 0.0}
 
 
 def test_tau_controller_skips_a_step_without_weight_entropy():

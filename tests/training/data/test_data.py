@@ -1024,6 +1024,10 @@ def test_a_fit_after_a_resumed_one_starts_the_order_afresh():
     state = dm.state_dict()
     assert (state["epoch"], state["consumed"], state["refill_drawn"]) == (0, 0, 0)
     assert list(dm.train_dataloader().sampler) == first
+    dm.load_state_dict({**dm.state_dict(), "epoch": 1, "consumed": 4, "refill_drawn": 3})
+    dm.trainer.global_step = 2  # a fit going on on the same Trainer: its position kept
+    dm.setup("fit")
+    assert (dm.state_dict()["epoch"], dm.state_dict()["refill_drawn"]) == (1, 3)
 
 
 def test_evaluating_a_checkpoint_accepts_any_data():

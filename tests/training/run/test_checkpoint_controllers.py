@@ -451,7 +451,7 @@ def test_outside_a_fit_a_checkpoint_gives_its_weights_and_nothing_of_its_trainin
     moved.beta = 0.3  # a controller's value at the save
     checkpoint: dict = {"maxent_grpo_objective": {
         "class_path": "maxent_grpo.objectives.ListwiseMaxEnt",
-        "init_args": {"tau": 0.5, "beta": 0.1, "epsilon_high": None}}}
+        "init_args": {"tau": 0.5, "beta": 0.1, "epsilon": 0.2, "epsilon_high": None}}}
     save_state(checkpoint, "builtin:tiny", moved, counters, BARE,
                start=ListwiseMaxEnt(tau=0.5, beta=0.1).state_dict())
     validating = type("T", (), {"state": type("S", (), {"fn": "validate"})()})()
@@ -466,6 +466,10 @@ def test_outside_a_fit_a_checkpoint_gives_its_weights_and_nothing_of_its_trainin
         assert [part for part in warned if any(part in m for m in messages)] == warned
         assert all("objective=ListwiseMaxEnt(...)" in m for m in messages) and (
             len(messages) == len(warned))
+    with pytest.warns(UserWarning, match=r"\(epsilon_high 0.28 \(the run's 0.2\)\)"):
+        load_state(checkpoint, "builtin:tiny", ListwiseMaxEnt(tau=0.5, beta=0.1, clip_coef=1.0,
+                                                              epsilon_high=0.28),
+                   StepCounters(), BARE)  # the run's null: its epsilon
     same, fresh = ListwiseMaxEnt(tau=0.5, beta=0.1), StepCounters()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the run's options: quiet
