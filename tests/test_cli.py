@@ -807,3 +807,16 @@ def test_lightnings_advice_to_evaluate_on_one_device_is_not_printed():
                           "num_nodes=1)` to ensure each sample/batch gets evaluated exactly "
                           "once.", PossibleUserWarning, stacklevel=1)
         assert caught == []
+
+
+def test_every_shipped_config_counts_its_validation_interval_over_the_whole_run():
+    """An int ``val_check_interval`` under Lightning's ``check_val_every_n_epoch: 1`` counts
+    each epoch's rollouts: the multi-GPU configs' 493-step epochs validated at 50..450 and
+    never at step 500 (a hunt of the shipped configs)."""
+    counted = []
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}
+        if isinstance(trainer.get("val_check_interval"), int):
+            counted.append(path.name)
+            assert trainer.get("check_val_every_n_epoch", 1) is None, path
+    assert len(counted) >= 20  # the configs that validate by steps

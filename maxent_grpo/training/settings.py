@@ -296,3 +296,23 @@ def warn_changed_options(checkpoint: dict[str, Any], trainer: Any) -> None:
 
         rank_zero_warn(f"the resumed fit's options differ from the checkpoint's "
                        f"({', '.join(changed)}): it goes on with this run's")
+
+
+def warn_epoch_bound_validation(trainer: Any, rollouts: int) -> None:
+    """Warn when an int ``trainer.val_check_interval`` counts the rollouts of each epoch
+    (``check_val_every_n_epoch`` set: Lightning's default 1) in a run of ``rollouts`` (-1:
+    unknown) longer than one epoch whose length is not a multiple of it: the count restarts
+    at every epoch, so the validation points shift and the run's last steps may see none
+    (a 500-step run of 493-step epochs validated at 50..450 only)."""
+    every, epochs = trainer.val_check_interval, trainer.check_val_every_n_epoch
+    batches = trainer.num_training_batches
+    if not isinstance(every, int) or epochs is None or not 0 < batches < float("inf") or (
+            batches % every == 0 or 0 <= rollouts <= batches):
+        return
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(f"trainer.val_check_interval {every} counts the rollouts of each epoch "
+                   f"(trainer.check_val_every_n_epoch {epochs}), and an epoch has {batches}: "
+                   "the count restarts every epoch, so the validation points shift and the "
+                   "last steps may go unvalidated; set trainer.check_val_every_n_epoch: null "
+                   "to count over the whole run")

@@ -335,6 +335,31 @@ def test_a_cosine_that_does_not_end_with_the_run_is_warned_of(recwarn):
         warn(run(100, max_epochs=3), 12)
 
 
+def test_validation_points_that_shift_at_each_epoch_are_warned_of(recwarn):
+    """The multi-GPU configs validated every 50 steps of each 493-step epoch (Lightning's
+    check_val_every_n_epoch 1): at 50..450, then at none of the last steps of a 500-step
+    run (a hunt of the shipped configs)."""
+    from maxent_grpo.training.settings import warn_epoch_bound_validation
+
+    def trainer(every=50, epochs=1, batches=493):
+        return SimpleNamespace(val_check_interval=every, check_val_every_n_epoch=epochs,
+                               num_training_batches=batches)
+
+    with pytest.warns(UserWarning, match=r"val_check_interval 50 counts the rollouts of each "
+                                         r"epoch \(trainer.check_val_every_n_epoch 1\), and an "
+                                         r"epoch has 493: .* set trainer.check_val_every_n_"
+                                         r"epoch: null"):
+        warn_epoch_bound_validation(trainer(), 500)
+    with pytest.warns(UserWarning, match="and an epoch has 493"):
+        warn_epoch_bound_validation(trainer(), -1)  # a run of max_epochs: as long as it is
+    recwarn.clear()
+    for quiet, rollouts in ((trainer(epochs=None), 500), (trainer(batches=500), 1000),
+                            (trainer(), 493), (trainer(every=1.0), 500),
+                            (trainer(batches=float("inf")), 500)):
+        warn_epoch_bound_validation(quiet, rollouts)  # counted over the run, a multiple,
+    assert not recwarn.list  # one epoch, a fraction, a loader without a length
+
+
 @pytest.mark.parametrize("factory", [
     functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=0),
     functools.partial(torch.optim.lr_scheduler.StepLR, step_size=0),

@@ -44,7 +44,11 @@ from maxent_grpo.training.run.validated import (
     unvalidated,
     validate_first,
 )
-from maxent_grpo.training.settings import warn_changed_options, warn_unended_cosine
+from maxent_grpo.training.settings import (
+    warn_changed_options,
+    warn_epoch_bound_validation,
+    warn_unended_cosine,
+)
 from maxent_grpo.training.types.runtime import detached_controllers
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
@@ -147,15 +151,17 @@ class ModuleHooks(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After a checkpoint's restore: a step count off the multiples of
         ``model.num_iterations`` (trained with another k) runs past ``max_steps``; a cosine
-        schedule that does not end with the run (``settings.warn_unended_cosine``)."""
+        schedule that does not end with the run (``settings.warn_unended_cosine``);
+        validation points that shift at each epoch (``warn_epoch_bound_validation``)."""
         self.validation_ended = False  # from here a validation may begin (a save inside)
         if trainer.ckpt_path is not None:  # collective: every rank resumes
             validate_first(trainer, self.validation_due,
                            getattr(pl_module, "_rng_to_restore", None))
         self.validation_due = False
-        warn_unended_cosine(trainer, TrainerState.from_trainer(trainer,
-                                                               *pl_module._progress).max_steps)
+        steps = TrainerState.from_trainer(trainer, *pl_module._progress).max_steps
+        warn_unended_cosine(trainer, steps)
         k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
+        warn_epoch_bound_validation(trainer, steps // k if steps > 0 else -1)
         if k > 1 and step % k and trainer.max_steps > step:
             end = step + math.ceil((trainer.max_steps - step) / k) * k
             rank_zero_warn(f"the fit goes on from optimizer step {step}, not a multiple of "
