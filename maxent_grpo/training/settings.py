@@ -307,7 +307,7 @@ def warn_epoch_bound_validation(trainer: Any, rollouts: int) -> None:
     every, epochs = trainer.val_check_interval, trainer.check_val_every_n_epoch
     batches = trainer.num_training_batches
     if not isinstance(every, int) or epochs is None or not 0 < batches < float("inf") or (
-            batches % every == 0 or 0 <= rollouts <= batches):
+            batches % every == 0 or 0 <= rollouts <= batches or not trainer.limit_val_batches):
         return
     from lightning.pytorch.utilities import rank_zero_warn
 

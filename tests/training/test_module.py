@@ -341,9 +341,9 @@ def test_validation_points_that_shift_at_each_epoch_are_warned_of(recwarn):
     run (a hunt of the shipped configs)."""
     from maxent_grpo.training.settings import warn_epoch_bound_validation
 
-    def trainer(every=50, epochs=1, batches=493):
+    def trainer(every=50, epochs=1, batches=493, limit=1.0):
         return SimpleNamespace(val_check_interval=every, check_val_every_n_epoch=epochs,
-                               num_training_batches=batches)
+                               num_training_batches=batches, limit_val_batches=limit)
 
     with pytest.warns(UserWarning, match=r"val_check_interval 50 counts the rollouts of each "
                                          r"epoch \(trainer.check_val_every_n_epoch 1\), and an "
@@ -355,9 +355,9 @@ def test_validation_points_that_shift_at_each_epoch_are_warned_of(recwarn):
     recwarn.clear()
     for quiet, rollouts in ((trainer(epochs=None), 500), (trainer(batches=500), 1000),
                             (trainer(), 493), (trainer(every=1.0), 500),
-                            (trainer(batches=float("inf")), 500)):
+                            (trainer(batches=float("inf")), 500), (trainer(limit=0), 500)):
         warn_epoch_bound_validation(quiet, rollouts)  # counted over the run, a multiple,
-    assert not recwarn.list  # one epoch, a fraction, a loader without a length
+    assert not recwarn.list  # one epoch, a fraction, a loader without a length, no validation
 
 
 @pytest.mark.parametrize("factory", [

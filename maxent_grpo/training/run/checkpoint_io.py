@@ -286,7 +286,7 @@ def resolve_checkpoint(
     if is_local(ckpt_path) and ckpt_path.startswith("~"):  # not expanded by a shell
         ckpt_path = os.path.expanduser(ckpt_path)  # (--ckpt_path=~/x, or quoted)
     if ckpt_path == "best" and not need_training_state and all(map(is_local, dirpaths)):
-        ckpt_path = _best(resolve_checkpoint("last", dirpaths, False, trusted, extra), trusted)
+        ckpt_path = _best(dirpaths, trusted, extra)
     if ckpt_path == "last":
         skipped: list[tuple[str, str]] = []
         usable: list[ResolvedCheckpoint] = []
@@ -342,19 +342,31 @@ def resolve_checkpoint(
     raise ValueError(f"--ckpt_path {ckpt_path} is not usable: {problem}{hint}")
 
 
-def _best(newest: ResolvedCheckpoint | None, trusted: bool) -> str:
-    """The ``best_model_path`` that ``newest``'s ModelCheckpoint with a ``monitor`` recorded:
-    Lightning knows it only in the process that ran the fit (an evaluation's ``best`` said
-    the callback was "not configured" to save it)."""
-    states = ((_usable(newest.path, False, False, trusted)[1] or {}).get("callbacks") or {}
-              ) if newest is not None else {}
-    best = [state.get("best_model_path") for name, state in states.items()
-            if name.startswith("ModelCheckpoint") and isinstance(state, dict)
-            and state.get("monitor") and state.get("best_model_path")]
-    if not best:
-        raise ValueError(f"--ckpt_path best: {getattr(newest, 'path', 'the newest checkpoint')} "
-                         "records no best checkpoint (a ModelCheckpoint with a monitor keeps "
-                         "one); pass the checkpoint's file, or last")
+def _best(dirpaths: list[str], trusted: bool, extra: tuple[str, ...]) -> str:
+    """The ``best_model_path`` that a ModelCheckpoint with a ``monitor`` and one of
+    ``dirpaths`` recorded in the newest checkpoint there (its own files, saved after each
+    validation, hold its latest record): Lightning knows the best only in the process that
+    ran the fit (an evaluation's ``best`` said the callback was "not configured"). A monitor
+    without a ``dirpath`` saves into the logger's version folder, where the newest file of
+    ``dirpaths`` holds a record one validation old: refused, as is a best no longer there."""
+    try:
+        newest = resolve_checkpoint("last", dirpaths, False, trusted, extra)
+    except ValueError as err:  # nothing, or nothing usable, in those folders
+        raise ValueError(str(err).replace("--ckpt_path last", "--ckpt_path best", 1)) from None
+    states = (_usable(newest.path, False, False, trusted)[1] or {}).get("callbacks") or {} \
+        if newest is not None else {}
+    folders = {os.path.abspath(path) for path in dirpaths}
+    best = sorted({str(state["best_model_path"]) for name, state in states.items()
+                   if name.startswith("ModelCheckpoint") and isinstance(state, dict)
+                   and state.get("monitor") and state.get("best_model_path")
+                   and os.path.abspath(str(state.get("dirpath"))) in folders})
+    if len(best) != 1 or not os.path.exists(best[0]):
+        raise ValueError(
+            f"--ckpt_path best: {getattr(newest, 'path', 'no checkpoint')} records "
+            + (f"several best checkpoints ({', '.join(best)})" if best[1:] else
+               f"a best checkpoint that is gone ({best[0]})" if best else "no best checkpoint")
+            + " of a ModelCheckpoint with a monitor and a dirpath (the one that keeps it in "
+            "its own files); pass the checkpoint's file, or last")
     return best[0]
 
 

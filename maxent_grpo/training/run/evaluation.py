@@ -44,6 +44,7 @@ from maxent_grpo.rewards.answers import (
 )
 from maxent_grpo.rewards.task_rewards import json_cell
 from maxent_grpo.rollout import RolloutEngine, SamplingSettings, checked_rollout
+from maxent_grpo.training.run.checkpoint import capture_rng_state, restore_rng_state
 from maxent_grpo.training.settings import EvaluationSettings
 from maxent_grpo.training.step.metrics import (
     RewardComponentsMetric,
@@ -200,7 +201,7 @@ class Evaluator(torch.nn.Module):
         self.unread_answers = False  # a row's valid_answers partly unread: warned once
         self.ungraded_warned = False  # some completions' eval_reward None: warned once
         self.graded = [0, 0, 0]  # this epoch: graded, ungraded completions, timed-out calls
-        self.stream: list[Tensor] | None = None  # this epoch's random state between batches
+        self.stream: dict[str, Any] | None = None  # this epoch's random state between batches
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
              greedy_sampling: SamplingSettings | None,
@@ -218,18 +219,16 @@ class Evaluator(torch.nn.Module):
                 "(maxent_grpo.training.data.collate_prompts over PromptExample rows)")
         n, B = self.settings.num_generations, len(batch["prompts"])
         device = self.reward.total.device
-        devices = [device] if device.type == "cuda" else []
         prompts, answers = batch["prompts"], batch["answers"]
-        with torch.random.fork_rng(devices=devices):
+        training = capture_rng_state()  # torch's, the GPUs', python's and numpy's
+        try:
             if self.stream is not None:
-                torch.set_rng_state(self.stream[0])
-                for d, state in zip(devices, self.stream[1:], strict=True):
-                    torch.cuda.set_rng_state(state, d)
+                restore_rng_state(self.stream)
             rollout = checked_rollout(engine, engine.generate(prompts, answers, n), B, n)
             greedy = (checked_rollout(engine, engine.generate(
                 prompts, answers, 1, greedy_sampling), B, 1)
                 if self.settings.greedy and greedy_sampling is not None else None)
-            # graded in the fork too: a reward drawing random numbers took them from the
+            # graded in it too: a reward drawing random numbers took them from the
             # training's stream, whose later rollouts then differed with validation on
             timeouts = self._timeouts()
             total, components = self.rewards.score_rollout(
@@ -242,7 +241,9 @@ class Evaluator(torch.nn.Module):
                     greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
                 greedy_correct = self._correct(greedy_components[self.settings.reward_index],
                                                timeouts)
-            self.stream = [torch.get_rng_state(), *map(torch.cuda.get_rng_state, devices)]
+            self.stream = capture_rng_state()
+        finally:
+            restore_rng_state(training)
         completions = rollout.reward_completions()  # texts, or a multi-turn rollout's messages
         self.reward.update(total.to(device).view(B, n))
         self.components.update(components.to(device))

@@ -164,18 +164,32 @@ def test_best_is_the_best_checkpoint_the_newest_one_recorded(tmp_path):
     newest checkpoint's monitored ModelCheckpoint records it (a hunt of the evaluation)."""
     now = time.time()
     best = save(tmp_path / "epoch=0-step=2.ckpt", 2, now - 5)
-    state = {"monitor": "val/pass@1", "best_model_path": str(best)}
-    torch.save({**torch.load(save(tmp_path / "last.ckpt", 4), weights_only=True),
-                "callbacks": {"ModelCheckpoint{'monitor': None}": {"monitor": None},
-                              "ModelCheckpoint{'monitor': 'val/pass@1'}": state}},
-               tmp_path / "last.ckpt")
+
+    def record(**state):
+        torch.save({**torch.load(save(tmp_path / "last.ckpt", 4), weights_only=True),
+                    "callbacks": {"ModelCheckpoint{'monitor': None}": {"monitor": None},
+                                  "ModelCheckpoint{'monitor': 'val/pass@1'}": {
+                                      "monitor": "val/pass@1", "dirpath": str(tmp_path),
+                                      "best_model_path": str(best), **state}}},
+                   tmp_path / "last.ckpt")
+
+    record()
     found = ckpt_io.resolve_checkpoint("best", [str(tmp_path)], False)
     assert (found.path, found.global_step) == (str(best), 2)
     assert ckpt_io.resolve_checkpoint("best", [str(tmp_path)], True) is None  # fit: Lightning's
-    save(tmp_path / "last.ckpt", 4)  # no monitor: the fix named
-    with pytest.raises(ValueError, match=r"--ckpt_path best: .*last.ckpt records no best "
-                                         r"checkpoint .*pass the checkpoint's file, or last"):
-        ckpt_io.resolve_checkpoint("best", [str(tmp_path)], False)
+    for state, problem in (
+            ({"monitor": None}, "no best checkpoint"),  # no monitor
+            # a monitor without a dirpath: its files are in the logger's folder, and the
+            # record in these is one validation old (a second reader)
+            ({"dirpath": str(tmp_path / "lightning_logs")}, "no best checkpoint"),
+            ({"best_model_path": str(tmp_path / "gone.ckpt")}, "a best checkpoint that is "
+                                                                "gone")):
+        record(**state)
+        with pytest.raises(ValueError, match=rf"--ckpt_path best: .*last.ckpt records "
+                                             rf"{problem}.*pass the checkpoint's file, or last"):
+            ckpt_io.resolve_checkpoint("best", [str(tmp_path)], False)
+    with pytest.raises(ValueError, match=r"--ckpt_path best: no checkpoint in"):
+        ckpt_io.resolve_checkpoint("best", [str(tmp_path / "empty")], False)
 
 
 def test_last_finds_the_checkpoints_a_metric_in_the_file_name_put_in_subfolders(tmp_path):

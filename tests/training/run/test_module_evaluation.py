@@ -7,9 +7,11 @@ import dataclasses
 import itertools
 import json
 import math
+import random
 from types import SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -699,8 +701,8 @@ def test_each_evaluation_batch_draws_new_random_numbers_and_training_keeps_its_o
 
 
 def noisy(completions, **kwargs):
-    """A reward that draws random numbers (a sampled judge, a noise term)."""
-    return [torch.rand(()).item() for _ in completions]
+    """A reward that draws random numbers (a sampled judge, a noise term), of each kind."""
+    return [torch.rand(()).item() + random.random() + np.random.rand() for _ in completions]
 
 
 def stub_engine(right_rows: int):
@@ -731,10 +733,11 @@ def test_a_reward_drawing_random_numbers_leaves_the_trainings_stream_alone(cache
     data.setup("validate")
     module.rollout_engine = lambda: stub_engine(right_rows=1)
     module.log_dict = lambda values, **kw: None
-    training = torch.get_rng_state()
+    training = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())
     module.validation_step(collate_prompts(data.val_dataset.examples[:2]), 0)
     module.on_validation_epoch_end()
-    assert torch.equal(torch.get_rng_state(), training)
+    assert torch.equal(torch.get_rng_state(), training[0])
+    assert (random.getstate(), np.random.get_state()[1].tolist()) == training[1:]
 
 
 def test_a_prompt_a_loader_repeats_counts_once_on_one_process(cache_dir):
