@@ -192,6 +192,7 @@ class ModuleHooks(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.validation_ended = False
+        pl_module.evaluator.restart()  # (also at test and predict's start)
         if trainer.state.fn == "validate":  # a fit checks its rows at its start
             pl_module.check_reward_rows(splits=("val",))
         same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
@@ -219,10 +220,12 @@ class ModuleHooks(L.Callback):
     on_test_batch_end = on_validation_batch_end
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.evaluator.restart()
         pl_module.check_reward_rows(splits=("val",))  # test and predict sample the val rows
         same_batches(trainer, trainer.num_test_batches)
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.evaluator.restart()
         pl_module.check_reward_rows(splits=("val",))
         same_batches(trainer, trainer.num_predict_batches)
 

@@ -331,6 +331,14 @@ class Evaluator(torch.nn.Module):
                 "grades every row", name, ungraded, graded + ungraded)
         return False
 
+    def restart(self) -> None:
+        """An evaluation's start: nothing of one a failure cut short (whose :meth:`compute`,
+        which resets, never ran) is counted again."""
+        self.records, self.graded, self.stream = [], [0, 0, 0], None
+        with torch.inference_mode(False):  # validate's fresh states, then a fit's updates
+            self.reward.reset()
+            self.components.reset()
+
     def compute(self, prefix: str) -> dict[str, float]:
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
         evaluated), then reset for the next epoch."""
@@ -361,10 +369,7 @@ class Evaluator(torch.nn.Module):
         values.update({f"{prefix}/reward/{k}": v for k, v in components.compute().items()
                        if not torch.isnan(v)})  # graded nothing: left out, as in training
         values.update(evaluation_metrics(records, self.settings.k, prefix))
-        with torch.inference_mode(False):  # validate's fresh states, then a fit's updates
-            self.reward.reset()
-            self.components.reset()
-        self.records = []
+        self.restart()
         if self._check_graded(*counts[1:], rank=dist.get_rank() if distributed else 0,
                               predicting=prefix == "predict"):
             values = {k: v for k, v in values.items() if "@" not in k}  # correctness unknown

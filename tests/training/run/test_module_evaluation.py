@@ -756,3 +756,17 @@ def test_a_prompt_a_loader_repeats_counts_once_on_one_process(cache_dir):
     module.rollout_engine = lambda: stub_engine(right_rows=1)
     module.validation_step(collate_prompts([right, wrong]), 0)  # no repeat: as it was
     assert module.evaluator.compute("val")["val/pass@1"] == 0.5
+
+
+def test_an_evaluation_a_failure_cut_short_leaves_nothing_to_the_next(cache_dir):
+    """The records, counts and random stream were reset only when an evaluation ended
+    (``compute``): after a validate that raised mid-way (a notebook) the next one counted
+    the stale prompts, and with one process's repeats counted once now, a stale copy of a
+    row won over the fresh one (a second reader)."""
+    data = make_data(cache_dir)
+    clean = validate(make_module(cache_dir, eval_num_generations=2), data)
+    module = make_module(cache_dir, eval_num_generations=2)
+    module.evaluator.records.append(PromptRecord((1.0, 1.0), ("1", "1"), None, row=0))
+    module.evaluator.graded = [5, 0, 0]
+    module.evaluator.stream = {"stale": True}
+    assert validate(module, data) == clean
