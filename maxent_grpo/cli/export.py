@@ -125,13 +125,20 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
             raise UserError(f"--model {model} is not the model {path} was trained from "
                             f"({folder or name}): " + ("its config or weights files differ"
                                                        if record.get("model_fingerprint")
-                                                       else "another name or folder"))
+                                                       else "another name or folder")
+                            + ("" if record.get("model_fingerprint") or folder is None else
+                               " (this checkpoint predates the record of a folder's files, "
+                               "by which a folder that moved is known: put a link to the new "
+                               f"place at {folder})"))
         name = model
     elif folder is not None and os.path.isdir(folder):
         name = folder
     elif folder is not None and not os.path.isdir(os.path.expanduser(name)):
         raise UserError(f"the model {path} was trained from, the folder {folder}, is not there "
-                        "now (moved, or another machine): pass --model with its place")
+                        "now (moved, or another machine): pass --model with its place" + (
+                            "" if record.get("model_fingerprint") else ", or, for this "
+                            "checkpoint (older than the record of a folder's files), put a "
+                            f"link to the new place at {folder}"))
     source = ModelSettings(name_or_path=name,
                            dtype=hparams.get("dtype", "float32"),
                            cache_dir=hparams.get("model_cache_dir"),

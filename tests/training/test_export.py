@@ -169,6 +169,16 @@ def test_a_model_folder_that_moved_is_given_with_model(cache_dir, tmp_path, caps
     from transformers import AutoModelForCausalLM
 
     same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), params(trained))
+    # a checkpoint older than the files' record: --model is refused, and both messages said
+    # to use it (an upgrade hunt); they name the link that finds it
+    saved = torch.load(ckpt, weights_only=True)
+    saved["maxent_grpo"].pop("model_fingerprint")
+    torch.save(saved, tmp_path / "older.ckpt")
+    for extra in ([], ["--model", str(tmp_path / "b")]):
+        capsys.readouterr()
+        assert main([str(tmp_path / "older.ckpt"), "--output", str(tmp_path / "o2"),
+                     *extra]) == 1
+        assert f"link to the new place at {tmp_path / 'a'}" in capsys.readouterr().err
 
 
 def test_an_export_keeps_the_padding_side_of_the_tokenizer_files(cache_dir, tmp_path):
