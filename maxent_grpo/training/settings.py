@@ -288,9 +288,10 @@ def warn_changed_options(checkpoint: dict[str, Any], trainer: Any) -> None:
                               ("data", "datamodule_hyper_parameters", "datamodule")):
         owner = getattr(trainer, owner, None)
         saved, now = checkpoint.get(key) or {}, dict(getattr(owner, "hparams", None) or {})
+        unused = getattr(owner, "unused_options", ())  # the data source's: at their default
         changed += [f"{group}.{name} {saved[name]!r} -> {now[name]!r}" for name in sorted(now)
                     if name not in UNCHECKED_OPTIONS and name in saved and saved[name] != now[name]
-                    and _plain(saved[name]) and _plain(now[name])]
+                    and _plain(saved[name]) and _plain(now[name]) and name not in unused]
     if changed:
         from lightning.pytorch.utilities import rank_zero_warn
 

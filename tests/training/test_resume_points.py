@@ -6,12 +6,14 @@ has more batches per epoch."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from maxent_grpo.training.data import PromptDataModule
 from tests.conftest import fit, make_data, make_module, params
 
 
@@ -288,7 +290,6 @@ def test_the_validated_checkpoints_are_found_in_a_savers_folder_and_never_remote
     ran twice; a remote checkpoint has no such file and its validation ran on every resume;
     ``fast_dev_run``'s one batch recorded the checkpoints as validated (a reader)."""
     import json
-    from types import SimpleNamespace
 
     from maxent_grpo.training.run.validated import note_validated, unvalidated
 
@@ -339,3 +340,24 @@ def test_a_fit_resumed_with_other_options_is_warned_of_them(cache_dir, tmp_path)
         fit(make_module(cache_dir), make_data(cache_dir, seed=1), steps=3,
             ckpt_path=str(tmp_path / "last.ckpt"))
     assert not [w for w in caught if "options differ" in str(w.message)]
+
+
+def test_an_option_the_data_source_does_not_use_is_not_said_to_have_changed(tmp_path):
+    """The DataModule drops an option its source does not use to the default (train_size
+    with files); a checkpoint of an older version kept the value given, so resuming it with
+    the very same command warned `data.train_size 4000 -> 2000` (an upgrade hunt)."""
+    from maxent_grpo.training.settings import warn_changed_options
+
+    def warned(data: PromptDataModule) -> list[str]:
+        trainer = SimpleNamespace(lightning_module=None, datamodule=data)
+        checkpoint = {"datamodule_hyper_parameters": {**data.hparams, "train_size": 4000}}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_changed_options(checkpoint, trainer)
+        return [str(w.message) for w in caught if "options differ" in str(w.message)]
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "q", "answer": "1"}\n')
+    assert warned(PromptDataModule(task=None, data_files=str(rows), train_size=4000)) == []
+    (message,) = warned(PromptDataModule(task="countdown", train_size=2000))
+    assert "data.train_size 4000 -> 2000" in message

@@ -141,12 +141,12 @@ class PromptDataModule(pl.LightningDataModule):
         default = defaults_of(PromptDataModule.__init__)  # what a dropped option becomes
         moved = {k: v for k, v in (("train_split", train_split), ("train_size", train_size))
                  if v != default[k]}
-        dropped = check_source_options(task, task_options, data_files, val_files, dataset_name,
-                                       dataset_config, val_split, **moved)
-        for name in dropped:
+        self.unused_options = check_source_options(task, task_options, data_files, val_files,
+                                                   dataset_name, dataset_config, val_split, **moved)
+        for name in self.unused_options:
             self.hparams[name] = default[name]
         task_options, dataset_config, val_split, train_split = (
-            default[name] if name in dropped else value for name, value in (
+            default[name] if name in self.unused_options else value for name, value in (
                 ("task_options", task_options), ("dataset_config", dataset_config),
                 ("val_split", val_split), ("train_split", train_split)))
         check_int("data.seed", seed, 0, maximum=2**32 - 1)  # the tasks seed with 2 * seed + 1
