@@ -353,8 +353,8 @@ def _best(dirpaths: list[str], trusted: bool, extra: tuple[str, ...]) -> str:
         newest = resolve_checkpoint("last", dirpaths, False, trusted, extra)
     except ValueError as err:  # nothing, or nothing usable, in those folders
         raise ValueError(str(err).replace("--ckpt_path last", "--ckpt_path best", 1)) from None
-    states = (_usable(newest.path, False, False, trusted)[1] or {}).get("callbacks") or {} \
-        if newest is not None else {}
+    assert newest is not None  # an evaluation's local folders: None raised above
+    states = (_usable(newest.path, False, False, trusted)[1] or {}).get("callbacks") or {}
     folders = {os.path.abspath(path) for path in dirpaths}
     best = sorted({str(state["best_model_path"]) for name, state in states.items()
                    if name.startswith("ModelCheckpoint") and isinstance(state, dict)
@@ -362,7 +362,7 @@ def _best(dirpaths: list[str], trusted: bool, extra: tuple[str, ...]) -> str:
                    and os.path.abspath(str(state.get("dirpath"))) in folders})
     if len(best) != 1 or not os.path.exists(best[0]):
         raise ValueError(
-            f"--ckpt_path best: {getattr(newest, 'path', 'no checkpoint')} records "
+            f"--ckpt_path best: {newest.path} records "
             + (f"several best checkpoints ({', '.join(best)})" if best[1:] else
                f"a best checkpoint that is gone ({best[0]})" if best else "no best checkpoint")
             + " of a ModelCheckpoint with a monitor and a dirpath (the one that keeps it in "

@@ -343,7 +343,6 @@ class Evaluator(torch.nn.Module):
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
         evaluated), then reset for the next epoch."""
         counts = [self.reward.update_count, *self.graded]
-        self.graded, self.stream = [0, 0, 0], None
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:  # decided together: a rank that saw no batch still joins the gathers
