@@ -74,6 +74,8 @@ class PromptRecord:
             sampler repeats on another rank is counted once.
         rewards: the ``n`` samples' total rewards.
         components: each reward function's ``n`` values (NaN: not applicable).
+        ungraded: of its completions (the ``n`` samples and the greedy one), how many the
+            eval reward did not grade (counted not correct).
     """
 
     correct: tuple[float, ...]
@@ -85,6 +87,7 @@ class PromptRecord:
     row: int | None = None
     rewards: tuple[float, ...] = ()
     components: tuple[tuple[float, ...], ...] = ()
+    ungraded: int = 0
 
 
 def _metrics(records: Sequence[PromptRecord], ks: Sequence[int]) -> dict[str, float]:
@@ -200,7 +203,7 @@ class Evaluator(torch.nn.Module):
         self.records: list[PromptRecord] = []  # this rank's prompts, this epoch
         self.unread_answers = False  # a row's valid_answers partly unread: warned once
         self.ungraded_warned = False  # some completions' eval_reward None: warned once
-        self.graded = [0, 0, 0]  # this epoch: graded, ungraded completions, timed-out calls
+        self.timed_out = 0  # this epoch's eval-reward calls that timed out
         self.stream: dict[str, Any] | None = None  # this epoch's random state between batches
 
     def step(self, batch: dict[str, Any], engine: RolloutEngine,
@@ -235,12 +238,14 @@ class Evaluator(torch.nn.Module):
                 rollout, batch["raw_prompts"], batch["columns"], trainer_state, device)
             correct = self._correct(components[self.settings.reward_index], timeouts)
             greedy_correct: list[float | None] = [None] * B
+            greedy_ungraded = [False] * B
             if greedy is not None:
                 timeouts = self._timeouts()
                 _, greedy_components = self.rewards.score_rollout(
                     greedy, batch["raw_prompts"], batch["columns"], trainer_state, device)
-                greedy_correct = self._correct(greedy_components[self.settings.reward_index],
-                                               timeouts)
+                judged_greedy = greedy_components[self.settings.reward_index]
+                greedy_correct = self._correct(judged_greedy, timeouts)
+                greedy_ungraded = torch.isnan(judged_greedy).tolist()
             self.stream = capture_rng_state()
         finally:
             restore_rng_state(training)
@@ -278,6 +283,7 @@ class Evaluator(torch.nn.Module):
                 row=batch["indices"][b],
                 rewards=tuple(totals[b]),
                 components=tuple(tuple(value[b]) for value in values),
+                ungraded=sum(v != v for v in judged[b]) + greedy_ungraded[b],
             ))
             rows += [prediction_row(batch, b, j, completions[b * n + j], total.view(-1)[b * n + j],
                                     components[:, b * n + j], self.rewards.names,
@@ -292,13 +298,10 @@ class Evaluator(torch.nn.Module):
 
     def _correct(self, values: Tensor, timeouts_before: int) -> list[float]:
         """0/1 correctness ``eval_reward >= eval_correct_threshold``; an ungraded (NaN)
-        value is not correct, counted for :meth:`_check_graded` (with whether the reward
-        timed out since ``timeouts_before``)."""
+        value is not correct (the record counts it for :meth:`_check_graded`, with whether
+        the reward timed out since ``timeouts_before``)."""
         listed = values.tolist()  # one copy to the host: NaN is ungraded, and not >= anything
-        ungraded = sum(v != v for v in listed)
-        self.graded[0] += len(listed) - ungraded
-        self.graded[1] += ungraded
-        self.graded[2] += self._timeouts() > timeouts_before
+        self.timed_out += self._timeouts() > timeouts_before
         threshold = self.settings.correct_threshold
         return [1.0 if v >= threshold else 0.0 for v in listed]
 
@@ -334,7 +337,7 @@ class Evaluator(torch.nn.Module):
     def restart(self) -> None:
         """An evaluation's start: nothing of one a failure cut short (whose :meth:`compute`,
         which resets, never ran) is counted again."""
-        self.records, self.graded, self.stream = [], [0, 0, 0], None
+        self.records, self.timed_out, self.stream = [], 0, None
         with torch.inference_mode(False):  # validate's fresh states, then a fit's updates
             self.reward.reset()
             self.components.reset()
@@ -342,7 +345,7 @@ class Evaluator(torch.nn.Module):
     def compute(self, prefix: str) -> dict[str, float]:
         """``{prefix}/reward/...`` and the @k metrics of the epoch (``{}`` when nothing was
         evaluated), then reset for the next epoch."""
-        counts = [self.reward.update_count, *self.graded]
+        counts = [self.reward.update_count, self.timed_out]
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:  # decided together: a rank that saw no batch still joins the gathers
@@ -369,7 +372,10 @@ class Evaluator(torch.nn.Module):
                        if not torch.isnan(v)})  # graded nothing: left out, as in training
         values.update(evaluation_metrics(records, self.settings.k, prefix))
         self.restart()
-        if self._check_graded(*counts[1:], rank=dist.get_rank() if distributed else 0,
+        ungraded = sum(r.ungraded for r in records)  # of the prompts counted (once each)
+        graded = sum(len(r.correct) + (r.greedy_correct is not None) for r in records) - ungraded
+        if self._check_graded(graded, ungraded, counts[1],
+                              rank=dist.get_rank() if distributed else 0,
                               predicting=prefix == "predict"):
             values = {k: v for k, v in values.items() if "@" not in k}  # correctness unknown
         return {k: float(v) for k, v in values.items()}

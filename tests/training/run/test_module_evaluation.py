@@ -355,6 +355,27 @@ def test_an_eval_reward_that_grades_some_completions_counts_the_rest_not_correct
     assert validate(module, make_data(cache_dir))["val/pass@1"] == 0.0
 
 
+def test_the_ungraded_warning_counts_a_prompt_a_loader_repeated_once(cache_dir, caplog):
+    """A loader of one's own giving an ungraded prompt twice: the @k values count it once,
+    and so does the warning's count of ungraded completions (it said 4 of 6, a readers'
+    finding; greedy completions count too: 2 samples and 1 greedy per prompt)."""
+    from torch.utils.data import DataLoader
+
+    rewards = {"tests.training.run.test_module_evaluation:odd_rows_ungraded": 1.0}
+    data = make_data(cache_dir)
+    data.setup("validate")
+    rows = data.val_dataset.examples
+    odd = next(r for r in rows if int(r.answer) % 2)
+    even = next(r for r in rows if int(r.answer) % 2 == 0)
+    module = make_module(cache_dir, rewards=rewards, eval_num_generations=2, eval_k=[1])
+    loader = DataLoader([odd, odd, even], batch_size=3, collate_fn=collate_prompts)
+    with caplog.at_level("WARNING"):
+        logged = validate(module, loader)
+    assert logged["val/pass@1"] == pytest.approx(0.5)
+    said = [r.getMessage() for r in caplog.records if "count as not correct" in r.getMessage()]
+    assert len(said) == 1 and "for 3 of 6 evaluation completions" in said[0], said
+
+
 def test_engine_is_chosen_by_class_path_built_once_and_synced(cache_dir, tmp_path):
     """``model.engine`` builds the engine once per run with the module's sampling
     settings; ``sync(policy)`` comes before each rollout that follows an optimizer step
