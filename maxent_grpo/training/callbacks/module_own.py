@@ -84,9 +84,8 @@ class ModuleHooks(L.Callback):
         check_prompt_format(pl_module, getattr(trainer, "datamodule", None))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """After validate/test of a checkpoint logged at its step (``load_state``), the
-        Trainer's step is its own again (0: a later fit on it starts from there); one that
-        evaluated no batch says so (it printed nothing and ended well)."""
+        """The Trainer's step its own again after a validate/test (:func:`_evaluated_at`);
+        one that evaluated no batch says so (it printed nothing and ended well)."""
         _own_logging_step(trainer)
         give_back_sigterm(trainer)
         VERIFIER.stop()  # the accuracy reward's worker process: nothing left running
@@ -195,6 +194,7 @@ class ModuleHooks(L.Callback):
         pl_module.evaluator.restart()  # (also at test and predict's start)
         if trainer.state.fn == "validate":  # a fit checks its rows at its start
             pl_module.check_reward_rows(splits=("val",))
+            _evaluated_at(trainer)
         same_batches(trainer, trainer.num_sanity_val_batches if trainer.sanity_checking
                      else trainer.num_val_batches)
 
@@ -223,6 +223,7 @@ class ModuleHooks(L.Callback):
         pl_module.evaluator.restart()
         pl_module.check_reward_rows(splits=("val",))  # test and predict sample the val rows
         same_batches(trainer, trainer.num_test_batches)
+        _evaluated_at(trainer)
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.evaluator.restart()
@@ -269,13 +270,22 @@ def follow_moved_folders(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None
                                         (state.get("best_k_models") or {}).items()})
 
 
-def _own_logging_step(trainer: L.Trainer) -> None:
-    """The Trainer's logging step its own again after a validate/test of a checkpoint,
-    which logged at the checkpoint's step (``load_state``)."""
+def _evaluated_at(trainer: L.Trainer) -> None:
+    """A validate/test logs at the last training scalars' step of the fit that gave its
+    weights, as its own validation there: its checkpoint's (``load_state``) or this
+    Trainer's fit's; :func:`_own_logging_step` puts the Trainer's back."""
     loop = trainer.fit_loop.epoch_loop
-    loop.evaluated_step = None
-    if getattr(loop, "evaluated_at", None) is not None:
-        loop._batches_that_stepped, loop.evaluated_at = 0, None
+    step = getattr(loop, "evaluated_at", None)
+    step = loop._batches_that_stepped - 1 if step is None else step
+    if step >= 0 and getattr(loop, "own_logging_step", None) is None:
+        loop.own_logging_step, loop._batches_that_stepped = loop._batches_that_stepped, step
+
+
+def _own_logging_step(trainer: L.Trainer) -> None:
+    loop = trainer.fit_loop.epoch_loop
+    loop.evaluated_step = loop.evaluated_at = None
+    if getattr(loop, "own_logging_step", None) is not None:
+        loop._batches_that_stepped, loop.own_logging_step = loop.own_logging_step, None
 
 
 class CleanUp(L.Callback):

@@ -292,12 +292,10 @@ def load_state(
     """
     fitting = fitting or getattr(getattr(trainer, "state", None), "fn", None) == "fit"
     epochs = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if trainer is not None and trainer.state.fn in ("validate", "test") and \
-            getattr(epochs, "_batches_that_stepped", None) == 0:  # no fit ran on this Trainer
+    if trainer is not None and trainer.state.fn in ("validate", "test"):
         batches = fit_batches(checkpoint)
         if batches is not None and batches > 0:  # the fit's last batch's scalars' step
-            epochs._batches_that_stepped = batches - 1
-            epochs.evaluated_at = batches - 1  # ModuleHooks sets it back to 0 (setup, teardown)
+            epochs.evaluated_at = batches - 1  # ModuleHooks logs there (_evaluated_at)
     if epochs is not None and trainer.state.fn in ("validate", "test", "predict"):
         epochs.evaluated_step = checkpoint.get("global_step")  # the rewards' global_step
     saved = checkpoint.get(CHECKPOINT_KEY)

@@ -512,6 +512,36 @@ def test_validating_a_checkpoint_logs_at_the_step_the_fit_logged_its_weights(cac
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 1  # its one step (4: from 3)
 
 
+def test_evaluating_after_a_fit_on_its_trainer_logs_at_the_fits_last_step(cache_dir, tmp_path):
+    """``trainer.validate``/``test`` after a fit on the same Trainer logged at the step after
+    the fit's last training scalars (its batch count: 3 for scalars at 0..2, where the fit's
+    own validation logged at 2), off the curves a fresh Trainer's evaluation lines up with
+    (a hunt of the Python API); a checkpoint's evaluation there logs at its own step, and a
+    fit continued on that Trainer logs on from its own step."""
+    import csv
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="fit")
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    module, data = make_module(cache_dir), make_data(cache_dir)
+    trainer = fit(module, data, steps=3, tmp_path=tmp_path, logger=logger, log_every_n_steps=1,
+                  limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None,
+                  callbacks=[saver], enable_checkpointing=True)
+    trainer.validate(module, data)
+    trainer.test(module, data)
+    trainer.validate(make_module(cache_dir), data,
+                     ckpt_path=str(tmp_path / "ck" / "epoch=0-step=2.ckpt"))
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(module, data)
+    logger.save()
+    rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+    assert [int(r["step"]) for r in rows if r.get("val/pass@1")] == [2, 2, 1]
+    assert [int(r["step"]) for r in rows if r.get("test/pass@1")] == [2]
+    assert [int(r["step"]) for r in rows if r.get("train/reward/mean")] == [0, 1, 2, 3]
+
+
 def step_seen(completions, trainer_state=None, **kw):
     """Records the step the rewards are told (a reward that ramps with training) in the
     file ``$STEPS_SEEN`` (the registry imports this module under another name)."""
