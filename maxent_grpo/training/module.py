@@ -355,9 +355,9 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             self.pipeline.wait(raise_failure=False)  # the next step raises a failure
 
     def teardown(self, stage: str) -> None:
-        """After any stage (a failed run too: ``CleanUp``): a server engine closed, the rollout
-        in flight ended, the tools' sandbox stopped. The controllers stay attached: a checkpoint
-        saved on the failure, after this, records them (:class:`ModuleHooks` detaches them)."""
+        """After any stage (a failed run too: ``CleanUp``): server engine, rollout in flight and
+        tools' sandbox closed, a fit's optimizer handles dropped (unpicklable); controllers stay."""
+        self.loop = self.loop.with_handles(None, None) if stage == "fit" else self.loop
         engine, toolbox = self._engine, getattr(self._engine, "toolbox", None)
         close = getattr(getattr(engine, "engine", engine), "close", None)
         try:
@@ -375,8 +375,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         self._evaluate(batch)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.evaluator.compute(
-            "test" if getattr(self._trainer, "testing", False) else "val"), sync_dist=False)
+        self.log_dict(self.evaluator.compute("test" if getattr(self._trainer, "testing", False)
+                                             else "val"))
 
     test_step, on_test_epoch_end = validation_step, on_validation_epoch_end
 

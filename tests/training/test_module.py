@@ -1148,3 +1148,24 @@ def test_an_engine_of_ones_own_that_breaks_the_protocol_is_named(cache_dir, engi
     with pytest.raises((ValueError, UserCodeError), match=message):
         fit(make_module(cache_dir, engine=engine), make_data(cache_dir), steps=1,
             limit_val_batches=1 if validated else 0)
+
+
+def test_a_module_pickles_after_a_fit_and_fits_again(cache_dir, tmp_path):
+    """After a fit the module held Lightning's optimizer wrapper (a class made at run time),
+    so ``pickle.dumps`` / ``torch.save(module)`` failed (a hunt of the Python API; Ray and
+    multiprocessing pickle modules): a fit's handles end with it. The copy keeps the weights
+    and trains again, and so does the module on a second fit."""
+    import io
+    import pickle
+
+    module = make_module(cache_dir, optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                         rewards={"tests.conftest:alternating": 1.0})
+    fit(module, make_data(cache_dir), steps=1)
+    copy_ = pickle.loads(pickle.dumps(module))
+    assert all(torch.equal(a, b) for a, b in zip(params(module).values(),
+                                                 params(copy_).values(), strict=True))
+    torch.save(module, io.BytesIO())
+    for again in (module, copy_):
+        before = params(again)
+        fit(again, make_data(cache_dir), steps=1)
+        assert any(not torch.equal(before[k], v) for k, v in params(again).items())

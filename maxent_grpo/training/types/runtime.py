@@ -62,7 +62,7 @@ class OptimizationSettings:
         handles: ``(optimizer, lr_scheduler)``, Lightning's wrappers of them from
             ``LightningModule.optimizers()`` / ``lr_schedulers()``; None until training
             starts, when the module builds these settings again with them (never set in
-            place).
+            place), and again after it.
     """
 
     schedule: ScheduleSettings
@@ -113,12 +113,13 @@ class LoopSettings:
             controller_objective=objective,
             controller_meta_manager=meta_manager or self.controller_meta_manager)
 
-    def with_handles(self, optimizer: LightningOptimizer,
+    def with_handles(self, optimizer: LightningOptimizer | None,
                      scheduler: LRScheduler | None) -> LoopSettings:
         """These settings with the optimizer and scheduler Lightning built for training
-        (:attr:`OptimizationSettings.handles`), as new settings."""
+        (:attr:`OptimizationSettings.handles`; none for ``optimizer`` None: a fit's end), as
+        new settings."""
         return dataclasses.replace(self, optimization=OptimizationSettings(
-            self.optimization.schedule, (optimizer, scheduler)))
+            self.optimization.schedule, None if optimizer is None else (optimizer, scheduler)))
 
 
 def detached_controllers(loop: LoopSettings) -> LoopSettings:
