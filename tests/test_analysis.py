@@ -99,6 +99,20 @@ def test_a_rollback_drops_what_the_resume_purged(tmp_path):
     assert summary_rows([run])[0]["last_step"] == 4
 
 
+def test_a_tag_the_purge_removed_whole_is_not_there(tmp_path):
+    """A rollback to before a run's only validation: its tags were empty series, and
+    ``summary_rows`` (the notebook's last values) raised IndexError (a hunt)."""
+    run_dir = tmp_path / "r" / "version_0"
+    write_run(run_dir, {"train/reward/mean": [(s, float(s)) for s in range(10)],
+                        "val/pass@1": [(9, 0.5)]})
+    writer = SummaryWriter(str(run_dir), purge_step=5)
+    writer.add_scalar("train/reward/mean", 50.0, 5)
+    writer.close()
+    run = load_run(run_dir)
+    assert "val/pass@1" not in run.scalars
+    assert summary_rows([run])[0]["last_step"] == 5
+
+
 def test_label_names_the_objective_from_the_saved_config(tmp_path):
     run_dir = tmp_path / "tiny" / "version_3"
     write_run(run_dir, {"train/kl": [(0, 0.1)]})

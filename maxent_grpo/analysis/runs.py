@@ -141,7 +141,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     # the folder's files read as TensorBoard reads them: a resume's purge_step removes the
     # points the earlier files hold from that step on (also those never written again, as
     # after a rollback to a shorter run); a step written twice without a purge keeps its
-    # last value by wall time
+    # last value by wall time; a tag whose every point a purge removed is not there
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
     events = {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
@@ -149,7 +149,8 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     for tag, written in events.items():
         by_step = {e.step: e.value for e in sorted(written, key=lambda e: e.wall_time)}
         steps = tuple(sorted(by_step))
-        scalars[tag] = Series(steps, tuple(float(by_step[s]) for s in steps))
+        if steps:
+            scalars[tag] = Series(steps, tuple(float(by_step[s]) for s in steps))
     return Run(path=path, label=label or _label(path), scalars=scalars)
 
 
