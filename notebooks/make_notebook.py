@@ -47,7 +47,8 @@ for run in runs:
 runs = [run for run in runs if run.scalars]
 if not runs:  # the cells on runs are skipped; the study's below still run
     print("no runs to show: train first (python -m maxent_grpo fit --config configs/tiny.yaml) "
-          "or name run folders in MAXENT_GRPO_RUNS")"""),
+          "or name run folders in MAXENT_GRPO_RUNS (this reads TensorBoard's event files: a "
+          "run logged by a CSVLogger alone has none)")"""),
     ("markdown", """## Curves
 
 One panel per quantity, one line per run. Panels that no run logged are left out (KL needs
@@ -100,13 +101,18 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
 from maxent_grpo.analysis import format_study_table, load_study, plot_study, study_table
+from maxent_grpo.analysis.runs import locate
 
 STUDY_FILE = "benchmarks/results/maxent_vs_grpo.json"  # relative to the repository root
-if os.environ.get("MAXENT_GRPO_STUDY"):
-    candidates = [Path(os.environ["MAXENT_GRPO_STUDY"])]
+if os.environ.get("MAXENT_GRPO_STUDY"):  # a relative path: from here or a folder above
+    try:
+        study_path = locate(os.environ["MAXENT_GRPO_STUDY"])
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"MAXENT_GRPO_STUDY: {err}") from None
+    candidates = [study_path]
 else:  # the notebook runs from the repository root or from notebooks/
     candidates = [Path(STUDY_FILE), Path("..") / STUDY_FILE]
-study_path = next((p for p in candidates if p.is_file()), None)
+    study_path = next((p for p in candidates if p.is_file()), None)
 study = load_study(study_path) if study_path else None
 if study is None:
     print(f"no study at {candidates[0]}: produce it with python benchmarks/maxent_vs_grpo.py")

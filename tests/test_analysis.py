@@ -171,8 +171,8 @@ def test_relative_run_paths_mean_the_same_from_the_root_and_from_notebooks(
         monkeypatch.chdir(cwd)
         assert load_run("lightning_logs/tiny/version_0").scalars["x"].values == (1.0,)
         assert [p.name for p in find_runs("lightning_logs")] == ["version_0"]
-    with pytest.raises(FileNotFoundError, match=r"no folder lightning_logs/nope in the working "
-                       r"folder .*notebooks or any folder above it"):
+    with pytest.raises(FileNotFoundError, match=r"no file or folder lightning_logs/nope in the "
+                       r"working folder .*notebooks or any folder above it"):
         load_run("lightning_logs/nope")
 
 

@@ -72,14 +72,14 @@ def locate(path: str | os.PathLike) -> Path:
     path = Path(path).expanduser()
     if path.is_absolute() or path.exists():
         if not path.exists():
-            raise FileNotFoundError(f"no folder {path}")
+            raise FileNotFoundError(f"no file or folder {path}")
         return path
     looked = [Path.cwd(), *Path.cwd().parents]
     for folder in looked:
         if (folder / path).exists():
             return folder / path
     raise FileNotFoundError(
-        f"no folder {path} in the working folder {looked[0]} or any folder above it")
+        f"no file or folder {path} in the working folder {looked[0]} or any folder above it")
 
 
 def find_runs(root: str | os.PathLike = "lightning_logs") -> list[Path]:
