@@ -195,7 +195,7 @@ class MaxEntGRPOCLI(LightningCLI):
         purges the later events; :meth:`before_fit` drops the later CSV rows). With
         ``trainer.logger: false`` and no ``default_root_dir`` no config.yaml (it was cwd's)."""
         self._resume: ckpt_io.ResolvedCheckpoint | None = None
-        self._continued: list[tuple[Any, bool]] = []  # logger init_args set here, to undo
+        self._continued: list[tuple[Any, bool, bool]] = []  # logger init_args set here, to undo
         cfg = self._subconfig(self.config)
         trainer = cfg.get("trainer") or {}
         if self.save_config_callback and trainer.get("logger") in (False, []) and not \
@@ -224,19 +224,18 @@ class MaxEntGRPOCLI(LightningCLI):
             cls = errors.import_class(logger.get("class_path"))
             if not (cls and issubclass(cls, (TensorBoardLogger, CSVLogger))):
                 continue
-            args = logger.init_args
-            if args.get("version") is not None:
-                continue  # the user's choice
-            for record in records:
+            args, given = logger.init_args, logger.init_args.get("version")
+            for record in records:  # an explicit version: the user's; purged when the same
                 if (record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
-                        and record.get("version") is not None and record.get("name") == args.get(
+                        and record.get("version") is not None and given in (
+                            None, record["version"]) and record.get("name") == args.get(
                             "name") and _same_dir(record.get("save_dir"), args.get("save_dir"))):
                     args.version = record["version"]
                     purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
                     if purge:  # TensorBoard's steps count batches, not optimizer steps
                         args.purge_step = (resume.global_step if resume.log_step is None
                                            else resume.log_step)  # None: neither recorded
-                    self._continued.append((args, purge))
+                    self._continued.append((args, given is None, purge))
                     records.remove(record)
                     break
 
@@ -246,9 +245,10 @@ class MaxEntGRPOCLI(LightningCLI):
         :meth:`before_instantiate_classes` set taken out of the config again."""
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-        for args, purge in getattr(self, "_continued", []):
+        for args, set_version, purge in getattr(self, "_continued", []):
             # config.yaml shows the options as given, not this run's version and purge_step
-            args.version = None
+            if set_version:
+                args.version = None
             if purge:
                 args.purge_step = None
         trainer = getattr(self, "trainer", None)

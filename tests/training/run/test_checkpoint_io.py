@@ -527,17 +527,21 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
         SimpleNamespace(loggers=[logger]), None, checkpoint)
     resume = ckpt_io.ResolvedCheckpoint("last.ckpt", 7, checkpoint[ckpt_io.LOGGERS_KEY])
 
-    def continued(folder: Path) -> list:
+    def continued(folder: Path, version: Any = None) -> list:
         monkeypatch.chdir(folder)
         cli = SimpleNamespace(_continued=[])
         config = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
                            init_args=Namespace(save_dir="lightning_logs", name="tiny",
-                                               version=None, purge_step=None))
+                                               version=version, purge_step=None))
         MaxEntGRPOCLI._continue_logger_versions(cli, [config], resume)
-        return [(args.version, args.purge_step) for args, _ in cli._continued]
+        return [(args.version, args.purge_step) for args, *_ in cli._continued]
 
     assert continued(other) == []  # B's own run 0 is left alone: a new version
     assert continued(first) == [(0, 7)]
+    # an explicit version, the checkpoint's: purged too (a rollback kept the abandoned
+    # branch's points, a hunt); another version is a run of its own
+    assert continued(first, version=0) == [(0, 7)]
+    assert continued(first, version="other") == []
     # TensorBoard's steps count batches: with num_iterations 2, 6 optimizer steps are 3 of
     # them, and the points past 3 of a longer run that went on from here are purged
     index = {"global_step": 6, "loops": {"fit_loop": {"epoch_loop.batch_progress": {
