@@ -111,6 +111,10 @@ def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
     cli_module.main(plain)  # the second writes beside the first
     assert (runs / "predictions.jsonl").read_text() == first
     assert len((runs / "predictions-1.jsonl").read_text().splitlines()) == 4 * 4
+    # so does --output naming a folder (the second predict replaced the first's file: a hunt)
+    cli_module.main([*plain, "--output", f"{runs}/"])
+    assert (runs / "predictions.jsonl").read_text() == first
+    assert len((runs / "predictions-2.jsonl").read_text().splitlines()) == 4 * 4
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -358,7 +358,7 @@ class CompletionWriter(L.Callback):
         else:
             path = Path(self.output).expanduser()
             folder = path.is_dir() or str(self.output).endswith(("/", os.sep))
-            path = path / DEFAULT_PREDICTIONS if folder else path
+            path = unused_path(path / DEFAULT_PREDICTIONS) if folder else path  # as the default
         self.path = path.absolute()
         problem = refusal = None
         if trainer.is_global_zero:  # the one writer checks, before any sampling
