@@ -266,11 +266,18 @@ def check_logger_folders(trainer: Any) -> None:
     if getattr(trainer, "world_size", 1) != 1 or getattr(trainer, "fast_dev_run", False):
         return
     for logger in getattr(trainer, "loggers", None) or []:
-        folder = getattr(logger, "save_dir", None)
-        why = unwritable(folder, folder=True) if isinstance(folder, str) and folder and (
-            "://" not in folder) else None
-        require(why is None, f"trainer.logger {type(logger).__name__}(save_dir={folder!r}) "
-                f"cannot be written ({why}): give a folder you can write to")
+        folder, named = getattr(logger, "save_dir", None), f"save_dir={logger.save_dir!r}"
+        if isinstance(getattr(logger, "root_dir", None), str):  # <save_dir>/<name>
+            folder, named = logger.root_dir, f"{named}, name={logger.name!r}"
+        why = unwritable(os.path.expanduser(os.path.expandvars(folder)), folder=True) if (
+            isinstance(folder, str) and folder and "://" not in folder) else None
+        require(why is None, f"trainer.logger {type(logger).__name__}({named}) cannot be "
+                f"written ({why}): give a folder you can write to")
+    root = getattr(trainer, "default_root_dir", None)  # config.yaml's folder without a logger
+    why = None if getattr(trainer, "loggers", None) or not isinstance(root, str) or (
+        "://" in root) else unwritable(root, folder=True)
+    require(why is None, f"trainer.default_root_dir {root!r} cannot be written ({why}): give "
+            "a folder you can write to")
 
 
 def no_checkpoints_in_smoke_runs(trainer: Any) -> None:

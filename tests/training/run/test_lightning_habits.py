@@ -348,10 +348,23 @@ def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path):
     def trainer(*loggers, world=1):
         return SimpleNamespace(loggers=list(loggers), world_size=world, fast_dev_run=False)
 
-    with pytest.raises(ValueError, match=r"trainer.logger CSVLogger\(save_dir='.*a_file/logs'\) "
-                                         r"cannot be written \('.*a_file' is not a folder\)"):
+    with pytest.raises(ValueError, match=r"trainer.logger CSVLogger\(save_dir='.*a_file/logs', "
+                       r"name='lightning_logs'\) cannot be written \('.*a_file' is not a fol"):
         check_logger_folders(trainer(good, bad))
     check_logger_folders(trainer(good))
+    # a save_dir that can be written, whose <name> cannot, and a default_root_dir without a
+    # logger (config.yaml's folder): the file system's errno alone, after the model loaded
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "tiny").write_text("")
+    with pytest.raises(ValueError, match=r"TensorBoardLogger\(save_dir='.*logs', name='tiny'\) "
+                                         r"cannot be written \('.*tiny' is not a folder\)"):
+        check_logger_folders(trainer(TensorBoardLogger(save_dir=str(tmp_path / "logs"),
+                                                       name="tiny")))
+    bare = SimpleNamespace(loggers=[], world_size=1, fast_dev_run=False,
+                           default_root_dir=str(tmp_path / "a_file" / "runs"))
+    with pytest.raises(ValueError, match=r"trainer.default_root_dir '.*a_file/runs' cannot be "
+                                         r"written \('.*a_file' is not a folder\)"):
+        check_logger_folders(bare)
     check_logger_folders(trainer(bad, world=2))  # before the process group: one rank alone
     wandb = pytest.importorskip("lightning.pytorch.loggers").WandbLogger
     try:  # the run's config.yaml goes into W&B's save_dir: "[Errno 20] Not a directory" alone
