@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import (
     DeepSpeedStrategy,
     FSDPStrategy,
@@ -230,6 +231,7 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
         check_mesh_size(trainer)
+        expand_logger_folders(trainer)
         check_logger_folders(trainer)
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
@@ -258,6 +260,19 @@ def check_mesh_size(trainer: Any) -> None:
             f"--trainer.strategy.data_parallel_size={nodes * devices} (tensor_parallel_size 1)")
 
 
+def expand_logger_folders(trainer: Any) -> None:
+    """A TensorBoard or CSV logger's local ``save_dir`` with ``~`` or ``$VAR`` expanded:
+    Lightning's TensorBoardLogger expanded them for its files but numbered the versions in
+    the folder as written (no such folder: every fresh run was ``version_0``, mixing their
+    events), and its CSVLogger wrote into a folder literally named ``$VAR``."""
+    for logger in getattr(trainer, "loggers", None) or []:
+        for name in ("_root_dir", "_save_dir"):  # CSV's: both, one for its files
+            given = getattr(logger, name, None)
+            if isinstance(logger, (TensorBoardLogger, CSVLogger)) and isinstance(
+                    given, str) and "://" not in given:
+                setattr(logger, name, os.path.expanduser(os.path.expandvars(given)))
+
+
 def check_logger_folders(trainer: Any) -> None:
     """ValueError naming the logger whose ``save_dir`` cannot be written (W&B's too, where
     its run's config.yaml goes); the error was the file system's alone, without the option,
@@ -269,7 +284,7 @@ def check_logger_folders(trainer: Any) -> None:
         folder, named = getattr(logger, "save_dir", None), f"save_dir={logger.save_dir!r}"
         if isinstance(getattr(logger, "root_dir", None), str):  # <save_dir>/<name>
             folder, named = logger.root_dir, f"{named}, name={logger.name!r}"
-        why = unwritable(os.path.expanduser(os.path.expandvars(folder)), folder=True) if (
+        why = unwritable(folder, folder=True) if (
             isinstance(folder, str) and folder and "://" not in folder) else None
         require(why is None, f"trainer.logger {type(logger).__name__}({named}) cannot be "
                 f"written ({why}): give a folder you can write to")

@@ -373,3 +373,26 @@ def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path):
         return
     with pytest.raises(ValueError, match=r"trainer.logger WandbLogger\(save_dir='.*a_file/w'\)"):
         check_logger_folders(trainer(good, bad_wandb))
+
+
+def test_a_logger_folder_with_a_variable_numbers_its_versions_where_it_writes(tmp_path,
+                                                                               monkeypatch):
+    """``save_dir: $LOGROOT/logs``: TensorBoard wrote into the expanded folder but numbered
+    versions in the one written (none: every fresh run was version_0, two runs' events mixed
+    and the first config.yaml replaced, a hunt); the CSVLogger wrote into a folder named
+    ``$LOGROOT``."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from maxent_grpo.training.step.strategy import attach_for_fit
+
+    monkeypatch.setenv("LOGROOT", str(tmp_path / "root"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "root" / "logs" / "tiny" / "version_0").mkdir(parents=True)
+    loggers = [TensorBoardLogger("$LOGROOT/logs", name="tiny"),
+               CSVLogger("$LOGROOT/logs", name="csv")]
+    attach_for_fit(SimpleNamespace(loggers=loggers, world_size=1, fast_dev_run=False,
+                                   state=SimpleNamespace(fn="validate")), None)
+    assert loggers[0].log_dir == str(tmp_path / "root" / "logs" / "tiny" / "version_1")
+    assert loggers[1].log_dir == str(tmp_path / "root" / "logs" / "csv" / "version_0")
