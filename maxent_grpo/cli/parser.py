@@ -259,6 +259,9 @@ class MaxEntGRPOCLI(LightningCLI):
             trainer.strategy.checkpoint_io = ckpt_io.AtomicCheckpointIO()
         if not any(isinstance(cb, ckpt_io.LoggerVersions) for cb in trainer.callbacks):
             trainer.callbacks.append(ckpt_io.LoggerVersions())
+        for cb in trainer.callbacks:  # a fresh fit into an earlier run's version: warned
+            if isinstance(cb, SaveRunConfig):
+                cb.fresh = self.subcommand == "fit" and self._resume is None
 
     def _use_checked_checkpoint(self) -> None:
         """Hand Lightning the checkpoint that :meth:`before_instantiate_classes` checked (a

@@ -112,10 +112,12 @@ def keep_first_values(logger: Any) -> None:
 RUN_NAMING = ("ckpt_path", "weights_only", "seed_everything")
 
 
-def keep_earlier(path: str, earlier: bytes | None) -> list[tuple[Path, Path | None]]:
+def keep_earlier(path: str, earlier: bytes | None,
+                 fresh: bool = False) -> list[tuple[Path, Path | None]]:
     """A fit that continues a version under changed options (aside from :data:`RUN_NAMING`
     and ``trainer.logger``, which a resume may name anew: the checkpoint restores the
-    random state) keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
+    random state), or a ``fresh`` fit (no checkpoint: an explicit logger ``version`` of an
+    earlier run, warned of), keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
     (``-2``, ... the first free name): the file holds this fit's options. So is the
     loggers' ``hparams.yaml`` beside it (TensorBoard writes one only where none is: it kept
     the first fit's values). Returns what it did: ``(file written, None)`` and ``(file
@@ -128,7 +130,7 @@ def keep_earlier(path: str, earlier: bytes | None) -> list[tuple[Path, Path | No
         return {**{k: v for k, v in config.items() if k not in RUN_NAMING}, "trainer": trainer}
 
     with open(path, "rb") as file:
-        if earlier is None or options(earlier) == options(file.read()):
+        if earlier is None or not fresh and options(earlier) == options(file.read()):
             return []
     keep = unused_path(Path(path))
     keep.write_bytes(earlier)
@@ -137,8 +139,14 @@ def keep_earlier(path: str, earlier: bytes | None) -> list[tuple[Path, Path | No
     if hparams.is_file():
         done.append((unused_path(hparams), hparams))
         os.replace(hparams, done[-1][0])
-    logging.getLogger(__name__).info(
-        "%s: this fit's options differ from the earlier fit's, kept as %s", path, keep.name)
+    if fresh:
+        logging.getLogger(__name__).warning(
+            "%s is an earlier run's log folder (a logger version given?): this fit, which "
+            "resumes no checkpoint, logs beside that run's points there; its config.yaml is "
+            "kept as %s", os.path.dirname(path), keep.name)
+    else:
+        logging.getLogger(__name__).info(
+            "%s: this fit's options differ from the earlier fit's, kept as %s", path, keep.name)
     return done
 
 
@@ -161,14 +169,16 @@ class SaveRunConfig(SaveConfigCallback):
     under ``config``, as the hyper-parameters of every logger but TensorBoard and CSV (W&B,
     MLflow, ...: their runs showed only the module's plain options, not the objective,
     optimizer, scheduler, adapters, data or trainer). A fit replaces the file of the
-    version it continues (one under changed options keeps the earlier as ``config-1.yaml``:
-    :func:`keep_earlier`); ``validate``, ``test`` or ``predict`` in a run folder that holds
-    one (a W&B ``id``, an MLflow ``run_id``) writes ``<stage>_config.yaml`` beside it and
+    version it continues (one under changed options, or a ``fresh`` fit's, keeps the earlier
+    as ``config-1.yaml``: :func:`keep_earlier`); ``validate``, ``test`` or ``predict`` in a
+    run folder that holds one (a W&B ``id``, an MLflow ``run_id``) writes
+    ``<stage>_config.yaml`` beside it and
     leaves the logger's hyper-parameters as the fit logged them. A fit that fails before it
     trains (a resume its checkpoint's checks refuse) puts the files it replaced back (it
     left the version's ``config.yaml`` holding the options that were refused)."""
 
     _put_back: list[tuple[str, bytes, list[tuple[Path, Path | None]]]] = []
+    fresh = False  # a fit that resumes no checkpoint (the command line sets it)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._put_back = []
@@ -200,7 +210,7 @@ class SaveRunConfig(SaveConfigCallback):
                 earlier = None if kept or not os.path.isfile(path) else Path(path).read_bytes()
                 self.parser.save(self.config, path, skip_unset=False, overwrite=True,
                                  multifile=self.multifile)
-                moved = keep_earlier(path, earlier)
+                moved = keep_earlier(path, earlier, stage == "fit" and self.fresh)
                 if stage == "fit" and earlier is not None:  # a version this fit continues
                     self._put_back.append((path, earlier, moved))
             logger = loggers[n] if n < len(loggers) else None

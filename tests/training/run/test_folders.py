@@ -129,6 +129,21 @@ def test_every_logger_of_a_run_has_its_config_yaml(cwd, monkeypatch):
         "objective"]["class_path"] == "maxent_grpo.objectives.GRPO"
 
 
+def test_a_fresh_fit_into_an_earlier_runs_version_keeps_its_config_and_says_so(cwd, caplog):
+    """Two fits that resume nothing with one explicit logger ``version``: the second
+    replaced the first's config.yaml (its seed lost) and mixed its curves into the folder
+    without a word (a hunt); vanilla LightningCLI refuses an existing config.yaml."""
+    logger = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+              f"--trainer.logger.save_dir={cwd / 'logs'}", "--trainer.logger.version=fixed"]
+    fit(cwd, [*logger, "--seed_everything=1"])
+    with caplog.at_level(logging.WARNING):
+        cli = fit(cwd, [*logger, "--seed_everything=2"])
+    folder = Path(cli.trainer.logger.log_dir)
+    assert yaml.safe_load((folder / "config-1.yaml").read_text())["seed_everything"] == 1
+    assert yaml.safe_load((folder / "config.yaml").read_text())["seed_everything"] == 2
+    assert "is an earlier run's log folder (a logger version given?)" in caplog.text
+
+
 def test_an_mlflow_server_that_refuses_connections_is_named_at_once(caplog, monkeypatch,
                                                                    tmp_path):
     """mlflow retried for minutes before saying anything (4 min 17 s measured)."""
