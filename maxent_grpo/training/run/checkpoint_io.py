@@ -175,6 +175,7 @@ class ResolvedCheckpoint:
     trusted: bool = False  # loaded with weights_only=False (--weights_only false)
     seed: int | bool | None = None  # the run's seed_everything (False: unseeded); None: not
     # recorded (an older checkpoint, or one without an index to read)
+    saved_in: tuple[str, ...] = ()  # its ModelCheckpoints' dirpaths then (a run folder moved)
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -241,7 +242,9 @@ def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> 
         global_step=int(step) if step is not None else None,
         loggers=list(index.get(LOGGERS_KEY) or []),
         skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted,
-        seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"))
+        seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"), saved_in=tuple(
+            state["dirpath"] for state in (index.get("callbacks") or {}).values()
+            if isinstance(state, dict) and isinstance(state.get("dirpath"), str)))
 
 
 def _describe(found: ResolvedCheckpoint) -> str:

@@ -301,6 +301,31 @@ def absolute_folder(folder: Any) -> Any:
     return os.path.abspath(os.path.expanduser(os.path.expandvars(str(folder))))
 
 
+def rerooted(folder: Any, path: str, then: tuple[str, ...], now: list[str]) -> Any:
+    """``folder``, recorded when checkpoint ``path`` was saved, where it is now when the run
+    folder was moved whole: a checkpoint folder it was saved in (``then``) is a configured
+    one that holds ``path`` now (``now``) at another place, and the parts their paths do not
+    end alike in are the old and new roots; ``folder`` as it is otherwise, or when nothing
+    is at its new place."""
+    local = [str(f) for f in (folder, path, *then, *now) if isinstance(f, str)]
+    if not isinstance(folder, str) or any("://" in f for f in local):
+        return folder
+    recorded = Path(absolute_folder(folder))
+    for old, new in ((Path(absolute_folder(o)), Path(absolute_folder(n))) for o in then
+                     for n in now):
+        if old == new or not Path(absolute_folder(path)).is_relative_to(new):
+            continue
+        n = 0  # the common end: old/<x>, new/<x>
+        while n < min(len(old.parts), len(new.parts)) - 1 and old.parts[-1 - n] == new.parts[
+                -1 - n]:
+            n += 1
+        if n and recorded.is_relative_to(old.parents[n - 1]):
+            moved = new.parents[n - 1] / recorded.relative_to(old.parents[n - 1])
+            if moved.is_dir():
+                return str(moved)
+    return folder
+
+
 def continue_csv_log(logger: Any, resume_step: int | None) -> int:
     """Keep the ``metrics.csv`` of a CSVLogger that continues a version folder (Lightning's
     writer deletes it): rows with ``step < resume_step`` are written back and the writer

@@ -529,7 +529,7 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
 
     def continued(folder: Path, version: Any = None) -> list:
         monkeypatch.chdir(folder)
-        cli = SimpleNamespace(_continued=[])
+        cli = SimpleNamespace(_continued=[], _checkpoint_dirpaths=lambda: [])
         config = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
                            init_args=Namespace(save_dir="lightning_logs", name="tiny",
                                                version=version, purge_step=None))
@@ -555,6 +555,42 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
         SimpleNamespace(loggers=[TensorBoardLogger("~/A", name="tiny", version=0)]), None,
         checkpoint)
     assert checkpoint[ckpt_io.LOGGERS_KEY][0]["save_dir"] == str(first)
+
+
+def test_a_resume_of_a_run_folder_moved_whole_continues_its_log_version(tmp_path, monkeypatch):
+    """The checkpoints of a run folder moved (or copied) whole went on in place, but its
+    loggers' recorded save_dir was the old place, so the resume logged into a new version
+    (one run shown as two, a hunt); a checkpoint named from elsewhere still starts one."""
+    import shutil
+    from types import SimpleNamespace
+
+    from jsonargparse import Namespace
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from maxent_grpo.cli.parser import MaxEntGRPOCLI
+
+    old, new = tmp_path / "A", tmp_path / "B"
+    (old / "lightning_logs" / "tiny" / "version_0").mkdir(parents=True)
+    (old / "lightning_logs" / "tiny" / "checkpoints").mkdir()
+    checkpoint: dict[str, Any] = {"global_step": 7, "callbacks": {"ModelCheckpoint{...}": {
+        "dirpath": str(old / "lightning_logs" / "tiny" / "checkpoints")}}}
+    ckpt_io.LoggerVersions().on_save_checkpoint(SimpleNamespace(loggers=[TensorBoardLogger(
+        old / "lightning_logs", name="tiny", version=0)]), None, checkpoint)
+    shutil.move(old, new)
+    monkeypatch.chdir(new)
+
+    def continued(path: Path) -> list:
+        resume = ckpt_io._resolved(str(path), checkpoint, [])
+        cli = SimpleNamespace(_continued=[], _checkpoint_dirpaths=lambda: [
+            str(new / "lightning_logs" / "tiny" / "checkpoints")])
+        config = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                           init_args=Namespace(save_dir="lightning_logs", name="tiny",
+                                               version=None, purge_step=None))
+        MaxEntGRPOCLI._continue_logger_versions(cli, [config], resume)
+        return [(args.version, args.purge_step) for args, *_ in cli._continued]
+
+    assert continued(new / "lightning_logs" / "tiny" / "checkpoints" / "last.ckpt") == [(0, 7)]
+    assert continued(tmp_path / "elsewhere" / "last.ckpt") == []
 
 
 def saving_every(tmp_path: Path, monkeypatch, steps: int, every: int, **model: Any) -> Path:
