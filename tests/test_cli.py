@@ -680,6 +680,25 @@ def test_a_config_before_its_subcommand_is_refused_naming_the_order(tmp_path, ca
     assert "max_steps: 3" in capsys.readouterr().out
 
 
+def test_an_option_given_before_a_config_that_sets_it_is_refused(tmp_path, capsys):
+    """``fit --trainer.max_steps 3 --config tiny`` trained 800 steps: the later value wins
+    and the typed one was dropped without a word (a hunt); after the config it is taken,
+    and so is an option before a config that does not set it."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("trainer:\n  max_steps: 800\nmodel:\n  objective.init_args.beta: 0.1\n")
+    for given in (["--trainer.max_steps", "3"], ["--trainer.max_steps=3"],
+                  ["--model.objective.init_args.beta=0.2"]):
+        option = given[0].partition("=")[0]
+        with pytest.raises(ValueError, match=f"{option} is given before --config {mine}, "
+                                             f"which sets it too.*give {option} after"):
+            cli_module.cli_help.check_given_configs(["fit", *given, "--config", str(mine)])
+    cli_module.cli_help.check_given_configs(["fit", "--config", str(mine), "--trainer.max_steps",
+                                            "3", "--model.top_p=0.9", "--config", "x: 1"])
+    cli_module.cli_help.check_given_configs(["fit", "--model.top_p=0.9", "--config", str(mine)])
+    with pytest.raises(ValueError, match="--trainer.max_steps is given before --config"):
+        cli_module.main(["fit", "--trainer.max_steps", "3", "--config", "tiny", "--print_config"])
+
+
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):
     """``predict`` writes graded completions (tests/test_predict.py); a command that does not
     exist is refused, naming them and ``export``."""

@@ -299,7 +299,8 @@ def check_given_configs(args: list[str]) -> None:
     model.yaml``): the parser drops it without a word and takes the source's value. Also
     when a subcommand's config comes before the subcommand (``--config my.yaml fit``): the
     parser reads no ``trainer``/``model``/``data`` there (``--print_config`` then wrote the
-    defaults)."""
+    defaults). And when an option given before a ``--config`` is set by it too (the later
+    value wins: the one typed was dropped without a word)."""
     first = next((i for i, a in enumerate(args) if a in SUBCOMMANDS), len(args))
     from jsonargparse import get_loader
 
@@ -325,6 +326,14 @@ def check_given_configs(args: list[str]) -> None:
                 f"({PROG} {args[first]} --config {value})")
         parts = [config] + [config[sub] for sub in SUBCOMMANDS if isinstance(config, dict)
                             and isinstance(config.get(sub), dict)]  # a whole-CLI config's
+        for earlier in args[first + 1:i] if flag == "--config" else []:
+            option = earlier.partition("=")[0][2:]
+            if earlier.startswith("--") and option not in ("config", "c") and any(
+                    _sets(part, option.split(".")) for part in parts):
+                raise ValueError(
+                    f"--{option} is given before --config {value}, which sets it too: the "
+                    f"later one wins, so the value given would be ignored; give --{option} "
+                    f"after --config {value}")
         for (source, target), part in itertools.product(LINKS, parts):
             group, key = target.split(".")
             section = part.get(group) if isinstance(part, dict) else None
@@ -337,6 +346,15 @@ def check_given_configs(args: list[str]) -> None:
                     f"{flag} {value} sets {target}, which is set from {source} (linked "
                     f"options are given once, and this value would be ignored): set {source} "
                     f"instead and remove {target}")
+
+
+def _sets(config: Any, keys: list[str]) -> bool:
+    """Whether ``config`` sets the option ``keys`` (nested, dotted, or both)."""
+    if not keys:
+        return True
+    return isinstance(config, dict) and any(
+        ".".join(keys[:j]) in config and _sets(config[".".join(keys[:j])], keys[j:])
+        for j in range(1, len(keys) + 1))
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by
