@@ -262,9 +262,6 @@ class MaxEntGRPOCLI(LightningCLI):
             trainer.strategy.checkpoint_io = ckpt_io.AtomicCheckpointIO()
         if not any(isinstance(cb, ckpt_io.LoggerVersions) for cb in trainer.callbacks):
             trainer.callbacks.append(ckpt_io.LoggerVersions())
-        for cb in trainer.callbacks:  # a fresh fit into an earlier run's version: warned
-            if isinstance(cb, SaveRunConfig):
-                cb.fresh = self.subcommand == "fit" and self._resume is None
 
     def _use_checked_checkpoint(self) -> None:
         """Hand Lightning the checkpoint that :meth:`before_instantiate_classes` checked (a
@@ -312,6 +309,9 @@ class MaxEntGRPOCLI(LightningCLI):
             self.config_init[str(self.subcommand)]["ckpt_path"] = None
             rank_zero_info(f"--ckpt_path last: no checkpoint yet in {', '.join(folders)}: the "
                            "fit starts from step 0")
+        for cb in self.trainer.callbacks:  # a fit that resumes nothing: its own config.yaml
+            if isinstance(cb, SaveRunConfig):
+                cb.fresh = not self.config_init[str(self.subcommand)]["ckpt_path"]
         if self._resume is None and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
             dirpaths = (getattr(cb, "dirpath", None) for cb in callbacks)  # any Checkpoint
             for folder in dict.fromkeys(str(path) for path in dirpaths if path):

@@ -117,10 +117,10 @@ def keep_earlier(path: str, earlier: bytes | None,
     """A fit that continues a version under changed options (aside from :data:`RUN_NAMING`
     and ``trainer.logger``, which a resume may name anew: the checkpoint restores the
     random state), or a ``fresh`` fit (no checkpoint: an explicit logger ``version`` of an
-    earlier run, warned of), keeps that version's earlier ``config.yaml`` as ``config-1.yaml``
-    (``-2``, ... the first free name): the file holds this fit's options. So is the
-    loggers' ``hparams.yaml`` beside it (TensorBoard writes one only where none is: it kept
-    the first fit's values). Returns what it did: ``(file written, None)`` and ``(file
+    earlier run, or no logger; warned of), keeps that version's earlier ``config.yaml`` as
+    ``config-1.yaml`` (``-2``, ... the first free name): the file holds this fit's options.
+    So is the loggers' ``hparams.yaml`` beside it (TensorBoard writes one only where none
+    is: it kept the first fit's values). Returns what it did: ``(file written, None)`` and ``(file
     moved to, from)``."""
     def options(text: bytes) -> Any:
         config = yaml.safe_load(text) or {}
@@ -141,9 +141,9 @@ def keep_earlier(path: str, earlier: bytes | None,
         os.replace(hparams, done[-1][0])
     if fresh:
         logging.getLogger(__name__).warning(
-            "%s is an earlier run's log folder (a logger version given?): this fit, which "
-            "resumes no checkpoint, logs beside that run's points there; its config.yaml is "
-            "kept as %s", os.path.dirname(path), keep.name)
+            "%s holds an earlier run's config.yaml (a logger version given, or no logger: "
+            "one folder for every run): this fit, which resumes no checkpoint, writes its own "
+            "there and keeps that one as %s", os.path.dirname(path), keep.name)
     else:
         logging.getLogger(__name__).info(
             "%s: this fit's options differ from the earlier fit's, kept as %s", path, keep.name)

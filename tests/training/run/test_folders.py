@@ -134,14 +134,23 @@ def test_a_fresh_fit_into_an_earlier_runs_version_keeps_its_config_and_says_so(c
     replaced the first's config.yaml (its seed lost) and mixed its curves into the folder
     without a word (a hunt); vanilla LightningCLI refuses an existing config.yaml."""
     logger = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
-              f"--trainer.logger.save_dir={cwd / 'logs'}", "--trainer.logger.version=fixed"]
+              f"--trainer.logger.save_dir={cwd / 'logs'}", "--trainer.logger.version=fixed",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={cwd / 'ck'}", "--trainer.callbacks.save_last=true"]
     fit(cwd, [*logger, "--seed_everything=1"])
     with caplog.at_level(logging.WARNING):
         cli = fit(cwd, [*logger, "--seed_everything=2"])
     folder = Path(cli.trainer.logger.log_dir)
     assert yaml.safe_load((folder / "config-1.yaml").read_text())["seed_everything"] == 1
     assert yaml.safe_load((folder / "config.yaml").read_text())["seed_everything"] == 2
-    assert "is an earlier run's log folder (a logger version given?)" in caplog.text
+    assert "holds an earlier run's config.yaml (a logger version given" in caplog.text
+    caplog.clear()  # a resume of it (--ckpt_path) keeps none and says nothing
+    with caplog.at_level(logging.WARNING):
+        fit(cwd, [*logger, "--seed_everything=2",
+                  f"--ckpt_path={cwd / 'ck' / 'last.ckpt'}"])
+    assert "holds an earlier run's" not in caplog.text
+    assert sorted(p.name for p in folder.glob("config*.yaml")) == ["config-1.yaml",
+                                                                   "config.yaml"]
 
 
 def test_an_mlflow_server_that_refuses_connections_is_named_at_once(caplog, monkeypatch,
