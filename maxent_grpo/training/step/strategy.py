@@ -289,7 +289,9 @@ def check_logger_folders(trainer: Any) -> None:
         require(why is None, f"trainer.logger {type(logger).__name__}({named}) cannot be "
                 f"written ({why}): give a folder you can write to")
     root = getattr(trainer, "default_root_dir", None)  # config.yaml's folder without a logger
-    why = None if getattr(trainer, "loggers", None) or not isinstance(root, str) or (
+    given = isinstance(root, str) and (getattr(trainer, "default_root_dir_given", False) or (
+        os.path.abspath(root) != os.getcwd()))  # Lightning's default: the working folder
+    why = None if getattr(trainer, "loggers", None) or not given or (
         "://" in root) else unwritable(root, folder=True)
     require(why is None, f"trainer.default_root_dir {root!r} cannot be written ({why}): give "
             "a folder you can write to")

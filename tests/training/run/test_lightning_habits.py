@@ -7,6 +7,7 @@ scheduler, stepped by our loop, is read by ``LearningRateMonitor`` at every step
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -332,7 +333,7 @@ def test_an_fsdp2_mesh_of_another_size_than_the_processes_is_refused_by_name():
     check_mesh_size(SimpleNamespace(num_nodes=1, num_devices=2, strategy=None))  # not FSDP2
 
 
-def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path):
+def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path, monkeypatch):
     """``--trainer.logger.init_args.save_dir`` below a file (or read-only) was the file
     system's "[Errno 20] Not a directory" alone, after the model loaded."""
     from types import SimpleNamespace
@@ -365,6 +366,13 @@ def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path):
     with pytest.raises(ValueError, match=r"trainer.default_root_dir '.*a_file/runs' cannot be "
                                          r"written \('.*a_file' is not a folder\)"):
         check_logger_folders(bare)
+    # not given: Lightning's default, the working folder, where nothing may be written
+    # (readers: an unwritable working folder was refused, naming an option never set)
+    with monkeypatch.context() as patched:
+        patched.chdir(tmp_path)
+        patched.setattr("os.access", lambda *a, **kw: False)
+        check_logger_folders(SimpleNamespace(loggers=[], world_size=1, fast_dev_run=False,
+                                             default_root_dir=os.getcwd()))
     check_logger_folders(trainer(bad, world=2))  # before the process group: one rank alone
     wandb = pytest.importorskip("lightning.pytorch.loggers").WandbLogger
     try:  # the run's config.yaml goes into W&B's save_dir: "[Errno 20] Not a directory" alone
