@@ -228,12 +228,12 @@ class MaxEntGRPOCLI(LightningCLI):
             args, given = logger.init_args, logger.init_args.get("version")
             for record in records:  # an explicit version: the user's; purged when the same
                 if (record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
-                        and record.get("version") is not None and given in (
-                            None, record["version"]) and record.get("name") == args.get(
+                        and record.get("version") is not None and _folder(given) in (
+                            None, _folder(record["version"])) and record.get("name") == args.get(
                             "name") and _same_dir(rerooted(  # the run folder moved whole?
                                 record.get("save_dir"), resume.path, resume.saved_in,
                                 self._checkpoint_dirpaths()), args.get("save_dir"))):
-                    args.version = record["version"]
+                    args.version = record["version"] if given is None else given
                     purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
                     if purge:  # TensorBoard's steps count batches, not optimizer steps
                         args.purge_step = (resume.global_step if resume.log_step is None
@@ -342,6 +342,10 @@ class MaxEntGRPOCLI(LightningCLI):
                 resume = self._resume  # its rows' steps count batches, as TensorBoard's
                 continue_csv_log(logger, resume.global_step if resume.log_step is None
                                  else resume.log_step)
+
+
+def _folder(version: Any) -> str | None:  # a logger version's folder name: 0 is version_0
+    return version if version is None or isinstance(version, str) else f"version_{version}"
 
 
 def _same_dir(a: Any, b: Any) -> bool:

@@ -541,6 +541,7 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
     # an explicit version, the checkpoint's: purged too (a rollback kept the abandoned
     # branch's points, a hunt); another version is a run of its own
     assert continued(first, version=0) == [(0, 7)]
+    assert continued(first, version="version_0") == [("version_0", 7)]  # the same folder
     assert continued(first, version="other") == []
     # TensorBoard's steps count batches: with num_iterations 2, 6 optimizer steps are 3 of
     # them, and the points past 3 of a longer run that went on from here are purged
