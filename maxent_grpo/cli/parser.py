@@ -42,7 +42,7 @@ from maxent_grpo.training.run.folders import (
     SaveRunConfig,
     absolute_folder,
     continue_csv_log,
-    rerooted,
+    logger_places,
     warn_unreachable_trackers,
 )
 from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
@@ -230,9 +230,9 @@ class MaxEntGRPOCLI(LightningCLI):
                 if (record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
                         and record.get("version") is not None and _folder(given) in (
                             None, _folder(record["version"])) and record.get("name") == args.get(
-                            "name") and _same_dir(rerooted(  # the run folder moved whole?
-                                record.get("save_dir"), resume.path, resume.saved_in,
-                                self._checkpoint_dirpaths()), args.get("save_dir"))):
+                            "name") and any(_same_dir(place, args.get("save_dir")) for place in
+                                            logger_places(record.get("save_dir"), resume.path,
+                                            resume.saved_in, self._checkpoint_dirpaths()))):
                     args.version = record["version"] if given is None else given
                     purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
                     if purge:  # TensorBoard's steps count batches, not optimizer steps

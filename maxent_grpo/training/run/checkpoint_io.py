@@ -175,7 +175,8 @@ class ResolvedCheckpoint:
     trusted: bool = False  # loaded with weights_only=False (--weights_only false)
     seed: int | bool | None = None  # the run's seed_everything (False: unseeded); None: not
     # recorded (an older checkpoint, or one without an index to read)
-    saved_in: tuple[str, ...] = ()  # its ModelCheckpoints' dirpaths then (a run folder moved)
+    #: each ModelCheckpoint's dirpath then and the checkpoints it named (a run folder moved)
+    saved_in: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -242,9 +243,11 @@ def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> 
         global_step=int(step) if step is not None else None,
         loggers=list(index.get(LOGGERS_KEY) or []),
         skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted,
-        seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"), saved_in=tuple(
-            state["dirpath"] for state in (index.get("callbacks") or {}).values()
-            if isinstance(state, dict) and isinstance(state.get("dirpath"), str)))
+        seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"), saved_in=tuple((s["dirpath"], tuple(
+            p for p in (s.get("last_model_path"), s.get("best_model_path"), *(s.get(
+                "best_k_models") or {})) if isinstance(p, str) and p)) for s in (index.get(
+                    "callbacks") or {}).values() if isinstance(s, dict) and isinstance(
+                        s.get("dirpath"), str)))
 
 
 def _describe(found: ResolvedCheckpoint) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import logging
 import os
 import posixpath
@@ -301,29 +302,31 @@ def absolute_folder(folder: Any) -> Any:
     return os.path.abspath(os.path.expanduser(os.path.expandvars(str(folder))))
 
 
-def rerooted(folder: Any, path: str, then: tuple[str, ...], now: list[str]) -> Any:
-    """``folder``, recorded when checkpoint ``path`` was saved, where it is now when the run
-    folder was moved whole: a checkpoint folder it was saved in (``then``) is a configured
-    one that holds ``path`` now (``now``) at another place, and the parts their paths do not
-    end alike in are the old and new roots; ``folder`` as it is otherwise, or when nothing
-    is at its new place."""
-    local = [str(f) for f in (folder, path, *then, *now) if isinstance(f, str)]
-    if not isinstance(folder, str) or any("://" in f for f in local):
-        return folder
-    recorded = Path(absolute_folder(folder))
-    for old, new in ((Path(absolute_folder(o)), Path(absolute_folder(n))) for o in then
-                     for n in now):
-        if old == new or not Path(absolute_folder(path)).is_relative_to(new):
+def logger_places(folder: Any, path: str, saved_in: tuple[tuple[str, tuple[str, ...]], ...],
+                  now: list[str]) -> list[Any]:
+    """Where ``folder``, recorded when checkpoint ``path`` was saved, may be now: as recorded,
+    and where the run folder was moved or copied whole: a saver's folder then (``saved_in``:
+    its dirpath, the checkpoints it named, ``path`` among them) is a configured one now
+    (``now``), at another place that holds every one of them; the parts the two folders'
+    paths do not end alike in are the old and the new root."""
+    places = [folder]
+    if not isinstance(folder, str) or any("://" in str(f) for f in (folder, path, *now)):
+        return places
+    recorded, here = Path(absolute_folder(folder)), Path(absolute_folder(path))
+    for (then, named), new in itertools.product(saved_in, map(Path, map(absolute_folder, now))):
+        old = Path(absolute_folder(then))
+        if old == new or not here.is_relative_to(new) or str(
+                old / here.relative_to(new)) not in named or not all(
+                    Path(p).is_relative_to(old) and (new / Path(p).relative_to(old)).exists()
+                    for p in named):
             continue
-        n = 0  # the common end: old/<x>, new/<x>
+        n = 0  # the common end: <old root>/<x>, <new root>/<x>
         while n < min(len(old.parts), len(new.parts)) - 1 and old.parts[-1 - n] == new.parts[
                 -1 - n]:
             n += 1
         if n and recorded.is_relative_to(old.parents[n - 1]):
-            moved = new.parents[n - 1] / recorded.relative_to(old.parents[n - 1])
-            if moved.is_dir():
-                return str(moved)
-    return folder
+            places.append(str(new.parents[n - 1] / recorded.relative_to(old.parents[n - 1])))
+    return places
 
 
 def continue_csv_log(logger: Any, resume_step: int | None) -> int:

@@ -561,7 +561,9 @@ def test_a_resume_from_another_folder_does_not_take_over_that_folders_logs(tmp_p
 def test_a_resume_of_a_run_folder_moved_whole_continues_its_log_version(tmp_path, monkeypatch):
     """The checkpoints of a run folder moved (or copied) whole went on in place, but its
     loggers' recorded save_dir was the old place, so the resume logged into a new version
-    (one run shown as two, a hunt); a checkpoint named from elsewhere still starts one."""
+    (one run shown as two, a hunt). Not another project's run, whose checkpoint was copied
+    into this folder (readers: its version was continued and purged), nor a run whose
+    checkpoints alone moved (its logs are where they were)."""
     import shutil
     from types import SimpleNamespace
 
@@ -570,28 +572,42 @@ def test_a_resume_of_a_run_folder_moved_whole_continues_its_log_version(tmp_path
 
     from maxent_grpo.cli.parser import MaxEntGRPOCLI
 
-    old, new = tmp_path / "A", tmp_path / "B"
-    (old / "lightning_logs" / "tiny" / "version_0").mkdir(parents=True)
-    (old / "lightning_logs" / "tiny" / "checkpoints").mkdir()
-    checkpoint: dict[str, Any] = {"global_step": 7, "callbacks": {"ModelCheckpoint{...}": {
-        "dirpath": str(old / "lightning_logs" / "tiny" / "checkpoints")}}}
-    ckpt_io.LoggerVersions().on_save_checkpoint(SimpleNamespace(loggers=[TensorBoardLogger(
-        old / "lightning_logs", name="tiny", version=0)]), None, checkpoint)
-    shutil.move(old, new)
-    monkeypatch.chdir(new)
+    def project(root: Path) -> dict[str, Any]:
+        (root / "lightning_logs" / "tiny" / "version_0").mkdir(parents=True)
+        saved = root / "lightning_logs" / "tiny" / "checkpoints"
+        saved.mkdir()
+        (saved / "last.ckpt").write_bytes(b"")
+        checkpoint: dict[str, Any] = {"global_step": 7, "callbacks": {"ModelCheckpoint{}": {
+            "dirpath": str(saved), "last_model_path": str(saved / "last.ckpt")}}}
+        ckpt_io.LoggerVersions().on_save_checkpoint(SimpleNamespace(loggers=[TensorBoardLogger(
+            root / "lightning_logs", name="tiny", version=0)]), None, checkpoint)
+        return checkpoint
 
-    def continued(path: Path) -> list:
+    def continued(checkpoint: dict, path: Path, saver: Path) -> list:
         resume = ckpt_io._resolved(str(path), checkpoint, [])
-        cli = SimpleNamespace(_continued=[], _checkpoint_dirpaths=lambda: [
-            str(new / "lightning_logs" / "tiny" / "checkpoints")])
+        cli = SimpleNamespace(_continued=[], _checkpoint_dirpaths=lambda: [str(saver)])
         config = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
                            init_args=Namespace(save_dir="lightning_logs", name="tiny",
                                                version=None, purge_step=None))
         MaxEntGRPOCLI._continue_logger_versions(cli, [config], resume)
         return [(args.version, args.purge_step) for args, *_ in cli._continued]
 
-    assert continued(new / "lightning_logs" / "tiny" / "checkpoints" / "last.ckpt") == [(0, 7)]
-    assert continued(tmp_path / "elsewhere" / "last.ckpt") == []
+    old, new, other = tmp_path / "A", tmp_path / "B", tmp_path / "C"
+    checkpoint = project(old)
+    shutil.move(old, new)
+    monkeypatch.chdir(new)
+    saver = new / "lightning_logs" / "tiny" / "checkpoints"
+    assert continued(checkpoint, saver / "last.ckpt", saver) == [(0, 7)]
+    assert continued(checkpoint, tmp_path / "elsewhere" / "last.ckpt", saver) == []
+    project(other)  # another project, given new's checkpoint under another name
+    monkeypatch.chdir(other)
+    saver = other / "lightning_logs" / "tiny" / "checkpoints"
+    shutil.copy(new / "lightning_logs" / "tiny" / "checkpoints" / "last.ckpt", saver / "B.ckpt")
+    assert continued(checkpoint, saver / "B.ckpt", saver) == []
+    checkpoint = project(old)  # the checkpoints alone moved: the logs go on where they are
+    shutil.move(old / "lightning_logs" / "tiny" / "checkpoints", old / "ckpts")
+    monkeypatch.chdir(old)
+    assert continued(checkpoint, old / "ckpts" / "last.ckpt", old / "ckpts") == [(0, 7)]
 
 
 def saving_every(tmp_path: Path, monkeypatch, steps: int, every: int, **model: Any) -> Path:
