@@ -697,6 +697,20 @@ def test_an_option_given_before_a_config_that_sets_it_is_refused(tmp_path, capsy
     cli_module.cli_help.check_given_configs(["fit", "--model.top_p=0.9", "--config", str(mine)])
     with pytest.raises(ValueError, match="--trainer.max_steps is given before --config"):
         cli_module.main(["fit", "--trainer.max_steps", "3", "--config", "tiny", "--print_config"])
+    # a class's or a group's options in the config are merged with one given before it
+    # (readers: those were refused); a list appended to (+=) is replaced, and a short form
+    # without init_args is the same option
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    for before, config in ((["--model.objective", "EntropyMaxEnt"], str(mine)),
+                           (["--trainer.logger", "CSVLogger"], "{trainer: {logger: {init_args: "
+                                                               "{name: mine}}}}"),
+                           (["--model", "{temperature: 0.7}"], "{model: {top_p: 0.5}}")):
+        cli_module.cli_help.check_given_configs(["fit", *before, "--config", config])
+    for before in (["--trainer.callbacks+=LearningRateMonitor"],
+                   ["--model.objective.beta", "0.2"]):
+        option = before[0].partition("=")[0].removesuffix("+")
+        with pytest.raises(ValueError, match=f"{option} is given before --config"):
+            cli_module.cli_help.check_given_configs(["fit", *before, "--config", tiny])
 
 
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):

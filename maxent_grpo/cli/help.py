@@ -327,9 +327,10 @@ def check_given_configs(args: list[str]) -> None:
         parts = [config] + [config[sub] for sub in SUBCOMMANDS if isinstance(config, dict)
                             and isinstance(config.get(sub), dict)]  # a whole-CLI config's
         for earlier in args[first + 1:i] if flag == "--config" else []:
-            option = earlier.partition("=")[0][2:]
+            option = earlier.partition("=")[0][2:].removesuffix("+")  # += appends to a list
             if earlier.startswith("--") and option not in ("config", "c") and any(
-                    _sets(part, option.split(".")) for part in parts):
+                    _replaces(_value(part, option.split(".")), "+" in earlier.partition("=")[0])
+                    for part in parts):
                 raise ValueError(
                     f"--{option} is given before --config {value}, which sets it too: the "
                     f"later one wins, so the value given would be ignored; give --{option} "
@@ -348,13 +349,30 @@ def check_given_configs(args: list[str]) -> None:
                     f"instead and remove {target}")
 
 
-def _sets(config: Any, keys: list[str]) -> bool:
-    """Whether ``config`` sets the option ``keys`` (nested, dotted, or both)."""
+_ABSENT = object()
+
+
+def _value(config: Any, keys: list[str]) -> Any:
+    """What ``config`` gives the option ``keys`` (nested, dotted, or both; a class's
+    ``init_args`` may be left out, as on the command line), or ``_ABSENT``."""
     if not keys:
-        return True
-    return isinstance(config, dict) and any(
-        ".".join(keys[:j]) in config and _sets(config[".".join(keys[:j])], keys[j:])
-        for j in range(1, len(keys) + 1))
+        return config
+    if not isinstance(config, dict):
+        return _ABSENT
+    for j in range(1, len(keys) + 1):
+        if ".".join(keys[:j]) in config and (
+                found := _value(config[".".join(keys[:j])], keys[j:])) is not _ABSENT:
+            return found
+    return _value(config["init_args"], keys) if keys[0] != "init_args" and isinstance(
+        config.get("init_args"), dict) else _ABSENT
+
+
+def _replaces(value: Any, appended: bool) -> bool:
+    """Whether a config's ``value`` replaces what an option given before it set: a value, a
+    class (``class_path``), or anything for a list an option appended to (``+=``); a
+    mapping of a class's or a group's options is merged."""
+    return value is not _ABSENT and (appended or not isinstance(value, dict) or (
+        "class_path" in value))
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by
