@@ -32,8 +32,16 @@ from pathlib import Path
 from typing import Any
 
 
+class _Stopped(KeyboardInterrupt):
+    """A SIGTERM or SIGHUP, raised as Ctrl-C is, with the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    raise _Stopped(signum)
 
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -146,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.port is not None and _port_taken(args.port):
         raise SystemExit(f"port {args.port} on 127.0.0.1 is taken (another server?): choose "
                          "another --port, or leave it out for a free one")
-    # a SIGTERM (a scheduler's stop, `kill`) or a SIGHUP (the terminal closed) stops the
-    # server too, as Ctrl-C does
+    # a SIGTERM (a scheduler's stop, `kill`: the training stops after its batch, as it would
+    # alone) or a SIGHUP (the terminal closed: as Ctrl-C) stops the server too
     callers = {stop: signal.signal(stop, _interrupt) for stop in (signal.SIGTERM, signal.SIGHUP)}
     # an adapter folder (HFExport's final): its base, the end of the chain; the engine
     # sends the policy's merged weights before the first rollout
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.get("VLLM_API_KEY") or secrets.token_hex(16)
     work = Path(tempfile.mkdtemp(prefix="maxent_grpo_serve_"))
     log = work / "vllm_serve.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TMPDIR": str(work)}  # its sockets go
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if server_cpus is not None:
         cpus = ",".join(map(str, sorted(server_cpus)))
@@ -192,15 +200,19 @@ def main(argv: list[str] | None = None) -> int:
         code = training.wait()
         clean = code == 0
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         stops = _ignore_stops()  # a second signal must not leave the training behind
-        if training is not None and training.poll() is None:
-            training.send_signal(signal.SIGINT)  # Lightning stops it, as Ctrl-C does
+        signum = getattr(stop, "signum", signal.SIGINT)
+        signum = signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT
+        if training is None:
+            return 128 + signum
+        if training.poll() is None:
+            training.send_signal(signum)  # Lightning stops it, as that signal alone does
             try:
                 training.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 training.kill()
-        return 130
+        return training.wait() or 128 + signum
     finally:
         stops = stops or _ignore_stops()  # a second signal would skip the SIGKILL below
         try:

@@ -263,3 +263,68 @@ def test_serve_starts_vllm_on_the_base_of_an_adapter_folder(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="stand-in"):
         main(["--model", str(tmp_path / "adapter")])
     assert [os.path.realpath(f) for f in served] == [os.path.realpath(tmp_path / "base")]
+
+
+DRIVER = """
+import os, sys, time
+import maxent_grpo.models as models
+import maxent_grpo.rollout.vllm_server as vllm_server
+import maxent_grpo.serve as serve
+
+out, python = sys.argv[1], sys.executable
+server = "import os, time; open(os.path.join(os.environ['TMPDIR'], 'socket'), 'w'); time.sleep(60)"
+vllm_server.server_args = lambda *a: [python, "-c", server]
+models.model_chain = lambda model, cache: [model]
+serve._wait_healthy = lambda *a: None
+training = f'''
+import signal, sys, time
+def stop(signum, frame):
+    open({out!r} + "/got", "w").write(signal.Signals(signum).name)
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+open({out!r} + "/ready", "w").close()
+time.sleep(60)
+'''
+with open(os.path.join(out, "training.py"), "w") as f:
+    f.write(training)
+wrapper = os.path.join(out, "python")
+with open(wrapper, "w") as f:  # the training command: this stand-in, whatever its arguments
+    f.write(f"#!/bin/sh\\nexec {python} {out}/training.py\\n")
+os.chmod(wrapper, 0o755)
+serve.sys.executable = wrapper
+sys.exit(serve.main(["--model", "builtin:tiny-h64-warm", "--", "fit"]))
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_serve_passes_a_stop_on_as_it_came_and_keeps_the_servers_files(tmp_path, signum):
+    """A SIGTERM to ``maxent_grpo.serve -- fit`` (a scheduler's stop) reached the training
+    as Ctrl-C (stopped mid-step, exit 130, not after its batch with 143), and the server's
+    sockets and files were left in the system's temporary folder after every run (a hunt):
+    the training gets the same signal and its code is returned; the server's temporary
+    files go into its own folder, removed with it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (list((tmp_path / "tmp").glob("*/socket")) and (tmp_path / "ready").exists()
+                   ) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "ready").exists(), driver.stderr.read() if driver.poll() else ""
+        driver.send_signal(getattr(signal, signum))
+        _, err = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert (tmp_path / "got").read_text() == signum, err
+    assert driver.returncode == 128 + getattr(signal, signum), err
+    work = [p.name for p in (tmp_path / "tmp").iterdir()]
+    assert len(work) == 1 and work[0].startswith("maxent_grpo_serve_"), work  # kept: the log
+    assert (tmp_path / "tmp" / work[0] / "socket").exists()
