@@ -322,11 +322,11 @@ class MaxEntGRPOCLI(LightningCLI):
                         "--ckpt_path last will then stop and ask which run to continue. To "
                         "continue the earlier run instead: --ckpt_path last; to keep runs "
                         "apart: another ModelCheckpoint dirpath", folder)
+        if self.trainer.is_global_zero:  # a write a kill cut short (a fresh fit's folder too)
+            ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths())
         if self._resume is None or not self.trainer.is_global_zero:
             return
         from lightning.pytorch.loggers import CSVLogger
-
-        ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths())
         later = [] if last else ckpt_io.later_steps_of_run(self._checkpoint_dirpaths(),
                                                            self._resume)
         if later:  # a rollback: the run goes on as a branch, which `last` will not mistake

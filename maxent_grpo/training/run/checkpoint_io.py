@@ -393,14 +393,20 @@ def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list
 
 
 def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
-    """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths``."""
+    """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths`` (not one
+    whose writer runs here: another run's save into the same folder)."""
     removed = []
     for folder in dirpaths:
         if not is_local(folder):
             continue
         pattern = os.path.join(glob.escape(folder), "**", f".*.ckpt.*{TMP_SUFFIX}")
         for path in glob.glob(pattern, recursive=True):  # subfolders: checkpoint_files
+            pid = path.removesuffix(TMP_SUFFIX).rpartition(".")[2]
             with contextlib.suppress(OSError):
+                if pid.isdigit() and int(pid) != os.getpid():
+                    with contextlib.suppress(ProcessLookupError):  # alive: its writer's
+                        os.kill(int(pid), 0)
+                        continue
                 os.remove(path)
                 removed.append(path)
     return removed

@@ -202,9 +202,18 @@ def test_last_finds_the_checkpoints_a_metric_in_the_file_name_put_in_subfolders(
     newest = save(tmp_path / "step=4-val" / "pass@1=0.125.ckpt", 4, now)
     found = ckpt_io.resolve_checkpoint("last", [str(tmp_path)])
     assert (found.path, found.global_step) == (str(newest), 4)
-    stale = tmp_path / "step=4-val" / f".pass@1=0.5.ckpt.123{ckpt_io.TMP_SUFFIX}"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / "step=4-val" / f".pass@1=0.5.ckpt.{gone.pid}{ckpt_io.TMP_SUFFIX}"
     stale.write_bytes(b"half")  # a killed write there is cleaned up too
-    assert ckpt_io.remove_stale_temporaries([str(tmp_path)]) == [str(stale)]
+    with subprocess.Popen(["sleep", "30"]) as alive:  # not one whose writer runs (readers)
+        writing = tmp_path / f".last.ckpt.{alive.pid}{ckpt_io.TMP_SUFFIX}"
+        writing.write_bytes(b"half")
+        try:
+            assert ckpt_io.remove_stale_temporaries([str(tmp_path)]) == [str(stale)]
+        finally:
+            alive.kill()
+    assert writing.exists()
 
 
 def test_a_named_broken_checkpoint_stops_the_run_naming_it_and_a_good_one(tmp_path):
