@@ -47,6 +47,7 @@ from typing import Any
 from maxent_grpo.cli import errors
 from maxent_grpo.cli import help as cli_help
 from maxent_grpo.cli.errors import UserError
+from maxent_grpo.validation import unwritable
 
 #: the state dict's prefix of the policy's tensors, and of a ``peft`` policy's
 POLICY_PREFIX, PEFT_PREFIX = "policy.", "policy.base_model.model."
@@ -320,21 +321,17 @@ def _peft_from_config_file(file: Path) -> Any:
 
 
 def _check_output(folder: Path) -> None:
-    """Create ``folder`` (and its parents); UserError when it is a file, holds anything, or
-    cannot be created or written."""
+    """UserError when ``folder`` is a file, holds anything, or cannot be created or written
+    (made by the export's write only: a failed export leaves no empty folder behind)."""
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--output {str(folder)!r} is a file: give a new or empty folder")
     if folder.is_dir() and any(folder.iterdir()):
         raise UserError(f"--output {str(folder)!r} is not empty: give a new or empty folder "
                         "(or delete this one)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"cannot create --output {str(folder)!r} ({error.strerror or error}): "
-                        "give a folder you can write to") from error
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"--output {str(folder)!r} is not writable: give a folder you can "
-                        "write to")
+    if (why := unwritable(folder, folder=True)) is not None or (
+            folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK)):
+        raise UserError(f"cannot write --output {str(folder)!r} ({why or 'not writable'}): "
+                        "give a folder you can write to")
 
 
 if __name__ == "__main__":

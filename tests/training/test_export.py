@@ -164,6 +164,7 @@ def test_a_model_folder_that_moved_is_given_with_model(cache_dir, tmp_path, caps
     assert main([str(ckpt), "--output", str(tmp_path / "out"), "--model",
                  str(tmp_path / "c")]) == 1
     assert "its config or weights files differ" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # a failed export made an empty one (a hunt)
     assert main([str(ckpt), "--output", str(tmp_path / "out"), "--model",
                  str(tmp_path / "b")]) == 0
     from transformers import AutoModelForCausalLM
@@ -322,7 +323,7 @@ def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
         "not_empty": ([str(ckpt), "--output", str(tmp / "full")], "is not empty"),
         "is_a_file": ([str(ckpt), "--output", str(tmp / "a_file")], "is a file"),
         "unwritable": ([str(ckpt), "--output", str(tmp / "a_file" / "out")],
-                       "cannot create --output"),
+                       "cannot write --output"),
     }
 
 
