@@ -40,9 +40,8 @@ from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import keep_seed
 from maxent_grpo.training.run.folders import (
     SaveRunConfig,
-    absolute_folder,
     continue_csv_log,
-    logger_places,
+    continues_logger,
     warn_unreachable_trackers,
 )
 from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
@@ -227,12 +226,8 @@ class MaxEntGRPOCLI(LightningCLI):
                 continue
             args, given = logger.init_args, logger.init_args.get("version")
             for record in records:  # an explicit version: the user's; purged when the same
-                if (record.get("class") == f"{cls.__module__}.{cls.__qualname__}"
-                        and record.get("version") is not None and _folder(given) in (
-                            None, _folder(record["version"])) and record.get("name") == args.get(
-                            "name") and any(_same_dir(place, args.get("save_dir")) for place in
-                                            logger_places(record.get("save_dir"), resume.path,
-                                            resume.saved_in, self._checkpoint_dirpaths()))):
+                if continues_logger(record, f"{cls.__module__}.{cls.__qualname__}", args,
+                                    resume.path, resume.saved_in, self._checkpoint_dirpaths()):
                     args.version = record["version"] if given is None else given
                     purge = issubclass(cls, TensorBoardLogger) and args.get("purge_step") is None
                     if purge:  # TensorBoard's steps count batches, not optimizer steps
@@ -342,14 +337,6 @@ class MaxEntGRPOCLI(LightningCLI):
                 resume = self._resume  # its rows' steps count batches, as TensorBoard's
                 continue_csv_log(logger, resume.global_step if resume.log_step is None
                                  else resume.log_step)
-
-
-def _folder(version: Any) -> str | None:  # a logger version's folder name: 0 is version_0
-    return version if version is None or isinstance(version, str) else f"version_{version}"
-
-
-def _same_dir(a: Any, b: Any) -> bool:
-    return None not in (a, b) and absolute_folder(a) == absolute_folder(b)
 
 
 

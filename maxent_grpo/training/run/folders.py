@@ -329,6 +329,23 @@ def logger_places(folder: Any, path: str, saved_in: tuple[tuple[str, tuple[str, 
     return places
 
 
+def continues_logger(record: dict[str, Any], cls: str, args: Any, path: str,
+                     saved_in: tuple[tuple[str, tuple[str, ...]], ...], now: list[str]) -> bool:
+    """Whether a logger a checkpoint (``path``) recorded (``record``) is the one of class
+    ``cls`` with options ``args`` that goes on in its version: the class, the name, the
+    version's folder (``args.version`` None: any; ``0`` and ``version_0`` alike) and the
+    ``save_dir``, as recorded or where the run folder moved (:func:`logger_places`)."""
+    def folder(version: Any) -> Any:
+        return version if version is None or isinstance(version, str) else f"version_{version}"
+
+    return (record.get("class") == cls and record.get("version") is not None
+            and folder(args.get("version")) in (None, folder(record["version"]))
+            and record.get("name") == args.get("name") and any(
+                None not in (place, args.get("save_dir"))
+                and absolute_folder(place) == absolute_folder(args.get("save_dir"))
+                for place in logger_places(record.get("save_dir"), path, saved_in, now)))
+
+
 def continue_csv_log(logger: Any, resume_step: int | None) -> int:
     """Keep the ``metrics.csv`` of a CSVLogger that continues a version folder (Lightning's
     writer deletes it): rows with ``step < resume_step`` are written back and the writer
