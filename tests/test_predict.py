@@ -270,6 +270,14 @@ def test_ctrl_c_of_a_fit_exits_130(tmp_path, monkeypatch, capsys):
         signal.signal(signal.SIGINT, handler)
     assert stop.value.code == 130
     assert "error: interrupted (Ctrl-C)" in capsys.readouterr().err
+    # in Python: the KeyboardInterrupt (it was SystemExit(1), a mistake's), and Ctrl-C works
+    # again afterwards (Lightning left it ignored: a notebook's next run could not be stopped)
+    assert signal.getsignal(signal.SIGINT) is handler
+    with pytest.raises(KeyboardInterrupt):
+        cli_module.main(["fit", *SMALL, "--trainer.max_steps", "3",
+                         f"--model.model_cache_dir={tmp_path / 'models'}",
+                         "--trainer.callbacks+=test_predict.InterruptAtSecondBatch"])
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_predict_keeps_one_writer_per_file(tmp_path):

@@ -19,7 +19,9 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -392,7 +394,18 @@ def main(
         finally:
             cli_help.FULL_HELP.reset(token)
 
-    return errors.exit_on_error(build, show_trace) if exit_on_error else build()
+    if exit_on_error:
+        return errors.exit_on_error(build, show_trace)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return build()
+    except SystemExit as stop:  # Lightning's sys.exit(1) after a Ctrl-C: the Ctrl-C, in Python
+        if stop.code == 1 and isinstance(stop.__context__, KeyboardInterrupt):
+            raise stop.__context__ from None
+        raise
+    finally:  # Lightning ignores Ctrl-C after one: a notebook's next run could not be stopped
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
 
 
 def _named_configs(args: Any) -> Any:
