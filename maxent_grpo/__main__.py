@@ -27,12 +27,18 @@ def console(prog: str = "maxent-grpo") -> None:
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
         sys.exit(quick[1])
     command = [a for a in args if a != "--traceback"]  # allowed anywhere on the line
+    try:  # torch, Lightning and transformers load for seconds: a Ctrl-C there is no bug
+        if command[:1] == ["export"]:
+            from maxent_grpo.cli.export import main as export
+        else:
+            from maxent_grpo.cli import main
+    except KeyboardInterrupt:
+        if len(command) < len(args):  # --traceback
+            raise
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
     if command[:1] == ["export"]:
-        from maxent_grpo.cli.export import main as export
-
         sys.exit(export(command[1:] + ["--traceback"] * (len(command) < len(args))))
-    from maxent_grpo.cli import main
-
     main(exit_on_error=True)
 
 

@@ -535,6 +535,32 @@ def test_the_flag_works_before_export_too(monkeypatch, capsys, tmp_path):
     assert stop.value.code == 1 and "Traceback (most recent call last)" in err, err
 
 
+@pytest.mark.parametrize("command", [["fit", "--config", "tiny"], ["export", "x.ckpt"]])
+def test_ctrl_c_while_the_libraries_load_is_the_short_message(monkeypatch, capsys, command):
+    """A Ctrl-C in the first seconds (torch, Lightning, transformers importing) printed a
+    70-line trace through their import code (a hunt); ``--traceback`` still shows it."""
+    import types
+
+    from maxent_grpo.__main__ import console
+    from maxent_grpo.cli import help as cli_help
+
+    class Loading(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    name = "maxent_grpo.cli.export" if command[0] == "export" else "maxent_grpo.cli"
+    monkeypatch.setitem(sys.modules, name, Loading(name))
+    monkeypatch.setattr(cli_help, "PROG", cli_help.PROG)
+    monkeypatch.setattr(sys, "argv", ["maxent-grpo", *command])
+    with pytest.raises(SystemExit) as stop:
+        console()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
+    monkeypatch.setattr(sys, "argv", ["maxent-grpo", *command, "--traceback"])
+    with pytest.raises(KeyboardInterrupt):
+        console()
+
+
 def test_the_flag_is_removed_anywhere():
     assert errors.pop_traceback_flag(["--traceback", "fit", "--a", "1", "--traceback"]) == (
         ["fit", "--a", "1"], True)
