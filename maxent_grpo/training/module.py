@@ -248,8 +248,8 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        """One rollout, then ``num_iterations`` optimizer steps on it (the module docstring);
-        the step is logged and ``objective.observe`` reads its statistics."""
+        """One rollout, then ``num_iterations`` optimizer steps on it (the module docstring;
+        after a stop between them, those left to its next multiple); logged; observed."""
         timer = StepTimer(self.runtime.device)
         if self.pipeline is not None:  # asynchronous: train on the rollout of batch t - k
             step = self.pipeline.next(self.step_context, batch, self.global_step,
@@ -261,7 +261,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
             ctx = self.step_context()
         self.trajectory = trajectory = collect(ctx, batch, timer)
         schedule, updates = self.loop.optimization.schedule, []
-        for i in range(schedule.num_iterations):
+        for i in range(schedule.num_iterations - self.global_step % schedule.num_iterations):
             updates.append(update := optimizer_step(ctx, trajectory, self.step_metrics, timer,
                                                     first=i == 0))
             count_update(self.counters, update, self._trainer,

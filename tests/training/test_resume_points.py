@@ -179,17 +179,34 @@ def test_last_ckpt_holds_the_step_the_fit_ended_at(cache_dir, tmp_path):
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-def test_a_resume_with_another_num_iterations_off_its_multiples_is_warned(cache_dir, tmp_path):
-    """A checkpoint of step 3 continued with ``num_iterations`` 2 counts 5, 7, ... and ran
-    past ``max_steps`` 6 without a word."""
+class Steps(L.Callback):
+    """The optimizer-step count after each training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.seen.append(trainer.global_step)
+
+
+def test_a_resume_off_the_multiples_of_num_iterations_meets_them_again(cache_dir, tmp_path):
+    """A checkpoint of step 3 continued with ``num_iterations`` 2 counted 5, 7 and ran past
+    ``max_steps`` 6 (first without a word, then warned); so did a Ctrl-C between a rollout's
+    two updates (step 5 of k 2, a hunt), and ``every_n_train_steps`` never saved again. The
+    first rollout takes the updates left to the next multiple (warned)."""
     fit(make_module(cache_dir), make_data(cache_dir), steps=3, tmp_path=tmp_path,
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
-    with pytest.warns(UserWarning, match="goes on from optimizer step 3, not a multiple of "
-                      "model.num_iterations 2.*ends at step 7, past trainer.max_steps 6"):
-        trainer = fit(make_module(cache_dir, num_iterations=2), make_data(cache_dir), steps=6,
-                      ckpt_path=str(tmp_path / "last.ckpt"))
-    assert trainer.global_step == 7
+    steps = Steps()
+    saver = ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=2, save_top_k=-1)
+    with pytest.warns(UserWarning, match=r"goes on from optimizer step 3, not a multiple of "
+                      r"model.num_iterations 2 .*its first rollout takes 1 update\(s\)"):
+        trainer = fit(make_module(cache_dir, num_iterations=2), make_data(cache_dir), steps=8,
+                      ckpt_path=str(tmp_path / "last.ckpt"), callbacks=[steps, saver],
+                      enable_checkpointing=True)
+    assert steps.seen == [4, 6, 8] and trainer.global_step == 8
+    assert sorted(p.name for p in (tmp_path / "every").iterdir()) == [
+        "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
 
 
 class StopInValidation(L.Callback):

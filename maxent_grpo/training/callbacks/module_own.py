@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import zipfile
 from pathlib import Path
@@ -149,9 +148,10 @@ class ModuleHooks(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After a checkpoint's restore: a step count off the multiples of
-        ``model.num_iterations`` (trained with another k) runs past ``max_steps``; a cosine
-        schedule that does not end with the run (``settings.warn_unended_cosine``);
-        validation points that shift at each epoch (``warn_epoch_bound_validation``)."""
+        ``model.num_iterations`` (trained with another k, or stopped between a rollout's
+        updates), whose first rollout takes fewer; a cosine schedule that does not end with
+        the run (``settings.warn_unended_cosine``); validation points that shift at each
+        epoch (``warn_epoch_bound_validation``)."""
         self.validation_ended = False  # from here a validation may begin (a save inside)
         if trainer.ckpt_path is not None:  # collective: every rank resumes
             validate_first(trainer, self.validation_due,
@@ -162,13 +162,11 @@ class ModuleHooks(L.Callback):
         k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
         warn_epoch_bound_validation(trainer, steps // k if steps > 0 else -1)
         if k > 1 and step % k and trainer.max_steps > step:
-            end = step + math.ceil((trainer.max_steps - step) / k) * k
             rank_zero_warn(f"the fit goes on from optimizer step {step}, not a multiple of "
-                           f"model.num_iterations {k} (the checkpoint was trained with another "
-                           f"one): the count moves by {k}, so the fit ends at step {end}, past "
-                           f"trainer.max_steps {trainer.max_steps}, and every_n_train_steps "
-                           f"saves at its multiples no more; resume with the num_iterations "
-                           "it was trained with")
+                           f"model.num_iterations {k} (a stop between a rollout's updates, or "
+                           f"a checkpoint trained with another one): its first rollout takes "
+                           f"{k - step % k} update(s), so the count meets the multiples of "
+                           "trainer.max_steps and every_n_train_steps again")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
