@@ -305,18 +305,22 @@ def absolute_folder(folder: Any) -> Any:
 def logger_places(folder: Any, path: str, saved_in: tuple[tuple[str, tuple[str, ...]], ...],
                   now: list[str]) -> list[Any]:
     """Where ``folder``, recorded when checkpoint ``path`` was saved, may be now: as recorded,
-    and where the run folder was moved or copied whole: a saver's folder then (``saved_in``:
-    its dirpath, the checkpoints it named, ``path`` among them) is a configured one now
-    (``now``), at another place that holds every one of them; the parts the two folders'
-    paths do not end alike in are the old and the new root."""
+    and, when nothing is there any more, where the run folder was moved whole: a saver's
+    folder then (``saved_in``: its dirpath, the checkpoints it named, ``path`` among them,
+    or the file a ``save_last`` link names) is a configured one now (``now``), at another
+    place that holds every one of them; the parts the two folders' paths do not end alike
+    in are the old and the new root. (A copy, the old place still there, is a run of its
+    own: another project's folder must never be taken, and purged, for this run's.)"""
     places = [folder]
-    if not isinstance(folder, str) or any("://" in str(f) for f in (folder, path, *now)):
+    if not isinstance(folder, str) or any("://" in str(f) for f in (folder, path, *now)) or (
+            os.path.exists(absolute_folder(folder))):
         return places
-    recorded, here = Path(absolute_folder(folder)), Path(absolute_folder(path))
+    recorded = Path(absolute_folder(folder))
     for (then, named), new in itertools.product(saved_in, map(Path, map(absolute_folder, now))):
         old = Path(absolute_folder(then))
-        if old == new or not here.is_relative_to(new) or str(
-                old / here.relative_to(new)) not in named or not all(
+        if old == new or not any(  # the checkpoint, or the file a link names
+                here.is_relative_to(new) and str(old / here.relative_to(new)) in named
+                for here in map(Path, (absolute_folder(path), os.path.realpath(path)))) or not all(
                     Path(p).is_relative_to(old) and (new / Path(p).relative_to(old)).exists()
                     for p in named):
             continue

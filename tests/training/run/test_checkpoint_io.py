@@ -608,15 +608,31 @@ def test_a_resume_of_a_run_folder_moved_whole_continues_its_log_version(tmp_path
     saver = new / "lightning_logs" / "tiny" / "checkpoints"
     assert continued(checkpoint, saver / "last.ckpt", saver) == [(0, 7)]
     assert continued(checkpoint, tmp_path / "elsewhere" / "last.ckpt", saver) == []
+    # save_last: link, one save: last.ckpt links to the file its saver named (readers)
+    (saver / "epoch=0-step=7.ckpt").write_bytes(b"")
+    (saver / "last.ckpt").unlink()
+    (saver / "last.ckpt").symlink_to("epoch=0-step=7.ckpt")
+    linked = {**checkpoint, "callbacks": {"ModelCheckpoint{}": {
+        "dirpath": str(old / "lightning_logs" / "tiny" / "checkpoints"), "last_model_path": "",
+        "best_k_models": {str(old / "lightning_logs/tiny/checkpoints/epoch=0-step=7.ckpt"): 1}}}}
+    assert continued(linked, saver / "last.ckpt", saver) == [(0, 7)]
     project(other)  # another project, given new's checkpoint under another name
     monkeypatch.chdir(other)
     saver = other / "lightning_logs" / "tiny" / "checkpoints"
     shutil.copy(new / "lightning_logs" / "tiny" / "checkpoints" / "last.ckpt", saver / "B.ckpt")
     assert continued(checkpoint, saver / "B.ckpt", saver) == []
     checkpoint = project(old)  # the checkpoints alone moved: the logs go on where they are
-    shutil.move(old / "lightning_logs" / "tiny" / "checkpoints", old / "ckpts")
+    saver = old / "elsewhere" / "lightning_logs" / "tiny" / "checkpoints"
+    saver.parent.mkdir(parents=True)
+    shutil.move(old / "lightning_logs" / "tiny" / "checkpoints", saver)
     monkeypatch.chdir(old)
-    assert continued(checkpoint, old / "ckpts" / "last.ckpt", old / "ckpts") == [(0, 7)]
+    assert continued(checkpoint, saver / "last.ckpt", saver) == [(0, 7)]
+    # a copy of the whole folder, the first still there, files and names the same: a run of
+    # its own (readers: another project's version was continued and purged)
+    shutil.copytree(old, tmp_path / "D")
+    monkeypatch.chdir(tmp_path / "D")
+    saver = tmp_path / "D" / "elsewhere" / "lightning_logs" / "tiny" / "checkpoints"
+    assert continued(checkpoint, saver / "last.ckpt", saver) == []
 
 
 def saving_every(tmp_path: Path, monkeypatch, steps: int, every: int, **model: Any) -> Path:
