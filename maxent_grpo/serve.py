@@ -154,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.port is not None and _port_taken(args.port):
         raise SystemExit(f"port {args.port} on 127.0.0.1 is taken (another server?): choose "
                          "another --port, or leave it out for a free one")
-    # a SIGTERM (a scheduler's stop, `kill`: the training stops after its batch, as it would
-    # alone) or a SIGHUP (the terminal closed: as Ctrl-C) stops the server too
-    callers = {stop: signal.signal(stop, _interrupt) for stop in (signal.SIGTERM, signal.SIGHUP)}
     # an adapter folder (HFExport's final): its base, the end of the chain; the engine
     # sends the policy's merged weights before the first rollout
     folder = model_chain(args.model, args.model_cache_dir)[-1]
@@ -165,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.get("VLLM_API_KEY") or secrets.token_hex(16)
     work = Path(tempfile.mkdtemp(prefix="maxent_grpo_serve_"))
     log = work / "vllm_serve.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TMPDIR": str(work)}  # its sockets go
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if len(str(work)) <= 64:  # its sockets' files (ipc paths up to 107 bytes) and others
+        env["TMPDIR"] = str(work)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if server_cpus is not None:
         cpus = ",".join(map(str, sorted(server_cpus)))
@@ -180,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                                 preexec_fn=_server_child(server_cpus))
     training: subprocess.Popen | None = None
     stops: dict[int, Any] = {}  # the handlers while stopping: ignored
+    # a SIGTERM (a scheduler's stop, `kill`: the training stops after its batch, as it would
+    # alone) or a SIGHUP (the terminal closed: as Ctrl-C) stops the server too
+    callers = {stop: signal.signal(stop, _interrupt) for stop in (signal.SIGTERM, signal.SIGHUP)}
     clean = False  # a training that finished: the server's log goes with its folder
     try:
         _wait_healthy(url, proc, log, args.start_seconds, key)
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                                     preexec_fn=_server_child(trainer_cpus))
         code = training.wait()
         clean = code == 0
-        return code
+        return 128 - code if code < 0 else code  # a training a signal ended: as a shell says
     except KeyboardInterrupt as stop:
         stops = _ignore_stops()  # a second signal must not leave the training behind
         signum = getattr(stop, "signum", signal.SIGINT)
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 training.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 training.kill()
-        return training.wait() or 128 + signum
+        code = training.wait()
+        return 128 - code if code < 0 else code or 128 + signum
     finally:
         stops = stops or _ignore_stops()  # a second signal would skip the SIGKILL below
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -271,7 +272,7 @@ import maxent_grpo.models as models
 import maxent_grpo.rollout.vllm_server as vllm_server
 import maxent_grpo.serve as serve
 
-out, python = sys.argv[1], sys.executable
+out, python, handled = sys.argv[1], sys.executable, sys.argv[2] == "handled"
 server = "import os, time; open(os.path.join(os.environ['TMPDIR'], 'socket'), 'w'); time.sleep(60)"
 vllm_server.server_args = lambda *a: [python, "-c", server]
 models.model_chain = lambda model, cache: [model]
@@ -281,8 +282,9 @@ import signal, sys, time
 def stop(signum, frame):
     open({out!r} + "/got", "w").write(signal.Signals(signum).name)
     sys.exit(128 + signum)
-signal.signal(signal.SIGTERM, stop)
-signal.signal(signal.SIGINT, stop)
+if {handled!r}:
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 open({out!r} + "/ready", "w").close()
 time.sleep(60)
 '''
@@ -297,25 +299,31 @@ sys.exit(serve.main(["--model", "builtin:tiny-h64-warm", "--", "fit"]))
 """
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
-def test_serve_passes_a_stop_on_as_it_came_and_keeps_the_servers_files(tmp_path, signum):
+@pytest.mark.parametrize("signum, handled", [("SIGTERM", True), ("SIGINT", True),
+                                             ("SIGTERM", False)])
+def test_serve_passes_a_stop_on_as_it_came_and_keeps_the_servers_files(tmp_path, signum,
+                                                                      handled):
     """A SIGTERM to ``maxent_grpo.serve -- fit`` (a scheduler's stop) reached the training
     as Ctrl-C (stopped mid-step, exit 130, not after its batch with 143), and the server's
     sockets and files were left in the system's temporary folder after every run (a hunt):
     the training gets the same signal and its code is returned; the server's temporary
-    files go into its own folder, removed with it."""
+    files go into its own folder, removed with it. A training the signal ended (before
+    Lightning's handler) gives the shell's code (readers: a negative code exited 241)."""
+    import shutil
     import signal
     import subprocess
     import sys
+    import tempfile
     import time
 
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], env=env,
+    temporary = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a socket's path has 107 bytes
+    env = {**os.environ, "TMPDIR": str(temporary)}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path),
+                               "handled" if handled else "not"], env=env,
                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (list((tmp_path / "tmp").glob("*/socket")) and (tmp_path / "ready").exists()
+        while not (list(temporary.glob("*/socket")) and (tmp_path / "ready").exists()
                    ) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert (tmp_path / "ready").exists(), driver.stderr.read() if driver.poll() else ""
@@ -323,8 +331,9 @@ def test_serve_passes_a_stop_on_as_it_came_and_keeps_the_servers_files(tmp_path,
         _, err = driver.communicate(timeout=60)
     finally:
         driver.kill()
-    assert (tmp_path / "got").read_text() == signum, err
+        work = [p.name for p in temporary.iterdir()]
+        shutil.rmtree(temporary)
+    assert (tmp_path / "got").read_text() == signum if handled else not (
+        tmp_path / "got").exists(), err
     assert driver.returncode == 128 + getattr(signal, signum), err
-    work = [p.name for p in (tmp_path / "tmp").iterdir()]
     assert len(work) == 1 and work[0].startswith("maxent_grpo_serve_"), work  # kept: the log
-    assert (tmp_path / "tmp" / work[0] / "socket").exists()
