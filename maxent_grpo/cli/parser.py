@@ -320,7 +320,7 @@ class MaxEntGRPOCLI(LightningCLI):
                         "continue the earlier run instead: --ckpt_path last; to keep runs "
                         "apart: another ModelCheckpoint dirpath", folder)
         if self.trainer.is_global_zero:  # a write a kill cut short (a fresh fit's folder too)
-            ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths())
+            ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths(), self._resume is not None)
         if self._resume is None or not self.trainer.is_global_zero:
             return
         from lightning.pytorch.loggers import CSVLogger

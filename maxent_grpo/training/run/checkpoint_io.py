@@ -16,6 +16,7 @@ import glob
 import logging
 import os
 import re
+import socket
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ RUN_KEY = "maxent_grpo_run"
 LIGHTNING_NAMES = ("best", "hpc", "registry")
 #: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<pid>.tmp``.
 TMP_SUFFIX = ".tmp"
+_HOST = socket.gethostname().replace(".", "_")  # in a temporary's name (no dot: the tag's)
 
 
 def is_local(path: str | os.PathLike) -> bool:
@@ -50,12 +52,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic (:func:`atomic_write`); remote
     paths (``s3://`` ...) use Lightning's own write."""
 
-    def save_checkpoint(
-        self,
-        checkpoint: dict[str, Any],
-        path: str | os.PathLike,
-        storage_options: Any | None = None,
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
         # a remote path, or storage_options, which Lightning's write refuses (TypeError)
         if storage_options is not None or not is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
@@ -68,13 +66,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file whole or not at all: ``write(f)`` fills ``.<name>.<pid>.tmp`` in the
+    """Write a file whole or not at all: ``write(f)`` fills ``.<name>.<host>-<pid>.tmp`` in the
     target folder, which is fsync-ed and renamed over ``path`` (``os.replace``), then the
     folder is fsync-ed where possible. On an error the temporary file is removed."""
     path = os.path.abspath(path)
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}{TMP_SUFFIX}")
+    tmp = os.path.join(folder, f".{name}.{_HOST}-{os.getpid()}{TMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -239,10 +237,9 @@ def _resolved(path: str, index: dict | None, skipped, trusted: bool = False) -> 
     index = index or {}
     step, batches = index.get("global_step"), fit_batches(index)
     return ResolvedCheckpoint(
-        path=path,
-        global_step=int(step) if step is not None else None,
-        loggers=list(index.get(LOGGERS_KEY) or []),
-        skipped=skipped, run=index.get(RUN_KEY), log_step=batches, trusted=trusted,
+        path=path, global_step=int(step) if step is not None else None,
+        loggers=list(index.get(LOGGERS_KEY) or []), skipped=skipped, run=index.get(RUN_KEY),
+        log_step=batches, trusted=trusted,
         seed=(index.get(CHECKPOINT_KEY) or {}).get("seed"), saved_in=tuple((s["dirpath"], tuple(
             p for p in (s.get("last_model_path"), s.get("best_model_path"), *(s.get(
                 "best_k_models") or {})) if isinstance(p, str) and p)) for s in (index.get(
@@ -392,24 +389,29 @@ def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list
     return later
 
 
-def remove_stale_temporaries(dirpaths: list[str]) -> list[str]:
-    """Delete the ``.<name>.<pid>.tmp`` files a killed write left in ``dirpaths`` (not one
-    whose writer runs here: another run's save into the same folder)."""
+def remove_stale_temporaries(dirpaths: list[str], resuming: bool = True) -> list[str]:
+    """Delete the ``.<name>.<host>-<pid>.tmp`` files a killed write left in ``dirpaths``: a
+    resume's all but those whose writer runs here; otherwise only this machine's whose
+    writer is gone (another node's, or an older version's, may be a live run's save)."""
     removed = []
     for folder in dirpaths:
         if not is_local(folder):
             continue
         pattern = os.path.join(glob.escape(folder), "**", f".*.ckpt.*{TMP_SUFFIX}")
         for path in glob.glob(pattern, recursive=True):  # subfolders: checkpoint_files
-            pid = path.removesuffix(TMP_SUFFIX).rpartition(".")[2]
+            host, _, pid = path.removesuffix(TMP_SUFFIX).rpartition(".")[2].rpartition("-")
             with contextlib.suppress(OSError):
-                if pid.isdigit() and int(pid) != os.getpid():
-                    with contextlib.suppress(ProcessLookupError):  # alive: its writer's
-                        os.kill(int(pid), 0)
-                        continue
-                os.remove(path)
-                removed.append(path)
+                mine = host == _HOST and pid.isdigit()
+                if (mine or resuming) and not (mine and int(pid) != os.getpid() and _alive(pid)):
+                    os.remove(path)
+                    removed.append(path)
     return removed
+
+
+def _alive(pid: str) -> bool:  # a process here (another user's: PermissionError, alive)
+    with contextlib.suppress(ProcessLookupError):
+        return os.kill(int(pid), 0) is None
+    return False
 
 
 class LoggerVersions(pl.Callback):

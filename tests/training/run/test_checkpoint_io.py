@@ -204,13 +204,22 @@ def test_last_finds_the_checkpoints_a_metric_in_the_file_name_put_in_subfolders(
     assert (found.path, found.global_step) == (str(newest), 4)
     gone = subprocess.Popen(["true"])
     gone.wait()
-    stale = tmp_path / "step=4-val" / f".pass@1=0.5.ckpt.{gone.pid}{ckpt_io.TMP_SUFFIX}"
-    stale.write_bytes(b"half")  # a killed write there is cleaned up too
+    host = ckpt_io._HOST
+
+    def temporary(name: str, tag: str, folder: Path = tmp_path) -> Path:
+        path = folder / f".{name}.{tag}{ckpt_io.TMP_SUFFIX}"
+        path.write_bytes(b"half")
+        return path
+
+    stale = temporary("pass@1=0.5.ckpt", f"{host}-{gone.pid}", tmp_path / "step=4-val")
+    elsewhere = temporary("a.ckpt", f"node7-{gone.pid}")  # another node's, maybe writing
+    older = temporary("b.ckpt", str(gone.pid))  # an older version's name
     with subprocess.Popen(["sleep", "30"]) as alive:  # not one whose writer runs (readers)
-        writing = tmp_path / f".last.ckpt.{alive.pid}{ckpt_io.TMP_SUFFIX}"
-        writing.write_bytes(b"half")
-        try:
-            assert ckpt_io.remove_stale_temporaries([str(tmp_path)]) == [str(stale)]
+        writing = temporary("last.ckpt", f"{host}-{alive.pid}")
+        try:  # a fit that resumes nothing: this machine's killed writes only
+            assert ckpt_io.remove_stale_temporaries([str(tmp_path)], False) == [str(stale)]
+            assert sorted(ckpt_io.remove_stale_temporaries([str(tmp_path)])) == sorted(
+                [str(elsewhere), str(older)])  # a resume: all but a live writer's
         finally:
             alive.kill()
     assert writing.exists()

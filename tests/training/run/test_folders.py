@@ -138,8 +138,10 @@ def test_a_fresh_fit_into_an_earlier_runs_version_keeps_its_config_and_says_so(c
               "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
               f"--trainer.callbacks.dirpath={cwd / 'ck'}", "--trainer.callbacks.save_last=true"]
     (cwd / "ck").mkdir()
-    killed = cwd / "ck" / f".last.ckpt.{2**22 + 1}.tmp"  # a write a kill cut short (no such
-    killed.write_bytes(b"half")  # process): a fit that resumes nothing removes it too (a hunt)
+    from maxent_grpo.training.run.checkpoint_io import _HOST
+
+    killed = cwd / "ck" / f".last.ckpt.{_HOST}-{2**22 + 1}.tmp"  # a write a kill cut short (no
+    killed.write_bytes(b"half")  # such process): a fit that resumes nothing removes it (a hunt)
     fit(cwd, [*logger, "--seed_everything=1"])
     assert not killed.exists()
     with caplog.at_level(logging.WARNING):
