@@ -707,10 +707,16 @@ def test_an_option_given_before_a_config_that_sets_it_is_refused(tmp_path, capsy
                            (["--model", "{temperature: 0.7}"], "{model: {top_p: 0.5}}")):
         cli_module.cli_help.check_given_configs(["fit", *before, "--config", config])
     for before in (["--trainer.callbacks+=LearningRateMonitor"],
-                   ["--model.objective.beta", "0.2"]):
+                   ["--model.objective.beta", "0.2"],
+                   ["--model.rewards={first_number: 2.0, format: 1.0}"],  # a mapping option
+                   ["--trainer.logger=CSVLogger"]):  # another class
         option = before[0].partition("=")[0].removesuffix("+")
         with pytest.raises(ValueError, match=f"{option} is given before --config"):
             cli_module.cli_help.check_given_configs(["fit", *before, "--config", tiny])
+    # the config's class is the one given: its options are merged (readers)
+    cli_module.cli_help.check_given_configs([
+        "fit", "--trainer.logger=TensorBoardLogger", "--trainer.logger.version=fixed",
+        "--config", tiny])
 
 
 def test_the_subcommands_are_fit_validate_test_and_predict(capsys):

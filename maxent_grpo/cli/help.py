@@ -326,11 +326,13 @@ def check_given_configs(args: list[str]) -> None:
                 f"({PROG} {args[first]} --config {value})")
         parts = [config] + [config[sub] for sub in SUBCOMMANDS if isinstance(config, dict)
                             and isinstance(config.get(sub), dict)]  # a whole-CLI config's
-        for earlier in args[first + 1:i] if flag == "--config" else []:
-            option = earlier.partition("=")[0][2:].removesuffix("+")  # += appends to a list
-            if earlier.startswith("--") and option not in ("config", "c") and any(
-                    _replaces(_value(part, option.split(".")), "+" in earlier.partition("=")[0])
-                    for part in parts):
+        for j in range(first + 1, i) if flag == "--config" else []:
+            name, inline_, given = args[j].partition("=")
+            given = given if inline_ else (args[j + 1] if j + 1 < i else "")
+            option = name[2:].removesuffix("+")  # += appends to a list
+            if args[j].startswith("--") and option not in ("config", "c") and any(
+                    _replaces(_value(part, option.split(".")), given, name.endswith("+"),
+                              "." not in option) for part in parts):
                 raise ValueError(
                     f"--{option} is given before --config {value}, which sets it too: the "
                     f"later one wins, so the value given would be ignored; give --{option} "
@@ -367,12 +369,16 @@ def _value(config: Any, keys: list[str]) -> Any:
         config.get("init_args"), dict) else _ABSENT
 
 
-def _replaces(value: Any, appended: bool) -> bool:
-    """Whether a config's ``value`` replaces what an option given before it set: a value, a
-    class (``class_path``), or anything for a list an option appended to (``+=``); a
-    mapping of a class's or a group's options is merged."""
-    return value is not _ABSENT and (appended or not isinstance(value, dict) or (
-        "class_path" in value))
+def _replaces(value: Any, given: str, appended: bool, group: bool) -> bool:
+    """Whether a config's ``value`` replaces what an option given before it set (``given``):
+    a value, a mapping option's whole mapping (``model.rewards``), another class than the
+    one given, anything for a list appended to (``+=``); merged, as the parser merges them:
+    a group's options (``--model``, ``group``), a class's ``init_args``, the same class."""
+    if value is _ABSENT or appended or not isinstance(value, dict):
+        return value is not _ABSENT
+    if "class_path" in value:  # a class named by its short or its full name
+        return str(value["class_path"]).rpartition(".")[2] != given.rpartition(".")[2]
+    return not group and not set(value) <= {"init_args", "dict_kwargs"}
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by
