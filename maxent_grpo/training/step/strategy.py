@@ -224,10 +224,11 @@ def one_process_is_rank_zero(trainer: Any) -> None:
 def attach_for_fit(trainer: Any, schedule: Any) -> None:
     """What a ``fit`` checks as it attaches the module (``schedule``: its
     ``ScheduleSettings``): :func:`check_trainer_flags`, :func:`check_step_multiples` and
-    :func:`check_checkpoint_savers`, then :func:`drop_unasked_checkpoints` and
-    :func:`no_checkpoints_in_smoke_runs` (other stages, and ``trainer=None`` at detachment,
-    pass); at any stage first :func:`one_process_is_rank_zero`, :func:`check_mesh_size` and
-    :func:`check_logger_folders`."""
+    :func:`check_checkpoint_savers`, then :func:`drop_unasked_checkpoints`,
+    :func:`no_checkpoints_in_smoke_runs` and :func:`check_checkpoint_root` (other stages,
+    and ``trainer=None`` at detachment, pass); at any stage first
+    :func:`one_process_is_rank_zero`, :func:`check_mesh_size` and :func:`check_logger_folders`.
+    """
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
         check_mesh_size(trainer)
@@ -240,6 +241,7 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     check_checkpoint_savers(trainer)
     drop_unasked_checkpoints(trainer)
     no_checkpoints_in_smoke_runs(trainer)
+    check_checkpoint_root(trainer)
 
 
 def check_mesh_size(trainer: Any) -> None:
@@ -295,6 +297,24 @@ def check_logger_folders(trainer: Any) -> None:
         "://" in root) else unwritable(root, folder=True)
     require(why is None, f"trainer.default_root_dir {root!r} cannot be written ({why}): give "
             "a folder you can write to")
+
+
+def check_checkpoint_root(trainer: Any) -> None:
+    """Without a logger a ModelCheckpoint with no ``dirpath`` saves into
+    ``<default_root_dir>/checkpoints`` (the working folder's by default): refused, naming
+    both options, when that cannot be written (it failed at the first save, after the
+    training steps). One process only, as :func:`check_logger_folders`."""
+    if getattr(trainer, "loggers", None) or getattr(trainer, "world_size", 1) != 1:
+        return
+    root = getattr(trainer, "default_root_dir", None)
+    if isinstance(root, str) and "://" not in root and any(
+            isinstance(cb, ModelCheckpoint) and cb.dirpath is None
+            for cb in getattr(trainer, "callbacks", [])):
+        why = unwritable(os.path.join(root, "checkpoints"), folder=True)
+        require(why is None, f"a ModelCheckpoint without a dirpath saves into "
+                f"trainer.default_root_dir {root!r} when there is no logger, and that cannot "
+                f"be written ({why}): give the ModelCheckpoint a dirpath, or "
+                "trainer.default_root_dir a folder you can write to")
 
 
 def no_checkpoints_in_smoke_runs(trainer: Any) -> None:
