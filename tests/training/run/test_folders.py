@@ -157,6 +157,15 @@ def test_a_fresh_fit_into_an_earlier_runs_version_keeps_its_config_and_says_so(c
     assert "holds an earlier run's" not in caplog.text
     assert sorted(p.name for p in folder.glob("config*.yaml")) == ["config-1.yaml",
                                                                    "config.yaml"]
+    import fsspec  # a remote checkpoint's resume is no fresh fit either (readers)
+
+    fsspec.filesystem("memory").pipe("/bucket/last.ckpt", (cwd / "ck" / "last.ckpt").read_bytes())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fit(cwd, [*logger, "--seed_everything=2", "--ckpt_path=memory://bucket/last.ckpt"])
+    assert "holds an earlier run's config.yaml" not in caplog.text
+    assert sorted(p.name for p in folder.glob("config*.yaml")) == ["config-1.yaml",
+                                                                   "config.yaml"]
 
 
 def test_an_mlflow_server_that_refuses_connections_is_named_at_once(caplog, monkeypatch,
