@@ -306,10 +306,10 @@ class MaxEntGRPOCLI(LightningCLI):
             self.config_init[str(self.subcommand)]["ckpt_path"] = None
             rank_zero_info(f"--ckpt_path last: no checkpoint yet in {', '.join(folders)}: the "
                            "fit starts from step 0")
-        for cb in self.trainer.callbacks:  # a fit that resumes nothing: its own config.yaml
-            if isinstance(cb, SaveRunConfig):
-                cb.fresh = not self.config_init[str(self.subcommand)]["ckpt_path"]
-        if self._resume is None and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
+        fresh = not self.config_init[str(self.subcommand)]["ckpt_path"]  # (a remote: resumes)
+        for cb in (c for c in self.trainer.callbacks if isinstance(c, SaveRunConfig)):
+            cb.fresh = fresh  # a fit that resumes nothing: its own config.yaml
+        if fresh and self.trainer.is_global_zero and not self.trainer.fast_dev_run:
             dirpaths = (getattr(cb, "dirpath", None) for cb in callbacks)  # any Checkpoint
             for folder in dict.fromkeys(str(path) for path in dirpaths if path):
                 if os.path.isdir(folder) and ckpt_io.checkpoint_files(folder):
@@ -320,7 +320,7 @@ class MaxEntGRPOCLI(LightningCLI):
                         "continue the earlier run instead: --ckpt_path last; to keep runs "
                         "apart: another ModelCheckpoint dirpath", folder)
         if self.trainer.is_global_zero:  # a write a kill cut short (a fresh fit's folder too)
-            ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths(), self._resume is not None)
+            ckpt_io.remove_stale_temporaries(self._checkpoint_dirpaths(), not fresh)
         if self._resume is None or not self.trainer.is_global_zero:
             return
         from lightning.pytorch.loggers import CSVLogger

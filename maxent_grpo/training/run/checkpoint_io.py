@@ -38,7 +38,7 @@ LOGGERS_KEY = "maxent_grpo_loggers"
 RUN_KEY = "maxent_grpo_run"
 #: ``--ckpt_path`` values that Lightning resolves itself (not file names)
 LIGHTNING_NAMES = ("best", "hpc", "registry")
-#: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<pid>.tmp``.
+#: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<host>-<pid>.tmp``.
 TMP_SUFFIX = ".tmp"
 _HOST = socket.gethostname().replace(".", "_")  # in a temporary's name (no dot: the tag's)
 
@@ -401,7 +401,7 @@ def remove_stale_temporaries(dirpaths: list[str], resuming: bool = True) -> list
         for path in glob.glob(pattern, recursive=True):  # subfolders: checkpoint_files
             host, _, pid = path.removesuffix(TMP_SUFFIX).rpartition(".")[2].rpartition("-")
             with contextlib.suppress(OSError):
-                mine = host == _HOST and pid.isdigit()
+                mine = host in (_HOST, "") and pid.isdigit()  # "": an older version's name
                 if (mine or resuming) and not (mine and int(pid) != os.getpid() and _alive(pid)):
                     os.remove(path)
                     removed.append(path)

@@ -213,16 +213,17 @@ def test_last_finds_the_checkpoints_a_metric_in_the_file_name_put_in_subfolders(
 
     stale = temporary("pass@1=0.5.ckpt", f"{host}-{gone.pid}", tmp_path / "step=4-val")
     elsewhere = temporary("a.ckpt", f"node7-{gone.pid}")  # another node's, maybe writing
-    older = temporary("b.ckpt", str(gone.pid))  # an older version's name
+    older = temporary("b.ckpt", "node7_0")  # no writer named here: a resume's to remove
     with subprocess.Popen(["sleep", "30"]) as alive:  # not one whose writer runs (readers)
         writing = temporary("last.ckpt", f"{host}-{alive.pid}")
+        writing_older = temporary("c.ckpt", str(alive.pid))  # an older version's, running
         try:  # a fit that resumes nothing: this machine's killed writes only
             assert ckpt_io.remove_stale_temporaries([str(tmp_path)], False) == [str(stale)]
             assert sorted(ckpt_io.remove_stale_temporaries([str(tmp_path)])) == sorted(
                 [str(elsewhere), str(older)])  # a resume: all but a live writer's
         finally:
             alive.kill()
-    assert writing.exists()
+    assert writing.exists() and writing_older.exists()
 
 
 def test_a_named_broken_checkpoint_stops_the_run_naming_it_and_a_good_one(tmp_path):

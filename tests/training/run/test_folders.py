@@ -163,7 +163,7 @@ def test_a_fresh_fit_into_an_earlier_runs_version_keeps_its_config_and_says_so(c
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         fit(cwd, [*logger, "--seed_everything=2", "--ckpt_path=memory://bucket/last.ckpt"])
-    assert "holds an earlier run's config.yaml" not in caplog.text
+    assert "holds an earlier run's" not in caplog.text
     assert sorted(p.name for p in folder.glob("config*.yaml")) == ["config-1.yaml",
                                                                    "config.yaml"]
 
