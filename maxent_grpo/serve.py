@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             print(f"give the trainer: --model.engine.init_args.urls=[{url}] with "
                   f"VLLM_API_KEY={key}; Ctrl-C stops the server", file=sys.stderr, flush=True)
-            proc.wait()
-            return proc.returncode or 0
+            code = proc.wait()
+            return 128 - code if code < 0 else code  # a server a signal ended: as a shell says
         train = [sys.executable, "-m", "maxent_grpo", *command,
                  f"--model.engine.init_args.urls=[{url}]",
                  f"--model.engine.init_args.weight_transfer={args.weight_transfer}"]

@@ -318,9 +318,10 @@ def logger_places(folder: Any, path: str, saved_in: tuple[tuple[str, tuple[str, 
     recorded = Path(absolute_folder(folder))
     for (then, named), new in itertools.product(saved_in, map(Path, map(absolute_folder, now))):
         old = Path(absolute_folder(then))
-        if old == new or not any(  # the checkpoint, or the file a link names
-                here.is_relative_to(new) and str(old / here.relative_to(new)) in named
-                for here in map(Path, (absolute_folder(path), os.path.realpath(path)))) or not all(
+        if old == new or not any(  # the checkpoint, or the file a link names (paths resolved)
+                here.is_relative_to(base) and str(old / here.relative_to(base)) in named
+                for here, base in ((Path(absolute_folder(path)), new), (
+                    Path(os.path.realpath(path)), Path(os.path.realpath(new))))) or not all(
                     Path(p).is_relative_to(old) and (new / Path(p).relative_to(old)).exists()
                     for p in named):
             continue
@@ -345,8 +346,8 @@ def continues_logger(record: dict[str, Any], cls: str, args: Any, path: str,
     return (record.get("class") == cls and record.get("version") is not None
             and folder(args.get("version")) in (None, folder(record["version"]))
             and record.get("name") == args.get("name") and any(
-                None not in (place, args.get("save_dir"))
-                and absolute_folder(place) == absolute_folder(args.get("save_dir"))
+                None not in (place, args.get("save_dir")) and os.path.realpath(absolute_folder(
+                    place)) == os.path.realpath(absolute_folder(args.get("save_dir")))
                 for place in logger_places(record.get("save_dir"), path, saved_in, now)))
 
 

@@ -300,11 +300,14 @@ def check_logger_folders(trainer: Any) -> None:
 
 
 def check_checkpoint_root(trainer: Any) -> None:
-    """Without a logger a ModelCheckpoint with no ``dirpath`` saves into
-    ``<default_root_dir>/checkpoints`` (the working folder's by default): refused, naming
-    both options, when that cannot be written (it failed at the first save, after the
-    training steps). One process only, as :func:`check_logger_folders`."""
-    if getattr(trainer, "loggers", None) or getattr(trainer, "world_size", 1) != 1:
+    """Without a logger (or with one that has no ``save_dir``: MLflow's server) a
+    ModelCheckpoint with no ``dirpath`` saves into ``<default_root_dir>/checkpoints`` (the
+    working folder's by default): refused, naming both options, when that cannot be
+    written (it failed at the first save, after the training steps). One process only, as
+    :func:`check_logger_folders`; not a ``fast_dev_run`` (it saves nothing)."""
+    loggers = getattr(trainer, "loggers", None) or []
+    if loggers and loggers[0].save_dir is not None or getattr(trainer, "world_size", 1) != 1 or (
+            getattr(trainer, "fast_dev_run", False)):
         return
     root = getattr(trainer, "default_root_dir", None)
     if isinstance(root, str) and "://" not in root and any(

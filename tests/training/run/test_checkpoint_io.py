@@ -626,6 +626,10 @@ def test_a_resume_of_a_run_folder_moved_whole_continues_its_log_version(tmp_path
         "dirpath": str(old / "lightning_logs" / "tiny" / "checkpoints"), "last_model_path": "",
         "best_k_models": {str(old / "lightning_logs/tiny/checkpoints/epoch=0-step=7.ckpt"): 1}}}}
     assert continued(linked, saver / "last.ckpt", saver) == [(0, 7)]
+    (tmp_path / "via").symlink_to(new)  # the run folder reached through a link (readers)
+    monkeypatch.chdir(tmp_path / "via")
+    via = tmp_path / "via" / "lightning_logs" / "tiny" / "checkpoints"
+    assert continued(linked, via / "last.ckpt", via) == [(0, 7)]
     project(other)  # another project, given new's checkpoint under another name
     monkeypatch.chdir(other)
     saver = other / "lightning_logs" / "tiny" / "checkpoints"

@@ -373,6 +373,24 @@ def test_a_logger_folder_that_cannot_be_written_names_the_logger(tmp_path, monke
         patched.setattr("os.access", lambda *a, **kw: False)
         check_logger_folders(SimpleNamespace(loggers=[], world_size=1, fast_dev_run=False,
                                              default_root_dir=os.getcwd()))
+        # unless a fit's ModelCheckpoint without a dirpath saves there (readers: refused
+        # before, it failed at the first save after the training steps)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from maxent_grpo.training.step.strategy import check_checkpoint_root
+
+        fitting = SimpleNamespace(loggers=[], world_size=1, default_root_dir=os.getcwd(),
+                                  callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"))])
+        check_checkpoint_root(fitting)
+        fitting.callbacks.append(ModelCheckpoint(every_n_train_steps=2))
+        with pytest.raises(ValueError, match=r"a ModelCheckpoint without a dirpath saves into "
+                                             r"trainer.default_root_dir .*give the Model"):
+            check_checkpoint_root(fitting)
+        fitting.loggers = [SimpleNamespace(save_dir=None)]  # MLflow's server: there too
+        with pytest.raises(ValueError, match=r"a ModelCheckpoint without a dirpath"):
+            check_checkpoint_root(fitting)
+        fitting.fast_dev_run = True  # saves nothing (readers: a smoke run was refused)
+        check_checkpoint_root(fitting)
     check_logger_folders(trainer(bad, world=2))  # before the process group: one rank alone
     wandb = pytest.importorskip("lightning.pytorch.loggers").WandbLogger
     try:  # the run's config.yaml goes into W&B's save_dir: "[Errno 20] Not a directory" alone
