@@ -331,7 +331,7 @@ def check_given_configs(args: list[str]) -> None:
             given = given if inline_ else (args[j + 1] if j + 1 < i else "")
             option = name[2:].removesuffix("+")  # += appends to a list
             if args[j].startswith("--") and option not in ("config", "c") and any(
-                    _replaces(_value(part, option.split(".")), given, name.endswith("+"),
+                    _replaces(_value(part, option.split(".")), load(given), name.endswith("+"),
                               "." not in option) for part in parts):
                 raise ValueError(
                     f"--{option} is given before --config {value}, which sets it too: the "
@@ -369,16 +369,33 @@ def _value(config: Any, keys: list[str]) -> Any:
         config.get("init_args"), dict) else _ABSENT
 
 
-def _replaces(value: Any, given: str, appended: bool, group: bool) -> bool:
-    """Whether a config's ``value`` replaces what an option given before it set (``given``):
-    a value, a mapping option's whole mapping (``model.rewards``), another class than the
-    one given, anything for a list appended to (``+=``); merged, as the parser merges them:
-    a group's options (``--model``, ``group``), a class's ``init_args``, the same class."""
+def _replaces(value: Any, given: Any, appended: bool, group: bool) -> bool:
+    """Whether a config's ``value`` replaces what an option given before it set (``given``,
+    loaded): a value, a mapping option's whole mapping (``model.rewards``), another class
+    than the one given, anything for a list appended to (``+=``). A group's options
+    (``--model``, ``group``) and a class's merge, as the parser merges them: refused only
+    where the config sets one of the options given, or names another class."""
     if value is _ABSENT or appended or not isinstance(value, dict):
         return value is not _ABSENT
-    if "class_path" in value:  # a class named by its short or its full name
-        return str(value["class_path"]).rpartition(".")[2] != given.rpartition(".")[2]
-    return not group and not set(value) <= {"init_args", "dict_kwargs"}
+    if not group and not {"class_path", "init_args"} & set(value):
+        return True  # a mapping option's value: replaced whole
+    def short(name: Any) -> str:  # a class by its short or its full name
+        return str(name).rpartition(".")[2]
+    if not isinstance(given, dict):  # a class's name (or a value the parser refuses)
+        return "class_path" in value and short(value["class_path"]) != short(given)
+    return any(("class_path" in value and short(value["class_path"]) != short(leaf))
+               if keys == ["class_path"] else _value(value, keys) is not _ABSENT
+               for keys, leaf in _leaves(given))
+
+
+def _leaves(mapping: dict, keys: tuple[str, ...] = ()) -> Iterator[tuple[list[str], Any]]:
+    """Each option a mapping sets: its keys (dotted ones split) and its value."""
+    for key, value in mapping.items():
+        path = (*keys, *str(key).split("."))
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, path)
+        else:
+            yield list(path), value
 
 
 #: warnings a command-line run does not print: nothing the user can act on, each caused by
