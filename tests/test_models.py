@@ -110,6 +110,24 @@ def test_a_cache_folder_that_cannot_be_made_names_the_option(tmp_path: Path) -> 
     with pytest.raises(ValueError, match=r"the built-in models' cache .*a_file/cache' cannot "
                                          r"be made .*set model.model_cache_dir"):
         resolve_model_path("builtin:tiny", cache_dir=tmp_path / "a_file" / "cache")
+    # one that is there but cannot be written (a read-only mount, another user's): the
+    # lock's bare "[Errno 30] Read-only file system" (a hunt); here the lock cannot be opened
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there" / f".tiny-v{builtin_models.BUILTIN_MODELS['tiny'][0]}.lock").mkdir()
+    with pytest.raises(ValueError, match=r"cache .*there' cannot be made or written .*set "
+                                         r"model.model_cache_dir"):
+        resolve_model_path("builtin:tiny", cache_dir=tmp_path / "there")
+
+
+def test_a_conversion_a_signal_ended_leaves_nothing_after_the_next(tmp_path: Path) -> None:
+    """SIGTERM, SIGHUP or kill -9 during the first-use conversion (SmolLM2's: 514 MB) left
+    its hidden folder, one per stop, that nothing removed (a hunt): the next removes it."""
+    version = builtin_models.BUILTIN_MODELS["tiny"][0]
+    stale = tmp_path / f".tiny-v{version}.tmp-killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    path = Path(resolve_model_path("builtin:tiny", cache_dir=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".tiny-v{version}.lock", path.name]
 
 
 def test_tiny_model_loads_through_from_pretrained_deterministically(tiny_cache: Path) -> None:

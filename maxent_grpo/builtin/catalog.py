@@ -10,6 +10,7 @@ that made the shipped weights: :mod:`~maxent_grpo.builtin.warm_start`,
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import logging
 import os
@@ -259,15 +260,21 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     if final.is_dir():
         _readable_by_all(final)  # a folder an earlier version wrote owner-only
         return final
-    try:
+    try:  # the folder, its lock and the one being written: an unwritable cache named
         root.mkdir(parents=True, exist_ok=True)
+        lock = _file_lock(root / f".{final.name}.lock")
+        lock.__enter__()
     except OSError as err:
         why = err.strerror or err
-        raise ValueError(f"the built-in models' cache {str(root)!r} cannot be made ({why}): "
-                         "set model.model_cache_dir to a folder you can write to") from err
-    with _file_lock(root / f".{final.name}.lock"):
+        raise ValueError(f"the built-in models' cache {str(root)!r} cannot be made or written "
+                         f"({why}): set model.model_cache_dir to a folder you can write to"
+                         ) from err
+    with contextlib.ExitStack() as held:
+        held.push(lock)
         if final.is_dir():  # another process finished it while we waited
             return final
+        for stale in root.glob(f".{glob.escape(final.name)}.tmp-*"):  # a writer a signal
+            shutil.rmtree(stale, ignore_errors=True)  # ended (the lock is held: none runs)
         logger.info("materialising %s into %s", name, final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
