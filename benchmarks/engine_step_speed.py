@@ -36,7 +36,7 @@ VLLM_ENGINE = {"class_path": "maxent_grpo.rollout.VLLMEngine",
 def fit_command(config: str, steps: int, engine: str, log_dir: Path) -> list[str]:
     command = [sys.executable, "-m", "maxent_grpo", "fit", "--config", config,
                "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
-               "--trainer.enable_checkpointing", "false",
+               "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
                "--trainer.logger.init_args.save_dir", str(log_dir)]
     if engine == "vllm":
         command += ["--model.engine", json.dumps(VLLM_ENGINE)]

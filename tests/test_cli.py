@@ -723,7 +723,14 @@ def test_an_option_given_before_a_config_that_sets_it_is_refused(tmp_path, capsy
                                          "{betas: [0.8, 0.9]}}"],
                    ["--model", "{top_p: 0.5}"]):  # options the config does not set: kept
         cli_module.cli_help.check_given_configs(["fit", *before, "--config", tiny])
-    for before in (["--trainer", "{max_steps: 3}"], ["--model", "{temperature: 0.7}"]):
+    for before in (["--model", "{optimizer: {class_path: torch.optim.AdamW, init_args: "
+                               "{betas: [0.8, 0.9]}}}"],  # a class in a group's mapping
+                   ["--trainer", "{logger: {class_path: lightning.pytorch.loggers."
+                                 "TensorBoardLogger, init_args: {version: fixed}}}"]):
+        cli_module.cli_help.check_given_configs(["fit", *before, "--config", tiny])
+    for before in (["--trainer", "{max_steps: 3}"], ["--model", "{temperature: 0.7}"],
+                   ["--model", "{rewards: {format: 0.5}}"],  # a mapping the config replaces
+                   ["--model.rewards.format", "0.5"]):
         with pytest.raises(ValueError, match=f"{before[0]} is given before --config"):
             cli_module.cli_help.check_given_configs(["fit", *before, "--config", tiny])
 

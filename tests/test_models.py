@@ -117,6 +117,16 @@ def test_a_cache_folder_that_cannot_be_made_names_the_option(tmp_path: Path) -> 
     with pytest.raises(ValueError, match=r"cache .*there' cannot be made or written .*set "
                                          r"model.model_cache_dir"):
         resolve_model_path("builtin:tiny", cache_dir=tmp_path / "there")
+    # its lock file left by an earlier try, the folder being written refused (readers)
+    (tmp_path / "there" / f".tiny-v{builtin_models.BUILTIN_MODELS['tiny'][0]}.lock").rmdir()
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(builtin_models.tempfile, "mkdtemp", refused)
+        with pytest.raises(ValueError, match=r"cannot be made or written \(Permission denied"):
+            resolve_model_path("builtin:tiny", cache_dir=tmp_path / "there")
 
 
 def test_a_conversion_a_signal_ended_leaves_nothing_after_the_next(tmp_path: Path) -> None:

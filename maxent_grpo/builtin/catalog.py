@@ -249,6 +249,12 @@ def _readable_by_all(folder: Path) -> None:
                 path.chmod(mode | wanted)
 
 
+def _unwritable_cache(root: Path, err: OSError) -> ValueError:
+    return ValueError(f"the built-in models' cache {str(root)!r} cannot be made or written "
+                      f"({err.strerror or err}): set model.model_cache_dir to a folder you can "
+                      "write to")
+
+
 def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     short = name[len(BUILTIN_PREFIX) :]
     if short not in BUILTIN_MODELS:
@@ -265,18 +271,18 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
         lock = _file_lock(root / f".{final.name}.lock")
         lock.__enter__()
     except OSError as err:
-        why = err.strerror or err
-        raise ValueError(f"the built-in models' cache {str(root)!r} cannot be made or written "
-                         f"({why}): set model.model_cache_dir to a folder you can write to"
-                         ) from err
+        raise _unwritable_cache(root, err) from err
     with contextlib.ExitStack() as held:
         held.push(lock)
         if final.is_dir():  # another process finished it while we waited
             return final
-        for stale in root.glob(f".{glob.escape(final.name)}.tmp-*"):  # a writer a signal
-            shutil.rmtree(stale, ignore_errors=True)  # ended (the lock is held: none runs)
+        for stale in root.glob(f".{glob.escape(final.name)}.tmp-*") if os.name == "posix" else ():
+            shutil.rmtree(stale, ignore_errors=True)  # a writer a signal ended (locked: none runs)
         logger.info("materialising %s into %s", name, final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+        except OSError as err:
+            raise _unwritable_cache(root, err) from err
         try:
             writer(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it owner-only

@@ -330,9 +330,10 @@ def check_given_configs(args: list[str]) -> None:
             name, inline_, given = args[j].partition("=")
             given = given if inline_ else (args[j + 1] if j + 1 < i else "")
             option = name[2:].removesuffix("+")  # += appends to a list
+            keys = option.split(".")
             if args[j].startswith("--") and option not in ("config", "c") and any(
-                    _replaces(_value(part, option.split(".")), load(given), name.endswith("+"),
-                              "." not in option) for part in parts):
+                    _replaces(_value(part, keys), load(given), name.endswith("+"), len(keys) == 1)
+                    or _whole(_value(part, keys[:1]), keys[1:]) for part in parts):
                 raise ValueError(
                     f"--{option} is given before --config {value}, which sets it too: the "
                     f"later one wins, so the value given would be ignored; give --{option} "
@@ -383,9 +384,19 @@ def _replaces(value: Any, given: Any, appended: bool, group: bool) -> bool:
         return str(name).rpartition(".")[2]
     if not isinstance(given, dict):  # a class's name (or a value the parser refuses)
         return "class_path" in value and short(value["class_path"]) != short(given)
-    return any(("class_path" in value and short(value["class_path"]) != short(leaf))
-               if keys == ["class_path"] else _value(value, keys) is not _ABSENT
-               for keys, leaf in _leaves(given))
+    return any(_whole(value, keys) or ((found := _value(value, keys)) is not _ABSENT and (
+        keys[-1] != "class_path" or short(found) != short(leaf))) for keys, leaf in _leaves(given))
+
+
+def _whole(config: Any, keys: list[str]) -> bool:
+    """Whether ``config`` replaces a mapping option (``rewards``, ``task_options``) on the way
+    to ``keys`` whole, so the key given there is dropped however the config leaves it."""
+    for j in range(1, len(keys)):
+        found = _value(config, keys[:j])
+        if keys[j - 1] != "init_args" and isinstance(found, dict) and not {
+                "class_path", "init_args"} & set(found):
+            return True
+    return False
 
 
 def _leaves(mapping: dict, keys: tuple[str, ...] = ()) -> Iterator[tuple[list[str], Any]]:

@@ -313,9 +313,10 @@ def check_checkpoint_root(trainer: Any) -> None:
     if isinstance(root, str) and "://" not in root and any(
             isinstance(cb, ModelCheckpoint) and cb.dirpath is None
             for cb in getattr(trainer, "callbacks", [])):
-        why = unwritable(os.path.join(root, "checkpoints"), folder=True)
+        why = unwritable(root if loggers else os.path.join(root, "checkpoints"), folder=True)
         require(why is None, f"a ModelCheckpoint without a dirpath saves into "
-                f"trainer.default_root_dir {root!r} when there is no logger, and that cannot "
+                f"trainer.default_root_dir {root!r} when there is no logger (or it has no "
+                "save_dir), and that cannot "
                 f"be written ({why}): give the ModelCheckpoint a dirpath, or "
                 "trainer.default_root_dir a folder you can write to")
 
