@@ -40,6 +40,11 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+def _shell_code(code: int) -> int:
+    """A child's return code as a shell reports it (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise _Stopped(signum)
 
@@ -189,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             print(f"give the trainer: --model.engine.init_args.urls=[{url}] with "
                   f"VLLM_API_KEY={key}; Ctrl-C stops the server", file=sys.stderr, flush=True)
-            code = proc.wait()
-            return 128 - code if code < 0 else code  # a server a signal ended: as a shell says
+            return _shell_code(proc.wait())
         train = [sys.executable, "-m", "maxent_grpo", *command,
                  f"--model.engine.init_args.urls=[{url}]",
                  f"--model.engine.init_args.weight_transfer={args.weight_transfer}"]
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                                     preexec_fn=_server_child(trainer_cpus))
         code = training.wait()
         clean = code == 0
-        return 128 - code if code < 0 else code  # a training a signal ended: as a shell says
+        return _shell_code(code)
     except KeyboardInterrupt as stop:
         stops = _ignore_stops()  # a second signal must not leave the training behind
         signum = getattr(stop, "signum", signal.SIGINT)
@@ -214,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 training.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 training.kill()
-        code = training.wait()
-        return 128 - code if code < 0 else code or 128 + signum
+        return _shell_code(training.wait()) or 128 + signum
     finally:
         stops = stops or _ignore_stops()  # a second signal would skip the SIGKILL below
         try:

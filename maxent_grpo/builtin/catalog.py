@@ -266,14 +266,12 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     if final.is_dir():
         _readable_by_all(final)  # a folder an earlier version wrote owner-only
         return final
-    try:  # the folder, its lock and the one being written: an unwritable cache named
-        root.mkdir(parents=True, exist_ok=True)
-        lock = _file_lock(root / f".{final.name}.lock")
-        lock.__enter__()
-    except OSError as err:
-        raise _unwritable_cache(root, err) from err
     with contextlib.ExitStack() as held:
-        held.push(lock)
+        try:  # the folder and its lock: an unwritable cache named
+            root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_file_lock(root / f".{final.name}.lock"))
+        except OSError as err:
+            raise _unwritable_cache(root, err) from err
         if final.is_dir():  # another process finished it while we waited
             return final
         for stale in root.glob(f".{glob.escape(final.name)}.tmp-*") if os.name == "posix" else ():

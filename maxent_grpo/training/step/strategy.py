@@ -316,9 +316,8 @@ def check_checkpoint_root(trainer: Any) -> None:
         why = unwritable(root if loggers else os.path.join(root, "checkpoints"), folder=True)
         require(why is None, f"a ModelCheckpoint without a dirpath saves into "
                 f"trainer.default_root_dir {root!r} when there is no logger (or it has no "
-                "save_dir), and that cannot "
-                f"be written ({why}): give the ModelCheckpoint a dirpath, or "
-                "trainer.default_root_dir a folder you can write to")
+                f"save_dir), and that cannot be written ({why}): give the ModelCheckpoint a "
+                "dirpath, or trainer.default_root_dir a folder you can write to")
 
 
 def no_checkpoints_in_smoke_runs(trainer: Any) -> None:
