@@ -14,6 +14,7 @@ import pytest
 
 import maxent_grpo.cli.parser as cli_module
 from maxent_grpo.cli import help as cli_help
+from maxent_grpo.rewards.answers import compared_answer
 from maxent_grpo.rewards.registry import get_reward
 
 SMALL = ["--config", "tiny", "--data.train_size", "64", "--data.val_size", "4",
@@ -54,6 +55,7 @@ def test_predict_writes_the_checkpoints_completions_graded_as_the_rewards_grade(
         assert row["reward"] == pytest.approx(0.5 * expected)
         assert row["correct"] == (expected >= 1.0)
         assert row["parsed_answer"] == row["completion"].strip()
+        assert row["compared_answer"] == compared_answer(row["parsed_answer"])
     passed = [any(r["correct"] for r in rows if r["row"] == i) for i in {r["row"] for r in rows}]
     summary = caplog.text
     assert f"predict: 12 completions of 4 prompts written to {path}" in summary

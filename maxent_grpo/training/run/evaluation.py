@@ -162,8 +162,10 @@ def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total
     ``sample`` ``j``, the ``prompt`` (text or messages), the reference ``answer``, the
     ``completion`` (text) or, for a multi-turn rollout, its ``messages``, ``rewards`` (each
     reward function's value, ``None`` where it gave none), the weighted ``reward``, the
-    parsed ``parsed_answer`` (:func:`sample_answer`), ``correct`` (None where the eval reward
-    gave none) and ``truncated`` (cut at
+    parsed ``parsed_answer`` (:func:`sample_answer`), ``compared_answer`` (the form
+    ``distinct@k`` and ``answer_entropy`` count: :func:`compared_answer` under the row's
+    ``answer_form``), ``correct`` (None where the eval reward gave none: that reward reads
+    the completion its own way) and ``truncated`` (cut at
     ``max_completion_length``: no stop token; a multi-turn row's last turn or a tool's reply
     cut there)."""
     def value(x: Tensor) -> float | None:
@@ -171,12 +173,15 @@ def prediction_row(batch: dict[str, Any], b: int, j: int, completion: Any, total
 
     key = "completion" if isinstance(completion, str) else "messages"
     task = batch["columns"].get("task", [None] * len(batch["prompts"]))[b]
+    form = batch["columns"].get("answer_form", [None] * len(batch["prompts"]))[b]
+    parsed = sample_answer(completion, prompt_opens_think(batch["prompts"][b]))
     return {
         "row": batch["indices"][b], "sample": j, "prompt": batch["raw_prompts"][b],
         "answer": batch["answers"][b], key: completion,
         "rewards": {name: value(v) for name, v in zip(names, components, strict=True)},
         "reward": value(total),
-        "parsed_answer": sample_answer(completion, prompt_opens_think(batch["prompts"][b])),
+        "parsed_answer": parsed,
+        "compared_answer": compared_answer(parsed, None if form is None else str(form)),
         "correct": None if correct is None else bool(correct), "truncated": bool(truncated),
         **({"task": task} if task is not None else {}),
     }

@@ -821,3 +821,23 @@ def test_an_evaluation_a_failure_cut_short_leaves_nothing_to_the_next(cache_dir)
     module.evaluator.graded = [5, 0, 0]
     module.evaluator.stream = {"stale": True}
     assert validate(module, data) == clean
+
+
+def test_a_prediction_row_names_the_answer_as_distinct_at_k_counts_it():
+    """``parsed_answer`` is the answer as read (``" 11, which isn"`` gives ``"11, which
+    isn"``), not the form the answer statistics count; ``compared_answer`` is that form, so
+    ``distinct@k`` can be recomputed from a predictions file (the SmolLM2 hunt)."""
+    from maxent_grpo.training.run.evaluation import prediction_row
+
+    completions = ["<answer>5+4</answer>", " 4 + 5 ", "**72**", " 11, which isn"]
+    forms = ["expression", "expression", None, None]
+    batch = {"prompts": ["p"] * 4, "raw_prompts": ["p"] * 4, "answers": ["9"] * 4,
+             "indices": [0, 0, 1, 1], "columns": {"answer_form": forms}}
+    rows = [prediction_row(batch, b, 0, c, torch.tensor(0.0), torch.zeros(1), ["r"], 1.0, False)
+            for b, c in enumerate(completions)]
+    assert [r["parsed_answer"] for r in rows] == ["5+4", "4 + 5", "**72**", "11, which isn"]
+    assert [r["compared_answer"] for r in rows] == ["4 + 5", "4 + 5", "72", "11,which isn"]
+    records = [PromptRecord((1.0, 1.0), tuple(r["parsed_answer"] for r in rows[i:i + 2]),
+                            answer_form=forms[i]) for i in (0, 2)]
+    by_hand = sum(len({r["compared_answer"] for r in rows[i:i + 2]}) for i in (0, 2)) / 2
+    assert evaluation_metrics(records, [2], "val")["val/distinct@2"] == by_hand == 1.5
