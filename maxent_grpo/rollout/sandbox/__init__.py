@@ -115,8 +115,8 @@ what happened                         what the model reads                      
 exit status 0                         the output                                (none)
 more output than ``output_bytes``     its head, ``[... N bytes of output        (none)
                                       cut ...]``, its tail
-an exception, ``sys.exit(3)``         ``Error: python exited with status 1``,   error
-                                      then the output (the traceback, also
+an exception, ``sys.exit(3)``         ``Error: python exited with status 1``    error
+                                      (``3``), then the output (the traceback, also
                                       when the code closed ``sys.stderr``)
 a signal (a segfault, ...)            ``Error: python was killed by signal      error
                                       SIGSEGV (Segmentation fault)``, output
