@@ -14,8 +14,10 @@ Schema (every scalar a finite number or ``null``)::
       }
     }
 
-tau and beta belong to the objective (the controllers keep no copy); everything else is a
-controller's own state, mapped by its class's ``file_fields`` to and from its ``state_dict``.
+tau and beta belong to the objective (the controllers keep no copy); so does any other
+attribute a controller of one's own moves, at the top level by its name (``"alpha": 0.3``);
+everything else is a controller's own state, mapped by its class's ``file_fields`` to and
+from its ``state_dict``.
 When it is written and read: :mod:`~maxent_grpo.training.callbacks.controller_base`.
 """
 
@@ -48,7 +50,7 @@ class FileBackedController(Protocol):
     """What the file needs of a controller
     (:class:`~maxent_grpo.training.callbacks.controller_base.Controller` satisfies it)."""
 
-    #: the objective attributes it moves (``tau`` / ``beta``)
+    #: the objective attributes it moves (``tau`` / ``beta``, or another ``tunable`` one)
     moves: tuple[str, ...]
     #: its ``state_dict`` key -> where the value lives in the file (``meta.x`` is
     #: ``state["meta"]["x"]``); ``steps`` is required on read, the rest may be null
@@ -105,8 +107,9 @@ def read_controller_state(path: str | Path) -> dict[str, Any]:
 def build_snapshot(
     objective: Objective, controllers: Sequence[FileBackedController]
 ) -> dict[str, Any]:
-    """The file's content: tau / beta from the objective (``null`` unless tunable), each
-    controller's own state through its ``file_fields``."""
+    """The file's content: tau / beta from the objective (``null`` unless tunable), any other
+    attribute a controller moves by its name, each controller's own state through its
+    ``file_fields``."""
     tau = float(objective.tau) if "tau" in objective.tunable else None
     beta = float(objective.beta) if "beta" in objective.tunable else None
     snapshot: dict[str, Any] = {
@@ -117,6 +120,8 @@ def build_snapshot(
         "meta": {},
     }
     for controller in controllers:
+        snapshot.update({name: float(getattr(objective, name))
+                         for name in controller.moves if name not in ("tau", "beta")})
         for key, value in controller.state_dict().items():
             where, name = _location(snapshot, controller.file_fields[key])
             where[name] = value
@@ -133,12 +138,14 @@ def apply_snapshot(
     controllers: Sequence[FileBackedController],
 ) -> None:
     """Restore a :func:`read_controller_state` result: each controller's own state, and the
-    objective attributes it moves (``controller.moves``: ``tau`` / ``beta``).
+    objective attributes it moves (``controller.moves``: ``tau`` / ``beta``, or one of its
+    own).
 
     Every value is checked before any is applied: a missing key, or a required value that
-    is not a finite number (``tau``, ``beta``, ``meta.<x>_steps``) or out of its range
-    (``tau > 0``, ``beta >= 0``, whole step counts in ``[0, 2**53]``), raises ValueError naming the
-    file and the key, and leaves the objective and the controllers as they were.
+    is not a finite number (``tau``, ``beta``, another moved attribute, ``meta.<x>_steps``) or
+    out of its range (``tau > 0``, ``beta >= 0``, whole step counts in ``[0, 2**53]``), raises
+    ValueError naming the file and the key, and leaves the objective and the controllers as
+    they were.
     """
     moved: dict[str, float] = {}
     own: list[tuple[FileBackedController, dict[str, Any]]] = []
@@ -146,7 +153,7 @@ def apply_snapshot(
         for name in controller.moves:
             moved[name] = value = _value(state, name, path, required=True)
             least = "> 0" if name == "tau" else ">= 0"  # what the objective takes
-            require(value > 0 if name == "tau" else value >= 0,
+            require(value > 0 if name == "tau" else value >= 0 or name != "beta",
                     f"controller state file {path!r}: {name!r} must be {least}; got {value!r}")
         values = {key: _value(state, loc, path, required=key == "steps")
                   for key, loc in controller.file_fields.items()}

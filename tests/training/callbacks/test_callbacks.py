@@ -28,6 +28,7 @@ from maxent_grpo.training.callbacks import (
     read_controller_state,
     write_controller_state,
 )
+from maxent_grpo.training.callbacks.state_file import build_snapshot
 from maxent_grpo.training.run import checkpoint_io
 from maxent_grpo.training.types import LogStepArtifacts
 
@@ -749,3 +750,40 @@ def test_a_controller_state_has_steps_first_whatever_its_file_fields_order():
     restored = Smoothed(None, None, False)
     restored.load_state_dict(saved.state_dict())
     assert (restored.steps, restored.ema) == (3, 0.5) and isinstance(restored.steps, int)
+
+
+def test_a_controller_of_ones_own_resumes_what_it_moves_from_its_state_file(tmp_path):
+    """The state file held tau and beta only, so a controller moving another ``tunable``
+    attribute wrote a file it could not read back ("has no key 'alpha'"; a second reader of
+    docs/ARCHITECTURE.md's recipe)."""
+
+    class Weighted(GRPO):
+        tunable = ("beta", "alpha")
+        mutable = ("beta", "alpha")
+
+        def __init__(self, alpha: float = 1.0, **grpo) -> None:
+            super().__init__(**grpo)
+            self.alpha = alpha
+
+    class AlphaController(cb.Controller):
+        moves = ("alpha",)
+        file_fields = {"steps": "meta.alpha_steps"}  # noqa: RUF012
+
+        def __init__(self, resume_from: str | None = None) -> None:
+            super().__init__(None, resume_from, False)
+
+        def _check_start(self, objective, origin, pl_module) -> None:
+            pass
+
+        def _update(self, objective, stats):
+            objective.alpha = -0.5 * stats["train/reward"]  # may be negative: no beta
+            return {}
+
+    objective, controller = Weighted(beta=0.0), AlphaController()
+    trainer, module = attach(objective, controller)
+    step(trainer, module, reward=0.6)
+    path = tmp_path / "state.json"
+    write_controller_state(path, build_snapshot(objective, [controller]))
+    resumed, again = Weighted(beta=0.0), AlphaController(resume_from=str(path))
+    attach(resumed, again)
+    assert (resumed.alpha, again.steps) == (objective.alpha, 1) and objective.alpha != 1.0
