@@ -84,7 +84,7 @@ def group_advantages(
         centered = centered / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
     elif scale == "batch":
         centered = centered / (rewards.std(correction=1) + eps)
-    return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(centered), centered)
+    return _zero_constant(rewards, centered)
 
 
 def zero_std_fraction(rewards: torch.Tensor) -> torch.Tensor:
@@ -108,20 +108,24 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
     check_rewards(rewards, min_group=2)
     G = rewards.shape[1]
     baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)
-    adv = rewards - baseline
-    return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(adv), adv)
+    return _zero_constant(rewards, rewards - baseline)
 
 
 def batch_normalised(advantages: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """``(A - mean(A)) / (std(A) + eps)`` over every entry of ``advantages`` (unbiased std):
     REINFORCE++'s global-batch normalisation, and TRL's ``RLOOTrainer``
-    ``normalize_advantages``. One entry (no std) gives ``A - mean(A) = 0``."""
+    ``normalize_advantages``. Entries that are all exactly equal (one entry included) give
+    exactly 0: the rounding left in ``A - mean(A)`` would be divided by ``eps`` alone.
+
+    >>> batch_normalised(torch.full((2, 4), 0.1)).abs().max().item()
+    0.0
+    """
     check_rewards(advantages, name="advantages")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0; got {eps!r}")
+    if bool((advantages == advantages.reshape(-1)[0]).all()):
+        return torch.zeros_like(advantages)
     centred = advantages - advantages.mean()
-    if advantages.numel() < 2:
-        return centred
     return centred / (advantages.std(correction=1) + eps)
 
 
@@ -243,9 +247,11 @@ def estimate_advantages(
     if estimator == "rloo":
         adv = leave_one_out_advantages(rewards)
         if scale == "group":
-            adv = adv / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
-            return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(adv), adv)
-        return batch_normalised(adv, eps) if scale == "batch" else adv
+            return _zero_constant(rewards, adv / (rewards.std(dim=1, keepdim=True, correction=1)
+                                                  + eps))
+        if scale == "batch":  # a constant group: exactly 0, as in the exact maths
+            return _zero_constant(rewards, batch_normalised(adv, eps))
+        return adv
     if scale != "group":
         raise ValueError(
             f"scale {scale!r} does not apply to {estimator}: it scales its advantages by "
@@ -260,7 +266,13 @@ def estimate_advantages(
     check_rewards(rewards, min_group=2)
     if estimator == "reinforce_pp":
         return batch_normalised(rewards, eps)
-    return batch_normalised(rewards - rewards.mean(dim=1, keepdim=True), eps)
+    return _zero_constant(rewards, batch_normalised(
+        _zero_constant(rewards, rewards - rewards.mean(dim=1, keepdim=True)), eps))
+
+
+def _zero_constant(rewards: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """``adv`` with the rows of constant reward groups exactly 0 (no rounding residue)."""
+    return torch.where(constant_groups(rewards)[:, None], torch.zeros_like(adv), adv)
 
 
 def unlikeliness_rewards(
