@@ -47,8 +47,9 @@ def _masked_softmax(
     logits: torch.Tensor, candidates: torch.Tensor | None, temperature: float = 1.0
 ) -> torch.Tensor:
     """``softmax_G(logits / temperature)`` over each row's candidates (0 elsewhere); all
-    rows when None. A temperature so small that the division overflows gives the limit
-    (each row's largest entries share the mass), not NaN."""
+    rows when None. A temperature so small that the division overflows, or is 0 in the
+    logits' dtype (below float32's 1.4e-45), gives the limit (each row's largest entries
+    share the mass), not NaN."""
     if candidates is not None:
         if candidates.shape != logits.shape or not bool(candidates.any(dim=1).all()):
             raise ValueError(
@@ -58,7 +59,8 @@ def _masked_softmax(
         logits = logits.masked_fill(~candidates, float("-inf"))
     w = torch.softmax(logits / temperature, dim=1)
     if temperature < 1.0 and not bool(torch.isfinite(w).all()):
-        w = torch.softmax((logits - logits.amax(dim=1, keepdim=True)) / temperature, dim=1)
+        shifted = logits - logits.amax(dim=1, keepdim=True)  # the largest: 0, not 0 / 0
+        w = torch.softmax(torch.where(shifted == 0, 0.0, shifted / temperature), dim=1)
     return w
 
 

@@ -171,6 +171,22 @@ def test_maxent_weights_at_a_tiny_temperature_are_the_argmax_not_nan() -> None:
     assert torch.isfinite(q).all() and q[0, 1] == pytest.approx(1e-6)
 
 
+@pytest.mark.parametrize("tiny", [1e-46, 1e-300])
+def test_a_temperature_that_is_0_in_float32_gives_the_argmax_not_nan(tiny) -> None:
+    """Below float32's least denormal the temperature is 0 in the division: the limit's
+    fallback divided the row's largest entry 0 by 0 (NaN; a numerical-extremes hunt)."""
+    log_q = torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]).log()
+    assert torch.equal(maxent_weights(log_q, tiny), torch.tensor([[1.0, 0.0, 0.0],
+                                                                   [0.5, 0.5, 0.0]]))
+    cands = torch.tensor([[False, True, True], [True, True, True]])
+    assert torch.equal(maxent_weights(log_q, tiny, candidates=cands)[0],
+                       torch.tensor([0.0, 1.0, 0.0]))
+    utility = torch.tensor([[0.5, -0.25, 0.5]])
+    assert torch.equal(group_weights(utility, tiny), torch.tensor([[0.5, 0.0, 0.5]]))
+    q = q_distribution(utility, temperature=tiny, epsilon=1e-6)
+    assert torch.isfinite(q).all() and q[0, 1] == pytest.approx(1e-6)
+
+
 def test_maxent_weights_validation() -> None:
     log_q = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"tau \+ beta must be > 0"):
