@@ -24,7 +24,6 @@ import functools
 import inspect
 import math
 import numbers
-import sys
 import time
 import warnings
 from collections import deque
@@ -171,11 +170,8 @@ def trl_completions(prompts: list, completions: list) -> list:
     >>> trl_completions([[{"role": "user", "content": "2+2?"}], "2+2="], ["4", "4"])
     [[{'role': 'assistant', 'content': '4'}], '4']
     """
-    return [
-        [{"role": "assistant", "content": c}] if isinstance(c, str) and is_conversational(p)
-        else c
-        for p, c in zip(prompts, completions, strict=True)
-    ]
+    return [[{"role": "assistant", "content": c}] if isinstance(c, str) and is_conversational(p)
+            else c for p, c in zip(prompts, completions, strict=True)]
 
 
 #: seconds a failed reward call and its search for the row it failed on may take together
@@ -203,10 +199,9 @@ def _alone(fn: Callable, call: dict[str, Any], err: BaseException, seconds: floa
             f"completion {call['completions'][i]!r:.80}{shown})")
 
 
-def _call(
-    k: int, name: str, fn: Callable, prompts: list, completions: list, kwargs: dict[str, Any]
-) -> list[float]:
-    """Values of reward ``k`` as floats (NaN for None), checked."""
+def _call(k: int, name: str, fn: Callable, prompts: list, completions: list,
+          kwargs: dict[str, Any], dtype: Any = torch.float32) -> list[float]:
+    """Values of reward ``k`` as floats (NaN for None), checked (finite in ``dtype``)."""
     label, started = f"reward function {name!r} (#{k})", time.monotonic()
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
@@ -237,9 +232,10 @@ def _call(
                 f"{label} returned a non-numeric value at row {i}: {value!r:.80} "
                 "(use a float, or None for 'not applicable')"
             )
-        if not abs(value) <= sys.float_info.max:  # NaN, inf, an int past a float's range
+        if not abs(value) <= torch.finfo(dtype).max:  # NaN, inf, past float32's range
             raise RewardFunctionError(f"{label} returned a non-finite value at row {i}: "
-                                      f"{value!r:.80} (use None for 'not applicable')")
+                                      f"{value!r:.80} (use None for 'not applicable'; the step "
+                                      f"keeps rewards in {dtype}: ±{torch.finfo(dtype).max:.3g})")
         out.append(float(value))
     return out
 
@@ -288,11 +284,14 @@ def _score(
     rows, opened = [], call_log or (lambda: _not_logged("log_metric"))
     for k, (name, fn, _) in enumerate(funcs):
         kwargs["log_metric"] = opened()  # each call its own log_metric, closed by the next
-        rows.append(_call(k, name, fn, prompts, completions, kwargs))
+        rows.append(_call(k, name, fn, prompts, completions, kwargs, dtype))
     opened()  # the last one closed too
     components = torch.tensor(rows, dtype=torch.float64).reshape(len(funcs), len(completions))
     weights = torch.tensor([float(w) for _, _, w in funcs], dtype=torch.float64)  # (K,)
     total = torch.nansum(weights[:, None] * components, dim=0)  # (N,); NaN·w stays NaN
+    if not bool((total.abs() <= torch.finfo(dtype).max).all()):  # past float32's range
+        raise RewardFunctionError(f"the weighted sum of the rewards {[f[0] for f in funcs]} is "
+                                  f"beyond {dtype}'s range; lower their weights or values")
     return total.to(dtype), components.to(dtype)  # summed in float64 either way
 
 

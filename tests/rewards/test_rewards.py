@@ -564,6 +564,9 @@ def test_a_reward_that_calls_sys_exit_is_named_not_the_runs_end() -> None:
         ([math.inf, 1.0], r"'bad' \(#0\) returned a non-finite value at row 0"),
         ([1.0, math.nan], r"non-finite value at row 1"),
         ([10**400, 1.0], r"non-finite value at row 0: 1000"),  # an OverflowError, "a bug"
+        # finite in float64 only: refused later as "rewards must be finite", naming nothing
+        ([1.0, 1e300], r"'bad' \(#0\) returned a non-finite value at row 1: 1e\+300 .*"
+                       r"torch.float32: ±3.4e\+38"),
     ],
 )
 def test_score_completions_bad_values(values: object, message: str) -> None:
@@ -572,6 +575,20 @@ def test_score_completions_bad_values(values: object, message: str) -> None:
 
     with pytest.raises(RewardFunctionError, match=message):
         score_completions([("bad", bad, 1.0)], ["p", "p"], ["c", "c"], {})
+
+
+def test_a_weighted_sum_past_float32_names_the_rewards() -> None:
+    """Two rewards within float32 whose weighted sum is not: named, not a non-finite reward
+    later (a numerical-extremes hunt)."""
+    def big(prompts: list, completions: list, **kwargs: object) -> list:
+        return [3e38, 1.0]
+
+    funcs = [("big", big, 1.0), ("also", big, 2.0)]
+    with pytest.raises(RewardFunctionError, match=r"weighted sum of the rewards \['big', "
+                       r"'also'\] is beyond torch.float32's range"):
+        score_completions(funcs, ["p", "p"], ["c", "c"], {})
+    total, _ = score_completions([("big", big, 1.0)], ["p", "p"], ["c", "c"], {})
+    assert total.tolist() == pytest.approx([3e38, 1.0])
 
 
 def test_a_trl_reward_module_drops_in_async_arrays_and_its_log_calls() -> None:
