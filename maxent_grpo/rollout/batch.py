@@ -200,9 +200,10 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
-        require(self.temperature != 0, "temperature must be > 0 (log-probs are scored at it): "
-                "for greedy completions set model.top_k: 1 (in evaluation: model.eval_greedy)")
-        check_number("temperature", self.temperature, minimum=0, strict=True)
+        check_number("temperature", self.temperature)  # vLLM decodes greedily below 1e-5
+        require(1e-5 <= self.temperature <= 3.4e38, "temperature must be from 1e-05 to 3.4e38 "
+                "(log-probs are scored at it): for greedy completions set model.top_k: 1 (in "
+                f"evaluation: model.eval_greedy); got {self.temperature!r}")
         check_number("top_p", self.top_p, minimum=0, maximum=1, strict=True)
         check_int("top_k", self.top_k, minimum=0)
         check_int("max_prompt_length", self.max_prompt_length, minimum=1, allow_none=True)
@@ -316,10 +317,8 @@ class RolloutOutput:
             if tensor is not None and tensor.shape != expected:
                 raise ValueError(f"{name} shape {tuple(tensor.shape)} must equal {ref} shape "
                                  f"{tuple(expected)}")
-        if self.tool_mask is not None and (
-            self.tool_mask.shape != self.completion_mask.shape
-            or bool((self.tool_mask & ~self.completion_mask).any())
-        ):
+        if self.tool_mask is not None and (self.tool_mask.shape != self.completion_mask.shape
+                                           or bool((self.tool_mask & ~self.completion_mask).any())):
             raise ValueError("tool_mask must have completion_mask's shape and lie inside it")
         for name in ("prompt_mask", "completion_mask", "truncated", "tool_mask"):
             tensor = getattr(self, name)

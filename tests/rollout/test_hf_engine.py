@@ -350,8 +350,12 @@ def test_bad_generate_output_is_reported(tiny: tuple[Any, Any]) -> None:
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1"),
-        ({"temperature": 0.0}, "temperature must be > 0 .*set model.top_k: 1"),
-        ({"temperature": float("nan")}, "temperature must be a finite number > 0"),
+        ({"temperature": 0.0}, "temperature must be from 1e-05 .*set model.top_k: 1"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        # below, the scored logits overflowed ("this is a bug"), and vLLM decodes greedily;
+        # above, float32's inf: uniform sampling and no gradient (a numerical-extremes hunt)
+        ({"temperature": 1e-38}, "temperature must be from 1e-05 to 3.4e38 .*got 1e-38"),
+        ({"temperature": 1e39}, "temperature must be from 1e-05 to 3.4e38"),
         ({"top_p": 0.0}, r"top_p must be a finite number in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be a finite number in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an int >= 0"),
