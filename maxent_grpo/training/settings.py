@@ -148,6 +148,10 @@ def build_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Op
     require(not isinstance(optimizer, torch.optim.LBFGS), "model.optimizer torch.optim.LBFGS "
             "needs a closure that computes the loss again at each of its evaluations, which "
             "a policy-gradient step (one rollout, one loss) cannot give: use AdamW, SGD, ...")
+    rates = [g["lr"] for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
+    require(all(abs(lr) <= 3.4e38 for lr in rates), "model.optimizer's lr "  # torch's overflow
+            f"{max(rates, key=abs)!r} is beyond float32's range (3.4e38), in which the "
+            "update is computed: lower model.optimizer.init_args.lr")
     return optimizer
 
 

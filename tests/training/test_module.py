@@ -1078,6 +1078,18 @@ def test_an_optimizer_that_needs_a_closure_is_refused_by_name():
                       torch.optim.SGD)
 
 
+def test_a_learning_rate_past_float32_is_refused_naming_the_option():
+    """AdamW's lr 1e39 crashed at the first update with torch's "cannot be converted to type
+    float without overflow" as "a bug in maxent_grpo" (a numerical-extremes hunt)."""
+    from maxent_grpo.training.settings import build_optimizer
+
+    param = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"lr 1e\+39 is beyond float32's range .*"
+                       r"model.optimizer.init_args.lr"):
+        build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e39), param)
+    assert build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e30), param)
+
+
 class OwnKL(GRPO):
     """An objective whose own default estimator is k1."""
 
