@@ -87,7 +87,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         max_completion_length: ``T_max``, maximum new tokens per completion.
         max_prompt_length: prompts are left-truncated to this many tokens (linked from
             ``data.max_prompt_length``).
-        temperature: sampling temperature; log-probs are computed at the same temperature.
+        temperature: sampling temperature (1e-5 to 3.4e38); log-probs are computed at it.
         top_p: nucleus sampling threshold in (0, 1].
         top_k: top-k sampling (0 = off).
         num_iterations: optimizer steps on each rollout (>= 1; behaviour log-probs if > 1).
