@@ -153,6 +153,8 @@ def test_the_three_half_billion_configs_differ_only_in_the_objective():
     for name in ("grpo", "listwise", "entropy"):
         raw = read_yaml(ROOT / "configs" / f"qwen2.5-0.5b_{name}.yaml")
         assert raw["trainer"]["logger"]["init_args"].pop("name") == f"qwen2.5-0.5b_{name}"
+        saver = raw["trainer"]["callbacks"][0]["init_args"]  # its folder named by the run
+        assert saver.pop("dirpath") == f"lightning_logs/qwen2.5-0.5b_{name}/checkpoints"
         raw["model"].pop("objective")
         stripped.append(raw)
     assert stripped[0] == stripped[1] == stripped[2]
