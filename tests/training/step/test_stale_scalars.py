@@ -45,3 +45,25 @@ def test_values_not_measured_at_a_step_are_not_written_for_it(cache_dir, tmp_pat
     # step is written at s - 1
     assert steps["train/kl"] == [0, 2, 4]
     assert steps["callback/acted"] == [1, 3]
+
+
+class FirstOnly(L.Callback):
+    """Logs ``callback/first`` after the first batch only."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            pl_module.log("callback/first", 1.0, on_step=True, on_epoch=False, batch_size=1)
+
+
+def test_with_sparse_writes_a_value_is_written_once_since_its_measure(cache_dir, tmp_path):
+    """With ``log_every_n_steps: 2`` a value measured once was written at every later
+    written step; a resumed fit, which starts without it, did not write it: the two runs'
+    logs differed (``train/lr_warmup`` after the warm-up; an observers hunt)."""
+    logger = TensorBoardLogger(str(tmp_path), name="t", version=0)
+    fit(make_module(cache_dir), make_data(cache_dir, train_size=64), steps=6, logger=logger,
+        log_every_n_steps=2, callbacks=[FirstOnly()])
+    events = EventAccumulator(str(tmp_path / "t" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert steps["train/reward/mean"] == [1, 3, 5]
+    assert steps["callback/first"] == [1]
