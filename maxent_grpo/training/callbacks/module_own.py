@@ -28,6 +28,7 @@ from maxent_grpo.training.data.checks import check_prompt_bound, check_prompt_fo
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
 from maxent_grpo.training.run.folders import remove_empty_name_folders, run_dir, unused_path
+from maxent_grpo.training.run.savers import follow_savers
 from maxent_grpo.training.run.signals import (
     answer_requeue,
     give_back_sigterm,
@@ -128,7 +129,7 @@ class ModuleHooks(L.Callback):
         a validation that did not end runs it first (:func:`validate_first`); changed
         options are warned of (:func:`warn_changed_options`)."""
         if trainer.state.fn == "fit":
-            follow_moved_folders(trainer, checkpoint)
+            follow_savers(trainer, checkpoint)
             warn_changed_options(checkpoint, trainer)
             self.validation_due = checkpoint.get(VALIDATION_DUE) is True
             resume_where_stopped(checkpoint, trainer)
@@ -233,39 +234,6 @@ class ModuleHooks(L.Callback):
         batch, after every callback had the last one."""
         if share_sigterm(trainer, training=False):
             raise SIGTERMException
-
-def follow_moved_folders(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
-    """A ModelCheckpoint whose folder was moved or copied since ``checkpoint`` was written
-    (its state names another ``dirpath``) takes that state re-rooted in its folder, as
-    Lightning takes it in place, when every checkpoint it names is there (the folder moved
-    whole) and the last one is of this run (loaded as a checkpoint of fit loads by default):
-    ``last.ckpt`` is written over, not beside as ``last-v1.ckpt`` (which left ``last.ckpt``,
-    what ``validate``, ``predict`` and ``export`` are shown, at the old step)."""
-    states = checkpoint.get("callbacks") or {}
-    for saver in trainer.checkpoint_callbacks:
-        state = states.get(getattr(saver, "state_key", None)) or {}
-        old, new = state.get("dirpath"), getattr(saver, "dirpath", None)
-        if not (isinstance(old, str) and isinstance(new, str) and old != new):
-            continue
-
-        def moved(path: Any, old: str = old, new: str = new) -> Any:
-            inside = isinstance(path, str) and path.startswith(old + os.sep)
-            return os.path.join(new, os.path.relpath(path, old)) if inside else path
-
-        last = moved(state.get("last_model_path"))
-        named = [state.get(k) for k in ("best_model_path", "kth_best_model_path")]
-        named = [last, *(p for p in named if p), *(state.get("best_k_models") or {})]
-        if last == state.get("last_model_path") or not all(  # the whole folder is there
-                os.path.exists(moved(p)) for p in named):
-            continue
-        problem, index = ckpt_io._usable(last, False, False)
-        if problem is None and (index or {}).get(ckpt_io.RUN_KEY) == checkpoint.get(
-                ckpt_io.RUN_KEY):
-            state.update(dirpath=new, last_model_path=last,
-                         best_model_path=moved(state.get("best_model_path")),
-                         kth_best_model_path=moved(state.get("kth_best_model_path")),
-                         best_k_models={moved(k): v for k, v in
-                                        (state.get("best_k_models") or {}).items()})
 
 
 def _evaluated_at(trainer: L.Trainer) -> None:

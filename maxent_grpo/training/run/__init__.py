@@ -8,6 +8,8 @@
 - :mod:`~maxent_grpo.training.run.evaluation`: validation and test sampling and grading;
 - :mod:`~maxent_grpo.training.run.policy_models`: loading and holding the policy, its
   tokenizer and the reference (FSDP2 sharding, the trained parameters);
+- :mod:`~maxent_grpo.training.run.savers`: ``ModelCheckpoint`` savers across a resume (a
+  moved folder, changed options: ``last.ckpt`` written over);
 - :mod:`~maxent_grpo.training.run.signals`: SIGTERM, every rank stopping after the same batch;
 - :mod:`~maxent_grpo.training.run.validated`: a validation a stop cut short runs at the resume.
 """

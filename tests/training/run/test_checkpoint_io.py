@@ -910,3 +910,31 @@ def test_only_empty_folders_the_saver_names_are_removed(tmp_path, filename, name
         (tmp_path / name).mkdir()
     remove_empty_name_folders(tmp_path, filename, named)
     assert {p.name for p in tmp_path.iterdir()} == names - removed
+
+
+def test_a_resume_with_other_saver_options_writes_over_its_last_ckpt(tmp_path, monkeypatch):
+    """Another ``every_n_train_steps`` at a resume is another saver to Lightning (its state
+    key): it wrote ``last-v1.ckpt`` beside ``last.ckpt``, which stayed at the old step and is
+    what validate, predict and export are shown (an observers hunt)."""
+    import maxent_grpo.cli.parser as cli_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def run(steps: int, every: int, *extra: str) -> None:
+        config = tmp_path / f"saver_{every}.yaml"
+        config.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
+                          "every_n_train_steps": every}}]}}))
+        cli_module.main(["fit", "--config", "tiny", "--config", str(config),
+                         "--data.train_size", "64", "--data.val_size", "4",
+                         "--data.batch_size", "4", "--model.num_generations", "4",
+                         "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+                         f"--model.model_cache_dir={tmp_path / 'models'}",
+                         "--trainer.max_steps", str(steps), *extra])
+
+    run(2, 2)
+    run(3, 1, "--ckpt_path", "last")
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*.ckpt")) == ["last.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3

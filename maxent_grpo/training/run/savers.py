@@ -1,0 +1,83 @@
+"""A run's ``ModelCheckpoint`` savers across a resume: ``last.ckpt`` written over, not beside.
+
+Lightning restores a saver's state (its ``last_model_path``, its best checkpoints) only into
+a saver with the same ``state_key`` (its monitor, mode and intervals) and the same
+``dirpath``; any other saver starts afresh, finds ``last.ckpt`` there and writes
+``last-v1.ckpt`` beside it, leaving ``last.ckpt``, which ``validate``, ``predict`` and
+``export`` are shown, at the old step. :func:`follow_savers` gives a saver its earlier state
+where the checkpoint was written by the same run in the same folder: one whose folder moved
+or was copied whole, and one whose options changed (another ``every_n_train_steps``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+
+from maxent_grpo.training.run import checkpoint_io as ckpt_io
+
+__all__ = ["follow_savers"]
+
+
+def follow_savers(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Before Lightning restores the callbacks of ``checkpoint`` (a fit's resume):
+
+    - a saver whose folder was moved or copied since (its state names another ``dirpath``)
+      takes that state re-rooted in its folder, when every checkpoint it names is there
+      (the folder moved whole) and the last one is of this run;
+    - a saver without a state in the checkpoint (its options changed) takes the
+      ``last_model_path`` of the one earlier saver of the same folder no saver now has
+      (its best checkpoints were chosen under other options: not taken), when that file is
+      of this run.
+    """
+    states = checkpoint.get("callbacks") or {}
+    keys = {getattr(saver, "state_key", None) for saver in trainer.checkpoint_callbacks}
+    orphans = [state for key, state in states.items()
+               if str(key).startswith("ModelCheckpoint") and key not in keys]
+    for saver in trainer.checkpoint_callbacks:
+        state = states.get(getattr(saver, "state_key", None))
+        if state is None:
+            _adopt(saver, orphans, checkpoint, states)
+            continue
+        old, new = state.get("dirpath"), getattr(saver, "dirpath", None)
+        if not (isinstance(old, str) and isinstance(new, str) and old != new):
+            continue
+
+        def moved(path: Any, old: str = old, new: str = new) -> Any:
+            inside = isinstance(path, str) and path.startswith(old + os.sep)
+            return os.path.join(new, os.path.relpath(path, old)) if inside else path
+
+        last = moved(state.get("last_model_path"))
+        named = [state.get(k) for k in ("best_model_path", "kth_best_model_path")]
+        named = [last, *(p for p in named if p), *(state.get("best_k_models") or {})]
+        if last == state.get("last_model_path") or not all(  # the whole folder is there
+                os.path.exists(moved(p)) for p in named):
+            continue
+        if _of_this_run(last, checkpoint):
+            state.update(dirpath=new, last_model_path=last,
+                         best_model_path=moved(state.get("best_model_path")),
+                         kth_best_model_path=moved(state.get("kth_best_model_path")),
+                         best_k_models={moved(k): v for k, v in
+                                        (state.get("best_k_models") or {}).items()})
+
+
+def _adopt(saver: Any, orphans: list[dict[str, Any]], checkpoint: dict[str, Any],
+           states: dict[str, Any]) -> None:
+    """The state ``saver`` restores when its options changed: the one earlier saver's
+    ``last_model_path`` in the same folder (nothing when none or several)."""
+    here = getattr(saver, "dirpath", None)
+    same = [s for s in orphans if isinstance(here, str) and isinstance(s.get("dirpath"), str)
+            and os.path.realpath(s["dirpath"]) == os.path.realpath(here)]
+    last = same[0].get("last_model_path") if len(same) == 1 else None
+    if isinstance(last, str) and last and _of_this_run(last, checkpoint):
+        states[saver.state_key] = {"dirpath": here, "last_model_path": last,
+                                   "best_model_score": None, "best_model_path": ""}
+
+
+def _of_this_run(path: str, checkpoint: dict[str, Any]) -> bool:
+    """``path`` is a checkpoint of fit written by the run ``checkpoint`` is of."""
+    problem, index = ckpt_io._usable(path, False, False)
+    return problem is None and (index or {}).get(ckpt_io.RUN_KEY) == checkpoint.get(
+        ckpt_io.RUN_KEY)
