@@ -121,17 +121,13 @@ def forget_unlogged(module: pl.LightningModule) -> None:
     """Lightning writes every per-step value logged earlier in the epoch again at each later
     step, with its last value, until the epoch ends: a value this step does not measure (an
     empty step's KL, a controller that did not act) would be written as if it had. After
-    each written step (every step with ``log_every_n_steps: 1``), the per-step tensor values
-    of the training step and of ``on_train_batch_end`` are forgotten here, before the step
-    logs its own: a written value was measured since the last write, so a resumed fit,
-    which starts with none, writes what a run that never stopped writes (a value measured
-    before its last write was written again at each later one). A Lightning without these
-    records is left as it is."""
+    each written step (each with ``log_every_n_steps: 1``) the per-step tensor values of the
+    training step and ``on_train_batch_end`` are forgotten, before the step logs its own: a
+    written value was measured since the last write, as in a resumed fit (which has none)."""
     trainer = getattr(module, "_trainer", None)
-    results, every = getattr(trainer, "_results", None), getattr(trainer, "log_every_n_steps", 0)
-    done = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None),
-                   "_batches_that_stepped", None)
-    if not every or not isinstance(done, int) or done % every or not hasattr(results, "items"):
+    results = getattr(trainer, "_results", None)
+    if not hasattr(results, "items") or not trainer.log_every_n_steps or (
+            trainer.fit_loop.epoch_loop._batches_that_stepped % trainer.log_every_n_steps):
         return
     for key, result in results.items():
         meta = getattr(result, "meta", None)
