@@ -1088,6 +1088,10 @@ def test_a_learning_rate_past_float32_is_refused_naming_the_option():
                        r"model.optimizer.init_args.lr"):
         build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e39), param)
     assert build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e30), param)
+    assert build_optimizer(lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-3)), param)
+    with pytest.raises(ValueError, match=r"lr 1e\+39 is beyond"):  # a tensor lr (readers)
+        build_optimizer(lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e39, dtype=torch.float64)),
+                        param)
 
 
 class OwnKL(GRPO):

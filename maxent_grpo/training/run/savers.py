@@ -27,19 +27,23 @@ def follow_savers(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
     - a saver whose folder was moved or copied since (its state names another ``dirpath``)
       takes that state re-rooted in its folder, when every checkpoint it names is there
       (the folder moved whole) and the last one is of this run;
-    - a saver without a state in the checkpoint (its options changed) takes the
-      ``last_model_path`` of the one earlier saver of the same folder no saver now has
-      (its best checkpoints were chosen under other options: not taken), when that file is
-      of this run.
+    - a saver with ``save_last`` and without a state in the checkpoint (its options
+      changed), the only such one in its folder, takes the ``last_model_path`` of the one
+      earlier saver of that folder no saver now has (its best checkpoints were chosen under
+      other options: not taken), when that file is of this run.
     """
     states = checkpoint.get("callbacks") or {}
     keys = {getattr(saver, "state_key", None) for saver in trainer.checkpoint_callbacks}
     orphans = [state for key, state in states.items()
                if str(key).startswith("ModelCheckpoint") and key not in keys]
+    new = [getattr(saver, "dirpath", None) for saver in trainer.checkpoint_callbacks
+           if getattr(saver, "state_key", None) not in states]
     for saver in trainer.checkpoint_callbacks:
         state = states.get(getattr(saver, "state_key", None))
         if state is None:
-            _adopt(saver, orphans, checkpoint, states)
+            here = _folder(getattr(saver, "dirpath", None))
+            if getattr(saver, "save_last", False) and list(map(_folder, new)).count(here) == 1:
+                _adopt(saver, orphans, checkpoint, states)
             continue
         old, new = state.get("dirpath"), getattr(saver, "dirpath", None)
         if not (isinstance(old, str) and isinstance(new, str) and old != new):
@@ -69,11 +73,15 @@ def _adopt(saver: Any, orphans: list[dict[str, Any]], checkpoint: dict[str, Any]
     ``last_model_path`` in the same folder (nothing when none or several)."""
     here = getattr(saver, "dirpath", None)
     same = [s for s in orphans if isinstance(here, str) and isinstance(s.get("dirpath"), str)
-            and os.path.realpath(s["dirpath"]) == os.path.realpath(here)]
+            and _folder(s["dirpath"]) == _folder(here)]
     last = same[0].get("last_model_path") if len(same) == 1 else None
     if isinstance(last, str) and last and _of_this_run(last, checkpoint):
         states[saver.state_key] = {"dirpath": here, "last_model_path": last,
                                    "best_model_score": None, "best_model_path": ""}
+
+
+def _folder(path: Any) -> Any:
+    return os.path.realpath(path) if isinstance(path, str) else path
 
 
 def _of_this_run(path: str, checkpoint: dict[str, Any]) -> bool:

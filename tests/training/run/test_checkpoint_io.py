@@ -938,3 +938,34 @@ def test_a_resume_with_other_saver_options_writes_over_its_last_ckpt(tmp_path, m
     run(3, 1, "--ckpt_path", "last")
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*.ckpt")) == ["last.ckpt"]
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_changed_saver_takes_the_last_file_only_alone_in_its_folder_and_saving_it(
+        tmp_path, monkeypatch):
+    """Two changed savers in one folder both took the earlier saver's ``last.ckpt`` (one
+    would write over the other's), and one without ``save_last`` carried a last file it
+    never writes (readers)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from maxent_grpo.training.run import savers
+
+    monkeypatch.setattr(savers, "_of_this_run", lambda path, checkpoint: True)
+    old = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=100)
+    last = str(tmp_path / "last.ckpt")
+
+    def resumed(*new: ModelCheckpoint) -> list[str]:
+        checkpoint = {"callbacks": {old.state_key: {"dirpath": str(tmp_path),
+                                                    "last_model_path": last}}}
+        savers.follow_savers(SimpleNamespace(checkpoint_callbacks=list(new)), checkpoint)
+        return [checkpoint["callbacks"].get(s.state_key, {}).get("last_model_path", "")
+                for s in new]
+
+    def saver(every: int, save_last: bool = True) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=every,
+                               save_last=save_last)
+
+    assert resumed(saver(1)) == [last]
+    assert resumed(saver(1, save_last=False)) == [""]
+    assert resumed(saver(1), saver(2)) == ["", ""]
