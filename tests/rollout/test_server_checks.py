@@ -267,12 +267,14 @@ def test_serve_starts_vllm_on_the_base_of_an_adapter_folder(tmp_path, monkeypatc
 
 
 DRIVER = """
-import os, sys, time
+import os, signal, sys, time
 import maxent_grpo.models as models
 import maxent_grpo.rollout.vllm_server as vllm_server
 import maxent_grpo.serve as serve
 
 out, python, handled = sys.argv[1], sys.executable, sys.argv[2] == "handled"
+# as from a terminal: a suite started in the background inherits Ctrl-C ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 server = "import os, time; open(os.path.join(os.environ['TMPDIR'], 'socket'), 'w'); time.sleep(60)"
 vllm_server.server_args = lambda *a: [python, "-c", server]
 models.model_chain = lambda model, cache: [model]

@@ -119,15 +119,15 @@ class LightningWriter:
 
 def forget_unlogged(module: pl.LightningModule) -> None:
     """Lightning writes every per-step value logged earlier in the epoch again at each later
-    step, with its last value, until the epoch ends: a value this step does not measure (an
-    empty step's KL, a controller that did not act) would be written as if it had. After
-    each written step (each with ``log_every_n_steps: 1``) the per-step tensor values of the
-    training step and ``on_train_batch_end`` are forgotten, before the step logs its own: a
-    written value was measured since the last write, as in a resumed fit (which has none)."""
+    step, with its last value, until the epoch ends, as if this step had measured it (an
+    empty step's KL, a controller that did not act). After each written step (each with
+    ``log_every_n_steps: 1``) the per-step tensor values of the training step and
+    ``on_train_batch_end`` are forgotten before the step logs: one written was measured since."""
     trainer = getattr(module, "_trainer", None)
     results = getattr(trainer, "_results", None)
     if not hasattr(results, "items") or not trainer.log_every_n_steps or (
-            trainer.fit_loop.epoch_loop._batches_that_stepped % trainer.log_every_n_steps):
+            trainer.fit_loop.epoch_loop._batches_that_stepped % trainer.log_every_n_steps
+            and not trainer.should_stop):  # (a stop deferred by min_steps writes every step)
         return
     for key, result in results.items():
         meta = getattr(result, "meta", None)

@@ -67,3 +67,25 @@ def test_with_sparse_writes_a_value_is_written_once_since_its_measure(cache_dir,
     steps = {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     assert steps["train/reward/mean"] == [1, 3, 5]
     assert steps["callback/first"] == [1]
+
+
+class StopsAtFirst(FirstOnly):
+    """``callback/first`` after the first batch, and a stop at every batch, which Lightning
+    defers (``min_steps`` makes its ``min_epochs`` 1: the first epoch's end)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        trainer.should_stop = True
+
+
+def test_a_deferred_stop_writes_each_value_once(cache_dir, tmp_path):
+    """A deferred stop (``min_epochs``, ``min_steps``) has Lightning write every step: a
+    value measured once was written again at each (readers)."""
+    logger = TensorBoardLogger(str(tmp_path), name="t", version=0)
+    fit(make_module(cache_dir), make_data(cache_dir, train_size=64), steps=6, logger=logger,
+        log_every_n_steps=3, min_steps=2, callbacks=[StopsAtFirst()])
+    events = EventAccumulator(str(tmp_path / "t" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert steps["train/reward/mean"] == [0, 1, 2, 3, 4, 5]
+    assert steps["callback/first"] == [0]
