@@ -144,9 +144,8 @@ def checkpoint_problem(path: str | os.PathLike, full: bool = True, trusted: bool
             end = max(i.header_offset + len(i.FileHeader()) + i.compress_size for i in infos)
             if end > size:
                 return f"truncated ({size} bytes, its index needs {end})"
-            for info in infos if full else ():
-                if info.CRC == 0:  # written without checksums (torch can): nothing to compare
-                    continue
+            # (one written without checksums, as torch can: nothing to compare)
+            for info in (i for i in infos if full and i.CRC != 0):
                 try:
                     with archive.open(info) as entry:
                         while entry.read(1 << 24):
@@ -428,10 +427,11 @@ class LoggerVersions(pl.Callback):
         self.fork = False  # set when the resumed run has later checkpoints (a rollback)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        if trainer.state.fn == "fit" and checkpoint.get(RUN_KEY):
-            run = str(checkpoint[RUN_KEY])  # a resumed run stays the same run, ...
-            # ... unless it goes on from an earlier step than its latest: a branch of its own
-            self.run = f"{run}@{checkpoint.get('global_step')}" if self.fork else run
+        if trainer.state.fn != "fit":
+            return
+        self.fork = bool(trainer.strategy.broadcast(self.fork))  # rank 0's finding, everywhere
+        if run := checkpoint.get(RUN_KEY):  # the same run; from before its last step: a branch
+            self.run = f"{run}@{checkpoint.get('global_step')}" if self.fork else str(run)
         if self.fork:  # the branch's savers start afresh: the run's later files stay its own
             for key, state in (checkpoint.get("callbacks") or {}).items():
                 if key.startswith("ModelCheckpoint") and isinstance(state, dict):

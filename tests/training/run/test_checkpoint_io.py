@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, Any
 
 import pytest
@@ -495,12 +496,23 @@ def test_last_is_the_highest_step_of_the_run_and_two_runs_are_named_not_guessed(
     assert ckpt_io.later_steps_of_run(
         [str(tmp_path)], ckpt_io.resolve_checkpoint(str(tmp_path / "last.ckpt"), [])) == []
     versions = ckpt_io.LoggerVersions()
-    fitting = type("T", (), {"state": type("S", (), {"fn": "fit"})()})()
+    fitting = SimpleNamespace(state=SimpleNamespace(fn="fit"),
+                              strategy=SimpleNamespace(broadcast=lambda obj: obj))
     versions.on_load_checkpoint(fitting, None, {ckpt_io.RUN_KEY: "aaa", "global_step": 5})
     assert versions.run == "aaa"
     versions.fork = True
     versions.on_load_checkpoint(fitting, None, {ckpt_io.RUN_KEY: "aaa", "global_step": 5})
     assert versions.run == "aaa@5"
+    # another rank: only rank 0 looks for the later files; its finding is broadcast, so that
+    # every rank's savers start afresh (FSDP2's ranks each write their shards; readers)
+    other = ckpt_io.LoggerVersions()
+    rank_one = SimpleNamespace(state=fitting.state,
+                               strategy=SimpleNamespace(broadcast=lambda obj: True))
+    saved = {ckpt_io.RUN_KEY: "aaa", "global_step": 5,
+             "callbacks": {"ModelCheckpoint{x}": {"last_model_path": "last.ckpt"}}}
+    other.on_load_checkpoint(rank_one, None, saved)
+    assert other.run == "aaa@5"
+    assert saved["callbacks"]["ModelCheckpoint{x}"]["last_model_path"] == ""
 
 
 @pytest.mark.slow  # fits in subprocesses: .ci/run's slow set
@@ -773,6 +785,7 @@ def test_a_write_that_finds_no_room_names_the_file_and_keeps_the_earlier(tmp_pat
     script = """
 import resource, signal, sys, torch
 from pathlib import Path
+from types import SimpleNamespace
 from maxent_grpo.training.callbacks.export import _replace
 from maxent_grpo.training.run.checkpoint_io import AtomicCheckpointIO
 from safetensors.torch import save_file
