@@ -866,6 +866,25 @@ def test_lightnings_advice_to_evaluate_on_one_device_is_not_printed():
         assert caught == []
 
 
+def test_torchs_deprecation_of_lightnings_all_gather_is_not_printed():
+    """Every rank of a run on several processes printed it at the first metric gather:
+    Lightning's to act on, not a user's (the two-process demo's console)."""
+    import warnings
+
+    from torch.distributed.nn import functional
+
+    from maxent_grpo.cli import help as cli_help
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for message, category in cli_help.QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message, category)
+        functional._deprecated("all_gather", "another")  # torch's own text
+        functional._deprecated("all_reduce", "another")  # not ours to hide: still printed
+    assert [str(w.message).split(" is ")[0] for w in caught] == [
+        "torch.distributed.nn.functional.all_reduce"]
+
+
 def test_every_shipped_config_counts_its_validation_interval_over_the_whole_run():
     """An int ``val_check_interval`` under Lightning's ``check_val_every_n_epoch: 1`` counts
     each epoch's rollouts: the multi-GPU configs' 493-step epochs validated at 50..450 and

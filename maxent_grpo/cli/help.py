@@ -425,7 +425,9 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r"It is recommended to use `self.log\('(val|test)/", UserWarning),
     (r"Using `DistributedSampler` with the dataloaders. During `trainer.(validate|test)",
      UserWarning),
-    # Lightning 2.6's own use of a class torch 2.13 deprecated
+    # Lightning 2.6's own use of a class and a function torch 2.13 deprecated (the second
+    # printed by every rank of a run on several processes, at the first metric gather)
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    (r"torch.distributed.nn.functional.all_gather is deprecated", FutureWarning),
 )
 QUIET_INFO = ("💡 Tip: For seamless cloud",)  #: info lines not printed (adverts)
