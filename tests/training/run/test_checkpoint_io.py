@@ -846,6 +846,24 @@ def test_no_room_is_told_only_of_a_write_that_found_none():
     assert "writing x failed: file too large" in str(no_room(rust, "x", "kept"))
 
 
+def fit_saving(tmp_path: Path, folder: Path, every: int, steps: int, *extra: str) -> None:
+    """A small tiny fit through the command line whose one ModelCheckpoint saves into
+    ``folder`` every ``every`` steps, with ``last.ckpt``."""
+    import maxent_grpo.cli.parser as cli_module
+
+    config = tmp_path / f"saver_{folder.name}_{every}.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(folder), "save_last": True,
+                      "every_n_train_steps": every}}]}}))
+    cli_module.main(["fit", "--config", "tiny", "--config", str(config),
+                     "--data.train_size", "64", "--data.val_size", "4",
+                     "--data.batch_size", "4", "--model.num_generations", "4",
+                     "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+                     f"--model.model_cache_dir={tmp_path / 'models'}",
+                     "--trainer.max_steps", str(steps), *extra])
+
+
 def test_a_moved_checkpoint_folder_resumed_writes_over_its_last_ckpt(tmp_path, monkeypatch):
     """A run's checkpoint folder moved (another disk, another mount point) and resumed there
     with ``--ckpt_path last``: Lightning took its ModelCheckpoint's state for another
@@ -853,23 +871,11 @@ def test_a_moved_checkpoint_folder_resumed_writes_over_its_last_ckpt(tmp_path, m
     which validate, predict and export are shown, stayed at the old step (a hunt)."""
     import shutil
 
-    import maxent_grpo.cli.parser as cli_module
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     def run(folder: Path, steps: int, *extra: str) -> None:
-        config = tmp_path / f"saver_{folder.name}.yaml"
-        config.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"dirpath": str(folder), "save_last": True,
-                          "every_n_train_steps": 2}}]}}))
-        cli_module.main(["fit", "--config", "tiny", "--config", str(config),
-                         "--data.train_size", "64", "--data.val_size", "4",
-                         "--data.batch_size", "4", "--model.num_generations", "4",
-                         "--trainer.enable_progress_bar=false", "--trainer.logger=false",
-                         f"--model.model_cache_dir={tmp_path / 'models'}",
-                         "--trainer.max_steps", str(steps), *extra])
+        fit_saving(tmp_path, folder, 2, steps, *extra)
 
     run(tmp_path / "A", 4)
     (tmp_path / "C").mkdir()
@@ -929,23 +935,11 @@ def test_a_resume_with_other_saver_options_writes_over_its_last_ckpt(tmp_path, m
     """Another ``every_n_train_steps`` at a resume is another saver to Lightning (its state
     key): it wrote ``last-v1.ckpt`` beside ``last.ckpt``, which stayed at the old step and is
     what validate, predict and export are shown (an observers hunt)."""
-    import maxent_grpo.cli.parser as cli_module
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     def run(steps: int, every: int, *extra: str) -> None:
-        config = tmp_path / f"saver_{every}.yaml"
-        config.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
-                          "every_n_train_steps": every}}]}}))
-        cli_module.main(["fit", "--config", "tiny", "--config", str(config),
-                         "--data.train_size", "64", "--data.val_size", "4",
-                         "--data.batch_size", "4", "--model.num_generations", "4",
-                         "--trainer.enable_progress_bar=false", "--trainer.logger=false",
-                         f"--model.model_cache_dir={tmp_path / 'models'}",
-                         "--trainer.max_steps", str(steps), *extra])
+        fit_saving(tmp_path, tmp_path / "ckpt", every, steps, *extra)
 
     run(2, 2)
     run(3, 1, "--ckpt_path", "last")
