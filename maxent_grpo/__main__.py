@@ -27,6 +27,7 @@ def console(prog: str = "maxent-grpo") -> None:
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])
         sys.exit(quick[1])
     command = [a for a in args if a != "--traceback"]  # allowed anywhere on the line
+    _show_progress()
     try:  # torch, Lightning and transformers load for seconds: a Ctrl-C there is no bug
         if command[:1] == ["export"]:
             from maxent_grpo.cli.export import main as export
@@ -40,6 +41,20 @@ def console(prog: str = "maxent-grpo") -> None:
     if command[:1] == ["export"]:
         sys.exit(export(command[1:] + ["--traceback"] * (len(command) < len(args))))
     main(exit_on_error=True)
+
+
+def _show_progress() -> None:
+    """The package's progress lines (a model converted on first use, an export, a SIGTERM's
+    stop) on stderr, as Lightning prints its own: those of each node's first process (every
+    process of a run on several runs this command); warnings from all, as before."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("maxent_grpo")
+    log.addHandler(handler)
+    first = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+    log.setLevel(logging.INFO if first else logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -896,3 +896,30 @@ def test_every_shipped_config_counts_its_validation_interval_over_the_whole_run(
             counted.append(path.name)
             assert trainer.get("check_val_every_n_epoch", 1) is None, path
     assert len(counted) >= 20  # the configs that validate by steps
+
+
+@pytest.mark.parametrize(("env", "shown"), [({}, True), ({"LOCAL_RANK": "1"}, False),
+                                            ({"RANK": "0"}, True)])
+def test_the_console_command_prints_the_packages_progress_lines(monkeypatch, capsys, env,
+                                                                 shown):
+    """The first use's conversion of SmolLM2 (a minute), an export or a SIGTERM's stop were
+    logged at INFO, which nothing printed: the console showed only progress bars (a first
+    hour with SmolLM2). The command prints them, from each node's first process only."""
+    import logging
+
+    from maxent_grpo import __main__ as entry
+
+    for key in ("LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    log = logging.getLogger("maxent_grpo")
+    handlers, level = list(log.handlers), log.level
+    try:
+        entry._show_progress()
+        logging.getLogger("maxent_grpo.builtin.catalog").info("materialising x into y")
+        logging.getLogger("maxent_grpo.models").warning("a warning")
+    finally:
+        log.handlers[:], log.level = handlers, level
+    err = capsys.readouterr().err
+    assert ("materialising x into y\n" in err) == shown and "a warning\n" in err
