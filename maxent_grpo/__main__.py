@@ -43,18 +43,35 @@ def console(prog: str = "maxent-grpo") -> None:
     main(exit_on_error=True)
 
 
+#: where launchers put a process's rank on its node (torchrun and Lightning's DDP, SLURM's
+#: srun, LSF's jsrun, Open MPI), then its global rank
+RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "JSM_NAMESPACE_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_RANK", "RANK")
+
+
 def _show_progress() -> None:
     """The package's progress lines (a model converted on first use, an export, a SIGTERM's
     stop) on stderr, as Lightning prints its own: those of each node's first process (every
-    process of a run on several runs this command); warnings from all, as before."""
+    process of a run on several runs this command); warnings from all, as before. Once per
+    process; nothing where the program configured logging itself (a root handler)."""
     import logging
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    class Progress(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if logging.getLogger().handlers:  # the root's handler prints it
+                return
+            try:  # above a live progress bar, not glued to it; the stderr of now
+                from tqdm import tqdm
+
+                tqdm.write(self.format(record), file=sys.stderr)
+            except Exception:  # noqa: BLE001 - logging's own rule: report, never raise
+                self.handleError(record)
+
     log = logging.getLogger("maxent_grpo")
-    log.addHandler(handler)
-    first = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
-    log.setLevel(logging.INFO if first else logging.WARNING)
+    if not any(type(h).__name__ == "Progress" for h in log.handlers):
+        log.addHandler(Progress())
+    rank = next((os.environ[k] for k in RANK_VARIABLES if k in os.environ), "0")
+    log.setLevel(logging.INFO if rank == "0" else logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,18 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 
+@pytest.fixture(autouse=True)
+def _package_logger_as_it_was():
+    """The console command (``console()``, run in-process by some tests) gives the package's
+    logger a handler and a level; every test starts and ends without them."""
+    import logging
+
+    log = logging.getLogger("maxent_grpo")
+    handlers, level = list(log.handlers), log.level
+    yield
+    log.handlers[:], log.level = handlers, level
+
+
 @pytest.fixture(scope="session")
 def bench_folder(tmp_path_factory) -> Path:
     """``qwen-tiny-cpu`` written once: the random Qwen2-shaped model, its byte-level

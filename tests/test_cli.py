@@ -899,7 +899,7 @@ def test_every_shipped_config_counts_its_validation_interval_over_the_whole_run(
 
 
 @pytest.mark.parametrize(("env", "shown"), [({}, True), ({"LOCAL_RANK": "1"}, False),
-                                            ({"RANK": "0"}, True)])
+                                            ({"RANK": "0"}, True), ({"SLURM_LOCALID": "3"}, False)])
 def test_the_console_command_prints_the_packages_progress_lines(monkeypatch, capsys, env,
                                                                  shown):
     """The first use's conversion of SmolLM2 (a minute), an export or a SIGTERM's stop were
@@ -909,17 +909,18 @@ def test_the_console_command_prints_the_packages_progress_lines(monkeypatch, cap
 
     from maxent_grpo import __main__ as entry
 
-    for key in ("LOCAL_RANK", "RANK"):
+    for key in entry.RANK_VARIABLES:
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    log = logging.getLogger("maxent_grpo")
-    handlers, level = list(log.handlers), log.level
-    try:
-        entry._show_progress()
-        logging.getLogger("maxent_grpo.builtin.catalog").info("materialising x into y")
-        logging.getLogger("maxent_grpo.models").warning("a warning")
-    finally:
-        log.handlers[:], log.level = handlers, level
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # (pytest's capture is one)
+    entry._show_progress()
+    entry._show_progress()  # once per process: not printed twice
+    logging.getLogger("maxent_grpo.builtin.catalog").info("materialising x into y")
+    logging.getLogger("maxent_grpo.models").warning("a warning")
     err = capsys.readouterr().err
-    assert ("materialising x into y\n" in err) == shown and "a warning\n" in err
+    assert ("materialising x into y\n" in err) == shown and err.count("a warning\n") == 1
+    # a program that configured logging itself (a root handler) prints them its own way
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    logging.getLogger("maxent_grpo.models").warning("a warning")
+    assert capsys.readouterr().err == ""

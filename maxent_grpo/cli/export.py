@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import sys
 import zipfile
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exit_:  # --help, or argparse's usage error (already printed)
         return exit_.code if isinstance(exit_.code, int) else 2
+    package = logging.getLogger("maxent_grpo")  # its INFO lines say what "exported" says
+    level = package.level
+    package.setLevel(max(level, logging.WARNING))  # (and the adapter's trainable count)
     try:
         written = export_checkpoint(args.checkpoint, args.output, merged=args.merged,
                                     config=args.config, model=args.model)
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         code = errors.report(error, args.traceback)
         sys.stderr.flush()
         return code
+    finally:
+        package.setLevel(level)
     for folder in written:
         print(f"exported {folder}")
     return 0

@@ -148,8 +148,9 @@ def build_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Op
     require(not isinstance(optimizer, torch.optim.LBFGS), "model.optimizer torch.optim.LBFGS "
             "needs a closure that computes the loss again at each of its evaluations, which "
             "a policy-gradient step (one rollout, one loss) cannot give: use AdamW, SGD, ...")
-    rates = [float(g["lr"]) for g in optimizer.param_groups  # a number, or a 0-d tensor
-             if isinstance(g.get("lr"), (int, float)) or getattr(g.get("lr"), "ndim", 1) == 0]
+    rates = [float(lr) for g in optimizer.param_groups  # a number, or a one-number tensor
+             if isinstance(lr := g.get("lr"), (int, float))
+             or torch.is_tensor(lr) and lr.numel() == 1]
     big = [lr for lr in rates if not abs(lr) <= 3.4e38]  # torch's overflow at the first step
     require(not big, f"model.optimizer's lr {big[0] if big else ''!r} is beyond float32's "
             "range (3.4e38), in which the update is computed: lower "

@@ -36,13 +36,13 @@ def follow_savers(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
     keys = {getattr(saver, "state_key", None) for saver in trainer.checkpoint_callbacks}
     orphans = [state for key, state in states.items()
                if str(key).startswith("ModelCheckpoint") and key not in keys]
-    new = [getattr(saver, "dirpath", None) for saver in trainer.checkpoint_callbacks
-           if getattr(saver, "state_key", None) not in states]
+    fresh = [_folder(getattr(saver, "dirpath", None)) for saver in trainer.checkpoint_callbacks
+             if getattr(saver, "state_key", None) not in states]  # the savers with no state
     for saver in trainer.checkpoint_callbacks:
         state = states.get(getattr(saver, "state_key", None))
         if state is None:
             here = _folder(getattr(saver, "dirpath", None))
-            if getattr(saver, "save_last", False) and list(map(_folder, new)).count(here) == 1:
+            if getattr(saver, "save_last", False) and fresh.count(here) == 1:
                 _adopt(saver, orphans, checkpoint, states)
             continue
         old, new = state.get("dirpath"), getattr(saver, "dirpath", None)

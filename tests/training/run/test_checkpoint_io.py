@@ -976,3 +976,13 @@ def test_a_changed_saver_takes_the_last_file_only_alone_in_its_folder_and_saving
     assert resumed(saver(1)) == [last]
     assert resumed(saver(1, save_last=False)) == [""]
     assert resumed(saver(1), saver(2)) == ["", ""]
+    # a saver that kept its state, listed first, in another folder or none (readers: the
+    # moved-folder branch's name hid the list, so the changed one took nothing, or crashed)
+    for kept in (ModelCheckpoint(dirpath=str(tmp_path / "other"), every_n_train_steps=50),
+                 ModelCheckpoint(every_n_train_steps=50)):
+        checkpoint = {"callbacks": {old.state_key: {"dirpath": str(tmp_path),
+                                                    "last_model_path": last},
+                                    kept.state_key: {"dirpath": kept.dirpath}}}
+        changed = saver(1)
+        savers.follow_savers(SimpleNamespace(checkpoint_callbacks=[kept, changed]), checkpoint)
+        assert checkpoint["callbacks"][changed.state_key]["last_model_path"] == last
