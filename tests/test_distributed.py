@@ -753,6 +753,20 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["predictions.jsonl"]
     assert "predict: 20 completions of 5 prompts written to" in output
 
+    # a rollback (step 1 of a run that has step 3) is a branch of its own on every rank:
+    # rank 1 kept the run's last.ckpt as its saver's, and the first save waited forever (a hunt)
+    import yaml
+
+    (tmp_path / "saver.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [{
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
+            "dirpath": "ckpt", "save_last": True, "save_top_k": -1, "every_n_train_steps": 1}}]}}))
+    saving = [*command, "--config", str(tmp_path / "saver.yaml")]
+    run(saving)
+    run([*saving, "--ckpt_path", "ckpt/epoch=0-step=1.ckpt"])
+    run_id = torch.load(tmp_path / "ckpt/last.ckpt", weights_only=True)["maxent_grpo_run"]
+    branch = torch.load(tmp_path / "ckpt/last-v1.ckpt", weights_only=True)
+    assert (branch["global_step"], branch["maxent_grpo_run"]) == (3, f"{run_id}@1")
+
 
 class SigtermAt(pl.Callback):
     """SIGTERM this process at the start of batch ``step`` on rank ``rank`` only (a job
