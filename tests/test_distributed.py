@@ -753,19 +753,38 @@ def test_cli_fits_tiny_on_two_cpu_processes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["predictions.jsonl"]
     assert "predict: 20 completions of 5 prompts written to" in output
 
-    # a rollback (step 1 of a run that has step 3) is a branch of its own on every rank:
-    # rank 1 kept the run's last.ckpt as its saver's, and the first save waited forever (a hunt)
-    import yaml
 
-    (tmp_path / "saver.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [{
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
-            "dirpath": "ckpt", "save_last": True, "save_top_k": -1, "every_n_train_steps": 1}}]}}))
-    saving = [*command, "--config", str(tmp_path / "saver.yaml")]
-    run(saving)
-    run([*saving, "--ckpt_path", "ckpt/epoch=0-step=1.ckpt"])
-    run_id = torch.load(tmp_path / "ckpt/last.ckpt", weights_only=True)["maxent_grpo_run"]
-    branch = torch.load(tmp_path / "ckpt/last-v1.ckpt", weights_only=True)
-    assert (branch["global_step"], branch["maxent_grpo_run"]) == (3, f"{run_id}@1")
+@pytest.mark.slow
+def test_a_rollback_on_two_processes_is_a_branch_on_every_rank(tmp_path):
+    """Resuming step 10 of a run that reached step 20 on two processes hung at its first
+    save: only rank 0 knew the run had later checkpoints, so rank 1 kept the run's
+    ``last.ckpt`` as its saver's and the ranks waited in different collectives (a hunt)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "maxent_grpo", "fit", "--config",
+               str(ROOT / "configs/scaling/ddp_cpu_tiny.yaml"), "--trainer.max_steps=20",
+               "--trainer.val_check_interval=10", "--trainer.enable_progress_bar=false",
+               "--trainer.callbacks.init_args.every_n_train_steps=5",
+               "--trainer.callbacks.init_args.save_top_k=-1",
+               f"--model.model_cache_dir={tmp_path / 'models'}"]
+    folder = tmp_path / "lightning_logs/ddp_cpu_tiny/checkpoints"
+    for extra in ([], ["--ckpt_path", str(folder / "epoch=0-step=10.ckpt")]):
+        proc = subprocess.Popen([*command, *extra], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            output, _ = proc.communicate()
+            pytest.fail("the 2-process run hung:\n" + output[-3000:])
+        assert proc.returncode == 0, output[-3000:]
+    run_id = torch.load(folder / "last.ckpt", weights_only=True)["maxent_grpo_run"]
+    branch = torch.load(folder / "last-v1.ckpt", weights_only=True)
+    assert (branch["global_step"], branch["maxent_grpo_run"]) == (20, f"{run_id}@10")
 
 
 class SigtermAt(pl.Callback):
