@@ -759,7 +759,6 @@ def test_a_rollback_on_two_processes_is_a_branch_on_every_rank(tmp_path):
     """Resuming step 10 of a run that reached step 20 on two processes hung at its first
     save: only rank 0 knew the run had later checkpoints, so rank 1 kept the run's
     ``last.ckpt`` as its saver's and the ranks waited in different collectives (a hunt)."""
-    import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
@@ -772,16 +771,8 @@ def test_a_rollback_on_two_processes_is_a_branch_on_every_rank(tmp_path):
                f"--model.model_cache_dir={tmp_path / 'models'}"]
     folder = tmp_path / "lightning_logs/ddp_cpu_tiny/checkpoints"
     for extra in ([], ["--ckpt_path", str(folder / "epoch=0-step=10.ckpt")]):
-        proc = subprocess.Popen([*command, *extra], cwd=tmp_path, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            output, _ = proc.communicate()
-            pytest.fail("the 2-process run hung:\n" + output[-3000:])
-        assert proc.returncode == 0, output[-3000:]
+        code, output = run_two_processes([*command, *extra], tmp_path, env)
+        assert code == 0, output[-3000:]
     run_id = torch.load(folder / "last.ckpt", weights_only=True)["maxent_grpo_run"]
     branch = torch.load(folder / "last-v1.ckpt", weights_only=True)
     assert (branch["global_step"], branch["maxent_grpo_run"]) == (20, f"{run_id}@10")
@@ -805,7 +796,6 @@ def fit_two_processes(tmp_path: Path, callback: dict[str, Any]) -> tuple[int, st
     """``fit`` of configs/tiny.yaml (50 steps) on 2 CPU processes with ``callback`` and a
     ``ModelCheckpoint(save_on_exception=True)`` into ``tmp_path/ckpt``: (exit code, output);
     a hang (4 min) fails the test, its processes killed."""
-    import subprocess
     import sys
 
     import yaml
@@ -821,10 +811,19 @@ def fit_two_processes(tmp_path: Path, callback: dict[str, Any]) -> tuple[int, st
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen(
+    return run_two_processes(
         [sys.executable, "-m", "maxent_grpo", "fit", "--config", str(tmp_path / "config.yaml")],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        tmp_path, env)
+
+
+def run_two_processes(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run ``command`` (a fit on 2 processes) in its own process group: (exit code, output);
+    a hang (4 min: a collective reached by one rank only) fails the test, every process of
+    the group killed."""
+    import subprocess
+
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
