@@ -778,18 +778,18 @@ def test_a_rollback_on_two_processes_is_a_branch_on_every_rank(tmp_path):
     assert (branch["global_step"], branch["maxent_grpo_run"]) == (20, f"{run_id}@10")
 
 
-class SigtermAt(pl.Callback):
-    """SIGTERM this process at the start of batch ``step`` on rank ``rank`` only (a job
-    scheduler or a user stopping one process of a run)."""
+class SignalAt(pl.Callback):
+    """Send ``name`` (SIGTERM, SIGINT) to this process at the start of batch ``step`` on rank
+    ``rank`` only (a job scheduler or a user stopping one process of a run)."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, name: str = "SIGTERM") -> None:
+        self.rank, self.step, self.name = rank, step, name
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         import signal
 
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, self.name))
 
 
 def fit_two_processes(tmp_path: Path, callback: dict[str, Any]) -> tuple[int, str]:
@@ -834,18 +834,26 @@ def run_two_processes(command: list[str], cwd: Path, env: dict[str, str]) -> tup
 
 
 @pytest.mark.slow
-def test_a_sigterm_to_one_process_stops_every_rank_at_the_same_step(tmp_path):
+@pytest.mark.parametrize("name,rank,code,said", [
+    ("SIGTERM", 1, 143, "stopped by SIGTERM"),
+    ("SIGINT", 0, 130, "interrupted (Ctrl-C) after a batch")])
+def test_a_signal_to_one_process_stops_every_rank_at_the_same_step(tmp_path, name, rank, code,
+                                                                  said):
     """Lightning's own SIGTERM handler broadcasts from inside the signal handler, while the
     other rank is in one of the step's collectives: the run hung until the process group's
     time-out (30 min), or went on. Now the signal is shared between ranks at the end of the
     step (every rank stops there, ``save_on_exception`` saves that step) and the command
-    exits 143 (it exited 0, as if the run had finished)."""
-    code, output = fit_two_processes(tmp_path, {"class_path": "test_distributed.SigtermAt",
-                                                "init_args": {"rank": 1, "step": 2}})
-    assert code == 143, output[-3000:]
-    assert "stopped by SIGTERM" in output
+    exits 143 (it exited 0, as if the run had finished). A SIGINT to the launching process
+    alone (``kill -INT``, ``timeout -s INT``) stopped it in mid-step: the other rank failed
+    in its collective, "a bug in maxent_grpo", and nothing was saved. It is shared the same
+    way; the command exits 130."""
+    code_, output = fit_two_processes(tmp_path, {"class_path": "test_distributed.SignalAt",
+                                                 "init_args": {"rank": rank, "step": 2,
+                                                               "name": name}})
+    assert code_ == code, output[-3000:]
+    assert said in output and "bug in maxent_grpo" not in output
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
-    assert saved["global_step"] == 3  # the step rank 1 was signalled at, on both ranks
+    assert saved["global_step"] == 3  # the step the rank was signalled at, on both ranks
     assert len(saved["maxent_grpo"]["rng"]) == 2
 
 

@@ -427,22 +427,22 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
     exits 130, SIGTERM 143 (Lightning's ``SIGTERMException`` has no code: it exited 0)."""
     try:
         return build()
-    except KeyboardInterrupt:
-        if show_trace:
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if isinstance(stop, KeyboardInterrupt) and show_trace:
             raise
-        print("error: interrupted (Ctrl-C)", file=sys.stderr)
-        raise SystemExit(130) from None
-    except SystemExit as stop:
-        if stop.code == 1 and isinstance(stop.__context__, KeyboardInterrupt):
-            print("error: interrupted (Ctrl-C)", file=sys.stderr)  # Lightning's sys.exit(1)
+        if isinstance(stop, KeyboardInterrupt) or (stop.code == 1 and isinstance(
+                stop.__context__, KeyboardInterrupt)):  # Lightning's sys.exit(1)
+            print("error: interrupted (Ctrl-C)", file=sys.stderr)
             raise SystemExit(130) from None
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, with no exit code
             raise
-        print("error: stopped by SIGTERM after a batch (a fit: --ckpt_path last resumes from "
-              "the newest checkpoint the run saved, if it saved one: the steps after it are "
-              "trained again; a ModelCheckpoint with save_on_exception: true saves the step it "
-              "stopped at)", file=sys.stderr)
-        raise SystemExit(143) from None
+        from maxent_grpo.training.run.signals import INTERRUPTED  # Ctrl-C, several processes
+
+        print(f"error: {'interrupted (Ctrl-C)' if INTERRUPTED else 'stopped by SIGTERM'} after a "
+              "batch (a fit: --ckpt_path last resumes from the newest checkpoint the run saved, "
+              "if any: the steps after it train again; a ModelCheckpoint with "
+              "save_on_exception: true saves the step it stopped at)", file=sys.stderr)
+        raise SystemExit(130 if INTERRUPTED else 143) from None
     except Exception as error:  # noqa: BLE001 - the command line's last stop
         code = report(error, show_trace)
         sys.stderr.flush()

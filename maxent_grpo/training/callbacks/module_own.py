@@ -30,6 +30,7 @@ from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_whe
 from maxent_grpo.training.run.folders import remove_empty_name_folders, run_dir, unused_path
 from maxent_grpo.training.run.savers import follow_savers
 from maxent_grpo.training.run.signals import (
+    INTERRUPTED,
     answer_requeue,
     give_back_sigterm,
     same_batches,
@@ -107,10 +108,12 @@ class ModuleHooks(L.Callback):
         process's alone, and a checkpoint save would wait in a collective the others never
         join (gloo aborted the run, NCCL would hang): ``save_on_exception`` skips it, and
         the error is reported. Not for SIGTERM (shared, :mod:`~maxent_grpo.training.run.
-        signals`), Ctrl-C (a terminal's reaches every process) or an error marked
+        signals`), Ctrl-C before the run's handlers are set (a terminal's reaches every
+        process; a second Ctrl-C during the run is this process's alone) or an error marked
         ``every_rank`` (``NonFiniteLossError``)."""
         if trainer.world_size == 1 or getattr(exception, "every_rank", False) or isinstance(
-                exception, (SIGTERMException, KeyboardInterrupt)):
+                exception, SIGTERMException) or (isinstance(exception, KeyboardInterrupt)
+                                                 and "again" not in INTERRUPTED):
             return
         savers = [s for s in trainer.checkpoint_callbacks if getattr(s, "save_on_exception",
                                                                     False)]

@@ -1,4 +1,4 @@
-"""SIGTERM (a job scheduler's stop, ``kill``) with several processes.
+"""SIGTERM (a job scheduler's stop, ``kill``) and Ctrl-C with several processes.
 
 Lightning's handler broadcasts a tensor from inside the signal handler, whenever the signal
 comes: the other ranks are then in one of the step's own collectives (an ``all_gather`` of
@@ -17,6 +17,16 @@ Lightning installs the handler once the model is built and a checkpoint restored
 removes it when the loop ends: a signal before (while a large model loads) or after (an
 export at the fit's end) ends the process it reaches at once, as by default.
 
+Ctrl-C (SIGINT) with several processes is taken the same way, once: a terminal's reaches
+every process, each raised ``KeyboardInterrupt`` wherever it was (one in a collective, one
+not: the checkpoint's save mismatched them), and a SIGINT sent to one process alone (``kill
+-INT`` of the launching one, ``timeout -s INT``) stopped that one in mid-step, the others
+failing in their collective, with no checkpoint. The handler notes it as a SIGTERM; every
+rank stops after the same batch and the command exits 130. A second Ctrl-C to a process
+stops it at once, unsaved (``KeyboardInterrupt``, as by default). With one process Ctrl-C
+is Lightning's ``KeyboardInterrupt``: ``save_on_exception`` saves the step it cut, which a
+resume runs again.
+
 SLURM's requeue signal (``SIGUSR1`` with ``#SBATCH --signal=USR1@600``), where Lightning's
 ``SLURMEnvironment`` auto-requeues, is taken the same way: Lightning's handler finalised
 the loggers and saved inside the signal handler, which deadlocked on a lock the interrupted
@@ -34,7 +44,9 @@ import logging
 import math
 import os
 import re
+import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -46,11 +58,15 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from maxent_grpo.training.run.checkpoint_io import ResolvedCheckpoint, is_local
 from maxent_grpo.validation import require
 
-__all__ = ["answer_requeue", "give_back_sigterm", "hpc_checkpoints", "requeue",
+__all__ = ["answer_requeue", "give_back_sigterm", "INTERRUPTED", "hpc_checkpoints", "requeue",
            "resolve_with_requeue", "same_batches", "share_sigterm", "slurm_requeue_checkpoint",
            "slurm_resume", "take_sigterm"]
 
 log = logging.getLogger(__name__)
+
+# Ctrl-C in this process during a run on several processes: "once" (the run stops after the
+# batch; the command exits 130), then "again" (stopped at once, unsaved)
+INTERRUPTED: list[str] = []
 
 
 def take_sigterm(trainer: Any) -> None:
@@ -68,6 +84,27 @@ def take_sigterm(trainer: Any) -> None:
             connector.received_sigterm = True
 
     connector._sigterm_notifier_fn = notify
+    INTERRUPTED.clear()
+
+    def note_interrupt(signum: int, frame: FrameType | None) -> None:
+        if INTERRUPTED:
+            log.info("[rank %d] Ctrl-C again: this process stops now, unsaved",
+                     trainer.global_rank)
+            INTERRUPTED.append("again")
+            raise KeyboardInterrupt
+        INTERRUPTED.append("once")
+        log.info("[rank %d] Ctrl-C: the run stops after this batch on every process (Ctrl-C "
+                 "again stops this process now, without a checkpoint)", trainer.global_rank)
+        connector.sigterm_pending = True
+
+    register = connector.register_signal_handlers
+
+    def register_with_interrupt() -> None:
+        register()  # Lightning's: the handlers it found are put back at its teardown
+        if trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, note_interrupt)
+
+    connector.register_signal_handlers = register_with_interrupt
 
     def note_requeue(signum: int, _: FrameType | None) -> None:
         log.info("[rank %d] SLURM's requeue signal %d: the checkpoint is saved after this "
@@ -83,6 +120,7 @@ def give_back_sigterm(trainer: Any) -> None:
     if (connector := getattr(trainer, "_signal_connector", None)) is not None:
         vars(connector).pop("_sigterm_notifier_fn", None)
         vars(connector).pop("_slurm_sigusr_handler_fn", None)
+        vars(connector).pop("register_signal_handlers", None)
 
 
 def same_batches(trainer: Any, counts: list[int | float]) -> None:

@@ -1,0 +1,82 @@
+"""Ctrl-C during a run on several processes (:mod:`maxent_grpo.training.run.signals`); the
+two-process runs are in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from maxent_grpo.cli.errors import exit_on_error
+from maxent_grpo.training.run import signals
+
+
+def trainer_of(world_size: int) -> SimpleNamespace:
+    """What Lightning's signal connector and :func:`signals.take_sigterm` read of a Trainer."""
+    trainer = SimpleNamespace(
+        world_size=world_size, global_rank=0, strategy=SimpleNamespace(launcher=None),
+        _accelerator_connector=SimpleNamespace(cluster_environment=LightningEnvironment()))
+    trainer._signal_connector = _SignalConnector(trainer)
+    return trainer
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """Lightning's handlers with ours, as a fit registers them; put back after the test."""
+    monkeypatch.setattr(signals, "INTERRUPTED", signals.INTERRUPTED)
+    before = signal.getsignal(signal.SIGINT)
+    made = []
+
+    def register(world_size: int) -> SimpleNamespace:
+        trainer = trainer_of(world_size)
+        signals.take_sigterm(trainer)
+        trainer._signal_connector.register_signal_handlers()
+        made.append(trainer)
+        return trainer
+
+    yield register
+    for trainer in made:
+        trainer._signal_connector.teardown()
+        signals.give_back_sigterm(trainer)
+    signals.INTERRUPTED.clear()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_ctrl_c_on_several_processes_stops_after_the_batch_and_again_at_once(registered):
+    """The first Ctrl-C is noted, as a SIGTERM (every rank stops after the same batch): a
+    KeyboardInterrupt in mid-step on one rank left the others in a collective; the second
+    stops this process at once."""
+    connector = registered(2)._signal_connector
+    os.kill(os.getpid(), signal.SIGINT)
+    assert connector.sigterm_pending and not connector.received_sigterm
+    assert signals.INTERRUPTED == ["once"]
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signals.INTERRUPTED == ["once", "again"]
+
+
+def test_ctrl_c_on_one_process_is_lightnings_keyboard_interrupt(registered):
+    """One process has no other to wait for: Ctrl-C stops it in mid-step, and
+    ``save_on_exception`` saves the step it cut, which a resume runs again."""
+    connector = registered(1)._signal_connector
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert not getattr(connector, "sigterm_pending", False) and not signals.INTERRUPTED
+
+
+def test_the_command_exits_130_after_a_ctrl_c_shared_with_every_process(registered, capsys):
+    registered(2)
+    os.kill(os.getpid(), signal.SIGINT)
+
+    def stopped() -> None:
+        raise SIGTERMException  # Lightning's, after the batch
+
+    with pytest.raises(SystemExit) as stop:
+        exit_on_error(stopped, show_trace=False)
+    assert stop.value.code == 130
+    assert "interrupted (Ctrl-C) after a batch" in capsys.readouterr().err
