@@ -792,7 +792,8 @@ class SignalAt(pl.Callback):
             os.kill(os.getpid(), getattr(signal, self.name))
 
 
-def fit_two_processes(tmp_path: Path, callback: dict[str, Any]) -> tuple[int, str]:
+def fit_two_processes(tmp_path: Path, callback: dict[str, Any], dirpath: Path | None = None
+                      ) -> tuple[int, str]:
     """``fit`` of configs/tiny.yaml (50 steps) on 2 CPU processes with ``callback`` and a
     ``ModelCheckpoint(save_on_exception=True)`` into ``tmp_path/ckpt``: (exit code, output);
     a hang (4 min) fails the test, its processes killed."""
@@ -804,7 +805,7 @@ def fit_two_processes(tmp_path: Path, callback: dict[str, Any]) -> tuple[int, st
     cfg["trainer"].update(
         devices=2, strategy="ddp", max_steps=50, enable_progress_bar=False, logger=False,
         callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                    "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
+                    "init_args": {"dirpath": str(dirpath or tmp_path / "ckpt"), "save_last": True,
                                   "every_n_train_steps": 100, "save_on_exception": True}},
                    callback])
     cfg["model"]["model_cache_dir"] = str(tmp_path / "models")
@@ -855,6 +856,20 @@ def test_a_signal_to_one_process_stops_every_rank_at_the_same_step(tmp_path, nam
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 3  # the step the rank was signalled at, on both ranks
     assert len(saved["maxent_grpo"]["rng"]) == 2
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_that_cannot_be_written_stops_two_processes_before_training(
+        tmp_path):
+    """Checked on one process only: on two the first save failed, after its steps."""
+    (tmp_path / "a_file").write_text("")
+    code, output = fit_two_processes(tmp_path, {"class_path": "test_distributed.SignalAt",
+                                                "init_args": {"rank": 0, "step": 10 ** 6}},
+                                     dirpath=tmp_path / "a_file" / "ckpt")
+    assert code == 1, output[-3000:]
+    assert re.search(r"error: ModelCheckpoint\(dirpath='.*a_file/ckpt'\) cannot be written",
+                     output), output[-3000:]
+    assert "no checkpoint is saved" not in output  # every rank's error: nothing to save
 
 
 class FailOn(pl.Callback):

@@ -50,6 +50,7 @@ from maxent_grpo.training.settings import (
     warn_epoch_bound_validation,
     warn_unended_cosine,
 )
+from maxent_grpo.training.step.strategy import check_on_rank_zero
 from maxent_grpo.training.types.runtime import detached_controllers
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
@@ -74,6 +75,7 @@ class ModuleHooks(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
+        check_on_rank_zero(trainer, stage)  # the folders, with several processes
         for saver in trainer.checkpoint_callbacks:  # as the user set them (on_exception)
             if getattr(saver, "unsaved_error", False):
                 saver.save_on_exception, saver.unsaved_error = True, False

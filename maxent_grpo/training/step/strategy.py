@@ -178,11 +178,8 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 f"ModelCheckpoint(dirpath='file://...') is written to {folder} (Lightning "
                 "reads the file:// address as a relative folder named 'file:'): give the "
                 "folder as a plain path, without file://")
-        why = unwritable(folder, folder=True) if folder and "://" not in folder and (
-            trainer.world_size == 1 and not trainer.fast_dev_run) else None  # one writer
-        require(why is None, f"ModelCheckpoint(dirpath={folder!r}) cannot be written ({why}): "
-                "the first checkpoint would fail after its steps trained; give a folder you "
-                "can write to")
+        if trainer.world_size == 1 and not trainer.fast_dev_run:  # several: check_on_rank_zero
+            check_saver_folder(folder)
         monitor = str(cb.monitor or "")
         require(not (cb._every_n_train_steps and monitor.startswith(("val/", "test/"))),
                 f"ModelCheckpoint(monitor={monitor!r}, every_n_train_steps="
@@ -190,6 +187,40 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 "before it (it saves at the batch's end, before that step's validation): "
                 "leave every_n_train_steps unset to save at each validation's end, or add a "
                 "second ModelCheckpoint without a monitor for the periodic saves")
+
+
+def check_saver_folder(folder: str) -> None:
+    """A ModelCheckpoint's local ``dirpath`` that cannot be written: refused."""
+    why = unwritable(folder, folder=True) if folder and "://" not in folder else None
+    require(why is None, f"ModelCheckpoint(dirpath={folder!r}) cannot be written ({why}): the "
+            "first checkpoint would fail after its steps trained; give a folder you can write to")
+
+
+def check_on_rank_zero(trainer: Any, stage: str) -> None:
+    """With several processes, the folder checks :func:`attach_for_fit` makes with one
+    (:func:`check_logger_folders`; at a fit each ModelCheckpoint's ``dirpath`` and
+    :func:`check_checkpoint_root`): there they ran before the process group, where one rank
+    refusing alone would leave the others waiting, so a folder that cannot be written failed
+    at the first save, after its steps. Here every rank is at its setup: global rank 0, the
+    one that writes the logs and checkpoints, checks, and every rank stops with its answer."""
+    if getattr(trainer, "world_size", 1) == 1 or getattr(trainer, "fast_dev_run", False):
+        return
+    problem = None
+    if trainer.is_global_zero:
+        try:
+            check_logger_folders(trainer, several=True)
+            for cb in getattr(trainer, "callbacks", []) if stage == "fit" else []:
+                if isinstance(cb, ModelCheckpoint):
+                    check_saver_folder(str(cb.dirpath or ""))
+            if stage == "fit":
+                check_checkpoint_root(trainer, several=True)
+        except ValueError as err:
+            problem = str(err)
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        error = ValueError(problem)
+        error.every_rank = True  # type: ignore[attr-defined]  # nothing to save (on_exception)
+        raise error
 
 
 def one_process_is_rank_zero(trainer: Any) -> None:
@@ -275,12 +306,14 @@ def expand_logger_folders(trainer: Any) -> None:
                 setattr(logger, name, os.path.expanduser(os.path.expandvars(given)))
 
 
-def check_logger_folders(trainer: Any) -> None:
+def check_logger_folders(trainer: Any, several: bool = False) -> None:
     """ValueError naming the logger whose ``save_dir`` cannot be written (W&B's too, where
     its run's config.yaml goes); the error was the file system's alone, without the option,
     after the model loaded. One process only: this runs before the process group exists, so
-    one rank refusing alone could leave the others waiting for it."""
-    if getattr(trainer, "world_size", 1) != 1 or getattr(trainer, "fast_dev_run", False):
+    one rank refusing alone could leave the others waiting for it (``several``: rank 0 of a
+    run on several, from :func:`check_on_rank_zero`)."""
+    if getattr(trainer, "world_size", 1) != 1 and not several or getattr(
+            trainer, "fast_dev_run", False):
         return
     for logger in getattr(trainer, "loggers", None) or []:
         folder, named = getattr(logger, "save_dir", None), f"save_dir={logger.save_dir!r}"
@@ -299,15 +332,15 @@ def check_logger_folders(trainer: Any) -> None:
             "a folder you can write to")
 
 
-def check_checkpoint_root(trainer: Any) -> None:
+def check_checkpoint_root(trainer: Any, several: bool = False) -> None:
     """Without a logger (or with one that has no ``save_dir``: MLflow's server) a
     ModelCheckpoint with no ``dirpath`` saves into ``<default_root_dir>/checkpoints`` (the
     working folder's by default): refused, naming both options, when that cannot be
     written (it failed at the first save, after the training steps). One process only, as
     :func:`check_logger_folders`; not a ``fast_dev_run`` (it saves nothing)."""
     loggers = getattr(trainer, "loggers", None) or []
-    if loggers and loggers[0].save_dir is not None or getattr(trainer, "world_size", 1) != 1 or (
-            getattr(trainer, "fast_dev_run", False)):
+    if loggers and loggers[0].save_dir is not None or getattr(trainer, "world_size", 1) != 1 and (
+            not several) or getattr(trainer, "fast_dev_run", False):
         return
     root = getattr(trainer, "default_root_dir", None)
     if isinstance(root, str) and "://" not in root and any(

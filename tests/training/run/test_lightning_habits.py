@@ -74,6 +74,52 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
     assert module.policy is None
 
 
+@pytest.mark.parametrize("where", ["logger", "saver", "root"])
+def test_with_several_processes_rank_zero_checks_the_folders_and_every_rank_stops(tmp_path,
+                                                                                  where):
+    """The folder checks ran with one process only (before the process group, one rank
+    refusing alone would leave the others waiting): on several, a folder that cannot be
+    written failed at the first save, after its steps. At the setup, rank 0 (the writer)
+    checks and every rank stops with its answer, marked as every rank's (nothing to save)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from maxent_grpo.training.step.strategy import check_on_rank_zero
+
+    (tmp_path / "a_file").write_text("")
+    bad = str(tmp_path / "a_file" / "x")
+    shared = []
+
+    def broadcast(value):  # rank 0's value, to every rank
+        if not shared:
+            shared.append(value)
+        return shared[0]
+
+    def trainer(rank: int):
+        return SimpleNamespace(
+            world_size=2, fast_dev_run=False, is_global_zero=rank == 0,
+            strategy=SimpleNamespace(broadcast=broadcast), default_root_dir=(
+                bad if where == "root" else str(tmp_path)),
+            loggers=[CSVLogger(save_dir=bad if where == "logger" else str(tmp_path))] * (
+                where != "root"),
+            callbacks=[ModelCheckpoint(dirpath=bad if where == "saver" else None)])
+
+    said = {"logger": "trainer.logger CSVLogger", "saver": "ModelCheckpoint\\(dirpath=",
+            "root": "trainer.default_root_dir '.*a_file/x' cannot be written"}[where]
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match=said) as refused:
+            check_on_rank_zero(trainer(rank), "fit")
+        assert refused.value.every_rank
+    shared.clear()
+    if where == "saver":  # a validate writes no checkpoint
+        check_on_rank_zero(trainer(0), "validate")
+    shared.clear()
+    where = "none"
+    check_on_rank_zero(trainer(0), "fit")
+
+
 @pytest.mark.parametrize("options, expected", [
     ({"train_time_interval": timedelta(milliseconds=10)},
      r"train_time_interval=...\) never saves here"),
