@@ -247,6 +247,19 @@ def test_print_config_round_trips(capsys, tmp_path):
     assert print_config(capsys, "--config", str(copy)) == printed
 
 
+def test_a_callback_whose_str_option_defaults_to_an_enum_is_written_and_read_back(capsys,
+                                                                                 tmp_path):
+    """Lightning's ``Timer`` (``interval: str = Interval.step``) stopped every fit at the
+    config's dump: "RepresenterError: cannot represent an object". Written as its value."""
+    printed = print_config(capsys, "--config", "tiny",
+                           "--trainer.callbacks+=lightning.pytorch.callbacks.Timer")
+    timer = yaml.safe_load(printed)["trainer"]["callbacks"][-1]
+    assert timer["class_path"].endswith("Timer") and timer["init_args"]["interval"] == "step"
+    copy = tmp_path / "printed.yaml"
+    copy.write_text(printed)
+    assert print_config(capsys, "--config", str(copy)) == printed
+
+
 # ---------------------------------------------------------------------------- bad input
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import enum
 import itertools
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import yaml
+from jsonargparse import set_dumper
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
@@ -162,6 +164,19 @@ def unused_path(path: Path) -> Path:
 
 
 OBJECTIVE_KEY = "maxent_grpo_objective"  #: a checkpoint's record of the CLI's model.objective
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """jsonargparse's YAML dump of a config (the run's ``config.yaml``, the model's
+    hyper-parameters, ``--print_config``), with an enum that is a ``str`` written as its value:
+    an option typed ``str`` whose default is one (``Timer``'s ``interval``) stopped every fit
+    there with "cannot represent an object"."""
+
+
+ConfigDumper.add_multi_representer(enum.Enum, lambda dumper, value: dumper.represent_str(
+    str(value.value)) if isinstance(value, str) else dumper.represent_undefined(value))
+set_dumper("yaml", lambda data: yaml.dump(data, Dumper=ConfigDumper, default_flow_style=False,
+                                          allow_unicode=True, sort_keys=False))
 
 
 class SaveRunConfig(SaveConfigCallback):
