@@ -323,7 +323,7 @@ class PromptDataModule(pl.LightningDataModule):
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         self._train_sampler = EpochShuffleSampler(
             len(dataset), self.seed, self.shuffle, self._epoch, num_replicas=world, rank=rank,
-            batch_size=self.batch_size)
+            batch_size=self.batch_size, limit=getattr(trainer, "limit_train_batches", None))
         if self._resume_consumed:
             self._train_sampler.resume_at(self._epoch, self._resume_consumed)
         return PromptLoader(

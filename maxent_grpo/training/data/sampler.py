@@ -90,7 +90,9 @@ class EpochShuffleSampler(DistributedSampler):
     stays the full epoch's count, as Lightning expects.
 
     ``batch_size`` (the loader's, which drops an incomplete last batch): without shuffling
-    the rows that fill no batch are the same every epoch, never trained on: warned of.
+    the rows that fill no batch, and those past ``limit`` (``trainer.limit_train_batches``,
+    Lightning's rule: an int caps the batches, a float is a fraction of them), are the same
+    every epoch, never trained on: warned of.
     """
 
     def __init__(
@@ -102,19 +104,24 @@ class EpochShuffleSampler(DistributedSampler):
         num_replicas: int = 1,
         rank: int = 0,
         batch_size: int | None = None,
+        limit: int | float | None = None,
     ) -> None:
         super().__init__(
             range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
             drop_last=True,
         )
-        read = num_replicas * (self.num_samples // batch_size * batch_size if batch_size else 0)
+        batches = self.num_samples // batch_size if batch_size else 0
+        cut = isinstance(limit, int) and limit < batches or isinstance(limit, float) and (
+            int(batches * limit) < batches)
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * (limit or 1))
+        read = num_replicas * batches * (batch_size or 0)
         if batch_size and not shuffle and read < num_rows and rank == 0:
             warnings.warn(
                 f"data.shuffle is false: the last {num_rows - read} of the {num_rows} training "
                 f"rows fill no batch of data.batch_size {batch_size} (on {num_replicas} "
-                "process(es)) and are in no training batch of any epoch (refill rounds "
-                "aside); set data.shuffle: true or fit the row count to the batches",
-                stacklevel=2)
+                "process(es))" + (f" within trainer.limit_train_batches {limit}" if cut else "")
+                + " and are in no training batch of any epoch (refill rounds aside); set "
+                "data.shuffle: true or fit the row count to the batches", stacklevel=2)
         self.epoch = epoch
         self.resume_epoch: int | None = None
         self.resume_consumed = 0

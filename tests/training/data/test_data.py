@@ -1352,6 +1352,22 @@ def test_rows_an_unshuffled_order_never_reaches_are_warned_of():
         EpochShuffleSampler(10, seed=0, shuffle=True, batch_size=4)  # another tail each epoch
         EpochShuffleSampler(8, seed=0, shuffle=False, batch_size=4)
         EpochShuffleSampler(10, seed=0, shuffle=False, num_replicas=2, batch_size=2, rank=1)
+        EpochShuffleSampler(10, seed=0, shuffle=True, batch_size=2, limit=2)
+        EpochShuffleSampler(8, seed=0, shuffle=False, batch_size=4, limit=1.0)
+        EpochShuffleSampler(8, seed=0, shuffle=False, batch_size=4, limit=5)
+
+
+def test_rows_that_limit_train_batches_cuts_from_an_unshuffled_order_are_counted():
+    """``trainer.limit_train_batches`` keeps the first batches of each epoch's order: without
+    shuffling, the rows past them too are never trained on (the warning counted only the
+    incomplete last batch: 6 of 38 said where 22 were never reached)."""
+    with pytest.warns(UserWarning, match=r"the last 22 of the 38 training rows fill no batch "
+                      r"of data.batch_size 8 \(on 1 process\(es\)\) within "
+                      r"trainer.limit_train_batches 2 "):
+        EpochShuffleSampler(38, seed=0, shuffle=False, batch_size=8, limit=2)
+    with pytest.warns(UserWarning,
+                      match=r"the last 14 of the 38 .* trainer.limit_train_batches 0.75 "):
+        EpochShuffleSampler(38, seed=0, shuffle=False, batch_size=8, limit=0.75)  # 3 of 4
 
 
 def test_lowering_val_size_is_offered_only_where_it_can_fill_the_batches():
