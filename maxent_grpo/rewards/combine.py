@@ -110,7 +110,7 @@ class TrainerState:
         max_steps = min(caps) if caps else -1
         epochs = -1
         if batches and max_steps > 0:
-            epochs = math.ceil(max_steps / (batches * num_iterations))
+            epochs = math.ceil((math.ceil(max_steps / num_iterations) + idle_batches) / batches)
         return cls(
             global_step=int(trainer.global_step if step is None else step),
             max_steps=int(max_steps), epoch=float(epoch),

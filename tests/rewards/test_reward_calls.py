@@ -53,6 +53,24 @@ def test_every_function_gets_the_trl_arguments():
     assert SEEN[0]["completion_ids"] is None and SEEN[0]["trainer_state"] is None
 
 
+@pytest.mark.parametrize("k, idle, max_epochs, expected", [
+    (1, 0, -1, (8, 2)), (2, 0, -1, (8, 1)),
+    (1, 1, -1, (8, 3)),  # 8 steps over 9 batches: a third epoch (said 2)
+    (2, 1, -1, (8, 2)),  # 4 rollouts and 1 idle batch: 5 batches
+    (1, 1, 2, (7, 2))])  # 2 epochs of 4 batches, one idle: 7 steps
+def test_the_trainer_state_counts_an_asynchronous_runs_idle_batches(k, idle, max_epochs,
+                                                                     expected):
+    """``num_train_epochs``: the epochs a run goes through, where an asynchronous run's first
+    ``max_staleness`` batches only start rollouts (4 batches an epoch, max_steps 8)."""
+    from types import SimpleNamespace as NS
+
+    trainer = NS(fit_loop=NS(epoch_loop=NS(batch_progress=NS(current=NS(completed=0)))),
+                 num_training_batches=4, current_epoch=0, max_steps=8, max_epochs=max_epochs,
+                 global_step=0, is_global_zero=True, local_rank=0)
+    state = TrainerState.from_trainer(trainer, k, idle)
+    assert (state.max_steps, state.num_train_epochs) == expected
+
+
 def test_weighted_rewards_unpad_the_rollout_ids_and_give_a_state():
     SEEN.clear()
     rewards = WeightedRewards({f"{HERE}:spy": 1.0})

@@ -166,7 +166,8 @@ class ModuleHooks(L.Callback):
         steps = TrainerState.from_trainer(trainer, *pl_module._progress).max_steps
         warn_unended_cosine(trainer, steps)
         k, step = pl_module.loop.optimization.schedule.num_iterations, trainer.global_step
-        warn_epoch_bound_validation(trainer, steps // k if steps > 0 else -1)
+        warn_epoch_bound_validation(  # the rollouts: an asynchronous run's idle ones too
+            trainer, steps // k + pl_module._progress[1] if steps > 0 else -1)
         if k > 1 and step % k and trainer.max_steps > step:
             rank_zero_warn(f"the fit goes on from optimizer step {step}, not a multiple of "
                            f"model.num_iterations {k} (a stop between a rollout's updates, or "
