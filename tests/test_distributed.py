@@ -792,8 +792,8 @@ class SignalAt(pl.Callback):
             os.kill(os.getpid(), getattr(signal, self.name))
 
 
-def fit_two_processes(tmp_path: Path, callback: dict[str, Any], dirpath: Path | None = None
-                      ) -> tuple[int, str]:
+def fit_two_processes(tmp_path: Path, callback: dict[str, Any], dirpath: Path | None = None,
+                      **trainer: Any) -> tuple[int, str]:
     """``fit`` of configs/tiny.yaml (50 steps) on 2 CPU processes with ``callback`` and a
     ``ModelCheckpoint(save_on_exception=True)`` into ``tmp_path/ckpt``: (exit code, output);
     a hang (4 min) fails the test, its processes killed."""
@@ -808,6 +808,7 @@ def fit_two_processes(tmp_path: Path, callback: dict[str, Any], dirpath: Path | 
                     "init_args": {"dirpath": str(dirpath or tmp_path / "ckpt"), "save_last": True,
                                   "every_n_train_steps": 100, "save_on_exception": True}},
                    callback])
+    cfg["trainer"].update(trainer)
     cfg["model"]["model_cache_dir"] = str(tmp_path / "models")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
@@ -859,17 +860,23 @@ def test_a_signal_to_one_process_stops_every_rank_at_the_same_step(tmp_path, nam
 
 
 @pytest.mark.slow
-def test_a_checkpoint_folder_that_cannot_be_written_stops_two_processes_before_training(
-        tmp_path):
-    """Checked on one process only: on two the first save failed, after its steps."""
+@pytest.mark.parametrize("folder", ["checkpoint", "log"])
+def test_a_folder_that_cannot_be_written_stops_two_processes_before_training(tmp_path, folder):
+    """Checked on one process only: on two a checkpoint folder failed at the first save,
+    after its steps, and a log folder with the file system's error alone."""
     (tmp_path / "a_file").write_text("")
-    code, output = fit_two_processes(tmp_path, {"class_path": "test_distributed.SignalAt",
-                                                "init_args": {"rank": 0, "step": 10 ** 6}},
-                                     dirpath=tmp_path / "a_file" / "ckpt")
+    bad = tmp_path / "a_file" / "x"
+    code, output = fit_two_processes(
+        tmp_path, {"class_path": "test_distributed.SignalAt", "init_args": {"rank": 0,
+                                                                            "step": 10 ** 6}},
+        **({"dirpath": bad} if folder == "checkpoint" else {"logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(bad)}}}))
     assert code == 1, output[-3000:]
-    assert re.search(r"error: ModelCheckpoint\(dirpath='.*a_file/ckpt'\) cannot be written",
-                     output), output[-3000:]
-    assert "no checkpoint is saved" not in output  # every rank's error: nothing to save
+    said = {"checkpoint": r"error: ModelCheckpoint\(dirpath='.*a_file/x'\) cannot be written",
+            "log": r"error: trainer.logger CSVLogger\(save_dir='.*a_file/x'"}[folder]
+    assert re.search(said, output), output[-3000:]
+    assert "no checkpoint is saved" not in output  # nothing was trained: nothing to save
 
 
 class FailOn(pl.Callback):

@@ -46,7 +46,7 @@ from maxent_grpo.training.run.folders import (
     continues_logger,
     warn_unreachable_trackers,
 )
-from maxent_grpo.training.run.signals import resolve_with_requeue, slurm_resume
+from maxent_grpo.training.run.signals import INTERRUPTED, resolve_with_requeue, slurm_resume
 from maxent_grpo.training.step.strategy import check_launcher, warn_lone_local_rank
 
 
@@ -93,9 +93,8 @@ class MaxEntGRPOCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit``, ``validate``, ``test`` and ``predict`` (which keeps no predictions in
-        memory: its
-        :class:`~maxent_grpo.training.callbacks.module_own.CompletionWriter` writes them)."""
+        """``fit``, ``validate``, ``test`` and ``predict`` (its predictions are written by a
+        :class:`~maxent_grpo.training.callbacks.module_own.CompletionWriter`, not kept)."""
         commands = LightningCLI.subcommands()
         commands["predict"] = {*commands["predict"], "return_predictions"}
         return commands
@@ -400,8 +399,9 @@ def main(
     try:
         return build()
     except SystemExit as stop:  # Lightning's sys.exit(1) after a Ctrl-C: the Ctrl-C, in Python
-        if stop.code == 1 and isinstance(stop.__context__, KeyboardInterrupt):
-            raise stop.__context__ from None
+        if stop.code == 1 and isinstance(stop.__context__, KeyboardInterrupt) or type(  # or
+                stop).__name__ == "SIGTERMException" and INTERRUPTED:  # after a batch (several)
+            raise (stop.__context__ if stop.code == 1 else KeyboardInterrupt()) from None
         raise
     finally:  # Lightning ignores Ctrl-C after one: a notebook's next run could not be stopped
         if handler is not None and threading.current_thread() is threading.main_thread():

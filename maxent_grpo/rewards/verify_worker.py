@@ -19,6 +19,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -348,7 +349,8 @@ def serve() -> None:
     """The worker: ``[id, gold, prediction]`` JSON lines in (stdin), ``[id, verdict]``
     lines out, on a copy of stdout; file descriptor 1 itself (``print``, a C library's
     output) is pointed at stderr, so nothing else can land among the answers."""
-    answers = os.fdopen(os.dup(1), "w")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches this worker
+    answers = os.fdopen(os.dup(1), "w")  # too; the trainer, which may finish its batch, ends it
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     import math_verify  # noqa: F401 - the slow import, before "ready"

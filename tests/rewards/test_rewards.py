@@ -782,6 +782,25 @@ def test_the_verifier_kills_a_comparison_that_outlives_its_time_and_starts_again
         verifier.close()
 
 
+def test_a_terminals_ctrl_c_leaves_the_verifier_worker_grading():
+    """The worker shares the trainer's process group: a terminal's Ctrl-C reached it, and
+    with several processes the batch goes on after a Ctrl-C (every process stops after it),
+    so its comparisons were graded "not equal" by a dead worker."""
+    import signal
+
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    verifier = Verifier()
+    try:
+        assert verifier.equal("1/2", "0.5") is True
+        worker = verifier._process
+        worker.send_signal(signal.SIGINT)
+        assert verifier.equal("8", "2^3") is True and verifier._process is worker
+        assert worker.poll() is None
+    finally:
+        verifier.close()
+
+
 NOISY_WORKER = """
 import os, sys
 sys.path.insert(0, {root!r})

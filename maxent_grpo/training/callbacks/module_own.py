@@ -121,7 +121,7 @@ class ModuleHooks(L.Callback):
                                                                     False)]
         for saver in savers:
             saver.save_on_exception, saver.unsaved_error = False, True
-        if savers:
+        if any(getattr(s, "_last_global_step_saved", -1) != trainer.global_step for s in savers):
             log.warning("[rank %d] no checkpoint is saved on this error (save_on_exception): "
                         "with several processes the others cannot join the save; resume "
                         "from the last checkpoint saved", trainer.global_rank)

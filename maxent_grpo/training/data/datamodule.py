@@ -321,9 +321,11 @@ class PromptDataModule(pl.LightningDataModule):
         dataset = self._require(self.train_dataset)
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        limit = None if getattr(trainer, "fast_dev_run", 0) else getattr(  # (a smoke run's 1)
+            trainer, "limit_train_batches", None)
         self._train_sampler = EpochShuffleSampler(
             len(dataset), self.seed, self.shuffle, self._epoch, num_replicas=world, rank=rank,
-            batch_size=self.batch_size, limit=getattr(trainer, "limit_train_batches", None))
+            batch_size=self.batch_size, limit=limit)
         if self._resume_consumed:
             self._train_sampler.resume_at(self._epoch, self._resume_consumed)
         return PromptLoader(
@@ -345,8 +347,7 @@ class PromptDataModule(pl.LightningDataModule):
         batches: pass ``k`` is ``torch.randperm(N)`` seeded ``data.seed + REFILL_SEED +
         k`` (with ``shuffle: false`` too), cut and dealt to the ranks as an epoch is
         (:class:`RefillStream`). Its position (``refill_drawn``) is in :meth:`state_dict`,
-        so a resumed run draws the same prompts.
-        """
+        so a resumed run draws the same prompts."""
         dataset = self._require(self.train_dataset)
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
@@ -426,8 +427,7 @@ class PromptDataModule(pl.LightningDataModule):
 
         Raises ValueError when the order cannot be continued
         (:func:`~maxent_grpo.training.data.sampler.check_resume_state`); outside ``fit``
-        nothing is checked or restored.
-        """
+        nothing is checked or restored."""
         trainer = self.trainer
         stage = getattr(getattr(trainer, "state", None), "fn", None)
         if stage is not None and stage != "fit":

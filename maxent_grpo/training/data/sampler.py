@@ -111,9 +111,9 @@ class EpochShuffleSampler(DistributedSampler):
             drop_last=True,
         )
         batches = self.num_samples // batch_size if batch_size else 0
-        cut = isinstance(limit, int) and limit < batches or isinstance(limit, float) and (
-            int(batches * limit) < batches)
-        batches = min(batches, limit) if isinstance(limit, int) else int(batches * (limit or 1))
+        limit = 1.0 if limit is None else limit
+        kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        batches, cut = kept, kept < batches
         read = num_replicas * batches * (batch_size or 0)
         if batch_size and not shuffle and read < num_rows and rank == 0:
             warnings.warn(

@@ -22,10 +22,12 @@ every process, each raised ``KeyboardInterrupt`` wherever it was (one in a colle
 not: the checkpoint's save mismatched them), and a SIGINT sent to one process alone (``kill
 -INT`` of the launching one, ``timeout -s INT``) stopped that one in mid-step, the others
 failing in their collective, with no checkpoint. The handler notes it as a SIGTERM; every
-rank stops after the same batch and the command exits 130. A second Ctrl-C to a process
-stops it at once, unsaved (``KeyboardInterrupt``, as by default). With one process Ctrl-C
-is Lightning's ``KeyboardInterrupt``: ``save_on_exception`` saves the step it cut, which a
-resume runs again.
+rank stops after the same batch and the command exits 130 on every one. A second Ctrl-C
+to a process, :data:`SAME_CTRL_C_S` after the first or later (sooner, it is the first passed
+on by a launcher), stops it at once, unsaved (``KeyboardInterrupt``, as by default). A
+process started with Ctrl-C ignored (``cmd &`` in a script) keeps ignoring it. With one
+process Ctrl-C is Lightning's ``KeyboardInterrupt``: ``save_on_exception`` saves the step it
+cut, which a resume runs again.
 
 SLURM's requeue signal (``SIGUSR1`` with ``#SBATCH --signal=USR1@600``), where Lightning's
 ``SLURMEnvironment`` auto-requeues, is taken the same way: Lightning's handler finalised
@@ -47,6 +49,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -64,9 +67,13 @@ __all__ = ["answer_requeue", "give_back_sigterm", "INTERRUPTED", "hpc_checkpoint
 
 log = logging.getLogger(__name__)
 
-# Ctrl-C in this process during a run on several processes: "once" (the run stops after the
-# batch; the command exits 130), then "again" (stopped at once, unsaved)
+# Ctrl-C during a run on several processes: "once" (this process's: every process stops
+# after the batch, the command exits 130), "shared" (another process's, agreed on at the end
+# of a batch), "again" (this process's second: it stops at once, unsaved)
 INTERRUPTED: list[str] = []
+#: a SIGINT this soon (s) after the first is that Ctrl-C passed on: a launcher or
+#: ``maxent_grpo.serve`` forwards the terminal's, which reached this process too
+SAME_CTRL_C_S = 2.0
 
 
 def take_sigterm(trainer: Any) -> None:
@@ -86,12 +93,17 @@ def take_sigterm(trainer: Any) -> None:
     connector._sigterm_notifier_fn = notify
     INTERRUPTED.clear()
 
+    first: list[float] = []  # when this process's first Ctrl-C came
+
     def note_interrupt(signum: int, frame: FrameType | None) -> None:
-        if INTERRUPTED:
+        if first and time.monotonic() - first[0] < SAME_CTRL_C_S:
+            return  # the same Ctrl-C, passed on
+        if first:
             log.info("[rank %d] Ctrl-C again: this process stops now, unsaved",
                      trainer.global_rank)
             INTERRUPTED.append("again")
             raise KeyboardInterrupt
+        first.append(time.monotonic())
         INTERRUPTED.append("once")
         log.info("[rank %d] Ctrl-C: the run stops after this batch on every process (Ctrl-C "
                  "again stops this process now, without a checkpoint)", trainer.global_rank)
@@ -101,7 +113,9 @@ def take_sigterm(trainer: Any) -> None:
 
     def register_with_interrupt() -> None:
         register()  # Lightning's: the handlers it found are put back at its teardown
-        if trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+        ignored = connector._original_handlers.get(signal.SIGINT) == signal.SIG_IGN  # `cmd &`
+        if trainer.world_size > 1 and not ignored and (
+                threading.current_thread() is threading.main_thread()):
             signal.signal(signal.SIGINT, note_interrupt)
 
     connector.register_signal_handlers = register_with_interrupt
@@ -145,12 +159,15 @@ def share_sigterm(trainer: Any, training: bool = True) -> bool:
     if not (training or getattr(connector, "sigterm_per_batch", True)):
         return False
     flags = [bool(getattr(connector, "sigterm_pending", False)),
-             training and bool(getattr(connector, "requeue_pending", False))]
+             training and bool(getattr(connector, "requeue_pending", False)),
+             "once" in INTERRUPTED]
     if trainer.world_size > 1:
         strategy = trainer.strategy
         shared = torch.tensor(flags, dtype=torch.int32, device=strategy.root_device)
         flags = [f > 0 for f in strategy.reduce(shared, reduce_op="sum").tolist()]
-    pending, requeued = flags
+    pending, requeued, interrupted = flags
+    if interrupted and not INTERRUPTED:
+        INTERRUPTED.append("shared")  # its exit too: 130
     if requeued:
         connector.requeue_pending, connector.requeue_agreed = False, True
     if pending:

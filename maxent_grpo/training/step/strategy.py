@@ -197,25 +197,26 @@ def check_saver_folder(folder: str) -> None:
 
 
 def check_on_rank_zero(trainer: Any, stage: str) -> None:
-    """With several processes, the folder checks :func:`attach_for_fit` makes with one
-    (:func:`check_logger_folders`; at a fit each ModelCheckpoint's ``dirpath`` and
-    :func:`check_checkpoint_root`): there they ran before the process group, where one rank
-    refusing alone would leave the others waiting, so a folder that cannot be written failed
-    at the first save, after its steps. Here every rank is at its setup: global rank 0, the
-    one that writes the logs and checkpoints, checks, and every rank stops with its answer."""
-    if getattr(trainer, "world_size", 1) == 1 or getattr(trainer, "fast_dev_run", False):
+    """With several processes, the checkpoint folder checks a fit makes with one (each
+    ModelCheckpoint's ``dirpath``, :func:`check_checkpoint_root`): there they ran before the
+    process group, where one rank refusing alone could leave the others waiting, so a folder
+    that cannot be written failed at the first save, after its steps. Here every rank is at
+    its setup: global rank 0, which writes the checkpoints, checks, and every rank stops with
+    its answer. (The log folders: :func:`check_logger_folders`.)"""
+    if getattr(trainer, "world_size", 1) == 1 or getattr(trainer, "fast_dev_run", False) or (
+            stage != "fit"):
         return
     problem = None
     if trainer.is_global_zero:
         try:
-            check_logger_folders(trainer, several=True)
-            for cb in getattr(trainer, "callbacks", []) if stage == "fit" else []:
+            for cb in getattr(trainer, "callbacks", []):
                 if isinstance(cb, ModelCheckpoint):
                     check_saver_folder(str(cb.dirpath or ""))
-            if stage == "fit":
-                check_checkpoint_root(trainer, several=True)
+            check_checkpoint_root(trainer, several=True)
         except ValueError as err:
             problem = str(err)
+        except Exception as err:  # noqa: BLE001 - shared all the same: no rank left waiting
+            problem = f"rank 0's checks of the checkpoint folders failed: {err!r}"
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
         error = ValueError(problem)
@@ -264,7 +265,7 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
         one_process_is_rank_zero(trainer)
         check_mesh_size(trainer)
         expand_logger_folders(trainer)
-        check_logger_folders(trainer)
+        check_logger_folders(trainer, several=getattr(trainer, "is_global_zero", False))
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
     check_trainer_flags(trainer, schedule.gradient_clip_val)
@@ -309,9 +310,10 @@ def expand_logger_folders(trainer: Any) -> None:
 def check_logger_folders(trainer: Any, several: bool = False) -> None:
     """ValueError naming the logger whose ``save_dir`` cannot be written (W&B's too, where
     its run's config.yaml goes); the error was the file system's alone, without the option,
-    after the model loaded. One process only: this runs before the process group exists, so
-    one rank refusing alone could leave the others waiting for it (``several``: rank 0 of a
-    run on several, from :func:`check_on_rank_zero`)."""
+    after the model loaded. With several processes (before the process group exists) on
+    global rank 0 only (``several``), which writes the logs: Lightning makes its loggers'
+    folders there before the others can be told, so it failed alone at that point anyway,
+    with the file system's error."""
     if getattr(trainer, "world_size", 1) != 1 and not several or getattr(
             trainer, "fast_dev_run", False):
         return

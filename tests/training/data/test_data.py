@@ -1368,6 +1368,20 @@ def test_rows_that_limit_train_batches_cuts_from_an_unshuffled_order_are_counted
     with pytest.warns(UserWarning,
                       match=r"the last 14 of the 38 .* trainer.limit_train_batches 0.75 "):
         EpochShuffleSampler(38, seed=0, shuffle=False, batch_size=8, limit=0.75)  # 3 of 4
+    # the loader passes the Trainer's limit; a smoke run's (fast_dev_run: 1) says nothing
+    from types import SimpleNamespace
+
+    dm = make(task="arithmetic", train_size=8, val_size=2, batch_size=2, shuffle=False)
+    dm.trainer = SimpleNamespace(world_size=1, global_rank=0, limit_train_batches=1,
+                                 fast_dev_run=0)
+    with pytest.warns(UserWarning, match=r"the last 6 of the 8 .* trainer.limit_train_batches 1 "):
+        dm.train_dataloader()
+    dm.trainer.fast_dev_run = 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.train_dataloader()
 
 
 def test_lowering_val_size_is_offered_only_where_it_can_fill_the_batches():

@@ -74,18 +74,19 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
     assert module.policy is None
 
 
-@pytest.mark.parametrize("where", ["logger", "saver", "root"])
-def test_with_several_processes_rank_zero_checks_the_folders_and_every_rank_stops(tmp_path,
-                                                                                  where):
-    """The folder checks ran with one process only (before the process group, one rank
-    refusing alone would leave the others waiting): on several, a folder that cannot be
+@pytest.mark.parametrize("where", ["saver", "root", "broken"])
+def test_with_several_processes_rank_zero_checks_the_checkpoint_folders_for_every_rank(
+        tmp_path, monkeypatch, where):
+    """The checkpoint folder checks ran with one process only (before the process group, one
+    rank refusing alone would leave the others waiting): on several, a folder that cannot be
     written failed at the first save, after its steps. At the setup, rank 0 (the writer)
-    checks and every rank stops with its answer, marked as every rank's (nothing to save)."""
+    checks and every rank stops with its answer, marked as every rank's (nothing to save),
+    also where the check itself fails (no rank left waiting in the broadcast)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
+    from maxent_grpo.training.step import strategy as strategy_module
     from maxent_grpo.training.step.strategy import check_on_rank_zero
 
     (tmp_path / "a_file").write_text("")
@@ -97,27 +98,55 @@ def test_with_several_processes_rank_zero_checks_the_folders_and_every_rank_stop
             shared.append(value)
         return shared[0]
 
-    def trainer(rank: int):
+    def trainer(rank: int, where: str):
         return SimpleNamespace(
             world_size=2, fast_dev_run=False, is_global_zero=rank == 0,
-            strategy=SimpleNamespace(broadcast=broadcast), default_root_dir=(
-                bad if where == "root" else str(tmp_path)),
-            loggers=[CSVLogger(save_dir=bad if where == "logger" else str(tmp_path))] * (
-                where != "root"),
-            callbacks=[ModelCheckpoint(dirpath=bad if where == "saver" else None)])
+            strategy=SimpleNamespace(broadcast=broadcast), loggers=[],
+            default_root_dir=bad if where == "root" else str(tmp_path),
+            callbacks=[ModelCheckpoint(dirpath=bad if where == "saver" else (
+                str(tmp_path / "ok") if where == "broken" else None))])
 
-    said = {"logger": "trainer.logger CSVLogger", "saver": "ModelCheckpoint\\(dirpath=",
-            "root": "trainer.default_root_dir '.*a_file/x' cannot be written"}[where]
+    def gone(*args, **kwargs):
+        raise OSError("the mount is gone")
+
+    if where == "broken":
+        monkeypatch.setattr(strategy_module, "unwritable", gone)
+
+    said = {"saver": "ModelCheckpoint\\(dirpath='.*a_file/x'\\) cannot be written",
+            "root": "a ModelCheckpoint without a dirpath saves into trainer.default_root_dir",
+            "broken": "rank 0's checks of the checkpoint folders failed"}[where]
     for rank in (0, 1):
         with pytest.raises(ValueError, match=said) as refused:
-            check_on_rank_zero(trainer(rank), "fit")
+            check_on_rank_zero(trainer(rank, where), "fit")
         assert refused.value.every_rank
     shared.clear()
-    if where == "saver":  # a validate writes no checkpoint
-        check_on_rank_zero(trainer(0), "validate")
-    shared.clear()
-    where = "none"
-    check_on_rank_zero(trainer(0), "fit")
+    check_on_rank_zero(trainer(0, where), "validate")  # writes no checkpoint: no collective
+    assert not shared
+    monkeypatch.undo()
+    check_on_rank_zero(trainer(0, "none"), "fit")
+    assert shared == [None]
+
+
+def test_with_several_processes_rank_zero_checks_the_log_folders():
+    """Lightning makes the loggers' folders on rank 0 before the processes can agree on
+    anything: rank 0 checks them first, so its error names the logger (it was the file
+    system's errno alone, and Lightning's own creation of them failed on rank 0 alone too)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from maxent_grpo.training.step.strategy import attach_for_fit
+
+    logger = CSVLogger(save_dir=__file__ + "/logs")
+    for rank in (0, 1):
+        trainer = SimpleNamespace(world_size=2, fast_dev_run=False, is_global_zero=rank == 0,
+                                  loggers=[logger], strategy=None, num_nodes=1, num_devices=2,
+                                  state=SimpleNamespace(fn="validate"))
+        if rank:
+            attach_for_fit(trainer, None)  # rank 1 writes no log
+        else:
+            with pytest.raises(ValueError, match=r"trainer.logger CSVLogger\(save_dir="):
+                attach_for_fit(trainer, None)
 
 
 @pytest.mark.parametrize("options, expected", [
