@@ -176,18 +176,20 @@ class ResolvedCheckpoint:
     saved_in: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
-def checkpoint_files(folder: str) -> list[str]:
-    """The ``*.ckpt`` files in ``folder`` and below it: a file name holding a metric's name
-    (``{val/pass@1}``) puts the file in a subfolder (``step=2-val/pass@1=0.125.ckpt``)."""
-    return glob.glob(os.path.join(glob.escape(folder), "**", "*.ckpt"), recursive=True)
+def checkpoint_files(folder: str, below: bool = True) -> list[str]:
+    """The ``*.ckpt`` files in ``folder`` and (``below``) its subfolders: a file name holding
+    a metric's name (``{val/pass@1}``) puts the file in one (``step=2-val/pass@1=0.125.ckpt``)."""
+    pattern = os.path.join(glob.escape(folder), "**" if below else "", "*.ckpt")
+    return glob.glob(pattern, recursive=below)
 
 
-def _candidates(dirpaths: list[str], extra: tuple[str, ...] = ()) -> list[str]:
-    """Every ``*.ckpt`` of ``dirpaths`` and the files ``extra``, newest first (a ``last*``
-    name wins a tie)."""
+def _candidates(dirpaths: list[str], extra: tuple[str, ...] = (), below: bool = True
+                ) -> list[str]:
+    """Every ``*.ckpt`` of ``dirpaths`` (and their subfolders: ``below``) and the files
+    ``extra``, newest first (a ``last*`` name wins a tie)."""
     found: dict[str, tuple[float, bool]] = {}
     folders = [str(f).removeprefix("file://") for f in dirpaths]
-    listed = [checkpoint_files(f) for f in folders if is_local(f) and os.path.isdir(f)]
+    listed = [checkpoint_files(f, below) for f in folders if is_local(f) and os.path.isdir(f)]
     for paths in (*listed, extra):
         for path in paths:
             try:
@@ -307,16 +309,12 @@ def resolve_checkpoint(
         names = "; ".join(f"{p}: {why}" for p, why in skipped)
         if usable:
             if skipped:
-                rank_zero_warn(
-                    f"--ckpt_path last: skipped unusable checkpoint(s) ({names}); "
-                    f"resuming from the latest usable one, {found.path}"
-                )
+                rank_zero_warn(f"--ckpt_path last: skipped unusable checkpoint(s) ({names}); "
+                               f"resuming from the latest usable one, {found.path}")
             return found
         if skipped:
-            raise ValueError(
-                f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); delete or "
-                "move them to start afresh"
-            )
+            raise ValueError(f"--ckpt_path last: no usable checkpoint in {dirpaths} ({names}); "
+                             "delete or move them to start afresh")
         if not need_training_state and all(map(is_local, dirpaths)):  # else Lightning's
             where = dirpaths or "no folder (no ModelCheckpoint has a dirpath)"
             raise ValueError(f"--ckpt_path last: no checkpoint in {where}; pass a .ckpt file, "
@@ -326,7 +324,7 @@ def resolve_checkpoint(
             "registry:"):
         return None
     if not os.path.lexists(ckpt_path):
-        near = _candidates([os.path.dirname(os.path.abspath(ckpt_path))])[:3]
+        near = _candidates([os.path.dirname(os.path.abspath(ckpt_path))], below=False)[:3]
         hint = f" (checkpoints in that folder: {', '.join(near)})" if near else ""
         raise ValueError(
             f"--ckpt_path {ckpt_path}: no such file, from the folder {os.getcwd()}{hint}; pass "
@@ -337,7 +335,7 @@ def resolve_checkpoint(
     if problem is None:
         return _resolved(ckpt_path, index, [], trusted)
     here = os.path.abspath(ckpt_path)  # _candidates' paths are absolute too
-    others = (path for path in _candidates([os.path.dirname(here)])
+    others = (path for path in _candidates([os.path.dirname(here)], below=False)
               if path != here and _usable(path, need_training_state, False, trusted)[0] is None)
     other = next(others, None)
     hint = f"; the newest usable checkpoint next to it is {other}" if other else ""

@@ -239,6 +239,27 @@ def test_a_named_broken_checkpoint_stops_the_run_naming_it_and_a_good_one(tmp_pa
     assert ckpt_io.resolve_checkpoint(str(good), []).global_step == 2
 
 
+def test_the_hints_for_a_named_checkpoint_look_in_its_own_folder_only(tmp_path):
+    """A missing or broken ``--ckpt_path`` listed the checkpoints of its folder and every
+    folder below it: ``/typo.ckpt`` walked the whole disk (minutes, silently), and the hint
+    named another run's file in a subfolder as "next to it"."""
+    other = tmp_path / "other_run" / "checkpoints"
+    other.mkdir(parents=True)
+    save(other / "last.ckpt", 9)
+    with pytest.raises(ValueError, match=r"no such file, from the folder [^(]*; pass"):
+        ckpt_io.resolve_checkpoint(str(tmp_path / "typo.ckpt"), [])
+    bad = save(tmp_path / "last.ckpt", 4)
+    truncate(bad)
+    with pytest.raises(ValueError, match=r"is not usable: (?!.*next to it)"):
+        ckpt_io.resolve_checkpoint(str(bad), [])
+    near = save(tmp_path / "epoch=0-step=2.ckpt", 2, time.time() - 10)
+    with pytest.raises(ValueError, match=rf"the newest usable checkpoint next to it is {near}"):
+        ckpt_io.resolve_checkpoint(str(bad), [])
+    with pytest.raises(ValueError, match=rf"checkpoints in that folder: .*{near.name}"):
+        ckpt_io.resolve_checkpoint(str(tmp_path / "typo.ckpt"), [])
+    # --ckpt_path last still finds a metric's subfolders (test above)
+
+
 def test_nothing_usable_is_an_error_not_a_fresh_start(tmp_path):
     truncate(save(tmp_path / "last.ckpt", 4))
     with pytest.raises(ValueError, match="no usable checkpoint"):
