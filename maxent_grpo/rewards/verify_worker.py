@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import logging
 import os
 import re
 import select
@@ -210,6 +211,9 @@ def _as_text(text: str) -> str:
     return " ".join(_TEXT.sub(r"\1", text).split())
 
 
+log = logging.getLogger(__name__)
+
+
 class Verifier:
     """The worker, started on first use (a second or two: it imports math-verify), one per
     process; calls from several threads take turns.
@@ -228,6 +232,7 @@ class Verifier:
         self.command = command or [sys.executable, os.path.abspath(__file__)]
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._killed: subprocess.Popen | None = None  # the worker _kill ended
         self._holder: threading.Thread | None = None  # the thread comparing now
         self._buffer = b""
         self._calls = 0
@@ -235,7 +240,9 @@ class Verifier:
     def equal(self, gold: str, prediction: str) -> bool:
         """Whether math-verify finds ``prediction`` equal to ``gold`` (:func:`math_equal`);
         False when the worker gave no verdict within ``call_seconds`` (it is killed) or
-        ended, and for a call whose caller stopped waiting (a reward's ``timeout``: its
+        ended twice on it (a worker found ended is started again, and one that ends during
+        the comparison is, once, for it: a killed worker scored right answers 0.0), and for a
+        call whose caller stopped waiting (a reward's ``timeout``: its
         thread, ``abandoned``, lives on and held the worker, so each later call timed out)."""
         with self._lock:
             self._holder = threading.current_thread()
@@ -245,7 +252,11 @@ class Verifier:
             finally:
                 self._holder = None
 
-    def _equal(self, gold: str, prediction: str) -> bool:  # (the lock held)
+    def _equal(self, gold: str, prediction: str, again: bool = True) -> bool:  # (lock held)
+        if self._process is not None and self._process.poll() is not None:
+            log.warning("the accuracy reward's math-verify worker had ended (exit code %s: "
+                        "killed for memory?): started again", self._process.returncode)
+            self._close()  # (an answer scored 0.0 by a dead worker was right: a hunt)
         if self._process is None:
             self._start()
         self._calls += 1
@@ -260,7 +271,13 @@ class Verifier:
                     return bool(answer[1])
         except (OSError, ValueError, IndexError, TypeError):  # the worker ended or garbled
             pass
+        died = time.monotonic() < deadline and (  # its output ended (not a time-out), not
+            self._killed is not self._process)  # killed here (stop, an abandoned call's end)
         self._close()
+        if died and again:  # once more on a new worker; twice: this answer ends it
+            log.warning("the accuracy reward's math-verify worker ended while comparing "
+                        "%.80r with %.80r: once more on a new one", prediction, gold)
+            return self._equal(gold, prediction, again=False)
         return False
 
     def _read(self, deadline: float) -> str | None:
@@ -314,7 +331,7 @@ class Verifier:
     def _kill(self) -> None:
         """Kill the worker, not waiting for the lock: the comparison in flight ends (its
         thread sees the worker gone and closes it)."""
-        process = self._process
+        process = self._killed = self._process
         if process is not None:
             with contextlib.suppress(OSError):
                 process.kill()

@@ -833,11 +833,57 @@ def test_what_the_worker_prints_cannot_shift_its_verdicts(tmp_path):
     broken = Verifier(command=[sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(RuntimeError, match="it exited with status 3"):
         broken.equal("1", "1")
-    # a worker that died between calls (Ctrl-C, the OOM killer): not equal, no BrokenPipeError
+    # a worker that ends at every call: started again once, then not equal (no
+    # BrokenPipeError)
     gone = Verifier(command=[sys.executable, "-c", "print('ready', flush=True)"])
     gone._start()
     gone._process.wait()
     assert gone.equal("1", "1") is False and gone._process is None
+
+
+DYING_ONCE_WORKER = """
+import json, os, sys
+print("ready", flush=True)
+for line in sys.stdin:
+    if not os.path.exists({marker!r}):
+        open({marker!r}, "w").close()
+        os._exit(9)  # ends while it compares, once
+    call, gold, prediction = json.loads(line)
+    print(json.dumps([call, gold == prediction]), flush=True)
+"""
+
+
+def test_a_verifier_worker_that_ends_during_a_comparison_is_asked_again(tmp_path, caplog):
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_ONCE_WORKER.format(marker=str(tmp_path / "died")))
+    verifier = Verifier(command=[sys.executable, str(script)])
+    try:
+        with caplog.at_level("WARNING", logger="maxent_grpo.rewards.verify_worker"):
+            assert verifier.equal("7", "7") is True
+        assert "ended while comparing '7' with '7': once more on a new one" in caplog.text
+    finally:
+        verifier.close()
+
+
+def test_a_killed_verifier_worker_is_started_again_and_the_answer_graded(caplog):
+    """A worker killed between calls (the OOM killer) or during one: the next comparison
+    scored 0.0 in silence, a right answer graded wrong."""
+    import signal
+
+    from maxent_grpo.rewards.verify_worker import Verifier
+
+    verifier = Verifier()
+    try:
+        assert verifier.equal("1/2", "0.5") is True
+        verifier._process.send_signal(signal.SIGKILL)
+        verifier._process.wait()
+        with caplog.at_level("WARNING", logger="maxent_grpo.rewards.verify_worker"):
+            assert verifier.equal("8", "2^3") is True
+        assert "had ended (exit code -9" in caplog.text
+    finally:
+        verifier.close()
 
 
 SLOW_WORKER = """
