@@ -77,10 +77,15 @@ def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], limit: int | None, bucket: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``(B, P)`` prompt ids and bool mask: each prompt tokenised without
-    special tokens, its last ``limit`` tokens kept, ``P`` rounded up to a multiple of
-    ``bucket``. ValueError names a prompt that is empty after tokenisation."""
+    special tokens, its last ``limit`` tokens kept (warned: a DataLoader of one's own lost
+    its prompts' start in silence; a PromptDataModule drops them), ``P`` rounded up to a
+    multiple of ``bucket``. ValueError names a prompt that is empty after tokenisation."""
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    if limit is not None:
+    if limit is not None and any(len(ids) > limit for ids in encoded):
+        warnings.warn(f"prompts over the module's max_prompt_length {limit} tokens are cut to "
+                      f"their last {limit}: the model does not see their start (a system "
+                      "prompt, the question); raise model.max_prompt_length or give shorter "
+                      "prompts", stacklevel=2)
         encoded = [ids[-limit:] for ids in encoded]
     for index, ids in enumerate(encoded):
         if len(ids) == 0:
@@ -103,8 +108,7 @@ def completion_mask_from_ids(
     Returns ``mask`` ``(N, T)`` bool, ``mask[i, t] = t <= first_stop(i)`` (``first_stop = T``
     without a stop token), and ``truncated`` ``(N,)`` bool, True for rows with no stop token.
 
-    Example: stop id 2, row ``[5, 2, 7, 2]`` → mask ``[1, 1, 0, 0]``, not truncated.
-    """
+    Example: stop id 2, row ``[5, 2, 7, 2]`` → mask ``[1, 1, 0, 0]``, not truncated."""
     if completion_ids.dim() != 2:
         raise ValueError(f"completion_ids must be 2-D (N, T); got {tuple(completion_ids.shape)}")
     if len(stop_token_ids) == 0:
@@ -132,10 +136,8 @@ def rollout_from_ids(
     completion_mask, truncated = completion_mask_from_ids(completion_ids, stop_token_ids)
     completion_ids = completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id)
     num_tokens = completion_mask.sum(dim=1).tolist()
-    texts = tokenizer.batch_decode(
-        [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)],
-        skip_special_tokens=True,
-    )
+    texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(
+        completion_ids.tolist(), num_tokens, strict=True)], skip_special_tokens=True)
     if logps is not None:
         logps = logps.masked_fill(~completion_mask, 0.0)
     return RolloutOutput(
@@ -272,8 +274,7 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
         return GenerationConfig(
             **sampling, max_new_tokens=max_new_tokens, num_return_sequences=group,
             eos_token_id=list(self.stop_token_ids), pad_token_id=self.tokenizer.pad_token_id,
-            use_cache=True,
-        )
+            use_cache=True)
 
     def continue_ids(
         self, sequences: list[list[int]], budgets: list[int], sampling: SamplingSettings,
@@ -320,10 +321,8 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
         (prompt-major), as ``generate``'s keyword argument; None when it cannot be repeated."""
         attention = prompt_mask.long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = model(
-            input_ids=prompt_ids[:, :-1], attention_mask=attention[:, :-1],
-            position_ids=positions[:, :-1], use_cache=True, logits_to_keep=1,
-        )
+        out = model(input_ids=prompt_ids[:, :-1], attention_mask=attention[:, :-1],
+                    position_ids=positions[:, :-1], use_cache=True, logits_to_keep=1)
         # "cache" in transformers >= 5.2x, "past_key_values" before; generate takes either
         for key in ("cache", "past_key_values"):
             cache = out.get(key, None) if hasattr(out, "get") else None
