@@ -37,7 +37,7 @@ from torch.utils.tensorboard import SummaryWriter
 from maxent_grpo.training.run.folders import logger_folder, run_dir
 from maxent_grpo.training.step.trajectory import RolloutSamples
 from maxent_grpo.training.types import AdvantageStats, QDistribution
-from maxent_grpo.validation import check_bool, check_int, require
+from maxent_grpo.validation import check_bool, check_int, no_room, require
 
 __all__ = [
     "MAX_CELL_CHARS",
@@ -188,34 +188,49 @@ def flat_table(samples: RolloutSamples, max_prompts: int) -> tuple[list[str], li
 
 def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Append one JSON line per row to ``path`` (closed, so flushed); half a character (a
-    data column's lone surrogate) is written as its JSON escape, not a crash."""
-    with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+    data column's lone surrogate) is written as its JSON escape, not a crash. A full disk
+    names the file (it was the system's error alone)."""
+    try:
+        with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+    except OSError as err:
+        if (full := no_room(err, str(path), "its earlier rows are kept (a line cut short is "
+                            "dropped when the fit resumes)")) is not None:
+            raise full from err
+        raise
+
+
+def _kept(line: bytes, step: int) -> bool:
+    try:
+        return line.endswith(b"\n") and int(json.loads(line)["step"]) < step
+    except (ValueError, TypeError, KeyError):
+        return False
 
 
 def drop_steps_from(path: Path, step: int) -> int:
     """Rewrite the JSONL file ``path`` without its rows of ``step`` and later (a resumed
     fit writes them again) and without a line cut short (a run killed mid-write); returns
-    how many lines went. A missing file is left alone."""
+    how many lines went. A missing file, or one with nothing to drop, is left alone (it was
+    copied whole, and a disk without room for the copy failed the resume); a failed rewrite
+    leaves no temporary."""
     if not path.is_file():
         return 0
-    dropped, tmp = 0, path.with_name(f".{path.name}.tmp")
     # line by line, in bytes: a text may hold U+2028 or U+0085, which str.splitlines splits
-    with open(path, "rb") as src, open(tmp, "wb") as dst:
-        for line in src:
-            try:
-                early = line.endswith(b"\n") and int(json.loads(line)["step"]) < step
-            except (ValueError, TypeError, KeyError):
-                early = False
-            if early:
-                dst.write(line)
-            else:
-                dropped += 1
-    if dropped:
+    with open(path, "rb") as src:
+        dropped = sum(not _kept(line, step) for line in src)
+    if not dropped:
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            dst.writelines(line for line in src if _kept(line, step))
         tmp.replace(path)
-    else:
-        tmp.unlink()
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if (full := no_room(err, str(path), "it is left as it was")) is not None:
+            raise full from err
+        raise
     return dropped
 
 

@@ -586,3 +586,34 @@ def test_a_resumed_fit_drops_the_rows_it_writes_again(tmp_path):
     dump.write_text(json.dumps({"step": 7}) + "\n")  # a fresh fit into a file appends
     CompletionSamples(every_n_steps=1, jsonl_path=str(dump)).on_train_start(trainer, module)
     assert [r["step"] for r in read_jsonl(dump)] == [7]
+
+
+def test_a_full_disk_names_the_jsonl_and_a_resume_with_nothing_to_drop_copies_nothing(
+        tmp_path, monkeypatch):
+    """A full disk while rows were appended said "[Errno 28] No space left on device"
+    alone; a resume copied the whole file to drop nothing (on a nearly full disk it failed,
+    leaving its half-written temporary beside it)."""
+    import builtins
+    import errno
+
+    from maxent_grpo.training.callbacks import samples
+
+    path = tmp_path / "rollouts.jsonl"
+    samples.append_jsonl(path, [{"step": 0, "completion": "4"}, {"step": 1, "completion": "5"}])
+    real_open = builtins.open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "aw"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    with pytest.raises(OSError, match=rf"writing {path} failed: no space left"):
+        samples.append_jsonl(path, [{"step": 2, "completion": "6"}])
+    assert samples.drop_steps_from(path, 2) == 0  # nothing to drop: no copy written
+    with pytest.raises(OSError, match=rf"writing {path} failed: no space left.*as it was"):
+        samples.drop_steps_from(path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollouts.jsonl"]
+    monkeypatch.undo()
+    assert samples.drop_steps_from(path, 1) == 1
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0]
