@@ -83,7 +83,10 @@ def take_sigterm(trainer: Any) -> None:
     connector.sigterm_pending, connector.sigterm_per_batch = False, True
 
     def notify(signum: int, _: FrameType | None) -> None:
-        log.info("[rank %d] SIGTERM: the run stops after this batch", trainer.global_rank)
+        log.info("[rank %d] SIGTERM: the run stops after this batch%s", trainer.global_rank,
+                 " (still running: a batch that never ends, a reward without a timeout that "
+                 "hangs, blocks it; SIGKILL ends the process, unsaved)"
+                 if connector.sigterm_pending else "")
         if not connector.sigterm_pending and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)  # the processes Lightning started
         connector.sigterm_pending = True
