@@ -41,6 +41,21 @@ def console(prog: str = "maxent-grpo") -> None:
     if command[:1] == ["export"]:
         sys.exit(export(command[1:] + ["--traceback"] * (len(command) < len(args))))
     main(exit_on_error=True)
+    _name_lingering_threads()
+
+
+def _name_lingering_threads() -> None:
+    """A thread that is not a daemon, started by code of the run's (a reward function's),
+    kept the process waiting after the command ended, without a word: named."""
+    import threading
+
+    alive = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if alive:
+        print(f"warning: the command ended, but the process waits for {len(alive)} thread(s) "
+              f"that did not end ({', '.join(alive[:5])}), started by a reward function or "
+              "other code of the run's: end them, or start them as daemon threads (Ctrl-C or "
+              "kill ends the wait; the run's files are written)", file=sys.stderr)
 
 
 #: where launchers put a process's rank on its node (torchrun and Lightning's DDP, SLURM's

@@ -911,6 +911,25 @@ def test_every_shipped_config_counts_its_validation_interval_over_the_whole_run(
     assert len(counted) >= 20  # the configs that validate by steps
 
 
+def test_threads_left_running_after_the_command_are_named(capsys):
+    """A reward that started a thread that is not a daemon kept the process waiting after
+    "Trainer.fit stopped", with no word (a hunt)."""
+    import threading
+
+    from maxent_grpo import __main__ as entry
+
+    done = threading.Event()
+    poller = threading.Thread(target=done.wait, name="reward-poller")
+    poller.start()
+    try:
+        entry._name_lingering_threads()
+        said = capsys.readouterr().err
+        assert "the process waits for" in said and "reward-poller" in said
+    finally:
+        done.set()
+        poller.join()
+
+
 @pytest.mark.parametrize(("env", "shown"), [({}, True), ({"LOCAL_RANK": "1"}, False),
                                             ({"RANK": "0"}, True), ({"SLURM_LOCALID": "3"}, False)])
 def test_the_console_command_prints_the_packages_progress_lines(monkeypatch, capsys, env,
