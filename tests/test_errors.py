@@ -314,6 +314,16 @@ def test_user_error_classes():
         "torch.OutOfMemoryError: CUDA out of memory")) is not None
 
 
+def test_a_killed_dataloader_worker_is_named_with_what_to_do(capsys):
+    """torch's "DataLoader worker (pid N) is killed by signal: Killed." (the OOM killer, a
+    kill) was called a bug in maxent_grpo (a hunt)."""
+    error = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    assert errors.report(error, show_trace=False) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: DataLoader worker (pid 4242) is killed by signal: Killed.")
+    assert "lower data.num_workers" in err and "bug" not in err
+
+
 def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys, monkeypatch):
     """Rank 0 of a run whose rank 1 raised (a reward function) printed gloo's trace and
     called it a bug in maxent_grpo; the peer had printed the real error."""

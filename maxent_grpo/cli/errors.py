@@ -374,6 +374,9 @@ def report(error: BaseException, show_trace: bool) -> int:
         found = error, ("this process lost its connection to another process of the run, "
                         "which failed or was killed: its own error is printed above or in "
                         "its log")
+    if found is None and re.search(r"DataLoader worker \(pid \d+\) is killed", str(error)):
+        found = error, (f"{error} (often for want of memory): lower data.num_workers or free "
+                        "memory; --ckpt_path last resumes from the newest checkpoint")
     if found is not None and not show_trace:
         print(f"error: {found[1]}", file=file)
         print(HINT, file=file)
@@ -390,11 +393,9 @@ def report(error: BaseException, show_trace: bool) -> int:
         print(f"error: {type(raised).__name__} raised outside maxent_grpo and its libraries, "
               f"at {where} (your code?): the trace above shows how it was reached", file=file)
         return USER_ERROR_EXIT_CODE
-    print(
-        f"error: unexpected {type(error).__name__}; this is a bug in maxent_grpo (or a mistake "
-        "without a clear message yet): please report it with the trace above",
-        file=file,
-    )
+    print(f"error: unexpected {type(error).__name__}; this is a bug in maxent_grpo (or a "
+          "mistake without a clear message yet): please report it with the trace above",
+          file=file)
     return BUG_EXIT_CODE
 
 
@@ -422,9 +423,8 @@ def _outside_frame(error: BaseException) -> str | None:
 
 
 def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
-    """``build()``; any exception is printed by :func:`report` and ends the process with
-    its exit code (``SystemExit``, e.g. jsonargparse's usage errors, passes through); Ctrl-C
-    exits 130, SIGTERM 143 (Lightning's ``SIGTERMException`` has no code: it exited 0)."""
+    """``build()``; an exception is printed by :func:`report` and ends the process with its
+    exit code (``SystemExit`` passes through); Ctrl-C exits 130, SIGTERM 143."""
     try:
         return build()
     except (KeyboardInterrupt, SystemExit) as stop:
