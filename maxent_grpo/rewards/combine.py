@@ -39,7 +39,7 @@ from maxent_grpo.rewards.options import OVERLONG, RewardOptions, parse_reward_op
 from maxent_grpo.rewards.registry import get_reward
 from maxent_grpo.rewards.reward_model import RewardModel
 from maxent_grpo.rewards.shaping import Overlong
-from maxent_grpo.rewards.timeout import TimedReward, awaited
+from maxent_grpo.rewards.timeout import RewardTimeout, TimedReward, awaited
 from maxent_grpo.rollout.batch import PromptCompletionBatch
 from maxent_grpo.validation import UserCodeError, failing_row, is_number
 
@@ -208,6 +208,8 @@ def _call(k: int, name: str, fn: Callable, prompts: list, completions: list,
         # async def; checked here so that a sync reward's step runs nothing of timeout.py
         values = awaited(values) if inspect.isawaitable(values) else values
     except (Exception, SystemExit) as err:  # sys.exit in a reward ended the fit, exit 0
+        if isinstance(err, RewardTimeout):  # nothing the function raised: no row search, no
+            raise RewardFunctionError(f"{label} gave {err}") from None  # "at" timeout.py
         alone = _alone(fn, {"prompts": prompts, "completions": completions, **kwargs}, err,
                        ROW_SEARCH_S - (time.monotonic() - started))
         raise RewardFunctionError(f"{label} raised {type(err).__name__}: {err}{alone}") from err
@@ -296,8 +298,7 @@ def _score(
 
 
 def unpadded_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[list[int]]:
-    """The token ids of each row where ``completion_mask`` is True (the rollout's
-    ``(N, T)`` ids and mask), as TRL's ``completion_ids``.
+    """Each row's ids where ``completion_mask`` is True (``(N, T)``): TRL's ``completion_ids``.
 
     >>> unpadded_ids(torch.tensor([[5, 2, 0], [7, 8, 9]]),
     ...              torch.tensor([[True, True, False], [True, True, True]]))
@@ -326,8 +327,7 @@ class WeightedRewards:
         max_completion_length: the trainer's ``T_max``, what the ``overlong`` reward
             measures against (None: that reward is refused at its first call).
         device: where reward models run (None: the CPU); the step's device replaces it at
-            each :meth:`score_rollout`, as the trainer places the module only after building
-            it.
+            each :meth:`score_rollout` (the trainer places the module after building it).
 
     >>> WeightedRewards({"format": 1.0, "tag_count": {"weight": 0.5, "timeout": 2}}).weights
     [1.0, 0.5]
