@@ -254,7 +254,11 @@ def _read_file(path: Path) -> Any:
         raise UserError(f"checkpoint {str(path)!r} does not exist: give the path of a .ckpt file "
                         "written by a fit, e.g. lightning_logs/tiny/checkpoints/last.ckpt")
     if not zipfile.is_zipfile(path):
-        raise UserError(f"{str(path)!r} is not a PyTorch checkpoint (not the zip archive "
+        with open(path, "rb") as f:  # a zip's start without its end: cut short
+            cut = f.read(4) == b"PK\x03\x04"
+        raise UserError(f"checkpoint {str(path)!r} is truncated (a zip archive without its end: "
+                        "a copy or a save that did not finish): export an intact one" if cut
+                        else f"{str(path)!r} is not a PyTorch checkpoint (not the zip archive "
                         "torch.save writes): give a .ckpt file written by a maxent-grpo fit")
     from maxent_grpo.training.run.checkpoint_io import checkpoint_problem
 

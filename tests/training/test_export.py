@@ -314,7 +314,9 @@ def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "a_file").write_text("")
     shutil.copy(ckpt, tmp / "damaged.ckpt")
     damage(tmp / "damaged.ckpt")
+    (tmp / "cut.ckpt").write_bytes(ckpt.read_bytes()[:4000])  # said "not a PyTorch checkpoint"
     return {
+        "truncated": ([str(tmp / "cut.ckpt")], "is truncated (a zip archive without its end"),
         "damaged": ([str(tmp / "damaged.ckpt")], "does not match its checksum"),
         "missing": ([str(tmp / "nope.ckpt")], "does not exist"),
         "folder": ([str(tmp / "folder")], "is a folder: give one of its .ckpt files (last.ckpt)"),
@@ -328,7 +330,7 @@ def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "garbage", "foreign", "not_empty",
-                                  "is_a_file", "unwritable", "damaged"])
+                                  "is_a_file", "unwritable", "damaged", "truncated"])
 def test_a_mistake_prints_one_error_line_and_returns_1(full_run, tmp_path, capsys, case):
     argv, expected = _bad_inputs(tmp_path, full_run[0])[case]
     assert main(argv) == 1
