@@ -9,6 +9,7 @@ short ``error: ...`` line and exits with code 1 (parse errors: usage and code 2)
 
 import os
 import sys
+import threading
 
 from maxent_grpo.cli import help as cli_help
 
@@ -44,18 +45,26 @@ def console(prog: str = "maxent-grpo") -> None:
     _name_lingering_threads()
 
 
-def _name_lingering_threads() -> None:
+def _name_lingering_threads(after: float = 5.0) -> threading.Timer:
     """A thread that is not a daemon, started by code of the run's (a reward function's),
-    kept the process waiting after the command ended, without a word: named."""
-    import threading
+    kept the process waiting after the command ended, without a word: named when the wait
+    lasts ``after`` seconds (a daemon timer: a process that ends sooner says nothing; idle
+    ``ThreadPoolExecutor`` workers, which Python ends at exit, are no wait)."""
 
-    alive = [t.name for t in threading.enumerate()
-             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
-    if alive:
-        print(f"warning: the command ended, but the process waits for {len(alive)} thread(s) "
-              f"that did not end ({', '.join(alive[:5])}), started by a reward function or "
-              "other code of the run's: end them, or start them as daemon threads (Ctrl-C or "
-              "kill ends the wait; the run's files are written)", file=sys.stderr)
+    def name_them() -> None:
+        alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()
+                 and not t.daemon and t.is_alive() and t is not timer]
+        if alive:
+            print(f"warning: the command ended, but the process waits for {len(alive)} "
+                  f"thread(s) that did not end ({', '.join(alive[:5])}), started by a reward "
+                  "function or other code of the run's: end them, or start them as daemon "
+                  "threads (Ctrl-C or kill ends the wait; the run's files are written)",
+                  file=sys.stderr)
+
+    timer = threading.Timer(after, name_them)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 #: where launchers put a process's rank on its node (torchrun and Lightning's DDP, SLURM's

@@ -922,7 +922,7 @@ def test_threads_left_running_after_the_command_are_named(capsys):
     poller = threading.Thread(target=done.wait, name="reward-poller")
     poller.start()
     try:
-        entry._name_lingering_threads()
+        entry._name_lingering_threads(after=0.05).join(10)
         said = capsys.readouterr().err
         assert "the process waits for" in said and "reward-poller" in said
     finally:

@@ -317,11 +317,17 @@ def test_user_error_classes():
 def test_a_killed_dataloader_worker_is_named_with_what_to_do(capsys):
     """torch's "DataLoader worker (pid N) is killed by signal: Killed." (the OOM killer, a
     kill) was called a bug in maxent_grpo (a hunt)."""
-    error = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
-    assert errors.report(error, show_trace=False) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: DataLoader worker (pid 4242) is killed by signal: Killed.")
-    assert "lower data.num_workers" in err and "bug" not in err
+    killed = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    try:  # the form the main thread sees waiting on the loader (readers)
+        raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly") from killed
+    except RuntimeError as exited:
+        waiting = exited
+    for error, said in ((killed, "(pid 4242) is killed by signal: Killed."),
+                        (waiting, "(pid(s) 4242) exited unexpectedly")):
+        assert errors.report(error, show_trace=False) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: DataLoader worker {said}"), err
+        assert "lower data.num_workers" in err and "bug" not in err
 
 
 def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys, monkeypatch):

@@ -6,10 +6,10 @@ our code: a bad option (``ValueError`` naming the option), a missing or unreadab
 model folder (``OSError``), a reward function that raised or returned something unusable
 (:class:`~maxent_grpo.rewards.RewardFunctionError`) or any other user code that did
 (:class:`~maxent_grpo.validation.UserCodeError`: an environment, an objective subclass), a
-loss that kept being non-finite
-(:class:`~maxent_grpo.training.step.optimise.NonFiniteLossError`), a Trainer setting Lightning
-refuses (``MisconfigurationException``), a missing optional package named in a message, or
-any :class:`UserError`. It is printed on stderr as::
+loss that kept being non-finite (:class:`~maxent_grpo.training.step.optimise.
+NonFiniteLossError`), a Trainer setting Lightning refuses (``MisconfigurationException``), a
+killed DataLoader worker, a missing optional package named in a message, or any
+:class:`UserError`. It is printed on stderr as::
 
     error: <the message: what is wrong, which option or file, what to do>
     (run again with --traceback for the full trace)
@@ -21,10 +21,9 @@ or module), one line naming that file and line. ``--traceback``, anywhere on the
 command line, prints the full trace for user errors too. A parse error (jsonargparse's usage
 line and ``error: ...``, exit code 2) is shortened by :mod:`maxent_grpo.cli.parse_errors`.
 
-Wrapped errors are unwrapped first: one re-raised by PyTorch from a DataLoader worker or a
-spawned process carries the original trace as text (its last line is the message shown),
-and an exception raised ``from`` a user error (e.g. by ``datasets``, or jsonargparse's
-summary of every type an option accepts) is reported as the user error it wraps.
+Wrapped errors are unwrapped first: one PyTorch re-raised from a DataLoader worker or a
+spawned process carries the original trace as text (its last line is shown), and one raised
+``from`` a user error (by ``datasets``, jsonargparse) is reported as the user error it wraps.
 """
 
 from __future__ import annotations
@@ -374,9 +373,10 @@ def report(error: BaseException, show_trace: bool) -> int:
         found = error, ("this process lost its connection to another process of the run, "
                         "which failed or was killed: its own error is printed above or in "
                         "its log")
-    if found is None and re.search(r"DataLoader worker \(pid \d+\) is killed", str(error)):
-        found = error, (f"{error} (often for want of memory): lower data.num_workers or free "
-                        "memory; --ckpt_path last resumes from the newest checkpoint")
+    if found is None and re.search(r"DataLoader worker \(pid(\(s\))? [\d, ]+\) (is killed|"
+                                   r"exited unexpectedly)", text := str(error)):  # (a kill, OOM)
+        found = error, (f"{text.strip()} (often for want of memory): lower data.num_workers or "
+                        "free memory; --ckpt_path last resumes from the newest checkpoint")
     if found is not None and not show_trace:
         print(f"error: {found[1]}", file=file)
         print(HINT, file=file)

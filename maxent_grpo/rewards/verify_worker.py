@@ -214,6 +214,15 @@ def _as_text(text: str) -> str:
 log = logging.getLogger(__name__)
 
 
+def _ended(code: int) -> str:
+    """A worker's exit as words: a signal by name (SIGKILL: often the OOM killer)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(-code).name
+            return f"{name}: killed for memory?" if name == "SIGKILL" else name
+    return f"exit code {code}"
+
+
 class Verifier:
     """The worker, started on first use (a second or two: it imports math-verify), one per
     process; calls from several threads take turns.
@@ -233,6 +242,7 @@ class Verifier:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._killed: subprocess.Popen | None = None  # the worker _kill ended
+        self._stops = 0  # how many times _kill ran
         self._holder: threading.Thread | None = None  # the thread comparing now
         self._buffer = b""
         self._calls = 0
@@ -253,9 +263,12 @@ class Verifier:
                 self._holder = None
 
     def _equal(self, gold: str, prediction: str, again: bool = True) -> bool:  # (lock held)
-        if self._process is not None and self._process.poll() is not None:
-            log.warning("the accuracy reward's math-verify worker had ended (exit code %s: "
-                        "killed for memory?): started again", self._process.returncode)
+        stops = self._stops
+        if self._process is not None and (self._process is self._killed or (
+                self._process.poll() is not None)):  # (killed: a stop() while a verdict came)
+            if self._process is not self._killed:
+                log.warning("the accuracy reward's math-verify worker had ended (%s): started "
+                            "again", _ended(self._process.returncode))
             self._close()  # (an answer scored 0.0 by a dead worker was right: a hunt)
         if self._process is None:
             self._start()
@@ -274,7 +287,10 @@ class Verifier:
         died = time.monotonic() < deadline and (  # its output ended (not a time-out), not
             self._killed is not self._process)  # killed here (stop, an abandoned call's end)
         self._close()
-        if died and again:  # once more on a new worker; twice: this answer ends it
+        if died and again and self._stops == stops and not getattr(
+                threading.current_thread(), "abandoned", False):
+            # once more on a new worker (an input that itself ends it does so twice); not
+            # after a stop() since this call began (it ended nothing: the lock was held)
             log.warning("the accuracy reward's math-verify worker ended while comparing "
                         "%.80r with %.80r: once more on a new one", prediction, gold)
             return self._equal(gold, prediction, again=False)
@@ -295,8 +311,9 @@ class Verifier:
         return line.decode()
 
     def _start(self) -> None:
-        self._process = subprocess.Popen(self.command, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE)
+        self._process = subprocess.Popen(  # its own session: a group's signal (a terminal's
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,  # Ctrl-C, timeout's
+            start_new_session=True)  # SIGTERM) is the trainer's to take; stdin's end ends it
         self._buffer = b""
         line = self._read(time.monotonic() + self.start_seconds)
         if line != "ready":
@@ -332,6 +349,7 @@ class Verifier:
         """Kill the worker, not waiting for the lock: the comparison in flight ends (its
         thread sees the worker gone and closes it)."""
         process = self._killed = self._process
+        self._stops += 1
         if process is not None:
             with contextlib.suppress(OSError):
                 process.kill()

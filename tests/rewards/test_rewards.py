@@ -881,7 +881,13 @@ def test_a_killed_verifier_worker_is_started_again_and_the_answer_graded(caplog)
         verifier._process.wait()
         with caplog.at_level("WARNING", logger="maxent_grpo.rewards.verify_worker"):
             assert verifier.equal("8", "2^3") is True
-        assert "had ended (exit code -9" in caplog.text
+        assert "had ended (SIGKILL: killed for memory?)" in caplog.text
+        caplog.clear()
+        with verifier._lock:  # a stop() while a verdict is returned: it kills, cannot close
+            verifier.stop()
+        with caplog.at_level("WARNING", logger="maxent_grpo.rewards.verify_worker"):
+            assert verifier.equal("1/2", "0.5") is True
+        assert "had ended" not in caplog.text  # its own kill: no worker died (readers)
     finally:
         verifier.close()
 

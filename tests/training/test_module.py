@@ -1040,8 +1040,9 @@ def test_with_several_processes_a_save_on_an_error_of_one_is_skipped_and_set_bac
 
     saver = ModelCheckpoint(save_on_exception=True)
     trainer = SimpleNamespace(
-        world_size=2, global_rank=1, checkpoint_callbacks=[saver],
-        _signal_connector=SimpleNamespace(),
+        world_size=2, global_rank=1, checkpoint_callbacks=[saver], global_step=5,
+        fast_dev_run=False, sanity_checking=False,
+        _signal_connector=SimpleNamespace(register_signal_handlers=lambda: None),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
     hooks = ModuleHooks()
     for kept in (NonFiniteLossError("nan"), SIGTERMException(), KeyboardInterrupt()):

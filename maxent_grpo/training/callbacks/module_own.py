@@ -119,9 +119,10 @@ class ModuleHooks(L.Callback):
             return
         savers = [s for s in trainer.checkpoint_callbacks if getattr(s, "save_on_exception",
                                                                     False)]
+        would = [s for s in savers if s._should_save_on_exception(trainer)]  # (Lightning's)
         for saver in savers:
             saver.save_on_exception, saver.unsaved_error = False, True
-        if any(getattr(s, "_last_global_step_saved", -1) != trainer.global_step for s in savers):
+        if would:
             log.warning("[rank %d] no checkpoint is saved on this error (save_on_exception): "
                         "with several processes the others cannot join the save; resume "
                         "from the last checkpoint saved", trainer.global_rank)

@@ -82,11 +82,14 @@ def take_sigterm(trainer: Any) -> None:
     connector = trainer._signal_connector
     connector.sigterm_pending, connector.sigterm_per_batch = False, True
 
+    termed: list[float] = []  # when this process's first SIGTERM came
+
     def notify(signum: int, _: FrameType | None) -> None:
+        again = bool(termed) and time.monotonic() - termed[0] >= SAME_CTRL_C_S  # not passed on
+        termed.append(time.monotonic())
         log.info("[rank %d] SIGTERM: the run stops after this batch%s", trainer.global_rank,
                  " (still running: a batch that never ends, a reward without a timeout that "
-                 "hangs, blocks it; SIGKILL ends the process, unsaved)"
-                 if connector.sigterm_pending else "")
+                 "hangs, blocks it; SIGKILL ends the process, unsaved)" if again else "")
         if not connector.sigterm_pending and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)  # the processes Lightning started
         connector.sigterm_pending = True

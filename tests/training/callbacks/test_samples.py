@@ -602,7 +602,23 @@ def test_a_full_disk_names_the_jsonl_and_a_resume_with_nothing_to_drop_copies_no
     samples.append_jsonl(path, [{"step": 0, "completion": "4"}, {"step": 1, "completion": "5"}])
     real_open = builtins.open
 
+    class Full:  # a file made, then the disk full at its first write
+        def __init__(self, file) -> None:
+            self.file = real_open(file, "wb")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.file.close()
+
+        def writelines(self, lines) -> None:
+            self.file.write(b"{")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
     def full_disk(file, mode="r", *args, **kwargs):
+        if mode == "wb":
+            return Full(file)
         if any(c in mode for c in "aw"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_open(file, mode, *args, **kwargs)

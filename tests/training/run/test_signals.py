@@ -128,3 +128,18 @@ def test_main_in_python_raises_a_shared_ctrl_c_as_keyboard_interrupt(registered,
     signals.INTERRUPTED.clear()  # a SIGTERM's stop stays a SystemExit
     with pytest.raises(SIGTERMException):
         parser.main(["fit", "--config", "tiny"])
+
+
+def test_a_second_sigterm_says_the_batch_is_still_running(registered, monkeypatch, caplog):
+    """A hung reward without a timeout blocks the stop: repeated SIGTERMs printed the same
+    line. One passed on at once (Lightning's launcher forwards it to the processes that
+    also got the group's) is the same signal (readers)."""
+    registered(1)
+    with caplog.at_level("INFO", logger="maxent_grpo.training.run.signals"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # passed on
+        assert "still running" not in caplog.text
+        monkeypatch.setattr(signals, "SAME_CTRL_C_S", 0.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert caplog.text.count("SIGTERM: the run stops after this batch") == 3
+    assert "still running: a batch that never ends" in caplog.text
