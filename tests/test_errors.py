@@ -459,15 +459,19 @@ def test_a_logger_that_cannot_make_its_folder_is_named(tmp_path, monkeypatch, ca
     assert "Not a directory" in err and "trainer.logger MLFlowLogger: give a save_dir" in err
 
 
-def test_a_full_disk_under_the_tensorboard_writer_names_the_folder(tmp_path):
+@pytest.mark.parametrize("logger, written", [
+    ("TensorBoardLogger", "the TensorBoard events under {folder}"),
+    ("CSVLogger", "the CSV log {folder}/metrics.csv")])  # Lightning's writer: no file named
+def test_a_full_disk_under_a_loggers_writer_names_what_it_wrote(tmp_path, logger, written):
     """TensorBoard writes its events in a thread; a write there that finds no room is raised
     again at the next scalar with no file named: the run stopped with ``[Errno 27] File too
-    large`` alone. Measured with a real file-size limit in a subprocess."""
+    large`` alone (the CSV log's too: a hunt). Measured with a real file-size limit in a
+    subprocess."""
     script = """
 import resource, signal, sys
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch import loggers
 from maxent_grpo.cli import errors
-logger = TensorBoardLogger(sys.argv[1], name="", version="version_0")
+logger = getattr(loggers, sys.argv[2])(sys.argv[1], name="", version="version_0")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 try:
@@ -478,11 +482,12 @@ except Exception as err:  # Lightning wraps it: "you tried to log 1.0 which is .
     print(errors.find_user_error(err)[1])
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path), logger], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.startswith("[Errno 27] File too large (writing the TensorBoard events "
-                                 f"under {tmp_path / 'version_0'}: free space there"), run.stdout
+    said = written.format(folder=tmp_path / "version_0")
+    assert run.stdout.startswith(f"[Errno 27] File too large (writing {said}: free space "
+                                 "there"), run.stdout
     assert errors.message_of(OSError(27, "File too large")) == "[Errno 27] File too large"
 
 

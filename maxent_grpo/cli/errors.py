@@ -297,16 +297,16 @@ def _no_room(error: BaseException | None) -> bool:
     return isinstance(error, OSError) and error.errno in NO_ROOM
 
 
-def _event_folder(error: OSError) -> str | None:
-    """The folder of the TensorBoard event file whose write raised ``error`` (a full disk in
-    its writer thread, raised again at the next write: the error names no file), else None."""
-    if not _no_room(error):
-        return None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
+def _log_written(error: OSError) -> str | None:
+    """What a logger wrote when ``error``, a full disk, named no file: TensorBoard's events
+    (raised again from its writer thread at the next write) or the CSV log; else None."""
+    for frame, _ in traceback.walk_tb(error.__traceback__) if _no_room(error) else ():
         writer = frame.f_locals.get("self")
         if f"{os.sep}tensorboard{os.sep}" in frame.f_code.co_filename and callable(
                 getattr(writer, "get_logdir", None)):
-            return str(writer.get_logdir())
+            return f"the TensorBoard events under {writer.get_logdir()}"
+        if isinstance(csv := getattr(writer, "metrics_file_path", None), str):
+            return f"the CSV log {csv}"
     return None
 
 
@@ -323,10 +323,10 @@ def message_of(error: BaseException) -> str:
         message += f" ({hint})"
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename!r}"
-    if isinstance(error, OSError) and (folder := _event_folder(error)):
-        message += (f" (writing the TensorBoard events under {folder}: free space there, or "
-                    "raise the limit, or log elsewhere: the logger's save_dir, or "
-                    "--trainer.default_root_dir for Lightning's default logger)")
+    if isinstance(error, OSError) and (written := _log_written(error)):
+        message += (f" (writing {written}: free space there, or raise the limit, or log "
+                    "elsewhere: the logger's save_dir, or --trainer.default_root_dir for "
+                    "Lightning's default logger)")
     elif isinstance(error, OSError) and (logger := _logger_in_trace(error)):
         message += f" (trainer.logger {logger}: give a save_dir you can write to)"
     cause = error.__cause__
