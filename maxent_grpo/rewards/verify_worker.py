@@ -284,13 +284,12 @@ class Verifier:
                     return bool(answer[1])
         except (OSError, ValueError, IndexError, TypeError):  # the worker ended or garbled
             pass
-        died = time.monotonic() < deadline and (  # its output ended (not a time-out), not
-            self._killed is not self._process)  # killed here (stop, an abandoned call's end)
+        died = time.monotonic() < deadline  # its output ended: not a time-out
         self._close()
         if died and again and self._stops == stops and not getattr(
                 threading.current_thread(), "abandoned", False):
             # once more on a new worker (an input that itself ends it does so twice); not
-            # after a stop() since this call began (it ended nothing: the lock was held)
+            # when _kill ran since this call began (a stop(), an abandoned call's end)
             log.warning("the accuracy reward's math-verify worker ended while comparing "
                         "%.80r with %.80r: once more on a new one", prediction, gold)
             return self._equal(gold, prediction, again=False)

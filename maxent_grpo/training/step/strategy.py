@@ -338,8 +338,9 @@ def check_checkpoint_root(trainer: Any, several: bool = False) -> None:
     """Without a logger (or with one that has no ``save_dir``: MLflow's server) a
     ModelCheckpoint with no ``dirpath`` saves into ``<default_root_dir>/checkpoints`` (the
     working folder's by default): refused, naming both options, when that cannot be
-    written (it failed at the first save, after the training steps). One process only, as
-    :func:`check_logger_folders`; not a ``fast_dev_run`` (it saves nothing)."""
+    written (it failed at the first save, after the training steps). With several processes
+    only on rank 0 at the setup (``several``: :func:`check_on_rank_zero`); not a
+    ``fast_dev_run`` (it saves nothing)."""
     loggers = getattr(trainer, "loggers", None) or []
     if loggers and loggers[0].save_dir is not None or getattr(trainer, "world_size", 1) != 1 and (
             not several) or getattr(trainer, "fast_dev_run", False):
