@@ -76,11 +76,17 @@ from maxent_grpo.validation import check_bool, check_choice, check_int, require
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], limit: int | None, bucket: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(B, P)`` prompt ids and bool mask: each prompt tokenised without
-    special tokens, its last ``limit`` tokens kept (warned: a DataLoader of one's own lost
-    its prompts' start in silence; a PromptDataModule drops them), ``P`` rounded up to a
-    multiple of ``bucket``. ValueError names a prompt that is empty after tokenisation."""
+    """Left-padded ``(B, P)`` prompt ids and bool mask: each prompt tokenised without special
+    tokens, its last ``limit`` tokens kept, ``P`` rounded up to a multiple of ``bucket``. Warned:
+    cut prompts (a PromptDataModule drops them) and text read as an unknown token (the built-in
+    tiny models spell ASCII only). ValueError names a prompt empty after tokenisation."""
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    unk = tokenizer.unk_token_id  # a token of its own, not one that doubles as pad or eos
+    if unk not in (None, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) \
+            and any(unk in ids for ids in encoded):
+        warnings.warn(f"prompts hold text the tokenizer cannot spell: the model sees its unknown "
+                      f"token {tokenizer.unk_token!r} there (the built-in tiny models spell "
+                      "printable ASCII and newlines only)", stacklevel=2)
     if limit is not None and any(len(ids) > limit for ids in encoded):
         warnings.warn(f"prompts over the module's max_prompt_length {limit} tokens are cut to "
                       f"their last {limit}: the model does not see their start (a system "
@@ -231,10 +237,8 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
         generation_dtype: Literal["model", "bfloat16", "float16"] = "model",
     ) -> None:
         if not callable(getattr(model, "generate", None)):
-            raise TypeError(
-                f"model must have a .generate method (a transformers causal LM); got "
-                f"{type(model).__name__} (for DDP pass ddp.module)"
-            )
+            raise TypeError(f"model must have a .generate method (a transformers causal LM); "
+                            f"got {type(model).__name__} (for DDP pass ddp.module)")
         if not isinstance(sampling, SamplingSettings):
             raise TypeError(f"sampling must be a SamplingSettings; got {type(sampling).__name__}")
         require(tokenizer.pad_token_id is not None,
@@ -438,10 +442,8 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
 
         rows, length = len(prompts) * group, prompt_ids.shape[1]
         if output.dim() != 2 or output.shape[0] != rows or output.shape[1] <= length:
-            raise RuntimeError(
-                f"model.generate returned shape {tuple(output.shape)}; "
-                f"expected ({rows}, > {length})"
-            )
+            raise RuntimeError(f"model.generate returned shape {tuple(output.shape)}; "
+                               f"expected ({rows}, > {length})")
         completions = output[:, length:].long()  # (B*G, T)
         return rollout_from_ids(self.tokenizer, self.stop_token_ids, prompts, answers,
                                 prompt_ids, prompt_mask, completions, group, seconds,

@@ -210,6 +210,22 @@ def test_max_prompt_length_truncates_from_the_left(tiny: tuple[Any, Any]) -> Non
     assert out.prompt_ids.tolist() == [fgh, fgh, [PAD, *xy], [PAD, *xy]]
 
 
+def test_text_the_tokenizer_cannot_spell_is_warned(tiny: tuple[Any, Any]) -> None:
+    """The built-in char tokenizer read "é" and "×" as <|unk|> without a word: the model saw
+    neither character, and training went on as if it had."""
+    import warnings
+
+    from maxent_grpo.rollout.hf import encode_prompts
+
+    _, tokenizer = tiny
+    with pytest.warns(UserWarning, match="cannot spell: the model sees its unknown token"):
+        ids, _ = encode_prompts(tokenizer, ["3 × 4 = ?", "ab"], None)
+    assert tokenizer.unk_token_id in ids[0].tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        encode_prompts(tokenizer, ["3 * 4 = ?\n", "<|im_start|>ab"], None)  # all spelled
+
+
 # --------------------------------------------------------------------------- fake model
 
 
