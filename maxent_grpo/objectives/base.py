@@ -13,7 +13,7 @@ clipped surrogate that GRPO, EntropyMaxEnt and GroupMaxEnt share
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 import numpy as np
@@ -67,10 +67,6 @@ class GroupInputs:
     def tensors(self) -> dict[str, Tensor]:
         """The ``(B, G)`` fields that are set, by name (what travels between ranks)."""
         return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
-
-    def with_tensors(self, tensors: dict[str, Tensor]) -> GroupInputs:
-        """A copy with these fields replaced (the gathered or kept groups)."""
-        return replace(self, **tensors)
 
 
 @dataclass

@@ -50,8 +50,10 @@ class ServerChecks:
         backend = TRANSFERS[self.weight_transfer]
         try:
             self._call(server, "GET", "/weight_info", timeout=30.0)
-            if self.weight_transfer == "file":  # a collective's group forms at the first sync
-                self._open_file_transfer(server)
+            if self.weight_transfer == "file":  # a collective's group forms at the first sync;
+                # once per server process (again after a restart: harmless on a running one)
+                self._call(server, "POST", "/init_weight_transfer_engine",
+                           json={"init_info": {}}, timeout=60.0)
         except ServerError as err:
             raise ServerError(
                 f"{server.url} cannot take weight updates ({err}): start it with "

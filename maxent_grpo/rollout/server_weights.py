@@ -361,12 +361,6 @@ class ServerWeights:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-    def _open_file_transfer(self, server: _Server) -> None:
-        """Start the ``file`` transport's engine on ``server`` (once per server process;
-        again after a restart, harmless on a running one)."""
-        self._call(server, "POST", "/init_weight_transfer_engine", json={"init_info": {}},
-                   timeout=60.0)
-
     def _revive(self, server: _Server) -> bool:
         """Whether ``server`` answers and holds the current weights (sending them when it
         came back holding others and the weights file is at hand)."""

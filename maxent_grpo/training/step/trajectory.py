@@ -28,7 +28,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -408,7 +408,7 @@ def prepare_targets(ctx: StepContext, inputs: GroupInputs, keep: Tensor) -> tupl
         return Targets(), 0
     if kept_total < sel.numel():
         every = {k: v[sel] for k, v in every.items()}
-    targets, G = ctx.objective.prepare(inputs.with_tensors(every)), inputs.rewards.shape[1]
+    targets, G = ctx.objective.prepare(replace(inputs, **every)), inputs.rewards.shape[1]
     name = type(ctx.objective).__name__
     if not isinstance(targets, Targets):  # e.g. a subclass returning its advantages tensor
         raise UserCodeError(f"{name}.prepare must return a maxent_grpo.objectives.Targets; "
