@@ -55,7 +55,7 @@ from maxent_grpo.rollout import sandbox
 from maxent_grpo.validation import UserCodeError, check_choice, check_seconds, require
 
 __all__ = ["BUILTIN_TOOLS", "FAILURE_KINDS", "ISOLATIONS", "ToolCall", "ToolResult",
-           "Toolbox", "error_text", "parse_tool_calls", "resolve_tool",
+           "Toolbox", "error_text", "parse_tool_calls", "resolve_tool", "resolve_tools",
            "timed_call", "tool_list"]
 
 #: built-in tool name -> import path
@@ -163,6 +163,11 @@ def tool_list(tools: Any) -> list[Any]:
     require(isinstance(tools, Iterable) and not isinstance(tools, (str, bytes, Mapping)),
             f"model.tools must be a list of tools; got {tools!r} (one tool: [{tools!r}])")
     return list(tools)
+
+
+def resolve_tools(tools: Sequence[str | Callable[..., Any]] | None) -> tuple[Callable, ...]:
+    """The functions of a list of ``model.tools`` entries (:func:`resolve_tool`)."""
+    return tuple(resolve_tool(t) for t in ([] if tools is None else tool_list(tools)))
 
 
 def resolve_tool(spec: str | Callable[..., Any]) -> Callable[..., Any]:

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from maxent_grpo.models import load_tokenizer
-from maxent_grpo.rollout.toolcall import resolve_tool, tool_list
+from maxent_grpo.rollout.toolcall import resolve_tools
 from maxent_grpo.training.data.prompts import PromptFormat
 from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
@@ -180,8 +180,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.tokenizer_name, self.tokenizer_cache_dir = tokenizer, tokenizer_cache_dir
         self.batch_size, self.num_workers, self.shuffle = batch_size, num_workers, shuffle
         self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
-        self.apply_chat_template = apply_chat_template
-        self.tools = tuple(resolve_tool(t) for t in ([] if tools is None else tool_list(tools)))
+        self.apply_chat_template, self.tools = apply_chat_template, resolve_tools(tools)
 
         self.tokenizer: Any = None  # loaded in setup() unless given to set_tokenizer()
         self.tokenizer_given = False
