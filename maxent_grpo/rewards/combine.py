@@ -95,14 +95,15 @@ class TrainerState:
         length, without one); ``num_iterations`` optimizer steps are taken per batch, none
         in the run's first ``idle_batches`` (an asynchronous run's ``max_staleness``, which
         only start rollouts). A checkpoint's ``validate``, ``test`` or ``predict`` is at
-        the checkpoint's step."""
+        the checkpoint's step and epoch."""
         if trainer is None:
             return cls()
-        step = getattr(trainer.fit_loop.epoch_loop, "evaluated_step", None)  # load_state's
+        evaluated = getattr(trainer.fit_loop.epoch_loop, "evaluated_step", None)  # load_state's
         batches = trainer.num_training_batches  # per epoch, this rank; inf before fit
         batches = batches if isinstance(batches, int) and batches > 0 else None
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # (saves: + this)
         epoch = trainer.current_epoch + (min(done, batches) / batches if batches else 0.0)
+        step, epoch = (trainer.global_step, epoch) if evaluated is None else evaluated
         caps = [trainer.max_steps] if trainer.max_steps > 0 else []
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
         if batches and max_epochs > 0:
@@ -112,8 +113,7 @@ class TrainerState:
         if batches and max_steps > 0:
             epochs = math.ceil((math.ceil(max_steps / num_iterations) + idle_batches) / batches)
         return cls(
-            global_step=int(trainer.global_step if step is None else step),
-            max_steps=int(max_steps), epoch=float(epoch),
+            global_step=int(step or 0), max_steps=int(max_steps), epoch=float(epoch or 0.0),
             num_train_epochs=int(epochs), is_world_process_zero=bool(trainer.is_global_zero),
             is_local_process_zero=trainer.local_rank == 0,
         )

@@ -64,7 +64,7 @@ def test_the_trainer_state_counts_an_asynchronous_runs_idle_batches(k, idle, max
     ``max_staleness`` batches only start rollouts (4 batches an epoch, max_steps 8)."""
     from types import SimpleNamespace as NS
 
-    trainer = NS(fit_loop=NS(epoch_loop=NS(batch_progress=NS(current=NS(completed=0)))),
+    trainer = NS(fit_loop=NS(epoch_loop=NS(batch_progress=NS(current=NS(processed=0)))),
                  num_training_batches=4, current_epoch=0, max_steps=8, max_epochs=max_epochs,
                  global_step=0, is_global_zero=True, local_rank=0)
     state = TrainerState.from_trainer(trainer, k, idle)

@@ -26,7 +26,11 @@ from maxent_grpo.rewards import TrainerState
 from maxent_grpo.rewards.verify_worker import VERIFIER
 from maxent_grpo.training.data.checks import check_prompt_bound, check_prompt_format
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
-from maxent_grpo.training.run.checkpoint import count_cut_batch_once, resume_where_stopped
+from maxent_grpo.training.run.checkpoint import (
+    EPOCH_KEY,
+    count_cut_batch_once,
+    resume_where_stopped,
+)
 from maxent_grpo.training.run.folders import remove_empty_name_folders, run_dir, unused_path
 from maxent_grpo.training.run.savers import follow_savers
 from maxent_grpo.training.run.signals import (
@@ -147,7 +151,8 @@ class ModuleHooks(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         checkpoint[VALIDATION_DUE] = saved_before_validation(
-            trainer, self.validation_ended)
+            trainer, self.validation_ended)  # and the rewards' epoch in its evaluations:
+        checkpoint[EPOCH_KEY] = TrainerState.from_trainer(trainer, *pl_module._progress).epoch
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Before the sanity check's validation: every row the rewards cannot grade."""

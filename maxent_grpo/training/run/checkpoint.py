@@ -44,6 +44,7 @@ from maxent_grpo.validation import require
 
 #: Key of the module's own entry in a Lightning checkpoint.
 CHECKPOINT_KEY = "maxent_grpo"
+EPOCH_KEY = "maxent_grpo_epoch"  #: the fit's fractional epoch (TrainerState.epoch) at the save
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -297,7 +298,8 @@ def load_state(
         if batches is not None and batches > 0:  # the fit's last batch's scalars' step
             epochs.evaluated_at = batches - 1  # ModuleHooks logs there (_evaluated_at)
     if epochs is not None and trainer.state.fn in ("validate", "test", "predict"):
-        epochs.evaluated_step = checkpoint.get("global_step")  # the rewards' global_step
+        epochs.evaluated_step = (checkpoint.get("global_step"),  # the rewards' step and epoch
+                                 checkpoint.get(EPOCH_KEY, checkpoint.get("epoch")))
     saved = checkpoint.get(CHECKPOINT_KEY)
     require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "

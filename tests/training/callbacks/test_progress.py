@@ -41,7 +41,7 @@ def fake_trainer(step: int, max_steps: int = 500, **kw) -> SimpleNamespace:
                 progress_bar_metrics={}, is_global_zero=True, local_rank=0, max_epochs=None,
                 num_training_batches=float("inf"), fit_loop=SimpleNamespace(
                     epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(
-                        current=SimpleNamespace(completed=0)))))
+                        current=SimpleNamespace(processed=0)))))
     opts.update(kw)
     return SimpleNamespace(**opts)
 

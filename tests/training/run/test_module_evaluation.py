@@ -548,7 +548,7 @@ def step_seen(completions, trainer_state=None, **kw):
     import os
 
     with open(os.environ["STEPS_SEEN"], "a") as f:
-        f.write(f"{trainer_state.global_step}\n")
+        f.write(f"{trainer_state.global_step} {trainer_state.epoch}\n")
     return [1.0] * len(completions)
 
 
@@ -557,7 +557,8 @@ def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path
                                                              monkeypatch):
     """Rewards that read ``trainer_state`` were told step 0 by a checkpoint's validate or
     predict (Lightning restores no step outside fit), so a reward ramping with training
-    graded a step-4 checkpoint as at the start; a fit on the same Trainer counts its own."""
+    graded a step-4 checkpoint as at the start; a fit on the same Trainer counts its own. The
+    epoch was 0.0 there (the fit's own validation at that step said 1.5 in the hunt's run)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     seen = tmp_path / "steps"
@@ -567,6 +568,8 @@ def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path
     saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
     fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir), steps=4,
         tmp_path=tmp_path, callbacks=[saver], enable_checkpointing=True)
+    epochs = {int(s): float(e) for s, e in (line.split() for line in seen.read_text(
+        ).splitlines())}  # by step: the batches' share of an epoch is epochs[1]
     seen.write_text("")
     trainer = L.Trainer(accelerator="cpu", logger=False, limit_val_batches=1,
                         limit_predict_batches=1, enable_progress_bar=False,
@@ -574,7 +577,9 @@ def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path
     run = trainer.validate if stage == "validate" else trainer.predict
     run(make_module(cache_dir, rewards=rewards), make_data(cache_dir),
         ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4.ckpt"))
-    assert set(seen.read_text().split()) == {"4"}
+    assert {line.split()[0] for line in seen.read_text().splitlines()} == {"4"}
+    assert [float(line.split()[1]) for line in seen.read_text().splitlines()] == pytest.approx(
+        [epochs[3] + epochs[1]] * len(seen.read_text().splitlines())) and epochs[1] > 0
     seen.write_text("")
     trainer.fit_loop.epoch_loop.max_steps = 1
     trainer.fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir))
