@@ -36,6 +36,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from maxent_grpo.cli.parse_errors import MISMATCH, failed_subtype
+
 T = TypeVar("T")
 
 TRACEBACK_FLAG = "--traceback"
@@ -167,37 +169,14 @@ def find_user_error(error: BaseException) -> tuple[BaseException, str] | None:
             # subtype (a list of loggers tried as one Logger first); another library's
             # (MLflow refusing its file store) with its type's name; a bug, ours or in the
             # user's own class, with its trace
-            failed = _failed_subtype(str(current))  # (only there: not chained)
-            if failed is not None and str(cause).startswith(_MISMATCH):
+            failed = failed_subtype(str(current))  # (only there: not chained)
+            if failed is not None and str(cause).startswith(MISMATCH):
                 return current, failed
             if (not is_user_error(cause) and _from_trace_text(cause) is None
                     and not _raised_in("maxent_grpo", cause) and _outside_frame(cause) is None):
                 return current, f"{type(cause).__name__}: {message_of(cause)}"
         current = current.__cause__
     return None
-
-
-_MISMATCH = ("Expected a ", "Not a valid subclass of ")  # a value tried as another subtype
-
-
-def _failed_subtype(message: str) -> str | None:
-    """The one entry of jsonargparse's "Does not validate against any of the Union subtypes
-    ... Errors:" list that is not a mismatch of the value's type with another subtype
-    ("Expected a <class 'bool'>", "Not a valid subclass of Logger. Got value: [...]"), or
-    None (no such list, or not one such entry)."""
-    lines = message.splitlines()
-    if "Errors:" not in lines or "Union subtypes" not in message:
-        return None
-    entries: list[list[str]] = []
-    for line in lines[lines.index("Errors:") + 1:]:
-        if line.startswith("  - "):
-            entries.append([line[4:]])
-        elif line.startswith("    ") and entries:
-            entries[-1].append(line.strip())
-        else:
-            break
-    kept = [" ".join(e) for e in entries if not e[0].startswith(_MISMATCH)]
-    return kept[0] if len(kept) == 1 else None
 
 
 #: what a collective says when another rank's process ended (gloo, NCCL, the TCP store)
@@ -310,9 +289,16 @@ def _log_written(error: OSError) -> str | None:
     return None
 
 
+def _ours(filename: str) -> bool:
+    """Whether a file is this package's."""
+    return os.path.realpath(filename).startswith(os.path.dirname(os.path.dirname(
+        os.path.realpath(__file__))) + os.sep)
+
+
 def message_of(error: BaseException) -> str:
     """The message shown for a user error: its text (the type's name when empty); for a
-    reward function that raised, where it raised (file and line of the innermost frame)."""
+    reward function that raised, where it raised (the innermost frame outside this package:
+    its own line, not that of a check it called, as ``log_metric``'s)."""
     from maxent_grpo.validation import UserCodeError
 
     message = str(error).strip() or type(error).__name__
@@ -331,7 +317,8 @@ def message_of(error: BaseException) -> str:
         message += f" (trainer.logger {logger}: give a save_dir you can write to)"
     cause = error.__cause__
     if isinstance(error, UserCodeError) and cause is not None and cause.__traceback__:
-        frame = traceback.extract_tb(cause.__traceback__)[-1]
+        frames = traceback.extract_tb(cause.__traceback__)
+        frame = next((f for f in frames[::-1] if not _ours(f.filename)), frames[-1])
         if os.path.isfile(frame.filename):  # not importlib's frozen frames (a SyntaxError)
             message = f"{message} (at {frame.filename}:{frame.lineno})"
     return message
@@ -410,14 +397,13 @@ def _outside_frame(error: BaseException) -> str | None:
     if not frames or not os.path.isfile(frames[-1].filename):
         return None
     path = os.path.realpath(frames[-1].filename)
-    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     libraries = {os.path.realpath(p) for p in (  # a user install's, a hub model's own code
         *sysconfig.get_paths().values(), *site.getsitepackages(), site.getusersitepackages(),
         os.environ.get("HF_MODULES_CACHE") or os.path.join(
             os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"),
             "modules"))}
-    if any(path.startswith(root + os.sep) for root in (ours, *libraries, sys.prefix)) or any(
-            part in path for part in ("/torchinductor_", "/.triton/")):  # compiled kernels
+    if _ours(path) or any(path.startswith(root + os.sep) for root in (*libraries, sys.prefix)) \
+            or any(part in path for part in ("/torchinductor_", "/.triton/")):  # compiled kernels
         return None
     return f"{frames[-1].filename}:{frames[-1].lineno}"
 

@@ -198,3 +198,26 @@ def _class_names(parsers: Sequence[Any], key: str) -> list[str]:
                      and not n.endswith("Base")]  # a shared base (VLLMEngineBase): not one
             return list(dict.fromkeys(names))
     return []
+
+
+MISMATCH = ("Expected a ", "Not a valid subclass of ")  # a value tried as another subtype
+
+
+def failed_subtype(message: str) -> str | None:
+    """The one entry of jsonargparse's "Does not validate against any of the Union subtypes
+    ... Errors:" list that is not a mismatch of the value's type with another subtype
+    ("Expected a <class 'bool'>", "Not a valid subclass of Logger. Got value: [...]"), or
+    None (no such list, or not one such entry)."""
+    lines = message.splitlines()
+    if "Errors:" not in lines or "Union subtypes" not in message:
+        return None
+    entries: list[list[str]] = []
+    for line in lines[lines.index("Errors:") + 1:]:
+        if line.startswith("  - "):
+            entries.append([line[4:]])
+        elif line.startswith("    ") and entries:
+            entries[-1].append(line.strip())
+        else:
+            break
+    kept = [" ".join(e) for e in entries if not e[0].startswith(MISMATCH)]
+    return kept[0] if len(kept) == 1 else None

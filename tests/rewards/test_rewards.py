@@ -1285,13 +1285,16 @@ def nan_logged(completions, log_metric, **kwargs):
 
 
 def test_a_bad_log_metric_call_names_the_reward_function():
+    from maxent_grpo.cli.errors import message_of
     from maxent_grpo.rewards import WeightedRewards
     from maxent_grpo.rollout.batch import PromptCompletionBatch
 
     rewards = WeightedRewards({"tests.rewards.test_rewards:nan_logged": 1.0})
     with pytest.raises(RewardFunctionError, match=r"nan_logged.*log_metric\(name, value\) "
-                       r"needs a name and a finite number; got \('nan', nan\)"):
+                       r"needs a name and a finite number; got \('nan', nan\)") as raised:
         rewards(PromptCompletionBatch(["p"], ["c"]), {}, 1)
+    line = nan_logged.__code__.co_firstlineno + 1  # its own call, not combine.py's check
+    assert message_of(raised.value).endswith(f"(at {__file__}:{line})")
 
 
 def late_logger(completions, log_metric, **kwargs):
