@@ -128,7 +128,24 @@ def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
             "target_modules against the model's module names)")
     logger.info("peft %s: %d of %d parameters train (%.3f%%)", name, trainable, total,
                 100.0 * trainable / total)
+    check_lora_bias(peft_model)
     return peft_model
+
+
+def check_lora_bias(model: torch.nn.Module) -> None:
+    """Refuse (ValueError naming ``model.peft.lora_bias``) a LoRA bias on layers that have no
+    bias of their own: it trains, but no merge has a place for it (peft refuses to merge it:
+    ``export --merged``, ``HFExport``'s merged folder, vLLM's weights)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    unbiased = [name for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+                and any(getattr(m, "lora_bias", {}).values())
+                and getattr(m.get_base_layer(), "bias", None) is None]
+    require(not unbiased, f"model.peft: lora_bias trains a bias on layers that have none "
+            f"({', '.join(unbiased[:3])}{', ...' if len(unbiased) > 3 else ''}), which merged "
+            "weights have no place for (export --merged, HFExport's merged folder and the "
+            "weights vLLM loads could not hold it); set lora_bias: false, or target only "
+            "layers with a bias")
 
 
 def register_sharded_generate(policy: torch.nn.Module) -> None:
@@ -343,11 +360,12 @@ def check_older_adapters(state_dict: dict[str, Any], config: PeftConfig | None) 
 #: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the
 #: lists compared as sets; a ``target_modules`` that one side leaves to peft is not compared)
 ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
+                 "bias",
                  "rank_pattern", "layers_to_transform", "layers_pattern", "exclude_modules",
                  "target_parameters")
 #: the fields that decide what the same weights compute (the scale s = alpha / r, or
-#: alpha / sqrt(r)): compared where both records hold them
-ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out")
+#: alpha / sqrt(r); LoHa's and LoKr's ``alpha``): compared where both records hold them
+ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out", "alpha")
 
 
 def check_saved_adapters(saved: dict[str, Any] | None, config: PeftConfig | None) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from maxent_grpo.adapters import has_adapters
+from maxent_grpo.adapters import check_lora_bias, has_adapters
 from maxent_grpo.validation import require
 
 __all__ = ["check_mergeable", "checkpoint_weights", "sharded_state_dict"]
@@ -87,13 +87,7 @@ def check_mergeable(model: nn.Module, sharded: bool) -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     base = model.get_base_model()
-    unbiased = [name for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)
-                and any(getattr(m, "lora_bias", {}).values())
-                and getattr(m.get_base_layer(), "bias", None) is None]
-    require(not unbiased, f"model.peft: lora_bias trains a bias on layers that have none "
-            f"({', '.join(unbiased[:3])}{', ...' if len(unbiased) > 3 else ''}), which the "
-            "merged weights vLLM loads have no place for (vLLM would sample without it); set "
-            "lora_bias: false, or use HFGenerateEngine")
+    check_lora_bias(model)  # merged weights (what vLLM loads) have no place for it
     if getattr(getattr(base, "config", None), "tie_word_embeddings", False):
         embeddings = base.get_input_embeddings()
         tied = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(), "weight",

@@ -154,6 +154,29 @@ def test_configs_that_cannot_train_are_refused_when_built(cache_dir, config, mes
         lora_module(cache_dir, peft=config())
 
 
+def test_a_lora_bias_on_layers_without_one_is_refused_when_built(cache_dir):
+    """It trained, then the end's merged export crashed ("a bug in maxent_grpo") and its
+    adapter folder could not be loaded anywhere (a LoRA hunt)."""
+    module = lora_module(cache_dir, peft=lora(lora_bias=True))
+    with pytest.raises(ValueError, match="model.peft: lora_bias trains a bias on layers that "
+                                         "have none .*q_proj.*export --merged"):
+        module.configure_model()
+
+
+def test_a_resume_with_another_bias_or_loha_alpha_is_refused():
+    """Another ``bias`` failed in the optimizer's restore, naming no option; LoHa's ``alpha``
+    (LoKr's too) was not compared: the resumed run computed with another scale, unsaid."""
+    from maxent_grpo.adapters import check_saved_adapters, peft_record
+
+    with pytest.raises(ValueError, match="bias: 'all' in the checkpoint, 'none' now"):
+        check_saved_adapters(peft_record(lora(bias="all")), lora())
+    loha = dict(r=4, alpha=8, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="alpha: 8 in the checkpoint, 800 now"):
+        check_saved_adapters(peft_record(peft.LoHaConfig(**loha)),
+                             peft.LoHaConfig(**{**loha, "alpha": 800}))
+    check_saved_adapters(peft_record(peft.LoHaConfig(**loha)), peft.LoHaConfig(**loha))
+
+
 def test_target_modules_that_match_nothing_are_named(cache_dir):
     module = lora_module(cache_dir, peft=lora(target_modules=["no_such_proj"]))
     with pytest.raises(ValueError, match="no_such_proj"):
