@@ -695,6 +695,37 @@ def test_a_config_before_its_subcommand_is_refused_naming_the_order(tmp_path, ca
     assert "max_steps: 3" in capsys.readouterr().out
 
 
+def test_a_whole_cli_configs_keys_outside_its_sections_are_refused(tmp_path):
+    """Beside ``fit:``, ``seed_everything``, ``model``, ``data`` and ``trainer`` were dropped
+    without a word (seed 0, the defaults trained), and a misspelt section too (a hunt)."""
+    whole = tmp_path / "whole.yaml"
+    whole.write_text("seed_everything: 5\nfit:\n  trainer:\n    max_steps: 7\nmodel:\n"
+                     "  num_generations: 4\nvalidat:\n  trainer:\n    max_steps: 3\n")
+    with pytest.raises(ValueError, match=r"only a section per subcommand \(fit, validate, test, "
+                       r"predict\) is read; its keys 'seed_everything', 'model', 'validat' "
+                       r"\(did you mean 'validate'\?\) would be ignored"):
+        cli_module.cli_help.check_given_configs(["--config", str(whole), "fit"])
+    cli_module.cli_help.check_given_configs(["fit", "--config", str(tmp_path / "none.yaml")])
+
+
+def test_an_option_given_before_a_config_whose_group_or_class_file_sets_it_is_refused(
+        tmp_path):
+    """``--data.batch_size 16 --config c.yaml`` with ``data: d.yaml`` there trained batch 8
+    without a word (the same in the config itself was refused; a hunt): group and class
+    files are read, beside the config or in the working folder."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "d.yaml").write_text("batch_size: 8\n")
+    (tmp_path / "sub" / "obj.yaml").write_text(
+        "class_path: maxent_grpo.objectives.GRPO\ninit_args:\n  beta: 0.3\n")
+    config = tmp_path / "sub" / "c.yaml"
+    config.write_text("data: d.yaml\nmodel:\n  objective: obj.yaml\n")
+    for before in (["--data.batch_size", "16"], ["--model.objective.beta", "0.7"]):
+        with pytest.raises(ValueError, match=f"{before[0]} is given before --config {config}"):
+            cli_module.cli_help.check_given_configs(["fit", *before, "--config", str(config)])
+    cli_module.cli_help.check_given_configs(["fit", "--data.shuffle", "false", "--config",
+                                            str(config)])  # an option the files do not set
+
+
 def test_an_option_given_before_a_config_that_sets_it_is_refused(tmp_path, capsys):
     """``fit --trainer.max_steps 3 --config tiny`` trained 800 steps: the later value wins
     and the typed one was dropped without a word (a hunt); after the config it is taken,

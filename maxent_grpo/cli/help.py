@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,13 +317,19 @@ def check_given_configs(args: list[str]) -> None:
         if flag not in ("--config", "--model", "--data"):
             continue
         value = value if inline else (args[i + 1] if i + 1 < len(args) else "")
-        config = load(value) if flag == "--config" else {flag[2:]: load(value)}
-        if flag == "--config" and i < first < len(args) and isinstance(config, dict) and not (
-                set(config) & set(SUBCOMMANDS)):  # a whole-CLI config: a section each
+        config = _with_files(load(value) if flag == "--config" else {flag[2:]: load(value)},
+                             os.path.dirname(value) if flag == "--config" else ".", load)
+        stray = [k for k in config if k not in SUBCOMMANDS] if isinstance(config, dict) else []
+        if flag == "--config" and i < first < len(args) and stray:  # a section each, no more
+            near = {k: difflib.get_close_matches(str(k), SUBCOMMANDS, 1) for k in stray}
             raise ValueError(
                 f"--config {value} comes before the subcommand {args[first]!r}, where the "
                 f"options of one subcommand are not read: give it after the subcommand "
-                f"({PROG} {args[first]} --config {value})")
+                f"({PROG} {args[first]} --config {value})" if len(stray) == len(config) else
+                f"--config {value} comes before the subcommand, where only a section per "
+                f"subcommand ({', '.join(SUBCOMMANDS)}) is read; its keys "
+                + ", ".join(f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "")
+                            for k in stray) + " would be ignored: move them into a section")
         parts = [config] + [config[sub] for sub in SUBCOMMANDS if isinstance(config, dict)
                             and isinstance(config.get(sub), dict)]  # a whole-CLI config's
         for j in range(first + 1, i) if flag == "--config" else []:
@@ -341,9 +347,6 @@ def check_given_configs(args: list[str]) -> None:
         for (source, target), part in itertools.product(LINKS, parts):
             group, key = target.split(".")
             section = part.get(group) if isinstance(part, dict) else None
-            if isinstance(section, str):  # a group's own file, beside the config or here
-                here = os.path.join(os.path.dirname(value), section)
-                section = next((load(f) for f in (here, section) if os.path.isfile(f)), None)
             if (isinstance(part, dict) and target in part) or (
                     isinstance(section, dict) and key in section):
                 raise ValueError(
@@ -353,6 +356,19 @@ def check_given_configs(args: list[str]) -> None:
 
 
 _ABSENT = object()
+
+
+def _with_files(config: Any, folder: str, load: Callable[[str], Any]) -> Any:
+    """``config`` with each value naming a YAML file (``model: model.yaml``, ``objective:
+    grpo.yaml``; beside the config or here) read in, as the parser reads it."""
+    if isinstance(config, dict):
+        return {k: _with_files(v, folder, load) for k, v in config.items()}
+    if isinstance(config, str) and config.endswith((".yaml", ".yml")):
+        found = [f for f in (os.path.join(folder, config), config) if os.path.isfile(f)]
+        loaded = load(found[0]) if found else None
+        return _with_files(loaded, os.path.dirname(found[0]), load) if isinstance(
+            loaded, dict) else config
+    return config
 
 
 def _value(config: Any, keys: list[str]) -> Any:
