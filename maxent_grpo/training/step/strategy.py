@@ -93,8 +93,9 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
     """Stop, naming this trainer's option, on the Lightning Trainer flags that automatic
     optimisation would honour and this module's own optimizer step cannot: Lightning's
     message ("switch to automatic optimization") names nothing a user of this trainer can
-    do; and on a spawning strategy (:func:`check_launcher`). Checked when a ``fit``
-    attaches the module (in each spawned process), before Lightning's own check."""
+    do; on ``val_check_interval`` 0 (Lightning's modulo by zero); and on a spawning strategy
+    (:func:`check_launcher`). Checked when a ``fit`` attaches the module (in each spawned
+    process), before Lightning's own check."""
     check_launcher(trainer)
     clip = getattr(trainer, "gradient_clip_val", None)
     require(clip is None or not clip > 0,
@@ -107,6 +108,10 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
             "this trainer clips the gradient by its norm, at --model.gradient_clip_val, in its "
             "own optimizer step; it has no clipping by value: leave "
             "--trainer.gradient_clip_algorithm unset")
+    every = getattr(trainer, "val_check_interval", None)  # Lightning divides by it
+    require(every != 0 or isinstance(every, float), "trainer.val_check_interval 0: validation "
+            "every 0 batches; give a count >= 1, a fraction of an epoch, or set "
+            "trainer.limit_val_batches 0 for no validation")
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     require(accumulate == 1,
             f"Trainer(accumulate_grad_batches={accumulate}): one training step here is one "

@@ -23,6 +23,9 @@ from tests.conftest import fit, make_data, make_module
     # alone, Lightning let it pass, and the run clipped by norm at 1.0 without a word
     ({"gradient_clip_algorithm": "value"},
      r"gradient_clip_algorithm='value'\): this trainer clips the gradient by its norm"),
+    # Lightning's modulo by zero at the first batch, "a bug in maxent_grpo" (a hunt)
+    ({"val_check_interval": 0, "check_val_every_n_epoch": None, "limit_val_batches": 1},
+     r"trainer.val_check_interval 0: validation every 0 batches"),
 ])
 def test_trainer_flags_we_cannot_honour_name_our_option(cache_dir, tmp_path, flags, expected):
     module = make_module(cache_dir)
