@@ -23,6 +23,8 @@ def console(prog: str = "maxent-grpo") -> None:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     args = sys.argv[1:]
+    if len(args) == 2 and args[0] in ("-h", "--help") and not args[1].startswith("-"):
+        args = sys.argv[1:] = [args[1], args[0]]  # `--help fit` is `fit --help`
     quick = cli_help.quick_help(args)
     if quick is not None:
         (sys.stdout if quick[1] == 0 else sys.stderr).write(quick[0])

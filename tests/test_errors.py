@@ -556,6 +556,20 @@ def test_the_flag_works_before_export_too(monkeypatch, capsys, tmp_path):
     assert stop.value.code == 1 and "Traceback (most recent call last)" in err, err
 
 
+@pytest.mark.parametrize("first", ["--help", "-h"])
+def test_help_before_a_command_is_that_commands_help(monkeypatch, capsys, first):
+    """``--help fit`` took 6 s to print Lightning's generic page, without ``export`` (a hunt)."""
+    from maxent_grpo.__main__ import console
+    from maxent_grpo.cli import help as cli_help
+
+    monkeypatch.setattr(cli_help, "PROG", cli_help.PROG)
+    monkeypatch.setattr(sys, "argv", ["maxent-grpo", first, "export"])
+    with pytest.raises(SystemExit) as stop:
+        console()
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "usage: maxent-grpo export" in out and "--merged" in out
+
+
 @pytest.mark.parametrize("command", [["fit", "--config", "tiny"], ["export", "x.ckpt"]])
 def test_ctrl_c_while_the_libraries_load_is_the_short_message(monkeypatch, capsys, command):
     """A Ctrl-C in the first seconds (torch, Lightning, transformers importing) printed a

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=prog or f"{cli_help.PROG} export", description="Write the policy (or its peft "
         "adapter) and tokenizer of a training checkpoint as a Hugging Face folder "
-        "(save_pretrained).")
+        "(save_pretrained).", allow_abbrev=False)  # as the other commands: no --outp
     parser.add_argument("checkpoint", help="a .ckpt file written by a maxent-grpo fit")
     parser.add_argument("--output", default=None, help="the folder to write (new or empty); "
                         "default: <checkpoint folder>/../hf/<checkpoint name>")
@@ -107,6 +107,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | None = N
     """Export ``checkpoint`` (see the module docstring) into ``output``; returns the folders
     written. :class:`~maxent_grpo.cli.errors.UserError` for the mistakes the docstring names."""
     path = Path(checkpoint).expanduser()
+    if config is not None and not (file := Path(config).expanduser()).is_file():  # given: read
+        raise UserError(f"--config {str(file)!r} " + ("is a folder" if file.is_dir() else
+                        "does not exist") + ": give the run's config.yaml")
     saved = _read_checkpoint(path)
     out = Path(output).expanduser() if output else _default_output(path, saved)
     weights = {k[len(POLICY_PREFIX):]: v for k, v in saved["state_dict"].items()
@@ -297,10 +300,6 @@ def _peft_from_config_file(file: Path) -> Any:
 
     from maxent_grpo.adapters import PeftConfig
 
-    if file.is_dir():
-        raise UserError(f"--config {str(file)!r} is a folder: give the run's config.yaml in it")
-    if not file.is_file():
-        raise UserError(f"--config {str(file)!r} does not exist: give the run's config.yaml")
     try:
         data = yaml.safe_load(file.read_text("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:

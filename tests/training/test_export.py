@@ -326,11 +326,15 @@ def _bad_inputs(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
         "is_a_file": ([str(ckpt), "--output", str(tmp / "a_file")], "is a file"),
         "unwritable": ([str(ckpt), "--output", str(tmp / "a_file" / "out")],
                        "cannot write --output"),
+        # exported with exit 0, the file never looked for (a hunt): a full model's
+        # checkpoint reads no config, but one given is the user's
+        "no_config": ([str(ckpt), "--output", str(tmp / "c"), "--config", str(tmp / "no.yaml")],
+                      "no.yaml' does not exist: give the run's config.yaml"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "garbage", "foreign", "not_empty",
-                                  "is_a_file", "unwritable", "damaged", "truncated"])
+                                  "is_a_file", "unwritable", "damaged", "truncated", "no_config"])
 def test_a_mistake_prints_one_error_line_and_returns_1(full_run, tmp_path, capsys, case):
     argv, expected = _bad_inputs(tmp_path, full_run[0])[case]
     assert main(argv) == 1
@@ -351,6 +355,8 @@ def test_a_bad_command_line_returns_2(capsys, monkeypatch):
     monkeypatch.setattr(cli_help, "PROG", "maxent-grpo")  # the console script's
     assert main([]) == 2
     assert "usage: maxent-grpo export" in capsys.readouterr().err
+    assert main(["x.ckpt", "--outp", "out"]) == 2  # as the other commands: no abbreviation
+    assert "unrecognized arguments: --outp out" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ adapters
@@ -508,7 +514,7 @@ def test_a_bad_run_config_or_one_the_weights_do_not_fit_is_one_error_line(
     (tmp_path / "folder.yaml").mkdir()
     assert main([str(older), "--output", str(tmp_path / "f"), "--config",
                  str(tmp_path / "folder.yaml")]) == 1
-    assert "is a folder: give the run's config.yaml in it" in capsys.readouterr().err
+    assert "is a folder: give the run's config.yaml" in capsys.readouterr().err
     configs = {"yaml": ("model: {peft: {", "is not readable YAML"),
                "args": (yaml.safe_dump({"model": {"peft": {
                    "class_path": "peft.LoraConfig", "init_args": {"rank": 8}}}}),
