@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +166,8 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
 
 
 def check_checkpoint_savers(trainer: Any) -> None:
-    """Refuse a ``file://`` ``dirpath`` (Lightning writes it to ``./file:/...``) or one that
+    """Refuse a ``file://`` ``dirpath`` (Lightning writes it to ``./file:/...``), one with a
+    ``$VAR`` (a folder of that name: Lightning does not expand it), or one that
     cannot be written (found at the first save, after its steps trained), and the
     ``ModelCheckpoint`` settings that Lightning's manual-optimisation path
     (every step here) gets wrong without a word: ``train_time_interval``, which it never
@@ -183,6 +185,11 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 f"ModelCheckpoint(dirpath='file://...') is written to {folder} (Lightning "
                 "reads the file:// address as a relative folder named 'file:'): give the "
                 "folder as a plain path, without file://")
+        variable = re.search(r"\$\{?[A-Za-z_]\w*\}?", folder)  # expanded in logger folders
+        require(variable is None, f"ModelCheckpoint(dirpath=...) is written to {folder}: "
+                f"Lightning does not expand {variable and variable.group()} in it (a folder "
+                "of that name is made); give the path itself (a shell expands it on a "
+                "command line)")
         if trainer.world_size == 1 and not trainer.fast_dev_run:  # several: check_on_rank_zero
             check_saver_folder(folder)
         monitor = str(cb.monitor or "")

@@ -160,6 +160,8 @@ def test_with_several_processes_rank_zero_checks_the_log_folders():
      r"validation before it"),
     ({"dirpath": "file:///tmp/maxent-grpo-never-written"},  # was written to ./file:/tmp/...
      r"dirpath='file://...'\) is written to .*file:/tmp/maxent-grpo-never-written"),
+    # written to ./$MAXENT_ROOT/ck while the logger's save_dir expanded it (a hunt)
+    ({"dirpath": "{tmp}/$MAXENT_ROOT/ck"}, r"Lightning does not expand \$MAXENT_ROOT in it"),
     # a folder that cannot be written failed at the first save, after its steps trained
     ({"dirpath": __file__ + "/ckpt"}, r"cannot be written \(.*test_lightning_habits.py' is "
                                       r"not a folder\)"),
@@ -172,6 +174,7 @@ def test_checkpoint_settings_lightning_ignores_here_are_refused(cache_dir, tmp_p
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     module = make_module(cache_dir)
+    options = {k: v.format(tmp=tmp_path) if k == "dirpath" else v for k, v in options.items()}
     saver = ModelCheckpoint(**{"dirpath": str(tmp_path / "ckpt"), "save_top_k": -1, **options})
     with pytest.raises(ValueError, match=expected):
         fit(module, make_data(cache_dir), steps=2, tmp_path=tmp_path, callbacks=[saver],
