@@ -211,8 +211,15 @@ def test_a_prefix_of_an_option_is_an_error_naming_the_option(monkeypatch, capsys
     (["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last", "zz"],
      "--trainer.callbacks.save_last (lightning.pytorch.callbacks.ModelCheckpoint): expected "
      "bool or 'link' or null; got 'zz'"),
+    # "no class named 'abc': give one of SparseSemiStructuredTensor, ... DTensor" (lr is
+    # float | Tensor) inside jsonargparse's callable-type sentence (a hunt)
+    (["--model.optimizer.lr", "abc"],
+     "--model.optimizer.lr (torch.optim.AdamW): expected a number (float); got 'abc'"),
+    (["--model.optimizer.weight_decay", "[1]"],
+     "--model.optimizer.weight_decay (torch.optim.AdamW): Expected a <class 'float'>. Got "
+     "value: [1]"),
 ], ids=["missing-argument", "bad-value", "unknown-argument", "appended-class", "optional",
-        "literal"])
+        "literal", "optimizer-number", "optimizer-value"])
 def test_a_class_given_by_path_with_wrong_arguments_is_one_line(monkeypatch, capsys, args,
                                                                expected):
     """Not jsonargparse's list of what every type of the option accepts (a bool, None, the

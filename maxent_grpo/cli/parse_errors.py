@@ -99,6 +99,11 @@ _OWN_KEY = re.compile(r"^--(?P<key>[\w.]+)(?: \((?P<cls>[\w.]+)\))?: (?P<rest>.*
 _REQUIRED = re.compile(r"the following arguments are required: (?P<names>[\w, ]+)")
 
 
+_CALLABLE = re.compile(r'Parser key "(?P<key>[^"]+)":\s+Type .*? expects a function or a '
+                       r"callable class: (?P<rest>.*?)\.? Got value: "
+                       r"Namespace\(class_path='(?P<cls>[^']+)'", re.DOTALL)
+
+
 def short_subclass_error(message: str) -> str:
     """jsonargparse's error for a class given by path to an option that accepts several types
     (``Parser key "trainer.logger": Does not validate against any of the Union subtypes ...
@@ -106,6 +111,12 @@ def short_subclass_error(message: str) -> str:
     ``--trainer.logger (X): <the problem>``, with how to give a missing argument (an unknown
     one already ends with the class's closest: its own parser's :func:`did_you_mean`); any
     other message as it is."""
+    if given := _CALLABLE.match(message):  # model.optimizer's: one line
+        inner = re.match(r'(?:--([\w.]+):|Parser key "([\w.]+)":)\s+(.*)', given["rest"],
+                         re.DOTALL)  # one argument's problem, else the class's
+        key = given["key"] + (f".{inner[1] or inner[2]}" if inner else "")
+        text = " ".join((inner[3] if inner else given["rest"]).split())
+        return f"--{key} ({given['cls']}): {text}"
     union = _UNION_KEY.match(message)
     lines = message.splitlines()
     problems = [(i, m) for i, m in enumerate(map(_CLASS_PROBLEM.match, lines)) if m]
@@ -168,6 +179,8 @@ def short_unknown_class(message: str, parsers: Sequence[Any]) -> str:
     if missing is None or option is None:
         return message
     key = option["key"] or option["help"]
+    if number := re.search(r"Expected a <class '(float|int)'>", message):  # lr: float | Tensor
+        return f"--{key}: expected a number ({number[1]}); got {missing['name']!r}"
     names = _class_names(parsers, key)
     if not names:
         return message
