@@ -402,6 +402,7 @@ def test_data_files_take_a_list_or_a_glob(monkeypatch, tmp_path):
     err = built_error(monkeypatch, tmp_path, "--data.task", "null", "--data.data_files", "c*.jsonl",
                       exc=FileNotFoundError)
     assert "data.data_files pattern matches no file: 'c*.jsonl'" in err
+    assert f"relative paths are read from the working folder {os.getcwd()}" in err  # which
 
 
 def test_two_data_sources_are_rejected(monkeypatch, tmp_path):

@@ -98,7 +98,8 @@ def expand_files(option: str, value: Any, warn: bool = False) -> list[str]:
         matches = sorted(p for p in glob.glob(entry, recursive=True) if Path(p).is_file())
         if not matches:
             what = "pattern matches no file" if glob.escape(entry) != entry else "file not found"
-            raise FileNotFoundError(f"{option} {what}: {entry!r}")
+            raise FileNotFoundError(f"{option} {what}: {entry!r}" + ("" if os.path.isabs(
+                entry) else f" (relative paths are read from the working folder {os.getcwd()})"))
         files += matches
     first: dict[str, str] = {}
     for path in files:
