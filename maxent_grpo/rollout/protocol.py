@@ -146,8 +146,7 @@ def check_engine_factory(engine: object, asynchronous: bool = False) -> None:
     cannot be built), and, for an ``asynchronous`` fit (``model.max_staleness >= 1``), an
     engine class that samples in the trainer's process (nothing would overlap), before any
     model loads; a factory that is not a class is checked when it has built its engine."""
-    while isinstance(engine, functools.partial):  # the CLI's: partial(build, class, **options)
-        engine = next((a for a in engine.args if inspect.isclass(a)), engine.func)
+    engine = engine_class(engine)
     require(callable(engine), "model.engine must be an engine class (maxent_grpo.rollout."
             f"HFGenerateEngine, VLLMEngine, VLLMServerEngine) or a factory; got {engine!r}")
     abstract = inspect.isclass(engine) and (
@@ -156,9 +155,22 @@ def check_engine_factory(engine: object, asynchronous: bool = False) -> None:
             f"model.engine: {getattr(engine, '__name__', type(engine).__name__)} is an "
             "interface, not an engine; name one (maxent_grpo.rollout.HFGenerateEngine, "
             "VLLMEngine, VLLMServerEngine) or a class of yours that implements it")
-    require(not (asynchronous and inspect.isclass(engine)
-                 and not getattr(engine, "generates_elsewhere", False)),
+    require(not (asynchronous and samples_here(engine)),
             staleness_needs_a_server(getattr(engine, "__name__", "")))
+
+
+def engine_class(engine: object) -> object:
+    """The class ``model.engine`` names (the CLI gives ``partial(build, class, **options)``),
+    or ``engine`` itself."""
+    while isinstance(engine, functools.partial):
+        engine = next((a for a in engine.args if inspect.isclass(a)), engine.func)
+    return engine
+
+
+def samples_here(engine: object) -> bool:
+    """Whether ``model.engine`` is a class that samples in the trainer's process."""
+    engine = engine_class(engine)
+    return inspect.isclass(engine) and not getattr(engine, "generates_elsewhere", False)
 
 
 def check_built_engine(engine: Any) -> Any:

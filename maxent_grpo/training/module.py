@@ -208,7 +208,7 @@ class MaxEntGRPOModule(PolicyModels, L.LightningModule):
         objective = GRPO() if objective is None else objective
         check_objective(objective)
         check_engine_factory(engine)
-        check_staleness(max_staleness, sampler_correction, environment, objective)
+        check_staleness(max_staleness, sampler_correction, environment, objective, engine)
         self.rewards = WeightedRewards(  # reward models run on the step's device
             {"accuracy": 1.0} if rewards is None else rewards, max_completion_length)
         self.loop = build_loop_settings(options, self.rewards.names)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from maxent_grpo.rollout.batch import checked_rollout
-from maxent_grpo.rollout.protocol import RolloutOutput, staleness_needs_a_server
+from maxent_grpo.rollout.protocol import RolloutOutput, samples_here, staleness_needs_a_server
 from maxent_grpo.rollout.vllm_engine import request_seeds_from
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.validation import check_int, require
@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 
 
 def check_staleness(max_staleness: Any, sampler_correction: str | None,
-                    environment: Any, objective: Any) -> None:
+                    environment: Any, objective: Any, engine: Any = None) -> None:
     """``model.max_staleness`` and ``model.sampler_correction``: what they need (ValueError
-    naming the option)."""
+    naming the option; an ``engine`` that samples here is refused for a fit's ``setup``
+    instead: no sampler_correction would make it asynchronous)."""
     check_int("model.max_staleness", max_staleness, minimum=0)
     require(max_staleness == 0 or objective.supports_sampler_correction,
             f"model.max_staleness >= 1 needs model.sampler_correction, which needs an "
@@ -63,7 +64,7 @@ def check_staleness(max_staleness: Any, sampler_correction: str | None,
     require(sampler_correction is None or objective.supports_sampler_correction,
             f"model.sampler_correction needs an objective with the clipped surrogate "
             f"(GRPO, EntropyMaxEnt, GroupMaxEnt); {type(objective).__name__} has none")
-    require(max_staleness == 0 or sampler_correction is not None,
+    require(max_staleness == 0 or sampler_correction is not None or samples_here(engine),
             "model.max_staleness >= 1 trains on rollouts sampled from older weights: set "
             "model.sampler_correction (token_tis, the usual choice; docs/ALGORITHM.md §2)")
     require(max_staleness == 0 or environment is None,
