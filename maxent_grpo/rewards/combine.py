@@ -102,16 +102,17 @@ class TrainerState:
         batches = trainer.num_training_batches  # per epoch, this rank; inf before fit
         batches = batches if isinstance(batches, int) and batches > 0 else None
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # (saves: + this)
-        epoch = trainer.current_epoch + (min(done, batches) / batches if batches else 0.0)
+        begun = getattr(getattr(trainer.fit_loop, "epoch_progress", None), "current", None)
+        begun = getattr(begun, "ready", 0)  # the epochs begun (after a fit current_epoch is on)
+        epoch = (begun - 1 if isinstance(begun, int) and begun > 0 else trainer.current_epoch) \
+            + (min(done, batches) / batches if batches else 0.0)
         step, epoch = (trainer.global_step, epoch) if evaluated is None else evaluated
         caps = [trainer.max_steps] if trainer.max_steps > 0 else []
-        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
-        if batches and max_epochs > 0:
+        if batches and (max_epochs := trainer.max_epochs or -1) > 0:
             caps.append(max(0, batches * max_epochs - idle_batches) * num_iterations)
         max_steps = min(caps) if caps else -1
-        epochs = -1
-        if batches and max_steps > 0:
-            epochs = math.ceil((math.ceil(max_steps / num_iterations) + idle_batches) / batches)
+        epochs = math.ceil((math.ceil(max_steps / num_iterations) + idle_batches) / batches) \
+            if batches and max_steps > 0 else -1
         return cls(
             global_step=int(step or 0), max_steps=int(max_steps), epoch=float(epoch or 0.0),
             num_train_epochs=int(epochs), is_world_process_zero=bool(trainer.is_global_zero),

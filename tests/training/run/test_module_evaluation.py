@@ -566,8 +566,9 @@ def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path
     monkeypatch.chdir(tmp_path)  # predict writes its predictions.jsonl here
     rewards = {"tests.training.run.test_module_evaluation:step_seen": 1.0}
     saver = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
-    fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir), steps=4,
-        tmp_path=tmp_path, callbacks=[saver], enable_checkpointing=True)
+    fitted = fit(make_module(cache_dir, rewards=rewards), make_data(cache_dir), steps=4,
+                 tmp_path=tmp_path, callbacks=[saver], enable_checkpointing=True)
+    fitted.save_checkpoint(tmp_path / "ck" / "after.ckpt")  # as a last.ckpt at the fit's end
     epochs = {int(s): float(e) for s, e in (line.split() for line in seen.read_text(
         ).splitlines())}  # by step: the batches' share of an epoch is epochs[1]
     seen.write_text("")
@@ -575,8 +576,9 @@ def test_a_checkpoints_evaluation_tells_the_rewards_its_step(cache_dir, tmp_path
                         limit_predict_batches=1, enable_progress_bar=False,
                         enable_model_summary=False)
     run = trainer.validate if stage == "validate" else trainer.predict
-    run(make_module(cache_dir, rewards=rewards), make_data(cache_dir),
-        ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4.ckpt"))
+    for name in ("epoch=0-step=4.ckpt", "after.ckpt"):  # the second said one epoch more
+        run(make_module(cache_dir, rewards=rewards), make_data(cache_dir),
+            ckpt_path=str(tmp_path / "ck" / name))
     assert {line.split()[0] for line in seen.read_text().splitlines()} == {"4"}
     assert [float(line.split()[1]) for line in seen.read_text().splitlines()] == pytest.approx(
         [epochs[3] + epochs[1]] * len(seen.read_text().splitlines())) and epochs[1] > 0
