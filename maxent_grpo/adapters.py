@@ -128,24 +128,21 @@ def apply_peft(model: torch.nn.Module, config: PeftConfig) -> torch.nn.Module:
             "target_modules against the model's module names)")
     logger.info("peft %s: %d of %d parameters train (%.3f%%)", name, trainable, total,
                 100.0 * trainable / total)
-    check_lora_bias(peft_model)
     return peft_model
 
 
-def check_lora_bias(model: torch.nn.Module) -> None:
-    """Refuse (ValueError naming ``model.peft.lora_bias``) a LoRA bias on layers that have no
-    bias of their own: it trains, but no merge has a place for it (peft refuses to merge it:
-    ``export --merged``, ``HFExport``'s merged folder, vLLM's weights)."""
+def check_lora_bias(model: torch.nn.Module, merge: str, fix: str) -> None:
+    """Refuse (ValueError) to ``merge`` (what would merge, named) adapters with a LoRA bias on
+    layers that have no bias of their own (it trains, but a merge has no place for it: peft
+    refuses it, or it is lost); ``fix`` says what to do instead."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     unbiased = [name for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)
                 and any(getattr(m, "lora_bias", {}).values())
                 and getattr(m.get_base_layer(), "bias", None) is None]
-    require(not unbiased, f"model.peft: lora_bias trains a bias on layers that have none "
-            f"({', '.join(unbiased[:3])}{', ...' if len(unbiased) > 3 else ''}), which merged "
-            "weights have no place for (export --merged, HFExport's merged folder and the "
-            "weights vLLM loads could not hold it); set lora_bias: false, or target only "
-            "layers with a bias")
+    require(not unbiased, f"{merge}: model.peft's lora_bias trains a bias on layers that have "
+            f"none ({', '.join(unbiased[:3])}{', ...' if len(unbiased) > 3 else ''}), which "
+            f"merged weights have no place for; {fix}")
 
 
 def register_sharded_generate(policy: torch.nn.Module) -> None:
@@ -202,6 +199,7 @@ def merged_copy(policy: torch.nn.Module, base: torch.nn.Module,
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     require(has_adapters(policy), "merged_copy needs a peft model")
+    check_lora_bias(policy, "the merged model", "export the adapter alone (not merged)")
     adapter = policy.active_adapter
     with torch.random.fork_rng(devices=[]):  # peft draws an init: the run's stream is kept
         fresh = _get_peft_model(base, copy.deepcopy(policy.peft_config[adapter]))
@@ -283,7 +281,10 @@ def merge_adapter(model: torch.nn.Module, folder: str | os.PathLike[str]) -> tor
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                 category=FutureWarning)
         with torch.random.fork_rng(devices=[]):  # peft draws its init before loading
-            merged = _untie_tuned(PeftModel.from_pretrained(model, str(folder))).merge_and_unload()
+            tuned = PeftModel.from_pretrained(model, str(folder))
+    check_lora_bias(tuned, f"loading the adapter {folder} as a model", "load it with peft's "
+                    "PeftModel.from_pretrained over its base (not merged)")
+    merged = _untie_tuned(tuned).merge_and_unload()
     merged.name_or_path = merged.config._name_or_path = str(folder)
     for name, p in merged.named_parameters():
         p.requires_grad_(trainable.get(name, True))

@@ -87,7 +87,8 @@ def check_mergeable(model: nn.Module, sharded: bool) -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     base = model.get_base_model()
-    check_lora_bias(model)  # merged weights (what vLLM loads) have no place for it
+    check_lora_bias(model, "the weights vLLM loads", "set lora_bias: false, or use "
+                    "HFGenerateEngine")
     if getattr(getattr(base, "config", None), "tie_word_embeddings", False):
         embeddings = base.get_input_embeddings()
         tied = getattr(getattr(embeddings, "get_base_layer", lambda: embeddings)(), "weight",

@@ -127,8 +127,8 @@ def test_a_lora_bias_on_layers_without_a_bias_is_refused():
     where the layers have biases it is folded in (the test above)."""
     policy = get_peft_model(build_tiny_model(), LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], lora_bias=True))
-    with pytest.raises(ValueError, match="model.peft: lora_bias trains a bias on layers that "
-                                         "have none .*q_proj"):
+    with pytest.raises(ValueError, match="the weights vLLM loads: model.peft's lora_bias trains "
+                                         "a bias on layers that have none .*q_proj"):
         check_mergeable(policy, sharded=False)
     check_mergeable(get_peft_model(_biased_model(), LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], lora_bias=True)), sharded=False)

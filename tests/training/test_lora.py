@@ -154,13 +154,24 @@ def test_configs_that_cannot_train_are_refused_when_built(cache_dir, config, mes
         lora_module(cache_dir, peft=config())
 
 
-def test_a_lora_bias_on_layers_without_one_is_refused_when_built(cache_dir):
-    """It trained, then the end's merged export crashed ("a bug in maxent_grpo") and its
-    adapter folder could not be loaded anywhere (a LoRA hunt)."""
+def test_a_lora_bias_on_layers_without_one_is_refused_where_it_would_be_merged(
+        cache_dir, tmp_path):
+    """It trained, then HFExport's merged export at the end crashed ("a bug in maxent_grpo"),
+    and its adapter folder could not be loaded as a model (a LoRA hunt): refused before
+    training, and where a folder is loaded; an adapter of its own still trains."""
+    from maxent_grpo.models import load_policy
+
     module = lora_module(cache_dir, peft=lora(lora_bias=True))
-    with pytest.raises(ValueError, match="model.peft: lora_bias trains a bias on layers that "
-                                         "have none .*q_proj.*export --merged"):
-        module.configure_model()
+    export = HFExport(dirpath=str(tmp_path / "hf"), merged=True)
+    with pytest.raises(ValueError, match=r"HFExport\(merged=true\): model.peft's lora_bias "
+                                         r"trains a bias on layers that have none .*q_proj"):
+        fit(module, make_data(cache_dir), callbacks=[export])
+    assert module._trainer.global_step == 0 and not (tmp_path / "hf" / "final").exists()
+    module = lora_module(cache_dir, peft=lora(lora_bias=True))
+    fit(module, make_data(cache_dir), callbacks=[HFExport(dirpath=str(tmp_path / "hf"))])
+    with pytest.raises(ValueError, match=r"loading the adapter .*final as a model: .*"
+                                         r"PeftModel.from_pretrained"):
+        load_policy(str(tmp_path / "hf" / "final"), cache_dir=cache_dir)
 
 
 def test_a_resume_with_another_bias_or_loha_alpha_is_refused():

@@ -27,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from maxent_grpo.adapters import has_adapters, merged_copy, name_base
+from maxent_grpo.adapters import check_lora_bias, has_adapters, merged_copy, name_base
 from maxent_grpo.builtin.catalog import is_builtin
 from maxent_grpo.models import load_policy, model_chain
 from maxent_grpo.rollout.weights import sharded_state_dict
@@ -371,6 +371,10 @@ class HFExport(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run does not re-export at once
+        policy = getattr(pl_module, "policy", None)
+        if self.merged and has_adapters(policy):  # it failed at the end, after training
+            check_lora_bias(policy, "HFExport(merged=true)", "set merged: false (the adapter "
+                            "folder is kept), or model.peft's lora_bias: false")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
