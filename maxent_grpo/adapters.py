@@ -361,18 +361,21 @@ def check_older_adapters(state_dict: dict[str, Any], config: PeftConfig | None) 
 #: the ``model.peft`` fields that decide which adapter weights a checkpoint holds (the
 #: lists compared as sets; a ``target_modules`` that one side leaves to peft is not compared)
 ADAPTER_SHAPE = ("peft_type", "r", "target_modules", "modules_to_save", "use_dora", "lora_bias",
-                 "bias",
                  "rank_pattern", "layers_to_transform", "layers_pattern", "exclude_modules",
                  "target_parameters")
 #: the fields that decide what the same weights compute (the scale s = alpha / r, or
 #: alpha / sqrt(r); LoHa's and LoKr's ``alpha``): compared where both records hold them
 ADAPTER_MATH = ("lora_alpha", "alpha_pattern", "use_rslora", "fan_in_fan_out", "alpha")
+#: what decides which weights train (the optimizer's state): compared for a resume
+ADAPTER_TRAINED = ("bias",)
 
 
-def check_saved_adapters(saved: dict[str, Any] | None, config: PeftConfig | None) -> None:
+def check_saved_adapters(saved: dict[str, Any] | None, config: PeftConfig | None,
+                         fitting: bool = False) -> None:
     """ValueError naming what differs unless a checkpoint's record of ``model.peft``
     (:func:`peft_record`; None: none) fits this run's ``config``: adapters in one and not
-    the other, or another :data:`ADAPTER_SHAPE` or :data:`ADAPTER_MATH`."""
+    the other, or another :data:`ADAPTER_SHAPE` or :data:`ADAPTER_MATH` (when ``fitting``,
+    :data:`ADAPTER_TRAINED`)."""
     now = peft_record(config)
     if (saved is None) != (now is None):
         made, run = ("with", "without") if now is None else ("without", "with")
@@ -389,7 +392,8 @@ def check_saved_adapters(saved: dict[str, Any] | None, config: PeftConfig | None
 
     differ = [k for k in ADAPTER_SHAPE if value(saved, k) != value(now, k)
               and not (k == "target_modules" and None in (saved.get(k), now.get(k)))]
-    differ += [k for k in ADAPTER_MATH if k in saved and k in now and saved[k] != now[k]]
+    differ += [k for k in ADAPTER_MATH + ADAPTER_TRAINED * fitting
+               if k in saved and k in now and saved[k] != now[k]]
     shown = ", ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
                       for k in differ)
     require(not differ, f"the checkpoint's adapters do not fit this run's model.peft ({shown}): "

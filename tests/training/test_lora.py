@@ -180,7 +180,8 @@ def test_a_resume_with_another_bias_or_loha_alpha_is_refused():
     from maxent_grpo.adapters import check_saved_adapters, peft_record
 
     with pytest.raises(ValueError, match="bias: 'all' in the checkpoint, 'none' now"):
-        check_saved_adapters(peft_record(lora(bias="all")), lora())
+        check_saved_adapters(peft_record(lora(bias="all")), lora(), fitting=True)
+    check_saved_adapters(peft_record(lora(bias="all")), lora())  # evaluated: the same weights
     loha = dict(r=4, alpha=8, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="alpha: 8 in the checkpoint, 800 now"):
         check_saved_adapters(peft_record(peft.LoHaConfig(**loha)),

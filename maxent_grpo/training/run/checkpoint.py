@@ -322,7 +322,7 @@ def load_state(
             + f" (in Python: objective={saved['objective_class']}(...), which "
             "load_from_checkpoint also takes)")
     if "peft" in saved:  # checkpoints from before the record have none: their weights tell
-        check_saved_adapters(saved["peft"], peft)
+        check_saved_adapters(saved["peft"], peft, fitting)
     else:
         check_older_adapters(checkpoint.get("state_dict") or {}, peft)
     if not fitting:  # evaluated, or load_from_checkpoint: a later fit starts as configured
