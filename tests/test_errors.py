@@ -568,6 +568,13 @@ def test_help_before_a_command_is_that_commands_help(monkeypatch, capsys, first)
         console()
     out = capsys.readouterr().out
     assert stop.value.code == 0 and "usage: maxent-grpo export" in out and "--merged" in out
+    import maxent_grpo.cli as cli_package
+
+    seen = []
+    monkeypatch.setattr(cli_package, "main", lambda **kw: seen.append(sys.argv[1:]))
+    monkeypatch.setattr(sys, "argv", ["maxent-grpo", first, "fit"])
+    console()  # the parser is handed `fit --help`
+    assert seen == [["fit", first]]
 
 
 @pytest.mark.parametrize("command", [["fit", "--config", "tiny"], ["export", "x.ckpt"]])

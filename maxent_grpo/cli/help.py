@@ -318,8 +318,9 @@ def check_given_configs(args: list[str]) -> None:
             continue
         value = value if inline else (args[i + 1] if i + 1 < len(args) else "")
         config = _with_files(load(value) if flag == "--config" else {flag[2:]: load(value)},
-                             os.path.dirname(value) if flag == "--config" else ".", load)
-        stray = [k for k in config if k not in SUBCOMMANDS] if isinstance(config, dict) else []
+                             os.path.dirname(value), load)  # a file's: beside it
+        stray = [k for k in config if k not in (*SUBCOMMANDS, "subcommand")] if isinstance(
+            config, dict) else []  # the parser reads `subcommand: validate` too
         if flag == "--config" and i < first < len(args) and stray:  # a section each, no more
             near = {k: difflib.get_close_matches(str(k), SUBCOMMANDS, 1) for k in stray}
             raise ValueError(

@@ -110,9 +110,9 @@ def check_trainer_flags(trainer: Any, gradient_clip_val: float | None) -> None:
             "own optimizer step; it has no clipping by value: leave "
             "--trainer.gradient_clip_algorithm unset")
     every = getattr(trainer, "val_check_interval", None)  # Lightning divides by it
-    require(every != 0 or isinstance(every, float), "trainer.val_check_interval 0: validation "
-            "every 0 batches; give a count >= 1, a fraction of an epoch, or set "
-            "trainer.limit_val_batches 0 for no validation")
+    require(every != 0 or isinstance(every, float) or not trainer.limit_val_batches,
+            "trainer.val_check_interval 0: validation every 0 batches; give a count >= 1 or "
+            "a fraction of an epoch (for no validation: trainer.limit_val_batches 0)")
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     require(accumulate == 1,
             f"Trainer(accumulate_grad_batches={accumulate}): one training step here is one "
