@@ -218,8 +218,15 @@ def test_a_prefix_of_an_option_is_an_error_naming_the_option(monkeypatch, capsys
     (["--model.optimizer.weight_decay", "[1]"],
      "--model.optimizer.weight_decay (torch.optim.AdamW): Expected a <class 'float'>. Got "
      "value: [1]"),
+    (["--model.optimizer.fused", "x"],
+     "--model.optimizer.fused (torch.optim.AdamW): expected bool or null; got 'x'"),
+    (["--model.lr_scheduler", "torch.optim.lr_scheduler.CosineAnnealingLR",
+      "--model.lr_scheduler.T_max", "x"],  # optional: the union's sentence around it
+     "--model.lr_scheduler.T_max (torch.optim.lr_scheduler.CosineAnnealingLR): Expected a "
+     "<class 'int'>. Got value: x"),
 ], ids=["missing-argument", "bad-value", "unknown-argument", "appended-class", "optional",
-        "literal", "optimizer-number", "optimizer-value"])
+        "literal", "optimizer-number", "optimizer-value", "optimizer-optional",
+        "scheduler-value"])
 def test_a_class_given_by_path_with_wrong_arguments_is_one_line(monkeypatch, capsys, args,
                                                                expected):
     """Not jsonargparse's list of what every type of the option accepts (a bool, None, the

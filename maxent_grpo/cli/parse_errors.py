@@ -99,7 +99,8 @@ _OWN_KEY = re.compile(r"^--(?P<key>[\w.]+)(?: \((?P<cls>[\w.]+)\))?: (?P<rest>.*
 _REQUIRED = re.compile(r"the following arguments are required: (?P<names>[\w, ]+)")
 
 
-_CALLABLE = re.compile(r'Parser key "(?P<key>[^"]+)":\s+Type .*? expects a function or a '
+_CALLABLE = re.compile(r'Parser key "(?P<key>[^"]+)":\s+(?:Does not validate against any of '
+                       r"the Union subtypes.*?- )?Type \S.*? expects a function or a "
                        r"callable class: (?P<rest>.*?)\.? Got value: "
                        r"Namespace\(class_path='(?P<cls>[^']+)'", re.DOTALL)
 
@@ -115,7 +116,10 @@ def short_subclass_error(message: str) -> str:
         inner = re.match(r'(?:--([\w.]+):|Parser key "([\w.]+)":)\s+(.*)', given["rest"],
                          re.DOTALL)  # one argument's problem, else the class's
         key = given["key"] + (f".{inner[1] or inner[2]}" if inner else "")
-        text = " ".join((inner[3] if inner else given["rest"]).split())
+        text = _expected(" ".join((inner[3] if inner else given["rest"]).split()))
+        number, value = re.search(r"Expected a <class '(float|int)'>", text), _GIVEN.search(text)
+        if text.startswith("Does not validate") and number and value:  # lr: float | Tensor
+            text = f"expected a number ({number[1]}); got {value['value']!r}"
         return f"--{key} ({given['cls']}): {text}"
     union = _UNION_KEY.match(message)
     lines = message.splitlines()
