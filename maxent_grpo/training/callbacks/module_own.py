@@ -32,7 +32,7 @@ from maxent_grpo.training.run.checkpoint import (
     resume_where_stopped,
 )
 from maxent_grpo.training.run.folders import remove_empty_name_folders, run_dir, unused_path
-from maxent_grpo.training.run.savers import follow_savers
+from maxent_grpo.training.run.savers import follow_savers, whole_sharded_saves
 from maxent_grpo.training.run.signals import (
     INTERRUPTED,
     answer_requeue,
@@ -79,6 +79,7 @@ class ModuleHooks(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
+        whole_sharded_saves(trainer.strategy)
         check_on_rank_zero(trainer, stage)  # the folders, with several processes
         for saver in trainer.checkpoint_callbacks:  # as the user set them (on_exception)
             if getattr(saver, "unsaved_error", False):

@@ -16,6 +16,7 @@ import glob
 import logging
 import os
 import re
+import shutil
 import socket
 import zipfile
 from collections.abc import Callable
@@ -102,7 +103,7 @@ SHARDED_MARKS = frozenset({".metadata", "meta.pt", "latest", "checkpoint"})
 def checkpoint_problem(path: str | os.PathLike, full: bool = True, trusted: bool = False
                        ) -> str | None:
     """Why ``path`` cannot be resumed from, or ``None`` when it looks complete (a sharded
-    checkpoint's folder is accepted as is: FSDP2's distributed checkpoint, DeepSpeed's).
+    checkpoint's folder is accepted as is, FSDP2's with its ``meta.pt``; DeepSpeed's).
     ``full``: every entry is also read against its checksum (the whole file: damaged tensor
     bytes leave the index intact). A file is loaded only as ``torch.load(weights_only=True)``
     does, never running code it holds, unless ``trusted`` (``--weights_only false``)."""
@@ -111,8 +112,9 @@ def checkpoint_problem(path: str | os.PathLike, full: bool = True, trusted: bool
         return f"a symlink to a missing file ({os.readlink(path)})"
     if os.path.isdir(path):
         names = set(os.listdir(path))
-        if names & SHARDED_MARKS:
-            return None
+        if names & SHARDED_MARKS:  # FSDP2's shards without meta.pt: cut short (older saves)
+            cut = ".metadata" in names and "meta.pt" not in names
+            return "a half-written FSDP2 checkpoint (its shards without meta.pt)" if cut else None
         inside = sorted(n for n in names if n.endswith(".ckpt"))[:5]
         return "a folder, not a checkpoint" + (
             f" (it holds {', '.join(inside)}: give one of them)" if inside else
@@ -400,7 +402,7 @@ def remove_stale_temporaries(dirpaths: list[str], resuming: bool = True) -> list
             with contextlib.suppress(OSError):
                 mine = host in (_HOST, "") and pid.isdigit()  # "": an older version's name
                 if (mine or resuming) and not (mine and int(pid) != os.getpid() and _alive(pid)):
-                    os.remove(path)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)  # FSDP2's
                     removed.append(path)
     return removed
 

@@ -12,13 +12,58 @@ or was copied whole, and one whose options changed (another ``every_n_train_step
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
 
-__all__ = ["follow_savers"]
+__all__ = ["follow_savers", "whole_sharded_saves"]
+
+#: the name a sharded checkpoint's earlier folder has while its new one takes its place
+REPLACED = ".replaced"
+
+
+def whole_sharded_saves(strategy: Any) -> None:
+    """Sharded checkpoints (FSDP2's folders, ``ModelParallelStrategy``) written whole or not
+    at all. Lightning writes the shards and then ``meta.pt`` into the folder in place: a run
+    killed in a save left ``last.ckpt`` with the new shards beside the old ``meta.pt`` (its
+    step, counters and random state), which a resume took without a word, training a step
+    twice. Each save is written to ``.<name>.<host>-<pid>.tmp`` beside it (a killed one's is
+    swept as the files' temporaries are), then takes the name; the earlier folder, moved to
+    ``<name>.replaced`` for that instant, is removed."""
+    if not getattr(strategy, "_save_distributed_checkpoint", False) or getattr(
+            strategy, "whole_saves", False):
+        return
+    save = strategy.save_checkpoint
+
+    def whole(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        path = Path(strategy.broadcast(str(filepath)))
+        if not ckpt_io.is_local(path):
+            return save(checkpoint, filepath, storage_options)
+        partial = Path(strategy.broadcast(str(path.with_name(  # rank 0's name, on every rank
+            f".{path.name}.{ckpt_io._HOST}-{os.getpid()}{ckpt_io.TMP_SUFFIX}"))))
+        save(checkpoint, partial, storage_options)
+        strategy.barrier("whole_sharded_saves")  # every rank's shards are written
+        if strategy.is_global_zero:
+            aside = path.with_name(path.name + REPLACED)
+            _remove(aside)
+            if path.exists() or path.is_symlink():
+                os.rename(path, aside)
+            os.rename(partial, path)
+            _remove(aside)
+        strategy.barrier("whole_sharded_saves")
+
+    strategy.save_checkpoint, strategy.whole_saves = whole, True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def follow_savers(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:

@@ -95,6 +95,41 @@ def test_a_folder_is_a_checkpoint_only_when_sharded(tmp_path):
         assert ckpt_io.checkpoint_problem(sharded) is None
 
 
+def test_an_fsdp2_save_is_whole_or_not_there(tmp_path):
+    """FSDP2's save wrote the shards and then meta.pt into the folder in place: killed in
+    between, ``last.ckpt`` held the new shards beside the old meta.pt (its step, counters and
+    random state) and a resume took it without a word, training a step twice (a hunt on two
+    CPU processes). Each save now goes to a temporary folder that takes the name whole; a
+    folder of shards without meta.pt (an older version's cut save) is refused."""
+    from maxent_grpo.training.run.savers import whole_sharded_saves
+
+    def write(checkpoint, filepath, storage_options=None):  # Lightning's order, in place
+        path = Path(filepath)
+        path.mkdir(exist_ok=True)
+        (path / ".metadata").write_text(str(checkpoint["global_step"]))
+        if checkpoint.get("killed"):
+            raise KeyboardInterrupt  # the process ends here
+        (path / "meta.pt").write_text(str(checkpoint["global_step"]))
+
+    strategy = SimpleNamespace(_save_distributed_checkpoint=True, save_checkpoint=write,
+                               broadcast=lambda value: value, barrier=lambda *args: None,
+                               is_global_zero=True)
+    whole_sharded_saves(strategy)
+    last = tmp_path / "last.ckpt"
+    strategy.save_checkpoint({"global_step": 3}, last)
+    strategy.save_checkpoint({"global_step": 4}, last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    with pytest.raises(KeyboardInterrupt):
+        strategy.save_checkpoint({"global_step": 5, "killed": True}, last)
+    assert {p.name: p.read_text() for p in last.iterdir()} == {".metadata": "4", "meta.pt": "4"}
+    assert ckpt_io.checkpoint_problem(last) is None
+    cut = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
+    assert ckpt_io.checkpoint_problem(cut[0]) == (
+        "a half-written FSDP2 checkpoint (its shards without meta.pt)")
+    assert ckpt_io.remove_stale_temporaries([str(tmp_path)]) == [str(cut[0])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
 def sharded(path: Path, step: int, run: str, mtime: float) -> Path:
     """An FSDP2 checkpoint's folder: the shards, and Lightning's ``meta.pt`` with the rest."""
     path.mkdir()
