@@ -379,7 +379,8 @@ def check_saved_adapters(saved: dict[str, Any] | None, config: PeftConfig | None
     now = peft_record(config)
     if (saved is None) != (now is None):
         made, run = ("with", "without") if now is None else ("without", "with")
-        given = "" if saved is None else f": {describe_peft(saved, ADAPTER_SHAPE + ADAPTER_MATH)}"
+        fields = ADAPTER_SHAPE + ADAPTER_MATH + ADAPTER_TRAINED
+        given = "" if saved is None else f": {describe_peft(saved, fields)}"
         raise ValueError(
             f"the checkpoint was made {made} model.peft adapters and this run is {run} them, "
             f"so its weights do not fit the model; use the model.peft it was trained with{given}")

@@ -81,6 +81,8 @@ def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], sourc
     clash = replaced_model(source, [out] if merged_out is None else [out, merged_out])
     require(clash is None, f"exporting into {str(out)!r} would replace the folder the model "
                            f"loads from ({clash}): export into another folder")
+    if merged_out is not None:  # before anything is written
+        check_lora_bias(model, "the merged model", "export the adapter alone (not merged)")
 
     def write(folder: Path) -> None:
         with _without_bars():  # its "Writing model shards" line broke the fit's progress bar

@@ -114,7 +114,7 @@ def checkpoint_problem(path: str | os.PathLike, full: bool = True, trusted: bool
         names = set(os.listdir(path))
         if names & SHARDED_MARKS:  # FSDP2's shards without meta.pt: cut short (older saves)
             cut = ".metadata" in names and "meta.pt" not in names
-            return "a half-written FSDP2 checkpoint (its shards without meta.pt)" if cut else None
+            return "FSDP2 shards without Lightning's meta.pt (a save cut short)" if cut else None
         inside = sorted(n for n in names if n.endswith(".ckpt"))[:5]
         return "a folder, not a checkpoint" + (
             f" (it holds {', '.join(inside)}: give one of them)" if inside else

@@ -40,21 +40,31 @@ def whole_sharded_saves(strategy: Any) -> None:
     save = strategy.save_checkpoint
 
     def whole(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        path = Path(strategy.broadcast(str(filepath)))
-        if not ckpt_io.is_local(path):
+        if not ckpt_io.is_local(str(filepath)):
             return save(checkpoint, filepath, storage_options)
+        path = Path(strategy.broadcast(str(filepath)))
+        if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not (
+                {"meta.pt", ".metadata"} & {p.name for p in path.iterdir()}):
+            raise IsADirectoryError(f"cannot save a checkpoint as {str(path)!r}: a folder that "
+                                    "is not a checkpoint (it would be replaced)")
         partial = Path(strategy.broadcast(str(path.with_name(  # rank 0's name, on every rank
             f".{path.name}.{ckpt_io._HOST}-{os.getpid()}{ckpt_io.TMP_SUFFIX}"))))
-        save(checkpoint, partial, storage_options)
+        try:
+            save(checkpoint, partial, storage_options)
+        except BaseException:  # a full disk: no checkpoint-sized folder left behind
+            if strategy.is_global_zero:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         strategy.barrier("whole_sharded_saves")  # every rank's shards are written
+        aside = path.with_name(path.name + REPLACED)
         if strategy.is_global_zero:
-            aside = path.with_name(path.name + REPLACED)
             _remove(aside)
             if path.exists() or path.is_symlink():
                 os.rename(path, aside)
             os.rename(partial, path)
-            _remove(aside)
         strategy.barrier("whole_sharded_saves")
+        if strategy.is_global_zero:  # the others need not wait for it
+            _remove(aside)
 
     strategy.save_checkpoint, strategy.whole_saves = whole, True
 

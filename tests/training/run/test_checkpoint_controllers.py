@@ -80,7 +80,7 @@ def loaded(saved_peft, peft) -> None:
 @pytest.mark.parametrize(("saved_peft", "now", "match"), [
     (lora(), None, "made with model.peft adapters and this run is without them, .* use the "
                    r"model.peft it was trained with: \{class_path: peft.LoraConfig, init_args: "
-                   r'\{r: 4, target_modules: \["q_proj"\], lora_alpha: 8\}\}'),  # as YAML
+                   r'\{r: 4, target_modules: \["q_proj"\], lora_alpha: 8, bias: "none"\}\}'),
     (lora(layers_to_transform=0), None, "init_args: .*layers_to_transform: 0"),  # 0 is set
     (None, lora(), "made without model.peft adapters and this run is with them"),
     (lora(), lora(r=8), "r: 4 in the checkpoint, 8 now"),

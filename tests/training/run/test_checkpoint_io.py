@@ -107,8 +107,8 @@ def test_an_fsdp2_save_is_whole_or_not_there(tmp_path):
         path = Path(filepath)
         path.mkdir(exist_ok=True)
         (path / ".metadata").write_text(str(checkpoint["global_step"]))
-        if checkpoint.get("killed"):
-            raise KeyboardInterrupt  # the process ends here
+        if checkpoint.get("killed"):  # stopped in the save: Ctrl-C, or a full disk
+            raise KeyboardInterrupt if checkpoint["global_step"] == 5 else OSError("disk full")
         (path / "meta.pt").write_text(str(checkpoint["global_step"]))
 
     strategy = SimpleNamespace(_save_distributed_checkpoint=True, save_checkpoint=write,
@@ -119,15 +119,25 @@ def test_an_fsdp2_save_is_whole_or_not_there(tmp_path):
     strategy.save_checkpoint({"global_step": 3}, last)
     strategy.save_checkpoint({"global_step": 4}, last)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    with pytest.raises(KeyboardInterrupt):
-        strategy.save_checkpoint({"global_step": 5, "killed": True}, last)
-    assert {p.name: p.read_text() for p in last.iterdir()} == {".metadata": "4", "meta.pt": "4"}
+    for step, stop in ((5, KeyboardInterrupt), (6, OSError)):  # Ctrl-C, a full disk
+        with pytest.raises(stop):
+            strategy.save_checkpoint({"global_step": step, "killed": True}, last)
+        assert {p.name: p.read_text() for p in last.iterdir()} == {
+            ".metadata": "4", "meta.pt": "4"}
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # none left
+    cut = tmp_path / f".last.ckpt.elsewhere-12{ckpt_io.TMP_SUFFIX}"  # a SIGKILL-ed save's
+    cut.mkdir()
+    (cut / ".metadata").write_text("7")
     assert ckpt_io.checkpoint_problem(last) is None
-    cut = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
-    assert ckpt_io.checkpoint_problem(cut[0]) == (
-        "a half-written FSDP2 checkpoint (its shards without meta.pt)")
-    assert ckpt_io.remove_stale_temporaries([str(tmp_path)]) == [str(cut[0])]
+    assert ckpt_io.checkpoint_problem(cut) == (
+        "FSDP2 shards without Lightning's meta.pt (a save cut short)")
+    assert ckpt_io.remove_stale_temporaries([str(tmp_path)]) == [str(cut)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    (tmp_path / "mine").mkdir()  # a folder that is no checkpoint is not replaced (readers)
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    with pytest.raises(IsADirectoryError, match="a folder that is not a checkpoint"):
+        strategy.save_checkpoint({"global_step": 6}, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "kept"
 
 
 def sharded(path: Path, step: int, run: str, mtime: float) -> Path:
