@@ -79,7 +79,7 @@ class ModuleHooks(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         take_sigterm(trainer)
-        whole_sharded_saves(trainer.strategy)
+        whole_sharded_saves(getattr(trainer, "strategy", None))
         check_on_rank_zero(trainer, stage)  # the folders, with several processes
         for saver in trainer.checkpoint_callbacks:  # as the user set them (on_exception)
             if getattr(saver, "unsaved_error", False):
