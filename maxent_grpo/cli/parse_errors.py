@@ -99,6 +99,7 @@ _OWN_KEY = re.compile(r"^--(?P<key>[\w.]+)(?: \((?P<cls>[\w.]+)\))?: (?P<rest>.*
 _REQUIRED = re.compile(r"the following arguments are required: (?P<names>[\w, ]+)")
 
 
+_NUMBER = re.compile(r"Expected a <class '(float|int)'>")  # lr: float | Tensor, read as a class
 _CALLABLE = re.compile(r'Parser key "(?P<key>[^"]+)":\s+(?:Does not validate against any of '
                        r"the Union subtypes.*?- )?Type \S.*? expects a function or a "
                        r"callable class: (?P<rest>.*?)\.? Got value: "
@@ -117,8 +118,8 @@ def short_subclass_error(message: str) -> str:
                          re.DOTALL)  # one argument's problem, else the class's
         key = given["key"] + (f".{inner[1] or inner[2]}" if inner else "")
         text = _expected(" ".join((inner[3] if inner else given["rest"]).split()))
-        number, value = re.search(r"Expected a <class '(float|int)'>", text), _GIVEN.search(text)
-        if text.startswith("Does not validate") and number and value:  # lr: float | Tensor
+        number, value = _NUMBER.search(text), _GIVEN.search(text)
+        if text.startswith("Does not validate") and number and value:
             text = f"expected a number ({number[1]}); got {value['value']!r}"
         return f"--{key} ({given['cls']}): {text}"
     union = _UNION_KEY.match(message)
@@ -183,7 +184,7 @@ def short_unknown_class(message: str, parsers: Sequence[Any]) -> str:
     if missing is None or option is None:
         return message
     key = option["key"] or option["help"]
-    if number := re.search(r"Expected a <class '(float|int)'>", message):  # lr: float | Tensor
+    if number := _NUMBER.search(message):
         return f"--{key}: expected a number ({number[1]}); got {missing['name']!r}"
     names = _class_names(parsers, key)
     if not names:

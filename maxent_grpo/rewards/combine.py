@@ -98,7 +98,7 @@ class TrainerState:
         the checkpoint's step and epoch."""
         if trainer is None:
             return cls()
-        evaluated = getattr(trainer.fit_loop.epoch_loop, "evaluated_step", None)  # load_state's
+        evaluated = getattr(trainer.fit_loop.epoch_loop, "evaluated", None)  # load_state's
         batches = trainer.num_training_batches  # per epoch, this rank; inf before fit
         batches = batches if isinstance(batches, int) and batches > 0 else None
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # (saves: + this)

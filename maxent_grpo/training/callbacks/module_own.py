@@ -262,7 +262,7 @@ def _evaluated_at(trainer: L.Trainer) -> None:
 
 def _own_logging_step(trainer: L.Trainer) -> None:
     loop = trainer.fit_loop.epoch_loop
-    loop.evaluated_step = loop.evaluated_at = None
+    loop.evaluated = loop.evaluated_at = None
     if getattr(loop, "own_logging_step", None) is not None:
         loop._batches_that_stepped, loop.own_logging_step = loop.own_logging_step, None
 

@@ -298,8 +298,8 @@ def load_state(
         if batches is not None and batches > 0:  # the fit's last batch's scalars' step
             epochs.evaluated_at = batches - 1  # ModuleHooks logs there (_evaluated_at)
     if epochs is not None and trainer.state.fn in ("validate", "test", "predict"):
-        epochs.evaluated_step = (checkpoint.get("global_step"),  # the rewards' step and epoch
-                                 checkpoint.get(EPOCH_KEY, checkpoint.get("epoch")))
+        epochs.evaluated = (checkpoint.get("global_step"),  # the rewards' step and epoch
+                            checkpoint.get(EPOCH_KEY, checkpoint.get("epoch")))
     saved = checkpoint.get(CHECKPOINT_KEY)
     require(isinstance(saved, dict),
             f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not written by "

@@ -43,8 +43,8 @@ def whole_sharded_saves(strategy: Any) -> None:
         if not ckpt_io.is_local(str(filepath)):
             return save(checkpoint, filepath, storage_options)
         path = Path(strategy.broadcast(str(filepath)))
-        if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not (
-                {"meta.pt", ".metadata"} & {p.name for p in path.iterdir()}):
+        held = os.listdir(path) if path.is_dir() and not path.is_symlink() else ()
+        if held and not {"meta.pt", ".metadata"} & set(held):
             raise IsADirectoryError(f"cannot save a checkpoint as {str(path)!r}: a folder that "
                                     "is not a checkpoint (it would be replaced)")
         partial = Path(strategy.broadcast(str(path.with_name(  # rank 0's name, on every rank
@@ -59,9 +59,15 @@ def whole_sharded_saves(strategy: Any) -> None:
         aside = path.with_name(path.name + REPLACED)
         if strategy.is_global_zero:
             _remove(aside)
-            if path.exists() or path.is_symlink():
+            moved = path.exists() or path.is_symlink()
+            if moved:
                 os.rename(path, aside)
-            os.rename(partial, path)
+            try:
+                os.rename(partial, path)
+            except BaseException:
+                if moved:  # the earlier checkpoint back where it was
+                    os.rename(aside, path)
+                raise
         strategy.barrier("whole_sharded_saves")
         if strategy.is_global_zero:  # the others need not wait for it
             _remove(aside)

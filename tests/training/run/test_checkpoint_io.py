@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,24 @@ def test_an_fsdp2_save_is_whole_or_not_there(tmp_path):
         assert {p.name: p.read_text() for p in last.iterdir()} == {
             ".metadata": "4", "meta.pt": "4"}
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # none left
+    from maxent_grpo.training.run import savers
+
+    real_rename = os.rename
+
+    def refused(source, target):  # the new folder cannot take the name: the old one stays
+        if str(source).endswith(ckpt_io.TMP_SUFFIX):
+            raise PermissionError("refused")
+        real_rename(source, target)
+
+    savers.os.rename = refused
+    try:
+        with pytest.raises(PermissionError):
+            strategy.save_checkpoint({"global_step": 8}, last)
+    finally:
+        savers.os.rename = real_rename
+    assert (last / "meta.pt").read_text() == "4" and not (tmp_path / "last.ckpt.replaced").exists()
+    for leftover in tmp_path.glob(f".*{ckpt_io.TMP_SUFFIX}"):
+        shutil.rmtree(leftover)
     cut = tmp_path / f".last.ckpt.elsewhere-12{ckpt_io.TMP_SUFFIX}"  # a SIGKILL-ed save's
     cut.mkdir()
     (cut / ".metadata").write_text("7")
