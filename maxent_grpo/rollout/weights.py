@@ -46,11 +46,17 @@ def sharded_state_dict(model: nn.Module, keep: bool = True) -> dict[str, torch.T
     ``save_pretrained`` on one rank: a collective every rank calls at the same point; only
     the rank told to ``keep`` it holds the copy (each tensor is let go once gathered
     elsewhere). None for a model that is not sharded (no collective) and on the others."""
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)  # tied weights: one parameter, two names
     if not any(callable(getattr(t, "full_tensor", None)) for t in state.values()):
         return None
-    whole = {}
+    whole: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
     for name, tensor in state.items():
+        if id(tensor) in first:  # the one gathered tensor under both names (gathered twice,
+            if keep:  # save_pretrained wrote the embedding again as the head)
+                whole[name] = whole[first[id(tensor)]]
+            continue
+        first[id(tensor)] = name
         full = _full(tensor)
         if keep:
             whole[name] = full.cpu()

@@ -139,3 +139,36 @@ def test_adapters_on_tied_embeddings_are_refused(target):
     policy = get_peft_model(build_tiny_model(), LoraConfig(r=4, target_modules=[target]))
     with pytest.raises(ValueError, match="model.peft: adapters on the tied embeddings"):
         check_mergeable(policy, sharded=False)
+
+
+def test_a_sharded_models_tied_embeddings_are_saved_once(tmp_path):
+    """FSDP2's gathered state dict held the tied embeddings and head as two tensors, so
+    ``HFExport`` under FSDP2 wrote ``lm_head.weight`` beside ``embed_tokens`` (one process
+    writes the embedding once): the head's name now holds the embedding's one tensor, as a
+    model on one process gives ``save_pretrained``."""
+    import datetime
+
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from maxent_grpo.rollout.weights import sharded_state_dict
+
+    dist = torch.distributed
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = build_tiny_model()
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+        plain = _state(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        whole = sharded_state_dict(model)
+    finally:
+        dist.destroy_process_group()
+    assert whole.keys() == plain.keys()
+    assert all(torch.equal(whole[n], plain[n]) for n in plain)
+    assert whole["lm_head.weight"] is whole["model.embed_tokens.weight"]
+    build_tiny_model().save_pretrained(tmp_path / "out", state_dict=whole)
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()

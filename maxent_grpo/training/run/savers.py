@@ -11,6 +11,7 @@ or was copied whole, and one whose options changed (another ``every_n_train_step
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -55,6 +56,7 @@ def whole_sharded_saves(strategy: Any) -> None:
             if strategy.is_global_zero:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
+        _sync(partial)  # on disk before it takes the name (a node losing power, not a kill)
         strategy.barrier("whole_sharded_saves")  # every rank's shards are written
         aside = path.with_name(path.name + REPLACED)
         if strategy.is_global_zero:
@@ -68,11 +70,24 @@ def whole_sharded_saves(strategy: Any) -> None:
                 if moved:  # the earlier checkpoint back where it was
                     os.rename(aside, path)
                 raise
+            _sync(path.parent)
         strategy.barrier("whole_sharded_saves")
         if strategy.is_global_zero:  # the others need not wait for it
             _remove(aside)
 
     strategy.save_checkpoint, strategy.whole_saves = whole, True
+
+
+def _sync(folder: Path) -> None:
+    """fsync ``folder``'s files (each rank: those it wrote are among them) and the folder's
+    own entries, where the system allows."""
+    for path in [*(p for p in folder.iterdir() if p.is_file()), folder]:
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _remove(path: Path) -> None:

@@ -96,7 +96,7 @@ def test_a_folder_is_a_checkpoint_only_when_sharded(tmp_path):
         assert ckpt_io.checkpoint_problem(sharded) is None
 
 
-def test_an_fsdp2_save_is_whole_or_not_there(tmp_path):
+def test_an_fsdp2_save_is_whole_or_not_there(tmp_path, monkeypatch):
     """FSDP2's save wrote the shards and then meta.pt into the folder in place: killed in
     between, ``last.ckpt`` held the new shards beside the old meta.pt (its step, counters and
     random state) and a resume took it without a word, training a step twice (a hunt on two
@@ -118,7 +118,19 @@ def test_an_fsdp2_save_is_whole_or_not_there(tmp_path):
     whole_sharded_saves(strategy)
     last = tmp_path / "last.ckpt"
     strategy.save_checkpoint({"global_step": 3}, last)
+    names, synced, real_open, real_fsync = {}, [], os.open, os.fsync
+
+    def opened(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        names[fd] = Path(path).name
+        return fd
+
+    monkeypatch.setattr(os, "open", opened)  # the shards, meta.pt and the folders on disk
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(names.get(fd)), real_fsync(fd)))
     strategy.save_checkpoint({"global_step": 4}, last)
+    monkeypatch.undo()
+    assert {".metadata", "meta.pt", tmp_path.name} <= set(synced)  # a node losing power
+    assert synced.index("meta.pt") < synced.index(tmp_path.name)  # written before its name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     for step, stop in ((5, KeyboardInterrupt), (6, OSError)):  # Ctrl-C, a full disk
         with pytest.raises(stop):
