@@ -185,11 +185,7 @@ def check_checkpoint_savers(trainer: Any) -> None:
                 f"ModelCheckpoint(dirpath='file://...') is written to {folder} (Lightning "
                 "reads the file:// address as a relative folder named 'file:'): give the "
                 "folder as a plain path, without file://")
-        variable = re.search(r"\$\{?[A-Za-z_]\w*\}?", folder)  # expanded in logger folders
-        require(variable is None, f"ModelCheckpoint(dirpath=...) is written to {folder}: "
-                f"Lightning does not expand {variable and variable.group()} in it (a folder "
-                "of that name is made); give the path itself (a shell expands it on a "
-                "command line)")
+        _no_variable("ModelCheckpoint(dirpath=...)", folder)
         if trainer.world_size == 1 and not trainer.fast_dev_run:  # several: check_on_rank_zero
             check_saver_folder(folder)
         monitor = str(cb.monitor or "")
@@ -276,7 +272,8 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
         check_mesh_size(trainer)
-        expand_logger_folders(trainer)
+        expand_logger_folders(trainer)  # and the root, which Lightning takes as written
+        _no_variable("trainer.default_root_dir", getattr(trainer, "_default_root_dir", None))
         check_logger_folders(trainer, several=getattr(trainer, "is_global_zero", False))
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return
@@ -304,6 +301,15 @@ def check_mesh_size(trainer: Any) -> None:
             f"tensor_parallel_size {tensor} must be the number of processes, {nodes * devices} "
             f"(trainer.num_nodes {nodes} x trainer.devices {devices}); set "
             f"--trainer.strategy.data_parallel_size={nodes * devices} (tensor_parallel_size 1)")
+
+
+def _no_variable(option: str, folder: Any) -> None:
+    """Refuse a ``$VAR`` in a folder Lightning takes as written (the loggers' are expanded)."""
+    variable = re.search(r"\$\{?[A-Za-z_]\w*\}?", folder) if isinstance(
+        folder, str) and folder != os.getcwd() else None  # (the root's default)
+    require(variable is None, f"{option} {folder!r}: Lightning does not expand "
+            f"{variable and variable.group()} in it (it would make a folder of that name); "
+            "give the path itself (a shell expands it on a command line)")
 
 
 def expand_logger_folders(trainer: Any) -> None:

@@ -503,3 +503,11 @@ def test_a_logger_folder_with_a_variable_numbers_its_versions_where_it_writes(tm
                                    state=SimpleNamespace(fn="validate")), None)
     assert loggers[0].log_dir == str(tmp_path / "root" / "logs" / "tiny" / "version_1")
     assert loggers[1].log_dir == str(tmp_path / "root" / "logs" / "csv" / "version_0")
+    # the root, which Lightning takes as written: a run without a logger saved its
+    # checkpoints, and a SLURM requeue its own, into a folder named $LOGROOT
+    import lightning as L
+
+    trainer = L.Trainer(default_root_dir="$LOGROOT/run", logger=False, barebones=True)
+    with pytest.raises(ValueError, match=r"trainer.default_root_dir '\$LOGROOT/run': "
+                                         r"Lightning does not expand \$LOGROOT in it"):
+        attach_for_fit(trainer, None)
