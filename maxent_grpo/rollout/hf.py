@@ -87,9 +87,9 @@ def encode_prompts(
                       "prompt, the question); raise model.max_prompt_length or give shorter "
                       "prompts", stacklevel=2)
         encoded = [ids[-limit:] for ids in encoded]
-    unk = tokenizer.unk_token_id  # a token of its own, not one that doubles as pad or eos
-    if unk not in (None, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) \
-            and any(unk in ids for ids in encoded):
+    unk = tokenizer.unk_token_id  # not eos or bos (a prompt may hold those); pad: unpadded
+    if unk not in (None, tokenizer.eos_token_id, tokenizer.bos_token_id) and any(
+            unk in ids for ids in encoded):
         warnings.warn(f"prompts hold text the tokenizer cannot spell: the model sees its unknown "
                       f"token {tokenizer.unk_token!r} there (the built-in tiny models spell "
                       "printable ASCII and newlines only)", stacklevel=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -224,6 +225,10 @@ def test_text_the_tokenizer_cannot_spell_is_warned(tiny: tuple[Any, Any]) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         encode_prompts(tokenizer, ["3 * 4 = ?\n", "<|im_start|>ab"], None)  # all spelled
+    padded = copy.deepcopy(tokenizer)  # a common recipe: the unknown token pads (the
+    padded.pad_token = padded.unk_token  # prompts are encoded unpadded: still told)
+    with pytest.warns(UserWarning, match="cannot spell"):
+        encode_prompts(padded, ["3 × 4 = ?", "ab"], None)
 
 
 # --------------------------------------------------------------------------- fake model
