@@ -153,7 +153,7 @@ def passk_advantages(rewards: torch.Tensor, k: int, eps: float = 1e-6) -> torch.
             continue
         right = (1.0 - R) / (s + eps)
         wrong = (1.0 - R - math.comb(G - c - 1, k - 1) / math.comb(G - 1, k - 1)) / (s + eps)
-        out[b] = torch.where(rewards[b] == 1, right, wrong)
+        out[b] = torch.where(rewards[b] == 1, *rewards.new_tensor([right, wrong]))  # its dtype
     return out
 
 
@@ -303,13 +303,13 @@ def unlikeliness_rewards(
     return rewards * (1.0 - penalty * rank / G)
 
 
-def repetition_penalty(answers: torch.Tensor) -> torch.Tensor:
+def repetition_penalty(answers: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The within-group repetition penalty of outcome-based exploration (Song, Kempe and
     Munos 2025, "batch exploration"), ``(B, G) -> (B, G)``:
     ``b_i = -(1/G) * #{j != i : a_j = a_i}``, with ``answers`` the group's answer classes
     (:func:`~maxent_grpo.core.answer_classes`; a sample with no answer is its own class).
     It applies to right and wrong answers alike; the objective adds ``c * b`` to the
-    advantages.
+    advantages. ``dtype``: the result's (the default dtype when None).
 
     >>> repetition_penalty(torch.tensor([[0, 0, 2, 0]])).tolist()
     [[-0.5, -0.5, -0.0, -0.5]]
@@ -318,7 +318,7 @@ def repetition_penalty(answers: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"answers must be (B, G); got {tuple(answers.shape)}")
     G = answers.shape[1]
     same = (answers[:, :, None] == answers[:, None, :]).sum(-1)  # (B, G), self included
-    return -(same - 1).to(torch.get_default_dtype()) / G
+    return -(same - 1).to(dtype or torch.get_default_dtype()) / G
 
 
 def set_diversity_bonus(rewards: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,7 @@ class GRPO(Objective):
             raise ValueError(f"objective.answer_shaping {self.answer_shaping} needs the answer "
                              "classes (GroupInputs.answers); the trainer passes them")
         if self.answer_shaping == "repetition":
-            adv = adv + self.repetition_coef * repetition_penalty(inputs.answers).to(adv.dtype)
+            adv = adv + self.repetition_coef * repetition_penalty(inputs.answers, adv.dtype)
         if self.answer_shaping == "set_diversity":
             adv = adv + self.set_diversity_coef * set_diversity_bonus(inputs.rewards,
                                                                       inputs.answers)

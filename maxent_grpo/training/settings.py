@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -17,7 +17,7 @@ from maxent_grpo.rollout import RolloutEngine, SamplingSettings
 from maxent_grpo.rollout.multiturn import MultiTurnEngine
 from maxent_grpo.rollout.protocol import ContinuableEngine
 from maxent_grpo.rollout.toolcall import Toolbox
-from maxent_grpo.validation import require
+from maxent_grpo.validation import check_choice, require
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -43,6 +43,7 @@ class ModelSettings:
     peft: PeftConfig | None = None
 
     def __post_init__(self) -> None:
+        check_choice("model.dtype", self.dtype, get_args(Dtype))  # (it failed at load, unnamed)
         if self.peft is not None:
             check_peft(self.peft)
 

@@ -171,6 +171,11 @@ def test_repetition_penalty_by_hand():
         GroupInputs(rewards, torch.ones(2, 4), 4, None, answers=answers)).advantages
     torch.testing.assert_close(adv.view(2, 4), torch.tensor(
         [[0.25 - 0.1, 0.25 - 0.1, 0.25 - 0.1, -0.75], [0.0] * 4], dtype=F64))
+    # thirds: computed in float64 for float64 rewards (it was float32, 2e-9 off)
+    thirds = torch.tensor([[0, 0, 1, 2, 3, 4]])
+    adv = objective.prepare(GroupInputs(torch.zeros(1, 6, dtype=F64), torch.ones(1, 6), 6,
+                                        None, answers=thirds)).advantages
+    assert adv.view(-1).tolist()[:2] == [0.2 * (-1 / 6)] * 2
 
 
 def test_solved_groups_are_not_droppable():

@@ -17,6 +17,7 @@ from maxent_grpo.core import (
     estimate_advantages,
     importance_ratio_at,
     leave_one_out_advantages,
+    passk_advantages,
 )
 from maxent_grpo.objectives import GRPO, EntropyMaxEnt, GroupInputs, GroupMaxEnt
 from tests.objectives.conftest import F64, _logps, _mask, _mb
@@ -296,9 +297,12 @@ def test_passk_advantages_are_the_subset_means(k):
     rows = [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0],
             [1.0] * 6, [0.0] * 6]
     got = estimate_advantages(torch.tensor(rows, dtype=F64), "passk", k=k)
+    exact = passk_advantages(torch.tensor(rows, dtype=F64), k, eps=0.0)
     for b, r in enumerate(rows):
         expected = _brute_passk(r, k)
-        assert got[b].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-9)
+        assert got[b].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-9)  # eps 1e-6
+        # float64 to rounding (the two values per group were float32: 2.7e-8 off)
+        assert exact[b].tolist() == pytest.approx(expected, rel=1e-13, abs=1e-15)
 
 
 @pytest.mark.parametrize("k", [2, 3, 6])

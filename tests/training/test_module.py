@@ -246,6 +246,8 @@ def test_a_failing_reward_names_the_function_before_any_checkpoint(cache_dir, tm
         ({"eval_k": 4}, r"model.eval_k must hold ints .* got 4$"),
         ({"tools": "calculate"}, r"model.tools must be a list of tools; got 'calculate' \(one"),
         ({"model_name_or_path": Path("m")}, "model.model_name_or_path must be a hub name"),
+        # was refused at the model's load, after the trainer started, without model.
+        ({"dtype": "float64"}, r"model.dtype must be one of 'auto', .*; got 'float64'"),
     ],
 )
 def test_bad_module_options_name_the_option(cache_dir, kwargs, match):
