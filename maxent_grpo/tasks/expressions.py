@@ -221,7 +221,16 @@ def split_equation(answer: str) -> tuple[str, str | None]:
 
 _SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
 _TIMES_X = re.compile(r"(?<=[\d)])\s*[xX]\s*(?=[\d(])")  # 5 x 3: an operator
-_ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()]")  # the tokens read
+_ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
+#: LaTeX that only lays a formula out (sizes, spacing, styles): left out; text commands
+#: (``\text{ apples}``): their words, which are left out too
+_LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorname)"
+                         r"\s*\{([^{}]*)\}")
+_LATEX_LAYOUT = re.compile(r"\\(?:left|right|displaystyle|textstyle|[bB]igg?[lr]?|q?quad)"
+                           r"(?![A-Za-z])|\\[,;:! ]")
+#: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``): one number
+_SCIENTIFIC = re.compile(r"(?<![\d.])(?:\d+(?:\.\d+)?\s*\*\s*)?10\s*\^\s*"
+                         r"(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)")
 _AROUND = re.compile(r"[^\W\d_]+|[\s?!:;#~≈→]|\.(?!\d)")  # words around them, left out
 #: a side of an ``=`` that gives a value: a number ($18, 18.00, 1,800, 18%, 18 (dollars)) that
 #: no operator follows
@@ -237,7 +246,7 @@ def unworked(answer: str) -> bool:
     3 * 6``); a signed fraction of two integers (``- 1/2``) is a number. Linear in the
     answer's length (a pattern of this had taken minutes on a sum of 12 spaced terms)."""
     text, value = split_equation(answer)
-    parts = [p for side in (text, value or "") for p in side.split("=")]
+    parts = [_plain(p) for side in (text, value or "") for p in side.split("=")]
     if (value is not None or len(parts) > 2) and any(_VALUE.match(p) for p in parts):
         return False  # = -886 (apples): its value given
     sides = [_tokens(_TIMES_X.sub("*", part)) for part in parts]
@@ -245,33 +254,46 @@ def unworked(answer: str) -> bool:
         "".join(t for t in tokens if t not in "()")) for tokens in sides)
 
 
+def _plain(text: str) -> str:
+    """``text`` with its LaTeX layout left out, braces read as parentheses, ``**`` as ``^``
+    and a number in scientific notation as one number: ``\\left(59 - {63} * 15\\right)
+    \\text{ apples}``, ``59 - 63 * 15^1`` are the question copied (they scored 1.0), while
+    ``2^{10}`` and ``1.5 \\times 10^3`` are numbers."""
+    text = _LATEX_LAYOUT.sub(" ", _LATEX_TEXT.sub(r" \1 ", text))
+    text = text.replace("{", "(").replace("}", ")").replace("**", "^")
+    return _SCIENTIFIC.sub("1", text)
+
+
 def _tokens(text: str) -> list[str] | None:
     """The numbers, operators and parentheses of ``text`` with the words around them left
-    out, or None where anything else is in it (``2^-1``, ``3, -2``, braces: not plain
-    arithmetic, which the grader reads)."""
+    out, or None where anything else is in it (``3, -2``, ``\\sqrt{2}``: not plain arithmetic,
+    which the grader reads)."""
     if _ARITHMETIC.sub("", _AROUND.sub("", text)).strip():
         return None
     return _ARITHMETIC.findall(text)
 
 
 def _operators(tokens: list[str]) -> int:
-    """The binary operators of ``tokens`` when they are numbers (each maybe signed and in
-    parentheses) joined by operators, else -1 (0: one number)."""
+    """The binary operators of ``tokens`` when they are numbers (each maybe signed, in
+    parentheses or a power of numbers) joined by operators, else -1 (0: one number)."""
     n, count = len(tokens), 0
 
-    def literal(i: int) -> int:  # the index after a literal at i, or -1
-        while i < n and tokens[i] == "(":
+    def literal(i: int) -> int:  # the index after a literal at i (a power: one), or -1
+        while True:
+            while i < n and tokens[i] == "(":
+                i += 1
+            if i < n and tokens[i] in ("+", "-"):
+                i += 1
+            while i < n and tokens[i] == "(":
+                i += 1
+            if i >= n or not tokens[i][0].isdigit():
+                return -1
             i += 1
-        if i < n and tokens[i] in ("+", "-"):
-            i += 1
-        while i < n and tokens[i] == "(":
-            i += 1
-        if i >= n or not tokens[i][0].isdigit():
-            return -1
-        i += 1
-        while i < n and tokens[i] == ")":
-            i += 1
-        return i
+            while i < n and tokens[i] == ")":
+                i += 1
+            if i >= n or tokens[i] != "^":
+                return i
+            i += 1  # 2^{10}: a number written as a power
 
     i = literal(0)
     while 0 <= i < n:

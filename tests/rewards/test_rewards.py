@@ -750,7 +750,7 @@ worker = threading.Thread(target=lambda: out.append(accuracy_reward(["q"] * 5, c
 worker.start()
 worker.join()
 timed = TimedReward("accuracy", accuracy_reward, 1.0, None, True)  # None: the time-out
-print(out[0], timed(prompts=["q"], completions=completions[:1], answer=["4"]))
+print(out[0], timed(prompts=["q"], completions=completions[1:2], answer=["7"]))
 """
 
 
@@ -763,8 +763,9 @@ def test_accuracy_off_the_main_thread_cannot_hold_the_process():
     run = subprocess.run([sys.executable, "-c", OFF_MAIN_THREAD], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
-    # the tower scores 0.0 off the main thread; under a 1 s reward time-out, the time-out
-    # (its fallback None) ends the call on time, where it never ended before
+    # the towers score 0.0 off the main thread; under a 1 s reward time-out, the time-out
+    # (its fallback None) ends the call on time, where it never ended before (a power of
+    # powers is a number to the check of calculations left undone: the verifier reads it)
     assert run.stdout.split("\n")[0] == "[0.0, 0.0, 1.0, 1.0, 1.0] [None]"
 
 

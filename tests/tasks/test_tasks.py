@@ -383,9 +383,15 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
 
     copies = ["59 - 63 * 15 =", "59 - 63 * 15 = ?", "= 59 - 63 * 15", "59 - 63 * 15 = x",
               "59 - 63 * 15 in total", "The answer is 59 - 63 * 15", "59 - 63 * 15 :",
-              "59 - 63 * 15 = 59 - 63 * 15", "(59) - (63 * 15)", "59 - 63 x 15"]
+              "59 - 63 * 15 = 59 - 63 * 15", "(59) - (63 * 15)", "59 - 63 x 15",
+              # LaTeX layout, braces and powers of 1 around it scored 1.0 (a hunt)
+              "{59 - 63 * 15}", "\\left(59 - 63 * 15\\right)", "\\displaystyle 59 - 63 * 15",
+              "59 - 63 * 15 \\quad", "59 - 63 * 15 \\,", "59 - 63 * 15 \\text{ apples}",
+              "\\text{}59 - 63 * 15", "59 - {63} * 15", "59 - 63 \\times{15}", "59 - 63 * 15^1",
+              "59 - 63 ** 1 * 15"]
     worked = ["-886", "59 - 63 * 15 = -886", "59 - 63*15 = -886 apples", "-1772/2",
-              "\\boxed{-886}", "It is -886."]
+              "\\boxed{-886}", "It is -886.", "{-886}", "\\left(-886\\right)",
+              "-886 \\text{ apples}", "59 - 63 * 15 = {-886}", "-8.86 \\times 10^2"]
     texts = copies + worked
     assert accuracy_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
                            answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(
@@ -404,6 +410,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
     try:
         assert unworked(" + ".join(["12"] * 14) + " cookies")
         assert not unworked(" + ".join(["12"] * 14) + " = 168 cookies")
+        for long in ("\\text{" * 30000, "1" * 100000 + " * 10^", "\\left" * 30000):
+            unworked(long)
     finally:
         signal.alarm(0)
 
