@@ -352,7 +352,8 @@ def accuracy_reward(
     (:class:`~maxent_grpo.rewards.verify_worker.Verifier`), so that an answer such as
     ``9**(9*9*9*9*9*9*9*9*9)`` cannot hold the process. Against a reference that is a plain
     number, an answer that is still a calculation of numbers (``59 - 63 * 15`` for -886,
-    the question copied) is 0.0: the final answer is asked for (``1/2`` is a number, and
+    the question copied, in LaTeX layout or not) is 0.0: the final answer is asked for
+    (``1/2``, ``2^{10}`` and ``1.5 \\times 10^3`` are numbers, and
     ``59 - 63 * 15 = -886`` is graded by its value).
 
     >>> accuracy_reward(["What is 1/2?"], ["<think>half</think><answer>0.5</answer>"],
