@@ -6,7 +6,8 @@ the policy saw as such, and otherwise (a conversational prompt; a text prompt th
 through its chat template, ``data.apply_chat_template``; a multi-turn rollout's messages
 after a text prompt: the prompt becomes the user's turn) the whole conversation rendered
 with the reward model's own chat template (a ``data.system_prompt`` is not in it). Texts are
-tokenised with its tokenizer (right-padded, no added special tokens) and scored
+tokenised with its tokenizer (right-padded, no added special tokens; a special token's
+text written by the policy is read as text, not as the token) and scored
 ``batch_size`` rows at a time on the policy's device under ``torch.inference_mode``; the
 reward is the single logit (``num_labels=1``) at the last non-pad token. The model is
 loaded on the first call and never trained or checkpointed; one whose classification head
@@ -63,6 +64,7 @@ class RewardModel:
         self.tokenizer: Any = None
         self._shown: dict[tuple[str, str], bool] = {}  # (template, role): its messages shown
         self._limit: int | None = None  # its learned positions (0: no such table), once read
+        self._specials: list[str] | None = None  # its special tokens' texts, once read
         self.__name__ = label
 
     def load(self) -> None:
@@ -115,11 +117,14 @@ class RewardModel:
                 # comes before the prompt: the text still ends with it)
                 templated = rendered is not None and not rendered[i].endswith(prompt) and chat
                 if isinstance(completion, str) and not templated:
-                    out.append(prompt + completion)
+                    out.append(prompt + self._as_text(completion))
                     continue
                 prompt = [{"role": "user", "content": prompt}]  # a multi-turn exchange
             if isinstance(completion, str):
-                completion = [{"role": "assistant", "content": completion}]
+                completion = [{"role": "assistant", "content": self._as_text(completion)}]
+            else:
+                completion = [{**m, "content": self._as_text(m["content"])} if isinstance(
+                    m, dict) and isinstance(m.get("content"), str) else m for m in completion]
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError(
                     f"reward {self.label!r}: the prompts are conversations but the tokenizer "
@@ -127,6 +132,23 @@ class RewardModel:
                 )
             out.append(self._render(list(prompt) + list(completion)))
         return out
+
+    def _as_text(self, written: str) -> str:
+        """Model-written ``written`` with each special token's text (``<|im_end|>``,
+        ``<|endoftext|>``) broken by a word joiner (U+2060) after its first character: read
+        as text, not as the token (the policy spelling its pad token had its end taken for
+        padding; spelling a turn's end and a user's turn gave the reward model a turn)."""
+        specials = self._specials
+        if specials is None:
+            decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+            named = [*self.tokenizer.all_special_tokens,
+                     *(t.content for t in decoder.values() if getattr(t, "special", False))]
+            specials = self._specials = sorted({t for t in named if len(t) > 1}, key=len,
+                                               reverse=True)
+        for token in specials:
+            if token in written:
+                written = written.replace(token, f"{token[0]}\u2060{token[1:]}")
+        return written
 
     def _render(self, conversation: list[dict[str, Any]]) -> str:
         """``conversation`` through the reward model's chat template; ValueError when the
