@@ -35,6 +35,24 @@ MATH_VERIFY_TIMEOUT_S = 5
 them in the main thread of a worker process."""
 
 
+class _Quoted(logging.Filter):
+    """math-verify's messages with the text they quote escaped and cut: a timed-out parse
+    logged the whole answer, raw, so a completion's terminal escapes and 10 KB a sample
+    reached the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if not text.isprintable() or len(text) > 160:
+            head, sep, quoted = text.partition(": ")
+            text = f"{head}{sep}{quoted!r:.120}" if sep and len(head) < 40 else f"{text!r:.160}"
+        record.msg, record.args = text, ()
+        return True
+
+
+for _name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+    logging.getLogger(_name).addFilter(_Quoted())  # here and in the worker (math-verify's own)
+
+
 def _latex(text: str) -> bool:
     """Whether ``text`` is written in LaTeX: a backslash, a brace or ``^`` (``**``: Python)."""
     return "**" not in text and any(c in text for c in "\\^{}")

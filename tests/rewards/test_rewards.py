@@ -1494,3 +1494,20 @@ def test_an_object_with_an_async_call_that_raises_is_not_called_again_row_by_row
         with pytest.raises(RewardFunctionError, match=r"raised ValueError: bad row$"):
             score_completions([("a", fn, 1.0)], ["p", "p"], ["c", "1"], {})
     assert searched == []
+
+
+def test_math_verify_messages_quote_model_text_escaped_and_cut(caplog):
+    """A timed-out parse logged the whole answer raw: a completion's terminal escapes (clear
+    screen, window title) and 10 KB a sample reached the trainer's console (a hunt)."""
+    import logging
+
+    from maxent_grpo.rewards import verify_worker  # noqa: F401 - installs the filter
+
+    evil = "{" * 5000 + "\x1b[2J\x1b]0;title\x07\rPWNED"
+    with caplog.at_level(logging.WARNING, logger="math_verify"):
+        logging.getLogger("math_verify.parser").warning(f"Timeout during parsing: {evil}")
+        logging.getLogger("math_verify.grader").warning("Timeout during comparison")
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first.startswith("Timeout during parsing: '{{{") and len(first) < 160
+    assert "\x1b" not in first and "\r" not in first
+    assert second == "Timeout during comparison"
