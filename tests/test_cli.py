@@ -865,6 +865,26 @@ def test_a_config_file_that_is_not_yaml_is_named(monkeypatch, tmp_path, capsys):
         assert f"error: --config {name} is not valid YAML: " in err and said in err, err
 
 
+def test_a_config_beyond_ascii_under_a_locale_that_is_not_utf8_is_refused(monkeypatch,
+                                                                          tmp_path, capsys):
+    """Under a Latin-1 locale the parser read a config's ``Réponds`` as ``RÃ©ponds`` and
+    trained with it in silence (a hunt); under an ASCII one it failed naming no file."""
+    import locale
+
+    (tmp_path / "fr.yaml").write_text('data:\n  system_prompt: "Réponds"\n', "utf-8")
+    (tmp_path / "plain.yaml").write_text("data:\n  batch_size: 4\n", "utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(locale, "getpreferredencoding", lambda *a: "ISO-8859-1")
+    with pytest.raises(SystemExit) as stop:
+        cli_module.main(["fit", "--config", "tiny", "--config", "fr.yaml"], exit_on_error=True)
+    assert stop.value.code == 1
+    assert ("error: --config fr.yaml holds text beyond ASCII, which the parser would read as "
+            "iso8859-1 (the locale's encoding): run with PYTHONUTF8=1") in capsys.readouterr().err
+    parse(monkeypatch, "--config", "plain.yaml")  # ASCII: read alike
+    monkeypatch.setattr(locale, "getpreferredencoding", lambda *a: "UTF-8")
+    assert parse(monkeypatch, "--config", "fr.yaml").config.data.system_prompt == "Réponds"
+
+
 @pytest.mark.parametrize("text, said", [
     ("", " holds no options (it is empty or comments only: a failed --print_config > FILE "
          "leaves it empty)"),

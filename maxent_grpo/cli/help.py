@@ -15,10 +15,12 @@ subclasses). This module imports neither Lightning nor torch at module level.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import contextvars
 import difflib
 import itertools
+import locale
 import os
 import re
 import sys
@@ -26,6 +28,8 @@ import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from maxent_grpo.cli.quiet import QUIET_INFO, QUIET_WARNINGS  # noqa: F401 - the CLI's filters
 
 PROG = "python -m maxent_grpo"
 HELP_ALL_FLAG = "--help-all"
@@ -111,12 +115,18 @@ def _config_path(value: str) -> str:
 
 def _check_yaml(path: str) -> None:
     """ValueError naming a config file that is not YAML: jsonargparse's message named no
-    file ("<unicode string>", line 2), whichever of several --config it was."""
+    file ("<unicode string>", line 2), whichever of several --config it was; or one beyond
+    ASCII that the parser would read in a locale's encoding other than UTF-8."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # jsonargparse's (libyaml takes
     try:  # a tab where the pure-Python reader does not: a trailing one, a JSON file's)
         text = Path(path).read_text(encoding="utf-8")
+        reader = codecs.lookup(locale.getpreferredencoding(False)).name  # the parser's
+        if not text.isascii() and reader != "utf-8":  # Latin-1 garbled it in silence
+            raise ValueError(f"--config {path} holds text beyond ASCII, which the parser "
+                             f"would read as {reader} (the locale's encoding): run with "
+                             "PYTHONUTF8=1 or a UTF-8 locale")
         data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except (yaml.scanner.ScannerError, yaml.parser.ParserError) as err:  # the syntax
         at, lines = err.problem_mark, text.splitlines()
@@ -424,27 +434,3 @@ def _leaves(mapping: dict, keys: tuple[str, ...] = ()) -> Iterator[tuple[list[st
             yield from _leaves(value, path)
         else:
             yield list(path), value
-
-
-#: warnings a command-line run does not print: nothing the user can act on, each caused by
-#: Lightning meeting this trainer's design or by Lightning meeting torch (checked by
-#: message; every other warning is printed)
-QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    # our loop steps the optimizer itself; the checkpoint after the step is the one a
-    # resume needs (the resume tests check it), so Lightning's 14-line advice does not apply
-    ("Using ModelCheckpoint with manual optimization and every_n_train_steps", UserWarning),
-    # the shipped configs fix ModelCheckpoint.dirpath so that --ckpt_path last finds it:
-    # before_fit says instead what is in the folder and how to resume from it
-    ("Checkpoint directory .* exists and is not empty", UserWarning),
-    # the evaluation's val/ and test/ values are computed from every rank's records already,
-    # each row once (Evaluator.compute drops the rows a sampler repeats), so the advice to
-    # sync them again, or to evaluate on one device, does not apply
-    (r"It is recommended to use `self.log\('(val|test)/", UserWarning),
-    (r"Using `DistributedSampler` with the dataloaders. During `trainer.(validate|test)",
-     UserWarning),
-    # Lightning 2.6's own use of a class and a function torch 2.13 deprecated (the second
-    # printed by every rank of a run on several processes, at the first metric gather)
-    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
-    (r"torch.distributed.nn.functional.all_gather is deprecated", FutureWarning),
-)
-QUIET_INFO = ("💡 Tip: For seamless cloud",)  #: info lines not printed (adverts)
