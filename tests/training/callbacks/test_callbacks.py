@@ -515,7 +515,7 @@ class Saver:
         self.saved: list[Path] = []
         self.name = name
 
-    def state_dict(self) -> dict:
+    def state_dict(self, keep_vars: bool = False) -> dict:  # as a module's
         return {}  # no shards to gather
 
     def save_pretrained(self, path, state_dict=None) -> None:
