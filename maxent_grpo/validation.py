@@ -11,9 +11,11 @@ so a bad config fails when its object is built, never later in training::
 from __future__ import annotations
 
 import errno
+import hashlib
 import inspect
 import math
 import os
+import socket
 import time
 from collections.abc import Callable, Collection
 from numbers import Real
@@ -160,6 +162,21 @@ def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
     """``value`` is one of ``choices``."""
     require(value in choices,
             f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+
+
+#: this machine, in a temporary file's name (no dot: the name is split at its dots)
+HOST = socket.gethostname().replace(".", "_")
+
+
+def temporary_name(name: str, mark: str = ".tmp") -> str:
+    """``.<name>.<host>-<pid><mark>``: the temporary a write of ``name`` fills beside it (a
+    killed write's is found by its host and process). Where that would pass 255 bytes, the
+    file systems' bound, ``name`` is a hash of it with its extension (``.ckpt``, which the
+    sweep looks for): a legal checkpoint name of 243 characters failed at its first save."""
+    tail = f".{HOST}-{os.getpid()}{mark}"
+    if len(f".{name}{tail}".encode()) > 255:
+        name = hashlib.sha256(name.encode()).hexdigest()[:32] + os.path.splitext(name)[1][:32]
+    return f".{name}{tail}"
 
 
 def unwritable(path: str | os.PathLike, folder: bool = False) -> str | None:

@@ -125,6 +125,9 @@ def test_predict_replaces_only_what_it_was_asked_to(demo_checkpoint, tmp_path):
      r"predict cannot write /proc/no/such/predictions\.jsonl .*pass --output"),
     (["--output", "{tmp}/a_file/predictions.jsonl"],
      r"predict cannot write .*/a_file/predictions\.jsonl \(a folder on its path is a file\)"),
+    # found at the end, after every prompt was sampled (the probe's name was shorter)
+    (["--output", "{tmp}/" + "p" * 250 + ".jsonl"],
+     r"predict cannot write .*/p+\.jsonl \(a file name of over 255 bytes\)"),
 ])
 def test_predict_errors_name_what_to_fix(args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

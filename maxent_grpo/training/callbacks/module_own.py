@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ from maxent_grpo.training.settings import (
 )
 from maxent_grpo.training.step.strategy import check_on_rank_zero
 from maxent_grpo.training.types.runtime import detached_controllers
+from maxent_grpo.validation import temporary_name
 
 __all__ = ["CleanUp", "CompletionWriter", "DEFAULT_PREDICTIONS", "ModuleHooks"]
 
@@ -336,25 +338,29 @@ class CompletionWriter(L.Callback):
             path = unused_path(Path(run_dir(trainer)) / DEFAULT_PREDICTIONS)
         else:
             path = Path(self.output).expanduser()
-            folder = path.is_dir() or str(self.output).endswith(("/", os.sep))
+            folder = os.path.isdir(path) or str(self.output).endswith(("/", os.sep))
             path = unused_path(path / DEFAULT_PREDICTIONS) if folder else path  # as the default
         self.path = path.absolute()
         problem = refusal = None
         if trainer.is_global_zero:  # the one writer checks, before any sampling
             # refused: replacing a zip archive (a checkpoint, the one being read perhaps)
             # rather than JSON lines
-            if self.path.is_file() and zipfile.is_zipfile(self.path):
+            if os.path.isfile(self.path) and zipfile.is_zipfile(self.path):
                 refusal = (f"predict --output {self.path} is a zip archive (a checkpoint?), not "
                            "an earlier predictions file; choose another file")
-            elif self.path.is_file() and os.path.realpath(self.path) in _data_files(trainer):
+            elif os.path.isfile(self.path) and os.path.realpath(self.path) in _data_files(
+                    trainer):
                 refusal = (f"predict --output {self.path} is one of the run's data files "
                            "(data.data_files, data.val_files), which it would replace; choose "
                            "another file")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.path.with_name(f".{self.path.name}.check"), "w"):
+                if len(self.path.name.encode()) > 255:  # found at the end, after sampling
+                    raise OSError(errno.ENAMETOOLONG, "a file name of over 255 bytes")
+                with open(probe := self.path.with_name(temporary_name(self.path.name,
+                                                                      ".check")), "w"):
                     pass
-                os.remove(self.path.with_name(f".{self.path.name}.check"))
+                os.remove(probe)
             except OSError as err:  # (mkdir's "File exists" for a file among the folders)
                 problem = ("a folder on its path is a file" if isinstance(err, FileExistsError)
                            else err.strerror or str(err))

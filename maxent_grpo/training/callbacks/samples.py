@@ -37,7 +37,7 @@ from torch.utils.tensorboard import SummaryWriter
 from maxent_grpo.training.run.folders import logger_folder, run_dir
 from maxent_grpo.training.step.trajectory import RolloutSamples
 from maxent_grpo.training.types import AdvantageStats, QDistribution
-from maxent_grpo.validation import check_bool, check_int, no_room, require
+from maxent_grpo.validation import check_bool, check_int, no_room, require, temporary_name
 
 __all__ = [
     "MAX_CELL_CHARS",
@@ -221,7 +221,7 @@ def drop_steps_from(path: Path, step: int) -> int:
         dropped = sum(not _kept(line, step) for line in src)
     if not dropped:
         return 0
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(temporary_name(path.name))
     try:
         with open(path, "rb") as src, open(tmp, "wb") as dst:
             dst.writelines(line for line in src if _kept(line, step))

@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from maxent_grpo.training.run.checkpoint import CHECKPOINT_KEY, fit_batches
 from maxent_grpo.training.run.folders import absolute_folder
-from maxent_grpo.validation import no_room
+from maxent_grpo.validation import HOST as _HOST
+from maxent_grpo.validation import no_room, temporary_name
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ RUN_KEY = "maxent_grpo_run"
 LIGHTNING_NAMES = ("best", "hpc", "registry")
 #: The temporary files of :class:`AtomicCheckpointIO`: ``.<name>.<host>-<pid>.tmp``.
 TMP_SUFFIX = ".tmp"
-_HOST = socket.gethostname().replace(".", "_")  # in a temporary's name (no dot: the tag's)
 
 
 def is_local(path: str | os.PathLike) -> bool:
@@ -73,7 +72,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     path = os.path.abspath(path)
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.{_HOST}-{os.getpid()}{TMP_SUFFIX}")
+    tmp = os.path.join(folder, temporary_name(name, TMP_SUFFIX))
     try:
         with open(tmp, "wb") as f:
             write(f)

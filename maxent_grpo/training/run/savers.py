@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 
 from maxent_grpo.training.run import checkpoint_io as ckpt_io
+from maxent_grpo.validation import temporary_name
 
 __all__ = ["follow_savers", "whole_sharded_saves"]
 
@@ -49,7 +50,7 @@ def whole_sharded_saves(strategy: Any) -> None:
             raise IsADirectoryError(f"cannot save a checkpoint as {str(path)!r}: a folder that "
                                     "is not a checkpoint (it would be replaced)")
         partial = Path(strategy.broadcast(str(path.with_name(  # rank 0's name, on every rank
-            f".{path.name}.{ckpt_io._HOST}-{os.getpid()}{ckpt_io.TMP_SUFFIX}"))))
+            temporary_name(path.name, ckpt_io.TMP_SUFFIX)))))
         try:
             save(checkpoint, partial, storage_options)
         except BaseException:  # a full disk: no checkpoint-sized folder left behind

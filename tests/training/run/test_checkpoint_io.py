@@ -1083,3 +1083,20 @@ def test_a_changed_saver_takes_the_last_file_only_alone_in_its_folder_and_saving
         changed = saver(1)
         savers.follow_savers(SimpleNamespace(checkpoint_callbacks=[kept, changed]), checkpoint)
         assert checkpoint["callbacks"][changed.state_key]["last_model_path"] == last
+
+
+def test_a_long_legal_name_is_written_through_a_temporary_that_fits(tmp_path):
+    """The temporary ``.<name>.<host>-<pid>.tmp`` of a legal name of 243 characters passed
+    255 bytes: the fit failed at its first save, after its steps ("File name too long"), and
+    predict after sampling every prompt (a hunt). Its temporary is a hash of the name, with
+    ``.ckpt`` kept for the sweep of a killed write's."""
+    from maxent_grpo.validation import temporary_name
+
+    name = "c" * 245 + ".ckpt"  # 250 bytes: legal
+    assert len(temporary_name(name).encode()) <= 255 < len(f".{name}.{ckpt_io._HOST}-1.tmp")
+    assert temporary_name("last.ckpt") == f".last.ckpt.{ckpt_io._HOST}-{os.getpid()}.tmp"
+    ckpt_io.atomic_write(tmp_path / name, lambda f: f.write(b"whole"))
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    killed = tmp_path / temporary_name(name).replace(f"-{os.getpid()}.", "-999999999.")
+    killed.write_bytes(b"cut")  # a killed write's (no such process)
+    assert ckpt_io.remove_stale_temporaries([str(tmp_path)], resuming=False) == [str(killed)]
