@@ -282,7 +282,8 @@ class CompletionSamples(Callback):
     def _resolve_jsonl(self, trainer: pl.Trainer) -> Path:
         if self._jsonl_file is None:
             assert self.jsonl_path is not None
-            self._jsonl_file = Path(self.jsonl_path.replace("{log_dir}", self._log_dir(trainer)))
+            self._jsonl_file = Path(self.jsonl_path.replace(  # ~: a folder named ~ was made
+                "{log_dir}", self._log_dir(trainer))).expanduser()
             require(not self._jsonl_file.is_dir(), f"CompletionSamples.jsonl_path "
                     f"{str(self._jsonl_file)!r} is a folder; name a file to append to")
             try:

@@ -276,6 +276,17 @@ def test_a_jsonl_path_whose_folder_cannot_be_made_names_the_option(tmp_path):
         cb.on_fit_start(trainer, None)
 
 
+def test_a_jsonl_path_in_the_home_folder_is_written_there(tmp_path, monkeypatch):
+    """``~/rollouts.jsonl`` made a folder named ``~`` where the run started (a hunt)."""
+    trainer, _ = fake(tmp_path / "run")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cb = CompletionSamples(every_n_steps=1, jsonl_path="~/rollouts.jsonl")
+    cb.on_fit_start(trainer, None)
+    assert cb._resolve_jsonl(trainer) == tmp_path / "home" / "rollouts.jsonl"
+    assert not (tmp_path / "~").exists()
+
+
 def test_jsonl_has_every_completion_of_every_step(tmp_path):
     trainer, module = fake(tmp_path)
     cb = CompletionSamples(every_n_steps=100, jsonl_path="{log_dir}/samples/run.jsonl")
