@@ -139,6 +139,21 @@ def test_the_command_exports_a_checkpoint_that_loads(full_run, cache_dir, tmp_pa
     assert AutoTokenizer.from_pretrained(out)(PROMPT) == tokenizer(PROMPT)
 
 
+def test_an_exports_weights_are_as_readable_as_its_other_files(full_run, tmp_path):
+    """safetensors wrote the weights owner-only (0600) beside a config readable by all: a
+    vLLM server run by another account read the config but not the weights (a hunt)."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert main([str(full_run[0]), "--output", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+    assert ".mode-probe" not in modes
+
+
 def test_a_model_folder_that_moved_is_given_with_model(cache_dir, tmp_path, capsys):
     """The run's model folder moved: the export took the recorded name for a hub id ("the
     Hugging Face Hub is offline") and had no option for the new place; ``--model`` gives

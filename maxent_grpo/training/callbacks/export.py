@@ -217,13 +217,27 @@ def _replace(out: Path, write: Any) -> None:
     called it "a bug")."""
     earlier = out.is_dir() and any(p.name != "lost+found" for p in out.iterdir())
     try:
-        _write_export(out, write, earlier)
+        _write_export(out, lambda folder: (write(folder), _umask_modes(folder)), earlier)
     except Exception as err:
         keep = ("the export there before is kept" if earlier else "nothing was left") + (
             f"; a checkpoint exports again with {EXPORT_COMMAND}")
         if (full := no_room(err, f"the export {out}", keep)) is not None:
             raise full from err
         raise
+
+
+def _umask_modes(folder: Path) -> None:
+    """The files of ``folder`` given the mode the umask gives a new file: safetensors writes
+    the weights owner-only, so another user (a vLLM server's account) could read an export's
+    config but not its weights."""
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file() and path.stat().st_mode & 0o777 != mode:
+                path.chmod(mode)
 
 
 def _write_export(out: Path, write: Any, earlier: bool) -> None:
