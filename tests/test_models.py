@@ -127,6 +127,21 @@ def test_a_cache_folder_that_cannot_be_made_names_the_option(tmp_path: Path) -> 
         patched.setattr(builtin_models.tempfile, "mkdtemp", refused)
         with pytest.raises(ValueError, match=r"cannot be made or written \(Permission denied"):
             resolve_model_path("builtin:tiny", cache_dir=tmp_path / "there")
+    # inside a folder this user cannot read (HOME kept by sudo -u): a bare "[Errno 13]
+    # Permission denied" from the first look for the model's folder (a hunt)
+    def unreadable(real):
+        def call(path, *args, **kwargs):
+            if "locked" in str(path):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(os, "stat", unreadable(os.stat))  # (as root: the system's answers)
+        patched.setattr(os, "mkdir", unreadable(os.mkdir))
+        with pytest.raises(ValueError, match=r"cache .*locked/cache' cannot be made or written "
+                                             r"\(Permission denied\).*model.model_cache_dir"):
+            resolve_model_path("builtin:tiny", cache_dir=tmp_path / "locked" / "cache")
 
 
 def test_a_conversion_a_signal_ended_leaves_nothing_after_the_next(tmp_path: Path) -> None:

@@ -263,7 +263,7 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
     version, writer = BUILTIN_MODELS[short]
     root = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
     final = root / f"{short}-v{version}"
-    if final.is_dir():
+    if os.path.isdir(final):  # (Path.is_dir raised on a folder above it this user cannot read)
         _readable_by_all(final)  # a folder an earlier version wrote owner-only
         return final
     with contextlib.ExitStack() as held:
@@ -272,7 +272,7 @@ def materialise(name: str, cache_dir: str | os.PathLike[str] | None) -> Path:
             held.enter_context(_file_lock(root / f".{final.name}.lock"))
         except OSError as err:
             raise _unwritable_cache(root, err) from err
-        if final.is_dir():  # another process finished it while we waited
+        if os.path.isdir(final):  # another process finished it while we waited
             return final
         for stale in root.glob(f".{glob.escape(final.name)}.tmp-*") if os.name == "posix" else ():
             shutil.rmtree(stale, ignore_errors=True)  # a writer a signal ended (locked: none runs)

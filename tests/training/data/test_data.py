@@ -1316,6 +1316,28 @@ def test_a_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
         make(task=None, data_files=str(path), val_size=0, batch_size=1)
 
 
+def test_a_file_or_a_cache_the_system_refuses_names_the_option(tmp_path, monkeypatch):
+    """An unreadable data file, and datasets' cache in a read-only HOME, were a bare
+    "[Errno 13] Permission denied" naming neither the option nor the fix (a hunt)."""
+    from maxent_grpo.training.data import files
+
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,answer\n1 + 1 =,2\n", encoding="utf-8")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"data.data_files file '.*rows.csv': datasets cannot "
+                                         r"write its cache '.*a_file.*' \(Not a directory\): "
+                                         "set data.dataset_cache_dir to a folder you can"):
+        files.read_file("data.data_files", str(path), str(tmp_path / "a_file" / "cache"))
+
+    def refused(name, *args, **kwargs):  # (as root: the system's answer to another user)
+        raise PermissionError(13, "Permission denied", str(name))
+
+    monkeypatch.setattr(files, "open", refused, raising=False)
+    with pytest.raises(ValueError, match=r"data.data_files file '.*rows.csv' cannot be read "
+                                         r"\(Permission denied\)"):
+        files.read_file("data.data_files", str(path), str(tmp_path / "cache"))
+
+
 class StrictTokenizer(CharTokenizer):
     """A template that refuses a system message, as Gemma's does."""
 
