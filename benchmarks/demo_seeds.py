@@ -106,18 +106,22 @@ def run_one(seed: int, sets: list[str], env: dict[str, str], threads: int,
     }
 
 
+DEFAULT_CONFIG = "configs/tiny.yaml"
+
+
 def report(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         key = (r["label"], json.dumps(r["env"], sort_keys=True), r["threads"], r["machine"],
-               json.dumps(r["sets"]))
+               json.dumps(r["sets"]), r.get("config", DEFAULT_CONFIG))  # one group a config
         groups.setdefault(key, []).append(r)
     out = []
-    for (label, env, threads, machine, sets), runs in groups.items():
+    for (label, env, threads, machine, sets, config), runs in groups.items():
         ok = [r for r in runs if "error" not in r]
         commits = ", ".join(dict.fromkeys(r["commit"] for r in runs))
-        out.append(f"\n{label} | env {env} | {threads} thread(s) | sets {sets} | "
+        named = "" if config == DEFAULT_CONFIG else f" | config {config}"
+        out.append(f"\n{label} | env {env} | {threads} thread(s) | sets {sets}{named} | "
                    f"commit {commits} | {machine}")
         for r in sorted(ok, key=lambda r: r["seed"]):
             out.append(f"  seed {r['seed']:3d}: {r['first20']:.3f} -> {r['last20']:.3f} "
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a config override, e.g. model.num_generations=16")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--label", default="demo")
-    parser.add_argument("--config", default="configs/tiny.yaml",
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
                         help="the config to run, relative to the repository")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)

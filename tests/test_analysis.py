@@ -281,6 +281,23 @@ def test_load_study_checks_the_shape_and_names_the_file(tmp_path):
     bad.write_text("{")
     with pytest.raises(ValueError, match="no_runs.json is not JSON"):
         load_study(bad)
+    # a strict JSON writer's NaN is null: missing (it was a bare TypeError in study_table,
+    # naming no file); a value that is no number is named (a hunt)
+    study = synthetic_study()
+    study["runs"][0]["metrics"]["pass@1"] = None
+    study["runs"][0]["curve"]["reward"][5] = None
+    good.write_text(json.dumps(study))
+    loaded = load_study(good)
+    assert math.isnan(loaded["runs"][0]["metrics"]["pass@1"])
+    assert math.isnan(loaded["runs"][0]["curve"]["reward"][5])
+    assert study_table(loaded, "a")[0]["pass@1"] == pytest.approx(0.56)  # seeds 1, 2: 0.51, 0.61
+    for value, said in (("n/a", r"runs\[2\]\.metrics\['pass@1'\] is 'n/a', not a number"),
+                        (True, r"runs\[2\]\.metrics\['pass@1'\] is True")):
+        study = synthetic_study()
+        study["runs"][2]["metrics"]["pass@1"] = value
+        good.write_text(json.dumps(study))
+        with pytest.raises(ValueError, match=said):
+            load_study(good)
 
 
 def test_study_table_gives_mean_and_sample_sd_over_seeds():

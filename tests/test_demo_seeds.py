@@ -33,6 +33,14 @@ def test_a_short_run_is_recorded_with_its_settings_and_reported(tmp_path) -> Non
     assert "\nshort |" in text and "\nother |" in text
     assert "seed   4: 0.100 -> 0.700" in text and "seed 5: FAILED boom" in text
     assert "1 runs: last-20 min 0.700" in text and ">= 0.6: 1/1" in text
+    # runs of another config are their own group, named (a vLLM run without --label was
+    # counted among the demo's seeds; a hunt)
+    with out.open("a") as handle:
+        handle.write(json.dumps({**record, "seed": 6, "config": "configs/tiny_vllm.yaml",
+                                 "last20": 0.2}) + "\n")
+    text = demo_seeds.report(out)
+    assert text.count("\nshort |") == 2 and "| config configs/tiny_vllm.yaml |" in text
+    assert text.count("1 runs: last-20") == 3  # short (tiny), other, short (tiny_vllm)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -263,7 +263,9 @@ def summary_rows(
     runs: Sequence[Run], panels: Sequence[tuple[str, Sequence[str]]] = PANELS
 ) -> list[dict[str, Any]]:
     """The last logged value of every panel tag, one row per run (``None`` = not logged), and
-    ``last_step``, the run's last logged global step (steps count from 0)."""
+    ``last_step``, the last step its scalars were logged at: TensorBoard's step, which counts
+    rollouts from 0 (the optimizer step less one; with ``model.num_iterations`` k, a rollout
+    is k optimizer steps)."""
     tags = sorted({t for run in runs for _, pats in panels for t in _panel_tags(run, pats)})
     return [
         {"run": run.label,

@@ -27,10 +27,13 @@ def load_study(path: str | os.PathLike) -> dict[str, Any]:
     reward[, answer_entropy, distinct_correct]}, metrics: {"pass@1": ...}}, ...]}``; a run
     with ``"trained": false``, the starting model, has an empty curve) and check its shape.
 
+    A ``null`` metric or curve point (a strict JSON writer's NaN) is read as NaN: missing.
+
     Raises:
         ValueError: naming the file, when it is not JSON, has no ``runs`` list, or a run
             lacks ``task``, ``objective``, ``seed``, ``curve`` (a non-empty ``reward``
-            unless not trained) or ``metrics``.
+            unless not trained) or ``metrics``, or holds a metric or point that is not a
+            number.
     """
     path = Path(path)
     try:
@@ -49,6 +52,18 @@ def load_study(path: str | os.PathLike) -> dict[str, Any]:
             missing.append("curve.reward")  # absent or empty
         if missing:
             raise ValueError(f"{path}: runs[{i}] lacks {', '.join(missing)}")
+        if not isinstance(run["metrics"], dict):
+            raise ValueError(f"{path}: runs[{i}].metrics is not a mapping of names to numbers")
+        for where, values in [("metrics", run["metrics"]), *(
+                (f"curve.{k}", dict(enumerate(v))) for k, v in run["curve"].items()
+                if isinstance(v, list))]:
+            for key, value in values.items():  # null: a strict JSON writer's NaN, missing
+                if value is None:
+                    (run["metrics"] if where == "metrics" else run["curve"][where[6:]])[
+                        key] = math.nan
+                elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"{path}: runs[{i}].{where}[{key!r}] is {value!r}, not "
+                                     "a number (or null for a missing value)")
     return study
 
 
