@@ -202,8 +202,9 @@ class SamplingSettings:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_number("temperature", self.temperature)  # vLLM decodes greedily below 1e-5
         require(1e-5 <= self.temperature <= 3.4e38, "temperature must be from 1e-05 to 3.4e38 "
-                "(log-probs are scored at it): for greedy completions set model.top_k: 1 (in "
-                f"evaluation: model.eval_greedy); got {self.temperature!r}")
+                "(log-probs are scored at it; greedy evaluation: model.eval_greedy, while "
+                f"training samples: a group of equal completions trains nothing); got "
+                f"{self.temperature!r}")
         check_number("top_p", self.top_p, minimum=0, maximum=1, strict=True)
         check_int("top_k", self.top_k, minimum=0)
         check_int("max_prompt_length", self.max_prompt_length, minimum=1, allow_none=True)

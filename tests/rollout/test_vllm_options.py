@@ -39,6 +39,28 @@ def test_bad_options_name_themselves(tiny, options, match):
         VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4), **options)
 
 
+@pytest.mark.parametrize(("settings", "options", "match"), [
+    # vLLM samples below 0.01 at 0.01 (log-probs 10 nats from the scored ones) and refused
+    # above 2 at the first rollout as "a bug" (a hunt)
+    ({"temperature": 0.004}, {}, r"model.temperature 0.004 is outside what model.engine "
+                                 r"VLLMEngine samples at, 0.01 to 2"),
+    ({"temperature": 2.5}, {}, r"model.temperature 2.5 is outside"),
+    # completions were cut at max_model_len without a word, marked truncated
+    ({"max_prompt_length": 16}, {"max_model_len": 12}, r"VLLMEngine.max_model_len 12 is below "
+     r"data.max_prompt_length \+ model.max_completion_length \(20\)"),
+    # vLLM's own error named a length no one set and an environment variable
+    ({"max_prompt_length": 2048}, {}, r"may be 2052 tokens .* past the model's \d+ positions"),
+])
+def test_sampling_vllm_cannot_follow_is_refused_before_it_starts(tiny, settings, options, match):
+    with pytest.raises(ValueError, match=match):
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4, **settings), **options)
+    engine = object.__new__(VLLMEngine)  # a request's own settings (an evaluation's)
+    engine.engine, engine._stop_ids = "VLLMEngine", []
+    if "temperature" in settings:
+        with pytest.raises(ValueError, match="model.temperature"):
+            engine._request(SamplingSettings(max_new_tokens=4, **settings), 2, 0)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_without_vllm_the_error_says_how_to_install_it(tiny):
     with pytest.raises(ImportError, match=r"pip install vllm.*make setup-vllm"):
@@ -49,7 +71,7 @@ def test_no_two_samples_of_a_call_share_a_seed():
     """vLLM seeds sample ``g`` of a request seeded ``s`` with ``s + g``: with the seeds of
     :func:`request_seeds`, every sample of every prompt on every rank has its own stream
     (a seed per prompt of ``base + b`` gave (0, 2), (1, 1) and (2, 0) one stream)."""
-    from maxent_grpo.rollout.vllm_engine import SEED_SPAN, request_seeds
+    from maxent_grpo.rollout.seeds import SEED_SPAN, request_seeds
 
     for B, G in [(3, 3), (16, 8), (1, 1), (7, 1)]:
         streams = [seed + g for rank in range(4) for seed in request_seeds(12345, rank, B, G)

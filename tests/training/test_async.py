@@ -14,7 +14,8 @@ import torch
 
 from maxent_grpo.rollout import HFGenerateEngine, SamplingSettings
 from maxent_grpo.rollout.hf import encode_prompts
-from maxent_grpo.rollout.vllm_engine import assemble_rollout, request_seed_base
+from maxent_grpo.rollout.seeds import request_seed_base
+from maxent_grpo.rollout.vllm_engine import assemble_rollout
 from tests.conftest import fit, make_data, make_module, params
 
 

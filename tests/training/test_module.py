@@ -255,6 +255,14 @@ def test_bad_module_options_name_the_option(cache_dir, kwargs, match):
         make_module(cache_dir, **kwargs)
 
 
+def test_top_k_1_is_warned_to_train_nothing(cache_dir):
+    """The temperature's error advised top_k: 1 for greedy completions: each group's G
+    completions are then equal and a run trained nothing without a word (a hunt)."""
+    with pytest.warns(UserWarning, match=r"model.top_k: 1 samples a prompt's likeliest "
+                                         r"completion each time: .* nothing trains"):
+        make_module(cache_dir, top_k=1)
+
+
 def test_sequences_of_other_types_are_taken_for_list_options(cache_dir):
     """eval_k and tools take any sequence (a range, a tuple), only not one int or string."""
     module = make_module(cache_dir, eval_num_generations=4, eval_k=range(1, 5),

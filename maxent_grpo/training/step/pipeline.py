@@ -39,7 +39,7 @@ import torch
 
 from maxent_grpo.rollout.batch import checked_rollout
 from maxent_grpo.rollout.protocol import RolloutOutput, samples_here, staleness_needs_a_server
-from maxent_grpo.rollout.vllm_engine import request_seeds_from
+from maxent_grpo.rollout.seeds import request_seeds_from
 from maxent_grpo.training.step.metrics import all_gather_objects
 from maxent_grpo.validation import check_int, require
 
