@@ -160,7 +160,7 @@ class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its sho
                 f"model.engine {engine}: DeepSpeed ZeRO-3 shards are not gathered for vLLM; "
                 "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
         check_mergeable(model, sharded)
-        self.engine = engine
+        self._name = engine
         self._check_temperature(sampling)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = stop_ids(engine, model, tokenizer, stop_token_ids)
@@ -173,7 +173,7 @@ class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its sho
         """vLLM samples a temperature below 0.01 at 0.01 (the loss scored the one set: log-probs
         10 nats apart) and refuses one above 2 at the first rollout."""
         require(not s.do_sample or 0.01 <= s.temperature <= 2,
-                f"model.temperature {s.temperature!r} is outside what model.engine {self.engine} "
+                f"model.temperature {s.temperature!r} is outside what model.engine {self._name} "
                 "samples at, 0.01 to 2 (vLLM samples below 0.01 at 0.01, while the loss "
                 "scores at the temperature set): set one inside it, or use HFGenerateEngine")
 

@@ -55,7 +55,7 @@ def test_sampling_vllm_cannot_follow_is_refused_before_it_starts(tiny, settings,
     with pytest.raises(ValueError, match=match):
         VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4, **settings), **options)
     engine = object.__new__(VLLMEngine)  # a request's own settings (an evaluation's)
-    engine.engine, engine._stop_ids = "VLLMEngine", []
+    engine._name, engine._stop_ids = "VLLMEngine", []
     if "temperature" in settings:
         with pytest.raises(ValueError, match="model.temperature"):
             engine._request(SamplingSettings(max_new_tokens=4, **settings), 2, 0)
