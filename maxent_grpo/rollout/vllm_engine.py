@@ -143,6 +143,15 @@ def _memory_hint(err: Exception) -> str:
             "20 GiB machine).")
 
 
+def _check_temperature(engine: str, s: SamplingSettings) -> None:
+    """vLLM samples a temperature below 0.01 at 0.01 (the loss scored the one set: log-probs
+    10 nats apart) and refuses one above 2 at the first rollout."""
+    require(not s.do_sample or 0.01 <= s.temperature <= 2,
+            f"model.temperature {s.temperature!r} is outside what model.engine {engine} "
+            "samples at, 0.01 to 2 (vLLM samples below 0.01 at 0.01, while the loss scores at "
+            "the temperature set): set one inside it, or use HFGenerateEngine")
+
+
 class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its short name
     """What the colocated and the server engine share: the checks of the policy, the stop
     ids, the sampling fields of a request, and :meth:`generate` and :meth:`continue_ids`,
@@ -161,21 +170,13 @@ class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its sho
                 "use ZeRO-2, FSDP2 (ModelParallelStrategy) or DDP, or HFGenerateEngine")
         check_mergeable(model, sharded)
         self._name = engine
-        self._check_temperature(sampling)
+        _check_temperature(engine, sampling)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_token_ids = stop_ids(engine, model, tokenizer, stop_token_ids)
         # an id past the model's output vocabulary is never sampled, and vLLM refuses it as a
         # stop id (a tokenizer whose eos was added after the model's vocabulary was fixed)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._stop_ids = [i for i in self.stop_token_ids if vocab is None or i < vocab]
-
-    def _check_temperature(self, s: SamplingSettings) -> None:
-        """vLLM samples a temperature below 0.01 at 0.01 (the loss scored the one set: log-probs
-        10 nats apart) and refuses one above 2 at the first rollout."""
-        require(not s.do_sample or 0.01 <= s.temperature <= 2,
-                f"model.temperature {s.temperature!r} is outside what model.engine {self._name} "
-                "samples at, 0.01 to 2 (vLLM samples below 0.01 at 0.01, while the loss "
-                "scores at the temperature set): set one inside it, or use HFGenerateEngine")
 
     def _request(self, s: SamplingSettings, n: int, seed: int) -> dict[str, Any]:
         """The sampling fields of a request of ``n`` samples, under the names of vLLM's
@@ -187,7 +188,7 @@ class VLLMEngineBase(RolloutEngine):  # a subclass: `model.engine` takes its sho
                       stop_token_ids=self._stop_ids, skip_special_tokens=True, temperature=0.0,
                       **NEUTRAL_SAMPLING)
         if s.do_sample:
-            self._check_temperature(s)  # (a request's own settings)
+            _check_temperature(self._name, s)  # (a request's own settings)
             fields.update(temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k if s.top_k > 0 else -1)
         return fields

@@ -28,14 +28,15 @@ from tests.rollout.test_server_requests import _bare_engine, stand_ins  # noqa: 
 
 @pytest.mark.parametrize("do_sample", [True, False])
 def test_every_request_sets_the_penalties_a_server_would_otherwise_default(do_sample):
+    engine = SimpleNamespace(_stop_ids=[2], _name="VLLMServerEngine")
     s = SamplingSettings(max_new_tokens=4, do_sample=do_sample, temperature=0.7, top_k=0)
-    fields = VLLMEngineBase._request(SimpleNamespace(_stop_ids=[2]), s, n=3, seed=1)
+    fields = VLLMEngineBase._request(engine, s, n=3, seed=1)
     assert {k: fields[k] for k in NEUTRAL_SAMPLING} == {
         "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "min_p": 0.0}
     assert fields["temperature"] == (0.7 if do_sample else 0.0)
     s = SamplingSettings(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5)
-    fields = VLLMEngineBase._request(SimpleNamespace(_stop_ids=[2]), s, n=3, seed=1)
+    fields = VLLMEngineBase._request(engine, s, n=3, seed=1)
     assert (fields["top_p"], fields["top_k"]) == (0.9, 5)  # the trainer's own, when set
 
 
