@@ -219,7 +219,6 @@ def split_equation(answer: str) -> tuple[str, str | None]:
     return answer, None
 
 
-_SIGNED_FRACTION = re.compile(r"[-+]?(\d+(\.\d+)?|\d+/[-+]?\d+)")
 _TIMES_X = re.compile(r"(?<=[\d)])\s*[xX]\s*(?=[\d(])")  # 5 x 3: an operator
 _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
 #: LaTeX that only lays a formula out (sizes, spacing, styles): left out; text commands
@@ -228,13 +227,19 @@ _LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorn
                          r"\s*\{([^{}]*)\}")
 _LATEX_LAYOUT = re.compile(r"\\(?:left|right|displaystyle|textstyle|[bB]igg?[lr]?|q?quad)"
                            r"(?![A-Za-z])|\\[,;:! ]")
-#: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``): one number
-_SCIENTIFIC = re.compile(r"(?<![\d.])(?:\d+(?:\.\d+)?\s*\*\s*)?10\s*\^\s*"
-                         r"(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)")
+#: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``, ``10^3 * 1.5``): one number
+_POWER_OF_10 = r"10\s*\^\s*(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)"
+_SCIENTIFIC = re.compile(rf"(?<![\d.])(?:{_POWER_OF_10}\s*\*\s*\d+(?:\.\d+)?(?![\d.^])|"
+                         rf"(?:\d+(?:\.\d+)?\s*\*\s*)?{_POWER_OF_10})")
+#: math delimiters anywhere (``The answer is $59 - 63 * 15$.``), and brackets that hold only
+#: words (``\text{ (apples)}``): left out
+_MATH_MARKS = re.compile(r"(?<!\\)\$|\\[()\[\]]")
+_WORDS_IN_BRACKETS = re.compile(r"\([^()\d]*\)")
 _AROUND = re.compile(r"[^\W\d_]+|[\s?!:;#~≈→]|\.(?!\d)")  # words around them, left out
 #: a side of an ``=`` that gives a value: a number ($18, 18.00, 1,800, 18%, 18 (dollars)) that
 #: no operator follows
-_VALUE = re.compile(r"\s*[(\[]?\s*(?:\\?\$)?\s*[-+]?\d[\d,]*(?:\.\d+)?(?!\s*[-+*/^\d])")
+_VALUE = re.compile(  # each \s* after a part that is there: three in a row were cubic on spaces
+    r"\s*(?:[(\[]\s*)?(?:\\?\$\s*)?[-+]?\d[\d,]*(?:\.\d+)?(?!\s*[-+*/^\d])")
 
 
 def unworked(answer: str) -> bool:
@@ -243,15 +248,16 @@ def unworked(answer: str) -> bool:
     no ``=`` giving its value: words around it (``The answer is 3 + 4``, ``3 + 4 apples``)
     and an ``=`` with no number after it (``3 + 4 =``, ``= ?``, ``= 3 + 4``) do not make it
     one; a side of an ``=`` that starts with a number is its value (``3 * 6 = $18``, ``18 =
-    3 * 6``); a signed fraction of two integers (``- 1/2``) is a number. Linear in the
+    3 * 6``); a fraction (``- 1/2``, ``\\frac{1}{2^5}``) is a number, and so is a power of
+    numbers (``2^{10}``); a product of them (``2^2 \\cdot 3``) is a calculation. Linear in the
     answer's length (a pattern of this had taken minutes on a sum of 12 spaced terms)."""
     text, value = split_equation(answer)
     parts = [_plain(p) for side in (text, value or "") for p in side.split("=")]
     if (value is not None or len(parts) > 2) and any(_VALUE.match(p) for p in parts):
         return False  # = -886 (apples): its value given
     sides = [_tokens(_TIMES_X.sub("*", part)) for part in parts]
-    return any(tokens is not None and _operators(tokens) > 0 and not _SIGNED_FRACTION.fullmatch(
-        "".join(t for t in tokens if t not in "()")) for tokens in sides)
+    return any(tokens is not None and _operators(tokens) > (1 if "/" in tokens else 0)
+               for tokens in sides)  # one "/": a fraction, a number (1/2, \frac{1}{2^5})
 
 
 def _plain(text: str) -> str:
@@ -259,9 +265,9 @@ def _plain(text: str) -> str:
     and a number in scientific notation as one number: ``\\left(59 - {63} * 15\\right)
     \\text{ apples}``, ``59 - 63 * 15^1`` are the question copied (they scored 1.0), while
     ``2^{10}`` and ``1.5 \\times 10^3`` are numbers."""
-    text = _LATEX_LAYOUT.sub(" ", _LATEX_TEXT.sub(r" \1 ", text))
+    text = _LATEX_LAYOUT.sub(" ", _LATEX_TEXT.sub(r" \1 ", _MATH_MARKS.sub(" ", text)))
     text = text.replace("{", "(").replace("}", ")").replace("**", "^")
-    return _SCIENTIFIC.sub("1", text)
+    return _WORDS_IN_BRACKETS.sub(" ", _SCIENTIFIC.sub("1", text))
 
 
 def _tokens(text: str) -> list[str] | None:

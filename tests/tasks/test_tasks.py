@@ -388,7 +388,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               "{59 - 63 * 15}", "\\left(59 - 63 * 15\\right)", "\\displaystyle 59 - 63 * 15",
               "59 - 63 * 15 \\quad", "59 - 63 * 15 \\,", "59 - 63 * 15 \\text{ apples}",
               "\\text{}59 - 63 * 15", "59 - {63} * 15", "59 - 63 \\times{15}", "59 - 63 * 15^1",
-              "59 - 63 ** 1 * 15"]
+              "59 - 63 ** 1 * 15", "The answer is $59 - 63 * 15$.",
+              "\\(59 - 63 \\times 15\\) apples", "59 - 63 \\times 15 \\text{ (apples)}"]
     worked = ["-886", "59 - 63 * 15 = -886", "59 - 63*15 = -886 apples", "-1772/2",
               "\\boxed{-886}", "It is -886.", "{-886}", "\\left(-886\\right)",
               "-886 \\text{ apples}", "59 - 63 * 15 = {-886}", "-8.86 \\times 10^2"]
@@ -410,10 +411,14 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
     try:
         assert unworked(" + ".join(["12"] * 14) + " cookies")
         assert not unworked(" + ".join(["12"] * 14) + " = 168 cookies")
-        for long in ("\\text{" * 30000, "1" * 100000 + " * 10^", "\\left" * 30000):
+        for long in ("\\text{" * 30000, "1" * 100000 + " * 10^", "\\left" * 30000,
+                     "x =" + "\n" * 5000 + "?", "x =" + "\\," * 5000 + "?"):  # (readers: cubic)
             unworked(long)
     finally:
         signal.alarm(0)
+    # a fraction or a power of numbers is a number; a product of powers a calculation (readers)
+    numbers = ["\\frac{1}{2^5}", "(1/2)^5", "1/2^5", "\\frac{5^3}{2}", "10^3 \\times 1.5"]
+    assert not any(unworked(n) for n in numbers) and unworked("2^2 \\cdot 3")
 
 
 def test_arithmetic_answers_are_one_however_the_number_is_written():

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import (
@@ -238,8 +239,6 @@ def one_process_is_rank_zero(trainer: Any) -> None:
     logger (and every rank-zero message) stayed silent while the run "succeeded". One of
     several tasks that ``srun`` started (in a batch job, not an interactive shell) is
     refused: each trained the whole run alone into the same folders."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
     started = os.environ.get("WORLD_SIZE", "1")  # torchrun's (TORCHELASTIC_RUN_ID: its own)
     require(getattr(trainer, "world_size", 1) != 1 or "TORCHELASTIC_RUN_ID" not in os.environ
             or not started.isdigit() or int(started) == 1,
@@ -272,8 +271,9 @@ def attach_for_fit(trainer: Any, schedule: Any) -> None:
     if trainer is not None:  # any stage: before the DataModule's setup and its messages
         one_process_is_rank_zero(trainer)
         check_mesh_size(trainer)
-        expand_logger_folders(trainer)  # and the root, which Lightning takes as written
-        _no_variable("trainer.default_root_dir", getattr(trainer, "_default_root_dir", None))
+        expand_logger_folders(trainer)  # the root, taken as written, where something saves
+        if not getattr(trainer, "loggers", None) or SLURMEnvironment.detect():  # there
+            _no_variable("trainer.default_root_dir", getattr(trainer, "_default_root_dir", None))
         check_logger_folders(trainer, several=getattr(trainer, "is_global_zero", False))
     if trainer is None or getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return

@@ -511,3 +511,8 @@ def test_a_logger_folder_with_a_variable_numbers_its_versions_where_it_writes(tm
     with pytest.raises(ValueError, match=r"trainer.default_root_dir '\$LOGROOT/run': "
                                          r"Lightning does not expand \$LOGROOT in it"):
         attach_for_fit(trainer, None)
+    # with a logger, whose folder is expanded, nothing saves into it (outside SLURM): taken
+    with_logger = L.Trainer(default_root_dir="$LOGROOT/run", enable_progress_bar=False,
+                            enable_model_summary=False)
+    attach_for_fit(with_logger, None)
+    assert with_logger.logger.log_dir.startswith(str(tmp_path / "root" / "run"))
