@@ -881,6 +881,8 @@ def test_a_config_beyond_ascii_under_a_locale_that_is_not_utf8_is_refused(monkey
     assert ("error: --config fr.yaml holds text beyond ASCII, which the parser would read as "
             "iso8859-1 (the locale's encoding): run with PYTHONUTF8=1") in capsys.readouterr().err
     parse(monkeypatch, "--config", "plain.yaml")  # ASCII: read alike
+    (tmp_path / "noted.yaml").write_text("# § 3 of the docs\ndata:\n  batch_size: 4\n", "utf-8")
+    parse(monkeypatch, "--config", "noted.yaml")  # only a comment differs (readers: refused)
     monkeypatch.setattr(locale, "getpreferredencoding", lambda *a: "UTF-8")
     assert parse(monkeypatch, "--config", "fr.yaml").config.data.system_prompt == "Réponds"
 

@@ -121,13 +121,18 @@ def _check_yaml(path: str) -> None:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # jsonargparse's (libyaml takes
     try:  # a tab where the pure-Python reader does not: a trailing one, a JSON file's)
-        text = Path(path).read_text(encoding="utf-8")
-        reader = codecs.lookup(locale.getpreferredencoding(False)).name  # the parser's
-        if not text.isascii() and reader != "utf-8":  # Latin-1 garbled it in silence
-            raise ValueError(f"--config {path} holds text beyond ASCII, which the parser "
-                             f"would read as {reader} (the locale's encoding): run with "
-                             "PYTHONUTF8=1 or a UTF-8 locale")
+        raw = Path(path).read_bytes()
+        text, reader = raw.decode("utf-8"), codecs.lookup(locale.getpreferredencoding(False)).name
         data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
+        if not text.isascii() and reader != "utf-8":  # Latin-1 garbled it in silence (a
+            try:  # comment's § is read alike)
+                read = yaml.load(raw.decode(reader), Loader=loader)  # noqa: S506
+            except (UnicodeDecodeError, yaml.YAMLError):
+                read = None
+            if read != data:
+                raise ValueError(f"--config {path} holds text beyond ASCII, which the parser "
+                                 f"would read as {reader} (the locale's encoding): run with "
+                                 "PYTHONUTF8=1 or a UTF-8 locale")
     except (yaml.scanner.ScannerError, yaml.parser.ParserError) as err:  # the syntax
         at, lines = err.problem_mark, text.splitlines()
         line = lines[at.line] if at.line < len(lines) else ""
