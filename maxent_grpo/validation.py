@@ -174,8 +174,8 @@ def temporary_name(name: str, mark: str = ".tmp") -> str:
     file systems' bound, ``name`` is a hash of it with its extension (``.ckpt``, which the
     sweep looks for): a legal checkpoint name of 243 characters failed at its first save."""
     tail = f".{HOST}-{os.getpid()}{mark}"
-    if len(f".{name}{tail}".encode()) > 255:
-        name = hashlib.sha256(name.encode()).hexdigest()[:32] + os.path.splitext(name)[1][:32]
+    if len(os.fsencode(f".{name}{tail}")) > 255:  # (a name of undecodable bytes: escaped)
+        name = hashlib.sha256(os.fsencode(name)).hexdigest()[:32] + os.path.splitext(name)[1][:32]
     return f".{name}{tail}"
 
 

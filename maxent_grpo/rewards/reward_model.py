@@ -25,6 +25,8 @@ import torch
 __all__ = ["RewardModel"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: the tool-call tags a multi-turn rollout puts back in the model's turns: read as the tokens
+CALL_TAGS = frozenset({"<tool_call>", "</tool_call>"})
 
 
 class RewardModel:
@@ -137,14 +139,15 @@ class RewardModel:
         """Model-written ``written`` with each special token's text (``<|im_end|>``,
         ``<|endoftext|>``) broken by a word joiner (U+2060) after its first character: read
         as text, not as the token (the policy spelling its pad token had its end taken for
-        padding; spelling a turn's end and a user's turn gave the reward model a turn)."""
+        padding; spelling a turn's end and a user's turn gave the reward model a turn); not
+        the :data:`CALL_TAGS`, which a multi-turn rollout writes as the tokens."""
         specials = self._specials
         if specials is None:
             decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
             named = [*self.tokenizer.all_special_tokens,
                      *(t.content for t in decoder.values() if getattr(t, "special", False))]
-            specials = self._specials = sorted({t for t in named if len(t) > 1}, key=len,
-                                               reverse=True)
+            specials = self._specials = sorted({t for t in named if len(t) > 1} - CALL_TAGS,
+                                               key=len, reverse=True)
         for token in specials:
             if token in written:
                 written = written.replace(token, f"{token[0]}\u2060{token[1:]}")

@@ -297,12 +297,7 @@ class VLLMEngine(VLLMEngineBase):
                 f"VLLMEngine.max_model_len {max_model_len} is below data.max_prompt_length + "
                 f"model.max_completion_length ({longest}): vLLM would stop completions at it, "
                 "marked truncated; raise it or leave it unset")
-        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         max_model_len = max_model_len or longest
-        require(not (isinstance(positions, int) and max_model_len and max_model_len > positions),
-                f"a prompt with its completion may be {max_model_len} tokens (data.max_prompt_"
-                f"length + model.max_completion_length, or VLLMEngine.max_model_len), past the "
-                f"model's {positions} positions, which vLLM refuses: lower them")
         self.vllm = require_vllm()
         self._sampled = False  # vLLM on the CPU refuses an attention at the first generate
         if dtype == "auto":  # vLLM's own "auto" downcasts float32 to bfloat16 on the CPU

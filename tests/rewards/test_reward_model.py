@@ -83,6 +83,13 @@ def test_special_tokens_the_policy_spelled_are_read_as_text(rm_folder):
     conversation = rm.texts([[{"role": "user", "content": "3 + 5"}]],
                             [[{"role": "assistant", "content": "8" + fake_turn}]])[0]
     assert conversation.count("<|im_start|>") == 2  # the user's and the assistant's
+    # the tool-call tags a multi-turn rollout writes back as the tokens are kept (readers)
+    tagged = RewardModel(rm_folder, label="model:rm")
+    tagged.tokenizer = build_tiny_tokenizer()
+    tagged.tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>",
+                                                                       "</tool_call>"]})
+    assert tagged._as_text("<tool_call>{}</tool_call><|im_end|>") == (
+        "<tool_call>{}</tool_call><\u2060|im_end|>")
 
 
 def test_conversations_are_rendered_with_the_chat_template(rm_folder):

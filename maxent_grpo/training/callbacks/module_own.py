@@ -355,7 +355,7 @@ class CompletionWriter(L.Callback):
                            "another file")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                if len(self.path.name.encode()) > 255:  # found at the end, after sampling
+                if len(os.fsencode(self.path.name)) > 255:  # found at the end, after sampling
                     raise OSError(errno.ENAMETOOLONG, "a file name of over 255 bytes")
                 with open(probe := self.path.with_name(temporary_name(self.path.name,
                                                                       ".check")), "w"):

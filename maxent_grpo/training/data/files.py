@@ -160,11 +160,11 @@ def read_file(option: str, path: str, cache_dir: str | None) -> list[Row]:
             f"{option} file {path!r} could not be read as {kind}: {_reason(err)}") from err
     except OSError as err:  # the file itself, or datasets' cache (a read-only HOME): a bare errno
         why, where = err.strerror or str(err), err.filename
-        if where is None or os.path.realpath(str(where)) == os.path.realpath(path):
+        if where is not None and os.path.realpath(str(where)) == os.path.realpath(path):
             raise ValueError(f"{option} file {path!r} cannot be read ({why})") from err
-        raise ValueError(f"{option} file {path!r}: datasets cannot write its cache {where!r} "
-                         f"({why}): set data.dataset_cache_dir to a folder you can write "
-                         "to") from err
+        raise ValueError(f"{option} file {path!r}: datasets cannot write its cache "
+                         f"{'' if where is None else repr(where) + ' '}({why}): set "
+                         "data.dataset_cache_dir to a folder you can write to") from err
 
 
 def _check_csv_fields(path: str) -> None:

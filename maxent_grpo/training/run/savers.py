@@ -71,7 +71,7 @@ def whole_sharded_saves(strategy: Any) -> None:
                 if moved:  # the earlier checkpoint back where it was
                     os.rename(aside, path)
                 raise
-            _sync(path.parent)
+            _sync(path.parent, files=False)  # the new name, on disk
         strategy.barrier("whole_sharded_saves")
         if strategy.is_global_zero:  # the others need not wait for it
             _remove(aside)
@@ -79,10 +79,13 @@ def whole_sharded_saves(strategy: Any) -> None:
     strategy.save_checkpoint, strategy.whole_saves = whole, True
 
 
-def _sync(folder: Path) -> None:
-    """fsync ``folder``'s files (each rank: those it wrote are among them) and the folder's
-    own entries, where the system allows."""
-    for path in [*(p for p in folder.iterdir() if p.is_file()), folder]:
+def _sync(folder: Path, files: bool = True) -> None:
+    """fsync ``folder``'s files (``files``; each rank: those it wrote are among them) and the
+    folder's own entries, where the system allows."""
+    held: list[Path] = []
+    with contextlib.suppress(OSError):  # (a folder gone: nothing to hold)
+        held = [p for p in folder.iterdir() if p.is_file()] if files else []
+    for path in [*held, folder]:
         with contextlib.suppress(OSError):
             fd = os.open(path, os.O_RDONLY)
             try:

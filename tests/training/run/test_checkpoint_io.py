@@ -1095,6 +1095,8 @@ def test_a_long_legal_name_is_written_through_a_temporary_that_fits(tmp_path):
     name = "c" * 245 + ".ckpt"  # 250 bytes: legal
     assert len(temporary_name(name).encode()) <= 255 < len(f".{name}.{ckpt_io._HOST}-1.tmp")
     assert temporary_name("last.ckpt") == f".last.ckpt.{ckpt_io._HOST}-{os.getpid()}.tmp"
+    tail = f".jsonl.{ckpt_io._HOST}-{os.getpid()}.tmp"  # bytes no encoding reads (from argv)
+    assert temporary_name("caf\udce9" * 80 + ".jsonl").endswith(tail)  # counted as bytes
     ckpt_io.atomic_write(tmp_path / name, lambda f: f.write(b"whole"))
     assert [p.name for p in tmp_path.iterdir()] == [name]
     killed = tmp_path / temporary_name(name).replace(f"-{os.getpid()}.", "-999999999.")
