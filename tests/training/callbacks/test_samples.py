@@ -642,5 +642,10 @@ def test_a_full_disk_names_the_jsonl_and_a_resume_with_nothing_to_drop_copies_no
         samples.drop_steps_from(path, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollouts.jsonl"]
     monkeypatch.undo()
+    from maxent_grpo.validation import HOST
+
+    killed = tmp_path / f".rollouts.jsonl.{HOST}-999999999.tmp"  # a rewrite killed: its
+    killed.write_text("cut")  # temporary was left by each one, named by its process (readers)
     assert samples.drop_steps_from(path, 1) == 1
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollouts.jsonl"]
