@@ -35,11 +35,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
-from maxent_grpo.training.run.checkpoint_io import _alive
+from maxent_grpo.training.run.checkpoint_io import remove_stale_temporaries
 from maxent_grpo.training.run.folders import logger_folder, run_dir
 from maxent_grpo.training.step.trajectory import RolloutSamples
 from maxent_grpo.training.types import AdvantageStats, QDistribution
-from maxent_grpo.validation import HOST, check_bool, check_int, no_room, require, temporary_name
+from maxent_grpo.validation import check_bool, check_int, no_room, require, temporary_name
 
 __all__ = [
     "MAX_CELL_CHARS",
@@ -216,10 +216,8 @@ def drop_steps_from(path: Path, step: int) -> int:
     how many lines went. A missing file, or one with nothing to drop, is left alone (it was
     copied whole, and a disk without room for the copy failed the resume); a failed rewrite
     leaves no temporary, and a killed one's is removed here."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.{HOST}-*.tmp"):
-        pid = stale.name.removesuffix(".tmp").rpartition("-")[2]
-        if pid.isdigit() and not _alive(pid):  # its writer is gone (a rewrite killed)
-            stale.unlink(missing_ok=True)
+    remove_stale_temporaries([str(path.parent)], resuming=False,
+                             names=f".{glob.escape(path.name)}.*")  # a rewrite killed
     if not path.is_file():
         return 0
     # line by line, in bytes: a text may hold U+2028 or U+0085, which str.splitlines splits

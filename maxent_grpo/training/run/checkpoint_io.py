@@ -387,15 +387,16 @@ def later_steps_of_run(dirpaths: list[str], resumed: ResolvedCheckpoint) -> list
     return later
 
 
-def remove_stale_temporaries(dirpaths: list[str], resuming: bool = True) -> list[str]:
-    """Delete the ``.<name>.<host>-<pid>.tmp`` files a killed write left in ``dirpaths``: a
-    resume's all but those whose writer runs here; otherwise only this machine's whose
-    writer is gone (another node's, or an older version's, may be a live run's save)."""
+def remove_stale_temporaries(dirpaths: list[str], resuming: bool = True,
+                             names: str = ".*.ckpt.*") -> list[str]:
+    """Delete the ``.<name>.<host>-<pid>.tmp`` a killed write of the files ``names`` (a glob)
+    left in ``dirpaths``: a resume's all but those whose writer runs here; otherwise this
+    machine's whose writer is gone (another node's, an older version's, may be a live save)."""
     removed = []
     for folder in dirpaths:
         if not is_local(folder):
             continue
-        pattern = os.path.join(glob.escape(folder), "**", f".*.ckpt.*{TMP_SUFFIX}")
+        pattern = os.path.join(glob.escape(folder), "**", f"{names}{TMP_SUFFIX}")
         for path in glob.glob(pattern, recursive=True):  # subfolders: checkpoint_files
             host, _, pid = path.removesuffix(TMP_SUFFIX).rpartition(".")[2].rpartition("-")
             with contextlib.suppress(OSError):
