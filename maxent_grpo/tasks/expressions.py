@@ -221,12 +221,13 @@ def split_equation(answer: str) -> tuple[str, str | None]:
 
 _TIMES_X = re.compile(r"(?<=[\d)])\s*[xX]\s*(?=[\d(])")  # 5 x 3: an operator
 _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
-#: LaTeX that only lays a formula out (sizes, spacing, styles): left out; text commands
-#: (``\text{ apples}``): their words, which are left out too
+#: text commands (``\text{ apples}``): their words, which are left out; every other command
+#: name (layout as ``\left``, ``\quad``, ``\large``, and ``\sum``, ``\lim``, ``\max``, which
+#: math-verify passes over: the copy after them scored 1.0) and spacing: left out, their
+#: arguments read as parentheses
 _LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorname)"
                          r"\s*\{([^{}]*)\}")
-_LATEX_LAYOUT = re.compile(r"\\(?:left|right|displaystyle|textstyle|[bB]igg?[lr]?|q?quad)"
-                           r"(?![A-Za-z])|\\[,;:! ]")
+_LATEX_LAYOUT = re.compile(r"\\(?:[A-Za-z]+|[,;:! ])")
 #: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``, ``10^3 * 1.5``): one number
 _POWER_OF_10 = r"10\s*\^\s*(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)"
 _SCIENTIFIC = re.compile(rf"(?<![\d.])(?:{_POWER_OF_10}\s*\*\s*\d+(?:\.\d+)?(?![\d.^])|"
@@ -301,7 +302,7 @@ def _operators(tokens: list[str]) -> int:
                 return i
             i += 1  # 2^{10}: a number written as a power
 
-    i = literal(0)
+    i = literal(1 if n and tokens[0] == "*" else 0)  # \cdot 59 - 63 * 15: a mark before it
     while 0 <= i < n:
         if tokens[i] not in ("+", "-", "*", "/"):
             return -1
