@@ -297,6 +297,8 @@ class VLLMEngine(VLLMEngineBase):
                 f"VLLMEngine.max_model_len {max_model_len} is below data.max_prompt_length + "
                 f"model.max_completion_length ({longest}): vLLM would stop completions at it, "
                 "marked truncated; raise it or leave it unset")
+        self._length = (f"VLLMEngine.max_model_len ({max_model_len})" if max_model_len else
+                        f"data.max_prompt_length + model.max_completion_length ({longest})")
         max_model_len = max_model_len or longest
         self.vllm = require_vllm()
         self._sampled = False  # vLLM on the CPU refuses an attention at the first generate
@@ -338,8 +340,9 @@ class VLLMEngine(VLLMEngineBase):
     def _refusal(self, err: Exception, what: str) -> Exception:
         """vLLM's failure at its start or first generate, with the model named: a
         ValueError with what to change for an attention it cannot run (vLLM 0.32 on the CPU
-        refuses head size 16 at the first generate) or a CPU cache with no room; any other
-        error is vLLM's own (a RuntimeError at the start; itself at a generate)."""
+        refuses head size 16 at the first generate), a CPU cache with no room or a length
+        past the model's positions (named as our options); any other error is vLLM's own (a
+        RuntimeError at the start; itself at a generate)."""
         config = getattr(self.model, "config", None)
         heads = getattr(config, "num_attention_heads", None)
         head = getattr(config, "head_dim", None) or (
@@ -352,6 +355,11 @@ class VLLMEngine(VLLMEngineBase):
                 f"{named}\nGive model.model_name_or_path a model vLLM runs (on the CPU not "
                 "head size 16: builtin:tiny-h64 and builtin:tiny-h64-warm are the tiny "
                 "models' twins), or use model.engine HFGenerateEngine")
+        if "User-specified max_model_len" in str(err):  # vLLM names a length no one set
+            return ValueError(
+                f"{named}\nThe length it was given is {self._length}: lower it to the "
+                f"model's max_position_embeddings "
+                f"({getattr(config, 'max_position_embeddings', '?')}) at most")
         if hint := _memory_hint(err):
             return ValueError(named + hint)
         return RuntimeError(named) if what == "start on" else err

@@ -80,10 +80,11 @@ def test_no_two_samples_of_a_call_share_a_seed():
         request_seeds(0, 0, SEED_SPAN, 2)
 
 
-def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monkeypatch):
+def test_vllms_refusals_at_its_start_name_the_option_to_change(tiny, monkeypatch):
     """vLLM's own advice ("reduce CPU memory used by other processes") is wrong for the
     in-process engine, whose share counts the training process itself: the error names the
-    option to raise instead. vLLM is replaced by its refusal, as 0.32 words it."""
+    option to raise instead; a length past the model's positions names the options that
+    made it. vLLM is replaced by its refusal, as 0.32 words it."""
     import types
 
     import maxent_grpo.rollout.vllm_engine as engine
@@ -122,6 +123,20 @@ def test_no_room_for_the_cache_on_the_cpu_says_which_option_to_raise(tiny, monke
         assert other in str(err.value)
         assert "gpu_memory_utilization" not in str(err.value)
         assert "model_name_or_path" not in str(err.value)
+
+    # a length past the model's positions: vLLM named a max_model_len no one set (a hunt)
+    def long(**_):
+        raise ValueError("User-specified max_model_len (4096) is greater than the derived "
+                         "max_model_len (max_position_embeddings=512 or model_max_length=None "
+                         "in model's config.json). To allow overriding this maximum, ...")
+
+    monkeypatch.setattr(engine, "require_vllm", lambda: types.SimpleNamespace(LLM=long))
+    with pytest.raises(ValueError, match=r"(?s)data.max_prompt_length \+ model.max_completion_"
+                       r"length \(4096\).*max_position_embeddings"):
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4000, max_prompt_length=96))
+    with pytest.raises(ValueError, match=r"VLLMEngine.max_model_len \(5000\)"):
+        VLLMEngine(*tiny, SamplingSettings(max_new_tokens=4000, max_prompt_length=96),
+                   max_model_len=5000)
 
     def head(**_):
         raise ValueError("head size 16 is not supported")
