@@ -88,8 +88,8 @@ def encode_prompts(
                       "prompts", stacklevel=2)
         encoded = [ids[-limit:] for ids in encoded]
     unk = tokenizer.unk_token_id  # not eos or bos (a prompt may hold those); pad: unpadded
-    if unk not in (None, tokenizer.eos_token_id, tokenizer.bos_token_id) and any(
-            unk in ids for ids in encoded):
+    if unk not in (None, tokenizer.eos_token_id, tokenizer.bos_token_id) and any(  # its name
+            n.count(unk) > prompts[i].count(tokenizer.unk_token) for i, n in enumerate(encoded)):
         warnings.warn(f"prompts hold text the tokenizer cannot spell: the model sees its unknown "
                       f"token {tokenizer.unk_token!r} there (the built-in tiny models spell "
                       "printable ASCII and newlines only)", stacklevel=2)

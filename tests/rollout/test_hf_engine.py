@@ -225,6 +225,10 @@ def test_text_the_tokenizer_cannot_spell_is_warned(tiny: tuple[Any, Any]) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         encode_prompts(tokenizer, ["3 * 4 = ?\n", "<|im_start|>ab"], None)  # all spelled
+        # the unknown token's own name, spelled (SmolLM2's is <|endoftext|>): no unknown text
+        encode_prompts(tokenizer, [f"ab{tokenizer.unk_token}c", "ab"], None)
+    with pytest.warns(UserWarning, match="cannot spell"):  # beside text it cannot spell
+        encode_prompts(tokenizer, [f"ab{tokenizer.unk_token}é", "ab"], None)
     padded = copy.deepcopy(tokenizer)  # a common recipe: the unknown token pads (the
     padded.pad_token = padded.unk_token  # prompts are encoded unpadded: still told)
     with pytest.warns(UserWarning, match="cannot spell"):
