@@ -166,8 +166,10 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
                 f"{str(path)!r}: " + (f"{', '.join(bad)} cannot be read (damaged?): " if bad
                                       else "" if isinstance(error, (OSError, ValueError)) else
                                       f"{type(error).__name__} (a damaged weights file?): ")
-                + f"{error}; the folder must hold a Hugging Face model (config.json, the "
-                "weights and the tokenizer files)"
+                + f"{error}; " + ("it is the built-in model's copy: delete the folder and "
+                                  "the next run makes it again" if name_or_path.startswith(
+                                      "builtin:") else "the folder must hold a Hugging Face "
+                                  "model (config.json, the weights and the tokenizer files)")
             ) from error
         raise
 

