@@ -362,8 +362,10 @@ def report(error: BaseException, show_trace: bool) -> int:
                         "its log")
     if found is None and re.search(r"DataLoader worker \(pid(\(s\))? [\d, ]+\) (is killed|"
                                    r"exited unexpectedly)", text := str(error)):  # (a kill, OOM)
-        found = error, (f"{text.strip()} (often for want of memory): lower data.num_workers or "
-                        "free memory; --ckpt_path last resumes from the newest checkpoint")
+        why = ("often for want of memory: lower data.num_workers or free memory" if
+               "Terminated" not in text else "sent to it alone: its main process stops them")
+        found = error, (f"{text.strip()} ({why}); --ckpt_path last resumes from the newest "
+                        "checkpoint")
     if found is not None and not show_trace:
         print(f"error: {found[1]}", file=file)
         print(HINT, file=file)
@@ -427,7 +429,8 @@ def exit_on_error(build: Callable[[], T], show_trace: bool) -> T:
         print(f"error: {'interrupted (Ctrl-C)' if INTERRUPTED else 'stopped by SIGTERM'} after a "
               "batch (a fit: --ckpt_path last resumes from the newest checkpoint the run saved, "
               "if any: the steps after it train again; a ModelCheckpoint with "
-              "save_on_exception: true saves the step it stopped at)", file=sys.stderr)
+              "save_on_exception: true saves the step it stopped at; a predict writes no "
+              "--output, an earlier file there is kept)", file=sys.stderr)
         raise SystemExit(130 if INTERRUPTED else 143) from None
     except Exception as error:  # noqa: BLE001 - the command line's last stop
         code = report(error, show_trace)

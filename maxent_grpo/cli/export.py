@@ -40,7 +40,9 @@ import argparse
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,14 @@ from maxent_grpo.validation import unwritable
 
 #: the state dict's prefix of the policy's tensors, and of a ``peft`` policy's
 POLICY_PREFIX, PEFT_PREFIX = "policy.", "policy.base_model.model."
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during an export: its folder being written is removed, as on Ctrl-C."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -81,21 +91,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     package = logging.getLogger("maxent_grpo")  # its INFO lines say what "exported" says
     level = package.level
     package.setLevel(max(level, logging.WARNING))  # (and the adapter's trainable count)
+    main_thread = threading.current_thread() is threading.main_thread()
+    taken = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         written = export_checkpoint(args.checkpoint, args.output, merged=args.merged,
                                     config=args.config, model=args.model)
-    except KeyboardInterrupt:
-        if args.traceback:
+    except KeyboardInterrupt as stop:  # a SIGTERM too (a scheduler's, kill's): it left a
+        if args.traceback:  # model-sized hidden folder beside the output (a hunt)
             raise
-        print("error: interrupted (Ctrl-C): the folder being written was not kept",
-              file=sys.stderr)
-        return 130
+        term = isinstance(stop, _Terminated)
+        print(f"error: {'stopped by SIGTERM' if term else 'interrupted (Ctrl-C)'}: the folder "
+              "being written was not kept", file=sys.stderr)
+        return 143 if term else 130
     except Exception as error:  # noqa: BLE001 - the command's last stop (errors.report)
         code = errors.report(error, args.traceback)
         sys.stderr.flush()
         return code
     finally:
         package.setLevel(level)
+        if main_thread:
+            signal.signal(signal.SIGTERM, taken)
     for folder in written:
         print(f"exported {folder}")
     return 0

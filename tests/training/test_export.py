@@ -256,6 +256,38 @@ def test_ctrl_c_of_the_command_leaves_no_folder_and_exits_130(full_run, tmp_path
     assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []  # --output is left empty
 
 
+def test_sigterm_to_the_command_leaves_no_folder_and_exits_143(full_run, tmp_path, capsys,
+                                                              monkeypatch):
+    """SIGTERM (a scheduler's stop, ``kill``) ended the command at once, silent, and left the
+    model-sized hidden folder it was writing beside the output (a hunt): it is taken as
+    Ctrl-C is, and the handler before it is back afterwards."""
+    import os
+    import signal
+
+    from transformers import PreTrainedTokenizerBase
+
+    class Unhandled(Exception):
+        pass
+
+    def before(*_):  # this test's own: the command must take SIGTERM over from it
+        raise Unhandled
+
+    def terminated(self, *_, **__):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", terminated)
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        ckpt, _ = full_run
+        assert main([str(ckpt), "--output", str(tmp_path / "out")]) == 143
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: stopped by SIGTERM: the folder being written was not kept")
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []  # nothing left, hidden too
+
+
 def test_the_default_output_is_hf_beside_the_checkpoint_folder(full_run, tmp_path, monkeypatch):
     ckpt, trained = full_run
     copy = tmp_path / "run" / "checkpoints" / "last.ckpt"

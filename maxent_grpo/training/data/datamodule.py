@@ -25,13 +25,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from maxent_grpo.models import load_tokenizer
 from maxent_grpo.rollout.toolcall import resolve_tools
 from maxent_grpo.training.data.prompts import PromptFormat
 from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
+    EvalLoader,
     PromptDataset,
     PromptLoader,
     RefillStream,
@@ -354,22 +355,18 @@ class PromptDataModule(pl.LightningDataModule):
         rows = self._refill.take(len(dataset), n, world, rank)
         return collate_prompts([dataset[i] for i in rows])
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> EvalLoader:
         """Validation rows in source order, ``val_batch_size`` per batch (own generator)."""
-        return DataLoader(
-            self._require(self.val_dataset),
-            batch_size=self.val_batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            collate_fn=collate_prompts,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        return EvalLoader(self._require(self.val_dataset), batch_size=self.val_batch_size,
+                          shuffle=False, num_workers=self.num_workers,
+                          collate_fn=collate_prompts,
+                          generator=torch.Generator().manual_seed(self.seed))
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> EvalLoader:
         """The validation rows again."""
         return self.val_dataloader()
 
-    def predict_dataloader(self) -> DataLoader:
+    def predict_dataloader(self) -> EvalLoader:
         """The validation rows again (``predict`` samples them; another file to sample:
         ``data.val_files``). On several processes every rank gets as many batches (a padded
         ``DistributedSampler``; Lightning's predict sampler would give some ranks one batch
@@ -381,7 +378,7 @@ class PromptDataModule(pl.LightningDataModule):
         dataset = self._require(self.val_dataset)
         sampler = DistributedSampler(dataset, num_replicas=trainer.world_size,
                                      rank=trainer.global_rank, shuffle=False, drop_last=False)
-        return DataLoader(dataset, batch_size=self.val_batch_size, sampler=sampler,
+        return EvalLoader(dataset, batch_size=self.val_batch_size, sampler=sampler,
                           num_workers=self.num_workers, collate_fn=collate_prompts)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

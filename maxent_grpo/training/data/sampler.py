@@ -7,6 +7,7 @@ share of a seeded per-epoch order, resumable mid-epoch.
 
 from __future__ import annotations
 
+import signal
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from maxent_grpo.validation import require
 
 __all__ = [
     "EpochShuffleSampler",
+    "EvalLoader",
     "Prompt",
     "PromptDataset",
     "PromptExample",
@@ -168,7 +170,28 @@ class RefillStream:
         return rows
 
 
-class PromptLoader(DataLoader):
+def leave_stops_to_the_main_process(worker_id: int) -> None:
+    """A DataLoader worker's start: Ctrl-C and SIGTERM are ignored there. A scheduler's
+    SIGTERM and a terminal's Ctrl-C reach every process of the group; the main process
+    stops after its batch and shuts its workers down itself, while a worker they killed
+    first failed the run ("DataLoader worker ... killed by signal", exit 1, no
+    ``save_on_exception`` save) and Ctrl-C printed each worker's trace. A worker whose main
+    process died exits by itself (PyTorch's watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class EvalLoader(DataLoader):
+    """A DataLoader whose workers leave the stop signals to the main process
+    (:func:`leave_stops_to_the_main_process`, unless ``worker_init_fn`` is given)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["worker_init_fn"] = kwargs.get("worker_init_fn") or (
+            leave_stops_to_the_main_process)
+        super().__init__(*args, **kwargs)
+
+
+class PromptLoader(EvalLoader):
     """The training DataLoader, marked resumable so Lightning does not warn on a mid-epoch
     resume; the position itself is the DataModule's ``state_dict``."""
 

@@ -1424,3 +1424,35 @@ def test_lowering_val_size_is_offered_only_where_it_can_fill_the_batches():
                                                             batch_size=2, **options)
     assert "lower --data.val_size" not in too_few_train_prompts(  # the rows split off: long
         counts | {"split_off": 6, "val_kept": 0}, batch_size=2, **options)
+
+
+class _WorkerPids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        return os.getpid()
+
+
+def test_loader_workers_leave_a_stop_signal_to_the_main_process():
+    """A scheduler's SIGTERM (and a terminal's Ctrl-C) reaches every process of the group:
+    a DataLoader worker it killed first failed the run with "DataLoader worker ... killed by
+    signal" (exit 1, the stopped step not saved; a hunt, ``data.num_workers: 1``), where the
+    main process would have stopped after its batch. The workers ignore both; the main
+    process shuts them down."""
+    import signal
+
+    from maxent_grpo.training.data.sampler import EvalLoader, leave_stops_to_the_main_process
+
+    loader = EvalLoader(_WorkerPids(), batch_size=1, num_workers=1)
+    batches = iter(loader)
+    (worker,) = next(batches).tolist()
+    assert worker != os.getpid()
+    os.kill(worker, signal.SIGTERM)
+    os.kill(worker, signal.SIGINT)
+    assert [b.item() for b, _ in zip(batches, range(8), strict=False)] == [worker] * 8
+    del batches  # the main process shuts its worker down
+    dm = make(task="arithmetic", train_size=16, val_size=4, batch_size=2, num_workers=1)
+    dm.setup("predict")
+    for made in (dm.train_dataloader(), dm.val_dataloader(), dm.predict_dataloader()):
+        assert made.worker_init_fn is leave_stops_to_the_main_process
