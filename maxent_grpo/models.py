@@ -168,7 +168,8 @@ def _from_pretrained(loader: Callable[..., Any], name_or_path: str, path: str, *
                                       f"{type(error).__name__} (a damaged weights file?): ")
                 + f"{error}; " + ("it is the built-in model's copy: delete the folder and "
                                   "the next run makes it again" if name_or_path.startswith(
-                                      "builtin:") else "the folder must hold a Hugging Face "
+                                      "builtin:") and (bad or not isinstance(error, ValueError))
+                                  else "the folder must hold a Hugging Face "
                                   "model (config.json, the weights and the tokenizer files)")
             ) from error
         raise

@@ -332,7 +332,7 @@ def test_a_killed_dataloader_worker_is_named_with_what_to_do(capsys):
     terminated = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Terminated. ")
     assert errors.report(terminated, show_trace=False) == 1
     err = capsys.readouterr().err
-    assert "sent to it alone" in err and "memory" not in err
+    assert "a SIGTERM reached it" in err and "memory" not in err
 
 
 def test_a_process_whose_peer_failed_points_to_the_peers_error(capsys, monkeypatch):

@@ -66,7 +66,8 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the command on ``argv`` (default ``sys.argv[1:]``); return the exit code: 0 done,
-    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0), 130 Ctrl-C.
+    1 a user's mistake or a bug (printed), 2 a bad command line (``--help``: 0), 130 Ctrl-C,
+    143 SIGTERM (either: the folder being written removed).
     ``prog``: the command as typed (default ``<the CLI's command> export``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
@@ -97,9 +98,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         written = export_checkpoint(args.checkpoint, args.output, merged=args.merged,
                                     config=args.config, model=args.model)
     except KeyboardInterrupt as stop:  # a SIGTERM too (a scheduler's, kill's): it left a
-        if args.traceback:  # model-sized hidden folder beside the output (a hunt)
+        term = isinstance(stop, _Terminated)  # model-sized hidden folder beside it (a hunt)
+        if args.traceback and not term:
             raise
-        term = isinstance(stop, _Terminated)
         print(f"error: {'stopped by SIGTERM' if term else 'interrupted (Ctrl-C)'}: the folder "
               "being written was not kept", file=sys.stderr)
         return 143 if term else 130
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return code
     finally:
         package.setLevel(level)
-        if main_thread:
+        if main_thread and taken is not None:  # (None: a handler set outside Python)
             signal.signal(signal.SIGTERM, taken)
     for folder in written:
         print(f"exported {folder}")

@@ -81,18 +81,18 @@ def encode_prompts(
     cut prompts (a PromptDataModule drops them) and text read as an unknown token (the built-in
     tiny models spell ASCII only). ValueError names a prompt empty after tokenisation."""
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    if limit is not None and any(len(ids) > limit for ids in encoded):
-        warnings.warn(f"prompts over the module's max_prompt_length {limit} tokens are cut to "
-                      f"their last {limit}: the model does not see their start (a system "
-                      "prompt, the question); raise model.max_prompt_length or give shorter "
-                      "prompts", stacklevel=2)
-        encoded = [ids[-limit:] for ids in encoded]
     unk = tokenizer.unk_token_id  # not eos or bos (a prompt may hold those); pad: unpadded
     if unk not in (None, tokenizer.eos_token_id, tokenizer.bos_token_id) and any(  # its name
             n.count(unk) > prompts[i].count(tokenizer.unk_token) for i, n in enumerate(encoded)):
         warnings.warn(f"prompts hold text the tokenizer cannot spell: the model sees its unknown "
                       f"token {tokenizer.unk_token!r} there (the built-in tiny models spell "
                       "printable ASCII and newlines only)", stacklevel=2)
+    if limit is not None and any(len(ids) > limit for ids in encoded):
+        warnings.warn(f"prompts over the module's max_prompt_length {limit} tokens are cut to "
+                      f"their last {limit}: the model does not see their start (a system "
+                      "prompt, the question); raise model.max_prompt_length or give shorter "
+                      "prompts", stacklevel=2)
+        encoded = [ids[-limit:] for ids in encoded]
     for index, ids in enumerate(encoded):
         if len(ids) == 0:
             raise ValueError(f"prompts[{index}] is empty after tokenisation")

@@ -358,8 +358,8 @@ class VLLMEngine(VLLMEngineBase):
         if "User-specified max_model_len" in str(err):  # vLLM names a length no one set
             return ValueError(
                 f"{named}\nThe length it was given is {self._length}: lower it to the "
-                f"model's max_position_embeddings "
-                f"({getattr(config, 'max_position_embeddings', '?')}) at most")
+                "longest vLLM derives for the model, named above (the model's "
+                f"max_position_embeddings is {getattr(config, 'max_position_embeddings', '?')})")
         if hint := _memory_hint(err):
             return ValueError(named + hint)
         return RuntimeError(named) if what == "start on" else err

@@ -227,7 +227,8 @@ _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
 #: arguments read as parentheses
 _LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorname)"
                          r"\s*\{([^{}]*)\}")
-_LATEX_LAYOUT = re.compile(r"\\(?:[A-Za-z]+|[,;:! ])")
+_LATEX_LAYOUT = re.compile(r"\\[hv]?phantom\s*\{[^{}]*\}|\\(?:[A-Za-z]+(?:\s*_\s*(?:\{[^{}]*\}|"
+                           r"\w))?|[,;:! {}])")  # a \sum_{i}'s bound, \phantom's box, \{ \}
 #: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``, ``10^3 * 1.5``): one number
 _POWER_OF_10 = r"10\s*\^\s*(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)"
 _SCIENTIFIC = re.compile(rf"(?<![\d.])(?:{_POWER_OF_10}\s*\*\s*\d+(?:\.\d+)?(?![\d.^])|"
@@ -236,6 +237,10 @@ _SCIENTIFIC = re.compile(rf"(?<![\d.])(?:{_POWER_OF_10}\s*\*\s*\d+(?:\.\d+)?(?![
 #: words (``\text{ (apples)}``): left out
 _MATH_MARKS = re.compile(r"(?<!\\)\$|\\[()\[\]]")
 _WORDS_IN_BRACKETS = re.compile(r"\([^()\d]*\)")
+#: what gives a value as ``=`` does (``59 - 63 \cdot 15 \approx -886``; a reader: these scored
+#: 0.0 once command names were left out, the value's minus read as a subtraction)
+_GIVES = re.compile(r"\\(?:approx|simeq|Rightarrow|implies|(?:long)?rightarrow)(?![A-Za-z])|"
+                    r"[≈→⇒]")
 _AROUND = re.compile(r"[^\W\d_]+|[\s?!:;#~≈→]|\.(?!\d)")  # words around them, left out
 #: a side of an ``=`` that gives a value: a number ($18, 18.00, 1,800, 18%, 18 (dollars)) that
 #: no operator follows
@@ -252,7 +257,7 @@ def unworked(answer: str) -> bool:
     3 * 6``); a fraction (``- 1/2``, ``\\frac{1}{2^5}``) is a number, and so is a power of
     numbers (``2^{10}``); a product of them (``2^2 \\cdot 3``) is a calculation. Linear in the
     answer's length (a pattern of this had taken minutes on a sum of 12 spaced terms)."""
-    text, value = split_equation(answer)
+    text, value = split_equation(_GIVES.sub("=", answer))
     parts = [_plain(p) for side in (text, value or "") for p in side.split("=")]
     if (value is not None or len(parts) > 2) and any(_VALUE.match(p) for p in parts):
         return False  # = -886 (apples): its value given

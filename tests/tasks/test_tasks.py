@@ -392,11 +392,15 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               "\\(59 - 63 \\times 15\\) apples", "59 - 63 \\times 15 \\text{ (apples)}",
               # commands math-verify passes over scored 1.0 (a hunt: \sum; the fix: any name)
               "\\sum 59 - 63 * 15", "\\lim 59 - 63 * 15", "\\max(59 - 63 * 15)",
-              "\\large 59 - 63 * 15", "59 - 63 * 15 \\nonumber", "\\cdot 59 - 63 * 15"]
+              "\\large 59 - 63 * 15", "59 - 63 * 15 \\nonumber", "\\cdot 59 - 63 * 15",
+              "\\sum_{i} 59 - 63 * 15", "\\{59 - 63 \\cdot 15\\}", "\\phantom{0}59 - 63 * 15"]
     worked = ["-886", "59 - 63 * 15 = -886", "59 - 63*15 = -886 apples", "-1772/2",
               "\\boxed{-886}", "It is -886.", "{-886}", "\\left(-886\\right)",
               "-886 \\text{ apples}", "59 - 63 * 15 = {-886}", "-8.86 \\times 10^2",
-              "-\\sqrt{784996}"]  # a function of one number is graded
+              "-\\sqrt{784996}",  # a function of one number is graded
+              # a value given as = gives it (readers: 0.0 with command names left out)
+              "59 - 63 \\cdot 15 \\approx -886", "59 - 63 \u00d7 15 \u2248 -886",
+              "59 - 63 * 15 \\Rightarrow -886"]
     texts = copies + worked
     assert accuracy_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
                            answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(

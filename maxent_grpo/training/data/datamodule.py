@@ -32,7 +32,6 @@ from maxent_grpo.rollout.toolcall import resolve_tools
 from maxent_grpo.training.data.prompts import PromptFormat
 from maxent_grpo.training.data.sampler import (
     EpochShuffleSampler,
-    EvalLoader,
     PromptDataset,
     PromptLoader,
     RefillStream,
@@ -51,6 +50,7 @@ from maxent_grpo.training.data.sources import (
     too_few_train_prompts,
     val_file_rows,
 )
+from maxent_grpo.training.data.workers import EvalLoader
 from maxent_grpo.validation import check_bool, check_int, defaults_of, require
 
 __all__ = [  # the names other than PromptDataModule are re-exported

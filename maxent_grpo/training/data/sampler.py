@@ -7,19 +7,18 @@ share of a seeded per-epoch order, resumable mid-epoch.
 
 from __future__ import annotations
 
-import signal
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
+from maxent_grpo.training.data.workers import EvalLoader
 from maxent_grpo.validation import require
 
 __all__ = [
     "EpochShuffleSampler",
-    "EvalLoader",
     "Prompt",
     "PromptDataset",
     "PromptExample",
@@ -168,27 +167,6 @@ class RefillStream:
             rows.append(self._order[1][i])
         self.drawn += n
         return rows
-
-
-def leave_stops_to_the_main_process(worker_id: int) -> None:
-    """A DataLoader worker's start: Ctrl-C and SIGTERM are ignored there. A scheduler's
-    SIGTERM and a terminal's Ctrl-C reach every process of the group; the main process
-    stops after its batch and shuts its workers down itself, while a worker they killed
-    first failed the run ("DataLoader worker ... killed by signal", exit 1, no
-    ``save_on_exception`` save) and Ctrl-C printed each worker's trace. A worker whose main
-    process died exits by itself (PyTorch's watchdog)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-class EvalLoader(DataLoader):
-    """A DataLoader whose workers leave the stop signals to the main process
-    (:func:`leave_stops_to_the_main_process`, unless ``worker_init_fn`` is given)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["worker_init_fn"] = kwargs.get("worker_init_fn") or (
-            leave_stops_to_the_main_process)
-        super().__init__(*args, **kwargs)
 
 
 class PromptLoader(EvalLoader):

@@ -1435,24 +1435,43 @@ class _WorkerPids(torch.utils.data.Dataset):
 
 
 def test_loader_workers_leave_a_stop_signal_to_the_main_process():
-    """A scheduler's SIGTERM (and a terminal's Ctrl-C) reaches every process of the group:
-    a DataLoader worker it killed first failed the run with "DataLoader worker ... killed by
-    signal" (exit 1, the stopped step not saved; a hunt, ``data.num_workers: 1``), where the
-    main process would have stopped after its batch. The workers ignore both; the main
-    process shuts them down."""
+    """A scheduler's SIGTERM (and SIGUSR1, a terminal's Ctrl-C) reaches every process of the
+    job: a DataLoader worker it killed first failed the run with "DataLoader worker ...
+    killed by signal" (exit 1, the stopped step not saved; a hunt, ``data.num_workers: 1``),
+    where the main process would have stopped after its batch. A worker ignores SIGINT and
+    SIGUSR1, and SIGTERM unless its main process sends it (a reader: ignoring that one too
+    made a process that ended with a loader's iterator alive hang, as multiprocessing ends
+    its children with SIGTERM)."""
     import signal
+    import subprocess
+    import sys
+    import textwrap
 
-    from maxent_grpo.training.data.sampler import EvalLoader, leave_stops_to_the_main_process
+    from maxent_grpo.training.data.workers import _TAKES_SENDER, EvalLoader, LeaveStops
 
     loader = EvalLoader(_WorkerPids(), batch_size=1, num_workers=1)
     batches = iter(loader)
     (worker,) = next(batches).tolist()
     assert worker != os.getpid()
-    os.kill(worker, signal.SIGTERM)
-    os.kill(worker, signal.SIGINT)
+    stops = (signal.SIGINT, signal.SIGUSR1) + ((signal.SIGTERM,) if _TAKES_SENDER else ())
+    killer = subprocess.Popen([sys.executable, "-c", "import os, sys\nfor s in sys.argv[2:]: "
+                               "os.kill(int(sys.argv[1]), int(s))", str(worker),
+                               *map(str, map(int, stops))])  # another process: not the main
+    assert killer.wait(timeout=60) == 0
     assert [b.item() for b, _ in zip(batches, range(8), strict=False)] == [worker] * 8
     del batches  # the main process shuts its worker down
+    # a process that ends with an iterator alive ends (it hung when workers ignored SIGTERM)
+    script = textwrap.dedent("""
+        from maxent_grpo.training.data.workers import EvalLoader
+        live = iter(EvalLoader(list(range(8)), batch_size=1, num_workers=1))
+        print(next(live).item())
+        """)
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=120)
+    assert ended.returncode == 0, ended.stderr
     dm = make(task="arithmetic", train_size=16, val_size=4, batch_size=2, num_workers=1)
     dm.setup("predict")
     for made in (dm.train_dataloader(), dm.val_dataloader(), dm.predict_dataloader()):
-        assert made.worker_init_fn is leave_stops_to_the_main_process
+        assert isinstance(made.worker_init_fn, LeaveStops)
+    own = EvalLoader(_WorkerPids(), 1, False, None, None, 1, None, False, False, 0, print)
+    assert own.worker_init_fn.then is print  # a user's own, positional too, runs after it
