@@ -50,7 +50,7 @@ from maxent_grpo.training.data.sources import (
     too_few_train_prompts,
     val_file_rows,
 )
-from maxent_grpo.training.data.workers import EvalLoader
+from maxent_grpo.training.data.workers import SignalSafeLoader
 from maxent_grpo.validation import check_bool, check_int, defaults_of, require
 
 __all__ = [  # the names other than PromptDataModule are re-exported
@@ -355,18 +355,18 @@ class PromptDataModule(pl.LightningDataModule):
         rows = self._refill.take(len(dataset), n, world, rank)
         return collate_prompts([dataset[i] for i in rows])
 
-    def val_dataloader(self) -> EvalLoader:
+    def val_dataloader(self) -> SignalSafeLoader:
         """Validation rows in source order, ``val_batch_size`` per batch (own generator)."""
-        return EvalLoader(self._require(self.val_dataset), batch_size=self.val_batch_size,
-                          shuffle=False, num_workers=self.num_workers,
-                          collate_fn=collate_prompts,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return SignalSafeLoader(self._require(self.val_dataset), self.val_batch_size,
+                                shuffle=False, num_workers=self.num_workers,
+                                collate_fn=collate_prompts,
+                                generator=torch.Generator().manual_seed(self.seed))
 
-    def test_dataloader(self) -> EvalLoader:
+    def test_dataloader(self) -> SignalSafeLoader:
         """The validation rows again."""
         return self.val_dataloader()
 
-    def predict_dataloader(self) -> EvalLoader:
+    def predict_dataloader(self) -> SignalSafeLoader:
         """The validation rows again (``predict`` samples them; another file to sample:
         ``data.val_files``). On several processes every rank gets as many batches (a padded
         ``DistributedSampler``; Lightning's predict sampler would give some ranks one batch
@@ -378,8 +378,8 @@ class PromptDataModule(pl.LightningDataModule):
         dataset = self._require(self.val_dataset)
         sampler = DistributedSampler(dataset, num_replicas=trainer.world_size,
                                      rank=trainer.global_rank, shuffle=False, drop_last=False)
-        return EvalLoader(dataset, batch_size=self.val_batch_size, sampler=sampler,
-                          num_workers=self.num_workers, collate_fn=collate_prompts)
+        return SignalSafeLoader(dataset, batch_size=self.val_batch_size, sampler=sampler,
+                                num_workers=self.num_workers, collate_fn=collate_prompts)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count a training batch about to reach ``training_step`` (other stages are not

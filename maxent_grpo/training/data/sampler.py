@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, DistributedSampler
 
-from maxent_grpo.training.data.workers import EvalLoader
+from maxent_grpo.training.data.workers import SignalSafeLoader
 from maxent_grpo.validation import require
 
 __all__ = [
@@ -169,7 +169,7 @@ class RefillStream:
         return rows
 
 
-class PromptLoader(EvalLoader):
+class PromptLoader(SignalSafeLoader):
     """The training DataLoader, marked resumable so Lightning does not warn on a mid-epoch
     resume; the position itself is the DataModule's ``state_dict``."""
 

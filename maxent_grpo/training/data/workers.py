@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["EvalLoader", "LeaveStops"]
+__all__ = ["SignalSafeLoader", "LeaveStops"]
 
 _IGNORED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGUSR1") if hasattr(signal, name))
 _TAKES_SENDER = hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask")
@@ -72,7 +72,7 @@ class LeaveStops:
             self.then(worker_id)
 
 
-class EvalLoader(DataLoader):
+class SignalSafeLoader(DataLoader):
     """A DataLoader whose workers leave the stop signals to the main process
     (:class:`LeaveStops`, around a ``worker_init_fn`` given)."""
 

@@ -1447,9 +1447,9 @@ def test_loader_workers_leave_a_stop_signal_to_the_main_process():
     import sys
     import textwrap
 
-    from maxent_grpo.training.data.workers import _TAKES_SENDER, EvalLoader, LeaveStops
+    from maxent_grpo.training.data.workers import _TAKES_SENDER, LeaveStops, SignalSafeLoader
 
-    loader = EvalLoader(_WorkerPids(), batch_size=1, num_workers=1)
+    loader = SignalSafeLoader(_WorkerPids(), batch_size=1, num_workers=1)
     batches = iter(loader)
     (worker,) = next(batches).tolist()
     assert worker != os.getpid()
@@ -1462,8 +1462,8 @@ def test_loader_workers_leave_a_stop_signal_to_the_main_process():
     del batches  # the main process shuts its worker down
     # a process that ends with an iterator alive ends (it hung when workers ignored SIGTERM)
     script = textwrap.dedent("""
-        from maxent_grpo.training.data.workers import EvalLoader
-        live = iter(EvalLoader(list(range(8)), batch_size=1, num_workers=1))
+        from maxent_grpo.training.data.workers import SignalSafeLoader
+        live = iter(SignalSafeLoader(list(range(8)), batch_size=1, num_workers=1))
         print(next(live).item())
         """)
     ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -1473,5 +1473,5 @@ def test_loader_workers_leave_a_stop_signal_to_the_main_process():
     dm.setup("predict")
     for made in (dm.train_dataloader(), dm.val_dataloader(), dm.predict_dataloader()):
         assert isinstance(made.worker_init_fn, LeaveStops)
-    own = EvalLoader(_WorkerPids(), 1, False, None, None, 1, None, False, False, 0, print)
+    own = SignalSafeLoader(_WorkerPids(), 1, False, None, None, 1, None, False, False, 0, print)
     assert own.worker_init_fn.then is print  # a user's own, positional too, runs after it
