@@ -363,8 +363,9 @@ def report(error: BaseException, show_trace: bool) -> int:
     if found is None and re.search(r"DataLoader worker \(pid(\(s\))? [\d, ]+\) (is killed|"
                                    r"exited unexpectedly)", text := str(error)):  # (a kill, OOM)
         why = ("often for want of memory: lower data.num_workers or free memory" if
-               "Terminated" not in text else "a SIGTERM reached it: the DataLoader of a DataModule "
-               "of your own, whose workers take it, or one sent to the worker")
+               "Terminated" not in text else "a SIGTERM reached it, which on Linux the package's "
+               "workers leave to their main process; the loader of a DataModule of your own "
+               "or macOS: docs/TROUBLESHOOTING.md")
         found = error, (f"{text.strip()} ({why}); --ckpt_path last resumes from the newest "
                         "checkpoint")
     if found is not None and not show_trace:

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return code
     finally:
         package.setLevel(level)
-        if main_thread and taken is not None:  # (None: a handler set outside Python)
-            signal.signal(signal.SIGTERM, taken)
+        if main_thread:  # (None: a handler set outside Python, not restorable: the default)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if taken is None else taken)
     for folder in written:
         print(f"exported {folder}")
     return 0

@@ -239,8 +239,8 @@ _MATH_MARKS = re.compile(r"(?<!\\)\$|\\[()\[\]]")
 _WORDS_IN_BRACKETS = re.compile(r"\([^()\d]*\)")
 #: what gives a value as ``=`` does (``59 - 63 \cdot 15 \approx -886``; a reader: these scored
 #: 0.0 once command names were left out, the value's minus read as a subtraction)
-_GIVES = re.compile(r"\\(?:approx|simeq|Rightarrow|implies|(?:long)?rightarrow)(?![A-Za-z])|"
-                    r"[≈→⇒]")
+_GIVES = re.compile(r"\\(?:approx|simeq|cong|equiv|to|implies|(?:[Ll]ong)?[Rr]ightarrow)"
+                    r"(?![A-Za-z])|[≈≃→⇒⟹]")
 _AROUND = re.compile(r"[^\W\d_]+|[\s?!:;#~≈→]|\.(?!\d)")  # words around them, left out
 #: a side of an ``=`` that gives a value: a number ($18, 18.00, 1,800, 18%, 18 (dollars)) that
 #: no operator follows

@@ -400,7 +400,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               "-\\sqrt{784996}",  # a function of one number is graded
               # a value given as = gives it (readers: 0.0 with command names left out)
               "59 - 63 \\cdot 15 \\approx -886", "59 - 63 \u00d7 15 \u2248 -886",
-              "59 - 63 * 15 \\Rightarrow -886"]
+              "59 - 63 * 15 \\Rightarrow -886", "59 - 63 * 15 \\Longrightarrow -886",
+              "59 - 63 * 15 \\to -886"]
     texts = copies + worked
     assert accuracy_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
                            answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(

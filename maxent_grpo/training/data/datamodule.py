@@ -357,7 +357,8 @@ class PromptDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> SignalSafeLoader:
         """Validation rows in source order, ``val_batch_size`` per batch (own generator)."""
-        return SignalSafeLoader(self._require(self.val_dataset), self.val_batch_size,
+        return SignalSafeLoader(self._require(self.val_dataset),  # (Lightning rebuilds a
+                                batch_size=self.val_batch_size,  # predict loader by keyword)
                                 shuffle=False, num_workers=self.num_workers,
                                 collate_fn=collate_prompts,
                                 generator=torch.Generator().manual_seed(self.seed))

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -44,11 +44,14 @@ def _alive(pid: int) -> bool:
 
 def _take_sigterm(owners: frozenset[int]) -> None:
     """A worker's thread: SIGTERM (blocked in the worker) from one of ``owners`` (its main
-    process, its parent) or after the main process is gone ends the worker as SIGTERM
-    does; from anyone else it is left to the main process."""
+    process, its parent: a shutdown) ends the worker with 0, as PyTorch's own handler does
+    (another code reads as a worker that failed); after the main process is gone, with 143;
+    from anyone else it is left to the main process."""
     while True:
         info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid in owners or not all(_alive(pid) for pid in owners):
+        if info.si_pid in owners:
+            os._exit(0)
+        if not all(_alive(pid) for pid in owners):
             os._exit(128 + signal.SIGTERM)
 
 
@@ -87,8 +90,11 @@ class SignalSafeLoader(DataLoader):
         """The workers start with the stop signals blocked (they inherit the mask)."""
         if self.num_workers == 0 or not _BLOCKED:
             return super()._get_iterator()
-        if (self.multiprocessing_context or multiprocessing).get_start_method() != "fork":
+        method = (self.multiprocessing_context or multiprocessing).get_start_method()
+        if method != "fork":
             resource_tracker.ensure_running()  # its first start unblocks SIGINT and SIGTERM
+        if method == "forkserver":  # started while blocked, it would block them in all it forks
+            forkserver.ensure_running()
         before = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
         try:
             return super()._get_iterator()
