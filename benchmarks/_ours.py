@@ -61,6 +61,31 @@ class RecordingEngines:
         return self.last
 
 
+def allow_bench_eos() -> None:
+    """Let the module load a fixed-length workload's model: its eos ``<|bench_no_eos|>`` is
+    past the embeddings on purpose (never sampled, so every completion is T tokens), which
+    ``maxent_grpo.models.check_token_ids`` refuses for a user's model (a model that never
+    stops). Only that token is let through; every other check runs as for a user."""
+    from maxent_grpo.training.run import policy_models
+
+    check = policy_models.check_token_ids
+    if getattr(check, "bench_eos_allowed", False):
+        return
+
+    def checked(tokenizer: Any, model: Any, name_or_path: str) -> None:
+        if tokenizer.eos_token != bc.NO_EOS_TOKEN:
+            return check(tokenizer, model, name_or_path)
+        eos = tokenizer.eos_token_id
+        try:
+            tokenizer.eos_token_id = tokenizer.pad_token_id  # checked as the pad token is
+            return check(tokenizer, model, name_or_path)
+        finally:
+            tokenizer.eos_token_id = eos
+
+    checked.bench_eos_allowed = True
+    policy_models.check_token_ids = checked
+
+
 def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
           beta: float = 0.0, callbacks: list | None = None, cache: str = "dynamic",
           generation_dtype: str = "model", fused_lm_head: bool | None = None):
@@ -75,6 +100,7 @@ def build(workload: bc.Workload, folder: Path, total_steps: int, seed: int = 0,
     from maxent_grpo.training.data.datamodule import PromptDataModule
     from maxent_grpo.training.module import MaxEntGRPOModule
 
+    allow_bench_eos()
     L.seed_everything(seed, verbose=False)
     model_dir = str(folder / "model")
     prompts = str(folder / "prompts.jsonl")

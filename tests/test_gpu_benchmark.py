@@ -164,3 +164,20 @@ def test_phase_table_lists_every_side() -> None:
     assert "| phase | ours | trl |" in table and "above the weights" in table
     assert "| score | 30 | - |" in table and "| backward | - | 50 |" in table
     assert gpu_step.phase_markdown({"results": {"trl": {"phase_peak_mib": None}}}) == []
+
+
+def test_our_side_loads_a_fixed_length_workload(bench_folder: Path) -> None:
+    """The step benchmarks (step_overhead, trl_vs_ours, gpu_step) stopped before their first
+    step once the module refused an eos past the embeddings (a hunt): the workload's eos is
+    past them on purpose. Our side lets that token through, and only that one."""
+    import _ours
+    import pytest
+
+    from maxent_grpo.models import check_token_ids
+
+    _, module, _ = _ours.build(bc.WORKLOADS["qwen-tiny-cpu"], bench_folder, total_steps=1)
+    module.configure_model()
+    assert module.tokenizer.eos_token == bc.NO_EOS_TOKEN
+    assert module.tokenizer.eos_token_id >= module.policy.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match="eos token"):  # a user's model is still refused
+        check_token_ids(module.tokenizer, module.policy, "a user's")
