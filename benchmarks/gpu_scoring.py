@@ -126,7 +126,7 @@ def agreement(outputs: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--t", type=int, default=1024)
     parser.add_argument("--v", type=int, default=151936)

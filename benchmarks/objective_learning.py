@@ -22,7 +22,7 @@ from tests.objective_learning import OBJECTIVES, STEPS, WINDOW, first_and_last, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

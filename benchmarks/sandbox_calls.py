@@ -52,7 +52,7 @@ def timed(fn, calls: int, pause: float = 0.0) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--spares", type=int, default=2)
     parser.add_argument("--pause", type=float, default=0.05)

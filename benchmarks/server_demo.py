@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--staleness", type=int, nargs="+", default=[1])
     parser.add_argument("--steps", type=int, default=None, help="default: the config's 800")

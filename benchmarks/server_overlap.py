@@ -85,7 +85,7 @@ def summarise(runs: list[dict], pin: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--window", type=int, default=30)
     parser.add_argument("--model", default="builtin:tiny-h64-warm")

@@ -71,7 +71,7 @@ def shape_arguments(description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = shape_arguments(__doc__.split("\n")[0])
+    parser = shape_arguments(" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--engines", default="hf-dynamic,hf-static,vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /

@@ -117,7 +117,7 @@ def summary(hand: list[float], roll: list[float], tokens: list[int]) -> dict[str
 def main(argv: list[str] | None = None) -> None:
     from peft import LoraConfig, get_peft_model
 
-    parser = shape_arguments(__doc__.split("\n")[0])
+    parser = shape_arguments(" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--syncs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /
