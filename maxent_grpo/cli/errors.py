@@ -363,9 +363,8 @@ def report(error: BaseException, show_trace: bool) -> int:
     if found is None and re.search(r"DataLoader worker \(pid(\(s\))? [\d, ]+\) (is killed|"
                                    r"exited unexpectedly)", text := str(error)):  # (a kill, OOM)
         why = ("often for want of memory: lower data.num_workers or free memory" if
-               "Terminated" not in text else "a SIGTERM reached it, which on Linux the package's "
-               "workers leave to their main process; the loader of a DataModule of your own "
-               "or macOS: docs/TROUBLESHOOTING.md")
+               "Terminated" not in text else "a SIGTERM reached it: a DataModule of your own, or "
+               "macOS, where workers take it; docs/TROUBLESHOOTING.md")
         found = error, (f"{text.strip()} ({why}); --ckpt_path last resumes from the newest "
                         "checkpoint")
     if found is not None and not show_trace:
