@@ -238,12 +238,19 @@ def sample_answer(completion: str | list[dict], opens_think: bool = False) -> st
 def coverage_answer(answer: str | None) -> str | None:
     """The canonical form of an expression answer, for coverage@k: ``×``, ``÷``,
     ``\\times``, ``\\div``, ``\\cdot`` read as ``*`` and ``/``, the left side of one
-    ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression).
+    ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression,
+    and when the ``=`` gives a number the left side does not reach: ``3 + 4 = 8`` is not
+    ``3 + 4``, which a countdown reward pays where the other gets 0.0).
 
-    >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello") is None
-    ('1 + 3 * 5', True)
+    >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello"), coverage_answer("6 = 7")
+    ('1 + 3 * 5', None, None)
     """
-    return None if answer is None else canonical_expression(split_equation(answer)[0])
+    if answer is None:
+        return None
+    left, right = split_equation(answer)
+    value = None if right is None else number_value(right, False)
+    return None if value is not None and number_value(left) != value else canonical_expression(
+        left)
 
 
 #: how a task's answers are compared (the rows' ``answer_form`` column; absent or blank:

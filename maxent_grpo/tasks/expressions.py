@@ -227,8 +227,8 @@ _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
 #: arguments read as parentheses
 _LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorname)"
                          r"\s*\{([^{}]*)\}")
-_LATEX_LAYOUT = re.compile(r"\\[hv]?phantom\s*\{[^{}]*\}|\\(?:[A-Za-z]+(?:\s*_\s*(?:\{[^{}]*\}|"
-                           r"\w))?|[,;:! {}])")  # a \sum_{i}'s bound, \phantom's box, \{ \}
+_LATEX_LAYOUT = re.compile(r"\\(?:[hv]?phantom|tag\*?|label)\s*\{[^{}]*\}|\\(?:[A-Za-z]+(?:\s*_\s*"
+                           r"(?:\{[^{}]*\}|\w))?|[,;:! {}])")  # \sum_{i}'s bound, \tag{1}, \{ \}
 #: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``, ``10^3 * 1.5``): one number
 _POWER_OF_10 = r"10\s*\^\s*(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)"
 _SCIENTIFIC = re.compile(rf"(?<![\d.])(?:{_POWER_OF_10}\s*\*\s*\d+(?:\.\d+)?(?![\d.^])|"

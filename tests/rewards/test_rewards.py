@@ -1511,3 +1511,19 @@ def test_math_verify_messages_quote_model_text_escaped_and_cut(caplog):
     assert first.startswith("Timeout during parsing: '{{{") and len(first) < 160
     assert "\x1b" not in first and "\r" not in first
     assert second == "Timeout during comparison"
+
+
+def test_an_equation_whose_value_is_wrong_is_not_keyed_as_its_left_side() -> None:
+    """``(3 + 5) * 2 = 17`` was keyed as ``(3 + 5) * 2``, the answer that the countdown reward
+    pays for target 16, while it pays 0.0 for this one: the answer statistics and the
+    answer-level objectives put a wrong and a right answer under one key (a hunt: ``6 = 7``
+    as ``6``). A right value, or none, keeps the expression's key."""
+    from maxent_grpo.rewards.answers import answer_key
+
+    texts = ["(3 + 5) * 2 = 17", "(3 + 5) * 2", "2 * (5 + 3) = 16", "(3 + 5) * 2 = x"]
+    rewards = countdown_reward(["q"] * 4, [f"<answer>{t}</answer>" for t in texts],
+                               numbers=[[2, 3, 5]] * 4, target=[16] * 4)
+    keys = [answer_key(f"<answer>{t}</answer>") for t in texts]
+    assert rewards == [0.0, 1.0, 1.0, 0.0]
+    assert keys[1] == keys[2] == keys[3] != keys[0] and keys[0] is not None
+    assert answer_key("6 = 7") != answer_key("6") == answer_key("6 = 6")

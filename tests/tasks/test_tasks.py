@@ -393,7 +393,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               # commands math-verify passes over scored 1.0 (a hunt: \sum; the fix: any name)
               "\\sum 59 - 63 * 15", "\\lim 59 - 63 * 15", "\\max(59 - 63 * 15)",
               "\\large 59 - 63 * 15", "59 - 63 * 15 \\nonumber", "\\cdot 59 - 63 * 15",
-              "\\sum_{i} 59 - 63 * 15", "\\{59 - 63 \\cdot 15\\}", "\\phantom{0}59 - 63 * 15"]
+              "\\sum_{i} 59 - 63 * 15", "\\{59 - 63 \\cdot 15\\}", "\\phantom{0}59 - 63 * 15",
+              "\\tag{1} 59 - 63 * 15", "59 - 63 * 15 \\tag*{2}", "\\label{eq:1}59 - 63 * 15"]
     worked = ["-886", "59 - 63 * 15 = -886", "59 - 63*15 = -886 apples", "-1772/2",
               "\\boxed{-886}", "It is -886.", "{-886}", "\\left(-886\\right)",
               "-886 \\text{ apples}", "59 - 63 * 15 = {-886}", "-8.86 \\times 10^2",
