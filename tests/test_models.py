@@ -455,6 +455,25 @@ def test_a_model_with_learned_positions_refuses_lengths_past_them(tiny_cache: Pa
             module.configure_model()
 
 
+def test_a_rotary_model_warns_of_lengths_past_its_trained_positions(tiny_cache: Path) -> None:
+    """A rotary model runs on past ``max_position_embeddings`` (untrained positions) where
+    the vLLM engine refuses the same config: it did so without a word (a hunt)."""
+    import warnings
+
+    from tests.conftest import make_module
+
+    trained = load_policy("builtin:tiny", cache_dir=tiny_cache).config.max_position_embeddings
+    for completion, warned in ((trained - 8, False), (trained - 7, True)):
+        module = make_module(str(tiny_cache), max_prompt_length=8,
+                             max_completion_length=completion)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module.configure_model()
+        said = [str(w.message) for w in caught if "trained on" in str(w.message)]
+        assert bool(said) == warned, said
+    assert f"trained on {trained} positions" in said[0] and "data.max_prompt_length 8" in said[0]
+
+
 @pytest.mark.parametrize("damage", ["cut short", "another structure"])
 def test_a_damaged_tokenizer_file_is_named(tiny_cache: Path, tmp_path: Path,
                                            damage: str) -> None:

@@ -71,7 +71,8 @@ class PolicyModels:
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
         check_token_ids(self.tokenizer, self.policy, src.name_or_path)
-        self._check_positions(position_limit(self.policy))
+        self._check_positions(position_limit(self.policy),
+                              getattr(self.policy.config, "max_position_embeddings", None))
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         if disable_dropout(self.policy):  # scored as sampled (eval mode: no dropout)
             rank_zero_warn("the policy's dropout is set to 0 (adapters' too): it samples "
@@ -97,12 +98,22 @@ class PolicyModels:
             if not own:
                 register_sharded_generate(self.policy)
 
-    def _check_positions(self, limit: int | None) -> None:
+    def _check_positions(self, limit: int | None, trained: object = None) -> None:
         """ValueError when a prompt and its completion may be longer than the ``limit``
         learned positions of the policy (GPT-2's 1,024): it would fail inside the model at
-        the first long sample, perhaps hours into a run."""
+        the first long sample, perhaps hours into a run. A warning when they may be longer
+        than the ``trained`` positions of a rotary model, which runs on past them untrained
+        (the vLLM engine refuses such a run)."""
         sampling = self.loop.generation.sampling
         prompt, completion = sampling.max_prompt_length, sampling.max_new_tokens
+        if limit is None and isinstance(trained, int) and (prompt or 0) + completion > trained:
+            rank_zero_warn(
+                f"{self.source.name_or_path!r} was trained on {trained} positions "
+                f"(max_position_embeddings), and a prompt with its completion may be "
+                f"{(prompt or 0) + completion} tokens (data.max_prompt_length {prompt} + "
+                f"model.max_completion_length {completion}): the positions past it are "
+                "untrained, and the vLLM engine refuses this; lower the two to add up to at "
+                f"most {trained}")
         if limit is None or (prompt is not None and prompt + completion <= limit):
             return
         longest = "prompts of any length" if prompt is None else f"{prompt + completion} tokens"
