@@ -295,8 +295,9 @@ class EntropyMaxEnt(GRPO):
     ``L[i,t] = -surr + beta*KL - alpha_eff*H[i,t]`` with the exact, differentiable token
     entropy at the sampling temperature. With ``kl_gate_threshold`` set, ``alpha_eff =
     alpha * m(KL)`` (:func:`maxent_grpo.core.entropy_gate_multiplier`) with the token-mean
-    KL of the *previous* optimizer step (multiplier 1 at the first); gating loads the
-    reference model.
+    KL of the *previous* training step (one rollout: with ``num_iterations`` k its k
+    updates share the multiplier set by the mean KL of the rollout before; 1 at the first);
+    gating loads the reference model.
 
     Args:
         alpha: entropy bonus coefficient (>= 0).
@@ -336,6 +337,8 @@ class EntropyMaxEnt(GRPO):
                 "disable_outside_trust_zone": disable_outside_trust_zone}
         check_unused({f"objective.{k}": (v, d[k]) for k, v in gate.items()},
                      kl_gate_threshold is not None, "objective.kl_gate_threshold set")
+        check_unused({"objective.kl_gate_threshold": (kl_gate_threshold, None)}, alpha > 0,
+                     "objective.alpha > 0 (the gate scales the bonus; it loads the reference)")
         self.alpha = float(alpha)
         self.kl_gate_threshold = kl_gate_threshold
         self.kl_gate_gain = kl_gate_gain

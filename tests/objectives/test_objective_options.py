@@ -53,6 +53,8 @@ def test_grpo_validation(kwargs: dict, match: str) -> None:
          "epsilon_high null under clip_rule cispo"),
         (EntropyMaxEnt, {"kl_gate_gain": 5.0}, "kl_gate_threshold set"),
         (EntropyMaxEnt, {"disable_outside_trust_zone": True}, "kl_gate_threshold set"),
+        # the gate scales the bonus: with none it loaded the reference for nothing (a hunt)
+        (EntropyMaxEnt, {"kl_gate_threshold": 0.1, "alpha": 0.0}, "alpha > 0"),
         (ListwiseMaxEnt, {"epsilon": 0.1, "epsilon_high": 0.3}, "clip_coef > 0"),
         (ListwiseMaxEnt, {"right_reward": 0.5, "answer_level": True}, "right_only: true"),
     ],
@@ -60,7 +62,8 @@ def test_grpo_validation(kwargs: dict, match: str) -> None:
 def test_an_option_that_would_do_nothing_is_refused(make, kwargs: dict, needs: str) -> None:
     """Set away from its default where nothing reads it, an option was ignored without a
     word (``--model.objective.kl_gate_gain 5`` without a gate trained as if unset)."""
-    moved = [k for k in kwargs if k not in ("answer_shaping", "clip_rule", "answer_level")]
+    moved = [k for k in kwargs
+             if k not in ("answer_shaping", "clip_rule", "answer_level", "alpha")]
     with pytest.raises(ValueError, match=rf"objective\.{moved[0]}=.* would do nothing: only "
                                          rf"with objective\.{re.escape(needs)}"):
         make(**kwargs)

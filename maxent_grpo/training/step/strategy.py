@@ -143,9 +143,10 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
     step: a ``trainer.max_steps`` that is not a multiple of k was overshot (3 ran 4 with k 2)
     and a ``ModelCheckpoint(every_n_train_steps=N)``, which saves when the count is a
     multiple of N, saved every lcm(N, k) steps (N 4, k 3: every 12). Both are refused,
-    naming the multiples to use (not ``fast_dev_run``'s own max_steps: one batch either
-    way). Skipped updates count as steps (:func:`~maxent_grpo.training.step.optimise.
-    count_update`), so the count stays a multiple of k."""
+    naming the multiples to use (not under ``fast_dev_run``: its own max_steps, one batch
+    either way, and no checkpoints). Skipped updates count as steps
+    (:func:`~maxent_grpo.training.step.optimise.count_update`), so the count stays a
+    multiple of k."""
     k = num_iterations
     if k <= 1:
         return
@@ -157,7 +158,7 @@ def check_step_multiples(trainer: Any, num_iterations: int) -> None:
             f"trainer.max_steps {max_steps} is not a multiple of model.num_iterations {k}: "
             f"each training step takes {k} optimizer steps, so the fit would run {high}; "
             f"set --trainer.max_steps {high}" + (f" or {low}" if low else ""))
-    for cb in getattr(trainer, "callbacks", []):
+    for cb in [] if smoke else getattr(trainer, "callbacks", []):  # a smoke run saves none
         every = getattr(cb, "_every_n_train_steps", 0) if isinstance(cb, ModelCheckpoint) else 0
         require(not every or every % k == 0,
                 f"ModelCheckpoint(every_n_train_steps={every}) saves when the optimizer-step "

@@ -77,6 +77,23 @@ def test_step_counts_that_num_iterations_skips_are_refused(cache_dir, tmp_path, 
     assert module.policy is None
 
 
+def test_a_smoke_run_with_num_iterations_is_not_refused_over_checkpoints_it_never_writes(
+        tmp_path):
+    """``fast_dev_run`` writes no checkpoint, and a shipped config's saver every 25 steps
+    refused ``--trainer.fast_dev_run 2 --model.num_iterations 2`` (a hunt)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from maxent_grpo.training.step.strategy import check_step_multiples
+
+    saver = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=25)
+    check_step_multiples(SimpleNamespace(max_steps=2, fast_dev_run=2, callbacks=[saver]), 2)
+    with pytest.raises(ValueError, match=r"every_n_train_steps=25\).*every 50 steps"):
+        check_step_multiples(SimpleNamespace(max_steps=50, fast_dev_run=False,
+                                             callbacks=[saver]), 2)
+
+
 @pytest.mark.parametrize("where", ["saver", "root", "broken"])
 def test_with_several_processes_rank_zero_checks_the_checkpoint_folders_for_every_rank(
         tmp_path, monkeypatch, where):
