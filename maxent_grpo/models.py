@@ -295,6 +295,17 @@ def position_limit(model: torch.nn.Module) -> int | None:
     return int(limit) if learned and isinstance(limit, int) else None
 
 
+def trained_positions(model: torch.nn.Module) -> int | None:
+    """``max_position_embeddings`` of a model whose rotary positions are unscaled (the
+    context it was trained on, past which it runs untrained); None with ``rope_scaling``
+    (linear, dynamic, YaRN, Llama 3's: its own longer limit) or no such number."""
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if kind in (None, "default") and isinstance(limit, int) else None
+
+
 def model_folder(name_or_path: str) -> str | None:
     """The real path of ``name_or_path`` (``~`` expanded, as the model loader does) when it
     is a local folder, else None."""

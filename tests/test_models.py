@@ -472,6 +472,17 @@ def test_a_rotary_model_warns_of_lengths_past_its_trained_positions(tiny_cache: 
         said = [str(w.message) for w in caught if "trained on" in str(w.message)]
         assert bool(said) == warned, said
     assert f"trained on {trained} positions" in said[0] and "data.max_prompt_length 8" in said[0]
+    # with rope_scaling the limit is the scaled one, which vLLM takes too (a reader)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maxent_grpo.models import trained_positions
+
+    scaled = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=64,
+        rope_scaling={"type": "linear", "factor": 4.0}))
+    assert trained_positions(scaled) is None
+    assert trained_positions(load_policy("builtin:tiny", cache_dir=tiny_cache)) == trained
 
 
 @pytest.mark.parametrize("damage", ["cut short", "another structure"])

@@ -27,6 +27,7 @@ from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.rewards.verify_worker import VERIFIER, math_equal, reference_answer
 from maxent_grpo.tasks.expressions import (
     canonical_expression,
+    given_value,
     number_value,
     split_equation,
     unworked,
@@ -239,8 +240,8 @@ def coverage_answer(answer: str | None) -> str | None:
     """The canonical form of an expression answer, for coverage@k: ``×``, ``÷``,
     ``\\times``, ``\\div``, ``\\cdot`` read as ``*`` and ``/``, the left side of one
     ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression,
-    and when the ``=`` gives a number the left side does not reach: ``3 + 4 = 8`` is not
-    ``3 + 4``, which a countdown reward pays where the other gets 0.0).
+    or the ``=`` gives a value, ``given_value``, the left side does not reach: ``3 + 4 = 8
+    apples`` is not ``3 + 4``, which a countdown reward pays where it pays this 0.0).
 
     >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello"), coverage_answer("6 = 7")
     ('1 + 3 * 5', None, None)
@@ -248,7 +249,7 @@ def coverage_answer(answer: str | None) -> str | None:
     if answer is None:
         return None
     left, right = split_equation(answer)
-    value = None if right is None else number_value(right, False)
+    value = None if right is None else given_value(right)
     return None if value is not None and number_value(left) != value else canonical_expression(
         left)
 

@@ -190,6 +190,23 @@ SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "�
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 
 
+_LEADING = re.compile(r"[\s({\[]*([-+]?\d[\d,]*(?:\.\d+)?)")  # 17 apples, {17}, (17), 17\%
+
+
+def given_value(side: str) -> Fraction | None:
+    """The value the right side of an ``=`` gives: :func:`number_value` of it (``\\frac{34}
+    {2}`` as :func:`unwrap_math` writes it, ``-16``, ``1,665``), else the number it starts
+    with (``17 apples``, ``{17}``, ``17\\%``); None where it starts with no number (``x``).
+
+    >>> given_value("(34)/(2)"), given_value(" {17} apples"), given_value("x") is None
+    (Fraction(17, 1), Fraction(17, 1), True)
+    """
+    side = side.replace("\\$", "").replace("$", "")
+    value = number_value(side)
+    leading = None if value is not None else _LEADING.match(side)
+    return value if leading is None else number_value(leading[1], False)
+
+
 def unwrap_math(answer: str) -> str:
     """``answer`` without what a chat model writes around a formula: a final period, the
     math delimiters ``$...$``, ``$$...$$``, ``\\(...\\)``, ``\\[...\\]``; and with
@@ -227,8 +244,10 @@ _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
 #: arguments read as parentheses
 _LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorname)"
                          r"\s*\{([^{}]*)\}")
-_LATEX_LAYOUT = re.compile(r"\\(?:[hv]?phantom|tag\*?|label)\s*\{[^{}]*\}|\\(?:[A-Za-z]+(?:\s*_\s*"
-                           r"(?:\{[^{}]*\}|\w))?|[,;:! {}])")  # \sum_{i}'s bound, \tag{1}, \{ \}
+_LATEX_LAYOUT = re.compile(  # \sum_{i}'s bound; \hspace{1em}, \tag{1}, \kern 2pt: not terms; \{ \}
+    r"\\(?:[hv]?phantom|tag\*?|label|(?:eq|page)?ref|cite|[hv]space\*?|(?:text)?color)\s*"
+    r"\{(?:[^{}]|\{[^{}]*\})*\}|\\[hvm]?(?:skip|kern|space)\s*[-+]?[\d.]+\s*(?:[a-z]{2})?"
+    r"|\\(?:[A-Za-z]+(?:\s*_\s*(?:\{[^{}]*\}|\w))?|[,;:! {}])")
 #: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``, ``10^3 * 1.5``): one number
 _POWER_OF_10 = r"10\s*\^\s*(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)"
 _SCIENTIFIC = re.compile(rf"(?<![\d.])(?:{_POWER_OF_10}\s*\*\s*\d+(?:\.\d+)?(?![\d.^])|"

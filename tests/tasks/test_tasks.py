@@ -394,7 +394,12 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               "\\sum 59 - 63 * 15", "\\lim 59 - 63 * 15", "\\max(59 - 63 * 15)",
               "\\large 59 - 63 * 15", "59 - 63 * 15 \\nonumber", "\\cdot 59 - 63 * 15",
               "\\sum_{i} 59 - 63 * 15", "\\{59 - 63 \\cdot 15\\}", "\\phantom{0}59 - 63 * 15",
-              "\\tag{1} 59 - 63 * 15", "59 - 63 * 15 \\tag*{2}", "\\label{eq:1}59 - 63 * 15"]
+              "\\tag{1} 59 - 63 * 15", "59 - 63 * 15 \\tag*{2}", "\\label{eq:1}59 - 63 * 15",
+              # the argument of any such command is no term (readers)
+              "\\hspace{1em} 59 - 63 * 15", "\\vspace{2pt}59 - 63 * 15",
+              "\\eqref{1} 59 - 63 * 15", "\\ref{1} 59 - 63 * 15", "\\hskip 2pt 59 - 63 * 15",
+              "\\label{eq:{1}} 59 - 63 * 15", "\\kern3pt 59 - 63 * 15",
+              "\\textcolor{red}{59 - 63 * 15}", "\\mkern 2mu 59 - 63 * 15"]
     worked = ["-886", "59 - 63 * 15 = -886", "59 - 63*15 = -886 apples", "-1772/2",
               "\\boxed{-886}", "It is -886.", "{-886}", "\\left(-886\\right)",
               "-886 \\text{ apples}", "59 - 63 * 15 = {-886}", "-8.86 \\times 10^2",
@@ -402,7 +407,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               # a value given as = gives it (readers: 0.0 with command names left out)
               "59 - 63 \\cdot 15 \\approx -886", "59 - 63 \u00d7 15 \u2248 -886",
               "59 - 63 * 15 \\Rightarrow -886", "59 - 63 * 15 \\Longrightarrow -886",
-              "59 - 63 * 15 \\to -886"]
+              "59 - 63 * 15 \\to -886", "\\tag{1} -886", "\\hspace{1em} -886",
+              "\\color{red} -886"]
     texts = copies + worked
     assert accuracy_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
                            answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(
@@ -421,7 +427,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
     try:
         assert unworked(" + ".join(["12"] * 14) + " cookies")
         assert not unworked(" + ".join(["12"] * 14) + " = 168 cookies")
-        for long in ("\\text{" * 30000, "1" * 100000 + " * 10^", "\\left" * 30000,
+        for long in ("\\text{" * 30000, "\\hspace{" * 30000, "\\label{{" * 20000,
+                     "1" * 100000 + " * 10^", "\\left" * 30000,
                      "x =" + "\n" * 5000 + "?", "x =" + "\\," * 5000 + "?"):  # (readers: cubic)
             unworked(long)
     finally:

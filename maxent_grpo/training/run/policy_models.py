@@ -27,6 +27,7 @@ from maxent_grpo.models import (
     load_tokenizer,
     model_chain,
     position_limit,
+    trained_positions,
 )
 from maxent_grpo.objectives import GRPO
 from maxent_grpo.rewards.answers import ANSWER_FORMS
@@ -71,8 +72,7 @@ class PolicyModels:
                                   gradient_checkpointing=src.gradient_checkpointing,
                                   peft=src.peft)
         check_token_ids(self.tokenizer, self.policy, src.name_or_path)
-        self._check_positions(position_limit(self.policy),
-                              getattr(self.policy.config, "max_position_embeddings", None))
+        self._check_positions(position_limit(self.policy), trained_positions(self.policy))
         self.policy.train()  # from_pretrained returns eval mode; the engine toggles it
         if disable_dropout(self.policy):  # scored as sampled (eval mode: no dropout)
             rank_zero_warn("the policy's dropout is set to 0 (adapters' too): it samples "
@@ -98,7 +98,7 @@ class PolicyModels:
             if not own:
                 register_sharded_generate(self.policy)
 
-    def _check_positions(self, limit: int | None, trained: object = None) -> None:
+    def _check_positions(self, limit: int | None, trained: int | None = None) -> None:
         """ValueError when a prompt and its completion may be longer than the ``limit``
         learned positions of the policy (GPT-2's 1,024): it would fail inside the model at
         the first long sample, perhaps hours into a run. A warning when they may be longer
@@ -106,7 +106,7 @@ class PolicyModels:
         (the vLLM engine refuses such a run)."""
         sampling = self.loop.generation.sampling
         prompt, completion = sampling.max_prompt_length, sampling.max_new_tokens
-        if limit is None and isinstance(trained, int) and (prompt or 0) + completion > trained:
+        if limit is None and trained is not None and (prompt or 0) + completion > trained:
             rank_zero_warn(
                 f"{self.source.name_or_path!r} was trained on {trained} positions "
                 f"(max_position_embeddings), and a prompt with its completion may be "
