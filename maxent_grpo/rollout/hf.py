@@ -67,6 +67,7 @@ from maxent_grpo.rollout.protocol import (
     RolloutOutput,
     SamplingSettings,
     check_request,
+    decode_texts,
     stop_ids,
 )
 from maxent_grpo.rollout.sampled_logps import recorder
@@ -137,13 +138,13 @@ def rollout_from_ids(
     device: torch.device | None = None,
 ) -> RolloutOutput:
     """The :class:`RolloutOutput` of ``(B*G, T)`` sampled ids (prompt-major): cut after the
-    first stop id, padded, decoded; the sampler's ``logps`` (or None) zeroed past the cut,
-    each row's sum its ``grouped_ref_meta``; the tensors moved to ``device`` (None: left)."""
+    first stop id, padded, decoded (the read tags kept); the sampler's ``logps`` (or None)
+    zeroed past the cut, each row's sum its ``grouped_ref_meta``; tensors to ``device``."""
     completion_mask, truncated = completion_mask_from_ids(completion_ids, stop_token_ids)
     completion_ids = completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id)
     num_tokens = completion_mask.sum(dim=1).tolist()
-    texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(
-        completion_ids.tolist(), num_tokens, strict=True)], skip_special_tokens=True)
+    texts = decode_texts(tokenizer, [ids[:n] for ids, n in zip(
+        completion_ids.tolist(), num_tokens, strict=True)])
     if logps is not None:
         logps = logps.masked_fill(~completion_mask, 0.0)
     return RolloutOutput(
@@ -256,9 +257,7 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
         self._two_dtypes: bool | None = None  # static_cache_holds_two_dtypes(), when needed
         self.cache = cache
         self.prompt_bucket = prompt_bucket
-        self.model = model
-        self.tokenizer = tokenizer
-        self.sampling = sampling
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.share_prefill = share_prefill
         self.stop_token_ids = stop_ids("HFGenerateEngine", model, tokenizer, stop_token_ids)
 

@@ -61,6 +61,8 @@ from maxent_grpo.rollout.protocol import (
     SamplingSettings,
     ToolUsage,
     check_request,
+    decode_text,
+    read_tags,
 )
 from maxent_grpo.rollout.toolcall import (
     FAILURE_KINDS,
@@ -175,19 +177,6 @@ def environment_factory(spec: dict[str, Any] | str) -> Callable[[], Any]:
     return build
 
 
-def _special_token_id(tokenizer: Any, token: str) -> int | None:
-    """The id of ``token`` where it is a special token (``skip_special_tokens`` drops it)."""
-    try:  # an unknown token's id is the unk's; a tokenizer that does not say: None
-        i = tokenizer.convert_tokens_to_ids(token)
-        if not isinstance(i, int) or tokenizer.convert_ids_to_tokens(i) != token:
-            return None
-    except (AttributeError, TypeError, ValueError, KeyError):
-        return None
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    special = i in set(getattr(tokenizer, "all_special_ids", None) or ())
-    return i if special or getattr(added.get(i), "special", False) else None
-
-
 def _is_flag(value: Any) -> bool:
     """Whether an environment's ``done`` is a truth value: a bool or int, or a one-element
     boolean NumPy value or tensor (``numpy.bool_``, ``torch.tensor(True)``)."""
@@ -234,19 +223,13 @@ class MultiTurnEngine:
         # (an environment's own role, when not "user", at its first rollout)
         self._roles_shown: set[str] = set()
         self._check_role("tool" if toolbox else "user")
-        # special tokens are not a turn's text, but the call tags are where a tokenizer made
-        # them special (skipped, no call ever ran): {id: tag}, empty in the usual case
-        tags = {tag: _special_token_id(tokenizer, tag) for tag in ("<tool_call>", "</tool_call>")}
-        self._tags = {i: tag for tag, i in tags.items() if i is not None}
+        # special tokens are not a turn's text, but the call and answer tags are where a
+        # tokenizer made them special (skipped, no call ever ran)
+        self._tags = read_tags(tokenizer)
 
     def _text(self, ids: list[int]) -> str:
-        """A model turn's text (parsed, rewarded): no special tokens but the call tags."""
-        decode, parts, start = self.tokenizer.decode, [], 0
-        for k, i in enumerate(ids if self._tags else ()):
-            if i in self._tags:
-                parts += [decode(ids[start:k], skip_special_tokens=True), self._tags[i]]
-                start = k + 1
-        return "".join(parts) + decode(ids[start:], skip_special_tokens=True)
+        """A model turn's text (parsed, rewarded): no special tokens but the read tags."""
+        return decode_text(self.tokenizer, ids, self._tags)
 
     def _check_role(self, role: str) -> None:
         """Refuse a chat template that leaves out ``role``'s messages: it would hide every

@@ -120,6 +120,49 @@ def stop_ids(engine: str, model: Any, tokenizer: Any, extra: list[int] | None) -
     return stops
 
 
+#: the tags the rewards, the answer statistics and the tool-call parser read: kept in a
+#: completion's text where a tokenizer made them special tokens (``skip_special_tokens``
+#: dropped them: the answer after ``</think>`` was never found, a call never ran)
+READ_TAGS = ("<think>", "</think>", "<answer>", "</answer>", "<tool_call>", "</tool_call>")
+
+
+def special_token_id(tokenizer: Any, token: str) -> int | None:
+    """The id of ``token`` where it is a special token (``skip_special_tokens`` drops it)."""
+    try:  # an unknown token's id is the unk's; a tokenizer that does not say: None
+        i = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(i, int) or tokenizer.convert_ids_to_tokens(i) != token:
+            return None
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = i in set(getattr(tokenizer, "all_special_ids", None) or ())
+    return i if special or getattr(added.get(i), "special", False) else None
+
+
+def read_tags(tokenizer: Any) -> dict[int, str]:
+    """``{id: tag}`` of the :data:`READ_TAGS` that ``tokenizer`` made special tokens (empty
+    in the usual case)."""
+    ids = {tag: special_token_id(tokenizer, tag) for tag in READ_TAGS}
+    return {i: tag for tag, i in ids.items() if i is not None}
+
+
+def decode_text(tokenizer: Any, ids: list[int], tags: dict[int, str]) -> str:
+    """``ids`` as text without special tokens but the ``tags`` (:func:`read_tags`)."""
+    parts, start = [], 0
+    for k, i in enumerate(ids if tags else ()):
+        if i in tags:
+            parts += [tokenizer.decode(ids[start:k], skip_special_tokens=True), tags[i]]
+            start = k + 1
+    return "".join(parts) + tokenizer.decode(ids[start:], skip_special_tokens=True)
+
+
+def decode_texts(tokenizer: Any, rows: list[list[int]]) -> list[str]:
+    """Each row of ids as text without special tokens but the :data:`READ_TAGS`."""
+    tags = read_tags(tokenizer)
+    return ([decode_text(tokenizer, row, tags) for row in rows] if tags
+            else tokenizer.batch_decode(rows, skip_special_tokens=True))
+
+
 def turn_end(tokenizer: Any) -> int | None:
     """The special token the tokenizer's chat template writes right after an assistant
     message (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``); None without a template or

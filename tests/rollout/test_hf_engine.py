@@ -633,3 +633,33 @@ def test_an_engine_interface_is_refused_and_an_engine_is_not() -> None:
             check_engine_factory(interface)
     with pytest.raises(ValueError, match="model.engine must be an engine class"):
         check_engine_factory(None)
+
+
+def test_answer_tags_that_the_tokenizer_made_special_stay_in_the_text(tiny) -> None:
+    """A tokenizer with ``<think>``/``</think>`` (Qwen3's, R1's) or the answer tags as special
+    tokens: the completions were decoded without special tokens, so ``</think>`` was gone,
+    every answer after reasoning was None (0.0 from every reward) and a hybrid model's
+    scratch work read as its answer (a templates hunt). Other special tokens stay out."""
+    from maxent_grpo.rewards.answers import answer_key, sample_answer
+    from maxent_grpo.rollout.hf import rollout_from_ids
+
+    special = copy.deepcopy(tiny[1])
+    special.add_special_tokens({"additional_special_tokens": [
+        "<think>", "</think>", "<answer>", "</answer>"]})
+    written = ["3+5 is 8</think>\n<answer>8</answer>", "<think>maybe 9? no</think>8"]
+    rows = [special("<|im_start|>" + w, add_special_tokens=False)["input_ids"] + [EOS]
+            for w in written]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+    out = rollout_from_ids(special, [EOS], ["p"], ["8"], torch.ones(1, 1, dtype=torch.long),
+                           torch.ones(1, 1, dtype=torch.bool), ids, 2, 0.0)
+    assert out.batch.grouped_completions == [written]  # <|im_start|>, <|im_end|> left out
+    assert sample_answer(written[0], opens_think=True) == "8"
+    assert answer_key(out.batch.grouped_completions[0][1]) == "8"
+    plain = tiny[1]  # no such special tokens: the one batch decode, as before
+    rows = [plain(w, add_special_tokens=False)["input_ids"] for w in written]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [EOS] * (width - len(r) + 1) for r in rows])
+    out = rollout_from_ids(plain, [EOS], ["p"], ["8"], torch.ones(1, 1, dtype=torch.long),
+                           torch.ones(1, 1, dtype=torch.bool), ids, 2, 0.0)
+    assert out.batch.grouped_completions == [written]

@@ -214,6 +214,18 @@ def test_an_export_keeps_the_padding_side_of_the_tokenizer_files(cache_dir, tmp_
     export_policy(load_policy(str(tmp_path / "a")), tokenizer, tmp_path / "b")
     assert AutoTokenizer.from_pretrained(tmp_path / "b").padding_side == "right"
     assert tokenizer.padding_side == "left"  # the trainer's, kept
+    # nor a pad token where the files had none (the trainer pads with eos: an export wrote
+    # pad = eos, and collators masking pad labels mask every eos; a templates hunt)
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "pad_token"}))
+    tokenizer = load_tokenizer(str(tmp_path / "a"))
+    assert tokenizer.pad_token == tokenizer.eos_token  # (for the trainer)
+    export_policy(load_policy(str(tmp_path / "a")), tokenizer, tmp_path / "c")
+    assert AutoTokenizer.from_pretrained(tmp_path / "c").pad_token is None
+    assert tokenizer.pad_token == tokenizer.eos_token  # kept
+    export_policy(load_policy(str(tmp_path / "b")), load_tokenizer(str(tmp_path / "b")),
+                  tmp_path / "d")  # its own pad written as it was
+    assert AutoTokenizer.from_pretrained(tmp_path / "d").pad_token == module.tokenizer.pad_token
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)

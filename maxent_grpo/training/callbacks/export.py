@@ -44,18 +44,25 @@ EXPORT_COMMAND = "python -m maxent_grpo.cli.export <checkpoint.ckpt> --output <f
 
 
 def save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """``tokenizer.save_pretrained(folder)`` with the padding side its own files gave it
-    (the trainer pads on the left for generation, which an export wrote into the files of
-    a tokenizer that padded on the right)."""
-    trained = getattr(tokenizer, "padding_side", None)
-    own = (getattr(tokenizer, "init_kwargs", None) or {}).get("padding_side") or trained
+    """``tokenizer.save_pretrained(folder)`` with the padding side and pad token its own
+    files gave it (the trainer pads on the left for generation, which an export wrote into
+    the files of a tokenizer that padded on the right, and pads with eos where a tokenizer
+    has no pad token, which an export wrote as its pad: a collator masking pad labels then
+    masks every eos, and a model tuned from the export never learns to stop)."""
+    trained, pad = getattr(tokenizer, "padding_side", None), getattr(tokenizer, "pad_token", None)
+    files = getattr(tokenizer, "init_kwargs", None) or {}
+    own = files.get("padding_side") or trained
     if own is not None:
         tokenizer.padding_side = own
+    if pad is not None and files.get("pad_token") is None:
+        tokenizer.pad_token = None
     try:
         tokenizer.save_pretrained(folder)
     finally:
         if trained is not None:
             tokenizer.padding_side = trained
+        if pad is not None:
+            tokenizer.pad_token = pad
 
 
 def export_policy(model: Any, tokenizer: Any, out: str | os.PathLike[str], source: Any = None,

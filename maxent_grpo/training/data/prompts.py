@@ -109,6 +109,14 @@ class PromptFormat:
                 text = self.render(raw)
             except ValueError as err:
                 raise ValueError(f"{at}: {err}") from err
+            eos = None if isinstance(raw, str) or raw[-1].get("role") != "assistant" else (
+                getattr(self.tokenizer(), "eos_token", None))
+            require(not eos or not text.rstrip().endswith(eos),
+                    f"{at}: the prompt ends with an assistant message, and the chat template "
+                    f"closes it with the end of text {eos!r} and opens no new assistant turn "
+                    "(it has no generation prompt, as Mistral's): the model would write on "
+                    "after its own end; leave the trailing assistant message out of the "
+                    "prompt, or use a template that opens a new turn")
             for role in _dropped_roles(self.messages(raw) if self.apply_chat_template else raw,
                                        text):
                 dropped.setdefault(role, at)

@@ -153,6 +153,37 @@ def test_messages_the_chat_template_leaves_out_are_warned_with_their_role(tmp_pa
         dm.setup("fit")
 
 
+def test_a_trailing_assistant_message_closed_by_the_end_of_text_is_refused(tmp_path):
+    """Mistral's template has no generation prompt: a prompt ending with an assistant
+    message rendered as ``[INST] q [/INST]Let me think.</s>``, and the model sampled on after
+    its end of text, trained without a word (a templates hunt); a template that opens a
+    new turn after it (ChatML's, this CharTokenizer's) is fine."""
+    from maxent_grpo.training.data import PromptDataModule
+    from tests.training.data.test_data import CharTokenizer
+
+    class Mistral(CharTokenizer):
+        eos_token = "</s>"
+
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            return "".join(f"[INST] {m['content']} [/INST]" if m["role"] == "user"
+                           else f"{m['content']}</s>" for m in messages)
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": "1"} for i in range(3)]
+    rows.append({"prompt": [{"role": "user", "content": "q3"},
+                            {"role": "assistant", "content": "Let me think."}], "answer": "1"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for tokenizer, refused in ((Mistral(), True), (CharTokenizer(), False)):
+        dm = PromptDataModule(task=None, data_files=str(path), val_size=0, batch_size=1)
+        dm.set_tokenizer(tokenizer)
+        if not refused:
+            dm.setup("fit")
+            continue
+        with pytest.raises(ValueError, match=r"rows\.jsonl' row 3: the prompt ends with an "
+                                             r"assistant message.*'</s>'.*leave the trailing"):
+            dm.setup("fit")
+
+
 def test_a_system_prompt_the_chat_template_leaves_out_is_warned():
     """``data.system_prompt`` through a template that renders no system message (Phi-3's
     first one rendered only user and assistant turns) was dropped without a word."""
