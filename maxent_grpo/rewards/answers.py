@@ -240,8 +240,8 @@ def coverage_answer(answer: str | None) -> str | None:
     """The canonical form of an expression answer, for coverage@k: ``×``, ``÷``,
     ``\\times``, ``\\div``, ``\\cdot`` read as ``*`` and ``/``, the left side of one
     ``=`` kept, then :func:`canonical_expression` (``None`` when it is not an expression,
-    or the ``=`` gives a value, ``given_value``, the left side does not reach: ``3 + 4 = 8
-    apples`` is not ``3 + 4``, which a countdown reward pays where it pays this 0.0).
+    or the ``=`` gives no value the left reaches (``given_value``), as the countdown reward
+    reads it: ``3 + 4 = 8 apples``, ``3 + 4 = ?`` are not ``3 + 4 = {7}``, ``3 + 4``).
 
     >>> coverage_answer("5 × 3 + 1 = 16"), coverage_answer("hello"), coverage_answer("6 = 7")
     ('1 + 3 * 5', None, None)
@@ -249,9 +249,9 @@ def coverage_answer(answer: str | None) -> str | None:
     if answer is None:
         return None
     left, right = split_equation(answer)
-    value = None if right is None else given_value(right)
-    return None if value is not None and number_value(left) != value else canonical_expression(
-        left)
+    value = None if right is None else given_value(right)  # = x, = ?: no value given
+    same = right is None or (value is not None and value == number_value(left))
+    return canonical_expression(left) if same else None
 
 
 #: how a task's answers are compared (the rows' ``answer_form`` column; absent or blank:

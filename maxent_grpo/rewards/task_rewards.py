@@ -20,7 +20,7 @@ from maxent_grpo.rewards.answers import (
 )
 from maxent_grpo.rewards.registry import register_reward
 from maxent_grpo.tasks.countdown import check_countdown
-from maxent_grpo.tasks.expressions import number_value, split_equation, unwrap_math
+from maxent_grpo.tasks.expressions import given_value, split_equation, unwrap_math
 
 
 @register_reward("countdown")
@@ -40,9 +40,10 @@ def countdown_reward(
     [0.0]
     """
     def right(answer: str, row: tuple) -> bool:
-        # SYMBOLS read as operators; ``expr = target`` keeps expr, another right side fails
+        # SYMBOLS read as operators; ``expr = target`` keeps expr (``= {16}``, ``= 16 apples``,
+        # ``\frac{32}{2}``: the value given, as the answer keys read it); another one fails
         expression, rhs = split_equation(answer)
-        return (rhs is None or number_value(rhs, expressions=False) == row[1]) and check_countdown(
+        return (rhs is None or given_value(rhs) == row[1]) and check_countdown(
             expression, list(row[0]), row[1])
 
     n = len(completions)

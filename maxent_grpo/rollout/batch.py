@@ -264,8 +264,8 @@ class RolloutOutput:
 
     Attributes:
         batch: the texts; ``batch.grouped_completions[b][g]`` is row ``b*G + g`` decoded
-            with ``skip_special_tokens=True`` (masked tokens only; a multi-turn rollout's
-            keep the chat template's special tokens, so the turns show).
+            without special tokens but the answer and call tags (masked tokens only; a
+            multi-turn rollout's keep the template's special tokens, so the turns show).
         prompt_ids: ``(B*G, P)`` long, left-padded with the pad id.
         prompt_mask: ``(B*G, P)`` bool, True on real prompt tokens.
         completion_ids: ``(B*G, T)`` long, pad id wherever ``completion_mask`` is False.

@@ -117,3 +117,17 @@ def generation_copy(model: nn.Module, dtype: torch.dtype,
                 type(model).__name__, dtype, numel / 1e6,
                 numel * torch.finfo(dtype).bits / 8 / 2**20, time.perf_counter() - start)
     return cached, 0.0
+
+
+def static_cache_holds_two_dtypes() -> bool:
+    """Whether the installed transformers' static cache keeps keys and values in their own
+    dtypes (5.24 does; 5.17 allocates both in the keys' dtype)."""
+    from transformers.cache_utils import StaticLayer
+
+    try:
+        layer = StaticLayer(max_cache_len=1)
+        layer.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=torch.float32),
+                                  torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))
+        return layer.values.dtype == torch.bfloat16
+    except Exception:  # another layout: take the copy, which works on every version
+        return False

@@ -60,7 +60,13 @@ from transformers import (
 
 from maxent_grpo.adapters import has_adapters
 from maxent_grpo.rollout.batch import GenerationBatch
-from maxent_grpo.rollout.generation_copy import DTYPES, check_copyable, generation_copy, sharded
+from maxent_grpo.rollout.generation_copy import (
+    DTYPES,
+    check_copyable,
+    generation_copy,
+    sharded,
+    static_cache_holds_two_dtypes,
+)
 from maxent_grpo.rollout.protocol import (
     Continuation,
     RolloutEngine,
@@ -68,6 +74,7 @@ from maxent_grpo.rollout.protocol import (
     SamplingSettings,
     check_request,
     decode_texts,
+    read_tags,
     stop_ids,
 )
 from maxent_grpo.rollout.sampled_logps import recorder
@@ -135,16 +142,19 @@ def rollout_from_ids(
     tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int], prompts: list[str],
     answers: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor, G: int, seconds: float, logps: torch.Tensor | None = None,
-    device: torch.device | None = None,
+    device: torch.device | None = None, tags: dict[int, str] | None = None,
 ) -> RolloutOutput:
     """The :class:`RolloutOutput` of ``(B*G, T)`` sampled ids (prompt-major): cut after the
-    first stop id, padded, decoded (the read tags kept); the sampler's ``logps`` (or None)
-    zeroed past the cut, each row's sum its ``grouped_ref_meta``; tensors to ``device``."""
+    first stop id, padded, decoded (``tags``: the :func:`read_tags` kept, None: looked up);
+    the sampler's ``logps`` (or None) zeroed past the cut, each row's sum its
+    ``grouped_ref_meta``; tensors to ``device``."""
     completion_mask, truncated = completion_mask_from_ids(completion_ids, stop_token_ids)
     completion_ids = completion_ids.masked_fill(~completion_mask, tokenizer.pad_token_id)
     num_tokens = completion_mask.sum(dim=1).tolist()
-    texts = decode_texts(tokenizer, [ids[:n] for ids, n in zip(
-        completion_ids.tolist(), num_tokens, strict=True)])
+    rows = [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)]
+    tags = read_tags(tokenizer) if tags is None else tags
+    texts = decode_texts(tokenizer, rows, tags) if tags else tokenizer.batch_decode(
+        rows, skip_special_tokens=True)  # (the usual case: no tag is a special token)
     if logps is not None:
         logps = logps.masked_fill(~completion_mask, 0.0)
     return RolloutOutput(
@@ -158,20 +168,6 @@ def rollout_from_ids(
         generate_seconds=seconds,
         sampler_logps=None if logps is None else logps.to(device),
     )
-
-
-def static_cache_holds_two_dtypes() -> bool:
-    """Whether the installed transformers' static cache keeps keys and values in their own
-    dtypes (5.24 does; 5.17 allocates both in the keys' dtype)."""
-    from transformers.cache_utils import StaticLayer
-
-    try:
-        layer = StaticLayer(max_cache_len=1)
-        layer.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=torch.float32),
-                                  torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))
-        return layer.values.dtype == torch.bfloat16
-    except Exception:  # another layout: take the copy, which works on every version
-        return False
 
 
 def _model_device(model: nn.Module | None) -> torch.device:
@@ -258,6 +254,7 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
         self.cache = cache
         self.prompt_bucket = prompt_bucket
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self._tags = read_tags(tokenizer)  # the answer and call tags a tokenizer made special
         self.share_prefill = share_prefill
         self.stop_token_ids = stop_ids("HFGenerateEngine", model, tokenizer, stop_token_ids)
 
@@ -446,4 +443,5 @@ class HFGenerateEngine(RolloutEngine):  # a subclass: `model.engine` takes its s
         completions = output[:, length:].long()  # (B*G, T)
         return rollout_from_ids(self.tokenizer, self.stop_token_ids, prompts, answers,
                                 prompt_ids, prompt_mask, completions, group, seconds,
-                                None if record is None else record.of(completions))
+                                None if record is None else record.of(completions),
+                                tags=self._tags)

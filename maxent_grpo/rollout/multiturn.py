@@ -61,7 +61,7 @@ from maxent_grpo.rollout.protocol import (
     SamplingSettings,
     ToolUsage,
     check_request,
-    decode_text,
+    decode_texts,
     read_tags,
 )
 from maxent_grpo.rollout.toolcall import (
@@ -229,7 +229,7 @@ class MultiTurnEngine:
 
     def _text(self, ids: list[int]) -> str:
         """A model turn's text (parsed, rewarded): no special tokens but the read tags."""
-        return decode_text(self.tokenizer, ids, self._tags)
+        return decode_texts(self.tokenizer, [ids], self._tags)[0]
 
     def _check_role(self, role: str) -> None:
         """Refuse a chat template that leaves out ``role``'s messages: it would hide every

@@ -190,7 +190,7 @@ SYMBOLS = {"×": "*", "÷": "/", "\\times": "*", "\\div": "/", "\\cdot": "*", "�
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 
 
-_LEADING = re.compile(r"[\s({\[]*([-+]?\d[\d,]*(?:\.\d+)?)")  # 17 apples, {17}, (17), 17\%
+_LEADING = re.compile(r"[\s({\[]*([-+]?\d+(?:,\d{3})*(?:\.\d+)?)")  # 17 apples, {17}, 17\%
 
 
 def given_value(side: str) -> Fraction | None:
@@ -245,8 +245,8 @@ _ARITHMETIC = re.compile(r"\d+(?:\.\d+)?|[-+*/()^]")  # the tokens read
 _LATEX_TEXT = re.compile(r"\\(?:text[a-z]*|math(?:rm|bf|it|sf|tt)|mbox|operatorname)"
                          r"\s*\{([^{}]*)\}")
 _LATEX_LAYOUT = re.compile(  # \sum_{i}'s bound; \hspace{1em}, \tag{1}, \kern 2pt: not terms; \{ \}
-    r"\\(?:[hv]?phantom|tag\*?|label|(?:eq|page)?ref|cite|[hv]space\*?|(?:text)?color)\s*"
-    r"\{(?:[^{}]|\{[^{}]*\})*\}|\\[hvm]?(?:skip|kern|space)\s*[-+]?[\d.]+\s*(?:[a-z]{2})?"
+    r"\\(?:[hv]?phantom|tag\*?|label|(?:eq|page)?ref|cite|[hvm]space\*?|(?:text)?color)\s*"
+    r"\{(?:[^{}]|\{[^{}]*\})*\}|\\[hvm]?(?:skip|kern)\s*[-+]?[\d.]+\s*(?:pt|em|ex|mu|[cm]m|in)"
     r"|\\(?:[A-Za-z]+(?:\s*_\s*(?:\{[^{}]*\}|\w))?|[,;:! {}])")
 #: a number in scientific notation (``1.5 * 10^3``, ``10^(3)``, ``10^3 * 1.5``): one number
 _POWER_OF_10 = r"10\s*\^\s*(?:\(\s*[-+]?\d+\s*\)|[-+]?\d+)"

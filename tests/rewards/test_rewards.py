@@ -1517,20 +1517,21 @@ def test_an_equation_whose_value_is_wrong_is_not_keyed_as_its_left_side() -> Non
     """``(3 + 5) * 2 = 17`` was keyed as ``(3 + 5) * 2``, the answer that the countdown reward
     pays for target 16, while it pays 0.0 for this one: the answer statistics and the
     answer-level objectives put a wrong and a right answer under one key (a hunt: ``6 = 7``
-    as ``6``; readers: also a value in braces, with words, as a fraction). A right value, or
-    none given (``= x``), keeps the expression's key."""
+    as ``6``). The key and the reward read the value given alike (readers: in braces, with
+    words, as a fraction; ``= {16}`` and ``= 16 apples`` scored 0.0)."""
     from maxent_grpo.rewards.answers import answer_key
 
     wrong = ["(3 + 5) * 2 = 17", "(3+5)*2 = {17}", "(3+5)*2 = (17)", "(3 + 5) * 2 = 17 apples",
              "(3+5)*2 = 17 (wrong)", "(3+5)*2 = 17\\%", "(3+5)*2 = \\frac{34}{2}",
-             "(3+5)*2 = $17$"]
+             "(3+5)*2 = $17$", "(3+5)*2 = 17, so it is", "(3 + 5) * 2 = x", "(3 + 5) * 2 ="]
     right = ["(3 + 5) * 2", "2 * (5 + 3) = 16", "(3+5)*2 = {16}", "(3+5)*2 = 16.",
-             "(3 + 5) * 2 = x"]
+             "(3+5)*2 = 16 apples", "(3+5)*2 = \\frac{32}{2}", "(3+5)*2 = 4 \\times 4",
+             "(3+5)*2 = 16, so it is"]
     texts = wrong + right
     rewards = countdown_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
                                numbers=[[2, 3, 5]] * len(texts), target=[16] * len(texts))
     keys = [answer_key(f"<answer>{t}</answer>") for t in texts]
-    assert rewards[:len(wrong)] == [0.0] * len(wrong) and rewards[:len(wrong) + 2][-2:] == [1.0] * 2
+    assert rewards == [0.0] * len(wrong) + [1.0] * len(right)
     assert len(set(keys[len(wrong):])) == 1 and None not in keys
     assert not set(keys[:len(wrong)]) & set(keys[len(wrong):]), keys
     assert answer_key("6 = 7") != answer_key("6") == answer_key("6 = 6")

@@ -663,3 +663,24 @@ def test_answer_tags_that_the_tokenizer_made_special_stay_in_the_text(tiny) -> N
     out = rollout_from_ids(plain, [EOS], ["p"], ["8"], torch.ones(1, 1, dtype=torch.long),
                            torch.ones(1, 1, dtype=torch.bool), ids, 2, 0.0)
     assert out.batch.grouped_completions == [written]
+    # one decode with the other special ids taken out: a piece decoded apart lost its
+    # leading space under a SentencePiece decoder (readers)
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    from maxent_grpo.rollout.protocol import decode_texts, read_tags
+
+    inner = Tokenizer(tokenizer_models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    inner.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])  # Llama's, Mistral's
+    inner.train_from_iterator(["hello world the answer is 42. The answer"] * 20,
+                              trainers.BpeTrainer(vocab_size=200, initial_alphabet=["\u2581"],
+                                                  special_tokens=["<unk>", "<s>", "</s>"]))
+    piece = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>", unk_token="<unk>")
+    piece.add_special_tokens({"additional_special_tokens": ["<think>", "</think>", "<answer>",
+                                                           "</answer>"]})
+    text = "<think> hello</think> The answer is <answer> 42 </answer>"
+    ids = piece(text, add_special_tokens=False)["input_ids"] + [piece.eos_token_id]
+    assert decode_texts(piece, [ids], read_tags(piece)) == [text]

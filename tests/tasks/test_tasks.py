@@ -408,7 +408,8 @@ def test_the_question_copied_with_an_equals_sign_or_words_is_no_answer():
               "59 - 63 \\cdot 15 \\approx -886", "59 - 63 \u00d7 15 \u2248 -886",
               "59 - 63 * 15 \\Rightarrow -886", "59 - 63 * 15 \\Longrightarrow -886",
               "59 - 63 * 15 \\to -886", "\\tag{1} -886", "\\hspace{1em} -886",
-              "\\color{red} -886"]
+              "\\color{red} -886", "59 - 63 \\cdot 15 = \\space -886", "\\mspace{2mu} -886",
+              "\\kern 2pt -886"]
     texts = copies + worked
     assert accuracy_reward(["q"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
                            answer=["-886"] * len(texts)) == [0.0] * len(copies) + [1.0] * len(

@@ -52,11 +52,11 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
     trained, pad = getattr(tokenizer, "padding_side", None), getattr(tokenizer, "pad_token", None)
     files = getattr(tokenizer, "init_kwargs", None) or {}
     own = files.get("padding_side") or trained
-    if own is not None:
-        tokenizer.padding_side = own
-    if pad is not None and files.get("pad_token") is None:
-        tokenizer.pad_token = None
     try:
+        if own is not None:
+            tokenizer.padding_side = own
+        if pad is not None and files.get("pad_token") is None:
+            tokenizer.pad_token = None
         tokenizer.save_pretrained(folder)
     finally:
         if trained is not None:
