@@ -67,6 +67,7 @@ from maxent_grpo.rollout.protocol import (
 from maxent_grpo.rollout.toolcall import (
     FAILURE_KINDS,
     Toolbox,
+    check_call_format,
     error_text,
     parse_tool_calls,
     timed_call,
@@ -223,6 +224,8 @@ class MultiTurnEngine:
         # (an environment's own role, when not "user", at its first rollout)
         self._roles_shown: set[str] = set()
         self._check_role("tool" if toolbox else "user")
+        if toolbox is not None:
+            check_call_format(tokenizer, toolbox)
         # special tokens are not a turn's text, but the call and answer tags are where a
         # tokenizer made them special (skipped, no call ever ran)
         self._tags = read_tags(tokenizer)

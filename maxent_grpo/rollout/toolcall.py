@@ -17,7 +17,9 @@ chat template shows the model (``apply_chat_template(..., tools=...)``)::
 
 Call format (:func:`parse_tool_calls`): the Hermes format of Qwen2.5's chat template, also
 the built-in models' one: each call a JSON object between tags,
-``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``.
+``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``
+(``"parameters"``, Llama's name, read as ``"arguments"``), after the turn's reasoning (the
+text past its last ``</think>``: a call quoted while thinking does not run).
 
 Faults. :meth:`Toolbox.run` never raises; each fault (a malformed call, an unknown tool,
 bad arguments, the tool's exception, the time limit) becomes the text the model reads as
@@ -47,6 +49,7 @@ import os
 import re
 import threading
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +81,11 @@ os.register_at_fork(after_in_child=_new_lock_after_fork)
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout",
                  "over_limit")
 
-_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+#: a block runs from the last opening before its closing: an earlier opening never closed is
+#: its own block (it swallowed the next call whole)
+_CALL = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(</tool_call>|(?=<tool_call>)|$)",
+                   re.DOTALL)
+_THINK_END = "</think>"
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
     "array": (list,), "object": (dict,), "null": (type(None),),
@@ -120,16 +127,17 @@ def valid_text(text: str) -> str:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in ``text``, in order: every ``<tool_call>...</tool_call>`` block (an
-    opening tag never closed runs to the end of the text and is malformed).
+    """The calls in ``text`` past its last ``</think>``, in order: every ``<tool_call>...
+    </tool_call>`` block (an opening tag never closed runs to the next opening or the end of
+    the text and is malformed).
 
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     [ToolCall(name='f', arguments={'x': 1}, malformed=None)]
     >>> parse_tool_calls("<tool_call>{oops</tool_call>")[0].malformed
     'not a JSON object'
     """
-    calls = []
-    for match in _CALL.finditer(text):
+    calls, thought = [], text.rfind(_THINK_END)
+    for match in _CALL.finditer(text, 0 if thought < 0 else thought + len(_THINK_END)):
         body, closed = match.group(1).strip(), bool(match.group(2))
         if not closed:
             calls.append(ToolCall("", {}, "no closing </tool_call>"))
@@ -144,7 +152,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if not isinstance(call, dict):
             calls.append(ToolCall("", {}, "not a JSON object"))
             continue
-        name, arguments = call.get("name"), call.get("arguments", {})
+        name, key = call.get("name"), "parameters" if "parameters" in call else "arguments"
+        arguments = call.get(key, {})
+        others = [k for k in call if k not in ("name", key, "id", "type")]
+        if key not in call and others:  # "args": {...} dropped, the tool ran on its defaults
+            calls.append(ToolCall("", {}, f'no "arguments" object (found {others})'))
+            continue
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             with contextlib.suppress(ValueError, RecursionError):  # left a string: refused below
                 arguments = json.loads(arguments)
@@ -155,6 +168,30 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         else:
             calls.append(ToolCall(name, arguments))
     return calls
+
+
+def check_call_format(tokenizer: Any, toolbox: Toolbox) -> None:
+    """Warn when the chat template writes an assistant's tool call in another format than
+    the ``<tool_call>`` blocks :func:`parse_tool_calls` reads (Llama 3's JSON, Mistral's
+    ``[TOOL_CALLS]``): a model that calls as its template shows it never had a call run."""
+    name = toolbox.schemas[0]["function"]["name"]
+    call = [{"id": "probe0001", "type": "function",  # (Mistral's: 9 characters)
+             "function": {"name": name, "arguments": {"x": "probe"}}}]
+    try:
+        plain, text = (tokenizer.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", **extra}],
+            tokenize=False, tools=toolbox.schemas) for extra in ({}, {"tool_calls": call}))
+    except Exception:  # noqa: BLE001 - a template that takes no such turn says nothing of it
+        return
+    if plain != text and not any(c.name == name for c in parse_tool_calls(text)):
+        at = text.rindex(name)
+        warnings.warn(
+            f"this tokenizer's chat template writes a tool call as "
+            f"{text[max(0, at - 40):at + 60]!r}, "
+            "not as the <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks the "
+            "trainer reads (docs/TOOLS.md): calls the model writes in its template's format will "
+            "not run; show the model the <tool_call> format (data.system_prompt) or use a model "
+            "whose template writes it (Qwen2.5's, Qwen3's)", stacklevel=3)
 
 
 def tool_list(tools: Any) -> list[Any]:

@@ -89,6 +89,54 @@ def test_calls_are_parsed_in_the_hermes_format():
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == [ToolCall("f", {})]
 
 
+def test_a_call_is_read_as_written_by_other_models_and_not_while_thinking():
+    """A tool-formats hunt: an opening never closed swallowed the next call whole (one
+    "not a JSON object"); a call quoted in Qwen3's reasoning ran; Llama's ``"parameters"``
+    were dropped and the tool ran on its defaults, as any misnamed key's."""
+    good = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    assert parse_tool_calls('<tool_call>{"name": "g", ' + good) == [
+        ToolCall("", {}, "no closing </tool_call>"), ToolCall("f", {"x": 1})]
+    assert parse_tool_calls("<think>I should write a <tool_call> block, " + good + "</think>"
+                            "\n\n" + good) == [ToolCall("f", {"x": 1})]
+    assert parse_tool_calls("<think>only thought " + good + "</think> 42") == []
+    assert parse_tool_calls('<tool_call>{"name": "f", "parameters": {"x": 2}}</tool_call>') == [
+        ToolCall("f", {"x": 2})]
+    assert parse_tool_calls('<tool_call>{"name": "f", "args": {"x": 2}}</tool_call>')[0] \
+        .malformed == "no \"arguments\" object (found ['args'])"
+    assert parse_tool_calls('<tool_call>{"name": "f", "id": "a", "type": "function"}'
+                            '</tool_call>') == [ToolCall("f", {})]
+
+
+def test_a_template_that_writes_calls_in_another_format_is_warned_of():
+    """Llama 3's template writes a call as bare JSON, Mistral's after ``[TOOL_CALLS]``: the
+    model's calls never ran, and the run said nothing (a tool-formats hunt). Hermes's
+    template, and one that writes no calls at all, say nothing."""
+    import copy
+    import warnings
+
+    from maxent_grpo.builtin.catalog import builtin_tiny_model_and_tokenizer
+    from maxent_grpo.rollout.toolcall import Toolbox, check_call_format
+
+    hermes = builtin_tiny_model_and_tokenizer()[1]
+    llama = copy.deepcopy(hermes)
+    llama.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{\"name\": \"{{ c.function.name }}\", "
+        "\"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    silent = copy.deepcopy(llama)
+    silent.chat_template = llama.chat_template.replace("{% for c in m.tool_calls or [] %}",
+                                                       "{% for c in [] %}")
+    toolbox, said = Toolbox(["calculate"], timeout=2.0), []
+    for tokenizer in (llama, hermes, silent):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_call_format(tokenizer, toolbox)
+        said.append([str(w.message) for w in caught])
+    assert [len(s) for s in said] == [1, 0, 0], said
+    assert '"parameters"' in said[0][0] and "<tool_call>" in said[0][0]
+
+
 @pytest.mark.parametrize(("call", "kind", "text"), [
     (ToolCall("", {}, "not a JSON object"), "malformed",
      "Error: malformed tool call (not a JSON object)"),
