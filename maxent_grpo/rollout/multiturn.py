@@ -105,10 +105,16 @@ def message_segment(tokenizer: Any, messages: list[dict[str, str]],
             after = tokenizer.apply_chat_template(base + messages, tokenize=False,
                                                   add_generation_prompt=True, **extra)
         except jinja2.exceptions.TemplateError as err:  # e.g. no "tool" role, strict turns
+            ids = " (the trainer's tool messages carry no tool_call_id, and it reads calls " \
+                "written as <tool_call> blocks: docs/TOOLS.md)" if any(
+                    m.get("role") == "tool" for m in messages) else ""
             raise ValueError(
                 "multi-turn rollouts need a chat template that takes the roles "
                 f"{[m.get('role') for m in messages]} after the model's turn; this "
-                f"tokenizer's refuses them ({type(err).__name__}: {err})") from err
+                f"tokenizer's refuses them ({type(err).__name__}: {err}){ids}") from err
+        eos = tokenizer.eos_token or ""  # a template that ends a conversation with it (Phi-4)
+        if eos and before.endswith(eos) and not after.startswith(before):
+            before = before[:-len(eos)]
         if _MARK in before and after.startswith(before):
             break
     require(_MARK in before and after.startswith(before),

@@ -575,6 +575,36 @@ def test_a_reasoning_template_that_drops_an_empty_block_takes_tool_turns():
         message_segment(Reasoning(keeps_reasoning=False), tool)
 
 
+def test_a_template_ending_a_conversation_with_its_eos_gives_the_segment():
+    """Phi-4-mini's template ends a conversation with ``<|endoftext|>`` unless a generation
+    prompt follows: it was refused as one that "rewrites earlier turns" (a tool-formats
+    hunt). A template's refusal of the tool role says what the trainer's messages hold."""
+    import jinja2
+
+    class EndsWithEos:
+        eos_token = "<|endoftext|>"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False,
+                                **kwargs):
+            out = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
+            return out + ("<|assistant|>" if add_generation_prompt else self.eos_token)
+
+    tool = [{"role": "tool", "content": "7"}]
+    assert message_segment(EndsWithEos(), tool, stops=["<|end|>"]) == (
+        "<|tool|>7<|end|><|assistant|>")
+
+    class NeedsIds(EndsWithEos):
+        def apply_chat_template(self, messages, **kwargs):
+            if any(m["role"] == "tool" for m in messages):
+                raise jinja2.exceptions.TemplateError("Tool call IDs should be 9 characters")
+            return super().apply_chat_template(messages, **kwargs)
+
+    with pytest.raises(ValueError, match=r"9 characters\) \(the trainer's tool messages carry "
+                                         r"no tool_call_id, and it reads calls written as "
+                                         r"<tool_call> blocks"):
+        message_segment(NeedsIds(), tool)
+
+
 class Reporting(Scripted):
     """A scripted engine that reports its log-probs, as vLLM and a generation copy do."""
 
