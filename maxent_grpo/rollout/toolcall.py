@@ -81,11 +81,9 @@ os.register_at_fork(after_in_child=_new_lock_after_fork)
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout",
                  "over_limit")
 
-#: a block runs from the last opening before its closing: an earlier opening never closed is
-#: its own block (it swallowed the next call whole)
-_CALL = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(</tool_call>|(?=<tool_call>)|$)",
-                   re.DOTALL)
-_THINK_END = "</think>"
+_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_OPEN = "<tool_call>"
+_THINK = re.compile(r"</?think>")  # the reasoning's tags, read outside the calls' JSON
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
     "array": (list,), "object": (dict,), "null": (type(None),),
@@ -127,70 +125,95 @@ def valid_text(text: str) -> str:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in ``text`` past its last ``</think>``, in order: every ``<tool_call>...
-    </tool_call>`` block (an opening tag never closed runs to the next opening or the end of
-    the text and is malformed).
+    """The calls in ``text`` outside its reasoning, in order: every ``<tool_call>...
+    </tool_call>`` block (an opening never closed, to the end or before an opening whose
+    block is read, is malformed). Reasoning: ``<think>...</think>`` (unclosed: to the end),
+    the text before a first ``</think>`` with no opening; a call quoted there does not run.
 
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     [ToolCall(name='f', arguments={'x': 1}, malformed=None)]
     >>> parse_tool_calls("<tool_call>{oops</tool_call>")[0].malformed
     'not a JSON object'
     """
-    calls, thought = [], text.rfind(_THINK_END)
-    for match in _CALL.finditer(text, 0 if thought < 0 else thought + len(_THINK_END)):
-        body, closed = match.group(1).strip(), bool(match.group(2))
-        if not closed:
-            calls.append(ToolCall("", {}, "no closing </tool_call>"))
-            continue
-        try:
-            call = json.loads(body)
-        except ValueError:
-            call = None
-        except RecursionError:  # model-written text may nest brackets at any depth
-            calls.append(ToolCall("", {}, "JSON nested too deeply"))
-            continue
-        if not isinstance(call, dict):
-            calls.append(ToolCall("", {}, "not a JSON object"))
-            continue
-        name, key = call.get("name"), "parameters" if "parameters" in call else "arguments"
-        arguments = call.get(key, {})
-        others = [k for k in call if k not in ("name", key, "id", "type")]
-        if key not in call and others:  # "args": {...} dropped, the tool ran on its defaults
-            calls.append(ToolCall("", {}, f'no "arguments" object (found {others})'))
-            continue
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            with contextlib.suppress(ValueError, RecursionError):  # left a string: refused below
-                arguments = json.loads(arguments)
-        if not isinstance(name, str) or not name:
-            calls.append(ToolCall("", {}, 'no "name" string'))
-        elif not isinstance(arguments, dict):
-            calls.append(ToolCall(name, {}, '"arguments" is not an object'))
-        else:
-            calls.append(ToolCall(name, arguments))
-    return calls
+    blocks = []  # (start, end, call, read: a JSON object closed)
+    for match in _CALL.finditer(text):
+        body, closed = match.group(1), bool(match.group(2))
+        whole = _read_call(body) if closed else None
+        pieces = [body] if whole is not None and whole.malformed is None else body.split(_OPEN)
+        start = match.start()
+        for k, piece in enumerate(pieces):  # openings never closed, then the last one's block
+            last = closed and k == len(pieces) - 1
+            call = (whole if len(pieces) == 1 else _read_call(piece)) if last else ToolCall(
+                "", {}, "no closing </tool_call>")
+            blocks.append((start, match.end(), call, last and call.malformed is None))
+            start += len(_OPEN) + len(piece)
+    masked = list(text)  # the reasoning's tags inside a call's JSON are the call's text
+    for start, end, _, read in blocks:
+        if read:
+            masked[start:end] = " " * (end - start)
+    reasoning, opened = [], None
+    for tag in _THINK.finditer("".join(masked) if blocks else text):
+        if tag.group() == "<think>" and opened is None:
+            opened = tag.start()
+        elif tag.group() == "</think>" and (opened is not None or not reasoning):
+            reasoning.append((0 if opened is None else opened, tag.end()))
+            opened = None
+    if opened is not None:
+        reasoning.append((opened, len(text)))
+    return [call for start, _, call, _ in blocks
+            if not any(a <= start < b for a, b in reasoning)]
+
+
+def _read_call(body: str) -> ToolCall:
+    """The call a closed block's ``body`` holds, or the reason it cannot be read."""
+    try:
+        call = json.loads(body.strip())
+    except ValueError:
+        call = None
+    except RecursionError:  # model-written text may nest brackets at any depth
+        return ToolCall("", {}, "JSON nested too deeply")
+    if not isinstance(call, dict):
+        return ToolCall("", {}, "not a JSON object")
+    key = "arguments" if "arguments" in call or "parameters" not in call else "parameters"
+    name, arguments = call.get("name"), call.get(key, {})
+    others = [k for k in call if k not in ("name", key, "id", "type")]
+    if key not in call and others:  # "args": {...} dropped, the tool ran on its defaults
+        return ToolCall("", {}, f'no "arguments" object (found {others})')
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        with contextlib.suppress(ValueError, RecursionError):  # left a string: refused below
+            arguments = json.loads(arguments)
+    if not isinstance(name, str) or not name:
+        return ToolCall("", {}, 'no "name" string')
+    if not isinstance(arguments, dict):
+        return ToolCall(name, {}, '"arguments" is not an object')
+    return ToolCall(name, arguments)
 
 
 def check_call_format(tokenizer: Any, toolbox: Toolbox) -> None:
     """Warn when the chat template writes an assistant's tool call in another format than
     the ``<tool_call>`` blocks :func:`parse_tool_calls` reads (Llama 3's JSON, Mistral's
     ``[TOOL_CALLS]``): a model that calls as its template shows it never had a call run."""
-    name = toolbox.schemas[0]["function"]["name"]
-    call = [{"id": "probe0001", "type": "function",  # (Mistral's: 9 characters)
-             "function": {"name": name, "arguments": {"x": "probe"}}}]
-    try:
-        plain, text = (tokenizer.apply_chat_template(
-            [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", **extra}],
-            tokenize=False, tools=toolbox.schemas) for extra in ({}, {"tool_calls": call}))
-    except Exception:  # noqa: BLE001 - a template that takes no such turn says nothing of it
-        return
-    if plain != text and not any(c.name == name for c in parse_tool_calls(text)):
-        at = text.rindex(name)
+    name, shown = toolbox.schemas[0]["function"]["name"], None
+    for arguments in ({"x": "probe"}, '{"x": "probe"}'):  # as an object, as JSON text
+        call = [{"id": "probe0001", "type": "function", "function": {  # (Mistral's: 9 long)
+            "name": name, "arguments": arguments}}]
+        try:
+            plain, text = (tokenizer.apply_chat_template(
+                [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", **extra}],
+                tokenize=False, tools=toolbox.schemas) for extra in ({}, {"tool_calls": call}))
+        except Exception:  # noqa: BLE001 - a template that takes no such turn: the next form
+            continue
+        if any(c.name == name for c in parse_tool_calls(text)):
+            return
+        if plain != text and shown is None:  # it writes calls, in some other form
+            at = text.find(name, len(os.path.commonprefix([plain, text])))
+            shown = text[max(0, at - 40):at + 60] if at >= 0 else text[-100:]
+    if shown is not None:
         warnings.warn(
-            f"this tokenizer's chat template writes a tool call as "
-            f"{text[max(0, at - 40):at + 60]!r}, "
-            "not as the <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks the "
-            "trainer reads (docs/TOOLS.md): calls the model writes in its template's format will "
-            "not run; show the model the <tool_call> format (data.system_prompt) or use a model "
+            f"this tokenizer's chat template writes a tool call as {shown!r}, not as the "
+            "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks the trainer "
+            "reads (docs/TOOLS.md): calls the model writes in its template's format will not "
+            "run; show the model the <tool_call> format (data.system_prompt) or use a model "
             "whose template writes it (Qwen2.5's, Qwen3's)", stacklevel=3)
 
 

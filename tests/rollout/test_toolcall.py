@@ -105,6 +105,21 @@ def test_a_call_is_read_as_written_by_other_models_and_not_while_thinking():
         .malformed == "no \"arguments\" object (found ['args'])"
     assert parse_tool_calls('<tool_call>{"name": "f", "id": "a", "type": "function"}'
                             '</tool_call>') == [ToolCall("f", {})]
+    # readers: the reasoning's tags and an opening inside a call's JSON are its text; a
+    # reasoning never closed, or opened by the prompt, holds no call; "arguments" first
+    import json
+
+    for code in ('print(re.sub(r"<think>.*?</think>", "", s))', "print('<tool_call>')"):
+        call = '<tool_call>' + json.dumps({"name": "python", "arguments": {"code": code}})
+        assert parse_tool_calls(call + "</tool_call>") == [ToolCall("python", {"code": code})]
+    assert parse_tool_calls("<think>a</think>" + good + "<think>b</think>") == [
+        ToolCall("f", {"x": 1})]
+    assert parse_tool_calls("<think>maybe " + good) == []
+    assert parse_tool_calls("reasoning " + good + "</think> " + good) == [ToolCall("f", {"x": 1})]
+    assert parse_tool_calls("<think>a <tool_call> here</think>\n" + good) == [
+        ToolCall("f", {"x": 1})]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}, "parameters": {}}'
+                            '</tool_call>') == [ToolCall("f", {"x": 1})]
 
 
 def test_a_template_that_writes_calls_in_another_format_is_warned_of():
@@ -127,13 +142,24 @@ def test_a_template_that_writes_calls_in_another_format_is_warned_of():
     silent = copy.deepcopy(llama)
     silent.chat_template = llama.chat_template.replace("{% for c in m.tool_calls or [] %}",
                                                        "{% for c in [] %}")
+    # readers: a template that joins the arguments as text (DeepSeek's) raised on an object
+    # and said nothing; one that writes <tool_call> blocks with text arguments is right
+    joined, hermes_text = copy.deepcopy(llama), copy.deepcopy(llama)
+    written = ("{\"name\": \"{{ c.function.name }}\", "
+               "\"parameters\": {{ c.function.arguments | tojson }}}")
+    assert written in llama.chat_template
+    joined.chat_template = llama.chat_template.replace(
+        written, "{{ c.function.name + ' ```json ' + c.function.arguments + '```' }}")
+    hermes_text.chat_template = llama.chat_template.replace(
+        written, "<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+                 "{{ c.function.arguments }}}</tool_call>")
     toolbox, said = Toolbox(["calculate"], timeout=2.0), []
-    for tokenizer in (llama, hermes, silent):
+    for tokenizer in (llama, hermes, silent, joined, hermes_text):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             check_call_format(tokenizer, toolbox)
         said.append([str(w.message) for w in caught])
-    assert [len(s) for s in said] == [1, 0, 0], said
+    assert [len(s) for s in said] == [1, 0, 0, 1, 0], said
     assert '"parameters"' in said[0][0] and "<tool_call>" in said[0][0]
 
 
