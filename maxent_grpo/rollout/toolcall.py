@@ -145,12 +145,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             last = closed and k == len(pieces) - 1
             call = (whole if len(pieces) == 1 else _read_call(piece)) if last else ToolCall(
                 "", {}, "no closing </tool_call>")
-            blocks.append((start, match.end(), call, last and call.malformed is None))
+            blocks.append((start, match.end(), call, not closed or last and not call.malformed))
             start += len(_OPEN) + len(piece)
-    masked = list(text)  # the reasoning's tags inside a call's JSON are the call's text
-    for start, end, _, read in blocks:
-        if read:
-            masked[start:end] = " " * (end - start)
+    masked, covered = list(text), 0  # reasoning tags in a call's JSON (or in one cut off)
+    for start, end, _, text_of_call in blocks:  # are its text: blanked once each
+        if text_of_call and end > covered:
+            masked[max(start, covered):end], covered = " " * (end - max(start, covered)), end
     reasoning, opened = [], None
     for tag in _THINK.finditer("".join(masked) if blocks else text):
         if tag.group() == "<think>" and opened is None:

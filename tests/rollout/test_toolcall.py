@@ -118,6 +118,17 @@ def test_a_call_is_read_as_written_by_other_models_and_not_while_thinking():
     assert parse_tool_calls("reasoning " + good + "</think> " + good) == [ToolCall("f", {"x": 1})]
     assert parse_tool_calls("<think>a <tool_call> here</think>\n" + good) == [
         ToolCall("f", {"x": 1})]
+    cut = '<tool_call>{"name": "python", "arguments": {"code": "s = \'</think>'  # no room left
+    assert parse_tool_calls(cut) == parse_tool_calls("reasoning</think> " + cut) == [
+        ToolCall("", {}, "no closing </tool_call>")]
+    import signal
+
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("quadratic")))
+    signal.alarm(30)  # 0.1 s here; 24 s for a version that blanked each cut opening to the end
+    try:
+        assert len(parse_tool_calls("<tool_call>" * 30000)) == 30000
+    finally:
+        signal.alarm(0)
     assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}, "parameters": {}}'
                             '</tool_call>') == [ToolCall("f", {"x": 1})]
 
