@@ -18,8 +18,7 @@ chat template shows the model (``apply_chat_template(..., tools=...)``)::
 Call format (:func:`parse_tool_calls`): the Hermes format of Qwen2.5's chat template, also
 the built-in models' one: each call a JSON object between tags,
 ``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``
-(``"parameters"``, Llama's name, read as ``"arguments"``), after the turn's reasoning (the
-text past its last ``</think>``: a call quoted while thinking does not run).
+(``"parameters"``, Llama's name, read as ``"arguments"`` where that is missing).
 
 Faults. :meth:`Toolbox.run` never raises; each fault (a malformed call, an unknown tool,
 bad arguments, the tool's exception, the time limit) becomes the text the model reads as
@@ -83,7 +82,6 @@ FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "timeout
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _OPEN = "<tool_call>"
-_THINK = re.compile(r"</?think>")  # the reasoning's tags, read outside the calls' JSON
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
     "array": (list,), "object": (dict,), "null": (type(None),),
@@ -125,43 +123,25 @@ def valid_text(text: str) -> str:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in ``text`` outside its reasoning, in order: every ``<tool_call>...
-    </tool_call>`` block (an opening never closed, to the end or before an opening whose
-    block is read, is malformed). Reasoning: ``<think>...</think>`` (unclosed: to the end),
-    the text before a first ``</think>`` with no opening; a call quoted there does not run.
+    """The calls in ``text``, in order: every ``<tool_call>...</tool_call>`` block (an
+    opening never closed, to the end or before the opening of a block that is read, is
+    malformed; a block whose JSON holds the text ``<tool_call>`` is one call).
 
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     [ToolCall(name='f', arguments={'x': 1}, malformed=None)]
     >>> parse_tool_calls("<tool_call>{oops</tool_call>")[0].malformed
     'not a JSON object'
     """
-    blocks = []  # (start, end, call, read: a JSON object closed)
+    calls = []
     for match in _CALL.finditer(text):
         body, closed = match.group(1), bool(match.group(2))
         whole = _read_call(body) if closed else None
         pieces = [body] if whole is not None and whole.malformed is None else body.split(_OPEN)
-        start = match.start()
         for k, piece in enumerate(pieces):  # openings never closed, then the last one's block
             last = closed and k == len(pieces) - 1
-            call = (whole if len(pieces) == 1 else _read_call(piece)) if last else ToolCall(
-                "", {}, "no closing </tool_call>")
-            blocks.append((start, match.end(), call, not closed or last and not call.malformed))
-            start += len(_OPEN) + len(piece)
-    masked, covered = list(text), 0  # reasoning tags in a call's JSON (or in one cut off)
-    for start, end, _, text_of_call in blocks:  # are its text: blanked once each
-        if text_of_call and end > covered:
-            masked[max(start, covered):end], covered = " " * (end - max(start, covered)), end
-    reasoning, opened = [], None
-    for tag in _THINK.finditer("".join(masked) if blocks else text):
-        if tag.group() == "<think>" and opened is None:
-            opened = tag.start()
-        elif tag.group() == "</think>" and (opened is not None or not reasoning):
-            reasoning.append((0 if opened is None else opened, tag.end()))
-            opened = None
-    if opened is not None:
-        reasoning.append((opened, len(text)))
-    return [call for start, _, call, _ in blocks
-            if not any(a <= start < b for a, b in reasoning)]
+            calls.append((whole if len(pieces) == 1 else _read_call(piece)) if last else ToolCall(
+                "", {}, "no closing </tool_call>"))
+    return calls
 
 
 def _read_call(body: str) -> ToolCall:
