@@ -154,7 +154,7 @@ def rollout_from_ids(
     rows = [ids[:n] for ids, n in zip(completion_ids.tolist(), num_tokens, strict=True)]
     tags = read_tags(tokenizer) if tags is None else tags
     texts = decode_texts(tokenizer, rows, tags) if tags else tokenizer.batch_decode(
-        rows, skip_special_tokens=True)  # (the usual case: no tag is a special token)
+        rows, skip_special_tokens=True)  # the usual case, no tag special: decoded here
     if logps is not None:
         logps = logps.masked_fill(~completion_mask, 0.0)
     return RolloutOutput(
